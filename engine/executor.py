@@ -1,0 +1,59 @@
+"""Executor interface: how the engine reaches its model runner(s).
+
+``UniProcExecutor`` runs one :class:`ModelRunner` in-process (tensor_parallel_size 1). For
+more ranks the engine takes an injected executor, e.g. ``cluster.worker_group.RayWorkerGroup``,
+so ``engine/`` itself never imports Ray.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.scheduler import SchedulerOutput
+
+
+class Executor(ABC):
+    """Runs scheduler steps on the model. Implementations must return rank 0's output."""
+
+    def __init__(self, config: EngineConfig, model_path: str | Path):
+        self.config, self.model_path = config, model_path
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks every rank can hold (the minimum over ranks)."""
+
+    @abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every rank."""
+
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput):
+        """Run one step; returns a ``ModelRunnerOutput``."""
+
+    def shutdown(self) -> None:
+        """Release workers and memory."""
+
+
+class UniProcExecutor(Executor):
+    """One model runner in the engine's own process."""
+
+    def __init__(self, config: EngineConfig, model_path: str | Path):
+        super().__init__(config, model_path)
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs a distributed executor "
+                             "(e.g. cluster.worker_group.RayWorkerGroup)")
+        from engine.model_runner import ModelRunner
+        self.runner = ModelRunner(config, model_path)
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput):
+        return self.runner.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.runner = None

@@ -1,0 +1,33 @@
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 like Hugging Face's LlamaRMSNorm."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (``hidden_size``).
+
+    ``forward(x, residual)`` first adds ``residual`` and returns ``(normed, x + residual)``,
+    the pre-norm decoder's fused add.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        self.weight.data.copy_(tensor)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

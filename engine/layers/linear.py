@@ -1,0 +1,57 @@
+"""Tensor-parallel linear layers (Megatron-LM column/row parallelism).
+
+Weights follow ``torch.nn.Linear``: ``[out_features, in_features]``. Each layer keeps only
+its rank's shard and knows how to cut a full Hugging Face tensor into it (``load``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import all_reduce
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T (+ b)`` with the output features split across ranks.
+
+    Args:
+        in_features: input size.
+        out_ranges: the global ``[start, end)`` output rows this rank holds, one range per
+            fused sub-matrix (e.g. q, k, v or gate, up), concatenated in that order.
+        bias: whether the (sharded) bias exists.
+    """
+
+    def __init__(self, in_features: int, out_ranges: list[tuple[int, int]], bias: bool = False):
+        super().__init__()
+        self.out_ranges = out_ranges
+        self.sizes = [e - s for s, e in out_ranges]
+        out = sum(self.sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        """Copy this rank's rows of sub-matrix ``part`` from the full ``tensor``
+        (``[out, in]`` weight or ``[out]`` bias)."""
+        s, e = self.out_ranges[part]
+        off = sum(self.sizes[:part])
+        getattr(self, name).data[off:off + e - s].copy_(tensor[s:e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with the input features split across ranks; partial sums are
+    all-reduced. ``in_range`` is this rank's global ``[start, end)`` of input features."""
+
+    def __init__(self, in_range: tuple[int, int], out_features: int):
+        super().__init__()
+        self.in_range = in_range
+        self.weight = nn.Parameter(torch.empty(out_features, in_range[1] - in_range[0]), requires_grad=False)
+
+    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        self.weight.data.copy_(tensor[:, self.in_range[0]:self.in_range[1]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight))

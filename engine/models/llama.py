@@ -1,0 +1,178 @@
+"""Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+
+Pre-norm transformer (Touvron et al. 2023) with grouped-query attention (Ainslie et al.
+2023), SwiGLU MLP (Shazeer 2020) and RoPE. Tokens of all requests in a step are flattened
+into one ``[num_tokens, hidden]`` batch; attention reads and writes the paged KV cache
+through ``kernels.attention``. Tensor parallelism splits attention by KV-head groups (as
+evenly as possible, so e.g. 3 KV heads over 2 ranks is 2 + 1) and the MLP by columns.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.distributed import split_range, tp_rank, tp_size
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.rotary import RotaryEmbedding
+from kernels.attention import AttentionMetadata, PagedAttention
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer; ``k_cache``/``v_cache`` ``[num_blocks, block_size,
+    kv_heads_on_this_rank, head_dim]`` are attached by the model runner."""
+
+    def __init__(self, cfg, backend: PagedAttention):
+        super().__init__()
+        total_heads, total_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if total_kv < tp_size():
+            raise ValueError(f"tensor_parallel_size {tp_size()} exceeds num_key_value_heads {total_kv}")
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+        group = total_heads // total_kv
+        kv0, kv1 = split_range(total_kv, tp_size(), tp_rank())
+        self.num_kv_heads = kv1 - kv0
+        self.num_heads = self.num_kv_heads * group
+        hd = self.head_dim
+        q_range = (kv0 * group * hd, kv1 * group * hd)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [q_range, (kv0 * hd, kv1 * hd), (kv0 * hd, kv1 * hd)],
+            bias=getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2")
+        self.o_proj = RowParallelLinear(q_range, cfg.hidden_size)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        rope_scaling = getattr(cfg, "rope_scaling", None)
+        rope_theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        if rope_scaling is None and isinstance(getattr(cfg, "rope_parameters", None), dict):
+            rp = cfg.rope_parameters
+            rope_scaling = rp if rp.get("rope_type", "default") != "default" else None
+        self.rotary = RotaryEmbedding(hd, cfg.max_position_embeddings, rope_theta, rope_scaling)
+        self.scale = hd ** -0.5
+        self.backend = backend
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused into one matmul."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        r = split_range(cfg.intermediate_size, tp_size(), tp_rank())
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [r, r])
+        self.down_proj = RowParallelLinear(r, cfg.hidden_size)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, backend: PagedAttention):
+        super().__init__()
+        self.self_attn = Attention(cfg, backend)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h, residual, meta):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder plus LM head.
+
+    Args:
+        cfg: a Hugging Face config of one of ``SUPPORTED_ARCHITECTURES``.
+        backend: attention backend shared by all layers.
+
+    Raises:
+        ValueError: unsupported architecture or activation.
+    """
+
+    def __init__(self, cfg, backend: PagedAttention):
+        super().__init__()
+        arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported; kvserve runs {SUPPORTED_ARCHITECTURES}")
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``input_ids``/``positions`` int64 ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
+        h, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[n, vocab_size]`` for the ``n`` positions that sample."""
+        return self.lm_head(hidden)
+
+    # ---- weights -------------------------------------------------------------
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights) -> None:
+        """Load ``(name, tensor)`` pairs in Hugging Face naming, each cut to this rank's shard.
+
+        Raises:
+            ValueError: a tensor name the model does not know, or weights left unloaded.
+        """
+        modules = dict(self.named_modules())
+        loaded = set()
+        tied = getattr(self.cfg, "tie_word_embeddings", False)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if tied and name == "lm_head.weight":
+                continue
+            name = name.removeprefix("model.")
+            mod_name, _, param = name.rpartition(".")
+            part = 0
+            for src, (dst, idx) in self._FUSED.items():
+                if mod_name.endswith(src):
+                    mod_name, part = mod_name[: -len(src)] + dst, idx
+                    break
+            mod = modules.get(mod_name)
+            if mod is None or not hasattr(mod, "load"):
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            mod.load(param, tensor, part)
+            loaded.add((mod_name, param, part))
+        expected = sum(
+            (3 if n.endswith("qkv_proj") else 2 if n.endswith("gate_up_proj") else 1) * (2 if getattr(m, "bias", None) is not None else 1)
+            for n, m in modules.items() if hasattr(m, "load"))
+        if tied:
+            expected -= 1
+        if len(loaded) != expected:
+            raise ValueError(f"checkpoint loaded {len(loaded)} of {expected} weight tensors")

@@ -1,0 +1,148 @@
+"""A request's state inside the engine, and what the engine returns for it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (``time.time()`` seconds) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class Request:
+    """One generation request: prompt, outputs so far, and its place in the KV cache.
+
+    ``all_token_ids`` is prompt + output; ``num_computed_tokens`` of them have K/V in
+    the cache (blocks ``block_table``). After preemption by recompute,
+    ``num_computed_tokens`` falls back to 0 (or the prefix-cache hit) and the outputs are
+    recomputed as if they were prompt.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: set[int] | None = None, prompt: str | None = None,
+                 priority: int = 0, arrival_time: float | None = None, max_model_len: int = 1 << 30):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids or ())
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        self.max_output_tokens = min(max_tokens, max_model_len - self.num_prompt_tokens)
+        self.logprobs: list[dict[int, float]] = []
+        self.error: str | None = None
+        self.stop_reason: int | str | None = None
+
+    # ---- token bookkeeping -------------------------------------------------
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self) -> bool:
+        """After appending a token: set a finished status if it ends the request."""
+        tok = self.all_token_ids[-1]
+        n_out = self.num_output_tokens
+        if n_out >= self.params.min_tokens:
+            if tok in self.eos_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return True
+            if tok in self.params.stop_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+                return True
+        if n_out >= self.max_output_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def sort_key(self) -> tuple[int, float]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.metrics.arrival_time)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (``n`` is always 1). ``text`` is cumulative; ``delta_*`` hold
+    what is new since the last output of a stream."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What the engine returns for a request (final, or an incremental stream update)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens

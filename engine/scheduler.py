@@ -1,0 +1,219 @@
+"""Iteration-level continuous batching under a token budget.
+
+Each step (Orca, Yu et al. 2022, sec. 3: iteration-level scheduling) the scheduler picks
+how many tokens of which requests to compute, at most ``max_num_batched_tokens`` in all
+and at most ``max_num_seqs`` running requests. There is no prefill/decode phase flag: a
+request simply has ``num_tokens - num_computed_tokens`` tokens left to compute (1 for a
+decode, more for a prompt, a resumed prompt or a recompute after preemption), as in
+vLLM v1. Running requests go first, decodes before unfinished prefills; then waiting
+requests are admitted; a prompt that does not fit the remaining budget is chunked
+(chunked prefill, Agrawal et al. 2023 "SARATHI"), so one step can mix decodes and prefill
+chunks. When the KV pool runs dry, the lowest-priority, latest-arriving running request is
+preempted by recompute: its blocks are freed and it goes back to the waiting queue.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent to the model runner when a request is (re)scheduled from the waiting queue."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's slice of a step: compute ``token_ids`` at positions ``start ..
+    start + len(token_ids)``; ``sample`` when the slice ends at the request's last token."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool
+    new: NewRequestData | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    finished_req_ids: list[str] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the :class:`KVCacheManager`.
+
+    Args:
+        kv: the block manager.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step.
+        policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``Request.priority``, lower
+            first, then arrival).
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queues ----------------------------------------------------------------
+    def _key(self, req: Request) -> tuple:
+        return req.sort_key() if self.policy == "priority" else (0, req.metrics.arrival_time)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in the engine")
+        self.requests[req.request_id] = req
+        bisect.insort(self.waiting, req, key=self._key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take ``req`` out of the queues with a final ``status`` and free its blocks."""
+        if req.request_id not in self.requests:
+            return
+        req.status = status
+        req.metrics.finished_time = time.time()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=self._key)
+
+    # ---- one step --------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledRequest] = []
+        scheduled: set[str] = set()
+        preempted = 0
+
+        def emit(req: Request, n: int, new: bool) -> None:
+            start = req.num_computed_tokens
+            out.append(ScheduledRequest(
+                req.request_id, req.all_token_ids[start:start + n], start, list(req.block_table),
+                sample=start + n == req.num_tokens,
+                new=NewRequestData(req.request_id, req.prompt_token_ids, req.params) if new else None))
+            scheduled.add(req.request_id)
+
+        # 1. Running requests: decodes first, then unfinished prefills, each in priority order.
+        for req in sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._key(r))):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted below, as a victim
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = max((r for r in self.running if r.request_id not in scheduled), key=self._key)
+                self._preempt(victim)
+                preempted += 1
+                if victim is req:
+                    break
+            else:
+                emit(req, n, new=False)
+                budget -= n
+
+        # 2. Waiting requests, unless this step had to preempt.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.pop(0)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.time()
+            emit(req, n, new=True)
+            budget -= n
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(out, finished, preempted)
+
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int],
+                           logprobs: dict[str, dict[int, float]] | None = None) -> list[Request]:
+        """Advance computed-token counts, append sampled tokens, finish requests that hit
+        EOS / a stop token / their length limit. Returns the requests that got a token."""
+        now = time.time()
+        updated = []
+        for sr in sched.requests:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(sr.token_ids)
+            self.kv.cache_blocks(req)
+            if not sr.sample:
+                continue
+            req.append_token(sampled[sr.request_id])
+            if logprobs is not None and sr.request_id in logprobs:
+                req.logprobs.append(logprobs[sr.request_id])
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            updated.append(req)
+            if req.check_stop_token():
+                self.finish(req, req.status)
+        return updated
+
+    # ---- stats -----------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Queue and cache gauges (counts, tokens, fractions)."""
+        bs = self.kv.block_size
+        allocated = sum(len(r.block_table) for r in self.running) * bs
+        used = sum(r.num_computed_tokens for r in self.running)
+        return {
+            "num_running_requests": len(self.running),
+            "num_waiting_requests": len(self.waiting),
+            "num_waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
+            "kv_cache_usage": self.kv.usage(),
+            "kv_allocated_slots": allocated,
+            "kv_used_slots": used,
+            "prefix_cache_hit_rate": self.kv.hit_rate(),
+            "num_preemptions": self.num_preemptions,
+        }

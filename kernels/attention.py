@@ -1,0 +1,197 @@
+"""Attention over the paged KV cache: one interface, several backends.
+
+Cache layout (every backend): one key and one value tensor per layer, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a request
+lives in slot ``block_table[t // block_size] * block_size + t % block_size``.
+
+Query tokens of all requests in a step are flattened into one ``[num_tokens,
+num_heads, head_dim]`` tensor; request ``i`` owns rows ``cu_seqlens_q[i] :
+cu_seqlens_q[i + 1]``, which are the *last* ``query_len`` positions of its
+``seq_len`` tokens (earlier tokens are read from the cache: prefix-cache hits,
+earlier chunks of a chunked prefill, or the decode context).
+
+Backends: ``flash_attn`` (CUDA, if installed), ``triton`` (our kernels, CUDA or
+``TRITON_INTERPRET=1``), ``torch`` (CPU reference path). ``KVSERVE_ATTENTION_BACKEND``
+forces one.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("torch", "triton", "flash_attn")
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch description shared by all layers.
+
+    Attributes:
+        cu_seqlens_q: int32 ``[num_reqs + 1]``, prefix sums of query lengths.
+        seq_lens: int32 ``[num_reqs]``, tokens in the cache per request after this step
+            (context + new tokens).
+        block_tables: int32 ``[num_reqs, max_blocks_per_seq]``; unused entries are 0.
+        slot_mapping: int64 ``[num_tokens]``, cache slot of each new token (-1 = skip).
+        query_lens_cpu / seq_lens_cpu: the same lengths as Python lists (no device sync).
+        max_seqlen_q / max_seqlen_k: maxima of the above (tokens).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots
+    ``slot_mapping`` (int64 ``[num_tokens]``; all slots must be valid, >= 0)."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """Contiguous ``[n, num_kv_heads, head_dim]`` view of the first ``n`` tokens of a request."""
+    bs = cache.shape[1]
+    nblocks = (n + bs - 1) // bs
+    return cache[block_table[:nblocks]].flatten(0, 1)[:n]
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
+
+    Decode rows (query length 1) are batched into one grouped-query matmul over
+    ``[num_kv_heads, group, ...]`` (no K/V head repetition); prefill chunks run one
+    ``scaled_dot_product_attention`` each with the causal mask offset by the request's
+    context length. Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+    starts = [0] * len(qlens)
+    for i in range(1, len(qlens)):
+        starts[i] = starts[i - 1] + qlens[i - 1]
+
+    decode = [i for i, n in enumerate(qlens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode, dtype=torch.long, device=q.device)
+        rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=q.device)
+        max_len = max(slens[i] for i in decode)
+        bs = k_cache.shape[1]
+        nblocks = (max_len + bs - 1) // bs
+        bt = meta.block_tables[idx, :nblocks].long()  # [B, nblocks]
+        b = len(decode)
+        # [B, L, Hkv, D] -> [B, Hkv, L, D]
+        k = k_cache[bt].view(b, nblocks * bs, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache[bt].view(b, nblocks * bs, num_kv_heads, head_dim).transpose(1, 2)
+        qd = q[rows].view(b, num_kv_heads, group, head_dim).to(k.dtype)
+        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+        lens = meta.seq_lens[idx].to(torch.long)
+        mask = torch.arange(nblocks * bs, device=q.device)[None, :] >= lens[:, None]
+        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+        # Slots past seq_len (and table padding -> block 0) may hold garbage, even NaN from
+        # an uninitialised cache: 0 * NaN would leak through probs @ v, so zero them.
+        v.masked_fill_(mask[:, None, :, None], 0)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out[rows] = torch.matmul(probs, v).reshape(b, num_heads, head_dim).to(q.dtype)
+
+    for i, (qlen, slen) in enumerate(zip(qlens, slens)):
+        if qlen == 1 or qlen == 0:
+            continue
+        s = starts[i]
+        k = _gather(k_cache, meta.block_tables[i], slen).transpose(0, 1)  # [Hkv, L, D]
+        v = _gather(v_cache, meta.block_tables[i], slen).transpose(0, 1)
+        # [qlen, Hq, D] -> [Hkv, G*qlen, D]: queries of one KV head share its keys.
+        qi = q[s:s + qlen].view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qi = qi.reshape(num_kv_heads, group * qlen, head_dim).to(k.dtype)
+        qpos = torch.arange(slen - qlen, slen, device=q.device)
+        mask = torch.arange(slen, device=q.device)[None, :] <= qpos[:, None]  # [qlen, L]
+        mask = mask.repeat(group, 1)
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+        o = o.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
+        out[s:s + qlen] = o.reshape(qlen, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_backend(device: torch.device | str, requested: str | None = None) -> str:
+    """Pick the attention backend for ``device``.
+
+    Order: ``requested`` argument, then ``KVSERVE_ATTENTION_BACKEND``, then
+    flash-attn (CUDA, importable) -> triton (CUDA) -> torch.
+
+    Raises:
+        ValueError: unknown backend name, or a backend that cannot run here.
+    """
+    name = requested or os.environ.get("KVSERVE_ATTENTION_BACKEND") or None
+    device = torch.device(device)
+    if name is None:
+        if device.type == "cuda":
+            return "flash_attn" if flash_attn_available() else "triton"
+        return "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "flash_attn" and not flash_attn_available():
+        raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package")
+    if name == "triton" and not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    return name
+
+
+class PagedAttention:
+    """Backend dispatch used by the model: ``store_kv`` then ``forward``.
+
+    Args:
+        backend: one of ``BACKENDS`` (see :func:`select_backend`).
+    """
+
+    def __init__(self, backend: str = "torch"):
+        self.backend = backend
+        if backend == "triton":
+            from kernels import triton_attention as impl
+            self._store, self._attend = impl.store_kv, impl.paged_attention
+        elif backend == "flash_attn":
+            from kernels import flash_attn_backend as impl
+            self._store, self._attend = impl.store_kv, impl.paged_attention
+        else:
+            self._store, self._attend = store_kv_torch, paged_attention_torch
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._store(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._attend(q, k_cache, v_cache, meta, scale)
