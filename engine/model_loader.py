@@ -315,6 +315,8 @@ def _resolve_default() -> Path:
     with FileLock(os.fspath(target.parent / f".{_DEFAULT_DIRNAME}.lock")):
         if _is_model_folder(target):  # another process converted it meanwhile
             return target
+        for stale in target.parent.glob(f".{_DEFAULT_DIRNAME}.tmp-*"):  # left by a killed process
+            shutil.rmtree(stale, ignore_errors=True)
         _convert_gguf(gguf_file, target)
     return target
 

@@ -133,11 +133,14 @@ class ModelRunner:
         del tmp
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed ``[num_blocks, block_size, kv_heads, head_dim]`` K and V per layer."""
+        """Allocate ``[num_blocks, block_size, kv_heads, head_dim]`` K and V per layer.
+
+        The memory is not cleared (on CPU, zeroing gigabytes costs seconds of page faults):
+        attention backends never let a slot past a request's ``seq_len`` affect the output."""
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.model.layers]
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in self.model.layers]
         self._attach(self.kv_caches)
         self.num_blocks = num_blocks
 
