@@ -75,10 +75,17 @@ class TestSmolLM2:
 
     def test_batched_equals_hf(self, case):
         path, ids, ref = case
-        got, stats = engine_greedy(path, ids, NEW_TOKENS)
-        assert stats["max_running_batch"] == len(ids)
-        assert stats["prefix_cache_hit_rate"] > 0  # the chat prompts share the system prompt
+        llm = LLM(model=str(path))
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
+        assert llm.get_stats()["max_running_batch"] == len(ids)
         assert_same(ref, got)
+        # Again, now that the prompts' full blocks are cached: same tokens from shared blocks.
+        again = llm.generate(ids, params, use_tqdm=False)
+        assert all(o.num_cached_tokens > 0 for o, i in zip(again, ids) if len(i) > 16)
+        assert_same(ref, [o.outputs[0].token_ids for o in again])
+        stats = llm.get_stats()
+        assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
 
     def test_prefix_caching_off_chunked_prefill(self, case):
         path, ids, ref = case
