@@ -1,0 +1,474 @@
+"""Attention kernels against a float64 reference.
+
+* Triton kernels (``kernels/triton_attention.py``) run under ``TRITON_INTERPRET=1`` on CPU tensors,
+  in a *subprocess*: an out-of-bounds load can crash the interpreter. This file is its own
+  runner: ``python tests/test_kernels.py --device cpu CASE...`` prints one JSON line per case.
+  The module fixture runs all cases in one child process (to pay the torch/triton import once)
+  and, if the child dies, records the case it was in as crashed and starts a fresh child for
+  the rest.
+* The torch reference path (``paged_attention_torch``) runs in-process on the same problems.
+* ``@pytest.mark.gpu`` tests compile the kernels for real on CUDA (fp16 and bf16) and are
+  skipped without CUDA.
+
+The reference (``ref_attention``) is deliberately naive: per request, gather its ``seq_len``
+keys/values slot by slot through the block table, in float64; per head, full softmax over keys
+``j <= ctx + i`` (``ctx = seq_len - query_len``) for query row ``i``.
+
+Error metric: ``rel_err = max|out - ref| / max|ref|`` over the whole output. Bounds:
+
+* fp32 caches (fp32 arithmetic, ieee dots): ``rel_err <= 2e-5``.
+* fp16 caches (inputs exact in fp16; fp16 operands into the dots, probabilities rounded to fp16
+  before ``P @ V``, fp32 accumulation, output rounded to fp16; unit roundoff 2^-11 ~ 4.9e-4):
+  ``rel_err <= 4e-3``.
+* bf16 (GPU only; unit roundoff 2^-8 ~ 3.9e-3): ``rel_err <= 3e-2``.
+
+Outputs and unused cache slots are filled with NaN before each call, so a row that is never
+written, or a read of a slot past ``seq_len`` that leaks into the result, fails the test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BOUNDS = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# ------------------------------------------------------------------------------------------
+# Cases. qlens[i] query rows for request i, seqlens[i] tokens in the cache (ctx = seq - q).
+# Shapes are chosen so that the interpreter runs few programs: large tiles, 1-2 KV heads.
+# ------------------------------------------------------------------------------------------
+CASES: dict[str, dict] = {
+    "split_heuristic": dict(kind="heuristic"),
+    # store_kv: slots in random blocks, some -1 (skipped), key/value non-contiguous views.
+    "store_fp32_h2_d64": dict(kind="store", Hkv=2, D=64, bs=16, dtype="float32", T=70, seed=1),
+    "store_fp16_h1_d128_bs256": dict(kind="store", Hkv=1, D=128, bs=256, dtype="float16", T=40,
+                                     seed=2),
+    "store_fp16_h3_d64_bs8": dict(kind="store", Hkv=3, D=64, bs=8, dtype="float16", T=33, seed=3),
+    # varlen prefill (direct kernel call): GQA 1/2/4/8, d 64/128/256, chunks mid-block,
+    # prefix-cached context, query_len 1 rows in a mixed batch.
+    "prefill_g1_d64_fp32_bs16": dict(kind="prefill", H=2, Hkv=2, D=64, bs=16, dtype="float32",
+                                     qlens=[37, 1, 130], seqlens=[37, 50, 200], seed=10),
+    "prefill_g2_d128_fp16_bs16": dict(kind="prefill", H=2, Hkv=1, D=128, bs=16, dtype="float16",
+                                      qlens=[300, 5], seqlens=[300, 26], seed=11),
+    "prefill_g4_d64_fp16_bs32": dict(kind="prefill", H=4, Hkv=1, D=64, bs=32, dtype="float16",
+                                     qlens=[64, 1, 1, 90], seqlens=[164, 8, 201, 123], seed=12),
+    "prefill_g8_d128_fp32_bs8": dict(kind="prefill", H=8, Hkv=1, D=128, bs=8, dtype="float32",
+                                     qlens=[45, 1, 17], seqlens=[295, 301, 17], seed=13),
+    "prefill_g2_d64_fp32_bs256": dict(kind="prefill", H=4, Hkv=2, D=64, bs=256, dtype="float32",
+                                      qlens=[200, 3], seqlens=[300, 259], seed=14),
+    # Chunks whose first position sits at / next to a key-tile edge (126, 127, 128, 127 + 64):
+    # exercises the split between the unmasked and the causally-masked key loops.
+    "prefill_tile_edges_g2_d64_fp32": dict(kind="prefill", H=2, Hkv=1, D=64, bs=16,
+                                           dtype="float32", qlens=[5, 3, 130, 2, 70],
+                                           seqlens=[131, 130, 258, 129, 197], seed=16),
+    "prefill_g2_d256_fp16_bs16": dict(kind="prefill", H=2, Hkv=1, D=256, bs=16, dtype="float16",
+                                      qlens=[40, 1], seqlens=[77, 30], seed=15),
+    # paged decode: no split, forced splits (power of two and not), heuristic, seq_len 1 and
+    # block-boundary lengths, a seq_len 0 padding row (output must be 0, not NaN).
+    "decode_g1_d64_fp32_nosplit": dict(kind="decode", H=2, Hkv=2, D=64, bs=16, dtype="float32",
+                                       seqlens=[1, 16, 17, 100, 260], splits=1, seed=20),
+    "decode_g4_d128_fp16_split4": dict(kind="decode", H=4, Hkv=1, D=128, bs=16, dtype="float16",
+                                       seqlens=[1, 33, 300, 513], splits=4, seed=21),
+    "decode_g8_d64_fp32_split3": dict(kind="decode", H=8, Hkv=1, D=64, bs=32, dtype="float32",
+                                      seqlens=[64, 65, 390], splits=3, seed=22),
+    "decode_g2_d128_fp16_auto": dict(kind="decode", H=4, Hkv=2, D=128, bs=256, dtype="float16",
+                                     seqlens=[600, 255, 257], splits=None, seed=23),
+    "decode_g1_d256_fp32_split2_pad": dict(kind="decode", H=1, Hkv=1, D=256, bs=16,
+                                           dtype="float32", seqlens=[0, 40, 129], splits=2,
+                                           seed=24),
+    # paged_attention dispatch through AttentionMetadata.
+    "dispatch_mixed_g4_d128_fp16": dict(kind="dispatch", H=8, Hkv=2, D=128, bs=16,
+                                        dtype="float16", qlens=[1, 23, 1, 60, 1],
+                                        seqlens=[90, 40, 17, 60, 300], seed=30),
+    "dispatch_decode_g8_d64_fp32": dict(kind="dispatch", H=8, Hkv=1, D=64, bs=16,
+                                        dtype="float32", qlens=[1, 1, 1], seqlens=[5, 700, 48],
+                                        seed=31),
+}
+
+
+def _random_cases(seed: int = 1234) -> dict[str, dict]:
+    """Fixed-seed sweep: every (GQA ratio, head_dim, dtype) gets one mixed batch through
+    ``paged_attention`` (query lengths 1..300, random cached context 0..300, random block size)
+    and one decode-only batch (contexts 1..1100, random split count incl. the heuristic)."""
+    import random
+    rng = random.Random(seed)
+    cases = {}
+    for group in (1, 2, 4, 8):
+        for D in (64, 128):
+            for dtype in ("float32", "float16"):
+                Hkv = rng.choice([1, 2]) if group < 8 else 1
+                bs = rng.choice([8, 16, 32, 256])
+                n = rng.randint(1, 4)
+                qlens = [1 if rng.random() < 0.35 else rng.randint(2, 300) for _ in range(n)]
+                ctx = [0 if rng.random() < 0.25 else rng.randint(1, 300) for _ in range(n)]
+                tag = f"g{group}_d{D}_{'fp32' if dtype == 'float32' else 'fp16'}"
+                cases[f"rand_mixed_{tag}"] = dict(
+                    kind="dispatch", H=group * Hkv, Hkv=Hkv, D=D, bs=bs, dtype=dtype,
+                    qlens=qlens, seqlens=[q + c for q, c in zip(qlens, ctx)],
+                    seed=rng.randint(0, 10**6))
+                nd = rng.randint(1, 4)
+                cases[f"rand_decode_{tag}"] = dict(
+                    kind="decode", H=group * Hkv, Hkv=Hkv, D=D, bs=bs, dtype=dtype,
+                    seqlens=[rng.randint(1, 1100) for _ in range(nd)],
+                    splits=rng.choice([None, 1, 2, 3, 5]), seed=rng.randint(0, 10**6))
+    return cases
+
+
+CASES.update(_random_cases())
+
+# Problems for the in-process torch path (no Triton).
+TORCH_CASES = {k: v for k, v in CASES.items() if v["kind"] not in ("store", "heuristic")}
+
+
+# ------------------------------------------------------------------------------------------
+# Problem construction and reference
+# ------------------------------------------------------------------------------------------
+
+def make_problem(spec: dict, device: str = "cpu", dtype: str | None = None) -> dict:
+    """Random paged-cache problem. Blocks are scattered (random permutation); every slot that
+    is not one of a request's first ``seq_len`` tokens holds NaN."""
+    gen = torch.Generator().manual_seed(spec["seed"])
+    dt = DTYPES[dtype or spec["dtype"]]
+    H, Hkv, D, bs = spec["H"], spec["Hkv"], spec["D"], spec["bs"]
+    seqlens = list(spec["seqlens"])
+    qlens = list(spec.get("qlens") or [1] * len(seqlens))
+    nblk = [(s + bs - 1) // bs for s in seqlens]
+    num_blocks = sum(nblk) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(nblk + [1]) + 1
+    block_tables = torch.zeros(len(seqlens), width, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, bs, Hkv, D), float("nan"))
+    v_cache = torch.full((num_blocks, bs, Hkv, D), float("nan"))
+    used = 0
+    for i, s in enumerate(seqlens):
+        ids = perm[used:used + nblk[i]]
+        used += nblk[i]
+        block_tables[i, :nblk[i]] = ids.to(torch.int32)
+        for t in range(s):
+            b, o = int(ids[t // bs]), t % bs
+            k_cache[b, o] = torch.randn(Hkv, D, generator=gen)
+            v_cache[b, o] = torch.randn(Hkv, D, generator=gen)
+    T = sum(qlens)
+    q = 2.0 * torch.randn(T, H, D, generator=gen)  # sharper softmax than unit scores
+    cu = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(qlens), 0)
+    return dict(q=q.to(dt).to(device), k_cache=k_cache.to(dt).to(device),
+                v_cache=v_cache.to(dt).to(device), block_tables=block_tables.to(device),
+                seq_lens=torch.tensor(seqlens, dtype=torch.int32, device=device),
+                cu_seqlens_q=cu.to(device), qlens=qlens, seqlens=seqlens,
+                scale=D ** -0.5, H=H, Hkv=Hkv, D=D, bs=bs)
+
+
+def ref_attention(p: dict) -> torch.Tensor:
+    """float64 causal paged attention, one request / head at a time, slot by slot."""
+    q = p["q"].double().cpu()
+    kc, vc = p["k_cache"].double().cpu(), p["v_cache"].double().cpu()
+    bt = p["block_tables"].cpu()
+    bs, group = p["bs"], p["H"] // p["Hkv"]
+    out = torch.zeros_like(q)
+    start = 0
+    for i, (ql, sl) in enumerate(zip(p["qlens"], p["seqlens"])):
+        if sl == 0:
+            start += ql
+            continue
+        blocks = [int(bt[i, t // bs]) for t in range(sl)]
+        k = torch.stack([kc[blocks[t], t % bs] for t in range(sl)])  # [sl, Hkv, D]
+        v = torch.stack([vc[blocks[t], t % bs] for t in range(sl)])
+        ctx = sl - ql
+        allowed = torch.arange(sl)[None, :] <= (ctx + torch.arange(ql))[:, None]  # [ql, sl]
+        for h in range(p["H"]):
+            s = q[start:start + ql, h] @ k[:, h // group].T * p["scale"]
+            s = s.masked_fill(~allowed, float("-inf"))
+            out[start:start + ql, h] = torch.softmax(s, -1) @ v[:, h // group]
+        start += ql
+    return out
+
+
+def _meta(p: dict):
+    from kernels.attention import AttentionMetadata
+    return AttentionMetadata(
+        cu_seqlens_q=p["cu_seqlens_q"], seq_lens=p["seq_lens"], block_tables=p["block_tables"],
+        slot_mapping=torch.empty(0, dtype=torch.int64), query_lens_cpu=p["qlens"],
+        seq_lens_cpu=p["seqlens"], max_seqlen_q=max(p["qlens"]), max_seqlen_k=max(p["seqlens"]))
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> dict:
+    out = out.double().cpu()
+    nonfinite = int((~torch.isfinite(out)).sum())
+    err = (out - ref).abs().max().item() if out.numel() else 0.0
+    rel = err / max(ref.abs().max().item(), 1e-30)
+    bound = BOUNDS[dtype]
+    return dict(ok=bool(nonfinite == 0 and rel <= bound), max_abs_err=err, rel_err=rel,
+                bound=bound, nonfinite=nonfinite)
+
+
+def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
+    """Run one Triton case (interpreter on CPU, compiled on CUDA); returns a result dict."""
+    from kernels import triton_attention as ta
+    spec = CASES[name]
+    if spec["kind"] == "heuristic":
+        return _run_heuristic()
+    dtype = dtype or spec["dtype"]
+    if spec["kind"] == "store":
+        return _run_store(spec, device, dtype)
+    p = make_problem(spec, device, dtype)
+    out = torch.full_like(p["q"], float("nan"))
+    if spec["kind"] == "prefill":
+        ta.varlen_prefill_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"],
+                                    p["seq_lens"], p["cu_seqlens_q"], max(p["qlens"]),
+                                    p["scale"], out=out)
+    elif spec["kind"] == "decode":
+        ta.paged_decode_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"],
+                                  p["seq_lens"], p["scale"], max(p["seqlens"]), out=out,
+                                  num_splits=spec["splits"])
+    else:
+        out = ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
+                                 out=out)
+    return _compare(out, ref_attention(p), dtype)
+
+
+def _run_heuristic() -> dict:
+    """Split-K choice (pure Python, but importing the module decorates the kernels, which
+    fixes interpreter-or-not for the process: hence also in the child)."""
+    from kernels.triton_attention import choose_num_splits
+    checks = [
+        choose_num_splits(64, 8, 8192, 132) == 1,  # big batch fills the GPU: no split
+        choose_num_splits(1, 8, 8192, 132) == 32,  # batch 1, long context: capped at 32
+        choose_num_splits(1, 8, 300, 132) == 1,  # too few keys to split
+        choose_num_splits(4, 8, 2048, 132) == 8,  # 256 keys per split
+    ]
+    for args in [(1, 1, 10**6, 1000), (3, 2, 1000, 8), (100, 1, 100, 4)]:
+        n = choose_num_splits(*args)
+        checks.append(1 <= n <= 32 and n & (n - 1) == 0)
+    return dict(ok=all(checks), checks=checks)
+
+
+def _run_store(spec: dict, device: str, dtype: str) -> dict:
+    from kernels import triton_attention as ta
+    gen = torch.Generator().manual_seed(spec["seed"])
+    Hkv, D, bs, T = spec["Hkv"], spec["D"], spec["bs"], spec["T"]
+    num_blocks = (T + bs - 1) // bs + 2
+    dt = DTYPES[dtype]
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:T]
+    slots[torch.rand(T, generator=gen) < 0.2] = -1
+    # Views with a padded token stride (as when K/V are slices of a fused qkv projection).
+    kv = torch.randn(T, 2, Hkv, D, generator=gen)
+    key, value = kv[:, 0], kv[:, 1]
+    # The caches are the middle of NaN buffers with one guard block on each side: a write
+    # through a negative (skipped) slot or past the end lands in a guard and is detected.
+    k_buf = torch.full((num_blocks + 2, bs, Hkv, D), float("nan"), dtype=dt)
+    v_buf = torch.full_like(k_buf, float("nan"))
+    exp_k, exp_v = k_buf.clone(), v_buf.clone()
+    keep = slots >= 0
+    exp_k[1:-1].reshape(-1, Hkv, D)[slots[keep]] = key[keep].to(dt)
+    exp_v[1:-1].reshape(-1, Hkv, D)[slots[keep]] = value[keep].to(dt)
+    k_buf, v_buf = k_buf.to(device), v_buf.to(device)
+    ta.store_kv(key.to(device), value.to(device), k_buf[1:-1], v_buf[1:-1], slots.to(device))
+
+    def same(a, b):
+        a = a.cpu()
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+    ok = same(k_buf, exp_k) and same(v_buf, exp_v)
+    return dict(ok=ok, max_abs_err=0.0 if ok else float("nan"), rel_err=0.0, bound=0.0,
+                nonfinite=0, written=int(keep.sum()))
+
+
+# ------------------------------------------------------------------------------------------
+# Subprocess driver
+# ------------------------------------------------------------------------------------------
+
+def _child_env(interpret: bool) -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "2")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_cases_in_subprocess(names: list[str], device: str, dtype: str | None = None,
+                            timeout: float = 600) -> dict[str, dict]:
+    """Run ``names`` in child processes; a crash marks the current case and restarts."""
+    results: dict[str, dict] = {}
+    todo = list(names)
+    deadline = time.monotonic() + timeout
+    while todo:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device]
+        if dtype:
+            cmd += ["--dtype", dtype]
+        try:
+            proc = subprocess.run(cmd + todo, capture_output=True, text=True, cwd=str(ROOT),
+                                  env=_child_env(device == "cpu"),
+                                  timeout=max(1.0, deadline - time.monotonic()))
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            stderr, rc = "timeout", -1
+        current = None
+        for line in stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            rec = json.loads(line)
+            if rec.get("status") == "start":
+                current = rec["case"]
+            else:
+                results[rec["case"]] = rec
+                current = None
+        todo = [n for n in todo if n not in results]
+        if current is not None:  # the child died inside this case
+            results[current] = dict(case=current, ok=False,
+                                    error=f"child crashed (rc={rc}): {stderr[-2000:]}")
+            todo.remove(current)
+        elif todo:  # died before starting anything: give up on the rest
+            for n in todo:
+                results[n] = dict(case=n, ok=False, error=f"child failed (rc={rc}): "
+                                                          f"{stderr[-2000:]}")
+            break
+        if stderr == "timeout":
+            for n in todo:
+                results[n] = dict(case=n, ok=False, error="timeout")
+            break
+    return results
+
+
+def _main(argv: list[str]) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("cases", nargs="*")
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 for CPU runs"
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    for name in args.cases or list(CASES):
+        print(json.dumps(dict(case=name, status="start")), flush=True)
+        t0 = time.perf_counter()
+        try:
+            rec = run_case(name, args.device, args.dtype)
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            rec = dict(ok=False, error=f"{type(exc).__name__}: {exc}")
+        rec.update(case=name, seconds=round(time.perf_counter() - t0, 2))
+        print(json.dumps(rec), flush=True)
+
+
+# ------------------------------------------------------------------------------------------
+# pytest
+# ------------------------------------------------------------------------------------------
+
+def _describe(rec: dict) -> str:
+    return json.dumps({k: rec.get(k) for k in ("rel_err", "max_abs_err", "bound", "nonfinite",
+                                                "seconds", "error") if k in rec})
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, dict]:
+    return run_cases_in_subprocess(list(CASES), "cpu", timeout=300)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_interpreter(name, interpreter_results):
+    rec = interpreter_results[name]
+    assert rec.get("ok"), f"{name}: {_describe(rec)}"
+
+
+@pytest.mark.parametrize("name", list(TORCH_CASES))
+def test_torch_reference_path(name):
+    from kernels.attention import paged_attention_torch
+    spec = TORCH_CASES[name]
+    p = make_problem(spec)
+    out = paged_attention_torch(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"])
+    if 0 in p["seqlens"]:  # the torch path leaves seq_len-0 padding rows unspecified
+        keep = torch.tensor([s > 0 for s in p["seqlens"]])
+        rows = torch.repeat_interleave(keep, torch.tensor(p["qlens"]))
+        out, ref = out[rows], ref_attention(p)[rows]
+    else:
+        ref = ref_attention(p)
+    rec = _compare(out, ref, spec["dtype"])
+    assert rec["ok"], f"{name}: {_describe(rec)}"
+
+
+def test_flash_attn_backend_calls(monkeypatch):
+    """flash-attn cannot be installed here: a fake module checks what the backend passes."""
+    import types
+    from kernels import flash_attn_backend as fab
+    calls = []
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+               alibi_slopes=None, deterministic=False, return_attn_probs=False,
+               block_table=None):
+        calls.append(("varlen", dict(q=q, k=k, cu_seqlens_q=cu_seqlens_q,
+                                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                     max_seqlen_k=max_seqlen_k, scale=softmax_scale,
+                                     causal=causal, block_table=block_table)))
+        return torch.zeros_like(q)
+
+    def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                     cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                     block_table=None, softmax_scale=None, causal=False, **kw):
+        calls.append(("kvcache", dict(q=q, cache_seqlens=cache_seqlens, block_table=block_table,
+                                      scale=softmax_scale, causal=causal)))
+        return torch.zeros_like(q)
+
+    fake = types.SimpleNamespace(flash_attn_varlen_func=varlen,
+                                 flash_attn_with_kvcache=with_kvcache)
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setattr(fab, "_funcs", None)
+    spec = dict(H=4, Hkv=2, D=64, bs=256, dtype="float16", seed=5)
+    p = make_problem(dict(spec, qlens=[3, 1, 40], seqlens=[300, 20, 40]))
+    out = fab.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
+    name, kw = calls[-1]
+    assert name == "varlen" and kw["causal"] and kw["scale"] == 0.125 and out.shape == p["q"].shape
+    assert kw["cu_seqlens_k"].tolist() == [0, 300, 320, 360]
+    assert kw["cu_seqlens_k"].dtype == torch.int32 and kw["block_table"] is p["block_tables"]
+    assert kw["k"] is p["k_cache"] and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (40, 300)
+    p = make_problem(dict(spec, qlens=[1, 1], seqlens=[300, 7]))
+    out = fab.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
+    name, kw = calls[-1]
+    assert name == "kvcache" and kw["q"].shape == (2, 1, 4, 64) and out.shape == (2, 4, 64)
+    assert kw["cache_seqlens"] is p["seq_lens"] and kw["block_table"] is p["block_tables"]
+    # Block size 16 (kvserve's default) is not pageable by flash-attn 2.x: Triton fallback.
+    monkeypatch.setattr(fab, "_fallback", lambda reason: (lambda *a: ("fallback", reason)))
+    p = make_problem(dict(spec, bs=16, qlens=[1], seqlens=[30]))
+    res = fab.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
+    assert res[0] == "fallback" and "256" in res[1]
+
+
+# GPU: real compile (no interpreter), fp16 + bf16.
+_GPU = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_triton_gpu(dtype):
+    res = run_cases_in_subprocess(list(CASES), "cuda", dtype=dtype, timeout=600)
+    bad = {n: _describe(r) for n, r in res.items() if not r.get("ok")}
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU")
+def test_triton_gpu_fp32():
+    res = run_cases_in_subprocess(list(CASES), "cuda", dtype="float32", timeout=600)
+    bad = {n: _describe(r) for n, r in res.items() if not r.get("ok")}
+    assert not bad, bad
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
