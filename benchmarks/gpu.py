@@ -305,7 +305,7 @@ def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int
 
         def run(n: int) -> float:
             prompt = [rng.randint(0, 10000) for _ in range(prompt_len)]
-            sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)
+            sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = llm.generate([prompt], [sp], use_tqdm=False)
@@ -359,8 +359,8 @@ def bench_engine_throughput(model_dir: Path, *, num_requests: int = 256,
     llm = LLM(model=os.fspath(model_dir), dtype="bfloat16", max_num_seqs=max_num_seqs,
               enforce_eager=False, attention_backend=backend)
     llm.generate([prompts[0][:64]], [SamplingParams(max_tokens=16, ignore_eos=True,
-                                                    temperature=0)], use_tqdm=False)
-    sps = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in outs]
+                                                    temperature=0, detokenize=False)], use_tqdm=False)
+    sps = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False) for n in outs]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     results = llm.generate(prompts, sps, use_tqdm=False)

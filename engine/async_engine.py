@@ -128,16 +128,16 @@ class AsyncLLMEngine:
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
-        for req in pending:
-            if req.request_id in self._aborts:
-                continue
+        for req in pending:  # aborted ones too: the abort below then ends their stream
             try:
                 self.engine.enqueue(req)
             except Exception as e:
                 self._put(req.request_id, e)
         aborts, self._aborts = self._aborts, set()
         for rid in aborts:
-            self.engine.abort_request(rid)
+            out = self.engine.abort_request(rid)
+            if out is not None:  # a caller still reading the stream gets a final "abort" output
+                self._put(rid, out)
 
     def _put(self, request_id: str, item) -> None:
         q = self._queues.get(request_id)

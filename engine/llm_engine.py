@@ -118,7 +118,8 @@ class LLMEngine:
             ValueError: a request with the same id is already in the engine.
         """
         self.scheduler.add_request(req)
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
+        if req.params.detokenize:
+            self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
         self.num_prompt_tokens += req.num_prompt_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -163,8 +164,8 @@ class LLMEngine:
         for req in updated:
             self.num_generated_tokens += 1
             try:
-                detok = self.detokenizers[req.request_id]
-                stop = detok.update([req.all_token_ids[-1]])
+                detok = self.detokenizers.get(req.request_id)
+                stop = detok.update([req.all_token_ids[-1]]) if detok else None
                 if stop is not None and not req.finished:
                     req.stop_reason = stop
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)

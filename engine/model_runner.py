@@ -143,6 +143,65 @@ class ModelRunner:
                            torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in self.model.layers]
         self._attach(self.kv_caches)
         self.num_blocks = num_blocks
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.backend == "triton":
+            self.capture_cudagraphs()
+
+    # ---- CUDA graphs for decode -----------------------------------------------
+    def graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes that get a graph: 1, 2, 4, 8, then steps of 8 up to max_num_seqs."""
+        top = min(self.config.max_num_seqs, 512)
+        return sorted({b for b in [1, 2, 4, 8, *range(16, top + 1, 8)] if b <= top} | {top})
+
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """Capture one CUDA graph of the model's decode forward per batch size (largest first,
+        sharing one memory pool). Inputs live in static buffers; padded rows have slot -1 (the
+        store skips them) and seq_len 0 (attention writes zeros), so they touch no cache state.
+        The split-K count is fixed at capture for ``max_model_len``-long contexts; the kernels
+        derive each request's split bounds from its ``seq_len`` at replay time."""
+        sizes = self.graph_batch_sizes()
+        top, dev = sizes[-1], self.device
+        max_len = min(self.hf_config.max_position_embeddings, self.num_blocks * self.block_size)
+        width = -(-max_len // self.block_size)
+        self.g_input_ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self.g_positions = torch.zeros(top, dtype=torch.long, device=dev)
+        self.g_slots = torch.full((top,), -1, dtype=torch.long, device=dev)
+        self.g_seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
+        self.g_block_tables = torch.zeros(top, width, dtype=torch.int32, device=dev)
+        self.g_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = None
+        for b in reversed(sizes):
+            meta = AttentionMetadata(
+                cu_seqlens_q=self.g_cu[:b + 1], seq_lens=self.g_seq_lens[:b], block_tables=self.g_block_tables[:b],
+                slot_mapping=self.g_slots[:b], query_lens_cpu=[1] * b, seq_lens_cpu=[max_len] * b,
+                max_seqlen_q=1, max_seqlen_k=max_len)
+            self.model(self.g_input_ids[:b], self.g_positions[:b], meta)  # warm-up: JIT, allocator
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(self.g_input_ids[:b], self.g_positions[:b], meta)
+            pool = graph.pool()
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b = input_ids.shape[0]
+        gb = next(s for s in sorted(self.graphs) if s >= b)
+        graph, out = self.graphs[gb]
+        self.g_input_ids[:b].copy_(input_ids)
+        self.g_positions[:b].copy_(positions)
+        self.g_slots[:b].copy_(meta.slot_mapping)
+        self.g_slots[b:gb].fill_(-1)
+        self.g_seq_lens[:b].copy_(meta.seq_lens)
+        self.g_seq_lens[b:gb].zero_()
+        self.g_block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        graph.replay()
+        return out[:b]
+
+    def _use_graph(self, meta: AttentionMetadata) -> bool:
+        graphs = getattr(self, "graphs", None)
+        return bool(graphs) and meta.decode_only and meta.num_reqs <= max(graphs)
 
     def _attach(self, caches) -> None:
         for layer, kv in zip(self.model.layers, caches or [(torch.empty(0), torch.empty(0))] * len(self.model.layers)):
@@ -191,6 +250,7 @@ class ModelRunner:
                 if gen is None and p.seed is not None:
                     gen = torch.Generator(device=self.device).manual_seed(p.seed)
                 st = self.states[sr.request_id] = _RequestState(len(sr.new.prompt_token_ids), p, gen)
+                st.token_ids = list(sr.new.computed_token_ids)  # history before a prefix-cache hit
             del st.token_ids[sr.start:]
             st.token_ids.extend(sr.token_ids)
             if sr.sample:
@@ -213,7 +273,10 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput({})
         input_ids, positions, meta, sample_idx = self._prepare(sched)
-        hidden = self.model(input_ids, positions, meta)
+        if self._use_graph(meta):
+            hidden = self._replay(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         if not rows:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[sample_idx])

@@ -14,7 +14,8 @@ class SamplingParams:
     already generated); ``repetition_penalty`` follows CTRL (Keskar et al. 2019, sec. 4.1) as
     in HF transformers (prompt and generated tokens). ``logprobs=k`` returns the top-k
     log-probabilities of every sampled position. ``seed`` gives the request its own
-    ``torch.Generator``: same seed, same output, whatever the batch.
+    ``torch.Generator``: same seed, same output, whatever the batch. ``detokenize=False``
+    returns token ids only (benchmarks; no stop strings).
 
     Raises:
         ValueError: an out-of-range value; the message names the field.
@@ -37,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +74,8 @@ class SamplingParams:
             bad("repetition_penalty", "must be in (0, 10]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
+        if self.stop and not self.detokenize:
+            bad("stop", "needs detokenize=True")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -29,6 +29,7 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    computed_token_ids: list[int] = field(default_factory=list)  # tokens before ``start`` (prefix-cache hits)
 
 
 @dataclass
@@ -138,7 +139,8 @@ class Scheduler:
             out.append(ScheduledRequest(
                 req.request_id, req.all_token_ids[start:start + n], start, list(req.block_table),
                 sample=start + n == req.num_tokens,
-                new=NewRequestData(req.request_id, req.prompt_token_ids, req.params) if new else None))
+                new=NewRequestData(req.request_id, req.prompt_token_ids, req.params,
+                                   req.all_token_ids[:start]) if new else None))
             scheduled.add(req.request_id)
 
         # 1. Running requests: decodes first, then unfinished prefills, each in priority order.

@@ -41,11 +41,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask logits ``[n, vocab]`` outside top-k (``k <= 0`` = off), the top-p nucleus
-    (Holtzman et al. 2020) and min-p (probability < min_p * max probability) with -inf."""
-    vocab = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    (Holtzman et al. 2020) and min-p (probability < min_p * max probability) with -inf.
+    Which filters run is decided from ``params`` on the host (no device sync)."""
+    vocab, dev = logits.shape[1], logits.device
+    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -55,7 +59,7 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
         drop |= cum >= top_p[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, idx, sorted_logits)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
@@ -86,11 +90,7 @@ class Sampler:
         if rand:
             dev = logits.device
             sub = logits[rand] / torch.tensor([rows[i].params.temperature for i in rand], device=dev)[:, None]
-            sub = _filter(
-                sub,
-                torch.tensor([rows[i].params.top_k for i in rand], device=dev),
-                torch.tensor([rows[i].params.top_p for i in rand], device=dev, dtype=torch.float32),
-                torch.tensor([rows[i].params.min_p for i in rand], device=dev, dtype=torch.float32))
+            sub = _filter(sub, [rows[i].params for i in rand])
             probs = sub.softmax(dim=-1)
             seeded = [j for j, i in enumerate(rand) if rows[i].generator is not None]
             unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None]

@@ -1,0 +1,416 @@
+"""Online serving benchmark (in the style of vLLM's ``benchmark_serving.py``).
+
+An aiohttp load generator streams ``/v1/completions`` requests (token-id prompts, so the
+prompt lengths are exact) at a fixed concurrency or a Poisson request rate, and measures
+per request: TTFT (time to the first streamed token), ITL (time between streamed chunks)
+and E2E latency; in all: output tokens/s, requests/s and errors.
+
+Workload (same as ``benchmarks/throughput.py``, seeded): 64 requests, prompt lengths
+uniform in 32..256 tokens of random token ids, output lengths uniform in 16..128 with
+``ignore_eos``, greedy.
+
+In the same run (default ``--launch``): the offline engine (``engine.LLM``, in this process)
+runs the same workload first, then a local Ray Serve app (``deployments.app.build_app``) is
+started and measured over HTTP. Reported:
+
+* ``http_over_offline_throughput`` = HTTP streaming output tok/s (all requests in flight,
+  ``--request-rate inf``) / offline output tok/s (target >= 0.90);
+* ``added_ttft_ms_p50``: median over the same prompts of (TTFT over HTTP at concurrency 1)
+  - (TTFT of the in-process ``AsyncLLMEngine`` at concurrency 1), the latency the serving
+  path adds (target <= 10 ms).
+
+Usage::
+
+    python benchmarks/serving.py                                 # full run, writes benchmarks/results/
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --skip-offline   # a running server
+    python benchmarks/serving.py --concurrency 8 --num-requests 32 --out /tmp/x.json
+
+Results: ``benchmarks/results/serving.json`` and ``benchmarks/results/serving_latency.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def make_workload(n: int, seed: int, vocab: int, prompt_range=(32, 256), output_range=(16, 128)):
+    """``n`` (prompt token ids, output length) pairs (identical to ``benchmarks/throughput.py``)."""
+    rng = random.Random(seed)
+    work = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        olen = rng.randint(*output_range)
+        work.append(([rng.randint(100, vocab - 100) for _ in range(plen)], olen))
+    return work
+
+
+# ---- one streamed request -------------------------------------------------------------------
+@dataclass
+class RequestResult:
+    prompt_len: int
+    output_len: int  # requested
+    ok: bool = False
+    error: str | None = None
+    start: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    text: str = ""
+
+
+async def stream_completion(session, url: str, model: str | None, prompt, max_tokens: int,
+                            api_key: str | None = None) -> RequestResult:
+    import aiohttp
+
+    res = RequestResult(prompt_len=len(prompt), output_len=max_tokens)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    res.start = time.perf_counter()
+    last = None
+    pieces = []
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return res
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    if not event.startswith(b"data: "):
+                        continue
+                    data = event[6:]
+                    if data == b"[DONE]":
+                        continue
+                    now = time.perf_counter()
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        res.error = obj["error"].get("message", "error")
+                        return res
+                    if obj.get("usage"):
+                        res.output_tokens = obj["usage"]["completion_tokens"]
+                    for ch in obj.get("choices") or []:
+                        if ch.get("text"):
+                            pieces.append(ch["text"])
+                            if res.ttft is None:
+                                res.ttft = now - res.start
+                            else:
+                                res.itl.append(now - last)
+                            last = now
+            res.e2e = time.perf_counter() - res.start
+            res.text = "".join(pieces)
+            res.ok = res.ttft is not None
+            if not res.ok:
+                res.error = "no tokens received"
+    except Exception as e:  # counted as an error, the run goes on
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_http(base_url: str, model: str | None, work, concurrency: int | None, request_rate: float,
+                   seed: int = 0, api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    import aiohttp
+
+    url = base_url.rstrip("/") + "/completions"
+    limit = concurrency or len(work)
+    sem = asyncio.Semaphore(limit)
+    rng = random.Random(seed)
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        async def one(ids, olen):
+            async with sem:
+                return await stream_completion(session, url, model, ids, olen, api_key)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for ids, olen in work:
+            tasks.append(asyncio.create_task(one(ids, olen)))
+            if request_rate != math.inf:
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    return list(results), elapsed
+
+
+# ---- metrics --------------------------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summary_ms(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {"mean": 1000 * statistics.fmean(xs), "p50": 1000 * pct(xs, 50), "p90": 1000 * pct(xs, 90),
+            "p99": 1000 * pct(xs, 99)}
+
+
+def summarize(name: str, results: list[RequestResult], elapsed: float, **extra) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens or r.output_len for r in ok)
+    return {
+        "run": name, **extra,
+        "num_requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+        "error_samples": [r.error for r in results if not r.ok][:3],
+        "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / elapsed if elapsed > 0 else 0.0,
+        "request_throughput_per_s": len(ok) / elapsed if elapsed > 0 else 0.0,
+        "ttft_ms": summary_ms([r.ttft for r in ok]),
+        "itl_ms": summary_ms([x for r in ok for x in r.itl]),
+        "e2e_ms": summary_ms([r.e2e for r in ok]),
+    }
+
+
+# ---- offline engine ------------------------------------------------------------------------
+def offline_throughput(model_path: str, work, engine_kw: dict) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model_path, **engine_kw)
+    llm.generate([work[0][0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in work]
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = llm.get_stats()
+    llm.engine.shutdown()
+    return {"run": "offline_engine", "elapsed_s": elapsed, "output_tokens": tokens,
+            "output_tok_per_s": tokens / elapsed, "max_running_batch": stats["max_running_batch"],
+            "texts": [o.outputs[0].text for o in outs]}
+
+
+async def offline_ttft(model_path: str, work, engine_kw: dict) -> list[float]:
+    """TTFT of the in-process AsyncLLMEngine, one request at a time (no serving path)."""
+    from engine import SamplingParams
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+
+    eng = AsyncLLMEngine.from_config(EngineConfig(model=model_path, **engine_kw))
+    ttfts = []
+    try:
+        async for _ in eng.generate(work[0][0][:16], SamplingParams(max_tokens=2, temperature=0)):
+            pass
+        for ids, olen in work:
+            t0 = time.perf_counter()
+            first = None
+            async for out in eng.generate(ids, SamplingParams(max_tokens=olen, temperature=0, ignore_eos=True)):
+                if first is None and out.outputs[0].delta_text:
+                    first = time.perf_counter() - t0
+            ttfts.append(first)
+    finally:
+        await eng.shutdown()
+    return ttfts
+
+
+# ---- local server ---------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(model: str | None, app_args: dict, port: int, num_cpus: int) -> str:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model": model, **app_args}), name="kvserve", route_prefix="/")
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def stop_server() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+async def warmup(base_url: str, model: str | None, work) -> None:
+    await run_http(base_url, model, [(work[0][0][:16], 4)], None, math.inf)
+
+
+# ---- plot -----------------------------------------------------------------------------------
+def plot(runs: dict[str, list[RequestResult]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, results in runs.items():
+        ok = [r for r in results if r.ok]
+        for ax, xs in zip(axes, ([r.ttft for r in ok], [x for r in ok for x in r.itl], [r.e2e for r in ok])):
+            xs = sorted(1000 * x for x in xs)
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+    for ax, title in zip(axes, ("TTFT", "ITL (between streamed chunks)", "E2E latency")):
+        ax.set_title(title)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_xscale("log")
+    axes[2].set_xscale("log")
+    fig.suptitle("kvserve over HTTP (SSE streaming, Ray Serve)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# ---- main -----------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder or hub id (default SmolLM2-135M-Instruct)")
+    ap.add_argument("--base-url", default=None, help="benchmark a running server instead of launching one")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", type=int, default=None, help="fixed concurrency (default: all in flight)")
+    ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf)")
+    ap.add_argument("--ttft-requests", type=int, default=16, help="requests of the concurrency-1 TTFT phase")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray instance")
+    ap.add_argument("--out", default="benchmarks/results/serving.json")
+    ap.add_argument("--plot", default=None, help="PNG path (default: next to --out, *_latency.png)")
+    args = ap.parse_args(argv)
+
+    from engine.model_loader import DEFAULT_MODEL, load_config, resolve_model
+
+    path = str(resolve_model(args.model))
+    vocab = load_config(path).vocab_size
+    work = make_workload(args.num_requests, args.seed, vocab)
+    ttft_work = [(ids, 8) for ids, _ in make_workload(args.ttft_requests, args.seed + 1000, vocab)]
+    engine_kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    served = args.served_model_name or (args.model or DEFAULT_MODEL)
+    result: dict = {
+        "workload": {"num_requests": len(work), "seed": args.seed, "prompt_len": [32, 256], "output_len": [16, 128],
+                     "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": sum(o for _, o in work),
+                     "greedy": True, "ignore_eos": True, "endpoint": "/v1/completions (stream, token-id prompts)"},
+        "engine": engine_kw, "model": path,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_start": load_average()},
+        "runs": [],
+    }
+    offline = None
+    if not args.skip_offline:
+        print("offline engine: throughput ...", flush=True)
+        offline = offline_throughput(path, work, engine_kw)
+        print("offline engine: TTFT at concurrency 1 ...", flush=True)
+        offline_ttfts = asyncio.run(offline_ttft(path, ttft_work, engine_kw))
+        result["runs"].append({k: v for k, v in offline.items() if k != "texts"})
+        result["offline_ttft_ms"] = summary_ms(offline_ttfts)
+        print(json.dumps(result["runs"][-1]), flush=True)
+
+    launched = args.base_url is None
+    base_url = args.base_url
+    if launched:
+        print("launching Ray Serve ...", flush=True)
+        base_url = launch_server(args.model, {**engine_kw, "served_model_name": served}, free_port(), args.num_cpus)
+    plots: dict[str, list[RequestResult]] = {}
+    try:
+        asyncio.run(warmup(base_url, served, work))
+        label = (f"http c={args.concurrency}" if args.concurrency else
+                 ("http all-in-flight" if args.request_rate == math.inf else f"http rate={args.request_rate}/s"))
+        print(f"{label} ...", flush=True)
+        res, elapsed = asyncio.run(run_http(base_url, served, work, args.concurrency, args.request_rate, args.seed,
+                                            args.api_key))
+        plots[label] = res
+        s = summarize(label, res, elapsed, concurrency=args.concurrency, request_rate=args.request_rate)
+        if offline is not None:
+            same = sum(r.ok and r.text == t for r, t in zip(res, offline["texts"]))
+            s["same_text_as_offline"] = f"{same}/{len(res)}"
+        result["runs"].append(s)
+        print(json.dumps(s), flush=True)
+        print("http c=1 (TTFT) ...", flush=True)
+        res1, elapsed1 = asyncio.run(run_http(base_url, served, ttft_work, 1, math.inf, args.seed, args.api_key))
+        plots["http c=1"] = res1
+        s1 = summarize("http c=1", res1, elapsed1, concurrency=1)
+        result["runs"].append(s1)
+        print(json.dumps(s1), flush=True)
+    finally:
+        if launched:
+            stop_server()
+
+    if offline is not None:
+        http = result["runs"][1]
+        result["http_over_offline_throughput"] = http["output_tok_per_s"] / offline["output_tok_per_s"]
+        diffs = [r.ttft - t for r, t in zip(res1, offline_ttfts) if r.ok and t is not None]
+        result["added_ttft_ms_p50"] = 1000 * pct(diffs, 50) if diffs else None
+        result["added_ttft_ms_mean"] = 1000 * statistics.fmean(diffs) if diffs else None
+        result["targets"] = {"http_over_offline_throughput >= 0.90": result["http_over_offline_throughput"] >= 0.90,
+                             "added_ttft_ms_p50 <= 10": (result["added_ttft_ms_p50"] or 1e9) <= 10}
+    result["machine"]["load_average_end"] = load_average()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    png = Path(args.plot) if args.plot else out.with_name(out.stem + "_latency.png")
+    plot(plots, png)
+    print(report(result))
+    print(f"wrote {out} and {png}")
+    return result
+
+
+def report(r: dict) -> str:
+    lines = ["| run | ok/err | out tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |",
+             "|---|---|---|---|---|---|---|"]
+
+    def f(d, k):
+        v = (d or {}).get(k)
+        return "-" if v is None else f"{v:.1f}"
+
+    for run in r["runs"]:
+        if "ttft_ms" not in run:
+            lines.append(f"| {run['run']} | - | {run['output_tok_per_s']:.1f} | - | - | - | - |")
+            continue
+        lines.append(f"| {run['run']} | {run['completed']}/{run['errors']} | {run['output_tok_per_s']:.1f} | "
+                     f"{run['request_throughput_per_s']:.2f} | {f(run['ttft_ms'], 'p50')}/{f(run['ttft_ms'], 'p99')} | "
+                     f"{f(run['itl_ms'], 'p50')}/{f(run['itl_ms'], 'p99')} | "
+                     f"{f(run['e2e_ms'], 'p50')}/{f(run['e2e_ms'], 'p99')} |")
+    if "http_over_offline_throughput" in r:
+        lines.append(f"\nHTTP streaming / offline throughput = {r['http_over_offline_throughput']:.3f} (target >= 0.90)")
+        lines.append(f"added TTFT at concurrency 1, p50 = {r['added_ttft_ms_p50']:.1f} ms (target <= 10 ms); "
+                     f"offline TTFT p50 = {r['offline_ttft_ms']['p50']:.1f} ms")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
