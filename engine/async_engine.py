@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, chat_template_ids
 from engine.model_loader import load_tokenizer
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -46,18 +46,12 @@ class AsyncLLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation under the chat template (see ``LLMEngine``).
+        """Token ids of a conversation under the chat template (see ``chat_template_ids``).
 
         Raises:
             ValueError: no chat template or malformed messages.
         """
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:
-            raise ValueError(f"could not apply the chat template: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_template_ids(self.tokenizer, messages)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:

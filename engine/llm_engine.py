@@ -18,6 +18,22 @@ from engine.scheduler import Scheduler
 logger = logging.getLogger("kvserve.engine")
 
 
+def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation (``[{"role", "content"}, ...]``) under the tokenizer's chat
+    template, with the assistant generation prompt appended.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or the messages are malformed.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja errors on bad roles / content
+        raise ValueError(f"could not apply the chat template: {e}") from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -75,19 +91,8 @@ class LLMEngine:
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` under the tokenizer's chat template.
-
-        Raises:
-            ValueError: the tokenizer has no chat template, or the messages are malformed.
-        """
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # jinja errors on bad roles / content
-            raise ValueError(f"could not apply the chat template: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of ``messages`` under the tokenizer's chat template (see :func:`chat_template_ids`)."""
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None) -> Request:
