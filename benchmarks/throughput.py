@@ -135,8 +135,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="16 requests, kvserve only")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     n = 16 if args.quick else args.num_requests
     path = str(resolve_model(args.model))
     from engine.model_loader import load_config

@@ -73,6 +73,32 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Ten
     return cache[block_table[:nblocks]].flatten(0, 1)[:n]
 
 
+def _decode_plan(meta: AttentionMetadata, block_size: int, device) -> tuple | None:
+    """Gather plan of the step's decode rows, computed once per step and kept on ``meta``:
+    (query rows ``[B]``, cache slot per (request, position) ``[B * L]``, padding mask ``[B, L]``)."""
+    if hasattr(meta, "_torch_decode_plan"):
+        return meta._torch_decode_plan
+    qlens = meta.query_lens_cpu
+    decode = [i for i, n in enumerate(qlens) if n == 1]
+    plan = None
+    if decode:
+        starts = [0]
+        for n in qlens[:-1]:
+            starts.append(starts[-1] + n)
+        idx = torch.tensor(decode, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
+        length = max(meta.seq_lens_cpu[i] for i in decode)
+        nblocks = -(-length // block_size)
+        bt = meta.block_tables[idx, :nblocks].long()
+        pos = torch.arange(length, device=device)
+        slots = bt[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+        pad = pos[None, :] >= meta.seq_lens[idx].long()[:, None]
+        slots = torch.where(pad, slots[:, :1], slots)
+        plan = (rows, slots.reshape(-1), pad)
+    meta._torch_decode_plan = plan
+    return plan
+
+
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
@@ -91,26 +117,17 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     for i in range(1, len(qlens)):
         starts[i] = starts[i - 1] + qlens[i - 1]
 
-    decode = [i for i, n in enumerate(qlens) if n == 1]
-    if decode:
-        idx = torch.tensor(decode, dtype=torch.long, device=q.device)
-        rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=q.device)
-        max_len = max(slens[i] for i in decode)
-        bs = k_cache.shape[1]
-        nblocks = (max_len + bs - 1) // bs
-        bt = meta.block_tables[idx, :nblocks].long()  # [B, nblocks]
-        b = len(decode)
-        # [B, L, Hkv, D] -> [B, Hkv, L, D]
-        k = k_cache[bt].view(b, nblocks * bs, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache[bt].view(b, nblocks * bs, num_kv_heads, head_dim).transpose(1, 2)
+    plan = _decode_plan(meta, k_cache.shape[1], q.device)
+    if plan is not None:
+        rows, slots, pad = plan
+        b, length = pad.shape
+        # Per-token gather through the block table: [B * L, Hkv, D] -> [B, Hkv, L, D]. Positions
+        # past a request's seq_len read its first token (finite, masked out below).
+        k = k_cache.flatten(0, 1).index_select(0, slots).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.flatten(0, 1).index_select(0, slots).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
         qd = q[rows].view(b, num_kv_heads, group, head_dim).to(k.dtype)
         scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-        lens = meta.seq_lens[idx].to(torch.long)
-        mask = torch.arange(nblocks * bs, device=q.device)[None, :] >= lens[:, None]
-        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-        # Slots past seq_len (and table padding -> block 0) may hold garbage, even NaN from
-        # an uninitialised cache: 0 * NaN would leak through probs @ v, so zero them.
-        v.masked_fill_(mask[:, None, :, None], 0)
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out[rows] = torch.matmul(probs, v).reshape(b, num_heads, head_dim).to(q.dtype)
 
