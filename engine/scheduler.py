@@ -212,7 +212,9 @@ class Scheduler:
         return {
             "num_running_requests": len(self.running),
             "num_waiting_requests": len(self.waiting),
-            "num_waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
+            # prompt tokens not yet computed: waiting requests and running ones mid-(chunked) prefill
+            "num_waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+            + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
             "kv_cache_usage": self.kv.usage(),
             "kv_allocated_slots": allocated,
             "kv_used_slots": used,
