@@ -1,0 +1,244 @@
+"""Tensor parallelism over Ray actors: one actor per rank, one ``torch.distributed`` group.
+
+``RayWorkerGroup`` implements :class:`engine.executor.Executor`. It starts ``N =
+tensor_parallel_size`` :class:`TPWorker` actors in a placement group (the replica's own, when
+it runs inside a Serve replica deployed with ``placement_group_bundles``; else one it creates
+with ``STRICT_PACK``). Each worker joins a process group (NCCL on GPU, gloo on CPU; rendezvous
+over TCP at rank 0's address) and then builds :class:`engine.model_runner.ModelRunner`, which
+loads that rank's shard of the weights (column/row-parallel linears, vocab-parallel embedding
+and LM head, attention split by KV-head groups) and allocates that rank's share of the KV
+cache. The scheduler runs once, in the engine; every step's ``SchedulerOutput`` goes to all
+ranks, which run the forward pass in lock step (their collectives pair up), and rank 0's
+sampled tokens are the step's result.
+
+This module imports Ray and the engine, never ``deployments/``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, \
+    remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import EngineConfig
+from engine.executor import Executor
+
+logger = logging.getLogger("kvserve.cluster")
+
+
+def _reset_niceness() -> None:
+    """Normal priority for every thread of this process (best effort; niceness is per thread)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TPWorker:
+    """One tensor-parallel rank (a Ray actor): a process group member and a model runner."""
+
+    def __init__(self, rank: int, world_size: int, torch_num_threads: int | None = None):
+        import torch
+
+        self.rank, self.world_size = rank, world_size
+        _reset_niceness()  # Ray starts workers at niceness 15; a model shard is the node's main work
+        if torch_num_threads:
+            torch.set_num_threads(torch_num_threads)
+        self.runner = None
+
+    def address(self) -> tuple[str, int]:
+        """``(node ip, free port)`` for the rendezvous (asked of rank 0)."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init(self, config: EngineConfig, model_path: str, init_method: str) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        from engine.model_runner import ModelRunner
+
+        backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        dist.init_process_group(backend=backend, init_method=init_method, rank=self.rank,
+                                world_size=self.world_size)
+        self.runner = ModelRunner(config, model_path)
+        return {"rank": self.rank, "pid": os.getpid(), "backend": backend, "node": ray.util.get_node_ip_address(),
+                "threads": torch.get_num_threads()}
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, sched):
+        out = self.runner.execute_model(sched)
+        return out if self.rank == 0 else None  # only rank 0's tokens travel back
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shard_info(self) -> dict:
+        """This rank's share of the model: attention heads and KV cache shape."""
+        attn = self.runner.model.layers[0].self_attn
+        k = self.runner.kv_caches[0][0] if self.runner.kv_caches else None
+        return {"rank": self.rank, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
+                "kv_cache_shape": list(k.shape) if k is not None else None}
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        self.runner = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayWorkerGroup(Executor):
+    """An :class:`engine.executor.Executor` over ``tensor_parallel_size`` Ray actors.
+
+    Args:
+        config: the engine configuration (``tensor_parallel_size`` ranks; ``device``).
+        model_path: local model folder (every rank loads its own shard from it, so on a
+            multi-node cluster it must exist on every node, e.g. a shared file system).
+        placement_group: the group to run in (default: the current one when called inside a
+            replica or task that has one, else a new ``STRICT_PACK`` group this object owns).
+        num_cpus / num_gpus: resources of each worker actor (default: 1 CPU, and 1 GPU when
+            the device is CUDA).
+        torch_num_threads: CPU threads per rank.
+        bundle_offset: index of the bundle of rank 0 in the placement group.
+        timeout_s: how long to wait for the placement group and the workers to start.
+
+    Raises:
+        TimeoutError: the placement group could not be reserved in time.
+    """
+
+    def __init__(self, config: EngineConfig, model_path: str | Path, *, placement_group: PlacementGroup | None = None,
+                 num_cpus: float | None = None, num_gpus: float | None = None,
+                 torch_num_threads: int | None = None, bundle_offset: int = 0, timeout_s: float = 300.0):
+        super().__init__(config, model_path)
+        n = config.tensor_parallel_size
+        cuda = config.torch_device.type == "cuda"
+        num_cpus = 1 if num_cpus is None else num_cpus
+        num_gpus = (1 if cuda else 0) if num_gpus is None else num_gpus
+        self._owned_pg = None
+        pg = placement_group or get_current_placement_group()
+        self.placement_group = pg
+        if pg is None:
+            bundle = {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
+            pg = placement_group_create([dict(bundle) for _ in range(n)])
+            self._owned_pg = pg
+        if not pg.wait(timeout_seconds=timeout_s):
+            self._release_pg()
+            raise TimeoutError(f"placement group for {n} tensor-parallel workers not ready after {timeout_s}s "
+                               f"(each needs {num_cpus} CPU, {num_gpus} GPU)")
+        if len(pg.bundle_specs) < bundle_offset + n:
+            raise ValueError(f"placement group has {len(pg.bundle_specs)} bundles; "
+                             f"tensor_parallel_size {n} needs {n} from bundle {bundle_offset}")
+        actor_cls = ray.remote(TPWorker)
+        self.workers = [
+            actor_cls.options(
+                num_cpus=num_cpus, num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle_offset + rank,
+                    placement_group_capture_child_tasks=True),
+            ).remote(rank, n, torch_num_threads)
+            for rank in range(n)
+        ]
+        try:
+            ip, port = ray.get(self.workers[0].address.remote(), timeout=timeout_s)
+            init_method = f"tcp://{ip}:{port}"
+            infos = ray.get([w.init.remote(config, str(model_path), init_method) for w in self.workers],
+                            timeout=timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+        self.worker_info = infos
+        logger.info("tensor-parallel workers ready: %s via %s", infos, init_method)
+
+    # ---- Executor -------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        return min(ray.get([w.determine_num_blocks.remote() for w in self.workers]))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        ray.get([w.init_kv_cache.remote(num_blocks) for w in self.workers])
+
+    def execute_model(self, sched):
+        # Every rank must run every step (also steps that only retire finished requests),
+        # so the collectives inside the forward pass pair up across ranks.
+        ref = ray.put(sched) if len(self.workers) > 2 else sched
+        outs = ray.get([w.execute_model.remote(ref) for w in self.workers])
+        return outs[0]
+
+    def placement_group_info(self) -> dict:
+        """Where the ranks run: the placement group (the replica's own, or one created here),
+        its bundles and strategy, and each rank's process."""
+        pg = self.placement_group
+        return {"placement_group_id": pg.id.hex() if pg is not None else None,
+                "created_here": self._owned_pg is not None,
+                "bundles": list(pg.bundle_specs) if pg is not None else None,
+                "ranks": self.worker_info}
+
+    async def check_health(self, timeout_s: float = 30.0) -> None:
+        refs = [w.ping.remote() for w in self.workers]
+        await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
+
+    def shutdown(self) -> None:
+        for w in getattr(self, "workers", []):
+            try:
+                ray.get(w.shutdown.remote(), timeout=10)
+            except Exception:
+                pass
+            try:
+                ray.kill(w)
+            except Exception:
+                pass
+        self.workers = []
+        self._release_pg()
+
+    def _release_pg(self) -> None:
+        if self._owned_pg is not None:
+            try:
+                remove_placement_group(self._owned_pg)
+            except Exception:
+                pass
+            self._owned_pg = None
+
+
+def placement_group_create(bundles: list[dict], strategy: str = "STRICT_PACK") -> PlacementGroup:
+    return placement_group(bundles, strategy=strategy)
+
+
+def tp_placement_group_bundles(tensor_parallel_size: int, device: str = "cpu", *, replica_cpus: float = 1.0,
+                               worker_cpus: float = 1.0, worker_gpus: float | None = None) -> list[dict]:
+    """Serve ``placement_group_bundles`` for a replica with ``tensor_parallel_size`` workers.
+
+    The replica actor itself lands in bundle 0, so bundle 0 holds the replica's CPUs plus
+    rank 0's resources; bundles 1..N-1 hold one rank each (``{"GPU": 1}`` per rank on CUDA:
+    one worker actor per GPU).
+    """
+    gpus = (1.0 if device == "cuda" else 0.0) if worker_gpus is None else worker_gpus
+    out = []
+    for rank in range(tensor_parallel_size):
+        b = {"CPU": worker_cpus + (replica_cpus if rank == 0 else 0.0)}
+        if gpus:
+            b["GPU"] = gpus
+        out.append(b)
+    return out

@@ -1,0 +1,236 @@
+"""The kvserve Serve application: ``OpenAIIngress`` in front of one ``LLMServer`` per model.
+
+``build_app`` is an application builder: ``serve run deployments.app:build_app model=...``,
+the ``import_path`` of ``deployments/serve_config.yaml`` (``serve run`` / ``serve deploy``),
+and what ``kvserve serve`` calls. Serve validates its ``args`` against :class:`AppArgs`.
+
+Autoscaling hook: when a model's ``autoscaling`` section (or ``min_replicas`` /
+``max_replicas``) is given and ``autoscaling/policy.py`` provides
+``build_autoscaling_config(knobs, as_dict=True)``, the deployment's ``autoscaling_config``
+comes from it (kvserve's queue + token-throughput policy fed by
+``LLMServer.record_autoscaling_stats``); without that module Serve's default
+request-based autoscaler is used with the same bounds.
+"""
+# No ``from __future__ import annotations`` here: Serve reads the builder's parameter
+# annotation at runtime to validate its arguments with AppArgs.
+import logging
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from ray import serve
+from ray.serve import Application
+
+from deployments.ingress import OpenAIIngress
+from deployments.llm_server import LLMServer
+
+logger = logging.getLogger("ray.serve")
+
+#: Serve application name ``kvserve serve`` deploys (``serve.get_app_handle(APP_NAME)``).
+APP_NAME = "kvserve"
+
+#: Fields of ModelArgs that go to ``engine.EngineConfig``.
+ENGINE_FIELDS = ("model", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "kv_cache_memory_bytes", "num_kv_blocks", "block_size", "dtype", "device",
+                 "enable_prefix_caching", "seed", "scheduling_policy", "attention_backend", "enforce_eager",
+                 "gpu_memory_utilization")
+
+
+class ModelArgs(BaseModel):
+    """One model = one ``LLMServer`` deployment."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: Optional[str] = Field(None, description="local HF folder, hub id, or None for SmolLM2-135M-Instruct")
+    served_model_name: Optional[str] = Field(None, description="name clients send as `model`")
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: Optional[int] = Field(None, ge=2)
+    kv_cache_memory_bytes: Optional[int] = Field(None, ge=1)
+    num_kv_blocks: Optional[int] = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'cuda' gives each replica (or each tensor-parallel rank) one GPU")
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    attention_backend: Optional[str] = None
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+
+    num_replicas: Optional[int] = Field(None, ge=0, description="fixed replica count (default 1)")
+    min_replicas: Optional[int] = Field(None, ge=0, description="autoscaling lower bound")
+    max_replicas: Optional[int] = Field(None, ge=1, description="autoscaling upper bound")
+    autoscaling: Optional[dict[str, Any]] = Field(
+        None, description="autoscaling knobs (see autoscaling/policy.py); implies autoscaling")
+    max_ongoing_requests: int = Field(256, ge=1, description="requests one replica takes at once (>= max_num_seqs)")
+    max_queued_requests: int = Field(-1, description="handle queue bound before 429s (-1: unbounded)")
+    torch_num_threads: Optional[int] = Field(None, ge=1)
+    replica_cpus: float = Field(1.0, ge=0)
+    worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.num_replicas is not None and self.autoscaling_knobs() is not None:
+            raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+    @property
+    def name(self) -> str:
+        from engine.model_loader import DEFAULT_MODEL
+
+        return self.served_model_name or self.model or DEFAULT_MODEL
+
+    def engine_args(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ENGINE_FIELDS}
+
+    def autoscaling_knobs(self) -> Optional[dict[str, Any]]:
+        if self.autoscaling is None and self.min_replicas is None and self.max_replicas is None:
+            return None
+        knobs = dict(self.autoscaling or {})
+        if self.min_replicas is not None:
+            knobs["min_replicas"] = self.min_replicas
+        if self.max_replicas is not None:
+            knobs["max_replicas"] = self.max_replicas
+        return knobs
+
+
+class AppArgs(ModelArgs):
+    """Arguments of :func:`build_app` (``args`` of the Serve config, flags of ``kvserve serve``).
+
+    The top-level model fields describe the served model; ``models`` serves several (each
+    entry a :class:`ModelArgs`, the first one being the default for requests without a
+    ``model``), in which case the top-level model fields are ignored.
+    """
+
+    models: list[ModelArgs] = Field(default_factory=list)
+    api_keys: Optional[list[str]] = Field(None, description="if set, require `Authorization: Bearer <key>`")
+    ingress_num_replicas: int = Field(1, ge=1)
+    ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v):
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = [m.name for m in self.model_list()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names must be unique, got {names}")
+        return self
+
+    def model_list(self) -> list[ModelArgs]:
+        if self.models:
+            return list(self.models)
+        own = {k: getattr(self, k) for k in ModelArgs.model_fields}
+        return [ModelArgs(**own)]
+
+
+def logical_cpus_needed(args: AppArgs) -> float:
+    """Logical CPUs the application reserves at its initial / fixed size (ingress, replicas,
+    tensor-parallel workers); ``kvserve serve`` starts a local Ray with at least this many."""
+    total = args.ingress_cpus * args.ingress_num_replicas
+    for m in args.model_list():
+        knobs = m.autoscaling_knobs()
+        n = m.num_replicas if m.num_replicas is not None else 1
+        if knobs is not None:
+            n = max(1, knobs.get("initial_replicas") or knobs.get("min_replicas") or 1)
+        per = m.replica_cpus + (m.tensor_parallel_size * m.worker_cpus if m.tensor_parallel_size > 1 else 0.0)
+        total += n * per
+    return total
+
+
+def autoscaling_config(knobs: dict[str, Any]) -> dict[str, Any]:
+    """Serve ``autoscaling_config`` for a model: kvserve's policy when available (the hook to
+    ``autoscaling.policy.build_autoscaling_config``), else Serve's default with the same bounds."""
+    try:
+        from autoscaling import policy as kv_policy
+    except ImportError:
+        kv_policy = None
+    builder = getattr(kv_policy, "build_autoscaling_config", None)
+    if builder is not None:
+        return builder(knobs, as_dict=True)
+    logger.warning("autoscaling.policy.build_autoscaling_config not available; using Serve's default policy")
+    return {"min_replicas": knobs.get("min_replicas", 1), "max_replicas": knobs.get("max_replicas", 1),
+            "target_ongoing_requests": knobs.get("target_ongoing_requests", 32)}
+
+
+def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]:
+    """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, and the
+    placement group bundles of a tensor-parallel replica."""
+    from cluster.worker_group import tp_placement_group_bundles
+
+    opts: dict[str, Any] = {"name": deployment_name,
+                            "max_ongoing_requests": max(m.max_ongoing_requests, m.max_num_seqs),
+                            "max_queued_requests": m.max_queued_requests}
+    knobs = m.autoscaling_knobs()
+    if knobs is not None:
+        opts["autoscaling_config"] = autoscaling_config(knobs)
+        opts["num_replicas"] = "auto"
+    else:
+        opts["num_replicas"] = 1 if m.num_replicas is None else m.num_replicas
+    cuda = m.device == "cuda"
+    if m.tensor_parallel_size > 1:
+        opts["placement_group_bundles"] = tp_placement_group_bundles(
+            m.tensor_parallel_size, "cuda" if cuda else "cpu", replica_cpus=m.replica_cpus,
+            worker_cpus=m.worker_cpus)
+        opts["placement_group_strategy"] = "STRICT_PACK"
+        opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 0}
+    else:
+        opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 1 if cuda else 0}
+    return opts
+
+
+def _deployment_name(index: int, name: str) -> str:
+    if index == 0:
+        return "LLMServer"
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)
+    return f"LLMServer-{safe}"
+
+
+def build_app(args: AppArgs) -> Application:
+    """Build the kvserve application (``serve run deployments.app:build_app``).
+
+    ``args`` may be an :class:`AppArgs` or a plain dict (validated here). The first model's
+    deployment is named ``LLMServer`` (``serve.get_deployment_handle("LLMServer", "kvserve")``).
+    """
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(dict(args or {}))
+    handles = {}
+    for i, m in enumerate(args.model_list()):
+        opts = llm_deployment_options(m, _deployment_name(i, m.name))
+        worker_options = {"num_cpus": m.worker_cpus}
+        handles[m.name] = LLMServer.options(**opts).bind(
+            m.engine_args(), m.name, m.torch_num_threads, worker_options)
+    return OpenAIIngress.options(num_replicas=args.ingress_num_replicas,
+                                 max_ongoing_requests=args.ingress_max_ongoing_requests,
+                                 ray_actor_options={"num_cpus": args.ingress_cpus}).bind(
+        handles, args.api_keys)
+
+
+def app_args_from_config(path: str, app_name: str = APP_NAME) -> dict[str, Any]:
+    """The ``args`` of an application in a Serve config file (or a plain YAML dict of args)."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if "applications" in data:
+        apps = data["applications"]
+        for a in apps:
+            if a.get("name") == app_name:
+                return dict(a.get("args") or {})
+        if len(apps) == 1:
+            return dict(apps[0].get("args") or {})
+        raise ValueError(f"no application named {app_name!r} in {path}")
+    return dict(data)
+
+
+__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "autoscaling_config", "app_args_from_config",
+           "logical_cpus_needed"]

@@ -1,0 +1,212 @@
+"""The ``kvserve`` command.
+
+``kvserve generate --prompt ...``  runs the engine in this process (no Ray) and prints the text.
+``kvserve serve [flags]``           starts (or joins) Ray, deploys the kvserve Serve application,
+                                    prints the base URL and a curl line, serves until Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+
+# ---- generate (engine only) ------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model, max_num_seqs=8)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    out = outs[0].outputs[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "finish_reason": out.finish_reason, "token_ids": out.token_ids}))
+    else:
+        print(out.text)
+    return 0
+
+
+# ---- serve --------------------------------------------------------------------------------
+_ENGINE_FLAGS = (
+    # (flag, AppArgs field, type, help)
+    ("--model", "model", str, "model folder or hub id (default: SmolLM2-135M-Instruct)"),
+    ("--served-model-name", "served_model_name", str, "name clients send as `model` (default: --model)"),
+    ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks per replica (Ray worker actors), default 1"),
+    ("--num-replicas", "num_replicas", int, "fixed number of LLMServer replicas (default 1)"),
+    ("--max-num-seqs", "max_num_seqs", int, "most requests in a batch (default 64)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step (default 2048)"),
+    ("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
+    ("--kv-cache-memory-bytes", "kv_cache_memory_bytes", int, "KV cache size per rank"),
+    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("--device", "device", str, "auto | cpu | cuda ('cuda': one GPU per replica / rank)"),
+    ("--max-ongoing-requests", "max_ongoing_requests", int, "requests one replica accepts at once (default 256)"),
+    ("--torch-num-threads", "torch_num_threads", int, "CPU threads per engine process"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvserve", description="kvserve: an LLM serving cluster on Ray Serve")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate with the engine in this process (no Ray)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--model", default=None)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="apply the chat template to the prompt (one user turn)")
+    g.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API on Ray Serve until Ctrl-C")
+    s.add_argument("--config", default=None,
+                   help="Serve config YAML (e.g. deployments/serve_config.yaml) or a YAML of app args; "
+                        "flags override its args")
+    s.add_argument("--address", default=None,
+                   help="join a Ray cluster ('auto', 'ray://host:10001', host:port) instead of starting one")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--name", default=None, help="Serve application name (default kvserve)")
+    s.add_argument("--route-prefix", default="/")
+    s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray instance")
+    s.add_argument("--api-key", action="append", default=None, dest="api_keys",
+                   help="require 'Authorization: Bearer <key>' (repeatable)")
+    for flag, dest, typ, help_ in _ENGINE_FLAGS:
+        s.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+    _add_autoscaling_flags(s)
+    s.set_defaults(func=cmd_serve)
+    return ap
+
+
+def _add_autoscaling_flags(parser: argparse.ArgumentParser) -> None:
+    """The autoscaling policy's own flags when ``autoscaling/policy.py`` provides them
+    (``--min-replicas``, ``--max-replicas`` and its knobs), else just the bounds."""
+    try:
+        from autoscaling.policy import add_autoscaling_args
+    except ImportError:
+        add_autoscaling_args = None
+    if add_autoscaling_args is not None:
+        add_autoscaling_args(parser)
+        return
+    group = parser.add_argument_group("autoscaling")
+    group.add_argument("--min-replicas", type=int, default=None, dest="autoscaling_min_replicas")
+    group.add_argument("--max-replicas", type=int, default=None, dest="autoscaling_max_replicas")
+
+
+def app_args_from_cli(args: argparse.Namespace) -> dict:
+    """AppArgs (as a dict) from ``--config`` and the flags (flags win)."""
+    from deployments.app import APP_NAME, app_args_from_config
+
+    app_args: dict = {}
+    if args.config:
+        app_args = app_args_from_config(args.config, args.name or APP_NAME)
+    for _flag, dest, _typ, _help in _ENGINE_FLAGS:
+        v = getattr(args, dest, None)
+        if v is not None:
+            app_args[dest] = v
+    if args.api_keys:
+        app_args["api_keys"] = args.api_keys
+    knobs = {k[len("autoscaling_"):]: v for k, v in vars(args).items()
+             if k.startswith("autoscaling_") and v is not None}
+    if knobs:
+        if "num_replicas" in app_args and args.num_replicas is not None:
+            raise SystemExit("kvserve serve: give either --num-replicas or autoscaling flags, not both")
+        app_args.pop("num_replicas", None)
+        auto = dict(app_args.get("autoscaling") or {})
+        for bound in ("min_replicas", "max_replicas"):
+            if bound in knobs:
+                app_args[bound] = knobs.pop(bound)
+        auto.update(knobs)
+        if auto:
+            app_args["autoscaling"] = auto
+    return app_args
+
+
+def _curl_line(base_url: str, model: str, api_key: str | None) -> str:
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32, "temperature": 0})
+    return f"curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deployments.app import APP_NAME, AppArgs, build_app, logical_cpus_needed
+
+    app_args = AppArgs.model_validate(app_args_from_cli(args))
+    name = args.name or APP_NAME
+    started_ray = args.address is None
+    if started_ray:
+        # A local single-user instance: Ray 2.60's token auth would make every later driver
+        # (e.g. a Python-handle client) need the token file; keep it off unless asked for.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Ray runs workers at niceness 15 by default; on a serving node the Serve proxy,
+        # ingress and engine replicas are the main work.
+        os.environ.setdefault("RAY_worker_niceness", "0")
+    import ray
+    from ray import serve
+
+    init_kw = {"include_dashboard": False} if started_ray else {}
+    if started_ray:
+        # Logical CPUs are a scheduling budget (torch threads are set per engine process):
+        # give a local instance at least what the app reserves, so e.g. TP=2 fits on 2 cores.
+        need = int(logical_cpus_needed(app_args) + 0.999)
+        init_kw["num_cpus"] = args.num_cpus or max(os.cpu_count() or 1, need)
+    ray.init(address=args.address, **init_kw)
+    stopping = {"flag": False}
+
+    def _stop(signum, frame):
+        if stopping["flag"]:  # a second Ctrl-C while shutting down: keep shutting down
+            print("kvserve: already shutting down ...", flush=True)
+            return
+        stopping["flag"] = True
+        raise KeyboardInterrupt
+
+    # Explicit handlers: Ctrl-C must work even where SIGINT was ignored at start (e.g. a
+    # background job of a non-interactive shell), and SIGTERM must shut down the same way.
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        route = args.route_prefix
+        print(f"kvserve: deploying {', '.join(m.name for m in app_args.model_list())} "
+              f"(application {name!r}) ...", flush=True)
+        serve.run(build_app(app_args), name=name, route_prefix=route, blocking=False)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        base_url = f"http://{host}:{args.port}{route.rstrip('/')}/v1"
+        first = app_args.model_list()[0].name
+        key = app_args.api_keys[0] if app_args.api_keys else None
+        print("", flush=True)
+        print(f"kvserve is serving {first} at {base_url}", flush=True)
+        print("try:", flush=True)
+        print(f"  {_curl_line(base_url, first, key)}", flush=True)
+        print("Ctrl-C to stop.", flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nkvserve: shutting down ...", flush=True)
+    finally:
+        try:
+            if started_ray:
+                serve.shutdown()
+            else:
+                serve.delete(name)
+        except Exception as e:
+            print(f"kvserve: serve shutdown failed: {e}", file=sys.stderr)
+        ray.shutdown()
+    print("kvserve: stopped.", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

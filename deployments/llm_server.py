@@ -1,0 +1,384 @@
+"""``LLMServer``: the Serve deployment that owns one :class:`engine.AsyncLLMEngine` per replica.
+
+Callers (the OpenAI ingress, or any Ray job through a ``DeploymentHandle``) stream tokens
+with ``handle.options(stream=True).generate.remote(prompt, sampling_params)``; every item
+is a plain dict (see :meth:`LLMServer.generate`), so a caller needs neither the engine nor
+torch. Cancelling the stream (an HTTP client that disconnects, or ``gen.cancel()``) aborts
+the request in the engine and returns its KV blocks to the pool.
+
+With ``tensor_parallel_size > 1`` the replica starts a :class:`cluster.worker_group.RayWorkerGroup`
+(one Ray actor per rank, in the placement group Serve reserved for the replica) and hands
+it to the engine as its executor; the scheduler, detokenizer and sampling bookkeeping stay
+in the replica.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+logger = logging.getLogger("ray.serve")
+
+#: Seconds of recent engine steps behind the ``*_tokens_per_s`` rates.
+RATE_WINDOW_S = 10.0
+#: Seconds of recent "full-ish" steps behind the capacity estimates.
+CAPACITY_WINDOW_S = 30.0
+
+
+def reset_niceness() -> None:
+    """Ray starts worker processes at niceness 15 (``RAY_worker_niceness``), which lets any
+    other process on the node starve the engine; an engine replica is the node's main work,
+    so it asks for normal priority (best effort: needs the permission to lower niceness)."""
+    # Linux niceness is per thread, and new threads inherit their creator's: set every
+    # thread that exists now (those created later, like the step thread, then inherit 0).
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def default_torch_threads(tensor_parallel_size: int = 1) -> int:
+    """CPU threads for one engine process (Ray sets ``OMP_NUM_THREADS`` to the actor's
+    ``num_cpus``, 1 by default, which would leave most cores idle on a CPU replica)."""
+    return max(1, (os.cpu_count() or 1) // max(1, tensor_parallel_size))
+
+
+class StepStats:
+    """Per-step measurements, taken around ``executor.execute_model`` (a thin wrapper).
+
+    For every step it records its end time, the wall time of its cycle (from the end of the
+    previous step when the engine ran back to back, else the model call alone), prefill and
+    decode tokens computed, tokens sampled, and whether the step was "full-ish": its batch
+    was at least half of ``max_num_seqs`` / ``max_num_batched_tokens``, or requests were still
+    waiting when it ran (the replica was saturated). Capacities are measured only on such
+    steps: ``decode capacity`` = sampled tokens / cycle time over full-ish decode steps,
+    ``prefill capacity`` = computed tokens / cycle time over full-ish prefill steps, both over
+    the last :data:`CAPACITY_WINDOW_S` (the last value is kept when no such step is recent;
+    0 means "not measured yet").
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.steps: deque[tuple[float, float, int, int, int, bool, bool]] = deque()
+        self.lock = threading.Lock()
+        self.last_end = 0.0
+        self.decode_capacity = 0.0
+        self.prefill_capacity = 0.0
+        self.created = time.monotonic()
+        self.scheduler = None  # set once the engine exists (to see its waiting queue)
+
+    def record(self, t0: float, t1: float, n_prefill: int, n_decode: int, n_sampled: int, batch: int) -> None:
+        exec_s = t1 - t0
+        back_to_back = self.last_end and (t0 - self.last_end) < max(0.005, 0.25 * exec_s)
+        cycle = (t1 - self.last_end) if back_to_back else exec_s
+        self.last_end = t1
+        waiting = len(self.scheduler.waiting) if self.scheduler is not None else 0
+        full_decode = n_decode > 0 and n_prefill == 0 and (batch >= max(2, self.max_num_seqs // 2) or waiting > 0)
+        full_prefill = n_prefill > 0 and (n_prefill >= self.max_num_batched_tokens // 2 or waiting > 0)
+        with self.lock:
+            self.steps.append((t1, max(cycle, 1e-6), n_prefill, n_decode, n_sampled, full_decode, full_prefill))
+            horizon = t1 - max(RATE_WINDOW_S, CAPACITY_WINDOW_S)
+            while self.steps and self.steps[0][0] < horizon:
+                self.steps.popleft()
+
+    def snapshot(self) -> dict[str, float]:
+        now = time.monotonic()
+        with self.lock:
+            steps = list(self.steps)
+        window = max(1e-3, min(RATE_WINDOW_S, now - self.created))
+        recent = [s for s in steps if s[0] >= now - RATE_WINDOW_S]
+        gen = sum(s[4] for s in recent) / window
+        pre = sum(s[2] for s in recent) / window
+        cap_from = now - CAPACITY_WINDOW_S
+        dec = [s for s in steps if s[5] and s[0] >= cap_from]
+        if dec:
+            self.decode_capacity = sum(s[4] for s in dec) / sum(s[1] for s in dec)
+        pf = [s for s in steps if s[6] and s[0] >= cap_from]
+        if pf:
+            self.prefill_capacity = sum(s[2] + s[3] for s in pf) / sum(s[1] for s in pf)
+        return {"generation_tokens_per_s": gen, "prefill_tokens_per_s": pre,
+                "decode_capacity_tokens_per_s": self.decode_capacity,
+                "prefill_capacity_tokens_per_s": self.prefill_capacity}
+
+
+class _MeasuredExecutor:
+    """Wraps an engine executor; records :class:`StepStats` around each ``execute_model``."""
+
+    def __init__(self, inner, stats: StepStats):
+        self.inner, self.stats = inner, stats
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def determine_num_blocks(self) -> int:
+        return self.inner.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.inner.init_kv_cache(num_blocks)
+
+    def execute_model(self, sched):
+        if sched.is_empty:
+            return self.inner.execute_model(sched)
+        t0 = time.monotonic()
+        out = self.inner.execute_model(sched)
+        t1 = time.monotonic()
+        n_prefill = n_decode = n_sampled = 0
+        for sr in sched.requests:
+            n = len(sr.token_ids)
+            if n == 1 and sr.new is None:
+                n_decode += 1
+            else:
+                n_prefill += n
+            n_sampled += bool(sr.sample)
+        self.stats.record(t0, t1, n_prefill, n_decode, n_sampled, len(sched.requests))
+        return out
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    s = tokenizer.decode([token_id], skip_special_tokens=False)
+    return s, list(s.encode("utf-8"))
+
+
+@serve.deployment(name="LLMServer", max_ongoing_requests=256, health_check_period_s=10,
+                  health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
+class LLMServer:
+    """One model, one :class:`engine.AsyncLLMEngine` per replica.
+
+    Args:
+        engine_args: keyword arguments of :class:`engine.EngineConfig` (``model``,
+            ``tensor_parallel_size``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ...).
+        served_model_name: the name clients use (default: the ``model`` argument, or
+            SmolLM2's hub id for the default model).
+        torch_num_threads: CPU threads of the engine process (default: all cores on a
+            single-rank CPU replica, see :func:`default_torch_threads`).
+        worker_options: extra options for the tensor-parallel worker actors
+            (``num_cpus``, ``num_gpus``), passed to :class:`cluster.worker_group.RayWorkerGroup`.
+    """
+
+    def __init__(self, engine_args: dict | None = None, served_model_name: str | None = None,
+                 torch_num_threads: int | None = None, worker_options: dict | None = None):
+        import torch
+
+        from engine.async_engine import AsyncLLMEngine
+        from engine.config import EngineConfig
+        from engine.executor import UniProcExecutor
+        from engine.model_loader import DEFAULT_MODEL
+
+        reset_niceness()
+        engine_args = dict(engine_args or {})
+        config = EngineConfig(**engine_args)
+        tp = config.tensor_parallel_size
+        torch.set_num_threads(torch_num_threads or default_torch_threads(1))
+        self.stats = StepStats(config.max_num_seqs, config.max_num_batched_tokens)
+
+        if tp > 1:
+            from cluster.worker_group import RayWorkerGroup
+
+            wopts = dict(worker_options or {})
+            wopts.setdefault("torch_num_threads", torch_num_threads or default_torch_threads(tp))
+
+            def inner_factory(cfg, path):
+                return RayWorkerGroup(cfg, path, **wopts)
+        else:
+            inner_factory = UniProcExecutor
+
+        def factory(cfg, path):
+            return _MeasuredExecutor(inner_factory(cfg, path), self.stats)
+
+        t0 = time.time()
+        self.engine = AsyncLLMEngine.from_config(config, executor_factory=factory)
+        self.stats.scheduler = self.engine.engine.scheduler
+        self.model_name = served_model_name or config.model or DEFAULT_MODEL
+        self._recent: OrderedDict[str, dict[str, float | None]] = OrderedDict()  # finished requests' timings
+        self.max_model_len = self.engine.engine.max_model_len
+        logger.info("LLMServer %s ready in %.1fs (tp=%d, max_model_len=%d)", self.model_name,
+                    time.time() - t0, tp, self.max_model_len)
+
+    # ---- generation ---------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,
+                       messages: list[dict] | None = None, request_id: str | None = None,
+                       priority: int = 0, return_errors: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request, one dict per engine step that gives it a token.
+
+        Args:
+            prompt: text, or token ids (ignored when ``messages`` is given).
+            sampling_params: keyword arguments of :class:`engine.SamplingParams`
+                (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``,
+                ``logprobs``, ``ignore_eos``, ...).
+            messages: a chat conversation (``[{"role", "content"}, ...]``); the tokenizer's
+                chat template and the assistant generation prompt are applied.
+            request_id: the engine's id for the request (default: a random one).
+            priority: lower runs first under ``scheduling_policy="priority"``.
+            return_errors: yield invalid input as one item ``{"error": message,
+                "finished": True}`` instead of raising (the ingress uses it, so bad requests
+                do not log replica tracebacks).
+
+        Yields:
+            ``{"text": delta text, "token_ids": delta ids, "finished": bool,
+            "finish_reason": None | "stop" | "length", "stop_reason", "num_output_tokens"}``;
+            the first item also has ``num_prompt_tokens``; with ``logprobs`` each item has
+            ``logprobs``: per new token ``{"token_id", "token", "bytes", "logprob",
+            "top_logprobs": [{"token_id", "token", "bytes", "logprob"}, ...]}``.
+
+        Raises:
+            ValueError: invalid sampling parameters, messages or prompt (e.g. longer than
+                the model's context); raised before anything is generated.
+        """
+        from engine.sampling_params import SamplingParams
+
+        try:
+            params = SamplingParams(**(sampling_params or {}))
+            if messages is not None:
+                prompt = self.engine.apply_chat_template(messages)
+            if prompt is None:
+                raise ValueError("either prompt or messages is required")
+            stream = self.engine.generate(prompt, params, request_id, priority)
+            out = await anext(stream)  # tokenizes and validates the prompt before the first step
+        except (ValueError, TypeError) as e:
+            if not return_errors:
+                raise ValueError(str(e)) from e
+            yield {"error": str(e), "finished": True}
+            return
+        want_lp = params.logprobs is not None
+        first = True
+        n_lp = 0
+        try:
+            while True:
+                c = out.outputs[0]
+                item: dict[str, Any] = {"text": c.delta_text, "token_ids": c.delta_token_ids,
+                                        "finished": out.finished, "finish_reason": c.finish_reason,
+                                        "num_output_tokens": len(c.token_ids)}
+                if first:
+                    item["num_prompt_tokens"] = len(out.prompt_token_ids)
+                    first = False
+                if out.finished:
+                    item["stop_reason"] = c.stop_reason
+                if want_lp:
+                    k = len(c.delta_token_ids)
+                    entries = (c.logprobs or [])[n_lp:n_lp + k]
+                    n_lp += len(entries)
+                    item["logprobs"] = [self._logprob_entry(tid, d, params.logprobs)
+                                        for tid, d in zip(c.delta_token_ids, entries)]
+                if out.finished:
+                    self._remember(out)
+                yield item
+                if out.finished:
+                    return
+                out = await anext(stream)
+        finally:
+            await stream.aclose()  # aborts the request in the engine unless it finished
+
+    async def complete(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,
+                       messages: list[dict] | None = None, request_id: str | None = None,
+                       priority: int = 0) -> dict[str, Any]:
+        """Non-streaming :meth:`generate`: ``{"text", "token_ids", "finish_reason",
+        "num_prompt_tokens", "num_output_tokens"}`` (plus ``logprobs`` if asked for)."""
+        text, ids, lps, last, n_prompt = [], [], [], {}, 0
+        async for item in self.generate(prompt, sampling_params, messages=messages, request_id=request_id,
+                                        priority=priority):
+            text.append(item["text"])
+            ids.extend(item["token_ids"])
+            lps.extend(item.get("logprobs") or [])
+            n_prompt = item.get("num_prompt_tokens", n_prompt)
+            last = item
+        res = {"text": "".join(text), "token_ids": ids, "finish_reason": last.get("finish_reason"),
+               "stop_reason": last.get("stop_reason"), "num_prompt_tokens": n_prompt,
+               "num_output_tokens": len(ids)}
+        if (sampling_params or {}).get("logprobs") is not None:
+            res["logprobs"] = lps
+        return res
+
+    def _logprob_entry(self, token_id: int, d: dict[int, float], k: int) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+        s, b = _token_str(tok, token_id)
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
+        return {"token_id": token_id, "token": s, "bytes": b, "logprob": d.get(token_id, float("-inf")),
+                "top_logprobs": [dict(zip(("token", "bytes"), _token_str(tok, t)), token_id=t, logprob=lp)
+                                 for t, lp in top]}
+
+    # ---- introspection ------------------------------------------------------------------
+    RECENT_LIMIT = 4096
+
+    def _remember(self, out) -> None:
+        m = out.metrics
+        self._recent[out.request_id] = {
+            "arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
+            "first_token_time": m.first_token_time, "finished_time": m.finished_time,
+            "engine_ttft_s": m.ttft, "num_prompt_tokens": len(out.prompt_token_ids),
+            "num_output_tokens": len(out.outputs[0].token_ids), "num_cached_tokens": m.num_cached_tokens}
+        while len(self._recent) > self.RECENT_LIMIT:
+            self._recent.popitem(last=False)
+
+    def recent_request_metrics(self, request_ids: list[str] | None = None) -> dict[str, dict]:
+        """Engine-side timings (``time.time()`` seconds) of recently finished requests, by
+        request id (the ingress uses ``<response id>-<choice index>`` for completions and the
+        response id for chat): lets a client split its TTFT into engine and serving path."""
+        if request_ids is None:
+            return dict(self._recent)
+        return {r: self._recent[r] for r in request_ids if r in self._recent}
+
+    def model_info(self) -> dict[str, Any]:
+        info = {"id": self.model_name, "root": self.engine.engine.model_path, "max_model_len": self.max_model_len,
+                "tensor_parallel_size": self.engine.engine.config.tensor_parallel_size}
+        executor = getattr(self.engine.engine.executor, "inner", None)
+        if hasattr(executor, "placement_group_info"):
+            info["workers"] = executor.placement_group_info()
+        return info
+
+    def get_stats(self) -> dict[str, float]:
+        """The engine's gauges and counters (``kv_cache_usage``, ``num_running_requests``,
+        ``max_running_batch``, ``num_generated_tokens``, ...) plus the step-rate metrics."""
+        s = dict(self.engine.get_stats())
+        s.update(self.stats.snapshot())
+        return s
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Per-replica metrics for the custom autoscaling policy (``autoscaling/policy.py``):
+        queue and batch gauges from the scheduler, token rates over the last
+        :data:`RATE_WINDOW_S` s of engine steps, and the capacities measured on full-ish steps
+        (see :class:`StepStats`)."""
+        s = self.engine.get_stats()
+        rates = self.stats.snapshot()
+        return {
+            "num_waiting_requests": float(s["num_waiting_requests"] + s.get("num_pending_requests", 0)),
+            "num_waiting_prefill_tokens": float(s["num_waiting_prefill_tokens"]),
+            "num_running_requests": float(s["num_running_requests"]),
+            "generation_tokens_per_s": float(rates["generation_tokens_per_s"]),
+            "prefill_tokens_per_s": float(rates["prefill_tokens_per_s"]),
+            "decode_capacity_tokens_per_s": float(rates["decode_capacity_tokens_per_s"]),
+            "prefill_capacity_tokens_per_s": float(rates["prefill_capacity_tokens_per_s"]),
+            "kv_cache_usage": float(s["kv_cache_usage"]),
+        }
+
+    async def check_health(self) -> None:
+        """Serve's health check: the step loop must be alive and the TP workers reachable."""
+        if self.engine.errored is not None:
+            raise RuntimeError(f"engine failed: {self.engine.errored}")
+        task = self.engine._task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            raise RuntimeError(f"engine step loop died: {task.exception()!r}")
+        executor = self.engine.engine.executor
+        check = getattr(executor, "check_health", None)
+        if check is not None:
+            await check()
+
+    async def __del__(self):  # Serve calls this on graceful replica shutdown
+        try:
+            await self.engine.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,89 @@
+"""Fixtures of the serving tests: one Ray instance per test session, one kvserve Serve app.
+
+The app serves SmolLM2-135M-Instruct under its default name (as ``make serve`` does) plus a
+tiny random-weight model ("tiny"); a second small app ("kvserve-auth", route ``/auth``)
+serves the tiny model with an API key and tensor_parallel_size 2 (worker actors in the
+replica's placement group).
+"""
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does
+
+import socket  # noqa: E402
+import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+API_KEY = "sk-kvserve-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance (8 logical CPUs on whatever cores there are), shared by all the
+    Ray tests of this session; reused if something already started one."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        started = True
+    yield SimpleNamespace(address=ray.get_runtime_context().gcs_address)
+    if started:
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception:
+            pass
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_session, smollm2_path, tiny_llama_path):
+    """The kvserve app over real HTTP; yields base URLs and a handle to SmolLM2's LLMServer."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    t0 = time.time()
+    main = build_app({"models": [
+        {"model": None, "max_num_seqs": 32, "max_model_len": 1024},
+        {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
+         "torch_num_threads": 1, "replica_cpus": 0.5},
+    ], "ingress_cpus": 0.25})
+    # logical CPUs in all: 1.75 here, 1.75 for the auth app, leaving room on 8 for the TP test
+    auth = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
+                      "max_num_seqs": 8, "max_model_len": 256, "torch_num_threads": 1, "api_keys": [API_KEY],
+                      "replica_cpus": 0.5, "worker_cpus": 0.5, "ingress_cpus": 0.25})
+    serve.run(auth, name="kvserve-auth", route_prefix="/auth", blocking=False)
+    serve.run(main, name="kvserve", route_prefix="/")
+    # the auth app deploys alongside; wait for it too
+    deadline = time.time() + 300
+    while serve.status().applications["kvserve-auth"].status != "RUNNING":
+        if time.time() > deadline:
+            raise TimeoutError(f"kvserve-auth not running: {serve.status().applications['kvserve-auth']}")
+        time.sleep(0.5)
+    ns = SimpleNamespace(
+        port=port,
+        root=f"http://127.0.0.1:{port}",
+        base_url=f"http://127.0.0.1:{port}/v1",
+        auth_base_url=f"http://127.0.0.1:{port}/auth/v1",
+        model=SMOLLM2,
+        api_key=API_KEY,
+        llm=serve.get_deployment_handle("LLMServer", "kvserve"),
+        deploy_s=time.time() - t0,
+    )
+    yield ns
+    serve.delete("kvserve-auth")
+    serve.delete("kvserve")

@@ -1,0 +1,182 @@
+"""Serving pieces that need no running Ray: the Serve config file, the app builder and its
+pydantic args, the CLI, the OpenAI protocol models, the step metrics, import rules."""
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_config_file_loads_with_serve_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.app import AppArgs, build_app
+
+    data = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(data)
+    app = schema.applications[0]
+    assert app.name == "kvserve" and app.import_path == "deployments.app:build_app"
+    args = AppArgs.model_validate(app.args)
+    assert args.model_list()[0].name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+
+    assert isinstance(call_user_app_builder_with_args_if_necessary(build_app, app.args), Application)
+    with pytest.raises(ValidationError):
+        call_user_app_builder_with_args_if_necessary(build_app, {"max_num_seqs": -1})
+
+
+def test_ray_cluster_yaml_validates():
+    from ray.autoscaler._private.util import validate_config
+
+    cfg = yaml.safe_load((ROOT / "cluster" / "ray-cluster.yaml").read_text())
+    validate_config(cfg)
+    types = cfg["available_node_types"]
+    assert "gpu_worker" in types and "cpu_worker" in types
+
+
+def test_app_args_and_deployment_options():
+    from deployments.app import AppArgs, llm_deployment_options
+
+    with pytest.raises(ValidationError):
+        AppArgs(num_replicas=2, max_replicas=4)
+    with pytest.raises(ValidationError):
+        AppArgs(unknown_field=1)
+    with pytest.raises(ValidationError):
+        AppArgs(models=[{"model": "a"}, {"model": "a"}])
+    assert AppArgs(api_keys="k1, k2").api_keys == ["k1", "k2"]
+
+    m = AppArgs(tensor_parallel_size=2).model_list()[0]
+    o = llm_deployment_options(m, "LLMServer")
+    assert o["placement_group_strategy"] == "STRICT_PACK"
+    assert o["placement_group_bundles"] == [{"CPU": 2.0}, {"CPU": 1.0}]
+    assert o["ray_actor_options"]["num_cpus"] == 1.0 and o["num_replicas"] == 1
+    assert o["max_ongoing_requests"] >= 64
+
+    gpu = llm_deployment_options(AppArgs(tensor_parallel_size=4, device="cuda").model_list()[0], "x")
+    assert [b["GPU"] for b in gpu["placement_group_bundles"]] == [1.0] * 4
+    one_gpu = llm_deployment_options(AppArgs(device="cuda").model_list()[0], "x")
+    assert one_gpu["ray_actor_options"]["num_gpus"] == 1 and "placement_group_bundles" not in one_gpu
+
+    auto = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=3).model_list()[0], "x")
+    assert auto["num_replicas"] == "auto"
+    ac = auto["autoscaling_config"]
+    assert ac["min_replicas"] == 1 and ac["max_replicas"] == 3
+    try:
+        from autoscaling.policy import build_autoscaling_config  # noqa: F401
+    except ImportError:
+        return
+    assert "policy" in ac  # kvserve's own policy through the hook
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**ac)
+
+
+def test_cli_flags_to_app_args(tmp_path):
+    from deployments.cli import app_args_from_cli, build_parser
+
+    p = build_parser()
+    a = app_args_from_cli(p.parse_args(["serve", "--model", "/m", "--tensor-parallel-size", "2", "--num-replicas",
+                                        "3", "--max-num-seqs", "16", "--port", "9000"]))
+    assert a == {"model": "/m", "tensor_parallel_size": 2, "num_replicas": 3, "max_num_seqs": 16}
+    a = app_args_from_cli(p.parse_args(["serve", "--min-replicas", "1", "--max-replicas", "4"]))
+    assert a["min_replicas"] == 1 and a["max_replicas"] == 4 and "num_replicas" not in a
+    a = app_args_from_cli(p.parse_args(["serve", "--config", str(ROOT / "deployments" / "serve_config.yaml"),
+                                        "--max-num-seqs", "8", "--api-key", "k"]))
+    assert a["max_num_seqs"] == 8 and a["tensor_parallel_size"] == 1 and a["api_keys"] == ["k"]
+    plain = tmp_path / "args.yaml"
+    plain.write_text("model: /x\nmax_replicas: 2\n")
+    assert app_args_from_cli(p.parse_args(["serve", "--config", str(plain)])) == {"model": "/x", "max_replicas": 2}
+    with pytest.raises(SystemExit):
+        app_args_from_cli(p.parse_args(["serve", "--num-replicas", "2", "--max-replicas", "3"]))
+
+
+def test_cli_generate_runs_engine_without_ray(tiny_llama_path):
+    code = ("import sys, json; from deployments.cli import main; "
+            f"main(['generate', '--prompt', 'hello', '--model', {str(tiny_llama_path)!r}, '--max-tokens', '5', "
+            "'--json']); assert 'ray' not in sys.modules, 'kvserve generate imported ray'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) <= 5 and out["finish_reason"] in ("stop", "length")
+
+
+def test_protocol_models():
+    from deployments.protocol import ChatCompletionRequest, CompletionRequest, finish_reason
+
+    r = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5,
+        "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "top_k": 5, "user": "u",
+        "some_future_field": 1})
+    assert r.effective_max_tokens == 7 and r.num_logprobs == 3
+    assert r.messages[0].to_template() == {"role": "user", "content": "ab"}
+    sp = r.sampling_dict(r.effective_max_tokens, r.num_logprobs)
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(**sp)
+    assert params.max_tokens == 7 and params.top_k == 5 and params.logprobs == 3 and params.temperature == 1.0
+    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "n": 2},
+                {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+                {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(bad)
+    assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt="a").max_tokens == 16
+    assert finish_reason("abort") == "stop" and finish_reason("length") == "length"
+
+
+def test_step_stats_capacity_only_from_full_steps():
+    from deployments.llm_server import StepStats
+
+    s = StepStats(max_num_seqs=8, max_num_batched_tokens=100)
+    t = 1000.0
+    s.created = t - 20
+    # small decode batches: rates but no capacity yet
+    for i in range(10):
+        s.record(t + i * 0.1, t + i * 0.1 + 0.05, 0, 1, 1, 1)
+    import time as _time
+
+    real = _time.monotonic
+    try:
+        _time.monotonic = lambda: t + 1.0
+        r = s.snapshot()
+        assert r["decode_capacity_tokens_per_s"] == 0.0 and r["generation_tokens_per_s"] > 0
+        # full decode steps (batch 8, back to back, 0.1 s each): 80 tok/s
+        for i in range(5):
+            s.record(t + 2 + i * 0.1, t + 2 + (i + 1) * 0.1, 0, 8, 8, 8)
+        # a full prefill step: 100 tokens in 0.5 s
+        s.record(t + 3, t + 3.5, 100, 0, 1, 1)
+        _time.monotonic = lambda: t + 4.0
+        r = s.snapshot()
+        assert r["decode_capacity_tokens_per_s"] == pytest.approx(80, rel=0.05)
+        assert r["prefill_capacity_tokens_per_s"] == pytest.approx(200, rel=0.05)
+        _time.monotonic = lambda: t + 100.0  # nothing recent: keep the last measured capacity
+        r = s.snapshot()
+        assert r["decode_capacity_tokens_per_s"] == pytest.approx(80, rel=0.05)
+        assert r["generation_tokens_per_s"] == 0.0
+    finally:
+        _time.monotonic = real
+
+
+def _imports(pkg: str) -> set[str]:
+    mods = set()
+    for f in (ROOT / pkg).rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                mods.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods.add(node.module.split(".")[0])
+    return mods
+
+
+def test_import_rules():
+    assert "ray" not in _imports("engine") and "deployments" not in _imports("engine")
+    assert "deployments" not in _imports("cluster")
