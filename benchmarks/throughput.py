@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -161,6 +162,7 @@ def main(argv=None) -> dict:
             r = fn()
         except Exception as e:  # report, do not hide, a system that failed
             r = {"system": getattr(fn, "__name__", "?"), "error": f"{type(e).__name__}: {e}"}
+        r["load_average_after"] = list(os.getloadavg())  # 2 cores: > 2 means shared CPU
         results["systems"].append(r)
         print(json.dumps(r), flush=True)
     by = {r["system"]: r for r in results["systems"]}

@@ -211,6 +211,9 @@ class OpenAIIngress:
         gen = handle.generate.remote(*args, return_errors=True, **kwargs)
         try:
             first = await gen.__anext__()
+        except asyncio.CancelledError:  # the client went away before the first token
+            gen.cancel()
+            raise
         except StopAsyncIteration:
             raise OpenAIError("the model returned no output", 500, "server_error")
         except Exception as e:
