@@ -263,10 +263,6 @@ def free_port() -> int:
 def launch_server(model: str | None, app_args: dict, port: int, num_cpus: int) -> str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does: serving is the node's main work
-    from deployments.app import FAST_PATH_ENV
-
-    for k, v in FAST_PATH_ENV.items():  # as `kvserve serve` does (the proxy reads the node's environment)
-        os.environ.setdefault(k, v)
     import ray
     from ray import serve
 

@@ -28,18 +28,6 @@ logger = logging.getLogger("ray.serve")
 #: Serve application name ``kvserve serve`` deploys (``serve.get_app_handle(APP_NAME)``).
 APP_NAME = "kvserve"
 
-#: Ray Serve settings for a low-latency request path (a subset of Serve's own
-#: ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` profile): handle calls and streams over gRPC instead of
-#: actor tasks, user code and the router on the replica's main event loop (no thread hops).
-#: Measured on a 2-core CPU box, one handle hop's time to the first streamed item went from
-#: ~7-8 ms to ~3 ms. Replicas get them through their runtime_env; the HTTP proxy reads the
-#: environment of the node it runs on (``kvserve serve`` sets them before starting Ray).
-FAST_PATH_ENV = {
-    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-}
-
 #: Fields of ModelArgs that go to ``engine.EngineConfig``.
 ENGINE_FIELDS = ("model", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "kv_cache_memory_bytes", "num_kv_blocks", "block_size", "dtype", "device",
@@ -81,7 +69,6 @@ class ModelArgs(BaseModel):
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
-    serve_fast_path: bool = Field(True, description="run replicas with FAST_PATH_ENV (gRPC handles, no thread hops)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -198,8 +185,6 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]
         opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 0}
     else:
         opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 1 if cuda else 0}
-    if m.serve_fast_path:
-        opts["ray_actor_options"]["runtime_env"] = {"env_vars": dict(FAST_PATH_ENV)}
     return opts
 
 
@@ -224,12 +209,9 @@ def build_app(args: AppArgs) -> Application:
         worker_options = {"num_cpus": m.worker_cpus}
         handles[m.name] = LLMServer.options(**opts).bind(
             m.engine_args(), m.name, m.torch_num_threads, worker_options)
-    ingress_actor = {"num_cpus": args.ingress_cpus}
-    if args.serve_fast_path:
-        ingress_actor["runtime_env"] = {"env_vars": dict(FAST_PATH_ENV)}
     return OpenAIIngress.options(num_replicas=args.ingress_num_replicas,
                                  max_ongoing_requests=args.ingress_max_ongoing_requests,
-                                 ray_actor_options=ingress_actor).bind(
+                                 ray_actor_options={"num_cpus": args.ingress_cpus}).bind(
         handles, args.api_keys)
 
 
@@ -250,5 +232,5 @@ def app_args_from_config(path: str, app_name: str = APP_NAME) -> dict[str, Any]:
     return dict(data)
 
 
-__all__ = ["FAST_PATH_ENV", "APP_NAME", "AppArgs", "ModelArgs", "build_app", "autoscaling_config",
-           "app_args_from_config", "logical_cpus_needed"]
+__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "autoscaling_config", "app_args_from_config",
+           "logical_cpus_needed"]

@@ -148,11 +148,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Ray runs workers at niceness 15 by default; on a serving node the Serve proxy,
         # ingress and engine replicas are the main work.
         os.environ.setdefault("RAY_worker_niceness", "0")
-        if app_args.serve_fast_path:  # the HTTP proxy reads these from the node's environment
-            from deployments.app import FAST_PATH_ENV
-
-            for k, v in FAST_PATH_ENV.items():
-                os.environ.setdefault(k, v)
     import ray
     from ray import serve
 

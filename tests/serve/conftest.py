@@ -9,10 +9,6 @@ import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does
-# the Serve fast path (gRPC handles, no thread hops), for the proxy too, as `kvserve serve` does
-for _k, _v in {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}.items():
-    os.environ.setdefault(_k, _v)
 
 import socket  # noqa: E402
 import time  # noqa: E402
