@@ -48,15 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def make_workload(n: int, seed: int, vocab: int, prompt_range=(32, 256), output_range=(16, 128)):
-    """``n`` (prompt token ids, output length) pairs (identical to ``benchmarks/throughput.py``)."""
-    rng = random.Random(seed)
-    work = []
-    for _ in range(n):
-        plen = rng.randint(*prompt_range)
-        olen = rng.randint(*output_range)
-        work.append(([rng.randint(100, vocab - 100) for _ in range(plen)], olen))
-    return work
+from benchmarks.throughput import make_workload  # noqa: E402  (the engine benchmark's workload)
 
 
 # ---- one streamed request -------------------------------------------------------------------
@@ -263,6 +255,9 @@ def free_port() -> int:
 def launch_server(model: str | None, app_args: dict, port: int, num_cpus: int) -> str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does: serving is the node's main work
+    from deployments.app import export_fast_path_env
+
+    export_fast_path_env()  # as `kvserve serve` does (the proxy reads the node's environment)
     import ray
     from ray import serve
 
