@@ -255,9 +255,7 @@ def free_port() -> int:
 def launch_server(model: str | None, app_args: dict, port: int, num_cpus: int) -> str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does: serving is the node's main work
-    from deployments.app import export_fast_path_env
 
-    export_fast_path_env()  # as `kvserve serve` does (the proxy reads the node's environment)
     import ray
     from ray import serve
 
