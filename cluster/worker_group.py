@@ -32,8 +32,12 @@ from engine.executor import Executor
 logger = logging.getLogger("kvserve.cluster")
 
 
-def _reset_niceness() -> None:
-    """Normal priority for every thread of this process (best effort; niceness is per thread)."""
+def reset_niceness() -> None:
+    """Ray starts worker processes at niceness 15 (``RAY_worker_niceness``), which lets any
+    other process on the node starve the engine; engine replicas, TP workers and the ingress
+    are the node's main work, so they ask for normal priority (best effort: needs the
+    permission to lower niceness). Niceness is per thread and inherited by new threads, so
+    every thread that exists now is reset."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -59,7 +63,7 @@ class TPWorker:
         import torch
 
         self.rank, self.world_size = rank, world_size
-        _reset_niceness()  # Ray starts workers at niceness 15; a model shard is the node's main work
+        reset_niceness()  # Ray starts workers at niceness 15; a model shard is the node's main work
         if torch_num_threads:
             torch.set_num_threads(torch_num_threads)
         self.runner = None

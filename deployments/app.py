@@ -4,12 +4,10 @@
 the ``import_path`` of ``deployments/serve_config.yaml`` (``serve run`` / ``serve deploy``),
 and what ``kvserve serve`` calls. Serve validates its ``args`` against :class:`AppArgs`.
 
-Autoscaling hook: when a model's ``autoscaling`` section (or ``min_replicas`` /
-``max_replicas``) is given and ``autoscaling/policy.py`` provides
-``build_autoscaling_config(knobs, as_dict=True)``, the deployment's ``autoscaling_config``
-comes from it (kvserve's queue + token-throughput policy fed by
-``LLMServer.record_autoscaling_stats``); without that module Serve's default
-request-based autoscaler is used with the same bounds.
+Autoscaling: unless a model pins ``num_replicas``, its ``LLMServer`` deployment autoscales
+with kvserve's queue + token-throughput policy (``autoscaling/policy.py``, fed by
+``LLMServer.record_autoscaling_stats``), between ``min_replicas`` (default 1, a warm pool) and
+``max_replicas`` (default 8), with the knobs of the model's ``autoscaling`` section.
 """
 # No ``from __future__ import annotations`` here: Serve reads the builder's parameter
 # annotation at runtime to validate its arguments with AppArgs.
@@ -20,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ray import serve
 from ray.serve import Application
 
+from autoscaling.policy import build_autoscaling_config
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 
@@ -59,11 +58,12 @@ class ModelArgs(BaseModel):
     enforce_eager: bool = False
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
 
-    num_replicas: Optional[int] = Field(None, ge=0, description="fixed replica count (default 1)")
-    min_replicas: Optional[int] = Field(None, ge=0, description="autoscaling lower bound")
-    max_replicas: Optional[int] = Field(None, ge=1, description="autoscaling upper bound")
+    num_replicas: Optional[int] = Field(
+        None, ge=0, description="fixed replica count; unset: autoscale with kvserve's policy")
+    min_replicas: Optional[int] = Field(None, ge=0, description="autoscaling lower bound (policy default 1)")
+    max_replicas: Optional[int] = Field(None, ge=1, description="autoscaling upper bound (policy default 8)")
     autoscaling: Optional[dict[str, Any]] = Field(
-        None, description="autoscaling knobs (see autoscaling/policy.py); implies autoscaling")
+        None, description="autoscaling knobs (see autoscaling/policy.py KVServeAutoscalingConfig)")
     max_ongoing_requests: int = Field(256, ge=1, description="requests one replica takes at once (>= max_num_seqs)")
     max_queued_requests: int = Field(-1, description="handle queue bound before 429s (-1: unbounded)")
     torch_num_threads: Optional[int] = Field(None, ge=1)
@@ -72,7 +72,8 @@ class ModelArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.num_replicas is not None and self.autoscaling_knobs() is not None:
+        if self.num_replicas is not None and (
+                self.autoscaling is not None or self.min_replicas is not None or self.max_replicas is not None):
             raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
@@ -88,7 +89,9 @@ class ModelArgs(BaseModel):
         return {k: getattr(self, k) for k in ENGINE_FIELDS}
 
     def autoscaling_knobs(self) -> Optional[dict[str, Any]]:
-        if self.autoscaling is None and self.min_replicas is None and self.max_replicas is None:
+        """Knobs of kvserve's autoscaling policy for this model (``{}``: all defaults), or None
+        when ``num_replicas`` pins a fixed fleet."""
+        if self.num_replicas is not None:
             return None
         knobs = dict(self.autoscaling or {})
         if self.min_replicas is not None:
@@ -147,21 +150,6 @@ def logical_cpus_needed(args: AppArgs) -> float:
     return total
 
 
-def autoscaling_config(knobs: dict[str, Any]) -> dict[str, Any]:
-    """Serve ``autoscaling_config`` for a model: kvserve's policy when available (the hook to
-    ``autoscaling.policy.build_autoscaling_config``), else Serve's default with the same bounds."""
-    try:
-        from autoscaling import policy as kv_policy
-    except ImportError:
-        kv_policy = None
-    builder = getattr(kv_policy, "build_autoscaling_config", None)
-    if builder is not None:
-        return builder(knobs, as_dict=True)
-    logger.warning("autoscaling.policy.build_autoscaling_config not available; using Serve's default policy")
-    return {"min_replicas": knobs.get("min_replicas", 1), "max_replicas": knobs.get("max_replicas", 1),
-            "target_ongoing_requests": knobs.get("target_ongoing_requests", 32)}
-
-
 def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]:
     """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, and the
     placement group bundles of a tensor-parallel replica."""
@@ -172,10 +160,10 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]
                             "max_queued_requests": m.max_queued_requests}
     knobs = m.autoscaling_knobs()
     if knobs is not None:
-        opts["autoscaling_config"] = autoscaling_config(knobs)
+        opts["autoscaling_config"] = build_autoscaling_config(knobs, as_dict=True)
         opts["num_replicas"] = "auto"
     else:
-        opts["num_replicas"] = 1 if m.num_replicas is None else m.num_replicas
+        opts["num_replicas"] = m.num_replicas
     cuda = m.device == "cuda"
     if m.tensor_parallel_size > 1:
         opts["placement_group_bundles"] = tp_placement_group_bundles(

@@ -13,6 +13,8 @@ import signal
 import sys
 import time
 
+from autoscaling.policy import add_autoscaling_args
+
 
 # ---- generate (engine only) ------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -38,7 +40,7 @@ _ENGINE_FLAGS = (
     ("--model", "model", str, "model folder or hub id (default: SmolLM2-135M-Instruct)"),
     ("--served-model-name", "served_model_name", str, "name clients send as `model` (default: --model)"),
     ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks per replica (Ray worker actors), default 1"),
-    ("--num-replicas", "num_replicas", int, "fixed number of LLMServer replicas (default 1)"),
+    ("--num-replicas", "num_replicas", int, "pin a fixed number of LLMServer replicas (default: autoscale 1..8 with kvserve's policy)"),
     ("--max-num-seqs", "max_num_seqs", int, "most requests in a batch (default 64)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step (default 2048)"),
     ("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
@@ -79,24 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <key>' (repeatable)")
     for flag, dest, typ, help_ in _ENGINE_FLAGS:
         s.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
-    _add_autoscaling_flags(s)
+    add_autoscaling_args(s)  # --min-replicas, --max-replicas and the policy's knobs
     s.set_defaults(func=cmd_serve)
     return ap
-
-
-def _add_autoscaling_flags(parser: argparse.ArgumentParser) -> None:
-    """The autoscaling policy's own flags when ``autoscaling/policy.py`` provides them
-    (``--min-replicas``, ``--max-replicas`` and its knobs), else just the bounds."""
-    try:
-        from autoscaling.policy import add_autoscaling_args
-    except ImportError:
-        add_autoscaling_args = None
-    if add_autoscaling_args is not None:
-        add_autoscaling_args(parser)
-        return
-    group = parser.add_argument_group("autoscaling")
-    group.add_argument("--min-replicas", type=int, default=None, dest="autoscaling_min_replicas")
-    group.add_argument("--max-replicas", type=int, default=None, dest="autoscaling_max_replicas")
 
 
 def app_args_from_cli(args: argparse.Namespace) -> dict:

@@ -179,7 +179,7 @@ class OpenAIIngress:
     """
 
     def __init__(self, models: dict[str, DeploymentHandle], api_keys: list[str] | None = None):
-        from deployments.llm_server import reset_niceness
+        from cluster.worker_group import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
         if not models:
@@ -293,14 +293,8 @@ class OpenAIIngress:
         if body.stream:
             return StreamingResponse(self._chat_stream(stream, rid, created, name, want_lp, body.include_usage),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
-        text, lps, last, n_prompt = [], [], {}, 0
         try:
-            async for item in stream.items():
-                text.append(item["text"])
-                if want_lp:
-                    lps.extend(item.get("logprobs") or [])
-                n_prompt = item.get("num_prompt_tokens", n_prompt)
-                last = item
+            text, lps, last, n_prompt = await self._collect(stream, want_lp)
         except asyncio.CancelledError:
             stream.cancel()
             raise
@@ -311,7 +305,7 @@ class OpenAIIngress:
         return ChatCompletionResponse(
             id=rid, created=created, model=name,
             choices=[ChatCompletionChoice(
-                index=0, message=ChatMessageOut(content="".join(text)),
+                index=0, message=ChatMessageOut(content=text),
                 logprobs=ChoiceLogprobs(content=[TokenLogprob(**_strip(e)) for e in _chat_logprobs(lps)["content"]])
                 if want_lp else None,
                 finish_reason=finish_reason(last.get("finish_reason")))],

@@ -23,30 +23,14 @@ from typing import Any
 
 from ray import serve
 
+from cluster.worker_group import reset_niceness
+
 logger = logging.getLogger("ray.serve")
 
 #: Seconds of recent engine steps behind the ``*_tokens_per_s`` rates.
 RATE_WINDOW_S = 10.0
 #: Seconds of recent "full-ish" steps behind the capacity estimates.
 CAPACITY_WINDOW_S = 30.0
-
-
-def reset_niceness() -> None:
-    """Ray starts worker processes at niceness 15 (``RAY_worker_niceness``), which lets any
-    other process on the node starve the engine; an engine replica is the node's main work,
-    so it asks for normal priority (best effort: needs the permission to lower niceness)."""
-    # Linux niceness is per thread, and new threads inherit their creator's: set every
-    # thread that exists now (those created later, like the step thread, then inherit 0).
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
-                os.setpriority(os.PRIO_PROCESS, tid, 0)
-        except (OSError, AttributeError):
-            pass
 
 
 def default_torch_threads(tensor_parallel_size: int = 1) -> int:

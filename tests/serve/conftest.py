@@ -57,15 +57,19 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
+    # Deployments autoscale with kvserve's policy by default (1..8 replicas); max_replicas 1
+    # keeps one replica per model here (the policy still runs) so the tests know where requests
+    # land; test_autoscaling_integration.py lets it scale.
     main = build_app({"models": [
-        {"model": None, "max_num_seqs": 32, "max_model_len": 1024},
+        {"model": None, "max_num_seqs": 32, "max_model_len": 1024, "max_replicas": 1},
         {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
-         "torch_num_threads": 1, "replica_cpus": 0.5},
+         "torch_num_threads": 1, "replica_cpus": 0.5, "max_replicas": 1},
     ], "ingress_cpus": 0.25})
     # logical CPUs in all: 1.75 here, 1.75 for the auth app, leaving room on 8 for the TP test
     auth = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
                       "max_num_seqs": 8, "max_model_len": 256, "torch_num_threads": 1, "api_keys": [API_KEY],
-                      "replica_cpus": 0.5, "worker_cpus": 0.5, "ingress_cpus": 0.25})
+                      "replica_cpus": 0.5, "worker_cpus": 0.5, "ingress_cpus": 0.25,
+                      "num_replicas": 1})
     serve.run(auth, name="kvserve-auth", route_prefix="/auth", blocking=False)
     serve.run(main, name="kvserve", route_prefix="/")
     # the auth app deploys alongside; wait for it too

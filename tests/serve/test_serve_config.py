@@ -24,6 +24,7 @@ def test_serve_config_file_loads_with_serve_schema():
     assert app.name == "kvserve" and app.import_path == "deployments.app:build_app"
     args = AppArgs.model_validate(app.args)
     assert args.model_list()[0].name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert args.model_list()[0].autoscaling_knobs()["max_replicas"] == 8  # kvserve's policy, 1..8
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve.deployment import Application
 
@@ -56,7 +57,7 @@ def test_app_args_and_deployment_options():
     o = llm_deployment_options(m, "LLMServer")
     assert o["placement_group_strategy"] == "STRICT_PACK"
     assert o["placement_group_bundles"] == [{"CPU": 2.0}, {"CPU": 1.0}]
-    assert o["ray_actor_options"]["num_cpus"] == 1.0 and o["num_replicas"] == 1
+    assert o["ray_actor_options"]["num_cpus"] == 1.0
     assert o["max_ongoing_requests"] >= 64
 
     gpu = llm_deployment_options(AppArgs(tensor_parallel_size=4, device="cuda").model_list()[0], "x")
@@ -64,18 +65,24 @@ def test_app_args_and_deployment_options():
     one_gpu = llm_deployment_options(AppArgs(device="cuda").model_list()[0], "x")
     assert one_gpu["ray_actor_options"]["num_gpus"] == 1 and "placement_group_bundles" not in one_gpu
 
-    auto = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=3).model_list()[0], "x")
-    assert auto["num_replicas"] == "auto"
-    ac = auto["autoscaling_config"]
-    assert ac["min_replicas"] == 1 and ac["max_replicas"] == 3
-    try:
-        from autoscaling.policy import build_autoscaling_config  # noqa: F401
-    except ImportError:
-        return
-    assert "policy" in ac  # kvserve's own policy through the hook
     from ray.serve.config import AutoscalingConfig
 
-    AutoscalingConfig(**ac)
+    # the default deployment autoscales with kvserve's policy, a warm pool of 1 up to 8
+    default = llm_deployment_options(AppArgs().model_list()[0], "x")
+    assert default["num_replicas"] == "auto"
+    ac = AutoscalingConfig(**default["autoscaling_config"])
+    assert ac.policy.policy_function == "autoscaling.policy:KVServeAutoscalingPolicy"
+    assert (ac.min_replicas, ac.max_replicas) == (1, 8)
+    assert ac.policy.policy_kwargs["min_replicas"] == 1 and ac.policy.policy_kwargs["max_replicas"] == 8
+
+    auto = llm_deployment_options(AppArgs(min_replicas=2, max_replicas=3, autoscaling={"target_utilization": 0.5})
+                                  .model_list()[0], "x")
+    ac = AutoscalingConfig(**auto["autoscaling_config"])
+    assert (ac.min_replicas, ac.max_replicas) == (2, 3)
+    assert ac.policy.policy_kwargs["target_utilization"] == 0.5
+
+    fixed = llm_deployment_options(AppArgs(num_replicas=2).model_list()[0], "x")
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
 
 
 def test_cli_flags_to_app_args(tmp_path):
