@@ -61,7 +61,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
-logger = logging.getLogger("kvserve.autoscaling")
+#: A child of Serve's "ray.serve" logger, so inside the Serve controller the decision lines go
+#: to the controller's log (logs/serve/controller_*.log) at INFO; elsewhere, to whatever the
+#: application configures.
+logger = logging.getLogger("ray.serve.kvserve_autoscaling")
 
 # --------------------------------------------------------------------------------------
 # Metric names reported by LLMServer.record_autoscaling_stats() (one float each).

@@ -23,14 +23,25 @@ Parts (``--parts``, comma-separated; default all):
     batch runs to its longest request; only requested tokens are counted for both).
 
 The engine parts use random-weight models of real shapes (Qwen3-0.6B, Llama-3.2-1B,
-SmolLM2-135M) built from transformers configs, saved with ``save_pretrained`` in bf16 plus the
-tokenizer files of kvserve's default model (prompts are token ids, so the tokenizer only has to
-load). Results: one table on stdout and JSON in ``benchmarks/results/gpu_<gpu-name>.json``
+SmolLM2-135M) built from transformers configs, saved with ``save_pretrained`` in bf16 plus a
+synthetic word-level tokenizer over the whole vocabulary (prompts are token ids; no model
+package or download needed). Results: one table on stdout and JSON in ``benchmarks/results/gpu_<gpu-name>.json``
 (written after every part). Timing: ``torch.cuda.Event`` pairs around single calls after
 warmup, L2 flushed (256 MiB write) before each kernel call, median reported.
 
 Without CUDA the script prints why and exits with status 1 (``--build-models-only`` works on
 CPU too).
+
+``--smoke`` (CPU, with or without a GPU present) is a dry run that proves the script works: all
+parts at tiny sizes (:data:`SMOKE`) in float32 on CPU. The Triton kernels run under the Triton
+interpreter (the script sets ``TRITON_INTERPRET=1`` before triton is imported) on one tiny GQA
+shape (``tiny-gqa2``: 4 q heads, 2 KV heads, head_dim 64; contexts 40 and 70) and must match SDPA
+within :data:`SMOKE_MAX_ABS_DIFF`; timing is ``time.perf_counter`` (no L2 flush); the engine
+parts use a tiny random-weight Llama (``tiny-llama``) built like the real shapes, 8 requests of
+8..32 tokens, HF ``generate`` in float32; the CUDA-graph decode row is skipped (reason in the
+row). Everything runs except CUDA events, the L2 flush and CUDA-graph capture. Its numbers
+say nothing about GPU performance: JSON goes to ``--out`` (default: a file in the system temp
+dir, never ``benchmarks/results``). Exit status 1 if any part failed or a kernel was off.
 """
 from __future__ import annotations
 
@@ -42,7 +53,9 @@ import random
 import re
 import shutil
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +65,7 @@ if str(ROOT) not in sys.path:
 ATTN_SHAPES = {
     "qwen3-0.6b": dict(num_heads=16, num_kv_heads=8, head_dim=128),
     "llama-3.2-1b": dict(num_heads=32, num_kv_heads=8, head_dim=64),
+    "tiny-gqa2": dict(num_heads=4, num_kv_heads=2, head_dim=64),  # --smoke only
 }
 
 # Random-weight models of real shapes (transformers config fields).
@@ -70,22 +84,40 @@ MODEL_SPECS = {
                                    num_key_value_heads=3, head_dim=64, intermediate_size=1536,
                                    vocab_size=49152, tie_word_embeddings=True,
                                    max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    # --smoke only: same builder, tiny shape.
+    "tiny-llama": ("llama", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                                 vocab_size=12000, tie_word_embeddings=True,
+                                 max_position_embeddings=2048, rms_norm_eps=1e-5)),
 }
 
-_TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "added_tokens.json", "vocab.json", "merges.txt"]
+# --smoke: argument overrides (tiny sizes) ...
+SMOKE = dict(shapes="tiny-gqa2", contexts="40,70", batch=2, prefill_tokens=140, block_size=16,
+             models="tiny-llama", num_requests=8, hf_batch_size=4, hf_max_requests=None,
+             warmup=1, iters=3)
+# ... and sizes that have no argument: decode prompt / new tokens, workload length range
+# (tokens), copy-bandwidth buffer (bytes), KV pool (blocks; the CPU default would be 2 GiB).
+SMOKE_ENGINE = dict(prompt_len=16, new_tokens=16, min_len=8, max_len=32, copy_bytes=64 << 20,
+                    engine_kw=dict(num_kv_blocks=256))
+SMOKE_MAX_ABS_DIFF = 1e-4  # max|ours - SDPA| in float32 (observed ~1e-6)
+
 
 
 # ----------------------------------------------------------------------------- timing
 
 class Timer:
-    """CUDA-event timing of single calls, L2 flushed before each, median in ms."""
+    """Median time of single calls in ms, after ``warmup`` calls.
 
-    def __init__(self, warmup: int = 5, iters: int = 20):
+    CUDA: ``torch.cuda.Event`` pairs, L2 flushed (256 MiB write) before each call. Other
+    devices (``--smoke``): ``time.perf_counter`` around each call, no flush."""
+
+    def __init__(self, warmup: int = 5, iters: int = 20, device: str = "cuda"):
         import torch
         self.torch = torch
         self.warmup, self.iters = warmup, iters
-        self._flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        self.cuda = torch.device(device).type == "cuda"
+        self._flush = (torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+                       if self.cuda else None)
 
     def __call__(self, fn) -> float:
         torch = self.torch
@@ -93,6 +125,11 @@ class Timer:
             fn()
         times = []
         for _ in range(self.iters):
+            if not self.cuda:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+                continue
             self._flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -104,10 +141,24 @@ class Timer:
         return times[len(times) // 2]
 
 
-def copy_bandwidth(timer: Timer, nbytes: int = 1 << 30) -> float:
-    """Device copy bandwidth in GB/s: (read + write bytes) / time of ``dst.copy_(src)``."""
+def _sync(device) -> None:
+    """Wait for queued CUDA work (no-op on CPU)."""
     import torch
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _empty_cache() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(timer: Timer, nbytes: int = 1 << 30, device: str = "cuda") -> float:
+    """Device copy bandwidth in GB/s: (read + write bytes) / time of ``dst.copy_(src)`` of an
+    ``nbytes``-byte tensor."""
+    import torch
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
     del src, dst
@@ -145,22 +196,31 @@ def _paged_problem(batch: int, q_len: int, ctx: int, shape: dict, block_size: in
                 v=contiguous(v_cache), H=H, Hkv=Hkv, D=D, batch=batch, q_len=q_len, ctx=ctx)
 
 
+_SDPA_REPEATS_KV = []  # non-empty once _sdpa fell back to repeating K/V heads (-> JSON)
+
+
 def _sdpa(q, k, v, causal: bool):
-    """SDPA with GQA; repeats K/V heads if this torch has no ``enable_gqa`` (note in JSON)."""
+    """SDPA with GQA; repeats K/V heads if this torch has no ``enable_gqa`` (then its time
+    includes the copies; ``sdpa_repeats_kv_heads`` in the JSON says so)."""
     import torch.nn.functional as F
     try:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     except TypeError:
+        _SDPA_REPEATS_KV.append(True)
         rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
                                               v.repeat_interleave(rep, 1), is_causal=causal)
 
 
 def bench_decode_attention(timer: Timer, shape_name: str, batch: int, ctx: int,
-                           block_size: int, copy_bw: float) -> dict:
+                           block_size: int, copy_bw: float, dtype: str = "bfloat16",
+                           device: str = "cuda") -> dict:
+    """Paged decode attention (1 query per request, ``ctx`` keys): median ms, GB/s of K/V + q +
+    out bytes, the same for SDPA on contiguous K/V, and max|ours - SDPA|."""
     import torch
     from kernels import triton_attention as ta
-    p = _paged_problem(batch, 1, ctx, ATTN_SHAPES[shape_name], block_size, torch.bfloat16)
+    p = _paged_problem(batch, 1, ctx, ATTN_SHAPES[shape_name], block_size, getattr(torch, dtype),
+                       device=device)
     scale = p["D"] ** -0.5
     out = torch.empty_like(p["q"])
     ours = lambda: ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], p["meta"], scale,  # noqa: E731
@@ -170,25 +230,30 @@ def bench_decode_attention(timer: Timer, shape_name: str, batch: int, ctx: int,
     ms = timer(ours)
     ms_sdpa = timer(ref)
     err = (ours().float() - ref().transpose(1, 2).reshape_as(out).float()).abs().max().item()
-    kv_bytes = 2 * batch * ctx * p["Hkv"] * p["D"] * 2
-    io_bytes = kv_bytes + 2 * p["q"].numel() * 2
+    es = p["q"].element_size()  # bytes per element
+    kv_bytes = 2 * batch * ctx * p["Hkv"] * p["D"] * es
+    io_bytes = kv_bytes + 2 * p["q"].numel() * es  # + q read + out written
     splits = ta.choose_num_splits(batch, p["Hkv"], ctx, ta._num_sms(p["q"].device))
-    res = dict(shape=shape_name, batch=batch, ctx=ctx, block_size=block_size,
+    res = dict(shape=shape_name, dtype=dtype, batch=batch, ctx=ctx, block_size=block_size,
                num_splits=splits, ms=ms, gbps=io_bytes / (ms * 1e-3) / 1e9,
                sdpa_ms=ms_sdpa, sdpa_gbps=io_bytes / (ms_sdpa * 1e-3) / 1e9,
                max_abs_diff_vs_sdpa=err)
     res["frac_of_copy_bw"] = res["gbps"] / copy_bw
     del p, out
-    torch.cuda.empty_cache()
+    _empty_cache()
     return res
 
 
 def bench_prefill_attention(timer: Timer, shape_name: str, ctx: int, block_size: int,
-                            tokens: int = 16384) -> dict:
+                            tokens: int = 16384, dtype: str = "bfloat16",
+                            device: str = "cuda") -> dict:
+    """Causal varlen prefill of ``tokens // ctx`` requests of ``ctx`` tokens: median ms,
+    TFLOP/s (causal FLOPs), the same for SDPA ``is_causal=True``, and max|ours - SDPA|."""
     import torch
     from kernels import triton_attention as ta
     batch = max(1, tokens // ctx)
-    p = _paged_problem(batch, ctx, ctx, ATTN_SHAPES[shape_name], block_size, torch.bfloat16)
+    p = _paged_problem(batch, ctx, ctx, ATTN_SHAPES[shape_name], block_size, getattr(torch, dtype),
+                       device=device)
     scale = p["D"] ** -0.5
     out = torch.empty_like(p["q"])
     ours = lambda: ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], p["meta"], scale,  # noqa: E731
@@ -199,42 +264,64 @@ def bench_prefill_attention(timer: Timer, shape_name: str, ctx: int, block_size:
     ms_sdpa = timer(ref)
     err = (ours().float() - ref().transpose(1, 2).reshape_as(out).float()).abs().max().item()
     flops = 4 * batch * p["H"] * p["D"] * ctx * (ctx + 1) / 2
-    res = dict(shape=shape_name, batch=batch, ctx=ctx, block_size=block_size, ms=ms,
+    res = dict(shape=shape_name, dtype=dtype, batch=batch, ctx=ctx, block_size=block_size, ms=ms,
                tflops=flops / (ms * 1e-3) / 1e12, sdpa_ms=ms_sdpa,
                sdpa_tflops=flops / (ms_sdpa * 1e-3) / 1e12, max_abs_diff_vs_sdpa=err)
     del p, out, qs
-    torch.cuda.empty_cache()
+    _empty_cache()
     return res
 
 
 # ----------------------------------------------------------------------------- models
 
-def build_random_model(name: str, root: Path, device: str = "cuda") -> Path:
-    """Random-weight bf16 model folder of a real shape (cached in ``root / name``)."""
+def build_random_model(name: str, root: Path, device: str = "cuda",
+                       dtype: str = "bfloat16") -> Path:
+    """Random-weight model folder of a ``MODEL_SPECS`` shape, saved in ``dtype``, with a
+    synthetic tokenizer over the whole vocabulary (see :func:`write_synthetic_tokenizer`).
+
+    Cached in ``root / name`` (not keyed by dtype); built in a side folder and renamed when
+    complete, so an interrupted build is never reused.
+    """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
     arch, fields = MODEL_SPECS[name]
     out = root / name
-    if (out / "config.json").is_file() and list(out.glob("*.safetensors")):
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file() \
+            and list(out.glob("*.safetensors")):
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    partial = root / f".{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    write_synthetic_tokenizer(partial, fields["vocab_size"])
     config = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch](
         **fields, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.02)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(os.fspath(out), safe_serialization=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(os.fspath(partial), safe_serialization=True)
     del model
     gc.collect()
-    try:  # any tokenizer will do: prompts are token ids
-        from engine.model_loader import resolve_model
-        src = resolve_model(None)
-        for f in _TOKENIZER_FILES:
-            if (src / f).is_file():
-                shutil.copyfile(src / f, out / f)
-    except Exception as exc:  # noqa: BLE001
-        print(f"[gpu.py] warning: no tokenizer copied into {out}: {exc}", file=sys.stderr)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
     return out
+
+
+def write_synthetic_tokenizer(out: Path, vocab_size: int) -> None:
+    """Save a word-level tokenizer with one token ``<tN>`` per id ``0 <= N < vocab_size``.
+
+    The engine needs a tokenizer to detokenize, but prompts here are token ids, so any
+    tokenizer does as long as it covers every id a random-weight model can sample (a real
+    tokenizer of another model would not: Qwen3's vocabulary is 151,936). Built with the
+    ``tokenizers`` library, so the GPU machine needs no model package. BOS = 1, EOS = PAD = 2.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
+    tok.decoder = decoders.Sequence([])  # tokens concatenate as written
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>", bos_token="<t1>",
+                                   eos_token="<t2>", pad_token="<t2>")
+    fast.save_pretrained(os.fspath(out))
 
 
 def weight_bytes(model_dir: Path) -> int:
@@ -265,8 +352,14 @@ def _engine_api():
         raise ImportError(f"engine.LLM not importable: {type(exc).__name__}: {exc}") from exc
 
 
+def _graphs_captured(llm) -> bool:
+    """Whether the engine's model runner holds captured decode CUDA graphs."""
+    runner = getattr(getattr(llm.engine, "executor", None), "runner", None)
+    return bool(getattr(runner, "graphs", None))
+
+
 def _release(llm) -> None:
-    import torch
+    """Shut the engine down (drops the model runner: weights, KV cache, graphs)."""
     for name in ("shutdown", "close"):
         fn = getattr(llm, name, None) or getattr(getattr(llm, "engine", None), name, None)
         if callable(fn):
@@ -277,22 +370,25 @@ def _release(llm) -> None:
             break
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    _empty_cache()
 
 
 # ----------------------------------------------------------------------------- part (2)
 
 def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int = 128,
                         new_tokens: int = 256, backend: str = "triton",
-                        cuda_graphs: tuple[bool, ...] = (False, True)) -> list[dict]:
+                        cuda_graphs: tuple[bool, ...] = (False, True), device: str = "cuda",
+                        dtype: str = "bfloat16", engine_kw: dict | None = None) -> list[dict]:
     """HOOK (2): engine batch-1 decode latency vs the HBM floor.
 
-    For each CUDA-graph setting: ``LLM(model, dtype="bfloat16", max_num_seqs=1,
-    enforce_eager=not graphs, attention_backend=backend)``; ms/token =
+    For each CUDA-graph setting: ``LLM(model, dtype=dtype, device=device, max_num_seqs=1,
+    enforce_eager=not graphs, attention_backend=backend, **engine_kw)``; ms/token =
     ``(t(1 + new_tokens) - t(1)) / new_tokens`` where ``t(n)`` is the wall time of a
     ``generate`` of ``n`` tokens (greedy, ``ignore_eos``) on a fresh random prompt of
     ``prompt_len`` tokens (fresh, so prefix caching gives both calls the same prefill).
-    Floor = weight bytes / measured copy bandwidth.
+    Floor = weight bytes / measured copy bandwidth. ``graphs_captured`` says whether the engine
+    really captured graphs (it does only on CUDA with the triton backend); off CUDA the graph
+    row is skipped, with the reason in ``skipped``.
     """
     import torch
     LLM, SamplingParams = _engine_api()
@@ -300,16 +396,21 @@ def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int
     rng = random.Random(0)
     results = []
     for graphs in cuda_graphs:
-        llm = LLM(model=os.fspath(model_dir), dtype="bfloat16", max_num_seqs=1,
-                  enforce_eager=not graphs, attention_backend=backend)
+        if graphs and torch.device(device).type != "cuda":
+            results.append(dict(model=model_dir.name, cuda_graphs=True, backend=backend,
+                                skipped=f"CUDA graphs need a CUDA device (this run: {device})"))
+            continue
+        llm = LLM(model=os.fspath(model_dir), dtype=dtype, device=device, max_num_seqs=1,
+                  enforce_eager=not graphs, attention_backend=backend, **(engine_kw or {}))
+        captured = _graphs_captured(llm)
 
         def run(n: int) -> float:
             prompt = [rng.randint(0, 10000) for _ in range(prompt_len)]
             sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False)
-            torch.cuda.synchronize()
+            _sync(device)
             t0 = time.perf_counter()
             out = llm.generate([prompt], [sp], use_tqdm=False)
-            torch.cuda.synchronize()
+            _sync(device)
             dt = time.perf_counter() - t0
             got = len(out[0].outputs[0].token_ids)
             if got != n:
@@ -320,11 +421,18 @@ def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int
         t1 = min(run(1) for _ in range(3))
         tn = min(run(1 + new_tokens) for _ in range(2))
         ms = (tn - t1) / new_tokens * 1e3
-        results.append(dict(model=model_dir.name, cuda_graphs=graphs, backend=backend,
-                            prompt_len=prompt_len, new_tokens=new_tokens, ms_per_token=ms,
-                            hbm_floor_ms=floor_ms, floor_frac=floor_ms / ms,
-                            weight_gb=weight_bytes(model_dir) / 1e9))
+        row = dict(model=model_dir.name, cuda_graphs=graphs, graphs_captured=captured,
+                   backend=backend, dtype=dtype, prompt_len=prompt_len, new_tokens=new_tokens,
+                   ms_per_token=ms, hbm_floor_ms=floor_ms, floor_frac=floor_ms / ms,
+                   weight_gb=weight_bytes(model_dir) / 1e9)
+        if graphs != captured:
+            row["note"] = ("CUDA graphs requested but not captured (the engine captures them "
+                           "only on CUDA with the triton backend)" if graphs else
+                           "graphs captured although enforce_eager=True")
+        results.append(row)
+        del run
         _release(llm)
+        del llm
     return results
 
 
@@ -343,44 +451,48 @@ def nano_vllm_workload(num_requests: int = 256, min_len: int = 100, max_len: int
 def bench_engine_throughput(model_dir: Path, *, num_requests: int = 256,
                             max_num_seqs: int = 256, backend: str = "triton",
                             hf_batch_size: int = 64, hf_max_requests: int | None = None,
-                            run_hf: bool = True) -> dict:
-    """HOOK (3): output tokens/s of the engine vs HF ``generate`` on nano-vllm's workload.
+                            run_hf: bool = True, device: str = "cuda", dtype: str = "bfloat16",
+                            min_len: int = 100, max_len: int = 1024,
+                            engine_kw: dict | None = None) -> dict:
+    """HOOK (3): output tokens/s of the engine vs HF ``generate`` on nano-vllm's workload
+    (``num_requests`` prompts and outputs of ``min_len..max_len`` tokens).
 
-    Engine: all requests at once (continuous batching, CUDA graphs on). HF: static batches
+    Engine: all requests at once (continuous batching, CUDA graphs on where the engine can
+    capture them: ``cuda_graphs`` in the result says whether it did). HF: static batches
     of ``hf_batch_size`` in request order, left padding, greedy, ``min_new_tokens =
-    max_new_tokens =`` the batch's longest output (so EOS cannot stop it); throughput counts
-    only the requested tokens. ``hf_max_requests`` limits HF to the first N requests.
+    max_new_tokens =`` the batch's longest output (so EOS cannot stop it; checked); throughput
+    counts only the requested tokens. ``hf_max_requests`` limits HF to the first N requests.
+    Both get a short warmup generate first.
     """
     import torch
     LLM, SamplingParams = _engine_api()
-    prompts, outs = nano_vllm_workload(num_requests)
-    res = dict(model=model_dir.name, num_requests=num_requests, backend=backend,
+    prompts, outs = nano_vllm_workload(num_requests, min_len, max_len)
+    res = dict(model=model_dir.name, num_requests=num_requests, backend=backend, dtype=dtype,
                prompt_tokens=sum(map(len, prompts)), output_tokens=sum(outs))
-    llm = LLM(model=os.fspath(model_dir), dtype="bfloat16", max_num_seqs=max_num_seqs,
-              enforce_eager=False, attention_backend=backend)
+    llm = LLM(model=os.fspath(model_dir), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+              enforce_eager=False, attention_backend=backend, **(engine_kw or {}))
+    res["cuda_graphs"] = _graphs_captured(llm)
     llm.generate([prompts[0][:64]], [SamplingParams(max_tokens=16, ignore_eos=True,
                                                     temperature=0, detokenize=False)], use_tqdm=False)
     sps = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False) for n in outs]
-    torch.cuda.synchronize()
+    _sync(device)
     t0 = time.perf_counter()
     results = llm.generate(prompts, sps, use_tqdm=False)
-    torch.cuda.synchronize()
+    _sync(device)
     dt = time.perf_counter() - t0
     got = sum(len(r.outputs[0].token_ids) for r in results)
+    if got != sum(outs):
+        raise RuntimeError(f"engine generated {got} tokens, asked for {sum(outs)}")
     res.update(engine_s=dt, engine_tok_s=got / dt, engine_tokens=got)
     _release(llm)
+    del llm, results
 
     if run_hf:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir),
-                                                     dtype=torch.bfloat16).cuda().eval()
-        n = min(num_requests, hf_max_requests or num_requests)
-        useful = 0
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for s in range(0, n, hf_batch_size):
-            batch = prompts[s:s + hf_batch_size]
-            want = outs[s:s + hf_batch_size]
+                                                     dtype=getattr(torch, dtype)).to(device).eval()
+
+        def hf_generate(batch: list[list[int]], new: int) -> None:
             width = max(map(len, batch))
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
@@ -388,17 +500,28 @@ def bench_engine_throughput(model_dir: Path, *, num_requests: int = 256,
                 ids[i, width - len(p):] = torch.tensor(p)
                 mask[i, width - len(p):] = 1
             with torch.inference_mode():
-                model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(),
-                               max_new_tokens=max(want), min_new_tokens=max(want),
-                               do_sample=False, pad_token_id=0)
+                seq = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                     max_new_tokens=new, min_new_tokens=new,
+                                     do_sample=False, pad_token_id=0)
+            if seq.shape[1] - width != new:
+                raise RuntimeError(f"HF generated {seq.shape[1] - width} tokens, asked for {new}")
+
+        hf_generate([prompts[0][:64]], 16)  # warmup (CUDA context, cuBLAS, kernels)
+        n = min(num_requests, hf_max_requests or num_requests)
+        useful = 0
+        _sync(device)
+        t0 = time.perf_counter()
+        for s in range(0, n, hf_batch_size):
+            want = outs[s:s + hf_batch_size]
+            hf_generate(prompts[s:s + hf_batch_size], max(want))
             useful += sum(want)
-        torch.cuda.synchronize()
+        _sync(device)
         hf_dt = time.perf_counter() - t0
         res.update(hf_requests=n, hf_batch_size=hf_batch_size, hf_s=hf_dt,
                    hf_tok_s=useful / hf_dt, speedup_vs_hf=(got / dt) / (useful / hf_dt))
         del model
         gc.collect()
-        torch.cuda.empty_cache()
+        _empty_cache()
     return res
 
 
@@ -425,7 +548,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  epilog="See the module docstring for what each part measures.")
     ap.add_argument("--parts", default="attention,engine-decode,throughput",
                     help="comma-separated: attention, engine-decode, throughput")
-    ap.add_argument("--shapes", default=",".join(ATTN_SHAPES),
+    ap.add_argument("--shapes", default="qwen3-0.6b,llama-3.2-1b",
                     help=f"attention shapes ({', '.join(ATTN_SHAPES)})")
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192")
     ap.add_argument("--batch", type=int, default=64, help="decode batch (default 64)")
@@ -434,10 +557,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     ap.add_argument("--models", default="qwen3-0.6b,llama-3.2-1b,smollm2-135m",
                     help=f"engine parts: {', '.join(MODEL_SPECS)}")
-    ap.add_argument("--model-root", type=Path,
-                    default=Path(os.environ.get("KVSERVE_BENCH_MODELS",
-                                                "/tmp/kvserve-bench-models")),
-                    help="where random-weight model folders are built / reused")
+    ap.add_argument("--model-root", type=Path, default=None,
+                    help="where random-weight model folders are built / reused (default "
+                         "$KVSERVE_BENCH_MODELS or /tmp/kvserve-bench-models; --smoke: a "
+                         "temporary folder, removed afterwards)")
     ap.add_argument("--backend", default="triton", help="engine attention backend")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--hf-batch-size", type=int, default=64)
@@ -446,21 +569,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None,
-                    help="JSON path (default benchmarks/results/gpu_<gpu-name>.json)")
+                    help="JSON path (default benchmarks/results/gpu_<gpu-name>.json; --smoke: "
+                         "kvserve-gpu-smoke-cpu.json in the system temp dir)")
     ap.add_argument("--build-models-only", action="store_true",
                     help="only build the random-weight model folders (works on CPU)")
-    return ap.parse_args(argv)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU dry run of every part at tiny sizes in float32 (Triton "
+                         "interpreter); overrides the size arguments, see SMOKE")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        for k, v in SMOKE.items():
+            setattr(args, k, v)
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.smoke:  # before triton is imported: the kernels are decorated at import
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    if args.smoke:  # tiny ops: OpenMP threads only add spin-waits (30x slower on a busy host)
+        torch.set_num_threads(1)
     models = [m for m in args.models.split(",") if m]
+    tmp_root = None
+    if args.model_root is None and args.smoke and not args.build_models_only:
+        args.model_root = tmp_root = Path(tempfile.mkdtemp(prefix="kvserve-smoke-models-"))
+    elif args.model_root is None:
+        args.model_root = Path(os.environ.get("KVSERVE_BENCH_MODELS", "/tmp/kvserve-bench-models"))
     if args.build_models_only:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         for m in models:
             print(build_random_model(m, args.model_root, dev))
         return 0
+    if args.smoke:
+        try:
+            return _run(args, models, torch, smoke=True)
+        finally:
+            if tmp_root is not None:
+                shutil.rmtree(tmp_root, ignore_errors=True)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA GPU visible (torch.cuda.is_available() is False, "
               f"torch {torch.__version__}); these benchmarks need one. Nothing was run.",
@@ -470,18 +616,35 @@ def main(argv=None) -> int:
         print("benchmarks/gpu.py: unset TRITON_INTERPRET to benchmark compiled kernels",
               file=sys.stderr)
         return 1
+    return _run(args, models, torch, smoke=False)
+
+
+def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int:
+    """Run the selected parts; ``smoke``: on CPU in float32 (see the module docstring)."""
     import triton
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    gpu = torch.cuda.get_device_name()
-    out_path = args.out or ROOT / "benchmarks" / "results" / f"gpu_{_gpu_slug(gpu)}.json"
+    device, dtype = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
+    sizes = SMOKE_ENGINE if smoke else {}
+    engine_kw = sizes.get("engine_kw")
+    gpu = "none (--smoke, CPU)" if smoke else torch.cuda.get_device_name()
+    if args.out:
+        out_path = args.out
+    elif smoke:
+        out_path = Path(tempfile.gettempdir()) / "kvserve-gpu-smoke-cpu.json"
+    else:
+        out_path = ROOT / "benchmarks" / "results" / f"gpu_{_gpu_slug(gpu)}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    timer = Timer(args.warmup, args.iters)
-    copy_bw = copy_bandwidth(timer)
-    report = dict(gpu=gpu, sms=torch.cuda.get_device_properties(0).multi_processor_count,
+    timer = Timer(args.warmup, args.iters, device)
+    copy_bw = copy_bandwidth(timer, sizes.get("copy_bytes", 1 << 30), device)
+    report = dict(gpu=gpu, smoke=smoke, device=device, dtype=dtype,
+                  sms=None if smoke else torch.cuda.get_device_properties(0).multi_processor_count,
                   torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%S"), copy_bandwidth_gbps=copy_bw,
                   args={k: str(v) for k, v in vars(args).items()})
     print(f"{gpu}: copy bandwidth {copy_bw:.0f} GB/s")
+    if smoke:
+        print("smoke run: tiny sizes on CPU (Triton interpreter), timings mean nothing")
+    failures: list[str] = []
 
     def save():
         out_path.write_text(json.dumps(report, indent=2))
@@ -490,21 +653,27 @@ def main(argv=None) -> int:
     ctxs = [int(c) for c in args.contexts.split(",") if c]
     shapes = [s for s in args.shapes.split(",") if s]
     if "attention" in parts:
-        dec = [bench_decode_attention(timer, s, args.batch, c, args.block_size, copy_bw)
-               for s in shapes for c in ctxs]
+        dec = [bench_decode_attention(timer, s, args.batch, c, args.block_size, copy_bw,
+                                      dtype, device) for s in shapes for c in ctxs]
         report["decode_attention"] = dec
         save()
-        pre = [bench_prefill_attention(timer, s, c, args.block_size, args.prefill_tokens)
-               for s in shapes for c in ctxs]
+        pre = [bench_prefill_attention(timer, s, c, args.block_size, args.prefill_tokens,
+                                       dtype, device) for s in shapes for c in ctxs]
         report["prefill_attention"] = pre
+        report["sdpa_repeats_kv_heads"] = bool(_SDPA_REPEATS_KV)
         save()
-        _print_table(f"paged decode attention, bf16, batch {args.batch} "
+        if smoke:
+            failures += [f"{r['shape']} ctx {r['ctx']}: max|ours - SDPA| "
+                         f"{r['max_abs_diff_vs_sdpa']:.3g} > {SMOKE_MAX_ABS_DIFF}"
+                         for r in dec + pre
+                         if not r["max_abs_diff_vs_sdpa"] <= SMOKE_MAX_ABS_DIFF]
+        _print_table(f"paged decode attention, {dtype}, batch {args.batch} "
                      f"(copy bandwidth {copy_bw:.0f} GB/s)", dec,
                      [("shape", "shape"), ("ctx", "ctx"), ("splits", "num_splits"),
                       ("ms", "ms"), ("GB/s", "gbps"), ("of copy", "frac_of_copy_bw"),
                       ("sdpa ms", "sdpa_ms"), ("sdpa GB/s", "sdpa_gbps"),
                       ("max|diff|", "max_abs_diff_vs_sdpa")])
-        _print_table("varlen causal prefill attention, bf16", pre,
+        _print_table(f"varlen causal prefill attention, {dtype}", pre,
                      [("shape", "shape"), ("batch", "batch"), ("ctx", "ctx"), ("ms", "ms"),
                       ("TFLOP/s", "tflops"), ("sdpa ms", "sdpa_ms"),
                       ("sdpa TFLOP/s", "sdpa_tflops"), ("max|diff|", "max_abs_diff_vs_sdpa")])
@@ -519,33 +688,50 @@ def main(argv=None) -> int:
         rows = []
         for m in models:
             try:
-                rows += bench_engine_decode(build_random_model(m, args.model_root), copy_bw,
-                                            backend=args.backend)
+                rows += bench_engine_decode(
+                    build_random_model(m, args.model_root, device, dtype), copy_bw,
+                    backend=args.backend, device=device, dtype=dtype, engine_kw=engine_kw,
+                    **{k: sizes[k] for k in ("prompt_len", "new_tokens") if k in sizes})
             except Exception as exc:  # noqa: BLE001 - keep the other models
+                traceback.print_exc()
                 rows.append(dict(model=m, error=f"{type(exc).__name__}: {exc}"))
             report["engine_decode"] = rows
             save()
         _print_table("engine batch-1 decode", rows,
-                     [("model", "model"), ("graphs", "cuda_graphs"), ("ms/tok", "ms_per_token"),
+                     [("model", "model"), ("graphs", "cuda_graphs"),
+                      ("captured", "graphs_captured"), ("ms/tok", "ms_per_token"),
                       ("floor ms", "hbm_floor_ms"), ("floor/ms", "floor_frac"),
-                      ("error", "error")])
+                      ("skipped", "skipped"), ("error", "error")])
     if "throughput" in parts:
         rows = []
         for m in models:
             try:
                 rows.append(bench_engine_throughput(
-                    build_random_model(m, args.model_root), num_requests=args.num_requests,
-                    backend=args.backend, hf_batch_size=args.hf_batch_size,
-                    hf_max_requests=args.hf_max_requests, run_hf=not args.no_hf))
+                    build_random_model(m, args.model_root, device, dtype),
+                    num_requests=args.num_requests, backend=args.backend,
+                    hf_batch_size=args.hf_batch_size, hf_max_requests=args.hf_max_requests,
+                    run_hf=not args.no_hf, device=device, dtype=dtype, engine_kw=engine_kw,
+                    **{k: sizes[k] for k in ("min_len", "max_len") if k in sizes}))
             except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
                 rows.append(dict(model=m, error=f"{type(exc).__name__}: {exc}"))
             report["throughput"] = rows
             save()
         _print_table("throughput, nano-vllm workload", rows,
-                     [("model", "model"), ("engine tok/s", "engine_tok_s"),
+                     [("model", "model"), ("graphs", "cuda_graphs"),
+                      ("engine tok/s", "engine_tok_s"),
                       ("hf tok/s", "hf_tok_s"), ("speedup", "speedup_vs_hf"),
                       ("error", "error")])
     print(f"\nwrote {out_path}")
+    if smoke:
+        failures += [f"{part} {r.get('model')}: {r['error']}"
+                     for part in ("engine_decode", "throughput")
+                     for r in report.get(part, []) if "error" in r]
+        if "engine_skipped" in report:
+            failures.append(report["engine_skipped"])
+        for f in failures:
+            print(f"smoke FAILED: {f}", file=sys.stderr)
+        return 1 if failures else 0
     return 0
 
 

@@ -443,9 +443,9 @@ def test_parse_schedule_forms():
 
 def test_decision_logged_as_one_structured_line(caplog):
     cfg = KVServeAutoscalingConfig(max_replicas=16, log_interval_s=30.0, queue_drain_s=0)
-    with caplog.at_level(logging.INFO, logger="kvserve.autoscaling"):
+    with caplog.at_level(logging.INFO, logger=P.logger.name):
         run = drive(cfg, lambda t, n: fleet(2, util=0.7, waiting=16, waiting_tok=800), 20.0, target0=2)
-    recs = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvserve.autoscaling"]
+    recs = [json.loads(r.getMessage()) for r in caplog.records if r.name == P.logger.name]
     # 40 evaluations, but only changes of decision/reason (and one line per 30 s) are logged
     assert 1 <= len(recs) <= 6
     up = [r for r in recs if r["action"] == "up"]
