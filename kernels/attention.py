@@ -67,21 +67,25 @@ def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
-    """Contiguous ``[n, num_kv_heads, head_dim]`` view of the first ``n`` tokens of a request."""
+    """Contiguous ``[n, num_kv_heads, head_dim]`` copy of the first ``n`` tokens of a request."""
     bs = cache.shape[1]
     nblocks = (n + bs - 1) // bs
     return cache[block_table[:nblocks]].flatten(0, 1)[:n]
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int, device) -> tuple | None:
-    """Gather plan of the step's decode rows, computed once per step and kept on ``meta``:
-    (query rows ``[B]``, cache slot per (request, position) ``[B * L]``, padding mask ``[B, L]``)."""
+def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> tuple | None:
+    """Gather plan of the step's decode rows, computed once per step and kept on ``meta``
+    (all layers share it): query rows ``[B]``; row indices into the cache viewed as
+    ``[num_slots * num_kv_heads, head_dim]``, head-major per request ``[B * Hkv * L]``; and an
+    additive mask ``[B, 1, 1, L]`` (0 / -inf) over positions past each request's seq_len
+    (those read the request's first token, so every value stays finite)."""
     if hasattr(meta, "_torch_decode_plan"):
         return meta._torch_decode_plan
     qlens = meta.query_lens_cpu
     decode = [i for i, n in enumerate(qlens) if n == 1]
     plan = None
     if decode:
+        device, (_, block_size, num_kv_heads, _) = k_cache.device, k_cache.shape
         starts = [0]
         for n in qlens[:-1]:
             starts.append(starts[-1] + n)
@@ -94,7 +98,10 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, device) -> tuple | No
         slots = bt[:, pos // block_size] * block_size + pos % block_size  # [B, L]
         pad = pos[None, :] >= meta.seq_lens[idx].long()[:, None]
         slots = torch.where(pad, slots[:, :1], slots)
-        plan = (rows, slots.reshape(-1), pad)
+        heads = torch.arange(num_kv_heads, device=device)
+        gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+        mask = torch.zeros(pad.shape, dtype=k_cache.dtype, device=device).masked_fill_(pad, float("-inf"))
+        plan = (rows, gather, mask[:, None, None, :])
     meta._torch_decode_plan = plan
     return plan
 
@@ -103,49 +110,48 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
-    Decode rows (query length 1) are batched into one grouped-query matmul over
-    ``[num_kv_heads, group, ...]`` (no K/V head repetition); prefill chunks run one
-    ``scaled_dot_product_attention`` each with the causal mask offset by the request's
-    context length. Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    Decode rows (query length 1) gather their K/V through the block tables straight into
+    ``[B, num_kv_heads, L, head_dim]`` and run as one batched
+    ``scaled_dot_product_attention`` in which the query heads sharing a KV head are that
+    head's query rows (GQA without repeating K/V; padding masked).
+    Each prefill chunk runs one SDPA over its ``seq_len`` cached tokens, causal with the
+    mask aligned to the bottom right (query ``j`` of the chunk sees positions ``<= seq_len -
+    query_len + j``). With 4-D inputs both go to torch's fused FlashAttention-style CPU
+    kernel (tiled online softmax, Dao 2023) instead of materialising the scores. Returns
+    ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
-    starts = [0] * len(qlens)
-    for i in range(1, len(qlens)):
-        starts[i] = starts[i - 1] + qlens[i - 1]
 
-    plan = _decode_plan(meta, k_cache.shape[1], q.device)
+    plan = _decode_plan(meta, k_cache)
     if plan is not None:
-        rows, slots, pad = plan
-        b, length = pad.shape
-        # Per-token gather through the block table: [B * L, Hkv, D] -> [B, Hkv, L, D]. Positions
-        # past a request's seq_len read its first token (finite, masked out below).
-        k = k_cache.flatten(0, 1).index_select(0, slots).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.flatten(0, 1).index_select(0, slots).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
-        qd = q[rows].view(b, num_kv_heads, group, head_dim).to(k.dtype)
-        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out[rows] = torch.matmul(probs, v).reshape(b, num_heads, head_dim).to(q.dtype)
+        rows, gather, mask = plan
+        b, length = mask.shape[0], mask.shape[-1]
+        k = k_cache.view(-1, head_dim).index_select(0, gather).view(b, num_kv_heads, length, head_dim)
+        v = v_cache.view(-1, head_dim).index_select(0, gather).view(b, num_kv_heads, length, head_dim)
+        # the query heads of one KV head act as its "query tokens": K/V are read once per KV head
+        qd = q[rows].to(k.dtype).view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        out[rows] = o.reshape(b, num_heads, head_dim).to(q.dtype)
 
+    s = 0
     for i, (qlen, slen) in enumerate(zip(qlens, slens)):
-        if qlen == 1 or qlen == 0:
+        if qlen <= 1:
+            s += qlen
             continue
-        s = starts[i]
-        k = _gather(k_cache, meta.block_tables[i], slen).transpose(0, 1)  # [Hkv, L, D]
-        v = _gather(v_cache, meta.block_tables[i], slen).transpose(0, 1)
-        # [qlen, Hq, D] -> [Hkv, G*qlen, D]: queries of one KV head share its keys.
-        qi = q[s:s + qlen].view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qi = qi.reshape(num_kv_heads, group * qlen, head_dim).to(k.dtype)
-        qpos = torch.arange(slen - qlen, slen, device=q.device)
-        mask = torch.arange(slen, device=q.device)[None, :] <= qpos[:, None]  # [qlen, L]
-        mask = mask.repeat(group, 1)
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
-        o = o.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
-        out[s:s + qlen] = o.reshape(qlen, num_heads, head_dim).to(q.dtype)
+        k = _gather(k_cache, meta.block_tables[i], slen).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = _gather(v_cache, meta.block_tables[i], slen).transpose(0, 1)[None]
+        qi = q[s:s + qlen].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, qlen, D]
+        if qlen == slen:  # no cached context: plain causal
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            qpos = torch.arange(slen - qlen, slen, device=q.device)
+            mask = torch.arange(slen, device=q.device)[None, :] <= qpos[:, None]  # [qlen, L]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:s + qlen] = o[0].transpose(0, 1).to(q.dtype)
+        s += qlen
     return out
 
 
