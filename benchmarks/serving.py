@@ -9,7 +9,7 @@ Workload (same as ``benchmarks/throughput.py``, seeded): 64 requests, prompt len
 uniform in 32..256 tokens of random token ids, output lengths uniform in 16..128 with
 ``ignore_eos``, greedy.
 
-In the same run a local Ray Serve app (``deployments.app.build_app``) is started (unless
+In the same run a local Ray Serve app (``deployments.app.build_app``, one replica) is started (unless
 ``--base-url`` points at a running server) and the offline engine (``engine.LLM``) is loaded
 in this process; then, ``--rounds`` times, the offline engine and the HTTP server each run the
 workload (alternating, so both see the same background load on a shared machine; prefix
@@ -376,7 +376,10 @@ def main(argv=None) -> dict:
     base_url = args.base_url
     if launched:
         print("launching Ray Serve ...", flush=True)
-        base_url = launch_server(args.model, {**engine_kw, "served_model_name": served}, free_port(), args.num_cpus)
+        # one replica, pinned: the comparison is one replica against one in-process engine (the
+        # default deployment would autoscale, and extra replicas on this box share its cores)
+        base_url = launch_server(args.model, {**engine_kw, "served_model_name": served, "num_replicas": 1},
+                                 free_port(), args.num_cpus)
     offline = None if args.skip_offline else Offline(path, engine_kw)
     plots: dict[str, list[RequestResult]] = {}
     best_http = best_off = None

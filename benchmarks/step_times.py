@@ -1,0 +1,98 @@
+"""Engine step times: one 2048-token prefill step and one 64-request decode step.
+
+Measures ``LLMEngine.step()`` wall time (seconds) on SmolLM2-135M-Instruct (default) in
+float32 on this machine's default device:
+
+* prefill: a single request of ``--prefill-tokens`` random token ids, so the step is one
+  prefill chunk of that many tokens (the chunk's attention is causal over itself);
+* decode: ``--batch`` requests with prompts uniform in 100..200 tokens, run past their
+  prefill, then the median of ``--iters`` decode steps (every request generating).
+
+With ``--profile`` it also prints torch's operator table for three decode steps.
+
+Usage::
+
+    python benchmarks/step_times.py                  # writes benchmarks/results/step_times.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.model_loader import resolve_model  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/step_times.json")
+    args = ap.parse_args(argv)
+
+    model = str(resolve_model(args.model))
+    llm = LLM(model=model, max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.prefill_tokens))
+    eng, rng = llm.engine, random.Random(0)
+    vocab = eng.hf_config.vocab_size
+
+    def ids(n):
+        return [rng.randint(100, min(vocab, 40000) - 1) for _ in range(n)]
+
+    prefill = []
+    for k in range(3):  # the first is a warm-up
+        eng.add_request(f"p{k}", ids(args.prefill_tokens), SamplingParams(max_tokens=1, temperature=0))
+        t = time.perf_counter()
+        eng.step()
+        prefill.append(time.perf_counter() - t)
+        while eng.has_unfinished_requests():
+            eng.step()
+
+    for i in range(args.batch):
+        eng.add_request(f"d{i}", ids(rng.randint(100, 200)),
+                        SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    decode = []
+    for _ in range(args.iters):
+        t = time.perf_counter()
+        eng.step()
+        decode.append(time.perf_counter() - t)
+    decode.sort()
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            for _ in range(3):
+                eng.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+    result = {
+        "model": model,
+        "threads": __import__("torch").get_num_threads(),
+        "prefill_tokens": args.prefill_tokens,
+        "prefill_step_s": sorted(prefill[1:])[0],
+        "decode_batch": args.batch,
+        "decode_context_tokens": [100, 200 + 3 + args.iters],
+        "decode_step_s_p50": decode[len(decode) // 2],
+        "load_average_after": list(os.getloadavg()),
+    }
+    print(json.dumps(result, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
