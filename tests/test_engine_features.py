@@ -120,6 +120,16 @@ def test_stop_string_included_in_output(tiny_llm, reference):
     assert "".join(o.outputs[0].delta_text for o in outs) == final.text
 
 
+def test_stop_string_on_the_last_allowed_token_is_a_stop(tiny_llm, reference):
+    # the token that completes the stop string is also the max_tokens-th: the stop string wins
+    # (as in vLLM, whose stop checker tests stop strings before the length limit)
+    ids, text, stop, start, n_tok = reference
+    final = gen1(tiny_llm, PROMPT, greedy(max_tokens=n_tok, stop=[stop]))
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert final.text == text[:start] and final.token_ids == ids[:n_tok]
+    assert_engine_empty(tiny_llm)
+
+
 def test_earliest_of_several_stop_strings_wins(tiny_llm, reference):
     ids, text, stop, start, n_tok = reference
     later = text[start + len(stop):start + len(stop) + 3]
