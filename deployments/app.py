@@ -150,6 +150,27 @@ def logical_cpus_needed(args: AppArgs) -> float:
     return total
 
 
+def fit_single_node(args: AppArgs, num_gpus: int) -> AppArgs:
+    """Cap the default autoscaling bound of each model at what one node holds, for a Ray
+    instance that ``kvserve serve`` starts on this machine alone (no cluster autoscaler
+    could ever place more): GPU replicas at ``num_gpus // tensor_parallel_size``, CPU
+    replicas at 1 (one CPU engine already runs a torch thread per core). Models with an
+    explicit ``max_replicas`` or ``num_replicas`` are left as given, and the cap is never
+    below ``min_replicas``.
+    """
+    models = []
+    for m in args.model_list():
+        knobs = m.autoscaling_knobs()
+        if knobs is None or "max_replicas" in knobs:
+            models.append(m)
+            continue
+        gpu = m.device == "cuda" or (m.device == "auto" and num_gpus > 0)
+        fit = max(1, num_gpus // m.tensor_parallel_size) if gpu else 1
+        models.append(m.model_copy(update={"max_replicas": max(fit, m.min_replicas or 1)}))
+    top = {k: getattr(args, k) for k in AppArgs.model_fields if k != "models"}
+    return AppArgs.model_validate({**top, "models": [m.model_dump() for m in models]})
+
+
 def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]:
     """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, and the
     placement group bundles of a tensor-parallel replica."""

@@ -123,7 +123,7 @@ def _curl_line(base_url: str, model: str, api_key: str | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deployments.app import APP_NAME, AppArgs, build_app, logical_cpus_needed
+    from deployments.app import APP_NAME, AppArgs, build_app, fit_single_node, logical_cpus_needed
 
     app_args = AppArgs.model_validate(app_args_from_cli(args))
     name = args.name or APP_NAME
@@ -145,6 +145,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         need = int(logical_cpus_needed(app_args) + 0.999)
         init_kw["num_cpus"] = args.num_cpus or max(os.cpu_count() or 1, need)
     ray.init(address=args.address, **init_kw)
+    if started_ray:  # no cluster to grow into: autoscale only as far as this machine holds
+        app_args = fit_single_node(app_args, int(ray.cluster_resources().get("GPU", 0)))
     stopping = {"flag": False}
 
     def _stop(signum, frame):
@@ -172,6 +174,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvserve is serving {first} at {base_url}", flush=True)
         print("try:", flush=True)
         print(f"  {_curl_line(base_url, first, key)}", flush=True)
+        for m in app_args.model_list():
+            knobs = m.autoscaling_knobs()
+            if knobs is None:
+                print(f"{m.name}: {m.num_replicas} replica(s), fixed", flush=True)
+            else:
+                print(f"{m.name}: autoscaling {knobs.get('min_replicas', 1)}..{knobs.get('max_replicas', 8)} "
+                      "replicas (kvserve policy)", flush=True)
         print("Ctrl-C to stop.", flush=True)
         while True:
             time.sleep(1)

@@ -187,3 +187,19 @@ def _imports(pkg: str) -> set[str]:
 def test_import_rules():
     assert "ray" not in _imports("engine") and "deployments" not in _imports("engine")
     assert "deployments" not in _imports("cluster")
+
+
+def test_fit_single_node_caps_only_the_default_bound():
+    from deployments.app import AppArgs, fit_single_node
+
+    cpu = fit_single_node(AppArgs(device="cpu"), num_gpus=0).model_list()[0]
+    assert cpu.autoscaling_knobs()["max_replicas"] == 1  # one CPU engine uses every core
+    gpus = fit_single_node(AppArgs(tensor_parallel_size=2), num_gpus=8).model_list()[0]
+    assert gpus.autoscaling_knobs()["max_replicas"] == 4  # device auto with GPUs: 8 // TP 2
+    assert fit_single_node(AppArgs(max_replicas=6), num_gpus=0).model_list()[0].max_replicas == 6
+    assert fit_single_node(AppArgs(num_replicas=3), num_gpus=0).model_list()[0].num_replicas == 3
+    assert fit_single_node(AppArgs(min_replicas=2), num_gpus=0).model_list()[0].max_replicas == 2
+    both = fit_single_node(AppArgs(models=[{"model": "a", "device": "cuda"}, {"model": "b", "max_replicas": 5}],
+                                   api_keys=["k"]), num_gpus=3)
+    assert [m.autoscaling_knobs()["max_replicas"] for m in both.model_list()] == [3, 5]
+    assert both.api_keys == ["k"]
