@@ -73,35 +73,43 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Ten
     return cache[block_table[:nblocks]].flatten(0, 1)[:n]
 
 
-def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> tuple | None:
+#: Decode rows per length bucket of the torch path (see :func:`_decode_plan`).
+DECODE_BUCKET_ROWS = 16
+
+
+def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> list[tuple]:
     """Gather plan of the step's decode rows, computed once per step and kept on ``meta``
-    (all layers share it): query rows ``[B]``; row indices into the cache viewed as
-    ``[num_slots * num_kv_heads, head_dim]``, head-major per request ``[B * Hkv * L]``; and an
-    additive mask ``[B, 1, 1, L]`` (0 / -inf) over positions past each request's seq_len
-    (those read the request's first token, so every value stays finite)."""
+    (all layers share it).
+
+    Decode rows are sorted by ``seq_len`` and cut into buckets of ``DECODE_BUCKET_ROWS``, so
+    each bucket pads only to its own longest request. Per bucket: query rows ``[b]``; row
+    indices into the cache viewed as ``[num_slots * num_kv_heads, head_dim]``, head-major per
+    request ``[b * Hkv * L]``; and an additive mask ``[b, 1, 1, L]`` (0 / -inf) over positions
+    past each request's seq_len (those read the request's first token, so every value stays
+    finite)."""
     if hasattr(meta, "_torch_decode_plan"):
         return meta._torch_decode_plan
-    qlens = meta.query_lens_cpu
-    decode = [i for i, n in enumerate(qlens) if n == 1]
-    plan = None
-    if decode:
-        device, (_, block_size, num_kv_heads, _) = k_cache.device, k_cache.shape
-        starts = [0]
-        for n in qlens[:-1]:
-            starts.append(starts[-1] + n)
-        idx = torch.tensor(decode, dtype=torch.long, device=device)
-        rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
-        length = max(meta.seq_lens_cpu[i] for i in decode)
-        nblocks = -(-length // block_size)
-        bt = meta.block_tables[idx, :nblocks].long()
+    qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+    starts = [0]
+    for n in qlens[:-1]:
+        starts.append(starts[-1] + n)
+    decode = sorted((i for i, n in enumerate(qlens) if n == 1), key=lambda i: slens[i])
+    device, (_, block_size, num_kv_heads, _) = k_cache.device, k_cache.shape
+    heads = torch.arange(num_kv_heads, device=device)
+    plan = []
+    for b0 in range(0, len(decode), DECODE_BUCKET_ROWS):
+        bucket = decode[b0:b0 + DECODE_BUCKET_ROWS]
+        idx = torch.tensor(bucket, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[i] for i in bucket], dtype=torch.long, device=device)
+        length = slens[bucket[-1]]
+        bt = meta.block_tables[idx, :-(-length // block_size)].long()
         pos = torch.arange(length, device=device)
-        slots = bt[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+        slots = bt[:, pos // block_size] * block_size + pos % block_size  # [b, L]
         pad = pos[None, :] >= meta.seq_lens[idx].long()[:, None]
         slots = torch.where(pad, slots[:, :1], slots)
-        heads = torch.arange(num_kv_heads, device=device)
         gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
         mask = torch.zeros(pad.shape, dtype=k_cache.dtype, device=device).masked_fill_(pad, float("-inf"))
-        plan = (rows, gather, mask[:, None, None, :])
+        plan.append((rows, gather, mask[:, None, None, :]))
     meta._torch_decode_plan = plan
     return plan
 
@@ -110,9 +118,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
-    Decode rows (query length 1) gather their K/V through the block tables straight into
-    ``[B, num_kv_heads, L, head_dim]`` and run as one batched
-    ``scaled_dot_product_attention`` in which the query heads sharing a KV head are that
+    Decode rows (query length 1), in buckets of similar length, gather their K/V through the
+    block tables straight into ``[B, num_kv_heads, L, head_dim]`` and run as one batched
+    ``scaled_dot_product_attention`` per bucket, in which the query heads sharing a KV head are that
     head's query rows (GQA without repeating K/V; padding masked).
     Each prefill chunk runs one SDPA over its ``seq_len`` cached tokens, causal with the
     mask aligned to the bottom right (query ``j`` of the chunk sees positions ``<= seq_len -
@@ -125,9 +133,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty_like(q)
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
 
-    plan = _decode_plan(meta, k_cache)
-    if plan is not None:
-        rows, gather, mask = plan
+    for rows, gather, mask in _decode_plan(meta, k_cache):
         b, length = mask.shape[0], mask.shape[-1]
         k = k_cache.view(-1, head_dim).index_select(0, gather).view(b, num_kv_heads, length, head_dim)
         v = v_cache.view(-1, head_dim).index_select(0, gather).view(b, num_kv_heads, length, head_dim)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -129,6 +130,13 @@ CASES.update(_random_cases())
 
 # Problems for the in-process torch path (no Triton).
 TORCH_CASES = {k: v for k, v in CASES.items() if v["kind"] not in ("store", "heuristic")}
+# More decode rows than one length bucket of the torch path holds (DECODE_BUCKET_ROWS = 16),
+# in arbitrary length order, between prefill chunks.
+_r = random.Random(7)
+TORCH_CASES["torch_decode_buckets"] = dict(
+    kind="dispatch", H=8, Hkv=2, D=64, bs=16, dtype="float32",
+    qlens=[1] * 20 + [70] + [1] * 21 + [9], seqlens=[_r.randint(1, 300) for _ in range(20)] + [70]
+    + [_r.randint(1, 300) for _ in range(21)] + [140], seed=40)
 
 
 # ------------------------------------------------------------------------------------------
