@@ -166,7 +166,7 @@ def fit_single_node(args: AppArgs, num_gpus: int) -> AppArgs:
             continue
         gpu = m.device == "cuda" or (m.device == "auto" and num_gpus > 0)
         fit = max(1, num_gpus // m.tensor_parallel_size) if gpu else 1
-        models.append(m.model_copy(update={"max_replicas": max(fit, m.min_replicas or 1)}))
+        models.append(m.model_copy(update={"max_replicas": max(fit, knobs.get("min_replicas", 1))}))
     top = {k: getattr(args, k) for k in AppArgs.model_fields if k != "models"}
     return AppArgs.model_validate({**top, "models": [m.model_dump() for m in models]})
 
@@ -241,5 +241,5 @@ def app_args_from_config(path: str, app_name: str = APP_NAME) -> dict[str, Any]:
     return dict(data)
 
 
-__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "autoscaling_config", "app_args_from_config",
-           "logical_cpus_needed"]
+__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "llm_deployment_options", "fit_single_node",
+           "app_args_from_config", "logical_cpus_needed"]

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from autoscaling.policy import add_autoscaling_args
+from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
 
 
 # ---- generate (engine only) ------------------------------------------------------------------
@@ -179,8 +179,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if knobs is None:
                 print(f"{m.name}: {m.num_replicas} replica(s), fixed", flush=True)
             else:
-                print(f"{m.name}: autoscaling {knobs.get('min_replicas', 1)}..{knobs.get('max_replicas', 8)} "
-                      "replicas (kvserve policy)", flush=True)
+                cfg = KVServeAutoscalingConfig.from_dict(knobs)
+                print(f"{m.name}: autoscaling {cfg.min_replicas}..{cfg.max_replicas} replicas (kvserve policy)",
+                      flush=True)
         print("Ctrl-C to stop.", flush=True)
         while True:
             time.sleep(1)

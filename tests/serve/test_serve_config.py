@@ -199,6 +199,8 @@ def test_fit_single_node_caps_only_the_default_bound():
     assert fit_single_node(AppArgs(max_replicas=6), num_gpus=0).model_list()[0].max_replicas == 6
     assert fit_single_node(AppArgs(num_replicas=3), num_gpus=0).model_list()[0].num_replicas == 3
     assert fit_single_node(AppArgs(min_replicas=2), num_gpus=0).model_list()[0].max_replicas == 2
+    floor = fit_single_node(AppArgs(autoscaling={"min_replicas": 3}), num_gpus=0).model_list()[0]
+    assert floor.autoscaling_knobs()["max_replicas"] == 3
     both = fit_single_node(AppArgs(models=[{"model": "a", "device": "cuda"}, {"model": "b", "max_replicas": 5}],
                                    api_keys=["k"]), num_gpus=3)
     assert [m.autoscaling_knobs()["max_replicas"] for m in both.model_list()] == [3, 5]
