@@ -196,20 +196,10 @@ def _paged_problem(batch: int, q_len: int, ctx: int, shape: dict, block_size: in
                 v=contiguous(v_cache), H=H, Hkv=Hkv, D=D, batch=batch, q_len=q_len, ctx=ctx)
 
 
-_SDPA_REPEATS_KV = []  # non-empty once _sdpa fell back to repeating K/V heads (-> JSON)
-
-
 def _sdpa(q, k, v, causal: bool):
-    """SDPA with GQA; repeats K/V heads if this torch has no ``enable_gqa`` (then its time
-    includes the copies; ``sdpa_repeats_kv_heads`` in the JSON says so)."""
+    """Reference: torch SDPA with GQA (``enable_gqa``, no K/V head copies)."""
     import torch.nn.functional as F
-    try:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    except TypeError:
-        _SDPA_REPEATS_KV.append(True)
-        rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                              v.repeat_interleave(rep, 1), is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
 def bench_decode_attention(timer: Timer, shape_name: str, batch: int, ctx: int,
@@ -660,7 +650,6 @@ def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int
         pre = [bench_prefill_attention(timer, s, c, args.block_size, args.prefill_tokens,
                                        dtype, device) for s in shapes for c in ctxs]
         report["prefill_attention"] = pre
-        report["sdpa_repeats_kv_heads"] = bool(_SDPA_REPEATS_KV)
         save()
         if smoke:
             failures += [f"{r['shape']} ctx {r['ctx']}: max|ours - SDPA| "

@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
 
@@ -64,6 +66,7 @@ def main(argv=None) -> int:
         eng.step()
     for _ in range(3):
         eng.step()
+    contexts = sorted(r.num_computed_tokens for r in eng.scheduler.requests.values())
     decode = []
     for _ in range(args.iters):
         t = time.perf_counter()
@@ -80,11 +83,11 @@ def main(argv=None) -> int:
 
     result = {
         "model": model,
-        "threads": __import__("torch").get_num_threads(),
+        "threads": torch.get_num_threads(),
         "prefill_tokens": args.prefill_tokens,
         "prefill_step_s": sorted(prefill[1:])[0],
         "decode_batch": args.batch,
-        "decode_context_tokens": [100, 200 + 3 + args.iters],
+        "decode_context_tokens": [contexts[0], contexts[-1] + args.iters],  # min .. max over the timed steps
         "decode_step_s_p50": decode[len(decode) // 2],
         "load_average_after": list(os.getloadavg()),
     }

@@ -171,11 +171,12 @@ class LLMEngine:
             try:
                 detok = self.detokenizers.get(req.request_id)
                 stop = detok.update([req.all_token_ids[-1]]) if detok else None
-                if stop is not None and (not req.finished or req.status == RequestStatus.FINISHED_LENGTH):
-                    # a stop string completed by the last allowed token still counts as a stop
+                if stop is not None and not req.finished:
                     req.stop_reason = stop
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                    req.status = RequestStatus.FINISHED_STOPPED  # finish() skips finished requests
+                elif stop is not None and req.status == RequestStatus.FINISHED_LENGTH:
+                    # completed by the last allowed token (already finished and freed): a stop
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
             except Exception as e:  # one bad request must not take the batch down
                 logger.exception("request %s failed in detokenization", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"

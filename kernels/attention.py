@@ -119,9 +119,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
     Decode rows (query length 1), in buckets of similar length, gather their K/V through the
-    block tables straight into ``[B, num_kv_heads, L, head_dim]`` and run as one batched
-    ``scaled_dot_product_attention`` per bucket, in which the query heads sharing a KV head are that
-    head's query rows (GQA without repeating K/V; padding masked).
+    block tables straight into ``[B, num_kv_heads, L, head_dim]`` and run one batched
+    ``scaled_dot_product_attention`` per bucket, in which the query heads sharing a KV head
+    are that head's query rows (GQA without repeating K/V; padding masked).
     Each prefill chunk runs one SDPA over its ``seq_len`` cached tokens, causal with the
     mask aligned to the bottom right (query ``j`` of the chunk sees positions ``<= seq_len -
     query_len + j``). With 4-D inputs both go to torch's fused FlashAttention-style CPU
