@@ -1,5 +1,7 @@
 # kvserve: `make serve` starts the serving cluster on the default model; `make test` runs the tests.
 # Both set up .venv on a fresh machine first (torch 2.13.0 CPU from the machine's find-links before the rest).
+# Ray runs with token authentication on (RAY_AUTH_MODE=token): `kvserve serve` writes ~/.ray/auth_token (0600);
+# the tests use a token of their own session (tests/serve/conftest.py), never ~/.ray/auth_token.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,7 +23,7 @@ serve: $(STAMP)
 	$(BIN)/kvserve serve $(ARGS)
 
 test: $(STAMP)
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

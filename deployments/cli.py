@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Serve config YAML (e.g. deployments/serve_config.yaml) or a YAML of app args; "
                         "flags override its args")
     s.add_argument("--address", default=None,
-                   help="join a Ray cluster ('auto', 'ray://host:10001', host:port) instead of starting one")
+                   help="join a Ray cluster ('auto', 'ray://host:10001', host:port) instead of starting one; "
+                        "needs the cluster's Ray auth token here (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+                        "~/.ray/auth_token; `ray get-auth-token` on the head prints it)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--name", default=None, help="Serve application name (default kvserve)")
@@ -122,19 +124,47 @@ def _curl_line(base_url: str, model: str, api_key: str | None) -> str:
     return f"curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
+def _ray_access_line(auth, started_ray: bool) -> str:
+    """How this Ray instance is protected, and how another driver on this machine joins it."""
+    import ray
+
+    from cluster.ray_auth import default_token_path
+
+    line = f"Ray: {auth.describe()}"
+    if started_ray:
+        gcs = ray.get_runtime_context().gcs_address
+        where = "127.0.0.1 only" if auth.loopback else "all interfaces"
+        line += f"; GCS {gcs}, control-plane ports on {where}.\nother Ray drivers on this machine join with: "
+        env = [f"RAY_ADDRESS={gcs}"]
+        if auth.loopback:
+            env.insert(0, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
+        if auth.mode == "token":
+            env.insert(0, "RAY_AUTH_MODE=token")
+            if auth.token_source not in (None, "RAY_AUTH_TOKEN", str(default_token_path())):
+                env.insert(1, f"RAY_AUTH_TOKEN_PATH={auth.token_source}")
+        line += " ".join(env) + " python your_driver.py"
+    return line
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.ray_auth import ensure_join_auth, ensure_local_auth, join_failure_message
+
+    started_ray = args.address is None
+    # Before anything imports ray (deployments.app does): Ray reads these variables on import.
+    if started_ray:
+        # Ray's token auth on (RAY_AUTH_TOKEN, or a 0600 token file at RAY_AUTH_TOKEN_PATH /
+        # ~/.ray/auth_token, created if missing) and the instance's ports on 127.0.0.1; an explicit
+        # RAY_AUTH_MODE=disabled is kept, with a loud warning.
+        auth = ensure_local_auth()
+        # Ray runs workers at niceness 15 by default; on a serving node the Serve proxy,
+        # ingress and engine replicas are the main work.
+        os.environ.setdefault("RAY_worker_niceness", "0")
+    else:
+        auth = ensure_join_auth(address=args.address)  # SystemExit with what to do if no token is here
     from deployments.app import APP_NAME, AppArgs, build_app, fit_single_node, logical_cpus_needed
 
     app_args = AppArgs.model_validate(app_args_from_cli(args))
     name = args.name or APP_NAME
-    started_ray = args.address is None
-    if started_ray:
-        # A local single-user instance: Ray 2.60's token auth would make every later driver
-        # (e.g. a Python-handle client) need the token file; keep it off unless asked for.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        # Ray runs workers at niceness 15 by default; on a serving node the Serve proxy,
-        # ingress and engine replicas are the main work.
-        os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
     from ray import serve
 
@@ -144,7 +174,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # give a local instance at least what the app reserves, so e.g. TP=2 fits on 2 cores.
         need = int(logical_cpus_needed(app_args) + 0.999)
         init_kw["num_cpus"] = args.num_cpus or max(os.cpu_count() or 1, need)
-    ray.init(address=args.address, **init_kw)
+    try:
+        ray.init(address=args.address, **init_kw)
+    except Exception as e:  # ConnectionError, ray.exceptions.AuthenticationError, ...
+        if started_ray:
+            raise
+        raise SystemExit(join_failure_message(args.address, auth, e)) from e
     if started_ray:  # no cluster to grow into: autoscale only as far as this machine holds
         app_args = fit_single_node(app_args, int(ray.cluster_resources().get("GPU", 0)))
     stopping = {"flag": False}
@@ -182,6 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 cfg = KVServeAutoscalingConfig.from_dict(knobs)
                 print(f"{m.name}: autoscaling {cfg.min_replicas}..{cfg.max_replicas} replicas (kvserve policy)",
                       flush=True)
+        print(_ray_access_line(auth, started_ray), flush=True)
         print("Ctrl-C to stop.", flush=True)
         while True:
             time.sleep(1)

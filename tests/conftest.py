@@ -2,7 +2,7 @@
 
 import os
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["RAY_AUTH_MODE"] = "token"  # Ray token auth on for every Ray of the session (token: tests/serve/conftest.py)
 
 import pytest  # noqa: E402
 

@@ -5,9 +5,23 @@ tiny random-weight model ("tiny"); a second small app ("kvserve-auth", route ``/
 serves the tiny model with an API key and tensor_parallel_size 2 (worker actors in the
 replica's placement group).
 """
+import atexit
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from cluster.ray_auth import ensure_local_auth
+
+# Ray's token authentication on, as `kvserve serve` runs it, with a token of this test session
+# only (RAY_AUTH_TOKEN_PATH in a private temp dir, not the user's ~/.ray/auth_token, which the
+# tests neither read nor write); and, like `kvserve serve`, the session's Ray binds its ports to
+# 127.0.0.1. All before `import ray`: Ray reads these variables when it is imported.
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ.pop("RAY_AUTH_TOKEN", None)
+_RAY_AUTH_DIR = tempfile.mkdtemp(prefix="kvserve-ray-auth-")  # mode 0700
+atexit.register(shutil.rmtree, _RAY_AUTH_DIR, True)
+os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_RAY_AUTH_DIR, "auth_token")
+RAY_AUTH = ensure_local_auth()  # writes the session's token (0600); subprocesses inherit the env
 os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does
 
 import socket  # noqa: E402
@@ -29,14 +43,16 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray instance (8 logical CPUs on whatever cores there are), shared by all the
-    Ray tests of this session; reused if something already started one."""
+    Ray tests of this session; reused if something already started one. Token auth is on
+    (the session's token at ``token_path``) and its ports are on 127.0.0.1, as with `kvserve serve`."""
     import ray
 
     started = False
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         started = True
-    yield SimpleNamespace(address=ray.get_runtime_context().gcs_address)
+    yield SimpleNamespace(address=ray.get_runtime_context().gcs_address, auth=RAY_AUTH,
+                          token_path=os.environ["RAY_AUTH_TOKEN_PATH"])
     if started:
         try:
             from ray import serve
