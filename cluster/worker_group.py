@@ -200,7 +200,27 @@ class RayWorkerGroup(Executor):
                 "bundles": list(pg.bundle_specs) if pg is not None else None,
                 "ranks": self.worker_info}
 
-    async def check_health(self, timeout_s: float = 30.0) -> None:
+    def check_health(self, timeout_s: float = 30.0) -> None:
+        """Ping every rank (blocking, for the engine's step thread).
+
+        Raises:
+            RuntimeError: the group has no workers (shut down).
+            ray.exceptions.RayActorError: a worker is dead.
+            ray.exceptions.GetTimeoutError: a worker did not answer within ``timeout_s`` seconds.
+        """
+        if not self.workers:
+            raise RuntimeError("the tensor-parallel workers are shut down")
+        ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
+
+    async def check_health_async(self, timeout_s: float = 30.0) -> None:
+        """:meth:`check_health` for an event loop (the replica's health probe).
+
+        Raises:
+            RuntimeError, ray.exceptions.RayActorError: as :meth:`check_health`.
+            asyncio.TimeoutError: a worker did not answer within ``timeout_s`` seconds.
+        """
+        if not self.workers:
+            raise RuntimeError("the tensor-parallel workers are shut down")
         refs = [w.ping.remote() for w in self.workers]
         await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
 

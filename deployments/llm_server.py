@@ -228,7 +228,7 @@ class LLMServer:
         try:
             params = SamplingParams(**(sampling_params or {}))
             if messages is not None:
-                prompt = self.engine.apply_chat_template(messages)
+                prompt = await self.engine.apply_chat_template(messages)
             if prompt is None:
                 raise ValueError("either prompt or messages is required")
             stream = self.engine.generate(prompt, params, request_id, priority)

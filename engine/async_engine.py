@@ -8,12 +8,19 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, chat_template_ids
+from engine.llm_engine import LLMEngine, StepFailedError, chat_template_ids
 from engine.model_loader import load_tokenizer
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can serve no more requests: its executor failed (a worker process is gone,
+    the device broke) or its step loop died. Every request in it ends with this error and
+    every later :meth:`AsyncLLMEngine.generate` raises it at once; the engine (the replica)
+    must be replaced."""
 
 
 class AsyncLLMEngine:
@@ -22,8 +29,16 @@ class AsyncLLMEngine:
     The step loop is an asyncio task that runs each ``engine.step()`` in a worker thread
     (torch releases the GIL), so the event loop keeps serving while the model runs. New
     requests and aborts are applied between steps, on the event loop thread, so the
-    scheduler is never touched by two threads at once. Prompts are tokenized with a
-    tokenizer of the front's own (HF fast tokenizers are not safe to share across threads).
+    scheduler is never touched by two threads at once. Prompts are tokenized (and chat
+    templates applied) in a second single-thread executor with a tokenizer of the front's
+    own (HF fast tokenizers are not safe to share across threads), so a huge prompt does not
+    stall the event loop.
+
+    Failures: a request that fails alone inside a step ends with a ``RuntimeError`` on its
+    stream only (the engine isolates it). A step failure no request explains makes the loop
+    ask the executor's ``check_health()`` (in the step thread): if the executor is healthy,
+    that step's requests fail with ``RuntimeError`` and the loop goes on; if not, the engine
+    is dead (:class:`EngineDeadError`, see :attr:`errored`).
     """
 
     def __init__(self, engine: LLMEngine):
@@ -32,52 +47,114 @@ class AsyncLLMEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[Request] = []
         self._aborts: set[str] = set()
+        self._tokenizing: set[str] = set()  # ids whose prompt is in the tokenizer thread
+        self._aborted_early: set[str] = set()  # ... and that were aborted meanwhile
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
-        self.errored: BaseException | None = None
+        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
+        self._closed = False
+        self.errored: EngineDeadError | None = None
+        """The :class:`EngineDeadError` that killed the engine, or None while it is usable."""
 
     @classmethod
     def from_config(cls, config: EngineConfig, executor_factory: Callable | None = None) -> "AsyncLLMEngine":
         return cls(LLMEngine(config, executor_factory))
 
     # ---- public API ------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        """The step loop task exists and has not ended (it starts with the first request)."""
+        return self._task is not None and not self._task.done()
+
+    def check_health(self) -> None:
+        """Cheap, non-blocking liveness check (does not ask the executor).
+
+        Raises:
+            EngineDeadError: the engine is dead (:attr:`errored`), its step loop ended with an
+                exception, or it was shut down.
+        """
+        if self.errored is not None:
+            raise self._dead_error()
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        t = self._task
+        if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
+            raise EngineDeadError(f"the engine step loop died: {t.exception()!r}") from t.exception()
+
+    def mark_dead(self, cause: BaseException, reason: str = "the engine is dead") -> None:
+        """Declare the engine dead because of ``cause`` (e.g. a worker that did not answer a
+        health probe): fails every request with :class:`EngineDeadError` (message
+        ``"{reason}: {type(cause).__name__}: {cause}"``) and refuses new ones. Idempotent.
+        Call on the event loop thread."""
+        if self.errored is not None:
+            return
+        err = EngineDeadError(f"{reason}: {type(cause).__name__}: {cause}")
+        err.__cause__ = cause
+        logger.error("%s", err)
+        self.errored = err
+        pending, self._pending = self._pending, []
+        for req in pending:
+            self._put(req.request_id, self._dead_error())
+        if not (self._task is not None and not self._task.done() and self._task is not asyncio.current_task()):
+            # no step in flight: the scheduler is ours to touch (else the loop cleans up)
+            self._fail_all_in_engine(str(err))
+        for rid in list(self._queues):
+            self._put(rid, self._dead_error())
+        if self._wakeup is not None:
+            self._wakeup.set()  # a loop waiting for work wakes up and exits
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt`` (blocking; :meth:`generate` runs it off the event loop)."""
         return self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation under the chat template (see ``chat_template_ids``).
+    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation under the chat template (see ``chat_template_ids``),
+        computed in the tokenizer thread.
 
         Raises:
             ValueError: no chat template or malformed messages.
         """
-        return chat_template_ids(self.tokenizer, messages)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tok_pool, chat_template_ids, self.tokenizer, messages)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield a :class:`RequestOutput` after every step that gives this request a token;
         the last one has ``finished=True``. Closing or cancelling the iterator aborts the
-        request and frees its KV blocks.
+        request and frees its KV blocks. The prompt is tokenized and validated in the
+        tokenizer thread before anything is queued.
 
         Raises:
-            ValueError: invalid prompt (raised before anything is queued).
+            EngineDeadError: the engine is dead (at once, or while the request runs).
+            ValueError: invalid prompt or parameters (raised before anything is queued).
             RuntimeError: the request failed inside the engine.
         """
+        self.check_health()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
-        prompt_text = prompt if isinstance(prompt, str) else None
-        req = self.engine.make_request(request_id, self.tokenize(prompt), params, priority)
-        req.prompt = prompt_text
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._pending.append(req)
-        self._start()
-        finished = False
+        self._queues[request_id] = queue  # reserves the id while the prompt is tokenized
+        queued = finished = False
         try:
+            loop = asyncio.get_running_loop()
+            self._tokenizing.add(request_id)
+            try:
+                req = await loop.run_in_executor(self._tok_pool, self._make_request, request_id, prompt, params,
+                                                 priority)
+            finally:
+                self._tokenizing.discard(request_id)
+            self.check_health()  # the engine may have died while we tokenized
+            self._pending.append(req)
+            queued = True
+            if request_id in self._aborted_early:  # ends the stream with an "abort" output
+                self.abort(request_id)
+            self._start()
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
+                    finished = True
                     raise out
                 if out.error is not None:
                     finished = True
@@ -88,11 +165,15 @@ class AsyncLLMEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not finished:
+            self._aborted_early.discard(request_id)
+            if queued and not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (applied before the next step; its blocks return to the pool)."""
+        """Abort a request (applied before the next step; its blocks return to the pool). A
+        request still being tokenized is aborted as soon as it is queued."""
+        if request_id in self._tokenizing:
+            self._aborted_early.add(request_id)
         self._aborts.add(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
@@ -103,6 +184,7 @@ class AsyncLLMEngine:
         return stats
 
     async def shutdown(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -110,7 +192,26 @@ class AsyncLLMEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._pool.shutdown(wait=True)
+        self._tok_pool.shutdown(wait=True)
         self.engine.shutdown()
+
+    # ---- helpers ------------------------------------------------------------
+    def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                      priority: int) -> Request:
+        """Tokenize and validate (runs in the tokenizer thread; touches no scheduler state)."""
+        req = self.engine.make_request(request_id, self.tokenize(prompt), params, priority)
+        req.prompt = prompt if isinstance(prompt, str) else None
+        return req
+
+    def _dead_error(self) -> EngineDeadError:
+        """A fresh :class:`EngineDeadError` like :attr:`errored` (one per raise site)."""
+        err = EngineDeadError(str(self.errored))
+        err.__cause__ = self.errored.__cause__
+        return err
+
+    def _fail_all_in_engine(self, message: str) -> None:
+        for rid in list(self.engine.scheduler.requests):
+            self.engine.fail_request(rid, message)
 
     # ---- the loop -----------------------------------------------------------
     def _start(self) -> None:
@@ -118,7 +219,13 @@ class AsyncLLMEngine:
             self._wakeup = asyncio.Event()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task.add_done_callback(self._on_loop_done)
         self._wakeup.set()
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("engine step loop died", exc_info=task.exception())
+            self.mark_dead(task.exception(), "the engine step loop died")
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -140,7 +247,7 @@ class AsyncLLMEngine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while self.errored is None:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.clear()
@@ -151,12 +258,25 @@ class AsyncLLMEngine:
                 outputs = await loop.run_in_executor(self._pool, self.engine.step)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # a failed step fails the requests in it, not the loop
+            except Exception as e:  # not attributable to one request (those fail inside step())
                 logger.exception("engine step failed")
-                for rid in list(self.engine.scheduler.requests):
-                    self.engine.fail_request(rid, f"engine step failed: {type(e).__name__}: {e}")
-                    self._put(rid, RuntimeError(f"engine step failed: {e}"))
+                await self._after_failed_step(e)
                 continue
             for out in outputs:
                 self._put(out.request_id, out)
             await asyncio.sleep(0)
+        self._fail_all_in_engine(str(self.errored))  # died while a step ran
+
+    async def _after_failed_step(self, error: Exception) -> None:
+        """A step failed for all its requests: a dead executor kills the engine; a healthy one
+        means the step's requests (all requests if the step is unknown) fail alone."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.engine.executor.check_health)
+        except Exception as dead:
+            self.mark_dead(dead, "the executor failed its health check after a failed step")
+            return
+        ids = error.request_ids if isinstance(error, StepFailedError) else list(self.engine.scheduler.requests)
+        msg = f"engine step failed: {type(error).__name__}: {error}"
+        for rid in ids:
+            self.engine.fail_request(rid, msg)
+            self._put(rid, RuntimeError(msg))

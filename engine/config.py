@@ -27,6 +27,16 @@ class EngineConfig:
         scheduling_policy: "fcfs" or "priority".
         attention_backend: None (auto), "torch", "triton" or "flash_attn".
         enforce_eager: disable CUDA graphs.
+        mixed_step_prefill_tokens: prefill tokens (summed over requests) that a step which
+            also carries decodes may compute, so that a long prompt cannot stall running
+            streams: ``None`` (default) sizes it from the engine's own step times to keep such
+            a step within ``mixed_step_slowdown`` x a decode-only step; ``0`` = no cap (prefill
+            chunks fill ``max_num_batched_tokens``, the behaviour before this knob); ``k > 0``
+            = at most ``k`` tokens. Steps with no decodes always get the full
+            ``max_num_batched_tokens``.
+        mixed_step_slowdown: the automatic cap's target, a ratio (> 1): a step with decodes
+            and prefill should take at most this many times a decode-only step, which bounds
+            running streams' inter-token latency while a long prompt is prefilled.
     """
 
     model: str | None = None
@@ -46,11 +56,19 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    mixed_step_prefill_tokens: int | None = None
+    mixed_step_slowdown: float = 3.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.mixed_step_prefill_tokens is not None and (
+                not isinstance(self.mixed_step_prefill_tokens, int) or self.mixed_step_prefill_tokens < 0):
+            raise ValueError(f"mixed_step_prefill_tokens must be None, 0 or a positive integer, "
+                             f"got {self.mixed_step_prefill_tokens!r}")
+        if not self.mixed_step_slowdown > 1.0 or self.mixed_step_slowdown == float("inf"):
+            raise ValueError(f"mixed_step_slowdown must be a finite number > 1, got {self.mixed_step_slowdown!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

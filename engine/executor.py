@@ -31,6 +31,15 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput):
         """Run one step; returns a ``ModelRunnerOutput``."""
 
+    def check_health(self) -> None:
+        """Raise if the executor can no longer run steps (a worker is gone, the device
+        failed). Called by the async engine after a step failure that no single request
+        explains; must not block for long. Default: nothing to check.
+
+        Raises:
+            RuntimeError (or the transport's error): the executor is dead.
+        """
+
     def shutdown(self) -> None:
         """Release workers and memory."""
 
@@ -54,6 +63,17 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput):
         return self.runner.execute_model(sched)
+
+    def check_health(self) -> None:
+        """Raises if the runner is gone (shut down) or, on CUDA, the device context is broken
+        (a device-side assert poisons every later kernel launch)."""
+        runner = self.runner
+        if runner is None:
+            raise RuntimeError("the model runner is gone (executor shut down)")
+        if runner.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(runner.device)
 
     def shutdown(self) -> None:
         self.runner = None

@@ -42,9 +42,14 @@ class LLM:
             use_tqdm: show a progress bar over finished requests.
             priority: per-prompt priority (lower first) for ``scheduling_policy="priority"``.
 
+        A request that fails alone inside the engine comes back finished with
+        ``finish_reason == "error"`` and ``error`` set; the others are unaffected.
+
         Raises:
-            ValueError: a bad prompt (see ``LLMEngine.add_request``) or mismatched list lengths;
-                nothing is left queued in the engine.
+            ValueError: a bad prompt or sampling parameters (see ``LLMEngine.make_request``) or
+                mismatched list lengths.
+            StepFailedError: a model step failed for all its requests (see ``LLMEngine.step``).
+            Nothing of the call is left in the engine when it raises.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -60,11 +65,10 @@ class LLM:
                 self._counter += 1
                 self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
                 ids.append(rid)
-        except Exception:
+            return self._run(ids, use_tqdm)
+        finally:  # on an error, leave nothing of this call in the engine
             for rid in ids:
                 self.engine.abort_request(rid)
-            raise
-        return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

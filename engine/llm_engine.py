@@ -10,10 +10,10 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import Executor, UniProcExecutor
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_config, load_tokenizer, resolve_model
-from engine.model_runner import load_eos_token_ids
+from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
 from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -32,6 +32,84 @@ def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bo
     except Exception as e:  # jinja errors on bad roles / content
         raise ValueError(f"could not apply the chat template: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+class StepFailedError(RuntimeError):
+    """The model step failed for every request in it, each one alone too, so the failure
+    cannot be pinned on a request (a broken executor or device, an engine bug). The requests
+    are still in the engine; the caller decides (the async engine checks the executor's
+    health, then fails them or declares the engine dead). ``__cause__`` is the first error.
+
+    Attributes:
+        request_ids: the requests of the failed step.
+    """
+
+    def __init__(self, request_ids: list[str], error: BaseException):
+        super().__init__(f"engine step failed for all {len(request_ids)} request(s) in it: "
+                         f"{type(error).__name__}: {error}")
+        self.request_ids = request_ids
+
+
+class MixedStepBudget:
+    """Sizes the prefill tokens of a step that also carries decodes from measured step times,
+    so that it takes at most ``slowdown`` x a decode-only step (the token budget of
+    Sarathi-Serve's stall-free batching, Agrawal et al. 2024, sec. 4.3, measured online
+    instead of profiled).
+
+    Cost model: ``t = D + n_prefill * b`` seconds, with ``D`` an exponential moving average of
+    decode-only step times and ``b`` (seconds per prefill token) a ratio of decayed sums over
+    steps with prefill: ``sum(t - D [if the step had decodes]) / sum(n_prefill)``, so large
+    chunks weigh most and the attention cost of long contexts is tracked as it grows. A
+    prefill-only step counts its whole time (a slight overestimate of ``b``: conservative).
+    Then ``tokens = (slowdown - 1) * D / b``, clamped to ``[min_tokens, max_tokens]``. If
+    mixed steps carry a fixed overhead ``E`` (e.g. eager mode beside CUDA-graph decodes), the
+    iteration still converges to steps of ``slowdown * D``. Until both ``D`` and ``b`` have
+    been measured the budget is ``initial_tokens``.
+
+    Args:
+        slowdown: target ratio (> 1) of a mixed step's time to a decode-only step's.
+        max_tokens: upper clamp (the step budget, ``max_num_batched_tokens``).
+        min_tokens: lower clamp, so prefills always progress (tokens).
+        initial_tokens: budget before measurements (tokens).
+        alpha: weight of the newest step in the averages.
+    """
+
+    def __init__(self, slowdown: float, max_tokens: int, min_tokens: int = 32, initial_tokens: int = 256,
+                 alpha: float = 0.2):
+        self.slowdown, self.alpha = slowdown, alpha
+        self.max_tokens = max_tokens
+        self.min_tokens = min(min_tokens, max_tokens)
+        self.initial_tokens = min(initial_tokens, max_tokens)
+        self.decode_s: float | None = None  # D, seconds
+        self._prefill_s = 0.0  # decayed sum of prefill seconds
+        self._prefill_n = 0.0  # decayed sum of prefill tokens
+
+    def record(self, seconds: float, num_prefill_tokens: int, num_decodes: int) -> None:
+        """Add one step's wall time (seconds) and its token counts."""
+        a = self.alpha
+        if num_prefill_tokens == 0:
+            if num_decodes:
+                self.decode_s = seconds if self.decode_s is None else (1 - a) * self.decode_s + a * seconds
+            return
+        if num_decodes and self.decode_s is None:
+            return  # cannot split a mixed step's time yet
+        prefill_s = max(seconds - (self.decode_s if num_decodes else 0.0), 0.0)
+        self._prefill_s = (1 - a) * self._prefill_s + a * prefill_s
+        self._prefill_n = (1 - a) * self._prefill_n + a * num_prefill_tokens
+
+    @property
+    def seconds_per_prefill_token(self) -> float | None:
+        return self._prefill_s / self._prefill_n if self._prefill_n else None
+
+    @property
+    def tokens(self) -> int:
+        """Prefill tokens allowed in the next step that carries decodes."""
+        b = self.seconds_per_prefill_token
+        if self.decode_s is None or b is None:
+            return self.initial_tokens
+        if b <= 0:
+            return self.max_tokens
+        return int(max(self.min_tokens, min(self.max_tokens, (self.slowdown - 1) * self.decode_s / b)))
 
 
 class LLMEngine:
@@ -75,7 +153,10 @@ class LLMEngine:
         else:
             self.max_model_len = min(model_max, capacity)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy)
+        self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
+                                   mixed_prefill_tokens=config.mixed_step_prefill_tokens)
+        self.mixed_budget = (MixedStepBudget(config.mixed_step_slowdown, config.max_num_batched_tokens)
+                             if config.mixed_step_prefill_tokens is None else None)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.max_running = 0
@@ -98,16 +179,34 @@ class LLMEngine:
                      priority: int = 0, arrival_time: float | None = None) -> Request:
         """Validate and tokenize a request without queueing it (safe to call while a step runs).
 
+        Besides :class:`SamplingParams`' own checks, the ones that need the model:
+        ``stop_token_ids`` must be in the vocabulary, ``logprobs`` at most the vocabulary
+        size, and with ``min_tokens`` the forbidden ids (stop ids and EOS) must leave a token
+        to sample. ``top_k`` above the vocabulary size is clamped by the sampler (keeps all).
+
         Raises:
-            ValueError: empty prompt, token ids out of the vocabulary, or a prompt of
-                ``max_model_len`` tokens or more.
+            ValueError: empty prompt, token ids out of the vocabulary, a prompt of
+                ``max_model_len`` tokens or more, a non-integer ``priority``, or sampling
+                parameters the model cannot honour (the message starts with the field name).
         """
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        vocab = self.hf_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), "
+                             f"got {max(params.stop_token_ids)}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}")
+        if params.min_tokens and len(set(params.stop_token_ids) | (
+                set() if params.ignore_eos else self.eos_token_ids)) >= vocab:
+            raise ValueError("stop_token_ids with min_tokens forbid every token of the vocabulary")
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        vocab = self.hf_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens; this model's context is {self.max_model_len} "
@@ -155,17 +254,44 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for every request that got new tokens or
-        finished in it."""
+        finished in it (also those that failed alone: ``finish_reason == "error"``).
+
+        A request whose processing raises is failed alone (see :meth:`_isolate`); the step's
+        other requests go on.
+
+        Raises:
+            StepFailedError: the model step failed for every request of the step, each
+                alone too (nothing was updated; the requests are still in the engine).
+        """
+        if self.mixed_budget is not None:
+            self.scheduler.mixed_prefill_tokens = self.mixed_budget.tokens
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if sched.finished_req_ids:  # let the runner drop state of finished requests
-                self.executor.execute_model(sched)
+                try:
+                    self.executor.execute_model(sched)
+                except Exception as e:
+                    raise StepFailedError([], e) from e
             return []
         self.num_steps += 1
         self.max_running = max(self.max_running, len(sched.requests))
-        result = self.executor.execute_model(sched)
-        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        t0 = time.perf_counter()
+        try:
+            result, failed = self.executor.execute_model(sched), {}
+        except Exception as e:
+            result, failed = self._isolate(sched, e)
+        else:
+            if self.mixed_budget is not None:
+                num_decodes = sum(len(sr.token_ids) == 1 and sr.new is None for sr in sched.requests)
+                self.mixed_budget.record(time.perf_counter() - t0, sched.num_batched_tokens - num_decodes,
+                                         num_decodes)
         outputs = []
+        for rid, err in failed.items():
+            req = self.scheduler.requests[rid]
+            req.error = f"{type(err).__name__}: {err}"
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._output(req))
+        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
         for req in updated:
             self.num_generated_tokens += 1
             try:
@@ -183,6 +309,56 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(req, [req.all_token_ids[-1]]))
         return outputs
+
+    def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
+        """After ``execute_model(sched)`` raised ``error``: find the request(s) that make it fail.
+
+        Bisection: re-run the step's requests in halves (smaller ``SchedulerOutput`` objects), splitting
+        every half that fails again, down to single requests. Re-running is safe: the K/V of
+        the same tokens is written to the same slots, the runner's per-request state update
+        is idempotent and the sampler restores seeded generators when it raises;
+        ``finished_req_ids`` go with the first sub-call (dropping runner state twice is
+        harmless). Costs at most ``2 * f * log2(n)`` extra calls for ``f`` failing requests
+        among ``n``.
+
+        Returns:
+            The merged output of the requests that ran, and ``{request_id: exception}`` of
+            those that fail alone.
+
+        Raises:
+            StepFailedError: every request fails alone (or the step has one request), so
+                the failure is not attributable to a request.
+        """
+        reqs = sched.requests
+        if len(reqs) < 2:
+            raise StepFailedError([sr.request_id for sr in reqs], error) from error
+        logger.warning("step of %d requests failed (%s: %s); isolating the failing request(s)",
+                       len(reqs), type(error).__name__, error)
+        sampled, logprobs, failed = {}, {}, {}
+
+        def run(part, finished_ids):
+            try:
+                out = self.executor.execute_model(SchedulerOutput(part, finished_ids))
+            except Exception as e:
+                if len(part) == 1:
+                    failed[part[0].request_id] = e
+                    return
+                mid = len(part) // 2
+                run(part[:mid], finished_ids)
+                run(part[mid:], [])
+                return
+            sampled.update(out.sampled)
+            logprobs.update(out.logprobs or {})
+
+        mid = len(reqs) // 2
+        run(reqs[:mid], sched.finished_req_ids)
+        run(reqs[mid:], [])
+        if len(failed) == len(reqs):
+            raise StepFailedError([sr.request_id for sr in reqs], error) from error
+        for rid, e in failed.items():
+            logger.error("request %s failed alone and is finished with an error: %s: %s",
+                         rid, type(e).__name__, e)
+        return ModelRunnerOutput(sampled, logprobs or None), failed
 
     def _output(self, req: Request, new_token_ids: list[int] = ()) -> RequestOutput:
         detok = self.detokenizers.get(req.request_id)

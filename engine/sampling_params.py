@@ -1,24 +1,37 @@
 """Per-request sampling parameters (the vLLM / OpenAI set)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# torch.Generator.manual_seed takes a uint64, or an int64 that it reads as two's complement
+# (seed -1 is seed 2**64 - 1); anything outside raises inside the engine step.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` (or -1) disables top-k, ``top_p == 1``
-    and ``min_p == 0`` disable nucleus / min-p filtering. ``presence_penalty`` and
+    ``temperature == 0`` means greedy. ``top_k`` -1 or 0 disables top-k; a ``top_k`` at or
+    above the vocabulary size keeps every token (the sampler clamps it). ``top_p == 1`` and
+    ``min_p == 0`` disable nucleus / min-p filtering; a ``top_p`` so small that it rounds to
+    0 in float32 keeps the single most likely token. ``presence_penalty`` and
     ``frequency_penalty`` follow the OpenAI definition (subtracted from the logits of tokens
     already generated); ``repetition_penalty`` follows CTRL (Keskar et al. 2019, sec. 4.1) as
     in HF transformers (prompt and generated tokens). ``logprobs=k`` returns the top-k
-    log-probabilities of every sampled position. ``seed`` gives the request its own
-    ``torch.Generator``: same seed, same output, whatever the batch. ``detokenize=False``
-    returns token ids only (benchmarks; no stop strings).
+    log-probabilities of every sampled position. ``seed`` (in ``[-2**63, 2**64 - 1]``, what
+    ``torch.Generator.manual_seed`` takes; a negative seed ``s`` is the seed ``s + 2**64``)
+    gives the request its own ``torch.Generator``: same seed, same output, whatever the
+    batch. ``detokenize=False`` returns token ids only (benchmarks; no stop strings).
+
+    Integer fields take ints only (not bool, not float); float fields take finite ints or
+    floats (never NaN or inf, stored as float); flags take bools. Token ids are checked
+    against the model's vocabulary by ``LLMEngine.make_request``.
 
     Raises:
-        ValueError: an out-of-range value; the message names the field.
+        ValueError: a value the engine cannot honour; the message starts with the field name.
     """
 
     n: int = 1
@@ -42,44 +55,71 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, why: str):
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            try:
+                got = repr(getattr(self, name))
+            except ValueError:  # an int past Python's 4300-digit str limit
+                got = "a huge integer"
+            raise ValueError(f"{name} {why}, got {got if len(got) <= 60 else got[:57] + '...'}")
 
-        if self.n != 1:
-            bad("n", "must be 1 (parallel sampling is not supported)")
-        if not 0.0 <= self.temperature <= 2.0:
-            bad("temperature", "must be in [0, 2]")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
-            bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be a positive integer")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        def is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def real(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if (not isinstance(v, numbers.Real) or isinstance(v, bool)
+                    or not (isinstance(v, numbers.Integral) or math.isfinite(v))):
+                bad(name, "must be a finite number")
+            if not (lo < v if lo_open else lo <= v) or not v <= hi:
+                bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+            setattr(self, name, float(v))
+
+        def integer(name: str, lo: int, hi: float, why: str, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not is_int(v) or not lo <= v <= hi:
+                bad(name, why)
+            setattr(self, name, int(v))
+
+        integer("n", 1, 1, "must be 1 (parallel sampling is not supported)")
+        real("temperature", 0.0, 2.0)
+        real("top_p", 0.0, 1.0, lo_open=True)
+        integer("top_k", -1, math.inf, "must be -1 (disabled), 0 (disabled) or a positive integer")
+        real("min_p", 0.0, 1.0)
+        integer("max_tokens", 1, math.inf, "must be a positive integer", optional=True)
+        integer("min_tokens", 0, math.inf, "must be in [0, max_tokens]")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", "must be in [0, max_tokens]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", "must be in (0, 10]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
+        real("presence_penalty", -2.0, 2.0)
+        real("frequency_penalty", -2.0, 2.0)
+        real("repetition_penalty", 0.0, 10.0, lo_open=True)
+        integer("logprobs", 0, 20, "must be in [0, 20]", optional=True)
+        integer("seed", SEED_MIN, SEED_MAX, f"must be an integer in [{SEED_MIN}, {SEED_MAX}]", optional=True)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+        if not isinstance(self.extra, dict):
+            bad("extra", "must be a dict")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        self.stop = list(self.stop)
         if self.stop and not self.detokenize:
             bad("stop", "needs detokenize=True")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                not is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,10 @@ decode, more for a prompt, a resumed prompt or a recompute after preemption), as
 vLLM v1. Running requests go first, decodes before unfinished prefills; then waiting
 requests are admitted; a prompt that does not fit the remaining budget is chunked
 (chunked prefill, Agrawal et al. 2023 "SARATHI"), so one step can mix decodes and prefill
-chunks. When the KV pool runs dry, the lowest-priority, latest-arriving running request is
+chunks. A step that carries decodes takes at most ``mixed_prefill_tokens`` prefill tokens
+(Sarathi-Serve, Agrawal et al. 2024, "stall-free batching"), so a long prompt is prefilled
+in small chunks beside running streams instead of stalling them; a step without decodes
+gets the whole budget. When the KV pool runs dry, the lowest-priority, latest-arriving running request is
 preempted by recompute: its blocks are freed and it goes back to the waiting queue.
 """
 from __future__ import annotations
@@ -69,16 +72,19 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step.
         policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``Request.priority``, lower
             first, then arrival).
+        mixed_prefill_tokens: most prefill tokens in a step that also has decodes (None or 0:
+            no cap); the engine may change the attribute between steps.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", mixed_prefill_tokens: int | None = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -133,6 +139,15 @@ class Scheduler:
         out: list[ScheduledRequest] = []
         scheduled: set[str] = set()
         preempted = 0
+        num_decodes = 0
+
+        def prefill_room() -> int:
+            """Tokens the next prefill chunk may take: the step budget, capped for mixed steps."""
+            cap = self.mixed_prefill_tokens
+            if not num_decodes or not cap:
+                return budget
+            prefill_used = self.max_num_batched_tokens - budget - num_decodes
+            return min(budget, cap - prefill_used)
 
         def emit(req: Request, n: int, new: bool) -> None:
             start = req.num_computed_tokens
@@ -149,7 +164,10 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted below, as a victim
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, budget) if left == 1 else min(left, prefill_room())
+            if n <= 0:
+                break  # only prefills are left and the mixed-step cap is spent
             while not self.kv.allocate_slots(req, n):
                 victim = max((r for r in self.running if r.request_id not in scheduled), key=self._key)
                 self._preempt(victim)
@@ -159,13 +177,14 @@ class Scheduler:
             else:
                 emit(req, n, new=False)
                 budget -= n
+                num_decodes += left == 1
 
         # 2. Waiting requests, unless this step had to preempt.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            n = min(req.num_tokens - len(hits) * self.kv.block_size, prefill_room())
+            if n <= 0 or not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.pop(0)
             self.running.append(req)

@@ -140,12 +140,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(bs=st.sampled_from([1, 2, 4]), num_blocks=st.integers(2, 12), max_seqs=st.integers(1, 4),
                 budget=st.integers(1, 24), policy=st.sampled_from(["fcfs", "priority"]),
-                caching=st.booleans(), seed=st.integers(0, 2**16))
-    def init(self, bs, num_blocks, max_seqs, budget, policy, caching, seed):
-        self.bs, self.max_seqs, self.budget = bs, max_seqs, budget
+                caching=st.booleans(), seed=st.integers(0, 2**16), mixed=st.sampled_from([None, 0, 1, 3, 8]))
+    def init(self, bs, num_blocks, max_seqs, budget, policy, caching, seed, mixed):
+        self.bs, self.max_seqs, self.budget, self.mixed = bs, max_seqs, budget, mixed
         self.kv = KVCacheManager(num_blocks, bs, caching)
         self.pool = self.kv.pool
-        self.sched = Scheduler(self.kv, max_seqs, budget, policy)
+        self.sched = Scheduler(self.kv, max_seqs, budget, policy, mixed_prefill_tokens=mixed)
         self.cap = num_blocks * bs  # max_model_len, as LLMEngine caps it
         self.rng = random.Random(seed)
         # a few shared prefixes so that prefix caching has something to hit
@@ -204,6 +204,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         bs = self.bs
 
         assert out.num_batched_tokens <= self.budget
+        decodes = sum(sr.request_id in running_before and len(sr.token_ids) == 1
+                      and self.sched.requests[sr.request_id].num_tokens - sr.start == 1 for sr in out.requests)
+        if decodes and self.mixed:
+            assert out.num_batched_tokens - decodes <= self.mixed, "mixed step over its prefill cap"
         assert len(out.requests) <= self.max_seqs
         assert len(self.sched.running) <= self.max_seqs
         ids = [sr.request_id for sr in out.requests]
@@ -431,8 +435,8 @@ def test_allocate_slots_fails_without_side_effects():
     assert b.block_table == [] and b.num_computed_tokens == 0
 
 
-def _sched(num_blocks, bs, max_seqs=8, budget=64, policy="fcfs", caching=True):
-    return Scheduler(KVCacheManager(num_blocks, bs, caching), max_seqs, budget, policy)
+def _sched(num_blocks, bs, max_seqs=8, budget=64, policy="fcfs", caching=True, mixed=None):
+    return Scheduler(KVCacheManager(num_blocks, bs, caching), max_seqs, budget, policy, mixed_prefill_tokens=mixed)
 
 
 def _step(s: Scheduler, token=5):
@@ -492,6 +496,36 @@ def test_chunked_prefill_and_decode_first():
     assert got == [[("a", 3, 1, True), ("b", 0, 7, False)],
                    [("a", 4, 1, True), ("b", 7, 7, False)],
                    [("a", 5, 1, True), ("b", 14, 6, True)]]
+
+
+@pytest.mark.parametrize("cap", [None, 0, 5])
+def test_mixed_step_prefill_cap(cap):
+    """With decodes in the step, prefill chunks (running and new requests together) stay
+    within the cap; a step without decodes gets the whole budget; None / 0 = no cap."""
+    s = _sched(num_blocks=64, bs=4, budget=16, mixed=cap)
+    for rid in ("a", "b"):
+        s.add_request(make_req(rid, [1, 2, 3], max_tokens=30, ignore_eos=True, arrival=1.0 if rid == "a" else 2.0))
+    _step(s)  # both prompts: a prefill-only step
+    long = make_req("long", list(range(10, 50)), max_tokens=2, arrival=3.0)  # 40 tokens
+    short = make_req("short", [7, 8, 9], max_tokens=2, arrival=4.0)
+    s.add_request(long)
+    s.add_request(short)
+    chunks = []
+    while long.num_output_tokens == 0:
+        out = _step(s)
+        chunks.append([(sr.request_id, len(sr.token_ids)) for sr in out.requests])
+    room = 14 if not cap else cap  # two decodes take 2 of the 16 tokens
+    assert all(c[:2] == [("a", 1), ("b", 1)] for c in chunks)  # decodes every step
+    assert all(sum(n for _, n in c[2:]) <= room for c in chunks)
+    got = [n for c in chunks for rid, n in c if rid == "long"]
+    assert sum(got) == 40 and max(got) == room
+    if cap:  # the cap holds the short prompt back until the long one is done
+        assert got == [5] * 8 and chunks[-1][2:] == [("long", 5)]
+        assert len(chunks) == 8
+    # prefill-only steps keep the full budget
+    t = _sched(num_blocks=64, bs=4, budget=16, mixed=5)
+    t.add_request(make_req("p", list(range(10, 50)), max_tokens=1))
+    assert _step(t).num_batched_tokens == 16
 
 
 def test_max_num_seqs_limits_admission():

@@ -22,44 +22,51 @@ class SamplingRow:
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place on float32 ``logits`` ``[n, vocab]``: repetition penalty (CTRL, Keskar et al.
     2019: divide positive / multiply negative logits of prompt and output tokens), then
-    OpenAI's frequency and presence penalties over output tokens."""
+    OpenAI's frequency and presence penalties over output tokens, then -inf for the row's
+    forbidden stop ids (last, so no penalty can turn -inf into NaN: ``-inf * 0``).
+
+    Raises:
+        IndexError: a forbidden stop id outside the vocabulary.
+    """
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
         p = r.params
+        if p.needs_penalties:
+            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
+                                    dtype=torch.long, device=logits.device)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and len(out):
+                counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         if r.stop_ids_masked:
             logits[i, r.stop_ids_masked] = float("-inf")
-        if not p.needs_penalties:
-            continue
-        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
-                                dtype=torch.long, device=logits.device)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and len(out):
-            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask logits ``[n, vocab]`` outside top-k (``k <= 0`` = off), the top-p nucleus
-    (Holtzman et al. 2020) and min-p (probability < min_p * max probability) with -inf.
-    Which filters run is decided from ``params`` on the host (no device sync)."""
+    """Mask logits ``[n, vocab]`` outside top-k (``k <= 0`` = off, ``k >= vocab`` keeps every
+    token), the top-p nucleus (Holtzman et al. 2020) and min-p (probability < min_p * max
+    probability) with -inf. The most likely token always survives (a ``top_p`` that rounds
+    to 0 in float32 keeps just it), so no row is left all -inf. Which filters run is decided
+    from ``params`` on the host (no device sync)."""
     vocab, dev = logits.shape[1], logits.device
-    top_k = torch.tensor([p.top_k for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+    ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]  # huge top_k: no int64 overflow
+    if any(k < vocab or p.top_p < 1 for k, p in zip(ks, params)):
+        top_k = torch.tensor(ks, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         ranks = torch.arange(vocab, device=logits.device)[None, :]
-        drop = ranks >= k[:, None]
+        drop = ranks >= top_k[:, None]
         probs = sorted_logits.softmax(dim=-1)
         cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token
         drop |= cum >= top_p[:, None]
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, idx, sorted_logits)
     if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
@@ -79,7 +86,24 @@ class Sampler:
         Returns ``(tokens, logprobs)``: a list of ``n`` token ids, and per row either None or a
         dict ``{token_id: logprob}`` with the sampled token and the top ``params.logprobs``
         tokens (log-probabilities of the model's raw distribution).
+
+        If it raises, every row's generator is back in the state it had on entry, so the
+        engine can re-run the step (failure isolation) and seeded rows still draw the same.
+
+        Raises:
+            IndexError: a masked stop token id outside the vocabulary (``LLMEngine.make_request``
+                rejects those).
         """
+        gens = [r.generator for r in rows if r.generator is not None]
+        states = [g.get_state() for g in gens]
+        try:
+            return self._sample(logits, rows)
+        except BaseException:
+            for g, s in zip(gens, states):
+                g.set_state(s)
+            raise
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]):
         logits = logits.float()
         n = logits.shape[0]
         want_lp = [r.params.logprobs is not None for r in rows]
@@ -90,6 +114,9 @@ class Sampler:
         if rand:
             dev = logits.device
             sub = logits[rand] / torch.tensor([rows[i].params.temperature for i in rand], device=dev)[:, None]
+            # a tiny repetition_penalty or temperature can overflow logits to +inf; softmax of a
+            # row with +inf is NaN, so cap them at the largest float (ties among them)
+            sub = sub.clamp_(max=torch.finfo(sub.dtype).max)
             sub = _filter(sub, [rows[i].params for i in rand])
             probs = sub.softmax(dim=-1)
             seeded = [j for j, i in enumerate(rand) if rows[i].generator is not None]
@@ -107,7 +134,7 @@ class Sampler:
                     continue
                 d = {token_list[i]: float(raw_logprobs[i, token_list[i]])}
                 if r.params.logprobs:
-                    vals, ids = raw_logprobs[i].topk(r.params.logprobs)
+                    vals, ids = raw_logprobs[i].topk(min(r.params.logprobs, raw_logprobs.shape[1]))
                     d.update(zip(ids.tolist(), vals.tolist()))
                 logprobs[i] = d
         return token_list, logprobs
