@@ -118,20 +118,29 @@ def _make_private(path: Path, *, warn: Callable[[str], None]) -> None:
 
 def write_token_file(path: Path) -> bool:
     """Write a new random token (256 bits, as Ray's own generator) to ``path`` with mode 0600,
-    creating missing directories with 0700. An existing non-empty file is kept (False)."""
+    creating missing directories with 0700. An existing non-empty file is kept (False). The
+    file appears whole (a private temp file, then a hard link), so two kvserve processes
+    starting at once agree on one token."""
     _mkdirs_private(path.parent)
-    token = secrets.token_hex(32)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        if path.read_text().strip():
-            return False  # another process got there first, or the file was there already
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)  # an empty file: Ray would refuse it
+    if path.exists() and path.read_text().strip():
+        return False
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.write(fd, token.encode())
+        os.write(fd, secrets.token_hex(32).encode())
+        os.fsync(fd)
     finally:
         os.close(fd)
+    try:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            if path.read_text().strip():
+                return False  # another process got there first
+            os.replace(tmp, path)  # an empty file: Ray would refuse it
+    finally:
+        tmp.unlink(missing_ok=True)
     return True
 
 
