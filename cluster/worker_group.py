@@ -3,8 +3,8 @@
 ``RayWorkerGroup`` implements :class:`engine.executor.Executor`. It starts ``N =
 tensor_parallel_size`` :class:`TPWorker` actors in a placement group (the replica's own, when
 it runs inside a Serve replica deployed with ``placement_group_bundles``; else one it creates
-with ``STRICT_PACK``). Each worker joins a process group (NCCL on GPU, gloo on CPU; rendezvous
-over TCP at rank 0's address) and then builds :class:`engine.model_runner.ModelRunner`, which
+with ``STRICT_PACK``, so all ranks share a node). Each worker joins a process group (NCCL on
+GPU, gloo on CPU; rendezvous through a private file on the node, sockets on loopback) and then builds :class:`engine.model_runner.ModelRunner`, which
 loads that rank's shard of the weights (column/row-parallel linears, vocab-parallel embedding
 and LM head, attention split by KV-head groups) and allocates that rank's share of the KV
 cache. The scheduler runs once, in the engine; every step's ``SchedulerOutput`` goes to all
@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
+import shutil
+import tempfile
 from pathlib import Path
 
 import ray
@@ -50,12 +51,6 @@ def reset_niceness() -> None:
             pass
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class TPWorker:
     """One tensor-parallel rank (a Ray actor): a process group member and a model runner."""
 
@@ -68,9 +63,13 @@ class TPWorker:
             torch.set_num_threads(torch_num_threads)
         self.runner = None
 
-    def address(self) -> tuple[str, int]:
-        """``(node ip, free port)`` for the rendezvous (asked of rank 0)."""
-        return ray.util.get_node_ip_address(), _free_port()
+    def rendezvous_file(self) -> str:
+        """A fresh path in a private (0700) directory of this node, for the process group's
+        ``file://`` rendezvous (asked of rank 0). The ranks of one replica share a node
+        (``STRICT_PACK``), so no rank opens a TCP rendezvous store: torch's listens on every
+        interface with no authentication."""
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
+        return os.path.join(self._rendezvous_dir, "rendezvous")
 
     def init(self, config: EngineConfig, model_path: str, init_method: str) -> dict:
         import torch
@@ -79,6 +78,9 @@ class TPWorker:
         from engine.model_runner import ModelRunner
 
         backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+        # Ranks share a node: keep the collectives' sockets on loopback unless told otherwise.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         dist.init_process_group(backend=backend, init_method=init_method, rank=self.rank,
@@ -97,7 +99,10 @@ class TPWorker:
         out = self.runner.execute_model(sched)
         return out if self.rank == 0 else None  # only rank 0's tokens travel back
 
+    @ray.method(concurrency_group="health")
     def ping(self) -> int:
+        """Liveness: runs in its own thread (concurrency group ``health``), so it answers even
+        while a long ``execute_model`` step holds the default group."""
         return self.rank
 
     def shard_info(self) -> dict:
@@ -113,6 +118,8 @@ class TPWorker:
         self.runner = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        if getattr(self, "_rendezvous_dir", None):
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
 
 class RayWorkerGroup(Executor):
@@ -156,7 +163,7 @@ class RayWorkerGroup(Executor):
         if len(pg.bundle_specs) < bundle_offset + n:
             raise ValueError(f"placement group has {len(pg.bundle_specs)} bundles; "
                              f"tensor_parallel_size {n} needs {n} from bundle {bundle_offset}")
-        actor_cls = ray.remote(TPWorker)
+        actor_cls = ray.remote(concurrency_groups={"health": 1})(TPWorker)
         self.workers = [
             actor_cls.options(
                 num_cpus=num_cpus, num_gpus=num_gpus,
@@ -167,8 +174,8 @@ class RayWorkerGroup(Executor):
             for rank in range(n)
         ]
         try:
-            ip, port = ray.get(self.workers[0].address.remote(), timeout=timeout_s)
-            init_method = f"tcp://{ip}:{port}"
+            self._rendezvous = ray.get(self.workers[0].rendezvous_file.remote(), timeout=timeout_s)
+            init_method = f"file://{self._rendezvous}"
             infos = ray.get([w.init.remote(config, str(model_path), init_method) for w in self.workers],
                             timeout=timeout_s)
         except Exception:

@@ -12,14 +12,15 @@ with kvserve's queue + token-throughput policy (``autoscaling/policy.py``, fed b
 # No ``from __future__ import annotations`` here: Serve reads the builder's parameter
 # annotation at runtime to validate its arguments with AppArgs.
 import logging
+import os
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from ray import serve
 from ray.serve import Application
 
 from autoscaling.policy import build_autoscaling_config
-from deployments.ingress import OpenAIIngress
+from deployments.gate import DEFAULT_MAX_BODY_BYTES
+from deployments.ingress import DEFAULT_MAX_PROMPTS_PER_REQUEST, OpenAIIngress
 from deployments.llm_server import LLMServer
 
 logger = logging.getLogger("ray.serve")
@@ -31,7 +32,7 @@ APP_NAME = "kvserve"
 ENGINE_FIELDS = ("model", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "kv_cache_memory_bytes", "num_kv_blocks", "block_size", "dtype", "device",
                  "enable_prefix_caching", "seed", "scheduling_policy", "attention_backend", "enforce_eager",
-                 "gpu_memory_utilization")
+                 "gpu_memory_utilization", "mixed_step_prefill_tokens", "mixed_step_slowdown")
 
 
 class ModelArgs(BaseModel):
@@ -57,6 +58,9 @@ class ModelArgs(BaseModel):
     attention_backend: Optional[str] = None
     enforce_eager: bool = False
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    mixed_step_prefill_tokens: Optional[int] = Field(
+        None, ge=0, description="prefill tokens in a step that carries decodes (None: auto, 0: no cap)")
+    mixed_step_slowdown: float = Field(3.0, gt=1, description="auto cap: a mixed step ~ this x a decode step")
 
     num_replicas: Optional[int] = Field(
         None, ge=0, description="fixed replica count; unset: autoscale with kvserve's policy")
@@ -110,7 +114,14 @@ class AppArgs(ModelArgs):
     """
 
     models: list[ModelArgs] = Field(default_factory=list)
-    api_keys: Optional[list[str]] = Field(None, description="if set, require `Authorization: Bearer <key>`")
+    api_keys: Optional[list[str]] = Field(
+        None, description="if set, require `Authorization: Bearer <key>`; default: $KVSERVE_API_KEYS "
+                          "(comma-separated) or the lines of api_keys_file")
+    api_keys_file: Optional[str] = Field(None, description="a file with one API key per line (read where the "
+                                                           "app is built)")
+    max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger bodies get 413")
+    max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
+                                         description="most prompts in one /v1/completions request")
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
@@ -121,6 +132,23 @@ class AppArgs(ModelArgs):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
+
+    @model_validator(mode="after")
+    def _keys_from_env_or_file(self):
+        """Keys never need to be on a command line (visible in ``ps``): ``api_keys_file`` or
+        ``$KVSERVE_API_KEYS`` fill ``api_keys`` when it is not given."""
+        if self.api_keys is None and self.api_keys_file:
+            try:
+                with open(self.api_keys_file) as f:
+                    keys = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+            except OSError as e:
+                raise ValueError(f"api_keys_file: cannot read {self.api_keys_file!r}: {e.strerror}") from None
+            if not keys:
+                raise ValueError(f"api_keys_file {self.api_keys_file!r} holds no key")
+            self.api_keys = keys
+        elif self.api_keys is None and os.environ.get("KVSERVE_API_KEYS", "").strip():
+            self.api_keys = self._split_keys(os.environ["KVSERVE_API_KEYS"])
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self):
@@ -221,7 +249,8 @@ def build_app(args: AppArgs) -> Application:
     return OpenAIIngress.options(num_replicas=args.ingress_num_replicas,
                                  max_ongoing_requests=args.ingress_max_ongoing_requests,
                                  ray_actor_options={"num_cpus": args.ingress_cpus}).bind(
-        handles, args.api_keys)
+        handles, args.api_keys, max_request_body_bytes=args.max_request_body_bytes,
+        max_prompts_per_request=args.max_prompts_per_request)
 
 
 def app_args_from_config(path: str, app_name: str = APP_NAME) -> dict[str, Any]:

@@ -16,10 +16,11 @@ request in the engine (its KV blocks go back to the pool).
 # No ``from __future__ import annotations``: Serve rebuilds the endpoint signatures of the
 # class-based view and FastAPI must see real annotations (``Request``) there.
 import asyncio
-import hmac
 import json
 import logging
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments import gate
 from deployments.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -53,6 +55,25 @@ from deployments.protocol import (
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="kvserve", description="OpenAI-compatible LLM serving on Ray Serve", version="0.1.0")
+app.add_middleware(gate.RequestGate)  # API key and body size, before any body byte is read
+
+#: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
+
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_of(request: Request | None) -> str:
+    """The id Serve's proxy gave this HTTP request (the ``X-Request-ID`` response header):
+    error messages carry it and the server log records it next to the details. A client-sent
+    id that is not a short plain token is replaced (it would go into our logs)."""
+    rid = request.headers.get("x-request-id", "") if request is not None else ""
+    return rid if _REQUEST_ID_RE.fullmatch(rid) else uuid.uuid4().hex
+
+
+def _internal(request_id: str, what: str = "internal server error") -> OpenAIError:
+    """A 500 whose body tells the client nothing but the request id (details go to the log)."""
+    return OpenAIError(f"{what} (request id {request_id})", 500, "server_error")
 
 
 # ---- errors: always OpenAI's body -------------------------------------------------------------
@@ -86,32 +107,34 @@ async def _validation_error(_: Request, exc: RequestValidationError):
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException):
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return _error_response(exc.status_code, str(exc.detail), type_, headers=getattr(exc, "headers", None))
+    code = "request_too_large" if exc.status_code == 413 else None
+    return _error_response(exc.status_code, str(exc.detail), type_, code=code, headers=getattr(exc, "headers", None))
 
 
 @app.exception_handler(Exception)
-async def _internal_error(_: Request, exc: Exception):
-    logger.exception("unhandled error in the OpenAI ingress")
-    return _error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error")
+async def _internal_error(request: Request, exc: Exception):
+    rid = request_id_of(request)
+    logger.error("request %s: unhandled error in the OpenAI ingress", rid, exc_info=exc)
+    return _error_response(500, _internal(rid).message, "server_error")
 
 
 def _as_client_error(exc: BaseException) -> OpenAIError | None:
-    """Map an exception from the LLM server (possibly wrapped by Ray) to a client error."""
-    from ray.serve.exceptions import BackPressureError
+    """Map an exception from the LLM server (possibly wrapped by Ray) to a client error, or
+    None for a failure of the server (the caller logs it and answers a bare 500). Messages
+    never carry Ray's text (actor ids, addresses, tracebacks)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
     if isinstance(exc, BackPressureError):
-        return OpenAIError(f"the model's queue is full, retry later ({exc})", 429, "rate_limit_error",
-                           code="queue_full")
-    cause = getattr(exc, "cause", None)  # a RayTaskError carries the replica's exception
-    for e in (cause, exc):
-        if isinstance(e, ValueError) and not hasattr(e, "cause"):
-            msg = str(e)
-            code = "context_length_exceeded" if "max_model_len" in msg else "invalid_value"
-            return OpenAIError(msg, 400, "invalid_request_error", code=code)
-    if isinstance(exc, ValueError):
-        return OpenAIError(str(cause or exc).strip().splitlines()[-1], 400, "invalid_request_error",
-                           code="invalid_value")
+        return OpenAIError("the model's queue is full, retry later", 429, "rate_limit_error", code="queue_full")
+    if isinstance(exc, (DeploymentUnavailableError, ActorDiedError, ActorUnavailableError)):
+        return OpenAIError("the model server is not available, retry later", 503, "server_error",
+                           code="model_unavailable")
     return None
+
+
+def _strip(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if k in ("token", "logprob", "bytes", "top_logprobs")}
 
 
 def _sse(obj: Any) -> bytes:
@@ -178,28 +201,26 @@ class OpenAIIngress:
             endpoints but ``/health``).
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], api_keys: list[str] | None = None):
+    def __init__(self, models: dict[str, DeploymentHandle], api_keys: list[str] | None = None, *,
+                 max_request_body_bytes: int = gate.DEFAULT_MAX_BODY_BYTES,
+                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                 health_timeout_s: float = 5.0):
         from cluster.worker_group import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
         if not models:
             raise ValueError("OpenAIIngress needs at least one model")
+        if max_prompts_per_request < 1:
+            raise ValueError(f"max_prompts_per_request must be positive, got {max_prompts_per_request}")
+        gate.configure(api_keys, max_request_body_bytes)  # checked before any body is read
         self.models = dict(models)
         self.default_model = next(iter(self.models))
-        self.api_keys = [k for k in (api_keys or []) if k]
-        self._info: dict[str, dict] = {}
+        self.max_prompts_per_request = max_prompts_per_request
+        self.health_timeout_s = health_timeout_s
+        self._max_model_len: dict[str, int] = {}
         self._streaming = {name: h.options(stream=True) for name, h in self.models.items()}
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _auth(self, request: Request) -> None:
-        if not self.api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip(), k) for k in self.api_keys):
-            raise OpenAIError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
-                              "invalid_request_error", code="invalid_api_key")
-
     def _route(self, model: str | None) -> tuple[str, DeploymentHandle]:
         name = model or self.default_model
         if name not in self._streaming:
@@ -207,7 +228,7 @@ class OpenAIIngress:
                               "invalid_request_error", param="model", code="model_not_found")
         return name, self._streaming[name]
 
-    async def _open(self, handle: DeploymentHandle, *args, **kwargs) -> _Stream:
+    async def _open(self, rid: str, handle: DeploymentHandle, *args, **kwargs) -> _Stream:
         gen = handle.generate.remote(*args, return_errors=True, **kwargs)
         try:
             first = await gen.__anext__()
@@ -215,30 +236,38 @@ class OpenAIIngress:
             gen.cancel()
             raise
         except StopAsyncIteration:
-            raise OpenAIError("the model returned no output", 500, "server_error")
+            logger.error("request %s: the model server returned no output", rid)
+            raise _internal(rid) from None
         except Exception as e:
             err = _as_client_error(e)
-            if err is not None:
-                raise err from None
-            raise
-        if "error" in first:
-            msg = str(first["error"])
-            code = "context_length_exceeded" if "max_model_len" in msg else "invalid_value"
-            raise OpenAIError(msg, 400, "invalid_request_error", code=code)
+            if err is None:
+                logger.error("request %s: the model server failed", rid, exc_info=e)
+                err = _internal(rid)
+            raise err from None
+        if "error" in first:  # the server's own verdict: a client error, or the engine is gone
+            status = int(first.get("status", 400))
+            raise OpenAIError(str(first["error"]), status,
+                              "invalid_request_error" if status < 500 else "server_error",
+                              code=first.get("code", "invalid_value"))
         return _Stream(gen, first)
 
-    async def _model_info(self, name: str) -> dict:
-        if name not in self._info:
-            self._info[name] = await self.models[name].model_info.remote()
-        return self._info[name]
+    @staticmethod
+    def _stream_error(rid: str, e: BaseException) -> bytes:
+        """The SSE event of a stream that failed after its response started."""
+        err = _as_client_error(e)
+        if err is None:
+            logger.error("request %s: stream failed", rid, exc_info=e)
+            err = _internal(rid, "generation failed")
+        return _sse(err.body())
 
     @staticmethod
-    def _stream_error(e: BaseException) -> bytes:
+    def _failed(rid: str, e: Exception) -> OpenAIError:
+        """A non-streaming request whose generation failed midway."""
         err = _as_client_error(e)
-        if err is not None:
-            return _sse(err.body())
-        logger.exception("stream failed")
-        return _sse(error_body(f"generation failed: {e}", "server_error"))
+        if err is None:
+            logger.error("request %s: generation failed", rid, exc_info=e)
+            err = _internal(rid, "generation failed")
+        return err
 
     # ---- Python API (``serve.get_app_handle("kvserve")``) ---------------------------------
     async def generate(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,
@@ -258,40 +287,50 @@ class OpenAIIngress:
         finally:
             gen.cancel()
 
-    async def models_info(self) -> list[dict]:
-        """Served model names and context lengths (Python API)."""
-        return [await self._model_info(n) for n in self.models]
-
     # ---- endpoints -------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
-        try:
-            await asyncio.wait_for(asyncio.gather(*(self._model_info(n) for n in self.models)), 10)
-        except Exception as e:
-            return _error_response(503, f"model servers are not ready: {e}", "server_error")
+        """200 when every model's server answers its health probe now (no caching: a dead
+        engine, a dead tensor-parallel worker or a replica still loading is a 503 at once)."""
+        async def probe(name: str) -> str | None:
+            try:
+                await asyncio.wait_for(self.models[name].health.remote(), self.health_timeout_s)
+                return None
+            except asyncio.TimeoutError:
+                return "not responding"
+            except Exception as e:
+                cause = getattr(e, "cause", e)
+                return str(cause) if type(cause).__name__ == "EngineDeadError" else "not available"
+
+        problems = dict(zip(self.models, await asyncio.gather(*(probe(n) for n in self.models))))
+        bad = {n: p for n, p in problems.items() if p is not None}
+        if bad:
+            msg = "; ".join(f"{n}: {p}" for n, p in bad.items())
+            return _error_response(503, f"not ready: {msg}", "server_error", code="unhealthy")
         return {"status": "ok", "models": list(self.models)}
 
     @app.get("/v1/models")
-    async def list_models(self, request: Request):
-        self._auth(request)
+    async def list_models(self):
         cards = []
         for name in self.models:
-            info = await self._model_info(name)
-            cards.append(ModelCard(id=name, root=info.get("root"), max_model_len=info.get("max_model_len")))
+            if name not in self._max_model_len:
+                self._max_model_len[name] = (await self.models[name].model_info.remote())["max_model_len"]
+            cards.append(ModelCard(id=name, root=name, max_model_len=self._max_model_len[name]))
         return ModelList(data=cards)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        self._auth(request)
         name, handle = self._route(body.model)
+        hid = request_id_of(request)
         rid = random_id("chatcmpl")
         created = int(time.time())
         sp = body.sampling_dict(body.effective_max_tokens, body.num_logprobs)
-        stream = await self._open(handle, None, sp, messages=[m.to_template() for m in body.messages],
+        stream = await self._open(hid, handle, None, sp, messages=[m.to_template() for m in body.messages],
                                   request_id=rid, priority=body.priority)
         want_lp = body.logprobs
         if body.stream:
-            return StreamingResponse(self._chat_stream(stream, rid, created, name, want_lp, body.include_usage),
+            return StreamingResponse(self._chat_stream(stream, hid, rid, created, name, want_lp,
+                                                       body.include_usage),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             text, lps, last, n_prompt = await self._collect(stream, want_lp)
@@ -300,7 +339,7 @@ class OpenAIIngress:
             raise
         except Exception as e:
             stream.cancel()
-            raise _as_client_error(e) or OpenAIError(f"generation failed: {e}", 500, "server_error")
+            raise self._failed(hid, e) from None
         n_out = last.get("num_output_tokens", 0)
         return ChatCompletionResponse(
             id=rid, created=created, model=name,
@@ -311,7 +350,7 @@ class OpenAIIngress:
                 finish_reason=finish_reason(last.get("finish_reason")))],
             usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out))
 
-    async def _chat_stream(self, stream: _Stream, rid: str, created: int, model: str, want_lp: bool,
+    async def _chat_stream(self, stream: _Stream, hid: str, rid: str, created: int, model: str, want_lp: bool,
                            include_usage: bool) -> AsyncIterator[bytes]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         if include_usage:
@@ -342,16 +381,19 @@ class OpenAIIngress:
             raise
         except Exception as e:
             stream.cancel()
-            yield self._stream_error(e)
+            yield self._stream_error(hid, e)
         finally:
             stream.cancel()
         yield _DONE
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        self._auth(request)
         name, handle = self._route(body.model)
+        hid = request_id_of(request)
         prompts = body.prompts()
+        if len(prompts) > self.max_prompts_per_request:
+            raise OpenAIError(f"{len(prompts)} prompts in one request; the limit is {self.max_prompts_per_request}",
+                              400, param="prompt", code="too_many_prompts")
         if body.echo and any(not isinstance(p, str) for p in prompts):
             raise OpenAIError("echo is only supported for text prompts", 400, param="echo")
         rid = random_id("cmpl")
@@ -360,7 +402,7 @@ class OpenAIIngress:
         streams: list[_Stream] = []
         try:
             results = await asyncio.gather(
-                *(self._open(handle, p, sp, request_id=f"{rid}-{i}", priority=body.priority)
+                *(self._open(hid, handle, p, sp, request_id=f"{rid}-{i}", priority=body.priority)
                   for i, p in enumerate(prompts)), return_exceptions=True)
             for r in results:
                 if isinstance(r, _Stream):
@@ -375,7 +417,7 @@ class OpenAIIngress:
         want_lp = body.logprobs is not None
         echo = [p if body.echo else "" for p in prompts]
         if body.stream:
-            return StreamingResponse(self._completion_stream(streams, rid, created, name, want_lp, echo,
+            return StreamingResponse(self._completion_stream(streams, hid, rid, created, name, want_lp, echo,
                                                              body.include_usage),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
@@ -384,7 +426,7 @@ class OpenAIIngress:
             for s in streams:
                 s.cancel()
             if isinstance(e, Exception):
-                raise _as_client_error(e) or OpenAIError(f"generation failed: {e}", 500, "server_error")
+                raise self._failed(hid, e) from None
             raise
         choices, n_prompt, n_out = [], 0, 0
         for i, (text, lps, last, np_) in enumerate(finals):
@@ -411,7 +453,7 @@ class OpenAIIngress:
             last = item
         return "".join(text), lps, last, n_prompt
 
-    async def _completion_stream(self, streams: list[_Stream], rid: str, created: int, model: str, want_lp: bool,
+    async def _completion_stream(self, streams: list[_Stream], hid: str, rid: str, created: int, model: str, want_lp: bool,
                                  echo: list[str], include_usage: bool) -> AsyncIterator[bytes]:
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if include_usage:
@@ -478,12 +520,9 @@ class OpenAIIngress:
                 s.cancel()
             raise
         except Exception as e:
-            yield self._stream_error(e)
+            yield self._stream_error(hid, e)
         finally:
             for s in streams:
                 s.cancel()
         yield _DONE
 
-
-def _strip(entry: dict) -> dict:
-    return {k: v for k, v in entry.items() if k in ("token", "logprob", "bytes", "top_logprobs")}

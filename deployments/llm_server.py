@@ -138,7 +138,7 @@ def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
     return s, list(s.encode("utf-8"))
 
 
-@serve.deployment(name="LLMServer", max_ongoing_requests=256, health_check_period_s=10,
+@serve.deployment(name="LLMServer", max_ongoing_requests=256, health_check_period_s=2,
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
 class LLMServer:
     """One model, one :class:`engine.AsyncLLMEngine` per replica.
@@ -208,9 +208,11 @@ class LLMServer:
                 chat template and the assistant generation prompt are applied.
             request_id: the engine's id for the request (default: a random one).
             priority: lower runs first under ``scheduling_policy="priority"``.
-            return_errors: yield invalid input as one item ``{"error": message,
-                "finished": True}`` instead of raising (the ingress uses it, so bad requests
-                do not log replica tracebacks).
+            return_errors: yield a request that cannot start as one item ``{"error": message,
+                "code", "status", "finished": True}`` instead of raising (the ingress uses it,
+                so bad requests do not log replica tracebacks): invalid input is status 400
+                (code ``context_length_exceeded`` or ``invalid_value``), a dead engine 503
+                (code ``engine_dead``; Serve's health check then restarts the replica).
 
         Yields:
             ``{"text": delta text, "token_ids": delta ids, "finished": bool,
@@ -222,7 +224,9 @@ class LLMServer:
         Raises:
             ValueError: invalid sampling parameters, messages or prompt (e.g. longer than
                 the model's context); raised before anything is generated.
+            EngineDeadError: the engine (or one of its tensor-parallel workers) died.
         """
+        from engine.async_engine import EngineDeadError
         from engine.sampling_params import SamplingParams
 
         try:
@@ -233,10 +237,18 @@ class LLMServer:
                 raise ValueError("either prompt or messages is required")
             stream = self.engine.generate(prompt, params, request_id, priority)
             out = await anext(stream)  # tokenizes and validates the prompt before the first step
+        except EngineDeadError:
+            if not return_errors:
+                raise
+            yield {"error": "the model server's engine has stopped and is being restarted; retry later",
+                   "code": "engine_dead", "status": 503, "finished": True}
+            return
         except (ValueError, TypeError) as e:
             if not return_errors:
                 raise ValueError(str(e)) from e
-            yield {"error": str(e), "finished": True}
+            msg = str(e)
+            code = "context_length_exceeded" if "max_model_len" in msg else "invalid_value"
+            yield {"error": msg, "code": code, "status": 400, "finished": True}
             return
         want_lp = params.logprobs is not None
         first = True
@@ -349,17 +361,30 @@ class LLMServer:
             "kv_cache_usage": float(s["kv_cache_usage"]),
         }
 
-    async def check_health(self) -> None:
-        """Serve's health check: the step loop must be alive and the TP workers reachable."""
-        if self.engine.errored is not None:
-            raise RuntimeError(f"engine failed: {self.engine.errored}")
-        task = self.engine._task
-        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-            raise RuntimeError(f"engine step loop died: {task.exception()!r}")
-        executor = self.engine.engine.executor
-        check = getattr(executor, "check_health", None)
+    async def health(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """Liveness now, for the ingress's ``/health`` (cheap; never cached): the engine's
+        step loop is alive and, with tensor parallelism, every worker answers a ping within
+        ``timeout_s`` seconds (pings run beside a long step, not behind it).
+
+        Raises:
+            EngineDeadError: the step loop died or a worker is gone (this replica is then
+                unhealthy for Serve too, which replaces it).
+        """
+        self.engine.check_health()
+        check = getattr(self.engine.engine.executor, "check_health_async", None)
         if check is not None:
-            await check()
+            from engine.async_engine import EngineDeadError
+
+            try:
+                await check(timeout_s)
+            except Exception as e:
+                self.engine.mark_dead(e)
+                raise EngineDeadError(f"a tensor-parallel worker is not answering: {type(e).__name__}") from e
+        return {"status": "ok"}
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check (every ``health_check_period_s``): see :meth:`health`."""
+        await self.health(timeout_s=30.0)
 
     async def __del__(self):  # Serve calls this on graceful replica shutdown
         try:

@@ -317,11 +317,9 @@ def test_token_holder_gets_a_serve_handle_and_replica_grpc_needs_the_token(ray_s
     print(table)
     open_rows = [r for r in rows if not _is_loopback(r[2])]
     replica_ports = [f"127.0.0.1:{port}" for _pid, title, _ip, port in open_rows if "ServeReplica" in title]
-    # Not Ray's: rank 0 of a tensor-parallel replica (ray::TPWorker, cluster/worker_group.py) runs
-    # torch.distributed's TCPStore for the gloo/NCCL rendezvous, which listens on all interfaces
-    # and has no authentication (seen: `*:<port> ray::TPWorker`); a single-node alternative is a
-    # file:// store. Listed in the printed table, not failed on here.
-    others = [r for r in open_rows if "ServeReplica" not in r[1] and "TPWorker" not in r[1]]
+    # The tensor-parallel workers (ray::TPWorker) meet through a file:// rendezvous and keep the
+    # gloo sockets on loopback: torch's TCPStore would listen on all interfaces with no auth.
+    others = [r for r in open_rows if "ServeReplica" not in r[1]]
     assert not others, f"Ray listeners on a non-loopback address:\n{others}\nall:\n{table}"
     assert replica_ports, f"no Serve replica gRPC server found:\n{table}"
 

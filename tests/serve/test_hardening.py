@@ -1,0 +1,217 @@
+"""The hardening issue through a real Serve app: auth before the body, body and prompt
+limits, non-ASCII keys, poison sampling values that must fail alone, error bodies without
+internals, a live /health, and a killed tensor-parallel worker."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _raw_post(port: int, path: str, headers: dict[str, str], body: bytes = b"", wait_s: float = 10.0) -> tuple[int, dict]:
+    """Send request headers (and maybe part of a body) on a raw socket; return the status and
+    JSON body the server answers with, without ever sending the rest of the body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
+        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        s.sendall(head.encode() + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1] or b"{}")
+
+
+def _content_length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 1
+
+
+def test_auth_is_checked_before_the_body_is_read(serve_app):
+    """A client without a key announces a 100 MB body and sends none of it: the answer is
+    an immediate 401, so the server never waited for (or parsed) the body."""
+    t0 = time.time()
+    status, body = _raw_post(serve_app.port, "/auth/v1/completions",
+                             {"Content-Type": "application/json", "Content-Length": str(100 << 20)})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert time.time() - t0 < 10
+
+
+def test_body_size_limit(serve_app):
+    # announced too large: 413 at once, body never read
+    status, body = _raw_post(serve_app.port, "/v1/completions",
+                             {"Content-Type": "application/json", "Content-Length": str(100 << 20)})
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    # no length (chunked): reading stops at the limit
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(80):
+            yield b"a" * 65536  # 5 MiB in all, over the 4 MiB default
+        yield b'", "max_tokens": 1}'
+
+    r = httpx.post(f"{serve_app.base_url}/completions", content=chunks(), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+    # the same server still answers a normal request
+    r = httpx.post(f"{serve_app.base_url}/completions", timeout=60,
+                   json={"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200
+
+
+def test_too_many_prompts(serve_app):
+    r = httpx.post(f"{serve_app.base_url}/completions", timeout=60,
+                   json={"model": "tiny", "prompt": ["hi"] * 65, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
+    r = httpx.post(f"{serve_app.base_url}/completions", timeout=60,
+                   json={"model": "tiny", "prompt": ["hi"] * 8, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
+
+
+@pytest.mark.parametrize("value", ["Bearer ключ", "Bearer \u00ff\u00fe", "Bäärer x", "Bearer"])
+def test_non_ascii_or_malformed_authorization_is_401(serve_app, value):
+    r = httpx.post(f"{serve_app.auth_base_url}/completions", json={"prompt": "hi", "max_tokens": 1},
+                   headers={"Authorization": value.encode("utf-8")}, timeout=30)
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_models_list_shows_served_names_only(serve_app, smollm2_path):
+    r = httpx.get(f"{serve_app.base_url}/models", timeout=30)
+    assert r.status_code == 200
+    assert str(smollm2_path) not in r.text and "/root" not in r.text and "/tmp" not in r.text
+    cards = {m["id"]: m for m in r.json()["data"]}
+    assert cards[serve_app.model]["root"] == serve_app.model
+    assert cards[serve_app.model]["max_model_len"] == 1024
+
+
+POISON = [
+    {"seed": 2 ** 64}, {"seed": -2 ** 63 - 1}, {"top_k": 2 ** 64}, {"top_p": 1e-300, "temperature": 1.0},
+    {"stop_token_ids": [10 ** 7], "min_tokens": 2}, {"temperature": float("inf")},
+]
+
+
+def test_poison_requests_fail_alone(serve_app):
+    """Innocent streams run while poison values arrive; every poison request is a 400 naming
+    its field (or completes, if the engine can honour it) and every innocent stream finishes."""
+    url = f"{serve_app.base_url}/completions"
+
+    async def innocent(client, i):
+        r = await client.post(url, json={"prompt": f"Count to ten: {i},", "max_tokens": 24, "ignore_eos": True,
+                                         "temperature": 0})
+        return r.status_code, r.json()
+
+    async def poison(client, extra):
+        body = json.dumps({"prompt": "hello", "max_tokens": 4, **extra}).replace("Infinity", "1e999")
+        r = await client.post(url, content=body, headers={"Content-Type": "application/json"})
+        return r.status_code, r.json(), extra
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            tasks = [innocent(client, i) for i in range(8)]
+            await asyncio.sleep(0)
+            return await asyncio.gather(*tasks, *(poison(client, p) for p in POISON))
+
+    results = asyncio.run(run())
+    for status, body in results[:8]:
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 24
+    for status, body, extra in results[8:]:
+        if status == 200:  # accepted: then it really ran
+            assert body["choices"][0]["finish_reason"] in ("stop", "length"), (extra, body)
+        else:
+            assert status == 400, (extra, body)
+            field = next(iter(extra)) if "stop_token_ids" not in extra else "stop_token_ids"
+            assert field in body["error"]["message"], (extra, body)
+    s = serve_app.llm.get_stats.remote().result()
+    assert s["num_running_requests"] == 0 and s["free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_chat_logprobs_non_streaming(serve_app):
+    """(Was a 500: a helper defined below the ingress class did not exist in the running app.)"""
+    r = httpx.post(f"{serve_app.base_url}/chat/completions", timeout=120,
+                   json={"messages": PARIS, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == r.json()["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+
+
+def test_server_errors_tell_no_internals():
+    """A failure of the server becomes a 500 (or SSE error event) with a short message and
+    the request id; the exception's text (paths, pids, actor ids) stays in the log."""
+    from deployments.ingress import OpenAIIngress
+
+    OpenAIIngress = OpenAIIngress.func_or_class  # the class under Serve's deployment wrapper
+    secret = RuntimeError("File \"/root/.venv/x.py\", line 3, pid=4242, ActorID(ab12cd), 10.0.0.7:6379")
+    for err in (OpenAIIngress._failed("req-123", secret),):
+        assert err.status_code == 500 and "req-123" in err.message
+        assert "4242" not in err.message and "/root" not in err.message and "ActorID" not in err.message
+    event = json.loads(OpenAIIngress._stream_error("req-456", secret)[len(b"data: "):])
+    assert "req-456" in event["error"]["message"] and "/root" not in json.dumps(event)
+
+
+def _serve_tiny_tp2_app(name: str, route: str, tiny_llama_path):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-fault", "tensor_parallel_size": 2,
+                     "max_num_seqs": 4, "max_model_len": 128, "torch_num_threads": 1, "replica_cpus": 0.25,
+                     "worker_cpus": 0.25, "ingress_cpus": 0.1, "num_replicas": 1})
+    serve.run(app, name=name, route_prefix=route)
+
+
+def test_killed_tp_worker_makes_replica_unhealthy_at_once(serve_app, tiny_llama_path):
+    """Kill rank 1 of a TP=2 replica: /health says 503 within seconds (not after Serve's
+    periodic check), requests get a clean 503 without internals, and Serve replaces the
+    replica, after which the app serves again."""
+    from ray import serve
+
+    _serve_tiny_tp2_app("kvserve-fault", "/fault", tiny_llama_path)
+    try:
+        base = f"{serve_app.root}/fault"
+        body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        info = serve.get_deployment_handle("LLMServer", "kvserve-fault").model_info.remote().result()
+        rank1 = next(r for r in info["workers"]["ranks"] if r["rank"] == 1)
+        os.kill(rank1["pid"], signal.SIGKILL)
+        t0 = time.time()
+        while True:
+            r = httpx.get(f"{base}/health", timeout=30)
+            if r.status_code == 503:
+                break
+            assert time.time() - t0 < 5, "health still 200 five seconds after a worker died"
+            time.sleep(0.2)
+        assert r.json()["error"]["code"] == "unhealthy"
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        if r.status_code != 200:  # the replica may already be replaced; if not, a clean 503
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] in ("engine_dead", "model_unavailable", "unhealthy")
+            assert str(rank1["pid"]) not in r.text and "Actor" not in r.text and "Traceback" not in r.text
+        deadline = time.time() + 180
+        while True:  # Serve replaces the unhealthy replica
+            t1 = time.time()
+            h = httpx.get(f"{base}/health", timeout=30)
+            assert time.time() - t1 < 10, "health blocked while the replica restarts"
+            if h.status_code == 200:
+                break
+            assert time.time() < deadline, h.text
+            time.sleep(1)
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        serve.delete("kvserve-fault")
