@@ -57,7 +57,7 @@ class EngineConfig:
     attention_backend: str | None = None
     enforce_eager: bool = False
     mixed_step_prefill_tokens: int | None = None
-    mixed_step_slowdown: float = 3.0
+    mixed_step_slowdown: float = 2.5
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):

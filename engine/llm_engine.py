@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 from engine.config import EngineConfig
@@ -56,8 +58,9 @@ class MixedStepBudget:
     Sarathi-Serve's stall-free batching, Agrawal et al. 2024, sec. 4.3, measured online
     instead of profiled).
 
-    Cost model: ``t = D + n_prefill * b`` seconds, with ``D`` an exponential moving average of
-    decode-only step times and ``b`` (seconds per prefill token) a ratio of decayed sums over
+    Cost model: ``t = D + n_prefill * b`` seconds, with ``D`` the median of the last
+    :attr:`DECODE_WINDOW` decode-only step times (a median, so a few slow steps from a busy
+    host do not inflate the target) and ``b`` (seconds per prefill token) a ratio of decayed sums over
     steps with prefill: ``sum(t - D [if the step had decodes]) / sum(n_prefill)``, so large
     chunks weigh most and the attention cost of long contexts is tracked as it grows. A
     prefill-only step counts its whole time (a slight overestimate of ``b``: conservative).
@@ -69,18 +72,23 @@ class MixedStepBudget:
     Args:
         slowdown: target ratio (> 1) of a mixed step's time to a decode-only step's.
         max_tokens: upper clamp (the step budget, ``max_num_batched_tokens``).
-        min_tokens: lower clamp, so prefills always progress (tokens).
+        min_tokens: lower clamp, so prefills always progress (tokens). Small: deep into a long
+            prompt a chunk's attention over the whole context costs ~5 ms per token on a 2-core
+            CPU (SmolLM2, 7k context), so the target may need chunks of ~20 tokens.
         initial_tokens: budget before measurements (tokens).
         alpha: weight of the newest step in the averages.
     """
 
-    def __init__(self, slowdown: float, max_tokens: int, min_tokens: int = 32, initial_tokens: int = 256,
+    #: Decode-only steps behind the median ``D``.
+    DECODE_WINDOW = 32
+
+    def __init__(self, slowdown: float, max_tokens: int, min_tokens: int = 8, initial_tokens: int = 256,
                  alpha: float = 0.2):
         self.slowdown, self.alpha = slowdown, alpha
         self.max_tokens = max_tokens
         self.min_tokens = min(min_tokens, max_tokens)
         self.initial_tokens = min(initial_tokens, max_tokens)
-        self.decode_s: float | None = None  # D, seconds
+        self._decode_times: deque[float] = deque(maxlen=self.DECODE_WINDOW)
         self._prefill_s = 0.0  # decayed sum of prefill seconds
         self._prefill_n = 0.0  # decayed sum of prefill tokens
 
@@ -89,13 +97,18 @@ class MixedStepBudget:
         a = self.alpha
         if num_prefill_tokens == 0:
             if num_decodes:
-                self.decode_s = seconds if self.decode_s is None else (1 - a) * self.decode_s + a * seconds
+                self._decode_times.append(seconds)
             return
         if num_decodes and self.decode_s is None:
             return  # cannot split a mixed step's time yet
         prefill_s = max(seconds - (self.decode_s if num_decodes else 0.0), 0.0)
         self._prefill_s = (1 - a) * self._prefill_s + a * prefill_s
         self._prefill_n = (1 - a) * self._prefill_n + a * num_prefill_tokens
+
+    @property
+    def decode_s(self) -> float | None:
+        """``D``: median seconds of the recent decode-only steps (None before the first)."""
+        return statistics.median(self._decode_times) if self._decode_times else None
 
     @property
     def seconds_per_prefill_token(self) -> float | None:

@@ -81,8 +81,11 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> list[tuple]:
     """Gather plan of the step's decode rows, computed once per step and kept on ``meta``
     (all layers share it).
 
-    Decode rows are sorted by ``seq_len`` and cut into buckets of ``DECODE_BUCKET_ROWS``, so
-    each bucket pads only to its own longest request. Per bucket: query rows ``[b]``; row
+    Decode rows are sorted by ``seq_len`` and cut into buckets of at most
+    ``DECODE_BUCKET_ROWS``, a new bucket also starting where a row is more than twice as long
+    as the bucket's first (plus a block), so each bucket pads only to its own longest request
+    and no short request pays for a long one (one 8k-token request among eight 300-token ones
+    would otherwise make every decode step gather ~9x the K/V). Per bucket: query rows ``[b]``; row
     indices into the cache viewed as ``[num_slots * num_kv_heads, head_dim]``, head-major per
     request ``[b * Hkv * L]``; and an additive mask ``[b, 1, 1, L]`` (0 / -inf) over positions
     past each request's seq_len (those read the request's first token, so every value stays
@@ -96,9 +99,13 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> list[tuple]:
     decode = sorted((i for i, n in enumerate(qlens) if n == 1), key=lambda i: slens[i])
     device, (_, block_size, num_kv_heads, _) = k_cache.device, k_cache.shape
     heads = torch.arange(num_kv_heads, device=device)
+    buckets: list[list[int]] = []
+    for i in decode:
+        if not buckets or len(buckets[-1]) == DECODE_BUCKET_ROWS or slens[i] > 2 * slens[buckets[-1][0]] + block_size:
+            buckets.append([])
+        buckets[-1].append(i)
     plan = []
-    for b0 in range(0, len(decode), DECODE_BUCKET_ROWS):
-        bucket = decode[b0:b0 + DECODE_BUCKET_ROWS]
+    for bucket in buckets:
         idx = torch.tensor(bucket, dtype=torch.long, device=device)
         rows = torch.tensor([starts[i] for i in bucket], dtype=torch.long, device=device)
         length = slens[bucket[-1]]

@@ -137,6 +137,22 @@ TORCH_CASES["torch_decode_buckets"] = dict(
     kind="dispatch", H=8, Hkv=2, D=64, bs=16, dtype="float32",
     qlens=[1] * 20 + [70] + [1] * 21 + [9], seqlens=[_r.randint(1, 300) for _ in range(20)] + [70]
     + [_r.randint(1, 300) for _ in range(21)] + [140], seed=40)
+# One long decode row among short ones: it gets a bucket of its own (short rows are not padded to it).
+TORCH_CASES["torch_decode_long_outlier"] = dict(
+    kind="dispatch", H=9, Hkv=3, D=64, bs=16, dtype="float32",
+    qlens=[1] * 8 + [1, 5], seqlens=[_r.randint(20, 60) for _ in range(8)] + [1500, 45], seed=41)
+
+
+def test_decode_buckets_split_at_long_rows():
+    """A decode row more than twice as long as its bucket's first row opens a new bucket."""
+    from kernels.attention import _decode_plan
+
+    p = make_problem(TORCH_CASES["torch_decode_long_outlier"])
+    plan = _decode_plan(_meta(p), p["k_cache"])
+    sizes = [len(rows) for rows, _gather, _mask in plan]
+    assert sizes == [8, 1], sizes
+    widths = [mask.shape[-1] for _rows, _gather, mask in plan]
+    assert widths[0] <= 60 and widths[1] == 1500
 
 
 # ------------------------------------------------------------------------------------------
