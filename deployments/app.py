@@ -60,7 +60,7 @@ class ModelArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     mixed_step_prefill_tokens: Optional[int] = Field(
         None, ge=0, description="prefill tokens in a step that carries decodes (None: auto, 0: no cap)")
-    mixed_step_slowdown: float = Field(3.0, gt=1, description="auto cap: a mixed step ~ this x a decode step")
+    mixed_step_slowdown: float = Field(2.5, gt=1, description="auto cap: a mixed step ~ this x a decode step")
 
     num_replicas: Optional[int] = Field(
         None, ge=0, description="fixed replica count; unset: autoscale with kvserve's policy")

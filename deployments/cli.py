@@ -14,6 +14,7 @@ import sys
 import time
 
 from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
+from deployments.gate import mask_key
 
 
 # ---- generate (engine only) ------------------------------------------------------------------
@@ -49,6 +50,10 @@ _ENGINE_FLAGS = (
     ("--device", "device", str, "auto | cpu | cuda ('cuda': one GPU per replica / rank)"),
     ("--max-ongoing-requests", "max_ongoing_requests", int, "requests one replica accepts at once (default 256)"),
     ("--torch-num-threads", "torch_num_threads", int, "CPU threads per engine process"),
+    ("--mixed-step-prefill-tokens", "mixed_step_prefill_tokens", int,
+     "prompt tokens in a step that carries decodes (default: auto from step times; 0: no cap)"),
+    ("--mixed-step-slowdown", "mixed_step_slowdown", float,
+     "auto cap: a step with decodes costs about this x a decode-only step (default 2.5)"),
 )
 
 
@@ -80,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--route-prefix", default="/")
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray instance")
     s.add_argument("--api-key", action="append", default=None, dest="api_keys",
-                   help="require 'Authorization: Bearer <key>' (repeatable)")
+                   help="require 'Authorization: Bearer <key>' (repeatable; a flag shows in `ps`: "
+                        "prefer $KVSERVE_API_KEYS or --api-keys-file)")
+    s.add_argument("--api-keys-file", default=None, dest="api_keys_file",
+                   help="file with one API key per line (owner-only permissions recommended)")
     for flag, dest, typ, help_ in _ENGINE_FLAGS:
         s.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     add_autoscaling_args(s)  # --min-replicas, --max-replicas and the policy's knobs
@@ -101,6 +109,8 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
             app_args[dest] = v
     if args.api_keys:
         app_args["api_keys"] = args.api_keys
+    if args.api_keys_file:
+        app_args["api_keys_file"] = args.api_keys_file
     knobs = {k[len("autoscaling_"):]: v for k, v in vars(args).items()
              if k.startswith("autoscaling_") and v is not None}
     if knobs:
@@ -118,7 +128,8 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
 
 
 def _curl_line(base_url: str, model: str, api_key: str | None) -> str:
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    """The banner's example request; a key shows masked (banners end up in logs)."""
+    auth = f" -H 'Authorization: Bearer {mask_key(api_key)}'" if api_key else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
     return f"curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
@@ -196,6 +207,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
+        if args.host not in ("127.0.0.1", "localhost", "::1") and not app_args.api_keys:
+            print(f"kvserve: WARNING: HTTP listens on {args.host} with no API key: anyone who reaches this "
+                  f"port can use the model (set KVSERVE_API_KEYS or --api-keys-file)", file=sys.stderr, flush=True)
         serve.start(http_options={"host": args.host, "port": args.port})
         route = args.route_prefix
         print(f"kvserve: deploying {', '.join(m.name for m in app_args.model_list())} "

@@ -252,22 +252,18 @@ class OpenAIIngress:
         return _Stream(gen, first)
 
     @staticmethod
-    def _stream_error(rid: str, e: BaseException) -> bytes:
-        """The SSE event of a stream that failed after its response started."""
-        err = _as_client_error(e)
-        if err is None:
-            logger.error("request %s: stream failed", rid, exc_info=e)
-            err = _internal(rid, "generation failed")
-        return _sse(err.body())
-
-    @staticmethod
-    def _failed(rid: str, e: Exception) -> OpenAIError:
-        """A non-streaming request whose generation failed midway."""
+    def _failed(rid: str, e: BaseException) -> OpenAIError:
+        """The client's error for a generation that failed midway (the details are logged)."""
         err = _as_client_error(e)
         if err is None:
             logger.error("request %s: generation failed", rid, exc_info=e)
             err = _internal(rid, "generation failed")
         return err
+
+    @classmethod
+    def _stream_error(cls, rid: str, e: BaseException) -> bytes:
+        """The SSE event of a stream that failed after its response started."""
+        return _sse(cls._failed(rid, e).body())
 
     # ---- Python API (``serve.get_app_handle("kvserve")``) ---------------------------------
     async def generate(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,

@@ -205,3 +205,29 @@ def test_fit_single_node_caps_only_the_default_bound():
                                    api_keys=["k"]), num_gpus=3)
     assert [m.autoscaling_knobs()["max_replicas"] for m in both.model_list()] == [3, 5]
     assert both.api_keys == ["k"]
+
+
+def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatch):
+    """Keys need never be on a command line (visible in `ps`): $KVSERVE_API_KEYS or a key
+    file; the banner's curl line shows a masked key."""
+    from deployments.app import AppArgs
+    from deployments.cli import _curl_line
+    from deployments.gate import key_matches
+
+    monkeypatch.setenv("KVSERVE_API_KEYS", "sk-env-one, sk-env-two")
+    assert AppArgs.model_validate({}).api_keys == ["sk-env-one", "sk-env-two"]
+    assert AppArgs.model_validate({"api_keys": ["sk-flag"]}).api_keys == ["sk-flag"]  # explicit wins
+    monkeypatch.delenv("KVSERVE_API_KEYS")
+    assert AppArgs.model_validate({}).api_keys is None
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nsk-file-secret-1\n\nsk-file-secret-2\n")
+    assert AppArgs.model_validate({"api_keys_file": str(f)}).api_keys == ["sk-file-secret-1", "sk-file-secret-2"]
+    with pytest.raises(ValidationError, match="api_keys_file"):
+        AppArgs.model_validate({"api_keys_file": str(tmp_path / "missing")})
+    line = _curl_line("http://127.0.0.1:8000/v1", "m", "sk-file-secret-1")
+    assert "sk-file-secret-1" not in line and "Bearer sk-f..." in line
+    keys = [b"sk-a", "sk-\u00e9".encode()]
+    assert key_matches(b"Bearer sk-a", keys) and key_matches(b"bearer  sk-a ", keys)
+    assert key_matches("Bearer sk-\u00e9".encode(), keys)
+    assert not any(key_matches(h, keys) for h in (b"", b"Bearer", b"Basic sk-a", b"Bearer sk-", b"sk-a",
+                                                   "Bearer \u043a".encode(), b"Bearer \xff\xfe"))
