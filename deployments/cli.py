@@ -12,6 +12,8 @@ import os
 import signal
 import sys
 import time
+import types
+import typing
 
 from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
 from deployments.gate import mask_key
@@ -36,25 +38,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # ---- serve --------------------------------------------------------------------------------
-_ENGINE_FLAGS = (
-    # (flag, AppArgs field, type, help)
-    ("--model", "model", str, "model folder or hub id (default: SmolLM2-135M-Instruct)"),
-    ("--served-model-name", "served_model_name", str, "name clients send as `model` (default: --model)"),
-    ("--tensor-parallel-size", "tensor_parallel_size", int, "ranks per replica (Ray worker actors), default 1"),
-    ("--num-replicas", "num_replicas", int, "pin a fixed number of LLMServer replicas (default: autoscale 1..8 with kvserve's policy)"),
-    ("--max-num-seqs", "max_num_seqs", int, "most requests in a batch (default 64)"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step (default 2048)"),
-    ("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
-    ("--kv-cache-memory-bytes", "kv_cache_memory_bytes", int, "KV cache size per rank"),
-    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16"),
-    ("--device", "device", str, "auto | cpu | cuda ('cuda': one GPU per replica / rank)"),
-    ("--max-ongoing-requests", "max_ongoing_requests", int, "requests one replica accepts at once (default 256)"),
-    ("--torch-num-threads", "torch_num_threads", int, "CPU threads per engine process"),
-    ("--mixed-step-prefill-tokens", "mixed_step_prefill_tokens", int,
-     "prompt tokens in a step that carries decodes (default: auto from step times; 0: no cap)"),
-    ("--mixed-step-slowdown", "mixed_step_slowdown", float,
-     "auto cap: a step with decodes costs about this x a decode-only step (default 2.5)"),
-)
+#: ModelArgs fields that are not plain flags (the autoscaling section has flags of its own).
+_NOT_FLAGS = {"autoscaling", "min_replicas", "max_replicas"}
+
+
+def _model_flags() -> list[tuple[str, str, dict]]:
+    """``(flag, dest, argparse kwargs)`` for every field of :class:`deployments.args.ModelArgs`:
+    the engine's settings (generated from ``engine.EngineConfig``) and the deployment's.
+    ``--x`` / ``--no-x`` for booleans, choices for literals; default None = "not given" (the
+    args model's own default applies)."""
+    from deployments.args import ModelArgs
+
+    out = []
+    for name, f in ModelArgs.model_fields.items():
+        if name in _NOT_FLAGS:
+            continue
+        typ = f.annotation
+        args = [a for a in typing.get_args(typ) if a is not type(None)] if typing.get_origin(typ) in (
+            typing.Union, types.UnionType) else [typ]
+        typ = args[0]
+        kw: dict = {"default": None, "help": f"{f.description or ''} (default: {f.default})".strip()}
+        if typ is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(typ) is typing.Literal:
+            kw["choices"] = list(typing.get_args(typ))
+        else:
+            kw["type"] = typ
+        out.append(("--" + name.replace("_", "-"), name, kw))
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefer $KVSERVE_API_KEYS or --api-keys-file)")
     s.add_argument("--api-keys-file", default=None, dest="api_keys_file",
                    help="file with one API key per line (owner-only permissions recommended)")
-    for flag, dest, typ, help_ in _ENGINE_FLAGS:
-        s.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+    for flag, dest, kw in _model_flags():  # engine and deployment settings, from ModelArgs
+        s.add_argument(flag, dest=dest, **kw)
     add_autoscaling_args(s)  # --min-replicas, --max-replicas and the policy's knobs
     s.set_defaults(func=cmd_serve)
     return ap
@@ -98,12 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def app_args_from_cli(args: argparse.Namespace) -> dict:
     """AppArgs (as a dict) from ``--config`` and the flags (flags win)."""
-    from deployments.app import APP_NAME, app_args_from_config
+    from deployments.args import APP_NAME, app_args_from_config
 
     app_args: dict = {}
     if args.config:
         app_args = app_args_from_config(args.config, args.name or APP_NAME)
-    for _flag, dest, _typ, _help in _ENGINE_FLAGS:
+    for _flag, dest, _kw in _model_flags():
         v = getattr(args, dest, None)
         if v is not None:
             app_args[dest] = v

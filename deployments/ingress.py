@@ -32,6 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import gate
+from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -56,9 +57,6 @@ logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="kvserve", description="OpenAI-compatible LLM serving on Ray Serve", version="0.1.0")
 app.add_middleware(gate.RequestGate)  # API key and body size, before any body byte is read
-
-#: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
-DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -205,7 +203,7 @@ class OpenAIIngress:
                  max_request_body_bytes: int = gate.DEFAULT_MAX_BODY_BYTES,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
                  health_timeout_s: float = 5.0):
-        from cluster.worker_group import reset_niceness
+        from cluster import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
         if not models:

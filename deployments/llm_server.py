@@ -23,7 +23,7 @@ from typing import Any
 
 from ray import serve
 
-from cluster.worker_group import reset_niceness
+from cluster import reset_niceness
 
 logger = logging.getLogger("ray.serve")
 

@@ -1,68 +1,70 @@
 """Engine configuration (the knobs of ``LLM(...)`` and ``kvserve serve``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
-import torch
+if TYPE_CHECKING:  # torch loads only when a device or dtype is asked for (front ends never do)
+    import torch
+
+
+def _knob(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class EngineConfig:
     """Everything that shapes one engine instance.
 
-    Attributes:
-        model: local Hugging Face folder, hub id, or None for the default SmolLM2-135M-Instruct.
-        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16".
-        device: "auto" (CUDA if available), "cpu" or "cuda".
-        block_size: tokens per KV block.
-        max_num_seqs: most requests running at once.
-        max_num_batched_tokens: token budget per step (chunked prefill beyond it).
-        max_model_len: longest prompt + output in tokens (default: the model's
-            ``max_position_embeddings``, capped by the KV pool).
-        enable_prefix_caching: share full KV blocks between requests with equal prefixes.
-        num_kv_blocks / kv_cache_memory_bytes: size the KV pool explicitly (blocks / bytes);
-            otherwise ``cpu_kv_cache_bytes`` on CPU, ``gpu_memory_utilization`` on CUDA.
-        tensor_parallel_size: ranks the model is split over (needs an injected executor > 1).
-        seed: seed of the global sampler RNG.
-        scheduling_policy: "fcfs" or "priority".
-        attention_backend: None (auto), "torch", "triton" or "flash_attn".
-        enforce_eager: disable CUDA graphs.
-        mixed_step_prefill_tokens: prefill tokens (summed over requests) that a step which
-            also carries decodes may compute, so that a long prompt cannot stall running
-            streams: ``None`` (default) sizes it from the engine's own step times to keep such
-            a step within ``mixed_step_slowdown`` x a decode-only step; ``0`` = no cap (prefill
-            chunks fill ``max_num_batched_tokens``, the behaviour before this knob); ``k > 0``
-            = at most ``k`` tokens. Steps with no decodes always get the full
-            ``max_num_batched_tokens``.
-        mixed_step_slowdown: the automatic cap's target, a ratio (> 1): a step with decodes
-            and prefill should take at most this many times a decode-only step, which bounds
-            running streams' inter-token latency while a long prompt is prefilled.
+    This dataclass is the one source of the engine's settings: ``LLM(...)`` takes them as
+    keyword arguments, and the Serve application's args (``deployments.app.ModelArgs``) and
+    ``kvserve serve``'s flags are generated from its fields, types, defaults and help
+    (:func:`engine_fields`), as vLLM's ``EngineArgs`` does. Each field's ``help`` says what it
+    means and its unit.
+
+    Raises:
+        ValueError: an out-of-range value (the message names the field).
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    cpu_kv_cache_bytes: int = 2 << 30
-    gpu_memory_utilization: float = 0.90
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    scheduling_policy: str = "fcfs"
-    attention_backend: str | None = None
-    enforce_eager: bool = False
-    mixed_step_prefill_tokens: int | None = None
-    mixed_step_slowdown: float = 2.5
+    model: str | None = _knob(None, "local Hugging Face folder, hub id, or None for SmolLM2-135M-Instruct")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _knob(
+        "auto", "weights and KV cache dtype; auto: float32 on CPU, bfloat16 on CUDA")
+    device: Literal["auto", "cpu", "cuda"] = _knob(
+        "auto", "auto: CUDA if available; 'cuda' gives each replica (or tensor-parallel rank) one GPU")
+    block_size: int = _knob(16, "tokens per KV block")
+    max_num_seqs: int = _knob(256, "most requests running at once")
+    max_num_batched_tokens: int = _knob(2048, "token budget of one step (longer prompts are prefilled in chunks)")
+    max_model_len: int | None = _knob(
+        None, "longest prompt + output, tokens (default: the model's max_position_embeddings, capped by the KV pool)")
+    enable_prefix_caching: bool = _knob(True, "share full KV blocks between requests with equal prefixes")
+    num_kv_blocks: int | None = _knob(None, "KV pool size in blocks (overrides the memory-based sizes)")
+    kv_cache_memory_bytes: int | None = _knob(None, "KV pool size in bytes per rank")
+    cpu_kv_cache_bytes: int = _knob(2 << 30, "KV pool size in bytes on CPU when neither of the above is set")
+    gpu_memory_utilization: float = _knob(
+        0.90, "fraction of GPU memory for weights, activations and the KV pool (CUDA, when the pool is not sized)")
+    tensor_parallel_size: int = _knob(1, "ranks the model is split over (needs a distributed executor when > 1)")
+    seed: int = _knob(0, "seed of the sampler's global RNG")
+    scheduling_policy: Literal["fcfs", "priority"] = _knob("fcfs", "fcfs: arrival order; priority: lower first")
+    attention_backend: Literal["torch", "triton", "flash_attn"] | None = _knob(
+        None, "attention kernels (default: the best that supports the device, dtype and block size)")
+    enforce_eager: bool = _knob(False, "disable CUDA graphs")
+    mixed_step_prefill_tokens: int | None = _knob(
+        None, "prompt tokens (summed over requests) a step that also carries decodes may compute, so a long "
+              "prompt cannot stall running streams: None sizes it from measured step times to keep such a step "
+              "within mixed_step_slowdown x a decode-only step; 0: no cap; k: at most k. Steps without decodes "
+              "always get max_num_batched_tokens")
+    mixed_step_slowdown: float = _knob(
+        2.5, "the automatic cap's target ratio (> 1): a step with decodes and prefill takes at most about this "
+             "many times a decode-only step, bounding running streams' inter-token latency during a long prefill")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name, least in (("max_model_len", 2), ("num_kv_blocks", 1), ("kv_cache_memory_bytes", 1)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < least):
+                raise ValueError(f"{name} must be None or an integer >= {least}, got {v!r}")
         if self.mixed_step_prefill_tokens is not None and (
                 not isinstance(self.mixed_step_prefill_tokens, int) or self.mixed_step_prefill_tokens < 0):
             raise ValueError(f"mixed_step_prefill_tokens must be None, 0 or a positive integer, "
@@ -75,13 +77,24 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+def engine_fields() -> list[tuple[str, Any, Any, str]]:
+    """``(name, type, default, help)`` of every :class:`EngineConfig` field, in order: what
+    the Serve args and the CLI flags are generated from."""
+    hints = get_type_hints(EngineConfig)
+    return [(f.name, hints[f.name], f.default, f.metadata["help"]) for f in fields(EngineConfig)]

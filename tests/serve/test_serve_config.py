@@ -231,3 +231,45 @@ def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatc
     assert key_matches("Bearer sk-\u00e9".encode(), keys)
     assert not any(key_matches(h, keys) for h in (b"", b"Bearer", b"Basic sk-a", b"Bearer sk-", b"sk-a",
                                                    "Bearer \u043a".encode(), b"Bearer \xff\xfe"))
+
+
+def test_engine_settings_have_one_source():
+    """Every EngineConfig field is a ModelArgs field (same default unless SERVING_ENGINE_DEFAULTS
+    says otherwise, with a reason) and a `kvserve serve` flag; nothing else claims to be one."""
+    from dataclasses import fields
+
+    from deployments.args import ENGINE_FIELDS, SERVING_ENGINE_DEFAULTS, ModelArgs
+    from deployments.cli import build_parser
+    from engine.config import EngineConfig
+
+    names = [f.name for f in fields(EngineConfig)]
+    assert list(ENGINE_FIELDS) == names
+    for f in fields(EngineConfig):
+        want = SERVING_ENGINE_DEFAULTS[f.name][0] if f.name in SERVING_ENGINE_DEFAULTS else f.default
+        assert ModelArgs.model_fields[f.name].default == want, f.name
+        assert f.metadata["help"] and f.metadata["help"] in ModelArgs.model_fields[f.name].description
+    assert all(why for _default, why in SERVING_ENGINE_DEFAULTS.values())
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
+    dests = {a.dest for a in serve._actions}
+    assert set(names) <= dests, set(names) - dests
+    # a flag reaches the engine config unchanged
+    args = serve.parse_args(["--max-num-seqs", "7", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
+                             "--gpu-memory-utilization", "0.5"])
+    from deployments.cli import app_args_from_cli
+
+    m = ModelArgs.model_validate({k: v for k, v in app_args_from_cli(args).items()})
+    cfg = EngineConfig(**m.engine_args())
+    assert (cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.scheduling_policy, cfg.gpu_memory_utilization) == (
+        7, False, "priority", 0.5)
+    with pytest.raises(ValidationError, match="block_size"):  # the engine's own checks run at validation
+        ModelArgs.model_validate({"block_size": 0})
+
+
+def test_front_ends_load_no_torch():
+    """The HTTP process (ingress), the args and the CLI parser import neither torch nor the model code."""
+    code = ("import sys; import deployments.ingress, deployments.args, engine.config, engine, cluster; "
+            "from deployments.cli import build_parser; build_parser(); "
+            "bad = [m for m in ('torch', 'transformers', 'engine.model_runner') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,206 @@
+"""What the kvserve application takes: :class:`AppArgs` (the Serve config's ``args``,
+``kvserve serve``'s flags) and :class:`ModelArgs` (one served model).
+
+The engine settings of ``ModelArgs`` are generated from ``engine.EngineConfig``'s fields
+(type, default, help), so the engine, the Serve config and the CLI cannot drift; where serving
+wants another default it says so, with the reason, in :data:`SERVING_ENGINE_DEFAULTS`. This
+module imports neither Ray nor torch: ``kvserve serve`` builds its flags from it before Ray's
+environment (auth, loopback) is set.
+"""
+import os
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from deployments.gate import DEFAULT_MAX_BODY_BYTES
+from engine.config import EngineConfig, engine_fields
+
+#: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
+
+#: Serve application name ``kvserve serve`` deploys (``serve.get_app_handle(APP_NAME)``).
+APP_NAME = "kvserve"
+
+#: Engine settings where serving deliberately differs from ``engine.EngineConfig``'s default:
+#: ``{field: (default, reason)}``. Everything else is the engine's own default.
+SERVING_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "max_num_seqs": (64, "a replica's inter-token latency grows with its batch (a 64-request CPU decode step "
+                         "is ~0.36 s, README); past that the autoscaler adds replicas instead of deepening one"),
+}
+
+
+def _engine_args_model() -> type[BaseModel]:
+    """A pydantic model with one field per ``EngineConfig`` field (type, default, help),
+    the serving defaults above applied: the base of :class:`ModelArgs`."""
+    spec = {}
+    for name, typ, default, help_ in engine_fields():
+        default, why = SERVING_ENGINE_DEFAULTS.get(name, (default, None))
+        spec[name] = (typ, Field(default, description=help_ + (f" (serving default {default}: {why})" if why else "")))
+    return create_model("EngineArgs", __config__=ConfigDict(extra="forbid", protected_namespaces=()), **spec)
+
+
+EngineArgs = _engine_args_model()
+#: Fields of ModelArgs that go to ``engine.EngineConfig`` (all of its fields).
+ENGINE_FIELDS = tuple(EngineArgs.model_fields)
+
+
+class ModelArgs(EngineArgs):
+    """One model = one ``LLMServer`` deployment: the engine's settings (generated from
+    ``engine.EngineConfig``) plus how the deployment serves it."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    served_model_name: Optional[str] = Field(None, description="name clients send as `model` (default: model)")
+    num_replicas: Optional[int] = Field(
+        None, ge=0, description="fixed replica count; unset: autoscale with kvserve's policy")
+    min_replicas: Optional[int] = Field(None, ge=0, description="autoscaling lower bound (policy default 1)")
+    max_replicas: Optional[int] = Field(None, ge=1, description="autoscaling upper bound (policy default 8)")
+    autoscaling: Optional[dict[str, Any]] = Field(
+        None, description="autoscaling knobs (see autoscaling/policy.py KVServeAutoscalingConfig)")
+    max_ongoing_requests: int = Field(256, ge=1, description="requests one replica takes at once (>= max_num_seqs)")
+    max_queued_requests: int = Field(-1, description="handle queue bound before 429s (-1: unbounded)")
+    torch_num_threads: Optional[int] = Field(None, ge=1)
+    replica_cpus: float = Field(1.0, ge=0)
+    worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
+
+    @model_validator(mode="after")
+    def _check(self):
+        EngineConfig(**self.engine_args())  # the engine's own range checks, at validation time
+        if self.num_replicas is not None and (
+                self.autoscaling is not None or self.min_replicas is not None or self.max_replicas is not None):
+            raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+    @property
+    def name(self) -> str:
+        from engine.model_loader import DEFAULT_MODEL
+
+        return self.served_model_name or self.model or DEFAULT_MODEL
+
+    def engine_args(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ENGINE_FIELDS}
+
+    def autoscaling_knobs(self) -> Optional[dict[str, Any]]:
+        """Knobs of kvserve's autoscaling policy for this model (``{}``: all defaults), or None
+        when ``num_replicas`` pins a fixed fleet."""
+        if self.num_replicas is not None:
+            return None
+        knobs = dict(self.autoscaling or {})
+        if self.min_replicas is not None:
+            knobs["min_replicas"] = self.min_replicas
+        if self.max_replicas is not None:
+            knobs["max_replicas"] = self.max_replicas
+        return knobs
+
+
+class AppArgs(ModelArgs):
+    """Arguments of :func:`build_app` (``args`` of the Serve config, flags of ``kvserve serve``).
+
+    The top-level model fields describe the served model; ``models`` serves several (each
+    entry a :class:`ModelArgs`, the first one being the default for requests without a
+    ``model``), in which case the top-level model fields are ignored.
+    """
+
+    models: list[ModelArgs] = Field(default_factory=list)
+    api_keys: Optional[list[str]] = Field(
+        None, description="if set, require `Authorization: Bearer <key>`; default: $KVSERVE_API_KEYS "
+                          "(comma-separated) or the lines of api_keys_file")
+    api_keys_file: Optional[str] = Field(None, description="a file with one API key per line (read where the "
+                                                           "app is built)")
+    max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger bodies get 413")
+    max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
+                                         description="most prompts in one /v1/completions request")
+    ingress_num_replicas: int = Field(1, ge=1)
+    ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v):
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _keys_from_env_or_file(self):
+        """Keys never need to be on a command line (visible in ``ps``): ``api_keys_file`` or
+        ``$KVSERVE_API_KEYS`` fill ``api_keys`` when it is not given."""
+        if self.api_keys is None and self.api_keys_file:
+            try:
+                with open(self.api_keys_file) as f:
+                    keys = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+            except OSError as e:
+                raise ValueError(f"api_keys_file: cannot read {self.api_keys_file!r}: {e.strerror}") from None
+            if not keys:
+                raise ValueError(f"api_keys_file {self.api_keys_file!r} holds no key")
+            self.api_keys = keys
+        elif self.api_keys is None and os.environ.get("KVSERVE_API_KEYS", "").strip():
+            self.api_keys = self._split_keys(os.environ["KVSERVE_API_KEYS"])
+        return self
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = [m.name for m in self.model_list()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names must be unique, got {names}")
+        return self
+
+    def model_list(self) -> list[ModelArgs]:
+        if self.models:
+            return list(self.models)
+        own = {k: getattr(self, k) for k in ModelArgs.model_fields}
+        return [ModelArgs(**own)]
+
+
+def logical_cpus_needed(args: AppArgs) -> float:
+    """Logical CPUs the application reserves at its initial / fixed size (ingress, replicas,
+    tensor-parallel workers); ``kvserve serve`` starts a local Ray with at least this many."""
+    total = args.ingress_cpus * args.ingress_num_replicas
+    for m in args.model_list():
+        knobs = m.autoscaling_knobs()
+        n = m.num_replicas if m.num_replicas is not None else 1
+        if knobs is not None:
+            n = max(1, knobs.get("initial_replicas") or knobs.get("min_replicas") or 1)
+        per = m.replica_cpus + (m.tensor_parallel_size * m.worker_cpus if m.tensor_parallel_size > 1 else 0.0)
+        total += n * per
+    return total
+
+
+def fit_single_node(args: AppArgs, num_gpus: int) -> AppArgs:
+    """Cap the default autoscaling bound of each model at what one node holds, for a Ray
+    instance that ``kvserve serve`` starts on this machine alone (no cluster autoscaler
+    could ever place more): GPU replicas at ``num_gpus // tensor_parallel_size``, CPU
+    replicas at 1 (one CPU engine already runs a torch thread per core). Models with an
+    explicit ``max_replicas`` or ``num_replicas`` are left as given, and the cap is never
+    below ``min_replicas``.
+    """
+    models = []
+    for m in args.model_list():
+        knobs = m.autoscaling_knobs()
+        if knobs is None or "max_replicas" in knobs:
+            models.append(m)
+            continue
+        gpu = m.device == "cuda" or (m.device == "auto" and num_gpus > 0)
+        fit = max(1, num_gpus // m.tensor_parallel_size) if gpu else 1
+        models.append(m.model_copy(update={"max_replicas": max(fit, knobs.get("min_replicas", 1))}))
+    top = {k: getattr(args, k) for k in AppArgs.model_fields if k != "models"}
+    return AppArgs.model_validate({**top, "models": [m.model_dump() for m in models]})
+
+
+def app_args_from_config(path: str, app_name: str = APP_NAME) -> dict[str, Any]:
+    """The ``args`` of an application in a Serve config file (or a plain YAML dict of args)."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if "applications" in data:
+        apps = data["applications"]
+        for a in apps:
+            if a.get("name") == app_name:
+                return dict(a.get("args") or {})
+        if len(apps) == 1:
+            return dict(apps[0].get("args") or {})
+        raise ValueError(f"no application named {app_name!r} in {path}")
+    return dict(data)
