@@ -292,9 +292,10 @@ class OpenAIIngress:
                 return None
             except asyncio.TimeoutError:
                 return "not responding"
-            except Exception as e:
-                cause = getattr(e, "cause", e)
-                return str(cause) if type(cause).__name__ == "EngineDeadError" else "not available"
+            except Exception as e:  # the details (Ray's actor ids, addresses) go to the log only
+                logger.warning("health probe of model %s failed", name, exc_info=e)
+                dead = type(getattr(e, "cause", e)).__name__ == "EngineDeadError"
+                return "engine stopped, being replaced" if dead else "not available"
 
         problems = dict(zip(self.models, await asyncio.gather(*(probe(n) for n in self.models))))
         bad = {n: p for n, p in problems.items() if p is not None}

@@ -40,7 +40,8 @@ def default_torch_threads(tensor_parallel_size: int = 1) -> int:
 
 
 class StepStats:
-    """Per-step measurements, taken around ``executor.execute_model`` (a thin wrapper).
+    """Rates and capacities from the engine's per-step :class:`engine.llm_engine.StepMetrics`
+    (registered as a stat logger of the engine).
 
     For every step it records its end time, the wall time of its cycle (from the end of the
     previous step when the engine ran back to back, else the model call alone), prefill and
@@ -61,14 +62,15 @@ class StepStats:
         self.decode_capacity = 0.0
         self.prefill_capacity = 0.0
         self.created = time.monotonic()
-        self.scheduler = None  # set once the engine exists (to see its waiting queue)
 
-    def record(self, t0: float, t1: float, n_prefill: int, n_decode: int, n_sampled: int, batch: int) -> None:
+    def record(self, m) -> None:
+        """Add one step (a ``StepMetrics``; called in the engine's step thread)."""
+        t0, t1, n_prefill, n_decode, n_sampled = m.start, m.end, m.num_prefill_tokens, m.num_decode_tokens, m.num_sampled
+        batch, waiting = m.num_running, m.num_waiting
         exec_s = t1 - t0
         back_to_back = self.last_end and (t0 - self.last_end) < max(0.005, 0.25 * exec_s)
         cycle = (t1 - self.last_end) if back_to_back else exec_s
         self.last_end = t1
-        waiting = len(self.scheduler.waiting) if self.scheduler is not None else 0
         full_decode = n_decode > 0 and n_prefill == 0 and (batch >= max(2, self.max_num_seqs // 2) or waiting > 0)
         full_prefill = n_prefill > 0 and (n_prefill >= self.max_num_batched_tokens // 2 or waiting > 0)
         with self.lock:
@@ -95,42 +97,6 @@ class StepStats:
         return {"generation_tokens_per_s": gen, "prefill_tokens_per_s": pre,
                 "decode_capacity_tokens_per_s": self.decode_capacity,
                 "prefill_capacity_tokens_per_s": self.prefill_capacity}
-
-
-class _MeasuredExecutor:
-    """Wraps an engine executor; records :class:`StepStats` around each ``execute_model``."""
-
-    def __init__(self, inner, stats: StepStats):
-        self.inner, self.stats = inner, stats
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def determine_num_blocks(self) -> int:
-        return self.inner.determine_num_blocks()
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.inner.init_kv_cache(num_blocks)
-
-    def execute_model(self, sched):
-        if sched.is_empty:
-            return self.inner.execute_model(sched)
-        t0 = time.monotonic()
-        out = self.inner.execute_model(sched)
-        t1 = time.monotonic()
-        n_prefill = n_decode = n_sampled = 0
-        for sr in sched.requests:
-            n = len(sr.token_ids)
-            if n == 1 and sr.new is None:
-                n_decode += 1
-            else:
-                n_prefill += n
-            n_sampled += bool(sr.sample)
-        self.stats.record(t0, t1, n_prefill, n_decode, n_sampled, len(sched.requests))
-        return out
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
 
 def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -181,15 +147,12 @@ class LLMServer:
         else:
             inner_factory = UniProcExecutor
 
-        def factory(cfg, path):
-            return _MeasuredExecutor(inner_factory(cfg, path), self.stats)
-
         t0 = time.time()
-        self.engine = AsyncLLMEngine.from_config(config, executor_factory=factory)
-        self.stats.scheduler = self.engine.engine.scheduler
+        self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
+        self.engine.add_stat_logger(self.stats.record)
         self.model_name = served_model_name or config.model or DEFAULT_MODEL
         self._recent: OrderedDict[str, dict[str, float | None]] = OrderedDict()  # finished requests' timings
-        self.max_model_len = self.engine.engine.max_model_len
+        self.max_model_len = self.engine.max_model_len
         logger.info("LLMServer %s ready in %.1fs (tp=%d, max_model_len=%d)", self.model_name,
                     time.time() - t0, tp, self.max_model_len)
 
@@ -329,11 +292,10 @@ class LLMServer:
         return {r: self._recent[r] for r in request_ids if r in self._recent}
 
     def model_info(self) -> dict[str, Any]:
-        info = {"id": self.model_name, "root": self.engine.engine.model_path, "max_model_len": self.max_model_len,
-                "tensor_parallel_size": self.engine.engine.config.tensor_parallel_size}
-        executor = getattr(self.engine.engine.executor, "inner", None)
-        if hasattr(executor, "placement_group_info"):
-            info["workers"] = executor.placement_group_info()
+        info = {"id": self.model_name, "root": self.engine.model_path, "max_model_len": self.max_model_len,
+                "tensor_parallel_size": self.engine.config.tensor_parallel_size}
+        if hasattr(self.engine.executor, "placement_group_info"):
+            info["workers"] = self.engine.executor.placement_group_info()
         return info
 
     def get_stats(self) -> dict[str, float]:
@@ -370,16 +332,7 @@ class LLMServer:
             EngineDeadError: the step loop died or a worker is gone (this replica is then
                 unhealthy for Serve too, which replaces it).
         """
-        self.engine.check_health()
-        check = getattr(self.engine.engine.executor, "check_health_async", None)
-        if check is not None:
-            from engine.async_engine import EngineDeadError
-
-            try:
-                await check(timeout_s)
-            except Exception as e:
-                self.engine.mark_dead(e)
-                raise EngineDeadError(f"a tensor-parallel worker is not answering: {type(e).__name__}") from e
+        await self.engine.check_health_async(timeout_s)
         return {"status": "ok"}
 
     async def check_health(self) -> None:

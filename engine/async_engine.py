@@ -82,6 +82,47 @@ class AsyncLLMEngine:
         if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
             raise EngineDeadError(f"the engine step loop died: {t.exception()!r}") from t.exception()
 
+    async def check_health_async(self, timeout_s: float = 30.0) -> None:
+        """:meth:`check_health`, then the executor's own probe (``check_health_async`` of a
+        distributed executor: every worker answers within ``timeout_s`` seconds). A failed
+        probe kills the engine (:meth:`mark_dead`).
+
+        Raises:
+            EngineDeadError: the engine is dead, or a worker did not answer.
+        """
+        self.check_health()
+        probe = getattr(self.engine.executor, "check_health_async", None)
+        if probe is None:
+            return
+        try:
+            await probe(timeout_s)
+        except Exception as e:
+            self.mark_dead(e, "a worker is not answering")
+            raise self._dead_error() from e
+
+    # ---- what the serving layer reads (never the engine's internals) ------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output, tokens."""
+        return self.engine.max_model_len
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def executor(self):
+        """The engine's executor (e.g. a ``RayWorkerGroup`` for its placement info)."""
+        return self.engine.executor
+
+    def add_stat_logger(self, log: Callable) -> None:
+        """Call ``log(StepMetrics)`` after every step that runs the model (in the step thread)."""
+        self.engine.stat_loggers.append(log)
+
     def mark_dead(self, cause: BaseException, reason: str = "the engine is dead") -> None:
         """Declare the engine dead because of ``cause`` (e.g. a worker that did not answer a
         health probe): fails every request with :class:`EngineDeadError` (message

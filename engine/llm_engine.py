@@ -5,6 +5,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from dataclasses import dataclass
 from collections.abc import Callable
 
 from engine.config import EngineConfig
@@ -34,6 +35,30 @@ def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bo
     except Exception as e:  # jinja errors on bad roles / content
         raise ValueError(f"could not apply the chat template: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class StepMetrics:
+    """What one engine step did, for stat loggers (as vLLM's ``SchedulerStats``): the serving
+    layer's token rates and capacities, the autoscaler's inputs and the mixed-step budget all
+    read these instead of wrapping the executor.
+
+    Attributes:
+        start, end: ``time.monotonic()`` seconds around the model call.
+        num_prefill_tokens: prompt (or recomputed) tokens computed.
+        num_decode_tokens: decode tokens computed (one per decoding request).
+        num_sampled: tokens sampled.
+        num_running: requests in the step's batch.
+        num_waiting: requests still waiting after the step was scheduled.
+    """
+
+    start: float
+    end: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_sampled: int
+    num_running: int
+    num_waiting: int
 
 
 class StepFailedError(RuntimeError):
@@ -173,6 +198,8 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.max_running = 0
+        #: Callables given the :class:`StepMetrics` of every step that ran the model.
+        self.stat_loggers: list[Callable[[StepMetrics], None]] = []
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         logger.info("engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d", self.model_path,
@@ -288,16 +315,20 @@ class LLMEngine:
             return []
         self.num_steps += 1
         self.max_running = max(self.max_running, len(sched.requests))
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         try:
             result, failed = self.executor.execute_model(sched), {}
         except Exception as e:
             result, failed = self._isolate(sched, e)
         else:
+            num_decodes = sum(len(sr.token_ids) == 1 and sr.new is None for sr in sched.requests)
+            m = StepMetrics(t0, time.monotonic(), sched.num_batched_tokens - num_decodes, num_decodes,
+                            sum(sr.sample for sr in sched.requests), len(sched.requests),
+                            len(self.scheduler.waiting))
             if self.mixed_budget is not None:
-                num_decodes = sum(len(sr.token_ids) == 1 and sr.new is None for sr in sched.requests)
-                self.mixed_budget.record(time.perf_counter() - t0, sched.num_batched_tokens - num_decodes,
-                                         num_decodes)
+                self.mixed_budget.record(m.end - m.start, m.num_prefill_tokens, m.num_decode_tokens)
+            for log in self.stat_loggers:
+                log(m)
         outputs = []
         for rid, err in failed.items():
             req = self.scheduler.requests[rid]

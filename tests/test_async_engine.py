@@ -242,3 +242,19 @@ def test_failed_step_fails_its_requests_and_engine_recovers(tiny_llama_path, ref
 
     outs = run(body, tiny_llama_path)
     assert outs[-1].outputs[0].token_ids == plain[3].token_ids
+
+
+def test_stat_loggers_see_every_model_step(tiny_llama_path):
+    """The engine reports each step's token counts to its stat loggers (the serving layer's
+    rates, capacities and the autoscaler read these, not a wrapped executor)."""
+    eng = make_engine(tiny_llama_path, max_num_batched_tokens=32, mixed_step_prefill_tokens=0)
+    seen = []
+    eng.stat_loggers.append(seen.append)
+    eng.add_request("a", list(range(1000, 1040)), SamplingParams(max_tokens=3, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.shutdown()
+    # 40 prompt tokens in chunks of 32 + 8 (the second samples), then 2 decode steps
+    assert [(m.num_prefill_tokens, m.num_decode_tokens, m.num_sampled) for m in seen] == [
+        (32, 0, 0), (8, 0, 1), (0, 1, 1), (0, 1, 1)]
+    assert all(m.end >= m.start and m.num_running == 1 and m.num_waiting == 0 for m in seen)

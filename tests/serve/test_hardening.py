@@ -197,6 +197,7 @@ def test_killed_tp_worker_makes_replica_unhealthy_at_once(serve_app, tiny_llama_
             assert time.time() - t0 < 5, "health still 200 five seconds after a worker died"
             time.sleep(0.2)
         assert r.json()["error"]["code"] == "unhealthy"
+        assert "Actor" not in r.text and str(rank1["pid"]) not in r.text and "Traceback" not in r.text
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         if r.status_code != 200:  # the replica may already be replaced; if not, a clean 503
             assert r.status_code == 503, r.text
