@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, StepFailedError, chat_template_ids
+from engine.llm_engine import LLMEngine, StepFailedError, chat_template_ids, parse_prompt
 from engine.model_loader import load_tokenizer
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -145,9 +145,16 @@ class AsyncLLMEngine:
         if self._wakeup is not None:
             self._wakeup.set()  # a loop waiting for work wakes up and exits
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of ``prompt`` (blocking; :meth:`generate` runs it off the event loop)."""
-        return self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
+        """Token ids of ``prompt`` in any of ``parse_prompt``'s forms (a string, token ids,
+        ``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``); blocking: :meth:`generate`
+        runs it off the event loop.
+
+        Raises:
+            ValueError: a malformed prompt.
+        """
+        text, ids = parse_prompt(prompt)
+        return self.tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
 
     async def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation under the chat template (see ``chat_template_ids``),
@@ -159,7 +166,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tok_pool, chat_template_ids, self.tokenizer, messages)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield a :class:`RequestOutput` after every step that gives this request a token;
         the last one has ``finished=True``. Closing or cancelling the iterator aborts the
@@ -241,7 +248,7 @@ class AsyncLLMEngine:
                       priority: int) -> Request:
         """Tokenize and validate (runs in the tokenizer thread; touches no scheduler state)."""
         req = self.engine.make_request(request_id, self.tokenize(prompt), params, priority)
-        req.prompt = prompt if isinstance(prompt, str) else None
+        req.prompt = parse_prompt(prompt)[0]
         return req
 
     def _dead_error(self) -> EngineDeadError:

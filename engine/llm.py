@@ -37,7 +37,8 @@ class LLM:
         """Run all prompts to completion; outputs come back in prompt order.
 
         Args:
-            prompts: a string, a token id list, or a list of either.
+            prompts: a prompt or a list of prompts; a prompt is a string, a token id list,
+                ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (vLLM's forms).
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar over finished requests.
             priority: per-prompt priority (lower first) for ``scheduling_policy="priority"``.
@@ -51,7 +52,7 @@ class LLM:
             StepFailedError: a model step failed for all its requests (see ``LLMEngine.step``).
             Nothing of the call is left in the engine when it raises.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -37,6 +37,32 @@ def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bo
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def parse_prompt(prompt: str | list[int] | dict) -> tuple[str | None, list[int] | None]:
+    """vLLM's prompt forms: a string, a list of token ids, ``{"prompt": str}`` (TextPrompt) or
+    ``{"prompt_token_ids": [...]}`` (TokensPrompt). Returns ``(text, token_ids)``, exactly one
+    of them not None.
+
+    Raises:
+        ValueError: a dict with neither key, both, or any other key; a value of the wrong type.
+    """
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or len(prompt) != 1:
+            raise ValueError("a dict prompt takes exactly one of 'prompt' (text) or 'prompt_token_ids'"
+                             + (f"; unknown key(s): {sorted(unknown)}" if unknown else ""))
+        (key, value), = prompt.items()
+        if key == "prompt" and not isinstance(value, str):
+            raise ValueError(f"prompt must be a string, got {type(value).__name__}")
+        if key == "prompt_token_ids" and not isinstance(value, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of integers, got {type(value).__name__}")
+        prompt = value
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
 @dataclass
 class StepMetrics:
     """What one engine step did, for stat loggers (as vLLM's ``SchedulerStats``): the serving
@@ -206,10 +232,14 @@ class LLMEngine:
                     num_blocks, capacity, self.max_model_len)
 
     # ---- requests -----------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
+    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
+        """Token ids of a prompt in any of :func:`parse_prompt`'s forms.
+
+        Raises:
+            ValueError: see :func:`parse_prompt`.
+        """
+        text, ids = parse_prompt(prompt)
+        return self.tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` under the tokenizer's chat template (see :func:`chat_template_ids`)."""
@@ -252,7 +282,7 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(ids)} tokens; this model's context is {self.max_model_len} "
                              f"tokens (max_model_len), which must also leave room for at least one output token")
         return Request(request_id, ids, params, self.eos_token_ids,
-                       prompt=prompt if isinstance(prompt, str) else None, priority=priority,
+                       prompt=parse_prompt(prompt)[0], priority=priority,
                        arrival_time=arrival_time, max_model_len=self.max_model_len)
 
     def enqueue(self, req: Request) -> None:

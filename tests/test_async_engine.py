@@ -258,3 +258,36 @@ def test_stat_loggers_see_every_model_step(tiny_llama_path):
     assert [(m.num_prefill_tokens, m.num_decode_tokens, m.num_sampled) for m in seen] == [
         (32, 0, 0), (8, 0, 1), (0, 1, 1), (0, 1, 1)]
     assert all(m.end >= m.start and m.num_running == 1 and m.num_waiting == 0 for m in seen)
+
+
+def test_vllm_prompt_forms(tiny_llama_path):
+    """`{"prompt": ...}` and `{"prompt_token_ids": [...]}` (vLLM's TextPrompt / TokensPrompt)
+    give the same tokens as a plain string / id list, in LLM.generate and the async engine."""
+    from engine import LLM
+
+    llm = LLM(model=str(tiny_llama_path), num_kv_blocks=32)
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ids = llm.engine.tokenize("The capital of France is")
+    try:
+        plain = llm.generate(["The capital of France is", ids], greedy, use_tqdm=False)
+        forms = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}], greedy,
+                             use_tqdm=False)
+        single = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in forms] == [o.outputs[0].token_ids for o in plain]
+        assert single[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+        assert forms[0].prompt == "The capital of France is" and forms[1].prompt is None
+        for bad in ({"prompt": "a", "prompt_token_ids": [1]}, {"text": "a"}, {"prompt": 5}, {}):
+            with pytest.raises(ValueError, match="prompt"):
+                llm.generate(bad, greedy, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+
+    async def run():
+        eng = AsyncLLMEngine(make_engine(tiny_llama_path))
+        try:
+            outs = [o async for o in eng.generate({"prompt_token_ids": ids}, greedy)]
+            return outs[-1].outputs[0].token_ids
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(run()) == plain[1].outputs[0].token_ids
