@@ -172,7 +172,7 @@ def _paged_problem(batch: int, q_len: int, ctx: int, shape: dict, block_size: in
     """Random paged cache holding ``batch`` requests of ``ctx`` tokens in scattered blocks, and
     ``q_len`` queries per request (the last ``q_len`` positions), plus contiguous copies."""
     import torch
-    from kernels.attention import AttentionMetadata
+    from kernels.backend import AttentionMetadata
     g = torch.Generator(device=device).manual_seed(seed)
     H, Hkv, D = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
     nblk = -(-ctx // block_size)

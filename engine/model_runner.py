@@ -14,7 +14,8 @@ from engine.model_loader import iter_safetensors, load_config
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from kernels.attention import AttentionMetadata, PagedAttention, select_backend
+from kernels.backend import AttentionMetadata
+from kernels.selector import select_attention_backend
 
 
 def load_eos_token_ids(model_path: str | Path, hf_config=None) -> set[int]:
@@ -66,7 +67,10 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.hf_config = load_config(model_path)
         self.block_size = config.block_size
-        self.backend = PagedAttention(select_backend(self.device, config.attention_backend))
+        head_dim = getattr(self.hf_config, "head_dim", None) or \
+            self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        self.backend = select_attention_backend(self.device, self.dtype, self.block_size, head_dim,
+                                                config.attention_backend)()
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -143,8 +147,14 @@ class ModelRunner:
                            torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in self.model.layers]
         self._attach(self.kv_caches)
         self.num_blocks = num_blocks
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.backend == "triton":
+        if self.use_cuda_graphs:
             self.capture_cudagraphs()
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs: on CUDA, unless ``enforce_eager``, with an
+        attention backend whose kernels can be captured (``supports_cuda_graphs``)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_cuda_graphs
 
     # ---- CUDA graphs for decode -----------------------------------------------
     def graph_batch_sizes(self) -> list[int]:

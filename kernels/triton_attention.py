@@ -1,6 +1,6 @@
 """Triton kernels for attention over the paged KV cache (our own, FlashAttention-2 style).
 
-Everything here follows the conventions of :mod:`kernels.attention`:
+Everything here follows the conventions of :mod:`kernels.backend`:
 
 * Cache, per layer: ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``
   (fp32, fp16 or bf16; each slot's ``[num_kv_heads, head_dim]`` row contiguous). Token ``t`` of a
@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import AttentionMetadata
+from kernels.backend import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 
@@ -543,7 +543,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, out: torch.Tensor | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
-    """Backend entry point (same contract as :func:`kernels.attention.paged_attention_torch`).
+    """Backend entry point (same contract as :meth:`kernels.backend.AttentionBackend.forward`).
 
     Decode-only batches (every query length 1, one row per request) go to
     :func:`paged_decode_attention` (split-K when the grid would be small); anything else

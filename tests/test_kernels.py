@@ -6,7 +6,8 @@
   The module fixture runs all cases in one child process (to pay the torch/triton import once)
   and, if the child dies, records the case it was in as crashed and starts a fresh child for
   the rest.
-* The torch reference path (``paged_attention_torch``) runs in-process on the same problems.
+* The torch backend's path (``kernels/torch_backend.py``, ``paged_attention_torch``) runs
+  in-process on the same problems.
 * ``@pytest.mark.gpu`` tests compile the kernels for real on CUDA (fp16 and bf16) and are
   skipped without CUDA.
 
@@ -145,7 +146,7 @@ TORCH_CASES["torch_decode_long_outlier"] = dict(
 
 def test_decode_buckets_split_at_long_rows():
     """A decode row more than twice as long as its bucket's first row opens a new bucket."""
-    from kernels.attention import _decode_plan
+    from kernels.torch_backend import _decode_plan
 
     p = make_problem(TORCH_CASES["torch_decode_long_outlier"])
     plan = _decode_plan(_meta(p), p["k_cache"])
@@ -220,7 +221,7 @@ def ref_attention(p: dict) -> torch.Tensor:
 
 
 def _meta(p: dict):
-    from kernels.attention import AttentionMetadata
+    from kernels.backend import AttentionMetadata
     return AttentionMetadata(
         cu_seqlens_q=p["cu_seqlens_q"], seq_lens=p["seq_lens"], block_tables=p["block_tables"],
         slot_mapping=torch.empty(0, dtype=torch.int64), query_lens_cpu=p["qlens"],
@@ -412,7 +413,7 @@ def test_triton_interpreter(name, interpreter_results):
 
 @pytest.mark.parametrize("name", list(TORCH_CASES))
 def test_torch_reference_path(name):
-    from kernels.attention import paged_attention_torch
+    from kernels.torch_backend import paged_attention_torch
     spec = TORCH_CASES[name]
     p = make_problem(spec)
     out = paged_attention_torch(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"])
@@ -427,7 +428,8 @@ def test_torch_reference_path(name):
 
 
 def test_flash_attn_backend_calls(monkeypatch):
-    """flash-attn cannot be installed here: a fake module checks what the backend passes."""
+    """flash-attn cannot be installed here: a fake module checks what the backend passes
+    (decode-only batch -> ``flash_attn_with_kvcache``, anything else -> paged varlen)."""
     import types
     from kernels import flash_attn_backend as fab
     calls = []
@@ -449,28 +451,33 @@ def test_flash_attn_backend_calls(monkeypatch):
                                       scale=softmax_scale, causal=causal)))
         return torch.zeros_like(q)
 
+    def store_kv(*args):
+        calls.append(("store", args))
+
     fake = types.SimpleNamespace(flash_attn_varlen_func=varlen,
                                  flash_attn_with_kvcache=with_kvcache)
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    # the Triton scatter, faked: importing the kernel module here would compile-mode it
+    monkeypatch.setitem(sys.modules, "kernels.triton_attention", types.SimpleNamespace(store_kv=store_kv))
     monkeypatch.setattr(fab, "_funcs", None)
+    assert fab.FlashAttnBackend.import_error() is None
+    backend = fab.FlashAttnBackend()
     spec = dict(H=4, Hkv=2, D=64, bs=256, dtype="float16", seed=5)
     p = make_problem(dict(spec, qlens=[3, 1, 40], seqlens=[300, 20, 40]))
-    out = fab.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
+    out = backend.forward(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
     name, kw = calls[-1]
     assert name == "varlen" and kw["causal"] and kw["scale"] == 0.125 and out.shape == p["q"].shape
     assert kw["cu_seqlens_k"].tolist() == [0, 300, 320, 360]
     assert kw["cu_seqlens_k"].dtype == torch.int32 and kw["block_table"] is p["block_tables"]
     assert kw["k"] is p["k_cache"] and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (40, 300)
     p = make_problem(dict(spec, qlens=[1, 1], seqlens=[300, 7]))
-    out = fab.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
+    out = backend.forward(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
     name, kw = calls[-1]
     assert name == "kvcache" and kw["q"].shape == (2, 1, 4, 64) and out.shape == (2, 4, 64)
     assert kw["cache_seqlens"] is p["seq_lens"] and kw["block_table"] is p["block_tables"]
-    # Block size 16 (kvserve's default) is not pageable by flash-attn 2.x: Triton fallback.
-    monkeypatch.setattr(fab, "_fallback", lambda reason: (lambda *a: ("fallback", reason)))
-    p = make_problem(dict(spec, bs=16, qlens=[1], seqlens=[30]))
-    res = fab.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
-    assert res[0] == "fallback" and "256" in res[1]
+    slots = torch.tensor([3, -1])
+    backend.store_kv(p["q"], p["q"], p["k_cache"], p["v_cache"], slots)
+    assert calls[-1][0] == "store" and calls[-1][1][4] is slots
 
 
 # GPU: real compile (no interpreter), fp16 + bf16.

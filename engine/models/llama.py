@@ -3,7 +3,7 @@
 Pre-norm transformer (Touvron et al. 2023) with grouped-query attention (Ainslie et al.
 2023), SwiGLU MLP (Shazeer 2020) and RoPE. Tokens of all requests in a step are flattened
 into one ``[num_tokens, hidden]`` batch; attention reads and writes the paged KV cache
-through ``kernels.attention``. Tensor parallelism splits attention by KV-head groups (as
+through ``kernels.backend``. Tensor parallelism splits attention by KV-head groups (as
 evenly as possible, so e.g. 3 KV heads over 2 ranks is 2 + 1) and the MLP by columns.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
-from kernels.attention import AttentionMetadata, PagedAttention
+from kernels.backend import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -25,7 +25,7 @@ class Attention(nn.Module):
     """Self-attention of one layer; ``k_cache``/``v_cache`` ``[num_blocks, block_size,
     kv_heads_on_this_rank, head_dim]`` are attached by the model runner."""
 
-    def __init__(self, cfg, backend: PagedAttention):
+    def __init__(self, cfg, backend: AttentionBackend):
         super().__init__()
         total_heads, total_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         if total_kv < tp_size():
@@ -86,7 +86,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend: PagedAttention):
+    def __init__(self, cfg, backend: AttentionBackend):
         super().__init__()
         self.self_attn = Attention(cfg, backend)
         self.mlp = MLP(cfg)
@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         ValueError: unsupported architecture or activation.
     """
 
-    def __init__(self, cfg, backend: PagedAttention):
+    def __init__(self, cfg, backend: AttentionBackend):
         super().__init__()
         arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:

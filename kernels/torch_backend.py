@@ -1,60 +1,15 @@
-"""Attention over the paged KV cache: one interface, several backends.
+"""The torch attention backend: the CPU path (also runs on CUDA, without CUDA graphs).
 
-Cache layout (every backend): one key and one value tensor per layer, each
-``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a request
-lives in slot ``block_table[t // block_size] * block_size + t % block_size``.
-
-Query tokens of all requests in a step are flattened into one ``[num_tokens,
-num_heads, head_dim]`` tensor; request ``i`` owns rows ``cu_seqlens_q[i] :
-cu_seqlens_q[i + 1]``, which are the *last* ``query_len`` positions of its
-``seq_len`` tokens (earlier tokens are read from the cache: prefix-cache hits,
-earlier chunks of a chunked prefill, or the decode context).
-
-Backends: ``flash_attn`` (CUDA, if installed), ``triton`` (our kernels, CUDA or
-``TRITON_INTERPRET=1``), ``torch`` (CPU reference path). ``KVSERVE_ATTENTION_BACKEND``
-forces one.
+Pure PyTorch over the paged cache of :mod:`kernels.backend`: K/V are gathered through the block
+tables and fed to ``scaled_dot_product_attention``, whose fused CPU kernel is FlashAttention-style
+(tiled online softmax, Dao 2023). Any device, any float dtype, any block size.
 """
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("torch", "triton", "flash_attn")
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step batch description shared by all layers.
-
-    Attributes:
-        cu_seqlens_q: int32 ``[num_reqs + 1]``, prefix sums of query lengths.
-        seq_lens: int32 ``[num_reqs]``, tokens in the cache per request after this step
-            (context + new tokens).
-        block_tables: int32 ``[num_reqs, max_blocks_per_seq]``; unused entries are 0.
-        slot_mapping: int64 ``[num_tokens]``, cache slot of each new token (-1 = skip).
-        query_lens_cpu / seq_lens_cpu: the same lengths as Python lists (no device sync).
-        max_seqlen_q / max_seqlen_k: maxima of the above (tokens).
-    """
-
-    cu_seqlens_q: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_seqlen_q == 1
+from kernels.backend import AttentionBackend, AttentionMetadata
 
 
 def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -168,66 +123,15 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available()
+class TorchBackend(AttentionBackend):
+    """:func:`store_kv_torch` + :func:`paged_attention_torch`. Per-step host-side planning
+    (decode buckets from ``seq_lens_cpu``) rules out CUDA graphs."""
 
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def select_backend(device: torch.device | str, requested: str | None = None) -> str:
-    """Pick the attention backend for ``device``.
-
-    Order: ``requested`` argument, then ``KVSERVE_ATTENTION_BACKEND``, then
-    flash-attn (CUDA, importable) -> triton (CUDA) -> torch.
-
-    Raises:
-        ValueError: unknown backend name, or a backend that cannot run here.
-    """
-    name = requested or os.environ.get("KVSERVE_ATTENTION_BACKEND") or None
-    device = torch.device(device)
-    if name is None:
-        if device.type == "cuda":
-            return "flash_attn" if flash_attn_available() else "triton"
-        return "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "flash_attn" and not flash_attn_available():
-        raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package")
-    if name == "triton" and not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
-    return name
-
-
-class PagedAttention:
-    """Backend dispatch used by the model: ``store_kv`` then ``forward``.
-
-    Args:
-        backend: one of ``BACKENDS`` (see :func:`select_backend`).
-    """
-
-    def __init__(self, backend: str = "torch"):
-        self.backend = backend
-        if backend == "triton":
-            from kernels import triton_attention as impl
-            self._store, self._attend = impl.store_kv, impl.paged_attention
-        elif backend == "flash_attn":
-            from kernels import flash_attn_backend as impl
-            self._store, self._attend = impl.store_kv, impl.paged_attention
-        else:
-            self._store, self._attend = store_kv_torch, paged_attention_torch
+    name = "torch"
+    devices = ("cpu", "cuda")
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._store(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._attend(q, k_cache, v_cache, meta, scale)
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale)

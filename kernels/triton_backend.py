@@ -1,0 +1,66 @@
+"""The Triton attention backend: our FlashAttention-2 style kernels (:mod:`kernels.triton_attention`).
+
+Runs on CUDA (fp32, fp16, bf16; any block size, any head_dim) and is safe to capture in CUDA
+graphs: the decode kernel derives each request's split-K bounds from ``seq_lens`` on the device,
+``store_kv`` skips slot -1 and a seq_len-0 row yields zeros. On CPU it runs only when requested
+by name under ``TRITON_INTERPRET=1`` (the interpreter, for tests: it is never chosen
+automatically). The kernel module is imported when the backend is built, not when this module
+is, so reading the capabilities imports no Triton.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.backend import AttentionBackend, AttentionMetadata
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_import_error() -> str | None:
+    """Why the ``triton`` package cannot be imported here (None: it can). Importing the package
+    compiles nothing; only our kernel module's ``@triton.jit`` fixes interpreter-or-not."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means "not usable"
+        return f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    return None
+
+
+class TritonBackend(AttentionBackend):
+    """``store_kv`` and ``forward`` of :mod:`kernels.triton_attention` (decode-only batches go to
+    the split-K decode kernel, anything else to the varlen prefill kernel)."""
+
+    name = "triton"
+    devices = ("cuda",)
+    supports_cuda_graphs = True
+
+    @classmethod
+    def import_error(cls) -> str | None:
+        return triton_import_error()
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, block_size: int,
+                           head_dim: int, *, requested: bool = False) -> str | None:
+        """As :meth:`AttentionBackend.unsupported_reason`; a CPU device is accepted when the
+        backend is requested by name and ``TRITON_INTERPRET=1``."""
+        if device.type == "cpu" and requested and interpreting():
+            device = torch.device("cuda")  # the interpreter stands in for the GPU
+        reason = super().unsupported_reason(device, dtype, block_size, head_dim, requested=requested)
+        if reason and device.type == "cpu":
+            reason += " (or TRITON_INTERPRET=1 with attention_backend='triton')"
+        return reason
+
+    def __init__(self):
+        from kernels import triton_attention
+        self._store, self._attend = triton_attention.store_kv, triton_attention.paged_attention
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._store(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._attend(q, k_cache, v_cache, meta, scale)
