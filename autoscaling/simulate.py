@@ -28,8 +28,9 @@ Model (discrete time, ``--dt`` seconds per tick, default 0.5):
   ``min(0.2 * look_back_period_s, metrics_interval_s)`` and push them every
   ``metrics_interval_s``; the controller sees the window mean over
   ``look_back_period_s`` (``aggregated_metrics``) and the pushed samples
-  (``raw_metrics``). The policy runs every tick and its answer goes through a copy of
-  Serve's wrapper (scaling factors, ``upscale_delay_s``/``downscale_delay_s``, bounds).
+  (``raw_metrics``). The policy runs every tick and its answer goes through Serve's own
+  wrapper functions (scaling factors, ``upscale_delay_s``/``downscale_delay_s``; imported
+  from Ray 2.60, see :func:`serve_wrap`), then the bounds.
 """
 
 from __future__ import annotations
@@ -37,17 +38,22 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import logging
 import math
 import os
 import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
+from ray.serve.autoscaling_policy import _apply_delay_logic, _apply_scaling_factors
 
-from autoscaling import policy as kvp
+from autoscaling import signals as sig
+from autoscaling.decision import logger as decision_logger
+from autoscaling.policy import KVServeAutoscalingPolicy
+from autoscaling.settings import KVServeAutoscalingConfig
 
 # --------------------------------------------------------------------------------------
 # Replica profiles
@@ -87,35 +93,17 @@ class ReplicaProfile:
 
 
 CPU_PROFILE = ReplicaProfile(
-    name="cpu-smollm2-135m",
-    decode_tokens_per_s=250.0,
-    prefill_tokens_per_s=800.0,
-    max_num_seqs=64,
-    startup_s=30.0,
-    min_step_s=0.03,
-    max_num_batched_tokens=512,
-    max_ongoing_requests=128,
-    kv_capacity_tokens=64 * 1024,
-    graceful_shutdown_s=60.0,
-    prompt_mean=256.0,
-    output_mean=128.0,
-    ttft_slo_s=5.0,
+    name="cpu-smollm2-135m", startup_s=30.0, graceful_shutdown_s=60.0,
+    decode_tokens_per_s=250.0, prefill_tokens_per_s=800.0, min_step_s=0.03,
+    max_num_seqs=64, max_num_batched_tokens=512, max_ongoing_requests=128, kv_capacity_tokens=64 * 1024,
+    prompt_mean=256.0, output_mean=128.0, ttft_slo_s=5.0,
 )
 
 GPU_PROFILE = ReplicaProfile(
-    name="h100-like",
-    decode_tokens_per_s=12000.0,
-    prefill_tokens_per_s=60000.0,
-    max_num_seqs=256,
-    startup_s=60.0,
-    min_step_s=0.008,
-    max_num_batched_tokens=8192,
-    max_ongoing_requests=512,
-    kv_capacity_tokens=256 * 2048,
-    graceful_shutdown_s=60.0,
-    prompt_mean=1024.0,
-    output_mean=256.0,
-    ttft_slo_s=1.0,
+    name="h100-like", startup_s=60.0, graceful_shutdown_s=60.0,
+    decode_tokens_per_s=12000.0, prefill_tokens_per_s=60000.0, min_step_s=0.008,
+    max_num_seqs=256, max_num_batched_tokens=8192, max_ongoing_requests=512, kv_capacity_tokens=256 * 2048,
+    prompt_mean=1024.0, output_mean=256.0, ttft_slo_s=1.0,
 )
 
 _THROUGHPUT_KEYS = {
@@ -244,11 +232,38 @@ def make_trace(spec: TraceSpec, profile: ReplicaProfile) -> Trace:
 # --------------------------------------------------------------------------------------
 
 
+class MetricsPath:
+    """Serve 2.60's path from one metrics source (a replica, a handle) to the controller:
+    a sample is recorded every ``record_interval_s`` and the recorded ones are pushed every
+    ``metrics_interval_s``; the controller keeps the pushed ones of the last
+    ``look_back_period_s`` (``visible``: ``(time s, sample)`` pairs, oldest first)."""
+
+    __slots__ = ("samples", "visible", "next_record", "next_push")
+
+    def __init__(self, start: float):
+        self.samples: List[Tuple[float, Any]] = []  # recorded, not pushed yet
+        self.visible: deque = deque()
+        self.next_record = start
+        self.next_push = start
+
+    def advance(self, now: float, timing: "ServeTiming", sample: Callable[[], Any]) -> None:
+        """Record (``sample()`` is called only then), push and expire up to ``now`` (s)."""
+        if now >= self.next_record:
+            self.samples.append((now, sample()))
+            self.next_record = now + timing.record_interval_s
+        if now >= self.next_push:
+            self.visible.extend(self.samples)
+            self.samples = []
+            self.next_push = now + timing.metrics_interval_s
+        while self.visible and self.visible[0][0] < now - timing.look_back_period_s:
+            self.visible.popleft()
+
+
 class Replica:
     __slots__ = (
         "rid", "profile", "ready_at", "stop_at", "draining", "waiting", "wait_tokens", "head_done",
-        "running", "steps", "run_prompt_sum", "run_start_sum", "gen_ewma", "pre_ewma", "samples",
-        "visible", "next_record", "next_push", "rng", "retired",
+        "running", "steps", "run_prompt_sum", "run_start_sum", "gen_ewma", "pre_ewma", "pushed", "rng",
+        "retired",
     )
 
     def __init__(self, rid: int, profile: ReplicaProfile, ready_at: float, rng: np.random.Generator):
@@ -266,10 +281,7 @@ class Replica:
         self.run_start_sum = 0.0
         self.gen_ewma = 0.0
         self.pre_ewma = 0.0
-        self.samples: List[Tuple[float, Dict[str, float]]] = []  # recorded, not pushed yet
-        self.visible: deque = deque()  # pushed samples (t, dict), within the look-back window
-        self.next_record = 0.0
-        self.next_push = 0.0
+        self.pushed = MetricsPath(start=ready_at)  # samples of metrics() on their way to Serve
         self.rng = rng
         self.retired = False
 
@@ -344,25 +356,28 @@ class Replica:
         p = self.profile
         noise = self.rng.normal(1.0, 0.03, 2)
         return {
-            kvp.NUM_WAITING_REQUESTS: float(len(self.waiting)),
-            kvp.NUM_WAITING_PREFILL_TOKENS: float(self.wait_tokens),
-            kvp.NUM_RUNNING_REQUESTS: float(len(self.running)),
-            kvp.GENERATION_TOKENS_PER_S: self.gen_ewma,
-            kvp.PREFILL_TOKENS_PER_S: self.pre_ewma,
-            kvp.DECODE_CAPACITY_TOKENS_PER_S: p.decode_tokens_per_s * float(noise[0]),
-            kvp.PREFILL_CAPACITY_TOKENS_PER_S: p.prefill_tokens_per_s * float(noise[1]),
-            kvp.KV_CACHE_USAGE: self.kv_usage(),
+            sig.NUM_WAITING_REQUESTS: float(len(self.waiting)),
+            sig.NUM_WAITING_PREFILL_TOKENS: float(self.wait_tokens),
+            sig.NUM_RUNNING_REQUESTS: float(len(self.running)),
+            sig.GENERATION_TOKENS_PER_S: self.gen_ewma,
+            sig.PREFILL_TOKENS_PER_S: self.pre_ewma,
+            sig.DECODE_CAPACITY_TOKENS_PER_S: p.decode_tokens_per_s * float(noise[0]),
+            sig.PREFILL_CAPACITY_TOKENS_PER_S: p.prefill_tokens_per_s * float(noise[1]),
+            sig.KV_CACHE_USAGE: self.kv_usage(),
             "_ongoing": float(self.ongoing()),
         }
 
 
 # --------------------------------------------------------------------------------------
-# Serve's wrapper (mirror of ray.serve.autoscaling_policy 2.60, on simulated time)
+# Serve's wrapper around a custom policy (ray.serve.autoscaling_policy 2.60, simulated time)
 # --------------------------------------------------------------------------------------
 
 
 @dataclass
 class ServeTiming:
+    """The simulated Serve's autoscaling settings (seconds, replicas). It stands in for
+    ``ray.serve.config.AutoscalingConfig`` where Ray's wrapper functions read one."""
+
     upscale_delay_s: float
     downscale_delay_s: float
     look_back_period_s: float
@@ -387,57 +402,22 @@ class ServeTiming:
 SERVE_DEFAULT_TIMING = dict(upscale_delay_s=30.0, downscale_delay_s=600.0, look_back_period_s=30.0,
                             metrics_interval_s=10.0)
 
-_EPS = 1e-6
-
-
-def serve_scaling_factors(desired: float, current: int, cfg: ServeTiming) -> int:
-    """Mirror of ``ray.serve.autoscaling_policy._apply_scaling_factors``."""
-    if current == 0:
-        return math.ceil(desired)
-    delta = desired - current
-    factor = cfg.get_upscaling_factor() if delta > 0 else cfg.get_downscaling_factor()
-    scaled = math.ceil(current + factor * delta)
-    if math.ceil(float(desired)) < current and scaled == current:
-        scaled -= 1
-    return scaled
-
-
-def serve_delay_logic(desired: int, curr_target: int, cfg: ServeTiming, state: Dict[str, Any], now: float) -> int:
-    """Mirror of ``ray.serve.autoscaling_policy._apply_delay_logic`` (timestamps)."""
-    decision = curr_target
-    counter = state.get("counter", 0)
-    ts = state.get("ts")
-    if desired > curr_target:
-        if counter < 0:
-            counter, ts = 0, None
-        counter += 1
-        if ts is None:
-            ts = now
-        if now - ts + _EPS >= cfg.upscale_delay_s:
-            counter, ts, decision = 0, None, desired
-    elif desired < curr_target:
-        if counter > 0:
-            counter, ts = 0, None
-        counter -= 1
-        if curr_target == 1:
-            delay = cfg.downscale_to_zero_delay_s if cfg.downscale_to_zero_delay_s is not None else cfg.downscale_delay_s
-        else:
-            delay = cfg.downscale_delay_s
-            desired = max(1, desired)
-        if ts is None:
-            ts = now
-        if now - ts + _EPS >= delay:
-            counter, ts, decision = 0, None, desired
-    else:
-        counter, ts = 0, None
-    state["counter"], state["ts"] = counter, ts
-    return decision
-
 
 def serve_wrap(desired: float, current: int, target: int, cfg: ServeTiming, state: Dict[str, Any], now: float) -> int:
-    d = serve_scaling_factors(desired, current, cfg)
-    if not (current == 0 and d > 0):
-        d = serve_delay_logic(max(0, d), target, cfg, state, now)
+    """What Serve 2.60 makes of a policy's ``desired`` replicas, on simulated time ``now`` (s).
+
+    Ray's own ``_apply_scaling_factors`` and ``_apply_delay_logic`` (imported, pinned by
+    ``tests/test_autoscaling_policy.py::test_ray_serve_wrapper_is_pinned``), composed as
+    ``ray.serve.autoscaling_policy._apply_default_params`` composes them, then the
+    ``min_replicas``/``max_replicas`` clamp. ``_apply_default_params`` itself cannot be
+    called: it reads the wall clock (``time.time()``) for the delays, where the simulator
+    needs its own clock (``_apply_delay_logic(..., _now=)``). ``cfg`` stands in for Serve's
+    ``AutoscalingConfig`` (the factor getters and delay fields are all these read);
+    ``state`` holds Serve's delay counter and timestamp between calls.
+    """
+    d = _apply_scaling_factors(desired, current, cfg)
+    if not (current == 0 and d > 0):  # from zero replicas Serve skips the delays
+        d, _ = _apply_delay_logic(max(0, d), target, cfg, state, _now=now)
     return max(cfg.min_replicas, min(cfg.max_replicas, d))
 
 
@@ -468,22 +448,22 @@ class SimCtx:
 
     @property
     def raw_metrics(self) -> Dict[str, Dict[int, list]]:
-        out: Dict[str, Dict[int, list]] = {name: {} for name in kvp.METRIC_NAMES}
+        out: Dict[str, Dict[int, list]] = {name: {} for name in sig.METRIC_NAMES}
         for r in self._ready:
-            if r.visible:
-                t, m = r.visible[-1]
-                for name in kvp.METRIC_NAMES:
+            if r.pushed.visible:
+                t, m = r.pushed.visible[-1]
+                for name in sig.METRIC_NAMES:
                     out[name][r.rid] = [(t, m[name])]
         return out
 
     @property
     def aggregated_metrics(self) -> Dict[str, Dict[int, float]]:
-        out: Dict[str, Dict[int, float]] = {name: {} for name in kvp.METRIC_NAMES}
+        out: Dict[str, Dict[int, float]] = {name: {} for name in sig.METRIC_NAMES}
         for r in self._ready:
-            if r.visible:
-                n = len(r.visible)
-                for name in kvp.METRIC_NAMES:
-                    out[name][r.rid] = sum(m[name] for _, m in r.visible) / n
+            if r.pushed.visible:
+                n = len(r.pushed.visible)
+                for name in sig.METRIC_NAMES:
+                    out[name][r.rid] = sum(m[name] for _, m in r.pushed.visible) / n
         return out
 
     @property
@@ -494,16 +474,20 @@ class SimCtx:
     def total_num_requests(self) -> float:
         total = self.total_queued_requests
         for r in self._ready:
-            if r.visible:
-                total += sum(m["_ongoing"] for _, m in r.visible) / len(r.visible)
+            if r.pushed.visible:
+                total += sum(m["_ongoing"] for _, m in r.pushed.visible) / len(r.pushed.visible)
         return total
 
 
 @dataclass
 class PolicySpec:
+    """One simulated autoscaler: ``kind`` "fixed" (``fixed_replicas``), "request" (Serve's
+    default policy: ongoing requests / ``target_ongoing_requests``) or "kvserve" (``knobs``);
+    ``timing`` overrides ``SERVE_DEFAULT_TIMING`` (seconds)."""
+
     name: str
     label: str
-    kind: str  # "fixed" | "request" | "kvserve"
+    kind: Literal["fixed", "request", "kvserve"]
     timing: Dict[str, float] = field(default_factory=dict)
     fixed_replicas: int = 0
     target_ongoing_requests: float = 2.0
@@ -527,25 +511,19 @@ class Simulation:
         for _ in range(self.target):
             self._add_replica(ready_at=0.0)
         self.handle_queue: deque = deque()
-        self.handle_samples: List[Tuple[float, float]] = []
-        self.handle_visible: deque = deque()
-        self.next_handle_record = 0.0
-        self.next_handle_push = 0.0
+        self.handle_pushed = MetricsPath(start=0.0)  # handle queue length on its way to Serve
         self.serve_state: Dict[str, Any] = {}
         self.policy_state: Dict[str, Any] = {}
         self.last_scale_up: Optional[float] = None
         self.last_scale_down: Optional[float] = None
         self.kv_policy = None
         if spec.kind == "kvserve":
-            knobs = dict(spec.knobs)
-            knobs.setdefault("min_replicas", min_replicas)
-            knobs.setdefault("max_replicas", max_replicas)
-            knobs.setdefault("export_metrics", False)
-            knobs.setdefault("serve_upscale_delay_s", self.timing.upscale_delay_s)
-            knobs.setdefault("serve_downscale_delay_s", self.timing.downscale_delay_s)
-            knobs.setdefault("serve_look_back_period_s", self.timing.look_back_period_s)
-            knobs.setdefault("serve_metrics_interval_s", self.timing.metrics_interval_s)
-            self.kv_policy = kvp.KVServeAutoscalingPolicy(**knobs)
+            tm = self.timing  # the policy's Serve knobs match the simulated Serve's
+            defaults = dict(min_replicas=min_replicas, max_replicas=max_replicas, export_metrics=False,
+                            serve_upscale_delay_s=tm.upscale_delay_s, serve_downscale_delay_s=tm.downscale_delay_s,
+                            serve_look_back_period_s=tm.look_back_period_s,
+                            serve_metrics_interval_s=tm.metrics_interval_s)
+            self.kv_policy = KVServeAutoscalingPolicy(**{**defaults, **spec.knobs})
         n = trace.arrival.size
         self.ttft = np.full(n, np.nan)
         self.failed = np.zeros(n, dtype=bool)
@@ -561,8 +539,6 @@ class Simulation:
     # -- fleet --------------------------------------------------------------------------
     def _add_replica(self, ready_at: float) -> None:
         r = Replica(self.next_rid, self.profile, ready_at, np.random.default_rng(1000 + self.next_rid))
-        r.next_record = ready_at
-        r.next_push = ready_at
         self.next_rid += 1
         self.replicas.append(r)
 
@@ -602,29 +578,14 @@ class Simulation:
         for r in self.replicas:
             if not r.ready(now) or r.draining:
                 continue
-            if now >= r.next_record:
-                r.samples.append((now, r.metrics()))
-                r.next_record = now + tm.record_interval_s
-            if now >= r.next_push:
-                r.visible.extend(r.samples)
-                r.samples = []
-                r.next_push = now + tm.metrics_interval_s
-            while r.visible and r.visible[0][0] < now - tm.look_back_period_s:
-                r.visible.popleft()
-        if now >= self.next_handle_record:
-            self.handle_samples.append((now, float(len(self.handle_queue))))
-            self.next_handle_record = now + tm.record_interval_s
-        if now >= self.next_handle_push:
-            self.handle_visible.extend(self.handle_samples)
-            self.handle_samples = []
-            self.next_handle_push = now + tm.metrics_interval_s
-        while self.handle_visible and self.handle_visible[0][0] < now - tm.look_back_period_s:
-            self.handle_visible.popleft()
+            r.pushed.advance(now, tm, r.metrics)
+        self.handle_pushed.advance(now, tm, lambda: float(len(self.handle_queue)))
 
     def visible_handle_queue_mean(self) -> float:
-        if not self.handle_visible:
+        visible = self.handle_pushed.visible
+        if not visible:
             return 0.0
-        return sum(v for _, v in self.handle_visible) / len(self.handle_visible)
+        return sum(v for _, v in visible) / len(visible)
 
     # -- control --------------------------------------------------------------------------
     def _decide(self, now: float) -> int:
@@ -650,7 +611,6 @@ class Simulation:
         nxt = 0
         now = 0.0
         next_series = 0.0
-        spec_phase = None
         while True:
             if now >= duration + 600.0:  # safety: drain at most 10 more minutes
                 break
@@ -891,7 +851,7 @@ def run_all(profile: ReplicaProfile, spec: TraceSpec, *, dt: float, max_replicas
         "initial_replicas": initial,
         "target_utilization": utilization,
         "ttft_slo_s": profile.ttft_slo_s,
-        "kvserve_knobs": kvp.KVServeAutoscalingConfig.from_dict(
+        "kvserve_knobs": KVServeAutoscalingConfig.from_dict(
             dict(knobs, target_utilization=utilization, min_replicas=1, max_replicas=max_replicas,
                  export_metrics=False)).to_dict(),
         "results": results,
@@ -993,6 +953,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                     help="kvserve policy knob override (repeatable)")
     args = ap.parse_args(argv)
+    # Importing Ray Serve gives its "ray.serve" logger a stderr handler at INFO; the policy's
+    # decision lines (a child logger) are for a live controller, not thousands of replayed ticks.
+    logging.getLogger(decision_logger.name).setLevel(logging.WARNING)
 
     profile = GPU_PROFILE if args.gpu_profile else load_profile(args.throughput_json, CPU_PROFILE)
     if args.startup_s is not None:
