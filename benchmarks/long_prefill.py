@@ -31,7 +31,6 @@ Writes ``benchmarks/results/long_prefill.json`` (``--out``; ``long_prefill_smoke
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
@@ -42,17 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.common import add_model_arg, percentile, pyplot, random_token_ids, write_json  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine, MixedStepBudget  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]) of ``xs``; None if empty."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
 def set_mode(eng: LLMEngine, mode: str) -> None:
@@ -67,10 +59,6 @@ def set_mode(eng: LLMEngine, mode: str) -> None:
 def run_mode(eng: LLMEngine, mode: str, args, rng: random.Random) -> dict:
     set_mode(eng, mode)
     vocab = eng.hf_config.vocab_size
-
-    def ids(n):
-        return [rng.randint(100, min(vocab, 40000) - 1) for _ in range(n)]
-
     stream_ids = [f"{mode}-s{i}" for i in range(args.streams)]
     times: dict[str, list[float]] = {rid: [] for rid in stream_ids}
     steps: list[dict] = []
@@ -88,7 +76,7 @@ def run_mode(eng: LLMEngine, mode: str, args, rng: random.Random) -> dict:
 
     params = SamplingParams(temperature=0, max_tokens=args.stream_max_tokens, ignore_eos=True, detokenize=False)
     for rid in stream_ids:
-        eng.add_request(rid, ids(args.stream_prompt), params)
+        eng.add_request(rid, random_token_ids(rng, args.stream_prompt, vocab), params)
     while any(not t for t in times.values()):
         step()
     for _ in range(args.warmup):
@@ -99,7 +87,7 @@ def run_mode(eng: LLMEngine, mode: str, args, rng: random.Random) -> dict:
         step()
     baseline_itl = [b - a for t in times.values() for a, b in zip(t, t[1:]) if a >= t_base0]
 
-    eng.add_request(f"{mode}-long", ids(args.prompt_tokens),
+    eng.add_request(f"{mode}-long", random_token_ids(rng, args.prompt_tokens, vocab),
                     SamplingParams(temperature=0, max_tokens=1, detokenize=False))
     arrival = time.perf_counter()
     first_token = None
@@ -117,12 +105,13 @@ def run_mode(eng: LLMEngine, mode: str, args, rng: random.Random) -> dict:
     eng.step()  # retire the aborted requests in the runner
 
     during_steps = steps[len(steps) - n_during:]
-    p50_base = percentile(baseline_itl, 50)
-    p99_during = percentile(during_itl, 99)
+    base = {q: percentile(baseline_itl, q, nearest_rank=True) for q in (50, 99)}  # samples, not interpolated
+    during = {q: percentile(during_itl, q, nearest_rank=True) for q in (50, 99)}
+    p50_base, p99_during = base[50], during[99]
     return {
         "mode": mode,
-        "itl_baseline_s": {"p50": p50_base, "p99": percentile(baseline_itl, 99), "n": len(baseline_itl)},
-        "itl_during_s": {"p50": percentile(during_itl, 50), "p99": p99_during, "max": max(during_itl, default=None),
+        "itl_baseline_s": {"p50": p50_base, "p99": base[99], "n": len(baseline_itl)},
+        "itl_during_s": {"p50": during[50], "p99": p99_during, "max": max(during_itl, default=None),
                          "n": len(during_itl)},
         "itl_p99_during_over_p50_baseline": p99_during / p50_base if p50_base and p99_during else None,
         "ttft_long_s": first_token - arrival,
@@ -139,11 +128,7 @@ def run_mode(eng: LLMEngine, mode: str, args, rng: random.Random) -> dict:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for r in results:
         tl = r["timeline"]
@@ -161,7 +146,7 @@ def plot(results: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
+    add_model_arg(ap)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--stream-prompt", type=int, default=32, help="tokens")
     ap.add_argument("--prompt-tokens", type=int, default=8000, help="the long prompt (tokens)")
@@ -207,8 +192,7 @@ def main(argv=None) -> int:
         "target": "itl_during_s.p99 <= 4 x itl_baseline_s.p50", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out, indent=1)
     print(f"wrote {args.out}")
     if args.plot:
         plot(results, args.plot)

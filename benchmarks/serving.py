@@ -5,9 +5,10 @@ prompt lengths are exact) at a fixed concurrency or a Poisson request rate, and 
 per request: TTFT (time to the first streamed token), ITL (time between streamed chunks)
 and E2E latency; in all: output tokens/s, requests/s and errors.
 
-Workload (same as ``benchmarks/throughput.py``, seeded): 64 requests, prompt lengths
-uniform in 32..256 tokens of random token ids, output lengths uniform in 16..128 with
-``ignore_eos``, greedy.
+Workload (``benchmarks/common.py``, the same as ``benchmarks/throughput.py``'s, seeded): 64
+requests, prompt lengths uniform in 32..256 tokens of random token ids, output lengths
+uniform in 16..128 with ``ignore_eos``, greedy. The offline engine's throughput run is
+``throughput.py``'s kvserve run (``benchmarks.common.run_kvserve``).
 
 In the same run a local Ray Serve app (``deployments.app.build_app``, one replica) is started (unless
 ``--base-url`` points at a running server) and the offline engine (``engine.LLM``) is loaded
@@ -47,8 +48,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-from benchmarks.throughput import make_workload  # noqa: E402  (the engine benchmark's workload)
+from benchmarks.common import (  # noqa: E402
+    add_model_arg,
+    greedy,
+    load_average,
+    make_workload,
+    percentile,
+    pyplot,
+    resolve,
+    run_kvserve,
+    workload_info,
+    write_json,
+)
 
 
 # ---- one streamed request -------------------------------------------------------------------
@@ -69,8 +80,6 @@ class RequestResult:
 
 async def stream_completion(session, url: str, model: str | None, prompt, max_tokens: int,
                             api_key: str | None = None) -> RequestResult:
-    import aiohttp
-
     res = RequestResult(prompt_len=len(prompt), output_len=max_tokens)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -149,20 +158,11 @@ async def run_http(base_url: str, model: str | None, work, concurrency: int | No
 
 
 # ---- metrics --------------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def summary_ms(xs: list[float]) -> dict:
     if not xs:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {"mean": 1000 * statistics.fmean(xs), "p50": 1000 * pct(xs, 50), "p90": 1000 * pct(xs, 90),
-            "p99": 1000 * pct(xs, 99)}
+    return {"mean": 1000 * statistics.fmean(xs), "p50": 1000 * percentile(xs, 50),
+            "p90": 1000 * percentile(xs, 90), "p99": 1000 * percentile(xs, 99)}
 
 
 def summarize(name: str, results: list[RequestResult], elapsed: float, **extra) -> dict:
@@ -195,25 +195,15 @@ class Offline:
         self.aeng = AsyncLLMEngine(self.llm.engine)
 
     def throughput(self, work) -> dict:
-        from engine import SamplingParams
-
-        self.llm.generate([work[0][0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                          use_tqdm=False)
-        params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in work]
-        t0 = time.perf_counter()
-        outs = self.llm.generate([p for p, _ in work], params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"run": "offline_engine", "elapsed_s": elapsed, "output_tokens": tokens,
-                "output_tok_per_s": tokens / elapsed, "max_running_batch": self.llm.get_stats()["max_running_batch"],
-                "texts": [o.outputs[0].text for o in outs]}
+        """``benchmarks.common.run_kvserve`` (the throughput benchmark's kvserve run)."""
+        r = run_kvserve(self.llm, work)
+        return {"run": "offline_engine", **{k: r[k] for k in ("elapsed_s", "output_tokens", "output_tok_per_s",
+                                                               "max_running_batch", "texts")}}
 
     async def ttft(self, ids, olen) -> float | None:
-        from engine import SamplingParams
-
         t0 = time.perf_counter()
         first = None
-        async for out in self.aeng.generate(ids, SamplingParams(max_tokens=olen, temperature=0, ignore_eos=True)):
+        async for out in self.aeng.generate(ids, greedy(olen)):
             if first is None and out.outputs[0].delta_text:
                 first = time.perf_counter() - t0
         return first
@@ -226,10 +216,9 @@ async def interleaved_ttft(offline: "Offline", base_url: str, model: str | None,
     import aiohttp
 
     url = base_url.rstrip("/") + "/completions"
-    async for _ in offline.aeng.generate(work[0][0][:16], _greedy(2)):
+    async for _ in offline.aeng.generate(work[0][0][:16], greedy(2)):
         pass
     off, http = [], []
-    t0 = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         await stream_completion(session, url, model, work[0][0][:16], 2, api_key)
         t0 = time.perf_counter()
@@ -237,12 +226,6 @@ async def interleaved_ttft(offline: "Offline", base_url: str, model: str | None,
             off.append(await offline.ttft(ids, olen))
             http.append(await stream_completion(session, url, model, ids, olen, api_key))
     return off, http, time.perf_counter() - t0
-
-
-def _greedy(n: int):
-    from engine import SamplingParams
-
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
 # ---- local server ---------------------------------------------------------------------------
@@ -295,11 +278,7 @@ def serving_path_ttft(results: list[RequestResult]) -> dict:
 
 # ---- plot -----------------------------------------------------------------------------------
 def plot(runs: dict[str, list[RequestResult]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, results in runs.items():
         ok = [r for r in results if r.ok]
@@ -321,17 +300,10 @@ def plot(runs: dict[str, list[RequestResult]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 # ---- main -----------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model folder or hub id (default SmolLM2-135M-Instruct)")
+    add_model_arg(ap)
     ap.add_argument("--base-url", default=None, help="benchmark a running server instead of launching one")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--api-key", default=None)
@@ -351,10 +323,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out, *_latency.png)")
     args = ap.parse_args(argv)
 
-    from engine.model_loader import DEFAULT_MODEL, load_config, resolve_model
+    from engine.model_loader import DEFAULT_MODEL
 
-    path = str(resolve_model(args.model))
-    vocab = load_config(path).vocab_size
+    path, vocab = resolve(args.model)
     work = make_workload(args.num_requests, args.seed, vocab)
     ttft_work = [(ids, 8) for ids, _ in make_workload(args.ttft_requests, args.seed + 1000, vocab)]
     # Random prompts share no prefixes; without prefix caching, repeated rounds stay comparable.
@@ -364,9 +335,7 @@ def main(argv=None) -> dict:
     label = (f"http c={args.concurrency}" if args.concurrency else
              ("http all-in-flight" if args.request_rate == math.inf else f"http rate={args.request_rate}/s"))
     result: dict = {
-        "workload": {"num_requests": len(work), "seed": args.seed, "prompt_len": [32, 256], "output_len": [16, 128],
-                     "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": sum(o for _, o in work),
-                     "greedy": True, "ignore_eos": True, "endpoint": "/v1/completions (stream, token-id prompts)"},
+        "workload": {**workload_info(work, args.seed), "endpoint": "/v1/completions (stream, token-id prompts)"},
         "engine": engine_kw, "model": path, "rounds": args.rounds,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_start": load_average()},
@@ -430,7 +399,7 @@ def main(argv=None) -> dict:
         result["best_http_output_tok_per_s"] = best_http[0]["output_tok_per_s"]
         result["http_over_offline_throughput"] = best_http[0]["output_tok_per_s"] / best_off["output_tok_per_s"]
         diffs = [r.ttft - t for r, t in zip(res1, off_ttfts) if r.ok and t is not None]
-        result["added_ttft_ms_p50"] = 1000 * pct(diffs, 50) if diffs else None
+        result["added_ttft_ms_p50"] = 1000 * percentile(diffs, 50) if diffs else None
         result["added_ttft_ms_mean"] = 1000 * statistics.fmean(diffs) if diffs else None
         result["targets"] = {"http_over_offline_throughput >= 0.90": result["http_over_offline_throughput"] >= 0.90,
                              "added_ttft_ms_p50 <= 10": (result["added_ttft_ms_p50"] or 1e9) <= 10}
@@ -438,8 +407,7 @@ def main(argv=None) -> dict:
             result["targets"]["serving_path_ttft_ms.p50 <= 10"] = (result["serving_path_ttft_ms"]["p50"] or 1e9) <= 10
     result["machine"]["load_average_end"] = load_average()
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result)
     png = Path(args.plot) if args.plot else out.with_name(out.stem + "_latency.png")
     plot(plots, png)
     print(report(result))

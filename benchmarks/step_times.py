@@ -13,12 +13,12 @@ With ``--profile`` it also prints torch's operator table for three decode steps.
 Usage::
 
     python benchmarks/step_times.py                  # writes benchmarks/results/step_times.json
+    python benchmarks/step_times.py --prefill-tokens 64 --batch 2 --iters 2 --out /tmp/st.json   # smoke
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -28,13 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.common import add_model_arg, greedy, load_average, random_token_ids, write_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
+    add_model_arg(ap)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--iters", type=int, default=8)
@@ -47,12 +48,10 @@ def main(argv=None) -> int:
     eng, rng = llm.engine, random.Random(0)
     vocab = eng.hf_config.vocab_size
 
-    def ids(n):
-        return [rng.randint(100, min(vocab, 40000) - 1) for _ in range(n)]
-
     prefill = []
     for k in range(3):  # the first is a warm-up
-        eng.add_request(f"p{k}", ids(args.prefill_tokens), SamplingParams(max_tokens=1, temperature=0))
+        eng.add_request(f"p{k}", random_token_ids(rng, args.prefill_tokens, vocab),
+                        SamplingParams(max_tokens=1, temperature=0))
         t = time.perf_counter()
         eng.step()
         prefill.append(time.perf_counter() - t)
@@ -60,8 +59,7 @@ def main(argv=None) -> int:
             eng.step()
 
     for i in range(args.batch):
-        eng.add_request(f"d{i}", ids(rng.randint(100, 200)),
-                        SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
+        eng.add_request(f"d{i}", random_token_ids(rng, rng.randint(100, 200), vocab), greedy(10_000))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
         eng.step()
     for _ in range(3):
@@ -89,11 +87,10 @@ def main(argv=None) -> int:
         "decode_batch": args.batch,
         "decode_context_tokens": [contexts[0], contexts[-1] + args.iters],  # min .. max over the timed steps
         "decode_step_s_p50": decode[len(decode) // 2],
-        "load_average_after": list(os.getloadavg()),
+        "load_average_after": load_average(),
     }
     print(json.dumps(result, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     return 0
 
 

@@ -6,7 +6,8 @@ os.environ["RAY_AUTH_MODE"] = "token"  # Ray token auth on for every Ray of the 
 
 import pytest  # noqa: E402
 
-from engine.model_loader import make_tiny_model, resolve_model  # noqa: E402
+from engine.model_loader import resolve_model  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402  (tests/ is on sys.path for this conftest)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.model_loader import load_tokenizer, make_tiny_model
+from engine.model_loader import load_tokenizer
+from tiny_models import make_tiny_model
 
 PROMPTS = [
     "The capital of France is",

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import load_tokenizer, make_tiny_model
+from engine.model_loader import load_tokenizer
+from tiny_models import make_tiny_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 ECHO_PROMPT = "Hello there, how are you"  # the tied model repeats " you" (token 346) forever

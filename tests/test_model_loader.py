@@ -16,9 +16,9 @@ from engine.model_loader import (
     iter_safetensors,
     load_config,
     load_tokenizer,
-    make_tiny_model,
     resolve_model,
 )
+from tiny_models import make_tiny_model
 
 QUESTION = "What is the capital of France?"
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,187 @@
+"""What the benchmark scripts share: the model folder, the seeded request workload, greedy
+sampling, the offline kvserve run (KV waste read from the scheduler's own counters), the
+Hugging Face ``generate`` static-batch baseline, percentiles, the load average, JSON and
+plot output.
+
+Each script in ``benchmarks/`` keeps only what is its own. They run as scripts
+(``python benchmarks/throughput.py``) and put the repository root on ``sys.path`` before
+importing this module.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+# The throughput / serving workload: lengths in tokens, uniform, both ends included.
+PROMPT_LEN = (32, 256)
+OUTPUT_LEN = (16, 128)
+# Warm-up prompt: not a workload prompt, so warm-up leaves no prefix-cache hits behind.
+WARMUP_PROMPT = list(range(1000, 1064))
+
+_request_ids = itertools.count()
+
+
+# ---- model and workload ---------------------------------------------------------------------
+def add_model_arg(ap) -> None:
+    ap.add_argument("--model", default=None, help="model folder or hub id (default SmolLM2-135M-Instruct)")
+
+
+def resolve(model: str | None) -> tuple[str, int]:
+    """The local model folder for ``model`` (``engine.model_loader.resolve_model``; None is
+    the default SmolLM2-135M-Instruct) and its vocabulary size."""
+    from engine.model_loader import load_config, resolve_model
+
+    path = str(resolve_model(model))
+    return path, load_config(path).vocab_size
+
+
+def make_workload(n: int, seed: int, vocab: int, prompt_range=PROMPT_LEN, output_range=OUTPUT_LEN):
+    """``n`` (prompt token ids, output length) pairs from a seeded RNG: random ids in
+    100..vocab-100, lengths uniform in the ranges."""
+    rng = random.Random(seed)
+    work = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        olen = rng.randint(*output_range)
+        work.append(([rng.randint(100, vocab - 100) for _ in range(plen)], olen))
+    return work
+
+
+def workload_info(work, seed: int) -> dict:
+    """The ``workload`` block of a result JSON for a :func:`make_workload` workload."""
+    return {"num_requests": len(work), "seed": seed, "prompt_len": list(PROMPT_LEN), "output_len": list(OUTPUT_LEN),
+            "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": sum(o for _, o in work),
+            "greedy": True, "ignore_eos": True}
+
+
+def random_token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """``n`` random token ids in 100..min(vocab, 40000)-1 (prompts of the step-time benchmarks)."""
+    return [rng.randint(100, min(vocab, 40000) - 1) for _ in range(n)]
+
+
+def greedy(max_tokens: int, **kw):
+    """Greedy sampling of exactly ``max_tokens`` tokens (``ignore_eos``)."""
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+# ---- systems --------------------------------------------------------------------------------
+def run_kvserve(llm, work) -> dict:
+    """All of ``work`` at once on ``llm``'s engine (an ``engine.LLM``), after a warm-up
+    outside the timed region (first-call allocations, thread pools).
+
+    Returns elapsed_s, output_tokens, output_tok_per_s, steps, the engine's
+    max_running_batch, kv_waste, prefix_cache_hit_rate, num_preemptions, num_kv_blocks, and
+    ``texts`` (each request's output text, in workload order). ``kv_waste`` is the share of
+    allocated KV slots (whole blocks held by running requests) not holding a token, summed
+    over steps from the scheduler's ``kv_allocated_slots`` / ``kv_used_slots``.
+    """
+    eng = llm.engine
+    llm.generate([WARMUP_PROMPT], greedy(4), use_tqdm=False)
+    ids = [f"bench-{next(_request_ids)}" for _ in work]
+    texts: dict[str, str] = {}
+    allocated = unused = 0
+    produced = steps = 0
+    t0 = time.perf_counter()
+    for rid, (prompt, olen) in zip(ids, work):
+        eng.add_request(rid, prompt, greedy(olen))
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                produced += len(out.outputs[0].token_ids)
+                texts[out.request_id] = out.outputs[0].text
+        steps += 1
+        kv = eng.scheduler.stats()
+        allocated += kv["kv_allocated_slots"]
+        unused += kv["kv_allocated_slots"] - kv["kv_used_slots"]
+    elapsed = time.perf_counter() - t0
+    stats = eng.get_stats()
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": produced,
+        "output_tok_per_s": produced / elapsed,
+        "steps": steps,
+        "max_running_batch": stats["max_running_batch"],
+        "kv_waste": unused / max(allocated, 1),
+        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        "num_preemptions": stats["num_preemptions"],
+        "num_kv_blocks": stats["num_kv_blocks"],
+        "texts": [texts.get(rid) for rid in ids],
+    }
+
+
+def load_hf_model(model_path: str):
+    """The model folder in Hugging Face transformers, float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def run_hf_static(model_path: str, work, batch_size: int = 16, pad_id: int = 2) -> dict:
+    """HF ``generate`` in static batches of ``batch_size`` in workload order: left-padded,
+    greedy, each batch runs to its longest output (``min_new_tokens`` = ``max_new_tokens``).
+    Throughput counts only the tokens the requests asked for, so padding and overrun count
+    as time, not as output."""
+    import torch
+
+    model = load_hf_model(model_path)
+    useful = sum(o for _, o in work)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for b in range(0, len(work), batch_size):
+            batch = work[b:b + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            longest = max(o for _, o in batch)
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=pad_id)
+    elapsed = time.perf_counter() - t0
+    return {"system": f"hf_generate_static_bs{batch_size}", "elapsed_s": elapsed, "output_tokens": useful,
+            "output_tok_per_s": useful / elapsed}
+
+
+# ---- numbers and output ---------------------------------------------------------------------
+def percentile(xs: list[float], q: float, *, nearest_rank: bool = False) -> float | None:
+    """The ``q``-th percentile (0..100) of ``xs``, None if empty: linear interpolation
+    between the closest ranks (numpy's default), or with ``nearest_rank`` the nearest-rank
+    percentile (always one of the samples)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    if nearest_rank:
+        return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def load_average() -> list[float] | None:
+    """The 1 / 5 / 15-minute load average (on 2 cores, above 2 means a shared CPU)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def write_json(path: str | os.PathLike, obj, indent: int = 2) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=indent) + "\n")
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
