@@ -22,9 +22,19 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion import ChoiceLogprobs as ChatChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkChoiceLogprobs
+from openai.types.chat.chat_completion_token_logprob import TopLogprob as OpenAITopLogprob
+from openai.types.completion_choice import Logprobs
+from openai.types.completion_usage import PromptTokensDetails
+from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -34,20 +44,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments import gate
 from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.protocol import (
-    ChatCompletionChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessageOut,
-    ChoiceLogprobs,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
+    GenerationChunk,
     OpenAIError,
     TokenLogprob,
-    UsageInfo,
     error_body,
     finish_reason,
     random_id,
@@ -131,12 +132,12 @@ def _as_client_error(exc: BaseException) -> OpenAIError | None:
     return None
 
 
-def _strip(entry: dict) -> dict:
-    return {k: v for k, v in entry.items() if k in ("token", "logprob", "bytes", "top_logprobs")}
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+def _sse(obj: BaseModel | dict) -> bytes:
+    """One Server-Sent Event; an OpenAI model is written with the fields we set (no nulls
+    for fields kvserve never fills, such as tool calls)."""
+    body = obj.model_dump_json(exclude_unset=True) if isinstance(obj, BaseModel) else json.dumps(
+        obj, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + body.encode() + b"\n\n"
 
 
 _DONE = b"data: [DONE]\n\n"
@@ -144,20 +145,20 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class _Stream:
-    """One request's handle stream, with its first item already fetched (so bad input fails
-    as an HTTP error before any byte of a streaming response is sent)."""
+    """One request's handle stream of :class:`GenerationChunk`, with its first chunk already
+    fetched (so bad input fails as an HTTP error before any byte of a streaming response is
+    sent)."""
 
-    def __init__(self, gen, first: dict):
-        self.gen, self.first, self.done = gen, first, first.get("finished", False)
+    def __init__(self, gen, first: GenerationChunk):
+        self.gen, self.first, self.done = gen, first, first.finished
 
-    async def items(self) -> AsyncIterator[dict]:
+    async def chunks(self) -> AsyncIterator[GenerationChunk]:
         yield self.first
         if self.done:
             return
-        async for item in self.gen:
-            if item.get("finished"):
-                self.done = True
-            yield item
+        async for chunk in self.gen:
+            self.done = chunk.finished
+            yield chunk
             if self.done:
                 return
 
@@ -170,20 +171,26 @@ class _Stream:
                 pass
 
 
-def _chat_logprobs(entries: list[dict]) -> dict:
-    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
-                         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
-                                          for t in e["top_logprobs"]]} for e in entries]}
+def _usage(n_prompt: int, n_out: int, n_cached: int) -> CompletionUsage:
+    return CompletionUsage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                           prompt_tokens_details=PromptTokensDetails(cached_tokens=n_cached))
 
 
-def _completion_logprobs(entries: list[dict], offset: int) -> tuple[dict, int]:
-    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def _chat_logprobs(entries: list[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
+    return [ChatCompletionTokenLogprob(token=e.token, logprob=e.logprob, bytes=e.bytes, top_logprobs=[
+        OpenAITopLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes) for t in e.top_logprobs]) for e in entries]
+
+
+def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[Logprobs, int]:
+    """Legacy completions logprobs (parallel lists per token) from ``offset`` characters on;
+    returns them and the offset after the last token."""
+    lp = Logprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for e in entries:
-        lp["tokens"].append(e["token"])
-        lp["token_logprobs"].append(e["logprob"])
-        lp["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
-        lp["text_offset"].append(offset)
-        offset += len(e["token"])
+        lp.tokens.append(e.token)
+        lp.token_logprobs.append(e.logprob)
+        lp.top_logprobs.append({t.token: t.logprob for t in e.top_logprobs})
+        lp.text_offset.append(offset)
+        offset += len(e.token)
     return lp, offset
 
 
@@ -216,6 +223,7 @@ class OpenAIIngress:
         self.max_prompts_per_request = max_prompts_per_request
         self.health_timeout_s = health_timeout_s
         self._max_model_len: dict[str, int] = {}
+        self._created = int(time.time())
         self._streaming = {name: h.options(stream=True) for name, h in self.models.items()}
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -242,11 +250,10 @@ class OpenAIIngress:
                 logger.error("request %s: the model server failed", rid, exc_info=e)
                 err = _internal(rid)
             raise err from None
-        if "error" in first:  # the server's own verdict: a client error, or the engine is gone
-            status = int(first.get("status", 400))
-            raise OpenAIError(str(first["error"]), status,
-                              "invalid_request_error" if status < 500 else "server_error",
-                              code=first.get("code", "invalid_value"))
+        if first.error is not None:  # the server's own verdict: a client error, or the engine is gone
+            err = first.error
+            raise OpenAIError(err.message, err.status, "invalid_request_error" if err.status < 500 else "server_error",
+                              code=err.code)
         return _Stream(gen, first)
 
     @staticmethod
@@ -304,14 +311,22 @@ class OpenAIIngress:
             return _error_response(503, f"not ready: {msg}", "server_error", code="unhealthy")
         return {"status": "ok", "models": list(self.models)}
 
+    async def _model_card(self, name: str) -> Model:
+        """OpenAI's ``Model`` for a served name, plus vLLM's ``max_model_len`` and ``root``
+        (the served name: paths of the server stay private)."""
+        if name not in self._max_model_len:
+            self._max_model_len[name] = (await self.models[name].model_info.remote())["max_model_len"]
+        return Model(id=name, object="model", created=self._created, owned_by="kvserve", root=name,
+                     max_model_len=self._max_model_len[name])
+
     @app.get("/v1/models")
     async def list_models(self):
-        cards = []
-        for name in self.models:
-            if name not in self._max_model_len:
-                self._max_model_len[name] = (await self.models[name].model_info.remote())["max_model_len"]
-            cards.append(ModelCard(id=name, root=name, max_model_len=self._max_model_len[name]))
-        return ModelList(data=cards)
+        return {"object": "list", "data": [(await self._model_card(n)).model_dump() for n in self.models]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(self, model_id: str):
+        self._route(model_id)  # 404 for a name that is not served
+        return (await self._model_card(model_id)).model_dump()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -322,55 +337,50 @@ class OpenAIIngress:
         sp = body.sampling_dict(body.effective_max_tokens, body.num_logprobs)
         stream = await self._open(hid, handle, None, sp, messages=[m.to_template() for m in body.messages],
                                   request_id=rid, priority=body.priority)
-        want_lp = body.logprobs
         if body.stream:
-            return StreamingResponse(self._chat_stream(stream, hid, rid, created, name, want_lp,
+            return StreamingResponse(self._chat_stream(stream, hid, rid, created, name, body.logprobs,
                                                        body.include_usage),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
-            text, lps, last, n_prompt = await self._collect(stream, want_lp)
+            whole = await self._collect(stream)
         except asyncio.CancelledError:
             stream.cancel()
             raise
         except Exception as e:
             stream.cancel()
             raise self._failed(hid, e) from None
-        n_out = last.get("num_output_tokens", 0)
-        return ChatCompletionResponse(
-            id=rid, created=created, model=name,
-            choices=[ChatCompletionChoice(
-                index=0, message=ChatMessageOut(content=text),
-                logprobs=ChoiceLogprobs(content=[TokenLogprob(**_strip(e)) for e in _chat_logprobs(lps)["content"]])
-                if want_lp else None,
-                finish_reason=finish_reason(last.get("finish_reason")))],
-            usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out))
+        return ChatCompletion(
+            id=rid, object="chat.completion", created=created, model=name,
+            choices=[ChatChoice(
+                index=0, message=ChatCompletionMessage(role="assistant", content=whole.text),
+                logprobs=ChatChoiceLogprobs(content=_chat_logprobs(whole.logprobs or [])) if body.logprobs else None,
+                finish_reason=finish_reason(whole.finish_reason))],
+            usage=_usage(whole.num_prompt_tokens, whole.num_output_tokens, whole.num_cached_tokens))
 
     async def _chat_stream(self, stream: _Stream, hid: str, rid: str, created: int, model: str, want_lp: bool,
                            include_usage: bool) -> AsyncIterator[bytes]:
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        if include_usage:
-            head["usage"] = None
-        n_prompt = n_out = 0
+        head = dict(id=rid, object="chat.completion.chunk", created=created, model=model)
+        last = stream.first
         role_sent = False
         try:
-            async for item in stream.items():
-                n_prompt = item.get("num_prompt_tokens", n_prompt)
-                n_out = item.get("num_output_tokens", n_out)
-                text = item["text"]
-                fr = finish_reason(item.get("finish_reason")) if item.get("finished") else None
-                lp = item.get("logprobs") if want_lp else None
-                if not text and fr is None and not lp and role_sent:
+            async for chunk in stream.chunks():
+                last = chunk
+                fr = finish_reason(chunk.finish_reason) if chunk.finished else None
+                lp = chunk.logprobs if want_lp else None
+                if not chunk.text and fr is None and not lp and role_sent:
                     continue  # nothing new for the client in this step (e.g. a held-back stop string prefix)
-                delta = {"content": text}
-                if not role_sent:
-                    delta = {"role": "assistant", "content": text}
-                    role_sent = True
-                choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(lp) if lp else None,
-                          "finish_reason": fr}
-                yield _sse({**head, "choices": [choice]})
+                delta = ChoiceDelta(content=chunk.text) if role_sent else ChoiceDelta(role="assistant",
+                                                                                       content=chunk.text)
+                role_sent = True
+                choice = ChunkChoice(index=0, delta=delta, finish_reason=fr,
+                                     logprobs=ChunkChoiceLogprobs(content=_chat_logprobs(lp)) if lp else None)
+                out = ChatCompletionChunk(**head, choices=[choice])
+                if include_usage:
+                    out.usage = None  # OpenAI sends "usage": null on every chunk but the last
+                yield _sse(out)
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                                             "total_tokens": n_prompt + n_out}})
+                yield _sse(ChatCompletionChunk(**head, choices=[], usage=_usage(
+                    last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)))
         except asyncio.CancelledError:
             stream.cancel()
             raise
@@ -416,100 +426,95 @@ class OpenAIIngress:
                                                              body.include_usage),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
-            finals = await asyncio.gather(*(self._collect(s, want_lp) for s in streams))
+            wholes = await asyncio.gather(*(self._collect(s) for s in streams))
         except BaseException as e:
             for s in streams:
                 s.cancel()
             if isinstance(e, Exception):
                 raise self._failed(hid, e) from None
             raise
-        choices, n_prompt, n_out = [], 0, 0
-        for i, (text, lps, last, np_) in enumerate(finals):
-            lp = None
-            if want_lp:
-                lp, _ = _completion_logprobs(lps, len(echo[i]))
-                lp = CompletionLogprobs(**lp)
-            choices.append(CompletionChoice(index=i, text=echo[i] + text, logprobs=lp,
-                                            finish_reason=finish_reason(last.get("finish_reason"))))
-            n_prompt += np_
-            n_out += last.get("num_output_tokens", 0)
-        return CompletionResponse(id=rid, created=created, model=name, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out,
-                                                  total_tokens=n_prompt + n_out))
+        choices = [CompletionChoice(index=i, text=echo[i] + w.text, finish_reason=finish_reason(w.finish_reason),
+                                    logprobs=_completion_logprobs(w.logprobs or [], len(echo[i]))[0] if want_lp else None)
+                   for i, w in enumerate(wholes)]
+        return Completion(id=rid, object="text_completion", created=created, model=name, choices=choices,
+                          usage=_usage(sum(w.num_prompt_tokens for w in wholes), sum(w.num_output_tokens for w in wholes),
+                                       sum(w.num_cached_tokens for w in wholes)))
 
     @staticmethod
-    async def _collect(stream: _Stream, want_lp: bool):
-        text, lps, last, n_prompt = [], [], {}, 0
-        async for item in stream.items():
-            text.append(item["text"])
-            if want_lp:
-                lps.extend(item.get("logprobs") or [])
-            n_prompt = item.get("num_prompt_tokens", n_prompt)
-            last = item
-        return "".join(text), lps, last, n_prompt
+    async def _collect(stream: _Stream) -> GenerationChunk:
+        """The whole generation of a stream as one finished chunk (text and logprobs joined)."""
+        whole = GenerationChunk()
+        async for chunk in stream.chunks():
+            whole.text += chunk.text
+            if chunk.logprobs:
+                whole.logprobs = (whole.logprobs or []) + chunk.logprobs
+            whole.finish_reason, whole.num_prompt_tokens = chunk.finish_reason, chunk.num_prompt_tokens
+            whole.num_output_tokens, whole.num_cached_tokens = chunk.num_output_tokens, chunk.num_cached_tokens
+        return whole
 
-    async def _completion_stream(self, streams: list[_Stream], hid: str, rid: str, created: int, model: str, want_lp: bool,
-                                 echo: list[str], include_usage: bool) -> AsyncIterator[bytes]:
-        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        if include_usage:
-            head["usage"] = None
-        counts = [[0, 0] for _ in streams]  # prompt, output tokens per choice
+    async def _completion_stream(self, streams: list[_Stream], hid: str, rid: str, created: int, model: str,
+                                 want_lp: bool, echo: list[str], include_usage: bool) -> AsyncIterator[bytes]:
+        head = dict(id=rid, object="text_completion", created=created, model=model)
+        lasts = [s.first for s in streams]
         offsets = [len(e) for e in echo]
 
-        def chunk(i: int, item: dict) -> bytes | None:
-            counts[i][0] = item.get("num_prompt_tokens", counts[i][0])
-            counts[i][1] = item.get("num_output_tokens", counts[i][1])
-            text = item["text"]
-            if echo[i] and "num_prompt_tokens" in item:
-                text = echo[i] + text
-            fr = finish_reason(item.get("finish_reason")) if item.get("finished") else None
-            lps = item.get("logprobs") if want_lp else None
+        def event(i: int, chunk: GenerationChunk, first: bool) -> bytes | None:
+            lasts[i] = chunk
+            text = (echo[i] + chunk.text) if first and echo[i] else chunk.text
+            fr = finish_reason(chunk.finish_reason) if chunk.finished else None
+            lps = chunk.logprobs if want_lp else None
             if not text and fr is None and not lps:
                 return None
             lp = None
             if lps:
                 lp, offsets[i] = _completion_logprobs(lps, offsets[i])
-            return _sse({**head, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": fr}]})
+            # OpenAI streams finish_reason null until the last chunk, which the SDK's type does
+            # not admit (the SDK builds stream chunks unvalidated, as here)
+            choice = CompletionChoice.model_construct(index=i, text=text, logprobs=lp, finish_reason=fr)
+            out = Completion(**head, choices=[choice])
+            if include_usage:
+                out.usage = None
+            return _sse(out)
+
+        async def merged() -> AsyncIterator[tuple[int, GenerationChunk, bool]]:
+            """(choice index, chunk, is first) of every stream, as they arrive."""
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, s: _Stream):
+                try:
+                    first = True
+                    async for chunk in s.chunks():
+                        await queue.put((i, chunk, first, None))
+                        first = False
+                except Exception as e:  # forwarded to the response
+                    await queue.put((i, None, False, e))
+                finally:
+                    await queue.put((i, None, False, None))
+
+            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+            try:
+                open_ = len(streams)
+                while open_:
+                    i, chunk, first, err = await queue.get()
+                    if err is not None:
+                        raise err
+                    if chunk is None:
+                        open_ -= 1
+                        continue
+                    yield i, chunk, first
+            finally:
+                for t in tasks:
+                    t.cancel()
 
         try:
-            if len(streams) == 1:
-                async for item in streams[0].items():
-                    b = chunk(0, item)
-                    if b is not None:
-                        yield b
-            else:
-                queue: asyncio.Queue = asyncio.Queue()
-
-                async def pump(i: int, s: _Stream):
-                    try:
-                        async for item in s.items():
-                            await queue.put((i, item, None))
-                    except Exception as e:  # forwarded to the response
-                        await queue.put((i, None, e))
-                    finally:
-                        await queue.put((i, None, None))
-
-                tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-                try:
-                    open_ = len(streams)
-                    while open_:
-                        i, item, err = await queue.get()
-                        if err is not None:
-                            raise err
-                        if item is None:
-                            open_ -= 1
-                            continue
-                        b = chunk(i, item)
-                        if b is not None:
-                            yield b
-                finally:
-                    for t in tasks:
-                        t.cancel()
+            async for i, chunk, first in merged():
+                b = event(i, chunk, first)
+                if b is not None:
+                    yield b
             if include_usage:
-                n_prompt = sum(c[0] for c in counts)
-                n_out = sum(c[1] for c in counts)
-                yield _sse({**head, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                                             "total_tokens": n_prompt + n_out}})
+                yield _sse(Completion(**head, choices=[], usage=_usage(
+                    sum(c.num_prompt_tokens for c in lasts), sum(c.num_output_tokens for c in lasts),
+                    sum(c.num_cached_tokens for c in lasts))))
         except asyncio.CancelledError:
             for s in streams:
                 s.cancel()
@@ -520,4 +525,3 @@ class OpenAIIngress:
             for s in streams:
                 s.cancel()
         yield _DONE
-

@@ -23,6 +23,8 @@ from typing import Any
 
 from ray import serve
 
+from deployments.protocol import GenerationChunk, GenerationError, TokenLogprob, TopLogprob
+
 from cluster import reset_niceness
 
 logger = logging.getLogger("ray.serve")
@@ -157,13 +159,16 @@ class LLMServer:
                     time.time() - t0, tp, self.max_model_len)
 
     # ---- generation ---------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,
+    async def generate(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
                        messages: list[dict] | None = None, request_id: str | None = None,
-                       priority: int = 0, return_errors: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request, one dict per engine step that gives it a token.
+                       priority: int = 0, return_errors: bool = False) -> AsyncIterator[GenerationChunk]:
+        """Stream one request: one :class:`deployments.protocol.GenerationChunk` per engine
+        step that gives it tokens (``text``, ``token_ids``, ``finished``, ``finish_reason``,
+        token counts, ``logprobs`` when asked for); the last has ``finished=True``.
 
         Args:
-            prompt: text, or token ids (ignored when ``messages`` is given).
+            prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
+                [...]}`` (ignored when ``messages`` is given).
             sampling_params: keyword arguments of :class:`engine.SamplingParams`
                 (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``,
                 ``logprobs``, ``ignore_eos``, ...).
@@ -171,25 +176,19 @@ class LLMServer:
                 chat template and the assistant generation prompt are applied.
             request_id: the engine's id for the request (default: a random one).
             priority: lower runs first under ``scheduling_policy="priority"``.
-            return_errors: yield a request that cannot start as one item ``{"error": message,
-                "code", "status", "finished": True}`` instead of raising (the ingress uses it,
-                so bad requests do not log replica tracebacks): invalid input is status 400
-                (code ``context_length_exceeded`` or ``invalid_value``), a dead engine 503
-                (code ``engine_dead``; Serve's health check then restarts the replica).
-
-        Yields:
-            ``{"text": delta text, "token_ids": delta ids, "finished": bool,
-            "finish_reason": None | "stop" | "length", "stop_reason", "num_output_tokens"}``;
-            the first item also has ``num_prompt_tokens``; with ``logprobs`` each item has
-            ``logprobs``: per new token ``{"token_id", "token", "bytes", "logprob",
-            "top_logprobs": [{"token_id", "token", "bytes", "logprob"}, ...]}``.
+            return_errors: yield a request that cannot start as one finished chunk with
+                ``error`` set (:class:`deployments.protocol.GenerationError`: code
+                ``context_length_exceeded`` / ``invalid_value``, 400; ``engine_dead``, 503)
+                instead of raising (the ingress uses it, so bad requests log no tracebacks).
 
         Raises:
             ValueError: invalid sampling parameters, messages or prompt (e.g. longer than
                 the model's context); raised before anything is generated.
             EngineDeadError: the engine (or one of its tensor-parallel workers) died.
+            RuntimeError: the request failed inside the engine after it started.
         """
         from engine.async_engine import EngineDeadError
+        from engine.llm_engine import PromptTooLongError
         from engine.sampling_params import SamplingParams
 
         try:
@@ -203,72 +202,65 @@ class LLMServer:
         except EngineDeadError:
             if not return_errors:
                 raise
-            yield {"error": "the model server's engine has stopped and is being restarted; retry later",
-                   "code": "engine_dead", "status": 503, "finished": True}
+            yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(
+                "engine_dead", "the model server's engine has stopped and is being restarted; retry later"))
             return
         except (ValueError, TypeError) as e:
             if not return_errors:
                 raise ValueError(str(e)) from e
-            msg = str(e)
-            code = "context_length_exceeded" if "max_model_len" in msg else "invalid_value"
-            yield {"error": msg, "code": code, "status": 400, "finished": True}
+            code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
+            yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(code, str(e)))
             return
-        want_lp = params.logprobs is not None
-        first = True
         n_lp = 0
         try:
             while True:
                 c = out.outputs[0]
-                item: dict[str, Any] = {"text": c.delta_text, "token_ids": c.delta_token_ids,
-                                        "finished": out.finished, "finish_reason": c.finish_reason,
-                                        "num_output_tokens": len(c.token_ids)}
-                if first:
-                    item["num_prompt_tokens"] = len(out.prompt_token_ids)
-                    first = False
-                if out.finished:
-                    item["stop_reason"] = c.stop_reason
-                if want_lp:
-                    k = len(c.delta_token_ids)
-                    entries = (c.logprobs or [])[n_lp:n_lp + k]
+                chunk = GenerationChunk(
+                    text=c.delta_text, token_ids=c.delta_token_ids, finished=out.finished,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason if out.finished else None,
+                    num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(c.token_ids),
+                    num_cached_tokens=out.num_cached_tokens)
+                if params.logprobs is not None:
+                    entries = (c.logprobs or [])[n_lp:n_lp + len(c.delta_token_ids)]
                     n_lp += len(entries)
-                    item["logprobs"] = [self._logprob_entry(tid, d, params.logprobs)
-                                        for tid, d in zip(c.delta_token_ids, entries)]
+                    chunk.logprobs = [self._logprob_entry(tid, d, params.logprobs)
+                                      for tid, d in zip(c.delta_token_ids, entries)]
                 if out.finished:
                     self._remember(out)
-                yield item
+                yield chunk
                 if out.finished:
                     return
                 out = await anext(stream)
         finally:
             await stream.aclose()  # aborts the request in the engine unless it finished
 
-    async def complete(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,
+    async def complete(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
                        messages: list[dict] | None = None, request_id: str | None = None,
-                       priority: int = 0) -> dict[str, Any]:
-        """Non-streaming :meth:`generate`: ``{"text", "token_ids", "finish_reason",
-        "num_prompt_tokens", "num_output_tokens"}`` (plus ``logprobs`` if asked for)."""
-        text, ids, lps, last, n_prompt = [], [], [], {}, 0
-        async for item in self.generate(prompt, sampling_params, messages=messages, request_id=request_id,
-                                        priority=priority):
-            text.append(item["text"])
-            ids.extend(item["token_ids"])
-            lps.extend(item.get("logprobs") or [])
-            n_prompt = item.get("num_prompt_tokens", n_prompt)
-            last = item
-        res = {"text": "".join(text), "token_ids": ids, "finish_reason": last.get("finish_reason"),
-               "stop_reason": last.get("stop_reason"), "num_prompt_tokens": n_prompt,
-               "num_output_tokens": len(ids)}
-        if (sampling_params or {}).get("logprobs") is not None:
-            res["logprobs"] = lps
-        return res
+                       priority: int = 0) -> GenerationChunk:
+        """Non-streaming :meth:`generate`: one finished chunk with the whole ``text``,
+        ``token_ids`` (and ``logprobs`` if asked for).
 
-    def _logprob_entry(self, token_id: int, d: dict[int, float], k: int) -> dict[str, Any]:
+        Raises:
+            ValueError, EngineDeadError, RuntimeError: as :meth:`generate`.
+        """
+        whole = GenerationChunk()
+        async for chunk in self.generate(prompt, sampling_params, messages=messages, request_id=request_id,
+                                         priority=priority):
+            whole.text += chunk.text
+            whole.token_ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                whole.logprobs = (whole.logprobs or []) + chunk.logprobs
+            whole.finished, whole.finish_reason, whole.stop_reason = chunk.finished, chunk.finish_reason, chunk.stop_reason
+            whole.num_prompt_tokens, whole.num_output_tokens = chunk.num_prompt_tokens, chunk.num_output_tokens
+            whole.num_cached_tokens = chunk.num_cached_tokens
+        return whole
+
+    def _logprob_entry(self, token_id: int, d: dict[int, float], k: int) -> TokenLogprob:
         tok = self.engine.tokenizer
         s, b = _token_str(tok, token_id)
         top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
-        return {"token_id": token_id, "token": s, "bytes": b, "logprob": d.get(token_id, float("-inf")),
-                "top_logprobs": [dict(zip(("token", "bytes"), _token_str(tok, t)), token_id=t, logprob=lp)
-                                 for t, lp in top]}
+        return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=d.get(token_id, float("-inf")),
+                            top_logprobs=[TopLogprob(t, *_token_str(tok, t), lp) for t, lp in top])
 
     # ---- introspection ------------------------------------------------------------------
     RECENT_LIMIT = 4096

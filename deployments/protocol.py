@@ -1,4 +1,6 @@
-"""OpenAI API request / response bodies (pydantic), and the OpenAI error body.
+"""OpenAI API request bodies (pydantic), the OpenAI error body, and the typed stream
+from the LLM server to the ingress (:class:`GenerationChunk`). Response bodies are the
+``openai`` package's own types (built in the ingress).
 
 Requests follow https://platform.openai.com/docs/api-reference (chat completions and legacy
 completions), plus the vLLM-style extra sampling fields ``top_k``, ``min_p``,
@@ -13,8 +15,8 @@ and clients.
 """
 from __future__ import annotations
 
-import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -243,127 +245,87 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-# ---- responses ----------------------------------------------------------------------------
-def now() -> int:
-    return int(time.time())
-
-
+# ---- the server -> ingress stream ---------------------------------------------------------
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
+#: Error codes of :class:`GenerationError` and the HTTP status each maps to.
+ERROR_STATUS = {
+    "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len
+    "invalid_value": 400,            # a value the engine cannot honour (the message names the field)
+    "overloaded": 429,               # queue full: retry later
+    "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
+    "internal": 500,                 # a failure of the server itself (details in its log)
+}
 
 
-class TopLogprob(BaseModel):
+@dataclass
+class GenerationError:
+    """Why a request could not run: ``code`` is a key of :data:`ERROR_STATUS`."""
+
+    code: str
+    message: str
+
+    @property
+    def status(self) -> int:
+        """The HTTP status of this error."""
+        return ERROR_STATUS[self.code]
+
+
+@dataclass
+class TopLogprob:
+    """One candidate token at a position: id, text, UTF-8 bytes, log-probability (natural log)."""
+
+    token_id: int
     token: str
+    bytes: list[int]
     logprob: float
-    bytes: list[int] | None = None
 
 
+@dataclass
 class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+    """The sampled token at a position, with the ``logprobs`` most likely candidates."""
+
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
 
 
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
+@dataclass
+class GenerationChunk:
+    """What ``LLMServer.generate`` yields: one record per engine step that gives the request
+    tokens (the contract between the LLM server and the ingress or any Python-handle caller;
+    a plain dataclass, so it pickles cleanly over Ray and needs neither torch nor the engine).
 
+    Attributes:
+        text: the text new in this step (held back while it may be the start of a stop string).
+        token_ids: the token ids new in this step.
+        finished: the last record of the request.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` on the last record.
+        stop_reason: the stop string or stop token id that ended it, if any.
+        num_prompt_tokens, num_output_tokens, num_cached_tokens: tokens so far (cached: prompt
+            tokens served from the prefix cache).
+        logprobs: per new token (only when asked for).
+        error: set (and ``finished``) when the request could not run.
 
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
+    ``chunk["text"]`` works as ``chunk.text`` (the records were plain dicts before).
+    """
 
-
-class ChatCompletionChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChoiceLogprobs | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: GenerationError | None = None
 
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
 
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists per generated token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "kvserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
 
 
 def finish_reason(engine_reason: str | None) -> str | None:

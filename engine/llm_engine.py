@@ -37,6 +37,10 @@ def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bo
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for an output token within ``max_model_len``."""
+
+
 def parse_prompt(prompt: str | list[int] | dict) -> tuple[str | None, list[int] | None]:
     """vLLM's prompt forms: a string, a list of token ids, ``{"prompt": str}`` (TextPrompt) or
     ``{"prompt_token_ids": [...]}`` (TokensPrompt). Returns ``(text, token_ids)``, exactly one
@@ -279,7 +283,7 @@ class LLMEngine:
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; this model's context is {self.max_model_len} "
+            raise PromptTooLongError(f"prompt is {len(ids)} tokens; this model's context is {self.max_model_len} "
                              f"tokens (max_model_len), which must also leave room for at least one output token")
         return Request(request_id, ids, params, self.eos_token_ids,
                        prompt=parse_prompt(prompt)[0], priority=priority,

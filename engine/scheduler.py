@@ -8,10 +8,12 @@ decode, more for a prompt, a resumed prompt or a recompute after preemption), as
 vLLM v1. Running requests go first, decodes before unfinished prefills; then waiting
 requests are admitted; a prompt that does not fit the remaining budget is chunked
 (chunked prefill, Agrawal et al. 2023 "SARATHI"), so one step can mix decodes and prefill
-chunks. A step that carries decodes takes at most ``mixed_prefill_tokens`` prefill tokens
-(Sarathi-Serve, Agrawal et al. 2024, "stall-free batching"), so a long prompt is prefilled
-in small chunks beside running streams instead of stalling them; a step without decodes
-gets the whole budget. When the KV pool runs dry, the lowest-priority, latest-arriving running request is
+chunks. In a step that carries decodes, a long prefill (more than ``mixed_prefill_tokens``
+tokens to go) gets a chunk of at most ``mixed_prefill_tokens`` and only one long prefill runs
+(Sarathi-Serve, Agrawal et al. 2024, "stall-free batching"; vLLM's
+``long_prefill_token_threshold``), so a long prompt is prefilled in small chunks beside
+running streams instead of stalling them, while short prompts are admitted whole (a burst of
+chat requests starts together); a step without decodes gets the whole budget. When the KV pool runs dry, the lowest-priority, latest-arriving running request is
 preempted by recompute: its blocks are freed and it goes back to the waiting queue.
 """
 from __future__ import annotations
@@ -72,8 +74,9 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step.
         policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``Request.priority``, lower
             first, then arrival).
-        mixed_prefill_tokens: most prefill tokens in a step that also has decodes (None or 0:
-            no cap); the engine may change the attribute between steps.
+        mixed_prefill_tokens: in a step that also has decodes, the largest chunk of a long
+            prefill, and the length above which a prefill is long (None or 0: no cap); the
+            engine may change the attribute between steps.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -141,13 +144,20 @@ class Scheduler:
         preempted = 0
         num_decodes = 0
 
-        def prefill_room() -> int:
-            """Tokens the next prefill chunk may take: the step budget, capped for mixed steps."""
+        long_chunk_taken = False
+
+        def prefill_chunk(left: int) -> int:
+            """Tokens of a prefill with ``left`` tokens to go in this step: all that fit the
+            budget, except in a step with decodes, where a long prefill (more than the cap)
+            gets at most the cap, and only one long prefill runs (0: not in this step)."""
+            nonlocal long_chunk_taken
             cap = self.mixed_prefill_tokens
-            if not num_decodes or not cap:
-                return budget
-            prefill_used = self.max_num_batched_tokens - budget - num_decodes
-            return min(budget, cap - prefill_used)
+            if not num_decodes or not cap or left <= cap:
+                return min(left, budget)
+            if long_chunk_taken:
+                return 0
+            long_chunk_taken = True
+            return min(cap, budget)
 
         def emit(req: Request, n: int, new: bool) -> None:
             start = req.num_computed_tokens
@@ -165,9 +175,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted below, as a victim
             left = req.num_tokens - req.num_computed_tokens
-            n = min(left, budget) if left == 1 else min(left, prefill_room())
+            n = min(left, budget) if left == 1 else prefill_chunk(left)
             if n <= 0:
-                break  # only prefills are left and the mixed-step cap is spent
+                continue  # a second long prefill waits for a later step
             while not self.kv.allocate_slots(req, n):
                 victim = max((r for r in self.running if r.request_id not in scheduled), key=self._key)
                 self._preempt(victim)
@@ -183,7 +193,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - len(hits) * self.kv.block_size, prefill_room())
+            n = prefill_chunk(req.num_tokens - len(hits) * self.kv.block_size)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.pop(0)

@@ -142,13 +142,17 @@ def test_protocol_models():
 
 def test_step_stats_capacity_only_from_full_steps():
     from deployments.llm_server import StepStats
+    from engine.llm_engine import StepMetrics
+
+    def step(t0, t1, n_prefill, n_decode, n_sampled, batch):
+        return StepMetrics(t0, t1, n_prefill, n_decode, n_sampled, batch, num_waiting=0)
 
     s = StepStats(max_num_seqs=8, max_num_batched_tokens=100)
     t = 1000.0
     s.created = t - 20
     # small decode batches: rates but no capacity yet
     for i in range(10):
-        s.record(t + i * 0.1, t + i * 0.1 + 0.05, 0, 1, 1, 1)
+        s.record(step(t + i * 0.1, t + i * 0.1 + 0.05, 0, 1, 1, 1))
     import time as _time
 
     real = _time.monotonic
@@ -158,9 +162,9 @@ def test_step_stats_capacity_only_from_full_steps():
         assert r["decode_capacity_tokens_per_s"] == 0.0 and r["generation_tokens_per_s"] > 0
         # full decode steps (batch 8, back to back, 0.1 s each): 80 tok/s
         for i in range(5):
-            s.record(t + 2 + i * 0.1, t + 2 + (i + 1) * 0.1, 0, 8, 8, 8)
+            s.record(step(t + 2 + i * 0.1, t + 2 + (i + 1) * 0.1, 0, 8, 8, 8))
         # a full prefill step: 100 tokens in 0.5 s
-        s.record(t + 3, t + 3.5, 100, 0, 1, 1)
+        s.record(step(t + 3, t + 3.5, 100, 0, 1, 1))
         _time.monotonic = lambda: t + 4.0
         r = s.snapshot()
         assert r["decode_capacity_tokens_per_s"] == pytest.approx(80, rel=0.05)

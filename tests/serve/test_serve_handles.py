@@ -23,12 +23,29 @@ def test_handle_stream_in_process(serve_app):
             "The capital of France is", {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
         return [item async for item in gen]
 
+    from deployments.protocol import GenerationChunk
+
     items = asyncio.run(run())
-    assert len(items) == 6 and items[-1]["finished"] and items[-1]["finish_reason"] == "length"
-    assert items[0]["num_prompt_tokens"] > 0 and all(len(i["token_ids"]) == 1 for i in items)
+    assert all(isinstance(i, GenerationChunk) for i in items)  # the typed server -> caller contract
+    assert len(items) == 6 and items[-1].finished and items[-1].finish_reason == "length"
+    assert items[0].num_prompt_tokens > 0 and all(len(i.token_ids) == 1 for i in items)
+    assert not any(i.finished for i in items[:-1]) and all(i.error is None for i in items)
+    assert items[-1]["text"] == items[-1].text  # dict access, as when the records were dicts
     full = serve_app.llm.complete.remote("The capital of France is", {"max_tokens": 6, "temperature": 0,
                                                                       "ignore_eos": True}).result()
-    assert full["text"] == "".join(i["text"] for i in items) and full["num_output_tokens"] == 6
+    assert full.text == "".join(i.text for i in items) and full.num_output_tokens == 6 and full.finished
+
+    async def errors():  # what the ingress sees for input that cannot run: a typed error, no exception
+        out = []
+        for prompt, sp in (("x", {"temperature": 9}), ("word " * 2000, {"max_tokens": 1})):
+            gen = serve_app.llm.options(stream=True).generate.remote(prompt, sp, return_errors=True)
+            out.append([c async for c in gen])
+        return out
+
+    (bad,), (long,) = asyncio.run(errors())
+    assert bad.finished and bad.error.code == "invalid_value" and bad.error.status == 400
+    assert "temperature" in bad.error.message
+    assert long.error.code == "context_length_exceeded" and long.error.status == 400
 
     # through the application's ingress handle, and by model name
     app = serve.get_app_handle("kvserve")

@@ -3,13 +3,30 @@ bad input, batching of concurrent streams, client disconnects."""
 import asyncio
 import json
 import time
+from typing import Literal
 
 import httpx
 import pytest
 
-from deployments.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse
+from openai.types import Completion as CompletionResponse
+from openai.types import CompletionChoice
+from openai.types.chat import ChatCompletion as ChatCompletionResponse
+from openai.types.chat import ChatCompletionChunk
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+class StreamedCompletionChoice(CompletionChoice):
+    """OpenAI's completion choice as streamed: ``finish_reason`` is null until the choice's
+    last chunk (the SDK's type describes whole responses and does not admit null)."""
+
+    finish_reason: Literal["stop", "length", "content_filter"] | None
+
+
+class CompletionChunk(CompletionResponse):
+    """One SSE event of a streamed ``/v1/completions`` response (OpenAI's ``Completion``)."""
+
+    choices: list[StreamedCompletionChoice]
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
