@@ -222,7 +222,8 @@ class LLMEngine:
             self.max_model_len = min(model_max, capacity)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
-                                   mixed_prefill_tokens=config.mixed_step_prefill_tokens)
+                                   mixed_prefill_tokens=config.mixed_step_prefill_tokens,
+                                   long_prefill_threshold=self.max_model_len // 25)
         self.mixed_budget = (MixedStepBudget(config.mixed_step_slowdown, config.max_num_batched_tokens)
                              if config.mixed_step_prefill_tokens is None else None)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

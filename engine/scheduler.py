@@ -8,8 +8,8 @@ decode, more for a prompt, a resumed prompt or a recompute after preemption), as
 vLLM v1. Running requests go first, decodes before unfinished prefills; then waiting
 requests are admitted; a prompt that does not fit the remaining budget is chunked
 (chunked prefill, Agrawal et al. 2023 "SARATHI"), so one step can mix decodes and prefill
-chunks. In a step that carries decodes, a long prefill (more than ``mixed_prefill_tokens``
-tokens to go) gets a chunk of at most ``mixed_prefill_tokens`` and only one long prefill runs
+chunks. In a step that carries decodes, a long prefill (more tokens to go than
+``mixed_prefill_tokens`` and ``long_prefill_threshold``) gets a chunk of at most ``mixed_prefill_tokens`` and only one long prefill runs
 (Sarathi-Serve, Agrawal et al. 2024, "stall-free batching"; vLLM's
 ``long_prefill_token_threshold``), so a long prompt is prefilled in small chunks beside
 running streams instead of stalling them, while short prompts are admitted whole (a burst of
@@ -75,12 +75,14 @@ class Scheduler:
         policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``Request.priority``, lower
             first, then arrival).
         mixed_prefill_tokens: in a step that also has decodes, the largest chunk of a long
-            prefill, and the length above which a prefill is long (None or 0: no cap); the
-            engine may change the attribute between steps.
+            prefill (None or 0: no cap); the engine may change the attribute between steps.
+        long_prefill_threshold: a prefill with more tokens to go than this (and than the cap)
+            is long (tokens; the engine passes 4 % of ``max_model_len``, vLLM's default), so
+            ordinary prompts are admitted whole even while the cap is small.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", mixed_prefill_tokens: int | None = None):
+                 policy: str = "fcfs", mixed_prefill_tokens: int | None = None, long_prefill_threshold: int = 0):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv = kv
@@ -88,6 +90,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.mixed_prefill_tokens = mixed_prefill_tokens
+        self.long_prefill_threshold = long_prefill_threshold
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -152,7 +155,7 @@ class Scheduler:
             gets at most the cap, and only one long prefill runs (0: not in this step)."""
             nonlocal long_chunk_taken
             cap = self.mixed_prefill_tokens
-            if not num_decodes or not cap or left <= cap:
+            if not num_decodes or not cap or left <= max(cap, self.long_prefill_threshold):
                 return min(left, budget)
             if long_chunk_taken:
                 return 0

@@ -573,3 +573,17 @@ def test_stop_conditions_in_scheduler():
     _step(s, token=EOS)
     assert mint.status is RequestStatus.FINISHED_STOPPED and mint.num_output_tokens == 3
     assert not s.has_unfinished() and s.kv.pool.num_free_blocks == 64
+
+
+def test_long_prefill_threshold_admits_ordinary_prompts_whole():
+    """Only prompts longer than the threshold (and the cap) are chunked beside decodes: a burst
+    of ordinary prompts is admitted in one step even when the cap is small."""
+    s = Scheduler(KVCacheManager(128, 4, True), 16, 256, mixed_prefill_tokens=5, long_prefill_threshold=20)
+    s.add_request(make_req("d", [1, 2, 3], max_tokens=30, ignore_eos=True, arrival=1.0))
+    _step(s)  # d's prefill; it decodes from now on
+    for i in range(6):
+        s.add_request(make_req(f"p{i}", list(range(100 + 20 * i, 118 + 20 * i)), max_tokens=2, arrival=2.0 + i))
+    s.add_request(make_req("long", list(range(300, 340)), max_tokens=2, arrival=9.0))
+    out = _step(s)
+    got = {sr.request_id: len(sr.token_ids) for sr in out.requests}
+    assert got == {"d": 1, **{f"p{i}": 18 for i in range(6)}, "long": 5}
