@@ -8,7 +8,7 @@ decode, more for a prompt, a resumed prompt or a recompute after preemption), as
 vLLM v1. Running requests go first, decodes before unfinished prefills; then waiting
 requests are admitted; a prompt that does not fit the remaining budget is chunked
 (chunked prefill, Agrawal et al. 2023 "SARATHI"), so one step can mix decodes and prefill
-chunks. In a step that carries decodes, a long prefill (more tokens to go than
+chunks. In a step that carries decodes, the prefill of a long request (more tokens than
 ``mixed_prefill_tokens`` and ``long_prefill_threshold``) gets a chunk of at most ``mixed_prefill_tokens`` and only one long prefill runs
 (Sarathi-Serve, Agrawal et al. 2024, "stall-free batching"; vLLM's
 ``long_prefill_token_threshold``), so a long prompt is prefilled in small chunks beside
@@ -76,8 +76,8 @@ class Scheduler:
             first, then arrival).
         mixed_prefill_tokens: in a step that also has decodes, the largest chunk of a long
             prefill (None or 0: no cap); the engine may change the attribute between steps.
-        long_prefill_threshold: a prefill with more tokens to go than this (and than the cap)
-            is long (tokens; the engine passes 4 % of ``max_model_len``, vLLM's default), so
+        long_prefill_threshold: a request with more tokens in all than this (and than the
+            cap) is long (tokens; the engine passes 4 % of ``max_model_len``, vLLM's default), so
             ordinary prompts are admitted whole even while the cap is small.
     """
 
@@ -149,18 +149,19 @@ class Scheduler:
 
         long_chunk_taken = False
 
-        def prefill_chunk(left: int) -> int:
-            """Tokens of a prefill with ``left`` tokens to go in this step: all that fit the
-            budget, except in a step with decodes, where a long prefill (more than the cap)
-            gets at most the cap, and only one long prefill runs (0: not in this step)."""
+        def prefill_chunk(req: Request, left: int) -> int:
+            """Tokens of ``req``'s prefill (``left`` tokens to go) in this step: all that fit
+            the budget, except in a step with decodes, where a long request (more tokens in all
+            than the cap and the threshold: its tail is long too, at the deepest context) gets
+            at most the cap, and only one long request runs (0: not in this step)."""
             nonlocal long_chunk_taken
             cap = self.mixed_prefill_tokens
-            if not num_decodes or not cap or left <= max(cap, self.long_prefill_threshold):
+            if not num_decodes or not cap or req.num_tokens <= max(cap, self.long_prefill_threshold):
                 return min(left, budget)
             if long_chunk_taken:
                 return 0
             long_chunk_taken = True
-            return min(cap, budget)
+            return min(left, cap, budget)
 
         def emit(req: Request, n: int, new: bool) -> None:
             start = req.num_computed_tokens
@@ -178,7 +179,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted below, as a victim
             left = req.num_tokens - req.num_computed_tokens
-            n = min(left, budget) if left == 1 else prefill_chunk(left)
+            n = min(left, budget) if left == 1 else prefill_chunk(req, left)
             if n <= 0:
                 continue  # a second long prefill waits for a later step
             while not self.kv.allocate_slots(req, n):
@@ -196,7 +197,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
-            n = prefill_chunk(req.num_tokens - len(hits) * self.kv.block_size)
+            n = prefill_chunk(req, req.num_tokens - len(hits) * self.kv.block_size)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.pop(0)

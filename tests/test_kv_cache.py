@@ -210,7 +210,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             chunks = [sr for sr in out.requests if not (sr.request_id in running_before and len(sr.token_ids) == 1
                       and self.sched.requests[sr.request_id].num_tokens - sr.start == 1)]
             assert all(len(sr.token_ids) <= self.mixed for sr in chunks), "mixed-step chunk over the cap"
-            long_ones = [sr for sr in chunks if self.sched.requests[sr.request_id].num_tokens - sr.start > self.mixed]
+            long_ones = [sr for sr in chunks if self.sched.requests[sr.request_id].num_tokens > self.mixed]
             assert len(long_ones) <= 1, "two long prefills in one mixed step"
         assert len(out.requests) <= self.max_seqs
         assert len(self.sched.running) <= self.max_seqs
