@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tiny_models import run_async_engine
 
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncLLMEngine
@@ -26,14 +27,8 @@ def make_engine(path, **kw) -> LLMEngine:
 
 
 def run(coro_fn, path, **kw):
-    """Run ``coro_fn(async_engine)`` in a fresh event loop, then shut the engine down."""
-    async def main():
-        eng = AsyncLLMEngine(make_engine(path, **kw))
-        try:
-            return await asyncio.wait_for(coro_fn(eng), TIMEOUT)
-        finally:
-            await eng.shutdown()
-    return asyncio.run(main())
+    """Run ``coro_fn(async_engine)`` on a fresh engine over ``path``, then shut it down."""
+    return run_async_engine(coro_fn, make_engine(path, **kw), TIMEOUT)
 
 
 def offline(engine: LLMEngine, prompt, params):

@@ -15,12 +15,13 @@ import math
 import time
 
 import pytest
+from tiny_models import run_async_engine
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.async_engine import EngineDeadError
 from engine.layers.sampler import Sampler, SamplingRow
 from engine.llm_engine import LLMEngine, MixedStepBudget, StepFailedError, chat_template_ids
 from engine.request import RequestStatus
@@ -323,13 +324,8 @@ def test_llm_generate_leaves_nothing_behind_when_a_step_fails(tiny_llama_path):
 
 
 def arun(coro_fn, path, **kw):
-    async def main():
-        eng = AsyncLLMEngine(make_engine(path, **kw))
-        try:
-            return await asyncio.wait_for(coro_fn(eng), TIMEOUT)
-        finally:
-            await eng.shutdown()
-    return asyncio.run(main())
+    """Run ``coro_fn(async_engine)`` on a fresh engine over ``path``, then shut it down."""
+    return run_async_engine(coro_fn, make_engine(path, **kw), TIMEOUT)
 
 
 async def collect(agen):

@@ -106,3 +106,19 @@ def make_tiny_model(
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
     return out
+
+
+def run_async_engine(coro_fn, engine, timeout_s: float = 60.0):
+    """Run ``coro_fn(AsyncLLMEngine(engine))`` in a fresh event loop (at most ``timeout_s``
+    seconds), then shut the engine down; returns what ``coro_fn`` returns."""
+    import asyncio
+
+    from engine.async_engine import AsyncLLMEngine
+
+    async def main():
+        eng = AsyncLLMEngine(engine)
+        try:
+            return await asyncio.wait_for(coro_fn(eng), timeout_s)
+        finally:
+            await eng.shutdown()
+    return asyncio.run(main())
