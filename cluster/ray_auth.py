@@ -177,6 +177,32 @@ def disabled_warning() -> str:
             f"{bar}")
 
 
+def _begin(env: MutableMapping[str, str], want_loopback: bool,
+           warn: Callable[[str], None]) -> tuple[AuthSetup | None, bool]:
+    """What starting and joining share: bind to loopback when wanted (unless the user set
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``), then the auth mode: a user's explicit "disabled"
+    is kept with a loud warning (returns its :class:`AuthSetup`); otherwise token mode is set
+    (Ray enables it for an explicit address only when told to). Returns ``(setup if auth is
+    disabled else None, loopback)``.
+
+    Raises:
+        SystemExit: ``RAY_AUTH_MODE`` is neither "token" nor "disabled".
+    """
+    loopback = False
+    if want_loopback:
+        env.setdefault(LOOPBACK_VAR, "0")
+        loopback = env[LOOPBACK_VAR].strip().lower() in ("0", "false", "no", "off")
+    mode = env.get(AUTH_MODE_VAR, "").strip().lower()
+    if mode == "disabled":
+        warn(disabled_warning())
+        _refresh_imported_ray(env, loopback)
+        return AuthSetup("disabled", None, loopback=loopback), loopback
+    if mode not in ("", "token"):
+        raise SystemExit(f"kvserve: RAY_AUTH_MODE={env[AUTH_MODE_VAR]!r}: expected 'token' (default) or 'disabled'")
+    env[AUTH_MODE_VAR] = "token"
+    return None, loopback
+
+
 def ensure_local_auth(env: MutableMapping[str, str] | None = None, *, loopback: bool = True,
                       warn: Callable[[str], None] = _stderr) -> AuthSetup:
     """Environment for a Ray instance kvserve starts itself (``kvserve serve`` without ``--address``).
@@ -190,18 +216,9 @@ def ensure_local_auth(env: MutableMapping[str, str] | None = None, *, loopback: 
     still listen on all interfaces (Ray binds them to ``[::]``) and rely on the token.
     """
     env = os.environ if env is None else env
-    use_loopback = False
-    if loopback:
-        env.setdefault(LOOPBACK_VAR, "0")
-        use_loopback = env[LOOPBACK_VAR].strip().lower() in ("0", "false", "no", "off")
-    mode = env.get(AUTH_MODE_VAR, "").strip().lower()
-    if mode == "disabled":
-        warn(disabled_warning())
-        _refresh_imported_ray(env, use_loopback)
-        return AuthSetup("disabled", None, loopback=use_loopback)
-    if mode not in ("", "token"):
-        raise SystemExit(f"kvserve: RAY_AUTH_MODE={env[AUTH_MODE_VAR]!r}: expected 'token' (default) or 'disabled'")
-    env[AUTH_MODE_VAR] = "token"
+    disabled, use_loopback = _begin(env, loopback, warn)
+    if disabled is not None:
+        return disabled
     if env.get(TOKEN_VAR, "").strip():
         setup = AuthSetup("token", TOKEN_VAR, loopback=use_loopback)
     else:
@@ -235,18 +252,9 @@ def ensure_join_auth(env: MutableMapping[str, str] | None = None, address: str |
     network address and never reaches it.
     """
     env = os.environ if env is None else env
-    loopback = is_loopback_address(address)
-    if loopback:
-        env.setdefault(LOOPBACK_VAR, "0")
-        loopback = env[LOOPBACK_VAR].strip().lower() in ("0", "false", "no", "off")
-    mode = env.get(AUTH_MODE_VAR, "").strip().lower()
-    if mode == "disabled":
-        warn(disabled_warning())
-        _refresh_imported_ray(env, loopback)
-        return AuthSetup("disabled", None, loopback=loopback)
-    if mode not in ("", "token"):
-        raise SystemExit(f"kvserve: RAY_AUTH_MODE={env[AUTH_MODE_VAR]!r}: expected 'token' (default) or 'disabled'")
-    env[AUTH_MODE_VAR] = "token"  # Ray enables it for an explicit address only when told to
+    disabled, loopback = _begin(env, is_loopback_address(address), warn)
+    if disabled is not None:
+        return disabled
     if env.get(TOKEN_VAR, "").strip():
         setup = AuthSetup("token", TOKEN_VAR, loopback=loopback)
     else:

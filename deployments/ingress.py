@@ -445,11 +445,7 @@ class OpenAIIngress:
         """The whole generation of a stream as one finished chunk (text and logprobs joined)."""
         whole = GenerationChunk()
         async for chunk in stream.chunks():
-            whole.text += chunk.text
-            if chunk.logprobs:
-                whole.logprobs = (whole.logprobs or []) + chunk.logprobs
-            whole.finish_reason, whole.num_prompt_tokens = chunk.finish_reason, chunk.num_prompt_tokens
-            whole.num_output_tokens, whole.num_cached_tokens = chunk.num_output_tokens, chunk.num_cached_tokens
+            whole.extend(chunk)
         return whole
 
     async def _completion_stream(self, streams: list[_Stream], hid: str, rid: str, created: int, model: str,

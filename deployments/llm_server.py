@@ -246,13 +246,7 @@ class LLMServer:
         whole = GenerationChunk()
         async for chunk in self.generate(prompt, sampling_params, messages=messages, request_id=request_id,
                                          priority=priority):
-            whole.text += chunk.text
-            whole.token_ids.extend(chunk.token_ids)
-            if chunk.logprobs is not None:
-                whole.logprobs = (whole.logprobs or []) + chunk.logprobs
-            whole.finished, whole.finish_reason, whole.stop_reason = chunk.finished, chunk.finish_reason, chunk.stop_reason
-            whole.num_prompt_tokens, whole.num_output_tokens = chunk.num_prompt_tokens, chunk.num_output_tokens
-            whole.num_cached_tokens = chunk.num_cached_tokens
+            whole.extend(chunk)
         return whole
 
     def _logprob_entry(self, token_id: int, d: dict[int, float], k: int) -> TokenLogprob:

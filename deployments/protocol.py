@@ -321,6 +321,19 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None
     error: GenerationError | None = None
 
+    def extend(self, chunk: "GenerationChunk") -> None:
+        """Fold the request's next chunk into this one (the whole generation so far): text,
+        token ids and logprobs are appended; status, counts and error are the newest."""
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(chunk.logprobs)
+        self.finished, self.finish_reason, self.stop_reason = chunk.finished, chunk.finish_reason, chunk.stop_reason
+        self.num_prompt_tokens, self.num_output_tokens = chunk.num_prompt_tokens, chunk.num_output_tokens
+        self.num_cached_tokens, self.error = chunk.num_cached_tokens, chunk.error
+
     def __getitem__(self, key: str) -> Any:
         return getattr(self, key)
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, StepFailedError, chat_template_ids, parse_prompt
+from engine.llm_engine import LLMEngine, StepFailedError, chat_template_ids, encode_prompt, parse_prompt
 from engine.model_loader import load_tokenizer
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -153,8 +153,7 @@ class AsyncLLMEngine:
         Raises:
             ValueError: a malformed prompt.
         """
-        text, ids = parse_prompt(prompt)
-        return self.tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
+        return encode_prompt(self.tokenizer, prompt)
 
     async def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation under the chat template (see ``chat_template_ids``),

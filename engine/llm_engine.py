@@ -67,6 +67,17 @@ def parse_prompt(prompt: str | list[int] | dict) -> tuple[str | None, list[int] 
     raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
+def encode_prompt(tokenizer, prompt: str | list[int] | dict) -> list[int]:
+    """Token ids of a prompt in any of :func:`parse_prompt`'s forms (text is encoded with the
+    tokenizer's special tokens, e.g. BOS).
+
+    Raises:
+        ValueError: see :func:`parse_prompt`.
+    """
+    text, ids = parse_prompt(prompt)
+    return tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
+
+
 @dataclass
 class StepMetrics:
     """What one engine step did, for stat loggers (as vLLM's ``SchedulerStats``): the serving
@@ -238,13 +249,8 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
-        """Token ids of a prompt in any of :func:`parse_prompt`'s forms.
-
-        Raises:
-            ValueError: see :func:`parse_prompt`.
-        """
-        text, ids = parse_prompt(prompt)
-        return self.tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
+        """Token ids of a prompt (see :func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` under the tokenizer's chat template (see :func:`chat_template_ids`)."""

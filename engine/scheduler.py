@@ -9,12 +9,14 @@ vLLM v1. Running requests go first, decodes before unfinished prefills; then wai
 requests are admitted; a prompt that does not fit the remaining budget is chunked
 (chunked prefill, Agrawal et al. 2023 "SARATHI"), so one step can mix decodes and prefill
 chunks. In a step that carries decodes, the prefill of a long request (more tokens than
-``mixed_prefill_tokens`` and ``long_prefill_threshold``) gets a chunk of at most ``mixed_prefill_tokens`` and only one long prefill runs
-(Sarathi-Serve, Agrawal et al. 2024, "stall-free batching"; vLLM's
-``long_prefill_token_threshold``), so a long prompt is prefilled in small chunks beside
-running streams instead of stalling them, while short prompts are admitted whole (a burst of
-chat requests starts together); a step without decodes gets the whole budget. When the KV pool runs dry, the lowest-priority, latest-arriving running request is
-preempted by recompute: its blocks are freed and it goes back to the waiting queue.
+``mixed_prefill_tokens`` and ``long_prefill_threshold``) gets a chunk of at most
+``mixed_prefill_tokens`` and only one long prefill runs (Sarathi-Serve, Agrawal et al. 2024,
+"stall-free batching"; vLLM's ``long_prefill_token_threshold``), so a long prompt is
+prefilled in small chunks beside running streams instead of stalling them, while short
+prompts are admitted whole (a burst of chat requests starts together); a step without
+decodes gets the whole budget. When the KV pool runs dry, the lowest-priority,
+latest-arriving running request is preempted by recompute: its blocks are freed and it goes
+back to the waiting queue.
 """
 from __future__ import annotations
 
