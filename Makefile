@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvserve-installed
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench bench-load clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
+
+# load test (guidellm / locust from the `bench` extra): rate sweep at 1x, 2x, 3x the sustainable rate
+bench-load: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/load_test.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
