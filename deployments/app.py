@@ -31,8 +31,12 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]
     from cluster.worker_group import tp_placement_group_bundles
 
     opts: dict[str, Any] = {"name": deployment_name,
-                            "max_ongoing_requests": max(m.max_ongoing_requests, m.max_num_seqs),
-                            "max_queued_requests": m.max_queued_requests}
+                            "max_ongoing_requests": m.ongoing_requests_bound(),
+                            # each caller's handle queue (requests waiting for the router to pick a replica,
+                            # or for one to start): bounded at one replica's worth, so an overflow is a 429
+                            # at once, never an unbounded wait
+                            "max_queued_requests": m.max_num_seqs + m.queued_requests_bound(),
+                            "graceful_shutdown_timeout_s": m.graceful_shutdown_timeout_s}
     knobs = m.autoscaling_knobs()
     if knobs is not None:
         opts["autoscaling_config"] = build_autoscaling_config(knobs, as_dict=True)
@@ -71,9 +75,14 @@ def build_app(args: AppArgs) -> Application:
         opts = llm_deployment_options(m, _deployment_name(i, m.name))
         worker_options = {"num_cpus": m.worker_cpus}
         handles[m.name] = LLMServer.options(**opts).bind(
-            m.engine_args(), m.name, m.torch_num_threads, worker_options)
+            m.engine_args(), m.name, m.torch_num_threads, worker_options,
+            max_queued_requests=m.max_queued_requests, max_queued_prompt_tokens=m.max_queued_prompt_tokens,
+            request_timeout_s=m.request_timeout_s)
+    # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
+    drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
     return OpenAIIngress.options(num_replicas=args.ingress_num_replicas,
                                  max_ongoing_requests=args.ingress_max_ongoing_requests,
+                                 graceful_shutdown_timeout_s=drain_s,
                                  ray_actor_options={"num_cpus": args.ingress_cpus}).bind(
         handles, args.api_keys, max_request_body_bytes=args.max_request_body_bytes,
         max_prompts_per_request=args.max_prompts_per_request)

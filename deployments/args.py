@@ -26,7 +26,24 @@ APP_NAME = "kvserve"
 SERVING_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
     "max_num_seqs": (64, "a replica's inter-token latency grows with its batch (a 64-request CPU decode step "
                          "is ~0.36 s, README); past that the autoscaler adds replicas instead of deepening one"),
+    "scheduling_policy": ("priority", "per-API-key priorities reach the scheduler (equal priorities run in "
+                                      "arrival order, as fcfs)"),
 }
+
+
+def default_admission_bounds(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int]:
+    """A replica's default admission bounds ``(max_queued_requests, max_queued_prompt_tokens)``.
+
+    Requests (queued behind a full batch of ``max_num_seqs``): a quarter of a batch, at least 4.
+    While the batch is full a queued request waits for a running one to finish, so a queue of
+    ``max_num_seqs / 4`` adds about a quarter of a request's running time to the time to first
+    token of the last one in line; beyond that, a client is better served by a 429 and a retry
+    on another replica (or after the autoscaler added one) than by an unbounded wait.
+    Prompt tokens: four full-budget prefill steps (``4 * max_num_batched_tokens``), and never
+    less than one longest prompt (``max_model_len``), so every prompt the model takes can be
+    admitted by an idle replica.
+    """
+    return max(4, max_num_seqs // 4), max(max_model_len, 4 * max_num_batched_tokens)
 
 
 def _engine_args_model() -> type[BaseModel]:
@@ -57,8 +74,22 @@ class ModelArgs(EngineArgs):
     max_replicas: Optional[int] = Field(None, ge=1, description="autoscaling upper bound (policy default 8)")
     autoscaling: Optional[dict[str, Any]] = Field(
         None, description="autoscaling knobs (see autoscaling/policy.py KVServeAutoscalingConfig)")
-    max_ongoing_requests: int = Field(256, ge=1, description="requests one replica takes at once (>= max_num_seqs)")
-    max_queued_requests: int = Field(-1, description="handle queue bound before 429s (-1: unbounded)")
+    max_ongoing_requests: Optional[int] = Field(
+        None, ge=1, description="requests Serve routes to one replica at once (default: max_num_seqs + "
+                                "2 * max_queued_requests, so the replica's own admission decides)")
+    max_queued_requests: Optional[int] = Field(
+        None, ge=1, description="requests a replica queues behind a full batch (max_num_seqs) before 429s "
+                                "(default: max(4, max_num_seqs // 4)); each caller's Serve handle queue holds at "
+                                "most max_num_seqs + this many")
+    max_queued_prompt_tokens: Optional[int] = Field(
+        None, ge=1, description="prompt tokens a replica queues before 429s (default: "
+                                "max(max_model_len, 4 * max_num_batched_tokens))")
+    request_timeout_s: Optional[float] = Field(
+        600.0, gt=0, description="a request running longer is aborted (blocks freed) and ends with a 504 / "
+                                 "an SSE error event; null: no limit")
+    graceful_shutdown_timeout_s: float = Field(
+        60.0, ge=0, description="on scale-down or shutdown a replica stops taking requests and finishes its "
+                                "streams for up to this long before it exits")
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
@@ -81,6 +112,16 @@ class ModelArgs(EngineArgs):
 
     def engine_args(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ENGINE_FIELDS}
+
+    def queued_requests_bound(self) -> int:
+        """``max_queued_requests``, or its default (see :func:`default_admission_bounds`)."""
+        return self.max_queued_requests or max(4, self.max_num_seqs // 4)
+
+    def ongoing_requests_bound(self) -> int:
+        """Serve's ``max_ongoing_requests`` of a replica: its batch, its queue, and as many
+        again for requests being refused, so the replica's own admission (not Serve's handle
+        queue) decides while replicas run."""
+        return self.max_ongoing_requests or self.max_num_seqs + 2 * self.queued_requests_bound()
 
     def autoscaling_knobs(self) -> Optional[dict[str, Any]]:
         """Knobs of kvserve's autoscaling policy for this model (``{}``: all defaults), or None

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", action="append", default=None, dest="api_keys",
                    help="require 'Authorization: Bearer <key>' (repeatable; a flag shows in `ps`: "
                         "prefer $KVSERVE_API_KEYS or --api-keys-file)")
-    s.add_argument("--api-keys-file", default=None, dest="api_keys_file",
+    s.add_argument("--api-key-file", "--api-keys-file", default=None, dest="api_keys_file",
                    help="file with one API key per line (owner-only permissions recommended)")
     for flag, dest, kw in _model_flags():  # engine and deployment settings, from ModelArgs
         s.add_argument(flag, dest=dest, **kw)
@@ -220,7 +220,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if args.host not in ("127.0.0.1", "localhost", "::1") and not app_args.api_keys:
             print(f"kvserve: WARNING: HTTP listens on {args.host} with no API key: anyone who reaches this "
-                  f"port can use the model (set KVSERVE_API_KEYS or --api-keys-file)", file=sys.stderr, flush=True)
+                  f"port can use the model (set KVSERVE_API_KEYS or --api-key-file)", file=sys.stderr, flush=True)
+        elif not app_args.api_keys:
+            print("kvserve: NOTE: no API key configured: open access for every process that reaches "
+                  f"{args.host}:{args.port} (set KVSERVE_API_KEYS or --api-key-file to require one)",
+                  file=sys.stderr, flush=True)
         serve.start(http_options={"host": args.host, "port": args.port})
         route = args.route_prefix
         print(f"kvserve: deploying {', '.join(m.name for m in app_args.model_list())} "

@@ -11,7 +11,8 @@ pass through untouched) that, for the API paths (``/v1/...``):
 2. answers 413 when ``Content-Length`` exceeds the limit, and stops reading a body without a
    length (chunked) as soon as it passes the limit.
 
-``/health`` and the OpenAPI document stay open. Each ingress replica runs in its own process
+``/health``, ``/ready`` and ``/metrics`` stay open; ``/docs``, ``/redoc`` and ``/openapi.json``
+follow the API's key setting. Each ingress replica runs in its own process
 and configures the gate once with :func:`configure` (the FastAPI app, middleware included,
 is frozen when the module is imported, before the replica knows its arguments).
 """
@@ -29,6 +30,10 @@ from deployments.protocol import error_body
 #: Default largest request body, bytes (4 MiB: a 128k-token prompt as text or as token ids
 #: is well under 1 MiB).
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+#: FastAPI's API documentation: behind the API key when the API has one.
+_DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 @dataclass
@@ -93,7 +98,7 @@ class RequestGate:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        if not path.startswith("/v1/"):
+        if not (path.startswith("/v1/") or path in _DOC_PATHS):  # /health, /ready, /metrics stay open
             return await self.app(scope, receive, send)
         s = _settings
         headers = dict(scope.get("headers") or [])

@@ -36,7 +36,7 @@ from openai.types.completion_choice import Logprobs
 from openai.types.completion_usage import PromptTokensDetails
 from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -83,8 +83,7 @@ def _error_response(status: int, message: str, type: str = "invalid_request_erro
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(_: Request, exc: OpenAIError):
-    headers = {"Retry-After": "1"} if exc.status_code == 429 else None
-    return _error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code, headers)
+    return _error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code, exc.headers())
 
 
 @app.exception_handler(RequestValidationError)
@@ -124,12 +123,20 @@ def _as_client_error(exc: BaseException) -> OpenAIError | None:
     from ray.exceptions import ActorDiedError, ActorUnavailableError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-    if isinstance(exc, BackPressureError):
-        return OpenAIError("the model's queue is full, retry later", 429, "rate_limit_error", code="queue_full")
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, BackPressureError):  # every replica is full and so is this caller's handle queue
+        return OpenAIError("the model's queue is full, retry later", 429, "rate_limit_error", code="queue_full",
+                           retry_after_s=1.0)
     if isinstance(exc, (DeploymentUnavailableError, ActorDiedError, ActorUnavailableError)):
         return OpenAIError("the model server is not available, retry later", 503, "server_error",
                            code="model_unavailable")
     return None
+
+
+def _deployment_of(handle: DeploymentHandle) -> str:
+    """The deployment name behind a handle."""
+    return getattr(handle, "deployment_name", None) or getattr(handle.deployment_id, "name", "")
 
 
 def _sse(obj: BaseModel | dict) -> bytes:
@@ -153,11 +160,15 @@ class _Stream:
         self.gen, self.first, self.done = gen, first, first.finished
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
+        """The chunks; a chunk with ``error`` (e.g. the request ran past the server's
+        ``request_timeout_s``) raises it as an :class:`OpenAIError`."""
         yield self.first
         if self.done:
             return
         async for chunk in self.gen:
             self.done = chunk.finished
+            if chunk.error is not None:
+                raise OpenAIError.of(chunk.error)
             yield chunk
             if self.done:
                 return
@@ -222,7 +233,8 @@ class OpenAIIngress:
         self.default_model = next(iter(self.models))
         self.max_prompts_per_request = max_prompts_per_request
         self.health_timeout_s = health_timeout_s
-        self._max_model_len: dict[str, int] = {}
+        self._info: dict[str, dict] = {}  # model_info() of each model's server
+        self._status_cache: tuple[float, object] | None = None
         self._created = int(time.time())
         self._streaming = {name: h.options(stream=True) for name, h in self.models.items()}
 
@@ -250,10 +262,8 @@ class OpenAIIngress:
                 logger.error("request %s: the model server failed", rid, exc_info=e)
                 err = _internal(rid)
             raise err from None
-        if first.error is not None:  # the server's own verdict: a client error, or the engine is gone
-            err = first.error
-            raise OpenAIError(err.message, err.status, "invalid_request_error" if err.status < 500 else "server_error",
-                              code=err.code)
+        if first.error is not None:  # the server's own verdict: a client error, a full queue, a dead engine
+            raise OpenAIError.of(first.error)
         return _Stream(gen, first)
 
     @staticmethod
@@ -311,13 +321,73 @@ class OpenAIIngress:
             return _error_response(503, f"not ready: {msg}", "server_error", code="unhealthy")
         return {"status": "ok", "models": list(self.models)}
 
+    async def _app_status(self):
+        """This application's status from Serve's controller (cached for 1 s): its
+        ``status`` (``DELETING`` while it drains) and its deployments' replica states."""
+        now = time.monotonic()
+        if self._status_cache is None or now - self._status_cache[0] > 1.0:
+            app = serve.get_replica_context().app_name
+            st = await asyncio.to_thread(serve.status)
+            self._status_cache = (now, st.applications.get(app))
+        return self._status_cache[1]
+
+    @app.get("/ready")
+    async def ready(self):
+        """Readiness (for load balancers, Kubernetes' readinessProbe): 200 when every model
+        has a replica that stepped recently or answers a 1-token probe; 503 with the reason
+        (``loading``, ``draining``, ``not responding``) otherwise. A full queue is ready."""
+        try:
+            status = await self._app_status()
+        except Exception as e:
+            logger.warning("readiness: no application status from Serve's controller", exc_info=e)
+            status = None
+        if status is not None and str(getattr(status.status, "value", status.status)) == "DELETING":
+            return _error_response(503, "not ready: draining (the application is shutting down)", "server_error",
+                                   code="draining", headers={"Retry-After": "5"})
+
+        async def probe(name: str) -> str | None:
+            try:
+                await asyncio.wait_for(self.models[name].ready.remote(), self.health_timeout_s)
+                return None
+            except asyncio.TimeoutError:
+                pass
+            except Exception as e:
+                logger.warning("readiness probe of model %s failed", name, exc_info=e)
+            dep = status.deployments.get(_deployment_of(self.models[name])) if status is not None else None
+            states = {str(getattr(k, "value", k)): v for k, v in (dep.replica_states or {}).items()} if dep else {}
+            if states.get("RUNNING", 0) == 0 and states.get("STARTING", 0) + states.get("PENDING_MIGRATION", 0):
+                return "loading"
+            return "not responding"
+
+        problems = dict(zip(self.models, await asyncio.gather(*(probe(n) for n in self.models))))
+        bad = {n: p for n, p in problems.items() if p is not None}
+        if bad:
+            msg = "; ".join(f"{n}: {p}" for n, p in bad.items())
+            return _error_response(503, f"not ready: {msg}", "server_error", code="not_ready",
+                                   headers={"Retry-After": "5"})
+        return {"status": "ready", "models": list(self.models)}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        """Prometheus exposition of every kvserve process on this node (the engines' vLLM-named
+        metrics, the gateway's, the autoscaler's); see :mod:`deployments.metrics`."""
+        from deployments.metrics import render
+
+        body, ctype = await asyncio.to_thread(render)
+        return Response(body, media_type=ctype)
+
+    async def _model_info(self, name: str) -> dict:
+        """The model server's :meth:`LLMServer.model_info` (fetched once)."""
+        if name not in self._info:
+            self._info[name] = await self.models[name].model_info.remote()
+        return self._info[name]
+
     async def _model_card(self, name: str) -> Model:
         """OpenAI's ``Model`` for a served name, plus vLLM's ``max_model_len`` and ``root``
         (the served name: paths of the server stay private)."""
-        if name not in self._max_model_len:
-            self._max_model_len[name] = (await self.models[name].model_info.remote())["max_model_len"]
+        info = await self._model_info(name)
         return Model(id=name, object="model", created=self._created, owned_by="kvserve", root=name,
-                     max_model_len=self._max_model_len[name])
+                     max_model_len=info["max_model_len"])
 
     @app.get("/v1/models")
     async def list_models(self):
@@ -399,6 +469,12 @@ class OpenAIIngress:
         if len(prompts) > self.max_prompts_per_request:
             raise OpenAIError(f"{len(prompts)} prompts in one request; the limit is {self.max_prompts_per_request}",
                               400, param="prompt", code="too_many_prompts")
+        bound = (await self._model_info(name)).get("max_in_flight_requests")
+        if len(prompts) > 1 and bound and len(prompts) > bound:  # a retry could never help
+            raise OpenAIError(f"{len(prompts)} prompts in one request; a replica of this model takes at most "
+                              f"{bound} requests at once (max_num_seqs + max_queued_requests), so this request can "
+                              "never be admitted: send fewer prompts per request", 400, param="prompt",
+                              code="too_large")
         if body.echo and any(not isinstance(p, str) for p in prompts):
             raise OpenAIError("echo is only supported for text prompts", 400, param="echo")
         rid = random_id("cmpl")

@@ -13,6 +13,7 @@ in the replica.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -101,13 +102,115 @@ class StepStats:
                 "prefill_capacity_tokens_per_s": self.prefill_capacity}
 
 
+class Admission:
+    """Bounded admission of one replica. A request is *in flight* from admission to its end,
+    and *queued* until its first token (waiting for a batch slot, or in prefill). The replica
+    takes at most ``max_num_seqs + max_queued_requests`` requests in flight (a full batch and a
+    bounded queue behind it) and ``max_prompt_tokens`` queued prompt tokens. A request over
+    either bound is refused at once (429 with ``Retry-After``) instead of waiting without
+    bound; one that could never fit (its prompt alone over ``max_prompt_tokens``) is a 400.
+    Accounting runs on the replica's event loop (no lock needed).
+
+    ``Retry-After`` estimate, seconds: the time the queue ahead takes to drain at the rates
+    measured over the last minute (requests by their completion rate, prompt tokens by the
+    rate first tokens came), clamped to [1, 60].
+    """
+
+    def __init__(self, max_num_seqs: int, max_queued_requests: int, max_prompt_tokens: int):
+        if min(max_num_seqs, max_queued_requests, max_prompt_tokens) < 1:
+            raise ValueError(f"admission bounds must be positive, got max_num_seqs={max_num_seqs}, "
+                             f"max_queued_requests={max_queued_requests}, max_prompt_tokens={max_prompt_tokens}")
+        self.max_num_seqs, self.max_requests, self.max_prompt_tokens = (max_num_seqs, max_queued_requests,
+                                                                        max_prompt_tokens)
+        self.in_flight = 0
+        self.queued_requests = 0
+        self.queued_tokens = 0
+        self.finished: deque[float] = deque()  # end times of the last 60 s
+        self.started: deque[tuple[float, int]] = deque()  # (first-token time, prompt tokens), last 60 s
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.max_num_seqs + self.max_requests
+
+    def admit(self, num_prompt_tokens: int) -> GenerationError | None:
+        """Take a slot for a prompt of ``num_prompt_tokens`` tokens, or say why not: a
+        :class:`GenerationError` ``too_large`` (400) or ``overloaded`` (429, with
+        ``retry_after_s``)."""
+        if num_prompt_tokens > self.max_prompt_tokens:
+            return GenerationError("too_large", f"the prompt is {num_prompt_tokens} tokens; a replica queues at most "
+                                                f"{self.max_prompt_tokens} prompt tokens (max_queued_prompt_tokens)")
+        if self.in_flight >= self.max_in_flight:
+            return GenerationError("overloaded", f"the model is at capacity ({self.in_flight} requests running or "
+                                                 "queued), retry later", self.retry_after())
+        if self.queued_requests and self.queued_tokens + num_prompt_tokens > self.max_prompt_tokens:
+            return GenerationError("overloaded", f"the model's queue is full ({self.queued_tokens} prompt tokens "
+                                                 "waiting), retry later", self.retry_after())
+        self.in_flight += 1
+        self.queued_requests += 1
+        self.queued_tokens += num_prompt_tokens
+        return None
+
+    def start(self, num_prompt_tokens: int) -> None:
+        """The request got its first token: it leaves the queue (still in flight)."""
+        self.queued_requests -= 1
+        self.queued_tokens -= num_prompt_tokens
+        self.started.append((time.monotonic(), num_prompt_tokens))
+
+    def end(self, num_prompt_tokens: int, started: bool) -> None:
+        """The request ended (finished, failed, aborted), ``started`` or still queued."""
+        self.in_flight -= 1
+        if not started:
+            self.queued_requests -= 1
+            self.queued_tokens -= num_prompt_tokens
+        self.finished.append(time.monotonic())
+
+    def retry_after(self) -> float:
+        now = time.monotonic()
+        for q in (self.finished, self.started):
+            while q and (q[0] if isinstance(q[0], float) else q[0][0]) < now - 60.0:
+                q.popleft()
+        est = 1.0
+        if self.finished:
+            span = max(1.0, now - self.finished[0])
+            est = max(est, (self.in_flight - self.max_num_seqs + 1) / (len(self.finished) / span))
+        if self.started and self.queued_tokens:
+            span = max(1.0, now - self.started[0][0])
+            est = max(est, self.queued_tokens / max(sum(n for _, n in self.started) / span, 1e-9))
+        return float(min(60.0, est))
+
+
+class OverloadedError(RuntimeError):
+    """The replica's queue is full (a Python caller without ``return_errors``); ``error``
+    holds the :class:`GenerationError` with ``retry_after_s``."""
+
+    def __init__(self, error: GenerationError):
+        super().__init__(error.message)
+        self.error = error
+
+
+async def _next_before(stream, deadline: float | None):
+    """The stream's next item, or ``TimeoutError`` once ``time.monotonic()`` passes ``deadline``."""
+    if deadline is None:
+        return await anext(stream)
+    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+        return await anext(stream)
+
+
+def _replica_id() -> str:
+    """This Serve replica's id (the ``replica`` label), or the process id outside Serve."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return f"pid-{os.getpid()}"
+
+
 def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
     s = tokenizer.decode([token_id], skip_special_tokens=False)
     return s, list(s.encode("utf-8"))
 
 
 @serve.deployment(name="LLMServer", max_ongoing_requests=256, health_check_period_s=2,
-                  health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
+                  health_check_timeout_s=60, graceful_shutdown_timeout_s=60)
 class LLMServer:
     """One model, one :class:`engine.AsyncLLMEngine` per replica.
 
@@ -120,10 +223,16 @@ class LLMServer:
             single-rank CPU replica, see :func:`default_torch_threads`).
         worker_options: extra options for the tensor-parallel worker actors
             (``num_cpus``, ``num_gpus``), passed to :class:`cluster.worker_group.RayWorkerGroup`.
+        max_queued_requests, max_queued_prompt_tokens: the replica's admission bounds (see
+            :class:`Admission`; defaults :func:`deployments.args.default_admission_bounds`).
+        request_timeout_s: a request still running after this many seconds is aborted (its
+            KV blocks freed) and ends with error ``timeout`` (504); None: no limit.
     """
 
     def __init__(self, engine_args: dict | None = None, served_model_name: str | None = None,
-                 torch_num_threads: int | None = None, worker_options: dict | None = None):
+                 torch_num_threads: int | None = None, worker_options: dict | None = None, *,
+                 max_queued_requests: int | None = None, max_queued_prompt_tokens: int | None = None,
+                 request_timeout_s: float | None = None):
         import torch
 
         from engine.async_engine import AsyncLLMEngine
@@ -151,8 +260,22 @@ class LLMServer:
 
         t0 = time.time()
         self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
-        self.engine.add_stat_logger(self.stats.record)
         self.model_name = served_model_name or config.model or DEFAULT_MODEL
+        from deployments.args import default_admission_bounds
+        from deployments.metrics import EngineMetrics, rejected
+
+        d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
+                                                self.engine.max_model_len)
+        self.admission = Admission(config.max_num_seqs, max_queued_requests or d_req, max_queued_prompt_tokens or d_tok)
+        self.request_timeout_s = request_timeout_s
+        self.metrics = EngineMetrics(self.model_name, _replica_id())
+        self._rejected = rejected()
+
+        def on_step(m):
+            self.stats.record(m)
+            self.metrics.record_step(m)
+
+        self.engine.add_stat_logger(on_step, self.metrics.record_finished)
         self._recent: OrderedDict[str, dict[str, float | None]] = OrderedDict()  # finished requests' timings
         self.max_model_len = self.engine.max_model_len
         logger.info("LLMServer %s ready in %.1fs (tp=%d, max_model_len=%d)", self.model_name,
@@ -191,28 +314,48 @@ class LLMServer:
         from engine.llm_engine import PromptTooLongError
         from engine.sampling_params import SamplingParams
 
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        n_prompt, admitted, started = 0, False, False
+        stream = None
         try:
-            params = SamplingParams(**(sampling_params or {}))
-            if messages is not None:
-                prompt = await self.engine.apply_chat_template(messages)
-            if prompt is None:
-                raise ValueError("either prompt or messages is required")
-            stream = self.engine.generate(prompt, params, request_id, priority)
-            out = await anext(stream)  # tokenizes and validates the prompt before the first step
-        except EngineDeadError:
-            if not return_errors:
-                raise
-            yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(
-                "engine_dead", "the model server's engine has stopped and is being restarted; retry later"))
-            return
-        except (ValueError, TypeError) as e:
-            if not return_errors:
-                raise ValueError(str(e)) from e
-            code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
-            yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(code, str(e)))
-            return
-        n_lp = 0
-        try:
+            try:
+                params = SamplingParams(**(sampling_params or {}))
+                if messages is not None:
+                    ids = await self.engine.apply_chat_template(messages)
+                elif prompt is None:
+                    raise ValueError("either prompt or messages is required")
+                else:
+                    ids = await self.engine.encode(prompt)
+                n_prompt = len(ids)
+                refused = self.admission.admit(n_prompt)
+                if refused is not None:
+                    if refused.code == "overloaded":
+                        self._rejected.inc({"model_name": self.model_name, "reason": "queue_full"})
+                    if not return_errors:
+                        raise (OverloadedError(refused) if refused.code == "overloaded" else ValueError(refused.message))
+                    yield GenerationChunk(finished=True, finish_reason="error", error=refused)
+                    return
+                admitted = True
+                stream = self.engine.generate(ids, params, request_id, priority)
+                out = await _next_before(stream, deadline)  # validates the prompt, then waits for the first token
+            except EngineDeadError:
+                if not return_errors:
+                    raise
+                yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(
+                    "engine_dead", "the model server's engine has stopped and is being restarted; retry later"))
+                return
+            except (ValueError, TypeError) as e:
+                if not return_errors:
+                    raise ValueError(str(e)) from e
+                code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
+                yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(code, str(e)))
+                return
+            except TimeoutError:
+                yield self._timed_out(return_errors)
+                return
+            started = True
+            self.admission.start(n_prompt)
+            n_lp = 0
             while True:
                 c = out.outputs[0]
                 chunk = GenerationChunk(
@@ -230,9 +373,25 @@ class LLMServer:
                 yield chunk
                 if out.finished:
                     return
-                out = await anext(stream)
+                try:
+                    out = await _next_before(stream, deadline)
+                except TimeoutError:
+                    yield self._timed_out(return_errors)
+                    return
         finally:
-            await stream.aclose()  # aborts the request in the engine unless it finished
+            if admitted:
+                self.admission.end(n_prompt, started)
+            if stream is not None:
+                await stream.aclose()  # aborts the request in the engine unless it finished
+
+    def _timed_out(self, return_errors: bool) -> GenerationChunk:
+        """The last chunk of a request that ran past ``request_timeout_s`` (the caller's
+        ``finally`` aborts it in the engine, which frees its blocks)."""
+        self._rejected.inc({"model_name": self.model_name, "reason": "timeout"})
+        msg = f"the request ran longer than the server's limit of {self.request_timeout_s:g} s and was stopped"
+        if not return_errors:
+            raise TimeoutError(msg)
+        return GenerationChunk(finished=True, finish_reason="error", error=GenerationError("timeout", msg))
 
     async def complete(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
                        messages: list[dict] | None = None, request_id: str | None = None,
@@ -279,7 +438,10 @@ class LLMServer:
 
     def model_info(self) -> dict[str, Any]:
         info = {"id": self.model_name, "root": self.engine.model_path, "max_model_len": self.max_model_len,
-                "tensor_parallel_size": self.engine.config.tensor_parallel_size}
+                "tensor_parallel_size": self.engine.config.tensor_parallel_size,
+                "max_queued_requests": self.admission.max_requests,
+                "max_in_flight_requests": self.admission.max_in_flight,
+                "max_queued_prompt_tokens": self.admission.max_prompt_tokens}
         if hasattr(self.engine.executor, "placement_group_info"):
             info["workers"] = self.engine.executor.placement_group_info()
         return info
@@ -312,14 +474,39 @@ class LLMServer:
     async def health(self, timeout_s: float = 2.0) -> dict[str, str]:
         """Liveness now, for the ingress's ``/health`` (cheap; never cached): the engine's
         step loop is alive and, with tensor parallelism, every worker answers a ping within
-        ``timeout_s`` seconds (pings run beside a long step, not behind it).
+        ``timeout_s`` seconds (pings run beside a long step, not behind it). A full queue is
+        still alive.
 
         Raises:
             EngineDeadError: the step loop died or a worker is gone (this replica is then
                 unhealthy for Serve too, which replaces it).
         """
         await self.engine.check_health_async(timeout_s)
+        s = self.engine.get_stats()  # the queue gauges also move while no step runs
+        self.metrics.record_queue(int(s["num_running_requests"]),
+                                  int(s["num_waiting_requests"] + s.get("num_pending_requests", 0)),
+                                  float(s["kv_cache_usage"]))
         return {"status": "ok"}
+
+    async def ready(self, recent_s: float = 10.0, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Readiness, for the ingress's ``/ready``: alive (:meth:`health`) and serving, i.e.
+        the engine ran a step in the last ``recent_s`` seconds or a 1-token probe request
+        finishes within ``timeout_s`` seconds.
+
+        Raises:
+            EngineDeadError: as :meth:`health`.
+            TimeoutError: the probe did not finish in time.
+        """
+        await self.health()
+        if self.stats.last_end and time.monotonic() - self.stats.last_end < recent_s:
+            return {"status": "ok", "probe": False}
+        t0 = time.monotonic()
+        async with asyncio.timeout(timeout_s):
+            async for chunk in self.generate("ready?", {"max_tokens": 1, "temperature": 0.0},
+                                             request_id=f"ready-{os.urandom(6).hex()}", return_errors=True):
+                if chunk.error is not None and chunk.error.code != "overloaded":
+                    raise RuntimeError(f"readiness probe failed: {chunk.error.code}")
+        return {"status": "ok", "probe": True, "probe_s": round(time.monotonic() - t0, 3)}
 
     async def check_health(self) -> None:
         """Serve's periodic health check (every ``health_check_period_s``): see :meth:`health`."""

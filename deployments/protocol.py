@@ -15,6 +15,8 @@ and clients.
 """
 from __future__ import annotations
 
+import math
+
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,9 +42,23 @@ class OpenAIError(Exception):
     """An error with an HTTP status and an OpenAI error body (raised by request handlers)."""
 
     def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None):
+                 param: str | None = None, code: str | int | None = None, retry_after_s: float | None = None):
         super().__init__(message)
         self.message, self.status_code, self.type, self.param, self.code = message, status_code, type, param, code
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def of(cls, err: "GenerationError") -> "OpenAIError":
+        """The HTTP error of a :class:`GenerationError` from the model server."""
+        type_ = ("rate_limit_error" if err.status == 429 else
+                 "invalid_request_error" if err.status < 500 else "server_error")
+        return cls(err.message, err.status, type_, code=err.code, retry_after_s=err.retry_after_s)
+
+    def headers(self) -> dict[str, str] | None:
+        """``Retry-After`` (whole seconds, at least 1) for a 429 or 503."""
+        if self.status_code in (429, 503):
+            return {"Retry-After": str(max(1, math.ceil(self.retry_after_s or 1)))}
+        return None
 
     def body(self) -> dict:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
@@ -254,7 +270,9 @@ def random_id(prefix: str) -> str:
 ERROR_STATUS = {
     "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len
     "invalid_value": 400,            # a value the engine cannot honour (the message names the field)
-    "overloaded": 429,               # queue full: retry later
+    "overloaded": 429,               # the replica's queue is full: retry after retry_after_s
+    "too_large": 400,                # can never be admitted (more than a replica's whole queue bound)
+    "timeout": 504,                  # ran past the server's request_timeout_s (aborted, blocks freed)
     "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
     "internal": 500,                 # a failure of the server itself (details in its log)
 }
@@ -266,6 +284,7 @@ class GenerationError:
 
     code: str
     message: str
+    retry_after_s: float | None = None  # for "overloaded": when a retry may succeed, seconds
 
     @property
     def status(self) -> int:

@@ -119,9 +119,14 @@ class AsyncLLMEngine:
         """The engine's executor (e.g. a ``RayWorkerGroup`` for its placement info)."""
         return self.engine.executor
 
-    def add_stat_logger(self, log: Callable) -> None:
-        """Call ``log(StepMetrics)`` after every step that runs the model (in the step thread)."""
-        self.engine.stat_loggers.append(log)
+    def add_stat_logger(self, log: Callable, on_finished: Callable | None = None) -> None:
+        """Call ``log(StepMetrics)`` after every step that runs the model (in the step thread),
+        and ``on_finished(FinishedRequestStats)`` for every request that leaves the engine
+        (finished, aborted or failed; in the step thread or the event loop's)."""
+        if log is not None:
+            self.engine.stat_loggers.append(log)
+        if on_finished is not None:
+            self.engine.request_loggers.append(on_finished)
 
     def mark_dead(self, cause: BaseException, reason: str = "the engine is dead") -> None:
         """Declare the engine dead because of ``cause`` (e.g. a worker that did not answer a
@@ -154,6 +159,16 @@ class AsyncLLMEngine:
             ValueError: a malformed prompt.
         """
         return encode_prompt(self.tokenizer, prompt)
+
+    async def encode(self, prompt: str | list[int] | dict) -> list[int]:
+        """Token ids of a prompt in any form of :func:`engine.llm_engine.parse_prompt`, computed
+        in the tokenizer thread (the serving layer counts them before admitting a request).
+
+        Raises:
+            ValueError: a malformed prompt.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tok_pool, encode_prompt, self.tokenizer, prompt)
 
     async def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation under the chat template (see ``chat_template_ids``),

@@ -5,7 +5,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from engine.config import EngineConfig
@@ -80,17 +80,26 @@ def encode_prompt(tokenizer, prompt: str | list[int] | dict) -> list[int]:
 
 @dataclass
 class StepMetrics:
-    """What one engine step did, for stat loggers (as vLLM's ``SchedulerStats``): the serving
-    layer's token rates and capacities, the autoscaler's inputs and the mixed-step budget all
-    read these instead of wrapping the executor.
+    """What one engine step did, for stat loggers (vLLM's ``SchedulerStats`` + ``IterationStats``):
+    the serving layer's token rates, capacities and Prometheus metrics, the autoscaler's inputs
+    and the mixed-step budget all read these instead of wrapping the executor.
 
     Attributes:
         start, end: ``time.monotonic()`` seconds around the model call.
         num_prefill_tokens: prompt (or recomputed) tokens computed.
         num_decode_tokens: decode tokens computed (one per decoding request).
-        num_sampled: tokens sampled.
+        num_sampled: tokens sampled (= generation tokens of this step).
         num_running: requests in the step's batch.
         num_waiting: requests still waiting after the step was scheduled.
+        num_preemptions: requests preempted (by recompute) to schedule this step.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the prefix cache
+            by requests (re)scheduled this step, and those found (vLLM's counters' units).
+        kv_cache_usage: fraction of KV blocks in use after the step, 0..1.
+        num_prompt_tokens: prompt tokens of the requests that got their first token this step
+            (vLLM's ``prompt_tokens``: each prompt counted once, however it was chunked).
+        time_to_first_tokens: seconds from arrival to first token, of those requests.
+        inter_token_latencies: seconds since the previous token, of every other request that
+            got a token this step (a preempted request's includes its recompute).
     """
 
     start: float
@@ -100,6 +109,54 @@ class StepMetrics:
     num_sampled: int
     num_running: int
     num_waiting: int
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_cache_usage: float = 0.0
+    num_prompt_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass
+class FinishedRequestStats:
+    """One request that left the engine (finished, aborted or failed), for stat loggers
+    (vLLM's ``FinishedRequestStats``). Times in seconds; a phase the request never reached
+    is None (an aborted waiting request has no prefill).
+
+    Attributes:
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error``.
+        e2e_latency: arrival to finish.
+        queue_time: arrival to first scheduled (waiting in the queue).
+        prefill_time: first scheduled to first token.
+        decode_time: first token to finish.
+        num_prompt_tokens, num_generation_tokens, num_cached_tokens: token counts.
+        max_tokens: the request's output limit (``max_tokens``, capped by the context).
+    """
+
+    request_id: str
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float | None
+    prefill_time: float | None
+    decode_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    max_tokens: int
+
+    @classmethod
+    def of(cls, req: Request) -> "FinishedRequestStats":
+        m = req.metrics
+        end = m.finished_time or time.time()
+
+        def span(a, b):
+            return None if a is None or b is None else max(0.0, b - a)
+
+        return cls(req.request_id, req.status.value, max(0.0, end - m.arrival_time),
+                   span(m.arrival_time, m.first_scheduled_time if m.first_scheduled_time is not None else end),
+                   span(m.first_scheduled_time, m.first_token_time), span(m.first_token_time, end),
+                   req.num_prompt_tokens, req.num_output_tokens, m.num_cached_tokens, req.max_output_tokens)
 
 
 class StepFailedError(RuntimeError):
@@ -242,6 +299,8 @@ class LLMEngine:
         self.max_running = 0
         #: Callables given the :class:`StepMetrics` of every step that ran the model.
         self.stat_loggers: list[Callable[[StepMetrics], None]] = []
+        #: Callables given the :class:`FinishedRequestStats` of every request that leaves the engine.
+        self.request_loggers: list[Callable[[FinishedRequestStats], None]] = []
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         logger.info("engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d", self.model_path,
@@ -346,6 +405,8 @@ class LLMEngine:
         """
         if self.mixed_budget is not None:
             self.scheduler.mixed_prefill_tokens = self.mixed_budget.tokens
+        kv, preempted0 = self.scheduler.kv, self.scheduler.num_preemptions
+        queries0, hits0 = kv.prefix_queries, kv.prefix_hits
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if sched.finished_req_ids:  # let the runner drop state of finished requests
@@ -356,7 +417,10 @@ class LLMEngine:
             return []
         self.num_steps += 1
         self.max_running = max(self.max_running, len(sched.requests))
+        last_token = {sr.request_id: self.scheduler.requests[sr.request_id].metrics.last_token_time
+                      for sr in sched.requests}
         t0 = time.monotonic()
+        m = None
         try:
             result, failed = self.executor.execute_model(sched), {}
         except Exception as e:
@@ -365,11 +429,10 @@ class LLMEngine:
             num_decodes = sum(len(sr.token_ids) == 1 and sr.new is None for sr in sched.requests)
             m = StepMetrics(t0, time.monotonic(), sched.num_batched_tokens - num_decodes, num_decodes,
                             sum(sr.sample for sr in sched.requests), len(sched.requests),
-                            len(self.scheduler.waiting))
+                            len(self.scheduler.waiting), self.scheduler.num_preemptions - preempted0,
+                            kv.prefix_queries - queries0, kv.prefix_hits - hits0)
             if self.mixed_budget is not None:
                 self.mixed_budget.record(m.end - m.start, m.num_prefill_tokens, m.num_decode_tokens)
-            for log in self.stat_loggers:
-                log(m)
         outputs = []
         for rid, err in failed.items():
             req = self.scheduler.requests[rid]
@@ -377,6 +440,14 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(req))
         updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        if m is not None:
+            for req in updated:
+                prev = last_token.get(req.request_id)
+                if prev is None:
+                    m.num_prompt_tokens += req.num_prompt_tokens
+                    m.time_to_first_tokens.append(req.metrics.first_token_time - req.metrics.arrival_time)
+                else:
+                    m.inter_token_latencies.append(req.metrics.last_token_time - prev)
         for req in updated:
             self.num_generated_tokens += 1
             try:
@@ -393,6 +464,10 @@ class LLMEngine:
                 req.error = f"{type(e).__name__}: {e}"
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(req, [req.all_token_ids[-1]]))
+        if m is not None:
+            m.kv_cache_usage = kv.usage()
+            for log in self.stat_loggers:
+                log(m)
         return outputs
 
     def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
@@ -453,6 +528,11 @@ class LLMEngine:
         out_ids = req.output_token_ids
         if finished:
             self.detokenizers.pop(req.request_id, None)
+            if self.request_loggers and not getattr(req, "stats_logged", False):
+                req.stats_logged = True
+                stats = FinishedRequestStats.of(req)
+                for log in self.request_loggers:
+                    log(stats)
         comp = CompletionOutput(
             index=0, text=text, token_ids=out_ids,
             finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason,

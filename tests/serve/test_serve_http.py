@@ -201,7 +201,7 @@ async def _stream_chat(client: httpx.AsyncClient, url: str, messages, max_tokens
     parts, n = [], 0
     async with client.stream("POST", url, json={"messages": messages, "max_tokens": max_tokens, "temperature": 0,
                                                 "stream": True}) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, (await r.aread()).decode()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 ev = json.loads(line[6:])
