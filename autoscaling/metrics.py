@@ -13,8 +13,9 @@ Best effort and lazy: nothing is imported until the first decision is recorded.
   counts evaluations whose decision differs from the current target (up / down).
 
 Backend: inside a Ray worker (the Serve controller runs the policy) the metrics go
-through ``ray.util.metrics``, which Ray's metrics agent exports to Prometheus (with
-Ray's ``ray_`` prefix). Elsewhere (tests, the simulator, a process that serves its own
+through ``deployments.metrics``: ``ray.util.metrics``, which Ray's metrics agent exports to
+Prometheus (with Ray's ``ray_`` prefix), and the node's prometheus-client multiprocess files
+behind the ingress's ``/metrics`` (as ``kvserve:autoscaling_*``). Elsewhere (tests, the simulator, a process that serves its own
 ``/metrics``) they go to ``prometheus_client``'s default registry. If neither is
 available the calls are no-ops.
 """
@@ -47,33 +48,30 @@ class _NoopBackend(_Backend):
 
 
 class _RayBackend(_Backend):
-    def __init__(self):
-        from ray.util import metrics as rm
+    """Inside a Ray worker (the Serve controller): through ``deployments.metrics``, i.e. both
+    Ray's metrics export (``ray_kvserve_autoscaling_*``) and the node's prometheus-client
+    multiprocess files that the ingress's ``/metrics`` renders (``kvserve:autoscaling_*``)."""
 
-        self._desired = rm.Gauge(
-            DESIRED_REPLICAS,
-            description="Replicas the kvserve autoscaling policy asked for, by reason.",
-            tag_keys=("deployment", "application", "reason"),
-        )
-        self._raw = rm.Gauge(
-            RAW_DESIRED_REPLICAS,
-            description="Unsmoothed replica demand computed by the kvserve policy.",
-            tag_keys=("deployment", "application"),
-        )
-        self._decisions = rm.Counter(
-            SCALE_DECISIONS.removesuffix("_total"),
-            description="kvserve autoscaling evaluations asking for a different target.",
-            tag_keys=("deployment", "application", "direction", "reason"),
-        )
+    def __init__(self):
+        from deployments.metrics import metric
+
+        self._desired = metric("gauge", DESIRED_REPLICAS.removeprefix("kvserve_"),
+                               "Replicas the kvserve autoscaling policy asked for, by reason.",
+                               ("deployment", "application", "reason"))
+        self._raw = metric("gauge", RAW_DESIRED_REPLICAS.removeprefix("kvserve_"),
+                           "Unsmoothed replica demand computed by the kvserve policy.", ("deployment", "application"))
+        self._decisions = metric("counter", SCALE_DECISIONS.removeprefix("kvserve_").removesuffix("_total"),
+                                 "kvserve autoscaling evaluations asking for a different target.",
+                                 ("deployment", "application", "direction", "reason"))
 
     def set_desired(self, labels, value):
-        self._desired.set(value, tags=labels)
+        self._desired.set(labels, value)
 
     def set_raw(self, labels, value):
-        self._raw.set(value, tags=labels)
+        self._raw.set(labels, value)
 
     def inc_decision(self, labels):
-        self._decisions.inc(1, tags=labels)
+        self._decisions.inc(labels)
 
 
 class _PromBackend(_Backend):
