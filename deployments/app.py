@@ -85,7 +85,9 @@ def build_app(args: AppArgs) -> Application:
                                  graceful_shutdown_timeout_s=drain_s,
                                  ray_actor_options={"num_cpus": args.ingress_cpus}).bind(
         handles, args.api_keys, max_request_body_bytes=args.max_request_body_bytes,
-        max_prompts_per_request=args.max_prompts_per_request)
+        max_prompts_per_request=args.max_prompts_per_request, rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm, redis_url=args.redis_url,
+        auth_failures_per_minute=args.auth_failures_per_minute, num_ingress_replicas=args.ingress_num_replicas)
 
 
 __all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "llm_deployment_options", "fit_single_node",

@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from deployments.gate import DEFAULT_MAX_BODY_BYTES
+from deployments.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
+from deployments.limits import policies_from_keys
 from engine.config import EngineConfig, engine_fields
 
 #: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
@@ -147,9 +148,22 @@ class AppArgs(ModelArgs):
     models: list[ModelArgs] = Field(default_factory=list)
     api_keys: Optional[list[str]] = Field(
         None, description="if set, require `Authorization: Bearer <key>`; default: $KVSERVE_API_KEYS "
-                          "(comma-separated) or the lines of api_keys_file")
-    api_keys_file: Optional[str] = Field(None, description="a file with one API key per line (read where the "
-                                                           "app is built)")
+                          "(comma-separated) or the lines of api_keys_file. An entry may carry per-key "
+                          "settings after the key: `name=.. rpm=.. tpm=.. priority=..` (deployments/limits.py)")
+    api_keys_file: Optional[str] = Field(None, description="a file with one API key per line, each optionally "
+                                                           "followed by name=/rpm=/tpm=/priority= (read where "
+                                                           "the app is built; a Kubernetes secret mounts as one)")
+    rate_limit_rpm: Optional[float] = Field(
+        None, ge=0, description="default requests per minute of each API key (a key's rpm= overrides it)")
+    rate_limit_tpm: Optional[float] = Field(
+        None, ge=0, description="default tokens per minute of each API key, prompt + max_tokens reserved, "
+                                "settled with the tokens used")
+    redis_url: Optional[str] = Field(
+        None, description="Redis that all ingress replicas share their per-key limits through (default "
+                          "$KVSERVE_REDIS_URL; without it each ingress replica enforces limit / replicas)")
+    auth_failures_per_minute: int = Field(
+        DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
+        description="missing or wrong API keys one client address may send per minute before 429s")
     max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger bodies get 413")
     max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
                                          description="most prompts in one /v1/completions request")
@@ -179,6 +193,10 @@ class AppArgs(ModelArgs):
             self.api_keys = keys
         elif self.api_keys is None and os.environ.get("KVSERVE_API_KEYS", "").strip():
             self.api_keys = self._split_keys(os.environ["KVSERVE_API_KEYS"])
+        if self.api_keys:
+            policies_from_keys(self.api_keys)  # a bad entry fails here, naming its position, never the key
+        if self.redis_url is None and os.environ.get("KVSERVE_REDIS_URL", "").strip():
+            self.redis_url = os.environ["KVSERVE_REDIS_URL"].strip()
         return self
 
     @model_validator(mode="after")

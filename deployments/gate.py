@@ -5,9 +5,12 @@ so checks inside the endpoints come too late: a 10 MB body from a client without
 parsed before the 401. :class:`RequestGate` is a pure ASGI middleware (streaming responses
 pass through untouched) that, for the API paths (``/v1/...``):
 
-1. answers 401 when API keys are configured and ``Authorization: Bearer <key>`` does not
-   carry one of them (keys compared as bytes in constant time, so any header value, non-ASCII
-   included, is a 401 and never a 500);
+1. answers 401 (with ``WWW-Authenticate: Bearer``) when API keys are configured and
+   ``Authorization: Bearer <key>`` does not carry one of them (keys compared as bytes in
+   constant time, so any header value, non-ASCII included, is a 401 and never a 500), and 429
+   to a client address that sent too many wrong keys in the last minute; a matched key's
+   :class:`deployments.limits.KeyPolicy` (limits, priority) goes to the endpoint in
+   ``scope["state"]`` (:func:`request_policy`);
 2. answers 413 when ``Content-Length`` exceeds the limit, and stops reading a body without a
    length (chunked) as soon as it passes the limit.
 
@@ -20,12 +23,18 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from dataclasses import dataclass, field
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deployments.limits import AuthFailureThrottle, KeyPolicy, find_policy, policies_from_keys
 from deployments.protocol import error_body
+
+#: Default most missing or wrong API keys one client address may send per minute before its
+#: requests get 429 without being checked (a key-guessing brake; a correct key resets nothing).
+DEFAULT_AUTH_FAILURES_PER_MINUTE = 20
 
 #: Default largest request body, bytes (4 MiB: a 128k-token prompt as text or as token ids
 #: is well under 1 MiB).
@@ -38,43 +47,70 @@ _DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.js
 
 @dataclass
 class GateSettings:
-    """What the gate enforces. ``api_keys`` empty: no key needed."""
+    """What the gate enforces. ``policies`` empty: no key needed."""
 
-    api_keys: list[bytes] = field(default_factory=list)
+    policies: list[KeyPolicy] = field(default_factory=list)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    throttle: AuthFailureThrottle = field(default_factory=AuthFailureThrottle)
 
 
 _settings = GateSettings()
 
 
-def configure(api_keys: list[str] | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-    """Set this process's gate (called by ``OpenAIIngress.__init__``).
+def configure(api_keys: list[str] | list[KeyPolicy] | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE) -> None:
+    """Set this process's gate (called by ``OpenAIIngress.__init__``). ``api_keys``: key
+    entries (``"<key> [name=..] [rpm=..] [tpm=..] [priority=..]"``, see
+    :mod:`deployments.limits`) or :class:`KeyPolicy` objects.
 
     Raises:
-        ValueError: ``max_body_bytes`` < 1.
+        ValueError: ``max_body_bytes`` or ``auth_failures_per_minute`` < 1, or a bad key entry.
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    _settings.api_keys = [k.encode() for k in (api_keys or []) if k]
+    if auth_failures_per_minute < 1:
+        raise ValueError(f"auth_failures_per_minute must be positive, got {auth_failures_per_minute}")
+    keys = list(api_keys or [])
+    _settings.policies = keys if all(isinstance(k, KeyPolicy) for k in keys) else policies_from_keys(keys)
     _settings.max_body_bytes = max_body_bytes
+    _settings.throttle = AuthFailureThrottle(max_failures=auth_failures_per_minute, window_s=60.0)
+
+
+def bearer_token(header: bytes) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header value (raw bytes), or None."""
+    scheme, _, token = header.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
 
 
 def key_matches(header: bytes, keys: list[bytes]) -> bool:
     """Whether an ``Authorization`` header value (raw bytes) is ``Bearer <one of keys>``.
     Compares every key in constant time (``hmac.compare_digest`` on bytes)."""
-    scheme, _, token = header.strip().partition(b" ")
-    if scheme.lower() != b"bearer":
+    token = bearer_token(header)
+    if token is None:
         return False
-    token = token.strip()
     ok = False
     for k in keys:
         ok |= hmac.compare_digest(token, k)
     return ok
 
 
+def request_policy(scope: Scope) -> KeyPolicy | None:
+    """The :class:`KeyPolicy` the gate matched for this request (None: no keys configured)."""
+    return (scope.get("state") or {}).get("kvserve_api_key")
+
+
 def mask_key(key: str) -> str:
     """A key as it may appear in logs and banners: its first 4 characters, then ``...``."""
     return (key[:4] + "...") if len(key) > 8 else "***"
+
+
+def _count_rejected(reason: str) -> None:
+    try:
+        from deployments.metrics import rejected
+
+        rejected().inc({"model_name": "", "reason": reason})
+    except Exception:  # metrics never fail a request
+        pass
 
 
 async def _send_error(send: Send, status: int, message: str, code: str, headers: dict | None = None) -> None:
@@ -102,9 +138,22 @@ class RequestGate:
             return await self.app(scope, receive, send)
         s = _settings
         headers = dict(scope.get("headers") or [])
-        if s.api_keys and not key_matches(headers.get(b"authorization", b""), s.api_keys):
-            return await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                     "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        if s.policies:
+            client = (scope.get("client") or ("unknown", 0))[0]
+            wait = s.throttle.retry_after(client)
+            if wait is not None:  # this address sent too many wrong keys: not even checked now
+                _count_rejected("auth_throttled")
+                return await _send_error(send, 429, "too many failed authentication attempts from this address, "
+                                                    "retry later", "auth_throttled",
+                                         {"Retry-After": str(max(1, math.ceil(wait)))})
+            token = bearer_token(headers.get(b"authorization", b""))
+            policy = find_policy(token, s.policies) if token else None
+            if policy is None:
+                s.throttle.record_failure(client)
+                _count_rejected("unauthorized")
+                return await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                         "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            scope.setdefault("state", {})["kvserve_api_key"] = policy
         limit = s.max_body_bytes
         length = headers.get(b"content-length")
         if length is not None:

@@ -42,6 +42,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import gate
+from deployments.limits import NeverFits, RateLimited, RateLimiter
+from deployments.metrics import api_key_requests, api_key_tokens, rejected
 from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.protocol import (
     ChatCompletionRequest,
@@ -205,6 +207,52 @@ def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[Logp
     return lp, offset
 
 
+def estimate_prompt_tokens(prompt) -> int:
+    """A prompt's token count before the model server tokenizes it, for reserving a key's
+    token budget (settled with the real count afterwards): exact for token ids, about 4
+    UTF-8 bytes per token for text (BPE tokenizers on English), plus a few tokens of chat
+    template per message."""
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list):  # chat messages
+        return sum(4 + estimate_prompt_tokens(json.dumps(m.get("content"), ensure_ascii=False)
+                                              if not isinstance(m.get("content"), str) else m["content"])
+                   for m in prompt)
+    return len(str(prompt).encode()) // 4 + 1
+
+
+class _KeyUse:
+    """One request's use of its API key: the rate limiter's grant and the key's metrics."""
+
+    def __init__(self, ingress: "OpenAIIngress", key: str, model: str, grant, priority: int):
+        self.ingress, self.key, self.model, self.grant, self.priority = ingress, key, model, grant, priority
+        self.done = False
+
+    async def settle(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """Count the tokens the request used (once) and give the unused reservation back."""
+        if self.done:
+            return
+        self.done = True
+        labels = {"api_key": self.key, "model_name": self.model}
+        self.ingress._key_tokens.inc({**labels, "kind": "prompt"}, prompt_tokens)
+        self.ingress._key_tokens.inc({**labels, "kind": "generation"}, generation_tokens)
+        if self.grant is not None:
+            await self.ingress.limiter.settle(self.grant, prompt_tokens + generation_tokens)
+
+    def settle_soon(self, chunks: list[GenerationChunk]) -> None:
+        """:meth:`settle` with the last chunks of a request's streams, in a task of its own (a
+        cancelled response's cleanup must not await the rate limiter's Redis)."""
+        if self.done:
+            return
+        task = asyncio.ensure_future(self.settle(sum(c.num_prompt_tokens for c in chunks),
+                                                 sum(c.num_output_tokens for c in chunks)))
+        _SETTLING.add(task)
+        task.add_done_callback(_SETTLING.discard)
+
+
+_SETTLING: set[asyncio.Task] = set()  # settle tasks in flight (referenced until done)
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, graceful_shutdown_timeout_s=5)
 @serve.ingress(app)
 class OpenAIIngress:
@@ -220,7 +268,10 @@ class OpenAIIngress:
     def __init__(self, models: dict[str, DeploymentHandle], api_keys: list[str] | None = None, *,
                  max_request_body_bytes: int = gate.DEFAULT_MAX_BODY_BYTES,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                 health_timeout_s: float = 5.0):
+                 health_timeout_s: float = 5.0, rate_limit_rpm: float | None = None,
+                 rate_limit_tpm: float | None = None, redis_url: str | None = None,
+                 auth_failures_per_minute: int = gate.DEFAULT_AUTH_FAILURES_PER_MINUTE,
+                 num_ingress_replicas: int = 1):
         from cluster import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
@@ -228,7 +279,11 @@ class OpenAIIngress:
             raise ValueError("OpenAIIngress needs at least one model")
         if max_prompts_per_request < 1:
             raise ValueError(f"max_prompts_per_request must be positive, got {max_prompts_per_request}")
-        gate.configure(api_keys, max_request_body_bytes)  # checked before any body is read
+        gate.configure(api_keys, max_request_body_bytes, auth_failures_per_minute)  # before any body is read
+        # per-key limits: shared through Redis when given, else each ingress replica enforces its share
+        self.limiter = RateLimiter(rate_limit_rpm, rate_limit_tpm, redis_url=redis_url,
+                                   divide_by=max(1, num_ingress_replicas))
+        self._rejected, self._key_tokens, self._key_requests = rejected(), api_key_tokens(), api_key_requests()
         self.models = dict(models)
         self.default_model = next(iter(self.models))
         self.max_prompts_per_request = max_prompts_per_request
@@ -265,6 +320,37 @@ class OpenAIIngress:
         if first.error is not None:  # the server's own verdict: a client error, a full queue, a dead engine
             raise OpenAIError.of(first.error)
         return _Stream(gen, first)
+
+    async def _admit_key(self, request: Request, model: str, prompt_tokens: int, max_tokens: int | None,
+                         priority: int) -> "_KeyUse":
+        """Per-API-key admission: the key's token buckets (``prompt_tokens`` estimated +
+        ``max_tokens`` reserved; :meth:`_KeyUse.settle` returns what was not used) and its
+        scheduler priority (a request may lower its own precedence, never raise it above its
+        key's: the larger number wins, lower runs first).
+
+        Raises:
+            OpenAIError: 429 ``rate_limit_exceeded`` (with ``Retry-After``), 400 ``too_large``
+                (more tokens than the key may use per minute), 403 (the key may send nothing).
+        """
+        policy = gate.request_policy(request.scope)
+        key = policy.name if policy is not None else "anonymous"
+        grant = None
+        if policy is not None and self.limiter.enabled_for(policy):
+            if max_tokens is None:
+                max_tokens = (await self._model_info(model))["max_model_len"] - prompt_tokens
+            try:
+                grant = await self.limiter.acquire(policy, prompt_tokens + max(0, max_tokens))
+            except RateLimited as e:
+                self._rejected.inc({"model_name": model, "reason": "rate_limited"})
+                raise OpenAIError(str(e), 429, "rate_limit_error", code="rate_limit_exceeded",
+                                  retry_after_s=e.retry_after_s) from None
+            except NeverFits as e:
+                if e.limit == "requests":
+                    raise OpenAIError("this API key may not send requests", 403, "permission_error",
+                                      code="permission_denied") from None
+                raise OpenAIError(str(e), 400, param="max_tokens", code="too_large") from None
+        self._key_requests.inc({"api_key": key, "model_name": model})
+        return _KeyUse(self, key, model, grant, max(priority, policy.priority if policy is not None else priority))
 
     @staticmethod
     def _failed(rid: str, e: BaseException) -> OpenAIError:
@@ -405,12 +491,20 @@ class OpenAIIngress:
         rid = random_id("chatcmpl")
         created = int(time.time())
         sp = body.sampling_dict(body.effective_max_tokens, body.num_logprobs)
-        stream = await self._open(hid, handle, None, sp, messages=[m.to_template() for m in body.messages],
-                                  request_id=rid, priority=body.priority)
+        messages = [m.to_template() for m in body.messages]
+        use = await self._admit_key(request, name, estimate_prompt_tokens(messages), body.effective_max_tokens,
+                                    body.priority)
+        try:
+            stream = await self._open(hid, handle, None, sp, messages=messages, request_id=rid,
+                                      priority=use.priority)
+        except BaseException:
+            use.settle_soon([])
+            raise
         if body.stream:
             return StreamingResponse(self._chat_stream(stream, hid, rid, created, name, body.logprobs,
-                                                       body.include_usage),
+                                                       body.include_usage, use),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
+        whole = GenerationChunk()
         try:
             whole = await self._collect(stream)
         except asyncio.CancelledError:
@@ -419,6 +513,8 @@ class OpenAIIngress:
         except Exception as e:
             stream.cancel()
             raise self._failed(hid, e) from None
+        finally:
+            use.settle_soon([whole])
         return ChatCompletion(
             id=rid, object="chat.completion", created=created, model=name,
             choices=[ChatChoice(
@@ -428,7 +524,7 @@ class OpenAIIngress:
             usage=_usage(whole.num_prompt_tokens, whole.num_output_tokens, whole.num_cached_tokens))
 
     async def _chat_stream(self, stream: _Stream, hid: str, rid: str, created: int, model: str, want_lp: bool,
-                           include_usage: bool) -> AsyncIterator[bytes]:
+                           include_usage: bool, use: _KeyUse) -> AsyncIterator[bytes]:
         head = dict(id=rid, object="chat.completion.chunk", created=created, model=model)
         last = stream.first
         role_sent = False
@@ -459,6 +555,7 @@ class OpenAIIngress:
             yield self._stream_error(hid, e)
         finally:
             stream.cancel()
+            use.settle_soon([last])
         yield _DONE
 
     @app.post("/v1/completions")
@@ -480,10 +577,12 @@ class OpenAIIngress:
         rid = random_id("cmpl")
         created = int(time.time())
         sp = body.sampling_dict(body.max_tokens, body.logprobs)
+        use = await self._admit_key(request, name, sum(estimate_prompt_tokens(p) for p in prompts),
+                                    None if body.max_tokens is None else body.max_tokens * len(prompts), body.priority)
         streams: list[_Stream] = []
         try:
             results = await asyncio.gather(
-                *(self._open(hid, handle, p, sp, request_id=f"{rid}-{i}", priority=body.priority)
+                *(self._open(hid, handle, p, sp, request_id=f"{rid}-{i}", priority=use.priority)
                   for i, p in enumerate(prompts)), return_exceptions=True)
             for r in results:
                 if isinstance(r, _Stream):
@@ -494,21 +593,24 @@ class OpenAIIngress:
         except BaseException:
             for s in streams:
                 s.cancel()
+            use.settle_soon([])
             raise
         want_lp = body.logprobs is not None
         echo = [p if body.echo else "" for p in prompts]
         if body.stream:
             return StreamingResponse(self._completion_stream(streams, hid, rid, created, name, want_lp, echo,
-                                                             body.include_usage),
+                                                             body.include_usage, use),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             wholes = await asyncio.gather(*(self._collect(s) for s in streams))
         except BaseException as e:
             for s in streams:
                 s.cancel()
+            use.settle_soon([s.first for s in streams])
             if isinstance(e, Exception):
                 raise self._failed(hid, e) from None
             raise
+        use.settle_soon(wholes)
         choices = [CompletionChoice(index=i, text=echo[i] + w.text, finish_reason=finish_reason(w.finish_reason),
                                     logprobs=_completion_logprobs(w.logprobs or [], len(echo[i]))[0] if want_lp else None)
                    for i, w in enumerate(wholes)]
@@ -525,7 +627,8 @@ class OpenAIIngress:
         return whole
 
     async def _completion_stream(self, streams: list[_Stream], hid: str, rid: str, created: int, model: str,
-                                 want_lp: bool, echo: list[str], include_usage: bool) -> AsyncIterator[bytes]:
+                                 want_lp: bool, echo: list[str], include_usage: bool,
+                                 use: _KeyUse) -> AsyncIterator[bytes]:
         head = dict(id=rid, object="text_completion", created=created, model=model)
         lasts = [s.first for s in streams]
         offsets = [len(e) for e in echo]
@@ -596,4 +699,5 @@ class OpenAIIngress:
         finally:
             for s in streams:
                 s.cancel()
+            use.settle_soon(lasts)
         yield _DONE
