@@ -4,6 +4,11 @@ import os
 
 os.environ["RAY_AUTH_MODE"] = "token"  # Ray token auth on for every Ray of the session (token: tests/serve/conftest.py)
 
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
 import pytest  # noqa: E402
 
 from engine.model_loader import resolve_model  # noqa: E402
@@ -33,3 +38,39 @@ def tiny_qwen3_path(tmp_path_factory):
 def tiny_qwen2_path(tmp_path_factory):
     """Tiny Qwen2 (q/k/v biases), same shape as tiny_llama."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server (Debian's; `.ci/run` installs it) on a free loopback port, no
+    persistence; yields its URL. Skips when redis-server is not installed."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--save", "", "--appendonly", "no", "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

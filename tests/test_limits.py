@@ -4,9 +4,7 @@ failed-auth throttle. Fast (no Ray, no model); the Redis tests start their own r
 import asyncio
 import hashlib
 import logging
-import shutil
 import socket
-import subprocess
 import time
 
 import pytest
@@ -388,34 +386,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def redis_url():
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not installed")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--save", "", "--appendonly", "no", "--port", str(port), "--bind", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def redis_url(redis_server):
+    return redis_server
 
 
 def test_redis_shared_limit_across_instances(redis_url, log_records):

@@ -1,0 +1,120 @@
+"""A replica's bounded admission and per-request timeout, in-process (``LLMServer``'s class
+without Serve) on a tiny random-weight model: what is admitted, what is refused (with a
+``Retry-After`` estimate), and that every request leaves the engine with its KV blocks."""
+import asyncio
+
+import pytest
+
+from deployments.args import default_admission_bounds
+from deployments.llm_server import Admission, LLMServer
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_admission"))
+
+
+def _server(tiny, **kw):
+    engine_args = {"model": str(tiny), "max_num_seqs": kw.pop("max_num_seqs", 2), "max_model_len": 256,
+                   "num_kv_blocks": 64, "block_size": 16}
+    return LLMServer.func_or_class(engine_args, "tiny", 1, **kw)
+
+
+async def _run(server, prompt, params, **kw):
+    chunks = [c async for c in server.generate(prompt, params, return_errors=True, **kw)]
+    return chunks
+
+
+def _assert_drained(server):
+    s = server.engine.get_stats()
+    assert s["num_running_requests"] == 0 and s["num_waiting_requests"] == 0
+    assert s["free_kv_blocks"] == s["num_kv_blocks"]  # every block back in the pool
+    assert server.admission.in_flight == 0 and server.admission.queued_requests == 0
+    assert server.admission.queued_tokens == 0
+
+
+def test_full_replica_refuses_at_once_and_admits_the_rest(tiny):
+    server = _server(tiny, max_num_seqs=2, max_queued_requests=2)  # 4 in flight at most
+
+    async def main():
+        try:
+            return await asyncio.gather(*(_run(server, [1, 2, 3, 4 + i], {"max_tokens": 40, "ignore_eos": True})
+                                          for i in range(10)))
+        finally:
+            await server.engine.shutdown()
+
+    results = asyncio.run(main())
+    done = [r for r in results if r[-1].error is None]
+    refused = [r for r in results if r[-1].error is not None]
+    assert len(done) == 4 and len(refused) == 6, [r[-1].error for r in results]
+    for r in done:
+        assert r[-1].finished and r[-1].num_output_tokens == 40
+    for r in refused:
+        err = r[-1].error
+        assert len(r) == 1 and err.code == "overloaded" and err.status == 429
+        assert 1.0 <= err.retry_after_s <= 60.0
+    assert server.engine.get_stats()["max_running_batch"] <= 2
+    _assert_drained(server)
+
+
+def test_prompt_over_the_token_bound_is_a_400_not_a_429(tiny):
+    server = _server(tiny, max_queued_prompt_tokens=50)
+
+    async def main():
+        try:
+            too_long = await _run(server, list(range(1, 101)), {"max_tokens": 2})
+            fits = await _run(server, list(range(1, 41)), {"max_tokens": 2})
+            return too_long, fits
+        finally:
+            await server.engine.shutdown()
+
+    too_long, fits = asyncio.run(main())
+    assert too_long[-1].error.code == "too_large" and too_long[-1].error.status == 400
+    assert fits[-1].error is None and fits[-1].num_output_tokens == 2
+    _assert_drained(server)
+
+
+def test_request_timeout_ends_the_request_and_frees_its_blocks(tiny):
+    server = _server(tiny, request_timeout_s=0.3)
+
+    async def main():
+        try:
+            slow = await _run(server, [1, 2, 3], {"max_tokens": 240, "ignore_eos": True})
+            quick = await _run(server, [1, 2, 3], {"max_tokens": 2})
+            return slow, quick
+        finally:
+            await server.engine.shutdown()
+
+    slow, quick = asyncio.run(main())
+    last = slow[-1]
+    assert last.finished and last.error is not None and last.error.code == "timeout" and last.error.status == 504
+    assert sum(len(c.token_ids) for c in slow) < 240  # stopped early
+    assert quick[-1].error is None  # the replica goes on
+    _assert_drained(server)
+
+
+def test_admission_bookkeeping_and_retry_after():
+    adm = Admission(max_num_seqs=2, max_queued_requests=1, max_prompt_tokens=100)
+    assert adm.admit(60) is None and adm.admit(30) is None
+    err = adm.admit(20)  # the queue holds 90 prompt tokens: 110 > 100
+    assert err.code == "overloaded"
+    adm.start(60)  # the first one got its first token: 30 tokens still queued
+    assert adm.admit(20) is None  # 3 in flight = max_num_seqs + 1
+    assert adm.admit(1).code == "overloaded"  # in-flight bound
+    assert adm.admit(101).code == "too_large"
+    adm.end(60, started=True)
+    adm.end(30, started=False)
+    adm.end(20, started=False)
+    assert (adm.in_flight, adm.queued_requests, adm.queued_tokens) == (0, 0, 0)
+    assert 1.0 <= adm.retry_after() <= 60.0
+    with pytest.raises(ValueError):
+        Admission(0, 1, 1)
+
+
+def test_default_bounds_admit_a_full_batch_and_the_longest_prompt():
+    req, tok = default_admission_bounds(64, 2048, 8192)
+    assert (req, tok) == (16, 8192)
+    assert default_admission_bounds(8, 512, 256) == (4, 2048)
