@@ -301,7 +301,7 @@ class OpenAIIngress:
                               "invalid_request_error", param="model", code="model_not_found")
         return name, self._streaming[name]
 
-    async def _open(self, rid: str, handle: DeploymentHandle, *args, **kwargs) -> _Stream:
+    async def _open(self, rid: str, model: str, handle: DeploymentHandle, *args, **kwargs) -> _Stream:
         gen = handle.generate.remote(*args, return_errors=True, **kwargs)
         try:
             first = await gen.__anext__()
@@ -316,6 +316,8 @@ class OpenAIIngress:
             if err is None:
                 logger.error("request %s: the model server failed", rid, exc_info=e)
                 err = _internal(rid)
+            elif err.code in ("queue_full", "model_unavailable"):  # refused by Serve before any replica saw it
+                self._rejected.inc({"model_name": model, "reason": err.code})
             raise err from None
         if first.error is not None:  # the server's own verdict: a client error, a full queue, a dead engine
             raise OpenAIError.of(first.error)
@@ -495,7 +497,7 @@ class OpenAIIngress:
         use = await self._admit_key(request, name, estimate_prompt_tokens(messages), body.effective_max_tokens,
                                     body.priority)
         try:
-            stream = await self._open(hid, handle, None, sp, messages=messages, request_id=rid,
+            stream = await self._open(hid, name, handle, None, sp, messages=messages, request_id=rid,
                                       priority=use.priority)
         except BaseException:
             use.settle_soon([])
@@ -582,7 +584,7 @@ class OpenAIIngress:
         streams: list[_Stream] = []
         try:
             results = await asyncio.gather(
-                *(self._open(hid, handle, p, sp, request_id=f"{rid}-{i}", priority=use.priority)
+                *(self._open(hid, name, handle, p, sp, request_id=f"{rid}-{i}", priority=use.priority)
                   for i, p in enumerate(prompts)), return_exceptions=True)
             for r in results:
                 if isinstance(r, _Stream):
