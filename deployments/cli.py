@@ -204,13 +204,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(join_failure_message(args.address, auth, e)) from e
     if started_ray:  # no cluster to grow into: autoscale only as far as this machine holds
         app_args = fit_single_node(app_args, int(ray.cluster_resources().get("GPU", 0)))
-    stopping = {"flag": False}
+    stopping = {"count": 0}
 
     def _stop(signum, frame):
-        if stopping["flag"]:  # a second Ctrl-C while shutting down: keep shutting down
-            print("kvserve: already shutting down ...", flush=True)
+        stopping["count"] += 1
+        if stopping["count"] == 2:  # a second Ctrl-C while draining: stop now
+            print("kvserve: stopping now (in-flight requests are cut) ...", flush=True)
+            raise KeyboardInterrupt
+        if stopping["count"] > 2:
             return
-        stopping["flag"] = True
         raise KeyboardInterrupt
 
     # Explicit handlers: Ctrl-C must work even where SIGINT was ignored at start (e.g. a
@@ -251,18 +253,62 @@ def cmd_serve(args: argparse.Namespace) -> int:
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
-        print("\nkvserve: shutting down ...", flush=True)
+        pass
     finally:
-        try:
-            if started_ray:
-                serve.shutdown()
-            else:
-                serve.delete(name)
-        except Exception as e:
-            print(f"kvserve: serve shutdown failed: {e}", file=sys.stderr)
-        ray.shutdown()
+        _drain_and_stop(name, app_args, started_ray)
     print("kvserve: stopped.", flush=True)
     return 0
+
+
+#: Seconds between ``/ready`` turning 503 ("draining") and the application refusing requests.
+DRAIN_NOTICE_S = 2.0
+
+
+def _mark_draining(name: str) -> None:
+    """Make every ingress replica of the application answer ``/ready`` with 503 (best effort:
+    Serve's router spreads the calls, so a few rounds reach every replica)."""
+    from ray import serve
+
+    try:
+        st = serve.status().applications.get(name)
+        dep = st.deployments.get("OpenAIIngress") if st else None
+        n = int((dep.replica_states or {}).get("RUNNING", 1)) if dep else 1
+        handle = serve.get_app_handle(name)
+        seen: set[str] = set()
+        for _ in range(10 * n):
+            seen.add(handle.drain.remote().result(timeout_s=5))
+            if len(seen) >= n:
+                break
+    except Exception as e:  # never block the shutdown on it
+        print(f"kvserve: could not mark the application as draining: {e}", file=sys.stderr, flush=True)
+
+
+def _drain_and_stop(name: str, app_args, started_ray: bool) -> None:
+    """Graceful shutdown: delete the application first, which drains it (Serve stops routing
+    new requests to its replicas; each finishes its in-flight streams for up to the model's
+    ``graceful_shutdown_timeout_s``, and a stream cut at that deadline still gets its SSE
+    error event and ``[DONE]`` from the ingress, which outlives the models' drain), and only
+    then stop Serve's proxy and Ray. A second Ctrl-C stops at once."""
+    from ray import serve
+
+    drain_s = max(m.graceful_shutdown_timeout_s for m in app_args.model_list())
+    print(f"\nkvserve: draining: /ready says 503, new requests are refused after {DRAIN_NOTICE_S:g} s, in-flight "
+          f"ones finish (up to {drain_s:g} s; Ctrl-C again to stop now) ...", flush=True)
+    try:
+        try:
+            _mark_draining(name)
+            time.sleep(DRAIN_NOTICE_S)  # load balancers polling /ready stop sending here
+            serve.delete(name)  # blocks until every replica has drained and stopped
+        except KeyboardInterrupt:
+            pass
+        if started_ray:
+            serve.shutdown()
+    except Exception as e:
+        print(f"kvserve: serve shutdown failed: {e}", file=sys.stderr)
+    finally:
+        import ray
+
+        ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -289,6 +289,7 @@ class OpenAIIngress:
         self.max_prompts_per_request = max_prompts_per_request
         self.health_timeout_s = health_timeout_s
         self._info: dict[str, dict] = {}  # model_info() of each model's server
+        self.draining = False
         self._status_cache: tuple[float, object] | None = None
         self._created = int(time.time())
         self._streaming = {name: h.options(stream=True) for name, h in self.models.items()}
@@ -369,6 +370,13 @@ class OpenAIIngress:
         return _sse(cls._failed(rid, e).body())
 
     # ---- Python API (``serve.get_app_handle("kvserve")``) ---------------------------------
+    async def drain(self) -> str:
+        """Mark this ingress replica as draining (``/ready`` answers 503 ``draining`` so load
+        balancers stop sending; requests are still served until Serve stops the replica).
+        Returns the replica's id (``kvserve serve`` calls it until every replica has answered)."""
+        self.draining = True
+        return serve.get_replica_context().replica_id.unique_id
+
     async def generate(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,
                        model: str | None = None, messages: list[dict] | None = None,
                        request_id: str | None = None, priority: int = 0):
@@ -424,14 +432,14 @@ class OpenAIIngress:
         """Readiness (for load balancers, Kubernetes' readinessProbe): 200 when every model
         has a replica that stepped recently or answers a 1-token probe; 503 with the reason
         (``loading``, ``draining``, ``not responding``) otherwise. A full queue is ready."""
+        if self.draining:
+            return _error_response(503, "not ready: draining (the server is shutting down)", "server_error",
+                                   code="draining", headers={"Retry-After": "5"})
         try:
             status = await self._app_status()
         except Exception as e:
             logger.warning("readiness: no application status from Serve's controller", exc_info=e)
             status = None
-        if status is not None and str(getattr(status.status, "value", status.status)) == "DELETING":
-            return _error_response(503, "not ready: draining (the application is shutting down)", "server_error",
-                                   code="draining", headers={"Retry-After": "5"})
 
         async def probe(name: str) -> str | None:
             try:
