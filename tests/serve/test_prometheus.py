@@ -1,0 +1,418 @@
+"""kvserve's metrics through a real Prometheus server.
+
+A Prometheus (the ``prometheus`` binary; Debian's package, which ``.ci/run`` installs) scrapes
+both exports of the live app every second: job ``kvserve`` the ingress's ``GET /metrics``
+(prometheus-client multiprocess, ``kvserve:<name>``) and job ``ray`` the node's Ray metrics
+agent (``ray_kvserve_<name>``). The test reads the current values through Prometheus' HTTP
+API, sends a known workload and polls until the increases are exactly what was sent, in both
+exports: finished requests by reason, prompt and generation tokens against the ``usage`` the
+API reported, the per-request histograms' counts, sums and buckets, inter-token latencies,
+prefix-cache queries, the gateway's per-API-key requests and tokens, the ``queue_full``
+rejections of a burst against the 429s the client saw, and a wrong API key. Then every query of
+the Grafana dashboard (``helm/kvserve/dashboards/kvserve.json``) runs against this Prometheus
+with both exports.
+"""
+import concurrent.futures
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+# constants only: importing deployments.metrics switches nothing on
+from deployments.metrics import TOKEN_BUCKETS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TINY = "tiny"
+N = 5  # completions of the exact-count phase
+MAX_TOKENS = 8
+CHAT = [{"role": "user", "content": "Count the planets of the solar system, one by one."}]
+# a shared prefix longer than a few KV blocks (16 tokens), so the later prompts hit the prefix cache
+PREFIX = ("You are a careful assistant. Answer in one short sentence, using plain words, and never repeat "
+          "the question back to the user. The topic of this request is the weather on a quiet day, ")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prom:
+    """A Prometheus server started for this test, and its HTTP query API."""
+
+    def __init__(self, url: str, proc: subprocess.Popen, log_path: str):
+        self.url, self.proc, self.log_path = url, proc, log_path
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def query(self, expr: str) -> list[dict]:
+        r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        r.raise_for_status()
+        body = r.json()
+        assert body["status"] == "success", body
+        assert body["data"]["resultType"] == "vector", body
+        return body["data"]["result"]
+
+    def value(self, expr: str) -> float:
+        """``sum(expr)``; 0 when the series does not exist (yet)."""
+        res = self.query(f"sum({expr})")
+        return float(res[0]["value"][1]) if res else 0.0
+
+    def values(self, exprs: dict[str, str]) -> dict[str, float]:
+        return {k: self.value(e) for k, e in exprs.items()}
+
+
+@pytest.fixture(scope="module")
+def prometheus(serve_app, tmp_path_factory):
+    """A real Prometheus scraping the ingress's ``/metrics`` (job ``kvserve``) and the Ray
+    metrics agent of every live node (job ``ray``) every second; terminated at the end."""
+    import ray
+
+    exe = shutil.which("prometheus")
+    if exe is None:
+        pytest.skip("prometheus not installed (apt-get install prometheus)")
+    ray_targets = [f"127.0.0.1:{n['MetricsExportPort']}" for n in ray.nodes()
+                   if n.get("Alive") and n.get("MetricsExportPort")]
+    assert ray_targets, ray.nodes()
+    d = tmp_path_factory.mktemp("prometheus")
+    port = _free_port()
+    cfg = d / "prometheus.yml"
+    cfg.write_text(
+        "global:\n"
+        "  scrape_interval: 1s\n"
+        "  scrape_timeout: 1s\n"
+        "  evaluation_interval: 1s\n"
+        "scrape_configs:\n"
+        "  - job_name: kvserve\n"
+        "    metrics_path: /metrics\n"
+        "    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{serve_app.port}']\n"
+        "  - job_name: ray\n"
+        "    metrics_path: /metrics\n"
+        "    static_configs:\n"
+        f"      - targets: [{', '.join(repr(t) for t in ray_targets)}]\n")
+    (d / "data").mkdir()
+    log_path = str(d / "prometheus.log")
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([exe, f"--config.file={cfg}", f"--web.listen-address=127.0.0.1:{port}",
+                             f"--storage.tsdb.path={d / 'data'}", "--log.level=warn"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    prom = Prom(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.time() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"prometheus exited with {proc.returncode}:\n{prom.log_tail()}")
+            try:
+                if httpx.get(f"{prom.url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"prometheus not ready in 60 s:\n{prom.log_tail()}")
+            time.sleep(0.3)
+        yield prom
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def _wait(cond, timeout: float, what: str, interval: float = 1.0):
+    """Poll ``cond()`` (returns (done, detail)) until done; fail with the last detail."""
+    deadline = time.time() + timeout
+    while True:
+        done, detail = cond()
+        if done:
+            return detail
+        if time.time() > deadline:
+            pytest.fail(f"{what} (after {timeout:.0f} s): {detail}")
+        time.sleep(interval)
+
+
+def _exprs(prefix: str, model: str) -> dict[str, str]:
+    """The counters and histogram counts/sums of one model, in one export's names."""
+    m = f'model_name="{model}"'
+    p = prefix
+    return {
+        "success_length": f'{p}request_success_total{{{m},finished_reason="length"}}',
+        "success_all": f"{p}request_success_total{{{m}}}",
+        "prompt_tokens": f"{p}prompt_tokens_total{{{m}}}",
+        "generation_tokens": f"{p}generation_tokens_total{{{m}}}",
+        "ttft_count": f"{p}time_to_first_token_seconds_count{{{m}}}",
+        "itl_count": f"{p}inter_token_latency_seconds_count{{{m}}}",
+        "e2e_count": f"{p}e2e_request_latency_seconds_count{{{m}}}",
+        "queue_count": f"{p}request_queue_time_seconds_count{{{m}}}",
+        "prefill_count": f"{p}request_prefill_time_seconds_count{{{m}}}",
+        "decode_count": f"{p}request_decode_time_seconds_count{{{m}}}",
+        "req_prompt_count": f"{p}request_prompt_tokens_count{{{m}}}",
+        "req_prompt_sum": f"{p}request_prompt_tokens_sum{{{m}}}",
+        "req_gen_count": f"{p}request_generation_tokens_count{{{m}}}",
+        "req_gen_sum": f"{p}request_generation_tokens_sum{{{m}}}",
+        "pc_queries": f"{p}prefix_cache_queries_total{{{m}}}",
+        "pc_hits": f"{p}prefix_cache_hits_total{{{m}}}",
+        "preemptions": f"{p}num_preemptions_total{{{m}}}",
+        "rejected_queue_full": f'{p}requests_rejected_total{{{m},reason="queue_full"}}',
+        # the gateway's: per API key name ("anonymous" without keys); 401s (the gate knows no model)
+        "key_requests": f"{p}api_key_requests_total{{{m}}}",
+        "key_prompt": f'{p}api_key_tokens_total{{{m},kind="prompt"}}',
+        "key_gen": f'{p}api_key_tokens_total{{{m},kind="generation"}}',
+        "rejected_unauthorized": f'{p}requests_rejected_total{{reason="unauthorized"}}',
+        "rejected_auth_throttled": f'{p}requests_rejected_total{{reason="auth_throttled"}}',
+        # bucket placement (cumulative buckets; prometheus-client writes le="5.0", Ray le="5")
+        "req_gen_le5": f'{p}request_generation_tokens_bucket{{{m},le=~"5|5[.]0"}}',
+        "req_gen_le10": f'{p}request_generation_tokens_bucket{{{m},le=~"10|10[.]0"}}',
+        "req_gen_le100": f'{p}request_generation_tokens_bucket{{{m},le=~"100|100[.]0"}}',
+    }
+
+
+EXPORTS = {"kvserve": "kvserve:", "ray": "ray_kvserve_"}
+
+
+def _all_exprs(model: str) -> dict[tuple[str, str], str]:
+    return {(job, k): e for job, p in EXPORTS.items() for k, e in _exprs(p, model).items()}
+
+
+def _baseline(prom: Prom, model: str) -> dict[tuple[str, str], float]:
+    """Current values once nothing is in flight and Ray's export has caught up.
+
+    The ingress's ``/metrics`` is rendered at each scrape, so Prometheus' ``kvserve:`` values
+    are current within a scrape; Ray's agent gets each worker's values every
+    ``metrics_report_interval_ms``, so a ``ray_kvserve_`` value can lag. It has caught up when it
+    equals the ``kvserve:`` one (the multiprocess files keep a dead process's counters, Ray's
+    agent does not, so after a replica restart they can differ for good: then wait until
+    Ray's values stood still for two report intervals)."""
+    import ray
+
+    m = f'model_name="{model}"'
+    _wait(lambda: ((v := prom.value(f"kvserve:num_requests_running{{{m}}}")
+                    + prom.value(f"kvserve:num_requests_waiting{{{m}}}")) == 0, v),
+          120, f"{model} still has requests in flight")
+    exprs = _all_exprs(model)
+    keys = list(exprs)
+    stable_for = 2 * max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 3
+    last, since = None, time.time()
+    deadline = time.time() + stable_for + 60
+    while True:
+        vals = {k: prom.value(e) for k, e in exprs.items()}
+        time.sleep(1.5)  # > one scrape: the kvserve values must not move either
+        again = {k: prom.value(e) for k, e in exprs.items()}
+        if vals == again:
+            if all(vals[("ray", k)] == vals[("kvserve", k)] for _, k in keys):
+                return vals
+            if last != vals:
+                last, since = vals, time.time()
+            elif time.time() - since >= stable_for:
+                return vals
+        if time.time() > deadline:
+            pytest.fail(f"metrics of {model} never settled: {again}")
+
+
+def _deltas(prom: Prom, base: dict, model: str) -> dict[tuple[str, str], float]:
+    return {k: prom.value(e) - base[k] for k, e in _all_exprs(model).items()}
+
+
+def _expect(prom: Prom, base: dict, model: str, expected: dict[str, float], timeout: float = 60):
+    """Poll until every expected increase holds in both exports (a value, or ``{job: value}``
+    where the exports differ); fail naming each mismatch."""
+    def want(job, v):
+        return v[job] if isinstance(v, dict) else v
+
+    def cond():
+        d = _deltas(prom, base, model)
+        bad = {f"{job}:{k}": (d[(job, k)], want(job, v)) for job in EXPORTS for k, v in expected.items()
+               if d[(job, k)] != want(job, v)}
+        return not bad, (d, bad)
+
+    deadline = time.time() + timeout
+    while True:
+        done, (d, bad) = cond()
+        if done:
+            return d
+        if time.time() > deadline:
+            pytest.fail(f"metric increases != what was sent after {timeout:.0f} s, (got, expected): {bad}; "
+                        f"all increases: { {f'{j}:{k}': v for (j, k), v in d.items()} }")
+        time.sleep(1.0)
+
+
+def _ray_hist_sum(values, buckets) -> float:
+    """What Ray's export reports as a histogram's ``_sum`` for these observations: Ray's
+    metrics agent rebuilds histograms from bucket counts, recording each bucket's midpoint
+    (``open_telemetry_metric_recorder.py``: first bucket from 0, ``+Inf`` as twice the last
+    bound), so ``ray_*_sum`` is an approximation while the bucket counts are exact."""
+    mids = [buckets[0] / 2] + [(a + b) / 2 for a, b in itertools.pairwise(buckets)] + [buckets[-1] * 2]
+    return sum(mids[next((i for i, b in enumerate(buckets) if v <= b), len(buckets))] for v in values)
+
+
+def test_prometheus_scrapes_both_exports(serve_app, prometheus):
+    prom = prometheus
+    # both targets up (a scrape succeeded) and the kvserve series of the app are there
+    def targets_up():
+        up = {r["metric"]["job"]: float(r["value"][1]) for r in prom.query("up")}
+        return up.get("kvserve") == 1 and up.get("ray") == 1, up
+    _wait(targets_up, 60, "scrape targets not up")
+    for job in ("kvserve", "ray"):
+        res = prom.query(f'up{{job="{job}"}}')
+        assert res and all(float(r["value"][1]) == 1 for r in res), (job, res)
+    names = {r["metric"]["model_name"] for r in prom.query("kvserve:num_requests_running")}
+    assert {TINY, serve_app.model} <= names, names
+
+    # ---- phase 1: a known workload, exact counts --------------------------------------------
+    base = _baseline(prom, TINY)
+    usages = []
+    with httpx.Client(timeout=120) as c:
+        for i in range(N):
+            r = c.post(f"{serve_app.base_url}/completions",
+                       json={"model": TINY, "prompt": PREFIX + f"request number {i}.", "max_tokens": MAX_TOKENS,
+                             "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["finish_reason"] == "length", body
+            usages.append(body["usage"])
+        r = c.post(f"{serve_app.base_url}/chat/completions",
+                   json={"model": TINY, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length", body
+        usages.append(body["usage"])
+    n_req = N + 1
+    assert all(u["completion_tokens"] == MAX_TOKENS for u in usages), usages
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    gen_tokens = n_req * MAX_TOKENS
+    expected = {
+        "success_length": n_req, "success_all": n_req,
+        "prompt_tokens": prompt_tokens, "generation_tokens": gen_tokens,
+        "ttft_count": n_req, "e2e_count": n_req, "queue_count": n_req, "prefill_count": n_req,
+        "decode_count": n_req,
+        "itl_count": n_req * (MAX_TOKENS - 1),  # one per token after the first
+        "req_prompt_count": n_req,
+        "req_prompt_sum": {"kvserve": prompt_tokens,
+                           "ray": _ray_hist_sum([u["prompt_tokens"] for u in usages], TOKEN_BUCKETS)},
+        "req_gen_count": n_req,
+        "req_gen_sum": {"kvserve": gen_tokens, "ray": _ray_hist_sum([MAX_TOKENS] * n_req, TOKEN_BUCKETS)},
+        "req_gen_le5": 0, "req_gen_le10": n_req, "req_gen_le100": n_req,
+        "pc_queries": prompt_tokens,  # each prompt looked up once (no preemption here)
+        "preemptions": 0, "rejected_queue_full": 0,
+        "key_requests": n_req, "key_prompt": prompt_tokens, "key_gen": gen_tokens,
+    }
+    d = _expect(prom, base, TINY, expected)
+    # the later prompts share PREFIX (several 16-token blocks) with the first: prefix-cache hits
+    for job in EXPORTS:
+        assert 0 < d[(job, "pc_hits")] <= d[(job, "pc_queries")], d
+    # nothing left running or waiting
+    for job, p in EXPORTS.items():
+        assert prom.value(f'{p}num_requests_running{{model_name="{TINY}"}}') == 0, job
+        assert prom.value(f'{p}num_requests_waiting{{model_name="{TINY}"}}') == 0, job
+
+    # ---- phase 2: a burst over the replica's admission bound -> 429 queue_full, counted --------
+    base = _baseline(prom, TINY)
+    # 40 > what Serve lets through to the one replica (max_ongoing_requests 16 + the ingress
+    # handle's max_queued_requests 12): refused by Serve's back-pressure (code "queue_full", counted
+    # by the ingress) and by the replica's admission (max_num_seqs 8 + 4 queued: code
+    # "overloaded", counted by the replica), both reason="queue_full"
+    burst, burst_tokens = 40, 96
+
+    def one(i):
+        with httpx.Client(timeout=180) as c:
+            r = c.post(f"{serve_app.base_url}/completions",
+                       json={"model": TINY, "prompt": f"burst {i}", "max_tokens": burst_tokens, "temperature": 0,
+                             "ignore_eos": True})
+            return r.status_code, r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(burst) as ex:
+        results = list(ex.map(one, range(burst)))
+    codes = [s for s, _ in results]
+    ok = [b for s, b in results if s == 200]
+    rejected = [b for s, b in results if s == 429]
+    assert len(ok) + len(rejected) == burst, [(s, b) for s, b in results if s not in (200, 429)]
+    codes_429 = sorted(b["error"]["code"] for b in rejected)
+    assert set(codes_429) <= {"overloaded", "queue_full"}, rejected
+    if not rejected:
+        pytest.fail(f"a burst of {burst} requests on a replica that admits max_num_seqs + max_queued_requests "
+                    f"= 12 got no 429: {codes}")
+    ok_prompt = sum(b["usage"]["prompt_tokens"] for b in ok)
+    assert all(b["usage"]["completion_tokens"] == burst_tokens for b in ok)
+    n_ok = len(ok)
+    print(f"burst of {burst}: {n_ok} x 200, 429 codes {codes_429}")
+    _expect(prom, base, TINY, {
+        "rejected_queue_full": len(rejected),
+        "success_length": n_ok, "success_all": n_ok,
+        "prompt_tokens": ok_prompt, "generation_tokens": n_ok * burst_tokens,
+        "ttft_count": n_ok, "e2e_count": n_ok, "req_gen_count": n_ok, "req_gen_le10": 0, "req_gen_le100": n_ok,
+        "req_gen_sum": {"kvserve": n_ok * burst_tokens, "ray": _ray_hist_sum([burst_tokens] * n_ok, TOKEN_BUCKETS)},
+        # every request of the burst passed the gateway's key admission; tokens only for those served
+        "key_requests": burst, "key_prompt": ok_prompt, "key_gen": n_ok * burst_tokens,
+    })
+
+    # ---- the Grafana dashboard's queries, run against this Prometheus with each export ----------
+    _check_dashboard(prom)
+
+    # ---- phase 3: the app with an API key: per-key tokens, a wrong key counted ----------------
+    tp2 = "tiny-tp2"
+    base = _baseline(prom, tp2)
+    r = httpx.post(f"{serve_app.auth_base_url}/completions", timeout=120,
+                   headers={"Authorization": f"Bearer {serve_app.api_key}"},
+                   json={"model": tp2, "prompt": "one request with a key", "max_tokens": 4, "temperature": 0,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 4, usage
+    bad = httpx.post(f"{serve_app.auth_base_url}/completions", timeout=60,
+                     headers={"Authorization": "Bearer sk-not-the-key"},
+                     json={"model": tp2, "prompt": "x", "max_tokens": 1})
+    # 401, or 429 when earlier tests of the session used up this address's failed attempts
+    assert bad.status_code in (401, 429), bad.text
+    _expect(prom, base, tp2, {
+        "success_length": 1, "prompt_tokens": usage["prompt_tokens"], "generation_tokens": 4,
+        "key_requests": 1, "key_prompt": usage["prompt_tokens"], "key_gen": 4,
+        "rejected_unauthorized": int(bad.status_code == 401), "rejected_auth_throttled": int(bad.status_code == 429),
+    })
+
+
+DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "helm", "kvserve", "dashboards", "kvserve.json")
+# panels that must show the tiny model's traffic just sent, in both exports
+MUST_HAVE_DATA = ("Time to first token", "Inter-token latency", "End-to-end request latency", "Queue / prefill",
+                  "Token throughput", "Finished requests", "Running and waiting", "KV-cache usage",
+                  "Prefix-cache hit rate", "Rejected requests", "Replicas", "Request length")
+
+
+def _check_dashboard(prom: Prom):
+    """Every query of ``helm/kvserve/dashboards/kvserve.json`` parses and runs in Prometheus
+    for both values of ``$prefix``; the panels of the traffic just sent show data, and the
+    replica count of the tiny model is 1 in both exports."""
+    import json
+    import re
+
+    with open(DASHBOARD) as f:
+        dash = json.load(f)
+    for prefix in EXPORTS.values():
+        for p in dash["panels"]:
+            for t in p["targets"]:
+                expr = t["expr"]
+                for var, value in (("prefix", prefix), ("model_name", TINY), ("__rate_interval", "1m"),
+                                   ("__interval", "15s"), ("__range", "1h")):
+                    expr = expr.replace("${" + var + "}", value)
+                    expr = re.sub(r"\$" + re.escape(var) + r"(?![A-Za-z0-9_])", value, expr)
+                res = prom.query(expr)  # raises on a PromQL error (HTTP 400)
+                where = f"{prefix} panel {p['id']} {p['title']!r} {t['refId']}: {expr}"
+                if p["title"].startswith(MUST_HAVE_DATA) and t["refId"] == "A":
+                    assert res, f"no data: {where}"
+                if p["title"] == "Replicas" and t["refId"] == "A":
+                    assert [(r["metric"]["model_name"], float(r["value"][1])) for r in res] == [(TINY, 1.0)], \
+                        (where, res)
