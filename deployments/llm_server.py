@@ -134,16 +134,16 @@ class Admission:
 
     def admit(self, num_prompt_tokens: int) -> GenerationError | None:
         """Take a slot for a prompt of ``num_prompt_tokens`` tokens, or say why not: a
-        :class:`GenerationError` ``too_large`` (400) or ``overloaded`` (429, with
+        :class:`GenerationError` ``too_large`` (400) or ``queue_full`` (429, with
         ``retry_after_s``)."""
         if num_prompt_tokens > self.max_prompt_tokens:
             return GenerationError("too_large", f"the prompt is {num_prompt_tokens} tokens; a replica queues at most "
                                                 f"{self.max_prompt_tokens} prompt tokens (max_queued_prompt_tokens)")
         if self.in_flight >= self.max_in_flight:
-            return GenerationError("overloaded", f"the model is at capacity ({self.in_flight} requests running or "
+            return GenerationError("queue_full", f"the model is at capacity ({self.in_flight} requests running or "
                                                  "queued), retry later", self.retry_after())
         if self.queued_requests and self.queued_tokens + num_prompt_tokens > self.max_prompt_tokens:
-            return GenerationError("overloaded", f"the model's queue is full ({self.queued_tokens} prompt tokens "
+            return GenerationError("queue_full", f"the model's queue is full ({self.queued_tokens} prompt tokens "
                                                  "waiting), retry later", self.retry_after())
         self.in_flight += 1
         self.queued_requests += 1
@@ -329,10 +329,10 @@ class LLMServer:
                 n_prompt = len(ids)
                 refused = self.admission.admit(n_prompt)
                 if refused is not None:
-                    if refused.code == "overloaded":
+                    if refused.code == "queue_full":
                         self._rejected.inc({"model_name": self.model_name, "reason": "queue_full"})
                     if not return_errors:
-                        raise (OverloadedError(refused) if refused.code == "overloaded" else ValueError(refused.message))
+                        raise (OverloadedError(refused) if refused.code == "queue_full" else ValueError(refused.message))
                     yield GenerationChunk(finished=True, finish_reason="error", error=refused)
                     return
                 admitted = True
@@ -504,7 +504,7 @@ class LLMServer:
         async with asyncio.timeout(timeout_s):
             async for chunk in self.generate("ready?", {"max_tokens": 1, "temperature": 0.0},
                                              request_id=f"ready-{os.urandom(6).hex()}", return_errors=True):
-                if chunk.error is not None and chunk.error.code != "overloaded":
+                if chunk.error is not None and chunk.error.code != "queue_full":
                     raise RuntimeError(f"readiness probe failed: {chunk.error.code}")
         return {"status": "ok", "probe": True, "probe_s": round(time.monotonic() - t0, 3)}
 

@@ -270,7 +270,7 @@ def random_id(prefix: str) -> str:
 ERROR_STATUS = {
     "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len
     "invalid_value": 400,            # a value the engine cannot honour (the message names the field)
-    "overloaded": 429,               # the replica's queue is full: retry after retry_after_s
+    "queue_full": 429,               # the replica is at capacity: retry after retry_after_s
     "too_large": 400,                # can never be admitted (more than a replica's whole queue bound)
     "timeout": 504,                  # ran past the server's request_timeout_s (aborted, blocks freed)
     "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
@@ -284,7 +284,7 @@ class GenerationError:
 
     code: str
     message: str
-    retry_after_s: float | None = None  # for "overloaded": when a retry may succeed, seconds
+    retry_after_s: float | None = None  # for "queue_full": when a retry may succeed, seconds
 
     @property
     def status(self) -> int:

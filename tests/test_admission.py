@@ -54,7 +54,7 @@ def test_full_replica_refuses_at_once_and_admits_the_rest(tiny):
         assert r[-1].finished and r[-1].num_output_tokens == 40
     for r in refused:
         err = r[-1].error
-        assert len(r) == 1 and err.code == "overloaded" and err.status == 429
+        assert len(r) == 1 and err.code == "queue_full" and err.status == 429
         assert 1.0 <= err.retry_after_s <= 60.0
     assert server.engine.get_stats()["max_running_batch"] <= 2
     _assert_drained(server)
@@ -100,10 +100,10 @@ def test_admission_bookkeeping_and_retry_after():
     adm = Admission(max_num_seqs=2, max_queued_requests=1, max_prompt_tokens=100)
     assert adm.admit(60) is None and adm.admit(30) is None
     err = adm.admit(20)  # the queue holds 90 prompt tokens: 110 > 100
-    assert err.code == "overloaded"
+    assert err.code == "queue_full"
     adm.start(60)  # the first one got its first token: 30 tokens still queued
     assert adm.admit(20) is None  # 3 in flight = max_num_seqs + 1
-    assert adm.admit(1).code == "overloaded"  # in-flight bound
+    assert adm.admit(1).code == "queue_full"  # in-flight bound
     assert adm.admit(101).code == "too_large"
     adm.end(60, started=True)
     adm.end(30, started=False)
