@@ -1,0 +1,372 @@
+"""SSE flood: N concurrent streaming chat requests against one node (short outputs).
+
+Issue target: "2,000 concurrent SSE streams against one node (short outputs): all complete or
+are cleanly rejected; memory stays bounded; report peak RSS per process."
+
+All ``--streams`` requests are opened at once (or spread over ``--ramp-s`` seconds) from one
+aiohttp session whose connector allows that many connections; each asks for
+``--max-tokens`` tokens (``ignore_eos``) of a short distinct prompt, streamed. Every answer
+is read to its end and classified as in ``benchmarks/load_test.py``: ``complete`` (``[DONE]``
+after a ``finish_reason``), a clean rejection (429 / 503 with an OpenAI error body, or an SSE
+error event followed by ``[DONE]``) or lost (timeout, connection error, truncated stream, any
+other status).
+
+Meanwhile a thread samples the resident set size (RSS) of every process of the server's Ray
+session every ``--interval`` seconds: the ``kvserve serve`` driver, GCS, raylet, Ray's agents,
+the Serve controller and proxy, the ingress and ``LLMServer`` replicas (and tensor-parallel
+workers), each named by its command line (``ray::ServeReplica:kvserve:OpenAIIngress``,
+``raylet``, ...) and pid; and this client's own RSS. Reported per process: RSS before the
+flood, peak during it, and after it (once all answers are in), and the peak of the sum.
+
+Which processes: with ``--start-server``, the tree of the ``kvserve serve`` it starts; with
+``--server-pid PID``, that process's tree (the pid of a running ``kvserve serve``); otherwise
+the Ray session ``--ray-session`` (default: ``/tmp/ray/session_latest``; on a machine with
+several Ray sessions, name the right one): its GCS, raylet and their descendants.
+
+Usage::
+
+    python benchmarks/sse_flood.py --start-server                       # 2000 streams, writes benchmarks/results/
+    python benchmarks/sse_flood.py --url http://127.0.0.1:8000/v1 --server-pid $(pgrep -f 'kvserve serve')
+    python benchmarks/sse_flood.py --start-server --streams 100 --out /tmp/sse_flood.json   # smoke run
+
+Results: ``benchmarks/results/sse_flood.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import load_average, write_json  # noqa: E402
+from benchmarks.load_test import (  # noqa: E402
+    CLEAN_REJECTIONS,
+    COMPLETE,
+    DEFAULT_MODEL,
+    LOST,
+    OUTCOMES,
+    LocalServer,
+    Rec,
+    auth_headers,
+    chat_body,
+    dist_ms,
+    machine_info,
+    status_counts,
+    stream_chat,
+)
+
+MIB = 2 ** 20
+
+
+# ---- processes and their RSS ----------------------------------------------------------------
+class Procs:
+    """The processes to watch: psutil where installed, else ``/proc`` (Linux)."""
+
+    def __init__(self, roots: list[int]):
+        self.roots = roots
+        try:
+            import psutil
+            self.psutil = psutil
+        except ImportError:
+            self.psutil = None
+
+    def pids(self) -> set[int]:
+        """The roots and all their descendants, alive now."""
+        if self.psutil is not None:
+            out = set()
+            for r in self.roots:
+                try:
+                    p = self.psutil.Process(r)
+                    out.add(r)
+                    out.update(c.pid for c in p.children(recursive=True))
+                except self.psutil.Error:
+                    pass
+            return out
+        parent: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    stat = Path(f"/proc/{d}/stat").read_text()
+                    parent[int(d)] = int(stat[stat.rindex(")") + 2:].split()[1])
+                except (OSError, ValueError):
+                    pass
+        out = {r for r in self.roots if r in parent}
+        grew = True
+        while grew:
+            new = {pid for pid, pp in parent.items() if pp in out and pid not in out}
+            out |= new
+            grew = bool(new)
+        return out
+
+    def rss(self, pid: int) -> int | None:
+        if self.psutil is not None:
+            try:
+                return self.psutil.Process(pid).memory_info().rss
+            except self.psutil.Error:
+                return None
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    @staticmethod
+    def cmdline(pid: int) -> list[str]:
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return []
+        parts = [p.decode(errors="replace") for p in raw.split(b"\0") if p]
+        if len(parts) == 1 and " " in parts[0]:  # a process title set with setproctitle
+            parts = parts[0].split()
+        return parts
+
+
+def proc_name(cmd: list[str]) -> str:
+    """A short name from a command line: ``ray::ServeReplica:kvserve:LLMServer`` (the method a
+    Ray worker runs at the moment is dropped), ``raylet``, ``gcs_server``, ``dashboard.py``,
+    ``kvserve serve``."""
+    if not cmd:
+        return "?"
+    if cmd[0].startswith("ray::"):
+        m = re.match(r"ray::[^.\s]+", cmd[0])
+        return m.group(0) if m else cmd[0]
+    base = os.path.basename(cmd[0])
+    if base.startswith("python"):
+        for a in cmd[1:]:
+            if a.endswith(".py"):
+                return os.path.basename(a)
+            if a == "-m":
+                continue
+        return " ".join(os.path.basename(a) for a in cmd[1:3]) or base
+    if base == "kvserve" and len(cmd) > 1:
+        return f"kvserve {cmd[1]}"
+    return base
+
+
+def ray_session_roots(session: str) -> list[int]:
+    """The GCS / raylet (and the other head processes) of a Ray session: processes whose
+    command line names the session directory."""
+    path = os.path.realpath(session)
+    name = os.path.basename(path)
+    roots = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid() and any(name in a for a in Procs.cmdline(int(d))):
+            roots.append(int(d))
+    return roots
+
+
+class RssSampler(threading.Thread):
+    """Samples the RSS of every watched process (re-listing them each second: replicas may
+    start or restart) and this process's, until stopped; keeps per-pid first / peak / last,
+    the peak of the sum and a coarse time series."""
+
+    def __init__(self, procs: Procs, interval: float):
+        super().__init__(daemon=True)
+        self.procs, self.interval = procs, interval
+        self.stop_event = threading.Event()
+        self.per_pid: dict[int, dict] = {}
+        self.series: list[tuple[float, float]] = []  # (t, total MiB)
+        self.peak_total = 0
+        self.client_peak = 0
+        self.phase = "before"
+        self.t0 = time.perf_counter()
+        self._pids: set[int] = set()
+        self._listed = 0.0
+
+    def sample(self) -> None:
+        now = time.perf_counter()
+        if now - self._listed > 1.0:
+            self._pids = self.procs.pids()
+            self._listed = now
+        total = 0
+        for pid in list(self._pids):
+            r = self.procs.rss(pid)
+            if r is None:
+                continue
+            d = self.per_pid.get(pid)
+            if d is None:
+                d = self.per_pid[pid] = {"pid": pid, "name": proc_name(self.procs.cmdline(pid)), "before": None,
+                                         "peak": 0, "after": None}
+            elif d["name"].endswith(".py") or d["name"] == "?" or "initialize" in d["name"]:
+                d["name"] = proc_name(self.procs.cmdline(pid))
+            if self.phase == "before":
+                d["before"] = r
+            elif self.phase == "after":
+                d["after"] = r
+            d["peak"] = max(d["peak"], r)
+            total += r
+        self.peak_total = max(self.peak_total, total) if self.phase != "before" else self.peak_total
+        own = self.procs.rss(os.getpid()) or 0
+        self.client_peak = max(self.client_peak, own)
+        self.series.append((round(now - self.t0, 2), round(total / MIB, 1)))
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            self.sample()
+            self.stop_event.wait(self.interval)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join()
+
+
+# ---- the flood ------------------------------------------------------------------------------
+async def flood(url: str, model: str, api_key: str | None, n: int, max_tokens: int, timeout: float,
+                ramp_s: float) -> tuple[list[Rec], float]:
+    import aiohttp
+
+    endpoint = url.rstrip("/") + "/chat/completions"
+    headers = auth_headers(api_key)
+    recs = [Rec(index=i, due=ramp_s * i / n) for i in range(n)]
+    conn = aiohttp.TCPConnector(limit=n, limit_per_host=n)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        t0 = time.perf_counter()
+        tasks = []
+        for rec in recs:
+            delay = t0 + rec.due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = chat_body(model, f"Request {rec.index}: write one short sentence about the sea.", max_tokens)
+            tasks.append(asyncio.create_task(stream_chat(session, endpoint, body, headers, timeout, rec, t0)))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    return recs, elapsed
+
+
+def max_overlap(recs: list[Rec]) -> int:
+    """Most requests in flight at once (from send to the end of their answer)."""
+    ev = []
+    for r in recs:
+        if r.e2e is not None:
+            ev += [(r.sent, 1), (r.sent + r.e2e, -1)]
+    cur = best = 0
+    for _, d in sorted(ev, key=lambda e: (e[0], e[1])):
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
+    ap.add_argument("--streams", type=int, default=2000, help="concurrent streaming requests")
+    ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--ramp-s", type=float, default=0.0, help="spread the opening over this many seconds")
+    ap.add_argument("--request-timeout", type=float, default=900.0,
+                    help="seconds a request may take in all; past it, it counts as lost")
+    ap.add_argument("--interval", type=float, default=0.25, help="RSS sampling interval, s")
+    ap.add_argument("--settle-s", type=float, default=5.0, help="seconds after the flood before the 'after' RSS")
+    ap.add_argument("--start-server", action="store_true", help="launch `kvserve serve` and stop it at the end")
+    ap.add_argument("--server-args", default="", help="extra `kvserve serve` flags with --start-server")
+    ap.add_argument("--server-pid", type=int, default=None, help="pid of a running `kvserve serve` (RSS of its tree)")
+    ap.add_argument("--ray-session", default="/tmp/ray/session_latest",
+                    help="Ray session directory whose processes to watch (without --start-server / --server-pid)")
+    ap.add_argument("--out", default="benchmarks/results/sse_flood.json")
+    args = ap.parse_args(argv)
+
+    server = None
+    if args.start_server:
+        server = LocalServer(args.server_args.split(), api_key=args.api_key).start()
+        args.url, roots, watched = server.url, [server.proc.pid], f"tree of kvserve serve (pid {server.proc.pid})"
+    elif args.server_pid:
+        roots, watched = [args.server_pid], f"tree of pid {args.server_pid}"
+    else:
+        roots = ray_session_roots(args.ray_session)
+        watched = f"Ray session {os.path.realpath(args.ray_session)}"
+        print(f"watching {watched} ({len(roots)} head processes); name --server-pid if that is not the server's",
+              flush=True)
+    sampler = RssSampler(Procs(roots), args.interval)
+    try:
+        # warm-up (not counted), then the 'before' RSS
+        asyncio.run(flood(args.url, args.model, args.api_key, 1, 2, args.request_timeout, 0.0))
+        sampler.start()
+        time.sleep(max(1.5, 3 * args.interval))
+        sampler.phase = "during"
+        print(f"opening {args.streams} streams ({args.max_tokens} tokens each) ...", flush=True)
+        recs, elapsed = asyncio.run(flood(args.url, args.model, args.api_key, args.streams, args.max_tokens,
+                                          args.request_timeout, args.ramp_s))
+        time.sleep(args.settle_s)
+        sampler.phase = "after"
+        time.sleep(max(1.5, 3 * args.interval))
+        sampler.stop()
+    finally:
+        if sampler.is_alive():
+            sampler.stop()
+        if server is not None:
+            server.stop()
+
+    outcomes = {o: 0 for o in OUTCOMES}
+    for r in recs:
+        outcomes[r.outcome] += 1
+    done = [r for r in recs if r.outcome == COMPLETE]
+    lost = [r for r in recs if r.outcome in LOST]
+    procs = []
+    for d in sorted(sampler.per_pid.values(), key=lambda d: -d["peak"]):
+        procs.append({"name": d["name"], "pid": d["pid"],
+                      "rss_before_mib": None if d["before"] is None else round(d["before"] / MIB, 1),
+                      "rss_peak_mib": round(d["peak"] / MIB, 1),
+                      "rss_after_mib": None if d["after"] is None else round(d["after"] / MIB, 1),
+                      "growth_peak_mib": None if d["before"] is None else round((d["peak"] - d["before"]) / MIB, 1)})
+    before_total = sum(d["before"] or 0 for d in sampler.per_pid.values())
+    after_total = sum(d["after"] or 0 for d in sampler.per_pid.values())
+    growth = sampler.peak_total - before_total
+    result = {
+        "url": args.url, "model": args.model, "server_started_here": bool(server),
+        "server_args": args.server_args if server else None,
+        "streams": args.streams, "max_tokens": args.max_tokens, "ramp_s": args.ramp_s,
+        "request_timeout_s": args.request_timeout,
+        "machine": {**machine_info(), "load_average_end": load_average()},
+        "elapsed_s": elapsed,
+        "max_in_flight": max_overlap(recs),
+        "status_counts": status_counts(recs),
+        "outcomes": outcomes,
+        "completed": len(done), "rejected": sum(outcomes[o] for o in CLEAN_REJECTIONS), "lost": len(lost),
+        "lost_samples": [{"index": r.index, "outcome": r.outcome, "status": r.status, "detail": r.detail}
+                         for r in lost[:5]],
+        "rejection_samples": sorted({(r.detail or "")[:160] for r in recs if r.outcome in CLEAN_REJECTIONS})[:3],
+        "ttft_ms": dist_ms([r.ttft for r in done]),
+        "e2e_ms": dist_ms([r.e2e for r in done]),
+        "rejection_latency_ms": dist_ms([r.e2e for r in recs if r.outcome in CLEAN_REJECTIONS and r.e2e is not None]),
+        "memory": {
+            "watched": watched,
+            "server_rss_before_mib": round(before_total / MIB, 1),
+            "server_rss_peak_total_mib": round(sampler.peak_total / MIB, 1),
+            "server_rss_after_mib": round(after_total / MIB, 1),
+            "server_rss_growth_peak_mib": round(growth / MIB, 1),
+            "server_rss_growth_per_stream_kib": round(growth / 1024 / max(1, args.streams), 1),
+            "client_rss_peak_mib": round(sampler.client_peak / MIB, 1),
+            "per_process": procs,
+            "series_total_mib": sampler.series[:: max(1, len(sampler.series) // 400)],
+        },
+        "all_complete_or_cleanly_rejected": len(lost) == 0,
+    }
+    write_json(args.out, result)
+    print(f"{args.streams} streams in {elapsed:.1f} s (max in flight {result['max_in_flight']}): "
+          f"status {result['status_counts']}, outcomes { {k: v for k, v in outcomes.items() if v} }")
+    nan = float("nan")
+    print(f"TTFT p50/p99 {result['ttft_ms']['p50'] or nan:.0f}/{result['ttft_ms']['p99'] or nan:.0f} ms, "
+          f"E2E p99 {result['e2e_ms']['p99'] or nan:.0f} ms; lost: {len(lost)}")
+    m = result["memory"]
+    print(f"server RSS (sum of {len(procs)} processes): before {m['server_rss_before_mib']} MiB, peak "
+          f"{m['server_rss_peak_total_mib']} MiB, after {m['server_rss_after_mib']} MiB "
+          f"({m['server_rss_growth_per_stream_kib']} KiB/stream at peak); client peak {m['client_rss_peak_mib']} MiB")
+    print("| process | pid | RSS before / peak / after MiB |\n|---|---|---|")
+    for p in procs:
+        print(f"| {p['name']} | {p['pid']} | {p['rss_before_mib']} / {p['rss_peak_mib']} / {p['rss_after_mib']} |")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
