@@ -374,7 +374,8 @@ def test_dashboard_agent_http_needs_the_token(ray_session, tmp_path):
 def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, tmp_path):
     """`kvserve serve` as a user runs it (no RAY_* in the environment): it writes
     ~/.ray/auth_token with 0600, its Ray listens on 127.0.0.1, and a process without the token
-    is refused while the HTTP API answers."""
+    is refused while the HTTP API answers. Ctrl-C drains: /ready turns 503 "draining" and
+    streams in flight finish with all their tokens and [DONE]."""
     import httpx
 
     home = tmp_path / "home"
@@ -386,7 +387,7 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "deployments.cli", "serve", "--model", str(tiny_llama_path), "--served-model-name",
            "tiny", "--num-replicas", "1", "--port", str(port), "--num-cpus", "4", "--max-num-seqs", "4",
-           "--max-model-len", "128", "--torch-num-threads", "1"]
+           "--max-model-len", "2048", "--torch-num-threads", "1"]
     p = subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          start_new_session=True)
     lines: list[str] = []
@@ -429,6 +430,34 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
                   if ln.split(" ", 1)[0] in ("none", "wrong", "right")}
         assert status[("none", "gcs.GetAllNodeInfo")] == "UNAUTHENTICATED", text
         assert status[("right", "gcs.GetAllNodeInfo")] == "OK", text
+
+        # Ctrl-C with streams in flight: they finish, /ready says "draining" meanwhile
+        import concurrent.futures
+
+        def stream() -> tuple[int, str]:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300) as r:
+                return r.status_code, "".join(r.iter_text())
+
+        pool = concurrent.futures.ThreadPoolExecutor(4)
+        streams = [pool.submit(stream) for _ in range(4)]
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        ready = []
+        for _ in range(20):
+            try:
+                ready.append(httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code)
+            except httpx.HTTPError:
+                break
+            if ready[-1] != 200:
+                break
+            time.sleep(0.1)
+        assert ready and ready[-1] in (503, 404), ready  # 503 draining, or already deleted (404)
+        for f in streams:
+            code, text = f.result(timeout=240)
+            assert code == 200 and text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-500:]
+            assert text.count('"text"') >= 1 and '"finish_reason":"length"' in text, text[-500:]
+        pool.shutdown()
     finally:
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
