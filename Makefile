@@ -28,10 +28,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
 
-# load test (guidellm / locust from the `bench` extra): rate sweep at 1x, 2x, 3x the sustainable rate
+# load test (benchmarks/load_test.py, aiohttp: why not guidellm/locust is in its docstring):
+# the sustainable rate at a TTFT SLO, then 1x, 2x, 3x it, against a `kvserve serve` it starts
 bench-load: $(STAMP)
-	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/python benchmarks/load_test.py $(ARGS)
+	$(BIN)/python benchmarks/load_test.py --start-server $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
