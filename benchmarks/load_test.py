@@ -265,8 +265,26 @@ def poisson_arrivals(rate: float, seed: int, duration: float | None = None, coun
         out.append(t)
 
 
-async def run_open_loop(url: str, model: str, api_key: str | None, prompts: list[str], output_tokens: int,
-                        arrivals: list[float], timeout: float) -> tuple[list[Rec], float]:
+def output_range(text: str) -> tuple[int, int]:
+    """``"64"`` -> (64, 64); ``"16-128"`` -> (16, 128) (argparse type of ``--output-tokens``)."""
+    lo, _, hi = str(text).partition("-")
+    lo_i, hi_i = int(lo), int(hi or lo)
+    if not 1 <= lo_i <= hi_i:
+        raise argparse.ArgumentTypeError(f"want N or LO-HI with 1 <= LO <= HI, got {text!r}")
+    return lo_i, hi_i
+
+
+def output_lengths(n: int, lo_hi: tuple[int, int], seed: int) -> list[int]:
+    """``max_tokens`` of request i: uniform in [lo, hi], seeded (the same draw at every rate).
+    Equal lengths would make requests admitted together finish together, so completions (and
+    free batch slots) come in waves, a synthetic worst case for any queue."""
+    rng = random.Random(seed)
+    return [rng.randint(*lo_hi) for _ in range(n)]
+
+
+async def run_open_loop(url: str, model: str, api_key: str | None, prompts: list[str],
+                        output_tokens: tuple[int, int], arrivals: list[float], timeout: float,
+                        seed: int = 0) -> tuple[list[Rec], float]:
     """Send request i at ``arrivals[i]`` (prompt ``prompts[i % len]``) whatever the answers so
     far; wait for every answer. Returns the records and the wall time from the start to the
     last answer."""
@@ -275,6 +293,7 @@ async def run_open_loop(url: str, model: str, api_key: str | None, prompts: list
     endpoint = url.rstrip("/") + "/chat/completions"
     headers = auth_headers(api_key)
     recs = [Rec(index=i, due=a) for i, a in enumerate(arrivals)]
+    lengths = output_lengths(len(recs), output_tokens, seed)
     conn = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         t0 = time.perf_counter()
@@ -283,7 +302,7 @@ async def run_open_loop(url: str, model: str, api_key: str | None, prompts: list
             delay = t0 + rec.due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = chat_body(model, prompts[rec.index % len(prompts)], output_tokens)
+            body = chat_body(model, prompts[rec.index % len(prompts)], lengths[rec.index])
             tasks.append(asyncio.create_task(stream_chat(session, endpoint, body, headers, timeout, rec, t0)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
@@ -592,7 +611,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"), help="Bearer key (or $KVSERVE_API_KEY)")
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, seconds (default 2 on this CPU)")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens after the chat template")
-    ap.add_argument("--output-tokens", type=int, default=64, help="max_tokens (with ignore_eos)")
+    ap.add_argument("--output-tokens", type=output_range, default="16-128",
+                    help="max_tokens (with ignore_eos): N, or LO-HI for a uniform draw per request (default 16-128, "
+                         "as the throughput and serving benchmarks: answers end at different lengths)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per 1x/2x/3x run")
     ap.add_argument("--num-requests", type=int, default=None, help="requests per 1x/2x/3x run (instead of --duration)")
     ap.add_argument("--multipliers", default="1,2,3", help="runs at these multiples of the sustainable rate")
@@ -625,7 +646,7 @@ def main(argv=None) -> dict:
         "url": args.url, "model": args.model, "server_started_here": bool(server),
         "server_args": args.server_args if server else None,
         "workload": {"endpoint": "/v1/chat/completions (stream, include_usage)", "prompt_tokens": args.prompt_tokens,
-                     "prompt_tokens_templated_mean": sum(counts) / len(counts), "output_tokens": args.output_tokens,
+                     "prompt_tokens_templated_mean": sum(counts) / len(counts), "output_tokens": "{}-{}".format(*args.output_tokens),
                      "ignore_eos": True, "temperature": 0.0, "arrivals": "Poisson", "seed": args.seed,
                      "duration_s": None if args.num_requests else args.duration, "num_requests": args.num_requests,
                      "request_timeout_s": args.request_timeout},
@@ -638,7 +659,7 @@ def main(argv=None) -> dict:
         arrivals = poisson_arrivals(rate, seed, duration, count)
         print(f"{name}: {rate:.3f} req/s, {len(arrivals)} requests ...", flush=True)
         recs, elapsed = asyncio.run(run_open_loop(args.url, args.model, args.api_key, prompts, args.output_tokens,
-                                                  arrivals, args.request_timeout))
+                                                  arrivals, args.request_timeout, seed))
         s = summarize(name, rate, recs, elapsed, args.slo_ttft, duration)
         print(f"  status {s['status_counts']}, outcomes { {k: v for k, v in s['outcomes'].items() if v} }, "
               f"TTFT p50/p99 {s['ttft_ms']['p50'] or float('nan'):.0f}/{s['ttft_ms']['p99'] or float('nan'):.0f} ms, "
@@ -647,7 +668,7 @@ def main(argv=None) -> dict:
 
     try:
         # warm-up, not counted: first-call allocations along the whole path
-        asyncio.run(run_open_loop(args.url, args.model, args.api_key, prompts[:1], 4, [0.0], args.request_timeout))
+        asyncio.run(run_open_loop(args.url, args.model, args.api_key, prompts[:1], (4, 4), [0.0], args.request_timeout))
         step_seed = args.seed + 1000
         if args.rate is None:
             steps = []

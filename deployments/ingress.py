@@ -435,25 +435,27 @@ class OpenAIIngress:
         if self.draining:
             return _error_response(503, "not ready: draining (the server is shutting down)", "server_error",
                                    code="draining", headers={"Retry-After": "5"})
-        try:
-            status = await self._app_status()
-        except Exception as e:
-            logger.warning("readiness: no application status from Serve's controller", exc_info=e)
-            status = None
 
         async def probe(name: str) -> str | None:
             try:
                 await asyncio.wait_for(self.models[name].ready.remote(), self.health_timeout_s)
                 return None
             except asyncio.TimeoutError:
-                pass
-            except Exception as e:
-                logger.warning("readiness probe of model %s failed", name, exc_info=e)
+                reason = "not responding"
+            except Exception as e:  # one line, no traceback: a failing probe is expected while replicas restart
+                dead = type(getattr(e, "cause", e)).__name__ == "EngineDeadError"
+                reason = "engine stopped, being replaced" if dead else "not available"
+                logger.warning("readiness probe of model %s failed: %s", name, type(getattr(e, "cause", e)).__name__)
+            try:  # the status as of now, not as of before the probe waited
+                self._status_cache = None
+                status = await self._app_status()
+            except Exception:
+                status = None
             dep = status.deployments.get(_deployment_of(self.models[name])) if status is not None else None
             states = {str(getattr(k, "value", k)): v for k, v in (dep.replica_states or {}).items()} if dep else {}
-            if states.get("RUNNING", 0) == 0 and states.get("STARTING", 0) + states.get("PENDING_MIGRATION", 0):
-                return "loading"
-            return "not responding"
+            if states.get("STARTING", 0) + states.get("RECOVERING", 0):
+                return "loading (a replica is starting)"
+            return reason
 
         problems = dict(zip(self.models, await asyncio.gather(*(probe(n) for n in self.models))))
         bad = {n: p for n, p in problems.items() if p is not None}

@@ -378,6 +378,13 @@ class LLMServer:
                 except TimeoutError:
                     yield self._timed_out(return_errors)
                     return
+                except EngineDeadError:  # mid-stream (e.g. a tensor-parallel worker died): typed, retryable
+                    if not return_errors:
+                        raise
+                    yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(
+                        "engine_dead", "the model server's engine stopped during this request and is being "
+                                       "restarted; retry later"))
+                    return
         finally:
             if admitted:
                 self.admission.end(n_prompt, started)
