@@ -35,16 +35,19 @@ SERVING_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
 def default_admission_bounds(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int]:
     """A replica's default admission bounds ``(max_queued_requests, max_queued_prompt_tokens)``.
 
-    Requests (queued behind a full batch of ``max_num_seqs``): a quarter of a batch, at least 4.
-    While the batch is full a queued request waits for a running one to finish, so a queue of
-    ``max_num_seqs / 4`` adds about a quarter of a request's running time to the time to first
-    token of the last one in line; beyond that, a client is better served by a 429 and a retry
-    on another replica (or after the autoscaler added one) than by an unbounded wait.
+    Requests (queued behind a full batch of ``max_num_seqs``): a sixteenth of a batch, at
+    least 2. While the batch is full, running requests finish at about ``max_num_seqs`` per
+    request lifetime, so the last of ``n`` queued requests waits about ``n / max_num_seqs`` of a
+    request's running time before its prefill: 1/16 keeps that to ~2 s for this CPU's ~30 s
+    requests at batch 64 (benchmarks/results/load_test.json: p99 TTFT at 3x the sustainable
+    load stays within 2x of the 1x run) and far under a second on a GPU. Beyond that, a
+    client is better served by a 429 and a retry on another replica (or after the autoscaler
+    added one) than by a wait that grows with the overload.
     Prompt tokens: four full-budget prefill steps (``4 * max_num_batched_tokens``), and never
     less than one longest prompt (``max_model_len``), so every prompt the model takes can be
     admitted by an idle replica.
     """
-    return max(4, max_num_seqs // 4), max(max_model_len, 4 * max_num_batched_tokens)
+    return max(2, max_num_seqs // 16), max(max_model_len, 4 * max_num_batched_tokens)
 
 
 def _engine_args_model() -> type[BaseModel]:
@@ -80,7 +83,7 @@ class ModelArgs(EngineArgs):
                                 "2 * max_queued_requests, so the replica's own admission decides)")
     max_queued_requests: Optional[int] = Field(
         None, ge=1, description="requests a replica queues behind a full batch (max_num_seqs) before 429s "
-                                "(default: max(4, max_num_seqs // 4)); each caller's Serve handle queue holds at "
+                                "(default: max(2, max_num_seqs // 16)); each caller's Serve handle queue holds at "
                                 "most max_num_seqs + this many")
     max_queued_prompt_tokens: Optional[int] = Field(
         None, ge=1, description="prompt tokens a replica queues before 429s (default: "
@@ -116,7 +119,7 @@ class ModelArgs(EngineArgs):
 
     def queued_requests_bound(self) -> int:
         """``max_queued_requests``, or its default (see :func:`default_admission_bounds`)."""
-        return self.max_queued_requests or max(4, self.max_num_seqs // 4)
+        return self.max_queued_requests or default_admission_bounds(self.max_num_seqs, 1, 1)[0]
 
     def ongoing_requests_bound(self) -> int:
         """Serve's ``max_ongoing_requests`` of a replica: its batch, its queue, and as many

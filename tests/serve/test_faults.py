@@ -411,6 +411,7 @@ def test_killed_replica_mid_stream(serve_app, tiny_llama_path):
         (victim,) = _alive_llm_replicas(name)
         results, rec, t_kill, clients_end_s = asyncio.run(_kill_mid_stream(base, victim["pid"], RECOVERY_LIMIT_S))
         codes = [_assert_failed_cleanly(r, t_kill, victim["pid"]) for r in results]
+        assert set(codes) <= {"model_unavailable", "engine_dead"}, codes  # typed, retryable
         print(f"\nreplica kill: clients answered within {clients_end_s:.2f} s ({codes}); "
               f"/ready 200 after {rec['ready_s']} s, completion after {rec['completion_s']} s; "
               f"answers on the way: {rec['answers']}")
@@ -439,6 +440,7 @@ def test_killed_tp_worker_mid_stream(serve_app, tiny_llama_path):
         (replica,) = _alive_llm_replicas(name)
         results, rec, t_kill, clients_end_s = asyncio.run(_kill_mid_stream(base, rank1["pid"], TP_RECOVERY_LIMIT_S))
         codes = [_assert_failed_cleanly(r, t_kill, rank1["pid"], replica["pid"]) for r in results]
+        assert set(codes) <= {"model_unavailable", "engine_dead"}, codes  # typed, retryable (not a bare 500)
         print(f"\nTP worker kill: clients answered within {clients_end_s:.2f} s ({codes}); "
               f"/ready 200 after {rec['ready_s']} s, completion after {rec['completion_s']} s; "
               f"answers on the way: {rec['answers']}")
