@@ -35,19 +35,20 @@ SERVING_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
 def default_admission_bounds(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int]:
     """A replica's default admission bounds ``(max_queued_requests, max_queued_prompt_tokens)``.
 
-    Requests (queued behind a full batch of ``max_num_seqs``): a sixteenth of a batch, at
-    least 2. While the batch is full, running requests finish at about ``max_num_seqs`` per
-    request lifetime, so the last of ``n`` queued requests waits about ``n / max_num_seqs`` of a
-    request's running time before its prefill: 1/16 keeps that to ~2 s for this CPU's ~30 s
-    requests at batch 64 (benchmarks/results/load_test.json: p99 TTFT at 3x the sustainable
-    load stays within 2x of the 1x run) and far under a second on a GPU. Beyond that, a
-    client is better served by a 429 and a retry on another replica (or after the autoscaler
-    added one) than by a wait that grows with the overload.
+    Requests (queued behind a full batch of ``max_num_seqs``): a 64th of a batch, at least 1.
+    While the batch is full, a queued request waits for running ones to finish, and requests
+    admitted together finish together, so a queue of ``n`` can wait for a whole cohort, not
+    ``n`` average completions. Measured on this CPU (``benchmarks/load_test.py``, SmolLM2,
+    batch 64, outputs 16-128): a queue of 4 let the p99 TTFT of admitted requests at 3x the
+    sustainable load grow to 3.9x the 1x run's; a queue of 1 kept it at 1.5x with more goodput
+    (``benchmarks/results/load_test.json``). A GPU replica with ``max_num_seqs`` 256 queues 4.
+    Beyond the queue a client is better served by a 429 and a retry on another replica (or
+    after the autoscaler added one) than by a wait that grows with the overload.
     Prompt tokens: four full-budget prefill steps (``4 * max_num_batched_tokens``), and never
     less than one longest prompt (``max_model_len``), so every prompt the model takes can be
     admitted by an idle replica.
     """
-    return max(2, max_num_seqs // 16), max(max_model_len, 4 * max_num_batched_tokens)
+    return max(1, max_num_seqs // 64), max(max_model_len, 4 * max_num_batched_tokens)
 
 
 def _engine_args_model() -> type[BaseModel]:
@@ -83,7 +84,7 @@ class ModelArgs(EngineArgs):
                                 "2 * max_queued_requests, so the replica's own admission decides)")
     max_queued_requests: Optional[int] = Field(
         None, ge=1, description="requests a replica queues behind a full batch (max_num_seqs) before 429s "
-                                "(default: max(2, max_num_seqs // 16)); each caller's Serve handle queue holds at "
+                                "(default: max(1, max_num_seqs // 64)); each caller's Serve handle queue holds at "
                                 "most max_num_seqs + this many")
     max_queued_prompt_tokens: Optional[int] = Field(
         None, ge=1, description="prompt tokens a replica queues before 429s (default: "

@@ -116,6 +116,6 @@ def test_admission_bookkeeping_and_retry_after():
 
 def test_default_bounds_admit_a_full_batch_and_the_longest_prompt():
     req, tok = default_admission_bounds(64, 2048, 8192)
-    assert (req, tok) == (4, 8192)
-    assert default_admission_bounds(8, 512, 256) == (2, 2048)
-    assert default_admission_bounds(256, 8192, 131072) == (16, 131072)
+    assert (req, tok) == (1, 8192)
+    assert default_admission_bounds(8, 512, 256) == (1, 2048)
+    assert default_admission_bounds(256, 8192, 131072) == (4, 131072)

@@ -109,7 +109,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
 
 
 def test_burst_gets_429s_at_once_and_loses_nothing(serve_app):
-    """60 concurrent streams at the tiny model (max_num_seqs 8 + a queue of 2 per replica): the
+    """60 concurrent streams at the tiny model (max_num_seqs 8 + a queue of 1 per replica): the
     overflow is refused at once with 429, Retry-After and an OpenAI body; every admitted stream
     finishes with all its tokens and [DONE]; the replica ends with nothing running."""
     before = httpx.get(f"{serve_app.root}/metrics", timeout=30).text
@@ -124,7 +124,7 @@ def test_burst_gets_429s_at_once_and_loses_nothing(serve_app):
     ok = [r for r in results if r["status"] == 200]
     refused = [r for r in results if r["status"] == 429]
     assert len(ok) + len(refused) == 60, [r["status"] for r in results]  # nothing else, nothing lost
-    assert refused and len(ok) >= 10
+    assert refused and len(ok) >= 9
     for r in ok:
         assert r["done"] and r["error"] is None and r["finish"] == "length"
     for r in refused:
@@ -142,10 +142,10 @@ def test_burst_gets_429s_at_once_and_loses_nothing(serve_app):
 
 def test_request_that_can_never_fit_is_a_400(serve_app):
     url = f"{serve_app.base_url}/completions"
-    r = httpx.post(url, json={"model": "tiny", "prompt": ["hi"] * 11, "max_tokens": 1}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "too_large"  # 8 running + 2 queued at most
     r = httpx.post(url, json={"model": "tiny", "prompt": ["hi"] * 10, "max_tokens": 1}, timeout=60)
-    assert r.status_code == 200 and len(r.json()["choices"]) == 10
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_large"  # 8 running + 1 queued at most
+    r = httpx.post(url, json={"model": "tiny", "prompt": ["hi"] * 9, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 9
 
 
 def test_per_key_rate_limit_is_shared_through_redis(ops_app, redis_server):

@@ -322,9 +322,9 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
 
     # ---- phase 2: a burst over the replica's admission bound -> 429 queue_full, counted --------
     base = _baseline(prom, TINY)
-    # 40 > what Serve lets through to the one replica (max_ongoing_requests 12 + the ingress
-    # handle's max_queued_requests 10): refused by Serve's back-pressure (counted by the ingress)
-    # and by the replica's admission (max_num_seqs 8 + 2 queued, counted by the replica), both
+    # 40 > what Serve lets through to the one replica (max_ongoing_requests 10 + the ingress
+    # handle's max_queued_requests 9): refused by Serve's back-pressure (counted by the ingress)
+    # and by the replica's admission (max_num_seqs 8 + 1 queued, counted by the replica), both
     # code and reason "queue_full"
     burst, burst_tokens = 40, 96
 
@@ -345,7 +345,7 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
     assert set(codes_429) == {"queue_full"}, rejected
     if not rejected:
         pytest.fail(f"a burst of {burst} requests on a replica that admits max_num_seqs + max_queued_requests "
-                    f"= 10 got no 429: {codes}")
+                    f"= 9 got no 429: {codes}")
     ok_prompt = sum(b["usage"]["prompt_tokens"] for b in ok)
     assert all(b["usage"]["completion_tokens"] == burst_tokens for b in ok)
     n_ok = len(ok)
