@@ -53,12 +53,10 @@ from benchmarks.load_test import (  # noqa: E402
     OUTCOMES,
     LocalServer,
     Rec,
-    auth_headers,
-    chat_body,
     dist_ms,
     machine_info,
     status_counts,
-    stream_chat,
+    run_open_loop,
 )
 
 MIB = 2 ** 20
@@ -222,24 +220,11 @@ class RssSampler(threading.Thread):
 # ---- the flood ------------------------------------------------------------------------------
 async def flood(url: str, model: str, api_key: str | None, n: int, max_tokens: int, timeout: float,
                 ramp_s: float) -> tuple[list[Rec], float]:
-    import aiohttp
-
-    endpoint = url.rstrip("/") + "/chat/completions"
-    headers = auth_headers(api_key)
-    recs = [Rec(index=i, due=ramp_s * i / n) for i in range(n)]
-    conn = aiohttp.TCPConnector(limit=n, limit_per_host=n)
-    async with aiohttp.ClientSession(connector=conn) as session:
-        t0 = time.perf_counter()
-        tasks = []
-        for rec in recs:
-            delay = t0 + rec.due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            body = chat_body(model, f"Request {rec.index}: write one short sentence about the sea.", max_tokens)
-            tasks.append(asyncio.create_task(stream_chat(session, endpoint, body, headers, timeout, rec, t0)))
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - t0
-    return recs, elapsed
+    """``n`` streaming chat requests opened over ``ramp_s`` seconds (load_test's open-loop
+    sender with evenly spaced arrivals), each read to its end."""
+    prompts = [f"Request {i}: write one short sentence about the sea." for i in range(n)]
+    return await run_open_loop(url, model, api_key, prompts, (max_tokens, max_tokens),
+                               [ramp_s * i / n for i in range(n)], timeout)
 
 
 def max_overlap(recs: list[Rec]) -> int:

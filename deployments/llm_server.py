@@ -126,6 +126,7 @@ class Admission:
         self.queued_requests = 0
         self.queued_tokens = 0
         self.finished: deque[float] = deque()  # end times of the last 60 s
+        self.refused: deque[float] = deque()  # times of the queue_full refusals of the last 60 s
         self.started: deque[tuple[float, int]] = deque()  # (first-token time, prompt tokens), last 60 s
 
     @property
@@ -140,9 +141,11 @@ class Admission:
             return GenerationError("too_large", f"the prompt is {num_prompt_tokens} tokens; a replica queues at most "
                                                 f"{self.max_prompt_tokens} prompt tokens (max_queued_prompt_tokens)")
         if self.in_flight >= self.max_in_flight:
+            self.refused.append(time.monotonic())
             return GenerationError("queue_full", f"the model is at capacity ({self.in_flight} requests running or "
                                                  "queued), retry later", self.retry_after())
         if self.queued_requests and self.queued_tokens + num_prompt_tokens > self.max_prompt_tokens:
+            self.refused.append(time.monotonic())
             return GenerationError("queue_full", f"the model's queue is full ({self.queued_tokens} prompt tokens "
                                                  "waiting), retry later", self.retry_after())
         self.in_flight += 1
@@ -163,6 +166,14 @@ class Admission:
             self.queued_requests -= 1
             self.queued_tokens -= num_prompt_tokens
         self.finished.append(time.monotonic())
+
+    def recently_refused(self, window_s: float) -> int:
+        """Requests refused as ``queue_full`` in the last ``window_s`` seconds: demand the bounded
+        queue turned away, which the autoscaler counts as waiting (it would have queued)."""
+        now = time.monotonic()
+        while self.refused and self.refused[0] < now - 60.0:
+            self.refused.popleft()
+        return sum(1 for t in self.refused if t >= now - window_s)
 
     def retry_after(self) -> float:
         now = time.monotonic()
@@ -462,13 +473,17 @@ class LLMServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica metrics for the custom autoscaling policy (``autoscaling/policy.py``):
-        queue and batch gauges from the scheduler, token rates over the last
+        queue and batch gauges from the scheduler (requests the bounded queue refused in the
+        last :data:`RATE_WINDOW_S` s count as waiting), token rates over the last
         :data:`RATE_WINDOW_S` s of engine steps, and the capacities measured on full-ish steps
         (see :class:`StepStats`)."""
         s = self.engine.get_stats()
         rates = self.stats.snapshot()
         return {
-            "num_waiting_requests": float(s["num_waiting_requests"] + s.get("num_pending_requests", 0)),
+            # requests refused by the bounded queue over the rate window count as waiting: with admission
+            # bounded, overload shows as 429s, not as a queue, and the policy must still see the demand
+            "num_waiting_requests": float(s["num_waiting_requests"] + s.get("num_pending_requests", 0)
+                                          + self.admission.recently_refused(RATE_WINDOW_S)),
             "num_waiting_prefill_tokens": float(s["num_waiting_prefill_tokens"]),
             "num_running_requests": float(s["num_running_requests"]),
             "generation_tokens_per_s": float(rates["generation_tokens_per_s"]),

@@ -49,13 +49,21 @@ def test_burst_scales_up_then_down(ray_session, serve_app, tiny_llama_path):
     serve.run(app, name=APP, route_prefix="/as")
     url = f"{serve_app.root}/as/v1/completions"
     timeline: list[tuple[float, int]] = []
+    refused: list[int] = []
     t0 = time.time()
 
     async def burst():
         async with httpx.AsyncClient(timeout=300) as client:
             async def one(i):
+                # the replica's queue is bounded (2 running + 1 queued): the rest of a wave is refused
+                # at once, which the policy counts as waiting demand; a refused client retries
                 body = {"model": "tiny-as", "prompt": f"request {i}", "max_tokens": 120, "ignore_eos": True}
-                r = await client.post(url, json=body)
+                while True:
+                    r = await client.post(url, json=body)
+                    if r.status_code != 429:
+                        break
+                    refused.append(i)
+                    await asyncio.sleep(0.5)
                 assert r.status_code == 200, r.text
 
             async def watch(stop):
@@ -74,6 +82,7 @@ def test_burst_scales_up_then_down(ray_session, serve_app, tiny_llama_path):
     try:
         asyncio.run(burst())
         peak = max(n for _, n in timeline)
+        assert refused, "the bounded queue refused nothing: the burst did not overload the replica"
         assert peak >= 2, f"never scaled up: {timeline}"
         deadline = time.time() + 120
         while time.time() < deadline:
