@@ -21,7 +21,6 @@ is frozen when the module is imported, before the replica knows its arguments).
 """
 from __future__ import annotations
 
-import hmac
 import json
 import math
 from dataclasses import dataclass, field
@@ -80,18 +79,6 @@ def bearer_token(header: bytes) -> bytes | None:
     """The token of an ``Authorization: Bearer <token>`` header value (raw bytes), or None."""
     scheme, _, token = header.strip().partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" else None
-
-
-def key_matches(header: bytes, keys: list[bytes]) -> bool:
-    """Whether an ``Authorization`` header value (raw bytes) is ``Bearer <one of keys>``.
-    Compares every key in constant time (``hmac.compare_digest`` on bytes)."""
-    token = bearer_token(header)
-    if token is None:
-        return False
-    ok = False
-    for k in keys:
-        ok |= hmac.compare_digest(token, k)
-    return ok
 
 
 def request_policy(scope: Scope) -> KeyPolicy | None:

@@ -177,9 +177,10 @@ class Admission:
 
     def retry_after(self) -> float:
         now = time.monotonic()
-        for q in (self.finished, self.started):
-            while q and (q[0] if isinstance(q[0], float) else q[0][0]) < now - 60.0:
-                q.popleft()
+        while self.finished and self.finished[0] < now - 60.0:
+            self.finished.popleft()
+        while self.started and self.started[0][0] < now - 60.0:
+            self.started.popleft()
         est = 1.0
         if self.finished:
             span = max(1.0, now - self.finished[0])

@@ -216,7 +216,8 @@ def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatc
     file; the banner's curl line shows a masked key."""
     from deployments.app import AppArgs
     from deployments.cli import _curl_line
-    from deployments.gate import key_matches
+    from deployments.gate import bearer_token
+    from deployments.limits import find_policy, policies_from_keys
 
     monkeypatch.setenv("KVSERVE_API_KEYS", "sk-env-one, sk-env-two")
     assert AppArgs.model_validate({}).api_keys == ["sk-env-one", "sk-env-two"]
@@ -230,10 +231,15 @@ def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatc
         AppArgs.model_validate({"api_keys_file": str(tmp_path / "missing")})
     line = _curl_line("http://127.0.0.1:8000/v1", "m", "sk-file-secret-1")
     assert "sk-file-secret-1" not in line and "Bearer sk-f..." in line
-    keys = [b"sk-a", "sk-\u00e9".encode()]
-    assert key_matches(b"Bearer sk-a", keys) and key_matches(b"bearer  sk-a ", keys)
-    assert key_matches("Bearer sk-\u00e9".encode(), keys)
-    assert not any(key_matches(h, keys) for h in (b"", b"Bearer", b"Basic sk-a", b"Bearer sk-", b"sk-a",
+    policies = policies_from_keys(["sk-a", "sk-\u00e9"])
+
+    def key_matches(header: bytes) -> bool:  # what the gate does with a header
+        token = bearer_token(header)
+        return bool(token) and find_policy(token, policies) is not None
+
+    assert key_matches(b"Bearer sk-a") and key_matches(b"bearer  sk-a ")
+    assert key_matches("Bearer sk-\u00e9".encode())
+    assert not any(key_matches(h) for h in (b"", b"Bearer", b"Basic sk-a", b"Bearer sk-", b"sk-a",
                                                    "Bearer \u043a".encode(), b"Bearer \xff\xfe"))
 
 
