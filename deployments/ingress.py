@@ -289,6 +289,7 @@ class OpenAIIngress:
         self.max_prompts_per_request = max_prompts_per_request
         self.health_timeout_s = health_timeout_s
         self._info: dict[str, dict] = {}  # model_info() of each model's server
+        self._info_lock = asyncio.Lock()
         self.draining = False
         self._status_cache: tuple[float, object] | None = None
         self._created = int(time.time())
@@ -475,9 +476,35 @@ class OpenAIIngress:
         return Response(body, media_type=ctype)
 
     async def _model_info(self, name: str) -> dict:
-        """The model server's :meth:`LLMServer.model_info` (fetched once)."""
-        if name not in self._info:
-            self._info[name] = await self.models[name].model_info.remote()
+        """The model server's :meth:`LLMServer.model_info`, fetched once per ingress replica.
+
+        The call goes through the model's bounded handle queue like any request, so under a
+        burst it can be refused (``BackPressureError``): one fetch runs at a time and is
+        retried for up to 30 s while generation requests drain.
+
+        Raises:
+            OpenAIError: 429 ``queue_full`` if the queue stayed full, 503 if no replica is up.
+        """
+        from ray.serve.exceptions import BackPressureError
+
+        if name in self._info:
+            return self._info[name]
+        async with self._info_lock:
+            deadline = time.monotonic() + 30.0
+            while name not in self._info:
+                try:
+                    self._info[name] = await self.models[name].model_info.remote()
+                except BackPressureError as e:
+                    if time.monotonic() > deadline:
+                        raise _as_client_error(e) from None
+                    await asyncio.sleep(0.2)
+                except (OpenAIError, asyncio.CancelledError):
+                    raise
+                except Exception as e:
+                    err = _as_client_error(e)
+                    if err is None:
+                        raise
+                    raise err from None
         return self._info[name]
 
     async def _model_card(self, name: str) -> Model:

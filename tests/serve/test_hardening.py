@@ -163,6 +163,41 @@ def test_server_errors_tell_no_internals():
     assert "req-456" in event["error"]["message"] and "/root" not in json.dumps(event)
 
 
+def test_model_info_survives_a_full_handle_queue():
+    """A burst reaching a fresh ingress replica: every request needs the model's limits
+    (``model_info``), fetched through the same bounded handle queue as generation. Refusals
+    by that queue are retried behind one fetch; none escapes as Serve's raw 503."""
+    import types
+
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.ingress import OpenAIIngress
+
+    class Handle:  # stands in for the LLMServer handle: refuses the first three calls
+        calls = 0
+
+        @property
+        def model_info(self):
+            return types.SimpleNamespace(remote=self._remote)
+
+        async def _remote(self):
+            self.calls += 1
+            await asyncio.sleep(0.01)
+            if self.calls <= 3:
+                raise BackPressureError(num_queued_requests=3, max_queued_requests=3)
+            return {"max_model_len": 256}
+
+    cls, handle = OpenAIIngress.func_or_class, Handle()
+
+    async def burst():
+        ingress = types.SimpleNamespace(_info={}, _info_lock=asyncio.Lock(), models={"m": handle})
+        return await asyncio.gather(*(cls._model_info(ingress, "m") for _ in range(24)))
+
+    infos = asyncio.run(burst())
+    assert all(i == {"max_model_len": 256} for i in infos)
+    assert handle.calls == 4  # one fetch at a time: three refusals, one success, then the cache
+
+
 def _serve_tiny_tp2_app(name: str, route: str, tiny_llama_path):
     from ray import serve
 
