@@ -77,7 +77,7 @@ def build_app(args: AppArgs) -> Application:
         handles[m.name] = LLMServer.options(**opts).bind(
             m.engine_args(), m.name, m.torch_num_threads, worker_options,
             max_queued_requests=m.max_queued_requests, max_queued_prompt_tokens=m.max_queued_prompt_tokens,
-            request_timeout_s=m.request_timeout_s)
+            request_timeout_s=m.request_timeout_s, tool_call_parser=m.tool_call_parser)
     # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
     drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
     return OpenAIIngress.options(num_replicas=args.ingress_num_replicas,
@@ -87,7 +87,8 @@ def build_app(args: AppArgs) -> Application:
         handles, args.api_keys, max_request_body_bytes=args.max_request_body_bytes,
         max_prompts_per_request=args.max_prompts_per_request, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm, redis_url=args.redis_url,
-        auth_failures_per_minute=args.auth_failures_per_minute, num_ingress_replicas=args.ingress_num_replicas)
+        auth_failures_per_minute=args.auth_failures_per_minute, num_ingress_replicas=args.ingress_num_replicas,
+        allowed_origins=args.allowed_origins)
 
 
 __all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "llm_deployment_options", "fit_single_node",

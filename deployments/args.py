@@ -95,6 +95,9 @@ class ModelArgs(EngineArgs):
     graceful_shutdown_timeout_s: float = Field(
         60.0, ge=0, description="on scale-down or shutdown a replica stops taking requests and finishes its "
                                 "streams for up to this long before it exits")
+    tool_call_parser: str = Field(
+        "hermes", description="how tool calls are read from this model's text under tool_choice auto "
+                              "(vLLM's names: hermes, llama3_json, mistral; deployments/tools.py)")
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
@@ -107,6 +110,9 @@ class ModelArgs(EngineArgs):
             raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
+        from deployments.tools import get_tool_parser
+
+        get_tool_parser(self.tool_call_parser)  # an unknown name fails here
         return self
 
     @property
@@ -168,6 +174,10 @@ class AppArgs(ModelArgs):
     auth_failures_per_minute: int = Field(
         DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
         description="missing or wrong API keys one client address may send per minute before 429s")
+    allowed_origins: list[str] = Field(
+        default_factory=lambda: ["*"], description="CORS: origins whose browser pages may call the API "
+                                                   "(default * like vLLM: any page, which still needs an API key "
+                                                   "when keys are set; [] turns CORS off)")
     max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger bodies get 413")
     max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
                                          description="most prompts in one /v1/completions request")

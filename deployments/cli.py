@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefer $KVSERVE_API_KEYS or --api-keys-file)")
     s.add_argument("--api-key-file", "--api-keys-file", default=None, dest="api_keys_file",
                    help="file with one API key per line (owner-only permissions recommended)")
+    s.add_argument("--allowed-origins", default=None,
+                   help="CORS: comma-separated origins whose browser pages may call the API (default '*', like "
+                        "vLLM; '' turns CORS off)")
     for flag, dest, kw in _model_flags():  # engine and deployment settings, from ModelArgs
         s.add_argument(flag, dest=dest, **kw)
     add_autoscaling_args(s)  # --min-replicas, --max-replicas and the policy's knobs
@@ -122,6 +125,8 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
         app_args["api_keys"] = args.api_keys
     if args.api_keys_file:
         app_args["api_keys_file"] = args.api_keys_file
+    if args.allowed_origins is not None:
+        app_args["allowed_origins"] = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     knobs = {k[len("autoscaling_"):]: v for k, v in vars(args).items()
              if k.startswith("autoscaling_") and v is not None}
     if knobs:

@@ -15,7 +15,9 @@ pass through untouched) that, for the API paths (``/v1/...``):
    length (chunked) as soon as it passes the limit.
 
 ``/health``, ``/ready`` and ``/metrics`` stay open; ``/docs``, ``/redoc`` and ``/openapi.json``
-follow the API's key setting. Each ingress replica runs in its own process
+follow the API's key setting. :class:`CORS` (Starlette's ``CORSMiddleware`` with the
+configured origins) sits in front of it, so a browser's preflight ``OPTIONS`` is answered
+without a key and every answer, a 401 included, carries the ``Access-Control-*`` headers. Each ingress replica runs in its own process
 and configures the gate once with :func:`configure` (the FastAPI app, middleware included,
 is frozen when the module is imported, before the replica knows its arguments).
 """
@@ -26,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.limits import AuthFailureThrottle, KeyPolicy, find_policy, policies_from_keys
@@ -51,16 +54,19 @@ class GateSettings:
     policies: list[KeyPolicy] = field(default_factory=list)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     throttle: AuthFailureThrottle = field(default_factory=AuthFailureThrottle)
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
 
 
 _settings = GateSettings()
 
 
 def configure(api_keys: list[str] | list[KeyPolicy] | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE) -> None:
+              auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE,
+              allowed_origins: list[str] | None = None) -> None:
     """Set this process's gate (called by ``OpenAIIngress.__init__``). ``api_keys``: key
     entries (``"<key> [name=..] [rpm=..] [tpm=..] [priority=..]"``, see
-    :mod:`deployments.limits`) or :class:`KeyPolicy` objects.
+    :mod:`deployments.limits`) or :class:`KeyPolicy` objects. ``allowed_origins``: CORS
+    origins (default ``["*"]``; ``[]``: no CORS headers at all).
 
     Raises:
         ValueError: ``max_body_bytes`` or ``auth_failures_per_minute`` < 1, or a bad key entry.
@@ -73,6 +79,27 @@ def configure(api_keys: list[str] | list[KeyPolicy] | None, max_body_bytes: int 
     _settings.policies = keys if all(isinstance(k, KeyPolicy) for k in keys) else policies_from_keys(keys)
     _settings.max_body_bytes = max_body_bytes
     _settings.throttle = AuthFailureThrottle(max_failures=auth_failures_per_minute, window_s=60.0)
+    _settings.allowed_origins = ["*"] if allowed_origins is None else list(allowed_origins)
+
+
+class CORS:
+    """Pure ASGI middleware: Starlette's ``CORSMiddleware`` (any method and header, no
+    credentials: the API key travels in a header, never a cookie) with the origins of
+    :func:`configure`, built on the first request (the app's middleware is fixed at import,
+    before the replica knows its settings). No origins: requests pass untouched."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+        self._cors: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not _settings.allowed_origins:
+            return await self.app(scope, receive, send)
+        if self._cors is None:
+            self._cors = CORSMiddleware(self.app, allow_origins=_settings.allowed_origins, allow_methods=["*"],
+                                        allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"],
+                                        max_age=600)
+        await self._cors(scope, receive, send)
 
 
 def bearer_token(header: bytes) -> bytes | None:

@@ -29,7 +29,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion import ChoiceLogprobs as ChatChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
+from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageFunctionToolCall, Function
 from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkChoiceLogprobs
 from openai.types.chat.chat_completion_token_logprob import TopLogprob as OpenAITopLogprob
 from openai.types.completion_choice import Logprobs
@@ -49,17 +50,21 @@ from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationChunk,
+    NamedToolChoice,
     OpenAIError,
     TokenLogprob,
     error_body,
     finish_reason,
     random_id,
+    unknown_fields,
 )
+from deployments.tools import StreamingToolText, ToolParser, get_tool_parser, parse_forced, tool_grammar
 
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="kvserve", description="OpenAI-compatible LLM serving on Ray Serve", version="0.1.0")
 app.add_middleware(gate.RequestGate)  # API key and body size, before any body byte is read
+app.add_middleware(gate.CORS)  # outermost: preflights answered, and every answer (401s too) carries CORS headers
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -154,12 +159,13 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class _Stream:
-    """One request's handle stream of :class:`GenerationChunk`, with its first chunk already
-    fetched (so bad input fails as an HTTP error before any byte of a streaming response is
-    sent)."""
+    """One request's handle stream of :class:`GenerationChunk` (``n`` choices interleaved,
+    each ending with its own finished chunk), with its first chunk already fetched (so bad
+    input fails as an HTTP error before any byte of a streaming response is sent)."""
 
-    def __init__(self, gen, first: GenerationChunk):
-        self.gen, self.first, self.done = gen, first, first.finished
+    def __init__(self, gen, first: GenerationChunk, n: int = 1):
+        self.gen, self.first, self.left = gen, first, n - first.finished
+        self.done = self.left == 0
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The chunks; a chunk with ``error`` (e.g. the request ran past the server's
@@ -168,9 +174,11 @@ class _Stream:
         if self.done:
             return
         async for chunk in self.gen:
-            self.done = chunk.finished
             if chunk.error is not None:
+                self.done = True
                 raise OpenAIError.of(chunk.error)
+            self.left -= chunk.finished
+            self.done = self.left == 0
             yield chunk
             if self.done:
                 return
@@ -196,15 +204,22 @@ def _chat_logprobs(entries: list[TokenLogprob]) -> list[ChatCompletionTokenLogpr
 
 def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[Logprobs, int]:
     """Legacy completions logprobs (parallel lists per token) from ``offset`` characters on;
-    returns them and the offset after the last token."""
+    returns them and the offset after the last token. An entry without a log-probability
+    (the first prompt token under ``echo``) gets null ones, as OpenAI writes it."""
     lp = Logprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for e in entries:
         lp.tokens.append(e.token)
         lp.token_logprobs.append(e.logprob)
-        lp.top_logprobs.append({t.token: t.logprob for t in e.top_logprobs})
+        lp.top_logprobs.append(None if e.logprob is None else {t.token: t.logprob for t in e.top_logprobs})
         lp.text_offset.append(offset)
         offset += len(e.token)
     return lp, offset
+
+
+def _join_logprobs(a: Logprobs, b: Logprobs) -> Logprobs:
+    """``a``'s tokens followed by ``b``'s."""
+    return Logprobs.model_construct(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                    top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
 def estimate_prompt_tokens(prompt) -> int:
@@ -239,18 +254,131 @@ class _KeyUse:
         if self.grant is not None:
             await self.ingress.limiter.settle(self.grant, prompt_tokens + generation_tokens)
 
-    def settle_soon(self, chunks: list[GenerationChunk]) -> None:
-        """:meth:`settle` with the last chunks of a request's streams, in a task of its own (a
-        cancelled response's cleanup must not await the rate limiter's Redis)."""
+    def settle_soon(self, lasts: dict[tuple[int, int], GenerationChunk] | list[GenerationChunk]) -> None:
+        """:meth:`settle` with the last chunks of a request's choices (keyed ``(prompt index,
+        choice index)`` as in :func:`_usage_of`; a list is one choice per prompt), in a task of
+        its own (a cancelled response's cleanup must not await the rate limiter's Redis)."""
         if self.done:
             return
-        task = asyncio.ensure_future(self.settle(sum(c.num_prompt_tokens for c in chunks),
-                                                 sum(c.num_output_tokens for c in chunks)))
+        if isinstance(lasts, list):
+            lasts = {(k, 0): c for k, c in enumerate(lasts)}
+        usage = _usage_of(lasts)
+        task = asyncio.ensure_future(self.settle(usage.prompt_tokens, usage.completion_tokens))
         _SETTLING.add(task)
         task.add_done_callback(_SETTLING.discard)
 
 
 _SETTLING: set[asyncio.Task] = set()  # settle tasks in flight (referenced until done)
+_WARNED_FIELDS: set[str] = set()  # unknown request fields already logged (once per name)
+
+
+def _warn_unknown(body: BaseModel) -> None:
+    """Log the request's unknown (ignored) fields, once per field name for this replica."""
+    new = [f for f in unknown_fields(body) if f not in _WARNED_FIELDS]
+    if new:
+        _WARNED_FIELDS.update(new)
+        logger.warning("ignoring unknown request field(s) %s (accepted, no effect; logged once per field)",
+                       ", ".join(repr(f[:64]) for f in new[:20]))
+
+
+def _usage_of(lasts: dict[tuple[int, int], GenerationChunk]) -> CompletionUsage:
+    """Usage of a request's choices, keyed ``(prompt index, choice index)``: each prompt's
+    tokens counted once (its ``n`` choices share it), every choice's output tokens, the
+    prefix-cache hits of each prompt's first choice."""
+    prompts: dict[int, tuple[int, int]] = {}
+    out = 0
+    for (p, i), c in sorted(lasts.items()):
+        if p not in prompts:
+            prompts[p] = (c.num_prompt_tokens, c.num_cached_tokens)
+        out += c.num_output_tokens
+    return _usage(sum(n for n, _ in prompts.values()), out, sum(k for _, k in prompts.values()))
+
+
+class _ChatChoice:
+    """How one chat choice's text becomes OpenAI's message: plain content, or tool calls
+    (``mode``: ``text``, ``auto`` (parsed by the model family's parser), ``required`` (a
+    grammar-forced JSON array of calls) or ``named`` (the output is the arguments of
+    ``tool_choice``'s function)); streaming and whole."""
+
+    def __init__(self, mode: str, parser: ToolParser | None, tool_choice):
+        self.mode, self.parser, self.tool_choice = mode, parser, tool_choice
+        self.role_sent = False
+        self.tool_text = StreamingToolText(parser) if mode == "auto" else None
+        self.held = ""  # required: the whole output is parsed at the end
+        self.call_id: str | None = None  # named: the call streamed so far
+        self.called = False
+
+    @staticmethod
+    def mode_of(body: ChatCompletionRequest) -> str:
+        choice = body.effective_tool_choice
+        if choice == "none":
+            return "text"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def _finish(self, engine_reason: str | None) -> str | None:
+        fr = finish_reason(engine_reason)
+        return "tool_calls" if self.called and fr == "stop" else fr
+
+    def message(self, whole: GenerationChunk) -> tuple[ChatCompletionMessage, str | None]:
+        """The whole choice: the assistant message and its finish reason."""
+        text, calls = whole.text, None
+        if self.mode in ("required", "named"):
+            calls = parse_forced(text, self.tool_choice.model_dump() if self.mode == "named" else "required")
+            if calls:
+                text = None
+        elif self.mode == "auto":
+            content, calls = self.parser.extract(text)
+            if calls:
+                text = content
+        self.called = bool(calls)
+        msg = ChatCompletionMessage(role="assistant", content=text, tool_calls=[
+            ChatCompletionMessageFunctionToolCall(id=c.id, type="function", function=Function(
+                name=c.name, arguments=c.arguments)) for c in calls] if calls else None)
+        return msg, self._finish(whole.finish_reason)
+
+    def deltas(self, chunk: GenerationChunk) -> tuple[list[ChoiceDelta], str | None]:
+        """The stream deltas for one chunk of this choice, and its finish reason (on the last)."""
+        text, calls, content = chunk.text, [], ""
+        if self.mode == "text":
+            content = text
+        elif self.mode == "auto":
+            content = self.tool_text.feed(text)
+            if chunk.finished:
+                rest, calls = self.tool_text.finish()
+                content += rest
+        elif self.mode == "required":
+            self.held += text
+            if chunk.finished:
+                calls = parse_forced(self.held, "required") or []
+                content = "" if calls else self.held
+        else:  # named: the arguments stream as they are generated
+            name = self.tool_choice.function.name
+            out = []
+            if self.call_id is None and (text or chunk.finished):
+                self.call_id, self.called = f"call_{uuid.uuid4().hex[:24]}", True
+                out.append(ChoiceDeltaToolCall(index=0, id=self.call_id, type="function",
+                                               function=ChoiceDeltaToolCallFunction(name=name, arguments=text)))
+            elif text:
+                out.append(ChoiceDeltaToolCall(index=0, function=ChoiceDeltaToolCallFunction(arguments=text)))
+            deltas = [ChoiceDelta(tool_calls=out)] if out else []
+            return self._role(deltas), self._finish(chunk.finish_reason) if chunk.finished else None
+        deltas = [ChoiceDelta(content=content)] if content else []
+        if calls:
+            self.called = True
+            deltas.append(ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(
+                index=k, id=c.id, type="function", function=ChoiceDeltaToolCallFunction(name=c.name, arguments=c.arguments))
+                for k, c in enumerate(calls)]))
+        return self._role(deltas), self._finish(chunk.finish_reason) if chunk.finished else None
+
+    def _role(self, deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
+        """The first delta of a choice carries ``role`` (an empty one is sent if need be)."""
+        if not self.role_sent:
+            self.role_sent = True
+            if deltas:
+                deltas[0].role = "assistant"
+            else:
+                deltas = [ChoiceDelta(role="assistant", content="")]
+        return deltas
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, graceful_shutdown_timeout_s=5)
@@ -271,7 +399,7 @@ class OpenAIIngress:
                  health_timeout_s: float = 5.0, rate_limit_rpm: float | None = None,
                  rate_limit_tpm: float | None = None, redis_url: str | None = None,
                  auth_failures_per_minute: int = gate.DEFAULT_AUTH_FAILURES_PER_MINUTE,
-                 num_ingress_replicas: int = 1):
+                 num_ingress_replicas: int = 1, allowed_origins: list[str] | None = None):
         from cluster import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
@@ -279,7 +407,8 @@ class OpenAIIngress:
             raise ValueError("OpenAIIngress needs at least one model")
         if max_prompts_per_request < 1:
             raise ValueError(f"max_prompts_per_request must be positive, got {max_prompts_per_request}")
-        gate.configure(api_keys, max_request_body_bytes, auth_failures_per_minute)  # before any body is read
+        gate.configure(api_keys, max_request_body_bytes, auth_failures_per_minute,  # before any body is read
+                       ["*"] if allowed_origins is None else allowed_origins)
         # per-key limits: shared through Redis when given, else each ingress replica enforces its share
         self.limiter = RateLimiter(rate_limit_rpm, rate_limit_tpm, redis_url=redis_url,
                                    divide_by=max(1, num_ingress_replicas))
@@ -303,7 +432,13 @@ class OpenAIIngress:
                               "invalid_request_error", param="model", code="model_not_found")
         return name, self._streaming[name]
 
-    async def _open(self, rid: str, model: str, handle: DeploymentHandle, *args, **kwargs) -> _Stream:
+    async def _open(self, rid: str, model: str, handle: DeploymentHandle, *args, n: int = 1, **kwargs) -> _Stream:
+        """Start ``handle.generate`` (``n`` choices) and wait for its first chunk.
+
+        Raises:
+            OpenAIError: the server refused the request (its error), or Serve did
+                (``queue_full`` 429, ``model_unavailable`` 503).
+        """
         gen = handle.generate.remote(*args, return_errors=True, **kwargs)
         try:
             first = await gen.__anext__()
@@ -323,7 +458,7 @@ class OpenAIIngress:
             raise err from None
         if first.error is not None:  # the server's own verdict: a client error, a full queue, a dead engine
             raise OpenAIError.of(first.error)
-        return _Stream(gen, first)
+        return _Stream(gen, first, n)
 
     async def _admit_key(self, request: Request, model: str, prompt_tokens: int, max_tokens: int | None,
                          priority: int) -> "_KeyUse":
@@ -526,26 +661,37 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         name, handle = self._route(body.model)
+        _warn_unknown(body)
         hid = request_id_of(request)
         rid = random_id("chatcmpl")
         created = int(time.time())
         sp = body.sampling_dict(body.effective_max_tokens, body.num_logprobs)
+        mode = _ChatChoice.mode_of(body)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and mode != "text" else None
+        choice = body.tool_choice.model_dump() if mode == "named" else mode
+        grammar = tool_grammar(tools, choice, body.parallel_tool_calls) if tools else None
+        if grammar is not None:
+            sp["structured_outputs"] = grammar
+        parser = get_tool_parser((await self._model_info(name)).get("tool_call_parser", "hermes")) \
+            if mode == "auto" else None
         messages = [m.to_template() for m in body.messages]
-        use = await self._admit_key(request, name, estimate_prompt_tokens(messages), body.effective_max_tokens,
+        use = await self._admit_key(request, name, estimate_prompt_tokens(messages),
+                                    None if body.effective_max_tokens is None else body.effective_max_tokens * body.n,
                                     body.priority)
         try:
-            stream = await self._open(hid, name, handle, None, sp, messages=messages, request_id=rid,
-                                      priority=use.priority)
+            stream = await self._open(hid, name, handle, None, sp, messages=messages, tools=tools, request_id=rid,
+                                      priority=use.priority, n=body.n)
         except BaseException:
             use.settle_soon([])
             raise
+        states = [_ChatChoice(mode, parser, body.tool_choice) for _ in range(body.n)]
         if body.stream:
-            return StreamingResponse(self._chat_stream(stream, hid, rid, created, name, body.logprobs,
-                                                       body.include_usage, use),
+            return StreamingResponse(self._chat_stream(stream, hid, rid, created, name, body, states, use),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
-        whole = GenerationChunk()
+        wholes = [GenerationChunk(index=i) for i in range(body.n)]
         try:
-            whole = await self._collect(stream)
+            async for chunk in stream.chunks():
+                wholes[chunk.index].extend(chunk)
         except asyncio.CancelledError:
             stream.cancel()
             raise
@@ -553,76 +699,84 @@ class OpenAIIngress:
             stream.cancel()
             raise self._failed(hid, e) from None
         finally:
-            use.settle_soon([whole])
-        return ChatCompletion(
-            id=rid, object="chat.completion", created=created, model=name,
-            choices=[ChatChoice(
-                index=0, message=ChatCompletionMessage(role="assistant", content=whole.text),
-                logprobs=ChatChoiceLogprobs(content=_chat_logprobs(whole.logprobs or [])) if body.logprobs else None,
-                finish_reason=finish_reason(whole.finish_reason))],
-            usage=_usage(whole.num_prompt_tokens, whole.num_output_tokens, whole.num_cached_tokens))
+            use.settle_soon({(0, w.index): w for w in wholes})
+        choices = []
+        for i, (whole, state) in enumerate(zip(wholes, states)):
+            msg, fr = state.message(whole)
+            choices.append(ChatChoice(
+                index=i, message=msg, finish_reason=fr,
+                logprobs=ChatChoiceLogprobs(content=_chat_logprobs(whole.logprobs or [])) if body.logprobs else None))
+        return ChatCompletion(id=rid, object="chat.completion", created=created, model=name, choices=choices,
+                              usage=_usage_of({(0, w.index): w for w in wholes}))
 
-    async def _chat_stream(self, stream: _Stream, hid: str, rid: str, created: int, model: str, want_lp: bool,
-                           include_usage: bool, use: _KeyUse) -> AsyncIterator[bytes]:
+    async def _chat_stream(self, stream: _Stream, hid: str, rid: str, created: int, model: str,
+                           body: ChatCompletionRequest, states: list[_ChatChoice],
+                           use: _KeyUse) -> AsyncIterator[bytes]:
         head = dict(id=rid, object="chat.completion.chunk", created=created, model=model)
-        last = stream.first
-        role_sent = False
+        lasts = {(0, 0): stream.first}
+        include_usage, continuous = body.include_usage, body.continuous_usage
         try:
             async for chunk in stream.chunks():
-                last = chunk
-                fr = finish_reason(chunk.finish_reason) if chunk.finished else None
-                lp = chunk.logprobs if want_lp else None
-                if not chunk.text and fr is None and not lp and role_sent:
+                lasts[(0, chunk.index)] = chunk
+                state = states[chunk.index]
+                deltas, fr = state.deltas(chunk)
+                lp = chunk.logprobs if body.logprobs else None
+                if not deltas and fr is None and not lp:
                     continue  # nothing new for the client in this step (e.g. a held-back stop string prefix)
-                delta = ChoiceDelta(content=chunk.text) if role_sent else ChoiceDelta(role="assistant",
-                                                                                       content=chunk.text)
-                role_sent = True
-                choice = ChunkChoice(index=0, delta=delta, finish_reason=fr,
-                                     logprobs=ChunkChoiceLogprobs(content=_chat_logprobs(lp)) if lp else None)
-                out = ChatCompletionChunk(**head, choices=[choice])
-                if include_usage:
-                    out.usage = None  # OpenAI sends "usage": null on every chunk but the last
-                yield _sse(out)
+                deltas = deltas or [ChoiceDelta()]
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    choice = ChunkChoice(index=chunk.index, delta=delta, finish_reason=fr if last else None,
+                                         logprobs=ChunkChoiceLogprobs(content=_chat_logprobs(lp)) if lp and not k else None)
+                    out = ChatCompletionChunk(**head, choices=[choice])
+                    if include_usage:  # OpenAI sends "usage": null on every chunk but the last
+                        out.usage = _usage_of(lasts) if continuous else None
+                    yield _sse(out)
             if include_usage:
-                yield _sse(ChatCompletionChunk(**head, choices=[], usage=_usage(
-                    last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)))
+                yield _sse(ChatCompletionChunk(**head, choices=[], usage=_usage_of(lasts)))
         except asyncio.CancelledError:
             stream.cancel()
+            logger.info("request %s: client disconnected mid-stream; generation aborted", hid)
             raise
         except Exception as e:
             stream.cancel()
             yield self._stream_error(hid, e)
         finally:
             stream.cancel()
-            use.settle_soon([last])
+            use.settle_soon(lasts)
         yield _DONE
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         name, handle = self._route(body.model)
+        _warn_unknown(body)
         hid = request_id_of(request)
         prompts = body.prompts()
         if len(prompts) > self.max_prompts_per_request:
             raise OpenAIError(f"{len(prompts)} prompts in one request; the limit is {self.max_prompts_per_request}",
                               400, param="prompt", code="too_many_prompts")
+        n_gen = body.best_of or body.n  # sequences generated per prompt; the best n are returned
         bound = (await self._model_info(name)).get("max_in_flight_requests")
-        if len(prompts) > 1 and bound and len(prompts) > bound:  # a retry could never help
-            raise OpenAIError(f"{len(prompts)} prompts in one request; a replica of this model takes at most "
-                              f"{bound} requests at once (max_num_seqs + max_queued_requests), so this request can "
-                              "never be admitted: send fewer prompts per request", 400, param="prompt",
-                              code="too_large")
-        if body.echo and any(not isinstance(p, str) for p in prompts):
-            raise OpenAIError("echo is only supported for text prompts", 400, param="echo")
+        if len(prompts) * n_gen > 1 and bound and len(prompts) * n_gen > bound:  # a retry could never help
+            raise OpenAIError(f"{len(prompts)} prompts x {n_gen} choices in one request; a replica of this model "
+                              f"takes at most {bound} requests at once (max_num_seqs + max_queued_requests), so this "
+                              "request can never be admitted: send fewer prompts or choices per request", 400,
+                              param="prompt", code="too_large")
         rid = random_id("cmpl")
         created = int(time.time())
-        sp = body.sampling_dict(body.max_tokens, body.logprobs)
+        ranking = n_gen > body.n
+        sp = body.sampling_dict(body.max_tokens, body.logprobs if body.logprobs is not None or not ranking else 0)
+        sp["n"] = n_gen
+        if body.echo and body.logprobs is not None:
+            sp["prompt_logprobs"] = body.logprobs
         use = await self._admit_key(request, name, sum(estimate_prompt_tokens(p) for p in prompts),
-                                    None if body.max_tokens is None else body.max_tokens * len(prompts), body.priority)
+                                    None if body.max_tokens is None else body.max_tokens * len(prompts) * n_gen,
+                                    body.priority)
         streams: list[_Stream] = []
         try:
             results = await asyncio.gather(
-                *(self._open(hid, name, handle, p, sp, request_id=f"{rid}-{i}", priority=use.priority)
-                  for i, p in enumerate(prompts)), return_exceptions=True)
+                *(self._open(hid, name, handle, p, sp, request_id=f"{rid}-{i}", priority=use.priority, n=n_gen,
+                             echo=body.echo) for i, p in enumerate(prompts)), return_exceptions=True)
             for r in results:
                 if isinstance(r, _Stream):
                     streams.append(r)
@@ -634,104 +788,121 @@ class OpenAIIngress:
                 s.cancel()
             use.settle_soon([])
             raise
-        want_lp = body.logprobs is not None
-        echo = [p if body.echo else "" for p in prompts]
         if body.stream:
-            return StreamingResponse(self._completion_stream(streams, hid, rid, created, name, want_lp, echo,
-                                                             body.include_usage, use),
+            return StreamingResponse(self._completion_stream(streams, hid, rid, created, name, body, use),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
+        wholes: dict[tuple[int, int], GenerationChunk] = {}
+
+        async def collect(p: int, s: _Stream):
+            async for chunk in s.chunks():
+                wholes.setdefault((p, chunk.index), GenerationChunk(index=chunk.index)).extend(chunk)
+
         try:
-            wholes = await asyncio.gather(*(self._collect(s) for s in streams))
+            await asyncio.gather(*(collect(p, s) for p, s in enumerate(streams)))
         except BaseException as e:
             for s in streams:
                 s.cancel()
-            use.settle_soon([s.first for s in streams])
+            use.settle_soon(wholes)
             if isinstance(e, Exception):
                 raise self._failed(hid, e) from None
             raise
         use.settle_soon(wholes)
-        choices = [CompletionChoice(index=i, text=echo[i] + w.text, finish_reason=finish_reason(w.finish_reason),
-                                    logprobs=_completion_logprobs(w.logprobs or [], len(echo[i]))[0] if want_lp else None)
-                   for i, w in enumerate(wholes)]
+        choices = []
+        for p in range(len(prompts)):
+            group = [wholes[(p, i)] for i in range(n_gen)]
+            prompt_lp = group[0].prompt_logprobs
+            if ranking:  # best_of: the n sequences of highest cumulative log-probability
+                group = sorted(group, key=lambda w: -sum(e.logprob for e in w.logprobs or []))[:body.n]
+            for w in group:
+                echo = (w.prompt_text or "") if body.echo else ""
+                lp = None
+                if body.logprobs is not None:
+                    lp, offset = _completion_logprobs(prompt_lp or [], 0) if body.echo else (None, 0)
+                    gen, _ = _completion_logprobs(w.logprobs or [], offset if body.echo else len(echo))
+                    lp = gen if lp is None else _join_logprobs(lp, gen)
+                choices.append(CompletionChoice(index=len(choices), text=echo + w.text, logprobs=lp,
+                                                finish_reason=finish_reason(w.finish_reason)))
         return Completion(id=rid, object="text_completion", created=created, model=name, choices=choices,
-                          usage=_usage(sum(w.num_prompt_tokens for w in wholes), sum(w.num_output_tokens for w in wholes),
-                                       sum(w.num_cached_tokens for w in wholes)))
-
-    @staticmethod
-    async def _collect(stream: _Stream) -> GenerationChunk:
-        """The whole generation of a stream as one finished chunk (text and logprobs joined)."""
-        whole = GenerationChunk()
-        async for chunk in stream.chunks():
-            whole.extend(chunk)
-        return whole
+                          usage=_usage_of(wholes))
 
     async def _completion_stream(self, streams: list[_Stream], hid: str, rid: str, created: int, model: str,
-                                 want_lp: bool, echo: list[str], include_usage: bool,
-                                 use: _KeyUse) -> AsyncIterator[bytes]:
+                                 body: CompletionRequest, use: _KeyUse) -> AsyncIterator[bytes]:
         head = dict(id=rid, object="text_completion", created=created, model=model)
-        lasts = [s.first for s in streams]
-        offsets = [len(e) for e in echo]
+        n = body.n
+        want_lp = body.logprobs is not None
+        include_usage, continuous = body.include_usage, body.continuous_usage
+        lasts: dict[tuple[int, int], GenerationChunk] = {(p, 0): s.first for p, s in enumerate(streams)}
+        offsets: dict[tuple[int, int], int] = {}
+        prompt_lps: dict[int, list] = {}
 
-        def event(i: int, chunk: GenerationChunk, first: bool) -> bytes | None:
-            lasts[i] = chunk
-            text = (echo[i] + chunk.text) if first and echo[i] else chunk.text
+        def event(p: int, chunk: GenerationChunk) -> bytes | None:
+            key = (p, chunk.index)
+            lasts[key] = chunk
+            if chunk.prompt_logprobs is not None:
+                prompt_lps[p] = chunk.prompt_logprobs
+            text, lp = chunk.text, None
+            if key not in offsets:  # the choice's first chunk: the echoed prompt goes first
+                offsets[key] = 0
+                if body.echo:
+                    text = (chunk.prompt_text or "") + text
+                    if want_lp:
+                        lp, offsets[key] = _completion_logprobs(prompt_lps.get(p) or [], 0)
+                    else:
+                        offsets[key] = len(chunk.prompt_text or "")
+            if want_lp and chunk.logprobs:
+                gen, offsets[key] = _completion_logprobs(chunk.logprobs, offsets[key])
+                lp = gen if lp is None else _join_logprobs(lp, gen)
             fr = finish_reason(chunk.finish_reason) if chunk.finished else None
-            lps = chunk.logprobs if want_lp else None
-            if not text and fr is None and not lps:
+            if not text and fr is None and lp is None:
                 return None
-            lp = None
-            if lps:
-                lp, offsets[i] = _completion_logprobs(lps, offsets[i])
             # OpenAI streams finish_reason null until the last chunk, which the SDK's type does
             # not admit (the SDK builds stream chunks unvalidated, as here)
-            choice = CompletionChoice.model_construct(index=i, text=text, logprobs=lp, finish_reason=fr)
+            choice = CompletionChoice.model_construct(index=p * n + chunk.index, text=text, logprobs=lp,
+                                                      finish_reason=fr)
             out = Completion(**head, choices=[choice])
             if include_usage:
-                out.usage = None
+                out.usage = _usage_of(lasts) if continuous else None
             return _sse(out)
 
-        async def merged() -> AsyncIterator[tuple[int, GenerationChunk, bool]]:
-            """(choice index, chunk, is first) of every stream, as they arrive."""
+        async def merged() -> AsyncIterator[tuple[int, GenerationChunk]]:
+            """(prompt index, chunk) of every stream, as they arrive."""
             queue: asyncio.Queue = asyncio.Queue()
 
-            async def pump(i: int, s: _Stream):
+            async def pump(p: int, s: _Stream):
                 try:
-                    first = True
                     async for chunk in s.chunks():
-                        await queue.put((i, chunk, first, None))
-                        first = False
+                        await queue.put((p, chunk, None))
                 except Exception as e:  # forwarded to the response
-                    await queue.put((i, None, False, e))
+                    await queue.put((p, None, e))
                 finally:
-                    await queue.put((i, None, False, None))
+                    await queue.put((p, None, None))
 
-            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+            tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
             try:
                 open_ = len(streams)
                 while open_:
-                    i, chunk, first, err = await queue.get()
+                    p, chunk, err = await queue.get()
                     if err is not None:
                         raise err
                     if chunk is None:
                         open_ -= 1
                         continue
-                    yield i, chunk, first
+                    yield p, chunk
             finally:
                 for t in tasks:
                     t.cancel()
 
         try:
-            async for i, chunk, first in merged():
-                b = event(i, chunk, first)
+            async for p, chunk in merged():
+                b = event(p, chunk)
                 if b is not None:
                     yield b
             if include_usage:
-                yield _sse(Completion(**head, choices=[], usage=_usage(
-                    sum(c.num_prompt_tokens for c in lasts), sum(c.num_output_tokens for c in lasts),
-                    sum(c.num_cached_tokens for c in lasts))))
+                yield _sse(Completion(**head, choices=[], usage=_usage_of(lasts)))
         except asyncio.CancelledError:
             for s in streams:
                 s.cancel()
+            logger.info("request %s: client disconnected mid-stream; generation aborted", hid)
             raise
         except Exception as e:
             yield self._stream_error(hid, e)

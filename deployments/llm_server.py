@@ -200,6 +200,10 @@ class OverloadedError(RuntimeError):
         self.error = error
 
 
+class _TooLarge(ValueError):
+    """A request this replica can never admit (code ``too_large``)."""
+
+
 async def _next_before(stream, deadline: float | None):
     """The stream's next item, or ``TimeoutError`` once ``time.monotonic()`` passes ``deadline``."""
     if deadline is None:
@@ -239,12 +243,14 @@ class LLMServer:
             :class:`Admission`; defaults :func:`deployments.args.default_admission_bounds`).
         request_timeout_s: a request still running after this many seconds is aborted (its
             KV blocks freed) and ends with error ``timeout`` (504); None: no limit.
+        tool_call_parser: the :data:`deployments.tools.TOOL_PARSERS` name that reads this
+            model's tool calls (the ingress asks :meth:`model_info` for it).
     """
 
     def __init__(self, engine_args: dict | None = None, served_model_name: str | None = None,
                  torch_num_threads: int | None = None, worker_options: dict | None = None, *,
                  max_queued_requests: int | None = None, max_queued_prompt_tokens: int | None = None,
-                 request_timeout_s: float | None = None):
+                 request_timeout_s: float | None = None, tool_call_parser: str = "hermes"):
         import torch
 
         from engine.async_engine import AsyncLLMEngine
@@ -280,6 +286,7 @@ class LLMServer:
                                                 self.engine.max_model_len)
         self.admission = Admission(config.max_num_seqs, max_queued_requests or d_req, max_queued_prompt_tokens or d_tok)
         self.request_timeout_s = request_timeout_s
+        self.tool_call_parser = tool_call_parser
         self.metrics = EngineMetrics(self.model_name, _replica_id())
         self._rejected = rejected()
 
@@ -295,30 +302,46 @@ class LLMServer:
 
     # ---- generation ---------------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
-                       messages: list[dict] | None = None, request_id: str | None = None,
-                       priority: int = 0, return_errors: bool = False) -> AsyncIterator[GenerationChunk]:
+                       messages: list[dict] | None = None, tools: list[dict] | None = None,
+                       request_id: str | None = None, priority: int = 0, echo: bool = False,
+                       return_errors: bool = False) -> AsyncIterator[GenerationChunk]:
         """Stream one request: one :class:`deployments.protocol.GenerationChunk` per engine
         step that gives it tokens (``text``, ``token_ids``, ``finished``, ``finish_reason``,
         token counts, ``logprobs`` when asked for); the last has ``finished=True``.
+
+        With ``n > 1`` the replica runs ``n`` engine requests (ids ``<request_id>-<i>``; a
+        given ``seed`` becomes ``seed + i``) and interleaves their chunks, each tagged with
+        its ``index`` and ending with its own ``finished`` chunk. The first runs alone until
+        its prompt is computed, so the others find the prompt's KV blocks in the prefix cache
+        instead of computing them again.
 
         Args:
             prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
                 [...]}`` (ignored when ``messages`` is given).
             sampling_params: keyword arguments of :class:`engine.SamplingParams`
                 (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``,
-                ``logprobs``, ``ignore_eos``, ...).
-            messages: a chat conversation (``[{"role", "content"}, ...]``); the tokenizer's
-                chat template and the assistant generation prompt are applied.
+                ``logprobs``, ``prompt_logprobs``, ``logit_bias``, ``structured_outputs``,
+                ``ignore_eos``, ...) plus ``n`` (choices, default 1).
+            messages: a chat conversation (``[{"role", "content"}, ...]``, with
+                ``tool_calls`` / ``tool`` messages as transformers' templates take them); the
+                tokenizer's chat template and the assistant generation prompt are applied.
+            tools: OpenAI function tools for the chat template (a template that does not
+                render tools gets them written into the messages: see
+                :func:`deployments.tools.prepare_messages`).
             request_id: the engine's id for the request (default: a random one).
             priority: lower runs first under ``scheduling_policy="priority"``.
+            echo: the first chunk of each choice carries the prompt as text (``prompt_text``).
             return_errors: yield a request that cannot start as one finished chunk with
                 ``error`` set (:class:`deployments.protocol.GenerationError`: code
-                ``context_length_exceeded`` / ``invalid_value``, 400; ``engine_dead``, 503)
-                instead of raising (the ingress uses it, so bad requests log no tracebacks).
+                ``context_length_exceeded`` / ``invalid_value`` / ``too_large``, 400;
+                ``queue_full``, 429; ``engine_dead``, 503) instead of raising (the ingress
+                uses it, so bad requests log no tracebacks).
 
         Raises:
             ValueError: invalid sampling parameters, messages or prompt (e.g. longer than
-                the model's context); raised before anything is generated.
+                the model's context, or ``max_tokens`` that does not fit after it); raised
+                before anything is generated.
+            OverloadedError: the replica's queue is full (retry later).
             EngineDeadError: the engine (or one of its tensor-parallel workers) died.
             RuntimeError: the request failed inside the engine after it started.
         """
@@ -326,60 +349,179 @@ class LLMServer:
         from engine.llm_engine import PromptTooLongError
         from engine.sampling_params import SamplingParams
 
+        from deployments.protocol import MAX_N, random_id
+        from deployments.tools import prepare_messages
+
+        sp = dict(sampling_params or {})
+        n = sp.pop("n", 1)
+        request_id = request_id or random_id("req")
+        try:
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+                raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+            params = SamplingParams(**sp)
+            if messages is not None:
+                messages, tools = prepare_messages(messages, tools, self.engine.tokenizer.chat_template)
+                ids = await self.engine.apply_chat_template(messages, tools)
+            elif prompt is None:
+                raise ValueError("either prompt or messages is required")
+            else:
+                ids = await self.engine.encode(prompt)
+            if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+                raise PromptTooLongError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the request asks "
+                    f"for {len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} in "
+                    "max_tokens): shorten the prompt or lower max_tokens")
+            if n > self.admission.max_in_flight:
+                raise _TooLarge(f"n={n} choices need {n} requests at once; a replica of this model takes at "
+                                f"most {self.admission.max_in_flight} (max_num_seqs + max_queued_requests)")
+        except EngineDeadError:
+            if not return_errors:
+                raise
+            yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(
+                "engine_dead", "the model server's engine has stopped and is being restarted; retry later"))
+            return
+        except (ValueError, TypeError) as e:
+            if not return_errors:
+                raise ValueError(str(e)) from e
+            code = ("context_length_exceeded" if isinstance(e, PromptTooLongError) else
+                    "too_large" if isinstance(e, _TooLarge) else "invalid_value")
+            yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(code, str(e)))
+            return
+        prompt_text = None
+        if echo:
+            prompt_text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+        if n == 1:
+            async for chunk in self._run(ids, params, request_id, priority, return_errors, prompt_text=prompt_text):
+                yield chunk
+            return
+        async for chunk in self._fan_out(ids, params, request_id, priority, return_errors, n, prompt_text):
+            yield chunk
+
+    async def _fan_out(self, ids: list[int], params, request_id: str, priority: int, return_errors: bool,
+                       n: int, prompt_text: str | None) -> AsyncIterator[GenerationChunk]:
+        """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`generate`).
+        A choice that fails fails the request: its error chunk ends the stream and the other
+        choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all)."""
+        import dataclasses
+
+        from engine.sampling_params import SEED_MAX, SEED_MIN
+
+        prefilled = asyncio.Event()  # choice 0's prompt is in the KV cache (or it ended)
+
+        def child(i: int):
+            p = params
+            if i:
+                seed = params.seed
+                if seed is not None:
+                    seed = params.seed + i if params.seed + i <= SEED_MAX else params.seed + i - (SEED_MAX - SEED_MIN + 1)
+                p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
+            return self._run(ids, p, f"{request_id}-{i}", priority, return_errors, index=i,
+                             wait_for=prefilled if i else None, on_first=prefilled if not i else None,
+                             prompt_text=prompt_text)
+
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(gen):
+            try:
+                async for chunk in gen:
+                    await queue.put(chunk)
+            except Exception as e:  # raised to the caller below
+                await queue.put(e)
+            finally:
+                await gen.aclose()
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(child(i))) for i in range(n)]
+        try:
+            left = n
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+                    if item.error is not None:
+                        return
+        finally:
+            prefilled.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, ids: list[int], params, request_id: str, priority: int, return_errors: bool,
+                   index: int = 0, wait_for: asyncio.Event | None = None,
+                   on_first: asyncio.Event | None = None,
+                   prompt_text: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """One engine request of :meth:`generate`: admission, the engine's stream as chunks
+        tagged ``index``, the request timeout. ``wait_for``: an event to await after
+        admission, before the request enters the engine; ``on_first``: an event set once the
+        request's first output arrived (its prompt is computed) or it ended; ``prompt_text``
+        goes on the first chunk."""
+        from engine.async_engine import EngineDeadError
+        from engine.llm_engine import PromptTooLongError
+
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
-        n_prompt, admitted, started = 0, False, False
+        n_prompt, admitted, started = len(ids), False, False
         stream = None
         try:
             try:
-                params = SamplingParams(**(sampling_params or {}))
-                if messages is not None:
-                    ids = await self.engine.apply_chat_template(messages)
-                elif prompt is None:
-                    raise ValueError("either prompt or messages is required")
-                else:
-                    ids = await self.engine.encode(prompt)
-                n_prompt = len(ids)
                 refused = self.admission.admit(n_prompt)
                 if refused is not None:
                     if refused.code == "queue_full":
                         self._rejected.inc({"model_name": self.model_name, "reason": "queue_full"})
                     if not return_errors:
                         raise (OverloadedError(refused) if refused.code == "queue_full" else ValueError(refused.message))
-                    yield GenerationChunk(finished=True, finish_reason="error", error=refused)
+                    yield GenerationChunk(finished=True, finish_reason="error", error=refused, index=index)
                     return
                 admitted = True
+                if wait_for is not None:
+                    await wait_for.wait()
                 stream = self.engine.generate(ids, params, request_id, priority)
                 out = await _next_before(stream, deadline)  # validates the prompt, then waits for the first token
             except EngineDeadError:
                 if not return_errors:
                     raise
-                yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(
+                yield GenerationChunk(finished=True, finish_reason="error", index=index, error=GenerationError(
                     "engine_dead", "the model server's engine has stopped and is being restarted; retry later"))
                 return
             except (ValueError, TypeError) as e:
                 if not return_errors:
                     raise ValueError(str(e)) from e
                 code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
-                yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(code, str(e)))
+                yield GenerationChunk(finished=True, finish_reason="error", index=index,
+                                      error=GenerationError(code, str(e)))
                 return
             except TimeoutError:
-                yield self._timed_out(return_errors)
+                yield self._timed_out(return_errors, index)
                 return
+            finally:
+                if on_first is not None:
+                    on_first.set()
             started = True
             self.admission.start(n_prompt)
             n_lp = 0
+            prompt_lp = params.prompt_logprobs is not None
+            first = True
             while True:
                 c = out.outputs[0]
                 chunk = GenerationChunk(
                     text=c.delta_text, token_ids=c.delta_token_ids, finished=out.finished,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason if out.finished else None,
                     num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(c.token_ids),
-                    num_cached_tokens=out.num_cached_tokens)
+                    num_cached_tokens=out.num_cached_tokens, index=index)
+                if first:
+                    chunk.prompt_text, first = prompt_text, False
                 if params.logprobs is not None:
                     entries = (c.logprobs or [])[n_lp:n_lp + len(c.delta_token_ids)]
                     n_lp += len(entries)
                     chunk.logprobs = [self._logprob_entry(tid, d, params.logprobs)
                                       for tid, d in zip(c.delta_token_ids, entries)]
+                if prompt_lp and out.prompt_logprobs is not None:
+                    prompt_lp = False  # sent once
+                    chunk.prompt_logprobs = [self._logprob_entry(tid, d, params.prompt_logprobs)
+                                             for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
                 if out.finished:
                     self._remember(out)
                 yield chunk
@@ -388,12 +530,12 @@ class LLMServer:
                 try:
                     out = await _next_before(stream, deadline)
                 except TimeoutError:
-                    yield self._timed_out(return_errors)
+                    yield self._timed_out(return_errors, index)
                     return
                 except EngineDeadError:  # mid-stream (e.g. a tensor-parallel worker died): typed, retryable
                     if not return_errors:
                         raise
-                    yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(
+                    yield GenerationChunk(finished=True, finish_reason="error", index=index, error=GenerationError(
                         "engine_dead", "the model server's engine stopped during this request and is being "
                                        "restarted; retry later"))
                     return
@@ -403,33 +545,41 @@ class LLMServer:
             if stream is not None:
                 await stream.aclose()  # aborts the request in the engine unless it finished
 
-    def _timed_out(self, return_errors: bool) -> GenerationChunk:
+    def _timed_out(self, return_errors: bool, index: int = 0) -> GenerationChunk:
         """The last chunk of a request that ran past ``request_timeout_s`` (the caller's
         ``finally`` aborts it in the engine, which frees its blocks)."""
         self._rejected.inc({"model_name": self.model_name, "reason": "timeout"})
         msg = f"the request ran longer than the server's limit of {self.request_timeout_s:g} s and was stopped"
         if not return_errors:
             raise TimeoutError(msg)
-        return GenerationChunk(finished=True, finish_reason="error", error=GenerationError("timeout", msg))
+        return GenerationChunk(finished=True, finish_reason="error", index=index,
+                               error=GenerationError("timeout", msg))
 
     async def complete(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
                        messages: list[dict] | None = None, request_id: str | None = None,
-                       priority: int = 0) -> GenerationChunk:
+                       tools: list[dict] | None = None,
+                       priority: int = 0) -> GenerationChunk | list[GenerationChunk]:
         """Non-streaming :meth:`generate`: one finished chunk with the whole ``text``,
-        ``token_ids`` (and ``logprobs`` if asked for).
+        ``token_ids`` (and ``logprobs`` if asked for); with ``n > 1`` in ``sampling_params``,
+        a list of them by choice index.
 
         Raises:
-            ValueError, EngineDeadError, RuntimeError: as :meth:`generate`.
+            ValueError, OverloadedError, EngineDeadError, RuntimeError: as :meth:`generate`.
         """
-        whole = GenerationChunk()
-        async for chunk in self.generate(prompt, sampling_params, messages=messages, request_id=request_id,
-                                         priority=priority):
-            whole.extend(chunk)
-        return whole
+        n = (sampling_params or {}).get("n", 1)
+        wholes = [GenerationChunk(index=i) for i in range(n if isinstance(n, int) and n > 1 else 1)]
+        async for chunk in self.generate(prompt, sampling_params, messages=messages, tools=tools,
+                                         request_id=request_id, priority=priority):
+            wholes[chunk.index].extend(chunk)
+        return wholes if len(wholes) > 1 else wholes[0]
 
-    def _logprob_entry(self, token_id: int, d: dict[int, float], k: int) -> TokenLogprob:
+    def _logprob_entry(self, token_id: int, d: dict[int, float] | None, k: int) -> TokenLogprob:
+        """A token's logprob entry from the engine's ``{token id: logprob}`` (the token and the
+        top ``k``); ``d`` None (the first prompt token: no context) gives ``logprob`` None."""
         tok = self.engine.tokenizer
         s, b = _token_str(tok, token_id)
+        if d is None:
+            return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=None)
         top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
         return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=d.get(token_id, float("-inf")),
                             top_logprobs=[TopLogprob(t, *_token_str(tok, t), lp) for t, lp in top])
@@ -460,7 +610,8 @@ class LLMServer:
                 "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                 "max_queued_requests": self.admission.max_requests,
                 "max_in_flight_requests": self.admission.max_in_flight,
-                "max_queued_prompt_tokens": self.admission.max_prompt_tokens}
+                "max_queued_prompt_tokens": self.admission.max_prompt_tokens,
+                "tool_call_parser": self.tool_call_parser}
         if hasattr(self.engine.executor, "placement_group_info"):
             info["workers"] = self.engine.executor.placement_group_info()
         return info

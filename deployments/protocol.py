@@ -3,25 +3,33 @@ from the LLM server to the ingress (:class:`GenerationChunk`). Response bodies a
 ``openai`` package's own types (built in the ingress).
 
 Requests follow https://platform.openai.com/docs/api-reference (chat completions and legacy
-completions), plus the vLLM-style extra sampling fields ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
-``skip_special_tokens`` and ``include_stop_str_in_output``. Unknown fields are accepted and
-ignored (clients send many optional ones), except fields that would silently change the
-meaning of a request that kvserve cannot honour (``tools``, ``response_format`` other than
-text, ``logit_bias``, ``n > 1``, ``best_of > 1``, ``suffix``): those get a 400.
+completions): ``n``, ``logit_bias``, ``response_format`` (``json_object``, ``json_schema``),
+``tools`` / ``tool_choice`` / ``parallel_tool_calls``, ``stream_options``
+(``include_usage``, vLLM's ``continuous_usage_stats``), and on completions ``echo`` with
+prompt logprobs, ``max_tokens: 0`` and ``best_of``; plus vLLM's extra sampling fields
+(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) and structured
+output fields (``structured_outputs`` as vLLM 0.10+ names it, and the older
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``). Other fields
+are accepted and ignored; :func:`unknown_fields` names them so the ingress can warn once per
+field. ``suffix`` (insertion) is a 400: it would silently change the request's meaning.
 
 This module imports neither Ray nor the engine: it is shared by the ingress, the LLM server
 and clients.
 """
 from __future__ import annotations
 
+import json
 import math
-
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+#: The most choices one request may ask for (``n``, ``best_of``).
+MAX_N = 128  # OpenAI's limit
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -74,6 +82,38 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    #: vLLM's extension: every chunk carries the usage so far (guidellm sends it)
+    continuous_usage_stats: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: a named JSON schema (``strict`` is always honoured:
+    the grammar enforces the schema whatever its value)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (default), ``json_object`` (any JSON object) or
+    ``json_schema`` (output valid under the schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+#: Keys of an engine ``structured_outputs`` spec (one per request).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class _SamplingFields(BaseModel):
@@ -85,7 +125,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -94,6 +134,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM-style extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -104,13 +145,11 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
-
-    @field_validator("n")
-    @classmethod
-    def _n_is_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -124,26 +163,64 @@ class _SamplingFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _logit_bias(cls, v):
+        """OpenAI's map of token id (a decimal string) to a bias in [-100, 100]."""
+        if not v:
+            return v
+        for k, b in v.items():
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (decimal strings), got {k[:20]!r}")
+            if not (-100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {k}")
         return v
 
     @model_validator(mode="after")
-    def _check_unsupported(self):
-        extra = self.model_extra or {}
-        if extra.get("tools"):
-            raise ValueError("tools / function calling is not supported")
-        rf = extra.get("response_format")
-        if isinstance(rf, dict) and rf.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
+    def _check_fields(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        self.structured_spec()  # at most one structured output constraint, well formed
         return self
 
+    def structured_spec(self) -> dict[str, Any] | None:
+        """The engine's ``structured_outputs`` spec (``{"json": schema}``, ``{"json_object":
+        True}``, ``{"regex": ...}``, ``{"choice": [...]}`` or ``{"grammar": ...}``) from
+        ``response_format``, ``structured_outputs`` or vLLM's ``guided_*`` fields; None for
+        free text.
+
+        Raises:
+            ValueError: more than one constraint, or a malformed one.
+        """
+        specs = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            specs.append({"json_object": True})
+        elif rf is not None and rf.type == "json_schema":
+            specs.append({"json": rf.json_schema.json_schema})
+        if self.structured_outputs:
+            so = {k: v for k, v in self.structured_outputs.items() if v is not None and v is not False}
+            unknown = set(so) - set(STRUCTURED_KINDS)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown key(s) {sorted(unknown)}; "
+                                 f"use one of {', '.join(STRUCTURED_KINDS)}")
+            specs.extend({k: v} for k, v in so.items())
+        for field, kind in _GUIDED.items():
+            v = getattr(self, field)
+            if v is not None:
+                specs.append({kind: v})
+        if len(specs) > 1:
+            raise ValueError("give one structured output constraint (response_format, structured_outputs or "
+                             f"guided_*), got {len(specs)}")
+        if specs and "choice" in specs[0]:
+            ch = specs[0]["choice"]
+            if not isinstance(ch, list) or not ch or any(not isinstance(c, str) or not c for c in ch):
+                raise ValueError("a choice constraint is a non-empty list of non-empty strings")
+        return specs[0] if specs else None
+
     def sampling_dict(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-        """Keyword arguments for ``engine.SamplingParams``."""
+        """Keyword arguments for ``engine.SamplingParams`` (plus ``n``, which the LLM server
+        fans out into ``n`` engine requests)."""
         d: dict[str, Any] = {
+            "n": self.n,
             "max_tokens": max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
@@ -164,11 +241,32 @@ class _SamplingFields(BaseModel):
             d["min_p"] = self.min_p
         if self.repetition_penalty is not None:
             d["repetition_penalty"] = self.repetition_penalty
+        if self.logit_bias:
+            d["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+        spec = self.structured_spec()
+        if spec is not None:
+            d["structured_outputs"] = spec
         return d
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def unknown_fields(body: BaseModel) -> list[str]:
+    """Dotted names of the fields of a request body (and its messages) that no model
+    declares: accepted and ignored (the ingress warns once per name)."""
+    names = [k for k in (body.model_extra or {})]
+    for m in getattr(body, "messages", None) or []:
+        names.extend(f"messages.{k}" for k in (m.model_extra or {}))
+    if getattr(body, "stream_options", None) is not None:
+        names.extend(f"stream_options.{k}" for k in (body.stream_options.model_extra or {}))
+    return sorted(set(names))
 
 
 # ---- chat completions ---------------------------------------------------------------------
@@ -178,11 +276,48 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    """An assistant message's tool call (history sent back by the client)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    class _Name(BaseModel):
+        name: str
+
+    type: Literal["function"] = "function"
+    function: _Name
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -194,13 +329,33 @@ class ChatMessage(BaseModel):
         return v
 
     def to_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (transformers' convention): text content,
+        and tool calls with ``arguments`` as a dict (OpenAI sends a JSON string)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text or "" for p in content)
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_dict(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id:
+            d["tool_call_id"] = self.tool_call_id
         return d
+
+
+def _arguments_dict(arguments: str | dict) -> dict:
+    """A tool call's arguments as a dict (a JSON string that is not an object is kept under
+    ``"value"``, so the history still reaches the model)."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        v = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"value": arguments}
+    return v if isinstance(v, dict) else {"value": v}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -208,12 +363,38 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
-    def _check_logprobs(self):
+    def _check_chat(self):
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools "
+                                 f"({', '.join(names)})")
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise ValueError("tools: function names must be unique")
+        if self.forces_tool_call and self.structured_spec() is not None:
+            raise ValueError("tool_choice required / a named function cannot be combined with response_format "
+                             "or another structured output constraint")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``none`` without tools; else the request's choice (default ``auto``)."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.effective_tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -227,10 +408,11 @@ class ChatCompletionRequest(_SamplingFields):
 # ---- completions ----------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    #: 0 with ``echo`` scores the prompt only (lm-evaluation-harness' loglikelihood requests)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -244,11 +426,15 @@ class CompletionRequest(_SamplingFields):
         return v
 
     @model_validator(mode="after")
-    def _check_unsupported_completion(self):
-        if self.best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _check_completion(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best sequences are known only at the end)")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo=true (scoring the prompt)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -294,12 +480,13 @@ class GenerationError:
 
 @dataclass
 class TopLogprob:
-    """One candidate token at a position: id, text, UTF-8 bytes, log-probability (natural log)."""
+    """One candidate token at a position: id, text, UTF-8 bytes, log-probability (natural log;
+    None for the first prompt token of prompt logprobs, which has no context)."""
 
     token_id: int
     token: str
     bytes: list[int]
-    logprob: float
+    logprob: float | None
 
 
 @dataclass
@@ -324,6 +511,11 @@ class GenerationChunk:
         num_prompt_tokens, num_output_tokens, num_cached_tokens: tokens so far (cached: prompt
             tokens served from the prefix cache).
         logprobs: per new token (only when asked for).
+        prompt_logprobs: per prompt token, the first None (asked for with ``prompt_logprobs``;
+            sent once, on the first chunk).
+        prompt_text: the prompt as text, on the first chunk (asked for with ``echo``).
+        index: the choice this chunk belongs to (``n > 1`` interleaves the choices' chunks in
+            one stream; each choice ends with its own ``finished`` chunk).
         error: set (and ``finished``) when the request could not run.
 
     ``chunk["text"]`` works as ``chunk.text`` (the records were plain dicts before).
@@ -338,6 +530,9 @@ class GenerationChunk:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_text: str | None = None
+    index: int = 0
     error: GenerationError | None = None
 
     def extend(self, chunk: "GenerationChunk") -> None:
@@ -349,6 +544,11 @@ class GenerationChunk:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.prompt_text is not None:
+            self.prompt_text = chunk.prompt_text
+        self.index = chunk.index
         self.finished, self.finish_reason, self.stop_reason = chunk.finished, chunk.finish_reason, chunk.stop_reason
         self.num_prompt_tokens, self.num_output_tokens = chunk.num_prompt_tokens, chunk.num_output_tokens
         self.num_cached_tokens, self.error = chunk.num_cached_tokens, chunk.error
@@ -361,7 +561,8 @@ class GenerationChunk:
 
 
 def finish_reason(engine_reason: str | None) -> str | None:
-    """Engine finish reasons -> OpenAI's (``stop``, ``length``; aborts count as ``stop``)."""
+    """Engine finish reasons -> OpenAI's (``stop``, ``length``; aborts count as ``stop``;
+    the ingress turns ``stop`` into ``tool_calls`` when it parsed tool calls)."""
     if engine_reason is None:
         return None
     return "length" if engine_reason == "length" else "stop"

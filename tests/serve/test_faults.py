@@ -345,7 +345,9 @@ def test_scale_down_drains_in_flight_streams(serve_app, tiny_llama_path):
     from ray import serve
 
     name, route, served = "kvserve-drain", "/drain", "tiny-drain"
-    args = _app_args(tiny_llama_path, served, num_replicas=2, graceful_shutdown_timeout_s=120)
+    # max_queued_requests 8: however Serve split the 8 streams, the replica that stays takes
+    # them all plus the 4 new requests (this test is about the drain, not admission)
+    args = _app_args(tiny_llama_path, served, num_replicas=2, graceful_shutdown_timeout_s=120, max_queued_requests=8)
     base = f"{serve_app.root}{route}"
     _deploy(args, name, route, pin="drain-v1")
     try:
@@ -374,7 +376,8 @@ def test_drain_deadline_ends_streams_with_an_error_event(serve_app, tiny_llama_p
 
     name, route, served = "kvserve-deadline", "/deadline", "tiny-deadline"
     timeout_s = 1.0
-    args = _app_args(tiny_llama_path, served, num_replicas=2, graceful_shutdown_timeout_s=timeout_s)
+    args = _app_args(tiny_llama_path, served, num_replicas=2, graceful_shutdown_timeout_s=timeout_s,
+                     max_queued_requests=8)
     base = f"{serve_app.root}{route}"
     _deploy(args, name, route, pin="deadline-v1")
     try:

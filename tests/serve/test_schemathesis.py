@@ -20,7 +20,7 @@ Generation is kept short (the server runs real models on 2 CPUs): whole-number `
 replaced by the tiny random-weight model's ("tiny") or dropped (the default model), and so are
 two thirds of the ``model_id`` path parameters, so that most requests reach a model instead of
 ending in a 404. Half of the generation requests are also brought within what kvserve supports
-beyond its schema (``_repair``: ``n`` = 1, no ``logit_bias``, text content parts, non-empty
+beyond its schema (``_repair``: small ``n``, ``logit_bias`` ids in the vocabulary, text content parts, non-empty
 prompts, token ids in the vocabulary, ...), so that the generated sampling parameters reach the
 engine; the other half are sent as generated. ``test_fuzz_reached_the_engines`` checks that
 both generation endpoints answered 200 to some of them.
@@ -117,16 +117,18 @@ def _bucket(obj, n: int) -> int:
 
 
 def _repair(body: dict) -> None:
-    """Bring a generated body within what kvserve supports beyond the schema (``n`` and
-    ``best_of`` 1, no ``logit_bias``, text content parts, non-empty prompts and stop strings,
-    token ids in the vocabulary, ``stream_options`` only with ``stream``), keeping every other
-    field as generated, so the sampling parameters reach the engine."""
+    """Bring a generated body within what kvserve supports beyond the schema (small ``n``
+    and ``best_of``, ``logit_bias`` and token ids in the vocabulary, text content parts,
+    non-empty prompts and stop strings, ``stream_options`` only with ``stream``), keeping
+    every other field as generated, so the sampling parameters reach the engine."""
     int_ = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    if "n" in body:
-        body["n"] = 1
-    if body.get("best_of") is not None:
-        body["best_of"] = 1
-    body.pop("logit_bias", None)
+    if int_(body.get("n")):
+        body["n"] = 1 + abs(body["n"]) % 3  # a few choices: the run stays short on 2 CPUs
+    if int_(body.get("best_of")):
+        body["best_of"] = (body.get("n") if int_(body.get("n")) else 1) + abs(body["best_of"]) % 2
+    if isinstance(body.get("logit_bias"), dict):
+        body["logit_bias"] = {str(abs(zlib.crc32(str(k).encode("utf-8", "surrogatepass"))) % VOCAB): v
+                              for k, v in body["logit_bias"].items()}
     if not body.get("stream"):
         body.pop("stream_options", None)
     if isinstance(body.get("stop"), list):

@@ -128,7 +128,11 @@ def test_protocol_models():
 
     params = SamplingParams(**sp)
     assert params.max_tokens == 7 and params.top_k == 5 and params.logprobs == 3 and params.temperature == 1.0
-    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "n": 2},
+    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "n": 0},
+                {"messages": [{"role": "user", "content": "x"}], "n": 129},
+                {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+                {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}},
+                {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a", "guided_choice": ["a"]},
                 {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                 {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
                 {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}):

@@ -152,7 +152,8 @@ BAD = [
     ("max_tokens wrong type", {"messages": PARIS, "max_tokens": "many"}, 400),
     ("temperature too high", {"messages": PARIS, "temperature": 3.5}, 400),
     ("top_p zero", {"messages": PARIS, "top_p": 0}, 400),
-    ("n > 1", {"messages": PARIS, "n": 2}, 400),
+    ("n over OpenAI's limit", {"messages": PARIS, "n": 129}, 400),
+    ("max_tokens over the context", {"messages": PARIS, "max_tokens": 4096}, 400),
     ("top_logprobs without logprobs", {"messages": PARIS, "top_logprobs": 3}, 400),
     ("unknown model", {"model": "no-such-model", "messages": PARIS}, 404),
     ("prompt over the context", {"messages": [{"role": "user", "content": "hello " * 1500}]}, 400),
@@ -181,7 +182,7 @@ def test_bad_completion_input_and_routes(serve_app):
     base = serve_app.base_url
     cases = [({"prompt": []}, 400), ({"prompt": "x", "max_tokens": 0}, 400), ({}, 400),
              ({"prompt": "x", "frequency_penalty": 9}, 400), ({"prompt": [[]]}, 400),
-             ({"prompt": "x", "best_of": 3}, 400), ({"prompt": [10**9]}, 400),
+             ({"prompt": "x", "best_of": 3, "n": 4}, 400), ({"prompt": [10**9]}, 400),
              ({"prompt": "x", "top_k": -7}, 400)]
     for body, status in cases:
         r = httpx.post(f"{base}/completions", json=body, timeout=60)

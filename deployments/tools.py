@@ -1,0 +1,291 @@
+"""Tool calling for chat completions: the prompt side (tools and tool-call history for the
+chat template), the grammar that enforces ``tool_choice: required`` or a named function,
+and the parsers that turn a model's text into OpenAI ``tool_calls``.
+
+How each ``tool_choice`` runs (the approach of vLLM's OpenAI server):
+
+- ``none``: tools reach the template; the output is plain text.
+- ``auto``: tools reach the template; the output is parsed by the model family's parser
+  (:data:`TOOL_PARSERS`, named with vLLM's ``--tool-call-parser`` names).
+- ``required``: a JSON schema grammar makes the model write a JSON array of
+  ``{"name": <one of the tools>, "parameters": <that tool's schema>}`` (one item when
+  ``parallel_tool_calls`` is false), so even a small model returns valid arguments.
+- a named function: the grammar is that function's parameter schema; the output *is* the
+  arguments.
+
+Templates that know nothing of tools (no ``tools`` in their source, e.g. SmolLM2's) get the
+Hermes convention written into the messages instead (:func:`prepare_messages`): the tool
+list in the system message, past calls as ``<tool_call>`` blocks, results as
+``<tool_response>`` blocks, so the history is never silently dropped.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+#: What the JSON schema of a tool without ``parameters`` is.
+_ANY_OBJECT = {"type": "object"}
+
+
+@dataclass
+class ParsedToolCall:
+    """One call the model made: the function's name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def __post_init__(self):
+        if not self.id:
+            self.id = f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or _ANY_OBJECT
+
+
+def tool_grammar(tools: list[dict], choice: str | dict, parallel: bool) -> dict | None:
+    """The engine's ``structured_outputs`` spec that enforces ``choice`` (``required`` or
+    ``{"type": "function", "function": {"name": ...}}``); None for ``auto`` / ``none``."""
+    if isinstance(choice, dict):
+        tool = next(t for t in tools if t["function"]["name"] == choice["function"]["name"])
+        return {"json": _parameters(tool)}
+    if choice != "required":
+        return None
+    item = {"anyOf": [{"type": "object", "properties": {
+        "name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": _parameters(t)},
+        "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
+    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return {"json": schema}
+
+
+def parse_forced(text: str, choice: str | dict) -> list[ParsedToolCall] | None:
+    """The calls in the output of a grammar-forced request (``required``: a JSON array of
+    ``{"name", "parameters"}``; a named function: the arguments object). None when the text
+    does not parse (the output was cut off by ``max_tokens``)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(choice, dict):
+        if not isinstance(value, dict):
+            return None
+        return [ParsedToolCall(choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
+    if not isinstance(value, list) or not value:
+        return None
+    calls = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        calls.append(ParsedToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+    return calls
+
+
+# ---- parsers for tool_choice "auto" -----------------------------------------------------------
+class ToolParser:
+    """Finds tool calls in a model's free text. ``start`` is the marker that opens a call
+    (text before it is content); streaming holds text back from the first marker on."""
+
+    name = ""
+    start = ""
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """``(content, calls)``; no calls when the text has none that parse."""
+        raise NotImplementedError
+
+
+def _call_of(obj: Any) -> ParsedToolCall | None:
+    """``{"name": ..., "arguments" | "parameters": {...}}`` as a call."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        return ParsedToolCall(obj["name"], args)
+    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class HermesToolParser(ToolParser):
+    """Hermes / Qwen2.5 / Qwen3 style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    blocks (vLLM: ``hermes``); also what :func:`prepare_messages` teaches template-less models."""
+
+    name, start = "hermes", "<tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def extract(self, text):
+        if self.start not in text:
+            return text, []
+        calls = []
+        for body in self._BLOCK.findall(text):
+            try:
+                call = _call_of(json.loads(body))
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:text.index(self.start)].strip()
+        return content or None, calls
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x JSON tool calls: the output is ``{"name": ..., "parameters": {...}}``
+    (several separated by ``;``), maybe after ``<|python_tag|>`` (vLLM: ``llama3_json``)."""
+
+    name, start = "llama3_json", "{"
+
+    def extract(self, text):
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls, dec, i = [], json.JSONDecoder(), 0
+        while i < len(body):
+            try:
+                obj, end = dec.raw_decode(body, i)
+            except ValueError:
+                return text, []
+            call = _call_of(obj)
+            if call is None:
+                return text, []
+            calls.append(call)
+            i = end
+            while i < len(body) and body[i] in " \n\t;":
+                i += 1
+        return None, calls
+
+
+class MistralToolParser(ToolParser):
+    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (vLLM: ``mistral``)."""
+
+    name, start = "mistral", "[TOOL_CALLS]"
+
+    def extract(self, text):
+        if self.start not in text:
+            return text, []
+        head, _, body = text.partition(self.start)
+        try:
+            value = json.loads(body.strip())
+        except ValueError:
+            return text, []
+        items = value if isinstance(value, list) else [value]
+        calls = [_call_of(v) for v in items]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return head.strip() or None, calls
+
+
+#: ``tool_call_parser`` name -> parser (vLLM's names).
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
+                                                                  MistralToolParser)}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """Raises: ValueError for a name not in :data:`TOOL_PARSERS`."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool_call_parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
+
+
+class StreamingToolText:
+    """Splits an ``auto`` stream into content to send now and text held back because it is
+    (or may become) a tool call: everything from the parser's start marker on, and a tail
+    that is a prefix of the marker. :meth:`finish` parses what was held back."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser, self.text, self.sent, self.calling = parser, "", 0, False
+        self.leading_only = parser.name == "llama3_json"  # a call is the whole output there
+        self.decided = False
+
+    def feed(self, delta: str) -> str:
+        """Add new output text; returns the content that can be streamed now."""
+        self.text += delta
+        if self.calling:
+            return ""
+        if self.leading_only:
+            if not self.decided:
+                head = self.text.lstrip()
+                if not head or "<|python_tag|>".startswith(head):
+                    return ""  # undecided: nothing yet, or maybe the start of the tag
+                self.decided = True
+                self.calling = head.startswith(("{", "<|python_tag|>"))
+                if self.calling:
+                    return ""
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out
+        marker = self.parser.start
+        at = self.text.find(marker, self.sent)
+        if at >= 0:
+            self.calling = True
+            out, self.sent = self.text[self.sent:at], at
+            return out
+        keep = 0  # the longest tail that could start the marker
+        for k in range(min(len(marker) - 1, len(self.text) - self.sent), 0, -1):
+            if marker.startswith(self.text[-k:]):
+                keep = k
+                break
+        end = len(self.text) - keep
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        """At the end of the output: ``(content not yet sent, calls)``."""
+        rest = self.text[self.sent:]
+        if not self.calling:
+            return rest, []
+        content, calls = self.parser.extract(rest)
+        if not calls:
+            return rest, []
+        return content or "", calls
+
+
+# ---- the prompt side --------------------------------------------------------------------------
+def template_knows_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders ``tools`` itself (its source mentions them)."""
+    return bool(chat_template) and "tools" in chat_template
+
+
+HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>")
+
+
+def prepare_messages(messages: list[dict], tools: list[dict] | None,
+                     chat_template: str | None) -> tuple[list[dict], list[dict] | None]:
+    """Messages (``ChatMessage.to_template`` dicts) and tools as the chat template gets them.
+
+    A template that renders tools gets both unchanged. For one that does not, the Hermes
+    convention is written into the messages: the tool list appended to the system message
+    (one is added if there is none), each past assistant tool call as a ``<tool_call>``
+    block in its content, each tool result as a user turn with a ``<tool_response>`` block.
+    Returns ``(messages, tools or None)``.
+    """
+    has_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if not tools and not has_calls:
+        return messages, None
+    if template_knows_tools(chat_template):
+        return messages, tools or None
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            blocks = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                 ensure_ascii=False) for c in m.pop("tool_calls")]
+            text = m.get("content") or ""
+            m["content"] = (text + "\n" if text else "") + "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in blocks)
+        elif m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if tools:
+        listing = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + listing}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out, None
