@@ -97,7 +97,7 @@ class ModelArgs(EngineArgs):
                                 "streams for up to this long before it exits")
     tool_call_parser: str = Field(
         "hermes", description="how tool calls are read from this model's text under tool_choice auto "
-                              "(vLLM's names: hermes, llama3_json, mistral; deployments/tools.py)")
+                              "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/tools.py)")
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")

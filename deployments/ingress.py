@@ -515,14 +515,15 @@ class OpenAIIngress:
 
     async def generate(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,
                        model: str | None = None, messages: list[dict] | None = None,
-                       request_id: str | None = None, priority: int = 0):
+                       tools: list[dict] | None = None, request_id: str | None = None, priority: int = 0):
         """Stream ``LLMServer.generate`` items of ``model`` (default: the first model); for
-        ``serve.get_app_handle(...).options(stream=True).generate.remote(...)``."""
+        ``serve.get_app_handle(...).options(stream=True).generate.remote(...)``
+        (``sampling_params`` may hold ``n``, ``structured_outputs``, ``logit_bias``, ...)."""
         try:
             _, handle = self._route(model)
         except OpenAIError as e:
             raise ValueError(e.message) from None
-        gen = handle.generate.remote(prompt, sampling_params, messages=messages, request_id=request_id,
+        gen = handle.generate.remote(prompt, sampling_params, messages=messages, tools=tools, request_id=request_id,
                                      priority=priority)
         try:
             async for item in gen:

@@ -178,9 +178,36 @@ class MistralToolParser(ToolParser):
         return head.strip() or None, calls
 
 
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder's XML calls (vLLM: ``qwen3_coder``): ``<tool_call><function=NAME>
+    <parameter=KEY>VALUE</parameter>...</function></tool_call>``; a value that parses as JSON
+    (a number, a list, ``true``) is taken as such, else as a string."""
+
+    name, start = "qwen3_coder", "<tool_call>"
+    _CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+    _PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def extract(self, text):
+        if self.start not in text:
+            return text, []
+        calls = []
+        for name, body in self._CALL.findall(text):
+            args = {}
+            for key, raw in self._PARAM.findall(body):
+                try:
+                    args[key] = json.loads(raw)
+                except ValueError:
+                    args[key] = raw
+            calls.append(ParsedToolCall(name, json.dumps(args, ensure_ascii=False)))
+        if not calls:
+            return text, []
+        content = text[:text.index(self.start)].strip()
+        return content or None, calls
+
+
 #: ``tool_call_parser`` name -> parser (vLLM's names).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
-                                                                  MistralToolParser)}
+                                                                  MistralToolParser, Qwen3CoderToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

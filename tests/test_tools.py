@@ -20,6 +20,9 @@ OUTPUTS = {
                     '{"name": "get_time", "parameters": {}}', None),
     "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                 '{"name": "get_time", "arguments": {}}]', None),
+    "qwen3_coder": ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+                    "Checking."),
 }
 
 

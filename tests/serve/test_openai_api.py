@@ -239,6 +239,26 @@ def test_tool_choice_required_always_gives_valid_calls(serve_app):
     jsonschema.validate(json.loads(args), schemas["get_weather"])
 
 
+def test_auto_tool_calls_are_parsed_from_the_text(serve_app):
+    """``tool_choice: auto``: a Hermes ``<tool_call>`` block in the model's text becomes
+    ``tool_calls`` (whole and streamed), and none of its text leaks into ``content``. The
+    model is made to write one with a choice constraint (a 135M model rarely calls on its own)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, TIME],
+            "tool_choice": "auto", "max_tokens": 60, "structured_outputs": {"choice": [call]}}
+    r = _post(serve_app, "/chat/completions", body).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"], choice
+    (tc,) = choice["message"]["tool_calls"]
+    assert tc["function"]["name"] == "get_weather"
+    assert json.loads(tc["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    events = _sse(_post(serve_app, "/chat/completions", {**body, "stream": True}))
+    content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    calls = [t for e in events for c in e["choices"] for t in c["delta"].get("tool_calls") or []]
+    assert "<tool_call" not in content and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["tool_calls"]
+
+
 def test_tool_history_reaches_the_prompt(serve_app):
     """Assistant ``tool_calls`` and ``tool`` results in the history are part of the prompt
     (SmolLM2's template knows no tools: they are written in the Hermes convention)."""
