@@ -170,15 +170,15 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tok_pool, encode_prompt, self.tokenizer, prompt)
 
-    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation under the chat template (see ``chat_template_ids``),
-        computed in the tokenizer thread.
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (and its ``tools``) under the chat template (see
+        ``chat_template_ids``), computed in the tokenizer thread.
 
         Raises:
             ValueError: no chat template or malformed messages.
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, chat_template_ids, self.tokenizer, messages)
+        return await loop.run_in_executor(self._tok_pool, chat_template_ids, self.tokenizer, messages, True, tools)
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -16,6 +16,10 @@ from engine.scheduler import SchedulerOutput
 class Executor(ABC):
     """Runs scheduler steps on the model. Implementations must return rank 0's output."""
 
+    #: The model runner runs in the engine's process, so a ``SchedulerOutput`` may carry
+    #: objects that do not pickle (the grammar bitmask as a ``Future``, filled while the model runs).
+    in_process: bool = False
+
     def __init__(self, config: EngineConfig, model_path: str | Path):
         self.config, self.model_path = config, model_path
 
@@ -46,6 +50,8 @@ class Executor(ABC):
 
 class UniProcExecutor(Executor):
     """One model runner in the engine's own process."""
+
+    in_process = True
 
     def __init__(self, config: EngineConfig, model_path: str | Path):
         super().__init__(config, model_path)

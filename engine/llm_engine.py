@@ -17,13 +17,17 @@ from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
 from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
 
 
-def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation (``[{"role", "content"}, ...]``) under the tokenizer's chat
-    template, with the assistant generation prompt appended.
+    template, with the assistant generation prompt appended. ``tools`` (OpenAI's
+    ``{"type": "function", "function": {...}}`` list) go to the template as transformers'
+    ``apply_chat_template(tools=...)`` defines.
 
     Raises:
         ValueError: the tokenizer has no chat template, or the messages are malformed.
@@ -31,7 +35,8 @@ def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bo
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=tools or None)
     except Exception as e:  # jinja errors on bad roles / content
         raise ValueError(f"could not apply the chat template: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False)
@@ -295,6 +300,10 @@ class LLMEngine:
         self.mixed_budget = (MixedStepBudget(config.mixed_step_slowdown, config.max_num_batched_tokens)
                              if config.mixed_step_prefill_tokens is None else None)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        #: Grammar compiler (xgrammar, built on the first request with ``structured_outputs``).
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        #: Requests in the engine that have a grammar (empty: a step does no grammar work).
+        self.grammar_requests: dict[str, Request] = {}
         self.num_steps = 0
         self.max_running = 0
         #: Callables given the :class:`StepMetrics` of every step that ran the model.
@@ -311,16 +320,17 @@ class LLMEngine:
         """Token ids of a prompt (see :func:`encode_prompt`)."""
         return encode_prompt(self.tokenizer, prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the tokenizer's chat template (see :func:`chat_template_ids`)."""
-        return chat_template_ids(self.tokenizer, messages, add_generation_prompt)
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, tools)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None) -> Request:
         """Validate and tokenize a request without queueing it (safe to call while a step runs).
 
         Besides :class:`SamplingParams`' own checks, the ones that need the model:
-        ``stop_token_ids`` must be in the vocabulary, ``logprobs`` at most the vocabulary
+        ``stop_token_ids`` and ``logit_bias`` keys must be in the vocabulary, ``logprobs`` at most the vocabulary
         size, and with ``min_tokens`` the forbidden ids (stop ids and EOS) must leave a token
         to sample. ``top_k`` above the vocabulary size is clamped by the sampler (keeps all).
 
@@ -338,6 +348,8 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), "
                              f"got {max(params.stop_token_ids)}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {max(params.logit_bias)}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}")
         if params.min_tokens and len(set(params.stop_token_ids) | (
@@ -351,9 +363,13 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt is {len(ids)} tokens; this model's context is {self.max_model_len} "
                              f"tokens (max_model_len), which must also leave room for at least one output token")
-        return Request(request_id, ids, params, self.eos_token_ids,
-                       prompt=parse_prompt(prompt)[0], priority=priority,
-                       arrival_time=arrival_time, max_model_len=self.max_model_len)
+        grammar = (None if params.structured_outputs is None  # compiled here, off the step loop (cached)
+                   else self.structured_outputs.request_grammar(params.structured_outputs))
+        req = Request(request_id, ids, params, self.eos_token_ids,
+                      prompt=parse_prompt(prompt)[0], priority=priority,
+                      arrival_time=arrival_time, max_model_len=self.max_model_len)
+        req.grammar = grammar
+        return req
 
     def enqueue(self, req: Request) -> None:
         """Hand a request from :meth:`make_request` to the scheduler.
@@ -365,6 +381,8 @@ class LLMEngine:
         if req.params.detokenize:
             self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
         self.num_prompt_tokens += req.num_prompt_tokens
+        if req.grammar is not None:
+            self.grammar_requests[req.request_id] = req
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> Request:
@@ -419,6 +437,9 @@ class LLMEngine:
         self.max_running = max(self.max_running, len(sched.requests))
         last_token = {sr.request_id: self.scheduler.requests[sr.request_id].metrics.last_token_time
                       for sr in sched.requests}
+        prompt_only = [r for sr in sched.requests  # max_tokens=0: finish without a token
+                       if not sr.sample and (r := self.scheduler.requests[sr.request_id]).max_output_tokens == 0]
+        grammar_fill = self._fill_grammar_bitmask(sched) if self.grammar_requests else None
         t0 = time.monotonic()
         m = None
         try:
@@ -439,7 +460,11 @@ class LLMEngine:
             req.error = f"{type(err).__name__}: {err}"
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(req))
-        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        outputs += self._grammar_failures(grammar_fill)
+        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs)
+        outputs.extend(self._output(r) for r in prompt_only if r.status is RequestStatus.FINISHED_LENGTH)
+        if self.grammar_requests:
+            self._advance_grammars(updated)
         if m is not None:
             for req in updated:
                 prev = last_token.get(req.request_id)
@@ -470,6 +495,75 @@ class LLMEngine:
                 log(m)
         return outputs
 
+    def _fill_grammar_bitmask(self, sched: SchedulerOutput):
+        """Structured outputs: set ``sched.grammar_req_ids`` and ``sched.grammar_bitmask`` (int32
+        ``[k, ceil(vocab / 32)]``) for the ``k`` requests of the step that sample and have a
+        grammar (xgrammar, Dong et al. 2024). With an in-process executor the bitmask is a
+        ``Future``, filled in a worker thread while the model's forward runs (the sampler waits
+        for it); else it is filled here. Finished requests leave :attr:`grammar_requests` here too.
+
+        Returns:
+            None, or ``(requests, errors, bitmask or its future)`` for :meth:`_grammar_failures`.
+        """
+        for rid in sched.finished_req_ids:
+            self.grammar_requests.pop(rid, None)
+        reqs = [self.grammar_requests[sr.request_id] for sr in sched.requests
+                if sr.sample and sr.request_id in self.grammar_requests]
+        if not reqs:
+            return None
+        errors: dict[int, Exception] = {}
+        grammars = [r.grammar for r in reqs]
+        sched.grammar_req_ids = [r.request_id for r in reqs]
+        if getattr(self.executor, "in_process", False):
+            sched.grammar_bitmask = self.structured_outputs.bitmask_async(grammars, errors)
+        else:
+            sched.grammar_bitmask = self.structured_outputs.bitmask(grammars, errors)
+        return reqs, errors, sched.grammar_bitmask
+
+    def _grammar_failures(self, pending) -> list[RequestOutput]:
+        """After the step: wait for the bitmask fill (the matchers are free again), then fail
+        alone each request whose matcher raised in it (should not happen; its sampled token is
+        dropped). Returns their final outputs."""
+        if pending is None:
+            return []
+        reqs, errors, fill = pending
+        if hasattr(fill, "result"):  # a Future
+            fill.result()
+        outs = []
+        for i, e in errors.items():
+            req = reqs[i]
+            if req.finished:
+                continue
+            logger.error("request %s failed in its grammar: %s: %s", req.request_id, type(e).__name__, e)
+            req.error = f"structured_outputs: {type(e).__name__}: {e}"
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            outs.append(self._output(req))
+        return outs
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Structured outputs, after a step: feed each unfinished grammar request's new token to
+        its matcher. A complete grammar finishes the request (``stop``): when the matcher
+        terminated (it accepted a stop token the request itself does not stop on, e.g. with
+        ``ignore_eos``), or when only a stop token may follow while ``min_tokens`` forbids it.
+        A request whose token the grammar rejects (or whose matcher raises) fails alone."""
+        for req in updated:
+            g = req.grammar
+            if g is None or req.finished:
+                continue
+            try:
+                rejected = g.accept(req.all_token_ids, req.num_prompt_tokens)
+                if rejected is not None:
+                    raise RuntimeError(f"structured_outputs: the grammar rejected token {rejected}")
+                if g.is_terminated() or (
+                        req.num_output_tokens < req.params.min_tokens and not req.params.ignore_eos
+                        and g.only_stop_allowed(self.structured_outputs.stop_token_ids, self.hf_config.vocab_size)):
+                    req.stop_reason = None
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            except Exception as e:  # one bad request must not take the batch down
+                logger.exception("request %s failed in its grammar", req.request_id)
+                req.error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+
     def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """After ``execute_model(sched)`` raised ``error``: find the request(s) that make it fail.
 
@@ -494,11 +588,12 @@ class LLMEngine:
             raise StepFailedError([sr.request_id for sr in reqs], error) from error
         logger.warning("step of %d requests failed (%s: %s); isolating the failing request(s)",
                        len(reqs), type(error).__name__, error)
-        sampled, logprobs, failed = {}, {}, {}
+        sampled, logprobs, prompt_logprobs, failed = {}, {}, {}, {}
 
         def run(part, finished_ids):
             try:
-                out = self.executor.execute_model(SchedulerOutput(part, finished_ids))
+                out = self.executor.execute_model(SchedulerOutput(
+                    part, finished_ids, grammar_req_ids=sched.grammar_req_ids, grammar_bitmask=sched.grammar_bitmask))
             except Exception as e:
                 if len(part) == 1:
                     failed[part[0].request_id] = e
@@ -509,6 +604,7 @@ class LLMEngine:
                 return
             sampled.update(out.sampled)
             logprobs.update(out.logprobs or {})
+            prompt_logprobs.update(out.prompt_logprobs or {})
 
         mid = len(reqs) // 2
         run(reqs[:mid], sched.finished_req_ids)
@@ -518,7 +614,7 @@ class LLMEngine:
         for rid, e in failed.items():
             logger.error("request %s failed alone and is finished with an error: %s: %s",
                          rid, type(e).__name__, e)
-        return ModelRunnerOutput(sampled, logprobs or None), failed
+        return ModelRunnerOutput(sampled, logprobs or None, prompt_logprobs or None), failed
 
     def _output(self, req: Request, new_token_ids: list[int] = ()) -> RequestOutput:
         detok = self.detokenizers.get(req.request_id)
@@ -528,6 +624,8 @@ class LLMEngine:
         out_ids = req.output_token_ids
         if finished:
             self.detokenizers.pop(req.request_id, None)
+            self.grammar_requests.pop(req.request_id, None)
+            req.grammar = None  # frees the matcher
             if self.request_loggers and not getattr(req, "stats_logged", False):
                 req.stats_logged = True
                 stats = FinishedRequestStats.of(req)
@@ -538,8 +636,10 @@ class LLMEngine:
             finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
             delta_text=delta, delta_token_ids=list(new_token_ids))
+        # prompt logprobs once the prompt is done: on the first output with a token and the final one
+        plp = req.prompt_logprobs if (finished or req.num_output_tokens == 1) and req.prompt_logprobs_done else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished,
-                             req.metrics, error=req.error)
+                             req.metrics, error=req.error, prompt_logprobs=plp)
 
     # ---- introspection -------------------------------------------------------
     def get_stats(self) -> dict[str, float]:
@@ -553,3 +653,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.structured_outputs.close()

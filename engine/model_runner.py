@@ -14,6 +14,7 @@ from engine.model_loader import iter_safetensors, load_config
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from engine.structured_output import bitmask_rows
 from kernels.backend import AttentionMetadata
 from kernels.selector import select_attention_backend
 
@@ -36,18 +37,29 @@ def load_eos_token_ids(model_path: str | Path, hf_config=None) -> set[int]:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled token id per sampling request, and optional logprobs dicts."""
+    """Sampled token id per sampling request, and optional logprobs dicts.
+
+    ``prompt_logprobs``: for requests with ``params.prompt_logprobs`` whose slice covered prompt
+    positions, ``{request_id: [(position, {token_id: logprob}), ...]}``: the log-probability of
+    the prompt token at ``position`` given the tokens before it, plus the top-k (plain Python
+    values: picklable for a distributed executor)."""
 
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]] | None = None
+    prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None
+
+
+#: Prompt positions whose logits are computed at once for prompt_logprobs (rows x vocab fp32).
+PROMPT_LOGPROBS_SLICE = 256
 
 
 class _RequestState:
-    __slots__ = ("prompt_len", "token_ids", "params", "generator")
+    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids")
 
     def __init__(self, prompt_len: int, params: SamplingParams, generator: torch.Generator | None):
         self.prompt_len, self.params, self.generator = prompt_len, params, generator
         self.token_ids: list[int] = []
+        self.prompt_token_ids: list[int] = []  # kept only with params.prompt_logprobs
 
 
 class ModelRunner:
@@ -261,6 +273,8 @@ class ModelRunner:
                     gen = torch.Generator(device=self.device).manual_seed(p.seed)
                 st = self.states[sr.request_id] = _RequestState(len(sr.new.prompt_token_ids), p, gen)
                 st.token_ids = list(sr.new.computed_token_ids)  # history before a prefix-cache hit
+                if p.prompt_logprobs is not None:
+                    st.prompt_token_ids = sr.new.prompt_token_ids
             del st.token_ids[sr.start:]
             st.token_ids.extend(sr.token_ids)
             if sr.sample:
@@ -278,7 +292,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Returns the sampled token of every request whose slice ends at its
-        last known token."""
+        last known token (``sample``), and the prompt logprobs of the slices that ask for them."""
         rows = self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput({})
@@ -287,10 +301,50 @@ class ModelRunner:
             hidden = self._replay(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
+        prompt_lp = self._prompt_logprobs(hidden, sched)
         if not rows:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, None, prompt_lp)
         logits = self.model.compute_logits(hidden[sample_idx])
-        tokens, logprobs = self.sampler(logits, rows)
         ids = [sr.request_id for sr in sched.requests if sr.sample]
+        grammar = (None if sched.grammar_bitmask is None  # structured outputs: the engine's bitmask
+                   else bitmask_rows(sched.grammar_bitmask, sched.grammar_req_ids, ids))
+        tokens, logprobs = self.sampler(logits, rows, grammar)
         lp = {rid: d for rid, d in zip(ids, logprobs) if d is not None}
-        return ModelRunnerOutput(dict(zip(ids, tokens)), lp or None)
+        return ModelRunnerOutput(dict(zip(ids, tokens)), lp or None, prompt_lp)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, sched: SchedulerOutput
+                         ) -> dict[str, list[tuple[int, dict[int, float]]]] | None:
+        """Prompt logprobs of the step's requests that ask for them (see
+        :class:`ModelRunnerOutput`); None when none does (the common case costs one dict
+        lookup per request).
+
+        The hidden state at position ``p`` (a row of ``hidden`` ``[num_tokens, hidden_size]``)
+        gives the logits of the prompt token at ``p + 1``, also when ``p + 1`` starts the next
+        chunk of a chunked prefill (prompt tokens are known). Logits are computed
+        :data:`PROMPT_LOGPROBS_SLICE` rows at a time (float32 ``[rows, vocab]``), and every
+        tensor-parallel rank runs the same calls (the LM head all-gathers)."""
+        out = {}
+        offset = 0
+        for sr in sched.requests:
+            row0, offset = offset, offset + len(sr.token_ids)
+            st = self.states[sr.request_id]
+            k = st.params.prompt_logprobs
+            end = min(sr.start + len(sr.token_ids), st.prompt_len - 1)  # last position + 1 that predicts a prompt token
+            if k is None or end <= sr.start:
+                continue
+            prompt, entries = st.prompt_token_ids, []
+            for a in range(sr.start, end, PROMPT_LOGPROBS_SLICE):
+                b = min(a + PROMPT_LOGPROBS_SLICE, end)
+                h = hidden[row0 + a - sr.start:row0 + b - sr.start]
+                lp = self.model.compute_logits(h).float().log_softmax(dim=-1)
+                targets = prompt[a + 1:b + 1]
+                actual = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+                if k:
+                    top_vals, top_ids = (t.tolist() for t in lp.topk(min(k, lp.shape[1]), dim=-1))
+                for j, tok in enumerate(targets):
+                    d = {tok: actual[j]}
+                    if k:
+                        d.update(zip(top_ids[j], top_vals[j]))
+                    entries.append((a + 1 + j, d))
+            out[sr.request_id] = entries
+        return out or None

@@ -68,7 +68,13 @@ class Request:
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_output_tokens = min(max_tokens, max_model_len - self.num_prompt_tokens)
         self.logprobs: list[dict[int, float]] = []
+        # with params.prompt_logprobs: entry q = {token_id: logprob} of prompt position q
+        # (None until computed; entry 0 stays None: no context)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
         self.error: str | None = None
+        # structured outputs: an engine.structured_output.RequestGrammar (set by LLMEngine.make_request)
+        self.grammar = None
         self.stop_reason: int | str | None = None
 
     # ---- token bookkeeping -------------------------------------------------
@@ -86,6 +92,18 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def add_prompt_logprobs(self, entries: list[tuple[int, dict[int, float]]]) -> None:
+        """Record ``(position, {token_id: logprob})`` pairs from the model runner; a position
+        already filled keeps its first value (a recompute after preemption repeats positions)."""
+        for pos, d in entries:
+            if self.prompt_logprobs[pos] is None:
+                self.prompt_logprobs[pos] = d
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Every prompt position but the first has its logprobs (False without prompt_logprobs)."""
+        return self.prompt_logprobs is not None and all(d is not None for d in self.prompt_logprobs[1:])
 
     def check_stop_token(self) -> bool:
         """After appending a token: set a finished status if it ends the request."""
@@ -133,7 +151,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What the engine returns for a request (final, or an incremental stream update)."""
+    """What the engine returns for a request (final, or an incremental stream update).
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs=k``): one entry per prompt
+    token, the first None (no context), each ``{token_id: logprob}`` (natural log of the raw
+    float32 softmax) holding the actual prompt token and the top-k ids. Set once the prompt is
+    fully computed, on the request's first output with a token and on its final output
+    (None on the others, and on a final output of a request aborted before its prompt was done).
+    """
 
     request_id: str
     prompt: str | None
@@ -142,6 +167,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -26,6 +26,19 @@ class SamplingParams:
     gives the request its own ``torch.Generator``: same seed, same output, whatever the
     batch. ``detokenize=False`` returns token ids only (benchmarks; no stop strings).
 
+    ``max_tokens=0`` computes the prompt only (e.g. for ``prompt_logprobs``) and finishes with
+    ``finish_reason="length"`` and no output token. ``logit_bias`` (OpenAI's): ``{token_id:
+    bias}`` with biases in ``[-100, 100]`` added to the logits before sampling (after the
+    penalties; returned logprobs stay the model's raw distribution). ``prompt_logprobs=k``
+    (vLLM's; ``0..20``) returns, per prompt token, its log-probability given the tokens before
+    it plus the top-k (``RequestOutput.prompt_logprobs``); such a request skips prefix-cache
+    hits (it needs the logits of every prompt position).
+
+    ``structured_outputs`` (vLLM 0.10's): constrain the output to a grammar, a dict with
+    exactly one of ``json`` (a JSON schema, dict or string), ``json_object`` (True),
+    ``regex``, ``choice`` (list of strings) or ``grammar`` (EBNF), see
+    ``engine.structured_output.validate_spec``.
+
     Integer fields take ints only (not bool, not float); float fields take finite ints or
     floats (never NaN or inf, stored as float); flags take bools. Token ids are checked
     against the model's vocabulary by ``LLMEngine.make_request``.
@@ -49,9 +62,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    structured_outputs: dict | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,7 +106,7 @@ class SamplingParams:
         real("top_p", 0.0, 1.0, lo_open=True)
         integer("top_k", -1, math.inf, "must be -1 (disabled), 0 (disabled) or a positive integer")
         real("min_p", 0.0, 1.0)
-        integer("max_tokens", 1, math.inf, "must be a positive integer", optional=True)
+        integer("max_tokens", 0, math.inf, "must be a non-negative integer", optional=True)
         integer("min_tokens", 0, math.inf, "must be in [0, max_tokens]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", "must be in [0, max_tokens]")
@@ -98,12 +114,23 @@ class SamplingParams:
         real("frequency_penalty", -2.0, 2.0)
         real("repetition_penalty", 0.0, 10.0, lo_open=True)
         integer("logprobs", 0, 20, "must be in [0, 20]", optional=True)
+        integer("prompt_logprobs", 0, 20, "must be in [0, 20]", optional=True)
+        if self.logit_bias is not None:
+            b = self.logit_bias
+            if not isinstance(b, dict) or any(not is_int(t) or t < 0 for t in b):
+                bad("logit_bias", "must be a dict of non-negative integer token ids to numbers")
+            if any(not isinstance(v, numbers.Real) or isinstance(v, bool) or not -100 <= v <= 100 for v in b.values()):
+                bad("logit_bias", "values must be numbers in [-100, 100]")
+            self.logit_bias = {int(t): float(v) for t, v in b.items()} or None
         integer("seed", SEED_MIN, SEED_MAX, f"must be an integer in [{SEED_MIN}, {SEED_MAX}]", optional=True)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         if not isinstance(self.extra, dict):
             bad("extra", "must be a dict")
+        if self.structured_outputs is not None:  # its shape only; LLMEngine.make_request compiles it
+            from engine.structured_output import validate_spec
+            validate_spec(self.structured_outputs)
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]

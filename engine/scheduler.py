@@ -54,9 +54,18 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step's work. ``grammar_bitmask`` (structured outputs, set by the engine after
+    scheduling; see ``engine.structured_output``): int32 CPU tensor ``[len(grammar_req_ids),
+    ceil(vocab_size / 32)]``, row ``j`` the allowed next tokens of request
+    ``grammar_req_ids[j]`` (a sampling request with a grammar), or, for an in-process
+    executor, a ``concurrent.futures.Future`` of that tensor (filled while the model runs);
+    None when no request of the step has a grammar."""
+
     requests: list[ScheduledRequest]
     finished_req_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: "torch.Tensor | None" = None  # noqa: F821 (torch is not imported here)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -169,7 +178,7 @@ class Scheduler:
             start = req.num_computed_tokens
             out.append(ScheduledRequest(
                 req.request_id, req.all_token_ids[start:start + n], start, list(req.block_table),
-                sample=start + n == req.num_tokens,
+                sample=start + n == req.num_tokens and req.max_output_tokens > 0,  # max_tokens=0: prompt only
                 new=NewRequestData(req.request_id, req.prompt_token_ids, req.params,
                                    req.all_token_ids[:start]) if new else None))
             scheduled.add(req.request_id)
@@ -198,7 +207,8 @@ class Scheduler:
         # 2. Waiting requests, unless this step had to preempt.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req)
+            # prompt_logprobs need the logits of every prompt position: no prefix-cache hits (as vLLM)
+            hits = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else []
             n = prefill_chunk(req, req.num_tokens - len(hits) * self.kv.block_size)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits):
                 break
@@ -214,9 +224,13 @@ class Scheduler:
         return SchedulerOutput(out, finished, preempted)
 
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int],
-                           logprobs: dict[str, dict[int, float]] | None = None) -> list[Request]:
-        """Advance computed-token counts, append sampled tokens, finish requests that hit
-        EOS / a stop token / their length limit. Returns the requests that got a token."""
+                           logprobs: dict[str, dict[int, float]] | None = None,
+                           prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None,
+                           ) -> list[Request]:
+        """Advance computed-token counts, record prompt logprobs (``{request_id: [(position,
+        {token_id: logprob})]}``), append sampled tokens, finish requests that hit EOS / a stop
+        token / their length limit, and ``max_tokens=0`` requests whose prompt is computed
+        (``FINISHED_LENGTH``, no token). Returns the requests that got a token."""
         now = time.time()
         updated = []
         for sr in sched.requests:
@@ -225,7 +239,11 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(sr.token_ids)
             self.kv.cache_blocks(req)
+            if prompt_logprobs and sr.request_id in prompt_logprobs:
+                req.add_prompt_logprobs(prompt_logprobs[sr.request_id])
             if not sr.sample:
+                if req.max_output_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
+                    self.finish(req, RequestStatus.FINISHED_LENGTH)
                 continue
             req.append_token(sampled[sr.request_id])
             if logprobs is not None and sr.request_id in logprobs:

@@ -184,7 +184,7 @@ def test_eos_stops_and_ignore_eos(echo_llm):
 
 @pytest.mark.parametrize("field, value", [
     ("n", 2), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5),
-    ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5), ("max_tokens", 0), ("max_tokens", -3),
+    ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5), ("max_tokens", -1), ("max_tokens", -3),
     ("max_tokens", 2.5), ("min_tokens", -1), ("presence_penalty", 2.5), ("presence_penalty", -2.5),
     ("frequency_penalty", 3.0), ("frequency_penalty", -2.1), ("repetition_penalty", 0.0),
     ("repetition_penalty", 11.0), ("logprobs", -1), ("logprobs", 21), ("stop", [""]), ("stop", [3]),

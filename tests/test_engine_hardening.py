@@ -168,7 +168,7 @@ VALID = {
     "temperature": st.one_of(st.floats(0, 2), st.sampled_from([0, 1, 2] + _TINY)),
     "top_p": unit(lo_open=True), "min_p": unit(),
     "top_k": st.one_of(st.sampled_from([-1, 0, 1, 2, VOCAB - 1, VOCAB, 2**63, 2**64, 2**200]), st.integers(1, 2**70)),
-    "max_tokens": st.one_of(st.none(), st.integers(1, 4), st.sampled_from([2**63, 2**64, 2**200])),
+    "max_tokens": st.one_of(st.none(), st.integers(0, 4), st.sampled_from([2**63, 2**64, 2**200])),
     "min_tokens": st.one_of(st.integers(0, 4), st.sampled_from([2**64, 2**200])),
     "stop": st.one_of(st.none(), st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=2)),
     "stop_token_ids": st.lists(st.one_of(st.integers(0, VOCAB - 1), st.sampled_from([0, 2, 7, VOCAB - 1])),
@@ -179,6 +179,9 @@ VALID = {
     "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2, 2, -5e-324])),
     "repetition_penalty": st.one_of(st.floats(0, 10, exclude_min=True), st.sampled_from([10] + _TINY)),
     "logprobs": st.one_of(st.none(), st.integers(0, 20)),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20)),
+    "logit_bias": st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.one_of(
+        st.floats(-100, 100), st.sampled_from([-100, 100, 0, 5e-324])), max_size=4)),
     "skip_special_tokens": st.booleans(), "include_stop_str_in_output": st.booleans(), "detokenize": st.booleans(),
 }
 WILD = {
@@ -187,6 +190,7 @@ WILD = {
     "stop_token_ids": st.one_of(st.lists(TOKEN_IDS, min_size=1, max_size=4), INTS),
     "ignore_eos": INTS, "seed": st.one_of(st.integers(-2**64 - 2, 2**64 + 2), INTS),
     "presence_penalty": FLOATS, "frequency_penalty": FLOATS, "repetition_penalty": FLOATS, "logprobs": INTS,
+    "prompt_logprobs": INTS, "logit_bias": st.one_of(st.dictionaries(TOKEN_IDS, FLOATS, max_size=3), INTS),
     "skip_special_tokens": INTS, "detokenize": INTS,
 }
 VALID_KW = st.fixed_dictionaries({}, optional=VALID)
@@ -221,7 +225,7 @@ def test_every_sampling_value_is_rejected_or_served(engine):
         finally:
             engine.abort_request("prop")
             engine.step()  # retire it in the runner too
-        assert outs and outs[0].outputs[0].token_ids, f"no token for {params}"
+        assert outs and (outs[0].outputs[0].token_ids or params.max_tokens == 0), f"no token for {params}"
         assert all(o.error is None for o in outs), f"{params}: {outs[-1].error}"
         assert all(0 <= t < VOCAB for t in outs[-1].outputs[0].token_ids)
         assert_idle(engine)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import apply_token_bitmask
 
 
 @dataclass
@@ -45,6 +46,26 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i, r.stop_ids_masked] = float("-inf")
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place on float32 ``logits`` ``[n, vocab]``: add each row's ``params.logit_bias``
+    (``{token_id: bias}``, OpenAI's) in one indexed add over the rows that have one; rows
+    without a bias are untouched and cost nothing. A -inf logit stays -inf (biases are finite).
+
+    Raises:
+        IndexError: a biased token id outside the vocabulary (``LLMEngine.make_request``
+            rejects those).
+    """
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return
+    row_idx = [i for i, b in biased for _ in b]
+    tok_idx = [t for _, b in biased for t in b]
+    vals = [v for _, b in biased for v in b.values()]
+    dev = logits.device
+    logits.index_put_((torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)),
+                      torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+
+
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask logits ``[n, vocab]`` outside top-k (``k <= 0`` = off, ``k >= vocab`` keeps every
     token), the top-p nucleus (Holtzman et al. 2020) and min-p (probability < min_p * max
@@ -80,8 +101,12 @@ class Sampler:
     own generator when it has a seed.
     """
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]):
-        """Args: float32 ``logits`` ``[n, vocab]``, one :class:`SamplingRow` per row.
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], grammar=None):
+        """Args: float32 ``logits`` ``[n, vocab]``, one :class:`SamplingRow` per row, and
+        ``grammar``: None, or ``(bitmask int32 [k, ceil(vocab / 32)], row indices list[int] of
+        length k)`` (structured outputs, see ``engine.structured_output.bitmask_rows``): tokens
+        whose bit is 0 get -inf in those rows, after penalties and logit_bias, before
+        temperature / top-k / top-p / min-p (so greedy and sampled rows both stay in the grammar).
 
         Returns ``(tokens, logprobs)``: a list of ``n`` token ids, and per row either None or a
         dict ``{token_id: logprob}`` with the sampled token and the top ``params.logprobs``
@@ -91,24 +116,27 @@ class Sampler:
         engine can re-run the step (failure isolation) and seeded rows still draw the same.
 
         Raises:
-            IndexError: a masked stop token id outside the vocabulary (``LLMEngine.make_request``
-                rejects those).
+            IndexError: a masked stop token id or a ``logit_bias`` token id outside the
+                vocabulary (``LLMEngine.make_request`` rejects those).
         """
         gens = [r.generator for r in rows if r.generator is not None]
         states = [g.get_state() for g in gens]
         try:
-            return self._sample(logits, rows)
+            return self._sample(logits, rows, grammar)
         except BaseException:
             for g, s in zip(gens, states):
                 g.set_state(s)
             raise
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]):
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], grammar=None):
         logits = logits.float()
         n = logits.shape[0]
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_lp) else None
         apply_penalties(logits, rows)
+        apply_logit_bias(logits, rows)
+        if grammar is not None:
+            apply_token_bitmask(logits, *grammar)
         tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if rand:
