@@ -298,8 +298,11 @@ def _scale_down_mid_stream(base: str, name: str, route: str, args: dict, pin: st
     async def run() -> dict:
         async with httpx.AsyncClient(timeout=httpx.Timeout(180, connect=10)) as client:
             longs = [StreamResult() for _ in range(n_streams)]
-            tasks = [asyncio.create_task(_stream(client, f"{base}/v1/completions", _long_body(), r)) for r in longs]
-            await asyncio.wait_for(asyncio.gather(*(r.first_token.wait() for r in longs)), 120)
+            tasks = []
+            for r in longs:  # one at a time: the router then sees each replica's load and splits them
+                # (a burst can land on one replica, and Serve then stops the idle one)
+                tasks.append(asyncio.create_task(_stream(client, f"{base}/v1/completions", _long_body(), r)))
+                await asyncio.wait_for(r.first_token.wait(), 120)
             assert all(r.status == 200 and not r.done for r in longs), [(r.status, r.body) for r in longs]
             # the scale-down (serve.run returns once the app is running at its new size)
             redeploy = asyncio.create_task(asyncio.to_thread(_deploy, {**args, "num_replicas": 1}, name, route,
@@ -376,10 +379,8 @@ def test_drain_deadline_ends_streams_with_an_error_event(serve_app, tiny_llama_p
 
     name, route, served = "kvserve-deadline", "/deadline", "tiny-deadline"
     timeout_s = 1.0
-    # at most 4 requests per replica: the 8 streams are split 4 / 4, so the replica Serve stops holds
-    # some (left to itself the router may put all 8 on one replica, and Serve stops the idle one)
     args = _app_args(tiny_llama_path, served, num_replicas=2, graceful_shutdown_timeout_s=timeout_s,
-                     max_ongoing_requests=4)
+                     max_queued_requests=8)
     base = f"{serve_app.root}{route}"
     _deploy(args, name, route, pin="deadline-v1")
     try:
