@@ -4,7 +4,8 @@ and the parsers that turn a model's text into OpenAI ``tool_calls``.
 
 How each ``tool_choice`` runs (the approach of vLLM's OpenAI server):
 
-- ``none``: tools reach the template; the output is plain text.
+- ``none``: the tools are left out of the prompt (what vLLM's
+  ``--exclude-tools-when-tool-choice-none`` does); the output is plain text.
 - ``auto``: tools reach the template; the output is parsed by the model family's parser
   (:data:`TOOL_PARSERS`, named with vLLM's ``--tool-call-parser`` names).
 - ``required``: a JSON schema grammar makes the model write a JSON array of
