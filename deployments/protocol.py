@@ -196,8 +196,10 @@ class _SamplingFields(BaseModel):
             specs.append({"json_object": True})
         elif rf is not None and rf.type == "json_schema":
             specs.append({"json": rf.json_schema.json_schema})
+        flexible = None
         if self.structured_outputs:
             so = {k: v for k, v in self.structured_outputs.items() if v is not None and v is not False}
+            flexible = so.pop("whitespace_flexible", None)
             unknown = set(so) - set(STRUCTURED_KINDS)
             if unknown:
                 raise ValueError(f"structured_outputs: unknown key(s) {sorted(unknown)}; "
@@ -214,6 +216,8 @@ class _SamplingFields(BaseModel):
             ch = specs[0]["choice"]
             if not isinstance(ch, list) or not ch or any(not isinstance(c, str) or not c for c in ch):
                 raise ValueError("a choice constraint is a non-empty list of non-empty strings")
+        if flexible and specs:  # any whitespace in JSON (the engine's default is compact JSON)
+            specs[0]["whitespace_flexible"] = True
         return specs[0] if specs else None
 
     def sampling_dict(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:

@@ -138,6 +138,16 @@ def test_protocol_models():
                 {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(bad)
+    msg = [{"role": "user", "content": "x"}]
+    specs = {"json_object": {"response_format": {"type": "json_object"}},
+             "guided_regex": {"guided_regex": "a+"},
+             "flexible": {"structured_outputs": {"json": {"type": "object"}, "whitespace_flexible": True}}}
+    got = {k: ChatCompletionRequest(messages=msg, **v).sampling_dict(4, None)["structured_outputs"]
+           for k, v in specs.items()}
+    assert got == {"json_object": {"json_object": True}, "guided_regex": {"regex": "a+"},
+                   "flexible": {"json": {"type": "object"}, "whitespace_flexible": True}}
+    for v in got.values():
+        SamplingParams(**{"structured_outputs": v})  # the engine takes each as it is
     assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
     assert CompletionRequest(prompt="a").max_tokens == 16
