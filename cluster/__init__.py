@@ -1,5 +1,6 @@
 """Ray side of kvserve: tensor-parallel worker actors (``worker_group``), Ray token auth
-(``ray_auth``) and the ``ray up`` configs. This package module itself imports nothing heavy
+(``ray_auth``), the ``ray up`` configs (``*.yaml``, checked by ``launcher_config``) and their
+local smoke test (``smoke_local.sh``). This package module itself imports nothing heavy
 (no Ray, no torch), so front ends can use :func:`reset_niceness`."""
 import os
 

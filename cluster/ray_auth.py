@@ -289,3 +289,23 @@ def join_failure_message(address: str | None, setup: AuthSetup, exc: BaseExcepti
                  f"{LOOPBACK_VAR}=0 in this environment too: without it Ray rewrites 127.0.0.1 to this "
                  "machine's network address.")
     return "\n".join(lines)
+
+
+def main() -> int:
+    """``python -m cluster.ray_auth``: make sure this machine holds a Ray token for a cluster it
+    launches (``ray up cluster/*.yaml`` copies it to every node), owner-only, and print its path.
+
+    The token is ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``: an existing one is kept (and
+    made 0600 when others could read it), a missing one is written (256 random bits, mode 0600,
+    directory 0700). It never belongs in the repository."""
+    path = token_path()
+    created = write_token_file(path)
+    _make_private(path, warn=_stderr)
+    if path == default_token_path() and path.parent.stat().st_uid == os.getuid():
+        os.chmod(path.parent, 0o700)
+    print(f"{'created' if created else 'kept'} the Ray token {path} (mode 0600)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

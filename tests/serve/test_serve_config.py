@@ -33,15 +33,6 @@ def test_serve_config_file_loads_with_serve_schema():
         call_user_app_builder_with_args_if_necessary(build_app, {"max_num_seqs": -1})
 
 
-def test_ray_cluster_yaml_validates():
-    from ray.autoscaler._private.util import validate_config
-
-    cfg = yaml.safe_load((ROOT / "cluster" / "ray-cluster.yaml").read_text())
-    validate_config(cfg)
-    types = cfg["available_node_types"]
-    assert "gpu_worker" in types and "cpu_worker" in types
-
-
 def test_app_args_and_deployment_options():
     from deployments.app import AppArgs, llm_deployment_options
 

@@ -1,0 +1,157 @@
+{{/* Names and labels. */}}
+{{- define "kvserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvserve.labels" -}}
+{{ include "kvserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "kvserve.rayTokenSecret" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-token" (include "kvserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "kvserve.apiKeysEnabled" -}}
+{{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvserve.apiKeysSecret" -}}
+{{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "kvserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* The models as the application gets them: modelDefaults under each entry. */}}
+{{- define "kvserve.models" -}}
+{{- $models := list -}}
+{{- range .Values.models -}}
+{{- $models = append $models (mergeOverwrite (deepCopy $.Values.modelDefaults) (deepCopy .)) -}}
+{{- end -}}
+{{- toJson $models -}}
+{{- end -}}
+
+{{/* CPUs of a worker group as Ray sees them: rayStartParams num-cpus, else the container's CPU
+limit, else its request ("500m" = 0.5); -1 when none is given. */}}
+{{- define "kvserve.groupCpus" -}}
+{{- $c := "" -}}
+{{- $res := .resources | default dict -}}
+{{- if hasKey (.rayStartParams | default dict) "num-cpus" -}}
+{{- $c = toString (index .rayStartParams "num-cpus") -}}
+{{- else if hasKey ($res.limits | default dict) "cpu" -}}
+{{- $c = toString $res.limits.cpu -}}
+{{- else if hasKey ($res.requests | default dict) "cpu" -}}
+{{- $c = toString $res.requests.cpu -}}
+{{- end -}}
+{{- if eq $c "" -}}-1{{- else if hasSuffix "m" $c -}}{{- divf (float64 (trimSuffix "m" $c)) 1000 -}}{{- else -}}{{- float64 $c -}}{{- end -}}
+{{- end -}}
+
+{{/* Refuse models that no worker group can hold. A replica of a model on `cuda` asks Ray for
+tensor_parallel_size bundles of one GPU each, STRICT_PACKed onto one node, plus CPUs: replica_cpus
++ tensor_parallel_size * worker_cpus (ModelArgs' defaults: 1 and 1; deployments/app.py
+llm_deployment_options). Only groups that may have pods (maxReplicas > 0) count. */}}
+{{- define "kvserve.checkModels" -}}
+{{- if not .Values.models -}}
+{{- fail "models: give at least one model" -}}
+{{- end -}}
+{{- if hasKey .Values.app.args "models" -}}
+{{- fail "app.args.models: put models under `models`, not app.args" -}}
+{{- end -}}
+{{- if or (hasKey .Values.app.args "api_keys") (hasKey .Values.app.args "api_keys_file") -}}
+{{- fail "app.args.api_keys / api_keys_file: give API keys through `apiKeys` (a Secret), never in the RayService spec" -}}
+{{- end -}}
+{{- $groups := .Values.workerGroups -}}
+{{- $maxGpus := 0 -}}
+{{- $largest := "" -}}
+{{- range $groups -}}
+{{- if and (gt (int .maxReplicas) 0) (gt (int .gpus) $maxGpus) -}}
+{{- $maxGpus = int .gpus -}}
+{{- $largest = .name -}}
+{{- end -}}
+{{- end -}}
+{{- range $i, $m := (include "kvserve.models" . | fromJsonArray) -}}
+{{- $name := $m.served_model_name | default $m.model | default "the default model" -}}
+{{- if eq (toString $m.device) "cuda" -}}
+{{- $tp := int ($m.tensor_parallel_size | default 1) -}}
+{{- $cpus := addf ($m.replica_cpus | default 1.0) (mulf $tp ($m.worker_cpus | default 1.0)) -}}
+{{- if eq $maxGpus 0 -}}
+{{- fail (printf "models[%d] (%s): a GPU replica (device cuda) fits no worker group: no group has gpus > 0 and maxReplicas > 0" $i $name) -}}
+{{- end -}}
+{{- if gt $tp $maxGpus -}}
+{{- fail (printf "models[%d] (%s): tensor_parallel_size %d is larger than any worker group's GPUs (the largest, %q, has %d): a replica's ranks share one node" $i $name $tp $largest $maxGpus) -}}
+{{- end -}}
+{{- $fits := false -}}
+{{- range $groups -}}
+{{- $gc := float64 (include "kvserve.groupCpus" .) -}}
+{{- if and (gt (int .maxReplicas) 0) (ge (int .gpus) $tp) (or (lt $gc 0.0) (ge $gc $cpus)) -}}
+{{- $fits = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $fits -}}
+{{- fail (printf "models[%d] (%s): a GPU replica (tensor_parallel_size %d: %d GPUs and %g CPUs on one pod) fits no worker group" $i $name $tp $tp $cpus) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* serveConfigV2: one application (deployments.app:build_app) whose args are app.args, the
+models and the mounted API key file. */}}
+{{- define "kvserve.serveConfig" -}}
+{{- $args := deepCopy .Values.app.args -}}
+{{- $_ := set $args "models" (include "kvserve.models" . | fromJsonArray) -}}
+{{- if include "kvserve.apiKeysEnabled" . -}}
+{{- $_ := set $args "api_keys_file" (printf "%s/%s" .Values.apiKeys.mountPath .Values.apiKeys.secretKey) -}}
+{{- end -}}
+{{- $app := dict "name" .Values.app.name "route_prefix" .Values.app.routePrefix "import_path" "deployments.app:build_app" "args" $args -}}
+{{- $cfg := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* Volumes and mounts every Ray container gets: the API key file, the model cache. */}}
+{{- define "kvserve.volumes" -}}
+- name: model-cache
+{{- if .Values.modelCache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.existingClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.modelCache.sizeLimit }}
+{{- end }}
+{{- if include "kvserve.apiKeysEnabled" . }}
+- name: api-keys
+  secret:
+    secretName: {{ include "kvserve.apiKeysSecret" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.apiKeys.secretKey }}
+        path: {{ .Values.apiKeys.secretKey }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvserve.volumeMounts" -}}
+- name: model-cache
+  mountPath: {{ .Values.modelCache.mountPath }}
+{{- if include "kvserve.apiKeysEnabled" . }}
+- name: api-keys
+  mountPath: {{ .Values.apiKeys.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "kvserve.env" -}}
+- name: HF_HOME
+  value: {{ .Values.modelCache.mountPath }}
+{{- end -}}
