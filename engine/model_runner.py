@@ -11,7 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.layers.sampler import Sampler, SamplingRow
 from engine.model_loader import iter_safetensors, load_config
-from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import model_class
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.structured_output import bitmask_rows
@@ -87,7 +87,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = LlamaForCausalLM(self.hf_config, self.backend)
+                self.model = model_class(self.hf_config)(self.hf_config, self.backend)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(iter_safetensors(model_path))

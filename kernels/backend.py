@@ -14,6 +14,14 @@ head_dim]`` tensor; request ``i`` owns rows ``cu_seqlens_q[i] : cu_seqlens_q[i +
 are the *last* ``query_len`` positions of its ``seq_len`` tokens (earlier tokens are read from
 the cache: prefix-cache hits, earlier chunks of a chunked prefill, or the decode context).
 Attention is causal; query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+Per layer, ``forward`` may also get a sliding ``window`` (local attention, as Mistral and Gemma
+2/3 use; Hugging Face's ``sliding_window`` convention): the query at absolute position ``p`` then
+sees only keys ``j`` with ``p - window < j <= p`` (itself and the ``window - 1`` tokens before
+it; keys older than that are masked), and a ``softcap`` (Gemma 2's attention logit
+soft-capping): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before the
+softmax. The cache itself is the same for every layer: blocks that fall out of a layer's window
+are kept (not freed), so prefix caching and preemption need nothing special.
 """
 from __future__ import annotations
 
@@ -114,11 +122,22 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the cache (which
         already holds this step's K/V); returns ``[num_tokens, num_heads, head_dim]`` in
-        ``q.dtype``. ``scale`` multiplies ``q @ k^T`` (usually ``head_dim ** -0.5``)."""
+        ``q.dtype``. ``scale`` multiplies ``q @ k^T`` (usually ``head_dim ** -0.5``).
+        ``window`` (tokens, >= 1) and ``softcap`` (> 0): see the module docstring; None = off."""
         raise NotImplementedError
+
+    @staticmethod
+    def check_window_softcap(window: int | None, softcap: float | None) -> None:
+        """Raise ``ValueError`` unless ``window`` is None or an int >= 1 and ``softcap`` is None
+        or a finite number > 0."""
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or an int >= 1 (tokens), got {window!r}")
+        if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -10,6 +10,9 @@ corner when ``seqlen_q != seqlen_k`` (since 2.1), which is exactly kvserve's con
   max_seqlen_q, max_seqlen_k, causal=True, block_table=block_tables)``, K/V read from the
   paged cache, so prefix-cache hits and chunked prefill need no gather.
 * ``store_kv`` is the Triton scatter of :mod:`kernels.triton_attention` (skips slot -1).
+* A layer's sliding window and logit soft-capping go to both calls as flash-attn's own
+  ``window_size=(window - 1, 0)`` and ``softcap`` (both in flash-attn >= 2.6, which the backend
+  requires anyway).
 
 What upstream flash-attn 2.x supports, declared as capabilities so that the selector never picks
 this backend where it cannot run (no per-call fallback): CUDA; fp16/bf16 (no fp32);
@@ -84,19 +87,25 @@ class FlashAttnBackend(AttentionBackend):
         self._store(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` (fp16/bf16, CUDA)
-        over the paged cache; returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``."""
+        over the paged cache; returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+        A sliding ``window`` is flash-attn's ``window_size=(window - 1, 0)`` (left keys besides
+        the query's own), ``softcap`` its ``softcap`` (0 = off)."""
+        self.check_window_softcap(window, softcap)
+        extra = {"window_size": (window - 1, 0) if window else (-1, -1), "softcap": softcap or 0.0}
         out_dtype = q.dtype
         q = q.to(k_cache.dtype)
         if meta.decode_only and q.shape[0] == meta.num_reqs:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                     block_table=meta.block_tables, softmax_scale=scale, causal=True)
+                                     block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                                     **extra)
             return out.squeeze(1).to(out_dtype)
         cu_seqlens_k = torch.zeros(meta.num_reqs + 1, dtype=torch.int32, device=q.device)
         cu_seqlens_k[1:] = torch.cumsum(meta.seq_lens, 0, dtype=torch.int32)
         out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
                            max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
-                           block_table=meta.block_tables)
+                           block_table=meta.block_tables, **extra)
         return out.to(out_dtype)

@@ -9,6 +9,9 @@ Everything here follows the conventions of :mod:`kernels.backend`:
   ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, which are the *last* ``query_len`` of its ``seq_len``
   positions; attention is causal (query at absolute position ``p`` sees keys ``0..p``).
 * Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+* Optional per-layer sliding ``window`` (query at ``p`` sees keys ``p - window < j <= p``) and
+  attention logit ``softcap`` (scores ``softcap * tanh(scale * q.k / softcap)``), both
+  ``constexpr``-gated so layers without them run the plain kernels.
 
 Kernels
 -------
@@ -26,7 +29,9 @@ Kernels
     sequence dimension too, not only batch x heads). The query heads of one GQA group are packed
     into the row dimension of the tile, so each K/V tile is loaded once per group. Key tiles
     entirely below the causal diagonal run without a mask, only the diagonal tiles are masked,
-    and tiles above it are skipped (Section 3.1.1, "causal masking").
+    and tiles above it are skipped (Section 3.1.1, "causal masking"). With a sliding window the
+    same holds at the band's other edge: keys older than every row's window are skipped, keys
+    inside every row's window run unmasked, only the tiles straddling the window edge are masked.
 ``_decode_kernel`` + ``_combine_kernel``
     One query per request. Program = (request, KV head, split); the GQA group's query heads are
     the rows of a ``[BLOCK_G, head_dim]`` tile (padded to 16 for ``tl.dot``). With ``num_splits >
@@ -34,7 +39,7 @@ Kernels
     write a normalised partial output plus its log-sum-exp; ``_combine_kernel`` merges them with
     the log-sum-exp rescaling (Flash-Decoding: Dao, Haziza, Massa, Sizov, 2023, "Flash-Decoding for
     long-context inference", PyTorch/Stanford CRFM blog). This keeps all SMs busy when ``batch x num_kv_heads`` is small
-    and contexts are long.
+    and contexts are long. With a sliding window only the last ``window`` keys are split and read.
 
 Numerics: softmax statistics and accumulators are always fp32 (``exp2`` with ``scale * log2(e)``
 folded in). The two matmuls take fp16/bf16 operands with fp32 accumulation on a GPU (tensor
@@ -52,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import AttentionMetadata
+from kernels.backend import AttentionBackend, AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 
@@ -164,24 +169,35 @@ def _load_kv_tile(cache_ptr, bt_row_ptr, n, nmask, head_off, stride_b, stride_s,
 
 
 @triton.jit
-def _softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale,
-                    NATIVE_DOT: tl.constexpr, USE_MASK: tl.constexpr):
+def _softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale, cap_in, cap_out,
+                    NATIVE_DOT: tl.constexpr, USE_MASK: tl.constexpr, SOFTCAP: tl.constexpr):
     """One FlashAttention-2 inner step (Algorithm 1, lines 8-10) in the log2 domain.
 
     ``q`` ``[M, D]`` (already in the dot dtype), ``k``/``v`` ``[N, D]`` as loaded, ``valid``
-    ``[M, N]`` (ignored unless ``USE_MASK``). Returns the updated ``acc, m_i, l_i``; ``acc`` is
-    unnormalised (divided by ``l_i`` once at the end).
+    ``[M, N]`` (ignored unless ``USE_MASK``). Scores are ``q.k * qk_scale``, or with ``SOFTCAP``
+    ``cap_out * tanh(q.k * cap_in)`` (``cap_in = scale / softcap``, ``cap_out = softcap *
+    log2(e)``; tanh from ``exp``, which the interpreter and every GPU have). Returns the updated
+    ``acc, m_i, l_i``; ``acc`` is unnormalised (divided by ``l_i`` once at the end). Under
+    ``USE_MASK`` a row that has seen no visible key yet (sliding-window edge) keeps
+    ``m = -inf, l = 0, acc = 0`` instead of turning NaN.
     """
     if NATIVE_DOT:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
     else:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    s = s * qk_scale
+    if SOFTCAP:
+        s = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * (s * cap_in)) + 1.0))
+    else:
+        s = s * qk_scale
     if USE_MASK:
         s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if USE_MASK:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if NATIVE_DOT:
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
@@ -196,16 +212,19 @@ def _softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale,
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, out_ptr,
-                    qk_scale,
+                    qk_scale, window, cap_in, cap_out,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, NATIVE_DOT: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, NATIVE_DOT: tl.constexpr,
+                    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program (q_tile, request, kv_head): ``BLOCK_Q`` query tokens x ``GROUP`` query heads.
 
     Tile rows ``r = i * BLOCK_G + g`` (token ``i``, head ``kv_head * GROUP + g``), so the
     ``[BLOCK_Q * BLOCK_G, BLOCK_N]`` score tile shares one K/V tile across the GQA group.
+    Keys ``[lo, end)`` are read in three loops: ``[lo, u0)`` masked (the window's lower edge),
+    ``[u0, u1)`` unmasked (visible to every row), ``[u1, end)`` masked (the causal diagonal).
     """
     tile = tl.program_id(0)
     req = tl.program_id(1)
@@ -247,16 +266,37 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, cu_q_
     # Last key any row of the tile can see, + 1 (<= seq_len).
     end = ctx + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len)
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(0, full_end, BLOCK_N):
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)  # oldest key any row's window holds
+        # keys >= u0 are inside every row's window (u0 tile-aligned, so the unmasked loop reads
+        # whole tiles); if u0 passes full_end no key is visible to all rows: u1 = u0
+        u0 = tl.cdiv(tl.maximum(end - window, lo), BLOCK_N) * BLOCK_N
+        u1 = tl.maximum(full_end, u0)
+        edge_end = tl.minimum(u0, end)
+        for start_n in range(lo, edge_end, BLOCK_N):
+            n = start_n + offs_n
+            nmask = n < edge_end
+            k = _load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d,
+                              dmask, BLOCK_SIZE)
+            v = _load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d,
+                              dmask, BLOCK_SIZE)
+            valid = ((n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+                     & nmask[None, :])
+            acc, m_i, l_i = _softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale, cap_in,
+                                            cap_out, NATIVE_DOT, True, SOFTCAP)
+    else:
+        u0 = 0
+        u1 = full_end
+    for start_n in range(u0, u1, BLOCK_N):
         n = start_n + offs_n
-        nmask = n < full_end
+        nmask = n < u1
         k = _load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask,
                           BLOCK_SIZE)
         v = _load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask,
                           BLOCK_SIZE)
         acc, m_i, l_i = _softmax_update(q, k, v, acc, m_i, l_i, nmask[None, :], qk_scale,
-                                        NATIVE_DOT, False)
-    for start_n in range(full_end, end, BLOCK_N):
+                                        cap_in, cap_out, NATIVE_DOT, False, SOFTCAP)
+    for start_n in range(u1, end, BLOCK_N):
         n = start_n + offs_n
         nmask = n < end
         k = _load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask,
@@ -264,10 +304,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, cu_q_
         v = _load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask,
                           BLOCK_SIZE)
         valid = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
-        acc, m_i, l_i = _softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale,
-                                        NATIVE_DOT, True)
+        if USE_WINDOW:
+            valid = valid & (n[None, :] > q_pos[:, None] - window)
+        acc, m_i, l_i = _softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale, cap_in, cap_out,
+                                        NATIVE_DOT, True, SOFTCAP)
 
-    out = acc / l_i[:, None]  # every row saw key 0, so l_i > 0
+    # every row of a query token saw at least its own key, so l_i > 0 there; padding rows
+    # (past q_len) may have seen none and are not stored
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_rows = (q_start + qi).to(tl.int64)
     tl.store(out_ptr + (o_rows * stride_ot + head * stride_oh)[:, None] + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -279,27 +323,33 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, cu_q_
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
-                   part_o_ptr, part_lse_ptr, qk_scale, num_splits,
+                   part_o_ptr, part_lse_ptr, qk_scale, num_splits, window, cap_in, cap_out,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr):
+                   SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     """Program (request, kv_head, split). Without ``SPLIT`` it writes the final output; with it,
     the normalised partial output ``part_o[req, head, split, :]`` and its log2-sum-exp
-    ``part_lse[req, head, split]`` (``-inf`` for an empty split)."""
+    ``part_lse[req, head, split]`` (``-inf`` for an empty split). The keys read are
+    ``[first, seq_len)``: all of them, or with ``USE_WINDOW`` the last ``window``."""
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
+    if USE_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = 0
     if SPLIT:
         # Chunk per split, rounded to whole tiles; computed from this request's own length so a
         # fixed split count (e.g. a captured CUDA graph) stays correct for any seq_len.
-        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+        lo = first + split * chunk
         hi = tl.minimum(lo + chunk, seq_len)
     else:
-        lo = 0
+        lo = first
         hi = seq_len
 
     g = tl.arange(0, BLOCK_G)
@@ -330,7 +380,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_pt
         v = _load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask,
                           BLOCK_SIZE)
         acc, m_i, l_i = _softmax_update(q, k, v, acc, m_i, l_i, nmask[None, :], qk_scale,
-                                        NATIVE_DOT, True)
+                                        cap_in, cap_out, NATIVE_DOT, True, SOFTCAP)
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # empty (seq_len 0 / split) -> 0
@@ -427,11 +477,21 @@ def _check_q(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
     return num_heads // num_kv_heads, head_dim
 
 
+def _window_softcap_args(window: int | None, softcap: float | None, scale: float) -> tuple:
+    """Kernel arguments ``(window, cap_in, cap_out, USE_WINDOW, SOFTCAP)`` (see
+    :func:`_softmax_update`). Raises ``ValueError`` for a window < 1 or a softcap <= 0."""
+    AttentionBackend.check_window_softcap(window, softcap)
+    if softcap is None:
+        return (window or 0, 0.0, 0.0, window is not None, False)
+    return (window or 0, scale / softcap, softcap * _LOG2E, window is not None, True)
+
+
 def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float,
                              out: torch.Tensor | None = None, block_m: int | None = None,
-                             block_n: int | None = None) -> torch.Tensor:
+                             block_n: int | None = None, window: int | None = None,
+                             softcap: float | None = None) -> torch.Tensor:
     """Causal varlen attention of ``q`` over the paged cache (FlashAttention-2 forward).
 
     Args:
@@ -446,6 +506,12 @@ def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         out: optional ``[num_tokens, num_heads, head_dim]`` output (rows of no request are not
             written).
         block_m / block_n: tile overrides (rows = query tokens x padded group, keys).
+        window: sliding window in tokens (query at ``p`` sees keys ``p - window < j <= p``);
+            None = full causal attention.
+        softcap: attention logit soft-capping (``softcap * tanh(scores / softcap)``); None = off.
+
+    Raises:
+        ValueError: mismatched shapes, a window < 1 or a softcap <= 0.
 
     Grid: ``(cdiv(max_seqlen_q, BLOCK_Q), num_reqs, num_kv_heads)`` where ``BLOCK_Q =
     block_m // next_pow2(group)``; programs past their request's query length exit at once.
@@ -454,6 +520,7 @@ def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     group, head_dim = _check_q(q, k_cache)
     _check_cache(k_cache)
     _check_cache(v_cache)
+    win, cap_in, cap_out, use_window, use_softcap = _window_softcap_args(window, softcap, scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_reqs = seq_lens.shape[0]
@@ -470,12 +537,14 @@ def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     grid = (triton.cdiv(max_seqlen_q, block_q), num_reqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale * _LOG2E,
+        win, cap_in, cap_out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
-        NATIVE_DOT=native, num_warps=8 if block_q * block_g * head_dim >= 128 * 128 else 4,
+        NATIVE_DOT=native, USE_WINDOW=use_window, SOFTCAP=use_softcap,
+        num_warps=8 if block_q * block_g * head_dim >= 128 * 128 else 4,
         num_stages=2)
     return out
 
@@ -483,8 +552,9 @@ def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seq_len: int, out: torch.Tensor | None = None,
-                           num_splits: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, block_n: int | None = None,
+                           window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Decode attention: row ``i`` of ``q`` is request ``i``'s single (last) query.
 
     Args:
@@ -495,6 +565,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits: split-K count; ``None`` = :func:`choose_num_splits`. Any value is correct
             for any ``seq_lens`` (each request's chunk is computed in the kernel).
         out: optional output ``[num_reqs, num_heads, head_dim]``.
+        window, softcap: as in :func:`varlen_prefill_attention` (a windowed request reads and
+            splits only its last ``window`` keys).
+
+    Raises:
+        ValueError: mismatched shapes, a window < 1 or a softcap <= 0.
 
     Grid: ``(num_reqs, num_kv_heads, num_splits)``; with ``num_splits > 1`` partial results go
     to an fp32 workspace ``[num_reqs, num_heads, num_splits, head_dim]`` (+ log-sum-exp) that
@@ -503,6 +578,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group, head_dim = _check_q(q, k_cache)
     _check_cache(k_cache)
     _check_cache(v_cache)
+    win, cap_in, cap_out, use_window, use_softcap = _window_softcap_args(window, softcap, scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_reqs, num_heads = q.shape[0], q.shape[1]
@@ -510,7 +586,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     num_kv_heads = k_cache.shape[2]
     if num_splits is None:
-        num_splits = choose_num_splits(num_reqs, num_kv_heads, max_seq_len, _num_sms(q.device))
+        keys = min(max_seq_len, window) if window else max_seq_len
+        num_splits = choose_num_splits(num_reqs, num_kv_heads, keys, _num_sms(q.device))
     native = _native_dot(k_cache.dtype)
     if block_n is None:
         block_n = 128 if _interpreting() else (64 if head_dim <= 128 else 32)
@@ -526,12 +603,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_o = part_lse = out  # unused
     _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, scale * _LOG2E,
-        num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        num_splits, win, cap_in, cap_out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1], SPLIT=split, NATIVE_DOT=native,
-        num_warps=4, num_stages=2)
+        BLOCK_SIZE=k_cache.shape[1], SPLIT=split, NATIVE_DOT=native, USE_WINDOW=use_window,
+        SOFTCAP=use_softcap, num_warps=4, num_stages=2)
     if split:
         _combine_kernel[(num_reqs, num_heads)](
             part_o, part_lse, out, num_splits, num_heads, out.stride(0), out.stride(1),
@@ -542,19 +619,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, *, out: torch.Tensor | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Backend entry point (same contract as :meth:`kernels.backend.AttentionBackend.forward`).
 
     Decode-only batches (every query length 1, one row per request) go to
     :func:`paged_decode_attention` (split-K when the grid would be small); anything else
     (prefill, chunked prefill, mixed prefill + decode rows) to :func:`varlen_prefill_attention`.
+    ``window`` / ``softcap``: per layer, as in :func:`varlen_prefill_attention`.
     Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
     if meta.decode_only and q.shape[0] == meta.num_reqs:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      scale, meta.max_seqlen_k, out=out, num_splits=num_splits)
+                                      scale, meta.max_seqlen_k, out=out, num_splits=num_splits,
+                                      window=window, softcap=softcap)
     return varlen_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                    meta.cu_seqlens_q, meta.max_seqlen_q, scale, out=out)
+                                    meta.cu_seqlens_q, meta.max_seqlen_q, scale, out=out,
+                                    window=window, softcap=softcap)
 
 
 __all__ = ["store_kv", "paged_attention", "varlen_prefill_attention", "paged_decode_attention",

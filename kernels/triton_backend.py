@@ -62,5 +62,6 @@ class TritonBackend(AttentionBackend):
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._store(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._attend(q, k_cache, v_cache, meta, scale)
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        return self._attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)

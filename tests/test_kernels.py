@@ -13,7 +13,8 @@
 
 The reference (``ref_attention``) is deliberately naive: per request, gather its ``seq_len``
 keys/values slot by slot through the block table, in float64; per head, full softmax over keys
-``j <= ctx + i`` (``ctx = seq_len - query_len``) for query row ``i``.
+``j <= ctx + i`` (``ctx = seq_len - query_len``) for query row ``i``; with a sliding ``window``
+also ``j > ctx + i - window``; with a ``softcap`` the scores are ``softcap * tanh(s / softcap)``.
 
 Error metric: ``rel_err = max|out - ref| / max|ref|`` over the whole output. Bounds:
 
@@ -96,6 +97,38 @@ CASES: dict[str, dict] = {
     "dispatch_decode_g8_d64_fp32": dict(kind="dispatch", H=8, Hkv=1, D=64, bs=16,
                                         dtype="float32", qlens=[1, 1, 1], seqlens=[5, 700, 48],
                                         seed=31),
+    # Sliding window (Gemma / Mistral local layers): window smaller than a tile (so rows of one
+    # tile start their windows in different key tiles, and some rows see no key of a tile),
+    # window larger than a tile with a long cached context (the unmasked middle loop runs),
+    # window 1 (only the query's own key), chunks mid-block, query_len 1 rows among prefills.
+    "window_prefill_w40_g2_d64_fp32": dict(kind="prefill", H=2, Hkv=1, D=64, bs=16,
+                                           dtype="float32", qlens=[200, 1, 37, 150],
+                                           seqlens=[200, 90, 300, 400], window=40, seed=50),
+    "window_prefill_w300_g1_d64_fp32": dict(kind="prefill", H=1, Hkv=1, D=64, bs=32,
+                                            dtype="float32", qlens=[130, 260],
+                                            seqlens=[700, 260], window=300, seed=51),
+    "window_prefill_w1_g4_d64_fp16": dict(kind="prefill", H=4, Hkv=1, D=64, bs=16,
+                                          dtype="float16", qlens=[20, 1], seqlens=[50, 9],
+                                          window=1, seed=52),
+    # paged decode with a window: forced splits over the window only, heuristic, padding row.
+    "window_decode_w64_g2_d64_fp32_split3": dict(kind="decode", H=4, Hkv=2, D=64, bs=16,
+                                                 dtype="float32", seqlens=[1, 16, 64, 65, 700],
+                                                 splits=3, window=64, seed=53),
+    "window_decode_w300_g4_d128_fp16_auto": dict(kind="decode", H=4, Hkv=1, D=128, bs=16,
+                                                 dtype="float16", seqlens=[0, 299, 301, 1100],
+                                                 splits=None, window=300, seed=54),
+    # logit soft-capping (Gemma 2), alone and with a window, prefill + decode through dispatch.
+    "softcap_prefill_g2_d64_fp32": dict(kind="prefill", H=2, Hkv=1, D=64, bs=16,
+                                        dtype="float32", qlens=[70, 1], seqlens=[150, 33],
+                                        softcap=5.0, seed=55),
+    "softcap_window_dispatch_g2_d64_fp32": dict(kind="dispatch", H=4, Hkv=2, D=64, bs=16,
+                                                dtype="float32", qlens=[1, 45, 1],
+                                                seqlens=[100, 80, 17], window=24, softcap=5.0,
+                                                seed=56),
+    "softcap_window_decode_g2_d64_fp32_split2": dict(kind="decode", H=2, Hkv=1, D=64, bs=16,
+                                                     dtype="float32", seqlens=[40, 300],
+                                                     splits=2, window=100, softcap=5.0,
+                                                     seed=57),
 }
 
 
@@ -142,6 +175,15 @@ TORCH_CASES["torch_decode_buckets"] = dict(
 TORCH_CASES["torch_decode_long_outlier"] = dict(
     kind="dispatch", H=9, Hkv=3, D=64, bs=16, dtype="float32",
     qlens=[1] * 8 + [1, 5], seqlens=[_r.randint(20, 60) for _ in range(8)] + [1500, 45], seed=41)
+# Windowed decode rows of many lengths (more than one bucket) between windowed prefill chunks.
+TORCH_CASES["torch_window_decode_buckets"] = dict(
+    kind="dispatch", H=4, Hkv=2, D=64, bs=8, dtype="float32",
+    qlens=[1] * 18 + [30, 1, 1], seqlens=[_r.randint(1, 120) for _ in range(18)] + [90, 7, 500],
+    window=20, seed=42)
+# Soft-capping in the torch path with a plain causal prefill (no cached context, no window).
+TORCH_CASES["torch_softcap_causal"] = dict(
+    kind="dispatch", H=4, Hkv=1, D=64, bs=16, dtype="float32", qlens=[33, 1],
+    seqlens=[33, 60], softcap=3.0, seed=43)
 
 
 def test_decode_buckets_split_at_long_rows():
@@ -154,6 +196,19 @@ def test_decode_buckets_split_at_long_rows():
     assert sizes == [8, 1], sizes
     widths = [mask.shape[-1] for _rows, _gather, mask in plan]
     assert widths[0] <= 60 and widths[1] == 1500
+    # with a window of 64 every row reads at most 64 keys: one bucket, 64 wide
+    plan = _decode_plan(_meta(p), p["k_cache"], 64)
+    assert [len(rows) for rows, _g, _m in plan] == [9] and plan[0][2].shape[-1] == 64
+
+
+@pytest.mark.parametrize("window,softcap", [(0, None), (-3, None), (2.5, None), (True, None),
+                                            (None, 0.0), (None, -1.0), (None, float("inf"))])
+def test_bad_window_or_softcap_raises(window, softcap):
+    from kernels.torch_backend import paged_attention_torch
+
+    p = make_problem(dict(H=2, Hkv=1, D=16, bs=4, dtype="float32", qlens=[3], seqlens=[5], seed=1))
+    with pytest.raises(ValueError, match="window|softcap"):
+        paged_attention_torch(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], window, softcap)
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,11 +247,13 @@ def make_problem(spec: dict, device: str = "cpu", dtype: str | None = None) -> d
                 v_cache=v_cache.to(dt).to(device), block_tables=block_tables.to(device),
                 seq_lens=torch.tensor(seqlens, dtype=torch.int32, device=device),
                 cu_seqlens_q=cu.to(device), qlens=qlens, seqlens=seqlens,
-                scale=D ** -0.5, H=H, Hkv=Hkv, D=D, bs=bs)
+                scale=D ** -0.5, H=H, Hkv=Hkv, D=D, bs=bs,
+                window=spec.get("window"), softcap=spec.get("softcap"))
 
 
 def ref_attention(p: dict) -> torch.Tensor:
-    """float64 causal paged attention, one request / head at a time, slot by slot."""
+    """float64 causal paged attention (optional sliding window and logit soft-capping), one
+    request / head at a time, slot by slot."""
     q = p["q"].double().cpu()
     kc, vc = p["k_cache"].double().cpu(), p["v_cache"].double().cpu()
     bt = p["block_tables"].cpu()
@@ -211,9 +268,14 @@ def ref_attention(p: dict) -> torch.Tensor:
         k = torch.stack([kc[blocks[t], t % bs] for t in range(sl)])  # [sl, Hkv, D]
         v = torch.stack([vc[blocks[t], t % bs] for t in range(sl)])
         ctx = sl - ql
-        allowed = torch.arange(sl)[None, :] <= (ctx + torch.arange(ql))[:, None]  # [ql, sl]
+        qpos = (ctx + torch.arange(ql))[:, None]
+        allowed = torch.arange(sl)[None, :] <= qpos  # [ql, sl]
+        if p.get("window"):
+            allowed &= torch.arange(sl)[None, :] > qpos - p["window"]
         for h in range(p["H"]):
             s = q[start:start + ql, h] @ k[:, h // group].T * p["scale"]
+            if p.get("softcap"):
+                s = p["softcap"] * torch.tanh(s / p["softcap"])
             s = s.masked_fill(~allowed, float("-inf"))
             out[start:start + ql, h] = torch.softmax(s, -1) @ v[:, h // group]
         start += ql
@@ -249,17 +311,18 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
         return _run_store(spec, device, dtype)
     p = make_problem(spec, device, dtype)
     out = torch.full_like(p["q"], float("nan"))
+    ws = dict(window=p["window"], softcap=p["softcap"])
     if spec["kind"] == "prefill":
         ta.varlen_prefill_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"],
                                     p["seq_lens"], p["cu_seqlens_q"], max(p["qlens"]),
-                                    p["scale"], out=out)
+                                    p["scale"], out=out, **ws)
     elif spec["kind"] == "decode":
         ta.paged_decode_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"],
                                   p["seq_lens"], p["scale"], max(p["seqlens"]), out=out,
-                                  num_splits=spec["splits"])
+                                  num_splits=spec["splits"], **ws)
     else:
         out = ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
-                                 out=out)
+                                 out=out, **ws)
     return _compare(out, ref_attention(p), dtype)
 
 
@@ -416,7 +479,8 @@ def test_torch_reference_path(name):
     from kernels.torch_backend import paged_attention_torch
     spec = TORCH_CASES[name]
     p = make_problem(spec)
-    out = paged_attention_torch(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"])
+    out = paged_attention_torch(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
+                                p["window"], p["softcap"])
     if 0 in p["seqlens"]:  # the torch path leaves seq_len-0 padding rows unspecified
         keep = torch.tensor([s > 0 for s in p["seqlens"]])
         rows = torch.repeat_interleave(keep, torch.tensor(p["qlens"]))
@@ -441,14 +505,16 @@ def test_flash_attn_backend_calls(monkeypatch):
         calls.append(("varlen", dict(q=q, k=k, cu_seqlens_q=cu_seqlens_q,
                                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                      max_seqlen_k=max_seqlen_k, scale=softmax_scale,
-                                     causal=causal, block_table=block_table)))
+                                     causal=causal, block_table=block_table,
+                                     window_size=window_size, softcap=softcap)))
         return torch.zeros_like(q)
 
     def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                      block_table=None, softmax_scale=None, causal=False, **kw):
         calls.append(("kvcache", dict(q=q, cache_seqlens=cache_seqlens, block_table=block_table,
-                                      scale=softmax_scale, causal=causal)))
+                                      scale=softmax_scale, causal=causal,
+                                      window_size=kw.get("window_size"), softcap=kw.get("softcap"))))
         return torch.zeros_like(q)
 
     def store_kv(*args):
@@ -470,11 +536,16 @@ def test_flash_attn_backend_calls(monkeypatch):
     assert kw["cu_seqlens_k"].tolist() == [0, 300, 320, 360]
     assert kw["cu_seqlens_k"].dtype == torch.int32 and kw["block_table"] is p["block_tables"]
     assert kw["k"] is p["k_cache"] and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (40, 300)
+    assert kw["window_size"] == (-1, -1) and kw["softcap"] == 0.0  # full attention, no capping
+    backend.forward(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125, window=16, softcap=30.0)
+    assert calls[-1][1]["window_size"] == (15, 0) and calls[-1][1]["softcap"] == 30.0
     p = make_problem(dict(spec, qlens=[1, 1], seqlens=[300, 7]))
     out = backend.forward(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125)
     name, kw = calls[-1]
     assert name == "kvcache" and kw["q"].shape == (2, 1, 4, 64) and out.shape == (2, 4, 64)
     assert kw["cache_seqlens"] is p["seq_lens"] and kw["block_table"] is p["block_tables"]
+    backend.forward(p["q"], p["k_cache"], p["v_cache"], _meta(p), 0.125, window=512)
+    assert calls[-1][0] == "kvcache" and calls[-1][1]["window_size"] == (511, 0)
     slots = torch.tensor([3, -1])
     backend.store_kv(p["q"], p["q"], p["k_cache"], p["v_cache"], slots)
     assert calls[-1][0] == "store" and calls[-1][1][4] is slots

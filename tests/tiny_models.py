@@ -38,18 +38,26 @@ def make_tiny_model(
     Default shape: hidden 64, 2 layers, 4 query heads and 2 KV heads (GQA, head_dim 16),
     intermediate 128, vocab 49152 (SmolLM2's, so its tokenizer fits),
     max_position_embeddings 2048, untied lm_head.  ``qwen3`` adds q/k RMSNorm, ``qwen2``
-    adds q/k/v biases.  Weights use transformers' default init (normal, std
-    ``initializer_range`` = 0.02) under ``torch.manual_seed(seed)``, so the same
-    arguments give the same weights.  SmolLM2's tokenizer files (with its chat template)
-    are copied from the default model folder, which is converted first if needed.
+    adds q/k/v biases.  ``gemma3`` is a Gemma 3 text model (``Gemma3ForCausalLM``; lm_head
+    untied like the others: a tied random tiny Gemma just repeats its input token, which
+    would test little), local layers with ``sliding_window`` 16 and RoPE base 10k
+    alternating with global layers (base 1M; ``sliding_window_pattern=2``: every 2nd global),
+    ``query_pre_attn_scalar`` 32 (not head_dim, so the score scale is checked), and its
+    RMSNorm offsets (0 at HF's init, which would hide a missing ``1 +``) drawn from N(0, 0.1).
+    Weights use transformers' default init (normal, std ``initializer_range`` = 0.02) under
+    ``torch.manual_seed(seed)``, so the same arguments give the same weights.  SmolLM2's
+    tokenizer files (with its chat template) are copied from the default model folder, which
+    is converted first if needed.
 
     Args:
         path: output folder (created; existing files are overwritten).
-        arch: ``"llama"``, ``"qwen3"`` or ``"qwen2"``.
+        arch: ``"llama"``, ``"qwen3"``, ``"qwen2"`` or ``"gemma3"``.
         seed: torch seed for the weights.
         **overrides: config fields, e.g. ``num_hidden_layers=4``,
             ``tie_word_embeddings=True``, or for llama
-            ``rope_scaling={"rope_type": "llama3", "factor": 8.0, ...}``.
+            ``rope_scaling={"rope_type": "llama3", "factor": 8.0, ...}``; for gemma3
+            ``sliding_window``, ``layer_types``, ``attn_logit_softcapping``,
+            ``final_logit_softcapping``.
 
     Returns:
         The folder path.
@@ -58,9 +66,9 @@ def make_tiny_model(
         ValueError: unknown ``arch``.
         ModelNotFoundError: the default model (tokenizer source) is unavailable.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}
+    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig}
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(classes)}")
     fields = dict(
@@ -85,6 +93,13 @@ def make_tiny_model(
     if arch == "qwen3":
         fields["use_sliding_window"] = False
         fields["attention_bias"] = False
+    if arch == "gemma3":
+        del fields["rope_theta"]
+        fields.update(
+            sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=32,
+            rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
     fields.update(overrides)
     if "rope_scaling" in fields and fields["rope_scaling"] is not None:
         # transformers 5 folds rope_theta and rope scaling into rope_parameters.
@@ -98,6 +113,11 @@ def make_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if arch == "gemma3":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.1)
     model.save_pretrained(os.fspath(out), safe_serialization=True)
     del model
 

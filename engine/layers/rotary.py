@@ -1,5 +1,7 @@
 """Rotary position embedding (RoFormer, Su et al. 2021, sec. 3.4), Hugging Face "rotate half"
-layout, with Llama 3 frequency scaling (``rope_scaling.rope_type == "llama3"``)."""
+layout, with Llama 3 frequency scaling (``rope_scaling.rope_type == "llama3"``) and linear
+position interpolation (``"linear"``: positions divided by ``factor``, Chen et al. 2023; Gemma 3's
+global layers from 4B up)."""
 from __future__ import annotations
 
 import math
@@ -35,8 +37,10 @@ class RotaryEmbedding(nn.Module):
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
         elif rope_type not in ("default", None):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3, linear)")
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)

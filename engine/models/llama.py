@@ -16,6 +16,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.weights import load_hf_weights
 from kernels.backend import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -139,40 +140,11 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits ``[n, vocab_size]`` for the ``n`` positions that sample."""
         return self.lm_head(hidden)
 
-    # ---- weights -------------------------------------------------------------
-    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
     def load_weights(self, weights) -> None:
-        """Load ``(name, tensor)`` pairs in Hugging Face naming, each cut to this rank's shard.
+        """Load ``(name, tensor)`` pairs in Hugging Face naming, each cut to this rank's shard
+        (:func:`engine.models.weights.load_hf_weights`).
 
         Raises:
             ValueError: a tensor name the model does not know, or weights left unloaded.
         """
-        modules = dict(self.named_modules())
-        loaded = set()
-        tied = getattr(self.cfg, "tie_word_embeddings", False)
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if tied and name == "lm_head.weight":
-                continue
-            name = name.removeprefix("model.")
-            mod_name, _, param = name.rpartition(".")
-            part = 0
-            for src, (dst, idx) in self._FUSED.items():
-                if mod_name.endswith(src):
-                    mod_name, part = mod_name[: -len(src)] + dst, idx
-                    break
-            mod = modules.get(mod_name)
-            if mod is None or not hasattr(mod, "load"):
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            mod.load(param, tensor, part)
-            loaded.add((mod_name, param, part))
-        expected = sum(
-            (3 if n.endswith("qkv_proj") else 2 if n.endswith("gate_up_proj") else 1) * (2 if getattr(m, "bias", None) is not None else 1)
-            for n, m in modules.items() if hasattr(m, "load"))
-        if tied:
-            expected -= 1
-        if len(loaded) != expected:
-            raise ValueError(f"checkpoint loaded {len(loaded)} of {expected} weight tensors")
+        load_hf_weights(self, weights, getattr(self.cfg, "tie_word_embeddings", False))
