@@ -118,6 +118,7 @@ class Rec:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache (usage.prompt_tokens_details)
 
 
 def is_openai_error(obj) -> bool:
@@ -172,6 +173,7 @@ async def stream_chat(session, url: str, body: dict, headers: dict, timeout: flo
                 if obj.get("usage"):
                     rec.prompt_tokens = obj["usage"].get("prompt_tokens")
                     rec.output_tokens = obj["usage"].get("completion_tokens")
+                    rec.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for ch in obj.get("choices") or []:
                     if (ch.get("delta") or {}).get("content"):
                         if rec.ttft is None:

@@ -26,9 +26,13 @@ logger = logging.getLogger("ray.serve")
 
 
 def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]:
-    """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, and the
-    placement group bundles of a tensor-parallel replica."""
+    """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, the
+    placement group bundles of a tensor-parallel replica, and the prefix-aware request router
+    (``deployments/router.py``) unless ``prefix_aware_routing`` is off."""
+    import os
+
     from cluster.worker_group import tp_placement_group_bundles
+    from deployments.router import router_config
 
     opts: dict[str, Any] = {"name": deployment_name,
                             "max_ongoing_requests": m.ongoing_requests_bound(),
@@ -37,6 +41,10 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]
                             # at once, never an unbounded wait
                             "max_queued_requests": m.max_num_seqs + m.queued_requests_bound(),
                             "graceful_shutdown_timeout_s": m.graceful_shutdown_timeout_s}
+    if m.prefix_aware_routing and m.enable_prefix_caching:
+        # a local model folder's tokenizer loads at once; else the one the replicas report
+        local = os.path.abspath(m.model) if m.model and os.path.isdir(m.model) else None
+        opts["request_router_config"] = router_config(m.block_size, m.prefix_routing_margin, local)
     knobs = m.autoscaling_knobs()
     if knobs is not None:
         opts["autoscaling_config"] = build_autoscaling_config(knobs, as_dict=True)
@@ -88,7 +96,9 @@ def build_app(args: AppArgs) -> Application:
         max_prompts_per_request=args.max_prompts_per_request, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm, redis_url=args.redis_url,
         auth_failures_per_minute=args.auth_failures_per_minute, num_ingress_replicas=args.ingress_num_replicas,
-        allowed_origins=args.allowed_origins)
+        allowed_origins=args.allowed_origins, cache=args.cache_settings(), admin_api_keys=args.admin_api_keys,
+        model_routing=None if args.model_routing is None else args.model_routing.model_dump(),
+        upstream=None if args.upstream is None else args.upstream.model_dump())
 
 
 __all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "llm_deployment_options", "fit_single_node",

@@ -8,12 +8,13 @@ module imports neither Ray nor torch: ``kvserve serve`` builds its flags from it
 environment (auth, loopback) is set.
 """
 import os
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from deployments.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
 from deployments.limits import policies_from_keys
+from deployments.model_routing import ModelRouting, UpstreamArgs
 from engine.config import EngineConfig, engine_fields
 
 #: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
@@ -98,6 +99,12 @@ class ModelArgs(EngineArgs):
     tool_call_parser: str = Field(
         "hermes", description="how tool calls are read from this model's text under tool_choice auto "
                               "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/tools.py)")
+    prefix_aware_routing: bool = Field(
+        True, description="route each request to the replica that most recently served the longest prefix of its "
+                          "prompt (deployments/router.py); off: Serve's power of two choices")
+    prefix_routing_margin: int = Field(
+        8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
+                             "has more than this many ongoing requests more")
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
@@ -171,6 +178,32 @@ class AppArgs(ModelArgs):
     redis_url: Optional[str] = Field(
         None, description="Redis that all ingress replicas share their per-key limits through (default "
                           "$KVSERVE_REDIS_URL; without it each ingress replica enforces limit / replicas)")
+    response_cache: bool = Field(
+        True, description="exact response cache in the ingress: deterministic requests (temperature 0 or a seed) "
+                          "answered again without a replica (deployments/cache.py)")
+    cache_backend: Literal["memory", "redis"] = Field(
+        "memory", description="memory: per ingress replica; redis: shared by all ingress replicas (needs redis_url)")
+    cache_ttl_s: float = Field(3600.0, gt=0, description="seconds a cached answer lives")
+    cache_max_entries: int = Field(10_000, ge=1, description="cached answers kept (least recently used go first)")
+    cache_max_bytes: int = Field(256 << 20, ge=1, description="bytes of cached answers kept (default 256 MiB)")
+    semantic_cache: Literal["off", "opt-in", "on"] = Field(
+        "off", description="semantic response cache (all-MiniLM-L6-v2 embeddings of the last user message): off, "
+                           "opt-in (requests send \"cache\": {\"semantic\": true}) or on (every cacheable request "
+                           "unless it declines); true/false mean on/off")
+    semantic_cache_threshold: float = Field(
+        0.92, gt=0, le=1, description="cosine similarity a semantic hit needs (0.92: benchmarks/cache.py)")
+    semantic_cache_max_entries: int = Field(10_000, ge=1, description="semantic cache vectors per ingress replica")
+    admin_api_keys: Optional[list[str]] = Field(
+        None, description="keys that may clear the response cache (DELETE /v1/cache); default "
+                          "$KVSERVE_ADMIN_API_KEYS (comma-separated); none: the endpoint answers 403")
+    model_routing: Optional[ModelRouting] = Field(
+        None, description="rules of `model: \"auto\"` (first match wins; deployments/model_routing.py): "
+                          "{rules: [{model, name, max_prompt_tokens, max_tokens, keywords, exclude_keywords}], "
+                          "default}; unset: no `auto` model")
+    upstream: Optional[UpstreamArgs] = Field(
+        None, description="OpenAI-compatible fallback for requests the local models cannot take (all replicas "
+                          "at capacity or failing): {base_url, api_key (default $KVSERVE_UPSTREAM_API_KEY), "
+                          "models: {local: upstream name}, timeout_s}")
     auth_failures_per_minute: int = Field(
         DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
         description="missing or wrong API keys one client address may send per minute before 429s")
@@ -185,12 +218,17 @@ class AppArgs(ModelArgs):
     ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
+
+    @field_validator("semantic_cache", mode="before")
+    @classmethod
+    def _semantic_bool(cls, v):
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _keys_from_env_or_file(self):
@@ -211,13 +249,30 @@ class AppArgs(ModelArgs):
             policies_from_keys(self.api_keys)  # a bad entry fails here, naming its position, never the key
         if self.redis_url is None and os.environ.get("KVSERVE_REDIS_URL", "").strip():
             self.redis_url = os.environ["KVSERVE_REDIS_URL"].strip()
+        if self.admin_api_keys is None and os.environ.get("KVSERVE_ADMIN_API_KEYS", "").strip():
+            self.admin_api_keys = self._split_keys(os.environ["KVSERVE_ADMIN_API_KEYS"])
+        if self.admin_api_keys and any(len(k.split()) != 1 for k in self.admin_api_keys):
+            raise ValueError("admin_api_keys: an admin key is one word (no spaces, no attributes)")
+        if self.upstream is not None and not self.upstream.api_key:
+            self.upstream.api_key = os.environ.get("KVSERVE_UPSTREAM_API_KEY", "").strip() or None
+        if self.response_cache and self.cache_backend == "redis" and not self.redis_url:
+            raise ValueError("cache_backend redis needs redis_url (or $KVSERVE_REDIS_URL)")
         return self
+
+    def cache_settings(self) -> dict[str, Any]:
+        """The ingress's ``deployments.cache.CacheSettings`` (as a dict)."""
+        return {"enabled": self.response_cache, "backend": self.cache_backend, "ttl_s": self.cache_ttl_s,
+                "max_entries": self.cache_max_entries, "max_bytes": self.cache_max_bytes,
+                "semantic": self.semantic_cache, "semantic_threshold": self.semantic_cache_threshold,
+                "semantic_max_entries": self.semantic_cache_max_entries, "redis_url": self.redis_url}
 
     @model_validator(mode="after")
     def _unique_names(self):
         names = [m.name for m in self.model_list()]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique, got {names}")
+        if self.model_routing is not None:
+            self.model_routing.check(names)
         return self
 
     def model_list(self) -> list[ModelArgs]:

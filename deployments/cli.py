@@ -40,6 +40,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # ---- serve --------------------------------------------------------------------------------
 #: ModelArgs fields that are not plain flags (the autoscaling section has flags of its own).
 _NOT_FLAGS = {"autoscaling", "min_replicas", "max_replicas"}
+#: AppArgs fields that are plain flags too (the response caches, deployments/cache.py).
+_APP_FLAGS = ("response_cache", "cache_backend", "cache_ttl_s", "cache_max_entries", "cache_max_bytes",
+              "semantic_cache", "semantic_cache_threshold", "semantic_cache_max_entries", "redis_url")
 
 
 def _model_flags() -> list[tuple[str, str, dict]]:
@@ -47,10 +50,11 @@ def _model_flags() -> list[tuple[str, str, dict]]:
     the engine's settings (generated from ``engine.EngineConfig``) and the deployment's.
     ``--x`` / ``--no-x`` for booleans, choices for literals; default None = "not given" (the
     args model's own default applies)."""
-    from deployments.args import ModelArgs
+    from deployments.args import AppArgs, ModelArgs
 
     out = []
-    for name, f in ModelArgs.model_fields.items():
+    fields = list(ModelArgs.model_fields.items()) + [(n, AppArgs.model_fields[n]) for n in _APP_FLAGS]
+    for name, f in fields:
         if name in _NOT_FLAGS:
             continue
         typ = f.annotation
@@ -100,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefer $KVSERVE_API_KEYS or --api-keys-file)")
     s.add_argument("--api-key-file", "--api-keys-file", default=None, dest="api_keys_file",
                    help="file with one API key per line (owner-only permissions recommended)")
+    s.add_argument("--admin-api-key", action="append", default=None, dest="admin_api_keys",
+                   help="a key that may clear the response cache, DELETE /v1/cache (repeatable; a flag shows in "
+                        "`ps`: prefer $KVSERVE_ADMIN_API_KEYS)")
+    s.add_argument("--upstream-url", default=None,
+                   help="OpenAI-compatible base URL (e.g. https://host/v1) that takes requests every local replica "
+                        "refuses (capacity, failure); its key from $KVSERVE_UPSTREAM_API_KEY. Model routing "
+                        "(model 'auto') and upstream model names: --config (README 'Model routing')")
     s.add_argument("--allowed-origins", default=None,
                    help="CORS: comma-separated origins whose browser pages may call the API (default '*', like "
                         "vLLM; '' turns CORS off)")
@@ -125,6 +136,10 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
         app_args["api_keys"] = args.api_keys
     if args.api_keys_file:
         app_args["api_keys_file"] = args.api_keys_file
+    if args.admin_api_keys:
+        app_args["admin_api_keys"] = args.admin_api_keys
+    if args.upstream_url:
+        app_args["upstream"] = {**(app_args.get("upstream") or {}), "base_url": args.upstream_url}
     if args.allowed_origins is not None:
         app_args["allowed_origins"] = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     knobs = {k[len("autoscaling_"):]: v for k, v in vars(args).items()

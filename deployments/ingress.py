@@ -16,6 +16,7 @@ request in the engine (its KV blocks go back to the pool).
 # No ``from __future__ import annotations``: Serve rebuilds the endpoint signatures of the
 # class-based view and FastAPI must see real annotations (``Request``) there.
 import asyncio
+import contextvars
 import json
 import logging
 import re
@@ -43,8 +44,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import gate
-from deployments.limits import NeverFits, RateLimited, RateLimiter
-from deployments.metrics import api_key_requests, api_key_tokens, rejected
+from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
+from deployments.limits import NeverFits, RateLimited, RateLimiter, find_policy, policies_from_keys
+from deployments.metrics import api_key_requests, api_key_tokens, model_routes, rejected, upstream_fallbacks
+from deployments.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
 from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.protocol import (
     ChatCompletionRequest,
@@ -166,10 +169,13 @@ class _Stream:
     def __init__(self, gen, first: GenerationChunk, n: int = 1):
         self.gen, self.first, self.left = gen, first, n - first.finished
         self.done = self.left == 0
+        self.record: list[GenerationChunk] | None = None  # every chunk, for the response cache
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The chunks; a chunk with ``error`` (e.g. the request ran past the server's
         ``request_timeout_s``) raises it as an :class:`OpenAIError`."""
+        if self.record is not None:
+            self.record.append(self.first)
         yield self.first
         if self.done:
             return
@@ -179,9 +185,20 @@ class _Stream:
                 raise OpenAIError.of(chunk.error)
             self.left -= chunk.finished
             self.done = self.left == 0
+            if self.record is not None:
+                self.record.append(chunk)
             yield chunk
             if self.done:
                 return
+
+    @classmethod
+    def replay(cls, chunks: list[GenerationChunk], n: int) -> "_Stream":
+        """A stream of a cached answer's chunks (the response cache's hit)."""
+        async def rest():
+            for c in chunks[1:]:
+                yield c
+
+        return cls(rest(), chunks[0], n)
 
     def cancel(self) -> None:
         if not self.done:
@@ -269,6 +286,9 @@ class _KeyUse:
 
 
 _SETTLING: set[asyncio.Task] = set()  # settle tasks in flight (referenced until done)
+#: Seconds between re-reads of a model's weights revision (the response cache's key): a
+#: replica restarted on new weights stops old cached answers within this time.
+REVISION_REFRESH_S = 10.0
 _WARNED_FIELDS: set[str] = set()  # unknown request fields already logged (once per name)
 
 
@@ -391,6 +411,14 @@ class OpenAIIngress:
             requests without ``model``.
         api_keys: if set, ``Authorization: Bearer <key>`` must carry one of them (all
             endpoints but ``/health``).
+        cache: the response caches' :class:`~deployments.cache.CacheSettings` as a dict
+            (None: the defaults, exact cache on); ``redis_url`` is this ingress's unless given.
+        admin_api_keys: keys that may clear the response cache (``DELETE /v1/cache``); with
+            ``api_keys`` set they are accepted by the gate too.
+        model_routing: rules of ``model: "auto"`` (:class:`~deployments.model_routing.ModelRouting`
+            or its dict); None: no ``auto`` model.
+        upstream: the fallback (:class:`~deployments.model_routing.UpstreamArgs` or its dict) for
+            requests every local replica refuses (capacity, failure); None: those fail here.
     """
 
     def __init__(self, models: dict[str, DeploymentHandle], api_keys: list[str] | None = None, *,
@@ -399,7 +427,9 @@ class OpenAIIngress:
                  health_timeout_s: float = 5.0, rate_limit_rpm: float | None = None,
                  rate_limit_tpm: float | None = None, redis_url: str | None = None,
                  auth_failures_per_minute: int = gate.DEFAULT_AUTH_FAILURES_PER_MINUTE,
-                 num_ingress_replicas: int = 1, allowed_origins: list[str] | None = None):
+                 num_ingress_replicas: int = 1, allowed_origins: list[str] | None = None,
+                 cache: dict | None = None, admin_api_keys: list[str] | None = None,
+                 model_routing: dict | ModelRouting | None = None, upstream: dict | UpstreamArgs | None = None):
         from cluster import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
@@ -407,8 +437,15 @@ class OpenAIIngress:
             raise ValueError("OpenAIIngress needs at least one model")
         if max_prompts_per_request < 1:
             raise ValueError(f"max_prompts_per_request must be positive, got {max_prompts_per_request}")
+        self._admin_keys = policies_from_keys(admin_api_keys or [])
+        if api_keys:  # an admin key must get past the gate to reach DELETE /v1/cache
+            known = {k.split()[0] for k in api_keys if k.split()}
+            api_keys = list(api_keys) + [p.key for p in self._admin_keys if p.key not in known]
         gate.configure(api_keys, max_request_body_bytes, auth_failures_per_minute,  # before any body is read
                        ["*"] if allowed_origins is None else allowed_origins)
+        settings = CacheSettings(**{"redis_url": redis_url, **(cache or {})})
+        self.cache = ResponseCache(settings) if settings.enabled else None
+        self._revision_checked: dict[str, float] = {}  # model -> when its revision was last fetched
         # per-key limits: shared through Redis when given, else each ingress replica enforces its share
         self.limiter = RateLimiter(rate_limit_rpm, rate_limit_tpm, redis_url=redis_url,
                                    divide_by=max(1, num_ingress_replicas))
@@ -423,6 +460,11 @@ class OpenAIIngress:
         self._status_cache: tuple[float, object] | None = None
         self._created = int(time.time())
         self._streaming = {name: h.options(stream=True) for name, h in self.models.items()}
+        self.routing = None if model_routing is None else ModelRouting.model_validate(model_routing)
+        if self.routing is not None:
+            self.routing.check(list(self.models))
+        self.upstream = None if upstream is None else Upstream(UpstreamArgs.model_validate(upstream))
+        self._routes, self._fallbacks = model_routes(), upstream_fallbacks()
 
     # ---- helpers ---------------------------------------------------------------------------
     def _route(self, model: str | None) -> tuple[str, DeploymentHandle]:
@@ -431,6 +473,36 @@ class OpenAIIngress:
             raise OpenAIError(f"the model '{name}' does not exist; available: {', '.join(self.models)}", 404,
                               "invalid_request_error", param="model", code="model_not_found")
         return name, self._streaming[name]
+
+    def _pick(self, model: str | None, max_tokens: int | None, *, messages: list[dict] | None = None,
+              prompts: list | None = None) -> tuple[str, DeploymentHandle, dict[str, str]]:
+        """:meth:`_route`, with ``model: "auto"`` resolved by the routing rules; also the
+        response headers saying so (``x-kvserve-route: auto:<rule>``)."""
+        if model != AUTO_MODEL or self.routing is None:
+            return (*self._route(model), {})
+        if messages is not None:
+            tokens = estimate_prompt_tokens(messages)
+        else:
+            tokens = max((estimate_prompt_tokens(p) for p in prompts or [""]), default=0)
+        name, rule = self.routing.choose(tokens, max_tokens, user_text(messages, prompts), self.default_model)
+        self._routes.inc({"model_name": name, "route": rule})
+        return (*self._route(name), {"x-kvserve-route": f"auto:{rule}"})
+
+    async def _fallback(self, request: Request, path: str, model: str, hid: str, err: OpenAIError):
+        """The upstream's answer to this request (``path`` under its base URL), which every
+        local replica of ``model`` refused with ``err``; ``err`` itself when the upstream cannot
+        be reached (the client then sees the local verdict and its Retry-After)."""
+        self._fallbacks.inc({"model_name": model, "reason": err.code or str(err.status_code)})
+        logger.info("request %s: %s refused it (%s); sending it upstream", hid, model, err.code or err.status_code)
+        try:
+            return await self.upstream.forward(path, await request.json(), model, hid)
+        except UpstreamError as e:
+            logger.warning("request %s: fallback failed: %s", hid, e)
+            raise err from None
+
+    def _falls_back(self, exc: BaseException) -> bool:
+        return (self.upstream is not None and isinstance(exc, OpenAIError)
+                and Upstream.applies(exc.status_code, exc.code))
 
     async def _open(self, rid: str, model: str, handle: DeploymentHandle, *args, n: int = 1, **kwargs) -> _Stream:
         """Start ``handle.generate`` (``n`` choices) and wait for its first chunk.
@@ -491,6 +563,72 @@ class OpenAIIngress:
         self._key_requests.inc({"api_key": key, "model_name": model})
         return _KeyUse(self, key, model, grant, max(priority, policy.priority if policy is not None else priority))
 
+    # ---- response cache (deployments/cache.py) ---------------------------------------------
+    async def _cache_lookup(self, request: Request, model: str, endpoint: str,
+                            body: ChatCompletionRequest | CompletionRequest) -> Lookup:
+        """The response cache's verdict on this request (before any replica sees it):
+        a hit with the cached answer, a miss to store, or a bypass; ``NO_CACHE`` when off."""
+        if self.cache is None:
+            return NO_CACHE
+        return await self.cache.lookup(model, await self._revision(model), endpoint, body,
+                                       request_options(body, request.headers))
+
+    async def _revision(self, model: str) -> str:
+        """The weights revision of ``model`` (``LLMServer.model_info()["revision"]``), re-read
+        in the background every :data:`REVISION_REFRESH_S` seconds."""
+        info = await self._model_info(model)
+        now = time.monotonic()
+        if now - self._revision_checked.setdefault(model, now) > REVISION_REFRESH_S:
+            self._revision_checked[model] = now
+            # in a context of its own: a handle call made in this request's context shares the
+            # request's Serve id with its generate call, and Serve's router matches replicas to
+            # requests by that id (a concurrent model_info left the generate call pending forever)
+            task = asyncio.get_running_loop().create_task(self._refresh_model_info(model),
+                                                          context=contextvars.Context())
+            _SETTLING.add(task)
+            task.add_done_callback(_SETTLING.discard)
+        return str(info.get("revision", ""))
+
+    async def _refresh_model_info(self, model: str) -> None:
+        try:
+            info = await self.models[model].model_info.remote()
+        except Exception as e:  # the old info stays; the next request tries again later
+            logger.info("model %s: re-reading model_info failed (%s)", model, type(e).__name__)
+            return
+        if info.get("revision") != self._info.get(model, {}).get("revision"):
+            logger.info("model %s: weights revision is now %s (older cached answers are not served)", model,
+                        info.get("revision"))
+        self._info[model] = info
+
+    def _cache_store(self, look: Lookup, streams: list[_Stream], n: int) -> None:
+        """Store a fresh answer that completed (each stream's recorded chunks, ``n`` choices)."""
+        if self.cache is not None and look.store:
+            self.cache.store_soon(look, [s.record or [] for s in streams], n)
+
+    def _admin_denied(self, request: Request) -> JSONResponse | None:
+        """None when the request carries an admin key; else its 401 (no or a wrong key), 403
+        (an API key that is not an admin key, or no admin key configured) or 429 (too many
+        wrong keys from this address, the gate's throttle)."""
+        if not self._admin_keys:
+            return _error_response(403, "cache administration is off: no admin key is configured (admin_api_keys "
+                                        "or $KVSERVE_ADMIN_API_KEYS)", "permission_error", code="admin_disabled")
+        client = request.client.host if request.client else "unknown"
+        throttle = gate._settings.throttle
+        wait = throttle.retry_after(client)
+        if wait is not None:
+            return _error_response(429, "too many failed authentication attempts from this address, retry later",
+                                   "rate_limit_error", code="auth_throttled",
+                                   headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+        token = gate.bearer_token(dict(request.scope.get("headers") or []).get(b"authorization", b""))
+        if token and find_policy(token, self._admin_keys) is not None:
+            return None
+        if gate.request_policy(request.scope) is not None:  # a valid API key, not an admin one
+            return _error_response(403, "this API key may not administer the response cache", "permission_error",
+                                   code="permission_denied")
+        throttle.record_failure(client)
+        return _error_response(401, "an admin key is needed (send 'Authorization: Bearer <admin key>')",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
     @staticmethod
     def _failed(rid: str, e: BaseException) -> OpenAIError:
         """The client's error for a generation that failed midway (the details are logged)."""
@@ -531,7 +669,38 @@ class OpenAIIngress:
         finally:
             gen.cancel()
 
+    async def cache_stats(self) -> dict:
+        """This ingress replica's response cache counters and sizes (``{}`` when it is off)."""
+        return await self.cache.stats() if self.cache is not None else {}
+
     # ---- endpoints -------------------------------------------------------------------------
+    @app.delete("/v1/cache")
+    async def clear_cache(self, request: Request, model: str | None = None):
+        """Delete cached answers, all or one served model's (``?model=``), with an admin key:
+        ``{"object": "cache.cleared", "model", "exact": n, "semantic": m}`` (entries deleted;
+        ``memory`` backend: this ingress replica's, ``redis``: everyone's)."""
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
+        counts = {"exact": 0, "semantic": 0}
+        if self.cache is not None:
+            try:
+                counts = await self.cache.clear(model)
+            except Exception as e:
+                rid = request_id_of(request)
+                logger.error("request %s: clearing the response cache failed", rid, exc_info=e)
+                raise OpenAIError(f"the response cache's backend failed (request id {rid})", 503, "server_error",
+                                  code="cache_unavailable") from None
+        return {"object": "cache.cleared", "model": model, "enabled": self.cache is not None, **counts}
+
+    @app.get("/v1/cache")
+    async def get_cache_stats(self, request: Request):
+        """The response cache's counters and sizes on this ingress replica (admin key)."""
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
+        return {"object": "cache.stats", "enabled": self.cache is not None, **(await self.cache_stats())}
+
     @app.get("/health")
     async def health(self):
         """200 when every model's server answers its health probe now (no caching: a dead
@@ -652,16 +821,23 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def list_models(self):
-        return {"object": "list", "data": [(await self._model_card(n)).model_dump() for n in self.models]}
+        data = [(await self._model_card(n)).model_dump() for n in self.models]
+        if self.routing is not None:  # "auto": as long a context as the smallest model it may pick
+            data.append({**data[0], "id": AUTO_MODEL, "root": AUTO_MODEL,
+                         "max_model_len": min(d["max_model_len"] for d in data)})
+        return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(self, model_id: str):
+        if model_id == AUTO_MODEL and self.routing is not None:
+            return next(m for m in (await self.list_models())["data"] if m["id"] == AUTO_MODEL)
         self._route(model_id)  # 404 for a name that is not served
         return (await self._model_card(model_id)).model_dump()
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        name, handle = self._route(body.model)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request, response: Response):
+        name, handle, route_h = self._pick(body.model, body.effective_max_tokens,
+                                           messages=[m.to_template() for m in body.messages])
         _warn_unknown(body)
         hid = request_id_of(request)
         rid = random_id("chatcmpl")
@@ -676,19 +852,29 @@ class OpenAIIngress:
         parser = get_tool_parser((await self._model_info(name)).get("tool_call_parser", "hermes")) \
             if mode == "auto" else None
         messages = [m.to_template() for m in body.messages]
-        use = await self._admit_key(request, name, estimate_prompt_tokens(messages),
-                                    None if body.effective_max_tokens is None else body.effective_max_tokens * body.n,
-                                    body.priority)
+        look = await self._cache_lookup(request, name, "chat", body)
+        # a cached answer counts as a request of the key, with no tokens: nothing is generated
+        use = await self._admit_key(request, name, 0 if look.hit else estimate_prompt_tokens(messages),
+                                    0 if look.hit else None if body.effective_max_tokens is None
+                                    else body.effective_max_tokens * body.n, body.priority)
         try:
-            stream = await self._open(hid, name, handle, None, sp, messages=messages, tools=tools, request_id=rid,
-                                      priority=use.priority, n=body.n)
-        except BaseException:
+            stream = _Stream.replay(look.streams[0], body.n) if look.hit else await self._open(
+                hid, name, handle, None, sp, messages=messages, tools=tools, request_id=rid, priority=use.priority,
+                n=body.n)
+        except BaseException as e:
             use.settle_soon([])
+            if self._falls_back(e):
+                return await self._fallback(request, "/chat/completions", name, hid, e)
             raise
+        if look.hit:
+            use.settle_soon([])  # settled at 0 now (the first settle wins; the replay's later one is a no-op)
+        elif look.store:
+            stream.record = []
         states = [_ChatChoice(mode, parser, body.tool_choice) for _ in range(body.n)]
         if body.stream:
-            return StreamingResponse(self._chat_stream(stream, hid, rid, created, name, body, states, use),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+            return StreamingResponse(self._chat_stream(stream, hid, rid, created, name, body, states, use, look),
+                                     media_type="text/event-stream",
+                                     headers={**_SSE_HEADERS, **look.headers, **route_h})
         wholes = [GenerationChunk(index=i) for i in range(body.n)]
         try:
             async for chunk in stream.chunks():
@@ -701,6 +887,8 @@ class OpenAIIngress:
             raise self._failed(hid, e) from None
         finally:
             use.settle_soon({(0, w.index): w for w in wholes})
+        self._cache_store(look, [stream], body.n)
+        response.headers.update({**look.headers, **route_h})
         choices = []
         for i, (whole, state) in enumerate(zip(wholes, states)):
             msg, fr = state.message(whole)
@@ -712,7 +900,7 @@ class OpenAIIngress:
 
     async def _chat_stream(self, stream: _Stream, hid: str, rid: str, created: int, model: str,
                            body: ChatCompletionRequest, states: list[_ChatChoice],
-                           use: _KeyUse) -> AsyncIterator[bytes]:
+                           use: _KeyUse, look: Lookup = NO_CACHE) -> AsyncIterator[bytes]:
         head = dict(id=rid, object="chat.completion.chunk", created=created, model=model)
         lasts = {(0, 0): stream.first}
         include_usage, continuous = body.include_usage, body.continuous_usage
@@ -735,6 +923,7 @@ class OpenAIIngress:
                     yield _sse(out)
             if include_usage:
                 yield _sse(ChatCompletionChunk(**head, choices=[], usage=_usage_of(lasts)))
+            self._cache_store(look, [stream], body.n)
         except asyncio.CancelledError:
             stream.cancel()
             logger.info("request %s: client disconnected mid-stream; generation aborted", hid)
@@ -748,11 +937,11 @@ class OpenAIIngress:
         yield _DONE
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request):
-        name, handle = self._route(body.model)
+    async def completions(self, body: CompletionRequest, request: Request, response: Response):
+        prompts = body.prompts()
+        name, handle, route_h = self._pick(body.model, body.max_tokens, prompts=prompts)
         _warn_unknown(body)
         hid = request_id_of(request)
-        prompts = body.prompts()
         if len(prompts) > self.max_prompts_per_request:
             raise OpenAIError(f"{len(prompts)} prompts in one request; the limit is {self.max_prompts_per_request}",
                               400, param="prompt", code="too_many_prompts")
@@ -770,12 +959,14 @@ class OpenAIIngress:
         sp["n"] = n_gen
         if body.echo and body.logprobs is not None:
             sp["prompt_logprobs"] = body.logprobs
-        use = await self._admit_key(request, name, sum(estimate_prompt_tokens(p) for p in prompts),
-                                    None if body.max_tokens is None else body.max_tokens * len(prompts) * n_gen,
-                                    body.priority)
+        look = await self._cache_lookup(request, name, "completion", body)
+        # a cached answer counts as a request of the key, with no tokens: nothing is generated
+        use = await self._admit_key(request, name, 0 if look.hit else sum(estimate_prompt_tokens(p) for p in prompts),
+                                    0 if look.hit else None if body.max_tokens is None
+                                    else body.max_tokens * len(prompts) * n_gen, body.priority)
         streams: list[_Stream] = []
         try:
-            results = await asyncio.gather(
+            results = [_Stream.replay(c, n_gen) for c in look.streams] if look.hit else await asyncio.gather(
                 *(self._open(hid, name, handle, p, sp, request_id=f"{rid}-{i}", priority=use.priority, n=n_gen,
                              echo=body.echo) for i, p in enumerate(prompts)), return_exceptions=True)
             for r in results:
@@ -784,14 +975,22 @@ class OpenAIIngress:
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
-        except BaseException:
+        except BaseException as e:
             for s in streams:
                 s.cancel()
             use.settle_soon([])
+            if self._falls_back(e):
+                return await self._fallback(request, "/completions", name, hid, e)
             raise
+        if look.hit:
+            use.settle_soon([])  # settled at 0 now (the first settle wins; the replay's later one is a no-op)
+        elif look.store:
+            for s in streams:
+                s.record = []
         if body.stream:
-            return StreamingResponse(self._completion_stream(streams, hid, rid, created, name, body, use),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+            return StreamingResponse(self._completion_stream(streams, hid, rid, created, name, body, use, look),
+                                     media_type="text/event-stream",
+                                     headers={**_SSE_HEADERS, **look.headers, **route_h})
         wholes: dict[tuple[int, int], GenerationChunk] = {}
 
         async def collect(p: int, s: _Stream):
@@ -808,6 +1007,8 @@ class OpenAIIngress:
                 raise self._failed(hid, e) from None
             raise
         use.settle_soon(wholes)
+        self._cache_store(look, streams, n_gen)
+        response.headers.update({**look.headers, **route_h})
         choices = []
         for p in range(len(prompts)):
             group = [wholes[(p, i)] for i in range(n_gen)]
@@ -827,7 +1028,8 @@ class OpenAIIngress:
                           usage=_usage_of(wholes))
 
     async def _completion_stream(self, streams: list[_Stream], hid: str, rid: str, created: int, model: str,
-                                 body: CompletionRequest, use: _KeyUse) -> AsyncIterator[bytes]:
+                                 body: CompletionRequest, use: _KeyUse,
+                                 look: Lookup = NO_CACHE) -> AsyncIterator[bytes]:
         head = dict(id=rid, object="text_completion", created=created, model=model)
         n = body.n
         want_lp = body.logprobs is not None
@@ -900,6 +1102,7 @@ class OpenAIIngress:
                     yield b
             if include_usage:
                 yield _sse(Completion(**head, choices=[], usage=_usage_of(lasts)))
+            self._cache_store(look, streams, body.best_of or body.n)
         except asyncio.CancelledError:
             for s in streams:
                 s.cancel()

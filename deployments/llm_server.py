@@ -295,6 +295,14 @@ class LLMServer:
             self.metrics.record_step(m)
 
         self.engine.add_stat_logger(on_step, self.metrics.record_finished)
+        # what the prefix-aware router learns from this replica (record_routing_stats)
+        from deployments.router import REPORTED_HASHES, RecentPrefixes, tokenizer_probe
+        from engine.llm_engine import chat_template_ids
+
+        n_blocks = int(self.engine.get_stats().get("num_kv_blocks") or REPORTED_HASHES)
+        self.prefixes = RecentPrefixes(config.block_size, limit=min(REPORTED_HASHES, n_blocks))
+        self._tokenizer_probe = tokenizer_probe(self.engine.tokenize,
+                                                lambda m: chat_template_ids(self.engine.tokenizer, m))
         self._recent: OrderedDict[str, dict[str, float | None]] = OrderedDict()  # finished requests' timings
         self.max_model_len = self.engine.max_model_len
         logger.info("LLMServer %s ready in %.1fs (tp=%d, max_model_len=%d)", self.model_name,
@@ -387,6 +395,7 @@ class LLMServer:
                     "too_large" if isinstance(e, _TooLarge) else "invalid_value")
             yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(code, str(e)))
             return
+        self.prefixes.add(ids)
         prompt_text = None
         if echo:
             prompt_text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
@@ -606,12 +615,15 @@ class LLMServer:
         return {r: self._recent[r] for r in request_ids if r in self._recent}
 
     def model_info(self) -> dict[str, Any]:
+        from deployments.cache import model_revision
+
         info = {"id": self.model_name, "root": self.engine.model_path, "max_model_len": self.max_model_len,
                 "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                 "max_queued_requests": self.admission.max_requests,
                 "max_in_flight_requests": self.admission.max_in_flight,
                 "max_queued_prompt_tokens": self.admission.max_prompt_tokens,
-                "tool_call_parser": self.tool_call_parser}
+                "tool_call_parser": self.tool_call_parser,
+                "revision": model_revision(self.engine.model_path)}  # the response cache's invalidation
         if hasattr(self.engine.executor, "placement_group_info"):
             info["workers"] = self.engine.executor.placement_group_info()
         return info
@@ -644,6 +656,15 @@ class LLMServer:
             "prefill_capacity_tokens_per_s": float(rates["prefill_capacity_tokens_per_s"]),
             "kv_cache_usage": float(s["kv_cache_usage"]),
         }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the prefix-aware router (``deployments/router.py``) learns from this replica;
+        Serve's controller polls it every ``request_routing_stats_period_s`` and broadcasts it to
+        every router: the chained block hashes of the prompt prefixes this replica served
+        recently (oldest first; at most ``REPORTED_HASHES`` and the KV pool's block count), the
+        block size, the model folder (the routers load its tokenizer) and the tokenizer probe."""
+        return {"prefix_hashes": self.prefixes.report(), "block_size": self.prefixes.block_size,
+                "model_path": str(self.engine.model_path), "tokenizer_probe": self._tokenizer_probe}
 
     async def health(self, timeout_s: float = 2.0) -> dict[str, str]:
         """Liveness now, for the ingress's ``/health`` (cheap; never cached): the engine's

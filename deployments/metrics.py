@@ -255,6 +255,47 @@ def api_key_requests() -> Metric:
                   ("api_key", "model_name"))
 
 
+def model_routes() -> Metric:
+    """``kvserve:model_routes_total{model_name, route}``: requests sent as ``model: "auto"``, by
+    the model chosen and the rule that chose it (``default`` when none matched;
+    ``deployments/model_routing.py``)."""
+    return metric("counter", "model_routes", "Requests of model auto, by chosen model and rule.",
+                  ("model_name", "route"))
+
+
+def upstream_fallbacks() -> Metric:
+    """``kvserve:upstream_fallbacks_total{model_name, reason}``: requests sent to the upstream
+    because the local model refused them (``reason``: the local error code, e.g. ``queue_full``)."""
+    return metric("counter", "upstream_fallbacks", "Requests sent to the upstream instead of a local replica.",
+                  ("model_name", "reason"))
+
+
+#: Buckets of ``kvserve:response_cache_lookup_seconds``: 0.1 ms (an in-process hit) to 1 s.
+CACHE_LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+CACHE_LABELS = ("level", "model_name")
+
+
+def cache_hits() -> Metric:
+    """``kvserve:response_cache_hits_total{level, model_name}``: requests answered by the
+    ingress's response cache, ``level`` ``exact`` or ``semantic`` (``deployments/cache.py``)."""
+    return metric("counter", "response_cache_hits", "Requests answered from the response cache, by level.",
+                  CACHE_LABELS)
+
+
+def cache_misses() -> Metric:
+    """``kvserve:response_cache_misses_total{level, model_name}``: lookups of a level that
+    found nothing (a semantic hit follows an exact miss)."""
+    return metric("counter", "response_cache_misses", "Response cache lookups that found nothing, by level.",
+                  CACHE_LABELS)
+
+
+def cache_lookup_seconds() -> Metric:
+    """``kvserve:response_cache_lookup_seconds{level, model_name}``: time of one level's
+    lookup (semantic: embedding, vector search and fetching the answer)."""
+    return metric("histogram", "response_cache_lookup_seconds", "Response cache lookup latency in seconds, by level.",
+                  CACHE_LABELS, CACHE_LOOKUP_BUCKETS)
+
+
 _PID_RE = re.compile(r"_(\d+)\.db$")
 
 

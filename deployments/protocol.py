@@ -13,6 +13,8 @@ output fields (``structured_outputs`` as vLLM 0.10+ names it, and the older
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``). Other fields
 are accepted and ignored; :func:`unknown_fields` names them so the ingress can warn once per
 field. ``suffix`` (insertion) is a 400: it would silently change the request's meaning.
+kvserve's own ``cache`` field (``false`` or ``{"semantic": true|false}``) steers the ingress's
+response caches (``deployments/cache.py``).
 
 This module imports neither Ray nor the engine: it is shared by the ingress, the LLM server
 and clients.
@@ -116,6 +118,15 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+class CacheOptions(BaseModel):
+    """The ``cache`` object of a request (kvserve's extension; ``extra_body`` in the OpenAI
+    SDK): ``semantic`` true asks for the semantic response cache (where the deployment runs
+    it), false declines it; unset: the deployment's default (``deployments/cache.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    semantic: bool | None = None
+
+
 class _SamplingFields(BaseModel):
     """Sampling fields common to both endpoints (OpenAI names, then vLLM extras)."""
 
@@ -150,6 +161,8 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    #: the response caches: false = neither read nor write them; an object: see CacheOptions
+    cache: bool | CacheOptions | None = None
 
     @field_validator("stop")
     @classmethod

@@ -1,7 +1,8 @@
 """Fixtures of the serving tests: one Ray instance per test session, one kvserve Serve app.
 
 The app serves SmolLM2-135M-Instruct under its default name (as ``make serve`` does) plus a
-tiny random-weight model ("tiny"); a second small app ("kvserve-auth", route ``/auth``)
+tiny random-weight model ("tiny"), with the default exact response cache, the semantic one
+for requests that ask (``opt-in``) and an admin key; a second small app ("kvserve-auth", route ``/auth``)
 serves the tiny model with an API key and tensor_parallel_size 2 (worker actors in the
 replica's placement group).
 """
@@ -32,6 +33,7 @@ import pytest  # noqa: E402
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 API_KEY = "sk-kvserve-test"
+ADMIN_KEY = "sk-kvserve-admin-test"  # the main app's admin key (DELETE /v1/cache)
 
 
 def _free_port() -> int:
@@ -80,7 +82,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
         {"model": None, "max_num_seqs": 32, "max_model_len": 1024, "max_replicas": 1},
         {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
          "torch_num_threads": 1, "replica_cpus": 0.5, "max_replicas": 1},
-    ], "ingress_cpus": 0.25})
+    ], "ingress_cpus": 0.25, "semantic_cache": "opt-in", "admin_api_keys": [ADMIN_KEY]})
     # logical CPUs in all: 1.75 here, 1.75 for the auth app, leaving room on 8 for the TP test
     auth = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
                       "max_num_seqs": 8, "max_model_len": 256, "torch_num_threads": 1, "api_keys": [API_KEY],
@@ -101,6 +103,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
         auth_base_url=f"http://127.0.0.1:{port}/auth/v1",
         model=SMOLLM2,
         api_key=API_KEY,
+        admin_key=ADMIN_KEY,
         llm=serve.get_deployment_handle("LLMServer", "kvserve"),
         deploy_s=time.time() - t0,
     )

@@ -1,0 +1,537 @@
+"""Prefix-aware replica routing for ``LLMServer``: a Ray Serve ``RequestRouter``.
+
+Each request goes to the replica that most recently served the longest prefix of its prompt,
+unless that replica is busier than the least-loaded one by more than a margin; then, and for
+prompts no replica has seen, Serve's power of two choices on queue length decides
+(Mitzenmacher, "The Power of Two Choices in Randomized Load Balancing", 2001).
+
+What is hashed, and where
+-------------------------
+A prefix is identified exactly as the engine's prefix cache identifies it: the chained block
+hash of ``engine.kv_cache_manager.hash_block`` (vLLM's automatic prefix caching) over the
+prompt's token ids, ``block_size`` tokens per block, up to :data:`MAX_PREFIX_TOKENS`.
+
+* Replica side (:class:`RecentPrefixes`): ``LLMServer.generate`` adds the chained hashes of
+  every prompt it admits (token ids as the engine got them) to a bounded LRU;
+  ``LLMServer.record_routing_stats`` reports that set (oldest first), the model folder and a
+  tokenizer probe. Serve's controller polls it every ``request_routing_stats_period_s`` and
+  broadcasts it to every router, so routers in different processes (each ingress replica,
+  driver handles) share one view.
+* Router side (:class:`PrefixAwareRouter`): a request's prompt is tokenized with the model's
+  own tokenizer (loaded once per router, off the event loop, from the folder the replicas
+  report or the ``tokenizer`` kwarg), chat messages rendered with the model's chat template as
+  the engine renders them, and hashed the same way. A tokenizer probe (:data:`PROBE_TEXT`,
+  :data:`PROBE_MESSAGES`) checks that router and engine get the same ids; if not, text
+  prompts fall back to power of two choices (a warning says so). Token-id prompts need no
+  tokenizer. The router also keeps its own recent history (hash -> replica it routed to),
+  which covers the seconds before the replicas' next report.
+
+Cost per request: text is tokenized only up to a power-of-two number of characters
+(:data:`_LEVEL0_CHARS` ... ``4 * max_prefix_tokens``), and the hashes of that leading text are
+cached (LRU), so requests that share a system prompt tokenize nothing after the first; tokens
+whose characters end within :data:`_CUT_MARGIN_CHARS` of the cut are dropped (a BPE merge
+across the cut could change them). Measured on this 2-core CPU (SmolLM2 tokenizer, a
+512-token system prompt plus a short user turn): ~0.5 ms uncached, ~0.03 ms cached
+(``tests/serve/test_router.py``, ``benchmarks/routing.py``).
+
+Python's ``hash`` of a tuple of ints does not depend on ``PYTHONHASHSEED``, so equal prefixes
+give equal hashes in every process of a cluster running one Python version.
+
+Compared with Ray's ``PrefixCacheAffinityRouter`` (``ray.serve.llm``): that router keeps a
+character-level prefix tree of prompt text in one detached actor, queried with a blocking
+``ray.get`` per routing decision and per routed request, and reads ``.prompt`` /
+``.messages`` attributes of Ray LLM's request objects (our ``generate`` takes plain
+arguments). This router keeps its state local, learns from the replicas themselves, and
+hashes what the engine caches.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import random
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from engine.kv_cache_manager import NONE_HASH, hash_block
+
+logger = logging.getLogger("ray.serve")
+
+#: Deepest prefix hashed, tokens (router default, and what a replica records per prompt).
+MAX_PREFIX_TOKENS = 1024
+#: Most chained block hashes one replica reports (also capped at its KV pool's block count).
+REPORTED_HASHES = 2048
+#: ``LLMServer`` methods whose requests carry a prompt to route by.
+ROUTED_METHODS = ("generate", "complete")
+#: Seconds a routing decision waits for the router's tokenizer to finish loading (the first
+#: text request of a router only); past it, the request is routed without affinity.
+TOKENIZER_WAIT_S = 10.0
+#: Seconds an affinity choice counts as one more ongoing request on its replica, unless the
+#: replica's acceptance (Serve's queue-length cache then counts the request) comes first.
+RESERVATION_S = 2.0
+#: Seconds a new prefix this router placed on a replica counts in that replica's footprint
+#: (until its report, every ``request_routing_stats_period_s``, includes it).
+PLACED_S = 3.0
+#: The smallest text prefix tokenized, characters; larger ones double up to ``4 * max_prefix_tokens``.
+_LEVEL0_CHARS = 256
+#: Tokens whose characters end this close to a cut are dropped (their merge could change).
+_CUT_MARGIN_CHARS = 64
+#: Fixed inputs whose token ids the replica and the router compare (see :func:`tokenizer_probe`).
+PROBE_TEXT = "kvserve routing probe: Hello, world! 12345 <b>ünïcödé</b>\n\tend."
+PROBE_MESSAGES = [{"role": "system", "content": "You are a probe."},
+                  {"role": "user", "content": "Hello, world! 12345"}]
+
+
+def block_hashes(token_ids: list[int], block_size: int, max_blocks: int) -> list[int]:
+    """Chained hashes of the first ``min(len(token_ids) // block_size, max_blocks)`` full
+    blocks, as the engine computes ``Request.block_hashes`` (``hash_block`` from ``NONE_HASH``)."""
+    out, parent = [], NONE_HASH
+    for i in range(min(len(token_ids) // block_size, max_blocks)):
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
+def tokenizer_probe(encode_text, encode_chat) -> list[int | None]:
+    """``[hash of encode_text(PROBE_TEXT), hash of encode_chat(PROBE_MESSAGES)]`` (None where
+    that encoder fails, e.g. no chat template): equal lists mean equal tokenization."""
+    out: list[int | None] = []
+    for fn, arg in ((encode_text, PROBE_TEXT), (encode_chat, PROBE_MESSAGES)):
+        try:
+            out.append(hash(tuple(fn(arg))))
+        except Exception:
+            out.append(None)
+    return out
+
+
+class RecentPrefixes:
+    """A replica's recently served prompt prefixes: chained block hashes in an LRU of at most
+    ``limit`` entries (the most recently used last). Not thread-safe: use it from one event loop.
+
+    Args:
+        block_size: the engine's tokens per KV block.
+        limit: most hashes kept (and reported).
+        max_tokens: deepest prefix recorded per prompt, tokens.
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+
+    def __init__(self, block_size: int, limit: int = REPORTED_HASHES, max_tokens: int = MAX_PREFIX_TOKENS):
+        if min(block_size, limit, max_tokens) < 1:
+            raise ValueError(f"block_size, limit and max_tokens must be >= 1, got {block_size}, {limit}, {max_tokens}")
+        self.block_size, self.limit, self.max_blocks = block_size, limit, max(1, max_tokens // block_size)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, token_ids: list[int]) -> None:
+        for h in block_hashes(token_ids, self.block_size, self.max_blocks):
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.limit:
+            self._lru.popitem(last=False)
+
+    def report(self) -> list[int]:
+        return list(self._lru)
+
+
+class PrefixHasher:
+    """The chained block hashes of a request's prompt (see the module docstring), with an LRU
+    cache of the hashes of leading text.
+
+    Args:
+        tokenizer: a transformers tokenizer of the served model, or None (token-id prompts only).
+        block_size: the engine's tokens per KV block.
+        max_tokens: deepest prefix hashed, tokens.
+        cache_size: entries of the leading-text cache.
+    """
+
+    def __init__(self, tokenizer, block_size: int, max_tokens: int = MAX_PREFIX_TOKENS, cache_size: int = 1024):
+        self.tokenizer, self.block_size = tokenizer, block_size
+        self.max_blocks = max(1, max_tokens // block_size)
+        self.levels = [_LEVEL0_CHARS]
+        while self.levels[-1] * 2 <= 4 * max_tokens:
+            self.levels.append(self.levels[-1] * 2)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
+
+    def of_request(self, args: tuple | list, kwargs: dict) -> list[int]:
+        """Hashes of ``LLMServer.generate(prompt, sampling_params, *, messages=, tools=, ...)``'s
+        prompt; ``[]`` when there is nothing to hash (no tokenizer for text, a malformed prompt:
+        the replica reports that error itself)."""
+        prompt = args[0] if args else kwargs.get("prompt")
+        messages = kwargs.get("messages")
+        try:
+            if messages is not None:
+                return self.of_messages(messages, kwargs.get("tools"))
+            if isinstance(prompt, dict) and len(prompt) == 1:  # vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
+                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            if isinstance(prompt, str):
+                return self.of_text(prompt, add_special_tokens=True)
+            if isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt[:8]):
+                return block_hashes(list(prompt), self.block_size, self.max_blocks)
+        except Exception as e:  # a template error on odd messages, ...: route without affinity
+            logger.debug("prefix router: no hashes for a request (%s)", e)
+        return []
+
+    def of_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Hashes of a conversation rendered as the engine renders it (``prepare_messages``,
+        the chat template with the generation prompt, ids without added special tokens)."""
+        if self.tokenizer is None:
+            return []
+        from deployments.tools import prepare_messages
+
+        messages, tools = prepare_messages(messages, tools, self.tokenizer.chat_template)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  tools=tools or None)
+        return self.of_text(text, add_special_tokens=False)
+
+    def of_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Hashes of the leading blocks of ``text``: all of a text shorter than the first level,
+        else those of its longest leading power-of-two characters (cached)."""
+        if self.tokenizer is None:
+            return []
+        if len(text) < self.levels[0]:
+            return block_hashes(self.tokenizer.encode(text, add_special_tokens=add_special_tokens),
+                                self.block_size, self.max_blocks)
+        cut = max(lv for lv in self.levels if lv <= len(text))
+        key = (add_special_tokens, text[:cut])
+        hashes = self._cache.get(key)
+        if hashes is not None:
+            self._cache.move_to_end(key)
+            return hashes
+        enc = self.tokenizer(key[1], add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        ids = []
+        for tid, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]):
+            if end > cut - _CUT_MARGIN_CHARS:
+                break
+            ids.append(tid)
+        hashes = block_hashes(ids, self.block_size, self.max_blocks)
+        self._cache[key] = hashes
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return hashes
+
+    def probe(self) -> list[int | None]:
+        """:func:`tokenizer_probe` of this hasher's tokenization path."""
+        tok = self.tokenizer
+
+        def chat(messages):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+
+        return tokenizer_probe(lambda t: tok.encode(t, add_special_tokens=True), chat)
+
+
+def match_depths(hashes: list[int], replica_ids: list[str], reported: dict[int, tuple[str, ...]],
+                 history: dict[int, str]) -> dict[str, int]:
+    """For each of ``replica_ids``, the number of leading blocks of ``hashes`` it has served:
+    the deepest ``hashes[i]`` that it reported (``reported``: hash -> replica ids) or that this
+    router last sent to it (``history``: hash -> replica id), plus one; 0 for none. Chained
+    hashes make a match at depth ``i`` a match of the whole prefix up to ``i``."""
+    depth = dict.fromkeys(replica_ids, 0)
+    for i, h in enumerate(hashes, 1):
+        for r in reported.get(h, ()):
+            if r in depth:
+                depth[r] = i
+        r = history.get(h)
+        if r in depth:
+            depth[r] = i
+    return depth
+
+
+def longest_match(depths: dict[str, int], min_gain_blocks: int) -> list[str]:
+    """The replicas with the longest matched prefix (``depths``: replica id -> blocks), if it
+    is at least ``min_gain_blocks`` longer than every other replica's; else ``[]`` (a prefix
+    every replica has, e.g. a chat template's default system prompt, is no reason to
+    concentrate load)."""
+    best = max(depths.values(), default=0)
+    others = [d for d in depths.values() if d != best]
+    if best == 0 or not others or best - max(others) < min_gain_blocks:
+        return []
+    return [r for r, d in depths.items() if d == best]
+
+
+def preferred_replicas(depths: dict[str, int], queue_lens: dict[str, int | None], *, margin: int,
+                       min_gain_blocks: int) -> list[str]:
+    """The replicas a request should go to, ``[]`` for none: those of :func:`longest_match`,
+    provided the least loaded of them has at most ``margin`` more ongoing requests
+    (``queue_lens``; None: unknown) than the least-loaded replica of all."""
+    pref = longest_match(depths, min_gain_blocks)
+    known = {r: q for r, q in queue_lens.items() if q is not None}
+    pref_q = [known[r] for r in pref if r in known]
+    if not pref_q:
+        return []  # no match, or the preferred replicas did not answer a queue-length probe
+    if min(pref_q) - min(known.values()) > margin:
+        return []
+    return pref
+
+
+def least_cached(replica_ids: list[str], queue_lens: dict[str, int | None], footprint: dict[str, int], *,
+                 margin: int) -> str:
+    """Where a prompt no replica has served goes: of ``replica_ids``, those within ``margin``
+    ongoing requests of the least loaded; of them the one with the smallest prefix-cache
+    footprint (``footprint``: blocks), then the least loaded. Distinct prefixes spread evenly, so
+    each replica's share of them fits its cache (as the "smallest tenant" of Ray's
+    ``PrefixCacheAffinityRouter`` and the smallest tree of SGLang's cache-aware router)."""
+    def load(r: str) -> int:
+        q = queue_lens.get(r)
+        return q if q is not None else 1 << 30
+
+    low = min(load(r) for r in replica_ids)
+    return min((r for r in replica_ids if load(r) <= low + margin), key=lambda r: (footprint.get(r, 0), load(r)))
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Serve ``RequestRouter`` for ``LLMServer`` (see the module docstring).
+
+    ``request_router_kwargs`` (:meth:`initialize_state`): ``block_size`` (the engine's),
+    ``imbalance_margin`` (ongoing requests), ``min_gain_tokens``, ``max_prefix_tokens``,
+    ``tokenizer`` (a model folder; default: the one the replicas report), ``history_size``.
+    Requests of other methods (``model_info``, ``get_stats``, ...) and requests without a
+    match are routed by power of two choices. Not FIFO: each routing decision serves the
+    request it was made for (Serve's ``FIFOMixin`` would hand the chosen replica to the oldest
+    pending request instead).
+
+    Per-request state is keyed by the request's future, not by its ``internal_request_id``:
+    Serve 2.60 gives every handle call made while a replica serves one request that request's
+    id, so the ingress's concurrent calls for one HTTP request (several prompts, ``n`` > 1)
+    share it. For the same reason :meth:`_fulfill_next_pending_request` hands the replica to the
+    request this routing task chose it for; Serve's base router matches by that id, finds one
+    of the calls and leaves the others pending forever.
+    """
+
+    def initialize_state(self, block_size: int = 16, imbalance_margin: int = 8, min_gain_tokens: int = 64,
+                         max_prefix_tokens: int = MAX_PREFIX_TOKENS, tokenizer: str | None = None,
+                         history_size: int = 16384) -> None:
+        """Raises:
+            ValueError: a size below 1 or a negative margin / gain.
+        """
+        if min(block_size, max_prefix_tokens, history_size) < 1 or min(imbalance_margin, min_gain_tokens) < 0:
+            raise ValueError("prefix router: block_size, max_prefix_tokens and history_size must be >= 1, "
+                             "imbalance_margin and min_gain_tokens >= 0")
+        self.block_size, self.imbalance_margin = block_size, imbalance_margin
+        self.min_gain_blocks = -(-min_gain_tokens // block_size)
+        self.max_prefix_tokens, self.history_size = max_prefix_tokens, history_size
+        self.hasher = PrefixHasher(None, block_size, max_prefix_tokens)
+        self._history: OrderedDict[int, str] = OrderedDict()  # hash -> replica id this router last sent it to
+        self._reported: dict[int, tuple[str, ...]] = {}  # hash -> replica ids that report it
+        self._replica_probe: list | None = None
+        self._probe_ok: bool | None = None  # this router's tokenizer probe equals the replicas'
+        self._tokenizer: concurrent.futures.Future | None = None
+        # keyed by the pending request's future (see the class docstring)
+        self._routed: OrderedDict[asyncio.Future, list[int]] = OrderedDict()  # request -> hashes
+        # request -> (replica id, time.monotonic()) of affinity choices not yet accepted
+        self._reserved: OrderedDict[asyncio.Future, tuple[str, float]] = OrderedDict()
+        # routing task -> the request it is choosing a replica for
+        self._choosing_for: weakref.WeakKeyDictionary[asyncio.Task, PendingRequest] = weakref.WeakKeyDictionary()
+        self._reported_sizes: dict[str, int] = {}  # replica id -> prefix hashes it reports
+        self._placed: deque[tuple[float, str, int]] = deque()  # (time, replica id, blocks) of new prefixes
+        if tokenizer and os.path.isdir(tokenizer):
+            self._load_tokenizer(tokenizer)
+
+    # ---- state from the replicas --------------------------------------------------------
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        index: dict[int, list[str]] = {}
+        self._reported_sizes = {}
+        for r in replicas:
+            stats = r.routing_stats or {}
+            self._reported_sizes[r.replica_id.unique_id] = len(stats.get("prefix_hashes", ()))
+            for h in stats.get("prefix_hashes", ()):
+                index.setdefault(h, []).append(r.replica_id.unique_id)
+            if stats.get("tokenizer_probe") is not None:
+                self._replica_probe = stats["tokenizer_probe"]
+            path = stats.get("model_path")
+            if self._tokenizer is None and path and os.path.isdir(path):
+                self._load_tokenizer(path)
+        self._reported = {h: tuple(v) for h, v in index.items()}
+
+    def _load_tokenizer(self, path: str) -> None:
+        """Load the tokenizer of model folder ``path`` in a thread (transformers' tokenizers
+        backend, without torch; ``AutoTokenizer`` for a folder without ``tokenizer.json``)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._tokenizer = fut
+
+        def load():
+            try:
+                try:
+                    from transformers import PreTrainedTokenizerFast
+
+                    tok = PreTrainedTokenizerFast.from_pretrained(path)
+                except Exception:
+                    from transformers import AutoTokenizer
+
+                    tok = AutoTokenizer.from_pretrained(path)
+                fut.set_result(tok)
+            except BaseException as e:
+                logger.warning("prefix router: cannot load the tokenizer of %s (%s); text prompts are routed "
+                               "without prefix affinity", path, e)
+                fut.set_exception(e)
+
+        threading.Thread(target=load, name="kvserve-router-tokenizer", daemon=True).start()
+
+    async def _tokenizer_ready(self) -> bool:
+        """Whether text can be hashed: the tokenizer loaded (waiting up to
+        :data:`TOKENIZER_WAIT_S`) and its probe matches the replicas' (checked once)."""
+        fut = self._tokenizer
+        if fut is None:
+            return False
+        if self.hasher.tokenizer is None:
+            try:
+                tok = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), TOKENIZER_WAIT_S)
+            except Exception:  # failed (warned) or still loading
+                return False
+            if self.hasher.tokenizer is None:
+                self.hasher = PrefixHasher(tok, self.block_size, self.max_prefix_tokens)
+        if self._probe_ok is None and self._replica_probe is not None:
+            self._probe_ok = list(self.hasher.probe()) == list(self._replica_probe)
+            if not self._probe_ok:
+                logger.warning("prefix router: this router's tokenizer gives other token ids than the replicas' "
+                               "engine; text prompts are routed without prefix affinity")
+        return self._probe_ok is not False
+
+    # ---- routing ------------------------------------------------------------------------
+    async def _hashes(self, pr: PendingRequest) -> list[int]:
+        rid = pr.future
+        if rid in self._routed:
+            return self._routed[rid]
+        if pr.metadata.call_method not in ROUTED_METHODS:
+            return []
+        args, kwargs = pr.args or (), pr.kwargs or {}
+        prompt = args[0] if args else kwargs.get("prompt")
+        text = kwargs.get("messages") is not None or isinstance(prompt, str) or isinstance(prompt, dict)
+        if text and not await self._tokenizer_ready():
+            return []
+        hashes = self.hasher.of_request(args, kwargs)
+        self._routed[rid] = hashes
+        while len(self._routed) > 4096:  # requests cancelled before they were routed
+            self._routed.popitem(last=False)
+        return hashes
+
+    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
+        """Ongoing requests per replica as this router sees them: Serve's queue-length cache
+        (probing the replicas missing from it; None: no answer within the probe deadline) plus
+        this router's affinity choices of the last :data:`RESERVATION_S` s that no replica has
+        confirmed yet (Serve decides a burst of requests before it sends any of them, so
+        without these a burst would see the same counts and pile onto one replica)."""
+        now = time.monotonic()
+        while self._reserved and next(iter(self._reserved.values()))[1] < now - RESERVATION_S:
+            self._reserved.popitem(last=False)
+        out: dict[str, int | None] = {}
+        missing = []
+        for r in replicas:
+            q = self._replica_queue_len_cache.get(r.replica_id)
+            if q is None:
+                missing.append(r)
+            else:
+                out[r.replica_id.unique_id] = q
+        if missing:
+            for r, q in await self._probe_queue_lens(missing, 0):
+                out[r.replica_id.unique_id] = q
+        for rid, _ in self._reserved.values():
+            if out.get(rid) is not None:
+                out[rid] += 1
+        return out
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """Ranks of replicas for one request (Serve sends it to the first replica, in rank
+        order, that accepts it): one chosen replica, then two random others.
+
+        With this router's queue view (:meth:`_queue_lens`), the chosen replica is the least
+        loaded of the preferred ones (:func:`preferred_replicas`); over the margin, the less
+        loaded of two random replicas (power of two choices); for a prompt no replica has
+        served, the one of two random replicas with the smaller cache footprint
+        (:func:`least_cached`). Requests without a prompt to hash (other methods, text before
+        the tokenizer loaded): two random replicas, Serve's own power of two choices.
+        """
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:  # Serve sleeps (backs off) between rounds of rejections, not a tight loop
+            pending_request.routing_context.should_backoff = True
+            task = asyncio.current_task()
+            if task is not None:
+                self._choosing_for[task] = pending_request
+        two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        if pending_request is None or len(candidate_replicas) < 2:
+            return [two]
+        rid = pending_request.future
+        self._reserved.pop(rid, None)  # a retry after a rejection: choose afresh
+        hashes = await self._hashes(pending_request)
+        if not hashes:
+            return [two]
+        ids = [r.replica_id.unique_id for r in candidate_replicas]
+        depths = match_depths(hashes, ids, self._reported, self._history)
+        queue = await self._queue_lens(candidate_replicas)
+
+        def load(r: str) -> int:
+            return queue[r] if queue.get(r) is not None else 1 << 30
+
+        two_ids = [r.replica_id.unique_id for r in two]
+        pref = preferred_replicas(depths, queue, margin=self.imbalance_margin, min_gain_blocks=self.min_gain_blocks)
+        if pref:
+            best = min(pref, key=load)
+        elif longest_match(depths, self.min_gain_blocks):  # over the margin
+            best = min(two_ids, key=load)
+        else:  # a new prefix
+            best = least_cached(two_ids, queue, self._footprint(), margin=self.imbalance_margin)
+            self._placed.append((time.monotonic(), best, len(hashes)))
+        self._reserved[rid] = (best, time.monotonic())
+        first = [r for r in candidate_replicas if r.replica_id.unique_id == best]
+        rest = [r for r in candidate_replicas if r.replica_id.unique_id != best]
+        return [first, random.sample(rest, min(2, len(rest)))]
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """Give ``replica`` to the request this routing task chose it for (Serve calls this
+        from the task that ran :meth:`choose_replicas`); Serve's own matching when there is none."""
+        task = asyncio.current_task()
+        pr = self._choosing_for.pop(task, None) if task is not None else None
+        if pr is None or pr.future.done():
+            super()._fulfill_next_pending_request(replica, request_metadata)
+            return
+        self._record_queue_wait_time(pr)
+        pr.future.set_result(replica)
+        if self._pending_requests_by_id.get(pr.metadata.internal_request_id) is pr:
+            self._remove_pending_request_from_indices(pr)
+
+    def _footprint(self) -> dict[str, int]:
+        """Prefix blocks per replica: what it reports, plus the new prefixes this router placed
+        on it in the last :data:`PLACED_S` s (not in a report yet)."""
+        now = time.monotonic()
+        while self._placed and self._placed[0][0] < now - PLACED_S:
+            self._placed.popleft()
+        out = dict(self._reported_sizes)
+        for _, r, n in self._placed:
+            out[r] = out.get(r, 0) + n
+        return out
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """A replica accepted the request (Serve's queue-length cache now counts it): release
+        its reservation and remember where its prefix went (this router's own history)."""
+        rid = pending_request.future
+        self._reserved.pop(rid, None)
+        hashes = self._routed.pop(rid, None)
+        if not hashes:
+            return
+        for h in hashes:
+            self._history[h] = replica_id.unique_id
+            self._history.move_to_end(h)
+        while len(self._history) > self.history_size:
+            self._history.popitem(last=False)
+
+
+def router_config(block_size: int, imbalance_margin: int, tokenizer: str | None = None,
+                  stats_period_s: float = 1.0) -> dict[str, Any]:
+    """The ``request_router_config`` of an ``LLMServer`` deployment routed by
+    :class:`PrefixAwareRouter` (replicas report their prefixes every ``stats_period_s`` s)."""
+    kwargs: dict[str, Any] = {"block_size": block_size, "imbalance_margin": imbalance_margin}
+    if tokenizer:
+        kwargs["tokenizer"] = tokenizer
+    return {"request_router_class": "deployments.router:PrefixAwareRouter", "request_router_kwargs": kwargs,
+            "request_routing_stats_period_s": stats_period_s}

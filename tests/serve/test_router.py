@@ -1,0 +1,476 @@
+"""Prefix-aware replica routing (``deployments/router.py``).
+
+Without Ray: the router's hashes are the engine's own block hashes (same tokenization, same
+chained hash), the choice logic on hand-built depths and queue lengths, and the router object
+itself on fake replicas (replica-reported hashes, its own history, the load margin, two routers
+that agree). With Ray (slow): a tiny-model app with 2 replicas, where requests sharing a long
+prefix land on one replica (every request after a prefix's first hits the prefix cache), a
+driver handle follows prefixes it never saw that the ingress routed (replica-reported hashes),
+and a hot prefix spills over to the other replica once the preferred one is busier by the margin.
+"""
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+
+from deployments.router import (PROBE_MESSAGES, PROBE_TEXT, PrefixAwareRouter, PrefixHasher, RecentPrefixes,
+                                block_hashes, least_cached, longest_match, match_depths, preferred_replicas,
+                                router_config, tokenizer_probe)
+
+
+# ---- hashes: the engine's own --------------------------------------------------------------
+def test_block_hashes_are_the_engines():
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    ids = [random.Random(0).randrange(50000) for _ in range(100)]
+    req = Request("r", ids, SamplingParams(max_tokens=1))
+    KVCacheManager(64, 16)._update_hashes(req)
+    assert block_hashes(ids, 16, 64) == req.block_hashes and len(req.block_hashes) == 6
+    assert block_hashes(ids, 16, 2) == req.block_hashes[:2]
+    assert block_hashes(ids[:15], 16, 64) == []
+
+
+@pytest.fixture(scope="module")
+def tokenizers(smollm2_path):
+    """(the engine's tokenizer, as the engine loads it; the router's, as the router loads it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.model_loader import load_tokenizer
+
+    return load_tokenizer(smollm2_path), PreTrainedTokenizerFast.from_pretrained(str(smollm2_path))
+
+
+def _random_text(rng: random.Random, n: int) -> str:
+    pieces = ["the", " policy", "Über", " naïve", "数据", "def f(x):\n    return x", "  ", "\n\n", "\t", "----",
+              "!!!", " https://a.b/c?d=e", " 12345", "<|im_end|>", " "]
+    out = []
+    while sum(map(len, out)) < n:
+        out.append(rng.choice(pieces))
+    return "".join(out)[:n]
+
+
+def test_router_hashes_are_a_prefix_of_the_engines(tokenizers):
+    """Text prompts, chats and chats with tools, many lengths (cuts at every level): the
+    router's hashes are always a leading part of the engine's ``Request.block_hashes`` for the
+    ids the engine itself computes (most of them: the text's leading power-of-two characters)."""
+    from deployments.tools import prepare_messages
+    from engine.llm_engine import chat_template_ids, encode_prompt
+
+    eng, tok = tokenizers
+    hasher = PrefixHasher(tok, 16, max_tokens=1024)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    rng = random.Random(1)
+    coverage = []
+    for _ in range(120):
+        text = _random_text(rng, rng.randint(20, 6000))
+        for kind in ("text", "chat", "tools"):
+            if kind == "text":
+                ids, got = encode_prompt(eng, text), hasher.of_text(text, add_special_tokens=True)
+            else:
+                msgs = [{"role": "system", "content": text}, {"role": "user", "content": "q?"}]
+                t = tools if kind == "tools" else None
+                m2, t2 = prepare_messages(msgs, t, eng.chat_template)  # as LLMServer.generate does
+                ids = chat_template_ids(eng, m2, True, t2)
+                got = hasher.of_messages(msgs, t)
+            want = block_hashes(ids, 16, 64)
+            assert got == want[:len(got)], (kind, len(text))
+            assert got or len(text) < 512, (kind, len(text))
+            coverage.append(len(got) / max(1, min(len(want), 64)))
+    assert sum(coverage) / len(coverage) > 0.6  # the leading power-of-two characters, less the cut's margin
+    # token ids and vLLM's dict prompts go through untouched
+    ids = list(range(1000, 1100))
+    assert hasher.of_request((ids, {}), {}) == block_hashes(ids, 16, 64)
+    assert hasher.of_request((), {"prompt": {"prompt_token_ids": ids}}) == block_hashes(ids, 16, 64)
+    assert hasher.of_request(({"prompt": "hi " * 200},), {}) == hasher.of_text("hi " * 200, True)
+    assert hasher.of_request((None, {}), {"messages": "not a list"}) == []  # the replica reports that error
+    # the probe: router and engine tokenize alike
+    assert hasher.probe() == tokenizer_probe(lambda t: encode_prompt(eng, t), lambda m: chat_template_ids(eng, m))
+    assert None not in hasher.probe()
+
+
+def test_routing_cost_per_request(tokenizers):
+    """A 512-token system prompt and a short user turn: first time (tokenize 2 KiB) and
+    cached (the system prompt seen before, a new user turn), ms per request."""
+    _, tok = tokenizers
+    rng = random.Random(2)
+    system = " ".join(rng.choice(["alpha", "policy", "user", "assistant", "data", "rule"]) for _ in range(500))
+    hasher = PrefixHasher(tok, 16)
+    t0 = time.perf_counter()
+    first = hasher.of_messages([{"role": "system", "content": system}, {"role": "user", "content": "hi"}])
+    uncached_ms = 1000 * (time.perf_counter() - t0)
+    n = 200
+    t0 = time.perf_counter()
+    for i in range(n):
+        again = hasher.of_messages([{"role": "system", "content": system}, {"role": "user", "content": f"q {i}"}])
+    cached_ms = 1000 * (time.perf_counter() - t0) / n
+    print(f"routing hashes: {uncached_ms:.3f} ms uncached, {cached_ms:.4f} ms cached, {len(first)} blocks")
+    assert again == first and len(first) >= 16
+    assert cached_ms < 0.5 and uncached_ms < 20  # loose bounds: a shared 2-core machine
+
+
+def test_recent_prefixes_is_a_bounded_lru():
+    rp = RecentPrefixes(block_size=4, limit=5, max_tokens=12)  # 3 blocks per prompt at most
+    a, b = list(range(20)), list(range(100, 120))
+    rp.add(a)
+    assert rp.report() == block_hashes(a, 4, 3)
+    rp.add(b)  # 6 hashes > 5: a's oldest goes
+    assert rp.report() == block_hashes(a, 4, 3)[1:] + block_hashes(b, 4, 3)
+    rp.add(a[:8])  # a's first two blocks become the most recent
+    assert rp.report()[-2:] == block_hashes(a, 4, 2)
+    with pytest.raises(ValueError):
+        RecentPrefixes(0)
+
+
+# ---- the choice, on hand-built numbers -----------------------------------------------------
+def test_match_depths():
+    h = [11, 12, 13, 14]
+    reported = {11: ("a", "b"), 12: ("a", "b"), 13: ("a",), 99: ("c",)}
+    assert match_depths(h, ["a", "b", "c"], reported, {}) == {"a": 3, "b": 2, "c": 0}
+    assert match_depths(h, ["a", "b", "c"], reported, {14: "b"}) == {"a": 3, "b": 4, "c": 0}
+    assert match_depths(h, ["b", "c"], reported, {14: "gone"}) == {"b": 2, "c": 0}  # not a candidate
+
+
+def test_preferred_replicas():
+    pick = preferred_replicas
+    # the longest match wins while its replica is not busier than the least loaded by more than the margin
+    assert pick({"a": 8, "b": 0}, {"a": 5, "b": 0}, margin=8, min_gain_blocks=2) == ["a"]
+    assert pick({"a": 8, "b": 0}, {"a": 9, "b": 0}, margin=8, min_gain_blocks=2) == []
+    assert pick({"a": 8, "b": 0}, {"a": 9, "b": 1}, margin=8, min_gain_blocks=2) == ["a"]
+    # ties: every replica with the longest match (Serve takes the least loaded of them)
+    assert sorted(pick({"a": 8, "b": 8, "c": 1}, {"a": 3, "b": 0, "c": 0}, margin=0, min_gain_blocks=2)) == ["a", "b"]
+    # a prefix every replica has, or one barely longer than the others': load decides
+    assert pick({"a": 8, "b": 8}, {"a": 0, "b": 0}, margin=8, min_gain_blocks=2) == []
+    assert pick({"a": 3, "b": 2}, {"a": 0, "b": 0}, margin=8, min_gain_blocks=2) == []
+    assert pick({"a": 0, "b": 0}, {"a": 0, "b": 0}, margin=8, min_gain_blocks=0) == []
+    # unknown queue lengths: the preferred replica must have answered; others that did not are ignored
+    assert pick({"a": 8, "b": 0}, {"a": None, "b": 0}, margin=8, min_gain_blocks=2) == []
+    assert pick({"a": 8, "b": 0}, {"a": 2, "b": None}, margin=0, min_gain_blocks=2) == ["a"]
+    assert longest_match({"a": 8, "b": 8, "c": 1}, 2) == ["a", "b"] and longest_match({"a": 3, "b": 2}, 2) == []
+
+
+def test_least_cached():
+    # a new prefix: the smallest cache footprint among the replicas within the margin of the least loaded
+    assert least_cached(["a", "b"], {"a": 3, "b": 0}, {"a": 10, "b": 50}, margin=4) == "a"
+    assert least_cached(["a", "b"], {"a": 5, "b": 0}, {"a": 10, "b": 50}, margin=4) == "b"
+    assert least_cached(["a", "b"], {"a": 1, "b": 0}, {"a": 10, "b": 10}, margin=4) == "b"  # then the load
+    assert least_cached(["a", "b"], {"a": None, "b": 9}, {"b": 99}, margin=4) == "b"  # no answer: not chosen
+
+
+# ---- the router object, on fake replicas (no Ray) ------------------------------------------
+class FakeReplica:
+    """What the router reads of a ``RunningReplica``."""
+
+    def __init__(self, name: str, app: str = "app", stats: dict | None = None, queue_len: int = 0):
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(name, DeploymentID(name="LLMServer", app_name=app))
+        self.routing_stats = stats or {}
+        self.queue_len = queue_len
+        self.max_ongoing_requests = 100
+        self.multiplexed_model_ids = set()
+        self.node_id = self.availability_zone = None
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+def _router(**kwargs) -> PrefixAwareRouter:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    r = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="app"),
+                          handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    r.initialize_state(**kwargs)
+    return r
+
+
+def _pending(prompt, method: str = "generate"):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    rid = uuid.uuid4().hex
+    return PendingRequest(args=[prompt, {"max_tokens": 4}], kwargs={},
+                          metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method))
+
+
+def _names(ranks) -> list[list[str]]:
+    return [sorted(r.replica_id.unique_id for r in rank) for rank in ranks]
+
+
+async def _choose(router, replicas, prompt, accept: bool = True) -> list[list[str]]:
+    """One routing decision; with ``accept`` the first replica of the first rank accepts it
+    (what Serve reports to the router as ``on_request_routed``)."""
+    pr = _pending(prompt)
+    ranks = await router.choose_replicas(replicas, pr)
+    if accept:
+        router.on_request_routed(pr, ranks[0][0].replica_id, None)
+    return _names(ranks)
+
+
+def test_router_on_fake_replicas():
+    async def run():
+        prompt = list(range(1000, 1200))  # token ids: no tokenizer needed
+        hashes = block_hashes(prompt, 16, 64)
+        a = FakeReplica("a", stats={"prefix_hashes": hashes[:10]})
+        b, c = FakeReplica("b"), FakeReplica("c")
+        router = _router(imbalance_margin=4, min_gain_tokens=32)
+        router.update_replicas([a, b, c])
+        ranks = await _choose(router, [a, b, c], prompt)
+        assert ranks[0] == ["a"] and len(ranks) == 2 and len(ranks[1]) == 2  # then two random others
+        # a second router sees the same reports: the same choice (state from the replicas, not the router)
+        other = _router(imbalance_margin=4, min_gain_tokens=32)
+        other.update_replicas([a, b, c])
+        assert (await _choose(other, [a, b, c], prompt))[0] == ["a"]
+        # "a" busier than the least loaded by more than the margin: two random replicas (power of two)
+        cache = router.replica_queue_len_cache
+        cache.update(a.replica_id, 8)
+        cache.update(b.replica_id, 4)
+        cache.update(c.replica_id, 5)
+        assert (await _choose(router, [a, b, c], prompt))[0] == ["a"]  # 8 - 4 <= 4
+        cache.update(b.replica_id, 3)
+        ranks = await _choose(router, [a, b, c], prompt, accept=False)
+        assert ranks[0] in (["b"], ["c"])  # 8 - 3 > 4: the less loaded of two random replicas
+        # a burst decided before any replica answered: each affinity choice counts until accepted
+        router._reserved.clear()  # the choice above was never accepted
+        for q in (a, b, c):
+            cache.update(q.replica_id, 0)
+        burst = [(await _choose(router, [a, b, c], prompt, accept=False))[0] for _ in range(8)]
+        # 5 on "a", then 5 - 0 > 4: the less loaded of two random replicas, never "a" while one is idle
+        assert burst[:5] == [["a"]] * 5 and ["a"] not in burst[5:7]
+        router._reserved.clear()
+        # queue lengths missing from the cache are probed
+        fresh = _router(imbalance_margin=4, min_gain_tokens=32)
+        b.queue_len = 20
+        fresh.update_replicas([a, b])
+        assert (await _choose(fresh, [a, b], prompt))[0] == ["a"]
+        # the router's own history: a prompt no replica reported goes where this router sent it last
+        new = list(range(5000, 5200))
+        pr = _pending(new)
+        ranks = _names(await router.choose_replicas([a, b, c], pr))
+        assert ranks[0] in (["b"], ["c"])  # a new prefix: not "a", which caches 10 blocks (b and c none)
+        router.on_request_routed(pr, c.replica_id, None)
+        assert (await _choose(router, [a, b, c], new))[0] == ["c"]
+        # a replica that reports a deeper match wins over a shallower one; ties go to the least loaded
+        third = _router(imbalance_margin=4, min_gain_tokens=32)
+        third.update_replicas([a, FakeReplica("b", stats={"prefix_hashes": hashes}), c])
+        assert (await _choose(third, third._replicas_list, prompt, accept=False))[0] == ["b"]
+        third.update_replicas([a, FakeReplica("b", stats={"prefix_hashes": hashes[:10]}), c])
+        for q, n in ((a, 2), (b, 0), (c, 0)):
+            third.replica_queue_len_cache.update(q.replica_id, n)
+        assert (await _choose(third, third._replicas_list, prompt, accept=False))[0] == ["b"]
+        # other methods and text without a tokenizer: power of two
+        assert len(await router.choose_replicas([a, b, c], _pending(prompt, "model_info"))) == 1
+        assert len(await router.choose_replicas([a, b, c], _pending("some text"))) == 1
+
+    asyncio.run(run())
+
+
+def test_router_checks_the_tokenizer_probe(smollm2_path):
+    """Text prompts get affinity when the router's tokenizer gives the replicas' ids (probe),
+    and none (power of two) when it does not."""
+    async def run(probe):
+        text = "You are a careful assistant. " * 40
+        router = _router(tokenizer=str(smollm2_path))
+        hashes = None
+        for _ in range(3):  # the tokenizer loads in a thread; the first request waits for it
+            hashes = await router._hashes(_pending(text))
+        a = FakeReplica("a", stats={"prefix_hashes": hashes, "tokenizer_probe": probe})
+        b = FakeReplica("b", stats={"tokenizer_probe": probe})
+        router._routed.clear()
+        router.update_replicas([a, b])
+        return router, await router.choose_replicas([a, b], _pending(text))
+
+    router, _ = asyncio.run(run(None))
+    good = router.hasher.probe()
+    router, ranks = asyncio.run(run(good))
+    assert _names(ranks)[0] == ["a"] and router._probe_ok is True
+    router, ranks = asyncio.run(run([1, 2]))
+    assert len(ranks) == 1 and router._probe_ok is False
+    assert PROBE_TEXT and PROBE_MESSAGES
+
+
+def test_router_config_and_app_options(tiny_llama_path):
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.app import AppArgs, llm_deployment_options
+
+    cfg = RequestRouterConfig(**router_config(16, 8))
+    assert cfg.get_request_router_class() is PrefixAwareRouter or cfg.get_request_router_class().__name__ == (
+        "PrefixAwareRouter")
+    on = llm_deployment_options(AppArgs(model=str(tiny_llama_path), block_size=32, prefix_routing_margin=3)
+                                .model_list()[0], "x")["request_router_config"]
+    assert on["request_router_kwargs"] == {"block_size": 32, "imbalance_margin": 3, "tokenizer": str(tiny_llama_path)}
+    assert on["request_routing_stats_period_s"] == 1.0
+    for off in (AppArgs(prefix_aware_routing=False), AppArgs(enable_prefix_caching=False)):
+        assert "request_router_config" not in llm_deployment_options(off.model_list()[0], "x")
+    from deployments.cli import app_args_from_cli, build_parser
+
+    a = app_args_from_cli(build_parser().parse_args(["serve", "--no-prefix-aware-routing",
+                                                     "--prefix-routing-margin", "2"]))
+    assert a == {"prefix_aware_routing": False, "prefix_routing_margin": 2}
+
+
+# ---- a real Serve app: tiny model, 2 replicas (Ray) ------------------------------------------
+APP = "kvserve-router"
+PREFIX_WORDS = ["alpha", "policy", "user", "assistant", "data", "rule", "table", "river", "stone", "cloud"]
+
+
+@pytest.fixture(scope="module")
+def router_app(ray_session, serve_app, tiny_llama_path):
+    """The tiny model on 2 replicas behind its own ingress (route ``/router``), prefix-aware
+    routing with a margin of 2 ongoing requests; yields (base URL, a driver handle)."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-router", "num_replicas": 2,
+                     "max_num_seqs": 8, "max_model_len": 1024, "torch_num_threads": 1, "replica_cpus": 0.25,
+                     "ingress_cpus": 0.1, "prefix_routing_margin": 2})
+    serve.run(app, name=APP, route_prefix="/router")
+    time.sleep(2.5)  # the replicas' first routing-stats report reaches the routers
+    yield f"{serve_app.root}/router/v1", serve.get_deployment_handle("LLMServer", APP)
+    serve.delete(APP)
+
+
+def _prefix(i: int, words: int = 160) -> str:
+    rng = random.Random(i)
+    return f"Document {i}: " + " ".join(rng.choice(PREFIX_WORDS) for _ in range(words))
+
+
+def _reports() -> dict[str, set[int]]:
+    """Each live LLMServer replica of the app: the prefix hashes it reports now."""
+    import ray
+    from ray._private.state import state
+
+    out = {}
+    for a in state.actor_table(None).values():
+        if (a.get("ActorClassName") or "") == f"ServeReplica:{APP}:LLMServer" and a["State"] == "ALIVE":
+            actor = ray.get_actor(a["Name"], namespace="serve")
+            out[a["Name"]] = set(ray.get(actor.record_routing_stats.remote(), timeout=30)["prefix_hashes"])
+    assert len(out) == 2
+    return out
+
+
+def _deep_hash(tokenizer, text: str, blocks: int = 8) -> int:
+    """The chained hash of the first ``blocks`` blocks of ``text`` as the engine encodes it."""
+    return block_hashes(tokenizer.encode(text, add_special_tokens=True), 16, blocks)[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_shared_prefixes_land_on_one_replica(router_app, tokenizers):
+    """6 prefixes of ~200 tokens, 4 requests each (interleaved, one at a time, unique suffixes):
+    each prefix's first request computes it, the 3 others find it in the replica's prefix cache,
+    and each prefix was served by one replica only. (Serve's default router sends a prefix's
+    follow-ups to either replica: ~11 of the 24 would miss.)"""
+    _, handle = router_app
+    _, tok = tokenizers
+    cached: dict[int, list[int]] = {i: [] for i in range(6)}
+
+    async def run():
+        for j in range(4):
+            for i in range(6):
+                out = await handle.complete.remote(_prefix(i) + f" Question {j}: what is {i * j}?",
+                                                   {"max_tokens": 2, "temperature": 0})
+                cached[i].append(out.num_cached_tokens)
+
+    asyncio.run(run())
+    for i, c in cached.items():
+        assert c[0] == 0 and all(n >= 10 * 16 for n in c[1:]), (i, c)
+    reports = _reports()
+    for i in range(6):
+        assert sum(_deep_hash(tok, _prefix(i)) in r for r in reports.values()) == 1, i
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_driver_handle_follows_what_the_ingress_routed(router_app):
+    """Two independent routers agree: the ingress's router sends each new prefix's first
+    request (HTTP) to some replica; once the replicas reported it (~1 s), this process's
+    handle, which never saw these prefixes, sends each follow-up to the same replica: all 6 hit
+    the prefix cache (by chance: 1 in 64)."""
+    import httpx
+
+    base, handle = router_app
+    prompts = [_prefix(100 + i) for i in range(6)]
+    with httpx.Client(timeout=120) as client:
+        for p in prompts:
+            r = client.post(f"{base}/completions", json={"model": "tiny-router", "prompt": p + " First.",
+                                                          "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    time.sleep(3.0)  # request_routing_stats_period_s is 1 s; the controller broadcasts the reports
+
+    async def run():
+        return [(await handle.complete.remote(p + " Second question?", {"max_tokens": 2})).num_cached_tokens
+                for p in prompts]
+
+    assert all(n >= 10 * 16 for n in asyncio.run(run()))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_hot_prefix_spills_over(router_app, tokenizers):
+    """One prefix served by one replica; then 8 long requests of it at once: affinity sends
+    them to that replica until it has more than the margin (2) ongoing requests more than the
+    other, then the other replica takes some (it now reports the prefix too); none fails."""
+    _, handle = router_app
+    _, tok = tokenizers
+    hot = _prefix(200)
+    h = _deep_hash(tok, hot)
+
+    async def one(j: int, max_tokens: int) -> int:
+        n = 0
+        async for chunk in handle.options(stream=True).generate.remote(
+                hot + f" Variant {j}.", {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}):
+            assert chunk.error is None
+            n += len(chunk.token_ids)
+        return n
+
+    asyncio.run(one(0, 2))
+    time.sleep(2.5)
+    before = [name for name, r in _reports().items() if h in r]
+    assert len(before) == 1
+
+    async def burst():
+        return await asyncio.gather(*(one(j, 300) for j in range(1, 9)))
+
+    assert asyncio.run(burst()) == [300] * 8
+    after = [name for name, r in _reports().items() if h in r]
+    assert len(after) == 2, "the hot prefix stayed on one replica"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_http_request_with_several_prompts(router_app):
+    """One completion with 4 prompts and n=2 (8 concurrent handle calls made while serving one
+    request, which Serve 2.60 gives one internal request id): every call is routed (a router
+    matching by that id leaves all but one pending forever) and each prompt by its own prefix:
+    all 4 prefixes, seen before on some replica, hit the prefix cache."""
+    import httpx
+
+    base, handle = router_app
+    prompts = [_prefix(300 + i) for i in range(4)]
+
+    async def seed():
+        for p in prompts:
+            await handle.complete.remote(p + " Seed.", {"max_tokens": 1})
+
+    asyncio.run(seed())
+    time.sleep(2.5)  # the replicas report the new prefixes
+    body = {"model": "tiny-router", "prompt": [p + " Now?" for p in prompts], "n": 2, "max_tokens": 3,
+            "temperature": 0}
+    with httpx.Client(timeout=120) as client:
+        r = client.post(f"{base}/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert sorted(c["index"] for c in out["choices"]) == list(range(8))
+        # cached tokens counted once per prompt: each of the 4 found at least 10 blocks of its prefix
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * 10 * 16, out["usage"]
+        with client.stream("POST", f"{base}/completions", json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
