@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_process import free_port, start_kvserve
 
 from cluster.ray_auth import (
     LOOPBACK_VAR,
@@ -380,28 +381,12 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
 
     home = tmp_path / "home"
     home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HOME=str(home), PYTHONPATH=str(ROOT), RAY_worker_niceness="0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "deployments.cli", "serve", "--model", str(tiny_llama_path), "--served-model-name",
-           "tiny", "--num-replicas", "1", "--port", str(port), "--num-cpus", "4", "--max-num-seqs", "4",
-           "--max-model-len", "2048", "--torch-num-threads", "1"]
-    p = subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True)
-    lines: list[str] = []
+    port = free_port()
+    p, out = start_kvserve(home, ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "--num-replicas",
+                                  "1", "--port", str(port), "--num-cpus", "4", "--max-num-seqs", "4",
+                                  "--max-model-len", "2048", "--torch-num-threads", "1"])
+    lines: list[str] = [out]
     try:
-        deadline = time.time() + 400
-        while time.time() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("Ctrl-C to stop."):
-                break
-        out = "".join(lines)
-        assert "Ctrl-C to stop." in out, out[-4000:]
         m = re.search(r"GCS (127\.0\.0\.1:\d+), control-plane ports on 127\.0\.0\.1 only", out)
         assert m and "token authentication on" in out, out[-4000:]
         gcs = m.group(1)

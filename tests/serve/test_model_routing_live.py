@@ -2,64 +2,31 @@
 models and rules, whose fallback upstream is a second kvserve (``kvserve serve`` in its own
 process, its own Ray, another loopback port, its own API key)."""
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
+from cli_process import free_port, start_kvserve, stop_kvserve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[2]
 APP = "kvserve-routing"
 UP_KEY = "sk-upstream-test"
 SMALL, LARGE = "tiny-small", "tiny-large"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory, tiny_llama_path):
     """A second kvserve as a user starts it (its own Ray, token auth, API key), serving the
     tiny model as ``tiny-up``; yields its OpenAI base URL."""
-    home = tmp_path_factory.mktemp("upstream-home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HOME=str(home), PYTHONPATH=str(ROOT), RAY_worker_niceness="0", KVSERVE_API_KEYS=UP_KEY)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "deployments.cli", "serve", "--model", str(tiny_llama_path), "--served-model-name",
-           "tiny-up", "--num-replicas", "1", "--port", str(port), "--num-cpus", "2", "--max-num-seqs", "8",
-           "--max-model-len", "1024", "--torch-num-threads", "1", "--no-response-cache"]
-    p = subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True)
-    lines: list[str] = []
+    port = free_port()
+    p, _ = start_kvserve(tmp_path_factory.mktemp("upstream-home"),
+                         ["--model", str(tiny_llama_path), "--served-model-name", "tiny-up", "--num-replicas", "1",
+                          "--port", str(port), "--num-cpus", "2", "--max-num-seqs", "8", "--max-model-len", "1024",
+                          "--torch-num-threads", "1", "--no-response-cache"], env={"KVSERVE_API_KEYS": UP_KEY})
     try:
-        deadline = time.time() + 400
-        while time.time() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("Ctrl-C to stop."):
-                break
-        assert "Ctrl-C to stop." in "".join(lines), "".join(lines)[-4000:]
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        import signal
-
-        os.killpg(p.pid, signal.SIGINT)
-        try:
-            p.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_kvserve(p)
 
 
 @pytest.fixture(scope="module")
