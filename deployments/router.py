@@ -526,6 +526,36 @@ class PrefixAwareRouter(RequestRouter):
             self._history.popitem(last=False)
 
 
+_SERIALIZE_LOCK = threading.Lock()
+
+
+def _serialize_router_cls_under_a_lock() -> None:
+    """Make Serve 2.60's ``RequestRouterConfig`` construction thread-safe in this process.
+
+    Each construction (``.options(request_router_config=...)``, and every config update a
+    handle's long-poll thread decodes) runs ``cloudpickle.register_pickle_by_value(module)``,
+    ``dumps``, ``unregister_pickle_by_value(module)`` on the router's module: two threads doing
+    it at once make the second ``unregister`` raise ``ValueError("<module ...> is not registered
+    for pickle by value")``, which fails that ``serve.run`` (seen in CI: a redeploy from a
+    thread while the driver's handle decoded an update). One lock around it (idempotent).
+    """
+    from ray.serve.config import RequestRouterConfig
+
+    orig = RequestRouterConfig._serialize_request_router_cls
+    if getattr(orig, "_kvserve_locked", False):
+        return
+
+    def locked(self) -> None:
+        with _SERIALIZE_LOCK:
+            orig(self)
+
+    locked._kvserve_locked = True
+    RequestRouterConfig._serialize_request_router_cls = locked
+
+
+_serialize_router_cls_under_a_lock()
+
+
 def router_config(block_size: int, imbalance_margin: int, tokenizer: str | None = None,
                   stats_period_s: float = 1.0) -> dict[str, Any]:
     """The ``request_router_config`` of an ``LLMServer`` deployment routed by
