@@ -446,14 +446,16 @@ def test_a_hot_prefix_spills_over(router_app, tokenizers):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_http_request_with_several_prompts(router_app):
-    """One completion with 4 prompts and n=2 (8 concurrent handle calls made while serving one
+    """One completion with 3 prompts and n=2 (concurrent handle calls made while serving one
     request, which Serve 2.60 gives one internal request id): every call is routed (a router
     matching by that id leaves all but one pending forever) and each prompt by its own prefix:
-    all 4 prefixes, seen before on some replica, hit the prefix cache."""
+    all 3 prefixes, seen before on some replica, hit the prefix cache. (3, not more: the seeds
+    may all land on one replica, and with the app's margin of 2 a 4th concurrent call there
+    would rightly spill over to the idle replica.)"""
     import httpx
 
     base, handle = router_app
-    prompts = [_prefix(300 + i) for i in range(4)]
+    prompts = [_prefix(300 + i) for i in range(3)]
 
     async def seed():
         for p in prompts:
@@ -467,9 +469,9 @@ def test_one_http_request_with_several_prompts(router_app):
         r = client.post(f"{base}/completions", json=body)
         assert r.status_code == 200, r.text
         out = r.json()
-        assert sorted(c["index"] for c in out["choices"]) == list(range(8))
-        # cached tokens counted once per prompt: each of the 4 found at least 10 blocks of its prefix
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * 10 * 16, out["usage"]
+        assert sorted(c["index"] for c in out["choices"]) == list(range(6))
+        # cached tokens counted once per prompt: each of the 3 found at least 10 blocks of its prefix
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * 10 * 16, out["usage"]
         with client.stream("POST", f"{base}/completions", json={**body, "stream": True}) as s:
             assert s.status_code == 200
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
