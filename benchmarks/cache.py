@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 import time
@@ -58,8 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.common import load_average, percentile, pyplot, write_json  # noqa: E402
-from benchmarks.recovery import free_port, machine_info, ray_auth_env  # noqa: E402
+from benchmarks.common import load_average, local_serve, percentile, pyplot, write_json  # noqa: E402
+from benchmarks.recovery import machine_info  # noqa: E402
 
 APP = "kvserve-cache-bench"
 NUM_REQUESTS = 130  # 26 paraphrases (20 %), 39 repeats (30 %), 65 unique (50 %)
@@ -181,8 +180,6 @@ def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int =
 
 # ---- 2. threshold --------------------------------------------------------------------------------
 def bench_threshold() -> dict:
-    import numpy as np
-
     from deployments.semantic import Embedder
 
     emb = Embedder(num_threads=1)
@@ -287,16 +284,11 @@ def stream(client, url: str, body: dict) -> tuple[float, float, str | None]:
 def bench_live(args) -> dict:
     import httpx
 
-    auth_dir = ray_auth_env()
-    import ray
-    from ray import serve
+    with local_serve(max(os.cpu_count() or 1, 4)) as port:
+        from ray import serve
 
-    from deployments.app import build_app
+        from deployments.app import build_app
 
-    ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.time()
         serve.run(build_app({"model": args.model, "num_replicas": 1, "max_num_seqs": 16,
                              "semantic_cache": "opt-in", "admin_api_keys": ["bench-admin"]}),
@@ -407,12 +399,6 @@ def bench_live(args) -> dict:
             "_samples": {"exact": exact, "exact_stream": exact_stream, "semantic": semantic, "miss_ttft": miss_ttft,
                          "off_ttft": off_ttft},
         }
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(auth_dir, ignore_errors=True)
 
 
 def plot(result: dict, path: Path) -> None:

@@ -1,7 +1,7 @@
 """What the benchmark scripts share: the model folder, the seeded request workload, greedy
 sampling, the offline kvserve run (KV waste read from the scheduler's own counters), the
 Hugging Face ``generate`` static-batch baseline, percentiles, the load average, JSON and
-plot output.
+plot output, and a local Ray Serve started as ``kvserve serve`` starts it (:func:`local_serve`).
 
 Each script in ``benchmarks/`` keeps only what is its own. They run as scripts
 (``python benchmarks/throughput.py``) and put the repository root on ``sys.path`` before
@@ -9,11 +9,15 @@ importing this module.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import os
 import random
+import shutil
+import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -185,3 +189,44 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (free when asked; another process may take it later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_serve(num_cpus: int):
+    """A local Ray (``num_cpus`` logical CPUs, no dashboard) with token auth on and a token of
+    this run only, as ``kvserve serve`` starts it, and Serve's HTTP proxy on a free loopback
+    port; yields the port. Everything is shut down and the token removed on exit.
+
+    Call it before anything imports ``ray``: Ray reads the auth variables when imported.
+    """
+    from cluster.ray_auth import ensure_local_auth
+
+    auth_dir = tempfile.mkdtemp(prefix="kvserve-bench-auth-")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(auth_dir, "auth_token")
+    ensure_local_auth()
+    os.environ.setdefault("RAY_worker_niceness", "0")  # serving is the node's main work
+    import ray
+    from ray import serve
+
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            yield port
+        finally:
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+    finally:
+        shutil.rmtree(auth_dir, ignore_errors=True)

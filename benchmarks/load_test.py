@@ -81,7 +81,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -92,7 +91,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer comes from the local model folder
 
-from benchmarks.common import load_average, percentile, pyplot, write_json  # noqa: E402
+from benchmarks.common import free_port, load_average, percentile, pyplot, write_json  # noqa: E402
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 COMPLETE = "complete"
@@ -382,12 +381,6 @@ def passes(s: dict, slo_s: float, max_reject: float) -> bool:
 
 
 # ---- local server ---------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def root_of(url: str) -> str:
     """``http://host:port`` of a ``.../v1`` base URL."""
     return url.rstrip("/").removesuffix("/v1")

@@ -25,13 +25,10 @@ import json
 import os
 import platform
 import re
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import load_average, write_json  # noqa: E402
+from benchmarks.common import load_average, local_serve, write_json  # noqa: E402
 
 TARGET_S = 30.0
 #: Seconds an in-flight client may take to see the end of its response before it counts as hung.
@@ -47,27 +44,6 @@ HANG_S = 60.0
 #: Text that must never reach a client (Ray's and Python's internals).
 INTERNALS = ("Traceback", 'File "', "Actor", "actor", "ray::", "ray.exceptions", "RayTaskError", "Worker",
              "/tmp/", "/root/", "/home/", "127.0.0.1")
-
-
-# ---- Ray, as `kvserve serve` starts it ---------------------------------------------------------
-def ray_auth_env() -> str:
-    """Token auth for the Ray this script starts, with a token of this run only (before
-    ``import ray``: Ray reads these variables when it is imported). Returns the temp dir."""
-    from cluster.ray_auth import ensure_local_auth
-
-    d = tempfile.mkdtemp(prefix="kvserve-recovery-auth-")
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ.pop("RAY_AUTH_TOKEN", None)
-    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(d, "auth_token")
-    ensure_local_auth()
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    return d
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine_info() -> dict:
@@ -365,34 +341,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/recovery.json"))
     args = ap.parse_args(argv)
 
-    auth_dir = ray_auth_env()
     result: dict = {"command": "python benchmarks/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "target_s": TARGET_S, "machine": machine_info(),
                     "config": {"trials": args.trials, "streams": args.streams, "max_tokens": args.max_tokens,
                                "model": "SmolLM2-135M-Instruct (default)", "endpoint": "/v1/completions stream"},
                     "notes": list(args.note), "scenarios": {}}
-    import ray
-    from ray import serve
-
     from deployments.app import AppArgs, logical_cpus_needed
 
     names = ["replica_kill"] + ([] if args.skip_tp else ["tp_worker_kill"])
     need = max(logical_cpus_needed(AppArgs.model_validate({"num_replicas": 1, **SCENARIOS[n]["app"]})) for n in names)
     num_cpus = max(os.cpu_count() or 1, int(need + 0.999))  # as `kvserve serve` sizes a local Ray
     result["config"]["ray_num_cpus"] = num_cpus
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(num_cpus) as port:
         for n in names:
             result["scenarios"][n] = run_scenario(n, f"http://127.0.0.1:{port}", args.trials, args.streams,
                                                   args.max_tokens, args.limit)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(auth_dir, ignore_errors=True)
     result["machine"]["load_average_end"] = load_average()
     write_json(args.out, result)
     print_table(result)

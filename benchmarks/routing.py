@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import os
 import random
-import shutil
 import sys
 import threading
 import time
@@ -56,10 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.common import load_average, percentile, pyplot, write_json  # noqa: E402
-from benchmarks.load_test import (COMPLETE, DEFAULT_MODEL, Rec, dist_ms, free_port, load_tokenizer,  # noqa: E402
+from benchmarks.common import load_average, local_serve, percentile, pyplot, write_json  # noqa: E402
+from benchmarks.load_test import (COMPLETE, DEFAULT_MODEL, Rec, dist_ms, load_tokenizer,  # noqa: E402
                                   machine_info, output_lengths, output_range, poisson_arrivals, stream_chat)
-from benchmarks.recovery import ray_auth_env  # noqa: E402
 
 ROUTERS = ("prefix_aware", "default", "ray_prefix_tree")
 APP = "kvserve-routing"
@@ -363,24 +361,11 @@ def main(argv=None) -> dict:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(f"workload: {len(arrivals)} requests; routing cost {result['routing_cost']}", flush=True)
-    auth_dir = ray_auth_env()
-    import ray
-    from ray import serve
-
-    ray.init(num_cpus=max(os.cpu_count() or 1, 6), include_dashboard=False, log_to_driver=False)
     runs = []
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(max(os.cpu_count() or 1, 6)) as port:
         url = f"http://127.0.0.1:{port}/v1"
         for r in routers:
             runs.append(run_router(r, args, url, bodies, arrivals, prefix_hashes, system_blocks))
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(auth_dir, ignore_errors=True)
     result["runs"] = runs
     result["machine"]["load_average_end"] = load_average()
     by = {r["router"]: r for r in runs}

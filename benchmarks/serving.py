@@ -39,7 +39,6 @@ import math
 import os
 import platform
 import random
-import socket
 import statistics
 import sys
 import time
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     add_model_arg,
+    free_port,
     greedy,
     load_average,
     make_workload,
@@ -229,12 +229,6 @@ async def interleaved_ttft(offline: "Offline", base_url: str, model: str | None,
 
 
 # ---- local server ---------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_server(model: str | None, app_args: dict, port: int, num_cpus: int) -> str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does: serving is the node's main work

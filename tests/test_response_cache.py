@@ -61,28 +61,26 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 
 # field -> (extra base fields, the changed value): each must change the key
-CHAT_VARIANTS = {
-    "messages": ({}, [{"role": "user", "content": "What is the capital of Spain?"}]),
-    "max_tokens": ({}, 9), "max_completion_tokens": ({}, 9), "temperature": ({}, 0.5), "top_p": ({}, 0.5),
+SAMPLING_VARIANTS = {
+    "max_tokens": ({}, 9), "temperature": ({}, 0.5), "top_p": ({}, 0.5),
     "n": ({}, 2), "stop": ({}, ["."]), "seed": ({}, 1), "presence_penalty": ({}, 0.5),
     "frequency_penalty": ({}, 0.5), "logit_bias": ({}, {"5": 1.0}), "response_format": ({}, {"type": "json_object"}),
     "top_k": ({}, 5), "min_p": ({}, 0.1), "repetition_penalty": ({}, 1.1), "ignore_eos": ({}, True),
     "min_tokens": ({}, 2), "stop_token_ids": ({}, [3]), "skip_special_tokens": ({}, False),
     "include_stop_str_in_output": ({}, True), "structured_outputs": ({}, {"regex": "a+"}),
     "guided_json": ({}, {"type": "object"}), "guided_regex": ({}, "b+"), "guided_choice": ({}, ["a", "b"]),
-    "guided_grammar": ({}, 'root ::= "a"'), "logprobs": ({}, True), "top_logprobs": ({"logprobs": True}, 2),
+    "guided_grammar": ({}, 'root ::= "a"'),
+}
+CHAT_VARIANTS = {
+    **SAMPLING_VARIANTS,
+    "messages": ({}, [{"role": "user", "content": "What is the capital of Spain?"}]),
+    "max_completion_tokens": ({}, 9), "logprobs": ({}, True), "top_logprobs": ({"logprobs": True}, 2),
     "tools": ({}, [WEATHER]), "tool_choice": ({"tools": [WEATHER]}, "required"),
     "parallel_tool_calls": ({"tools": [WEATHER]}, False),
 }
 COMPLETION_VARIANTS = {
-    "prompt": ({}, "The capital of Spain is"), "max_tokens": ({}, 9), "temperature": ({}, 0.5), "top_p": ({}, 0.5),
-    "n": ({}, 2), "stop": ({}, ["."]), "seed": ({}, 1), "presence_penalty": ({}, 0.5),
-    "frequency_penalty": ({}, 0.5), "logit_bias": ({}, {"5": 1.0}), "response_format": ({}, {"type": "json_object"}),
-    "top_k": ({}, 5), "min_p": ({}, 0.1), "repetition_penalty": ({}, 1.1), "ignore_eos": ({}, True),
-    "min_tokens": ({}, 2), "stop_token_ids": ({}, [3]), "skip_special_tokens": ({}, False),
-    "include_stop_str_in_output": ({}, True), "structured_outputs": ({}, {"regex": "a+"}),
-    "guided_json": ({}, {"type": "object"}), "guided_regex": ({}, "b+"), "guided_choice": ({}, ["a", "b"]),
-    "guided_grammar": ({}, 'root ::= "a"'), "logprobs": ({}, 1), "echo": ({}, True), "best_of": ({}, 2),
+    **SAMPLING_VARIANTS,
+    "prompt": ({}, "The capital of Spain is"), "logprobs": ({}, 1), "echo": ({}, True), "best_of": ({}, 2),
     "suffix": ({}, ""),
 }
 
