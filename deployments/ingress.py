@@ -836,8 +836,8 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, response: Response):
-        name, handle, route_h = self._pick(body.model, body.effective_max_tokens,
-                                           messages=[m.to_template() for m in body.messages])
+        messages = [m.to_template() for m in body.messages]
+        name, handle, route_h = self._pick(body.model, body.effective_max_tokens, messages=messages)
         _warn_unknown(body)
         hid = request_id_of(request)
         rid = random_id("chatcmpl")
@@ -851,7 +851,6 @@ class OpenAIIngress:
             sp["structured_outputs"] = grammar
         parser = get_tool_parser((await self._model_info(name)).get("tool_call_parser", "hermes")) \
             if mode == "auto" else None
-        messages = [m.to_template() for m in body.messages]
         look = await self._cache_lookup(request, name, "chat", body)
         # a cached answer counts as a request of the key, with no tokens: nothing is generated
         use = await self._admit_key(request, name, 0 if look.hit else estimate_prompt_tokens(messages),
