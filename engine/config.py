@@ -45,7 +45,7 @@ class EngineConfig:
     tensor_parallel_size: int = _knob(1, "ranks the model is split over (needs a distributed executor when > 1)")
     seed: int = _knob(0, "seed of the sampler's global RNG")
     scheduling_policy: Literal["fcfs", "priority"] = _knob("fcfs", "fcfs: arrival order; priority: lower first")
-    attention_backend: Literal["torch", "triton", "flash_attn"] | None = _knob(
+    attention_backend: Literal["torch", "cpu", "triton", "flash_attn"] | None = _knob(
         None, "attention kernels (default: the best that supports the device, dtype and block size)")
     enforce_eager: bool = _knob(False, "disable CUDA graphs")
     mixed_step_prefill_tokens: int | None = _knob(

@@ -5,11 +5,12 @@ Rules (:func:`select_attention_backend`):
 1. A backend named by the ``requested`` argument, else by ``KVSERVE_ATTENTION_BACKEND``, is used
    if it supports the settings, else it is a ``ValueError`` that names the reason (e.g.
    ``flash_attn`` with ``block_size`` 16).
-2. Otherwise the first of ``flash_attn`` -> ``triton`` -> ``torch`` that runs on the device
-   natively and supports the dtype, block size and head_dim, and whose packages import. So on
-   CUDA flash-attn wins only where it really runs (fp16/bf16, ``block_size % 256 == 0``,
+2. Otherwise the first of ``flash_attn`` -> ``triton`` -> ``cpu`` -> ``torch`` that runs on the
+   device natively and supports the dtype, block size and head_dim, and whose packages import.
+   So on CUDA flash-attn wins only where it really runs (fp16/bf16, ``block_size % 256 == 0``,
    flash-attn >= 2.6 installed), Triton otherwise, torch if Triton is missing; on CPU it is
-   torch (the Triton interpreter is never chosen automatically).
+   ``cpu`` (our C++ kernel) for float32, torch for other dtypes (the Triton interpreter is never
+   chosen automatically).
 
 The choice is logged once at INFO on ``kvserve.attention``, with why the backends before it were
 passed over. Reading capabilities imports no kernels: backends import theirs when built.
@@ -22,6 +23,7 @@ import os
 import torch
 
 from kernels.backend import AttentionBackend
+from kernels.cpu_backend import CpuBackend
 from kernels.flash_attn_backend import FlashAttnBackend
 from kernels.torch_backend import TorchBackend
 from kernels.triton_backend import TritonBackend
@@ -30,7 +32,7 @@ logger = logging.getLogger("kvserve.attention")
 
 #: Every backend by name, in the order of automatic preference (fastest first).
 BACKENDS: dict[str, type[AttentionBackend]] = {
-    b.name: b for b in (FlashAttnBackend, TritonBackend, TorchBackend)}
+    b.name: b for b in (FlashAttnBackend, TritonBackend, CpuBackend, TorchBackend)}
 
 ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
 

@@ -142,10 +142,21 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         else:
             o = _softcap_attention(qd.unsqueeze(3), k, v, mask.unsqueeze(3), scale, softcap)
         out[rows] = o.reshape(b, num_heads, head_dim).to(q.dtype)
+    return prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out)
 
+
+def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None,
+                            out: torch.Tensor, min_query_len: int = 2) -> torch.Tensor:
+    """The prefill half of :func:`paged_attention_torch`: writes the rows of ``out`` of every
+    request whose query length is >= ``min_query_len`` (one SDPA per chunk over its gathered
+    K/V) and returns ``out``; other rows are left alone."""
+    num_kv_heads, group = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
     s = 0
     for i, (qlen, slen) in enumerate(zip(qlens, slens)):
-        if qlen <= 1:
+        if qlen < min_query_len:
             s += qlen
             continue
         ctx = slen - qlen

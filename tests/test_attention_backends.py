@@ -16,6 +16,7 @@ import torch
 from engine.model_runner import ModelRunner
 from kernels import flash_attn_backend as fab
 from kernels.backend import AttentionBackend
+from kernels.cpu_backend import CpuBackend
 from kernels.flash_attn_backend import FlashAttnBackend
 from kernels.selector import BACKENDS, select_attention_backend
 from kernels.torch_backend import TorchBackend
@@ -102,14 +103,36 @@ def test_cuda_without_triton_picks_torch(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("interpret", [False, True])
-def test_cpu_picks_torch(importable, monkeypatch, caplog, interpret):
-    """On CPU: torch, even with the Triton interpreter on (never chosen automatically)."""
+def test_cpu_picks_the_cpu_kernel_for_float32(importable, monkeypatch, caplog, interpret):
+    """On CPU: our C++ kernel for float32, torch for other dtypes, even with the Triton
+    interpreter on (never chosen automatically)."""
     if interpret:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     cls, line = _select(caplog, CPU, FP32, 16, 64)
-    assert cls is TorchBackend
+    assert cls is CpuBackend
     assert "flash_attn skipped: needs a cuda device, got cpu" in line
     assert "triton skipped: needs a cuda device, got cpu" in line
+    cls, line = _select(caplog, CPU, BF16, 16, 64)
+    assert cls is TorchBackend and "cpu skipped: supports float32, not bfloat16" in line
+
+
+def test_cpu_backend_without_a_compiler_falls_back_to_torch(monkeypatch, caplog):
+    """No C++ compiler: one warning naming why, then the torch path computes the same output."""
+    from kernels import cpu_backend
+    from tests.test_kernels import _meta, make_problem
+    monkeypatch.setattr(cpu_backend, "_loaded", None)
+    monkeypatch.setattr(cpu_backend, "_load_error", None)
+    monkeypatch.setenv("CXX", "no-such-compiler-kvserve")
+    with caplog.at_level(logging.WARNING, logger="kvserve.attention"):
+        backend = CpuBackend()
+        CpuBackend()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "torch path" in warnings[0]
+    assert backend.kernel is False
+    p = make_problem(dict(H=4, Hkv=2, D=64, bs=16, dtype="float32", qlens=[1, 9, 1], seqlens=[30, 9, 70], seed=3))
+    out = backend.forward(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"])
+    ref = TorchBackend().forward(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"])
+    assert torch.equal(out, ref)
 
 
 def test_requested_flash_attn_with_block_size_16_is_a_value_error(importable):
@@ -151,7 +174,7 @@ def test_environment_variable_requests_a_backend(importable, monkeypatch, caplog
 
 
 def test_every_backend_declares_its_capabilities():
-    assert list(BACKENDS) == ["flash_attn", "triton", "torch"]  # automatic preference
+    assert list(BACKENDS) == ["flash_attn", "triton", "cpu", "torch"]  # automatic preference
     for name, cls in BACKENDS.items():
         assert issubclass(cls, AttentionBackend) and cls.name == name and cls.devices
     assert FlashAttnBackend.supports_cuda_graphs and TritonBackend.supports_cuda_graphs
@@ -184,8 +207,8 @@ def test_model_runner_selects_once_from_its_config(tiny_llama_path, caplog, monk
     with caplog.at_level(logging.INFO, logger="kvserve.attention"):
         runner = ModelRunner(EngineConfig(device="cpu", block_size=16), tiny_llama_path)
     lines = [r.getMessage() for r in caplog.records if r.name == "kvserve.attention"]
-    assert len(lines) == 1 and lines[0].startswith("attention backend: torch (")
-    assert isinstance(runner.backend, TorchBackend)
+    assert len(lines) == 1 and lines[0].startswith("attention backend: cpu (")
+    assert isinstance(runner.backend, CpuBackend)
     assert all(layer.self_attn.backend is runner.backend for layer in runner.model.layers)
     runner.init_kv_cache(4)
     assert not runner.use_cuda_graphs and not captured

@@ -3,7 +3,9 @@
 The reference runs each prompt alone (no padding); kvserve runs all prompts in one
 ``generate`` call, so the engine batches them (flattened varlen batch, paged KV cache).
 Variants: prefix caching off, chunked prefill forced by a tiny token budget, and a KV
-pool so small that requests are preempted and recomputed.
+pool so small that requests are preempted and recomputed. Each runs on the default CPU path
+(our C++ attention kernel, oneDNN linears) and on the plain one (torch attention backend,
+ATen's ``F.linear``: ``KVSERVE_CPU_LINEAR=aten``).
 """
 import pytest
 import torch
@@ -54,6 +56,19 @@ def prompt_ids(path) -> list[list[int]]:
     return ids
 
 
+#: (attention_backend, KVSERVE_CPU_LINEAR) pairs every HF comparison runs on.
+CPU_PATHS = [("cpu", "onednn"), ("torch", "aten")]
+
+
+@pytest.fixture(params=CPU_PATHS, ids=lambda p: f"{p[0]}-{p[1]}")
+def cpu_path(request, monkeypatch):
+    """Runs the test on one CPU path; yields the ``attention_backend`` to pass to ``LLM``."""
+    import engine.layers.linear as linear
+    backend, matmul = request.param
+    monkeypatch.setattr(linear, "CPU_LINEAR", matmul)
+    return backend
+
+
 def engine_greedy(path, ids, new_tokens, **kw):
     llm = LLM(model=str(path), **kw)
     outs = llm.generate(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -74,9 +89,9 @@ class TestSmolLM2:
         ids = prompt_ids(smollm2_path)
         return smollm2_path, ids, hf_greedy(smollm2_path, ids, NEW_TOKENS)
 
-    def test_batched_equals_hf(self, case):
+    def test_batched_equals_hf(self, case, cpu_path):
         path, ids, ref = case
-        llm = LLM(model=str(path))
+        llm = LLM(model=str(path), attention_backend=cpu_path)
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
         assert llm.get_stats()["max_running_batch"] == len(ids)
@@ -88,17 +103,19 @@ class TestSmolLM2:
         stats = llm.get_stats()
         assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
 
-    def test_prefix_caching_off_chunked_prefill(self, case):
+    def test_prefix_caching_off_chunked_prefill(self, case, cpu_path):
         path, ids, ref = case
-        got, stats = engine_greedy(path, ids, NEW_TOKENS, enable_prefix_caching=False, max_num_batched_tokens=24)
+        got, stats = engine_greedy(path, ids, NEW_TOKENS, enable_prefix_caching=False, max_num_batched_tokens=24,
+                                   attention_backend=cpu_path)
         assert stats["prefix_cache_hit_rate"] == 0
         assert stats["num_steps"] > NEW_TOKENS + sum(len(i) for i in ids) // 24 - 1  # prompts were chunked
         assert_same(ref, got)
 
-    def test_preemption_recompute(self, case):
+    def test_preemption_recompute(self, case, cpu_path):
         path, ids, ref = case
         # 12 requests of up to ~100 tokens each need ~80 blocks; 24 blocks force preemption.
-        got, stats = engine_greedy(path, ids, NEW_TOKENS, num_kv_blocks=24, block_size=8)
+        got, stats = engine_greedy(path, ids, NEW_TOKENS, num_kv_blocks=24, block_size=8,
+                                   attention_backend=cpu_path)
         assert stats["num_preemptions"] > 0
         assert_same(ref, got)
 
@@ -111,14 +128,14 @@ class TestSmolLM2:
     ("qwen3", {}),
     ("qwen2", {}),
 ])
-def test_tiny_models_equal_hf(tmp_path, arch, overrides):
+def test_tiny_models_equal_hf(tmp_path, arch, overrides, cpu_path):
     # A larger init than HF's 0.02 makes logits peaked, so argmax is not decided by float noise.
     path = make_tiny_model(tmp_path / arch, arch=arch, initializer_range=0.2, num_hidden_layers=3, **overrides)
     tok = load_tokenizer(path)
     ids = [tok.encode(p) for p in PROMPTS[:6]] + [list(range(100, 180))]  # one prompt spans 5+ blocks
     ref = hf_greedy(path, ids, 24)
     for kw in ({}, {"max_num_batched_tokens": 7, "enable_prefix_caching": False}, {"num_kv_blocks": 40, "block_size": 4}):
-        got, stats = engine_greedy(path, ids, 24, **kw)
+        got, stats = engine_greedy(path, ids, 24, attention_backend=cpu_path, **kw)
         assert_same(ref, got)
         if "num_kv_blocks" in kw:
             assert stats["num_preemptions"] > 0

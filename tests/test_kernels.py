@@ -491,6 +491,35 @@ def test_torch_reference_path(name):
     assert rec["ok"], f"{name}: {_describe(rec)}"
 
 
+# The C++ CPU kernel (kernels/cpu_backend.py) takes fp32 caches; fp16 problems are upcast. Plus
+# short chunks (query length 2..16: the kernel's, not SDPA's) next to long ones and decode rows.
+CPU_CASES = dict(TORCH_CASES)
+CPU_CASES["cpu_short_chunks"] = dict(
+    kind="dispatch", H=6, Hkv=2, D=64, bs=16, dtype="float32", qlens=[16, 2, 1, 17, 5, 1],
+    seqlens=[40, 2, 33, 17, 260, 1], seed=44)
+CPU_CASES["cpu_short_chunks_window_softcap"] = dict(
+    kind="dispatch", H=4, Hkv=1, D=64, bs=8, dtype="float32", qlens=[7, 1, 16, 30],
+    seqlens=[50, 9, 16, 100], window=6, softcap=4.0, seed=45)
+
+
+@pytest.fixture(scope="module")
+def cpu_kernel():
+    from kernels import cpu_backend
+    if not cpu_backend.load_kernel():
+        pytest.skip(f"cpu attention kernel cannot be built here: {cpu_backend.kernel_error()}")
+    return cpu_backend
+
+
+@pytest.mark.parametrize("name", list(CPU_CASES))
+def test_cpu_kernel(name, cpu_kernel):
+    spec = dict(CPU_CASES[name], dtype="float32")
+    p = make_problem(spec)
+    out = cpu_kernel.paged_attention_cpu(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
+                                         p["window"], p["softcap"])
+    rec = _compare(out, ref_attention(p), "float32")  # seq_len-0 rows: the kernel writes zeros
+    assert rec["ok"], f"{name}: {_describe(rec)}"
+
+
 def test_flash_attn_backend_calls(monkeypatch):
     """flash-attn cannot be installed here: a fake module checks what the backend passes
     (decode-only batch -> ``flash_attn_with_kvcache``, anything else -> paged varlen)."""

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import linear
 from engine.distributed import all_gather_last_dim, all_reduce, split_range, tp_rank, tp_size
 
 
@@ -37,5 +38,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
-        logits = F.linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight).float()
         return all_gather_last_dim(logits, [e - s for s, e in self.ranges])

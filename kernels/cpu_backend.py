@@ -1,0 +1,156 @@
+"""The CPU attention backend: a C++ kernel that reads K/V in place through the block tables.
+
+The torch backend gathers every decode row's K/V into a contiguous copy before SDPA; on CPU that
+copy (``index_select``) cost as much as the attention itself. Here decode rows and short chunks
+(query length <= :data:`MAX_KERNEL_QUERY_LEN`: decode, a chunked prefill's tail, speculative
+verification) go to ``kernels/csrc/paged_attention_cpu.cpp``: online softmax block by block
+over the paged cache, the query heads of a KV head sharing each K/V read, (request, KV head)
+pairs over ATen's thread pool. Longer prefill chunks keep the torch path, whose SDPA is a tiled
+GEMM kernel that a per-query loop cannot beat. Sliding windows and logit soft-capping are
+honoured by both.
+
+The kernel is compiled on first use (about a minute on 2 cores) with ``torch.utils.cpp_extension``
+into ``$KVSERVE_CACHE/torch_extensions/<hash of source, torch version and CPU flags>`` and
+loaded from there afterwards; ``make setup`` builds it (``python -m kernels.cpu_backend``).
+Without a C++ compiler, or if the build fails, the backend logs one warning and runs the torch
+path for everything.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.backend import AttentionBackend, AttentionMetadata
+from kernels.torch_backend import paged_attention_torch, prefill_attention_torch, store_kv_torch
+
+logger = logging.getLogger("kvserve.attention")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+
+#: Longest query slice the C++ kernel takes; longer prefill chunks run SDPA on gathered K/V.
+MAX_KERNEL_QUERY_LEN = 16
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_load_error: str | None = None
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_directory() -> Path:
+    """Where the compiled kernel lives: one folder per (source, torch version, CPU flags), since
+    it is built with ``-march=native`` for this machine."""
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return _cache_root() / "torch_extensions" / f"paged_attention_cpu_{key}"
+
+
+def load_kernel() -> bool:
+    """Compile (once per machine, cached) and load the C++ kernel into ``torch.ops.kvserve_cpu``.
+
+    Returns True when the op is usable; False (after one warning, with the reason in
+    :func:`kernel_error`) when there is no C++ compiler or the build fails. Thread-safe; across
+    processes ``torch.utils.cpp_extension`` serialises builds of the same folder with a lock file.
+    """
+    global _loaded, _load_error
+    with _lock:
+        if _loaded is None:
+            try:
+                if shutil.which(os.environ.get("CXX", "c++")) is None:
+                    raise RuntimeError("no C++ compiler (c++) on PATH")
+                from torch.utils.cpp_extension import load
+                build = build_directory()
+                build.mkdir(parents=True, exist_ok=True)
+                load(name="kvserve_paged_attention_cpu", sources=[str(SOURCE)], build_directory=str(build),
+                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+                     is_python_module=False, verbose=False)
+                _loaded = hasattr(torch.ops.kvserve_cpu, "paged_attention")
+                if not _loaded:
+                    raise RuntimeError("the library loaded but registered no kvserve_cpu.paged_attention op")
+            except Exception as exc:  # noqa: BLE001 - any failure: fall back to the torch path
+                _loaded, _load_error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                logger.warning("cpu attention kernel unavailable (%s); using the torch path", _load_error)
+        return _loaded
+
+
+def kernel_error() -> str | None:
+    """Why :func:`load_kernel` failed (None: it did not, or was not tried)."""
+    return _load_error
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of ``q`` float32 ``[num_tokens, num_heads, head_dim]`` over the paged
+    cache (float32 ``[num_blocks, block_size, num_kv_heads, head_dim]``): requests with a query
+    length <= :data:`MAX_KERNEL_QUERY_LEN` in the C++ kernel, the rest through
+    :func:`kernels.torch_backend.paged_attention_torch`. Same contract as that function
+    (``window``, ``softcap``, returns ``[num_tokens, num_heads, head_dim]``).
+
+    Raises:
+        ValueError: a ``window`` < 1 or a ``softcap`` <= 0.
+    """
+    AttentionBackend.check_window_softcap(window, softcap)
+    short = meta.__dict__.get("_cpu_short")
+    if short is None:  # computed once per step (every layer shares meta)
+        idx = [i for i, n in enumerate(meta.query_lens_cpu) if n <= MAX_KERNEL_QUERY_LEN]
+        short = meta.__dict__["_cpu_short"] = (
+            torch.tensor(idx, dtype=torch.long), len(idx) == len(meta.query_lens_cpu))
+    reqs, all_short = short
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if not all_short:  # long prefill chunks: SDPA over their gathered K/V
+        prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out,
+                                min_query_len=MAX_KERNEL_QUERY_LEN + 1)
+    if reqs.numel():
+        torch.ops.kvserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                              meta.cu_seqlens_q, reqs, out, scale, window or 0,
+                                              float(softcap or 0.0))
+    return out
+
+
+class CpuBackend(AttentionBackend):
+    """:func:`paged_attention_cpu` and the torch ``store_kv`` (``index_copy_``), float32 on CPU.
+    Falls back to the torch path entirely when the kernel cannot be built (see the module
+    docstring)."""
+
+    name = "cpu"
+    devices = ("cpu",)
+    dtypes = (torch.float32,)
+
+    def __init__(self):
+        self.kernel = load_kernel()
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        if not self.kernel:
+            return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap)
+        return paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_backend`: build (or find) the kernel now
+    logging.basicConfig(level=logging.INFO)
+    ok = load_kernel()
+    print(f"cpu attention kernel: {'ready in ' + str(build_directory()) if ok else 'unavailable: ' + str(kernel_error())}")
+    raise SystemExit(0 if ok else 1)

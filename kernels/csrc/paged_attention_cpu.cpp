@@ -1,0 +1,192 @@
+// Paged attention on CPU that reads K/V in place through the block tables (no gather copy).
+//
+// FlashAttention-style online softmax (Dao et al. 2022, alg. 1; Milakov & Gimelshein 2018) over
+// one KV block at a time: per block the scores of every query that shares the KV head, one
+// max-rescale of the running output, then the weighted V rows. Work items are (request, KV head)
+// pairs spread over ATen's intra-op thread pool; the query heads of a KV head (GQA) and the
+// query rows of a short chunk share each K/V row read. Built by kernels/cpu_backend.py with
+// torch.utils.cpp_extension (-O3 -march=native); the layout contract is kernels/backend.py's.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxBlock = 256;  // largest block_size the per-block score buffer holds
+
+// exp(x) for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r, |r| <= ln2/2,
+// exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n through the exponent bits.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.4426950408889634f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  union { int32_t i; float f; } scale_bits;
+  scale_bits.i = (static_cast<int32_t>(n) + 127) << 23;
+  return p * scale_bits.f;
+}
+
+// One (request, KV head) work item for a compile-time head_dim D (0: runtime `dim`).
+template <int64_t D>
+struct Item {
+  int64_t dim;
+  int64_t hd() const { return D > 0 ? D : dim; }
+
+  // scores s[i * BS + (j - a)] for queries i of keys j in [j0, j1) of one block, then per query
+  // the online-softmax update of (m, l, acc) with that block's keys.
+  void run(const float* qp, const float* kp, const float* vp, float* op, const int32_t* table,
+           int64_t q0, int64_t qlen, int64_t slen, int64_t h, int64_t H, int64_t G, int64_t Hkv,
+           int64_t BS, float scale, float cap, int64_t window, std::vector<float>& m,
+           std::vector<float>& l, std::vector<float>& acc, std::vector<float>& s, std::vector<float>& qs,
+           std::vector<int64_t>& lo_q, std::vector<int64_t>& hi_q) const {
+    const int64_t d_ = hd(), nq = qlen * G, ctx = slen - qlen;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    m.assign(nq, ninf);
+    l.assign(nq, 0.f);
+    acc.assign(nq * d_, 0.f);
+    s.resize(nq * BS);
+    lo_q.resize(nq);
+    hi_q.resize(nq);
+    qs.resize(nq * d_);
+    for (int64_t i = 0; i < nq; ++i) {  // query i = (row t = i / G, head g = i % G)
+      const int64_t p = ctx + i / G;    // it sees keys lo..p
+      hi_q[i] = p;
+      lo_q[i] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      std::copy_n(qp + ((q0 + i / G) * H + h * G + i % G) * d_, d_, qs.data() + i * d_);
+    }
+    const int64_t first = lo_q[0], last = slen - 1;  // keys any query of the item sees
+    for (int64_t b = first / BS; b <= last / BS; ++b) {
+      const int64_t j0 = std::max(first, b * BS), j1 = std::min(last + 1, (b + 1) * BS);
+      const float* kb = kp + (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_;
+      const float* vb = vp + (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_;
+      // scores: each key row is read once for all nq queries
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* kj = kb + (j - b * BS) * Hkv * d_;
+        for (int64_t i = 0; i < nq; ++i) {
+          const float* qi = qs.data() + i * d_;
+          float x = 0.f;
+#pragma omp simd reduction(+ : x)
+          for (int64_t d = 0; d < d_; ++d) x += qi[d] * kj[d];
+          x *= scale;
+          if (cap > 0.f) x = cap * std::tanh(x / cap);
+          s[i * BS + (j - j0)] = (j >= lo_q[i] && j <= hi_q[i]) ? x : ninf;
+        }
+      }
+      const int64_t n = j1 - j0;
+      for (int64_t i = 0; i < nq; ++i) {
+        float* si = s.data() + i * BS;
+        float mb = ninf;
+        for (int64_t j = 0; j < n; ++j) mb = std::max(mb, si[j]);
+        if (mb == ninf) {  // no key of this block is visible to query i
+          std::fill(si, si + n, 0.f);
+          continue;
+        }
+        const float mn = std::max(m[i], mb);
+        float* o = acc.data() + i * d_;
+        if (m[i] != ninf && mn > m[i]) {
+          const float alpha = exp_nonpos(m[i] - mn);
+          l[i] *= alpha;
+#pragma omp simd
+          for (int64_t d = 0; d < d_; ++d) o[d] *= alpha;
+        }
+        m[i] = mn;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+          const float e = si[j] == ninf ? 0.f : exp_nonpos(si[j] - mn);
+          si[j] = e;
+          sum += e;
+        }
+        l[i] += sum;
+      }
+      // weighted V rows: each value row is read once for all nq queries
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vj = vb + (j0 - b * BS + j) * Hkv * d_;
+        for (int64_t i = 0; i < nq; ++i) {
+          const float pj = s[i * BS + j];
+          if (pj == 0.f) continue;
+          float* o = acc.data() + i * d_;
+#pragma omp simd
+          for (int64_t d = 0; d < d_; ++d) o[d] += pj * vj[d];
+        }
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      float* dst = op + ((q0 + i / G) * H + h * G + i % G) * d_;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      const float* o = acc.data() + i * d_;
+#pragma omp simd
+      for (int64_t d = 0; d < d_; ++d) dst[d] = o[d] * inv;
+    }
+  }
+};
+
+// q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_tables int32 [R, W]; seq_lens int32 [R];
+// cu_seqlens_q int32 [R + 1]; reqs int64 [n]: the requests this call attends (their rows of
+// `out` [T, H, D] are written, others are left alone). window 0 = none; softcap 0 = none.
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& reqs, at::Tensor& out,
+                     double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_attention (cpu): float32 q, caches and out expected");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  out.is_contiguous() && block_tables.is_contiguous(),
+              "paged_attention (cpu): contiguous tensors expected");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  cu_seqlens_q.scalar_type() == at::kInt && reqs.scalar_type() == at::kLong,
+              "paged_attention (cpu): int32 block_tables/seq_lens/cu_seqlens_q, int64 reqs expected");
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "paged_attention (cpu): shape mismatch");
+  TORCH_CHECK(BS <= kMaxBlock, "paged_attention (cpu): block_size above ", kMaxBlock);
+  const int64_t G = H / Hkv, W = block_tables.size(1), n = reqs.numel();
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int64_t* rq = reqs.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+
+  auto body = [&](auto item) {
+    at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> m, l, acc, s, qs;
+      std::vector<int64_t> lo_q, hi_q;
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t r = rq[w / Hkv], h = w % Hkv;
+        const int64_t q0 = cu[r], qlen = cu[r + 1] - q0;
+        if (qlen <= 0) continue;
+        item.run(qp, kp, vp, op, bt + r * W, q0, qlen, sl[r], h, H, G, Hkv, BS, fscale, cap,
+                 window, m, l, acc, s, qs, lo_q, hi_q);
+      }
+    });
+  };
+  if (D == 64) body(Item<64>{64});
+  else if (D == 128) body(Item<128>{128});
+  else if (D == 256) body(Item<256>{256});
+  else body(Item<0>{D});
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor cu_seqlens_q, Tensor reqs, Tensor(a!) out, float scale, int window, float softcap) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
