@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -49,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     add_model_arg,
-    free_port,
     greedy,
     load_average,
+    local_serve,
     make_workload,
     percentile,
     pyplot,
@@ -229,27 +230,16 @@ async def interleaved_ttft(offline: "Offline", base_url: str, model: str | None,
 
 
 # ---- local server ---------------------------------------------------------------------------
-def launch_server(model: str | None, app_args: dict, port: int, num_cpus: int) -> str:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does: serving is the node's main work
-
-    import ray
+def launch_server(stack, model: str | None, app_args: dict, num_cpus: int) -> str:
+    """Start the app on a local Ray Serve (token auth on, ``benchmarks.common.local_serve``) that
+    ``stack`` (an ``ExitStack``) shuts down; returns the ``/v1`` base URL."""
+    port = stack.enter_context(local_serve(num_cpus))
     from ray import serve
 
     from deployments.app import build_app
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": model, **app_args}), name="kvserve", route_prefix="/")
     return f"http://127.0.0.1:{port}/v1"
-
-
-def stop_server() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
 
 
 async def warmup(base_url: str, model: str | None, work) -> None:
@@ -337,12 +327,16 @@ def main(argv=None) -> dict:
     }
     launched = args.base_url is None
     base_url = args.base_url
+    stack = contextlib.ExitStack()
     if launched:
         print("launching Ray Serve ...", flush=True)
         # one replica, pinned: the comparison is one replica against one in-process engine (the
         # default deployment would autoscale, and extra replicas on this box share its cores)
-        base_url = launch_server(args.model, {**engine_kw, "served_model_name": served, "num_replicas": 1},
-                                 free_port(), args.num_cpus)
+        # The same requests every round: the response cache would answer later rounds (off), and
+        # all requests arrive at once, so the admission bounds must hold the whole workload.
+        app_args = {**engine_kw, "served_model_name": served, "num_replicas": 1, "response_cache": False,
+                    "max_queued_requests": len(work), "max_queued_prompt_tokens": sum(len(p) for p, _ in work)}
+        base_url = launch_server(stack, args.model, app_args, args.num_cpus)
     offline = None if args.skip_offline else Offline(path, engine_kw)
     plots: dict[str, list[RequestResult]] = {}
     best_http = best_off = None
@@ -367,8 +361,12 @@ def main(argv=None) -> dict:
                 s["same_text_as_offline"] = f"{same}/{len(res)}"
             result["runs"].append(s)
             print(json.dumps(s), flush=True)
-            if best_http is None or s["output_tok_per_s"] > best_http[0]["output_tok_per_s"]:
+            if s["errors"]:
+                print(f"round {rnd}: {s['errors']} requests failed; the round does not count", flush=True)
+            elif best_http is None or s["output_tok_per_s"] > best_http[0]["output_tok_per_s"]:
                 best_http = (s, res)
+        if best_http is None:
+            raise SystemExit("every HTTP round had failed requests (see error_samples above)")
         plots[label] = best_http[1]
         print("concurrency 1 (TTFT) ...", flush=True)
         if offline is not None:
@@ -385,8 +383,7 @@ def main(argv=None) -> dict:
         if launched:
             result["serving_path_ttft_ms"] = serving_path_ttft(res1)
     finally:
-        if launched:
-            stop_server()
+        stack.close()
 
     if offline is not None:
         result["best_offline_output_tok_per_s"] = best_off["output_tok_per_s"]

@@ -129,7 +129,6 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
 
     for rows, gather, mask in _decode_plan(meta, k_cache, window):
         b, length = mask.shape[0], mask.shape[-1]
