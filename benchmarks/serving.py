@@ -186,18 +186,26 @@ def summarize(name: str, results: list[RequestResult], elapsed: float, **extra) 
 # ---- offline engine ------------------------------------------------------------------------
 class Offline:
     """The offline engine in this process: ``engine.LLM`` for throughput and an
-    ``AsyncLLMEngine`` over the same ``LLMEngine`` for TTFT (used one at a time)."""
+    ``AsyncLLMEngine`` over the same ``LLMEngine`` for TTFT (used one at a time). The engine is
+    built, run and stepped in one thread, as ``AsyncLLMEngine.from_config`` does in a replica
+    (OpenMP keeps a worker team per calling thread; mixing threads slows CPU steps)."""
 
     def __init__(self, model_path: str, engine_kw: dict):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
         from engine import LLM
         from engine.async_engine import AsyncLLMEngine
 
-        self.llm = LLM(model=model_path, **engine_kw)
-        self.aeng = AsyncLLMEngine(self.llm.engine)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="offline-step", initializer=torch.set_num_threads,
+                                       initargs=(torch.get_num_threads(),))
+        self.llm = self.pool.submit(LLM, model=model_path, **engine_kw).result()
+        self.aeng = AsyncLLMEngine(self.llm.engine, step_pool=self.pool)
 
     def throughput(self, work) -> dict:
         """``benchmarks.common.run_kvserve`` (the throughput benchmark's kvserve run)."""
-        r = run_kvserve(self.llm, work)
+        r = self.pool.submit(run_kvserve, self.llm, work).result()
         return {"run": "offline_engine", **{k: r[k] for k in ("elapsed_s", "output_tokens", "output_tok_per_s",
                                                                "max_running_batch", "texts")}}
 

@@ -9,7 +9,11 @@ pairs over ATen's thread pool. Longer prefill chunks keep the torch path, whose 
 GEMM kernel that a per-query loop cannot beat. Sliding windows and logit soft-capping are
 honoured by both.
 
-The kernel is compiled on first use (about a minute on 2 cores) with ``torch.utils.cpp_extension``
+The same library holds fused element-wise ops for the model's layers (:func:`rms_norm`,
+:func:`add_rms_norm`, :func:`rotary`, :func:`silu_and_mul`; ``kernels/csrc/fused_ops_cpu.cpp``),
+which ``engine/layers`` use on CPU float32 whenever the library loads (:func:`use_fused_ops`).
+
+The kernels are compiled on first use (about a minute on 2 cores) with ``torch.utils.cpp_extension``
 into ``$KVSERVE_CACHE/torch_extensions/<hash of source, torch version and CPU flags>`` and
 loaded from there afterwards; ``make setup`` builds it (``python -m kernels.cpu_backend``).
 Without a C++ compiler, or if the build fails, the backend logs one warning and runs the torch
@@ -32,7 +36,7 @@ from kernels.torch_backend import paged_attention_torch, prefill_attention_torch
 
 logger = logging.getLogger("kvserve.attention")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / n for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp")]
 
 #: Longest query slice the C++ kernel takes; longer prefill chunks run SDPA on gathered K/V.
 MAX_KERNEL_QUERY_LEN = 16
@@ -59,8 +63,10 @@ def _cpu_flags() -> str:
 def build_directory() -> Path:
     """Where the compiled kernel lives: one folder per (source, torch version, CPU flags), since
     it is built with ``-march=native`` for this machine."""
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    return _cache_root() / "torch_extensions" / f"paged_attention_cpu_{key}"
+    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    return _cache_root() / "torch_extensions" / f"kvserve_cpu_{h.hexdigest()[:16]}"
 
 
 def load_kernel() -> bool:
@@ -79,7 +85,7 @@ def load_kernel() -> bool:
                 from torch.utils.cpp_extension import load
                 build = build_directory()
                 build.mkdir(parents=True, exist_ok=True)
-                load(name="kvserve_paged_attention_cpu", sources=[str(SOURCE)], build_directory=str(build),
+                load(name="kvserve_cpu_kernels", sources=[str(p) for p in SOURCES], build_directory=str(build),
                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
                      is_python_module=False, verbose=False)
                 _loaded = hasattr(torch.ops.kvserve_cpu, "paged_attention")
@@ -89,6 +95,51 @@ def load_kernel() -> bool:
                 _loaded, _load_error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 logger.warning("cpu attention kernel unavailable (%s); using the torch path", _load_error)
         return _loaded
+
+
+#: Fused element-wise ops (``kernels/csrc/fused_ops_cpu.cpp``) in the model's layers: on by
+#: default where the kernels build; ``KVSERVE_CPU_FUSED_OPS=0`` keeps the ATen ops.
+FUSED_OPS = os.environ.get("KVSERVE_CPU_FUSED_OPS", "1") != "0"
+
+
+def use_fused_ops(x: torch.Tensor) -> bool:
+    """Whether the layers should run :func:`rms_norm` & co. on ``x``: CPU float32 inference with
+    the kernels built (the first call may build them, see :func:`load_kernel`)."""
+    return (FUSED_OPS and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and (_loaded or (_loaded is None and load_kernel())))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) * (weight + offset)`` for float32 ``x`` ``[N, H]`` and
+    ``weight`` ``[H]`` in one pass (Zhang & Sennrich 2019); returns a new ``[N, H]`` tensor."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.kvserve_cpu.rms_norm(x, weight, out, eps, offset)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm decoder's fused add: ``residual += x`` **in place**, then
+    ``(rms_norm(residual), residual)``; float32 ``[N, H]``."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.kvserve_cpu.add_rms_norm(x, residual, weight, out, eps, offset)
+    return out, residual
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE ("rotate half" layout, Su et al. 2021) applied **in place** to float32 ``q``
+    ``[N, Hq, D]`` and ``k`` ``[N, Hk, D]`` (rows may be strided views) at int64 ``positions``
+    ``[N]``, with float32 ``cos``/``sin`` caches ``[max_position, D]``; returns ``(q, k)``."""
+    torch.ops.kvserve_cpu.rotary(q, k, positions, cos, sin)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: ``silu(x[:, :I]) * x[:, I:]`` for float32 ``x`` ``[N, 2I]`` -> ``[N, I]``."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    torch.ops.kvserve_cpu.silu_and_mul(x, out)
+    return out
 
 
 def kernel_error() -> str | None:

@@ -4,8 +4,9 @@ The reference runs each prompt alone (no padding); kvserve runs all prompts in o
 ``generate`` call, so the engine batches them (flattened varlen batch, paged KV cache).
 Variants: prefix caching off, chunked prefill forced by a tiny token budget, and a KV
 pool so small that requests are preempted and recomputed. Each runs on the default CPU path
-(our C++ attention kernel, oneDNN linears) and on the plain one (torch attention backend,
-ATen's ``F.linear``: ``KVSERVE_CPU_LINEAR=aten``).
+(our C++ attention kernel and fused element-wise ops, oneDNN linears) and on the plain one
+(torch attention backend, ATen ops, ``F.linear``: ``KVSERVE_CPU_LINEAR=aten``,
+``KVSERVE_CPU_FUSED_OPS=0``).
 """
 import pytest
 import torch
@@ -64,8 +65,10 @@ CPU_PATHS = [("cpu", "onednn"), ("torch", "aten")]
 def cpu_path(request, monkeypatch):
     """Runs the test on one CPU path; yields the ``attention_backend`` to pass to ``LLM``."""
     import engine.layers.linear as linear
+    from kernels import cpu_backend
     backend, matmul = request.param
     monkeypatch.setattr(linear, "CPU_LINEAR", matmul)
+    monkeypatch.setattr(cpu_backend, "FUSED_OPS", backend == "cpu")
     return backend
 
 

@@ -520,6 +520,42 @@ def test_cpu_kernel(name, cpu_kernel):
     assert rec["ok"], f"{name}: {_describe(rec)}"
 
 
+def test_cpu_fused_ops_match_aten(cpu_kernel):
+    """The fused element-wise ops against the ATen formulas they replace (float64 reference),
+    on strided row views as the model passes them, with row counts on both sides of the
+    single-thread / thread-pool split."""
+    from engine.layers.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 64, 700):
+        H = 576
+        x = torch.randn(rows, 2 * H, generator=g)[:, :H]  # strided rows
+        res = torch.randn(rows, H, generator=g)
+        w = torch.randn(H, generator=g)
+        ref = lambda t, off=0.0: ((t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+                                  * (w.double() + off))
+        for off in (0.0, 1.0):
+            out = cpu_kernel.rms_norm(x, w, 1e-5, off)
+            assert (out.double() - ref(x, off)).abs().max() < 1e-5
+        r0 = res.clone()
+        out, r = cpu_kernel.add_rms_norm(x, res, w, 1e-5)
+        assert r is res and torch.allclose(res, r0 + x, atol=0, rtol=0)  # residual updated in place
+        assert (out.double() - ref(r0 + x)).abs().max() < 1e-5
+        gu = torch.randn(rows, 2 * 1536, generator=g)
+        ref_sm = torch.nn.functional.silu(gu[:, :1536].double()) * gu[:, 1536:].double()
+        assert (cpu_kernel.silu_and_mul(gu).double() - ref_sm).abs().max() < 1e-5
+        rope = RotaryEmbedding(64, 4096, 10000.0)
+        qkv = torch.randn(rows, (9 + 3 + 3) * 64, generator=g)
+        q, k = qkv[:, :576].reshape(rows, 9, 64), qkv[:, 576:768].reshape(rows, 3, 64)
+        pos = torch.randint(0, 4096, (rows,), generator=g)
+        cos, sin = rope.cos[pos][:, None].double(), rope.sin[pos][:, None].double()
+        rot = lambda t: t * cos + torch.cat((-t[..., 32:], t[..., :32]), -1) * sin
+        q_ref, k_ref, v_before = rot(q.double()), rot(k.double()), qkv[:, 768:].clone()
+        q2, k2 = cpu_kernel.rotary(q, k, pos, rope.cos, rope.sin)
+        assert q2.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
+        assert (q.double() - q_ref).abs().max() < 1e-5 and (k.double() - k_ref).abs().max() < 1e-5
+        assert torch.equal(qkv[:, 768:], v_before)  # v untouched
+
+
 def test_flash_attn_backend_calls(monkeypatch):
     """flash-attn cannot be installed here: a fake module checks what the backend passes
     (decode-only batch -> ``flash_attn_with_kvcache``, anything else -> paged varlen)."""

@@ -17,6 +17,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.weights import load_hf_weights
+from kernels import cpu_backend
 from kernels.backend import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -82,7 +83,10 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        h = self.gate_up_proj(x)
+        if h.dim() == 2 and cpu_backend.use_fused_ops(h):
+            return self.down_proj(cpu_backend.silu_and_mul(h))
+        gate, up = h.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
