@@ -1,14 +1,23 @@
-"""Engine step times: one 2048-token prefill step and one 64-request decode step.
+"""Engine step times and where they go: the CPU path before and after issue 15, in one run.
 
 Measures ``LLMEngine.step()`` wall time (seconds) on SmolLM2-135M-Instruct (default) in
-float32 on this machine's default device:
+float32 on this machine's default device, for two configurations of the same engine:
+
+* ``before``: the plain path (torch attention backend, which gathers K/V through the block
+  tables; ATen ops; ``F.linear``, i.e. MKL sgemm);
+* ``after``: the default path (the C++ paged-attention kernel, fused element-wise ops, oneDNN
+  linears).
+
+Per configuration:
 
 * prefill: a single request of ``--prefill-tokens`` random token ids, so the step is one
   prefill chunk of that many tokens (the chunk's attention is causal over itself);
 * decode: ``--batch`` requests with prompts uniform in 100..200 tokens, run past their
-  prefill, then the median of ``--iters`` decode steps (every request generating).
-
-With ``--profile`` it also prints torch's operator table for three decode steps.
+  prefill, then the median of ``--iters`` decode steps (every request generating);
+* breakdown of the decode step (ms per step, from ``torch.profiler`` over ``--iters`` steps):
+  ``matmul`` (linears and the LM head), ``attention`` (K/V store, gather, attention kernels),
+  ``other`` (every other op: norms, RoPE, activations, sampling, embedding), and ``host``
+  (the step's wall time not spent in any op: scheduling, input preparation, detokenization).
 
 Usage::
 
@@ -28,23 +37,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+import engine.layers.linear as linear  # noqa: E402
 from benchmarks.common import add_model_arg, greedy, load_average, random_token_ids, write_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
+from kernels import cpu_backend  # noqa: E402
+
+#: Profiler op names per category (anything else is "other").
+MATMUL = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+ATTENTION = ("kvserve_cpu::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::index_select", "aten::index_copy_", "aten::_efficient_attention_forward")
+
+CONFIGS = {
+    "before": {"attention_backend": "torch", "cpu_linear": "aten", "fused_ops": False},
+    "after": {"attention_backend": None, "cpu_linear": linear.CPU_LINEAR, "fused_ops": cpu_backend.FUSED_OPS},
+}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arg(ap)
-    ap.add_argument("--prefill-tokens", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/step_times.json")
-    args = ap.parse_args(argv)
+def breakdown(eng, steps: int, step_ms: float) -> dict:
+    """ms per step of matmul / attention / other ops over ``steps`` profiled engine steps, and
+    ``host``: ``step_ms`` (the unprofiled median step) minus those (the profiler's own overhead
+    would inflate a host share taken from the profiled wall time)."""
+    from torch.profiler import profile
 
-    model = str(resolve_model(args.model))
-    llm = LLM(model=model, max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.prefill_tokens))
+    t = time.perf_counter()
+    with profile() as prof:
+        for _ in range(steps):
+            eng.step()
+    wall = (time.perf_counter() - t) * 1e3 / steps
+    cats = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for ev in prof.key_averages():
+        if ev.key.startswith("ProfilerStep"):
+            continue
+        cat = "matmul" if ev.key in MATMUL else "attention" if ev.key in ATTENTION else "other"
+        cats[cat] += ev.self_cpu_time_total / 1e3 / steps
+    cats["host"] = max(0.0, step_ms - sum(cats.values()))
+    cats["wall_under_profiler"] = wall
+    return {k: round(v, 2) for k, v in cats.items()}
+
+
+def measure(model: str, args, cfg: dict) -> dict:
+    linear.CPU_LINEAR, cpu_backend.FUSED_OPS = cfg["cpu_linear"], cfg["fused_ops"]
+    llm = LLM(model=model, max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.prefill_tokens),
+              attention_backend=cfg["attention_backend"])
     eng, rng = llm.engine, random.Random(0)
     vocab = eng.hf_config.vocab_size
 
@@ -71,6 +106,13 @@ def main(argv=None) -> int:
         eng.step()
         decode.append(time.perf_counter() - t)
     decode.sort()
+    result = {
+        "config": cfg,
+        "prefill_step_s": sorted(prefill[1:])[0],
+        "decode_context_tokens": [contexts[0], contexts[-1] + args.iters],  # min .. max over the timed steps
+        "decode_step_s_p50": decode[len(decode) // 2],
+        "decode_breakdown_ms": breakdown(eng, args.iters, 1e3 * decode[len(decode) // 2]),
+    }
     if args.profile:
         from torch.profiler import profile
 
@@ -78,17 +120,30 @@ def main(argv=None) -> int:
             for _ in range(3):
                 eng.step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    for rid in list(eng.scheduler.requests):
+        eng.abort_request(rid)
+    return result
 
-    result = {
-        "model": model,
-        "threads": torch.get_num_threads(),
-        "prefill_tokens": args.prefill_tokens,
-        "prefill_step_s": sorted(prefill[1:])[0],
-        "decode_batch": args.batch,
-        "decode_context_tokens": [contexts[0], contexts[-1] + args.iters],  # min .. max over the timed steps
-        "decode_step_s_p50": decode[len(decode) // 2],
-        "load_average_after": load_average(),
-    }
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arg(ap)
+    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="also print torch's operator table per configuration")
+    ap.add_argument("--out", default="benchmarks/results/step_times.json")
+    args = ap.parse_args(argv)
+
+    model = str(resolve_model(args.model))
+    result = {"model": model, "threads": torch.get_num_threads(), "prefill_tokens": args.prefill_tokens,
+              "decode_batch": args.batch, "load_average_before": load_average()}
+    for name, cfg in CONFIGS.items():
+        result[name] = measure(model, args, cfg)
+        print(name, json.dumps(result[name]), flush=True)
+    result["decode_speedup"] = result["before"]["decode_step_s_p50"] / result["after"]["decode_step_s_p50"]
+    result["prefill_speedup"] = result["before"]["prefill_step_s"] / result["after"]["prefill_step_s"]
+    result["load_average_after"] = load_average()
     print(json.dumps(result, indent=1))
     write_json(args.out, result, indent=1)
     return 0
