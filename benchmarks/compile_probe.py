@@ -11,12 +11,15 @@ Usage (one mode per process, so compiled state never leaks between them)::
     python benchmarks/compile_probe.py compile    # MLP + norms through torch.compile
     KVSERVE_CPU_LINEAR=aten python benchmarks/compile_probe.py compile   # with ATen's F.linear
 
-Measured on the 2-core box (2026-11-24, torch 2.13): oneDNN linears: plain 90.4 ms, fused
-87.8 ms, compile fails to lower (``InductorError`` on ``mkldnn._linear_pointwise`` without
-freezing); ATen linears: plain 167.5 ms, compile 183.3 ms (slower). So the fusion is done by hand.
+Measured on the 2-core box (2026-11-24, torch 2.13; ``benchmarks/results/compile_probe.json``):
+oneDNN linears: plain 99.4 ms, hand-fused 90.3 ms, compile fails to lower
+(``InductorError`` on ``mkldnn._linear_pointwise`` without freezing); ATen linears: plain
+145.8 ms, compiled 149.8 ms (slower). So the fusion is done by hand.
+Each run adds its line to ``benchmarks/results/compile_probe.json`` (key: mode and linear).
 """
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -26,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import greedy, random_token_ids  # noqa: E402
+import engine.layers.linear as linear  # noqa: E402
+from benchmarks.common import greedy, load_average, random_token_ids  # noqa: E402
 from engine import LLM  # noqa: E402
+from engine.llm_engine import StepFailedError  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
 from kernels import cpu_backend  # noqa: E402
 
@@ -38,6 +43,7 @@ def main(mode: str) -> None:
     cpu_backend.FUSED_OPS = mode == "fused"
     llm = LLM(model=str(resolve_model(None)), max_num_seqs=64)
     eng = llm.engine
+    result = {"mode": mode, "cpu_linear": linear.CPU_LINEAR}
     if mode == "compile":
         for layer in eng.executor.runner.model.layers:
             layer.mlp = torch.compile(layer.mlp, dynamic=True)
@@ -47,10 +53,15 @@ def main(mode: str) -> None:
     t = time.perf_counter()
     for i in range(64):
         eng.add_request(f"d{i}", random_token_ids(rng, rng.randint(100, 200), vocab), greedy(10_000))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
-        eng.step()
-    for _ in range(3):
-        eng.step()
+    try:
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+    except StepFailedError as e:  # a compile failure is the result
+        result["error"] = str(e).splitlines()[0][:300]
+        print(json.dumps(result))
+        return save(result)
     warm = time.perf_counter() - t
     times = []
     for _ in range(10):
@@ -58,7 +69,17 @@ def main(mode: str) -> None:
         eng.step()
         times.append(time.perf_counter() - s)
     times.sort()
-    print(f"{mode}: decode step p50 {1e3 * times[5]:.1f} ms; prefill + warm-up (with any compile) {warm:.1f} s")
+    result.update(decode_step_ms_p50=1e3 * times[5], prefill_and_warmup_s=warm, load_average=load_average())
+    print(json.dumps(result))
+    save(result)
+
+
+def save(result: dict) -> None:
+    """Add ``result`` to ``benchmarks/results/compile_probe.json`` under ``<mode>-<cpu_linear>``."""
+    out = Path(__file__).parent / "results" / "compile_probe.json"
+    runs = json.loads(out.read_text()) if out.exists() else {}
+    runs[f"{result['mode']}-{result['cpu_linear']}"] = result
+    out.write_text(json.dumps(runs, indent=1) + "\n")
 
 
 if __name__ == "__main__":
