@@ -5,10 +5,10 @@ its rank's shard and knows how to cut a full Hugging Face tensor into it (``load
 
 Every matmul of the model goes through :func:`linear`: on CPU in float32 that is oneDNN's
 linear (``torch.ops.mkldnn._linear_pointwise``) rather than ATen's ``F.linear``, which calls
-MKL's sgemm. On this project's AMD box MKL takes an AVX2 path (~230 GFLOP/s on 2 cores, also
-for HF transformers) while oneDNN uses AVX-512 (~460): decode matmuls 2.1x faster, the LM head
-2.4-2.7x (``benchmarks/step_times.py``). Both are IEEE float32 (results differ only in
-summation order, ~1e-6 relative). ``KVSERVE_CPU_LINEAR=aten`` turns it off.
+MKL's sgemm. On this project's AMD box MKL takes an AVX2 path (so does HF transformers there)
+while oneDNN uses AVX-512: a 64-request decode step's matmuls (17.3 GFLOP) take 53 instead of
+119 ms (``benchmarks/results/step_times.json``). Both are IEEE float32 (results differ only in
+summation order). ``KVSERVE_CPU_LINEAR=aten`` turns it off.
 """
 from __future__ import annotations
 
