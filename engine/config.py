@@ -48,6 +48,10 @@ class EngineConfig:
     attention_backend: Literal["torch", "cpu", "triton", "flash_attn"] | None = _knob(
         None, "attention kernels (default: the best that supports the device, dtype and block size)")
     enforce_eager: bool = _knob(False, "disable CUDA graphs")
+    kv_cache_dtype: Literal["auto", "fp8"] = _knob(
+        "auto", "auto: the KV cache in the model dtype; fp8: float8 e4m3 with a per-layer scale for K and one for "
+                "V (calibrated at start-up), a quarter of float32's bytes per block (torch and cpu attention "
+                "backends)")
     mixed_step_prefill_tokens: int | None = _knob(
         None, "in a step that also carries decodes, the largest chunk of a long prompt (one longer than this; "
               "one such prompt per step, short prompts go whole), so a long prompt cannot stall running streams: "

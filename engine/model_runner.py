@@ -49,6 +49,17 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None
 
 
+#: Text whose keys and values set the float8 KV cache's per-layer scales
+#: (:meth:`ModelRunner.calibrate_kv_scales`): prose, a conversation, code and numbers.
+KV_CALIBRATION_TEXT = (
+    "The history of science is the study of how people have come to understand the natural world, "
+    "from the first astronomers who charted the stars to the physicists who split the atom. "
+    "User: Can you explain how a hash table works?\nAssistant: A hash table stores key-value pairs. "
+    "It computes an index from each key with a hash function and keeps the value in that slot.\n"
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+    "In 1969, 3 astronauts flew 384,400 km to the Moon; 12 people have walked on it since, "
+    "and the last did so on 14 December 1972.")
+
 #: Prompt positions whose logits are computed at once for prompt_logprobs (rows x vocab fp32).
 PROMPT_LOGPROBS_SLICE = 256
 
@@ -83,6 +94,10 @@ class ModelRunner:
             self.hf_config.hidden_size // self.hf_config.num_attention_heads
         self.backend = select_attention_backend(self.device, self.dtype, self.block_size, head_dim,
                                                 config.attention_backend)()
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        if config.kv_cache_dtype == "fp8" and not self.backend.supports_fp8_kv:
+            raise ValueError(f"kv_cache_dtype='fp8' is not supported by the {self.backend.name} attention backend "
+                             f"(it is by: torch, cpu)")
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -92,6 +107,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(iter_safetensors(model_path))
         self.model.eval()
+        if config.kv_cache_dtype == "fp8":
+            self.calibrate_kv_scales(model_path)
         self.eos_token_ids = load_eos_token_ids(model_path, self.hf_config)
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
@@ -103,7 +120,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """K+V bytes of one block over all layers on this rank."""
         attn = self.model.layers[0].self_attn
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
         return per_token * self.block_size * len(self.model.layers)
 
     def determine_num_blocks(self) -> int:
@@ -148,6 +165,37 @@ class ModelRunner:
         self._attach([])
         del tmp
 
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, model_path: str | Path) -> None:
+        """Per-layer float8 scales for K and V: the model runs :data:`KV_CALIBRATION_TEXT` with
+        temporary caches in the model dtype, and each layer's scale is ``2 * max|x| / 448``, so
+        values up to twice the calibration maximum are stored without clamping and the small ones
+        stay out of e4m3's subnormal range (its step is 2^-4 of the value everywhere else)."""
+        from engine.model_loader import load_tokenizer
+        from kernels.torch_backend import FP8_MAX
+
+        ids = load_tokenizer(model_path).encode(KV_CALIBRATION_TEXT)
+        n, bs = len(ids), self.block_size
+        attn = self.model.layers[0].self_attn
+        nblocks = -(-n // bs)
+        shape = (nblocks, bs, attn.num_kv_heads, attn.head_dim)
+        self._attach([(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.model.layers])
+        dev = self.device
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(nblocks, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
+            query_lens_cpu=[n], seq_lens_cpu=[n], max_seqlen_q=n, max_seqlen_k=n)
+        self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta)
+        for layer in self.model.layers:
+            a = layer.self_attn
+            k, v = (c.view(-1, a.num_kv_heads, a.head_dim)[:n] for c in (a.k_cache, a.v_cache))
+            a.k_scale = max(2 * float(k.abs().max()) / FP8_MAX, 1e-8)
+            a.v_scale = max(2 * float(v.abs().max()) / FP8_MAX, 1e-8)
+        self._attach([])
+
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[num_blocks, block_size, kv_heads, head_dim]`` K and V per layer.
 
@@ -155,8 +203,8 @@ class ModelRunner:
         attention backends never let a slot past a request's ``seq_len`` affect the output."""
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in self.model.layers]
+        self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.empty(shape, dtype=self.kv_dtype, device=self.device)) for _ in self.model.layers]
         self._attach(self.kv_caches)
         self.num_blocks = num_blocks
         if self.use_cuda_graphs:

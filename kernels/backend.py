@@ -75,6 +75,9 @@ class AttentionBackend:
         dtypes: cache / query dtypes it accepts.
         block_size_multiple: ``block_size`` must be a multiple of this (tokens).
         max_head_dim: largest ``head_dim`` it accepts (None: any).
+        supports_fp8_kv: takes float8 e4m3 caches (``kv_cache_dtype="fp8"``): ``store_kv`` writes
+            ``clamp(x / scale, +-448)``, ``forward`` reads ``value * scale`` (``k_scale`` /
+            ``v_scale``, the layer's scales; other caches ignore them).
         supports_cuda_graphs: ``forward`` and ``store_kv`` of a decode-only batch can be captured
             in a CUDA graph and replayed with new contents of the same tensors (no host sync, no
             host-side decision on tensor values; padding rows with slot -1 and seq_len 0 leave
@@ -87,6 +90,7 @@ class AttentionBackend:
     block_size_multiple: ClassVar[int] = 1
     max_head_dim: ClassVar[int | None] = None
     supports_cuda_graphs: ClassVar[bool] = False
+    supports_fp8_kv: ClassVar[bool] = False
 
     @classmethod
     def import_error(cls) -> str | None:
@@ -116,14 +120,16 @@ class AttentionBackend:
         return cls.import_error()
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
         """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache
-        slots ``slot_mapping`` (int64 ``[num_tokens]``), in the cache dtype."""
+        slots ``slot_mapping`` (int64 ``[num_tokens]``), in the cache dtype (float8: divided
+        by ``k_scale`` / ``v_scale``, see ``supports_fp8_kv``)."""
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the cache (which
         already holds this step's K/V); returns ``[num_tokens, num_heads, head_dim]`` in
         ``q.dtype``. ``scale`` multiplies ``q @ k^T`` (usually ``head_dim ** -0.5``).

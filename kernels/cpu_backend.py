@@ -149,9 +149,11 @@ def kernel_error() -> str | None:
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of ``q`` float32 ``[num_tokens, num_heads, head_dim]`` over the paged
-    cache (float32 ``[num_blocks, block_size, num_kv_heads, head_dim]``): requests with a query
+    cache (float32, or float8 e4m3 read as ``value * k_scale`` / ``v_scale``; ``[num_blocks,
+    block_size, num_kv_heads, head_dim]``): requests with a query
     length <= :data:`MAX_KERNEL_QUERY_LEN` in the C++ kernel, the rest through
     :func:`kernels.torch_backend.paged_attention_torch`. Same contract as that function
     (``window``, ``softcap``, returns ``[num_tokens, num_heads, head_dim]``).
@@ -170,11 +172,11 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     if not all_short:  # long prefill chunks: SDPA over their gathered K/V
         prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out,
-                                min_query_len=MAX_KERNEL_QUERY_LEN + 1)
+                                min_query_len=MAX_KERNEL_QUERY_LEN + 1, k_scale=k_scale, v_scale=v_scale)
     if reqs.numel():
         torch.ops.kvserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                               meta.cu_seqlens_q, reqs, out, scale, window or 0,
-                                              float(softcap or 0.0))
+                                              float(softcap or 0.0), float(k_scale), float(v_scale))
     return out
 
 
@@ -186,18 +188,20 @@ class CpuBackend(AttentionBackend):
     name = "cpu"
     devices = ("cpu",)
     dtypes = (torch.float32,)
+    supports_fp8_kv = True
 
     def __init__(self):
         self.kernel = load_kernel()
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         if not self.kernel:
-            return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap)
-        return paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
+            return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
+        return paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_backend`: build (or find) the kernel now

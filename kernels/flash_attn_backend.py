@@ -81,14 +81,14 @@ class FlashAttnBackend(AttentionBackend):
         self._store = store_kv
         self._varlen, self._with_kvcache, _ = _flash()
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` to the cache slots
         ``slot_mapping`` (int64, ``-1`` skipped)."""
         self._store(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` (fp16/bf16, CUDA)
         over the paged cache; returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
         A sliding ``window`` is flash-attn's ``window_size=(window - 1, 0)`` (left keys besides

@@ -13,13 +13,33 @@ import torch.nn.functional as F
 from kernels.backend import AttentionBackend, AttentionMetadata
 
 
+FP8 = torch.float8_e4m3fn
+#: Largest finite float8 e4m3fn value; stored values are clamped to it (e4m3fn has no inf).
+FP8_MAX = 448.0
+
+
 def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots
-    ``slot_mapping`` (int64 ``[num_tokens]``; all slots must be valid, >= 0)."""
+    ``slot_mapping`` (int64 ``[num_tokens]``; all slots must be valid, >= 0). A float8 e4m3
+    cache stores ``clamp(x / scale, +-448)`` (``k_scale`` / ``v_scale``: the layer's scales);
+    other caches store ``x`` in their dtype and ignore the scales."""
     nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if cache.dtype == FP8:  # ATen has no index_copy_ for float8: copy the bytes
+            q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+            cache.view(torch.uint8).view(nb * bs, h, d).index_copy_(0, slot_mapping, q)
+        else:
+            cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` read from a cache: float8 values times ``scale`` in ``dtype``; other caches' values
+    as they are (their own dtype)."""
+    if x.dtype == FP8:
+        return x.to(torch.float32).mul_(scale).to(dtype)
+    return x
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int, start: int = 0) -> torch.Tensor:
@@ -27,7 +47,9 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int, start: int =
     request (only the blocks holding them are read)."""
     bs = cache.shape[1]
     first, nblocks = start // bs, (n + bs - 1) // bs
-    return cache[block_table[first:nblocks]].flatten(0, 1)[start - first * bs:n - first * bs]
+    src = cache.view(torch.uint8) if cache.dtype == FP8 else cache  # no float8 indexing in ATen
+    out = src[block_table[first:nblocks]].flatten(0, 1)[start - first * bs:n - first * bs]
+    return out.view(FP8) if cache.dtype == FP8 else out
 
 
 #: Decode rows per length bucket of the torch path (see :func:`_decode_plan`).
@@ -78,10 +100,20 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor, window: int | N
         bt = meta.block_tables[idx].long()
         slots = bt.gather(1, pos // block_size) * block_size + pos % block_size  # [b, L]
         gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
-        mask = torch.zeros(pad.shape, dtype=k_cache.dtype, device=device).masked_fill_(pad, float("-inf"))
+        mask_dtype = torch.float32 if k_cache.dtype == FP8 else k_cache.dtype  # float8 K/V are read as float32
+        mask = torch.zeros(pad.shape, dtype=mask_dtype, device=device).masked_fill_(pad, float("-inf"))
         plan.append((rows, gather, mask[:, None, None, :]))
     plans[window] = plan
     return plan
+
+
+def _rows(cache: torch.Tensor, head_dim: int, index: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows ``index`` of ``cache`` viewed as ``[num_slots * num_kv_heads, head_dim]`` (a float8
+    cache's dequantized to float32, see :func:`dequantize`)."""
+    if cache.dtype == FP8:
+        return dequantize(cache.view(torch.uint8).view(-1, head_dim).index_select(0, index).view(FP8), scale,
+                          torch.float32)
+    return cache.view(-1, head_dim).index_select(0, index)
 
 
 def _softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -102,7 +134,8 @@ def _softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, window: int | None = None,
-                          softcap: float | None = None) -> torch.Tensor:
+                          softcap: float | None = None, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
     Decode rows (query length 1), in buckets of similar length, gather their K/V through the
@@ -132,8 +165,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     for rows, gather, mask in _decode_plan(meta, k_cache, window):
         b, length = mask.shape[0], mask.shape[-1]
-        k = k_cache.view(-1, head_dim).index_select(0, gather).view(b, num_kv_heads, length, head_dim)
-        v = v_cache.view(-1, head_dim).index_select(0, gather).view(b, num_kv_heads, length, head_dim)
+        k = _rows(k_cache, head_dim, gather, k_scale).view(b, num_kv_heads, length, head_dim)
+        v = _rows(v_cache, head_dim, gather, v_scale).view(b, num_kv_heads, length, head_dim)
         # the query heads of one KV head act as its "query tokens": K/V are read once per KV head
         qd = q[rows].to(k.dtype).view(b, num_kv_heads, group, head_dim)
         if softcap is None:
@@ -141,12 +174,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         else:
             o = _softcap_attention(qd.unsqueeze(3), k, v, mask.unsqueeze(3), scale, softcap)
         out[rows] = o.reshape(b, num_heads, head_dim).to(q.dtype)
-    return prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out)
+    return prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out,
+                                   k_scale=k_scale, v_scale=v_scale)
 
 
 def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None,
-                            out: torch.Tensor, min_query_len: int = 2) -> torch.Tensor:
+                            out: torch.Tensor, min_query_len: int = 2, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """The prefill half of :func:`paged_attention_torch`: writes the rows of ``out`` of every
     request whose query length is >= ``min_query_len`` (one SDPA per chunk over its gathered
     K/V) and returns ``out``; other rows are left alone."""
@@ -160,8 +195,8 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             continue
         ctx = slen - qlen
         lo = max(0, ctx - window + 1) if window else 0  # first key any query of the chunk sees
-        k = _gather(k_cache, meta.block_tables[i], slen, lo).transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = _gather(v_cache, meta.block_tables[i], slen, lo).transpose(0, 1)[None]
+        k = dequantize(_gather(k_cache, meta.block_tables[i], slen, lo), k_scale, torch.float32).transpose(0, 1)[None]
+        v = dequantize(_gather(v_cache, meta.block_tables[i], slen, lo), v_scale, torch.float32).transpose(0, 1)[None]
         qi = q[s:s + qlen].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, qlen, D]
         mask = None
         if qlen != slen or (window and window < slen) or softcap is not None:
@@ -189,9 +224,12 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     devices = ("cpu", "cuda")
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+    supports_fp8_kv = True
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap)
+                window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)

@@ -59,9 +59,10 @@ class TritonBackend(AttentionBackend):
         from kernels import triton_attention
         self._store, self._attend = triton_attention.store_kv, triton_attention.paged_attention
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         self._store(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         return self._attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)

@@ -520,6 +520,65 @@ def test_cpu_kernel(name, cpu_kernel):
     assert rec["ok"], f"{name}: {_describe(rec)}"
 
 
+def _fp8_problem(spec: dict) -> tuple[dict, dict]:
+    """A float32 problem with its caches stored as float8 e4m3 (per-cache scales chosen so the
+    largest value maps to ~224) and the same problem with the dequantized caches in float32,
+    whose float64 reference is what the float8 path must compute."""
+    from kernels.torch_backend import FP8, FP8_MAX
+    p = make_problem(dict(spec, dtype="float32"))
+    deq = dict(p)
+    for name, key in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
+        c = p[name]
+        s = float(torch.nan_to_num(c).abs().max()) * 2 / FP8_MAX
+        q8 = (c / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # NaN slots stay NaN
+        p[name], p[key] = q8, s
+        deq[name] = q8.float() * s
+    return p, deq
+
+
+FP8_CASES = {k: v for k, v in CPU_CASES.items() if v["kind"] == "dispatch"}
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_kv_cache(name, backend, cpu_kernel):
+    """Attention over float8 caches equals the float64 reference over the dequantized caches."""
+    from kernels.torch_backend import paged_attention_torch
+    p, deq = _fp8_problem(FP8_CASES[name])
+    fn = paged_attention_torch if backend == "torch" else cpu_kernel.paged_attention_cpu
+    out = fn(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], p["window"], p["softcap"],
+             p["k_scale"], p["v_scale"])
+    ref = ref_attention(deq)
+    if backend == "torch" and 0 in p["seqlens"]:  # the torch path leaves seq_len-0 rows unspecified
+        rows = torch.repeat_interleave(torch.tensor([s > 0 for s in p["seqlens"]]), torch.tensor(p["qlens"]))
+        out, ref = out[rows], ref[rows]
+    rec = _compare(out, ref, "float32")
+    assert rec["ok"], f"{name}: {_describe(rec)}"
+
+
+def test_fp8_store_rounds_to_e4m3(cpu_kernel):
+    """store_kv into a float8 cache keeps x within e4m3's half-ulp (2^-4 relative) after
+    dequantization, clamps at +-448 * scale, and touches only the given slots."""
+    from kernels.torch_backend import FP8, dequantize, store_kv_torch
+    g = torch.Generator().manual_seed(9)
+    kc = torch.zeros(4, 8, 2, 64, dtype=FP8)
+    vc = torch.zeros(4, 8, 2, 64, dtype=FP8)
+    key = torch.randn(5, 2, 64, generator=g) * 3
+    key[0, 0, 0] = 1e6  # beyond the range: clamped, not NaN
+    val = torch.randn(5, 2, 64, generator=g)
+    slots = torch.tensor([3, 9, 17, 30, 31])
+    store_kv_torch(key, val, kc, vc, slots, k_scale=0.05, v_scale=0.01)
+    k = dequantize(kc.view(torch.uint8).view(32, 2, 64)[slots].view(FP8), 0.05, torch.float32)
+    v = dequantize(vc.view(torch.uint8).view(32, 2, 64)[slots].view(FP8), 0.01, torch.float32)
+    assert k[0, 0, 0] == 448 * 0.05
+    k_rel = ((k - key).abs() / key.abs().clamp_min(2 ** -6 * 0.05)).flatten()[1:]
+    assert k_rel.max() <= 2 ** -4 + 1e-6
+    assert ((v - val).abs() / val.abs().clamp_min(2 ** -6 * 0.01)).max() <= 2 ** -4 + 1e-6
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc.view(torch.uint8).view(32, -1)[untouched].any()
+
+
 def test_cpu_fused_ops_match_aten(cpu_kernel):
     """The fused element-wise ops against the ATen formulas they replace (float64 reference),
     on strided row views as the model passes them, with row counts on both sides of the

@@ -99,6 +99,7 @@ class Gemma3Attention(nn.Module):
         self.softcap = None  # attn_logit_softcapping: ignored, as HF's Gemma 3 (module docstring)
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0  # float8 KV cache scales (set by the model runner)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``positions`` int64 ``[n]``, ``h`` ``[n, hidden]`` -> ``[n, hidden]``."""
@@ -108,9 +109,9 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale,
-                                 window=self.window, softcap=self.softcap)
+                                 window=self.window, softcap=self.softcap, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(o.reshape(-1, q_size))
 
 

@@ -56,6 +56,7 @@ class Attention(nn.Module):
         self.scale = hd ** -0.5
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0  # float8 KV cache scales (set by the model runner)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -66,8 +67,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale,
+                                 k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(o.reshape(-1, q_size))
 
 

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -18,6 +19,7 @@
 namespace {
 
 constexpr int64_t kMaxBlock = 256;  // largest block_size the per-block score buffer holds
+constexpr int64_t kMaxHeadDim = 512;  // largest head_dim a float8 cache's row buffer holds
 
 // exp(x) for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r, |r| <= ln2/2,
 // exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n through the exponent bits.
@@ -37,15 +39,47 @@ inline float exp_nonpos(float x) {
   return p * scale_bits.f;
 }
 
-// One (request, KV head) work item for a compile-time head_dim D (0: runtime `dim`).
-template <int64_t D>
+// float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no inf, 0x7f/0xff NaN)
+// to float: a 256-entry table built once.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
+      float x;
+      if (exp == 15 && man == 7) x = std::numeric_limits<float>::quiet_NaN();
+      else if (exp == 0) x = std::ldexp(static_cast<float>(man) / 8.f, -6);
+      else x = std::ldexp(1.f + static_cast<float>(man) / 8.f, exp - 7);
+      v[b] = sign ? -x : x;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+// One (request, KV head) work item for a compile-time head_dim D (0: runtime `dim`) over a cache
+// of CacheT: float, or uint8_t holding float8 e4m3fn values (dequantized as value * k_scale /
+// v_scale into a row buffer before use).
+template <int64_t D, typename CacheT = float>
 struct Item {
   int64_t dim;
+  float ks = 1.f, vs = 1.f;
   int64_t hd() const { return D > 0 ? D : dim; }
+  const CacheT* cache_type_tag() const { return nullptr; }
+
+  // row of the cache as floats: the row itself for a float cache, else dequantized into buf
+  const float* row(const CacheT* r, float scale, float* buf) const {
+    if constexpr (std::is_same_v<CacheT, float>) {
+      return r;
+    } else {
+      const int64_t d_ = hd();
+      for (int64_t d = 0; d < d_; ++d) buf[d] = kFp8.v[r[d]] * scale;
+      return buf;
+    }
+  }
 
   // scores s[i * BS + (j - a)] for queries i of keys j in [j0, j1) of one block, then per query
   // the online-softmax update of (m, l, acc) with that block's keys.
-  void run(const float* qp, const float* kp, const float* vp, float* op, const int32_t* table,
+  void run(const float* qp, const CacheT* kp, const CacheT* vp, float* op, const int32_t* table,
            int64_t q0, int64_t qlen, int64_t slen, int64_t h, int64_t H, int64_t G, int64_t Hkv,
            int64_t BS, float scale, float cap, int64_t window, std::vector<float>& m,
            std::vector<float>& l, std::vector<float>& acc, std::vector<float>& s, std::vector<float>& qs,
@@ -66,13 +100,14 @@ struct Item {
       std::copy_n(qp + ((q0 + i / G) * H + h * G + i % G) * d_, d_, qs.data() + i * d_);
     }
     const int64_t first = lo_q[0], last = slen - 1;  // keys any query of the item sees
+    float rowbuf[kMaxHeadDim];
     for (int64_t b = first / BS; b <= last / BS; ++b) {
       const int64_t j0 = std::max(first, b * BS), j1 = std::min(last + 1, (b + 1) * BS);
-      const float* kb = kp + (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_;
-      const float* vb = vp + (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_;
+      const CacheT* kb = kp + (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_;
+      const CacheT* vb = vp + (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_;
       // scores: each key row is read once for all nq queries
       for (int64_t j = j0; j < j1; ++j) {
-        const float* kj = kb + (j - b * BS) * Hkv * d_;
+        const float* kj = row(kb + (j - b * BS) * Hkv * d_, ks, rowbuf);
         for (int64_t i = 0; i < nq; ++i) {
           const float* qi = qs.data() + i * d_;
           float x = 0.f;
@@ -112,7 +147,7 @@ struct Item {
       }
       // weighted V rows: each value row is read once for all nq queries
       for (int64_t j = 0; j < n; ++j) {
-        const float* vj = vb + (j0 - b * BS + j) * Hkv * d_;
+        const float* vj = row(vb + (j0 - b * BS + j) * Hkv * d_, vs, rowbuf);
         for (int64_t i = 0; i < nq; ++i) {
           const float pj = s[i * BS + j];
           if (pj == 0.f) continue;
@@ -138,10 +173,11 @@ struct Item {
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& reqs, at::Tensor& out,
-                     double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_attention (cpu): float32 q, caches and out expected");
+                     double scale, int64_t window, double softcap, double k_scale, double v_scale) {
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  (k_cache.scalar_type() == at::kFloat || fp8) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention (cpu): float32 q and out, float32 or float8_e4m3fn caches expected");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   out.is_contiguous() && block_tables.is_contiguous(),
               "paged_attention (cpu): contiguous tensors expected");
@@ -152,10 +188,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "paged_attention (cpu): shape mismatch");
   TORCH_CHECK(BS <= kMaxBlock, "paged_attention (cpu): block_size above ", kMaxBlock);
+  TORCH_CHECK(!fp8 || D <= kMaxHeadDim, "paged_attention (cpu): head_dim above ", kMaxHeadDim, " with a float8 cache");
   const int64_t G = H / Hkv, W = block_tables.size(1), n = reqs.numel();
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const void* kp = k_cache.data_ptr();
+  const void* vp = v_cache.data_ptr();
   float* op = out.data_ptr<float>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
@@ -171,12 +208,18 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         const int64_t r = rq[w / Hkv], h = w % Hkv;
         const int64_t q0 = cu[r], qlen = cu[r + 1] - q0;
         if (qlen <= 0) continue;
-        item.run(qp, kp, vp, op, bt + r * W, q0, qlen, sl[r], h, H, G, Hkv, BS, fscale, cap,
+        using C = std::remove_cv_t<std::remove_pointer_t<decltype(item.cache_type_tag())>>;
+        item.run(qp, static_cast<const C*>(kp), static_cast<const C*>(vp), op, bt + r * W, q0, qlen, sl[r], h, H, G, Hkv, BS, fscale, cap,
                  window, m, l, acc, s, qs, lo_q, hi_q);
       }
     });
   };
-  if (D == 64) body(Item<64>{64});
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  if (fp8) {
+    if (D == 64) body(Item<64, uint8_t>{64, ks, vs});
+    else if (D == 128) body(Item<128, uint8_t>{128, ks, vs});
+    else body(Item<0, uint8_t>{D, ks, vs});
+  } else if (D == 64) body(Item<64>{64});
   else if (D == 128) body(Item<128>{128});
   else if (D == 256) body(Item<256>{256});
   else body(Item<0>{D});
@@ -186,7 +229,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor cu_seqlens_q, Tensor reqs, Tensor(a!) out, float scale, int window, float softcap) -> ()");
+        "Tensor cu_seqlens_q, Tensor reqs, Tensor(a!) out, float scale, int window, float softcap, "
+        "float k_scale, float v_scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

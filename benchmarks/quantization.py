@@ -1,0 +1,123 @@
+"""Quality, memory and speed of the float8 KV cache against float32, in one run.
+
+For each configuration (``kv_cache_dtype`` ``auto`` = float32, and ``fp8``) on SmolLM2-135M-Instruct:
+
+* perplexity over ``benchmarks/data/public_domain.txt`` (six paragraphs: Lincoln, Austen,
+  Dickens, the US Constitution's preamble, Melville, and one of our own), each paragraph one
+  prompt, from the engine's own prompt log-probabilities;
+* greedy-token agreement with float32: 8 prompts (4 plain, 4 chat), 48 greedy tokens each; the
+  share of generated tokens equal to float32's before the first divergence, and how many prompts
+  match float32 exactly;
+* "What is the capital of France?" (chat, greedy): the answer must say Paris;
+* KV capacity: tokens that fit in a fixed ``kv_cache_memory_bytes`` (256 MiB);
+* speed: batch-1 decode ms/token at a 512-token context, and the throughput benchmark's
+  64-request workload (output tok/s).
+
+Targets (issue 16): perplexity within +3 % of float32; Paris. Results:
+``benchmarks/results/quantization.json``.
+
+Usage::
+
+    python benchmarks/quantization.py
+    python benchmarks/quantization.py --quick --out /tmp/q.json    # quality only, fewer prompts
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import add_model_arg, greedy, load_average, make_workload, resolve, run_kvserve, write_json  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+TEXT = Path(__file__).parent / "data" / "public_domain.txt"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "List three colors:"]
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "Give me three tips for learning Python.", "What is 12 times 12?"]
+KV_BYTES = 256 << 20
+
+CONFIGS = {"float32": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}}
+
+
+def perplexity(llm: LLM) -> dict:
+    """exp(mean negative log-likelihood) over every predicted token of every paragraph."""
+    paragraphs = [p.strip() for p in TEXT.read_text().split("\n\n") if p.strip()]
+    outs = llm.generate(paragraphs, SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
+    nll = [-next(iter(d.values())) for o in outs for d in o.prompt_logprobs[1:]]
+    return {"perplexity": math.exp(sum(nll) / len(nll)), "tokens": len(nll), "paragraphs": len(paragraphs)}
+
+
+def greedy_outputs(llm: LLM, new_tokens: int) -> list[list[int]]:
+    ids = [llm.engine.tokenizer.encode(p) for p in PROMPTS]
+    ids += [llm.engine.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    outs = llm.generate(ids, greedy(new_tokens), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def batch1_ms_per_token(llm: LLM, context: int, new_tokens: int, vocab: int) -> float:
+    """(time for 1 + new_tokens tokens - time for 1 token) / new_tokens, best of 3, ms."""
+    prompt = [random.Random(0).randint(100, vocab - 100) for _ in range(context)]
+
+    def run(n):
+        t = time.perf_counter()
+        llm.generate([prompt], greedy(n), use_tqdm=False)
+        return time.perf_counter() - t
+
+    run(2)
+    return min((run(1 + new_tokens) - run(1)) / new_tokens for _ in range(3)) * 1e3
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arg(ap)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--quick", action="store_true", help="quality only (no speed runs)")
+    ap.add_argument("--out", default="benchmarks/results/quantization.json")
+    args = ap.parse_args(argv)
+    path, vocab = resolve(args.model)
+    result = {"model": path, "text": str(TEXT.relative_to(TEXT.parents[2])), "configs": {},
+              "load_average_before": load_average()}
+    reference = None
+    for name, kw in CONFIGS.items():
+        llm = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, **kw)
+        runner = llm.engine.executor.runner
+        r = {"engine_args": kw, **perplexity(llm)}
+        outs = greedy_outputs(llm, args.new_tokens)
+        if reference is None:
+            reference = outs
+        same = [next((j for j, (a, b) in enumerate(zip(o, ref)) if a != b), len(ref)) for o, ref in zip(outs, reference)]
+        r["greedy_prefix_agreement"] = sum(same) / sum(len(x) for x in reference)
+        r["greedy_prompts_identical"] = f"{sum(s == len(x) for s, x in zip(same, reference))}/{len(reference)}"
+        paris = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0].text
+        r["paris_answer"], r["paris"] = paris, "Paris" in paris
+        r["kv_bytes_per_token"] = runner.bytes_per_block // runner.block_size
+        r["kv_capacity_tokens"] = runner.num_blocks * runner.block_size
+        if not args.quick:
+            r["batch1_ms_per_token_ctx512"] = batch1_ms_per_token(llm, 512, 64, vocab)
+            tp = run_kvserve(llm, make_workload(64, 0, vocab))
+            r["throughput_64_requests_tok_per_s"] = tp["output_tok_per_s"]
+        r["load_average_after"] = load_average()
+        result["configs"][name] = r
+        print(name, json.dumps(r), flush=True)
+        del llm
+    base = result["configs"]["float32"]
+    for name, r in result["configs"].items():
+        r["perplexity_vs_float32"] = r["perplexity"] / base["perplexity"] - 1
+    fp8 = result["configs"]["fp8_kv"]
+    result["targets"] = {"fp8 KV perplexity within +3 %": fp8["perplexity_vs_float32"] <= 0.03,
+                         "fp8 KV answers Paris": fp8["paris"]}
+    print(json.dumps(result["targets"]))
+    write_json(args.out, result, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
