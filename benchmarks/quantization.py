@@ -1,6 +1,7 @@
-"""Quality, memory and speed of the float8 KV cache against float32, in one run.
+"""Quality, memory and speed of int8 weights and the float8 KV cache against float32, in one run.
 
-For each configuration (``kv_cache_dtype`` ``auto`` = float32, and ``fp8``) on SmolLM2-135M-Instruct:
+For each configuration (float32; ``kv_cache_dtype="fp8"``; ``quantization="int8"``; both) on
+SmolLM2-135M-Instruct:
 
 * perplexity over ``benchmarks/data/public_domain.txt`` (six paragraphs: Lincoln, Austen,
   Dickens, the US Constitution's preamble, Melville, and one of our own), each paragraph one
@@ -9,11 +10,13 @@ For each configuration (``kv_cache_dtype`` ``auto`` = float32, and ``fp8``) on S
   share of generated tokens equal to float32's before the first divergence, and how many prompts
   match float32 exactly;
 * "What is the capital of France?" (chat, greedy): the answer must say Paris;
-* KV capacity: tokens that fit in a fixed ``kv_cache_memory_bytes`` (256 MiB);
+* weight bytes (every parameter and buffer once; a tied embedding stays float32 next to the
+  int8 LM head) and KV capacity: tokens that fit in a fixed ``kv_cache_memory_bytes`` (256 MiB);
 * speed: batch-1 decode ms/token at a 512-token context, and the throughput benchmark's
   64-request workload (output tok/s).
 
-Targets (issue 16): perplexity within +3 % of float32; Paris. Results:
+Targets (issue 16): perplexity within +3 % of float32; Paris; int8 weights >= 1.3x float32's
+batch-1 speed. Results:
 ``benchmarks/results/quantization.json``.
 
 Usage::
@@ -43,7 +46,8 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "Give me three tips for learning Python.", "What is 12 times 12?"]
 KV_BYTES = 256 << 20
 
-CONFIGS = {"float32": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}}
+CONFIGS = {"float32": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}, "int8_weights": {"quantization": "int8"},
+           "int8_weights_fp8_kv": {"quantization": "int8", "kv_cache_dtype": "fp8"}}
 
 
 def perplexity(llm: LLM) -> dict:
@@ -98,6 +102,8 @@ def main(argv=None) -> dict:
         paris = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                          SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0].text
         r["paris_answer"], r["paris"] = paris, "Paris" in paris
+        tensors = {t.data_ptr(): t for t in runner.model.state_dict().values()}.values()
+        r["weight_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
         r["kv_bytes_per_token"] = runner.bytes_per_block // runner.block_size
         r["kv_capacity_tokens"] = runner.num_blocks * runner.block_size
         if not args.quick:
@@ -111,9 +117,14 @@ def main(argv=None) -> dict:
     base = result["configs"]["float32"]
     for name, r in result["configs"].items():
         r["perplexity_vs_float32"] = r["perplexity"] / base["perplexity"] - 1
-    fp8 = result["configs"]["fp8_kv"]
+    fp8, i8 = result["configs"]["fp8_kv"], result["configs"]["int8_weights"]
     result["targets"] = {"fp8 KV perplexity within +3 %": fp8["perplexity_vs_float32"] <= 0.03,
-                         "fp8 KV answers Paris": fp8["paris"]}
+                         "fp8 KV answers Paris": fp8["paris"],
+                         "int8 perplexity within +3 %": i8["perplexity_vs_float32"] <= 0.03,
+                         "int8 answers Paris": i8["paris"]}
+    if not args.quick:
+        i8["batch1_speedup_vs_float32"] = base["batch1_ms_per_token_ctx512"] / i8["batch1_ms_per_token_ctx512"]
+        result["targets"]["int8 batch-1 >= 1.3x float32"] = i8["batch1_speedup_vs_float32"] >= 1.3
     print(json.dumps(result["targets"]))
     write_json(args.out, result, indent=1)
     return result

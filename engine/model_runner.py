@@ -107,6 +107,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(iter_safetensors(model_path))
         self.model.eval()
+        if config.quantization == "int8":
+            self._quantize_int8()
         if config.kv_cache_dtype == "fp8":
             self.calibrate_kv_scales(model_path)
         self.eos_token_ids = load_eos_token_ids(model_path, self.hf_config)
@@ -164,6 +166,25 @@ class ModelRunner:
         self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
         self._attach([])
         del tmp
+
+    def _quantize_int8(self) -> None:
+        """Weight-only int8 for every linear layer and the LM head (``quantization="int8"``).
+
+        Raises:
+            ValueError: not a CPU float32 engine, or the CPU kernels cannot be built here.
+        """
+        from engine.layers.embedding import ParallelLMHead
+        from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from kernels import cpu_backend
+
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(f"quantization='int8' runs on CPU in float32, not {self.device.type} "
+                             f"{str(self.dtype).removeprefix('torch.')}")
+        if not cpu_backend.load_kernel():
+            raise ValueError(f"quantization='int8' needs the CPU kernels: {cpu_backend.kernel_error()}")
+        for m in self.model.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+                m.quantize()
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, model_path: str | Path) -> None:

@@ -36,7 +36,8 @@ from kernels.torch_backend import paged_attention_torch, prefill_attention_torch
 
 logger = logging.getLogger("kvserve.attention")
 
-SOURCES = [Path(__file__).parent / "csrc" / n for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / n
+           for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp")]
 
 #: Longest query slice the C++ kernel takes; longer prefill chunks run SDPA on gathered K/V.
 MAX_KERNEL_QUERY_LEN = 16
@@ -140,6 +141,42 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
     torch.ops.kvserve_cpu.silu_and_mul(x, out)
     return out
+
+
+#: Most activation rows the int8 GEMV kernel takes; larger batches dequantize the weight.
+INT8_GEMV_ROWS = 8
+_int8_scratch: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only int8 linear (W8A32): ``x`` float32 ``[..., K]`` times ``qweight`` int8
+    ``[N, K]`` scaled per row by ``scale`` float32 ``[N]``, plus ``bias`` -> float32 ``[..., N]``.
+    Up to :data:`INT8_GEMV_ROWS` rows: the C++ GEMV that reads the int8 rows directly (decode is
+    bound by weight bytes); more rows: the weight is dequantized into a reused float32 buffer and
+    multiplied by oneDNN (compute-bound there). Needs the kernels (:func:`load_kernel`)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = qweight.shape[0]
+    if x2.shape[0] <= INT8_GEMV_ROWS:
+        y = torch.empty((x2.shape[0], n), dtype=torch.float32)
+        torch.ops.kvserve_cpu.int8_gemv(x2, qweight, scale, bias, y)
+    else:
+        w = _int8_scratch.get(tuple(qweight.shape))
+        if w is None:
+            w = _int8_scratch[tuple(qweight.shape)] = torch.empty(qweight.shape, dtype=torch.float32)
+        torch.ops.kvserve_cpu.int8_dequant(qweight, scale, w)
+        y = torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
+    return y.view(*x.shape[:-1], n)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8 quantization of ``weight`` ``[N, K]``: ``(q int8 [N, K],
+    scale float32 [N])`` with ``scale = max|row| / 127`` and ``q = round(weight / scale)``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 def kernel_error() -> str | None:

@@ -36,7 +36,22 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits ``hidden @ W^T`` over the full vocabulary; each rank computes its vocab slice
     and the slices are all-gathered. May share its weight with the embedding (tied)."""
 
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.register_buffer("qweight", None)  # int8 copy of the weight and its row scales after quantize()
+        self.register_buffer("wscale", None)
+
+    def quantize(self) -> None:
+        """Weight-only int8 logits: an int8 copy of the weight with per-row scales (the float
+        weight stays: a tied embedding still looks rows up in it)."""
+        from kernels import cpu_backend
+        self.qweight, self.wscale = cpu_backend.quantize_int8(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
-        logits = linear(hidden, self.weight).float()
+        if self.qweight is not None:
+            from kernels.cpu_backend import int8_linear
+            logits = int8_linear(hidden.float(), self.qweight, self.wscale)
+        else:
+            logits = linear(hidden, self.weight).float()
         return all_gather_last_dim(logits, [e - s for s, e in self.ranges])

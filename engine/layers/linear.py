@@ -53,6 +53,8 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.register_buffer("qweight", None)  # int8 weight [out, in] and its row scales after quantize()
+        self.register_buffer("wscale", None)
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         """Copy this rank's rows of sub-matrix ``part`` from the full ``tensor``
@@ -61,7 +63,17 @@ class ColumnParallelLinear(nn.Module):
         off = sum(self.sizes[:part])
         getattr(self, name).data[off:off + e - s].copy_(tensor[s:e])
 
+    def quantize(self) -> None:
+        """Weight-only int8 (``EngineConfig.quantization == "int8"``): the float weight is
+        replaced by int8 rows and per-row scales (``kernels.cpu_backend.quantize_int8``)."""
+        from kernels import cpu_backend
+        self.qweight, self.wscale = cpu_backend.quantize_int8(self.weight)
+        self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            from kernels.cpu_backend import int8_linear
+            return int8_linear(x, self.qweight, self.wscale, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -73,9 +85,16 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_range = in_range
         self.weight = nn.Parameter(torch.empty(out_features, in_range[1] - in_range[0]), requires_grad=False)
+        self.register_buffer("qweight", None)
+        self.register_buffer("wscale", None)
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         self.weight.data.copy_(tensor[:, self.in_range[0]:self.in_range[1]])
 
+    quantize = ColumnParallelLinear.quantize
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            from kernels.cpu_backend import int8_linear
+            return all_reduce(int8_linear(x, self.qweight, self.wscale))
         return all_reduce(linear(x, self.weight))
