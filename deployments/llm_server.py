@@ -629,6 +629,7 @@ class LLMServer:
         info = {"id": self.model_name, "root": self.engine.model_path, "max_model_len": self.max_model_len,
                 "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                 "kv_cache_dtype": self.engine.config.kv_cache_dtype,
+                "quantization": self.engine.config.quantization,
                 "max_queued_requests": self.admission.max_requests,
                 "max_in_flight_requests": self.admission.max_in_flight,
                 "max_queued_prompt_tokens": self.admission.max_prompt_tokens,

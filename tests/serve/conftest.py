@@ -86,7 +86,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
     # logical CPUs in all: 1.75 here, 1.75 for the auth app, leaving room on 8 for the TP test
     auth = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
                       "max_num_seqs": 8, "max_model_len": 256, "torch_num_threads": 1, "api_keys": [API_KEY],
-                      "kv_cache_dtype": "fp8",  # float8 KV through serving, per tensor-parallel rank
+                      "kv_cache_dtype": "fp8", "quantization": "int8",  # both through serving, per TP rank
                       "replica_cpus": 0.5, "worker_cpus": 0.5, "ingress_cpus": 0.25,
                       "num_replicas": 1})
     serve.run(auth, name="kvserve-auth", route_prefix="/auth", blocking=False)

@@ -280,7 +280,8 @@ def test_disconnect_mid_stream_frees_blocks(serve_app):
 
 def test_api_key_and_tensor_parallel_app(serve_app):
     """The second app: bearer auth, and a TP=2 replica whose workers live in its placement group,
-    with a float8 KV cache (each rank calibrates its own heads' scales)."""
+    with a float8 KV cache (each rank calibrates its own heads' scales) and int8 weights (each rank
+    quantizes its own shard)."""
     url = f"{serve_app.auth_base_url}/completions"
     body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
     r = httpx.post(url, json=body, timeout=60)
@@ -292,7 +293,8 @@ def test_api_key_and_tensor_parallel_app(serve_app):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["model"] == "tiny-tp2"
     models = httpx.get(f"{serve_app.auth_base_url}/models", headers=auth, timeout=30)
-    assert models.status_code == 200 and models.json()["data"][0]["kv_cache_dtype"] == "fp8"
+    card = models.json()["data"][0]
+    assert models.status_code == 200 and card["kv_cache_dtype"] == "fp8" and card["quantization"] == "int8"
     assert httpx.get(f"{serve_app.base_url}/models", timeout=30).json()["data"][0]["kv_cache_dtype"] == "auto"
     assert httpx.get(f"{serve_app.root}/auth/health", timeout=30).status_code == 200  # no key needed
     from ray import serve
