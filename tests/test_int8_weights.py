@@ -89,8 +89,10 @@ def test_int8_replaces_the_float_weights(tiny_llama_path):
 
 
 @pytest.mark.slow
-def test_smollm2_int8_answers_paris(smollm2_path):
-    llm = LLM(model=str(smollm2_path), quantization="int8")
+@pytest.mark.parametrize("kw", [{"quantization": "int8"}, {"kv_cache_dtype": "fp8"},
+                                {"quantization": "int8", "kv_cache_dtype": "fp8"}])
+def test_smollm2_quantized_answers_paris(smollm2_path, kw):
+    llm = LLM(model=str(smollm2_path), **kw)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text

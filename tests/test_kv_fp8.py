@@ -1,6 +1,7 @@
 """The float8 (e4m3) KV cache through the engine: capacity, calibration, HF agreement, every
 request's blocks returned. The kernels' float8 paths against the float64 reference are in
-``test_kernels.py`` (``test_fp8_kv_cache``, ``test_fp8_store_rounds_to_e4m3``)."""
+``test_kernels.py`` (``test_fp8_kv_cache``, ``test_fp8_store_rounds_to_e4m3``); SmolLM2 with it
+in ``test_int8_weights.py::test_smollm2_quantized_answers_paris``."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -94,11 +95,3 @@ def test_backends_without_fp8_are_refused(tiny_llama_path, monkeypatch):
     monkeypatch.setattr(TorchBackend, "supports_fp8_kv", False)
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by the torch attention backend"):
         ModelRunner(EngineConfig(device="cpu", attention_backend="torch", kv_cache_dtype="fp8"), tiny_llama_path)
-
-
-@pytest.mark.slow
-def test_smollm2_fp8_answers_paris(smollm2_path):
-    llm = LLM(model=str(smollm2_path), kv_cache_dtype="fp8")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-    assert "Paris" in out[0].outputs[0].text
