@@ -152,6 +152,14 @@ def run_hf_static(model_path: str, work, batch_size: int = 16, pad_id: int = 2) 
             "output_tok_per_s": useful / elapsed}
 
 
+def decode_ms_per_token(generate_s, new_tokens: int, reps: int = 3) -> float:
+    """Decode latency, ms per output token, with the prefill cancelled out:
+    ``(generate_s(1 + new_tokens) - generate_s(1)) / new_tokens``, best of ``reps`` after a
+    warm-up. ``generate_s(n)``: seconds to generate ``n`` tokens from the same prompt."""
+    generate_s(2)
+    return min((generate_s(1 + new_tokens) - generate_s(1)) / new_tokens for _ in range(reps)) * 1e3
+
+
 # ---- numbers and output ---------------------------------------------------------------------
 def percentile(xs: list[float], q: float, *, nearest_rank: bool = False) -> float | None:
     """The ``q``-th percentile (0..100) of ``xs``, None if empty: linear interpolation

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_model_arg, greedy, load_average, make_workload, resolve, run_kvserve, write_json  # noqa: E402
+from benchmarks.common import add_model_arg, decode_ms_per_token, greedy, load_average, make_workload, resolve, run_kvserve, write_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
@@ -66,7 +66,7 @@ def greedy_outputs(llm: LLM, new_tokens: int) -> list[list[int]]:
 
 
 def batch1_ms_per_token(llm: LLM, context: int, new_tokens: int, vocab: int) -> float:
-    """(time for 1 + new_tokens tokens - time for 1 token) / new_tokens, best of 3, ms."""
+    """Batch-1 decode ms/token at ``context`` tokens (``benchmarks.common.decode_ms_per_token``)."""
     prompt = [random.Random(0).randint(100, vocab - 100) for _ in range(context)]
 
     def run(n):
@@ -74,8 +74,7 @@ def batch1_ms_per_token(llm: LLM, context: int, new_tokens: int, vocab: int) -> 
         llm.generate([prompt], greedy(n), use_tqdm=False)
         return time.perf_counter() - t
 
-    run(2)
-    return min((run(1 + new_tokens) - run(1)) / new_tokens for _ in range(3)) * 1e3
+    return decode_ms_per_token(run, new_tokens)
 
 
 def main(argv=None) -> dict:

@@ -191,15 +191,10 @@ class Offline:
     (OpenMP keeps a worker team per calling thread; mixing threads slows CPU steps)."""
 
     def __init__(self, model_path: str, engine_kw: dict):
-        from concurrent.futures import ThreadPoolExecutor
-
-        import torch
-
         from engine import LLM
-        from engine.async_engine import AsyncLLMEngine
+        from engine.async_engine import AsyncLLMEngine, step_thread
 
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="offline-step", initializer=torch.set_num_threads,
-                                       initargs=(torch.get_num_threads(),))
+        self.pool = step_thread("offline-step")
         self.llm = self.pool.submit(LLM, model=model_path, **engine_kw).result()
         self.aeng = AsyncLLMEngine(self.llm.engine, step_pool=self.pool)
 

@@ -102,7 +102,7 @@ def batch1_latency(path: str, context: int, new_tokens: int, seed: int, vocab: i
 
     from transformers import GenerationConfig
 
-    from benchmarks.common import greedy, load_hf_model
+    from benchmarks.common import decode_ms_per_token, greedy, load_hf_model
 
     prompt = [random.Random(seed).randint(100, vocab - 100) for _ in range(context)]
     llm = LLM(model=path, enable_prefix_caching=False)
@@ -123,12 +123,9 @@ def batch1_latency(path: str, context: int, new_tokens: int, seed: int, vocab: i
             model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg(n))
         return time.perf_counter() - t
 
-    def per_token(fn):
-        fn(2)  # warm-up
-        return min((fn(1 + new_tokens) - fn(1)) / new_tokens for _ in range(3)) * 1e3
-
-    out = {"context_tokens": context, "new_tokens": new_tokens, "kvserve_ms_per_token": per_token(ours),
-           "hf_generate_ms_per_token": per_token(hf)}
+    out = {"context_tokens": context, "new_tokens": new_tokens,
+           "kvserve_ms_per_token": decode_ms_per_token(ours, new_tokens),
+           "hf_generate_ms_per_token": decode_ms_per_token(hf, new_tokens)}
     out["kvserve_over_hf"] = out["kvserve_ms_per_token"] / out["hf_generate_ms_per_token"]
     return out
 

@@ -23,6 +23,15 @@ class EngineDeadError(RuntimeError):
     must be replaced."""
 
 
+def step_thread(prefix: str = "kvserve-step") -> ThreadPoolExecutor:
+    """A single-thread executor to build and step an engine in, with torch's intra-op thread
+    count carried over (a new thread starts at ``OMP_NUM_THREADS``, which Ray sets to 1)."""
+    import torch
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=prefix, initializer=torch.set_num_threads,
+                              initargs=(torch.get_num_threads(),))
+
+
 class AsyncLLMEngine:
     """Streams outputs of concurrent requests from one :class:`LLMEngine`.
 
@@ -70,11 +79,7 @@ class AsyncLLMEngine:
         Raises:
             whatever :class:`LLMEngine` raises (bad config, model that does not load).
         """
-        import torch
-
-        threads = torch.get_num_threads()  # a new thread starts at OMP_NUM_THREADS (Ray sets 1)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step",
-                                  initializer=torch.set_num_threads, initargs=(threads,))
+        pool = step_thread()
         try:
             engine = pool.submit(LLMEngine, config, executor_factory).result()
         except BaseException:

@@ -148,24 +148,32 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_run(self) -> None:
         n = self.config.max_num_batched_tokens
-        bs = self.block_size
-        nblocks = -(-n // bs)
-        attn = self.model.layers[0].self_attn
-        shape = (nblocks, bs, attn.num_kv_heads, attn.head_dim)
-        tmp = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in self.model.layers]
-        self._attach(tmp)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device) % self.hf_config.max_position_embeddings
-        meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(nblocks, dtype=torch.int32, device=self.device)[None],
-            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
-            query_lens_cpu=[n], seq_lens_cpu=[n], max_seqlen_q=n, max_seqlen_k=n)
-        h = self.model(ids, pos, meta)
+        h, _ = self._prefill_alone(torch.zeros(n, dtype=torch.long, device=self.device))
         self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
-        self._attach([])
-        del tmp
+
+    @torch.inference_mode()
+    def _prefill_alone(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One request of prompt ``ids`` (int64 ``[n]``) through the model in one chunk, with
+        temporary K/V caches in the model dtype (never the engine's pool). Returns the hidden
+        states ``[n, hidden]`` and the caches (K, V per layer; the first ``n`` slots hold them)."""
+        n, dev = ids.numel(), self.device
+        nblocks = -(-n // self.block_size)
+        attn = self.model.layers[0].self_attn
+        shape = (nblocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
+                  for _ in self.model.layers]
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(nblocks, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
+            query_lens_cpu=[n], seq_lens_cpu=[n], max_seqlen_q=n, max_seqlen_k=n)
+        self._attach(caches)
+        try:
+            h = self.model(ids, torch.arange(n, device=dev) % self.hf_config.max_position_embeddings, meta)
+        finally:
+            self._attach([])
+        return h, caches
 
     def _quantize_int8(self) -> None:
         """Weight-only int8 for every linear layer and the LM head (``quantization="int8"``).
@@ -196,26 +204,12 @@ class ModelRunner:
         from kernels.torch_backend import FP8_MAX
 
         ids = load_tokenizer(model_path).encode(KV_CALIBRATION_TEXT)
-        n, bs = len(ids), self.block_size
-        attn = self.model.layers[0].self_attn
-        nblocks = -(-n // bs)
-        shape = (nblocks, bs, attn.num_kv_heads, attn.head_dim)
-        self._attach([(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.model.layers])
-        dev = self.device
-        meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_tables=torch.arange(nblocks, dtype=torch.int32, device=dev)[None],
-            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
-            query_lens_cpu=[n], seq_lens_cpu=[n], max_seqlen_q=n, max_seqlen_k=n)
-        self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta)
-        for layer in self.model.layers:
+        _, caches = self._prefill_alone(torch.tensor(ids, dtype=torch.long, device=self.device))
+        for layer, (k, v) in zip(self.model.layers, caches):
             a = layer.self_attn
-            k, v = (c.view(-1, a.num_kv_heads, a.head_dim)[:n] for c in (a.k_cache, a.v_cache))
+            k, v = (c.view(-1, a.num_kv_heads, a.head_dim)[:len(ids)] for c in (k, v))
             a.k_scale = max(2 * float(k.abs().max()) / FP8_MAX, 1e-8)
             a.v_scale = max(2 * float(v.abs().max()) / FP8_MAX, 1e-8)
-        self._attach([])
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[num_blocks, block_size, kv_heads, head_dim]`` K and V per layer.

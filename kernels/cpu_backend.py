@@ -48,7 +48,9 @@ _load_error: str | None = None
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve")
+    """``engine.model_loader.cache_dir()``'s rule (``kernels/`` imports no engine code)."""
+    env = os.environ.get("KVSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvserve"
 
 
 def _cpu_flags() -> str:

@@ -34,11 +34,11 @@ def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
-def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` read from a cache: float8 values times ``scale`` in ``dtype``; other caches' values
+def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` read from a cache: float8 values times ``scale`` in float32; other caches' values
     as they are (their own dtype)."""
     if x.dtype == FP8:
-        return x.to(torch.float32).mul_(scale).to(dtype)
+        return x.to(torch.float32).mul_(scale)
     return x
 
 
@@ -111,8 +111,7 @@ def _rows(cache: torch.Tensor, head_dim: int, index: torch.Tensor, scale: float)
     """Rows ``index`` of ``cache`` viewed as ``[num_slots * num_kv_heads, head_dim]`` (a float8
     cache's dequantized to float32, see :func:`dequantize`)."""
     if cache.dtype == FP8:
-        return dequantize(cache.view(torch.uint8).view(-1, head_dim).index_select(0, index).view(FP8), scale,
-                          torch.float32)
+        return dequantize(cache.view(torch.uint8).view(-1, head_dim).index_select(0, index).view(FP8), scale)
     return cache.view(-1, head_dim).index_select(0, index)
 
 
@@ -195,8 +194,8 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             continue
         ctx = slen - qlen
         lo = max(0, ctx - window + 1) if window else 0  # first key any query of the chunk sees
-        k = dequantize(_gather(k_cache, meta.block_tables[i], slen, lo), k_scale, torch.float32).transpose(0, 1)[None]
-        v = dequantize(_gather(v_cache, meta.block_tables[i], slen, lo), v_scale, torch.float32).transpose(0, 1)[None]
+        k = dequantize(_gather(k_cache, meta.block_tables[i], slen, lo), k_scale).transpose(0, 1)[None]
+        v = dequantize(_gather(v_cache, meta.block_tables[i], slen, lo), v_scale).transpose(0, 1)[None]
         qi = q[s:s + qlen].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, qlen, D]
         mask = None
         if qlen != slen or (window and window < slen) or softcap is not None:

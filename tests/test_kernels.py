@@ -568,8 +568,8 @@ def test_fp8_store_rounds_to_e4m3(cpu_kernel):
     val = torch.randn(5, 2, 64, generator=g)
     slots = torch.tensor([3, 9, 17, 30, 31])
     store_kv_torch(key, val, kc, vc, slots, k_scale=0.05, v_scale=0.01)
-    k = dequantize(kc.view(torch.uint8).view(32, 2, 64)[slots].view(FP8), 0.05, torch.float32)
-    v = dequantize(vc.view(torch.uint8).view(32, 2, 64)[slots].view(FP8), 0.01, torch.float32)
+    k = dequantize(kc.view(torch.uint8).view(32, 2, 64)[slots].view(FP8), 0.05)
+    v = dequantize(vc.view(torch.uint8).view(32, 2, 64)[slots].view(FP8), 0.01)
     assert k[0, 0, 0] == 448 * 0.05
     k_rel = ((k - key).abs() / key.abs().clamp_min(2 ** -6 * 0.05)).flatten()[1:]
     assert k_rel.max() <= 2 ** -4 + 1e-6
