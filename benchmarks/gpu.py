@@ -168,9 +168,11 @@ def copy_bandwidth(timer: Timer, nbytes: int = 1 << 30, device: str = "cuda") ->
 # ----------------------------------------------------------------------------- attention
 
 def _paged_problem(batch: int, q_len: int, ctx: int, shape: dict, block_size: int, dtype,
-                   seed: int = 0, device: str = "cuda") -> dict:
+                   seed: int = 0, device: str = "cuda", kv_cache_dtype: str = "auto") -> dict:
     """Random paged cache holding ``batch`` requests of ``ctx`` tokens in scattered blocks, and
-    ``q_len`` queries per request (the last ``q_len`` positions), plus contiguous copies."""
+    ``q_len`` queries per request (the last ``q_len`` positions), plus contiguous copies
+    (``kv_cache_dtype="fp8"``: the caches in float8 e4m3 with a per-cache ``k_scale`` /
+    ``v_scale``, the contiguous copies dequantized to ``dtype``)."""
     import torch
     from kernels.backend import AttentionMetadata
     g = torch.Generator(device=device).manual_seed(seed)
@@ -192,8 +194,18 @@ def _paged_problem(batch: int, q_len: int, ctx: int, shape: dict, block_size: in
     def contiguous(cache):  # [batch, Hkv, ctx, D]
         return cache[block_tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
 
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, k=contiguous(k_cache),
-                v=contiguous(v_cache), H=H, Hkv=Hkv, D=D, batch=batch, q_len=q_len, ctx=ctx)
+    scales = dict(k_scale=1.0, v_scale=1.0)
+    k_deq, v_deq = k_cache, v_cache
+    if kv_cache_dtype == "fp8":  # largest value -> 224; SDPA gets the dequantized values
+        scales = {n: float(c.float().abs().max()) * 2 / 448
+                  for n, c in (("k_scale", k_cache), ("v_scale", v_cache))}
+        k_cache, v_cache = ((c.float() / scales[n]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                            for n, c in (("k_scale", k_cache), ("v_scale", v_cache)))
+        k_deq = (k_cache.float() * scales["k_scale"]).to(dtype)
+        v_deq = (v_cache.float() * scales["v_scale"]).to(dtype)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, k=contiguous(k_deq),
+                v=contiguous(v_deq), H=H, Hkv=Hkv, D=D, batch=batch, q_len=q_len, ctx=ctx,
+                **scales)
 
 
 def _sdpa(q, k, v, causal: bool):
@@ -204,29 +216,31 @@ def _sdpa(q, k, v, causal: bool):
 
 def bench_decode_attention(timer: Timer, shape_name: str, batch: int, ctx: int,
                            block_size: int, copy_bw: float, dtype: str = "bfloat16",
-                           device: str = "cuda") -> dict:
+                           device: str = "cuda", kv_cache_dtype: str = "auto") -> dict:
     """Paged decode attention (1 query per request, ``ctx`` keys): median ms, GB/s of K/V + q +
     out bytes, the same for SDPA on contiguous K/V, and max|ours - SDPA|."""
     import torch
     from kernels import triton_attention as ta
     p = _paged_problem(batch, 1, ctx, ATTN_SHAPES[shape_name], block_size, getattr(torch, dtype),
-                       device=device)
+                       device=device, kv_cache_dtype=kv_cache_dtype)
     scale = p["D"] ** -0.5
     out = torch.empty_like(p["q"])
     ours = lambda: ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], p["meta"], scale,  # noqa: E731
-                                      out=out)
+                                      out=out, k_scale=p["k_scale"], v_scale=p["v_scale"])
     qs = p["q"].view(batch, 1, p["H"], p["D"]).transpose(1, 2)  # [B, H, 1, D]
     ref = lambda: _sdpa(qs, p["k"], p["v"], causal=False)  # noqa: E731
     ms = timer(ours)
     ms_sdpa = timer(ref)
     err = (ours().float() - ref().transpose(1, 2).reshape_as(out).float()).abs().max().item()
     es = p["q"].element_size()  # bytes per element
-    kv_bytes = 2 * batch * ctx * p["Hkv"] * p["D"] * es
-    io_bytes = kv_bytes + 2 * p["q"].numel() * es  # + q read + out written
+    kv_bytes = 2 * batch * ctx * p["Hkv"] * p["D"] * p["k_cache"].element_size()
+    io_bytes = kv_bytes + 2 * p["q"].numel() * es  # + q read + out written (SDPA reads q's dtype)
+    sdpa_bytes = 2 * batch * ctx * p["Hkv"] * p["D"] * es + 2 * p["q"].numel() * es
     splits = ta.choose_num_splits(batch, p["Hkv"], ctx, ta._num_sms(p["q"].device))
-    res = dict(shape=shape_name, dtype=dtype, batch=batch, ctx=ctx, block_size=block_size,
+    res = dict(shape=shape_name, dtype=dtype, kv_cache_dtype=kv_cache_dtype, batch=batch,
+               ctx=ctx, block_size=block_size,
                num_splits=splits, ms=ms, gbps=io_bytes / (ms * 1e-3) / 1e9,
-               sdpa_ms=ms_sdpa, sdpa_gbps=io_bytes / (ms_sdpa * 1e-3) / 1e9,
+               sdpa_ms=ms_sdpa, sdpa_gbps=sdpa_bytes / (ms_sdpa * 1e-3) / 1e9,
                max_abs_diff_vs_sdpa=err)
     res["frac_of_copy_bw"] = res["gbps"] / copy_bw
     del p, out
@@ -236,25 +250,26 @@ def bench_decode_attention(timer: Timer, shape_name: str, batch: int, ctx: int,
 
 def bench_prefill_attention(timer: Timer, shape_name: str, ctx: int, block_size: int,
                             tokens: int = 16384, dtype: str = "bfloat16",
-                            device: str = "cuda") -> dict:
+                            device: str = "cuda", kv_cache_dtype: str = "auto") -> dict:
     """Causal varlen prefill of ``tokens // ctx`` requests of ``ctx`` tokens: median ms,
     TFLOP/s (causal FLOPs), the same for SDPA ``is_causal=True``, and max|ours - SDPA|."""
     import torch
     from kernels import triton_attention as ta
     batch = max(1, tokens // ctx)
     p = _paged_problem(batch, ctx, ctx, ATTN_SHAPES[shape_name], block_size, getattr(torch, dtype),
-                       device=device)
+                       device=device, kv_cache_dtype=kv_cache_dtype)
     scale = p["D"] ** -0.5
     out = torch.empty_like(p["q"])
     ours = lambda: ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], p["meta"], scale,  # noqa: E731
-                                      out=out)
+                                      out=out, k_scale=p["k_scale"], v_scale=p["v_scale"])
     qs = p["q"].view(batch, ctx, p["H"], p["D"]).transpose(1, 2).contiguous()
     ref = lambda: _sdpa(qs, p["k"], p["v"], causal=True)  # noqa: E731
     ms = timer(ours)
     ms_sdpa = timer(ref)
     err = (ours().float() - ref().transpose(1, 2).reshape_as(out).float()).abs().max().item()
     flops = 4 * batch * p["H"] * p["D"] * ctx * (ctx + 1) / 2
-    res = dict(shape=shape_name, dtype=dtype, batch=batch, ctx=ctx, block_size=block_size, ms=ms,
+    res = dict(shape=shape_name, dtype=dtype, kv_cache_dtype=kv_cache_dtype, batch=batch,
+               ctx=ctx, block_size=block_size, ms=ms,
                tflops=flops / (ms * 1e-3) / 1e12, sdpa_ms=ms_sdpa,
                sdpa_tflops=flops / (ms_sdpa * 1e-3) / 1e12, max_abs_diff_vs_sdpa=err)
     del p, out, qs
@@ -412,7 +427,8 @@ def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int
         tn = min(run(1 + new_tokens) for _ in range(2))
         ms = (tn - t1) / new_tokens * 1e3
         row = dict(model=model_dir.name, cuda_graphs=graphs, graphs_captured=captured,
-                   backend=backend, dtype=dtype, prompt_len=prompt_len, new_tokens=new_tokens,
+                   backend=backend, dtype=dtype,
+                   kv_cache_dtype=(engine_kw or {}).get("kv_cache_dtype", "auto"), prompt_len=prompt_len, new_tokens=new_tokens,
                    ms_per_token=ms, hbm_floor_ms=floor_ms, floor_frac=floor_ms / ms,
                    weight_gb=weight_bytes(model_dir) / 1e9)
         if graphs != captured:
@@ -458,6 +474,7 @@ def bench_engine_throughput(model_dir: Path, *, num_requests: int = 256,
     LLM, SamplingParams = _engine_api()
     prompts, outs = nano_vllm_workload(num_requests, min_len, max_len)
     res = dict(model=model_dir.name, num_requests=num_requests, backend=backend, dtype=dtype,
+               kv_cache_dtype=(engine_kw or {}).get("kv_cache_dtype", "auto"),
                prompt_tokens=sum(map(len, prompts)), output_tokens=sum(outs))
     llm = LLM(model=os.fspath(model_dir), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
               enforce_eager=False, attention_backend=backend, **(engine_kw or {}))
@@ -552,6 +569,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "$KVSERVE_BENCH_MODELS or /tmp/kvserve-bench-models; --smoke: a "
                          "temporary folder, removed afterwards)")
     ap.add_argument("--backend", default="triton", help="engine attention backend")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="KV cache: the model dtype, or float8 e4m3 with per-layer scales "
+                         "(attention parts: per-cache scales)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-max-requests", type=int, default=None)
@@ -615,7 +635,8 @@ def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     device, dtype = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
     sizes = SMOKE_ENGINE if smoke else {}
-    engine_kw = sizes.get("engine_kw")
+    engine_kw = dict(sizes.get("engine_kw") or {}, kv_cache_dtype=args.kv_cache_dtype)
+    kv = args.kv_cache_dtype
     gpu = "none (--smoke, CPU)" if smoke else torch.cuda.get_device_name()
     if args.out:
         out_path = args.out
@@ -626,7 +647,7 @@ def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int
     out_path.parent.mkdir(parents=True, exist_ok=True)
     timer = Timer(args.warmup, args.iters, device)
     copy_bw = copy_bandwidth(timer, sizes.get("copy_bytes", 1 << 30), device)
-    report = dict(gpu=gpu, smoke=smoke, device=device, dtype=dtype,
+    report = dict(gpu=gpu, smoke=smoke, device=device, dtype=dtype, kv_cache_dtype=kv,
                   sms=None if smoke else torch.cuda.get_device_properties(0).multi_processor_count,
                   torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%S"), copy_bandwidth_gbps=copy_bw,
@@ -644,11 +665,11 @@ def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int
     shapes = [s for s in args.shapes.split(",") if s]
     if "attention" in parts:
         dec = [bench_decode_attention(timer, s, args.batch, c, args.block_size, copy_bw,
-                                      dtype, device) for s in shapes for c in ctxs]
+                                      dtype, device, kv) for s in shapes for c in ctxs]
         report["decode_attention"] = dec
         save()
         pre = [bench_prefill_attention(timer, s, c, args.block_size, args.prefill_tokens,
-                                       dtype, device) for s in shapes for c in ctxs]
+                                       dtype, device, kv) for s in shapes for c in ctxs]
         report["prefill_attention"] = pre
         save()
         if smoke:

@@ -95,9 +95,10 @@ class ModelRunner:
         self.backend = select_attention_backend(self.device, self.dtype, self.block_size, head_dim,
                                                 config.attention_backend)()
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
-        if config.kv_cache_dtype == "fp8" and not self.backend.supports_fp8_kv:
-            raise ValueError(f"kv_cache_dtype='fp8' is not supported by the {self.backend.name} attention backend "
-                             f"(it is by: torch, cpu)")
+        reason = config.kv_cache_dtype == "fp8" and self.backend.fp8_kv_unsupported_reason(self.device)
+        if reason:
+            raise ValueError(f"kv_cache_dtype='fp8' is not supported here: {reason} "
+                             f"(float8 caches run on the torch, cpu and triton backends)")
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

@@ -136,6 +136,13 @@ class AttentionBackend:
         ``window`` (tokens, >= 1) and ``softcap`` (> 0): see the module docstring; None = off."""
         raise NotImplementedError
 
+    @classmethod
+    def fp8_kv_unsupported_reason(cls, device: torch.device) -> str | None:
+        """Why this backend cannot keep a float8 KV cache on ``device`` (None: it can)."""
+        if not cls.supports_fp8_kv:
+            return f"the {cls.name} attention backend has no float8 KV cache path"
+        return None
+
     @staticmethod
     def check_window_softcap(window: int | None, softcap: float | None) -> None:
         """Raise ``ValueError`` unless ``window`` is None or an int >= 1 and ``softcap`` is None

@@ -1,6 +1,7 @@
 """The Triton attention backend: our FlashAttention-2 style kernels (:mod:`kernels.triton_attention`).
 
-Runs on CUDA (fp32, fp16, bf16; any block size, any head_dim) and is safe to capture in CUDA
+Runs on CUDA (fp32, fp16, bf16; float8 e4m3 KV caches on compute capability >= 8.9; any
+block size, any head_dim) and is safe to capture in CUDA
 graphs: the decode kernel derives each request's split-K bounds from ``seq_lens`` on the device,
 ``store_kv`` skips slot -1 and a seq_len-0 row yields zeros. On CPU it runs only when requested
 by name under ``TRITON_INTERPRET=1`` (the interpreter, for tests: it is never chosen
@@ -38,6 +39,16 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     devices = ("cuda",)
     supports_cuda_graphs = True
+    supports_fp8_kv = True
+
+    @classmethod
+    def fp8_kv_unsupported_reason(cls, device: torch.device) -> str | None:
+        """Float8 caches need a GPU with float8 conversions (compute capability >= 8.9, Ada or
+        Hopper; Triton has no e4m3 type below it); the interpreter handles them anywhere."""
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(device)
+            return f"float8 KV caches need compute capability >= 8.9, this GPU has {major}.{minor}"
+        return None
 
     @classmethod
     def import_error(cls) -> str | None:
@@ -60,9 +71,10 @@ class TritonBackend(AttentionBackend):
         self._store, self._attend = triton_attention.store_kv, triton_attention.paged_attention
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-        self._store(key, value, k_cache, v_cache, slot_mapping)
+        self._store(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
                 window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
                 v_scale: float = 1.0) -> torch.Tensor:
-        return self._attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+        return self._attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
+                            k_scale=k_scale, v_scale=v_scale)

@@ -32,17 +32,32 @@ def _positive(row: dict, *keys: str) -> None:
         assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, (k, row)
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("gpu_smoke") / "x.json"
+def _run_smoke(out: Path, *args: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke",
-                           "--out", str(out)], capture_output=True, text=True, cwd=str(ROOT),
+                           "--out", str(out), *args], capture_output=True, text=True, cwd=str(ROOT),
                           env=env, timeout=280)
     assert proc.returncode == 0, \
         f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    return _run_smoke(tmp_path_factory.mktemp("gpu_smoke") / "x.json")
+
+
+def test_fp8_kv_cache_parts(tmp_path):
+    """``--kv-cache-dtype fp8``: the kernels over float8 caches match SDPA over the dequantized
+    values, and the engine runs with a float8 cache."""
+    rep = _run_smoke(tmp_path / "fp8.json", "--kv-cache-dtype", "fp8", "--parts", "attention,engine-decode")
+    assert rep["kv_cache_dtype"] == "fp8"
+    for r in rep["decode_attention"] + rep["prefill_attention"]:
+        assert r["kv_cache_dtype"] == "fp8" and 0 <= r["max_abs_diff_vs_sdpa"] < MAX_ABS_DIFF, r
+    (eager,) = [r for r in rep["engine_decode"] if not r["cuda_graphs"]]
+    assert eager["kv_cache_dtype"] == "fp8" and "error" not in eager, eager
+    _positive(eager, "ms_per_token")
 
 
 def test_report_header(smoke):

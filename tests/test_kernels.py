@@ -129,6 +129,19 @@ CASES: dict[str, dict] = {
                                                      dtype="float32", seqlens=[40, 300],
                                                      splits=2, window=100, softcap=5.0,
                                                      seed=57),
+    # float8 e4m3 caches (kv="fp8": caches quantized with a per-cache scale, reference over the
+    # dequantized values): store rounding + clamping, prefill, split decode with window and
+    # softcap, a mixed batch with 16-bit dots.
+    "fp8_store_h2_d64": dict(kind="store", Hkv=2, D=64, bs=16, dtype="float32", T=70, seed=60,
+                             kv="fp8"),
+    "fp8_prefill_g2_d64_fp32": dict(kind="prefill", H=4, Hkv=2, D=64, bs=16, dtype="float32",
+                                    qlens=[70, 1, 130], seqlens=[70, 90, 300], seed=61, kv="fp8"),
+    "fp8_decode_g4_d128_fp32_split3_window_softcap": dict(
+        kind="decode", H=4, Hkv=1, D=128, bs=16, dtype="float32", seqlens=[0, 40, 300, 513],
+        splits=3, window=200, softcap=5.0, seed=62, kv="fp8"),
+    "fp8_dispatch_mixed_g4_d128_fp16": dict(kind="dispatch", H=8, Hkv=2, D=128, bs=16,
+                                            dtype="float16", qlens=[1, 23, 1, 60],
+                                            seqlens=[90, 40, 17, 160], seed=63, kv="fp8"),
 }
 
 
@@ -251,6 +264,22 @@ def make_problem(spec: dict, device: str = "cpu", dtype: str | None = None) -> d
                 window=spec.get("window"), softcap=spec.get("softcap"))
 
 
+def quantize_fp8(p: dict) -> dict:
+    """Store ``p``'s caches as float8 e4m3 in place (per-cache scale: the largest value maps to
+    224) and return the same problem with the dequantized caches (their dtype as before),
+    whose float64 reference is what attention over the float8 caches must compute. NaN slots
+    stay NaN."""
+    from kernels.torch_backend import FP8, FP8_MAX
+    deq = dict(p)
+    for name, key in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
+        c = p[name].float()
+        s = float(torch.nan_to_num(c).abs().max()) * 2 / FP8_MAX
+        q8 = (c / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        p[name], p[key] = q8, s
+        deq[name] = (q8.float() * s).to(c.device)
+    return deq
+
+
 def ref_attention(p: dict) -> torch.Tensor:
     """float64 causal paged attention (optional sliding window and logit soft-capping), one
     request / head at a time, slot by slot."""
@@ -310,8 +339,12 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     if spec["kind"] == "store":
         return _run_store(spec, device, dtype)
     p = make_problem(spec, device, dtype)
-    out = torch.full_like(p["q"], float("nan"))
+    ref_problem = p
     ws = dict(window=p["window"], softcap=p["softcap"])
+    if spec.get("kv") == "fp8":
+        ref_problem = quantize_fp8(p)
+        ws.update(k_scale=p["k_scale"], v_scale=p["v_scale"])
+    out = torch.full_like(p["q"], float("nan"))
     if spec["kind"] == "prefill":
         ta.varlen_prefill_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"],
                                     p["seq_lens"], p["cu_seqlens_q"], max(p["qlens"]),
@@ -323,7 +356,7 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     else:
         out = ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
                                  out=out, **ws)
-    return _compare(out, ref_attention(p), dtype)
+    return _compare(out, ref_attention(ref_problem), dtype)
 
 
 def _run_heuristic() -> dict:
@@ -347,11 +380,22 @@ def _run_store(spec: dict, device: str, dtype: str) -> dict:
     gen = torch.Generator().manual_seed(spec["seed"])
     Hkv, D, bs, T = spec["Hkv"], spec["D"], spec["bs"], spec["T"]
     num_blocks = (T + bs - 1) // bs + 2
-    dt = DTYPES[dtype]
+    fp8 = spec.get("kv") == "fp8"
+    dt = torch.float8_e4m3fn if fp8 else DTYPES[dtype]
     slots = torch.randperm(num_blocks * bs, generator=gen)[:T]
     slots[torch.rand(T, generator=gen) < 0.2] = -1
     # Views with a padded token stride (as when K/V are slices of a fused qkv projection).
     kv = torch.randn(T, 2, Hkv, D, generator=gen)
+    scales = dict(k_scale=2.0 ** -4, v_scale=0.01) if fp8 else {}
+    if fp8:  # values across e4m3's whole range (subnormals, some past 448 * scale) and, in K,
+        # every exact tie between neighbouring e4m3 values (round to nearest even)
+        kv *= torch.logspace(-5, 1.5, T * 2 * Hkv * D)[torch.randperm(T * 2 * Hkv * D, generator=gen)].view(kv.shape)
+        grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        grid = grid[grid.isfinite()].unique()
+        ties = torch.cat([(grid[1:] + grid[:-1]) / 2, grid]) * scales["k_scale"]
+        rows = kv[:, 0].view(T, Hkv * D)  # a view (raises if it cannot be): writes land in kv
+        i = torch.arange(ties.numel())
+        rows[i // (Hkv * D), i % (Hkv * D)] = ties[torch.randperm(ties.numel(), generator=gen)]
     key, value = kv[:, 0], kv[:, 1]
     # The caches are the middle of NaN buffers with one guard block on each side: a write
     # through a negative (skipped) slot or past the end lands in a guard and is detected.
@@ -359,13 +403,22 @@ def _run_store(spec: dict, device: str, dtype: str) -> dict:
     v_buf = torch.full_like(k_buf, float("nan"))
     exp_k, exp_v = k_buf.clone(), v_buf.clone()
     keep = slots >= 0
-    exp_k[1:-1].reshape(-1, Hkv, D)[slots[keep]] = key[keep].to(dt)
-    exp_v[1:-1].reshape(-1, Hkv, D)[slots[keep]] = value[keep].to(dt)
+    if fp8:  # torch's own float8 rounding (nearest even) of the clamped, scaled values
+        key_q, value_q = ((x / s).clamp(-448, 448)
+                          for x, s in ((key, scales["k_scale"]), (value, scales["v_scale"])))
+    else:
+        key_q, value_q = key, value
+    raw = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # no float8 indexing in ATen
+    raw(exp_k)[1:-1].reshape(-1, Hkv, D)[slots[keep]] = raw(key_q[keep].to(dt))
+    raw(exp_v)[1:-1].reshape(-1, Hkv, D)[slots[keep]] = raw(value_q[keep].to(dt))
     k_buf, v_buf = k_buf.to(device), v_buf.to(device)
-    ta.store_kv(key.to(device), value.to(device), k_buf[1:-1], v_buf[1:-1], slots.to(device))
+    ta.store_kv(key.to(device), value.to(device), k_buf[1:-1], v_buf[1:-1], slots.to(device),
+                **scales)
 
     def same(a, b):
         a = a.cpu()
+        if fp8:  # bit patterns (NaN guards included)
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
     ok = same(k_buf, exp_k) and same(v_buf, exp_v)
@@ -521,19 +574,10 @@ def test_cpu_kernel(name, cpu_kernel):
 
 
 def _fp8_problem(spec: dict) -> tuple[dict, dict]:
-    """A float32 problem with its caches stored as float8 e4m3 (per-cache scales chosen so the
-    largest value maps to ~224) and the same problem with the dequantized caches in float32,
-    whose float64 reference is what the float8 path must compute."""
-    from kernels.torch_backend import FP8, FP8_MAX
+    """A float32 problem with its caches stored as float8 e4m3 and the same problem with the
+    dequantized caches (:func:`quantize_fp8`)."""
     p = make_problem(dict(spec, dtype="float32"))
-    deq = dict(p)
-    for name, key in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
-        c = p[name]
-        s = float(torch.nan_to_num(c).abs().max()) * 2 / FP8_MAX
-        q8 = (c / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # NaN slots stay NaN
-        p[name], p[key] = q8, s
-        deq[name] = q8.float() * s
-    return p, deq
+    return p, quantize_fp8(p)
 
 
 FP8_CASES = {k: v for k, v in CPU_CASES.items() if v["kind"] == "dispatch"}

@@ -2,6 +2,12 @@
 request's blocks returned. The kernels' float8 paths against the float64 reference are in
 ``test_kernels.py`` (``test_fp8_kv_cache``, ``test_fp8_store_rounds_to_e4m3``); SmolLM2 with it
 in ``test_int8_weights.py::test_smollm2_quantized_answers_paris``."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,6 +20,8 @@ from kernels.flash_attn_backend import FlashAttnBackend
 from kernels.torch_backend import TorchBackend
 from kernels.triton_backend import TritonBackend
 from tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def fp8_round(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -52,27 +60,60 @@ def hf_greedy_fp8(path, ids, new_tokens, scales):
     return out
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+FP8_RUNS = ({}, {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+            {"num_kv_blocks": 40, "block_size": 4})
+
+
+def fp8_engine_runs(path, ids: list[list[int]], backend: str) -> list[dict]:
+    """Greedy 24-token runs of the float8 engine, one per ``FP8_RUNS`` config: tokens, the
+    per-layer scales, whether every block came back, the preemption count."""
+    res = []
+    for kw in FP8_RUNS:
+        llm = LLM(model=str(path), kv_cache_dtype="fp8", attention_backend=backend, **kw)
+        outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+        stats = llm.get_stats()
+        res.append(dict(tokens=[o.outputs[0].token_ids for o in outs],
+                        scales=[(m.self_attn.k_scale, m.self_attn.v_scale)
+                                for m in llm.engine.executor.runner.model.layers],
+                        all_blocks_free=stats["free_kv_blocks"] == stats["num_kv_blocks"],
+                        preemptions=stats["num_preemptions"]))
+    return res
+
+
+_TRITON_CHILD = """
+import json, sys
+sys.path.insert(0, "tests")
+from test_kv_fp8 import fp8_engine_runs
+print(json.dumps(fp8_engine_runs(sys.argv[1], json.loads(sys.argv[2]), "triton")))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
 def test_tiny_model_fp8_equals_hf_with_fp8_rounding(tmp_path, backend):
     """Greedy output equals HF float32 whose K/V are rounded as the float8 cache rounds them
-    (same per-layer scales), also chunked and under preemption; every block comes back."""
+    (same per-layer scales), also chunked and under preemption; every block comes back. Triton
+    runs its kernels in the interpreter, in a child process (the variable must be set before
+    any kernel is decorated)."""
     path = make_tiny_model(tmp_path / "llama", arch="llama", initializer_range=0.2, num_hidden_layers=3)
     tok = load_tokenizer(path)
     ids = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "List three colors:")]
     ids.append(list(range(100, 180)))
-    ref = None
-    for kw in ({}, {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
-               {"num_kv_blocks": 40, "block_size": 4}):
-        llm = LLM(model=str(path), kv_cache_dtype="fp8", attention_backend=backend, **kw)
-        if ref is None:
-            scales = [(m.self_attn.k_scale, m.self_attn.v_scale) for m in llm.engine.executor.runner.model.layers]
-            ref = hf_greedy_fp8(path, ids, 24, scales)
-        outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == ref, kw
-        stats = llm.get_stats()
-        assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
+    if backend == "triton":
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2",
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-c", _TRITON_CHILD, str(path), json.dumps(ids)],
+                              capture_output=True, text=True, cwd=str(ROOT), env=env, timeout=280, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    else:
+        runs = fp8_engine_runs(path, ids, backend)
+    ref = hf_greedy_fp8(path, ids, 24, [tuple(s) for s in runs[0]["scales"]])
+    for kw, run in zip(FP8_RUNS, runs):
+        assert run["tokens"] == ref, kw
+        assert run["all_blocks_free"], kw
         if "num_kv_blocks" in kw:
-            assert stats["num_preemptions"] > 0
+            assert run["preemptions"] > 0
 
 
 def test_fp8_cache_holds_four_times_the_tokens_and_calibrates(tiny_llama_path):
@@ -91,7 +132,14 @@ def test_fp8_cache_holds_four_times_the_tokens_and_calibrates(tiny_llama_path):
 
 
 def test_backends_without_fp8_are_refused(tiny_llama_path, monkeypatch):
-    assert not TritonBackend.supports_fp8_kv and not FlashAttnBackend.supports_fp8_kv
+    """flash-attn 2 has no float8 KV path; Triton needs float8 conversions (compute capability
+    >= 8.9); a backend without the capability is refused with the reason."""
+    assert TritonBackend.supports_fp8_kv and not FlashAttnBackend.supports_fp8_kv
+    assert "no float8 KV cache path" in FlashAttnBackend.fp8_kv_unsupported_reason(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "compute capability >= 8.9, this GPU has 8.0" in TritonBackend.fp8_kv_unsupported_reason(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert TritonBackend.fp8_kv_unsupported_reason(torch.device("cuda")) is None
     monkeypatch.setattr(TorchBackend, "supports_fp8_kv", False)
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by the torch attention backend"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported here: the torch attention backend has no"):
         ModelRunner(EngineConfig(device="cpu", attention_backend="torch", kv_cache_dtype="fp8"), tiny_llama_path)
