@@ -45,6 +45,17 @@ _APP_FLAGS = ("response_cache", "cache_backend", "cache_ttl_s", "cache_max_entri
               "semantic_cache", "semantic_cache_threshold", "semantic_cache_max_entries", "redis_url")
 
 
+def _json_object(text: str) -> dict:
+    """argparse type of a dict flag (e.g. ``--speculative-config '{"method": "ngram", ...}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _model_flags() -> list[tuple[str, str, dict]]:
     """``(flag, dest, argparse kwargs)`` for every field of :class:`deployments.args.ModelArgs`:
     the engine's settings (generated from ``engine.EngineConfig``) and the deployment's.
@@ -66,6 +77,8 @@ def _model_flags() -> list[tuple[str, str, dict]]:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(typ) is typing.Literal:
             kw["choices"] = list(typing.get_args(typ))
+        elif typ is dict or typing.get_origin(typ) is dict:
+            kw["type"], kw["metavar"] = _json_object, "JSON"
         else:
             kw["type"] = typ
         out.append(("--" + name.replace("_", "-"), name, kw))

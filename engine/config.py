@@ -55,6 +55,11 @@ class EngineConfig:
         "auto", "auto: the KV cache in the model dtype; fp8: float8 e4m3 with a per-layer scale for K and one for "
                 "V (calibrated at start-up), a quarter of float32's bytes per block (torch and cpu attention "
                 "backends)")
+    speculative_config: dict | None = _knob(
+        None, "speculative decoding, vLLM's keys: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+              "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} or {\"method\": \"draft_model\", \"model\": "
+              "PATH_OR_ID, \"num_speculative_tokens\": k}; \"adaptive\": false drafts k whenever it can "
+              "(default: each request's draft length follows its measured acceptance and the step cost)")
     mixed_step_prefill_tokens: int | None = _knob(
         None, "in a step that also carries decodes, the largest chunk of a long prompt (one longer than this; "
               "one such prompt per step, short prompts go whole), so a long prompt cannot stall running streams: "
@@ -78,6 +83,9 @@ class EngineConfig:
                              f"got {self.mixed_step_prefill_tokens!r}")
         if not self.mixed_step_slowdown > 1.0 or self.mixed_step_slowdown == float("inf"):
             raise ValueError(f"mixed_step_slowdown must be a finite number > 1, got {self.mixed_step_slowdown!r}")
+        from engine.spec_decode import SpeculativeConfig  # no torch
+
+        SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming the key
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -203,6 +203,17 @@ class KVCacheManager:
         for i in range(n_full):
             self.pool.cache_block(req.block_table[i], req.block_hashes[i])
 
+    def trim(self, req: Request) -> None:
+        """Return the blocks past the ones ``req``'s tokens need (``ceil(num_tokens /
+        block_size)``): after speculative decoding, the blocks that held only rejected drafts.
+        Those were never cached (only computed full blocks are), so the prefix cache stays
+        consistent; slots of rejected drafts inside kept blocks are past ``seq_len`` and get
+        overwritten."""
+        keep = -(-req.num_tokens // self.block_size)
+        if len(req.block_table) > keep:
+            self.pool.free(list(reversed(req.block_table[keep:])))
+            del req.block_table[keep:]
+
     def free(self, req: Request) -> None:
         """Return all of ``req``'s blocks to the pool (tail blocks first)."""
         self.pool.free(list(reversed(req.block_table)))

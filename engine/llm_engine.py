@@ -17,6 +17,7 @@ from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
 from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import DraftLengthPolicy, NgramProposer, SpeculativeConfig
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
@@ -105,6 +106,9 @@ class StepMetrics:
         time_to_first_tokens: seconds from arrival to first token, of those requests.
         inter_token_latencies: seconds since the previous token, of every other request that
             got a token this step (a preempted request's includes its recompute).
+        num_drafts, num_draft_tokens, num_accepted_tokens: speculative decoding: requests that
+            verified drafts, drafts verified, drafts accepted (vLLM's ``spec_decode_*`` units).
+        accepted_per_position: accepted drafts by position in the draft (index 0 = first).
     """
 
     start: float
@@ -121,6 +125,10 @@ class StepMetrics:
     num_prompt_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -312,6 +320,19 @@ class LLMEngine:
         self.request_loggers: list[Callable[[FinishedRequestStats], None]] = []
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.spec = SpeculativeConfig.from_dict(config.speculative_config)
+        self.proposer = None
+        if self.spec is not None:
+            self.draft_policy = DraftLengthPolicy(self.spec.num_speculative_tokens, self.spec.adaptive)
+            if self.spec.method == "ngram":
+                self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+            else:
+                from engine.draft_model import DraftModelProposer
+                self.proposer = DraftModelProposer(self.spec, config, self.hf_config.vocab_size, num_blocks)
+            #: totals: requests that verified drafts, drafts verified, drafts accepted, by position
+            self.spec_counts = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
+            self.spec_accepted_per_position = [0] * self.spec.num_speculative_tokens
+            self.scheduler.on_finish = self._release_speculation
         logger.info("engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d", self.model_path,
                     num_blocks, capacity, self.max_model_len)
 
@@ -425,6 +446,8 @@ class LLMEngine:
             self.scheduler.mixed_prefill_tokens = self.mixed_budget.tokens
         kv, preempted0 = self.scheduler.kv, self.scheduler.num_preemptions
         queries0, hits0 = kv.prefix_queries, kv.prefix_hits
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if sched.finished_req_ids:  # let the runner drop state of finished requests
@@ -447,8 +470,10 @@ class LLMEngine:
         except Exception as e:
             result, failed = self._isolate(sched, e)
         else:
-            num_decodes = sum(len(sr.token_ids) == 1 and sr.new is None for sr in sched.requests)
-            m = StepMetrics(t0, time.monotonic(), sched.num_batched_tokens - num_decodes, num_decodes,
+            num_decodes = sum(len(sr.token_ids) - len(sr.spec_token_ids) == 1 and sr.new is None
+                              for sr in sched.requests)
+            num_rows = sched.num_batched_tokens - sched.num_draft_tokens
+            m = StepMetrics(t0, time.monotonic(), num_rows - num_decodes, num_decodes,
                             sum(sr.sample for sr in sched.requests), len(sched.requests),
                             len(self.scheduler.waiting), self.scheduler.num_preemptions - preempted0,
                             kv.prefix_queries - queries0, kv.prefix_hits - hits0)
@@ -462,6 +487,8 @@ class LLMEngine:
             outputs.append(self._output(req))
         outputs += self._grammar_failures(grammar_fill)
         updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs)
+        if self.proposer is not None:
+            self._record_speculation(sched, m)
         outputs.extend(self._output(r) for r in prompt_only if r.status is RequestStatus.FINISHED_LENGTH)
         if self.grammar_requests:
             self._advance_grammars(updated)
@@ -474,26 +501,111 @@ class LLMEngine:
                 else:
                     m.inter_token_latencies.append(req.metrics.last_token_time - prev)
         for req in updated:
-            self.num_generated_tokens += 1
             try:
-                detok = self.detokenizers.get(req.request_id)
-                stop = detok.update([req.all_token_ids[-1]]) if detok else None
-                if stop is not None and not req.finished:
-                    req.stop_reason = stop
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                elif stop is not None and req.status == RequestStatus.FINISHED_LENGTH:
-                    # completed by the last allowed token (already finished and freed): a stop
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                self._detokenize(req)
             except Exception as e:  # one bad request must not take the batch down
                 logger.exception("request %s failed in detokenization", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            outputs.append(self._output(req, [req.all_token_ids[-1]]))
+            self.num_generated_tokens += len(req.new_token_ids)
+            outputs.append(self._output(req, req.new_token_ids))
         if m is not None:
+            m.num_sampled = sum(len(r.new_token_ids) for r in updated)
             m.kv_cache_usage = kv.usage()
             for log in self.stat_loggers:
                 log(m)
         return outputs
+
+    def _detokenize(self, req: Request) -> None:
+        """Feed the step's new tokens to the request's detokenizer one at a time; at a stop
+        string, drop the tokens after the one that completed it (several arrive per step with
+        speculative decoding) and finish the request (``stop``)."""
+        detok = self.detokenizers.get(req.request_id)
+        if detok is None:
+            return
+        new = req.new_token_ids
+        for i, tok in enumerate(new):
+            stop = detok.update([tok])
+            if stop is None:
+                continue
+            extra = len(new) - 1 - i
+            if extra:
+                del req.all_token_ids[-extra:]
+                if req.params.logprobs is not None:
+                    del req.logprobs[-extra:]
+                req.new_token_ids = new[:i + 1]
+            if not req.finished:
+                req.stop_reason = stop
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.status == RequestStatus.FINISHED_LENGTH:
+                # completed by the last allowed token (already finished and freed): a stop
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            return
+
+    # ---- speculative decoding ------------------------------------------------
+    def _propose(self) -> None:
+        """Set each running request's drafts for the next step (see ``engine.spec_decode``).
+        Only requests in decode (one token to compute) without a grammar draft, and only while
+        at least two output tokens remain; the draft length comes from :attr:`draft_policy`."""
+        reqs = []
+        for req in self.scheduler.running:
+            req.spec_token_ids = []
+            if (req.num_tokens - req.num_computed_tokens == 1 and req.grammar is None
+                    and req.max_output_tokens - req.num_output_tokens > 1):
+                reqs.append(req)
+        if not reqs:
+            return
+        k_max, batch = self.spec.num_speculative_tokens, len(self.scheduler.running)
+
+        def room(req: Request) -> int:  # drafts + the step's own token stay within max_tokens
+            return min(k_max, req.max_output_tokens - req.num_output_tokens - 1)
+
+        if isinstance(self.proposer, NgramProposer):
+            for req in reqs:
+                draft = self.proposer.propose(req.all_token_ids, room(req))
+                req.spec_token_ids = draft[:self.draft_policy.draft_length(req.request_id, len(draft), batch)]
+            return
+        want = [(req, k) for req in reqs if (k := self.draft_policy.draft_length(req.request_id, room(req), batch)) > 0]
+        if want:
+            t0 = time.monotonic()
+            drafts = self.proposer.propose(want)
+            rounds = max(k for _, k in want)
+            per_token = (time.monotonic() - t0) / (rounds * len(want))
+            p = self.draft_policy
+            p.extra_cost_s = per_token if not p.extra_cost_s else 0.8 * p.extra_cost_s + 0.2 * per_token
+            for req, _ in want:
+                req.spec_token_ids = drafts.get(req.request_id, [])
+
+    def _release_speculation(self, req: Request) -> None:
+        """A request left the engine: drop its acceptance estimate and draft-model state."""
+        self.draft_policy.forget(req.request_id)
+        if hasattr(self.proposer, "forget"):
+            self.proposer.forget(req.request_id)
+
+    def _record_speculation(self, sched: SchedulerOutput, m: StepMetrics | None) -> None:
+        """After a step: acceptance per request (for the draft-length policy and the counters)
+        and, for a decode-only step, its time and rows (the policy's cost model)."""
+        per_pos = [0] * self.spec.num_speculative_tokens
+        drafts = tokens = accepted = 0
+        for sr in sched.requests:
+            k = len(sr.spec_token_ids)
+            if not k or sr.request_id not in sched.num_accepted:
+                continue
+            a = sched.num_accepted[sr.request_id]
+            self.draft_policy.record_acceptance(sr.request_id, k, a)
+            drafts, tokens, accepted = drafts + 1, tokens + k, accepted + a
+            for j in range(a):
+                per_pos[j] += 1
+        c = self.spec_counts
+        c["num_drafts"] += drafts
+        c["num_draft_tokens"] += tokens
+        c["num_accepted_tokens"] += accepted
+        self.spec_accepted_per_position = [x + y for x, y in zip(self.spec_accepted_per_position, per_pos)]
+        if m is not None:
+            m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens = drafts, tokens, accepted
+            m.accepted_per_position = per_pos
+            if m.num_prefill_tokens == 0:
+                self.draft_policy.record_step(m.end - m.start, sched.num_batched_tokens)
 
     def _fill_grammar_bitmask(self, sched: SchedulerOutput):
         """Structured outputs: set ``sched.grammar_req_ids`` and ``sched.grammar_bitmask`` (int32
@@ -649,6 +761,14 @@ class LLMEngine:
                  num_generated_tokens=self.num_generated_tokens, num_prompt_tokens=self.num_prompt_tokens,
                  num_kv_blocks=self.scheduler.kv.num_blocks, free_kv_blocks=self.scheduler.kv.pool.num_free_blocks,
                  time=time.time())
+        if self.proposer is not None:
+            c = self.spec_counts
+            s.update({f"spec_decode_{k}": v for k, v in c.items()})
+            s["spec_decode_acceptance_rate"] = c["num_accepted_tokens"] / c["num_draft_tokens"] if c["num_draft_tokens"] else 0.0
+            # vLLM's mean acceptance length: tokens per verifying step, the bonus token included
+            s["spec_decode_mean_acceptance_length"] = (
+                1 + c["num_accepted_tokens"] / c["num_drafts"] if c["num_drafts"] else 0.0)
+            s["spec_decode_num_accepted_tokens_per_pos"] = list(self.spec_accepted_per_position)
         return s
 
     def shutdown(self) -> None:

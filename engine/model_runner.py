@@ -42,10 +42,14 @@ class ModelRunnerOutput:
     ``prompt_logprobs``: for requests with ``params.prompt_logprobs`` whose slice covered prompt
     positions, ``{request_id: [(position, {token_id: logprob}), ...]}``: the log-probability of
     the prompt token at ``position`` given the tokens before it, plus the top-k (plain Python
-    values: picklable for a distributed executor)."""
+    values: picklable for a distributed executor).
 
-    sampled: dict[str, int]
-    logprobs: dict[str, dict[int, float]] | None = None
+    A request that verified drafts (speculative decoding) gets a list in ``sampled``: its
+    accepted drafts then the target's own token (1 to ``k + 1`` ids), and a list of logprobs
+    dicts, one per token."""
+
+    sampled: dict[str, int | list[int]]
+    logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None
 
 
@@ -306,8 +310,8 @@ class ModelRunner:
             slots.extend(bt[p // bs] * bs + p % bs for p in pos)
             qlens.append(n)
             slens.append(sr.start + n)
-            if sr.sample:
-                sample_idx.append(len(input_ids) - 1)
+            if sr.sample:  # the last row, or with drafts the last 1 + k rows (each verifies one)
+                sample_idx.extend(range(len(input_ids) - 1 - len(sr.spec_token_ids), len(input_ids)))
         width = max(len(sr.block_table) for sr in sched.requests)
         tables = [sr.block_table + [0] * (width - len(sr.block_table)) for sr in sched.requests]
         cu = [0]
@@ -341,8 +345,12 @@ class ModelRunner:
                     st.prompt_token_ids = sr.new.prompt_token_ids
             del st.token_ids[sr.start:]
             st.token_ids.extend(sr.token_ids)
-            if sr.sample:
-                out = st.token_ids[st.prompt_len:]
+            if not sr.sample:
+                continue
+            k = len(sr.spec_token_ids)
+            end = len(st.token_ids)
+            for j in range(k + 1):  # position end-1-k+j predicts the token after it
+                out = st.token_ids[st.prompt_len:end - k + j]
                 masked = []
                 if len(out) < st.params.min_tokens:
                     masked = sorted(set(st.params.stop_token_ids)
@@ -350,7 +358,8 @@ class ModelRunner:
                 need_hist = st.params.needs_penalties
                 rows.append(SamplingRow(st.params, st.generator,
                                         st.token_ids[:st.prompt_len] if need_hist else [],
-                                        out if need_hist else [], masked))
+                                        out if need_hist else [], masked,
+                                        sr.spec_token_ids[j] if j < k else None))
         return rows
 
     @torch.inference_mode()
@@ -369,12 +378,30 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput({}, None, prompt_lp)
         logits = self.model.compute_logits(hidden[sample_idx])
-        ids = [sr.request_id for sr in sched.requests if sr.sample]
+        ids = [sr.request_id for sr in sched.requests if sr.sample for _ in range(len(sr.spec_token_ids) + 1)]
         grammar = (None if sched.grammar_bitmask is None  # structured outputs: the engine's bitmask
                    else bitmask_rows(sched.grammar_bitmask, sched.grammar_req_ids, ids))
-        tokens, logprobs = self.sampler(logits, rows, grammar)
-        lp = {rid: d for rid, d in zip(ids, logprobs) if d is not None}
-        return ModelRunnerOutput(dict(zip(ids, tokens)), lp or None, prompt_lp)
+        tokens, logprobs, accepted = self.sampler(logits, rows, grammar)
+        sampled, lp, i = {}, {}, 0
+        for sr in sched.requests:
+            if not sr.sample:
+                continue
+            rid = sr.request_id
+            if not sr.spec_token_ids:
+                sampled[rid] = tokens[i]
+                if logprobs[i] is not None:
+                    lp[rid] = logprobs[i]
+                i += 1
+                continue
+            # verified drafts: keep accepted ones, then the first rejection's (or the bonus) token
+            j, k = i, len(sr.spec_token_ids)
+            while j < i + k and accepted[j]:
+                j += 1
+            sampled[rid] = tokens[i:j + 1]
+            if logprobs[i] is not None:
+                lp[rid] = logprobs[i:j + 1]
+            i += k + 1
+        return ModelRunnerOutput(sampled, lp or None, prompt_lp)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, sched: SchedulerOutput
                          ) -> dict[str, list[tuple[int, dict[int, float]]]] | None:

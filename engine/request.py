@@ -76,6 +76,11 @@ class Request:
         # structured outputs: an engine.structured_output.RequestGrammar (set by LLMEngine.make_request)
         self.grammar = None
         self.stop_reason: int | str | None = None
+        #: speculative decoding: draft tokens proposed for the next step (not yet part of
+        #: ``all_token_ids``; the scheduler verifies them with the request's last token)
+        self.spec_token_ids: list[int] = []
+        #: the tokens the last step appended (several with speculative decoding)
+        self.new_token_ids: list[int] = []
 
     # ---- token bookkeeping -------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -42,7 +43,9 @@ class NewRequestData:
 @dataclass
 class ScheduledRequest:
     """One request's slice of a step: compute ``token_ids`` at positions ``start ..
-    start + len(token_ids)``; ``sample`` when the slice ends at the request's last token."""
+    start + len(token_ids)``; ``sample`` when the slice ends at the request's last token.
+    With ``spec_token_ids`` (speculative decoding) the slice is the last token followed by
+    these drafts (the tail of ``token_ids``), and the runner verifies them."""
 
     request_id: str
     token_ids: list[int]
@@ -50,6 +53,7 @@ class ScheduledRequest:
     block_table: list[int]
     sample: bool
     new: NewRequestData | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +70,12 @@ class SchedulerOutput:
     num_preempted: int = 0
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: "torch.Tensor | None" = None  # noqa: F821 (torch is not imported here)
+    #: set by :meth:`Scheduler.update_from_output`: accepted drafts per request that verified drafts
+    num_accepted: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(r.spec_token_ids) for r in self.requests)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -107,6 +117,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        #: called with each request that leaves (finished, aborted or failed), after its blocks
+        #: are freed (the engine releases per-request state kept elsewhere, e.g. a draft model's)
+        self.on_finish: "Callable[[Request], None] | None" = None
 
     # ---- queues ----------------------------------------------------------------
     def _key(self, req: Request) -> tuple:
@@ -134,6 +147,8 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -174,14 +189,21 @@ class Scheduler:
             long_chunk_taken = True
             return min(left, cap, budget)
 
-        def emit(req: Request, n: int, new: bool) -> None:
+        def emit(req: Request, n: int, new: bool, drafts: list[int] = ()) -> None:
             start = req.num_computed_tokens
             out.append(ScheduledRequest(
-                req.request_id, req.all_token_ids[start:start + n], start, list(req.block_table),
+                req.request_id, req.all_token_ids[start:start + n] + list(drafts), start, list(req.block_table),
                 sample=start + n == req.num_tokens and req.max_output_tokens > 0,  # max_tokens=0: prompt only
                 new=NewRequestData(req.request_id, req.prompt_token_ids, req.params,
-                                   req.all_token_ids[:start]) if new else None))
+                                   req.all_token_ids[:start]) if new else None,
+                spec_token_ids=list(drafts)))
             scheduled.add(req.request_id)
+
+        def drafts_of(req: Request) -> list[int]:
+            """The request's drafts that fit: the step budget (one row is its own token) and
+            its output limit (the step emits up to ``k + 1`` tokens, never past max_tokens)."""
+            k = min(len(req.spec_token_ids), budget - 1, req.max_output_tokens - req.num_output_tokens - 1)
+            return req.spec_token_ids[:max(k, 0)]
 
         # 1. Running requests: decodes first, then unfinished prefills, each in priority order.
         for req in sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._key(r))):
@@ -193,6 +215,12 @@ class Scheduler:
             n = min(left, budget) if left == 1 else prefill_chunk(req, left)
             if n <= 0:
                 continue  # a second long prefill waits for a later step
+            drafts = drafts_of(req) if left == 1 else []
+            if drafts and self.kv.allocate_slots(req, n + len(drafts)):  # drafts never preempt anyone
+                emit(req, n, new=False, drafts=drafts)
+                budget -= n + len(drafts)
+                num_decodes += 1
+                continue
             while not self.kv.allocate_slots(req, n):
                 victim = max((r for r in self.running if r.request_id not in scheduled), key=self._key)
                 self._preempt(victim)
@@ -223,37 +251,61 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(out, finished, preempted)
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int],
-                           logprobs: dict[str, dict[int, float]] | None = None,
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int | list[int]],
+                           logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None,
                            prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None,
                            ) -> list[Request]:
         """Advance computed-token counts, record prompt logprobs (``{request_id: [(position,
         {token_id: logprob})]}``), append sampled tokens, finish requests that hit EOS / a stop
         token / their length limit, and ``max_tokens=0`` requests whose prompt is computed
-        (``FINISHED_LENGTH``, no token). Returns the requests that got a token."""
+        (``FINISHED_LENGTH``, no token). Returns the requests that got tokens (each one's
+        ``new_token_ids``).
+
+        Speculative decoding: a request that verified ``k`` drafts gets a list of ``m + 1``
+        tokens (``m`` accepted drafts, then the target's own token); its computed count grows
+        by ``m + 1`` (its last token and the accepted drafts), tokens after a stop token or the
+        length limit are dropped, blocks past its tokens are returned (the rejected drafts' KV
+        slots), and ``sched.num_accepted`` records ``m``."""
         now = time.time()
         updated = []
         for sr in sched.requests:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += len(sr.token_ids)
-            self.kv.cache_blocks(req)
             if prompt_logprobs and sr.request_id in prompt_logprobs:
                 req.add_prompt_logprobs(prompt_logprobs[sr.request_id])
             if not sr.sample:
+                req.num_computed_tokens += len(sr.token_ids)
+                self.kv.cache_blocks(req)
                 if req.max_output_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
                     self.finish(req, RequestStatus.FINISHED_LENGTH)
                 continue
-            req.append_token(sampled[sr.request_id])
-            if logprobs is not None and sr.request_id in logprobs:
-                req.logprobs.append(logprobs[sr.request_id])
+            toks = sampled[sr.request_id]
+            toks = toks if isinstance(toks, list) else [toks]
+            lps = logprobs.get(sr.request_id) if logprobs else None
+            lps = lps if isinstance(lps, list) or lps is None else [lps]
+            if sr.spec_token_ids:
+                sched.num_accepted[sr.request_id] = len(toks) - 1
+                req.num_computed_tokens += len(toks)  # its last token + the accepted drafts
+            else:
+                req.num_computed_tokens += len(sr.token_ids)
+            req.new_token_ids = []
+            for i, tok in enumerate(toks):
+                req.append_token(tok)
+                req.new_token_ids.append(tok)
+                if lps is not None:
+                    req.logprobs.append(lps[i])
+                if req.check_stop_token():
+                    break
+            self.kv.cache_blocks(req)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
             updated.append(req)
-            if req.check_stop_token():
+            if req.finished:
                 self.finish(req, req.status)
+            elif sr.spec_token_ids:
+                self.kv.trim(req)
         return updated
 
     # ---- stats -----------------------------------------------------------------

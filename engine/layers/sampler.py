@@ -18,6 +18,9 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids_masked: list[int]  # token ids forbidden at this step (min_tokens)
+    #: speculative decoding: the draft token proposed for this position, verified here
+    #: (see :meth:`Sampler.__call__`); None for an ordinary row or a bonus position.
+    draft_token: int | None = None
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -99,6 +102,12 @@ class Sampler:
     Greedy rows (temperature 0) take the argmax; random rows are scaled by temperature,
     filtered (top-k, top-p, min-p) and sampled with ``torch.multinomial``, using the row's
     own generator when it has a seed.
+
+    A row with a ``draft_token`` (speculative decoding) verifies it instead: greedy rows accept
+    it iff it is the argmax; random rows accept it with probability ``p(draft)`` under the
+    row's final distribution ``p`` and otherwise draw from ``p`` with the draft removed,
+    renormalised: rejection sampling for a one-hot draft distribution (Leviathan et al. 2023,
+    sec. 2.3), so the row's token is distributed exactly as ``p``.
     """
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], grammar=None):
@@ -108,9 +117,10 @@ class Sampler:
         whose bit is 0 get -inf in those rows, after penalties and logit_bias, before
         temperature / top-k / top-p / min-p (so greedy and sampled rows both stay in the grammar).
 
-        Returns ``(tokens, logprobs)``: a list of ``n`` token ids, and per row either None or a
-        dict ``{token_id: logprob}`` with the sampled token and the top ``params.logprobs``
-        tokens (log-probabilities of the model's raw distribution).
+        Returns ``(tokens, logprobs, accepted)``: a list of ``n`` token ids, per row either None
+        or a dict ``{token_id: logprob}`` with the row's token and the top ``params.logprobs``
+        tokens (log-probabilities of the model's raw distribution), and per row None (no draft)
+        or whether its ``draft_token`` was accepted (then the row's token is the draft).
 
         If it raises, every row's generator is back in the state it had on entry, so the
         engine can re-run the step (failure isolation) and seeded rows still draw the same.
@@ -138,7 +148,13 @@ class Sampler:
         if grammar is not None:
             apply_token_bitmask(logits, *grammar)
         tokens = logits.argmax(dim=-1)
+        accepted: list[bool | None] = [None] * n
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        greedy_drafts = [i for i, r in enumerate(rows) if r.draft_token is not None and r.params.greedy]
+        if greedy_drafts:
+            top = tokens[greedy_drafts].tolist()
+            for i, t in zip(greedy_drafts, top):
+                accepted[i] = t == rows[i].draft_token
         if rand:
             dev = logits.device
             sub = logits[rand] / torch.tensor([rows[i].params.temperature for i in rand], device=dev)[:, None]
@@ -147,8 +163,11 @@ class Sampler:
             sub = sub.clamp_(max=torch.finfo(sub.dtype).max)
             sub = _filter(sub, [rows[i].params for i in rand])
             probs = sub.softmax(dim=-1)
-            seeded = [j for j, i in enumerate(rand) if rows[i].generator is not None]
-            unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None]
+            drafted = [j for j, i in enumerate(rand) if rows[i].draft_token is not None]
+            if drafted:
+                self._verify_drafts(probs, [rand[j] for j in drafted], drafted, rows, tokens, accepted)
+            seeded = [j for j, i in enumerate(rand) if rows[i].generator is not None and rows[i].draft_token is None]
+            unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None and rows[i].draft_token is None]
             if unseeded:
                 picks = torch.multinomial(probs[unseeded], 1).squeeze(1)
                 tokens[[rand[j] for j in unseeded]] = picks
@@ -165,4 +184,30 @@ class Sampler:
                     vals, ids = raw_logprobs[i].topk(min(r.params.logprobs, raw_logprobs.shape[1]))
                     d.update(zip(ids.tolist(), vals.tolist()))
                 logprobs[i] = d
-        return token_list, logprobs
+        return token_list, logprobs, accepted
+
+    @staticmethod
+    def _verify_drafts(probs: torch.Tensor, row_ids: list[int], prob_rows: list[int], rows: list[SamplingRow],
+                       tokens: torch.Tensor, accepted: list) -> None:
+        """Rejection sampling of one-hot drafts, in place on ``tokens`` / ``accepted``:
+        ``row_ids[j]`` (a logits row) verifies its draft under ``probs[prob_rows[j]]``. The
+        uniform draw and, on rejection, the residual draw use the row's generator when seeded."""
+        dev = probs.device
+        drafts = torch.tensor([rows[i].draft_token for i in row_ids], device=dev)
+        p_draft = probs[prob_rows].gather(1, drafts[:, None])[:, 0]
+        u = torch.empty(len(row_ids), device=dev)
+        for j, i in enumerate(row_ids):
+            g = rows[i].generator
+            u[j] = torch.rand(1, device=dev, generator=g)[0] if g is not None else torch.rand(1, device=dev)[0]
+        ok = (u < p_draft).tolist()
+        for j, i in enumerate(row_ids):
+            accepted[i] = ok[j]
+            if ok[j]:
+                tokens[i] = rows[i].draft_token
+                continue
+            residual = probs[prob_rows[j]].clone()
+            residual[rows[i].draft_token] = 0.0
+            if float(residual.sum()) <= 0.0:  # p is one-hot at the draft: cannot be rejected
+                tokens[i], accepted[i] = rows[i].draft_token, True
+                continue
+            tokens[i] = torch.multinomial(residual, 1, generator=rows[i].generator)[0]
