@@ -134,17 +134,19 @@ class NgramProposer:
 class _Acceptance:
     accepted: float = 0.0  # decayed accepted drafts
     trials: float = 0.0  # decayed accept/reject decisions (accepted + a rejection if any)
+    calls: int = 0  # draft_length calls (steps with a proposal)
+    probe_at: int = 0  # while backed off: the call that probes again
+    backoff: int = 1  # calls until the next probe (doubles after each failed probe)
 
 
 @dataclass
 class DraftLengthPolicy:
     """Per-request draft length from acceptance and measured cost (see the module docstring).
 
-    Acceptance: ``alpha_r = (A + prior * n0) / (N + n0)`` over decayed counts of accepted drafts
-    ``A`` and accept/reject decisions ``N`` (a run of ``m`` accepted drafts of ``k`` is ``m``
-    successes plus one failure if ``m < k``: the maximum-likelihood estimate of a geometric
-    acceptance). Counts decay by ``decay`` each time the request has a proposal, so an estimate
-    that fell to "do not draft" returns to the prior and the request probes again.
+    Acceptance: ``alpha_r = (A + prior * n0) / (N + n0)`` over counts of accepted drafts ``A``
+    and accept/reject decisions ``N`` that decay by ``decay`` per verification (a run of ``m``
+    accepted drafts of ``k`` is ``m`` successes plus one failure if ``m < k``: the
+    maximum-likelihood estimate of a geometric acceptance).
 
     Cost: decayed least squares of decode-only step time ``t = a + b * n`` over the number of
     query rows ``n`` (drafts included); one extra row costs ``lambda = b * B / (a + b * B)``
@@ -152,15 +154,22 @@ class DraftLengthPolicy:
     grows iff a draft's acceptance chance exceeds ``lambda``). ``extra_cost_s`` adds the
     proposer's own seconds per draft token (the draft model's forward). Until two different
     ``n`` have been seen, ``lambda = prior_lambda``.
+
+    Draft length: the largest ``k`` whose ``k``-th draft pays, ``alpha_r ** k > lambda``. A
+    request with ``alpha_r <= lambda`` is backed off: it drafts one token as a probe after
+    1, 2, 4, ... (at most ``max_backoff``) steps with a proposal, so a workload whose drafts do
+    not pay spends at most one row per ``max_backoff`` tokens on them once settled, and a
+    request whose text turns repetitive is noticed.
     """
 
     max_k: int
     adaptive: bool = True
-    prior: float = 0.6
-    n0: float = 4.0
+    prior: float = 0.5
+    n0: float = 2.0
     decay: float = 0.9
     prior_lambda: float = 0.1
     cost_decay: float = 0.97
+    max_backoff: int = 64
     _req: dict[str, _Acceptance] = field(default_factory=dict)
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy
     extra_cost_s: float = 0.0
@@ -199,21 +208,25 @@ class DraftLengthPolicy:
         if not self.adaptive or k <= 0:
             return k
         st = self._req.setdefault(request_id, _Acceptance())
-        st.accepted *= self.decay
-        st.trials *= self.decay
+        st.calls += 1
         alpha, lam = self.alpha(request_id), self.cost_lambda(batch)
-        if alpha <= lam or alpha <= 0:
-            return 0
+        if alpha <= lam:
+            if st.calls < st.probe_at:
+                return 0
+            st.probe_at = st.calls + st.backoff
+            st.backoff = min(2 * st.backoff, self.max_backoff)
+            return 1
+        st.backoff = 1
         if alpha >= 1:
             return k
-        return max(0, min(k, int(math.log(lam) / math.log(alpha))))
+        return max(1, min(k, int(math.log(lam) / math.log(alpha))))
 
     def record_acceptance(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         if num_drafts <= 0:
             return
         st = self._req.setdefault(request_id, _Acceptance())
-        st.accepted += num_accepted
-        st.trials += num_accepted + (num_accepted < num_drafts)
+        st.accepted = self.decay * st.accepted + num_accepted
+        st.trials = self.decay * st.trials + num_accepted + (num_accepted < num_drafts)
 
     def record_step(self, seconds: float, num_rows: int) -> None:
         """A decode-only step's wall time and query rows (drafts included)."""
