@@ -815,11 +815,12 @@ class OpenAIIngress:
     async def _model_card(self, name: str) -> Model:
         """OpenAI's ``Model`` for a served name, plus vLLM's ``max_model_len`` and ``root``
         (the served name: paths of the server stay private), the KV cache's dtype
-        (``kv_cache_dtype``: ``auto`` or ``fp8``) and the weights' ``quantization`` (None or ``int8``)."""
+        (``kv_cache_dtype``: ``auto`` or ``fp8``), the weights' ``quantization`` (None or ``int8``)
+        and ``speculative_config`` (None, or its ``method`` and ``num_speculative_tokens``)."""
         info = await self._model_info(name)
         return Model(id=name, object="model", created=self._created, owned_by="kvserve", root=name,
                      max_model_len=info["max_model_len"], kv_cache_dtype=info.get("kv_cache_dtype", "auto"),
-                     quantization=info.get("quantization"))
+                     quantization=info.get("quantization"), speculative_config=info.get("speculative_config"))
 
     @app.get("/v1/models")
     async def list_models(self):

@@ -220,6 +220,16 @@ async def _next_before(stream, deadline: float | None):
         return await anext(stream)
 
 
+def _public_spec(spec: dict | None) -> dict | None:
+    """The speculative config as clients see it: the method and draft length (a draft model's
+    path stays private)."""
+    if not spec:
+        return None
+    from engine.spec_decode import SpeculativeConfig
+    cfg = SpeculativeConfig.from_dict(spec)
+    return {"method": cfg.method, "num_speculative_tokens": cfg.num_speculative_tokens}
+
+
 def _replica_id() -> str:
     """This Serve replica's id (the ``replica`` label), or the process id outside Serve."""
     try:
@@ -296,7 +306,7 @@ class LLMServer:
         self.admission = Admission(config.max_num_seqs, max_queued_requests or d_req, max_queued_prompt_tokens or d_tok)
         self.request_timeout_s = request_timeout_s
         self.tool_call_parser = tool_call_parser
-        self.metrics = EngineMetrics(self.model_name, _replica_id())
+        self.metrics = EngineMetrics(self.model_name, _replica_id(), speculative=config.speculative_config is not None)
         self._rejected = rejected()
 
         def on_step(m):
@@ -630,6 +640,7 @@ class LLMServer:
                 "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                 "kv_cache_dtype": self.engine.config.kv_cache_dtype,
                 "quantization": self.engine.config.quantization,
+                "speculative_config": _public_spec(self.engine.config.speculative_config),
                 "max_queued_requests": self.admission.max_requests,
                 "max_in_flight_requests": self.admission.max_in_flight,
                 "max_queued_prompt_tokens": self.admission.max_prompt_tokens,

@@ -162,7 +162,7 @@ class EngineMetrics:
     :meth:`record_finished` are the engine's stat loggers (``AsyncLLMEngine.add_stat_logger``),
     called in its step thread (and, for aborts, its event loop)."""
 
-    def __init__(self, model_name: str, replica: str):
+    def __init__(self, model_name: str, replica: str, speculative: bool = False):
         self.labels = {"model_name": model_name, "replica": replica}
         L, E = ENGINE_LABELS, ENGINE_LABELS
         self.running = metric("gauge", "num_requests_running", "Number of requests in model execution batches.", L)
@@ -195,6 +195,14 @@ class EngineMetrics:
                                      "Number of generation tokens processed.", L, TOKEN_BUCKETS)
         for g in (self.running, self.waiting, self.kv_usage):
             g.set(self.labels, 0.0)
+        self.spec = None
+        if speculative:  # vLLM's spec_decode_* series (only where speculation is configured, as vLLM)
+            self.spec = (
+                metric("counter", "spec_decode_num_drafts", "Number of spec decoding drafts.", L),
+                metric("counter", "spec_decode_num_draft_tokens", "Number of draft tokens.", L),
+                metric("counter", "spec_decode_num_accepted_tokens", "Number of accepted tokens.", L),
+                metric("counter", "spec_decode_num_accepted_tokens_per_pos",
+                       "Accepted tokens per draft position.", L + ("position",)))
 
     def record_step(self, m) -> None:
         """One engine step (an ``engine.llm_engine.StepMetrics``)."""
@@ -211,6 +219,14 @@ class EngineMetrics:
             self.ttft.observe(lb, t)
         for t in m.inter_token_latencies:
             self.itl.observe(lb, t)
+        if self.spec is not None and m.num_drafts:
+            drafts, draft_tokens, accepted, per_pos = self.spec
+            drafts.inc(lb, m.num_drafts)
+            draft_tokens.inc(lb, m.num_draft_tokens)
+            accepted.inc(lb, m.num_accepted_tokens)
+            for pos, n in enumerate(m.accepted_per_position):
+                if n:
+                    per_pos.inc({**lb, "position": str(pos)}, n)
 
     def record_queue(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """Gauges between steps (an idle engine runs no step that would reset them)."""

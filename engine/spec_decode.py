@@ -143,10 +143,12 @@ class _Acceptance:
 class DraftLengthPolicy:
     """Per-request draft length from acceptance and measured cost (see the module docstring).
 
-    Acceptance: ``alpha_r = (A + prior * n0) / (N + n0)`` over counts of accepted drafts ``A``
-    and accept/reject decisions ``N`` that decay by ``decay`` per verification (a run of ``m``
-    accepted drafts of ``k`` is ``m`` successes plus one failure if ``m < k``: the
-    maximum-likelihood estimate of a geometric acceptance).
+    Acceptance: ``alpha_r = (A + alpha_all * n0) / (N + n0)`` over counts of accepted drafts
+    ``A`` and accept/reject decisions ``N`` that decay by ``decay`` per verification (a run of
+    ``m`` accepted drafts of ``k`` is ``m`` successes plus one failure if ``m < k``: the
+    maximum-likelihood estimate of a geometric acceptance). The prior ``alpha_all`` is the same
+    estimate pooled over all requests (decaying by ``pool_decay``, itself starting at
+    ``prior``), so a new request starts from what drafts have recently been worth here.
 
     Cost: decayed least squares of decode-only step time ``t = a + b * n`` over the number of
     query rows ``n`` (drafts included); one extra row costs ``lambda = b * B / (a + b * B)``
@@ -167,17 +169,23 @@ class DraftLengthPolicy:
     prior: float = 0.5
     n0: float = 2.0
     decay: float = 0.9
+    pool_decay: float = 0.99
     prior_lambda: float = 0.1
     cost_decay: float = 0.97
     max_backoff: int = 64
     _req: dict[str, _Acceptance] = field(default_factory=dict)
+    _pool: _Acceptance = field(default_factory=_Acceptance)
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy
     extra_cost_s: float = 0.0
+
+    def pooled_alpha(self) -> float:
+        """Acceptance estimate over all requests (the per-request prior)."""
+        return (self._pool.accepted + self.prior * self.n0) / (self._pool.trials + self.n0)
 
     def alpha(self, request_id: str) -> float:
         st = self._req.get(request_id)
         a, n = (st.accepted, st.trials) if st else (0.0, 0.0)
-        return (a + self.prior * self.n0) / (n + self.n0)
+        return (a + self.pooled_alpha() * self.n0) / (n + self.n0)
 
     def step_cost(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds of a decode-only step with no rows, and per query row (None
@@ -224,9 +232,10 @@ class DraftLengthPolicy:
     def record_acceptance(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         if num_drafts <= 0:
             return
-        st = self._req.setdefault(request_id, _Acceptance())
-        st.accepted = self.decay * st.accepted + num_accepted
-        st.trials = self.decay * st.trials + num_accepted + (num_accepted < num_drafts)
+        trials = num_accepted + (num_accepted < num_drafts)
+        for st, g in ((self._req.setdefault(request_id, _Acceptance()), self.decay), (self._pool, self.pool_decay)):
+            st.accepted = g * st.accepted + num_accepted
+            st.trials = g * st.trials + trials
 
     def record_step(self, seconds: float, num_rows: int) -> None:
         """A decode-only step's wall time and query rows (drafts included)."""

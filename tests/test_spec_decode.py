@@ -357,3 +357,39 @@ def test_no_hit_workload_does_not_draft(tmp_path):
     st = llm.get_stats()
     assert st["spec_decode_num_draft_tokens"] <= 0.25 * st["num_generated_tokens"], st
     assert math.isfinite(st["spec_decode_acceptance_rate"])
+
+
+_METRICS = r"""
+import json, os, sys, tempfile
+os.environ["KVSERVE_METRICS_DIR"] = tempfile.mkdtemp(prefix="kvserve-metrics-")
+from deployments import metrics as M
+from engine.llm_engine import StepMetrics
+m = StepMetrics(0.0, 0.1, 0, 3, 7, 3, 0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4,
+                accepted_per_position=[2, 1, 1])
+e = M.EngineMetrics("m", "r", speculative=True)
+e.record_step(m)
+e.record_step(m)
+M.EngineMetrics("plain", "r2").record_step(m)
+print(M.render()[0].decode())
+"""
+
+
+def test_prometheus_spec_decode_series_use_vllm_names():
+    """``kvserve:spec_decode_*`` (vLLM's names) count drafts, draft tokens, accepted tokens and
+    accepted tokens per position, only for an engine that speculates."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _METRICS], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in r.stdout.splitlines()
+             if ln.startswith("kvserve:spec_decode")}
+    lb = 'model_name="m",replica="r"'
+    assert lines[f"kvserve:spec_decode_num_drafts_total{{{lb}}}"] == 4
+    assert lines[f"kvserve:spec_decode_num_draft_tokens_total{{{lb}}}"] == 12
+    assert lines[f"kvserve:spec_decode_num_accepted_tokens_total{{{lb}}}"] == 8
+    per_pos = {k: v for k, v in lines.items() if k.startswith("kvserve:spec_decode_num_accepted_tokens_per_pos_total{")
+               and 'model_name="m"' in k}
+    assert sorted((k.split('position="')[1][0], v) for k, v in per_pos.items()) == [("0", 4), ("1", 2), ("2", 2)]
+    assert not any('model_name="plain"' in k for k in lines)

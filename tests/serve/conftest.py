@@ -87,6 +87,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
     auth = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
                       "max_num_seqs": 8, "max_model_len": 256, "torch_num_threads": 1, "api_keys": [API_KEY],
                       "kv_cache_dtype": "fp8", "quantization": "int8",  # both through serving, per TP rank
+                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},  # with TP
                       "replica_cpus": 0.5, "worker_cpus": 0.5, "ingress_cpus": 0.25,
                       "num_replicas": 1})
     serve.run(auth, name="kvserve-auth", route_prefix="/auth", blocking=False)

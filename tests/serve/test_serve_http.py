@@ -295,6 +295,20 @@ def test_api_key_and_tensor_parallel_app(serve_app):
     models = httpx.get(f"{serve_app.auth_base_url}/models", headers=auth, timeout=30)
     card = models.json()["data"][0]
     assert models.status_code == 200 and card["kv_cache_dtype"] == "fp8" and card["quantization"] == "int8"
+    assert card["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    # n-gram speculation over TP=2: a repetitive prompt drafts; the stream still has every token
+    rep = {"prompt": "1 2 3 4 1 2 3 4 1 2 3 4 1 2 3", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(url, json=rep, headers=auth, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+    text = ""
+    with httpx.stream("POST", url, json={**rep, "stream": True}, headers=auth, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == r.json()["choices"][0]["text"]
+    from ray import serve as _serve
+    stats = _serve.get_deployment_handle("LLMServer", "kvserve-auth").get_stats.remote().result(timeout_s=30)
+    assert {"spec_decode_num_drafts", "spec_decode_acceptance_rate"} <= set(stats)  # the engine speculates
     assert httpx.get(f"{serve_app.base_url}/models", timeout=30).json()["data"][0]["kv_cache_dtype"] == "auto"
     assert httpx.get(f"{serve_app.root}/auth/health", timeout=30).status_code == 200  # no key needed
     from ray import serve
