@@ -93,6 +93,12 @@ def test_cli_flags_to_app_args(tmp_path):
     assert app_args_from_cli(p.parse_args(["serve", "--config", str(plain)])) == {"model": "/x", "max_replicas": 2}
     with pytest.raises(SystemExit):
         app_args_from_cli(p.parse_args(["serve", "--num-replicas", "2", "--max-replicas", "3"]))
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    a = app_args_from_cli(p.parse_args(["serve", "--speculative-config", spec]))
+    assert a["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["serve", "--speculative-config", bad])
 
 
 def test_cli_generate_runs_engine_without_ray(tiny_llama_path):
