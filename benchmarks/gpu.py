@@ -428,7 +428,8 @@ def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int
         ms = (tn - t1) / new_tokens * 1e3
         row = dict(model=model_dir.name, cuda_graphs=graphs, graphs_captured=captured,
                    backend=backend, dtype=dtype,
-                   kv_cache_dtype=(engine_kw or {}).get("kv_cache_dtype", "auto"), prompt_len=prompt_len, new_tokens=new_tokens,
+                   kv_cache_dtype=(engine_kw or {}).get("kv_cache_dtype", "auto"),
+                   quantization=(engine_kw or {}).get("quantization"), prompt_len=prompt_len, new_tokens=new_tokens,
                    ms_per_token=ms, hbm_floor_ms=floor_ms, floor_frac=floor_ms / ms,
                    weight_gb=weight_bytes(model_dir) / 1e9)
         if graphs != captured:
@@ -475,6 +476,7 @@ def bench_engine_throughput(model_dir: Path, *, num_requests: int = 256,
     prompts, outs = nano_vllm_workload(num_requests, min_len, max_len)
     res = dict(model=model_dir.name, num_requests=num_requests, backend=backend, dtype=dtype,
                kv_cache_dtype=(engine_kw or {}).get("kv_cache_dtype", "auto"),
+               quantization=(engine_kw or {}).get("quantization"),
                prompt_tokens=sum(map(len, prompts)), output_tokens=sum(outs))
     llm = LLM(model=os.fspath(model_dir), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
               enforce_eager=False, attention_backend=backend, **(engine_kw or {}))
@@ -569,6 +571,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "$KVSERVE_BENCH_MODELS or /tmp/kvserve-bench-models; --smoke: a "
                          "temporary folder, removed afterwards)")
     ap.add_argument("--backend", default="triton", help="engine attention backend")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="engine parts: float8 weights and activations (torch._scaled_mm)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="KV cache: the model dtype, or float8 e4m3 with per-layer scales "
                          "(attention parts: per-cache scales)")
@@ -636,6 +640,8 @@ def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int
     device, dtype = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
     sizes = SMOKE_ENGINE if smoke else {}
     engine_kw = dict(sizes.get("engine_kw") or {}, kv_cache_dtype=args.kv_cache_dtype)
+    if args.quantization:
+        engine_kw["quantization"] = args.quantization
     kv = args.kv_cache_dtype
     gpu = "none (--smoke, CPU)" if smoke else torch.cuda.get_device_name()
     if args.out:

@@ -24,6 +24,7 @@ is frozen when the module is imported, before the replica knows its arguments).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -189,4 +190,13 @@ class RequestGate:
                     raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
             return msg
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        except Exception as e:  # noqa: BLE001 - re-raised below unless it is a client disconnect
+            # Serve's proxy cancels the request when the client goes away; if the handler is
+            # reading the body (Starlette's disconnect listener) at that moment, receive() raises
+            # Ray's TaskCancelledError. That is a disconnect, not a server error: no traceback.
+            if type(e).__name__ != "TaskCancelledError":
+                raise
+            logging.getLogger("ray.serve").info("client disconnected while the request was being read: %s %s",
+                                                scope.get("method"), scope.get("path"))

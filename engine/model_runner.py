@@ -112,8 +112,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(iter_safetensors(model_path))
         self.model.eval()
-        if config.quantization == "int8":
-            self._quantize_int8()
+        if config.quantization is not None:
+            self._quantize(config.quantization)
         if config.kv_cache_dtype == "fp8":
             self.calibrate_kv_scales(model_path)
         self.eos_token_ids = load_eos_token_ids(model_path, self.hf_config)
@@ -180,24 +180,40 @@ class ModelRunner:
             self._attach([])
         return h, caches
 
-    def _quantize_int8(self) -> None:
-        """Weight-only int8 for every linear layer and the LM head (``quantization="int8"``).
+    def _quantize(self, method: str) -> None:
+        """Quantize every linear layer (and, for int8, the LM head).
+
+        ``"int8"``: weight-only int8 (W8A32) on CPU in float32, through the C++ kernels.
+        ``"fp8"``: float8 e4m3 weights with per-row scales and dynamically quantized per-token
+        activations (W8A8) through ``torch._scaled_mm`` on CUDA in bfloat16; the LM head stays
+        bfloat16.
 
         Raises:
-            ValueError: not a CPU float32 engine, or the CPU kernels cannot be built here.
+            ValueError: the device, dtype or GPU does not support the method, or (int8) the CPU
+                kernels cannot be built here.
         """
         from engine.layers.embedding import ParallelLMHead
         from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-        from kernels import cpu_backend
 
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            raise ValueError(f"quantization='int8' runs on CPU in float32, not {self.device.type} "
-                             f"{str(self.dtype).removeprefix('torch.')}")
-        if not cpu_backend.load_kernel():
-            raise ValueError(f"quantization='int8' needs the CPU kernels: {cpu_backend.kernel_error()}")
+        if method == "int8":
+            from kernels import cpu_backend
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ValueError(f"quantization='int8' runs on CPU in float32, not {self.device.type} "
+                                 f"{str(self.dtype).removeprefix('torch.')}")
+            if not cpu_backend.load_kernel():
+                raise ValueError(f"quantization='int8' needs the CPU kernels: {cpu_backend.kernel_error()}")
+        elif method == "fp8":
+            if self.device.type != "cuda" or self.dtype != torch.bfloat16:
+                raise ValueError(f"quantization='fp8' runs on CUDA in bfloat16 (torch._scaled_mm), not "
+                                 f"{self.device.type} {str(self.dtype).removeprefix('torch.')}; on CPU use 'int8'")
+            if torch.cuda.get_device_capability(self.device) < (8, 9):
+                raise ValueError("quantization='fp8' needs compute capability >= 8.9 (Ada, Hopper), this GPU has "
+                                 "%d.%d" % torch.cuda.get_device_capability(self.device))
+        else:
+            raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {method!r}")
         for m in self.model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-                m.quantize()
+                m.quantize(method)
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, model_path: str | Path) -> None:

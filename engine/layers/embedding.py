@@ -41,9 +41,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.register_buffer("qweight", None)  # int8 copy of the weight and its row scales after quantize()
         self.register_buffer("wscale", None)
 
-    def quantize(self) -> None:
+    def quantize(self, method: str = "int8") -> None:
         """Weight-only int8 logits: an int8 copy of the weight with per-row scales (the float
-        weight stays: a tied embedding still looks rows up in it)."""
+        weight stays: a tied embedding still looks rows up in it). ``"fp8"`` leaves the LM head
+        in the model dtype (as vLLM's FP8 does)."""
+        if method != "int8":
+            return
         from kernels import cpu_backend
         self.qweight, self.wscale = cpu_backend.quantize_int8(self.weight)
 

@@ -36,6 +36,61 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 weight with one float32 scale per output row (``max|row| / 448``).
+
+    Args: ``weight`` ``[out, in]`` (any float dtype). Returns ``(qweight float8_e4m3fn [out,
+    in], scale float32 [out])`` with ``weight ~= qweight * scale[:, None]``."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
+    return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 float8 matmul on CUDA (``torch._scaled_mm``, row-wise scales): the activations are
+    quantized per token at run time (``max|row| / 448``), the product accumulates in float32
+    and is scaled by ``a_scale[m] * w_scale[n]``, as vLLM's dynamic per-token FP8.
+
+    Args: ``x`` ``[..., in]`` bfloat16; ``qweight`` float8 ``[out, in]`` and ``wscale`` float32
+    ``[out]`` from :func:`quantize_fp8`; ``bias`` ``[out]`` bfloat16. Returns ``[..., out]`` in
+    ``x.dtype``. Needs compute capability >= 8.9 and ``in``, ``out`` multiples of 16."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    a_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    a8 = (x2.float() / a_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    out = torch._scaled_mm(a8, qweight.t(), scale_a=a_scale, scale_b=wscale[None, :], bias=bias,
+                           out_dtype=x.dtype)
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The matmul of a quantized layer: float8 weights -> :func:`fp8_linear` (CUDA), int8 ->
+    ``kernels.cpu_backend.int8_linear`` (CPU)."""
+    if qweight.dtype == FP8:
+        return fp8_linear(x, qweight, wscale, bias)
+    from kernels.cpu_backend import int8_linear
+    return int8_linear(x, qweight, wscale, bias)
+
+
+def quantize_layer(layer: nn.Module, method: str) -> None:
+    """Replace ``layer.weight`` by ``qweight`` + per-row ``wscale``: ``"int8"`` (weight-only,
+    CPU) or ``"fp8"`` (W8A8, CUDA; a layer whose sizes are not multiples of 16 stays as is)."""
+    if method == "fp8":
+        if layer.weight.shape[0] % 16 or layer.weight.shape[1] % 16:
+            return
+        layer.qweight, layer.wscale = quantize_fp8(layer.weight)
+    else:
+        from kernels import cpu_backend
+        layer.qweight, layer.wscale = cpu_backend.quantize_int8(layer.weight)
+    layer.weight = None
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T (+ b)`` with the output features split across ranks.
 
@@ -53,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
-        self.register_buffer("qweight", None)  # int8 weight [out, in] and its row scales after quantize()
+        self.register_buffer("qweight", None)  # int8 / float8 weight [out, in] and its row scales after quantize()
         self.register_buffer("wscale", None)
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
@@ -63,17 +118,14 @@ class ColumnParallelLinear(nn.Module):
         off = sum(self.sizes[:part])
         getattr(self, name).data[off:off + e - s].copy_(tensor[s:e])
 
-    def quantize(self) -> None:
-        """Weight-only int8 (``EngineConfig.quantization == "int8"``): the float weight is
-        replaced by int8 rows and per-row scales (``kernels.cpu_backend.quantize_int8``)."""
-        from kernels import cpu_backend
-        self.qweight, self.wscale = cpu_backend.quantize_int8(self.weight)
-        self.weight = None
+    def quantize(self, method: str = "int8") -> None:
+        """``EngineConfig.quantization``: the float weight is replaced by int8 or float8 rows and
+        per-row scales (:func:`quantize_layer`)."""
+        quantize_layer(self, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            from kernels.cpu_backend import int8_linear
-            return int8_linear(x, self.qweight, self.wscale, self.bias)
+            return quantized_linear(x, self.qweight, self.wscale, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -95,6 +147,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            from kernels.cpu_backend import int8_linear
-            return all_reduce(int8_linear(x, self.qweight, self.wscale))
+            return all_reduce(quantized_linear(x, self.qweight, self.wscale))
         return all_reduce(linear(x, self.weight))
