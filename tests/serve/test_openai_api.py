@@ -184,7 +184,8 @@ def test_json_schema_on_20_varied_prompts(serve_app):
 
 
 def test_json_object_regex_choice_and_bad_schema(serve_app):
-    r = _post(serve_app, "/chat/completions", {"messages": PARIS, "max_tokens": 60,
+    # greedy: sampled at temperature 1, about 1 in 5 of SmolLM2's JSON objects run past 60 tokens
+    r = _post(serve_app, "/chat/completions", {"messages": PARIS, "max_tokens": 60, "temperature": 0,
                                                 "response_format": {"type": "json_object"}})
     assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
     r = _post(serve_app, "/completions", {"prompt": "Today's date is", "max_tokens": 12,
