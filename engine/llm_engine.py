@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -91,7 +92,7 @@ class StepMetrics:
     and the mixed-step budget all read these instead of wrapping the executor.
 
     Attributes:
-        start, end: ``time.monotonic()`` seconds around the model call.
+        start, end: :attr:`LLMEngine.clock` seconds (``time.monotonic()``) around the model call.
         num_prefill_tokens: prompt (or recomputed) tokens computed.
         num_decode_tokens: decode tokens computed (one per decoding request).
         num_sampled: tokens sampled (= generation tokens of this step).
@@ -229,7 +230,10 @@ class MixedStepBudget:
         self._prefill_n = 0.0  # decayed sum of prefill tokens
 
     def record(self, seconds: float, num_prefill_tokens: int, num_decodes: int) -> None:
-        """Add one step's wall time (seconds) and its token counts."""
+        """Add one step's wall time (seconds) and its token counts. A time that is not finite
+        or is negative (a clock that jumped) is ignored."""
+        if not (isinstance(seconds, (int, float)) and 0.0 <= seconds < math.inf):
+            return
         a = self.alpha
         if num_prefill_tokens == 0:
             if num_decodes:
@@ -252,13 +256,17 @@ class MixedStepBudget:
 
     @property
     def tokens(self) -> int:
-        """Prefill tokens allowed in the next step that carries decodes."""
+        """Prefill tokens allowed in the next step that carries decodes: an integer in
+        ``[min_tokens, max_tokens]`` whatever the recorded times were."""
         b = self.seconds_per_prefill_token
         if self.decode_s is None or b is None:
             return self.initial_tokens
         if b <= 0:
             return self.max_tokens
-        return int(max(self.min_tokens, min(self.max_tokens, (self.slowdown - 1) * self.decode_s / b)))
+        tokens = (self.slowdown - 1) * self.decode_s / b
+        if not math.isfinite(tokens):  # b underflowed to a denormal: prefill is free
+            return self.max_tokens
+        return int(max(self.min_tokens, min(self.max_tokens, tokens)))
 
 
 class LLMEngine:
@@ -314,6 +322,10 @@ class LLMEngine:
         self.grammar_requests: dict[str, Request] = {}
         self.num_steps = 0
         self.max_running = 0
+        #: Seconds for every timing-driven policy (mixed-step budget, draft length, step
+        #: metrics); tests replace it with a noisy fake clock.
+        self.clock: Callable[[], float] = time.monotonic
+        self._broken_loggers: set[int] = set()
         #: Callables given the :class:`StepMetrics` of every step that ran the model.
         self.stat_loggers: list[Callable[[StepMetrics], None]] = []
         #: Callables given the :class:`FinishedRequestStats` of every request that leaves the engine.
@@ -435,12 +447,22 @@ class LLMEngine:
         """Run one iteration. Returns an output for every request that got new tokens or
         finished in it (also those that failed alone: ``finish_reason == "error"``).
 
-        A request whose processing raises is failed alone (see :meth:`_isolate`); the step's
-        other requests go on.
+        What may raise out of ``step()``, and why (everything else is isolated):
 
-        Raises:
-            StepFailedError: the model step failed for every request of the step, each
-                alone too (nothing was updated; the requests are still in the engine).
+        * :class:`StepFailedError`: the model step failed for every request of the step, each
+          alone too (:meth:`_isolate`), so the executor or device is suspect; nothing was
+          updated and the requests are still in the engine, for the caller to judge.
+        * An exception from ``scheduler.schedule()`` or the KV cache manager: engine code with
+          no per-request input beyond token counts; a failure there means the engine's own
+          bookkeeping is broken, and going on could hand one request's blocks to another.
+
+        Per-request hooks fail that request alone (``finish_reason "error"``, ``error`` set,
+        blocks freed): the model step (by bisection), grammar bitmask fill and advance,
+        the scheduler's per-request update (tokens, logprobs, prompt logprobs, stop tokens),
+        detokenization and stop strings, and output assembly. A proposer (n-gram or draft
+        model) or the draft-length policy that raises on a request turns drafting off for that
+        request, which goes on without drafts. Stat loggers, request loggers and speculation
+        bookkeeping that raise are logged (once per logger) and skipped.
         """
         if self.mixed_budget is not None:
             self.scheduler.mixed_prefill_tokens = self.mixed_budget.tokens
@@ -458,12 +480,12 @@ class LLMEngine:
             return []
         self.num_steps += 1
         self.max_running = max(self.max_running, len(sched.requests))
-        last_token = {sr.request_id: self.scheduler.requests[sr.request_id].metrics.last_token_time
-                      for sr in sched.requests}
+        step_reqs = {sr.request_id: self.scheduler.requests[sr.request_id] for sr in sched.requests}
+        last_token = {rid: req.metrics.last_token_time for rid, req in step_reqs.items()}
         prompt_only = [r for sr in sched.requests  # max_tokens=0: finish without a token
                        if not sr.sample and (r := self.scheduler.requests[sr.request_id]).max_output_tokens == 0]
         grammar_fill = self._fill_grammar_bitmask(sched) if self.grammar_requests else None
-        t0 = time.monotonic()
+        t0 = self.clock()
         m = None
         try:
             result, failed = self.executor.execute_model(sched), {}
@@ -473,22 +495,23 @@ class LLMEngine:
             num_decodes = sum(len(sr.token_ids) - len(sr.spec_token_ids) == 1 and sr.new is None
                               for sr in sched.requests)
             num_rows = sched.num_batched_tokens - sched.num_draft_tokens
-            m = StepMetrics(t0, time.monotonic(), num_rows - num_decodes, num_decodes,
+            m = StepMetrics(t0, self.clock(), num_rows - num_decodes, num_decodes,
                             sum(sr.sample for sr in sched.requests), len(sched.requests),
                             len(self.scheduler.waiting), self.scheduler.num_preemptions - preempted0,
                             kv.prefix_queries - queries0, kv.prefix_hits - hits0)
             if self.mixed_budget is not None:
                 self.mixed_budget.record(m.end - m.start, m.num_prefill_tokens, m.num_decode_tokens)
-        outputs = []
-        for rid, err in failed.items():
-            req = self.scheduler.requests[rid]
-            req.error = f"{type(err).__name__}: {err}"
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            outputs.append(self._output(req))
+        outputs = [self._fail(self.scheduler.requests[rid], "the model step", err) for rid, err in failed.items()]
         outputs += self._grammar_failures(grammar_fill)
-        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs)
+        update_errors: dict[str, BaseException] = {}
+        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs,
+                                                    errors=update_errors)
+        outputs += [self._fail(step_reqs[rid], "its output update", err) for rid, err in update_errors.items()]
         if self.proposer is not None:
-            self._record_speculation(sched, m)
+            try:
+                self._record_speculation(sched, m)
+            except Exception:
+                self._log_broken("speculation bookkeeping")
         outputs.extend(self._output(r) for r in prompt_only if r.status is RequestStatus.FINISHED_LENGTH)
         if self.grammar_requests:
             self._advance_grammars(updated)
@@ -501,20 +524,56 @@ class LLMEngine:
                 else:
                     m.inter_token_latencies.append(req.metrics.last_token_time - prev)
         for req in updated:
+            self.num_generated_tokens += len(req.new_token_ids)
+            if req.status is RequestStatus.FINISHED_ERROR:  # failed in its grammar
+                outputs.append(self._fail(req, "its grammar", None, req.new_token_ids))
+                continue
             try:
                 self._detokenize(req)
+                outputs.append(self._output(req, req.new_token_ids))
             except Exception as e:  # one bad request must not take the batch down
-                logger.exception("request %s failed in detokenization", req.request_id)
-                req.error = f"{type(e).__name__}: {e}"
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            self.num_generated_tokens += len(req.new_token_ids)
-            outputs.append(self._output(req, req.new_token_ids))
+                outputs.append(self._fail(req, "detokenization or output assembly", e, req.new_token_ids))
         if m is not None:
             m.num_sampled = sum(len(r.new_token_ids) for r in updated)
             m.kv_cache_usage = kv.usage()
             for log in self.stat_loggers:
-                log(m)
+                try:
+                    log(m)
+                except Exception:
+                    self._log_broken("stat logger", log)
         return outputs
+
+    def _fail(self, req: Request, where: str, error: BaseException | None,
+              new_token_ids: list[int] = ()) -> RequestOutput:
+        """Fail ``req`` alone (``FINISHED_ERROR``, blocks freed, ``req.error`` set unless it
+        already is) after ``error`` in ``where``; returns its final output (``new_token_ids``:
+        the step's tokens it carries), built without the detokenizer if that is what fails."""
+        if error is not None:
+            logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(error).__name__, error,
+                         exc_info=error)
+            req.error = req.error or f"{type(error).__name__}: {error}"
+        req.error = req.error or f"failed in {where}"
+        if req.request_id in self.scheduler.requests:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        else:  # already left the queues (e.g. finished by length in the same step)
+            req.status = RequestStatus.FINISHED_ERROR
+        try:
+            return self._output(req, new_token_ids)
+        except Exception:  # the detokenizer is what fails: an output without its text
+            self.detokenizers.pop(req.request_id, None)
+            self.grammar_requests.pop(req.request_id, None)
+            req.grammar = None
+            return self._output(req, new_token_ids)
+
+    def _log_broken(self, what: str, hook: object = None) -> None:
+        """A side-path hook (stat or request logger, speculation bookkeeping) raised: log it
+        with its traceback the first time, then once per hook only at debug level."""
+        key = id(hook) if hook is not None else hash(what)
+        if key in self._broken_loggers:
+            logger.debug("%s failed again", what, exc_info=True)
+            return
+        self._broken_loggers.add(key)
+        logger.exception("%s failed (skipped; the step goes on)", what)
 
     def _detokenize(self, req: Request) -> None:
         """Feed the step's new tokens to the request's detokenizer one at a time; at a stop
@@ -545,12 +604,15 @@ class LLMEngine:
     # ---- speculative decoding ------------------------------------------------
     def _propose(self) -> None:
         """Set each running request's drafts for the next step (see ``engine.spec_decode``).
-        Only requests in decode (one token to compute) without a grammar draft, and only while
-        at least two output tokens remain; the draft length comes from :attr:`draft_policy`."""
+        Only requests in decode (one token to compute) without a grammar, not
+        :attr:`Request.spec_disabled`, and only while at least two output tokens remain; the
+        draft length comes from :attr:`draft_policy`. A proposer or policy that raises on a
+        request, or proposes ids outside the vocabulary, turns drafting off for that request
+        (:meth:`_stop_drafting`); nothing raises out of here."""
         reqs = []
         for req in self.scheduler.running:
             req.spec_token_ids = []
-            if (req.num_tokens - req.num_computed_tokens == 1 and req.grammar is None
+            if (req.num_tokens - req.num_computed_tokens == 1 and req.grammar is None and not req.spec_disabled
                     and req.max_output_tokens - req.num_output_tokens > 1):
                 reqs.append(req)
         if not reqs:
@@ -562,19 +624,71 @@ class LLMEngine:
 
         if isinstance(self.proposer, NgramProposer):
             for req in reqs:
-                draft = self.proposer.propose(req.all_token_ids, room(req))
-                req.spec_token_ids = draft[:self.draft_policy.draft_length(req.request_id, len(draft), batch)]
+                try:
+                    draft = self.proposer.propose(req.all_token_ids, room(req))
+                    req.spec_token_ids = self._checked_drafts(
+                        draft[:self.draft_policy.draft_length(req.request_id, len(draft), batch)])
+                except Exception as e:
+                    self._stop_drafting(req, e)
             return
-        want = [(req, k) for req in reqs if (k := self.draft_policy.draft_length(req.request_id, room(req), batch)) > 0]
-        if want:
-            t0 = time.monotonic()
+        want = []
+        for req in reqs:
+            try:
+                if (k := self.draft_policy.draft_length(req.request_id, room(req), batch)) > 0:
+                    want.append((req, k))
+            except Exception as e:
+                self._stop_drafting(req, e)
+        if not want:
+            return
+        t0 = self.clock()
+        try:
             drafts = self.proposer.propose(want)
-            rounds = max(k for _, k in want)
-            per_token = (time.monotonic() - t0) / (rounds * len(want))
-            p = self.draft_policy
-            p.extra_cost_s = per_token if not p.extra_cost_s else 0.8 * p.extra_cost_s + 0.2 * per_token
+        except Exception as e:  # which request? each alone, from a clean draft state
+            logger.warning("draft model failed on a batch of %d (%s: %s); retrying each request alone",
+                           len(want), type(e).__name__, e)
             for req, _ in want:
-                req.spec_token_ids = drafts.get(req.request_id, [])
+                self.proposer.forget(req.request_id)
+            drafts = {}
+            for req, k in want:
+                try:
+                    drafts.update(self.proposer.propose([(req, k)]))
+                except Exception as e1:
+                    self._stop_drafting(req, e1)
+        rounds = max(k for _, k in want)
+        per_token = (self.clock() - t0) / (rounds * len(want))
+        p = self.draft_policy
+        if math.isfinite(per_token) and per_token >= 0:  # a clock that jumped back says nothing
+            p.extra_cost_s = per_token if not p.extra_cost_s else 0.8 * p.extra_cost_s + 0.2 * per_token
+        for req, _ in want:
+            if req.spec_disabled:
+                continue
+            try:
+                req.spec_token_ids = self._checked_drafts(drafts.get(req.request_id, []))
+            except Exception as e:
+                self._stop_drafting(req, e)
+
+    def _checked_drafts(self, draft: list[int]) -> list[int]:
+        """``draft`` as a list of Python ints in the vocabulary.
+
+        Raises:
+            ValueError: a draft id that is not an integer in ``[0, vocab_size)``.
+        """
+        vocab = self.hf_config.vocab_size
+        out = [int(t) for t in draft]
+        if any(t < 0 or t >= vocab or t != d for t, d in zip(out, draft)):
+            raise ValueError(f"proposed draft ids outside the vocabulary [0, {vocab}): {draft}")
+        return out
+
+    def _stop_drafting(self, req: Request, error: BaseException) -> None:
+        """The proposer or the draft-length policy failed on ``req``: it goes on without drafts
+        (and its proposer state is dropped)."""
+        logger.error("speculative decoding turned off for request %s: its proposer failed: %s: %s",
+                     req.request_id, type(error).__name__, error, exc_info=error)
+        req.spec_disabled, req.spec_token_ids = True, []
+        try:
+            self._release_speculation(req)
+        except Exception:
+            logger.exception("releasing the draft state of request %s failed", req.request_id)
 
     def _release_speculation(self, req: Request) -> None:
         """A request left the engine: drop its acceptance estimate and draft-model state."""
@@ -640,16 +754,17 @@ class LLMEngine:
             return []
         reqs, errors, fill = pending
         if hasattr(fill, "result"):  # a Future
-            fill.result()
+            try:
+                fill.result()
+            except Exception as e:  # the fill itself broke (not one matcher): every row is suspect
+                errors.update({i: e for i in range(len(reqs)) if i not in errors})
         outs = []
         for i, e in errors.items():
             req = reqs[i]
             if req.finished:
                 continue
-            logger.error("request %s failed in its grammar: %s: %s", req.request_id, type(e).__name__, e)
             req.error = f"structured_outputs: {type(e).__name__}: {e}"
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            outs.append(self._output(req))
+            outs.append(self._fail(req, "its grammar bitmask", e))
         return outs
 
     def _advance_grammars(self, updated: list[Request]) -> None:
@@ -742,7 +857,10 @@ class LLMEngine:
                 req.stats_logged = True
                 stats = FinishedRequestStats.of(req)
                 for log in self.request_loggers:
-                    log(stats)
+                    try:
+                        log(stats)
+                    except Exception:
+                        self._log_broken("request logger", log)
         comp = CompletionOutput(
             index=0, text=text, token_ids=out_ids,
             finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason,

@@ -79,6 +79,9 @@ class Request:
         #: speculative decoding: draft tokens proposed for the next step (not yet part of
         #: ``all_token_ids``; the scheduler verifies them with the request's last token)
         self.spec_token_ids: list[int] = []
+        #: speculative decoding is off for this request (its proposer failed on it); it goes on
+        #: without drafts
+        self.spec_disabled = False
         #: the tokens the last step appended (several with speculative decoding)
         self.new_token_ids: list[int] = []
 

@@ -21,6 +21,7 @@ back to the waiting queue.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.engine")
 
 
 @dataclass
@@ -148,7 +151,10 @@ class Scheduler:
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
         if self.on_finish is not None:
-            self.on_finish(req)
+            try:
+                self.on_finish(req)
+            except Exception:  # a release hook must not undo a finish that has happened
+                logger.exception("on_finish hook failed for request %s", req.request_id)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -254,7 +260,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int | list[int]],
                            logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None,
                            prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None,
-                           ) -> list[Request]:
+                           errors: dict[str, BaseException] | None = None) -> list[Request]:
         """Advance computed-token counts, record prompt logprobs (``{request_id: [(position,
         {token_id: logprob})]}``), append sampled tokens, finish requests that hit EOS / a stop
         token / their length limit, and ``max_tokens=0`` requests whose prompt is computed
@@ -265,48 +271,71 @@ class Scheduler:
         tokens (``m`` accepted drafts, then the target's own token); its computed count grows
         by ``m + 1`` (its last token and the accepted drafts), tokens after a stop token or the
         length limit are dropped, blocks past its tokens are returned (the rejected drafts' KV
-        slots), and ``sched.num_accepted`` records ``m``."""
+        slots), and ``sched.num_accepted`` records ``m``.
+
+        ``errors``: when given, a request whose update raises (e.g. a malformed logprobs entry
+        or a token missing from ``sampled``) is finished alone with ``FINISHED_ERROR`` (its
+        blocks freed, ``req.error`` set) and recorded as ``{request_id: exception}``; without
+        it, the exception propagates."""
         now = time.time()
         updated = []
         for sr in sched.requests:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if prompt_logprobs and sr.request_id in prompt_logprobs:
-                req.add_prompt_logprobs(prompt_logprobs[sr.request_id])
-            if not sr.sample:
-                req.num_computed_tokens += len(sr.token_ids)
-                self.kv.cache_blocks(req)
-                if req.max_output_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
-                    self.finish(req, RequestStatus.FINISHED_LENGTH)
-                continue
-            toks = sampled[sr.request_id]
-            toks = toks if isinstance(toks, list) else [toks]
-            lps = logprobs.get(sr.request_id) if logprobs else None
-            lps = lps if isinstance(lps, list) or lps is None else [lps]
-            if sr.spec_token_ids:
-                sched.num_accepted[sr.request_id] = len(toks) - 1
-                req.num_computed_tokens += len(toks)  # its last token + the accepted drafts
-            else:
-                req.num_computed_tokens += len(sr.token_ids)
-            req.new_token_ids = []
-            for i, tok in enumerate(toks):
-                req.append_token(tok)
-                req.new_token_ids.append(tok)
-                if lps is not None:
-                    req.logprobs.append(lps[i])
-                if req.check_stop_token():
-                    break
-            self.kv.cache_blocks(req)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            updated.append(req)
-            if req.finished:
-                self.finish(req, req.status)
-            elif sr.spec_token_ids:
-                self.kv.trim(req)
+            try:
+                if self._update_one(sr, req, sched, sampled, logprobs, prompt_logprobs, now):
+                    updated.append(req)
+            except Exception as e:
+                if errors is None:
+                    raise
+                errors[sr.request_id] = e
+                req.error = f"{type(e).__name__}: {e}"
+                if req in updated:
+                    updated.remove(req)
+                if req.request_id in self.requests:
+                    self.finish(req, RequestStatus.FINISHED_ERROR)
+                else:
+                    req.status = RequestStatus.FINISHED_ERROR
         return updated
+
+    def _update_one(self, sr, req: Request, sched: SchedulerOutput, sampled, logprobs, prompt_logprobs,
+                    now: float) -> bool:
+        """:meth:`update_from_output` for one running request; True if it got tokens."""
+        if prompt_logprobs and sr.request_id in prompt_logprobs:
+            req.add_prompt_logprobs(prompt_logprobs[sr.request_id])
+        if not sr.sample:
+            req.num_computed_tokens += len(sr.token_ids)
+            self.kv.cache_blocks(req)
+            if req.max_output_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+            return False
+        toks = sampled[sr.request_id]
+        toks = toks if isinstance(toks, list) else [toks]
+        lps = logprobs.get(sr.request_id) if logprobs else None
+        lps = lps if isinstance(lps, list) or lps is None else [lps]
+        if sr.spec_token_ids:
+            sched.num_accepted[sr.request_id] = len(toks) - 1
+            req.num_computed_tokens += len(toks)  # its last token + the accepted drafts
+        else:
+            req.num_computed_tokens += len(sr.token_ids)
+        req.new_token_ids = []
+        for i, tok in enumerate(toks):
+            req.append_token(tok)
+            req.new_token_ids.append(tok)
+            if lps is not None:
+                req.logprobs.append(lps[i])
+            if req.check_stop_token():
+                break
+        self.kv.cache_blocks(req)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.finished:
+            self.finish(req, req.status)
+        elif sr.spec_token_ids:
+            self.kv.trim(req)
+        return True
 
     # ---- stats -----------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -154,8 +154,15 @@ class DraftLengthPolicy:
     query rows ``n`` (drafts included); one extra row costs ``lambda = b * B / (a + b * B)``
     target tokens at batch ``B`` (throughput ``(B + extra tokens) / (a + b * (B + drafts))``
     grows iff a draft's acceptance chance exceeds ``lambda``). ``extra_cost_s`` adds the
-    proposer's own seconds per draft token (the draft model's forward). Until two different
-    ``n`` have been seen, ``lambda = prior_lambda``.
+    proposer's own seconds per draft token (the draft model's forward).
+
+    Defined for every input (step times come from a host that may be busy, a clock that may
+    jump, or a proposer that may hang): a step time that is not finite, negative or above
+    :attr:`MAX_STEP_S` is ignored; a fit that is not credible (fewer than two distinct row
+    counts, non-finite sums, a negative slope ``b``) is "no fit", and then
+    ``lambda = prior_lambda``; a negative intercept ``a`` is taken as 0; ``lambda`` is clamped
+    to ``[MIN_LAMBDA, 1]`` and ``alpha_r`` to ``[0, 1]``, so the draft length below is always an
+    integer in ``[0, available]``.
 
     Draft length: the largest ``k`` whose ``k``-th draft pays, ``alpha_r ** k > lambda``. A
     request with ``alpha_r <= lambda`` is backed off: it drafts one token as a probe after
@@ -163,6 +170,12 @@ class DraftLengthPolicy:
     not pay spends at most one row per ``max_backoff`` tokens on them once settled, and a
     request whose text turns repetitive is noticed.
     """
+
+    #: Step times above this (seconds) are not a decode step's cost (a stalled host, a clock jump).
+    MAX_STEP_S = 600.0
+    #: Smallest cost of a draft row (target tokens): a free row would ask for ``max_k`` drafts
+    #: whatever their acceptance, and ``log(0)`` is undefined.
+    MIN_LAMBDA = 1e-3
 
     max_k: int
     adaptive: bool = True
@@ -183,42 +196,54 @@ class DraftLengthPolicy:
         return (self._pool.accepted + self.prior * self.n0) / (self._pool.trials + self.n0)
 
     def alpha(self, request_id: str) -> float:
+        """Per-token acceptance estimate of a request, in ``[0, 1]``."""
         st = self._req.get(request_id)
         a, n = (st.accepted, st.trials) if st else (0.0, 0.0)
-        return (a + self.pooled_alpha() * self.n0) / (n + self.n0)
+        return min(1.0, max(0.0, (a + self.pooled_alpha() * self.n0) / (n + self.n0)))
 
     def step_cost(self) -> tuple[float, float] | None:
-        """``(a, b)``: seconds of a decode-only step with no rows, and per query row (None
-        before the regression is determined)."""
+        """``(a, b)``: seconds of a decode-only step with no rows (``a >= 0``), and per query
+        row (``b >= 0``); None while there is no credible fit (see the class docstring)."""
         w, x, y, xx, xy = self._s
+        if not all(math.isfinite(v) for v in self._s):
+            self._s = [0.0] * 5  # overflowed: start the fit again
+            return None
         if w <= 0:
             return None
         var = xx / w - (x / w) ** 2
-        if var < 0.25:  # fewer than two distinct row counts
+        if not var >= 0.25:  # fewer than two distinct row counts (or rounding noise)
             return None
         b = (xy / w - (x / w) * (y / w)) / var
-        return y / w - b * x / w, max(b, 0.0)
+        if not (math.isfinite(b) and b >= 0.0):  # a negative slope: noise, not a cost
+            return None
+        a = y / w - b * x / w
+        return (max(a, 0.0) if math.isfinite(a) else 0.0), b
 
     def cost_lambda(self, batch: int) -> float:
-        """Cost of one draft row in target-token units at ``batch`` decoding requests."""
+        """Cost of one draft row in target-token units at ``batch`` decoding requests, in
+        ``[MIN_LAMBDA, 1]``."""
         ab = self.step_cost()
-        if ab is None:
-            return self.prior_lambda
-        a, b = ab
-        t = a + b * batch
-        if t <= 0:
-            return self.prior_lambda
-        return min(1.0, (b + self.extra_cost_s) * batch / t)
+        extra = self.extra_cost_s if math.isfinite(self.extra_cost_s) and self.extra_cost_s > 0 else 0.0
+        if ab is None or batch <= 0:
+            lam = self.prior_lambda
+        else:
+            a, b = ab
+            t = a + b * batch
+            lam = (b + extra) * batch / t if t > 0 else self.prior_lambda
+        if not math.isfinite(lam):
+            lam = self.prior_lambda
+        return min(1.0, max(self.MIN_LAMBDA, lam))
 
     def draft_length(self, request_id: str, available: int, batch: int) -> int:
-        """Drafts to verify for a request with ``available`` proposed tokens."""
+        """Drafts to verify for a request with ``available`` proposed tokens: an integer in
+        ``[0, min(available, max_k)]`` for any state of the estimates."""
         k = min(available, self.max_k)
         if not self.adaptive or k <= 0:
-            return k
+            return max(k, 0)
         st = self._req.setdefault(request_id, _Acceptance())
         st.calls += 1
         alpha, lam = self.alpha(request_id), self.cost_lambda(batch)
-        if alpha <= lam:
+        if not alpha > lam:
             if st.calls < st.probe_at:
                 return 0
             st.probe_at = st.calls + st.backoff
@@ -227,18 +252,25 @@ class DraftLengthPolicy:
         st.backoff = 1
         if alpha >= 1:
             return k
-        return max(1, min(k, int(math.log(lam) / math.log(alpha))))
+        return max(1, min(k, int(math.log(lam) / math.log(alpha))))  # 0 < lam < alpha < 1: finite, >= 0
 
     def record_acceptance(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """One verification: ``num_accepted`` of ``num_drafts`` drafts stood (clamped to
+        ``[0, num_drafts]``)."""
         if num_drafts <= 0:
             return
+        num_accepted = min(max(num_accepted, 0), num_drafts)
         trials = num_accepted + (num_accepted < num_drafts)
         for st, g in ((self._req.setdefault(request_id, _Acceptance()), self.decay), (self._pool, self.pool_decay)):
             st.accepted = g * st.accepted + num_accepted
             st.trials = g * st.trials + trials
 
     def record_step(self, seconds: float, num_rows: int) -> None:
-        """A decode-only step's wall time and query rows (drafts included)."""
+        """A decode-only step's wall time (seconds) and query rows (drafts included). A time
+        that is not finite, negative or above :attr:`MAX_STEP_S`, or a step of no rows, is
+        ignored."""
+        if not (isinstance(seconds, (int, float)) and 0.0 <= seconds <= self.MAX_STEP_S) or num_rows <= 0:
+            return
         g = self.cost_decay
         s = self._s
         for i, v in enumerate((1.0, num_rows, seconds, num_rows * num_rows, num_rows * seconds)):

@@ -92,6 +92,59 @@ def test_draft_length_policy_backs_off_and_probes_again():
     assert good.cost_lambda(1) == pytest.approx(0.005 / 0.015)
 
 
+ADVERSARIAL_TIMES = {
+    "decreasing": lambda i, n: 1.0 / (1 + i) - 0.001 * n,  # more rows, less time: a negative slope
+    "rows_cheaper": lambda i, n: 0.05 - 0.004 * n,  # the crash on main: b < 0 clamped to 0, lam = 0
+    "constant": lambda i, n: 0.02,
+    "zero": lambda i, n: 0.0,
+    "huge": lambda i, n: 1e300 * n,
+    "nan": lambda i, n: math.nan,
+    "inf": lambda i, n: math.inf if i % 2 else 0.01,
+    "negative": lambda i, n: -0.5 * n,
+    "mixed": lambda i, n: [0.01 * n, math.nan, -1.0, 1e9, 0.0, 1e-320][i % 6],
+}
+
+
+@pytest.mark.parametrize("times", sorted(ADVERSARIAL_TIMES))
+@pytest.mark.parametrize("acceptance", ["all", "none", "half"])
+def test_draft_length_policy_is_defined_for_any_step_times(times, acceptance):
+    """Step times from a busy host, a jumping clock or a broken timer: the policy returns a
+    length in [0, available] and never raises (on main, a negative fitted slope gave
+    ``math.log(0)``: a ValueError out of ``LLMEngine.step`` for every stream of a replica)."""
+    f = ADVERSARIAL_TIMES[times]
+    for extra in (0.0, math.nan, -1.0, 1e300):
+        pol = DraftLengthPolicy(max_k=4)
+        pol.extra_cost_s = extra
+        for i in range(60):
+            n = 1 + i % 5
+            pol.record_step(f(i, n), n)
+            for rid in ("a", "b"):
+                avail = i % 6
+                k = pol.draft_length(rid, avail, batch=1 + i % 8)
+                assert isinstance(k, int) and 0 <= k <= min(avail, 4)
+                acc = {"all": k, "none": 0, "half": k // 2}[acceptance]
+                pol.record_acceptance(rid, k, acc)
+            lam = pol.cost_lambda(1 + i % 8)
+            assert 0.0 < lam <= 1.0 and 0.0 <= pol.alpha("a") <= 1.0
+            ab = pol.step_cost()
+            assert ab is None or (ab[0] >= 0 and ab[1] >= 0 and all(map(math.isfinite, ab)))
+
+
+def test_draft_length_policy_ignores_an_incredible_fit():
+    """A negative slope is noise, not a cost: the prior lambda rules, and one that turns
+    credible again is used."""
+    pol = DraftLengthPolicy(max_k=4)
+    for n in (1, 2, 3, 4) * 5:
+        pol.record_step(0.05 - 0.004 * n, n)
+    assert pol.step_cost() is None and pol.cost_lambda(4) == pol.prior_lambda
+    pol.record_acceptance("r", 4, 4)
+    assert 1 <= pol.draft_length("r", 4, batch=4) <= 4
+    for n in (1, 2, 3, 4) * 200:  # the decayed sums forget the noise
+        pol.record_step(0.010 + 0.002 * n, n)
+    a, b = pol.step_cost()
+    assert a == pytest.approx(0.010, rel=1e-3) and b == pytest.approx(0.002, rel=1e-3)
+
+
 # ---------------------------------------------------------------- scheduler rollback
 
 def test_rejected_drafts_return_their_blocks_and_never_enter_the_prefix_cache():

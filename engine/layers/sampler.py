@@ -192,22 +192,27 @@ class Sampler:
         """Rejection sampling of one-hot drafts, in place on ``tokens`` / ``accepted``:
         ``row_ids[j]`` (a logits row) verifies its draft under ``probs[prob_rows[j]]``. The
         uniform draw and, on rejection, the residual draw use the row's generator when seeded."""
-        dev = probs.device
+        dev, n = probs.device, len(row_ids)
         drafts = torch.tensor([rows[i].draft_token for i in row_ids], device=dev)
-        p_draft = probs[prob_rows].gather(1, drafts[:, None])[:, 0]
-        u = torch.empty(len(row_ids), device=dev)
+        p = probs[prob_rows]
+        seeded = [j for j, i in enumerate(row_ids) if rows[i].generator is not None]
+        u = torch.rand(n, device=dev)  # unseeded rows: one draw for all (seeded rows redrawn below)
+        for j in seeded:
+            u[j] = torch.rand(1, device=dev, generator=rows[row_ids[j]].generator)[0]
+        residual = p.clone()
+        residual[torch.arange(n, device=dev), drafts] = 0.0
+        # accept with probability p(draft); a p one-hot at the draft (empty residual) always accepts
+        ok = (u < p.gather(1, drafts[:, None])[:, 0]) | (residual.sum(dim=1) <= 0)
+        ok_list = ok.tolist()
+        rejected = [j for j in range(n) if not ok_list[j]]
+        picks = drafts.clone()
+        plain = [j for j in rejected if rows[row_ids[j]].generator is None]
+        if plain:
+            picks[plain] = torch.multinomial(residual[plain], 1).squeeze(1)
+        for j in rejected:
+            g = rows[row_ids[j]].generator
+            if g is not None:
+                picks[j] = torch.multinomial(residual[j], 1, generator=g)[0]
+        tokens[row_ids] = picks
         for j, i in enumerate(row_ids):
-            g = rows[i].generator
-            u[j] = torch.rand(1, device=dev, generator=g)[0] if g is not None else torch.rand(1, device=dev)[0]
-        ok = (u < p_draft).tolist()
-        for j, i in enumerate(row_ids):
-            accepted[i] = ok[j]
-            if ok[j]:
-                tokens[i] = rows[i].draft_token
-                continue
-            residual = probs[prob_rows[j]].clone()
-            residual[rows[i].draft_token] = 0.0
-            if float(residual.sum()) <= 0.0:  # p is one-hot at the draft: cannot be rejected
-                tokens[i], accepted[i] = rows[i].draft_token, True
-                continue
-            tokens[i] = torch.multinomial(residual, 1, generator=rows[i].generator)[0]
+            accepted[i] = ok_list[j]
