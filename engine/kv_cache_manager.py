@@ -219,5 +219,17 @@ class KVCacheManager:
         self.pool.free(list(reversed(req.block_table)))
         req.block_table = []
 
+    def check(self, requests) -> None:
+        """Assert the pool's invariants (:meth:`BlockPool.check`) and that every block's
+        reference count is the number of block tables of ``requests`` (all requests in the
+        engine) that hold it: nothing leaks, nothing is freed while in use. Used by tests."""
+        refs = [0] * self.num_blocks
+        for req in requests:
+            for b in req.block_table:
+                refs[b] += 1
+        bad = [(b, refs[b], self.pool.ref_cnt[b]) for b in range(self.num_blocks) if refs[b] != self.pool.ref_cnt[b]]
+        assert not bad, f"(block, held by block tables, ref count) disagree: {bad[:8]}"
+        self.pool.check()
+
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -429,7 +429,7 @@ class LLMEngine:
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
-        return self._output(req)
+        return self._final_output(req)
 
     def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
         req = self.scheduler.requests.get(request_id)
@@ -437,7 +437,7 @@ class LLMEngine:
             return None
         req.error = error
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return self._output(req)
+        return self._final_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -557,9 +557,16 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         else:  # already left the queues (e.g. finished by length in the same step)
             req.status = RequestStatus.FINISHED_ERROR
+        return self._final_output(req, new_token_ids)
+
+    def _final_output(self, req: Request, new_token_ids: list[int] = ()) -> RequestOutput:
+        """The output of a request that has left the engine, which never raises: if the
+        detokenizer fails while it is assembled, an output without the text delta."""
         try:
             return self._output(req, new_token_ids)
-        except Exception:  # the detokenizer is what fails: an output without its text
+        except Exception as e:
+            logger.error("request %s: output assembly failed (%s: %s); its final output carries no text delta",
+                         req.request_id, type(e).__name__, e)
             self.detokenizers.pop(req.request_id, None)
             self.grammar_requests.pop(req.request_id, None)
             req.grammar = None

@@ -1,0 +1,234 @@
+"""Fault injection into a live :class:`engine.llm_engine.LLMEngine`: make one of its per-request
+hooks raise for the requests a predicate picks, and nothing else (the test engine, the fuzzer
+and a live Serve replica use the same wrappers).
+
+Hooks (:data:`HOOKS`) and what the engine promises when one raises on a request:
+
+* ``propose`` (the n-gram or draft-model proposer) and ``draft_length`` (the draft-length
+  policy): drafting is turned off for that request; it goes on and its output is unchanged.
+* ``grammar_fill`` (the bitmask of allowed tokens), ``grammar_accept`` (advancing the matcher),
+  ``detokenize`` (incremental detokenization and stop strings), ``logprobs`` (recording a
+  sampled token's logprobs), ``prompt_logprobs`` (recording prompt logprobs) and ``output``
+  (assembling the output's text delta): that request ends with ``finish_reason "error"``;
+  every other request of the engine is untouched.
+* ``stat_logger`` and ``request_logger`` (engine-wide, not per request): nobody is affected.
+
+Wrappers stand in for the engine's own objects (the proposer, the policy, a request's grammar
+matcher, detokenizer and logprob list), so the engine code under test is the shipped code.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+#: Per-request hooks after which the request must fail alone.
+FAILING_HOOKS = ("grammar_fill", "grammar_accept", "detokenize", "logprobs", "prompt_logprobs", "output")
+#: Per-request hooks after which the request goes on without drafts.
+DRAFTING_HOOKS = ("propose", "draft_length")
+#: Engine-wide side paths that must affect nobody.
+LOGGER_HOOKS = ("stat_logger", "request_logger")
+HOOKS = FAILING_HOOKS + DRAFTING_HOOKS + LOGGER_HOOKS
+
+
+class InjectedFault(RuntimeError):
+    """What every injected hook raises."""
+
+
+def _raise(hook: str, request_id: str):
+    raise InjectedFault(f"injected fault in {hook} for request {request_id}")
+
+
+class _Countdown:
+    """Delegates ``method`` to ``inner`` for its first ``after`` calls, then raises."""
+
+    def __init__(self, inner, method: str, request_id: str, after: int = 0):
+        self._inner, self._method, self._rid, self._left = inner, method, request_id, after
+
+    def _call(self, what: str):
+        def call(*a, **k):
+            if self._left > 0:
+                self._left -= 1
+                return getattr(self._inner, self._method)(*a, **k)
+            _raise(what, self._rid)
+        return call
+
+
+class _FaultyMatcher(_Countdown):
+    """An xgrammar matcher that raises in one method and delegates the rest."""
+
+    def __getattr__(self, name):
+        if name == self._method:
+            return self._call(f"grammar {name}")
+        if name == "_handle" and self._method == "fill_next_token_bitmask":
+            # xgrammar's batch fill reads each matcher's native handle: fail that call too
+            _raise("grammar batch fill", self._rid)
+        return getattr(self._inner, name)
+
+
+class _FaultyDetokenizer(_Countdown):
+    """An incremental detokenizer that raises in ``update`` or ``delta``."""
+
+    def __getattr__(self, name):
+        if name == self._method:
+            return self._call(f"detokenizer {name}")
+        return getattr(self._inner, name)
+
+
+class _FaultyList(list):
+    """A logprob list whose ``append`` raises."""
+
+    def __init__(self, items, request_id: str):
+        super().__init__(items)
+        self._rid = request_id
+
+    def append(self, item):
+        _raise("logprobs", self._rid)
+
+
+class Faults:
+    """Installs fault wrappers on one engine.
+
+    ``poison(req, hook)`` arms ``hook`` for a request already in the engine;
+    ``arm_future(hook, predicate)`` arms it for every request enqueued later for which
+    ``predicate(request)`` holds (e.g. its prompt carries a marker). Engine-wide hooks are
+    armed with :meth:`break_loggers`. :attr:`fired` records ``(hook, request_id)`` of every
+    fault that actually raised.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.fired: list[tuple[str, str]] = []
+        self._propose_ids: set[str] = set()
+        self._policy_ids: set[str] = set()
+        self._future: list[tuple[str, Callable]] = []
+        if engine.proposer is not None:
+            self._wrap_proposer()
+            self._wrap_policy()
+        enqueue = engine.enqueue
+
+        def enqueue_and_arm(req):
+            enqueue(req)
+            for hook, pred, after in self._future:
+                if pred(req):
+                    self.poison(req, hook, after)
+
+        engine.enqueue = enqueue_and_arm
+
+    def _fire(self, hook: str, rid: str):
+        self.fired.append((hook, rid))
+        _raise(hook, rid)
+
+    # ---- engine-wide wrappers ------------------------------------------------------------
+    def _wrap_proposer(self):
+        eng, faults = self.engine, self
+        base = type(eng.proposer)
+
+        class FaultyProposer(base):  # a subclass, so the engine's isinstance checks still hold
+            def __init__(self, inner):
+                self.__dict__.update(inner.__dict__)  # takes over the proposer's state
+
+            def propose(self, *args):
+                if len(args) == 2:  # n-gram: (token_ids, k); find the request by its token list
+                    for req in eng.scheduler.running:
+                        if req.all_token_ids is args[0] and req.request_id in faults._propose_ids:
+                            faults._fire("propose", req.request_id)
+                else:  # draft model: [(request, k)]
+                    for req, _ in args[0]:
+                        if req.request_id in faults._propose_ids:
+                            faults._fire("propose", req.request_id)
+                return base.propose(self, *args)
+
+        eng.proposer = FaultyProposer(eng.proposer)
+
+    def _wrap_policy(self):
+        policy, faults = self.engine.draft_policy, self
+        draft_length = policy.draft_length
+
+        def faulty(request_id, available, batch):
+            if request_id in faults._policy_ids:
+                faults._fire("draft_length", request_id)
+            return draft_length(request_id, available, batch)
+
+        policy.draft_length = faulty
+
+    def break_loggers(self) -> None:
+        """Add a stat logger and a request logger that always raise."""
+        def stat(m):
+            self._fire("stat_logger", "-")
+
+        def finished(s):
+            self._fire("request_logger", s.request_id)
+
+        self.engine.stat_loggers.append(stat)
+        self.engine.request_loggers.append(finished)
+
+    # ---- per request ----------------------------------------------------------------------
+    def arm_future(self, hook: str, predicate: Callable, after: int = 0) -> None:
+        self._future.append((hook, predicate, after))
+
+    def poison(self, req, hook: str, after: int = 0) -> bool:
+        """Arm ``hook`` for ``req`` (in the engine); the grammar and detokenizer hooks raise
+        after ``after`` good calls (e.g. mid-stream). Returns False when the request has no
+        such hook (no grammar, no detokenizer, no logprobs, no speculation)."""
+        rid, eng = req.request_id, self.engine
+        if hook == "propose":
+            if eng.proposer is None:
+                return False
+            self._propose_ids.add(rid)
+        elif hook == "draft_length":
+            if eng.proposer is None:
+                return False
+            self._policy_ids.add(rid)
+        elif hook in ("grammar_fill", "grammar_accept"):
+            g = req.grammar
+            if g is None:
+                return False
+            method = "fill_next_token_bitmask" if hook == "grammar_fill" else "accept_token"
+            faults = self
+
+            class Recording(_FaultyMatcher):
+                def _call(self, what):
+                    inner = super()._call(what)
+
+                    def call(*a, **k):
+                        if self._left <= 0:
+                            faults.fired.append((hook, rid))
+                        return inner(*a, **k)
+                    return call
+
+            g.matcher = Recording(g.matcher, method, rid, after)
+        elif hook in ("detokenize", "output"):
+            detok = eng.detokenizers.get(rid)
+            if detok is None:
+                return False
+            method = "update" if hook == "detokenize" else "delta"
+            faults = self
+
+            class RecordingDetok(_FaultyDetokenizer):
+                def _call(self, what):
+                    inner = super()._call(what)
+
+                    def call(*a, **k):
+                        if self._left <= 0:
+                            faults.fired.append((hook, rid))
+                        return inner(*a, **k)
+                    return call
+
+            eng.detokenizers[rid] = RecordingDetok(detok, method, rid, after)
+        elif hook == "logprobs":
+            if req.params.logprobs is None:
+                return False
+            faults = self
+
+            class RecordingList(_FaultyList):
+                def append(self, item):
+                    faults.fired.append((hook, rid))
+                    super().append(item)
+
+            req.logprobs = RecordingList(req.logprobs, rid)
+        elif hook == "prompt_logprobs":
+            if req.params.prompt_logprobs is None:
+                return False
+            req.add_prompt_logprobs = lambda entries: self._fire("prompt_logprobs", rid)
+        else:
+            raise ValueError(f"unknown hook {hook!r}; one of {HOOKS}")
+        return True
