@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvserve-installed
 
-.PHONY: setup serve test bench bench-load clean
+.PHONY: setup serve test test-deps bench bench-load clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,8 +26,23 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/kvserve serve $(ARGS)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+# redis-server and prometheus (Debian) for the tests that start them (tests/test_limits.py,
+# tests/serve/test_prometheus.py, ...): installed with apt-get when missing and root (or sudo)
+# allows; otherwise those tests skip with a reason (install them by hand: apt-get install
+# redis-server prometheus).
+test-deps:
+	@need=""; command -v redis-server >/dev/null || need="$$need redis-server"; \
+	command -v prometheus >/dev/null || need="$$need prometheus"; \
+	if [ -n "$$need" ]; then \
+	  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO="sudo -n"; \
+	  echo "installing$$need with apt-get (for the tests that start them)"; \
+	  ( $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -q --no-install-recommends $$need >/dev/null ) \
+	  || echo "could not install$$need: the tests that need them will skip (apt-get install$$need)"; \
+	fi
+
+test: $(STAMP) test-deps
+	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

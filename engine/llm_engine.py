@@ -512,7 +512,7 @@ class LLMEngine:
                 self._record_speculation(sched, m)
             except Exception:
                 self._log_broken("speculation bookkeeping")
-        outputs.extend(self._output(r) for r in prompt_only if r.status is RequestStatus.FINISHED_LENGTH)
+        outputs.extend(self._final_output(r) for r in prompt_only if r.status is RequestStatus.FINISHED_LENGTH)
         if self.grammar_requests:
             self._advance_grammars(updated)
         if m is not None:

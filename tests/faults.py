@@ -73,17 +73,6 @@ class _FaultyDetokenizer(_Countdown):
         return getattr(self._inner, name)
 
 
-class _FaultyList(list):
-    """A logprob list whose ``append`` raises."""
-
-    def __init__(self, items, request_id: str):
-        super().__init__(items)
-        self._rid = request_id
-
-    def append(self, item):
-        _raise("logprobs", self._rid)
-
-
 class Faults:
     """Installs fault wrappers on one engine.
 
@@ -97,8 +86,7 @@ class Faults:
     def __init__(self, engine):
         self.engine = engine
         self.fired: list[tuple[str, str]] = []
-        self._propose_ids: set[str] = set()
-        self._policy_ids: set[str] = set()
+        self._armed: dict[tuple[str, str], int] = {}  # (hook, request id) -> good calls left
         self._future: list[tuple[str, Callable]] = []
         if engine.proposer is not None:
             self._wrap_proposer()
@@ -117,6 +105,16 @@ class Faults:
         self.fired.append((hook, rid))
         _raise(hook, rid)
 
+    def _check(self, hook: str, rid: str) -> None:
+        """Raise if ``hook`` is armed for ``rid`` and its good calls are used up."""
+        left = self._armed.get((hook, rid))
+        if left is None:
+            return
+        if left > 0:
+            self._armed[(hook, rid)] = left - 1
+            return
+        self._fire(hook, rid)
+
     # ---- engine-wide wrappers ------------------------------------------------------------
     def _wrap_proposer(self):
         eng, faults = self.engine, self
@@ -129,12 +127,11 @@ class Faults:
             def propose(self, *args):
                 if len(args) == 2:  # n-gram: (token_ids, k); find the request by its token list
                     for req in eng.scheduler.running:
-                        if req.all_token_ids is args[0] and req.request_id in faults._propose_ids:
-                            faults._fire("propose", req.request_id)
+                        if req.all_token_ids is args[0]:
+                            faults._check("propose", req.request_id)
                 else:  # draft model: [(request, k)]
                     for req, _ in args[0]:
-                        if req.request_id in faults._propose_ids:
-                            faults._fire("propose", req.request_id)
+                        faults._check("propose", req.request_id)
                 return base.propose(self, *args)
 
         eng.proposer = FaultyProposer(eng.proposer)
@@ -144,8 +141,7 @@ class Faults:
         draft_length = policy.draft_length
 
         def faulty(request_id, available, batch):
-            if request_id in faults._policy_ids:
-                faults._fire("draft_length", request_id)
+            faults._check("draft_length", request_id)
             return draft_length(request_id, available, batch)
 
         policy.draft_length = faulty
@@ -166,18 +162,33 @@ class Faults:
         self._future.append((hook, predicate, after))
 
     def poison(self, req, hook: str, after: int = 0) -> bool:
-        """Arm ``hook`` for ``req`` (in the engine); the grammar and detokenizer hooks raise
-        after ``after`` good calls (e.g. mid-stream). Returns False when the request has no
-        such hook (no grammar, no detokenizer, no logprobs, no speculation)."""
+        """Arm ``hook`` for ``req`` (in the engine): it raises after ``after`` good calls
+        (e.g. mid-stream). Returns False when the request has no such hook (no grammar, no
+        detokenizer, no logprobs, no speculation)."""
         rid, eng = req.request_id, self.engine
-        if hook == "propose":
-            if eng.proposer is None:
+        if hook in ("propose", "draft_length", "logprobs", "prompt_logprobs"):
+            if hook in DRAFTING_HOOKS and eng.proposer is None or \
+                    hook == "logprobs" and req.params.logprobs is None or \
+                    hook == "prompt_logprobs" and req.params.prompt_logprobs is None:
                 return False
-            self._propose_ids.add(rid)
-        elif hook == "draft_length":
-            if eng.proposer is None:
-                return False
-            self._policy_ids.add(rid)
+            self._armed[(hook, rid)] = after
+            if hook == "logprobs":
+                faults = self
+
+                class FaultyList(list):
+                    def append(self, item):
+                        faults._check("logprobs", rid)
+                        super().append(item)
+
+                req.logprobs = FaultyList(req.logprobs)
+            elif hook == "prompt_logprobs":
+                add = req.add_prompt_logprobs
+
+                def faulty(entries):
+                    self._check("prompt_logprobs", rid)
+                    add(entries)
+
+                req.add_prompt_logprobs = faulty
         elif hook in ("grammar_fill", "grammar_accept"):
             g = req.grammar
             if g is None:
@@ -214,21 +225,6 @@ class Faults:
                     return call
 
             eng.detokenizers[rid] = RecordingDetok(detok, method, rid, after)
-        elif hook == "logprobs":
-            if req.params.logprobs is None:
-                return False
-            faults = self
-
-            class RecordingList(_FaultyList):
-                def append(self, item):
-                    faults.fired.append((hook, rid))
-                    super().append(item)
-
-            req.logprobs = RecordingList(req.logprobs, rid)
-        elif hook == "prompt_logprobs":
-            if req.params.prompt_logprobs is None:
-                return False
-            req.add_prompt_logprobs = lambda entries: self._fire("prompt_logprobs", rid)
         else:
             raise ValueError(f"unknown hook {hook!r}; one of {HOOKS}")
         return True

@@ -20,8 +20,8 @@
    one roomy configuration, same weights and KV dtype), up to a near-tie in the reference's
    logits (top-2 log-probability gap below :data:`TIE`) where batching may round either way.
 
-Budget: ``KVSERVE_FUZZ_EXAMPLES`` engine configurations (default 30, derandomized: the same
-examples every run) of ``KVSERVE_FUZZ_STEPS`` rules each (default 30); a longer, randomized run:
+Budget: ``KVSERVE_FUZZ_EXAMPLES`` engine configurations (default 20, derandomized: the same
+examples every run) of ``KVSERVE_FUZZ_STEPS`` rules each (default 25); a longer, randomized run:
 ``KVSERVE_FUZZ_EXAMPLES=400 KVSERVE_FUZZ_RANDOM=1 make test PYTEST_ARGS=tests/test_engine_robustness.py``
 (``KVSERVE_FUZZ_SHRINK=1`` shrinks a failure to a minimal example).
 The totals are printed (``-s``) and written to ``$KVSERVE_FUZZ_REPORT`` when set.
@@ -48,8 +48,8 @@ from faults import DRAFTING_HOOKS, FAILING_HOOKS, HOOKS, LOGGER_HOOKS, Faults
 #: (float32 rounding differs with batch composition, chunking and attention backend).
 TIE = 1e-4
 MAX_MODEL_LEN = 64
-EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "30"))
-STEPS = int(os.environ.get("KVSERVE_FUZZ_STEPS", "30"))
+EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "20"))
+STEPS = int(os.environ.get("KVSERVE_FUZZ_STEPS", "25"))
 RANDOM = os.environ.get("KVSERVE_FUZZ_RANDOM") == "1"
 #: Shrink a failing example (minutes; off by default so a failing CI run ends quickly).
 SHRINK = os.environ.get("KVSERVE_FUZZ_SHRINK") == "1"
@@ -380,9 +380,14 @@ class EngineMachine(RuleBasedStateMachine):
                 self.ended[rid] = out
                 self.in_flight.pop(rid)
 
-    @rule(new=st.lists(st.tuples(prompts, sampling_params(), st.integers(-2, 2)), min_size=1, max_size=4))
+    @rule(new=st.lists(st.tuples(prompts, sampling_params(), st.integers(-2, 2),
+                                  st.one_of(st.none(), st.none(), st.tuples(st.sampled_from(DRAFTING_HOOKS + FAILING_HOOKS),
+                                                                            st.integers(0, 6)))),
+                        min_size=1, max_size=4))
     def add(self, new):
-        for prompt, params, priority in new:
+        """Add 1-4 requests; some with a fault armed in one of their hooks (raising after 0-6
+        good calls)."""
+        for prompt, params, priority, fault in new:
             rid = f"r{self.n}"
             self.n += 1
             try:
@@ -392,6 +397,9 @@ class EngineMachine(RuleBasedStateMachine):
                 continue
             self.in_flight[rid] = self.all_requests[rid] = req
             TOTALS["requests"] += 1
+            if fault is not None and self.faults.poison(req, fault[0], after=fault[1]):
+                self.poisoned[rid] = fault[0]
+                TOTALS["faults armed"] += 1
 
     @rule(steps=st.integers(1, 6))
     def step(self, steps):

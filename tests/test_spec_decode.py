@@ -32,8 +32,25 @@ COPY_PROMPTS = [
 ]
 
 
+class StepCostClock:
+    """A deterministic clock for the adaptive draft-length policy: each reading advances by
+    ``a + b * rows`` seconds, ``rows`` being the query rows of the engine's running requests
+    (their last token plus their drafts), so the step time the engine measures (two readings
+    around the model call) follows a linear cost model whatever the host is doing. With real
+    time, a test's draft counts depend on the machine and its load."""
+
+    def __init__(self, engine, a: float = 0.010, b: float = 0.0005):
+        self.engine, self.a, self.b, self.t = engine, a, b, 0.0
+
+    def __call__(self) -> float:
+        rows = sum(1 + len(r.spec_token_ids) for r in self.engine.scheduler.running)
+        self.t += self.a + self.b * rows
+        return self.t
+
+
 def spec_greedy(path, ids, new_tokens, spec, **kw):
     llm = LLM(model=str(path), speculative_config=spec, **kw)
+    llm.engine.clock = StepCostClock(llm.engine)
     outs = llm.generate(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
     stats = llm.get_stats()
     assert stats["free_kv_blocks"] == stats["num_kv_blocks"], "blocks leaked"
@@ -382,7 +399,7 @@ def test_streaming_delivers_several_tokens_per_step_as_one_delta(smollm2_path):
                 text += c.delta_text
             return deltas, text, c
         finally:
-            eng.shutdown()
+            await eng.shutdown()
 
     deltas, text, final = asyncio.run(run())
     assert max(len(d) for d in deltas) > 1  # a verified run arrived in one update
@@ -405,6 +422,7 @@ def test_no_hit_workload_does_not_draft(tmp_path):
     policy backs off, so almost no rows are spent on drafts."""
     path = make_tiny_model(tmp_path / "t", arch="llama", initializer_range=0.2)
     llm = LLM(model=str(path), speculative_config=NGRAM)
+    llm.engine.clock = StepCostClock(llm.engine)
     ids = [list(range(1000 + 50 * i, 1030 + 50 * i)) for i in range(4)]
     llm.generate(ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
     st = llm.get_stats()
