@@ -37,39 +37,24 @@ def _raise(hook: str, request_id: str):
     raise InjectedFault(f"injected fault in {hook} for request {request_id}")
 
 
-class _Countdown:
-    """Delegates ``method`` to ``inner`` for its first ``after`` calls, then raises."""
+class _Proxy:
+    """Stands in for a request's grammar matcher or detokenizer: ``method`` goes through
+    :meth:`Faults._check` (which raises once the hook's good calls are used up), the rest is
+    delegated."""
 
-    def __init__(self, inner, method: str, request_id: str, after: int = 0):
-        self._inner, self._method, self._rid, self._left = inner, method, request_id, after
-
-    def _call(self, what: str):
-        def call(*a, **k):
-            if self._left > 0:
-                self._left -= 1
-                return getattr(self._inner, self._method)(*a, **k)
-            _raise(what, self._rid)
-        return call
-
-
-class _FaultyMatcher(_Countdown):
-    """An xgrammar matcher that raises in one method and delegates the rest."""
+    def __init__(self, inner, method: str, hook: str, request_id: str, faults: "Faults"):
+        self._inner, self._method, self._hook, self._rid, self._faults = inner, method, hook, request_id, faults
 
     def __getattr__(self, name):
         if name == self._method:
-            return self._call(f"grammar {name}")
-        if name == "_handle" and self._method == "fill_next_token_bitmask":
-            # xgrammar's batch fill reads each matcher's native handle: fail that call too
+            def call(*a, **k):
+                self._faults._check(self._hook, self._rid)
+                return getattr(self._inner, name)(*a, **k)
+            return call
+        if name == "_handle" and self._hook == "grammar_fill":
+            # xgrammar's batch fill reads each matcher's native handle, past the wrapper:
+            # fail it, so the engine fills row by row (through ``call``)
             _raise("grammar batch fill", self._rid)
-        return getattr(self._inner, name)
-
-
-class _FaultyDetokenizer(_Countdown):
-    """An incremental detokenizer that raises in ``update`` or ``delta``."""
-
-    def __getattr__(self, name):
-        if name == self._method:
-            return self._call(f"detokenizer {name}")
         return getattr(self._inner, name)
 
 
@@ -190,41 +175,17 @@ class Faults:
 
                 req.add_prompt_logprobs = faulty
         elif hook in ("grammar_fill", "grammar_accept"):
-            g = req.grammar
-            if g is None:
+            if req.grammar is None:
                 return False
             method = "fill_next_token_bitmask" if hook == "grammar_fill" else "accept_token"
-            faults = self
-
-            class Recording(_FaultyMatcher):
-                def _call(self, what):
-                    inner = super()._call(what)
-
-                    def call(*a, **k):
-                        if self._left <= 0:
-                            faults.fired.append((hook, rid))
-                        return inner(*a, **k)
-                    return call
-
-            g.matcher = Recording(g.matcher, method, rid, after)
+            req.grammar.matcher = _Proxy(req.grammar.matcher, method, hook, rid, self)
+            self._armed[(hook, rid)] = after
         elif hook in ("detokenize", "output"):
             detok = eng.detokenizers.get(rid)
             if detok is None:
                 return False
-            method = "update" if hook == "detokenize" else "delta"
-            faults = self
-
-            class RecordingDetok(_FaultyDetokenizer):
-                def _call(self, what):
-                    inner = super()._call(what)
-
-                    def call(*a, **k):
-                        if self._left <= 0:
-                            faults.fired.append((hook, rid))
-                        return inner(*a, **k)
-                    return call
-
-            eng.detokenizers[rid] = RecordingDetok(detok, method, rid, after)
+            eng.detokenizers[rid] = _Proxy(detok, "update" if hook == "detokenize" else "delta", hook, rid, self)
+            self._armed[(hook, rid)] = after
         else:
             raise ValueError(f"unknown hook {hook!r}; one of {HOOKS}")
         return True
