@@ -99,6 +99,10 @@ def prometheus(serve_app, tmp_path_factory):
         "    static_configs:\n"
         f"      - targets: ['127.0.0.1:{serve_app.port}']\n"
         "  - job_name: ray\n"
+        # Ray's agent renders every Ray metric of the node (hundreds of KB, seconds on a busy
+        # 2-core box): a 1 s timeout failed every scrape there and froze the job's values
+        f"    scrape_interval: {RAY_SCRAPE_S}s\n"
+        f"    scrape_timeout: {RAY_SCRAPE_S}s\n"
         "    metrics_path: /metrics\n"
         "    static_configs:\n"
         f"      - targets: [{', '.join(repr(t) for t in ray_targets)}]\n")
@@ -182,6 +186,8 @@ def _exprs(prefix: str, model: str) -> dict[str, str]:
 
 
 EXPORTS = {"kvserve": "kvserve:", "ray": "ray_kvserve_"}
+#: Seconds between scrapes of Ray's metrics agent, and the scrape's timeout.
+RAY_SCRAPE_S = 5
 
 
 def _all_exprs(model: str) -> dict[tuple[str, str], str]:
@@ -205,7 +211,7 @@ def _baseline(prom: Prom, model: str) -> dict[tuple[str, str], float]:
           120, f"{model} still has requests in flight")
     exprs = _all_exprs(model)
     keys = list(exprs)
-    stable_for = 2 * max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 3
+    stable_for = 2 * max(ray._config.metrics_report_interval_ms() / 1000, RAY_SCRAPE_S) + 3
     last, since = None, time.time()
     deadline = time.time() + stable_for + 60
     while True:
@@ -245,8 +251,10 @@ def _expect(prom: Prom, base: dict, model: str, expected: dict[str, float], time
         if done:
             return d
         if time.time() > deadline:
+            scrapes = {f'{q}{{job="{r["metric"]["job"]}"}}': r["value"][1]
+                       for q in ("up", "scrape_duration_seconds") for r in prom.query(q)}
             pytest.fail(f"metric increases != what was sent after {timeout:.0f} s, (got, expected): {bad}; "
-                        f"all increases: { {f'{j}:{k}': v for (j, k), v in d.items()} }")
+                        f"all increases: { {f'{j}:{k}': v for (j, k), v in d.items()} }; last scrapes: {scrapes}")
         time.sleep(1.0)
 
 
