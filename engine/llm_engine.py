@@ -325,7 +325,7 @@ class LLMEngine:
         #: Seconds for every timing-driven policy (mixed-step budget, draft length, step
         #: metrics); tests replace it with a noisy fake clock.
         self.clock: Callable[[], float] = time.monotonic
-        self._broken_loggers: set[int] = set()
+        self._broken_loggers: set[tuple[str, int]] = set()  # (what, id of the hook) logged once
         #: Callables given the :class:`StepMetrics` of every step that ran the model.
         self.stat_loggers: list[Callable[[StepMetrics], None]] = []
         #: Callables given the :class:`FinishedRequestStats` of every request that leaves the engine.
@@ -483,7 +483,7 @@ class LLMEngine:
         step_reqs = {sr.request_id: self.scheduler.requests[sr.request_id] for sr in sched.requests}
         last_token = {rid: req.metrics.last_token_time for rid, req in step_reqs.items()}
         prompt_only = [r for sr in sched.requests  # max_tokens=0: finish without a token
-                       if not sr.sample and (r := self.scheduler.requests[sr.request_id]).max_output_tokens == 0]
+                       if not sr.sample and (r := step_reqs[sr.request_id]).max_output_tokens == 0]
         grammar_fill = self._fill_grammar_bitmask(sched) if self.grammar_requests else None
         t0 = self.clock()
         m = None
@@ -514,7 +514,7 @@ class LLMEngine:
                 self._log_broken("speculation bookkeeping")
         outputs.extend(self._final_output(r) for r in prompt_only if r.status is RequestStatus.FINISHED_LENGTH)
         if self.grammar_requests:
-            self._advance_grammars(updated)
+            outputs += self._advance_grammars(updated)
         if m is not None:
             for req in updated:
                 prev = last_token.get(req.request_id)
@@ -525,8 +525,7 @@ class LLMEngine:
                     m.inter_token_latencies.append(req.metrics.last_token_time - prev)
         for req in updated:
             self.num_generated_tokens += len(req.new_token_ids)
-            if req.status is RequestStatus.FINISHED_ERROR:  # failed in its grammar
-                outputs.append(self._fail(req, "its grammar", None, req.new_token_ids))
+            if req.status is RequestStatus.FINISHED_ERROR:  # failed in its grammar: output given
                 continue
             try:
                 self._detokenize(req)
@@ -543,16 +542,13 @@ class LLMEngine:
                     self._log_broken("stat logger", log)
         return outputs
 
-    def _fail(self, req: Request, where: str, error: BaseException | None,
-              new_token_ids: list[int] = ()) -> RequestOutput:
+    def _fail(self, req: Request, where: str, error: BaseException, new_token_ids: list[int] = ()) -> RequestOutput:
         """Fail ``req`` alone (``FINISHED_ERROR``, blocks freed, ``req.error`` set unless it
         already is) after ``error`` in ``where``; returns its final output (``new_token_ids``:
         the step's tokens it carries), built without the detokenizer if that is what fails."""
-        if error is not None:
-            logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(error).__name__, error,
-                         exc_info=error)
-            req.error = req.error or f"{type(error).__name__}: {error}"
-        req.error = req.error or f"failed in {where}"
+        logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(error).__name__, error,
+                     exc_info=error)
+        req.error = req.error or f"{type(error).__name__}: {error}"
         if req.request_id in self.scheduler.requests:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         else:  # already left the queues (e.g. finished by length in the same step)
@@ -575,7 +571,7 @@ class LLMEngine:
     def _log_broken(self, what: str, hook: object = None) -> None:
         """A side-path hook (stat or request logger, speculation bookkeeping) raised: log it
         with its traceback the first time, then once per hook only at debug level."""
-        key = id(hook) if hook is not None else hash(what)
+        key = (what, id(hook))
         if key in self._broken_loggers:
             logger.debug("%s failed again", what, exc_info=True)
             return
@@ -774,12 +770,14 @@ class LLMEngine:
             outs.append(self._fail(req, "its grammar bitmask", e))
         return outs
 
-    def _advance_grammars(self, updated: list[Request]) -> None:
+    def _advance_grammars(self, updated: list[Request]) -> list[RequestOutput]:
         """Structured outputs, after a step: feed each unfinished grammar request's new token to
         its matcher. A complete grammar finishes the request (``stop``): when the matcher
         terminated (it accepted a stop token the request itself does not stop on, e.g. with
         ``ignore_eos``), or when only a stop token may follow while ``min_tokens`` forbids it.
-        A request whose token the grammar rejects (or whose matcher raises) fails alone."""
+        A request whose token the grammar rejects (or whose matcher raises) fails alone: returns
+        those requests' final outputs."""
+        outs = []
         for req in updated:
             g = req.grammar
             if g is None or req.finished:
@@ -794,9 +792,8 @@ class LLMEngine:
                     req.stop_reason = None
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             except Exception as e:  # one bad request must not take the batch down
-                logger.exception("request %s failed in its grammar", req.request_id)
-                req.error = f"{type(e).__name__}: {e}"
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                outs.append(self._fail(req, "its grammar", e, req.new_token_ids))
+        return outs
 
     def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """After ``execute_model(sched)`` raised ``error``: find the request(s) that make it fail.

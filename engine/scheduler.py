@@ -274,9 +274,9 @@ class Scheduler:
         slots), and ``sched.num_accepted`` records ``m``.
 
         ``errors``: when given, a request whose update raises (e.g. a malformed logprobs entry
-        or a token missing from ``sampled``) is finished alone with ``FINISHED_ERROR`` (its
-        blocks freed, ``req.error`` set) and recorded as ``{request_id: exception}``; without
-        it, the exception propagates."""
+        or a token missing from ``sampled``) is recorded as ``{request_id: exception}`` and
+        left for the caller to fail (the engine finishes it with ``FINISHED_ERROR``); the other
+        requests are updated. Without it, the exception propagates."""
         now = time.time()
         updated = []
         for sr in sched.requests:
@@ -290,13 +290,6 @@ class Scheduler:
                 if errors is None:
                     raise
                 errors[sr.request_id] = e
-                req.error = f"{type(e).__name__}: {e}"
-                if req in updated:
-                    updated.remove(req)
-                if req.request_id in self.requests:
-                    self.finish(req, RequestStatus.FINISHED_ERROR)
-                else:
-                    req.status = RequestStatus.FINISHED_ERROR
         return updated
 
     def _update_one(self, sr, req: Request, sched: SchedulerOutput, sampled, logprobs, prompt_logprobs,

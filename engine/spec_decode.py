@@ -159,7 +159,7 @@ class DraftLengthPolicy:
     Defined for every input (step times come from a host that may be busy, a clock that may
     jump, or a proposer that may hang): a step time that is not finite, negative or above
     :attr:`MAX_STEP_S` is ignored; a fit that is not credible (fewer than two distinct row
-    counts, non-finite sums, a negative slope ``b``) is "no fit", and then
+    counts, a negative slope ``b``) is "no fit", and then
     ``lambda = prior_lambda``; a negative intercept ``a`` is taken as 0; ``lambda`` is clamped
     to ``[MIN_LAMBDA, 1]`` and ``alpha_r`` to ``[0, 1]``, so the draft length below is always an
     integer in ``[0, available]``.
@@ -204,20 +204,17 @@ class DraftLengthPolicy:
     def step_cost(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds of a decode-only step with no rows (``a >= 0``), and per query
         row (``b >= 0``); None while there is no credible fit (see the class docstring)."""
-        w, x, y, xx, xy = self._s
-        if not all(math.isfinite(v) for v in self._s):
-            self._s = [0.0] * 5  # overflowed: start the fit again
-            return None
+        w, x, y, xx, xy = self._s  # finite: record_step takes bounded times only
         if w <= 0:
             return None
         var = xx / w - (x / w) ** 2
         if not var >= 0.25:  # fewer than two distinct row counts (or rounding noise)
             return None
         b = (xy / w - (x / w) * (y / w)) / var
-        if not (math.isfinite(b) and b >= 0.0):  # a negative slope: noise, not a cost
+        if b < 0.0:  # a negative slope: noise, not a cost
             return None
         a = y / w - b * x / w
-        return (max(a, 0.0) if math.isfinite(a) else 0.0), b
+        return max(a, 0.0), b
 
     def cost_lambda(self, batch: int) -> float:
         """Cost of one draft row in target-token units at ``batch`` decoding requests, in

@@ -485,8 +485,6 @@ class EngineMachine(RuleBasedStateMachine):
             verdict = greedy_verdict(out.outputs[0].token_ids, ref_ids, ref_lps)
             TOTALS[f"greedy {verdict if verdict in ('equal', 'tie') else 'different'}"] += 1
             assert verdict in ("equal", "tie"), f"{rid} ({self.cfg}): {verdict}"
-            if verdict == "equal" and out.outputs[0].finish_reason == "length":
-                assert out.outputs[0].token_ids == ref_ids, rid
 
     def params_of(self, rid):
         return self.all_requests[rid].params
