@@ -28,7 +28,8 @@ class EngineConfig:
 
     model: str | None = _knob(None, "local Hugging Face folder, hub id, or None for SmolLM2-135M-Instruct")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _knob(
-        "auto", "weights and KV cache dtype; auto: float32 on CPU, bfloat16 on CUDA")
+        "auto", "weights and KV cache dtype; auto: bfloat16 on CUDA, and on a CPU with native bf16 dot products "
+                "(avx512_bf16 or AMX; float32 with quantization='int8'), else float32")
     device: Literal["auto", "cpu", "cuda"] = _knob(
         "auto", "auto: CUDA if available; 'cuda' gives each replica (or tensor-parallel rank) one GPU")
     block_size: int = _knob(16, "tokens per KV block")
@@ -103,11 +104,53 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> "torch.dtype":
+        """The dtype of weights and activations: ``dtype``, or for ``"auto"`` the one
+        :meth:`auto_dtype` picks."""
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            return self.auto_dtype()[0]
         return getattr(torch, self.dtype)
+
+    def auto_dtype(self) -> tuple["torch.dtype", str]:
+        """What ``dtype="auto"`` means here, and why (a sentence for the log, as vLLM logs its
+        choice): bfloat16 on CUDA; on CPU bfloat16 where the CPU has native bf16 dot products
+        (:func:`cpu_native_bf16`), since oneDNN then runs bf16 matmuls at twice float32's rate
+        on half the bytes, and float32 where it would emulate them (a measured 5x slower on an
+        AVX2 EPYC: ``benchmarks/results/throughput.json``), or where ``quantization="int8"``
+        (its kernels take float32 activations)."""
+        import torch
+
+        if self.torch_device.type == "cuda":
+            return torch.bfloat16, "bfloat16 on CUDA"
+        if self.quantization == "int8":
+            return torch.float32, "float32: quantization='int8' runs float32 activations"
+        native, flags = cpu_native_bf16()
+        if native:
+            return torch.bfloat16, f"bfloat16: this CPU has native bf16 dot products ({flags})"
+        return torch.float32, f"float32: this CPU has no native bf16 dot products ({flags}), bf16 would be emulated"
+
+
+def cpu_native_bf16() -> tuple[bool, str]:
+    """Whether this CPU computes bfloat16 dot products natively (AVX512_BF16's ``vdpbf16ps``
+    or AMX tiles), and which of those flags it has (e.g. ``"avx512_bf16, amx_bf16"``;
+    ``"no avx512_bf16 or amx_bf16"``). Read from torch's CPU probes, else ``/proc/cpuinfo``."""
+    import torch
+
+    found = []
+    try:
+        if torch.cpu._is_avx512_bf16_supported():
+            found.append("avx512_bf16")
+        if torch.cpu._is_amx_tile_supported():
+            found.append("amx_bf16")
+    except AttributeError:  # an older torch: the kernel's view of the flags
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        found = [x for x in ("avx512_bf16", "amx_bf16") if x in flags]
+    return bool(found), ", ".join(found) or "no avx512_bf16 or amx_bf16"
 
 
 def engine_fields() -> list[tuple[str, Any, Any, str]]:

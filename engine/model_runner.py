@@ -3,6 +3,7 @@ samples. One instance per tensor-parallel rank."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from engine.scheduler import SchedulerOutput
 from engine.structured_output import bitmask_rows
 from kernels.backend import AttentionMetadata
 from kernels.selector import select_attention_backend
+
+logger = logging.getLogger("kvserve.engine")
 
 
 def load_eos_token_ids(model_path: str | Path, hf_config=None) -> set[int]:
@@ -92,6 +95,8 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        if config.dtype == "auto":
+            logger.info("dtype auto -> %s", config.auto_dtype()[1])
         self.hf_config = load_config(model_path)
         self.block_size = config.block_size
         head_dim = getattr(self.hf_config, "head_dim", None) or \
@@ -114,6 +119,8 @@ class ModelRunner:
         self.model.eval()
         if config.quantization is not None:
             self._quantize(config.quantization)
+        if self.device.type == "cpu":
+            self._prepack_linears()
         if config.kv_cache_dtype == "fp8":
             self.calibrate_kv_scales(model_path)
         self.eos_token_ids = load_eos_token_ids(model_path, self.hf_config)
@@ -214,6 +221,15 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
                 m.quantize(method)
+
+    def _prepack_linears(self) -> None:
+        """CPU: every linear layer keeps a oneDNN-layout copy of its weight for the matmuls
+        (``engine.layers.linear.prepack_weight``; quantized layers keep theirs)."""
+        from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+        for m in self.model.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                m.prepack()
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, model_path: str | Path) -> None:

@@ -11,7 +11,9 @@ honoured by both.
 
 The same library holds fused element-wise ops for the model's layers (:func:`rms_norm`,
 :func:`add_rms_norm`, :func:`rotary`, :func:`silu_and_mul`; ``kernels/csrc/fused_ops_cpu.cpp``),
-which ``engine/layers`` use on CPU float32 whenever the library loads (:func:`use_fused_ops`).
+which ``engine/layers`` use on CPU in float32 and bfloat16 whenever the library loads
+(:func:`use_fused_ops`). bfloat16 tensors are widened to float32 inside the kernels (scores,
+softmax, accumulation, norms) and rounded once on store.
 
 The kernels are compiled on first use (about a minute on 2 cores) with ``torch.utils.cpp_extension``
 into ``$KVSERVE_CACHE/torch_extensions/<hash of source, torch version and CPU flags>`` and
@@ -38,6 +40,8 @@ logger = logging.getLogger("kvserve.attention")
 
 SOURCES = [Path(__file__).parent / "csrc" / n
            for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp")]
+#: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
+HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h"]
 
 #: Longest query slice the C++ kernel takes; longer prefill chunks run SDPA on gathered K/V.
 MAX_KERNEL_QUERY_LEN = 16
@@ -67,7 +71,7 @@ def build_directory() -> Path:
     """Where the compiled kernel lives: one folder per (source, torch version, CPU flags), since
     it is built with ``-march=native`` for this machine."""
     h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     return _cache_root() / "torch_extensions" / f"kvserve_cpu_{h.hexdigest()[:16]}"
 
@@ -106,14 +110,15 @@ FUSED_OPS = os.environ.get("KVSERVE_CPU_FUSED_OPS", "1") != "0"
 
 
 def use_fused_ops(x: torch.Tensor) -> bool:
-    """Whether the layers should run :func:`rms_norm` & co. on ``x``: CPU float32 inference with
-    the kernels built (the first call may build them, see :func:`load_kernel`)."""
-    return (FUSED_OPS and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+    """Whether the layers should run :func:`rms_norm` & co. on ``x``: CPU float32 or bfloat16
+    inference with the kernels built (the first call may build them, see :func:`load_kernel`)."""
+    return (FUSED_OPS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and not torch.is_grad_enabled()
             and (_loaded or (_loaded is None and load_kernel())))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2, -1) + eps) * (weight + offset)`` for float32 ``x`` ``[N, H]`` and
+    """``x * rsqrt(mean(x^2, -1) + eps) * (weight + offset)`` for float32 or bfloat16 ``x`` ``[N, H]`` and
     ``weight`` ``[H]`` in one pass (Zhang & Sennrich 2019); returns a new ``[N, H]`` tensor."""
     out = torch.empty(x.shape, dtype=x.dtype)
     torch.ops.kvserve_cpu.rms_norm(x, weight, out, eps, offset)
@@ -123,7 +128,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm decoder's fused add: ``residual += x`` **in place**, then
-    ``(rms_norm(residual), residual)``; float32 ``[N, H]``."""
+    ``(rms_norm(residual), residual)``; float32 or bfloat16 ``[N, H]`` (one dtype)."""
     out = torch.empty(x.shape, dtype=x.dtype)
     torch.ops.kvserve_cpu.add_rms_norm(x, residual, weight, out, eps, offset)
     return out, residual
@@ -131,7 +136,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE ("rotate half" layout, Su et al. 2021) applied **in place** to float32 ``q``
+    """RoPE ("rotate half" layout, Su et al. 2021) applied **in place** to float32 or bfloat16 ``q``
     ``[N, Hq, D]`` and ``k`` ``[N, Hk, D]`` (rows may be strided views) at int64 ``positions``
     ``[N]``, with float32 ``cos``/``sin`` caches ``[max_position, D]``; returns ``(q, k)``."""
     torch.ops.kvserve_cpu.rotary(q, k, positions, cos, sin)
@@ -139,7 +144,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate: ``silu(x[:, :I]) * x[:, I:]`` for float32 ``x`` ``[N, 2I]`` -> ``[N, I]``."""
+    """SwiGLU's gate: ``silu(x[:, :I]) * x[:, I:]`` for float32 or bfloat16 ``x`` ``[N, 2I]`` -> ``[N, I]``
+    (computed in float32, ``silu(g) = g / (1 + exp(-g))``, Elfwing et al. 2018)."""
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
     torch.ops.kvserve_cpu.silu_and_mul(x, out)
     return out
@@ -190,8 +196,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: AttentionMetadata, scale: float, window: int | None = None,
                         softcap: float | None = None, k_scale: float = 1.0,
                         v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of ``q`` float32 ``[num_tokens, num_heads, head_dim]`` over the paged
-    cache (float32, or float8 e4m3 read as ``value * k_scale`` / ``v_scale``; ``[num_blocks,
+    """Causal attention of ``q`` float32 or bfloat16 ``[num_tokens, num_heads, head_dim]`` over
+    the paged cache (``q``'s dtype, or float8 e4m3 read as ``value * k_scale`` / ``v_scale``; ``[num_blocks,
     block_size, num_kv_heads, head_dim]``): requests with a query
     length <= :data:`MAX_KERNEL_QUERY_LEN` in the C++ kernel, the rest through
     :func:`kernels.torch_backend.paged_attention_torch`. Same contract as that function
@@ -220,13 +226,14 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 class CpuBackend(AttentionBackend):
-    """:func:`paged_attention_cpu` and the torch ``store_kv`` (``index_copy_``), float32 on CPU.
+    """:func:`paged_attention_cpu` and the torch ``store_kv`` (``index_copy_``), float32 or
+    bfloat16 on CPU (a bfloat16 cache is half float32's bytes per block).
     Falls back to the torch path entirely when the kernel cannot be built (see the module
     docstring)."""
 
     name = "cpu"
     devices = ("cpu",)
-    dtypes = (torch.float32,)
+    dtypes = (torch.float32, torch.bfloat16)
     supports_fp8_kv = True
 
     def __init__(self):

@@ -9,7 +9,7 @@ Rules (:func:`select_attention_backend`):
    device natively and supports the dtype, block size and head_dim, and whose packages import.
    So on CUDA flash-attn wins only where it really runs (fp16/bf16, ``block_size % 256 == 0``,
    flash-attn >= 2.6 installed), Triton otherwise, torch if Triton is missing; on CPU it is
-   ``cpu`` (our C++ kernel) for float32, torch for other dtypes (the Triton interpreter is never
+   ``cpu`` (our C++ kernel) for float32 and bfloat16, torch for other dtypes (the Triton interpreter is never
    chosen automatically).
 
 The choice is logged once at INFO on ``kvserve.attention``, with why the backends before it were

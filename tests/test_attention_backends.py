@@ -103,8 +103,8 @@ def test_cuda_without_triton_picks_torch(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("interpret", [False, True])
-def test_cpu_picks_the_cpu_kernel_for_float32(importable, monkeypatch, caplog, interpret):
-    """On CPU: our C++ kernel for float32, torch for other dtypes, even with the Triton
+def test_cpu_picks_the_cpu_kernel_for_float32_and_bfloat16(importable, monkeypatch, caplog, interpret):
+    """On CPU: our C++ kernel for float32 and bfloat16, torch for float16, even with the Triton
     interpreter on (never chosen automatically)."""
     if interpret:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -113,7 +113,9 @@ def test_cpu_picks_the_cpu_kernel_for_float32(importable, monkeypatch, caplog, i
     assert "flash_attn skipped: needs a cuda device, got cpu" in line
     assert "triton skipped: needs a cuda device, got cpu" in line
     cls, line = _select(caplog, CPU, BF16, 16, 64)
-    assert cls is TorchBackend and "cpu skipped: supports float32, not bfloat16" in line
+    assert cls is CpuBackend
+    cls, line = _select(caplog, CPU, torch.float16, 16, 64)
+    assert cls is TorchBackend and "cpu skipped: supports float32, bfloat16, not float16" in line
 
 
 def test_cpu_backend_without_a_compiler_falls_back_to_torch(monkeypatch, caplog):

@@ -544,7 +544,8 @@ def test_torch_reference_path(name):
     assert rec["ok"], f"{name}: {_describe(rec)}"
 
 
-# The C++ CPU kernel (kernels/cpu_backend.py) takes fp32 caches; fp16 problems are upcast. Plus
+# The C++ CPU kernel (kernels/cpu_backend.py) takes float32 or bfloat16 queries and caches; each case
+# runs in both (fp16 problems are recast). Plus
 # short chunks (query length 2..16: the kernel's, not SDPA's) next to long ones and decode rows.
 CPU_CASES = dict(TORCH_CASES)
 CPU_CASES["cpu_short_chunks"] = dict(
@@ -563,13 +564,16 @@ def cpu_kernel():
     return cpu_backend
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(CPU_CASES))
-def test_cpu_kernel(name, cpu_kernel):
-    spec = dict(CPU_CASES[name], dtype="float32")
-    p = make_problem(spec)
+def test_cpu_kernel(name, dtype, cpu_kernel):
+    """The CPU kernel (and, for chunks longer than it takes, the SDPA path) against the float64
+    reference over the same float32 or bfloat16 values; bfloat16 output is rounded once."""
+    p = make_problem(dict(CPU_CASES[name], dtype=dtype))
     out = cpu_kernel.paged_attention_cpu(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
                                          p["window"], p["softcap"])
-    rec = _compare(out, ref_attention(p), "float32")  # seq_len-0 rows: the kernel writes zeros
+    assert out.dtype == DTYPES[dtype]
+    rec = _compare(out, ref_attention(p), dtype)  # seq_len-0 rows: the kernel writes zeros
     assert rec["ok"], f"{name}: {_describe(rec)}"
 
 
@@ -583,12 +587,15 @@ def _fp8_problem(spec: dict) -> tuple[dict, dict]:
 FP8_CASES = {k: v for k, v in CPU_CASES.items() if v["kind"] == "dispatch"}
 
 
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("name", list(FP8_CASES))
-def test_fp8_kv_cache(name, backend, cpu_kernel):
-    """Attention over float8 caches equals the float64 reference over the dequantized caches."""
+def test_fp8_kv_cache(name, backend, q_dtype, cpu_kernel):
+    """Attention over float8 caches equals the float64 reference over the dequantized caches,
+    for float32 and bfloat16 queries."""
     from kernels.torch_backend import paged_attention_torch
     p, deq = _fp8_problem(FP8_CASES[name])
+    p["q"] = deq["q"] = p["q"].to(DTYPES[q_dtype])
     fn = paged_attention_torch if backend == "torch" else cpu_kernel.paged_attention_cpu
     out = fn(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], p["window"], p["softcap"],
              p["k_scale"], p["v_scale"])
@@ -596,7 +603,8 @@ def test_fp8_kv_cache(name, backend, cpu_kernel):
     if backend == "torch" and 0 in p["seqlens"]:  # the torch path leaves seq_len-0 rows unspecified
         rows = torch.repeat_interleave(torch.tensor([s > 0 for s in p["seqlens"]]), torch.tensor(p["qlens"]))
         out, ref = out[rows], ref[rows]
-    rec = _compare(out, ref, "float32")
+    assert out.dtype == DTYPES[q_dtype]
+    rec = _compare(out, ref, q_dtype)
     assert rec["ok"], f"{name}: {_describe(rec)}"
 
 
@@ -657,6 +665,52 @@ def test_cpu_fused_ops_match_aten(cpu_kernel):
         assert q2.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
         assert (q.double() - q_ref).abs().max() < 1e-5 and (k.double() - k_ref).abs().max() < 1e-5
         assert torch.equal(qkv[:, 768:], v_before)  # v untouched
+
+
+def test_cpu_fused_ops_in_bfloat16(cpu_kernel):
+    """bfloat16 inputs: each op equals the float64 formula over the same bfloat16 values,
+    rounded once to bfloat16 (within one bfloat16 ulp, 2^-8 relative, plus a small absolute
+    slack for outputs near zero); the residual add rounds like ATen's bfloat16 add."""
+    from engine.layers.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(6)
+    bf = torch.bfloat16
+
+    def close(out, ref):
+        assert out.dtype == bf
+        err = (out.double() - ref).abs()
+        assert (err <= 2 ** -8 * ref.abs() + 1e-3 * ref.abs().max()).all(), float(err.max())
+
+    for rows in (1, 64, 300):
+        H = 576
+        x = torch.randn(rows, 2 * H, generator=g).to(bf)[:, :H]
+        res = torch.randn(rows, H, generator=g).to(bf)
+        w = torch.randn(H, generator=g).to(bf)
+        ref = lambda t: (t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()
+        close(cpu_kernel.rms_norm(x, w, 1e-5), ref(x))
+        r0 = res.clone()
+        out, r = cpu_kernel.add_rms_norm(x, res, w, 1e-5)
+        assert r is res and torch.equal(res, r0 + x)
+        close(out, ref(r0 + x))
+        gu = torch.randn(rows, 2 * 1536, generator=g).to(bf)
+        close(cpu_kernel.silu_and_mul(gu), torch.nn.functional.silu(gu[:, :1536].double()) * gu[:, 1536:].double())
+        rope = RotaryEmbedding(64, 4096, 10000.0)
+        q = torch.randn(rows, 9, 64, generator=g).to(bf)
+        k = torch.randn(rows, 3, 64, generator=g).to(bf)
+        pos = torch.randint(0, 4096, (rows,), generator=g)
+        cos, sin = rope.cos[pos][:, None].double(), rope.sin[pos][:, None].double()
+        rot = lambda t: t * cos + torch.cat((-t[..., 32:], t[..., :32]), -1) * sin
+        q_ref, k_ref = rot(q.double()), rot(k.double())
+        cpu_kernel.rotary(q, k, pos, rope.cos, rope.sin)
+        close(q, q_ref)
+        close(k, k_ref)
+
+
+def test_cpu_fused_ops_reject_mixed_dtypes(cpu_kernel):
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        cpu_kernel.add_rms_norm(x, torch.randn(4, 64).bfloat16(), torch.ones(64), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_kernel.silu_and_mul(torch.randn(4, 64).half())
 
 
 def test_flash_attn_backend_calls(monkeypatch):

@@ -3,12 +3,25 @@
 Weights follow ``torch.nn.Linear``: ``[out_features, in_features]``. Each layer keeps only
 its rank's shard and knows how to cut a full Hugging Face tensor into it (``load``).
 
-Every matmul of the model goes through :func:`linear`: on CPU in float32 that is oneDNN's
-linear (``torch.ops.mkldnn._linear_pointwise``) rather than ATen's ``F.linear``, which calls
-MKL's sgemm. On this project's AMD box MKL takes an AVX2 path (so does HF transformers there)
-while oneDNN uses AVX-512: a 64-request decode step's matmuls (17.3 GFLOP) take 53 instead of
-119 ms (``benchmarks/results/step_times.json``). Both are IEEE float32 (results differ only in
-summation order). ``KVSERVE_CPU_LINEAR=aten`` turns it off.
+Every matmul of the model goes through :func:`linear`. On CPU (inference, float32 or
+bfloat16) the layers' weights are also **prepacked** once at load (:meth:`ColumnParallelLinear.prepack`:
+oneDNN's blocked layout for a 64-row batch, ``torch.ops.mkldnn._reorder_linear_weight``), so a
+step's matmuls do not re-layout the weight on every call, as vLLM's CPU path and inductor's
+frozen linears do. Which library runs a CPU matmul, as measured per shape by
+``benchmarks/cpu_linear.py`` (``benchmarks/results/cpu_linear.json``):
+
+* up to :data:`ATEN_MIN_ROWS` - 1 rows (decode, short chunks): oneDNN with the prepacked weight
+  (on a 2-core AVX2 EPYC, summed over SmolLM2's four layer shapes: 107 vs 87 GFLOP/s for
+  plain oneDNN or ATen at 64 rows, 75 vs 52 at 16);
+* from :data:`ATEN_MIN_ROWS` rows (prefill chunks): on a CPU without AVX-512, ATen's
+  ``F.linear`` (MKL sgemm: 159 vs 142 GFLOP/s at 2,048 rows there); with AVX-512, oneDNN's
+  prepacked weight (MKL takes an AVX2 path on AMD CPUs, while oneDNN uses AVX-512: a 64-request
+  decode step's matmuls took 53 instead of 119 ms on the project's AVX-512 EPYC).
+
+float32 results are IEEE float32 either way (they differ only in summation order).
+bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert``); where
+oneDNN refuses it, the layer keeps ATen's ``F.linear``. ``KVSERVE_CPU_LINEAR=aten`` turns
+prepacking and oneDNN off (ATen everywhere).
 """
 from __future__ import annotations
 
@@ -26,14 +39,52 @@ if CPU_LINEAR not in ("onednn", "aten"):
     raise ValueError(f"KVSERVE_CPU_LINEAR must be 'onednn' or 'aten', got {CPU_LINEAR!r}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+#: Rows from which a CPU matmul leaves the prepacked weight for ATen (MKL) on CPUs without
+#: AVX-512 (see the module docstring).
+ATEN_MIN_ROWS = 512
+#: Whether large CPU matmuls go to ATen: this CPU has no AVX-512, so MKL's AVX2 sgemm is as
+#: wide as oneDNN's and faster on large shapes.
+_LARGE_ON_ATEN = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX")
+#: Batch size the weights are prepacked for (the blocked layout suits 16-256 rows best).
+PREPACK_ROWS = 64
+
+_prepack_refusal_logged: set[torch.dtype] = set()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: ``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` ``[out]``
-    -> ``[..., out]`` in ``x.dtype``. CPU float32 runs oneDNN (see the module docstring),
-    everything else ``F.linear``."""
-    if (CPU_LINEAR == "onednn" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.device.type == "cpu" and not torch.is_grad_enabled()):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    -> ``[..., out]`` in ``x.dtype``. ``packed``: the same weight in oneDNN's layout
+    (:func:`prepack_weight`), used for the shapes where it is fastest; CPU float32 without
+    one runs oneDNN on the plain weight, everything else ``F.linear`` (module docstring)."""
+    if x.device.type == "cpu" and not torch.is_grad_enabled() and CPU_LINEAR == "onednn":
+        large = _LARGE_ON_ATEN and x.numel() >= ATEN_MIN_ROWS * x.shape[-1]
+        if packed is not None and not large and x.dtype == weight.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if not large and x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` ``[out, in]`` (CPU float32 or bfloat16) as a oneDNN tensor in the blocked
+    layout for :data:`PREPACK_ROWS`-row batches, or None where this does not apply: not on CPU,
+    another dtype, ``KVSERVE_CPU_LINEAR=aten``, or oneDNN refuses the dtype on this CPU
+    (bfloat16 without native bf16 instructions; logged once per dtype). The copy holds as many
+    bytes as the weight."""
+    if (weight.device.type != "cpu" or CPU_LINEAR != "onednn"
+            or weight.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS)
+    except RuntimeError as e:
+        if weight.dtype not in _prepack_refusal_logged:
+            _prepack_refusal_logged.add(weight.dtype)
+            import logging
+            logging.getLogger("kvserve.engine").info(
+                "CPU %s weights are not prepacked (%s): matmuls run ATen's F.linear",
+                str(weight.dtype).removeprefix("torch."), str(e).splitlines()[0][:160])
+        return None
 
 
 FP8 = torch.float8_e4m3fn
@@ -110,6 +161,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.register_buffer("qweight", None)  # int8 / float8 weight [out, in] and its row scales after quantize()
         self.register_buffer("wscale", None)
+        self.packed = None  # the weight in oneDNN's layout after prepack() (CPU)
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         """Copy this rank's rows of sub-matrix ``part`` from the full ``tensor``
@@ -123,10 +175,17 @@ class ColumnParallelLinear(nn.Module):
         per-row scales (:func:`quantize_layer`)."""
         quantize_layer(self, method)
 
+    def prepack(self) -> None:
+        """Keep a oneDNN-layout copy of the weight for CPU matmuls (:func:`prepack_weight`;
+        nothing for a quantized layer or where it does not apply). Call after the weights are
+        loaded: the copy does not follow later changes of ``weight``."""
+        if self.qweight is None and self.weight is not None:
+            self.packed = prepack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return quantized_linear(x, self.qweight, self.wscale, self.bias)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -139,13 +198,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_range[1] - in_range[0]), requires_grad=False)
         self.register_buffer("qweight", None)
         self.register_buffer("wscale", None)
+        self.packed = None
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         self.weight.data.copy_(tensor[:, self.in_range[0]:self.in_range[1]])
 
     quantize = ColumnParallelLinear.quantize
+    prepack = ColumnParallelLinear.prepack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return all_reduce(quantized_linear(x, self.qweight, self.wscale))
-        return all_reduce(linear(x, self.weight))
+        return all_reduce(linear(x, self.weight, None, self.packed))

