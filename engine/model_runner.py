@@ -223,12 +223,13 @@ class ModelRunner:
                 m.quantize(method)
 
     def _prepack_linears(self) -> None:
-        """CPU: every linear layer keeps a oneDNN-layout copy of its weight for the matmuls
-        (``engine.layers.linear.prepack_weight``; quantized layers keep theirs)."""
+        """CPU: every linear layer and the LM head keep a oneDNN-layout copy of their weight for
+        the matmuls (``engine.layers.linear.prepack_weight``; quantized layers keep theirs)."""
+        from engine.layers.embedding import ParallelLMHead
         from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
         for m in self.model.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
                 m.prepack()
 
     @torch.inference_mode()

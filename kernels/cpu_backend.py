@@ -40,6 +40,8 @@ logger = logging.getLogger("kvserve.attention")
 
 SOURCES = [Path(__file__).parent / "csrc" / n
            for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp")]
+#: Compiler flags: -fno-trapping-math lets GCC vectorise loops with selects (``cpu_math.h``).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 #: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
 HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h"]
 
@@ -70,7 +72,7 @@ def _cpu_flags() -> str:
 def build_directory() -> Path:
     """Where the compiled kernel lives: one folder per (source, torch version, CPU flags), since
     it is built with ``-march=native`` for this machine."""
-    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
+    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode() + " ".join(CFLAGS).encode())
     for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     return _cache_root() / "torch_extensions" / f"kvserve_cpu_{h.hexdigest()[:16]}"
@@ -93,7 +95,7 @@ def load_kernel() -> bool:
                 build = build_directory()
                 build.mkdir(parents=True, exist_ok=True)
                 load(name="kvserve_cpu_kernels", sources=[str(p) for p in SOURCES], build_directory=str(build),
-                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+                     extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                      is_python_module=False, verbose=False)
                 _loaded = hasattr(torch.ops.kvserve_cpu, "paged_attention")
                 if not _loaded:

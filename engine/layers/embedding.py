@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import linear
+from engine.layers.linear import linear, prepack_weight
 from engine.distributed import all_gather_last_dim, all_reduce, split_range, tp_rank, tp_size
 
 
@@ -40,6 +40,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size)
         self.register_buffer("qweight", None)  # int8 copy of the weight and its row scales after quantize()
         self.register_buffer("wscale", None)
+        self.packed = None  # the weight in oneDNN's layout after prepack() (CPU)
+
+    def prepack(self) -> None:
+        """Keep a oneDNN-layout copy of the weight for the logits matmul on CPU
+        (``engine.layers.linear.prepack_weight``; the plain weight stays for a tied embedding)."""
+        if self.qweight is None:
+            self.packed = prepack_weight(self.weight)
 
     def quantize(self, method: str = "int8") -> None:
         """Weight-only int8 logits: an int8 copy of the weight with per-row scales (the float
@@ -56,5 +63,5 @@ class ParallelLMHead(VocabParallelEmbedding):
             from kernels.cpu_backend import int8_linear
             logits = int8_linear(hidden.float(), self.qweight, self.wscale)
         else:
-            logits = linear(hidden, self.weight).float()
+            logits = linear(hidden, self.weight, None, self.packed).float()
         return all_gather_last_dim(logits, [e - s for s, e in self.ranges])
