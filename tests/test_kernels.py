@@ -713,6 +713,33 @@ def test_cpu_fused_ops_reject_mixed_dtypes(cpu_kernel):
         cpu_kernel.silu_and_mul(torch.randn(4, 64).half())
 
 
+@pytest.mark.parametrize("large_on_aten", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 64, 600])
+def test_linear_with_prepacked_weight_matches_float64(monkeypatch, rows, large_on_aten):
+    """engine.layers.linear.linear on a prepacked weight (oneDNN blocked layout) and on the
+    ATen route for large batches: float32 results equal float64 within float32 rounding."""
+    import engine.layers.linear as L
+    monkeypatch.setattr(L, "_LARGE_ON_ATEN", large_on_aten)
+    monkeypatch.setattr(L, "CPU_LINEAR", "onednn")
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(300, 200, generator=g) / 10, torch.randn(300, generator=g)
+    x = torch.randn(rows, 400, generator=g)[:, :200].contiguous()
+    packed = L.prepack_weight(w)
+    assert packed is not None and packed.is_mkldnn
+    ref = x.double() @ w.double().T + b.double()
+    with torch.inference_mode():
+        for y in (L.linear(x, w, b, packed), L.linear(x, w, b)):
+            assert y.dtype == torch.float32 and y.shape == (rows, 300)
+            assert (y.double() - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_prepack_is_skipped_where_it_does_not_apply(monkeypatch):
+    import engine.layers.linear as L
+    assert L.prepack_weight(torch.randn(8, 8).half()) is None
+    monkeypatch.setattr(L, "CPU_LINEAR", "aten")
+    assert L.prepack_weight(torch.randn(8, 8)) is None
+
+
 def test_flash_attn_backend_calls(monkeypatch):
     """flash-attn cannot be installed here: a fake module checks what the backend passes
     (decode-only batch -> ``flash_attn_with_kvcache``, anything else -> paged varlen)."""

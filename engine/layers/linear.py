@@ -44,7 +44,7 @@ if CPU_LINEAR not in ("onednn", "aten"):
 ATEN_MIN_ROWS = 512
 #: Whether large CPU matmuls go to ATen: this CPU has no AVX-512, so MKL's AVX2 sgemm is as
 #: wide as oneDNN's and faster on large shapes.
-_LARGE_ON_ATEN = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX")
+_LARGE_ON_ATEN = not torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
 #: Batch size the weights are prepacked for (the blocked layout suits 16-256 rows best).
 PREPACK_ROWS = 64
 
