@@ -382,17 +382,18 @@ class ModelRunner:
                 continue
             k = len(sr.spec_token_ids)
             end = len(st.token_ids)
+            p, need_hist = st.params, st.params.needs_penalties
             for j in range(k + 1):  # position end-1-k+j predicts the token after it
-                out = st.token_ids[st.prompt_len:end - k + j]
+                n_out = end - k + j - st.prompt_len  # output tokens before this position
                 masked = []
-                if len(out) < st.params.min_tokens:
-                    masked = sorted(set(st.params.stop_token_ids)
-                                    | (set() if st.params.ignore_eos else self.eos_token_ids))
-                need_hist = st.params.needs_penalties
-                rows.append(SamplingRow(st.params, st.generator,
+                if n_out < p.min_tokens:
+                    masked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+                # the histories are copied only for penalties: a copy per row and step costs
+                # O(length) of host time at every step of a long output
+                rows.append(SamplingRow(p, st.generator,
                                         st.token_ids[:st.prompt_len] if need_hist else [],
-                                        out if need_hist else [], masked,
-                                        sr.spec_token_ids[j] if j < k else None))
+                                        st.token_ids[st.prompt_len:st.prompt_len + n_out] if need_hist else [],
+                                        masked, sr.spec_token_ids[j] if j < k else None))
         return rows
 
     @torch.inference_mode()
