@@ -45,7 +45,7 @@ test: $(STAMP) test-deps
 	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/throughput.py --peer vllm
 
 # load test (benchmarks/load_test.py, aiohttp: why not guidellm/locust is in its docstring):
 # the sustainable rate at a TTFT SLO, then 1x, 2x, 3x it, against a `kvserve serve` it starts

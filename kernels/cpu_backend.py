@@ -39,7 +39,7 @@ from kernels.torch_backend import paged_attention_torch, prefill_attention_torch
 logger = logging.getLogger("kvserve.attention")
 
 SOURCES = [Path(__file__).parent / "csrc" / n
-           for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp")]
+           for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp", "bf16_linear_cpu.cpp")]
 #: Compiler flags: -fno-trapping-math lets GCC vectorise loops with selects (``cpu_math.h``).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 #: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
@@ -178,6 +178,36 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             w = _int8_scratch[tuple(qweight.shape)] = torch.empty(qweight.shape, dtype=torch.float32)
         torch.ops.kvserve_cpu.int8_dequant(qweight, scale, w)
         y = torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
+    return y.view(*x.shape[:-1], n)
+
+
+#: Most activation rows the bf16-weight GEMV takes; larger batches widen the weight to float32.
+BF16_GEMV_ROWS = 8
+_bf16_scratch: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for bfloat16 ``x`` ``[..., K]``, ``weight`` ``[N, K]`` and
+    ``bias`` ``[N]`` on a CPU without native bf16 (where oneDNN refuses bf16 and ATen emulates
+    it): float32 arithmetic on bfloat16 storage, result rounded to bfloat16 ``[..., N]``. Up to
+    :data:`BF16_GEMV_ROWS` rows: the C++ GEMV that widens each weight row as it reads it (small
+    batches are bound by weight bytes, half float32's); more rows: the weight is widened into a
+    reused float32 buffer and the matmul runs in oneDNN float32 (compute-bound there). Needs
+    the kernels (:func:`load_kernel`)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = weight.shape[0]
+    if x2.shape[0] <= BF16_GEMV_ROWS:
+        y = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
+        torch.ops.kvserve_cpu.bf16_gemv(x2, weight, bias, y)
+    else:
+        w = _bf16_scratch.get(tuple(weight.shape))
+        if w is None:
+            w = _bf16_scratch[tuple(weight.shape)] = torch.empty(weight.shape, dtype=torch.float32)
+        torch.ops.kvserve_cpu.bf16_widen(weight, w)
+        b = None if bias is None else bias.float()
+        y = torch.ops.mkldnn._linear_pointwise(x2.float(), w, b, "none", [], "").to(torch.bfloat16)
     return y.view(*x.shape[:-1], n)
 
 

@@ -68,6 +68,25 @@ def test_auto_dtype_is_logged_with_its_reason(tiny_llama_path, monkeypatch, capl
     assert len(out[0].outputs[0].token_ids) == 5
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 64])
+def test_bf16_weight_linear_matches_float64(rows):
+    """bfloat16 storage, float32 math (CPUs without native bf16): the GEMV (<= 8 rows) and the
+    widen-then-oneDNN path equal float64 over the same bf16 values, rounded once to bf16."""
+    from kernels import cpu_backend
+    if not cpu_backend.load_kernel():
+        pytest.skip(f"CPU kernels cannot be built here: {cpu_backend.kernel_error()}")
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(300, 200, generator=g) / 10).bfloat16()
+    b = torch.randn(300, generator=g).bfloat16()
+    x = torch.randn(rows, 400, generator=g).bfloat16()[:, :200]  # strided rows
+    ref = x.double() @ w.double().T + b.double()
+    for bias in (b, None):
+        y = cpu_backend.bf16_weight_linear(x, w, bias)
+        r = ref if bias is not None else ref - b.double()
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 300)
+        assert ((y.double() - r).abs() <= 2 ** -8 * r.abs() + 1e-4).all()
+
+
 def first_divergence_is_a_near_tie(ours: list[int], ours_top: list[dict[int, float]], ref: list[int],
                                    ref_top: list[set[int]]) -> tuple[bool, int]:
     """vLLM's ``check_logprobs_close`` rule on one greedy output: equal until the first

@@ -19,9 +19,13 @@ frozen linears do. Which library runs a CPU matmul, as measured per shape by
   decode step's matmuls took 53 instead of 119 ms on the project's AVX-512 EPYC).
 
 float32 results are IEEE float32 either way (they differ only in summation order).
-bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert``); where
-oneDNN refuses it, the layer keeps ATen's ``F.linear``. ``KVSERVE_CPU_LINEAR=aten`` turns
-prepacking and oneDNN off (ATen everywhere).
+bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert``). On a CPU
+without it (oneDNN refuses bf16 there and ATen emulates it, about 5x slower than float32),
+bfloat16 weights stay bfloat16 and the arithmetic is float32
+(``kernels.cpu_backend.bf16_weight_linear``: a GEMV that widens each weight row as it reads it
+for up to 16 rows, the weight widened into a float32 buffer for oneDNN above), so
+``dtype="bfloat16"`` there halves the weight and KV bytes and costs float32's matmul rate.
+``KVSERVE_CPU_LINEAR=aten`` turns prepacking and oneDNN off (ATen everywhere).
 """
 from __future__ import annotations
 
@@ -49,6 +53,18 @@ _LARGE_ON_ATEN = not torch.backends.cpu.get_cpu_capability().startswith(("AVX512
 PREPACK_ROWS = 64
 
 _prepack_refusal_logged: set[torch.dtype] = set()
+_bf16_storage_only: bool | None = None  # None: not decided yet
+
+
+def _bf16_weights_in_float32_math() -> bool:
+    """Whether bfloat16 CPU matmuls run :func:`kernels.cpu_backend.bf16_weight_linear`: the CPU
+    has no native bf16 dot products and the C++ kernels load (decided once per process)."""
+    global _bf16_storage_only
+    if _bf16_storage_only is None:
+        from engine.config import cpu_native_bf16
+        from kernels import cpu_backend
+        _bf16_storage_only = not cpu_native_bf16()[0] and cpu_backend.load_kernel()
+    return _bf16_storage_only
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -56,13 +72,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T + bias``: ``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` ``[out]``
     -> ``[..., out]`` in ``x.dtype``. ``packed``: the same weight in oneDNN's layout
     (:func:`prepack_weight`), used for the shapes where it is fastest; CPU float32 without
-    one runs oneDNN on the plain weight, everything else ``F.linear`` (module docstring)."""
+    one runs oneDNN on the plain weight, CPU bfloat16 without native bf16 the float32-math
+    kernel, everything else ``F.linear`` (module docstring)."""
     if x.device.type == "cpu" and not torch.is_grad_enabled() and CPU_LINEAR == "onednn":
         large = _LARGE_ON_ATEN and x.numel() >= ATEN_MIN_ROWS * x.shape[-1]
         if packed is not None and not large and x.dtype == weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         if not large and x.dtype == torch.float32 and weight.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if (packed is None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+                and _bf16_weights_in_float32_math()):
+            from kernels.cpu_backend import bf16_weight_linear
+            return bf16_weight_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,151 @@
+// bfloat16 weights on a CPU without native bf16 dot products (no avx512_bf16 / AMX), where oneDNN
+// refuses bf16 and ATen emulates it about 5x slower than float32: the weights stay bfloat16 (half
+// float32's bytes) and the arithmetic is float32.
+//
+//   bf16_gemv:    y [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 8, x and y bfloat16.
+//                 Small batches are bound by reading the weights: each weight row is read once
+//                 (widened bf16 -> fp32 exactly, by a 16-bit shift; AVX2 or AVX-512) for all M
+//                 activation rows, widened once per call into a float32 buffer; accumulation in float32,
+//                 y rounded once to bfloat16.
+//   bf16_widen:   out [N, K] float32 = w [N, K], for larger batches, whose matmul then runs in
+//                 float32 (compute-bound there, so the copy costs little).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_math.h"
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;
+
+inline float widen(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using vec = __m512;
+inline vec widen_v(const uint16_t* p) {  // 16 bf16 -> fp32: zero-extend, shift into the high half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline vec load_v(const float* p) { return _mm512_loadu_ps(p); }
+inline vec fma_v(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec zero_v() { return _mm512_setzero_ps(); }
+inline float sum_v(vec a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+using vec = __m256;
+inline vec widen_v(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline vec load_v(const float* p) { return _mm256_loadu_ps(p); }
+inline vec fma_v(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec zero_v() { return _mm256_setzero_ps(); }
+inline float sum_v(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int kLanes = 0;  // no vector path: the scalar loop below does all of K
+#endif
+
+// Rows n0..n1 of y for M activation rows xf [M, K] (float32): each weight row is read once and
+// multiplied into all M rows (M accumulators per vector of K).
+template <int M>
+void gemv_rows(const float* xf, const uint16_t* w, const uint16_t* bias, c10::BFloat16* y, int64_t N, int64_t K,
+               int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wn = w + n * K;
+    float sums[M];
+    int64_t k = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    vec acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = zero_v();
+    for (; k + kLanes <= K; k += kLanes) {
+      const vec wf = widen_v(wn + k);
+      for (int m = 0; m < M; ++m) acc[m] = fma_v(wf, load_v(xf + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) sums[m] = sum_v(acc[m]);
+#else
+    for (int m = 0; m < M; ++m) sums[m] = 0.f;
+#endif
+    for (int m = 0; m < M; ++m) {
+      float s = sums[m];
+      for (int64_t kk = k; kk < K; ++kk) s += widen(wn[kk]) * xf[m * K + kk];
+      y[m * N + n] = c10::BFloat16(s + (bias ? widen(bias[n]) : 0.f));
+    }
+  }
+}
+
+void bf16_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "bf16_gemv (cpu): bfloat16 x [M, K] with contiguous rows expected");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+              "bf16_gemv (cpu): contiguous bfloat16 weight [N, K] expected");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M <= kMaxRows, "bf16_gemv (cpu): at most ", kMaxRows, " rows");
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous() && y.size(0) == M && y.size(1) == N,
+              "bf16_gemv (cpu): bfloat16 y [M, N] expected");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
+              "bf16_gemv (cpu): bfloat16 bias [N] expected");
+  std::vector<float> xf(M * K);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = widen(xp[m * x.stride(0) + k]);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const auto* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const float* xq = xf.data();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: gemv_rows<1>(xq, wp, bp, yp, N, K, n0, n1); break;
+      case 2: gemv_rows<2>(xq, wp, bp, yp, N, K, n0, n1); break;
+      case 3: gemv_rows<3>(xq, wp, bp, yp, N, K, n0, n1); break;
+      case 4: gemv_rows<4>(xq, wp, bp, yp, N, K, n0, n1); break;
+      case 5: gemv_rows<5>(xq, wp, bp, yp, N, K, n0, n1); break;
+      case 6: gemv_rows<6>(xq, wp, bp, yp, N, K, n0, n1); break;
+      case 7: gemv_rows<7>(xq, wp, bp, yp, N, K, n0, n1); break;
+      case 8: gemv_rows<8>(xq, wp, bp, yp, N, K, n0, n1); break;
+      default: break;  // M == 0
+    }
+  });
+}
+
+void bf16_widen(const at::Tensor& w, at::Tensor& out) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous() && out.sizes() == w.sizes(),
+              "bf16_widen (cpu): bfloat16 w and float32 out of one shape expected");
+  const int64_t n = w.numel();
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 1 << 16, [&](int64_t a, int64_t b) {
+#pragma omp simd
+    for (int64_t i = a; i < b; ++i) op[i] = widen(wp[i]);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("bf16_gemv(Tensor x, Tensor w, Tensor? bias, Tensor(a!) y) -> ()");
+  m.def("bf16_widen(Tensor w, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("bf16_gemv", &bf16_gemv);
+  m.impl("bf16_widen", &bf16_widen);
+}
