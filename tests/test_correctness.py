@@ -73,7 +73,7 @@ def cpu_path(request, monkeypatch):
 
 
 def engine_greedy(path, ids, new_tokens, **kw):
-    llm = LLM(model=str(path), **kw)
+    llm = LLM(model=str(path), **{"dtype": "float32", **kw})  # the reference is HF in float32
     outs = llm.generate(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
     stats = llm.get_stats()
     assert stats["free_kv_blocks"] == stats["num_kv_blocks"], "blocks leaked"
@@ -94,7 +94,7 @@ class TestSmolLM2:
 
     def test_batched_equals_hf(self, case, cpu_path):
         path, ids, ref = case
-        llm = LLM(model=str(path), attention_backend=cpu_path)
+        llm = LLM(model=str(path), dtype="float32", attention_backend=cpu_path)
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
         assert llm.get_stats()["max_running_batch"] == len(ids)

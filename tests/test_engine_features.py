@@ -33,8 +33,8 @@ def greedy(**kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama_path):
-    llm = LLM(model=str(tiny_llama_path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
-              num_kv_blocks=64, max_model_len=256)
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", block_size=16, max_num_seqs=8,  # vs HF float32
+              max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=256)
     yield llm
     llm.engine.shutdown()
 

@@ -97,13 +97,13 @@ def test_tiny_config_is_gemma3_with_local_and_global_layers(tiny):
     full = make_tiny_model(path.parent / "full", arch="gemma3", initializer_range=0.1, num_hidden_layers=3,
                            layer_types=["full_attention"] * 3)
     assert hf_greedy(full, prompts[3:], NEW_TOKENS) != ref[3:]
-    model = LLM(model=str(path)).engine.executor.runner.model
+    model = LLM(model=str(path), dtype="float32").engine.executor.runner.model
     assert [layer.self_attn.window for layer in model.layers] == [WINDOW, None, WINDOW]
 
 
 def test_tiny_batched_equals_hf_then_prefix_hits(tiny):
     path, prompts, ref = tiny
-    llm = LLM(model=str(path))
+    llm = LLM(model=str(path), dtype="float32")
     got, _ = engine_greedy(llm, prompts)
     assert llm.get_stats()["max_running_batch"] == len(prompts)
     assert_same(ref, got)
@@ -122,7 +122,7 @@ def test_tiny_prefix_hit_on_shared_prefix_longer_than_window(tiny):
     shared = list(range(500, 550))
     a, b = shared + [7, 8, 9], shared + [11, 12, 13, 14, 15]
     ref = hf_greedy(path, [b], NEW_TOKENS)
-    llm = LLM(model=str(path))
+    llm = LLM(model=str(path), dtype="float32")
     engine_greedy(llm, [a])
     got, outs = engine_greedy(llm, [b])
     assert outs[0].num_cached_tokens == 48
@@ -133,7 +133,7 @@ def test_tiny_prefix_hit_on_shared_prefix_longer_than_window(tiny):
 def test_tiny_chunked_prefill_equals_hf(tiny):
     """Chunks of 7 tokens (smaller than the window, starting mid-block) with decodes between."""
     path, prompts, ref = tiny
-    llm = LLM(model=str(path), max_num_batched_tokens=7, enable_prefix_caching=False)
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
     got, _ = engine_greedy(llm, prompts)
     stats = assert_no_leak(llm)
     assert stats["num_steps"] > NEW_TOKENS + sum(map(len, prompts)) // 7 - 1  # prompts were chunked
@@ -142,7 +142,7 @@ def test_tiny_chunked_prefill_equals_hf(tiny):
 
 def test_tiny_preemption_recompute_equals_hf(tiny):
     path, prompts, ref = tiny
-    llm = LLM(model=str(path), num_kv_blocks=30, block_size=4)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=30, block_size=4)
     got, _ = engine_greedy(llm, prompts)
     assert assert_no_leak(llm)["num_preemptions"] > 0
     assert_same(ref, got)
@@ -156,7 +156,7 @@ def test_tiny_final_logit_softcapping_matches_hf_logprobs(tmp_path, tiny):
     path = make_tiny_model(tmp_path / "capped", arch="gemma3", initializer_range=0.1, num_hidden_layers=3,
                            sliding_window=WINDOW, final_logit_softcapping=2.0, attn_logit_softcapping=0.5)
     ref, ref_lp = hf_greedy(path, prompts[3:], 8, logprobs=True)
-    llm = LLM(model=str(path))
+    llm = LLM(model=str(path), dtype="float32")
     got, outs = engine_greedy(llm, prompts[3:], 8, logprobs=3)
     assert_same(ref, got)
     worst = 0.0

@@ -69,7 +69,7 @@ def fp8_engine_runs(path, ids: list[list[int]], backend: str) -> list[dict]:
     per-layer scales, whether every block came back, the preemption count."""
     res = []
     for kw in FP8_RUNS:
-        llm = LLM(model=str(path), kv_cache_dtype="fp8", attention_backend=backend, **kw)
+        llm = LLM(model=str(path), dtype="float32", kv_cache_dtype="fp8", attention_backend=backend, **kw)
         outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
         stats = llm.get_stats()
         res.append(dict(tokens=[o.outputs[0].token_ids for o in outs],

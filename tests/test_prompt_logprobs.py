@@ -32,7 +32,7 @@ def greedy(**kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    llm = LLM(model=str(smollm2_path), block_size=16, max_num_seqs=8, max_num_batched_tokens=BUDGET,
+    llm = LLM(model=str(smollm2_path), dtype="float32", block_size=16, max_num_seqs=8, max_num_batched_tokens=BUDGET,
               num_kv_blocks=40)
     yield llm
     llm.engine.shutdown()

@@ -269,7 +269,7 @@ def test_tiny_model_sampled_distribution_matches_hf(tmp_path):
     path = make_tiny_model(tmp_path / "t", arch="llama", initializer_range=1.0, num_hidden_layers=2)
     prompt = [101, 2045, 7, 99, 3003]  # (weights this large give peaked next-token distributions)
     n = 3000
-    llm = LLM(model=str(path), num_kv_blocks=4096, speculative_config={
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=4096, speculative_config={
         "method": "draft_model", "model": str(path), "num_speculative_tokens": 1, "adaptive": False})
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True), use_tqdm=False)
     stats = llm.get_stats()
