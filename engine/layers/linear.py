@@ -11,12 +11,14 @@ frozen linears do. Which library runs a CPU matmul, as measured per shape by
 ``benchmarks/cpu_linear.py`` (``benchmarks/results/cpu_linear.json``):
 
 * up to :data:`ATEN_MIN_ROWS` - 1 rows (decode, short chunks): oneDNN with the prepacked weight
-  (on a 2-core AVX2 EPYC, summed over SmolLM2's four layer shapes: 107 vs 87 GFLOP/s for
-  plain oneDNN or ATen at 64 rows, 75 vs 52 at 16);
+  (on a 2-core AVX2 EPYC, summed over SmolLM2's four layer shapes: 111 vs 77 GFLOP/s for plain
+  oneDNN and 58 for ATen at 64 rows, 72 vs 45 and 42 at 16);
 * from :data:`ATEN_MIN_ROWS` rows (prefill chunks): on a CPU without AVX-512, ATen's
-  ``F.linear`` (MKL sgemm: 159 vs 142 GFLOP/s at 2,048 rows there); with AVX-512, oneDNN's
-  prepacked weight (MKL takes an AVX2 path on AMD CPUs, while oneDNN uses AVX-512: a 64-request
-  decode step's matmuls took 53 instead of 119 ms on the project's AVX-512 EPYC).
+  ``F.linear`` (MKL sgemm, as wide as oneDNN there); with AVX-512, oneDNN's prepacked weight
+  (MKL takes an AVX2 path on AMD CPUs, while oneDNN uses AVX-512: a 64-request decode step's
+  matmuls took 53 instead of 119 ms on the project's AVX-512 EPYC). On the AVX2 box the two are
+  level within its run-to-run noise at these sizes (147 vs 131 GFLOP/s at 512 rows and 134 vs
+  149 at 2,048 in the committed probe; 159 vs 142 at 2,048 in an earlier one).
 
 float32 results are IEEE float32 either way (they differ only in summation order).
 bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert``). On a CPU
