@@ -116,8 +116,9 @@ class EngineConfig:
         """What ``dtype="auto"`` means here, and why (a sentence for the log, as vLLM logs its
         choice): bfloat16 on CUDA; on CPU bfloat16 where the CPU has native bf16 dot products
         (:func:`cpu_native_bf16`), since oneDNN then runs bf16 matmuls at twice float32's rate
-        on half the bytes, and float32 where it would emulate them (a measured 5x slower on an
-        AVX2 EPYC: ``benchmarks/results/throughput.json``), or where ``quantization="int8"``
+        on half the bytes, and float32 where there are none (bf16 weights then cost a float32
+        widening per step: 108 vs 144 tok/s on an AVX2 EPYC, ``benchmarks/results/``
+        ``throughput_bf16.json`` and ``throughput.json``), or where ``quantization="int8"``
         (its kernels take float32 activations)."""
         import torch
 
@@ -128,7 +129,7 @@ class EngineConfig:
         native, flags = cpu_native_bf16()
         if native:
             return torch.bfloat16, f"bfloat16: this CPU has native bf16 dot products ({flags})"
-        return torch.float32, f"float32: this CPU has no native bf16 dot products ({flags}), bf16 would be emulated"
+        return torch.float32, f"float32: this CPU has no native bf16 dot products ({flags}), bf16 would be slower"
 
 
 def cpu_native_bf16() -> tuple[bool, str]:
