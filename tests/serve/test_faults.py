@@ -308,7 +308,9 @@ def _scale_down_mid_stream(base: str, name: str, route: str, args: dict, pin: st
             redeploy = asyncio.create_task(asyncio.to_thread(_deploy, {**args, "num_replicas": 1}, name, route,
                                                              pin=pin))
             t0 = time.monotonic()
-            while "STOPPING" not in (states := await asyncio.to_thread(llm_states)):
+            # stopping has begun when a replica is STOPPING, or already gone (a short drain can
+            # end between two polls: serve.status() takes up to seconds on a loaded box)
+            while "STOPPING" not in (states := await asyncio.to_thread(llm_states)) and states.get("RUNNING", 0) > 1:
                 assert time.monotonic() - t0 < 60, f"no replica is stopping: {states}"
                 assert not redeploy.done() or redeploy.exception() is None, redeploy.exception()
                 await asyncio.sleep(0.1)
