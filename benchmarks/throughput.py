@@ -35,7 +35,10 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import platform
+import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,14 +105,11 @@ def hf_with_onednn_linears():
 def reshuffled(work, seed: int, vocab: int):
     """``work`` with the same prompt and output lengths and fresh random token ids (seeded):
     a repeat of the workload that shares no prefix with it."""
-    import random
-
     rng = random.Random(seed)
     return [([rng.randint(100, vocab - 100) for _ in p], o) for p, o in work]
 
 
 def batch1_prompt(context: int, seed: int, vocab: int) -> list[int]:
-    import random
     return [random.Random(seed).randint(100, vocab - 100) for _ in range(context)]
 
 
@@ -159,15 +159,9 @@ def machine_info() -> dict:
                 model = line.split(":", 1)[1].strip()
                 break
     native, flags = cpu_native_bf16()
-    import os
     return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": native,
             "bf16_flags": flags, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__}
-
-
-def _median(xs: list[float]) -> float:
-    import statistics
-    return statistics.median(xs)
 
 
 def main(argv=None) -> dict:
@@ -221,7 +215,7 @@ def main(argv=None) -> dict:
             for r in runs:
                 del r["texts"]
             block["kvserve"] = record({"system": "kvserve", "dtype": dt,
-                                       "output_tok_per_s": _median([r["output_tok_per_s"] for r in runs]),
+                                       "output_tok_per_s": statistics.median([r["output_tok_per_s"] for r in runs]),
                                        "runs": runs})
         except Exception as e:  # report, do not hide, a system that failed
             block["kvserve"] = record({"system": "kvserve", "dtype": dt, "error": f"{type(e).__name__}: {e}"})
@@ -231,7 +225,7 @@ def main(argv=None) -> dict:
                 v = run_vllm(path, dt, works)
                 block["vllm"] = record({"system": "vllm", "dtype": dt, "version": v["version"],
                                         "settings": v["settings"],
-                                        "output_tok_per_s": _median([r["output_tok_per_s"] for r in v["runs"]]),
+                                        "output_tok_per_s": statistics.median([r["output_tok_per_s"] for r in v["runs"]]),
                                         "runs": v["runs"]})
             except Exception as e:
                 block["vllm"] = record({"system": "vllm", "dtype": dt, "error": f"{type(e).__name__}: {e}"})

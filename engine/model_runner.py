@@ -94,9 +94,11 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str | Path):
         self.config = config
         self.device = config.torch_device
-        self.dtype = config.torch_dtype
         if config.dtype == "auto":
-            logger.info("dtype auto -> %s", config.auto_dtype()[1])
+            self.dtype, why = config.auto_dtype()
+            logger.info("dtype auto -> %s", why)
+        else:
+            self.dtype = config.torch_dtype
         self.hf_config = load_config(model_path)
         self.block_size = config.block_size
         head_dim = getattr(self.hf_config, "head_dim", None) or \

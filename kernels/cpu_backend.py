@@ -155,7 +155,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 #: Most activation rows the int8 GEMV kernel takes; larger batches dequantize the weight.
 INT8_GEMV_ROWS = 8
-_int8_scratch: dict[tuple[int, int], torch.Tensor] = {}
+#: float32 copies of a compressed (int8 or bf16) weight for large batches, one per shape, reused.
+_weight_scratch: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., K]`` as ``[M, K]`` with contiguous rows (a view when it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _float32_weight_buffer(shape: torch.Size) -> torch.Tensor:
+    """The reused float32 ``[N, K]`` buffer a compressed weight of ``shape`` is widened into."""
+    w = _weight_scratch.get(tuple(shape))
+    if w is None:
+        w = _weight_scratch[tuple(shape)] = torch.empty(shape, dtype=torch.float32)
+    return w
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -165,17 +180,12 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     Up to :data:`INT8_GEMV_ROWS` rows: the C++ GEMV that reads the int8 rows directly (decode is
     bound by weight bytes); more rows: the weight is dequantized into a reused float32 buffer and
     multiplied by oneDNN (compute-bound there). Needs the kernels (:func:`load_kernel`)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    n = qweight.shape[0]
+    x2, n = _rows(x), qweight.shape[0]
     if x2.shape[0] <= INT8_GEMV_ROWS:
         y = torch.empty((x2.shape[0], n), dtype=torch.float32)
         torch.ops.kvserve_cpu.int8_gemv(x2, qweight, scale, bias, y)
     else:
-        w = _int8_scratch.get(tuple(qweight.shape))
-        if w is None:
-            w = _int8_scratch[tuple(qweight.shape)] = torch.empty(qweight.shape, dtype=torch.float32)
+        w = _float32_weight_buffer(qweight.shape)
         torch.ops.kvserve_cpu.int8_dequant(qweight, scale, w)
         y = torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
     return y.view(*x.shape[:-1], n)
@@ -183,7 +193,6 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 #: Most activation rows the bf16-weight GEMV takes; larger batches widen the weight to float32.
 BF16_GEMV_ROWS = 8
-_bf16_scratch: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,17 +203,12 @@ def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     batches are bound by weight bytes, half float32's); more rows: the weight is widened into a
     reused float32 buffer and the matmul runs in oneDNN float32 (compute-bound there). Needs
     the kernels (:func:`load_kernel`)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    n = weight.shape[0]
+    x2, n = _rows(x), weight.shape[0]
     if x2.shape[0] <= BF16_GEMV_ROWS:
         y = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
         torch.ops.kvserve_cpu.bf16_gemv(x2, weight, bias, y)
     else:
-        w = _bf16_scratch.get(tuple(weight.shape))
-        if w is None:
-            w = _bf16_scratch[tuple(weight.shape)] = torch.empty(weight.shape, dtype=torch.float32)
+        w = _float32_weight_buffer(weight.shape)
         torch.ops.kvserve_cpu.bf16_widen(weight, w)
         b = None if bias is None else bias.float()
         y = torch.ops.mkldnn._linear_pointwise(x2.float(), w, b, "none", [], "").to(torch.bfloat16)

@@ -22,15 +22,9 @@ import engine.config as config
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.model_loader import load_tokenizer
+from test_correctness import PROMPTS as CORRECTNESS_PROMPTS
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "List three colors:",
-    "Water boils at",
-    "In 1492, Columbus",
-]
+PROMPTS = CORRECTNESS_PROMPTS[:5] + CORRECTNESS_PROMPTS[6:7]  # "In 1492, Columbus"
 NEW_TOKENS = 24
 TOP_K = 5
 TEXT = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "public_domain.txt"

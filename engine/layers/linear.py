@@ -25,7 +25,7 @@ bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert`
 without it (oneDNN refuses bf16 there and ATen emulates it, about 5x slower than float32),
 bfloat16 weights stay bfloat16 and the arithmetic is float32
 (``kernels.cpu_backend.bf16_weight_linear``: a GEMV that widens each weight row as it reads it
-for up to 16 rows, the weight widened into a float32 buffer for oneDNN above), so
+for up to 8 rows, the weight widened into a float32 buffer for oneDNN above), so
 ``dtype="bfloat16"`` there halves the weight and KV bytes and costs float32's matmul rate.
 ``KVSERVE_CPU_LINEAR=aten`` turns prepacking and oneDNN off (ATen everywhere).
 """

@@ -25,12 +25,8 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;
 
-inline float widen(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+// bf16 bits -> float32 (exact): c10's conversion, on the raw bits the vector loads also read
+inline float widen(uint16_t b) { return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits())); }
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
