@@ -1,7 +1,7 @@
 # kvserve: `make serve` starts the serving cluster on the default model; `make test` runs the tests.
 # Both set up .venv on a fresh machine first (torch 2.13.0 CPU from the machine's find-links before the rest).
 # Ray runs with token authentication on (RAY_AUTH_MODE=token): `kvserve serve` writes ~/.ray/auth_token (0600);
-# the tests use a token of their own session (tests/serve/conftest.py), never ~/.ray/auth_token.
+# the tests use a token of their own session (tests/e2e/conftest.py), never ~/.ray/auth_token.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -26,8 +26,8 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/kvserve serve $(ARGS)
 
-# redis-server and prometheus (Debian) for the tests that start them (tests/test_limits.py,
-# tests/serve/test_prometheus.py, ...): installed with apt-get when missing and root (or sudo)
+# redis-server and prometheus (Debian) for the tests that start them (tests/deployments/test_limits.py,
+# tests/e2e/test_prometheus.py, ...): installed with apt-get when missing and root (or sudo)
 # allows; otherwise those tests skip with a reason (install them by hand: apt-get install
 # redis-server prometheus).
 test-deps:

@@ -13,7 +13,7 @@ Best effort and lazy: nothing is imported until the first decision is recorded.
   counts evaluations whose decision differs from the current target (up / down).
 
 Backend: inside a Ray worker (the Serve controller runs the policy) the metrics go
-through ``deployments.metrics``: ``ray.util.metrics``, which Ray's metrics agent exports to
+through ``telemetry.metrics``: ``ray.util.metrics``, which Ray's metrics agent exports to
 Prometheus (with Ray's ``ray_`` prefix), and the node's prometheus-client multiprocess files
 behind the ingress's ``/metrics`` (as ``kvserve:autoscaling_*``). Elsewhere (tests, the simulator, a process that serves its own
 ``/metrics``) they go to ``prometheus_client``'s default registry. If neither is
@@ -48,12 +48,12 @@ class _NoopBackend(_Backend):
 
 
 class _RayBackend(_Backend):
-    """Inside a Ray worker (the Serve controller): through ``deployments.metrics``, i.e. both
+    """Inside a Ray worker (the Serve controller): through ``telemetry.metrics``, i.e. both
     Ray's metrics export (``ray_kvserve_autoscaling_*``) and the node's prometheus-client
     multiprocess files that the ingress's ``/metrics`` renders (``kvserve:autoscaling_*``)."""
 
     def __init__(self):
-        from deployments.metrics import metric
+        from telemetry.metrics import metric
 
         self._desired = metric("gauge", DESIRED_REPLICAS.removeprefix("kvserve_"),
                                "Replicas the kvserve autoscaling policy asked for, by reason.",

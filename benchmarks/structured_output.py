@@ -21,7 +21,7 @@ of it; ``--sync-fill`` fills it before the forward instead, as for a distributed
 
 Schemas: ``person`` (string / integer / enum / array fields, no length bounds) and
 ``person_bounded`` (the same with ``maxLength`` / ``maxItems`` / integer range, the schema of
-tests/test_structured_output.py): bounded strings cost xgrammar far more per mask row (its
+tests/engine/test_structured_output.py): bounded strings cost xgrammar far more per mask row (its
 token-mask cache covers less), which is why both are shown.
 
 Compile times: a fresh compiler (xgrammar ``TokenizerInfo`` over the 49k vocabulary), the first

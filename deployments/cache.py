@@ -602,7 +602,7 @@ class ResponseCache:
             in); default: all-MiniLM-L6-v2 on one torch thread. Built in a worker thread as
             soon as the semantic level is on; requests that want it wait for it.
         clock: monotonic seconds.
-        metrics: record ``kvserve:response_cache_*`` (:mod:`deployments.metrics`).
+        metrics: record ``kvserve:response_cache_*`` (:mod:`telemetry.metrics`).
 
     Raises:
         ValueError: bad settings (see :class:`CacheSettings`).
@@ -620,7 +620,7 @@ class ResponseCache:
         self._tasks: set[asyncio.Task] = set()
         self._metrics = None
         if metrics:
-            from deployments.metrics import cache_hits, cache_lookup_seconds, cache_misses
+            from telemetry.metrics import cache_hits, cache_lookup_seconds, cache_misses
 
             self._metrics = (cache_hits(), cache_misses(), cache_lookup_seconds())
         self.index = None

@@ -121,7 +121,7 @@ def mask_key(key: str) -> str:
 
 def _count_rejected(reason: str) -> None:
     try:
-        from deployments.metrics import rejected
+        from telemetry.metrics import rejected
 
         rejected().inc({"model_name": "", "reason": reason})
     except Exception:  # metrics never fail a request

@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments import gate
 from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
 from deployments.limits import NeverFits, RateLimited, RateLimiter, find_policy, policies_from_keys
-from deployments.metrics import api_key_requests, api_key_tokens, model_routes, rejected, upstream_fallbacks
+from telemetry.metrics import api_key_requests, api_key_tokens, model_routes, rejected, upstream_fallbacks
 from deployments.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
 from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.protocol import (
@@ -774,8 +774,8 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics(self):
         """Prometheus exposition of every kvserve process on this node (the engines' vLLM-named
-        metrics, the gateway's, the autoscaler's); see :mod:`deployments.metrics`."""
-        from deployments.metrics import render
+        metrics, the gateway's, the autoscaler's); see :mod:`telemetry.metrics`."""
+        from telemetry.metrics import render
 
         body, ctype = await asyncio.to_thread(render)
         return Response(body, media_type=ctype)

@@ -299,7 +299,7 @@ class LLMServer:
         self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
         self.model_name = served_model_name or config.model or DEFAULT_MODEL
         from deployments.args import default_admission_bounds
-        from deployments.metrics import EngineMetrics, rejected
+        from telemetry.metrics import EngineMetrics, rejected
 
         d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
                                                 self.engine.max_model_len)

@@ -32,7 +32,7 @@ cached (LRU), so requests that share a system prompt tokenize nothing after the 
 whose characters end within :data:`_CUT_MARGIN_CHARS` of the cut are dropped (a BPE merge
 across the cut could change them). Measured on this 2-core CPU (SmolLM2 tokenizer, a
 512-token system prompt plus a short user turn): ~0.5 ms uncached, ~0.03 ms cached
-(``tests/serve/test_router.py``, ``benchmarks/routing.py``).
+(``tests/e2e/test_router.py``, ``benchmarks/routing.py``).
 
 Python's ``hash`` of a tuple of ints does not depend on ``PYTHONHASHSEED``, so equal prefixes
 give equal hashes in every process of a cluster running one Python version.

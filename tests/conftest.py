@@ -2,7 +2,7 @@
 
 import os
 
-os.environ["RAY_AUTH_MODE"] = "token"  # Ray token auth on for every Ray of the session (token: tests/serve/conftest.py)
+os.environ["RAY_AUTH_MODE"] = "token"  # Ray token auth on for every Ray of the session (token: tests/e2e/conftest.py)
 
 import shutil  # noqa: E402
 import socket  # noqa: E402

@@ -22,7 +22,7 @@ Differences from the Llama family (:mod:`engine.models.llama`), all following Hu
   which never passes it to the attention function), not applied: Gemma 3 replaced Gemma 2's
   attention soft-capping by the q/k norms (Gemma 3 report, sec. 2, "Model Architecture"). The attention backends
   can cap (``softcap=``, for Gemma 2); a Gemma 3 config that sets it runs exactly as HF runs
-  it, which ``tests/test_gemma3.py`` checks.
+  it, which ``tests/engine/test_gemma3.py`` checks.
 
 The sliding window is applied by the attention backend per layer (``window=``, see
 :mod:`kernels.backend`). The paged KV cache keeps every block of a request for all layers,

@@ -22,7 +22,7 @@
 
 Budget: ``KVSERVE_FUZZ_EXAMPLES`` engine configurations (default 20, derandomized: the same
 examples every run) of ``KVSERVE_FUZZ_STEPS`` rules each (default 25); a longer, randomized run:
-``KVSERVE_FUZZ_EXAMPLES=400 KVSERVE_FUZZ_RANDOM=1 make test PYTEST_ARGS=tests/test_engine_robustness.py``
+``KVSERVE_FUZZ_EXAMPLES=400 KVSERVE_FUZZ_RANDOM=1 make test PYTEST_ARGS=tests/engine/test_engine_robustness.py``
 (``KVSERVE_FUZZ_SHRINK=1`` shrinks a failure to a minimal example).
 The totals are printed (``-s``) and written to ``$KVSERVE_FUZZ_REPORT`` when set.
 """

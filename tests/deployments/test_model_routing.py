@@ -1,5 +1,5 @@
 """Model routing rules (``model: "auto"``) and the fallback's trigger, without Ray; the live
-routing and the fallback to a second kvserve are in tests/serve/test_model_routing_live.py."""
+routing and the fallback to a second kvserve are in tests/e2e/test_model_routing_live.py."""
 import pytest
 from pydantic import ValidationError
 

@@ -23,8 +23,8 @@ import time
 import httpx
 import pytest
 
-# constants only: importing deployments.metrics switches nothing on
-from deployments.metrics import TOKEN_BUCKETS
+# constants only: importing telemetry.metrics switches nothing on
+from telemetry.metrics import TOKEN_BUCKETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

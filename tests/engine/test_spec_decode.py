@@ -433,7 +433,7 @@ def test_no_hit_workload_does_not_draft(tmp_path):
 _METRICS = r"""
 import json, os, sys, tempfile
 os.environ["KVSERVE_METRICS_DIR"] = tempfile.mkdtemp(prefix="kvserve-metrics-")
-from deployments import metrics as M
+from telemetry import metrics as M
 from engine.llm_engine import StepMetrics
 m = StepMetrics(0.0, 0.1, 0, 3, 7, 3, 0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4,
                 accepted_per_position=[2, 1, 1])
@@ -451,7 +451,7 @@ def test_prometheus_spec_decode_series_use_vllm_names():
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", _METRICS], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in r.stdout.splitlines()

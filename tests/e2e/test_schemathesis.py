@@ -31,7 +31,7 @@ both generation endpoints answered 200 to some of them.
 lets hypothesis minimise a failing request (each step is a real request). For a long run::
 
     KVSERVE_FUZZ_EXAMPLES=500 KVSERVE_FUZZ_COVERAGE=1 KVSERVE_FUZZ_TIMEOUT_S=120 \\
-        .venv/bin/python -m pytest -q tests/serve/test_schemathesis.py
+        .venv/bin/python -m pytest -q tests/e2e/test_schemathesis.py
 """
 import json
 import os

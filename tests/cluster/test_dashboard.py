@@ -1,7 +1,7 @@
 """The Grafana dashboard ``helm/kvserve/dashboards/kvserve.json`` names only series kvserve exports.
 
 The exported series come from the code, not from a list kept here: a subprocess instantiates
-every metric definition of :mod:`deployments.metrics` (the engine's, the gateway's) and of the
+every metric definition of :mod:`telemetry.metrics` (the engine's, the gateway's) and of the
 autoscaler's backend, records one sample in each, renders the multiprocess exposition
 (``kvserve:<name>``, as the ingress's ``GET /metrics`` does) and derives Ray's export names
 (``ray_kvserve_<name>``, same suffixes). Every panel's PromQL, with ``$prefix`` set to each of
@@ -15,21 +15,21 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "helm" / "kvserve" / "dashboards" / "kvserve.json"
 PREFIXES = ("kvserve:", "ray_kvserve_")
 
-# Runs in a fresh interpreter: deployments.metrics switches prometheus-client into multiprocess
+# Runs in a fresh interpreter: telemetry.metrics switches prometheus-client into multiprocess
 # mode for its whole process, which must not leak into the pytest process.
 _EXPORTED = r"""
 import json, os, sys, tempfile
 os.environ["KVSERVE_METRICS_DIR"] = tempfile.mkdtemp(prefix="kvserve-metrics-")
-from deployments import metrics as M
+from telemetry import metrics as M
 from autoscaling import metrics as AM
 
 M.EngineMetrics("m", "r", speculative=True)
 M.rejected(); M.api_key_tokens(); M.api_key_requests()
-AM._RayBackend()  # the autoscaler's definitions (deployments.metrics inside the Serve controller)
+AM._RayBackend()  # the autoscaler's definitions (telemetry.metrics inside the Serve controller)
 for m in list(M._metrics.values()):
     labels = {name: "x" for name in m.labels}
     {"counter": lambda: m.inc(labels, 1.0), "gauge": lambda: m.set(labels, 1.0),

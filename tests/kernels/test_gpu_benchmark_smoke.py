@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # max|ours - SDPA| over the output, float32 (the script's own bound, SMOKE_MAX_ABS_DIFF;
 # observed ~1e-6 for outputs of magnitude ~1).

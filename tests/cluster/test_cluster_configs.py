@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {name: ROOT / "cluster" / f"{name}.yaml" for name in ("aws-gpu", "gcp-gpu", "local")}
 CLOUD = ("aws-gpu", "gcp-gpu")
 

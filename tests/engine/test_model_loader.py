@@ -21,7 +21,7 @@ from engine.model_loader import (
 from tiny_models import make_tiny_model
 
 QUESTION = "What is the capital of France?"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------- default model

@@ -21,7 +21,7 @@ from kernels.torch_backend import TorchBackend
 from kernels.triton_backend import TritonBackend
 from tiny_models import make_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fp8_round(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 * Triton kernels (``kernels/triton_attention.py``) run under ``TRITON_INTERPRET=1`` on CPU tensors,
   in a *subprocess*: an out-of-bounds load can crash the interpreter. This file is its own
-  runner: ``python tests/test_kernels.py --device cpu CASE...`` prints one JSON line per case.
+  runner: ``python tests/kernels/test_kernels.py --device cpu CASE...`` prints one JSON line per case.
   The module fixture runs all cases in one child process (to pay the torch/triton import once)
   and, if the child dies, records the case it was in as crashed and starts a fresh child for
   the rest.
@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

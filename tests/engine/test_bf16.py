@@ -27,7 +27,7 @@ from test_correctness import PROMPTS as CORRECTNESS_PROMPTS
 PROMPTS = CORRECTNESS_PROMPTS[:5] + CORRECTNESS_PROMPTS[6:7]  # "In 1492, Columbus"
 NEW_TOKENS = 24
 TOP_K = 5
-TEXT = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "public_domain.txt"
+TEXT = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "public_domain.txt"
 
 
 @pytest.mark.parametrize("native, quantization, expected", [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "deployments"
+ROOT = Path(__file__).resolve().parents[2] / "deployments"
 
 
 def _module_bindings(tree: ast.Module) -> dict[str, int]:
