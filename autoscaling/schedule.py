@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Mapping, Tuple, Union
-
-if TYPE_CHECKING:
-    from autoscaling.settings import KVServeAutoscalingConfig
+from typing import Any, Dict, Iterable, Mapping, Protocol, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -109,7 +106,17 @@ def local_hour(now: float, tz_name: str) -> float:
     return dt.hour + dt.minute / 60.0 + dt.second / 3600.0
 
 
-def schedule_floor(config: "KVServeAutoscalingConfig", now: float) -> int:
+class ScheduleSettings(Protocol):
+    """The knobs :func:`schedule_floor` reads; ``autoscaling.settings.KVServeAutoscalingConfig``
+    has them. A protocol, so this module needs nothing from settings.py (which imports it)."""
+
+    schedule: Tuple[ScheduleEntry, ...]
+    policy_mode: str
+    schedule_timezone: str
+    schedule_prewarm_s: float
+
+
+def schedule_floor(config: ScheduleSettings, now: float) -> int:
     """Minimum replicas the schedule asks for at ``now + schedule_prewarm_s`` (Unix seconds),
     in ``schedule_timezone``; 0 without a schedule or in "metrics" mode."""
     if not config.schedule or config.policy_mode == "metrics":
