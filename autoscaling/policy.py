@@ -11,8 +11,10 @@ and the package's public face; the policy itself is split by concern:
 ``decision.py``             smoothing, hysteresis, cool-downs, bounds: ``decide``, ``Decision``
 ``serve_config.py``         ``build_autoscaling_config`` (Serve's ``AutoscalingConfig``), CLI flags
 ``metrics.py``              export of decisions as Prometheus metrics (best effort)
-``simulate.py``             trace-driven simulator against Serve's request-based policy
 ==========================  ==================================================================
+
+The trace-driven simulator against Serve's request-based policy is a benchmark tool:
+``benchmarks/autoscaling_sim.py``.
 
 How it plugs into Ray Serve 2.60
 --------------------------------

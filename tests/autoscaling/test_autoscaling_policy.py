@@ -8,6 +8,7 @@ decision at once (as Serve does with ``upscale_delay_s=0``).
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -621,7 +623,26 @@ def test_build_autoscaling_config_for_serve():
     assert any(k.startswith("kvserve.") for k in state)
 
 
-#: sha256 of ``inspect.getsource()`` of the Ray Serve 2.60.0 functions autoscaling/simulate.py calls.
+SIMULATOR = Path(__file__).resolve().parents[2] / "benchmarks" / "autoscaling_sim.py"
+
+
+def simulator():
+    """The simulator module, ``benchmarks/autoscaling_sim.py`` (a benchmark script: benchmarks/
+    is not a package on sys.path, so it is loaded from its file, once per session)."""
+    mod = sys.modules.get("autoscaling_sim")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("autoscaling_sim", SIMULATOR)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["autoscaling_sim"] = mod  # dataclasses look their module up while the file runs
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules["autoscaling_sim"]
+            raise
+    return mod
+
+
+#: sha256 of ``inspect.getsource()`` of the Ray Serve 2.60.0 functions benchmarks/autoscaling_sim.py calls.
 RAY_SERVE_WRAPPER_SHA256 = {
     "_apply_scaling_factors": "a4259fcb2aa69aba5c7b1bc31707ce758e759e6e62f6699376854b0e8b40457c",
     "_apply_delay_logic": "beb02da8cc3b4014b070db6e9fe741544e78cd2d5c39dc9d58fda8de953eaf28",
@@ -639,11 +660,11 @@ def test_ray_serve_wrapper_is_pinned():
            for name in RAY_SERVE_WRAPPER_SHA256}
     assert got == RAY_SERVE_WRAPPER_SHA256, (
         f"Ray {ray.__version__} changed Serve's scaling-factor/delay logic: check serve_wrap in "
-        "autoscaling/simulate.py and test_simulator_serve_wrap_on_simulated_time, then update the hashes")
+        "benchmarks/autoscaling_sim.py and test_simulator_serve_wrap_on_simulated_time, then update the hashes")
 
 
 def test_simulator_serve_wrap_on_simulated_time():
-    from autoscaling import simulate as S
+    S = simulator()
 
     t = S.ServeTiming(upscale_delay_s=2.0, downscale_delay_s=10.0, look_back_period_s=30.0,
                       metrics_interval_s=10.0, min_replicas=1, max_replicas=8)
@@ -666,7 +687,7 @@ def test_simulator_serve_wrap_on_simulated_time():
 # simulator smoke test (small trace)
 # --------------------------------------------------------------------------------------
 def test_simulator_smoke(tmp_path):
-    from autoscaling import simulate as S
+    S = simulator()
 
     spec = S.TraceSpec(duration_s=400.0, base_load_replicas=2.0, spike_start_s=100.0, spike_duration_s=60.0,
                        long_start_s=250.0, long_duration_s=100.0)
@@ -685,7 +706,7 @@ def test_simulator_smoke(tmp_path):
 
 
 def test_simulator_reads_measured_replica_numbers(tmp_path):
-    from autoscaling import simulate as S
+    S = simulator()
 
     path = tmp_path / "throughput.json"
     path.write_text(json.dumps({"systems": [{"system": "hf_generate_static_bs16", "output_tok_per_s": 90.0},

@@ -1,7 +1,10 @@
 """Trace-driven autoscaling simulator: kvserve policy vs Ray Serve's request-based policy
 vs a fixed fleet sized for the peak.
 
-    python -m autoscaling.simulate --out benchmarks/results/autoscaling [--gpu-profile]
+    python benchmarks/autoscaling_sim.py --out benchmarks/results/autoscaling [--gpu-profile]
+
+A benchmark tool, not part of the policy package: it imports ``autoscaling`` (the policy under
+test) and Ray Serve's private wrapper functions; nothing in ``autoscaling/`` imports it.
 
 Writes ``autoscaling.json`` (parameters, per-policy results, down-sampled time series),
 ``autoscaling.png`` (offered load, replicas and queue over time) and
@@ -45,15 +48,20 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
-import numpy as np
-from ray.serve.autoscaling_policy import _apply_delay_logic, _apply_scaling_factors
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the policy package lives in the repository root
+    sys.path.insert(0, str(ROOT))
 
-from autoscaling import signals as sig
-from autoscaling.decision import logger as decision_logger
-from autoscaling.policy import KVServeAutoscalingPolicy
-from autoscaling.settings import KVServeAutoscalingConfig
+import numpy as np  # noqa: E402
+from ray.serve.autoscaling_policy import _apply_delay_logic, _apply_scaling_factors  # noqa: E402
+
+from autoscaling import signals as sig  # noqa: E402
+from autoscaling.decision import logger as decision_logger  # noqa: E402
+from autoscaling.policy import KVServeAutoscalingPolicy  # noqa: E402
+from autoscaling.settings import KVServeAutoscalingConfig  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Replica profiles
