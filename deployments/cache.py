@@ -70,22 +70,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import hashlib
 import json
 import logging
 import math
-import os
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from deployments.protocol import (ChatCompletionRequest, CompletionRequest, GenerationChunk, NamedToolChoice,
-                                  TokenLogprob, TopLogprob)
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from deployments.server_types import GenerationChunk
 
 logger = logging.getLogger("ray.serve")
 
@@ -247,60 +243,11 @@ def semantic_parts(model: str, revision: str, endpoint: str,
     return _digest(model, revision, endpoint, payload), text
 
 
-def model_revision(path: str | os.PathLike) -> str:
-    """The weights revision of a model folder: the hub commit when it is a hub snapshot
-    (``.../snapshots/<commit>``), else ``sha256:`` + the first 16 hex digits of a hash over
-    ``config.json``'s bytes and the name, size and modification time of every file of the
-    folder (weights, tokenizer, chat template). Copies of a folder on several nodes need the
-    same mtimes (``rsync -t``, one image) to share cache entries; a mismatch only splits them."""
-    p = Path(path)
-    if p.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", p.name):
-        return "hub:" + p.name
-    h = hashlib.sha256()
-    try:
-        h.update((p / "config.json").read_bytes())
-    except OSError:
-        pass
-    try:
-        entries = sorted(os.scandir(p), key=lambda e: e.name)
-    except OSError:
-        entries = []
-    for e in entries:
-        if e.is_file():
-            st = e.stat()
-            h.update(f"{e.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    return "sha256:" + h.hexdigest()[:16]
-
 
 # ---- entries ---------------------------------------------------------------------------------
-_CHUNK_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                   for f in dataclasses.fields(GenerationChunk)}
-
-
-def _chunk_dict(c: GenerationChunk) -> dict:
-    d = dataclasses.asdict(c)
-    return {k: v for k, v in d.items() if k != "error" and v != _CHUNK_DEFAULTS[k]}
-
-
-def _logprob(d: dict | None) -> TokenLogprob | None:
-    if d is None:
-        return None
-    tops = [TopLogprob(**t) for t in d.get("top_logprobs", [])]
-    return TokenLogprob(d["token_id"], d["token"], d["bytes"], d["logprob"], tops)
-
-
-def _chunk(d: dict) -> GenerationChunk:
-    c = GenerationChunk(**{k: v for k, v in d.items() if k not in ("logprobs", "prompt_logprobs")})
-    if d.get("logprobs") is not None:
-        c.logprobs = [_logprob(e) for e in d["logprobs"]]
-    if d.get("prompt_logprobs") is not None:
-        c.prompt_logprobs = [_logprob(e) for e in d["prompt_logprobs"]]
-    return c
-
-
 def encode_entry(streams: list[list[GenerationChunk]]) -> bytes:
     """A cached answer: each prompt's chunks as the replica sent them (JSON bytes)."""
-    return json.dumps({"v": 1, "streams": [[_chunk_dict(c) for c in s] for s in streams]},
+    return json.dumps({"v": 1, "streams": [[c.to_dict() for c in s] for s in streams]},
                       separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -313,7 +260,7 @@ def decode_entry(data: bytes) -> list[list[GenerationChunk]]:
     obj = json.loads(data)
     if not isinstance(obj, dict) or obj.get("v") != 1:
         raise ValueError("not a kvserve response cache entry (v1)")
-    return [[_chunk(d) for d in s] for s in obj["streams"]]
+    return [[GenerationChunk.from_dict(d) for d in s] for s in obj["streams"]]
 
 
 def complete(streams: list[list[GenerationChunk]], n: int) -> bool:

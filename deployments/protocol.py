@@ -1,6 +1,6 @@
-"""OpenAI API request bodies (pydantic), the OpenAI error body, and the typed stream
-from the LLM server to the ingress (:class:`GenerationChunk`). Response bodies are the
-``openai`` package's own types (built in the ingress).
+"""OpenAI API request bodies (pydantic) and the OpenAI error body. Response bodies are the
+``openai`` package's own types (built by the gateway); what crosses to the replica is in
+:mod:`deployments.server_types`.
 
 Requests follow https://platform.openai.com/docs/api-reference (chat completions and legacy
 completions): ``n``, ``logit_bias``, ``response_format`` (``json_object``, ``json_schema``),
@@ -24,14 +24,13 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.server_types import MAX_N, GenerationError
 
-#: The most choices one request may ask for (``n``, ``best_of``).
-MAX_N = 128  # OpenAI's limit
+
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -464,122 +463,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-# ---- the server -> ingress stream ---------------------------------------------------------
+# ---- ids ------------------------------------------------------------------------------------
 def random_id(prefix: str) -> str:
+    """An OpenAI-style response id: ``<prefix>-<32 hex digits>`` (``chatcmpl-...``, ``cmpl-...``)."""
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-#: Error codes of :class:`GenerationError` and the HTTP status each maps to.
-ERROR_STATUS = {
-    "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len
-    "invalid_value": 400,            # a value the engine cannot honour (the message names the field)
-    "queue_full": 429,               # the replica is at capacity: retry after retry_after_s
-    "too_large": 400,                # can never be admitted (more than a replica's whole queue bound)
-    "timeout": 504,                  # ran past the server's request_timeout_s (aborted, blocks freed)
-    "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
-    "internal": 500,                 # a failure of the server itself (details in its log)
-}
-
-
-@dataclass
-class GenerationError:
-    """Why a request could not run: ``code`` is a key of :data:`ERROR_STATUS`."""
-
-    code: str
-    message: str
-    retry_after_s: float | None = None  # for "queue_full": when a retry may succeed, seconds
-
-    @property
-    def status(self) -> int:
-        """The HTTP status of this error."""
-        return ERROR_STATUS[self.code]
-
-
-@dataclass
-class TopLogprob:
-    """One candidate token at a position: id, text, UTF-8 bytes, log-probability (natural log;
-    None for the first prompt token of prompt logprobs, which has no context)."""
-
-    token_id: int
-    token: str
-    bytes: list[int]
-    logprob: float | None
-
-
-@dataclass
-class TokenLogprob(TopLogprob):
-    """The sampled token at a position, with the ``logprobs`` most likely candidates."""
-
-    top_logprobs: list[TopLogprob] = field(default_factory=list)
-
-
-@dataclass
-class GenerationChunk:
-    """What ``LLMServer.generate`` yields: one record per engine step that gives the request
-    tokens (the contract between the LLM server and the ingress or any Python-handle caller;
-    a plain dataclass, so it pickles cleanly over Ray and needs neither torch nor the engine).
-
-    Attributes:
-        text: the text new in this step (held back while it may be the start of a stop string).
-        token_ids: the token ids new in this step.
-        finished: the last record of the request.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` on the last record.
-        stop_reason: the stop string or stop token id that ended it, if any.
-        num_prompt_tokens, num_output_tokens, num_cached_tokens: tokens so far (cached: prompt
-            tokens served from the prefix cache).
-        logprobs: per new token (only when asked for).
-        prompt_logprobs: per prompt token, the first None (asked for with ``prompt_logprobs``;
-            sent once, on the first chunk).
-        prompt_text: the prompt as text, on the first chunk (asked for with ``echo``).
-        index: the choice this chunk belongs to (``n > 1`` interleaves the choices' chunks in
-            one stream; each choice ends with its own ``finished`` chunk).
-        error: set (and ``finished``) when the request could not run.
-
-    ``chunk["text"]`` works as ``chunk.text`` (the records were plain dicts before).
-    """
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    prompt_text: str | None = None
-    index: int = 0
-    error: GenerationError | None = None
-
-    def extend(self, chunk: "GenerationChunk") -> None:
-        """Fold the request's next chunk into this one (the whole generation so far): text,
-        token ids and logprobs are appended; status, counts and error are the newest."""
-        self.text += chunk.text
-        self.token_ids.extend(chunk.token_ids)
-        if chunk.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(chunk.logprobs)
-        if chunk.prompt_logprobs is not None:
-            self.prompt_logprobs = chunk.prompt_logprobs
-        if chunk.prompt_text is not None:
-            self.prompt_text = chunk.prompt_text
-        self.index = chunk.index
-        self.finished, self.finish_reason, self.stop_reason = chunk.finished, chunk.finish_reason, chunk.stop_reason
-        self.num_prompt_tokens, self.num_output_tokens = chunk.num_prompt_tokens, chunk.num_output_tokens
-        self.num_cached_tokens, self.error = chunk.num_cached_tokens, chunk.error
-
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-
-def finish_reason(engine_reason: str | None) -> str | None:
-    """Engine finish reasons -> OpenAI's (``stop``, ``length``; aborts count as ``stop``;
-    the ingress turns ``stop`` into ``tool_calls`` when it parsed tool calls)."""
-    if engine_reason is None:
-        return None
-    return "length" if engine_reason == "length" else "stop"

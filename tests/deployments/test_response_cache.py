@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from deployments.cache import (NON_OUTPUT_FIELDS, CacheSettings, MemoryStore, RedisStore, RequestOptions,
                                ResponseCache, complete, decode_entry, deterministic, encode_entry, exact_key,
-                               model_revision, request_options, semantic_parts)
-from deployments.protocol import (ChatCompletionRequest, CompletionRequest, GenerationChunk, TokenLogprob,
-                                  TopLogprob)
+                               request_options, semantic_parts)
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.server_types import GenerationChunk, TokenLogprob, TopLogprob, model_revision
 from deployments.semantic import SemanticIndex, numbers_of
 
 

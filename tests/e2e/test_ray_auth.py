@@ -154,7 +154,7 @@ try:
         from ray import serve
         llm = serve.get_deployment_handle("LLMServer", app_name="kvserve")
         out = llm.complete.remote("The capital of France is", {"max_tokens": 4, "temperature": 0}).result(timeout_s=120)
-        print("SERVE", repr(out["text"]), flush=True)
+        print("SERVE", repr(out.text), flush=True)
 except BaseException as e:
     print("REFUSED", type(e).__name__, str(e)[:500].replace("\n", " | "), flush=True)
     sys.exit(3)

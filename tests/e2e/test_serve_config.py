@@ -112,7 +112,8 @@ def test_cli_generate_runs_engine_without_ray(tiny_llama_path):
 
 
 def test_protocol_models():
-    from deployments.protocol import ChatCompletionRequest, CompletionRequest, finish_reason
+    from deployments.protocol import ChatCompletionRequest, CompletionRequest
+    from deployments.server_types import finish_reason
 
     r = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5,

@@ -23,14 +23,13 @@ def test_handle_stream_in_process(serve_app):
             "The capital of France is", {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
         return [item async for item in gen]
 
-    from deployments.protocol import GenerationChunk
+    from deployments.server_types import GenerationChunk
 
     items = asyncio.run(run())
     assert all(isinstance(i, GenerationChunk) for i in items)  # the typed server -> caller contract
     assert len(items) == 6 and items[-1].finished and items[-1].finish_reason == "length"
     assert items[0].num_prompt_tokens > 0 and all(len(i.token_ids) == 1 for i in items)
     assert not any(i.finished for i in items[:-1]) and all(i.error is None for i in items)
-    assert items[-1]["text"] == items[-1].text  # dict access, as when the records were dicts
     full = serve_app.llm.complete.remote("The capital of France is", {"max_tokens": 6, "temperature": 0,
                                                                       "ignore_eos": True}).result()
     assert full.text == "".join(i.text for i in items) and full.num_output_tokens == 6 and full.finished

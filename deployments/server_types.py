@@ -1,0 +1,283 @@
+"""What crosses between the gateway and an ``LLMServer`` replica, typed: the request
+(:class:`GenerateRequest`), the stream of records back (:class:`GenerationChunk`, with a typed
+:class:`GenerationError` when a request cannot run), and the replica's facts
+(:class:`ServerInfo`).
+
+Plain dataclasses: they pickle cleanly over Ray and need neither torch nor the engine, so the
+gateway, the replica and Python-handle callers all import them. A chunk's JSON form
+(:meth:`GenerationChunk.to_dict` / :meth:`GenerationChunk.from_dict`) is the one encoding the
+response cache stores too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+#: The most choices one request may ask for (``n``, ``best_of``).
+MAX_N = 128  # OpenAI's limit
+
+#: Error codes of :class:`GenerationError` and the HTTP status each maps to.
+ERROR_STATUS = {
+    "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len
+    "invalid_value": 400,            # a value the engine cannot honour (the message names the field)
+    "queue_full": 429,               # the replica is at capacity: retry after retry_after_s
+    "too_large": 400,                # can never be admitted (more than a replica's whole queue bound)
+    "timeout": 504,                  # ran past the server's request_timeout_s (aborted, blocks freed)
+    "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
+    "internal": 500,                 # a failure of the server itself (details in its log)
+}
+
+
+@dataclass
+class GenerationError:
+    """Why a request could not run: ``code`` is a key of :data:`ERROR_STATUS`."""
+
+    code: str
+    message: str
+    retry_after_s: float | None = None  # for "queue_full": when a retry may succeed, seconds
+
+    @property
+    def status(self) -> int:
+        """The HTTP status of this error."""
+        return ERROR_STATUS[self.code]
+
+
+@dataclass
+class TopLogprob:
+    """One candidate token at a position: id, text, UTF-8 bytes, log-probability (natural log;
+    None for the first prompt token of prompt logprobs, which has no context)."""
+
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float | None
+
+
+@dataclass
+class TokenLogprob(TopLogprob):
+    """The sampled token at a position, with the ``logprobs`` most likely candidates."""
+
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class GenerationChunk:
+    """What ``LLMServer.generate`` yields: one record per engine step that gives the request
+    tokens (the contract between the LLM server and the ingress or any Python-handle caller;
+    a plain dataclass, so it pickles cleanly over Ray and needs neither torch nor the engine).
+
+    Attributes:
+        text: the text new in this step (held back while it may be the start of a stop string).
+        token_ids: the token ids new in this step.
+        finished: the last record of the request.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` on the last record.
+        stop_reason: the stop string or stop token id that ended it, if any.
+        num_prompt_tokens, num_output_tokens, num_cached_tokens: tokens so far (cached: prompt
+            tokens served from the prefix cache).
+        logprobs: per new token (only when asked for).
+        prompt_logprobs: per prompt token, the first None (asked for with ``prompt_logprobs``;
+            sent once, on the first chunk).
+        prompt_text: the prompt as text, on the first chunk (asked for with ``echo``).
+        index: the choice this chunk belongs to (``n > 1`` interleaves the choices' chunks in
+            one stream; each choice ends with its own ``finished`` chunk).
+        error: set (and ``finished``) when the request could not run.
+    """
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_text: str | None = None
+    index: int = 0
+    error: GenerationError | None = None
+
+    def extend(self, chunk: "GenerationChunk") -> None:
+        """Fold the request's next chunk into this one (the whole generation so far): text,
+        token ids and logprobs are appended; status, counts and error are the newest."""
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.prompt_text is not None:
+            self.prompt_text = chunk.prompt_text
+        self.index = chunk.index
+        self.finished, self.finish_reason, self.stop_reason = chunk.finished, chunk.finish_reason, chunk.stop_reason
+        self.num_prompt_tokens, self.num_output_tokens = chunk.num_prompt_tokens, chunk.num_output_tokens
+        self.num_cached_tokens, self.error = chunk.num_cached_tokens, chunk.error
+
+    def to_dict(self) -> dict[str, Any]:
+        """The chunk as JSON-ready data (fields at their defaults left out; ``error`` is never
+        encoded: only finished, successful answers are stored). The one encoding of a chunk
+        outside Ray's pickling: the response cache stores it."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "error" and v != _CHUNK_DEFAULTS[k]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerationChunk":
+        """The inverse of :meth:`to_dict`."""
+        c = cls(**{k: v for k, v in d.items() if k not in ("logprobs", "prompt_logprobs")})
+        if d.get("logprobs") is not None:
+            c.logprobs = [_logprob(e) for e in d["logprobs"]]
+        if d.get("prompt_logprobs") is not None:
+            c.prompt_logprobs = [_logprob(e) for e in d["prompt_logprobs"]]
+        return c
+
+    @classmethod
+    def failed(cls, error: "GenerationError", index: int = 0) -> "GenerationChunk":
+        """The last (and only) chunk of a request that could not run or stopped: ``error`` set."""
+        return cls(finished=True, finish_reason="error", error=error, index=index)
+
+
+def _logprob(d: dict | None) -> TokenLogprob | None:
+    if d is None:
+        return None
+    tops = [TopLogprob(**t) for t in d.get("top_logprobs", [])]
+    return TokenLogprob(d["token_id"], d["token"], d["bytes"], d["logprob"], tops)
+
+
+_CHUNK_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                   for f in dataclasses.fields(GenerationChunk)}
+
+
+# ---- gateway -> replica --------------------------------------------------------------------
+@dataclass
+class GenerateRequest:
+    """One generation request as the replica takes it (``LLMServer.stream``).
+
+    Attributes:
+        prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``
+            (ignored when ``messages`` is given).
+        messages: a chat conversation (``[{"role", "content"}, ...]``, with ``tool_calls`` /
+            ``tool`` messages as transformers' templates take them); the replica applies the
+            tokenizer's chat template with the assistant generation prompt.
+        tools: OpenAI function tools for the chat template.
+        sampling_params: the engine's :class:`engine.SamplingParams` (validated when built).
+        n: choices: the replica runs ``n`` engine requests of the prompt (``1..MAX_N``).
+        request_id: the engine's id (``<request_id>-<i>`` per choice when ``n > 1``).
+        priority: lower runs first under ``scheduling_policy="priority"``.
+        echo: the first chunk of each choice carries the prompt as text (``prompt_text``).
+    """
+
+    prompt: str | list[int] | dict | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+    request_id: str = ""
+    priority: int = 0
+    echo: bool = False
+
+    @classmethod
+    def of(cls, prompt: str | list[int] | dict | None = None,
+           sampling_params: "SamplingParams | dict | None" = None, **kwargs: Any) -> "GenerateRequest":
+        """A request from the Python-handle arguments (``sampling_params`` as a dict of
+        :class:`engine.SamplingParams` fields plus ``n``, or the object itself).
+
+        Raises:
+            ValueError: a sampling value the engine cannot honour, ``n`` outside ``1..MAX_N``,
+                or neither ``prompt`` nor ``messages``.
+        """
+        n = kwargs.pop("n", 1)
+        if isinstance(sampling_params, SamplingParams):
+            sp = sampling_params
+        else:
+            d = dict(sampling_params or {})
+            n = d.pop("n", n)
+            try:
+                sp = SamplingParams(**d)
+            except TypeError as e:  # an unknown field
+                raise ValueError(str(e)) from None
+        req = cls(prompt=prompt, sampling_params=sp, n=n, **kwargs)
+        req.check()
+        return req
+
+    def check(self) -> None:
+        """Raises ValueError: ``n`` outside ``1..MAX_N``, or neither ``prompt`` nor ``messages``."""
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.prompt is None and self.messages is None:
+            raise ValueError("either prompt or messages is required")
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What one model's replicas are (``LLMServer.server_info()``; the gateway reads it once per
+    model, and ``revision`` again every few minutes for the response cache).
+
+    Attributes:
+        name: the served model name.
+        max_model_len: the context length in tokens (prompt plus output).
+        tensor_parallel_size: ranks per replica.
+        kv_cache_dtype: ``auto`` or ``fp8``.
+        quantization: None, ``int8`` or ``fp8`` (the weights').
+        speculative_config: None, or ``{"method", "num_speculative_tokens", ...}`` (no paths).
+        max_queued_requests, max_queued_prompt_tokens: a replica's admission bounds beyond the
+            running batch (requests, prompt tokens).
+        max_in_flight_requests: the most requests a replica holds at once
+            (``max_num_seqs + max_queued_requests``): a request needing more can never run.
+        tool_call_parser: the name of the parser of this model's tool calls.
+        revision: the weights' revision (:func:`model_revision`), keys the response cache.
+        workers: the tensor-parallel workers' placement (``tensor_parallel_size > 1``).
+    """
+
+    name: str
+    max_model_len: int
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    speculative_config: dict | None = None
+    max_queued_requests: int = 0
+    max_queued_prompt_tokens: int = 0
+    max_in_flight_requests: int = 0
+    tool_call_parser: str = "hermes"
+    revision: str = ""
+    workers: list | None = None
+
+
+def finish_reason(engine_reason: str | None) -> str | None:
+    """Engine finish reasons -> OpenAI's (``stop``, ``length``; aborts count as ``stop``;
+    the ingress turns ``stop`` into ``tool_calls`` when it parsed tool calls)."""
+    if engine_reason is None:
+        return None
+    return "length" if engine_reason == "length" else "stop"
+
+
+def model_revision(path: str | os.PathLike) -> str:
+    """The weights revision of a model folder: the hub commit when it is a hub snapshot
+    (``.../snapshots/<commit>``), else ``sha256:`` + the first 16 hex digits of a hash over
+    ``config.json``'s bytes and the name, size and modification time of every file of the
+    folder (weights, tokenizer, chat template). Copies of a folder on several nodes need the
+    same mtimes (``rsync -t``, one image) to share cache entries; a mismatch only splits them."""
+    p = Path(path)
+    if p.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", p.name):
+        return "hub:" + p.name
+    h = hashlib.sha256()
+    try:
+        h.update((p / "config.json").read_bytes())
+    except OSError:
+        pass
+    try:
+        entries = sorted(os.scandir(p), key=lambda e: e.name)
+    except OSError:
+        entries = []
+    for e in entries:
+        if e.is_file():
+            st = e.stat()
+            h.update(f"{e.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return "sha256:" + h.hexdigest()[:16]
