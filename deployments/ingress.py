@@ -52,15 +52,13 @@ from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    GenerationChunk,
     NamedToolChoice,
     OpenAIError,
-    TokenLogprob,
     error_body,
-    finish_reason,
     random_id,
     unknown_fields,
 )
+from deployments.server_types import GenerationChunk, TokenLogprob, finish_reason
 from deployments.tools import StreamingToolText, ToolParser, get_tool_parser, parse_forced, tool_grammar
 
 logger = logging.getLogger("ray.serve")

@@ -25,7 +25,7 @@ from typing import Any
 
 from ray import serve
 
-from deployments.protocol import GenerationChunk, GenerationError, TokenLogprob, TopLogprob
+from deployments.server_types import GenerationChunk, GenerationError, TokenLogprob, TopLogprob
 
 from cluster import reset_niceness
 
@@ -376,7 +376,8 @@ class LLMServer:
         from engine.llm_engine import PromptTooLongError
         from engine.sampling_params import SamplingParams
 
-        from deployments.protocol import MAX_N, random_id
+        from deployments.protocol import random_id
+        from deployments.server_types import MAX_N
         from deployments.tools import prepare_messages
 
         sp = dict(sampling_params or {})
@@ -634,7 +635,7 @@ class LLMServer:
         return {r: self._recent[r] for r in request_ids if r in self._recent}
 
     def model_info(self) -> dict[str, Any]:
-        from deployments.cache import model_revision
+        from deployments.server_types import model_revision
 
         info = {"id": self.model_name, "root": self.engine.model_path, "max_model_len": self.max_model_len,
                 "tensor_parallel_size": self.engine.config.tensor_parallel_size,
