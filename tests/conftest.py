@@ -12,7 +12,8 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from engine.model_loader import resolve_model  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402  (tests/ is on sys.path for this conftest)
+from helpers import free_port  # noqa: E402  (tests/ is on sys.path for this conftest)
+from tiny_models import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -62,9 +63,7 @@ def redis_server(tmp_path_factory):
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server not installed (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([exe, "--save", "", "--appendonly", "no", "--port", str(port), "--bind", "127.0.0.1",
                              "--dir", str(tmp_path_factory.mktemp("redis"))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -4,10 +4,10 @@ failed-auth throttle. Fast (no Ray, no model); the Redis tests start their own r
 import asyncio
 import hashlib
 import logging
-import socket
 import time
 
 import pytest
+from helpers import free_port
 
 from deployments import limits
 from deployments.limits import (
@@ -379,12 +379,6 @@ def test_bad_arguments():
 # --------------------------------------------------------------------------- Redis
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def redis_url(redis_server):
     return redis_server
@@ -500,7 +494,7 @@ def test_redis_bucket_keys_expire(redis_url):
 
 def test_redis_down_falls_back_to_local_with_one_warning(log_records):
     clock = FakeClock()
-    dead = f"redis://:hunter2@127.0.0.1:{_free_port()}/0"
+    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
     p = KeyPolicy("k", requests_per_minute=4, tokens_per_minute=1000)
 
     async def go():

@@ -4,11 +4,11 @@ in-process and Redis backends (LRU, TTL, byte bound, a shared Redis, a Redis tha
 the semantic level with the real all-MiniLM-L6-v2 (paraphrases, scopes, threshold)."""
 import asyncio
 import logging
-import socket
 import time
 
 import numpy as np
 import pytest
+from helpers import free_port
 from pydantic import ValidationError
 
 from deployments.cache import (NON_OUTPUT_FIELDS, CacheSettings, MemoryStore, RedisStore, RequestOptions,
@@ -292,15 +292,9 @@ def test_redis_store_lru_bytes_and_ttl(redis_server):
     assert present == b"s" and expired
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens here once the socket is closed
-
-
 def test_redis_down_is_a_miss_not_an_error(caplog):
     caplog.set_level(logging.WARNING, logger="ray.serve")
-    settings = CacheSettings(backend="redis", redis_url=f"redis://127.0.0.1:{_closed_port()}/0")
+    settings = CacheSettings(backend="redis", redis_url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
 
     async def go():
         cache = ResponseCache(settings, metrics=False)

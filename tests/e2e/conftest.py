@@ -25,21 +25,15 @@ os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_RAY_AUTH_DIR, "auth_token")
 RAY_AUTH = ensure_local_auth()  # writes the session's token (0600); subprocesses inherit the env
 os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does
 
-import socket  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 API_KEY = "sk-kvserve-test"
 ADMIN_KEY = "sk-kvserve-admin-test"  # the main app's admin key (DELETE /v1/cache)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +66,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
 
     from deployments.app import build_app
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
     # Deployments autoscale with kvserve's policy by default (1..8 replicas); max_replicas 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from helpers import DONE, aiter_sse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -114,7 +115,7 @@ def _assert_openai_error(obj: dict, *pids: int) -> dict:
 @dataclass
 class StreamResult:
     status: int | None = None
-    events: list = field(default_factory=list)  # parsed JSON events, "[DONE]" as a string
+    events: list = field(default_factory=list)  # parsed JSON events, DONE ("[DONE]") as a string
     body: str = ""  # the whole body of a non-200 answer
     tokens: int = 0  # text chunks received
     first_token: asyncio.Event = field(default_factory=asyncio.Event)
@@ -123,7 +124,7 @@ class StreamResult:
 
     @property
     def done(self) -> bool:
-        return bool(self.events) and self.events[-1] == "[DONE]"
+        return bool(self.events) and self.events[-1] == DONE
 
     @property
     def data(self) -> list[dict]:
@@ -151,11 +152,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, res: StreamRe
             if r.status_code != 200:
                 res.body = (await r.aread()).decode()
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                ev = data if data == "[DONE]" else json.loads(data)
+            async for ev in aiter_sse(r):
                 res.events.append(ev)
                 if isinstance(ev, dict) and any(c.get("text") for c in ev.get("choices", [])):
                     res.tokens += 1

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from helpers import iter_sse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -159,7 +160,7 @@ def test_server_errors_tell_no_internals():
     for err in (OpenAIIngress._failed("req-123", secret),):
         assert err.status_code == 500 and "req-123" in err.message
         assert "4242" not in err.message and "/root" not in err.message and "ActorID" not in err.message
-    event = json.loads(OpenAIIngress._stream_error("req-456", secret)[len(b"data: "):])
+    [event] = iter_sse(OpenAIIngress._stream_error("req-456", secret))
     assert "req-456" in event["error"]["message"] and "/root" not in json.dumps(event)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from helpers import sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -48,12 +49,6 @@ PROMPTS = [
 
 def _post(serve_app, path: str, body: dict, **kw) -> httpx.Response:
     return httpx.post(f"{serve_app.base_url}{path}", json=body, timeout=kw.pop("timeout", 300), **kw)
-
-
-def _sse(r: httpx.Response) -> list[dict]:
-    events = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", events[-3:]
-    return [json.loads(e) for e in events[:-1]]
 
 
 def _ingress_logs() -> str:
@@ -115,7 +110,7 @@ def test_every_endpoint_and_option_answers(serve_app):
         r = _post(serve_app, "/chat/completions", {**chat, **extra, "stream": True,
                                                    "stream_options": {"include_usage": True}})
         assert r.status_code == 200, (extra, r.text)
-        events = _sse(r)
+        events = sse_events(r)
         assert events[-1]["usage"]["completion_tokens"] > 0 and not events[-1]["choices"], extra
         assert {c["index"] for e in events for c in e["choices"]} == set(range(extra.get("n", 1))), extra
 
@@ -138,7 +133,7 @@ def test_every_endpoint_and_option_answers(serve_app):
             continue  # best_of cannot stream
         r = _post(serve_app, "/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
         assert r.status_code == 200, (extra, r.text)
-        events = _sse(r)
+        events = sse_events(r)
         assert events[-1]["usage"]["prompt_tokens"] > 0, extra
 
     for path in ("/models", f"/models/{serve_app.model}"):
@@ -151,7 +146,7 @@ def test_every_endpoint_and_option_answers(serve_app):
 def test_continuous_usage_stats_on_every_chunk(serve_app):
     r = _post(serve_app, "/chat/completions", {"messages": PARIS, "max_tokens": 8, "ignore_eos": True,
                                                 "stream": True, "stream_options": {"continuous_usage_stats": True}})
-    events = _sse(r)
+    events = sse_events(r)
     used = [e["usage"]["completion_tokens"] for e in events]
     assert all(e.get("usage") for e in events) and used == sorted(used) and used[-1] == 8
 
@@ -253,7 +248,7 @@ def test_auto_tool_calls_are_parsed_from_the_text(serve_app):
     (tc,) = choice["message"]["tool_calls"]
     assert tc["function"]["name"] == "get_weather"
     assert json.loads(tc["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
-    events = _sse(_post(serve_app, "/chat/completions", {**body, "stream": True}))
+    events = sse_events(_post(serve_app, "/chat/completions", {**body, "stream": True}))
     content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     calls = [t for e in events for c in e["choices"] for t in c["delta"].get("tool_calls") or []]
     assert "<tool_call" not in content and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
@@ -333,7 +328,7 @@ def test_n_choices(serve_app):
     assert timings[f"{r['id']}-1"]["num_cached_tokens"] >= 64
     # streamed: the choices interleave by index, each ends with its own finish_reason
     r = _post(serve_app, "/chat/completions", {**body, "n": 2, "temperature": 0.8, "stream": True})
-    events = _sse(r)
+    events = sse_events(r)
     ends = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert sorted(ends) == [0, 1]
 

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from helpers import DONE, aiter_sse
 
 pytestmark = pytest.mark.slow
 
@@ -89,13 +90,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
         if r.status_code != 200:
             out["error"] = json.loads(await r.aread())["error"]
             return out
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+        async for ev in aiter_sse(r):
+            if ev == DONE:
                 out["done"] = True
                 continue
-            ev = json.loads(line[6:])
             if "error" in ev:
                 out["error"] = ev["error"]
                 continue

@@ -16,12 +16,12 @@ import concurrent.futures
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import time
 
 import httpx
 import pytest
+from helpers import free_port
 
 # constants only: importing telemetry.metrics switches nothing on
 from telemetry.metrics import TOKEN_BUCKETS
@@ -35,12 +35,6 @@ CHAT = [{"role": "user", "content": "Count the planets of the solar system, one 
 # a shared prefix longer than a few KV blocks (16 tokens), so the later prompts hit the prefix cache
 PREFIX = ("You are a careful assistant. Answer in one short sentence, using plain words, and never repeat "
           "the question back to the user. The topic of this request is the weather on a quiet day, ")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prom:
@@ -86,7 +80,7 @@ def prometheus(serve_app, tmp_path_factory):
                    if n.get("Alive") and n.get("MetricsExportPort")]
     assert ray_targets, ray.nodes()
     d = tmp_path_factory.mktemp("prometheus")
-    port = _free_port()
+    port = free_port()
     cfg = d / "prometheus.yml"
     cfg.write_text(
         "global:\n"

@@ -9,7 +9,6 @@ itself and checks the token file it writes and where its ports listen.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,7 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_process import free_port, start_kvserve
+from cli_process import start_kvserve
+from helpers import DONE, free_port, iter_sse
 
 from cluster.ray_auth import (
     LOOPBACK_VAR,
@@ -441,10 +441,9 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
         assert ready and ready[-1] in (503, 404), ready  # 503 draining, or already deleted (404)
         for f in streams:
             code, text = f.result(timeout=240)
-            events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+            events = list(iter_sse(text))
             # no error event (the tiny model's random text may contain the word "error" itself)
-            assert code == 200 and text.rstrip().endswith("data: [DONE]") and not any("error" in e for e in events), \
-                text[-500:]
+            assert code == 200 and events[-1:] == [DONE] and not any("error" in e for e in events[:-1]), text[-500:]
             assert text.count('"text"') >= 1 and '"finish_reason":"length"' in text, text[-500:]
         pool.shutdown()
     finally:

@@ -4,12 +4,12 @@ cache, streamed and not, with the answer and usage of the first; opt-outs; sampl
 are never cached; ``DELETE /v1/cache`` needs the admin key; a paraphrase hits the semantic
 level when the request asks for it. Prompts carry a random tag so no other test's entries
 interfere."""
-import json
 import time
 import uuid
 
 import httpx
 import pytest
+from helpers import sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -22,12 +22,6 @@ def _tag() -> str:
 
 def _post(serve_app, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
     return httpx.post(f"{serve_app.base_url}{path}", json=body, headers=headers or {}, timeout=120)
-
-
-def _events(r: httpx.Response) -> list[dict]:
-    lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines and lines[-1] == "[DONE]", lines[-3:]
-    return [json.loads(e) for e in lines[:-1]]
 
 
 def _status(r: httpx.Response) -> str | None:
@@ -57,7 +51,7 @@ def test_repeated_greedy_chat_is_an_exact_hit_streamed_and_not(serve_app):
     with httpx.stream("POST", f"{serve_app.base_url}/chat/completions", json=stream, timeout=120) as r:
         assert r.status_code == 200 and _status(r) == "exact"
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = _events(r)
+        events = sse_events(r)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert text == a["choices"][0]["message"]["content"]
@@ -75,7 +69,7 @@ def test_a_streamed_miss_is_replayed_chunk_for_chunk(serve_app):
     def run():
         with httpx.stream("POST", f"{serve_app.base_url}/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
-            return _status(r), _events(r)
+            return _status(r), sse_events(r)
 
     (s1, fresh), (s2, cached) = run(), run()
     assert (s1, s2) == ("miss", "exact")  # seeded, n = 2: choice i samples with seed + i, reproducible

@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+from helpers import DONE, iter_sse
 
 from deployments.router import (PROBE_MESSAGES, PROBE_TEXT, PrefixAwareRouter, PrefixHasher, RecentPrefixes,
                                 block_hashes, least_cached, longest_match, match_depths, preferred_replicas,
@@ -474,8 +475,8 @@ def test_one_http_request_with_several_prompts(router_app):
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * 10 * 16, out["usage"]
         with client.stream("POST", f"{base}/completions", json={**body, "stream": True}) as s:
             assert s.status_code == 200
-            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]"
+            events = list(iter_sse(s))
+        assert events[-1] == DONE
 
 
 def test_router_config_builds_from_several_threads():

@@ -40,6 +40,7 @@ import zlib
 from collections import Counter
 
 import pytest
+from helpers import sse_events
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -176,12 +177,8 @@ def sse_well_formed(ctx, response, case):
     ctype = (response.headers.get("content-type") or [""])[0]
     if response.status_code != 200 or not ctype.startswith("text/event-stream"):
         return
-    events = [ln[len("data:"):].strip() for ln in response.content.decode("utf-8", "replace").split("\n")
-              if ln.startswith("data:")]
-    assert events and events[-1] == "[DONE]", f"stream does not end with [DONE]: {events[-3:]!r}"
-    for e in events[:-1]:
-        obj = json.loads(e)
-        assert "error" not in obj, f"error event in a 200 stream: {e[:300]}"
+    for obj in sse_events(response.content):  # asserts data: [DONE] last
+        assert "error" not in obj, f"error event in a 200 stream: {json.dumps(obj)[:300]}"
 
 
 @schema.parametrize()

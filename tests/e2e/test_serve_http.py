@@ -1,12 +1,12 @@
 """The kvserve Serve app over real HTTP: httpx and the official openai SDK, streaming,
 bad input, batching of concurrent streams, client disconnects."""
 import asyncio
-import json
 import time
 from typing import Literal
 
 import httpx
 import pytest
+from helpers import DONE, aiter_sse, iter_sse, sse_events
 
 from openai.types import Completion as CompletionResponse
 from openai.types import CompletionChoice
@@ -31,13 +31,6 @@ class CompletionChunk(CompletionResponse):
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def sse_events(lines):
-    """Parsed ``data:`` events of an SSE stream; the last one must be ``[DONE]``."""
-    events = [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", events[-3:]
-    return [json.loads(e) for e in events[:-1]]
-
-
 def test_chat_paris_httpx(serve_app):
     r = httpx.post(f"{serve_app.base_url}/chat/completions", timeout=120,
                    json={"model": serve_app.model, "messages": PARIS, "max_tokens": 32, "temperature": 0})
@@ -55,7 +48,7 @@ def test_chat_stream_httpx(serve_app):
                             "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = sse_events(list(r.iter_lines()))
+        events = sse_events(r)
     chunks = [ChatCompletionChunk.model_validate(e) for e in events]
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -144,7 +137,7 @@ def test_batched_prompts_and_second_model(serve_app):
     with httpx.stream("POST", f"{serve_app.base_url}/completions", timeout=120,
                       json={"model": "tiny", "prompt": ["a b c", "hello"], "max_tokens": 5, "ignore_eos": True,
                             "temperature": 0, "stream": True}) as r:
-        events = sse_events(list(r.iter_lines()))
+        events = sse_events(r)
     chunks = [CompletionChunk.model_validate(e) for e in events]
     for i in (0, 1):
         assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == body["choices"][i]["text"]
@@ -210,12 +203,10 @@ async def _stream_chat(client: httpx.AsyncClient, url: str, messages, max_tokens
     async with client.stream("POST", url, json={"messages": messages, "max_tokens": max_tokens, "temperature": 0,
                                                 "stream": True}) as r:
         assert r.status_code == 200, (await r.aread()).decode()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                ev = json.loads(line[6:])
-                if ev["choices"]:
-                    parts.append(ev["choices"][0]["delta"].get("content") or "")
-                    n += 1
+        async for ev in aiter_sse(r):
+            if ev != DONE and ev["choices"]:
+                parts.append(ev["choices"][0]["delta"].get("content") or "")
+                n += 1
     return "".join(parts), n
 
 
@@ -259,11 +250,10 @@ def test_disconnect_mid_stream_frees_blocks(serve_app):
                       json={"prompt": "Tell me a very long story about a dragon.", "max_tokens": 600,
                             "ignore_eos": True, "stream": True}) as r:
         got = 0
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                got += 1
-                if got == 3:
-                    break
+        for _ in iter_sse(r):
+            got += 1
+            if got == 3:
+                break
         mid = llm.get_stats.remote().result()
         assert mid["num_running_requests"] == 1 and mid["kv_cache_usage"] > 0
     # the response is closed: the request is aborted and its blocks go back to the pool
@@ -302,9 +292,9 @@ def test_api_key_and_tensor_parallel_app(serve_app):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
     text = ""
     with httpx.stream("POST", url, json={**rep, "stream": True}, headers=auth, timeout=60) as s:
-        for line in s.iter_lines():
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
+        for ev in iter_sse(s):
+            if ev != DONE:
+                text += ev["choices"][0]["text"]
     assert text == r.json()["choices"][0]["text"]
     from ray import serve as _serve
     stats = _serve.get_deployment_handle("LLMServer", "kvserve-auth").get_stats.remote().result(timeout_s=30)

@@ -1,0 +1,75 @@
+"""Helpers shared by the test folders: a free loopback port and the parsing of Server-Sent Events.
+
+``tests/`` is on ``sys.path`` (tests/conftest.py is not in a package), so every test folder
+imports them as ``from helpers import free_port, sse_events``.
+
+SSE as the OpenAI API streams it: ``data: <json>`` events, one per line, separated by blank
+lines, the last one ``data: [DONE]``. Parsed events are dicts, and the end marker is the string
+:data:`DONE`.
+"""
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any, AsyncIterator, Iterable, Iterator, Union
+
+DONE = "[DONE]"
+
+#: What the sync parsers read: a response (httpx or requests: anything with ``iter_lines()``,
+#: streamed or not), a whole body (``str`` or ``bytes``), or lines.
+SSESource = Union[str, bytes, Iterable[Union[str, bytes]], Any]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (nothing listens on it once this returns)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sse_event(line: Union[str, bytes]) -> Union[None, str, dict]:
+    """One line of an SSE stream: None unless it is a ``data:`` line; :data:`DONE` for
+    ``data: [DONE]``; otherwise the event's JSON (``json.loads``; raises on a malformed event)."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", "replace")
+    line = line.rstrip("\r")
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:"):]
+    if data.startswith(" "):  # the SSE format: one optional space after the colon
+        data = data[1:]
+    return DONE if data == DONE else json.loads(data)
+
+
+def _lines(source: SSESource) -> Iterable[Union[str, bytes]]:
+    if isinstance(source, bytes):
+        source = source.decode("utf-8", "replace")
+    if isinstance(source, str):
+        return source.splitlines()
+    iter_lines = getattr(source, "iter_lines", None)
+    return iter_lines() if iter_lines is not None else source
+
+
+def iter_sse(source: SSESource) -> Iterator[Union[str, dict]]:
+    """The events of an SSE stream as they arrive, :data:`DONE` included (where the stream has
+    it); an error event is a dict like any other."""
+    for line in _lines(source):
+        event = sse_event(line)
+        if event is not None:
+            yield event
+
+
+async def aiter_sse(response) -> AsyncIterator[Union[str, dict]]:
+    """:func:`iter_sse` for an httpx streamed response read asynchronously (``aiter_lines``)."""
+    async for line in response.aiter_lines():
+        event = sse_event(line)
+        if event is not None:
+            yield event
+
+
+def sse_events(source: SSESource) -> list[dict]:
+    """The JSON events of a whole SSE stream, which must end with ``data: [DONE]`` (asserted;
+    the marker is not returned)."""
+    events = list(iter_sse(source))
+    assert events and events[-1] == DONE, f"stream does not end with [DONE]: last events {events[-3:]!r}"
+    return events[:-1]
