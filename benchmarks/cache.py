@@ -1,4 +1,4 @@
-"""The ingress's response caches (``deployments/cache.py``): latency of hits and misses over
+"""The ingress's response caches (``deployments/cache/``): latency of hits and misses over
 HTTP, hit rates on a workload with repeats and paraphrases, and the two choices behind the
 semantic level (vector index, similarity threshold).
 
@@ -6,7 +6,7 @@ Parts, in one run:
 
 1. **index** (no Ray): one lookup (best inner product) among 10,000 random unit vectors of 384
    dimensions, a numpy matrix (BLAS with its default threads and with one) and
-   ``deployments.semantic.SemanticIndex.search`` against faiss-cpu ``IndexFlatIP`` (if
+   ``deployments.cache.semantic.SemanticIndex.search`` against faiss-cpu ``IndexFlatIP`` (if
    installed; one and two OpenMP threads), 500 lookups each: p50 / p90 / p99.
 2. **threshold** (no Ray): all-MiniLM-L6-v2 cosine similarity of :data:`PARAPHRASES` (26
    hand-written pairs that ask the same thing) and :data:`NEAR_MISSES` (24 hand-written pairs
@@ -135,7 +135,7 @@ def ms(xs: list[float]) -> dict:
 def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int = 0) -> dict:
     import numpy as np
 
-    from deployments.semantic import SemanticIndex
+    from deployments.cache.semantic import SemanticIndex
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, dim)).astype(np.float32)
@@ -161,7 +161,7 @@ def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int =
     idx = SemanticIndex(dim, n)
     for i in range(n):
         idx.add("scope", "m", str(i), x[i], 3600.0)
-    with threadpool_limits(limits=1, user_api="blas"):  # as in the ingress (deployments/cache.py)
+    with threadpool_limits(limits=1, user_api="blas"):  # as in the ingress (deployments/cache/response_cache.py)
         res["numpy_matvec_1_thread"] = ms(timed(lambda q: int(np.argmax(x @ q))))
         res["semantic_index_search_1_thread"] = ms(timed(lambda q: idx.search("scope", q, 2.0)))  # no hit: full scan
     try:
@@ -180,7 +180,7 @@ def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int =
 
 # ---- 2. threshold --------------------------------------------------------------------------------
 def bench_threshold() -> dict:
-    from deployments.semantic import Embedder
+    from deployments.cache.semantic import Embedder
 
     emb = Embedder(num_threads=1)
 
@@ -205,7 +205,7 @@ def bench_threshold() -> dict:
     return {"paraphrase_similarity": {f"{a} | {b}": round(float(s), 3) for (a, b), s in zip(PARAPHRASES, p)},
             "near_miss_similarity": {f"{a} | {b}": round(float(s), 3) for (a, b), s in zip(NEAR_MISSES, d)},
             "sweep": sweep, "embed_one_sentence_ms": ms(times),
-            "note": "a hit also needs equal numbers (deployments/semantic.py numbers_of): '12 times 12' / "
+            "note": "a hit also needs equal numbers (deployments/cache/semantic.py numbers_of): '12 times 12' / "
                     "'12 times 13' never hit whatever the threshold"}
 
 
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cache.json"))
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
-    result: dict = {"benchmark": "response caches (deployments/cache.py)",
+    result: dict = {"benchmark": "response caches (deployments/cache/)",
                     "command": "python benchmarks/cache.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "machine": {**machine_info(), "load_average_start": load_average()},
                     "started": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -11,7 +11,7 @@ default model (SmolLM2-135M-Instruct) on 2 fixed replicas, one torch thread each
 share this machine's 2 cores), ``--num-kv-blocks`` KV blocks per replica. For each router in
 ``--routers`` a fresh app (fresh prefix caches) runs the same arrivals:
 
-* ``prefix_aware``: ``deployments/router.py`` (the default app's router);
+* ``prefix_aware``: ``deployments/prefix_router.py`` (the default app's router);
 * ``default``: Serve's power of two choices (``prefix_aware_routing: false``);
 * ``ray_prefix_tree``: Ray's ``PrefixCacheAffinityRouter`` through :class:`RayPrefixTreeAdapter`
   (it reads ``.prompt`` / ``.messages`` attributes of Ray LLM's request objects; our
@@ -262,7 +262,7 @@ def routing_cost(tokenizer_path: str, bodies: list[dict]) -> dict:
     of each system prompt (tokenize its leading 2 KiB) and the others (cached leading text)."""
     from transformers import PreTrainedTokenizerFast
 
-    from deployments.router import PrefixHasher
+    from deployments.prefix_hasher import PrefixHasher
 
     hasher = PrefixHasher(PreTrainedTokenizerFast.from_pretrained(tokenizer_path), 16)
     first, rest, seen = [], [], set()
@@ -328,8 +328,8 @@ def main(argv=None) -> dict:
     if not routers or set(routers) - set(ROUTERS):
         ap.error(f"--routers: choose from {ROUTERS}")
 
+    from deployments.prefix_report import block_hashes
     from engine.model_loader import resolve_model
-    from deployments.router import block_hashes
 
     model_path = str(resolve_model(None))
     tok = load_tokenizer(None)

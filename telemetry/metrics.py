@@ -293,7 +293,7 @@ CACHE_LABELS = ("level", "model_name")
 
 def cache_hits() -> Metric:
     """``kvserve:response_cache_hits_total{level, model_name}``: requests answered by the
-    ingress's response cache, ``level`` ``exact`` or ``semantic`` (``deployments/cache.py``)."""
+    ingress's response cache, ``level`` ``exact`` or ``semantic`` (``deployments/cache/``)."""
     return metric("counter", "response_cache_hits", "Requests answered from the response cache, by level.",
                   CACHE_LABELS)
 

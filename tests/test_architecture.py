@@ -69,14 +69,15 @@ STEP_MAX_BODY_LINES = 25
 #: The LLM replica's entry module, and the modules of the gateway side (ingress, response cache,
 #: limits, routing, tools, ...) that neither it nor any deployments module it imports may import.
 #: A name covers its submodules too (``deployments.gateway`` covers ``deployments.gateway.x``).
+#: ``deployments.prefix_report`` (what a replica reports to the prefix router) is not gateway side.
 REPLICA_MODULE = "deployments.llm_server"
 GATEWAY_SIDE = frozenset({
     "deployments.gateway",
     "deployments.cache",
-    "deployments.semantic",
     "deployments.limits",
     "deployments.model_routing",
-    "deployments.router",
+    "deployments.prefix_router",
+    "deployments.prefix_hasher",
     "deployments.gate",
     "deployments.tools",
     "deployments.ingress",

@@ -1,5 +1,6 @@
-"""deployments.limits: key policies, token-bucket rate limiter (local and on a real Redis),
-failed-auth throttle. Fast (no Ray, no model); the Redis tests start their own redis-server."""
+"""deployments.limits: key policies (policies.py), token-bucket rate limiter (rate_limiter.py; local
+and on a real Redis), failed-auth throttle (auth_throttle.py). Fast (no Ray, no model); the Redis
+tests start their own redis-server."""
 
 import asyncio
 import hashlib
@@ -9,7 +10,7 @@ import time
 import pytest
 from helpers import free_port
 
-from deployments import limits
+from deployments.limits import policies, rate_limiter
 from deployments.limits import (
     AuthFailureThrottle,
     KeyPolicy,
@@ -37,7 +38,7 @@ class FakeClock:
 
 
 class Records(logging.Handler):
-    """Collects the records of limits.logger (attached directly: independent of propagation)."""
+    """Collects the records of rate_limiter.logger (attached directly: independent of propagation)."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
@@ -53,12 +54,12 @@ class Records(logging.Handler):
 @pytest.fixture
 def log_records():
     h = Records()
-    old = limits.logger.level
-    limits.logger.addHandler(h)
-    limits.logger.setLevel(logging.DEBUG)
+    old = rate_limiter.logger.level
+    rate_limiter.logger.addHandler(h)
+    rate_limiter.logger.setLevel(logging.DEBUG)
     yield h
-    limits.logger.removeHandler(h)
-    limits.logger.setLevel(old)
+    rate_limiter.logger.removeHandler(h)
+    rate_limiter.logger.setLevel(old)
 
 
 def run(coro):
@@ -166,13 +167,13 @@ def test_find_policy():
 
 def test_find_policy_checks_every_key(monkeypatch):
     calls = []
-    real = limits.hmac.compare_digest
+    real = policies.hmac.compare_digest
 
     def spy(a, b):
         calls.append(b)
         return real(a, b)
 
-    monkeypatch.setattr(limits.hmac, "compare_digest", spy)
+    monkeypatch.setattr(policies.hmac, "compare_digest", spy)
     ps = policies_from_keys(["k1", "k2", "k3"])
     assert find_policy(b"k1", ps) is ps[0]
     assert calls == [b"k1", b"k2", b"k3"]

@@ -1,4 +1,4 @@
-"""The ingress's response caches (deployments/cache.py, deployments/semantic.py), without Ray:
+"""The ingress's response caches (deployments/cache/), without Ray:
 the exact key (what makes two requests equal, every field that changes the output), the
 in-process and Redis backends (LRU, TTL, byte bound, a shared Redis, a Redis that is down) and
 the semantic level with the real all-MiniLM-L6-v2 (paraphrases, scopes, threshold)."""
@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from deployments.cache import (NON_OUTPUT_FIELDS, CacheSettings, MemoryStore, RedisStore, RequestOptions,
                                ResponseCache, complete, decode_entry, deterministic, encode_entry, exact_key,
                                request_options, semantic_parts)
+from deployments.cache.semantic import SemanticIndex, numbers_of
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.server_types import GenerationChunk, TokenLogprob, TopLogprob, model_revision
-from deployments.semantic import SemanticIndex, numbers_of
 
 
 def run(coro):
@@ -356,7 +356,7 @@ def test_incomplete_answers_are_not_stored():
 # ---- the semantic level (real all-MiniLM-L6-v2) ------------------------------------------------
 @pytest.fixture(scope="module")
 def embedder():
-    from deployments.semantic import Embedder, embedder_path
+    from deployments.cache.semantic import Embedder, embedder_path
 
     try:
         embedder_path()

@@ -1,4 +1,4 @@
-"""Prefix-aware replica routing (``deployments/router.py``).
+"""Prefix-aware replica routing (``deployments/prefix_router.py``, ``prefix_hasher.py``, ``prefix_report.py``).
 
 Without Ray: the router's hashes are the engine's own block hashes (same tokenization, same
 chained hash), the choice logic on hand-built depths and queue lengths, and the router object
@@ -16,9 +16,10 @@ import uuid
 import pytest
 from helpers import DONE, iter_sse
 
-from deployments.router import (PROBE_MESSAGES, PROBE_TEXT, PrefixAwareRouter, PrefixHasher, RecentPrefixes,
-                                block_hashes, least_cached, longest_match, match_depths, preferred_replicas,
-                                router_config, tokenizer_probe)
+from deployments.prefix_hasher import PrefixHasher
+from deployments.prefix_report import PROBE_MESSAGES, PROBE_TEXT, RecentPrefixes, block_hashes, tokenizer_probe
+from deployments.prefix_router import (PrefixAwareRouter, least_cached, longest_match, match_depths,
+                                       preferred_replicas, router_config)
 
 
 # ---- hashes: the engine's own --------------------------------------------------------------
@@ -483,7 +484,7 @@ def test_router_config_builds_from_several_threads():
     """Serve's RequestRouterConfig pickles the router module by value around a process-global
     register / unregister; from several threads at once (a redeploy beside a handle decoding a
     config update) the unpatched sequence fails about 1 in 400 (ValueError "... is not
-    registered for pickle by value"); deployments/router.py serialises it under a lock."""
+    registered for pickle by value"); deployments/prefix_router.py serialises it under a lock."""
     import threading
 
     from ray.serve.config import RequestRouterConfig

@@ -1,4 +1,5 @@
-"""Prefix-aware replica routing for ``LLMServer``: a Ray Serve ``RequestRouter``.
+"""Prefix-aware replica routing for ``LLMServer``: a Ray Serve ``RequestRouter`` that runs on the
+caller side (in the gateway's deployment handles, and in any driver handle).
 
 Each request goes to the replica that most recently served the longest prefix of its prompt,
 unless that replica is busier than the least-loaded one by more than a margin; then, and for
@@ -8,34 +9,25 @@ prompts no replica has seen, Serve's power of two choices on queue length decide
 What is hashed, and where
 -------------------------
 A prefix is identified exactly as the engine's prefix cache identifies it: the chained block
-hash of ``engine.kv_cache_manager.hash_block`` (vLLM's automatic prefix caching) over the
-prompt's token ids, ``block_size`` tokens per block, up to :data:`MAX_PREFIX_TOKENS`.
+hashes of :func:`deployments.prefix_report.block_hashes` (vLLM's automatic prefix caching's
+``hash_block`` over the prompt's token ids), up to ``max_prefix_tokens``.
 
-* Replica side (:class:`RecentPrefixes`): ``LLMServer.generate`` adds the chained hashes of
-  every prompt it admits (token ids as the engine got them) to a bounded LRU;
-  ``LLMServer.record_routing_stats`` reports that set (oldest first), the model folder and a
-  tokenizer probe. Serve's controller polls it every ``request_routing_stats_period_s`` and
-  broadcasts it to every router, so routers in different processes (each ingress replica,
-  driver handles) share one view.
+* Replica side (:mod:`deployments.prefix_report`): each replica reports the hashes of the
+  prompts it served recently, its model folder and a tokenizer probe; Serve's controller
+  broadcasts the reports to every router.
 * Router side (:class:`PrefixAwareRouter`): a request's prompt is tokenized with the model's
   own tokenizer (loaded once per router, off the event loop, from the folder the replicas
   report or the ``tokenizer`` kwarg), chat messages rendered with the model's chat template as
-  the engine renders them, and hashed the same way. A tokenizer probe (:data:`PROBE_TEXT`,
-  :data:`PROBE_MESSAGES`) checks that router and engine get the same ids; if not, text
-  prompts fall back to power of two choices (a warning says so). Token-id prompts need no
-  tokenizer. The router also keeps its own recent history (hash -> replica it routed to),
-  which covers the seconds before the replicas' next report.
+  the engine renders them, and hashed the same way
+  (:class:`~deployments.prefix_hasher.PrefixHasher`). A tokenizer probe
+  (:data:`~deployments.prefix_report.PROBE_TEXT`, :data:`~deployments.prefix_report.PROBE_MESSAGES`)
+  checks that router and engine get the same ids; if not, text prompts fall back to power of
+  two choices (a warning says so). Token-id prompts need no tokenizer. The router also keeps
+  its own recent history (hash -> replica it routed to), which covers the seconds before the
+  replicas' next report.
 
-Cost per request: text is tokenized only up to a power-of-two number of characters
-(:data:`_LEVEL0_CHARS` ... ``4 * max_prefix_tokens``), and the hashes of that leading text are
-cached (LRU), so requests that share a system prompt tokenize nothing after the first; tokens
-whose characters end within :data:`_CUT_MARGIN_CHARS` of the cut are dropped (a BPE merge
-across the cut could change them). Measured on this 2-core CPU (SmolLM2 tokenizer, a
-512-token system prompt plus a short user turn): ~0.5 ms uncached, ~0.03 ms cached
-(``tests/e2e/test_router.py``, ``benchmarks/routing.py``).
-
-Python's ``hash`` of a tuple of ints does not depend on ``PYTHONHASHSEED``, so equal prefixes
-give equal hashes in every process of a cluster running one Python version.
+Cost per request: see :mod:`deployments.prefix_hasher` (tokenization is bounded and its
+hashes cached; ~0.03 ms for a prompt whose leading text was seen before).
 
 Compared with Ray's ``PrefixCacheAffinityRouter`` (``ray.serve.llm``): that router keeps a
 character-level prefix tree of prompt text in one detached actor, queried with a blocking
@@ -59,14 +51,11 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from engine.kv_cache_manager import NONE_HASH, hash_block
+from deployments.prefix_hasher import PrefixHasher
+from deployments.prefix_report import MAX_PREFIX_TOKENS
 
 logger = logging.getLogger("ray.serve")
 
-#: Deepest prefix hashed, tokens (router default, and what a replica records per prompt).
-MAX_PREFIX_TOKENS = 1024
-#: Most chained block hashes one replica reports (also capped at its KV pool's block count).
-REPORTED_HASHES = 2048
 #: ``LLMServer`` methods whose requests carry a prompt to route by.
 ROUTED_METHODS = ("generate", "complete")
 #: Seconds a routing decision waits for the router's tokenizer to finish loading (the first
@@ -78,154 +67,6 @@ RESERVATION_S = 2.0
 #: Seconds a new prefix this router placed on a replica counts in that replica's footprint
 #: (until its report, every ``request_routing_stats_period_s``, includes it).
 PLACED_S = 3.0
-#: The smallest text prefix tokenized, characters; larger ones double up to ``4 * max_prefix_tokens``.
-_LEVEL0_CHARS = 256
-#: Tokens whose characters end this close to a cut are dropped (their merge could change).
-_CUT_MARGIN_CHARS = 64
-#: Fixed inputs whose token ids the replica and the router compare (see :func:`tokenizer_probe`).
-PROBE_TEXT = "kvserve routing probe: Hello, world! 12345 <b>ünïcödé</b>\n\tend."
-PROBE_MESSAGES = [{"role": "system", "content": "You are a probe."},
-                  {"role": "user", "content": "Hello, world! 12345"}]
-
-
-def block_hashes(token_ids: list[int], block_size: int, max_blocks: int) -> list[int]:
-    """Chained hashes of the first ``min(len(token_ids) // block_size, max_blocks)`` full
-    blocks, as the engine computes ``Request.block_hashes`` (``hash_block`` from ``NONE_HASH``)."""
-    out, parent = [], NONE_HASH
-    for i in range(min(len(token_ids) // block_size, max_blocks)):
-        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
-        out.append(parent)
-    return out
-
-
-def tokenizer_probe(encode_text, encode_chat) -> list[int | None]:
-    """``[hash of encode_text(PROBE_TEXT), hash of encode_chat(PROBE_MESSAGES)]`` (None where
-    that encoder fails, e.g. no chat template): equal lists mean equal tokenization."""
-    out: list[int | None] = []
-    for fn, arg in ((encode_text, PROBE_TEXT), (encode_chat, PROBE_MESSAGES)):
-        try:
-            out.append(hash(tuple(fn(arg))))
-        except Exception:
-            out.append(None)
-    return out
-
-
-class RecentPrefixes:
-    """A replica's recently served prompt prefixes: chained block hashes in an LRU of at most
-    ``limit`` entries (the most recently used last). Not thread-safe: use it from one event loop.
-
-    Args:
-        block_size: the engine's tokens per KV block.
-        limit: most hashes kept (and reported).
-        max_tokens: deepest prefix recorded per prompt, tokens.
-
-    Raises:
-        ValueError: a bound below 1.
-    """
-
-    def __init__(self, block_size: int, limit: int = REPORTED_HASHES, max_tokens: int = MAX_PREFIX_TOKENS):
-        if min(block_size, limit, max_tokens) < 1:
-            raise ValueError(f"block_size, limit and max_tokens must be >= 1, got {block_size}, {limit}, {max_tokens}")
-        self.block_size, self.limit, self.max_blocks = block_size, limit, max(1, max_tokens // block_size)
-        self._lru: OrderedDict[int, None] = OrderedDict()
-
-    def add(self, token_ids: list[int]) -> None:
-        for h in block_hashes(token_ids, self.block_size, self.max_blocks):
-            self._lru[h] = None
-            self._lru.move_to_end(h)
-        while len(self._lru) > self.limit:
-            self._lru.popitem(last=False)
-
-    def report(self) -> list[int]:
-        return list(self._lru)
-
-
-class PrefixHasher:
-    """The chained block hashes of a request's prompt (see the module docstring), with an LRU
-    cache of the hashes of leading text.
-
-    Args:
-        tokenizer: a transformers tokenizer of the served model, or None (token-id prompts only).
-        block_size: the engine's tokens per KV block.
-        max_tokens: deepest prefix hashed, tokens.
-        cache_size: entries of the leading-text cache.
-    """
-
-    def __init__(self, tokenizer, block_size: int, max_tokens: int = MAX_PREFIX_TOKENS, cache_size: int = 1024):
-        self.tokenizer, self.block_size = tokenizer, block_size
-        self.max_blocks = max(1, max_tokens // block_size)
-        self.levels = [_LEVEL0_CHARS]
-        while self.levels[-1] * 2 <= 4 * max_tokens:
-            self.levels.append(self.levels[-1] * 2)
-        self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
-
-    def of_request(self, args: tuple | list, kwargs: dict) -> list[int]:
-        """Hashes of ``LLMServer.generate(prompt, sampling_params, *, messages=, tools=, ...)``'s
-        prompt; ``[]`` when there is nothing to hash (no tokenizer for text, a malformed prompt:
-        the replica reports that error itself)."""
-        prompt = args[0] if args else kwargs.get("prompt")
-        messages = kwargs.get("messages")
-        try:
-            if messages is not None:
-                return self.of_messages(messages, kwargs.get("tools"))
-            if isinstance(prompt, dict) and len(prompt) == 1:  # vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
-                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-            if isinstance(prompt, str):
-                return self.of_text(prompt, add_special_tokens=True)
-            if isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt[:8]):
-                return block_hashes(list(prompt), self.block_size, self.max_blocks)
-        except Exception as e:  # a template error on odd messages, ...: route without affinity
-            logger.debug("prefix router: no hashes for a request (%s)", e)
-        return []
-
-    def of_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Hashes of a conversation rendered as the engine renders it (``prepare_messages``,
-        the chat template with the generation prompt, ids without added special tokens)."""
-        if self.tokenizer is None:
-            return []
-        from deployments.tools import prepare_messages
-
-        messages, tools = prepare_messages(messages, tools, self.tokenizer.chat_template)
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  tools=tools or None)
-        return self.of_text(text, add_special_tokens=False)
-
-    def of_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Hashes of the leading blocks of ``text``: all of a text shorter than the first level,
-        else those of its longest leading power-of-two characters (cached)."""
-        if self.tokenizer is None:
-            return []
-        if len(text) < self.levels[0]:
-            return block_hashes(self.tokenizer.encode(text, add_special_tokens=add_special_tokens),
-                                self.block_size, self.max_blocks)
-        cut = max(lv for lv in self.levels if lv <= len(text))
-        key = (add_special_tokens, text[:cut])
-        hashes = self._cache.get(key)
-        if hashes is not None:
-            self._cache.move_to_end(key)
-            return hashes
-        enc = self.tokenizer(key[1], add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-        ids = []
-        for tid, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]):
-            if end > cut - _CUT_MARGIN_CHARS:
-                break
-            ids.append(tid)
-        hashes = block_hashes(ids, self.block_size, self.max_blocks)
-        self._cache[key] = hashes
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
-        return hashes
-
-    def probe(self) -> list[int | None]:
-        """:func:`tokenizer_probe` of this hasher's tokenization path."""
-        tok = self.tokenizer
-
-        def chat(messages):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False)
-
-        return tokenizer_probe(lambda t: tok.encode(t, add_special_tokens=True), chat)
 
 
 def match_depths(hashes: list[int], replica_ids: list[str], reported: dict[int, tuple[str, ...]],
@@ -563,5 +404,5 @@ def router_config(block_size: int, imbalance_margin: int, tokenizer: str | None 
     kwargs: dict[str, Any] = {"block_size": block_size, "imbalance_margin": imbalance_margin}
     if tokenizer:
         kwargs["tokenizer"] = tokenizer
-    return {"request_router_class": "deployments.router:PrefixAwareRouter", "request_router_kwargs": kwargs,
+    return {"request_router_class": "deployments.prefix_router:PrefixAwareRouter", "request_router_kwargs": kwargs,
             "request_routing_stats_period_s": stats_period_s}

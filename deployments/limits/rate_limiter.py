@@ -1,232 +1,27 @@
-"""Per-API-key limits for the gateway: key policies, a token-bucket rate limiter (in-process,
-or shared by all ingress replicas through Redis) and failed-auth throttling per client address.
+"""The rate limiter: :class:`RateLimiter` keeps two token buckets per API key (Turner 1986;
+burst = one minute's worth, refill = limit / 60 per second): one for requests, one for tokens.
+A request takes 1 request and ``cost`` tokens (prompt tokens + ``max_tokens``, reserved up
+front) from both buckets at once or from neither; when the answer is done the caller settles
+with the tokens actually used and the unused part goes back (capped at the bucket's capacity).
+A request whose cost exceeds a whole bucket can never pass: :class:`NeverFits`.
 
-No Ray here and no Redis needed to import it; :class:`RateLimiter` talks to Redis only when it
-is given a ``redis_url``. Three parts:
-
-1. :class:`KeyPolicy` -- one API key and its limits, read from a key file
-   (:func:`load_key_file`) or from ``--api-key`` / ``KVSERVE_API_KEYS`` entries
-   (:func:`policies_from_keys`); :func:`find_policy` finds a request's key in constant time.
-   Key file format, one key per line::
-
-       # comment; blank lines are ignored
-       sk-plain-key                                  # the old format: a key alone
-       sk-team-a  name=team-a  rpm=60  tpm=20000  priority=-1
-       sk-batch   name=batch   rpm=inf  priority=5   # inf: no limit even when a default is set
-
-   ``rpm`` / ``tpm``: requests / tokens per minute (numbers >= 0; ``0``: none at all;
-   absent: the server's default). ``priority``: an integer for the engine scheduler, lower
-   runs first (vLLM's convention). ``name``: the label for metrics and logs, by default
-   ``"key-" + sha256(key).hexdigest()[:8]``. Errors name the line, never the key.
-
-2. :class:`RateLimiter` -- two token buckets per key (Turner 1986; burst = one minute's
-   worth, refill = limit / 60 per second): one for requests, one for tokens. A request takes
-   1 request and ``cost`` tokens (prompt tokens + ``max_tokens``, reserved up front) from
-   both buckets at once or from neither; when the answer is done the caller settles with the
-   tokens actually used and the unused part goes back (capped at the bucket's capacity).
-   A request whose cost exceeds a whole bucket can never pass: :class:`NeverFits`.
-
-3. :class:`AuthFailureThrottle` -- after ``max_failures`` missing or wrong keys from one
-   client address within ``window_s``, that address waits (sliding window log).
-
-How the gateway uses it, per request::
-
-    wait = throttle.retry_after(client_ip)          # before looking at the key
-    if wait is not None: -> 429, Retry-After: ceil(wait)
-    policy = find_policy(bearer_token, policies)
-    if policy is None: throttle.record_failure(client_ip); -> 401
-    ... parse the body, count prompt tokens ...
-    grant = await limiter.acquire(policy, prompt_tokens + max_tokens)   # RateLimited -> 429, NeverFits -> 400
-    try: ... generate ...
-    finally: await limiter.settle(grant, prompt_tokens + completion_tokens)
+Two backends: buckets in this process (each limit divided among the ingress replicas), or
+shared by all ingress replicas through Redis (Lua scripts on Redis's clock), with the local
+buckets as the fallback while Redis is down. Importing this module needs no Redis; the limiter
+talks to Redis only when it is given a ``redis_url``.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import math
-import re
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from deployments.limits.policies import KeyPolicy
+
 logger = logging.getLogger("ray.serve")
-
-__all__ = [
-    "AuthFailureThrottle",
-    "Grant",
-    "KeyPolicy",
-    "NeverFits",
-    "RateLimited",
-    "RateLimiter",
-    "find_policy",
-    "load_key_file",
-    "parse_key_lines",
-    "policies_from_keys",
-]
-
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,63}")
-_ATTRS = ("name", "rpm", "tpm", "priority")
-_ATTR_PREFIX = re.compile(r"(?:name|rpm|tpm|priority)=")
-
-
-# --------------------------------------------------------------------------- key policies
-
-
-def key_name(key: str) -> str:
-    """The default label of a key: ``"key-" + sha256(key).hexdigest()[:8]`` (safe to log)."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
-
-
-@dataclass(frozen=True)
-class KeyPolicy:
-    """One API key and its limits.
-
-    ``requests_per_minute`` / ``tokens_per_minute``: ``None`` takes the limiter's default
-    (itself possibly ``None``: no limit); ``math.inf``: no limit for this key; ``0``: nothing
-    passes. ``priority``: the engine scheduler's priority, lower runs first.
-
-    Raises:
-        ValueError: a negative or NaN limit, or a name that is not 1-64 characters of
-            ``[A-Za-z0-9._:@/+-]`` starting with a letter or digit.
-    """
-
-    key: str = field(repr=False)  # the secret: never in repr, logs or error messages
-    name: str = ""  # empty: derived from the key with key_name()
-    requests_per_minute: float | None = None
-    tokens_per_minute: float | None = None
-    priority: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            object.__setattr__(self, "name", key_name(self.key))
-        elif not _NAME_RE.fullmatch(self.name):
-            raise ValueError(f"invalid key name {self.name!r}: use 1-64 characters of [A-Za-z0-9._:@/+-]")
-        for attr in ("requests_per_minute", "tokens_per_minute"):
-            v = getattr(self, attr)
-            if v is not None and not v >= 0:  # `not >=` also catches NaN
-                raise ValueError(f"{attr} must be >= 0 or None, got {v!r}")
-
-
-def _parse_entries(entries: Iterable[tuple[int, str]], where: str) -> list[KeyPolicy]:
-    """Parse numbered ``key [attr=value ...]`` entries; errors say ``"{where} {n}"``, never the key."""
-    policies: list[KeyPolicy] = []
-    key_at: dict[str, int] = {}
-    name_at: dict[str, int] = {}
-    for n, raw in entries:
-        words = raw.split()
-        for i, w in enumerate(words):  # a word starting with '#' begins a comment
-            if w.startswith("#"):
-                words = words[:i]
-                break
-        if not words:
-            continue
-        at = f"{where} {n}"
-        key, attrs = words[0], words[1:]
-        if _ATTR_PREFIX.match(key):
-            raise ValueError(f"{at}: the key must come first, before name=, rpm=, tpm=, priority=")
-        values: dict[str, str] = {}
-        for w in attrs:
-            # Never echo the word: a key with a space in it would end up here.
-            attr, eq, value = w.partition("=")
-            if not eq or attr not in _ATTRS:
-                raise ValueError(f"{at}: unknown attribute after the key (expected name=, rpm=, tpm=, priority=)")
-            if attr in values:
-                raise ValueError(f"{at}: {attr}= given twice")
-            values[attr] = value
-        kwargs: dict = {}
-        for attr, field_name in (("rpm", "requests_per_minute"), ("tpm", "tokens_per_minute")):
-            if attr in values:
-                try:
-                    v = float(values[attr])
-                except ValueError:
-                    v = math.nan
-                if not v >= 0:
-                    raise ValueError(f"{at}: {attr}= must be a number >= 0 (or inf for no limit)")
-                kwargs[field_name] = v
-        if "priority" in values:
-            try:
-                kwargs["priority"] = int(values["priority"])
-            except ValueError:
-                raise ValueError(f"{at}: priority= must be an integer") from None
-        if "name" in values:
-            if not _NAME_RE.fullmatch(values["name"]):
-                raise ValueError(f"{at}: name= must be 1-64 characters of [A-Za-z0-9._:@/+-]")
-            kwargs["name"] = values["name"]
-        policy = KeyPolicy(key=key, **kwargs)
-        if key in key_at:
-            raise ValueError(f"{at}: duplicate key (same as {where} {key_at[key]})")
-        if policy.name in name_at:
-            raise ValueError(f"{at}: duplicate name {policy.name!r} (also {where} {name_at[policy.name]})")
-        key_at[key] = name_at[policy.name] = n
-        policies.append(policy)
-    return policies
-
-
-def parse_key_lines(lines: Iterable[str]) -> list[KeyPolicy]:
-    """Parse key-file lines (format in the module docstring); lines are numbered from 1.
-
-    Raises:
-        ValueError: an unknown attribute, a bad number or name, a duplicate key or name;
-            the message names the line number and never contains the key.
-    """
-    return _parse_entries(enumerate(lines, 1), "line")
-
-
-def load_key_file(path: str | Path) -> list[KeyPolicy]:
-    """Read a key file (UTF-8, format in the module docstring).
-
-    Raises:
-        ValueError: the file cannot be read, is not UTF-8, holds no key, or has a bad line
-            (the message starts with the path and names the line).
-    """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"API key file {path} is not UTF-8 text") from None
-    except OSError as e:
-        raise ValueError(f"cannot read API key file {path}: {e.strerror or e}") from None
-    try:
-        policies = parse_key_lines(text.splitlines())
-    except ValueError as e:
-        raise ValueError(f"API key file {path}: {e}") from None
-    if not policies:
-        raise ValueError(f"API key file {path} holds no keys")
-    return policies
-
-
-def policies_from_keys(keys: Iterable[str]) -> list[KeyPolicy]:
-    """Policies from a list of keys (``--api-key``, or ``KVSERVE_API_KEYS=k1,k2`` split at
-    commas); each entry may carry attributes after the key: ``"k1 name=ci rpm=60"``. Blank
-    entries are skipped; no entries give ``[]``.
-
-    Raises:
-        ValueError: as :func:`parse_key_lines`, naming the entry number (from 1).
-    """
-    return _parse_entries(enumerate(keys, 1), "API key entry")
-
-
-def find_policy(header_token: bytes | str, policies: Iterable[KeyPolicy]) -> KeyPolicy | None:
-    """The policy whose key equals ``header_token`` (the bytes after ``Bearer ``), else None.
-
-    Constant time over the keys: every key is compared (``hmac.compare_digest`` on the UTF-8
-    bytes), no early exit, so timing does not tell which key, or how much of one, matched.
-    Any bytes (non-ASCII included) are fine; an empty key never matches.
-    """
-    token = header_token.encode() if isinstance(header_token, str) else bytes(header_token)
-    found = None
-    for p in policies:
-        key = p.key.encode()
-        if hmac.compare_digest(token, key) and key:
-            found = p
-    return found
-
-
-# --------------------------------------------------------------------------- rate limiter
 
 
 class RateLimited(Exception):
@@ -384,7 +179,7 @@ def _limit(value: float | None, default: float | None) -> float | None:
     return None if v is None or math.isinf(v) else float(v)
 
 
-def _safe_url(url: str) -> str:
+def safe_url(url: str) -> str:
     """A Redis URL without its password, for logs."""
     try:
         u = urlsplit(url)
@@ -592,7 +387,7 @@ class RateLimiter:
         if not self._redis_warned:
             self._redis_warned = True
             logger.warning("rate limiter: Redis at %s failed (%s: %s); limits fall back to this replica's "
-                           "1/%d share until it answers again", _safe_url(self._redis_url or ""),
+                           "1/%d share until it answers again", safe_url(self._redis_url or ""),
                            type(err).__name__, err, self.divide_by)
 
     def _redis_ok(self) -> None:
@@ -604,66 +399,3 @@ class RateLimiter:
 def _arg(per_minute: float | None) -> float:
     """A limit as the Lua scripts take it: the number, or -1 for no limit."""
     return -1 if per_minute is None else per_minute
-
-
-# --------------------------------------------------------------------------- failed-auth throttle
-
-
-class AuthFailureThrottle:
-    """Slows down key guessing: after ``max_failures`` missing or wrong keys from one client
-    address within ``window_s`` seconds, that address must wait until the oldest of them
-    leaves the window (sliding window log of the last ``max_failures`` failure times).
-
-    Memory is bounded: at most ``max_clients`` addresses, least recently failed evicted
-    first (an attacker with that many addresses can push a throttled one out; it has that
-    many addresses to guess from anyway). Check :meth:`retry_after` before looking at the
-    key, and do not record failures for requests refused by it.
-
-    Raises:
-        ValueError: ``max_failures`` < 1, ``window_s`` <= 0 or ``max_clients`` < 1.
-    """
-
-    def __init__(self, max_failures: int = 20, window_s: float = 60.0, max_clients: int = 10000,
-                 clock: Callable[[], float] = time.monotonic):
-        if max_failures < 1 or not window_s > 0 or max_clients < 1:
-            raise ValueError(f"need max_failures >= 1, window_s > 0, max_clients >= 1; got "
-                             f"{max_failures}, {window_s}, {max_clients}")
-        self.max_failures = max_failures
-        self.window_s = window_s
-        self.max_clients = max_clients
-        self._clock = clock
-        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
-
-    def __len__(self) -> int:
-        """Number of client addresses tracked."""
-        return len(self._failures)
-
-    def retry_after(self, client: str) -> float | None:
-        """Seconds until ``client`` may try again (> 0), or None when it may try now."""
-        times = self._failures.get(client)
-        if times is None:
-            return None
-        now = self._clock()
-        while times and times[0] <= now - self.window_s:
-            times.popleft()
-        if not times:
-            del self._failures[client]
-            return None
-        if len(times) < self.max_failures:
-            return None
-        return times[0] + self.window_s - now
-
-    def record_failure(self, client: str) -> None:
-        """Count a missing or wrong key from ``client``."""
-        times = self._failures.get(client)
-        if times is None:
-            times = self._failures[client] = deque(maxlen=self.max_failures)
-            while len(self._failures) > self.max_clients:
-                self._failures.popitem(last=False)
-        else:
-            self._failures.move_to_end(client)
-        times.append(self._clock())
-
-    def record_success(self, client: str) -> None:
-        """Forget ``client``'s failures (it sent a valid key)."""
-        self._failures.pop(client, None)

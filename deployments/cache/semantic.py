@@ -20,7 +20,7 @@ on two 0.46 / 0.52 ms. Equal within 0.02 ms, 35 times less than the embedding it
 extra dependency. Threads matter more than the library: numpy on two BLAS threads took 0.09 /
 0.15 ms on the quiet machine but 2.8 / 52 ms in an earlier run of the same script while other
 processes kept the 2 cores busy (one thread then: 0.20 / 3.5 ms; faiss on two threads: 4.5 /
-36 ms), so the ingress pins BLAS to one thread (``deployments/cache.py``).
+36 ms), so the ingress pins BLAS to one thread (``deployments/cache/response_cache.py``).
 An approximate index only pays off far beyond the entry bound used here. Entries have a TTL and
 one least-recently-used bound over all scopes.
 

@@ -1,0 +1,266 @@
+"""The response caches of one ingress replica: :class:`ResponseCache` looks a request up in the
+exact level, then the semantic level, and stores fresh answers; :class:`Lookup` is one
+request's dealings with it.
+
+**Exact** (level ``exact``, on by default): the request's key (:mod:`deployments.cache.keys`)
+names an entry (:mod:`deployments.cache.entries`) in the backend
+(:mod:`deployments.cache.stores`: in-process or a shared Redis).
+
+**Semantic** (level ``semantic``, off by default; :mod:`deployments.cache.semantic`): the last
+user message (or the single text prompt) is embedded with all-MiniLM-L6-v2 in a worker thread;
+the request's scope is the hash of its payload with that text left out
+(:func:`~deployments.cache.keys.semantic_parts`), so system prompt, earlier turns, tools and
+sampling fields must be equal. A hit (cosine similarity >= the threshold, default
+:data:`~deployments.cache.settings.DEFAULT_SEMANTIC_THRESHOLD`, and the same numbers) answers
+with the exact-cache entry of the similar request. The vectors are per ingress replica; the
+answers they point to are in the exact backend (so a ``DELETE /v1/cache`` on a shared Redis
+reaches every replica's semantic level too: its vectors then point at nothing and are dropped).
+
+Threshold 0.92: on the 26 hand-written paraphrase pairs and 24 near-miss pairs (same template,
+different answer) of ``benchmarks/cache.py``, 0.92 kept 62 % of paraphrases and let through one
+near miss ("Celsius to Fahrenheit" / "Fahrenheit to Celsius": 0.995, no threshold separates a
+direction swap); 0.90 keeps 88 % but sits 0.04 above the next near miss (0.862). A wrong answer
+costs more than a miss, and the semantic level is opt-in for that reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.cache.entries import complete, decode_entry, encode_entry
+from deployments.cache.keys import deterministic, exact_key, semantic_parts
+from deployments.cache.settings import CacheSettings, RequestOptions
+from deployments.cache.stores import MemoryStore, RedisStore
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.server_types import GenerationChunk
+
+logger = logging.getLogger("ray.serve")
+
+#: The response header that says how the answer was found.
+CACHE_HEADER = "x-kvserve-cache"
+
+
+def _ingress_embedder():
+    """The ingress's embedder: one torch thread and one BLAS thread for this process (the
+    ingress does no other math; with two BLAS threads a 10k-entry vector search had a p99 of
+    52 ms while other processes kept the 2 cores busy, with one 3.5 ms: see
+    :mod:`deployments.cache.semantic`)."""
+    from threadpoolctl import threadpool_limits
+
+    from deployments.cache.semantic import Embedder
+
+    threadpool_limits(limits=1, user_api="blas")
+    return Embedder(num_threads=1)
+
+
+@dataclass
+class Lookup:
+    """One request's dealings with the cache.
+
+    Attributes:
+        status: the :data:`CACHE_HEADER` value: ``exact``, ``semantic``, ``miss`` or ``bypass``.
+        model: the served model name.
+        streams: the cached answer (each prompt's chunks) on a hit.
+        key: the exact key (None: not cacheable).
+        store: store the fresh answer when it completes.
+        semantic: ``(scope, vector, numbers)`` to add to the semantic index with the answer.
+    """
+
+    status: str
+    model: str = ""
+    streams: list[list[GenerationChunk]] | None = None
+    key: str | None = None
+    store: bool = False
+    semantic: tuple[str, Any, tuple[str, ...]] | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.streams is not None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {CACHE_HEADER: self.status} if self.status else {}
+
+
+#: The lookup of a deployment whose cache is off: no header, nothing stored.
+NO_CACHE = Lookup(status="")
+
+
+class ResponseCache:
+    """The exact and semantic levels of one ingress replica (see the module docstring).
+
+    Args:
+        settings: the deployment's :class:`CacheSettings`.
+        embedder_factory: builds the :class:`~deployments.cache.semantic.Embedder` (tests pass one
+            in); default: all-MiniLM-L6-v2 on one torch thread. Built in a worker thread as
+            soon as the semantic level is on; requests that want it wait for it.
+        clock: monotonic seconds.
+        metrics: record ``kvserve:response_cache_*`` (:mod:`telemetry.metrics`).
+
+    Raises:
+        ValueError: bad settings (see :class:`CacheSettings`).
+    """
+
+    def __init__(self, settings: CacheSettings, *, embedder_factory: Callable[[], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic, metrics: bool = True):
+        self.settings = settings
+        if settings.backend == "redis":
+            self.store_backend: MemoryStore | RedisStore = RedisStore(
+                settings.redis_url, settings.max_entries, settings.max_bytes, clock=clock)
+        else:
+            self.store_backend = MemoryStore(settings.max_entries, settings.max_bytes, clock=clock)
+        self.counts = {"exact": {"hits": 0, "misses": 0}, "semantic": {"hits": 0, "misses": 0}, "stores": 0}
+        self._tasks: set[asyncio.Task] = set()
+        self._metrics = None
+        if metrics:
+            from telemetry.metrics import cache_hits, cache_lookup_seconds, cache_misses
+
+            self._metrics = (cache_hits(), cache_misses(), cache_lookup_seconds())
+        self.index = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._embedder: concurrent.futures.Future | None = None
+        if settings.semantic != "off":
+            from deployments.cache.semantic import EMBEDDING_DIM, SemanticIndex
+
+            self.index = SemanticIndex(EMBEDDING_DIM, settings.semantic_max_entries, clock=clock)
+            # one thread: embeddings and index searches run off the event loop, one at a time
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-embed")
+            self._embedder = self._pool.submit(embedder_factory or _ingress_embedder)
+            self._embedder.add_done_callback(self._embedder_loaded)
+
+    @staticmethod
+    def _embedder_loaded(f: concurrent.futures.Future) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            logger.error("response cache: the semantic level is off, its embedding model failed to load: %s",
+                         f.exception())
+
+    def wants_semantic(self, opts: RequestOptions) -> bool:
+        mode = self.settings.semantic
+        return mode != "off" and (opts.semantic is True or (mode == "on" and opts.semantic is None))
+
+    def _observe(self, level: str, model: str, hit: bool, seconds: float) -> None:
+        self.counts[level]["hits" if hit else "misses"] += 1
+        if self._metrics is not None:
+            labels = {"level": level, "model_name": model}
+            try:
+                (self._metrics[0] if hit else self._metrics[1]).inc(labels)
+                self._metrics[2].observe(labels, seconds)
+            except Exception:  # metrics never fail a request
+                pass
+
+    async def lookup(self, model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest,
+                     opts: RequestOptions) -> Lookup:
+        """Look the request up (``endpoint``: ``chat`` or ``completion``). Never raises: any
+        failure of the cache is a miss (logged)."""
+        if not (opts.read or opts.write) or not deterministic(body):
+            return Lookup("bypass", model)
+        try:
+            return await self._lookup(model, revision, endpoint, body, opts)
+        except Exception as e:  # noqa: BLE001 -- the cache must never fail a request
+            logger.warning("response cache lookup failed (%s: %s); answering without it", type(e).__name__, e)
+            return Lookup("bypass", model)
+
+    async def _lookup(self, model, revision, endpoint, body, opts) -> Lookup:
+        key = exact_key(model, revision, endpoint, body)
+        look = Lookup("miss" if opts.read else "bypass", model, key=key, store=opts.write)
+        if opts.read:
+            t0 = time.perf_counter()
+            data = await self.store_backend.get(model, key)
+            streams = self._decode(data)
+            self._observe("exact", model, streams is not None, time.perf_counter() - t0)
+            if streams is not None:
+                look.status, look.streams, look.store = "exact", streams, False
+                return look
+        parts = semantic_parts(model, revision, endpoint, body) if self.wants_semantic(opts) else None
+        if parts is None or not await self._embedder_ready():
+            return look
+        from deployments.cache.semantic import numbers_of
+
+        scope, text = parts
+        numbers = numbers_of(text)
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        vec, match = await loop.run_in_executor(self._pool, self._embed_and_search, scope, text, numbers, opts.read)
+        look.semantic = (scope, vec, numbers)
+        if opts.read:
+            streams = None
+            if match is not None:
+                streams = self._decode(await self.store_backend.get(model, match))
+                if streams is None:  # its answer expired or was evicted
+                    self.index.discard(scope, match)
+            self._observe("semantic", model, streams is not None, time.perf_counter() - t0)
+            if streams is not None:
+                look.status, look.streams, look.store = "semantic", streams, False
+        return look
+
+    def _embed_and_search(self, scope: str, text: str, numbers: tuple[str, ...], search: bool):
+        vec = self._embedder.result().embed([text])[0]
+        match = self.index.search(scope, vec, self.settings.semantic_threshold, numbers) if search else None
+        return vec, (match[0] if match else None)
+
+    async def _embedder_ready(self) -> bool:
+        if self._embedder is None:
+            return False
+        try:
+            await asyncio.wrap_future(self._embedder)
+            return True
+        except Exception:  # logged once by _embedder_loaded
+            return False
+
+    @staticmethod
+    def _decode(data: bytes | None) -> list[list[GenerationChunk]] | None:
+        if data is None:
+            return None
+        try:
+            return decode_entry(data)
+        except Exception as e:  # noqa: BLE001 -- a corrupt entry is a miss
+            logger.warning("response cache: undecodable entry ignored (%s)", e)
+            return None
+
+    def store_soon(self, look: Lookup, streams: list[list[GenerationChunk]], n: int) -> None:
+        """Store a fresh answer (each prompt's chunks, ``n`` choices each) in a task of its own
+        if the lookup allows it and the answer is complete (:func:`complete`)."""
+        if not look.store or look.key is None or not complete(streams, n):
+            return
+        task = asyncio.ensure_future(self._store(look, streams))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _store(self, look: Lookup, streams: list[list[GenerationChunk]]) -> None:
+        try:
+            ok = await self.store_backend.put(look.model, look.key, encode_entry(streams), self.settings.ttl_s)
+            if ok:
+                self.counts["stores"] += 1
+            if ok and look.semantic is not None and self.index is not None:
+                scope, vec, numbers = look.semantic
+                self.index.add(scope, look.model, look.key, vec, self.settings.ttl_s, numbers)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("response cache: storing an answer failed (%s: %s)", type(e).__name__, e)
+
+    async def clear(self, model: str | None = None) -> dict[str, int]:
+        """Delete every entry (``model`` None) or one served model's: ``{"exact": n,
+        "semantic": m}`` entries deleted (exact: the live ones)."""
+        exact = await self.store_backend.clear(model)
+        semantic = self.index.clear(model) if self.index is not None else 0
+        return {"exact": exact, "semantic": semantic}
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters since this replica started and the current sizes."""
+        entries, nbytes = await self.store_backend.size()
+        return {"backend": self.store_backend.name, "ttl_s": self.settings.ttl_s,
+                "exact": {**self.counts["exact"], "entries": entries, "bytes": nbytes,
+                          "max_entries": self.settings.max_entries, "max_bytes": self.settings.max_bytes},
+                "semantic": {**self.counts["semantic"], "mode": self.settings.semantic,
+                             "threshold": self.settings.semantic_threshold,
+                             "entries": len(self.index) if self.index is not None else 0},
+                "stores": self.counts["stores"]}
+
+    async def close(self) -> None:
+        await self.store_backend.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
