@@ -19,7 +19,8 @@ from ray.serve import Application
 from autoscaling.policy import build_autoscaling_config
 from deployments.args import (APP_NAME, AppArgs, ModelArgs, app_args_from_config, fit_single_node,
                               logical_cpus_needed)
-from deployments.ingress import OpenAIIngress
+from deployments.gateway.core import GatewaySettings
+from deployments.gateway.deployment import OpenAIIngress
 from deployments.llm_server import LLMServer
 
 logger = logging.getLogger("ray.serve")
@@ -91,15 +92,19 @@ def build_app(args: AppArgs) -> Application:
     return OpenAIIngress.options(num_replicas=args.ingress_num_replicas,
                                  max_ongoing_requests=args.ingress_max_ongoing_requests,
                                  graceful_shutdown_timeout_s=drain_s,
-                                 ray_actor_options={"num_cpus": args.ingress_cpus}).bind(
-        handles, args.api_keys, max_request_body_bytes=args.max_request_body_bytes,
+                                 ray_actor_options={"num_cpus": args.ingress_cpus}).bind(handles, gateway_settings(args))
+
+
+def gateway_settings(args: AppArgs) -> GatewaySettings:
+    """The gateway's settings from the application's arguments."""
+    return GatewaySettings(
+        api_keys=args.api_keys, admin_api_keys=args.admin_api_keys, max_request_body_bytes=args.max_request_body_bytes,
+        auth_failures_per_minute=args.auth_failures_per_minute, allowed_origins=args.allowed_origins,
         max_prompts_per_request=args.max_prompts_per_request, rate_limit_rpm=args.rate_limit_rpm,
-        rate_limit_tpm=args.rate_limit_tpm, redis_url=args.redis_url,
-        auth_failures_per_minute=args.auth_failures_per_minute, num_ingress_replicas=args.ingress_num_replicas,
-        allowed_origins=args.allowed_origins, cache=args.cache_settings(), admin_api_keys=args.admin_api_keys,
+        rate_limit_tpm=args.rate_limit_tpm, redis_url=args.redis_url, num_ingress_replicas=args.ingress_num_replicas,
+        cache=args.cache_settings(),
         model_routing=None if args.model_routing is None else args.model_routing.model_dump(),
         upstream=None if args.upstream is None else args.upstream.model_dump())
 
-
-__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "llm_deployment_options", "fit_single_node",
+__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "gateway_settings", "llm_deployment_options", "fit_single_node",
            "app_args_from_config", "logical_cpus_needed"]

@@ -16,7 +16,7 @@ import types
 import typing
 
 from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
-from deployments.gate import mask_key
+from deployments.gateway.gate import mask_key
 
 
 # ---- generate (engine only) ------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """``LLMServer``: the Serve deployment that owns one :class:`engine.AsyncLLMEngine` per replica.
 
-Callers (the OpenAI ingress, or any Ray job through a ``DeploymentHandle``) stream tokens
-with ``handle.options(stream=True).generate.remote(prompt, sampling_params)``; every item
-is a plain dict (see :meth:`LLMServer.generate`), so a caller needs neither the engine nor
-torch. Cancelling the stream (an HTTP client that disconnects, or ``gen.cancel()``) aborts
+The gateway streams a typed :class:`~deployments.server_types.GenerateRequest` with
+``handle.options(stream=True).stream.remote(request)``; any Ray job streams with
+``handle.options(stream=True).generate.remote(prompt, sampling_params)``. Every item is a
+:class:`~deployments.server_types.GenerationChunk` (a plain dataclass), so a caller needs
+neither the engine nor torch. Cancelling the stream (an HTTP client that disconnects, or ``gen.cancel()``) aborts
 the request in the engine and returns its KV blocks to the pool.
 
 With ``tensor_parallel_size > 1`` the replica starts a :class:`cluster.worker_group.RayWorkerGroup`
@@ -17,25 +18,22 @@ import asyncio
 import logging
 import os
 import sys
-import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 
-from deployments.server_types import GenerationChunk, GenerationError, TokenLogprob, TopLogprob
+from engine.chat_templates import prepare_messages
+
+from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats
+from deployments.server_types import (GenerateRequest, GenerationChunk, GenerationError, ServerInfo, TokenLogprob,
+                                      TopLogprob, model_revision)
 
 from cluster import reset_niceness
 
 logger = logging.getLogger("ray.serve")
-
-#: Seconds of recent engine steps behind the ``*_tokens_per_s`` rates.
-RATE_WINDOW_S = 10.0
-#: Seconds of recent "full-ish" steps behind the capacity estimates.
-CAPACITY_WINDOW_S = 30.0
-
 
 #: Python's GIL switch interval in a replica (seconds; Python's default is 0.005). The step
 #: thread needs the GIL back after every torch op while the event loop streams tokens; with
@@ -50,166 +48,28 @@ def default_torch_threads(tensor_parallel_size: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, tensor_parallel_size))
 
 
-class StepStats:
-    """Rates and capacities from the engine's per-step :class:`engine.llm_engine.StepMetrics`
-    (registered as a stat logger of the engine).
-
-    For every step it records its end time, the wall time of its cycle (from the end of the
-    previous step when the engine ran back to back, else the model call alone), prefill and
-    decode tokens computed, tokens sampled, and whether the step was "full-ish": its batch
-    was at least half of ``max_num_seqs`` / ``max_num_batched_tokens``, or requests were still
-    waiting when it ran (the replica was saturated). Capacities are measured only on such
-    steps: ``decode capacity`` = sampled tokens / cycle time over full-ish decode steps,
-    ``prefill capacity`` = computed tokens / cycle time over full-ish prefill steps, both over
-    the last :data:`CAPACITY_WINDOW_S` (the last value is kept when no such step is recent;
-    0 means "not measured yet").
-    """
-
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.steps: deque[tuple[float, float, int, int, int, bool, bool]] = deque()
-        self.lock = threading.Lock()
-        self.last_end = 0.0
-        self.decode_capacity = 0.0
-        self.prefill_capacity = 0.0
-        self.created = time.monotonic()
-
-    def record(self, m) -> None:
-        """Add one step (a ``StepMetrics``; called in the engine's step thread)."""
-        t0, t1, n_prefill, n_decode, n_sampled = m.start, m.end, m.num_prefill_tokens, m.num_decode_tokens, m.num_sampled
-        batch, waiting = m.num_running, m.num_waiting
-        exec_s = t1 - t0
-        back_to_back = self.last_end and (t0 - self.last_end) < max(0.005, 0.25 * exec_s)
-        cycle = (t1 - self.last_end) if back_to_back else exec_s
-        self.last_end = t1
-        full_decode = n_decode > 0 and n_prefill == 0 and (batch >= max(2, self.max_num_seqs // 2) or waiting > 0)
-        full_prefill = n_prefill > 0 and (n_prefill >= self.max_num_batched_tokens // 2 or waiting > 0)
-        with self.lock:
-            self.steps.append((t1, max(cycle, 1e-6), n_prefill, n_decode, n_sampled, full_decode, full_prefill))
-            horizon = t1 - max(RATE_WINDOW_S, CAPACITY_WINDOW_S)
-            while self.steps and self.steps[0][0] < horizon:
-                self.steps.popleft()
-
-    def snapshot(self) -> dict[str, float]:
-        now = time.monotonic()
-        with self.lock:
-            steps = list(self.steps)
-        window = max(1e-3, min(RATE_WINDOW_S, now - self.created))
-        recent = [s for s in steps if s[0] >= now - RATE_WINDOW_S]
-        gen = sum(s[4] for s in recent) / window
-        pre = sum(s[2] for s in recent) / window
-        cap_from = now - CAPACITY_WINDOW_S
-        dec = [s for s in steps if s[5] and s[0] >= cap_from]
-        if dec:
-            self.decode_capacity = sum(s[4] for s in dec) / sum(s[1] for s in dec)
-        pf = [s for s in steps if s[6] and s[0] >= cap_from]
-        if pf:
-            self.prefill_capacity = sum(s[2] + s[3] for s in pf) / sum(s[1] for s in pf)
-        return {"generation_tokens_per_s": gen, "prefill_tokens_per_s": pre,
-                "decode_capacity_tokens_per_s": self.decode_capacity,
-                "prefill_capacity_tokens_per_s": self.prefill_capacity}
-
-
-class Admission:
-    """Bounded admission of one replica. A request is *in flight* from admission to its end,
-    and *queued* until its first token (waiting for a batch slot, or in prefill). The replica
-    takes at most ``max_num_seqs + max_queued_requests`` requests in flight (a full batch and a
-    bounded queue behind it) and ``max_prompt_tokens`` queued prompt tokens. A request over
-    either bound is refused at once (429 with ``Retry-After``) instead of waiting without
-    bound; one that could never fit (its prompt alone over ``max_prompt_tokens``) is a 400.
-    Accounting runs on the replica's event loop (no lock needed).
-
-    ``Retry-After`` estimate, seconds: the time the queue ahead takes to drain at the rates
-    measured over the last minute (requests by their completion rate, prompt tokens by the
-    rate first tokens came), clamped to [1, 60].
-    """
-
-    def __init__(self, max_num_seqs: int, max_queued_requests: int, max_prompt_tokens: int):
-        if min(max_num_seqs, max_queued_requests, max_prompt_tokens) < 1:
-            raise ValueError(f"admission bounds must be positive, got max_num_seqs={max_num_seqs}, "
-                             f"max_queued_requests={max_queued_requests}, max_prompt_tokens={max_prompt_tokens}")
-        self.max_num_seqs, self.max_requests, self.max_prompt_tokens = (max_num_seqs, max_queued_requests,
-                                                                        max_prompt_tokens)
-        self.in_flight = 0
-        self.queued_requests = 0
-        self.queued_tokens = 0
-        self.finished: deque[float] = deque()  # end times of the last 60 s
-        self.refused: deque[float] = deque()  # times of the queue_full refusals of the last 60 s
-        self.started: deque[tuple[float, int]] = deque()  # (first-token time, prompt tokens), last 60 s
-
-    @property
-    def max_in_flight(self) -> int:
-        return self.max_num_seqs + self.max_requests
-
-    def admit(self, num_prompt_tokens: int) -> GenerationError | None:
-        """Take a slot for a prompt of ``num_prompt_tokens`` tokens, or say why not: a
-        :class:`GenerationError` ``too_large`` (400) or ``queue_full`` (429, with
-        ``retry_after_s``)."""
-        if num_prompt_tokens > self.max_prompt_tokens:
-            return GenerationError("too_large", f"the prompt is {num_prompt_tokens} tokens; a replica queues at most "
-                                                f"{self.max_prompt_tokens} prompt tokens (max_queued_prompt_tokens)")
-        if self.in_flight >= self.max_in_flight:
-            self.refused.append(time.monotonic())
-            return GenerationError("queue_full", f"the model is at capacity ({self.in_flight} requests running or "
-                                                 "queued), retry later", self.retry_after())
-        if self.queued_requests and self.queued_tokens + num_prompt_tokens > self.max_prompt_tokens:
-            self.refused.append(time.monotonic())
-            return GenerationError("queue_full", f"the model's queue is full ({self.queued_tokens} prompt tokens "
-                                                 "waiting), retry later", self.retry_after())
-        self.in_flight += 1
-        self.queued_requests += 1
-        self.queued_tokens += num_prompt_tokens
-        return None
-
-    def start(self, num_prompt_tokens: int) -> None:
-        """The request got its first token: it leaves the queue (still in flight)."""
-        self.queued_requests -= 1
-        self.queued_tokens -= num_prompt_tokens
-        self.started.append((time.monotonic(), num_prompt_tokens))
-
-    def end(self, num_prompt_tokens: int, started: bool) -> None:
-        """The request ended (finished, failed, aborted), ``started`` or still queued."""
-        self.in_flight -= 1
-        if not started:
-            self.queued_requests -= 1
-            self.queued_tokens -= num_prompt_tokens
-        self.finished.append(time.monotonic())
-
-    def recently_refused(self, window_s: float) -> int:
-        """Requests refused as ``queue_full`` in the last ``window_s`` seconds: demand the bounded
-        queue turned away, which the autoscaler counts as waiting (it would have queued)."""
-        now = time.monotonic()
-        while self.refused and self.refused[0] < now - 60.0:
-            self.refused.popleft()
-        return sum(1 for t in self.refused if t >= now - window_s)
-
-    def retry_after(self) -> float:
-        now = time.monotonic()
-        while self.finished and self.finished[0] < now - 60.0:
-            self.finished.popleft()
-        while self.started and self.started[0][0] < now - 60.0:
-            self.started.popleft()
-        est = 1.0
-        if self.finished:
-            span = max(1.0, now - self.finished[0])
-            est = max(est, (self.in_flight - self.max_num_seqs + 1) / (len(self.finished) / span))
-        if self.started and self.queued_tokens:
-            span = max(1.0, now - self.started[0][0])
-            est = max(est, self.queued_tokens / max(sum(n for _, n in self.started) / span, 1e-9))
-        return float(min(60.0, est))
-
-
-class OverloadedError(RuntimeError):
-    """The replica's queue is full (a Python caller without ``return_errors``); ``error``
-    holds the :class:`GenerationError` with ``retry_after_s``."""
-
-    def __init__(self, error: GenerationError):
-        super().__init__(error.message)
-        self.error = error
-
-
 class _TooLarge(ValueError):
     """A request this replica can never admit (code ``too_large``)."""
+
+
+def _engine_dead(index: int = 0, during: bool = False) -> GenerationChunk:
+    """The last chunk of a request whose engine stopped (before it started, or ``during`` it)."""
+    what = "stopped during this request" if during else "has stopped"
+    return GenerationChunk.failed(GenerationError(
+        "engine_dead", f"the model server's engine {what} and is being restarted; retry later"), index)
+
+
+def _exception(err: GenerationError) -> Exception:
+    """The exception a Python-handle caller of ``generate`` gets for an error chunk."""
+    from engine.async_engine import EngineDeadError
+
+    if err.code == "queue_full":
+        return OverloadedError(err)
+    if err.code == "engine_dead":
+        return EngineDeadError(err.message)
+    if err.code == "timeout":
+        return TimeoutError(err.message)
+    return ValueError(err.message) if err.status < 500 else RuntimeError(err.message)
 
 
 async def _next_before(stream, deadline: float | None):
@@ -262,7 +122,7 @@ class LLMServer:
         request_timeout_s: a request still running after this many seconds is aborted (its
             KV blocks freed) and ends with error ``timeout`` (504); None: no limit.
         tool_call_parser: the :data:`deployments.tools.TOOL_PARSERS` name that reads this
-            model's tool calls (the ingress asks :meth:`model_info` for it).
+            model's tool calls (the gateway reads it from :meth:`server_info`).
     """
 
     def __init__(self, engine_args: dict | None = None, served_model_name: str | None = None,
@@ -315,7 +175,7 @@ class LLMServer:
 
         self.engine.add_stat_logger(on_step, self.metrics.record_finished)
         # what the prefix-aware router learns from this replica (record_routing_stats)
-        from deployments.router import REPORTED_HASHES, RecentPrefixes, tokenizer_probe
+        from deployments.prefix_report import REPORTED_HASHES, RecentPrefixes, tokenizer_probe
         from engine.llm_engine import chat_template_ids
 
         n_blocks = int(self.engine.get_stats().get("num_kv_blocks") or REPORTED_HASHES)
@@ -328,13 +188,18 @@ class LLMServer:
                     time.time() - t0, tp, self.max_model_len)
 
     # ---- generation ---------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
-                       messages: list[dict] | None = None, tools: list[dict] | None = None,
-                       request_id: str | None = None, priority: int = 0, echo: bool = False,
-                       return_errors: bool = False) -> AsyncIterator[GenerationChunk]:
-        """Stream one request: one :class:`deployments.protocol.GenerationChunk` per engine
-        step that gives it tokens (``text``, ``token_ids``, ``finished``, ``finish_reason``,
-        token counts, ``logprobs`` when asked for); the last has ``finished=True``.
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream one request: one :class:`~deployments.server_types.GenerationChunk` per
+        engine step that gives it tokens (``text``, ``token_ids``, ``finished``,
+        ``finish_reason``, token counts, ``logprobs`` when asked for); the last has
+        ``finished=True``. The gateway's seam.
+
+        A request that cannot run, or stops early, ends with a chunk whose ``error`` says why
+        (:class:`~deployments.server_types.GenerationError`: ``context_length_exceeded``,
+        ``invalid_value``, ``too_large`` 400; ``queue_full`` 429; ``timeout`` 504;
+        ``engine_dead`` 503): per-request problems are never raised (so bad requests log no
+        tracebacks). This replica's rule for the context: the prompt leaves room for one output
+        token and, when ``max_tokens`` is set, prompt plus ``max_tokens`` fit ``max_model_len``.
 
         With ``n > 1`` the replica runs ``n`` engine requests (ids ``<request_id>-<i>``; a
         given ``seed`` becomes ``seed + i``) and interleaves their chunks, each tagged with
@@ -342,58 +207,24 @@ class LLMServer:
         its prompt is computed, so the others find the prompt's KV blocks in the prefix cache
         instead of computing them again.
 
-        Args:
-            prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
-                [...]}`` (ignored when ``messages`` is given).
-            sampling_params: keyword arguments of :class:`engine.SamplingParams`
-                (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``,
-                ``logprobs``, ``prompt_logprobs``, ``logit_bias``, ``structured_outputs``,
-                ``ignore_eos``, ...) plus ``n`` (choices, default 1).
-            messages: a chat conversation (``[{"role", "content"}, ...]``, with
-                ``tool_calls`` / ``tool`` messages as transformers' templates take them); the
-                tokenizer's chat template and the assistant generation prompt are applied.
-            tools: OpenAI function tools for the chat template (a template that does not
-                render tools gets them written into the messages: see
-                :func:`deployments.tools.prepare_messages`).
-            request_id: the engine's id for the request (default: a random one).
-            priority: lower runs first under ``scheduling_policy="priority"``.
-            echo: the first chunk of each choice carries the prompt as text (``prompt_text``).
-            return_errors: yield a request that cannot start as one finished chunk with
-                ``error`` set (:class:`deployments.protocol.GenerationError`: code
-                ``context_length_exceeded`` / ``invalid_value`` / ``too_large``, 400;
-                ``queue_full``, 429; ``engine_dead``, 503) instead of raising (the ingress
-                uses it, so bad requests log no tracebacks).
-
         Raises:
-            ValueError: invalid sampling parameters, messages or prompt (e.g. longer than
-                the model's context, or ``max_tokens`` that does not fit after it); raised
-                before anything is generated.
-            OverloadedError: the replica's queue is full (retry later).
-            EngineDeadError: the engine (or one of its tensor-parallel workers) died.
-            RuntimeError: the request failed inside the engine after it started.
+            RuntimeError: a failure of the engine itself (not of the request).
         """
         from engine.async_engine import EngineDeadError
         from engine.llm_engine import PromptTooLongError
-        from engine.sampling_params import SamplingParams
 
         from deployments.protocol import random_id
-        from deployments.server_types import MAX_N
-        from deployments.tools import prepare_messages
 
-        sp = dict(sampling_params or {})
-        n = sp.pop("n", 1)
-        request_id = request_id or random_id("req")
+        params, n = request.sampling_params, request.n
+        request_id = request.request_id or random_id("req")
         try:
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-                raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
-            params = SamplingParams(**sp)
-            if messages is not None:
-                messages, tools = prepare_messages(messages, tools, self.engine.tokenizer.chat_template)
+            request.check()
+            if request.messages is not None:
+                messages, tools = prepare_messages(request.messages, request.tools,
+                                                   self.engine.tokenizer.chat_template)
                 ids = await self.engine.apply_chat_template(messages, tools)
-            elif prompt is None:
-                raise ValueError("either prompt or messages is required")
             else:
-                ids = await self.engine.encode(prompt)
+                ids = await self.engine.encode(request.prompt)
             if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
                 raise PromptTooLongError(
                     f"this model's maximum context length is {self.max_model_len} tokens; the request asks "
@@ -403,32 +234,66 @@ class LLMServer:
                 raise _TooLarge(f"n={n} choices need {n} requests at once; a replica of this model takes at "
                                 f"most {self.admission.max_in_flight} (max_num_seqs + max_queued_requests)")
         except EngineDeadError:
-            if not return_errors:
-                raise
-            yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(
-                "engine_dead", "the model server's engine has stopped and is being restarted; retry later"))
+            yield _engine_dead()
             return
         except (ValueError, TypeError) as e:
-            if not return_errors:
-                raise ValueError(str(e)) from e
             code = ("context_length_exceeded" if isinstance(e, PromptTooLongError) else
                     "too_large" if isinstance(e, _TooLarge) else "invalid_value")
-            yield GenerationChunk(finished=True, finish_reason="error", error=GenerationError(code, str(e)))
+            yield GenerationChunk.failed(GenerationError(code, str(e)))
             return
         self.prefixes.add(ids)
         prompt_text = None
-        if echo:
-            prompt_text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+        if request.echo:
+            prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
         if n == 1:
-            async for chunk in self._run(ids, params, request_id, priority, return_errors, prompt_text=prompt_text):
-                yield chunk
-            return
-        async for chunk in self._fan_out(ids, params, request_id, priority, return_errors, n, prompt_text):
+            chunks = self._run(ids, params, request_id, request.priority, prompt_text=prompt_text)
+        else:
+            chunks = self._fan_out(ids, params, request_id, request.priority, n, prompt_text)
+        async for chunk in chunks:
             yield chunk
 
-    async def _fan_out(self, ids: list[int], params, request_id: str, priority: int, return_errors: bool,
-                       n: int, prompt_text: str | None) -> AsyncIterator[GenerationChunk]:
-        """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`generate`).
+    async def generate(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
+                       messages: list[dict] | None = None, tools: list[dict] | None = None,
+                       request_id: str | None = None, priority: int = 0,
+                       echo: bool = False) -> AsyncIterator[GenerationChunk]:
+        """:meth:`stream` for Python-handle callers
+        (``handle.options(stream=True).generate.remote(prompt, {"max_tokens": 16})``), with a
+        request that cannot run raised instead of returned as an error chunk.
+
+        Args:
+            prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
+                [...]}`` (ignored when ``messages`` is given).
+            sampling_params: keyword arguments of :class:`engine.SamplingParams`
+                (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``,
+                ``logprobs``, ``prompt_logprobs``, ``logit_bias``, ``structured_outputs``,
+                ``ignore_eos``, ...) plus ``n`` (choices, default 1).
+            messages: a chat conversation (``[{"role", "content"}, ...]``); the tokenizer's
+                chat template and the assistant generation prompt are applied.
+            tools: OpenAI function tools for the chat template (a template that does not
+                render tools gets them written into the messages:
+                :func:`engine.chat_templates.prepare_messages`).
+            request_id: the engine's id for the request (default: a random one).
+            priority: lower runs first under ``scheduling_policy="priority"``.
+            echo: the first chunk of each choice carries the prompt as text (``prompt_text``).
+
+        Raises:
+            ValueError: invalid sampling parameters, messages or prompt (e.g. longer than
+                the model's context); raised before anything is generated.
+            OverloadedError: the replica's queue is full (retry later).
+            EngineDeadError: the engine (or one of its tensor-parallel workers) died.
+            TimeoutError: the request ran past the server's ``request_timeout_s``.
+            RuntimeError: the request failed inside the engine after it started.
+        """
+        request = GenerateRequest.of(prompt, sampling_params, messages=messages, tools=tools,
+                                     request_id=request_id or "", priority=priority, echo=echo)
+        async for chunk in self.stream(request):
+            if chunk.error is not None:
+                raise _exception(chunk.error)
+            yield chunk
+
+    async def _fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
+                       prompt_text: str | None) -> AsyncIterator[GenerationChunk]:
+        """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`stream`).
         A choice that fails fails the request: its error chunk ends the stream and the other
         choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all)."""
         import dataclasses
@@ -444,7 +309,7 @@ class LLMServer:
                 if seed is not None:
                     seed = params.seed + i if params.seed + i <= SEED_MAX else params.seed + i - (SEED_MAX - SEED_MIN + 1)
                 p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
-            return self._run(ids, p, f"{request_id}-{i}", priority, return_errors, index=i,
+            return self._run(ids, p, f"{request_id}-{i}", priority, index=i,
                              wait_for=prefilled if i else None, on_first=prefilled if not i else None,
                              prompt_text=prompt_text)
 
@@ -479,11 +344,10 @@ class LLMServer:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run(self, ids: list[int], params, request_id: str, priority: int, return_errors: bool,
-                   index: int = 0, wait_for: asyncio.Event | None = None,
-                   on_first: asyncio.Event | None = None,
+    async def _run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
+                   wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
                    prompt_text: str | None = None) -> AsyncIterator[GenerationChunk]:
-        """One engine request of :meth:`generate`: admission, the engine's stream as chunks
+        """One engine request of :meth:`stream`: admission, the engine's stream as chunks
         tagged ``index``, the request timeout. ``wait_for``: an event to await after
         admission, before the request enters the engine; ``on_first``: an event set once the
         request's first output arrived (its prompt is computed) or it ended; ``prompt_text``
@@ -500,9 +364,7 @@ class LLMServer:
                 if refused is not None:
                     if refused.code == "queue_full":
                         self._rejected.inc({"model_name": self.model_name, "reason": "queue_full"})
-                    if not return_errors:
-                        raise (OverloadedError(refused) if refused.code == "queue_full" else ValueError(refused.message))
-                    yield GenerationChunk(finished=True, finish_reason="error", error=refused, index=index)
+                    yield GenerationChunk.failed(refused, index)
                     return
                 admitted = True
                 if wait_for is not None:
@@ -510,20 +372,14 @@ class LLMServer:
                 stream = self.engine.generate(ids, params, request_id, priority)
                 out = await _next_before(stream, deadline)  # validates the prompt, then waits for the first token
             except EngineDeadError:
-                if not return_errors:
-                    raise
-                yield GenerationChunk(finished=True, finish_reason="error", index=index, error=GenerationError(
-                    "engine_dead", "the model server's engine has stopped and is being restarted; retry later"))
+                yield _engine_dead(index)
                 return
             except (ValueError, TypeError) as e:
-                if not return_errors:
-                    raise ValueError(str(e)) from e
                 code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
-                yield GenerationChunk(finished=True, finish_reason="error", index=index,
-                                      error=GenerationError(code, str(e)))
+                yield GenerationChunk.failed(GenerationError(code, str(e)), index)
                 return
             except TimeoutError:
-                yield self._timed_out(return_errors, index)
+                yield self._timed_out(index)
                 return
             finally:
                 if on_first is not None:
@@ -559,14 +415,10 @@ class LLMServer:
                 try:
                     out = await _next_before(stream, deadline)
                 except TimeoutError:
-                    yield self._timed_out(return_errors, index)
+                    yield self._timed_out(index)
                     return
                 except EngineDeadError:  # mid-stream (e.g. a tensor-parallel worker died): typed, retryable
-                    if not return_errors:
-                        raise
-                    yield GenerationChunk(finished=True, finish_reason="error", index=index, error=GenerationError(
-                        "engine_dead", "the model server's engine stopped during this request and is being "
-                                       "restarted; retry later"))
+                    yield _engine_dead(index, during=True)
                     return
         finally:
             if admitted:
@@ -574,15 +426,12 @@ class LLMServer:
             if stream is not None:
                 await stream.aclose()  # aborts the request in the engine unless it finished
 
-    def _timed_out(self, return_errors: bool, index: int = 0) -> GenerationChunk:
+    def _timed_out(self, index: int = 0) -> GenerationChunk:
         """The last chunk of a request that ran past ``request_timeout_s`` (the caller's
         ``finally`` aborts it in the engine, which frees its blocks)."""
         self._rejected.inc({"model_name": self.model_name, "reason": "timeout"})
         msg = f"the request ran longer than the server's limit of {self.request_timeout_s:g} s and was stopped"
-        if not return_errors:
-            raise TimeoutError(msg)
-        return GenerationChunk(finished=True, finish_reason="error", index=index,
-                               error=GenerationError("timeout", msg))
+        return GenerationChunk.failed(GenerationError("timeout", msg), index)
 
     async def complete(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
                        messages: list[dict] | None = None, request_id: str | None = None,
@@ -634,22 +483,19 @@ class LLMServer:
             return dict(self._recent)
         return {r: self._recent[r] for r in request_ids if r in self._recent}
 
-    def model_info(self) -> dict[str, Any]:
-        from deployments.server_types import model_revision
-
-        info = {"id": self.model_name, "root": self.engine.model_path, "max_model_len": self.max_model_len,
-                "tensor_parallel_size": self.engine.config.tensor_parallel_size,
-                "kv_cache_dtype": self.engine.config.kv_cache_dtype,
-                "quantization": self.engine.config.quantization,
-                "speculative_config": _public_spec(self.engine.config.speculative_config),
-                "max_queued_requests": self.admission.max_requests,
-                "max_in_flight_requests": self.admission.max_in_flight,
-                "max_queued_prompt_tokens": self.admission.max_prompt_tokens,
-                "tool_call_parser": self.tool_call_parser,
-                "revision": model_revision(self.engine.model_path)}  # the response cache's invalidation
-        if hasattr(self.engine.executor, "placement_group_info"):
-            info["workers"] = self.engine.executor.placement_group_info()
-        return info
+    def server_info(self) -> ServerInfo:
+        """What this model's replicas are (the gateway reads it once; see
+        :class:`~deployments.server_types.ServerInfo`)."""
+        cfg = self.engine.config
+        return ServerInfo(
+            name=self.model_name, max_model_len=self.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
+            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
+            speculative_config=_public_spec(cfg.speculative_config),
+            max_queued_requests=self.admission.max_requests, max_in_flight_requests=self.admission.max_in_flight,
+            max_queued_prompt_tokens=self.admission.max_prompt_tokens, tool_call_parser=self.tool_call_parser,
+            revision=model_revision(self.engine.model_path),  # the response cache's invalidation
+            workers=(self.engine.executor.placement_group_info()
+                     if hasattr(self.engine.executor, "placement_group_info") else None))
 
     def get_stats(self) -> dict[str, float]:
         """The engine's gauges and counters (``kv_cache_usage``, ``num_running_requests``,
@@ -681,7 +527,7 @@ class LLMServer:
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What the prefix-aware router (``deployments/router.py``) learns from this replica;
+        """What the prefix-aware router (``deployments/prefix_router.py``) learns from this replica;
         Serve's controller polls it every ``request_routing_stats_period_s`` and broadcasts it to
         every router: the chained block hashes of the prompt prefixes this replica served
         recently (oldest first; at most ``REPORTED_HASHES`` and the KV pool's block count), the
@@ -715,13 +561,16 @@ class LLMServer:
             EngineDeadError: as :meth:`health`.
             TimeoutError: the probe did not finish in time.
         """
+        from engine.sampling_params import SamplingParams
+
         await self.health()
         if self.stats.last_end and time.monotonic() - self.stats.last_end < recent_s:
             return {"status": "ok", "probe": False}
         t0 = time.monotonic()
         async with asyncio.timeout(timeout_s):
-            async for chunk in self.generate("ready?", {"max_tokens": 1, "temperature": 0.0},
-                                             request_id=f"ready-{os.urandom(6).hex()}", return_errors=True):
+            probe = GenerateRequest(prompt="ready?", sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                                    request_id=f"ready-{os.urandom(6).hex()}")
+            async for chunk in self.stream(probe):
                 if chunk.error is not None and chunk.error.code != "queue_full":
                     raise RuntimeError(f"readiness probe failed: {chunk.error.code}")
         return {"status": "ok", "probe": True, "probe_s": round(time.monotonic() - t0, 3)}

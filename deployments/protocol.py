@@ -29,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.server_types import MAX_N, GenerationError
+from engine.sampling_params import SamplingParams
 
 
 
@@ -232,11 +233,22 @@ class _SamplingFields(BaseModel):
             specs[0]["whitespace_flexible"] = True
         return specs[0] if specs else None
 
-    def sampling_dict(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-        """Keyword arguments for ``engine.SamplingParams`` (plus ``n``, which the LLM server
-        fans out into ``n`` engine requests)."""
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, **overrides: Any) -> SamplingParams:
+        """The engine's :class:`~engine.sampling_params.SamplingParams` of this request (as
+        vLLM's ``to_sampling_params``); ``overrides`` replace fields (e.g. a tool grammar as
+        ``structured_outputs``). ``n`` is not in it: the replica fans choices out.
+
+        Raises:
+            OpenAIError: 400 ``invalid_value`` for a value the engine cannot honour (the
+                message names the field).
+        """
+        try:
+            return SamplingParams(**{**self._sampling_fields(max_tokens, logprobs), **overrides})
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, param=str(e).split(" ", 1)[0], code="invalid_value") from None
+
+    def _sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "n": self.n,
             "max_tokens": max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,

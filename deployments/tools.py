@@ -1,5 +1,4 @@
-"""Tool calling for chat completions: the prompt side (tools and tool-call history for the
-chat template), the grammar that enforces ``tool_choice: required`` or a named function,
+"""Tool calling for chat completions, the gateway's side: the grammar that enforces ``tool_choice: required`` or a named function,
 and the parsers that turn a model's text into OpenAI ``tool_calls``.
 
 How each ``tool_choice`` runs (the approach of vLLM's OpenAI server):
@@ -15,7 +14,8 @@ How each ``tool_choice`` runs (the approach of vLLM's OpenAI server):
   arguments.
 
 Templates that know nothing of tools (no ``tools`` in their source, e.g. SmolLM2's) get the
-Hermes convention written into the messages instead (:func:`prepare_messages`): the tool
+Hermes convention written into the messages instead, by the replica
+(:func:`engine.chat_templates.prepare_messages`): the tool
 list in the system message, past calls as ``<tool_call>`` blocks, results as
 ``<tool_response>`` blocks, so the history is never silently dropped.
 """
@@ -271,49 +271,3 @@ class StreamingToolText:
 
 
 # ---- the prompt side --------------------------------------------------------------------------
-def template_knows_tools(chat_template: str | None) -> bool:
-    """Whether a chat template renders ``tools`` itself (its source mentions them)."""
-    return bool(chat_template) and "tools" in chat_template
-
-
-HERMES_SYSTEM = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}}\n</tool_call>")
-
-
-def prepare_messages(messages: list[dict], tools: list[dict] | None,
-                     chat_template: str | None) -> tuple[list[dict], list[dict] | None]:
-    """Messages (``ChatMessage.to_template`` dicts) and tools as the chat template gets them.
-
-    A template that renders tools gets both unchanged. For one that does not, the Hermes
-    convention is written into the messages: the tool list appended to the system message
-    (one is added if there is none), each past assistant tool call as a ``<tool_call>``
-    block in its content, each tool result as a user turn with a ``<tool_response>`` block.
-    Returns ``(messages, tools or None)``.
-    """
-    has_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-    if not tools and not has_calls:
-        return messages, None
-    if template_knows_tools(chat_template):
-        return messages, tools or None
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            blocks = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                 ensure_ascii=False) for c in m.pop("tool_calls")]
-            text = m.get("content") or ""
-            m["content"] = (text + "\n" if text else "") + "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in blocks)
-        elif m["role"] == "tool":
-            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
-        out.append(m)
-    if tools:
-        listing = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + listing}
-        else:
-            out.insert(0, {"role": "system", "content": listing})
-    return out, None

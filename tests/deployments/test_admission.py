@@ -6,7 +6,9 @@ import asyncio
 import pytest
 
 from deployments.args import default_admission_bounds
-from deployments.llm_server import Admission, LLMServer
+from deployments.admission import Admission
+from deployments.llm_server import LLMServer
+from deployments.server_types import GenerateRequest
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -24,7 +26,7 @@ def _server(tiny, **kw):
 
 
 async def _run(server, prompt, params, **kw):
-    chunks = [c async for c in server.generate(prompt, params, return_errors=True, **kw)]
+    chunks = [c async for c in server.stream(GenerateRequest.of(prompt, params, **kw))]
     return chunks
 
 

@@ -6,8 +6,8 @@ import json
 import jsonschema
 import pytest
 
-from deployments.tools import (StreamingToolText, get_tool_parser, parse_forced, prepare_messages,
-                               template_knows_tools, tool_grammar)
+from deployments.tools import StreamingToolText, get_tool_parser, parse_forced, tool_grammar
+from engine.chat_templates import prepare_messages, template_knows_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from helpers import iter_sse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -148,55 +147,6 @@ def test_chat_logprobs_non_streaming(serve_app):
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == r.json()["usage"]["completion_tokens"]
     assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
-
-
-def test_server_errors_tell_no_internals():
-    """A failure of the server becomes a 500 (or SSE error event) with a short message and
-    the request id; the exception's text (paths, pids, actor ids) stays in the log."""
-    from deployments.ingress import OpenAIIngress
-
-    OpenAIIngress = OpenAIIngress.func_or_class  # the class under Serve's deployment wrapper
-    secret = RuntimeError("File \"/root/.venv/x.py\", line 3, pid=4242, ActorID(ab12cd), 10.0.0.7:6379")
-    for err in (OpenAIIngress._failed("req-123", secret),):
-        assert err.status_code == 500 and "req-123" in err.message
-        assert "4242" not in err.message and "/root" not in err.message and "ActorID" not in err.message
-    [event] = iter_sse(OpenAIIngress._stream_error("req-456", secret))
-    assert "req-456" in event["error"]["message"] and "/root" not in json.dumps(event)
-
-
-def test_model_info_survives_a_full_handle_queue():
-    """A burst reaching a fresh ingress replica: every request needs the model's limits
-    (``model_info``), fetched through the same bounded handle queue as generation. Refusals
-    by that queue are retried behind one fetch; none escapes as Serve's raw 503."""
-    import types
-
-    from ray.serve.exceptions import BackPressureError
-
-    from deployments.ingress import OpenAIIngress
-
-    class Handle:  # stands in for the LLMServer handle: refuses the first three calls
-        calls = 0
-
-        @property
-        def model_info(self):
-            return types.SimpleNamespace(remote=self._remote)
-
-        async def _remote(self):
-            self.calls += 1
-            await asyncio.sleep(0.01)
-            if self.calls <= 3:
-                raise BackPressureError(num_queued_requests=3, max_queued_requests=3)
-            return {"max_model_len": 256}
-
-    cls, handle = OpenAIIngress.func_or_class, Handle()
-
-    async def burst():
-        ingress = types.SimpleNamespace(_info={}, _info_lock=asyncio.Lock(), models={"m": handle})
-        return await asyncio.gather(*(cls._model_info(ingress, "m") for _ in range(24)))
-
-    infos = asyncio.run(burst())
-    assert all(i == {"max_model_len": 256} for i in infos)
-    assert handle.calls == 4  # one fetch at a time: three refusals, one success, then the cache
 
 
 def _serve_tiny_tp2_app(name: str, route: str, tiny_llama_path):

@@ -59,7 +59,7 @@ def test_router_hashes_are_a_prefix_of_the_engines(tokenizers):
     """Text prompts, chats and chats with tools, many lengths (cuts at every level): the
     router's hashes are always a leading part of the engine's ``Request.block_hashes`` for the
     ids the engine itself computes (most of them: the text's leading power-of-two characters)."""
-    from deployments.tools import prepare_messages
+    from engine.chat_templates import prepare_messages
     from engine.llm_engine import chat_template_ids, encode_prompt
 
     eng, tok = tokenizers

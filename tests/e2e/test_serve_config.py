@@ -121,10 +121,10 @@ def test_protocol_models():
         "some_future_field": 1})
     assert r.effective_max_tokens == 7 and r.num_logprobs == 3
     assert r.messages[0].to_template() == {"role": "user", "content": "ab"}
-    sp = r.sampling_dict(r.effective_max_tokens, r.num_logprobs)
+    params = r.to_sampling_params(r.effective_max_tokens, r.num_logprobs)  # the engine's own type
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(**sp)
+    assert isinstance(params, SamplingParams)
     assert params.max_tokens == 7 and params.top_k == 5 and params.logprobs == 3 and params.temperature == 1.0
     for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "n": 0},
                 {"messages": [{"role": "user", "content": "x"}], "n": 129},
@@ -140,7 +140,7 @@ def test_protocol_models():
     specs = {"json_object": {"response_format": {"type": "json_object"}},
              "guided_regex": {"guided_regex": "a+"},
              "flexible": {"structured_outputs": {"json": {"type": "object"}, "whitespace_flexible": True}}}
-    got = {k: ChatCompletionRequest(messages=msg, **v).sampling_dict(4, None)["structured_outputs"]
+    got = {k: ChatCompletionRequest(messages=msg, **v).to_sampling_params(4, None).structured_outputs
            for k, v in specs.items()}
     assert got == {"json_object": {"json_object": True}, "guided_regex": {"regex": "a+"},
                    "flexible": {"json": {"type": "object"}, "whitespace_flexible": True}}
@@ -153,7 +153,7 @@ def test_protocol_models():
 
 
 def test_step_stats_capacity_only_from_full_steps():
-    from deployments.llm_server import StepStats
+    from deployments.admission import StepStats
     from engine.llm_engine import StepMetrics
 
     def step(t0, t1, n_prefill, n_decode, n_sampled, batch):
@@ -228,7 +228,7 @@ def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatc
     file; the banner's curl line shows a masked key."""
     from deployments.app import AppArgs
     from deployments.cli import _curl_line
-    from deployments.gate import bearer_token
+    from deployments.gateway.gate import bearer_token
     from deployments.limits import find_policy, policies_from_keys
 
     monkeypatch.setenv("KVSERVE_API_KEYS", "sk-env-one, sk-env-two")
@@ -288,8 +288,8 @@ def test_engine_settings_have_one_source():
 
 
 def test_front_ends_load_no_torch():
-    """The HTTP process (ingress), the args and the CLI parser import neither torch nor the model code."""
-    code = ("import sys; import deployments.ingress, deployments.args, engine.config, engine, cluster; "
+    """The HTTP process (gateway), the args and the CLI parser import neither torch nor the model code."""
+    code = ("import sys; import deployments.gateway.deployment, deployments.args, engine.config, engine, cluster; "
             "from deployments.cli import build_parser; build_parser(); "
             "bad = [m for m in ('torch', 'transformers', 'engine.model_runner') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")

@@ -1,4 +1,4 @@
-"""The ingress's front door: API-key check and body-size limit before any body byte is read.
+"""The gateway's front door: API-key check and body-size limit before any body byte is read.
 
 FastAPI reads and parses a request body before a route's code (or its dependencies) runs,
 so checks inside the endpoints come too late: a 10 MB body from a client without a key was
@@ -15,11 +15,11 @@ pass through untouched) that, for the API paths (``/v1/...``):
    length (chunked) as soon as it passes the limit.
 
 ``/health``, ``/ready`` and ``/metrics`` stay open; ``/docs``, ``/redoc`` and ``/openapi.json``
-follow the API's key setting. :class:`CORS` (Starlette's ``CORSMiddleware`` with the
-configured origins) sits in front of it, so a browser's preflight ``OPTIONS`` is answered
-without a key and every answer, a 401 included, carries the ``Access-Control-*`` headers. Each ingress replica runs in its own process
-and configures the gate once with :func:`configure` (the FastAPI app, middleware included,
-is frozen when the module is imported, before the replica knows its arguments).
+follow the API's key setting. Starlette's ``CORSMiddleware`` with the configured origins sits in front of it
+(:func:`install`), so a browser's preflight ``OPTIONS`` is answered
+without a key and every answer, a 401 included, carries the ``Access-Control-*`` headers. Both take their :class:`GateSettings`
+as middleware options, given by :func:`deployments.gateway.api.build_api` when it builds a
+replica's app (no module state).
 """
 from __future__ import annotations
 
@@ -58,49 +58,37 @@ class GateSettings:
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
 
 
-_settings = GateSettings()
+    @classmethod
+    def of(cls, api_keys: list[str] | list[KeyPolicy] | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+           auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE,
+           allowed_origins: list[str] | None = None) -> "GateSettings":
+        """The gate of a replica. ``api_keys``: key entries (``"<key> [name=..] [rpm=..]
+        [tpm=..] [priority=..]"``, see :mod:`deployments.limits`) or :class:`KeyPolicy`
+        objects. ``allowed_origins``: CORS origins (default ``["*"]``; ``[]``: no CORS headers).
+
+        Raises:
+            ValueError: ``max_body_bytes`` or ``auth_failures_per_minute`` < 1, or a bad key entry.
+        """
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+        if auth_failures_per_minute < 1:
+            raise ValueError(f"auth_failures_per_minute must be positive, got {auth_failures_per_minute}")
+        keys = list(api_keys or [])
+        return cls(policies=keys if all(isinstance(k, KeyPolicy) for k in keys) else policies_from_keys(keys),
+                   max_body_bytes=max_body_bytes,
+                   throttle=AuthFailureThrottle(max_failures=auth_failures_per_minute, window_s=60.0),
+                   allowed_origins=["*"] if allowed_origins is None else list(allowed_origins))
 
 
-def configure(api_keys: list[str] | list[KeyPolicy] | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE,
-              allowed_origins: list[str] | None = None) -> None:
-    """Set this process's gate (called by ``OpenAIIngress.__init__``). ``api_keys``: key
-    entries (``"<key> [name=..] [rpm=..] [tpm=..] [priority=..]"``, see
-    :mod:`deployments.limits`) or :class:`KeyPolicy` objects. ``allowed_origins``: CORS
-    origins (default ``["*"]``; ``[]``: no CORS headers at all).
-
-    Raises:
-        ValueError: ``max_body_bytes`` or ``auth_failures_per_minute`` < 1, or a bad key entry.
-    """
-    if max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    if auth_failures_per_minute < 1:
-        raise ValueError(f"auth_failures_per_minute must be positive, got {auth_failures_per_minute}")
-    keys = list(api_keys or [])
-    _settings.policies = keys if all(isinstance(k, KeyPolicy) for k in keys) else policies_from_keys(keys)
-    _settings.max_body_bytes = max_body_bytes
-    _settings.throttle = AuthFailureThrottle(max_failures=auth_failures_per_minute, window_s=60.0)
-    _settings.allowed_origins = ["*"] if allowed_origins is None else list(allowed_origins)
-
-
-class CORS:
-    """Pure ASGI middleware: Starlette's ``CORSMiddleware`` (any method and header, no
-    credentials: the API key travels in a header, never a cookie) with the origins of
-    :func:`configure`, built on the first request (the app's middleware is fixed at import,
-    before the replica knows its settings). No origins: requests pass untouched."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-        self._cors: ASGIApp | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not _settings.allowed_origins:
-            return await self.app(scope, receive, send)
-        if self._cors is None:
-            self._cors = CORSMiddleware(self.app, allow_origins=_settings.allowed_origins, allow_methods=["*"],
-                                        allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"],
-                                        max_age=600)
-        await self._cors(scope, receive, send)
+def install(app, settings: GateSettings) -> None:
+    """Add the gate to a FastAPI ``app``: :class:`RequestGate`, and in front of it (outermost)
+    Starlette's ``CORSMiddleware`` with the gate's origins (any method and header, no
+    credentials: the API key travels in a header, never a cookie), so preflights are answered
+    and every answer, 401s too, carries CORS headers. No origins: no CORS middleware."""
+    app.add_middleware(RequestGate, settings=settings)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
 
 
 def bearer_token(header: bytes) -> bytes | None:
@@ -139,8 +127,9 @@ async def _send_error(send: Send, status: int, message: str, code: str, headers:
 class RequestGate:
     """Pure ASGI middleware: see the module docstring."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, settings: GateSettings):
         self.app = app
+        self.settings = settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,7 +140,7 @@ class RequestGate:
             path = path[len(root):]
         if not (path.startswith("/v1/") or path in _DOC_PATHS):  # /health, /ready, /metrics stay open
             return await self.app(scope, receive, send)
-        s = _settings
+        s = self.settings
         headers = dict(scope.get("headers") or [])
         if s.policies:
             client = (scope.get("client") or ("unknown", 0))[0]

@@ -1,0 +1,173 @@
+"""A replica's bookkeeping beside its engine: bounded admission (:class:`Admission`) and the
+step rates and capacities the autoscaler reads (:class:`StepStats`)."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from deployments.server_types import GenerationError
+
+#: Seconds of recent engine steps behind the ``*_tokens_per_s`` rates.
+RATE_WINDOW_S = 10.0
+#: Seconds of recent "full-ish" steps behind the capacity estimates.
+CAPACITY_WINDOW_S = 30.0
+
+
+
+class StepStats:
+    """Rates and capacities from the engine's per-step :class:`engine.llm_engine.StepMetrics`
+    (registered as a stat logger of the engine).
+
+    For every step it records its end time, the wall time of its cycle (from the end of the
+    previous step when the engine ran back to back, else the model call alone), prefill and
+    decode tokens computed, tokens sampled, and whether the step was "full-ish": its batch
+    was at least half of ``max_num_seqs`` / ``max_num_batched_tokens``, or requests were still
+    waiting when it ran (the replica was saturated). Capacities are measured only on such
+    steps: ``decode capacity`` = sampled tokens / cycle time over full-ish decode steps,
+    ``prefill capacity`` = computed tokens / cycle time over full-ish prefill steps, both over
+    the last :data:`CAPACITY_WINDOW_S` (the last value is kept when no such step is recent;
+    0 means "not measured yet").
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.steps: deque[tuple[float, float, int, int, int, bool, bool]] = deque()
+        self.lock = threading.Lock()
+        self.last_end = 0.0
+        self.decode_capacity = 0.0
+        self.prefill_capacity = 0.0
+        self.created = time.monotonic()
+
+    def record(self, m) -> None:
+        """Add one step (a ``StepMetrics``; called in the engine's step thread)."""
+        t0, t1, n_prefill, n_decode, n_sampled = m.start, m.end, m.num_prefill_tokens, m.num_decode_tokens, m.num_sampled
+        batch, waiting = m.num_running, m.num_waiting
+        exec_s = t1 - t0
+        back_to_back = self.last_end and (t0 - self.last_end) < max(0.005, 0.25 * exec_s)
+        cycle = (t1 - self.last_end) if back_to_back else exec_s
+        self.last_end = t1
+        full_decode = n_decode > 0 and n_prefill == 0 and (batch >= max(2, self.max_num_seqs // 2) or waiting > 0)
+        full_prefill = n_prefill > 0 and (n_prefill >= self.max_num_batched_tokens // 2 or waiting > 0)
+        with self.lock:
+            self.steps.append((t1, max(cycle, 1e-6), n_prefill, n_decode, n_sampled, full_decode, full_prefill))
+            horizon = t1 - max(RATE_WINDOW_S, CAPACITY_WINDOW_S)
+            while self.steps and self.steps[0][0] < horizon:
+                self.steps.popleft()
+
+    def snapshot(self) -> dict[str, float]:
+        now = time.monotonic()
+        with self.lock:
+            steps = list(self.steps)
+        window = max(1e-3, min(RATE_WINDOW_S, now - self.created))
+        recent = [s for s in steps if s[0] >= now - RATE_WINDOW_S]
+        gen = sum(s[4] for s in recent) / window
+        pre = sum(s[2] for s in recent) / window
+        cap_from = now - CAPACITY_WINDOW_S
+        dec = [s for s in steps if s[5] and s[0] >= cap_from]
+        if dec:
+            self.decode_capacity = sum(s[4] for s in dec) / sum(s[1] for s in dec)
+        pf = [s for s in steps if s[6] and s[0] >= cap_from]
+        if pf:
+            self.prefill_capacity = sum(s[2] + s[3] for s in pf) / sum(s[1] for s in pf)
+        return {"generation_tokens_per_s": gen, "prefill_tokens_per_s": pre,
+                "decode_capacity_tokens_per_s": self.decode_capacity,
+                "prefill_capacity_tokens_per_s": self.prefill_capacity}
+
+
+class Admission:
+    """Bounded admission of one replica. A request is *in flight* from admission to its end,
+    and *queued* until its first token (waiting for a batch slot, or in prefill). The replica
+    takes at most ``max_num_seqs + max_queued_requests`` requests in flight (a full batch and a
+    bounded queue behind it) and ``max_prompt_tokens`` queued prompt tokens. A request over
+    either bound is refused at once (429 with ``Retry-After``) instead of waiting without
+    bound; one that could never fit (its prompt alone over ``max_prompt_tokens``) is a 400.
+    Accounting runs on the replica's event loop (no lock needed).
+
+    ``Retry-After`` estimate, seconds: the time the queue ahead takes to drain at the rates
+    measured over the last minute (requests by their completion rate, prompt tokens by the
+    rate first tokens came), clamped to [1, 60].
+    """
+
+    def __init__(self, max_num_seqs: int, max_queued_requests: int, max_prompt_tokens: int):
+        if min(max_num_seqs, max_queued_requests, max_prompt_tokens) < 1:
+            raise ValueError(f"admission bounds must be positive, got max_num_seqs={max_num_seqs}, "
+                             f"max_queued_requests={max_queued_requests}, max_prompt_tokens={max_prompt_tokens}")
+        self.max_num_seqs, self.max_requests, self.max_prompt_tokens = (max_num_seqs, max_queued_requests,
+                                                                        max_prompt_tokens)
+        self.in_flight = 0
+        self.queued_requests = 0
+        self.queued_tokens = 0
+        self.finished: deque[float] = deque()  # end times of the last 60 s
+        self.refused: deque[float] = deque()  # times of the queue_full refusals of the last 60 s
+        self.started: deque[tuple[float, int]] = deque()  # (first-token time, prompt tokens), last 60 s
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.max_num_seqs + self.max_requests
+
+    def admit(self, num_prompt_tokens: int) -> GenerationError | None:
+        """Take a slot for a prompt of ``num_prompt_tokens`` tokens, or say why not: a
+        :class:`GenerationError` ``too_large`` (400) or ``queue_full`` (429, with
+        ``retry_after_s``)."""
+        if num_prompt_tokens > self.max_prompt_tokens:
+            return GenerationError("too_large", f"the prompt is {num_prompt_tokens} tokens; a replica queues at most "
+                                                f"{self.max_prompt_tokens} prompt tokens (max_queued_prompt_tokens)")
+        if self.in_flight >= self.max_in_flight:
+            self.refused.append(time.monotonic())
+            return GenerationError("queue_full", f"the model is at capacity ({self.in_flight} requests running or "
+                                                 "queued), retry later", self.retry_after())
+        if self.queued_requests and self.queued_tokens + num_prompt_tokens > self.max_prompt_tokens:
+            self.refused.append(time.monotonic())
+            return GenerationError("queue_full", f"the model's queue is full ({self.queued_tokens} prompt tokens "
+                                                 "waiting), retry later", self.retry_after())
+        self.in_flight += 1
+        self.queued_requests += 1
+        self.queued_tokens += num_prompt_tokens
+        return None
+
+    def start(self, num_prompt_tokens: int) -> None:
+        """The request got its first token: it leaves the queue (still in flight)."""
+        self.queued_requests -= 1
+        self.queued_tokens -= num_prompt_tokens
+        self.started.append((time.monotonic(), num_prompt_tokens))
+
+    def end(self, num_prompt_tokens: int, started: bool) -> None:
+        """The request ended (finished, failed, aborted), ``started`` or still queued."""
+        self.in_flight -= 1
+        if not started:
+            self.queued_requests -= 1
+            self.queued_tokens -= num_prompt_tokens
+        self.finished.append(time.monotonic())
+
+    def recently_refused(self, window_s: float) -> int:
+        """Requests refused as ``queue_full`` in the last ``window_s`` seconds: demand the bounded
+        queue turned away, which the autoscaler counts as waiting (it would have queued)."""
+        now = time.monotonic()
+        while self.refused and self.refused[0] < now - 60.0:
+            self.refused.popleft()
+        return sum(1 for t in self.refused if t >= now - window_s)
+
+    def retry_after(self) -> float:
+        now = time.monotonic()
+        while self.finished and self.finished[0] < now - 60.0:
+            self.finished.popleft()
+        while self.started and self.started[0][0] < now - 60.0:
+            self.started.popleft()
+        est = 1.0
+        if self.finished:
+            span = max(1.0, now - self.finished[0])
+            est = max(est, (self.in_flight - self.max_num_seqs + 1) / (len(self.finished) / span))
+        if self.started and self.queued_tokens:
+            span = max(1.0, now - self.started[0][0])
+            est = max(est, self.queued_tokens / max(sum(n for _, n in self.started) / span, 1e-9))
+        return float(min(60.0, est))
+
+
+class OverloadedError(RuntimeError):
+    """The replica's queue is full (a Python caller without ``return_errors``); ``error``
+    holds the :class:`GenerationError` with ``retry_after_s``."""
+
+    def __init__(self, error: GenerationError):
+        super().__init__(error.message)
+        self.error = error

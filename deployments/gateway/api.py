@@ -1,0 +1,73 @@
+"""``build_api(gateway) -> FastAPI``: the gateway's HTTP app, its routes bound to one
+:class:`~deployments.gateway.core.Gateway` when the app is built (per replica, by the Serve
+deployment's ``__serve_build_asgi_app__``; or in-process by a test with fake replicas).
+
+Built per call, nothing at module level: the gate's settings are middleware options and
+every route closes over its gateway, so there is no module state for a replica to fill in
+and no name a route uses that is not bound when the app is built. (Ray Serve LLM's
+``make_fastapi_ingress`` binds its routes at build time for the same reason.)
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{model}``, ``GET`` and ``DELETE /v1/cache`` (admin key), ``GET /health``,
+``GET /ready``, ``GET /metrics``. Each lives in its own module of this package.
+"""
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
+from fastapi import FastAPI, Request, Response
+
+from deployments.gateway import admin, chat, completions, models, probes
+from deployments.gateway import gate
+from deployments.gateway.core import Gateway
+from deployments.gateway.errors import add_error_handlers
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def build_api(gw: Gateway, app_status=None) -> FastAPI:
+    """The HTTP app of ``gw``.
+
+    Args:
+        gw: the gateway whose state the routes use.
+        app_status: an async callable giving Serve's status of this application (``/ready``
+            tells "loading" from "not responding" with it); None outside Serve.
+    """
+    app = FastAPI(title="kvserve", description="OpenAI-compatible LLM serving on Ray Serve", version="0.1.0")
+    gate.install(app, gw.gate)  # API key and body size, before any body byte is read
+    add_error_handlers(app)
+    ready = probes.Readiness(gw, app_status)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response):
+        return await chat.chat_completions(gw, body, request, response)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request, response: Response):
+        return await completions.completions(gw, body, request, response)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return await models.list_models(gw)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        return await models.retrieve_model(gw, model_id)
+
+    @app.delete("/v1/cache")
+    async def clear_cache(request: Request, model: str | None = None):
+        return await admin.clear_cache(gw, request, model)
+
+    @app.get("/v1/cache")
+    async def get_cache_stats(request: Request):
+        return await admin.cache_stats(gw, request)
+
+    @app.get("/health")
+    async def health():
+        return await probes.health(gw)
+
+    @app.get("/ready")
+    async def readiness():
+        return await ready()
+
+    @app.get("/metrics")
+    async def metrics():
+        return await probes.metrics()
+
+    return app

@@ -1,0 +1,210 @@
+"""``POST /v1/chat/completions``: OpenAI's chat completions (streamed or whole), with tool
+calls (``tool_choice`` auto by the model family's parser, ``required`` and named forced by a
+grammar) and structured outputs."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion import ChoiceLogprobs as ChatChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkChoiceLogprobs
+from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageFunctionToolCall, Function
+from openai.types.chat.chat_completion_token_logprob import TopLogprob as OpenAITopLogprob
+
+from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
+from deployments.gateway.errors import failed, stream_error
+from deployments.gateway.streams import DONE, SSE_HEADERS, ChunkStream, sse, usage_of
+from deployments.protocol import ChatCompletionRequest, NamedToolChoice
+from deployments.server_types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
+from deployments.tools import StreamingToolText, ToolParser, get_tool_parser, parse_forced, tool_grammar
+
+logger = logging.getLogger("ray.serve")
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
+    """OpenAI's chat ``logprobs.content`` entries."""
+    return [ChatCompletionTokenLogprob(token=e.token, logprob=e.logprob, bytes=e.bytes, top_logprobs=[
+        OpenAITopLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes) for t in e.top_logprobs]) for e in entries]
+
+
+class ChatChoiceRenderer:
+    """How one chat choice's text becomes OpenAI's message: plain content, or tool calls
+    (``mode``: ``text``, ``auto`` (parsed by the model family's parser), ``required`` (a
+    grammar-forced JSON array of calls) or ``named`` (the output is the arguments of
+    ``tool_choice``'s function)); streaming and whole."""
+
+    def __init__(self, mode: str, parser: ToolParser | None, tool_choice):
+        self.mode, self.parser, self.tool_choice = mode, parser, tool_choice
+        self.role_sent = False
+        self.tool_text = StreamingToolText(parser) if mode == "auto" else None
+        self.held = ""  # required: the whole output is parsed at the end
+        self.call_id: str | None = None  # named: the call streamed so far
+        self.called = False
+
+    @staticmethod
+    def mode_of(body: ChatCompletionRequest) -> str:
+        choice = body.effective_tool_choice
+        if choice == "none":
+            return "text"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def _finish(self, engine_reason: str | None) -> str | None:
+        fr = finish_reason(engine_reason)
+        return "tool_calls" if self.called and fr == "stop" else fr
+
+    def message(self, whole: GenerationChunk) -> tuple[ChatCompletionMessage, str | None]:
+        """The whole choice: the assistant message and its finish reason."""
+        text, calls = whole.text, None
+        if self.mode in ("required", "named"):
+            calls = parse_forced(text, self.tool_choice.model_dump() if self.mode == "named" else "required")
+            if calls:
+                text = None
+        elif self.mode == "auto":
+            content, calls = self.parser.extract(text)
+            if calls:
+                text = content
+        self.called = bool(calls)
+        msg = ChatCompletionMessage(role="assistant", content=text, tool_calls=[
+            ChatCompletionMessageFunctionToolCall(id=c.id, type="function", function=Function(
+                name=c.name, arguments=c.arguments)) for c in calls] if calls else None)
+        return msg, self._finish(whole.finish_reason)
+
+    def deltas(self, chunk: GenerationChunk) -> tuple[list[ChoiceDelta], str | None]:
+        """The stream deltas for one chunk of this choice, and its finish reason (on the last)."""
+        text, calls, content = chunk.text, [], ""
+        if self.mode == "text":
+            content = text
+        elif self.mode == "auto":
+            content = self.tool_text.feed(text)
+            if chunk.finished:
+                rest, calls = self.tool_text.finish()
+                content += rest
+        elif self.mode == "required":
+            self.held += text
+            if chunk.finished:
+                calls = parse_forced(self.held, "required") or []
+                content = "" if calls else self.held
+        else:  # named: the arguments stream as they are generated
+            name = self.tool_choice.function.name
+            out = []
+            if self.call_id is None and (text or chunk.finished):
+                self.call_id, self.called = f"call_{uuid.uuid4().hex[:24]}", True
+                out.append(ChoiceDeltaToolCall(index=0, id=self.call_id, type="function",
+                                               function=ChoiceDeltaToolCallFunction(name=name, arguments=text)))
+            elif text:
+                out.append(ChoiceDeltaToolCall(index=0, function=ChoiceDeltaToolCallFunction(arguments=text)))
+            deltas = [ChoiceDelta(tool_calls=out)] if out else []
+            return self._role(deltas), self._finish(chunk.finish_reason) if chunk.finished else None
+        deltas = [ChoiceDelta(content=content)] if content else []
+        if calls:
+            self.called = True
+            deltas.append(ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(
+                index=k, id=c.id, type="function", function=ChoiceDeltaToolCallFunction(name=c.name, arguments=c.arguments))
+                for k, c in enumerate(calls)]))
+        return self._role(deltas), self._finish(chunk.finish_reason) if chunk.finished else None
+
+    def _role(self, deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
+        """The first delta of a choice carries ``role`` (an empty one is sent if need be)."""
+        if not self.role_sent:
+            self.role_sent = True
+            if deltas:
+                deltas[0].role = "assistant"
+            else:
+                deltas = [ChoiceDelta(role="assistant", content="")]
+        return deltas
+
+
+async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Request, response: Response):
+    """``POST /v1/chat/completions``."""
+    messages = [m.to_template() for m in body.messages]
+    max_tokens = body.effective_max_tokens
+    call = gw.call(request, body, "chatcmpl", max_tokens=max_tokens, messages=messages)
+    mode = ChatChoiceRenderer.mode_of(body)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and mode != "text" else None
+    grammar = None
+    if tools:
+        grammar = tool_grammar(tools, body.tool_choice.model_dump() if mode == "named" else mode,
+                               body.parallel_tool_calls)
+    params = body.to_sampling_params(max_tokens, body.num_logprobs,
+                                     **({"structured_outputs": grammar} if grammar is not None else {}))
+    parser = get_tool_parser((await gw.directory.info(call.model)).tool_call_parser) if mode == "auto" else None
+    req = GenerateRequest(messages=messages, tools=tools, sampling_params=params, n=body.n,
+                          request_id=call.response_id)
+    fallback = await gw.start(call, body, "chat", [req], prompt_tokens=estimate_prompt_tokens(messages),
+                              reserve_tokens=None if max_tokens is None else max_tokens * body.n)
+    if fallback is not None:
+        return fallback
+    renderers = [ChatChoiceRenderer(mode, parser, body.tool_choice) for _ in range(body.n)]
+    if body.stream:
+        return StreamingResponse(_stream(gw, call, body, renderers), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **call.headers})
+    wholes = [GenerationChunk(index=i) for i in range(body.n)]
+    stream, complete = call.streams[0], False
+    try:
+        async for chunk in stream.chunks():
+            wholes[chunk.index].extend(chunk)
+        complete = True
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    except Exception as e:
+        stream.cancel()
+        raise failed(call.http_id, e) from None
+    finally:
+        gw.finish(call, {(0, w.index): w for w in wholes}, body.n, store=complete)
+    response.headers.update(call.headers)
+    choices = []
+    for i, (whole, renderer) in enumerate(zip(wholes, renderers)):
+        msg, fr = renderer.message(whole)
+        choices.append(ChatChoice(
+            index=i, message=msg, finish_reason=fr,
+            logprobs=ChatChoiceLogprobs(content=chat_logprobs(whole.logprobs or [])) if body.logprobs else None))
+    return ChatCompletion(id=call.response_id, object="chat.completion", created=call.created, model=call.model,
+                          choices=choices, usage=usage_of({(0, w.index): w for w in wholes}))
+
+
+async def _stream(gw: Gateway, call: Call, body: ChatCompletionRequest,
+                  renderers: list[ChatChoiceRenderer]) -> AsyncIterator[bytes]:
+    stream: ChunkStream = call.streams[0]
+    head = dict(id=call.response_id, object="chat.completion.chunk", created=call.created, model=call.model)
+    lasts = {(0, 0): stream.first}
+    include_usage, continuous = body.include_usage, body.continuous_usage
+    complete = False
+    try:
+        async for chunk in stream.chunks():
+            lasts[(0, chunk.index)] = chunk
+            deltas, fr = renderers[chunk.index].deltas(chunk)
+            lp = chunk.logprobs if body.logprobs else None
+            if not deltas and fr is None and not lp:
+                continue  # nothing new for the client in this step (e.g. a held-back stop string prefix)
+            deltas = deltas or [ChoiceDelta()]
+            for k, delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                choice = ChunkChoice(index=chunk.index, delta=delta, finish_reason=fr if last else None,
+                                     logprobs=ChunkChoiceLogprobs(content=chat_logprobs(lp)) if lp and not k else None)
+                out = ChatCompletionChunk(**head, choices=[choice])
+                if include_usage:  # OpenAI sends "usage": null on every chunk but the last
+                    out.usage = usage_of(lasts) if continuous else None
+                yield sse(out)
+        if include_usage:
+            yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(lasts)))
+        complete = True
+    except asyncio.CancelledError:
+        stream.cancel()
+        logger.info("request %s: client disconnected mid-stream; generation aborted", call.http_id)
+        raise
+    except Exception as e:
+        stream.cancel()
+        yield stream_error(call.http_id, e)
+    finally:
+        stream.cancel()
+        gw.finish(call, lasts, body.n, store=complete)
+    yield DONE

@@ -1,0 +1,371 @@
+"""The gateway's state and its request pipeline, with no HTTP framework and no Serve in it.
+
+One pipeline serves every generating endpoint (:meth:`Gateway.call` then :meth:`Gateway.start`):
+pick the model (``model: "auto"`` by the routing rules) -> response cache lookup -> per-key
+admission -> open the replica streams (with the upstream fallback when every replica refuses)
+-> settle the key's tokens and store the answer when it completes. The endpoints render what
+comes back (:mod:`~deployments.gateway.chat`, :mod:`~deployments.gateway.completions`).
+
+**What the gateway owns and what the replica owns.** The gateway owns what needs no model:
+keys, limits, caches, the choice of model and the fallback, request ids, OpenAI rendering
+(tool-call parsing, finish reasons, logprob formats, echo text, ``best_of`` ranking). The
+replica owns everything that needs the tokenizer or the engine: chat templates, tokenizing,
+the one ``max_model_len`` rule (prompt plus ``max_tokens``), fanning ``n`` out into engine
+requests, admission to its queue, logprob token strings, the prompt text of ``echo``. What
+crosses is typed (:mod:`deployments.server_types`): the gateway sends a
+:class:`~deployments.server_types.GenerateRequest` (sampling values already validated as the
+engine's ``SamplingParams``) and reads :class:`~deployments.server_types.GenerationChunk`
+records, an error being a typed chunk.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from ray.serve.handle import DeploymentHandle
+
+from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
+from deployments.gateway.errors import as_client_error, internal, request_id_of
+from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES, GateSettings
+from deployments.gateway.gate import request_policy
+from deployments.gateway.models import ModelDirectory
+from deployments.gateway.streams import ChunkStream, background, usage_of
+from deployments.limits import NeverFits, RateLimited, RateLimiter, policies_from_keys
+from deployments.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, random_id, unknown_fields
+from deployments.server_types import GenerateRequest, GenerationChunk
+from telemetry.metrics import api_key_requests, api_key_tokens, model_routes, rejected, upstream_fallbacks
+
+logger = logging.getLogger("ray.serve")
+
+@dataclass
+class GatewaySettings:
+    """What one gateway replica enforces and where it sends requests (``build_app`` fills it
+    from :class:`deployments.args.AppArgs`).
+
+    Attributes:
+        api_keys: key entries (``"<key> [name=..] [rpm=..] [tpm=..] [priority=..]"``); None: no key.
+        admin_api_keys: keys that may administer the response cache (accepted by the gate too).
+        max_request_body_bytes, auth_failures_per_minute, allowed_origins: the gate's.
+        max_prompts_per_request: the most prompts of one completions request.
+        health_timeout_s: seconds a probe of a model may take.
+        rate_limit_rpm, rate_limit_tpm: default per-key limits (requests, tokens per minute).
+        redis_url: the limits' and caches' shared store (None: each replica its own share).
+        num_ingress_replicas: how many gateway replicas share the limits without Redis.
+        cache: :class:`~deployments.cache.CacheSettings` fields (None: defaults, exact cache on).
+        model_routing: the rules of ``model: "auto"`` (:class:`~deployments.model_routing.ModelRouting`).
+        upstream: the fallback for requests every replica refuses (:class:`~deployments.model_routing.UpstreamArgs`).
+    """
+
+    api_keys: list[str] | None = None
+    admin_api_keys: list[str] | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE
+    allowed_origins: list[str] | None = None
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    health_timeout_s: float = 5.0
+    rate_limit_rpm: float | None = None
+    rate_limit_tpm: float | None = None
+    redis_url: str | None = None
+    num_ingress_replicas: int = 1
+    cache: dict | None = None
+    model_routing: dict | None = None
+    upstream: dict | None = None
+
+
+def estimate_prompt_tokens(prompt) -> int:
+    """A prompt's token count before the replica tokenizes it, for reserving a key's token
+    budget (settled with the real count afterwards): exact for token ids, about 4 UTF-8 bytes
+    per token for text (BPE tokenizers on English), plus a few tokens of template per message."""
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list):  # chat messages
+        return sum(4 + estimate_prompt_tokens(json.dumps(m.get("content"), ensure_ascii=False)
+                                              if not isinstance(m.get("content"), str) else m["content"])
+                   for m in prompt)
+    return len(str(prompt).encode()) // 4 + 1
+
+
+class KeyUse:
+    """One request's use of its API key: the limiter's grant, the key's metrics, the
+    priority the request runs at."""
+
+    def __init__(self, gateway: "Gateway", key: str, model: str, grant, priority: int):
+        self.gateway, self.key, self.model, self.grant, self.priority = gateway, key, model, grant, priority
+        self.done = False
+
+    async def settle(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """Count the tokens the request used (once) and give the unused reservation back."""
+        if self.done:
+            return
+        self.done = True
+        labels = {"api_key": self.key, "model_name": self.model}
+        self.gateway.key_tokens.inc({**labels, "kind": "prompt"}, prompt_tokens)
+        self.gateway.key_tokens.inc({**labels, "kind": "generation"}, generation_tokens)
+        if self.grant is not None:
+            await self.gateway.limiter.settle(self.grant, prompt_tokens + generation_tokens)
+
+    def settle_soon(self, lasts: dict[tuple[int, int], GenerationChunk] | list[GenerationChunk]) -> None:
+        """:meth:`settle` with the last chunks of the request's choices (keyed ``(prompt index,
+        choice index)``; a list is one choice per prompt), in a task of its own (a cancelled
+        response's cleanup must not await the limiter's Redis)."""
+        if self.done:
+            return
+        if isinstance(lasts, list):
+            lasts = {(k, 0): c for k, c in enumerate(lasts)}
+        usage = usage_of(lasts)
+        background(self.settle(usage.prompt_tokens, usage.completion_tokens))
+
+
+@dataclass
+class Call:
+    """One generating HTTP request on its way through the pipeline.
+
+    Attributes:
+        request: the HTTP request.
+        http_id: ``X-Request-ID`` (or a random id): in the logs and in error messages.
+        response_id: the response's id (``chatcmpl-...``, ``cmpl-...``), also the stem of the
+            engine's request ids.
+        model: the served model name; ``handle`` its streaming handle.
+        headers: response headers of the pipeline's verdicts (route, cache).
+        created: the response's ``created`` (Unix seconds).
+        use: the API key's admission; ``look`` the response cache's verdict.
+        streams: one per prompt, each with the prompt's ``n`` choices.
+    """
+
+    request: Request
+    http_id: str
+    response_id: str
+    model: str
+    handle: DeploymentHandle
+    headers: dict[str, str]
+    created: int
+    use: KeyUse | None = None
+    look: Lookup = field(default_factory=lambda: NO_CACHE)
+    streams: list[ChunkStream] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        """Stop every stream of the call."""
+        for s in self.streams:
+            s.cancel()
+
+
+class Gateway:
+    """The state shared by a gateway replica's endpoints: the models' handles and facts, the
+    gate's settings, the response cache, the per-key limiter, the ``auto`` routing rules, the
+    upstream fallback and the gateway's metrics.
+
+    Raises:
+        ValueError: no model, a bad setting (key entries, routing rules naming unknown models).
+    """
+
+    def __init__(self, models: dict[str, DeploymentHandle], settings: GatewaySettings):
+        if not models:
+            raise ValueError("the gateway needs at least one model")
+        s = settings
+        if s.max_prompts_per_request < 1:
+            raise ValueError(f"max_prompts_per_request must be positive, got {s.max_prompts_per_request}")
+        self.settings = s
+        self.admin_keys = policies_from_keys(s.admin_api_keys or [])
+        api_keys = s.api_keys
+        if api_keys:  # an admin key must get past the gate to reach the admin endpoints
+            known = {k.split()[0] for k in api_keys if k.split()}
+            api_keys = list(api_keys) + [p.key for p in self.admin_keys if p.key not in known]
+        self.gate = GateSettings.of(api_keys, s.max_request_body_bytes, s.auth_failures_per_minute, s.allowed_origins)
+        cache = CacheSettings(**{"redis_url": s.redis_url, **(s.cache or {})})
+        self.cache = ResponseCache(cache) if cache.enabled else None
+        # per-key limits: shared through Redis when given, else each gateway replica enforces its share
+        self.limiter = RateLimiter(s.rate_limit_rpm, s.rate_limit_tpm, redis_url=s.redis_url,
+                                   divide_by=max(1, s.num_ingress_replicas))
+        self.models = dict(models)
+        self.default_model = next(iter(self.models))
+        self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
+        self.directory = ModelDirectory(self.models)
+        self.routing = None if s.model_routing is None else ModelRouting.model_validate(s.model_routing)
+        if self.routing is not None:
+            self.routing.check(list(self.models))
+        self.upstream = None if s.upstream is None else Upstream(UpstreamArgs.model_validate(s.upstream))
+        self.rejected, self.key_tokens, self.key_requests = rejected(), api_key_tokens(), api_key_requests()
+        self.routes, self.fallbacks = model_routes(), upstream_fallbacks()
+        self.draining = False
+        self._warned_fields: set[str] = set()
+
+    # ---- model choice -------------------------------------------------------------------
+    def route(self, model: str | None) -> tuple[str, DeploymentHandle]:
+        """The served name and streaming handle of ``model`` (None: the default model).
+
+        Raises:
+            OpenAIError: 404 ``model_not_found``.
+        """
+        name = model or self.default_model
+        if name not in self.streaming:
+            raise OpenAIError(f"the model '{name}' does not exist; available: {', '.join(self.models)}", 404,
+                              "invalid_request_error", param="model", code="model_not_found")
+        return name, self.streaming[name]
+
+    def call(self, request: Request, body: ChatCompletionRequest | CompletionRequest, id_prefix: str, *,
+             max_tokens: int | None, messages: list[dict] | None = None, prompts: list | None = None) -> Call:
+        """Start a :class:`Call`: the model (``model: "auto"`` resolved by the routing rules,
+        with an ``x-kvserve-route: auto:<rule>`` header) and the ids.
+
+        Raises:
+            OpenAIError: 404 for an unknown model.
+        """
+        self._warn_unknown(body)
+        headers = {}
+        if body.model == AUTO_MODEL and self.routing is not None:
+            tokens = (estimate_prompt_tokens(messages) if messages is not None
+                      else max((estimate_prompt_tokens(p) for p in prompts or [""]), default=0))
+            name, rule = self.routing.choose(tokens, max_tokens, user_text(messages, prompts), self.default_model)
+            self.routes.inc({"model_name": name, "route": rule})
+            headers["x-kvserve-route"] = f"auto:{rule}"
+        else:
+            name = body.model
+        name, handle = self.route(name)
+        return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()))
+
+    # ---- the pipeline -------------------------------------------------------------------
+    async def start(self, call: Call, body: ChatCompletionRequest | CompletionRequest, endpoint: str,
+                    requests: list[GenerateRequest], *, prompt_tokens: int, reserve_tokens: int | None):
+        """Cache lookup -> key admission -> the replica streams (or the cached answer's replay).
+
+        Args:
+            endpoint: ``chat`` or ``completion`` (the cache's key and the upstream's path).
+            requests: one per prompt; their ``priority`` is raised to the key's.
+            prompt_tokens: the prompts' estimated tokens, ``reserve_tokens`` the output tokens
+                to reserve (None: up to the context), both for the key's token budget.
+
+        Returns:
+            None with ``call.streams`` open, or the upstream's response when every replica
+            refused and a fallback is configured.
+
+        Raises:
+            OpenAIError: the cache, the key's limits, the replica or Serve refused the request.
+        """
+        call.look = await self.lookup(call, endpoint, body)
+        hit = call.look.hit
+        # a cached answer counts as a request of the key, with no tokens: nothing is generated
+        call.use = await self.admit(call, 0 if hit else prompt_tokens, 0 if hit else reserve_tokens, body.priority)
+        try:
+            if hit:
+                call.streams = [ChunkStream.replay(c, r.n) for c, r in zip(call.look.streams, requests)]
+            else:
+                for r in requests:
+                    r.priority = call.use.priority
+                results = await asyncio.gather(*(self.open(call, r) for r in requests), return_exceptions=True)
+                call.streams = [r for r in results if isinstance(r, ChunkStream)]
+                for r in results:
+                    if isinstance(r, BaseException):
+                        raise r
+        except BaseException as e:
+            call.cancel()
+            call.use.settle_soon([])
+            if self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(e.status_code, e.code):
+                return await self.fallback(call, f"/{'chat/completions' if endpoint == 'chat' else 'completions'}", e)
+            raise
+        if hit:
+            call.use.settle_soon([])  # settled at 0 now (the first settle wins; later ones are no-ops)
+        elif call.look.store:
+            for s in call.streams:
+                s.record = []
+        call.headers.update(call.look.headers)
+        return None
+
+    def finish(self, call: Call, lasts: dict[tuple[int, int], GenerationChunk], n: int, *, store: bool) -> None:
+        """Settle the key's tokens from the last chunks and, when the answer completed
+        (``store``), give it to the response cache (``n`` choices per prompt)."""
+        call.use.settle_soon(lasts)
+        if store and self.cache is not None and call.look.store:
+            self.cache.store_soon(call.look, [s.record or [] for s in call.streams], n)
+
+    async def open(self, call: Call, request: GenerateRequest) -> ChunkStream:
+        """Start the replica's stream of ``request`` and wait for its first chunk.
+
+        Raises:
+            OpenAIError: the replica refused the request (its typed error), or Serve did
+                (``queue_full`` 429, ``model_unavailable`` 503).
+        """
+        gen = call.handle.stream.remote(request)
+        try:
+            first = await gen.__anext__()
+        except asyncio.CancelledError:  # the client went away before the first token
+            gen.cancel()
+            raise
+        except StopAsyncIteration:
+            logger.error("request %s: the model server returned no output", call.http_id)
+            raise internal(call.http_id) from None
+        except Exception as e:
+            err = as_client_error(e)
+            if err is None:
+                logger.error("request %s: the model server failed", call.http_id, exc_info=e)
+                err = internal(call.http_id)
+            elif err.code in ("queue_full", "model_unavailable"):  # refused by Serve before any replica saw it
+                self.rejected.inc({"model_name": call.model, "reason": err.code})
+            raise err from None
+        if first.error is not None:  # the replica's own verdict: a client error, a full queue, a dead engine
+            raise OpenAIError.of(first.error)
+        return ChunkStream(gen, first, request.n)
+
+    async def lookup(self, call: Call, endpoint: str, body) -> Lookup:
+        """The response cache's verdict before any replica sees the request: a hit with the
+        cached answer, a miss to store, or a bypass; ``NO_CACHE`` when the cache is off."""
+        if self.cache is None:
+            return NO_CACHE
+        return await self.cache.lookup(call.model, await self.directory.revision(call.model), endpoint, body,
+                                       request_options(body, call.request.headers))
+
+    async def admit(self, call: Call, prompt_tokens: int, max_tokens: int | None, priority: int) -> KeyUse:
+        """Per-API-key admission: the key's token buckets (``prompt_tokens`` estimated +
+        ``max_tokens`` reserved, None: up to the context; :meth:`KeyUse.settle` returns what
+        was not used) and its scheduler priority (a request may lower its own precedence,
+        never raise it above its key's: the larger number wins, lower runs first).
+
+        Raises:
+            OpenAIError: 429 ``rate_limit_exceeded`` (with ``Retry-After``), 400 ``too_large``
+                (more tokens than the key may use per minute), 403 (the key may send nothing).
+        """
+        policy = request_policy(call.request.scope)
+        key = policy.name if policy is not None else "anonymous"
+        grant = None
+        if policy is not None and self.limiter.enabled_for(policy):
+            if max_tokens is None:
+                max_tokens = (await self.directory.info(call.model)).max_model_len - prompt_tokens
+            try:
+                grant = await self.limiter.acquire(policy, prompt_tokens + max(0, max_tokens))
+            except RateLimited as e:
+                self.rejected.inc({"model_name": call.model, "reason": "rate_limited"})
+                raise OpenAIError(str(e), 429, "rate_limit_error", code="rate_limit_exceeded",
+                                  retry_after_s=e.retry_after_s) from None
+            except NeverFits as e:
+                if e.limit == "requests":
+                    raise OpenAIError("this API key may not send requests", 403, "permission_error",
+                                      code="permission_denied") from None
+                raise OpenAIError(str(e), 400, param="max_tokens", code="too_large") from None
+        self.key_requests.inc({"api_key": key, "model_name": call.model})
+        return KeyUse(self, key, call.model, grant, max(priority, policy.priority if policy is not None else priority))
+
+    async def fallback(self, call: Call, path: str, err: OpenAIError):
+        """The upstream's answer to this request (``path`` under its base URL), which every
+        local replica refused with ``err``; ``err`` itself when the upstream cannot be reached
+        (the client then sees the local verdict and its Retry-After)."""
+        self.fallbacks.inc({"model_name": call.model, "reason": err.code or str(err.status_code)})
+        logger.info("request %s: %s refused it (%s); sending it upstream", call.http_id, call.model,
+                    err.code or err.status_code)
+        try:
+            return await self.upstream.forward(path, await call.request.json(), call.model, call.http_id)
+        except UpstreamError as e:
+            logger.warning("request %s: fallback failed: %s", call.http_id, e)
+            raise err from None
+
+    def _warn_unknown(self, body) -> None:
+        """Log the request's unknown (ignored) fields, once per field name for this replica."""
+        new = [f for f in unknown_fields(body) if f not in self._warned_fields]
+        if new:
+            self._warned_fields.update(new)
+            logger.warning("ignoring unknown request field(s) %s (accepted, no effect; logged once per field)",
+                           ", ".join(repr(f[:64]) for f in new[:20]))

@@ -1,0 +1,122 @@
+"""The models a gateway serves: each model's :class:`~deployments.server_types.ServerInfo`
+(read once from its replicas; the weights revision re-read in the background) and the
+``GET /v1/models`` cards."""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+
+from openai.types import Model
+from ray.serve.handle import DeploymentHandle
+
+from deployments.gateway.errors import as_client_error
+from deployments.gateway.streams import background
+from deployments.model_routing import AUTO_MODEL
+from deployments.protocol import OpenAIError
+from deployments.server_types import ServerInfo
+
+logger = logging.getLogger("ray.serve")
+
+#: Seconds between re-reads of a model's weights revision (the response cache's key): a
+#: replica restarted on new weights stops old cached answers within this time.
+REVISION_REFRESH_S = 10.0
+
+
+class ModelDirectory:
+    """Each served model's :class:`ServerInfo`, asked of its replicas once (the facts are set
+    when a replica loads: the context length depends on the KV pool it measured).
+
+    The call goes through the model's bounded handle queue like any request, so under a burst
+    it can be refused (``BackPressureError``): one fetch runs at a time and is retried for up
+    to 30 s while generation requests drain.
+    """
+
+    def __init__(self, models: dict[str, DeploymentHandle]):
+        self.models = models
+        self._info: dict[str, ServerInfo] = {}
+        self._lock = asyncio.Lock()
+        self._revision_checked: dict[str, float] = {}
+        self.created = int(time.time())
+
+    async def info(self, name: str) -> ServerInfo:
+        """The model's facts.
+
+        Raises:
+            OpenAIError: 429 ``queue_full`` if the queue stayed full, 503 if no replica is up.
+        """
+        from ray.serve.exceptions import BackPressureError
+
+        if name in self._info:
+            return self._info[name]
+        async with self._lock:
+            deadline = time.monotonic() + 30.0
+            while name not in self._info:
+                try:
+                    self._info[name] = await self.models[name].server_info.remote()
+                except BackPressureError as e:
+                    if time.monotonic() > deadline:
+                        raise as_client_error(e) from None
+                    await asyncio.sleep(0.2)
+                except (OpenAIError, asyncio.CancelledError):
+                    raise
+                except Exception as e:
+                    err = as_client_error(e)
+                    if err is None:
+                        raise
+                    raise err from None
+        return self._info[name]
+
+    async def revision(self, name: str) -> str:
+        """The weights revision of the model, re-read in the background every
+        :data:`REVISION_REFRESH_S` seconds."""
+        info = await self.info(name)
+        now = time.monotonic()
+        if now - self._revision_checked.setdefault(name, now) > REVISION_REFRESH_S:
+            self._revision_checked[name] = now
+            # in a context of its own: a handle call made in this request's context shares the
+            # request's Serve id with its generate call, and Serve's router matches replicas to
+            # requests by that id (a concurrent call left the generate call pending forever)
+            background(self._refresh(name), context=contextvars.Context())
+        return info.revision
+
+    async def _refresh(self, name: str) -> None:
+        try:
+            info = await self.models[name].server_info.remote()
+        except Exception as e:  # the old info stays; the next request tries again later
+            logger.info("model %s: re-reading server_info failed (%s)", name, type(e).__name__)
+            return
+        if info.revision != self._info[name].revision:
+            logger.info("model %s: weights revision is now %s (older cached answers are not served)", name,
+                        info.revision)
+        self._info[name] = info
+
+    async def card(self, name: str) -> Model:
+        """OpenAI's ``Model`` for a served name, plus vLLM's ``max_model_len`` and ``root``
+        (the served name: paths of the server stay private), the KV cache's dtype
+        (``kv_cache_dtype``: ``auto`` or ``fp8``), the weights' ``quantization`` (None,
+        ``int8`` or ``fp8``) and ``speculative_config`` (None, or its ``method`` and
+        ``num_speculative_tokens``)."""
+        info = await self.info(name)
+        return Model(id=name, object="model", created=self.created, owned_by="kvserve", root=name,
+                     max_model_len=info.max_model_len, kv_cache_dtype=info.kv_cache_dtype,
+                     quantization=info.quantization, speculative_config=info.speculative_config)
+
+
+async def list_models(gw) -> dict:
+    """``GET /v1/models``: every served model's card; with routing rules, also ``auto``
+    (with as long a context as the smallest model it may pick)."""
+    data = [(await gw.directory.card(n)).model_dump() for n in gw.models]
+    if gw.routing is not None:
+        data.append({**data[0], "id": AUTO_MODEL, "root": AUTO_MODEL,
+                     "max_model_len": min(d["max_model_len"] for d in data)})
+    return {"object": "list", "data": data}
+
+
+async def retrieve_model(gw, model_id: str) -> dict:
+    """``GET /v1/models/{model}``: one card; 404 for a name that is not served."""
+    if model_id == AUTO_MODEL and gw.routing is not None:
+        return next(m for m in (await list_models(gw))["data"] if m["id"] == AUTO_MODEL)
+    gw.route(model_id)
+    return (await gw.directory.card(model_id)).model_dump()

@@ -1,0 +1,130 @@
+"""A request's stream of :class:`~deployments.server_types.GenerationChunk` from a replica,
+and the Server-Sent Events the gateway writes (OpenAI's chunk format, ``data: [DONE]`` last;
+nothing buffered or delayed on the way)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from openai.types import CompletionUsage
+from openai.types.completion_usage import PromptTokensDetails
+from pydantic import BaseModel
+
+from deployments.protocol import OpenAIError
+from deployments.server_types import GenerationChunk
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+_BACKGROUND: set[asyncio.Task] = set()  # tasks in flight (referenced until done)
+
+
+def background(coro, context=None) -> None:
+    """Run ``coro`` in a task the gateway keeps a reference to until it ends (settling a key's
+    tokens after a response, refreshing a model's revision)."""
+    task = asyncio.get_running_loop().create_task(coro, context=context)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+def sse(obj: BaseModel | dict) -> bytes:
+    """One Server-Sent Event; an OpenAI model is written with the fields we set (no nulls
+    for fields kvserve never fills, such as tool calls)."""
+    body = obj.model_dump_json(exclude_unset=True) if isinstance(obj, BaseModel) else json.dumps(
+        obj, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + body.encode() + b"\n\n"
+
+
+class ChunkStream:
+    """One request's chunks (``n`` choices interleaved, each ending with its own finished
+    chunk), with the first already fetched (so bad input fails as an HTTP error before any
+    byte of a streaming response is sent). ``record``, when a list, collects every chunk for
+    the response cache."""
+
+    def __init__(self, gen, first: GenerationChunk, n: int = 1):
+        self.gen, self.first, self.left = gen, first, n - first.finished
+        self.done = self.left == 0
+        self.record: list[GenerationChunk] | None = None
+
+    async def chunks(self) -> AsyncIterator[GenerationChunk]:
+        """The chunks; one with ``error`` (e.g. the request ran past the server's
+        ``request_timeout_s``, or the engine stopped) raises it as an :class:`OpenAIError`."""
+        if self.record is not None:
+            self.record.append(self.first)
+        yield self.first
+        if self.done:
+            return
+        async for chunk in self.gen:
+            if chunk.error is not None:
+                self.done = True
+                raise OpenAIError.of(chunk.error)
+            self.left -= chunk.finished
+            self.done = self.left == 0
+            if self.record is not None:
+                self.record.append(chunk)
+            yield chunk
+            if self.done:
+                return
+
+    @classmethod
+    def replay(cls, chunks: list[GenerationChunk], n: int) -> "ChunkStream":
+        """A stream of a cached answer's chunks (the response cache's hit)."""
+        async def rest():
+            for c in chunks[1:]:
+                yield c
+
+        return cls(rest(), chunks[0], n)
+
+    def cancel(self) -> None:
+        """Stop the replica's generation (a no-op once the stream ended)."""
+        if not self.done:
+            self.done = True
+            try:
+                self.gen.cancel()
+            except Exception:
+                pass
+
+
+async def merged(streams: list[ChunkStream]) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """``(stream index, chunk)`` of every stream, as they arrive; the first error raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, s: ChunkStream):
+        try:
+            async for chunk in s.chunks():
+                await queue.put((p, chunk, None))
+        except Exception as e:  # forwarded to the reader
+            await queue.put((p, None, e))
+        finally:
+            await queue.put((p, None, None))
+
+    tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
+    try:
+        open_ = len(streams)
+        while open_:
+            p, chunk, err = await queue.get()
+            if err is not None:
+                raise err
+            if chunk is None:
+                open_ -= 1
+                continue
+            yield p, chunk
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def usage_of(lasts: dict[tuple[int, int], GenerationChunk]) -> CompletionUsage:
+    """Usage of a request's choices, keyed ``(prompt index, choice index)``: each prompt's
+    tokens counted once (its ``n`` choices share it), every choice's output tokens, the
+    prefix-cache hits of each prompt's first choice."""
+    prompts: dict[int, tuple[int, int]] = {}
+    out = 0
+    for (p, i), c in sorted(lasts.items()):
+        if p not in prompts:
+            prompts[p] = (c.num_prompt_tokens, c.num_cached_tokens)
+        out += c.num_output_tokens
+    n_prompt, n_cached = sum(n for n, _ in prompts.values()), sum(k for _, k in prompts.values())
+    return CompletionUsage(prompt_tokens=n_prompt, completion_tokens=out, total_tokens=n_prompt + out,
+                           prompt_tokens_details=PromptTokensDetails(cached_tokens=n_cached))

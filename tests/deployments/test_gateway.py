@@ -1,0 +1,260 @@
+"""The gateway in-process: ``build_api`` over a :class:`Gateway` whose model is a fake replica
+(no Ray, no Serve, no engine), driven over HTTP through httpx's ASGI transport. What crosses
+to the replica is checked as typed values; errors as OpenAI bodies without internals."""
+import asyncio
+import json
+
+import httpx
+from helpers import DONE, iter_sse
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from deployments.gateway.api import build_api
+from deployments.gateway.core import Gateway, GatewaySettings
+from deployments.server_types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
+from engine.sampling_params import SamplingParams
+
+SECRET = 'File "/root/.venv/x.py", line 3, pid=4242, ActorID(ab12cd), 10.0.0.7:6379'
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeGen:
+    """What ``handle.options(stream=True).stream.remote(...)`` gives: an async iterator with cancel()."""
+
+    def __init__(self, agen):
+        self.agen, self.cancelled = agen, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.agen.__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeReplica:
+    """An LLMServer stand-in: answers "hello world" in two chunks per choice; a prompt or last
+    message of ``FULL`` gets a typed queue_full error, ``BOOM`` fails after its first chunk."""
+
+    def __init__(self):
+        self.requests: list[GenerateRequest] = []
+        self.stream = _Remote(self._stream)
+        self.server_info = _Remote(self._info)
+        self.health = _Remote(self._ok)
+        self.ready = _Remote(self._ok)
+
+    def options(self, **_):
+        return self
+
+    async def _info(self):
+        return ServerInfo(name="fake", max_model_len=128, max_in_flight_requests=8, revision="r1")
+
+    async def _ok(self):
+        return {"status": "ok"}
+
+    def _stream(self, request: GenerateRequest) -> FakeGen:
+        self.requests.append(request)
+        return FakeGen(self._chunks(request))
+
+    async def _chunks(self, request: GenerateRequest):
+        text = request.prompt if request.messages is None else request.messages[-1]["content"]
+        if text == "FULL":
+            yield GenerationChunk.failed(GenerationError("queue_full", "the model is at capacity", 3.0))
+            return
+        for i in range(request.n):
+            yield GenerationChunk(text="hello", token_ids=[1], num_prompt_tokens=4, num_output_tokens=1, index=i,
+                                  prompt_text=text if request.echo else None)
+            await asyncio.sleep(0)
+            if text == "BOOM":
+                raise RuntimeError(SECRET)
+            yield GenerationChunk(text=" world", token_ids=[2], finished=True, finish_reason="length",
+                                  num_prompt_tokens=4, num_output_tokens=2, index=i)
+
+
+def _client(replica, **settings):
+    gw = Gateway({"fake": replica}, GatewaySettings(**settings))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw")
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_chat_sends_typed_request_and_renders_openai_body():
+    replica = FakeReplica()
+
+    async def main():
+        async with _client(replica) as c:
+            return await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "n": 2})
+
+    r = _run(main())
+    assert r.status_code == 200, r.text
+    body = ChatCompletion.model_validate(r.json())
+    assert [c.message.content for c in body.choices] == ["hello world", "hello world"]
+    assert body.usage.prompt_tokens == 4 and body.usage.completion_tokens == 4  # the prompt counted once
+    [req] = replica.requests
+    assert isinstance(req.sampling_params, SamplingParams)  # validated by the gateway, typed on the wire
+    assert req.sampling_params.max_tokens == 5 and req.sampling_params.temperature == 0.0
+    assert req.n == 2 and req.messages == [{"role": "user", "content": "hi"}]
+    assert req.request_id == body.id and body.id.startswith("chatcmpl-")
+
+
+def test_chat_stream_is_openai_sse_ending_with_done():
+    replica = FakeReplica()
+
+    async def main():
+        async with _client(replica) as c:
+            return await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}})
+
+    r = _run(main())
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = list(iter_sse(r.text))
+    assert events[-1] == DONE
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events[:-1]]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "hello world"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+
+
+def test_a_value_the_engine_refuses_is_a_400_before_any_replica_sees_it():
+    replica = FakeReplica()
+
+    async def main():
+        async with _client(replica) as c:
+            return await c.post("/v1/completions", json={"prompt": "hi", "seed": 2 ** 70})
+
+    r = _run(main())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_value" and "seed" in err["message"]
+    assert replica.requests == []
+
+
+def test_replica_refusal_is_its_typed_status():
+    async def main():
+        async with _client(FakeReplica()) as c:
+            return await c.post("/v1/completions", json={"prompt": "FULL"})
+
+    r = _run(main())
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"
+    assert r.json()["error"]["code"] == "queue_full"
+
+
+def test_failures_tell_the_request_id_and_no_internals():
+    async def main():
+        async with _client(FakeReplica()) as c:
+            whole = await c.post("/v1/completions", json={"prompt": "BOOM"}, headers={"x-request-id": "req-123"})
+            streamed = await c.post("/v1/completions", json={"prompt": "BOOM", "stream": True},
+                                    headers={"x-request-id": "req-456"})
+            return whole, streamed
+
+    whole, streamed = _run(main())
+    assert whole.status_code == 500 and "req-123" in whole.json()["error"]["message"]
+    events = list(iter_sse(streamed.text))
+    assert events[-1] == DONE and "error" in events[-2] and "req-456" in events[-2]["error"]["message"]
+    for text in (whole.text, streamed.text):
+        assert "4242" not in text and "/root" not in text and "ActorID" not in text
+
+
+def test_completions_echo_and_best_of_and_prompt_batch():
+    replica = FakeReplica()
+
+    async def main():
+        async with _client(replica) as c:
+            return await c.post("/v1/completions", json={"prompt": ["a", "b"], "echo": True, "n": 1,
+                                                         "best_of": 2, "max_tokens": 3})
+
+    r = _run(main())
+    assert r.status_code == 200, r.text
+    body = Completion.model_validate(r.json())
+    assert [c.text for c in body.choices] == ["ahello world", "bhello world"]
+    assert [q.n for q in replica.requests] == [2, 2] and all(q.echo for q in replica.requests)
+    assert sorted(q.request_id.rsplit("-", 1)[1] for q in replica.requests) == ["0", "1"]
+
+
+def test_keys_guard_the_api_but_not_the_probes():
+    async def main():
+        async with _client(FakeReplica(), api_keys=["sk-test-key-1"]) as c:
+            return (await c.get("/v1/models"), await c.get("/v1/models", headers={"authorization": "Bearer sk-test-key-1"}),
+                    await c.get("/health"))
+
+    denied, models, health = _run(main())
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert models.status_code == 200
+    [card] = models.json()["data"]
+    assert card["id"] == "fake" and card["max_model_len"] == 128  # from the replica's ServerInfo
+    assert health.status_code == 200 and health.json()["models"] == ["fake"]
+
+
+def test_unknown_model_is_404_and_draining_is_not_ready():
+    replica = FakeReplica()
+    gw = Gateway({"fake": replica}, GatewaySettings())
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw") as c:
+            missing = await c.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+            ready = await c.get("/ready")
+            gw.draining = True
+            return missing, ready, await c.get("/ready")
+
+    missing, ready, draining = _run(main())
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert ready.status_code == 200
+    assert draining.status_code == 503 and draining.json()["error"]["code"] == "draining"
+
+
+def test_exact_cache_answers_a_repeat_without_the_replica():
+    replica = FakeReplica()
+
+    async def main():
+        async with _client(replica) as c:
+            body = {"prompt": "same", "max_tokens": 2, "temperature": 0}
+            first = await c.post("/v1/completions", json=body)
+            await asyncio.sleep(0.05)  # the store runs in the background
+            return first, await c.post("/v1/completions", json=body)
+
+    first, second = _run(main())
+    assert first.status_code == second.status_code == 200
+    assert json.loads(second.text)["choices"][0]["text"] == "hello world"
+    assert len(replica.requests) == 1, "the repeat reached the replica"
+
+
+def test_server_info_survives_a_full_handle_queue():
+    """A burst reaching a fresh gateway replica: requests need the model's facts, fetched
+    through the same bounded handle queue as generation. Refusals by that queue are retried
+    behind one fetch; none escapes as Serve's raw 503."""
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.gateway.models import ModelDirectory
+
+    class Handle:  # refuses the first three calls
+        calls = 0
+
+        def __init__(self):
+            self.server_info = _Remote(self._remote)
+
+        async def _remote(self):
+            self.calls += 1
+            await asyncio.sleep(0.01)
+            if self.calls <= 3:
+                raise BackPressureError(num_queued_requests=3, max_queued_requests=3)
+            return ServerInfo(name="m", max_model_len=256)
+
+    handle = Handle()
+    directory = ModelDirectory({"m": handle})
+
+    async def burst():
+        return await asyncio.gather(*(directory.info("m") for _ in range(24)))
+
+    infos = _run(burst())
+    assert all(i.max_model_len == 256 for i in infos)
+    assert handle.calls == 4  # one fetch at a time: three refusals, one success, then the cache
