@@ -171,3 +171,22 @@ class OverloadedError(RuntimeError):
     def __init__(self, error: GenerationError):
         super().__init__(error.message)
         self.error = error
+
+
+def default_admission_bounds(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int]:
+    """A replica's default admission bounds ``(max_queued_requests, max_queued_prompt_tokens)``.
+
+    Requests (queued behind a full batch of ``max_num_seqs``): a 64th of a batch, at least 1.
+    While the batch is full, a queued request waits for running ones to finish, and requests
+    admitted together finish together, so a queue of ``n`` can wait for a whole cohort, not
+    ``n`` average completions. Measured on this CPU (``benchmarks/load_test.py``, SmolLM2,
+    batch 64, outputs 16-128): a queue of 4 let the p99 TTFT of admitted requests at 3x the
+    sustainable load grow several-fold over the 1x run's; a queue of 1 kept it far lower with
+    more goodput (``benchmarks/results/load_test.json``, figures in docs/benchmarks.md). A GPU replica with ``max_num_seqs`` 256 queues 4.
+    Beyond the queue a client is better served by a 429 and a retry on another replica (or
+    after the autoscaler added one) than by a wait that grows with the overload.
+    Prompt tokens: four full-budget prefill steps (``4 * max_num_batched_tokens``), and never
+    less than one longest prompt (``max_model_len``), so every prompt the model takes can be
+    admitted by an idle replica.
+    """
+    return max(1, max_num_seqs // 64), max(max_model_len, 4 * max_num_batched_tokens)

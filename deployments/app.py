@@ -29,11 +29,11 @@ logger = logging.getLogger("ray.serve")
 def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]:
     """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, the
     placement group bundles of a tensor-parallel replica, and the prefix-aware request router
-    (``deployments/router.py``) unless ``prefix_aware_routing`` is off."""
+    (``deployments/prefix_router.py``) unless ``prefix_aware_routing`` is off."""
     import os
 
     from cluster.worker_group import tp_placement_group_bundles
-    from deployments.router import router_config
+    from deployments.prefix_router import router_config
 
     opts: dict[str, Any] = {"name": deployment_name,
                             "max_ongoing_requests": m.ongoing_requests_bound(),

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from deployments.admission import default_admission_bounds
 from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
 from deployments.limits import policies_from_keys
 from deployments.model_routing import ModelRouting, UpstreamArgs
@@ -27,29 +28,10 @@ APP_NAME = "kvserve"
 #: ``{field: (default, reason)}``. Everything else is the engine's own default.
 SERVING_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
     "max_num_seqs": (64, "a replica's inter-token latency grows with its batch (a 64-request CPU decode step "
-                         "is ~0.36 s, README); past that the autoscaler adds replicas instead of deepening one"),
+                         "is ~0.1 s on the 2-core box, benchmarks/results/step_times.json); past that the autoscaler adds replicas instead of deepening one"),
     "scheduling_policy": ("priority", "per-API-key priorities reach the scheduler (equal priorities run in "
                                       "arrival order, as fcfs)"),
 }
-
-
-def default_admission_bounds(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int]:
-    """A replica's default admission bounds ``(max_queued_requests, max_queued_prompt_tokens)``.
-
-    Requests (queued behind a full batch of ``max_num_seqs``): a 64th of a batch, at least 1.
-    While the batch is full, a queued request waits for running ones to finish, and requests
-    admitted together finish together, so a queue of ``n`` can wait for a whole cohort, not
-    ``n`` average completions. Measured on this CPU (``benchmarks/load_test.py``, SmolLM2,
-    batch 64, outputs 16-128): a queue of 4 let the p99 TTFT of admitted requests at 3x the
-    sustainable load grow to 3.9x the 1x run's; a queue of 1 kept it at 1.5x with more goodput
-    (``benchmarks/results/load_test.json``). A GPU replica with ``max_num_seqs`` 256 queues 4.
-    Beyond the queue a client is better served by a 429 and a retry on another replica (or
-    after the autoscaler added one) than by a wait that grows with the overload.
-    Prompt tokens: four full-budget prefill steps (``4 * max_num_batched_tokens``), and never
-    less than one longest prompt (``max_model_len``), so every prompt the model takes can be
-    admitted by an idle replica.
-    """
-    return max(1, max_num_seqs // 64), max(max_model_len, 4 * max_num_batched_tokens)
 
 
 def _engine_args_model() -> type[BaseModel]:
@@ -101,7 +83,7 @@ class ModelArgs(EngineArgs):
                               "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/tools.py)")
     prefix_aware_routing: bool = Field(
         True, description="route each request to the replica that most recently served the longest prefix of its "
-                          "prompt (deployments/router.py); off: Serve's power of two choices")
+                          "prompt (deployments/prefix_router.py); off: Serve's power of two choices")
     prefix_routing_margin: int = Field(
         8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
                              "has more than this many ongoing requests more")

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--upstream-url", default=None,
                    help="OpenAI-compatible base URL (e.g. https://host/v1) that takes requests every local replica "
                         "refuses (capacity, failure); its key from $KVSERVE_UPSTREAM_API_KEY. Model routing "
-                        "(model 'auto') and upstream model names: --config (README 'Model routing')")
+                        "(model 'auto') and upstream model names: --config (docs/serving.md, 'Model routing')")
     s.add_argument("--allowed-origins", default=None,
                    help="CORS: comma-separated origins whose browser pages may call the API (default '*', like "
                         "vLLM; '' turns CORS off)")

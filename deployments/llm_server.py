@@ -19,7 +19,6 @@ import logging
 import os
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,9 +26,9 @@ from ray import serve
 
 from engine.chat_templates import prepare_messages
 
-from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats
-from deployments.server_types import (GenerateRequest, GenerationChunk, GenerationError, ServerInfo, TokenLogprob,
-                                      TopLogprob, model_revision)
+from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats, default_admission_bounds
+from deployments.request_outputs import ChunkBuilder, RecentRequests, interleave
+from deployments.server_types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 
 from cluster import reset_niceness
 
@@ -98,11 +97,6 @@ def _replica_id() -> str:
         return f"pid-{os.getpid()}"
 
 
-def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
-    s = tokenizer.decode([token_id], skip_special_tokens=False)
-    return s, list(s.encode("utf-8"))
-
-
 @serve.deployment(name="LLMServer", max_ongoing_requests=256, health_check_period_s=2,
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=60)
 class LLMServer:
@@ -118,7 +112,7 @@ class LLMServer:
         worker_options: extra options for the tensor-parallel worker actors
             (``num_cpus``, ``num_gpus``), passed to :class:`cluster.worker_group.RayWorkerGroup`.
         max_queued_requests, max_queued_prompt_tokens: the replica's admission bounds (see
-            :class:`Admission`; defaults :func:`deployments.args.default_admission_bounds`).
+            :class:`Admission`; defaults :func:`deployments.admission.default_admission_bounds`).
         request_timeout_s: a request still running after this many seconds is aborted (its
             KV blocks freed) and ends with error ``timeout`` (504); None: no limit.
         tool_call_parser: the :data:`deployments.tools.TOOL_PARSERS` name that reads this
@@ -158,7 +152,6 @@ class LLMServer:
         t0 = time.time()
         self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
         self.model_name = served_model_name or config.model or DEFAULT_MODEL
-        from deployments.args import default_admission_bounds
         from telemetry.metrics import EngineMetrics, rejected
 
         d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
@@ -182,7 +175,7 @@ class LLMServer:
         self.prefixes = RecentPrefixes(config.block_size, limit=min(REPORTED_HASHES, n_blocks))
         self._tokenizer_probe = tokenizer_probe(self.engine.tokenize,
                                                 lambda m: chat_template_ids(self.engine.tokenizer, m))
-        self._recent: OrderedDict[str, dict[str, float | None]] = OrderedDict()  # finished requests' timings
+        self.recent = RecentRequests()  # finished requests' timings
         self.max_model_len = self.engine.max_model_len
         logger.info("LLMServer %s ready in %.1fs (tp=%d, max_model_len=%d)", self.model_name,
                     time.time() - t0, tp, self.max_model_len)
@@ -258,23 +251,9 @@ class LLMServer:
                        echo: bool = False) -> AsyncIterator[GenerationChunk]:
         """:meth:`stream` for Python-handle callers
         (``handle.options(stream=True).generate.remote(prompt, {"max_tokens": 16})``), with a
-        request that cannot run raised instead of returned as an error chunk.
-
-        Args:
-            prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
-                [...]}`` (ignored when ``messages`` is given).
-            sampling_params: keyword arguments of :class:`engine.SamplingParams`
-                (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``,
-                ``logprobs``, ``prompt_logprobs``, ``logit_bias``, ``structured_outputs``,
-                ``ignore_eos``, ...) plus ``n`` (choices, default 1).
-            messages: a chat conversation (``[{"role", "content"}, ...]``); the tokenizer's
-                chat template and the assistant generation prompt are applied.
-            tools: OpenAI function tools for the chat template (a template that does not
-                render tools gets them written into the messages:
-                :func:`engine.chat_templates.prepare_messages`).
-            request_id: the engine's id for the request (default: a random one).
-            priority: lower runs first under ``scheduling_policy="priority"``.
-            echo: the first chunk of each choice carries the prompt as text (``prompt_text``).
+        request that cannot run raised instead of returned as an error chunk. The arguments
+        are :class:`~deployments.server_types.GenerateRequest`'s; ``sampling_params`` is a dict
+        of :class:`engine.SamplingParams` fields plus ``n`` (choices, default 1).
 
         Raises:
             ValueError: invalid sampling parameters, messages or prompt (e.g. longer than
@@ -313,36 +292,13 @@ class LLMServer:
                              wait_for=prefilled if i else None, on_first=prefilled if not i else None,
                              prompt_text=prompt_text)
 
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(gen):
-            try:
-                async for chunk in gen:
-                    await queue.put(chunk)
-            except Exception as e:  # raised to the caller below
-                await queue.put(e)
-            finally:
-                await gen.aclose()
-                queue.put_nowait(None)
-
-        tasks = [asyncio.create_task(pump(child(i))) for i in range(n)]
+        choices = interleave([child(i) for i in range(n)])
         try:
-            left = n
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-                    if item.error is not None:
-                        return
+            async for chunk in choices:
+                yield chunk
         finally:
             prefilled.set()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await choices.aclose()  # cancels the other choices at once (aborted in the engine)
 
     async def _run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
                    wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
@@ -386,29 +342,11 @@ class LLMServer:
                     on_first.set()
             started = True
             self.admission.start(n_prompt)
-            n_lp = 0
-            prompt_lp = params.prompt_logprobs is not None
-            first = True
+            chunks = ChunkBuilder(self.engine.tokenizer, params, index, prompt_text)
             while True:
-                c = out.outputs[0]
-                chunk = GenerationChunk(
-                    text=c.delta_text, token_ids=c.delta_token_ids, finished=out.finished,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason if out.finished else None,
-                    num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(c.token_ids),
-                    num_cached_tokens=out.num_cached_tokens, index=index)
-                if first:
-                    chunk.prompt_text, first = prompt_text, False
-                if params.logprobs is not None:
-                    entries = (c.logprobs or [])[n_lp:n_lp + len(c.delta_token_ids)]
-                    n_lp += len(entries)
-                    chunk.logprobs = [self._logprob_entry(tid, d, params.logprobs)
-                                      for tid, d in zip(c.delta_token_ids, entries)]
-                if prompt_lp and out.prompt_logprobs is not None:
-                    prompt_lp = False  # sent once
-                    chunk.prompt_logprobs = [self._logprob_entry(tid, d, params.prompt_logprobs)
-                                             for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
+                chunk = chunks.chunk(out)
                 if out.finished:
-                    self._remember(out)
+                    self.recent.add(out)
                 yield chunk
                 if out.finished:
                     return
@@ -451,37 +389,12 @@ class LLMServer:
             wholes[chunk.index].extend(chunk)
         return wholes if len(wholes) > 1 else wholes[0]
 
-    def _logprob_entry(self, token_id: int, d: dict[int, float] | None, k: int) -> TokenLogprob:
-        """A token's logprob entry from the engine's ``{token id: logprob}`` (the token and the
-        top ``k``); ``d`` None (the first prompt token: no context) gives ``logprob`` None."""
-        tok = self.engine.tokenizer
-        s, b = _token_str(tok, token_id)
-        if d is None:
-            return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=None)
-        top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
-        return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=d.get(token_id, float("-inf")),
-                            top_logprobs=[TopLogprob(t, *_token_str(tok, t), lp) for t, lp in top])
-
     # ---- introspection ------------------------------------------------------------------
-    RECENT_LIMIT = 4096
-
-    def _remember(self, out) -> None:
-        m = out.metrics
-        self._recent[out.request_id] = {
-            "arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
-            "first_token_time": m.first_token_time, "finished_time": m.finished_time,
-            "engine_ttft_s": m.ttft, "num_prompt_tokens": len(out.prompt_token_ids),
-            "num_output_tokens": len(out.outputs[0].token_ids), "num_cached_tokens": m.num_cached_tokens}
-        while len(self._recent) > self.RECENT_LIMIT:
-            self._recent.popitem(last=False)
-
     def recent_request_metrics(self, request_ids: list[str] | None = None) -> dict[str, dict]:
         """Engine-side timings (``time.time()`` seconds) of recently finished requests, by
-        request id (the ingress uses ``<response id>-<choice index>`` for completions and the
+        request id (the gateway uses ``<response id>-<choice index>`` for completions and the
         response id for chat): lets a client split its TTFT into engine and serving path."""
-        if request_ids is None:
-            return dict(self._recent)
-        return {r: self._recent[r] for r in request_ids if r in self._recent}
+        return self.recent.get(request_ids)
 
     def server_info(self) -> ServerInfo:
         """What this model's replicas are (the gateway reads it once; see

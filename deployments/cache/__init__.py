@@ -27,10 +27,9 @@ Modules, one concern each:
 
 Accounting: a cached answer is one request of its API key (``rpm``) and no tokens (``tpm``):
 no replica generated anything. Not cached: Python handle calls (``OpenAIIngress.generate``).
-Identical requests in flight together all miss (no request coalescing). Measured over HTTP
-(``benchmarks/cache.py``, 2 CPU cores): exact hit 6.4 ms p50, of which ~0.1 ms beyond a POST
-that Serve's proxy and FastAPI turn away (6.3 ms); semantic hit 18.6 ms; a miss adds 0.3 ms to
-TTFT, a semantic miss 8.1 ms (its embedding).
+Identical requests in flight together all miss (no request coalescing). Latency of hits and
+the cost of misses over HTTP: ``benchmarks/cache.py``, results in ``benchmarks/results/cache.json``
+(docs/benchmarks.md).
 """
 from deployments.cache.entries import complete, decode_entry, encode_entry
 from deployments.cache.keys import (NON_OUTPUT_FIELDS, canonical_json, deterministic, exact_key, request_payload,

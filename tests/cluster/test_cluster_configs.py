@@ -50,7 +50,7 @@ def test_every_node_runs_ray_with_token_auth_and_the_token_mounted_owner_only(na
     assert starts["head"] and starts["worker"]
     for cmd in starts["head"] + starts["worker"]:
         assert re.search(r"(^|[;\s])RAY_AUTH_MODE=token ray start ", cmd), cmd
-        assert "--metrics-export-port=8080" in cmd, cmd  # README "Operations": scrape every node's metrics agent
+        assert "--metrics-export-port=8080" in cmd, cmd  # docs/operations.md, "Metrics": scrape every node's metrics agent
     head = starts["head"][0]
     assert "--include-dashboard=true" in head and "--dashboard-host=127.0.0.1" in head
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head

@@ -408,7 +408,7 @@ def test_openai_service_and_metrics_wiring(render):
     assert serve_svc["spec"]["ports"] == [{"name": "serve", "port": 8000, "targetPort": 8000, "protocol": "TCP"}]
     assert _serve_config(rs)["http_options"]["port"] == 8000  # the Serve proxy's port behind it
     templates = [rs["spec"]["rayClusterConfig"]["headGroupSpec"]] + _groups(rs)
-    # ServiceMonitor -> metrics Service -> every Ray pod's metrics agent (README "Operations")
+    # ServiceMonitor -> metrics Service -> every Ray pod's metrics agent (docs/operations.md, "Metrics")
     (mon,) = docs["ServiceMonitor"]
     (metrics,) = [s for s in docs["Service"] if s["metadata"]["name"].endswith("-metrics")]
     assert mon["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()

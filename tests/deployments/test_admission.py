@@ -5,8 +5,7 @@ import asyncio
 
 import pytest
 
-from deployments.args import default_admission_bounds
-from deployments.admission import Admission
+from deployments.admission import Admission, default_admission_bounds
 from deployments.llm_server import LLMServer
 from deployments.server_types import GenerateRequest
 from tests.tiny_models import make_tiny_model

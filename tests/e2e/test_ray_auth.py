@@ -150,7 +150,7 @@ try:
         return "RAN"
 
     print("TASK", ray.get(pwn.remote(str(marker)), timeout=60), flush=True)
-    if len(sys.argv) > 3:  # a Serve handle, as README's Python-handle example gets one
+    if len(sys.argv) > 3:  # a Serve handle, as the docs' Python-handle example (docs/serving.md) gets one
         from ray import serve
         llm = serve.get_deployment_handle("LLMServer", app_name="kvserve")
         out = llm.complete.remote("The capital of France is", {"max_tokens": 4, "temperature": 0}).result(timeout_s=120)
@@ -310,7 +310,7 @@ def test_attacker_without_the_token_cannot_join_or_run_code(ray_session, tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_token_holder_gets_a_serve_handle_and_replica_grpc_needs_the_token(ray_session, serve_app, tmp_path):
-    """With the serve app up: the token holder streams from LLMServer through a handle (README's
+    """With the serve app up: the token holder streams from LLMServer through a handle (docs/serving.md's
     Python-handle pattern); every Ray-side TCP listener is on 127.0.0.1 except the Serve replicas'
     inter-deployment gRPC servers (Ray binds them to [::]), and those refuse calls without the token."""
     token = Path(ray_session.token_path).read_text().strip()

@@ -61,15 +61,14 @@ def test_handle_stream_in_process(serve_app):
 
 
 def doc_blocks() -> dict[str, tuple[str, str]]:
-    """``{name: (language, code)}`` of the fenced blocks marked ``<!-- test: name -->``."""
-    for path in (ROOT / "README.md",):
-        if path.exists() and "<!-- test:" in path.read_text():
-            text = path.read_text()
-            blocks = {}
-            for m in re.finditer(r"<!-- test: ([\w-]+) -->\s*```(\w+)\n(.*?)```", text, re.S):
-                blocks[m.group(1)] = (m.group(2), m.group(3))
-            return blocks
-    raise AssertionError("no tested examples found in README.md")
+    """``{name: (language, code)}`` of the fenced blocks marked ``<!-- test: name -->`` in the
+    README and the docs (a block in both: the same example)."""
+    blocks = {}
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for m in re.finditer(r"<!-- test: ([\w-]+) -->\s*```(\w+)\n(.*?)```", path.read_text(), re.S):
+            blocks[m.group(1)] = (m.group(2), m.group(3))
+    assert blocks, "no tested examples found in README.md or docs/"
+    return blocks
 
 
 def _run(lang: str, code: str, serve_app, ray_session, timeout=180) -> str:

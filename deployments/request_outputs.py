@@ -1,0 +1,119 @@
+"""The replica's view of the engine's outputs: each ``RequestOutput`` of a request as the
+:class:`~deployments.server_types.GenerationChunk` callers get (:class:`ChunkBuilder`), and the
+timings of recently finished requests (:class:`RecentRequests`)."""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from deployments.server_types import GenerationChunk, TokenLogprob, TopLogprob
+
+
+def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    s = tokenizer.decode([token_id], skip_special_tokens=False)
+    return s, list(s.encode("utf-8"))
+
+
+def logprob_entry(tokenizer, token_id: int, d: dict[int, float] | None, k: int) -> TokenLogprob:
+    """A token's logprob entry from the engine's ``{token id: logprob}`` (the token and the top
+    ``k``); ``d`` None (the first prompt token: no context) gives ``logprob`` None."""
+    s, b = _token_str(tokenizer, token_id)
+    if d is None:
+        return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=None)
+    top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
+    return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=d.get(token_id, float("-inf")),
+                        top_logprobs=[TopLogprob(t, *_token_str(tokenizer, t), lp) for t, lp in top])
+
+
+class ChunkBuilder:
+    """One engine request's outputs as chunks of choice ``index``: the new text and token ids,
+    the logprobs of the new tokens (``params.logprobs``), the prompt logprobs once
+    (``params.prompt_logprobs``) and ``prompt_text`` on the first chunk."""
+
+    def __init__(self, tokenizer, params, index: int = 0, prompt_text: str | None = None):
+        self.tokenizer, self.params, self.index, self.prompt_text = tokenizer, params, index, prompt_text
+        self.num_logprobs = 0  # logprob entries sent so far
+        self.prompt_logprobs_due = params.prompt_logprobs is not None
+        self.first = True
+
+    def chunk(self, out) -> GenerationChunk:
+        """The chunk of one ``engine.RequestOutput`` (delta mode)."""
+        c, p = out.outputs[0], self.params
+        chunk = GenerationChunk(
+            text=c.delta_text, token_ids=c.delta_token_ids, finished=out.finished,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason if out.finished else None,
+            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(c.token_ids),
+            num_cached_tokens=out.num_cached_tokens, index=self.index)
+        if self.first:
+            chunk.prompt_text, self.first = self.prompt_text, False
+        if p.logprobs is not None:
+            entries = (c.logprobs or [])[self.num_logprobs:self.num_logprobs + len(c.delta_token_ids)]
+            self.num_logprobs += len(entries)
+            chunk.logprobs = [logprob_entry(self.tokenizer, tid, d, p.logprobs)
+                              for tid, d in zip(c.delta_token_ids, entries)]
+        if self.prompt_logprobs_due and out.prompt_logprobs is not None:
+            self.prompt_logprobs_due = False  # sent once
+            chunk.prompt_logprobs = [logprob_entry(self.tokenizer, tid, d, p.prompt_logprobs)
+                                     for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
+        return chunk
+
+
+class RecentRequests:
+    """Engine-side timings (``time.time()`` seconds) and token counts of the last ``limit``
+    finished requests, by request id."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self.by_id: OrderedDict[str, dict[str, float | None]] = OrderedDict()
+
+    def add(self, out) -> None:
+        """Record a finished ``engine.RequestOutput``."""
+        m = out.metrics
+        self.by_id[out.request_id] = {
+            "arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
+            "first_token_time": m.first_token_time, "finished_time": m.finished_time,
+            "engine_ttft_s": m.ttft, "num_prompt_tokens": len(out.prompt_token_ids),
+            "num_output_tokens": len(out.outputs[0].token_ids), "num_cached_tokens": m.num_cached_tokens}
+        while len(self.by_id) > self.limit:
+            self.by_id.popitem(last=False)
+
+    def get(self, request_ids: list[str] | None = None) -> dict[str, dict]:
+        """Those of ``request_ids`` still held (all when None)."""
+        if request_ids is None:
+            return dict(self.by_id)
+        return {r: self.by_id[r] for r in request_ids if r in self.by_id}
+
+
+async def interleave(gens: list) -> AsyncIterator[GenerationChunk]:
+    """The chunks of several choices' generators as they come; an error chunk ends it all
+    (the other choices are cancelled, which aborts them in the engine)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen):
+        try:
+            async for chunk in gen:
+                await queue.put(chunk)
+        except Exception as e:  # raised to the caller below
+            await queue.put(e)
+        finally:
+            await gen.aclose()
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        left = len(gens)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+                if item.error is not None:
+                    return
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
