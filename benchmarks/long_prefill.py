@@ -43,7 +43,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import add_model_arg, percentile, pyplot, random_token_ids, write_json  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine, MixedStepBudget  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.scheduler import MixedStepBudget  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
 
 

@@ -1,24 +1,22 @@
 """The synchronous engine: add requests, call ``step()`` until they finish."""
 from __future__ import annotations
 
+import functools
 import logging
-import math
-import statistics
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import Executor, UniProcExecutor
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
-from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from engine.output_processor import OutputProcessor
+from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import DraftLengthPolicy, NgramProposer, SpeculativeConfig
+from engine.scheduler import MixedStepBudget, Scheduler, SchedulerOutput
+from engine.spec_decode import DraftLengthPolicy, NgramProposer, Speculator, SpeculativeConfig
+from engine.stats import EngineStats, FinishedRequestStats, StepMetrics
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
@@ -85,93 +83,6 @@ def encode_prompt(tokenizer, prompt: str | list[int] | dict) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
 
 
-@dataclass
-class StepMetrics:
-    """What one engine step did, for stat loggers (vLLM's ``SchedulerStats`` + ``IterationStats``):
-    the serving layer's token rates, capacities and Prometheus metrics, the autoscaler's inputs
-    and the mixed-step budget all read these instead of wrapping the executor.
-
-    Attributes:
-        start, end: :attr:`LLMEngine.clock` seconds (``time.monotonic()``) around the model call.
-        num_prefill_tokens: prompt (or recomputed) tokens computed.
-        num_decode_tokens: decode tokens computed (one per decoding request).
-        num_sampled: tokens sampled (= generation tokens of this step).
-        num_running: requests in the step's batch.
-        num_waiting: requests still waiting after the step was scheduled.
-        num_preemptions: requests preempted (by recompute) to schedule this step.
-        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the prefix cache
-            by requests (re)scheduled this step, and those found (vLLM's counters' units).
-        kv_cache_usage: fraction of KV blocks in use after the step, 0..1.
-        num_prompt_tokens: prompt tokens of the requests that got their first token this step
-            (vLLM's ``prompt_tokens``: each prompt counted once, however it was chunked).
-        time_to_first_tokens: seconds from arrival to first token, of those requests.
-        inter_token_latencies: seconds since the previous token, of every other request that
-            got a token this step (a preempted request's includes its recompute).
-        num_drafts, num_draft_tokens, num_accepted_tokens: speculative decoding: requests that
-            verified drafts, drafts verified, drafts accepted (vLLM's ``spec_decode_*`` units).
-        accepted_per_position: accepted drafts by position in the draft (index 0 = first).
-    """
-
-    start: float
-    end: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_sampled: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    kv_cache_usage: float = 0.0
-    num_prompt_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-
-@dataclass
-class FinishedRequestStats:
-    """One request that left the engine (finished, aborted or failed), for stat loggers
-    (vLLM's ``FinishedRequestStats``). Times in seconds; a phase the request never reached
-    is None (an aborted waiting request has no prefill).
-
-    Attributes:
-        finish_reason: ``stop``, ``length``, ``abort`` or ``error``.
-        e2e_latency: arrival to finish.
-        queue_time: arrival to first scheduled (waiting in the queue).
-        prefill_time: first scheduled to first token.
-        decode_time: first token to finish.
-        num_prompt_tokens, num_generation_tokens, num_cached_tokens: token counts.
-        max_tokens: the request's output limit (``max_tokens``, capped by the context).
-    """
-
-    request_id: str
-    finish_reason: str
-    e2e_latency: float
-    queue_time: float | None
-    prefill_time: float | None
-    decode_time: float | None
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_cached_tokens: int
-    max_tokens: int
-
-    @classmethod
-    def of(cls, req: Request) -> "FinishedRequestStats":
-        m = req.metrics
-        end = m.finished_time or time.time()
-
-        def span(a, b):
-            return None if a is None or b is None else max(0.0, b - a)
-
-        return cls(req.request_id, req.status.value, max(0.0, end - m.arrival_time),
-                   span(m.arrival_time, m.first_scheduled_time if m.first_scheduled_time is not None else end),
-                   span(m.first_scheduled_time, m.first_token_time), span(m.first_token_time, end),
-                   req.num_prompt_tokens, req.num_output_tokens, m.num_cached_tokens, req.max_output_tokens)
-
 
 class StepFailedError(RuntimeError):
     """The model step failed for every request in it, each one alone too, so the failure
@@ -189,91 +100,15 @@ class StepFailedError(RuntimeError):
         self.request_ids = request_ids
 
 
-class MixedStepBudget:
-    """Sizes the prefill tokens of a step that also carries decodes from measured step times,
-    so that it takes at most ``slowdown`` x a decode-only step (the token budget of
-    Sarathi-Serve's stall-free batching, Agrawal et al. 2024, sec. 4.3, measured online
-    instead of profiled).
-
-    Cost model: ``t = D + n_prefill * b`` seconds, with ``D`` the median of the last
-    :attr:`DECODE_WINDOW` decode-only step times (a median, so a few slow steps from a busy
-    host do not inflate the target) and ``b`` (seconds per prefill token) a ratio of decayed sums over
-    steps with prefill: ``sum(t - D [if the step had decodes]) / sum(n_prefill)``, so large
-    chunks weigh most and the attention cost of long contexts is tracked as it grows. A
-    prefill-only step counts its whole time (a slight overestimate of ``b``: conservative).
-    Then ``tokens = (slowdown - 1) * D / b``, clamped to ``[min_tokens, max_tokens]``. If
-    mixed steps carry a fixed overhead ``E`` (e.g. eager mode beside CUDA-graph decodes), the
-    iteration still converges to steps of ``slowdown * D``. Until both ``D`` and ``b`` have
-    been measured the budget is ``initial_tokens``.
-
-    Args:
-        slowdown: target ratio (> 1) of a mixed step's time to a decode-only step's.
-        max_tokens: upper clamp (the step budget, ``max_num_batched_tokens``).
-        min_tokens: lower clamp, so prefills always progress (tokens). Small: deep into a long
-            prompt a chunk's attention over the whole context costs ~5 ms per token on a 2-core
-            CPU (SmolLM2, 7k context), so the target may need chunks of ~20 tokens.
-        initial_tokens: budget before measurements (tokens).
-        alpha: weight of the newest step in the averages.
-    """
-
-    #: Decode-only steps behind the median ``D``.
-    DECODE_WINDOW = 32
-
-    def __init__(self, slowdown: float, max_tokens: int, min_tokens: int = 8, initial_tokens: int = 256,
-                 alpha: float = 0.2):
-        self.slowdown, self.alpha = slowdown, alpha
-        self.max_tokens = max_tokens
-        self.min_tokens = min(min_tokens, max_tokens)
-        self.initial_tokens = min(initial_tokens, max_tokens)
-        self._decode_times: deque[float] = deque(maxlen=self.DECODE_WINDOW)
-        self._prefill_s = 0.0  # decayed sum of prefill seconds
-        self._prefill_n = 0.0  # decayed sum of prefill tokens
-
-    def record(self, seconds: float, num_prefill_tokens: int, num_decodes: int) -> None:
-        """Add one step's wall time (seconds) and its token counts. A time that is not finite
-        or is negative (a clock that jumped) is ignored."""
-        if not (isinstance(seconds, (int, float)) and 0.0 <= seconds < math.inf):
-            return
-        a = self.alpha
-        if num_prefill_tokens == 0:
-            if num_decodes:
-                self._decode_times.append(seconds)
-            return
-        if num_decodes and self.decode_s is None:
-            return  # cannot split a mixed step's time yet
-        prefill_s = max(seconds - (self.decode_s if num_decodes else 0.0), 0.0)
-        self._prefill_s = (1 - a) * self._prefill_s + a * prefill_s
-        self._prefill_n = (1 - a) * self._prefill_n + a * num_prefill_tokens
-
-    @property
-    def decode_s(self) -> float | None:
-        """``D``: median seconds of the recent decode-only steps (None before the first)."""
-        return statistics.median(self._decode_times) if self._decode_times else None
-
-    @property
-    def seconds_per_prefill_token(self) -> float | None:
-        return self._prefill_s / self._prefill_n if self._prefill_n else None
-
-    @property
-    def tokens(self) -> int:
-        """Prefill tokens allowed in the next step that carries decodes: an integer in
-        ``[min_tokens, max_tokens]`` whatever the recorded times were."""
-        b = self.seconds_per_prefill_token
-        if self.decode_s is None or b is None:
-            return self.initial_tokens
-        if b <= 0:
-            return self.max_tokens
-        tokens = (self.slowdown - 1) * self.decode_s / b
-        if not math.isfinite(tokens):  # b underflowed to a denormal: prefill is free
-            return self.max_tokens
-        return int(max(self.min_tokens, min(self.max_tokens, tokens)))
 
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
-    ``step()`` = scheduler.schedule() -> executor.execute_model() -> sampler -> scheduler
-    update -> incremental detokenization and stop strings.
+    ``step()`` = schedule (:class:`Scheduler`) -> execute (the executor's model runner and
+    sampler) -> update (the scheduler appends the tokens) -> output (:class:`OutputProcessor`:
+    detokenization, stop strings), with speculative decoding (:class:`Speculator`), grammars
+    (:class:`StructuredOutputs`) and stats (:class:`EngineStats`) hooked in between.
 
     Args:
         config: engine configuration.
@@ -310,43 +145,66 @@ class LLMEngine:
         else:
             self.max_model_len = min(model_max, capacity)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        budget = (MixedStepBudget(config.mixed_step_slowdown, config.max_num_batched_tokens)
+                  if config.mixed_step_prefill_tokens is None else None)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
                                    mixed_prefill_tokens=config.mixed_step_prefill_tokens,
-                                   long_prefill_threshold=self.max_model_len // 25)
-        self.mixed_budget = (MixedStepBudget(config.mixed_step_slowdown, config.max_num_batched_tokens)
-                             if config.mixed_step_prefill_tokens is None else None)
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        #: Grammar compiler (xgrammar, built on the first request with ``structured_outputs``).
+                                   long_prefill_threshold=self.max_model_len // 25, mixed_budget=budget)
+        #: Counters and stat loggers.
+        self.stats = EngineStats()
+        #: Callables given the :class:`StepMetrics` of every step that ran the model (the list
+        #: of :attr:`stats`).
+        self.stat_loggers: list[Callable[[StepMetrics], None]] = self.stats.stat_loggers
+        #: Callables given the :class:`FinishedRequestStats` of every request that leaves the
+        #: engine (the list of :attr:`stats`).
+        self.request_loggers: list[Callable[[FinishedRequestStats], None]] = self.stats.request_loggers
+        #: Grammar compiler (xgrammar, built on the first request with ``structured_outputs``)
+        #: and the requests that have a grammar.
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
-        #: Requests in the engine that have a grammar (empty: a step does no grammar work).
-        self.grammar_requests: dict[str, Request] = {}
-        self.num_steps = 0
-        self.max_running = 0
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self._request_finished)
+        #: Incremental detokenizers by request id (the output processor's).
+        self.detokenizers = self.output_processor.detokenizers
         #: Seconds for every timing-driven policy (mixed-step budget, draft length, step
         #: metrics); tests replace it with a noisy fake clock.
         self.clock: Callable[[], float] = time.monotonic
-        self._broken_loggers: set[tuple[str, int]] = set()  # (what, id of the hook) logged once
-        #: Callables given the :class:`StepMetrics` of every step that ran the model.
-        self.stat_loggers: list[Callable[[StepMetrics], None]] = []
-        #: Callables given the :class:`FinishedRequestStats` of every request that leaves the engine.
-        self.request_loggers: list[Callable[[FinishedRequestStats], None]] = []
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
-        self.spec = SpeculativeConfig.from_dict(config.speculative_config)
-        self.proposer = None
-        if self.spec is not None:
-            self.draft_policy = DraftLengthPolicy(self.spec.num_speculative_tokens, self.spec.adaptive)
-            if self.spec.method == "ngram":
-                self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        #: Speculative decoding's engine side, None without ``speculative_config``.
+        self.speculator: Speculator | None = None
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        if spec is not None:
+            if spec.method == "ngram":
+                proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
             else:
                 from engine.draft_model import DraftModelProposer
-                self.proposer = DraftModelProposer(self.spec, config, self.hf_config.vocab_size, num_blocks)
-            #: totals: requests that verified drafts, drafts verified, drafts accepted, by position
-            self.spec_counts = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
-            self.spec_accepted_per_position = [0] * self.spec.num_speculative_tokens
-            self.scheduler.on_finish = self._release_speculation
+                proposer = DraftModelProposer(spec, config, self.hf_config.vocab_size, num_blocks)
+            self.speculator = Speculator(spec, proposer, self.hf_config.vocab_size)
+            self.scheduler.on_finish = self.speculator.release
         logger.info("engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d", self.model_path,
                     num_blocks, capacity, self.max_model_len)
+
+    @property
+    def proposer(self):
+        """The draft proposer (:class:`NgramProposer` or ``DraftModelProposer``; None without
+        speculative decoding). Assignable: a fault-injecting wrapper replaces it."""
+        return self.speculator.proposer if self.speculator is not None else None
+
+    @proposer.setter
+    def proposer(self, proposer) -> None:
+        self.speculator.proposer = proposer
+
+    @property
+    def draft_policy(self) -> DraftLengthPolicy | None:
+        """The draft-length policy of speculative decoding (None without it)."""
+        return self.speculator.policy if self.speculator is not None else None
+
+    @property
+    def mixed_budget(self) -> MixedStepBudget | None:
+        """The scheduler's mixed-step budget (None: ``mixed_step_prefill_tokens`` is fixed).
+        Assignable (a benchmark swaps estimators)."""
+        return self.scheduler.mixed_budget
+
+    @mixed_budget.setter
+    def mixed_budget(self, budget: MixedStepBudget | None) -> None:
+        self.scheduler.mixed_budget = budget
 
     # ---- requests -----------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
@@ -411,11 +269,9 @@ class LLMEngine:
             ValueError: a request with the same id is already in the engine.
         """
         self.scheduler.add_request(req)
-        if req.params.detokenize:
-            self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
-        self.num_prompt_tokens += req.num_prompt_tokens
-        if req.grammar is not None:
-            self.grammar_requests[req.request_id] = req
+        self.output_processor.add_request(req)
+        self.stats.num_prompt_tokens += req.num_prompt_tokens
+        self.structured_outputs.add_request(req)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> Request:
@@ -429,7 +285,7 @@ class LLMEngine:
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
-        return self._final_output(req)
+        return self.output_processor.final_output(req)
 
     def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
         req = self.scheduler.requests.get(request_id)
@@ -437,7 +293,7 @@ class LLMEngine:
             return None
         req.error = error
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return self._final_output(req)
+        return self.output_processor.final_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -464,336 +320,90 @@ class LLMEngine:
         request, which goes on without drafts. Stat loggers, request loggers and speculation
         bookkeeping that raise are logged (once per logger) and skipped.
         """
-        if self.mixed_budget is not None:
-            self.scheduler.mixed_prefill_tokens = self.mixed_budget.tokens
-        kv, preempted0 = self.scheduler.kv, self.scheduler.num_preemptions
-        queries0, hits0 = kv.prefix_queries, kv.prefix_hits
-        if self.proposer is not None:
-            self._propose()
-        sched = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.clock)
+        sched = self.scheduler.schedule()                                           # 1. schedule
         if sched.is_empty:
-            if sched.finished_req_ids:  # let the runner drop state of finished requests
-                try:
-                    self.executor.execute_model(sched)
-                except Exception as e:
-                    raise StepFailedError([], e) from e
+            self._drop_finished(sched)
             return []
-        self.num_steps += 1
-        self.max_running = max(self.max_running, len(sched.requests))
-        step_reqs = {sr.request_id: self.scheduler.requests[sr.request_id] for sr in sched.requests}
-        last_token = {rid: req.metrics.last_token_time for rid, req in step_reqs.items()}
-        prompt_only = [r for sr in sched.requests  # max_tokens=0: finish without a token
-                       if not sr.sample and (r := step_reqs[sr.request_id]).max_output_tokens == 0]
-        grammar_fill = self._fill_grammar_bitmask(sched) if self.grammar_requests else None
-        t0 = self.clock()
-        m = None
-        try:
-            result, failed = self.executor.execute_model(sched), {}
-        except Exception as e:
-            result, failed = self._isolate(sched, e)
-        else:
-            num_decodes = sum(len(sr.token_ids) - len(sr.spec_token_ids) == 1 and sr.new is None
-                              for sr in sched.requests)
-            num_rows = sched.num_batched_tokens - sched.num_draft_tokens
-            m = StepMetrics(t0, self.clock(), num_rows - num_decodes, num_decodes,
-                            sum(sr.sample for sr in sched.requests), len(sched.requests),
-                            len(self.scheduler.waiting), self.scheduler.num_preemptions - preempted0,
-                            kv.prefix_queries - queries0, kv.prefix_hits - hits0)
-            if self.mixed_budget is not None:
-                self.mixed_budget.record(m.end - m.start, m.num_prefill_tokens, m.num_decode_tokens)
-        outputs = [self._fail(self.scheduler.requests[rid], "the model step", err) for rid, err in failed.items()]
-        outputs += self._grammar_failures(grammar_fill)
-        update_errors: dict[str, BaseException] = {}
-        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs,
-                                                    errors=update_errors)
-        outputs += [self._fail(step_reqs[rid], "its output update", err) for rid, err in update_errors.items()]
-        if self.proposer is not None:
-            try:
-                self._record_speculation(sched, m)
-            except Exception:
-                self._log_broken("speculation bookkeeping")
-        outputs.extend(self._final_output(r) for r in prompt_only if r.status is RequestStatus.FINISHED_LENGTH)
-        if self.grammar_requests:
-            outputs += self._advance_grammars(updated)
-        if m is not None:
-            for req in updated:
-                prev = last_token.get(req.request_id)
-                if prev is None:
-                    m.num_prompt_tokens += req.num_prompt_tokens
-                    m.time_to_first_tokens.append(req.metrics.first_token_time - req.metrics.arrival_time)
-                else:
-                    m.inter_token_latencies.append(req.metrics.last_token_time - prev)
-        for req in updated:
-            self.num_generated_tokens += len(req.new_token_ids)
-            if req.status is RequestStatus.FINISHED_ERROR:  # failed in its grammar: output given
-                continue
-            try:
-                self._detokenize(req)
-                outputs.append(self._output(req, req.new_token_ids))
-            except Exception as e:  # one bad request must not take the batch down
-                outputs.append(self._fail(req, "detokenization or output assembly", e, req.new_token_ids))
-        if m is not None:
-            m.num_sampled = sum(len(r.new_token_ids) for r in updated)
-            m.kv_cache_usage = kv.usage()
-            for log in self.stat_loggers:
-                try:
-                    log(m)
-                except Exception:
-                    self._log_broken("stat logger", log)
+        reqs = {sr.request_id: self.scheduler.requests[sr.request_id] for sr in sched.requests}
+        last_token = self.stats.begin_step(reqs.values())
+        grammar = self.structured_outputs.fill_bitmask(sched, getattr(self.executor, "in_process", False))
+        result, failed, m = self._execute(sched)                                    # 2. execute
+        fail = self.output_processor.fail
+        outputs = [fail(reqs[rid], "the model step", e) for rid, e in failed.items()]
+        outputs += [fail(r, "its grammar bitmask", e) for r, e in self.structured_outputs.fill_failures(grammar)]
+        updated, update_outputs = self._update(sched, result, reqs, m)              # 3. update
+        outputs += update_outputs
+        self.stats.record_tokens(m, updated, last_token)
+        outputs += self.output_processor.process(updated)                           # 4. output
+        self.stats.end_step(m, updated, self.scheduler.kv)
         return outputs
 
-    def _fail(self, req: Request, where: str, error: BaseException, new_token_ids: list[int] = ()) -> RequestOutput:
-        """Fail ``req`` alone (``FINISHED_ERROR``, blocks freed, ``req.error`` set unless it
-        already is) after ``error`` in ``where``; returns its final output (``new_token_ids``:
-        the step's tokens it carries), built without the detokenizer if that is what fails."""
-        logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(error).__name__, error,
-                     exc_info=error)
-        req.error = req.error or f"{type(error).__name__}: {error}"
-        if req.request_id in self.scheduler.requests:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        else:  # already left the queues (e.g. finished by length in the same step)
-            req.status = RequestStatus.FINISHED_ERROR
-        return self._final_output(req, new_token_ids)
-
-    def _final_output(self, req: Request, new_token_ids: list[int] = ()) -> RequestOutput:
-        """The output of a request that has left the engine, which never raises: if the
-        detokenizer fails while it is assembled, an output without the text delta."""
-        try:
-            return self._output(req, new_token_ids)
-        except Exception as e:
-            logger.error("request %s: output assembly failed (%s: %s); its final output carries no text delta",
-                         req.request_id, type(e).__name__, e)
-            self.detokenizers.pop(req.request_id, None)
-            self.grammar_requests.pop(req.request_id, None)
-            req.grammar = None
-            return self._output(req, new_token_ids)
-
-    def _log_broken(self, what: str, hook: object = None) -> None:
-        """A side-path hook (stat or request logger, speculation bookkeeping) raised: log it
-        with its traceback the first time, then once per hook only at debug level."""
-        key = (what, id(hook))
-        if key in self._broken_loggers:
-            logger.debug("%s failed again", what, exc_info=True)
-            return
-        self._broken_loggers.add(key)
-        logger.exception("%s failed (skipped; the step goes on)", what)
-
-    def _detokenize(self, req: Request) -> None:
-        """Feed the step's new tokens to the request's detokenizer one at a time; at a stop
-        string, drop the tokens after the one that completed it (several arrive per step with
-        speculative decoding) and finish the request (``stop``)."""
-        detok = self.detokenizers.get(req.request_id)
-        if detok is None:
-            return
-        new = req.new_token_ids
-        for i, tok in enumerate(new):
-            stop = detok.update([tok])
-            if stop is None:
-                continue
-            extra = len(new) - 1 - i
-            if extra:
-                del req.all_token_ids[-extra:]
-                if req.params.logprobs is not None:
-                    del req.logprobs[-extra:]
-                req.new_token_ids = new[:i + 1]
-            if not req.finished:
-                req.stop_reason = stop
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.status == RequestStatus.FINISHED_LENGTH:
-                # completed by the last allowed token (already finished and freed): a stop
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            return
-
-    # ---- speculative decoding ------------------------------------------------
-    def _propose(self) -> None:
-        """Set each running request's drafts for the next step (see ``engine.spec_decode``).
-        Only requests in decode (one token to compute) without a grammar, not
-        :attr:`Request.spec_disabled`, and only while at least two output tokens remain; the
-        draft length comes from :attr:`draft_policy`. A proposer or policy that raises on a
-        request, or proposes ids outside the vocabulary, turns drafting off for that request
-        (:meth:`_stop_drafting`); nothing raises out of here."""
-        reqs = []
-        for req in self.scheduler.running:
-            req.spec_token_ids = []
-            if (req.num_tokens - req.num_computed_tokens == 1 and req.grammar is None and not req.spec_disabled
-                    and req.max_output_tokens - req.num_output_tokens > 1):
-                reqs.append(req)
-        if not reqs:
-            return
-        k_max, batch = self.spec.num_speculative_tokens, len(self.scheduler.running)
-
-        def room(req: Request) -> int:  # drafts + the step's own token stay within max_tokens
-            return min(k_max, req.max_output_tokens - req.num_output_tokens - 1)
-
-        if isinstance(self.proposer, NgramProposer):
-            for req in reqs:
-                try:
-                    draft = self.proposer.propose(req.all_token_ids, room(req))
-                    req.spec_token_ids = self._checked_drafts(
-                        draft[:self.draft_policy.draft_length(req.request_id, len(draft), batch)])
-                except Exception as e:
-                    self._stop_drafting(req, e)
-            return
-        want = []
-        for req in reqs:
-            try:
-                if (k := self.draft_policy.draft_length(req.request_id, room(req), batch)) > 0:
-                    want.append((req, k))
-            except Exception as e:
-                self._stop_drafting(req, e)
-        if not want:
-            return
-        t0 = self.clock()
-        try:
-            drafts = self.proposer.propose(want)
-        except Exception as e:  # which request? each alone, from a clean draft state
-            logger.warning("draft model failed on a batch of %d (%s: %s); retrying each request alone",
-                           len(want), type(e).__name__, e)
-            for req, _ in want:
-                self.proposer.forget(req.request_id)
-            drafts = {}
-            for req, k in want:
-                try:
-                    drafts.update(self.proposer.propose([(req, k)]))
-                except Exception as e1:
-                    self._stop_drafting(req, e1)
-        rounds = max(k for _, k in want)
-        per_token = (self.clock() - t0) / (rounds * len(want))
-        p = self.draft_policy
-        if math.isfinite(per_token) and per_token >= 0:  # a clock that jumped back says nothing
-            p.extra_cost_s = per_token if not p.extra_cost_s else 0.8 * p.extra_cost_s + 0.2 * per_token
-        for req, _ in want:
-            if req.spec_disabled:
-                continue
-            try:
-                req.spec_token_ids = self._checked_drafts(drafts.get(req.request_id, []))
-            except Exception as e:
-                self._stop_drafting(req, e)
-
-    def _checked_drafts(self, draft: list[int]) -> list[int]:
-        """``draft`` as a list of Python ints in the vocabulary.
+    def _drop_finished(self, sched: SchedulerOutput) -> None:
+        """A step with nothing to run still tells the runner which requests finished (it drops
+        their state).
 
         Raises:
-            ValueError: a draft id that is not an integer in ``[0, vocab_size)``.
+            StepFailedError: the executor raised (no request is to blame).
         """
-        vocab = self.hf_config.vocab_size
-        out = [int(t) for t in draft]
-        if any(t < 0 or t >= vocab or t != d for t, d in zip(out, draft)):
-            raise ValueError(f"proposed draft ids outside the vocabulary [0, {vocab}): {draft}")
-        return out
+        if sched.finished_req_ids:
+            try:
+                self.executor.execute_model(sched)
+            except Exception as e:
+                raise StepFailedError([], e) from e
 
-    def _stop_drafting(self, req: Request, error: BaseException) -> None:
-        """The proposer or the draft-length policy failed on ``req``: it goes on without drafts
-        (and its proposer state is dropped)."""
-        logger.error("speculative decoding turned off for request %s: its proposer failed: %s: %s",
-                     req.request_id, type(error).__name__, error, exc_info=error)
-        req.spec_disabled, req.spec_token_ids = True, []
-        try:
-            self._release_speculation(req)
-        except Exception:
-            logger.exception("releasing the draft state of request %s failed", req.request_id)
-
-    def _release_speculation(self, req: Request) -> None:
-        """A request left the engine: drop its acceptance estimate and draft-model state."""
-        self.draft_policy.forget(req.request_id)
-        if hasattr(self.proposer, "forget"):
-            self.proposer.forget(req.request_id)
-
-    def _record_speculation(self, sched: SchedulerOutput, m: StepMetrics | None) -> None:
-        """After a step: acceptance per request (for the draft-length policy and the counters)
-        and, for a decode-only step, its time and rows (the policy's cost model)."""
-        per_pos = [0] * self.spec.num_speculative_tokens
-        drafts = tokens = accepted = 0
-        for sr in sched.requests:
-            k = len(sr.spec_token_ids)
-            if not k or sr.request_id not in sched.num_accepted:
-                continue
-            a = sched.num_accepted[sr.request_id]
-            self.draft_policy.record_acceptance(sr.request_id, k, a)
-            drafts, tokens, accepted = drafts + 1, tokens + k, accepted + a
-            for j in range(a):
-                per_pos[j] += 1
-        c = self.spec_counts
-        c["num_drafts"] += drafts
-        c["num_draft_tokens"] += tokens
-        c["num_accepted_tokens"] += accepted
-        self.spec_accepted_per_position = [x + y for x, y in zip(self.spec_accepted_per_position, per_pos)]
-        if m is not None:
-            m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens = drafts, tokens, accepted
-            m.accepted_per_position = per_pos
-            if m.num_prefill_tokens == 0:
-                self.draft_policy.record_step(m.end - m.start, sched.num_batched_tokens)
-
-    def _fill_grammar_bitmask(self, sched: SchedulerOutput):
-        """Structured outputs: set ``sched.grammar_req_ids`` and ``sched.grammar_bitmask`` (int32
-        ``[k, ceil(vocab / 32)]``) for the ``k`` requests of the step that sample and have a
-        grammar (xgrammar, Dong et al. 2024). With an in-process executor the bitmask is a
-        ``Future``, filled in a worker thread while the model's forward runs (the sampler waits
-        for it); else it is filled here. Finished requests leave :attr:`grammar_requests` here too.
+    def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception], StepMetrics | None]:
+        """Run the model on ``sched``. A call that raises is re-run in parts to find the requests
+        that fail alone (:meth:`_isolate`); one that succeeds gets the step's metrics, whose time
+        also feeds the scheduler's mixed-step budget.
 
         Returns:
-            None, or ``(requests, errors, bitmask or its future)`` for :meth:`_grammar_failures`.
+            The output, ``{request_id: exception}`` of the requests that failed alone, and the
+            :class:`StepMetrics` (None after an isolation: the time is not one step's).
+
+        Raises:
+            StepFailedError: see :meth:`_isolate`.
         """
-        for rid in sched.finished_req_ids:
-            self.grammar_requests.pop(rid, None)
-        reqs = [self.grammar_requests[sr.request_id] for sr in sched.requests
-                if sr.sample and sr.request_id in self.grammar_requests]
-        if not reqs:
-            return None
-        errors: dict[int, Exception] = {}
-        grammars = [r.grammar for r in reqs]
-        sched.grammar_req_ids = [r.request_id for r in reqs]
-        if getattr(self.executor, "in_process", False):
-            sched.grammar_bitmask = self.structured_outputs.bitmask_async(grammars, errors)
-        else:
-            sched.grammar_bitmask = self.structured_outputs.bitmask(grammars, errors)
-        return reqs, errors, sched.grammar_bitmask
+        t0 = self.clock()
+        try:
+            result = self.executor.execute_model(sched)
+        except Exception as e:
+            return *self._isolate(sched, e), None
+        m = StepMetrics.of_step(sched, t0, self.clock(), len(self.scheduler.waiting))
+        if self.scheduler.mixed_budget is not None:
+            self.scheduler.mixed_budget.record(m.end - m.start, m.num_prefill_tokens, m.num_decode_tokens)
+        return result, {}, m
 
-    def _grammar_failures(self, pending) -> list[RequestOutput]:
-        """After the step: wait for the bitmask fill (the matchers are free again), then fail
-        alone each request whose matcher raised in it (should not happen; its sampled token is
-        dropped). Returns their final outputs."""
-        if pending is None:
-            return []
-        reqs, errors, fill = pending
-        if hasattr(fill, "result"):  # a Future
-            try:
-                fill.result()
-            except Exception as e:  # the fill itself broke (not one matcher): every row is suspect
-                errors.update({i: e for i in range(len(reqs)) if i not in errors})
-        outs = []
-        for i, e in errors.items():
-            req = reqs[i]
-            if req.finished:
-                continue
-            req.error = f"structured_outputs: {type(e).__name__}: {e}"
-            outs.append(self._fail(req, "its grammar bitmask", e))
-        return outs
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput, reqs: dict[str, Request],
+                m: StepMetrics | None) -> tuple[list[Request], list[RequestOutput]]:
+        """After the model call: the scheduler appends the sampled tokens (stop tokens, length;
+        a request whose update raises fails alone), speculation records what was accepted (into
+        ``m`` too), ``max_tokens=0`` requests whose prompt is done give their final output, and
+        the grammars advance (a request whose grammar rejects its token fails alone). ``reqs``:
+        the step's requests by id.
 
-    def _advance_grammars(self, updated: list[Request]) -> list[RequestOutput]:
-        """Structured outputs, after a step: feed each unfinished grammar request's new token to
-        its matcher. A complete grammar finishes the request (``stop``): when the matcher
-        terminated (it accepted a stop token the request itself does not stop on, e.g. with
-        ``ignore_eos``), or when only a stop token may follow while ``min_tokens`` forbids it.
-        A request whose token the grammar rejects (or whose matcher raises) fails alone: returns
-        those requests' final outputs."""
-        outs = []
-        for req in updated:
-            g = req.grammar
-            if g is None or req.finished:
-                continue
+        Returns:
+            The requests that got tokens (each one's ``new_token_ids``), and the outputs of the
+            requests that finished or failed here.
+        """
+        errors: dict[str, BaseException] = {}
+        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs,
+                                                    errors=errors)
+        fail = self.output_processor.fail
+        outputs = [fail(reqs[rid], "its output update", e) for rid, e in errors.items()]
+        if self.speculator is not None:
             try:
-                rejected = g.accept(req.all_token_ids, req.num_prompt_tokens)
-                if rejected is not None:
-                    raise RuntimeError(f"structured_outputs: the grammar rejected token {rejected}")
-                if g.is_terminated() or (
-                        req.num_output_tokens < req.params.min_tokens and not req.params.ignore_eos
-                        and g.only_stop_allowed(self.structured_outputs.stop_token_ids, self.hf_config.vocab_size)):
-                    req.stop_reason = None
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            except Exception as e:  # one bad request must not take the batch down
-                outs.append(self._fail(req, "its grammar", e, req.new_token_ids))
-        return outs
+                self.speculator.record(sched, m)
+            except Exception:
+                self.stats.log_broken("speculation bookkeeping")
+        outputs += [self.output_processor.final_output(r) for sr in sched.requests  # max_tokens=0: no token
+                    if not sr.sample and (r := reqs[sr.request_id]).max_output_tokens == 0
+                    and r.status is RequestStatus.FINISHED_LENGTH]
+        finish_stopped = functools.partial(self.scheduler.finish, status=RequestStatus.FINISHED_STOPPED)
+        outputs += [fail(r, "its grammar", e, r.new_token_ids)
+                    for r, e in self.structured_outputs.advance(updated, finish_stopped)]
+        return updated, outputs
 
     def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """After ``execute_model(sched)`` raised ``error``: find the request(s) that make it fail.
@@ -847,50 +457,23 @@ class LLMEngine:
                          rid, type(e).__name__, e)
         return ModelRunnerOutput(sampled, logprobs or None, prompt_logprobs or None), failed
 
-    def _output(self, req: Request, new_token_ids: list[int] = ()) -> RequestOutput:
-        detok = self.detokenizers.get(req.request_id)
-        finished = req.finished
-        delta = detok.delta(finished) if detok else ""
-        text = detok.text[:detok.emitted] if detok else ""
-        out_ids = req.output_token_ids
-        if finished:
-            self.detokenizers.pop(req.request_id, None)
-            self.grammar_requests.pop(req.request_id, None)
-            req.grammar = None  # frees the matcher
-            if self.request_loggers and not getattr(req, "stats_logged", False):
-                req.stats_logged = True
-                stats = FinishedRequestStats.of(req)
-                for log in self.request_loggers:
-                    try:
-                        log(stats)
-                    except Exception:
-                        self._log_broken("request logger", log)
-        comp = CompletionOutput(
-            index=0, text=text, token_ids=out_ids,
-            finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason,
-            logprobs=req.logprobs if req.params.logprobs is not None else None,
-            delta_text=delta, delta_token_ids=list(new_token_ids))
-        # prompt logprobs once the prompt is done: on the first output with a token and the final one
-        plp = req.prompt_logprobs if (finished or req.num_output_tokens == 1) and req.prompt_logprobs_done else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished,
-                             req.metrics, error=req.error, prompt_logprobs=plp)
+    def _request_finished(self, req: Request) -> None:
+        """The final output of ``req`` is being built: free its grammar matcher, report its stats."""
+        self.structured_outputs.release(req)
+        self.stats.log_finished(req)
 
     # ---- introspection -------------------------------------------------------
     def get_stats(self) -> dict[str, float]:
-        """Scheduler gauges plus counters: steps, generated/prompt tokens, max running batch."""
+        """Scheduler gauges plus counters: steps, generated/prompt tokens, max running batch, and
+        with speculative decoding the ``spec_decode_*`` totals (:meth:`Speculator.stats`)."""
         s = self.scheduler.stats()
-        s.update(num_steps=self.num_steps, max_running_batch=self.max_running,
-                 num_generated_tokens=self.num_generated_tokens, num_prompt_tokens=self.num_prompt_tokens,
+        st = self.stats
+        s.update(num_steps=st.num_steps, max_running_batch=st.max_running,
+                 num_generated_tokens=st.num_generated_tokens, num_prompt_tokens=st.num_prompt_tokens,
                  num_kv_blocks=self.scheduler.kv.num_blocks, free_kv_blocks=self.scheduler.kv.pool.num_free_blocks,
                  time=time.time())
-        if self.proposer is not None:
-            c = self.spec_counts
-            s.update({f"spec_decode_{k}": v for k, v in c.items()})
-            s["spec_decode_acceptance_rate"] = c["num_accepted_tokens"] / c["num_draft_tokens"] if c["num_draft_tokens"] else 0.0
-            # vLLM's mean acceptance length: tokens per verifying step, the bonus token included
-            s["spec_decode_mean_acceptance_length"] = (
-                1 + c["num_accepted_tokens"] / c["num_drafts"] if c["num_drafts"] else 0.0)
-            s["spec_decode_num_accepted_tokens_per_pos"] = list(self.spec_accepted_per_position)
+        if self.speculator is not None:
+            s.update(self.speculator.stats())
         return s
 
     def shutdown(self) -> None:

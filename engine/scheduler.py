@@ -14,15 +14,19 @@ chunks. In a step that carries decodes, the prefill of a long request (more toke
 "stall-free batching"; vLLM's ``long_prefill_token_threshold``), so a long prompt is
 prefilled in small chunks beside running streams instead of stalling them, while short
 prompts are admitted whole (a burst of chat requests starts together); a step without
-decodes gets the whole budget. When the KV pool runs dry, the lowest-priority,
-latest-arriving running request is preempted by recompute: its blocks are freed and it goes
-back to the waiting queue.
+decodes gets the whole budget. The cap is fixed (``mixed_step_prefill_tokens``) or set before
+every step by a :class:`MixedStepBudget` from measured step times. When the KV pool runs dry,
+the lowest-priority, latest-arriving running request is preempted by recompute: its blocks are
+freed and it goes back to the waiting queue.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,6 +75,9 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     finished_req_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    #: prompt tokens looked up in the prefix cache by the requests (re)scheduled in this step, and those found
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: "torch.Tensor | None" = None  # noqa: F821 (torch is not imported here)
     #: set by :meth:`Scheduler.update_from_output`: accepted drafts per request that verified drafts
@@ -89,6 +96,86 @@ class SchedulerOutput:
         return not self.requests
 
 
+class MixedStepBudget:
+    """Sizes the prefill tokens of a step that also carries decodes from measured step times,
+    so that it takes at most ``slowdown`` x a decode-only step (the token budget of
+    Sarathi-Serve's stall-free batching, Agrawal et al. 2024, sec. 4.3, measured online
+    instead of profiled).
+
+    Cost model: ``t = D + n_prefill * b`` seconds, with ``D`` the median of the last
+    :attr:`DECODE_WINDOW` decode-only step times (a median, so a few slow steps from a busy
+    host do not inflate the target) and ``b`` (seconds per prefill token) a ratio of decayed sums over
+    steps with prefill: ``sum(t - D [if the step had decodes]) / sum(n_prefill)``, so large
+    chunks weigh most and the attention cost of long contexts is tracked as it grows. A
+    prefill-only step counts its whole time (a slight overestimate of ``b``: conservative).
+    Then ``tokens = (slowdown - 1) * D / b``, clamped to ``[min_tokens, max_tokens]``. If
+    mixed steps carry a fixed overhead ``E`` (e.g. eager mode beside CUDA-graph decodes), the
+    iteration still converges to steps of ``slowdown * D``. Until both ``D`` and ``b`` have
+    been measured the budget is ``initial_tokens``.
+
+    Args:
+        slowdown: target ratio (> 1) of a mixed step's time to a decode-only step's.
+        max_tokens: upper clamp (the step budget, ``max_num_batched_tokens``).
+        min_tokens: lower clamp, so prefills always progress (tokens). Small: deep into a long
+            prompt a chunk's attention over the whole context costs ~5 ms per token on a 2-core
+            CPU (SmolLM2, 7k context), so the target may need chunks of ~20 tokens.
+        initial_tokens: budget before measurements (tokens).
+        alpha: weight of the newest step in the averages.
+    """
+
+    #: Decode-only steps behind the median ``D``.
+    DECODE_WINDOW = 32
+
+    def __init__(self, slowdown: float, max_tokens: int, min_tokens: int = 8, initial_tokens: int = 256,
+                 alpha: float = 0.2):
+        self.slowdown, self.alpha = slowdown, alpha
+        self.max_tokens = max_tokens
+        self.min_tokens = min(min_tokens, max_tokens)
+        self.initial_tokens = min(initial_tokens, max_tokens)
+        self._decode_times: deque[float] = deque(maxlen=self.DECODE_WINDOW)
+        self._prefill_s = 0.0  # decayed sum of prefill seconds
+        self._prefill_n = 0.0  # decayed sum of prefill tokens
+
+    def record(self, seconds: float, num_prefill_tokens: int, num_decodes: int) -> None:
+        """Add one step's wall time (seconds) and its token counts. A time that is not finite
+        or is negative (a clock that jumped) is ignored."""
+        if not (isinstance(seconds, (int, float)) and 0.0 <= seconds < math.inf):
+            return
+        a = self.alpha
+        if num_prefill_tokens == 0:
+            if num_decodes:
+                self._decode_times.append(seconds)
+            return
+        if num_decodes and self.decode_s is None:
+            return  # cannot split a mixed step's time yet
+        prefill_s = max(seconds - (self.decode_s if num_decodes else 0.0), 0.0)
+        self._prefill_s = (1 - a) * self._prefill_s + a * prefill_s
+        self._prefill_n = (1 - a) * self._prefill_n + a * num_prefill_tokens
+
+    @property
+    def decode_s(self) -> float | None:
+        """``D``: median seconds of the recent decode-only steps (None before the first)."""
+        return statistics.median(self._decode_times) if self._decode_times else None
+
+    @property
+    def seconds_per_prefill_token(self) -> float | None:
+        return self._prefill_s / self._prefill_n if self._prefill_n else None
+
+    @property
+    def tokens(self) -> int:
+        """Prefill tokens allowed in the next step that carries decodes: an integer in
+        ``[min_tokens, max_tokens]`` whatever the recorded times were."""
+        b = self.seconds_per_prefill_token
+        if self.decode_s is None or b is None:
+            return self.initial_tokens
+        if b <= 0:
+            return self.max_tokens
+        tokens = (self.slowdown - 1) * self.decode_s / b
+        if not math.isfinite(tokens):  # b underflowed to a denormal: prefill is free
+            return self.max_tokens
+        return int(max(self.min_tokens, min(self.max_tokens, tokens)))
+
+
 class Scheduler:
     """Owns the waiting and running queues and the :class:`KVCacheManager`.
 
@@ -99,14 +186,18 @@ class Scheduler:
         policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``Request.priority``, lower
             first, then arrival).
         mixed_prefill_tokens: in a step that also has decodes, the largest chunk of a long
-            prefill (None or 0: no cap); the engine may change the attribute between steps.
+            prefill (None or 0: no cap); may be changed between steps.
+        mixed_budget: sets :attr:`mixed_prefill_tokens` at the start of every :meth:`schedule`
+            from measured step times (its :meth:`MixedStepBudget.record` is fed by the engine);
+            None: the cap stays as set.
         long_prefill_threshold: a request with more tokens in all than this (and than the
             cap) is long (tokens; the engine passes 4 % of ``max_model_len``, vLLM's default), so
             ordinary prompts are admitted whole even while the cap is small.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", mixed_prefill_tokens: int | None = None, long_prefill_threshold: int = 0):
+                 policy: str = "fcfs", mixed_prefill_tokens: int | None = None, long_prefill_threshold: int = 0,
+                 mixed_budget: MixedStepBudget | None = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv = kv
@@ -114,6 +205,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.mixed_prefill_tokens = mixed_prefill_tokens
+        self.mixed_budget = mixed_budget
         self.long_prefill_threshold = long_prefill_threshold
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -173,6 +265,9 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.mixed_budget is not None:
+            self.mixed_prefill_tokens = self.mixed_budget.tokens
+        queries0, hits0 = self.kv.prefix_queries, self.kv.prefix_hits
         budget = self.max_num_batched_tokens
         out: list[ScheduledRequest] = []
         scheduled: set[str] = set()
@@ -255,7 +350,7 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(out, finished, preempted)
+        return SchedulerOutput(out, finished, preempted, self.kv.prefix_queries - queries0, self.kv.prefix_hits - hits0)
 
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int | list[int]],
                            logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None,

@@ -10,14 +10,20 @@ A request's ``SamplingParams.structured_outputs`` (vLLM 0.10's shape, see :func:
 flows like this::
 
     LLMEngine.make_request    StructuredOutputs.request_grammar(spec)   compile (cached) + matcher -> req.grammar
-    LLMEngine.step            StructuredOutputs.bitmask_async(...)      fill_bitmask in a worker thread
+    LLMEngine.enqueue         StructuredOutputs.add_request(req)        the engine's grammar requests
+    LLMEngine.step            StructuredOutputs.fill_bitmask(sched)     fill_bitmask in a worker thread
                                                                         -> SchedulerOutput.grammar_bitmask
                                                                            + SchedulerOutput.grammar_req_ids
     ModelRunner.execute_model bitmask_rows(...) -> Sampler(..., grammar) -> apply_token_bitmask (-inf)
-    LLMEngine.step (after)    RequestGrammar.accept(...)                advance the matchers; finish when complete
+    LLMEngine.step (after)    StructuredOutputs.fill_failures(...)      wait for the fill; matchers that raised
+                              StructuredOutputs.advance(updated)        RequestGrammar.accept: advance the
+                                                                        matchers; finish when complete
 
 With an in-process executor the bitmask travels as a ``Future`` and is filled while the model's
 forward runs (the sampler waits for it); a distributed executor gets the filled tensor.
+
+A request whose matcher raises (in the fill or the advance), or whose grammar rejects its token,
+fails alone: these methods return it with the exception and the engine finishes it with an error.
 
 Matchers stay in the engine process (with tensor parallelism the runners are other processes);
 only the bitmask travels. A bitmask is ``int32 [rows, ceil(vocab_size / 32)]``: bit ``t % 32``
@@ -33,6 +39,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 #: The grammar kinds of a spec; exactly one per request.
@@ -168,6 +175,10 @@ class StructuredOutputs:
     the grammar text (at most :data:`CACHE_LIMIT_BYTES`), so a repeated spec costs ~10
     microseconds instead of a compile (5-80 ms for the schemas of benchmarks/structured_output.py).
 
+    It also keeps the engine's requests that have a grammar (:attr:`requests`; vLLM V1's
+    ``StructuredOutputManager``) and does their per-step work: :meth:`fill_bitmask`,
+    :meth:`fill_failures`, :meth:`advance`.
+
     Args:
         tokenizer: the engine's Hugging Face tokenizer.
         vocab_size: the model's vocabulary size (``hf_config.vocab_size``, the logits' width;
@@ -187,6 +198,9 @@ class StructuredOutputs:
         self._batch_matcher = None  # xgrammar BatchGrammarMatcher, built with the compiler
         self._pool: ThreadPoolExecutor | None = None  # bitmask_async's worker thread
         self._lock = threading.Lock()
+        #: The engine's requests (``engine.request.Request``) that have a grammar, by id (empty:
+        #: a step does no grammar work).
+        self.requests: dict = {}
 
     def compiler(self):
         """The xgrammar ``GrammarCompiler`` (built on the first call, ~0.1 s for a 49k vocab).
@@ -227,6 +241,100 @@ class StructuredOutputs:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    # ---- the engine's grammar requests -------------------------------------------------
+    def add_request(self, req) -> None:
+        """Keep ``req`` (an ``engine.request.Request`` entering the engine) if it has a grammar
+        (``req.grammar``, from :meth:`request_grammar`)."""
+        if req.grammar is not None:
+            self.requests[req.request_id] = req
+
+    def release(self, req) -> None:
+        """``req`` has left the engine: forget it and free its matcher."""
+        self.requests.pop(req.request_id, None)
+        req.grammar = None
+
+    def fill_bitmask(self, sched, in_process: bool):
+        """Set ``sched.grammar_req_ids`` and ``sched.grammar_bitmask`` (int32 ``[k, ceil(vocab /
+        32)]``) of a ``SchedulerOutput`` for the ``k`` requests of the step that sample and have a
+        grammar. With an in-process executor (``in_process``) the bitmask is a ``Future``, filled
+        in this object's worker thread while the model's forward runs (the sampler waits for it);
+        else it is filled here. The step's finished requests (``sched.finished_req_ids``) are
+        forgotten first.
+
+        Returns:
+            None (no grammar request in the step), or the pending fill for :meth:`fill_failures`.
+        """
+        if not self.requests:
+            return None
+        for rid in sched.finished_req_ids:
+            self.requests.pop(rid, None)
+        reqs = [self.requests[sr.request_id] for sr in sched.requests
+                if sr.sample and sr.request_id in self.requests]
+        if not reqs:
+            return None
+        errors: dict[int, Exception] = {}
+        grammars = [r.grammar for r in reqs]
+        sched.grammar_req_ids = [r.request_id for r in reqs]
+        if in_process:
+            sched.grammar_bitmask = self.bitmask_async(grammars, errors)
+        else:
+            sched.grammar_bitmask = self.bitmask(grammars, errors)
+        return reqs, errors, sched.grammar_bitmask
+
+    def fill_failures(self, pending) -> list:
+        """After the step: wait for the fill (:meth:`fill_bitmask`'s ``pending``; the matchers are
+        free again). Returns ``[(request, exception)]`` of the unfinished requests whose matcher
+        raised in it (should not happen; if the fill itself broke, every row is suspect), each
+        with ``request.error`` set (``"structured_outputs: ..."``): the caller fails them alone
+        (their sampled tokens are dropped)."""
+        if pending is None:
+            return []
+        reqs, errors, fill = pending
+        if hasattr(fill, "result"):  # a Future
+            try:
+                fill.result()
+            except Exception as e:  # the fill itself broke (not one matcher): every row is suspect
+                errors.update({i: e for i in range(len(reqs)) if i not in errors})
+        failed = []
+        for i, e in errors.items():
+            req = reqs[i]
+            if req.finished:
+                continue
+            req.error = f"structured_outputs: {type(e).__name__}: {e}"
+            failed.append((req, e))
+        return failed
+
+    def advance(self, updated: list, finish_stopped: Callable) -> list:
+        """After the update: feed each unfinished grammar request of ``updated`` (requests that
+        got tokens) its new tokens. A complete grammar finishes the request through
+        ``finish_stopped(request)`` (finish reason ``stop``, ``stop_reason`` None): when the
+        matcher terminated (it accepted a stop token the request itself does not stop on, e.g.
+        with ``ignore_eos``), or when only a stop token may follow while ``min_tokens`` forbids it.
+
+        Returns:
+            ``[(request, exception)]`` of the requests whose token the grammar rejected or whose
+            matcher raised: the caller fails them alone.
+        """
+        if not self.requests:
+            return []
+        failed = []
+        for req in updated:
+            g = req.grammar
+            if g is None or req.finished:
+                continue
+            try:
+                rejected = g.accept(req.all_token_ids, req.num_prompt_tokens)
+                if rejected is not None:
+                    raise RuntimeError(f"structured_outputs: the grammar rejected token {rejected}")
+                if g.is_terminated() or (
+                        req.num_output_tokens < req.params.min_tokens and not req.params.ignore_eos
+                        and g.only_stop_allowed(self.stop_token_ids, self.vocab_size)):
+                    req.stop_reason = None
+                    finish_stopped(req)
+            except Exception as e:  # one bad request must not take the batch down
+                failed.append((req, e))
+        return failed
 
     def compile(self, spec: dict):
         """Compile a spec (checked by :func:`validate_spec`) into an xgrammar ``CompiledGrammar``.

@@ -186,7 +186,7 @@ def test_a_hook_that_raises_affects_one_request(spec_engine, hook):
     eng = spec_engine
     want = _run(eng, _batch(eng, f"ref-{hook}-", hook))
     assert_idle(eng)
-    drafts0 = eng.spec_counts["num_draft_tokens"]
+    drafts0 = eng.speculator.counts["num_draft_tokens"]
     proposer, policy_fn = eng.proposer, eng.draft_policy.draft_length
     loggers = (list(eng.stat_loggers), list(eng.request_loggers))
     faults = Faults(eng)
@@ -215,7 +215,7 @@ def test_a_hook_that_raises_affects_one_request(spec_engine, hook):
         assert greedy_verdict(c.token_ids, ref.outputs[0].token_ids, ref.outputs[0].logprobs) in ("equal", "tie")
         assert len(c.logprobs) == len(c.token_ids) and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     if hook in DRAFTING_HOOKS:
-        assert eng.spec_counts["num_draft_tokens"] > drafts0  # the others still drafted
+        assert eng.speculator.counts["num_draft_tokens"] > drafts0  # the others still drafted
     assert_idle(eng)
 
 

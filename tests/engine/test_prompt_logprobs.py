@@ -98,9 +98,9 @@ def test_chunked_prompt_matches_hf(llm, hf, monkeypatch):
     monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_SLICE", 24)  # several logits slices per chunk too
     ids = llm.tokenizer.encode(LONG)
     assert len(ids) > 1.5 * BUDGET
-    steps0 = llm.engine.num_steps
+    steps0 = llm.engine.stats.num_steps
     outs = run_steps(llm.engine, "long", ids, greedy(max_tokens=1, prompt_logprobs=3))
-    assert llm.engine.num_steps - steps0 == -(-len(ids) // BUDGET)  # really chunked
+    assert llm.engine.stats.num_steps - steps0 == -(-len(ids) // BUDGET)  # really chunked
     assert len(outs) == 1 and outs[0].finished
     check_prompt_logprobs(outs[0].prompt_logprobs, ids, ref_logprobs(hf, ids), 3)
     assert_idle(llm)
@@ -157,14 +157,14 @@ def test_without_prompt_logprobs_none(llm):
 @pytest.mark.slow
 def test_max_tokens_zero_prompt_only(llm, hf):
     ids = llm.tokenizer.encode(LONG)
-    gen0 = llm.engine.num_generated_tokens
+    gen0 = llm.engine.stats.num_generated_tokens
     outs = run_steps(llm.engine, "zero", ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
     assert len(outs) == 1
     o = outs[0]
     assert o.finished and o.outputs[0].finish_reason == "length"
     assert o.outputs[0].token_ids == [] and o.outputs[0].text == "" and o.outputs[0].delta_token_ids == []
     check_prompt_logprobs(o.prompt_logprobs, ids, ref_logprobs(hf, ids), 0)
-    assert llm.engine.num_generated_tokens == gen0
+    assert llm.engine.stats.num_generated_tokens == gen0
     assert_idle(llm)
     # offline class, mixed with ordinary requests
     res = llm.generate([SHORT, LONG], [SamplingParams(max_tokens=0), greedy(max_tokens=2)], use_tqdm=False)

@@ -58,7 +58,7 @@ def chat(llm: LLM, question: str) -> dict:
 def assert_idle(engine: LLMEngine) -> None:
     """Every request left the engine, every KV block is back, no matcher is held."""
     s = engine.get_stats()
-    assert not engine.scheduler.requests and not engine.grammar_requests
+    assert not engine.scheduler.requests and not engine.structured_outputs.requests
     assert s["free_kv_blocks"] == s["num_kv_blocks"]
 
 
