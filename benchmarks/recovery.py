@@ -274,9 +274,9 @@ def run_scenario(name: str, base_root: str, trials: int, n_streams: int, max_tok
         for i in range(trials):
             (replica,) = llm_replicas(app_name)
             if name == "tp_worker_kill":
-                info = serve.get_deployment_handle("LLMServer", app_name).model_info.remote().result()
-                pid = next(w["pid"] for w in info["workers"]["ranks"] if w["rank"] == 1)
-                secrets = [pid, replica["pid"]] + [w["pid"] for w in info["workers"]["ranks"]]
+                info = serve.get_deployment_handle("LLMServer", app_name).server_info.remote().result()
+                pid = next(w["pid"] for w in info.workers["ranks"] if w["rank"] == 1)
+                secrets = [pid, replica["pid"]] + [w["pid"] for w in info.workers["ranks"]]
             else:
                 pid = replica["pid"]
                 secrets = [pid]

@@ -268,7 +268,7 @@ def routing_cost(tokenizer_path: str, bodies: list[dict]) -> dict:
     first, rest, seen = [], [], set()
     for b in bodies:
         t0 = time.perf_counter()
-        hasher.of_request((None, {}), {"messages": b["messages"]})
+        hasher.of_request(None, b["messages"])
         dt = 1e6 * (time.perf_counter() - t0)
         key = b["messages"][0]["content"]
         (rest if key in seen else first).append(dt)

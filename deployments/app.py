@@ -89,22 +89,23 @@ def build_app(args: AppArgs) -> Application:
             request_timeout_s=m.request_timeout_s, tool_call_parser=m.tool_call_parser)
     # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
     drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
-    return OpenAIIngress.options(num_replicas=args.ingress_num_replicas,
-                                 max_ongoing_requests=args.ingress_max_ongoing_requests,
+    g = args.gateway
+    return OpenAIIngress.options(num_replicas=g.ingress_num_replicas, max_ongoing_requests=g.ingress_max_ongoing_requests,
                                  graceful_shutdown_timeout_s=drain_s,
-                                 ray_actor_options={"num_cpus": args.ingress_cpus}).bind(handles, gateway_settings(args))
+                                 ray_actor_options={"num_cpus": g.ingress_cpus}).bind(handles, gateway_settings(args))
 
 
 def gateway_settings(args: AppArgs) -> GatewaySettings:
     """The gateway's settings from the application's arguments."""
+    g, lim, r = args.gateway, args.limits, args.routing
     return GatewaySettings(
-        api_keys=args.api_keys, admin_api_keys=args.admin_api_keys, max_request_body_bytes=args.max_request_body_bytes,
-        auth_failures_per_minute=args.auth_failures_per_minute, allowed_origins=args.allowed_origins,
-        max_prompts_per_request=args.max_prompts_per_request, rate_limit_rpm=args.rate_limit_rpm,
-        rate_limit_tpm=args.rate_limit_tpm, redis_url=args.redis_url, num_ingress_replicas=args.ingress_num_replicas,
+        api_keys=g.api_keys, admin_api_keys=g.admin_api_keys, max_request_body_bytes=g.max_request_body_bytes,
+        auth_failures_per_minute=g.auth_failures_per_minute, allowed_origins=g.allowed_origins,
+        max_prompts_per_request=g.max_prompts_per_request, rate_limit_rpm=lim.rate_limit_rpm,
+        rate_limit_tpm=lim.rate_limit_tpm, redis_url=lim.redis_url, num_ingress_replicas=g.ingress_num_replicas,
         cache=args.cache_settings(),
-        model_routing=None if args.model_routing is None else args.model_routing.model_dump(),
-        upstream=None if args.upstream is None else args.upstream.model_dump())
+        model_routing=None if r.model_routing is None else r.model_routing.model_dump(),
+        upstream=None if r.upstream is None else r.upstream.model_dump())
 
 __all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "gateway_settings", "llm_deployment_options", "fit_single_node",
            "app_args_from_config", "logical_cpus_needed"]

@@ -136,15 +136,11 @@ class ModelArgs(EngineArgs):
         return knobs
 
 
-class AppArgs(ModelArgs):
-    """Arguments of :func:`build_app` (``args`` of the Serve config, flags of ``kvserve serve``).
+class GatewayArgs(BaseModel):
+    """The gateway's section of :class:`AppArgs`: keys, the request gate, its replicas."""
 
-    The top-level model fields describe the served model; ``models`` serves several (each
-    entry a :class:`ModelArgs`, the first one being the default for requests without a
-    ``model``), in which case the top-level model fields are ignored.
-    """
+    model_config = ConfigDict(extra="forbid")
 
-    models: list[ModelArgs] = Field(default_factory=list)
     api_keys: Optional[list[str]] = Field(
         None, description="if set, require `Authorization: Bearer <key>`; default: $KVSERVE_API_KEYS "
                           "(comma-separated) or the lines of api_keys_file. An entry may carry per-key "
@@ -152,40 +148,9 @@ class AppArgs(ModelArgs):
     api_keys_file: Optional[str] = Field(None, description="a file with one API key per line, each optionally "
                                                            "followed by name=/rpm=/tpm=/priority= (read where "
                                                            "the app is built; a Kubernetes secret mounts as one)")
-    rate_limit_rpm: Optional[float] = Field(
-        None, ge=0, description="default requests per minute of each API key (a key's rpm= overrides it)")
-    rate_limit_tpm: Optional[float] = Field(
-        None, ge=0, description="default tokens per minute of each API key, prompt + max_tokens reserved, "
-                                "settled with the tokens used")
-    redis_url: Optional[str] = Field(
-        None, description="Redis that all ingress replicas share their per-key limits through (default "
-                          "$KVSERVE_REDIS_URL; without it each ingress replica enforces limit / replicas)")
-    response_cache: bool = Field(
-        True, description="exact response cache in the ingress: deterministic requests (temperature 0 or a seed) "
-                          "answered again without a replica (deployments/cache.py)")
-    cache_backend: Literal["memory", "redis"] = Field(
-        "memory", description="memory: per ingress replica; redis: shared by all ingress replicas (needs redis_url)")
-    cache_ttl_s: float = Field(3600.0, gt=0, description="seconds a cached answer lives")
-    cache_max_entries: int = Field(10_000, ge=1, description="cached answers kept (least recently used go first)")
-    cache_max_bytes: int = Field(256 << 20, ge=1, description="bytes of cached answers kept (default 256 MiB)")
-    semantic_cache: Literal["off", "opt-in", "on"] = Field(
-        "off", description="semantic response cache (all-MiniLM-L6-v2 embeddings of the last user message): off, "
-                           "opt-in (requests send \"cache\": {\"semantic\": true}) or on (every cacheable request "
-                           "unless it declines); true/false mean on/off")
-    semantic_cache_threshold: float = Field(
-        0.92, gt=0, le=1, description="cosine similarity a semantic hit needs (0.92: benchmarks/cache.py)")
-    semantic_cache_max_entries: int = Field(10_000, ge=1, description="semantic cache vectors per ingress replica")
     admin_api_keys: Optional[list[str]] = Field(
         None, description="keys that may clear the response cache (DELETE /v1/cache); default "
                           "$KVSERVE_ADMIN_API_KEYS (comma-separated); none: the endpoint answers 403")
-    model_routing: Optional[ModelRouting] = Field(
-        None, description="rules of `model: \"auto\"` (first match wins; deployments/model_routing.py): "
-                          "{rules: [{model, name, max_prompt_tokens, max_tokens, keywords, exclude_keywords}], "
-                          "default}; unset: no `auto` model")
-    upstream: Optional[UpstreamArgs] = Field(
-        None, description="OpenAI-compatible fallback for requests the local models cannot take (all replicas "
-                          "at capacity or failing): {base_url, api_key (default $KVSERVE_UPSTREAM_API_KEY), "
-                          "models: {local: upstream name}, timeout_s}")
     auth_failures_per_minute: int = Field(
         DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
         description="missing or wrong API keys one client address may send per minute before 429s")
@@ -200,17 +165,13 @@ class AppArgs(ModelArgs):
     ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
 
+
     @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
-
-    @field_validator("semantic_cache", mode="before")
-    @classmethod
-    def _semantic_bool(cls, v):
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _keys_from_env_or_file(self):
@@ -229,45 +190,178 @@ class AppArgs(ModelArgs):
             self.api_keys = self._split_keys(os.environ["KVSERVE_API_KEYS"])
         if self.api_keys:
             policies_from_keys(self.api_keys)  # a bad entry fails here, naming its position, never the key
-        if self.redis_url is None and os.environ.get("KVSERVE_REDIS_URL", "").strip():
-            self.redis_url = os.environ["KVSERVE_REDIS_URL"].strip()
         if self.admin_api_keys is None and os.environ.get("KVSERVE_ADMIN_API_KEYS", "").strip():
             self.admin_api_keys = self._split_keys(os.environ["KVSERVE_ADMIN_API_KEYS"])
         if self.admin_api_keys and any(len(k.split()) != 1 for k in self.admin_api_keys):
             raise ValueError("admin_api_keys: an admin key is one word (no spaces, no attributes)")
+        return self
+
+
+class LimitArgs(BaseModel):
+    """The per-key limits' section of :class:`AppArgs`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate_limit_rpm: Optional[float] = Field(
+        None, ge=0, description="default requests per minute of each API key (a key's rpm= overrides it)")
+    rate_limit_tpm: Optional[float] = Field(
+        None, ge=0, description="default tokens per minute of each API key, prompt + max_tokens reserved, "
+                                "settled with the tokens used")
+    redis_url: Optional[str] = Field(
+        None, description="Redis that all ingress replicas share their per-key limits through (default "
+                          "$KVSERVE_REDIS_URL; without it each ingress replica enforces limit / replicas)")
+
+    @model_validator(mode="after")
+    def _redis_from_env(self):
+        if self.redis_url is None and os.environ.get("KVSERVE_REDIS_URL", "").strip():
+            self.redis_url = os.environ["KVSERVE_REDIS_URL"].strip()
+        return self
+
+
+class CacheArgs(BaseModel):
+    """The response caches' section of :class:`AppArgs` (``deployments/cache/``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    response_cache: bool = Field(
+        True, description="exact response cache in the ingress: deterministic requests (temperature 0 or a seed) "
+                          "answered again without a replica (deployments/cache.py)")
+    cache_backend: Literal["memory", "redis"] = Field(
+        "memory", description="memory: per ingress replica; redis: shared by all ingress replicas (needs redis_url)")
+    cache_ttl_s: float = Field(3600.0, gt=0, description="seconds a cached answer lives")
+    cache_max_entries: int = Field(10_000, ge=1, description="cached answers kept (least recently used go first)")
+    cache_max_bytes: int = Field(256 << 20, ge=1, description="bytes of cached answers kept (default 256 MiB)")
+    semantic_cache: Literal["off", "opt-in", "on"] = Field(
+        "off", description="semantic response cache (all-MiniLM-L6-v2 embeddings of the last user message): off, "
+                           "opt-in (requests send \"cache\": {\"semantic\": true}) or on (every cacheable request "
+                           "unless it declines); true/false mean on/off")
+    semantic_cache_threshold: float = Field(
+        0.92, gt=0, le=1, description="cosine similarity a semantic hit needs (0.92: benchmarks/cache.py)")
+    semantic_cache_max_entries: int = Field(10_000, ge=1, description="semantic cache vectors per ingress replica")
+
+    @field_validator("semantic_cache", mode="before")
+    @classmethod
+    def _semantic_bool(cls, v):
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+
+class RoutingArgs(BaseModel):
+    """The model routing section of :class:`AppArgs`: ``model: "auto"`` and the upstream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_routing: Optional[ModelRouting] = Field(
+        None, description="rules of `model: \"auto\"` (first match wins; deployments/model_routing.py): "
+                          "{rules: [{model, name, max_prompt_tokens, max_tokens, keywords, exclude_keywords}], "
+                          "default}; unset: no `auto` model")
+    upstream: Optional[UpstreamArgs] = Field(
+        None, description="OpenAI-compatible fallback for requests the local models cannot take (all replicas "
+                          "at capacity or failing): {base_url, api_key (default $KVSERVE_UPSTREAM_API_KEY), "
+                          "models: {local: upstream name}, timeout_s}")
+
+    @model_validator(mode="after")
+    def _upstream_key_from_env(self):
         if self.upstream is not None and not self.upstream.api_key:
             self.upstream.api_key = os.environ.get("KVSERVE_UPSTREAM_API_KEY", "").strip() or None
-        if self.response_cache and self.cache_backend == "redis" and not self.redis_url:
+        return self
+
+
+#: The sections of :class:`AppArgs` besides ``models``, by name.
+SECTIONS: dict[str, type[BaseModel]] = {"gateway": GatewayArgs, "limits": LimitArgs, "cache": CacheArgs,
+                                        "routing": RoutingArgs}
+
+
+class AppArgs(BaseModel):
+    """Arguments of :func:`build_app` (``args`` of the Serve config, flags of ``kvserve serve``),
+    in sections: ``models`` (each a :class:`ModelArgs`, the first being the default for
+    requests without a ``model``), ``gateway``, ``limits``, ``cache`` and ``routing``.
+
+    The flat form that configs and flags use is accepted too: a section's field given at the
+    top level (``api_keys: [...]``, ``cache_ttl_s: 60``) goes to its section, and model fields
+    at the top level describe the one served model when ``models`` is not given (they are
+    ignored when it is). :meth:`flat_fields` lists every flat name.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelArgs] = Field(default_factory=list)
+    gateway: GatewayArgs = Field(default_factory=GatewayArgs)
+    limits: LimitArgs = Field(default_factory=LimitArgs)
+    cache: CacheArgs = Field(default_factory=CacheArgs)
+    routing: RoutingArgs = Field(default_factory=RoutingArgs)
+
+    @classmethod
+    def flat_fields(cls) -> dict[str, Any]:
+        """Every name the flat form takes (model fields and every section's), with its field."""
+        out = dict(ModelArgs.model_fields)
+        for section in SECTIONS.values():
+            out.update(section.model_fields)
+        return out
+
+    def flat_value(self, name: str) -> Any:
+        """The value of a flat name (a section's field, or the default model's).
+
+        Raises:
+            KeyError: not a flat name.
+        """
+        for section in SECTIONS:
+            part = getattr(self, section)
+            if name in type(part).model_fields:
+                return getattr(part, name)
+        if name in ModelArgs.model_fields:
+            return getattr(self.models[0], name)
+        raise KeyError(name)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_flat(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        out: dict[str, Any] = {"models": data.pop("models", None) or []}
+        for name, section in SECTIONS.items():
+            given = data.pop(name, None)
+            part = dict(given) if isinstance(given, dict) else {} if given is None else given
+            if isinstance(part, dict):
+                for key in list(data):
+                    if key in section.model_fields:
+                        part[key] = data.pop(key)
+            out[name] = part
+        own = {k: data.pop(k) for k in list(data) if k in ModelArgs.model_fields}
+        if data:  # unknown keys: let the model name them
+            out.update(data)
+        if not out["models"]:
+            out["models"] = [own]
+        return out
+
+    @model_validator(mode="after")
+    def _check(self):
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names must be unique, got {names}")
+        if self.routing.model_routing is not None:
+            self.routing.model_routing.check(names)
+        if self.cache.response_cache and self.cache.cache_backend == "redis" and not self.limits.redis_url:
             raise ValueError("cache_backend redis needs redis_url (or $KVSERVE_REDIS_URL)")
         return self
 
-    def cache_settings(self) -> dict[str, Any]:
-        """The ingress's ``deployments.cache.CacheSettings`` (as a dict)."""
-        return {"enabled": self.response_cache, "backend": self.cache_backend, "ttl_s": self.cache_ttl_s,
-                "max_entries": self.cache_max_entries, "max_bytes": self.cache_max_bytes,
-                "semantic": self.semantic_cache, "semantic_threshold": self.semantic_cache_threshold,
-                "semantic_max_entries": self.semantic_cache_max_entries, "redis_url": self.redis_url}
-
-    @model_validator(mode="after")
-    def _unique_names(self):
-        names = [m.name for m in self.model_list()]
-        if len(set(names)) != len(names):
-            raise ValueError(f"served model names must be unique, got {names}")
-        if self.model_routing is not None:
-            self.model_routing.check(names)
-        return self
-
     def model_list(self) -> list[ModelArgs]:
-        if self.models:
-            return list(self.models)
-        own = {k: getattr(self, k) for k in ModelArgs.model_fields}
-        return [ModelArgs(**own)]
+        """The served models, the default first."""
+        return list(self.models)
+
+    def cache_settings(self) -> dict[str, Any]:
+        """The gateway's ``deployments.cache.CacheSettings`` (as a dict)."""
+        c = self.cache
+        return {"enabled": c.response_cache, "backend": c.cache_backend, "ttl_s": c.cache_ttl_s,
+                "max_entries": c.cache_max_entries, "max_bytes": c.cache_max_bytes,
+                "semantic": c.semantic_cache, "semantic_threshold": c.semantic_cache_threshold,
+                "semantic_max_entries": c.semantic_cache_max_entries, "redis_url": self.limits.redis_url}
 
 
 def logical_cpus_needed(args: AppArgs) -> float:
     """Logical CPUs the application reserves at its initial / fixed size (ingress, replicas,
     tensor-parallel workers); ``kvserve serve`` starts a local Ray with at least this many."""
-    total = args.ingress_cpus * args.ingress_num_replicas
+    total = args.gateway.ingress_cpus * args.gateway.ingress_num_replicas
     for m in args.model_list():
         knobs = m.autoscaling_knobs()
         n = m.num_replicas if m.num_replicas is not None else 1
@@ -295,8 +389,7 @@ def fit_single_node(args: AppArgs, num_gpus: int) -> AppArgs:
         gpu = m.device == "cuda" or (m.device == "auto" and num_gpus > 0)
         fit = max(1, num_gpus // m.tensor_parallel_size) if gpu else 1
         models.append(m.model_copy(update={"max_replicas": max(fit, knobs.get("min_replicas", 1))}))
-    top = {k: getattr(args, k) for k in AppArgs.model_fields if k != "models"}
-    return AppArgs.model_validate({**top, "models": [m.model_dump() for m in models]})
+    return args.model_copy(update={"models": models})
 
 
 def app_args_from_config(path: str, app_name: str = APP_NAME) -> dict[str, Any]:

@@ -64,7 +64,8 @@ def _model_flags() -> list[tuple[str, str, dict]]:
     from deployments.args import AppArgs, ModelArgs
 
     out = []
-    fields = list(ModelArgs.model_fields.items()) + [(n, AppArgs.model_fields[n]) for n in _APP_FLAGS]
+    flat = AppArgs.flat_fields()
+    fields = list(ModelArgs.model_fields.items()) + [(n, flat[n]) for n in _APP_FLAGS]
     for name, f in fields:
         if name in _NOT_FLAGS:
             continue
@@ -253,10 +254,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
-        if args.host not in ("127.0.0.1", "localhost", "::1") and not app_args.api_keys:
+        if args.host not in ("127.0.0.1", "localhost", "::1") and not app_args.gateway.api_keys:
             print(f"kvserve: WARNING: HTTP listens on {args.host} with no API key: anyone who reaches this "
                   f"port can use the model (set KVSERVE_API_KEYS or --api-key-file)", file=sys.stderr, flush=True)
-        elif not app_args.api_keys:
+        elif not app_args.gateway.api_keys:
             print("kvserve: NOTE: no API key configured: open access for every process that reaches "
                   f"{args.host}:{args.port} (set KVSERVE_API_KEYS or --api-key-file to require one)",
                   file=sys.stderr, flush=True)
@@ -268,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         base_url = f"http://{host}:{args.port}{route.rstrip('/')}/v1"
         first = app_args.model_list()[0].name
-        key = app_args.api_keys[0] if app_args.api_keys else None
+        key = app_args.gateway.api_keys[0] if app_args.gateway.api_keys else None
         print("", flush=True)
         print(f"kvserve is serving {first} at {base_url}", flush=True)
         print("try:", flush=True)

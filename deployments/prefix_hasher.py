@@ -19,6 +19,8 @@ across the cut could change them). Measured on this 2-core CPU (SmolLM2 tokenize
 """
 from __future__ import annotations
 
+from typing import Any
+
 import logging
 from collections import OrderedDict
 
@@ -52,15 +54,14 @@ class PrefixHasher:
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
 
-    def of_request(self, args: tuple | list, kwargs: dict) -> list[int]:
-        """Hashes of ``LLMServer.generate(prompt, sampling_params, *, messages=, tools=, ...)``'s
-        prompt; ``[]`` when there is nothing to hash (no tokenizer for text, a malformed prompt:
-        the replica reports that error itself)."""
-        prompt = args[0] if args else kwargs.get("prompt")
-        messages = kwargs.get("messages")
+    def of_request(self, prompt: Any, messages: list[dict] | None = None,
+                   tools: list[dict] | None = None) -> list[int]:
+        """Hashes of a request's prompt (text, token ids or vLLM's dict) or chat ``messages``
+        (with ``tools``); ``[]`` when there is nothing to hash (no tokenizer for text, a
+        malformed prompt: the replica reports that error itself)."""
         try:
             if messages is not None:
-                return self.of_messages(messages, kwargs.get("tools"))
+                return self.of_messages(messages, tools)
             if isinstance(prompt, dict) and len(prompt) == 1:  # vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
                 prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
             if isinstance(prompt, str):

@@ -32,8 +32,7 @@ hashes cached; ~0.03 ms for a prompt whose leading text was seen before).
 Compared with Ray's ``PrefixCacheAffinityRouter`` (``ray.serve.llm``): that router keeps a
 character-level prefix tree of prompt text in one detached actor, queried with a blocking
 ``ray.get`` per routing decision and per routed request, and reads ``.prompt`` /
-``.messages`` attributes of Ray LLM's request objects (our ``generate`` takes plain
-arguments). This router keeps its state local, learns from the replicas themselves, and
+``.messages`` attributes of Ray LLM's request objects (ours: :func:`request_parts`). This router keeps its state local, learns from the replicas themselves, and
 hashes what the engine caches.
 """
 from __future__ import annotations
@@ -53,11 +52,23 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from deployments.prefix_hasher import PrefixHasher
 from deployments.prefix_report import MAX_PREFIX_TOKENS
+from deployments.server_types import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
 
-#: ``LLMServer`` methods whose requests carry a prompt to route by.
-ROUTED_METHODS = ("generate", "complete")
+#: ``LLMServer`` methods whose requests carry a prompt to route by: ``stream`` (the gateway's,
+#: a :class:`~deployments.server_types.GenerateRequest`), ``generate`` and ``complete``
+#: (Python-handle callers: the prompt, then keyword arguments).
+ROUTED_METHODS = ("stream", "generate", "complete")
+
+
+def request_parts(pr: PendingRequest) -> tuple[Any, list[dict] | None, list[dict] | None]:
+    """``(prompt, messages, tools)`` of a pending ``LLMServer`` call."""
+    args, kwargs = pr.args or (), pr.kwargs or {}
+    first = args[0] if args else kwargs.get("request", kwargs.get("prompt"))
+    if isinstance(first, GenerateRequest):
+        return first.prompt, first.messages, first.tools
+    return first, kwargs.get("messages"), kwargs.get("tools")
 #: Seconds a routing decision waits for the router's tokenizer to finish loading (the first
 #: text request of a router only); past it, the request is routed without affinity.
 TOKENIZER_WAIT_S = 10.0
@@ -134,7 +145,7 @@ class PrefixAwareRouter(RequestRouter):
     ``request_router_kwargs`` (:meth:`initialize_state`): ``block_size`` (the engine's),
     ``imbalance_margin`` (ongoing requests), ``min_gain_tokens``, ``max_prefix_tokens``,
     ``tokenizer`` (a model folder; default: the one the replicas report), ``history_size``.
-    Requests of other methods (``model_info``, ``get_stats``, ...) and requests without a
+    Requests of other methods (``server_info``, ``get_stats``, ...) and requests without a
     match are routed by power of two choices. Not FIFO: each routing decision serves the
     request it was made for (Serve's ``FIFOMixin`` would hand the chosen replica to the oldest
     pending request instead).
@@ -244,12 +255,11 @@ class PrefixAwareRouter(RequestRouter):
             return self._routed[rid]
         if pr.metadata.call_method not in ROUTED_METHODS:
             return []
-        args, kwargs = pr.args or (), pr.kwargs or {}
-        prompt = args[0] if args else kwargs.get("prompt")
-        text = kwargs.get("messages") is not None or isinstance(prompt, str) or isinstance(prompt, dict)
+        prompt, messages, tools = request_parts(pr)
+        text = messages is not None or isinstance(prompt, str) or isinstance(prompt, dict)
         if text and not await self._tokenizer_ready():
             return []
-        hashes = self.hasher.of_request(args, kwargs)
+        hashes = self.hasher.of_request(prompt, messages, tools)
         self._routed[rid] = hashes
         while len(self._routed) > 4096:  # requests cancelled before they were routed
             self._routed.popitem(last=False)

@@ -247,7 +247,7 @@ class ServerInfo:
     max_in_flight_requests: int = 0
     tool_call_parser: str = "hermes"
     revision: str = ""
-    workers: list | None = None
+    workers: dict | None = None
 
 
 def finish_reason(engine_reason: str | None) -> str | None:

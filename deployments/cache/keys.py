@@ -1,7 +1,7 @@
 """Cache keys: which requests are cacheable, and when two requests are the same request.
 
 **Exact key** (:func:`exact_key`): a SHA-256 over the served model name and its weights
-revision (``LLMServer.model_info()["revision"]``,
+revision (``LLMServer.server_info().revision``,
 :func:`~deployments.server_types.model_revision`), the endpoint, and the request's normalised
 fields (:func:`request_payload`): every declared field of
 :class:`~deployments.protocol.ChatCompletionRequest` / :class:`~deployments.protocol.CompletionRequest`

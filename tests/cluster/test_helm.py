@@ -335,9 +335,9 @@ def test_serve_config_v2_parses_with_serve_and_app_args(render, tmp_path, varian
     models = args.model_list()
     assert [m.model for m in models] == [m["model"] for m in values["models"]]
     for key, v in values.get("app", {}).get("args", {}).items():  # free-form app args arrive as given
-        assert getattr(args, key) == v
+        assert args.flat_value(key) == v
     if values.get("apiKeys", {}).get("keys"):
-        assert args.api_keys == values["apiKeys"]["keys"]  # the key file's lines: keys with their settings
+        assert args.gateway.api_keys == values["apiKeys"]["keys"]  # the key file's lines: keys with their settings
     # every model's replica (all its placement bundles: STRICT_PACK, one node) fits a worker group
     capacities = [_group_capacity(g) for g in _groups(rs) if g["maxReplicas"] > 0]
     for m in models:
@@ -360,7 +360,7 @@ def test_new_app_args_need_no_chart_change(render):
     """Whatever AppArgs / ModelArgs field a user sets in values reaches the app unchanged."""
     from deployments.app import AppArgs, ModelArgs
 
-    app_field = next(f for f in ("max_request_body_bytes", "ingress_cpus") if f in AppArgs.model_fields)
+    app_field = next(f for f in ("max_request_body_bytes", "ingress_cpus") if f in AppArgs.flat_fields())
     model_field = next(f for f in ("request_timeout_s", "graceful_shutdown_timeout_s") if f in ModelArgs.model_fields)
     docs = render({"app": {"args": {app_field: 123}}, "models": [{"model": "m", model_field: 45}]})
     (app,) = _serve_config(docs["RayService"][0])["applications"]

@@ -484,13 +484,13 @@ def test_app_args_and_cli_flags_of_the_caches(monkeypatch):
     assert args.cache_settings() == {"enabled": False, "backend": "redis", "ttl_s": 60.0, "max_entries": 5,
                                      "max_bytes": 1000, "semantic": "opt-in", "semantic_threshold": 0.9,
                                      "semantic_max_entries": 10_000, "redis_url": "redis://127.0.0.1:1/0"}
-    assert args.admin_api_keys == ["sk-admin"]
-    assert AppArgs(semantic_cache=True).semantic_cache == "on"  # YAML's booleans
+    assert args.gateway.admin_api_keys == ["sk-admin"]
+    assert AppArgs(semantic_cache=True).cache.semantic_cache == "on"  # YAML's booleans
     with pytest.raises(ValidationError, match="redis_url"):
         AppArgs(cache_backend="redis")
     with pytest.raises(ValidationError):
         AppArgs(semantic_cache_threshold=1.5)
     monkeypatch.setenv("KVSERVE_ADMIN_API_KEYS", "sk-a, sk-b")
-    assert AppArgs().admin_api_keys == ["sk-a", "sk-b"]
+    assert AppArgs().gateway.admin_api_keys == ["sk-a", "sk-b"]
     with pytest.raises(ValueError, match="semantic cache mode"):
         CacheSettings(semantic="sometimes")

@@ -440,8 +440,8 @@ def test_killed_tp_worker_mid_stream(serve_app, tiny_llama_path):
     _deploy(_app_args(tiny_llama_path, "tiny-tpkill", num_replicas=1, tensor_parallel_size=2), name, route)
     try:
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
-        info = serve.get_deployment_handle("LLMServer", name).model_info.remote().result()
-        rank1 = next(r for r in info["workers"]["ranks"] if r["rank"] == 1)
+        info = serve.get_deployment_handle("LLMServer", name).server_info.remote().result()
+        rank1 = next(r for r in info.workers["ranks"] if r["rank"] == 1)
         (replica,) = _alive_llm_replicas(name)
         results, rec, t_kill, clients_end_s = asyncio.run(_kill_mid_stream(base, rank1["pid"], TP_RECOVERY_LIMIT_S))
         codes = [_assert_failed_cleanly(r, t_kill, rank1["pid"], replica["pid"]) for r in results]
@@ -453,7 +453,7 @@ def test_killed_tp_worker_mid_stream(serve_app, tiny_llama_path):
         assert max(rec["ready_s"], rec["completion_s"]) < TP_RECOVERY_LIMIT_S, rec
         (new,) = _alive_llm_replicas(name)
         assert new["replica"] != replica["replica"], "the replica with a dead worker was not replaced"
-        info = serve.get_deployment_handle("LLMServer", name).model_info.remote().result()
-        assert rank1["pid"] not in [r["pid"] for r in info["workers"]["ranks"]]
+        info = serve.get_deployment_handle("LLMServer", name).server_info.remote().result()
+        assert rank1["pid"] not in [r["pid"] for r in info.workers["ranks"]]
     finally:
         serve.delete(name)

@@ -172,8 +172,8 @@ def test_killed_tp_worker_makes_replica_unhealthy_at_once(serve_app, tiny_llama_
         body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
         assert httpx.get(f"{base}/health", timeout=30).status_code == 200
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
-        info = serve.get_deployment_handle("LLMServer", "kvserve-fault").model_info.remote().result()
-        rank1 = next(r for r in info["workers"]["ranks"] if r["rank"] == 1)
+        info = serve.get_deployment_handle("LLMServer", "kvserve-fault").server_info.remote().result()
+        rank1 = next(r for r in info.workers["ranks"] if r["rank"] == 1)
         os.kill(rank1["pid"], signal.SIGKILL)
         t0 = time.time()
         while True:

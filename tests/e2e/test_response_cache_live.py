@@ -190,7 +190,7 @@ def test_new_weights_revision_never_gets_old_answers(serve_app, tiny_llama_path)
     """The replica reports its weights revision (names, sizes, mtimes of the model folder);
     the ingress re-reads it every REVISION_REFRESH_S: after the files change, the cached
     answer is not served any more. The request that starts the re-read runs beside it and
-    answers (a model_info call in the request's context once left its generate call pending)."""
+    answers (a server_info call in the request's context once left its generate call pending)."""
     import os
 
     from deployments.gateway.models import REVISION_REFRESH_S

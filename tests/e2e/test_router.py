@@ -85,10 +85,10 @@ def test_router_hashes_are_a_prefix_of_the_engines(tokenizers):
     assert sum(coverage) / len(coverage) > 0.6  # the leading power-of-two characters, less the cut's margin
     # token ids and vLLM's dict prompts go through untouched
     ids = list(range(1000, 1100))
-    assert hasher.of_request((ids, {}), {}) == block_hashes(ids, 16, 64)
-    assert hasher.of_request((), {"prompt": {"prompt_token_ids": ids}}) == block_hashes(ids, 16, 64)
-    assert hasher.of_request(({"prompt": "hi " * 200},), {}) == hasher.of_text("hi " * 200, True)
-    assert hasher.of_request((None, {}), {"messages": "not a list"}) == []  # the replica reports that error
+    assert hasher.of_request(ids) == block_hashes(ids, 16, 64)
+    assert hasher.of_request({"prompt_token_ids": ids}) == block_hashes(ids, 16, 64)
+    assert hasher.of_request({"prompt": "hi " * 200}) == hasher.of_text("hi " * 200, True)
+    assert hasher.of_request(None, "not a list") == []  # the replica reports that error
     # the probe: router and engine tokenize alike
     assert hasher.probe() == tokenizer_probe(lambda t: encode_prompt(eng, t), lambda m: chat_template_ids(eng, m))
     assert None not in hasher.probe()
@@ -189,12 +189,17 @@ def _router(**kwargs) -> PrefixAwareRouter:
     return r
 
 
-def _pending(prompt, method: str = "generate"):
+def _pending(prompt, method: str = "stream"):
+    """A pending LLMServer call as Serve hands it to the router: the gateway's ``stream`` of a
+    GenerateRequest, or a Python-handle ``generate(prompt, sampling_params)``."""
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
+    from deployments.server_types import GenerateRequest
+
     rid = uuid.uuid4().hex
-    return PendingRequest(args=[prompt, {"max_tokens": 4}], kwargs={},
+    args = [GenerateRequest(prompt=prompt)] if method == "stream" else [prompt, {"max_tokens": 4}]
+    return PendingRequest(args=args, kwargs={},
                           metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method))
 
 
@@ -264,7 +269,7 @@ def test_router_on_fake_replicas():
             third.replica_queue_len_cache.update(q.replica_id, n)
         assert (await _choose(third, third._replicas_list, prompt, accept=False))[0] == ["b"]
         # other methods and text without a tokenizer: power of two
-        assert len(await router.choose_replicas([a, b, c], _pending(prompt, "model_info"))) == 1
+        assert len(await router.choose_replicas([a, b, c], _pending(prompt, "server_info"))) == 1
         assert len(await router.choose_replicas([a, b, c], _pending("some text"))) == 1
 
     asyncio.run(run())
@@ -279,6 +284,7 @@ def test_router_checks_the_tokenizer_probe(smollm2_path):
         hashes = None
         for _ in range(3):  # the tokenizer loads in a thread; the first request waits for it
             hashes = await router._hashes(_pending(text))
+        assert await router._hashes(_pending(text, "generate")) == hashes  # a Python-handle call: same hashes
         a = FakeReplica("a", stats={"prefix_hashes": hashes, "tokenizer_probe": probe})
         b = FakeReplica("b", stats={"tokenizer_probe": probe})
         router._routed.clear()

@@ -42,7 +42,7 @@ def test_app_args_and_deployment_options():
         AppArgs(unknown_field=1)
     with pytest.raises(ValidationError):
         AppArgs(models=[{"model": "a"}, {"model": "a"}])
-    assert AppArgs(api_keys="k1, k2").api_keys == ["k1", "k2"]
+    assert AppArgs(api_keys="k1, k2").gateway.api_keys == ["k1", "k2"]  # the flat form, into its section
 
     m = AppArgs(tensor_parallel_size=2).model_list()[0]
     o = llm_deployment_options(m, "LLMServer")
@@ -220,7 +220,7 @@ def test_fit_single_node_caps_only_the_default_bound():
     both = fit_single_node(AppArgs(models=[{"model": "a", "device": "cuda"}, {"model": "b", "max_replicas": 5}],
                                    api_keys=["k"]), num_gpus=3)
     assert [m.autoscaling_knobs()["max_replicas"] for m in both.model_list()] == [3, 5]
-    assert both.api_keys == ["k"]
+    assert both.gateway.api_keys == ["k"]
 
 
 def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatch):
@@ -232,13 +232,13 @@ def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatc
     from deployments.limits import find_policy, policies_from_keys
 
     monkeypatch.setenv("KVSERVE_API_KEYS", "sk-env-one, sk-env-two")
-    assert AppArgs.model_validate({}).api_keys == ["sk-env-one", "sk-env-two"]
-    assert AppArgs.model_validate({"api_keys": ["sk-flag"]}).api_keys == ["sk-flag"]  # explicit wins
+    assert AppArgs.model_validate({}).gateway.api_keys == ["sk-env-one", "sk-env-two"]
+    assert AppArgs.model_validate({"api_keys": ["sk-flag"]}).gateway.api_keys == ["sk-flag"]  # explicit wins
     monkeypatch.delenv("KVSERVE_API_KEYS")
-    assert AppArgs.model_validate({}).api_keys is None
+    assert AppArgs.model_validate({}).gateway.api_keys is None
     f = tmp_path / "keys"
     f.write_text("# team keys\nsk-file-secret-1\n\nsk-file-secret-2\n")
-    assert AppArgs.model_validate({"api_keys_file": str(f)}).api_keys == ["sk-file-secret-1", "sk-file-secret-2"]
+    assert AppArgs.model_validate({"api_keys_file": str(f)}).gateway.api_keys == ["sk-file-secret-1", "sk-file-secret-2"]
     with pytest.raises(ValidationError, match="api_keys_file"):
         AppArgs.model_validate({"api_keys_file": str(tmp_path / "missing")})
     line = _curl_line("http://127.0.0.1:8000/v1", "m", "sk-file-secret-1")

@@ -34,17 +34,22 @@ def test_handle_stream_in_process(serve_app):
                                                                       "ignore_eos": True}).result()
     assert full.text == "".join(i.text for i in items) and full.num_output_tokens == 6 and full.finished
 
-    async def errors():  # what the ingress sees for input that cannot run: a typed error, no exception
+    from deployments.server_types import GenerateRequest
+
+    with pytest.raises(ValueError, match="temperature"):  # validated where the request is built
+        GenerateRequest.of("x", {"temperature": 9})
+
+    async def errors():  # what the gateway sees for input that cannot run: a typed error chunk, no exception
         out = []
-        for prompt, sp in (("x", {"temperature": 9}), ("word " * 2000, {"max_tokens": 1})):
-            gen = serve_app.llm.options(stream=True).generate.remote(prompt, sp, return_errors=True)
+        for req in (GenerateRequest.of("word " * 2000, {"max_tokens": 1}),
+                    GenerateRequest.of([10 ** 9], {"max_tokens": 1})):
+            gen = serve_app.llm.options(stream=True).stream.remote(req)
             out.append([c async for c in gen])
         return out
 
-    (bad,), (long,) = asyncio.run(errors())
-    assert bad.finished and bad.error.code == "invalid_value" and bad.error.status == 400
-    assert "temperature" in bad.error.message
-    assert long.error.code == "context_length_exceeded" and long.error.status == 400
+    (long,), (bad,) = asyncio.run(errors())
+    assert long.finished and long.error.code == "context_length_exceeded" and long.error.status == 400
+    assert bad.error.code == "invalid_value" and bad.error.status == 400
 
     # through the application's ingress handle, and by model name
     app = serve.get_app_handle("kvserve")

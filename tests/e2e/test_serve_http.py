@@ -303,9 +303,9 @@ def test_api_key_and_tensor_parallel_app(serve_app):
     assert httpx.get(f"{serve_app.root}/auth/health", timeout=30).status_code == 200  # no key needed
     from ray import serve
 
-    info = serve.get_deployment_handle("LLMServer", "kvserve-auth").model_info.remote().result()
-    assert info["tensor_parallel_size"] == 2
-    workers = info["workers"]
+    info = serve.get_deployment_handle("LLMServer", "kvserve-auth").server_info.remote().result()
+    assert info.tensor_parallel_size == 2
+    workers = info.workers
     # the ranks run in the placement group Serve reserved for the replica (not one of their own)
     assert workers["created_here"] is False
     assert workers["bundles"] == [{"CPU": 1.0}, {"CPU": 0.5}]
