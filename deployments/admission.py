@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from deployments.server_types import GenerationError
 
@@ -13,6 +14,16 @@ RATE_WINDOW_S = 10.0
 #: Seconds of recent "full-ish" steps behind the capacity estimates.
 CAPACITY_WINDOW_S = 30.0
 
+
+
+@dataclass(frozen=True)
+class StepRates:
+    """A replica's token rates and capacities, tokens per second (0: not measured yet)."""
+
+    generation_tokens_per_s: float
+    prefill_tokens_per_s: float
+    decode_capacity_tokens_per_s: float
+    prefill_capacity_tokens_per_s: float
 
 
 class StepStats:
@@ -55,7 +66,8 @@ class StepStats:
             while self.steps and self.steps[0][0] < horizon:
                 self.steps.popleft()
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> "StepRates":
+        """The rates over the last :data:`RATE_WINDOW_S` and the capacities (see the class)."""
         now = time.monotonic()
         with self.lock:
             steps = list(self.steps)
@@ -70,9 +82,7 @@ class StepStats:
         pf = [s for s in steps if s[6] and s[0] >= cap_from]
         if pf:
             self.prefill_capacity = sum(s[2] + s[3] for s in pf) / sum(s[1] for s in pf)
-        return {"generation_tokens_per_s": gen, "prefill_tokens_per_s": pre,
-                "decode_capacity_tokens_per_s": self.decode_capacity,
-                "prefill_capacity_tokens_per_s": self.prefill_capacity}
+        return StepRates(gen, pre, self.decode_capacity, self.prefill_capacity)
 
 
 class Admission:

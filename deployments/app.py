@@ -102,7 +102,7 @@ def gateway_settings(args: AppArgs) -> GatewaySettings:
         api_keys=g.api_keys, admin_api_keys=g.admin_api_keys, max_request_body_bytes=g.max_request_body_bytes,
         auth_failures_per_minute=g.auth_failures_per_minute, allowed_origins=g.allowed_origins,
         max_prompts_per_request=g.max_prompts_per_request, rate_limit_rpm=lim.rate_limit_rpm,
-        rate_limit_tpm=lim.rate_limit_tpm, redis_url=lim.redis_url, num_ingress_replicas=g.ingress_num_replicas,
+        rate_limit_tpm=lim.rate_limit_tpm, redis_url=lim.redis_url, ingress_num_replicas=g.ingress_num_replicas,
         cache=args.cache_settings(),
         model_routing=None if r.model_routing is None else r.model_routing.model_dump(),
         upstream=None if r.upstream is None else r.upstream.model_dump())

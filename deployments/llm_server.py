@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -414,7 +415,7 @@ class LLMServer:
         """The engine's gauges and counters (``kv_cache_usage``, ``num_running_requests``,
         ``max_running_batch``, ``num_generated_tokens``, ...) plus the step-rate metrics."""
         s = dict(self.engine.get_stats())
-        s.update(self.stats.snapshot())
+        s.update(asdict(self.stats.snapshot()))
         return s
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -432,10 +433,7 @@ class LLMServer:
                                           + self.admission.recently_refused(RATE_WINDOW_S)),
             "num_waiting_prefill_tokens": float(s["num_waiting_prefill_tokens"]),
             "num_running_requests": float(s["num_running_requests"]),
-            "generation_tokens_per_s": float(rates["generation_tokens_per_s"]),
-            "prefill_tokens_per_s": float(rates["prefill_tokens_per_s"]),
-            "decode_capacity_tokens_per_s": float(rates["decode_capacity_tokens_per_s"]),
-            "prefill_capacity_tokens_per_s": float(rates["prefill_capacity_tokens_per_s"]),
+            **{k: float(v) for k, v in asdict(rates).items()},
             "kv_cache_usage": float(s["kv_cache_usage"]),
         }
 

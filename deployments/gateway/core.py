@@ -56,7 +56,7 @@ class GatewaySettings:
         health_timeout_s: seconds a probe of a model may take.
         rate_limit_rpm, rate_limit_tpm: default per-key limits (requests, tokens per minute).
         redis_url: the limits' and caches' shared store (None: each replica its own share).
-        num_ingress_replicas: how many gateway replicas share the limits without Redis.
+        ingress_num_replicas: how many gateway replicas share the limits without Redis.
         cache: :class:`~deployments.cache.CacheSettings` fields (None: defaults, exact cache on).
         model_routing: the rules of ``model: "auto"`` (:class:`~deployments.model_routing.ModelRouting`).
         upstream: the fallback for requests every replica refuses (:class:`~deployments.model_routing.UpstreamArgs`).
@@ -72,7 +72,7 @@ class GatewaySettings:
     rate_limit_rpm: float | None = None
     rate_limit_tpm: float | None = None
     redis_url: str | None = None
-    num_ingress_replicas: int = 1
+    ingress_num_replicas: int = 1
     cache: dict | None = None
     model_routing: dict | None = None
     upstream: dict | None = None
@@ -181,7 +181,7 @@ class Gateway:
         self.cache = ResponseCache(cache) if cache.enabled else None
         # per-key limits: shared through Redis when given, else each gateway replica enforces its share
         self.limiter = RateLimiter(s.rate_limit_rpm, s.rate_limit_tpm, redis_url=s.redis_url,
-                                   divide_by=max(1, s.num_ingress_replicas))
+                                   divide_by=max(1, s.ingress_num_replicas))
         self.models = dict(models)
         self.default_model = next(iter(self.models))
         self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
@@ -196,7 +196,7 @@ class Gateway:
         self._warned_fields: set[str] = set()
 
     # ---- model choice -------------------------------------------------------------------
-    def route(self, model: str | None) -> tuple[str, DeploymentHandle]:
+    def model_handle(self, model: str | None) -> tuple[str, DeploymentHandle]:
         """The served name and streaming handle of ``model`` (None: the default model).
 
         Raises:
@@ -226,7 +226,7 @@ class Gateway:
             headers["x-kvserve-route"] = f"auto:{rule}"
         else:
             name = body.model
-        name, handle = self.route(name)
+        name, handle = self.model_handle(name)
         return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()))
 
     # ---- the pipeline -------------------------------------------------------------------

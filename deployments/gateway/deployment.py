@@ -66,7 +66,7 @@ class OpenAIIngress:
             ValueError: an unknown model, or what ``LLMServer.generate`` raises.
         """
         try:
-            _, handle = self.gateway.route(model)
+            _, handle = self.gateway.model_handle(model)
         except OpenAIError as e:
             raise ValueError(e.message) from None
         gen = handle.generate.remote(prompt, sampling_params, messages=messages, tools=tools, request_id=request_id,

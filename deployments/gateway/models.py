@@ -118,5 +118,5 @@ async def retrieve_model(gw, model_id: str) -> dict:
     """``GET /v1/models/{model}``: one card; 404 for a name that is not served."""
     if model_id == AUTO_MODEL and gw.routing is not None:
         return next(m for m in (await list_models(gw))["data"] if m["id"] == AUTO_MODEL)
-    gw.route(model_id)
+    gw.model_handle(model_id)  # 404 for a name that is not served
     return (await gw.directory.card(model_id)).model_dump()

@@ -1,6 +1,5 @@
-"""The OpenAI API surface our users' tools send, through a real Serve app (never the FastAPI
-app in-process: Serve's ``@serve.ingress`` snapshots the app while the class is defined, so
-only a live app shows what the server really runs), with real clients: the openai SDK and
+"""The OpenAI API surface our users' tools send, through a real Serve app and a real model
+(the gateway alone, in-process, is tests/deployments/test_gateway.py), with real clients: the openai SDK and
 langchain-openai. Structured outputs, tool calling, n > 1, best_of, logit_bias, prompt
 logprobs (checked against HF transformers), CORS, unknown fields, max_tokens over the
 context, and a client disconnect that logs no traceback."""

@@ -171,7 +171,7 @@ def test_step_stats_capacity_only_from_full_steps():
     try:
         _time.monotonic = lambda: t + 1.0
         r = s.snapshot()
-        assert r["decode_capacity_tokens_per_s"] == 0.0 and r["generation_tokens_per_s"] > 0
+        assert r.decode_capacity_tokens_per_s == 0.0 and r.generation_tokens_per_s > 0
         # full decode steps (batch 8, back to back, 0.1 s each): 80 tok/s
         for i in range(5):
             s.record(step(t + 2 + i * 0.1, t + 2 + (i + 1) * 0.1, 0, 8, 8, 8))
@@ -179,12 +179,12 @@ def test_step_stats_capacity_only_from_full_steps():
         s.record(step(t + 3, t + 3.5, 100, 0, 1, 1))
         _time.monotonic = lambda: t + 4.0
         r = s.snapshot()
-        assert r["decode_capacity_tokens_per_s"] == pytest.approx(80, rel=0.05)
-        assert r["prefill_capacity_tokens_per_s"] == pytest.approx(200, rel=0.05)
+        assert r.decode_capacity_tokens_per_s == pytest.approx(80, rel=0.05)
+        assert r.prefill_capacity_tokens_per_s == pytest.approx(200, rel=0.05)
         _time.monotonic = lambda: t + 100.0  # nothing recent: keep the last measured capacity
         r = s.snapshot()
-        assert r["decode_capacity_tokens_per_s"] == pytest.approx(80, rel=0.05)
-        assert r["generation_tokens_per_s"] == 0.0
+        assert r.decode_capacity_tokens_per_s == pytest.approx(80, rel=0.05)
+        assert r.generation_tokens_per_s == 0.0
     finally:
         _time.monotonic = real
 
