@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_calibration import calibrate_kv_scales
+from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler, SamplingRow
 from engine.model_loader import iter_safetensors, load_config
 from engine.models.registry import model_class
@@ -56,17 +58,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None
 
 
-#: Text whose keys and values set the float8 KV cache's per-layer scales
-#: (:meth:`ModelRunner.calibrate_kv_scales`): prose, a conversation, code and numbers.
-KV_CALIBRATION_TEXT = (
-    "The history of science is the study of how people have come to understand the natural world, "
-    "from the first astronomers who charted the stars to the physicists who split the atom. "
-    "User: Can you explain how a hash table works?\nAssistant: A hash table stores key-value pairs. "
-    "It computes an index from each key with a hash function and keeps the value in that slot.\n"
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
-    "In 1969, 3 astronauts flew 384,400 km to the Moon; 12 people have walked on it since, "
-    "and the last did so on 14 December 1972.")
-
 #: Prompt positions whose logits are computed at once for prompt_logprobs (rows x vocab fp32).
 PROMPT_LOGPROBS_SLICE = 256
 
@@ -88,7 +79,9 @@ class ModelRunner:
         model_path: local Hugging Face folder (see ``engine.model_loader.resolve_model``).
 
     Raises:
-        ValueError: unsupported architecture, missing or unexpected weights.
+        ValueError: unsupported architecture, missing or unexpected weights, a quantization
+            (``engine.layers.quantization.check_quantization``) or float8 KV cache this device
+            or attention backend cannot run.
     """
 
     def __init__(self, config: EngineConfig, model_path: str | Path):
@@ -120,11 +113,11 @@ class ModelRunner:
         self.model.load_weights(iter_safetensors(model_path))
         self.model.eval()
         if config.quantization is not None:
-            self._quantize(config.quantization)
+            quantize_model(self.model, config.quantization, self.device, self.dtype)
         if self.device.type == "cpu":
             self._prepack_linears()
         if config.kv_cache_dtype == "fp8":
-            self.calibrate_kv_scales(model_path)
+            calibrate_kv_scales(model_path, self.model.layers, self.device, self._prefill_alone)
         self.eos_token_ids = load_eos_token_ids(model_path, self.hf_config)
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
@@ -189,41 +182,6 @@ class ModelRunner:
             self._attach([])
         return h, caches
 
-    def _quantize(self, method: str) -> None:
-        """Quantize every linear layer (and, for int8, the LM head).
-
-        ``"int8"``: weight-only int8 (W8A32) on CPU in float32, through the C++ kernels.
-        ``"fp8"``: float8 e4m3 weights with per-row scales and dynamically quantized per-token
-        activations (W8A8) through ``torch._scaled_mm`` on CUDA in bfloat16; the LM head stays
-        bfloat16.
-
-        Raises:
-            ValueError: the device, dtype or GPU does not support the method, or (int8) the CPU
-                kernels cannot be built here.
-        """
-        from engine.layers.embedding import ParallelLMHead
-        from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-        if method == "int8":
-            from kernels import cpu_backend
-            if self.device.type != "cpu" or self.dtype != torch.float32:
-                raise ValueError(f"quantization='int8' runs on CPU in float32, not {self.device.type} "
-                                 f"{str(self.dtype).removeprefix('torch.')}")
-            if not cpu_backend.load_kernel():
-                raise ValueError(f"quantization='int8' needs the CPU kernels: {cpu_backend.kernel_error()}")
-        elif method == "fp8":
-            if self.device.type != "cuda" or self.dtype != torch.bfloat16:
-                raise ValueError(f"quantization='fp8' runs on CUDA in bfloat16 (torch._scaled_mm), not "
-                                 f"{self.device.type} {str(self.dtype).removeprefix('torch.')}; on CPU use 'int8'")
-            if torch.cuda.get_device_capability(self.device) < (8, 9):
-                raise ValueError("quantization='fp8' needs compute capability >= 8.9 (Ada, Hopper), this GPU has "
-                                 "%d.%d" % torch.cuda.get_device_capability(self.device))
-        else:
-            raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {method!r}")
-        for m in self.model.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-                m.quantize(method)
-
     def _prepack_linears(self) -> None:
         """CPU: every linear layer and the LM head keep a oneDNN-layout copy of their weight for
         the matmuls (``engine.layers.linear.prepack_weight``; quantized layers keep theirs)."""
@@ -233,23 +191,6 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
                 m.prepack()
-
-    @torch.inference_mode()
-    def calibrate_kv_scales(self, model_path: str | Path) -> None:
-        """Per-layer float8 scales for K and V: the model runs :data:`KV_CALIBRATION_TEXT` with
-        temporary caches in the model dtype, and each layer's scale is ``2 * max|x| / 448``, so
-        values up to twice the calibration maximum are stored without clamping and the small ones
-        stay out of e4m3's subnormal range (its step is 2^-4 of the value everywhere else)."""
-        from engine.model_loader import load_tokenizer
-        from kernels.torch_backend import FP8_MAX
-
-        ids = load_tokenizer(model_path).encode(KV_CALIBRATION_TEXT)
-        _, caches = self._prefill_alone(torch.tensor(ids, dtype=torch.long, device=self.device))
-        for layer, (k, v) in zip(self.model.layers, caches):
-            a = layer.self_attn
-            k, v = (c.view(-1, a.num_kv_heads, a.head_dim)[:len(ids)] for c in (k, v))
-            a.k_scale = max(2 * float(k.abs().max()) / FP8_MAX, 1e-8)
-            a.v_scale = max(2 * float(v.abs().max()) / FP8_MAX, 1e-8)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[num_blocks, block_size, kv_heads, head_dim]`` K and V per layer.

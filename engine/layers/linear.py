@@ -28,6 +28,8 @@ bfloat16 weights stay bfloat16 and the arithmetic is float32
 for up to 8 rows, the weight widened into a float32 buffer for oneDNN above), so
 ``dtype="bfloat16"`` there halves the weight and KV bytes and costs float32's matmul rate.
 ``KVSERVE_CPU_LINEAR=aten`` turns prepacking and oneDNN off (ATen everywhere).
+
+Quantized weights (int8, float8) and their matmuls are in ``engine.layers.quantization``.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce
+from engine.layers.quantization import quantize_layer, quantized_linear
 
 #: ``"onednn"`` (default where torch has oneDNN) or ``"aten"``: how CPU float32 matmuls run.
 CPU_LINEAR = os.environ.get("KVSERVE_CPU_LINEAR") or ("onednn" if torch.backends.mkldnn.is_available() else "aten")
@@ -110,61 +113,6 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
-
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 weight with one float32 scale per output row (``max|row| / 448``).
-
-    Args: ``weight`` ``[out, in]`` (any float dtype). Returns ``(qweight float8_e4m3fn [out,
-    in], scale float32 [out])`` with ``weight ~= qweight * scale[:, None]``."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
-    return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8 float8 matmul on CUDA (``torch._scaled_mm``, row-wise scales): the activations are
-    quantized per token at run time (``max|row| / 448``), the product accumulates in float32
-    and is scaled by ``a_scale[m] * w_scale[n]``, as vLLM's dynamic per-token FP8.
-
-    Args: ``x`` ``[..., in]`` bfloat16; ``qweight`` float8 ``[out, in]`` and ``wscale`` float32
-    ``[out]`` from :func:`quantize_fp8`; ``bias`` ``[out]`` bfloat16. Returns ``[..., out]`` in
-    ``x.dtype``. Needs compute capability >= 8.9 and ``in``, ``out`` multiples of 16."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    a_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
-    a8 = (x2.float() / a_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    out = torch._scaled_mm(a8, qweight.t(), scale_a=a_scale, scale_b=wscale[None, :], bias=bias,
-                           out_dtype=x.dtype)
-    return out.reshape(*shape[:-1], out.shape[-1])
-
-
-def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The matmul of a quantized layer: float8 weights -> :func:`fp8_linear` (CUDA), int8 ->
-    ``kernels.cpu_backend.int8_linear`` (CPU)."""
-    if qweight.dtype == FP8:
-        return fp8_linear(x, qweight, wscale, bias)
-    from kernels.cpu_backend import int8_linear
-    return int8_linear(x, qweight, wscale, bias)
-
-
-def quantize_layer(layer: nn.Module, method: str) -> None:
-    """Replace ``layer.weight`` by ``qweight`` + per-row ``wscale``: ``"int8"`` (weight-only,
-    CPU) or ``"fp8"`` (W8A8, CUDA; a layer whose sizes are not multiples of 16 stays as is)."""
-    if method == "fp8":
-        if layer.weight.shape[0] % 16 or layer.weight.shape[1] % 16:
-            return
-        layer.qweight, layer.wscale = quantize_fp8(layer.weight)
-    else:
-        from kernels import cpu_backend
-        layer.qweight, layer.wscale = cpu_backend.quantize_int8(layer.weight)
-    layer.weight = None
-
-
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T (+ b)`` with the output features split across ranks.
 
@@ -195,7 +143,7 @@ class ColumnParallelLinear(nn.Module):
 
     def quantize(self, method: str = "int8") -> None:
         """``EngineConfig.quantization``: the float weight is replaced by int8 or float8 rows and
-        per-row scales (:func:`quantize_layer`)."""
+        per-row scales (``engine.layers.quantization.quantize_layer``)."""
         quantize_layer(self, method)
 
     def prepack(self) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers.linear import FP8, FP8_MAX, fp8_linear, quantize_fp8
+from engine.layers.quantization import FP8, FP8_MAX, fp8_linear, quantize_fp8
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an Ada/Hopper GPU")])]

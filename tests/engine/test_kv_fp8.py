@@ -82,7 +82,7 @@ def fp8_engine_runs(path, ids: list[list[int]], backend: str) -> list[dict]:
 
 _TRITON_CHILD = """
 import json, sys
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/engine"]
 from test_kv_fp8 import fp8_engine_runs
 print(json.dumps(fp8_engine_runs(sys.argv[1], json.loads(sys.argv[2]), "triton")))
 """
