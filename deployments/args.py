@@ -144,7 +144,7 @@ class GatewayArgs(BaseModel):
     api_keys: Optional[list[str]] = Field(
         None, description="if set, require `Authorization: Bearer <key>`; default: $KVSERVE_API_KEYS "
                           "(comma-separated) or the lines of api_keys_file. An entry may carry per-key "
-                          "settings after the key: `name=.. rpm=.. tpm=.. priority=..` (deployments/limits.py)")
+                          "settings after the key: `name=.. rpm=.. tpm=.. priority=..` (deployments/limits/)")
     api_keys_file: Optional[str] = Field(None, description="a file with one API key per line, each optionally "
                                                            "followed by name=/rpm=/tpm=/priority= (read where "
                                                            "the app is built; a Kubernetes secret mounts as one)")
@@ -225,7 +225,7 @@ class CacheArgs(BaseModel):
 
     response_cache: bool = Field(
         True, description="exact response cache in the ingress: deterministic requests (temperature 0 or a seed) "
-                          "answered again without a replica (deployments/cache.py)")
+                          "answered again without a replica (deployments/cache/)")
     cache_backend: Literal["memory", "redis"] = Field(
         "memory", description="memory: per ingress replica; redis: shared by all ingress replicas (needs redis_url)")
     cache_ttl_s: float = Field(3600.0, gt=0, description="seconds a cached answer lives")

@@ -14,7 +14,7 @@ output fields (``structured_outputs`` as vLLM 0.10+ names it, and the older
 are accepted and ignored; :func:`unknown_fields` names them so the ingress can warn once per
 field. ``suffix`` (insertion) is a 400: it would silently change the request's meaning.
 kvserve's own ``cache`` field (``false`` or ``{"semantic": true|false}``) steers the ingress's
-response caches (``deployments/cache.py``).
+response caches (``deployments/cache/``).
 
 This module imports neither Ray nor the engine: it is shared by the ingress, the LLM server
 and clients.
@@ -121,7 +121,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 class CacheOptions(BaseModel):
     """The ``cache`` object of a request (kvserve's extension; ``extra_body`` in the OpenAI
     SDK): ``semantic`` true asks for the semantic response cache (where the deployment runs
-    it), false declines it; unset: the deployment's default (``deployments/cache.py``)."""
+    it), false declines it; unset: the deployment's default (``deployments/cache/``)."""
 
     model_config = ConfigDict(extra="forbid")
     semantic: bool | None = None
