@@ -292,8 +292,8 @@ class DraftLengthPolicy:
 class Speculator:
     """The engine's side of speculative decoding: :meth:`propose` before a step sets the
     running requests' drafts, :meth:`record` after it feeds what the target accepted back into
-    :attr:`policy` and the counters. Nothing raises out of either: a proposer or policy that
-    raises on a request, or proposes ids outside the vocabulary, turns drafting off for that
+    :attr:`policy` and the counters. Nothing raises out of :meth:`propose`: a proposer or policy
+    that raises on a request, or proposes ids outside the vocabulary, turns drafting off for that
     request alone (``Request.spec_disabled``), which goes on without drafts.
 
     Args:
@@ -381,7 +381,7 @@ class Speculator:
         """After a step (``sched`` updated: ``sched.num_accepted``): each request's acceptance
         goes to the policy and the counters, and into ``m`` (the step's metrics; None when the
         model call failed and was isolated); a decode-only step also gives the policy its time
-        and rows (its cost model)."""
+        and rows (its cost model). May raise if the policy does (the engine logs and skips it)."""
         per_pos = [0] * self.config.num_speculative_tokens
         drafts = tokens = accepted = 0
         for sr in sched.requests:
@@ -415,9 +415,10 @@ class Speculator:
         the acceptance rate (accepted / verified drafts), the mean acceptance length (tokens per
         verifying step, the bonus token included) and the accepted drafts per position."""
         c = self.counts
+        drafts, tokens, accepted = c["num_drafts"], c["num_draft_tokens"], c["num_accepted_tokens"]
         s = {f"spec_decode_{k}": v for k, v in c.items()}
-        s["spec_decode_acceptance_rate"] = c["num_accepted_tokens"] / c["num_draft_tokens"] if c["num_draft_tokens"] else 0.0
-        s["spec_decode_mean_acceptance_length"] = 1 + c["num_accepted_tokens"] / c["num_drafts"] if c["num_drafts"] else 0.0
+        s["spec_decode_acceptance_rate"] = accepted / tokens if tokens else 0.0
+        s["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
         s["spec_decode_num_accepted_tokens_per_pos"] = list(self.accepted_per_position)
         return s
 
