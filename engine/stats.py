@@ -108,6 +108,7 @@ class FinishedRequestStats:
 
     @classmethod
     def of(cls, req: Request) -> "FinishedRequestStats":
+        """The stats of ``req``, which has left the engine (``time.time()`` seconds)."""
         m = req.metrics
         end = m.finished_time or time.time()
 
