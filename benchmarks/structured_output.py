@@ -96,10 +96,10 @@ class Timers:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.reset()
-        self._wrap(LLMEngine, "_fill_grammar_bitmask", "engine_fill")
+        self._wrap(so_mod.StructuredOutputs, "fill_bitmask", "engine_fill")
         self._wrap(so_mod.StructuredOutputs, "bitmask", "fill")
         self._wrap(runner_mod, "bitmask_rows", "wait")
-        self._wrap(LLMEngine, "_advance_grammars", "accept")
+        self._wrap(so_mod.StructuredOutputs, "advance", "accept")
         self._wrap(sampler_mod, "apply_token_bitmask", "apply")
         engine.stat_loggers.append(self._on_step)
 

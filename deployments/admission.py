@@ -27,7 +27,7 @@ class StepRates:
 
 
 class StepStats:
-    """Rates and capacities from the engine's per-step :class:`engine.llm_engine.StepMetrics`
+    """Rates and capacities from the engine's per-step :class:`engine.stats.StepMetrics`
     (registered as a stat logger of the engine).
 
     For every step it records its end time, the wall time of its cycle (from the end of the

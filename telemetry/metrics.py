@@ -205,7 +205,7 @@ class EngineMetrics:
                        "Accepted tokens per draft position.", L + ("position",)))
 
     def record_step(self, m) -> None:
-        """One engine step (an ``engine.llm_engine.StepMetrics``)."""
+        """One engine step (an ``engine.stats.StepMetrics``)."""
         lb = self.labels
         self.running.set(lb, m.num_running)
         self.waiting.set(lb, m.num_waiting)
@@ -235,7 +235,7 @@ class EngineMetrics:
         self.kv_usage.set(self.labels, kv_cache_usage)
 
     def record_finished(self, r) -> None:
-        """One request that left the engine (an ``engine.llm_engine.FinishedRequestStats``)."""
+        """One request that left the engine (an ``engine.stats.FinishedRequestStats``)."""
         lb = self.labels
         self.success.inc({**lb, "finished_reason": r.finish_reason})
         self.e2e.observe(lb, r.e2e_latency)

@@ -154,7 +154,7 @@ def test_protocol_models():
 
 def test_step_stats_capacity_only_from_full_steps():
     from deployments.admission import StepStats
-    from engine.llm_engine import StepMetrics
+    from engine.stats import StepMetrics
 
     def step(t0, t1, n_prefill, n_decode, n_sampled, batch):
         return StepMetrics(t0, t1, n_prefill, n_decode, n_sampled, batch, num_waiting=0)
