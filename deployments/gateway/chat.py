@@ -4,7 +4,6 @@ grammar) and structured outputs."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -20,13 +19,11 @@ from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMe
 from openai.types.chat.chat_completion_token_logprob import TopLogprob as OpenAITopLogprob
 
 from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
-from deployments.gateway.errors import failed, stream_error
-from deployments.gateway.streams import DONE, SSE_HEADERS, ChunkStream, sse, usage_of
+from deployments.gateway.errors import failed
+from deployments.gateway.streams import SSE_HEADERS, ChunkStream, sse, usage_of
 from deployments.protocol import ChatCompletionRequest, NamedToolChoice
 from deployments.server_types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
 from deployments.tools import StreamingToolText, ToolParser, get_tool_parser, parse_forced, tool_grammar
-
-logger = logging.getLogger("ray.serve")
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
@@ -144,8 +141,9 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
         return fallback
     renderers = [ChatChoiceRenderer(mode, parser, body.tool_choice) for _ in range(body.n)]
     if body.stream:
-        return StreamingResponse(_stream(gw, call, body, renderers), media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **call.headers})
+        lasts = {(0, 0): call.streams[0].first}
+        return StreamingResponse(gw.sse(call, _events(call, body, renderers, lasts), lasts, body.n),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
     wholes = [GenerationChunk(index=i) for i in range(body.n)]
     stream, complete = call.streams[0], False
     try:
@@ -171,40 +169,26 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
                           choices=choices, usage=usage_of({(0, w.index): w for w in wholes}))
 
 
-async def _stream(gw: Gateway, call: Call, body: ChatCompletionRequest,
-                  renderers: list[ChatChoiceRenderer]) -> AsyncIterator[bytes]:
+async def _events(call: Call, body: ChatCompletionRequest, renderers: list[ChatChoiceRenderer],
+                  lasts: dict) -> AsyncIterator[bytes]:
+    """The chat chunks' SSE events (OpenAI's ``chat.completion.chunk``)."""
     stream: ChunkStream = call.streams[0]
     head = dict(id=call.response_id, object="chat.completion.chunk", created=call.created, model=call.model)
-    lasts = {(0, 0): stream.first}
     include_usage, continuous = body.include_usage, body.continuous_usage
-    complete = False
-    try:
-        async for chunk in stream.chunks():
-            lasts[(0, chunk.index)] = chunk
-            deltas, fr = renderers[chunk.index].deltas(chunk)
-            lp = chunk.logprobs if body.logprobs else None
-            if not deltas and fr is None and not lp:
-                continue  # nothing new for the client in this step (e.g. a held-back stop string prefix)
-            deltas = deltas or [ChoiceDelta()]
-            for k, delta in enumerate(deltas):
-                last = k == len(deltas) - 1
-                choice = ChunkChoice(index=chunk.index, delta=delta, finish_reason=fr if last else None,
-                                     logprobs=ChunkChoiceLogprobs(content=chat_logprobs(lp)) if lp and not k else None)
-                out = ChatCompletionChunk(**head, choices=[choice])
-                if include_usage:  # OpenAI sends "usage": null on every chunk but the last
-                    out.usage = usage_of(lasts) if continuous else None
-                yield sse(out)
-        if include_usage:
-            yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(lasts)))
-        complete = True
-    except asyncio.CancelledError:
-        stream.cancel()
-        logger.info("request %s: client disconnected mid-stream; generation aborted", call.http_id)
-        raise
-    except Exception as e:
-        stream.cancel()
-        yield stream_error(call.http_id, e)
-    finally:
-        stream.cancel()
-        gw.finish(call, lasts, body.n, store=complete)
-    yield DONE
+    async for chunk in stream.chunks():
+        lasts[(0, chunk.index)] = chunk
+        deltas, fr = renderers[chunk.index].deltas(chunk)
+        lp = chunk.logprobs if body.logprobs else None
+        if not deltas and fr is None and not lp:
+            continue  # nothing new for the client in this step (e.g. a held-back stop string prefix)
+        deltas = deltas or [ChoiceDelta()]
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = ChunkChoice(index=chunk.index, delta=delta, finish_reason=fr if last else None,
+                                 logprobs=ChunkChoiceLogprobs(content=chat_logprobs(lp)) if lp and not k else None)
+            out = ChatCompletionChunk(**head, choices=[choice])
+            if include_usage:  # OpenAI sends "usage": null on every chunk but the last
+                out.usage = usage_of(lasts) if continuous else None
+            yield sse(out)
+    if include_usage:
+        yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(lasts)))

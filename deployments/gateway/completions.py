@@ -2,8 +2,6 @@
 prompts, ``n`` and ``best_of`` choices per prompt, ``echo`` with prompt logprobs."""
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
@@ -12,12 +10,10 @@ from openai.types import Completion, CompletionChoice
 from openai.types.completion_choice import Logprobs
 
 from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
-from deployments.gateway.errors import failed, stream_error
-from deployments.gateway.streams import DONE, SSE_HEADERS, merged, sse, usage_of
+from deployments.gateway.errors import failed
+from deployments.gateway.streams import SSE_HEADERS, merged, sse, usage_of
 from deployments.protocol import CompletionRequest, OpenAIError
 from deployments.server_types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
-
-logger = logging.getLogger("ray.serve")
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[Logprobs, int]:
@@ -69,8 +65,9 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
     if fallback is not None:
         return fallback
     if body.stream:
-        return StreamingResponse(_stream(gw, call, body), media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **call.headers})
+        lasts = {(p, 0): s.first for p, s in enumerate(call.streams)}
+        return StreamingResponse(gw.sse(call, _events(call, body, lasts), lasts, n_gen),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
     wholes: dict[tuple[int, int], GenerationChunk] = {}
     complete = False
     try:
@@ -104,12 +101,13 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
                       choices=choices, usage=usage_of(wholes))
 
 
-async def _stream(gw: Gateway, call: Call, body: CompletionRequest) -> AsyncIterator[bytes]:
+async def _events(call: Call, body: CompletionRequest,
+                  lasts: dict[tuple[int, int], GenerationChunk]) -> AsyncIterator[bytes]:
+    """The completion chunks' SSE events (OpenAI's ``text_completion``), the prompts' streams merged."""
     head = dict(id=call.response_id, object="text_completion", created=call.created, model=call.model)
     n = body.n
     want_lp = body.logprobs is not None
     include_usage, continuous = body.include_usage, body.continuous_usage
-    lasts: dict[tuple[int, int], GenerationChunk] = {(p, 0): s.first for p, s in enumerate(call.streams)}
     offsets: dict[tuple[int, int], int] = {}
     prompt_lps: dict[int, list] = {}
 
@@ -142,22 +140,9 @@ async def _stream(gw: Gateway, call: Call, body: CompletionRequest) -> AsyncIter
             out.usage = usage_of(lasts) if continuous else None
         return sse(out)
 
-    complete = False
-    try:
-        async for p, chunk in merged(call.streams):
-            b = event(p, chunk)
-            if b is not None:
-                yield b
-        if include_usage:
-            yield sse(Completion(**head, choices=[], usage=usage_of(lasts)))
-        complete = True
-    except asyncio.CancelledError:
-        call.cancel()
-        logger.info("request %s: client disconnected mid-stream; generation aborted", call.http_id)
-        raise
-    except Exception as e:
-        yield stream_error(call.http_id, e)
-    finally:
-        call.cancel()
-        gw.finish(call, lasts, body.best_of or body.n, store=complete)
-    yield DONE
+    async for p, chunk in merged(call.streams):
+        b = event(p, chunk)
+        if b is not None:
+            yield b
+    if include_usage:
+        yield sse(Completion(**head, choices=[], usage=usage_of(lasts)))

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -30,11 +31,11 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
-from deployments.gateway.errors import as_client_error, internal, request_id_of
+from deployments.gateway.errors import as_client_error, internal, request_id_of, stream_error
 from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES, GateSettings
 from deployments.gateway.gate import request_policy
 from deployments.gateway.models import ModelDirectory
-from deployments.gateway.streams import ChunkStream, background, usage_of
+from deployments.gateway.streams import DONE, ChunkStream, background, usage_of
 from deployments.limits import NeverFits, RateLimited, RateLimiter, policies_from_keys
 from deployments.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, random_id, unknown_fields
@@ -282,6 +283,31 @@ class Gateway:
         call.use.settle_soon(lasts)
         if store and self.cache is not None and call.look.store:
             self.cache.store_soon(call.look, [s.record or [] for s in call.streams], n)
+
+    async def sse(self, call: Call, events: AsyncIterator[bytes], lasts: dict[tuple[int, int], GenerationChunk],
+                  n: int) -> AsyncIterator[bytes]:
+        """A streaming response's body: the endpoint's SSE ``events``, then ``data: [DONE]``.
+        A failure midway becomes an SSE error event (request id, no internals); a client that
+        disconnects cancels the streams, which aborts the generation in the engine. At the end
+        the key is settled from ``lasts`` (the endpoint keeps it current) and a complete answer
+        (``n`` choices per prompt) goes to the response cache."""
+        complete = False
+        try:
+            async for event in events:
+                yield event
+            complete = True
+        except asyncio.CancelledError:
+            call.cancel()
+            logger.info("request %s: client disconnected mid-stream; generation aborted", call.http_id)
+            raise
+        except Exception as e:
+            call.cancel()
+            yield stream_error(call.http_id, e)
+        finally:
+            call.cancel()
+            await events.aclose()
+            self.finish(call, lasts, n, store=complete)
+        yield DONE
 
     async def open(self, call: Call, request: GenerateRequest) -> ChunkStream:
         """Start the replica's stream of ``request`` and wait for its first chunk.

@@ -155,13 +155,17 @@ def test_failures_tell_the_request_id_and_no_internals():
             whole = await c.post("/v1/completions", json={"prompt": "BOOM"}, headers={"x-request-id": "req-123"})
             streamed = await c.post("/v1/completions", json={"prompt": "BOOM", "stream": True},
                                     headers={"x-request-id": "req-456"})
-            return whole, streamed
+            chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "BOOM"}],
+                                                              "stream": True}, headers={"x-request-id": "req-789"})
+            return whole, streamed, chat
 
-    whole, streamed = _run(main())
+    whole, streamed, chat = _run(main())
     assert whole.status_code == 500 and "req-123" in whole.json()["error"]["message"]
-    events = list(iter_sse(streamed.text))
-    assert events[-1] == DONE and "error" in events[-2] and "req-456" in events[-2]["error"]["message"]
-    for text in (whole.text, streamed.text):
+    for r, rid in ((streamed, "req-456"), (chat, "req-789")):  # the response had started: an SSE error event
+        events = list(iter_sse(r.text))
+        assert events[-1] == DONE and "error" in events[-2] and rid in events[-2]["error"]["message"]
+        assert events[0].get("choices"), "the first chunk went out before the failure"
+    for text in (whole.text, streamed.text, chat.text):
         assert "4242" not in text and "/root" not in text and "ActorID" not in text
 
 
@@ -179,6 +183,24 @@ def test_completions_echo_and_best_of_and_prompt_batch():
     assert [c.text for c in body.choices] == ["ahello world", "bhello world"]
     assert [q.n for q in replica.requests] == [2, 2] and all(q.echo for q in replica.requests)
     assert sorted(q.request_id.rsplit("-", 1)[1] for q in replica.requests) == ["0", "1"]
+
+
+def test_streamed_prompts_and_choices_interleave_with_their_indexes():
+    async def main():
+        async with _client(FakeReplica()) as c:
+            return await c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+
+    r = _run(main())
+    events = list(iter_sse(r.text))
+    assert events[-1] == DONE
+    texts: dict[int, str] = {}
+    for e in events[:-2]:
+        for ch in e["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+    assert texts == {i: "hello world" for i in range(4)}  # prompt p, choice i -> index p * n + i
+    assert events[-2]["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_keys_guard_the_api_but_not_the_probes():
