@@ -129,10 +129,10 @@ def load_profile(path: str, base: ReplicaProfile) -> ReplicaProfile:
     """Overlay measured replica numbers from kvserve's throughput benchmark, if present.
 
     Looks for the keys in ``_THROUGHPUT_KEYS`` under ``"replica_profile"`` /
-    ``"autoscaling"``, in the ``"kvserve"`` entry of ``"systems"`` (the format
-    ``benchmarks/throughput.py`` writes: its ``output_tok_per_s`` includes prefill time,
-    so it is a lower bound of the decode capacity) or at the top level; anything missing
-    keeps ``base``'s value.
+    ``"autoscaling"``, in the ``"kvserve"`` entry of ``"dtypes"`` (float32 first: the format
+    ``benchmarks/throughput.py`` writes now; its ``output_tok_per_s`` includes prefill time, so
+    it is a lower bound of the decode capacity) or of an older file's ``"systems"`` list, or at
+    the top level; anything missing keeps ``base``'s value.
     """
     if not path or not os.path.exists(path):
         return base
@@ -143,8 +143,11 @@ def load_profile(path: str, base: ReplicaProfile) -> ReplicaProfile:
         return base
     if not isinstance(data, dict):
         return base
+    dtypes = data.get("dtypes") if isinstance(data.get("dtypes"), dict) else {}
+    by_dtype = [d.get("kvserve") for _, d in sorted(dtypes.items(), key=lambda kv: kv[0] != "float32")
+                if isinstance(d, dict)]
     systems = data.get("systems") if isinstance(data.get("systems"), list) else []
-    kv_entry = next((x for x in systems if isinstance(x, dict) and x.get("system") == "kvserve"), None)
+    kv_entry = next((x for x in [*by_dtype, *systems] if isinstance(x, dict) and x.get("system") == "kvserve"), None)
     scopes = [data.get("replica_profile"), data.get("autoscaling"), kv_entry, data]
     changes: Dict[str, Any] = {}
     for fname, keys in _THROUGHPUT_KEYS.items():

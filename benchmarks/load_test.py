@@ -31,7 +31,7 @@ Targets (issue): nothing lost at 3x; p99 TTFT of admitted requests at 3x <= 2x t
 Why aiohttp and not guidellm or locust
 --------------------------------------
 The issue asks for a maintained load tool, or aiohttp if neither fits. Both were tried here
-(guidellm 0.8.1 and locust 2.47, from the ``bench`` extra) and neither can do what is measured:
+(guidellm 0.8.1 and locust 2.47, installed from PyPI for the comparison) and neither can do what is measured:
 
 * guidellm 0.8.1 has open-loop arrivals (``--profile kind=poisson``), offline synthetic prompts
   (``--data kind=synthetic_text`` with a local ``--tokenizer``) and keeps a record per request,

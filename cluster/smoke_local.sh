@@ -160,7 +160,7 @@ say() { printf '[smoke %s] %s\n' "\$(date +%H:%M:%S)" "\$*"; }
 down() {
   say "ray down"
   ray down -y '$CFG' 2>&1 | tail -n 5 || true
-  say "ray stop on the worker (ray down of the local provider stops Ray on the head only; README)"
+  say "ray stop on the worker (ray down of the local provider stops Ray on the head only; docs/deployment.md)"
   ssh -q -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -i '$WORK/id_ed25519' \
     root@$WORKER_IP '~/kvserve/.venv/bin/ray stop' 2>&1 | tail -n 2 || true
 }
