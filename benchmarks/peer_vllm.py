@@ -171,8 +171,16 @@ if __name__ == "__main__":  # vLLM spawns processes: everything that starts it s
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", action="store_true", help="create the cached environment and print its python")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    ap.add_argument("--cli", nargs=argparse.REMAINDER, help="run `vllm <args>` (inside the cached environment's "
+                                                              "python: serve, bench serve, ...)")
     a = ap.parse_args()
-    if a.worker:
+    if a.cli is not None:
+        _alias_distribution()
+        from vllm.entrypoints.cli.main import main as vllm_main
+
+        sys.argv = ["vllm", *a.cli]
+        vllm_main()
+    elif a.worker:
         _worker(a.worker)
     else:
         print(ensure_venv())

@@ -40,6 +40,7 @@ COMMANDS = {
     "long_prefill": "python benchmarks/long_prefill.py --plot benchmarks/results/long_prefill.png",
     "load_test": "make bench-load   # = python benchmarks/load_test.py --start-server",
     "sse_flood": "python benchmarks/sse_flood.py --start-server",
+    "serving_vs_vllm": "python benchmarks/serving_vs_vllm.py   # kvserve serve and vllm serve, driven by vllm bench serve",
     "compile_probe": ("python benchmarks/compile_probe.py {plain,fused,compile}, each also with "
                       "KVSERVE_CPU_LINEAR=aten"),
     "engine_fuzz_ci": ("KVSERVE_FUZZ_REPORT=benchmarks/results/engine_fuzz_ci.json make test "
@@ -214,6 +215,8 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
      lambda d: _x(d["dtypes"]["bfloat16"]["kvserve_over_vllm"])),
     ("offline throughput, kvserve / HF `generate` static batches", "throughput",
      lambda d: _x(d["kvserve_over_hf_static"])),
+    ("`kvserve serve` / `vllm serve` output tok/s at concurrency 32, float32, `vllm bench serve`",
+     "serving_vs_vllm", lambda d: _x(d["kvserve_over_vllm"]["32"]["output_throughput"])),
     ("HTTP streaming / offline engine throughput, one replica", "serving",
      lambda d: f"{d['http_over_offline_throughput']:.2f}"),
     ("prefix-aware routing: TTFT p50 / Serve's default router", "routing",
@@ -491,6 +494,27 @@ def render_serving(d: dict, path: Path) -> list[str]:
     return out + _targets(d)
 
 
+def render_serving_vs_vllm(d: dict, path: Path) -> list[str]:
+    out = [f"Client: {d['client']}; {d['model']} in {d['dtype']}; random prompts of "
+           f"{d['workload']['input_len']} tokens, {d['workload']['output_len']} output tokens (`--ignore-eos`).", ""]
+    rows = []
+    for kind, s in d["servers"].items():
+        for r in s["runs"]:
+            rows.append([kind, r["concurrency"], r["num_prompts"], f"{r['output_throughput']:.1f}",
+                         f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}",
+                         f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f}", r["failed"],
+                         _load(r.get("load_average_before"))])
+    out += _table(["server", "concurrency", "prompts", "output tok/s", "TTFT p50 / p99, ms", "TPOT p50 / p99, ms",
+                   "failed", "load"], rows)
+    ratios = d.get("kvserve_over_vllm") or {}
+    if ratios:
+        out += ["", "kvserve / vLLM (throughput: higher is better; latencies: lower is better):", ""]
+        out += _table(["concurrency", "output tok/s", "TTFT p50", "TPOT p50"],
+                      [[c, _x(r["output_throughput"]), _x(r["median_ttft"]), _x(r["median_tpot"])]
+                       for c, r in ratios.items()])
+    return out + ["", "Start-up to ready: " + ", ".join(f"{k} {s['startup_s']} s" for k, s in d["servers"].items())]
+
+
 def render_cache(d: dict, path: Path) -> list[str]:
     live = d["live"]
     hr = live["hit_rates"]
@@ -755,6 +779,7 @@ RENDERERS: dict[str, Callable[[Any, Path], list[str]]] = {
     "throughput": render_throughput,
     "throughput_bf16": render_throughput,
     "serving": render_serving,
+    "serving_vs_vllm": render_serving_vs_vllm,
     "cache": render_cache,
     "routing": render_routing,
     "speculative": render_speculative,
