@@ -28,7 +28,7 @@ from ray import serve
 from engine.chat_templates import prepare_messages
 
 from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats, default_admission_bounds
-from deployments.request_outputs import ChunkBuilder, RecentRequests, interleave
+from deployments.request_outputs import ChunkBuilder, RecentRequests, merge_streams
 from deployments.server_types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 
 from cluster import reset_niceness
@@ -293,10 +293,12 @@ class LLMServer:
                              wait_for=prefilled if i else None, on_first=prefilled if not i else None,
                              prompt_text=prompt_text)
 
-        choices = interleave([child(i) for i in range(n)])
+        choices = merge_streams([child(i) for i in range(n)])
         try:
-            async for chunk in choices:
+            async for _, chunk in choices:
                 yield chunk
+                if chunk.error is not None:  # a choice that fails fails the request
+                    return
         finally:
             prefilled.set()
             await choices.aclose()  # cancels the other choices at once (aborted in the engine)

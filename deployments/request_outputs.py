@@ -1,11 +1,14 @@
 """The replica's view of the engine's outputs: each ``RequestOutput`` of a request as the
 :class:`~deployments.server_types.GenerationChunk` callers get (:class:`ChunkBuilder`), and the
-timings of recently finished requests (:class:`RecentRequests`)."""
+timings of recently finished requests (:class:`RecentRequests`); and the merge of several
+chunk streams as they come (:func:`merge_streams`: a replica's ``n`` choices, the gateway's
+prompts of one completions request)."""
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import Any
 
 from deployments.server_types import GenerationChunk, TokenLogprob, TopLogprob
 
@@ -85,34 +88,33 @@ class RecentRequests:
         return {r: self.by_id[r] for r in request_ids if r in self.by_id}
 
 
-async def interleave(gens: list) -> AsyncIterator[GenerationChunk]:
-    """The chunks of several choices' generators as they come; an error chunk ends it all
-    (the other choices are cancelled, which aborts them in the engine)."""
+async def merge_streams(gens: list) -> AsyncIterator[tuple[int, Any]]:
+    """``(index in gens, item)`` of several async generators, as the items come; the first
+    exception one of them raises is raised here. Leaving early (or an error) cancels the
+    others, each closed, so a generator's cleanup (an engine abort) runs before this returns."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(gen):
+    async def pump(i: int, gen):
         try:
-            async for chunk in gen:
-                await queue.put(chunk)
-        except Exception as e:  # raised to the caller below
-            await queue.put(e)
+            async for item in gen:
+                await queue.put((i, item, None))
+        except Exception as e:  # raised to the reader below
+            await queue.put((i, None, e))
         finally:
             await gen.aclose()
-            queue.put_nowait(None)
+            queue.put_nowait((i, None, None))
 
-    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     try:
         left = len(gens)
         while left:
-            item = await queue.get()
+            i, item, err = await queue.get()
+            if err is not None:
+                raise err
             if item is None:
                 left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-                if item.error is not None:
-                    return
+                continue
+            yield i, item
     finally:
         for t in tasks:
             t.cancel()

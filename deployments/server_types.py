@@ -190,8 +190,8 @@ class GenerateRequest:
         :class:`engine.SamplingParams` fields plus ``n``, or the object itself).
 
         Raises:
-            ValueError: a sampling value the engine cannot honour, ``n`` outside ``1..MAX_N``,
-                or neither ``prompt`` nor ``messages``.
+            ValueError: a sampling value the engine cannot honour (``n`` and the prompt are
+                checked where the request runs: :meth:`check`, by ``LLMServer.stream``).
         """
         n = kwargs.pop("n", 1)
         if isinstance(sampling_params, SamplingParams):
@@ -203,9 +203,7 @@ class GenerateRequest:
                 sp = SamplingParams(**d)
             except TypeError as e:  # an unknown field
                 raise ValueError(str(e)) from None
-        req = cls(prompt=prompt, sampling_params=sp, n=n, **kwargs)
-        req.check()
-        return req
+        return cls(prompt=prompt, sampling_params=sp, n=n, **kwargs)
 
     def check(self) -> None:
         """Raises ValueError: ``n`` outside ``1..MAX_N``, or neither ``prompt`` nor ``messages``."""

@@ -161,6 +161,7 @@ class LLMEngine:
         #: Grammar compiler (xgrammar, built on the first request with ``structured_outputs``)
         #: and the requests that have a grammar.
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        self._finish_stopped = functools.partial(self.scheduler.finish, status=RequestStatus.FINISHED_STOPPED)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self._request_finished)
         #: Incremental detokenizers by request id (the output processor's).
         self.detokenizers = self.output_processor.detokenizers
@@ -400,9 +401,8 @@ class LLMEngine:
         outputs += [self.output_processor.final_output(r) for sr in sched.requests  # max_tokens=0: no token
                     if not sr.sample and (r := reqs[sr.request_id]).max_output_tokens == 0
                     and r.status is RequestStatus.FINISHED_LENGTH]
-        finish_stopped = functools.partial(self.scheduler.finish, status=RequestStatus.FINISHED_STOPPED)
         outputs += [fail(r, "its grammar", e, r.new_token_ids)
-                    for r, e in self.structured_outputs.advance(updated, finish_stopped)]
+                    for r, e in self.structured_outputs.advance(updated, self._finish_stopped)]
         return updated, outputs
 
     def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[ModelRunnerOutput, dict[str, Exception]]:

@@ -70,11 +70,12 @@ class StepMetrics:
     @classmethod
     def of_step(cls, sched: SchedulerOutput, start: float, end: float, num_waiting: int) -> "StepMetrics":
         """The scheduler's side of a step whose model call ran from ``start`` to ``end`` (seconds);
-        the token side is added after the update (:meth:`EngineStats.record_tokens`)."""
+        the token side is added after the update (:meth:`EngineStats.record_tokens`; ``num_sampled``
+        by :meth:`EngineStats.end_step`, once stop strings have cut the tokens)."""
         num_decodes = sum(len(sr.token_ids) - len(sr.spec_token_ids) == 1 and sr.new is None
                           for sr in sched.requests)
         num_rows = sched.num_batched_tokens - sched.num_draft_tokens
-        return cls(start, end, num_rows - num_decodes, num_decodes, sum(sr.sample for sr in sched.requests),
+        return cls(start, end, num_rows - num_decodes, num_decodes, 0,
                    len(sched.requests), num_waiting, sched.num_preempted,
                    sched.prefix_cache_queries, sched.prefix_cache_hits)
 

@@ -11,7 +11,8 @@ from openai.types.completion_choice import Logprobs
 
 from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
 from deployments.gateway.errors import failed
-from deployments.gateway.streams import SSE_HEADERS, merged, sse, usage_of
+from deployments.gateway.streams import SSE_HEADERS, sse, usage_of
+from deployments.request_outputs import merge_streams
 from deployments.protocol import CompletionRequest, OpenAIError
 from deployments.server_types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
 
@@ -71,7 +72,7 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
     wholes: dict[tuple[int, int], GenerationChunk] = {}
     complete = False
     try:
-        async for p, chunk in merged(call.streams):
+        async for p, chunk in merge_streams([s.chunks() for s in call.streams]):
             wholes.setdefault((p, chunk.index), GenerationChunk(index=chunk.index)).extend(chunk)
         complete = True
     except BaseException as e:
@@ -140,7 +141,7 @@ async def _events(call: Call, body: CompletionRequest,
             out.usage = usage_of(lasts) if continuous else None
         return sse(out)
 
-    async for p, chunk in merged(call.streams):
+    async for p, chunk in merge_streams([s.chunks() for s in call.streams]):
         b = event(p, chunk)
         if b is not None:
             yield b

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from fastapi.responses import Response
 
@@ -46,13 +45,6 @@ class Readiness:
         """``app_status``: an async callable giving Serve's status of this application (its
         deployments' replica states), or None where there is no Serve."""
         self.gw, self.app_status = gw, app_status
-        self._cache: tuple[float, object] | None = None
-
-    async def _status(self, fresh: bool):
-        now = time.monotonic()
-        if fresh or self._cache is None or now - self._cache[0] > 1.0:
-            self._cache = (now, await self.app_status())
-        return self._cache[1]
 
     async def __call__(self) -> dict | Response:
         gw = self.gw
@@ -70,7 +62,7 @@ class Readiness:
                 reason = "engine stopped, being replaced" if _engine_dead(e) else "not available"
                 logger.warning("readiness probe of model %s failed: %s", name, type(getattr(e, "cause", e)).__name__)
             try:  # the status as of now, not as of before the probe waited
-                status = await self._status(fresh=True) if self.app_status is not None else None
+                status = await self.app_status() if self.app_status is not None else None
             except Exception:
                 status = None
             handle = gw.models[name]

@@ -86,35 +86,6 @@ class ChunkStream:
                 pass
 
 
-async def merged(streams: list[ChunkStream]) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """``(stream index, chunk)`` of every stream, as they arrive; the first error raised."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(p: int, s: ChunkStream):
-        try:
-            async for chunk in s.chunks():
-                await queue.put((p, chunk, None))
-        except Exception as e:  # forwarded to the reader
-            await queue.put((p, None, e))
-        finally:
-            await queue.put((p, None, None))
-
-    tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
-    try:
-        open_ = len(streams)
-        while open_:
-            p, chunk, err = await queue.get()
-            if err is not None:
-                raise err
-            if chunk is None:
-                open_ -= 1
-                continue
-            yield p, chunk
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
 def usage_of(lasts: dict[tuple[int, int], GenerationChunk]) -> CompletionUsage:
     """Usage of a request's choices, keyed ``(prompt index, choice index)``: each prompt's
     tokens counted once (its ``n`` choices share it), every choice's output tokens, the

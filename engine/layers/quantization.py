@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-METHODS = ("int8", "fp8")
-
+from kernels.torch_backend import FP8, FP8_MAX  # the KV cache's float8 format too
 
 def check_quantization(method: str, device: torch.device, dtype: torch.dtype) -> None:
     """Whether ``method`` runs for a model on ``device`` in ``dtype``.
@@ -61,8 +60,6 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, dtype: t
             m.quantize(method)
 
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

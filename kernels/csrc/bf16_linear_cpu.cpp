@@ -19,7 +19,6 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_math.h"
 
 namespace {
 
