@@ -119,6 +119,8 @@ NOTES = {
                                   "2 ms per step remains host work. The float8 decode kernel reads half the bytes "
                                   "but reaches a smaller share of copy bandwidth. Prefill attention is the biggest "
                                   "kernel gap left. [GPU](gpu.md)."),
+    "gpu_nvidia-h200": ("Round 3's engine re-checked on an H200; the SmolLM2 throughput row is missing (a "
+                        "mixed-step cap bug this run found, fixed afterwards). [GPU](gpu.md#what-the-lent-h200-showed)."),
     "engine_fuzz_ci": ("23 configurations with hypothesis' own first cases; 48 s on that machine (one-off "
                        "timing). What the fuzzer checks: "
                        "[Engine](engine.md#failure-isolation-one-request-never-takes-the-engine-down)."),
@@ -691,9 +693,10 @@ def render_gpu(d: dict, path: Path) -> list[str]:
           ("float8 weights", d.get("fp8_weights", {}).get("throughput", []))]
     rows = [[name, r["model"], r["num_requests"], r["engine_tok_s"], r.get("hf_tok_s"),
              _x(r.get("speedup_vs_hf")) if r.get("speedup_vs_hf") else "-"] for name, recs in tp for r in recs]
-    out += ["", "Throughput on nano-vllm's workload (CUDA graphs; HF `generate`: static batches of "
-                f"{d['throughput'][0].get('hf_batch_size')}, first {d['throughput'][0].get('hf_requests')} "
-                "requests only):", ""]
+    hf = d["throughput"][0]
+    hf_note = (f"; HF `generate`: static batches of {hf['hf_batch_size']}, first {hf['hf_requests']} requests only"
+               if hf.get("hf_requests") else "; no HF baseline in this run")
+    out += ["", f"Throughput on nano-vllm's workload (CUDA graphs{hf_note}):", ""]
     out += _table(["variant", "model", "requests", "engine tok/s", "HF tok/s", "speed-up"], rows)
     notes = list(d.get("notes", []))
     for extra in (d.get("fp8_kv", {}).get("kernels_checked"), d.get("fp8_weights", {}).get("tests"),

@@ -67,7 +67,9 @@ class EngineConfig:
         None, "in a step that also carries decodes, the largest chunk of a long prompt (one longer than this; "
               "one such prompt per step, short prompts go whole), so a long prompt cannot stall running streams: "
               "None sizes it from measured step times to keep such a step within mixed_step_slowdown x a "
-              "decode-only step; 0: no cap; k: at most k tokens. Steps without decodes get max_num_batched_tokens")
+              "decode-only step (on CUDA with CUDA graphs: no cap, as decode steps replay graphs and mixed "
+              "steps run eagerly); 0: no cap; k: at most k tokens. Steps without decodes get "
+              "max_num_batched_tokens")
     mixed_step_slowdown: float = _knob(
         2.5, "the automatic cap's target ratio (> 1): a step with decodes and prefill takes at most about this "
              "many times a decode-only step, bounding running streams' inter-token latency during a long prefill")

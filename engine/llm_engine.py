@@ -145,8 +145,7 @@ class LLMEngine:
         else:
             self.max_model_len = min(model_max, capacity)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        budget = (MixedStepBudget(config.mixed_step_slowdown, config.max_num_batched_tokens)
-                  if config.mixed_step_prefill_tokens is None else None)
+        budget = MixedStepBudget.for_config(config)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
                                    mixed_prefill_tokens=config.mixed_step_prefill_tokens,
                                    long_prefill_threshold=self.max_model_len // 25, mixed_budget=budget)
@@ -199,7 +198,8 @@ class LLMEngine:
 
     @property
     def mixed_budget(self) -> MixedStepBudget | None:
-        """The scheduler's mixed-step budget (None: ``mixed_step_prefill_tokens`` is fixed).
+        """The scheduler's mixed-step budget (None: ``mixed_step_prefill_tokens`` is fixed, or
+        CUDA graphs are on: :meth:`MixedStepBudget.for_config`).
         Assignable (a benchmark swaps estimators)."""
         return self.scheduler.mixed_budget
 

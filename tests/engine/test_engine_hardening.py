@@ -596,6 +596,10 @@ def test_auto_budget_is_the_default(tiny_llama_path, engine):
         EngineConfig(mixed_step_prefill_tokens=-1)
     with pytest.raises(ValueError, match="mixed_step_slowdown"):
         EngineConfig(mixed_step_slowdown=1.0)
+    # with CUDA graphs a mixed step runs eagerly beside replayed decode steps: no measured cap
+    assert MixedStepBudget.for_config(EngineConfig(device="cuda")) is None
+    assert MixedStepBudget.for_config(EngineConfig(device="cuda", enforce_eager=True)) is not None
+    assert MixedStepBudget.for_config(EngineConfig(device="cpu", mixed_step_prefill_tokens=0)) is None
     llm = LLM(model=str(tiny_llama_path), num_kv_blocks=16, mixed_step_prefill_tokens=64)
     try:
         assert llm.engine.scheduler.mixed_prefill_tokens == 64 and llm.engine.mixed_budget is None
