@@ -86,7 +86,8 @@ def build_app(args: AppArgs) -> Application:
         handles[m.name] = LLMServer.options(**opts).bind(
             m.engine_args(), m.name, m.torch_num_threads, worker_options,
             max_queued_requests=m.max_queued_requests, max_queued_prompt_tokens=m.max_queued_prompt_tokens,
-            request_timeout_s=m.request_timeout_s, tool_call_parser=m.tool_call_parser)
+            request_timeout_s=m.request_timeout_s, tool_call_parser=m.tool_call_parser,
+            stream_interval=m.stream_interval)
     # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
     drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
     g = args.gateway

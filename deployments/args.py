@@ -78,6 +78,11 @@ class ModelArgs(EngineArgs):
     graceful_shutdown_timeout_s: float = Field(
         60.0, ge=0, description="on scale-down or shutdown a replica stops taking requests and finishes its "
                                 "streams for up to this long before it exits")
+    stream_interval: int = Field(
+        0, ge=0, description="engine outputs per streamed chunk (vLLM's --stream-interval; the first token and the "
+                             "last chunk always go at once): k >= 1 every k tokens; 0 (auto) every token while fewer "
+                             "than 16 requests run on the replica, then 1 + running // 16, so a loaded replica sends "
+                             "about 16 messages per engine step")
     tool_call_parser: str = Field(
         "hermes", description="how tool calls are read from this model's text under tool_choice auto "
                               "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/tools.py)")

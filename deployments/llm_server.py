@@ -28,7 +28,7 @@ from ray import serve
 from engine.chat_templates import prepare_messages
 
 from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats, default_admission_bounds
-from deployments.request_outputs import ChunkBuilder, RecentRequests, merge_streams
+from deployments.request_outputs import ChunkBuilder, RecentRequests, merge_streams, stream_interval
 from deployments.server_types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 
 from cluster import reset_niceness
@@ -118,12 +118,14 @@ class LLMServer:
             KV blocks freed) and ends with error ``timeout`` (504); None: no limit.
         tool_call_parser: the :data:`deployments.tools.TOOL_PARSERS` name that reads this
             model's tool calls (the gateway reads it from :meth:`server_info`).
+        stream_interval: engine outputs per chunk (the first and last go at once); 0: auto
+            (:func:`deployments.request_outputs.stream_interval`).
     """
 
     def __init__(self, engine_args: dict | None = None, served_model_name: str | None = None,
                  torch_num_threads: int | None = None, worker_options: dict | None = None, *,
                  max_queued_requests: int | None = None, max_queued_prompt_tokens: int | None = None,
-                 request_timeout_s: float | None = None, tool_call_parser: str = "hermes"):
+                 request_timeout_s: float | None = None, tool_call_parser: str = "hermes", stream_interval: int = 0):
         import torch
 
         from engine.async_engine import AsyncLLMEngine
@@ -159,6 +161,7 @@ class LLMServer:
                                                 self.engine.max_model_len)
         self.admission = Admission(config.max_num_seqs, max_queued_requests or d_req, max_queued_prompt_tokens or d_tok)
         self.request_timeout_s = request_timeout_s
+        self.stream_interval = stream_interval
         self.tool_call_parser = tool_call_parser
         self.metrics = EngineMetrics(self.model_name, _replica_id(), speculative=config.speculative_config is not None)
         self._rejected = rejected()
@@ -283,11 +286,9 @@ class LLMServer:
         prefilled = asyncio.Event()  # choice 0's prompt is in the KV cache (or it ended)
 
         def child(i: int):
-            p = params
-            if i:
-                seed = params.seed
-                if seed is not None:
-                    seed = params.seed + i if params.seed + i <= SEED_MAX else params.seed + i - (SEED_MAX - SEED_MIN + 1)
+            p, seed = params, params.seed
+            if i:  # a given seed becomes seed + i, wrapped into the seed range
+                seed = None if seed is None else seed + i - (SEED_MAX - SEED_MIN + 1) * (seed + i > SEED_MAX)
                 p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
             return self._run(ids, p, f"{request_id}-{i}", priority, index=i,
                              wait_for=prefilled if i else None, on_first=prefilled if not i else None,
@@ -347,10 +348,10 @@ class LLMServer:
             self.admission.start(n_prompt)
             chunks = ChunkBuilder(self.engine.tokenizer, params, index, prompt_text)
             while True:
-                chunk = chunks.chunk(out)
                 if out.finished:
                     self.recent.add(out)
-                yield chunk
+                if (chunk := chunks.add(out, stream_interval(self.stream_interval, self.admission.in_flight))) is not None:
+                    yield chunk
                 if out.finished:
                     return
                 try:

@@ -29,6 +29,20 @@ def logprob_entry(tokenizer, token_id: int, d: dict[int, float] | None, k: int) 
                         top_logprobs=[TopLogprob(t, *_token_str(tokenizer, t), lp) for t, lp in top])
 
 
+#: ``stream_interval=0`` (auto): a replica sends about this many stream messages per engine step.
+STREAMS_PER_STEP = 16
+
+
+def stream_interval(setting: int, in_flight: int) -> int:
+    """Engine outputs per streamed chunk (vLLM's ``--stream-interval``): ``setting`` when >= 1;
+    0 (auto) gives ``1 + in_flight // STREAMS_PER_STEP``: every token while fewer than
+    :data:`STREAMS_PER_STEP` requests are in flight on the replica, then about that many messages
+    per engine step however many run. Each message costs CPU in the replica, the gateway and
+    Serve's proxy while the next step computes; on the 2-core box such work stretched the forward
+    pass (docs/known-limits.md, "The serving path")."""
+    return setting if setting >= 1 else 1 + in_flight // STREAMS_PER_STEP
+
+
 class ChunkBuilder:
     """One engine request's outputs as chunks of choice ``index``: the new text and token ids,
     the logprobs of the new tokens (``params.logprobs``), the prompt logprobs once
@@ -39,12 +53,31 @@ class ChunkBuilder:
         self.num_logprobs = 0  # logprob entries sent so far
         self.prompt_logprobs_due = params.prompt_logprobs is not None
         self.first = True
+        self.pending: GenerationChunk | None = None  # outputs folded in, not yet sent (:meth:`add`)
+        self.held = 0
+        self.sent = False
+
+    def add(self, out, interval: int = 1) -> GenerationChunk | None:
+        """Fold ``out`` into the chunk being built and return it when it should be sent: the
+        first, the last (``out.finished``), and otherwise every ``interval`` outputs (vLLM's
+        ``--stream-interval``); None while it is held. Text, token ids and logprobs of held
+        outputs are concatenated (:meth:`GenerationChunk.extend`), so nothing is lost."""
+        chunk = self.chunk(out)
+        if self.pending is None:
+            self.pending = chunk
+        else:
+            self.pending.extend(chunk)
+        self.held += 1
+        if out.finished or not self.sent or self.held >= interval:
+            chunk, self.pending, self.held, self.sent = self.pending, None, 0, True
+            return chunk
+        return None
 
     def chunk(self, out) -> GenerationChunk:
         """The chunk of one ``engine.RequestOutput`` (delta mode)."""
         c, p = out.outputs[0], self.params
         chunk = GenerationChunk(
-            text=c.delta_text, token_ids=c.delta_token_ids, finished=out.finished,
+            text=c.delta_text, token_ids=list(c.delta_token_ids), finished=out.finished,  # a copy: add() extends it
             finish_reason=c.finish_reason, stop_reason=c.stop_reason if out.finished else None,
             num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(c.token_ids),
             num_cached_tokens=out.num_cached_tokens, index=self.index)

@@ -120,3 +120,33 @@ def test_default_bounds_admit_a_full_batch_and_the_longest_prompt():
     assert (req, tok) == (1, 8192)
     assert default_admission_bounds(8, 512, 256) == (1, 2048)
     assert default_admission_bounds(256, 8192, 131072) == (4, 131072)
+
+
+@pytest.mark.parametrize("interval,expected_chunks", [(1, 10), (4, 4), (0, 10)])
+def test_replica_streams_every_interval_tokens_and_loses_none(tiny, interval, expected_chunks):
+    """``stream_interval``: the first token at once, then a chunk every k outputs, the last at once;
+    auto (0) sends every token while fewer than 16 requests are in flight. Text and ids are whole."""
+    server = _server(tiny, stream_interval=interval)
+    params = {"max_tokens": 10, "ignore_eos": True, "temperature": 0, "logprobs": 1}
+
+    async def main():
+        try:
+            return await _run(server, [5, 6, 7], params)
+        finally:
+            await server.engine.shutdown()
+
+    chunks = asyncio.run(main())
+    assert len(chunks) == expected_chunks and len(chunks[0].token_ids) == 1
+    ids = sum((c.token_ids for c in chunks), [])
+    assert len(ids) == 10 and chunks[-1].finished and chunks[-1].num_output_tokens == 10
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == ids
+    if interval:  # greedy: the same tokens however they were grouped
+        reference = _server(tiny, stream_interval=1)
+
+        async def ref():
+            try:
+                return await _run(reference, [5, 6, 7], params)
+            finally:
+                await reference.engine.shutdown()
+        assert sum((c.token_ids for c in asyncio.run(ref())), []) == ids
+    _assert_drained(server)
