@@ -387,16 +387,20 @@ def root_of(url: str) -> str:
 
 
 class LocalServer:
-    """``kvserve serve`` in a subprocess (its own session; Ray's token in a private temp file,
-    not ``~/.ray/auth_token``), until it answers ``/ready`` (or ``/health`` where there is no
-    ``/ready``) and one request; :meth:`stop` sends SIGINT (its own clean shutdown), then ends
-    any process of its tree still alive, by pid."""
+    """``kvserve serve`` (or another ``command`` that takes ``--port``, e.g. ``vllm serve``) in a
+    subprocess (its own session; Ray's token in a private temp file, not ``~/.ray/auth_token``),
+    until it answers ``/ready`` (or ``/health`` where there is no ``/ready``); :meth:`stop` sends
+    SIGINT (its own clean shutdown), then ends any process of its tree still alive, by pid.
+    ``env``: the base environment (default this process's)."""
 
     def __init__(self, extra_args: list[str], api_key: str | None = None, port: int | None = None,
-                 log_path: str | None = None, ready_timeout: float = 600.0):
+                 log_path: str | None = None, ready_timeout: float = 600.0, command: list[str] | None = None,
+                 env: dict[str, str] | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.args = [str(Path(sys.executable).with_name("kvserve")), "serve", "--port", str(self.port), *extra_args]
+        command = command or [str(Path(sys.executable).with_name("kvserve")), "serve"]
+        self.args = [*command, "--port", str(self.port), *extra_args]
+        self.base_env = os.environ if env is None else env
         self.api_key = api_key
         self.ready_timeout = ready_timeout
         self._auth_dir = tempfile.mkdtemp(prefix="kvserve-load-auth-")
@@ -408,7 +412,7 @@ class LocalServer:
         import urllib.error
         import urllib.request
 
-        env = dict(os.environ, RAY_AUTH_TOKEN_PATH=os.path.join(self._auth_dir, "auth_token"))
+        env = dict(self.base_env, RAY_AUTH_TOKEN_PATH=os.path.join(self._auth_dir, "auth_token"))
         env.pop("RAY_AUTH_TOKEN", None)
         if self.api_key:
             env["KVSERVE_API_KEYS"] = self.api_key

@@ -25,22 +25,18 @@ them) and ``benchmarks/results/serving_vs_vllm.png`` (tok/s and TTFT against con
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import free_port, load_average, pyplot, resolve, write_json  # noqa: E402
+from benchmarks.common import load_average, pyplot, resolve, write_json  # noqa: E402
+from benchmarks.load_test import LocalServer  # noqa: E402
 from benchmarks.peer_vllm import VLLM_VERSION, ensure_venv, vllm_env  # noqa: E402
 
 SERVED = "smollm2"
@@ -57,47 +53,15 @@ def vllm_cli(*args: str) -> list[str]:
     return [str(ensure_venv()), str(ROOT / "benchmarks" / "peer_vllm.py"), "--cli", *args]
 
 
-@contextlib.contextmanager
-def server(kind: str, model: str, dtype: str, port: int, log: Path):
-    """A running server of ``kind`` (``kvserve`` or ``vllm``) on ``127.0.0.1:port``; stopped
-    (its whole process group) on exit.
-
-    Raises:
-        RuntimeError: it exited or did not answer within 10 minutes (the log's tail).
-    """
+def server(kind: str, model: str, dtype: str, log: Path) -> LocalServer:
+    """A (not yet started) server of ``kind`` (``kvserve`` or ``vllm``) on a free loopback port,
+    logging to ``log``; ``with`` starts it, waits until it is ready and stops its whole process
+    tree on exit (:class:`benchmarks.load_test.LocalServer`)."""
+    common = ["--served-model-name", SERVED, "--dtype", dtype]
     if kind == "kvserve":
-        cmd = [str(Path(sys.executable).with_name("kvserve")), "serve", "--model", model, "--served-model-name",
-               SERVED, "--dtype", dtype, "--port", str(port), "--no-response-cache"]
-        env, ready = dict(os.environ), f"http://127.0.0.1:{port}/ready"
-    else:
-        cmd = vllm_cli("serve", model, "--served-model-name", SERVED, "--dtype", dtype, "--host", "127.0.0.1",
-                       "--port", str(port), "--kv-cache-memory-bytes", str(KV_BYTES))
-        env, ready = vllm_env(), f"http://127.0.0.1:{port}/health"
-    out = open(log, "w")
-    p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    t0 = time.monotonic()
-    try:
-        while True:
-            if p.poll() is not None:
-                raise RuntimeError(f"{kind} exited {p.returncode}:\n" + log.read_text()[-3000:])
-            if time.monotonic() - t0 > 600:
-                raise RuntimeError(f"{kind} not ready after 600 s:\n" + log.read_text()[-3000:])
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(ready, timeout=5).status_code == 200:
-                    break
-            time.sleep(2)
-        print(f"[{kind}] ready in {time.monotonic() - t0:.0f} s", flush=True)
-        yield time.monotonic() - t0
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGINT)  # kvserve drains and stops its Ray; vLLM shuts down
-        try:
-            p.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        out.close()
+        return LocalServer(["--model", model, *common, "--no-response-cache"], log_path=str(log))
+    return LocalServer([*common, "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(KV_BYTES)],
+                       log_path=str(log), command=vllm_cli("serve", model), env=vllm_env())
 
 
 def bench(port: int, model: str, concurrency: int, num_prompts: int, seed: int, tmp: Path) -> dict:
@@ -169,9 +133,9 @@ def main(argv=None) -> dict:
                     "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "servers": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.servers.split(","):
-            port = free_port()
-            log = Path(tmp) / f"{kind}.log"
-            with server(kind, model, args.dtype, port, log) as startup_s:
+            t0 = time.monotonic()
+            with server(kind, model, args.dtype, Path(tmp) / f"{kind}.log") as srv:
+                startup_s, port = time.monotonic() - t0, srv.port
                 runs = []
                 for c in (int(x) for x in args.concurrency.split(",")):
                     load = load_average()

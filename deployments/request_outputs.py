@@ -55,21 +55,20 @@ class ChunkBuilder:
         self.first = True
         self.pending: GenerationChunk | None = None  # outputs folded in, not yet sent (:meth:`add`)
         self.held = 0
-        self.sent = False
 
     def add(self, out, interval: int = 1) -> GenerationChunk | None:
         """Fold ``out`` into the chunk being built and return it when it should be sent: the
         first, the last (``out.finished``), and otherwise every ``interval`` outputs (vLLM's
         ``--stream-interval``); None while it is held. Text, token ids and logprobs of held
         outputs are concatenated (:meth:`GenerationChunk.extend`), so nothing is lost."""
-        chunk = self.chunk(out)
+        first, chunk = self.first, self.chunk(out)
         if self.pending is None:
             self.pending = chunk
         else:
             self.pending.extend(chunk)
         self.held += 1
-        if out.finished or not self.sent or self.held >= interval:
-            chunk, self.pending, self.held, self.sent = self.pending, None, 0, True
+        if out.finished or first or self.held >= interval:
+            chunk, self.pending, self.held = self.pending, None, 0
             return chunk
         return None
 

@@ -105,6 +105,12 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
+    def cuda_graphs(self) -> bool:
+        """CUDA graphs asked for: a CUDA device and ``enforce_eager`` off (the model runner also
+        needs an attention backend whose kernels can be captured)."""
+        return self.torch_device.type == "cuda" and not self.enforce_eager
+
+    @property
     def torch_dtype(self) -> "torch.dtype":
         """The dtype of weights and activations: ``dtype``, or for ``"auto"`` the one
         :meth:`auto_dtype` picks."""

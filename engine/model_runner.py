@@ -208,9 +208,9 @@ class ModelRunner:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        """Whether decode steps replay CUDA graphs: on CUDA, unless ``enforce_eager``, with an
-        attention backend whose kernels can be captured (``supports_cuda_graphs``)."""
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_cuda_graphs
+        """Whether decode steps replay CUDA graphs: ``config.cuda_graphs``, with an attention
+        backend whose kernels can be captured (``supports_cuda_graphs``)."""
+        return self.config.cuda_graphs and self.backend.supports_cuda_graphs
 
     # ---- CUDA graphs for decode -----------------------------------------------
     def graph_batch_sizes(self) -> list[int]:

@@ -130,17 +130,15 @@ class MixedStepBudget:
     def for_config(cls, config) -> "MixedStepBudget | None":
         """The automatic cap an :class:`engine.config.EngineConfig` asks for, or None (no budget).
 
-        None where ``mixed_step_prefill_tokens`` is set, and on CUDA with CUDA graphs
-        (``enforce_eager`` off): there decode-only steps replay graphs while a mixed step runs
+        None where ``mixed_step_prefill_tokens`` is set, and where CUDA graphs are asked for
+        (``config.cuda_graphs``): there decode-only steps replay graphs while a mixed step runs
         eagerly, so the mixed step's launch overhead (~20 ms for a 30-layer model, against
         ~2.5 ms for a replayed decode step on an H200) would be read as prefill cost and the cap
         would fall to ``min_tokens``: a workload of prompts above the long-prompt threshold then
         prefilled 8 tokens per step (SmolLM2's shape on the lent H200, 2026-11-26). There
         chunks are bounded by ``max_num_batched_tokens`` alone, as in vLLM by default.
         """
-        if config.mixed_step_prefill_tokens is not None:
-            return None
-        if config.torch_device.type == "cuda" and not config.enforce_eager:
+        if config.mixed_step_prefill_tokens is not None or config.cuda_graphs:
             return None
         return cls(config.mixed_step_slowdown, config.max_num_batched_tokens)
 

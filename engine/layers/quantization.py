@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels.torch_backend import FP8, FP8_MAX  # the KV cache's float8 format too
 
+
 def check_quantization(method: str, device: torch.device, dtype: torch.dtype) -> None:
     """Whether ``method`` runs for a model on ``device`` in ``dtype``.
 

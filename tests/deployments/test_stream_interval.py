@@ -36,7 +36,7 @@ def test_held_outputs_fold_into_the_next_chunk(outputs, interval):
     builder = ChunkBuilder(tok, params)
     sent = [c for c in (builder.add(o, interval) for o in outs) if c is not None]
     # the first token alone, then every `interval` outputs, and the last at once
-    assert [len(c.token_ids) for c in sent][0] == 1
+    assert len(sent[0].token_ids) == 1
     assert len(sent) == 1 + -(-(len(outs) - 1) // interval)
     assert sum((c.token_ids for c in sent), []) == outs[-1].outputs[0].token_ids
     assert "".join(c.text for c in sent) == "".join(c.text for c in reference)

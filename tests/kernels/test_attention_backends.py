@@ -192,8 +192,9 @@ def test_every_backend_declares_its_capabilities():
 ])
 def test_cuda_graphs_follow_the_backend_capability(backend, device, enforce_eager, graphs):
     """The model runner's capture condition reads ``supports_cuda_graphs``, not a name."""
+    from engine.config import EngineConfig
     runner = types.SimpleNamespace(device=device, backend=backend,
-                                   config=types.SimpleNamespace(enforce_eager=enforce_eager))
+                                   config=EngineConfig(device=device.type, enforce_eager=enforce_eager))
     assert ModelRunner.use_cuda_graphs.fget(runner) is graphs
     fake = type("FakeBackend", (TorchBackend,), {"name": "fake", "supports_cuda_graphs": True})
     runner.backend = fake
