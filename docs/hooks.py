@@ -119,8 +119,9 @@ NOTES = {
                                   "2 ms per step remains host work. The float8 decode kernel reads half the bytes "
                                   "but reaches a smaller share of copy bandwidth. Prefill attention is the biggest "
                                   "kernel gap left. [GPU](gpu.md)."),
-    "gpu_nvidia-h200": ("Round 3's engine re-checked on an H200; the SmolLM2 throughput row is missing (a "
-                        "mixed-step cap bug this run found, fixed afterwards). [GPU](gpu.md#what-the-lent-h200-showed)."),
+    "gpu_nvidia-h200": ("Round 3's engine re-checked on an H200 in two leases; the first found a mixed-step cap "
+                        "bug (SmolLM2's throughput row never finished), the second re-ran the throughput rows after "
+                        "the fix. [GPU](gpu.md#what-the-lent-h200-showed)."),
     "engine_fuzz_ci": ("23 configurations with hypothesis' own first cases; 48 s on that machine (one-off "
                        "timing). What the fuzzer checks: "
                        "[Engine](engine.md#failure-isolation-one-request-never-takes-the-engine-down)."),
