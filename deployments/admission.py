@@ -150,6 +150,10 @@ class Admission:
             self.queued_tokens -= num_prompt_tokens
         self.finished.append(time.monotonic())
 
+    def note_refused(self, n: int) -> None:
+        """Count ``n`` requests refused as full elsewhere (a gateway's load shedding) now."""
+        self.refused.extend([time.monotonic()] * max(0, min(n, 100_000)))
+
     def recently_refused(self, window_s: float) -> int:
         """Requests refused as ``queue_full`` in the last ``window_s`` seconds: demand the bounded
         queue turned away, which the autoscaler counts as waiting (it would have queued)."""

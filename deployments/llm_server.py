@@ -54,9 +54,8 @@ class _TooLarge(ValueError):
 
 def _engine_dead(index: int = 0, during: bool = False) -> GenerationChunk:
     """The last chunk of a request whose engine stopped (before it started, or ``during`` it)."""
-    what = "stopped during this request" if during else "has stopped"
-    return GenerationChunk.failed(GenerationError(
-        "engine_dead", f"the model server's engine {what} and is being restarted; retry later"), index)
+    return GenerationChunk.failed(GenerationError("engine_dead", "the model server's engine " + (
+        "stopped during this request" if during else "has stopped") + " and is being restarted; retry later"), index)
 
 
 def _exception(err: GenerationError) -> Exception:
@@ -214,6 +213,7 @@ class LLMServer:
 
         params, n = request.sampling_params, request.n
         request_id = request.request_id or random_id("req")
+        self.admission.note_refused(request.shed_requests)  # the gateway's refusals count as demand
         try:
             request.check()
             if request.messages is not None:

@@ -172,6 +172,9 @@ class GenerateRequest:
         request_id: the engine's id (``<request_id>-<i>`` per choice when ``n > 1``).
         priority: lower runs first under ``scheduling_policy="priority"``.
         echo: the first chunk of each choice carries the prompt as text (``prompt_text``).
+        shed_requests: requests the sending gateway refused for this model as full since its
+            previous request (:mod:`deployments.gateway.shedding`): the replica counts them as
+            demand its queue refused, for the autoscaler.
     """
 
     prompt: str | list[int] | dict | None = None
@@ -182,6 +185,7 @@ class GenerateRequest:
     request_id: str = ""
     priority: int = 0
     echo: bool = False
+    shed_requests: int = 0
 
     @classmethod
     def of(cls, prompt: str | list[int] | dict | None = None,

@@ -68,7 +68,7 @@ _AVX2 = "2-core AMD EPYC with AVX2 only (no AVX-512, no avx512_bf16), 24 GiB: th
 MACHINE_NOTES = {
     "quantization": _AVX512, "speculative": _AVX512, "structured_output": _AVX512, "step_times": _AVX512,
     "compile_probe": _AVX512, "long_prefill": _AVX512, "serving": _AVX512, "cache": _AVX512,
-    "routing": _AVX512, "load_test": _AVX512, "recovery": _AVX512, "sse_flood": _AVX512,
+    "routing": _AVX512, "load_test": _AVX512, "recovery": _AVX512, "sse_flood": _AVX2 + " (2026-11-26)",
     "step_times_4fb305e": "not recorded (2026-11-21)",
     "engine_fuzz_ci": _AVX2,
     "engine_fuzz_random60": _AVX2 + "; beside a test-suite run, 5 min 41 s",
@@ -113,8 +113,10 @@ NOTES = {
     "step_times": "`attention_backend=None` is the default choice: the C++ paged-attention kernel on CPU.",
     "structured_output": ("xgrammar's bitmask for bounded strings is the costly part at batch 32; it is filled "
                           "while the forward runs."),
-    "sse_flood": ("Refusing 1,740 requests at once through proxy, gateway and replica costs the same 2 cores "
-                  "the model runs on, hence the admitted streams' long TTFT."),
+    "sse_flood": ("The gateway now refuses what the replicas would refuse without a trip to them (load shedding), "
+                  "which cut the refusal latency and the flood's length; each refusal still costs about 11 ms of CPU "
+                  "in Serve's proxy and the ingress on the 2 cores the model runs on, and the admitted streams' "
+                  "first tokens wait behind that work ([Operations](operations.md#flood))."),
     "gpu_nvidia-h100-80gb-hbm3": ("Eager decode is host-bound (about 1.3 ms per layer); with CUDA graphs about "
                                   "2 ms per step remains host work. The float8 decode kernel reads half the bytes "
                                   "but reaches a smaller share of copy bandwidth. Prefill attention is the biggest "
@@ -774,6 +776,12 @@ def render_sse_flood(d: dict, path: Path) -> list[str]:
         ["server RSS before / peak (MiB)", f"{_fmt(m['server_rss_before_mib'])} / "
                                            f"{_fmt(m['server_rss_peak_total_mib'])}"],
     ])
+    b = d.get("before_shedding")
+    if b:
+        out += ["", f"Before load shedding (commit {b['commit']}, {b['machine']}): {b['completed']} complete, "
+                    f"{b['rejected']} rejected, {b['lost']} lost in {b['elapsed_s']} s; TTFT p50 of the admitted "
+                    f"{_fmt(b['ttft_ms_p50'])} ms, rejection latency p50 {_fmt(b['rejection_latency_ms_p50'])} ms; "
+                    f"{b['replica_rejections_by_serve']}."]
     rows = [[p["name"], p["rss_before_mib"], p["rss_peak_mib"]] for p in m.get("per_process", [])]
     out += ["", "Per process (MiB):", ""] + _table(["process", "RSS before", "RSS peak"], rows)
     return out

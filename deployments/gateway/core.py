@@ -35,6 +35,7 @@ from deployments.gateway.errors import as_client_error, internal, request_id_of,
 from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES, GateSettings
 from deployments.gateway.gate import request_policy
 from deployments.gateway.models import ModelDirectory
+from deployments.gateway.shedding import LoadShedder
 from deployments.gateway.streams import DONE, ChunkStream, background, usage_of
 from deployments.limits import NeverFits, RateLimited, RateLimiter, policies_from_keys
 from deployments.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
@@ -193,6 +194,7 @@ class Gateway:
         self.upstream = None if s.upstream is None else Upstream(UpstreamArgs.model_validate(s.upstream))
         self.rejected, self.key_tokens, self.key_requests = rejected(), api_key_tokens(), api_key_requests()
         self.routes, self.fallbacks = model_routes(), upstream_fallbacks()
+        self.shedder = LoadShedder()
         self.draining = False
         self._warned_fields: set[str] = set()
 
@@ -256,6 +258,10 @@ class Gateway:
             if hit:
                 call.streams = [ChunkStream.replay(c, r.n) for c, r in zip(call.look.streams, requests)]
             else:
+                shed = self.shedder.check(call.model, len(requests))
+                if shed is not None:  # the replicas refused as full just now: no trip to them
+                    self.rejected.inc({"model_name": call.model, "reason": "queue_full"})
+                    raise shed
                 for r in requests:
                     r.priority = call.use.priority
                 results = await asyncio.gather(*(self.open(call, r) for r in requests), return_exceptions=True)
@@ -316,26 +322,36 @@ class Gateway:
             OpenAIError: the replica refused the request (its typed error), or Serve did
                 (``queue_full`` 429, ``model_unavailable`` 503).
         """
+        model = call.model
+        request.shed_requests = self.shedder.opened(model)
         gen = call.handle.stream.remote(request)
         try:
             first = await gen.__anext__()
         except asyncio.CancelledError:  # the client went away before the first token
+            self.shedder.closed(model)
             gen.cancel()
             raise
         except StopAsyncIteration:
+            self.shedder.closed(model)
             logger.error("request %s: the model server returned no output", call.http_id)
             raise internal(call.http_id) from None
         except Exception as e:
+            self.shedder.closed(model)
             err = as_client_error(e)
             if err is None:
                 logger.error("request %s: the model server failed", call.http_id, exc_info=e)
                 err = internal(call.http_id)
             elif err.code in ("queue_full", "model_unavailable"):  # refused by Serve before any replica saw it
-                self.rejected.inc({"model_name": call.model, "reason": err.code})
+                self.rejected.inc({"model_name": model, "reason": err.code})
+                if err.code == "queue_full":
+                    self.shedder.refused(model, err.retry_after_s)
             raise err from None
         if first.error is not None:  # the replica's own verdict: a client error, a full queue, a dead engine
+            self.shedder.closed(model)
+            if first.error.code == "queue_full":
+                self.shedder.refused(model, first.error.retry_after_s)
             raise OpenAIError.of(first.error)
-        return ChunkStream(gen, first, request.n)
+        return ChunkStream(gen, first, request.n, on_end=lambda: self.shedder.closed(model))
 
     async def lookup(self, call: Call, endpoint: str, body) -> Lookup:
         """The response cache's verdict before any replica sees the request: a hit with the

@@ -42,10 +42,19 @@ class ChunkStream:
     byte of a streaming response is sent). ``record``, when a list, collects every chunk for
     the response cache."""
 
-    def __init__(self, gen, first: GenerationChunk, n: int = 1):
+    def __init__(self, gen, first: GenerationChunk, n: int = 1, on_end=None):
         self.gen, self.first, self.left = gen, first, n - first.finished
-        self.done = self.left == 0
+        self.done = False
+        self.on_end = on_end  # called once when the stream ends (finished, failed or cancelled)
         self.record: list[GenerationChunk] | None = None
+        if self.left == 0:
+            self._end()
+
+    def _end(self) -> None:
+        self.done = True
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The chunks; one with ``error`` (e.g. the request ran past the server's
@@ -57,15 +66,17 @@ class ChunkStream:
             return
         async for chunk in self.gen:
             if chunk.error is not None:
-                self.done = True
+                self._end()
                 raise OpenAIError.of(chunk.error)
             self.left -= chunk.finished
-            self.done = self.left == 0
+            if self.left == 0:
+                self._end()
             if self.record is not None:
                 self.record.append(chunk)
             yield chunk
             if self.done:
                 return
+        self._end()  # the replica's stream ended without the last choice's finished chunk
 
     @classmethod
     def replay(cls, chunks: list[GenerationChunk], n: int) -> "ChunkStream":
@@ -79,7 +90,7 @@ class ChunkStream:
     def cancel(self) -> None:
         """Stop the replica's generation (a no-op once the stream ended)."""
         if not self.done:
-            self.done = True
+            self._end()
             try:
                 self.gen.cancel()
             except Exception:

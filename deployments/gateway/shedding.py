@@ -1,0 +1,87 @@
+"""Cheap refusals: the gateway refuses a request its model's replicas would refuse, before the
+request crosses to a replica.
+
+Under a flood (thousands of streams at once) every refusal that crosses the gateway's handle to
+a replica costs the same cores the engine runs on: Serve's router probes full replicas over and
+over (each probe an actor call the replica answers with a rejection) and the replica's admission
+answers each request that gets in. Measured on the 2-core box with 2,000 streams: 10,740 replica
+rejections for 1,871 refused requests, and refusals that took 30 s (p50) to arrive.
+
+:class:`LoadShedder` keeps, per model, how many requests this gateway replica has open to it.
+When a replica (or Serve's bounded handle queue) refuses one as full, that count is the model's
+capacity as this gateway sees it: while the count stays at or above it, requests are refused
+here at once (429 ``queue_full`` with the replica's ``Retry-After``), and a slot freed by a
+finished request is taken by the next request at once. The mark lasts :data:`HOLD_S` seconds:
+after that one request goes through as a probe, so capacity added by the autoscaler (or freed by
+another gateway replica's traffic) is found again. Admission stays the replica's: this only
+saves the trip when the answer is already known. The same idea as a circuit breaker's
+half-open probe (Nygard, *Release It!*, ch. 5).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from deployments.protocol import OpenAIError
+
+#: Seconds a "full" mark refuses requests before one goes through as a probe.
+HOLD_S = 1.0
+
+
+@dataclass
+class _Mark:
+    limit: int  # requests this gateway had open to the model when a replica said "full"
+    until: float  # monotonic seconds: the mark's end
+    retry_after_s: float
+
+
+class LoadShedder:
+    """Per-model count of this gateway replica's open requests, and the refusal marks.
+
+    Counts are per handle call (one per prompt of a request). Runs on the gateway's event loop
+    (no lock needed).
+    """
+
+    def __init__(self, hold_s: float = HOLD_S):
+        if hold_s <= 0:
+            raise ValueError(f"hold_s must be positive, got {hold_s}")
+        self.hold_s = hold_s
+        self.open: dict[str, int] = {}
+        self.marks: dict[str, _Mark] = {}
+        self.shed: dict[str, int] = {}  # refused here since the model's last request went out
+
+    def check(self, model: str, needed: int = 1) -> OpenAIError | None:
+        """The refusal of a request that would open ``needed`` more streams to ``model``, or
+        None to send it on (also when the mark has expired: the request is the probe)."""
+        mark = self.marks.get(model)
+        if mark is None:
+            return None
+        if time.monotonic() >= mark.until:
+            del self.marks[model]
+            return None
+        if self.open.get(model, 0) + needed <= mark.limit:
+            return None
+        self.shed[model] = self.shed.get(model, 0) + needed
+        return OpenAIError(f"the model '{model}' is at capacity, retry later", 429, "rate_limit_error",
+                           code="queue_full", retry_after_s=mark.retry_after_s)
+
+    def opened(self, model: str) -> int:
+        """A stream to ``model`` is sent to its handle; returns the requests refused here since
+        the previous one (the replica counts them as refused demand for the autoscaler)."""
+        self.open[model] = self.open.get(model, 0) + 1
+        return self.shed.pop(model, 0)
+
+    def closed(self, model: str) -> None:
+        """A stream to ``model`` ended (finished, failed, refused or cancelled): its slot is free."""
+        self.open[model] = max(0, self.open.get(model, 0) - 1)
+
+    def refused(self, model: str, retry_after_s: float | None) -> None:
+        """A replica or Serve refused a request to ``model`` as full (call after :meth:`closed`
+        for it): the requests still open are the model's capacity for :data:`HOLD_S` seconds
+        (the smallest count seen while the mark holds: Serve's handle queue refuses later than
+        the replicas do, with its queue's requests counted as open)."""
+        now, limit = time.monotonic(), max(1, self.open.get(model, 0))
+        mark = self.marks.get(model)
+        if mark is not None and now < mark.until:
+            limit = min(limit, mark.limit)
+        self.marks[model] = _Mark(limit=limit, until=now + self.hold_s, retry_after_s=max(1.0, retry_after_s or 1.0))
