@@ -82,6 +82,12 @@ class TPWorker:
         out = self.runner.execute_model(sched)
         return out if self.rank == 0 else None  # only rank 0's tokens travel back
 
+    def add_lora(self, request) -> None:
+        self.runner.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.runner.lora.remove(lora_int_id)
+
     @ray.method(concurrency_group="health")
     def ping(self) -> int:
         """Liveness: runs in its own thread (concurrency group ``health``), so it answers even
@@ -180,6 +186,12 @@ class RayWorkerGroup(Executor):
         ref = ray.put(sched) if len(self.workers) > 2 else sched
         outs = ray.get([w.execute_model.remote(ref) for w in self.workers])
         return outs[0]
+
+    def add_lora(self, request) -> None:
+        ray.get([w.add_lora.remote(request) for w in self.workers])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return all(ray.get([w.remove_lora.remote(lora_int_id) for w in self.workers]))
 
     def placement_group_info(self) -> dict:
         """Where the ranks run: the placement group (the replica's own, or one created here),

@@ -87,7 +87,7 @@ def build_app(args: AppArgs) -> Application:
             m.engine_args(), m.name, m.torch_num_threads, worker_options,
             max_queued_requests=m.max_queued_requests, max_queued_prompt_tokens=m.max_queued_prompt_tokens,
             request_timeout_s=m.request_timeout_s, tool_call_parser=m.tool_call_parser,
-            stream_interval=m.stream_interval)
+            stream_interval=m.stream_interval, lora_modules=m.lora_modules)
     # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
     drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
     g = args.gateway
@@ -105,6 +105,7 @@ def gateway_settings(args: AppArgs) -> GatewaySettings:
         max_prompts_per_request=g.max_prompts_per_request, rate_limit_rpm=lim.rate_limit_rpm,
         rate_limit_tpm=lim.rate_limit_tpm, redis_url=lim.redis_url, ingress_num_replicas=g.ingress_num_replicas,
         cache=args.cache_settings(),
+        adapters={a: m.name for m in args.model_list() for a in (m.lora_modules or {})},
         model_routing=None if r.model_routing is None else r.model_routing.model_dump(),
         upstream=None if r.upstream is None else r.upstream.model_dump())
 

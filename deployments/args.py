@@ -92,6 +92,9 @@ class ModelArgs(EngineArgs):
     prefix_routing_margin: int = Field(
         8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
                              "has more than this many ongoing requests more")
+    lora_modules: Optional[dict[str, str]] = Field(
+        None, description="LoRA adapters served with this model, {name: PEFT folder} (vLLM's --lora-modules "
+                          "name=path ...); clients send the name as `model`; needs enable_lora")
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
@@ -107,6 +110,9 @@ class ModelArgs(EngineArgs):
         from deployments.tools import get_tool_parser
 
         get_tool_parser(self.tool_call_parser)  # an unknown name fails here
+        from deployments.lora import check_lora_modules
+
+        check_lora_modules(self.lora_modules, self.name, self.enable_lora)
         return self
 
     @property

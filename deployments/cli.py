@@ -17,6 +17,7 @@ import typing
 
 from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
 from deployments.gateway.gate import mask_key
+from deployments.lora import parse_lora_module
 
 
 # ---- generate (engine only) ------------------------------------------------------------------
@@ -78,6 +79,8 @@ def _model_flags() -> list[tuple[str, str, dict]]:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(typ) is typing.Literal:
             kw["choices"] = list(typing.get_args(typ))
+        elif name == "lora_modules":  # vLLM's form: --lora-modules name=path [name=path ...]
+            kw.update(type=parse_lora_module, nargs="+", metavar="NAME=PATH")
         elif typ is dict or typing.get_origin(typ) is dict:
             kw["type"], kw["metavar"] = _json_object, "JSON"
         else:
@@ -145,7 +148,7 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
     for _flag, dest, _kw in _model_flags():
         v = getattr(args, dest, None)
         if v is not None:
-            app_args[dest] = v
+            app_args[dest] = dict(v) if dest == "lora_modules" else v
     if args.api_keys:
         app_args["api_keys"] = args.api_keys
     if args.api_keys_file:
@@ -215,6 +218,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Ray runs workers at niceness 15 by default; on a serving node the Serve proxy,
         # ingress and engine replicas are the main work.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        # Ray Serve's throughput mode (gRPC between deployments, user code and the router on each
+        # replica's main loop, replica logs to files only): a 2,000-stream flood ended in 0.64x the
+        # time in two paired runs (docs/operations.md#flood), steady serving unchanged. Its direct
+        # ingress needs HAProxy in front, which kvserve does not start: off.
+        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+        os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
     else:
         auth = ensure_join_auth(address=args.address)  # SystemExit with what to do if no token is here
     from deployments.app import APP_NAME, AppArgs, build_app, fit_single_node, logical_cpus_needed
@@ -283,6 +292,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"{m.name}: autoscaling {cfg.min_replicas}..{cfg.max_replicas} replicas (kvserve policy)",
                       flush=True)
         print(_ray_access_line(auth, started_ray), flush=True)
+        if started_ray:
+            print("replica logs: <Ray's temp dir, /tmp/ray by default>/session_latest/logs/serve/", flush=True)
         print("Ctrl-C to stop.", flush=True)
         while True:
             time.sleep(1)

@@ -29,7 +29,9 @@ from engine.chat_templates import prepare_messages
 
 from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats, default_admission_bounds
 from deployments.request_outputs import ChunkBuilder, RecentRequests, merge_streams, stream_interval
+from deployments.lora import UnknownAdapterError, load_adapters, resolve_adapter
 from deployments.server_types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
+from deployments.server_types import public_speculative_config
 
 from cluster import reset_niceness
 
@@ -79,16 +81,6 @@ async def _next_before(stream, deadline: float | None):
         return await anext(stream)
 
 
-def _public_spec(spec: dict | None) -> dict | None:
-    """The speculative config as clients see it: the method and draft length (a draft model's
-    path stays private)."""
-    if not spec:
-        return None
-    from engine.spec_decode import SpeculativeConfig
-    cfg = SpeculativeConfig.from_dict(spec)
-    return {"method": cfg.method, "num_speculative_tokens": cfg.num_speculative_tokens}
-
-
 def _replica_id() -> str:
     """This Serve replica's id (the ``replica`` label), or the process id outside Serve."""
     try:
@@ -119,12 +111,14 @@ class LLMServer:
             model's tool calls (the gateway reads it from :meth:`server_info`).
         stream_interval: engine outputs per chunk (the first and last go at once); 0: auto
             (:func:`deployments.request_outputs.stream_interval`).
+        lora_modules: LoRA adapters ``{name: PEFT folder}`` (needs ``enable_lora``), loaded at start.
     """
 
     def __init__(self, engine_args: dict | None = None, served_model_name: str | None = None,
                  torch_num_threads: int | None = None, worker_options: dict | None = None, *,
                  max_queued_requests: int | None = None, max_queued_prompt_tokens: int | None = None,
-                 request_timeout_s: float | None = None, tool_call_parser: str = "hermes", stream_interval: int = 0):
+                 request_timeout_s: float | None = None, tool_call_parser: str = "hermes", stream_interval: int = 0,
+                 lora_modules: dict[str, str] | None = None):
         import torch
 
         from engine.async_engine import AsyncLLMEngine
@@ -154,6 +148,7 @@ class LLMServer:
         t0 = time.time()
         self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
         self.model_name = served_model_name or config.model or DEFAULT_MODEL
+        self.loras = load_adapters(self.engine.engine, lora_modules)  # {name: LoRARequest}; a bad one fails here
         from telemetry.metrics import EngineMetrics, rejected
 
         d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
@@ -216,6 +211,7 @@ class LLMServer:
         self.admission.note_refused(request.shed_requests)  # the gateway's refusals count as demand
         try:
             request.check()
+            lora = resolve_adapter(self.loras, request.lora_name)
             if request.messages is not None:
                 messages, tools = prepare_messages(request.messages, request.tools,
                                                    self.engine.tokenizer.chat_template)
@@ -234,8 +230,8 @@ class LLMServer:
             yield _engine_dead()
             return
         except (ValueError, TypeError) as e:
-            code = ("context_length_exceeded" if isinstance(e, PromptTooLongError) else
-                    "too_large" if isinstance(e, _TooLarge) else "invalid_value")
+            code = ("context_length_exceeded" if isinstance(e, PromptTooLongError) else "too_large" if isinstance(
+                e, _TooLarge) else "model_not_found" if isinstance(e, UnknownAdapterError) else "invalid_value")
             yield GenerationChunk.failed(GenerationError(code, str(e)))
             return
         self.prefixes.add(ids)
@@ -243,16 +239,16 @@ class LLMServer:
         if request.echo:
             prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
         if n == 1:
-            chunks = self._run(ids, params, request_id, request.priority, prompt_text=prompt_text)
+            chunks = self._run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora)
         else:
-            chunks = self._fan_out(ids, params, request_id, request.priority, n, prompt_text)
+            chunks = self._fan_out(ids, params, request_id, request.priority, n, prompt_text, lora)
         async for chunk in chunks:
             yield chunk
 
     async def generate(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
                        messages: list[dict] | None = None, tools: list[dict] | None = None,
-                       request_id: str | None = None, priority: int = 0,
-                       echo: bool = False) -> AsyncIterator[GenerationChunk]:
+                       request_id: str | None = None, priority: int = 0, echo: bool = False,
+                       lora_name: str | None = None) -> AsyncIterator[GenerationChunk]:
         """:meth:`stream` for Python-handle callers
         (``handle.options(stream=True).generate.remote(prompt, {"max_tokens": 16})``), with a
         request that cannot run raised instead of returned as an error chunk. The arguments
@@ -267,7 +263,7 @@ class LLMServer:
             TimeoutError: the request ran past the server's ``request_timeout_s``.
             RuntimeError: the request failed inside the engine after it started.
         """
-        request = GenerateRequest.of(prompt, sampling_params, messages=messages, tools=tools,
+        request = GenerateRequest.of(prompt, sampling_params, messages=messages, tools=tools, lora_name=lora_name,
                                      request_id=request_id or "", priority=priority, echo=echo)
         async for chunk in self.stream(request):
             if chunk.error is not None:
@@ -275,7 +271,7 @@ class LLMServer:
             yield chunk
 
     async def _fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
-                       prompt_text: str | None) -> AsyncIterator[GenerationChunk]:
+                       prompt_text: str | None, lora=None) -> AsyncIterator[GenerationChunk]:
         """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`stream`).
         A choice that fails fails the request: its error chunk ends the stream and the other
         choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all)."""
@@ -292,7 +288,7 @@ class LLMServer:
                 p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
             return self._run(ids, p, f"{request_id}-{i}", priority, index=i,
                              wait_for=prefilled if i else None, on_first=prefilled if not i else None,
-                             prompt_text=prompt_text)
+                             prompt_text=prompt_text, lora=lora)
 
         choices = merge_streams([child(i) for i in range(n)])
         try:
@@ -306,7 +302,7 @@ class LLMServer:
 
     async def _run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
                    wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
-                   prompt_text: str | None = None) -> AsyncIterator[GenerationChunk]:
+                   prompt_text: str | None = None, lora=None) -> AsyncIterator[GenerationChunk]:
         """One engine request of :meth:`stream`: admission, the engine's stream as chunks
         tagged ``index``, the request timeout. ``wait_for``: an event to await after
         admission, before the request enters the engine; ``on_first``: an event set once the
@@ -329,7 +325,7 @@ class LLMServer:
                 admitted = True
                 if wait_for is not None:
                     await wait_for.wait()
-                stream = self.engine.generate(ids, params, request_id, priority)
+                stream = self.engine.generate(ids, params, request_id, priority, lora_request=lora)
                 out = await _next_before(stream, deadline)  # validates the prompt, then waits for the first token
             except EngineDeadError:
                 yield _engine_dead(index)
@@ -407,7 +403,7 @@ class LLMServer:
         return ServerInfo(
             name=self.model_name, max_model_len=self.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
             kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
-            speculative_config=_public_spec(cfg.speculative_config),
+            speculative_config=public_speculative_config(cfg.speculative_config), lora_modules=list(self.loras),
             max_queued_requests=self.admission.max_requests, max_in_flight_requests=self.admission.max_in_flight,
             max_queued_prompt_tokens=self.admission.max_prompt_tokens, tool_call_parser=self.tool_call_parser,
             revision=model_revision(self.engine.model_path),  # the response cache's invalidation

@@ -32,6 +32,7 @@ ERROR_STATUS = {
     "timeout": 504,                  # ran past the server's request_timeout_s (aborted, blocks freed)
     "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
     "internal": 500,                 # a failure of the server itself (details in its log)
+    "model_not_found": 404,          # a LoRA adapter the replica does not serve
 }
 
 
@@ -172,6 +173,8 @@ class GenerateRequest:
         request_id: the engine's id (``<request_id>-<i>`` per choice when ``n > 1``).
         priority: lower runs first under ``scheduling_policy="priority"``.
         echo: the first chunk of each choice carries the prompt as text (``prompt_text``).
+        lora_name: the LoRA adapter to run with (one of the replica's ``lora_modules``); None:
+            the base model.
         shed_requests: requests the sending gateway refused for this model as full since its
             previous request (:mod:`deployments.gateway.shedding`): the replica counts them as
             demand its queue refused, for the autoscaler.
@@ -185,6 +188,7 @@ class GenerateRequest:
     request_id: str = ""
     priority: int = 0
     echo: bool = False
+    lora_name: str | None = None
     shed_requests: int = 0
 
     @classmethod
@@ -236,6 +240,7 @@ class ServerInfo:
         tool_call_parser: the name of the parser of this model's tool calls.
         revision: the weights' revision (:func:`model_revision`), keys the response cache.
         workers: the tensor-parallel workers' placement (``tensor_parallel_size > 1``).
+        lora_modules: the names of the LoRA adapters the replicas serve (paths stay private).
     """
 
     name: str
@@ -249,6 +254,7 @@ class ServerInfo:
     max_in_flight_requests: int = 0
     tool_call_parser: str = "hermes"
     revision: str = ""
+    lora_modules: list[str] = field(default_factory=list)
     workers: dict | None = None
 
 
@@ -283,3 +289,14 @@ def model_revision(path: str | os.PathLike) -> str:
             st = e.stat()
             h.update(f"{e.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return "sha256:" + h.hexdigest()[:16]
+
+
+def public_speculative_config(spec: dict | None) -> dict | None:
+    """The speculative config as clients see it: the method and draft length (a draft model's
+    path stays private)."""
+    if not spec:
+        return None
+    from engine.spec_decode import SpeculativeConfig
+
+    cfg = SpeculativeConfig.from_dict(spec)
+    return {"method": cfg.method, "num_speculative_tokens": cfg.num_speculative_tokens}

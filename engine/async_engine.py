@@ -207,11 +207,13 @@ class AsyncLLMEngine:
         return await loop.run_in_executor(self._tok_pool, chat_template_ids, self.tokenizer, messages, True, tools)
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yield a :class:`RequestOutput` after every step that gives this request a token;
         the last one has ``finished=True``. Closing or cancelling the iterator aborts the
         request and frees its KV blocks. The prompt is tokenized and validated in the
-        tokenizer thread before anything is queued.
+        tokenizer thread before anything is queued; ``lora_request`` (an
+        :class:`engine.lora.LoRARequest`) is loaded there too, on first use.
 
         Raises:
             EngineDeadError: the engine is dead (at once, or while the request runs).
@@ -230,7 +232,7 @@ class AsyncLLMEngine:
             self._tokenizing.add(request_id)
             try:
                 req = await loop.run_in_executor(self._tok_pool, self._make_request, request_id, prompt, params,
-                                                 priority)
+                                                 priority, lora_request)
             finally:
                 self._tokenizing.discard(request_id)
             self.check_health()  # the engine may have died while we tokenized
@@ -285,9 +287,10 @@ class AsyncLLMEngine:
 
     # ---- helpers ------------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
-                      priority: int) -> Request:
+                      priority: int, lora_request=None) -> Request:
         """Tokenize and validate (runs in the tokenizer thread; touches no scheduler state)."""
-        req = self.engine.make_request(request_id, self.tokenize(prompt), params, priority)
+        req = self.engine.make_request(request_id, self.tokenize(prompt), params, priority,
+                                       lora_request=lora_request)
         req.prompt = parse_prompt(prompt)[0]
         return req
 

@@ -63,6 +63,10 @@ class EngineConfig:
               "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} or {\"method\": \"draft_model\", \"model\": "
               "PATH_OR_ID, \"num_speculative_tokens\": k}; \"adaptive\": false drafts k whenever it can "
               "(default: each request's draft length follows its measured acceptance and the step cost)")
+    enable_lora: bool = _knob(False, "serve LoRA adapters (engine/lora.py): requests may name one (lora_request)")
+    max_loras: int = _knob(1, "most adapters in one step (device slots per adapted layer)")
+    max_lora_rank: int = _knob(16, "largest adapter rank accepted (slots are sized for it)")
+    max_cpu_loras: int | None = _knob(None, "adapters kept loaded in host memory (default: max_loras)")
     mixed_step_prefill_tokens: int | None = _knob(
         None, "in a step that also carries decodes, the largest chunk of a long prompt (one longer than this; "
               "one such prompt per step, short prompts go whole), so a long prompt cannot stall running streams: "
@@ -91,6 +95,17 @@ class EngineConfig:
         from engine.spec_decode import SpeculativeConfig  # no torch
 
         SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming the key
+        if self.enable_lora:
+            if not isinstance(self.max_loras, int) or not isinstance(self.max_lora_rank, int) or min(
+                    self.max_loras, self.max_lora_rank) < 1:
+                raise ValueError(f"max_loras and max_lora_rank must be positive integers, got {self.max_loras!r}, "
+                                 f"{self.max_lora_rank!r}")
+            if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                                   or self.max_cpu_loras < self.max_loras):
+                raise ValueError(f"max_cpu_loras must be None or an integer >= max_loras, got {self.max_cpu_loras!r}")
+            if self.speculative_config:
+                raise ValueError("enable_lora with speculative_config is not supported (the drafts would "
+                                 "come from the base model)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -107,8 +122,8 @@ class EngineConfig:
     @property
     def cuda_graphs(self) -> bool:
         """CUDA graphs asked for: a CUDA device and ``enforce_eager`` off (the model runner also
-        needs an attention backend whose kernels can be captured)."""
-        return self.torch_device.type == "cuda" and not self.enforce_eager
+        needs an attention backend whose kernels can be captured). LoRA steps run eagerly."""
+        return self.torch_device.type == "cuda" and not self.enforce_eager and not self.enable_lora
 
     @property
     def torch_dtype(self) -> "torch.dtype":

@@ -35,6 +35,18 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput):
         """Run one step; returns a ``ModelRunnerOutput``."""
 
+    def add_lora(self, request) -> None:
+        """Load a LoRA adapter (an ``engine.lora.LoRARequest``) on every rank's host cache.
+
+        Raises:
+            ValueError: the adapter does not load or fit (the reason in the message).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter from every rank (False: it was not loaded)."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
+
     def check_health(self) -> None:
         """Raise if the executor can no longer run steps (a worker is gone, the device
         failed). Called by the async engine after a step failure that no single request
@@ -69,6 +81,12 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput):
         return self.runner.execute_model(sched)
+
+    def add_lora(self, request) -> None:
+        self.runner.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.runner.lora.remove(lora_int_id)
 
     def check_health(self) -> None:
         """Raises if the runner is gone (shut down) or, on CUDA, the device context is broken

@@ -144,7 +144,8 @@ class KVCacheManager:
         toks = req.all_token_ids
         while (len(req.block_hashes) + 1) * bs <= len(toks):
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if i else NONE_HASH
+            parent = req.block_hashes[-1] if i else (NONE_HASH if req.lora_request is None  # adapters never
+                                                     else hash(("lora", req.lora_request.lora_int_id)))  # share KV
             req.block_hashes.append(hash_block(parent, tuple(toks[i * bs:(i + 1) * bs])))
 
     def get_computed_blocks(self, req: Request) -> list[int]:

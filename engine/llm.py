@@ -33,7 +33,8 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None) -> list[RequestOutput]:
         """Run all prompts to completion; outputs come back in prompt order.
 
         Args:
@@ -42,6 +43,8 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar over finished requests.
             priority: per-prompt priority (lower first) for ``scheduling_policy="priority"``.
+            lora_request: a LoRA adapter (:class:`engine.lora.LoRARequest`) for all prompts, or one
+                per prompt (None: the base model); needs ``enable_lora=True``.
 
         A request that fails alone inside the engine comes back finished with
         ``finish_reason == "error"`` and ``error`` set; the others are unaffected.
@@ -59,12 +62,17 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        if lora_request is None or not isinstance(lora_request, Sequence):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} lora_request entries for {len(prompts)} prompts")
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
                 rid = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0,
+                                        lora_request=lora_request[i])
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         finally:  # on an error, leave nothing of this call in the engine

@@ -148,7 +148,8 @@ class LLMEngine:
         budget = MixedStepBudget.for_config(config)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
                                    mixed_prefill_tokens=config.mixed_step_prefill_tokens,
-                                   long_prefill_threshold=self.max_model_len // 25, mixed_budget=budget)
+                                   long_prefill_threshold=self.max_model_len // 25, mixed_budget=budget,
+                                   max_loras=config.max_loras if config.enable_lora else 0)
         #: Counters and stat loggers.
         self.stats = EngineStats()
         #: Callables given the :class:`StepMetrics` of every step that ran the model (the list
@@ -217,8 +218,25 @@ class LLMEngine:
         """Token ids of ``messages`` under the tokenizer's chat template (see :func:`chat_template_ids`)."""
         return chat_template_ids(self.tokenizer, messages, add_generation_prompt, tools)
 
+    def add_lora(self, lora_request) -> None:
+        """Load a LoRA adapter (:class:`engine.lora.LoRARequest`) into every rank's host cache
+        (a no-op when loaded); requests naming it then run with it.
+
+        Raises:
+            ValueError: LoRA is off (``enable_lora``), or the adapter does not load or fit
+                (its rank, modules or shapes; see :meth:`engine.lora.LoRAWeights.load`).
+        """
+        if not self.config.enable_lora:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (False: it was not loaded; requests already running keep theirs
+        until they end, as the adapter is loaded again for them)."""
+        return self.config.enable_lora and self.executor.remove_lora(lora_int_id)
+
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
+                     priority: int = 0, arrival_time: float | None = None, lora_request=None) -> Request:
         """Validate and tokenize a request without queueing it (safe to call while a step runs).
 
         Besides :class:`SamplingParams`' own checks, the ones that need the model:
@@ -261,6 +279,9 @@ class LLMEngine:
                       prompt=parse_prompt(prompt)[0], priority=priority,
                       arrival_time=arrival_time, max_model_len=self.max_model_len)
         req.grammar = grammar
+        if lora_request is not None:
+            self.add_lora(lora_request)  # loads and checks the adapter now, off the step loop
+            req.lora_request = lora_request
         return req
 
     def enqueue(self, req: Request) -> None:
@@ -275,9 +296,10 @@ class LLMEngine:
         self.structured_outputs.add_request(req)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validate, tokenize and queue a request (see :meth:`make_request`, :meth:`enqueue`)."""
-        req = self.make_request(request_id, prompt, params, priority, arrival_time)
+                    priority: int = 0, arrival_time: float | None = None, lora_request=None) -> Request:
+        """Validate, tokenize and queue a request (see :meth:`make_request`, :meth:`enqueue`);
+        ``lora_request``: its adapter (:class:`engine.lora.LoRARequest`), None: the base model."""
+        req = self.make_request(request_id, prompt, params, priority, arrival_time, lora_request)
         self.enqueue(req)
         return req
 

@@ -63,12 +63,13 @@ PROMPT_LOGPROBS_SLICE = 256
 
 
 class _RequestState:
-    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids")
+    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids", "lora")
 
     def __init__(self, prompt_len: int, params: SamplingParams, generator: torch.Generator | None):
         self.prompt_len, self.params, self.generator = prompt_len, params, generator
         self.token_ids: list[int] = []
         self.prompt_token_ids: list[int] = []  # kept only with params.prompt_logprobs
+        self.lora = None  # the request's engine.lora.LoRARequest
 
 
 class ModelRunner:
@@ -119,6 +120,12 @@ class ModelRunner:
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(model_path, self.model.layers, self.device, self._prefill_alone)
         self.eos_token_ids = load_eos_token_ids(model_path, self.hf_config)
+        #: LoRA adapters' slots in the linear layers (engine.lora.LoRASlots), None without enable_lora
+        self.lora = None
+        if config.enable_lora:
+            from engine.lora import LoRASlots
+            self.lora = LoRASlots(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
+                                  config.max_cpu_loras)
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -317,6 +324,7 @@ class ModelRunner:
                     gen = torch.Generator(device=self.device).manual_seed(p.seed)
                 st = self.states[sr.request_id] = _RequestState(len(sr.new.prompt_token_ids), p, gen)
                 st.token_ids = list(sr.new.computed_token_ids)  # history before a prefix-cache hit
+                st.lora = sr.new.lora_request
                 if p.prompt_logprobs is not None:
                     st.prompt_token_ids = sr.new.prompt_token_ids
             del st.token_ids[sr.start:]
@@ -347,10 +355,17 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput({})
         input_ids, positions, meta, sample_idx = self._prepare(sched)
-        if self._use_graph(meta):
-            hidden = self._replay(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, meta)
+        if self.lora is not None:  # each row's adapter (LoRA steps never replay graphs: cuda_graphs is off)
+            self.lora.prepare([self.states[sr.request_id].lora for sr in sched.requests for _ in sr.token_ids],
+                              self.device)
+        try:
+            if self._use_graph(meta):
+                hidden = self._replay(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.segments = []
         prompt_lp = self._prompt_logprobs(hidden, sched)
         if not rows:
             return ModelRunnerOutput({}, None, prompt_lp)

@@ -64,6 +64,8 @@ class Request:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        #: the request's LoRA adapter (engine.lora.LoRARequest), None: the base model
+        self.lora_request = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_output_tokens = min(max_tokens, max_model_len - self.num_prompt_tokens)

@@ -45,6 +45,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     params: SamplingParams
     computed_token_ids: list[int] = field(default_factory=list)  # tokens before ``start`` (prefix-cache hits)
+    lora_request: "LoRARequest | None" = None  # engine.lora.LoRARequest of the request, None: the base model
 
 
 @dataclass
@@ -213,7 +214,7 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", mixed_prefill_tokens: int | None = None, long_prefill_threshold: int = 0,
-                 mixed_budget: MixedStepBudget | None = None):
+                 mixed_budget: MixedStepBudget | None = None, max_loras: int = 0):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv = kv
@@ -223,6 +224,7 @@ class Scheduler:
         self.mixed_prefill_tokens = mixed_prefill_tokens
         self.mixed_budget = mixed_budget
         self.long_prefill_threshold = long_prefill_threshold
+        self.max_loras = max_loras
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -312,7 +314,7 @@ class Scheduler:
                 req.request_id, req.all_token_ids[start:start + n] + list(drafts), start, list(req.block_table),
                 sample=start + n == req.num_tokens and req.max_output_tokens > 0,  # max_tokens=0: prompt only
                 new=NewRequestData(req.request_id, req.prompt_token_ids, req.params,
-                                   req.all_token_ids[:start]) if new else None,
+                                   req.all_token_ids[:start], req.lora_request) if new else None,
                 spec_token_ids=list(drafts)))
             scheduled.add(req.request_id)
 
@@ -349,15 +351,24 @@ class Scheduler:
                 budget -= n
                 num_decodes += left == 1
 
-        # 2. Waiting requests, unless this step had to preempt.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
+        # 2. Waiting requests, unless this step had to preempt. A request whose LoRA adapter
+        # would be one too many for the step's slots (max_loras) waits; later ones may go.
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        skip = 0
+        while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[skip]
+            lora = req.lora_request
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skip += 1
+                continue
             # prompt_logprobs need the logits of every prompt position: no prefix-cache hits (as vLLM)
             hits = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else []
             n = prefill_chunk(req, req.num_tokens - len(hits) * self.kv.block_size)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(skip)
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:

@@ -165,7 +165,7 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
         choices.append(ChatChoice(
             index=i, message=msg, finish_reason=fr,
             logprobs=ChatChoiceLogprobs(content=chat_logprobs(whole.logprobs or [])) if body.logprobs else None))
-    return ChatCompletion(id=call.response_id, object="chat.completion", created=call.created, model=call.model,
+    return ChatCompletion(id=call.response_id, object="chat.completion", created=call.created, model=call.served,
                           choices=choices, usage=usage_of({(0, w.index): w for w in wholes}))
 
 
@@ -173,7 +173,7 @@ async def _events(call: Call, body: ChatCompletionRequest, renderers: list[ChatC
                   lasts: dict) -> AsyncIterator[bytes]:
     """The chat chunks' SSE events (OpenAI's ``chat.completion.chunk``)."""
     stream: ChunkStream = call.streams[0]
-    head = dict(id=call.response_id, object="chat.completion.chunk", created=call.created, model=call.model)
+    head = dict(id=call.response_id, object="chat.completion.chunk", created=call.created, model=call.served)
     include_usage, continuous = body.include_usage, body.continuous_usage
     async for chunk in stream.chunks():
         lasts[(0, chunk.index)] = chunk

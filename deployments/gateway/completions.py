@@ -98,14 +98,14 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
                 lp = gen if lp is None else _join(lp, gen)
             choices.append(CompletionChoice(index=len(choices), text=echo + w.text, logprobs=lp,
                                             finish_reason=finish_reason(w.finish_reason)))
-    return Completion(id=call.response_id, object="text_completion", created=call.created, model=call.model,
+    return Completion(id=call.response_id, object="text_completion", created=call.created, model=call.served,
                       choices=choices, usage=usage_of(wholes))
 
 
 async def _events(call: Call, body: CompletionRequest,
                   lasts: dict[tuple[int, int], GenerationChunk]) -> AsyncIterator[bytes]:
     """The completion chunks' SSE events (OpenAI's ``text_completion``), the prompts' streams merged."""
-    head = dict(id=call.response_id, object="text_completion", created=call.created, model=call.model)
+    head = dict(id=call.response_id, object="text_completion", created=call.created, model=call.served)
     n = body.n
     want_lp = body.logprobs is not None
     include_usage, continuous = body.include_usage, body.continuous_usage

@@ -62,6 +62,7 @@ class GatewaySettings:
         cache: :class:`~deployments.cache.CacheSettings` fields (None: defaults, exact cache on).
         model_routing: the rules of ``model: "auto"`` (:class:`~deployments.model_routing.ModelRouting`).
         upstream: the fallback for requests every replica refuses (:class:`~deployments.model_routing.UpstreamArgs`).
+        adapters: LoRA adapters clients may name as ``model``: ``{adapter name: its base model's name}``.
     """
 
     api_keys: list[str] | None = None
@@ -78,6 +79,7 @@ class GatewaySettings:
     cache: dict | None = None
     model_routing: dict | None = None
     upstream: dict | None = None
+    adapters: dict[str, str] | None = None
 
 
 def estimate_prompt_tokens(prompt) -> int:
@@ -133,7 +135,7 @@ class Call:
         http_id: ``X-Request-ID`` (or a random id): in the logs and in error messages.
         response_id: the response's id (``chatcmpl-...``, ``cmpl-...``), also the stem of the
             engine's request ids.
-        model: the served model name; ``handle`` its streaming handle.
+        model: the served (base) model's name; ``handle`` its streaming handle.
         headers: response headers of the pipeline's verdicts (route, cache).
         created: the response's ``created`` (Unix seconds).
         use: the API key's admission; ``look`` the response cache's verdict.
@@ -150,6 +152,12 @@ class Call:
     use: KeyUse | None = None
     look: Lookup = field(default_factory=lambda: NO_CACHE)
     streams: list[ChunkStream] = field(default_factory=list)
+    adapter: str | None = None  # the LoRA adapter the client named as its model, None: the base model
+
+    @property
+    def served(self) -> str:
+        """The name the client asked for (an adapter's, or the model's): answers carry it."""
+        return self.adapter or self.model
 
     def cancel(self) -> None:
         """Stop every stream of the call."""
@@ -186,6 +194,10 @@ class Gateway:
                                    divide_by=max(1, s.ingress_num_replicas))
         self.models = dict(models)
         self.default_model = next(iter(self.models))
+        self.adapters = dict(s.adapters or {})
+        for a, base in self.adapters.items():
+            if base not in self.models or a in self.models:
+                raise ValueError(f"adapter {a!r}: its base model {base!r} is not served, or the name is a model's")
         self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
         self.directory = ModelDirectory(self.models)
         self.routing = None if s.model_routing is None else ModelRouting.model_validate(s.model_routing)
@@ -207,7 +219,8 @@ class Gateway:
         """
         name = model or self.default_model
         if name not in self.streaming:
-            raise OpenAIError(f"the model '{name}' does not exist; available: {', '.join(self.models)}", 404,
+            known = ", ".join([*self.models, *self.adapters])
+            raise OpenAIError(f"the model '{name}' does not exist; available: {known}", 404,
                               "invalid_request_error", param="model", code="model_not_found")
         return name, self.streaming[name]
 
@@ -229,8 +242,10 @@ class Gateway:
             headers["x-kvserve-route"] = f"auto:{rule}"
         else:
             name = body.model
-        name, handle = self.model_handle(name)
-        return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()))
+        adapter = name if name in self.adapters else None
+        name, handle = self.model_handle(self.adapters.get(name, name))
+        return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()),
+                    adapter=adapter)
 
     # ---- the pipeline -------------------------------------------------------------------
     async def start(self, call: Call, body: ChatCompletionRequest | CompletionRequest, endpoint: str,
@@ -263,7 +278,7 @@ class Gateway:
                     self.rejected.inc({"model_name": call.model, "reason": "queue_full"})
                     raise shed
                 for r in requests:
-                    r.priority = call.use.priority
+                    r.priority, r.lora_name = call.use.priority, call.adapter
                 results = await asyncio.gather(*(self.open(call, r) for r in requests), return_exceptions=True)
                 call.streams = [r for r in results if isinstance(r, ChunkStream)]
                 for r in results:
@@ -358,7 +373,7 @@ class Gateway:
         cached answer, a miss to store, or a bypass; ``NO_CACHE`` when the cache is off."""
         if self.cache is None:
             return NO_CACHE
-        return await self.cache.lookup(call.model, await self.directory.revision(call.model), endpoint, body,
+        return await self.cache.lookup(call.served, await self.directory.revision(call.model), endpoint, body,
                                        request_options(body, call.request.headers))
 
     async def admit(self, call: Call, prompt_tokens: int, max_tokens: int | None, priority: int) -> KeyUse:
@@ -399,7 +414,7 @@ class Gateway:
         logger.info("request %s: %s refused it (%s); sending it upstream", call.http_id, call.model,
                     err.code or err.status_code)
         try:
-            return await self.upstream.forward(path, await call.request.json(), call.model, call.http_id)
+            return await self.upstream.forward(path, await call.request.json(), call.served, call.http_id)
         except UpstreamError as e:
             logger.warning("request %s: fallback failed: %s", call.http_id, e)
             raise err from None

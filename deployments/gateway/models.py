@@ -108,6 +108,8 @@ async def list_models(gw) -> dict:
     """``GET /v1/models``: every served model's card; with routing rules, also ``auto``
     (with as long a context as the smallest model it may pick)."""
     data = [(await gw.directory.card(n)).model_dump() for n in gw.models]
+    cards = {d["id"]: d for d in data}
+    data += [adapter_card(cards[base], a) for a, base in gw.adapters.items()]
     if gw.routing is not None:
         data.append({**data[0], "id": AUTO_MODEL, "root": AUTO_MODEL,
                      "max_model_len": min(d["max_model_len"] for d in data)})
@@ -118,5 +120,13 @@ async def retrieve_model(gw, model_id: str) -> dict:
     """``GET /v1/models/{model}``: one card; 404 for a name that is not served."""
     if model_id == AUTO_MODEL and gw.routing is not None:
         return next(m for m in (await list_models(gw))["data"] if m["id"] == AUTO_MODEL)
+    if model_id in gw.adapters:
+        return adapter_card((await gw.directory.card(gw.adapters[model_id])).model_dump(), model_id)
     gw.model_handle(model_id)  # 404 for a name that is not served
     return (await gw.directory.card(model_id)).model_dump()
+
+
+def adapter_card(base: dict, adapter: str) -> dict:
+    """A LoRA adapter's card: its base model's, with the adapter's ``id`` and ``root`` and the
+    base as ``parent`` (vLLM's card for an adapter; the adapter's path stays private)."""
+    return {**base, "id": adapter, "root": adapter, "parent": base["id"]}

@@ -133,6 +133,7 @@ class ColumnParallelLinear(nn.Module):
         self.register_buffer("qweight", None)  # int8 / float8 weight [out, in] and its row scales after quantize()
         self.register_buffer("wscale", None)
         self.packed = None  # the weight in oneDNN's layout after prepack() (CPU)
+        self.lora = None  # an engine.lora.LoRALayer when adapters are enabled
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         """Copy this rank's rows of sub-matrix ``part`` from the full ``tensor``
@@ -155,8 +156,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            return quantized_linear(x, self.qweight, self.wscale, self.bias)
-        return linear(x, self.weight, self.bias, self.packed)
+            y = quantized_linear(x, self.qweight, self.wscale, self.bias)
+        else:
+            y = linear(x, self.weight, self.bias, self.packed)
+        if self.lora is not None and self.lora.owner.segments:
+            self.lora.apply(x, y)
+        return y
 
 
 class RowParallelLinear(nn.Module):
@@ -170,6 +175,7 @@ class RowParallelLinear(nn.Module):
         self.register_buffer("qweight", None)
         self.register_buffer("wscale", None)
         self.packed = None
+        self.lora = None
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         self.weight.data.copy_(tensor[:, self.in_range[0]:self.in_range[1]])
@@ -179,5 +185,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            return all_reduce(quantized_linear(x, self.qweight, self.wscale))
-        return all_reduce(linear(x, self.weight, None, self.packed))
+            y = quantized_linear(x, self.qweight, self.wscale)
+        else:
+            y = linear(x, self.weight, None, self.packed)
+        if self.lora is not None and self.lora.owner.segments:
+            self.lora.apply(x, y)  # this rank's partial x A^T B^T: summed by the all-reduce
+        return all_reduce(y)

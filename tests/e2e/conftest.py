@@ -66,6 +66,10 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
 
     from deployments.app import build_app
 
+    from tests.engine.test_lora import ADAPTERS, make_adapter
+
+    name, rank, alpha, targets, rslora = ADAPTERS[0]  # the tiny model serves one LoRA adapter, "tiny-lora"
+    tiny_lora = make_adapter(tiny_llama_path, tiny_llama_path.parent / "tiny-lora", rank, alpha, targets, rslora, 0)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
@@ -76,7 +80,8 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
         # float32 on every CPU: test_openai_api compares logprobs with HF transformers in float32
         {"model": None, "dtype": "float32", "max_num_seqs": 32, "max_model_len": 1024, "max_replicas": 1},
         {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
-         "torch_num_threads": 1, "replica_cpus": 0.5, "max_replicas": 1},
+         "torch_num_threads": 1, "replica_cpus": 0.5, "max_replicas": 1,
+         "enable_lora": True, "max_lora_rank": 16, "lora_modules": {"tiny-lora": str(tiny_lora)}},
     ], "ingress_cpus": 0.25, "semantic_cache": "opt-in", "admin_api_keys": [ADMIN_KEY]})
     # logical CPUs in all: 1.75 here, 1.75 for the auth app, leaving room on 8 for the TP test
     auth = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
@@ -102,6 +107,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
         api_key=API_KEY,
         admin_key=ADMIN_KEY,
         llm=serve.get_deployment_handle("LLMServer", "kvserve"),
+        tiny_path=tiny_llama_path, tiny_lora_path=tiny_lora,
         deploy_s=time.time() - t0,
     )
     yield ns

@@ -51,3 +51,37 @@ def test_tp2_matches_tp1_greedy_on_smollm2(ray_session, smollm2_path):
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert [o.outputs[0].text for o in out] == [o.outputs[0].text for o in ref]
     assert placement_group_table()[pg_id]["state"] == "REMOVED"
+
+
+def test_tp2_lora_matches_tp1(ray_session, tmp_path):
+    """LoRA adapters under TP=2: each rank holds its shard of every slot (B's rows in the
+    column-parallel layers, A's columns in the row-parallel ones, whose partial products the
+    all-reduce sums); a batch mixing the base model and two adapters equals TP=1 (which
+    ``tests/engine/test_lora.py`` holds equal to HF with PEFT)."""
+    from cluster.worker_group import RayWorkerGroup
+    from engine import LLM, SamplingParams
+    from engine.lora import LoRARequest
+    from tests.engine.test_lora import ADAPTERS, PROMPTS, make_adapter
+    from tests.tiny_models import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "tiny", num_hidden_layers=2)
+    reqs = [None] + [LoRARequest(name, i + 1, str(make_adapter(base, tmp_path / name, r, a, t, rs, seed=i)))
+                     for i, (name, r, a, t, rs) in enumerate(ADAPTERS[:2])]
+    prompts = [p for p in PROMPTS for _ in reqs]
+    loras = [r for _ in PROMPTS for r in reqs]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64)
+    tp1 = LLM(model=str(base), **kw)
+    ref = [o.outputs[0].token_ids for o in tp1.generate(prompts, params, lora_request=loras, use_tqdm=False)]
+    tp1.engine.shutdown()
+
+    def factory(config, path):
+        return RayWorkerGroup(config, path, num_cpus=1, torch_num_threads=1, timeout_s=120)
+
+    tp2 = LLM(model=str(base), tensor_parallel_size=2, executor_factory=factory, **kw)
+    try:
+        out = [o.outputs[0].token_ids for o in tp2.generate(prompts, params, lora_request=loras, use_tqdm=False)]
+    finally:
+        tp2.engine.shutdown()
+    assert out == ref
+    assert len({tuple(t) for t in ref[:len(reqs)]}) == len(reqs)  # the adapters change the output
