@@ -113,10 +113,10 @@ NOTES = {
     "step_times": "`attention_backend=None` is the default choice: the C++ paged-attention kernel on CPU.",
     "structured_output": ("xgrammar's bitmask for bounded strings is the costly part at batch 32; it is filled "
                           "while the forward runs."),
-    "sse_flood": ("The gateway now refuses what the replicas would refuse without a trip to them (load shedding), "
-                  "which cut the refusal latency and the flood's length; each refusal still costs about 11 ms of CPU "
-                  "in Serve's proxy and the ingress on the 2 cores the model runs on, and the admitted streams' "
-                  "first tokens wait behind that work ([Operations](operations.md#flood))."),
+    "sse_flood": ("The gateway refuses what the replicas would refuse without a trip to them (load shedding) and "
+                  "Serve runs in its throughput mode, which cut the refusal latency and the flood's length; each "
+                  "refusal still costs Serve's proxy and the ingress CPU on the 2 cores the model runs on, and the "
+                  "admitted streams' first tokens wait behind that work ([Operations](operations.md#flood))."),
     "gpu_nvidia-h100-80gb-hbm3": ("Eager decode is host-bound (about 1.3 ms per layer); with CUDA graphs about "
                                   "2 ms per step remains host work. The float8 decode kernel reads half the bytes "
                                   "but reaches a smaller share of copy bandwidth. Prefill attention is the biggest "
@@ -782,6 +782,13 @@ def render_sse_flood(d: dict, path: Path) -> list[str]:
                     f"{b['rejected']} rejected, {b['lost']} lost in {b['elapsed_s']} s; TTFT p50 of the admitted "
                     f"{_fmt(b['ttft_ms_p50'])} ms, rejection latency p50 {_fmt(b['rejection_latency_ms_p50'])} ms; "
                     f"{b['replica_rejections_by_serve']}."]
+    tm = d.get("throughput_mode_pairs")
+    if tm:
+        rows = [[k + 1, p["off"]["elapsed_s"], p["on"]["elapsed_s"], _fmt(p["off"]["ttft_ms_p50"]),
+                 _fmt(p["on"]["ttft_ms_p50"])] for k, p in enumerate(tm["pairs"])]
+        out += ["", f"Ray Serve's throughput mode off / on ({tm['note']}):", ""]
+        out += _table(["pair", "flood off (s)", "flood on (s)", "admitted TTFT p50 off (ms)",
+                       "admitted TTFT p50 on (ms)"], rows)
     rows = [[p["name"], p["rss_before_mib"], p["rss_peak_mib"]] for p in m.get("per_process", [])]
     out += ["", "Per process (MiB):", ""] + _table(["process", "RSS before", "RSS peak"], rows)
     return out
