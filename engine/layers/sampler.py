@@ -96,12 +96,33 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of ``probs`` ``[n, vocab]`` (non-negative, not necessarily
+    normalised) -> int64 ``[n]``, by inverse-CDF sampling: one uniform per row against the
+    row's float64 cumulative sum (the first index whose cumulative sum exceeds it, so a
+    zero-probability token is never drawn). ``torch.multinomial`` draws the same distribution
+    but took about 1.2 ms per row at a 49k vocabulary on the 2-core CPU (38 ms for a 32-row
+    step), this 0.03 ms.
+
+    Raises:
+        RuntimeError: a row whose sum is not finite and positive (NaN or inf logits), as
+            ``torch.multinomial`` does.
+    """
+    c = probs.double().cumsum(dim=-1)
+    total = c[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or a row sums to 0")
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
+    return torch.searchsorted(c, u, right=True).squeeze(1)
+
+
 class Sampler:
     """Picks one token per row of ``logits``.
 
     Greedy rows (temperature 0) take the argmax; random rows are scaled by temperature,
-    filtered (top-k, top-p, min-p) and sampled with ``torch.multinomial``, using the row's
-    own generator when it has a seed.
+    filtered (top-k, top-p, min-p) and sampled (:func:`draw`), using the row's own generator
+    when it has a seed.
 
     A row with a ``draft_token`` (speculative decoding) verifies it instead: greedy rows accept
     it iff it is the argmax; random rows accept it with probability ``p(draft)`` under the
@@ -169,10 +190,10 @@ class Sampler:
             seeded = [j for j, i in enumerate(rand) if rows[i].generator is not None and rows[i].draft_token is None]
             unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None and rows[i].draft_token is None]
             if unseeded:
-                picks = torch.multinomial(probs[unseeded], 1).squeeze(1)
+                picks = draw(probs[unseeded])
                 tokens[[rand[j] for j in unseeded]] = picks
             for j in seeded:
-                tokens[rand[j]] = torch.multinomial(probs[j], 1, generator=rows[rand[j]].generator)[0]
+                tokens[rand[j]] = draw(probs[j:j + 1], rows[rand[j]].generator)[0]
         token_list = tokens.tolist()
         logprobs = [None] * n
         if raw_logprobs is not None:
@@ -208,11 +229,11 @@ class Sampler:
         picks = drafts.clone()
         plain = [j for j in rejected if rows[row_ids[j]].generator is None]
         if plain:
-            picks[plain] = torch.multinomial(residual[plain], 1).squeeze(1)
+            picks[plain] = draw(residual[plain])
         for j in rejected:
             g = rows[row_ids[j]].generator
             if g is not None:
-                picks[j] = torch.multinomial(residual[j], 1, generator=g)[0]
+                picks[j] = draw(residual[j:j + 1], g)[0]
         tokens[row_ids] = picks
         for j, i in enumerate(row_ids):
             accepted[i] = ok_list[j]

@@ -132,7 +132,7 @@ def test_make_request_checks_against_the_model(engine):
 
 
 def test_sampler_restores_generators_when_it_raises():
-    """A row that makes torch.multinomial raise (NaN logits) after a seeded row has drawn
+    """A row that makes the draw raise (NaN logits) after a seeded row has drawn
     must leave that row's generator as it was, so a re-run of the step draws the same."""
     logits = torch.randn(2, 50)
     logits[1] = float("nan")
