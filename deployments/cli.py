@@ -218,12 +218,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Ray runs workers at niceness 15 by default; on a serving node the Serve proxy,
         # ingress and engine replicas are the main work.
         os.environ.setdefault("RAY_worker_niceness", "0")
-        # Ray Serve's throughput mode (gRPC between deployments, user code and the router on each
-        # replica's main loop, replica logs to files only): a 2,000-stream flood ended in 0.64x the
-        # time in two paired runs (docs/operations.md#flood), steady serving unchanged. Its direct
-        # ingress needs HAProxy in front, which kvserve does not start: off.
-        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
-        os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
     else:
         auth = ensure_join_auth(address=args.address)  # SystemExit with what to do if no token is here
     from deployments.app import APP_NAME, AppArgs, build_app, fit_single_node, logical_cpus_needed
@@ -292,8 +286,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"{m.name}: autoscaling {cfg.min_replicas}..{cfg.max_replicas} replicas (kvserve policy)",
                       flush=True)
         print(_ray_access_line(auth, started_ray), flush=True)
-        if started_ray:
-            print("replica logs: <Ray's temp dir, /tmp/ray by default>/session_latest/logs/serve/", flush=True)
         print("Ctrl-C to stop.", flush=True)
         while True:
             time.sleep(1)

@@ -113,8 +113,8 @@ NOTES = {
     "step_times": "`attention_backend=None` is the default choice: the C++ paged-attention kernel on CPU.",
     "structured_output": ("xgrammar's bitmask for bounded strings is the costly part at batch 32; it is filled "
                           "while the forward runs."),
-    "sse_flood": ("The gateway refuses what the replicas would refuse without a trip to them (load shedding) and "
-                  "Serve runs in its throughput mode, which cut the refusal latency and the flood's length; each "
+    "sse_flood": ("The gateway refuses what the replicas would refuse without a trip to them (load shedding), and "
+                  "this run used Serve's opt-in throughput mode; both cut the refusal latency and the flood's length; each "
                   "refusal still costs Serve's proxy and the ingress CPU on the 2 cores the model runs on, and the "
                   "admitted streams' first tokens wait behind that work ([Operations](operations.md#flood))."),
     "gpu_nvidia-h100-80gb-hbm3": ("Eager decode is host-bound (about 1.3 ms per layer); with CUDA graphs about "
