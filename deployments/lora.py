@@ -1,7 +1,8 @@
 """LoRA adapters on the serving side: the ``--lora-modules`` flag (vLLM's ``name=path`` form or
-its JSON form), each replica's table of the adapters it serves, and the ``/v1/models`` cards
-that list an adapter with its base model as ``parent`` (vLLM's card). The engine side (batched
-multi-adapter layers, slots) is :mod:`engine.lora`."""
+its JSON form), its check in the Serve config, and each replica's table of the adapters it
+serves (loaded at start). The adapters' ``/v1/models`` cards are
+:func:`deployments.gateway.models.adapter_card`; the engine side (batched multi-adapter layers,
+slots) is :mod:`engine.lora`."""
 from __future__ import annotations
 
 import argparse

@@ -173,14 +173,14 @@ class LoRALayer:
         self.sizes = [w.shape[0]] if self.row else list(linear.sizes)
         self.a = [torch.zeros(max_loras, max_rank, n_in, dtype=dtype, device=w.device) for _ in self.sizes]
         self.b = [torch.zeros(max_loras, n, max_rank, dtype=dtype, device=w.device) for n in self.sizes]
-        self.has = torch.zeros(max_loras, len(self.sizes), dtype=torch.bool)
+        self.has = [[False] * len(self.sizes) for _ in range(max_loras)]  # [slot][part]: read every step
 
     def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Fill ``slot``'s ``part`` from the full (unsharded) ``a`` ``[r, in]`` and ``b``
         ``[out, r]`` (None: the adapter leaves this module out)."""
         self.a[part][slot].zero_()
         self.b[part][slot].zero_()
-        self.has[slot, part] = a is not None
+        self.has[slot][part] = a is not None
         if a is None:
             return
         r = a.shape[0]
@@ -199,11 +199,11 @@ class LoRALayer:
         layer, the partial sum before its all-reduce). A segment covering every row (a step of
         one adapter) skips the gather and scatter."""
         for slot, rows, whole in self.owner.segments:
-            xs = x if whole else x.index_select(0, rows)
+            xs = (x if whole else x.index_select(0, rows)).to(self.a[0].dtype)
             off = 0
             for p, n in enumerate(self.sizes):
-                if self.has[slot, p]:
-                    d = (xs.to(self.a[p].dtype) @ self.a[p][slot].T) @ self.b[p][slot].T
+                if self.has[slot][p]:
+                    d = (xs @ self.a[p][slot].T) @ self.b[p][slot].T
                     if whole:
                         y[:, off:off + n] += d.to(y.dtype)
                     else:
@@ -227,6 +227,7 @@ class LoRASlots:
                              f"{max_loras}, {max_lora_rank}, {max_cpu_loras}")
         self.cfg, self.max_loras, self.max_rank, self.max_cpu = cfg, max_loras, max_lora_rank, max_cpu_loras
         self.layers: dict[tuple[int, str], LoRALayer] = {}
+        self.num_layers = len(model.layers)
         for i, layer in enumerate(model.layers):
             for path in dict.fromkeys(p for p, _ in TARGETS.values()):
                 mod = layer
@@ -282,28 +283,27 @@ class LoRASlots:
             slot = next(s for s in range(self.max_loras) if s not in used)
         else:
             _, slot = self.slots.popitem(last=False)
-        for (i, path), ll in self.layers.items():
-            modules = [m for m, (p, _) in TARGETS.items() if p == path]
-            for m in modules:
-                part = TARGETS[m][1]
-                a, b = w.weights.get((i, m), (None, None))
-                ll.set_slot(slot, part, a, b)
+        for i in range(self.num_layers):
+            for module, (path, part) in TARGETS.items():
+                self.layers[(i, path)].set_slot(slot, part, *w.weights.get((i, module), (None, None)))
         self.slots[lid] = slot
         return slot
 
-    def prepare(self, row_loras: list[LoRARequest | None], device) -> None:
-        """Map this step's rows to slots: ``row_loras[i]`` is row ``i``'s adapter (None: the
-        base model). Sets :attr:`segments` for the layers.
+    def prepare(self, spans: list[tuple[LoRARequest | None, int]], device) -> None:
+        """Map this step's rows to slots: ``spans`` gives, in row order, each request's adapter
+        (None: the base model) and its number of rows. Sets :attr:`segments` for the layers.
 
         Raises:
             RuntimeError: the step names more than ``max_loras`` adapters (a scheduler bug).
         """
         by_id: dict[int, list[int]] = {}
         reqs: dict[int, LoRARequest] = {}
-        for i, r in enumerate(row_loras):
+        row = 0
+        for r, n in spans:
             if r is not None:
-                by_id.setdefault(r.lora_int_id, []).append(i)
+                by_id.setdefault(r.lora_int_id, []).extend(range(row, row + n))
                 reqs[r.lora_int_id] = r
+            row += n
         if len(by_id) > self.max_loras:
             raise RuntimeError(f"a step with {len(by_id)} adapters; max_loras is {self.max_loras}")
         with self.lock:
@@ -312,4 +312,4 @@ class LoRASlots:
                 if lid in self.slots:
                     self.slots.move_to_end(lid)
             self.segments = [(self.slot_of(reqs[lid]), torch.tensor(rows, dtype=torch.long, device=device),
-                              len(rows) == len(row_loras)) for lid, rows in by_id.items()]
+                              len(rows) == row) for lid, rows in by_id.items()]

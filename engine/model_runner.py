@@ -356,7 +356,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
         input_ids, positions, meta, sample_idx = self._prepare(sched)
         if self.lora is not None:  # each row's adapter (LoRA steps never replay graphs: cuda_graphs is off)
-            self.lora.prepare([self.states[sr.request_id].lora for sr in sched.requests for _ in sr.token_ids],
+            self.lora.prepare([(self.states[sr.request_id].lora, len(sr.token_ids)) for sr in sched.requests],
                               self.device)
         try:
             if self._use_graph(meta):

@@ -353,7 +353,8 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt. A request whose LoRA adapter
         # would be one too many for the step's slots (max_loras) waits; later ones may go.
-        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        loras = set() if not self.max_loras else {
+            r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         skip = 0
         while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[skip]

@@ -331,7 +331,9 @@ class Gateway:
         yield DONE
 
     async def open(self, call: Call, request: GenerateRequest) -> ChunkStream:
-        """Start the replica's stream of ``request`` and wait for its first chunk.
+        """Start the replica's stream of ``request`` and wait for its first chunk; the load
+        shedder counts the stream open until it ends, and a ``queue_full`` refusal (the
+        replica's or Serve's) marks the model full.
 
         Raises:
             OpenAIError: the replica refused the request (its typed error), or Serve did
@@ -341,32 +343,35 @@ class Gateway:
         request.shed_requests = self.shedder.opened(model)
         gen = call.handle.stream.remote(request)
         try:
+            first = await self._first_chunk(call, gen)
+        except BaseException as e:  # the request left before its first token
+            self.shedder.closed(model)
+            if isinstance(e, OpenAIError) and e.code == "queue_full":
+                self.shedder.refused(model, e.retry_after_s)
+            raise
+        return ChunkStream(gen, first, request.n, on_end=lambda: self.shedder.closed(model))
+
+    async def _first_chunk(self, call: Call, gen) -> GenerationChunk:
+        """The stream's first chunk; a refusal or failure as an :class:`OpenAIError`."""
+        try:
             first = await gen.__anext__()
         except asyncio.CancelledError:  # the client went away before the first token
-            self.shedder.closed(model)
             gen.cancel()
             raise
         except StopAsyncIteration:
-            self.shedder.closed(model)
             logger.error("request %s: the model server returned no output", call.http_id)
             raise internal(call.http_id) from None
         except Exception as e:
-            self.shedder.closed(model)
             err = as_client_error(e)
             if err is None:
                 logger.error("request %s: the model server failed", call.http_id, exc_info=e)
                 err = internal(call.http_id)
             elif err.code in ("queue_full", "model_unavailable"):  # refused by Serve before any replica saw it
-                self.rejected.inc({"model_name": model, "reason": err.code})
-                if err.code == "queue_full":
-                    self.shedder.refused(model, err.retry_after_s)
+                self.rejected.inc({"model_name": call.model, "reason": err.code})
             raise err from None
         if first.error is not None:  # the replica's own verdict: a client error, a full queue, a dead engine
-            self.shedder.closed(model)
-            if first.error.code == "queue_full":
-                self.shedder.refused(model, first.error.retry_after_s)
             raise OpenAIError.of(first.error)
-        return ChunkStream(gen, first, request.n, on_end=lambda: self.shedder.closed(model))
+        return first
 
     async def lookup(self, call: Call, endpoint: str, body) -> Lookup:
         """The response cache's verdict before any replica sees the request: a hit with the
