@@ -4,8 +4,8 @@ The gateway streams a typed :class:`~deployments.server_types.GenerateRequest` w
 ``handle.options(stream=True).stream.remote(request)``; any Ray job streams with
 ``handle.options(stream=True).generate.remote(prompt, sampling_params)``. Every item is a
 :class:`~deployments.server_types.GenerationChunk` (a plain dataclass), so a caller needs
-neither the engine nor torch. Cancelling the stream (an HTTP client that disconnects, or ``gen.cancel()``) aborts
-the request in the engine and returns its KV blocks to the pool.
+neither the engine nor torch. Cancelling the stream (an HTTP client that disconnects, or
+``gen.cancel()``) aborts the request in the engine and returns its KV blocks to the pool.
 
 With ``tensor_parallel_size > 1`` the replica starts a :class:`cluster.worker_group.RayWorkerGroup`
 (one Ray actor per rank, in the placement group Serve reserved for the replica) and hands
@@ -15,6 +15,7 @@ in the replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -29,9 +30,9 @@ from engine.chat_templates import prepare_messages
 
 from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats, default_admission_bounds
 from deployments.request_outputs import ChunkBuilder, RecentRequests, merge_streams, stream_interval
-from deployments.lora import UnknownAdapterError, load_adapters, resolve_adapter
-from deployments.server_types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
-from deployments.server_types import public_speculative_config
+from deployments.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
+from deployments.server_types import (GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision,
+                                      public_speculative_config)
 
 from cluster import reset_niceness
 
@@ -148,7 +149,8 @@ class LLMServer:
         t0 = time.time()
         self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
         self.model_name = served_model_name or config.model or DEFAULT_MODEL
-        self.loras = load_adapters(self.engine.engine, lora_modules)  # {name: LoRARequest}; a bad one fails here
+        self.adapters = ReplicaAdapters(self.engine.engine, lora_modules, self.model_name,  # a bad one fails here
+                                        config.enable_lora, config.max_cpu_loras or config.max_loras)
         from telemetry.metrics import EngineMetrics, rejected
 
         d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
@@ -157,7 +159,8 @@ class LLMServer:
         self.request_timeout_s = request_timeout_s
         self.stream_interval = stream_interval
         self.tool_call_parser = tool_call_parser
-        self.metrics = EngineMetrics(self.model_name, _replica_id(), speculative=config.speculative_config is not None)
+        self.metrics = EngineMetrics(self.model_name, _replica_id(), speculative=config.speculative_config is not None,
+                                     lora=config.max_loras if config.enable_lora else None)
         self._rejected = rejected()
 
         def on_step(m):
@@ -211,7 +214,7 @@ class LLMServer:
         self.admission.note_refused(request.shed_requests)  # the gateway's refusals count as demand
         try:
             request.check()
-            lora = resolve_adapter(self.loras, request.lora_name)
+            lora = await self.adapters.resolve(request.lora_name)
             if request.messages is not None:
                 messages, tools = prepare_messages(request.messages, request.tools,
                                                    self.engine.tokenizer.chat_template)
@@ -234,7 +237,7 @@ class LLMServer:
                 e, _TooLarge) else "model_not_found" if isinstance(e, UnknownAdapterError) else "invalid_value")
             yield GenerationChunk.failed(GenerationError(code, str(e)))
             return
-        self.prefixes.add(ids)
+        self.prefixes.add(ids, request.lora_name)
         prompt_text = None
         if request.echo:
             prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
@@ -403,12 +406,17 @@ class LLMServer:
         return ServerInfo(
             name=self.model_name, max_model_len=self.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
             kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
-            speculative_config=public_speculative_config(cfg.speculative_config), lora_modules=list(self.loras),
+            speculative_config=public_speculative_config(cfg.speculative_config),
+            lora_modules=list(self.adapters.static),
             max_queued_requests=self.admission.max_requests, max_in_flight_requests=self.admission.max_in_flight,
             max_queued_prompt_tokens=self.admission.max_prompt_tokens, tool_call_parser=self.tool_call_parser,
             revision=model_revision(self.engine.model_path),  # the response cache's invalidation
             workers=(self.engine.executor.placement_group_info()
                      if hasattr(self.engine.executor, "placement_group_info") else None))
+
+    async def check_lora_adapter(self, name: str, path: str) -> str | None:
+        """Why PEFT folder ``path`` cannot be adapter ``name`` here, None if it can (``/v1/load_lora_adapter``)."""
+        return await asyncio.to_thread(check_adapter, self.engine.engine, name, path)
 
     def get_stats(self) -> dict[str, float]:
         """The engine's gauges and counters (``kv_cache_usage``, ``num_running_requests``,
@@ -437,11 +445,10 @@ class LLMServer:
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What the prefix-aware router (``deployments/prefix_router.py``) learns from this replica;
-        Serve's controller polls it every ``request_routing_stats_period_s`` and broadcasts it to
-        every router: the chained block hashes of the prompt prefixes this replica served
-        recently (oldest first; at most ``REPORTED_HASHES`` and the KV pool's block count), the
-        block size, the model folder (the routers load its tokenizer) and the tokenizer probe."""
+        """What the prefix-aware router (``deployments/prefix_router.py``) learns from this replica, polled
+        by Serve's controller every ``request_routing_stats_period_s`` and sent to every router: the chained
+        block hashes of the prompt prefixes it served recently (oldest first; at most ``REPORTED_HASHES``
+        and its KV pool's block count), the block size, the model folder and the tokenizer probe."""
         return {"prefix_hashes": self.prefixes.report(), "block_size": self.prefixes.block_size,
                 "model_path": str(self.engine.model_path), "tokenizer_probe": self._tokenizer_probe}
 
@@ -457,9 +464,8 @@ class LLMServer:
         """
         await self.engine.check_health_async(timeout_s)
         s = self.engine.get_stats()  # the queue gauges also move while no step runs
-        self.metrics.record_queue(int(s["num_running_requests"]),
-                                  int(s["num_waiting_requests"] + s.get("num_pending_requests", 0)),
-                                  float(s["kv_cache_usage"]))
+        self.metrics.record_queue(int(s["num_running_requests"]), int(s["num_waiting_requests"] + s.get(
+            "num_pending_requests", 0)), float(s["kv_cache_usage"]))
         return {"status": "ok"}
 
     async def ready(self, recent_s: float = 10.0, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -490,7 +496,5 @@ class LLMServer:
         await self.health(timeout_s=30.0)
 
     async def __del__(self):  # Serve calls this on graceful replica shutdown
-        try:
+        with contextlib.suppress(Exception):
             await self.engine.shutdown()
-        except Exception:
-            pass

@@ -1,13 +1,21 @@
 """LoRA adapters on the serving side: the ``--lora-modules`` flag (vLLM's ``name=path`` form or
-its JSON form), its check in the Serve config, and each replica's table of the adapters it
-serves (loaded at start). The adapters' ``/v1/models`` cards are
-:func:`deployments.gateway.models.adapter_card`; the engine side (batched multi-adapter layers,
-slots) is :mod:`engine.lora`."""
+its JSON form), its check in the Serve config, the registry of adapters loaded at run time
+(:class:`AdapterRegistry`, vLLM's ``/v1/load_lora_adapter``) and each replica's adapters
+(:class:`ReplicaAdapters`). The endpoints and ``/v1/models`` cards are in
+:mod:`deployments.gateway.adapters`; the engine side (batched multi-adapter layers, slots) is
+:mod:`engine.lora`."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import itertools
 import json
+import logging
 import os
+from dataclasses import dataclass
+
+logger = logging.getLogger("ray.serve")
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -86,3 +94,204 @@ def resolve_adapter(table: dict, name: str | None):
     if name not in table:
         raise UnknownAdapterError(f"the model '{name}' does not exist on this server")
     return table[name]
+
+
+# ---- adapters loaded at run time ---------------------------------------------------------
+
+#: Namespace of the adapter registry in Ray's GCS key-value store.
+REGISTRY_NAMESPACE = "kvserve"
+#: Seconds between a replica's re-reads of the registry (an unloaded adapter leaves its
+#: replicas' memory within this time; the gateway's view of other gateways' loads, too).
+REGISTRY_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    """An adapter loaded at run time: its name (what clients send as ``model``), its base
+    model's served name, its PEFT folder (readable on every node that runs a replica of the
+    base) and a ``version`` that changes on every load, so a name loaded again after an unload
+    never reuses the old weights or cached answers."""
+
+    name: str
+    base: str
+    path: str
+    version: str
+
+    @property
+    def multiplexed_id(self) -> str:
+        """The Serve multiplexed model id of this load (``name@version``): replicas report the
+        ids they hold and routers prefer those replicas."""
+        return f"{self.name}@{self.version}"
+
+
+class AdapterRegistry:
+    """The adapters of one Serve application loaded with ``POST /v1/load_lora_adapter``,
+    kept in Ray's GCS key-value store (where Serve keeps its own state), so every gateway
+    replica and every model replica sees one registry; it lives as long as the Ray cluster.
+    Calls block on the GCS (about a millisecond): call them from a thread in async code.
+
+    Raises:
+        RuntimeError: (constructor) not in a process connected to Ray.
+    """
+
+    def __init__(self, app_name: str):
+        from ray.experimental import internal_kv
+
+        if not internal_kv._internal_kv_initialized():
+            raise RuntimeError("the adapter registry needs a process connected to a Ray cluster")
+        self._kv = internal_kv
+        self.prefix = f"lora/{app_name}/"
+
+    def put(self, entry: AdapterEntry, replace: bool = False) -> bool:
+        """Register ``entry``; False when its name is taken and ``replace`` is False."""
+        value = json.dumps(dataclasses.asdict(entry))
+        existed = self._kv._internal_kv_put(self.prefix + entry.name, value, overwrite=replace,
+                                            namespace=REGISTRY_NAMESPACE)
+        return replace or not existed
+
+    def get(self, name: str) -> AdapterEntry | None:
+        """The entry of adapter ``name``, None when none is registered."""
+        raw = self._kv._internal_kv_get(self.prefix + name, namespace=REGISTRY_NAMESPACE)
+        return None if raw is None else AdapterEntry(**json.loads(raw))
+
+    def delete(self, name: str) -> bool:
+        """Unregister adapter ``name``; False when it was not registered."""
+        return bool(self._kv._internal_kv_del(self.prefix + name, namespace=REGISTRY_NAMESPACE))
+
+    def entries(self) -> dict[str, AdapterEntry]:
+        """Every registered adapter, by name."""
+        out = {}
+        for key in self._kv._internal_kv_list(self.prefix, namespace=REGISTRY_NAMESPACE):
+            e = self.get(key.decode()[len(self.prefix):])
+            if e is not None:
+                out[e.name] = e
+        return out
+
+
+def serve_app_name() -> str | None:
+    """The Serve application this process serves (None outside a Serve replica)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name
+    except Exception:
+        return None
+
+
+def _multiplexed_id() -> str:
+    """The Serve multiplexed model id of the request being served ("" for none)."""
+    try:
+        from ray import serve
+
+        return serve.get_multiplexed_model_id()
+    except Exception:
+        return ""
+
+
+class _Loaded:
+    """A run-time adapter held by a replica: Serve's multiplexing LRU calls ``__del__`` when it
+    evicts it (and Python when it is collected), which frees the engine's copy."""
+
+    def __init__(self, request, engine):
+        self.request, self._engine = request, engine
+
+    def __del__(self):
+        try:
+            self._engine.remove_lora(self.request.lora_int_id)
+        except Exception:  # a replica shutting down
+            pass
+
+
+class ReplicaAdapters:
+    """The adapters one ``LLMServer`` replica serves: those of its config (``lora_modules``,
+    loaded at start, on every replica) and those loaded at run time (the registry's, loaded on
+    a replica's first request for them through Serve's model multiplexing, which keeps at most
+    ``max_dynamic`` per replica, least recently used out, and tells the routers which replica
+    holds which, so requests for an adapter go to a replica that has it). ``max_cpu_loras``: the
+    engine's host cache (``max_cpu_loras or max_loras``).
+
+    Raises:
+        ValueError: (constructor) a configured adapter does not load or fit the model.
+    """
+
+    def __init__(self, llm_engine, modules: dict[str, str] | None, model_name: str, enable_lora: bool,
+                 max_cpu_loras: int):
+        self.engine, self.model_name = llm_engine, model_name
+        self.static = load_adapters(llm_engine, modules)
+        self._ids = itertools.count(len(self.static) + 1)
+        app = serve_app_name() if enable_lora else None
+        self.registry = AdapterRegistry(app) if app is not None else None
+        self.entries: dict[str, AdapterEntry] = {}  # the registry's adapters of this model (refreshed)
+        self.held: dict[str, _Loaded] = {}  # multiplexed id -> the adapter this replica holds
+        self._watch: asyncio.Task | None = None
+        if self.registry is not None:
+            from ray import serve
+
+            max_dynamic = max(1, max_cpu_loras - len(self.static))  # the rest of the host cache
+
+            async def load(multiplexed_id: str) -> _Loaded:  # a function: Serve keeps its LRU on it
+                return await self._load(multiplexed_id)
+
+            self._multiplexed = serve.multiplexed(max_num_models_per_replica=max_dynamic)(load)
+
+    async def resolve(self, name: str | None):
+        """The ``engine.lora.LoRARequest`` of adapter ``name`` (None: the base model), loading
+        a run-time adapter on this replica first if need be.
+
+        Raises:
+            UnknownAdapterError: no adapter of that name serves this model.
+            ValueError: the adapter's files no longer load.
+        """
+        if name is None or name in self.static:
+            return self.static.get(name) if name else None
+        entry = self.entries.get(name)
+        sent = _multiplexed_id()  # the gateway's view of the adapter's current load, if it sent one
+        if self.registry is not None and (entry is None or sent and sent != entry.multiplexed_id):
+            entry = await asyncio.to_thread(self.registry.get, name)  # (re)loaded since the last refresh
+        if entry is None or entry.base != self.model_name:
+            raise UnknownAdapterError(f"the model '{name}' does not exist on this server")
+        self.entries[name] = entry
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._refresh_loop())
+        return (await self._multiplexed(entry.multiplexed_id)).request
+
+    async def _load(self, multiplexed_id: str) -> _Loaded:
+        from engine.lora import LoRARequest
+
+        entry = next(e for e in self.entries.values() if e.multiplexed_id == multiplexed_id)
+        request = LoRARequest(entry.name, next(self._ids), entry.path)
+        await asyncio.to_thread(self.engine.add_lora, request)
+        self.held[multiplexed_id] = held = _Loaded(request, self.engine)
+        logger.info("adapter %s loaded (lora_int_id %d)", entry.name, request.lora_int_id)
+        return held
+
+    async def _refresh_loop(self) -> None:
+        """Re-read the registry every :data:`REGISTRY_REFRESH_S` s; free what was unloaded."""
+        while True:
+            await asyncio.sleep(REGISTRY_REFRESH_S)
+            try:
+                entries = await asyncio.to_thread(self.registry.entries)
+            except Exception as e:  # the GCS is briefly away: keep the last view
+                logger.warning("adapter registry unreadable (%s)", type(e).__name__)
+                continue
+            self.entries = {n: e for n, e in entries.items() if e.base == self.model_name}
+            live = {e.multiplexed_id for e in self.entries.values()}
+            for mid in [m for m in self.held if m not in live]:
+                self.held.pop(mid).__del__()  # running requests of it reload it; new ones get a 404
+                logger.info("adapter %s unloaded", mid)
+
+
+def check_adapter(llm_engine, name: str, path: str) -> str | None:
+    """Why the PEFT folder ``path`` cannot serve as adapter ``name`` of ``llm_engine``'s model
+    (its rank, modules, shapes, files), None when it can. Reads the files; loads nothing."""
+    from engine.lora import LoRARequest, LoRAWeights
+
+    cfg = llm_engine.config
+    if not cfg.enable_lora:
+        return "this model serves no LoRA adapters: start it with --enable-lora"
+    try:
+        LoRAWeights.load(LoRARequest(name, 1 << 30, os.path.abspath(os.path.expanduser(path))),
+                         llm_engine.hf_config, cfg.max_lora_rank)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -47,6 +47,16 @@ def block_hashes(token_ids: list[int], block_size: int, max_blocks: int) -> list
     return out
 
 
+def for_adapter(hashes: list[int], adapter: str | None) -> list[int]:
+    """``hashes`` of a prompt sent to LoRA ``adapter`` (None: the base model, unchanged): each
+    re-hashed with the adapter's name, so the same prompt under two adapters (whose KV differ;
+    the engine keys its blocks by adapter too) never matches."""
+    if adapter is None:
+        return hashes
+    tag = tuple(adapter.encode())
+    return [hash_block(h, tag) for h in hashes]
+
+
 def tokenizer_probe(encode_text, encode_chat) -> list[int | None]:
     """``[hash of encode_text(PROBE_TEXT), hash of encode_chat(PROBE_MESSAGES)]`` (None where
     that encoder fails, e.g. no chat template): equal lists mean equal tokenization."""
@@ -78,8 +88,8 @@ class RecentPrefixes:
         self.block_size, self.limit, self.max_blocks = block_size, limit, max(1, max_tokens // block_size)
         self._lru: OrderedDict[int, None] = OrderedDict()
 
-    def add(self, token_ids: list[int]) -> None:
-        for h in block_hashes(token_ids, self.block_size, self.max_blocks):
+    def add(self, token_ids: list[int], adapter: str | None = None) -> None:
+        for h in for_adapter(block_hashes(token_ids, self.block_size, self.max_blocks), adapter):
             self._lru[h] = None
             self._lru.move_to_end(h)
         while len(self._lru) > self.limit:

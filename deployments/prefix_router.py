@@ -48,10 +48,10 @@ import weakref
 from collections import OrderedDict, deque
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from deployments.prefix_hasher import PrefixHasher
-from deployments.prefix_report import MAX_PREFIX_TOKENS
+from deployments.prefix_report import MAX_PREFIX_TOKENS, for_adapter
 from deployments.server_types import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
@@ -62,13 +62,13 @@ logger = logging.getLogger("ray.serve")
 ROUTED_METHODS = ("stream", "generate", "complete")
 
 
-def request_parts(pr: PendingRequest) -> tuple[Any, list[dict] | None, list[dict] | None]:
-    """``(prompt, messages, tools)`` of a pending ``LLMServer`` call."""
+def request_parts(pr: PendingRequest) -> tuple[Any, list[dict] | None, list[dict] | None, str | None]:
+    """``(prompt, messages, tools, LoRA adapter name)`` of a pending ``LLMServer`` call."""
     args, kwargs = pr.args or (), pr.kwargs or {}
     first = args[0] if args else kwargs.get("request", kwargs.get("prompt"))
     if isinstance(first, GenerateRequest):
-        return first.prompt, first.messages, first.tools
-    return first, kwargs.get("messages"), kwargs.get("tools")
+        return first.prompt, first.messages, first.tools, first.lora_name
+    return first, kwargs.get("messages"), kwargs.get("tools"), kwargs.get("lora_name")
 #: Seconds a routing decision waits for the router's tokenizer to finish loading (the first
 #: text request of a router only); past it, the request is routed without affinity.
 TOKENIZER_WAIT_S = 10.0
@@ -139,7 +139,7 @@ def least_cached(replica_ids: list[str], queue_lens: dict[str, int | None], foot
     return min((r for r in replica_ids if load(r) <= low + margin), key=lambda r: (footprint.get(r, 0), load(r)))
 
 
-class PrefixAwareRouter(RequestRouter):
+class PrefixAwareRouter(MultiplexMixin, RequestRouter):
     """Serve ``RequestRouter`` for ``LLMServer`` (see the module docstring).
 
     ``request_router_kwargs`` (:meth:`initialize_state`): ``block_size`` (the engine's),
@@ -255,11 +255,11 @@ class PrefixAwareRouter(RequestRouter):
             return self._routed[rid]
         if pr.metadata.call_method not in ROUTED_METHODS:
             return []
-        prompt, messages, tools = request_parts(pr)
+        prompt, messages, tools, adapter = request_parts(pr)
         text = messages is not None or isinstance(prompt, str) or isinstance(prompt, dict)
         if text and not await self._tokenizer_ready():
             return []
-        hashes = self.hasher.of_request(prompt, messages, tools)
+        hashes = for_adapter(self.hasher.of_request(prompt, messages, tools), adapter)
         self._routed[rid] = hashes
         while len(self._routed) > 4096:  # requests cancelled before they were routed
             self._routed.popitem(last=False)
@@ -302,6 +302,11 @@ class PrefixAwareRouter(RequestRouter):
         (:func:`least_cached`). Requests without a prompt to hash (other methods, text before
         the tokenizer loaded): two random replicas, Serve's own power of two choices.
         """
+        if pending_request is not None and pending_request.metadata.multiplexed_model_id:
+            # a LoRA adapter loaded at run time: the replicas holding it, then those holding the
+            # fewest, then all (Serve's multiplexing order, over its matching timeout)
+            held = self.apply_multiplex_routing(pending_request)
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id in held]
         if not candidate_replicas:
             return []
         if pending_request is not None:  # Serve sleeps (backs off) between rounds of rejections, not a tight loop

@@ -394,6 +394,10 @@ class LLMEngine:
         except Exception as e:
             return *self._isolate(sched, e), None
         m = StepMetrics.of_step(sched, t0, self.clock(), len(self.scheduler.waiting))
+        if self.config.enable_lora:  # vLLM's lora_requests_info
+            m.running_lora_adapters, m.waiting_lora_adapters = (sorted({
+                r.lora_request.lora_name for r in q if r.lora_request is not None})
+                for q in (self.scheduler.running, self.scheduler.waiting))
         if self.scheduler.mixed_budget is not None:
             self.scheduler.mixed_budget.record(m.end - m.start, m.num_prefill_tokens, m.num_decode_tokens)
         return result, {}, m

@@ -46,6 +46,8 @@ class StepMetrics:
         num_drafts, num_draft_tokens, num_accepted_tokens: speculative decoding: requests that
             verified drafts, drafts verified, drafts accepted (vLLM's ``spec_decode_*`` units).
         accepted_per_position: accepted drafts by position in the draft (index 0 = first).
+        running_lora_adapters, waiting_lora_adapters: names of the LoRA adapters of the running
+            and the waiting requests after the step (sorted; None when LoRA is off).
     """
 
     start: float
@@ -66,6 +68,8 @@ class StepMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    running_lora_adapters: list[str] | None = None
+    waiting_lora_adapters: list[str] | None = None
 
     @classmethod
     def of_step(cls, sched: SchedulerOutput, start: float, end: float, num_waiting: int) -> "StepMetrics":

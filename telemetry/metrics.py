@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import threading
+import time
 
 logger = logging.getLogger("ray.serve")
 
@@ -162,7 +163,7 @@ class EngineMetrics:
     :meth:`record_finished` are the engine's stat loggers (``AsyncLLMEngine.add_stat_logger``),
     called in its step thread (and, for aborts, its event loop)."""
 
-    def __init__(self, model_name: str, replica: str, speculative: bool = False):
+    def __init__(self, model_name: str, replica: str, speculative: bool = False, lora: int | None = None):
         self.labels = {"model_name": model_name, "replica": replica}
         L, E = ENGINE_LABELS, ENGINE_LABELS
         self.running = metric("gauge", "num_requests_running", "Number of requests in model execution batches.", L)
@@ -195,6 +196,12 @@ class EngineMetrics:
                                      "Number of generation tokens processed.", L, TOKEN_BUCKETS)
         for g in (self.running, self.waiting, self.kv_usage):
             g.set(self.labels, 0.0)
+        self.lora_info = None
+        if lora is not None:  # vLLM's lora_requests_info: the adapters in use, as labels; the value is when
+            self.lora_info = metric("gauge", "lora_requests_info", "Running stats on lora requests.",
+                                    L + ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
+            self._lora_labels: dict | None = None
+            self._lora_at, self.max_lora = 0.0, str(lora)
         self.spec = None
         if speculative:  # vLLM's spec_decode_* series (only where speculation is configured, as vLLM)
             self.spec = (
@@ -219,6 +226,8 @@ class EngineMetrics:
             self.ttft.observe(lb, t)
         for t in m.inter_token_latencies:
             self.itl.observe(lb, t)
+        if self.lora_info is not None and m.running_lora_adapters is not None:
+            self._record_lora(m.running_lora_adapters, m.waiting_lora_adapters)
         if self.spec is not None and m.num_drafts:
             drafts, draft_tokens, accepted, per_pos = self.spec
             drafts.inc(lb, m.num_drafts)
@@ -227,6 +236,17 @@ class EngineMetrics:
             for pos, n in enumerate(m.accepted_per_position):
                 if n:
                     per_pos.inc({**lb, "position": str(pos)}, n)
+
+    def _record_lora(self, running: list[str], waiting: list[str]) -> None:
+        """``lora_requests_info``, as vLLM: one series per set of adapters in use (comma-separated
+        names), its value the Unix time it was last seen (read the newest); written when the set
+        changes or a second after the last write."""
+        labels = {**self.labels, "max_lora": self.max_lora, "running_lora_adapters": ",".join(running),
+                  "waiting_lora_adapters": ",".join(waiting)}
+        now = time.time()
+        if labels != self._lora_labels or now - self._lora_at >= 1.0:
+            self.lora_info.set(labels, now)
+            self._lora_labels, self._lora_at = labels, now
 
     def record_queue(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """Gauges between steps (an idle engine runs no step that would reset them)."""
@@ -260,7 +280,8 @@ def rejected() -> Metric:
 
 def api_key_tokens() -> Metric:
     """``kvserve:api_key_tokens_total{api_key, model_name, kind}``: tokens by API key name
-    (never the key), ``kind`` ``prompt`` or ``generation``."""
+    (never the key), ``kind`` ``prompt`` or ``generation``; ``model_name`` is the name the client
+    sent (a LoRA adapter's, for its requests)."""
     return metric("counter", "api_key_tokens", "Tokens served per API key (its name), prompt or generation.",
                   ("api_key", "model_name", "kind"))
 

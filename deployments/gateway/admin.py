@@ -1,4 +1,5 @@
-"""The response cache's administration (``GET`` / ``DELETE /v1/cache``), behind an admin key."""
+"""The admin key's check (:func:`admin_denied`) and the response cache's administration (``GET`` /
+``DELETE /v1/cache``); the LoRA adapter endpoints are in :mod:`deployments.gateway.adapters`."""
 from __future__ import annotations
 
 import logging
@@ -14,12 +15,12 @@ from deployments.protocol import OpenAIError
 logger = logging.getLogger("ray.serve")
 
 
-def admin_denied(gw, request: Request) -> JSONResponse | None:
+def admin_denied(gw, request: Request, what: str = "the response cache") -> JSONResponse | None:
     """None when the request carries an admin key; else its 401 (no or a wrong key), 403 (an
     API key that is not an admin key, or no admin key configured) or 429 (too many wrong keys
     from this address, the gate's throttle)."""
     if not gw.admin_keys:
-        return error_response(403, "cache administration is off: no admin key is configured (admin_api_keys "
+        return error_response(403, f"administration of {what} is off: no admin key is configured (admin_api_keys "
                                    "or $KVSERVE_ADMIN_API_KEYS)", "permission_error", code="admin_disabled")
     client = request.client.host if request.client else "unknown"
     throttle = gw.gate.throttle
@@ -32,7 +33,7 @@ def admin_denied(gw, request: Request) -> JSONResponse | None:
     if token and find_policy(token, gw.admin_keys) is not None:
         return None
     if request_policy(request.scope) is not None:  # a valid API key, not an admin one
-        return error_response(403, "this API key may not administer the response cache", "permission_error",
+        return error_response(403, f"this API key may not administer {what}", "permission_error",
                               code="permission_denied")
     throttle.record_failure(client)
     return error_response(401, "an admin key is needed (send 'Authorization: Bearer <admin key>')",

@@ -8,13 +8,14 @@ and no name a route uses that is not bound when the app is built. (Ray Serve LLM
 ``make_fastapi_ingress`` binds its routes at build time for the same reason.)
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET`` and ``DELETE /v1/cache`` (admin key), ``GET /health``,
+``GET /v1/models/{model}``, ``GET`` and ``DELETE /v1/cache`` (admin key),
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (admin key), ``GET /health``,
 ``GET /ready``, ``GET /metrics``. Each lives in its own module of this package.
 """
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
 from fastapi import FastAPI, Request, Response
 
-from deployments.gateway import admin, chat, completions, models, probes
+from deployments.gateway import adapters, admin, chat, completions, models, probes
 from deployments.gateway import gate
 from deployments.gateway.core import Gateway
 from deployments.gateway.errors import add_error_handlers
@@ -57,6 +58,14 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
     @app.get("/v1/cache")
     async def get_cache_stats(request: Request):
         return await admin.cache_stats(gw, request)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: adapters.LoadLoRAAdapterRequest, request: Request):
+        return await adapters.load_adapter(gw, body, request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: adapters.UnloadLoRAAdapterRequest, request: Request):
+        return await adapters.unload_adapter(gw, body, request)
 
     @app.get("/health")
     async def health():

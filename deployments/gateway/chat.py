@@ -123,7 +123,7 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
     """``POST /v1/chat/completions``."""
     messages = [m.to_template() for m in body.messages]
     max_tokens = body.effective_max_tokens
-    call = gw.call(request, body, "chatcmpl", max_tokens=max_tokens, messages=messages)
+    call = await gw.call(request, body, "chatcmpl", max_tokens=max_tokens, messages=messages)
     mode = ChatChoiceRenderer.mode_of(body)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and mode != "text" else None
     grammar = None

@@ -41,7 +41,7 @@ def _join(a: Logprobs, b: Logprobs) -> Logprobs:
 async def completions(gw: Gateway, body: CompletionRequest, request: Request, response: Response):
     """``POST /v1/completions``."""
     prompts = body.prompts()
-    call = gw.call(request, body, "cmpl", max_tokens=body.max_tokens, prompts=prompts)
+    call = await gw.call(request, body, "cmpl", max_tokens=body.max_tokens, prompts=prompts)
     limit = gw.settings.max_prompts_per_request
     if len(prompts) > limit:
         raise OpenAIError(f"{len(prompts)} prompts in one request; the limit is {limit}", 400, param="prompt",

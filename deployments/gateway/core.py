@@ -31,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
+from deployments.gateway.adapters import AdapterDirectory
 from deployments.gateway.errors import as_client_error, internal, request_id_of, stream_error
 from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES, GateSettings
 from deployments.gateway.gate import request_policy
@@ -153,6 +154,7 @@ class Call:
     look: Lookup = field(default_factory=lambda: NO_CACHE)
     streams: list[ChunkStream] = field(default_factory=list)
     adapter: str | None = None  # the LoRA adapter the client named as its model, None: the base model
+    adapter_version: str | None = None  # a run-time adapter's load (its cached answers are this load's)
 
     @property
     def served(self) -> str:
@@ -194,10 +196,12 @@ class Gateway:
                                    divide_by=max(1, s.ingress_num_replicas))
         self.models = dict(models)
         self.default_model = next(iter(self.models))
-        self.adapters = dict(s.adapters or {})
+        self.adapters = dict(s.adapters or {})  # configured LoRA adapters: {name: base model}
         for a, base in self.adapters.items():
             if base not in self.models or a in self.models:
                 raise ValueError(f"adapter {a!r}: its base model {base!r} is not served, or the name is a model's")
+        self.lora = AdapterDirectory(self.adapters)  # and those loaded at run time
+        self._multiplexed: dict[str, DeploymentHandle] = {}  # multiplexed id -> streaming handle
         self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
         self.directory = ModelDirectory(self.models)
         self.routing = None if s.model_routing is None else ModelRouting.model_validate(s.model_routing)
@@ -224,10 +228,11 @@ class Gateway:
                               "invalid_request_error", param="model", code="model_not_found")
         return name, self.streaming[name]
 
-    def call(self, request: Request, body: ChatCompletionRequest | CompletionRequest, id_prefix: str, *,
-             max_tokens: int | None, messages: list[dict] | None = None, prompts: list | None = None) -> Call:
+    async def call(self, request: Request, body: ChatCompletionRequest | CompletionRequest, id_prefix: str, *,
+                   max_tokens: int | None, messages: list[dict] | None = None, prompts: list | None = None) -> Call:
         """Start a :class:`Call`: the model (``model: "auto"`` resolved by the routing rules,
-        with an ``x-kvserve-route: auto:<rule>`` header) and the ids.
+        with an ``x-kvserve-route: auto:<rule>`` header; a LoRA adapter's name by its base
+        model, with Serve's multiplexed model id for one loaded at run time) and the ids.
 
         Raises:
             OpenAIError: 404 for an unknown model.
@@ -242,10 +247,20 @@ class Gateway:
             headers["x-kvserve-route"] = f"auto:{rule}"
         else:
             name = body.model
-        adapter = name if name in self.adapters else None
-        name, handle = self.model_handle(self.adapters.get(name, name))
+        entry = None
+        if name is not None and name not in self.streaming and name not in self.adapters:
+            entry = await self.lora.lookup(name)
+        adapter = name if name in self.adapters or entry is not None else None
+        name, handle = self.model_handle(entry.base if entry is not None else self.adapters.get(name, name))
+        if entry is not None:  # to a replica that holds the adapter (Serve's model multiplexing)
+            handle = self._multiplexed.get(entry.multiplexed_id)
+            if handle is None:
+                if len(self._multiplexed) > 1024:
+                    self._multiplexed.clear()
+                handle = self._multiplexed[entry.multiplexed_id] = self.streaming[name].options(
+                    multiplexed_model_id=entry.multiplexed_id)
         return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()),
-                    adapter=adapter)
+                    adapter=adapter, adapter_version=entry.version if entry is not None else None)
 
     # ---- the pipeline -------------------------------------------------------------------
     async def start(self, call: Call, body: ChatCompletionRequest | CompletionRequest, endpoint: str,
@@ -378,7 +393,10 @@ class Gateway:
         cached answer, a miss to store, or a bypass; ``NO_CACHE`` when the cache is off."""
         if self.cache is None:
             return NO_CACHE
-        return await self.cache.lookup(call.served, await self.directory.revision(call.model), endpoint, body,
+        revision = await self.directory.revision(call.model)
+        if call.adapter_version is not None:
+            revision += "+lora:" + call.adapter_version
+        return await self.cache.lookup(call.served, revision, endpoint, body,
                                        request_options(body, call.request.headers))
 
     async def admit(self, call: Call, prompt_tokens: int, max_tokens: int | None, priority: int) -> KeyUse:
@@ -408,8 +426,8 @@ class Gateway:
                     raise OpenAIError("this API key may not send requests", 403, "permission_error",
                                       code="permission_denied") from None
                 raise OpenAIError(str(e), 400, param="max_tokens", code="too_large") from None
-        self.key_requests.inc({"api_key": key, "model_name": call.model})
-        return KeyUse(self, key, call.model, grant, max(priority, policy.priority if policy is not None else priority))
+        self.key_requests.inc({"api_key": key, "model_name": call.served})
+        return KeyUse(self, key, call.served, grant, max(priority, policy.priority if policy is not None else priority))
 
     async def fallback(self, call: Call, path: str, err: OpenAIError):
         """The upstream's answer to this request (``path`` under its base URL), which every

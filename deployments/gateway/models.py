@@ -105,11 +105,13 @@ class ModelDirectory:
 
 
 async def list_models(gw) -> dict:
-    """``GET /v1/models``: every served model's card; with routing rules, also ``auto``
+    """``GET /v1/models``: every served model's card, each LoRA adapter's (configured or loaded
+    at run time); with routing rules, also ``auto``
     (with as long a context as the smallest model it may pick)."""
     data = [(await gw.directory.card(n)).model_dump() for n in gw.models]
     cards = {d["id"]: d for d in data}
     data += [adapter_card(cards[base], a) for a, base in gw.adapters.items()]
+    data += [adapter_card(cards[e.base], a) for a, e in (await gw.lora.dynamic()).items() if e.base in cards]
     if gw.routing is not None:
         data.append({**data[0], "id": AUTO_MODEL, "root": AUTO_MODEL,
                      "max_model_len": min(d["max_model_len"] for d in data)})
@@ -122,6 +124,9 @@ async def retrieve_model(gw, model_id: str) -> dict:
         return next(m for m in (await list_models(gw))["data"] if m["id"] == AUTO_MODEL)
     if model_id in gw.adapters:
         return adapter_card((await gw.directory.card(gw.adapters[model_id])).model_dump(), model_id)
+    entry = None if model_id in gw.models else await gw.lora.lookup(model_id)
+    if entry is not None and entry.base in gw.models:
+        return adapter_card((await gw.directory.card(entry.base)).model_dump(), model_id)
     gw.model_handle(model_id)  # 404 for a name that is not served
     return (await gw.directory.card(model_id)).model_dump()
 

@@ -275,6 +275,50 @@ def test_router_on_fake_replicas():
     asyncio.run(run())
 
 
+def test_router_keys_by_adapter_and_prefers_replicas_holding_it():
+    """A prompt sent to a LoRA adapter matches only that adapter's reported prefixes (its KV is
+    the adapter's), and a run-time adapter's request (Serve's multiplexed model id) goes to a
+    replica that holds the adapter, however the prefixes lie."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from deployments.prefix_report import for_adapter
+    from deployments.server_types import GenerateRequest
+
+    def pending(prompt, adapter=None, multiplexed=""):
+        rid = uuid.uuid4().hex
+        return PendingRequest(args=[GenerateRequest(prompt=prompt, lora_name=adapter)], kwargs={},
+                              metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method="stream",
+                                                       multiplexed_model_id=multiplexed))
+
+    async def run():
+        prompt = list(range(1000, 1200))
+        hashes = block_hashes(prompt, 16, 64)
+        assert for_adapter(hashes, None) == hashes
+        assert not set(for_adapter(hashes, "x")) & set(hashes) and for_adapter(hashes, "x") != for_adapter(hashes, "y")
+        recent = RecentPrefixes(16, limit=100)
+        recent.add(prompt, "x")
+        assert recent.report() == for_adapter(hashes, "x")[:len(recent.report())]
+        base = FakeReplica("a", stats={"prefix_hashes": hashes})  # served the prompt on the base model
+        lora_x = FakeReplica("b", stats={"prefix_hashes": for_adapter(hashes, "x")})  # ... under adapter x
+        c = FakeReplica("c")
+        router = _router(imbalance_margin=4, min_gain_tokens=32)
+        router.update_replicas([base, lora_x, c])
+        for adapter, want in ((None, "a"), ("x", "b")):
+            ranks = await router.choose_replicas([base, lora_x, c], pending(prompt, adapter))
+            assert _names(ranks)[0] == [want]
+        ids = ["a", "b", "c"]  # adapter y: no replica has its prefixes
+        assert set(match_depths(for_adapter(hashes, "y"), ids, router._reported, router._history).values()) == {0}
+        # a run-time adapter held by "c" only: "c", although "a" and "b" have the prompt cached
+        c.multiplexed_model_ids = {"z@v1"}
+        router.update_replicas([base, lora_x, c])
+        for _ in range(5):
+            ranks = await router.choose_replicas([base, lora_x, c], pending(prompt, "z", "z@v1"))
+            assert _names(ranks) == [["c"]]
+
+    asyncio.run(run())
+
+
 def test_router_checks_the_tokenizer_probe(smollm2_path):
     """Text prompts get affinity when the router's tokenizer gives the replicas' ids (probe),
     and none (power of two) when it does not."""
