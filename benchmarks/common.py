@@ -76,9 +76,10 @@ def greedy(max_tokens: int, **kw):
 
 
 # ---- systems --------------------------------------------------------------------------------
-def run_kvserve(llm, work) -> dict:
+def run_kvserve(llm, work, lora_requests: list | None = None) -> dict:
     """All of ``work`` at once on ``llm``'s engine (an ``engine.LLM``), after a warm-up
-    outside the timed region (first-call allocations, thread pools).
+    outside the timed region (first-call allocations, thread pools); ``lora_requests``: each
+    request's ``engine.lora.LoRARequest`` (None: the base model), in workload order.
 
     Returns elapsed_s, output_tokens, output_tok_per_s, steps, the engine's
     max_running_batch, kv_waste, prefix_cache_hit_rate, num_preemptions, num_kv_blocks, and
@@ -93,8 +94,8 @@ def run_kvserve(llm, work) -> dict:
     allocated = unused = 0
     produced = steps = 0
     t0 = time.perf_counter()
-    for rid, (prompt, olen) in zip(ids, work):
-        eng.add_request(rid, prompt, greedy(olen))
+    for i, (rid, (prompt, olen, *_)) in enumerate(zip(ids, work)):
+        eng.add_request(rid, prompt, greedy(olen), lora_request=lora_requests[i] if lora_requests else None)
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:

@@ -85,7 +85,8 @@ def vllm_env(cores: int | None = None) -> dict[str, str]:
 
 
 def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | None = None,
-             batch1: dict | None = None, timeout_s: float = 3600) -> dict:
+             batch1: dict | None = None, timeout_s: float = 3600, engine_kwargs: dict | None = None,
+             lora_paths: list[str] | None = None) -> dict:
     """Run vLLM on each workload of ``works`` in turn (a workload: (prompt token ids, output
     length) pairs, submitted all at once, greedy with ``ignore_eos``), and/or the batch-1
     decode latency probe ``batch1`` (``{"prompt": ids, "new_tokens": n}``; prefix caching off,
@@ -93,13 +94,19 @@ def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | 
     ``settings``, ``runs`` (``elapsed_s`` / ``output_tokens`` / ``output_tok_per_s`` per
     workload), ``batch1_ms_per_token`` for ``batch1``.
 
+    LoRA (``benchmarks/lora.py``): ``engine_kwargs`` go to vLLM's ``LLM`` (``enable_lora``,
+    ``max_loras``, ...); a workload item's optional third element is an index into
+    ``lora_paths`` (the PEFT folder its request uses; -1: the base model). Every adapter serves
+    one short request before the timed runs (loaded, as in a server that has served it).
+
     Raises:
         RuntimeError: the environment could not be created or the worker failed (stderr tail).
     """
     py = ensure_venv()
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"model": model, "dtype": dtype, "works": works, "batch1": batch1, "out": str(out)}))
+        spec.write_text(json.dumps({"model": model, "dtype": dtype, "works": works, "batch1": batch1, "out": str(out),
+                                    "engine_kwargs": engine_kwargs or {}, "lora_paths": lora_paths or []}))
         r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec)], env=vllm_env(),
                            capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
         if r.returncode or not out.exists():  # vLLM's workers log their errors on stdout
@@ -133,7 +140,12 @@ def _worker(spec_path: str) -> None:
     # vLLM's CPU default reserves 92 % of RAM for the KV cache and refuses to start when less is
     # free; the same KV pool as kvserve's default (cpu_kv_cache_bytes, 2 GiB) holds this workload
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=spec["batch1"] is None,
-              kv_cache_memory_bytes=KV_CACHE_BYTES)
+              kv_cache_memory_bytes=KV_CACHE_BYTES, **spec.get("engine_kwargs", {}))
+    loras = []
+    if spec.get("lora_paths"):
+        from vllm.lora.request import LoRARequest
+
+        loras = [LoRARequest(f"adapter-{i}", i + 1, p) for i, p in enumerate(spec["lora_paths"])]
     cfg = llm.llm_engine.vllm_config
     result["settings"] = {
         "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
@@ -143,13 +155,18 @@ def _worker(spec_path: str) -> None:
         "block_size": cfg.cache_config.block_size,
         "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
         "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
+        **{k: v for k, v in spec.get("engine_kwargs", {}).items()},
     }
     llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1064)))], greedy(4), use_tqdm=False)  # warm-up
+    if loras:
+        llm.generate([TokensPrompt(prompt_token_ids=list(range(1000 + i, 1064 + i))) for i in range(len(loras))],
+                     greedy(2), use_tqdm=False, lora_request=loras)
     result["runs"] = []
     for work in spec["works"] or []:
-        prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work]
+        prompts = [TokensPrompt(prompt_token_ids=w[0]) for w in work]
+        per_request = [loras[w[2]] if len(w) > 2 and w[2] >= 0 else None for w in work] if loras else None
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, [greedy(o) for _, o in work], use_tqdm=False)
+        outs = llm.generate(prompts, [greedy(w[1]) for w in work], use_tqdm=False, lora_request=per_request)
         elapsed = time.perf_counter() - t0
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         result["runs"].append({"elapsed_s": elapsed, "output_tokens": produced, "output_tok_per_s": produced / elapsed})

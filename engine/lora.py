@@ -6,8 +6,9 @@ lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA, Kalajdzievski 2023). kvs
 an adapter into the weights: every layer computes ``y = x W^T + scaling * (x A^T) B^T`` per row,
 each row with its own request's adapter, so one step mixes requests of different adapters and of
 the base model, as Punica (Chen et al. 2023, "Punica: Multi-Tenant LoRA Serving", SGMV) and
-S-LoRA (Sheng et al. 2023) do. The rows of one adapter form a segment; each segment costs two
-thin matmuls per adapted layer (shrink to ``r``, expand back).
+S-LoRA (Sheng et al. 2023) do: decode rows go through one padded batched matmul per layer for
+all adapters at once (shrink to ``r``, expand back), a prefill chunk through two thin matmuls of
+its own on its row slice.
 
 Pieces:
 
@@ -34,6 +35,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+
+#: Rows of one request from which its adapter's rows are a slice of their own (a prefill chunk)
+#: rather than part of the step's batched matmul (:meth:`LoRASlots.prepare`).
+LONG_SPAN = 16
 
 #: PEFT's module names -> (the fused layer of :mod:`engine.models.llama`, the part in it).
 TARGETS: dict[str, tuple[str, int]] = {
@@ -161,25 +166,27 @@ def _parse_key(name: str, where: str) -> tuple[int, str, str]:
 
 
 class LoRALayer:
-    """The slots of one adapted linear layer: per part, ``a[p]`` ``[max_loras, max_rank, in]``
-    and ``b[p]`` ``[max_loras, out_p, max_rank]`` (this rank's shard, the layer's dtype) and
-    which slot holds that part (an adapter may leave a module out)."""
+    """The slots of one adapted linear layer (this rank's shard, the layer's dtype):
+    ``a`` ``[max_loras, parts * max_rank, in]`` (every part's ``A`` stacked, so one matmul
+    shrinks a row for all parts) and per part ``b_t[p]`` ``[max_loras, max_rank, out_p]``;
+    ``has[slot][part]``: which parts the slot's adapter covers (an adapter may leave a module out;
+    its ``A`` and ``B`` there stay zero)."""
 
     def __init__(self, linear, max_loras: int, max_rank: int, owner: "LoRASlots"):
         w = linear.weight if linear.qweight is None else linear.qweight
         dtype = w.dtype if w.is_floating_point() and w.element_size() >= 2 else torch.float32
-        self.linear, self.row, self.owner = linear, hasattr(linear, "in_range"), owner
+        self.linear, self.row, self.owner, self.rank = linear, hasattr(linear, "in_range"), owner, max_rank
         n_in = w.shape[1]
         self.sizes = [w.shape[0]] if self.row else list(linear.sizes)
-        self.a = [torch.zeros(max_loras, max_rank, n_in, dtype=dtype, device=w.device) for _ in self.sizes]
-        self.b = [torch.zeros(max_loras, n, max_rank, dtype=dtype, device=w.device) for n in self.sizes]
-        self.has = [[False] * len(self.sizes) for _ in range(max_loras)]  # [slot][part]: read every step
+        self.a = torch.zeros(max_loras, len(self.sizes) * max_rank, n_in, dtype=dtype, device=w.device)
+        self.b_t = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=w.device) for n in self.sizes]
+        self.has = [[False] * len(self.sizes) for _ in range(max_loras)]  # [slot][part]
 
     def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Fill ``slot``'s ``part`` from the full (unsharded) ``a`` ``[r, in]`` and ``b``
         ``[out, r]`` (None: the adapter leaves this module out)."""
-        self.a[part][slot].zero_()
-        self.b[part][slot].zero_()
+        self.a[slot, part * self.rank:(part + 1) * self.rank].zero_()
+        self.b_t[part][slot].zero_()
         self.has[slot][part] = a is not None
         if a is None:
             return
@@ -190,25 +197,52 @@ class LoRALayer:
         else:
             s, e = self.linear.out_ranges[part]
             b = b[s:e]
-        self.a[part][slot, :r].copy_(a)
-        self.b[part][slot, :, :r].copy_(b)
+        self.a[slot, part * self.rank:part * self.rank + r].copy_(a)
+        self.b_t[part][slot, :r].copy_(b.T)
+
+    def _expand(self, h: torch.Tensor, slot: int, y: torch.Tensor) -> None:
+        """``y[:, part] += h[:, part's rank columns] B_part^T`` of one slot (``y`` a row slice)."""
+        off = 0
+        for p, n in enumerate(self.sizes):
+            if self.has[slot][p]:
+                hp, out = h[:, p * self.rank:(p + 1) * self.rank], y[:, off:off + n]
+                if out.dtype == hp.dtype:
+                    out.addmm_(hp, self.b_t[p][slot])
+                else:
+                    out += (hp @ self.b_t[p][slot]).to(out.dtype)
+            off += n
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """``y[rows, part] += (x[rows] A^T) B^T`` for each of this step's segments (the owner's
-        ``(slot, rows)``), in place: ``x`` ``[T, in]``, ``y`` ``[T, out]`` (for a row-parallel
-        layer, the partial sum before its all-reduce). A segment covering every row (a step of
-        one adapter) skips the gather and scatter."""
-        for slot, rows, whole in self.owner.segments:
-            xs = (x if whole else x.index_select(0, rows)).to(self.a[0].dtype)
-            off = 0
-            for p, n in enumerate(self.sizes):
-                if self.has[slot][p]:
-                    d = (xs @ self.a[p][slot].T) @ self.b[p][slot].T
-                    if whole:
-                        y[:, off:off + n] += d.to(y.dtype)
-                    else:
-                        y[:, off:off + n].index_add_(0, rows, d.to(y.dtype))
-                off += n
+        """``y[rows, part] += (x[rows] A^T) B^T`` for each adapter of the step, in place: ``x``
+        ``[T, in]``, ``y`` ``[T, out]`` (for a row-parallel layer, the partial sum before its
+        all-reduce). The paths of :meth:`LoRASlots.prepare`: a long run of one request's rows
+        (a prefill chunk, or a whole step of one adapter) is a row slice with two matmuls of its
+        own; the short ones (decode rows) go through batched matmuls for every adapter at once
+        (Punica's SGMV as a padded ``bmm``: each slot's rows gathered into ``[slots, L, in]``,
+        shrink, expand per part, one scatter-add; padding rows are zeroed after the shrink);
+        a slot with many more short rows than the others is gathered on its own. On a CPU in
+        float32 the short rows go to ``kernels/csrc/lora_cpu.cpp`` instead, one call per layer."""
+        own = self.owner
+        dtype = self.a.dtype
+        if own.sgmv is not None:
+            from kernels.cpu_backend import lora_sgmv
+
+            lora_sgmv(x, y, self.a, self.b_t, *own.sgmv)
+        for slot, s, e in own.spans:
+            self._expand(x[s:e].to(dtype) @ self.a[slot].T, slot, y[s:e])
+        for slot, rows in own.gathered:
+            d = torch.zeros(len(rows), y.shape[1], dtype=y.dtype, device=y.device)
+            self._expand(x.index_select(0, rows).to(dtype) @ self.a[slot].T, slot, d)
+            y.index_add_(0, rows, d)
+        if own.batch is None:
+            return
+        n_slots, length, idx, pad = own.batch
+        h = torch.bmm(x.index_select(0, idx).to(dtype).view(n_slots, length, -1), self.a[:n_slots].mT)
+        h.mul_(pad)  # [slots, L, parts * rank]; padding rows (gathered from row 0) to zero
+        d = [torch.bmm(h[:, :, p * self.rank:(p + 1) * self.rank], self.b_t[p][:n_slots])
+             for p in range(len(self.sizes))]  # [slots, L, out_p] each
+        d = d[0] if len(d) == 1 else torch.cat(d, dim=-1)
+        y.index_add_(0, idx, d.view(n_slots * length, -1).to(y.dtype))  # padding rows add zeros
 
 
 class LoRASlots:
@@ -238,7 +272,17 @@ class LoRASlots:
                 self.layers[(i, path)] = ll
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # lora_int_id -> weights
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
-        self.segments: list[tuple[int, torch.Tensor, bool]] = []  # this step's (slot, rows, all rows)
+        # the C++ kernel for decode rows: CPU, float32 slots, kernels built
+        self.kernel = all(ll.a.device.type == "cpu" and ll.a.dtype == torch.float32 for ll in self.layers.values())
+        if self.kernel:
+            from kernels.cpu_backend import use_lora_kernel
+
+            self.kernel = use_lora_kernel()
+        # this step's rows by slot (see prepare())
+        self.sgmv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.spans: list[tuple[int, int, int]] = []
+        self.gathered: list[tuple[int, torch.Tensor]] = []
+        self.batch: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         # add() runs on the caller's thread (a request being made) while a step may run prepare()
         self.lock = threading.RLock()
 
@@ -291,25 +335,74 @@ class LoRASlots:
 
     def prepare(self, spans: list[tuple[LoRARequest | None, int]], device) -> None:
         """Map this step's rows to slots: ``spans`` gives, in row order, each request's adapter
-        (None: the base model) and its number of rows. Sets :attr:`segments` for the layers.
+        (None: the base model) and its number of rows. Sets what the layers read
+        (:meth:`LoRALayer.apply`):
+
+        * :attr:`spans`: ``(slot, start, end)`` of each request with at least
+          :data:`LONG_SPAN` rows (a prefill chunk), and of a step all of one adapter;
+        * :attr:`batch`: the other rows, by slot, padded to ``L`` rows per slot for slots
+          ``0..n_slots-1``: ``(n_slots, L, idx, pad)``, ``idx`` the row of each place (0 for
+          padding) and ``pad`` ``[n_slots, L, 1]`` (1 for a row, 0 for padding);
+        * :attr:`gathered`: ``(slot, rows)`` of a slot whose short rows number more than
+          ``max(8, 2 * mean)`` over the slots (padding every slot to it would waste more than
+          it saves);
+        * :attr:`sgmv` instead of the last two when the C++ kernel runs them (CPU, float32):
+          ``(order, starts, slots)``, the short rows grouped by slot.
 
         Raises:
             RuntimeError: the step names more than ``max_loras`` adapters (a scheduler bug).
         """
-        by_id: dict[int, list[int]] = {}
-        reqs: dict[int, LoRARequest] = {}
+        reqs = {r.lora_int_id: r for r, _ in spans if r is not None}
+        if len(reqs) > self.max_loras:
+            raise RuntimeError(f"a step with {len(reqs)} adapters; max_loras is {self.max_loras}")
+        self.clear()
+        if not reqs:
+            return
+        with self.lock:
+            # adapters of this step first, so filling a slot never evicts one of them
+            for lid in reqs:
+                if lid in self.slots:
+                    self.slots.move_to_end(lid)
+            slot = {lid: self.slot_of(r) for lid, r in reqs.items()}
+        total = sum(n for _, n in spans)
+        if len(reqs) == 1 and all(r is not None for r, _ in spans):
+            self.spans = [(next(iter(slot.values())), 0, total)]
+            return
+        short: dict[int, list[int]] = {}
         row = 0
         for r, n in spans:
             if r is not None:
-                by_id.setdefault(r.lora_int_id, []).extend(range(row, row + n))
-                reqs[r.lora_int_id] = r
+                if n >= LONG_SPAN:
+                    self.spans.append((slot[r.lora_int_id], row, row + n))
+                else:
+                    short.setdefault(slot[r.lora_int_id], []).extend(range(row, row + n))
             row += n
-        if len(by_id) > self.max_loras:
-            raise RuntimeError(f"a step with {len(by_id)} adapters; max_loras is {self.max_loras}")
-        with self.lock:
-            # adapters of this step first, so filling a slot never evicts one of them
-            for lid in by_id:
-                if lid in self.slots:
-                    self.slots.move_to_end(lid)
-            self.segments = [(self.slot_of(reqs[lid]), torch.tensor(rows, dtype=torch.long, device=device),
-                              len(rows) == row) for lid, rows in by_id.items()]
+        if not short:
+            return
+        if self.kernel:
+            order = [r for rows in short.values() for r in rows]
+            starts = [0]
+            for rows in short.values():
+                starts.append(starts[-1] + len(rows))
+            self.sgmv = tuple(torch.tensor(v, dtype=torch.long) for v in (order, starts, list(short)))
+            return
+        cap = max(8, 2 * sum(len(r) for r in short.values()) // len(short))
+        for s in [s for s, rows in short.items() if len(rows) > cap]:
+            self.gathered.append((s, torch.tensor(short.pop(s), dtype=torch.long, device=device)))
+        if short:
+            n_slots, length = max(short) + 1, max(len(r) for r in short.values())
+            idx = torch.zeros((n_slots, length), dtype=torch.long)
+            pad = torch.zeros((n_slots, length, 1))
+            for s, rows in short.items():
+                idx[s, :len(rows)] = torch.tensor(rows)
+                pad[s, :len(rows)] = 1
+            self.batch = (n_slots, length, idx.view(-1).to(device), pad.to(device))
+
+    @property
+    def active(self) -> bool:
+        """Whether this step has rows of any adapter."""
+        return bool(self.spans or self.gathered) or self.batch is not None or self.sgmv is not None
+
+    def clear(self) -> None:
+        """No adapter rows (a step of the base model only)."""
+        self.spans, self.gathered, self.batch, self.sgmv = [], [], None, None

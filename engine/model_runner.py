@@ -365,7 +365,7 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, meta)
         finally:
             if self.lora is not None:
-                self.lora.segments = []
+                self.lora.clear()
         prompt_lp = self._prompt_logprobs(hidden, sched)
         if not rows:
             return ModelRunnerOutput({}, None, prompt_lp)

@@ -39,7 +39,8 @@ from kernels.torch_backend import paged_attention_torch, prefill_attention_torch
 logger = logging.getLogger("kvserve.attention")
 
 SOURCES = [Path(__file__).parent / "csrc" / n
-           for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp", "bf16_linear_cpu.cpp")]
+           for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp", "bf16_linear_cpu.cpp",
+                     "lora_cpu.cpp")]
 #: Compiler flags: -fno-trapping-math lets GCC vectorise loops with selects (``cpu_math.h``).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 #: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
@@ -213,6 +214,26 @@ def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         b = None if bias is None else bias.float()
         y = torch.ops.mkldnn._linear_pointwise(x2.float(), w, b, "none", [], "").to(torch.bfloat16)
     return y.view(*x.shape[:-1], n)
+
+
+def use_lora_kernel() -> bool:
+    """Whether ``kernels/csrc/lora_cpu.cpp`` (:func:`lora_sgmv`) is usable (builds the kernels
+    on first call, see :func:`load_kernel`)."""
+    return (_loaded or (_loaded is None and load_kernel())) and hasattr(torch.ops.kvserve_cpu, "lora_sgmv")
+
+
+def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b_t: list[torch.Tensor], order: torch.Tensor,
+              starts: torch.Tensor, slots: torch.Tensor) -> None:
+    """Batched multi-LoRA, float32, in place (``kernels/csrc/lora_cpu.cpp``): for each group
+    ``g`` of rows ``order[starts[g]:starts[g + 1]]`` (int64) with adapter slot ``slots[g]``,
+    ``y[row, part p] += (a[slot] @ x[row])[p * rank:(p + 1) * rank] @ b_t[p][slot]``.
+    ``x`` ``[T, in]``, ``y`` ``[T, sum n_p]``, ``a`` ``[slots, parts * rank, in]``, ``b_t[p]``
+    ``[slots, rank, n_p]``. Needs the kernels (:func:`use_lora_kernel`).
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes or indices (the kernel's checks).
+    """
+    torch.ops.kvserve_cpu.lora_sgmv(_rows(x), y, a, b_t, order, starts, slots)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

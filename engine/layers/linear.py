@@ -159,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
             y = quantized_linear(x, self.qweight, self.wscale, self.bias)
         else:
             y = linear(x, self.weight, self.bias, self.packed)
-        if self.lora is not None and self.lora.owner.segments:
+        if self.lora is not None and self.lora.owner.active:
             self.lora.apply(x, y)
         return y
 
@@ -188,6 +188,6 @@ class RowParallelLinear(nn.Module):
             y = quantized_linear(x, self.qweight, self.wscale)
         else:
             y = linear(x, self.weight, None, self.packed)
-        if self.lora is not None and self.lora.owner.segments:
+        if self.lora is not None and self.lora.owner.active:
             self.lora.apply(x, y)  # this rank's partial x A^T B^T: summed by the all-reduce
         return all_reduce(y)

@@ -114,6 +114,39 @@ def test_mixed_batch_equals_hf_with_peft(tiny, adapters, reference, kw):
         assert stats["num_preemptions"] > 0  # the variant did preempt
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp-kernel", "torch-path"])
+def test_every_row_path_equals_hf(tiny, adapters, reference, monkeypatch, kernel):
+    """A skewed batch (one adapter with most of the rows) takes every path of
+    ``LoRASlots.prepare``: a prefill chunk as its own row slice, the many decode rows of one
+    adapter gathered, the few of the others batched (the C++ kernel on a CPU in float32, or
+    the padded bmm): each request still gets its adapter's HF + PEFT tokens."""
+    import kernels.cpu_backend as cpu
+    from engine.lora import LoRASlots
+
+    if kernel and not cpu.use_lora_kernel():
+        pytest.skip(f"the C++ kernels do not build here: {cpu.kernel_error()}")
+    if not kernel:
+        monkeypatch.setattr(cpu, "use_lora_kernel", lambda: False)
+    seen = set()
+    prepare = LoRASlots.prepare
+
+    def spy(self, spans, device):
+        prepare(self, spans, device)
+        seen.update(k for k in ("spans", "gathered", "batch", "sgmv") if getattr(self, k))
+
+    monkeypatch.setattr(LoRASlots, "prepare", spy)
+    reqs = _requests(adapters)
+    rows = [(p, "all-r8") for p in range(len(PROMPTS))] * 4 + [(0, "qv-r4"), (1, "mlp-r16"), (2, None)]
+    llm = LLM(model=str(tiny), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16)
+    assert llm.engine.executor.runner.lora.kernel is kernel
+    outs = llm.generate([PROMPTS[p] for p, _ in rows],
+                        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                        lora_request=[reqs[n] if n else None for _, n in rows], use_tqdm=False)
+    for (p, name), o in zip(rows, outs):
+        assert o.outputs[0].token_ids == reference[name][p], (name, p)
+    assert seen == ({"spans", "sgmv"} if kernel else {"spans", "gathered", "batch"}), seen
+
+
 def test_adapters_never_share_prefix_cache_blocks(tiny, adapters, reference):
     """The same prompt first under one adapter, then (in a later call, its blocks cached)
     under another and the base model: each answer is its own adapter's."""

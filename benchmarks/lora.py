@@ -1,0 +1,224 @@
+"""Multi-LoRA throughput: one base model serving many adapters at once, kvserve against the base
+model alone and against vLLM's CPU build with the same adapters, in the same run.
+
+Workload: the offline throughput workload (``benchmarks/common.py``: N requests, default 64,
+prompts of 32..256 random token ids, 16..128 output tokens with ignore_eos, greedy), request
+``k`` using adapter ``k % n`` for ``n`` in ``--adapters`` (default 1, 4, 16), at each rank of
+``--ranks`` (default 8 and 64). Adapters: PEFT LoRA folders made with ``peft`` on the base model
+(q/k/v/o and the MLP projections, PEFT's random A and B), cached under
+``$KVSERVE_CACHE/bench-adapters``.
+
+Each engine starts once per rank with room for every adapter of the largest ``n`` in one step
+(``max_loras`` = ``max_cpu_loras`` = 16, ``max_lora_rank`` = the rank: what an operator would
+configure), runs one short request per adapter (loaded, as in a server that has served them),
+then each ``n`` ``--repeats`` times (fresh token ids per repeat, so nothing hits the prefix cache
+of the run before); medians are compared. The base model runs without LoRA (``enable_lora``
+off) on the same workloads. vLLM (``benchmarks/peer_vllm.py``, its own virtual environment, both
+cores) runs the same workloads with the same adapters and settings right after kvserve.
+
+Usage::
+
+    python benchmarks/lora.py                      # the committed result (kvserve and vLLM)
+    python benchmarks/lora.py --no-peer --adapters 16 --ranks 8 --repeats 1 --out /tmp/lora.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    add_model_arg,
+    load_average,
+    make_workload,
+    pyplot,
+    resolve,
+    run_kvserve,
+    workload_info,
+    write_json,
+)
+from benchmarks.throughput import machine_info, reshuffled  # noqa: E402
+
+#: Largest number of adapters in one run (the engines' max_loras / max_cpu_loras).
+MAX_ADAPTERS = 16
+
+
+def adapter_dir(model_path: str, rank: int, index: int) -> Path:
+    """Where adapter ``index`` of rank ``rank`` for this model is cached."""
+    root = Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve").expanduser()
+    return root / "bench-adapters" / Path(model_path).name / f"r{rank}-{index}"
+
+
+def make_adapters(model_path: str, rank: int, count: int) -> list[str]:
+    """``count`` PEFT LoRA adapters of ``model_path`` at ``rank`` (cached; made on first use
+    with ``peft``: every attention and MLP projection, PEFT's random A and B, seeded by index)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    for i in range(count):
+        d = adapter_dir(model_path, rank, i)
+        if not (d / "adapter_model.safetensors").exists():
+            torch.manual_seed(1000 * rank + i)
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, lora_dropout=0.0,
+                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"])
+            peft.get_peft_model(model, cfg).save_pretrained(d)
+        out.append(str(d))
+    return out
+
+
+def run_ours(path: str, dtype: str, works_by_n: dict[int, list], lora_paths: list[str] | None, rank: int | None,
+             max_num_batched_tokens: int) -> dict[int, list[dict]]:
+    """kvserve's runs: ``{n: [run, ...]}``; ``lora_paths`` None: the base model, LoRA off."""
+    from engine import LLM
+    from engine.lora import LoRARequest
+
+    kw = {} if lora_paths is None else {"enable_lora": True, "max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
+                                        "max_lora_rank": rank}
+    llm = LLM(model=path, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, **kw)
+    reqs = [LoRARequest(f"adapter-{i}", i + 1, p) for i, p in enumerate(lora_paths or [])]
+    if reqs:  # every adapter loaded, as in a server that served it before
+        from benchmarks.common import greedy
+
+        llm.generate([list(range(1000 + i, 1064 + i)) for i in range(len(reqs))], greedy(2), lora_request=reqs,
+                     use_tqdm=False)
+    out = {}
+    for n, works in works_by_n.items():
+        runs = []
+        for w in works:
+            r = run_kvserve(llm, w, [reqs[x[2]] for x in w] if reqs else None)
+            del r["texts"]
+            runs.append(r)
+        out[n] = runs
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arg(ap)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--adapters", default="1,4,16", help="comma-separated adapter counts (each <= 16)")
+    ap.add_argument("--ranks", default="8,64", help="comma-separated LoRA ranks")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--no-peer", action="store_true", help="kvserve only")
+    ap.add_argument("--out", default="benchmarks/results/lora.json")
+    args = ap.parse_args(argv)
+    counts = [int(x) for x in args.adapters.split(",")]
+    ranks = [int(x) for x in args.ranks.split(",")]
+    if max(counts) > MAX_ADAPTERS:
+        ap.error(f"at most {MAX_ADAPTERS} adapters")
+    path, vocab = resolve(args.model)
+    work = make_workload(args.num_requests, args.seed, vocab)
+    repeats = [work] + [reshuffled(work, args.seed * 1000 + r, vocab) for r in range(1, args.repeats)]
+    works_by_n = {n: [[(p, o, k % n) for k, (p, o) in enumerate(w)] for w in repeats] for n in counts}
+    results: dict = {"workload": {**workload_info(work, args.seed), "repeats": args.repeats,
+                                  "adapter_of_request": "k % n", "max_num_batched_tokens_kvserve":
+                                      args.max_num_batched_tokens},
+                     "machine": machine_info(), "model": path, "dtype": args.dtype,
+                     "engine_settings": {"max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
+                                         "max_lora_rank": "the rank"},
+                     "adapters": {"target_modules": "q,k,v,o,gate,up,down", "alpha": "2 * rank"},
+                     "runs": []}
+
+    def record(system: str, rank: int | None, n: int | None, runs: list[dict], **extra) -> None:
+        tok_s = statistics.median(r["output_tok_per_s"] for r in runs)
+        row = {"system": system, "rank": rank, "adapters": n, "output_tok_per_s": tok_s,
+               "runs_tok_per_s": [round(r["output_tok_per_s"], 1) for r in runs], "load_average_after": load_average(),
+               **extra}
+        results["runs"].append(row)
+        print(json.dumps(row), flush=True)
+
+    # kvserve: the base model, then each rank
+    base = run_ours(path, args.dtype, {0: repeats}, None, None, args.max_num_batched_tokens)
+    record("kvserve", None, 0, base[0])
+    for rank in ranks:
+        paths = make_adapters(path, rank, MAX_ADAPTERS)
+        t0 = time.perf_counter()
+        for n, runs in run_ours(path, args.dtype, works_by_n, paths, rank, args.max_num_batched_tokens).items():
+            record("kvserve", rank, n, runs, max_running_batch=runs[0]["max_running_batch"])
+        print(f"kvserve rank {rank}: {time.perf_counter() - t0:.0f} s", flush=True)
+    # vLLM, the same workloads and adapters
+    if not args.no_peer:
+        from benchmarks.peer_vllm import run_vllm
+
+        try:
+            v = run_vllm(path, args.dtype, repeats)
+            results["vllm_version"] = v["version"]
+            record("vllm", None, 0, v["runs"])
+            for rank in ranks:
+                flat = [w for n in counts for w in works_by_n[n]]
+                kw = {"enable_lora": True, "max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
+                      "max_lora_rank": rank}
+                v = run_vllm(path, args.dtype, flat, engine_kwargs=kw, lora_paths=make_adapters(path, rank,
+                                                                                                MAX_ADAPTERS))
+                results.setdefault("vllm_settings", v["settings"])
+                for i, n in enumerate(counts):
+                    record("vllm", rank, n, v["runs"][i * args.repeats:(i + 1) * args.repeats])
+        except Exception as e:  # report, never hide, a peer that failed
+            results["vllm_error"] = f"{type(e).__name__}: {e}"
+            print(results["vllm_error"], flush=True)
+    summarize(results)
+    write_json(args.out, results)
+    plot(results, Path(args.out).with_suffix(".png"))
+    return results
+
+
+def summarize(results: dict) -> None:
+    """Ratios (to the base model of the same system, kvserve to vLLM) and the issue's targets."""
+    tok = {(r["system"], r["rank"], r["adapters"]): r["output_tok_per_s"] for r in results["runs"]}
+    for r in results["runs"]:
+        b = tok.get((r["system"], None, 0))
+        if r["adapters"] and b:
+            r["over_base"] = round(r["output_tok_per_s"] / b, 3)
+        peer = tok.get(("vllm", r["rank"], r["adapters"]))
+        if r["system"] == "kvserve" and peer:
+            r["kvserve_over_vllm"] = round(r["output_tok_per_s"] / peer, 3)
+    ours16 = next((r for r in results["runs"] if r["system"] == "kvserve" and r["rank"] == 8
+                   and r["adapters"] == MAX_ADAPTERS), None)
+    if ours16 is not None:
+        results["targets"] = {"16 rank-8 adapters: kvserve / its base model >= 0.8": ours16.get("over_base", 0) >= 0.8}
+        if "kvserve_over_vllm" in ours16:
+            results["targets"]["16 rank-8 adapters: kvserve / vLLM >= 1.0"] = ours16["kvserve_over_vllm"] >= 1.0
+    print("| system | rank | adapters | output tok/s | / base | kvserve / vLLM |")
+    for r in results["runs"]:
+        print(f"| {r['system']} | {r['rank'] or '-'} | {r['adapters'] or 'base'} | {r['output_tok_per_s']:.1f} | "
+              f"{r.get('over_base', '-')} | {r.get('kvserve_over_vllm', '-')} |")
+
+
+def plot(results: dict, out: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = sorted({(r["rank"] or 0, r["adapters"]) for r in results["runs"]})
+    for j, system in enumerate(("kvserve", "vllm")):
+        tok = {(r["rank"] or 0, r["adapters"]): r["output_tok_per_s"] for r in results["runs"] if r["system"] == system}
+        if tok:
+            ax.bar([i + 0.4 * j for i in range(len(labels))], [tok.get(k, 0) for k in labels], 0.4, label=system)
+    ax.set_xticks([i + 0.2 for i in range(len(labels))],
+                  ["base" if n == 0 else f"r{r} x{n}" for r, n in labels])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"Multi-LoRA throughput, {results['workload']['num_requests']} requests ({results['dtype']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":  # vLLM spawns processes: the script runs only under this guard
+    main()
