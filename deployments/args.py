@@ -160,8 +160,9 @@ class GatewayArgs(BaseModel):
                                                            "followed by name=/rpm=/tpm=/priority= (read where "
                                                            "the app is built; a Kubernetes secret mounts as one)")
     admin_api_keys: Optional[list[str]] = Field(
-        None, description="keys that may clear the response cache (DELETE /v1/cache); default "
-                          "$KVSERVE_ADMIN_API_KEYS (comma-separated); none: the endpoint answers 403")
+        None, description="keys of the admin endpoints (DELETE /v1/cache, POST /v1/load_lora_adapter and "
+                          "/v1/unload_lora_adapter); default $KVSERVE_ADMIN_API_KEYS (comma-separated); none: "
+                          "those endpoints answer 403")
     auth_failures_per_minute: int = Field(
         DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
         description="missing or wrong API keys one client address may send per minute before 429s")

@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key-file", "--api-keys-file", default=None, dest="api_keys_file",
                    help="file with one API key per line (owner-only permissions recommended)")
     s.add_argument("--admin-api-key", action="append", default=None, dest="admin_api_keys",
-                   help="a key that may clear the response cache, DELETE /v1/cache (repeatable; a flag shows in "
-                        "`ps`: prefer $KVSERVE_ADMIN_API_KEYS)")
+                   help="a key of the admin endpoints: DELETE /v1/cache, POST /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter (repeatable; a flag shows in `ps`: prefer $KVSERVE_ADMIN_API_KEYS)")
     s.add_argument("--upstream-url", default=None,
                    help="OpenAI-compatible base URL (e.g. https://host/v1) that takes requests every local replica "
                         "refuses (capacity, failure); its key from $KVSERVE_UPSTREAM_API_KEY. Model routing "

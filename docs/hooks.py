@@ -222,6 +222,12 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
      lambda d: _x(d["kvserve_over_hf_static"])),
     ("`kvserve serve` / `vllm serve` output tok/s at concurrency 32, float32, `vllm bench serve`",
      "serving_vs_vllm", lambda d: _x(d["kvserve_over_vllm"]["32"]["output_throughput"])),
+    ("16 rank-8 LoRA adapters in one batch: throughput / the base model alone", "lora",
+     lambda d: _x(next(r for r in d["runs"] if r["system"] == "kvserve" and r["rank"] == 8
+                       and r["adapters"] == 16)["over_base"])),
+    ("16 rank-8 LoRA adapters: kvserve / vLLM CPU with the same adapters", "lora",
+     lambda d: _x(next(r for r in d["runs"] if r["system"] == "kvserve" and r["rank"] == 8
+                       and r["adapters"] == 16)["kvserve_over_vllm"])),
     ("HTTP streaming / offline engine throughput, one replica", "serving",
      lambda d: f"{d['http_over_offline_throughput']:.2f}"),
     ("prefix-aware routing: TTFT p50 / Serve's default router", "routing",
@@ -794,7 +800,27 @@ def render_sse_flood(d: dict, path: Path) -> list[str]:
     return out
 
 
+def render_lora(d: dict, path: Path) -> list[str]:
+    """``benchmarks/lora.py``: each (system, rank, adapters) run against its base model and vLLM."""
+    w = d["workload"]
+    out = [f"{w['num_requests']} requests ({w['prompt_tokens']} prompt and {w['output_tokens']} output tokens), "
+           f"request k on adapter k % n; {d['dtype']}; each engine with max_loras = max_cpu_loras = "
+           f"{d['engine_settings']['max_loras']}; median of {w['repeats']} runs."
+           + (f" vLLM {d['vllm_version']}." if d.get("vllm_version") else "")
+           + (f" vLLM failed: {d['vllm_error']}" if d.get("vllm_error") else "")
+           + (f" vLLM not run at rank {', '.join(map(str, d['vllm_skipped']['ranks']))}: {d['vllm_skipped']['why']}."
+              if d.get("vllm_skipped") else ""), ""]
+    rows = [[r["system"], r["rank"] or "-", r["adapters"] or "base model" + (
+        f" (next to rank {r['next_to_rank']})" if r.get("next_to_rank") else ""), r["output_tok_per_s"],
+             ", ".join(map(str, r["runs_tok_per_s"])), _x(r.get("over_base")), _x(r.get("kvserve_over_vllm")),
+             _load(r.get("load_average_after"))] for r in d["runs"]]
+    out += _table(["system", "rank", "adapters", "output tok/s", "runs", "/ its base model", "kvserve / vLLM",
+                   "load after"], rows)
+    return out + _targets(d)
+
+
 RENDERERS: dict[str, Callable[[Any, Path], list[str]]] = {
+    "lora": render_lora,
     "throughput": render_throughput,
     "throughput_bf16": render_throughput,
     "serving": render_serving,

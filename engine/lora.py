@@ -339,7 +339,8 @@ class LoRASlots:
         (:meth:`LoRALayer.apply`):
 
         * :attr:`spans`: ``(slot, start, end)`` of each request with at least
-          :data:`LONG_SPAN` rows (a prefill chunk), and of a step all of one adapter;
+          :data:`LONG_SPAN` rows (a prefill chunk), and of a step all of one adapter (with the
+          kernel, only one of more than ``4 * LONG_SPAN`` rows);
         * :attr:`batch`: the other rows, by slot, padded to ``L`` rows per slot for slots
           ``0..n_slots-1``: ``(n_slots, L, idx, pad)``, ``idx`` the row of each place (0 for
           padding) and ``pad`` ``[n_slots, L, 1]`` (1 for a row, 0 for padding);
@@ -365,8 +366,8 @@ class LoRASlots:
                     self.slots.move_to_end(lid)
             slot = {lid: self.slot_of(r) for lid, r in reqs.items()}
         total = sum(n for _, n in spans)
-        if len(reqs) == 1 and all(r is not None for r, _ in spans):
-            self.spans = [(next(iter(slot.values())), 0, total)]
+        if len(reqs) == 1 and all(r is not None for r, _ in spans) and (not self.kernel or total > 4 * LONG_SPAN):
+            self.spans = [(next(iter(slot.values())), 0, total)]  # (decode rows stay with the kernel)
             return
         short: dict[int, list[int]] = {}
         row = 0
