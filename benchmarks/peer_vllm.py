@@ -155,7 +155,7 @@ def _worker(spec_path: str) -> None:
         "block_size": cfg.cache_config.block_size,
         "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
         "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
-        **{k: v for k, v in spec.get("engine_kwargs", {}).items()},
+        **spec.get("engine_kwargs", {}),
     }
     llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1064)))], greedy(4), use_tqdm=False)  # warm-up
     if loras:

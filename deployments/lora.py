@@ -57,43 +57,26 @@ def check_lora_modules(modules: dict[str, str] | None, model_name: str, enable_l
             raise ValueError(f"lora_modules: adapter name {name!r} is the base model's served name")
 
 
-def adapter_table(modules: dict[str, str] | None) -> dict:
-    """``{name: engine.lora.LoRARequest}`` of a replica's adapters (ids 1, 2, ... in the
-    given order; ids are the engine's own, never seen by clients); paths made absolute."""
-    from engine.lora import LoRARequest
-
-    return {name: LoRARequest(name, i + 1, os.path.abspath(os.path.expanduser(path)))
-            for i, (name, path) in enumerate((modules or {}).items())}
-
-
 class UnknownAdapterError(ValueError):
     """A request names an adapter this replica does not serve (code ``model_not_found``, 404)."""
 
 
 def load_adapters(llm_engine, modules: dict[str, str] | None) -> dict:
-    """Load a replica's adapters into its engine (``engine.LLMEngine``) at start-up, so a bad
-    one fails the replica's start with the reason. Returns :func:`adapter_table`.
+    """Load a replica's configured adapters into its engine (``engine.LLMEngine``) at start-up,
+    so a bad one fails the replica's start with the reason. Returns ``{name:
+    engine.lora.LoRARequest}`` (ids 1, 2, ... in the given order, the engine's own, never seen by
+    clients; paths made absolute).
 
     Raises:
         ValueError: an adapter does not load or fit the model (see ``engine.lora.LoRAWeights.load``).
     """
-    table = adapter_table(modules)
+    from engine.lora import LoRARequest
+
+    table = {name: LoRARequest(name, i + 1, os.path.abspath(os.path.expanduser(path)))
+             for i, (name, path) in enumerate((modules or {}).items())}
     for r in table.values():
         llm_engine.add_lora(r)
     return table
-
-
-def resolve_adapter(table: dict, name: str | None):
-    """The ``LoRARequest`` of adapter ``name`` (None: the base model).
-
-    Raises:
-        UnknownAdapterError: the replica serves no adapter of that name.
-    """
-    if name is None:
-        return None
-    if name not in table:
-        raise UnknownAdapterError(f"the model '{name}' does not exist on this server")
-    return table[name]
 
 
 # ---- adapters loaded at run time ---------------------------------------------------------
@@ -190,7 +173,8 @@ def _multiplexed_id() -> str:
 
 class _Loaded:
     """A run-time adapter held by a replica: Serve's multiplexing LRU calls ``__del__`` when it
-    evicts it (and Python when it is collected), which frees the engine's copy."""
+    evicts it (and Python when it is collected), which frees the engine's copy (a second
+    removal, after an unload freed it, is a no-op)."""
 
     def __init__(self, request, engine):
         self.request, self._engine = request, engine
@@ -222,7 +206,7 @@ class ReplicaAdapters:
         app = serve_app_name() if enable_lora else None
         self.registry = AdapterRegistry(app) if app is not None else None
         self.entries: dict[str, AdapterEntry] = {}  # the registry's adapters of this model (refreshed)
-        self.held: dict[str, _Loaded] = {}  # multiplexed id -> the adapter this replica holds
+        self.held: dict[str, int] = {}  # multiplexed id -> lora_int_id of the adapters this replica loaded
         self._watch: asyncio.Task | None = None
         if self.registry is not None:
             from ray import serve
@@ -261,9 +245,9 @@ class ReplicaAdapters:
         entry = next(e for e in self.entries.values() if e.multiplexed_id == multiplexed_id)
         request = LoRARequest(entry.name, next(self._ids), entry.path)
         await asyncio.to_thread(self.engine.add_lora, request)
-        self.held[multiplexed_id] = held = _Loaded(request, self.engine)
+        self.held[multiplexed_id] = request.lora_int_id
         logger.info("adapter %s loaded (lora_int_id %d)", entry.name, request.lora_int_id)
-        return held
+        return _Loaded(request, self.engine)
 
     async def _refresh_loop(self) -> None:
         """Re-read the registry every :data:`REGISTRY_REFRESH_S` s; free what was unloaded."""
@@ -277,7 +261,7 @@ class ReplicaAdapters:
             self.entries = {n: e for n, e in entries.items() if e.base == self.model_name}
             live = {e.multiplexed_id for e in self.entries.values()}
             for mid in [m for m in self.held if m not in live]:
-                self.held.pop(mid).__del__()  # running requests of it reload it; new ones get a 404
+                self.engine.remove_lora(self.held.pop(mid))  # running requests of it reload it; new ones: 404
                 logger.info("adapter %s unloaded", mid)
 
 

@@ -112,12 +112,17 @@ def load_kernel() -> bool:
 FUSED_OPS = os.environ.get("KVSERVE_CPU_FUSED_OPS", "1") != "0"
 
 
+def kernels_ready() -> bool:
+    """Whether the C++ library is loaded, building and loading it on the first call (see
+    :func:`load_kernel`)."""
+    return _loaded or (_loaded is None and load_kernel())
+
+
 def use_fused_ops(x: torch.Tensor) -> bool:
     """Whether the layers should run :func:`rms_norm` & co. on ``x``: CPU float32 or bfloat16
     inference with the kernels built (the first call may build them, see :func:`load_kernel`)."""
     return (FUSED_OPS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and not torch.is_grad_enabled()
-            and (_loaded or (_loaded is None and load_kernel())))
+            and not torch.is_grad_enabled() and kernels_ready())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -217,9 +222,8 @@ def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def use_lora_kernel() -> bool:
-    """Whether ``kernels/csrc/lora_cpu.cpp`` (:func:`lora_sgmv`) is usable (builds the kernels
-    on first call, see :func:`load_kernel`)."""
-    return (_loaded or (_loaded is None and load_kernel())) and hasattr(torch.ops.kvserve_cpu, "lora_sgmv")
+    """Whether ``kernels/csrc/lora_cpu.cpp`` (:func:`lora_sgmv`) is usable (:func:`kernels_ready`)."""
+    return kernels_ready() and hasattr(torch.ops.kvserve_cpu, "lora_sgmv")
 
 
 def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b_t: list[torch.Tensor], order: torch.Tensor,

@@ -50,13 +50,11 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class AdapterDirectory:
-    """The adapters clients may name as ``model``: ``static`` (``{name: base model}``, from the
-    config) and the registry's, read through a cache of at most
-    :data:`~deployments.lora.REGISTRY_REFRESH_S` seconds (misses too: a mistyped name costs
-    one registry read per that time)."""
+    """The adapters loaded at run time, as this gateway sees the registry: read through a cache
+    of at most :data:`~deployments.lora.REGISTRY_REFRESH_S` seconds (misses too: a mistyped name
+    costs one registry read per that time). The configured ones are ``Gateway.adapters``."""
 
-    def __init__(self, static: dict[str, str]):
-        self.static = static
+    def __init__(self):
         app = serve_app_name()
         self.registry = AdapterRegistry(app) if app is not None else None
         self._seen: dict[str, tuple[float, AdapterEntry | None]] = {}  # name -> (monotonic read time, entry)
@@ -112,12 +110,12 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
         raise _bad("adapters can be loaded at run time only in a Ray Serve application", status=503,
                    code="lora_unavailable")
     name = body.lora_name
-    if name in gw.models or name in lora.static or name == AUTO_MODEL:
+    if name in gw.models or name in gw.adapters or name == AUTO_MODEL:
         raise _bad(f"'{name}' is the name of a served model or configured adapter", "lora_name")
     if body.model is None and len(gw.models) > 1:
         raise _bad(f"this server serves several models: name the adapter's base with 'model' "
                    f"({', '.join(gw.models)})", "model")
-    base, handle = gw.model_handle(body.model)
+    base, _ = gw.model_handle(body.model)
     old = await lora.lookup(name)
     if old is not None and not body.load_inplace:
         raise _bad(f"The lora adapter '{name}' has already been loaded.", "lora_name")
@@ -153,7 +151,7 @@ async def unload_adapter(gw, body: UnloadLoRAAdapterRequest, request: Request):
     if denied is not None:
         return denied
     name = body.lora_name
-    if name in gw.lora.static:
+    if name in gw.adapters:
         raise _bad(f"adapter '{name}' is configured (lora_modules): remove it from the config", "lora_name")
     registry = gw.lora.registry
     if registry is None or not await asyncio.to_thread(registry.delete, name):

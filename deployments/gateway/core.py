@@ -39,6 +39,7 @@ from deployments.gateway.models import ModelDirectory
 from deployments.gateway.shedding import LoadShedder
 from deployments.gateway.streams import DONE, ChunkStream, background, usage_of
 from deployments.limits import NeverFits, RateLimited, RateLimiter, policies_from_keys
+from deployments.lora import AdapterEntry
 from deployments.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, random_id, unknown_fields
 from deployments.server_types import GenerateRequest, GenerationChunk
@@ -200,7 +201,7 @@ class Gateway:
         for a, base in self.adapters.items():
             if base not in self.models or a in self.models:
                 raise ValueError(f"adapter {a!r}: its base model {base!r} is not served, or the name is a model's")
-        self.lora = AdapterDirectory(self.adapters)  # and those loaded at run time
+        self.lora = AdapterDirectory()  # and those loaded at run time
         self._multiplexed: dict[str, DeploymentHandle] = {}  # multiplexed id -> streaming handle
         self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
         self.directory = ModelDirectory(self.models)
@@ -228,6 +229,17 @@ class Gateway:
                               "invalid_request_error", param="model", code="model_not_found")
         return name, self.streaming[name]
 
+    async def adapter_base(self, name: str | None) -> tuple[str | None, AdapterEntry | None]:
+        """``(base model, registry entry)`` of LoRA adapter ``name``: a configured adapter's
+        base and None, a run-time adapter's base and its entry, ``(None, None)`` for a name that
+        is no adapter (a model's, or unknown)."""
+        if name is None or name in self.streaming:
+            return None, None
+        if name in self.adapters:
+            return self.adapters[name], None
+        entry = await self.lora.lookup(name)
+        return (entry.base, entry) if entry is not None and entry.base in self.streaming else (None, None)
+
     async def call(self, request: Request, body: ChatCompletionRequest | CompletionRequest, id_prefix: str, *,
                    max_tokens: int | None, messages: list[dict] | None = None, prompts: list | None = None) -> Call:
         """Start a :class:`Call`: the model (``model: "auto"`` resolved by the routing rules,
@@ -247,11 +259,9 @@ class Gateway:
             headers["x-kvserve-route"] = f"auto:{rule}"
         else:
             name = body.model
-        entry = None
-        if name is not None and name not in self.streaming and name not in self.adapters:
-            entry = await self.lora.lookup(name)
-        adapter = name if name in self.adapters or entry is not None else None
-        name, handle = self.model_handle(entry.base if entry is not None else self.adapters.get(name, name))
+        base, entry = await self.adapter_base(name)
+        adapter = name if base is not None else None
+        name, handle = self.model_handle(base or name)
         if entry is not None:  # to a replica that holds the adapter (Serve's model multiplexing)
             handle = self._multiplexed.get(entry.multiplexed_id)
             if handle is None:

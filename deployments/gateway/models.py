@@ -122,11 +122,9 @@ async def retrieve_model(gw, model_id: str) -> dict:
     """``GET /v1/models/{model}``: one card; 404 for a name that is not served."""
     if model_id == AUTO_MODEL and gw.routing is not None:
         return next(m for m in (await list_models(gw))["data"] if m["id"] == AUTO_MODEL)
-    if model_id in gw.adapters:
-        return adapter_card((await gw.directory.card(gw.adapters[model_id])).model_dump(), model_id)
-    entry = None if model_id in gw.models else await gw.lora.lookup(model_id)
-    if entry is not None and entry.base in gw.models:
-        return adapter_card((await gw.directory.card(entry.base)).model_dump(), model_id)
+    base, _ = await gw.adapter_base(model_id)
+    if base is not None:
+        return adapter_card((await gw.directory.card(base)).model_dump(), model_id)
     gw.model_handle(model_id)  # 404 for a name that is not served
     return (await gw.directory.card(model_id)).model_dump()
 
