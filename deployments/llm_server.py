@@ -29,7 +29,8 @@ from ray import serve
 from engine.chat_templates import prepare_messages
 
 from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats, default_admission_bounds
-from deployments.request_outputs import ChunkBuilder, RecentRequests, merge_streams, stream_interval
+from deployments.request_outputs import ChunkBuilder, RecentRequests, merge_streams, next_before, stream_interval
+from deployments.embeddings import PoolingEndpoints
 from deployments.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
 from deployments.server_types import (GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision,
                                       public_speculative_config)
@@ -51,8 +52,8 @@ def default_torch_threads(tensor_parallel_size: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, tensor_parallel_size))
 
 
-class _TooLarge(ValueError):
-    """A request this replica can never admit (code ``too_large``)."""
+class _TooLarge(ValueError):  # a request this replica can never admit (code ``too_large``)
+    pass
 
 
 def _engine_dead(index: int = 0, during: bool = False) -> GenerationChunk:
@@ -74,14 +75,6 @@ def _exception(err: GenerationError) -> Exception:
     return ValueError(err.message) if err.status < 500 else RuntimeError(err.message)
 
 
-async def _next_before(stream, deadline: float | None):
-    """The stream's next item, or ``TimeoutError`` once ``time.monotonic()`` passes ``deadline``."""
-    if deadline is None:
-        return await anext(stream)
-    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-        return await anext(stream)
-
-
 def _replica_id() -> str:
     """This Serve replica's id (the ``replica`` label), or the process id outside Serve."""
     try:
@@ -92,7 +85,7 @@ def _replica_id() -> str:
 
 @serve.deployment(name="LLMServer", max_ongoing_requests=256, health_check_period_s=2,
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=60)
-class LLMServer:
+class LLMServer(PoolingEndpoints):
     """One model, one :class:`engine.AsyncLLMEngine` per replica.
 
     Args:
@@ -113,13 +106,14 @@ class LLMServer:
         stream_interval: engine outputs per chunk (the first and last go at once); 0: auto
             (:func:`deployments.request_outputs.stream_interval`).
         lora_modules: LoRA adapters ``{name: PEFT folder}`` (needs ``enable_lora``), loaded at start.
+        pooling_type: how ``embed`` pools the hidden states (:mod:`engine.pooling`: ``last``, ``mean``).
     """
 
     def __init__(self, engine_args: dict | None = None, served_model_name: str | None = None,
                  torch_num_threads: int | None = None, worker_options: dict | None = None, *,
                  max_queued_requests: int | None = None, max_queued_prompt_tokens: int | None = None,
                  request_timeout_s: float | None = None, tool_call_parser: str = "hermes", stream_interval: int = 0,
-                 lora_modules: dict[str, str] | None = None):
+                 lora_modules: dict[str, str] | None = None, pooling_type: str = "last"):
         import torch
 
         from engine.async_engine import AsyncLLMEngine
@@ -157,7 +151,7 @@ class LLMServer:
                                                 self.engine.max_model_len)
         self.admission = Admission(config.max_num_seqs, max_queued_requests or d_req, max_queued_prompt_tokens or d_tok)
         self.request_timeout_s = request_timeout_s
-        self.stream_interval = stream_interval
+        self.stream_interval, self.pooling_type = stream_interval, pooling_type
         self.tool_call_parser = tool_call_parser
         self.metrics = EngineMetrics(self.model_name, _replica_id(), speculative=config.speculative_config is not None,
                                      lora=config.max_loras if config.enable_lora else None)
@@ -329,7 +323,7 @@ class LLMServer:
                 if wait_for is not None:
                     await wait_for.wait()
                 stream = self.engine.generate(ids, params, request_id, priority, lora_request=lora)
-                out = await _next_before(stream, deadline)  # validates the prompt, then waits for the first token
+                out = await next_before(stream, deadline)  # validates the prompt, then waits for the first token
             except EngineDeadError:
                 yield _engine_dead(index)
                 return
@@ -354,7 +348,7 @@ class LLMServer:
                 if out.finished:
                     return
                 try:
-                    out = await _next_before(stream, deadline)
+                    out = await next_before(stream, deadline)
                 except TimeoutError:
                     yield self._timed_out(index)
                     return

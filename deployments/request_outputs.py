@@ -6,6 +6,7 @@ prompts of one completions request)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -151,3 +152,11 @@ async def merge_streams(gens: list) -> AsyncIterator[tuple[int, Any]]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def next_before(stream, deadline: float | None):
+    """The stream's next item, or ``TimeoutError`` once ``time.monotonic()`` passes ``deadline``."""
+    if deadline is None:
+        return await anext(stream)
+    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+        return await anext(stream)

@@ -1,7 +1,8 @@
 """What crosses between the gateway and an ``LLMServer`` replica, typed: the request
 (:class:`GenerateRequest`), the stream of records back (:class:`GenerationChunk`, with a typed
 :class:`GenerationError` when a request cannot run), and the replica's facts
-(:class:`ServerInfo`).
+(:class:`ServerInfo`); the embedding and tokenizer calls' answers (:class:`EmbedResult`,
+:class:`TokenizeResult`), an error again typed.
 
 Plain dataclasses: they pickle cleanly over Ray and need neither torch nor the engine, so the
 gateway, the replica and Python-handle callers all import them. A chunk's JSON form
@@ -241,6 +242,9 @@ class ServerInfo:
         revision: the weights' revision (:func:`model_revision`), keys the response cache.
         workers: the tensor-parallel workers' placement (``tensor_parallel_size > 1``).
         lora_modules: the names of the LoRA adapters the replicas serve (paths stay private).
+        task: ``generate`` (an ``LLMServer``: chat, completions, and embeddings by pooling) or
+            ``embed`` (an ``EmbeddingServer``: embeddings only).
+        embedding_dim: the length of this model's embeddings.
     """
 
     name: str
@@ -256,6 +260,32 @@ class ServerInfo:
     revision: str = ""
     lora_modules: list[str] = field(default_factory=list)
     workers: dict | None = None
+    task: str = "generate"
+    embedding_dim: int | None = None
+
+
+@dataclass
+class EmbedResult:
+    """A replica's answer to ``embed(inputs, dimensions)``: one vector per input, in order
+    (float32 values), and the prompt tokens they took; or why the call could not run."""
+
+    data: list[list[float]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    error: GenerationError | None = None
+
+
+@dataclass
+class TokenizeResult:
+    """A replica's answer to ``tokenize`` / ``detokenize`` (vLLM's ``/tokenize`` fields):
+    ``tokens`` and their ``count``, the model's ``max_model_len``, each token's text when asked
+    (``token_strs``), the text of ``detokenize`` (``prompt``); or ``error``."""
+
+    tokens: list[int] = field(default_factory=list)
+    count: int = 0
+    max_model_len: int = 0
+    token_strs: list[str] | None = None
+    prompt: str | None = None
+    error: GenerationError | None = None
 
 
 def finish_reason(engine_reason: str | None) -> str | None:

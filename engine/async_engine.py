@@ -208,12 +208,14 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
+                       lora_request=None, pooling_params=None) -> AsyncIterator[RequestOutput]:
         """Yield a :class:`RequestOutput` after every step that gives this request a token;
         the last one has ``finished=True``. Closing or cancelling the iterator aborts the
         request and frees its KV blocks. The prompt is tokenized and validated in the
         tokenizer thread before anything is queued; ``lora_request`` (an
         :class:`engine.lora.LoRARequest`) is loaded there too, on first use.
+        ``pooling_params`` (:class:`engine.pooling.PoolingParams`): an embedding request, whose
+        one (final) output carries ``pooled`` (see :meth:`embed`).
 
         Raises:
             EngineDeadError: the engine is dead (at once, or while the request runs).
@@ -232,7 +234,7 @@ class AsyncLLMEngine:
             self._tokenizing.add(request_id)
             try:
                 req = await loop.run_in_executor(self._tok_pool, self._make_request, request_id, prompt, params,
-                                                 priority, lora_request)
+                                                 priority, lora_request, pooling_params)
             finally:
                 self._tokenizing.discard(request_id)
             self.check_health()  # the engine may have died while we tokenized
@@ -258,6 +260,19 @@ class AsyncLLMEngine:
             self._aborted_early.discard(request_id)
             if queued and not finished:
                 self.abort(request_id)
+
+    async def embed(self, prompt: str | list[int] | dict, pooling_params, request_id: str | None = None,
+                    priority: int = 0, lora_request=None) -> RequestOutput:
+        """The final output of an embedding request (``pooled``: float32 values of length
+        ``hidden_size``), batched with the other requests of each step, nothing generated.
+
+        Raises:
+            as :meth:`generate`.
+        """
+        async for out in self.generate(prompt, None, request_id, priority, lora_request, pooling_params):
+            if out.finished:
+                return out
+        raise RuntimeError(f"request {request_id}: the engine gave no final output")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (applied before the next step; its blocks return to the pool). A
@@ -287,10 +302,10 @@ class AsyncLLMEngine:
 
     # ---- helpers ------------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
-                      priority: int, lora_request=None) -> Request:
+                      priority: int, lora_request=None, pooling_params=None) -> Request:
         """Tokenize and validate (runs in the tokenizer thread; touches no scheduler state)."""
         req = self.engine.make_request(request_id, self.tokenize(prompt), params, priority,
-                                       lora_request=lora_request)
+                                       lora_request=lora_request, pooling_params=pooling_params)
         req.prompt = parse_prompt(prompt)[0]
         return req
 

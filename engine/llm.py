@@ -89,6 +89,37 @@ class LLM:
         prompts = [self.engine.apply_chat_template(m) for m in messages]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_type: str = "last",
+              normalize: bool = True, use_tqdm: bool = False) -> list[list[float]]:
+        """Embeddings of ``prompts`` (the forms of :meth:`generate`): the final hidden states
+        pooled (``last`` token or ``mean``; :mod:`engine.pooling`), L2-normalised unless
+        ``normalize=False``; one list of ``hidden_size`` float32 values per prompt, in order.
+
+        Raises:
+            ValueError: a bad prompt (longer than ``max_model_len``, ids out of the vocabulary)
+                or pooling type. Nothing of the call is left in the engine when it raises.
+        """
+        from engine.pooling import PoolingParams
+
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = PoolingParams(pooling_type, normalize)
+        ids = []
+        try:
+            for p in prompts:
+                rid = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, p, pooling_params=params)
+                ids.append(rid)
+            outs = self._run(ids, use_tqdm)
+        finally:
+            for rid in ids:
+                self.engine.abort_request(rid)
+        failed = [o for o in outs if o.pooled is None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return [o.pooled for o in outs]
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = None

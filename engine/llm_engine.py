@@ -236,7 +236,8 @@ class LLMEngine:
         return self.config.enable_lora and self.executor.remove_lora(lora_int_id)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                     priority: int = 0, arrival_time: float | None = None, lora_request=None) -> Request:
+                     priority: int = 0, arrival_time: float | None = None, lora_request=None,
+                     pooling_params=None) -> Request:
         """Validate and tokenize a request without queueing it (safe to call while a step runs).
 
         Besides :class:`SamplingParams`' own checks, the ones that need the model:
@@ -244,11 +245,17 @@ class LLMEngine:
         size, and with ``min_tokens`` the forbidden ids (stop ids and EOS) must leave a token
         to sample. ``top_k`` above the vocabulary size is clamped by the sampler (keeps all).
 
+        ``pooling_params`` (:class:`engine.pooling.PoolingParams`) makes an embedding request:
+        ``params`` are ignored (its prompt is computed, nothing is generated, ``max_tokens=0``),
+        the prompt may fill the whole context, and its final output carries ``pooled``.
+
         Raises:
             ValueError: empty prompt, token ids out of the vocabulary, a prompt of
                 ``max_model_len`` tokens or more, a non-integer ``priority``, or sampling
                 parameters the model cannot honour (the message starts with the field name).
         """
+        if pooling_params is not None:
+            params = SamplingParams(max_tokens=0, detokenize=False)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -270,7 +277,7 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and pooling_params is None):
             raise PromptTooLongError(f"prompt is {len(ids)} tokens; this model's context is {self.max_model_len} "
                              f"tokens (max_model_len), which must also leave room for at least one output token")
         grammar = (None if params.structured_outputs is None  # compiled here, off the step loop (cached)
@@ -279,6 +286,7 @@ class LLMEngine:
                       prompt=parse_prompt(prompt)[0], priority=priority,
                       arrival_time=arrival_time, max_model_len=self.max_model_len)
         req.grammar = grammar
+        req.pooling = pooling_params
         if lora_request is not None:
             self.add_lora(lora_request)  # loads and checks the adapter now, off the step loop
             req.lora_request = lora_request
@@ -296,10 +304,12 @@ class LLMEngine:
         self.structured_outputs.add_request(req)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, lora_request=None) -> Request:
+                    priority: int = 0, arrival_time: float | None = None, lora_request=None,
+                    pooling_params=None) -> Request:
         """Validate, tokenize and queue a request (see :meth:`make_request`, :meth:`enqueue`);
-        ``lora_request``: its adapter (:class:`engine.lora.LoRARequest`), None: the base model."""
-        req = self.make_request(request_id, prompt, params, priority, arrival_time, lora_request)
+        ``lora_request``: its adapter (:class:`engine.lora.LoRARequest`), None: the base model;
+        ``pooling_params``: an embedding request (:mod:`engine.pooling`)."""
+        req = self.make_request(request_id, prompt, params, priority, arrival_time, lora_request, pooling_params)
         self.enqueue(req)
         return req
 
@@ -416,7 +426,7 @@ class LLMEngine:
         """
         errors: dict[str, BaseException] = {}
         updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs,
-                                                    errors=errors)
+                                                    errors=errors, pooled=result.pooled)
         fail = self.output_processor.fail
         outputs = [fail(reqs[rid], "its output update", e) for rid, e in errors.items()]
         if self.speculator is not None:
@@ -455,7 +465,7 @@ class LLMEngine:
             raise StepFailedError([sr.request_id for sr in reqs], error) from error
         logger.warning("step of %d requests failed (%s: %s); isolating the failing request(s)",
                        len(reqs), type(error).__name__, error)
-        sampled, logprobs, prompt_logprobs, failed = {}, {}, {}, {}
+        sampled, logprobs, prompt_logprobs, pooled, failed = {}, {}, {}, {}, {}
 
         def run(part, finished_ids):
             try:
@@ -472,6 +482,7 @@ class LLMEngine:
             sampled.update(out.sampled)
             logprobs.update(out.logprobs or {})
             prompt_logprobs.update(out.prompt_logprobs or {})
+            pooled.update(out.pooled or {})
 
         mid = len(reqs) // 2
         run(reqs[:mid], sched.finished_req_ids)
@@ -481,7 +492,7 @@ class LLMEngine:
         for rid, e in failed.items():
             logger.error("request %s failed alone and is finished with an error: %s: %s",
                          rid, type(e).__name__, e)
-        return ModelRunnerOutput(sampled, logprobs or None, prompt_logprobs or None), failed
+        return ModelRunnerOutput(sampled, logprobs or None, prompt_logprobs or None, pooled or None), failed
 
     def _request_finished(self, req: Request) -> None:
         """The final output of ``req`` is being built: free its grammar matcher, report its stats."""

@@ -15,6 +15,7 @@ from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler, SamplingRow
 from engine.model_loader import iter_safetensors, load_config
 from engine.models.registry import model_class
+from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.structured_output import bitmask_rows
@@ -56,6 +57,8 @@ class ModelRunnerOutput:
     sampled: dict[str, int | list[int]]
     logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None
+    #: embeddings of the pooling requests whose prompt this step finished (engine.pooling)
+    pooled: dict[str, list[float]] | None = None
 
 
 #: Prompt positions whose logits are computed at once for prompt_logprobs (rows x vocab fp32).
@@ -63,13 +66,14 @@ PROMPT_LOGPROBS_SLICE = 256
 
 
 class _RequestState:
-    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids", "lora")
+    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids", "lora", "pooling")
 
     def __init__(self, prompt_len: int, params: SamplingParams, generator: torch.Generator | None):
         self.prompt_len, self.params, self.generator = prompt_len, params, generator
         self.token_ids: list[int] = []
         self.prompt_token_ids: list[int] = []  # kept only with params.prompt_logprobs
         self.lora = None  # the request's engine.lora.LoRARequest
+        self.pooling = None  # an embedding request's engine.pooling.PoolingState
 
 
 class ModelRunner:
@@ -325,6 +329,8 @@ class ModelRunner:
                 st = self.states[sr.request_id] = _RequestState(len(sr.new.prompt_token_ids), p, gen)
                 st.token_ids = list(sr.new.computed_token_ids)  # history before a prefix-cache hit
                 st.lora = sr.new.lora_request
+                if sr.new.pooling is not None:
+                    st.pooling = PoolingState(sr.new.pooling, len(sr.new.prompt_token_ids))
                 if p.prompt_logprobs is not None:
                     st.prompt_token_ids = sr.new.prompt_token_ids
             del st.token_ids[sr.start:]
@@ -367,8 +373,9 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.clear()
         prompt_lp = self._prompt_logprobs(hidden, sched)
+        pooled = self._pool(hidden, sched)
         if not rows:
-            return ModelRunnerOutput({}, None, prompt_lp)
+            return ModelRunnerOutput({}, None, prompt_lp, pooled)
         logits = self.model.compute_logits(hidden[sample_idx])
         ids = [sr.request_id for sr in sched.requests if sr.sample for _ in range(len(sr.spec_token_ids) + 1)]
         grammar = (None if sched.grammar_bitmask is None  # structured outputs: the engine's bitmask
@@ -393,7 +400,19 @@ class ModelRunner:
             if logprobs[i] is not None:
                 lp[rid] = logprobs[i:j + 1]
             i += k + 1
-        return ModelRunnerOutput(sampled, lp or None, prompt_lp)
+        return ModelRunnerOutput(sampled, lp or None, prompt_lp, pooled)
+
+    def _pool(self, hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, list[float]] | None:
+        """The embeddings of the step's pooling requests whose prompt ends in it (rows of
+        ``hidden`` ``[num_tokens, hidden_size]`` fed to each one's
+        :class:`~engine.pooling.PoolingState`); None when the step has none."""
+        out, offset = {}, 0
+        for sr in sched.requests:
+            row0, offset = offset, offset + len(sr.token_ids)
+            pool = self.states[sr.request_id].pooling
+            if pool is not None and (vec := pool.add(hidden[row0:offset], sr.start)) is not None:
+                out[sr.request_id] = vec
+        return out or None
 
     def _prompt_logprobs(self, hidden: torch.Tensor, sched: SchedulerOutput
                          ) -> dict[str, list[tuple[int, dict[int, float]]]] | None:

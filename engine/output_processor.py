@@ -122,4 +122,5 @@ class OutputProcessor:
         # prompt logprobs once the prompt is done: on the first output with a token and the final one
         plp = req.prompt_logprobs if (finished or req.num_output_tokens == 1) and req.prompt_logprobs_done else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished,
-                             req.metrics, error=req.error, prompt_logprobs=plp)
+                             req.metrics, error=req.error, prompt_logprobs=plp,
+                             pooled=req.pooled if finished else None)

@@ -66,6 +66,10 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
         #: the request's LoRA adapter (engine.lora.LoRARequest), None: the base model
         self.lora_request = None
+        #: an embedding request (engine.pooling.PoolingParams): its prompt is pooled, nothing generated
+        self.pooling = None
+        #: the pooled embedding (float32 values), set when its prompt is computed
+        self.pooled: list[float] | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_output_tokens = min(max_tokens, max_model_len - self.num_prompt_tokens)
@@ -163,6 +167,9 @@ class CompletionOutput:
 class RequestOutput:
     """What the engine returns for a request (final, or an incremental stream update).
 
+    ``pooled``: the embedding of a pooling request (``LLMEngine.add_request(pooling_params=)``),
+    float32 values, on its final output.
+
     ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs=k``): one entry per prompt
     token, the first None (no context), each ``{token_id: logprob}`` (natural log of the raw
     float32 softmax) holding the actual prompt token and the top-k ids. Set once the prompt is
@@ -178,6 +185,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    #: an embedding request's vector (``engine.pooling``), on its final output
+    pooled: list[float] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

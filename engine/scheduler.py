@@ -46,6 +46,7 @@ class NewRequestData:
     params: SamplingParams
     computed_token_ids: list[int] = field(default_factory=list)  # tokens before ``start`` (prefix-cache hits)
     lora_request: "LoRARequest | None" = None  # engine.lora.LoRARequest of the request, None: the base model
+    pooling: "PoolingParams | None" = None  # engine.pooling.PoolingParams of an embedding request
 
 
 @dataclass
@@ -314,7 +315,7 @@ class Scheduler:
                 req.request_id, req.all_token_ids[start:start + n] + list(drafts), start, list(req.block_table),
                 sample=start + n == req.num_tokens and req.max_output_tokens > 0,  # max_tokens=0: prompt only
                 new=NewRequestData(req.request_id, req.prompt_token_ids, req.params,
-                                   req.all_token_ids[:start], req.lora_request) if new else None,
+                                   req.all_token_ids[:start], req.lora_request, req.pooling) if new else None,
                 spec_token_ids=list(drafts)))
             scheduled.add(req.request_id)
 
@@ -363,7 +364,9 @@ class Scheduler:
                 skip += 1
                 continue
             # prompt_logprobs need the logits of every prompt position: no prefix-cache hits (as vLLM)
-            hits = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else []
+            # (and mean pooling needs the hidden state of every prompt position)
+            every = req.prompt_logprobs is not None or (req.pooling is not None and req.pooling.needs_every_position)
+            hits = [] if every else self.kv.get_computed_blocks(req)
             n = prefill_chunk(req, req.num_tokens - len(hits) * self.kv.block_size)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits):
                 break
@@ -383,7 +386,8 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int | list[int]],
                            logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None,
                            prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None,
-                           errors: dict[str, BaseException] | None = None) -> list[Request]:
+                           errors: dict[str, BaseException] | None = None,
+                           pooled: dict[str, list[float]] | None = None) -> list[Request]:
         """Advance computed-token counts, record prompt logprobs (``{request_id: [(position,
         {token_id: logprob})]}``), append sampled tokens, finish requests that hit EOS / a stop
         token / their length limit, and ``max_tokens=0`` requests whose prompt is computed
@@ -399,7 +403,10 @@ class Scheduler:
         ``errors``: when given, a request whose update raises (e.g. a malformed logprobs entry
         or a token missing from ``sampled``) is recorded as ``{request_id: exception}`` and
         left for the caller to fail (the engine finishes it with ``FINISHED_ERROR``); the other
-        requests are updated. Without it, the exception propagates."""
+        requests are updated. Without it, the exception propagates.
+
+        ``pooled``: the embeddings of pooling requests whose prompt the step finished
+        (``{request_id: vector}``), kept on the request before it finishes."""
         now = time.time()
         updated = []
         for sr in sched.requests:
@@ -407,6 +414,8 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
+                if pooled and sr.request_id in pooled:
+                    req.pooled = pooled[sr.request_id]
                 if self._update_one(sr, req, sched, sampled, logprobs, prompt_logprobs, now):
                     updated.append(req)
             except Exception as e:

