@@ -1,4 +1,5 @@
-"""The kvserve Serve application: ``OpenAIIngress`` in front of one ``LLMServer`` per model.
+"""The kvserve Serve application: ``OpenAIIngress`` in front of one ``LLMServer`` per model
+(and an ``EmbeddingServer`` when an embedding model is configured).
 
 ``build_app`` is an application builder: ``serve run deployments.app:build_app model=...``,
 the ``import_path`` of ``deployments/serve_config.yaml`` (``serve run`` / ``serve deploy``),
@@ -20,6 +21,7 @@ from autoscaling.policy import build_autoscaling_config
 from deployments.args import (APP_NAME, AppArgs, ModelArgs, app_args_from_config, fit_single_node,
                               logical_cpus_needed)
 from deployments.gateway.core import GatewaySettings
+from deployments.embedding_server import EmbeddingServer
 from deployments.gateway.deployment import OpenAIIngress
 from deployments.llm_server import LLMServer
 
@@ -87,13 +89,18 @@ def build_app(args: AppArgs) -> Application:
             m.engine_args(), m.name, m.torch_num_threads, worker_options,
             max_queued_requests=m.max_queued_requests, max_queued_prompt_tokens=m.max_queued_prompt_tokens,
             request_timeout_s=m.request_timeout_s, tool_call_parser=m.tool_call_parser,
-            stream_interval=m.stream_interval, lora_modules=m.lora_modules)
+            stream_interval=m.stream_interval, lora_modules=m.lora_modules, pooling_type=m.pooling_type)
     # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
     drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
-    g = args.gateway
+    g, e = args.gateway, args.embeddings
+    encoders = {}
+    if e.embedding_model is not None:  # an encoder for /v1/embeddings (deployments/embedding_server.py)
+        encoders[e.served_name()] = EmbeddingServer.options(
+            num_replicas=e.embedding_num_replicas, ray_actor_options={"num_cpus": e.embedding_cpus}).bind(
+            e.embedding_model, e.served_name(), e.embedding_num_threads)
     return OpenAIIngress.options(num_replicas=g.ingress_num_replicas, max_ongoing_requests=g.ingress_max_ongoing_requests,
-                                 graceful_shutdown_timeout_s=drain_s,
-                                 ray_actor_options={"num_cpus": g.ingress_cpus}).bind(handles, gateway_settings(args))
+                                 graceful_shutdown_timeout_s=drain_s, ray_actor_options={"num_cpus": g.ingress_cpus}
+                                 ).bind(handles, gateway_settings(args), encoders)
 
 
 def gateway_settings(args: AppArgs) -> GatewaySettings:

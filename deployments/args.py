@@ -92,6 +92,9 @@ class ModelArgs(EngineArgs):
     prefix_routing_margin: int = Field(
         8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
                              "has more than this many ongoing requests more")
+    pooling_type: Literal["last", "mean"] = Field(
+        "last", description="how /v1/embeddings pools this model's final hidden states: the last token's "
+                            "(e5-mistral style, vLLM's default for decoders) or the mean over the input")
     lora_modules: Optional[dict[str, str]] = Field(
         None, description="LoRA adapters served with this model, {name: PEFT folder} (vLLM's --lora-modules "
                           "name=path ...); clients send the name as `model`; needs enable_lora")
@@ -278,15 +281,48 @@ class RoutingArgs(BaseModel):
         return self
 
 
+class EmbeddingArgs(BaseModel):
+    """The embedding models' section of :class:`AppArgs`: sentence-embedding encoders served
+    for ``/v1/embeddings`` only, each its own ``EmbeddingServer`` deployment
+    (``deployments/embedding_server.py``)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    embedding_model: Optional[str] = Field(
+        None, description="a sentence-transformers model folder to serve for /v1/embeddings, or 'bundled' for "
+                          "all-MiniLM-L6-v2 (installed with kvserve); unset: no encoder (served generating models "
+                          "still answer /v1/embeddings with pooled hidden states)")
+    embedding_served_name: Optional[str] = Field(
+        None, description="the encoder's name in requests (default: sentence-transformers/all-MiniLM-L6-v2 for the "
+                          "bundled one, else the folder's name)")
+    embedding_num_replicas: int = Field(1, ge=1)
+    embedding_cpus: float = Field(0.25, ge=0, description="logical CPUs of each encoder replica")
+    embedding_num_threads: int = Field(1, ge=1, description="torch threads of each encoder replica")
+
+    def served_name(self) -> Optional[str]:
+        """The encoder's served name (None without one)."""
+        import os
+
+        from deployments.embedding_server import DEFAULT_EMBEDDING_MODEL
+
+        if self.embedding_model is None:
+            return None
+        if self.embedding_served_name:
+            return self.embedding_served_name
+        if self.embedding_model in ("", "bundled"):
+            return DEFAULT_EMBEDDING_MODEL
+        return os.path.basename(os.path.normpath(self.embedding_model))
+
+
 #: The sections of :class:`AppArgs` besides ``models``, by name.
 SECTIONS: dict[str, type[BaseModel]] = {"gateway": GatewayArgs, "limits": LimitArgs, "cache": CacheArgs,
-                                        "routing": RoutingArgs}
+                                        "routing": RoutingArgs, "embeddings": EmbeddingArgs}
 
 
 class AppArgs(BaseModel):
     """Arguments of :func:`build_app` (``args`` of the Serve config, flags of ``kvserve serve``),
     in sections: ``models`` (each a :class:`ModelArgs`, the first being the default for
-    requests without a ``model``), ``gateway``, ``limits``, ``cache`` and ``routing``.
+    requests without a ``model``), ``gateway``, ``limits``, ``cache``, ``routing`` and ``embeddings``.
 
     The flat form that configs and flags use is accepted too: a section's field given at the
     top level (``api_keys: [...]``, ``cache_ttl_s: 60``) goes to its section, and model fields
@@ -301,6 +337,7 @@ class AppArgs(BaseModel):
     limits: LimitArgs = Field(default_factory=LimitArgs)
     cache: CacheArgs = Field(default_factory=CacheArgs)
     routing: RoutingArgs = Field(default_factory=RoutingArgs)
+    embeddings: EmbeddingArgs = Field(default_factory=EmbeddingArgs)
 
     @classmethod
     def flat_fields(cls) -> dict[str, Any]:
@@ -353,6 +390,9 @@ class AppArgs(BaseModel):
             raise ValueError(f"served model names must be unique, got {names}")
         if self.routing.model_routing is not None:
             self.routing.model_routing.check(names)
+        encoder = self.embeddings.served_name()
+        if encoder is not None and encoder in names:
+            raise ValueError(f"the embedding model's name {encoder!r} is also a generating model's")
         if self.cache.response_cache and self.cache.cache_backend == "redis" and not self.limits.redis_url:
             raise ValueError("cache_backend redis needs redis_url (or $KVSERVE_REDIS_URL)")
         return self
@@ -374,6 +414,8 @@ def logical_cpus_needed(args: AppArgs) -> float:
     """Logical CPUs the application reserves at its initial / fixed size (ingress, replicas,
     tensor-parallel workers); ``kvserve serve`` starts a local Ray with at least this many."""
     total = args.gateway.ingress_cpus * args.gateway.ingress_num_replicas
+    if args.embeddings.embedding_model is not None:
+        total += args.embeddings.embedding_cpus * args.embeddings.embedding_num_replicas
     for m in args.model_list():
         knobs = m.autoscaling_knobs()
         n = m.num_replicas if m.num_replicas is not None else 1

@@ -307,6 +307,26 @@ def upstream_fallbacks() -> Metric:
                   ("model_name", "reason"))
 
 
+#: Buckets of ``kvserve:http_request_duration_seconds``: 5 ms (a tokenize call) to 5 min (a long stream).
+HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def http_requests() -> Metric:
+    """``kvserve:http_requests_total{handler, method, status}``: the gateway's HTTP requests by
+    route template (``/v1/embeddings``, ``/v1/responses/{response_id}``; ``none`` for a path no
+    route matched), method and status (the names of prometheus-fastapi-instrumentator, which
+    vLLM's API server uses)."""
+    return metric("counter", "http_requests", "HTTP requests of the gateway by handler, method and status.",
+                  ("handler", "method", "status"))
+
+
+def http_request_seconds() -> Metric:
+    """``kvserve:http_request_duration_seconds{handler, method}``: from the request's arrival
+    to its response's last byte (a stream's whole length), seconds."""
+    return metric("histogram", "http_request_duration_seconds", "HTTP request latency of the gateway in seconds.",
+                  ("handler", "method"), HTTP_LATENCY_BUCKETS)
+
+
 #: Buckets of ``kvserve:response_cache_lookup_seconds``: 0.1 ms (an in-process hit) to 1 s.
 CACHE_LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 CACHE_LABELS = ("level", "model_name")

@@ -70,6 +70,12 @@ class MemoryStore:
             self._remove(k)
         return live
 
+    async def delete(self, model: str, key: str) -> bool:
+        """Remove one entry; True if it was there."""
+        there = key in self._entries
+        self._remove(key)
+        return there
+
     def _remove(self, key: str) -> None:
         e = self._entries.pop(key, None)
         if e is not None:
@@ -122,6 +128,10 @@ local v = redis.call('GET', KEYS[4])
 if v then redis.call('ZADD', KEYS[1], 'XX', now_ms(), KEYS[4]) end
 return v
 """
+# KEYS[4]: the entry. Returns 1 if it was there.
+_DEL_LUA = _DROP_LUA + """
+return drop(KEYS[4])
+"""
 # ARGV[1]: prefix of the entry keys to delete. Returns the live entries deleted.
 _CLEAR_LUA = _DROP_LUA + """
 local n, p = 0, ARGV[1]
@@ -163,6 +173,7 @@ class RedisStore:
         self._put = self._redis.register_script(_PUT_LUA)
         self._get = self._redis.register_script(_GET_LUA)
         self._clear = self._redis.register_script(_CLEAR_LUA)
+        self._del = self._redis.register_script(_DEL_LUA)
         self._meta = [prefix + "lru", prefix + "sizes", prefix + "bytes"]
         self._down_until = -math.inf
         self._warned = False
@@ -196,6 +207,16 @@ class RedisStore:
             return False
         self._ok()
         return True
+
+    async def delete(self, model: str, key: str) -> bool:
+        """Remove one entry; True if it was there.
+
+        Raises:
+            redis.RedisError: Redis failed (a deletion must not pass silently).
+        """
+        n = await self._del(keys=self._meta + [self.entry_key(model, key)])
+        self._ok()
+        return bool(n)
 
     async def clear(self, model: str | None = None) -> int:
         """Delete every entry or one model's; returns how many were live.

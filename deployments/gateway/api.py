@@ -10,15 +10,19 @@ and no name a route uses that is not bound when the app is built. (Ray Serve LLM
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET`` and ``DELETE /v1/cache`` (admin key),
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (admin key), ``GET /health``,
-``GET /ready``, ``GET /metrics``. Each lives in its own module of this package.
+``GET /ready``, ``GET /metrics``, ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``,
+``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize``. Each lives in its own module of
+this package; every request is counted and timed by route (:mod:`~deployments.gateway.http_metrics`).
 """
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
 from fastapi import FastAPI, Request, Response
 
-from deployments.gateway import adapters, admin, chat, completions, models, probes
+from deployments.gateway import adapters, admin, chat, completions, embeddings, models, probes, responses, tokenize
 from deployments.gateway import gate
+from deployments.gateway.http_metrics import EndpointMetrics
 from deployments.gateway.core import Gateway
 from deployments.gateway.errors import add_error_handlers
+from deployments.gateway.responses_input import ResponsesRequest
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -32,6 +36,7 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
     """
     app = FastAPI(title="kvserve", description="OpenAI-compatible LLM serving on Ray Serve", version="0.1.0")
     gate.install(app, gw.gate)  # API key and body size, before any body byte is read
+    app.add_middleware(EndpointMetrics)  # outermost: the gate's refusals are counted too
     add_error_handlers(app)
     ready = probes.Readiness(gw, app_status)
 
@@ -42,6 +47,30 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request, response: Response):
         return await completions.completions(gw, body, request, response)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await responses.create_response(gw, gw.responses, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        return await responses.get_response(gw.responses, response_id, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        return await responses.delete_response(gw.responses, response_id, request)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: embeddings.EmbeddingRequest, request: Request):
+        return await embeddings.embeddings(gw, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize_(body: tokenize.TokenizeRequest, request: Request) -> tokenize.TokenizeResponse:
+        return await tokenize.tokenize(gw, body, request)
+
+    @app.post("/detokenize")
+    async def detokenize_(body: tokenize.DetokenizeRequest, request: Request) -> tokenize.DetokenizeResponse:
+        return await tokenize.detokenize(gw, body, request)
 
     @app.get("/v1/models")
     async def list_models():

@@ -119,11 +119,19 @@ class ChatChoiceRenderer:
         return deltas
 
 
-async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Request, response: Response):
-    """``POST /v1/chat/completions``."""
+async def start_chat(gw: Gateway, body: ChatCompletionRequest, request: Request, id_prefix: str = "chatcmpl",
+                     fallback: bool = True):
+    """Run a chat request through the gateway's pipeline (model, cache, key, replica):
+    ``(call, renderers, None)`` with ``call.streams`` open and one renderer per choice, or
+    ``(call, [], upstream response)`` when every replica refused and ``fallback`` allows the
+    upstream (``POST /v1/responses`` runs its requests here too, without the fallback).
+
+    Raises:
+        OpenAIError: as :meth:`Gateway.call` and :meth:`Gateway.start`.
+    """
     messages = [m.to_template() for m in body.messages]
     max_tokens = body.effective_max_tokens
-    call = await gw.call(request, body, "chatcmpl", max_tokens=max_tokens, messages=messages)
+    call = await gw.call(request, body, id_prefix, max_tokens=max_tokens, messages=messages)
     mode = ChatChoiceRenderer.mode_of(body)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and mode != "text" else None
     grammar = None
@@ -135,16 +143,42 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
     parser = get_tool_parser((await gw.directory.info(call.model)).tool_call_parser) if mode == "auto" else None
     req = GenerateRequest(messages=messages, tools=tools, sampling_params=params, n=body.n,
                           request_id=call.response_id)
-    fallback = await gw.start(call, body, "chat", [req], prompt_tokens=estimate_prompt_tokens(messages),
-                              reserve_tokens=None if max_tokens is None else max_tokens * body.n)
+    upstream = await gw.start(call, body, "chat", [req], prompt_tokens=estimate_prompt_tokens(messages),
+                              reserve_tokens=None if max_tokens is None else max_tokens * body.n, fallback=fallback)
+    if upstream is not None:
+        return call, [], upstream
+    return call, [ChatChoiceRenderer(mode, parser, body.tool_choice) for _ in range(body.n)], None
+
+
+async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Request, response: Response):
+    """``POST /v1/chat/completions``."""
+    call, renderers, fallback = await start_chat(gw, body, request)
     if fallback is not None:
         return fallback
-    renderers = [ChatChoiceRenderer(mode, parser, body.tool_choice) for _ in range(body.n)]
     if body.stream:
         lasts = {(0, 0): call.streams[0].first}
         return StreamingResponse(gw.sse(call, _events(call, body, renderers, lasts), lasts, body.n),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
-    wholes = [GenerationChunk(index=i) for i in range(body.n)]
+    wholes = await collect(gw, call, body.n)
+    response.headers.update(call.headers)
+    choices = []
+    for i, (whole, renderer) in enumerate(zip(wholes, renderers)):
+        msg, fr = renderer.message(whole)
+        choices.append(ChatChoice(
+            index=i, message=msg, finish_reason=fr,
+            logprobs=ChatChoiceLogprobs(content=chat_logprobs(whole.logprobs or [])) if body.logprobs else None))
+    return ChatCompletion(id=call.response_id, object="chat.completion", created=call.created, model=call.served,
+                          choices=choices, usage=usage_of({(0, w.index): w for w in wholes}))
+
+
+async def collect(gw: Gateway, call: Call, n: int) -> list[GenerationChunk]:
+    """The whole answer of a call's one stream, by choice (its ``n`` choices); the key is
+    settled and a complete answer goes to the response cache.
+
+    Raises:
+        OpenAIError: the generation failed midway (the details are logged).
+    """
+    wholes = [GenerationChunk(index=i) for i in range(n)]
     stream, complete = call.streams[0], False
     try:
         async for chunk in stream.chunks():
@@ -157,16 +191,8 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
         stream.cancel()
         raise failed(call.http_id, e) from None
     finally:
-        gw.finish(call, {(0, w.index): w for w in wholes}, body.n, store=complete)
-    response.headers.update(call.headers)
-    choices = []
-    for i, (whole, renderer) in enumerate(zip(wholes, renderers)):
-        msg, fr = renderer.message(whole)
-        choices.append(ChatChoice(
-            index=i, message=msg, finish_reason=fr,
-            logprobs=ChatChoiceLogprobs(content=chat_logprobs(whole.logprobs or [])) if body.logprobs else None))
-    return ChatCompletion(id=call.response_id, object="chat.completion", created=call.created, model=call.served,
-                          choices=choices, usage=usage_of({(0, w.index): w for w in wholes}))
+        gw.finish(call, {(0, w.index): w for w in wholes}, n, store=complete)
+    return wholes
 
 
 async def _events(call: Call, body: ChatCompletionRequest, renderers: list[ChatChoiceRenderer],

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from ray.serve.handle import DeploymentHandle
 
-from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
 from deployments.gateway.adapters import AdapterDirectory
 from deployments.gateway.errors import as_client_error, internal, request_id_of, stream_error
-from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES, GateSettings
+from deployments.gateway.gate import GateSettings
 from deployments.gateway.gate import request_policy
 from deployments.gateway.models import ModelDirectory
+from deployments.gateway.responses_input import ResponseStore
+from deployments.gateway.settings import GatewaySettings  # noqa: F401 (re-exported)
 from deployments.gateway.shedding import LoadShedder
 from deployments.gateway.streams import DONE, ChunkStream, background, usage_of
 from deployments.limits import NeverFits, RateLimited, RateLimiter, policies_from_keys
@@ -46,43 +47,6 @@ from deployments.server_types import GenerateRequest, GenerationChunk
 from telemetry.metrics import api_key_requests, api_key_tokens, model_routes, rejected, upstream_fallbacks
 
 logger = logging.getLogger("ray.serve")
-
-@dataclass
-class GatewaySettings:
-    """What one gateway replica enforces and where it sends requests (``build_app`` fills it
-    from :class:`deployments.args.AppArgs`).
-
-    Attributes:
-        api_keys: key entries (``"<key> [name=..] [rpm=..] [tpm=..] [priority=..]"``); None: no key.
-        admin_api_keys: keys that may administer the response cache (accepted by the gate too).
-        max_request_body_bytes, auth_failures_per_minute, allowed_origins: the gate's.
-        max_prompts_per_request: the most prompts of one completions request.
-        health_timeout_s: seconds a probe of a model may take.
-        rate_limit_rpm, rate_limit_tpm: default per-key limits (requests, tokens per minute).
-        redis_url: the limits' and caches' shared store (None: each replica its own share).
-        ingress_num_replicas: how many gateway replicas share the limits without Redis.
-        cache: :class:`~deployments.cache.CacheSettings` fields (None: defaults, exact cache on).
-        model_routing: the rules of ``model: "auto"`` (:class:`~deployments.model_routing.ModelRouting`).
-        upstream: the fallback for requests every replica refuses (:class:`~deployments.model_routing.UpstreamArgs`).
-        adapters: LoRA adapters clients may name as ``model``: ``{adapter name: its base model's name}``.
-    """
-
-    api_keys: list[str] | None = None
-    admin_api_keys: list[str] | None = None
-    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE
-    allowed_origins: list[str] | None = None
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
-    health_timeout_s: float = 5.0
-    rate_limit_rpm: float | None = None
-    rate_limit_tpm: float | None = None
-    redis_url: str | None = None
-    ingress_num_replicas: int = 1
-    cache: dict | None = None
-    model_routing: dict | None = None
-    upstream: dict | None = None
-    adapters: dict[str, str] | None = None
-
 
 def estimate_prompt_tokens(prompt) -> int:
     """A prompt's token count before the replica tokenizes it, for reserving a key's token
@@ -177,7 +141,8 @@ class Gateway:
         ValueError: no model, a bad setting (key entries, routing rules naming unknown models).
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], settings: GatewaySettings):
+    def __init__(self, models: dict[str, DeploymentHandle], settings: GatewaySettings,
+                 encoders: dict[str, DeploymentHandle] | None = None):
         if not models:
             raise ValueError("the gateway needs at least one model")
         s = settings
@@ -192,6 +157,7 @@ class Gateway:
         self.gate = GateSettings.of(api_keys, s.max_request_body_bytes, s.auth_failures_per_minute, s.allowed_origins)
         cache = CacheSettings(**{"redis_url": s.redis_url, **(s.cache or {})})
         self.cache = ResponseCache(cache) if cache.enabled else None
+        self.responses = ResponseStore(cache)  # stored Responses API responses, in the cache's backend
         # per-key limits: shared through Redis when given, else each gateway replica enforces its share
         self.limiter = RateLimiter(s.rate_limit_rpm, s.rate_limit_tpm, redis_url=s.redis_url,
                                    divide_by=max(1, s.ingress_num_replicas))
@@ -204,7 +170,11 @@ class Gateway:
         self.lora = AdapterDirectory()  # and those loaded at run time
         self._multiplexed: dict[str, DeploymentHandle] = {}  # multiplexed id -> streaming handle
         self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
-        self.directory = ModelDirectory(self.models)
+        self.encoders = dict(encoders or {})  # embedding-only models (deployments.embedding_server)
+        if set(self.encoders) & set(self.models):
+            raise ValueError(f"embedding model names {sorted(set(self.encoders) & set(self.models))} are also "
+                             "generating models' names")
+        self.directory = ModelDirectory({**self.models, **self.encoders})
         self.routing = None if s.model_routing is None else ModelRouting.model_validate(s.model_routing)
         if self.routing is not None:
             self.routing.check(list(self.models))
@@ -249,7 +219,7 @@ class Gateway:
         Raises:
             OpenAIError: 404 for an unknown model.
         """
-        self._warn_unknown(body)
+        self.warn_unknown(body)
         headers = {}
         if body.model == AUTO_MODEL and self.routing is not None:
             tokens = (estimate_prompt_tokens(messages) if messages is not None
@@ -272,9 +242,50 @@ class Gateway:
         return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()),
                     adapter=adapter, adapter_version=entry.version if entry is not None else None)
 
+    async def unary_call(self, request: Request, model: str | None, id_prefix: str, *,
+                         encoders: bool = False) -> Call:
+        """A :class:`Call` for a one-answer replica method (embeddings, tokenize): ``model``
+        may name a generating model, one of its LoRA adapters, or (``encoders``) an embedding
+        model; ``call.handle`` is the non-streaming handle.
+
+        Raises:
+            OpenAIError: 404 for a name that is not served.
+        """
+        if encoders and model in self.encoders:
+            return Call(request, request_id_of(request), random_id(id_prefix), model, self.encoders[model], {},
+                        int(time.time()))
+        base, entry = await self.adapter_base(model)
+        name, _ = self.model_handle(base or model)
+        handle = self.models[name]
+        if entry is not None:
+            handle = handle.options(multiplexed_model_id=entry.multiplexed_id)
+        return Call(request, request_id_of(request), random_id(id_prefix), name, handle, {}, int(time.time()),
+                    adapter=model if base is not None else None)
+
+    async def ask(self, call: Call, method: str, *args, **kwargs):
+        """``call.handle.<method>.remote(*args, **kwargs)``'s answer; a typed ``error`` on it
+        (the replica's verdict) or a refusal by Serve becomes an :class:`OpenAIError`, any
+        other failure a 500 with the request id (details logged)."""
+        try:
+            out = await getattr(call.handle, method).remote(*args, **kwargs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            err = as_client_error(e)
+            if err is None:
+                logger.error("request %s: the model server failed", call.http_id, exc_info=e)
+                err = internal(call.http_id)
+            elif err.code in ("queue_full", "model_unavailable"):
+                self.rejected.inc({"model_name": call.model, "reason": err.code})
+            raise err from None
+        if getattr(out, "error", None) is not None:
+            raise OpenAIError.of(out.error)
+        return out
+
     # ---- the pipeline -------------------------------------------------------------------
     async def start(self, call: Call, body: ChatCompletionRequest | CompletionRequest, endpoint: str,
-                    requests: list[GenerateRequest], *, prompt_tokens: int, reserve_tokens: int | None):
+                    requests: list[GenerateRequest], *, prompt_tokens: int, reserve_tokens: int | None,
+                    fallback: bool = True):
         """Cache lookup -> key admission -> the replica streams (or the cached answer's replay).
 
         Args:
@@ -282,6 +293,7 @@ class Gateway:
             requests: one per prompt; their ``priority`` is raised to the key's.
             prompt_tokens: the prompts' estimated tokens, ``reserve_tokens`` the output tokens
                 to reserve (None: up to the context), both for the key's token budget.
+            fallback: a refusal by every replica may go to the upstream (when one is configured).
 
         Returns:
             None with ``call.streams`` open, or the upstream's response when every replica
@@ -312,7 +324,8 @@ class Gateway:
         except BaseException as e:
             call.cancel()
             call.use.settle_soon([])
-            if self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(e.status_code, e.code):
+            if fallback and self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(
+                    e.status_code, e.code):
                 return await self.fallback(call, f"/{'chat/completions' if endpoint == 'chat' else 'completions'}", e)
             raise
         if hit:
@@ -331,12 +344,13 @@ class Gateway:
             self.cache.store_soon(call.look, [s.record or [] for s in call.streams], n)
 
     async def sse(self, call: Call, events: AsyncIterator[bytes], lasts: dict[tuple[int, int], GenerationChunk],
-                  n: int) -> AsyncIterator[bytes]:
+                  n: int, done: bool = True) -> AsyncIterator[bytes]:
         """A streaming response's body: the endpoint's SSE ``events``, then ``data: [DONE]``.
         A failure midway becomes an SSE error event (request id, no internals); a client that
         disconnects cancels the streams, which aborts the generation in the engine. At the end
         the key is settled from ``lasts`` (the endpoint keeps it current) and a complete answer
-        (``n`` choices per prompt) goes to the response cache."""
+        (``n`` choices per prompt) goes to the response cache. ``done=False``: no ``[DONE]``
+        (the Responses API ends with its own event)."""
         complete = False
         try:
             async for event in events:
@@ -353,7 +367,8 @@ class Gateway:
             call.cancel()
             await events.aclose()
             self.finish(call, lasts, n, store=complete)
-        yield DONE
+        if done:
+            yield DONE
 
     async def open(self, call: Call, request: GenerateRequest) -> ChunkStream:
         """Start the replica's stream of ``request`` and wait for its first chunk; the load
@@ -452,7 +467,7 @@ class Gateway:
             logger.warning("request %s: fallback failed: %s", call.http_id, e)
             raise err from None
 
-    def _warn_unknown(self, body) -> None:
+    def warn_unknown(self, body) -> None:
         """Log the request's unknown (ignored) fields, once per field name for this replica."""
         new = [f for f in unknown_fields(body) if f not in self._warned_fields]
         if new:

@@ -24,18 +24,20 @@ class OpenAIIngress:
         models: served model name -> ``LLMServer`` handle; the first is the default for
             requests without ``model``.
         settings: the :class:`~deployments.gateway.core.GatewaySettings` (or their dict).
+        encoders: embedding model name -> ``EmbeddingServer`` handle (``/v1/embeddings`` only).
 
     Raises:
         ValueError: no model or a bad setting.
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], settings: GatewaySettings | dict | None = None):
+    def __init__(self, models: dict[str, DeploymentHandle], settings: GatewaySettings | dict | None = None,
+                 encoders: dict[str, DeploymentHandle] | None = None):
         from cluster import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
         if not isinstance(settings, GatewaySettings):
             settings = GatewaySettings(**(settings or {}))
-        self.gateway = Gateway(models, settings)
+        self.gateway = Gateway(models, settings, encoders)
 
     def __serve_build_asgi_app__(self):
         return build_api(self.gateway, app_status=self._app_status)

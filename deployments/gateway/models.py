@@ -105,11 +105,12 @@ class ModelDirectory:
 
 
 async def list_models(gw) -> dict:
-    """``GET /v1/models``: every served model's card, each LoRA adapter's (configured or loaded
-    at run time); with routing rules, also ``auto``
+    """``GET /v1/models``: every served model's card, each embedding model's, each LoRA
+    adapter's (configured or loaded at run time); with routing rules, also ``auto``
     (with as long a context as the smallest model it may pick)."""
     data = [(await gw.directory.card(n)).model_dump() for n in gw.models]
     cards = {d["id"]: d for d in data}
+    data += [(await gw.directory.card(n)).model_dump() for n in gw.encoders]
     data += [adapter_card(cards[base], a) for a, base in gw.adapters.items()]
     data += [adapter_card(cards[e.base], a) for a, e in (await gw.lora.dynamic()).items() if e.base in cards]
     if gw.routing is not None:
@@ -125,7 +126,8 @@ async def retrieve_model(gw, model_id: str) -> dict:
     base, _ = await gw.adapter_base(model_id)
     if base is not None:
         return adapter_card((await gw.directory.card(base)).model_dump(), model_id)
-    gw.model_handle(model_id)  # 404 for a name that is not served
+    if model_id not in gw.encoders:
+        gw.model_handle(model_id)  # 404 for a name that is not served
     return (await gw.directory.card(model_id)).model_dump()
 
 

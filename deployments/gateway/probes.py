@@ -16,11 +16,11 @@ def _engine_dead(exc: BaseException) -> bool:
 
 
 async def health(gw) -> dict | Response:
-    """200 when every model's server answers its health probe now (no caching: a dead
+    """200 when every model's server (embedding models' too) answers its health probe now (no caching: a dead
     engine, a dead tensor-parallel worker or a replica still loading is a 503 at once)."""
     async def probe(name: str) -> str | None:
         try:
-            await asyncio.wait_for(gw.models[name].health.remote(), gw.settings.health_timeout_s)
+            await asyncio.wait_for(gw.directory.models[name].health.remote(), gw.settings.health_timeout_s)
             return None
         except asyncio.TimeoutError:
             return "not responding"
@@ -28,12 +28,12 @@ async def health(gw) -> dict | Response:
             logger.warning("health probe of model %s failed", name, exc_info=e)
             return "engine stopped, being replaced" if _engine_dead(e) else "not available"
 
-    problems = dict(zip(gw.models, await asyncio.gather(*(probe(n) for n in gw.models))))
+    problems = dict(zip(gw.directory.models, await asyncio.gather(*(probe(n) for n in gw.directory.models))))
     bad = {n: p for n, p in problems.items() if p is not None}
     if bad:
         msg = "; ".join(f"{n}: {p}" for n, p in bad.items())
         return error_response(503, f"not ready: {msg}", "server_error", code="unhealthy")
-    return {"status": "ok", "models": list(gw.models)}
+    return {"status": "ok", "models": list(gw.directory.models)}
 
 
 class Readiness:
@@ -54,7 +54,7 @@ class Readiness:
 
         async def probe(name: str) -> str | None:
             try:
-                await asyncio.wait_for(gw.models[name].ready.remote(), gw.settings.health_timeout_s)
+                await asyncio.wait_for(gw.directory.models[name].ready.remote(), gw.settings.health_timeout_s)
                 return None
             except asyncio.TimeoutError:
                 reason = "not responding"
@@ -65,7 +65,7 @@ class Readiness:
                 status = await self.app_status() if self.app_status is not None else None
             except Exception:
                 status = None
-            handle = gw.models[name]
+            handle = gw.directory.models[name]
             deployment = getattr(handle, "deployment_name", None) or getattr(handle.deployment_id, "name", "")
             dep = status.deployments.get(deployment) if status is not None else None
             states = {str(getattr(k, "value", k)): v for k, v in (dep.replica_states or {}).items()} if dep else {}
@@ -73,13 +73,13 @@ class Readiness:
                 return "loading (a replica is starting)"
             return reason
 
-        problems = dict(zip(gw.models, await asyncio.gather(*(probe(n) for n in gw.models))))
+        problems = dict(zip(gw.directory.models, await asyncio.gather(*(probe(n) for n in gw.directory.models))))
         bad = {n: p for n, p in problems.items() if p is not None}
         if bad:
             msg = "; ".join(f"{n}: {p}" for n, p in bad.items())
             return error_response(503, f"not ready: {msg}", "server_error", code="not_ready",
                                   headers={"Retry-After": "5"})
-        return {"status": "ready", "models": list(gw.models)}
+        return {"status": "ready", "models": list(gw.directory.models)}
 
 
 async def metrics() -> Response:

@@ -1,0 +1,79 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings, from an embedding model's deployment
+(:class:`~deployments.embedding_server.EmbeddingServer`) or from a served decoder model's
+pooled hidden states (:mod:`engine.pooling`); through the same key, per-key limits (the
+inputs' tokens count) and error shape as chat."""
+from __future__ import annotations
+
+import base64
+from typing import Literal, Union
+
+import numpy as np
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from deployments.embeddings import MAX_EMBEDDING_INPUTS
+from deployments.gateway.core import Gateway, estimate_prompt_tokens
+from deployments.protocol import OpenAIError
+
+TokenIds = list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's ``POST /v1/embeddings`` body. ``input``: a string, a list of strings, a list of
+    token ids, or a list of token id lists (at most 2048 inputs, none empty)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(..., description="an embedding model or a served generating model (pooled hidden states)")
+    input: Union[str, list[str], TokenIds, list[TokenIds]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="only for models trained for shorter embeddings")
+    user: str | None = None
+    priority: int = 0
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, v):
+        items = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        if not items:
+            raise ValueError("input must not be empty")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(items)}")
+        if any(len(x) == 0 for x in items):
+            raise ValueError("an input is empty (an empty string or token list has no embedding)")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs as a list (a single string or token list becomes one input)."""
+        v = self.input
+        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+
+
+def encode(vector: list[float], fmt: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: floats, or base64 of little-endian float32 bytes (what
+    the openai SDK decodes with ``np.frombuffer(..., dtype="float32")``)."""
+    if fmt == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector
+
+
+async def embeddings(gw: Gateway, body: EmbeddingRequest, request: Request) -> dict:
+    """``POST /v1/embeddings``: OpenAI's ``CreateEmbeddingResponse`` (a plain dict: a base64
+    embedding is a string where the SDK's type says a list of floats)."""
+    gw.warn_unknown(body)
+    call = await gw.unary_call(request, body.model, "embd", encoders=True)
+    inputs = body.inputs()
+    call.use = await gw.admit(call, sum(estimate_prompt_tokens(x) for x in inputs), 0, body.priority)
+    used = 0
+    try:
+        out = await gw.ask(call, "embed", inputs, body.dimensions, lora_name=call.adapter,
+                           priority=call.use.priority, request_id=call.response_id)
+        used = out.prompt_tokens
+    finally:
+        await call.use.settle(used, 0)
+    if len(out.data) != len(inputs):  # a replica bug: never answer with vectors out of order
+        raise OpenAIError(f"internal server error (request id {call.http_id})", 500, "server_error")
+    data = [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
+            for i, v in enumerate(out.data)]
+    return {"object": "list", "data": data, "model": call.served,
+            "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens}}

@@ -1,0 +1,213 @@
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses API.
+
+A Responses request runs as a chat request through the same pipeline (model, cache, key and
+limits, replica; :func:`~deployments.gateway.chat.start_chat`, with no upstream fallback), so
+structured outputs (``text.format``) and function tools behave as in chat. What differs is
+the shape: output *items* (a ``message`` with ``output_text``, one ``function_call`` per tool
+call), ``usage`` as input/output tokens, ``status`` ``incomplete`` when ``max_output_tokens``
+cut the answer, and a stream of typed events, each with a ``sequence_number``:
+``response.created``, ``response.in_progress``, then per item ``response.output_item.added``,
+(``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
+``response.content_part.done``) or (``response.function_call_arguments.delta``...,
+``response.function_call_arguments.done``), ``response.output_item.done``, and last
+``response.completed`` (or ``response.incomplete``). With ``store`` (the default, as OpenAI's)
+the response and its conversation are kept (:class:`~deployments.gateway.responses_input.ResponseStore`)
+for ``GET`` and for a later request's ``previous_response_id``; ``instructions`` are not carried
+over (as OpenAI's)."""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from deployments.gateway.chat import ChatChoiceRenderer, collect, start_chat
+from deployments.gateway.core import Call, Gateway
+from deployments.gateway.gate import request_policy
+from deployments.gateway.responses_input import ResponsesRequest, ResponseStore
+from deployments.gateway.streams import SSE_HEADERS, usage_of
+from deployments.server_types import GenerationChunk, finish_reason
+
+
+def _owner(request: Request) -> str:
+    policy = request_policy(request.scope)
+    return policy.name if policy is not None else "anonymous"
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+class ResponseBuilder:
+    """One response object: the request's echoed settings, then its output, status and usage."""
+
+    def __init__(self, call: Call, body: ResponsesRequest):
+        self.call, self.body = call, body
+        self.id = "resp_" + call.response_id.split("-", 1)[1]
+        self.created = time.time()
+
+    def tool_choice(self) -> Any:
+        return self.body.tool_choice if self.body.tool_choice is not None else "auto"
+
+    def response(self, status: str, output: list[dict[str, Any]], lasts: dict | None = None,
+                 incomplete: bool = False) -> dict[str, Any]:
+        """The response object (``status`` ``in_progress``, ``completed`` or ``incomplete``)."""
+        b = self.body
+        fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {
+            "type": "text"}
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+               "model": self.call.served, "output": output, "instructions": b.instructions,
+               "max_output_tokens": b.max_output_tokens, "temperature": b.temperature, "top_p": b.top_p,
+               "tools": b.tools or [], "tool_choice": self.tool_choice(), "parallel_tool_calls": b.parallel_tool_calls,
+               "text": {"format": fmt}, "previous_response_id": b.previous_response_id, "store": b.store,
+               "metadata": b.metadata or {}, "user": b.user, "truncation": "disabled", "background": False,
+               "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+               "usage": None}
+        if status != "in_progress":
+            out["completed_at"] = time.time() if status == "completed" else None
+        if lasts is not None:
+            u = usage_of(lasts)
+            cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+            out["usage"] = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                            "total_tokens": u.total_tokens,
+                            "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
+                            "output_tokens_details": {"reasoning_tokens": 0}}
+        return out
+
+
+def conversation_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages a later turn sends back."""
+    text = "".join(c["text"] for it in output if it["type"] == "message" for c in it["content"])
+    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in output if it["type"] == "function_call"]
+    msg: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        msg["tool_calls"] = calls
+    return [msg]
+
+
+async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequest, request: Request):
+    """``POST /v1/responses``."""
+    owner = _owner(request)
+    history = []
+    if body.previous_response_id is not None:
+        history = (await store.get(body.previous_response_id, owner, "previous_response_id"))["messages"]
+    new = body.input_messages()
+    chat = body.to_chat(history)
+    gw.warn_unknown(body)
+    call, renderers, _ = await start_chat(gw, chat, request, "resp", fallback=False)
+    builder = ResponseBuilder(call, body)
+    conversation = history + new
+    if body.stream:
+        lasts = {(0, 0): call.streams[0].first}
+        events = _events(call, builder, renderers[0], lasts, store if body.store else None, conversation, owner)
+        return StreamingResponse(gw.sse(call, events, lasts, 1, done=False), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **call.headers})
+    whole = (await collect(gw, call, 1))[0]
+    msg, _ = renderers[0].message(whole)
+    output = []
+    if msg.content:
+        output.append(_message_item(_item_id("msg"), msg.content, "completed"))
+    for c in msg.tool_calls or []:
+        output.append(_call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed"))
+    incomplete = finish_reason(whole.finish_reason) == "length"
+    resp = builder.response("incomplete" if incomplete else "completed", output, {(0, 0): whole}, incomplete)
+    if body.store:
+        await store.put(resp, conversation + conversation_of(output), owner)
+    return resp
+
+
+async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRenderer, lasts: dict,
+                  store: ResponseStore | None, conversation: list[dict], owner: str) -> AsyncIterator[bytes]:
+    """The stream's typed events (see the module docstring)."""
+    seq = itertools.count()
+    output: list[dict[str, Any]] = []  # finished items
+    open_item: dict[str, Any] | None = None  # the item being streamed
+
+    def ev(kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": next(seq), **fields}
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+
+    def close() -> list[bytes]:
+        nonlocal open_item
+        if open_item is None:
+            return []
+        item, idx, open_item = open_item, len(output), None
+        item["status"] = "completed"
+        output.append(item)
+        if item["type"] == "message":
+            part = item["content"][0]
+            return [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                       text=part["text"], logprobs=[]),
+                    ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
+                    ev("response.output_item.done", output_index=idx, item=item)]
+        return [ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                   name=item["name"], arguments=item["arguments"]),
+                ev("response.output_item.done", output_index=idx, item=item)]
+
+    yield ev("response.created", response=builder.response("in_progress", []))
+    yield ev("response.in_progress", response=builder.response("in_progress", []))
+    stream = call.streams[0]
+    last: GenerationChunk | None = None
+    async for chunk in stream.chunks():
+        lasts[(0, 0)] = last = chunk
+        deltas, _ = renderer.deltas(chunk)
+        for d in deltas:
+            if d.content:
+                if open_item is None or open_item["type"] != "message":
+                    for e in close():
+                        yield e
+                    open_item = _message_item(_item_id("msg"), "", "in_progress")
+                    part = dict(open_item["content"][0])
+                    open_item["content"] = []
+                    yield ev("response.output_item.added", output_index=len(output), item=open_item)
+                    open_item["content"] = [part]
+                    yield ev("response.content_part.added", item_id=open_item["id"], output_index=len(output),
+                             content_index=0, part={**part})
+                open_item["content"][0]["text"] += d.content
+                yield ev("response.output_text.delta", item_id=open_item["id"], output_index=len(output),
+                         content_index=0, delta=d.content, logprobs=[])
+            for tc in d.tool_calls or []:
+                if tc.id is not None:  # a new call
+                    for e in close():
+                        yield e
+                    open_item = _call_item(_item_id("fc"), tc.id, tc.function.name, "", "in_progress")
+                    yield ev("response.output_item.added", output_index=len(output), item={**open_item})
+                args = tc.function.arguments if tc.function is not None else None
+                if args:
+                    open_item["arguments"] += args
+                    yield ev("response.function_call_arguments.delta", item_id=open_item["id"],
+                             output_index=len(output), delta=args)
+    for e in close():
+        yield e
+    incomplete = last is not None and finish_reason(last.finish_reason) == "length"
+    resp = builder.response("incomplete" if incomplete else "completed", output, lasts, incomplete)
+    if store is not None:
+        await store.put(resp, conversation + conversation_of(output), owner)
+    yield ev("response.incomplete" if incomplete else "response.completed", response=resp)
+
+
+async def get_response(store: ResponseStore, response_id: str, request: Request) -> dict[str, Any]:
+    """``GET /v1/responses/{id}``: a stored response of this API key (404 otherwise)."""
+    return (await store.get(response_id, _owner(request)))["response"]
+
+
+async def delete_response(store: ResponseStore, response_id: str, request: Request) -> dict[str, Any]:
+    """``DELETE /v1/responses/{id}``."""
+    await store.delete(response_id, _owner(request))
+    return {"id": response_id, "object": "response", "deleted": True}
