@@ -1,7 +1,8 @@
 """Fixtures of the serving tests: one Ray instance per test session, one kvserve Serve app.
 
 The app serves SmolLM2-135M-Instruct under its default name (as ``make serve`` does) plus a
-tiny random-weight model ("tiny"), with the default exact response cache, the semantic one
+tiny random-weight model ("tiny") and the bundled sentence encoder (all-MiniLM-L6-v2, for
+``/v1/embeddings``), with the default exact response cache, the semantic one
 for requests that ask (``opt-in``) and an admin key; a second small app ("kvserve-auth", route ``/auth``)
 serves the tiny model with an API key and tensor_parallel_size 2 (worker actors in the
 replica's placement group).
@@ -82,7 +83,8 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
         {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
          "torch_num_threads": 1, "replica_cpus": 0.5, "max_replicas": 1,
          "enable_lora": True, "max_lora_rank": 16, "lora_modules": {"tiny-lora": str(tiny_lora)}},
-    ], "ingress_cpus": 0.25, "semantic_cache": "opt-in", "admin_api_keys": [ADMIN_KEY]})
+    ], "ingress_cpus": 0.25, "semantic_cache": "opt-in", "admin_api_keys": [ADMIN_KEY],
+        "embedding_model": "bundled", "embedding_cpus": 0.1})  # /v1/embeddings: all-MiniLM-L6-v2 beside the LLMs
     # logical CPUs in all: 1.75 here, 1.75 for the auth app, leaving room on 8 for the TP test
     auth = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
                       "max_num_seqs": 8, "max_model_len": 256, "torch_num_threads": 1, "api_keys": [API_KEY],
@@ -107,7 +109,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
         api_key=API_KEY,
         admin_key=ADMIN_KEY,
         llm=serve.get_deployment_handle("LLMServer", "kvserve"),
-        tiny_path=tiny_llama_path, tiny_lora_path=tiny_lora,
+        tiny_path=tiny_llama_path, tiny_lora_path=tiny_lora, encoder="sentence-transformers/all-MiniLM-L6-v2",
         deploy_s=time.time() - t0,
     )
     yield ns

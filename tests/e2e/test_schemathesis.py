@@ -40,7 +40,7 @@ import zlib
 from collections import Counter
 
 import pytest
-from helpers import sse_events
+from helpers import iter_sse, sse_events
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -95,13 +95,16 @@ def _shorten(case) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
         v = body.get(key)
         # 6663443483.0 is an int to pydantic: it would run to the end of the context
         whole = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
         if whole and v > MAX_GEN_TOKENS:
             body[key] = MAX_GEN_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if case.path == "/v1/responses":
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_GEN_TOKENS
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_GEN_TOKENS
     model = body.get("model")
     if isinstance(model, str) and model not in SERVED:
@@ -153,6 +156,20 @@ def _repair(body: dict) -> None:
         elif not isinstance(p, str) or not p:
             p = "hello"
         body["prompt"] = p
+    if "input" in body:  # /v1/responses (a string, or message items) and /v1/embeddings (texts or token ids)
+        v = body["input"]
+        if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
+            v = [[abs(t) % VOCAB for t in x if int_(t)][:64] or [1] for x in v][:4]
+        elif isinstance(v, list) and v and all(int_(x) for x in v):
+            v = [abs(t) % VOCAB for t in v][:64]
+        elif isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            v = [x[:200] or "hi" for x in v][:4]
+        elif not isinstance(v, str) or not v:
+            v = "hello"
+        body["input"] = v[:200] if isinstance(v, str) else v
+        for key in ("tools", "background", "truncation", "reasoning", "conversation", "prompt", "top_logprobs",
+                    "max_tool_calls", "previous_response_id", "dimensions"):
+            body.pop(key, None)
     if isinstance(body.get("messages"), list):
         for m in body["messages"]:
             if isinstance(m, dict) and isinstance(m.get("content"), list):
@@ -173,9 +190,17 @@ def openai_error_body(ctx, response, case):
 
 
 def sse_well_formed(ctx, response, case):
-    """A 200 event stream: JSON ``data:`` events, no error event, ``data: [DONE]`` last."""
+    """A 200 event stream: JSON ``data:`` events, no error event, ``data: [DONE]`` last; a
+    Responses API stream instead: typed events numbered from 0, ``response.completed`` or
+    ``response.incomplete`` last (no ``[DONE]``, as OpenAI's)."""
     ctype = (response.headers.get("content-type") or [""])[0]
     if response.status_code != 200 or not ctype.startswith("text/event-stream"):
+        return
+    if case.path == "/v1/responses":
+        events = list(iter_sse(response.content))
+        assert events and all(isinstance(e, dict) and "error" not in e for e in events), events[-3:]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
         return
     for obj in sse_events(response.content):  # asserts data: [DONE] last
         assert "error" not in obj, f"error event in a 200 stream: {json.dumps(obj)[:300]}"
@@ -203,11 +228,12 @@ def test_openapi_fuzz(case, serve_app):
 
 
 def test_fuzz_reached_the_engines():
-    """The generated requests were not all turned away before an engine: both generation
-    endpoints answered 200 to some of them (runs after test_openapi_fuzz)."""
+    """The generated requests were not all turned away before an engine: the generation,
+    embedding and tokenize endpoints answered 200 to some of them (runs after test_openapi_fuzz)."""
     if not SEEN:
         pytest.skip("test_openapi_fuzz did not run")
     print("\nresponses per operation and status: "
           + ", ".join(f"{op} {st}: {n}" for (op, st), n in sorted(SEEN.items())))
-    for op in ("POST /v1/chat/completions", "POST /v1/completions"):
+    for op in ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/embeddings",
+               "POST /tokenize"):
         assert SEEN[(op, 200)] > 0, f"no 200 from {op}: {dict(SEEN)}"

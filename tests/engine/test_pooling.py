@@ -1,0 +1,99 @@
+"""Embeddings from a decoder (engine/pooling.py) against HF transformers on the same weights:
+the final hidden states pooled (last token, mean), through chunked prefill, prefix-cache hits,
+preemption and batches shared with generating requests, every block back in the pool."""
+import random
+
+import pytest
+import torch
+from transformers import AutoModel
+
+from engine import LLM, SamplingParams
+from engine.pooling import PoolingParams
+
+
+def _hf_pooled(model, ids: list[int], pooling: str) -> torch.Tensor:
+    with torch.no_grad():
+        h = model(torch.tensor([ids])).last_hidden_state[0].float()
+    v = h[-1] if pooling == "last" else h.mean(0)
+    return torch.nn.functional.normalize(v, dim=0)
+
+
+def _cos(a, b: torch.Tensor) -> float:
+    return float(torch.dot(torch.tensor(a, dtype=torch.float32), b))
+
+
+def _prompts(n: int, seed: int = 0, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(3, 70))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_pooled_hidden_states_equal_hf_through_chunked_prefill(tiny_llama_path, pooling):
+    prompts = _prompts(10)
+    llm = LLM(str(tiny_llama_path), dtype="float32", max_num_batched_tokens=32, max_num_seqs=4)  # chunks of <= 32
+    got = llm.embed(prompts, pooling_type=pooling)
+    hf = AutoModel.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    for ids, vec in zip(prompts, got):
+        assert len(vec) == 64 and _cos(vec, _hf_pooled(hf, ids, pooling)) >= 0.9999
+    raw = llm.embed(prompts[:1], pooling_type=pooling, normalize=False)[0]
+    with torch.no_grad():
+        h = hf(torch.tensor([prompts[0]])).last_hidden_state[0]
+    ref = h[-1] if pooling == "last" else h.mean(0)
+    assert torch.allclose(torch.tensor(raw), ref, atol=1e-4)  # unnormalised: the pooled state itself
+    s = llm.get_stats()
+    assert s["free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_smollm2_embeddings_equal_hf(smollm2_path):
+    llm = LLM(dtype="float32", max_num_seqs=4)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France."]
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    hf = AutoModel.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    for pooling in ("last", "mean"):
+        for vec, x in zip(llm.embed(texts, pooling_type=pooling), ids):
+            assert len(vec) == 576 and _cos(vec, _hf_pooled(hf, x, pooling)) >= 0.9999
+
+
+def test_embedding_requests_share_steps_with_generation_and_the_prefix_cache(tiny_llama_path):
+    """Generation in the same batches is unchanged; a prompt embedded twice (the second time a
+    prefix-cache hit for last-token pooling; mean pooling computes every position again) gives
+    the same vector; a small KV pool preempts requests and recomputes them; no block leaks."""
+    prompts = _prompts(8, seed=1)
+    gen_prompts = _prompts(4, seed=2)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = LLM(str(tiny_llama_path), dtype="float32")
+    expected = [o.outputs[0].token_ids for o in alone.generate(gen_prompts, params, use_tqdm=False)]
+    hf = AutoModel.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+
+    llm = LLM(str(tiny_llama_path), dtype="float32", num_kv_blocks=14, block_size=16, max_num_seqs=6,
+              max_num_batched_tokens=48)
+    eng = llm.engine
+    for i, p in enumerate(gen_prompts):
+        eng.add_request(f"g{i}", p, params)
+    for i, p in enumerate(prompts + prompts):  # each prompt twice
+        eng.add_request(f"e{i}", p, pooling_params=PoolingParams("last" if i % 2 else "mean"))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert [done[f"g{i}"].outputs[0].token_ids for i in range(4)] == expected
+    n = len(prompts)
+    for i in range(2 * n):
+        out, pooling = done[f"e{i}"], "last" if i % 2 else "mean"
+        assert out.error is None and out.outputs[0].token_ids == []
+        assert _cos(out.pooled, _hf_pooled(hf, prompts[i % n], pooling)) >= 0.9999
+    s = llm.get_stats()
+    assert s["num_preemptions"] > 0  # the small pool made the scheduler preempt (and recompute)
+    assert s["prefix_cache_hit_rate"] > 0  # last-token pooling reused cached blocks
+    assert s["free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_an_input_may_fill_the_context_but_not_exceed_it(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), dtype="float32", max_model_len=64)
+    [vec] = llm.embed([list(range(1, 65))])  # 64 tokens: the whole context, nothing generated
+    assert len(vec) == 64
+    with pytest.raises(ValueError, match="64"):
+        llm.embed([list(range(1, 66))])
+    with pytest.raises(ValueError, match="pooling_type"):
+        PoolingParams("cls")
