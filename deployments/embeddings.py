@@ -99,8 +99,9 @@ class PoolingEndpoints:
 
     async def embed(self, inputs: list[str | list[int]], dimensions: int | None = None,
                     lora_name: str | None = None, priority: int = 0, request_id: str | None = None) -> EmbedResult:
-        """Embeddings of ``inputs`` (texts, or token id lists), one engine request each, run
-        together (``<request_id>-<i>``); ``lora_name``: an adapter of this model.
+        """Embeddings of ``inputs`` (texts, or token id lists), one engine request each
+        (``<request_id>-<i>``), at most ``max_num_seqs`` of them at once, each through the
+        replica's admission; ``lora_name``: an adapter of this model.
 
         Returns:
             An :class:`EmbedResult`; a bad input fails the call with ``error``
@@ -125,7 +126,10 @@ class PoolingEndpoints:
             return EmbedResult(error=GenerationError("model_not_found", str(e)))
         except (ValueError, TypeError) as e:
             return EmbedResult(error=GenerationError("invalid_value", str(e)))
-        tasks = [asyncio.ensure_future(self._embed_one(x, f"{request_id}-{i}", priority, lora))
+        # a call's inputs take at most max_num_seqs of the replica's slots at once: a long list
+        # waits for its own earlier inputs instead of overflowing the queue into a 429
+        window = asyncio.Semaphore(max(1, self.admission.max_num_seqs))
+        tasks = [asyncio.ensure_future(self._embed_one(x, f"{request_id}-{i}", priority, lora, window))
                  for i, x in enumerate(ids)]
         try:
             vectors = await asyncio.gather(*tasks)
@@ -143,7 +147,8 @@ class PoolingEndpoints:
             await asyncio.gather(*tasks, return_exceptions=True)
         return EmbedResult(data=shorten(vectors, dimensions), prompt_tokens=sum(map(len, ids)))
 
-    async def _embed_one(self, ids: list[int], request_id: str, priority: int, lora) -> list[float]:
+    async def _embed_one(self, ids: list[int], request_id: str, priority: int, lora,
+                         window: asyncio.Semaphore) -> list[float]:
         from engine.pooling import PoolingParams
 
         if len(ids) > self.max_model_len:  # before admission: a clear 400 rather than "too_large"
@@ -151,17 +156,18 @@ class PoolingEndpoints:
 
             raise PromptTooLongError(f"an input is {len(ids)} tokens; this model's context is {self.max_model_len} "
                                      "tokens (max_model_len)")
-        refused = self.admission.admit(len(ids))
-        if refused is not None:
-            raise GenerationFailed(refused)
-        started = False
-        try:
-            out = await self.engine.embed(ids, PoolingParams(self.pooling_type), request_id, priority, lora)
-            self.admission.start(len(ids))
-            started = True
-            return out.pooled
-        finally:
-            self.admission.end(len(ids), started)
+        async with window:
+            refused = self.admission.admit(len(ids))
+            if refused is not None:
+                raise GenerationFailed(refused)
+            started = False
+            try:
+                out = await self.engine.embed(ids, PoolingParams(self.pooling_type), request_id, priority, lora)
+                self.admission.start(len(ids))
+                started = True
+                return out.pooled
+            finally:
+                self.admission.end(len(ids), started)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
                        tools: list[dict] | None = None, add_special_tokens: bool | None = None,

@@ -228,6 +228,12 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("16 rank-8 LoRA adapters: kvserve / vLLM CPU with the same adapters", "lora",
      lambda d: _x(next(r for r in d["runs"] if r["system"] == "kvserve" and r["rank"] == 8
                        and r["adapters"] == 16)["kvserve_over_vllm"])),
+    ("embeddings of SmolLM2 (last-token pooling), inputs/s, kvserve engine / vLLM pooling runner", "embeddings",
+     lambda d: _x(next(r for r in d["runs"] if r["system"] == "kvserve" and r["model"] == "decoder")
+                  ["kvserve_over_vllm"])),
+    ("embeddings of all-MiniLM-L6-v2, inputs/s, sentence-transformers / vLLM pooling runner", "embeddings",
+     lambda d: _x(next(r for r in d["runs"] if r["system"] == "kvserve" and r["model"] == "encoder")
+                  ["kvserve_over_vllm"])),
     ("HTTP streaming / offline engine throughput, one replica", "serving",
      lambda d: f"{d['http_over_offline_throughput']:.2f}"),
     ("prefix-aware routing: TTFT p50 / Serve's default router", "routing",
@@ -819,7 +825,25 @@ def render_lora(d: dict, path: Path) -> list[str]:
     return out + _targets(d)
 
 
+def render_embeddings(d: dict, path: Path) -> list[str]:
+    """``benchmarks/embeddings.py``: inputs/s of each (system, model), kvserve / vLLM, agreement."""
+    w = d["workload"]
+    out = [f"{w['num_inputs']} inputs of random token ids per run (decoder {w['decoder_lengths'][0]}.."
+           f"{w['decoder_lengths'][1]} tokens, encoder {w['encoder_lengths'][0]}..{w['encoder_lengths'][1]}), "
+           f"all at once, offline, {d['dtype']}; median of {w['repeats']} runs, each with fresh inputs."
+           + (f" vLLM {d['vllm_version']}." if d.get("vllm_version") else "")
+           + (f" vLLM failed: {d['vllm_error']}" if d.get("vllm_error") else ""), ""]
+    rows = [[r["system"], d["models"][r["model"]], r["inputs_per_s"], ", ".join(map(str, r["runs_inputs_per_s"])),
+             r["tokens_per_s"], _x(r.get("kvserve_over_vllm")), _load(r.get("load_average_after"))] for r in d["runs"]]
+    out += _table(["system", "model", "inputs/s", "runs", "tokens/s", "kvserve / vLLM", "load after"], rows)
+    if d.get("agreement_min_cosine"):
+        out += ["", "Agreement, the smallest cosine of kvserve's and vLLM's vectors over the first 8 inputs: "
+                + ", ".join(f"{m} {c}" for m, c in d["agreement_min_cosine"].items()) + "."]
+    return out
+
+
 RENDERERS: dict[str, Callable[[Any, Path], list[str]]] = {
+    "embeddings": render_embeddings,
     "lora": render_lora,
     "throughput": render_throughput,
     "throughput_bf16": render_throughput,

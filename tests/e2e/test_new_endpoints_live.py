@@ -117,6 +117,9 @@ def test_decoder_embeddings_equal_hf_last_token_hidden_state(serve_app, smollm2_
         assert len(d.embedding) == 576 and _cos(d.embedding, ref.numpy()) >= 0.9999
         assert abs(np.linalg.norm(d.embedding) - 1.0) < 1e-4
     assert got.usage.prompt_tokens == total
+    # more inputs than the replica's batch and queue (max_num_seqs 32): they wait for each other, no 429
+    many = _client(serve_app).embeddings.create(model=serve_app.model, input=[f"item {k}" for k in range(80)])
+    assert [d.index for d in many.data] == list(range(80))
 
 
 def test_tokenize_counts_what_chat_sends_and_detokenize_round_trips(serve_app, smollm2_path):
