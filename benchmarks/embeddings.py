@@ -6,8 +6,8 @@ Two models, each offline (no HTTP), float32:
   kvserve: the engine (``LLM.embed``, ``engine/pooling.py``). vLLM: ``LLM(runner="pooling",
   convert="embed").embed`` (its default pooler for a converted causal LM).
 - **encoder**: all-MiniLM-L6-v2 (the bundled model of ``--embedding-model bundled``). kvserve:
-  ``EmbeddingServer``'s forward pass (sentence-transformers; batches of 64, what its
-  ``serve.batch`` takes at most), without Serve around it. vLLM: ``LLM(runner="pooling").embed``.
+  ``EmbeddingServer``'s forward pass (sentence-transformers; batches of 256, what its
+  ``serve.batch`` takes at most, sorted by length into padded groups), without Serve around it. vLLM: ``LLM(runner="pooling").embed``.
 
 Workload: ``--num-inputs`` (default 256) inputs of random token ids, all submitted at once:
 16..256 tokens for the decoder, [CLS] + 14..198 ids + [SEP] for the encoder (its limit is 256).
@@ -74,8 +74,9 @@ def run_decoder(path: str, works: list[list[list[int]]]) -> dict:
     return {"runs": runs, "vectors": vectors, "settings": settings}
 
 
-def run_encoder(works: list[list[list[int]]], batch: int = 64) -> dict:
-    """``EmbeddingServer``'s forward pass (sentence-transformers) in batches of ``batch``."""
+def run_encoder(works: list[list[list[int]]], batch: int = 256) -> dict:
+    """``EmbeddingServer``'s forward pass (sentence-transformers) in batches of ``batch`` (its
+    ``serve.batch`` size: the inputs of one request reach one call)."""
     import torch
 
     from deployments.embedding_server import EmbeddingServer

@@ -22,6 +22,8 @@ from deployments.server_types import EmbedResult, GenerationError, ServerInfo, T
 
 logger = logging.getLogger("ray.serve")
 
+#: Padded tokens of one forward group (inputs of similar length run together).
+GROUP_TOKENS = 2048
 #: The served name of the bundled encoder.
 DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -44,7 +46,7 @@ class EmbeddingServer:
     """
 
     def __init__(self, model: str | None = None, served_model_name: str | None = None,
-                 torch_num_threads: int = 1, max_batch_size: int = 64):
+                 torch_num_threads: int = 1, max_batch_size: int = 256):
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -105,19 +107,33 @@ class EmbeddingServer:
             out.append(ids)
         return out
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)
+    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.002)
     async def _embed_batch(self, batch: list[list[int]]) -> list[list[float]]:
         return await asyncio.to_thread(self._forward, batch)
 
     def _forward(self, batch: list[list[int]]) -> list[list[float]]:
-        """One padded forward pass through the model's module pipeline (transformer, pooling,
-        normalisation as its ``modules.json`` says)."""
+        """Embeddings of ``batch`` (token id lists) through the model's module pipeline
+        (transformer, pooling, normalisation as its ``modules.json`` says), in order. Inputs
+        are sorted by length and run in padded groups of at most :data:`GROUP_TOKENS` tokens,
+        so short inputs are not padded to the longest of the batch (sentence-transformers'
+        ``encode`` sorts by length for the same reason)."""
         import torch
 
-        features = self.tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
-        with torch.inference_mode():
-            out = self.model(dict(features))["sentence_embedding"]
-        return out.float().tolist()
+        order = sorted(range(len(batch)), key=lambda k: len(batch[k]))
+        out: list[list[float] | None] = [None] * len(batch)
+        start = 0
+        while start < len(order):
+            end = start + 1  # grow the group while its padded size stays within the budget
+            while end < len(order) and (end - start + 1) * len(batch[order[end]]) <= GROUP_TOKENS:
+                end += 1
+            group = [batch[k] for k in order[start:end]]
+            features = self.tokenizer.pad({"input_ids": group}, padding=True, return_tensors="pt")
+            with torch.inference_mode():
+                vecs = self.model(dict(features))["sentence_embedding"].float().tolist()
+            for k, v in zip(order[start:end], vecs):
+                out[k] = v
+            start = end
+        return out
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None, **kw) -> TokenizeResult:
         """``/tokenize`` with this encoder's tokenizer (a prompt only: encoders have no chat template)."""

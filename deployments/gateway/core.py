@@ -242,16 +242,15 @@ class Gateway:
         return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()),
                     adapter=adapter, adapter_version=entry.version if entry is not None else None)
 
-    async def unary_call(self, request: Request, model: str | None, id_prefix: str, *,
-                         encoders: bool = False) -> Call:
+    async def unary_call(self, request: Request, model: str | None, id_prefix: str) -> Call:
         """A :class:`Call` for a one-answer replica method (embeddings, tokenize): ``model``
-        may name a generating model, one of its LoRA adapters, or (``encoders``) an embedding
-        model; ``call.handle`` is the non-streaming handle.
+        may name a generating model (None: the default), one of its LoRA adapters, or an
+        embedding model; ``call.handle`` is the non-streaming handle.
 
         Raises:
             OpenAIError: 404 for a name that is not served.
         """
-        if encoders and model in self.encoders:
+        if model in self.encoders:
             return Call(request, request_id_of(request), random_id(id_prefix), model, self.encoders[model], {},
                         int(time.time()))
         base, entry = await self.adapter_base(model)
@@ -271,16 +270,21 @@ class Gateway:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            err = as_client_error(e)
-            if err is None:
-                logger.error("request %s: the model server failed", call.http_id, exc_info=e)
-                err = internal(call.http_id)
-            elif err.code in ("queue_full", "model_unavailable"):
-                self.rejected.inc({"model_name": call.model, "reason": err.code})
-            raise err from None
+            raise self._replica_error(call, e) from None
         if getattr(out, "error", None) is not None:
             raise OpenAIError.of(out.error)
         return out
+
+    def _replica_error(self, call: Call, e: Exception) -> OpenAIError:
+        """The client's error for a failed call to a replica: Serve's refusals (counted) and
+        client errors as they are, anything else a 500 with the request id (details logged)."""
+        err = as_client_error(e)
+        if err is None:
+            logger.error("request %s: the model server failed", call.http_id, exc_info=e)
+            err = internal(call.http_id)
+        elif err.code in ("queue_full", "model_unavailable"):  # refused by Serve before any replica saw it
+            self.rejected.inc({"model_name": call.model, "reason": err.code})
+        return err
 
     # ---- the pipeline -------------------------------------------------------------------
     async def start(self, call: Call, body: ChatCompletionRequest | CompletionRequest, endpoint: str,
@@ -402,13 +406,7 @@ class Gateway:
             logger.error("request %s: the model server returned no output", call.http_id)
             raise internal(call.http_id) from None
         except Exception as e:
-            err = as_client_error(e)
-            if err is None:
-                logger.error("request %s: the model server failed", call.http_id, exc_info=e)
-                err = internal(call.http_id)
-            elif err.code in ("queue_full", "model_unavailable"):  # refused by Serve before any replica saw it
-                self.rejected.inc({"model_name": call.model, "reason": err.code})
-            raise err from None
+            raise self._replica_error(call, e) from None
         if first.error is not None:  # the replica's own verdict: a client error, a full queue, a dead engine
             raise OpenAIError.of(first.error)
         return first

@@ -61,7 +61,7 @@ async def embeddings(gw: Gateway, body: EmbeddingRequest, request: Request) -> d
     """``POST /v1/embeddings``: OpenAI's ``CreateEmbeddingResponse`` (a plain dict: a base64
     embedding is a string where the SDK's type says a list of floats)."""
     gw.warn_unknown(body)
-    call = await gw.unary_call(request, body.model, "embd", encoders=True)
+    call = await gw.unary_call(request, body.model, "embd")
     inputs = body.inputs()
     call.use = await gw.admit(call, sum(estimate_prompt_tokens(x) for x in inputs), 0, body.priority)
     used = 0

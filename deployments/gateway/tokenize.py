@@ -58,7 +58,7 @@ class DetokenizeResponse(BaseModel):
 async def tokenize(gw: Gateway, body: TokenizeRequest, request: Request) -> TokenizeResponse:
     """``POST /tokenize``: counts as a request of the key, with no tokens."""
     gw.warn_unknown(body)
-    call = await gw.unary_call(request, body.model, "tok", encoders=True)
+    call = await gw.unary_call(request, body.model, "tok")
     call.use = await gw.admit(call, 0, 0, 0)
     messages = [m.to_template() for m in body.messages] if body.messages is not None else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -77,7 +77,7 @@ async def tokenize(gw: Gateway, body: TokenizeRequest, request: Request) -> Toke
 async def detokenize(gw: Gateway, body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     """``POST /detokenize``."""
     gw.warn_unknown(body)
-    call = await gw.unary_call(request, body.model, "tok", encoders=True)
+    call = await gw.unary_call(request, body.model, "tok")
     call.use = await gw.admit(call, 0, 0, 0)
     try:
         out = await gw.ask(call, "detokenize", body.tokens)

@@ -347,3 +347,26 @@ def test_every_endpoint_is_counted_by_route_template():
     after = http_requests().prom.labels(handler="/v1/responses/{response_id}", method="GET", status="200")._value.get()
     assert after == before + 1
     assert http_requests().prom.labels(handler="/v1/embeddings", method="POST", status="200")._value.get() >= 1
+
+
+def test_stored_responses_in_redis_are_seen_by_every_ingress_replica(redis_server):
+    """Two gateways (two ingress replicas) on one Redis: a response stored through one is read,
+    continued and deleted through the other."""
+    replica = ScriptedReplica()
+    settings = dict(redis_url=redis_server, cache={"backend": "redis"})
+
+    async def main():
+        a, _ = _sdk(replica, **settings)
+        b, _ = _sdk(replica, **settings)
+        first = await a.responses.create(model="fake", input="Remember 42.")
+        seen = await b.responses.retrieve(first.id)
+        await b.responses.create(model="fake", input="What number?", previous_response_id=first.id, store=False)
+        await b.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await a.responses.retrieve(first.id)
+        return first, seen
+
+    first, seen = _run(main())
+    assert seen.id == first.id and seen.output_text == "Hello there"
+    assert replica.requests[1].messages[:2] == [{"role": "user", "content": "Remember 42."},
+                                                {"role": "assistant", "content": "Hello there"}]
