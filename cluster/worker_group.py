@@ -2,9 +2,14 @@
 
 ``RayWorkerGroup`` implements :class:`engine.executor.Executor`. It starts ``N =
 tensor_parallel_size`` :class:`TPWorker` actors in a placement group (the replica's own, when
-it runs inside a Serve replica deployed with ``placement_group_bundles``; else one it creates
-with ``STRICT_PACK``, so all ranks share a node). Each worker joins a process group (NCCL on
-GPU, gloo on CPU; rendezvous through a private file on the node, sockets on loopback) and then builds :class:`engine.model_runner.ModelRunner`, which
+it runs inside a Serve replica deployed with ``placement_group_bundles`` and the model's
+``placement_group_strategy``; else one it creates, ``STRICT_PACK`` by default so all ranks share a
+node). Each worker joins a process group (NCCL on GPU, gloo on CPU). Ranks on one node meet
+through a private file on it and keep their sockets on loopback; ranks spread over nodes
+(``SPREAD`` / ``STRICT_SPREAD``) meet at a TCP store on rank 0's node and talk over the nodes'
+network, which must then be the cluster's private one (torch's store takes no authentication).
+Collectives time out after ``collective_timeout_s`` (a rank that died mid-step fails the step
+instead of hanging the others). Then each worker builds :class:`engine.model_runner.ModelRunner`, which
 loads that rank's shard of the weights (column/row-parallel linears, vocab-parallel embedding
 and LM head, attention split by KV-head groups) and allocates that rank's share of the KV
 cache. The scheduler runs once, in the engine; every step's ``SchedulerOutput`` goes to all
@@ -16,9 +21,11 @@ This module imports Ray and the engine, never ``deployments/``.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -46,6 +53,18 @@ class TPWorker:
             torch.set_num_threads(torch_num_threads)
         self.runner = None
 
+    def where(self) -> dict:
+        """This rank's node: ``node_id`` (Ray's) and ``ip``."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+    def rendezvous_tcp(self) -> str:
+        """``tcp://<this node's address>:<a free port>`` for a process group whose ranks are on
+        several nodes (asked of rank 0, whose ``init`` then hosts the store there)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
     def rendezvous_file(self) -> str:
         """A fresh path in a private (0700) directory of this node, for the process group's
         ``file://`` rendezvous (asked of rank 0). The ranks of one replica share a node
@@ -54,22 +73,24 @@ class TPWorker:
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
         return os.path.join(self._rendezvous_dir, "rendezvous")
 
-    def init(self, config: EngineConfig, model_path: str, init_method: str) -> dict:
+    def init(self, config: EngineConfig, model_path: str, init_method: str, one_node: bool = True,
+             collective_timeout_s: float = 300.0) -> dict:
         import torch
         import torch.distributed as dist
 
         from engine.model_runner import ModelRunner
 
         backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
-        # Ranks share a node: keep the collectives' sockets on loopback unless told otherwise.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        if one_node:  # ranks share a node: keep the collectives' sockets on loopback unless told otherwise
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         dist.init_process_group(backend=backend, init_method=init_method, rank=self.rank,
-                                world_size=self.world_size)
+                                world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
         self.runner = ModelRunner(config, model_path)
-        return {"rank": self.rank, "pid": os.getpid(), "backend": backend, "node": ray.util.get_node_ip_address(),
+        return {"rank": self.rank, "pid": os.getpid(), "backend": backend, **self.where(),
                 "threads": torch.get_num_threads()}
 
     def determine_num_blocks(self) -> int:
@@ -125,6 +146,8 @@ class RayWorkerGroup(Executor):
         torch_num_threads: CPU threads per rank.
         bundle_offset: index of the bundle of rank 0 in the placement group.
         timeout_s: how long to wait for the placement group and the workers to start.
+        strategy: the strategy of a placement group created here (``STRICT_PACK``: one node).
+        collective_timeout_s: a collective waiting longer for a rank fails (seconds).
 
     Raises:
         TimeoutError: the placement group could not be reserved in time.
@@ -132,7 +155,8 @@ class RayWorkerGroup(Executor):
 
     def __init__(self, config: EngineConfig, model_path: str | Path, *, placement_group: PlacementGroup | None = None,
                  num_cpus: float | None = None, num_gpus: float | None = None,
-                 torch_num_threads: int | None = None, bundle_offset: int = 0, timeout_s: float = 300.0):
+                 torch_num_threads: int | None = None, bundle_offset: int = 0, timeout_s: float = 300.0,
+                 strategy: str = "STRICT_PACK", collective_timeout_s: float = 300.0):
         super().__init__(config, model_path)
         n = config.tensor_parallel_size
         cuda = config.torch_device.type == "cuda"
@@ -143,7 +167,7 @@ class RayWorkerGroup(Executor):
         self.placement_group = pg
         if pg is None:
             bundle = {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
-            pg = placement_group_create([dict(bundle) for _ in range(n)])
+            pg = placement_group_create([dict(bundle) for _ in range(n)], strategy)
             self._owned_pg = pg
         if not pg.wait(timeout_seconds=timeout_s):
             self._release_pg()
@@ -163,10 +187,14 @@ class RayWorkerGroup(Executor):
             for rank in range(n)
         ]
         try:
-            self._rendezvous = ray.get(self.workers[0].rendezvous_file.remote(), timeout=timeout_s)
-            init_method = f"file://{self._rendezvous}"
-            infos = ray.get([w.init.remote(config, str(model_path), init_method) for w in self.workers],
-                            timeout=timeout_s)
+            nodes = {w["node_id"] for w in ray.get([w.where.remote() for w in self.workers], timeout=timeout_s)}
+            one_node = len(nodes) == 1
+            if one_node:
+                init_method = "file://" + ray.get(self.workers[0].rendezvous_file.remote(), timeout=timeout_s)
+            else:
+                init_method = ray.get(self.workers[0].rendezvous_tcp.remote(), timeout=timeout_s)
+            infos = ray.get([w.init.remote(config, str(model_path), init_method, one_node, collective_timeout_s)
+                             for w in self.workers], timeout=timeout_s)
         except Exception:
             self.shutdown()
             raise

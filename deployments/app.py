@@ -59,10 +59,12 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]
         opts["placement_group_bundles"] = tp_placement_group_bundles(
             m.tensor_parallel_size, "cuda" if cuda else "cpu", replica_cpus=m.replica_cpus,
             worker_cpus=m.worker_cpus)
-        opts["placement_group_strategy"] = "STRICT_PACK"
+        opts["placement_group_strategy"] = m.placement_group_strategy
         opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 0}
     else:
         opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 1 if cuda else 0}
+    if m.max_replicas_per_node is not None:
+        opts["max_replicas_per_node"] = m.max_replicas_per_node
     return opts
 
 
@@ -84,7 +86,7 @@ def build_app(args: AppArgs) -> Application:
     handles = {}
     for i, m in enumerate(args.model_list()):
         opts = llm_deployment_options(m, _deployment_name(i, m.name))
-        worker_options = {"num_cpus": m.worker_cpus}
+        worker_options = {"num_cpus": m.worker_cpus, "collective_timeout_s": m.collective_timeout_s}
         handles[m.name] = LLMServer.options(**opts).bind(
             m.engine_args(), m.name, m.torch_num_threads, worker_options,
             max_queued_requests=m.max_queued_requests, max_queued_prompt_tokens=m.max_queued_prompt_tokens,

@@ -98,6 +98,16 @@ class ModelArgs(EngineArgs):
     lora_modules: Optional[dict[str, str]] = Field(
         None, description="LoRA adapters served with this model, {name: PEFT folder} (vLLM's --lora-modules "
                           "name=path ...); clients send the name as `model`; needs enable_lora")
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="where a tensor-parallel replica's ranks go: STRICT_PACK (default, as on GPUs: one "
+                                   "node, loopback collectives), PACK, SPREAD or STRICT_SPREAD (ranks on several nodes: "
+                                   "collectives over the nodes' network, which must be the cluster's private one)")
+    max_replicas_per_node: Optional[int] = Field(
+        None, ge=1, description="Serve's bound on this model's replicas per node (spreads them over nodes); not "
+                                "with tensor_parallel_size > 1 (Serve refuses it with placement groups)")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="a tensor-parallel collective waiting longer for a rank fails the step (a rank on "
+                                 "a dead node ends its requests with an error instead of hanging them)")
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
@@ -110,6 +120,9 @@ class ModelArgs(EngineArgs):
             raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
+        if self.max_replicas_per_node is not None and self.tensor_parallel_size > 1:
+            raise ValueError("max_replicas_per_node cannot be combined with tensor_parallel_size > 1 (Serve does not "
+                             "allow it with placement groups); use placement_group_strategy for the ranks")
         from deployments.tools import get_tool_parser
 
         get_tool_parser(self.tool_call_parser)  # an unknown name fails here

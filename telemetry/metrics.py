@@ -158,6 +158,18 @@ def metric(kind: str, name: str, doc: str, labels: tuple[str, ...], buckets: tup
 ENGINE_LABELS = ("model_name", "replica")
 
 
+def _node_of_this_process() -> tuple[str, str]:
+    """``(Ray node id, node IP)`` of this process; ``("", "")`` outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:  # metrics never fail a replica
+        pass
+    return "", ""
+
+
 class EngineMetrics:
     """The vLLM-named engine metrics of one ``LLMServer`` replica; :meth:`record_step` and
     :meth:`record_finished` are the engine's stat loggers (``AsyncLLMEngine.add_stat_logger``),
@@ -196,6 +208,10 @@ class EngineMetrics:
                                      "Number of generation tokens processed.", L, TOKEN_BUCKETS)
         for g in (self.running, self.waiting, self.kv_usage):
             g.set(self.labels, 0.0)
+        # which node serves this replica (value 1): on a multi-node cluster, where each model runs
+        node_id, node_ip = _node_of_this_process()
+        metric("gauge", "replica_info", "The node of each model replica (value 1).",
+               L + ("node_id", "node_ip")).set({**self.labels, "node_id": node_id, "node_ip": node_ip}, 1.0)
         self.lora_info = None
         if lora is not None:  # vLLM's lora_requests_info: the adapters in use, as labels; the value is when
             self.lora_info = metric("gauge", "lora_requests_info", "Running stats on lora requests.",

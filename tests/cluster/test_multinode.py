@@ -1,0 +1,83 @@
+"""Serving on several Ray nodes (the ``multinode`` fixture: a head and two worker raylets on this
+machine): replicas spread over nodes with ``max_replicas_per_node``, a tensor-parallel replica
+whose two ranks sit on two nodes (``placement_group_strategy: STRICT_SPREAD``, gloo through a TCP
+store), each giving the same greedy tokens as the engine alone."""
+import httpx
+import pytest
+from helpers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):"]
+
+
+def _reference(tiny_llama_path, text: bool = False) -> list:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_path), max_model_len=256, num_kv_blocks=32)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].text if text else o.outputs[0].token_ids for o in outs]
+
+
+def test_tp_ranks_on_two_nodes_equal_one_process(multinode, tiny_llama_path):
+    """The engine with a RayWorkerGroup spread over two nodes (no Serve)."""
+    from cluster.worker_group import RayWorkerGroup
+    from engine import LLM, SamplingParams
+
+    groups = []
+
+    def factory(config, path):
+        groups.append(RayWorkerGroup(config, path, num_cpus=1, torch_num_threads=1, strategy="STRICT_SPREAD",
+                                     timeout_s=120, collective_timeout_s=60))
+        return groups[-1]
+
+    llm = LLM(str(tiny_llama_path), tensor_parallel_size=2, executor_factory=factory, max_model_len=256,
+              num_kv_blocks=32)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+        info = groups[0].worker_info
+        assert len({i["node_id"] for i in info}) == 2  # one rank per node
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == _reference(tiny_llama_path)
+
+
+def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_path):
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from deployments.app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    common = {"model": str(tiny_llama_path), "max_num_seqs": 4, "max_model_len": 256, "torch_num_threads": 1}
+    app = build_app({"models": [
+        {**common, "served_model_name": "tiny-spread", "num_replicas": 2, "max_replicas_per_node": 1,
+         "replica_cpus": 1},
+        {**common, "served_model_name": "tiny-tp", "num_replicas": 1, "tensor_parallel_size": 2,
+         "placement_group_strategy": "STRICT_SPREAD", "replica_cpus": 0.5, "worker_cpus": 0.5,
+         "collective_timeout_s": 60},
+    ], "ingress_cpus": 0.25})
+    serve.run(app, name="multinode", route_prefix="/")
+    try:
+        details = _get_global_client().get_serve_details()
+        deps = details["applications"]["multinode"]["deployments"]
+        spread = [r["node_id"] for r in deps["LLMServer"]["replicas"]]
+        assert len(spread) == 2 and len(set(spread)) == 2  # max_replicas_per_node 1: two nodes
+        tp = serve.get_deployment_handle("LLMServer-tiny-tp", "multinode")
+        workers = tp.server_info.remote().result().workers
+        assert len({r["node_id"] for r in workers["ranks"]}) == 2  # STRICT_SPREAD: a rank per node
+        ref = _reference(tiny_llama_path, text=True)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+            for model in ("tiny-spread", "tiny-tp"):
+                for prompt, want in zip(PROMPTS, ref):
+                    r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
+                                                        "temperature": 0, "ignore_eos": True, "cache": False})
+                    assert r.status_code == 200, r.text
+                    assert r.json()["choices"][0]["text"] == want, model
+            metrics = c.get("/metrics").text
+        nodes = {line.split('node_id="')[1].split('"')[0] for line in metrics.splitlines()
+                 if line.startswith("kvserve:replica_info") and 'model_name="tiny-spread"' in line}
+        assert nodes == set(spread)
+    finally:
+        serve.delete("multinode")
