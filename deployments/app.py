@@ -101,7 +101,9 @@ def build_app(args: AppArgs) -> Application:
             num_replicas=e.embedding_num_replicas, ray_actor_options={"num_cpus": e.embedding_cpus}).bind(
             e.embedding_model, e.served_name(), e.embedding_num_threads)
     return OpenAIIngress.options(num_replicas=g.ingress_num_replicas, max_ongoing_requests=g.ingress_max_ongoing_requests,
-                                 graceful_shutdown_timeout_s=drain_s, ray_actor_options={"num_cpus": g.ingress_cpus}
+                                 graceful_shutdown_timeout_s=drain_s, ray_actor_options={
+                                     "num_cpus": g.ingress_cpus, **({"resources": g.ingress_resources}
+                                                                    if g.ingress_resources else {})}
                                  ).bind(handles, gateway_settings(args), encoders)
 
 

@@ -191,6 +191,9 @@ class GatewayArgs(BaseModel):
                                          description="most prompts in one /v1/completions request")
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
+    ingress_resources: Optional[dict[str, float]] = Field(
+        None, description="custom Ray resources of each ingress replica, e.g. {\"head\": 0.01} with a head started "
+                          "with --resources '{\"head\": 1}' keeps the ingress on the head node")
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
 
 
