@@ -13,17 +13,22 @@ from helpers import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-async def _stream(client: httpx.AsyncClient, prompt: str) -> dict:
-    """One streamed completion: its text, whether an error event came, and whether it ended with [DONE]."""
+async def _stream(client: httpx.AsyncClient, prompt: str, started: asyncio.Semaphore) -> dict:
+    """One streamed completion: its text, whether an error event came, and whether it ended with
+    [DONE]; ``started`` is released at its first event."""
     out = {"text": "", "error": None, "done": False, "status": None}
+    first = True
     async with client.stream("POST", "/v1/completions", json={
-            "model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "model": "tiny", "prompt": prompt, "max_tokens": 600, "temperature": 0, "ignore_eos": True,
             "stream": True, "cache": False}) as r:
         out["status"] = r.status_code
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
             data = line[6:]
+            if first:
+                first = False
+                started.release()
             if data == "[DONE]":
                 out["done"] = True
             else:
@@ -44,7 +49,7 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny", "num_replicas": 2,
-                     "max_replicas_per_node": 1, "replica_cpus": 1, "max_num_seqs": 16, "max_model_len": 256,
+                     "max_replicas_per_node": 1, "replica_cpus": 1, "max_num_seqs": 16, "max_model_len": 2048,
                      "torch_num_threads": 1, "ingress_cpus": 0.25, "ingress_resources": {"head": 0.01},
                      "graceful_shutdown_timeout_s": 5})
     serve.run(app, name="failover", route_prefix="/")
@@ -59,8 +64,10 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
 
         async def main():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-                streams = [asyncio.create_task(_stream(c, f"story {k}:")) for k in range(12)]
-                await asyncio.sleep(3.0)  # every stream has started (the tiny model streams at once)
+                started = asyncio.Semaphore(0)
+                streams = [asyncio.create_task(_stream(c, f"story {k}:", started)) for k in range(12)]
+                for _ in streams:  # every stream has its first tokens (600 to go: they run for a while)
+                    await asyncio.wait_for(started.acquire(), 120)
                 t_kill = time.monotonic()
                 multinode.cluster.remove_node(multinode.workers[victim], allow_graceful=False)
                 ended = await asyncio.wait_for(asyncio.gather(*streams), 120)  # never a hang
@@ -90,3 +97,39 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
     assert ready_s is not None, "the lost replica was not rebuilt on a remaining node within 120 s"
     print(f"\nrecovery: {len(cut)} of {len(ended)} streams cut; replica rebuilt and /ready 200 {ready_s:.1f} s "
           "after the node died")
+
+
+def test_a_tp_rank_lost_with_its_node_fails_the_step_instead_of_hanging(multinode, tiny_llama_path):
+    """Tensor parallelism over two nodes (STRICT_SPREAD); the node of one rank dies mid-generation:
+    the other rank's collective fails (the peer's socket closes; a silent peer would hit
+    ``collective_timeout_s``) and the engine step raises, so the replica is replaced instead of
+    hanging its requests (the pytest timeout would catch a hang)."""
+    import threading
+
+    from cluster.worker_group import RayWorkerGroup
+    from engine import LLM, SamplingParams
+    from engine.llm_engine import StepFailedError
+
+    spare = multinode.cluster.add_node(num_cpus=2)  # the first test took a worker node
+    multinode.cluster.wait_for_nodes()
+    groups = []
+
+    def factory(config, path):
+        groups.append(RayWorkerGroup(config, path, num_cpus=1, torch_num_threads=1, strategy="STRICT_SPREAD",
+                                     timeout_s=120, collective_timeout_s=20))
+        return groups[-1]
+
+    llm = LLM(str(tiny_llama_path), tensor_parallel_size=2, executor_factory=factory, max_model_len=256,
+              num_kv_blocks=64)
+    nodes = {i["node_id"] for i in groups[0].worker_info}
+    assert len(nodes) == 2
+    alive = {w.node_id: w for w in [*multinode.workers.values(), spare]}
+    victim = next(alive[n] for n in nodes if n in alive and n != multinode.head_id)
+    killer = threading.Timer(1.0, multinode.cluster.remove_node, args=(victim,), kwargs={"allow_graceful": False})
+    killer.start()
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    with pytest.raises(StepFailedError):
+        for _ in range(1000):  # generation keeps the ranks in collectives until the node dies
+            llm.generate(["hello"] * 8, params, use_tqdm=False)
+    killer.join()
+    groups[0].shutdown()
