@@ -234,6 +234,8 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("embeddings of all-MiniLM-L6-v2, inputs/s, sentence-transformers / vLLM pooling runner", "embeddings",
      lambda d: _x(next(r for r in d["runs"] if r["system"] == "kvserve" and r["model"] == "encoder")
                   ["kvserve_over_vllm"])),
+    ("a worker node killed mid-traffic: seconds until both replicas run and /ready is 200 (median of 3; "
+     "three raylets on one machine)", "multinode", lambda d: f"{d['recovery_s_median']} s"),
     ("HTTP streaming / offline engine throughput, one replica", "serving",
      lambda d: f"{d['http_over_offline_throughput']:.2f}"),
     ("prefix-aware routing: TTFT p50 / Serve's default router", "routing",

@@ -48,6 +48,9 @@ from telemetry.metrics import api_key_requests, api_key_tokens, model_routes, re
 
 logger = logging.getLogger("ray.serve")
 
+#: Times a request is sent again when its replica died before its first chunk (nothing generated).
+UNAVAILABLE_RETRIES = 2
+
 def estimate_prompt_tokens(prompt) -> int:
     """A prompt's token count before the replica tokenizes it, for reserving a key's token
     budget (settled with the real count afterwards): exact for token ids, about 4 UTF-8 bytes
@@ -379,15 +382,27 @@ class Gateway:
         shedder counts the stream open until it ends, and a ``queue_full`` refusal (the
         replica's or Serve's) marks the model full.
 
+        A replica that died before the request's first chunk (its node lost: ``model_unavailable``)
+        has produced nothing, so the request is sent again, up to :data:`UNAVAILABLE_RETRIES`
+        times (Serve's router has dropped the dead replica by then).
+
         Raises:
             OpenAIError: the replica refused the request (its typed error), or Serve did
                 (``queue_full`` 429, ``model_unavailable`` 503).
         """
         model = call.model
         request.shed_requests = self.shedder.opened(model)
-        gen = call.handle.stream.remote(request)
         try:
-            first = await self._first_chunk(call, gen)
+            for attempt in range(UNAVAILABLE_RETRIES + 1):
+                gen = call.handle.stream.remote(request)
+                try:
+                    first = await self._first_chunk(call, gen)
+                    break
+                except OpenAIError as e:
+                    if e.code != "model_unavailable" or attempt == UNAVAILABLE_RETRIES:
+                        raise
+                    logger.info("request %s: the replica was lost before its first token; sent again", call.http_id)
+                    await asyncio.sleep(0.2 * (attempt + 1))
         except BaseException as e:  # the request left before its first token
             self.shedder.closed(model)
             if isinstance(e, OpenAIError) and e.code == "queue_full":

@@ -280,3 +280,35 @@ def test_server_info_survives_a_full_handle_queue():
     infos = _run(burst())
     assert all(i.max_model_len == 256 for i in infos)
     assert handle.calls == 4  # one fetch at a time: three refusals, one success, then the cache
+
+
+def test_a_replica_lost_before_the_first_chunk_is_retried_once_elsewhere():
+    """A replica that died (its node lost) before producing anything: the request goes again
+    (nothing was generated), and the client gets the answer, not a 503."""
+    from ray.exceptions import ActorDiedError
+
+    class LosesFirst(FakeReplica):
+        def __init__(self):
+            super().__init__()
+            self.lost = 0
+
+        def _stream(self, request):
+            if self.lost == 0:
+                self.lost += 1
+
+                async def dead():
+                    raise ActorDiedError()
+                    yield  # noqa: unreachable (an async generator)
+                return FakeGen(dead())
+            return super()._stream(request)
+
+    replica = LosesFirst()
+
+    async def main():
+        async with _client(replica) as c:
+            return await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+
+    r = _run(main())
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "hello world"
+    assert replica.lost == 1 and len(replica.requests) == 1
