@@ -34,28 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-async def _stream(client, n_tokens: int, k: int, started: asyncio.Semaphore) -> dict:
-    out, first = {"error": None, "done": False}, True
-    async with client.stream("POST", "/v1/completions", json={
-            "model": "tiny", "prompt": f"story {k}:", "max_tokens": n_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "cache": False}) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if first:
-                first = False
-                started.release()
-            if line[6:] == "[DONE]":
-                out["done"] = True
-            elif "error" in (event := json.loads(line[6:])):
-                out["error"] = event["error"].get("code")
-    return out
-
-
 def one_run(model_path: str, streams: int, tokens: int) -> dict:
     import httpx
     import ray
-    from helpers import free_port
+    from helpers import free_port, stream_completion
     from ray import serve
     from ray.cluster_utils import Cluster
     from ray.serve.context import _get_global_client
@@ -85,7 +67,9 @@ def one_run(model_path: str, streams: int, tokens: int) -> dict:
         async def main():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
                 started = asyncio.Semaphore(0)
-                tasks = [asyncio.create_task(_stream(c, tokens, k, started)) for k in range(streams)]
+                tasks = [asyncio.create_task(stream_completion(c, {
+                    "model": "tiny", "prompt": f"story {k}:", "max_tokens": tokens, "temperature": 0,
+                    "ignore_eos": True, "cache": False}, started)) for k in range(streams)]
                 for _ in tasks:
                     await asyncio.wait_for(started.acquire(), 120)
                 t_kill = time.monotonic()

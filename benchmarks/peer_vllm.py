@@ -102,12 +102,21 @@ def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | 
     Raises:
         RuntimeError: the environment could not be created or the worker failed (stderr tail).
     """
+    return _run_worker({"model": model, "dtype": dtype, "works": works, "batch1": batch1,
+                        "engine_kwargs": engine_kwargs or {}, "lora_paths": lora_paths or []}, timeout_s)
+
+
+def _run_worker(spec: dict, timeout_s: float) -> dict:
+    """Run this file as a worker on ``spec`` in the cached environment; its JSON result.
+
+    Raises:
+        RuntimeError: the environment could not be created or the worker failed (stderr tail).
+    """
     py = ensure_venv()
     with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"model": model, "dtype": dtype, "works": works, "batch1": batch1, "out": str(out),
-                                    "engine_kwargs": engine_kwargs or {}, "lora_paths": lora_paths or []}))
-        r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec)], env=vllm_env(),
+        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps({**spec, "out": str(out)}))
+        r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec_path)], env=vllm_env(),
                            capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
         if r.returncode or not out.exists():  # vLLM's workers log their errors on stdout
             errors = [line for line in (r.stdout + r.stderr).splitlines() if "Error" in line][-8:]
@@ -126,17 +135,7 @@ def run_vllm_embed(model: str, dtype: str, works: list[list[list[int]]], convert
     Raises:
         RuntimeError: as :func:`run_vllm`.
     """
-    py = ensure_venv()
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"model": model, "dtype": dtype, "embed": works, "convert": convert, "keep": keep,
-                                    "out": str(out)}))
-        r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec)], env=vllm_env(),
-                           capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
-        if r.returncode or not out.exists():
-            errors = [line for line in (r.stdout + r.stderr).splitlines() if "Error" in line][-8:]
-            raise RuntimeError(f"vLLM worker exited {r.returncode}:\n" + "\n".join(errors))
-        return json.loads(out.read_text())
+    return _run_worker({"model": model, "dtype": dtype, "embed": works, "convert": convert, "keep": keep}, timeout_s)
 
 
 # ---- the worker: runs inside the vLLM environment -------------------------------------------

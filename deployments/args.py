@@ -317,17 +317,9 @@ class EmbeddingArgs(BaseModel):
 
     def served_name(self) -> Optional[str]:
         """The encoder's served name (None without one)."""
-        import os
+        from deployments.embedding_server import served_name
 
-        from deployments.embedding_server import DEFAULT_EMBEDDING_MODEL
-
-        if self.embedding_model is None:
-            return None
-        if self.embedding_served_name:
-            return self.embedding_served_name
-        if self.embedding_model in ("", "bundled"):
-            return DEFAULT_EMBEDDING_MODEL
-        return os.path.basename(os.path.normpath(self.embedding_model))
+        return None if self.embedding_model is None else served_name(self.embedding_model, self.embedding_served_name)
 
 
 #: The sections of :class:`AppArgs` besides ``models``, by name.

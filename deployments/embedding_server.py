@@ -17,7 +17,7 @@ import os
 
 from ray import serve
 
-from deployments.embeddings import detokenize, dimensions_error, shorten, tokenize
+from deployments.embeddings import detokenize, dimensions_error, shorten, tokenize, tokenizer_call
 from deployments.server_types import EmbedResult, GenerationError, ServerInfo, TokenizeResult, model_revision
 
 logger = logging.getLogger("ray.serve")
@@ -26,6 +26,19 @@ logger = logging.getLogger("ray.serve")
 GROUP_TOKENS = 2048
 #: The served name of the bundled encoder.
 DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def is_bundled(model: str | None) -> bool:
+    """``model`` names the bundled all-MiniLM-L6-v2 (None, ``""`` or ``bundled``)."""
+    return model in (None, "", "bundled")
+
+
+def served_name(model: str | None, served_model_name: str | None = None) -> str:
+    """The name clients send for encoder ``model``: ``served_model_name``, else
+    :data:`DEFAULT_EMBEDDING_MODEL` for the bundled one, else the folder's name."""
+    if served_model_name:
+        return served_model_name
+    return DEFAULT_EMBEDDING_MODEL if is_bundled(model) else os.path.basename(os.path.normpath(model))
 
 
 @serve.deployment(name="EmbeddingServer", max_ongoing_requests=64, health_check_period_s=5,
@@ -53,12 +66,10 @@ class EmbeddingServer:
         from deployments.cache.semantic import embedder_path
 
         torch.set_num_threads(torch_num_threads)
-        bundled = model in (None, "", "bundled")
-        self.path = str(embedder_path()) if bundled else model
+        self.path = str(embedder_path()) if is_bundled(model) else model
         self.model = SentenceTransformer(self.path, device="cpu", local_files_only=True)
         self.model.eval()
-        self.name = served_model_name or (DEFAULT_EMBEDDING_MODEL if bundled else os.path.basename(
-            os.path.normpath(model)))
+        self.name = served_name(model, served_model_name)
         self.dim = int(self.model.get_embedding_dimension())
         self.max_len = int(self.model.max_seq_length)
         self.tokenizer = self.model.tokenizer
@@ -136,23 +147,13 @@ class EmbeddingServer:
         return out
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None, **kw) -> TokenizeResult:
-        """``/tokenize`` with this encoder's tokenizer (a prompt only: encoders have no chat template)."""
-        if messages is not None:
-            return TokenizeResult(error=GenerationError("invalid_value", f"{self.name} is an embedding model with no "
-                                                                         "chat template: send prompt"))
-        try:
-            return await asyncio.to_thread(tokenize, self.tokenizer, self.max_len, prompt=prompt,
-                                           add_special_tokens=kw.get("add_special_tokens"),
-                                           return_token_strs=kw.get("return_token_strs", False))
-        except ValueError as e:
-            return TokenizeResult(error=GenerationError("invalid_value", str(e)))
+        """``/tokenize`` with this encoder's tokenizer (``messages`` need a chat template, which
+        encoders rarely have: then an ``invalid_value`` error)."""
+        return await tokenizer_call(tokenize, self.tokenizer, self.max_len, prompt=prompt, messages=messages, **kw)
 
     async def detokenize(self, tokens: list[int]) -> TokenizeResult:
         """``/detokenize`` with this encoder's tokenizer."""
-        try:
-            return await asyncio.to_thread(detokenize, self.tokenizer, tokens)
-        except ValueError as e:
-            return TokenizeResult(error=GenerationError("invalid_value", str(e)))
+        return await tokenizer_call(detokenize, self.tokenizer, tokens)
 
     async def health(self, timeout_s: float = 2.0) -> dict[str, str]:
         """Liveness for the ingress's ``/health``."""

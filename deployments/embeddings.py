@@ -60,20 +60,13 @@ def tokenize(tokenizer, max_model_len: int, *, prompt: str | None = None, messag
     Raises:
         ValueError: neither or both of ``prompt`` and ``messages``; the template rejects the messages.
     """
+    from engine.llm_engine import chat_template_ids
+
     if (prompt is None) == (messages is None):
         raise ValueError("give either prompt or messages")
     if messages is not None:
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message)
-        except Exception as e:  # jinja errors on bad roles or content
-            raise ValueError(f"could not apply the chat template: {e}") from None
-        ids = tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
+        ids = chat_template_ids(tokenizer, messages, add_generation_prompt, tools, continue_final_message,
+                                bool(add_special_tokens))
     else:
         ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
     strs = tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None
@@ -91,6 +84,15 @@ def detokenize(tokenizer, tokens: list[int]) -> TokenizeResult:
     if bad:
         raise ValueError(f"tokens: {bad[0]} is not a token id of this model (ids are in [0, {vocab}))")
     return TokenizeResult(tokens=list(tokens), count=len(tokens), prompt=tokenizer.decode(tokens))
+
+
+async def tokenizer_call(fn, *args, **kwargs) -> TokenizeResult:
+    """``fn(*args, **kwargs)`` (:func:`tokenize`, :func:`detokenize`) in a worker thread; bad
+    input (``ValueError``, ``TypeError``) becomes the result's ``invalid_value`` error."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except (ValueError, TypeError) as e:
+        return TokenizeResult(error=GenerationError("invalid_value", str(e)))
 
 
 class PoolingEndpoints:
@@ -170,29 +172,21 @@ class PoolingEndpoints:
                 self.admission.end(len(ids), started)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       tools: list[dict] | None = None, add_special_tokens: bool | None = None,
-                       add_generation_prompt: bool = True, continue_final_message: bool = False,
-                       return_token_strs: bool = False) -> TokenizeResult:
-        """``/tokenize`` with this model's tokenizer and chat template (:func:`tokenize`); an
-        :class:`TokenizeResult` with ``error`` for bad input."""
+                       tools: list[dict] | None = None, **kw) -> TokenizeResult:
+        """``/tokenize`` with this model's tokenizer and chat template (:func:`tokenize`, whose
+        keyword arguments ``kw`` are); tools and tool calls written as for generation."""
         from engine.chat_templates import prepare_messages
 
-        try:
-            if messages is not None:
-                messages, tools = prepare_messages(messages, tools, self.engine.tokenizer.chat_template)
-            return await asyncio.to_thread(
-                tokenize, self.engine.tokenizer, self.max_model_len, prompt=prompt, messages=messages, tools=tools,
-                add_special_tokens=add_special_tokens, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, return_token_strs=return_token_strs)
-        except (ValueError, TypeError) as e:
-            return TokenizeResult(error=GenerationError("invalid_value", str(e)))
+        def run():
+            msgs, tls = (messages, tools) if messages is None else prepare_messages(
+                messages, tools, self.engine.tokenizer.chat_template)
+            return tokenize(self.engine.tokenizer, self.max_model_len, prompt=prompt, messages=msgs, tools=tls, **kw)
+
+        return await tokenizer_call(run)
 
     async def detokenize(self, tokens: list[int]) -> TokenizeResult:
         """``/detokenize`` with this model's tokenizer (:func:`detokenize`)."""
-        try:
-            return await asyncio.to_thread(detokenize, self.engine.tokenizer, tokens)
-        except (ValueError, TypeError) as e:
-            return TokenizeResult(error=GenerationError("invalid_value", str(e)))
+        return await tokenizer_call(detokenize, self.engine.tokenizer, tokens)
 
 
 class GenerationFailed(Exception):

@@ -808,14 +808,19 @@ def render_sse_flood(d: dict, path: Path) -> list[str]:
     return out
 
 
+def _vllm_note(d: dict) -> str:
+    """The peer's version, and why its figures are missing when its run failed."""
+    return ((f" vLLM {d['vllm_version']}." if d.get("vllm_version") else "")
+            + (f" vLLM failed: {d['vllm_error']}" if d.get("vllm_error") else ""))
+
+
 def render_lora(d: dict, path: Path) -> list[str]:
     """``benchmarks/lora.py``: each (system, rank, adapters) run against its base model and vLLM."""
     w = d["workload"]
     out = [f"{w['num_requests']} requests ({w['prompt_tokens']} prompt and {w['output_tokens']} output tokens), "
            f"request k on adapter k % n; {d['dtype']}; each engine with max_loras = max_cpu_loras = "
            f"{d['engine_settings']['max_loras']}; median of {w['repeats']} runs."
-           + (f" vLLM {d['vllm_version']}." if d.get("vllm_version") else "")
-           + (f" vLLM failed: {d['vllm_error']}" if d.get("vllm_error") else "")
+           + _vllm_note(d)
            + (f" vLLM not run at rank {', '.join(map(str, d['vllm_skipped']['ranks']))}: {d['vllm_skipped']['why']}."
               if d.get("vllm_skipped") else ""), ""]
     rows = [[r["system"], r["rank"] or "-", r["adapters"] or "base model" + (
@@ -833,8 +838,7 @@ def render_embeddings(d: dict, path: Path) -> list[str]:
     out = [f"{w['num_inputs']} inputs of random token ids per run (decoder {w['decoder_lengths'][0]}.."
            f"{w['decoder_lengths'][1]} tokens, encoder {w['encoder_lengths'][0]}..{w['encoder_lengths'][1]}), "
            f"all at once, offline, {d['dtype']}; median of {w['repeats']} runs, each with fresh inputs."
-           + (f" vLLM {d['vllm_version']}." if d.get("vllm_version") else "")
-           + (f" vLLM failed: {d['vllm_error']}" if d.get("vllm_error") else ""), ""]
+           + _vllm_note(d), ""]
     rows = [[r["system"], d["models"][r["model"]], r["inputs_per_s"], ", ".join(map(str, r["runs_inputs_per_s"])),
              r["tokens_per_s"], _x(r.get("kvserve_over_vllm")), _load(r.get("load_average_after"))] for r in d["runs"]]
     out += _table(["system", "model", "inputs/s", "runs", "tokens/s", "kvserve / vLLM", "load after"], rows)

@@ -66,18 +66,9 @@ class LLM:
             lora_request = [lora_request] * len(prompts)
         if len(lora_request) != len(prompts):
             raise ValueError(f"got {len(lora_request)} lora_request entries for {len(prompts)} prompts")
-        ids = []
-        try:
-            for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-                rid = f"offline-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0,
-                                        lora_request=lora_request[i])
-                ids.append(rid)
-            return self._run(ids, use_tqdm)
-        finally:  # on an error, leave nothing of this call in the engine
-            for rid in ids:
-                self.engine.abort_request(rid)
+        return self._submit([dict(prompt=p, params=sp, priority=priority[i] if priority else 0,
+                                   lora_request=lora_request[i])
+                              for i, (p, sp) in enumerate(zip(prompts, sampling_params))], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -104,21 +95,26 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = PoolingParams(pooling_type, normalize)
-        ids = []
-        try:
-            for p in prompts:
-                rid = f"offline-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(rid, p, pooling_params=params)
-                ids.append(rid)
-            outs = self._run(ids, use_tqdm)
-        finally:
-            for rid in ids:
-                self.engine.abort_request(rid)
+        outs = self._submit([dict(prompt=p, pooling_params=params) for p in prompts], use_tqdm)
         failed = [o for o in outs if o.pooled is None]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [o.pooled for o in outs]
+
+    def _submit(self, requests: list[dict], use_tqdm: bool) -> list[RequestOutput]:
+        """Add each request (``LLMEngine.add_request`` keyword arguments), run them all to the
+        end; on an error nothing of the call is left in the engine."""
+        ids = []
+        try:
+            for kw in requests:
+                rid = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, **kw)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        finally:
+            for rid in ids:
+                self.engine.abort_request(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

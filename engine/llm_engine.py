@@ -23,23 +23,28 @@ logger = logging.getLogger("kvserve.engine")
 
 
 def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
+                      tools: list[dict] | None = None, continue_final_message: bool = False,
+                      add_special_tokens: bool = False) -> list[int]:
     """Token ids of a conversation (``[{"role", "content"}, ...]``) under the tokenizer's chat
-    template, with the assistant generation prompt appended. ``tools`` (OpenAI's
-    ``{"type": "function", "function": {...}}`` list) go to the template as transformers'
-    ``apply_chat_template(tools=...)`` defines.
+    template, with the assistant generation prompt appended (or, ``continue_final_message``,
+    the last message left open). ``tools`` (OpenAI's ``{"type": "function", "function":
+    {...}}`` list) go to the template as transformers' ``apply_chat_template(tools=...)``
+    defines. ``add_special_tokens``: the tokenizer's own (e.g. BOS) on top of the template's.
 
     Raises:
-        ValueError: the tokenizer has no chat template, or the messages are malformed.
+        ValueError: the tokenizer has no chat template, the messages are malformed, or both
+            ``add_generation_prompt`` and ``continue_final_message`` are asked for.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             tools=tools or None)
+                                             tools=tools or None, continue_final_message=continue_final_message)
     except Exception as e:  # jinja errors on bad roles / content
         raise ValueError(f"could not apply the chat template: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 class PromptTooLongError(ValueError):

@@ -132,6 +132,7 @@ class ModelRunner:
                                   config.max_cpu_loras)
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
+        self.pooling: set[str] = set()  # running embedding requests (engine.pooling): most steps have none
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
 
@@ -318,6 +319,7 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> list[SamplingRow]:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
+            self.pooling.discard(rid)
         rows = []
         for sr in sched.requests:
             st = self.states.get(sr.request_id)
@@ -331,6 +333,7 @@ class ModelRunner:
                 st.lora = sr.new.lora_request
                 if sr.new.pooling is not None:
                     st.pooling = PoolingState(sr.new.pooling, len(sr.new.prompt_token_ids))
+                    self.pooling.add(sr.request_id)
                 if p.prompt_logprobs is not None:
                     st.prompt_token_ids = sr.new.prompt_token_ids
             del st.token_ids[sr.start:]
@@ -405,7 +408,10 @@ class ModelRunner:
     def _pool(self, hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, list[float]] | None:
         """The embeddings of the step's pooling requests whose prompt ends in it (rows of
         ``hidden`` ``[num_tokens, hidden_size]`` fed to each one's
-        :class:`~engine.pooling.PoolingState`); None when the step has none."""
+        :class:`~engine.pooling.PoolingState`); None when the step has none (no loop over the
+        batch then: the step loop of generation pays nothing for embeddings)."""
+        if not self.pooling:
+            return None
         out, offset = {}, 0
         for sr in sched.requests:
             row0, offset = offset, offset + len(sr.token_ids)

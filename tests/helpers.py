@@ -73,3 +73,43 @@ def sse_events(source: SSESource) -> list[dict]:
     events = list(iter_sse(source))
     assert events and events[-1] == DONE, f"stream does not end with [DONE]: last events {events[-3:]!r}"
     return events[:-1]
+
+
+def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 32):
+    """An offline ``LLM`` with tensor_parallel_size 2 whose ranks are Ray actors on two nodes
+    (``STRICT_SPREAD``); returns ``(llm, its RayWorkerGroup)``."""
+    from cluster.worker_group import RayWorkerGroup
+    from engine import LLM
+
+    groups = []
+
+    def factory(config, path):
+        groups.append(RayWorkerGroup(config, path, num_cpus=1, torch_num_threads=1, strategy="STRICT_SPREAD",
+                                     timeout_s=120, collective_timeout_s=collective_timeout_s))
+        return groups[-1]
+
+    llm = LLM(str(model_path), tensor_parallel_size=2, executor_factory=factory, max_model_len=256,
+              num_kv_blocks=num_kv_blocks)
+    return llm, groups[0]
+
+
+async def stream_completion(client, body: dict, started=None) -> dict:
+    """One streamed ``POST /v1/completions`` of ``body`` (an httpx ``AsyncClient``): ``status``,
+    the streamed ``text``, the ``error`` of an error event (None without one) and whether it
+    ended with ``[DONE]`` (``done``); ``started`` (a semaphore) is released at its first event."""
+    out = {"status": None, "text": "", "error": None, "done": False}
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        out["status"] = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if started is not None:
+                started.release()
+                started = None
+            if line[6:] == "[DONE]":
+                out["done"] = True
+            elif "error" in (event := json.loads(line[6:])):
+                out["error"] = event["error"]
+            else:
+                out["text"] += event["choices"][0]["text"]
+    return out

@@ -33,7 +33,7 @@ from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, re
 from deployments.gateway.adapters import AdapterDirectory
 from deployments.gateway.errors import as_client_error, internal, request_id_of, stream_error
 from deployments.gateway.gate import GateSettings
-from deployments.gateway.gate import request_policy
+from deployments.gateway.gate import key_name, request_policy
 from deployments.gateway.models import ModelDirectory
 from deployments.gateway.responses_input import ResponseStore
 from deployments.gateway.settings import GatewaySettings  # noqa: F401 (re-exported)
@@ -171,7 +171,7 @@ class Gateway:
             if base not in self.models or a in self.models:
                 raise ValueError(f"adapter {a!r}: its base model {base!r} is not served, or the name is a model's")
         self.lora = AdapterDirectory()  # and those loaded at run time
-        self._multiplexed: dict[str, DeploymentHandle] = {}  # multiplexed id -> streaming handle
+        self._multiplexed: dict[tuple[str, bool], DeploymentHandle] = {}  # (multiplexed id, streaming) -> handle
         self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
         self.encoders = dict(encoders or {})  # embedding-only models (deployments.embedding_server)
         if set(self.encoders) & set(self.models):
@@ -232,18 +232,7 @@ class Gateway:
             headers["x-kvserve-route"] = f"auto:{rule}"
         else:
             name = body.model
-        base, entry = await self.adapter_base(name)
-        adapter = name if base is not None else None
-        name, handle = self.model_handle(base or name)
-        if entry is not None:  # to a replica that holds the adapter (Serve's model multiplexing)
-            handle = self._multiplexed.get(entry.multiplexed_id)
-            if handle is None:
-                if len(self._multiplexed) > 1024:
-                    self._multiplexed.clear()
-                handle = self._multiplexed[entry.multiplexed_id] = self.streaming[name].options(
-                    multiplexed_model_id=entry.multiplexed_id)
-        return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()),
-                    adapter=adapter, adapter_version=entry.version if entry is not None else None)
+        return await self._call(request, name, id_prefix, headers, stream=True)
 
     async def unary_call(self, request: Request, model: str | None, id_prefix: str) -> Call:
         """A :class:`Call` for a one-answer replica method (embeddings, tokenize): ``model``
@@ -256,13 +245,31 @@ class Gateway:
         if model in self.encoders:
             return Call(request, request_id_of(request), random_id(id_prefix), model, self.encoders[model], {},
                         int(time.time()))
-        base, entry = await self.adapter_base(model)
-        name, _ = self.model_handle(base or model)
-        handle = self.models[name]
-        if entry is not None:
-            handle = handle.options(multiplexed_model_id=entry.multiplexed_id)
-        return Call(request, request_id_of(request), random_id(id_prefix), name, handle, {}, int(time.time()),
-                    adapter=model if base is not None else None)
+        return await self._call(request, model, id_prefix, {}, stream=False)
+
+    async def _call(self, request: Request, name: str | None, id_prefix: str, headers: dict[str, str], *,
+                    stream: bool) -> Call:
+        """The :class:`Call` of served name ``name``: a LoRA adapter's goes to its base model,
+        with Serve's multiplexed model id for one loaded at run time (``stream``: the streaming
+        handle, cached per adapter load).
+
+        Raises:
+            OpenAIError: 404 for an unknown model.
+        """
+        base, entry = await self.adapter_base(name)
+        adapter = name if base is not None else None
+        name, handle = self.model_handle(base or name)
+        if not stream:
+            handle = self.models[name]
+        if entry is not None:  # to a replica that holds the adapter (Serve's model multiplexing)
+            key = (entry.multiplexed_id, stream)
+            if key not in self._multiplexed:
+                if len(self._multiplexed) > 1024:
+                    self._multiplexed.clear()
+                self._multiplexed[key] = handle.options(multiplexed_model_id=entry.multiplexed_id)
+            handle = self._multiplexed[key]
+        return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()),
+                    adapter=adapter, adapter_version=entry.version if entry is not None else None)
 
     async def ask(self, call: Call, method: str, *args, **kwargs):
         """``call.handle.<method>.remote(*args, **kwargs)``'s answer; a typed ``error`` on it
@@ -448,7 +455,7 @@ class Gateway:
                 (more tokens than the key may use per minute), 403 (the key may send nothing).
         """
         policy = request_policy(call.request.scope)
-        key = policy.name if policy is not None else "anonymous"
+        key = key_name(call.request.scope)
         grant = None
         if policy is not None and self.limiter.enabled_for(policy):
             if max_tokens is None:

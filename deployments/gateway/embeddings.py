@@ -18,6 +18,11 @@ from deployments.protocol import OpenAIError
 TokenIds = list[int]
 
 
+def _as_list(v) -> list:
+    """``input`` as a list of inputs: a single string or token id list is one input."""
+    return [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else list(v)
+
+
 class EmbeddingRequest(BaseModel):
     """OpenAI's ``POST /v1/embeddings`` body. ``input``: a string, a list of strings, a list of
     token ids, or a list of token id lists (at most 2048 inputs, none empty)."""
@@ -34,7 +39,7 @@ class EmbeddingRequest(BaseModel):
     @field_validator("input")
     @classmethod
     def _check_input(cls, v):
-        items = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        items = _as_list(v)
         if not items:
             raise ValueError("input must not be empty")
         if len(items) > MAX_EMBEDDING_INPUTS:
@@ -45,8 +50,7 @@ class EmbeddingRequest(BaseModel):
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs as a list (a single string or token list becomes one input)."""
-        v = self.input
-        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+        return _as_list(self.input)
 
 
 def encode(vector: list[float], fmt: str) -> list[float] | str:

@@ -102,6 +102,12 @@ def request_policy(scope: Scope) -> KeyPolicy | None:
     return (scope.get("state") or {}).get("kvserve_api_key")
 
 
+def key_name(scope: Scope) -> str:
+    """The name of this request's API key (its ``name=``, never the key), ``anonymous`` without keys."""
+    policy = request_policy(scope)
+    return policy.name if policy is not None else "anonymous"
+
+
 def mask_key(key: str) -> str:
     """A key as it may appear in logs and banners: its first 4 characters, then ``...``."""
     return (key[:4] + "...") if len(key) > 8 else "***"

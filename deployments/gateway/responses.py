@@ -28,15 +28,10 @@ from fastapi.responses import StreamingResponse
 
 from deployments.gateway.chat import ChatChoiceRenderer, collect, start_chat
 from deployments.gateway.core import Call, Gateway
-from deployments.gateway.gate import request_policy
+from deployments.gateway.gate import key_name
 from deployments.gateway.responses_input import ResponsesRequest, ResponseStore
 from deployments.gateway.streams import SSE_HEADERS, usage_of
 from deployments.server_types import GenerationChunk, finish_reason
-
-
-def _owner(request: Request) -> str:
-    policy = request_policy(request.scope)
-    return policy.name if policy is not None else "anonymous"
 
 
 def _item_id(prefix: str) -> str:
@@ -54,18 +49,16 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 
 class ResponseBuilder:
-    """One response object: the request's echoed settings, then its output, status and usage."""
+    """One response object: the request's echoed settings, then its output, status and usage;
+    :meth:`final` also stores it (``store``) with the conversation it ends."""
 
-    def __init__(self, call: Call, body: ResponsesRequest):
-        self.call, self.body = call, body
+    def __init__(self, call: Call, body: ResponsesRequest, store: ResponseStore | None,
+                 conversation: list[dict[str, Any]], owner: str):
+        self.call, self.body, self.store, self.conversation, self.owner = call, body, store, conversation, owner
         self.id = "resp_" + call.response_id.split("-", 1)[1]
         self.created = time.time()
 
-    def tool_choice(self) -> Any:
-        return self.body.tool_choice if self.body.tool_choice is not None else "auto"
-
-    def response(self, status: str, output: list[dict[str, Any]], lasts: dict | None = None,
-                 incomplete: bool = False) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]], lasts: dict | None = None) -> dict[str, Any]:
         """The response object (``status`` ``in_progress``, ``completed`` or ``incomplete``)."""
         b = self.body
         fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {
@@ -73,10 +66,11 @@ class ResponseBuilder:
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "model": self.call.served, "output": output, "instructions": b.instructions,
                "max_output_tokens": b.max_output_tokens, "temperature": b.temperature, "top_p": b.top_p,
-               "tools": b.tools or [], "tool_choice": self.tool_choice(), "parallel_tool_calls": b.parallel_tool_calls,
-               "text": {"format": fmt}, "previous_response_id": b.previous_response_id, "store": b.store,
-               "metadata": b.metadata or {}, "user": b.user, "truncation": "disabled", "background": False,
-               "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+               "tools": b.tools or [], "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
+               "parallel_tool_calls": b.parallel_tool_calls, "text": {"format": fmt},
+               "previous_response_id": b.previous_response_id, "store": b.store, "metadata": b.metadata or {},
+               "user": b.user, "truncation": "disabled", "background": False, "error": None,
+               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                "usage": None}
         if status != "in_progress":
             out["completed_at"] = time.time() if status == "completed" else None
@@ -88,6 +82,15 @@ class ResponseBuilder:
                             "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
                             "output_tokens_details": {"reasoning_tokens": 0}}
         return out
+
+    async def final(self, output: list[dict[str, Any]], last: GenerationChunk) -> dict[str, Any]:
+        """The finished response (``incomplete`` when ``max_output_tokens`` cut it; ``last`` is
+        the generation's final chunk), stored when the request asked."""
+        status = "incomplete" if finish_reason(last.finish_reason) == "length" else "completed"
+        resp = self.response(status, output, {(0, 0): last})
+        if self.store is not None:
+            await self.store.put(resp, self.conversation + conversation_of(output), self.owner)
+        return resp
 
 
 def conversation_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,41 +106,33 @@ def conversation_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequest, request: Request):
     """``POST /v1/responses``."""
-    owner = _owner(request)
-    history = []
+    owner = key_name(request.scope)
+    conversation = []
     if body.previous_response_id is not None:
-        history = (await store.get(body.previous_response_id, owner, "previous_response_id"))["messages"]
-    new = body.input_messages()
-    chat = body.to_chat(history)
+        conversation = (await store.get(body.previous_response_id, owner, "previous_response_id"))["messages"]
+    conversation += body.input_messages()
     gw.warn_unknown(body)
-    call, renderers, _ = await start_chat(gw, chat, request, "resp", fallback=False)
-    builder = ResponseBuilder(call, body)
-    conversation = history + new
+    call, renderers, _ = await start_chat(gw, body.to_chat(conversation), request, "resp", fallback=False)
+    builder = ResponseBuilder(call, body, store if body.store else None, conversation, owner)
     if body.stream:
         lasts = {(0, 0): call.streams[0].first}
-        events = _events(call, builder, renderers[0], lasts, store if body.store else None, conversation, owner)
-        return StreamingResponse(gw.sse(call, events, lasts, 1, done=False), media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **call.headers})
+        return StreamingResponse(gw.sse(call, _events(call, builder, renderers[0], lasts), lasts, 1, done=False),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
     whole = (await collect(gw, call, 1))[0]
     msg, _ = renderers[0].message(whole)
-    output = []
-    if msg.content:
-        output.append(_message_item(_item_id("msg"), msg.content, "completed"))
-    for c in msg.tool_calls or []:
-        output.append(_call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed"))
-    incomplete = finish_reason(whole.finish_reason) == "length"
-    resp = builder.response("incomplete" if incomplete else "completed", output, {(0, 0): whole}, incomplete)
-    if body.store:
-        await store.put(resp, conversation + conversation_of(output), owner)
-    return resp
+    output = [_message_item(_item_id("msg"), msg.content, "completed")] if msg.content else []
+    output += [_call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed")
+               for c in msg.tool_calls or []]
+    return await builder.final(output, whole)
 
 
-async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRenderer, lasts: dict,
-                  store: ResponseStore | None, conversation: list[dict], owner: str) -> AsyncIterator[bytes]:
-    """The stream's typed events (see the module docstring)."""
+async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRenderer,
+                  lasts: dict) -> AsyncIterator[bytes]:
+    """The stream's typed events (see the module docstring); ``lasts`` kept current for the
+    gateway's settling of the key."""
     seq = itertools.count()
     output: list[dict[str, Any]] = []  # finished items
-    open_item: dict[str, Any] | None = None  # the item being streamed
+    open_item: dict[str, Any] | None = None  # the item being streamed (its events are serialized as sent)
 
     def ev(kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": next(seq), **fields}
@@ -162,10 +157,8 @@ async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRend
 
     yield ev("response.created", response=builder.response("in_progress", []))
     yield ev("response.in_progress", response=builder.response("in_progress", []))
-    stream = call.streams[0]
-    last: GenerationChunk | None = None
-    async for chunk in stream.chunks():
-        lasts[(0, 0)] = last = chunk
+    async for chunk in call.streams[0].chunks():
+        lasts[(0, 0)] = chunk
         deltas, _ = renderer.deltas(chunk)
         for d in deltas:
             if d.content:
@@ -173,12 +166,9 @@ async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRend
                     for e in close():
                         yield e
                     open_item = _message_item(_item_id("msg"), "", "in_progress")
-                    part = dict(open_item["content"][0])
-                    open_item["content"] = []
-                    yield ev("response.output_item.added", output_index=len(output), item=open_item)
-                    open_item["content"] = [part]
+                    yield ev("response.output_item.added", output_index=len(output), item={**open_item, "content": []})
                     yield ev("response.content_part.added", item_id=open_item["id"], output_index=len(output),
-                             content_index=0, part={**part})
+                             content_index=0, part=open_item["content"][0])
                 open_item["content"][0]["text"] += d.content
                 yield ev("response.output_text.delta", item_id=open_item["id"], output_index=len(output),
                          content_index=0, delta=d.content, logprobs=[])
@@ -187,7 +177,7 @@ async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRend
                     for e in close():
                         yield e
                     open_item = _call_item(_item_id("fc"), tc.id, tc.function.name, "", "in_progress")
-                    yield ev("response.output_item.added", output_index=len(output), item={**open_item})
+                    yield ev("response.output_item.added", output_index=len(output), item=open_item)
                 args = tc.function.arguments if tc.function is not None else None
                 if args:
                     open_item["arguments"] += args
@@ -195,19 +185,16 @@ async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRend
                              output_index=len(output), delta=args)
     for e in close():
         yield e
-    incomplete = last is not None and finish_reason(last.finish_reason) == "length"
-    resp = builder.response("incomplete" if incomplete else "completed", output, lasts, incomplete)
-    if store is not None:
-        await store.put(resp, conversation + conversation_of(output), owner)
-    yield ev("response.incomplete" if incomplete else "response.completed", response=resp)
+    resp = await builder.final(output, lasts[(0, 0)])
+    yield ev(f"response.{resp['status']}", response=resp)
 
 
 async def get_response(store: ResponseStore, response_id: str, request: Request) -> dict[str, Any]:
     """``GET /v1/responses/{id}``: a stored response of this API key (404 otherwise)."""
-    return (await store.get(response_id, _owner(request)))["response"]
+    return (await store.get(response_id, key_name(request.scope)))["response"]
 
 
 async def delete_response(store: ResponseStore, response_id: str, request: Request) -> dict[str, Any]:
     """``DELETE /v1/responses/{id}``."""
-    await store.delete(response_id, _owner(request))
+    await store.delete(response_id, key_name(request.scope))
     return {"id": response_id, "object": "response", "deleted": True}

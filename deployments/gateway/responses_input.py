@@ -135,15 +135,14 @@ class ResponsesRequest(BaseModel):
                            "function_call_output)", f"input[{i}].type")
         return out
 
-    def to_chat(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    def to_chat(self, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat request of this response: ``instructions`` as the system message, then
-        ``history`` (the stored conversation of ``previous_response_id``), then the input.
+        ``conversation`` (the stored turns of ``previous_response_id`` and :meth:`input_messages`).
 
         Raises:
             OpenAIError: 400 for what the chat request does not accept (the message names the field).
         """
-        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history + \
-            self.input_messages()
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + conversation
         chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
                                 "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}
         for k in ("temperature", "top_p", "seed", "user"):

@@ -53,3 +53,4 @@ def multinode():
             pass
         ray.shutdown()
         cluster.shutdown()
+

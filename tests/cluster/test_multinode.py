@@ -4,7 +4,7 @@ whose two ranks sit on two nodes (``placement_group_strategy: STRICT_SPREAD``, g
 store), each giving the same greedy tokens as the engine alone."""
 import httpx
 import pytest
-from helpers import free_port
+from helpers import free_port, spread_tp_llm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -21,21 +21,12 @@ def _reference(tiny_llama_path, text: bool = False) -> list:
 
 def test_tp_ranks_on_two_nodes_equal_one_process(multinode, tiny_llama_path):
     """The engine with a RayWorkerGroup spread over two nodes (no Serve)."""
-    from cluster.worker_group import RayWorkerGroup
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
-    groups = []
-
-    def factory(config, path):
-        groups.append(RayWorkerGroup(config, path, num_cpus=1, torch_num_threads=1, strategy="STRICT_SPREAD",
-                                     timeout_s=120, collective_timeout_s=60))
-        return groups[-1]
-
-    llm = LLM(str(tiny_llama_path), tensor_parallel_size=2, executor_factory=factory, max_model_len=256,
-              num_kv_blocks=32)
+    llm, group = spread_tp_llm(tiny_llama_path, collective_timeout_s=60)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
-        info = groups[0].worker_info
+        info = group.worker_info
         assert len({i["node_id"] for i in info}) == 2  # one rank per node
     finally:
         llm.engine.shutdown()

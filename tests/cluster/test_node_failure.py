@@ -3,41 +3,13 @@ streams end with an SSE error event and ``[DONE]`` (never a hang), requests sent
 served by the replica on the surviving node, Serve rebuilds the lost replica on a remaining node,
 and ``/ready`` answers 200 again. The ingress sits on the head (``ingress_resources``)."""
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
-from helpers import free_port
+from helpers import free_port, spread_tp_llm, stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-async def _stream(client: httpx.AsyncClient, prompt: str, started: asyncio.Semaphore) -> dict:
-    """One streamed completion: its text, whether an error event came, and whether it ended with
-    [DONE]; ``started`` is released at its first event."""
-    out = {"text": "", "error": None, "done": False, "status": None}
-    first = True
-    async with client.stream("POST", "/v1/completions", json={
-            "model": "tiny", "prompt": prompt, "max_tokens": 600, "temperature": 0, "ignore_eos": True,
-            "stream": True, "cache": False}) as r:
-        out["status"] = r.status_code
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if first:
-                first = False
-                started.release()
-            if data == "[DONE]":
-                out["done"] = True
-            else:
-                event = json.loads(data)
-                if "error" in event:
-                    out["error"] = event["error"]
-                else:
-                    out["text"] += event["choices"][0]["text"]
-    return out
 
 
 def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, tiny_llama_path):
@@ -65,7 +37,9 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
         async def main():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
                 started = asyncio.Semaphore(0)
-                streams = [asyncio.create_task(_stream(c, f"story {k}:", started)) for k in range(12)]
+                streams = [asyncio.create_task(stream_completion(c, {
+                    "model": "tiny", "prompt": f"story {k}:", "max_tokens": 600, "temperature": 0,
+                    "ignore_eos": True, "cache": False}, started)) for k in range(12)]
                 for _ in streams:  # every stream has its first tokens (600 to go: they run for a while)
                     await asyncio.wait_for(started.acquire(), 120)
                 t_kill = time.monotonic()
@@ -106,22 +80,13 @@ def test_a_tp_rank_lost_with_its_node_fails_the_step_instead_of_hanging(multinod
     hanging its requests (the pytest timeout would catch a hang)."""
     import threading
 
-    from cluster.worker_group import RayWorkerGroup
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
     from engine.llm_engine import StepFailedError
 
     spare = multinode.cluster.add_node(num_cpus=2)  # the first test took a worker node
     multinode.cluster.wait_for_nodes()
-    groups = []
-
-    def factory(config, path):
-        groups.append(RayWorkerGroup(config, path, num_cpus=1, torch_num_threads=1, strategy="STRICT_SPREAD",
-                                     timeout_s=120, collective_timeout_s=20))
-        return groups[-1]
-
-    llm = LLM(str(tiny_llama_path), tensor_parallel_size=2, executor_factory=factory, max_model_len=256,
-              num_kv_blocks=64)
-    nodes = {i["node_id"] for i in groups[0].worker_info}
+    llm, group = spread_tp_llm(tiny_llama_path, collective_timeout_s=20, num_kv_blocks=64)
+    nodes = {i["node_id"] for i in group.worker_info}
     assert len(nodes) == 2
     alive = {w.node_id: w for w in [*multinode.workers.values(), spare]}
     victim = next(alive[n] for n in nodes if n in alive and n != multinode.head_id)
@@ -132,4 +97,4 @@ def test_a_tp_rank_lost_with_its_node_fails_the_step_instead_of_hanging(multinod
         for _ in range(1000):  # generation keeps the ranks in collectives until the node dies
             llm.generate(["hello"] * 8, params, use_tqdm=False)
     killer.join()
-    groups[0].shutdown()
+    group.shutdown()
