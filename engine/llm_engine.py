@@ -149,6 +149,9 @@ class LLMEngine:
             self.max_model_len = config.max_model_len
         else:
             self.max_model_len = min(model_max, capacity)
+            if capacity < model_max:
+                logger.warning("max_model_len is %d tokens, the KV cache's capacity (%d blocks), below the model's "
+                               "%d: give the cache more memory for longer contexts", capacity, num_blocks, model_max)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         budget = MixedStepBudget.for_config(config)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,

@@ -147,7 +147,14 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         """Blocks that fit: ``num_kv_blocks`` if set, else ``kv_cache_memory_bytes``, else
         ``cpu_kv_cache_bytes`` on CPU or free memory under ``gpu_memory_utilization`` on CUDA
-        after a profiling forward pass of ``max_num_batched_tokens`` tokens."""
+        after a profiling forward pass of ``max_num_batched_tokens`` tokens.
+
+        Raises:
+            ValueError: on CUDA, the memory under ``gpu_memory_utilization`` holds less than one
+                block once this process's weights, activations (and any other engine in it)
+                and other processes' memory are taken out (vLLM raises the same; never a
+                one-block engine that refuses every prompt).
+        """
         c = self.config
         if c.num_kv_blocks:
             return c.num_kv_blocks
@@ -162,7 +169,15 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated()
         used_elsewhere = total - free - torch.cuda.memory_reserved()
         budget = total * c.gpu_memory_utilization - peak - max(used_elsewhere, 0)
-        return max(1, int(budget // self.bytes_per_block))
+        if budget < self.bytes_per_block:
+            gib = 1 << 30
+            raise ValueError(
+                f"no GPU memory left for the KV cache: gpu_memory_utilization {c.gpu_memory_utilization} of "
+                f"{total / gib:.1f} GiB, minus {peak / gib:.2f} GiB for weights and activations (this process, "
+                f"other engines in it included) and {max(used_elsewhere, 0) / gib:.2f} GiB used by other "
+                f"processes, leaves less than one block ({self.bytes_per_block} bytes); raise "
+                "gpu_memory_utilization, free the GPU, or set kv_cache_memory_bytes")
+        return int(budget // self.bytes_per_block)
 
     @torch.inference_mode()
     def _profile_run(self) -> None:

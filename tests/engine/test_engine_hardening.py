@@ -605,3 +605,22 @@ def test_auto_budget_is_the_default(tiny_llama_path, engine):
         assert llm.engine.scheduler.mixed_prefill_tokens == 64 and llm.engine.mixed_budget is None
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_without_memory_for_a_kv_cache_is_refused(tiny_llama_path):
+    """A second engine in a process whose first one took half the GPU, asking for 30 %: no
+    memory is left under its gpu_memory_utilization, so it is a ValueError that says so (never a
+    one-block engine that refuses every prompt); the first engine keeps serving."""
+    import gc
+
+    first = LLM(str(tiny_llama_path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, enforce_eager=True)
+    assert first.engine.max_model_len == first.engine.hf_config.max_position_embeddings
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache.*gpu_memory_utilization 0.3"):
+        LLM(str(tiny_llama_path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=True)
+    out = first.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    del first, out
+    gc.collect()
+    torch.cuda.empty_cache()

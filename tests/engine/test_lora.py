@@ -57,15 +57,15 @@ def adapters(tiny, tmp_path_factory):
             for i, (name, r, a, t, rs) in enumerate(ADAPTERS)}
 
 
-def hf_greedy(base, adapter, prompts):
+def hf_greedy(base, adapter, prompts, device="cpu"):
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter)
-    model.eval()
+    model.to(device).eval()
     out = []
     with torch.inference_mode():
         for ids in prompts:
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=device)
             y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
             out.append(y[0, len(ids):].tolist())
@@ -220,3 +220,30 @@ def test_async_engine_streams_an_adapters_tokens(tiny, adapters, reference):
             await eng.shutdown()
 
     assert asyncio.run(main()) == [reference["all-r8"][0], reference[None][0], reference["qv-r4"][0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8, "max_num_seqs": 4}], ids=["mixed", "chunked"])
+def test_cuda_adapters_equal_hf_with_peft(tiny, adapters, kw):
+    """On CUDA (float32, torch attention: the LoRA slots and the padded-bmm SGMV path on the
+    GPU, eager since LoRA steps never replay graphs) the mixed batch, plus a skewed batch that
+    takes every row path, gives HF + PEFT's greedy tokens on the same GPU."""
+    from engine.lora import LoRASlots
+
+    ref = {name: hf_greedy(tiny, path, PROMPTS, device="cuda") for name, path in [(None, None), *adapters.items()]}
+    rows, prompts, loras = _mixed_batch(adapters)
+    reqs = _requests(adapters)
+    skew = [(p, "all-r8") for p in range(len(PROMPTS))] * 4 + [(0, "qv-r4"), (1, "mlp-r16"), (2, None)]
+    rows += skew
+    prompts += [PROMPTS[p] for p, _ in skew]
+    loras += [reqs[n] if n else None for _, n in skew]
+    llm = LLM(model=str(tiny), device="cuda", dtype="float32", attention_backend="torch", enable_lora=True,
+              max_loras=3, max_lora_rank=16, kv_cache_memory_bytes=1 << 28, **kw)
+    assert isinstance(llm.engine.executor.runner.lora, LoRASlots) and not llm.engine.executor.runner.lora.kernel
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                        lora_request=loras, use_tqdm=False)
+    for (p, name), o in zip(rows, outs):
+        assert o.outputs[0].token_ids == ref[name][p], (name, p)
+    stats = llm.get_stats()
+    assert stats["free_kv_blocks"] == stats["num_kv_blocks"], "blocks leaked"

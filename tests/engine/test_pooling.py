@@ -97,3 +97,37 @@ def test_an_input_may_fill_the_context_but_not_exceed_it(tiny_llama_path):
         llm.embed([list(range(1, 66))])
     with pytest.raises(ValueError, match="pooling_type"):
         PoolingParams("cls")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,min_cos", [("float32", 0.9999), ("bfloat16", 0.99)])
+def test_cuda_pooled_hidden_states_equal_hf(tiny_llama_path, dtype, min_cos):
+    """On CUDA with the engine's default attention (Triton in bfloat16; torch in float32, whose
+    Triton variants take minutes to compile) and CUDA graphs on for the generating requests
+    beside them: pooled states equal HF's float32 ones (bfloat16: rounding allows cosine 0.99),
+    and generation in the same engine keeps running."""
+    prompts = _prompts(10)
+    backend = "torch" if dtype == "float32" else None
+    llm = LLM(str(tiny_llama_path), device="cuda", dtype=dtype, attention_backend=backend,
+              max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory_bytes=1 << 28)  # other tests' engines may live
+    eng = llm.engine
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(f"g{i}", p, params)
+    for pooling in ("last", "mean"):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"{pooling}{i}", p, pooling_params=PoolingParams(pooling))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    hf = AutoModel.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    for pooling in ("last", "mean"):
+        for i, ids in enumerate(prompts):
+            out = done[f"{pooling}{i}"]
+            assert out.error is None and _cos(out.pooled, _hf_pooled(hf, ids, pooling)) >= min_cos, (pooling, i)
+    assert all(len(done[f"g{i}"].outputs[0].token_ids) == 24 for i in range(3))
+    s = llm.get_stats()
+    assert s["free_kv_blocks"] == s["num_kv_blocks"]
