@@ -1,6 +1,7 @@
-"""Recovery after a node dies, on a multi-node Ray cluster run on this machine.
+"""Multi-node Ray clusters run on this machine: recovery after a node dies, and the nodes Ray's
+autoscaler adds for kvserve's scale-ups (``--parts recovery,scale-up``).
 
-Each run starts a fresh ``ray.cluster_utils.Cluster`` (a head with the ingress, two worker
+Recovery part: each run starts a fresh ``ray.cluster_utils.Cluster`` (a head with the ingress, two worker
 raylets; token auth on), serves the tiny random-weight Llama with two replicas on two nodes
 (``max_replicas_per_node: 1``), starts ``--streams`` streamed completions of ``--tokens`` tokens,
 waits until every stream has its first tokens, then kills the raylet of a worker node that holds a
@@ -12,9 +13,24 @@ All "nodes" share this machine's two cores and one IP: the figure includes Serve
 loss, placing and starting a replica (loading the model) while the surviving streams keep the
 cores busy; on separate machines the survivors would not compete with the rebuild.
 
+Scale-up part (``--parts scale-up``): Ray's autoscaler adds a node for a replica that
+kvserve's policy asks for. Each run starts a fresh ``FakeAutoscalingCluster``
+(``tests/autoscaling_cluster.py``: ``ray start --head`` with Ray's autoscaler over its fake
+multi-node provider; a head with the ingress, a node type with 1 CPU and ``node-type-a``, 0..2
+nodes), deploys the tiny model (replicas need ``node-type-a``; 1..2 replicas, the policy with short
+delays: the test's ``FAST_KNOBS``), waits for the first replica on the first node the autoscaler
+started, then runs ``--concurrency`` clients of streamed completions (refused ones sent again).
+Measured per run, from the policy's first scale-up decision (its ``kvserve_autoscaling_decision``
+line in the Serve controller's log, the controller's clock) to: Serve's target at 2, the new node
+registered (alive in Ray's node table), the new replica RUNNING (Serve's status; both polled every
+0.25 s) and the first token of a request the new replica served (the client's clock; the request
+found by its ``x-request-id`` in that replica's Serve log). With the load stopped, the same for the
+way down: the policy's scale-down decision to the idle node gone. Median of ``--scale-up-runs``.
+
 Usage::
 
-    python benchmarks/multinode.py                  # the committed result (3 runs)
+    python benchmarks/multinode.py                  # the committed result (3 runs of each part)
+    python benchmarks/multinode.py --parts scale-up # only the scale-up part (the file's recovery figures kept)
 """
 from __future__ import annotations
 
@@ -132,5 +148,163 @@ def main(argv=None) -> dict:
     return result
 
 
+#: The parts of this benchmark (``--parts``).
+PARTS = ("recovery", "scale-up")
+SCALE_UP_APP = "scale-up"
+
+
+def scale_up_run(model_path: str, concurrency: int, max_tokens: int, timeout_s: float = 300.0) -> dict:
+    """One scale-up run on a fresh fake autoscaling cluster (see the module docstring): seconds
+    from the policy's scale-up decision to each step, the scale-down's, and the load's counts.
+
+    Raises:
+        TimeoutError: a step did not happen within ``timeout_s``.
+    """
+    import ray
+    from autoscaling_cluster import (HEAD_RESOURCES, FakeAutoscalingCluster, StreamLoad, alive_nodes, decisions,
+                                     deploy, serve_config, served_request_ids, wait_for, worker_node_types)
+    from helpers import free_port
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    def deployment() -> dict:
+        return _get_global_client().get_serve_details()["applications"][SCALE_UP_APP]["deployments"]["LLMServer"]
+
+    load_average = round(os.getloadavg()[0], 2)  # this machine's other work (the runs share its 2 cores)
+    cluster = FakeAutoscalingCluster(HEAD_RESOURCES, worker_node_types(max_workers=2), idle_timeout_minutes=0.1)
+    seen: dict[str, float] = {}
+    try:
+        cluster.start()
+        ray.init(address=cluster.address, log_to_driver=False)
+        head = ray.get_runtime_context().get_node_id()
+        port = free_port()
+        deploy(serve_config(model_path, port, SCALE_UP_APP), timeout_s=timeout_s)
+        [first] = [r for r in deployment()["replicas"] if r["state"] == "RUNNING"]
+        load = StreamLoad(f"http://127.0.0.1:{port}", concurrency=concurrency, max_tokens=max_tokens).start()
+        t_load = time.time()
+        new: dict[str, str] = {}
+        served: list[dict] = []
+
+        def up_step() -> bool:  # one poll: each step's time is taken after the call that saw it
+            dep = deployment()
+            now = time.time()
+            if dep["target_num_replicas"] >= 2:
+                seen.setdefault("target", now)
+            if "node" not in new and (nodes := set(alive_nodes()) - {head, first["node_id"]}):
+                new["node"], seen["node"] = nodes.pop(), time.time()
+            for r in dep["replicas"]:
+                if r["replica_id"] != first["replica_id"] and r["state"] == "RUNNING" and "replica" not in new:
+                    new["replica"], new["replica_node"], seen["running"] = r["replica_id"], r["node_id"], now
+            if "replica" in new:
+                ids = served_request_ids(SCALE_UP_APP, new["replica"])
+                served[:] = [r for r in list(load.records) if r["request_id"] in ids and r["status"] == 200
+                             and r["t_first"] is not None]
+            return bool(served)
+
+        try:
+            wait_for("a request served by a second replica", up_step, timeout_s, 0.25)
+        finally:
+            load.stop()
+        t_stop = time.time()
+        kept: dict[str, str] = {}
+
+        def down_step() -> bool:
+            dep = deployment()
+            now = time.time()
+            if len(dep["replicas"]) == 1 and dep["replicas"][0]["state"] == "RUNNING":
+                seen.setdefault("one_replica", now)
+                kept.setdefault("node", dep["replicas"][0]["node_id"])
+            if kept and set(alive_nodes()) == {head, kept["node"]}:
+                seen["node_removed"] = time.time()
+            return "node_removed" in seen
+
+        wait_for("back to one replica and the idle node removed", down_step, timeout_s, 0.25)
+        made = decisions(SCALE_UP_APP)
+        serve.delete(SCALE_UP_APP)
+    finally:
+        try:
+            serve.shutdown()
+        except Exception:
+            pass
+        ray.shutdown()
+        cluster.shutdown()
+    up = next(d for d in made if d["action"] == "up")
+    down = next(d for d in made if d["action"] == "down" and d["time"] > up["time"])
+    first_token = min(r["t_first"] for r in served)
+    records = load.records
+    return {"load_start_to_decision_s": round(up["time"] - t_load, 2), "decision_reason": up["reason"],
+            "decision_to_serve_target_s": round(seen["target"] - up["time"], 2),
+            "decision_to_node_s": round(seen["node"] - up["time"], 2),
+            "decision_to_replica_running_s": round(seen["running"] - up["time"], 2),
+            "decision_to_first_token_s": round(first_token - up["time"], 2),
+            "new_replica_on_new_node": new["replica_node"] == new["node"],
+            "load_stop_to_down_decision_s": round(down["time"] - t_stop, 2),
+            "down_decision_to_one_replica_s": round(seen["one_replica"] - down["time"], 2),
+            "down_decision_to_node_removed_s": round(seen["node_removed"] - down["time"], 2),
+            "streams_served": sum(r["status"] == 200 for r in records),
+            "streams_failed": sum(r["status"] == 200 and (not r["done"] or r["error"] is not None) for r in records),
+            "refused_429": sum(r["status"] == 429 for r in records),
+            "other_statuses": sorted({r["status"] for r in records} - {200, 429}, key=str),
+            "load_average_1m_at_start": load_average}
+
+
+def scale_up(runs: int, concurrency: int, max_tokens: int) -> dict:
+    """``runs`` :func:`scale_up_run` runs, their medians, the machine and the date."""
+    import datetime
+
+    from cluster.ray_auth import ensure_local_auth
+    from tiny_models import make_tiny_model
+
+    from benchmarks.throughput import machine_info
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(tempfile.mkdtemp(prefix="kvserve-bench-auth-"), "auth_token")
+    ensure_local_auth()
+    model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="kvserve-tiny-")), arch="llama"))
+    results = [scale_up_run(model, concurrency, max_tokens) for _ in range(runs)]
+    keys = ("decision_to_serve_target_s", "decision_to_node_s", "decision_to_replica_running_s",
+            "decision_to_first_token_s", "load_start_to_decision_s", "down_decision_to_node_removed_s")
+    return {"machine": machine_info(), "date": datetime.date.today().isoformat(),
+            "cluster": "FakeAutoscalingCluster (tests/autoscaling_cluster.py): ray start --head with Ray's v1 "
+                       "autoscaler over its fake multi-node provider on one machine; head 1 logical CPU (the "
+                       "ingress); node type type-a: 1 logical CPU + node-type-a, 0..2 nodes, idle timeout 6 s",
+            "workload": {"model": "tiny random-weight Llama, float32, CPU", "replicas": "1..2, each needing "
+                         "node-type-a", "max_num_seqs": 2, "max_queued_requests": 1, "concurrency": concurrency,
+                         "max_tokens": max_tokens, "runs": runs, "poll_interval_s": 0.25},
+            "runs": results, "median": {k: round(statistics.median(r[k] for r in results), 2) for k in keys}}
+
+
+def run(argv=None) -> dict:
+    """``--parts``: the recovery part (:func:`main`, its options and output as before) and/or the
+    scale-up part (:func:`scale_up`); the results file keeps the parts not run."""
+    ap = argparse.ArgumentParser(description="parts: " + ", ".join(PARTS) + "; other options go to the recovery "
+                                 "part (python benchmarks/multinode.py --parts recovery --help)")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + ", ".join(PARTS))
+    ap.add_argument("--scale-up-runs", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=12, help="scale-up part: concurrent streaming clients")
+    ap.add_argument("--scale-up-tokens", type=int, default=64, help="scale-up part: max_tokens per request")
+    ap.add_argument("--out", default=str(RESULTS / "multinode.json"))
+    a, rest = ap.parse_known_args(argv)
+    parts = [p.strip() for p in a.parts.split(",") if p.strip()]
+    if not parts or set(parts) - set(PARTS):
+        ap.error(f"--parts: expected some of {', '.join(PARTS)}, got {a.parts!r}")
+    from benchmarks.common import write_json
+
+    path = Path(a.out)
+    result = json.loads(path.read_text()) if path.exists() else {}
+    if "recovery" in parts:
+        kept = result.get("scale_up")
+        result = main([*rest, "--out", a.out])
+        if kept is not None:
+            result["scale_up"] = kept
+    if "scale-up" in parts:
+        result["scale_up"] = scale_up(a.scale_up_runs, a.concurrency, a.scale_up_tokens)
+        print(json.dumps({k: result["scale_up"][k] for k in ("runs", "median")}, indent=1))
+    if "scale_up" in result and isinstance(result.get("not_measured"), str):
+        result["not_measured"] = result["not_measured"].replace("scale-up to first token with Ray's autoscaler, ", "")
+    write_json(a.out, result)
+    return result
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -236,6 +236,9 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
                   ["kvserve_over_vllm"])),
     ("a worker node killed mid-traffic: seconds until both replicas run and /ready is 200 (median of 3; "
      "three raylets on one machine)", "multinode", lambda d: f"{d['recovery_s_median']} s"),
+    ("kvserve's scale-up decision to the first token of a replica on a node Ray's autoscaler added (median of 3; "
+     "Ray's fake multi-node provider on one machine)", "multinode",
+     lambda d: f"{d['scale_up']['median']['decision_to_first_token_s']} s"),
     ("HTTP streaming / offline engine throughput, one replica", "serving",
      lambda d: f"{d['http_over_offline_throughput']:.2f}"),
     ("prefix-aware routing: TTFT p50 / Serve's default router", "routing",
@@ -638,6 +641,43 @@ def render_recovery(d: dict, path: Path) -> list[str]:
                          "clients' streams ended after, median (s)", "what the clients got", "target met"], rows)
 
 
+def render_multinode(d: dict, path: Path) -> list[str]:
+    """``benchmarks/multinode.py``: node loss and recovery; scale-up with Ray's autoscaler (when run)."""
+    w = d["workload"]
+    out = [f"**Node loss** ({d['cluster']}): {w['streams']} streams of {w['tokens_per_stream']} tokens over "
+           f"{w['replicas']} replicas, one per node; a worker node's raylet killed mid-stream. Both replicas running "
+           f"and `/ready` 200 again after a median **{_fmt(d['recovery_s_median'])} s**; requests sent right after "
+           f"the loss that failed: {d['requests_after_failed_total']}.", ""]
+    rows = [[i + 1, r["recovery_s"], r["streams_cut"], r["streams_completed"], r["streams_without_done"],
+             r["requests_after_failed"]] for i, r in enumerate(d["runs"])]
+    out += _table(["run", "whole again after (s)", "streams cut", "streams completed", "streams without [DONE]",
+                   "requests after the loss failed"], rows)
+    s = d.get("scale_up")
+    if s:
+        sw, m, mach = s["workload"], s["median"], s.get("machine", {})
+        out += ["", f"**Scale-up with Ray's autoscaler** ({s['date']}, {mach.get('cpu')} {mach.get('isa')}, "
+                f"{mach.get('cores')} cores; {s['cluster']}): the {sw['model']}, replicas {sw['replicas']}, "
+                f"{sw['concurrency']} clients streaming {sw['max_tokens']}-token completions (refused ones sent "
+                f"again). Seconds from kvserve's scale-up decision (the controller's log line) to each step, "
+                f"polled every {sw['poll_interval_s']} s; the first token by the client's clock. From the decision "
+                f"to the new replica's first token: median **{_fmt(m['decision_to_first_token_s'])} s**, of "
+                f"which the node took {_fmt(m['decision_to_node_s'])} s. A real cloud node boots in minutes: "
+                "add that to the node step.", ""]
+        rows = [[i + 1, r["decision_reason"], r["load_start_to_decision_s"], r["decision_to_serve_target_s"],
+                 r["decision_to_node_s"], r["decision_to_replica_running_s"], r["decision_to_first_token_s"],
+                 r["down_decision_to_node_removed_s"], f"{r['streams_served']} / {r['streams_failed']} / "
+                 f"{r['refused_429']}", r.get("load_average_1m_at_start")] for i, r in enumerate(s["runs"])]
+        rows.append(["median", "", m["load_start_to_decision_s"], m["decision_to_serve_target_s"],
+                     m["decision_to_node_s"], m["decision_to_replica_running_s"], m["decision_to_first_token_s"],
+                     m["down_decision_to_node_removed_s"], "", ""])
+        out += _table(["run", "reason", "load to decision", "decision to Serve's target 2", "to the new node",
+                       "to the replica RUNNING", "to its first token", "scale-down decision to the node removed",
+                       "streams served / failed / refused (429)", "load average"], rows)
+    if d.get("not_measured"):
+        out += ["", f"Not measured yet: {d['not_measured']}."]
+    return out + _targets(d)
+
+
 def render_quantization(d: dict, path: Path) -> list[str]:
     rows = []
     for name, c in d["configs"].items():
@@ -861,6 +901,7 @@ RENDERERS: dict[str, Callable[[Any, Path], list[str]]] = {
     "long_prefill": render_long_prefill,
     "load_test": render_load_test,
     "recovery": render_recovery,
+    "multinode": render_multinode,
     "quantization": render_quantization,
     "host_times": render_host_times,
     "cpu_linear": render_cpu_linear,
