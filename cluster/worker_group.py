@@ -1,7 +1,7 @@
-"""Tensor parallelism over Ray actors: one actor per rank, one ``torch.distributed`` group.
+"""Tensor and pipeline parallelism over Ray actors: one actor per rank, one ``torch.distributed`` group.
 
 ``RayWorkerGroup`` implements :class:`engine.executor.Executor`. It starts ``N =
-tensor_parallel_size`` :class:`TPWorker` actors in a placement group (the replica's own, when
+tensor_parallel_size x pipeline_parallel_size`` :class:`TPWorker` actors in a placement group (the replica's own, when
 it runs inside a Serve replica deployed with ``placement_group_bundles`` and the model's
 ``placement_group_strategy``; else one it creates, ``STRICT_PACK`` by default so all ranks share a
 node). Each worker joins a process group (NCCL on GPU, gloo on CPU). Ranks on one node meet
@@ -12,9 +12,11 @@ Collectives time out after ``collective_timeout_s`` (a rank that died mid-step f
 instead of hanging the others). Then each worker builds :class:`engine.model_runner.ModelRunner`, which
 loads that rank's shard of the weights (column/row-parallel linears, vocab-parallel embedding
 and LM head, attention split by KV-head groups) and allocates that rank's share of the KV
-cache. The scheduler runs once, in the engine; every step's ``SchedulerOutput`` goes to all
-ranks, which run the forward pass in lock step (their collectives pair up), and rank 0's
-sampled tokens are the step's result.
+cache. With pipeline parallelism rank ``stage * tp + t`` holds tensor rank ``t`` of stage ``stage``
+(its layers only, and their KV cache); activations pass from stage to stage point to point
+(``engine/pipeline.py``). The scheduler runs once, in the engine; every step's ``SchedulerOutput``
+goes to all ranks, which run the forward pass in lock step (their collectives pair up), and the
+sampled tokens of the last stage's tensor rank 0 (rank 0 without a pipeline) are the step's result.
 
 This module imports Ray and the engine, never ``deployments/``.
 """
@@ -42,7 +44,8 @@ logger = logging.getLogger("kvserve.cluster")
 
 
 class TPWorker:
-    """One tensor-parallel rank (a Ray actor): a process group member and a model runner."""
+    """One rank (a Ray actor): a process group member and a model runner (its tensor shard of
+    its pipeline stage)."""
 
     def __init__(self, rank: int, world_size: int, torch_num_threads: int | None = None):
         import torch
@@ -78,6 +81,7 @@ class TPWorker:
         import torch
         import torch.distributed as dist
 
+        from engine.distributed import init_model_parallel
         from engine.model_runner import ModelRunner
 
         backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
@@ -89,6 +93,8 @@ class TPWorker:
         dist.init_process_group(backend=backend, init_method=init_method, rank=self.rank,
                                 world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
+        init_model_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)
+        self.driver = self.rank == (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.runner = ModelRunner(config, model_path)
         return {"rank": self.rank, "pid": os.getpid(), "backend": backend, **self.where(),
                 "threads": torch.get_num_threads()}
@@ -101,7 +107,7 @@ class TPWorker:
 
     def execute_model(self, sched):
         out = self.runner.execute_model(sched)
-        return out if self.rank == 0 else None  # only rank 0's tokens travel back
+        return out if self.driver else None  # only the last stage's tensor rank 0 sends its tokens back
 
     def add_lora(self, request) -> None:
         self.runner.lora.add(request)
@@ -116,10 +122,14 @@ class TPWorker:
         return self.rank
 
     def shard_info(self) -> dict:
-        """This rank's share of the model: attention heads and KV cache shape."""
-        attn = self.runner.model.layers[0].self_attn
+        """This rank's share of the model: its layers (checkpoint indices ``[start, end)``),
+        attention heads and KV cache (shape, and one K and one V tensor per layer it holds)."""
+        model = self.runner.model
+        attn = model.layers[0].self_attn
         k = self.runner.kv_caches[0][0] if self.runner.kv_caches else None
         return {"rank": self.rank, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
+                "layers": [getattr(model, "start_layer", 0), getattr(model, "end_layer", len(model.layers))],
+                "num_kv_caches": len(self.runner.kv_caches),
                 "kv_cache_shape": list(k.shape) if k is not None else None}
 
     def shutdown(self) -> None:
@@ -133,10 +143,12 @@ class TPWorker:
 
 
 class RayWorkerGroup(Executor):
-    """An :class:`engine.executor.Executor` over ``tensor_parallel_size`` Ray actors.
+    """An :class:`engine.executor.Executor` over ``tensor_parallel_size x pipeline_parallel_size``
+    Ray actors.
 
     Args:
-        config: the engine configuration (``tensor_parallel_size`` ranks; ``device``).
+        config: the engine configuration (``tensor_parallel_size`` x ``pipeline_parallel_size``
+            ranks; ``device``).
         model_path: local model folder (every rank loads its own shard from it, so on a
             multi-node cluster it must exist on every node, e.g. a shared file system).
         placement_group: the group to run in (default: the current one when called inside a
@@ -158,7 +170,8 @@ class RayWorkerGroup(Executor):
                  torch_num_threads: int | None = None, bundle_offset: int = 0, timeout_s: float = 300.0,
                  strategy: str = "STRICT_PACK", collective_timeout_s: float = 300.0):
         super().__init__(config, model_path)
-        n = config.tensor_parallel_size
+        n = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.driver = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         cuda = config.torch_device.type == "cuda"
         num_cpus = 1 if num_cpus is None else num_cpus
         num_gpus = (1 if cuda else 0) if num_gpus is None else num_gpus
@@ -171,11 +184,11 @@ class RayWorkerGroup(Executor):
             self._owned_pg = pg
         if not pg.wait(timeout_seconds=timeout_s):
             self._release_pg()
-            raise TimeoutError(f"placement group for {n} tensor-parallel workers not ready after {timeout_s}s "
+            raise TimeoutError(f"placement group for {n} model-parallel workers not ready after {timeout_s}s "
                                f"(each needs {num_cpus} CPU, {num_gpus} GPU)")
         if len(pg.bundle_specs) < bundle_offset + n:
             raise ValueError(f"placement group has {len(pg.bundle_specs)} bundles; "
-                             f"tensor_parallel_size {n} needs {n} from bundle {bundle_offset}")
+                             f"{n} ranks (tensor x pipeline parallel) need {n} from bundle {bundle_offset}")
         actor_cls = ray.remote(concurrency_groups={"health": 1})(TPWorker)
         self.workers = [
             actor_cls.options(
@@ -199,7 +212,7 @@ class RayWorkerGroup(Executor):
             self.shutdown()
             raise
         self.worker_info = infos
-        logger.info("tensor-parallel workers ready: %s via %s", infos, init_method)
+        logger.info("model-parallel workers ready: %s via %s", infos, init_method)
 
     # ---- Executor -------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -213,7 +226,7 @@ class RayWorkerGroup(Executor):
         # so the collectives inside the forward pass pair up across ranks.
         ref = ray.put(sched) if len(self.workers) > 2 else sched
         outs = ray.get([w.execute_model.remote(ref) for w in self.workers])
-        return outs[0]
+        return outs[self.driver]
 
     def add_lora(self, request) -> None:
         ray.get([w.add_lora.remote(request) for w in self.workers])
@@ -282,7 +295,8 @@ def placement_group_create(bundles: list[dict], strategy: str = "STRICT_PACK") -
 
 def tp_placement_group_bundles(tensor_parallel_size: int, device: str = "cpu", *, replica_cpus: float = 1.0,
                                worker_cpus: float = 1.0, worker_gpus: float | None = None) -> list[dict]:
-    """Serve ``placement_group_bundles`` for a replica with ``tensor_parallel_size`` workers.
+    """Serve ``placement_group_bundles`` for a replica with ``tensor_parallel_size`` workers (pass
+    ``tensor_parallel_size * pipeline_parallel_size``: one bundle per rank of every stage).
 
     The replica actor itself lands in bundle 0, so bundle 0 holds the replica's CPUs plus
     rank 0's resources; bundles 1..N-1 hold one rank each (``{"GPU": 1}`` per rank on CUDA:

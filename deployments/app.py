@@ -30,7 +30,7 @@ logger = logging.getLogger("ray.serve")
 
 def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]:
     """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, the
-    placement group bundles of a tensor-parallel replica, and the prefix-aware request router
+    placement group bundles of a tensor- or pipeline-parallel replica, and the prefix-aware request router
     (``deployments/prefix_router.py``) unless ``prefix_aware_routing`` is off."""
     import os
 
@@ -55,9 +55,9 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]
     else:
         opts["num_replicas"] = m.num_replicas
     cuda = m.device == "cuda"
-    if m.tensor_parallel_size > 1:
+    if m.num_ranks > 1:
         opts["placement_group_bundles"] = tp_placement_group_bundles(
-            m.tensor_parallel_size, "cuda" if cuda else "cpu", replica_cpus=m.replica_cpus,
+            m.num_ranks, "cuda" if cuda else "cpu", replica_cpus=m.replica_cpus,
             worker_cpus=m.worker_cpus)
         opts["placement_group_strategy"] = m.placement_group_strategy
         opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 0}

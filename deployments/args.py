@@ -104,13 +104,13 @@ class ModelArgs(EngineArgs):
                                    "collectives over the nodes' network, which must be the cluster's private one)")
     max_replicas_per_node: Optional[int] = Field(
         None, ge=1, description="Serve's bound on this model's replicas per node (spreads them over nodes); not "
-                                "with tensor_parallel_size > 1 (Serve refuses it with placement groups)")
+                                "with several ranks per replica (Serve refuses it with placement groups)")
     collective_timeout_s: float = Field(
         300.0, gt=0, description="a tensor-parallel collective waiting longer for a rank fails the step (a rank on "
                                  "a dead node ends its requests with an error instead of hanging them)")
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
-    worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor-parallel worker actor")
+    worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor- or pipeline-parallel worker actor")
 
     @model_validator(mode="after")
     def _check(self):
@@ -120,9 +120,10 @@ class ModelArgs(EngineArgs):
             raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
-        if self.max_replicas_per_node is not None and self.tensor_parallel_size > 1:
-            raise ValueError("max_replicas_per_node cannot be combined with tensor_parallel_size > 1 (Serve does not "
-                             "allow it with placement groups); use placement_group_strategy for the ranks")
+        if self.max_replicas_per_node is not None and self.num_ranks > 1:
+            raise ValueError("max_replicas_per_node cannot be combined with tensor_parallel_size or "
+                             "pipeline_parallel_size > 1 (Serve does not allow it with placement groups); use "
+                             "placement_group_strategy for the ranks")
         from deployments.tools import get_tool_parser
 
         get_tool_parser(self.tool_call_parser)  # an unknown name fails here
@@ -149,6 +150,12 @@ class ModelArgs(EngineArgs):
         again for requests being refused, so the replica's own admission (not Serve's handle
         queue) decides while replicas run."""
         return self.max_ongoing_requests or self.max_num_seqs + 2 * self.queued_requests_bound()
+
+    @property
+    def num_ranks(self) -> int:
+        """Worker actors per replica: ``tensor_parallel_size * pipeline_parallel_size`` (1: the
+        engine runs in the replica itself)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def autoscaling_knobs(self) -> Optional[dict[str, Any]]:
         """Knobs of kvserve's autoscaling policy for this model (``{}``: all defaults), or None
@@ -429,7 +436,7 @@ def logical_cpus_needed(args: AppArgs) -> float:
         n = m.num_replicas if m.num_replicas is not None else 1
         if knobs is not None:
             n = max(1, knobs.get("initial_replicas") or knobs.get("min_replicas") or 1)
-        per = m.replica_cpus + (m.tensor_parallel_size * m.worker_cpus if m.tensor_parallel_size > 1 else 0.0)
+        per = m.replica_cpus + (m.num_ranks * m.worker_cpus if m.num_ranks > 1 else 0.0)
         total += n * per
     return total
 
@@ -437,7 +444,7 @@ def logical_cpus_needed(args: AppArgs) -> float:
 def fit_single_node(args: AppArgs, num_gpus: int) -> AppArgs:
     """Cap the default autoscaling bound of each model at what one node holds, for a Ray
     instance that ``kvserve serve`` starts on this machine alone (no cluster autoscaler
-    could ever place more): GPU replicas at ``num_gpus // tensor_parallel_size``, CPU
+    could ever place more): GPU replicas at ``num_gpus // num_ranks``, CPU
     replicas at 1 (one CPU engine already runs a torch thread per core). Models with an
     explicit ``max_replicas`` or ``num_replicas`` are left as given, and the cap is never
     below ``min_replicas``.
@@ -449,7 +456,7 @@ def fit_single_node(args: AppArgs, num_gpus: int) -> AppArgs:
             models.append(m)
             continue
         gpu = m.device == "cuda" or (m.device == "auto" and num_gpus > 0)
-        fit = max(1, num_gpus // m.tensor_parallel_size) if gpu else 1
+        fit = max(1, num_gpus // m.num_ranks) if gpu else 1
         models.append(m.model_copy(update={"max_replicas": max(fit, knobs.get("min_replicas", 1))}))
     return args.model_copy(update={"models": models})
 

@@ -125,7 +125,7 @@ class LLMServer(PoolingEndpoints):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         engine_args = dict(engine_args or {})
         config = EngineConfig(**engine_args)
-        tp = config.tensor_parallel_size
+        tp = config.tensor_parallel_size * config.pipeline_parallel_size  # worker actors
         torch.set_num_threads(torch_num_threads or default_torch_threads(1))
         self.stats = StepStats(config.max_num_seqs, config.max_num_batched_tokens)
 
@@ -172,8 +172,8 @@ class LLMServer(PoolingEndpoints):
                                                 lambda m: chat_template_ids(self.engine.tokenizer, m))
         self.recent = RecentRequests()  # finished requests' timings
         self.max_model_len = self.engine.max_model_len
-        logger.info("LLMServer %s ready in %.1fs (tp=%d, max_model_len=%d)", self.model_name,
-                    time.time() - t0, tp, self.max_model_len)
+        logger.info("LLMServer %s ready in %.1fs (tp=%d, pp=%d, max_model_len=%d)", self.model_name,
+                    time.time() - t0, config.tensor_parallel_size, config.pipeline_parallel_size, self.max_model_len)
 
     # ---- generation ---------------------------------------------------------------------
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
@@ -399,6 +399,7 @@ class LLMServer(PoolingEndpoints):
         cfg = self.engine.config
         return ServerInfo(
             name=self.model_name, max_model_len=self.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
+            pipeline_parallel_size=cfg.pipeline_parallel_size,
             kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
             speculative_config=public_speculative_config(cfg.speculative_config),
             lora_modules=list(self.adapters.static),

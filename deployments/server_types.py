@@ -230,7 +230,8 @@ class ServerInfo:
     Attributes:
         name: the served model name.
         max_model_len: the context length in tokens (prompt plus output).
-        tensor_parallel_size: ranks per replica.
+        tensor_parallel_size: ranks per pipeline stage.
+        pipeline_parallel_size: stages per replica (each of ``tensor_parallel_size`` ranks).
         kv_cache_dtype: ``auto`` or ``fp8``.
         quantization: None, ``int8`` or ``fp8`` (the weights').
         speculative_config: None, or ``{"method", "num_speculative_tokens", ...}`` (no paths).
@@ -240,7 +241,8 @@ class ServerInfo:
             (``max_num_seqs + max_queued_requests``): a request needing more can never run.
         tool_call_parser: the name of the parser of this model's tool calls.
         revision: the weights' revision (:func:`model_revision`), keys the response cache.
-        workers: the tensor-parallel workers' placement (``tensor_parallel_size > 1``).
+        workers: the worker actors' placement (several ranks per replica): the placement group
+            and each rank's ``node_id``.
         lora_modules: the names of the LoRA adapters the replicas serve (paths stay private).
         task: ``generate`` (an ``LLMServer``: chat, completions, and embeddings by pooling) or
             ``embed`` (an ``EmbeddingServer``: embeddings only).
@@ -250,6 +252,7 @@ class ServerInfo:
     name: str
     max_model_len: int
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     speculative_config: dict | None = None

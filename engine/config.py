@@ -44,6 +44,9 @@ class EngineConfig:
     gpu_memory_utilization: float = _knob(
         0.90, "fraction of GPU memory for weights, activations and the KV pool (CUDA, when the pool is not sized)")
     tensor_parallel_size: int = _knob(1, "ranks the model is split over (needs a distributed executor when > 1)")
+    pipeline_parallel_size: int = _knob(
+        1, "stages the model's layers are split into, each of tensor_parallel_size ranks (needs a distributed "
+           "executor when > 1; Llama-family models; a step's batch runs as this many micro-batches)")
     seed: int = _knob(0, "seed of the sampler's global RNG")
     scheduling_policy: Literal["fcfs", "priority"] = _knob("fcfs", "fcfs: arrival order; priority: lower first")
     attention_backend: Literal["torch", "cpu", "triton", "flash_attn"] | None = _knob(
@@ -79,7 +82,8 @@ class EngineConfig:
              "many times a decode-only step, bounding running streams' inter-token latency during a long prefill")
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name, least in (("max_model_len", 2), ("num_kv_blocks", 1), ("kv_cache_memory_bytes", 1)):
@@ -106,6 +110,11 @@ class EngineConfig:
             if self.speculative_config:
                 raise ValueError("enable_lora with speculative_config is not supported (the drafts would "
                                  "come from the base model)")
+        if self.pipeline_parallel_size > 1:
+            for name, on in (("enable_lora", self.enable_lora), ("speculative_config", self.speculative_config),
+                             ("kv_cache_dtype='fp8'", self.kv_cache_dtype == "fp8")):
+                if on:
+                    raise ValueError(f"pipeline_parallel_size > 1 does not run with {name} yet")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -122,8 +131,10 @@ class EngineConfig:
     @property
     def cuda_graphs(self) -> bool:
         """CUDA graphs asked for: a CUDA device and ``enforce_eager`` off (the model runner also
-        needs an attention backend whose kernels can be captured). LoRA steps run eagerly."""
-        return self.torch_device.type == "cuda" and not self.enforce_eager and not self.enable_lora
+        needs an attention backend whose kernels can be captured). LoRA steps and pipeline stages run
+        eagerly."""
+        return (self.torch_device.type == "cuda" and not self.enforce_eager and not self.enable_lora
+                and self.pipeline_parallel_size == 1)
 
     @property
     def torch_dtype(self) -> "torch.dtype":

@@ -67,8 +67,8 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_path: str | Path):
         super().__init__(config, model_path)
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 needs a distributed executor "
+        if config.tensor_parallel_size != 1 or config.pipeline_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 or pipeline_parallel_size > 1 needs a distributed executor "
                              "(e.g. cluster.worker_group.RayWorkerGroup)")
         from engine.model_runner import ModelRunner
         self.runner = ModelRunner(config, model_path)

@@ -133,6 +133,9 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.hf_config)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        if config.pipeline_parallel_size > self.hf_config.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds num_hidden_layers "
+                             f"{self.hf_config.num_hidden_layers} (each stage needs a layer)")
         factory = executor_factory or UniProcExecutor
         self.executor = factory(config, self.model_path)
         num_blocks = self.executor.determine_num_blocks()

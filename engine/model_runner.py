@@ -130,6 +130,11 @@ class ModelRunner:
             from engine.lora import LoRASlots
             self.lora = LoRASlots(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras)
+        #: pipeline parallelism (engine.pipeline.PipelineStage), None with one stage
+        self.pipeline = None
+        if config.pipeline_parallel_size > 1:
+            from engine.pipeline import PipelineStage
+            self.pipeline = PipelineStage(self.model, config.pipeline_parallel_size)
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
         self.pooling: set[str] = set()  # running embedding requests (engine.pooling): most steps have none
@@ -183,7 +188,8 @@ class ModelRunner:
     def _profile_run(self) -> None:
         n = self.config.max_num_batched_tokens
         h, _ = self._prefill_alone(torch.zeros(n, dtype=torch.long, device=self.device))
-        self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
+        if getattr(self.model, "last_stage", True):
+            self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
 
     @torch.inference_mode()
     def _prefill_alone(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -301,10 +307,13 @@ class ModelRunner:
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv
 
     # ---- one step -----------------------------------------------------------
-    def _prepare(self, sched: SchedulerOutput):
+    def _prepare(self, requests: list):
+        """The flat batch of ``requests`` (a step's ``ScheduledRequest`` list, or a micro-batch of
+        it): input ids and positions (int64 ``[num_tokens]``), attention metadata, and the rows
+        that sample (int64)."""
         bs = self.block_size
         input_ids, positions, slots, qlens, slens, sample_idx = [], [], [], [], [], []
-        for sr in sched.requests:
+        for sr in requests:
             n = len(sr.token_ids)
             input_ids.extend(sr.token_ids)
             pos = range(sr.start, sr.start + n)
@@ -315,8 +324,8 @@ class ModelRunner:
             slens.append(sr.start + n)
             if sr.sample:  # the last row, or with drafts the last 1 + k rows (each verifies one)
                 sample_idx.extend(range(len(input_ids) - 1 - len(sr.spec_token_ids), len(input_ids)))
-        width = max(len(sr.block_table) for sr in sched.requests)
-        tables = [sr.block_table + [0] * (width - len(sr.block_table)) for sr in sched.requests]
+        width = max(len(sr.block_table) for sr in requests)
+        tables = [sr.block_table + [0] * (width - len(sr.block_table)) for sr in requests]
         cu = [0]
         for n in qlens:
             cu.append(cu[-1] + n)
@@ -372,24 +381,30 @@ class ModelRunner:
         return rows
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Returns the sampled token of every request whose slice ends at its
-        last known token (``sample``), and the prompt logprobs of the slices that ask for them."""
+        last known token (``sample``), and the prompt logprobs of the slices that ask for them;
+        None on a pipeline stage other than the last (every stage runs every step)."""
         rows = self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput({})
-        input_ids, positions, meta, sample_idx = self._prepare(sched)
-        if self.lora is not None:  # each row's adapter (LoRA steps never replay graphs: cuda_graphs is off)
-            self.lora.prepare([(self.states[sr.request_id].lora, len(sr.token_ids)) for sr in sched.requests],
-                              self.device)
-        try:
-            if self._use_graph(meta):
-                hidden = self._replay(input_ids, positions, meta)
-            else:
-                hidden = self.model(input_ids, positions, meta)
-        finally:
-            if self.lora is not None:
-                self.lora.clear()
+        if self.pipeline is not None:
+            hidden, sample_idx = self.pipeline.forward(self, sched.requests)
+            if hidden is None:  # not the last stage: its activations went on to the next one
+                return None
+        else:
+            input_ids, positions, meta, sample_idx = self._prepare(sched.requests)
+            if self.lora is not None:  # each row's adapter (LoRA steps never replay graphs: cuda_graphs is off)
+                self.lora.prepare([(self.states[sr.request_id].lora, len(sr.token_ids)) for sr in sched.requests],
+                                  self.device)
+            try:
+                if self._use_graph(meta):
+                    hidden = self._replay(input_ids, positions, meta)
+                else:
+                    hidden = self.model(input_ids, positions, meta)
+            finally:
+                if self.lora is not None:
+                    self.lora.clear()
         prompt_lp = self._prompt_logprobs(hidden, sched)
         pooled = self._pool(hidden, sched)
         if not rows:

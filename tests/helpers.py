@@ -75,9 +75,9 @@ def sse_events(source: SSESource) -> list[dict]:
     return events[:-1]
 
 
-def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 32):
-    """An offline ``LLM`` with tensor_parallel_size 2 whose ranks are Ray actors on two nodes
-    (``STRICT_SPREAD``); returns ``(llm, its RayWorkerGroup)``."""
+def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 32, tp: int = 2, pp: int = 1):
+    """An offline ``LLM`` with ``tp`` tensor ranks in each of ``pp`` pipeline stages, whose ranks
+    are Ray actors on as many nodes (``STRICT_SPREAD``); returns ``(llm, its RayWorkerGroup)``."""
     from cluster.worker_group import RayWorkerGroup
     from engine import LLM
 
@@ -88,7 +88,8 @@ def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 
                                      timeout_s=120, collective_timeout_s=collective_timeout_s))
         return groups[-1]
 
-    llm = LLM(str(model_path), tensor_parallel_size=2, executor_factory=factory, max_model_len=256,
+    llm = LLM(str(model_path), tensor_parallel_size=tp, pipeline_parallel_size=pp, executor_factory=factory,
+              max_model_len=256,
               num_kv_blocks=num_kv_blocks)
     return llm, groups[0]
 

@@ -97,20 +97,59 @@ class ModelDirectory:
         (the served name: paths of the server stay private), the KV cache's dtype
         (``kv_cache_dtype``: ``auto`` or ``fp8``), the weights' ``quantization`` (None,
         ``int8`` or ``fp8``) and ``speculative_config`` (None, or its ``method`` and
-        ``num_speculative_tokens``)."""
+        ``num_speculative_tokens``), ``tensor_parallel_size`` and ``pipeline_parallel_size``."""
         info = await self.info(name)
         return Model(id=name, object="model", created=self.created, owned_by="kvserve", root=name,
                      max_model_len=info.max_model_len, kv_cache_dtype=info.kv_cache_dtype,
-                     quantization=info.quantization, speculative_config=info.speculative_config)
+                     quantization=info.quantization, speculative_config=info.speculative_config,
+                     tensor_parallel_size=info.tensor_parallel_size,
+                     pipeline_parallel_size=info.pipeline_parallel_size)
+
+
+#: Seconds a read of the replicas' placement (Serve's controller) is reused by ``/v1/models``.
+PLACEMENT_TTL_S = 2.0
+_placement: tuple[float, dict] = (0.0, {})
+
+
+async def replica_placement() -> dict[tuple[str, str], list[dict]]:
+    """``{(app, deployment): [{"replica_id", "node_id", "node_ip", "state"}, ...]}`` from Serve's
+    controller (read at most every :data:`PLACEMENT_TTL_S` seconds); ``{}`` when it cannot be
+    read (the cards then leave ``replicas`` out)."""
+    global _placement
+    if time.monotonic() - _placement[0] < PLACEMENT_TTL_S:
+        return _placement[1]
+    try:
+        from ray.serve.context import _get_global_client
+
+        details = await asyncio.to_thread(lambda: _get_global_client().get_serve_details())
+        out = {(app, dep): [{k: r.get(k) for k in ("replica_id", "node_id", "node_ip", "state")}
+                            for r in d.get("replicas", [])]
+               for app, a in details.get("applications", {}).items() for dep, d in a.get("deployments", {}).items()}
+    except Exception as e:  # the cards go without placement
+        logger.info("reading the replicas' placement failed (%s)", type(e).__name__)
+        out = {}
+    _placement = (time.monotonic(), out)
+    return out
 
 
 async def list_models(gw) -> dict:
     """``GET /v1/models``: every served model's card, each embedding model's, each LoRA
     adapter's (configured or loaded at run time); with routing rules, also ``auto``
-    (with as long a context as the smallest model it may pick)."""
-    data = [(await gw.directory.card(n)).model_dump() for n in gw.models]
+    (with as long a context as the smallest model it may pick). A served model's and an
+    encoder's card also name their ``replicas``: each one's id, state, and node (id and IP),
+    as Serve's controller has them."""
+    placement = await replica_placement()
+
+    async def card(name: str, handle) -> dict:
+        d = (await gw.directory.card(name)).model_dump()
+        where = placement.get((getattr(handle, "app_name", None), getattr(handle, "deployment_name", None)))
+        if where is not None:
+            d["replicas"] = where
+        return d
+
+    data = [await card(n, h) for n, h in gw.models.items()]
     cards = {d["id"]: d for d in data}
-    data += [(await gw.directory.card(n)).model_dump() for n in gw.encoders]
+    data += [await card(n, h) for n, h in gw.encoders.items()]
     data += [adapter_card(cards[base], a) for a, base in gw.adapters.items()]
     data += [adapter_card(cards[e.base], a) for a, e in (await gw.lora.dynamic()).items() if e.base in cards]
     if gw.routing is not None:

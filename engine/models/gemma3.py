@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import split_range, tp_rank, tp_size
+from engine.distributed import pp_size, split_range, tp_rank, tp_size
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import GemmaRMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -167,12 +167,15 @@ class Gemma3ForCausalLM(nn.Module):
     Raises:
         ValueError: another architecture, bidirectional attention (Gemma embedding models),
             attention biases, an unsupported activation or RoPE scaling, or more
-            tensor-parallel ranks than KV heads.
+            tensor-parallel ranks than KV heads, or pipeline parallelism.
     """
 
     def __init__(self, cfg, backend: AttentionBackend):
         super().__init__()
         arch = (getattr(cfg, "architectures", None) or ["Gemma3ForCausalLM"])[0]
+        if pp_size() > 1:
+            raise ValueError("pipeline_parallel_size > 1 runs Llama-family models; Gemma 3 runs with tensor "
+                             "parallelism only")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not supported by the Gemma 3 model "
                              f"(text-only {SUPPORTED_ARCHITECTURES}; a multimodal "

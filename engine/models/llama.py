@@ -4,19 +4,21 @@ Pre-norm transformer (Touvron et al. 2023) with grouped-query attention (Ainslie
 2023), SwiGLU MLP (Shazeer 2020) and RoPE. Tokens of all requests in a step are flattened
 into one ``[num_tokens, hidden]`` batch; attention reads and writes the paged KV cache
 through ``kernels.backend``. Tensor parallelism splits attention by KV-head groups (as
-evenly as possible, so e.g. 3 KV heads over 2 ranks is 2 + 1) and the MLP by columns.
+evenly as possible, so e.g. 3 KV heads over 2 ranks is 2 + 1) and the MLP by columns. Pipeline
+parallelism gives each stage a consecutive run of layers: the first embeds the tokens, the last
+owns the final norm and the LM head, and the ones between pass ``(hidden, residual)`` on.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.distributed import split_range, tp_rank, tp_size
+from engine.distributed import pp_rank, pp_size, split_range, tp_rank, tp_size
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.weights import load_hf_weights
+from engine.models.weights import load_hf_weights, stage_weights
 from kernels import cpu_backend
 from kernels.backend import AttentionBackend, AttentionMetadata
 
@@ -111,14 +113,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder plus LM head.
+    """The decoder plus LM head, or this pipeline stage's part of it.
 
     Args:
         cfg: a Hugging Face config of one of ``SUPPORTED_ARCHITECTURES``.
         backend: attention backend shared by all layers.
 
+    Attributes:
+        start_layer, end_layer: the layers ``[start, end)`` of the checkpoint this stage holds
+            (``layers[i]`` is checkpoint layer ``start_layer + i``); all of them without a pipeline.
+        first_stage, last_stage: whether it embeds tokens / owns the norm and LM head
+            (``embed_tokens`` or ``norm`` and ``lm_head`` are None on the other stages).
+
     Raises:
-        ValueError: unsupported architecture or activation.
+        ValueError: unsupported architecture or activation, or more stages than layers.
     """
 
     def __init__(self, cfg, backend: AttentionBackend):
@@ -126,31 +134,53 @@ class LlamaForCausalLM(nn.Module):
         arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not supported; kvserve runs {SUPPORTED_ARCHITECTURES}")
+        if pp_size() > cfg.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size {pp_size()} exceeds num_hidden_layers {cfg.num_hidden_layers}")
         self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+        self.start_layer, self.end_layer = split_range(cfg.num_hidden_layers, pp_size(), pp_rank())
+        self.first_stage, self.last_stage = pp_rank() == 0, pp_rank() == pp_size() - 1
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.first_stage else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(self.end_layer - self.start_layer))
+        self.norm = self.lm_head = None
+        if self.last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if self.tied and self.first_stage:
+                self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``input_ids``/``positions`` int64 ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
-        h, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``input_ids``/``positions`` int64 ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``
+        after the final norm (the last stage), else this stage's ``(hidden, residual)`` for the
+        next one. A later stage starts from ``intermediate``, the previous stage's pair (zeros
+        when None: a profiling pass)."""
+        if self.first_stage:
+            h, residual = self.embed_tokens(input_ids), None
+        elif intermediate is not None:
+            h, residual = intermediate
+        else:
+            h = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, device=input_ids.device,
+                            dtype=self.layers[0].input_layernorm.weight.dtype)
+            residual = torch.zeros_like(h)
         for layer in self.layers:
             h, residual = layer(positions, h, residual, meta)
+        if not self.last_stage:
+            return h, residual
         h, _ = self.norm(h, residual)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[n, vocab_size]`` for the ``n`` positions that sample."""
+        """Float32 logits ``[n, vocab_size]`` for the ``n`` positions that sample (last stage)."""
         return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs in Hugging Face naming, each cut to this rank's shard
-        (:func:`engine.models.weights.load_hf_weights`).
+        (:func:`engine.models.weights.load_hf_weights`), keeping this stage's layers only.
 
         Raises:
             ValueError: a tensor name the model does not know, or weights left unloaded.
         """
-        load_hf_weights(self, weights, getattr(self.cfg, "tie_word_embeddings", False))
+        weights = stage_weights(weights, self.start_layer, self.end_layer, self.first_stage, self.last_stage,
+                                self.tied)
+        load_hf_weights(self, weights, self.tied and self.first_stage and self.last_stage)

@@ -7,7 +7,7 @@ into ``qkv_proj`` and ``gate_up_proj`` (``part`` says which slice).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -56,3 +56,26 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         expected -= 1
     if len(loaded) != expected:
         raise ValueError(f"checkpoint loaded {len(loaded)} of {expected} weight tensors")
+
+
+def stage_weights(weights: Iterable[tuple[str, torch.Tensor]], start: int, end: int, first: bool, last: bool,
+                  tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs a pipeline stage holding layers ``[start, end)`` loads, its
+    layers renumbered from 0: the embedding on the first stage, the final norm and LM head on the
+    last (a tied LM head on a last stage that is not the first loads the embedding's tensor)."""
+    for name, tensor in weights:
+        short = name.removeprefix("model.")
+        if short.startswith("layers."):
+            index, _, rest = short[len("layers."):].partition(".")
+            if start <= int(index) < end:
+                yield f"layers.{int(index) - start}.{rest}", tensor
+        elif short.startswith("embed_tokens."):
+            if first:
+                yield name, tensor
+            if tied and last and not first:
+                yield "lm_head.weight", tensor
+        elif short.startswith("norm.") or name.startswith("lm_head."):
+            if last:
+                yield name, tensor
+        else:
+            yield name, tensor

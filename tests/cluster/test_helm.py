@@ -459,10 +459,23 @@ def test_bad_value_types_fail_the_schema(render_error, values, pattern):
     assert re.search(pattern, err), err
 
 
-def test_tensor_parallel_larger_than_any_workers_gpus_fails(render_error):
-    err = render_error({"models": [{"model": "big", "tensor_parallel_size": 8}],
+@pytest.mark.parametrize("model", [{"tensor_parallel_size": 8},
+                                   {"tensor_parallel_size": 2, "pipeline_parallel_size": 4}],  # STRICT_PACK: 8 on a pod
+                         ids=["tp8", "tp2xpp4"])
+def test_ranks_on_one_node_beyond_any_workers_gpus_fail(render_error, model):
+    err = render_error({"models": [{"model": "big", **model}],
                         "workerGroups": [{"name": "l4x4", "gpus": 4, "minReplicas": 0, "maxReplicas": 2}]})
-    assert "tensor_parallel_size 8 is larger than any worker group's GPUs" in err and '"l4x4", has 4' in err, err
+    assert "8 ranks per node" in err and '"l4x4", has 4' in err, err
+
+
+def test_pipeline_stages_spread_over_pods_fit(render):
+    """PP=4 x TP=2 with SPREAD: a stage's two ranks per 4-GPU pod is enough (no error)."""
+    docs = render({"models": [{"model": "big", "tensor_parallel_size": 2, "pipeline_parallel_size": 4,
+                               "placement_group_strategy": "SPREAD"}],
+                   "workerGroups": [{"name": "l4x4", "gpus": 4, "minReplicas": 0, "maxReplicas": 2}]})
+    serve_config = yaml.safe_load(docs["RayService"][0]["spec"]["serveConfigV2"])
+    model = serve_config["applications"][0]["args"]["models"][0]
+    assert model["pipeline_parallel_size"] == 4 and model["placement_group_strategy"] == "SPREAD"
 
 
 @pytest.mark.parametrize("groups", [

@@ -1,7 +1,8 @@
 """Serving on several Ray nodes (the ``multinode`` fixture: a head and two worker raylets on this
 machine): replicas spread over nodes with ``max_replicas_per_node``, a tensor-parallel replica
 whose two ranks sit on two nodes (``placement_group_strategy: STRICT_SPREAD``, gloo through a TCP
-store), each giving the same greedy tokens as the engine alone."""
+store) and a pipeline-parallel one whose two stages do, each giving the same greedy tokens as the
+engine alone; ``/v1/models`` and the metrics name the nodes."""
 import httpx
 import pytest
 from helpers import free_port, spread_tp_llm
@@ -19,11 +20,13 @@ def _reference(tiny_llama_path, text: bool = False) -> list:
     return [o.outputs[0].text if text else o.outputs[0].token_ids for o in outs]
 
 
-def test_tp_ranks_on_two_nodes_equal_one_process(multinode, tiny_llama_path):
-    """The engine with a RayWorkerGroup spread over two nodes (no Serve)."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_ranks_on_two_nodes_equal_one_process(multinode, tiny_llama_path, tp, pp):
+    """The engine with a RayWorkerGroup spread over two nodes (no Serve): two tensor ranks, or
+    two pipeline stages (activations sent from node to node)."""
     from engine import SamplingParams
 
-    llm, group = spread_tp_llm(tiny_llama_path, collective_timeout_s=60)
+    llm, group = spread_tp_llm(tiny_llama_path, collective_timeout_s=60, tp=tp, pp=pp)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
         info = group.worker_info
@@ -48,6 +51,9 @@ def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_pa
         {**common, "served_model_name": "tiny-tp", "num_replicas": 1, "tensor_parallel_size": 2,
          "placement_group_strategy": "STRICT_SPREAD", "replica_cpus": 0.5, "worker_cpus": 0.5,
          "collective_timeout_s": 60},
+        {**common, "served_model_name": "tiny-pp", "num_replicas": 1, "pipeline_parallel_size": 2,
+         "placement_group_strategy": "STRICT_SPREAD", "replica_cpus": 0.5, "worker_cpus": 0.5,
+         "collective_timeout_s": 60},
     ], "ingress_cpus": 0.25})
     serve.run(app, name="multinode", route_prefix="/")
     try:
@@ -58,9 +64,15 @@ def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_pa
         tp = serve.get_deployment_handle("LLMServer-tiny-tp", "multinode")
         workers = tp.server_info.remote().result().workers
         assert len({r["node_id"] for r in workers["ranks"]}) == 2  # STRICT_SPREAD: a rank per node
+        pp = serve.get_deployment_handle("LLMServer-tiny-pp", "multinode").server_info.remote().result()
+        assert pp.pipeline_parallel_size == 2 and len({r["node_id"] for r in pp.workers["ranks"]}) == 2
         ref = _reference(tiny_llama_path, text=True)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-            for model in ("tiny-spread", "tiny-tp"):
+            cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+            assert {r["node_id"] for r in cards["tiny-spread"]["replicas"]} == set(spread)
+            assert all(r["state"] == "RUNNING" and r["node_ip"] for r in cards["tiny-spread"]["replicas"])
+            assert cards["tiny-pp"]["pipeline_parallel_size"] == 2 and cards["tiny-tp"]["tensor_parallel_size"] == 2
+            for model in ("tiny-spread", "tiny-tp", "tiny-pp"):
                 for prompt, want in zip(PROMPTS, ref):
                     r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
                                                         "temperature": 0, "ignore_eos": True, "cache": False})

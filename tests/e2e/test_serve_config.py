@@ -33,6 +33,25 @@ def test_serve_config_file_loads_with_serve_schema():
         call_user_app_builder_with_args_if_necessary(build_app, {"max_num_seqs": -1})
 
 
+def test_pipeline_serve_config_asks_for_a_rank_per_bundle():
+    """deployments/serve_config_pipeline.yaml (two stages of four GPUs): Serve's schema takes it,
+    and the replica asks for 8 one-GPU bundles, PACKed (stage 0 fills a node, stage 1 the next),
+    the replica's own CPU in rank 0's bundle."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.app import AppArgs, llm_deployment_options
+
+    data = yaml.safe_load((ROOT / "deployments" / "serve_config_pipeline.yaml").read_text())
+    app = ServeDeploySchema.model_validate(data).applications[0]
+    m = AppArgs.model_validate(app.args).model_list()[0]
+    assert (m.tensor_parallel_size, m.pipeline_parallel_size, m.num_ranks) == (4, 2, 8)
+    opts = llm_deployment_options(m, "LLMServer")
+    assert opts["placement_group_strategy"] == "PACK"
+    assert opts["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0}] + [{"CPU": 1.0, "GPU": 1.0}] * 7
+    with pytest.raises(ValidationError, match="max_replicas_per_node"):
+        AppArgs.model_validate({**app.args, "tensor_parallel_size": 1, "max_replicas_per_node": 1})
+
+
 def test_app_args_and_deployment_options():
     from deployments.app import AppArgs, llm_deployment_options
 

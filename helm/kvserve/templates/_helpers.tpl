@@ -60,9 +60,10 @@ limit, else its request ("500m" = 0.5); -1 when none is given. */}}
 {{- end -}}
 
 {{/* Refuse models that no worker group can hold. A replica of a model on `cuda` asks Ray for
-tensor_parallel_size bundles of one GPU each, STRICT_PACKed onto one node, plus CPUs: replica_cpus
-+ tensor_parallel_size * worker_cpus (ModelArgs' defaults: 1 and 1; deployments/app.py
-llm_deployment_options). Only groups that may have pods (maxReplicas > 0) count. */}}
+tensor_parallel_size * pipeline_parallel_size bundles of one GPU each, STRICT_PACKed onto one node
+(the default placement_group_strategy; with another strategy only one stage's tensor_parallel_size
+GPUs must share a pod), plus CPUs: replica_cpus + ranks * worker_cpus (ModelArgs' defaults: 1 and 1;
+deployments/app.py llm_deployment_options). Only groups that may have pods (maxReplicas > 0) count. */}}
 {{- define "kvserve.checkModels" -}}
 {{- if not .Values.models -}}
 {{- fail "models: give at least one model" -}}
@@ -86,12 +87,15 @@ llm_deployment_options). Only groups that may have pods (maxReplicas > 0) count.
 {{- $name := $m.served_model_name | default $m.model | default "the default model" -}}
 {{- if eq (toString $m.device) "cuda" -}}
 {{- $tp := int ($m.tensor_parallel_size | default 1) -}}
+{{- if eq (toString ($m.placement_group_strategy | default "STRICT_PACK")) "STRICT_PACK" -}}
+{{- $tp = mul $tp (int ($m.pipeline_parallel_size | default 1)) -}}
+{{- end -}}
 {{- $cpus := addf ($m.replica_cpus | default 1.0) (mulf $tp ($m.worker_cpus | default 1.0)) -}}
 {{- if eq $maxGpus 0 -}}
 {{- fail (printf "models[%d] (%s): a GPU replica (device cuda) fits no worker group: no group has gpus > 0 and maxReplicas > 0" $i $name) -}}
 {{- end -}}
 {{- if gt $tp $maxGpus -}}
-{{- fail (printf "models[%d] (%s): tensor_parallel_size %d is larger than any worker group's GPUs (the largest, %q, has %d): a replica's ranks share one node" $i $name $tp $largest $maxGpus) -}}
+{{- fail (printf "models[%d] (%s): %d ranks per node (tensor_parallel_size, times pipeline_parallel_size with STRICT_PACK) are more than any worker group's GPUs (the largest, %q, has %d)" $i $name $tp $largest $maxGpus) -}}
 {{- end -}}
 {{- $fits := false -}}
 {{- range $groups -}}
@@ -101,7 +105,7 @@ llm_deployment_options). Only groups that may have pods (maxReplicas > 0) count.
 {{- end -}}
 {{- end -}}
 {{- if not $fits -}}
-{{- fail (printf "models[%d] (%s): a GPU replica (tensor_parallel_size %d: %d GPUs and %g CPUs on one pod) fits no worker group" $i $name $tp $tp $cpus) -}}
+{{- fail (printf "models[%d] (%s): a GPU replica (%d ranks on one pod: %d GPUs and %g CPUs) fits no worker group" $i $name $tp $tp $cpus) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
