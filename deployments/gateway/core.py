@@ -273,14 +273,17 @@ class Gateway:
 
     async def ask(self, call: Call, method: str, *args, **kwargs):
         """``call.handle.<method>.remote(*args, **kwargs)``'s answer; a typed ``error`` on it
-        (the replica's verdict) or a refusal by Serve becomes an :class:`OpenAIError`, any
-        other failure a 500 with the request id (details logged)."""
-        try:
-            out = await getattr(call.handle, method).remote(*args, **kwargs)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise self._replica_error(call, e) from None
+        (the replica's verdict) or a refusal by Serve becomes an :class:`OpenAIError`, any other failure
+        a 500 with the request id (logged); a replica lost under the call: sent again, as :meth:`open`."""
+        for attempt in range(UNAVAILABLE_RETRIES + 1):
+            try:
+                out = await getattr(call.handle, method).remote(*args, **kwargs)
+                break
+            except Exception as e:  # (a cancellation is no Exception: it goes through)
+                err = self._replica_error(call, e)
+                if err.code != "model_unavailable" or attempt == UNAVAILABLE_RETRIES:
+                    raise err from None
+                await asyncio.sleep(0.2 * (attempt + 1))
         if getattr(out, "error", None) is not None:
             raise OpenAIError.of(out.error)
         return out

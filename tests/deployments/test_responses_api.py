@@ -331,6 +331,45 @@ def test_tokenize_and_detokenize():
     assert both.status_code == 400 and bad.status_code == 400 and bad.json()["error"]["message"] == "cannot tokenize"
 
 
+def test_one_answer_calls_are_sent_again_when_their_replica_is_lost():
+    """An embeddings or tokenize call whose replica died under it (a lost node: ActorDiedError)
+    is idempotent, so it goes again, as a stream lost before its first token does; a replica that
+    stays lost is a 503 after the retries."""
+    from ray.exceptions import ActorDiedError
+
+    class Flaky(ScriptedReplica):
+        def __init__(self, losses):
+            super().__init__()
+            self.losses, self.calls = losses, 0
+            embed, tokenize = self.embed.remote, self.tokenize.remote
+
+            def lossy(fn):
+                async def call(*a, **kw):
+                    self.calls += 1
+                    if self.losses > 0:
+                        self.losses -= 1
+                        raise ActorDiedError()
+                    return await fn(*a, **kw)
+                return _Remote(call)
+            self.embed, self.tokenize = lossy(embed), lossy(tokenize)
+
+    async def main(replica):
+        _, app = _sdk(replica)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            e = await c.post("/v1/embeddings", json={"model": "fake", "input": "ab"})
+            t = await c.post("/tokenize", json={"model": "fake", "prompt": "hey"})
+        return e, t
+
+    once = Flaky(losses=1)
+    e, t = _run(main(once))
+    assert e.status_code == 200 and e.json()["data"][0]["embedding"] == [2.0, 0.5, -0.25]
+    assert t.status_code == 200 and t.json()["count"] == 3 and once.calls == 3
+    gone = Flaky(losses=100)
+    e, t = _run(main(gone))
+    assert e.status_code == 503 and e.json()["error"]["code"] == "model_unavailable"
+    assert t.status_code == 503 and gone.calls == 6  # 1 + UNAVAILABLE_RETRIES each
+
+
 def test_every_endpoint_is_counted_by_route_template():
     from telemetry.metrics import http_requests
 
