@@ -35,22 +35,13 @@ import time
 import uuid
 from pathlib import Path
 
+from helpers import free_port
 from ray.cluster_utils import AutoscalingCluster
 
 #: Ray's fake multi-node provider, loaded as an "external" provider module.
 FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
 #: Every process of one cluster carries this variable (its value: the cluster's id).
 MARKER_VAR = "KVSERVE_FAKE_CLUSTER_ID"
-#: Node ids the fake provider gives the nodes it launches start with this.
-FAKE_NODE_PREFIX = "f" * 51
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeAutoscalingCluster(AutoscalingCluster):
@@ -64,7 +55,7 @@ class FakeAutoscalingCluster(AutoscalingCluster):
     """
 
     def __init__(self, head_resources: dict, worker_node_types: dict, **config_kwargs):
-        self.port = _free_port()
+        self.port = free_port()
         self.cluster_id = uuid.uuid4().hex[:12]
         # short: Ray's unix sockets live under it (session_<date>_<pid>/sockets/plasma_store, < 108 bytes)
         self.temp_dir = tempfile.mkdtemp(prefix="kvs-as-", dir="/tmp")
@@ -113,7 +104,7 @@ class FakeAutoscalingCluster(AutoscalingCluster):
         cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
                f"--port={self.port}", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}",
                f"--autoscaling-config={config_path}", "--include-dashboard=false", "--disable-usage-stats",
-               f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+               f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
                f"--num-cpus={int(res.pop('CPU', 0))}"]
         if "object_store_memory" in res:
             cmd.append(f"--object-store-memory={int(res.pop('object_store_memory'))}")
@@ -132,13 +123,11 @@ class FakeAutoscalingCluster(AutoscalingCluster):
 
         want = f"{MARKER_VAR}={self.cluster_id}".encode()
         out = []
-        for p in psutil.process_iter(["pid"]):
-            if p.pid == os.getpid():
-                continue
+        for pid in psutil.pids():
             try:
-                with open(f"/proc/{p.pid}/environ", "rb") as f:
-                    if want in f.read().split(b"\0"):
-                        out.append(p.pid)
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if pid != os.getpid() and want in f.read().split(b"\0"):
+                        out.append(pid)
             except OSError:  # gone, or another user's
                 continue
         return out
@@ -151,41 +140,45 @@ class FakeAutoscalingCluster(AutoscalingCluster):
         Disconnect the driver (``ray.shutdown()``) first. Returns the pids that needed SIGKILL."""
         import psutil
 
-        procs = []
-        for pid in self.pids():
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                continue
-        procs.sort(key=lambda p: 0 if "monitor.py" in " ".join(_cmdline(p)) else 1)
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                continue
-        _, alive = psutil.wait_procs(procs, timeout=timeout_s)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                continue
-        psutil.wait_procs(alive, timeout=10)
-        # processes started while we signalled (a worker the raylet was spawning)
-        late = [psutil.Process(pid) for pid in self.pids() if psutil.pid_exists(pid)]
-        for p in late:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                continue
+        procs = _processes(self.pids())
+        procs.sort(key=lambda p: 0 if any("monitor.py" in a for a in _cmdline(p)) else 1)
+        _signal(procs, signal.SIGTERM)
+        psutil.wait_procs(procs, timeout=timeout_s)
+        late = _processes(self.pids())  # still there, or started meanwhile (a worker a raylet was spawning)
+        _signal(late, signal.SIGKILL)
         psutil.wait_procs(late, timeout=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-        return [p.pid for p in alive + late]
+        return [p.pid for p in late]
+
+
+def _processes(pids: list[int]) -> list:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _signal(procs: list, sig: int) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            continue
 
 
 def _cmdline(p) -> list[str]:
+    import psutil
+
     try:
         return p.cmdline()
-    except Exception:
+    except psutil.Error:
         return []
 
 
