@@ -31,6 +31,7 @@ Usage::
 
     python benchmarks/multinode.py                  # the committed result (3 runs of each part)
     python benchmarks/multinode.py --parts scale-up # only the scale-up part (the file's recovery figures kept)
+    python benchmarks/multinode.py --parts pipeline # PP=2 vs PP=1 (benchmarks/pipeline.py -> pipeline.json)
 """
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ def main(argv=None) -> dict:
 
 
 #: The parts of this benchmark (``--parts``).
-PARTS = ("recovery", "scale-up")
+PARTS = ("recovery", "scale-up", "pipeline")
 SCALE_UP_APP = "scale-up"
 
 
@@ -275,8 +276,10 @@ def scale_up(runs: int, concurrency: int, max_tokens: int) -> dict:
 
 
 def run(argv=None) -> dict:
-    """``--parts``: the recovery part (:func:`main`, its options and output as before) and/or the
-    scale-up part (:func:`scale_up`); the results file keeps the parts not run."""
+    """``--parts``: the recovery part (:func:`main`, its options and output as before), the
+    scale-up part (:func:`scale_up`) and the pipeline part (``benchmarks/pipeline.py``: PP=2
+    against PP=1 on the same cores, written to ``pipeline.json``, summarised here); the results
+    file keeps the parts not run."""
     ap = argparse.ArgumentParser(description="parts: " + ", ".join(PARTS) + "; other options go to the recovery "
                                  "part (python benchmarks/multinode.py --parts recovery --help)")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + ", ".join(PARTS))
@@ -300,8 +303,17 @@ def run(argv=None) -> dict:
     if "scale-up" in parts:
         result["scale_up"] = scale_up(a.scale_up_runs, a.concurrency, a.scale_up_tokens)
         print(json.dumps({k: result["scale_up"][k] for k in ("runs", "median")}, indent=1))
+    if "pipeline" in parts:  # its own file (benchmarks/pipeline.py); a summary here
+        from benchmarks.pipeline import main as pipeline_main
+
+        pp = pipeline_main(["--out", str(RESULTS / "pipeline.json")])
+        result["pipeline"] = {"file": "benchmarks/results/pipeline.json",
+                              "pp2_over_pp1": pp["configs"]["pp2"]["vs_pp1"],
+                              "tp2_over_pp1": pp["configs"]["tp2"]["vs_pp1"]}
     if "scale_up" in result and isinstance(result.get("not_measured"), str):
         result["not_measured"] = result["not_measured"].replace("scale-up to first token with Ray's autoscaler, ", "")
+    if "pipeline" in result:
+        result.pop("not_measured", None)
     write_json(a.out, result)
     return result
 

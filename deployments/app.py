@@ -61,8 +61,12 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]
             worker_cpus=m.worker_cpus)
         opts["placement_group_strategy"] = m.placement_group_strategy
         opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 0}
+        if m.replica_resources:
+            opts["placement_group_bundles"][0].update(m.replica_resources)
     else:
         opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 1 if cuda else 0}
+    if m.replica_resources:
+        opts["ray_actor_options"]["resources"] = dict(m.replica_resources)
     if m.max_replicas_per_node is not None:
         opts["max_replicas_per_node"] = m.max_replicas_per_node
     return opts

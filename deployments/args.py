@@ -110,6 +110,9 @@ class ModelArgs(EngineArgs):
                                  "a dead node ends its requests with an error instead of hanging them)")
     torch_num_threads: Optional[int] = Field(None, ge=1)
     replica_cpus: float = Field(1.0, ge=0)
+    replica_resources: Optional[dict[str, float]] = Field(
+        None, description="custom Ray resources each replica asks for, e.g. {\"node-type-a\": 1} to tie it to a "
+                          "node type the autoscaler can add (with several ranks: in rank 0's bundle, with the replica)")
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor- or pipeline-parallel worker actor")
 
     @model_validator(mode="after")

@@ -239,6 +239,8 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("kvserve's scale-up decision to the first token of a replica on a node Ray's autoscaler added (median of 3; "
      "Ray's fake multi-node provider on one machine)", "multinode",
      lambda d: f"{d['scale_up']['median']['decision_to_first_token_s']} s"),
+    ("pipeline parallelism on one 2-core machine: PP=2 (two stages, one core each) / the engine alone on both "
+     "cores, offline (the pipeline's cost, not a speed-up)", "pipeline", lambda d: _x(d["configs"]["pp2"]["vs_pp1"])),
     ("HTTP streaming / offline engine throughput, one replica", "serving",
      lambda d: f"{d['http_over_offline_throughput']:.2f}"),
     ("prefix-aware routing: TTFT p50 / Serve's default router", "routing",
@@ -678,6 +680,18 @@ def render_multinode(d: dict, path: Path) -> list[str]:
     return out + _targets(d)
 
 
+def render_pipeline(d: dict, path: Path) -> list[str]:
+    """``benchmarks/pipeline.py``: PP=2 and TP=2 against the engine alone on the same cores."""
+    w = d["workload"]
+    out = [f"{w['model']} in {w['dtype']}, {w['num_requests']} requests ({w['prompt_tokens']} prompt and "
+           f"{w['output_tokens']} output tokens), all at once, offline. {d['note']}.", ""]
+    rows = [[name, c["pipeline_parallel_size"], c["tensor_parallel_size"],
+             ", ".join(str(r["output_tok_per_s"]) for r in c["runs"]), c["output_tok_per_s_median"],
+             _x(c["vs_pp1"]), c["texts_equal_pp1"]] for name, c in d["configs"].items()]
+    return out + _table(["config", "pipeline stages", "tensor ranks", "output tok/s (runs)", "median",
+                         "vs the engine alone", "texts equal the engine alone's"], rows)
+
+
 def render_quantization(d: dict, path: Path) -> list[str]:
     rows = []
     for name, c in d["configs"].items():
@@ -902,6 +916,7 @@ RENDERERS: dict[str, Callable[[Any, Path], list[str]]] = {
     "load_test": render_load_test,
     "recovery": render_recovery,
     "multinode": render_multinode,
+    "pipeline": render_pipeline,
     "quantization": render_quantization,
     "host_times": render_host_times,
     "cpu_linear": render_cpu_linear,

@@ -225,17 +225,15 @@ def serve_config(model_path: str, port: int, app: str, min_replicas: int = 1, ma
     """A Serve deploy config (``serve deploy``'s schema) of kvserve's app serving the tiny model
     as ``tiny``: the ingress pinned to the head (``ingress_resources``), ``LLMServer`` autoscaled
     by kvserve's policy between ``min_replicas`` and ``max_replicas``, each replica needing one
-    :data:`NODE_TYPE` (Serve's per-deployment ``ray_actor_options`` override: kvserve's model
-    arguments have no replica resources field)."""
+    :data:`NODE_TYPE` (the model's ``replica_resources``)."""
     args = {"model": model_path, "served_model_name": "tiny", "dtype": "float32", "max_num_seqs": 2,
             "max_queued_requests": 1, "max_model_len": 512, "num_kv_blocks": 64, "torch_num_threads": 1,
-            "replica_cpus": 1, "graceful_shutdown_timeout_s": 5, "min_replicas": min_replicas,
+            "replica_cpus": 1, "replica_resources": {NODE_TYPE: 1}, "graceful_shutdown_timeout_s": 5, "min_replicas": min_replicas,
             "max_replicas": max_replicas, "autoscaling": dict(FAST_KNOBS if knobs is None else knobs),
             "ingress_cpus": 0.25, "ingress_resources": {"head": 0.01}}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
             "applications": [{"name": app, "route_prefix": "/", "import_path": "deployments.app:build_app",
-                              "args": args, "deployments": [{"name": "LLMServer", "ray_actor_options": {
-                                  "num_cpus": 1, "resources": {NODE_TYPE: 1}}}]}]}
+                              "args": args}]}
 
 
 def deploy(config: dict, timeout_s: float = 240.0) -> None:

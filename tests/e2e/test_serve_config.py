@@ -52,6 +52,17 @@ def test_pipeline_serve_config_asks_for_a_rank_per_bundle():
         AppArgs.model_validate({**app.args, "tensor_parallel_size": 1, "max_replicas_per_node": 1})
 
 
+def test_replica_resources_tie_replicas_to_a_node_type():
+    from deployments.app import llm_deployment_options
+    from deployments.args import ModelArgs
+
+    one = llm_deployment_options(ModelArgs(replica_resources={"node-type-a": 1}), "LLMServer")
+    assert one["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0, "resources": {"node-type-a": 1}}
+    tp = llm_deployment_options(ModelArgs(tensor_parallel_size=2, replica_resources={"node-type-a": 1}), "LLMServer")
+    assert tp["placement_group_bundles"] == [{"CPU": 2.0, "node-type-a": 1}, {"CPU": 1.0}]  # the replica's bundle
+    assert tp["ray_actor_options"]["resources"] == {"node-type-a": 1}
+
+
 def test_app_args_and_deployment_options():
     from deployments.app import AppArgs, llm_deployment_options
 
