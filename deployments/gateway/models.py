@@ -119,8 +119,11 @@ async def replica_placement() -> dict[tuple[str, str], list[dict]]:
     if time.monotonic() - _placement[0] < PLACEMENT_TTL_S:
         return _placement[1]
     try:
+        import ray
         from ray.serve.context import _get_global_client
 
+        if not ray.is_initialized():  # a gateway outside Ray (tests): asking would start a Ray instance
+            raise RuntimeError("Ray is not running here")
         details = await asyncio.to_thread(lambda: _get_global_client().get_serve_details())
         out = {(app, dep): [{k: r.get(k) for k in ("replica_id", "node_id", "node_ip", "state")}
                             for r in d.get("replicas", [])]
