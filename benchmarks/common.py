@@ -207,6 +207,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def private_ray_token() -> str:
+    """Turn Ray's token auth on for this process with a token of this run only (a fresh 0600 file
+    in a new temp dir, as ``kvserve serve`` makes its own); returns that dir. Call it before
+    anything imports ``ray``: Ray reads the auth variables when imported."""
+    from cluster.ray_auth import ensure_local_auth
+
+    auth_dir = tempfile.mkdtemp(prefix="kvserve-bench-auth-")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(auth_dir, "auth_token")
+    ensure_local_auth()
+    return auth_dir
+
+
 @contextlib.contextmanager
 def local_serve(num_cpus: int):
     """A local Ray (``num_cpus`` logical CPUs, no dashboard) with token auth on and a token of
@@ -215,13 +229,7 @@ def local_serve(num_cpus: int):
 
     Call it before anything imports ``ray``: Ray reads the auth variables when imported.
     """
-    from cluster.ray_auth import ensure_local_auth
-
-    auth_dir = tempfile.mkdtemp(prefix="kvserve-bench-auth-")
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ.pop("RAY_AUTH_TOKEN", None)
-    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(auth_dir, "auth_token")
-    ensure_local_auth()
+    auth_dir = private_ray_token()
     os.environ.setdefault("RAY_worker_niceness", "0")  # serving is the node's main work
     import ray
     from ray import serve

@@ -54,7 +54,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def one_run(model_path: str, streams: int, tokens: int) -> dict:
     import httpx
     import ray
-    from helpers import free_port, stream_completion
+    from helpers import free_port, shutdown_ray_cluster, stream_completion
     from ray import serve
     from ray.cluster_utils import Cluster
     from ray.serve.context import _get_global_client
@@ -107,9 +107,7 @@ def one_run(model_path: str, streams: int, tokens: int) -> dict:
         ended, after, recovered = asyncio.run(main())
         serve.delete("bench")
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+        shutdown_ray_cluster(cluster)
     return {"streams_cut": sum(e["error"] is not None for e in ended),
             "streams_completed": sum(e["error"] is None and e["done"] for e in ended),
             "streams_without_done": sum(not e["done"] for e in ended),
@@ -124,15 +122,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=600)
     ap.add_argument("--out", default=str(RESULTS / "multinode.json"))
     a = ap.parse_args(argv)
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(tempfile.mkdtemp(prefix="kvserve-bench-auth-"), "auth_token")
-    from cluster.ray_auth import ensure_local_auth
     from tiny_models import make_tiny_model
 
-    from benchmarks.common import write_json
+    from benchmarks.common import private_ray_token, write_json
     from benchmarks.throughput import machine_info
 
-    ensure_local_auth()
+    private_ray_token()
     model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="kvserve-tiny-")), arch="llama"))
     runs = [one_run(model, a.streams, a.tokens) for _ in range(a.runs)]
     rec = [r["recovery_s"] for r in runs if r["recovery_s"] is not None]
@@ -164,7 +159,7 @@ def scale_up_run(model_path: str, concurrency: int, max_tokens: int, timeout_s: 
     import ray
     from autoscaling_cluster import (HEAD_RESOURCES, FakeAutoscalingCluster, StreamLoad, alive_nodes, decisions,
                                      deploy, serve_config, served_request_ids, wait_for, worker_node_types)
-    from helpers import free_port
+    from helpers import free_port, shutdown_ray_cluster
     from ray import serve
     from ray.serve.context import _get_global_client
 
@@ -223,12 +218,7 @@ def scale_up_run(model_path: str, concurrency: int, max_tokens: int, timeout_s: 
         made = decisions(SCALE_UP_APP)
         serve.delete(SCALE_UP_APP)
     finally:
-        try:
-            serve.shutdown()
-        except Exception:
-            pass
-        ray.shutdown()
-        cluster.shutdown()
+        shutdown_ray_cluster(cluster)
     up = next(d for d in made if d["action"] == "up")
     down = next(d for d in made if d["action"] == "down" and d["time"] > up["time"])
     first_token = min(r["t_first"] for r in served)
@@ -253,14 +243,12 @@ def scale_up(runs: int, concurrency: int, max_tokens: int) -> dict:
     """``runs`` :func:`scale_up_run` runs, their medians, the machine and the date."""
     import datetime
 
-    from cluster.ray_auth import ensure_local_auth
     from tiny_models import make_tiny_model
 
+    from benchmarks.common import private_ray_token
     from benchmarks.throughput import machine_info
 
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(tempfile.mkdtemp(prefix="kvserve-bench-auth-"), "auth_token")
-    ensure_local_auth()
+    private_ray_token()
     model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="kvserve-tiny-")), arch="llama"))
     results = [scale_up_run(model, concurrency, max_tokens) for _ in range(runs)]
     keys = ("decision_to_serve_target_s", "decision_to_node_s", "decision_to_replica_running_s",

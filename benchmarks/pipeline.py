@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,15 +69,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "pipeline.json"))
     a = ap.parse_args(argv)
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(tempfile.mkdtemp(prefix="kvserve-bench-auth-"), "auth_token")
+    from benchmarks.common import load_average, make_workload, private_ray_token, resolve, workload_info, write_json
+    from benchmarks.throughput import machine_info
+
+    private_ray_token()
     import ray
 
-    from benchmarks.common import load_average, make_workload, resolve, workload_info, write_json
-    from benchmarks.throughput import machine_info
-    from cluster.ray_auth import ensure_local_auth
-
-    ensure_local_auth()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     model, vocab = resolve(None)
     work = make_workload(a.requests, a.seed, vocab)

@@ -15,6 +15,7 @@ from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler, SamplingRow
 from engine.model_loader import iter_safetensors, load_config
 from engine.models.registry import model_class
+from engine.pipeline import pipeline_forward
 from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -130,11 +131,6 @@ class ModelRunner:
             from engine.lora import LoRASlots
             self.lora = LoRASlots(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras)
-        #: pipeline parallelism (engine.pipeline.PipelineStage), None with one stage
-        self.pipeline = None
-        if config.pipeline_parallel_size > 1:
-            from engine.pipeline import PipelineStage
-            self.pipeline = PipelineStage(self.model, config.pipeline_parallel_size)
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
         self.pooling: set[str] = set()  # running embedding requests (engine.pooling): most steps have none
@@ -388,8 +384,8 @@ class ModelRunner:
         rows = self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput({})
-        if self.pipeline is not None:
-            hidden, sample_idx = self.pipeline.forward(self, sched.requests)
+        if self.config.pipeline_parallel_size > 1:  # this stage's layers, micro-batch by micro-batch
+            hidden, sample_idx = pipeline_forward(self, sched.requests)
             if hidden is None:  # not the last stage: its activations went on to the next one
                 return None
         else:

@@ -36,49 +36,38 @@ def micro_batches(requests: list, n: int) -> list[list]:
     return groups
 
 
-class PipelineStage:
-    """The pipeline side of one rank's model runner.
+@torch.inference_mode()
+def pipeline_forward(runner, requests: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Run this stage's layers (``runner.model``) over every micro-batch of ``requests``, one
+    per stage (``pipeline_parallel_size``).
 
-    Args:
-        model: this stage's model (``start_layer``, ``first_stage``, ``last_stage``; see
-            ``engine.models.llama.LlamaForCausalLM``).
-        num_micro_batches: micro-batches a step's batch is cut into (the number of stages).
+    Returns:
+        On the last stage the final hidden states ``[num_tokens, hidden]`` of the whole step (rows
+        in ``requests`` order) and the int64 indices of the rows that sample; ``(None, None)`` on
+        the other stages.
+
+    Raises:
+        RuntimeError (torch.distributed's): a neighbouring stage failed or did not answer within
+            the process group's timeout.
     """
-
-    def __init__(self, model, num_micro_batches: int):
-        self.model, self.num_micro_batches = model, num_micro_batches
-
-    @torch.inference_mode()
-    def forward(self, runner, requests: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run this stage's layers over every micro-batch of ``requests``.
-
-        Returns:
-            On the last stage the final hidden states ``[num_tokens, hidden]`` of the whole
-            step (rows in ``requests`` order) and the int64 indices of the rows that sample;
-            ``(None, None)`` on the other stages.
-
-        Raises:
-            RuntimeError (torch.distributed's): a neighbouring stage failed or did not answer
-                within the process group's timeout.
-        """
-        model = self.model
-        outs, sample_rows, pending, offset = [], [], [], 0
-        for group in micro_batches(requests, self.num_micro_batches):
-            ids, positions, meta, sample_idx = runner._prepare(group)
-            intermediate = None
-            if not model.first_stage:  # (hidden, residual) of these rows from the previous stage
-                x = recv_from_previous_stage((2, ids.shape[0], model.cfg.hidden_size), runner.dtype, runner.device)
-                intermediate = (x[0], x[1])
-            out = model(ids, positions, meta, intermediate)
-            if model.last_stage:
-                outs.append(out)
-                sample_rows.append(sample_idx + offset)
-            else:
-                x = torch.stack(out)
-                pending.append((send_to_next_stage(x), x))  # keep x alive until sent
-            offset += ids.shape[0]
-        for work, _ in pending:
-            work.wait()
-        if not model.last_stage:
-            return None, None
-        return torch.cat(outs), torch.cat(sample_rows)
+    model = runner.model
+    outs, sample_rows, pending, offset = [], [], [], 0
+    for group in micro_batches(requests, runner.config.pipeline_parallel_size):
+        ids, positions, meta, sample_idx = runner._prepare(group)
+        intermediate = None
+        if not model.first_stage:  # (hidden, residual) of these rows from the previous stage
+            x = recv_from_previous_stage((2, ids.shape[0], model.cfg.hidden_size), runner.dtype, runner.device)
+            intermediate = (x[0], x[1])
+        out = model(ids, positions, meta, intermediate)
+        if model.last_stage:
+            outs.append(out)
+            sample_rows.append(sample_idx + offset)
+        else:
+            x = torch.stack(out)
+            pending.append((send_to_next_stage(x), x))  # keep x alive until sent
+        offset += ids.shape[0]
+    for work, _ in pending:
+        work.wait()
+    if not model.last_stage:
+        return None, None
+    return torch.cat(outs), torch.cat(sample_rows)

@@ -35,7 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
-from helpers import free_port
+from helpers import free_port, stream_completion
 from ray.cluster_utils import AutoscalingCluster
 
 #: Ray's fake multi-node provider, loaded as an "external" provider module.
@@ -379,19 +379,9 @@ class StreamLoad:
             rec = {"request_id": None, "status": None, "t_sent": time.time(), "t_first": None, "done": False,
                    "error": None}
             body = {"model": self.model, "prompt": f"client {k} request {n}:", "max_tokens": self.max_tokens,
-                    "temperature": 0, "ignore_eos": True, "cache": False, "stream": True}
+                    "temperature": 0, "ignore_eos": True, "cache": False}
             try:
-                async with c.stream("POST", "/v1/completions", json=body) as r:
-                    rec["status"], rec["request_id"] = r.status_code, r.headers.get("x-request-id")
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        if line[6:] == "[DONE]":
-                            rec["done"] = True
-                        elif "error" in (event := json.loads(line[6:])):
-                            rec["error"] = event["error"]
-                        elif rec["t_first"] is None:
-                            rec["t_first"] = time.time()
+                rec.update(await stream_completion(c, body))
             except Exception as e:  # a connection problem is a record, not a crash of the load
                 rec["error"] = {"message": f"{type(e).__name__}: {e}"}
             self.records.append(rec)

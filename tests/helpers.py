@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from typing import Any, AsyncIterator, Iterable, Iterator, Union
 
 DONE = "[DONE]"
@@ -96,11 +97,13 @@ def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 
 
 async def stream_completion(client, body: dict, started=None) -> dict:
     """One streamed ``POST /v1/completions`` of ``body`` (an httpx ``AsyncClient``): ``status``,
-    the streamed ``text``, the ``error`` of an error event (None without one) and whether it
-    ended with ``[DONE]`` (``done``); ``started`` (a semaphore) is released at its first event."""
-    out = {"status": None, "text": "", "error": None, "done": False}
+    ``request_id`` (the ``x-request-id`` header), the streamed ``text``, ``t_first``
+    (``time.time()`` at the first token, None without one), the ``error`` of an error event (None
+    without one) and whether it ended with ``[DONE]`` (``done``); ``started`` (a semaphore) is
+    released at its first event."""
+    out = {"status": None, "request_id": None, "text": "", "t_first": None, "error": None, "done": False}
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        out["status"] = r.status_code
+        out["status"], out["request_id"] = r.status_code, r.headers.get("x-request-id")
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -112,5 +115,21 @@ async def stream_completion(client, body: dict, started=None) -> dict:
             elif "error" in (event := json.loads(line[6:])):
                 out["error"] = event["error"]
             else:
+                out["t_first"] = out["t_first"] or time.time()
                 out["text"] += event["choices"][0]["text"]
     return out
+
+
+def shutdown_ray_cluster(cluster) -> None:
+    """Serve (if it runs), this driver's Ray connection, then ``cluster``'s processes
+    (``ray.cluster_utils.Cluster`` or ``autoscaling_cluster.FakeAutoscalingCluster``)."""
+    import ray
+
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()
+    cluster.shutdown()

@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
             (``embed_tokens`` or ``norm`` and ``lm_head`` are None on the other stages).
 
     Raises:
-        ValueError: unsupported architecture or activation, or more stages than layers.
+        ValueError: unsupported architecture or activation.
     """
 
     def __init__(self, cfg, backend: AttentionBackend):
@@ -134,8 +134,6 @@ class LlamaForCausalLM(nn.Module):
         arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not supported; kvserve runs {SUPPORTED_ARCHITECTURES}")
-        if pp_size() > cfg.num_hidden_layers:
-            raise ValueError(f"pipeline_parallel_size {pp_size()} exceeds num_hidden_layers {cfg.num_hidden_layers}")
         self.cfg = cfg
         self.start_layer, self.end_layer = split_range(cfg.num_hidden_layers, pp_size(), pp_rank())
         self.first_stage, self.last_stage = pp_rank() == 0, pp_rank() == pp_size() - 1

@@ -31,6 +31,7 @@ def multinode():
     ``Cluster``, its worker ``Node`` objects by name and the head's node id; torn down after the
     module (Ray disconnected, every raylet stopped)."""
     import ray
+    from helpers import shutdown_ray_cluster
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
@@ -45,12 +46,5 @@ def multinode():
         yield SimpleNamespace(cluster=cluster, workers=workers, head_id=head_id,
                               worker_ids={n: w.node_id for n, w in workers.items()})
     finally:
-        try:
-            from ray import serve
-
-            serve.shutdown()
-        except Exception:
-            pass
-        ray.shutdown()
-        cluster.shutdown()
+        shutdown_ray_cluster(cluster)
 

@@ -21,7 +21,7 @@ import pytest
 from autoscaling_cluster import (HEAD_RESOURCES, NODE_TYPE, FakeAutoscalingCluster, StreamLoad, alive_nodes,
                                  decisions, deploy, replicas, serve_config, served_request_ids, target_replicas,
                                  wait_for, worker_node_types)
-from helpers import free_port
+from helpers import free_port, shutdown_ray_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,14 +43,7 @@ def fake_autoscaling():
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster, ray.get_runtime_context().get_node_id()
     finally:
-        try:
-            from ray import serve
-
-            serve.shutdown()
-        except Exception:
-            pass
-        ray.shutdown()
-        cluster.shutdown()
+        shutdown_ray_cluster(cluster)
         assert cluster.pids() == [], "processes of the fake cluster left running"
 
 

@@ -1,12 +1,11 @@
 """kvserve's autoscaling policy driving a real Serve deployment (tiny model, short delays):
 a burst of concurrent requests scales the LLMServer up, and it scales back down after."""
 import asyncio
-import json
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from autoscaling_cluster import decisions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -16,21 +15,6 @@ APP = "kvserve-autoscale"
 def _replicas(serve) -> int:
     dep = serve.status().applications[APP].deployments["LLMServer"]
     return sum(n for state, n in dep.replica_states.items() if str(state).endswith("RUNNING"))
-
-
-def _decisions(app: str) -> list[dict]:
-    """kvserve policy decision lines for ``app`` from the Serve controller's log."""
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    out = []
-    for f in logs.glob("controller_*.log"):
-        for line in f.read_text(errors="replace").splitlines():
-            if '"event": "kvserve_autoscaling_decision"' in line:
-                rec = json.loads(line[line.index("{"):])
-                if rec.get("application") == app:
-                    out.append(rec)
-    return out
 
 
 def test_burst_scales_up_then_down(ray_session, serve_app, tiny_llama_path):
@@ -95,7 +79,7 @@ def test_burst_scales_up_then_down(ray_session, serve_app, tiny_llama_path):
         print("replica timeline (s, replicas):", timeline[::4])
         # both moves were kvserve's policy deciding (not Serve's request-based default),
         # each logged as one structured line in the controller's log
-        actions = {d["action"] for d in _decisions(APP)}
+        actions = {d["action"] for d in decisions(APP)}
         assert {"up", "down"} <= actions, f"policy decisions logged: {actions}"
     finally:
         serve.delete(APP)

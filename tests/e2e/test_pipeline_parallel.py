@@ -5,25 +5,12 @@ token with PP=2 and PP=2 x TP=2, on a tiny random-weight Llama (untied LM head) 
 (tied: the last stage loads the embedding as its LM head), through chunked prefill, preemption
 and prefix-cache hits; every KV block goes back to the pool."""
 import pytest
-import torch
+
+from tests.engine.test_correctness import hf_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NEW_TOKENS = 12
-
-
-def hf_greedy(path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(y[0, len(ids):].tolist())
-    return out
 
 
 def pp_llm(path, pp: int, tp: int = 1, **kw):
@@ -70,7 +57,7 @@ def test_pipeline_equals_hf_on_the_tiny_llama(ray_session, tiny4, pp, tp, kw):
 
     prompts = [list(range(100, 150))] + _prompts(5, seed=pp * 10 + tp + len(kw))
     prompts += [prompts[0][:40] + [7, 8, 9]]  # shares its first blocks with prompts[0]: a prefix-cache hit
-    ref = hf_greedy(tiny4, prompts)
+    ref = hf_greedy(tiny4, prompts, NEW_TOKENS)
     llm, group = pp_llm(tiny4, pp, tp, max_num_seqs=8, **kw)
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -104,7 +91,7 @@ def test_pipeline_equals_hf_on_smollm2(ray_session, smollm2_path):
                            use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in out] == hf_greedy(smollm2_path, prompts)
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy(smollm2_path, prompts, NEW_TOKENS)
 
 
 def test_pipeline_refuses_what_it_does_not_run(ray_session, tiny4):

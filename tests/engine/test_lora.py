@@ -86,11 +86,30 @@ def _requests(adapters):
     return {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
 
 
+#: (prompt index, adapter) rows skewed to one adapter: a prefill chunk as its own row slice, the
+#: many decode rows of one adapter gathered, the few of the others batched (LoRASlots.prepare's paths)
+SKEW = [(p, "all-r8") for p in range(len(PROMPTS))] * 4 + [(0, "qv-r4"), (1, "mlp-r16"), (2, None)]
+
+
+def _generate_and_check(llm, rows, loras, reference) -> dict:
+    """Greedy ``NEW_TOKENS`` for each ``(prompt index, adapter name)`` row under its ``loras``
+    request: each equals ``reference[name][prompt]``, and no KV block leaks; returns the stats."""
+    outs = llm.generate([PROMPTS[p] for p, _ in rows],
+                        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                        lora_request=loras, use_tqdm=False)
+    for (p, name), o in zip(rows, outs):
+        assert o.outputs[0].token_ids == reference[name][p], (name, p)
+    stats = llm.get_stats()
+    assert stats["free_kv_blocks"] == stats["num_kv_blocks"], "blocks leaked"
+    return stats
+
+
 def _mixed_batch(adapters):
-    """Every prompt under the base model and under each adapter, interleaved."""
+    """Every prompt under the base model and under each adapter, interleaved: the ``(prompt
+    index, adapter name)`` rows and each row's ``LoRARequest`` (None: the base model)."""
     reqs = _requests(adapters)
     rows = [(p, name) for p in range(len(PROMPTS)) for name in [None, *adapters]]
-    return rows, [PROMPTS[p] for p, _ in rows], [reqs[n] if n else None for _, n in rows]
+    return rows, [reqs[n] if n else None for _, n in rows]
 
 
 @pytest.mark.parametrize("kw", [
@@ -100,16 +119,11 @@ def _mixed_batch(adapters):
     {"max_loras": 1},                                     # one slot: adapters wait and take turns
 ], ids=["mixed", "chunked", "preempt", "one-slot"])
 def test_mixed_batch_equals_hf_with_peft(tiny, adapters, reference, kw):
-    rows, prompts, loras = _mixed_batch(adapters)
+    rows, loras = _mixed_batch(adapters)
     preempt = "num_kv_blocks" in kw
     llm = LLM(model=str(tiny), dtype="float32", enable_lora=True, max_loras=kw.pop("max_loras", 3),
               max_lora_rank=16, **kw)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
-                        lora_request=loras, use_tqdm=False)
-    for (p, name), o in zip(rows, outs):
-        assert o.outputs[0].token_ids == reference[name][p], (name, p)
-    stats = llm.get_stats()
-    assert stats["free_kv_blocks"] == stats["num_kv_blocks"], "blocks leaked"
+    stats = _generate_and_check(llm, rows, loras, reference)
     if preempt:
         assert stats["num_preemptions"] > 0  # the variant did preempt
 
@@ -136,14 +150,9 @@ def test_every_row_path_equals_hf(tiny, adapters, reference, monkeypatch, kernel
 
     monkeypatch.setattr(LoRASlots, "prepare", spy)
     reqs = _requests(adapters)
-    rows = [(p, "all-r8") for p in range(len(PROMPTS))] * 4 + [(0, "qv-r4"), (1, "mlp-r16"), (2, None)]
     llm = LLM(model=str(tiny), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16)
     assert llm.engine.executor.runner.lora.kernel is kernel
-    outs = llm.generate([PROMPTS[p] for p, _ in rows],
-                        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
-                        lora_request=[reqs[n] if n else None for _, n in rows], use_tqdm=False)
-    for (p, name), o in zip(rows, outs):
-        assert o.outputs[0].token_ids == reference[name][p], (name, p)
+    _generate_and_check(llm, SKEW, [reqs[n] if n else None for _, n in SKEW], reference)
     assert seen == ({"spans", "sgmv"} if kernel else {"spans", "gathered", "batch"}), seen
 
 
@@ -232,18 +241,9 @@ def test_cuda_adapters_equal_hf_with_peft(tiny, adapters, kw):
     from engine.lora import LoRASlots
 
     ref = {name: hf_greedy(tiny, path, PROMPTS, device="cuda") for name, path in [(None, None), *adapters.items()]}
-    rows, prompts, loras = _mixed_batch(adapters)
+    rows, loras = _mixed_batch(adapters)
     reqs = _requests(adapters)
-    skew = [(p, "all-r8") for p in range(len(PROMPTS))] * 4 + [(0, "qv-r4"), (1, "mlp-r16"), (2, None)]
-    rows += skew
-    prompts += [PROMPTS[p] for p, _ in skew]
-    loras += [reqs[n] if n else None for _, n in skew]
     llm = LLM(model=str(tiny), device="cuda", dtype="float32", attention_backend="torch", enable_lora=True,
               max_loras=3, max_lora_rank=16, kv_cache_memory_bytes=1 << 28, **kw)
     assert isinstance(llm.engine.executor.runner.lora, LoRASlots) and not llm.engine.executor.runner.lora.kernel
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
-                        lora_request=loras, use_tqdm=False)
-    for (p, name), o in zip(rows, outs):
-        assert o.outputs[0].token_ids == ref[name][p], (name, p)
-    stats = llm.get_stats()
-    assert stats["free_kv_blocks"] == stats["num_kv_blocks"], "blocks leaked"
+    _generate_and_check(llm, rows + SKEW, loras + [reqs[n] if n else None for _, n in SKEW], ref)
