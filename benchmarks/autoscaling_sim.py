@@ -62,6 +62,12 @@ from autoscaling import signals as sig  # noqa: E402
 from autoscaling.decision import logger as decision_logger  # noqa: E402
 from autoscaling.policy import KVServeAutoscalingPolicy  # noqa: E402
 from autoscaling.settings import KVServeAutoscalingConfig  # noqa: E402
+from benchmarks.common import Results  # noqa: E402
+
+#: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
+RESULT_KEYS = ("profile", "trace", "seeds", "requests", "base_rate_req_s", "dt_s", "max_replicas", "initial_replicas",
+               "target_utilization", "ttft_slo_s", "kvserve_knobs", "results", "offered", "series_seed", "series",
+               "scale_events_seed0", "wall_s")
 
 # --------------------------------------------------------------------------------------
 # Replica profiles
@@ -964,6 +970,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                     help="kvserve policy knob override (repeatable)")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     # Importing Ray Serve gives its "ray.serve" logger a stderr handler at INFO; the policy's
     # decision lines (a child logger) are for a live controller, not thousands of replayed ticks.
     logging.getLogger(decision_logger.name).setLevel(logging.WARNING)
@@ -982,8 +989,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      equal_cost_utilization=args.equal_cost_utilization or None)
     os.makedirs(args.out, exist_ok=True)
     suffix = "_gpu" if args.gpu_profile else ""
-    with open(os.path.join(args.out, f"autoscaling{suffix}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=float)
+    prov.write(os.path.join(args.out, f"autoscaling{suffix}.json"), report, indent=1, default=float)
     table = markdown_table(report)
     with open(os.path.join(args.out, f"autoscaling{suffix}_table.md"), "w") as f:
         f.write(table)

@@ -57,8 +57,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.common import load_average, local_serve, percentile, pyplot, write_json  # noqa: E402
-from benchmarks.recovery import machine_info  # noqa: E402
+from benchmarks.common import Results, local_serve, percentile, pyplot  # noqa: E402
+
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("benchmark", "parts", "started", "index", "threshold", "live", "targets")
 
 APP = "kvserve-cache-bench"
 NUM_REQUESTS = 130  # 26 paraphrases (20 %), 39 repeats (30 %), 65 unique (50 %)
@@ -447,10 +449,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cache.json"))
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     parts = set(args.parts.split(","))
-    result: dict = {"benchmark": "response caches (deployments/cache/)",
-                    "command": "python benchmarks/cache.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    "machine": {**machine_info(), "load_average_start": load_average()},
+    result: dict = {"benchmark": "response caches (deployments/cache/)", "parts": sorted(parts),
                     "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if "index" in parts:
         result["index"] = bench_index()
@@ -461,7 +462,6 @@ def main(argv: list[str] | None = None) -> dict:
                                              for t, v in result["threshold"]["sweep"].items()}), flush=True)
     if "live" in parts:
         result["live"] = bench_live(args)
-    result["machine"]["load_average_end"] = load_average()
     live = result.get("live")
     if live:
         result["targets"] = {
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
     plot(result, out.with_suffix(".png"))
     if live:
         live.pop("_samples")
-    write_json(out, result)
+    result = prov.write(out, result)
     if live:
         print("| exact hit p50 (JSON / stream) | floor p50 (GET models / POST 400) | semantic hit p50 | "
               "miss added TTFT | repeats hit | paraphrases hit |")

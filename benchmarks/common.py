@@ -1,7 +1,17 @@
 """What the benchmark scripts share: the model folder, the seeded request workload, greedy
 sampling, the offline kvserve run (KV waste read from the scheduler's own counters), the
 Hugging Face ``generate`` static-batch baseline, percentiles, the load average, JSON and
-plot output, and a local Ray Serve started as ``kvserve serve`` starts it (:func:`local_serve`).
+plot output, a local Ray Serve started as ``kvserve serve`` starts it (:func:`local_serve`),
+and the one way a results file is written (:class:`Results`).
+
+Every file in ``benchmarks/results/`` is written by its script, whole, through
+:class:`Results`: the script declares the top-level keys it writes (a module-level
+``RESULT_KEYS`` tuple of string literals), creates ``Results(__file__, RESULT_KEYS)`` when it
+starts (load average before, the exact command, the commit) and calls ``.write(path, result)``
+at the end, which adds :data:`PROVENANCE_KEYS` (the script, commit, machine, command, load
+average before and after) and refuses a key the script did not declare.
+``tests/test_results_provenance.py`` checks every committed file against its script's
+declaration with :func:`check_results`.
 
 Each script in ``benchmarks/`` keeps only what is its own. They run as scripts
 (``python benchmarks/throughput.py``) and put the repository root on ``sys.path`` before
@@ -15,11 +25,18 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 
 # The throughput / serving workload: lengths in tokens, uniform, both ends included.
 PROMPT_LEN = (32, 256)
@@ -184,10 +201,150 @@ def load_average() -> list[float] | None:
         return None
 
 
-def write_json(path: str | os.PathLike, obj, indent: int = 2) -> None:
+# ---- provenance: the one way a results file is written ------------------------------------------
+#: Top-level keys :meth:`Results.write` adds to every results file.
+PROVENANCE_KEYS = ("script", "commit", "machine", "command", "loadavg_before", "loadavg_after")
+#: Keys of the ``machine`` record every results file carries (:func:`machine_info` may add more).
+MACHINE_KEYS = ("cpu_model", "flags", "cores", "memory_gib")
+#: The CPU flags that decide which kernels run (``amx_*`` are kept by prefix).
+RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "fma")
+
+
+def git_commit() -> str | None:
+    """HEAD's short hash, with ``-dirty`` when tracked files differ from it (None without git)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("-dirty" if dirty else "")) or None
+
+
+def machine_info() -> dict:
+    """The machine a result came from: CPU model, the flags that pick kernels
+    (:data:`RELEVANT_FLAGS`, ``amx_*``), logical cores, memory in GiB; the versions of Ray and
+    torch, torch's thread count and vector ISA where they are already imported (this never
+    imports them)."""
+    import platform
+
+    info: dict = {"cpu_model": platform.processor() or platform.machine(), "flags": [],
+                  "cores": os.cpu_count(), "memory_gib": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
+        flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+        info["cpu_model"] = model or info["cpu_model"]
+        info["flags"] = sorted(f for f in set(flags) if f in RELEVANT_FLAGS or f.startswith("amx_"))
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal"))
+        info["memory_gib"] = round(kb / 2 ** 20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    info["python"] = platform.python_version()
+    for name in ("ray", "vllm"):
+        if name in sys.modules:
+            info[name] = getattr(sys.modules[name], "__version__", None)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        with contextlib.suppress(Exception):
+            info["torch_isa"] = torch.backends.cpu.get_cpu_capability()
+    return info
+
+
+def _command() -> str:
+    """This process's command line, as run: the Python executable (relative to the repository
+    when inside it) and ``sys.argv``."""
+    exe = Path(sys.executable)
+    with contextlib.suppress(ValueError):
+        exe = exe.relative_to(ROOT)
+    argv = list(sys.argv)
+    if argv and argv[0]:
+        with contextlib.suppress(ValueError):
+            argv[0] = Path(argv[0]).resolve().relative_to(ROOT).as_posix()
+    return shlex.join([str(exe), *argv])
+
+
+def check_results(data, declared_keys: Iterable[str]) -> list[str]:
+    """What is wrong with a results file's content ``data`` against its script's
+    ``RESULT_KEYS`` (empty: nothing): a missing or malformed provenance key, or a top-level key
+    neither provenance nor declared by the script."""
+    if not isinstance(data, dict):
+        return [f"not a JSON object but {type(data).__name__}"]
+    problems = [f"no {k!r}" for k in PROVENANCE_KEYS if k not in data]
+    if "commit" in data and not (isinstance(data["commit"], str) and data["commit"]):
+        problems.append(f"commit is {data['commit']!r}")
+    if "command" in data and not (isinstance(data["command"], str) and data["command"].strip()):
+        problems.append(f"command is {data['command']!r}")
+    if "script" in data and not (isinstance(data["script"], str) and data["script"].startswith("benchmarks/")):
+        problems.append(f"script is {data['script']!r}")
+    m = data.get("machine")
+    if "machine" in data:
+        if not isinstance(m, dict):
+            problems.append("machine is not a record")
+        else:
+            problems += [f"machine has no {k!r}" for k in MACHINE_KEYS if m.get(k) is None]
+    for k in ("loadavg_before", "loadavg_after"):
+        v = data.get(k)
+        if k in data and not (isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v)):
+            problems.append(f"{k} is {v!r}, not the 1/5/15-minute load average")
+    extra = sorted(set(data) - set(PROVENANCE_KEYS) - set(declared_keys))
+    if extra:
+        problems.append(f"keys its script does not declare in RESULT_KEYS: {extra}")
+    return problems
+
+
+class Results:
+    """One run's results file. ``Results(__file__, RESULT_KEYS)`` when the script starts records
+    the load average before, the command and the commit; :meth:`write` adds the machine and the
+    load average after, checks the keys (:func:`check_results`) and writes the file whole."""
+
+    def __init__(self, script: str | os.PathLike, keys: Iterable[str]):
+        path = Path(script).resolve()
+        self.script = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+        self.keys = tuple(keys)
+        clash = sorted(set(self.keys) & set(PROVENANCE_KEYS))
+        if clash:
+            raise ValueError(f"{self.script}: RESULT_KEYS must not contain provenance keys {clash}")
+        self.command = _command()
+        self.commit = git_commit()
+        self.loadavg_before = load_average()
+
+    def stamp(self, result: dict) -> dict:
+        """``result`` after the provenance keys (the load average after is taken now)."""
+        clash = sorted(set(result) & set(PROVENANCE_KEYS))
+        if clash:
+            raise ValueError(f"{self.script}: the result sets provenance keys {clash}")
+        return {"script": self.script, "commit": self.commit, "machine": machine_info(), "command": self.command,
+                "loadavg_before": self.loadavg_before, "loadavg_after": load_average(), **result}
+
+    def write(self, path: str | os.PathLike, result: dict, indent: int = 2, default=None) -> dict:
+        """Write ``result`` with its provenance to ``path`` and return what was written. A key
+        the script did not declare (or missing provenance) is refused: the file then goes to a
+        temporary path, named in the error, so a long run is not lost."""
+        out = self.stamp(result)
+        problems = check_results(out, self.keys)
+        if problems:
+            fd, tmp = tempfile.mkstemp(prefix=Path(path).stem + "-rejected-", suffix=".json")
+            os.close(fd)
+            write_json(tmp, out, indent=indent, default=default)
+            raise ValueError(f"{self.script}: not writing {path}: {'; '.join(problems)} (the run is in {tmp})")
+        write_json(path, out, indent=indent, default=default)
+        return out
+
+
+def write_json(path: str | os.PathLike, obj, indent: int = 2, default=None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=indent) + "\n")
+    path.write_text(json.dumps(obj, indent=indent, default=default) + "\n")
 
 
 def pyplot():

@@ -11,11 +11,7 @@ Usage (one mode per process, so compiled state never leaks between them)::
     python benchmarks/compile_probe.py compile    # MLP + norms through torch.compile
     KVSERVE_CPU_LINEAR=aten python benchmarks/compile_probe.py compile   # with ATen's F.linear
 
-Measured on the 2-core box (2026-11-24, torch 2.13; ``benchmarks/results/compile_probe.json``):
-oneDNN linears: plain 99.4 ms, hand-fused 90.3 ms, compile fails to lower
-(``InductorError`` on ``mkldnn._linear_pointwise`` without freezing); ATen linears: plain
-145.8 ms, compiled 149.8 ms (slower). So the fusion is done by hand.
-Each run adds its line to ``benchmarks/results/compile_probe.json`` (key: mode and linear).
+Each run writes its own file, whole: ``benchmarks/results/compile_probe_<mode>_<cpu_linear>.json``.
 """
 from __future__ import annotations
 
@@ -30,16 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import engine.layers.linear as linear  # noqa: E402
-from benchmarks.common import greedy, load_average, random_token_ids  # noqa: E402
+from benchmarks.common import Results, greedy, random_token_ids  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.llm_engine import StepFailedError  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
 from kernels import cpu_backend  # noqa: E402
 
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("mode", "cpu_linear", "error", "decode_step_ms_p50", "prefill_and_warmup_s")
+
 
 def main(mode: str) -> None:
     if mode not in ("plain", "fused", "compile"):
         raise SystemExit("mode: plain | fused | compile")
+    prov = Results(__file__, RESULT_KEYS)
     cpu_backend.FUSED_OPS = mode == "fused"
     llm = LLM(model=str(resolve_model(None)), max_num_seqs=64)
     eng = llm.engine
@@ -61,7 +61,7 @@ def main(mode: str) -> None:
     except StepFailedError as e:  # a compile failure is the result
         result["error"] = str(e).splitlines()[0][:300]
         print(json.dumps(result))
-        return save(result)
+        return save(prov, result)
     warm = time.perf_counter() - t
     times = []
     for _ in range(10):
@@ -69,17 +69,15 @@ def main(mode: str) -> None:
         eng.step()
         times.append(time.perf_counter() - s)
     times.sort()
-    result.update(decode_step_ms_p50=1e3 * times[5], prefill_and_warmup_s=warm, load_average=load_average())
+    result.update(decode_step_ms_p50=1e3 * times[5], prefill_and_warmup_s=warm)
     print(json.dumps(result))
-    save(result)
+    save(prov, result)
 
 
-def save(result: dict) -> None:
-    """Add ``result`` to ``benchmarks/results/compile_probe.json`` under ``<mode>-<cpu_linear>``."""
-    out = Path(__file__).parent / "results" / "compile_probe.json"
-    runs = json.loads(out.read_text()) if out.exists() else {}
-    runs[f"{result['mode']}-{result['cpu_linear']}"] = result
-    out.write_text(json.dumps(runs, indent=1) + "\n")
+def save(prov: Results, result: dict) -> None:
+    """Write ``result`` to ``benchmarks/results/compile_probe_<mode>_<cpu_linear>.json``."""
+    prov.write(Path(__file__).parent / "results" / f"compile_probe_{result['mode']}_{result['cpu_linear']}.json",
+               result, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_model_arg, load_average, write_json  # noqa: E402
-from benchmarks.throughput import machine_info  # noqa: E402
+from benchmarks.common import Results, add_model_arg  # noqa: E402
+from engine.config import cpu_native_bf16  # noqa: E402
 from engine.model_loader import load_config, resolve_model  # noqa: E402
+
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("layer_shapes", "lm_head", "native_bf16", "gflops")
 
 ROWS = (1, 4, 16, 64, 128, 256, 512, 2048)
 
@@ -93,21 +96,21 @@ def main(argv=None) -> None:
     add_model_arg(ap)
     ap.add_argument("--out", default="benchmarks/results/cpu_linear.json")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     cfg = load_config(resolve_model(args.model))
     layer = shapes(cfg)
-    result = {"machine": machine_info(), "load_average_before": load_average(), "layer_shapes": layer,
-              "lm_head": [cfg.vocab_size, cfg.hidden_size], "gflops": {}}
+    result = {"layer_shapes": layer, "lm_head": [cfg.vocab_size, cfg.hidden_size],
+              "native_bf16": cpu_native_bf16()[0], "gflops": {}}
     with torch.inference_mode():
         for dt in (torch.float32, torch.bfloat16):
             name = str(dt).removeprefix("torch.")
-            emulated = dt == torch.bfloat16 and not result["machine"]["native_bf16"]
+            emulated = dt == torch.bfloat16 and not result["native_bf16"]
             rows = (1, 16, 64) if emulated else ROWS  # emulated bf16 is slow: a few sizes show it
             result["gflops"][name] = {
                 "decoder_layer": measure(layer, dt, rows),
                 "lm_head": measure({"lm_head": (cfg.vocab_size, cfg.hidden_size)}, dt,
                                    [r for r in rows if r <= 256])}
-    result["load_average_after"] = load_average()
-    write_json(args.out, result)
+    prov.write(args.out, result)
 
 
 if __name__ == "__main__":

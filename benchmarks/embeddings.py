@@ -32,10 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import load_average, pyplot, resolve, write_json  # noqa: E402
-from benchmarks.throughput import machine_info  # noqa: E402
+from benchmarks.common import Results, load_average, pyplot, resolve  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("dtype", "workload", "models", "vllm_version", "agreement_min_cosine", "vllm_error", "runs")
 
 
 def inputs(n: int, seed: int, lengths: tuple[int, int], vocab: int, frame: tuple[int, int] | None = None):
@@ -122,6 +123,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-peer", action="store_true", help="kvserve only (no vLLM)")
     ap.add_argument("--out", default=str(RESULTS / "embeddings.json"))
     a = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
 
     from deployments.cache.semantic import embedder_path
 
@@ -133,7 +135,7 @@ def main(argv=None) -> dict:
 
     ours = {"decoder": run_decoder(dec_path, dec_works), "encoder": run_encoder(enc_works)}
     rows = [summarise("kvserve", m, ours[m]) for m in ("decoder", "encoder")]
-    result: dict = {"machine": machine_info(), "dtype": "float32",
+    result: dict = {"dtype": "float32",
                     "workload": {"num_inputs": n, "repeats": reps, "seed": a.seed,
                                  "decoder_lengths": [16, 256], "encoder_lengths": [16, 200],
                                  "decoder_tokens_per_run": [sum(map(len, w)) for w in dec_works],
@@ -157,7 +159,7 @@ def main(argv=None) -> dict:
         except Exception as e:  # the figures of kvserve stand; say why vLLM's are missing
             result["vllm_error"] = f"{type(e).__name__}: {e}"[:500]
     result["runs"] = rows
-    write_json(a.out, result)
+    result = prov.write(a.out, result)
     plot(rows, Path(a.out).with_suffix(".png"))
     for r in rows:
         print(r["system"], r["model"], r["inputs_per_s"], "inputs/s", r.get("kvserve_over_vllm", ""))

@@ -62,6 +62,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+#: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
+RESULT_KEYS = ("gpu", "smoke", "device", "dtype", "kv_cache_dtype", "sms", "torch", "triton", "date",
+               "copy_bandwidth_gbps", "args", "decode_attention", "prefill_attention", "engine_skipped",
+               "engine_decode", "throughput")
+
 ATTN_SHAPES = {
     "qwen3-0.6b": dict(num_heads=16, num_kv_heads=8, head_dim=128),
     "llama-3.2-1b": dict(num_heads=32, num_kv_heads=8, head_dim=64),
@@ -636,6 +641,10 @@ def main(argv=None) -> int:
 def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int:
     """Run the selected parts; ``smoke``: on CPU in float32 (see the module docstring)."""
     import triton
+
+    from benchmarks.common import Results
+
+    prov = Results(__file__, RESULT_KEYS)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     device, dtype = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
     sizes = SMOKE_ENGINE if smoke else {}
@@ -663,8 +672,8 @@ def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int
         print("smoke run: tiny sizes on CPU (Triton interpreter), timings mean nothing")
     failures: list[str] = []
 
-    def save():
-        out_path.write_text(json.dumps(report, indent=2))
+    def save():  # after every part, so a crash keeps the parts done (each write is the whole file)
+        prov.write(out_path, report)
 
     save()
     ctxs = [int(c) for c in args.contexts.split(",") if c]

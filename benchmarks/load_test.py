@@ -78,7 +78,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -91,9 +90,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer comes from the local model folder
 
-from benchmarks.common import free_port, load_average, percentile, pyplot, write_json  # noqa: E402
+from benchmarks.common import Results, free_port, load_average, percentile, pyplot  # noqa: E402
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("tool", "url", "model", "server_started_here", "server_args", "workload", "slo_ttft_s", "started",
+               "search", "sustainable_rate_rps", "runs", "targets", "nothing_lost_any_run")
 COMPLETE = "complete"
 CLEAN_REJECTIONS = ("rejected_429", "rejected_503", "rejected_in_stream")
 LOST = ("lost_timeout", "lost_connection", "lost_truncated", "lost_bad_rejection", "lost_http_error")
@@ -501,27 +503,6 @@ class LocalServer:
         self.stop()
 
 
-def machine_info() -> dict:
-    cpu_model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = None
-    try:
-        import psutil
-
-        mem = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        pass
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "cpu_model": cpu_model or platform.processor(), "memory_gib": mem, "python": platform.python_version()}
-
-
 # ---- plot and report ------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
@@ -576,7 +557,7 @@ def plot(result: dict, path: Path) -> None:
     m = result["machine"]
     wl = result["workload"]
     fig.suptitle(f"kvserve load test: {wl['prompt_tokens']} prompt / {wl['output_tokens']} output tokens, "
-                 f"{m['cpu_count']} x {m['cpu_model']}", fontsize=10)
+                 f"{m['cores']} x {m['cpu_model']}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -633,6 +614,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.num_requests is None and args.duration <= 0:
         ap.error("--duration must be positive")
+    prov = Results(__file__, RESULT_KEYS)
 
     tok = load_tokenizer(args.tokenizer)
     prompts, counts = make_prompts(tok, 512, args.prompt_tokens, args.seed)
@@ -650,7 +632,6 @@ def main(argv=None) -> dict:
                      "duration_s": None if args.num_requests else args.duration, "num_requests": args.num_requests,
                      "request_timeout_s": args.request_timeout},
         "slo_ttft_s": args.slo_ttft,
-        "machine": {**machine_info(), "load_average_start": load_average()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -726,7 +707,6 @@ def main(argv=None) -> dict:
     finally:
         if server is not None:
             server.stop()
-    result["machine"]["load_average_end"] = load_average()
     by = {r["run"]: r for r in runs}
     if "1x" in by and "3x" in by:
         p1, p3 = by["1x"]["ttft_ms"]["p99"], by["3x"]["ttft_ms"]["p99"]
@@ -737,7 +717,7 @@ def main(argv=None) -> dict:
         }
     result["nothing_lost_any_run"] = all(r["lost"] == 0 for r in runs)
     out = Path(args.out)
-    write_json(out, result)
+    result = prov.write(out, result)
     png = Path(args.plot) if args.plot else out.with_suffix(".png")
     plot(result, png)
     print(table(runs))

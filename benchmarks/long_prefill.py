@@ -31,7 +31,6 @@ Writes ``benchmarks/results/long_prefill.json`` (``--out``; ``long_prefill_smoke
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import sys
 import time
@@ -41,7 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_model_arg, percentile, pyplot, random_token_ids, write_json  # noqa: E402
+from benchmarks.common import Results, add_model_arg, percentile, pyplot, random_token_ids  # noqa: E402
+
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("benchmark", "model", "device", "dtype", "torch_threads", "smoke", "streams", "stream_prompt_tokens",
+               "long_prompt_tokens", "max_num_batched_tokens", "max_model_len", "mixed_step_slowdown", "target",
+               "time", "results")
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.scheduler import MixedStepBudget  # noqa: E402
@@ -160,6 +164,7 @@ def main(argv=None) -> int:
                     help="default benchmarks/results/long_prefill.json (long_prefill_smoke.json with --smoke)")
     ap.add_argument("--plot", default=None, help="PNG path for a step-time timeline (needs matplotlib)")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     if args.smoke:
         args.prompt_tokens, args.streams, args.warmup, args.baseline_steps = 2000, 4, 2, 8
     modes = args.modes.split(",")
@@ -186,14 +191,14 @@ def main(argv=None) -> int:
     eng.shutdown()
     out = {
         "benchmark": "long_prefill", "model": model, "device": str(cfg.torch_device), "dtype": str(cfg.torch_dtype),
-        "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
         "smoke": args.smoke, "streams": args.streams, "stream_prompt_tokens": args.stream_prompt,
         "long_prompt_tokens": args.prompt_tokens, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "max_model_len": cfg.max_model_len, "mixed_step_slowdown": cfg.mixed_step_slowdown,
         "target": "itl_during_s.p99 <= 4 x itl_baseline_s.p50", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "results": results,
     }
-    write_json(args.out, out, indent=1)
+    prov.write(args.out, out, indent=1)
     print(f"wrote {args.out}")
     if args.plot:
         plot(results, args.plot)

@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    Results,
     add_model_arg,
     load_average,
     make_workload,
@@ -43,9 +44,12 @@ from benchmarks.common import (  # noqa: E402
     resolve,
     run_kvserve,
     workload_info,
-    write_json,
 )
-from benchmarks.throughput import machine_info, reshuffled  # noqa: E402
+from benchmarks.throughput import reshuffled  # noqa: E402
+
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("workload", "model", "dtype", "engine_settings", "adapters", "runs", "vllm_version", "vllm_skipped",
+               "vllm_settings", "vllm_error", "targets")
 
 #: Largest number of adapters in one run (the engines' max_loras / max_cpu_loras).
 MAX_ADAPTERS = 16
@@ -124,6 +128,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--peer-ranks", default="8", help="ranks vLLM runs (see VLLM_RANK64)")
     ap.add_argument("--out", default="benchmarks/results/lora.json")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     counts = [int(x) for x in args.adapters.split(",")]
     peer_ranks = [int(x) for x in args.peer_ranks.split(",") if x]
     ranks = [int(x) for x in args.ranks.split(",")]
@@ -142,7 +147,7 @@ def main(argv=None) -> dict:
     results: dict = {"workload": {**workload_info(work, args.seed), "repeats": args.repeats,
                                   "adapter_of_request": "k % n", "max_num_batched_tokens_kvserve":
                                       args.max_num_batched_tokens},
-                     "machine": machine_info(), "model": path, "dtype": args.dtype,
+                     "model": path, "dtype": args.dtype,
                      "engine_settings": {"max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
                                          "max_lora_rank": "the rank"},
                      "adapters": {"target_modules": "q,k,v,o,gate,up,down", "alpha": "2 * rank"},
@@ -200,7 +205,7 @@ def main(argv=None) -> dict:
             results["vllm_error"] = f"{type(e).__name__}: {e}"
             print(results["vllm_error"], flush=True)
     summarize(results)
-    write_json(args.out, results)
+    results = prov.write(args.out, results)
     plot(results, Path(args.out).with_suffix(".png"))
     return results
 

@@ -29,8 +29,8 @@ way down: the policy's scale-down decision to the idle node gone. Median of ``--
 
 Usage::
 
-    python benchmarks/multinode.py                  # the committed result (3 runs of each part)
-    python benchmarks/multinode.py --parts scale-up # only the scale-up part (the file's recovery figures kept)
+    python benchmarks/multinode.py                  # all parts, 3 runs of each (-> multinode.json, pipeline.json)
+    python benchmarks/multinode.py --parts scale-up # only the scale-up part (multinode.json then holds only it)
     python benchmarks/multinode.py --parts pipeline # PP=2 vs PP=1 (benchmarks/pipeline.py -> pipeline.json)
 """
 from __future__ import annotations
@@ -49,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
+RESULT_KEYS = ("parts", "cluster", "workload", "runs", "recovery_s_median", "requests_after_failed_total", "targets",
+               "scale_up", "pipeline")
 
 
 def one_run(model_path: str, streams: int, tokens: int) -> dict:
@@ -116,30 +119,27 @@ def one_run(model_path: str, streams: int, tokens: int) -> dict:
 
 
 def main(argv=None) -> dict:
+    """The recovery part: ``--runs`` :func:`one_run` runs and their median (written by :func:`run`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--streams", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=600)
-    ap.add_argument("--out", default=str(RESULTS / "multinode.json"))
     a = ap.parse_args(argv)
     from tiny_models import make_tiny_model
 
-    from benchmarks.common import private_ray_token, write_json
-    from benchmarks.throughput import machine_info
+    from benchmarks.common import private_ray_token
 
     private_ray_token()
     model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="kvserve-tiny-")), arch="llama"))
     runs = [one_run(model, a.streams, a.tokens) for _ in range(a.runs)]
     rec = [r["recovery_s"] for r in runs if r["recovery_s"] is not None]
-    result = {"machine": machine_info(), "cluster": "ray.cluster_utils.Cluster on one machine: head (2 logical CPUs, "
+    result = {"cluster": "ray.cluster_utils.Cluster on one machine: head (2 logical CPUs, "
               "the ingress) + 2 worker raylets (3 logical CPUs each), one IP, two cores",
               "workload": {"streams": a.streams, "tokens_per_stream": a.tokens, "model": "tiny random-weight Llama",
                            "replicas": 2, "max_replicas_per_node": 1, "runs": a.runs},
               "runs": runs, "recovery_s_median": round(statistics.median(rec), 2) if rec else None,
               "requests_after_failed_total": sum(r["requests_after_failed"] for r in runs),
-              "targets": {"recovery_s_below": 30, "requests_lost": 0},
-              "not_measured": "scale-up to first token with Ray's autoscaler, pipeline parallelism (issue 29, later)"}
-    write_json(a.out, result)
+              "targets": {"recovery_s_below": 30, "requests_lost": 0}}
     print(json.dumps({k: result[k] for k in ("runs", "recovery_s_median", "requests_after_failed_total")}, indent=1))
     return result
 
@@ -246,14 +246,13 @@ def scale_up(runs: int, concurrency: int, max_tokens: int) -> dict:
     from tiny_models import make_tiny_model
 
     from benchmarks.common import private_ray_token
-    from benchmarks.throughput import machine_info
 
     private_ray_token()
     model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="kvserve-tiny-")), arch="llama"))
     results = [scale_up_run(model, concurrency, max_tokens) for _ in range(runs)]
     keys = ("decision_to_serve_target_s", "decision_to_node_s", "decision_to_replica_running_s",
             "decision_to_first_token_s", "load_start_to_decision_s", "down_decision_to_node_removed_s")
-    return {"machine": machine_info(), "date": datetime.date.today().isoformat(),
+    return {"date": datetime.date.today().isoformat(),
             "cluster": "FakeAutoscalingCluster (tests/autoscaling_cluster.py): ray start --head with Ray's v1 "
                        "autoscaler over its fake multi-node provider on one machine; head 1 logical CPU (the "
                        "ingress); node type type-a: 1 logical CPU + node-type-a, 0..2 nodes, idle timeout 6 s",
@@ -264,10 +263,10 @@ def scale_up(runs: int, concurrency: int, max_tokens: int) -> dict:
 
 
 def run(argv=None) -> dict:
-    """``--parts``: the recovery part (:func:`main`, its options and output as before), the
-    scale-up part (:func:`scale_up`) and the pipeline part (``benchmarks/pipeline.py``: PP=2
-    against PP=1 on the same cores, written to ``pipeline.json``, summarised here); the results
-    file keeps the parts not run."""
+    """``--parts``: the recovery part (:func:`main`, its options as before), the scale-up part
+    (:func:`scale_up`) and the pipeline part (``benchmarks/pipeline.py``: PP=2 against PP=1 on
+    the same cores, written to ``pipeline.json``, summarised here). The results file is written
+    whole: it holds the parts this run ran, nothing of an earlier run."""
     ap = argparse.ArgumentParser(description="parts: " + ", ".join(PARTS) + "; other options go to the recovery "
                                  "part (python benchmarks/multinode.py --parts recovery --help)")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + ", ".join(PARTS))
@@ -279,15 +278,12 @@ def run(argv=None) -> dict:
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     if not parts or set(parts) - set(PARTS):
         ap.error(f"--parts: expected some of {', '.join(PARTS)}, got {a.parts!r}")
-    from benchmarks.common import write_json
+    from benchmarks.common import Results
 
-    path = Path(a.out)
-    result = json.loads(path.read_text()) if path.exists() else {}
+    prov = Results(__file__, RESULT_KEYS)
+    result: dict = {"parts": parts}
     if "recovery" in parts:
-        kept = result.get("scale_up")
-        result = main([*rest, "--out", a.out])
-        if kept is not None:
-            result["scale_up"] = kept
+        result.update(main(rest))
     if "scale-up" in parts:
         result["scale_up"] = scale_up(a.scale_up_runs, a.concurrency, a.scale_up_tokens)
         print(json.dumps({k: result["scale_up"][k] for k in ("runs", "median")}, indent=1))
@@ -298,12 +294,7 @@ def run(argv=None) -> dict:
         result["pipeline"] = {"file": "benchmarks/results/pipeline.json",
                               "pp2_over_pp1": pp["configs"]["pp2"]["vs_pp1"],
                               "tp2_over_pp1": pp["configs"]["tp2"]["vs_pp1"]}
-    if "scale_up" in result and isinstance(result.get("not_measured"), str):
-        result["not_measured"] = result["not_measured"].replace("scale-up to first token with Ray's autoscaler, ", "")
-    if "pipeline" in result:
-        result.pop("not_measured", None)
-    write_json(a.out, result)
-    return result
+    return prov.write(a.out, result)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 RESULTS = ROOT / "benchmarks" / "results"
+#: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
+RESULT_KEYS = ("workload", "configs", "note")
 
 #: configuration -> (pipeline_parallel_size, tensor_parallel_size)
 CONFIGS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}
@@ -69,8 +71,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "pipeline.json"))
     a = ap.parse_args(argv)
-    from benchmarks.common import load_average, make_workload, private_ray_token, resolve, workload_info, write_json
-    from benchmarks.throughput import machine_info
+    from benchmarks.common import Results, make_workload, private_ray_token, resolve, workload_info
+
+    prov = Results(__file__, RESULT_KEYS)
 
     private_ray_token()
     import ray
@@ -89,15 +92,14 @@ def main(argv=None) -> dict:
     finally:
         ray.shutdown()
     med = {n: statistics.median(r["output_tok_per_s"] for r in rs) for n, rs in rows.items()}
-    result = {"machine": machine_info(), "load_average_after": load_average(),
-              "workload": {**workload_info(work, a.seed), "model": "SmolLM2-135M-Instruct", "dtype": "float32"},
+    result = {"workload": {**workload_info(work, a.seed), "model": "SmolLM2-135M-Instruct", "dtype": "float32"},
               "configs": {n: {"pipeline_parallel_size": CONFIGS[n][0], "tensor_parallel_size": CONFIGS[n][1],
                               "runs": rows[n], "output_tok_per_s_median": round(med[n], 1),
                               "vs_pp1": round(med[n] / med["pp1"], 3),
                               "texts_equal_pp1": texts[n] == texts["pp1"]} for n in rows},
               "note": "one 2-core machine: the stages share the cores the baseline uses alone, so this is the "
                       "pipeline's overhead, not a speed-up (see the module docstring)"}
-    write_json(a.out, result)
+    result = prov.write(a.out, result)
     print(json.dumps({n: {k: v for k, v in c.items() if k != "runs"} for n, c in result["configs"].items()}, indent=1))
     return result
 

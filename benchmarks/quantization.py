@@ -36,7 +36,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_model_arg, decode_ms_per_token, greedy, load_average, make_workload, resolve, run_kvserve, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Results,
+    add_model_arg,
+    decode_ms_per_token,
+    greedy,
+    load_average,
+    make_workload,
+    resolve,
+    run_kvserve,
+)
 from engine import LLM, SamplingParams  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
@@ -45,6 +54,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "Give me three tips for learning Python.", "What is 12 times 12?"]
 KV_BYTES = 256 << 20
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("model", "text", "quick", "configs", "targets")
 
 CONFIGS = {"float32": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}, "int8_weights": {"quantization": "int8"},
            "int8_weights_fp8_kv": {"quantization": "int8", "kv_cache_dtype": "fp8"}}
@@ -84,9 +95,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="quality only (no speed runs)")
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     path, vocab = resolve(args.model)
-    result = {"model": path, "text": str(TEXT.relative_to(TEXT.parents[2])), "configs": {},
-              "load_average_before": load_average()}
+    result = {"model": path, "text": str(TEXT.relative_to(TEXT.parents[2])), "quick": args.quick, "configs": {}}
     reference = None
     for name, kw in CONFIGS.items():
         llm = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, **kw)
@@ -125,8 +136,7 @@ def main(argv=None) -> dict:
         i8["batch1_speedup_vs_float32"] = base["batch1_ms_per_token_ctx512"] / i8["batch1_ms_per_token_ctx512"]
         result["targets"]["int8 batch-1 >= 1.3x float32"] = i8["batch1_speedup_vs_float32"] >= 1.3
     print(json.dumps(result["targets"]))
-    write_json(args.out, result, indent=1)
-    return result
+    return prov.write(args.out, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,9 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,7 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import load_average, local_serve, write_json  # noqa: E402
+from benchmarks.common import Results, load_average, local_serve  # noqa: E402
+
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("target_s", "config", "notes", "scenarios")
 
 TARGET_S = 30.0
 #: Seconds an in-flight client may take to see the end of its response before it counts as hung.
@@ -44,32 +45,6 @@ HANG_S = 60.0
 #: Text that must never reach a client (Ray's and Python's internals).
 INTERNALS = ("Traceback", 'File "', "Actor", "actor", "ray::", "ray.exceptions", "RayTaskError", "Worker",
              "/tmp/", "/root/", "/home/", "127.0.0.1")
-
-
-def machine_info() -> dict:
-    info: dict = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                  "load_average_start": load_average()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-        with open("/proc/meminfo") as f:
-            kb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal"))
-        info["memory_gib"] = round(kb / 2 ** 20, 1)
-    except (OSError, StopIteration):
-        pass
-    try:
-        import ray
-        import torch
-
-        info["ray"], info["torch"] = ray.__version__, torch.__version__
-    except ImportError:
-        pass
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
 
 
 def replica_actors(app_name: str) -> list[dict]:
@@ -340,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", action="append", default=[], help="a remark stored in the JSON (e.g. other load)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/recovery.json"))
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
 
-    result: dict = {"command": "python benchmarks/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    "target_s": TARGET_S, "machine": machine_info(),
+    result: dict = {"target_s": TARGET_S,
                     "config": {"trials": args.trials, "streams": args.streams, "max_tokens": args.max_tokens,
                                "model": "SmolLM2-135M-Instruct (default)", "endpoint": "/v1/completions stream"},
                     "notes": list(args.note), "scenarios": {}}
@@ -356,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             result["scenarios"][n] = run_scenario(n, f"http://127.0.0.1:{port}", args.trials, args.streams,
                                                   args.max_tokens, args.limit)
-    result["machine"]["load_average_end"] = load_average()
-    write_json(args.out, result)
+    result = prov.write(args.out, result)
     print_table(result)
     print(f"\nwrote {args.out}")
     return 0

@@ -55,11 +55,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.common import load_average, local_serve, percentile, pyplot, write_json  # noqa: E402
+from benchmarks.common import Results, load_average, local_serve, percentile, pyplot  # noqa: E402
 from benchmarks.load_test import (COMPLETE, DEFAULT_MODEL, Rec, dist_ms, load_tokenizer,  # noqa: E402
-                                  machine_info, output_lengths, output_range, poisson_arrivals, stream_chat)
+                                  output_lengths, output_range, poisson_arrivals, stream_chat)
 
 ROUTERS = ("prefix_aware", "default", "ray_prefix_tree")
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("what", "workload", "server", "routing_cost", "started", "runs", "targets")
 APP = "kvserve-routing"
 NUM_PROMPTS = 8
 SYSTEM_TOKENS = 512
@@ -305,7 +307,7 @@ def plot(result: dict, path: Path) -> None:
     wl = result["workload"]
     fig.suptitle(f"2 replicas, {wl['num_system_prompts']} system prompts x {wl['system_prompt_tokens']} tokens, "
                  f"Poisson {wl['rate_rps']} req/s, {wl['num_kv_blocks']} KV blocks/replica, "
-                 f"{result['machine']['cpu_count']} CPU cores", fontsize=10)
+                 f"{result['machine']['cores']} CPU cores", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -327,6 +329,7 @@ def main(argv=None) -> dict:
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     if not routers or set(routers) - set(ROUTERS):
         ap.error(f"--routers: choose from {ROUTERS}")
+    prov = Results(__file__, RESULT_KEYS)
 
     from deployments.prefix_report import block_hashes
     from engine.model_loader import resolve_model
@@ -346,7 +349,6 @@ def main(argv=None) -> dict:
         prefix_hashes.append(block_hashes(list(ids), 16, 24)[-1])
     result: dict = {
         "what": "prefix-aware routing vs Serve's default router (and Ray's PrefixCacheAffinityRouter), same arrivals",
-        "machine": {**machine_info(), "load_average_start": load_average()},
         "workload": {"num_system_prompts": NUM_PROMPTS, "system_prompt_tokens": SYSTEM_TOKENS,
                      "user_turn": "Question k: 4-8 words? (~15 tokens, unique)",
                      "endpoint": "/v1/chat/completions stream",
@@ -367,7 +369,6 @@ def main(argv=None) -> dict:
         for r in routers:
             runs.append(run_router(r, args, url, bodies, arrivals, prefix_hashes, system_blocks))
     result["runs"] = runs
-    result["machine"]["load_average_end"] = load_average()
     by = {r["router"]: r for r in runs}
     if "prefix_aware" in by:
         ours = by["prefix_aware"]
@@ -383,7 +384,7 @@ def main(argv=None) -> dict:
                 "ttft_p99_ms": [ours["ttft_ms"]["p99"], ray_r["ttft_ms"]["p99"]]}
         result["targets"] = t
     out = Path(args.out)
-    write_json(out, result)
+    result = prov.write(out, result)
     plot(result, out.with_suffix(".png"))
     print("| router | hit rate | hit sys prompt | TTFT p50/p99 ms | E2E p50 ms | req/s | out tok/s | load (mean) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -37,8 +37,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
-import platform
 import random
 import statistics
 import sys
@@ -49,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    Results,
     add_model_arg,
     greedy,
     load_average,
@@ -59,8 +58,12 @@ from benchmarks.common import (  # noqa: E402
     resolve,
     run_kvserve,
     workload_info,
-    write_json,
 )
+
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("workload", "engine", "model", "rounds", "runs", "offline_ttft_ms", "serving_path_ttft_ms",
+               "best_offline_output_tok_per_s", "best_http_output_tok_per_s", "http_over_offline_throughput",
+               "added_ttft_ms_p50", "added_ttft_ms_mean", "targets")
 
 
 # ---- one streamed request -------------------------------------------------------------------
@@ -309,6 +312,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="benchmarks/results/serving.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out, *_latency.png)")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
 
     from engine.model_loader import DEFAULT_MODEL
 
@@ -324,8 +328,6 @@ def main(argv=None) -> dict:
     result: dict = {
         "workload": {**workload_info(work, args.seed), "endpoint": "/v1/completions (stream, token-id prompts)"},
         "engine": engine_kw, "model": path, "rounds": args.rounds,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_start": load_average()},
         "runs": [],
     }
     launched = args.base_url is None
@@ -399,9 +401,8 @@ def main(argv=None) -> dict:
                              "added_ttft_ms_p50 <= 10": (result["added_ttft_ms_p50"] or 1e9) <= 10}
         if "serving_path_ttft_ms" in result:
             result["targets"]["serving_path_ttft_ms.p50 <= 10"] = (result["serving_path_ttft_ms"]["p50"] or 1e9) <= 10
-    result["machine"]["load_average_end"] = load_average()
     out = Path(args.out)
-    write_json(out, result)
+    result = prov.write(out, result)
     png = Path(args.plot) if args.plot else out.with_name(out.stem + "_latency.png")
     plot(plots, png)
     print(report(result))

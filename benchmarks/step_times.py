@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import engine.layers.linear as linear  # noqa: E402
-from benchmarks.common import add_model_arg, greedy, load_average, random_token_ids, write_json  # noqa: E402
+from benchmarks.common import Results, add_model_arg, greedy, random_token_ids  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
 from kernels import cpu_backend  # noqa: E402
@@ -60,6 +60,10 @@ MATMUL = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "
 ATTENTION = ("kvserve_cpu::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::index_select", "aten::index_copy_", "aten::_efficient_attention_forward")
 
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS): step_times.json's, then
+#: host_times.json's (``--host-only``).
+RESULT_KEYS = ("model", "threads", "prefill_tokens", "decode_batch", "before", "after", "decode_speedup",
+               "prefill_speedup", "host_time_per_decode_step")
 CONFIGS = {
     "before": {"attention_backend": "torch", "cpu_linear": "aten", "fused_ops": False},
     "after": {"attention_backend": None, "cpu_linear": linear.CPU_LINEAR, "fused_ops": cpu_backend.FUSED_OPS},
@@ -206,24 +210,22 @@ def main(argv=None) -> int:
     ap.add_argument("--host-only", action="store_true", help="host time per step with a zero-cost forward")
     ap.add_argument("--out", default=None, help="default benchmarks/results/step_times.json (host_times.json)")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
 
     model = str(resolve_model(args.model))
     if args.host_only:
-        from benchmarks.throughput import machine_info
-        result = {"model": model, "machine": machine_info(), "load_average_before": load_average(),
-                  "host_time_per_decode_step": host_times(model), "load_average_after": load_average()}
-        write_json(args.out or "benchmarks/results/host_times.json", result, indent=1)
+        result = {"model": model, "host_time_per_decode_step": host_times(model)}
+        prov.write(args.out or "benchmarks/results/host_times.json", result, indent=1)
         return 0
     result = {"model": model, "threads": torch.get_num_threads(), "prefill_tokens": args.prefill_tokens,
-              "decode_batch": args.batch, "load_average_before": load_average()}
+              "decode_batch": args.batch}
     for name, cfg in CONFIGS.items():
         result[name] = measure(model, args, cfg)
         print(name, json.dumps(result[name]), flush=True)
     result["decode_speedup"] = result["before"]["decode_step_s_p50"] / result["after"]["decode_step_s_p50"]
     result["prefill_speedup"] = result["before"]["prefill_step_s"] / result["after"]["prefill_step_s"]
-    result["load_average_after"] = load_average()
     print(json.dumps(result, indent=1))
-    write_json(args.out or "benchmarks/results/step_times.json", result, indent=1)
+    prov.write(args.out or "benchmarks/results/step_times.json", result, indent=1)
     return 0
 
 

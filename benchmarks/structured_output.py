@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_model_arg, load_average, write_json  # noqa: E402
+from benchmarks.common import Results, add_model_arg, load_average  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine import model_runner as runner_mod  # noqa: E402
 from engine.layers import sampler as sampler_mod  # noqa: E402
@@ -87,6 +87,8 @@ SUBJECTS = ["a chef", "a pilot", "an astronaut", "a teacher", "a painter", "a fa
 #: Grammar work per decode step: the engine's part of the fill (all of it with --sync-fill),
 #: the fill itself (xgrammar, in the worker thread when overlapped), the sampler's wait for it,
 #: the mask on the logits, the matchers' accept after the step.
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("model", "dtype", "device", "threads", "max_tokens", "fill", "fill_threads", "compile", "runs", "note")
 PARTS = ("engine_fill", "fill", "wait", "apply", "accept")
 
 
@@ -239,6 +241,7 @@ def main(argv=None) -> int:
                     help="fill the bitmask before the forward (as for a distributed executor), not beside it")
     ap.add_argument("--out", default="benchmarks/results/structured_output.json")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     so_mod.FILL_THREADS = args.fill_threads
 
     model = str(resolve_model(args.model))
@@ -248,7 +251,7 @@ def main(argv=None) -> int:
         eng.executor.in_process = False
     result = {"model": model, "dtype": "float32", "device": "cpu", "threads": torch.get_num_threads(),
               "max_tokens": args.max_tokens, "fill": "sync" if args.sync_fill else "overlapped with the forward",
-              "fill_threads": args.fill_threads, "load_average_before": load_average()}
+              "fill_threads": args.fill_threads}
     result["compile"] = compile_times(eng.tokenizer, eng.hf_config.vocab_size, eng.eos_token_ids)
     timers = Timers(eng)
     prompts = [eng.apply_chat_template([{"role": "user", "content": f"Describe {s} as a JSON object."}])
@@ -263,12 +266,11 @@ def main(argv=None) -> int:
                   f"{r['plain_ms_per_token']} ms/token, slowdown {100 * r['slowdown']:+.1f} % (best of reps "
                   f"{100 * r['slowdown_best_of_reps']:+.1f} %), parts/step "
                   f"{r['grammar_parts_ms_per_decode_step']} ms, load {r['load_average'][-1]}", flush=True)
-    result["load_average_after"] = load_average()
     loads = [la[0] for r in result["runs"].values() for la in r["load_average"] if la]
     result["note"] = ("2-core CPU; the benchmark itself keeps ~2 threads busy (torch) plus the fill thread, so a "
                       "1-min load average above ~2.5 means another job shared the CPU"
                       + (f" (max 1-min load seen: {max(loads)})" if loads else ""))
-    write_json(args.out, result)
+    prov.write(args.out, result)
     eng.shutdown()
     return 0
 

@@ -35,8 +35,6 @@ import argparse
 import contextlib
 import gc
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -48,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    Results,
     add_model_arg,
     load_average,
     load_hf_model,
@@ -56,9 +55,11 @@ from benchmarks.common import (  # noqa: E402
     run_hf_static,
     run_kvserve,
     workload_info,
-    write_json,
 )
 from engine import LLM  # noqa: E402
+
+#: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
+RESULT_KEYS = ("workload", "model", "dtypes", "systems", "kvserve_over_hf_static", "targets")
 
 
 def run_hf_continuous(model_path, work) -> dict:
@@ -148,22 +149,6 @@ def hf_batch1(path: str, prompt: list[int], new_tokens: int) -> float:
     return decode_ms_per_token(hf, new_tokens)
 
 
-def machine_info() -> dict:
-    """CPU model, vector ISA torch dispatches to, native bf16, cores and threads."""
-    from engine.config import cpu_native_bf16
-
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    native, flags = cpu_native_bf16()
-    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": native,
-            "bf16_flags": flags, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(ap)
@@ -181,6 +166,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args(argv)
+    prov = Results(__file__, RESULT_KEYS)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -194,7 +180,6 @@ def main(argv=None) -> dict:
     results = {
         "workload": {**workload_info(work, args.seed), "repeats": args.repeats,
                      "kvserve_max_num_batched_tokens": args.max_num_batched_tokens},
-        "machine": machine_info(),
         "model": path,
         "dtypes": {},
         "systems": [],
@@ -282,7 +267,7 @@ def main(argv=None) -> dict:
     results["targets"] = targets
     print(table(results))
     if not args.quick:
-        write_json(args.out, results)
+        results = prov.write(args.out, results)
     return results
 
 
