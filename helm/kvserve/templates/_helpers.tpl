@@ -27,8 +27,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.rayAuth.existingSecret | default (printf "%s-ray-token" (include "kvserve.fullname" .)) -}}
 {{- end -}}
 
+{{/* Where the OpenAI endpoint's API keys come from: "existing" (apiKeys.existingSecret), "keys"
+(apiKeys.keys, into the chart's Secret), "generated" (neither: the chart makes one random key into
+its Secret, kept across upgrades) or "open" (neither, and apiKeys.allowUnauthenticated: true). */}}
+{{- define "kvserve.apiKeysMode" -}}
+{{- if .Values.apiKeys.existingSecret -}}existing
+{{- else if .Values.apiKeys.keys -}}keys
+{{- else if .Values.apiKeys.allowUnauthenticated -}}open
+{{- else -}}generated
+{{- end -}}
+{{- end -}}
+
 {{- define "kvserve.apiKeysEnabled" -}}
-{{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys -}}true{{- end -}}
+{{- if ne (include "kvserve.apiKeysMode" .) "open" -}}true{{- end -}}
 {{- end -}}
 
 {{- define "kvserve.apiKeysSecret" -}}
