@@ -12,10 +12,10 @@ pass through untouched) that, for the API paths (``/v1/...``):
    :class:`deployments.limits.KeyPolicy` (limits, priority) goes to the endpoint in
    ``scope["state"]`` (:func:`request_policy`);
 2. answers 413 when ``Content-Length`` exceeds the limit, and stops reading a body without a
-   length (chunked) as soon as it passes the limit.
+   length (chunked) as soon as it passes the limit (on every path, the open ones too).
 
-``/health``, ``/ready`` and ``/metrics`` stay open; ``/docs``, ``/redoc`` and ``/openapi.json``
-follow the API's key setting. Starlette's ``CORSMiddleware`` with the configured origins sits in front of it
+FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json`` are not open: behind the API key like
+every route when keys are set. Starlette's ``CORSMiddleware`` with the configured origins sits in front of it
 (:func:`install`), so a browser's preflight ``OPTIONS`` is answered
 without a key and every answer, a 401 included, carries the ``Access-Control-*`` headers. Both take their :class:`GateSettings`
 as middleware options, given by :func:`deployments.gateway.api.build_api` when it builds a
@@ -44,8 +44,10 @@ DEFAULT_AUTH_FAILURES_PER_MINUTE = 20
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
-#: FastAPI's API documentation: behind the API key when the API has one.
-_DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+#: The only paths answered without an API key (exact matches, after the root path): the
+#: probes and the metrics scrape. Everything else, routes added later included, needs a key
+#: when keys are configured.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
 @dataclass
@@ -108,6 +110,20 @@ def key_name(scope: Scope) -> str:
     return policy.name if policy is not None else "anonymous"
 
 
+def owner_id(scope: Scope) -> str:
+    """Who owns what this request stores (stored responses): the stable id of its API key
+    (:attr:`deployments.limits.KeyPolicy.owner_id`, derived from the key itself, so a key
+    re-issued under an old name owns nothing of the old key's), ``anonymous`` without keys."""
+    policy = request_policy(scope)
+    return policy.owner_id if policy is not None else "anonymous"
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path below the app's root path (Serve's route prefix)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def mask_key(key: str) -> str:
     """A key as it may appear in logs and banners: its first 4 characters, then ``...``."""
     return (key[:4] + "...") if len(key) > 8 else "***"
@@ -140,15 +156,9 @@ class RequestGate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
-        if not (path.startswith("/v1/") or path in _DOC_PATHS):  # /health, /ready, /metrics stay open
-            return await self.app(scope, receive, send)
         s = self.settings
         headers = dict(scope.get("headers") or [])
-        if s.policies:
+        if s.policies and route_path(scope) not in OPEN_PATHS:  # deny by default
             client = (scope.get("client") or ("unknown", 0))[0]
             wait = s.throttle.retry_after(client)
             if wait is not None:  # this address sent too many wrong keys: not even checked now

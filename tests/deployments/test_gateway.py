@@ -3,6 +3,7 @@
 to the replica is checked as typed values; errors as OpenAI bodies without internals."""
 import asyncio
 import json
+import re
 
 import httpx
 from helpers import DONE, iter_sse
@@ -215,6 +216,69 @@ def test_keys_guard_the_api_but_not_the_probes():
     [card] = models.json()["data"]
     assert card["id"] == "fake" and card["max_model_len"] == 128  # from the replica's ServerInfo
     assert health.status_code == 200 and health.json()["models"] == ["fake"]
+
+
+PROBES = {"/health", "/ready", "/metrics"}
+
+
+def _route_table(app) -> list[tuple[str, str, bool]]:
+    """``(method, path, takes a body)`` for every route of the built app, path parameters
+    filled with ``x``. Every entry must be a plain route: a mount or websocket added later
+    fails here instead of escaping the walk."""
+    from fastapi.routing import APIRoute
+    from starlette.routing import Route
+
+    table = []
+    for r in app.routes:
+        assert isinstance(r, Route), f"not an HTTP route, the gate test cannot walk it: {r!r}"
+        path = re.sub(r"\{[^}]*\}", "x", r.path)
+        body = isinstance(r, APIRoute) and r.body_field is not None
+        table += [(m, path, body) for m in sorted(r.methods or ())]
+    return table
+
+
+def test_every_route_but_the_probes_needs_a_key_and_every_body_is_bounded():
+    """Deny by default, over the real route table of the built app: each route (each method)
+    without a key is a 401 unless it is a probe; each route that takes a body refuses an
+    oversized one (413) even with a valid key."""
+    key, limit = "sk-test-key-1", 1024
+    gw = Gateway({"fake": FakeReplica()}, GatewaySettings(api_keys=[key], max_request_body_bytes=limit,
+                                                          auth_failures_per_minute=10_000))
+    app = build_api(gw)
+    table = _route_table(app)
+    paths = {p for _, p, _ in table}
+    assert {"/tokenize", "/detokenize", "/v1/chat/completions", "/v1/load_lora_adapter", "/openapi.json"} <= paths
+    assert PROBES <= paths
+    with_body = [(m, p) for m, p, b in table if b]
+    assert ("POST", "/tokenize") in with_body and ("POST", "/v1/chat/completions") in with_body
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # a handler's failure: a 500
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            keyless = {(m, p): (await c.request(m, p, json={} if b else None)).status_code for m, p, b in table}
+            big = {(m, p): await c.request(m, p, content=b"{" + b" " * limit + b"}", headers={
+                "authorization": f"Bearer {key}", "content-type": "application/json"}) for m, p in with_body}
+            return keyless, big
+
+    keyless, big = _run(main())
+    open_ = {mp: st for mp, st in keyless.items() if st != 401}
+    assert set(open_) == {(m, p) for m, p, _ in table if p in PROBES}, open_
+    # the probes reach their handlers (/metrics needs a Ray session or $KVSERVE_METRICS_DIR to render)
+    assert open_[("GET", "/health")] == open_[("GET", "/ready")] == 200, open_
+    assert {mp: r.status_code for mp, r in big.items()} == {mp: 413 for mp in with_body}
+    assert all(r.json()["error"]["code"] == "request_too_large" for r in big.values())
+
+
+def test_a_path_outside_the_route_table_is_closed_too():
+    """A path no route serves (a route someone adds later) is a 401 without a key, not a 404."""
+    async def main():
+        async with _client(FakeReplica(), api_keys=["sk-test-key-1"]) as c:
+            return (await c.post("/admin/new", json={}), await c.get("/health/"),
+                    await c.post("/new", headers={"authorization": "Bearer sk-test-key-1"}))
+
+    keyless, near_probe, keyed = _run(main())
+    assert keyless.status_code == 401 and near_probe.status_code == 401
+    assert keyed.status_code == 404
 
 
 def test_unknown_model_is_404_and_draining_is_not_ready():
