@@ -15,6 +15,16 @@ from deployments.protocol import OpenAIError
 logger = logging.getLogger("ray.serve")
 
 
+def is_admin(gw, request: Request) -> bool:
+    """Whether the request carries an admin key (``Authorization: Bearer <admin key>``). No
+    admin key configured (loopback dev mode among others): nobody is. Records nothing: a
+    caller that is not an admin is no failed authentication here."""
+    if not gw.admin_keys:
+        return False
+    token = bearer_token(dict(request.scope.get("headers") or []).get(b"authorization", b""))
+    return bool(token) and find_policy(token, gw.admin_keys) is not None
+
+
 def admin_denied(gw, request: Request, what: str = "the response cache") -> JSONResponse | None:
     """None when the request carries an admin key; else its 401 (no or a wrong key), 403 (an
     API key that is not an admin key, or no admin key configured) or 429 (too many wrong keys
@@ -29,8 +39,7 @@ def admin_denied(gw, request: Request, what: str = "the response cache") -> JSON
         return error_response(429, "too many failed authentication attempts from this address, retry later",
                               "rate_limit_error", code="auth_throttled",
                               headers={"Retry-After": str(max(1, int(wait + 0.999)))})
-    token = bearer_token(dict(request.scope.get("headers") or []).get(b"authorization", b""))
-    if token and find_policy(token, gw.admin_keys) is not None:
+    if is_admin(gw, request):
         return None
     if request_policy(request.scope) is not None:  # a valid API key, not an admin one
         return error_response(403, f"this API key may not administer {what}", "permission_error",

@@ -7,7 +7,8 @@ every route closes over its gateway, so there is no module state for a replica t
 and no name a route uses that is not bound when the app is built. (Ray Serve LLM's
 ``make_fastapi_ingress`` binds its routes at build time for the same reason.)
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (replicas'
+placement for an admin key only),
 ``GET /v1/models/{model}``, ``GET`` and ``DELETE /v1/cache`` (admin key),
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (admin key), ``GET /health``,
 ``GET /ready``, ``GET /metrics``, ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``,
@@ -73,8 +74,8 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
         return await tokenize.detokenize(gw, body, request)
 
     @app.get("/v1/models")
-    async def list_models():
-        return await models.list_models(gw)
+    async def list_models(request: Request):
+        return await models.list_models(gw, placement=admin.is_admin(gw, request))
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):

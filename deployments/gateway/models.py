@@ -135,17 +135,18 @@ async def replica_placement() -> dict[tuple[str, str], list[dict]]:
     return out
 
 
-async def list_models(gw) -> dict:
+async def list_models(gw, placement: bool = False) -> dict:
     """``GET /v1/models``: every served model's card, each embedding model's, each LoRA
     adapter's (configured or loaded at run time); with routing rules, also ``auto``
-    (with as long a context as the smallest model it may pick). A served model's and an
+    (with as long a context as the smallest model it may pick). With ``placement`` (the
+    caller holds an admin key: internal topology is the operators'), a served model's and an
     encoder's card also name their ``replicas``: each one's id, state, and node (id and IP),
-    as Serve's controller has them."""
-    placement = await replica_placement()
+    as Serve's controller has them; without it, vLLM's plain cards."""
+    where_is = await replica_placement() if placement else {}
 
     async def card(name: str, handle) -> dict:
         d = (await gw.directory.card(name)).model_dump()
-        where = placement.get((getattr(handle, "app_name", None), getattr(handle, "deployment_name", None)))
+        where = where_is.get((getattr(handle, "app_name", None), getattr(handle, "deployment_name", None)))
         if where is not None:
             d["replicas"] = where
         return d
@@ -156,13 +157,15 @@ async def list_models(gw) -> dict:
     data += [adapter_card(cards[base], a) for a, base in gw.adapters.items()]
     data += [adapter_card(cards[e.base], a) for a, e in (await gw.lora.dynamic()).items() if e.base in cards]
     if gw.routing is not None:
-        data.append({**data[0], "id": AUTO_MODEL, "root": AUTO_MODEL,
+        auto = {k: v for k, v in data[0].items() if k != "replicas"}  # a rule's choice, no replicas of its own
+        data.append({**auto, "id": AUTO_MODEL, "root": AUTO_MODEL,
                      "max_model_len": min(d["max_model_len"] for d in data)})
     return {"object": "list", "data": data}
 
 
 async def retrieve_model(gw, model_id: str) -> dict:
-    """``GET /v1/models/{model}``: one card; 404 for a name that is not served."""
+    """``GET /v1/models/{model}``: one card (vLLM's, without placement); 404 for a name that
+    is not served."""
     if model_id == AUTO_MODEL and gw.routing is not None:
         return next(m for m in (await list_models(gw))["data"] if m["id"] == AUTO_MODEL)
     base, _ = await gw.adapter_base(model_id)

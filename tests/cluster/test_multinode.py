@@ -2,7 +2,7 @@
 machine): replicas spread over nodes with ``max_replicas_per_node``, a tensor-parallel replica
 whose two ranks sit on two nodes (``placement_group_strategy: STRICT_SPREAD``, gloo through a TCP
 store) and a pipeline-parallel one whose two stages do, each giving the same greedy tokens as the
-engine alone; ``/v1/models`` and the metrics name the nodes."""
+engine alone; ``/v1/models`` (for an admin key) and the metrics name the nodes."""
 import httpx
 import pytest
 from helpers import free_port, spread_tp_llm
@@ -10,6 +10,7 @@ from helpers import free_port, spread_tp_llm
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):"]
+ADMIN = "sk-kvserve-multinode-admin"  # /v1/models shows the replicas' nodes to admin keys only
 
 
 def _reference(tiny_llama_path, text: bool = False) -> list:
@@ -54,7 +55,7 @@ def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_pa
         {**common, "served_model_name": "tiny-pp", "num_replicas": 1, "pipeline_parallel_size": 2,
          "placement_group_strategy": "STRICT_SPREAD", "replica_cpus": 0.5, "worker_cpus": 0.5,
          "collective_timeout_s": 60},
-    ], "ingress_cpus": 0.25})
+    ], "ingress_cpus": 0.25, "admin_api_keys": [ADMIN]})
     serve.run(app, name="multinode", route_prefix="/")
     try:
         details = _get_global_client().get_serve_details()
@@ -68,7 +69,9 @@ def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_pa
         assert pp.pipeline_parallel_size == 2 and len({r["node_id"] for r in pp.workers["ranks"]}) == 2
         ref = _reference(tiny_llama_path, text=True)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-            cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+            assert "replicas" not in c.get("/v1/models").json()["data"][0]  # placement: admin keys only
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            cards = {m["id"]: m for m in c.get("/v1/models", headers=admin).json()["data"]}
             assert {r["node_id"] for r in cards["tiny-spread"]["replicas"]} == set(spread)
             assert all(r["state"] == "RUNNING" and r["node_ip"] for r in cards["tiny-spread"]["replicas"])
             assert cards["tiny-pp"]["pipeline_parallel_size"] == 2 and cards["tiny-tp"]["tensor_parallel_size"] == 2

@@ -281,6 +281,38 @@ def test_a_path_outside_the_route_table_is_closed_too():
     assert keyed.status_code == 404
 
 
+def test_replica_placement_is_shown_to_admin_keys_only(monkeypatch):
+    """``/v1/models`` names each replica's node for an admin key; an API key, and anyone when
+    no key is configured, sees vLLM's plain cards."""
+    from deployments.gateway import models
+
+    where = [{"replica_id": "r1", "node_id": "n" * 56, "node_ip": "10.1.2.3", "state": "RUNNING"}]
+
+    async def placement():
+        return {("kvserve", "LLMServer"): where}
+
+    monkeypatch.setattr(models, "replica_placement", placement)
+    replica = FakeReplica()
+    replica.app_name, replica.deployment_name = "kvserve", "LLMServer"
+
+    async def cards(headers=None, **settings):
+        async with _client(replica, **settings) as c:
+            r = await c.get("/v1/models", headers=headers or {})
+            assert r.status_code == 200, r.text
+            one = await c.get("/v1/models/fake", headers=headers or {})
+            return r.json()["data"][0], one.json()
+
+    keys = dict(api_keys=["sk-user-key-1"], admin_api_keys=["sk-admin-key-1"])
+    admin, admin_one = _run(cards({"authorization": "Bearer sk-admin-key-1"}, **keys))
+    user, user_one = _run(cards({"authorization": "Bearer sk-user-key-1"}, **keys))
+    open_, _ = _run(cards())  # no keys at all: nobody is an admin
+    wrong, _ = _run(cards({"authorization": "Bearer sk-admin-key-1"}))  # an admin key where none is configured
+    assert admin["replicas"] == where
+    for card in (user, user_one, admin_one, open_, wrong):
+        assert "replicas" not in card and "10.1.2.3" not in json.dumps(card)
+        assert card["id"] == "fake" and card["max_model_len"] == 128
+
+
 def test_unknown_model_is_404_and_draining_is_not_ready():
     replica = FakeReplica()
     gw = Gateway({"fake": replica}, GatewaySettings())
