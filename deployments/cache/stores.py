@@ -154,22 +154,21 @@ class RedisStore:
         max_entries, max_bytes: bounds over every model's entries.
         timeout_s: connect and command timeout.
         retry_s: after a failure, seconds of misses before Redis is tried again.
-        prefix: key prefix.
+        prefix: key prefix (its own LRU, sizes and byte count: stores of other prefixes never
+            evict its entries).
         clock: monotonic seconds for the retry pause.
+        client: a ``redis.asyncio.Redis`` of ``url`` to share (several prefixes, one connection
+            pool); None: a client of its own.
     """
 
     name = "redis"
 
     def __init__(self, url: str, max_entries: int, max_bytes: int, *, timeout_s: float = 0.25,
-                 retry_s: float = 5.0, prefix: str = "kvserve:rc:", clock: Callable[[], float] = time.monotonic):
-        import redis.asyncio as aioredis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
+                 retry_s: float = 5.0, prefix: str = "kvserve:rc:", clock: Callable[[], float] = time.monotonic,
+                 client=None):
         self.url, self.max_entries, self.max_bytes, self.prefix = url, max_entries, max_bytes, prefix
         self.retry_s, self._clock = retry_s, clock
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                              retry=Retry(NoBackoff(), 1))
+        self._redis = client if client is not None else self.connect(url, timeout_s)
         self._put = self._redis.register_script(_PUT_LUA)
         self._get = self._redis.register_script(_GET_LUA)
         self._clear = self._redis.register_script(_CLEAR_LUA)
@@ -177,6 +176,16 @@ class RedisStore:
         self._meta = [prefix + "lru", prefix + "sizes", prefix + "bytes"]
         self._down_until = -math.inf
         self._warned = False
+
+    @staticmethod
+    def connect(url: str, timeout_s: float = 0.25):
+        """A ``redis.asyncio.Redis`` of ``url`` with this store's timeouts and a single retry."""
+        import redis.asyncio as aioredis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                       retry=Retry(NoBackoff(), 1))
 
     @staticmethod
     def model_tag(model: str) -> str:

@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from deployments.gateway.chat import ChatChoiceRenderer, collect, start_chat
 from deployments.gateway.core import Call, Gateway
-from deployments.gateway.gate import key_name
+from deployments.gateway.gate import owner_id
 from deployments.gateway.responses_input import ResponsesRequest, ResponseStore
 from deployments.gateway.streams import SSE_HEADERS, usage_of
 from deployments.server_types import GenerationChunk, finish_reason
@@ -106,7 +106,7 @@ def conversation_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequest, request: Request):
     """``POST /v1/responses``."""
-    owner = key_name(request.scope)
+    owner = owner_id(request.scope)
     conversation = []
     if body.previous_response_id is not None:
         conversation = (await store.get(body.previous_response_id, owner, "previous_response_id"))["messages"]
@@ -191,10 +191,10 @@ async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRend
 
 async def get_response(store: ResponseStore, response_id: str, request: Request) -> dict[str, Any]:
     """``GET /v1/responses/{id}``: a stored response of this API key (404 otherwise)."""
-    return (await store.get(response_id, key_name(request.scope)))["response"]
+    return (await store.get(response_id, owner_id(request.scope)))["response"]
 
 
 async def delete_response(store: ResponseStore, response_id: str, request: Request) -> dict[str, Any]:
     """``DELETE /v1/responses/{id}``."""
-    await store.delete(response_id, key_name(request.scope))
+    await store.delete(response_id, owner_id(request.scope))
     return {"id": response_id, "object": "response", "deleted": True}

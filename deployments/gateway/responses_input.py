@@ -197,37 +197,56 @@ def _text(content: Any, where: str) -> str:
 
 class ResponseStore:
     """Stored responses (``store: true``): the response object, the conversation so far (for
-    ``previous_response_id``) and the API key that made it (another key's reads are 404s).
+    ``previous_response_id``) and its owner, the stable id of the API key that made it
+    (:func:`deployments.gateway.gate.owner_id`: derived from the key, not its name; another
+    key's reads are 404s).
 
     Kept where the response cache's backend is: in this ingress replica's memory, or in Redis
-    (``cache_backend: redis``) so that every ingress replica sees them; least recently used go
-    first past the cache's entry and byte bounds; each lives :data:`RESPONSE_TTL_S` seconds.
+    (``cache_backend: redis``) so that every ingress replica sees them. Each owner has its own
+    least-recently-used store, bounded by the cache's entry and byte bounds on its own (so
+    one tenant's traffic never evicts another's responses; owners are the configured keys,
+    and ``anonymous`` without keys); each response lives :data:`RESPONSE_TTL_S` seconds.
     """
 
     MODEL = "responses"  # the stores' model tag of every stored response
+    PREFIX = "kvserve:resp:"  # Redis: each owner's keys under kvserve:resp:<owner>:
 
     def __init__(self, settings: CacheSettings):
+        self.settings = settings
+        self._stores: dict = {}  # owner -> its MemoryStore or RedisStore
+        self._redis = None  # the Redis client the owners' stores share
+
+    def store_of(self, owner: str):
+        """The store of ``owner``'s responses (made on first use)."""
         from deployments.cache.stores import MemoryStore, RedisStore
 
-        if settings.backend == "redis":
-            self.store = RedisStore(settings.redis_url, settings.max_entries, settings.max_bytes,
-                                    prefix="kvserve:resp:")
-        else:
-            self.store = MemoryStore(settings.max_entries, settings.max_bytes)
+        store = self._stores.get(owner)
+        if store is None:
+            s = self.settings
+            if s.backend == "redis":
+                self._redis = self._redis or RedisStore.connect(s.redis_url)
+                store = RedisStore(s.redis_url, s.max_entries, s.max_bytes, prefix=f"{self.PREFIX}{owner}:",
+                                   client=self._redis)
+            else:
+                store = MemoryStore(s.max_entries, s.max_bytes)
+            self._stores[owner] = store
+        return store
 
     async def put(self, response: dict[str, Any], messages: list[dict[str, Any]], owner: str) -> None:
-        """Keep ``response`` (its ``id``) with the conversation ``messages`` it ends."""
+        """Keep ``response`` (its ``id``) with the conversation ``messages`` it ends, in
+        ``owner``'s store (its least recently used go past the owner's bounds)."""
         data = json.dumps({"response": response, "messages": messages, "owner": owner},
                           separators=(",", ":"), ensure_ascii=False).encode()
-        await self.store.put(self.MODEL, response["id"], data, RESPONSE_TTL_S)
+        await self.store_of(owner).put(self.MODEL, response["id"], data, RESPONSE_TTL_S)
 
     async def get(self, response_id: str, owner: str, param: str | None = None) -> dict[str, Any]:
-        """The stored record of ``response_id`` (``response``, ``messages``).
+        """The stored record of ``response_id`` (``response``, ``messages``) of ``owner``.
 
         Raises:
-            OpenAIError: 404 when there is none for this key (never stored, expired, another key's).
+            OpenAIError: 404 when there is none for this key (never stored, expired, evicted,
+                another key's).
         """
-        data = await self.store.get(self.MODEL, response_id)
+        data = await self.store_of(owner).get(self.MODEL, response_id)
         record = json.loads(data) if data else None
         if record is None or record.get("owner") != owner:
             raise OpenAIError(f"no response with id '{response_id}' was found", 404, param=param,
@@ -241,4 +260,4 @@ class ResponseStore:
             OpenAIError: 404 as :meth:`get`.
         """
         await self.get(response_id, owner)
-        await self.store.delete(self.MODEL, response_id)
+        await self.store_of(owner).delete(self.MODEL, response_id)

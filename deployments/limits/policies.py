@@ -63,6 +63,13 @@ class KeyPolicy:
             if v is not None and not v >= 0:  # `not >=` also catches NaN
                 raise ValueError(f"{attr} must be >= 0 or None, got {v!r}")
 
+    @property
+    def owner_id(self) -> str:
+        """The stable id of what this key stores (stored responses): ``"owner-"`` + 32 hex
+        digits of SHA-256 over the key's bytes (domain-separated), never the key itself. It
+        follows the key, not its ``name``: a new key under an old name is another owner."""
+        return "owner-" + hashlib.sha256(b"kvserve-owner\0" + self.key.encode()).hexdigest()[:32]
+
 
 def _parse_entries(entries: Iterable[tuple[int, str]], where: str) -> list[KeyPolicy]:
     """Parse numbered ``key [attr=value ...]`` entries; errors say ``"{where} {n}"``, never the key."""
