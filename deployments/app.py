@@ -121,6 +121,7 @@ def gateway_settings(args: AppArgs) -> GatewaySettings:
         rate_limit_tpm=lim.rate_limit_tpm, redis_url=lim.redis_url, ingress_num_replicas=g.ingress_num_replicas,
         cache=args.cache_settings(),
         adapters={a: m.name for m in args.model_list() for a in (m.lora_modules or {})},
+        lora_allowed_roots=g.lora_allowed_roots,
         model_routing=None if r.model_routing is None else r.model_routing.model_dump(),
         upstream=None if r.upstream is None else r.upstream.model_dump())
 

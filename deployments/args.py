@@ -189,6 +189,11 @@ class GatewayArgs(BaseModel):
         None, description="keys of the admin endpoints (DELETE /v1/cache, POST /v1/load_lora_adapter and "
                           "/v1/unload_lora_adapter); default $KVSERVE_ADMIN_API_KEYS (comma-separated); none: "
                           "those endpoints answer 403")
+    lora_allowed_roots: Optional[list[str]] = Field(
+        None, description="folders (absolute paths) under which POST /v1/load_lora_adapter may read adapters, "
+                          "resolved with symlinks and '..' on the replica's node (--lora-allowed-root, "
+                          "repeatable); none: loading adapters at run time is off (vLLM: "
+                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     auth_failures_per_minute: int = Field(
         DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
         description="missing or wrong API keys one client address may send per minute before 429s")
@@ -206,6 +211,13 @@ class GatewayArgs(BaseModel):
                           "with --resources '{\"head\": 1}' keeps the ingress on the head node")
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
 
+
+    @field_validator("lora_allowed_roots")
+    @classmethod
+    def _absolute_roots(cls, v):
+        if v and not all(r and os.path.isabs(r) for r in v):
+            raise ValueError("lora_allowed_roots: each root must be an absolute path")
+        return v
 
     @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-api-key", action="append", default=None, dest="admin_api_keys",
                    help="a key of the admin endpoints: DELETE /v1/cache, POST /v1/load_lora_adapter and "
                         "/v1/unload_lora_adapter (repeatable; a flag shows in `ps`: prefer $KVSERVE_ADMIN_API_KEYS)")
+    s.add_argument("--lora-allowed-root", action="append", default=None, dest="lora_allowed_roots",
+                   metavar="DIR", help="POST /v1/load_lora_adapter may read adapters under DIR (repeatable; "
+                                       "symlinks and '..' resolved); without one, loading at run time is off")
     s.add_argument("--upstream-url", default=None,
                    help="OpenAI-compatible base URL (e.g. https://host/v1) that takes requests every local replica "
                         "refuses (capacity, failure); its key from $KVSERVE_UPSTREAM_API_KEY. Model routing "
@@ -156,6 +159,8 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
         app_args["api_keys_file"] = args.api_keys_file
     if args.admin_api_keys:
         app_args["admin_api_keys"] = args.admin_api_keys
+    if args.lora_allowed_roots:
+        app_args["lora_allowed_roots"] = [os.path.abspath(r) for r in args.lora_allowed_roots]
     if args.upstream_url:
         app_args["upstream"] = {**(app_args.get("upstream") or {}), "base_url": args.upstream_url}
     if args.allowed_origins is not None:

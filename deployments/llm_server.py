@@ -409,9 +409,12 @@ class LLMServer(PoolingEndpoints):
             workers=(self.engine.executor.placement_group_info()
                      if hasattr(self.engine.executor, "placement_group_info") else None))
 
-    async def check_lora_adapter(self, name: str, path: str) -> str | None:
-        """Why PEFT folder ``path`` cannot be adapter ``name`` here, None if it can (``/v1/load_lora_adapter``)."""
-        return await asyncio.to_thread(check_adapter, self.engine.engine, name, path)
+    async def check_lora_adapter(self, name: str, path: str, allowed_roots: list[str] | None = None
+                                 ) -> tuple[str | None, str | None]:
+        """``(real path, None)`` when PEFT folder ``path`` may be adapter ``name`` here (under
+        one of ``allowed_roots`` as this node resolves it, readable, fitting the model),
+        ``(None, why not)`` otherwise (``/v1/load_lora_adapter``; :func:`deployments.lora.check_adapter`)."""
+        return await asyncio.to_thread(check_adapter, self.engine.engine, name, path, tuple(allowed_roots or ()))
 
     def get_stats(self) -> dict[str, float]:
         """The engine's gauges and counters (``kv_cache_usage``, ``num_running_requests``,

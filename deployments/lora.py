@@ -265,17 +265,71 @@ class ReplicaAdapters:
                 logger.info("adapter %s unloaded", mid)
 
 
-def check_adapter(llm_engine, name: str, path: str) -> str | None:
-    """Why the PEFT folder ``path`` cannot serve as adapter ``name`` of ``llm_engine``'s model
-    (its rank, modules, shapes, files), None when it can. Reads the files; loads nothing."""
+# ---- where run-time adapters may be read from ---------------------------------------------
+
+#: The files of a PEFT folder that an adapter load reads (``engine.lora.LoRAWeights.load``).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+#: The one answer for a path that is missing, outside the allowed roots, or unreadable: it
+#: never tells which (a client must not probe the server's files with it).
+UNREADABLE_ADAPTER = ("lora_path is not a readable adapter folder under an allowed root (--lora-allowed-root): "
+                      "a PEFT folder with adapter_config.json and adapter_model.safetensors")
+
+
+class AdapterPathError(ValueError):
+    """A run-time adapter's path that may not be read; the message is :data:`UNREADABLE_ADAPTER`
+    whatever the cause (missing, outside the roots, unreadable)."""
+
+    def __init__(self):
+        super().__init__(UNREADABLE_ADAPTER)
+
+
+def _under(path: str, root: str) -> bool:
+    """Whether the real path ``path`` is ``root`` (a real path) or inside it."""
+    return os.path.commonpath([path, root]) == root
+
+
+def resolve_adapter_path(path: str, roots: list[str] | tuple[str, ...]) -> str:
+    """The real path (symlinks and ``..`` resolved) of the PEFT folder ``path``, which must lie
+    under one of ``roots`` (themselves resolved), with its :data:`ADAPTER_FILES` regular,
+    readable files whose own real paths lie under a root too (a file symlinked out of the
+    roots is refused).
+
+    Raises:
+        AdapterPathError: no roots, or the folder or a file is missing, outside the roots or
+            unreadable: one message for all of them.
+    """
+    try:
+        real_roots = [os.path.realpath(r) for r in roots if r]
+        folder = os.path.realpath(path)
+        files = [os.path.realpath(os.path.join(folder, name)) for name in ADAPTER_FILES]
+        ok = (any(_under(folder, r) for r in real_roots) and os.path.isdir(folder)
+              and all(any(_under(f, r) for r in real_roots) and os.path.isfile(f) and os.access(f, os.R_OK)
+                      for f in files))
+    except (OSError, ValueError):  # a NUL byte, a path too long
+        ok = False
+    if not ok:
+        raise AdapterPathError()
+    return folder
+
+
+def check_adapter(llm_engine, name: str, path: str, allowed_roots: list[str] | tuple[str, ...] = ()
+                  ) -> tuple[str | None, str | None]:
+    """Whether the PEFT folder ``path`` may serve as run-time adapter ``name`` of
+    ``llm_engine``'s model: ``(its real path, None)`` when it may, ``(None, why not)`` when
+    not: outside ``allowed_roots`` or unreadable (:data:`UNREADABLE_ADAPTER`, whichever it
+    is; no roots: nothing may be read), or its rank, modules, shapes, files (the reason names
+    the path as the client sent it, never the resolved one). Reads the files; loads nothing."""
     from engine.lora import LoRARequest, LoRAWeights
 
     cfg = llm_engine.config
     if not cfg.enable_lora:
-        return "this model serves no LoRA adapters: start it with --enable-lora"
+        return None, "this model serves no LoRA adapters: start it with --enable-lora"
     try:
-        LoRAWeights.load(LoRARequest(name, 1 << 30, os.path.abspath(os.path.expanduser(path))),
-                         llm_engine.hf_config, cfg.max_lora_rank)
+        real = resolve_adapter_path(path, allowed_roots)
+    except AdapterPathError as e:
+        return None, str(e)
+    try:
+        LoRAWeights.load(LoRARequest(name, 1 << 30, real), llm_engine.hf_config, cfg.max_lora_rank)
     except ValueError as e:
-        return str(e)
-    return None
+        return None, str(e).replace(real, path)
+    return real, None

@@ -3,9 +3,14 @@ those loaded at run time with vLLM's ``POST /v1/load_lora_adapter`` /
 ``POST /v1/unload_lora_adapter`` (admin key), kept in the application's
 :class:`~deployments.lora.AdapterRegistry` so every gateway and model replica shares them.
 
-A load asks one replica of the base model to read and check the adapter
+Loading at run time is off unless the server names at least one allowed root
+(``--lora-allowed-root``, ``lora_allowed_roots``; vLLM gates it behind
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): then a load asks one replica of the base model to
+resolve the path (symlinks, ``..``) under those roots and to read and check the adapter
 (``LLMServer.check_lora_adapter``: rank, target modules, shapes, files; a bad adapter is a 400
-with the reason and nothing is registered), then registers it. Replicas load it on their first
+with the reason and nothing is registered; a path that is missing, outside the roots or
+unreadable gets one and the same 400, so a load cannot probe the server's files), then
+registers its resolved path. Replicas load it on their first
 request for it (Serve's model multiplexing: requests go to a replica that holds it when one can
 take them) and free it within :data:`~deployments.lora.REGISTRY_REFRESH_S` of an unload. The
 gateway that served the load or unload sees it at once, other gateway replicas within the same
@@ -98,13 +103,20 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
     register it for every replica (see the module docstring). 200 with vLLM's text.
 
     Raises:
-        OpenAIError: 400 (a name in use, a base model not served or not given, an adapter that
-            does not fit or load: the replica's reason), 404 (no such base model), 503 (no
-            replica answered, or the registry is unavailable outside Ray Serve).
+        OpenAIError: 403 ``runtime_lora_disabled`` (no allowed root configured), 400 (a name in
+            use, a base model not served or not given, a path missing, outside the roots or
+            unreadable (one message for the three), an adapter that does not fit or load: the
+            replica's reason), 404 (no such base model), 503 (no replica answered, or the
+            registry is unavailable outside Ray Serve).
     """
     denied = admin_denied(gw, request, "LoRA adapters")
     if denied is not None:
         return denied
+    roots = list(gw.settings.lora_allowed_roots or [])
+    if not roots:
+        raise OpenAIError("loading LoRA adapters at run time is disabled on this server: start it with "
+                          "--lora-allowed-root DIR (lora_allowed_roots) to allow adapters under DIR", 403,
+                          "permission_error", code="runtime_lora_disabled")
     lora = gw.lora
     if lora.registry is None:
         raise _bad("adapters can be loaded at run time only in a Ray Serve application", status=503,
@@ -120,7 +132,7 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
     if old is not None and not body.load_inplace:
         raise _bad(f"The lora adapter '{name}' has already been loaded.", "lora_name")
     try:
-        reason = await gw.models[base].check_lora_adapter.remote(name, body.lora_path)
+        path, reason = await gw.models[base].check_lora_adapter.remote(name, body.lora_path, roots)
     except Exception as e:
         err = as_client_error(e)
         if err is None:
@@ -130,7 +142,7 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
         raise err from None
     if reason is not None:
         raise _bad(f"adapter '{name}' cannot be loaded: {reason}", "lora_path", code="invalid_adapter")
-    entry = AdapterEntry(name, base, os.path.abspath(os.path.expanduser(body.lora_path)), os.urandom(6).hex())
+    entry = AdapterEntry(name, base, path, os.urandom(6).hex())  # the path as the replica resolved it
     if not await asyncio.to_thread(lora.registry.put, entry, body.load_inplace):
         raise _bad(f"The lora adapter '{name}' has already been loaded.", "lora_name")
     lora.note(name, entry)

@@ -25,6 +25,8 @@ class GatewaySettings:
         model_routing: the rules of ``model: "auto"`` (:class:`~deployments.model_routing.ModelRouting`).
         upstream: the fallback for requests every replica refuses (:class:`~deployments.model_routing.UpstreamArgs`).
         adapters: LoRA adapters clients may name as ``model``: ``{adapter name: its base model's name}``.
+        lora_allowed_roots: folders under which ``POST /v1/load_lora_adapter`` may read adapters
+            (resolved on the replica's node); None or empty: loading at run time is off.
     """
 
     api_keys: list[str] | None = None
@@ -42,3 +44,4 @@ class GatewaySettings:
     model_routing: dict | None = None
     upstream: dict | None = None
     adapters: dict[str, str] | None = None
+    lora_allowed_roots: list[str] | None = None

@@ -4,8 +4,10 @@ no configured adapter. An adapter loaded through one endpoint call is served by 
 (Serve's multiplexing sends its requests to a replica that holds it, and to the other when that
 one is full), with the same greedy tokens as the offline engine with the same adapter (held equal
 to HF + PEFT by ``tests/engine/test_lora.py``); an unloaded name is a 404 everywhere, and a name
-loaded again from other files serves the new weights. Bad loads are refused with the reason."""
+loaded again from other files serves the new weights. Bad loads are refused with the reason;
+adapters are read only under the app's allowed root (``lora_allowed_roots``)."""
 import asyncio
+import os
 import re
 import time
 
@@ -32,10 +34,13 @@ def lora_app(serve_app, tiny_llama_path, tmp_path_factory):
     # rank 32 > max_lora_rank 16: refused at load
     name, _, alpha, targets, rslora = ADAPTERS[0]
     paths["too-big"] = make_adapter(tiny_llama_path, root / "too-big", 32, alpha, targets, rslora, seed=20)
+    # a good adapter outside the allowed root: never loaded
+    paths["outside"] = make_adapter(tiny_llama_path, tmp_path_factory.mktemp("not_allowed") / "escaped", 8, alpha,
+                                    targets, rslora, seed=21)
     app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-dyn", "num_replicas": 2,
                      "max_num_seqs": 2, "max_ongoing_requests": 2, "max_queued_requests": 16, "max_model_len": 256, "torch_num_threads": 1,
                      "replica_cpus": 0.25, "ingress_cpus": 0.25, "enable_lora": True, "max_lora_rank": 16,
-                     "max_loras": 2, "admin_api_keys": [ADMIN]})
+                     "max_loras": 2, "admin_api_keys": [ADMIN], "lora_allowed_roots": [str(root)]})
     serve.run(app, name="kvserve-lora", route_prefix="/lora")
     yield {"base": f"{serve_app.root}/lora", "paths": paths}
     serve.delete("kvserve-lora")
@@ -76,6 +81,10 @@ def test_load_serve_on_both_replicas_unload_and_reload(lora_app, tiny_llama_path
     assert r.status_code == 400 and "rank" in r.json()["error"]["message"], r.text
     r = load({"lora_name": "gone", "lora_path": str(paths["all-r8"]) + "-missing"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter", r.text
+    # a good adapter outside the allowed root, reached by a `..` escape: the same answer as a missing one
+    root = paths["all-r8"].parent
+    outside = load({"lora_name": "gone", "lora_path": f"{root}/{os.path.relpath(paths['outside'], root)}"})
+    assert outside.status_code == 400 and outside.json()["error"] == r.json()["error"], outside.text
     r = load({"lora_name": "tiny-dyn", "lora_path": str(paths["all-r8"])})
     assert r.status_code == 400  # the base model's name
 
