@@ -29,14 +29,13 @@ APP = "as-nodes"
 
 
 @pytest.fixture(scope="module")
-def fake_autoscaling():
+def fake_autoscaling(own_ray):
     """A :class:`FakeAutoscalingCluster` (no worker node yet) with this process connected;
     yields it and the head's node id; afterwards Serve, the driver and every process of the
-    cluster are stopped, which the teardown checks."""
+    cluster are stopped, which the teardown checks. A Ray instance already up in this process is
+    shut down or makes the module fail (``own_ray`` in ``tests/cluster/conftest.py``)."""
     import ray
 
-    if ray.is_initialized():
-        pytest.skip("this pytest session already runs a Ray instance (run tests/cluster first or alone)")
     cluster = FakeAutoscalingCluster(HEAD_RESOURCES, worker_node_types(max_workers=2), idle_timeout_minutes=0.1)
     try:
         cluster.start()
