@@ -5,7 +5,9 @@ SmolLM2-135M-Instruct:
 
 * perplexity over ``benchmarks/data/public_domain.txt`` (six paragraphs: Lincoln, Austen,
   Dickens, the US Constitution's preamble, Melville, and one of our own), each paragraph one
-  prompt, from the engine's own prompt log-probabilities;
+  prompt, from the engine's own prompt log-probabilities, prefilled in chunks of
+  ``PPL_CHUNK`` tokens: a chunk attends to itself with its exact K/V and to earlier chunks
+  through the cache, so a one-chunk prefill would not see the float8 cache at all;
 * greedy-token agreement with float32: 8 prompts (4 plain, 4 chat), 48 greedy tokens each; the
   share of generated tokens equal to float32's before the first divergence, and how many prompts
   match float32 exactly;
@@ -61,12 +63,23 @@ CONFIGS = {"float32": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}, "int8_weights": {
            "int8_weights_fp8_kv": {"quantization": "int8", "kv_cache_dtype": "fp8"}}
 
 
-def perplexity(llm: LLM) -> dict:
-    """exp(mean negative log-likelihood) over every predicted token of every paragraph."""
+#: Tokens per step of the perplexity run (``max_num_batched_tokens``): chunked prefill, so most
+#: of each token's attention reads earlier chunks from the KV cache, as decode does.
+PPL_CHUNK = 16
+
+
+def perplexity(path: str, kw: dict) -> dict:
+    """exp(mean negative log-likelihood) over every predicted token of every paragraph, on an
+    engine of its own (``kw``: the configuration's engine arguments) that prefills in chunks of
+    ``PPL_CHUNK`` tokens (see the module docstring)."""
     paragraphs = [p.strip() for p in TEXT.read_text().split("\n\n") if p.strip()]
-    outs = llm.generate(paragraphs, SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
-    nll = [-next(iter(d.values())) for o in outs for d in o.prompt_logprobs[1:]]
-    return {"perplexity": math.exp(sum(nll) / len(nll)), "tokens": len(nll), "paragraphs": len(paragraphs)}
+    llm = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False,
+              max_num_batched_tokens=PPL_CHUNK, **kw)
+    outs = llm.generate(paragraphs, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    nll = [-getattr(x, "logprob", x) for x in (next(iter(d.values())) for o in outs for d in o.prompt_logprobs[1:])]
+    del llm
+    return {"perplexity": math.exp(sum(nll) / len(nll)), "tokens": len(nll), "paragraphs": len(paragraphs),
+            "prefill_chunk_tokens": PPL_CHUNK}
 
 
 def greedy_outputs(llm: LLM, new_tokens: int) -> list[list[int]]:
@@ -100,9 +113,9 @@ def main(argv=None) -> dict:
     result = {"model": path, "text": str(TEXT.relative_to(TEXT.parents[2])), "quick": args.quick, "configs": {}}
     reference = None
     for name, kw in CONFIGS.items():
+        r = {"engine_args": kw, **perplexity(path, kw)}
         llm = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, **kw)
         runner = llm.engine.executor.runner
-        r = {"engine_args": kw, **perplexity(llm)}
         outs = greedy_outputs(llm, args.new_tokens)
         if reference is None:
             reference = outs

@@ -78,6 +78,11 @@ class AttentionBackend:
         supports_fp8_kv: takes float8 e4m3 caches (``kv_cache_dtype="fp8"``): ``store_kv`` writes
             ``clamp(x / scale, +-448)``, ``forward`` reads ``value * scale`` (``k_scale`` /
             ``v_scale``, the layer's scales; other caches ignore them).
+        exact_chunk_kv: with a float8 cache, ``forward`` takes the step's own K/V from its
+            ``key`` / ``value`` arguments (model dtype) in the attention of a chunk of >= 2 query
+            tokens over itself; only tokens cached by earlier steps (earlier chunks, prefix-cache
+            hits, a decode row's context and the decode token itself) are read from float8.
+            False: the backend reads everything from the cache and ignores ``key`` / ``value``.
         supports_cuda_graphs: ``forward`` and ``store_kv`` of a decode-only batch can be captured
             in a CUDA graph and replayed with new contents of the same tensors (no host sync, no
             host-side decision on tensor values; padding rows with slot -1 and seq_len 0 leave
@@ -91,6 +96,7 @@ class AttentionBackend:
     max_head_dim: ClassVar[int | None] = None
     supports_cuda_graphs: ClassVar[bool] = False
     supports_fp8_kv: ClassVar[bool] = False
+    exact_chunk_kv: ClassVar[bool] = False
 
     @classmethod
     def import_error(cls) -> str | None:
@@ -129,11 +135,17 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
-                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the cache (which
         already holds this step's K/V); returns ``[num_tokens, num_heads, head_dim]`` in
         ``q.dtype``. ``scale`` multiplies ``q @ k^T`` (usually ``head_dim ** -0.5``).
-        ``window`` (tokens, >= 1) and ``softcap`` (> 0): see the module docstring; None = off."""
+        ``window`` (tokens, >= 1) and ``softcap`` (> 0): see the module docstring; None = off.
+        ``key`` / ``value``: this step's K/V ``[num_tokens, num_kv_heads, head_dim]`` as given
+        to ``store_kv`` (before float8 rounding); with a float8 cache a backend with
+        ``exact_chunk_kv`` uses them for a prefill chunk's attention over its own tokens, so
+        float8 noise enters only through context cached by earlier steps. Other backends and
+        caches ignore them (no cost)."""
         raise NotImplementedError
 
     @classmethod

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from kernels.backend import AttentionBackend, AttentionMetadata
-from kernels.torch_backend import paged_attention_torch, prefill_attention_torch, store_kv_torch
+from kernels.torch_backend import FP8, paged_attention_torch, prefill_attention_torch, store_kv_torch
 
 logger = logging.getLogger("kvserve.attention")
 
@@ -256,7 +256,8 @@ def kernel_error() -> str | None:
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, window: int | None = None,
                         softcap: float | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
+                        v_scale: float = 1.0, key: torch.Tensor | None = None,
+                        value: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``q`` float32 or bfloat16 ``[num_tokens, num_heads, head_dim]`` over
     the paged cache (``q``'s dtype, or float8 e4m3 read as ``value * k_scale`` / ``v_scale``; ``[num_blocks,
     block_size, num_kv_heads, head_dim]``): requests with a query
@@ -264,21 +265,29 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     :func:`kernels.torch_backend.paged_attention_torch`. Same contract as that function
     (``window``, ``softcap``, returns ``[num_tokens, num_heads, head_dim]``).
 
+    With a float8 cache and ``key`` / ``value`` given (this step's K/V), every chunk of >= 2
+    tokens takes the torch path, which attends to the chunk's own tokens through them (see
+    :func:`kernels.torch_backend.prefill_attention_torch`); the C++ kernel, which reads the
+    cache only, then gets the decode rows alone.
+
     Raises:
         ValueError: a ``window`` < 1 or a ``softcap`` <= 0.
     """
     AttentionBackend.check_window_softcap(window, softcap)
-    short = meta.__dict__.get("_cpu_short")
+    fresh = key is not None and value is not None and k_cache.dtype == FP8
+    longest = 1 if fresh else MAX_KERNEL_QUERY_LEN  # longest query the C++ kernel takes
+    plans = meta.__dict__.setdefault("_cpu_short", {})
+    short = plans.get(longest)
     if short is None:  # computed once per step (every layer shares meta)
-        idx = [i for i, n in enumerate(meta.query_lens_cpu) if n <= MAX_KERNEL_QUERY_LEN]
-        short = meta.__dict__["_cpu_short"] = (
-            torch.tensor(idx, dtype=torch.long), len(idx) == len(meta.query_lens_cpu))
+        idx = [i for i, n in enumerate(meta.query_lens_cpu) if n <= longest]
+        short = plans[longest] = (torch.tensor(idx, dtype=torch.long), len(idx) == len(meta.query_lens_cpu))
     reqs, all_short = short
     q = q.contiguous()
     out = torch.empty_like(q)
-    if not all_short:  # long prefill chunks: SDPA over their gathered K/V
+    if not all_short:  # longer prefill chunks: SDPA over their gathered K/V
         prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out,
-                                min_query_len=MAX_KERNEL_QUERY_LEN + 1, k_scale=k_scale, v_scale=v_scale)
+                                min_query_len=longest + 1, k_scale=k_scale, v_scale=v_scale,
+                                key=key if fresh else None, value=value if fresh else None)
     if reqs.numel():
         torch.ops.kvserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                               meta.cu_seqlens_q, reqs, out, scale, window or 0,
@@ -296,6 +305,7 @@ class CpuBackend(AttentionBackend):
     devices = ("cpu",)
     dtypes = (torch.float32, torch.bfloat16)
     supports_fp8_kv = True
+    exact_chunk_kv = True
 
     def __init__(self):
         self.kernel = load_kernel()
@@ -305,10 +315,13 @@ class CpuBackend(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
                 window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+                v_scale: float = 1.0, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
         if not self.kernel:
-            return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
-        return paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
+            return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale,
+                                         key=key, value=value)
+        return paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale,
+                                   key=key, value=value)
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_backend`: build (or find) the kernel now

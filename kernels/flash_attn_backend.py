@@ -88,9 +88,11 @@ class FlashAttnBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
-                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` (fp16/bf16, CUDA)
-        over the paged cache; returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+        over the paged cache; returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``
+        (``key`` / ``value`` ignored: no float8 cache here).
         A sliding ``window`` is flash-attn's ``window_size=(window - 1, 0)`` (left keys besides
         the query's own), ``softcap`` its ``softcap`` (0 = off)."""
         self.check_window_softcap(window, softcap)

@@ -134,7 +134,8 @@ def _softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, window: int | None = None,
                           softcap: float | None = None, k_scale: float = 1.0,
-                          v_scale: float = 1.0) -> torch.Tensor:
+                          v_scale: float = 1.0, key: torch.Tensor | None = None,
+                          value: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
     Decode rows (query length 1), in buckets of similar length, gather their K/V through the
@@ -150,7 +151,10 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     j <= p`` only; decode rows gather just their last ``window`` keys, a prefill chunk the keys
     from ``first query position - window + 1`` on, with the band masked. ``softcap``: scores
     become ``softcap * tanh(scores / softcap)``; SDPA cannot do that, so those layers take an
-    explicit matmul-softmax-matmul path (:func:`_softcap_attention`). Returns
+    explicit matmul-softmax-matmul path (:func:`_softcap_attention`). ``key`` / ``value``
+    (this step's K/V ``[num_tokens, num_kv_heads, head_dim]``): with a float8 cache a prefill
+    chunk attends to its own tokens through them instead of their float8 copies (see
+    :func:`prefill_attention_torch`); decode rows read the cache. Returns
     ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
 
     Raises:
@@ -174,19 +178,27 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             o = _softcap_attention(qd.unsqueeze(3), k, v, mask.unsqueeze(3), scale, softcap)
         out[rows] = o.reshape(b, num_heads, head_dim).to(q.dtype)
     return prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out,
-                                   k_scale=k_scale, v_scale=v_scale)
+                                   k_scale=k_scale, v_scale=v_scale, key=key, value=value)
 
 
 def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None,
                             out: torch.Tensor, min_query_len: int = 2, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, key: torch.Tensor | None = None,
+                            value: torch.Tensor | None = None) -> torch.Tensor:
     """The prefill half of :func:`paged_attention_torch`: writes the rows of ``out`` of every
     request whose query length is >= ``min_query_len`` (one SDPA per chunk over its gathered
-    K/V) and returns ``out``; other rows are left alone."""
+    K/V) and returns ``out``; other rows are left alone.
+
+    With a float8 cache and ``key`` / ``value`` given (this step's K/V, ``[num_tokens,
+    num_kv_heads, head_dim]``, rows aligned with ``q``), the chunk's own rows of the gathered,
+    dequantized K/V are replaced by them: a chunk's attention over itself is exact and only
+    context cached by earlier steps carries float8 rounding (SGLang's extend attention and
+    vLLM's V0 prefill do the same). Other caches ignore ``key`` / ``value``."""
     num_kv_heads, group = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
     num_heads, head_dim = q.shape[1], q.shape[2]
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+    fresh = key is not None and value is not None and k_cache.dtype == FP8
     s = 0
     for i, (qlen, slen) in enumerate(zip(qlens, slens)):
         if qlen < min_query_len:
@@ -194,8 +206,12 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             continue
         ctx = slen - qlen
         lo = max(0, ctx - window + 1) if window else 0  # first key any query of the chunk sees
-        k = dequantize(_gather(k_cache, meta.block_tables[i], slen, lo), k_scale).transpose(0, 1)[None]
-        v = dequantize(_gather(v_cache, meta.block_tables[i], slen, lo), v_scale).transpose(0, 1)[None]
+        k = dequantize(_gather(k_cache, meta.block_tables[i], slen, lo), k_scale)
+        v = dequantize(_gather(v_cache, meta.block_tables[i], slen, lo), v_scale)
+        if fresh:  # the chunk's own K/V exact (dequantize made float32 copies); lo <= ctx
+            k[ctx - lo:] = key[s:s + qlen]
+            v[ctx - lo:] = value[s:s + qlen]
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         qi = q[s:s + qlen].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, qlen, D]
         mask = None
         if qlen != slen or (window and window < slen) or softcap is not None:
@@ -224,11 +240,14 @@ class TorchBackend(AttentionBackend):
     devices = ("cpu", "cuda")
 
     supports_fp8_kv = True
+    exact_chunk_kv = True
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
                 window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
+                v_scale: float = 1.0, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale,
+                                     key=key, value=value)

@@ -75,6 +75,8 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
                 window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+                v_scale: float = 1.0, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        """Reads everything from the cache: ``key`` / ``value`` are ignored (``exact_chunk_kv`` False)."""
         return self._attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
                             k_scale=k_scale, v_scale=v_scale)

@@ -111,7 +111,8 @@ class Gemma3Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale,
-                                 window=self.window, softcap=self.softcap, k_scale=self.k_scale, v_scale=self.v_scale)
+                                 window=self.window, softcap=self.softcap, k_scale=self.k_scale, v_scale=self.v_scale,
+                                 key=k, value=v)
         return self.o_proj(o.reshape(-1, q_size))
 
 

@@ -71,7 +71,7 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale,
-                                 k_scale=self.k_scale, v_scale=self.v_scale)
+                                 k_scale=self.k_scale, v_scale=self.v_scale, key=k, value=v)
         return self.o_proj(o.reshape(-1, q_size))
 
 

@@ -181,6 +181,9 @@ def test_every_backend_declares_its_capabilities():
         assert issubclass(cls, AttentionBackend) and cls.name == name and cls.devices
     assert FlashAttnBackend.supports_cuda_graphs and TritonBackend.supports_cuda_graphs
     assert not TorchBackend.supports_cuda_graphs
+    # with a float8 cache, a chunk's attention over itself uses the step's exact K/V where the
+    # backend takes them (torch, cpu); the GPU kernels read everything from the cache
+    assert [n for n, cls in BACKENDS.items() if cls.exact_chunk_kv] == ["cpu", "torch"]
 
 
 @pytest.mark.parametrize("backend, device, enforce_eager, graphs", [

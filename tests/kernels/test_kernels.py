@@ -608,6 +608,73 @@ def test_fp8_kv_cache(name, backend, q_dtype, cpu_kernel):
     assert rec["ok"], f"{name}: {_describe(rec)}"
 
 
+def _step_kv(p: dict, orig: dict, deq: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """This step's K/V ``[num_tokens, Hkv, D]`` (in ``dtype``) from ``orig``'s unquantized caches,
+    and the reference problem for a backend given them: ``deq`` (float8 values) with the own
+    slots of every chunk of >= 2 tokens holding the step's exact K/V; decode rows and context
+    cached by earlier steps stay float8. Rows of seq_len-0 requests get zeros."""
+    bs, bt = p["bs"], p["block_tables"]
+    ref = dict(deq, k_cache=deq["k_cache"].clone(), v_cache=deq["v_cache"].clone())
+    keys, values = [], []
+    for i, (ql, sl) in enumerate(zip(p["qlens"], p["seqlens"])):
+        for t in range(sl - ql, sl):
+            if t < 0:
+                keys.append(torch.zeros(p["Hkv"], p["D"], dtype=dtype))
+                values.append(torch.zeros(p["Hkv"], p["D"], dtype=dtype))
+                continue
+            b, o = int(bt[i, t // bs]), t % bs
+            keys.append(orig["k_cache"][b, o].to(dtype))
+            values.append(orig["v_cache"][b, o].to(dtype))
+            if ql >= 2:
+                ref["k_cache"][b, o], ref["v_cache"][b, o] = keys[-1].float(), values[-1].float()
+    return torch.stack(keys), torch.stack(values), ref
+
+
+FRESH_CASES = dict({k: FP8_CASES[k] for k in ("fp8_dispatch_mixed_g4_d128_fp16", "softcap_window_dispatch_g2_d64_fp32",
+                                                "torch_decode_long_outlier", "cpu_short_chunks",
+                                                "cpu_short_chunks_window_softcap", "rand_mixed_g8_d128_fp16")},
+                   fp8_fresh_chunks_g2_d64_window=dict(
+    kind="dispatch", H=4, Hkv=2, D=64, bs=16, dtype="float32", qlens=[1, 5, 16, 40, 1, 17, 30],
+    seqlens=[90, 30, 16, 160, 17, 17, 200], window=24, seed=64, kv="fp8"))
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("name", list(FRESH_CASES))
+def test_fp8_chunk_attends_to_its_own_exact_kv(name, backend, q_dtype, cpu_kernel):
+    """With this step's ``key`` / ``value`` given (``exact_chunk_kv``), a chunk of >= 2 tokens
+    attends to its own tokens at full precision and to earlier context through float8; decode
+    rows read everything from float8: both backends equal the float64 reference of that mix
+    (chunks of 2..16 tokens, which the cpu backend otherwise sends to its C++ kernel, included).
+    Without them the same call reads only float8 (``test_fp8_kv_cache``); a model-dtype cache
+    ignores them."""
+    from kernels.torch_backend import paged_attention_torch
+    spec = FRESH_CASES[name]
+    orig = make_problem(dict(spec, dtype="float32"))
+    p, deq = _fp8_problem(spec)
+    dt = DTYPES[q_dtype]
+    p["q"] = p["q"].to(dt)
+    key, value, ref_problem = _step_kv(p, orig, deq, dt)
+    ref_problem["q"] = p["q"]
+    fn = paged_attention_torch if backend == "torch" else cpu_kernel.paged_attention_cpu
+    out = fn(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], p["window"], p["softcap"],
+             p["k_scale"], p["v_scale"], key=key, value=value)
+    ref = ref_attention(ref_problem)
+    rows = torch.repeat_interleave(torch.tensor([s > 0 for s in p["seqlens"]]), torch.tensor(p["qlens"]))
+    rec = _compare(out[rows], ref[rows], q_dtype)
+    assert rec["ok"], f"{name}: {_describe(rec)}"
+    chunk = rows & torch.repeat_interleave(torch.tensor([q >= 2 for q in p["qlens"]]), torch.tensor(p["qlens"]))
+    if q_dtype == "float32" and chunk.any():  # the check tells the two apart: all-float8 is far off on the chunks
+        all_fp8 = ref_attention(dict(deq, q=p["q"]))
+        assert (out[chunk].double() - all_fp8[chunk]).abs().max() > 100 * rec["max_abs_err"]
+    # a model-dtype cache ignores key / value: huge values there change nothing
+    fp = dict(orig, q=p["q"].float())
+    big = dict(key=torch.full(key.shape, 1e4), value=torch.full(value.shape, 1e4))
+    a = fn(fp["q"], fp["k_cache"], fp["v_cache"], _meta(fp), fp["scale"], fp["window"], fp["softcap"])
+    b = fn(fp["q"], fp["k_cache"], fp["v_cache"], _meta(fp), fp["scale"], fp["window"], fp["softcap"], **big)
+    assert torch.equal(a[rows], b[rows])
+
+
 def test_fp8_store_rounds_to_e4m3(cpu_kernel):
     """store_kv into a float8 cache keeps x within e4m3's half-ulp (2^-4 relative) after
     dequantization, clamps at +-448 * scale, and touches only the given slots."""
