@@ -59,8 +59,11 @@ KV_BYTES = 256 << 20
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("model", "text", "quick", "configs", "targets")
 
-CONFIGS = {"float32": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}, "int8_weights": {"quantization": "int8"},
-           "int8_weights_fp8_kv": {"quantization": "int8", "kv_cache_dtype": "fp8"}}
+#: Every configuration in float32, named (``dtype="auto"`` is bfloat16 on a CPU with native bf16,
+#: and int8 weights run in float32 only): each is compared with the float32 one.
+CONFIGS = {"float32": {"dtype": "float32"}, "fp8_kv": {"dtype": "float32", "kv_cache_dtype": "fp8"},
+           "int8_weights": {"dtype": "float32", "quantization": "int8"},
+           "int8_weights_fp8_kv": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "fp8"}}
 
 
 #: Tokens per step of the perplexity run (``max_num_batched_tokens``): chunked prefill, so most

@@ -78,7 +78,9 @@ def sse_events(source: SSESource) -> list[dict]:
 
 def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 32, tp: int = 2, pp: int = 1):
     """An offline ``LLM`` with ``tp`` tensor ranks in each of ``pp`` pipeline stages, whose ranks
-    are Ray actors on as many nodes (``STRICT_SPREAD``); returns ``(llm, its RayWorkerGroup)``."""
+    are Ray actors on as many nodes (``STRICT_SPREAD``); returns ``(llm, its RayWorkerGroup)``.
+    float32, as the one-process reference it is compared with token for token (tensor ranks
+    split the matmuls, so bfloat16 would round a near tie differently)."""
     from cluster.worker_group import RayWorkerGroup
     from engine import LLM
 
@@ -90,8 +92,7 @@ def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 
         return groups[-1]
 
     llm = LLM(str(model_path), tensor_parallel_size=tp, pipeline_parallel_size=pp, executor_factory=factory,
-              max_model_len=256,
-              num_kv_blocks=num_kv_blocks)
+              dtype="float32", max_model_len=256, num_kv_blocks=num_kv_blocks)
     return llm, groups[0]
 
 

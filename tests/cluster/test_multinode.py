@@ -16,7 +16,7 @@ ADMIN = "sk-kvserve-multinode-admin"  # /v1/models shows the replicas' nodes to 
 def _reference(tiny_llama_path, text: bool = False) -> list:
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama_path), max_model_len=256, num_kv_blocks=32)
+    llm = LLM(str(tiny_llama_path), dtype="float32", max_model_len=256, num_kv_blocks=32)  # see spread_tp_llm
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].text if text else o.outputs[0].token_ids for o in outs]
 
@@ -45,7 +45,8 @@ def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_pa
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    common = {"model": str(tiny_llama_path), "max_num_seqs": 4, "max_model_len": 256, "torch_num_threads": 1}
+    # float32: replicas, TP ranks and pipeline stages are compared with one process token for token
+    common = {"model": str(tiny_llama_path), "dtype": "float32", "max_num_seqs": 4, "max_model_len": 256, "torch_num_threads": 1}
     app = build_app({"models": [
         {**common, "served_model_name": "tiny-spread", "num_replicas": 2, "max_replicas_per_node": 1,
          "replica_cpus": 1},

@@ -37,7 +37,8 @@ def lora_app(serve_app, tiny_llama_path, tmp_path_factory):
     # a good adapter outside the allowed root: never loaded
     paths["outside"] = make_adapter(tiny_llama_path, tmp_path_factory.mktemp("not_allowed") / "escaped", 8, alpha,
                                     targets, rslora, seed=21)
-    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-dyn", "num_replicas": 2,
+    # float32 here and in offline(): served text is compared with the offline engine's token for token
+    app = build_app({"model": str(tiny_llama_path), "dtype": "float32", "served_model_name": "tiny-dyn", "num_replicas": 2,
                      "max_num_seqs": 2, "max_ongoing_requests": 2, "max_queued_requests": 16, "max_model_len": 256, "torch_num_threads": 1,
                      "replica_cpus": 0.25, "ingress_cpus": 0.25, "enable_lora": True, "max_lora_rank": 16,
                      "max_loras": 2, "admin_api_keys": [ADMIN], "lora_allowed_roots": [str(root)]})
@@ -55,7 +56,7 @@ def offline(tiny_llama_path, adapters):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the served replicas: the same summation order
-    llm = LLM(model=str(tiny_llama_path), max_model_len=256, enable_lora=True, max_lora_rank=16, max_loras=2)
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", max_model_len=256, enable_lora=True, max_lora_rank=16, max_loras=2)
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     reqs = [None if p is None else LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     out = [o.outputs[0].text for o in llm.generate([PROMPT] * len(reqs), sp, lora_request=reqs, use_tqdm=False)]

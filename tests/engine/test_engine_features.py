@@ -265,8 +265,8 @@ def test_preemption_and_block_size_do_not_change_outputs(tiny_llama_path, tiny_l
               SamplingParams(temperature=0.8, top_k=50, seed=8, max_tokens=10)]
     want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
     assert all(len(w) == 10 for w in want)
-    small = LLM(model=str(tiny_llama_path), block_size=4, num_kv_blocks=8, max_num_seqs=4,
-                max_num_batched_tokens=8)
+    small = LLM(model=str(tiny_llama_path), dtype="float32", block_size=4, num_kv_blocks=8, max_num_seqs=4,
+                max_num_batched_tokens=8)  # tiny_llm's dtype: equal token for token
     try:
         assert small.engine.max_model_len == 32
         got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
@@ -401,7 +401,7 @@ def test_prefix_cache_hit_gives_same_greedy_output(tiny_llm):
     assert first.num_cached_tokens == 0 and outs[0].num_cached_tokens == 48
     assert outs[0].outputs[0].token_ids == first.outputs[0].token_ids
     assert outs[1].num_cached_tokens == 16 and outs[2].num_cached_tokens == 32
-    fresh = LLM(model=tiny_llm.engine.model_path, num_kv_blocks=16, enable_prefix_caching=False)
+    fresh = LLM(model=tiny_llm.engine.model_path, dtype="float32", num_kv_blocks=16, enable_prefix_caching=False)
     try:
         want = fresh.generate([p.prompt_token_ids for p in outs], greedy(max_tokens=12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]

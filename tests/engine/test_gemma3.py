@@ -173,7 +173,7 @@ _TRITON_CHILD = r"""
 import json, sys
 from engine import LLM, SamplingParams
 path, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = LLM(model=path, attention_backend="triton", max_num_batched_tokens=32)
+llm = LLM(model=path, dtype="float32", attention_backend="triton", max_num_batched_tokens=32)  # vs HF float32
 outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
 stats = llm.get_stats()
 print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
@@ -238,7 +238,7 @@ def test_gemma_270m_equals_hf_with_chat_template(gemma_path):
         chat_template_ids(tok, [{"role": "assistant", "content": "Hi"}])
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):"), chat]
     ref = hf_greedy(gemma_path, prompts, 16)
-    llm = LLM(model=GEMMA3_270M)
+    llm = LLM(model=GEMMA3_270M, dtype="float32")  # vs HF float32, token for token
     assert {1, 106} <= llm.engine.eos_token_ids
     got, _ = engine_greedy(llm, prompts, 16)
     assert_same(ref, got)

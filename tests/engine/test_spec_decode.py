@@ -49,6 +49,11 @@ class StepCostClock:
 
 
 def spec_greedy(path, ids, new_tokens, spec, **kw):
+    """Greedy outputs of an engine with speculation ``spec``, in float32 unless ``kw`` says
+    otherwise: they are compared token for token with float32 references (HF, or the engine
+    without speculation), and verifying k drafted tokens in one step changes the matmul shapes,
+    so bfloat16 (``dtype="auto"`` on a CPU with native bf16) may round a near tie either way."""
+    kw.setdefault("dtype", "float32")
     llm = LLM(model=str(path), speculative_config=spec, **kw)
     llm.engine.clock = StepCostClock(llm.engine)
     outs = llm.generate(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -363,8 +368,8 @@ def test_tiny_draft_model_equals_hf(tmp_path, arch):
 
 @pytest.mark.slow
 def test_stop_strings_tokens_and_max_tokens_cut_inside_a_verified_run(smollm2_path):
-    base = LLM(model=str(smollm2_path))
-    spec = LLM(model=str(smollm2_path), speculative_config=dict(NGRAM, adaptive=False))
+    base = LLM(model=str(smollm2_path), dtype="float32")  # token for token: see spec_greedy
+    spec = LLM(model=str(smollm2_path), dtype="float32", speculative_config=dict(NGRAM, adaptive=False))
     prompt = COPY_PROMPTS[0]
     for params in (SamplingParams(max_tokens=40, temperature=0, stop=["lazy"]),
                    SamplingParams(max_tokens=40, temperature=0, stop=["river"], include_stop_str_in_output=True),
