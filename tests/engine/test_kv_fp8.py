@@ -197,6 +197,35 @@ def test_backends_without_fp8_are_refused(tiny_llama_path, monkeypatch):
         ModelRunner(EngineConfig(device="cpu", attention_backend="torch", kv_cache_dtype="fp8"), tiny_llama_path)
 
 
+def test_lora_adapter_kv_is_not_clamped_by_base_model_scales(tiny_llama_path, tmp_path):
+    """The float8 scales are calibrated on the base model, and an adapter on q/v moves V past
+    that range: with 4-token chunks (later chunks read earlier ones from float8) the adapter's
+    embedding must still equal the model-dtype cache's (cosine >= 0.999; it was 0.94 when the
+    scales reached only 2x past the calibration maximum and V clamped at 448)."""
+    from engine.llm_engine import LLMEngine
+    from engine.lora import LoRARequest
+    from engine.pooling import PoolingParams
+    from tests.engine.test_lora import ADAPTERS, make_adapter
+
+    name, rank, alpha, targets, rslora = ADAPTERS[1]  # q/v, rank 4, rsLoRA
+    lora = LoRARequest(name, 1, str(make_adapter(tiny_llama_path, tmp_path / name, rank, alpha, targets, rslora, 1)))
+    prompt = [1577, 500, 577, 1180, 299, 1064, 2048]
+
+    def embedding(**kw) -> torch.Tensor:
+        eng = LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", attention_backend="torch",
+                                     enable_prefix_caching=False, enable_lora=True, max_lora_rank=16,
+                                     max_model_len=64, block_size=4, max_num_batched_tokens=4, **kw))
+        eng.add_request("e", prompt, None, lora_request=lora, pooling_params=PoolingParams("mean"))
+        pooled = None
+        while eng.has_unfinished_requests():
+            pooled = next((o.pooled for o in eng.step() if o.finished), pooled)
+        eng.shutdown()
+        return torch.tensor(pooled)
+
+    cos = torch.nn.functional.cosine_similarity(embedding(kv_cache_dtype="fp8"), embedding(), dim=0)
+    assert cos >= 0.999, float(cos)
+
+
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 TEXT = ROOT / "benchmarks" / "data" / "public_domain.txt"
 #: Tokens per step in the perplexity check: chunked prefill, so most of each token's attention
