@@ -139,13 +139,27 @@ def greedy_verdict(got: list[int], ref: list[int], ref_logprobs: list[dict[int, 
     return "equal"
 
 
-def cosine(a: list[float], b: list[float], kv_cache_dtype: str = "auto") -> float:
-    """Cosine similarity of two embeddings; the least one seen per KV dtype goes to the report."""
+def cosine(a: list[float], b: list[float]) -> float:
     na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(x * x for x in b))
-    cos = sum(x * y for x, y in zip(a, b)) / (na * nb) if na and nb else 0.0
-    key = f"least embedding cosine ({kv_cache_dtype} KV)"
-    TOTALS[key] = min(TOTALS.get(key, 1.0), cos)
-    return cos
+    return sum(x * y for x, y in zip(a, b)) / (na * nb) if na and nb else 0.0
+
+
+def check_against_reference(rid: str, cfg: dict, out, pooling: str | None, ref, detail: str = "") -> None:
+    """One fuzzed request's output ``out`` against the reference's ``ref`` (its pooled vector
+    when ``pooling`` is set, else its greedy ``(token_ids, logprobs)``), under the bounds of
+    ``cfg``'s KV dtype (:data:`POOL_COS`, :data:`TIE`), counted in :data:`TOTALS` (with the
+    least embedding cosine per KV dtype); ``detail`` is added to a failure's message."""
+    kv = cfg["kv_cache_dtype"]
+    if pooling is not None:
+        cos = cosine(out.pooled, ref)
+        key = f"least embedding cosine ({kv} KV)"
+        TOTALS[key] = min(TOTALS.get(key, 1.0), cos)
+        TOTALS["embeddings equal (cosine)"] += 1
+        assert cos >= POOL_COS[kv], f"{rid} ({cfg}): embedding cosine {cos} to the reference's{detail}"
+        return
+    verdict = greedy_verdict(out.outputs[0].token_ids, *ref, tie=TIE[kv])
+    TOTALS[f"greedy {verdict if verdict in OK_VERDICTS else 'different'}"] += 1
+    assert verdict in OK_VERDICTS, f"{rid} ({cfg}): {verdict}{detail}"
 
 
 def reference_params(p: SamplingParams) -> SamplingParams:
@@ -175,6 +189,12 @@ class Reference:
                 quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                 **({"enable_lora": True, "max_loras": NUM_ADAPTERS, "max_lora_rank": 16} if lora else {})))
         return self.engines[setup]
+
+    @staticmethod
+    def setup_of(cfg: dict) -> tuple:
+        """The reference engine a fuzzed configuration is compared with: ``(quantization,
+        kv_cache_dtype, LoRA enabled)``."""
+        return cfg["quantization"], cfg["kv_cache_dtype"], bool(cfg.get("enable_lora"))
 
     @staticmethod
     def key(prompt_ids, p: SamplingParams | None, lora=None, pooling: str | None = None) -> tuple:
@@ -681,23 +701,14 @@ class EngineMachine(RuleBasedStateMachine):
             if p.temperature == 0.0 and c.finish_reason in ("length", "stop"):
                 compare.append((rid, out, None))
         t0 = time.monotonic()
-        setup = (self.cfg["quantization"], self.cfg["kv_cache_dtype"], bool(self.cfg.get("enable_lora")))
-        refs = self.reference.run(setup, [(out.prompt_token_ids, self.all_requests[rid].params,
+        refs = self.reference.run(Reference.setup_of(self.cfg), [(out.prompt_token_ids, self.all_requests[rid].params,
                                            self.all_requests[rid].lora_request, pooling)
                                           for rid, out, pooling in compare])
         TOTALS["reference seconds"] += round(time.monotonic() - t0, 1)
         for (rid, out, pooling), ref in zip(compare, refs):
-            if pooling is not None:
-                cos = cosine(out.pooled, ref, self.cfg["kv_cache_dtype"])
-                TOTALS["embeddings equal (cosine)"] += 1
-                assert cos >= POOL_COS[self.cfg["kv_cache_dtype"]], \
-                    f"{rid} ({self.cfg}): embedding cosine {cos} to the reference's"
-                continue
-            verdict = greedy_verdict(out.outputs[0].token_ids, *ref, tie=TIE[self.cfg["kv_cache_dtype"]])
-            TOTALS[f"greedy {verdict if verdict in OK_VERDICTS else 'different'}"] += 1
             req = self.all_requests[rid]
-            assert verdict in OK_VERDICTS, (f"{rid} ({self.cfg}): {verdict}; prompt {out.prompt_token_ids}, "
-                                                 f"adapter {getattr(req.lora_request, 'lora_name', None)}, {req.params}")
+            check_against_reference(rid, self.cfg, out, pooling, ref, f"; prompt {out.prompt_token_ids}, adapter "
+                                    f"{getattr(req.lora_request, 'lora_name', None)}, {req.params}")
 
 
 def _report(suffix: str, prov, extra: dict | None = None) -> dict:
@@ -732,13 +743,19 @@ def _provenance():
     return prov
 
 
-def _run_fuzzer(machine, examples: int, steps: int) -> None:
+def _run_fuzzer(machine, examples: int, model_path, reference, lora_requests, suffix: str) -> None:
+    """Run the state machine ``machine`` (on ``model_path``, compared with ``reference``, with
+    ``lora_requests``) for ``examples`` configurations of :data:`STEPS` rules from fresh totals,
+    then print and write its report (``suffix``: see :func:`_report`)."""
+    machine.model_path, machine.reference, machine.lora_requests = str(model_path), reference, lora_requests
+    prov = _provenance()
     for c in (TOTALS, ARMED, FIRED):
         c.clear()
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=not RANDOM,
+        max_examples=examples, stateful_step_count=STEPS, deadline=None, derandomize=not RANDOM,
         database=None, phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK else ()),
         suppress_health_check=list(HealthCheck)))
+    _report(suffix, prov)
 
 
 def _check_coverage() -> None:
@@ -752,12 +769,7 @@ def _check_coverage() -> None:
 def test_fuzz_engine(tiny_llama_path, reference, lora_requests):
     """The stateful fuzzer (module docstring, 2.): besides each example's checks, every fault
     kind fired, LoRA and embedding requests ran and were compared with the reference."""
-    EngineMachine.model_path = str(tiny_llama_path)
-    EngineMachine.reference = reference
-    EngineMachine.lora_requests = lora_requests
-    prov = _provenance()
-    _run_fuzzer(EngineMachine, EXAMPLES, STEPS)
-    _report("", prov)
+    _run_fuzzer(EngineMachine, EXAMPLES, tiny_llama_path, reference, lora_requests, "")
     _check_coverage()
     assert TOTALS["configurations"] >= min(EXAMPLES, 10) and TOTALS["greedy equal"] > 0
     assert TOTALS["LoRA configurations"] > 0 and TOTALS["LoRA requests"] > 0
@@ -844,19 +856,11 @@ def _check_async_example(cfg: dict, wanted: list, results: list, faults: Faults,
             TOTALS["streams aborted mid-stream"] += c.finish_reason == "abort"
         if params.temperature == 0.0:
             compare.append((rid, last, None))
-    setup = (cfg["quantization"], cfg["kv_cache_dtype"], bool(cfg.get("enable_lora")))
     by_id = {w[0]: w for w in wanted}
-    refs = reference.run(setup, [(out.prompt_token_ids, by_id[rid][2], by_id[rid][4], pooling)
-                                 for rid, out, pooling in compare])
+    refs = reference.run(Reference.setup_of(cfg), [(out.prompt_token_ids, by_id[rid][2], by_id[rid][4], pooling)
+                                                   for rid, out, pooling in compare])
     for (rid, out, pooling), ref in zip(compare, refs):
-        if pooling is not None:
-            cos = cosine(out.pooled, ref, cfg["kv_cache_dtype"])
-            assert cos >= POOL_COS[cfg["kv_cache_dtype"]], f"{rid} ({cfg}): embedding cosine {cos} to the reference's"
-            TOTALS["embeddings equal (cosine)"] += 1
-            continue
-        verdict = greedy_verdict(out.outputs[0].token_ids, *ref, tie=TIE[cfg["kv_cache_dtype"]])
-        TOTALS[f"greedy {verdict if verdict in OK_VERDICTS else 'different'}"] += 1
-        assert verdict in OK_VERDICTS, f"{rid} ({cfg}): {verdict}"
+        check_against_reference(rid, cfg, out, pooling, ref)
 
 
 def test_fuzz_async_engine(tiny_llama_path, reference, lora_requests):
@@ -956,11 +960,6 @@ def test_fuzz_engine_parallel(ray_for_parallel, tiny_llama_path, reference, lora
     """The stateful fuzzer over tensor- and pipeline-parallel configurations (module
     docstring, 4.): the same checks, against the same single-process reference; some fault
     fired and some greedy request equalled the reference."""
-    ParallelEngineMachine.model_path = str(tiny_llama_path)
-    ParallelEngineMachine.reference = reference
-    ParallelEngineMachine.lora_requests = lora_requests
-    prov = _provenance()
-    _run_fuzzer(ParallelEngineMachine, PARALLEL_EXAMPLES, STEPS)
-    _report("_parallel", prov)
+    _run_fuzzer(ParallelEngineMachine, PARALLEL_EXAMPLES, tiny_llama_path, reference, lora_requests, "_parallel")
     assert TOTALS["configurations"] == PARALLEL_EXAMPLES and TOTALS["greedy equal"] > 0
     assert sum(FIRED.values()) > 0, f"no fault fired (armed: {dict(ARMED)})"
