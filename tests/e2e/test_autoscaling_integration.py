@@ -10,6 +10,8 @@ from autoscaling_cluster import decisions
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 APP = "kvserve-autoscale"
+#: Longest the burst is kept up waiting for the second replica to run (seconds).
+BURST_LIMIT_S = 240
 
 
 def _replicas(serve) -> int:
@@ -57,9 +59,13 @@ def test_burst_scales_up_then_down(ray_session, serve_app, tiny_llama_path):
 
             stop = asyncio.Event()
             watcher = asyncio.create_task(watch(stop))
-            # keep a queue of ~24 requests on a 2-seat replica for a while
-            for wave in range(3):
+            # keep a queue of ~24 requests on a 2-seat replica until a second replica runs: the
+            # policy decides within seconds, but starting a replica (torch, the engine) takes
+            # 15-30 s on a loaded 2-core box, so a fixed number of waves races the start
+            wave = 0
+            while wave < 3 or (max(n for _, n in timeline) < 2 and time.time() - t0 < BURST_LIMIT_S):
                 await asyncio.gather(*(one(wave * 24 + i) for i in range(24)))
+                wave += 1
             stop.set()
             await watcher
 
