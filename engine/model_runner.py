@@ -128,7 +128,7 @@ class ModelRunner:
         #: LoRA adapters' slots in the linear layers (engine.lora.LoRASlots), None without enable_lora
         self.lora = None
         if config.enable_lora:
-            from engine.lora import LoRASlots
+            from engine.lora_slots import LoRASlots
             self.lora = LoRASlots(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras)
         self.sampler = Sampler()
