@@ -18,12 +18,12 @@ from typing import Any
 from ray.serve import Application
 
 from autoscaling.policy import build_autoscaling_config
-from deployments.args import (APP_NAME, AppArgs, ModelArgs, app_args_from_config, fit_single_node,
-                              logical_cpus_needed)
+from deployments.args import APP_NAME, AppArgs, ModelArgs, app_args_from_config, fit_single_node, logical_cpus_needed
 from deployments.gateway.core import GatewaySettings
-from deployments.embedding_server import EmbeddingServer
 from deployments.gateway.deployment import OpenAIIngress
-from deployments.llm_server import LLMServer
+from deployments.replica.embedding_server import EmbeddingServer
+from deployments.replica.llm_server import LLMServer
+from deployments.routing.prefix_router import router_config
 
 logger = logging.getLogger("ray.serve")
 
@@ -31,11 +31,10 @@ logger = logging.getLogger("ray.serve")
 def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]:
     """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, the
     placement group bundles of a tensor- or pipeline-parallel replica, and the prefix-aware request router
-    (``deployments/prefix_router.py``) unless ``prefix_aware_routing`` is off."""
+    (``deployments/routing/prefix_router.py``) unless ``prefix_aware_routing`` is off."""
     import os
 
     from cluster.worker_group import tp_placement_group_bundles
-    from deployments.prefix_router import router_config
 
     opts: dict[str, Any] = {"name": deployment_name,
                             "max_ongoing_requests": m.ongoing_requests_bound(),
@@ -100,7 +99,7 @@ def build_app(args: AppArgs) -> Application:
     drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
     g, e = args.gateway, args.embeddings
     encoders = {}
-    if e.embedding_model is not None:  # an encoder for /v1/embeddings (deployments/embedding_server.py)
+    if e.embedding_model is not None:  # an encoder for /v1/embeddings (deployments/replica/embedding_server.py)
         encoders[e.served_name()] = EmbeddingServer.options(
             num_replicas=e.embedding_num_replicas, ray_actor_options={"num_cpus": e.embedding_cpus}).bind(
             e.embedding_model, e.served_name(), e.embedding_num_threads)

@@ -12,14 +12,15 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from deployments.admission import default_admission_bounds
+from deployments.contract.adapters import check_lora_modules
+from deployments.contract.encoder import served_name as encoder_served_name
 from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
+from deployments.gateway.settings import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from deployments.gateway.tool_parsers import get_tool_parser
 from deployments.limits import policies_from_keys
-from deployments.model_routing import ModelRouting, UpstreamArgs
+from deployments.replica.admission import default_admission_bounds
+from deployments.routing.model_routing import ModelRouting, UpstreamArgs
 from engine.config import EngineConfig, engine_fields
-
-#: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
-DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 
 #: Serve application name ``kvserve serve`` deploys (``serve.get_app_handle(APP_NAME)``).
 APP_NAME = "kvserve"
@@ -85,10 +86,10 @@ class ModelArgs(EngineArgs):
                              "about 16 messages per engine step")
     tool_call_parser: str = Field(
         "hermes", description="how tool calls are read from this model's text under tool_choice auto "
-                              "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/tools.py)")
+                              "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/gateway/tools.py)")
     prefix_aware_routing: bool = Field(
         True, description="route each request to the replica that most recently served the longest prefix of its "
-                          "prompt (deployments/prefix_router.py); off: Serve's power of two choices")
+                          "prompt (deployments/routing/prefix_router.py); off: Serve's power of two choices")
     prefix_routing_margin: int = Field(
         8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
                              "has more than this many ongoing requests more")
@@ -127,11 +128,7 @@ class ModelArgs(EngineArgs):
             raise ValueError("max_replicas_per_node cannot be combined with tensor_parallel_size or "
                              "pipeline_parallel_size > 1 (Serve does not allow it with placement groups); use "
                              "placement_group_strategy for the ranks")
-        from deployments.tools import get_tool_parser
-
         get_tool_parser(self.tool_call_parser)  # an unknown name fails here
-        from deployments.lora import check_lora_modules
-
         check_lora_modules(self.lora_modules, self.name, self.enable_lora)
         return self
 
@@ -304,7 +301,7 @@ class RoutingArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_routing: Optional[ModelRouting] = Field(
-        None, description="rules of `model: \"auto\"` (first match wins; deployments/model_routing.py): "
+        None, description="rules of `model: \"auto\"` (first match wins; deployments/routing/model_routing.py): "
                           "{rules: [{model, name, max_prompt_tokens, max_tokens, keywords, exclude_keywords}], "
                           "default}; unset: no `auto` model")
     upstream: Optional[UpstreamArgs] = Field(
@@ -322,7 +319,7 @@ class RoutingArgs(BaseModel):
 class EmbeddingArgs(BaseModel):
     """The embedding models' section of :class:`AppArgs`: sentence-embedding encoders served
     for ``/v1/embeddings`` only, each its own ``EmbeddingServer`` deployment
-    (``deployments/embedding_server.py``)."""
+    (``deployments/replica/embedding_server.py``)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -339,9 +336,9 @@ class EmbeddingArgs(BaseModel):
 
     def served_name(self) -> Optional[str]:
         """The encoder's served name (None without one)."""
-        from deployments.embedding_server import served_name
-
-        return None if self.embedding_model is None else served_name(self.embedding_model, self.embedding_served_name)
+        if self.embedding_model is None:
+            return None
+        return encoder_served_name(self.embedding_model, self.embedding_served_name)
 
 
 #: The sections of :class:`AppArgs` besides ``models``, by name.

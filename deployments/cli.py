@@ -16,8 +16,9 @@ import types
 import typing
 
 from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
+from deployments.args import APP_NAME, AppArgs, ModelArgs, app_args_from_config
+from deployments.contract.adapters import parse_lora_module
 from deployments.gateway.gate import mask_key
-from deployments.lora import parse_lora_module
 
 
 # ---- generate (engine only) ------------------------------------------------------------------
@@ -63,8 +64,6 @@ def _model_flags() -> list[tuple[str, str, dict]]:
     the engine's settings (generated from ``engine.EngineConfig``) and the deployment's.
     ``--x`` / ``--no-x`` for booleans, choices for literals; default None = "not given" (the
     args model's own default applies)."""
-    from deployments.args import AppArgs, ModelArgs
-
     out = []
     flat = AppArgs.flat_fields()
     fields = list(ModelArgs.model_fields.items()) + [(n, flat[n]) for n in _APP_FLAGS]
@@ -144,8 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def app_args_from_cli(args: argparse.Namespace) -> dict:
     """AppArgs (as a dict) from ``--config`` and the flags (flags win)."""
-    from deployments.args import APP_NAME, app_args_from_config
-
     app_args: dict = {}
     if args.config:
         app_args = app_args_from_config(args.config, args.name or APP_NAME)

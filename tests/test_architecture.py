@@ -6,9 +6,18 @@ package is imported, so this file runs in about a second and needs neither torch
 * Floors: a package imports only the project packages listed for it in
   ``ALLOWED_PROJECT_IMPORTS``, all on a lower floor (``FLOORS``); kernels/ imports nothing but the
   standard library and ``KERNELS_THIRD_PARTY``; engine/ and kernels/ never import ``ray``.
-* No ``.py`` file in deployments/ over ``DEPLOYMENTS_MAX_LINES`` lines.
+* Walls inside deployments/: every module sits in a room (a folder named in ``ROOMS``) or is one
+  of the few top-level modules that assemble the rooms (``TOP_MODULES``); a room imports only the
+  rooms ``ROOMS`` lists for it, so the replica never loads gateway code and the contract between
+  them imports neither side. A folder or module the rules do not name fails, and so does a name
+  the rules give that does not exist.
+* Imports inside functions are for heavy modules only: a project import in a function body must
+  name a module of ``LAZY_IMPORTS`` (torch, Ray, sentence-transformers ... behind it), from an
+  importer that entry allows; package ``__getattr__`` facades (PEP 562) are exempt.
+* One public class per module in deployments/replica/ and deployments/gateway/, data types
+  (dataclasses, pydantic models, exceptions, enums, named tuples) aside: a module is one concern.
 * ``LLMEngine.step`` (engine/llm_engine.py) has at most ``STEP_MAX_BODY_LINES`` body lines.
-* The LLM replica imports nothing from the gateway side: deployments/llm_server.py and every
+* The LLM replica imports nothing from the gateway side: deployments/replica/llm_server.py and every
   deployments module it imports, transitively, stay clear of ``GATEWAY_SIDE``.
 
 Each check is a function of a repository root that returns its violations as strings naming the
@@ -58,30 +67,39 @@ KERNELS_THIRD_PARTY = frozenset({"torch", "triton", "flash_attn", "numpy"})
 #: Packages that must never import Ray (any submodule, at any level): they run without a cluster.
 NO_RAY = ("engine", "kernels")
 
-#: Longest allowed ``.py`` file in deployments/ (its subpackages included), in lines.
-DEPLOYMENTS_MAX_LINES = 500
-
 #: ``LLMEngine.step``: at most this many body lines, docstring excluded.
 STEP_FILE = "engine/llm_engine.py"
 STEP_CLASS, STEP_METHOD = "LLMEngine", "step"
 STEP_MAX_BODY_LINES = 25
 
-#: The LLM replica's entry module, and the modules of the gateway side (ingress, response cache,
-#: limits, routing, tools, ...) that neither it nor any deployments module it imports may import.
-#: A name covers its submodules too (``deployments.gateway`` covers ``deployments.gateway.x``).
-#: ``deployments.prefix_report`` (what a replica reports to the prefix router) is not gateway side.
-REPLICA_MODULE = "deployments.llm_server"
-GATEWAY_SIDE = frozenset({
-    "deployments.gateway",
-    "deployments.cache",
-    "deployments.limits",
-    "deployments.model_routing",
-    "deployments.prefix_router",
-    "deployments.prefix_hasher",
-    "deployments.gate",
-    "deployments.tools",
-    "deployments.ingress",
-})
+#: The rooms of deployments/ (folders) and the other rooms each may import (its own always). The
+#: replica side imports only the contract; so do the caller-side routers and the gateway's caches
+#: and limits; the gateway uses them all. Nothing but ``TOP_MODULES`` imports across otherwise.
+ROOMS: Dict[str, Set[str]] = {
+    "contract": set(),
+    "replica": {"contract"},
+    "routing": {"contract"},
+    "cache": {"contract"},
+    "limits": {"contract"},
+    "gateway": {"contract", "routing", "cache", "limits"},
+}
+#: Top-level modules of deployments/: they assemble the rooms (the Serve app, its arguments, the
+#: command line), may import any room, and no room imports them.
+TOP_MODULES = frozenset({"app", "args", "cli"})
+
+#: What a function body may import of the project, and why it is not imported at module level:
+#: target module prefix -> (the importers allowed, as module prefixes; the reason).
+LAZY_IMPORTS: Dict[str, tuple] = {
+    "engine": (("deployments", "cluster"), "torch: a gateway, a CLI or a Ray driver that runs no engine never loads it"),
+    "kernels": (("engine", "kernels"), "torch, Triton or the C++ build, loaded when a backend is picked"),
+    "cluster": (("deployments",), "Ray actors and torch, for replicas that spread a model over ranks"),
+    "deployments.app": (("deployments.cli",), "Ray Serve: `kvserve generate` runs without Ray"),
+    "telemetry": (("autoscaling",), "prometheus_client: the policy imports only the standard library"),
+    "autoscaling.metrics": (("autoscaling",), "prometheus_client: the policy imports only the standard library"),
+}
+
+#: Folders whose modules hold one public class each (data types aside).
+ONE_CLASS_ROOMS = ("deployments/replica", "deployments/gateway")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,6 +114,7 @@ class Import:
     lineno: int
     name: str  # absolute dotted name as written (relative imports resolved)
     target: Optional[str]  # most specific project module it names; None for third party / stdlib
+    function: Optional[str] = None  # the innermost function whose body holds it; None at module level
 
     def where(self) -> str:
         return f"{self.file}:{self.lineno}"
@@ -146,6 +165,14 @@ def _imported_names(node: ast.AST, module: str, is_package: bool, modules: Mappi
     return names
 
 
+def _walk(node: ast.AST, function: Optional[str]):
+    """``(node, innermost enclosing function name or None)`` for every node under ``node``."""
+    for child in ast.iter_child_nodes(node):
+        yield child, function
+        inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+        yield from _walk(child, inner)
+
+
 def module_imports(root: Path, packages: Sequence[str] = PACKAGES) -> List[Import]:
     """Every import statement of every project module (module level, in functions, under
     ``if TYPE_CHECKING:``), one :class:`Import` per imported name."""
@@ -154,11 +181,11 @@ def module_imports(root: Path, packages: Sequence[str] = PACKAGES) -> List[Impor
     for module, path in modules.items():
         rel = path.relative_to(root).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
-        for node in ast.walk(tree):
+        for node, function in _walk(tree, None):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for name in _imported_names(node, module, path.name == "__init__.py", modules):
-                found.append(Import(module, rel, node.lineno, name, _project_target(name, modules)))
+                found.append(Import(module, rel, node.lineno, name, _project_target(name, modules), function))
     return sorted(found, key=lambda i: (i.file, i.lineno, i.name))
 
 
@@ -284,12 +311,101 @@ def floor_violations(imports: Iterable[Import]) -> List[str]:
     return violations
 
 
-def oversized_files(root: Path, folder: str = "deployments", max_lines: int = DEPLOYMENTS_MAX_LINES) -> List[str]:
+def _room_of(module: str) -> Optional[str]:
+    """The room (``ROOMS``) or top-level module (``TOP_MODULES``) of a deployments module; None
+    for deployments/__init__ and anything outside deployments/."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "deployments" and len(parts) > 1 else None
+
+
+def room_violations(root: Path, imports: Iterable[Import]) -> List[str]:
+    """Folders and modules of deployments/ the rules do not name, rules naming what does not exist,
+    and imports through a wall: from a room to a room ``ROOMS`` does not list for it, or from a
+    room to a top-level module."""
     violations = []
-    for path in sorted((root / folder).rglob("*.py")):
-        n = len(path.read_text(encoding="utf-8").splitlines())
-        if n > max_lines:
-            violations.append(f"{path.relative_to(root).as_posix()}: {n} lines (at most {max_lines})")
+    base = root / "deployments"
+    folders = {p.name for p in base.iterdir() if p.is_dir() and any(p.rglob("*.py"))}
+    tops = {p.stem for p in base.glob("*.py") if p.name != "__init__.py"}
+    for name in sorted(folders - set(ROOMS)):
+        violations.append(f"deployments/{name}/: a folder that is not a room of ROOMS")
+    for name in sorted(set(ROOMS) - folders):
+        violations.append(f"deployments/{name}/: a room of ROOMS that does not exist")
+    for name in sorted(set().union(*ROOMS.values()) - set(ROOMS)):
+        violations.append(f"ROOMS allows importing {name}, which is not a room")
+    for name in sorted(tops - TOP_MODULES):
+        violations.append(f"deployments/{name}.py: a top-level module not in TOP_MODULES (put it in a room)")
+    for name in sorted(TOP_MODULES - tops):
+        violations.append(f"deployments/{name}.py: named in TOP_MODULES, does not exist")
+    for imp in imports:
+        src, dst = _room_of(imp.src), imp.target and _room_of(imp.target)
+        if src not in ROOMS or dst is None or dst == src:
+            continue
+        if dst in TOP_MODULES:
+            violations.append(f"{imp.where()}: {imp.src} imports {imp.name}; a room never imports a top-level module")
+        elif dst not in ROOMS[src]:
+            allowed = ", ".join(sorted(ROOMS[src])) or "no other room"
+            violations.append(f"{imp.where()}: {imp.src} imports {imp.name}; {src}/ imports {allowed}")
+    return violations
+
+
+def _prefixed(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def lazy_import_violations(imports: Iterable[Import]) -> List[str]:
+    """Project imports inside a function body that ``LAZY_IMPORTS`` does not allow (the target's
+    most specific entry decides). A package's ``__getattr__`` (PEP 562 lazy names) is exempt."""
+    violations = []
+    for imp in imports:
+        if imp.function is None or imp.target is None:
+            continue
+        if imp.function == "__getattr__" and imp.file.endswith("__init__.py"):
+            continue
+        entries = [k for k in LAZY_IMPORTS if _prefixed(imp.target, [k])]
+        if entries:
+            importers, _ = LAZY_IMPORTS[max(entries, key=len)]
+            if _prefixed(imp.src, importers):
+                continue
+        violations.append(f"{imp.where()}: {imp.src}.{imp.function} imports {imp.name} inside a function; "
+                          "import it at module level (LAZY_IMPORTS lists the heavy modules that may wait)")
+    return violations
+
+
+#: Base classes that make a class a data type (not counted by :func:`one_class_violations`).
+DATA_BASES = frozenset({"BaseModel", "Exception", "ValueError", "RuntimeError", "TypeError", "KeyError",
+                        "LookupError", "Enum", "IntEnum", "StrEnum", "NamedTuple", "TypedDict", "Protocol"})
+
+
+def _is_data_type(node: ast.ClassDef, data_classes: Set[str]) -> bool:
+    for dec in node.decorator_list:
+        d = dec.func if isinstance(dec, ast.Call) else dec
+        if (d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", "")) == "dataclass":
+            return True
+    for base in node.bases:
+        name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+        if name in DATA_BASES or name in data_classes or name.endswith(("Error", "Exception")):
+            return True
+    return False
+
+
+def one_class_violations(root: Path, folders: Sequence[str] = ONE_CLASS_ROOMS) -> List[str]:
+    """Modules in ``folders`` defining more than one public class (name without a leading
+    underscore) that is not a data type."""
+    violations = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            data: Set[str] = set()
+            public = []
+            for node in tree.body:
+                if isinstance(node, ast.ClassDef):
+                    if _is_data_type(node, data):
+                        data.add(node.name)
+                    elif not node.name.startswith("_"):
+                        public.append(node.name)
+            if len(public) > 1:
+                violations.append(f"{path.relative_to(root).as_posix()}: {len(public)} public classes "
+                                  f"({', '.join(public)}); one concern per module")
     return violations
 
 
@@ -321,57 +437,6 @@ def long_method_violations(root: Path, file: str = STEP_FILE, cls: str = STEP_CL
     return [f"{file}: no {cls}.{method} found"]
 
 
-def _forbidden(module: str, forbidden: Iterable[str]) -> Optional[str]:
-    for f in forbidden:
-        if module == f or module.startswith(f + "."):
-            return f
-    return None
-
-
-def replica_violations(imports: Iterable[Import], start: str = REPLICA_MODULE,
-                       forbidden: Iterable[str] = GATEWAY_SIDE) -> List[str]:
-    """Import statements naming a ``forbidden`` module (as written, or as resolved) in ``start`` or
-    in any module of its package that it reaches: import edges within ``start``'s top-level
-    package, plus the parent packages' own ``__init__`` modules, which Python runs on the way."""
-    imports = list(imports)
-    package = start.split(".")[0]
-    modules = {i.src for i in imports} | {i.target for i in imports if i.target}
-    if start not in modules:
-        return [f"{start}: not found"]
-    by_src: Dict[str, List[Import]] = {}
-    for imp in imports:
-        by_src.setdefault(imp.src, []).append(imp)
-    reached_by: Dict[str, Optional[str]] = {start: None}  # module -> the module that imported it
-    queue = deque([start])
-    violations = []
-
-    def chain(module: str) -> str:
-        names = [module]
-        while reached_by[names[0]] is not None:
-            names.insert(0, reached_by[names[0]])
-        return " -> ".join(names)
-
-    def reach(module: str, by: str) -> None:
-        if module.split(".")[0] == package and module not in reached_by:
-            reached_by[module] = by
-            queue.append(module)
-
-    while queue:
-        module = queue.popleft()
-        parts = module.split(".")
-        for parent in (".".join(parts[:i]) for i in range(1, len(parts))):
-            if parent in modules and _forbidden(parent, forbidden) is None:
-                reach(parent, module)
-        for imp in by_src.get(module, []):
-            rule = _forbidden(imp.name, forbidden) or (imp.target and _forbidden(imp.target, forbidden))
-            if rule:
-                violations.append(f"{imp.where()}: {module} imports {imp.name} (gateway side: {rule}); "
-                                  f"the replica reaches {module} as {chain(module)}")
-            elif imp.target is not None:
-                reach(imp.target, module)
-    return violations
-
-
 # ---------------------------------------------------------------------------------------------
 # the repository
 # ---------------------------------------------------------------------------------------------
@@ -398,19 +463,24 @@ def test_no_import_from_a_higher_floor():
     assert not violations, _report(violations, "imports against the floors")
 
 
-def test_deployments_files_are_short():
-    violations = oversized_files(ROOT)
-    assert not violations, _report(violations, "files in deployments/ too long")
+def test_deployments_walls():
+    violations = room_violations(ROOT, repo_imports())
+    assert not violations, _report(violations, "breaches of the walls inside deployments/")
+
+
+def test_imports_inside_functions_are_for_heavy_modules_only():
+    violations = lazy_import_violations(repo_imports())
+    assert not violations, _report(violations, "project imports inside functions")
+
+
+def test_one_public_class_per_module_in_replica_and_gateway():
+    violations = one_class_violations(ROOT)
+    assert not violations, _report(violations, "modules with several public classes")
 
 
 def test_llm_engine_step_is_short():
     violations = long_method_violations(ROOT)
     assert not violations, _report(violations, "long methods")
-
-
-def test_llm_replica_imports_nothing_from_the_gateway_side():
-    violations = replica_violations(repo_imports())
-    assert not violations, _report(violations, "gateway-side imports in the LLM replica")
 
 
 def test_the_rules_themselves():
@@ -419,10 +489,12 @@ def test_the_rules_themselves():
     for pkg, allowed in ALLOWED_PROJECT_IMPORTS.items():
         for dst in allowed:
             assert FLOORS[dst] < FLOORS[pkg], f"{pkg} (floor {FLOORS[pkg]}) may not import {dst} (floor {FLOORS[dst]})"
-    assert all(name.startswith("deployments.") for name in GATEWAY_SIDE) and REPLICA_MODULE not in GATEWAY_SIDE
+    # the replica side and the routers see only the contract; the contract sees no other room
+    assert ROOMS["replica"] == ROOMS["routing"] == {"contract"} and ROOMS["contract"] == set()
+    assert all(_prefixed(k, PACKAGES) for k in LAZY_IMPORTS)
     # the checks read the real tree
     assert {i.src.split(".")[0] for i in repo_imports()} == set(PACKAGES)
-    assert (ROOT / STEP_FILE).exists() and (ROOT / "deployments" / "llm_server.py").exists()
+    assert (ROOT / STEP_FILE).exists() and (ROOT / "deployments" / "replica" / "llm_server.py").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,10 +565,8 @@ def test_checker_finds_floor_violations(tmp_path):
     assert len(violations) == len(expected), violations
 
 
-def test_checker_finds_long_files_and_methods(tmp_path):
+def test_checker_finds_long_methods(tmp_path):
     root = _tree(tmp_path, {
-        "deployments/short.py": "x = 1\n" * 500,
-        "deployments/gateway/long.py": "x = 1\n" * 501,
         "engine/llm_engine.py": (
             "class LLMEngine:\n"
             "    def step(self):\n"
@@ -504,35 +574,82 @@ def test_checker_finds_long_files_and_methods(tmp_path):
             + "        x = 1\n" * 24
             + "        return [\n            x,\n        ]\n"),  # 24 + 3 = 27 body lines
     })
-    assert oversized_files(root) == ["deployments/gateway/long.py: 501 lines (at most 500)"]
     assert long_method_violations(root) == ["engine/llm_engine.py:2: LLMEngine.step has 27 body lines (at most 25)"]
     assert long_method_violations(root, max_lines=27) == []
     (root / "engine/llm_engine.py").write_text("class LLMEngine:\n    def stop(self):\n        pass\n")
     assert long_method_violations(root) == ["engine/llm_engine.py: no LLMEngine.step found"]
 
 
-def test_checker_finds_gateway_imports_in_the_replica(tmp_path):
-    root = _tree(tmp_path, {
-        "deployments/llm_server.py": "from deployments.protocol import X\nfrom engine import LLM\n",
-        "deployments/protocol.py": "def f():\n    from deployments.helpers import y\n",
-        "deployments/helpers.py": "from deployments.gateway.cache import z\n",
-        "deployments/gateway/__init__.py": "from deployments.ingress import app\n",
-        "deployments/ingress.py": "from deployments.llm_server import LLMServer\n",  # gateway -> replica is fine
+def _rooms_tree(tmp_path: Path, extra: Mapping[str, str]) -> Path:
+    files = {f"deployments/{room}/__init__.py": "" for room in ROOMS}
+    files.update({f"deployments/{m}.py": "" for m in TOP_MODULES})
+    files.update(extra)
+    return _tree(tmp_path, files)
+
+
+def test_checker_finds_breaches_of_the_walls(tmp_path):
+    root = _rooms_tree(tmp_path, {
+        "deployments/replica/server.py": (
+            "from deployments.contract.types import T\n"      # allowed
+            "from deployments.replica import other\n"         # own room
+            "def f():\n    from deployments.gateway import chat\n"),  # through the wall, even lazily
+        "deployments/replica/other.py": "",
+        "deployments/contract/types.py": "from deployments.routing.router import R\n",
+        "deployments/routing/router.py": "from deployments.contract import types\n",
+        "deployments/gateway/chat.py": ("from deployments.cache import c\nfrom deployments.routing import router\n"
+                                        "from deployments.args import A\n"),
+        "deployments/app.py": "from deployments.replica.server import S\nfrom deployments.gateway.chat import C\n",
+        "deployments/loose.py": "",
+        "deployments/attic/thing.py": "",
     })
-    violations = replica_violations(module_imports(root))
+    violations = room_violations(root, module_imports(root))
     assert violations == [
-        "deployments/helpers.py:1: deployments.helpers imports deployments.gateway.cache (gateway side: "
-        "deployments.gateway); the replica reaches deployments.helpers as "
-        "deployments.llm_server -> deployments.protocol -> deployments.helpers"], violations
-    # the parent packages' __init__ modules run too: one of them importing the gateway side is caught
-    (root / "deployments/llm_server.py").write_text("from deployments.sub.leaf import x\n")
-    (root / "deployments/sub").mkdir()
-    (root / "deployments/sub/__init__.py").write_text("from deployments import tools\n")
-    (root / "deployments/sub/leaf.py").write_text("")
-    (root / "deployments/tools.py").write_text("")
-    violations = replica_violations(module_imports(root))
-    assert violations == [
-        "deployments/sub/__init__.py:1: deployments.sub imports deployments.tools (gateway side: deployments.tools); "
-        "the replica reaches deployments.sub as deployments.llm_server -> deployments.sub.leaf -> deployments.sub"
+        "deployments/attic/: a folder that is not a room of ROOMS",
+        "deployments/loose.py: a top-level module not in TOP_MODULES (put it in a room)",
+        "deployments/contract/types.py:1: deployments.contract.types imports deployments.routing.router; "
+        "contract/ imports no other room",
+        "deployments/gateway/chat.py:3: deployments.gateway.chat imports deployments.args; "
+        "a room never imports a top-level module",
+        "deployments/replica/server.py:4: deployments.replica.server imports deployments.gateway.chat; "
+        "replica/ imports contract",
     ], violations
-    assert replica_violations(module_imports(root), start="deployments.nothing") == ["deployments.nothing: not found"]
+    # names in the rules that do not exist are violations too
+    (root / "deployments/limits/__init__.py").unlink()
+    (root / "deployments/cli.py").unlink()
+    violations = room_violations(root, module_imports(root))
+    assert "deployments/limits/: a room of ROOMS that does not exist" in violations
+    assert "deployments/cli.py: named in TOP_MODULES, does not exist" in violations
+
+
+def test_checker_finds_lazy_imports_of_light_modules(tmp_path):
+    root = _rooms_tree(tmp_path, {
+        "deployments/replica/server.py": (
+            "def f():\n    from engine.llm_engine import LLMEngine\n"      # heavy: allowed
+            "def g():\n    from deployments.contract import types\n"       # light: not allowed
+            "def h():\n    import json\n"),                                # third party / stdlib: not checked
+        "deployments/cli.py": "def main():\n    from deployments.app import build_app\n",  # allowed importer
+        "deployments/gateway/chat.py": "def f():\n    from deployments.app import build_app\n",  # not this importer
+        "engine/__init__.py": "def __getattr__(name):\n    from engine.llm import LLM\n",  # PEP 562 facade
+        "engine/llm.py": "def f():\n    from engine.config import C\n",               # same package: no
+        "engine/config.py": "",
+    })
+    violations = lazy_import_violations(module_imports(root))
+    assert [v.split(": ")[0] for v in violations] == [
+        "deployments/gateway/chat.py:2", "deployments/replica/server.py:4", "engine/llm.py:2"], violations
+
+
+def test_checker_finds_modules_with_several_classes(tmp_path):
+    root = _rooms_tree(tmp_path, {
+        "deployments/gateway/one.py": (
+            "from dataclasses import dataclass\nfrom pydantic import BaseModel\n"
+            "class Gateway:\n    pass\n"
+            "class _Helper:\n    pass\n"
+            "@dataclass\nclass Settings:\n    x: int = 0\n"
+            "class Body(BaseModel):\n    pass\n"
+            "class Child(Body):\n    pass\n"
+            "class Refused(Exception):\n    pass\n"),
+        "deployments/replica/two.py": "class Server:\n    pass\nclass Admission:\n    pass\n",
+        "deployments/cache/many.py": "class A:\n    pass\nclass B:\n    pass\n",  # not a one-class room
+    })
+    assert one_class_violations(root) == [
+        "deployments/replica/two.py: 2 public classes (Server, Admission); one concern per module"]

@@ -16,7 +16,7 @@ Modules, one concern each:
 * :mod:`deployments.cache.keys` -- which requests are cacheable (:func:`deterministic`), the
   exact key (:func:`exact_key`) and the semantic scope (:func:`semantic_parts`);
 * :mod:`deployments.cache.entries` -- what is stored: each prompt's
-  :class:`~deployments.server_types.GenerationChunk` stream as JSON (:func:`encode_entry`),
+  :class:`~deployments.contract.types.GenerationChunk` stream as JSON (:func:`encode_entry`),
   and which answers are stored (:func:`complete`);
 * :mod:`deployments.cache.stores` -- the byte stores: :class:`MemoryStore` (per ingress
   replica) and :class:`RedisStore` (shared), both LRU-bounded with a TTL;

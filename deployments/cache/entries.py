@@ -1,7 +1,7 @@
 """Cache entries: what is stored for an answer, and which answers are stored.
 
 Stored is what the replica sent: each prompt's stream of
-:class:`~deployments.server_types.GenerationChunk` (:func:`encode_entry`, JSON through
+:class:`~deployments.contract.types.GenerationChunk` (:func:`encode_entry`, JSON through
 ``GenerationChunk.to_dict``: never pickle, the Redis may be shared). A hit replays it through
 the ingress's normal code, so a cached answer is the same SSE chunks (role delta, one content
 delta per original engine step, finish chunk, usage chunk), the same tool-call parsing and the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from deployments.server_types import GenerationChunk
+from deployments.contract.types import GenerationChunk
 
 
 def encode_entry(streams: list[list[GenerationChunk]]) -> bytes:

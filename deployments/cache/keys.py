@@ -2,9 +2,9 @@
 
 **Exact key** (:func:`exact_key`): a SHA-256 over the served model name and its weights
 revision (``LLMServer.server_info().revision``,
-:func:`~deployments.server_types.model_revision`), the endpoint, and the request's normalised
+:func:`~deployments.contract.types.model_revision`), the endpoint, and the request's normalised
 fields (:func:`request_payload`): every declared field of
-:class:`~deployments.protocol.ChatCompletionRequest` / :class:`~deployments.protocol.CompletionRequest`
+:class:`~deployments.contract.openai_requests.ChatCompletionRequest` / :class:`~deployments.contract.openai_requests.CompletionRequest`
 except :data:`NON_OUTPUT_FIELDS` (``stream``, ``stream_options``, ``user``, ``priority``, ``cache``,
 and ``model``, replaced by the served name), so a field added to the protocol later is part of
 the key unless someone decides it cannot change the output. Unknown fields (ignored by the
@@ -29,7 +29,7 @@ import hashlib
 import json
 from typing import Any
 
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 
 #: Request fields that never change the generated text: left out of the key. Every other
 #: declared field of the request models is part of it.

@@ -34,10 +34,13 @@ from typing import Any
 
 from deployments.cache.entries import complete, decode_entry, encode_entry
 from deployments.cache.keys import deterministic, exact_key, semantic_parts
+from deployments.cache.semantic import EMBEDDING_DIM, SemanticIndex, numbers_of
 from deployments.cache.settings import CacheSettings, RequestOptions
 from deployments.cache.stores import MemoryStore, RedisStore
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
-from deployments.server_types import GenerationChunk
+from deployments.contract.encoder import SentenceEncoder
+from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.contract.types import GenerationChunk
+from telemetry.metrics import cache_hits, cache_lookup_seconds, cache_misses
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,16 +49,13 @@ CACHE_HEADER = "x-kvserve-cache"
 
 
 def _ingress_embedder():
-    """The ingress's embedder: one torch thread and one BLAS thread for this process (the
-    ingress does no other math; with two BLAS threads a 10k-entry vector search had a p99 of
-    52 ms while other processes kept the 2 cores busy, with one 3.5 ms: see
-    :mod:`deployments.cache.semantic`)."""
+    """The ingress's encoder: one torch thread and one BLAS thread for this process (the
+    ingress does no other math, and more BLAS threads made the vector search's tail far worse on
+    a busy box: see :mod:`deployments.cache.semantic`)."""
     from threadpoolctl import threadpool_limits
 
-    from deployments.cache.semantic import Embedder
-
     threadpool_limits(limits=1, user_api="blas")
-    return Embedder(num_threads=1)
+    return SentenceEncoder(num_threads=1)
 
 
 @dataclass
@@ -96,7 +96,7 @@ class ResponseCache:
 
     Args:
         settings: the deployment's :class:`CacheSettings`.
-        embedder_factory: builds the :class:`~deployments.cache.semantic.Embedder` (tests pass one
+        embedder_factory: builds the :class:`~deployments.contract.encoder.SentenceEncoder` (tests pass one
             in); default: all-MiniLM-L6-v2 on one torch thread. Built in a worker thread as
             soon as the semantic level is on; requests that want it wait for it.
         clock: monotonic seconds.
@@ -118,15 +118,11 @@ class ResponseCache:
         self._tasks: set[asyncio.Task] = set()
         self._metrics = None
         if metrics:
-            from telemetry.metrics import cache_hits, cache_lookup_seconds, cache_misses
-
             self._metrics = (cache_hits(), cache_misses(), cache_lookup_seconds())
         self.index = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._embedder: concurrent.futures.Future | None = None
         if settings.semantic != "off":
-            from deployments.cache.semantic import EMBEDDING_DIM, SemanticIndex
-
             self.index = SemanticIndex(EMBEDDING_DIM, settings.semantic_max_entries, clock=clock)
             # one thread: embeddings and index searches run off the event loop, one at a time
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-embed")
@@ -179,7 +175,6 @@ class ResponseCache:
         parts = semantic_parts(model, revision, endpoint, body) if self.wants_semantic(opts) else None
         if parts is None or not await self._embedder_ready():
             return look
-        from deployments.cache.semantic import numbers_of
 
         scope, text = parts
         numbers = numbers_of(text)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
 
 #: Semantic modes of a deployment.
 SEMANTIC_MODES = ("off", "opt-in", "on")

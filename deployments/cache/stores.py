@@ -20,6 +20,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from deployments.contract.redis_url import safe_url
+
 logger = logging.getLogger("ray.serve")
 
 
@@ -258,8 +260,6 @@ class RedisStore:
         self._down_until = self._clock() + self.retry_s
         if not self._warned:
             self._warned = True
-            from deployments.limits.rate_limiter import safe_url
-
             logger.warning("response cache: Redis at %s failed (%s: %s); every lookup is a miss until it answers "
                            "again (retried every %.0f s)", safe_url(self.url), type(err).__name__, err, self.retry_s)
 

@@ -1,7 +1,7 @@
 """LoRA adapters as the gateway sees them: those of the Serve config (``lora_modules``) and
 those loaded at run time with vLLM's ``POST /v1/load_lora_adapter`` /
 ``POST /v1/unload_lora_adapter`` (admin key), kept in the application's
-:class:`~deployments.lora.AdapterRegistry` so every gateway and model replica shares them.
+:class:`~deployments.contract.adapters.AdapterRegistry` so every gateway and model replica shares them.
 
 Loading at run time is off unless the server names at least one allowed root
 (``--lora-allowed-root``, ``lora_allowed_roots``; vLLM gates it behind
@@ -12,7 +12,7 @@ with the reason and nothing is registered; a path that is missing, outside the r
 unreadable gets one and the same 400, so a load cannot probe the server's files), then
 registers its resolved path. Replicas load it on their first
 request for it (Serve's model multiplexing: requests go to a replica that holds it when one can
-take them) and free it within :data:`~deployments.lora.REGISTRY_REFRESH_S` of an unload. The
+take them) and free it within :data:`~deployments.contract.adapters.REGISTRY_REFRESH_S` of an unload. The
 gateway that served the load or unload sees it at once, other gateway replicas within the same
 time.
 """
@@ -27,11 +27,11 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
+from deployments.contract.adapters import REGISTRY_REFRESH_S, AdapterEntry, AdapterRegistry, serve_app_name
+from deployments.contract.openai_errors import OpenAIError
 from deployments.gateway.admin import admin_denied
 from deployments.gateway.errors import as_client_error, request_id_of
-from deployments.lora import REGISTRY_REFRESH_S, AdapterEntry, AdapterRegistry, serve_app_name
-from deployments.model_routing import AUTO_MODEL
-from deployments.protocol import OpenAIError
+from deployments.routing.model_routing import AUTO_MODEL
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,7 +56,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 class AdapterDirectory:
     """The adapters loaded at run time, as this gateway sees the registry: read through a cache
-    of at most :data:`~deployments.lora.REGISTRY_REFRESH_S` seconds (misses too: a mistyped name
+    of at most :data:`~deployments.contract.adapters.REGISTRY_REFRESH_S` seconds (misses too: a mistyped name
     costs one registry read per that time). The configured ones are ``Gateway.adapters``."""
 
     def __init__(self):
@@ -153,7 +153,7 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
 async def unload_adapter(gw, body: UnloadLoRAAdapterRequest, request: Request):
     """``POST /v1/unload_lora_adapter``: unregister a run-time adapter; new requests for it get
     404 at once (other gateway replicas: within a second), replicas free it within
-    :data:`~deployments.lora.REGISTRY_REFRESH_S`, requests already running finish.
+    :data:`~deployments.contract.adapters.REGISTRY_REFRESH_S`, requests already running finish.
 
     Raises:
         OpenAIError: 404 for a name that is not loaded, 400 for a configured adapter (remove it

@@ -7,10 +7,10 @@ import logging
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from deployments.contract.openai_errors import OpenAIError
 from deployments.gateway.errors import error_response, request_id_of
 from deployments.gateway.gate import bearer_token, request_policy
 from deployments.limits import find_policy
-from deployments.protocol import OpenAIError
 
 logger = logging.getLogger("ray.serve")
 

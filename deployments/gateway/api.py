@@ -18,13 +18,23 @@ this package; every request is counted and timed by route (:mod:`~deployments.ga
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
 from fastapi import FastAPI, Request, Response
 
-from deployments.gateway import adapters, admin, chat, completions, embeddings, models, probes, responses, tokenize
-from deployments.gateway import gate
-from deployments.gateway.http_metrics import EndpointMetrics
+from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.gateway import (
+    adapters,
+    admin,
+    chat,
+    completions,
+    embeddings,
+    gate,
+    models,
+    probes,
+    responses,
+    tokenize,
+)
 from deployments.gateway.core import Gateway
 from deployments.gateway.errors import add_error_handlers
+from deployments.gateway.http_metrics import EndpointMetrics
 from deployments.gateway.responses_input import ResponsesRequest
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def build_api(gw: Gateway, app_status=None) -> FastAPI:

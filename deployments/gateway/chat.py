@@ -18,12 +18,14 @@ from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkChoic
 from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageFunctionToolCall, Function
 from openai.types.chat.chat_completion_token_logprob import TopLogprob as OpenAITopLogprob
 
+from deployments.contract.openai_requests import ChatCompletionRequest, NamedToolChoice
+from deployments.contract.types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
 from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
 from deployments.gateway.errors import failed
 from deployments.gateway.streams import SSE_HEADERS, ChunkStream, sse, usage_of
-from deployments.protocol import ChatCompletionRequest, NamedToolChoice
-from deployments.server_types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
-from deployments.tools import StreamingToolText, ToolParser, get_tool_parser, parse_forced, tool_grammar
+from deployments.gateway.tool_parsers import get_tool_parser
+from deployments.gateway.tool_parsers.base import ToolParser
+from deployments.gateway.tools import StreamingToolText, parse_forced, tool_grammar
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:

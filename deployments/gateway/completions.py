@@ -9,12 +9,13 @@ from fastapi.responses import StreamingResponse
 from openai.types import Completion, CompletionChoice
 from openai.types.completion_choice import Logprobs
 
+from deployments.contract.openai_errors import OpenAIError
+from deployments.contract.openai_requests import CompletionRequest
+from deployments.contract.streams import merge_streams
+from deployments.contract.types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
 from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
 from deployments.gateway.errors import failed
 from deployments.gateway.streams import SSE_HEADERS, sse, usage_of
-from deployments.request_outputs import merge_streams
-from deployments.protocol import CompletionRequest, OpenAIError
-from deployments.server_types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[Logprobs, int]:

@@ -12,9 +12,9 @@ keys, limits, caches, the choice of model and the fallback, request ids, OpenAI 
 replica owns everything that needs the tokenizer or the engine: chat templates, tokenizing,
 the one ``max_model_len`` rule (prompt plus ``max_tokens``), fanning ``n`` out into engine
 requests, admission to its queue, logprob token strings, the prompt text of ``echo``. What
-crosses is typed (:mod:`deployments.server_types`): the gateway sends a
-:class:`~deployments.server_types.GenerateRequest` (sampling values already validated as the
-engine's ``SamplingParams``) and reads :class:`~deployments.server_types.GenerationChunk`
+crosses is typed (:mod:`deployments.contract.types`): the gateway sends a
+:class:`~deployments.contract.types.GenerateRequest` (sampling values already validated as the
+engine's ``SamplingParams``) and reads :class:`~deployments.contract.types.GenerationChunk`
 records, an error being a typed chunk.
 """
 from __future__ import annotations
@@ -30,21 +30,22 @@ from fastapi import Request
 from ray.serve.handle import DeploymentHandle
 
 from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
+from deployments.contract.adapters import AdapterEntry
+from deployments.contract.openai_errors import OpenAIError, random_id
+from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest, unknown_fields
+from deployments.contract.types import GenerateRequest, GenerationChunk
 from deployments.gateway.adapters import AdapterDirectory
 from deployments.gateway.errors import as_client_error, internal, request_id_of, stream_error
-from deployments.gateway.gate import GateSettings
-from deployments.gateway.gate import key_name, request_policy
+from deployments.gateway.gate import GateSettings, key_name, request_policy
 from deployments.gateway.models import ModelDirectory
 from deployments.gateway.responses_input import ResponseStore
 from deployments.gateway.settings import GatewaySettings  # noqa: F401 (re-exported)
 from deployments.gateway.shedding import LoadShedder
 from deployments.gateway.streams import DONE, ChunkStream, background, usage_of
-from deployments.limits import NeverFits, RateLimited, RateLimiter, policies_from_keys
-from deployments.lora import AdapterEntry
-from deployments.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, random_id, unknown_fields
-from deployments.server_types import GenerateRequest, GenerationChunk
-from telemetry.metrics import api_key_requests, api_key_tokens, model_routes, rejected, upstream_fallbacks
+from deployments.limits import RateLimiter, policies_from_keys
+from deployments.limits.key_limits import KeyLimits, KeyUse
+from deployments.routing.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
+from telemetry.metrics import model_routes, rejected, upstream_fallbacks
 
 logger = logging.getLogger("ray.serve")
 
@@ -62,37 +63,6 @@ def estimate_prompt_tokens(prompt) -> int:
                                               if not isinstance(m.get("content"), str) else m["content"])
                    for m in prompt)
     return len(str(prompt).encode()) // 4 + 1
-
-
-class KeyUse:
-    """One request's use of its API key: the limiter's grant, the key's metrics, the
-    priority the request runs at."""
-
-    def __init__(self, gateway: "Gateway", key: str, model: str, grant, priority: int):
-        self.gateway, self.key, self.model, self.grant, self.priority = gateway, key, model, grant, priority
-        self.done = False
-
-    async def settle(self, prompt_tokens: int, generation_tokens: int) -> None:
-        """Count the tokens the request used (once) and give the unused reservation back."""
-        if self.done:
-            return
-        self.done = True
-        labels = {"api_key": self.key, "model_name": self.model}
-        self.gateway.key_tokens.inc({**labels, "kind": "prompt"}, prompt_tokens)
-        self.gateway.key_tokens.inc({**labels, "kind": "generation"}, generation_tokens)
-        if self.grant is not None:
-            await self.gateway.limiter.settle(self.grant, prompt_tokens + generation_tokens)
-
-    def settle_soon(self, lasts: dict[tuple[int, int], GenerationChunk] | list[GenerationChunk]) -> None:
-        """:meth:`settle` with the last chunks of the request's choices (keyed ``(prompt index,
-        choice index)``; a list is one choice per prompt), in a task of its own (a cancelled
-        response's cleanup must not await the limiter's Redis)."""
-        if self.done:
-            return
-        if isinstance(lasts, list):
-            lasts = {(k, 0): c for k, c in enumerate(lasts)}
-        usage = usage_of(lasts)
-        background(self.settle(usage.prompt_tokens, usage.completion_tokens))
 
 
 @dataclass
@@ -162,8 +132,8 @@ class Gateway:
         self.cache = ResponseCache(cache) if cache.enabled else None
         self.responses = ResponseStore(cache)  # stored Responses API responses, in the cache's backend
         # per-key limits: shared through Redis when given, else each gateway replica enforces its share
-        self.limiter = RateLimiter(s.rate_limit_rpm, s.rate_limit_tpm, redis_url=s.redis_url,
-                                   divide_by=max(1, s.ingress_num_replicas))
+        self.keys = KeyLimits(RateLimiter(s.rate_limit_rpm, s.rate_limit_tpm, redis_url=s.redis_url,
+                                          divide_by=max(1, s.ingress_num_replicas)))
         self.models = dict(models)
         self.default_model = next(iter(self.models))
         self.adapters = dict(s.adapters or {})  # configured LoRA adapters: {name: base model}
@@ -173,7 +143,7 @@ class Gateway:
         self.lora = AdapterDirectory()  # and those loaded at run time
         self._multiplexed: dict[tuple[str, bool], DeploymentHandle] = {}  # (multiplexed id, streaming) -> handle
         self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
-        self.encoders = dict(encoders or {})  # embedding-only models (deployments.embedding_server)
+        self.encoders = dict(encoders or {})  # embedding-only models (deployments.replica.embedding_server)
         if set(self.encoders) & set(self.models):
             raise ValueError(f"embedding model names {sorted(set(self.encoders) & set(self.models))} are also "
                              "generating models' names")
@@ -182,7 +152,7 @@ class Gateway:
         if self.routing is not None:
             self.routing.check(list(self.models))
         self.upstream = None if s.upstream is None else Upstream(UpstreamArgs.model_validate(s.upstream))
-        self.rejected, self.key_tokens, self.key_requests = rejected(), api_key_tokens(), api_key_requests()
+        self.rejected = rejected()
         self.routes, self.fallbacks = model_routes(), upstream_fallbacks()
         self.shedder = LoadShedder()
         self.draining = False
@@ -340,13 +310,13 @@ class Gateway:
                         raise r
         except BaseException as e:
             call.cancel()
-            call.use.settle_soon([])
+            self.settle_soon(call.use, [])
             if fallback and self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(
                     e.status_code, e.code):
                 return await self.fallback(call, f"/{'chat/completions' if endpoint == 'chat' else 'completions'}", e)
             raise
         if hit:
-            call.use.settle_soon([])  # settled at 0 now (the first settle wins; later ones are no-ops)
+            self.settle_soon(call.use, [])  # settled at 0 now (the first settle wins; later ones are no-ops)
         elif call.look.store:
             for s in call.streams:
                 s.record = []
@@ -356,7 +326,7 @@ class Gateway:
     def finish(self, call: Call, lasts: dict[tuple[int, int], GenerationChunk], n: int, *, store: bool) -> None:
         """Settle the key's tokens from the last chunks and, when the answer completed
         (``store``), give it to the response cache (``n`` choices per prompt)."""
-        call.use.settle_soon(lasts)
+        self.settle_soon(call.use, lasts)
         if store and self.cache is not None and call.look.store:
             self.cache.store_soon(call.look, [s.record or [] for s in call.streams], n)
 
@@ -448,34 +418,31 @@ class Gateway:
                                        request_options(body, call.request.headers))
 
     async def admit(self, call: Call, prompt_tokens: int, max_tokens: int | None, priority: int) -> KeyUse:
-        """Per-API-key admission: the key's token buckets (``prompt_tokens`` estimated +
-        ``max_tokens`` reserved, None: up to the context; :meth:`KeyUse.settle` returns what
-        was not used) and its scheduler priority (a request may lower its own precedence,
-        never raise it above its key's: the larger number wins, lower runs first).
+        """Per-API-key admission of ``call`` (:meth:`KeyLimits.admit`): ``prompt_tokens``
+        estimated + ``max_tokens`` reserved (None: up to the model's context).
 
         Raises:
-            OpenAIError: 429 ``rate_limit_exceeded`` (with ``Retry-After``), 400 ``too_large``
-                (more tokens than the key may use per minute), 403 (the key may send nothing).
+            OpenAIError: as :meth:`KeyLimits.admit`.
         """
         policy = request_policy(call.request.scope)
-        key = key_name(call.request.scope)
-        grant = None
-        if policy is not None and self.limiter.enabled_for(policy):
-            if max_tokens is None:
+        if max_tokens is None:
+            max_tokens = 0
+            if self.keys.reserves(policy):
                 max_tokens = (await self.directory.info(call.model)).max_model_len - prompt_tokens
-            try:
-                grant = await self.limiter.acquire(policy, prompt_tokens + max(0, max_tokens))
-            except RateLimited as e:
-                self.rejected.inc({"model_name": call.model, "reason": "rate_limited"})
-                raise OpenAIError(str(e), 429, "rate_limit_error", code="rate_limit_exceeded",
-                                  retry_after_s=e.retry_after_s) from None
-            except NeverFits as e:
-                if e.limit == "requests":
-                    raise OpenAIError("this API key may not send requests", 403, "permission_error",
-                                      code="permission_denied") from None
-                raise OpenAIError(str(e), 400, param="max_tokens", code="too_large") from None
-        self.key_requests.inc({"api_key": key, "model_name": call.served})
-        return KeyUse(self, key, call.served, grant, max(priority, policy.priority if policy is not None else priority))
+        return await self.keys.admit(policy, key_name(call.request.scope), call.model, call.served, prompt_tokens,
+                                     max_tokens, priority)
+
+    @staticmethod
+    def settle_soon(use: KeyUse, lasts: dict[tuple[int, int], GenerationChunk] | list[GenerationChunk]) -> None:
+        """:meth:`KeyUse.settle` with the last chunks of the request's choices (keyed ``(prompt
+        index, choice index)``; a list is one choice per prompt), in a task of its own (a
+        cancelled response's cleanup must not await the limiter's Redis)."""
+        if use.done:
+            return
+        if isinstance(lasts, list):
+            lasts = {(k, 0): c for k, c in enumerate(lasts)}
+        usage = usage_of(lasts)
+        background(use.settle(usage.prompt_tokens, usage.completion_tokens))
 
     async def fallback(self, call: Call, path: str, err: OpenAIError):
         """The upstream's answer to this request (``path`` under its base URL), which every

@@ -10,9 +10,9 @@ import asyncio
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.contract.openai_errors import OpenAIError
 from deployments.gateway.api import build_api
 from deployments.gateway.core import Gateway, GatewaySettings
-from deployments.protocol import OpenAIError
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, graceful_shutdown_timeout_s=5)

@@ -1,5 +1,5 @@
 """``POST /v1/embeddings``: OpenAI's embeddings, from an embedding model's deployment
-(:class:`~deployments.embedding_server.EmbeddingServer`) or from a served decoder model's
+(:class:`~deployments.replica.embedding_server.EmbeddingServer`) or from a served decoder model's
 pooled hidden states (:mod:`engine.pooling`); through the same key, per-key limits (the
 inputs' tokens count) and error shape as chat."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deployments.embeddings import MAX_EMBEDDING_INPUTS
+from deployments.contract.openai_errors import OpenAIError
+from deployments.contract.types import MAX_EMBEDDING_INPUTS
 from deployments.gateway.core import Gateway, estimate_prompt_tokens
-from deployments.protocol import OpenAIError
 
 TokenIds = list[int]
 

@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.contract.openai_errors import OpenAIError, error_body
 from deployments.gateway.streams import sse
-from deployments.protocol import OpenAIError, error_body
 
 logger = logging.getLogger("ray.serve")
 

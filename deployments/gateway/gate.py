@@ -32,8 +32,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deployments.contract.openai_errors import error_body
 from deployments.limits import AuthFailureThrottle, KeyPolicy, find_policy, policies_from_keys
-from deployments.protocol import error_body
+from telemetry.metrics import rejected
 
 #: Default most missing or wrong API keys one client address may send per minute before its
 #: requests get 429 without being checked (a key-guessing brake; a correct key resets nothing).
@@ -131,8 +132,6 @@ def mask_key(key: str) -> str:
 
 def _count_rejected(reason: str) -> None:
     try:
-        from telemetry.metrics import rejected
-
         rejected().inc({"model_name": "", "reason": reason})
     except Exception:  # metrics never fail a request
         pass

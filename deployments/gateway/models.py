@@ -1,4 +1,4 @@
-"""The models a gateway serves: each model's :class:`~deployments.server_types.ServerInfo`
+"""The models a gateway serves: each model's :class:`~deployments.contract.types.ServerInfo`
 (read once from its replicas; the weights revision re-read in the background) and the
 ``GET /v1/models`` cards."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import time
 from openai.types import Model
 from ray.serve.handle import DeploymentHandle
 
+from deployments.contract.openai_errors import OpenAIError
+from deployments.contract.types import ServerInfo
 from deployments.gateway.errors import as_client_error
 from deployments.gateway.streams import background
-from deployments.model_routing import AUTO_MODEL
-from deployments.protocol import OpenAIError
-from deployments.server_types import ServerInfo
+from deployments.routing.model_routing import AUTO_MODEL
 
 logger = logging.getLogger("ray.serve")
 

@@ -7,6 +7,7 @@ import logging
 from fastapi.responses import Response
 
 from deployments.gateway.errors import error_response
+from telemetry.metrics import render
 
 logger = logging.getLogger("ray.serve")
 
@@ -85,7 +86,5 @@ class Readiness:
 async def metrics() -> Response:
     """Prometheus exposition of every kvserve process on this node (the engines' vLLM-named
     metrics, the gateway's, the autoscaler's); see :mod:`telemetry.metrics`."""
-    from telemetry.metrics import render
-
     body, ctype = await asyncio.to_thread(render)
     return Response(body, media_type=ctype)

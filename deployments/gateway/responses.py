@@ -26,12 +26,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from deployments.contract.types import GenerationChunk, finish_reason
 from deployments.gateway.chat import ChatChoiceRenderer, collect, start_chat
 from deployments.gateway.core import Call, Gateway
 from deployments.gateway.gate import owner_id
 from deployments.gateway.responses_input import ResponsesRequest, ResponseStore
 from deployments.gateway.streams import SSE_HEADERS, usage_of
-from deployments.server_types import GenerationChunk, finish_reason
 
 
 def _item_id(prefix: str) -> str:

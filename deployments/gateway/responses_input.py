@@ -18,7 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deployments.cache import CacheSettings
-from deployments.protocol import ChatCompletionRequest, OpenAIError
+from deployments.cache.stores import MemoryStore, RedisStore
+from deployments.contract.openai_errors import OpenAIError
+from deployments.contract.openai_requests import ChatCompletionRequest
 
 #: Seconds a stored response lives (OpenAI keeps them 30 days).
 RESPONSE_TTL_S = 30 * 24 * 3600.0
@@ -218,8 +220,6 @@ class ResponseStore:
 
     def store_of(self, owner: str):
         """The store of ``owner``'s responses (made on first use)."""
-        from deployments.cache.stores import MemoryStore, RedisStore
-
         store = self._stores.get(owner)
         if store is None:
             s = self.settings

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deployments.args import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
 
+#: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 
 @dataclass
 class GatewaySettings:
@@ -22,8 +23,8 @@ class GatewaySettings:
         redis_url: the limits' and caches' shared store (None: each replica its own share).
         ingress_num_replicas: how many gateway replicas share the limits without Redis.
         cache: :class:`~deployments.cache.CacheSettings` fields (None: defaults, exact cache on).
-        model_routing: the rules of ``model: "auto"`` (:class:`~deployments.model_routing.ModelRouting`).
-        upstream: the fallback for requests every replica refuses (:class:`~deployments.model_routing.UpstreamArgs`).
+        model_routing: the rules of ``model: "auto"`` (:class:`~deployments.routing.model_routing.ModelRouting`).
+        upstream: the fallback for requests every replica refuses (:class:`~deployments.routing.model_routing.UpstreamArgs`).
         adapters: LoRA adapters clients may name as ``model``: ``{adapter name: its base model's name}``.
         lora_allowed_roots: folders under which ``POST /v1/load_lora_adapter`` may read adapters
             (resolved on the replica's node); None or empty: loading at run time is off.

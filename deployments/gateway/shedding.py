@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from deployments.protocol import OpenAIError
+from deployments.contract.openai_errors import OpenAIError
 
 #: Seconds a "full" mark refuses requests before one goes through as a probe.
 HOLD_S = 1.0

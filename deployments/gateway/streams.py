@@ -1,4 +1,4 @@
-"""A request's stream of :class:`~deployments.server_types.GenerationChunk` from a replica,
+"""A request's stream of :class:`~deployments.contract.types.GenerationChunk` from a replica,
 and the Server-Sent Events the gateway writes (OpenAI's chunk format, ``data: [DONE]`` last;
 nothing buffered or delayed on the way)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from openai.types import CompletionUsage
 from openai.types.completion_usage import PromptTokensDetails
 from pydantic import BaseModel
 
-from deployments.protocol import OpenAIError
-from deployments.server_types import GenerationChunk
+from deployments.contract.openai_errors import OpenAIError
+from deployments.contract.types import GenerationChunk
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,13 +1,13 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's): count a prompt's or a conversation's
 tokens against ``max_model_len`` before sending it, with the model's own tokenizer and chat
-template (the replica's; see :mod:`deployments.embeddings`)."""
+template (the replica's; see :mod:`deployments.replica.pooling`)."""
 from __future__ import annotations
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.contract.openai_requests import ChatMessage, ToolDef
 from deployments.gateway.core import Gateway
-from deployments.protocol import ChatMessage, ToolDef
 
 
 class TokenizeRequest(BaseModel):

@@ -2,7 +2,7 @@
 or shared by all ingress replicas through Redis) and failed-auth throttling per client address.
 
 No Ray here and no Redis needed to import it; :class:`RateLimiter` talks to Redis only when it
-is given a ``redis_url``. Three modules, one concern each:
+is given a ``redis_url``. Four modules, one concern each:
 
 1. :mod:`deployments.limits.policies` -- :class:`KeyPolicy`, one API key and its limits (``rpm``,
    ``tpm``, ``priority``, ``name``), read from a key file (:func:`load_key_file`) or from
@@ -14,6 +14,9 @@ is given a ``redis_url``. Three modules, one concern each:
 3. :mod:`deployments.limits.auth_throttle` -- :class:`AuthFailureThrottle`: after
    ``max_failures`` missing or wrong keys from one client address within ``window_s``, that
    address waits (sliding window log).
+4. :mod:`deployments.limits.key_limits` -- :class:`KeyLimits`, the gateway's per-key admission
+   (the buckets as OpenAI errors, the per-key metrics), and :class:`KeyUse`, one admitted
+   request's reservation, settled when it ends.
 
 How the gateway uses it, per request::
 

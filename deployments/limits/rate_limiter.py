@@ -17,8 +17,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
+from deployments.contract.redis_url import safe_url
 from deployments.limits.policies import KeyPolicy
 
 logger = logging.getLogger("ray.serve")
@@ -177,15 +177,6 @@ def _limit(value: float | None, default: float | None) -> float | None:
     """A key's effective limit per minute: its own, else the default; None when unlimited."""
     v = value if value is not None else default
     return None if v is None or math.isinf(v) else float(v)
-
-
-def safe_url(url: str) -> str:
-    """A Redis URL without its password, for logs."""
-    try:
-        u = urlsplit(url)
-        return f"{u.scheme}://{u.hostname}:{u.port or 6379}{u.path}"
-    except ValueError:
-        return "<redis url>"
 
 
 class RateLimiter:

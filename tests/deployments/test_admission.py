@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from deployments.admission import Admission, default_admission_bounds
-from deployments.llm_server import LLMServer
-from deployments.server_types import GenerateRequest
+from deployments.replica.admission import Admission, default_admission_bounds
+from deployments.replica.llm_server import LLMServer
+from deployments.contract.types import GenerateRequest
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow

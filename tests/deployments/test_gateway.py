@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from deployments.gateway.api import build_api
 from deployments.gateway.core import Gateway, GatewaySettings
-from deployments.server_types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
+from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
 from engine.sampling_params import SamplingParams
 
 SECRET = 'File "/root/.venv/x.py", line 3, pid=4242, ActorID(ab12cd), 10.0.0.7:6379'

@@ -16,7 +16,7 @@ from deployments.args import ModelArgs
 from deployments.cli import app_args_from_cli, build_parser
 from deployments.gateway.api import build_api
 from deployments.gateway.core import Gateway, GatewaySettings
-from deployments.server_types import GenerateRequest
+from deployments.contract.types import GenerateRequest
 from tests.deployments.test_gateway import FakeReplica, _Remote
 
 
@@ -71,7 +71,7 @@ def test_lora_modules_flag_takes_vllms_forms_and_needs_enable_lora(tmp_path):
 def test_replica_runs_the_named_adapter(tmp_path):
     from engine import LLM, SamplingParams
     from engine.lora import LoRARequest
-    from deployments.llm_server import LLMServer
+    from deployments.replica.llm_server import LLMServer
     from tests.engine.test_lora import ADAPTERS, make_adapter
     from tests.tiny_models import make_tiny_model
 
@@ -133,7 +133,7 @@ def _tree(tmp_path):
 
 
 def test_adapter_paths_resolve_under_the_allowed_roots_only(tmp_path):
-    from deployments.lora import UNREADABLE_ADAPTER, AdapterPathError, resolve_adapter_path
+    from deployments.replica.lora import UNREADABLE_ADAPTER, AdapterPathError, resolve_adapter_path
 
     root, outside, refused = _tree(tmp_path)
     assert resolve_adapter_path(str(root / "good"), [str(root)]) == str((root / "good").resolve())
@@ -155,7 +155,7 @@ def test_adapter_paths_resolve_under_the_allowed_roots_only(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 def test_an_unreadable_adapter_file_gets_the_same_answer(tmp_path):
-    from deployments.lora import UNREADABLE_ADAPTER, AdapterPathError, resolve_adapter_path
+    from deployments.replica.lora import UNREADABLE_ADAPTER, AdapterPathError, resolve_adapter_path
 
     root, _, _ = _tree(tmp_path)
     (root / "good" / "adapter_model.safetensors").chmod(0)
@@ -164,7 +164,7 @@ def test_an_unreadable_adapter_file_gets_the_same_answer(tmp_path):
 
 
 class _Registry:
-    """The GCS adapter registry's in-memory stand-in (:class:`deployments.lora.AdapterRegistry`)."""
+    """The GCS adapter registry's in-memory stand-in (:class:`deployments.contract.adapters.AdapterRegistry`)."""
 
     def __init__(self):
         self.by_name = {}
@@ -186,9 +186,9 @@ class _Registry:
 
 
 def _lora_gateway(hf_config, roots):
-    """A gateway whose replica checks adapters with the real :func:`deployments.lora.check_adapter`
+    """A gateway whose replica checks adapters with the real :func:`deployments.replica.lora.check_adapter`
     (an engine stand-in with the tiny model's config), and an in-memory registry."""
-    from deployments.lora import check_adapter
+    from deployments.replica.lora import check_adapter
 
     engine = SimpleNamespace(config=SimpleNamespace(enable_lora=True, max_lora_rank=16), hf_config=hf_config)
     replica = FakeReplica()

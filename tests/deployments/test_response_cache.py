@@ -15,8 +15,8 @@ from deployments.cache import (NON_OUTPUT_FIELDS, CacheSettings, MemoryStore, Re
                                ResponseCache, complete, decode_entry, deterministic, encode_entry, exact_key,
                                request_options, semantic_parts)
 from deployments.cache.semantic import SemanticIndex, numbers_of
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
-from deployments.server_types import GenerationChunk, TokenLogprob, TopLogprob, model_revision
+from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.contract.types import GenerationChunk, TokenLogprob, TopLogprob, model_revision
 
 
 def run(coro):
@@ -356,13 +356,13 @@ def test_incomplete_answers_are_not_stored():
 # ---- the semantic level (real all-MiniLM-L6-v2) ------------------------------------------------
 @pytest.fixture(scope="module")
 def embedder():
-    from deployments.cache.semantic import Embedder, embedder_path
+    from deployments.contract.encoder import SentenceEncoder, bundled_encoder_path
 
     try:
-        embedder_path()
+        bundled_encoder_path()
     except RuntimeError as e:
         pytest.skip(str(e))
-    return Embedder()  # leaves torch's thread count alone
+    return SentenceEncoder()  # leaves torch's thread count alone
 
 
 def test_embeddings_are_unit_vectors_and_paraphrases_are_close(embedder):

@@ -14,7 +14,7 @@ from test_gateway import FakeGen, _Remote
 
 from deployments.gateway.api import build_api
 from deployments.gateway.core import Gateway, GatewaySettings
-from deployments.server_types import EmbedResult, GenerationChunk, GenerationError, ServerInfo, TokenizeResult
+from deployments.contract.types import EmbedResult, GenerationChunk, GenerationError, ServerInfo, TokenizeResult
 
 TOOL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

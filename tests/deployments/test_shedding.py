@@ -8,11 +8,11 @@ import time
 import httpx
 from fastapi.responses import JSONResponse
 
-from deployments.admission import Admission
+from deployments.replica.admission import Admission
 from deployments.gateway.api import build_api
 from deployments.gateway.core import Gateway, GatewaySettings
 from deployments.gateway.shedding import LoadShedder
-from deployments.server_types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
+from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
 from tests.deployments.test_gateway import FakeGen, _Remote
 
 CAP = 4

@@ -2,7 +2,7 @@
 with nothing lost; the first token and the last chunk go out at once."""
 import pytest
 
-from deployments.request_outputs import STREAMS_PER_STEP, ChunkBuilder, stream_interval
+from deployments.replica.request_outputs import STREAMS_PER_STEP, ChunkBuilder, stream_interval
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.model_loader import load_tokenizer

@@ -1,4 +1,4 @@
-"""Tool calling's text side (deployments/tools.py): the parsers per model family, the
+"""Tool calling's text side (deployments/gateway/tools.py): the parsers per model family, the
 streaming split of content and calls, the grammar for ``required`` / a named function, and
 the Hermes rendering for chat templates that know no tools (with SmolLM2's real template)."""
 import json
@@ -6,7 +6,8 @@ import json
 import jsonschema
 import pytest
 
-from deployments.tools import StreamingToolText, get_tool_parser, parse_forced, tool_grammar
+from deployments.gateway.tool_parsers import get_tool_parser
+from deployments.gateway.tools import StreamingToolText, parse_forced, tool_grammar
 from engine.chat_templates import prepare_messages, template_knows_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -34,7 +34,7 @@ def _faulty_server():
     this class (and ``faults``) by value, so the replica needs no test code on its path."""
     import faults
     import ray.cloudpickle
-    from deployments.llm_server import LLMServer
+    from deployments.replica.llm_server import LLMServer
 
     ray.cloudpickle.register_pickle_by_value(faults)
     base = LLMServer.func_or_class

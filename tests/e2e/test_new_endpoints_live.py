@@ -79,18 +79,18 @@ def test_responses_parse_tools_and_previous_response_id(serve_app):
 def test_encoder_embeddings_equal_sentence_transformers(serve_app):
     from sentence_transformers import SentenceTransformer
 
-    from deployments.cache.semantic import embedder_path
+    from deployments.contract.encoder import bundled_encoder_path
 
     texts = ["A man is eating food.", "The weather is lovely today.", "kvserve serves LLMs on Ray. " * 8]
     c = _client(serve_app)
     got = c.embeddings.create(model=serve_app.encoder, input=texts)  # the SDK's default: base64, decoded
     floats = c.embeddings.create(model=serve_app.encoder, input=texts, encoding_format="float")
-    ref = SentenceTransformer(str(embedder_path()), device="cpu").encode(texts)
+    ref = SentenceTransformer(str(bundled_encoder_path()), device="cpu").encode(texts)
     assert len(got.data) == 3 and [d.index for d in got.data] == [0, 1, 2]
     for d, f, r in zip(got.data, floats.data, ref):
         assert len(d.embedding) == 384 and _cos(d.embedding, r) >= 0.9999
         assert np.allclose(d.embedding, f.embedding, atol=1e-6)
-    tok = SentenceTransformer(str(embedder_path()), device="cpu").tokenizer
+    tok = SentenceTransformer(str(bundled_encoder_path()), device="cpu").tokenizer
     assert got.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in texts)
     ids = tok(texts[0])["input_ids"]
     by_ids = c.embeddings.create(model=serve_app.encoder, input=[ids], encoding_format="float")

@@ -1,4 +1,4 @@
-"""Prefix-aware replica routing (``deployments/prefix_router.py``, ``prefix_hasher.py``, ``prefix_report.py``).
+"""Prefix-aware replica routing (``deployments/routing/prefix_router.py``, ``prefix_hasher.py``, ``prefix_report.py``).
 
 Without Ray: the router's hashes are the engine's own block hashes (same tokenization, same
 chained hash), the choice logic on hand-built depths and queue lengths, and the router object
@@ -16,10 +16,11 @@ import uuid
 import pytest
 from helpers import DONE, iter_sse
 
-from deployments.prefix_hasher import PrefixHasher
-from deployments.prefix_report import PROBE_MESSAGES, PROBE_TEXT, RecentPrefixes, block_hashes, tokenizer_probe
-from deployments.prefix_router import (PrefixAwareRouter, least_cached, longest_match, match_depths,
-                                       preferred_replicas, router_config)
+from deployments.routing.prefix_hasher import PrefixHasher
+from deployments.contract.prefix import PROBE_MESSAGES, PROBE_TEXT, block_hashes, tokenizer_probe
+from deployments.replica.prefix_report import RecentPrefixes
+from deployments.routing.prefix_router import (PrefixAwareRouter, least_cached, longest_match, match_depths,
+                                               preferred_replicas, router_config)
 
 
 # ---- hashes: the engine's own --------------------------------------------------------------
@@ -195,7 +196,7 @@ def _pending(prompt, method: str = "stream"):
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from deployments.server_types import GenerateRequest
+    from deployments.contract.types import GenerateRequest
 
     rid = uuid.uuid4().hex
     args = [GenerateRequest(prompt=prompt)] if method == "stream" else [prompt, {"max_tokens": 4}]
@@ -282,8 +283,8 @@ def test_router_keys_by_adapter_and_prefers_replicas_holding_it():
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from deployments.prefix_report import for_adapter
-    from deployments.server_types import GenerateRequest
+    from deployments.contract.prefix import for_adapter
+    from deployments.contract.types import GenerateRequest
 
     def pending(prompt, adapter=None, multiplexed=""):
         rid = uuid.uuid4().hex
@@ -534,7 +535,7 @@ def test_router_config_builds_from_several_threads():
     """Serve's RequestRouterConfig pickles the router module by value around a process-global
     register / unregister; from several threads at once (a redeploy beside a handle decoding a
     config update) the unpatched sequence fails about 1 in 400 (ValueError "... is not
-    registered for pickle by value"); deployments/prefix_router.py serialises it under a lock."""
+    registered for pickle by value"); deployments/routing/prefix_router.py serialises it under a lock."""
     import threading
 
     from ray.serve.config import RequestRouterConfig

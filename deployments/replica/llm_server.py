@@ -1,9 +1,9 @@
 """``LLMServer``: the Serve deployment that owns one :class:`engine.AsyncLLMEngine` per replica.
 
-The gateway streams a typed :class:`~deployments.server_types.GenerateRequest` with
+The gateway streams a typed :class:`~deployments.contract.types.GenerateRequest` with
 ``handle.options(stream=True).stream.remote(request)``; any Ray job streams with
 ``handle.options(stream=True).generate.remote(prompt, sampling_params)``. Every item is a
-:class:`~deployments.server_types.GenerationChunk` (a plain dataclass), so a caller needs
+:class:`~deployments.contract.types.GenerationChunk` (a plain dataclass), so a caller needs
 neither the engine nor torch. Cancelling the stream (an HTTP client that disconnects, or
 ``gen.cancel()``) aborts the request in the engine and returns its KV blocks to the pool.
 
@@ -26,16 +26,21 @@ from typing import Any
 
 from ray import serve
 
-from engine.chat_templates import prepare_messages
-
-from deployments.admission import RATE_WINDOW_S, Admission, OverloadedError, StepStats, default_admission_bounds
-from deployments.request_outputs import ChunkBuilder, RecentRequests, merge_streams, next_before, stream_interval
-from deployments.embeddings import PoolingEndpoints
-from deployments.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
-from deployments.server_types import (GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision,
-                                      public_speculative_config)
-
 from cluster import reset_niceness
+from deployments.contract.openai_errors import random_id
+from deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
+from deployments.contract.streams import merge_streams, next_before
+from deployments.contract.types import (GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision,
+                                        public_speculative_config)
+from deployments.replica.admission import Admission, OverloadedError, default_admission_bounds
+from deployments.replica.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
+from deployments.replica.pooling import PoolingEndpoints
+from deployments.replica.prefix_report import RecentPrefixes
+from deployments.replica.recent_requests import RecentRequests
+from deployments.replica.request_outputs import ChunkBuilder, stream_interval
+from deployments.replica.step_stats import RATE_WINDOW_S, StepStats
+from engine.chat_templates import prepare_messages
+from telemetry.metrics import EngineMetrics, rejected
 
 logger = logging.getLogger("ray.serve")
 
@@ -98,13 +103,13 @@ class LLMServer(PoolingEndpoints):
         worker_options: extra options for the tensor-parallel worker actors
             (``num_cpus``, ``num_gpus``), passed to :class:`cluster.worker_group.RayWorkerGroup`.
         max_queued_requests, max_queued_prompt_tokens: the replica's admission bounds (see
-            :class:`Admission`; defaults :func:`deployments.admission.default_admission_bounds`).
+            :class:`Admission`; defaults :func:`deployments.replica.admission.default_admission_bounds`).
         request_timeout_s: a request still running after this many seconds is aborted (its
             KV blocks freed) and ends with error ``timeout`` (504); None: no limit.
-        tool_call_parser: the :data:`deployments.tools.TOOL_PARSERS` name that reads this
+        tool_call_parser: the :data:`deployments.gateway.tools.TOOL_PARSERS` name that reads this
             model's tool calls (the gateway reads it from :meth:`server_info`).
         stream_interval: engine outputs per chunk (the first and last go at once); 0: auto
-            (:func:`deployments.request_outputs.stream_interval`).
+            (:func:`deployments.replica.request_outputs.stream_interval`).
         lora_modules: LoRA adapters ``{name: PEFT folder}`` (needs ``enable_lora``), loaded at start.
         pooling_type: how ``embed`` pools the hidden states (:mod:`engine.pooling`: ``last``, ``mean``).
     """
@@ -145,7 +150,6 @@ class LLMServer(PoolingEndpoints):
         self.model_name = served_model_name or config.model or DEFAULT_MODEL
         self.adapters = ReplicaAdapters(self.engine.engine, lora_modules, self.model_name,  # a bad one fails here
                                         config.enable_lora, config.max_cpu_loras or config.max_loras)
-        from telemetry.metrics import EngineMetrics, rejected
 
         d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
                                                 self.engine.max_model_len)
@@ -163,7 +167,6 @@ class LLMServer(PoolingEndpoints):
 
         self.engine.add_stat_logger(on_step, self.metrics.record_finished)
         # what the prefix-aware router learns from this replica (record_routing_stats)
-        from deployments.prefix_report import REPORTED_HASHES, RecentPrefixes, tokenizer_probe
         from engine.llm_engine import chat_template_ids
 
         n_blocks = int(self.engine.get_stats().get("num_kv_blocks") or REPORTED_HASHES)
@@ -177,13 +180,13 @@ class LLMServer(PoolingEndpoints):
 
     # ---- generation ---------------------------------------------------------------------
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream one request: one :class:`~deployments.server_types.GenerationChunk` per
+        """Stream one request: one :class:`~deployments.contract.types.GenerationChunk` per
         engine step that gives it tokens (``text``, ``token_ids``, ``finished``,
         ``finish_reason``, token counts, ``logprobs`` when asked for); the last has
         ``finished=True``. The gateway's seam.
 
         A request that cannot run, or stops early, ends with a chunk whose ``error`` says why
-        (:class:`~deployments.server_types.GenerationError`: ``context_length_exceeded``,
+        (:class:`~deployments.contract.types.GenerationError`: ``context_length_exceeded``,
         ``invalid_value``, ``too_large`` 400; ``queue_full`` 429; ``timeout`` 504;
         ``engine_dead`` 503): per-request problems are never raised (so bad requests log no
         tracebacks). This replica's rule for the context: the prompt leaves room for one output
@@ -200,8 +203,6 @@ class LLMServer(PoolingEndpoints):
         """
         from engine.async_engine import EngineDeadError
         from engine.llm_engine import PromptTooLongError
-
-        from deployments.protocol import random_id
 
         params, n = request.sampling_params, request.n
         request_id = request.request_id or random_id("req")
@@ -249,7 +250,7 @@ class LLMServer(PoolingEndpoints):
         """:meth:`stream` for Python-handle callers
         (``handle.options(stream=True).generate.remote(prompt, {"max_tokens": 16})``), with a
         request that cannot run raised instead of returned as an error chunk. The arguments
-        are :class:`~deployments.server_types.GenerateRequest`'s; ``sampling_params`` is a dict
+        are :class:`~deployments.contract.types.GenerateRequest`'s; ``sampling_params`` is a dict
         of :class:`engine.SamplingParams` fields plus ``n`` (choices, default 1).
 
         Raises:
@@ -395,7 +396,7 @@ class LLMServer(PoolingEndpoints):
 
     def server_info(self) -> ServerInfo:
         """What this model's replicas are (the gateway reads it once; see
-        :class:`~deployments.server_types.ServerInfo`)."""
+        :class:`~deployments.contract.types.ServerInfo`)."""
         cfg = self.engine.config
         return ServerInfo(
             name=self.model_name, max_model_len=self.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
@@ -413,7 +414,7 @@ class LLMServer(PoolingEndpoints):
                                  ) -> tuple[str | None, str | None]:
         """``(real path, None)`` when PEFT folder ``path`` may be adapter ``name`` here (under
         one of ``allowed_roots`` as this node resolves it, readable, fitting the model),
-        ``(None, why not)`` otherwise (``/v1/load_lora_adapter``; :func:`deployments.lora.check_adapter`)."""
+        ``(None, why not)`` otherwise (``/v1/load_lora_adapter``; :func:`deployments.replica.lora.check_adapter`)."""
         return await asyncio.to_thread(check_adapter, self.engine.engine, name, path, tuple(allowed_roots or ()))
 
     def get_stats(self) -> dict[str, float]:
@@ -443,7 +444,7 @@ class LLMServer(PoolingEndpoints):
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What the prefix-aware router (``deployments/prefix_router.py``) learns from this replica, polled
+        """What the prefix-aware router (``deployments/routing/prefix_router.py``) learns from this replica, polled
         by Serve's controller every ``request_routing_stats_period_s`` and sent to every router: the chained
         block hashes of the prompt prefixes it served recently (oldest first; at most ``REPORTED_HASHES``
         and its KV pool's block count), the block size, the model folder and the tokenizer probe."""

@@ -5,7 +5,7 @@
   ``last`` token by default, or ``mean``), batched with the replica's other requests, nothing
   generated; each input is one engine request through the replica's admission.
 - :func:`tokenize` / :func:`detokenize`: vLLM's ``/tokenize`` and ``/detokenize`` on a Hugging
-  Face tokenizer (shared with :class:`deployments.embedding_server.EmbeddingServer`).
+  Face tokenizer (shared with :class:`deployments.replica.embedding_server.EmbeddingServer`).
 - :func:`dimensions_error` / :func:`shorten`: OpenAI's ``dimensions``, honoured only by a model
   trained for shorter embeddings (Matryoshka representation learning, Kusupati et al. 2022:
   ``is_matryoshka`` or ``matryoshka_dimensions`` in its ``config.json``, as vLLM reads them).
@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import math
 
-from deployments.server_types import EmbedResult, GenerationError, TokenizeResult
-
-#: The most inputs of one embeddings request (OpenAI's limit).
-MAX_EMBEDDING_INPUTS = 2048
+from deployments.contract.openai_errors import random_id
+from deployments.contract.types import EmbedResult, GenerationError, TokenizeResult
+from deployments.replica.lora import UnknownAdapterError
 
 
 def dimensions_error(dimensions: int | None, dim: int, hf_config) -> GenerationError | None:
@@ -112,9 +111,6 @@ class PoolingEndpoints:
         """
         from engine.async_engine import EngineDeadError
         from engine.llm_engine import PromptTooLongError
-
-        from deployments.lora import UnknownAdapterError
-        from deployments.protocol import random_id
 
         cfg = self.engine.engine.hf_config
         dim = int(cfg.hidden_size)

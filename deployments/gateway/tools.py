@@ -22,26 +22,14 @@ list in the system message, past calls as ``<tool_call>`` blocks, results as
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from dataclasses import dataclass
 from typing import Any
+
+from deployments.gateway.tool_parsers.base import ParsedToolCall, ToolParser
 
 #: What the JSON schema of a tool without ``parameters`` is.
 _ANY_OBJECT = {"type": "object"}
 
 
-@dataclass
-class ParsedToolCall:
-    """One call the model made: the function's name and its arguments as a JSON string."""
-
-    name: str
-    arguments: str
-    id: str = ""
-
-    def __post_init__(self):
-        if not self.id:
-            self.id = f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _parameters(tool: dict) -> dict:
@@ -87,135 +75,20 @@ def parse_forced(text: str, choice: str | dict) -> list[ParsedToolCall] | None:
     return calls
 
 
-# ---- parsers for tool_choice "auto" -----------------------------------------------------------
-class ToolParser:
-    """Finds tool calls in a model's free text. ``start`` is the marker that opens a call
-    (text before it is content); streaming holds text back from the first marker on."""
-
-    name = ""
-    start = ""
-
-    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """``(content, calls)``; no calls when the text has none that parse."""
-        raise NotImplementedError
 
 
-def _call_of(obj: Any) -> ParsedToolCall | None:
-    """``{"name": ..., "arguments" | "parameters": {...}}`` as a call."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        return ParsedToolCall(obj["name"], args)
-    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-class HermesToolParser(ToolParser):
-    """Hermes / Qwen2.5 / Qwen3 style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-    blocks (vLLM: ``hermes``); also what :func:`prepare_messages` teaches template-less models."""
-
-    name, start = "hermes", "<tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def extract(self, text):
-        if self.start not in text:
-            return text, []
-        calls = []
-        for body in self._BLOCK.findall(text):
-            try:
-                call = _call_of(json.loads(body))
-            except ValueError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
-        content = text[:text.index(self.start)].strip()
-        return content or None, calls
 
 
-class Llama3JsonToolParser(ToolParser):
-    """Llama 3.x JSON tool calls: the output is ``{"name": ..., "parameters": {...}}``
-    (several separated by ``;``), maybe after ``<|python_tag|>`` (vLLM: ``llama3_json``)."""
-
-    name, start = "llama3_json", "{"
-
-    def extract(self, text):
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return text, []
-        calls, dec, i = [], json.JSONDecoder(), 0
-        while i < len(body):
-            try:
-                obj, end = dec.raw_decode(body, i)
-            except ValueError:
-                return text, []
-            call = _call_of(obj)
-            if call is None:
-                return text, []
-            calls.append(call)
-            i = end
-            while i < len(body) and body[i] in " \n\t;":
-                i += 1
-        return None, calls
 
 
-class MistralToolParser(ToolParser):
-    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (vLLM: ``mistral``)."""
-
-    name, start = "mistral", "[TOOL_CALLS]"
-
-    def extract(self, text):
-        if self.start not in text:
-            return text, []
-        head, _, body = text.partition(self.start)
-        try:
-            value = json.loads(body.strip())
-        except ValueError:
-            return text, []
-        items = value if isinstance(value, list) else [value]
-        calls = [_call_of(v) for v in items]
-        if not calls or any(c is None for c in calls):
-            return text, []
-        return head.strip() or None, calls
 
 
-class Qwen3CoderToolParser(ToolParser):
-    """Qwen3-Coder's XML calls (vLLM: ``qwen3_coder``): ``<tool_call><function=NAME>
-    <parameter=KEY>VALUE</parameter>...</function></tool_call>``; a value that parses as JSON
-    (a number, a list, ``true``) is taken as such, else as a string."""
-
-    name, start = "qwen3_coder", "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
-    _PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-
-    def extract(self, text):
-        if self.start not in text:
-            return text, []
-        calls = []
-        for name, body in self._CALL.findall(text):
-            args = {}
-            for key, raw in self._PARAM.findall(body):
-                try:
-                    args[key] = json.loads(raw)
-                except ValueError:
-                    args[key] = raw
-            calls.append(ParsedToolCall(name, json.dumps(args, ensure_ascii=False)))
-        if not calls:
-            return text, []
-        content = text[:text.index(self.start)].strip()
-        return content or None, calls
 
 
-#: ``tool_call_parser`` name -> parser (vLLM's names).
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
-                                                                  MistralToolParser, Qwen3CoderToolParser)}
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    """Raises: ValueError for a name not in :data:`TOOL_PARSERS`."""
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool_call_parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name]()
 
 
 class StreamingToolText:

@@ -1,17 +1,12 @@
 """The replica's view of the engine's outputs: each ``RequestOutput`` of a request as the
-:class:`~deployments.server_types.GenerationChunk` callers get (:class:`ChunkBuilder`), and the
+:class:`~deployments.contract.types.GenerationChunk` callers get (:class:`ChunkBuilder`), and the
 timings of recently finished requests (:class:`RecentRequests`); and the merge of several
 chunk streams as they come (:func:`merge_streams`: a replica's ``n`` choices, the gateway's
 prompts of one completions request)."""
 from __future__ import annotations
 
-import asyncio
-import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator
-from typing import Any
 
-from deployments.server_types import GenerationChunk, TokenLogprob, TopLogprob
+from deployments.contract.types import GenerationChunk, TokenLogprob, TopLogprob
 
 
 def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -95,68 +90,7 @@ class ChunkBuilder:
         return chunk
 
 
-class RecentRequests:
-    """Engine-side timings (``time.time()`` seconds) and token counts of the last ``limit``
-    finished requests, by request id."""
-
-    def __init__(self, limit: int = 4096):
-        self.limit = limit
-        self.by_id: OrderedDict[str, dict[str, float | None]] = OrderedDict()
-
-    def add(self, out) -> None:
-        """Record a finished ``engine.RequestOutput``."""
-        m = out.metrics
-        self.by_id[out.request_id] = {
-            "arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
-            "first_token_time": m.first_token_time, "finished_time": m.finished_time,
-            "engine_ttft_s": m.ttft, "num_prompt_tokens": len(out.prompt_token_ids),
-            "num_output_tokens": len(out.outputs[0].token_ids), "num_cached_tokens": m.num_cached_tokens}
-        while len(self.by_id) > self.limit:
-            self.by_id.popitem(last=False)
-
-    def get(self, request_ids: list[str] | None = None) -> dict[str, dict]:
-        """Those of ``request_ids`` still held (all when None)."""
-        if request_ids is None:
-            return dict(self.by_id)
-        return {r: self.by_id[r] for r in request_ids if r in self.by_id}
 
 
-async def merge_streams(gens: list) -> AsyncIterator[tuple[int, Any]]:
-    """``(index in gens, item)`` of several async generators, as the items come; the first
-    exception one of them raises is raised here. Leaving early (or an error) cancels the
-    others, each closed, so a generator's cleanup (an engine abort) runs before this returns."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, gen):
-        try:
-            async for item in gen:
-                await queue.put((i, item, None))
-        except Exception as e:  # raised to the reader below
-            await queue.put((i, None, e))
-        finally:
-            await gen.aclose()
-            queue.put_nowait((i, None, None))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(gens)
-        while left:
-            i, item, err = await queue.get()
-            if err is not None:
-                raise err
-            if item is None:
-                left -= 1
-                continue
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def next_before(stream, deadline: float | None):
-    """The stream's next item, or ``TimeoutError`` once ``time.monotonic()`` passes ``deadline``."""
-    if deadline is None:
-        return await anext(stream)
-    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-        return await anext(stream)

@@ -23,6 +23,8 @@ from engine.sampling_params import SamplingParams
 
 #: The most choices one request may ask for (``n``, ``best_of``).
 MAX_N = 128  # OpenAI's limit
+#: The most inputs of one embeddings request (OpenAI's limit).
+MAX_EMBEDDING_INPUTS = 2048
 
 #: Error codes of :class:`GenerationError` and the HTTP status each maps to.
 ERROR_STATUS = {

@@ -9,24 +9,24 @@ prompts no replica has seen, Serve's power of two choices on queue length decide
 What is hashed, and where
 -------------------------
 A prefix is identified exactly as the engine's prefix cache identifies it: the chained block
-hashes of :func:`deployments.prefix_report.block_hashes` (vLLM's automatic prefix caching's
+hashes of :func:`deployments.contract.prefix.block_hashes` (vLLM's automatic prefix caching's
 ``hash_block`` over the prompt's token ids), up to ``max_prefix_tokens``.
 
-* Replica side (:mod:`deployments.prefix_report`): each replica reports the hashes of the
+* Replica side (:mod:`deployments.contract.prefix`): each replica reports the hashes of the
   prompts it served recently, its model folder and a tokenizer probe; Serve's controller
   broadcasts the reports to every router.
 * Router side (:class:`PrefixAwareRouter`): a request's prompt is tokenized with the model's
   own tokenizer (loaded once per router, off the event loop, from the folder the replicas
   report or the ``tokenizer`` kwarg), chat messages rendered with the model's chat template as
   the engine renders them, and hashed the same way
-  (:class:`~deployments.prefix_hasher.PrefixHasher`). A tokenizer probe
-  (:data:`~deployments.prefix_report.PROBE_TEXT`, :data:`~deployments.prefix_report.PROBE_MESSAGES`)
+  (:class:`~deployments.routing.prefix_hasher.PrefixHasher`). A tokenizer probe
+  (:data:`~deployments.contract.prefix.PROBE_TEXT`, :data:`~deployments.contract.prefix.PROBE_MESSAGES`)
   checks that router and engine get the same ids; if not, text prompts fall back to power of
   two choices (a warning says so). Token-id prompts need no tokenizer. The router also keeps
   its own recent history (hash -> replica it routed to), which covers the seconds before the
   replicas' next report.
 
-Cost per request: see :mod:`deployments.prefix_hasher` (tokenization is bounded and its
+Cost per request: see :mod:`deployments.routing.prefix_hasher` (tokenization is bounded and its
 hashes cached; ~0.03 ms for a prompt whose leading text was seen before).
 
 Compared with Ray's ``PrefixCacheAffinityRouter`` (``ray.serve.llm``): that router keeps a
@@ -50,14 +50,14 @@ from typing import Any
 
 from ray.serve.request_router import MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
-from deployments.prefix_hasher import PrefixHasher
-from deployments.prefix_report import MAX_PREFIX_TOKENS, for_adapter
-from deployments.server_types import GenerateRequest
+from deployments.contract.prefix import MAX_PREFIX_TOKENS, for_adapter
+from deployments.contract.types import GenerateRequest
+from deployments.routing.prefix_hasher import PrefixHasher
 
 logger = logging.getLogger("ray.serve")
 
 #: ``LLMServer`` methods whose requests carry a prompt to route by: ``stream`` (the gateway's,
-#: a :class:`~deployments.server_types.GenerateRequest`), ``generate`` and ``complete``
+#: a :class:`~deployments.contract.types.GenerateRequest`), ``generate`` and ``complete``
 #: (Python-handle callers: the prompt, then keyword arguments).
 ROUTED_METHODS = ("stream", "generate", "complete")
 
@@ -419,5 +419,5 @@ def router_config(block_size: int, imbalance_margin: int, tokenizer: str | None 
     kwargs: dict[str, Any] = {"block_size": block_size, "imbalance_margin": imbalance_margin}
     if tokenizer:
         kwargs["tokenizer"] = tokenizer
-    return {"request_router_class": "deployments.prefix_router:PrefixAwareRouter", "request_router_kwargs": kwargs,
+    return {"request_router_class": "deployments.routing.prefix_router:PrefixAwareRouter", "request_router_kwargs": kwargs,
             "request_routing_stats_period_s": stats_period_s}

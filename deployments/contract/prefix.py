@@ -1,5 +1,5 @@
 """What an ``LLMServer`` replica reports to the prefix-aware router
-(:mod:`deployments.prefix_router`), and the prefix hashes both sides compute.
+(:mod:`deployments.routing.prefix_router`), and the prefix hashes both sides compute.
 
 A prefix is identified exactly as the engine's prefix cache identifies it: the chained block
 hash of ``engine.kv_cache_manager.hash_block`` (vLLM's automatic prefix caching) over the
@@ -22,8 +22,6 @@ Python's ``hash`` of a tuple of ints does not depend on ``PYTHONHASHSEED``, so e
 give equal hashes in every process of a cluster running one Python version.
 """
 from __future__ import annotations
-
-from collections import OrderedDict
 
 from engine.kv_cache_manager import NONE_HASH, hash_block
 
@@ -69,31 +67,3 @@ def tokenizer_probe(encode_text, encode_chat) -> list[int | None]:
     return out
 
 
-class RecentPrefixes:
-    """A replica's recently served prompt prefixes: chained block hashes in an LRU of at most
-    ``limit`` entries (the most recently used last). Not thread-safe: use it from one event loop.
-
-    Args:
-        block_size: the engine's tokens per KV block.
-        limit: most hashes kept (and reported).
-        max_tokens: deepest prefix recorded per prompt, tokens.
-
-    Raises:
-        ValueError: a bound below 1.
-    """
-
-    def __init__(self, block_size: int, limit: int = REPORTED_HASHES, max_tokens: int = MAX_PREFIX_TOKENS):
-        if min(block_size, limit, max_tokens) < 1:
-            raise ValueError(f"block_size, limit and max_tokens must be >= 1, got {block_size}, {limit}, {max_tokens}")
-        self.block_size, self.limit, self.max_blocks = block_size, limit, max(1, max_tokens // block_size)
-        self._lru: OrderedDict[int, None] = OrderedDict()
-
-    def add(self, token_ids: list[int], adapter: str | None = None) -> None:
-        for h in for_adapter(block_hashes(token_ids, self.block_size, self.max_blocks), adapter):
-            self._lru[h] = None
-            self._lru.move_to_end(h)
-        while len(self._lru) > self.limit:
-            self._lru.popitem(last=False)
-
-    def report(self) -> list[int]:
-        return list(self._lru)

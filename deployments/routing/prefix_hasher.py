@@ -1,12 +1,12 @@
 """The router side's prefix hashes: :class:`PrefixHasher` turns a request's prompt into the
 chained block hashes the engine's prefix cache would compute for it
-(:func:`deployments.prefix_report.block_hashes`), for the prefix-aware router
-(:mod:`deployments.prefix_router`).
+(:func:`deployments.contract.prefix.block_hashes`), for the prefix-aware router
+(:mod:`deployments.routing.prefix_router`).
 
 Text is tokenized with the model's own tokenizer, chat messages rendered with the model's chat
 template as the engine renders them (``prepare_messages``, the generation prompt, no added
 special tokens); token-id prompts are hashed as they are. :meth:`PrefixHasher.probe` gives the
-tokenizer probe (:func:`deployments.prefix_report.tokenizer_probe`) that the router compares
+tokenizer probe (:func:`deployments.contract.prefix.tokenizer_probe`) that the router compares
 with the replicas' report.
 
 Cost per request: text is tokenized only up to a power-of-two number of characters
@@ -19,12 +19,11 @@ across the cut could change them). Measured on this 2-core CPU (SmolLM2 tokenize
 """
 from __future__ import annotations
 
-from typing import Any
-
 import logging
 from collections import OrderedDict
+from typing import Any
 
-from deployments.prefix_report import MAX_PREFIX_TOKENS, block_hashes, tokenizer_probe
+from deployments.contract.prefix import MAX_PREFIX_TOKENS, block_hashes, tokenizer_probe
 
 logger = logging.getLogger("ray.serve")
 

@@ -1,0 +1,14 @@
+"""The contract between the walls of deployments/: what the gateway side (gateway/, cache/,
+limits/, routing/) and the replica side (replica/) both read, so neither imports the other.
+
+- :mod:`~deployments.contract.types`: what crosses the Ray hop (``GenerateRequest``,
+  ``GenerationChunk``, ``ServerInfo``, ...);
+- :mod:`~deployments.contract.streams`: consuming the replica's chunk streams;
+- :mod:`~deployments.contract.prefix`: the prefix hashes a replica reports and a router computes;
+- :mod:`~deployments.contract.adapters`: LoRA adapters as both sides know them (flag, registry);
+- :mod:`~deployments.contract.openai_requests`, :mod:`~deployments.contract.openai_errors`: the
+  OpenAI wire format (request bodies, error bodies).
+
+Rule (tests/test_architecture.py): contract/ imports nothing from the other folders of
+deployments/. Nothing is imported here.
+"""
