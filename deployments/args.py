@@ -29,7 +29,8 @@ APP_NAME = "kvserve"
 #: ``{field: (default, reason)}``. Everything else is the engine's own default.
 SERVING_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
     "max_num_seqs": (64, "a replica's inter-token latency grows with its batch (a 64-request CPU decode step "
-                         "is ~0.1 s on the 2-core box, benchmarks/results/step_times.json); past that the autoscaler adds replicas instead of deepening one"),
+                         "is slow on a small CPU, benchmarks/step_times.py); past that the autoscaler adds replicas "
+                         "instead of deepening one"),
     "scheduling_policy": ("priority", "per-API-key priorities reach the scheduler (equal priorities run in "
                                       "arrival order, as fcfs)"),
 }

@@ -16,11 +16,11 @@ with the exact-cache entry of the similar request. The vectors are per ingress r
 answers they point to are in the exact backend (so a ``DELETE /v1/cache`` on a shared Redis
 reaches every replica's semantic level too: its vectors then point at nothing and are dropped).
 
-Threshold 0.92: on the 26 hand-written paraphrase pairs and 24 near-miss pairs (same template,
-different answer) of ``benchmarks/cache.py``, 0.92 kept 62 % of paraphrases and let through one
-near miss ("Celsius to Fahrenheit" / "Fahrenheit to Celsius": 0.995, no threshold separates a
-direction swap); 0.90 keeps 88 % but sits 0.04 above the next near miss (0.862). A wrong answer
-costs more than a miss, and the semantic level is opt-in for that reason.
+The default threshold was chosen on the hand-written paraphrase and near-miss pairs (same
+template, different answer) of ``benchmarks/cache.py`` (``benchmarks/results/cache.json``): a
+lower one keeps more paraphrases but comes close to letting near misses through, and some near
+misses (a direction swap, "Celsius to Fahrenheit" / "Fahrenheit to Celsius") no threshold
+separates. A wrong answer costs more than a miss, and the semantic level is opt-in for that reason.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ request crosses to a replica.
 Under a flood (thousands of streams at once) every refusal that crosses the gateway's handle to
 a replica costs the same cores the engine runs on: Serve's router probes full replicas over and
 over (each probe an actor call the replica answers with a rejection) and the replica's admission
-answers each request that gets in. Measured on the 2-core box with 2,000 streams: 10,740 replica
-rejections for 1,871 refused requests, and refusals that took 30 s (p50) to arrive.
+answers each request that gets in: many replica rejections per refused request, and refusals
+that arrive late (measured by ``benchmarks/sse_flood.py``).
 
 :class:`LoadShedder` keeps, per model, how many requests this gateway replica has open to it.
 When a replica (or Serve's bounded handle queue) refuses one as full, that count is the model's

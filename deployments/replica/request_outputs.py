@@ -34,8 +34,8 @@ def stream_interval(setting: int, in_flight: int) -> int:
     0 (auto) gives ``1 + in_flight // STREAMS_PER_STEP``: every token while fewer than
     :data:`STREAMS_PER_STEP` requests are in flight on the replica, then about that many messages
     per engine step however many run. Each message costs CPU in the replica, the gateway and
-    Serve's proxy while the next step computes; on the 2-core box such work stretched the forward
-    pass (docs/known-limits.md, "The serving path")."""
+    Serve's proxy while the next step computes, and on a small CPU such work stretches the
+    forward pass (docs/known-limits.md, "The serving path")."""
     return setting if setting >= 1 else 1 + in_flight // STREAMS_PER_STEP
 
 

@@ -13,9 +13,8 @@ Cost per request: text is tokenized only up to a power-of-two number of characte
 (:data:`_LEVEL0_CHARS` ... ``4 * max_prefix_tokens``), and the hashes of that leading text are
 cached (LRU), so requests that share a system prompt tokenize nothing after the first; tokens
 whose characters end within :data:`_CUT_MARGIN_CHARS` of the cut are dropped (a BPE merge
-across the cut could change them). Measured on this 2-core CPU (SmolLM2 tokenizer, a
-512-token system prompt plus a short user turn): ~0.5 ms uncached, ~0.03 ms cached
-(``tests/e2e/test_router.py``, ``benchmarks/routing.py``).
+across the cut could change them). The cost, uncached and cached, is measured by
+``benchmarks/routing.py``.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ hashes of :func:`deployments.contract.prefix.block_hashes` (vLLM's automatic pre
   replicas' next report.
 
 Cost per request: see :mod:`deployments.routing.prefix_hasher` (tokenization is bounded and its
-hashes cached; ~0.03 ms for a prompt whose leading text was seen before).
+hashes cached, so a prompt whose leading text was seen before costs a lookup).
 
 Compared with Ray's ``PrefixCacheAffinityRouter`` (``ray.serve.llm``): that router keeps a
 character-level prefix tree of prompt text in one detached actor, queried with a blocking
