@@ -29,7 +29,8 @@ import hashlib
 import json
 from typing import Any
 
-from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from deployments.contract.openai_messages import NamedToolChoice
+from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
 
 #: Request fields that never change the generated text: left out of the key. Every other
 #: declared field of the request models is part of it.

@@ -21,12 +21,12 @@ and clients.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.contract.openai_errors import OpenAIError
+from deployments.contract.openai_messages import ChatMessage, NamedToolChoice, ToolDef
 from deployments.contract.types import MAX_N
 from engine.sampling_params import SamplingParams
 
@@ -248,93 +248,20 @@ def unknown_fields(body: BaseModel) -> list[str]:
     return sorted(set(names))
 
 
-# ---- chat completions ---------------------------------------------------------------------
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
 
 
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(BaseModel):
-    """An assistant message's tool call (history sent back by the client)."""
-
-    model_config = ConfigDict(extra="allow")
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
-class ToolDef(BaseModel):
-    type: Literal["function"]
-    function: FunctionDef
 
 
-class NamedToolChoice(BaseModel):
-    class _Name(BaseModel):
-        name: str
-
-    type: Literal["function"] = "function"
-    function: _Name
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, v):
-        if isinstance(v, list):
-            for p in v:
-                if p.type != "text" or p.text is None:
-                    raise ValueError(f"only text content parts are supported, got type {p.type!r}")
-        return v
-
-    def to_template(self) -> dict[str, Any]:
-        """The message as chat templates take it (transformers' convention): text content,
-        and tool calls with ``arguments`` as a dict (OpenAI sends a JSON string)."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text or "" for p in content)
-        d: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name:
-            d["name"] = self.name
-        if self.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments_dict(c.function.arguments)}}
-                for c in self.tool_calls]
-        if self.tool_call_id:
-            d["tool_call_id"] = self.tool_call_id
-        return d
 
 
-def _arguments_dict(arguments: str | dict) -> dict:
-    """A tool call's arguments as a dict (a JSON string that is not an object is kept under
-    ``"value"``, so the history still reaches the model)."""
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        v = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
-        return {"value": arguments}
-    return v if isinstance(v, dict) else {"value": v}
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -18,7 +18,8 @@ from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkChoic
 from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageFunctionToolCall, Function
 from openai.types.chat.chat_completion_token_logprob import TopLogprob as OpenAITopLogprob
 
-from deployments.contract.openai_requests import ChatCompletionRequest, NamedToolChoice
+from deployments.contract.openai_messages import NamedToolChoice
+from deployments.contract.openai_requests import ChatCompletionRequest
 from deployments.contract.types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
 from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
 from deployments.gateway.errors import failed

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.contract.openai_requests import ChatMessage, ToolDef
+from deployments.contract.openai_messages import ChatMessage, ToolDef
 from deployments.gateway.core import Gateway
 
 

@@ -19,8 +19,8 @@ from helpers import DONE, iter_sse
 from deployments.routing.prefix_hasher import PrefixHasher
 from deployments.contract.prefix import PROBE_MESSAGES, PROBE_TEXT, block_hashes, tokenizer_probe
 from deployments.replica.prefix_report import RecentPrefixes
-from deployments.routing.prefix_router import (PrefixAwareRouter, least_cached, longest_match, match_depths,
-                                               preferred_replicas, router_config)
+from deployments.routing.prefix_router import PrefixAwareRouter, router_config
+from deployments.routing.prefix_scoring import least_cached, longest_match, match_depths, preferred_replicas
 
 
 # ---- hashes: the engine's own --------------------------------------------------------------
