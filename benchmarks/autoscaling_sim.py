@@ -6,9 +6,9 @@ vs a fixed fleet sized for the peak.
 A benchmark tool, not part of the policy package: it imports ``autoscaling`` (the policy under
 test) and Ray Serve's private wrapper functions; nothing in ``autoscaling/`` imports it.
 
-Writes ``autoscaling.json`` (parameters, per-policy results, down-sampled time series),
-``autoscaling.png`` (offered load, replicas and queue over time) and
-``autoscaling_table.md`` (the comparison table) under ``--out``.
+Writes ``autoscaling.json`` (parameters, per-policy results, down-sampled time series; its
+comparison table is its ``tables``, from :func:`figures`) and ``autoscaling.png`` (offered load,
+replicas and queue over time) under ``--out``, and prints the comparison table.
 
 Model (discrete time, ``--dt`` seconds per tick, default 0.5):
 
@@ -62,7 +62,7 @@ from autoscaling import signals as sig  # noqa: E402
 from autoscaling.decision import logger as decision_logger  # noqa: E402
 from autoscaling.policy import KVServeAutoscalingPolicy  # noqa: E402
 from autoscaling.settings import KVServeAutoscalingConfig  # noqa: E402
-from benchmarks.common import Results  # noqa: E402
+from benchmarks.common import Figures, Results  # noqa: E402
 
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
 RESULT_KEYS = ("profile", "trace", "seeds", "requests", "base_rate_req_s", "dt_s", "max_replicas", "initial_replicas",
@@ -880,6 +880,36 @@ def run_all(profile: ReplicaProfile, spec: TraceSpec, *, dt: float, max_replicas
     }
 
 
+def figures(r: dict) -> Figures:
+    """The file's summary and comparison table (``benchmarks.common.Figures``), from its results."""
+    f = Figures()
+    res = {x["policy"]: x for x in r["results"]}
+    ours, serve = res.get("kvserve"), res.get("request_default")
+    if ours and serve:
+        f.summary(f"autoscaling (simulated, profile {r['profile']['name']}): replica-seconds, kvserve / Serve's "
+                  "request-based policy with default delays", ours["replica_seconds"] / serve["replica_seconds"], "x",
+                  headline=True)
+        f.summary("SLO attainment, kvserve", ours["overall"]["slo_attainment"] * 100, "%")
+        f.summary("SLO attainment, Serve's request-based policy with default delays",
+                  serve["overall"]["slo_attainment"] * 100, "%")
+
+    def pct(x):
+        return None if x is None else x * 100
+
+    phases = ("overall", "diurnal", "spike", "long_prompt")
+    f.table("Policies", ["policy", "replica-s", "mean replicas", "scale events"]
+            + [f"SLO {p.replace('_', '-')} (%)" for p in phases]
+            + [f"TTFT p99 {p.replace('_', '-')} (s)" for p in phases[1:]],
+            [[x["label"], x["replica_seconds"], x["mean_replicas"], x["scale_events"]]
+             + [pct(x[p].get("slo_attainment")) for p in phases] + [x[p].get("ttft_p99_s") for p in phases[1:]]
+             for x in r["results"]],
+            note=f"Profile `{r['profile']['name']}`; TTFT SLO {r['ttft_slo_s']} s; {len(r['seeds'])} trace seeds, "
+                 f"{r['requests']} requests in all. Replica-seconds (start-up and draining included), mean replicas "
+                 "and scale events are per trace (mean over seeds); SLO attainment and TTFT p99 pool all requests. "
+                 "Replica profile: " + ", ".join(f"{k} {v}" for k, v in r["profile"].items() if k != "name") + ".")
+    return f
+
+
 def markdown_table(report: Dict[str, Any]) -> str:
     slo = report["ttft_slo_s"]
     lines = [
@@ -990,12 +1020,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     suffix = "_gpu" if args.gpu_profile else ""
     prov.write(os.path.join(args.out, f"autoscaling{suffix}.json"), report, indent=1, default=float)
-    table = markdown_table(report)
-    with open(os.path.join(args.out, f"autoscaling{suffix}_table.md"), "w") as f:
-        f.write(table)
     plot(report, os.path.join(args.out, f"autoscaling{suffix}.png"))
-    print(table)
-    print(f"wall {report['wall_s']} s; wrote {args.out}/autoscaling{suffix}.{{json,png}} and _table.md")
+    print(markdown_table(report))
+    print(f"wall {report['wall_s']} s; wrote {args.out}/autoscaling{suffix}.{{json,png}}")
     return 0
 
 

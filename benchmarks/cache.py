@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.common import Results, local_serve, percentile, pyplot  # noqa: E402
+from benchmarks.common import Figures, Results, local_serve, percentile, pyplot  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("benchmark", "parts", "started", "index", "threshold", "live", "targets")
@@ -182,9 +182,9 @@ def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int =
 
 # ---- 2. threshold --------------------------------------------------------------------------------
 def bench_threshold() -> dict:
-    from deployments.cache.semantic import Embedder
+    from deployments.contract.encoder import SentenceEncoder
 
-    emb = Embedder(num_threads=1)
+    emb = SentenceEncoder(num_threads=1)
 
     def sims(pairs):
         a = emb.embed([p[0] for p in pairs])
@@ -437,6 +437,41 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
+    f, t = Figures(), r.get("targets", {})
+    live, th, idx = r.get("live"), r.get("threshold"), r.get("index")
+    if live:
+        hr = live["hit_rates"]
+        f.summary("exact hit, JSON, p50 end to end", live["exact_hit_e2e_ms"]["p50"], "ms", target="< 5 ms",
+                  met=t.get("exact_hit_p50_ms < 5"), headline=True)
+        f.summary("semantic hit p50 end to end", live["semantic_hit_e2e_ms"].get("p50"), "ms", target="< 25 ms",
+                  met=t.get("semantic_hit_p50_ms < 25"))
+        f.summary("TTFT added by a miss, median over pairs", live["miss_added_ttft_ms"]["median"], "ms",
+                  target="< 2 ms", met=t.get("miss_added_ttft_ms < 2"))
+        f.summary("exact hit, streamed, p50 end to end", live["exact_hit_stream_e2e_ms"]["p50"], "ms")
+        f.summary("a POST that only fails validation, p50 (Serve proxy floor)", live["http_floor_post_400_ms"]["p50"],
+                  "ms")
+        f.summary("GET /v1/models p50", live["http_floor_get_models_ms"]["p50"], "ms")
+        f.summary("TTFT added by a semantic miss, median", live["semantic_miss_added_ttft_ms"]["median"], "ms")
+        f.summary("repeats answered by the exact level", hr["repeats_exact_hit_rate"] * 100, "%")
+        f.summary("paraphrases answered by the semantic level", hr["paraphrases_semantic_hit_rate"] * 100, "%")
+        f.summary("hits among unique questions", hr["unique_hits"])
+        f.table("Requests of the hit-rate workload", ["kind", "requests", "outcomes"],
+                [[k, n, ", ".join(f"{o}: {c}" for o, c in hr["outcomes"].get(k, {}).items())]
+                 for k, n in hr["requests"].items()])
+    if th:
+        f.summary("embedding of one sentence, one thread, p50", th["embed_one_sentence_ms"]["p50"], "ms")
+        f.table("Semantic threshold sweep", ["threshold", "paraphrases that hit (%)", "near misses that would hit (%)"],
+                [[k, x["paraphrase_recall"] * 100, x["near_miss_accepted"] * 100] for k, x in th["sweep"].items()],
+                note=th.get("note"))
+    if idx:
+        f.table("Vector index: one lookup", ["index", "p50 (ms)", "p99 (ms)"],
+                [[k, x["p50"], x["p99"]] for k, x in idx.items() if isinstance(x, dict) and "p50" in x],
+                note=f"Among {idx.get('entries')} vectors of {idx.get('dim')} dimensions.")
+    return f
 
 
 def main(argv: list[str] | None = None) -> dict:

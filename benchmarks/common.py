@@ -13,12 +13,26 @@ average before and after) and refuses a key the script did not declare.
 ``tests/test_results_provenance.py`` checks every committed file against its script's
 declaration with :func:`check_results`.
 
+Every results file also follows one schema (:data:`SCHEMA_KEYS`), which ``docs/hooks.py`` renders
+with one generic renderer: ``summary``, rows of ``{metric, value, unit, target, met}`` (optionally
+``headline: true``: the row also goes into the benchmarks page's headline table), and ``tables``,
+each ``{title, columns, rows}`` (optionally ``note``). A script does not write them itself: it
+defines a module-level ``figures(result) -> Figures`` that derives them from the measured values,
+and :meth:`Results.write` runs it. ``figures`` may use only builtins and this module's names
+(:func:`figures_function` compiles it alone from the script's source), so the migration of old
+files (``benchmarks/migrate_results.py``) and the tests can derive a file's schema again without
+the script's dependencies (torch, Ray), and a file whose schema differs from its script's
+derivation fails the tests: no figure is typed by hand.
+
 Each script in ``benchmarks/`` keeps only what is its own. They run as scripts
 (``python benchmarks/throughput.py``) and put the repository root on ``sys.path`` before
 importing this module.
 """
 from __future__ import annotations
 
+import __future__
+import ast
+import builtins
 import contextlib
 import itertools
 import json
@@ -33,7 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -273,10 +287,173 @@ def _command() -> str:
     return shlex.join([str(exe), *argv])
 
 
+# ---- the schema: what every results file shows ------------------------------------------------------
+#: Top-level keys every results file has beside provenance and its script's own keys; the
+#: script's ``figures(result)`` derives them from the measured values (:class:`Figures`).
+SCHEMA_KEYS = ("summary", "tables")
+#: Keys of a ``summary`` row (``headline`` is optional).
+SUMMARY_KEYS = ("metric", "value", "unit", "target", "met")
+#: Keys of a table (``note`` is optional).
+TABLE_KEYS = ("title", "columns", "rows")
+#: Set by ``benchmarks/migrate_results.py`` on a file measured before the schema: the command
+#: that added ``summary`` / ``tables`` (derived from the measured values, nothing re-measured).
+MIGRATION_KEY = "schema_migrated_by"
+
+
+class Figures:
+    """A results file's ``summary`` rows and ``tables`` (:data:`SCHEMA_KEYS`), built by a script's
+    ``figures(result)``. Values stay as measured (the page rounds them); a cell or value is a
+    scalar (str, number, bool, None) or a list of numbers (a load average). A table without rows
+    is left out, so an optional part of a run that did not happen adds nothing."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.tables: list[dict] = []
+
+    def summary(self, metric: str, value: Any, unit: str | None = None, *, target: str | None = None,
+                met: bool | None = None, headline: bool = False) -> "Figures":
+        """One figure: ``metric`` (what, in words), ``value`` in ``unit``, the ``target``
+        it is held to (text, None: none) and whether it ``met`` it; ``headline``: also shown in
+        the benchmarks page's headline table."""
+        row = {"metric": metric, "value": value, "unit": unit, "target": target,
+               "met": None if met is None else bool(met)}
+        if headline:
+            row["headline"] = True
+        self.rows.append(row)
+        return self
+
+    def targets(self, targets: Any, done: Iterable[str] = ()) -> "Figures":
+        """A row per entry of a result's ``targets`` record (``{what: met}``) not in ``done``
+        (those a :meth:`summary` row already shows with its value)."""
+        for name, met in (targets or {}).items():
+            if name not in done and isinstance(met, (bool, type(None))):
+                self.summary(name, met, met=met)
+        return self
+
+    def table(self, title: str, columns: Iterable[str], rows: Iterable[Iterable[Any]], *,
+              note: str | None = None) -> "Figures":
+        """A table: ``columns`` (headers) and ``rows`` (one cell per column); ``note``: a line of
+        prose shown under its title (the workload, how to read it)."""
+        rows = [list(r) for r in rows]
+        if rows:
+            t = {"title": title, "columns": list(columns), "rows": rows}
+            if note:
+                t["note"] = note
+            self.tables.append(t)
+        return self
+
+    def as_dict(self) -> dict:
+        return {"summary": self.rows, "tables": self.tables}
+
+
+def _is_cell(v: Any) -> bool:
+    return (v is None or isinstance(v, (str, int, float, bool))
+            or (isinstance(v, list) and all(isinstance(x, (int, float, str)) or x is None for x in v)))
+
+
+def check_schema(data: Any) -> list[str]:
+    """What is wrong with a results file's ``summary`` and ``tables`` (empty: nothing): missing,
+    malformed, or both empty."""
+    if not isinstance(data, dict):
+        return [f"not a JSON object but {type(data).__name__}"]
+    problems = [f"no {k!r} (the results schema: benchmarks.common.Figures)" for k in SCHEMA_KEYS if k not in data]
+    summary, tables = data.get("summary", []), data.get("tables", [])
+    if not isinstance(summary, list):
+        return problems + ["summary is not a list"]
+    if not isinstance(tables, list):
+        return problems + ["tables is not a list"]
+    for i, row in enumerate(summary):
+        where = f"summary[{i}]"
+        if not isinstance(row, dict):
+            problems.append(f"{where} is not a record")
+            continue
+        keys = set(row) - {"headline"}
+        if keys != set(SUMMARY_KEYS):
+            problems.append(f"{where} has keys {sorted(row)}, not {list(SUMMARY_KEYS)} (+ headline)")
+            continue
+        if not (isinstance(row["metric"], str) and row["metric"]):
+            problems.append(f"{where}: metric is {row['metric']!r}")
+        if not _is_cell(row["value"]):
+            problems.append(f"{where}: value {row['value']!r} is not a scalar")
+        for k in ("unit", "target"):
+            if row[k] is not None and not isinstance(row[k], str):
+                problems.append(f"{where}: {k} is {row[k]!r}, not text or null")
+        if row["met"] is not None and not isinstance(row["met"], bool):
+            problems.append(f"{where}: met is {row['met']!r}, not true / false / null")
+        if "headline" in row and not isinstance(row["headline"], bool):
+            problems.append(f"{where}: headline is {row['headline']!r}")
+    for i, t in enumerate(tables):
+        where = f"tables[{i}]"
+        if not isinstance(t, dict) or not set(TABLE_KEYS) <= set(t) or set(t) - set(TABLE_KEYS) - {"note"}:
+            problems.append(f"{where} is not a record of {list(TABLE_KEYS)} (+ note)")
+            continue
+        if not isinstance(t["title"], str) or not isinstance(t.get("note", ""), str):
+            problems.append(f"{where}: title or note is not text")
+        cols = t["columns"]
+        if not (isinstance(cols, list) and cols and all(isinstance(c, str) for c in cols)):
+            problems.append(f"{where}: columns are not a list of names")
+            continue
+        if not (isinstance(t["rows"], list) and t["rows"]):
+            problems.append(f"{where}: no rows")
+            continue
+        for j, r in enumerate(t["rows"]):
+            if not (isinstance(r, list) and len(r) == len(cols) and all(_is_cell(c) for c in r)):
+                problems.append(f"{where}.rows[{j}] is not {len(cols)} scalar cells")
+                break
+    if not problems and not summary and not tables:
+        problems.append("summary and tables are both empty")
+    return problems
+
+
+def measured_part(data: dict) -> dict:
+    """A results file's content without provenance, schema and migration keys: what its script's
+    ``figures`` reads."""
+    drop = set(PROVENANCE_KEYS) | set(SCHEMA_KEYS) | {MIGRATION_KEY}
+    return {k: v for k, v in data.items() if k not in drop}
+
+
+def figures_function(script: str | os.PathLike) -> Callable[[dict], Figures]:
+    """The script's module-level ``figures(result) -> Figures``, compiled alone from its source:
+    its globals are builtins and this module's names only (so it runs without the script's
+    imports). ValueError if the script has none."""
+    path = Path(script)
+    tree = ast.parse(path.read_text(), str(path))
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "figures"), None)
+    if fn is None:
+        raise ValueError(f"{path.name} defines no module-level figures(result) (benchmarks.common.Figures)")
+    code = compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    namespace = {k: v for k, v in globals().items() if not k.startswith("__")}
+    exec(code, namespace)
+    return namespace["figures"]
+
+
+def figures_free_names(script: str | os.PathLike) -> list[str]:
+    """Names the script's ``figures`` reads that neither it binds nor builtins or this module
+    define: each would be a NameError when :func:`figures_function` runs it."""
+    tree = ast.parse(Path(script).read_text())
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "figures"), None)
+    if fn is None:
+        return []
+    bound, loaded = set(), set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.FunctionDef) or (isinstance(node, ast.ExceptHandler) and node.name):
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+    known = set(dir(builtins)) | set(globals())
+    return sorted(loaded - bound - known)
+
+
 def check_results(data, declared_keys: Iterable[str]) -> list[str]:
     """What is wrong with a results file's content ``data`` against its script's
-    ``RESULT_KEYS`` (empty: nothing): a missing or malformed provenance key, or a top-level key
-    neither provenance nor declared by the script."""
+    ``RESULT_KEYS`` (empty: nothing): a missing or malformed provenance key, a top-level key
+    neither provenance, schema nor declared by the script, or a schema problem
+    (:func:`check_schema`)."""
     if not isinstance(data, dict):
         return [f"not a JSON object but {type(data).__name__}"]
     problems = [f"no {k!r}" for k in PROVENANCE_KEYS if k not in data]
@@ -296,42 +473,59 @@ def check_results(data, declared_keys: Iterable[str]) -> list[str]:
         v = data.get(k)
         if k in data and not (isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v)):
             problems.append(f"{k} is {v!r}, not the 1/5/15-minute load average")
-    extra = sorted(set(data) - set(PROVENANCE_KEYS) - set(declared_keys))
+    if MIGRATION_KEY in data and not (isinstance(data[MIGRATION_KEY], str) and data[MIGRATION_KEY].strip()):
+        problems.append(f"{MIGRATION_KEY} is {data[MIGRATION_KEY]!r}")
+    extra = sorted(set(data) - set(PROVENANCE_KEYS) - set(SCHEMA_KEYS) - {MIGRATION_KEY} - set(declared_keys))
     if extra:
         problems.append(f"keys its script does not declare in RESULT_KEYS: {extra}")
-    return problems
+    return problems + check_schema(data)
 
 
 class Results:
     """One run's results file. ``Results(__file__, RESULT_KEYS)`` when the script starts records
     the load average before, the command and the commit; :meth:`write` adds the machine and the
-    load average after, checks the keys (:func:`check_results`) and writes the file whole."""
+    load average after, the script's ``figures`` (``summary`` and ``tables``), checks the keys and
+    the schema (:func:`check_results`) and writes the file whole."""
 
     def __init__(self, script: str | os.PathLike, keys: Iterable[str]):
         path = Path(script).resolve()
+        self.path = path
         self.script = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
         self.keys = tuple(keys)
-        clash = sorted(set(self.keys) & set(PROVENANCE_KEYS))
+        clash = sorted(set(self.keys) & (set(PROVENANCE_KEYS) | set(SCHEMA_KEYS) | {MIGRATION_KEY}))
         if clash:
-            raise ValueError(f"{self.script}: RESULT_KEYS must not contain provenance keys {clash}")
+            raise ValueError(f"{self.script}: RESULT_KEYS must not contain provenance or schema keys {clash}")
         self.command = _command()
         self.commit = git_commit()
         self.loadavg_before = load_average()
 
     def stamp(self, result: dict) -> dict:
         """``result`` after the provenance keys (the load average after is taken now)."""
-        clash = sorted(set(result) & set(PROVENANCE_KEYS))
+        clash = sorted(set(result) & (set(PROVENANCE_KEYS) | set(SCHEMA_KEYS) | {MIGRATION_KEY}))
         if clash:
-            raise ValueError(f"{self.script}: the result sets provenance keys {clash}")
+            raise ValueError(f"{self.script}: the result sets provenance or schema keys {clash} "
+                             "(summary and tables come from the script's figures())")
         return {"script": self.script, "commit": self.commit, "machine": machine_info(), "command": self.command,
                 "loadavg_before": self.loadavg_before, "loadavg_after": load_average(), **result}
 
+    def figures(self, result: dict, default=None) -> dict:
+        """The script's ``figures`` (:func:`figures_function`) of ``result`` as it reads back from
+        JSON (so a later derivation from the file gives the same), as ``summary`` / ``tables``."""
+        measured = json.loads(json.dumps(result, default=default))
+        return figures_function(self.path)(measured).as_dict()
+
     def write(self, path: str | os.PathLike, result: dict, indent: int = 2, default=None) -> dict:
-        """Write ``result`` with its provenance to ``path`` and return what was written. A key
-        the script did not declare (or missing provenance) is refused: the file then goes to a
-        temporary path, named in the error, so a long run is not lost."""
+        """Write ``result`` with its provenance and its figures (:meth:`figures`) to ``path`` and
+        return what was written. A key the script did not declare, missing provenance, a
+        ``figures`` that fails or a schema problem is refused: the file then goes to a temporary
+        path, named in the error, so a long run is not lost."""
         out = self.stamp(result)
-        problems = check_results(out, self.keys)
+        try:
+            out.update(self.figures(result, default=default))
+            problems = []
+        except Exception as e:  # noqa: BLE001 - the run is kept, the error named
+            problems = [f"figures() failed: {type(e).__name__}: {e}"]
+        problems += check_results(out, self.keys)
         if problems:
             fd, tmp = tempfile.mkstemp(prefix=Path(path).stem + "-rejected-", suffix=".json")
             os.close(fd)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import engine.layers.linear as linear  # noqa: E402
-from benchmarks.common import Results, greedy, random_token_ids  # noqa: E402
+from benchmarks.common import Figures, Results, greedy, random_token_ids  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.llm_engine import StepFailedError  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
@@ -72,6 +72,16 @@ def main(mode: str) -> None:
     result.update(decode_step_ms_p50=1e3 * times[5], prefill_and_warmup_s=warm)
     print(json.dumps(result))
     save(prov, result)
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary (``benchmarks.common.Figures``), from its measured values."""
+    f = Figures()
+    what = f"{r['mode']}, cpu_linear={r['cpu_linear']}"
+    if "error" in r:
+        return f.summary(f"{what}: the engine step failed", r["error"])
+    f.summary(f"{what}: decode step p50, 64 requests", r["decode_step_ms_p50"], "ms")
+    return f.summary(f"{what}: prefill and warm-up", r["prefill_and_warmup_s"], "s")
 
 
 def save(prov: Results, result: dict) -> None:

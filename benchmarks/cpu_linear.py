@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import Results, add_model_arg  # noqa: E402
+from benchmarks.common import Figures, Results, add_model_arg  # noqa: E402
 from engine.config import cpu_native_bf16  # noqa: E402
 from engine.model_loader import load_config, resolve_model  # noqa: E402
 
@@ -89,6 +89,22 @@ def measure(named: dict[str, tuple[int, int]], dtype: torch.dtype, rows=ROWS) ->
         out[str(m)] = {k: round(v, 1) for k, v in row.items()}
         print(dtype, m, out[str(m)], flush=True)
     return out
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
+    f = Figures().summary("native bfloat16 on this CPU", r.get("native_bf16"))
+    shapes = ", ".join(f"{k} {v[0]}x{v[1]}" for k, v in r["layer_shapes"].items())
+    for dtype, parts in r["gflops"].items():
+        for part, per_rows in parts.items():
+            libs = []
+            for rec in per_rows.values():
+                libs += [lib for lib in rec if lib not in libs]
+            title = "decoder layer (its four matmuls summed)" if part == "decoder_layer" else part
+            f.table(f"{dtype}, {title}, GFLOP/s", ["rows"] + libs,
+                    [[n] + [rec.get(lib) for lib in libs] for n, rec in per_rows.items()],
+                    note=f"Shapes (out x in): {shapes}, LM head {r['lm_head'][0]}x{r['lm_head'][1]}.")
+    return f
 
 
 def main(argv=None) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, load_average, pyplot, resolve  # noqa: E402
+from benchmarks.common import Figures, Results, load_average, pyplot, resolve  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
@@ -80,7 +80,7 @@ def run_encoder(works: list[list[list[int]]], batch: int = 256) -> dict:
     ``serve.batch`` size: the inputs of one request reach one call)."""
     import torch
 
-    from deployments.embedding_server import EmbeddingServer
+    from deployments.replica.embedding_server import EmbeddingServer
 
     threads = torch.get_num_threads()
     srv = EmbeddingServer.func_or_class(torch_num_threads=threads)  # both cores, as vLLM has
@@ -115,6 +115,30 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f = Figures()
+    what = {"decoder": "embeddings of SmolLM2 (last-token pooling), inputs/s, kvserve engine / vLLM pooling runner",
+            "encoder": "embeddings of all-MiniLM-L6-v2, inputs/s, sentence-transformers / vLLM pooling runner"}
+    for x in r["runs"]:
+        if x["system"] == "kvserve" and "kvserve_over_vllm" in x:
+            f.summary(what.get(x["model"], x["model"]), x["kvserve_over_vllm"], "x", headline=True)
+    for m, c in (r.get("agreement_min_cosine") or {}).items():
+        f.summary(f"agreement with vLLM, {m}: the smallest cosine of the vectors over the first 8 inputs", c)
+    w = r["workload"]
+    note = (f"{w['num_inputs']} inputs of random token ids per run (decoder {w['decoder_lengths'][0]}.."
+            f"{w['decoder_lengths'][1]} tokens, encoder {w['encoder_lengths'][0]}..{w['encoder_lengths'][1]}), "
+            f"all at once, offline, {r['dtype']}; median of {w['repeats']} runs, each with fresh inputs.")
+    if r.get("vllm_version"):
+        note += f" vLLM {r['vllm_version']}."
+    if r.get("vllm_error"):
+        note += f" vLLM failed: {r['vllm_error']}"
+    f.table("Runs", ["system", "model", "inputs/s", "runs", "tokens/s", "kvserve / vLLM (x)", "load after"],
+            [[x["system"], r["models"][x["model"]], x["inputs_per_s"], x["runs_inputs_per_s"], x["tokens_per_s"],
+              x.get("kvserve_over_vllm"), x.get("load_average_after")] for x in r["runs"]], note=note)
+    return f
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-inputs", type=int, default=256)
@@ -125,10 +149,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
 
-    from deployments.cache.semantic import embedder_path
+    from deployments.contract.encoder import bundled_encoder_path
 
     dec_path, vocab = resolve(None)
-    enc_path = str(embedder_path())
+    enc_path = str(bundled_encoder_path())
     n, reps = a.num_inputs, a.repeats
     dec_works = [inputs(n, a.seed + i, (16, 256), vocab) for i in range(reps)]
     enc_works = [inputs(n, a.seed + 100 + i, (14, 198), 30522, frame=(101, 102)) for i in range(reps)]

@@ -62,6 +62,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import Figures  # noqa: E402
+
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
 RESULT_KEYS = ("gpu", "smoke", "device", "dtype", "kv_cache_dtype", "sms", "torch", "triton", "date",
                "copy_bandwidth_gbps", "args", "decode_attention", "prefill_attention", "engine_skipped",
@@ -636,6 +638,39 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     return _run(args, models, torch, smoke=False)
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and tables (``benchmarks.common.Figures``), from its measured values (a
+    run that stopped early has only its first parts)."""
+    f = Figures().summary("copy bandwidth", r["copy_bandwidth_gbps"], "GB/s")
+    kv = f"KV cache {r.get('kv_cache_dtype')}"
+    for x in r.get("throughput", []):
+        if "engine_tok_s" in x:
+            f.summary(f"{r['gpu']}, {x['model']} shape, nano-vllm workload ({r['dtype']}, {kv}): engine tok/s",
+                      x["engine_tok_s"], "tok/s", headline=x["model"] == "qwen3-0.6b")
+    dec = r.get("decode_attention", [])
+    f.table("Paged decode attention", ["shape", "batch", "context", "ours (ms)", "ours (GB/s)",
+                                       "of copy bandwidth (%)", "torch SDPA, contiguous K/V (ms)"],
+            [[x["shape"], x["batch"], x["ctx"], x["ms"], x["gbps"], x["frac_of_copy_bw"] * 100, x["sdpa_ms"]]
+             for x in dec], note=f"Random-weight models of the real shapes, {r['dtype']}, {kv}.")
+    f.table("Varlen causal prefill attention", ["shape", "batch", "context", "ours (TFLOP/s)", "torch SDPA (TFLOP/s)"],
+            [[x["shape"], x["batch"], x["ctx"], x["tflops"], x["sdpa_tflops"]] for x in r.get("prefill_attention", [])])
+    f.table("Engine batch-1 decode against the HBM floor", ["model", "mode", "ms/token", "HBM floor (ms)",
+                                                            "skipped or failed"],
+            [[x["model"], "graphs" if x.get("cuda_graphs") else "eager", x.get("ms_per_token"), x.get("hbm_floor_ms"),
+              x.get("skipped") or x.get("error")] for x in r.get("engine_decode", [])],
+            note="The HBM floor: weight bytes / copy bandwidth." + (
+                f" Engine parts skipped: {r['engine_skipped']}" if r.get("engine_skipped") else ""))
+    tp = r.get("throughput", [])
+    hf = next((x for x in tp if x.get("hf_requests")), None)
+    f.table("Throughput on nano-vllm's workload", ["model", "requests", "CUDA graphs", "engine tok/s", "HF tok/s",
+                                                   "speed-up over HF (x)", "failed"],
+            [[x["model"], x.get("num_requests"), x.get("cuda_graphs"), x.get("engine_tok_s"), x.get("hf_tok_s"),
+              x.get("speedup_vs_hf"), x.get("error")] for x in tp],
+            note=f"HF `generate`: static batches of {hf['hf_batch_size']}, the first {hf['hf_requests']} requests."
+            if hf else "No HF baseline in this run.")
+    return f
 
 
 def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int:

@@ -90,7 +90,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer comes from the local model folder
 
-from benchmarks.common import Results, free_port, load_average, percentile, pyplot  # noqa: E402
+from benchmarks.common import Figures, Results, free_port, load_average, percentile, pyplot  # noqa: E402
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
@@ -582,6 +582,30 @@ def table(runs: list[dict]) -> str:
 
 
 # ---- main -----------------------------------------------------------------------------------
+def figures(r: dict) -> Figures:
+    """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
+    f, t, w = Figures(), r.get("targets", {}), r["workload"]
+    search = r.get("search", {})
+    f.summary(f"sustainable request rate at a {r['slo_ttft_s']} s p99 TTFT SLO, one CPU replica",
+              r["sustainable_rate_rps"], "req/s", headline=True)
+    if "p99_ttft_3x_over_1x" in t:
+        f.summary("p99 TTFT at 3x the sustainable rate / at 1x", t["p99_ttft_3x_over_1x"], "x", target="<= 2x",
+                  met=t.get("p99 TTFT at 3x <= 2 x p99 TTFT at 1x"))
+    f.targets(t, ("p99 TTFT at 3x <= 2 x p99 TTFT at 1x", "p99_ttft_3x_over_1x"))
+    f.summary("no request lost in any run", r["nothing_lost_any_run"], met=r["nothing_lost_any_run"])
+    f.table("Runs", ["run", "req/s", "sent", "complete", "rejected (clean 429)", "lost", "429s with Retry-After",
+                     "TTFT p99 of admitted (ms)", "goodput (req/s)", "load"],
+            [[x["run"], x["rate_rps"], x["num_requests"], x["completed"], x["rejected"], x["lost"],
+              x.get("retry_after_on_429"), x["ttft_ms"]["p99"], x["goodput_rps"], x.get("load_average")]
+             for x in r["runs"]],
+            note=f"{w['endpoint']}, {w['prompt_tokens']}-token prompts, {w['output_tokens']} output tokens, "
+                 f"{w['arrivals']} arrivals, {w['duration_s']} s per run; TTFT SLO {r['slo_ttft_s']} s.")
+    f.table("Rate search", ["req/s", "pass", "TTFT p99 (ms)", "lost", "rejected (%)"],
+            [[x["rate_rps"], x["pass"], x["ttft_p99_ms"], x["lost"], x["reject_fraction"] * 100]
+             for x in search.get("steps", [])], note=f"Criteria: {search.get('criteria')}.")
+    return f
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")

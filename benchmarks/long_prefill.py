@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import Results, add_model_arg, percentile, pyplot, random_token_ids  # noqa: E402
+from benchmarks.common import Figures, Results, add_model_arg, percentile, pyplot, random_token_ids  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("benchmark", "model", "device", "dtype", "torch_threads", "smoke", "streams", "stream_prompt_tokens",
@@ -147,6 +147,24 @@ def plot(results: list[dict], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f = Figures()
+    for x in r["results"]:
+        ratio = x["itl_p99_during_over_p50_baseline"]
+        f.summary(f"long prompt next to {r['streams']} streams: ITL p99 / ITL p50 without it (mixed-step cap "
+                  f"{x['mode']})", ratio, "x", target="<= 4x", met=ratio <= 4, headline=x["mode"] == "auto")
+    f.table("Mixed-step cap", ["mixed-step cap", "ITL p50 before (ms)", "ITL p99 during (ms)", "ITL max during (ms)",
+                               "p99 during / p50 before (x)", "long prompt's TTFT (s)", "steps to its first token"],
+            [[x["mode"], x["itl_baseline_s"]["p50"] * 1e3, x["itl_during_s"]["p99"] * 1e3,
+              x["itl_during_s"]["max"] * 1e3, x["itl_p99_during_over_p50_baseline"], x["ttft_long_s"],
+              x["steps_to_first_token"]] for x in r["results"]],
+            note=f"{r['streams']} greedy streams while a {r['long_prompt_tokens']}-token prompt is prefilled; "
+                 f"`max_num_batched_tokens` {r['max_num_batched_tokens']}, `mixed_step_slowdown` "
+                 f"{r['mixed_step_slowdown']}; target: {r['target']}.")
+    return f
 
 
 def main(argv=None) -> int:

@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    Figures,
     Results,
     add_model_arg,
     load_average,
@@ -208,6 +209,38 @@ def main(argv=None) -> dict:
     results = prov.write(args.out, results)
     plot(results, Path(args.out).with_suffix(".png"))
     return results
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f, t = Figures(), r.get("targets", {})
+    ours = next((x for x in r["runs"] if x["system"] == "kvserve" and x["rank"] == 8 and x["adapters"] == 16), None)
+    done = ("16 rank-8 adapters: kvserve / its base model >= 0.8", "16 rank-8 adapters: kvserve / vLLM >= 1.0")
+    if ours is not None:
+        f.summary("16 rank-8 LoRA adapters in one batch: throughput / the base model alone", ours.get("over_base"),
+                  "x", target=">= 0.8x", met=t.get(done[0]), headline=True)
+        if "kvserve_over_vllm" in ours:
+            f.summary("16 rank-8 LoRA adapters: kvserve / vLLM CPU with the same adapters", ours["kvserve_over_vllm"],
+                      "x", target=">= 1.0x", met=t.get(done[1]), headline=True)
+    f.targets(t, done)
+    w = r["workload"]
+    note = (f"{w['num_requests']} requests ({w['prompt_tokens']} prompt and {w['output_tokens']} output tokens), "
+            f"request k on adapter k % n; {r['dtype']}; each engine with max_loras = max_cpu_loras = "
+            f"{r['engine_settings']['max_loras']}; median of {w['repeats']} runs.")
+    if r.get("vllm_version"):
+        note += f" vLLM {r['vllm_version']}."
+    if r.get("vllm_error"):
+        note += f" vLLM failed: {r['vllm_error']}"
+    if r.get("vllm_skipped"):
+        note += (f" vLLM not run at rank {', '.join(str(x) for x in r['vllm_skipped']['ranks'])}: "
+                 f"{r['vllm_skipped']['why']}.")
+    f.table("Runs", ["system", "rank", "adapters", "output tok/s", "runs", "/ its base model (x)", "kvserve / vLLM (x)",
+                     "load after"],
+            [[x["system"], x["rank"], x["adapters"] or "base model" + (
+                f" (next to rank {x['next_to_rank']})" if x.get("next_to_rank") else ""), x["output_tok_per_s"],
+              x["runs_tok_per_s"], x.get("over_base"), x.get("kvserve_over_vllm"), x.get("load_average_after")]
+             for x in r["runs"]], note=note)
+    return f
 
 
 def summarize(results: dict) -> None:

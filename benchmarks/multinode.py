@@ -48,6 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from benchmarks.common import Figures, Results  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
 RESULT_KEYS = ("parts", "cluster", "workload", "runs", "recovery_s_median", "requests_after_failed_total", "targets",
@@ -262,6 +264,53 @@ def scale_up(runs: int, concurrency: int, max_tokens: int) -> dict:
             "runs": results, "median": {k: round(statistics.median(r[k] for r in results), 2) for k in keys}}
 
 
+def figures(r: dict) -> Figures:
+    """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
+    f, t = Figures(), r.get("targets") or {}
+    if "recovery_s_median" in r:
+        below = t.get("recovery_s_below")
+        f.summary("a worker node killed mid-traffic: seconds until both replicas run and /ready is 200 (median; "
+                  "raylets on one machine)", r["recovery_s_median"], "s", target=f"< {below} s" if below else None,
+                  met=r["recovery_s_median"] < below if below and r["recovery_s_median"] is not None else None,
+                  headline=True)
+        f.summary("requests sent right after the loss that failed", r["requests_after_failed_total"],
+                  target=f"<= {t['requests_lost']}" if "requests_lost" in t else None,
+                  met=r["requests_after_failed_total"] <= t["requests_lost"] if "requests_lost" in t else None)
+        w = r["workload"]
+        f.table("Node loss", ["run", "whole again after (s)", "streams cut", "streams completed",
+                              "streams without [DONE]", "requests after the loss failed"],
+                [[i + 1, x["recovery_s"], x["streams_cut"], x["streams_completed"], x["streams_without_done"],
+                  x["requests_after_failed"]] for i, x in enumerate(r["runs"])],
+                note=f"{r['cluster']}: {w['streams']} streams of {w['tokens_per_stream']} tokens over "
+                     f"{w['replicas']} replicas, one per node; a worker node's raylet killed mid-stream.")
+    s = r.get("scale_up")
+    if s:
+        m, sw = s["median"], s["workload"]
+        f.summary("kvserve's scale-up decision to the first token of a replica on a node Ray's autoscaler added "
+                  "(median; Ray's fake multi-node provider on one machine)", m["decision_to_first_token_s"], "s",
+                  headline=True)
+        f.summary("of which the scale-up decision to the new node", m["decision_to_node_s"], "s")
+        cols = ("load_start_to_decision_s", "decision_to_serve_target_s", "decision_to_node_s",
+                "decision_to_replica_running_s", "decision_to_first_token_s", "down_decision_to_node_removed_s")
+        rows = [[i + 1, x["decision_reason"]] + [x[k] for k in cols]
+                + [f"{x['streams_served']} / {x['streams_failed']} / {x['refused_429']}", x.get("load_average_1m_at_start")]
+                for i, x in enumerate(s["runs"])]
+        rows.append(["median", None] + [m[k] for k in cols] + [None, None])
+        f.table("Scale-up with Ray's autoscaler", ["run", "reason", "load to decision (s)", "decision to Serve's target 2 (s)",
+                                                   "to the new node (s)", "to the replica RUNNING (s)",
+                                                   "to its first token (s)", "scale-down decision to the node removed (s)",
+                                                   "streams served / failed / refused (429)", "load average"], rows,
+                note=f"{s['date']}; {s['cluster']}: the {sw['model']}, replicas {sw['replicas']}, {sw['concurrency']} "
+                     f"clients streaming {sw['max_tokens']}-token completions (refused ones sent again), polled every "
+                     f"{sw['poll_interval_s']} s; the first token by the client's clock. A real cloud node boots in "
+                     "minutes: add that to the node step.")
+    pp = r.get("pipeline")
+    if pp:
+        f.summary("pipeline parallelism, PP=2 / the engine alone (from pipeline.json)", pp["pp2_over_pp1"], "x")
+        f.summary("tensor parallelism, TP=2 / the engine alone (from pipeline.json)", pp["tp2_over_pp1"], "x")
+    return f
+
+
 def run(argv=None) -> dict:
     """``--parts``: the recovery part (:func:`main`, its options as before), the scale-up part
     (:func:`scale_up`) and the pipeline part (``benchmarks/pipeline.py``: PP=2 against PP=1 on
@@ -278,8 +327,6 @@ def run(argv=None) -> dict:
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     if not parts or set(parts) - set(PARTS):
         ap.error(f"--parts: expected some of {', '.join(PARTS)}, got {a.parts!r}")
-    from benchmarks.common import Results
-
     prov = Results(__file__, RESULT_KEYS)
     result: dict = {"parts": parts}
     if "recovery" in parts:

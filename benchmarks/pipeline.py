@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 RESULTS = ROOT / "benchmarks" / "results"
+
+from benchmarks.common import Figures  # noqa: E402
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
 RESULT_KEYS = ("workload", "configs", "note")
 
@@ -62,6 +64,23 @@ def one_run(name: str, model: str, work, kv_blocks: int) -> dict:
         return run_kvserve(llm, work)
     finally:
         llm.engine.shutdown()
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f, c, w = Figures(), r["configs"], r["workload"]
+    if "pp2" in c:
+        f.summary("pipeline parallelism on one machine: PP=2 / the engine alone on the same cores, offline (the "
+                  "pipeline's cost, not a speed-up)", c["pp2"]["vs_pp1"], "x", headline=True)
+    if "tp2" in c:
+        f.summary("tensor parallelism on one machine: TP=2 / the engine alone on the same cores", c["tp2"]["vs_pp1"], "x")
+    f.table("Configurations", ["config", "pipeline stages", "tensor ranks", "output tok/s (runs)", "median",
+                               "vs the engine alone (x)", "texts equal the engine alone's"],
+            [[name, x["pipeline_parallel_size"], x["tensor_parallel_size"], [y["output_tok_per_s"] for y in x["runs"]],
+              x["output_tok_per_s_median"], x["vs_pp1"], x["texts_equal_pp1"]] for name, x in c.items()],
+            note=f"{w['model']} in {w['dtype']}, {w['num_requests']} requests ({w['prompt_tokens']} prompt and "
+                 f"{w['output_tokens']} output tokens), all at once, offline. {r['note']}.")
+    return f
 
 
 def main(argv=None) -> dict:

@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    Figures,
     Results,
     add_model_arg,
     decode_ms_per_token,
@@ -102,6 +103,31 @@ def batch1_ms_per_token(llm: LLM, context: int, new_tokens: int, vocab: int) -> 
         return time.perf_counter() - t
 
     return decode_ms_per_token(run, new_tokens)
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    c, t = r["configs"], r["targets"]
+    fp8, i8 = c["fp8_kv"], c["int8_weights"]
+    f = Figures()
+    f.summary("fp8 KV: perplexity vs float32", fp8["perplexity_vs_float32"] * 100, "%", target="<= +3 %",
+              met=t["fp8 KV perplexity within +3 %"])
+    f.summary("int8 weights: perplexity vs float32", i8["perplexity_vs_float32"] * 100, "%", target="<= +3 %",
+              met=t["int8 perplexity within +3 %"])
+    if "batch1_speedup_vs_float32" in i8:
+        f.summary("int8 weights, batch-1 decode speed / float32", i8["batch1_speedup_vs_float32"], "x",
+                  target=">= 1.3x", met=t["int8 batch-1 >= 1.3x float32"], headline=True)
+    f.targets(t, done=("fp8 KV perplexity within +3 %", "int8 perplexity within +3 %", "int8 batch-1 >= 1.3x float32"))
+    tokens = next(iter(c.values())).get("tokens")
+    f.table("Configurations", ["config", "perplexity", "vs float32 (%)", "greedy tokens before the first divergence (%)",
+                               "prompts identical", "Paris", "weights (MB)", "KV capacity (tokens)",
+                               "batch-1 ms/token", "64 requests tok/s"],
+            [[name, x["perplexity"], x["perplexity_vs_float32"] * 100, x["greedy_prefix_agreement"] * 100,
+              x["greedy_prompts_identical"], x["paris"], x["weight_bytes"] / 1e6, x["kv_capacity_tokens"],
+              x.get("batch1_ms_per_token_ctx512"), x.get("throughput_64_requests_tok_per_s")] for name, x in c.items()],
+            note=f"SmolLM2; perplexity over `{r['text']}` ({tokens} tokens); KV capacity in a fixed 256 MiB pool; "
+                 "batch-1 decode at a 512-token context; the 64-request throughput workload in that pool.")
+    return f
 
 
 def main(argv=None) -> dict:

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import Results, load_average, local_serve  # noqa: E402
+from benchmarks.common import Figures, Results, load_average, local_serve  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("target_s", "config", "notes", "scenarios")
@@ -303,6 +303,24 @@ def print_table(res: dict) -> None:
         print(f"{name:<16} {'med':>5} {'':<36} {m['clients_end_s']!s:>8} {m['replacement_started_s']!s:>9} "
               f"{m['replica_start_s']!s:>8} {m['ready_s']!s:>8} {m['completion_s']!s:>7}   target < {TARGET_S:g} s: "
               f"{'met' if sc['target_met'] else 'MISSED'} (max {sc['max_recovery_s']} s)")
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f, c = Figures(), r["config"]
+    for name, x in r["scenarios"].items():
+        f.summary(f"{x.get('what', name)}: `/ready` again after (median)", x["median"]["recovery_s"], "s",
+                  target=f"< {r['target_s']} s", met=x.get("target_met"), headline=name == "replica_kill")
+    notes = r.get("notes")
+    f.table("Scenarios", ["killed mid-stream", "/ready 200 again after, median (s)", "worst (s)",
+                          "clients' streams ended after, median (s)", "what the clients got", "target met"],
+            [[x.get("what", name), x["median"]["recovery_s"], x["max_recovery_s"], x["median"]["clients_end_s"],
+              ", ".join(f"{k}: {v}" for k, v in x.get("client_outcomes", {}).items()), x.get("target_met")]
+             for name, x in r["scenarios"].items()],
+            note=f"{c['trials']} kills each, {c['streams']} streams in flight ({c['endpoint']}); target: `/ready` 200 "
+                 f"again within {r['target_s']} s." + ("" if not notes else " Notes: " + " ".join(
+                     notes if isinstance(notes, list) else [notes])))
+    return f
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ default model (SmolLM2-135M-Instruct) on 2 fixed replicas, one torch thread each
 share this machine's 2 cores), ``--num-kv-blocks`` KV blocks per replica. For each router in
 ``--routers`` a fresh app (fresh prefix caches) runs the same arrivals:
 
-* ``prefix_aware``: ``deployments/prefix_router.py`` (the default app's router);
+* ``prefix_aware``: ``deployments/routing/prefix_router.py`` (the default app's router);
 * ``default``: Serve's power of two choices (``prefix_aware_routing: false``);
 * ``ray_prefix_tree``: Ray's ``PrefixCacheAffinityRouter`` through :class:`RayPrefixTreeAdapter`
   (it reads ``.prompt`` / ``.messages`` attributes of Ray LLM's request objects; our
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.common import Results, load_average, local_serve, percentile, pyplot  # noqa: E402
+from benchmarks.common import Figures, Results, load_average, local_serve, percentile, pyplot  # noqa: E402
 from benchmarks.load_test import (COMPLETE, DEFAULT_MODEL, Rec, dist_ms, load_tokenizer,  # noqa: E402
                                   output_lengths, output_range, poisson_arrivals, stream_chat)
 
@@ -264,7 +264,7 @@ def routing_cost(tokenizer_path: str, bodies: list[dict]) -> dict:
     of each system prompt (tokenize its leading 2 KiB) and the others (cached leading text)."""
     from transformers import PreTrainedTokenizerFast
 
-    from deployments.prefix_hasher import PrefixHasher
+    from deployments.routing.prefix_hasher import PrefixHasher
 
     hasher = PrefixHasher(PreTrainedTokenizerFast.from_pretrained(tokenizer_path), 16)
     first, rest, seen = [], [], set()
@@ -313,6 +313,34 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f, t = Figures(), r.get("targets", {})
+    if "hit_rate" in t:
+        f.summary("prefix-aware routing: prefix-cache hit rate", t["hit_rate"], target=">= 0.8",
+                  met=t.get("hit_rate >= 0.8"))
+    if "ttft_p50_over_default" in t:
+        f.summary("prefix-aware routing: TTFT p50 / Serve's default router", t["ttft_p50_over_default"], "x",
+                  target="<= 0.6x", met=t.get("ttft_p50 <= 0.6 x default"), headline=True)
+    for k, v in r.get("routing_cost", {}).items():
+        f.summary(f"routing cost per request, {k.replace('_us', '').replace('_', ' ')}", v, "us")
+    w, srv = r["workload"], r.get("server", {})
+
+    def load(x):
+        la = x.get("load_average")
+        return la.get("during_1min_mean") if isinstance(la, dict) else la
+
+    f.table("Routers", ["router", "prefix-cache hit rate", "requests hitting their system prompt", "TTFT p50 (ms)",
+                        "TTFT p99 (ms)", "E2E p50 (ms)", "req/s", "load (1-min mean)"],
+            [[x["router"], x["prefix_cache_hit_rate"], x.get("requests_hitting_their_system_prompt"), x["ttft_ms"]["p50"],
+              x["ttft_ms"]["p99"], x.get("e2e_ms", {}).get("p50"), x["completed_rps"], load(x)] for x in r["runs"]],
+            note=f"{w['num_requests']} chat streams, {w['num_system_prompts']} system prompts of "
+                 f"{w['system_prompt_tokens']} tokens, Poisson {w['rate_rps']} req/s for {w['duration_s']} s, "
+                 f"{srv.get('replicas')} replicas, {w['num_kv_blocks']} KV blocks each; the same arrivals for every "
+                 "router.")
+    return f
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, of {ROUTERS}")
@@ -331,7 +359,7 @@ def main(argv=None) -> dict:
         ap.error(f"--routers: choose from {ROUTERS}")
     prov = Results(__file__, RESULT_KEYS)
 
-    from deployments.prefix_report import block_hashes
+    from deployments.contract.prefix import block_hashes
     from engine.model_loader import resolve_model
 
     model_path = str(resolve_model(None))

@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    Figures,
     Results,
     add_model_arg,
     greedy,
@@ -408,6 +409,37 @@ def main(argv=None) -> dict:
     print(report(result))
     print(f"wrote {out} and {png}")
     return result
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and runs table (``benchmarks.common.Figures``), from its measured values."""
+    f, t = Figures(), r.get("targets", {})
+    ms = "ms"
+    if "http_over_offline_throughput" in r:
+        f.summary("HTTP streaming / offline engine throughput, one replica", r["http_over_offline_throughput"], "x",
+                  target=">= 0.90", met=t.get("http_over_offline_throughput >= 0.90"), headline=True)
+        f.summary("best offline engine output tok/s", r["best_offline_output_tok_per_s"], "tok/s")
+        f.summary("best HTTP streaming output tok/s (all requests in flight)", r["best_http_output_tok_per_s"], "tok/s")
+        f.summary("added TTFT at concurrency 1, p50 (HTTP minus in-process engine, same prompts)",
+                  r.get("added_ttft_ms_p50"), ms, target="<= 10 ms", met=t.get("added_ttft_ms_p50 <= 10"))
+        f.summary("offline TTFT p50", (r.get("offline_ttft_ms") or {}).get("p50"), ms)
+    if "serving_path_ttft_ms" in r:
+        f.summary("serving path TTFT p50 (client minus the replica engine's own TTFT of the same request)",
+                  r["serving_path_ttft_ms"].get("p50"), ms, target="<= 10 ms",
+                  met=t.get("serving_path_ttft_ms.p50 <= 10"))
+    f.targets(t, ("http_over_offline_throughput >= 0.90", "added_ttft_ms_p50 <= 10", "serving_path_ttft_ms.p50 <= 10"))
+
+    def p(run, key, q):
+        return (run.get(key) or {}).get(q)
+
+    f.table("Runs", ["run", "round", "completed / errors", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+                     "ITL p50 (ms)", "E2E p50 (ms)", "same text as offline", "load"],
+            [[x["run"], x.get("round"), f"{x['completed']} / {x['errors']}" if "completed" in x else None,
+              x["output_tok_per_s"], p(x, "ttft_ms", "p50"), p(x, "ttft_ms", "p99"), p(x, "itl_ms", "p50"),
+              p(x, "e2e_ms", "p50"), x.get("same_text_as_offline"), x.get("load_average")] for x in r["runs"]],
+            note=f"{r['workload']['num_requests']} requests ({r['workload']['endpoint']}), best of {r['rounds']} "
+                 "rounds each; the offline engine and the HTTP server alternate.")
+    return f
 
 
 def report(r: dict) -> str:

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import Results, load_average, pyplot, resolve  # noqa: E402
+from benchmarks.common import Figures, Results, load_average, pyplot, resolve  # noqa: E402
 from benchmarks.load_test import LocalServer  # noqa: E402
 from benchmarks.peer_vllm import VLLM_VERSION, ensure_venv, vllm_env  # noqa: E402
 
@@ -110,6 +110,28 @@ def plot(result: dict, path: str) -> None:
     fig.suptitle(f"{result['model']} ({result['dtype']}), vllm bench serve, random 128 in / 64 out")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
+    f = Figures()
+    ratios = r.get("kvserve_over_vllm") or {}
+    for c, x in ratios.items():
+        f.summary(f"`kvserve serve` / `vllm serve` output tok/s at concurrency {c}, {r['dtype']}, `vllm bench serve`",
+                  x["output_throughput"], "x", headline=c == "32")
+    w = r["workload"]
+    f.table("Runs", ["server", "concurrency", "prompts", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+                     "TPOT p50 (ms)", "TPOT p99 (ms)", "failed", "load before"],
+            [[kind, x["concurrency"], x["num_prompts"], x["output_throughput"], x["median_ttft_ms"], x["p99_ttft_ms"],
+              x["median_tpot_ms"], x["p99_tpot_ms"], x["failed"], x.get("load_average_before")]
+             for kind, s in r["servers"].items() for x in s["runs"]],
+            note=f"Client: {r['client']}; {r['model']} in {r['dtype']}; random prompts of {w['input_len']} tokens, "
+                 f"{w['output_len']} output tokens (`--ignore-eos`). Start-up to ready: "
+                 + ", ".join(f"{k} {s['startup_s']} s" for k, s in r["servers"].items()) + ".")
+    f.table("kvserve / vLLM", ["concurrency", "output tok/s (x)", "TTFT p50 (x)", "TPOT p50 (x)"],
+            [[c, x["output_throughput"], x["median_ttft"], x["median_tpot"]] for c, x in ratios.items()],
+            note="Throughput: higher is better; latencies: lower is better.")
+    return f
 
 
 def main(argv=None) -> dict:

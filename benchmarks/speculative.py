@@ -36,14 +36,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, add_model_arg, load_average, pyplot, resolve  # noqa: E402
+from benchmarks.common import Figures, Results, add_model_arg, load_average, pyplot, resolve  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 RESULTS = Path(__file__).parent / "results"
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("model", "dtype", "device", "max_tokens", "prompts_per_workload", "reps", "configs", "draft_model",
-               "load_average", "date", "rows", "summary", "targets")
+               "load_average", "date", "rows", "speedups", "targets")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 CODE = ("def add_all(values):\n    result = 0\n    for value in values:\n        result = result + value\n"
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     res = dict(model=path, dtype="float32", device="cpu", max_tokens=max_tokens, prompts_per_workload=n_prompts,
                reps=reps, configs={k: v for k, v in configs.items() if k != "draft_model"},
                draft_model=f"SmolLM2 first {args.draft_layers} layers + final norm + LM head, 3 drafts",
-               load_average=load, date=time.strftime("%Y-%m-%dT%H:%M:%S"), rows=rows, summary=summary,
+               load_average=load, date=time.strftime("%Y-%m-%dT%H:%M:%S"), rows=rows, speedups=summary,
                targets=targets)
     res = prov.write(args.out, res)
     print(json.dumps(summary, indent=1), json.dumps(targets, indent=1))
@@ -188,6 +188,40 @@ def main(argv=None) -> int:
     del tok
     tmp.cleanup()
     return 0
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f, sp, t = Figures(), r["speedups"], r.get("targets", {})
+    done = ("copy_batch1_ngram_speedup >= 1.5", "no_hit_batch1_ngram_slowdown <= 5 %",
+            "no_hit_batch8_ngram_slowdown <= 5 %")
+    f.summary("n-gram speculative decoding, copy prompts, batch 1: speed-up", sp["copy_batch1_ngram_speedup"], "x",
+              target=">= 1.5x", met=t.get(done[0]), headline=True)
+    f.summary("n-gram, open-ended prompts, batch 1: speed-up", sp["no_hit_batch1_ngram_speedup"], "x",
+              target=">= 0.952x (at most 5 % slower)", met=t.get(done[1]))
+    f.summary("n-gram, open-ended prompts, batch 8: speed-up", sp["no_hit_batch8_ngram_speedup"], "x",
+              target=">= 0.952x (at most 5 % slower)", met=t.get(done[2]))
+    for k, v in sp.items():
+        if k not in ("copy_batch1_ngram_speedup", "no_hit_batch1_ngram_speedup", "no_hit_batch8_ngram_speedup"):
+            w, rest = k.split("_batch", 1)
+            b, method = rest.split("_", 1)
+            f.summary(f"{method.removesuffix('_speedup').replace('_', ' ')}, "
+                      f"{'open-ended' if w == 'no_hit' else w} prompts, batch {b}: speed-up", v, "x")
+    f.targets(t, done)
+    loads = r.get("load_average") or []
+    if loads and not isinstance(loads[0], list):
+        loads = [loads]
+    f.table("Runs", ["workload", "batch", "config", "ms/token", "speed-up (x)", "drafts accepted (%)", "tokens per step",
+                     "greedy = plain"],
+            [[x["workload"], x["batch"], x["config"], x["ms_per_token"], x["speedup_vs_off"],
+              None if x.get("acceptance_rate") is None else x["acceptance_rate"] * 100, x.get("tokens_per_step"),
+              x.get("greedy_equals_off")] for x in r["rows"]],
+            note=f"SmolLM2 {r['dtype']}, greedy, {r['prompts_per_workload']} chat prompts per workload, up to "
+                 f"{r['max_tokens']} tokens; best of {r['reps']} reps. `copy`: rewrite/copy prompts, `no_hit`: "
+                 f"open-ended questions. n-gram: {r['configs'].get('ngram')}; draft model: {r['draft_model']}. "
+                 "ms per output token per stream. Load average (before; after): "
+                 + "; ".join(" / ".join(str(v) for v in x) for x in loads if x) + ".")
+    return f
 
 
 def plot(rows: list[dict], out: Path) -> None:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results  # noqa: E402
+from benchmarks.common import Figures, Results  # noqa: E402
 from benchmarks.load_test import (  # noqa: E402
     CLEAN_REJECTIONS,
     COMPLETE,
@@ -242,6 +242,25 @@ def max_overlap(recs: list[Rec]) -> int:
         cur += d
         best = max(best, cur)
     return best
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f, m = Figures(), r["memory"]
+    f.summary("streams opened at once", r["streams"])
+    f.summary("max tokens each", r["max_tokens"])
+    f.summary("complete / cleanly rejected / lost", f"{r['completed']} / {r['rejected']} / {r['lost']}",
+              target="none lost", met=r["lost"] == 0)
+    f.summary("elapsed", r["elapsed_s"], "s")
+    f.summary("TTFT p50 of the admitted", r["ttft_ms"]["p50"], "ms")
+    f.summary("rejection latency p50", r["rejection_latency_ms"]["p50"], "ms")
+    f.summary("server RSS before", m["server_rss_before_mib"], "MiB")
+    f.summary("server RSS peak", m["server_rss_peak_total_mib"], "MiB")
+    f.summary("server RSS growth per stream at the peak", m["server_rss_growth_per_stream_kib"], "KiB")
+    f.table("Per process", ["process", "RSS before (MiB)", "RSS peak (MiB)", "RSS after (MiB)"],
+            [[x["name"], x["rss_before_mib"], x["rss_peak_mib"], x.get("rss_after_mib")] for x in m["per_process"]],
+            note=f"Watched: {m['watched']}.")
+    return f
 
 
 def main(argv=None) -> dict:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import engine.layers.linear as linear  # noqa: E402
-from benchmarks.common import Results, add_model_arg, greedy, random_token_ids  # noqa: E402
+from benchmarks.common import Figures, Results, add_model_arg, greedy, random_token_ids  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
 from kernels import cpu_backend  # noqa: E402
@@ -198,6 +198,38 @@ def host_times(model: str, batches=(1, 64, 256), iters: int = 30, prompt_tokens:
         while eng.has_unfinished_requests():
             eng.step()
     return out
+
+
+def figures(r: dict) -> Figures:
+    """The summary and table of step_times.json, or of host_times.json (``--host-only``), from the
+    measured values (``benchmarks.common.Figures``)."""
+    f = Figures()
+    if "host_time_per_decode_step" in r:
+        rows = []
+        for batch, x in r["host_time_per_decode_step"].items():
+            s = x["mean_split_ms"]
+            f.summary(f"host time per decode step without the sampler, batch {batch}", x["host_ms_excluding_sample"],
+                      "ms")
+            rows.append([batch, x["step_ms_p50"], x["host_ms_excluding_sample"], s.get("schedule"), s.get("prepare"),
+                         s.get("sample"), s.get("update")])
+        return f.table("Host time per decode step", ["batch", "step p50 (ms)", "without the sampler (ms)",
+                                                     "schedule", "prepare inputs", "sample",
+                                                     "update + stops + detokenize + outputs"], rows,
+                       note="The model returns fixed hidden states and logits, so the step is host work only; the "
+                            "sampler works on `[batch, vocabulary]` float32 logits.")
+    f.summary("decode step speed-up, after / before", r["decode_speedup"], "x")
+    f.summary("prefill step speed-up, after / before", r["prefill_speedup"], "x")
+    rows = []
+    for name in ("before", "after"):
+        x = r[name]
+        b = x["decode_breakdown_ms"]
+        rows.append([name, ", ".join(f"{k}={v}" for k, v in x["config"].items()), x["prefill_step_s"],
+                     x["decode_step_s_p50"] * 1e3, b["matmul"], b["attention"], b["other"], b["host"]])
+    return f.table("Steps", ["path", "config", "prefill step (s)", "decode step p50 (ms)", "matmul (ms)",
+                             "attention (ms)", "other ops (ms)", "host (ms)"], rows,
+                   note=f"A {r['prefill_tokens']}-token single-request prefill step and a {r['decode_batch']}-request "
+                        "decode step; the decode step's split from `torch.profiler` (host = the unprofiled median "
+                        "step minus op times under the profiler: approximate).")
 
 
 def main(argv=None) -> int:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import Results, add_model_arg, load_average  # noqa: E402
+from benchmarks.common import Figures, Results, add_model_arg, load_average  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine import model_runner as runner_mod  # noqa: E402
 from engine.layers import sampler as sampler_mod  # noqa: E402
@@ -225,6 +225,24 @@ def compile_times(tokenizer, vocab: int, eos: set[int]) -> dict:
         out[name] = {"first_compile_ms": round(1e3 * first, 3), "cached_compile_ms": round(1e3 * statistics.median(cached), 4),
                      "cached_compile_plus_matcher_ms": round(1e3 * with_matcher, 4)}
     return out
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
+    f = Figures()
+    for name, x in r["runs"].items():
+        f.summary(f"grammar slowdown, {name}", x["slowdown"] * 100, "%")
+    f.table("Runs", ["schema / batch", "batch", "grammar ms/token", "plain ms/token", "slowdown (%)",
+                     "slowdown, best of reps (%)", "bitmask fill per step (ms)", "valid JSON objects"],
+            [[name, x["batch"], x["grammar_ms_per_token"], x["plain_ms_per_token"], x["slowdown"] * 100,
+              x["slowdown_best_of_reps"] * 100, x["grammar_parts_ms_per_decode_step"].get("fill"),
+              x.get("valid_json_objects")] for name, x in r["runs"].items()],
+            note=f"{r['dtype']} on {r['device']}, {r['threads']} threads, bitmask fill: {r['fill']}; median of the "
+                 "reps. `person`: a schema without length bounds; `person_bounded`: with `maxLength` / `maxItems`. "
+                 + r.get("note", ""))
+    f.table("Grammar compile", ["schema", "first (ms)", "cached (ms)"],
+            [[k, v["first_compile_ms"], v["cached_compile_ms"]] for k, v in r["compile"].items() if isinstance(v, dict)])
+    return f
 
 
 def main(argv=None) -> int:

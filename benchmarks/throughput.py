@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    Figures,
     Results,
     add_model_arg,
     load_average,
@@ -269,6 +270,53 @@ def main(argv=None) -> dict:
     if not args.quick:
         results = prov.write(args.out, results)
     return results
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
+    f, t, done = Figures(), r.get("targets", {}), []
+    for dt, block in r["dtypes"].items():
+        name = f"{dt}: throughput kvserve / vLLM >= 1.2"
+        if "kvserve_over_vllm" in block:
+            f.summary(f"offline throughput, {dt}, kvserve / vLLM CPU", block["kvserve_over_vllm"], "x",
+                      target=">= 1.2x", met=t.get(name), headline=True)
+            done.append(name)
+        b1, name = block.get("batch1_decode", {}), f"{dt}: batch-1 decode ms/token kvserve / vLLM <= 0.8"
+        if "kvserve_over_vllm" in b1:
+            f.summary(f"batch-1 decode ms/token, {dt}, kvserve / vLLM (lower is better)", b1["kvserve_over_vllm"], "x",
+                      target="<= 0.8x", met=t.get(name), headline=dt == "float32")
+            done.append(name)
+    if "kvserve_over_hf_static" in r:
+        done.append("float32: throughput kvserve / HF static >= 3.0")
+        f.summary("offline throughput, float32, kvserve / HF `generate` static batches", r["kvserve_over_hf_static"],
+                  "x", target=">= 3.0x", met=t.get(done[-1]), headline=True)
+    f.targets(t, done)
+    w = r["workload"]
+    rows = []
+    for dt, block in r["dtypes"].items():
+        k, v, b1 = block.get("kvserve", {}), block.get("vllm", {}), block.get("batch1_decode", {})
+        rows.append([dt, k.get("output_tok_per_s", k.get("error")), v.get("output_tok_per_s", v.get("error")),
+                     block.get("kvserve_over_vllm"), b1.get("kvserve_ms_per_token"), b1.get("vllm_ms_per_token"),
+                     b1.get("kvserve_over_vllm")])
+    waste = [x["kv_waste"] for b in r["dtypes"].values() for x in b.get("kvserve", {}).get("runs", [])[:1]]
+    f.table("Per dtype", ["dtype", "kvserve tok/s", "vLLM tok/s", "kvserve / vLLM (x)", "batch-1 kvserve ms/token",
+                          "batch-1 vLLM ms/token", "batch-1 kvserve / vLLM (x, lower is better)"], rows,
+            note=f"Workload: {w['num_requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens, "
+                 f"outputs {w['output_len'][0]}-{w['output_len'][1]} (ignore_eos, greedy), median of "
+                 f"{w.get('repeats', 1)} runs; batch-1 decode at a 512-token context."
+                 + (f" KV waste (allocated but unfilled KV slots, mean over steps): {waste[0] * 100:.1f} %." if waste else ""))
+    runs = [[dt, name + (f" {s['version']}" if s.get("version") else ""), [x["output_tok_per_s"] for x in s["runs"]],
+             s.get("load_average_after")]
+            for dt, block in r["dtypes"].items() for name in ("kvserve", "vllm") if (s := block.get(name, {})).get("runs")]
+    settings = next((b["vllm"]["settings"] for b in r["dtypes"].values() if b.get("vllm", {}).get("settings")), None)
+    f.table("Runs", ["dtype", "system", "runs (output tok/s)", "load after (1 / 5 / 15 min)"], runs,
+            note="vLLM's settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items() if k != "env") + "."
+            if settings else None)
+    f.table("Hugging Face transformers, float32", ["system", "figure", "unit", "load after"],
+            [[s["system"], s.get("output_tok_per_s", s.get("ms_per_token", s.get("error", s.get("skipped")))),
+              "tok/s" if "output_tok_per_s" in s else "ms/token" if "ms_per_token" in s else "",
+              s.get("load_average_after")] for s in r.get("systems", [])])
+    return f
 
 
 def table(results: dict) -> str:
