@@ -19,7 +19,7 @@ from ray.serve import Application
 
 from autoscaling.policy import build_autoscaling_config
 from deployments.args import APP_NAME, AppArgs, ModelArgs, app_args_from_config, fit_single_node, logical_cpus_needed
-from deployments.gateway.core import GatewaySettings
+from deployments.contract.facts import ModelCard
 from deployments.gateway.deployment import OpenAIIngress
 from deployments.replica.embedding_server import EmbeddingServer
 from deployments.replica.llm_server import LLMServer
@@ -38,10 +38,11 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]
 
     opts: dict[str, Any] = {"name": deployment_name,
                             "max_ongoing_requests": m.ongoing_requests_bound(),
-                            # each caller's handle queue (requests waiting for the router to pick a replica,
-                            # or for one to start): bounded at one replica's worth, so an overflow is a 429
-                            # at once, never an unbounded wait
-                            "max_queued_requests": m.max_num_seqs + m.queued_requests_bound(),
+                            # Serve's own queue, in each caller's handle (requests waiting for the router to
+                            # pick a replica, or for one to start; not the replica's max_waiting_requests):
+                            # bounded at one replica's worth, so an overflow is a 429 at once, never an
+                            # unbounded wait
+                            "max_queued_requests": m.max_num_seqs + m.waiting_requests_bound(),
                             "graceful_shutdown_timeout_s": m.graceful_shutdown_timeout_s}
     if m.prefix_aware_routing and m.enable_prefix_caching:
         # a local model folder's tokenizer loads at once; else the one the replicas report
@@ -83,18 +84,15 @@ def build_app(args: AppArgs) -> Application:
 
     ``args`` may be an :class:`AppArgs` or a plain dict (validated here). The first model's
     deployment is named ``LLMServer`` (``serve.get_deployment_handle("LLMServer", "kvserve")``).
+    Each deployment gets its configuration as objects (``LLMServer(model: ModelArgs)``; the
+    gateway its sections and the models' cards, :func:`gateway_options`), as Ray Serve LLM's
+    ``LLMServer(llm_config)``.
     """
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(dict(args or {}))
     handles = {}
     for i, m in enumerate(args.model_list()):
-        opts = llm_deployment_options(m, _deployment_name(i, m.name))
-        worker_options = {"num_cpus": m.worker_cpus, "collective_timeout_s": m.collective_timeout_s}
-        handles[m.name] = LLMServer.options(**opts).bind(
-            m.engine_args(), m.name, m.torch_num_threads, worker_options,
-            max_queued_requests=m.max_queued_requests, max_queued_prompt_tokens=m.max_queued_prompt_tokens,
-            request_timeout_s=m.request_timeout_s, tool_call_parser=m.tool_call_parser,
-            stream_interval=m.stream_interval, lora_modules=m.lora_modules, pooling_type=m.pooling_type)
+        handles[m.name] = LLMServer.options(**llm_deployment_options(m, _deployment_name(i, m.name))).bind(m)
     # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
     drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
     g, e = args.gateway, args.embeddings
@@ -107,22 +105,19 @@ def build_app(args: AppArgs) -> Application:
                                  graceful_shutdown_timeout_s=drain_s, ray_actor_options={
                                      "num_cpus": g.ingress_cpus, **({"resources": g.ingress_resources}
                                                                     if g.ingress_resources else {})}
-                                 ).bind(handles, gateway_settings(args), encoders)
+                                 ).bind(handles, encoders=encoders, **gateway_options(args))
 
 
-def gateway_settings(args: AppArgs) -> GatewaySettings:
-    """The gateway's settings from the application's arguments."""
-    g, lim, r = args.gateway, args.limits, args.routing
-    return GatewaySettings(
-        api_keys=g.api_keys, admin_api_keys=g.admin_api_keys, max_request_body_bytes=g.max_request_body_bytes,
-        auth_failures_per_minute=g.auth_failures_per_minute, allowed_origins=g.allowed_origins,
-        max_prompts_per_request=g.max_prompts_per_request, rate_limit_rpm=lim.rate_limit_rpm,
-        rate_limit_tpm=lim.rate_limit_tpm, redis_url=lim.redis_url, ingress_num_replicas=g.ingress_num_replicas,
-        cache=args.cache_settings(),
-        adapters={a: m.name for m in args.model_list() for a in (m.lora_modules or {})},
-        lora_allowed_roots=g.lora_allowed_roots,
-        model_routing=None if r.model_routing is None else r.model_routing.model_dump(),
-        upstream=None if r.upstream is None else r.upstream.model_dump())
+def gateway_options(args: AppArgs) -> dict[str, Any]:
+    """The gateway's constructor arguments besides the handles: the models' and the encoder's
+    cards (the facts known at build time) and the configuration's sections, as objects."""
+    cards = [ModelCard.of(m) for m in args.model_list()]
+    e = args.embeddings
+    if e.embedding_model is not None:
+        cards.append(ModelCard.of_encoder(e.embedding_model, e.served_name()))
+    return {"cards": cards, "gateway": args.gateway, "limits": args.limits, "cache": args.cache,
+            "routing": args.routing}
 
-__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "gateway_settings", "llm_deployment_options", "fit_single_node",
-           "app_args_from_config", "logical_cpus_needed"]
+
+__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "gateway_options", "llm_deployment_options",
+           "fit_single_node", "app_args_from_config", "logical_cpus_needed"]

@@ -1,346 +1,34 @@
 """What the kvserve application takes: :class:`AppArgs` (the Serve config's ``args``,
-``kvserve serve``'s flags) and :class:`ModelArgs` (one served model).
+``kvserve serve``'s flags), assembled from the sections of :mod:`deployments.contract.config`
+(:class:`ModelArgs` per served model, :class:`GatewayArgs`, :class:`LimitArgs`,
+:class:`CacheArgs`, :class:`RoutingArgs`, :class:`EmbeddingArgs`), which ``build_app`` passes
+to the deployments as they are.
 
-The engine settings of ``ModelArgs`` are generated from ``engine.EngineConfig``'s fields
-(type, default, help), so the engine, the Serve config and the CLI cannot drift; where serving
-wants another default it says so, with the reason, in :data:`SERVING_ENGINE_DEFAULTS`. This
-module imports neither Ray nor torch: ``kvserve serve`` builds its flags from it before Ray's
-environment (auth, loopback) is set.
+Here: the flat form (a section's field given at the top level), the checks that need more than
+one section or another room (unique names, routing rules naming served models, tool-call
+parsers, API key entries), and reading a Serve config file. This module imports neither Ray
+nor torch: ``kvserve serve`` builds its flags from it before Ray's environment (auth,
+loopback) is set.
 """
+import dataclasses
 import os
-from typing import Any, Literal, Optional
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.contract.adapters import check_lora_modules
-from deployments.contract.encoder import served_name as encoder_served_name
-from deployments.gateway.gate import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
-from deployments.gateway.settings import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from deployments.cache import CacheSettings
+from deployments.contract.config import (ENGINE_FIELDS, RENAMED_MODEL_KEYS, SERVING_ENGINE_DEFAULTS, CacheArgs,
+                                         EmbeddingArgs, EngineArgs, GatewayArgs, LimitArgs, ModelArgs, RoutingArgs,
+                                         renamed_model_keys)
 from deployments.gateway.tool_parsers import get_tool_parser
 from deployments.limits import policies_from_keys
-from deployments.replica.admission import default_admission_bounds
-from deployments.routing.model_routing import ModelRouting, UpstreamArgs
-from engine.config import EngineConfig, engine_fields
+
+__all__ = ["APP_NAME", "ENGINE_FIELDS", "SECTIONS", "SERVING_ENGINE_DEFAULTS", "AppArgs", "CacheArgs", "EmbeddingArgs",
+           "EngineArgs", "GatewayArgs", "LimitArgs", "ModelArgs", "RoutingArgs", "app_args_from_config",
+           "fit_single_node", "logical_cpus_needed"]
 
 #: Serve application name ``kvserve serve`` deploys (``serve.get_app_handle(APP_NAME)``).
 APP_NAME = "kvserve"
-
-#: Engine settings where serving deliberately differs from ``engine.EngineConfig``'s default:
-#: ``{field: (default, reason)}``. Everything else is the engine's own default.
-SERVING_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "max_num_seqs": (64, "a replica's inter-token latency grows with its batch (a 64-request CPU decode step "
-                         "is slow on a small CPU, benchmarks/step_times.py); past that the autoscaler adds replicas "
-                         "instead of deepening one"),
-    "scheduling_policy": ("priority", "per-API-key priorities reach the scheduler (equal priorities run in "
-                                      "arrival order, as fcfs)"),
-}
-
-
-def _engine_args_model() -> type[BaseModel]:
-    """A pydantic model with one field per ``EngineConfig`` field (type, default, help),
-    the serving defaults above applied: the base of :class:`ModelArgs`."""
-    spec = {}
-    for name, typ, default, help_ in engine_fields():
-        default, why = SERVING_ENGINE_DEFAULTS.get(name, (default, None))
-        spec[name] = (typ, Field(default, description=help_ + (f" (serving default {default}: {why})" if why else "")))
-    return create_model("EngineArgs", __config__=ConfigDict(extra="forbid", protected_namespaces=()), **spec)
-
-
-EngineArgs = _engine_args_model()
-#: Fields of ModelArgs that go to ``engine.EngineConfig`` (all of its fields).
-ENGINE_FIELDS = tuple(EngineArgs.model_fields)
-
-
-class ModelArgs(EngineArgs):
-    """One model = one ``LLMServer`` deployment: the engine's settings (generated from
-    ``engine.EngineConfig``) plus how the deployment serves it."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    served_model_name: Optional[str] = Field(None, description="name clients send as `model` (default: model)")
-    num_replicas: Optional[int] = Field(
-        None, ge=0, description="fixed replica count; unset: autoscale with kvserve's policy")
-    min_replicas: Optional[int] = Field(None, ge=0, description="autoscaling lower bound (policy default 1)")
-    max_replicas: Optional[int] = Field(None, ge=1, description="autoscaling upper bound (policy default 8)")
-    autoscaling: Optional[dict[str, Any]] = Field(
-        None, description="autoscaling knobs (see autoscaling/policy.py KVServeAutoscalingConfig)")
-    max_ongoing_requests: Optional[int] = Field(
-        None, ge=1, description="requests Serve routes to one replica at once (default: max_num_seqs + "
-                                "2 * max_queued_requests, so the replica's own admission decides)")
-    max_queued_requests: Optional[int] = Field(
-        None, ge=1, description="requests a replica queues behind a full batch (max_num_seqs) before 429s "
-                                "(default: max(1, max_num_seqs // 64)); each caller's Serve handle queue holds at "
-                                "most max_num_seqs + this many")
-    max_queued_prompt_tokens: Optional[int] = Field(
-        None, ge=1, description="prompt tokens a replica queues before 429s (default: "
-                                "max(max_model_len, 4 * max_num_batched_tokens))")
-    request_timeout_s: Optional[float] = Field(
-        600.0, gt=0, description="a request running longer is aborted (blocks freed) and ends with a 504 / "
-                                 "an SSE error event; null: no limit")
-    graceful_shutdown_timeout_s: float = Field(
-        60.0, ge=0, description="on scale-down or shutdown a replica stops taking requests and finishes its "
-                                "streams for up to this long before it exits")
-    stream_interval: int = Field(
-        0, ge=0, description="engine outputs per streamed chunk (vLLM's --stream-interval; the first token and the "
-                             "last chunk always go at once): k >= 1 every k tokens; 0 (auto) every token while fewer "
-                             "than 16 requests run on the replica, then 1 + running // 16, so a loaded replica sends "
-                             "about 16 messages per engine step")
-    tool_call_parser: str = Field(
-        "hermes", description="how tool calls are read from this model's text under tool_choice auto "
-                              "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/gateway/tools.py)")
-    prefix_aware_routing: bool = Field(
-        True, description="route each request to the replica that most recently served the longest prefix of its "
-                          "prompt (deployments/routing/prefix_router.py); off: Serve's power of two choices")
-    prefix_routing_margin: int = Field(
-        8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
-                             "has more than this many ongoing requests more")
-    pooling_type: Literal["last", "mean"] = Field(
-        "last", description="how /v1/embeddings pools this model's final hidden states: the last token's "
-                            "(e5-mistral style, vLLM's default for decoders) or the mean over the input")
-    lora_modules: Optional[dict[str, str]] = Field(
-        None, description="LoRA adapters served with this model, {name: PEFT folder} (vLLM's --lora-modules "
-                          "name=path ...); clients send the name as `model`; needs enable_lora")
-    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
-        "STRICT_PACK", description="where a tensor-parallel replica's ranks go: STRICT_PACK (default, as on GPUs: one "
-                                   "node, loopback collectives), PACK, SPREAD or STRICT_SPREAD (ranks on several nodes: "
-                                   "collectives over the nodes' network, which must be the cluster's private one)")
-    max_replicas_per_node: Optional[int] = Field(
-        None, ge=1, description="Serve's bound on this model's replicas per node (spreads them over nodes); not "
-                                "with several ranks per replica (Serve refuses it with placement groups)")
-    collective_timeout_s: float = Field(
-        300.0, gt=0, description="a tensor-parallel collective waiting longer for a rank fails the step (a rank on "
-                                 "a dead node ends its requests with an error instead of hanging them)")
-    torch_num_threads: Optional[int] = Field(None, ge=1)
-    replica_cpus: float = Field(1.0, ge=0)
-    replica_resources: Optional[dict[str, float]] = Field(
-        None, description="custom Ray resources each replica asks for, e.g. {\"node-type-a\": 1} to tie it to a "
-                          "node type the autoscaler can add (with several ranks: in rank 0's bundle, with the replica)")
-    worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor- or pipeline-parallel worker actor")
-
-    @model_validator(mode="after")
-    def _check(self):
-        EngineConfig(**self.engine_args())  # the engine's own range checks, at validation time
-        if self.num_replicas is not None and (
-                self.autoscaling is not None or self.min_replicas is not None or self.max_replicas is not None):
-            raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")
-        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must be <= max_replicas")
-        if self.max_replicas_per_node is not None and self.num_ranks > 1:
-            raise ValueError("max_replicas_per_node cannot be combined with tensor_parallel_size or "
-                             "pipeline_parallel_size > 1 (Serve does not allow it with placement groups); use "
-                             "placement_group_strategy for the ranks")
-        get_tool_parser(self.tool_call_parser)  # an unknown name fails here
-        check_lora_modules(self.lora_modules, self.name, self.enable_lora)
-        return self
-
-    @property
-    def name(self) -> str:
-        from engine.model_loader import DEFAULT_MODEL
-
-        return self.served_model_name or self.model or DEFAULT_MODEL
-
-    def engine_args(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ENGINE_FIELDS}
-
-    def queued_requests_bound(self) -> int:
-        """``max_queued_requests``, or its default (see :func:`default_admission_bounds`)."""
-        return self.max_queued_requests or default_admission_bounds(self.max_num_seqs, 1, 1)[0]
-
-    def ongoing_requests_bound(self) -> int:
-        """Serve's ``max_ongoing_requests`` of a replica: its batch, its queue, and as many
-        again for requests being refused, so the replica's own admission (not Serve's handle
-        queue) decides while replicas run."""
-        return self.max_ongoing_requests or self.max_num_seqs + 2 * self.queued_requests_bound()
-
-    @property
-    def num_ranks(self) -> int:
-        """Worker actors per replica: ``tensor_parallel_size * pipeline_parallel_size`` (1: the
-        engine runs in the replica itself)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def autoscaling_knobs(self) -> Optional[dict[str, Any]]:
-        """Knobs of kvserve's autoscaling policy for this model (``{}``: all defaults), or None
-        when ``num_replicas`` pins a fixed fleet."""
-        if self.num_replicas is not None:
-            return None
-        knobs = dict(self.autoscaling or {})
-        if self.min_replicas is not None:
-            knobs["min_replicas"] = self.min_replicas
-        if self.max_replicas is not None:
-            knobs["max_replicas"] = self.max_replicas
-        return knobs
-
-
-class GatewayArgs(BaseModel):
-    """The gateway's section of :class:`AppArgs`: keys, the request gate, its replicas."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    api_keys: Optional[list[str]] = Field(
-        None, description="if set, require `Authorization: Bearer <key>`; default: $KVSERVE_API_KEYS "
-                          "(comma-separated) or the lines of api_keys_file. An entry may carry per-key "
-                          "settings after the key: `name=.. rpm=.. tpm=.. priority=..` (deployments/limits/)")
-    api_keys_file: Optional[str] = Field(None, description="a file with one API key per line, each optionally "
-                                                           "followed by name=/rpm=/tpm=/priority= (read where "
-                                                           "the app is built; a Kubernetes secret mounts as one)")
-    admin_api_keys: Optional[list[str]] = Field(
-        None, description="keys of the admin endpoints (DELETE /v1/cache, POST /v1/load_lora_adapter and "
-                          "/v1/unload_lora_adapter); default $KVSERVE_ADMIN_API_KEYS (comma-separated); none: "
-                          "those endpoints answer 403")
-    lora_allowed_roots: Optional[list[str]] = Field(
-        None, description="folders (absolute paths) under which POST /v1/load_lora_adapter may read adapters, "
-                          "resolved with symlinks and '..' on the replica's node (--lora-allowed-root, "
-                          "repeatable); none: loading adapters at run time is off (vLLM: "
-                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
-    auth_failures_per_minute: int = Field(
-        DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
-        description="missing or wrong API keys one client address may send per minute before 429s")
-    allowed_origins: list[str] = Field(
-        default_factory=lambda: ["*"], description="CORS: origins whose browser pages may call the API "
-                                                   "(default * like vLLM: any page, which still needs an API key "
-                                                   "when keys are set; [] turns CORS off)")
-    max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger bodies get 413")
-    max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
-                                         description="most prompts in one /v1/completions request")
-    ingress_num_replicas: int = Field(1, ge=1)
-    ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
-    ingress_resources: Optional[dict[str, float]] = Field(
-        None, description="custom Ray resources of each ingress replica, e.g. {\"head\": 0.01} with a head started "
-                          "with --resources '{\"head\": 1}' keeps the ingress on the head node")
-    ingress_max_ongoing_requests: int = Field(1024, ge=1)
-
-
-    @field_validator("lora_allowed_roots")
-    @classmethod
-    def _absolute_roots(cls, v):
-        if v and not all(r and os.path.isabs(r) for r in v):
-            raise ValueError("lora_allowed_roots: each root must be an absolute path")
-        return v
-
-    @field_validator("api_keys", "admin_api_keys", mode="before")
-    @classmethod
-    def _split_keys(cls, v):
-        if isinstance(v, str):
-            return [k.strip() for k in v.split(",") if k.strip()]
-        return v
-
-    @model_validator(mode="after")
-    def _keys_from_env_or_file(self):
-        """Keys never need to be on a command line (visible in ``ps``): ``api_keys_file`` or
-        ``$KVSERVE_API_KEYS`` fill ``api_keys`` when it is not given."""
-        if self.api_keys is None and self.api_keys_file:
-            try:
-                with open(self.api_keys_file) as f:
-                    keys = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
-            except OSError as e:
-                raise ValueError(f"api_keys_file: cannot read {self.api_keys_file!r}: {e.strerror}") from None
-            if not keys:
-                raise ValueError(f"api_keys_file {self.api_keys_file!r} holds no key")
-            self.api_keys = keys
-        elif self.api_keys is None and os.environ.get("KVSERVE_API_KEYS", "").strip():
-            self.api_keys = self._split_keys(os.environ["KVSERVE_API_KEYS"])
-        if self.api_keys:
-            policies_from_keys(self.api_keys)  # a bad entry fails here, naming its position, never the key
-        if self.admin_api_keys is None and os.environ.get("KVSERVE_ADMIN_API_KEYS", "").strip():
-            self.admin_api_keys = self._split_keys(os.environ["KVSERVE_ADMIN_API_KEYS"])
-        if self.admin_api_keys and any(len(k.split()) != 1 for k in self.admin_api_keys):
-            raise ValueError("admin_api_keys: an admin key is one word (no spaces, no attributes)")
-        return self
-
-
-class LimitArgs(BaseModel):
-    """The per-key limits' section of :class:`AppArgs`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    rate_limit_rpm: Optional[float] = Field(
-        None, ge=0, description="default requests per minute of each API key (a key's rpm= overrides it)")
-    rate_limit_tpm: Optional[float] = Field(
-        None, ge=0, description="default tokens per minute of each API key, prompt + max_tokens reserved, "
-                                "settled with the tokens used")
-    redis_url: Optional[str] = Field(
-        None, description="Redis that all ingress replicas share their per-key limits through (default "
-                          "$KVSERVE_REDIS_URL; without it each ingress replica enforces limit / replicas)")
-
-    @model_validator(mode="after")
-    def _redis_from_env(self):
-        if self.redis_url is None and os.environ.get("KVSERVE_REDIS_URL", "").strip():
-            self.redis_url = os.environ["KVSERVE_REDIS_URL"].strip()
-        return self
-
-
-class CacheArgs(BaseModel):
-    """The response caches' section of :class:`AppArgs` (``deployments/cache/``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    response_cache: bool = Field(
-        True, description="exact response cache in the ingress: deterministic requests (temperature 0 or a seed) "
-                          "answered again without a replica (deployments/cache/)")
-    cache_backend: Literal["memory", "redis"] = Field(
-        "memory", description="memory: per ingress replica; redis: shared by all ingress replicas (needs redis_url)")
-    cache_ttl_s: float = Field(3600.0, gt=0, description="seconds a cached answer lives")
-    cache_max_entries: int = Field(10_000, ge=1, description="cached answers kept (least recently used go first)")
-    cache_max_bytes: int = Field(256 << 20, ge=1, description="bytes of cached answers kept (default 256 MiB)")
-    semantic_cache: Literal["off", "opt-in", "on"] = Field(
-        "off", description="semantic response cache (all-MiniLM-L6-v2 embeddings of the last user message): off, "
-                           "opt-in (requests send \"cache\": {\"semantic\": true}) or on (every cacheable request "
-                           "unless it declines); true/false mean on/off")
-    semantic_cache_threshold: float = Field(
-        0.92, gt=0, le=1, description="cosine similarity a semantic hit needs (0.92: benchmarks/cache.py)")
-    semantic_cache_max_entries: int = Field(10_000, ge=1, description="semantic cache vectors per ingress replica")
-
-    @field_validator("semantic_cache", mode="before")
-    @classmethod
-    def _semantic_bool(cls, v):
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
-
-
-class RoutingArgs(BaseModel):
-    """The model routing section of :class:`AppArgs`: ``model: "auto"`` and the upstream."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model_routing: Optional[ModelRouting] = Field(
-        None, description="rules of `model: \"auto\"` (first match wins; deployments/routing/model_routing.py): "
-                          "{rules: [{model, name, max_prompt_tokens, max_tokens, keywords, exclude_keywords}], "
-                          "default}; unset: no `auto` model")
-    upstream: Optional[UpstreamArgs] = Field(
-        None, description="OpenAI-compatible fallback for requests the local models cannot take (all replicas "
-                          "at capacity or failing): {base_url, api_key (default $KVSERVE_UPSTREAM_API_KEY), "
-                          "models: {local: upstream name}, timeout_s}")
-
-    @model_validator(mode="after")
-    def _upstream_key_from_env(self):
-        if self.upstream is not None and not self.upstream.api_key:
-            self.upstream.api_key = os.environ.get("KVSERVE_UPSTREAM_API_KEY", "").strip() or None
-        return self
-
-
-class EmbeddingArgs(BaseModel):
-    """The embedding models' section of :class:`AppArgs`: sentence-embedding encoders served
-    for ``/v1/embeddings`` only, each its own ``EmbeddingServer`` deployment
-    (``deployments/replica/embedding_server.py``)."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    embedding_model: Optional[str] = Field(
-        None, description="a sentence-transformers model folder to serve for /v1/embeddings, or 'bundled' for "
-                          "all-MiniLM-L6-v2 (installed with kvserve); unset: no encoder (served generating models "
-                          "still answer /v1/embeddings with pooled hidden states)")
-    embedding_served_name: Optional[str] = Field(
-        None, description="the encoder's name in requests (default: sentence-transformers/all-MiniLM-L6-v2 for the "
-                          "bundled one, else the folder's name)")
-    embedding_num_replicas: int = Field(1, ge=1)
-    embedding_cpus: float = Field(0.25, ge=0, description="logical CPUs of each encoder replica")
-    embedding_num_threads: int = Field(1, ge=1, description="torch threads of each encoder replica")
-
-    def served_name(self) -> Optional[str]:
-        """The encoder's served name (None without one)."""
-        if self.embedding_model is None:
-            return None
-        return encoder_served_name(self.embedding_model, self.embedding_served_name)
-
 
 #: The sections of :class:`AppArgs` besides ``models``, by name.
 SECTIONS: dict[str, type[BaseModel]] = {"gateway": GatewayArgs, "limits": LimitArgs, "cache": CacheArgs,
@@ -376,11 +64,13 @@ class AppArgs(BaseModel):
         return out
 
     def flat_value(self, name: str) -> Any:
-        """The value of a flat name (a section's field, or the default model's).
+        """The value of a flat name (a section's field, or the default model's; a renamed model
+        setting by its old name too).
 
         Raises:
             KeyError: not a flat name.
         """
+        name = RENAMED_MODEL_KEYS.get(name, name)
         for section in SECTIONS:
             part = getattr(self, section)
             if name in type(part).model_fields:
@@ -404,7 +94,8 @@ class AppArgs(BaseModel):
                     if key in section.model_fields:
                         part[key] = data.pop(key)
             out[name] = part
-        own = {k: data.pop(k) for k in list(data) if k in ModelArgs.model_fields}
+        own = renamed_model_keys({k: data.pop(k) for k in list(data)
+                                  if k in ModelArgs.model_fields or k in RENAMED_MODEL_KEYS})
         if data:  # unknown keys: let the model name them
             out.update(data)
         if not out["models"]:
@@ -416,6 +107,10 @@ class AppArgs(BaseModel):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique, got {names}")
+        for m in self.models:
+            get_tool_parser(m.tool_call_parser)  # an unknown name fails here
+        if self.gateway.api_keys:
+            policies_from_keys(self.gateway.api_keys)  # a bad entry fails here, naming its position, never the key
         if self.routing.model_routing is not None:
             self.routing.model_routing.check(names)
         encoder = self.embeddings.served_name()
@@ -430,12 +125,12 @@ class AppArgs(BaseModel):
         return list(self.models)
 
     def cache_settings(self) -> dict[str, Any]:
-        """The gateway's ``deployments.cache.CacheSettings`` (as a dict)."""
-        c = self.cache
-        return {"enabled": c.response_cache, "backend": c.cache_backend, "ttl_s": c.cache_ttl_s,
-                "max_entries": c.cache_max_entries, "max_bytes": c.cache_max_bytes,
-                "semantic": c.semantic_cache, "semantic_threshold": c.semantic_cache_threshold,
-                "semantic_max_entries": c.semantic_cache_max_entries, "redis_url": self.limits.redis_url}
+        """The gateway's ``deployments.cache.CacheSettings`` (as a dict).
+
+        Raises:
+            ValueError: as :class:`~deployments.cache.CacheSettings`.
+        """
+        return dataclasses.asdict(CacheSettings.of(self.cache, self.limits.redis_url))
 
 
 def logical_cpus_needed(args: AppArgs) -> float:

@@ -14,10 +14,12 @@ import sys
 import time
 import types
 import typing
+import warnings
 
 from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
 from deployments.args import APP_NAME, AppArgs, ModelArgs, app_args_from_config
 from deployments.contract.adapters import parse_lora_module
+from deployments.contract.config import RENAMED_MODEL_KEYS
 from deployments.gateway.gate import mask_key
 
 
@@ -46,6 +48,11 @@ _NOT_FLAGS = {"autoscaling", "min_replicas", "max_replicas"}
 _APP_FLAGS = ("response_cache", "cache_backend", "cache_ttl_s", "cache_max_entries", "cache_max_bytes",
               "semantic_cache", "semantic_cache_threshold", "semantic_cache_max_entries", "redis_url",
               "embedding_model", "embedding_served_name")
+
+
+def _flag(name: str) -> str:
+    """The flag of a setting, without its dashes (``max_waiting_requests``: ``max-waiting-requests``)."""
+    return name.replace("_", "-")
 
 
 def _json_object(text: str) -> dict:
@@ -134,8 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", default=None,
                    help="CORS: comma-separated origins whose browser pages may call the API (default '*', like "
                         "vLLM; '' turns CORS off)")
-    for flag, dest, kw in _model_flags():  # engine and deployment settings, from ModelArgs
+    flags = _model_flags()
+    for flag, dest, kw in flags:  # engine and deployment settings, from ModelArgs
         s.add_argument(flag, dest=dest, **kw)
+    for old, new in RENAMED_MODEL_KEYS.items():  # the old names of renamed settings still work (with a warning)
+        kw = next(dict(k) for _, d, k in flags if d == new)
+        s.add_argument("--" + old.replace("_", "-"), dest=old, **{**kw, "help": f"deprecated: --{_flag(new)}"})
     add_autoscaling_args(s)  # --min-replicas, --max-replicas and the policy's knobs
     s.set_defaults(func=cmd_serve)
     return ap
@@ -146,10 +157,16 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
     app_args: dict = {}
     if args.config:
         app_args = app_args_from_config(args.config, args.name or APP_NAME)
-    for _flag, dest, _kw in _model_flags():
+    for _f, dest, _kw in _model_flags():
         v = getattr(args, dest, None)
         if v is not None:
             app_args[dest] = dict(v) if dest == "lora_modules" else v
+    for old, new in RENAMED_MODEL_KEYS.items():
+        v = getattr(args, old, None)
+        if v is not None and getattr(args, new, None) is None:
+            warnings.warn(f"--{_flag(old)} is deprecated, it is now --{_flag(new)}", FutureWarning, stacklevel=2)
+            app_args.pop(old, None)
+            app_args[new] = v
     if args.api_keys:
         app_args["api_keys"] = args.api_keys
     if args.api_keys_file:

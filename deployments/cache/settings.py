@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from deployments.contract.config import CacheArgs
 from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
 
 #: Semantic modes of a deployment.
@@ -25,8 +26,8 @@ DEFAULT_SEMANTIC_THRESHOLD = 0.92
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """A deployment's response caches (``AppArgs``: ``response_cache``, ``cache_*``,
-    ``semantic_cache*``).
+    """A deployment's response caches (the configuration's :class:`~deployments.contract.config.CacheArgs`:
+    ``response_cache``, ``cache_*``, ``semantic_cache*``; :meth:`of`).
 
     Attributes:
         enabled: the exact cache (and with it the semantic level) is on.
@@ -65,6 +66,20 @@ class CacheSettings:
             raise ValueError(f"semantic cache mode must be one of {SEMANTIC_MODES}, got {self.semantic!r}")
         if not (0.0 < self.semantic_threshold <= 1.0):
             raise ValueError(f"semantic threshold must be in (0, 1], got {self.semantic_threshold}")
+
+    @classmethod
+    def of(cls, args: CacheArgs | None, redis_url: str | None = None) -> "CacheSettings":
+        """The settings of the configuration's cache section (None: its defaults) with the
+        limits' ``redis_url``.
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        c = args if args is not None else CacheArgs()
+        return cls(enabled=c.response_cache, backend=c.cache_backend, ttl_s=c.cache_ttl_s,
+                   max_entries=c.cache_max_entries, max_bytes=c.cache_max_bytes, semantic=c.semantic_cache,
+                   semantic_threshold=c.semantic_cache_threshold, semantic_max_entries=c.semantic_cache_max_entries,
+                   redis_url=redis_url)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ limits/, routing/) and the replica side (replica/) both read, so neither imports
   ``GenerationChunk``, ``ServerInfo``, ...);
 - :mod:`~deployments.contract.streams`: consuming the replica's chunk streams;
 - :mod:`~deployments.contract.prefix`: the prefix hashes a replica reports and a router computes;
+- :mod:`~deployments.contract.config`: the configuration's sections (``ModelArgs``,
+  ``GatewayArgs``, ``LimitArgs``, ``CacheArgs``, ``RoutingArgs``, ``EmbeddingArgs``), passed to
+  the deployments as objects;
+- :mod:`~deployments.contract.facts`: what the gateway knows of a model: its card (given at
+  build time) and what its replicas publish when they load (the facts board);
 - :mod:`~deployments.contract.adapters`: LoRA adapters as both sides know them (flag, registry);
 - :mod:`~deployments.contract.openai_requests`, :mod:`~deployments.contract.openai_errors`: the
   OpenAI wire format (request bodies, error bodies).

@@ -38,7 +38,7 @@ class OpenAIError(Exception):
         """The HTTP error of a :class:`GenerationError` from the model server."""
         type_ = ("rate_limit_error" if err.status == 429 else
                  "invalid_request_error" if err.status < 500 else "server_error")
-        return cls(err.message, err.status, type_, code=err.code, retry_after_s=err.retry_after_s)
+        return cls(err.message, err.status, type_, param=err.param, code=err.code, retry_after_s=err.retry_after_s)
 
     def headers(self) -> dict[str, str] | None:
         """``Retry-After`` (whole seconds, at least 1) for a 429 or 503."""

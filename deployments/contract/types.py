@@ -31,7 +31,7 @@ ERROR_STATUS = {
     "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len
     "invalid_value": 400,            # a value the engine cannot honour (the message names the field)
     "queue_full": 429,               # the replica is at capacity: retry after retry_after_s
-    "too_large": 400,                # can never be admitted (more than a replica's whole queue bound)
+    "too_large": 400,                # can never be admitted (more than a replica holds at once)
     "timeout": 504,                  # ran past the server's request_timeout_s (aborted, blocks freed)
     "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
     "internal": 500,                 # a failure of the server itself (details in its log)
@@ -41,11 +41,13 @@ ERROR_STATUS = {
 
 @dataclass
 class GenerationError:
-    """Why a request could not run: ``code`` is a key of :data:`ERROR_STATUS`."""
+    """Why a request could not run: ``code`` is a key of :data:`ERROR_STATUS`; ``param`` the
+    request field it is about, when one is (OpenAI's error ``param``)."""
 
     code: str
     message: str
     retry_after_s: float | None = None  # for "queue_full": when a retry may succeed, seconds
+    param: str | None = None
 
     @property
     def status(self) -> int:
@@ -181,6 +183,9 @@ class GenerateRequest:
         shed_requests: requests the sending gateway refused for this model as full since its
             previous request (:mod:`deployments.gateway.shedding`): the replica counts them as
             demand its queue refused, for the autoscaler.
+        num_prompts: the prompts of the client's request this one belongs to (a completions
+            batch is sent as one request per prompt): the replica refuses the batch as
+            ``too_large`` when ``num_prompts * n`` requests could never be in flight on it at once.
     """
 
     prompt: str | list[int] | dict | None = None
@@ -193,6 +198,7 @@ class GenerateRequest:
     echo: bool = False
     lora_name: str | None = None
     shed_requests: int = 0
+    num_prompts: int = 1
 
     @classmethod
     def of(cls, prompt: str | list[int] | dict | None = None,
@@ -226,8 +232,9 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """What one model's replicas are (``LLMServer.server_info()``; the gateway reads it once per
-    model, and ``revision`` again every few minutes for the response cache).
+    """What one model's replicas are (``LLMServer.server_info()``, for Python-handle callers and
+    operators; the gateway does not call it: it has the models' cards from the application's
+    build and what replicas publish when they load, :mod:`deployments.contract.facts`).
 
     Attributes:
         name: the served model name.
@@ -237,10 +244,11 @@ class ServerInfo:
         kv_cache_dtype: ``auto`` or ``fp8``.
         quantization: None, ``int8`` or ``fp8`` (the weights').
         speculative_config: None, or ``{"method", "num_speculative_tokens", ...}`` (no paths).
-        max_queued_requests, max_queued_prompt_tokens: a replica's admission bounds beyond the
-            running batch (requests, prompt tokens).
+        max_waiting_requests, max_queued_prompt_tokens: a replica's admission bounds beyond the
+            running batch (requests, prompt tokens); ``max_queued_requests`` is the old name of
+            the first (read-only).
         max_in_flight_requests: the most requests a replica holds at once
-            (``max_num_seqs + max_queued_requests``): a request needing more can never run.
+            (``max_num_seqs + max_waiting_requests``): a request needing more can never run.
         tool_call_parser: the name of the parser of this model's tool calls.
         revision: the weights' revision (:func:`model_revision`), keys the response cache.
         workers: the worker actors' placement (several ranks per replica): the placement group
@@ -258,7 +266,7 @@ class ServerInfo:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     speculative_config: dict | None = None
-    max_queued_requests: int = 0
+    max_waiting_requests: int = 0
     max_queued_prompt_tokens: int = 0
     max_in_flight_requests: int = 0
     tool_call_parser: str = "hermes"
@@ -267,6 +275,11 @@ class ServerInfo:
     workers: dict | None = None
     task: str = "generate"
     embedding_dim: int | None = None
+
+    @property
+    def max_queued_requests(self) -> int:
+        """The old name of :attr:`max_waiting_requests`."""
+        return self.max_waiting_requests
 
 
 @dataclass

@@ -28,10 +28,10 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from deployments.contract.adapters import REGISTRY_REFRESH_S, AdapterEntry, AdapterRegistry, serve_app_name
+from deployments.contract.config import AUTO_MODEL
 from deployments.contract.openai_errors import OpenAIError
 from deployments.gateway.admin import admin_denied
 from deployments.gateway.errors import as_client_error, request_id_of
-from deployments.routing.model_routing import AUTO_MODEL
 
 logger = logging.getLogger("ray.serve")
 
@@ -57,7 +57,8 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class AdapterDirectory:
     """The adapters loaded at run time, as this gateway sees the registry: read through a cache
     of at most :data:`~deployments.contract.adapters.REGISTRY_REFRESH_S` seconds (misses too: a mistyped name
-    costs one registry read per that time). The configured ones are ``Gateway.adapters``."""
+    costs one registry read per that time). The configured ones are the catalog's
+    (:attr:`~deployments.gateway.catalog.ModelCatalog.adapters`)."""
 
     def __init__(self):
         app = serve_app_name()
@@ -112,7 +113,7 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
     denied = admin_denied(gw, request, "LoRA adapters")
     if denied is not None:
         return denied
-    roots = list(gw.settings.lora_allowed_roots or [])
+    roots = list(gw.args.lora_allowed_roots or [])
     if not roots:
         raise OpenAIError("loading LoRA adapters at run time is disabled on this server: start it with "
                           "--lora-allowed-root DIR (lora_allowed_roots) to allow adapters under DIR", 403,
@@ -122,7 +123,7 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
         raise _bad("adapters can be loaded at run time only in a Ray Serve application", status=503,
                    code="lora_unavailable")
     name = body.lora_name
-    if name in gw.models or name in gw.adapters or name == AUTO_MODEL:
+    if name in gw.models or name in gw.catalog.adapters or name == AUTO_MODEL:
         raise _bad(f"'{name}' is the name of a served model or configured adapter", "lora_name")
     if body.model is None and len(gw.models) > 1:
         raise _bad(f"this server serves several models: name the adapter's base with 'model' "
@@ -163,7 +164,7 @@ async def unload_adapter(gw, body: UnloadLoRAAdapterRequest, request: Request):
     if denied is not None:
         return denied
     name = body.lora_name
-    if name in gw.adapters:
+    if name in gw.catalog.adapters:
         raise _bad(f"adapter '{name}' is configured (lora_modules): remove it from the config", "lora_name")
     registry = gw.lora.registry
     if registry is None or not await asyncio.to_thread(registry.delete, name):

@@ -3,7 +3,6 @@ calls (``tool_choice`` auto by the model family's parser, ``required`` and named
 grammar) and structured outputs."""
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -20,10 +19,10 @@ from openai.types.chat.chat_completion_token_logprob import TopLogprob as OpenAI
 
 from deployments.contract.openai_messages import NamedToolChoice
 from deployments.contract.openai_requests import ChatCompletionRequest
-from deployments.contract.types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
-from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
-from deployments.gateway.errors import failed
-from deployments.gateway.streams import SSE_HEADERS, ChunkStream, sse, usage_of
+from deployments.contract.types import GenerationChunk, TokenLogprob, finish_reason
+from deployments.gateway.call import Call, GenerateSpec
+from deployments.gateway.core import Gateway
+from deployments.gateway.streams import SSE_HEADERS, sse, usage_of
 from deployments.gateway.tool_parsers import get_tool_parser
 from deployments.gateway.tool_parsers.base import ToolParser
 from deployments.gateway.tools import StreamingToolText, parse_forced, tool_grammar
@@ -122,19 +121,18 @@ class ChatChoiceRenderer:
         return deltas
 
 
-async def start_chat(gw: Gateway, body: ChatCompletionRequest, request: Request, id_prefix: str = "chatcmpl",
-                     fallback: bool = True):
-    """Run a chat request through the gateway's pipeline (model, cache, key, replica):
-    ``(call, renderers, None)`` with ``call.streams`` open and one renderer per choice, or
-    ``(call, [], upstream response)`` when every replica refused and ``fallback`` allows the
-    upstream (``POST /v1/responses`` runs its requests here too, without the fallback).
+def chat_spec(body: ChatCompletionRequest, request: Request, id_prefix: str = "chatcmpl",
+              fallback: bool = True) -> tuple[GenerateSpec, str]:
+    """The pipeline's spec of a chat request, and its choices' rendering mode (``text``,
+    ``auto``, ``required``, ``named``): the messages, the tools (a grammar forces ``required``
+    and named calls), the sampling parameters. ``POST /v1/responses`` builds its requests here
+    too, without the upstream fallback.
 
     Raises:
-        OpenAIError: as :meth:`Gateway.call` and :meth:`Gateway.start`.
+        OpenAIError: 400 for a value the engine cannot honour.
     """
     messages = [m.to_template() for m in body.messages]
     max_tokens = body.effective_max_tokens
-    call = await gw.call(request, body, id_prefix, max_tokens=max_tokens, messages=messages)
     mode = ChatChoiceRenderer.mode_of(body)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and mode != "text" else None
     grammar = None
@@ -143,29 +141,30 @@ async def start_chat(gw: Gateway, body: ChatCompletionRequest, request: Request,
                                body.parallel_tool_calls)
     params = body.to_sampling_params(max_tokens, body.num_logprobs,
                                      **({"structured_outputs": grammar} if grammar is not None else {}))
-    parser = get_tool_parser((await gw.directory.info(call.model)).tool_call_parser) if mode == "auto" else None
-    req = GenerateRequest(messages=messages, tools=tools, sampling_params=params, n=body.n,
-                          request_id=call.response_id)
-    upstream = await gw.start(call, body, "chat", [req], prompt_tokens=estimate_prompt_tokens(messages),
-                              reserve_tokens=None if max_tokens is None else max_tokens * body.n, fallback=fallback)
-    if upstream is not None:
-        return call, [], upstream
-    return call, [ChatChoiceRenderer(mode, parser, body.tool_choice) for _ in range(body.n)], None
+    return GenerateSpec(request, body, "chat", id_prefix, params, n=body.n, messages=messages, tools=tools,
+                        fallback=fallback), mode
+
+
+def renderers(gw: Gateway, call: Call, body: ChatCompletionRequest, mode: str) -> list[ChatChoiceRenderer]:
+    """One renderer per choice, with the model family's tool parser under ``tool_choice`` auto."""
+    parser = get_tool_parser(gw.catalog.tool_call_parser(call.model)) if mode == "auto" else None
+    return [ChatChoiceRenderer(mode, parser, body.tool_choice) for _ in range(body.n)]
 
 
 async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Request, response: Response):
     """``POST /v1/chat/completions``."""
-    call, renderers, fallback = await start_chat(gw, body, request)
-    if fallback is not None:
-        return fallback
+    spec, mode = chat_spec(body, request)
+    call = await gw.run(spec)
+    if not isinstance(call, Call):  # every replica refused: the upstream's answer
+        return call
+    choice_renderers = renderers(gw, call, body, mode)
     if body.stream:
-        lasts = {(0, 0): call.streams[0].first}
-        return StreamingResponse(gw.sse(call, _events(call, body, renderers, lasts), lasts, body.n),
+        return StreamingResponse(gw.sse(call, _events(gw, call, body, choice_renderers)),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
-    wholes = await collect(gw, call, body.n)
+    wholes = [w for _, w in sorted((await gw.whole(call)).items())]
     response.headers.update(call.headers)
     choices = []
-    for i, (whole, renderer) in enumerate(zip(wholes, renderers)):
+    for i, (whole, renderer) in enumerate(zip(wholes, choice_renderers)):
         msg, fr = renderer.message(whole)
         choices.append(ChatChoice(
             index=i, message=msg, finish_reason=fr,
@@ -174,38 +173,12 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
                           choices=choices, usage=usage_of({(0, w.index): w for w in wholes}))
 
 
-async def collect(gw: Gateway, call: Call, n: int) -> list[GenerationChunk]:
-    """The whole answer of a call's one stream, by choice (its ``n`` choices); the key is
-    settled and a complete answer goes to the response cache.
-
-    Raises:
-        OpenAIError: the generation failed midway (the details are logged).
-    """
-    wholes = [GenerationChunk(index=i) for i in range(n)]
-    stream, complete = call.streams[0], False
-    try:
-        async for chunk in stream.chunks():
-            wholes[chunk.index].extend(chunk)
-        complete = True
-    except asyncio.CancelledError:
-        stream.cancel()
-        raise
-    except Exception as e:
-        stream.cancel()
-        raise failed(call.http_id, e) from None
-    finally:
-        gw.finish(call, {(0, w.index): w for w in wholes}, n, store=complete)
-    return wholes
-
-
-async def _events(call: Call, body: ChatCompletionRequest, renderers: list[ChatChoiceRenderer],
-                  lasts: dict) -> AsyncIterator[bytes]:
+async def _events(gw: Gateway, call: Call, body: ChatCompletionRequest,
+                  renderers: list[ChatChoiceRenderer]) -> AsyncIterator[bytes]:
     """The chat chunks' SSE events (OpenAI's ``chat.completion.chunk``)."""
-    stream: ChunkStream = call.streams[0]
     head = dict(id=call.response_id, object="chat.completion.chunk", created=call.created, model=call.served)
     include_usage, continuous = body.include_usage, body.continuous_usage
-    async for chunk in stream.chunks():
-        lasts[(0, chunk.index)] = chunk
+    async for _, chunk in gw.chunks(call):
         deltas, fr = renderers[chunk.index].deltas(chunk)
         lp = chunk.logprobs if body.logprobs else None
         if not deltas and fr is None and not lp:
@@ -217,7 +190,7 @@ async def _events(call: Call, body: ChatCompletionRequest, renderers: list[ChatC
                                  logprobs=ChunkChoiceLogprobs(content=chat_logprobs(lp)) if lp and not k else None)
             out = ChatCompletionChunk(**head, choices=[choice])
             if include_usage:  # OpenAI sends "usage": null on every chunk but the last
-                out.usage = usage_of(lasts) if continuous else None
+                out.usage = usage_of(call.lasts) if continuous else None
             yield sse(out)
     if include_usage:
-        yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(lasts)))
+        yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(call.lasts)))

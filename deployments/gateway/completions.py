@@ -11,10 +11,9 @@ from openai.types.completion_choice import Logprobs
 
 from deployments.contract.openai_errors import OpenAIError
 from deployments.contract.openai_requests import CompletionRequest
-from deployments.contract.streams import merge_streams
-from deployments.contract.types import GenerateRequest, GenerationChunk, TokenLogprob, finish_reason
-from deployments.gateway.core import Call, Gateway, estimate_prompt_tokens
-from deployments.gateway.errors import failed
+from deployments.contract.types import GenerationChunk, TokenLogprob, finish_reason
+from deployments.gateway.call import Call, GenerateSpec
+from deployments.gateway.core import Gateway
 from deployments.gateway.streams import SSE_HEADERS, sse, usage_of
 
 
@@ -40,49 +39,26 @@ def _join(a: Logprobs, b: Logprobs) -> Logprobs:
 
 
 async def completions(gw: Gateway, body: CompletionRequest, request: Request, response: Response):
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``. A batch larger than a replica holds at once (its prompts times
+    ``best_of`` or ``n``) is refused by the replica (400 ``too_large``), not here."""
     prompts = body.prompts()
-    call = await gw.call(request, body, "cmpl", max_tokens=body.max_tokens, prompts=prompts)
-    limit = gw.settings.max_prompts_per_request
+    limit = gw.args.max_prompts_per_request
     if len(prompts) > limit:
         raise OpenAIError(f"{len(prompts)} prompts in one request; the limit is {limit}", 400, param="prompt",
                           code="too_many_prompts")
     n_gen = body.best_of or body.n  # sequences generated per prompt; the best n are returned
-    bound = (await gw.directory.info(call.model)).max_in_flight_requests
-    if len(prompts) * n_gen > 1 and bound and len(prompts) * n_gen > bound:  # a retry could never help
-        raise OpenAIError(f"{len(prompts)} prompts x {n_gen} choices in one request; a replica of this model "
-                          f"takes at most {bound} requests at once (max_num_seqs + max_queued_requests), so this "
-                          "request can never be admitted: send fewer prompts or choices per request", 400,
-                          param="prompt", code="too_large")
     ranking = n_gen > body.n
     extra = {"prompt_logprobs": body.logprobs} if body.echo and body.logprobs is not None else {}
     params = body.to_sampling_params(body.max_tokens, body.logprobs if body.logprobs is not None or not ranking
                                      else 0, **extra)
-    reqs = [GenerateRequest(prompt=p, sampling_params=params, n=n_gen, request_id=f"{call.response_id}-{i}",
-                            echo=body.echo) for i, p in enumerate(prompts)]
-    fallback = await gw.start(call, body, "completion", reqs,
-                              prompt_tokens=sum(estimate_prompt_tokens(p) for p in prompts),
-                              reserve_tokens=None if body.max_tokens is None
-                              else body.max_tokens * len(prompts) * n_gen)
-    if fallback is not None:
-        return fallback
+    call = await gw.run(GenerateSpec(request, body, "completion", "cmpl", params, n=n_gen, prompts=prompts,
+                                     echo=body.echo))
+    if not isinstance(call, Call):  # every replica refused: the upstream's answer
+        return call
     if body.stream:
-        lasts = {(p, 0): s.first for p, s in enumerate(call.streams)}
-        return StreamingResponse(gw.sse(call, _events(call, body, lasts), lasts, n_gen),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
-    wholes: dict[tuple[int, int], GenerationChunk] = {}
-    complete = False
-    try:
-        async for p, chunk in merge_streams([s.chunks() for s in call.streams]):
-            wholes.setdefault((p, chunk.index), GenerationChunk(index=chunk.index)).extend(chunk)
-        complete = True
-    except BaseException as e:
-        call.cancel()
-        if isinstance(e, Exception):
-            raise failed(call.http_id, e) from None
-        raise
-    finally:
-        gw.finish(call, wholes, n_gen, store=complete)
+        return StreamingResponse(gw.sse(call, _events(gw, call, body)), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **call.headers})
+    wholes = await gw.whole(call)
     response.headers.update(call.headers)
     choices = []
     for p in range(len(prompts)):
@@ -103,8 +79,7 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
                       choices=choices, usage=usage_of(wholes))
 
 
-async def _events(call: Call, body: CompletionRequest,
-                  lasts: dict[tuple[int, int], GenerationChunk]) -> AsyncIterator[bytes]:
+async def _events(gw: Gateway, call: Call, body: CompletionRequest) -> AsyncIterator[bytes]:
     """The completion chunks' SSE events (OpenAI's ``text_completion``), the prompts' streams merged."""
     head = dict(id=call.response_id, object="text_completion", created=call.created, model=call.served)
     n = body.n
@@ -115,7 +90,6 @@ async def _events(call: Call, body: CompletionRequest,
 
     def event(p: int, chunk: GenerationChunk) -> bytes | None:
         key = (p, chunk.index)
-        lasts[key] = chunk
         if chunk.prompt_logprobs is not None:
             prompt_lps[p] = chunk.prompt_logprobs
         text, lp = chunk.text, None
@@ -139,12 +113,12 @@ async def _events(call: Call, body: CompletionRequest,
                                                   finish_reason=fr)
         out = Completion(**head, choices=[choice])
         if include_usage:
-            out.usage = usage_of(lasts) if continuous else None
+            out.usage = usage_of(call.lasts) if continuous else None
         return sse(out)
 
-    async for p, chunk in merge_streams([s.chunks() for s in call.streams]):
+    async for p, chunk in gw.chunks(call):
         b = event(p, chunk)
         if b is not None:
             yield b
     if include_usage:
-        yield sse(Completion(**head, choices=[], usage=usage_of(lasts)))
+        yield sse(Completion(**head, choices=[], usage=usage_of(call.lasts)))

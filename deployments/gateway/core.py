@@ -1,319 +1,169 @@
-"""The gateway's state and its request pipeline, with no HTTP framework and no Serve in it.
+"""The gateway's shared state and its one request pipeline, with no HTTP framework and no Serve in it.
 
-One pipeline serves every generating endpoint (:meth:`Gateway.call` then :meth:`Gateway.start`):
-pick the model (``model: "auto"`` by the routing rules) -> response cache lookup -> per-key
-admission -> open the replica streams (with the upstream fallback when every replica refuses)
--> settle the key's tokens and store the answer when it completes. The endpoints render what
-comes back (:mod:`~deployments.gateway.chat`, :mod:`~deployments.gateway.completions`).
+An endpoint builds a typed spec (:class:`~deployments.gateway.call.GenerateSpec`: prompts or
+messages, sampling, options) and renders what comes back; the pipeline does the rest, once:
+
+1. **open** (:meth:`Gateway.run`): pick the model (``model: "auto"`` by the routing rules; a
+   LoRA adapter's name by its base model, :class:`~deployments.gateway.catalog.ModelCatalog`)
+   -> response cache lookup -> per-key admission (:class:`~deployments.limits.key_limits.KeyLimits`)
+   -> the replica streams (:class:`~deployments.gateway.replica_calls.ReplicaCalls`), or the
+   upstream's answer when every replica refused and a fallback is configured;
+2. **deliver** (:meth:`Gateway.chunks`, :meth:`Gateway.whole`, :meth:`Gateway.sse`): the
+   chunks as they come, tracked per choice;
+3. **settle and store** when the answer ends: the key's tokens (:meth:`Gateway.settle_soon`)
+   and, when it completed, the response cache's entry.
+
+One-answer replica calls (embeddings, tokenize) take the same path in short:
+:meth:`Gateway.run_unary` (pick, admit, ask, settle).
 
 **What the gateway owns and what the replica owns.** The gateway owns what needs no model:
 keys, limits, caches, the choice of model and the fallback, request ids, OpenAI rendering
 (tool-call parsing, finish reasons, logprob formats, echo text, ``best_of`` ranking). The
-replica owns everything that needs the tokenizer or the engine: chat templates, tokenizing,
-the one ``max_model_len`` rule (prompt plus ``max_tokens``), fanning ``n`` out into engine
-requests, admission to its queue, logprob token strings, the prompt text of ``echo``. What
-crosses is typed (:mod:`deployments.contract.types`): the gateway sends a
-:class:`~deployments.contract.types.GenerateRequest` (sampling values already validated as the
-engine's ``SamplingParams``) and reads :class:`~deployments.contract.types.GenerationChunk`
-records, an error being a typed chunk.
+replica owns everything that needs the tokenizer, the engine or its real capacity: chat
+templates, tokenizing, the size checks (prompt plus ``max_tokens`` against ``max_model_len``;
+``n`` times the prompts of a batch against what a replica holds in flight), fanning ``n`` out
+into engine requests, admission to its queue, logprob token strings, the prompt text of
+``echo``. What crosses is typed (:mod:`deployments.contract.types`): a
+:class:`~deployments.contract.types.GenerateRequest` (sampling values already validated as
+the engine's ``SamplingParams``) one way, :class:`~deployments.contract.types.GenerationChunk`
+records back, an error being a typed chunk the gateway renders as it is.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from fastapi import Request
+from pydantic import BaseModel
 from ray.serve.handle import DeploymentHandle
 
 from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
-from deployments.contract.adapters import AdapterEntry
+from deployments.contract.config import AUTO_MODEL, CacheArgs, GatewayArgs, LimitArgs, RoutingArgs
+from deployments.contract.facts import FactsBoard, ModelCard
 from deployments.contract.openai_errors import OpenAIError, random_id
-from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest, unknown_fields
+from deployments.contract.openai_requests import unknown_fields
+from deployments.contract.streams import merge_streams
 from deployments.contract.types import GenerateRequest, GenerationChunk
-from deployments.gateway.adapters import AdapterDirectory
-from deployments.gateway.errors import as_client_error, internal, request_id_of, stream_error
+from deployments.gateway.call import Call, GenerateSpec, UnarySpec, estimate_prompt_tokens
+from deployments.gateway.catalog import ModelCatalog
+from deployments.gateway.errors import failed, request_id_of, stream_error
 from deployments.gateway.gate import GateSettings, key_name, request_policy
-from deployments.gateway.models import ModelDirectory
+from deployments.gateway.handles import ModelHandles
+from deployments.gateway.replica_calls import ReplicaCalls
 from deployments.gateway.responses_input import ResponseStore
-from deployments.gateway.settings import GatewaySettings  # noqa: F401 (re-exported)
 from deployments.gateway.shedding import LoadShedder
 from deployments.gateway.streams import DONE, ChunkStream, background, usage_of
 from deployments.limits import RateLimiter, policies_from_keys
 from deployments.limits.key_limits import KeyLimits, KeyUse
-from deployments.routing.model_routing import AUTO_MODEL, ModelRouting, Upstream, UpstreamArgs, UpstreamError, user_text
+from deployments.routing.model_routing import Upstream, UpstreamError, user_text
 from telemetry.metrics import model_routes, rejected, upstream_fallbacks
 
 logger = logging.getLogger("ray.serve")
 
-#: Times a request is sent again when its replica died before its first chunk (nothing generated).
-UNAVAILABLE_RETRIES = 2
-
-def estimate_prompt_tokens(prompt) -> int:
-    """A prompt's token count before the replica tokenizes it, for reserving a key's token
-    budget (settled with the real count afterwards): exact for token ids, about 4 UTF-8 bytes
-    per token for text (BPE tokenizers on English), plus a few tokens of template per message."""
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    if isinstance(prompt, list):  # chat messages
-        return sum(4 + estimate_prompt_tokens(json.dumps(m.get("content"), ensure_ascii=False)
-                                              if not isinstance(m.get("content"), str) else m["content"])
-                   for m in prompt)
-    return len(str(prompt).encode()) // 4 + 1
-
-
-@dataclass
-class Call:
-    """One generating HTTP request on its way through the pipeline.
-
-    Attributes:
-        request: the HTTP request.
-        http_id: ``X-Request-ID`` (or a random id): in the logs and in error messages.
-        response_id: the response's id (``chatcmpl-...``, ``cmpl-...``), also the stem of the
-            engine's request ids.
-        model: the served (base) model's name; ``handle`` its streaming handle.
-        headers: response headers of the pipeline's verdicts (route, cache).
-        created: the response's ``created`` (Unix seconds).
-        use: the API key's admission; ``look`` the response cache's verdict.
-        streams: one per prompt, each with the prompt's ``n`` choices.
-    """
-
-    request: Request
-    http_id: str
-    response_id: str
-    model: str
-    handle: DeploymentHandle
-    headers: dict[str, str]
-    created: int
-    use: KeyUse | None = None
-    look: Lookup = field(default_factory=lambda: NO_CACHE)
-    streams: list[ChunkStream] = field(default_factory=list)
-    adapter: str | None = None  # the LoRA adapter the client named as its model, None: the base model
-    adapter_version: str | None = None  # a run-time adapter's load (its cached answers are this load's)
-
-    @property
-    def served(self) -> str:
-        """The name the client asked for (an adapter's, or the model's): answers carry it."""
-        return self.adapter or self.model
-
-    def cancel(self) -> None:
-        """Stop every stream of the call."""
-        for s in self.streams:
-            s.cancel()
+#: Seconds a probe of a model (``/health``, ``/ready``) may take.
+PROBE_TIMEOUT_S = 5.0
 
 
 class Gateway:
-    """The state shared by a gateway replica's endpoints: the models' handles and facts, the
-    gate's settings, the response cache, the per-key limiter, the ``auto`` routing rules, the
-    upstream fallback and the gateway's metrics.
+    """The state shared by a gateway replica's endpoints, and the pipeline they run requests
+    through (see the module docstring).
+
+    Args:
+        models: served model name -> ``LLMServer`` handle; the first is the default model.
+        cards: the models' (and encoders') :class:`~deployments.contract.facts.ModelCard`, as
+            ``build_app`` makes them from the configuration; a handle without a card gets one
+            that knows only its name.
+        gateway, limits, cache, routing: the configuration's sections
+            (:mod:`deployments.contract.config`; None: their defaults).
+        encoders: embedding model name -> ``EmbeddingServer`` handle (``/v1/embeddings`` only).
+        facts: where replicas publish what they learn at load (default: this Serve
+            application's board; None outside Serve).
 
     Raises:
-        ValueError: no model, a bad setting (key entries, routing rules naming unknown models).
+        ValueError: no model, a card without a handle, a configured adapter of a model not
+            served, a bad setting (key entries, routing rules naming unknown models).
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], settings: GatewaySettings,
-                 encoders: dict[str, DeploymentHandle] | None = None):
-        if not models:
-            raise ValueError("the gateway needs at least one model")
-        s = settings
-        if s.max_prompts_per_request < 1:
-            raise ValueError(f"max_prompts_per_request must be positive, got {s.max_prompts_per_request}")
-        self.settings = s
-        self.admin_keys = policies_from_keys(s.admin_api_keys or [])
-        api_keys = s.api_keys
+    def __init__(self, models: dict[str, DeploymentHandle], cards: list[ModelCard] | None = None, *,
+                 gateway: GatewayArgs | None = None, limits: LimitArgs | None = None, cache: CacheArgs | None = None,
+                 routing: RoutingArgs | None = None, encoders: dict[str, DeploymentHandle] | None = None,
+                 facts: FactsBoard | None = None):
+        g, lim, r = gateway or GatewayArgs(), limits or LimitArgs(), routing or RoutingArgs()
+        self.args = g
+        self.handles = ModelHandles(models, encoders)
+        self.catalog = _catalog(self.handles, cards or [], facts if facts is not None else FactsBoard.of_this_app())
+        self.admin_keys = policies_from_keys(g.admin_api_keys or [])
+        api_keys = g.api_keys
         if api_keys:  # an admin key must get past the gate to reach the admin endpoints
             known = {k.split()[0] for k in api_keys if k.split()}
             api_keys = list(api_keys) + [p.key for p in self.admin_keys if p.key not in known]
-        self.gate = GateSettings.of(api_keys, s.max_request_body_bytes, s.auth_failures_per_minute, s.allowed_origins)
-        cache = CacheSettings(**{"redis_url": s.redis_url, **(s.cache or {})})
-        self.cache = ResponseCache(cache) if cache.enabled else None
-        self.responses = ResponseStore(cache)  # stored Responses API responses, in the cache's backend
+        self.gate = GateSettings.of(api_keys, g.max_request_body_bytes, g.auth_failures_per_minute, g.allowed_origins)
+        settings = CacheSettings.of(cache, lim.redis_url)
+        self.cache = ResponseCache(settings) if settings.enabled else None
+        self.responses = ResponseStore(settings)  # stored Responses API responses, in the cache's backend
         # per-key limits: shared through Redis when given, else each gateway replica enforces its share
-        self.keys = KeyLimits(RateLimiter(s.rate_limit_rpm, s.rate_limit_tpm, redis_url=s.redis_url,
-                                          divide_by=max(1, s.ingress_num_replicas)))
-        self.models = dict(models)
-        self.default_model = next(iter(self.models))
-        self.adapters = dict(s.adapters or {})  # configured LoRA adapters: {name: base model}
-        for a, base in self.adapters.items():
-            if base not in self.models or a in self.models:
-                raise ValueError(f"adapter {a!r}: its base model {base!r} is not served, or the name is a model's")
-        self.lora = AdapterDirectory()  # and those loaded at run time
-        self._multiplexed: dict[tuple[str, bool], DeploymentHandle] = {}  # (multiplexed id, streaming) -> handle
-        self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
-        self.encoders = dict(encoders or {})  # embedding-only models (deployments.replica.embedding_server)
-        if set(self.encoders) & set(self.models):
-            raise ValueError(f"embedding model names {sorted(set(self.encoders) & set(self.models))} are also "
-                             "generating models' names")
-        self.directory = ModelDirectory({**self.models, **self.encoders})
-        self.routing = None if s.model_routing is None else ModelRouting.model_validate(s.model_routing)
+        self.keys = KeyLimits(RateLimiter(lim.rate_limit_rpm, lim.rate_limit_tpm, redis_url=lim.redis_url,
+                                          divide_by=max(1, g.ingress_num_replicas)))
+        self.routing = r.model_routing
         if self.routing is not None:
-            self.routing.check(list(self.models))
-        self.upstream = None if s.upstream is None else Upstream(UpstreamArgs.model_validate(s.upstream))
-        self.rejected = rejected()
+            self.routing.check(list(self.catalog.models))
+        self.upstream = None if r.upstream is None else Upstream(r.upstream)
+        self.replicas = ReplicaCalls(rejected())
         self.routes, self.fallbacks = model_routes(), upstream_fallbacks()
         self.shedder = LoadShedder()
+        self.probe_timeout_s = PROBE_TIMEOUT_S
         self.draining = False
         self._warned_fields: set[str] = set()
 
-    # ---- model choice -------------------------------------------------------------------
-    def model_handle(self, model: str | None) -> tuple[str, DeploymentHandle]:
-        """The served name and streaming handle of ``model`` (None: the default model).
+    @property
+    def models(self) -> dict[str, DeploymentHandle]:
+        """Served model name -> ``LLMServer`` handle."""
+        return self.handles.models
 
-        Raises:
-            OpenAIError: 404 ``model_not_found``.
-        """
-        name = model or self.default_model
-        if name not in self.streaming:
-            known = ", ".join([*self.models, *self.adapters])
-            raise OpenAIError(f"the model '{name}' does not exist; available: {known}", 404,
-                              "invalid_request_error", param="model", code="model_not_found")
-        return name, self.streaming[name]
+    @property
+    def encoders(self) -> dict[str, DeploymentHandle]:
+        """Embedding model name -> ``EmbeddingServer`` handle."""
+        return self.handles.encoders
 
-    async def adapter_base(self, name: str | None) -> tuple[str | None, AdapterEntry | None]:
-        """``(base model, registry entry)`` of LoRA adapter ``name``: a configured adapter's
-        base and None, a run-time adapter's base and its entry, ``(None, None)`` for a name that
-        is no adapter (a model's, or unknown)."""
-        if name is None or name in self.streaming:
-            return None, None
-        if name in self.adapters:
-            return self.adapters[name], None
-        entry = await self.lora.lookup(name)
-        return (entry.base, entry) if entry is not None and entry.base in self.streaming else (None, None)
+    @property
+    def lora(self):
+        """The run-time LoRA adapters' view (:class:`~deployments.gateway.adapters.AdapterDirectory`)."""
+        return self.catalog.lora
 
-    async def call(self, request: Request, body: ChatCompletionRequest | CompletionRequest, id_prefix: str, *,
-                   max_tokens: int | None, messages: list[dict] | None = None, prompts: list | None = None) -> Call:
-        """Start a :class:`Call`: the model (``model: "auto"`` resolved by the routing rules,
-        with an ``x-kvserve-route: auto:<rule>`` header; a LoRA adapter's name by its base
-        model, with Serve's multiplexed model id for one loaded at run time) and the ids.
-
-        Raises:
-            OpenAIError: 404 for an unknown model.
-        """
-        self.warn_unknown(body)
-        headers = {}
-        if body.model == AUTO_MODEL and self.routing is not None:
-            tokens = (estimate_prompt_tokens(messages) if messages is not None
-                      else max((estimate_prompt_tokens(p) for p in prompts or [""]), default=0))
-            name, rule = self.routing.choose(tokens, max_tokens, user_text(messages, prompts), self.default_model)
-            self.routes.inc({"model_name": name, "route": rule})
-            headers["x-kvserve-route"] = f"auto:{rule}"
-        else:
-            name = body.model
-        return await self._call(request, name, id_prefix, headers, stream=True)
-
-    async def unary_call(self, request: Request, model: str | None, id_prefix: str) -> Call:
-        """A :class:`Call` for a one-answer replica method (embeddings, tokenize): ``model``
-        may name a generating model (None: the default), one of its LoRA adapters, or an
-        embedding model; ``call.handle`` is the non-streaming handle.
-
-        Raises:
-            OpenAIError: 404 for a name that is not served.
-        """
-        if model in self.encoders:
-            return Call(request, request_id_of(request), random_id(id_prefix), model, self.encoders[model], {},
-                        int(time.time()))
-        return await self._call(request, model, id_prefix, {}, stream=False)
-
-    async def _call(self, request: Request, name: str | None, id_prefix: str, headers: dict[str, str], *,
-                    stream: bool) -> Call:
-        """The :class:`Call` of served name ``name``: a LoRA adapter's goes to its base model,
-        with Serve's multiplexed model id for one loaded at run time (``stream``: the streaming
-        handle, cached per adapter load).
-
-        Raises:
-            OpenAIError: 404 for an unknown model.
-        """
-        base, entry = await self.adapter_base(name)
-        adapter = name if base is not None else None
-        name, handle = self.model_handle(base or name)
-        if not stream:
-            handle = self.models[name]
-        if entry is not None:  # to a replica that holds the adapter (Serve's model multiplexing)
-            key = (entry.multiplexed_id, stream)
-            if key not in self._multiplexed:
-                if len(self._multiplexed) > 1024:
-                    self._multiplexed.clear()
-                self._multiplexed[key] = handle.options(multiplexed_model_id=entry.multiplexed_id)
-            handle = self._multiplexed[key]
-        return Call(request, request_id_of(request), random_id(id_prefix), name, handle, headers, int(time.time()),
-                    adapter=adapter, adapter_version=entry.version if entry is not None else None)
-
-    async def ask(self, call: Call, method: str, *args, **kwargs):
-        """``call.handle.<method>.remote(*args, **kwargs)``'s answer; a typed ``error`` on it
-        (the replica's verdict) or a refusal by Serve becomes an :class:`OpenAIError`, any other failure
-        a 500 with the request id (logged); a replica lost under the call: sent again, as :meth:`open`."""
-        for attempt in range(UNAVAILABLE_RETRIES + 1):
-            try:
-                out = await getattr(call.handle, method).remote(*args, **kwargs)
-                break
-            except Exception as e:  # (a cancellation is no Exception: it goes through)
-                err = self._replica_error(call, e)
-                if err.code != "model_unavailable" or attempt == UNAVAILABLE_RETRIES:
-                    raise err from None
-                await asyncio.sleep(0.2 * (attempt + 1))
-        if getattr(out, "error", None) is not None:
-            raise OpenAIError.of(out.error)
-        return out
-
-    def _replica_error(self, call: Call, e: Exception) -> OpenAIError:
-        """The client's error for a failed call to a replica: Serve's refusals (counted) and
-        client errors as they are, anything else a 500 with the request id (details logged)."""
-        err = as_client_error(e)
-        if err is None:
-            logger.error("request %s: the model server failed", call.http_id, exc_info=e)
-            err = internal(call.http_id)
-        elif err.code in ("queue_full", "model_unavailable"):  # refused by Serve before any replica saw it
-            self.rejected.inc({"model_name": call.model, "reason": err.code})
-        return err
-
-    # ---- the pipeline -------------------------------------------------------------------
-    async def start(self, call: Call, body: ChatCompletionRequest | CompletionRequest, endpoint: str,
-                    requests: list[GenerateRequest], *, prompt_tokens: int, reserve_tokens: int | None,
-                    fallback: bool = True):
-        """Cache lookup -> key admission -> the replica streams (or the cached answer's replay).
-
-        Args:
-            endpoint: ``chat`` or ``completion`` (the cache's key and the upstream's path).
-            requests: one per prompt; their ``priority`` is raised to the key's.
-            prompt_tokens: the prompts' estimated tokens, ``reserve_tokens`` the output tokens
-                to reserve (None: up to the context), both for the key's token budget.
-            fallback: a refusal by every replica may go to the upstream (when one is configured).
+    # ---- open: the model, the cache, the key, the replica streams -------------------------
+    async def run(self, spec: GenerateSpec):
+        """Run a generating request up to its first chunks (see the module docstring).
 
         Returns:
-            None with ``call.streams`` open, or the upstream's response when every replica
-            refused and a fallback is configured.
+            The :class:`Call`, its ``streams`` open (one per prompt; a cached answer's replay on
+            a hit) and ``headers`` set; or the upstream's response when every replica refused
+            and ``spec.fallback`` allows the upstream.
 
         Raises:
-            OpenAIError: the cache, the key's limits, the replica or Serve refused the request.
+            OpenAIError: 404 for an unknown model; the cache, the key's limits, the replica or
+                Serve refused the request.
         """
-        call.look = await self.lookup(call, endpoint, body)
+        self.warn_unknown(spec.body)
+        call = await self._pick(spec)
+        requests = self._requests(call, spec)
+        call.look = await self._lookup(call, spec)
         hit = call.look.hit
         # a cached answer counts as a request of the key, with no tokens: nothing is generated
-        call.use = await self.admit(call, 0 if hit else prompt_tokens, 0 if hit else reserve_tokens, body.priority)
+        call.use = await self._admit(call, 0 if hit else spec.prompt_tokens(), 0 if hit else spec.reserve_tokens(),
+                                     spec.body.priority)
         try:
             if hit:
-                call.streams = [ChunkStream.replay(c, r.n) for c, r in zip(call.look.streams, requests)]
+                call.streams = [ChunkStream.replay(c, call.n) for c in call.look.streams]
             else:
-                shed = self.shedder.check(call.model, len(requests))
-                if shed is not None:  # the replicas refused as full just now: no trip to them
-                    self.rejected.inc({"model_name": call.model, "reason": "queue_full"})
-                    raise shed
-                for r in requests:
-                    r.priority, r.lora_name = call.use.priority, call.adapter
-                results = await asyncio.gather(*(self.open(call, r) for r in requests), return_exceptions=True)
-                call.streams = [r for r in results if isinstance(r, ChunkStream)]
-                for r in results:
-                    if isinstance(r, BaseException):
-                        raise r
+                await self._open(call, requests)
         except BaseException as e:
             call.cancel()
             self.settle_soon(call.use, [])
-            if fallback and self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(
+            if spec.fallback and self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(
                     e.status_code, e.code):
-                return await self.fallback(call, f"/{'chat/completions' if endpoint == 'chat' else 'completions'}", e)
+                return await self._fallback(call, "/chat/completions" if spec.endpoint == "chat" else "/completions", e)
             raise
         if hit:
             self.settle_soon(call.use, [])  # settled at 0 now (the first settle wins; later ones are no-ops)
@@ -321,23 +171,195 @@ class Gateway:
             for s in call.streams:
                 s.record = []
         call.headers.update(call.look.headers)
-        return None
+        call.lasts = {(p, 0): s.first for p, s in enumerate(call.streams)}
+        return call
 
-    def finish(self, call: Call, lasts: dict[tuple[int, int], GenerationChunk], n: int, *, store: bool) -> None:
-        """Settle the key's tokens from the last chunks and, when the answer completed
-        (``store``), give it to the response cache (``n`` choices per prompt)."""
-        self.settle_soon(call.use, lasts)
-        if store and self.cache is not None and call.look.store:
-            self.cache.store_soon(call.look, [s.record or [] for s in call.streams], n)
+    async def run_unary(self, spec: UnarySpec) -> tuple[Call, object]:
+        """A one-answer replica call: pick the model (an embedding model's name goes to its
+        encoder), admit the key with the inputs' estimated tokens, ask, settle.
 
-    async def sse(self, call: Call, events: AsyncIterator[bytes], lasts: dict[tuple[int, int], GenerationChunk],
-                  n: int, done: bool = True) -> AsyncIterator[bytes]:
-        """A streaming response's body: the endpoint's SSE ``events``, then ``data: [DONE]``.
-        A failure midway becomes an SSE error event (request id, no internals); a client that
-        disconnects cancels the streams, which aborts the generation in the engine. At the end
-        the key is settled from ``lasts`` (the endpoint keeps it current) and a complete answer
-        (``n`` choices per prompt) goes to the response cache. ``done=False``: no ``[DONE]``
-        (the Responses API ends with its own event)."""
+        Returns:
+            ``(call, the replica's answer)``.
+
+        Raises:
+            OpenAIError: 404 for an unknown model, the key's limits, the replica's verdict.
+        """
+        if spec.body is not None:
+            self.warn_unknown(spec.body)
+        call = await self._call(spec.request, spec.model, spec.id_prefix, {}, stream=False)
+        call.use = await self._admit(call, spec.prompt_tokens, 0, spec.priority)
+        used = 0
+        try:
+            kwargs = dict(spec.kwargs)
+            if spec.call_context:
+                kwargs.update(lora_name=call.adapter, priority=call.use.priority, request_id=call.response_id)
+            out = await self.replicas.ask(call, spec.method, *spec.args, **kwargs)
+            used = spec.tokens_used(out) if spec.tokens_used is not None else 0
+        finally:
+            await call.use.settle(used, 0)
+        return call, out
+
+    def model_handle(self, model: str | None) -> tuple[str, DeploymentHandle]:
+        """The served name and streaming handle of generating model ``model`` (None: the default).
+
+        Raises:
+            OpenAIError: 404 ``model_not_found``.
+        """
+        name = model or self.catalog.default_model
+        if name not in self.handles.streaming:
+            raise self._not_found(name)
+        return name, self.handles.streaming[name]
+
+    def _not_found(self, name: str) -> OpenAIError:
+        return OpenAIError(f"the model '{name}' does not exist; available: {', '.join(self.catalog.known())}", 404,
+                           "invalid_request_error", param="model", code="model_not_found")
+
+    async def _pick(self, spec: GenerateSpec) -> Call:
+        """The :class:`Call` of a generating request: ``model: "auto"`` resolved by the routing
+        rules (with an ``x-kvserve-route: auto:<rule>`` header), else the model it names."""
+        headers = {}
+        name = spec.body.model
+        if name == AUTO_MODEL and self.routing is not None:
+            tokens = (estimate_prompt_tokens(spec.messages) if spec.messages is not None
+                      else max((estimate_prompt_tokens(p) for p in spec.prompts or [""]), default=0))
+            name, rule = self.routing.choose(tokens, spec.params.max_tokens, user_text(spec.messages, spec.prompts),
+                                             self.catalog.default_model)
+            self.routes.inc({"model_name": name, "route": rule})
+            headers["x-kvserve-route"] = f"auto:{rule}"
+        call = await self._call(spec.request, name, spec.id_prefix, headers, stream=True)
+        call.n = spec.n
+        return call
+
+    async def _call(self, request: Request, name: str | None, id_prefix: str, headers: dict[str, str], *,
+                    stream: bool) -> Call:
+        """The :class:`Call` of served name ``name`` (None: the default model): an embedding
+        model's goes to its encoder (``stream`` False), a LoRA adapter's to its base model,
+        with Serve's multiplexed model id for one loaded at run time.
+
+        Raises:
+            OpenAIError: 404 for an unknown model.
+        """
+        base, entry = (None, None) if name in self.handles.encoders else await self.catalog.adapter_base(name)
+        model = base or name or self.catalog.default_model
+        if model not in self.handles.models and (stream or model not in self.handles.encoders):
+            raise self._not_found(model)
+        return Call(request, request_id_of(request), random_id(id_prefix), model,
+                    self.handles.of(model, stream, entry), headers, int(time.time()),
+                    adapter=name if base is not None else None,
+                    adapter_version=entry.version if entry is not None else None)
+
+    @staticmethod
+    def _requests(call: Call, spec: GenerateSpec) -> list[GenerateRequest]:
+        """What goes to the replica: one request for a chat, one per prompt of a batch (each
+        naming the batch's size, which the replica checks), with the engine's request ids."""
+        if spec.messages is not None:
+            return [GenerateRequest(messages=spec.messages, tools=spec.tools, sampling_params=spec.params, n=spec.n,
+                                    request_id=call.response_id)]
+        prompts = spec.prompts or []
+        return [GenerateRequest(prompt=p, sampling_params=spec.params, n=spec.n, request_id=f"{call.response_id}-{i}",
+                                echo=spec.echo, num_prompts=len(prompts)) for i, p in enumerate(prompts)]
+
+    async def _lookup(self, call: Call, spec: GenerateSpec) -> Lookup:
+        """The response cache's verdict before any replica sees the request: a hit with the
+        cached answer, a miss to store, or a bypass; ``NO_CACHE`` when the cache is off."""
+        if self.cache is None:
+            return NO_CACHE
+        revision = await self.catalog.revision(call.model)
+        if call.adapter_version is not None:
+            revision += "+lora:" + call.adapter_version
+        return await self.cache.lookup(call.served, revision, spec.endpoint, spec.body,
+                                       request_options(spec.body, call.request.headers))
+
+    async def _admit(self, call: Call, prompt_tokens: int, max_tokens: int | None, priority: int) -> KeyUse:
+        """Per-API-key admission of ``call`` (:meth:`KeyLimits.admit`): ``prompt_tokens``
+        estimated + ``max_tokens`` reserved (None: up to the model's context; before any
+        replica of a model without a configured ``max_model_len`` has published one, the prompt
+        alone, settled with the real count as always).
+
+        Raises:
+            OpenAIError: as :meth:`KeyLimits.admit`.
+        """
+        policy = request_policy(call.request.scope)
+        if max_tokens is None:
+            max_tokens = 0
+            if self.keys.reserves(policy):
+                context = await self.catalog.max_model_len(call.model)
+                max_tokens = 0 if context is None else context - prompt_tokens
+        return await self.keys.admit(policy, key_name(call.request.scope), call.model, call.served, prompt_tokens,
+                                     max_tokens, priority)
+
+    async def _open(self, call: Call, requests: list[GenerateRequest]) -> None:
+        """``call.streams``: the replicas' streams of ``requests``, each up to its first chunk
+        (all or none: the first refusal is raised, the others closed by the caller)."""
+        shed = self.shedder.check(call.model, len(requests))
+        if shed is not None:  # the replicas refused as full just now: no trip to them
+            self.replicas.rejected.inc({"model_name": call.model, "reason": "queue_full"})
+            raise shed
+        for r in requests:
+            r.priority, r.lora_name = call.use.priority, call.adapter
+        results = await asyncio.gather(*(self.replicas.open(call, r, self.shedder) for r in requests),
+                                       return_exceptions=True)
+        call.streams = [r for r in results if isinstance(r, ChunkStream)]
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _fallback(self, call: Call, path: str, err: OpenAIError):
+        """The upstream's answer to this request (``path`` under its base URL), which every
+        local replica refused with ``err``; ``err`` itself when the upstream cannot be reached
+        (the client then sees the local verdict and its Retry-After)."""
+        self.fallbacks.inc({"model_name": call.model, "reason": err.code or str(err.status_code)})
+        logger.info("request %s: %s refused it (%s); sending it upstream", call.http_id, call.model,
+                    err.code or err.status_code)
+        try:
+            return await self.upstream.forward(path, await call.request.json(), call.served, call.http_id)
+        except UpstreamError as e:
+            logger.warning("request %s: fallback failed: %s", call.http_id, e)
+            raise err from None
+
+    # ---- deliver, settle, store -----------------------------------------------------------
+    async def chunks(self, call: Call) -> AsyncIterator[tuple[int, GenerationChunk]]:
+        """``(prompt index, chunk)`` of the call's streams as they come (a batch's prompts
+        merged), each kept in ``call.lasts``; a failed generation raises its
+        :class:`OpenAIError`."""
+        if len(call.streams) == 1:
+            async for chunk in call.streams[0].chunks():
+                call.lasts[(0, chunk.index)] = chunk
+                yield 0, chunk
+            return
+        async for p, chunk in merge_streams([s.chunks() for s in call.streams]):
+            call.lasts[(p, chunk.index)] = chunk
+            yield p, chunk
+
+    async def whole(self, call: Call) -> dict[tuple[int, int], GenerationChunk]:
+        """The whole answer, by ``(prompt index, choice index)``; the key is settled and a
+        complete answer goes to the response cache.
+
+        Raises:
+            OpenAIError: the generation failed midway (the details are logged).
+        """
+        wholes = {(p, i): GenerationChunk(index=i) for p in range(len(call.streams)) for i in range(call.n)}
+        complete = False
+        try:
+            async for p, chunk in self.chunks(call):
+                wholes.setdefault((p, chunk.index), GenerationChunk(index=chunk.index)).extend(chunk)
+            complete = True
+        except BaseException as e:
+            call.cancel()
+            if isinstance(e, Exception):
+                raise failed(call.http_id, e) from None
+            raise
+        finally:
+            self._finish(call, wholes, store=complete)
+        return wholes
+
+    async def sse(self, call: Call, events: AsyncIterator[bytes], done: bool = True) -> AsyncIterator[bytes]:
+        """A streaming response's body: the endpoint's SSE ``events`` (rendered from
+        :meth:`chunks`), then ``data: [DONE]``. A failure midway becomes an SSE error event
+        (request id, no internals); a client that disconnects cancels the streams, which aborts
+        the generation in the engine. At the end the key is settled from ``call.lasts`` and a
+        complete answer goes to the response cache. ``done=False``: no ``[DONE]`` (the
+        Responses API ends with its own event)."""
         complete = False
         try:
             async for event in events:
@@ -353,84 +375,16 @@ class Gateway:
         finally:
             call.cancel()
             await events.aclose()
-            self.finish(call, lasts, n, store=complete)
+            self._finish(call, call.lasts, store=complete)
         if done:
             yield DONE
 
-    async def open(self, call: Call, request: GenerateRequest) -> ChunkStream:
-        """Start the replica's stream of ``request`` and wait for its first chunk; the load
-        shedder counts the stream open until it ends, and a ``queue_full`` refusal (the
-        replica's or Serve's) marks the model full.
-
-        A replica that died before the request's first chunk (its node lost: ``model_unavailable``)
-        has produced nothing, so the request is sent again, up to :data:`UNAVAILABLE_RETRIES`
-        times (Serve's router has dropped the dead replica by then).
-
-        Raises:
-            OpenAIError: the replica refused the request (its typed error), or Serve did
-                (``queue_full`` 429, ``model_unavailable`` 503).
-        """
-        model = call.model
-        request.shed_requests = self.shedder.opened(model)
-        try:
-            for attempt in range(UNAVAILABLE_RETRIES + 1):
-                gen = call.handle.stream.remote(request)
-                try:
-                    first = await self._first_chunk(call, gen)
-                    break
-                except OpenAIError as e:
-                    if e.code != "model_unavailable" or attempt == UNAVAILABLE_RETRIES:
-                        raise
-                    logger.info("request %s: the replica was lost before its first token; sent again", call.http_id)
-                    await asyncio.sleep(0.2 * (attempt + 1))
-        except BaseException as e:  # the request left before its first token
-            self.shedder.closed(model)
-            if isinstance(e, OpenAIError) and e.code == "queue_full":
-                self.shedder.refused(model, e.retry_after_s)
-            raise
-        return ChunkStream(gen, first, request.n, on_end=lambda: self.shedder.closed(model))
-
-    async def _first_chunk(self, call: Call, gen) -> GenerationChunk:
-        """The stream's first chunk; a refusal or failure as an :class:`OpenAIError`."""
-        try:
-            first = await gen.__anext__()
-        except asyncio.CancelledError:  # the client went away before the first token
-            gen.cancel()
-            raise
-        except StopAsyncIteration:
-            logger.error("request %s: the model server returned no output", call.http_id)
-            raise internal(call.http_id) from None
-        except Exception as e:
-            raise self._replica_error(call, e) from None
-        if first.error is not None:  # the replica's own verdict: a client error, a full queue, a dead engine
-            raise OpenAIError.of(first.error)
-        return first
-
-    async def lookup(self, call: Call, endpoint: str, body) -> Lookup:
-        """The response cache's verdict before any replica sees the request: a hit with the
-        cached answer, a miss to store, or a bypass; ``NO_CACHE`` when the cache is off."""
-        if self.cache is None:
-            return NO_CACHE
-        revision = await self.directory.revision(call.model)
-        if call.adapter_version is not None:
-            revision += "+lora:" + call.adapter_version
-        return await self.cache.lookup(call.served, revision, endpoint, body,
-                                       request_options(body, call.request.headers))
-
-    async def admit(self, call: Call, prompt_tokens: int, max_tokens: int | None, priority: int) -> KeyUse:
-        """Per-API-key admission of ``call`` (:meth:`KeyLimits.admit`): ``prompt_tokens``
-        estimated + ``max_tokens`` reserved (None: up to the model's context).
-
-        Raises:
-            OpenAIError: as :meth:`KeyLimits.admit`.
-        """
-        policy = request_policy(call.request.scope)
-        if max_tokens is None:
-            max_tokens = 0
-            if self.keys.reserves(policy):
-                max_tokens = (await self.directory.info(call.model)).max_model_len - prompt_tokens
-        return await self.keys.admit(policy, key_name(call.request.scope), call.model, call.served, prompt_tokens,
-                                     max_tokens, priority)
+    def _finish(self, call: Call, lasts: dict[tuple[int, int], GenerationChunk], *, store: bool) -> None:
+        """Settle the key's tokens from the last chunks and, when the answer completed
+        (``store``), give it to the response cache."""
+        self.settle_soon(call.use, lasts)
+        if store and self.cache is not None and call.look.store:
+            self.cache.store_soon(call.look, [s.record or [] for s in call.streams], call.n)
 
     @staticmethod
     def settle_soon(use: KeyUse, lasts: dict[tuple[int, int], GenerationChunk] | list[GenerationChunk]) -> None:
@@ -444,23 +398,29 @@ class Gateway:
         usage = usage_of(lasts)
         background(use.settle(usage.prompt_tokens, usage.completion_tokens))
 
-    async def fallback(self, call: Call, path: str, err: OpenAIError):
-        """The upstream's answer to this request (``path`` under its base URL), which every
-        local replica refused with ``err``; ``err`` itself when the upstream cannot be reached
-        (the client then sees the local verdict and its Retry-After)."""
-        self.fallbacks.inc({"model_name": call.model, "reason": err.code or str(err.status_code)})
-        logger.info("request %s: %s refused it (%s); sending it upstream", call.http_id, call.model,
-                    err.code or err.status_code)
-        try:
-            return await self.upstream.forward(path, await call.request.json(), call.served, call.http_id)
-        except UpstreamError as e:
-            logger.warning("request %s: fallback failed: %s", call.http_id, e)
-            raise err from None
-
-    def warn_unknown(self, body) -> None:
+    def warn_unknown(self, body: BaseModel) -> None:
         """Log the request's unknown (ignored) fields, once per field name for this replica."""
         new = [f for f in unknown_fields(body) if f not in self._warned_fields]
         if new:
             self._warned_fields.update(new)
             logger.warning("ignoring unknown request field(s) %s (accepted, no effect; logged once per field)",
                            ", ".join(repr(f[:64]) for f in new[:20]))
+
+
+def _catalog(handles: ModelHandles, cards: list[ModelCard], board: FactsBoard | None) -> ModelCatalog:
+    """The catalog of ``handles``' names from ``cards`` (a handle without one gets a card with
+    its name only).
+
+    Raises:
+        ValueError: a card without a handle (a configured adapter's base not served).
+    """
+    by_name = {c.name: c for c in cards}
+    for c in cards:
+        if c.name not in handles.models and c.name not in handles.encoders:
+            for a in c.lora_modules:
+                raise ValueError(f"adapter {a!r}: its base model {c.name!r} is not served")
+            raise ValueError(f"model card {c.name!r}: no deployment serves it")
+    if not handles.models:
+        raise ValueError("the gateway needs at least one model")
+    return ModelCatalog([by_name.get(n) or ModelCard(n) for n in handles.models],
+                        [by_name.get(n) or ModelCard(n, task="embed") for n in handles.encoders], board)

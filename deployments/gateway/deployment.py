@@ -1,6 +1,6 @@
 """``OpenAIIngress``: the gateway as a Ray Serve deployment. Each replica builds its
-:class:`~deployments.gateway.core.Gateway` from the handles and settings ``build_app`` bound,
-then its HTTP app (:func:`~deployments.gateway.api.build_api`, through Serve's late-bound
+:class:`~deployments.gateway.core.Gateway` from what ``build_app`` bound (the models' handles,
+their cards, the configuration's sections), then its HTTP app (:func:`~deployments.gateway.api.build_api`, through Serve's late-bound
 ``__serve_build_asgi_app__``); the Python-handle methods (``generate``, ``drain``,
 ``cache_stats``) sit next to it."""
 from __future__ import annotations
@@ -10,34 +10,38 @@ import asyncio
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, RoutingArgs
+from deployments.contract.facts import ModelCard
 from deployments.contract.openai_errors import OpenAIError
 from deployments.gateway.api import build_api
-from deployments.gateway.core import Gateway, GatewaySettings
+from deployments.gateway.core import Gateway
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, graceful_shutdown_timeout_s=5)
 @serve.ingress()
 class OpenAIIngress:
-    """Routes OpenAI requests to the ``LLMServer`` deployment of the requested model.
+    """Routes OpenAI requests to the ``LLMServer`` deployment of the requested model (as Ray
+    Serve LLM's ingress, it is given the models' cards when the application is built).
 
     Args:
         models: served model name -> ``LLMServer`` handle; the first is the default for
             requests without ``model``.
-        settings: the :class:`~deployments.gateway.core.GatewaySettings` (or their dict).
+        cards: the models' and encoders' :class:`~deployments.contract.facts.ModelCard`.
+        gateway, limits, cache, routing: the configuration's sections (None: defaults).
         encoders: embedding model name -> ``EmbeddingServer`` handle (``/v1/embeddings`` only).
 
     Raises:
         ValueError: no model or a bad setting.
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], settings: GatewaySettings | dict | None = None,
-                 encoders: dict[str, DeploymentHandle] | None = None):
+    def __init__(self, models: dict[str, DeploymentHandle], cards: list[ModelCard] | None = None, *,
+                 gateway: GatewayArgs | None = None, limits: LimitArgs | None = None, cache: CacheArgs | None = None,
+                 routing: RoutingArgs | None = None, encoders: dict[str, DeploymentHandle] | None = None):
         from cluster import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
-        if not isinstance(settings, GatewaySettings):
-            settings = GatewaySettings(**(settings or {}))
-        self.gateway = Gateway(models, settings, encoders)
+        self.gateway = Gateway(models, cards, gateway=gateway, limits=limits, cache=cache, routing=routing,
+                               encoders=encoders)
 
     def __serve_build_asgi_app__(self):
         return build_api(self.gateway, app_status=self._app_status)
@@ -85,4 +89,4 @@ class OpenAIIngress:
         return await gw.cache.stats() if gw.cache is not None else {}
 
 
-__all__ = ["OpenAIIngress", "GatewaySettings"]
+__all__ = ["OpenAIIngress"]

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.contract.openai_errors import OpenAIError
 from deployments.contract.types import MAX_EMBEDDING_INPUTS
-from deployments.gateway.core import Gateway, estimate_prompt_tokens
+from deployments.gateway.call import UnarySpec, estimate_prompt_tokens
+from deployments.gateway.core import Gateway
 
 TokenIds = list[int]
 
@@ -64,17 +65,11 @@ def encode(vector: list[float], fmt: str) -> list[float] | str:
 async def embeddings(gw: Gateway, body: EmbeddingRequest, request: Request) -> dict:
     """``POST /v1/embeddings``: OpenAI's ``CreateEmbeddingResponse`` (a plain dict: a base64
     embedding is a string where the SDK's type says a list of floats)."""
-    gw.warn_unknown(body)
-    call = await gw.unary_call(request, body.model, "embd")
     inputs = body.inputs()
-    call.use = await gw.admit(call, sum(estimate_prompt_tokens(x) for x in inputs), 0, body.priority)
-    used = 0
-    try:
-        out = await gw.ask(call, "embed", inputs, body.dimensions, lora_name=call.adapter,
-                           priority=call.use.priority, request_id=call.response_id)
-        used = out.prompt_tokens
-    finally:
-        await call.use.settle(used, 0)
+    call, out = await gw.run_unary(UnarySpec(
+        request, body.model, "embd", "embed", (inputs, body.dimensions), body=body,
+        prompt_tokens=sum(estimate_prompt_tokens(x) for x in inputs), priority=body.priority, call_context=True,
+        tokens_used=lambda out: out.prompt_tokens))
     if len(out.data) != len(inputs):  # a replica bug: never answer with vectors out of order
         raise OpenAIError(f"internal server error (request id {call.http_id})", 500, "server_error")
     data = [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}

@@ -32,17 +32,10 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deployments.contract.config import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
 from deployments.contract.openai_errors import error_body
 from deployments.limits import AuthFailureThrottle, KeyPolicy, find_policy, policies_from_keys
 from telemetry.metrics import rejected
-
-#: Default most missing or wrong API keys one client address may send per minute before its
-#: requests get 429 without being checked (a key-guessing brake; a correct key resets nothing).
-DEFAULT_AUTH_FAILURES_PER_MINUTE = 20
-
-#: Default largest request body, bytes (4 MiB: a 128k-token prompt as text or as token ids
-#: is well under 1 MiB).
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 #: The only paths answered without an API key (exact matches, after the root path): the

@@ -21,7 +21,7 @@ async def health(gw) -> dict | Response:
     engine, a dead tensor-parallel worker or a replica still loading is a 503 at once)."""
     async def probe(name: str) -> str | None:
         try:
-            await asyncio.wait_for(gw.directory.models[name].health.remote(), gw.settings.health_timeout_s)
+            await asyncio.wait_for(gw.handles.all()[name].health.remote(), gw.probe_timeout_s)
             return None
         except asyncio.TimeoutError:
             return "not responding"
@@ -29,12 +29,12 @@ async def health(gw) -> dict | Response:
             logger.warning("health probe of model %s failed", name, exc_info=e)
             return "engine stopped, being replaced" if _engine_dead(e) else "not available"
 
-    problems = dict(zip(gw.directory.models, await asyncio.gather(*(probe(n) for n in gw.directory.models))))
+    problems = dict(zip(gw.handles.all(), await asyncio.gather(*(probe(n) for n in gw.handles.all()))))
     bad = {n: p for n, p in problems.items() if p is not None}
     if bad:
         msg = "; ".join(f"{n}: {p}" for n, p in bad.items())
         return error_response(503, f"not ready: {msg}", "server_error", code="unhealthy")
-    return {"status": "ok", "models": list(gw.directory.models)}
+    return {"status": "ok", "models": list(gw.handles.all())}
 
 
 class Readiness:
@@ -55,7 +55,7 @@ class Readiness:
 
         async def probe(name: str) -> str | None:
             try:
-                await asyncio.wait_for(gw.directory.models[name].ready.remote(), gw.settings.health_timeout_s)
+                await asyncio.wait_for(gw.handles.all()[name].ready.remote(), gw.probe_timeout_s)
                 return None
             except asyncio.TimeoutError:
                 reason = "not responding"
@@ -66,7 +66,7 @@ class Readiness:
                 status = await self.app_status() if self.app_status is not None else None
             except Exception:
                 status = None
-            handle = gw.directory.models[name]
+            handle = gw.handles.all()[name]
             deployment = getattr(handle, "deployment_name", None) or getattr(handle.deployment_id, "name", "")
             dep = status.deployments.get(deployment) if status is not None else None
             states = {str(getattr(k, "value", k)): v for k, v in (dep.replica_states or {}).items()} if dep else {}
@@ -74,13 +74,13 @@ class Readiness:
                 return "loading (a replica is starting)"
             return reason
 
-        problems = dict(zip(gw.directory.models, await asyncio.gather(*(probe(n) for n in gw.directory.models))))
+        problems = dict(zip(gw.handles.all(), await asyncio.gather(*(probe(n) for n in gw.handles.all()))))
         bad = {n: p for n, p in problems.items() if p is not None}
         if bad:
             msg = "; ".join(f"{n}: {p}" for n, p in bad.items())
             return error_response(503, f"not ready: {msg}", "server_error", code="not_ready",
                                   headers={"Retry-After": "5"})
-        return {"status": "ready", "models": list(gw.directory.models)}
+        return {"status": "ready", "models": list(gw.handles.all())}
 
 
 async def metrics() -> Response:

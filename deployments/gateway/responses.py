@@ -1,7 +1,7 @@
 """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses API.
 
 A Responses request runs as a chat request through the same pipeline (model, cache, key and
-limits, replica; :func:`~deployments.gateway.chat.start_chat`, with no upstream fallback), so
+limits, replica; :func:`~deployments.gateway.chat.chat_spec`, with no upstream fallback), so
 structured outputs (``text.format``) and function tools behave as in chat. What differs is
 the shape: output *items* (a ``message`` with ``output_text``, one ``function_call`` per tool
 call), ``usage`` as input/output tokens, ``status`` ``incomplete`` when ``max_output_tokens``
@@ -27,8 +27,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from deployments.contract.types import GenerationChunk, finish_reason
-from deployments.gateway.chat import ChatChoiceRenderer, collect, start_chat
-from deployments.gateway.core import Call, Gateway
+from deployments.gateway.call import Call
+from deployments.gateway.chat import ChatChoiceRenderer, chat_spec, renderers
+from deployments.gateway.core import Gateway
 from deployments.gateway.gate import owner_id
 from deployments.gateway.responses_input import ResponsesRequest, ResponseStore
 from deployments.gateway.streams import SSE_HEADERS, usage_of
@@ -112,24 +113,25 @@ async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequ
         conversation = (await store.get(body.previous_response_id, owner, "previous_response_id"))["messages"]
     conversation += body.input_messages()
     gw.warn_unknown(body)
-    call, renderers, _ = await start_chat(gw, body.to_chat(conversation), request, "resp", fallback=False)
+    chat = body.to_chat(conversation)
+    spec, mode = chat_spec(chat, request, "resp", fallback=False)
+    call = await gw.run(spec)
+    renderer = renderers(gw, call, chat, mode)[0]
     builder = ResponseBuilder(call, body, store if body.store else None, conversation, owner)
     if body.stream:
-        lasts = {(0, 0): call.streams[0].first}
-        return StreamingResponse(gw.sse(call, _events(call, builder, renderers[0], lasts), lasts, 1, done=False),
+        return StreamingResponse(gw.sse(call, _events(gw, call, builder, renderer), done=False),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
-    whole = (await collect(gw, call, 1))[0]
-    msg, _ = renderers[0].message(whole)
+    whole = (await gw.whole(call))[(0, 0)]
+    msg, _ = renderer.message(whole)
     output = [_message_item(_item_id("msg"), msg.content, "completed")] if msg.content else []
     output += [_call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed")
                for c in msg.tool_calls or []]
     return await builder.final(output, whole)
 
 
-async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRenderer,
-                  lasts: dict) -> AsyncIterator[bytes]:
-    """The stream's typed events (see the module docstring); ``lasts`` kept current for the
-    gateway's settling of the key."""
+async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,
+                  renderer: ChatChoiceRenderer) -> AsyncIterator[bytes]:
+    """The stream's typed events (see the module docstring)."""
     seq = itertools.count()
     output: list[dict[str, Any]] = []  # finished items
     open_item: dict[str, Any] | None = None  # the item being streamed (its events are serialized as sent)
@@ -157,8 +159,7 @@ async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRend
 
     yield ev("response.created", response=builder.response("in_progress", []))
     yield ev("response.in_progress", response=builder.response("in_progress", []))
-    async for chunk in call.streams[0].chunks():
-        lasts[(0, 0)] = chunk
+    async for _, chunk in gw.chunks(call):
         deltas, _ = renderer.deltas(chunk)
         for d in deltas:
             if d.content:
@@ -185,7 +186,7 @@ async def _events(call: Call, builder: ResponseBuilder, renderer: ChatChoiceRend
                              output_index=len(output), delta=args)
     for e in close():
         yield e
-    resp = await builder.final(output, lasts[(0, 0)])
+    resp = await builder.final(output, call.lasts[(0, 0)])
     yield ev(f"response.{resp['status']}", response=resp)
 
 

@@ -7,6 +7,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.contract.openai_messages import ChatMessage, ToolDef
+from deployments.gateway.call import UnarySpec
 from deployments.gateway.core import Gateway
 
 
@@ -57,30 +58,17 @@ class DetokenizeResponse(BaseModel):
 
 async def tokenize(gw: Gateway, body: TokenizeRequest, request: Request) -> TokenizeResponse:
     """``POST /tokenize``: counts as a request of the key, with no tokens."""
-    gw.warn_unknown(body)
-    call = await gw.unary_call(request, body.model, "tok")
-    call.use = await gw.admit(call, 0, 0, 0)
     messages = [m.to_template() for m in body.messages] if body.messages is not None else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    try:
-        out = await gw.ask(call, "tokenize", body.prompt, messages, tools=tools,
-                           add_special_tokens=body.add_special_tokens,
-                           add_generation_prompt=body.add_generation_prompt,
-                           continue_final_message=body.continue_final_message,
-                           return_token_strs=body.return_token_strs)
-    finally:
-        await call.use.settle(0, 0)
+    _, out = await gw.run_unary(UnarySpec(
+        request, body.model, "tok", "tokenize", (body.prompt, messages), body=body, kwargs=dict(
+            tools=tools, add_special_tokens=body.add_special_tokens, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, return_token_strs=body.return_token_strs)))
     return TokenizeResponse(count=out.count, max_model_len=out.max_model_len, tokens=out.tokens,
                             token_strs=out.token_strs)
 
 
 async def detokenize(gw: Gateway, body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     """``POST /detokenize``."""
-    gw.warn_unknown(body)
-    call = await gw.unary_call(request, body.model, "tok")
-    call.use = await gw.admit(call, 0, 0, 0)
-    try:
-        out = await gw.ask(call, "detokenize", body.tokens)
-    finally:
-        await call.use.settle(0, 0)
+    _, out = await gw.run_unary(UnarySpec(request, body.model, "tok", "detokenize", (body.tokens,), body=body))
     return DetokenizeResponse(prompt=out.prompt)

@@ -1,23 +1,21 @@
-"""A replica's bookkeeping beside its engine: bounded admission (:class:`Admission`) and the
-step rates and capacities the autoscaler reads (:class:`StepStats`)."""
+"""A replica's bounded admission (:class:`Admission`): the one place that decides whether a
+request fits a replica now (429 ``queue_full``) or ever (400 ``too_large``); its default bounds
+are :func:`~deployments.contract.config.default_admission_bounds` (with the configuration)."""
 from __future__ import annotations
 
 import time
 from collections import deque
 
+from deployments.contract.config import default_admission_bounds
 from deployments.contract.types import GenerationError
 
-
-
-
-
-
+__all__ = ["Admission", "OverloadedError", "default_admission_bounds"]
 
 
 class Admission:
     """Bounded admission of one replica. A request is *in flight* from admission to its end,
     and *queued* until its first token (waiting for a batch slot, or in prefill). The replica
-    takes at most ``max_num_seqs + max_queued_requests`` requests in flight (a full batch and a
+    takes at most ``max_num_seqs + max_waiting_requests`` requests in flight (a full batch and a
     bounded queue behind it) and ``max_prompt_tokens`` queued prompt tokens. A request over
     either bound is refused at once (429 with ``Retry-After``) instead of waiting without
     bound; one that could never fit (its prompt alone over ``max_prompt_tokens``) is a 400.
@@ -28,11 +26,11 @@ class Admission:
     rate first tokens came), clamped to [1, 60].
     """
 
-    def __init__(self, max_num_seqs: int, max_queued_requests: int, max_prompt_tokens: int):
-        if min(max_num_seqs, max_queued_requests, max_prompt_tokens) < 1:
+    def __init__(self, max_num_seqs: int, max_waiting_requests: int, max_prompt_tokens: int):
+        if min(max_num_seqs, max_waiting_requests, max_prompt_tokens) < 1:
             raise ValueError(f"admission bounds must be positive, got max_num_seqs={max_num_seqs}, "
-                             f"max_queued_requests={max_queued_requests}, max_prompt_tokens={max_prompt_tokens}")
-        self.max_num_seqs, self.max_requests, self.max_prompt_tokens = (max_num_seqs, max_queued_requests,
+                             f"max_waiting_requests={max_waiting_requests}, max_prompt_tokens={max_prompt_tokens}")
+        self.max_num_seqs, self.max_requests, self.max_prompt_tokens = (max_num_seqs, max_waiting_requests,
                                                                         max_prompt_tokens)
         self.in_flight = 0
         self.queued_requests = 0
@@ -44,6 +42,24 @@ class Admission:
     @property
     def max_in_flight(self) -> int:
         return self.max_num_seqs + self.max_requests
+
+    def never_fits(self, choices: int, prompts: int = 1) -> GenerationError | None:
+        """Why a request of ``prompts`` prompts with ``choices`` choices each (a completions
+        batch arrives as one request per prompt, each naming the batch's size) can never be in
+        flight at once on this replica, as a ``too_large`` error (400); None when it can. The
+        one check of a request's size against a replica's capacity: the gateway only renders it.
+        """
+        need = choices * prompts
+        if need <= 1 or need <= self.max_in_flight:
+            return None
+        if prompts > 1:
+            return GenerationError("too_large", f"{prompts} prompts x {choices} choices in one request; a replica of "
+                                                f"this model takes at most {self.max_in_flight} requests at once "
+                                                "(max_num_seqs + max_waiting_requests), so this request can never be "
+                                                "admitted: send fewer prompts or choices per request", param="prompt")
+        return GenerationError("too_large", f"n={choices} choices need {choices} requests at once; a replica of this "
+                                            f"model takes at most {self.max_in_flight} (max_num_seqs + "
+                                            "max_waiting_requests)")
 
     def admit(self, num_prompt_tokens: int) -> GenerationError | None:
         """Take a slot for a prompt of ``num_prompt_tokens`` tokens, or say why not: a
@@ -114,22 +130,3 @@ class OverloadedError(RuntimeError):
     def __init__(self, error: GenerationError):
         super().__init__(error.message)
         self.error = error
-
-
-def default_admission_bounds(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int]:
-    """A replica's default admission bounds ``(max_queued_requests, max_queued_prompt_tokens)``.
-
-    Requests (queued behind a full batch of ``max_num_seqs``): a 64th of a batch, at least 1.
-    While the batch is full, a queued request waits for running ones to finish, and requests
-    admitted together finish together, so a queue of ``n`` can wait for a whole cohort, not
-    ``n`` average completions. Measured on this CPU (``benchmarks/load_test.py``, SmolLM2,
-    batch 64, outputs 16-128): a queue of 4 let the p99 TTFT of admitted requests at 3x the
-    sustainable load grow several-fold over the 1x run's; a queue of 1 kept it far lower with
-    more goodput (``benchmarks/results/load_test.json``, figures in docs/benchmarks.md). A GPU replica with ``max_num_seqs`` 256 queues 4.
-    Beyond the queue a client is better served by a 429 and a retry on another replica (or
-    after the autoscaler added one) than by a wait that grows with the overload.
-    Prompt tokens: four full-budget prefill steps (``4 * max_num_batched_tokens``), and never
-    less than one longest prompt (``max_model_len``), so every prompt the model takes can be
-    admitted by an idle replica.
-    """
-    return max(1, max_num_seqs // 64), max(max_model_len, 4 * max_num_batched_tokens)

@@ -17,6 +17,7 @@ import logging
 from ray import serve
 
 from deployments.contract.encoder import SentenceEncoder, served_name
+from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
 from deployments.contract.types import EmbedResult, GenerationError, ServerInfo, TokenizeResult, model_revision
 from deployments.replica.pooling import detokenize, dimensions_error, shorten, tokenize, tokenizer_call
 
@@ -47,11 +48,16 @@ class EmbeddingServer:
         self.tokenizer, self.hf_config = self.encoder.tokenizer, self.encoder.hf_config
         self.name = served_name(model, served_model_name)
         self._embed_batch.set_max_batch_size(max_batch_size)
+        board = FactsBoard.of_this_app()  # what the gateway learns of this encoder (its cards' max_model_len)
+        if board is not None:
+            board.put(self.name, LoadedFacts(self.max_len, model_revision(self.path),
+                                             ModelCard.of_encoder(model, self.name).digest))
         logger.info("EmbeddingServer %s ready (%d dimensions, inputs up to %d tokens)", self.name, self.dim,
                     self.max_len)
 
     def server_info(self) -> ServerInfo:
-        """This encoder's facts (``task="embed"``)."""
+        """This encoder's facts (``task="embed"``), for Python-handle callers and operators; the
+        gateway reads what the constructor published on the application's facts board."""
         return ServerInfo(name=self.name, max_model_len=self.max_len, revision=model_revision(self.path),
                           task="embed", embedding_dim=self.dim)
 

@@ -30,9 +30,10 @@ from cluster import reset_niceness
 from deployments.contract.openai_errors import random_id
 from deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
 from deployments.contract.streams import merge_streams, next_before
-from deployments.contract.types import (GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision,
-                                        public_speculative_config)
-from deployments.replica.admission import Admission, OverloadedError, default_admission_bounds
+from deployments.contract.config import ModelArgs, default_admission_bounds
+from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
+from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
+from deployments.replica.admission import Admission, OverloadedError
 from deployments.replica.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
 from deployments.replica.pooling import PoolingEndpoints
 from deployments.replica.prefix_report import RecentPrefixes
@@ -55,10 +56,6 @@ def default_torch_threads(tensor_parallel_size: int = 1) -> int:
     """CPU threads for one engine process (Ray sets ``OMP_NUM_THREADS`` to the actor's
     ``num_cpus``, 1 by default, which would leave most cores idle on a CPU replica)."""
     return max(1, (os.cpu_count() or 1) // max(1, tensor_parallel_size))
-
-
-class _TooLarge(ValueError):  # a request this replica can never admit (code ``too_large``)
-    pass
 
 
 def _engine_dead(index: int = 0, during: bool = False) -> GenerationChunk:
@@ -91,54 +88,49 @@ def _replica_id() -> str:
 @serve.deployment(name="LLMServer", max_ongoing_requests=256, health_check_period_s=2,
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=60)
 class LLMServer(PoolingEndpoints):
-    """One model, one :class:`engine.AsyncLLMEngine` per replica.
+    """One model, one :class:`engine.AsyncLLMEngine` per replica (as Ray Serve LLM's
+    ``LLMServer(llm_config)``).
 
     Args:
-        engine_args: keyword arguments of :class:`engine.EngineConfig` (``model``,
-            ``tensor_parallel_size``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ...).
-        served_model_name: the name clients use (default: the ``model`` argument, or
-            SmolLM2's hub id for the default model).
-        torch_num_threads: CPU threads of the engine process (default: all cores on a
-            single-rank CPU replica, see :func:`default_torch_threads`).
-        worker_options: extra options for the tensor-parallel worker actors
-            (``num_cpus``, ``num_gpus``), passed to :class:`cluster.worker_group.RayWorkerGroup`.
-        max_queued_requests, max_queued_prompt_tokens: the replica's admission bounds (see
-            :class:`Admission`; defaults :func:`deployments.replica.admission.default_admission_bounds`).
-        request_timeout_s: a request still running after this many seconds is aborted (its
-            KV blocks freed) and ends with error ``timeout`` (504); None: no limit.
-        tool_call_parser: the :data:`deployments.gateway.tools.TOOL_PARSERS` name that reads this
-            model's tool calls (the gateway reads it from :meth:`server_info`).
-        stream_interval: engine outputs per chunk (the first and last go at once); 0: auto
-            (:func:`deployments.replica.request_outputs.stream_interval`).
-        lora_modules: LoRA adapters ``{name: PEFT folder}`` (needs ``enable_lora``), loaded at start.
-        pooling_type: how ``embed`` pools the hidden states (:mod:`engine.pooling`: ``last``, ``mean``).
+        model: the model's :class:`~deployments.contract.config.ModelArgs` (or their dict): the
+            engine's settings (``EngineConfig``'s fields), the served name, the admission bounds
+            (``max_waiting_requests``, ``max_queued_prompt_tokens``; defaults
+            :func:`~deployments.contract.config.default_admission_bounds`), ``request_timeout_s``
+            (a request still running after this many seconds is aborted, its KV blocks freed,
+            and ends with error ``timeout``, 504; None: no limit), ``stream_interval`` (engine
+            outputs per chunk; 0: auto), ``lora_modules`` (``{name: PEFT folder}``, loaded at
+            start), ``pooling_type`` (how ``embed`` pools), ``torch_num_threads`` (default: all
+            cores on a single-rank CPU replica, :func:`default_torch_threads`), and the options of
+            the tensor- or pipeline-parallel worker actors (``worker_cpus``, ``collective_timeout_s``).
+
+    When it has loaded, the replica publishes what it learned (``max_model_len``, the weights'
+    revision) on the application's :class:`~deployments.contract.facts.FactsBoard` for the
+    gateway, and again when its model folder's revision changes (checked on Serve's health check).
+
+    Raises:
+        ValueError: (constructor) a bad setting, or a configured adapter that does not load.
     """
 
-    def __init__(self, engine_args: dict | None = None, served_model_name: str | None = None,
-                 torch_num_threads: int | None = None, worker_options: dict | None = None, *,
-                 max_queued_requests: int | None = None, max_queued_prompt_tokens: int | None = None,
-                 request_timeout_s: float | None = None, tool_call_parser: str = "hermes", stream_interval: int = 0,
-                 lora_modules: dict[str, str] | None = None, pooling_type: str = "last"):
+    def __init__(self, model: ModelArgs | dict | None = None):
         import torch
 
         from engine.async_engine import AsyncLLMEngine
         from engine.config import EngineConfig
         from engine.executor import UniProcExecutor
-        from engine.model_loader import DEFAULT_MODEL
 
         reset_niceness()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        engine_args = dict(engine_args or {})
-        config = EngineConfig(**engine_args)
+        m = model if isinstance(model, ModelArgs) else ModelArgs.model_validate(dict(model or {}))
+        config = EngineConfig(**m.engine_args())
         tp = config.tensor_parallel_size * config.pipeline_parallel_size  # worker actors
-        torch.set_num_threads(torch_num_threads or default_torch_threads(1))
+        torch.set_num_threads(m.torch_num_threads or default_torch_threads(1))
         self.stats = StepStats(config.max_num_seqs, config.max_num_batched_tokens)
 
         if tp > 1:
             from cluster.worker_group import RayWorkerGroup
 
-            wopts = dict(worker_options or {})
-            wopts.setdefault("torch_num_threads", torch_num_threads or default_torch_threads(tp))
+            wopts = {"num_cpus": m.worker_cpus, "collective_timeout_s": m.collective_timeout_s,
+                     "torch_num_threads": m.torch_num_threads or default_torch_threads(tp)}
 
             def inner_factory(cfg, path):
                 return RayWorkerGroup(cfg, path, **wopts)
@@ -147,16 +139,18 @@ class LLMServer(PoolingEndpoints):
 
         t0 = time.time()
         self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
-        self.model_name = served_model_name or config.model or DEFAULT_MODEL
-        self.adapters = ReplicaAdapters(self.engine.engine, lora_modules, self.model_name,  # a bad one fails here
+        self.model_name = m.name
+        self.card = ModelCard.of(m)
+        self.adapters = ReplicaAdapters(self.engine.engine, m.lora_modules, self.model_name,  # a bad one fails here
                                         config.enable_lora, config.max_cpu_loras or config.max_loras)
 
         d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
                                                 self.engine.max_model_len)
-        self.admission = Admission(config.max_num_seqs, max_queued_requests or d_req, max_queued_prompt_tokens or d_tok)
-        self.request_timeout_s = request_timeout_s
-        self.stream_interval, self.pooling_type = stream_interval, pooling_type
-        self.tool_call_parser = tool_call_parser
+        self.admission = Admission(config.max_num_seqs, m.max_waiting_requests or d_req,
+                                   m.max_queued_prompt_tokens or d_tok)
+        self.request_timeout_s = m.request_timeout_s
+        self.stream_interval, self.pooling_type = m.stream_interval, m.pooling_type
+        self.tool_call_parser = m.tool_call_parser
         self.metrics = EngineMetrics(self.model_name, _replica_id(), speculative=config.speculative_config is not None,
                                      lora=config.max_loras if config.enable_lora else None)
         self._rejected = rejected()
@@ -175,8 +169,28 @@ class LLMServer(PoolingEndpoints):
                                                 lambda m: chat_template_ids(self.engine.tokenizer, m))
         self.recent = RecentRequests()  # finished requests' timings
         self.max_model_len = self.engine.max_model_len
+        self.revision = model_revision(self.engine.model_path)
+        self.facts = FactsBoard.of_this_app()
+        self._publish()
         logger.info("LLMServer %s ready in %.1fs (tp=%d, pp=%d, max_model_len=%d)", self.model_name,
                     time.time() - t0, config.tensor_parallel_size, config.pipeline_parallel_size, self.max_model_len)
+
+    def _publish(self) -> None:
+        """Put this replica's :class:`LoadedFacts` on the application's board (a no-op outside Serve)."""
+        if self.facts is not None:
+            self.facts.put(self.model_name, LoadedFacts(self.max_model_len, self.revision, self.card.digest))
+
+    async def _republish_if_revised(self) -> None:
+        """Publish again when the model folder's revision changed (new weights on disk: the
+        gateway's response cache must not answer from the old ones). A failure is logged only."""
+        try:
+            revision = await asyncio.to_thread(model_revision, self.engine.model_path)
+            if revision != self.revision:
+                self.revision = revision
+                await asyncio.to_thread(self._publish)
+                logger.info("model %s: weights revision is now %s", self.model_name, revision)
+        except Exception as e:
+            logger.warning("model %s: publishing the weights revision failed (%s)", self.model_name, type(e).__name__)
 
     # ---- generation ---------------------------------------------------------------------
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
@@ -189,8 +203,11 @@ class LLMServer(PoolingEndpoints):
         (:class:`~deployments.contract.types.GenerationError`: ``context_length_exceeded``,
         ``invalid_value``, ``too_large`` 400; ``queue_full`` 429; ``timeout`` 504;
         ``engine_dead`` 503): per-request problems are never raised (so bad requests log no
-        tracebacks). This replica's rule for the context: the prompt leaves room for one output
-        token and, when ``max_tokens`` is set, prompt plus ``max_tokens`` fit ``max_model_len``.
+        tracebacks). The replica is where a request's size is checked, once, against the real
+        numbers: ``n`` choices times the batch's ``num_prompts`` against what it holds in flight
+        (``too_large``, :meth:`Admission.never_fits`), and the context: the prompt leaves room for
+        one output token and, when ``max_tokens`` is set, prompt plus ``max_tokens`` fit
+        ``max_model_len`` (``context_length_exceeded``).
 
         With ``n > 1`` the replica runs ``n`` engine requests (ids ``<request_id>-<i>``; a
         given ``seed`` becomes ``seed + i``) and interleaves their chunks, each tagged with
@@ -209,6 +226,10 @@ class LLMServer(PoolingEndpoints):
         self.admission.note_refused(request.shed_requests)  # the gateway's refusals count as demand
         try:
             request.check()
+            too_large = self.admission.never_fits(n, max(1, int(request.num_prompts)))
+            if too_large is not None:  # the one size check: the gateway renders it as it is
+                yield GenerationChunk.failed(too_large)
+                return
             lora = await self.adapters.resolve(request.lora_name)
             if request.messages is not None:
                 messages, tools = prepare_messages(request.messages, request.tools,
@@ -221,15 +242,12 @@ class LLMServer(PoolingEndpoints):
                     f"this model's maximum context length is {self.max_model_len} tokens; the request asks "
                     f"for {len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} in "
                     "max_tokens): shorten the prompt or lower max_tokens")
-            if n > self.admission.max_in_flight:
-                raise _TooLarge(f"n={n} choices need {n} requests at once; a replica of this model takes at "
-                                f"most {self.admission.max_in_flight} (max_num_seqs + max_queued_requests)")
         except EngineDeadError:
             yield _engine_dead()
             return
         except (ValueError, TypeError) as e:
-            code = ("context_length_exceeded" if isinstance(e, PromptTooLongError) else "too_large" if isinstance(
-                e, _TooLarge) else "model_not_found" if isinstance(e, UnknownAdapterError) else "invalid_value")
+            code = ("context_length_exceeded" if isinstance(e, PromptTooLongError) else
+                    "model_not_found" if isinstance(e, UnknownAdapterError) else "invalid_value")
             yield GenerationChunk.failed(GenerationError(code, str(e)))
             return
         self.prefixes.add(ids, request.lora_name)
@@ -395,16 +413,16 @@ class LLMServer(PoolingEndpoints):
         return self.recent.get(request_ids)
 
     def server_info(self) -> ServerInfo:
-        """What this model's replicas are (the gateway reads it once; see
-        :class:`~deployments.contract.types.ServerInfo`)."""
+        """What this model's replicas are, for Python-handle callers and operators (see
+        :class:`~deployments.contract.types.ServerInfo`; the gateway reads the board instead)."""
         cfg = self.engine.config
         return ServerInfo(
             name=self.model_name, max_model_len=self.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
             pipeline_parallel_size=cfg.pipeline_parallel_size,
             kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
-            speculative_config=public_speculative_config(cfg.speculative_config),
+            speculative_config=self.card.speculative_config,
             lora_modules=list(self.adapters.static),
-            max_queued_requests=self.admission.max_requests, max_in_flight_requests=self.admission.max_in_flight,
+            max_waiting_requests=self.admission.max_requests, max_in_flight_requests=self.admission.max_in_flight,
             max_queued_prompt_tokens=self.admission.max_prompt_tokens, tool_call_parser=self.tool_call_parser,
             revision=model_revision(self.engine.model_path),  # the response cache's invalidation
             workers=(self.engine.executor.placement_group_info()
@@ -491,8 +509,10 @@ class LLMServer(PoolingEndpoints):
         return {"status": "ok", "probe": True, "probe_s": round(time.monotonic() - t0, 3)}
 
     async def check_health(self) -> None:
-        """Serve's periodic health check (every ``health_check_period_s``): see :meth:`health`."""
+        """Serve's periodic health check (every ``health_check_period_s``): see :meth:`health`;
+        it also publishes the weights' revision again when the model folder changed."""
         await self.health(timeout_s=30.0)
+        await self._republish_if_revised()
 
     async def __del__(self):  # Serve calls this on graceful replica shutdown
         with contextlib.suppress(Exception):

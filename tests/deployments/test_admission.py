@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from deployments.contract.config import ModelArgs
 from deployments.replica.admission import Admission, default_admission_bounds
 from deployments.replica.llm_server import LLMServer
 from deployments.contract.types import GenerateRequest
@@ -19,9 +20,9 @@ def tiny(tmp_path_factory):
 
 
 def _server(tiny, **kw):
-    engine_args = {"model": str(tiny), "max_num_seqs": kw.pop("max_num_seqs", 2), "max_model_len": 256,
-                   "num_kv_blocks": 64, "block_size": 16}
-    return LLMServer.func_or_class(engine_args, "tiny", 1, **kw)
+    model = ModelArgs(model=str(tiny), served_model_name="tiny", torch_num_threads=1,
+                      max_num_seqs=kw.pop("max_num_seqs", 2), max_model_len=256, num_kv_blocks=64, block_size=16, **kw)
+    return LLMServer.func_or_class(model)
 
 
 async def _run(server, prompt, params, **kw):
@@ -38,7 +39,7 @@ def _assert_drained(server):
 
 
 def test_full_replica_refuses_at_once_and_admits_the_rest(tiny):
-    server = _server(tiny, max_num_seqs=2, max_queued_requests=2)  # 4 in flight at most
+    server = _server(tiny, max_num_seqs=2, max_waiting_requests=2)  # 4 in flight at most
 
     async def main():
         try:
@@ -98,7 +99,7 @@ def test_request_timeout_ends_the_request_and_frees_its_blocks(tiny):
 
 
 def test_admission_bookkeeping_and_retry_after():
-    adm = Admission(max_num_seqs=2, max_queued_requests=1, max_prompt_tokens=100)
+    adm = Admission(max_num_seqs=2, max_waiting_requests=1, max_prompt_tokens=100)
     assert adm.admit(60) is None and adm.admit(30) is None
     err = adm.admit(20)  # the queue holds 90 prompt tokens: 110 > 100
     assert err.code == "queue_full"

@@ -10,8 +10,11 @@ from helpers import DONE, iter_sse
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from deployments.app import gateway_options
+from deployments.args import AppArgs
+from deployments.contract.facts import LoadedFacts, ModelCard
 from deployments.gateway.api import build_api
-from deployments.gateway.core import Gateway, GatewaySettings
+from deployments.gateway.core import Gateway
 from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
 from engine.sampling_params import SamplingParams
 
@@ -78,8 +81,19 @@ class FakeReplica:
                                   num_prompt_tokens=4, num_output_tokens=2, index=i)
 
 
+def make_gateway(replica, cards: list[ModelCard] | None = None, facts=None, **settings) -> Gateway:
+    """A gateway over ``replica`` served as ``fake``, built as ``build_app`` builds it: the
+    model's card from its configuration (``max_model_len`` 128, given at build time) and the
+    sections from ``settings`` (the Serve config's flat names: ``api_keys``, ``response_cache``, ...)."""
+    args = AppArgs.model_validate({"models": [{"served_model_name": "fake", "max_model_len": 128}], **settings})
+    opts = gateway_options(args)
+    if cards is not None:
+        opts["cards"] = cards
+    return Gateway({"fake": replica}, facts=facts, **opts)
+
+
 def _client(replica, **settings):
-    gw = Gateway({"fake": replica}, GatewaySettings(**settings))
+    gw = make_gateway(replica, **settings)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw")
 
 
@@ -214,7 +228,7 @@ def test_keys_guard_the_api_but_not_the_probes():
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     assert models.status_code == 200
     [card] = models.json()["data"]
-    assert card["id"] == "fake" and card["max_model_len"] == 128  # from the replica's ServerInfo
+    assert card["id"] == "fake" and card["max_model_len"] == 128  # from the model's card
     assert health.status_code == 200 and health.json()["models"] == ["fake"]
 
 
@@ -242,8 +256,7 @@ def test_every_route_but_the_probes_needs_a_key_and_every_body_is_bounded():
     without a key is a 401 unless it is a probe; each route that takes a body refuses an
     oversized one (413) even with a valid key."""
     key, limit = "sk-test-key-1", 1024
-    gw = Gateway({"fake": FakeReplica()}, GatewaySettings(api_keys=[key], max_request_body_bytes=limit,
-                                                          auth_failures_per_minute=10_000))
+    gw = make_gateway(FakeReplica(), api_keys=[key], max_request_body_bytes=limit, auth_failures_per_minute=10_000)
     app = build_api(gw)
     table = _route_table(app)
     paths = {p for _, p, _ in table}
@@ -315,7 +328,7 @@ def test_replica_placement_is_shown_to_admin_keys_only(monkeypatch):
 
 def test_unknown_model_is_404_and_draining_is_not_ready():
     replica = FakeReplica()
-    gw = Gateway({"fake": replica}, GatewaySettings())
+    gw = make_gateway(replica)
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw") as c:
@@ -344,38 +357,6 @@ def test_exact_cache_answers_a_repeat_without_the_replica():
     assert first.status_code == second.status_code == 200
     assert json.loads(second.text)["choices"][0]["text"] == "hello world"
     assert len(replica.requests) == 1, "the repeat reached the replica"
-
-
-def test_server_info_survives_a_full_handle_queue():
-    """A burst reaching a fresh gateway replica: requests need the model's facts, fetched
-    through the same bounded handle queue as generation. Refusals by that queue are retried
-    behind one fetch; none escapes as Serve's raw 503."""
-    from ray.serve.exceptions import BackPressureError
-
-    from deployments.gateway.models import ModelDirectory
-
-    class Handle:  # refuses the first three calls
-        calls = 0
-
-        def __init__(self):
-            self.server_info = _Remote(self._remote)
-
-        async def _remote(self):
-            self.calls += 1
-            await asyncio.sleep(0.01)
-            if self.calls <= 3:
-                raise BackPressureError(num_queued_requests=3, max_queued_requests=3)
-            return ServerInfo(name="m", max_model_len=256)
-
-    handle = Handle()
-    directory = ModelDirectory({"m": handle})
-
-    async def burst():
-        return await asyncio.gather(*(directory.info("m") for _ in range(24)))
-
-    infos = _run(burst())
-    assert all(i.max_model_len == 256 for i in infos)
-    assert handle.calls == 4  # one fetch at a time: three refusals, one success, then the cache
 
 
 def test_a_replica_lost_before_the_first_chunk_is_retried_once_elsewhere():

@@ -14,14 +14,15 @@ import pytest
 
 from deployments.args import ModelArgs
 from deployments.cli import app_args_from_cli, build_parser
+from deployments.contract.facts import ModelCard
 from deployments.gateway.api import build_api
-from deployments.gateway.core import Gateway, GatewaySettings
+from deployments.gateway.core import Gateway
 from deployments.contract.types import GenerateRequest
-from tests.deployments.test_gateway import FakeReplica, _Remote
+from tests.deployments.test_gateway import FakeReplica, _Remote, make_gateway
 
 
 def _client(replica, adapters):
-    gw = Gateway({"fake": replica}, GatewaySettings(adapters=adapters))
+    gw = make_gateway(replica, cards=[ModelCard("fake", max_model_len=128, lora_modules=tuple(adapters))])
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw")
 
 
@@ -52,7 +53,7 @@ def test_gateway_sends_an_adapters_requests_to_its_base_model():
 
 def test_gateway_refuses_adapters_of_unknown_models():
     with pytest.raises(ValueError, match="base model"):
-        Gateway({"fake": FakeReplica()}, GatewaySettings(adapters={"a": "other"}))
+        Gateway({"fake": FakeReplica()}, [ModelCard("fake"), ModelCard("other", lora_modules=("a",))])
 
 
 def test_lora_modules_flag_takes_vllms_forms_and_needs_enable_lora(tmp_path):
@@ -83,9 +84,9 @@ def test_replica_runs_the_named_adapter(tmp_path):
     want = offline.generate([prompt] * 2, SamplingParams(**sp), use_tqdm=False,
                             lora_request=[LoRARequest(name, 1, str(path)), None])
     offline.engine.shutdown()
-    server = LLMServer.func_or_class({"model": str(base), "dtype": "float32", "enable_lora": True,
-                                      "max_lora_rank": 16, "num_kv_blocks": 64}, "tiny", 1,
-                                     lora_modules={name: str(path)})
+    server = LLMServer.func_or_class(ModelArgs(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=16,
+                                               num_kv_blocks=64, served_model_name="tiny", torch_num_threads=1,
+                                               lora_modules={name: str(path)}))
 
     async def run(lora_name):
         chunks = [c async for c in server.stream(GenerateRequest.of(prompt, sp, lora_name=lora_name))]
@@ -197,8 +198,7 @@ def _lora_gateway(hf_config, roots):
         return check_adapter(engine, name, path, allowed_roots)
 
     replica.check_lora_adapter = _Remote(check)
-    gw = Gateway({"fake": replica}, GatewaySettings(api_keys=["sk-lora-user"], admin_api_keys=[ADMIN],
-                                                    lora_allowed_roots=roots))
+    gw = make_gateway(replica, api_keys=["sk-lora-user"], admin_api_keys=[ADMIN], lora_allowed_roots=roots)
     gw.lora.registry = _Registry()
     return gw
 
@@ -250,14 +250,14 @@ def test_load_lora_adapter_reads_only_under_the_allowed_roots(tmp_path, tiny_lla
 
 
 def test_lora_allowed_root_flag_and_config(tmp_path):
-    from deployments.app import gateway_settings
+    from deployments.app import gateway_options
     from deployments.args import AppArgs
 
     args = build_parser().parse_args(["serve", "--lora-allowed-root", "/srv/adapters",
                                       "--lora-allowed-root", "rel/adapters"])
     app = app_args_from_cli(args)
     assert app["lora_allowed_roots"] == ["/srv/adapters", os.path.abspath("rel/adapters")]
-    assert gateway_settings(AppArgs.model_validate(app)).lora_allowed_roots == app["lora_allowed_roots"]
-    assert gateway_settings(AppArgs.model_validate({})).lora_allowed_roots is None  # default: off
+    assert gateway_options(AppArgs.model_validate(app))["gateway"].lora_allowed_roots == app["lora_allowed_roots"]
+    assert gateway_options(AppArgs.model_validate({}))["gateway"].lora_allowed_roots is None  # default: off
     with pytest.raises(ValueError, match="absolute"):
         AppArgs.model_validate({"lora_allowed_roots": ["adapters"]})

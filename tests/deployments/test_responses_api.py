@@ -10,10 +10,9 @@ import numpy as np
 import openai
 import pytest
 from pydantic import BaseModel
-from test_gateway import FakeGen, _Remote
+from test_gateway import FakeGen, _Remote, make_gateway
 
 from deployments.gateway.api import build_api
-from deployments.gateway.core import Gateway, GatewaySettings
 from deployments.contract.types import EmbedResult, GenerationChunk, GenerationError, ServerInfo, TokenizeResult
 
 TOOL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -69,7 +68,7 @@ class ScriptedReplica:
 
 
 def _sdk(replica, api_key="sk-a", **settings):
-    gw = Gateway({"fake": replica}, GatewaySettings(**settings))
+    gw = make_gateway(replica, **settings)
     app = build_api(gw)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
     return openai.AsyncOpenAI(api_key=api_key, base_url="http://gw/v1", http_client=http, max_retries=0), app
@@ -392,7 +391,7 @@ def test_stored_responses_in_redis_are_seen_by_every_ingress_replica(redis_serve
     """Two gateways (two ingress replicas) on one Redis: a response stored through one is read,
     continued and deleted through the other."""
     replica = ScriptedReplica()
-    settings = dict(redis_url=redis_server, cache={"backend": "redis"})
+    settings = dict(redis_url=redis_server, cache_backend="redis")
 
     async def main():
         a, _ = _sdk(replica, **settings)
@@ -418,7 +417,7 @@ def store_backend(request):
     Redis (skips without redis-server)."""
     if request.param == "memory":
         return {}
-    return {"redis_url": request.getfixturevalue("redis_server"), "cache": {"backend": "redis"}}
+    return {"redis_url": request.getfixturevalue("redis_server"), "cache_backend": "redis"}
 
 
 def _as(gw, key):
@@ -432,8 +431,8 @@ def test_a_key_reissued_under_an_old_name_does_not_inherit_its_responses(store_b
     replaced (a new configuration, the same store), the new key gets 404 for the old key's
     response, as a read and as ``previous_response_id``."""
     replica = ScriptedReplica()
-    old = Gateway({"fake": replica}, GatewaySettings(api_keys=["sk-old-alice-1 name=alice"], **store_backend))
-    new = Gateway({"fake": replica}, GatewaySettings(api_keys=["sk-new-alice-1 name=alice"], **store_backend))
+    old = make_gateway(replica, api_keys=["sk-old-alice-1 name=alice"], **store_backend)
+    new = make_gateway(replica, api_keys=["sk-new-alice-1 name=alice"], **store_backend)
     if not store_backend:
         new.responses = old.responses  # memory: the one replica's store, across the key change (Redis: shared)
 
@@ -458,9 +457,8 @@ def test_one_owners_responses_never_evict_anothers(store_backend):
     """Each owner has its own bound (the cache's ``max_entries``, 3 here): key A storing six
     responses evicts only A's oldest, never B's one."""
     replica = ScriptedReplica()
-    cache = {**store_backend.get("cache", {}), "max_entries": 3}
-    gw = Gateway({"fake": replica}, GatewaySettings(
-        api_keys=["sk-tenant-a-2 name=a", "sk-tenant-b-2 name=b"], **{**store_backend, "cache": cache}))
+    gw = make_gateway(replica, api_keys=["sk-tenant-a-2 name=a", "sk-tenant-b-2 name=b"], cache_max_entries=3,
+                      **store_backend)
 
     async def main():
         a, b = _as(gw, "sk-tenant-a-2"), _as(gw, "sk-tenant-b-2")

@@ -10,10 +10,10 @@ from fastapi.responses import JSONResponse
 
 from deployments.replica.admission import Admission
 from deployments.gateway.api import build_api
-from deployments.gateway.core import Gateway, GatewaySettings
+from deployments.gateway.core import Gateway
 from deployments.gateway.shedding import LoadShedder
 from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
-from tests.deployments.test_gateway import FakeGen, _Remote
+from tests.deployments.test_gateway import FakeGen, _Remote, make_gateway
 
 CAP = 4
 
@@ -54,7 +54,7 @@ class CappedReplica:
 
 
 def _gateway(replica, hold_s: float = 60.0) -> tuple[Gateway, httpx.AsyncClient]:
-    gw = Gateway({"fake": replica}, GatewaySettings(cache={"enabled": False}))
+    gw = make_gateway(replica, response_cache=False)
     gw.shedder = LoadShedder(hold_s=hold_s)
     return gw, httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw")
 
@@ -148,7 +148,7 @@ def test_shed_requests_still_go_upstream_when_a_fallback_is_configured():
 
 
 def test_the_replica_counts_the_gateways_refusals_as_demand():
-    a = Admission(max_num_seqs=2, max_queued_requests=1, max_prompt_tokens=100)
+    a = Admission(max_num_seqs=2, max_waiting_requests=1, max_prompt_tokens=100)
     a.note_refused(5)
     a.note_refused(-3)  # nonsense from a caller counts nothing
     assert a.recently_refused(10.0) == 5

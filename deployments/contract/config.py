@@ -1,0 +1,498 @@
+"""The configuration sections both sides of the walls read, as pydantic models passed as objects
+(Serve pickles a deployment's init arguments): :class:`ModelArgs` (one served model: its
+``LLMServer`` replicas and its card), :class:`GatewayArgs`, :class:`LimitArgs`,
+:class:`CacheArgs`, :class:`RoutingArgs` (with :class:`ModelRouting` and :class:`UpstreamArgs`)
+and :class:`EmbeddingArgs`. ``deployments/args.py`` assembles them into the application's
+arguments (``AppArgs``, the flat form, the CLI's flags).
+
+The engine settings of ``ModelArgs`` are generated from ``engine.EngineConfig``'s fields
+(type, default, help), so the engine, the Serve config and the CLI cannot drift; where serving
+wants another default it says so, with the reason, in :data:`SERVING_ENGINE_DEFAULTS`.
+
+A section validates what it can see alone; what needs another room (a tool parser's name, an
+API key entry's syntax) is checked where the application is assembled (``AppArgs``) and again
+where it is used. This module imports neither Ray nor torch.
+"""
+import os
+import warnings
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from deployments.contract.adapters import check_lora_modules
+from deployments.contract.encoder import served_name as encoder_served_name
+from engine.config import EngineConfig, engine_fields
+
+#: Default most missing or wrong API keys one client address may send per minute before its
+#: requests get 429 without being checked (a key-guessing brake; a correct key resets nothing).
+DEFAULT_AUTH_FAILURES_PER_MINUTE = 20
+
+#: Default largest request body, bytes (4 MiB: a 128k-token prompt as text or as token ids
+#: is well under 1 MiB).
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+#: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
+
+#: Name clients send to let the model router choose (``model: "auto"``).
+AUTO_MODEL = "auto"
+
+#: Model settings renamed: ``{old key: new key}``. The old key is still accepted (with a
+#: ``FutureWarning``) so existing Serve configs and Helm values keep working.
+RENAMED_MODEL_KEYS: dict[str, str] = {"max_queued_requests": "max_waiting_requests"}
+
+#: Engine settings where serving deliberately differs from ``engine.EngineConfig``'s default:
+#: ``{field: (default, reason)}``. Everything else is the engine's own default.
+SERVING_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "max_num_seqs": (64, "a replica's inter-token latency grows with its batch (a 64-request CPU decode step "
+                         "is slow on a small CPU, benchmarks/step_times.py); past that the autoscaler adds replicas "
+                         "instead of deepening one"),
+    "scheduling_policy": ("priority", "per-API-key priorities reach the scheduler (equal priorities run in "
+                                      "arrival order, as fcfs)"),
+}
+
+
+def _engine_args_model() -> type[BaseModel]:
+    """A pydantic model with one field per ``EngineConfig`` field (type, default, help),
+    the serving defaults above applied: the base of :class:`ModelArgs`."""
+    spec = {}
+    for name, typ, default, help_ in engine_fields():
+        default, why = SERVING_ENGINE_DEFAULTS.get(name, (default, None))
+        spec[name] = (typ, Field(default, description=help_ + (f" (serving default {default}: {why})" if why else "")))
+    return create_model("EngineArgs", __config__=ConfigDict(extra="forbid", protected_namespaces=()), **spec)
+
+
+EngineArgs = _engine_args_model()
+#: Fields of ModelArgs that go to ``engine.EngineConfig`` (all of its fields).
+ENGINE_FIELDS = tuple(EngineArgs.model_fields)
+
+
+def default_admission_bounds(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int]:
+    """A replica's default admission bounds ``(max_waiting_requests, max_queued_prompt_tokens)``.
+
+    Requests (waiting behind a full batch of ``max_num_seqs``): a 64th of a batch, at least 1
+    (a GPU replica with ``max_num_seqs`` 256 lets 4 wait). While the batch is full, a waiting
+    request waits for running ones to finish, and requests admitted together finish together,
+    so a queue of ``n`` can wait for a whole cohort, not ``n`` average completions; beyond the
+    queue a client is better served by a 429 and a retry on another replica (or after the
+    autoscaler added one) than by a wait that grows with the overload. How the TTFT of admitted
+    requests and the goodput under overload depend on this bound: ``benchmarks/load_test.py``.
+    Prompt tokens: four full-budget prefill steps (``4 * max_num_batched_tokens``), and never
+    less than one longest prompt (``max_model_len``), so every prompt the model takes can be
+    admitted by an idle replica.
+    """
+    return max(1, max_num_seqs // 64), max(max_model_len, 4 * max_num_batched_tokens)
+
+
+def renamed_model_keys(data: Any) -> Any:
+    """``data`` (a model's settings as a dict) with each key of :data:`RENAMED_MODEL_KEYS`
+    given under its new name, and a ``FutureWarning`` naming the rename; anything else as given.
+
+    Raises:
+        ValueError: a setting given under both its old and its new name, with different values.
+    """
+    if not isinstance(data, dict) or not any(k in data for k in RENAMED_MODEL_KEYS):
+        return data
+    data = dict(data)
+    for old, new in RENAMED_MODEL_KEYS.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        if new in data and data[new] != value:
+            raise ValueError(f"{old} is the old name of {new}: give one of them")
+        data[new] = value
+        msg = f"the model setting {old} is deprecated, it is now {new} (--{new.replace('_', '-')})"
+        warnings.warn(msg, FutureWarning, stacklevel=2)
+    return data
+
+
+class ModelArgs(EngineArgs):
+    """One model = one ``LLMServer`` deployment: the engine's settings (generated from
+    ``engine.EngineConfig``) plus how the deployment serves it."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    served_model_name: Optional[str] = Field(None, description="name clients send as `model` (default: model)")
+    num_replicas: Optional[int] = Field(
+        None, ge=0, description="fixed replica count; unset: autoscale with kvserve's policy")
+    min_replicas: Optional[int] = Field(None, ge=0, description="autoscaling lower bound (policy default 1)")
+    max_replicas: Optional[int] = Field(None, ge=1, description="autoscaling upper bound (policy default 8)")
+    autoscaling: Optional[dict[str, Any]] = Field(
+        None, description="autoscaling knobs (see autoscaling/policy.py KVServeAutoscalingConfig)")
+    max_ongoing_requests: Optional[int] = Field(
+        None, ge=1, description="requests Serve routes to one replica at once (default: max_num_seqs + "
+                                "2 * max_waiting_requests, so the replica's own admission decides)")
+    max_waiting_requests: Optional[int] = Field(
+        None, ge=1, description="requests a replica admits to wait behind a full batch (max_num_seqs) before 429s "
+                                "(default: max(1, max_num_seqs // 64)); was max_queued_requests, still accepted. "
+                                "Serve's own handle queue (its deployment option max_queued_requests) holds "
+                                "max_num_seqs + this many per caller")
+    max_queued_prompt_tokens: Optional[int] = Field(
+        None, ge=1, description="prompt tokens a replica queues before 429s (default: "
+                                "max(max_model_len, 4 * max_num_batched_tokens))")
+    request_timeout_s: Optional[float] = Field(
+        600.0, gt=0, description="a request running longer is aborted (blocks freed) and ends with a 504 / "
+                                 "an SSE error event; null: no limit")
+    graceful_shutdown_timeout_s: float = Field(
+        60.0, ge=0, description="on scale-down or shutdown a replica stops taking requests and finishes its "
+                                "streams for up to this long before it exits")
+    stream_interval: int = Field(
+        0, ge=0, description="engine outputs per streamed chunk (vLLM's --stream-interval; the first token and the "
+                             "last chunk always go at once): k >= 1 every k tokens; 0 (auto) every token while fewer "
+                             "than 16 requests run on the replica, then 1 + running // 16, so a loaded replica sends "
+                             "about 16 messages per engine step")
+    tool_call_parser: str = Field(
+        "hermes", description="how tool calls are read from this model's text under tool_choice auto "
+                              "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/gateway/tools.py)")
+    prefix_aware_routing: bool = Field(
+        True, description="route each request to the replica that most recently served the longest prefix of its "
+                          "prompt (deployments/routing/prefix_router.py); off: Serve's power of two choices")
+    prefix_routing_margin: int = Field(
+        8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
+                             "has more than this many ongoing requests more")
+    pooling_type: Literal["last", "mean"] = Field(
+        "last", description="how /v1/embeddings pools this model's final hidden states: the last token's "
+                            "(e5-mistral style, vLLM's default for decoders) or the mean over the input")
+    lora_modules: Optional[dict[str, str]] = Field(
+        None, description="LoRA adapters served with this model, {name: PEFT folder} (vLLM's --lora-modules "
+                          "name=path ...); clients send the name as `model`; needs enable_lora")
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="where a tensor-parallel replica's ranks go: STRICT_PACK (default, as on GPUs: one "
+                                   "node, loopback collectives), PACK, SPREAD or STRICT_SPREAD (ranks on several nodes: "
+                                   "collectives over the nodes' network, which must be the cluster's private one)")
+    max_replicas_per_node: Optional[int] = Field(
+        None, ge=1, description="Serve's bound on this model's replicas per node (spreads them over nodes); not "
+                                "with several ranks per replica (Serve refuses it with placement groups)")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="a tensor-parallel collective waiting longer for a rank fails the step (a rank on "
+                                 "a dead node ends its requests with an error instead of hanging them)")
+    torch_num_threads: Optional[int] = Field(None, ge=1)
+    replica_cpus: float = Field(1.0, ge=0)
+    replica_resources: Optional[dict[str, float]] = Field(
+        None, description="custom Ray resources each replica asks for, e.g. {\"node-type-a\": 1} to tie it to a "
+                          "node type the autoscaler can add (with several ranks: in rank 0's bundle, with the replica)")
+    worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor- or pipeline-parallel worker actor")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        return renamed_model_keys(data)
+
+    @model_validator(mode="after")
+    def _check(self):
+        EngineConfig(**self.engine_args())  # the engine's own range checks, at validation time
+        if self.num_replicas is not None and (
+                self.autoscaling is not None or self.min_replicas is not None or self.max_replicas is not None):
+            raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        if self.max_replicas_per_node is not None and self.num_ranks > 1:
+            raise ValueError("max_replicas_per_node cannot be combined with tensor_parallel_size or "
+                             "pipeline_parallel_size > 1 (Serve does not allow it with placement groups); use "
+                             "placement_group_strategy for the ranks")
+        check_lora_modules(self.lora_modules, self.name, self.enable_lora)
+        return self
+
+    @property
+    def name(self) -> str:
+        from engine.model_loader import DEFAULT_MODEL
+
+        return self.served_model_name or self.model or DEFAULT_MODEL
+
+    def engine_args(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ENGINE_FIELDS}
+
+    def waiting_requests_bound(self) -> int:
+        """``max_waiting_requests``, or its default (see :func:`default_admission_bounds`)."""
+        return self.max_waiting_requests or default_admission_bounds(self.max_num_seqs, 1, 1)[0]
+
+    def ongoing_requests_bound(self) -> int:
+        """Serve's ``max_ongoing_requests`` of a replica: its batch, its queue, and as many
+        again for requests being refused, so the replica's own admission (not Serve's handle
+        queue) decides while replicas run."""
+        return self.max_ongoing_requests or self.max_num_seqs + 2 * self.waiting_requests_bound()
+
+    @property
+    def num_ranks(self) -> int:
+        """Worker actors per replica: ``tensor_parallel_size * pipeline_parallel_size`` (1: the
+        engine runs in the replica itself)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def autoscaling_knobs(self) -> Optional[dict[str, Any]]:
+        """Knobs of kvserve's autoscaling policy for this model (``{}``: all defaults), or None
+        when ``num_replicas`` pins a fixed fleet."""
+        if self.num_replicas is not None:
+            return None
+        knobs = dict(self.autoscaling or {})
+        if self.min_replicas is not None:
+            knobs["min_replicas"] = self.min_replicas
+        if self.max_replicas is not None:
+            knobs["max_replicas"] = self.max_replicas
+        return knobs
+
+
+class GatewayArgs(BaseModel):
+    """The gateway's section of :class:`AppArgs`: keys, the request gate, its replicas."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys: Optional[list[str]] = Field(
+        None, description="if set, require `Authorization: Bearer <key>`; default: $KVSERVE_API_KEYS "
+                          "(comma-separated) or the lines of api_keys_file. An entry may carry per-key "
+                          "settings after the key: `name=.. rpm=.. tpm=.. priority=..` (deployments/limits/)")
+    api_keys_file: Optional[str] = Field(None, description="a file with one API key per line, each optionally "
+                                                           "followed by name=/rpm=/tpm=/priority= (read where "
+                                                           "the app is built; a Kubernetes secret mounts as one)")
+    admin_api_keys: Optional[list[str]] = Field(
+        None, description="keys of the admin endpoints (DELETE /v1/cache, POST /v1/load_lora_adapter and "
+                          "/v1/unload_lora_adapter); default $KVSERVE_ADMIN_API_KEYS (comma-separated); none: "
+                          "those endpoints answer 403")
+    lora_allowed_roots: Optional[list[str]] = Field(
+        None, description="folders (absolute paths) under which POST /v1/load_lora_adapter may read adapters, "
+                          "resolved with symlinks and '..' on the replica's node (--lora-allowed-root, "
+                          "repeatable); none: loading adapters at run time is off (vLLM: "
+                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+    auth_failures_per_minute: int = Field(
+        DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
+        description="missing or wrong API keys one client address may send per minute before 429s")
+    allowed_origins: list[str] = Field(
+        default_factory=lambda: ["*"], description="CORS: origins whose browser pages may call the API "
+                                                   "(default * like vLLM: any page, which still needs an API key "
+                                                   "when keys are set; [] turns CORS off)")
+    max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger bodies get 413")
+    max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
+                                         description="most prompts in one /v1/completions request")
+    ingress_num_replicas: int = Field(1, ge=1)
+    ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
+    ingress_resources: Optional[dict[str, float]] = Field(
+        None, description="custom Ray resources of each ingress replica, e.g. {\"head\": 0.01} with a head started "
+                          "with --resources '{\"head\": 1}' keeps the ingress on the head node")
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+
+
+    @field_validator("lora_allowed_roots")
+    @classmethod
+    def _absolute_roots(cls, v):
+        if v and not all(r and os.path.isabs(r) for r in v):
+            raise ValueError("lora_allowed_roots: each root must be an absolute path")
+        return v
+
+    @field_validator("api_keys", "admin_api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v):
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _keys_from_env_or_file(self):
+        """Keys never need to be on a command line (visible in ``ps``): ``api_keys_file`` or
+        ``$KVSERVE_API_KEYS`` fill ``api_keys`` when it is not given. (An entry's settings are
+        read by ``deployments.limits``: ``AppArgs`` and the gateway check them.)"""
+        if self.api_keys is None and self.api_keys_file:
+            try:
+                with open(self.api_keys_file) as f:
+                    keys = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+            except OSError as e:
+                raise ValueError(f"api_keys_file: cannot read {self.api_keys_file!r}: {e.strerror}") from None
+            if not keys:
+                raise ValueError(f"api_keys_file {self.api_keys_file!r} holds no key")
+            self.api_keys = keys
+        elif self.api_keys is None and os.environ.get("KVSERVE_API_KEYS", "").strip():
+            self.api_keys = self._split_keys(os.environ["KVSERVE_API_KEYS"])
+        if self.admin_api_keys is None and os.environ.get("KVSERVE_ADMIN_API_KEYS", "").strip():
+            self.admin_api_keys = self._split_keys(os.environ["KVSERVE_ADMIN_API_KEYS"])
+        if self.admin_api_keys and any(len(k.split()) != 1 for k in self.admin_api_keys):
+            raise ValueError("admin_api_keys: an admin key is one word (no spaces, no attributes)")
+        return self
+
+
+class LimitArgs(BaseModel):
+    """The per-key limits' section of :class:`AppArgs`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate_limit_rpm: Optional[float] = Field(
+        None, ge=0, description="default requests per minute of each API key (a key's rpm= overrides it)")
+    rate_limit_tpm: Optional[float] = Field(
+        None, ge=0, description="default tokens per minute of each API key, prompt + max_tokens reserved, "
+                                "settled with the tokens used")
+    redis_url: Optional[str] = Field(
+        None, description="Redis that all ingress replicas share their per-key limits through (default "
+                          "$KVSERVE_REDIS_URL; without it each ingress replica enforces limit / replicas)")
+
+    @model_validator(mode="after")
+    def _redis_from_env(self):
+        if self.redis_url is None and os.environ.get("KVSERVE_REDIS_URL", "").strip():
+            self.redis_url = os.environ["KVSERVE_REDIS_URL"].strip()
+        return self
+
+
+class CacheArgs(BaseModel):
+    """The response caches' section of :class:`AppArgs` (``deployments/cache/``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    response_cache: bool = Field(
+        True, description="exact response cache in the ingress: deterministic requests (temperature 0 or a seed) "
+                          "answered again without a replica (deployments/cache/)")
+    cache_backend: Literal["memory", "redis"] = Field(
+        "memory", description="memory: per ingress replica; redis: shared by all ingress replicas (needs redis_url)")
+    cache_ttl_s: float = Field(3600.0, gt=0, description="seconds a cached answer lives")
+    cache_max_entries: int = Field(10_000, ge=1, description="cached answers kept (least recently used go first)")
+    cache_max_bytes: int = Field(256 << 20, ge=1, description="bytes of cached answers kept (default 256 MiB)")
+    semantic_cache: Literal["off", "opt-in", "on"] = Field(
+        "off", description="semantic response cache (all-MiniLM-L6-v2 embeddings of the last user message): off, "
+                           "opt-in (requests send \"cache\": {\"semantic\": true}) or on (every cacheable request "
+                           "unless it declines); true/false mean on/off")
+    semantic_cache_threshold: float = Field(
+        0.92, gt=0, le=1, description="cosine similarity a semantic hit needs (0.92: benchmarks/cache.py)")
+    semantic_cache_max_entries: int = Field(10_000, ge=1, description="semantic cache vectors per ingress replica")
+
+    @field_validator("semantic_cache", mode="before")
+    @classmethod
+    def _semantic_bool(cls, v):
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+
+class RouteRule(BaseModel):
+    """One rule of ``model: "auto"``: every condition given must hold (an unset one holds).
+
+    Attributes:
+        model: the served model name (``served_model_name``) requests matching the rule go to.
+        name: how ``x-kvserve-route`` and the metrics name the rule (default ``rule<i>``).
+        max_prompt_tokens: the prompt's estimated tokens (about 4 UTF-8 bytes per token, plus
+            4 per chat message) are at most this.
+        max_tokens: the request asks for at most this many output tokens (a request without
+            ``max_tokens`` does not match).
+        keywords: at least one occurs in the user's text (case-insensitive substring).
+        exclude_keywords: none occurs in the user's text.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    name: Optional[str] = None
+    max_prompt_tokens: Optional[int] = Field(None, ge=0)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    keywords: Optional[list[str]] = None
+    exclude_keywords: Optional[list[str]] = None
+
+    @field_validator("keywords", "exclude_keywords")
+    @classmethod
+    def _lower(cls, v):
+        return None if v is None else [k.lower() for k in v if k]
+
+    def matches(self, prompt_tokens: int, max_tokens: int | None, text: str) -> bool:
+        """Whether a request (``text`` lower-cased) satisfies every condition of this rule."""
+        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
+            return False
+        if self.max_tokens is not None and (max_tokens is None or max_tokens > self.max_tokens):
+            return False
+        if self.keywords is not None and not any(k in text for k in self.keywords):
+            return False
+        return not (self.exclude_keywords and any(k in text for k in self.exclude_keywords))
+
+
+class ModelRouting(BaseModel):
+    """``model_routing`` of the app: the rules of ``model: "auto"`` (first match wins) and the
+    model for requests no rule matches (default: the app's first model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rules: list[RouteRule] = Field(default_factory=list)
+    default: Optional[str] = None
+
+    def check(self, served: list[str]) -> None:
+        """Raises:
+            ValueError: a rule or the default names a model the app does not serve, or ``auto``.
+        """
+        for i, r in enumerate(self.rules):
+            if r.model not in served:
+                raise ValueError(f"model_routing.rules[{i}].model {r.model!r} is not served; served: {served}")
+        if self.default is not None and self.default not in served:
+            raise ValueError(f"model_routing.default {self.default!r} is not served; served: {served}")
+        if AUTO_MODEL in served:
+            raise ValueError(f"{AUTO_MODEL!r} is reserved for model routing; serve the model under another name")
+
+    def choose(self, prompt_tokens: int, max_tokens: int | None, text: str, first_model: str) -> tuple[str, str]:
+        """``(model, rule name)`` for one request; ``(default or first_model, "default")`` when no
+        rule matches. ``text``: the user's text (any case)."""
+        low = text.lower()
+        for i, r in enumerate(self.rules):
+            if r.matches(prompt_tokens, max_tokens, low):
+                return r.model, r.name or f"rule{i}"
+        return self.default or first_model, "default"
+
+
+class UpstreamArgs(BaseModel):
+    """``upstream`` of the app: where requests go when the local model cannot take them.
+
+    Attributes:
+        base_url: the upstream's OpenAI base URL, e.g. ``https://api.example.com/v1``.
+        api_key: its key; default ``$KVSERVE_UPSTREAM_API_KEY`` (keep keys out of config files).
+        models: local served name -> upstream model name (default: the same name).
+        timeout_s: seconds to connect and between two reads of the upstream's answer.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str
+    api_key: Optional[str] = None
+    models: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(120.0, gt=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"upstream.base_url must be an http(s) URL, got {v!r}")
+        return v.rstrip("/")
+
+
+class RoutingArgs(BaseModel):
+    """The model routing section of :class:`AppArgs`: ``model: "auto"`` and the upstream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_routing: Optional[ModelRouting] = Field(
+        None, description="rules of `model: \"auto\"` (first match wins; deployments/routing/model_routing.py): "
+                          "{rules: [{model, name, max_prompt_tokens, max_tokens, keywords, exclude_keywords}], "
+                          "default}; unset: no `auto` model")
+    upstream: Optional[UpstreamArgs] = Field(
+        None, description="OpenAI-compatible fallback for requests the local models cannot take (all replicas "
+                          "at capacity or failing): {base_url, api_key (default $KVSERVE_UPSTREAM_API_KEY), "
+                          "models: {local: upstream name}, timeout_s}")
+
+    @model_validator(mode="after")
+    def _upstream_key_from_env(self):
+        if self.upstream is not None and not self.upstream.api_key:
+            self.upstream.api_key = os.environ.get("KVSERVE_UPSTREAM_API_KEY", "").strip() or None
+        return self
+
+
+class EmbeddingArgs(BaseModel):
+    """The embedding models' section of :class:`AppArgs`: sentence-embedding encoders served
+    for ``/v1/embeddings`` only, each its own ``EmbeddingServer`` deployment
+    (``deployments/replica/embedding_server.py``)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    embedding_model: Optional[str] = Field(
+        None, description="a sentence-transformers model folder to serve for /v1/embeddings, or 'bundled' for "
+                          "all-MiniLM-L6-v2 (installed with kvserve); unset: no encoder (served generating models "
+                          "still answer /v1/embeddings with pooled hidden states)")
+    embedding_served_name: Optional[str] = Field(
+        None, description="the encoder's name in requests (default: sentence-transformers/all-MiniLM-L6-v2 for the "
+                          "bundled one, else the folder's name)")
+    embedding_num_replicas: int = Field(1, ge=1)
+    embedding_cpus: float = Field(0.25, ge=0, description="logical CPUs of each encoder replica")
+    embedding_num_threads: int = Field(1, ge=1, description="torch threads of each encoder replica")
+
+    def served_name(self) -> Optional[str]:
+        """The encoder's served name (None without one)."""
+        if self.embedding_model is None:
+            return None
+        return encoder_served_name(self.embedding_model, self.embedding_served_name)
+
+
