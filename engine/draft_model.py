@@ -24,10 +24,11 @@ import dataclasses
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_config, resolve_model
+from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
-from engine.spec_decode import SpeculativeConfig
+from engine.spec_config import SpeculativeConfig
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, detokenize=False)
 
@@ -49,8 +50,6 @@ class DraftModelProposer:
     """
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, vocab_size: int, num_blocks: int):
-        from engine.model_runner import ModelRunner
-
         if config.tensor_parallel_size != 1:
             raise ValueError("speculative_config method 'draft_model' needs tensor_parallel_size 1 "
                              "(use method 'ngram' with tensor parallelism)")
