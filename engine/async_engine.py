@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, StepFailedError, chat_template_ids, encode_prompt, parse_prompt
+from engine.input_processor import InputProcessor, parse_prompt
+from engine.llm_engine import LLMEngine, StepFailedError
 from engine.model_loader import load_tokenizer
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -53,6 +54,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_pool: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.tokenizer = load_tokenizer(engine.model_path)
+        #: The engine's :class:`InputProcessor` with this front's own tokenizer (used in the
+        #: tokenizer thread): prompt parsing, chat templates and validation for the serving layer.
+        self.input_processor: InputProcessor = engine.input_processor.with_tokenizer(self.tokenizer)
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[Request] = []
         self._aborts: set[str] = set()
@@ -177,34 +181,35 @@ class AsyncLLMEngine:
             self._wakeup.set()  # a loop waiting for work wakes up and exits
 
     def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
-        """Token ids of ``prompt`` in any of ``parse_prompt``'s forms (a string, token ids,
-        ``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``); blocking: :meth:`generate`
-        runs it off the event loop.
+        """Token ids of ``prompt`` in any of :func:`engine.input_processor.parse_prompt`'s forms
+        (a string, token ids, ``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``); blocking:
+        :meth:`generate` runs it off the event loop.
 
         Raises:
             ValueError: a malformed prompt.
         """
-        return encode_prompt(self.tokenizer, prompt)
+        return self.input_processor.tokenize(prompt)
 
     async def encode(self, prompt: str | list[int] | dict) -> list[int]:
-        """Token ids of a prompt in any form of :func:`engine.llm_engine.parse_prompt`, computed
-        in the tokenizer thread (the serving layer counts them before admitting a request).
+        """Token ids of a prompt in any form of :func:`engine.input_processor.parse_prompt`,
+        computed in the tokenizer thread (the serving layer counts them before admitting a request).
 
         Raises:
             ValueError: a malformed prompt.
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, encode_prompt, self.tokenizer, prompt)
+        return await loop.run_in_executor(self._tok_pool, self.input_processor.tokenize, prompt)
 
     async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation (and its ``tools``) under the chat template (see
-        ``chat_template_ids``), computed in the tokenizer thread.
+        """Token ids of a conversation (and its ``tools``) under the chat template, tools and
+        tool calls written for a template that does not render them
+        (:meth:`InputProcessor.chat_template_ids`), computed in the tokenizer thread.
 
         Raises:
             ValueError: no chat template or malformed messages.
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, chat_template_ids, self.tokenizer, messages, True, tools)
+        return await loop.run_in_executor(self._tok_pool, self.input_processor.chat_template_ids, messages, tools)
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,

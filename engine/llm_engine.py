@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.executor import Executor, UniProcExecutor
+from engine.input_processor import (  # noqa: F401  (re-exported: the engine-level names of these)
+    InputProcessor, PromptTooLongError, chat_template_ids, encode_prompt, parse_prompt, render_chat_template)
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
@@ -15,78 +17,11 @@ from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import MixedStepBudget, Scheduler, SchedulerOutput
-from engine.spec_decode import DraftLengthPolicy, NgramProposer, Speculator, SpeculativeConfig
+from engine.spec_decode import NgramProposer, Speculator, SpeculativeConfig
 from engine.stats import EngineStats, FinishedRequestStats, StepMetrics
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
-
-
-def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None, continue_final_message: bool = False,
-                      add_special_tokens: bool = False) -> list[int]:
-    """Token ids of a conversation (``[{"role", "content"}, ...]``) under the tokenizer's chat
-    template, with the assistant generation prompt appended (or, ``continue_final_message``,
-    the last message left open). ``tools`` (OpenAI's ``{"type": "function", "function":
-    {...}}`` list) go to the template as transformers' ``apply_chat_template(tools=...)``
-    defines. ``add_special_tokens``: the tokenizer's own (e.g. BOS) on top of the template's.
-
-    Raises:
-        ValueError: the tokenizer has no chat template, the messages are malformed, or both
-            ``add_generation_prompt`` and ``continue_final_message`` are asked for.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template")
-    if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             tools=tools or None, continue_final_message=continue_final_message)
-    except Exception as e:  # jinja errors on bad roles / content
-        raise ValueError(f"could not apply the chat template: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room for an output token within ``max_model_len``."""
-
-
-def parse_prompt(prompt: str | list[int] | dict) -> tuple[str | None, list[int] | None]:
-    """vLLM's prompt forms: a string, a list of token ids, ``{"prompt": str}`` (TextPrompt) or
-    ``{"prompt_token_ids": [...]}`` (TokensPrompt). Returns ``(text, token_ids)``, exactly one
-    of them not None.
-
-    Raises:
-        ValueError: a dict with neither key, both, or any other key; a value of the wrong type.
-    """
-    if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-        if unknown or len(prompt) != 1:
-            raise ValueError("a dict prompt takes exactly one of 'prompt' (text) or 'prompt_token_ids'"
-                             + (f"; unknown key(s): {sorted(unknown)}" if unknown else ""))
-        (key, value), = prompt.items()
-        if key == "prompt" and not isinstance(value, str):
-            raise ValueError(f"prompt must be a string, got {type(value).__name__}")
-        if key == "prompt_token_ids" and not isinstance(value, (list, tuple)):
-            raise ValueError(f"prompt_token_ids must be a list of integers, got {type(value).__name__}")
-        prompt = value
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, (list, tuple)):
-        return None, list(prompt)
-    raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-
-def encode_prompt(tokenizer, prompt: str | list[int] | dict) -> list[int]:
-    """Token ids of a prompt in any of :func:`parse_prompt`'s forms (text is encoded with the
-    tokenizer's special tokens, e.g. BOS).
-
-    Raises:
-        ValueError: see :func:`parse_prompt`.
-    """
-    text, ids = parse_prompt(prompt)
-    return tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
-
 
 
 class StepFailedError(RuntimeError):
@@ -105,15 +40,18 @@ class StepFailedError(RuntimeError):
         self.request_ids = request_ids
 
 
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     ``step()`` = schedule (:class:`Scheduler`) -> execute (the executor's model runner and
-    sampler) -> update (the scheduler appends the tokens) -> output (:class:`OutputProcessor`:
-    detokenization, stop strings), with speculative decoding (:class:`Speculator`), grammars
+    sampler) -> update (the scheduler appends the tokens and finishes requests at EOS, a stop
+    token or their length) -> output (:class:`OutputProcessor`: detokenization and stop strings,
+    which the scheduler then acts on), with speculative decoding (:class:`Speculator`), grammars
     (:class:`StructuredOutputs`) and stats (:class:`EngineStats`) hooked in between.
+
+    Prompts become requests in :attr:`input_processor` (:class:`InputProcessor`: parsing, chat
+    templates, validation). The output processor finds stop strings and returns them; the
+    scheduler finishes those requests and frees their blocks (:meth:`_output`).
 
     Args:
         config: engine configuration.
@@ -155,6 +93,10 @@ class LLMEngine:
             if capacity < model_max:
                 logger.warning("max_model_len is %d tokens, the KV cache's capacity (%d blocks), below the model's "
                                "%d: give the cache more memory for longer contexts", capacity, num_blocks, model_max)
+        #: Prompt parsing, chat templates and request validation (:class:`InputProcessor`).
+        self.input_processor = InputProcessor(self.tokenizer, vocab_size=self.hf_config.vocab_size,
+                                              eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                                              enable_lora=config.enable_lora)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         budget = MixedStepBudget.for_config(config)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
@@ -172,10 +114,9 @@ class LLMEngine:
         #: Grammar compiler (xgrammar, built on the first request with ``structured_outputs``)
         #: and the requests that have a grammar.
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
-        self._finish_stopped = functools.partial(self.scheduler.finish, status=RequestStatus.FINISHED_STOPPED)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self._request_finished)
-        #: Incremental detokenizers by request id (the output processor's).
-        self.detokenizers = self.output_processor.detokenizers
+        self._finish_stopped = functools.partial(self.scheduler.finish_stopped, stop_reason=None)
+        #: Detokenization, stop strings and the outputs (:class:`OutputProcessor`).
+        self.output_processor = OutputProcessor(self.tokenizer, self._request_finished)
         #: Seconds for every timing-driven policy (mixed-step budget, draft length, step
         #: metrics); tests replace it with a noisy fake clock.
         self.clock: Callable[[], float] = time.monotonic
@@ -194,21 +135,6 @@ class LLMEngine:
                     num_blocks, capacity, self.max_model_len)
 
     @property
-    def proposer(self):
-        """The draft proposer (:class:`NgramProposer` or ``DraftModelProposer``; None without
-        speculative decoding). Assignable: a fault-injecting wrapper replaces it."""
-        return self.speculator.proposer if self.speculator is not None else None
-
-    @proposer.setter
-    def proposer(self, proposer) -> None:
-        self.speculator.proposer = proposer
-
-    @property
-    def draft_policy(self) -> DraftLengthPolicy | None:
-        """The draft-length policy of speculative decoding (None without it)."""
-        return self.speculator.policy if self.speculator is not None else None
-
-    @property
     def mixed_budget(self) -> MixedStepBudget | None:
         """The scheduler's mixed-step budget (None: ``mixed_step_prefill_tokens`` is fixed, or
         CUDA graphs are on: :meth:`MixedStepBudget.for_config`).
@@ -221,13 +147,22 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
-        """Token ids of a prompt (see :func:`encode_prompt`)."""
-        return encode_prompt(self.tokenizer, prompt)
+        """Token ids of a prompt (:meth:`InputProcessor.tokenize`).
+
+        Raises:
+            ValueError: a malformed prompt.
+        """
+        return self.input_processor.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> list[int]:
-        """Token ids of ``messages`` under the tokenizer's chat template (see :func:`chat_template_ids`)."""
-        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, tools)
+        """Token ids of ``messages`` (and ``tools``) under the tokenizer's chat template
+        (:meth:`InputProcessor.chat_template_ids`).
+
+        Raises:
+            ValueError: no chat template, or malformed messages.
+        """
+        return self.input_processor.chat_template_ids(messages, tools, add_generation_prompt=add_generation_prompt)
 
     def add_lora(self, lora_request) -> None:
         """Load a LoRA adapter (:class:`engine.lora.LoRARequest`) into every rank's host cache
@@ -246,15 +181,13 @@ class LLMEngine:
         until they end, as the adapter is loaded again for them)."""
         return self.config.enable_lora and self.executor.remove_lora(lora_int_id)
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def make_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None, lora_request=None,
                      pooling_params=None) -> Request:
-        """Validate and tokenize a request without queueing it (safe to call while a step runs).
-
-        Besides :class:`SamplingParams`' own checks, the ones that need the model:
-        ``stop_token_ids`` and ``logit_bias`` keys must be in the vocabulary, ``logprobs`` at most the vocabulary
-        size, and with ``min_tokens`` the forbidden ids (stop ids and EOS) must leave a token
-        to sample. ``top_k`` above the vocabulary size is clamped by the sampler (keeps all).
+        """Validate and tokenize a request without queueing it (safe to call while a step runs):
+        :meth:`InputProcessor.process_inputs` (prompt forms, sampling parameters against the
+        model, the prompt against ``max_model_len``), then the request's grammar is compiled
+        (``structured_outputs``, cached) and its LoRA adapter loaded, off the step loop.
 
         ``pooling_params`` (:class:`engine.pooling.PoolingParams`) makes an embedding request:
         ``params`` are ignored (its prompt is computed, nothing is generated, ``max_tokens=0``),
@@ -262,45 +195,18 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, token ids out of the vocabulary, a prompt of
-                ``max_model_len`` tokens or more, a non-integer ``priority``, or sampling
-                parameters the model cannot honour (the message starts with the field name).
+                ``max_model_len`` tokens or more (:class:`PromptTooLongError`), a non-integer
+                ``priority``, sampling parameters the model cannot honour (the message starts
+                with the field name), a grammar that does not compile, or a LoRA adapter that
+                LoRA being off, or the adapter itself, rules out.
         """
-        if pooling_params is not None:
-            params = SamplingParams(max_tokens=0, detokenize=False)
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        vocab = self.hf_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), "
-                             f"got {max(params.stop_token_ids)}")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {max(params.logit_bias)}")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}")
-        if params.min_tokens and len(set(params.stop_token_ids) | (
-                set() if params.ignore_eos else self.eos_token_ids)) >= vocab:
-            raise ValueError("stop_token_ids with min_tokens forbid every token of the vocabulary")
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and pooling_params is None):
-            raise PromptTooLongError(f"prompt is {len(ids)} tokens; this model's context is {self.max_model_len} "
-                             f"tokens (max_model_len), which must also leave room for at least one output token")
-        grammar = (None if params.structured_outputs is None  # compiled here, off the step loop (cached)
-                   else self.structured_outputs.request_grammar(params.structured_outputs))
-        req = Request(request_id, ids, params, self.eos_token_ids,
-                      prompt=parse_prompt(prompt)[0], priority=priority,
-                      arrival_time=arrival_time, max_model_len=self.max_model_len)
-        req.grammar = grammar
-        req.pooling = pooling_params
+        req = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
+                                                  arrival_time=arrival_time, lora_request=lora_request,
+                                                  pooling_params=pooling_params)
+        if req.params.structured_outputs is not None:  # compiled here, off the step loop (cached)
+            req.grammar = self.structured_outputs.request_grammar(req.params.structured_outputs)
         if lora_request is not None:
             self.add_lora(lora_request)  # loads and checks the adapter now, off the step loop
-            req.lora_request = lora_request
         return req
 
     def enqueue(self, req: Request) -> None:
@@ -332,12 +238,28 @@ class LLMEngine:
         return self.output_processor.final_output(req)
 
     def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
+        """Finish a request with an error (``finish_reason "error"``, ``error`` set, blocks
+        freed); returns its final output (or None if unknown)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return None
         req.error = error
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         return self.output_processor.final_output(req)
+
+    def _fail(self, req: Request, where: str, error: BaseException, new_token_ids: list[int] = ()) -> RequestOutput:
+        """Fail ``req`` alone after ``error`` in ``where`` (words for the log): ``FINISHED_ERROR``,
+        blocks freed (the scheduler), ``req.error`` set unless it already is; returns its final
+        output (``new_token_ids``: the step's tokens it carries), built without the detokenizer if
+        that is what fails."""
+        logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(error).__name__, error,
+                     exc_info=error)
+        req.error = req.error or f"{type(error).__name__}: {error}"
+        if req.request_id in self.scheduler.requests:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        else:  # already left the queues (e.g. finished by length in the same step)
+            req.status = RequestStatus.FINISHED_ERROR
+        return self.output_processor.final_output(req, new_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -374,13 +296,13 @@ class LLMEngine:
         last_token = self.stats.begin_step(reqs.values())
         grammar = self.structured_outputs.fill_bitmask(sched, getattr(self.executor, "in_process", False))
         result, failed, m = self._execute(sched)                                    # 2. execute
-        fail = self.output_processor.fail
+        fail = self._fail
         outputs = [fail(reqs[rid], "the model step", e) for rid, e in failed.items()]
         outputs += [fail(r, "its grammar bitmask", e) for r, e in self.structured_outputs.fill_failures(grammar)]
         updated, update_outputs = self._update(sched, result, reqs, m)              # 3. update
         outputs += update_outputs
         self.stats.record_tokens(m, updated, last_token)
-        outputs += self.output_processor.process(updated)                           # 4. output
+        outputs += self._output(updated)                                            # 4. output
         self.stats.end_step(m, updated, self.scheduler.kv)
         return outputs
 
@@ -438,7 +360,7 @@ class LLMEngine:
         errors: dict[str, BaseException] = {}
         updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs,
                                                     errors=errors, pooled=result.pooled)
-        fail = self.output_processor.fail
+        fail = self._fail
         outputs = [fail(reqs[rid], "its output update", e) for rid, e in errors.items()]
         if self.speculator is not None:
             try:
@@ -451,6 +373,20 @@ class LLMEngine:
         outputs += [fail(r, "its grammar", e, r.new_token_ids)
                     for r, e in self.structured_outputs.advance(updated, self._finish_stopped)]
         return updated, outputs
+
+    def _output(self, updated: list[Request]) -> list[RequestOutput]:
+        """After the update, the outputs of the requests that got tokens (``updated``): the
+        output processor detokenizes their new tokens and finds stop strings; the scheduler
+        finishes the requests that reached one (dropping the step's tokens after it, freeing
+        their blocks) and those whose detokenizer raised (they fail alone); then the output
+        processor builds the outputs (a request whose output assembly raises fails alone)."""
+        found = self.output_processor.detokenize(updated)
+        outputs = [self._fail(r, "detokenization", e, r.new_token_ids) for r, e in found.failed]
+        for stop in found.stops:
+            if stop.request.status is not RequestStatus.FINISHED_ERROR:
+                self.scheduler.finish_stopped(stop.request, stop.stop, stop.num_dropped_tokens)
+        built, failed = self.output_processor.make_outputs(updated)
+        return outputs + built + [self._fail(r, "output assembly", e, r.new_token_ids) for r, e in failed]
 
     def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """After ``execute_model(sched)`` raised ``error``: find the request(s) that make it fail.

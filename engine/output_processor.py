@@ -1,16 +1,58 @@
-"""From updated requests to :class:`RequestOutput`: incremental detokenization, stop strings,
-logprobs and prompt logprobs into the output, and failing one request alone (vLLM V1's
-``v1/engine/output_processor.py``, in the engine's process)."""
+"""From updated requests to :class:`RequestOutput` (vLLM V1's ``v1/engine/output_processor.py``,
+in the engine's process): incremental detokenization and stop strings, logprobs and prompt
+logprobs into the output.
+
+The output processor decides, the scheduler acts, as in vLLM V1: :meth:`OutputProcessor.detokenize`
+finds the requests whose text reached a stop string and how many of the step's tokens come after
+the one that completed it (several arrive per step with speculative decoding), and returns them
+as :class:`StopStringMatch` objects; the engine hands them to
+:meth:`engine.scheduler.Scheduler.finish_stopped`, which drops those tokens, finishes the request
+and frees its KV blocks. EOS, stop token ids and the length limit are the scheduler's own checks
+while it appends the sampled tokens (``Request.check_stop_token``, vLLM's ``check_stop``). The
+output processor never changes a request's tokens or status and never touches the scheduler; a
+request whose detokenization or output assembly raises is returned as failed, for the engine to
+finish with an error.
+"""
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
-from engine.scheduler import Scheduler
 
 logger = logging.getLogger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class StopStringMatch:
+    """A stop string that the text of ``request`` reached in this step.
+
+    Attributes:
+        request: the request (still running, or already finished by the scheduler in the same
+            step: its last allowed token or a stop token came after the stop string's).
+        stop: the stop string (``SamplingParams.stop`` entry), the request's ``stop_reason``.
+        num_dropped_tokens: the step's tokens after the one that completed the stop string
+            (>= 0); they are removed from the request's output (and logprobs).
+    """
+
+    request: Request
+    stop: str
+    num_dropped_tokens: int
+
+
+@dataclass
+class DetokenizeResult:
+    """What :meth:`OutputProcessor.detokenize` found in a step.
+
+    Attributes:
+        stops: the requests that reached a stop string.
+        failed: ``(request, exception)`` of the requests whose detokenizer raised.
+    """
+
+    stops: list[StopStringMatch]
+    failed: list[tuple[Request, BaseException]]
 
 
 class OutputProcessor:
@@ -20,7 +62,6 @@ class OutputProcessor:
 
     Args:
         tokenizer: the engine's Hugging Face tokenizer.
-        scheduler: finishes requests (a stop string, a failure).
         on_finished: called once the final output of a request is being built (may be called
             again for the same request; it must not raise).
 
@@ -29,8 +70,8 @@ class OutputProcessor:
             text (``SamplingParams.detokenize``), by id.
     """
 
-    def __init__(self, tokenizer, scheduler: Scheduler, on_finished: Callable[[Request], None]):
-        self.tokenizer, self.scheduler, self.on_finished = tokenizer, scheduler, on_finished
+    def __init__(self, tokenizer, on_finished: Callable[[Request], None]):
+        self.tokenizer, self.on_finished = tokenizer, on_finished
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     def add_request(self, req: Request) -> None:
@@ -38,35 +79,44 @@ class OutputProcessor:
         if req.params.detokenize:
             self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
 
-    def process(self, updated: list[Request]) -> list[RequestOutput]:
-        """The outputs of a step's requests that got tokens (``updated``; each one's
-        ``new_token_ids``), after detokenization and stop strings. A request that already
-        failed in the step (``FINISHED_ERROR``: its output is given) is skipped; one whose
-        detokenization or output assembly raises fails alone (:meth:`fail`)."""
-        outputs = []
+    def detokenize(self, updated: list[Request]) -> DetokenizeResult:
+        """Feed each updated request's new tokens (``new_token_ids``) to its detokenizer, one
+        at a time, up to a stop string. Requests that already failed in the step
+        (``FINISHED_ERROR``) and those without a detokenizer are skipped. Changes no request."""
+        stops, failed = [], []
         for req in updated:
-            if req.status is RequestStatus.FINISHED_ERROR:  # failed earlier in the step: output given
+            detok = self.detokenizers.get(req.request_id)
+            if detok is None or req.status is RequestStatus.FINISHED_ERROR:
                 continue
             try:
-                self._detokenize(req)
-                outputs.append(self._output(req, req.new_token_ids))
+                new = req.new_token_ids
+                for i, tok in enumerate(new):
+                    stop = detok.update([tok])
+                    if stop is not None:
+                        stops.append(StopStringMatch(req, stop, len(new) - 1 - i))
+                        break
             except Exception as e:  # one bad request must not take the batch down
-                outputs.append(self.fail(req, "detokenization or output assembly", e, req.new_token_ids))
-        return outputs
+                failed.append((req, e))
+        return DetokenizeResult(stops, failed)
 
-    def fail(self, req: Request, where: str, error: BaseException, new_token_ids: list[int] = ()) -> RequestOutput:
-        """Fail ``req`` alone (``FINISHED_ERROR``, blocks freed, ``req.error`` set unless it
-        already is) after ``error`` in ``where`` (words for the log); returns its final output
-        (``new_token_ids``: the step's tokens it carries), built without the detokenizer if that
-        is what fails."""
-        logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(error).__name__, error,
-                     exc_info=error)
-        req.error = req.error or f"{type(error).__name__}: {error}"
-        if req.request_id in self.scheduler.requests:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        else:  # already left the queues (e.g. finished by length in the same step)
-            req.status = RequestStatus.FINISHED_ERROR
-        return self.final_output(req, new_token_ids)
+    def make_outputs(self, updated: list[Request]) -> tuple[list[RequestOutput], list[tuple[Request, BaseException]]]:
+        """The outputs of a step's requests that got tokens (each one carrying its
+        ``new_token_ids``), after the scheduler acted on their stops. Requests that failed in
+        the step (``FINISHED_ERROR``: their output is given) are skipped.
+
+        Returns:
+            The outputs, and ``(request, exception)`` of the requests whose output assembly
+            raised (no output for them here; the engine fails them).
+        """
+        outputs, failed = [], []
+        for req in updated:
+            if req.status is RequestStatus.FINISHED_ERROR:
+                continue
+            try:
+                outputs.append(self._output(req, req.new_token_ids))
+            except Exception as e:
+                failed.append((req, e))
+        return outputs, failed
 
     def final_output(self, req: Request, new_token_ids: list[int] = ()) -> RequestOutput:
         """The output of a request that has left the engine, which never raises: if the
@@ -78,32 +128,6 @@ class OutputProcessor:
                          req.request_id, type(e).__name__, e)
             self.detokenizers.pop(req.request_id, None)
             return self._output(req, new_token_ids)
-
-    def _detokenize(self, req: Request) -> None:
-        """Feed the step's new tokens to the request's detokenizer one at a time; at a stop
-        string, drop the tokens after the one that completed it (several arrive per step with
-        speculative decoding) and finish the request (``stop``)."""
-        detok = self.detokenizers.get(req.request_id)
-        if detok is None:
-            return
-        new = req.new_token_ids
-        for i, tok in enumerate(new):
-            stop = detok.update([tok])
-            if stop is None:
-                continue
-            extra = len(new) - 1 - i
-            if extra:
-                del req.all_token_ids[-extra:]
-                if req.params.logprobs is not None:
-                    del req.logprobs[-extra:]
-                req.new_token_ids = new[:i + 1]
-            if not req.finished:
-                req.stop_reason = stop
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.status == RequestStatus.FINISHED_LENGTH:
-                # completed by the last allowed token (already finished and freed): a stop
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            return
 
     def _output(self, req: Request, new_token_ids: list[int] = ()) -> RequestOutput:
         detok = self.detokenizers.get(req.request_id)

@@ -267,6 +267,34 @@ class Scheduler:
             except Exception:  # a release hook must not undo a finish that has happened
                 logger.exception("on_finish hook failed for request %s", req.request_id)
 
+    def finish_stopped(self, req: Request, stop_reason: int | str | None, num_dropped_tokens: int = 0) -> None:
+        """Finish ``req`` as stopped (``FINISHED_STOPPED``, ``stop_reason``) by something the
+        output processor found, e.g. a stop string: first its last ``num_dropped_tokens``
+        tokens (those the step appended after the one that stopped it) leave its tokens,
+        ``new_token_ids`` and logprobs, then it leaves the queues and its blocks are freed. A
+        request this step already finished (its length limit, EOS or a stop token came after
+        the stop) is freed already: it only becomes stopped with ``stop_reason``. A request
+        that failed or was aborted keeps its status.
+
+        Raises:
+            ValueError: ``num_dropped_tokens`` negative or more than the step's new tokens.
+        """
+        if not 0 <= num_dropped_tokens <= len(req.new_token_ids):
+            raise ValueError(f"num_dropped_tokens must be in [0, {len(req.new_token_ids)}] (the step's new "
+                             f"tokens of request {req.request_id}), got {num_dropped_tokens}")
+        if num_dropped_tokens:
+            del req.all_token_ids[-num_dropped_tokens:]
+            if req.params.logprobs is not None:
+                del req.logprobs[-num_dropped_tokens:]
+            req.new_token_ids = req.new_token_ids[:-num_dropped_tokens]
+        if req.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            return
+        req.stop_reason = stop_reason
+        if req.finished:  # finished (and freed) by this step's update: a stop came first
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.finish(req, RequestStatus.FINISHED_STOPPED)
+
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is not None:

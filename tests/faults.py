@@ -73,7 +73,7 @@ class Faults:
         self.fired: list[tuple[str, str]] = []
         self._armed: dict[tuple[str, str], int] = {}  # (hook, request id) -> good calls left
         self._future: list[tuple[str, Callable]] = []
-        if engine.proposer is not None:
+        if engine.speculator is not None:  # the proposer and draft-length policy are the speculator's
             self._wrap_proposer()
             self._wrap_policy()
         enqueue = engine.enqueue
@@ -103,7 +103,7 @@ class Faults:
     # ---- engine-wide wrappers ------------------------------------------------------------
     def _wrap_proposer(self):
         eng, faults = self.engine, self
-        base = type(eng.proposer)
+        base = type(eng.speculator.proposer)
 
         class FaultyProposer(base):  # a subclass, so the engine's isinstance checks still hold
             def __init__(self, inner):
@@ -119,10 +119,10 @@ class Faults:
                         faults._check("propose", req.request_id)
                 return base.propose(self, *args)
 
-        eng.proposer = FaultyProposer(eng.proposer)
+        eng.speculator.proposer = FaultyProposer(eng.speculator.proposer)
 
     def _wrap_policy(self):
-        policy, faults = self.engine.draft_policy, self
+        policy, faults = self.engine.speculator.policy, self
         draft_length = policy.draft_length
 
         def faulty(request_id, available, batch):
@@ -152,7 +152,7 @@ class Faults:
         detokenizer, no logprobs, no speculation)."""
         rid, eng = req.request_id, self.engine
         if hook in ("propose", "draft_length", "logprobs", "prompt_logprobs"):
-            if hook in DRAFTING_HOOKS and eng.proposer is None or \
+            if hook in DRAFTING_HOOKS and eng.speculator is None or \
                     hook == "logprobs" and req.params.logprobs is None or \
                     hook == "prompt_logprobs" and req.params.prompt_logprobs is None:
                 return False
@@ -181,10 +181,11 @@ class Faults:
             req.grammar.matcher = _Proxy(req.grammar.matcher, method, hook, rid, self)
             self._armed[(hook, rid)] = after
         elif hook in ("detokenize", "output"):
-            detok = eng.detokenizers.get(rid)
+            detokenizers = eng.output_processor.detokenizers
+            detok = detokenizers.get(rid)
             if detok is None:
                 return False
-            eng.detokenizers[rid] = _Proxy(detok, "update" if hook == "detokenize" else "delta", hook, rid, self)
+            detokenizers[rid] = _Proxy(detok, "update" if hook == "detokenize" else "delta", hook, rid, self)
             self._armed[(hook, rid)] = after
         else:
             raise ValueError(f"unknown hook {hook!r}; one of {HOOKS}")

@@ -75,7 +75,7 @@ def stream(llm, prompt, params):
 def assert_engine_empty(llm):
     eng = llm.engine
     assert not eng.has_unfinished_requests()
-    assert eng.scheduler.requests == {} and eng.detokenizers == {}
+    assert eng.scheduler.requests == {} and eng.output_processor.detokenizers == {}
     assert eng.scheduler.kv.pool.num_free_blocks == eng.scheduler.kv.num_blocks
     eng.scheduler.kv.pool.check()
 
@@ -203,7 +203,7 @@ def test_min_tokens_over_max_tokens_invalid():
 def test_detokenize_false_gives_ids_only(tiny_llm, reference):
     final = gen1(tiny_llm, PROMPT, greedy(max_tokens=8, detokenize=False))
     assert final.token_ids == reference[0][:8] and final.text == "" and final.finish_reason == "length"
-    assert tiny_llm.engine.detokenizers == {}
+    assert tiny_llm.engine.output_processor.detokenizers == {}
     with pytest.raises(ValueError, match="^stop "):
         SamplingParams(stop=["x"], detokenize=False)
 

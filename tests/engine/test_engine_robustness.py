@@ -302,7 +302,7 @@ def test_a_hook_that_raises_affects_one_request(spec_engine, hook):
     want = _run(eng, _batch(eng, f"ref-{hook}-", hook))
     assert_idle(eng)
     drafts0 = eng.speculator.counts["num_draft_tokens"]
-    proposer, policy_fn = eng.proposer, eng.draft_policy.draft_length
+    proposer, policy_fn = eng.speculator.proposer, eng.speculator.policy.draft_length
     loggers = (list(eng.stat_loggers), list(eng.request_loggers))
     faults = Faults(eng)
     try:
@@ -314,8 +314,8 @@ def test_a_hook_that_raises_affects_one_request(spec_engine, hook):
             faults.arm_future(hook, lambda r: r.request_id == victim)
         got = _run(eng, reqs)
     finally:
-        eng.proposer, eng.enqueue = proposer, LLMEngine.enqueue.__get__(eng)
-        eng.draft_policy.draft_length = policy_fn
+        eng.speculator.proposer, eng.enqueue = proposer, LLMEngine.enqueue.__get__(eng)
+        eng.speculator.policy.draft_length = policy_fn
         eng.stat_loggers[:], eng.request_loggers[:] = loggers
     assert faults.fired, f"the {hook} fault never fired"
     if hook not in LOGGER_HOOKS:
@@ -353,7 +353,7 @@ def test_a_failing_draft_model_turns_drafting_off_for_that_request(tiny_llama_pa
             assert got[f"run{i}"].error is None
             assert got[f"run{i}"].outputs[0].token_ids == want[f"ref{i}"].outputs[0].token_ids
         assert reqs[1].spec_disabled and not any(r.spec_disabled for r in reqs if r is not reqs[1])
-        assert eng.proposer.shadows == {}
+        assert eng.speculator.proposer.shadows == {}
         assert_idle(eng)
     finally:
         eng.shutdown()

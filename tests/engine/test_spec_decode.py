@@ -345,7 +345,7 @@ class TestSmolLM2:
         assert_same(ref[:6], got)
         assert stats["spec_decode_acceptance_rate"] == 1.0
         assert stats["spec_decode_mean_acceptance_length"] > 3.5
-        proposer = llm.engine.proposer
+        proposer = llm.engine.speculator.proposer
         assert proposer.kv.pool.num_free_blocks == proposer.kv.num_blocks and not proposer.shadows
 
 
