@@ -50,7 +50,9 @@ class ModelCard:
         speculative_config: None, or its ``method`` and ``num_speculative_tokens``.
         tool_call_parser: the name of the parser of this model's tool calls.
         lora_modules: the names of the LoRA adapters configured with this model.
-        digest: a hash of the configuration the card was made from (see the module docstring).
+        digest: a hash of the configuration the card was made from: the served name and the
+            engine's settings, what the published facts depend on (not the replica count, say:
+            scaling a model keeps its facts; see the module docstring).
     """
 
     name: str
@@ -78,7 +80,7 @@ class ModelCard:
                    quantization=model.quantization,
                    speculative_config=public_speculative_config(model.speculative_config),
                    tool_call_parser=model.tool_call_parser, lora_modules=tuple(model.lora_modules or ()),
-                   digest=_digest(model.model_dump_json()))
+                   digest=_digest(json.dumps({"name": model.name, **model.engine_args()}, sort_keys=True, default=str)))
 
     @classmethod
     def of_encoder(cls, model: str | None, served_name: str) -> "ModelCard":

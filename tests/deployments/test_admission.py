@@ -151,3 +151,65 @@ def test_replica_streams_every_interval_tokens_and_loses_none(tiny, interval, ex
                 await reference.engine.shutdown()
         assert sum((c.token_ids for c in asyncio.run(ref())), []) == ids
     _assert_drained(server)
+
+
+def test_the_replica_checks_a_batch_against_what_it_holds_in_flight(tiny):
+    """The one size check of a request (the gateway has none): ``n`` choices times the prompts of
+    the batch the request belongs to, against ``max_num_seqs + max_waiting_requests``, before the
+    prompt is even tokenized; the error names the field for OpenAI's ``param``."""
+    server = _server(tiny, max_num_seqs=2, max_waiting_requests=1)  # 3 in flight at most
+
+    async def main():
+        try:
+            batch = await _run(server, [1, 2, 3], {"max_tokens": 2}, num_prompts=4)
+            many = await _run(server, [1, 2, 3], {"max_tokens": 2, "n": 4})
+            fits = await _run(server, [1, 2, 3], {"max_tokens": 2}, num_prompts=3)
+            return batch, many, fits
+        finally:
+            await server.engine.shutdown()
+
+    batch, many, fits = asyncio.run(main())
+    (b,), (m,) = batch, many
+    assert b.error.code == "too_large" and b.error.status == 400 and b.error.param == "prompt"
+    assert b.error.message.startswith("4 prompts x 1 choices in one request; a replica of this model takes at most 3")
+    assert m.error.code == "too_large" and m.error.param is None and "n=4" in m.error.message
+    assert fits[-1].error is None and fits[-1].num_output_tokens == 2
+    _assert_drained(server)
+
+
+def test_the_replica_publishes_what_it_learned_at_load(tiny, monkeypatch):
+    """Once loaded, a replica puts its ``max_model_len`` (here left to the KV pool) and its
+    weights' revision on the facts board, under its configuration's digest; new weights on disk
+    are published again at the next health check."""
+    import os
+
+    from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
+    from deployments.replica import llm_server
+
+    published = []
+
+    class Board:
+        def put(self, model, facts):
+            published.append((model, facts))
+
+    monkeypatch.setattr(FactsBoard, "of_this_app", classmethod(lambda cls: Board()))
+    model = ModelArgs(model=str(tiny), served_model_name="tiny", torch_num_threads=1, max_num_seqs=2,
+                      num_kv_blocks=8, block_size=16)
+    server = LLMServer.func_or_class(model)
+
+    async def touch_and_check():
+        try:
+            await server.check_health()  # nothing changed: nothing published
+            config = tiny / "config.json"
+            st = config.stat()
+            os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+            await server.check_health()
+        finally:
+            await server.engine.shutdown()
+
+    asyncio.run(touch_and_check())
+    (name, first), (_, second) = published
+    assert name == "tiny" and first.max_model_len == server.max_model_len <= 8 * 16  # the KV pool's 8 blocks
+    assert first.digest == second.digest == ModelCard.of(model).digest
+    assert second == LoadedFacts(first.max_model_len, llm_server.model_revision(tiny), first.digest)
+    assert second.revision != first.revision
