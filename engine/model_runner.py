@@ -1,5 +1,9 @@
-"""Runs the model for one scheduler step: builds the flat batch, owns the KV cache tensors,
-samples. One instance per tensor-parallel rank."""
+"""Runs the model for one scheduler step: loads it, owns the KV cache tensors, runs and samples.
+
+One instance per tensor-parallel rank. The step's inputs are built by :mod:`engine.input_batch`,
+decode steps on a GPU replay :mod:`engine.cuda_graphs`, prompt logprobs come from
+:mod:`engine.prompt_logprobs`.
+"""
 from __future__ import annotations
 
 import json
@@ -10,14 +14,18 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeCudaGraphs, graph_batch_sizes
+from engine.input_batch import RequestState, build_batch, update_states
 from engine.kv_calibration import calibrate_kv_scales
+from engine.layers.embedding import ParallelLMHead
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler, SamplingRow
+from engine.lora_slots import LoRASlots
 from engine.model_loader import iter_safetensors, load_config
 from engine.models.registry import model_class
 from engine.pipeline import pipeline_forward
-from engine.pooling import PoolingState
-from engine.sampling_params import SamplingParams
+from engine.prompt_logprobs import PROMPT_LOGPROBS_SLICE, prompt_logprobs
 from engine.scheduler import SchedulerOutput
 from engine.structured_output import bitmask_rows
 from kernels.backend import AttentionMetadata
@@ -60,21 +68,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None
     #: embeddings of the pooling requests whose prompt this step finished (engine.pooling)
     pooled: dict[str, list[float]] | None = None
-
-
-#: Prompt positions whose logits are computed at once for prompt_logprobs (rows x vocab fp32).
-PROMPT_LOGPROBS_SLICE = 256
-
-
-class _RequestState:
-    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids", "lora", "pooling")
-
-    def __init__(self, prompt_len: int, params: SamplingParams, generator: torch.Generator | None):
-        self.prompt_len, self.params, self.generator = prompt_len, params, generator
-        self.token_ids: list[int] = []
-        self.prompt_token_ids: list[int] = []  # kept only with params.prompt_logprobs
-        self.lora = None  # the request's engine.lora.LoRARequest
-        self.pooling = None  # an embedding request's engine.pooling.PoolingState
 
 
 class ModelRunner:
@@ -128,14 +121,15 @@ class ModelRunner:
         #: LoRA adapters' slots in the linear layers (engine.lora.LoRASlots), None without enable_lora
         self.lora = None
         if config.enable_lora:
-            from engine.lora_slots import LoRASlots
             self.lora = LoRASlots(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras)
         self.sampler = Sampler()
-        self.states: dict[str, _RequestState] = {}
+        self.states: dict[str, RequestState] = {}
         self.pooling: set[str] = set()  # running embedding requests (engine.pooling): most steps have none
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        #: the captured decode graphs (None: eager; see :meth:`capture_cudagraphs`)
+        self.graphs: DecodeCudaGraphs | None = None
 
     # ---- KV cache -----------------------------------------------------------
     @property
@@ -214,9 +208,6 @@ class ModelRunner:
     def _prepack_linears(self) -> None:
         """CPU: every linear layer and the LM head keep a oneDNN-layout copy of their weight for
         the matmuls (``engine.layers.linear.prepack_weight``; quantized layers keep theirs)."""
-        from engine.layers.embedding import ParallelLMHead
-        from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-
         for m in self.model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
                 m.prepack()
@@ -243,138 +234,28 @@ class ModelRunner:
 
     # ---- CUDA graphs for decode -----------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
-        """Decode batch sizes that get a graph: 1, 2, 4, 8, then steps of 8 up to max_num_seqs."""
-        top = min(self.config.max_num_seqs, 512)
-        return sorted({b for b in [1, 2, 4, 8, *range(16, top + 1, 8)] if b <= top} | {top})
+        """Decode batch sizes that get a graph (:func:`engine.cuda_graphs.graph_batch_sizes`)."""
+        return graph_batch_sizes(self.config.max_num_seqs)
 
-    @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
-        """Capture one CUDA graph of the model's decode forward per batch size (largest first,
-        sharing one memory pool). Inputs live in static buffers; padded rows have slot -1 (the
-        store skips them) and seq_len 0 (attention writes zeros), so they touch no cache state.
-        The split-K count is fixed at capture for ``max_model_len``-long contexts; the kernels
-        derive each request's split bounds from its ``seq_len`` at replay time."""
-        sizes = self.graph_batch_sizes()
-        top, dev = sizes[-1], self.device
+        """Capture the decode forward's CUDA graphs (:class:`engine.cuda_graphs.DecodeCudaGraphs`)
+        for contexts up to the model's ``max_position_embeddings`` or the KV pool's tokens."""
         max_len = min(self.hf_config.max_position_embeddings, self.num_blocks * self.block_size)
-        width = -(-max_len // self.block_size)
-        self.g_input_ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self.g_positions = torch.zeros(top, dtype=torch.long, device=dev)
-        self.g_slots = torch.full((top,), -1, dtype=torch.long, device=dev)
-        self.g_seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
-        self.g_block_tables = torch.zeros(top, width, dtype=torch.int32, device=dev)
-        self.g_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = None
-        for b in reversed(sizes):
-            meta = AttentionMetadata(
-                cu_seqlens_q=self.g_cu[:b + 1], seq_lens=self.g_seq_lens[:b], block_tables=self.g_block_tables[:b],
-                slot_mapping=self.g_slots[:b], query_lens_cpu=[1] * b, seq_lens_cpu=[max_len] * b,
-                max_seqlen_q=1, max_seqlen_k=max_len)
-            self.model(self.g_input_ids[:b], self.g_positions[:b], meta)  # warm-up: JIT, allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model(self.g_input_ids[:b], self.g_positions[:b], meta)
-            pool = graph.pool()
-            self.graphs[b] = (graph, out)
-        torch.cuda.synchronize()
-
-    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        b = input_ids.shape[0]
-        gb = next(s for s in sorted(self.graphs) if s >= b)
-        graph, out = self.graphs[gb]
-        self.g_input_ids[:b].copy_(input_ids)
-        self.g_positions[:b].copy_(positions)
-        self.g_slots[:b].copy_(meta.slot_mapping)
-        self.g_slots[b:gb].fill_(-1)
-        self.g_seq_lens[:b].copy_(meta.seq_lens)
-        self.g_seq_lens[b:gb].zero_()
-        self.g_block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        graph.replay()
-        return out[:b]
-
-    def _use_graph(self, meta: AttentionMetadata) -> bool:
-        graphs = getattr(self, "graphs", None)
-        return bool(graphs) and meta.decode_only and meta.num_reqs <= max(graphs)
+        self.graphs = DecodeCudaGraphs(self.model, self.graph_batch_sizes(), max_len, self.block_size, self.device)
 
     def _attach(self, caches) -> None:
         for layer, kv in zip(self.model.layers, caches or [(torch.empty(0), torch.empty(0))] * len(self.model.layers)):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv
 
     # ---- one step -----------------------------------------------------------
-    def _prepare(self, requests: list):
-        """The flat batch of ``requests`` (a step's ``ScheduledRequest`` list, or a micro-batch of
-        it): input ids and positions (int64 ``[num_tokens]``), attention metadata, and the rows
-        that sample (int64)."""
-        bs = self.block_size
-        input_ids, positions, slots, qlens, slens, sample_idx = [], [], [], [], [], []
-        for sr in requests:
-            n = len(sr.token_ids)
-            input_ids.extend(sr.token_ids)
-            pos = range(sr.start, sr.start + n)
-            positions.extend(pos)
-            bt = sr.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
-            qlens.append(n)
-            slens.append(sr.start + n)
-            if sr.sample:  # the last row, or with drafts the last 1 + k rows (each verifies one)
-                sample_idx.extend(range(len(input_ids) - 1 - len(sr.spec_token_ids), len(input_ids)))
-        width = max(len(sr.block_table) for sr in requests)
-        tables = [sr.block_table + [0] * (width - len(sr.block_table)) for sr in requests]
-        cu = [0]
-        for n in qlens:
-            cu.append(cu[-1] + n)
-        dev = self.device
-        meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_lens_cpu=qlens, seq_lens_cpu=slens, max_seqlen_q=max(qlens), max_seqlen_k=max(slens))
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                torch.tensor(sample_idx, dtype=torch.long, device=dev))
+    def _prepare(self, requests: list) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The flat batch of ``requests`` (:func:`engine.input_batch.build_batch`)."""
+        return build_batch(requests, self.block_size, self.device)
 
     def _update_states(self, sched: SchedulerOutput) -> list[SamplingRow]:
-        for rid in sched.finished_req_ids:
-            self.states.pop(rid, None)
-            self.pooling.discard(rid)
-        rows = []
-        for sr in sched.requests:
-            st = self.states.get(sr.request_id)
-            if sr.new is not None:
-                p = sr.new.params
-                gen = st.generator if st is not None else None
-                if gen is None and p.seed is not None:
-                    gen = torch.Generator(device=self.device).manual_seed(p.seed)
-                st = self.states[sr.request_id] = _RequestState(len(sr.new.prompt_token_ids), p, gen)
-                st.token_ids = list(sr.new.computed_token_ids)  # history before a prefix-cache hit
-                st.lora = sr.new.lora_request
-                if sr.new.pooling is not None:
-                    st.pooling = PoolingState(sr.new.pooling, len(sr.new.prompt_token_ids))
-                    self.pooling.add(sr.request_id)
-                if p.prompt_logprobs is not None:
-                    st.prompt_token_ids = sr.new.prompt_token_ids
-            del st.token_ids[sr.start:]
-            st.token_ids.extend(sr.token_ids)
-            if not sr.sample:
-                continue
-            k = len(sr.spec_token_ids)
-            end = len(st.token_ids)
-            p, need_hist = st.params, st.params.needs_penalties
-            for j in range(k + 1):  # position end-1-k+j predicts the token after it
-                n_out = end - k + j - st.prompt_len  # output tokens before this position
-                masked = []
-                if n_out < p.min_tokens:
-                    masked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-                # the histories are copied only for penalties: a copy per row and step costs
-                # O(length) of host time at every step of a long output
-                rows.append(SamplingRow(p, st.generator,
-                                        st.token_ids[:st.prompt_len] if need_hist else [],
-                                        st.token_ids[st.prompt_len:st.prompt_len + n_out] if need_hist else [],
-                                        masked, sr.spec_token_ids[j] if j < k else None))
-        return rows
+        """:attr:`states` brought up to date with ``sched``; the step's sampling rows
+        (:func:`engine.input_batch.update_states`)."""
+        return update_states(self.states, self.pooling, sched, self.device, self.eos_token_ids)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -394,14 +275,14 @@ class ModelRunner:
                 self.lora.prepare([(self.states[sr.request_id].lora, len(sr.token_ids)) for sr in sched.requests],
                                   self.device)
             try:
-                if self._use_graph(meta):
-                    hidden = self._replay(input_ids, positions, meta)
+                if self.graphs is not None and self.graphs.can_replay(meta):
+                    hidden = self.graphs.replay(input_ids, positions, meta)
                 else:
                     hidden = self.model(input_ids, positions, meta)
             finally:
                 if self.lora is not None:
                     self.lora.clear()
-        prompt_lp = self._prompt_logprobs(hidden, sched)
+        prompt_lp = prompt_logprobs(self.model, hidden, sched, self.states)
         pooled = self._pool(hidden, sched)
         if not rows:
             return ModelRunnerOutput({}, None, prompt_lp, pooled)
@@ -446,39 +327,5 @@ class ModelRunner:
                 out[sr.request_id] = vec
         return out or None
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, sched: SchedulerOutput
-                         ) -> dict[str, list[tuple[int, dict[int, float]]]] | None:
-        """Prompt logprobs of the step's requests that ask for them (see
-        :class:`ModelRunnerOutput`); None when none does (the common case costs one dict
-        lookup per request).
 
-        The hidden state at position ``p`` (a row of ``hidden`` ``[num_tokens, hidden_size]``)
-        gives the logits of the prompt token at ``p + 1``, also when ``p + 1`` starts the next
-        chunk of a chunked prefill (prompt tokens are known). Logits are computed
-        :data:`PROMPT_LOGPROBS_SLICE` rows at a time (float32 ``[rows, vocab]``), and every
-        tensor-parallel rank runs the same calls (the LM head all-gathers)."""
-        out = {}
-        offset = 0
-        for sr in sched.requests:
-            row0, offset = offset, offset + len(sr.token_ids)
-            st = self.states[sr.request_id]
-            k = st.params.prompt_logprobs
-            end = min(sr.start + len(sr.token_ids), st.prompt_len - 1)  # last position + 1 that predicts a prompt token
-            if k is None or end <= sr.start:
-                continue
-            prompt, entries = st.prompt_token_ids, []
-            for a in range(sr.start, end, PROMPT_LOGPROBS_SLICE):
-                b = min(a + PROMPT_LOGPROBS_SLICE, end)
-                h = hidden[row0 + a - sr.start:row0 + b - sr.start]
-                lp = self.model.compute_logits(h).float().log_softmax(dim=-1)
-                targets = prompt[a + 1:b + 1]
-                actual = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
-                if k:
-                    top_vals, top_ids = (t.tolist() for t in lp.topk(min(k, lp.shape[1]), dim=-1))
-                for j, tok in enumerate(targets):
-                    d = {tok: actual[j]}
-                    if k:
-                        d.update(zip(top_ids[j], top_vals[j]))
-                    entries.append((a + 1 + j, d))
-            out[sr.request_id] = entries
-        return out or None
+__all__ = ["PROMPT_LOGPROBS_SLICE", "ModelRunner", "ModelRunnerOutput", "load_eos_token_ids"]

@@ -13,7 +13,8 @@ import pytest
 import torch
 from tiny_models import run_async_engine
 
-from engine import LLM, SamplingParams, model_runner
+from engine import LLM, SamplingParams
+from engine import prompt_logprobs as prompt_logprobs_mod
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
@@ -95,7 +96,7 @@ def test_short_prompt_matches_hf(llm, hf, k):
 
 @pytest.mark.slow
 def test_chunked_prompt_matches_hf(llm, hf, monkeypatch):
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_SLICE", 24)  # several logits slices per chunk too
+    monkeypatch.setattr(prompt_logprobs_mod, "PROMPT_LOGPROBS_SLICE", 24)  # several logits slices per chunk too
     ids = llm.tokenizer.encode(LONG)
     assert len(ids) > 1.5 * BUDGET
     steps0 = llm.engine.stats.num_steps
