@@ -11,7 +11,6 @@ nor torch: ``kvserve serve`` builds its flags from it before Ray's environment (
 loopback) is set.
 """
 import dataclasses
-import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator

@@ -9,7 +9,8 @@
   :mod:`~deployments.gateway.catalog` (the served names and their cards, given at build time;
   what replicas publish at load), :mod:`~deployments.gateway.handles` (the deployment handles),
   :mod:`~deployments.gateway.replica_calls` (streams and one-answer calls to replicas, retried
-  when a replica was lost), :mod:`~deployments.gateway.shedding` (cheap refusals);
+  when a replica was lost), :mod:`~deployments.gateway.answers` (delivering an answer, then
+  settling the key and storing it), :mod:`~deployments.gateway.shedding` (cheap refusals);
 - endpoints: :mod:`~deployments.gateway.chat`, :mod:`~deployments.gateway.completions`,
   :mod:`~deployments.gateway.responses` (with :mod:`~deployments.gateway.responses_input`),
   :mod:`~deployments.gateway.embeddings`, :mod:`~deployments.gateway.tokenize`,

@@ -159,9 +159,9 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
         return call
     choice_renderers = renderers(gw, call, body, mode)
     if body.stream:
-        return StreamingResponse(gw.sse(call, _events(gw, call, body, choice_renderers)),
+        return StreamingResponse(gw.answers.sse(call, _events(gw, call, body, choice_renderers)),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
-    wholes = [w for _, w in sorted((await gw.whole(call)).items())]
+    wholes = [w for _, w in sorted((await gw.answers.whole(call)).items())]
     response.headers.update(call.headers)
     choices = []
     for i, (whole, renderer) in enumerate(zip(wholes, choice_renderers)):
@@ -178,7 +178,7 @@ async def _events(gw: Gateway, call: Call, body: ChatCompletionRequest,
     """The chat chunks' SSE events (OpenAI's ``chat.completion.chunk``)."""
     head = dict(id=call.response_id, object="chat.completion.chunk", created=call.created, model=call.served)
     include_usage, continuous = body.include_usage, body.continuous_usage
-    async for _, chunk in gw.chunks(call):
+    async for _, chunk in gw.answers.chunks(call):
         deltas, fr = renderers[chunk.index].deltas(chunk)
         lp = chunk.logprobs if body.logprobs else None
         if not deltas and fr is None and not lp:

@@ -56,9 +56,9 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
     if not isinstance(call, Call):  # every replica refused: the upstream's answer
         return call
     if body.stream:
-        return StreamingResponse(gw.sse(call, _events(gw, call, body)), media_type="text/event-stream",
+        return StreamingResponse(gw.answers.sse(call, _events(gw, call, body)), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **call.headers})
-    wholes = await gw.whole(call)
+    wholes = await gw.answers.whole(call)
     response.headers.update(call.headers)
     choices = []
     for p in range(len(prompts)):
@@ -116,7 +116,7 @@ async def _events(gw: Gateway, call: Call, body: CompletionRequest) -> AsyncIter
             out.usage = usage_of(call.lasts) if continuous else None
         return sse(out)
 
-    async for p, chunk in gw.chunks(call):
+    async for p, chunk in gw.answers.chunks(call):
         b = event(p, chunk)
         if b is not None:
             yield b

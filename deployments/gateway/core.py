@@ -8,10 +8,10 @@ messages, sampling, options) and renders what comes back; the pipeline does the 
    -> response cache lookup -> per-key admission (:class:`~deployments.limits.key_limits.KeyLimits`)
    -> the replica streams (:class:`~deployments.gateway.replica_calls.ReplicaCalls`), or the
    upstream's answer when every replica refused and a fallback is configured;
-2. **deliver** (:meth:`Gateway.chunks`, :meth:`Gateway.whole`, :meth:`Gateway.sse`): the
-   chunks as they come, tracked per choice;
-3. **settle and store** when the answer ends: the key's tokens (:meth:`Gateway.settle_soon`)
-   and, when it completed, the response cache's entry.
+2. **deliver** (``Gateway.answers``, :class:`~deployments.gateway.answers.Answers`: its
+   ``chunks``, ``whole`` and ``sse``): the chunks as they come, tracked per choice;
+3. **settle and store** when the answer ends, however it ends: the key's tokens and, when it
+   completed, the response cache's entry (also ``Answers``).
 
 One-answer replica calls (embeddings, tokenize) take the same path in short:
 :meth:`Gateway.run_unary` (pick, admit, ask, settle).
@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -44,17 +43,17 @@ from deployments.contract.config import AUTO_MODEL, CacheArgs, GatewayArgs, Limi
 from deployments.contract.facts import FactsBoard, ModelCard
 from deployments.contract.openai_errors import OpenAIError, random_id
 from deployments.contract.openai_requests import unknown_fields
-from deployments.contract.streams import merge_streams
-from deployments.contract.types import GenerateRequest, GenerationChunk
+from deployments.contract.types import GenerateRequest
+from deployments.gateway.answers import Answers
 from deployments.gateway.call import Call, GenerateSpec, UnarySpec, estimate_prompt_tokens
 from deployments.gateway.catalog import ModelCatalog
-from deployments.gateway.errors import failed, request_id_of, stream_error
+from deployments.gateway.errors import request_id_of
 from deployments.gateway.gate import GateSettings, key_name, request_policy
 from deployments.gateway.handles import ModelHandles
 from deployments.gateway.replica_calls import ReplicaCalls
 from deployments.gateway.responses_input import ResponseStore
 from deployments.gateway.shedding import LoadShedder
-from deployments.gateway.streams import DONE, ChunkStream, background, usage_of
+from deployments.gateway.streams import ChunkStream
 from deployments.limits import RateLimiter, policies_from_keys
 from deployments.limits.key_limits import KeyLimits, KeyUse
 from deployments.routing.model_routing import Upstream, UpstreamError, user_text
@@ -111,6 +110,7 @@ class Gateway:
             self.routing.check(list(self.catalog.models))
         self.upstream = None if r.upstream is None else Upstream(r.upstream)
         self.replicas = ReplicaCalls(rejected())
+        self.answers = Answers(self.cache)
         self.routes, self.fallbacks = model_routes(), upstream_fallbacks()
         self.shedder = LoadShedder()
         self.probe_timeout_s = PROBE_TIMEOUT_S
@@ -160,13 +160,13 @@ class Gateway:
                 await self._open(call, requests)
         except BaseException as e:
             call.cancel()
-            self.settle_soon(call.use, [])
+            Answers.settle_soon(call.use, [])
             if spec.fallback and self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(
                     e.status_code, e.code):
                 return await self._fallback(call, "/chat/completions" if spec.endpoint == "chat" else "/completions", e)
             raise
         if hit:
-            self.settle_soon(call.use, [])  # settled at 0 now (the first settle wins; later ones are no-ops)
+            Answers.settle_soon(call.use, [])  # settled at 0 now (the first settle wins; later ones are no-ops)
         elif call.look.store:
             for s in call.streams:
                 s.record = []
@@ -316,87 +316,6 @@ class Gateway:
         except UpstreamError as e:
             logger.warning("request %s: fallback failed: %s", call.http_id, e)
             raise err from None
-
-    # ---- deliver, settle, store -----------------------------------------------------------
-    async def chunks(self, call: Call) -> AsyncIterator[tuple[int, GenerationChunk]]:
-        """``(prompt index, chunk)`` of the call's streams as they come (a batch's prompts
-        merged), each kept in ``call.lasts``; a failed generation raises its
-        :class:`OpenAIError`."""
-        if len(call.streams) == 1:
-            async for chunk in call.streams[0].chunks():
-                call.lasts[(0, chunk.index)] = chunk
-                yield 0, chunk
-            return
-        async for p, chunk in merge_streams([s.chunks() for s in call.streams]):
-            call.lasts[(p, chunk.index)] = chunk
-            yield p, chunk
-
-    async def whole(self, call: Call) -> dict[tuple[int, int], GenerationChunk]:
-        """The whole answer, by ``(prompt index, choice index)``; the key is settled and a
-        complete answer goes to the response cache.
-
-        Raises:
-            OpenAIError: the generation failed midway (the details are logged).
-        """
-        wholes = {(p, i): GenerationChunk(index=i) for p in range(len(call.streams)) for i in range(call.n)}
-        complete = False
-        try:
-            async for p, chunk in self.chunks(call):
-                wholes.setdefault((p, chunk.index), GenerationChunk(index=chunk.index)).extend(chunk)
-            complete = True
-        except BaseException as e:
-            call.cancel()
-            if isinstance(e, Exception):
-                raise failed(call.http_id, e) from None
-            raise
-        finally:
-            self._finish(call, wholes, store=complete)
-        return wholes
-
-    async def sse(self, call: Call, events: AsyncIterator[bytes], done: bool = True) -> AsyncIterator[bytes]:
-        """A streaming response's body: the endpoint's SSE ``events`` (rendered from
-        :meth:`chunks`), then ``data: [DONE]``. A failure midway becomes an SSE error event
-        (request id, no internals); a client that disconnects cancels the streams, which aborts
-        the generation in the engine. At the end the key is settled from ``call.lasts`` and a
-        complete answer goes to the response cache. ``done=False``: no ``[DONE]`` (the
-        Responses API ends with its own event)."""
-        complete = False
-        try:
-            async for event in events:
-                yield event
-            complete = True
-        except asyncio.CancelledError:
-            call.cancel()
-            logger.info("request %s: client disconnected mid-stream; generation aborted", call.http_id)
-            raise
-        except Exception as e:
-            call.cancel()
-            yield stream_error(call.http_id, e)
-        finally:
-            call.cancel()
-            await events.aclose()
-            self._finish(call, call.lasts, store=complete)
-        if done:
-            yield DONE
-
-    def _finish(self, call: Call, lasts: dict[tuple[int, int], GenerationChunk], *, store: bool) -> None:
-        """Settle the key's tokens from the last chunks and, when the answer completed
-        (``store``), give it to the response cache."""
-        self.settle_soon(call.use, lasts)
-        if store and self.cache is not None and call.look.store:
-            self.cache.store_soon(call.look, [s.record or [] for s in call.streams], call.n)
-
-    @staticmethod
-    def settle_soon(use: KeyUse, lasts: dict[tuple[int, int], GenerationChunk] | list[GenerationChunk]) -> None:
-        """:meth:`KeyUse.settle` with the last chunks of the request's choices (keyed ``(prompt
-        index, choice index)``; a list is one choice per prompt), in a task of its own (a
-        cancelled response's cleanup must not await the limiter's Redis)."""
-        if use.done:
-            return
-        if isinstance(lasts, list):
-            lasts = {(k, 0): c for k, c in enumerate(lasts)}
-        usage = usage_of(lasts)
-        background(use.settle(usage.prompt_tokens, usage.completion_tokens))
 
     def warn_unknown(self, body: BaseModel) -> None:
         """Log the request's unknown (ignored) fields, once per field name for this replica."""

@@ -119,9 +119,9 @@ async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequ
     renderer = renderers(gw, call, chat, mode)[0]
     builder = ResponseBuilder(call, body, store if body.store else None, conversation, owner)
     if body.stream:
-        return StreamingResponse(gw.sse(call, _events(gw, call, builder, renderer), done=False),
+        return StreamingResponse(gw.answers.sse(call, _events(gw, call, builder, renderer), done=False),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
-    whole = (await gw.whole(call))[(0, 0)]
+    whole = (await gw.answers.whole(call))[(0, 0)]
     msg, _ = renderer.message(whole)
     output = [_message_item(_item_id("msg"), msg.content, "completed")] if msg.content else []
     output += [_call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed")
@@ -159,7 +159,7 @@ async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,
 
     yield ev("response.created", response=builder.response("in_progress", []))
     yield ev("response.in_progress", response=builder.response("in_progress", []))
-    async for _, chunk in gw.chunks(call):
+    async for _, chunk in gw.answers.chunks(call):
         deltas, _ = renderer.deltas(chunk)
         for d in deltas:
             if d.content:
