@@ -9,7 +9,8 @@ through a private file on it and keep their sockets on loopback; ranks spread ov
 (``SPREAD`` / ``STRICT_SPREAD``) meet at a TCP store on rank 0's node and talk over the nodes'
 network, which must then be the cluster's private one (torch's store takes no authentication).
 Collectives time out after ``collective_timeout_s`` (a rank that died mid-step fails the step
-instead of hanging the others). Then each worker builds :class:`engine.model_runner.ModelRunner`, which
+instead of hanging the others). Then each worker (:class:`engine.worker.Worker`, the rank code the
+local-process executor ``engine.mp_executor`` runs too) builds :class:`engine.model_runner.ModelRunner`, which
 loads that rank's shard of the weights (column/row-parallel linears, vocab-parallel embedding
 and LM head, attention split by KV-head groups) and allocates that rank's share of the KV
 cache. With pipeline parallelism rank ``stage * tp + t`` holds tensor rank ``t`` of stage ``stage``
@@ -23,8 +24,8 @@ This module imports Ray and the engine, never ``deployments/``.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
+import math
 import os
 import shutil
 import socket
@@ -37,24 +38,22 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster import reset_niceness
+from cluster.ray_auth import ensure_local_auth
 from engine.config import EngineConfig
 from engine.executor import Executor
+from engine.worker import Worker
 
 logger = logging.getLogger("kvserve.cluster")
 
 
-class TPWorker:
-    """One rank (a Ray actor): a process group member and a model runner (its tensor shard of
-    its pipeline stage)."""
+class TPWorker(Worker):
+    """One rank as a Ray actor: :class:`engine.worker.Worker` (a process group member and a model
+    runner over its tensor shard of its pipeline stage) plus what Ray adds: where it runs, the
+    rendezvous address, and a liveness probe in a concurrency group of its own."""
 
     def __init__(self, rank: int, world_size: int, torch_num_threads: int | None = None):
-        import torch
-
-        self.rank, self.world_size = rank, world_size
         reset_niceness()  # Ray starts workers at niceness 15; a model shard is the node's main work
-        if torch_num_threads:
-            torch.set_num_threads(torch_num_threads)
-        self.runner = None
+        super().__init__(rank, world_size, torch_num_threads)
 
     def where(self) -> dict:
         """This rank's node: ``node_id`` (Ray's) and ``ip``."""
@@ -78,42 +77,9 @@ class TPWorker:
 
     def init(self, config: EngineConfig, model_path: str, init_method: str, one_node: bool = True,
              collective_timeout_s: float = 300.0) -> dict:
-        import torch
-        import torch.distributed as dist
-
-        from engine.distributed import init_model_parallel
-        from engine.model_runner import ModelRunner
-
-        backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
-        if one_node:  # ranks share a node: keep the collectives' sockets on loopback unless told otherwise
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        dist.init_process_group(backend=backend, init_method=init_method, rank=self.rank,
-                                world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout_s))
-        init_model_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)
-        self.driver = self.rank == (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
-        self.runner = ModelRunner(config, model_path)
-        return {"rank": self.rank, "pid": os.getpid(), "backend": backend, **self.where(),
-                "threads": torch.get_num_threads()}
-
-    def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.runner.init_kv_cache(num_blocks)
-
-    def execute_model(self, sched):
-        out = self.runner.execute_model(sched)
-        return out if self.driver else None  # only the last stage's tensor rank 0 sends its tokens back
-
-    def add_lora(self, request) -> None:
-        self.runner.lora.add(request)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self.runner.lora.remove(lora_int_id)
+        """:meth:`engine.worker.Worker.init` (Ray sets ``CUDA_VISIBLE_DEVICES`` to this actor's
+        GPU); the returned dict also has this rank's ``node_id`` and ``ip``."""
+        return {**super().init(config, model_path, init_method, one_node, collective_timeout_s), **self.where()}
 
     @ray.method(concurrency_group="health")
     def ping(self) -> int:
@@ -121,23 +87,8 @@ class TPWorker:
         while a long ``execute_model`` step holds the default group."""
         return self.rank
 
-    def shard_info(self) -> dict:
-        """This rank's share of the model: its layers (checkpoint indices ``[start, end)``),
-        attention heads and KV cache (shape, and one K and one V tensor per layer it holds)."""
-        model = self.runner.model
-        attn = model.layers[0].self_attn
-        k = self.runner.kv_caches[0][0] if self.runner.kv_caches else None
-        return {"rank": self.rank, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
-                "layers": [getattr(model, "start_layer", 0), getattr(model, "end_layer", len(model.layers))],
-                "num_kv_caches": len(self.runner.kv_caches),
-                "kv_cache_shape": list(k.shape) if k is not None else None}
-
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        self.runner = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        super().shutdown()
         if getattr(self, "_rendezvous_dir", None):
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
@@ -161,6 +112,11 @@ class RayWorkerGroup(Executor):
         strategy: the strategy of a placement group created here (``STRICT_PACK``: one node).
         collective_timeout_s: a collective waiting longer for a rank fails (seconds).
 
+    Without a connected Ray (no ``ray.init`` in this process), one is started on this machine as
+    vLLM's Ray executor does (:func:`init_local_ray`), and shut down again by :meth:`shutdown`:
+    so the offline ``LLM(model, tensor_parallel_size=2)`` runs with ``distributed_executor_backend``
+    ``"ray"`` (or its default where Ray is installed) and nothing else.
+
     Raises:
         TimeoutError: the placement group could not be reserved in time.
     """
@@ -176,6 +132,12 @@ class RayWorkerGroup(Executor):
         num_cpus = 1 if num_cpus is None else num_cpus
         num_gpus = (1 if cuda else 0) if num_gpus is None else num_gpus
         self._owned_pg = None
+        self.workers: list = []
+        #: this group started the process's Ray (:func:`init_local_ray`) and shuts it down
+        self.started_ray = False
+        if not ray.is_initialized():
+            init_local_ray(n * num_cpus)
+            self.started_ray = True
         pg = placement_group or get_current_placement_group()
         self.placement_group = pg
         if pg is None:
@@ -183,10 +145,11 @@ class RayWorkerGroup(Executor):
             pg = placement_group_create([dict(bundle) for _ in range(n)], strategy)
             self._owned_pg = pg
         if not pg.wait(timeout_seconds=timeout_s):
-            self._release_pg()
+            self.shutdown()
             raise TimeoutError(f"placement group for {n} model-parallel workers not ready after {timeout_s}s "
                                f"(each needs {num_cpus} CPU, {num_gpus} GPU)")
         if len(pg.bundle_specs) < bundle_offset + n:
+            self.shutdown()
             raise ValueError(f"placement group has {len(pg.bundle_specs)} bundles; "
                              f"{n} ranks (tensor x pipeline parallel) need {n} from bundle {bundle_offset}")
         actor_cls = ray.remote(concurrency_groups={"health": 1})(TPWorker)
@@ -279,6 +242,9 @@ class RayWorkerGroup(Executor):
                 pass
         self.workers = []
         self._release_pg()
+        if self.started_ray:
+            self.started_ray = False
+            ray.shutdown()
 
     def _release_pg(self) -> None:
         if self._owned_pg is not None:
@@ -287,6 +253,26 @@ class RayWorkerGroup(Executor):
             except Exception:
                 pass
             self._owned_pg = None
+
+
+def init_local_ray(num_cpus_needed: float = 1.0) -> None:
+    """Start a Ray instance on this machine for an engine that has none (vLLM's
+    ``initialize_ray_cluster`` with no address), set up as ``kvserve serve`` starts one: token
+    authentication on and its ports on 127.0.0.1 (:func:`cluster.ray_auth.ensure_local_auth`:
+    the token from ``RAY_AUTH_TOKEN``, else an owner-only file at ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``, created if missing; an explicit ``RAY_AUTH_MODE=disabled`` is kept
+    with a warning), no dashboard, and at least ``num_cpus_needed`` logical CPUs (a scheduling
+    budget: the ranks' actors must fit even on a machine with fewer cores).
+
+    Raises:
+        SystemExit: ``RAY_AUTH_MODE`` is neither ``token`` nor ``disabled``.
+        RuntimeError, ConnectionError: Ray could not start.
+    """
+    ensure_local_auth()
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    num_cpus = max(os.cpu_count() or 1, math.ceil(num_cpus_needed))
+    logger.info("no Ray instance in this process: starting a local one (%d logical CPUs)", num_cpus)
+    ray.init(num_cpus=num_cpus, include_dashboard=False)
 
 
 def placement_group_create(bundles: list[dict], strategy: str = "STRICT_PACK") -> PlacementGroup:

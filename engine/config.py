@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
+from engine.spec_config import SpeculativeConfig  # no torch
+
 if TYPE_CHECKING:  # torch loads only when a device or dtype is asked for (front ends never do)
     import torch
 
@@ -43,10 +45,17 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = _knob(2 << 30, "KV pool size in bytes on CPU when neither of the above is set")
     gpu_memory_utilization: float = _knob(
         0.90, "fraction of GPU memory for weights, activations and the KV pool (CUDA, when the pool is not sized)")
-    tensor_parallel_size: int = _knob(1, "ranks the model is split over (needs a distributed executor when > 1)")
+    tensor_parallel_size: int = _knob(1, "ranks the model is split over (> 1: a distributed executor, see "
+                                         "distributed_executor_backend)")
     pipeline_parallel_size: int = _knob(
-        1, "stages the model's layers are split into, each of tensor_parallel_size ranks (needs a distributed "
-           "executor when > 1; Llama-family models; a step's batch runs as this many micro-batches)")
+        1, "stages the model's layers are split into, each of tensor_parallel_size ranks (> 1: a distributed "
+           "executor, see distributed_executor_backend; Llama-family models; a step's batch runs as this many "
+           "micro-batches)")
+    distributed_executor_backend: Literal["ray", "mp", "uni"] | None = _knob(
+        None, "how the ranks of tensor_parallel_size x pipeline_parallel_size > 1 run (vLLM's knob): ray: one Ray "
+              "actor per rank (a local Ray is started when none is connected); mp: one local process per rank, "
+              "no Ray; uni: the engine's own process (one rank only); None: uni for one rank, else ray where Ray "
+              "is installed, else mp")
     seed: int = _knob(0, "seed of the sampler's global RNG")
     scheduling_policy: Literal["fcfs", "priority"] = _knob("fcfs", "fcfs: arrival order; priority: lower first")
     attention_backend: Literal["torch", "cpu", "triton", "flash_attn"] | None = _knob(
@@ -96,8 +105,6 @@ class EngineConfig:
                              f"got {self.mixed_step_prefill_tokens!r}")
         if not self.mixed_step_slowdown > 1.0 or self.mixed_step_slowdown == float("inf"):
             raise ValueError(f"mixed_step_slowdown must be a finite number > 1, got {self.mixed_step_slowdown!r}")
-        from engine.spec_decode import SpeculativeConfig  # no torch
-
         SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming the key
         if self.enable_lora:
             if not isinstance(self.max_loras, int) or not isinstance(self.max_lora_rank, int) or min(
@@ -115,6 +122,13 @@ class EngineConfig:
                              ("kv_cache_dtype='fp8'", self.kv_cache_dtype == "fp8")):
                 if on:
                     raise ValueError(f"pipeline_parallel_size > 1 does not run with {name} yet")
+        if self.distributed_executor_backend not in (None, "ray", "mp", "uni"):
+            raise ValueError(f"distributed_executor_backend must be 'ray', 'mp', 'uni' or None, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size "
+                             f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size} "
+                             f"needs 'mp' (local processes) or 'ray' (Ray actors)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -1,16 +1,54 @@
 """Executor interface: how the engine reaches its model runner(s).
 
-``UniProcExecutor`` runs one :class:`ModelRunner` in-process (tensor_parallel_size 1). For
-more ranks the engine takes an injected executor, e.g. ``cluster.worker_group.RayWorkerGroup``,
-so ``engine/`` itself never imports Ray.
+``UniProcExecutor`` runs one :class:`ModelRunner` in-process (tensor_parallel_size 1). For more
+ranks (``tensor_parallel_size x pipeline_parallel_size > 1``) the engine picks a distributed
+executor by ``EngineConfig.distributed_executor_backend``, as vLLM does
+(:meth:`Executor.get_class`): ``"mp"``, :class:`engine.mp_executor.MultiprocExecutor` (one local
+process per rank, no Ray), or ``"ray"``, ``cluster.worker_group.RayWorkerGroup`` (one Ray actor per
+rank). Backends are named by ``"module:attribute"`` strings (:data:`EXECUTOR_BACKENDS`) imported
+only when chosen, so ``engine/`` itself never imports Ray (nor ``cluster/``). A caller may also
+inject any executor (``LLMEngine(executor_factory=...)``, e.g. a ``RayWorkerGroup`` in a Serve
+replica's placement group).
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
 from engine.scheduler import SchedulerOutput
+
+#: ``distributed_executor_backend`` -> ``"module:attribute"`` of its executor class, a callable
+#: ``(config, model_path) -> Executor`` (imported only when the backend is chosen).
+EXECUTOR_BACKENDS: dict[str, str] = {
+    "uni": "engine.executor:UniProcExecutor",
+    "mp": "engine.mp_executor:MultiprocExecutor",
+    "ray": "cluster.worker_group:RayWorkerGroup",
+}
+
+
+def resolve_executor_backend(config: EngineConfig) -> str:
+    """The backend ``config`` runs on: ``distributed_executor_backend`` when set, else (vLLM's
+    rule) ``"uni"`` for one rank, ``"ray"`` where Ray is installed, ``"mp"`` where it is not.
+
+    Raises:
+        ValueError: ``"uni"`` asked for with more than one rank.
+    """
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    name = config.distributed_executor_backend
+    if name is None:
+        if world == 1:
+            return "uni"
+        return "ray" if importlib.util.find_spec("ray") is not None else "mp"
+    if name == "uni" and world > 1:
+        raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size "
+                         f"{config.tensor_parallel_size} x pipeline_parallel_size {config.pipeline_parallel_size} "
+                         f"needs 'mp' (local processes) or 'ray' (Ray actors)")
+    return name
 
 
 class Executor(ABC):
@@ -22,6 +60,27 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig, model_path: str | Path):
         self.config, self.model_path = config, model_path
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> Callable[[EngineConfig, str], "Executor"]:
+        """The executor class of ``config``'s backend (:func:`resolve_executor_backend`),
+        imported now (vLLM's ``Executor.get_class``).
+
+        Raises:
+            ValueError: an unknown backend, or ``"uni"`` with more than one rank.
+            ImportError: the backend's module is missing (``"ray"`` without Ray installed:
+                the message says to install it or pick ``"mp"``).
+        """
+        name = resolve_executor_backend(config)
+        if name not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {sorted(EXECUTOR_BACKENDS)} or None, "
+                             f"got {name!r}")
+        module, attr = EXECUTOR_BACKENDS[name].split(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            hint = ": install ray, or use 'mp' (local processes, no Ray)" if name == "ray" else ""
+            raise ImportError(f"distributed_executor_backend {name!r} needs {module} ({e}){hint}") from e
 
     @abstractmethod
     def determine_num_blocks(self) -> int:
@@ -68,9 +127,8 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: str | Path):
         super().__init__(config, model_path)
         if config.tensor_parallel_size != 1 or config.pipeline_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 or pipeline_parallel_size > 1 needs a distributed executor "
-                             "(e.g. cluster.worker_group.RayWorkerGroup)")
-        from engine.model_runner import ModelRunner
+            raise ValueError("tensor_parallel_size > 1 or pipeline_parallel_size > 1 needs a distributed executor: "
+                             "distributed_executor_backend 'mp' (local processes) or 'ray' (Ray actors)")
         self.runner = ModelRunner(config, model_path)
 
     def determine_num_blocks(self) -> int:

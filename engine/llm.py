@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.pooling import PoolingParams
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -12,14 +13,22 @@ from engine.sampling_params import SamplingParams
 class LLM:
     """Generate for a list of prompts with continuous batching.
 
-    Args: see :class:`engine.config.EngineConfig` (``model=None`` is SmolLM2-135M-Instruct);
-    ``executor_factory`` injects a distributed executor for ``tensor_parallel_size > 1``.
+    Args: see :class:`engine.config.EngineConfig` (``model=None`` is SmolLM2-135M-Instruct).
+    With ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 the engine runs the ranks
+    on the executor ``distributed_executor_backend`` names (default: Ray actors where Ray is
+    installed, starting a local Ray when none is connected; else local processes, ``"mp"``), as
+    vLLM's ``LLM(model, tensor_parallel_size=2)``; ``executor_factory``
+    (``(config, model_path) -> Executor``) injects one of the caller's own instead.
 
     Example::
 
         llm = LLM()
         out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
         print(out[0].outputs[0].text)
+
+    Raises:
+        ValueError: a bad setting (see :class:`EngineConfig`, :class:`LLMEngine`).
+        ImportError: the chosen executor backend is not installed (``"ray"``).
     """
 
     def __init__(self, model: str | None = None, *, executor_factory: Callable | None = None, **kwargs):
@@ -90,8 +99,6 @@ class LLM:
             ValueError: a bad prompt (longer than ``max_model_len``, ids out of the vocabulary)
                 or pooling type. Nothing of the call is left in the engine when it raises.
         """
-        from engine.pooling import PoolingParams
-
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = PoolingParams(pooling_type, normalize)

@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable
 
 from engine.config import EngineConfig
-from engine.executor import Executor, UniProcExecutor
+from engine.draft_model import DraftModelProposer
+from engine.executor import Executor
 from engine.input_processor import (  # noqa: F401  (re-exported: the engine-level names of these)
     InputProcessor, PromptTooLongError, chat_template_ids, encode_prompt, parse_prompt, render_chat_template)
 from engine.kv_cache_manager import KVCacheManager
@@ -55,11 +56,14 @@ class LLMEngine:
 
     Args:
         config: engine configuration.
-        executor_factory: ``(config, model_path) -> Executor``; default in-process
-            (tensor_parallel_size 1). Pass a distributed executor for more ranks.
+        executor_factory: ``(config, model_path) -> Executor``; default: the executor of
+            ``config.distributed_executor_backend`` (:meth:`Executor.get_class`: in-process for
+            one rank, else Ray actors or local processes). Pass one to place the ranks yourself
+            (e.g. a ``cluster.worker_group.RayWorkerGroup`` in a Serve replica's placement group).
 
     Raises:
         ValueError: a bad config, unknown model, or ``max_model_len`` over the KV pool.
+        ImportError: the chosen backend's module is missing (``"ray"`` without Ray).
     """
 
     def __init__(self, config: EngineConfig,
@@ -74,7 +78,7 @@ class LLMEngine:
         if config.pipeline_parallel_size > self.hf_config.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds num_hidden_layers "
                              f"{self.hf_config.num_hidden_layers} (each stage needs a layer)")
-        factory = executor_factory or UniProcExecutor
+        factory = executor_factory or Executor.get_class(config)
         self.executor = factory(config, self.model_path)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.init_kv_cache(num_blocks)
@@ -127,7 +131,6 @@ class LLMEngine:
             if spec.method == "ngram":
                 proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
             else:
-                from engine.draft_model import DraftModelProposer
                 proposer = DraftModelProposer(spec, config, self.hf_config.vocab_size, num_blocks)
             self.speculator = Speculator(spec, proposer, self.hf_config.vocab_size)
             self.scheduler.on_finish = self.speculator.release

@@ -99,9 +99,7 @@ def test_pipeline_refuses_what_it_does_not_run(ray_session, tiny4):
 
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not run with enable_lora"):
         EngineConfig(model=str(tiny4), pipeline_parallel_size=2, enable_lora=True)
-    with pytest.raises(ValueError, match="needs a distributed executor"):
-        from engine import LLM
-
-        LLM(str(tiny4), pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="'uni' runs one rank.*needs 'mp' .* or 'ray'"):
+        EngineConfig(model=str(tiny4), pipeline_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="exceeds num_hidden_layers 4"):
         pp_llm(tiny4, 5)

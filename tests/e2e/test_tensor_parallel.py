@@ -1,5 +1,13 @@
 """Tensor parallelism over Ray actors: TP=2 (gloo on CPU) gives the same greedy outputs as
-TP=1 on SmolLM2; the workers live in a STRICT_PACK placement group that is released."""
+TP=1 on SmolLM2; the workers live in a STRICT_PACK placement group that is released. The offline
+``LLM(model, tensor_parallel_size=2)`` picks its Ray executor itself (vLLM's
+``distributed_executor_backend``), in the session's Ray or, with none connected, a local one it
+starts and stops."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -85,3 +93,71 @@ def test_tp2_lora_matches_tp1(ray_session, tmp_path):
         tp2.engine.shutdown()
     assert out == ref
     assert len({tuple(t) for t in ref[:len(reqs)]}) == len(reqs)  # the adapters change the output
+
+
+def test_offline_llm_picks_the_ray_executor(ray_session, smollm2_path):
+    """vLLM's ``LLM(model, tensor_parallel_size=2)`` with no executor_factory: the engine picks
+    the Ray backend (Ray is installed), runs the ranks in the session's Ray (it starts none and
+    leaves it running) and gives TP=1's greedy tokens and text (float32 both: tensor ranks split
+    the matmuls, so bfloat16 would round a near tie differently)."""
+    import ray
+    from ray.util import placement_group_table
+
+    from cluster.worker_group import RayWorkerGroup
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=256, max_num_seqs=8, num_kv_blocks=64)
+    tp1 = LLM(model=str(smollm2_path), **kw)
+    ref = tp1.generate(PROMPTS, params, use_tqdm=False)
+    tp1.engine.shutdown()
+
+    tp2 = LLM(str(smollm2_path), tensor_parallel_size=2, **kw)
+    group = tp2.engine.executor
+    try:
+        assert isinstance(group, RayWorkerGroup) and not group.started_ray
+        assert [i["rank"] for i in group.worker_info] == [0, 1] and len({i["pid"] for i in group.worker_info}) == 2
+        pg_id = group._owned_pg.id.hex()
+        out = tp2.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        tp2.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert [o.outputs[0].text for o in out] == [o.outputs[0].text for o in ref]
+    assert ray.is_initialized() and placement_group_table()[pg_id]["state"] == "REMOVED"
+
+
+_LOCAL_RAY = """
+import sys
+import ray
+from engine import LLM, SamplingParams
+
+path = sys.argv[1]
+prompts = [[1, 2, 3, 4, 5], list(range(200, 230))]
+params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+kw = dict(dtype="float32", max_model_len=64, num_kv_blocks=16)
+one = LLM(path, **kw)
+ref = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+one.engine.shutdown()
+assert not ray.is_initialized()
+llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **kw)
+group = llm.engine.executor
+assert type(group).__name__ == "RayWorkerGroup" and group.started_ray and ray.is_initialized()
+out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+llm.engine.shutdown()
+assert not ray.is_initialized(), "the Ray the engine started is still up"
+assert out == ref, (out, ref)
+print("SAME TOKENS")
+"""
+
+
+def test_ray_backend_starts_a_local_ray_when_none_is_connected(tiny_llama_path, tmp_path):
+    """In a process with no Ray connected, ``distributed_executor_backend="ray"`` starts a local
+    instance (token auth on, its token in a file of this test's own), runs the ranks there with
+    TP=1's greedy tokens, and stops it again at shutdown."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), RAY_AUTH_MODE="token",
+               RAY_AUTH_TOKEN_PATH=str(tmp_path / "auth_token"))
+    r = subprocess.run([sys.executable, "-c", _LOCAL_RAY, str(tiny_llama_path)], env=env, capture_output=True,
+                       text=True, timeout=540, cwd=tmp_path)
+    assert r.returncode == 0 and "SAME TOKENS" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+    assert (tmp_path / "auth_token").stat().st_mode & 0o077 == 0  # the token file is the owner's only
