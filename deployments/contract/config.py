@@ -181,6 +181,9 @@ class ModelArgs(EngineArgs):
     @model_validator(mode="after")
     def _check(self):
         EngineConfig(**self.engine_args())  # the engine's own range checks, at validation time
+        if self.distributed_executor_backend == "mp":
+            raise ValueError("distributed_executor_backend 'mp' (local processes) is for the offline LLM: a Serve "
+                             "replica runs its ranks as Ray actors in its placement group ('ray', the default)")
         if self.num_replicas is not None and (
                 self.autoscaling is not None or self.min_replicas is not None or self.max_replicas is not None):
             raise ValueError("give either num_replicas or autoscaling bounds (min/max_replicas, autoscaling)")

@@ -40,7 +40,6 @@ from deployments.replica.prefix_report import RecentPrefixes
 from deployments.replica.recent_requests import RecentRequests
 from deployments.replica.request_outputs import ChunkBuilder, stream_interval
 from deployments.replica.step_stats import RATE_WINDOW_S, StepStats
-from engine.chat_templates import prepare_messages
 from telemetry.metrics import EngineMetrics, rejected
 
 logger = logging.getLogger("ray.serve")
@@ -161,12 +160,9 @@ class LLMServer(PoolingEndpoints):
 
         self.engine.add_stat_logger(on_step, self.metrics.record_finished)
         # what the prefix-aware router learns from this replica (record_routing_stats)
-        from engine.llm_engine import chat_template_ids
-
         n_blocks = int(self.engine.get_stats().get("num_kv_blocks") or REPORTED_HASHES)
         self.prefixes = RecentPrefixes(config.block_size, limit=min(REPORTED_HASHES, n_blocks))
-        self._tokenizer_probe = tokenizer_probe(self.engine.tokenize,
-                                                lambda m: chat_template_ids(self.engine.tokenizer, m))
+        self._tokenizer_probe = tokenizer_probe(self.engine.tokenize, self.engine.input_processor.chat_template_ids)
         self.recent = RecentRequests()  # finished requests' timings
         self.max_model_len = self.engine.max_model_len
         self.revision = model_revision(self.engine.model_path)
@@ -219,7 +215,7 @@ class LLMServer(PoolingEndpoints):
             RuntimeError: a failure of the engine itself (not of the request).
         """
         from engine.async_engine import EngineDeadError
-        from engine.llm_engine import PromptTooLongError
+        from engine.input_processor import PromptTooLongError
 
         params, n = request.sampling_params, request.n
         request_id = request.request_id or random_id("req")
@@ -232,16 +228,10 @@ class LLMServer(PoolingEndpoints):
                 return
             lora = await self.adapters.resolve(request.lora_name)
             if request.messages is not None:
-                messages, tools = prepare_messages(request.messages, request.tools,
-                                                   self.engine.tokenizer.chat_template)
-                ids = await self.engine.apply_chat_template(messages, tools)
+                ids = await self.engine.apply_chat_template(request.messages, request.tools)
             else:
                 ids = await self.engine.encode(request.prompt)
-            if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-                raise PromptTooLongError(
-                    f"this model's maximum context length is {self.max_model_len} tokens; the request asks "
-                    f"for {len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} in "
-                    "max_tokens): shorten the prompt or lower max_tokens")
+            self.engine.input_processor.check_context_length(len(ids), params.max_tokens)
         except EngineDeadError:
             yield _engine_dead()
             return
@@ -325,7 +315,7 @@ class LLMServer(PoolingEndpoints):
         request's first output arrived (its prompt is computed) or it ended; ``prompt_text``
         goes on the first chunk."""
         from engine.async_engine import EngineDeadError
-        from engine.llm_engine import PromptTooLongError
+        from engine.input_processor import PromptTooLongError
 
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         n_prompt, admitted, started = len(ids), False, False

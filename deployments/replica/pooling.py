@@ -59,7 +59,7 @@ def tokenize(tokenizer, max_model_len: int, *, prompt: str | None = None, messag
     Raises:
         ValueError: neither or both of ``prompt`` and ``messages``; the template rejects the messages.
     """
-    from engine.llm_engine import chat_template_ids
+    from engine.input_processor import chat_template_ids
 
     if (prompt is None) == (messages is None):
         raise ValueError("give either prompt or messages")
@@ -110,7 +110,7 @@ class PoolingEndpoints:
             in the engine.
         """
         from engine.async_engine import EngineDeadError
-        from engine.llm_engine import PromptTooLongError
+        from engine.input_processor import PromptTooLongError
 
         cfg = self.engine.engine.hf_config
         dim = int(cfg.hidden_size)
@@ -150,7 +150,7 @@ class PoolingEndpoints:
         from engine.pooling import PoolingParams
 
         if len(ids) > self.max_model_len:  # before admission: a clear 400 rather than "too_large"
-            from engine.llm_engine import PromptTooLongError
+            from engine.input_processor import PromptTooLongError
 
             raise PromptTooLongError(f"an input is {len(ids)} tokens; this model's context is {self.max_model_len} "
                                      "tokens (max_model_len)")

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from deployments.contract.prefix import MAX_PREFIX_TOKENS, block_hashes, tokenizer_probe
+from engine.input_processor import chat_template_ids, encode_prompt, parse_prompt, render_chat_template
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,12 +61,10 @@ class PrefixHasher:
         try:
             if messages is not None:
                 return self.of_messages(messages, tools)
-            if isinstance(prompt, dict) and len(prompt) == 1:  # vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
-                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-            if isinstance(prompt, str):
-                return self.of_text(prompt, add_special_tokens=True)
-            if isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt[:8]):
-                return block_hashes(list(prompt), self.block_size, self.max_blocks)
+            text, ids = parse_prompt(prompt)  # vLLM's forms, as the engine parses them
+            if text is not None:
+                return self.of_text(text, add_special_tokens=True)
+            return block_hashes(ids, self.block_size, self.max_blocks)
         except Exception as e:  # a template error on odd messages, ...: route without affinity
             logger.debug("prefix router: no hashes for a request (%s)", e)
         return []
@@ -75,11 +74,7 @@ class PrefixHasher:
         the chat template with the generation prompt, ids without added special tokens)."""
         if self.tokenizer is None:
             return []
-        from engine.chat_templates import prepare_messages
-
-        messages, tools = prepare_messages(messages, tools, self.tokenizer.chat_template)
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  tools=tools or None)
+        text = render_chat_template(self.tokenizer, messages, tools)
         return self.of_text(text, add_special_tokens=False)
 
     def of_text(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -111,9 +106,4 @@ class PrefixHasher:
     def probe(self) -> list[int | None]:
         """:func:`tokenizer_probe` of this hasher's tokenization path."""
         tok = self.tokenizer
-
-        def chat(messages):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False)
-
-        return tokenizer_probe(lambda t: tok.encode(t, add_special_tokens=True), chat)
+        return tokenizer_probe(lambda t: encode_prompt(tok, t), lambda m: chat_template_ids(tok, m))

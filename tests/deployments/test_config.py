@@ -79,3 +79,11 @@ def test_checks_that_need_another_room_run_where_the_app_is_assembled():
         AppArgs.model_validate({"tool_call_parser": "no-such-parser"})
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"api_keys": ["sk-key-1 rpm=many"]})
+
+
+def test_a_replica_runs_its_ranks_as_ray_actors_not_local_processes():
+    # the offline LLM may pick local processes ("mp"); a Serve replica's ranks live in its placement group
+    with pytest.raises(ValidationError, match="'mp'.*offline LLM"):
+        ModelArgs(tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert ModelArgs(tensor_parallel_size=2, distributed_executor_backend="ray").distributed_executor_backend == "ray"
+    assert ModelArgs(tensor_parallel_size=2).distributed_executor_backend is None
