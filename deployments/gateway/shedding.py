@@ -52,14 +52,16 @@ class LoadShedder:
 
     def check(self, model: str, needed: int = 1) -> OpenAIError | None:
         """The refusal of a request that would open ``needed`` more streams to ``model``, or
-        None to send it on (also when the mark has expired: the request is the probe)."""
+        None to send it on (also when the mark has expired: the request is the probe, and when
+        it needs more than the capacity seen: whether it can ever run is the replica's to say,
+        a 400 ``too_large`` where a 429 would promise a retry that cannot succeed)."""
         mark = self.marks.get(model)
         if mark is None:
             return None
         if time.monotonic() >= mark.until:
             del self.marks[model]
             return None
-        if self.open.get(model, 0) + needed <= mark.limit:
+        if self.open.get(model, 0) + needed <= mark.limit or needed > mark.limit:
             return None
         self.shed[model] = self.shed.get(model, 0) + needed
         return OpenAIError(f"the model '{model}' is at capacity, retry later", 429, "rate_limit_error",

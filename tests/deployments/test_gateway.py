@@ -520,3 +520,24 @@ def test_the_size_check_is_the_replicas_and_renders_as_the_same_400():
     assert many.status_code == 400 and many.json()["error"]["code"] == "too_large"
     assert many.json()["error"]["param"] is None and "n=10" in many.json()["error"]["message"]
     assert fits.status_code == 200 and len(fits.json()["choices"]) == 9
+
+
+def test_a_batch_larger_than_the_capacity_seen_gets_the_replicas_verdict_under_a_full_mark():
+    """While the model is marked full (the load shedder refuses at once what would exceed the
+    capacity it saw), a batch larger than that capacity still goes to the replica: it may never
+    fit, and then its answer is the replica's 400 ``too_large``, not a 429 no retry could fix."""
+    replica = SizedReplica()
+    gw = make_gateway(replica)
+    gw.shedder.open["fake"] = 9
+    gw.shedder.refused("fake", 3.0)  # the replica said "full" with 9 open: capacity 9
+    gw.shedder.open["fake"] = 1
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw") as c:
+            return (await c.post("/v1/completions", json={"prompt": ["hi"] * 10, "max_tokens": 1}),
+                    await c.post("/v1/completions", json={"prompt": ["hi"] * 9, "max_tokens": 1}))
+
+    big, full = _run(main())
+    assert big.status_code == 400 and big.json()["error"]["code"] == "too_large"
+    assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"  # 1 open + 9 > 9: shed here
+    assert len(replica.requests) == 10
