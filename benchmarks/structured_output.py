@@ -53,6 +53,7 @@ from engine import model_runner as runner_mod  # noqa: E402
 from engine.layers import sampler as sampler_mod  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
+from engine import grammar_bitmask  # noqa: E402
 from engine import structured_output as so_mod  # noqa: E402
 from engine.structured_output import StructuredOutputs  # noqa: E402
 
@@ -253,14 +254,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--schemas", default=",".join(SCHEMAS))
-    ap.add_argument("--fill-threads", type=int, default=so_mod.FILL_THREADS,
+    ap.add_argument("--fill-threads", type=int, default=grammar_bitmask.FILL_THREADS,
                     help="native threads of one bitmask fill (xgrammar BatchGrammarMatcher)")
     ap.add_argument("--sync-fill", action="store_true",
                     help="fill the bitmask before the forward (as for a distributed executor), not beside it")
     ap.add_argument("--out", default="benchmarks/results/structured_output.json")
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
-    so_mod.FILL_THREADS = args.fill_threads
+    grammar_bitmask.FILL_THREADS = args.fill_threads  # read when the engine's first fill builds its matcher
 
     model = str(resolve_model(args.model))
     llm = LLM(model=model, max_num_seqs=32, max_num_batched_tokens=2048, enable_prefix_caching=False)

@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs, graph_batch_sizes
+from engine.grammar_bitmask import bitmask_rows
 from engine.input_batch import RequestState, build_batch, update_states
 from engine.kv_calibration import calibrate_kv_scales
 from engine.layers.embedding import ParallelLMHead
@@ -27,7 +28,6 @@ from engine.models.registry import model_class
 from engine.pipeline import pipeline_forward
 from engine.prompt_logprobs import PROMPT_LOGPROBS_SLICE, prompt_logprobs
 from engine.scheduler import SchedulerOutput
-from engine.structured_output import bitmask_rows
 from kernels.backend import AttentionMetadata
 from kernels.selector import select_attention_backend
 

@@ -5,6 +5,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from engine.grammar_spec import validate_spec
+
 # torch.Generator.manual_seed takes a uint64, or an int64 that it reads as two's complement
 # (seed -1 is seed 2**64 - 1); anything outside raises inside the engine step.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -37,7 +39,7 @@ class SamplingParams:
     ``structured_outputs`` (vLLM 0.10's): constrain the output to a grammar, a dict with
     exactly one of ``json`` (a JSON schema, dict or string), ``json_object`` (True),
     ``regex``, ``choice`` (list of strings) or ``grammar`` (EBNF), see
-    ``engine.structured_output.validate_spec``.
+    :func:`engine.grammar_spec.validate_spec`.
 
     Integer fields take ints only (not bool, not float); float fields take finite ints or
     floats (never NaN or inf, stored as float); flags take bools. Token ids are checked
@@ -129,7 +131,6 @@ class SamplingParams:
         if not isinstance(self.extra, dict):
             bad("extra", "must be a dict")
         if self.structured_outputs is not None:  # its shape only; LLMEngine.make_request compiles it
-            from engine.structured_output import validate_spec
             validate_spec(self.structured_outputs)
 
         if isinstance(self.stop, str):

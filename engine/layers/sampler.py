@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar_bitmask import apply_token_bitmask
 from engine.sampling_params import SamplingParams
-from engine.structured_output import apply_token_bitmask
 
 
 @dataclass
@@ -134,7 +134,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], grammar=None):
         """Args: float32 ``logits`` ``[n, vocab]``, one :class:`SamplingRow` per row, and
         ``grammar``: None, or ``(bitmask int32 [k, ceil(vocab / 32)], row indices list[int] of
-        length k)`` (structured outputs, see ``engine.structured_output.bitmask_rows``): tokens
+        length k)`` (structured outputs, see ``engine.grammar_bitmask.bitmask_rows``): tokens
         whose bit is 0 get -inf in those rows, after penalties and logit_bias, before
         temperature / top-k / top-p / min-p (so greedy and sampled rows both stay in the grammar).
 
