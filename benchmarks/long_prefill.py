@@ -48,7 +48,7 @@ RESULT_KEYS = ("benchmark", "model", "device", "dtype", "torch_threads", "smoke"
                "time", "results")
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.scheduler import MixedStepBudget  # noqa: E402
+from engine.mixed_step_budget import MixedStepBudget
 from engine.model_loader import resolve_model  # noqa: E402
 
 

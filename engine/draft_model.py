@@ -27,7 +27,7 @@ from engine.model_loader import load_config, resolve_model
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.spec_config import SpeculativeConfig
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, detokenize=False)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.scheduler import SchedulerOutput
+from engine.sched_output import SchedulerOutput
 
 #: ``distributed_executor_backend`` -> ``"module:attribute"`` of its executor class, a callable
 #: ``(config, model_path) -> Executor`` (imported only when the backend is chosen).

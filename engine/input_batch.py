@@ -2,7 +2,7 @@
 
 :class:`RequestState` is the runner's copy of a running request (its tokens, sampling params,
 seeded generator, adapter, pooling state), kept up to date by :func:`update_states` from each
-:class:`~engine.scheduler.SchedulerOutput`, which also gives the step's sampling rows.
+:class:`~engine.sched_output.SchedulerOutput`, which also gives the step's sampling rows.
 :func:`build_batch` flattens the scheduled slices into the model's inputs: token ids and
 positions of every row, the attention metadata (``cu_seqlens_q``, ``seq_lens``, block tables,
 slot mapping) and the rows that sample.
@@ -14,7 +14,7 @@ import torch
 from engine.layers.sampler import SamplingRow
 from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.sched_output import SchedulerOutput
 from kernels.backend import AttentionMetadata
 
 

@@ -17,7 +17,9 @@ from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import MixedStepBudget, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.mixed_step_budget import MixedStepBudget
+from engine.sched_output import SchedulerOutput
 from engine.spec_decode import NgramProposer, Speculator, SpeculativeConfig
 from engine.stats import EngineStats, FinishedRequestStats, StepMetrics
 from engine.structured_output import StructuredOutputs

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.executor import Executor
-from engine.scheduler import SchedulerOutput
+from engine.sched_output import SchedulerOutput
 from engine.worker import Worker
 
 logger = logging.getLogger("kvserve.engine")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.scheduler import SchedulerOutput
+from engine.sched_output import SchedulerOutput
 
 #: Prompt positions whose logits are computed at once for prompt_logprobs (rows x vocab fp32).
 PROMPT_LOGPROBS_SLICE = 256

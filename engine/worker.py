@@ -14,7 +14,7 @@ import os
 from engine.config import EngineConfig
 from engine.distributed import init_model_parallel
 from engine.model_runner import ModelRunner
-from engine.scheduler import SchedulerOutput
+from engine.sched_output import SchedulerOutput
 
 
 class Worker:

@@ -24,7 +24,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.layers.sampler import Sampler, SamplingRow
 from engine.llm_engine import LLMEngine, StepFailedError, chat_template_ids
-from engine.scheduler import MixedStepBudget
+from engine.mixed_step_budget import MixedStepBudget
 from engine.request import RequestStatus
 
 VOCAB = 49152  # the tiny models use SmolLM2's tokenizer
