@@ -44,7 +44,7 @@ from engine.ngram_proposer import NgramProposer
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from engine.spec_config import METHODS, SpeculativeConfig
-from engine.stats import StepMetrics
+from engine.stats import IterationStats
 
 __all__ = ["METHODS", "DraftLengthPolicy", "NgramProposer", "SpeculativeConfig", "Speculator"]
 
@@ -139,7 +139,7 @@ class Speculator:
             except Exception as e:
                 self._stop_drafting(req, e)
 
-    def record(self, sched: SchedulerOutput, m: StepMetrics | None) -> None:
+    def record(self, sched: SchedulerOutput, m: IterationStats | None) -> None:
         """After a step (``sched`` updated: ``sched.num_accepted``): each request's acceptance
         goes to the policy and the counters, and into ``m`` (the step's metrics; None when the
         model call failed and was isolated); a decode-only step also gives the policy its time

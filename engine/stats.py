@@ -1,7 +1,8 @@
-"""What the engine reports about itself: one :class:`StepMetrics` per step that ran the model,
-one :class:`FinishedRequestStats` per request that left it, and the counters of
-``LLMEngine.get_stats`` (vLLM V1's ``v1/metrics/stats.py``: ``SchedulerStats`` +
-``IterationStats``, ``FinishedRequestStats``).
+"""What the engine reports about itself, by vLLM V1's names (``v1/metrics/stats.py``).
+
+One :class:`IterationStats` per step that ran the model (what it ran, with the scheduler's
+:class:`SchedulerStats` snapshot at its end), one :class:`FinishedRequestStats` per request that
+left it, and the counters of ``LLMEngine.get_stats``.
 
 :class:`EngineStats` keeps the counters and hands the records to the stat loggers (the serving
 layer's rates and Prometheus metrics, the autoscaler's inputs); a logger that raises is logged
@@ -22,10 +23,29 @@ logger = logging.getLogger("kvserve.engine")
 
 
 @dataclass
-class StepMetrics:
-    """What one engine step did, for stat loggers (vLLM's ``SchedulerStats`` + ``IterationStats``):
-    the serving layer's token rates, capacities and Prometheus metrics, the autoscaler's inputs
-    and the mixed-step budget all read these instead of wrapping the executor.
+class SchedulerStats:
+    """A snapshot of the scheduler's queues and the KV cache (vLLM V1's ``SchedulerStats``): what
+    the queue gauges show, at a step's end (:attr:`IterationStats.scheduler_stats`) or between
+    steps.
+
+    Attributes:
+        num_running: requests running (in the last step's batch).
+        num_waiting: requests waiting to be scheduled.
+        kv_cache_usage: fraction of KV blocks in use, 0..1.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step ran, for stat loggers (vLLM V1's ``IterationStats``), with the
+    scheduler's snapshot at its end (``num_running``, ``num_waiting``, ``kv_cache_usage``: its
+    :attr:`scheduler_stats`): the serving layer's token rates, capacities and Prometheus
+    metrics, the autoscaler's inputs and the mixed-step budget all read these instead of
+    wrapping the executor.
 
     Attributes:
         start, end: :attr:`LLMEngine.clock` seconds (``time.monotonic()``) around the model call.
@@ -71,8 +91,13 @@ class StepMetrics:
     running_lora_adapters: list[str] | None = None
     waiting_lora_adapters: list[str] | None = None
 
+    @property
+    def scheduler_stats(self) -> SchedulerStats:
+        """The step's queue and KV cache snapshot."""
+        return SchedulerStats(self.num_running, self.num_waiting, self.kv_cache_usage)
+
     @classmethod
-    def of_step(cls, sched: SchedulerOutput, start: float, end: float, num_waiting: int) -> "StepMetrics":
+    def of_step(cls, sched: SchedulerOutput, start: float, end: float, num_waiting: int) -> "IterationStats":
         """The scheduler's side of a step whose model call ran from ``start`` to ``end`` (seconds);
         the token side is added after the update (:meth:`EngineStats.record_tokens`; ``num_sampled``
         by :meth:`EngineStats.end_step`, once stop strings have cut the tokens)."""
@@ -82,6 +107,10 @@ class StepMetrics:
         return cls(start, end, num_rows - num_decodes, num_decodes, 0,
                    len(sched.requests), num_waiting, sched.num_preempted,
                    sched.prefix_cache_queries, sched.prefix_cache_hits)
+
+
+#: The old name of :class:`IterationStats`, kept for one release (deployments/ still uses it).
+StepMetrics = IterationStats
 
 
 @dataclass
@@ -135,7 +164,7 @@ class EngineStats:
         max_running: most requests in one step.
         num_prompt_tokens: prompt tokens of the requests enqueued.
         num_generated_tokens: tokens sampled (counted before stop strings cut any off).
-        stat_loggers: callables given the :class:`StepMetrics` of every step that ran the model.
+        stat_loggers: callables given the :class:`IterationStats` of every step that ran the model.
         request_loggers: callables given the :class:`FinishedRequestStats` of every request that
             leaves the engine.
     """
@@ -145,7 +174,7 @@ class EngineStats:
         self.max_running = 0
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
-        self.stat_loggers: list[Callable[[StepMetrics], None]] = []
+        self.stat_loggers: list[Callable[[IterationStats], None]] = []
         self.request_loggers: list[Callable[[FinishedRequestStats], None]] = []
         self._broken: set[tuple[str, int]] = set()  # (what, id of the hook) logged once
 
@@ -157,7 +186,7 @@ class EngineStats:
         self.max_running = max(self.max_running, len(last_token))
         return last_token
 
-    def record_tokens(self, m: StepMetrics | None, updated: list[Request],
+    def record_tokens(self, m: IterationStats | None, updated: list[Request],
                       last_token: dict[str, float | None]) -> None:
         """After the update: count the tokens the requests ``updated`` got, and put their time to
         first token or inter-token latency (from ``last_token``, :meth:`begin_step`'s) into ``m``
@@ -173,7 +202,7 @@ class EngineStats:
             else:
                 m.inter_token_latencies.append(req.metrics.last_token_time - prev)
 
-    def end_step(self, m: StepMetrics | None, updated: list[Request], kv: KVCacheManager) -> None:
+    def end_step(self, m: IterationStats | None, updated: list[Request], kv: KVCacheManager) -> None:
         """After the outputs (stop strings have cut the tokens): complete ``m`` with the tokens
         sampled and the KV cache usage, and give it to every stat logger (nothing if None)."""
         if m is None:

@@ -439,13 +439,13 @@ _METRICS = r"""
 import json, os, sys, tempfile
 os.environ["KVSERVE_METRICS_DIR"] = tempfile.mkdtemp(prefix="kvserve-metrics-")
 from telemetry import metrics as M
-from engine.stats import StepMetrics
-m = StepMetrics(0.0, 0.1, 0, 3, 7, 3, 0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4,
+from engine.stats import IterationStats
+m = IterationStats(0.0, 0.1, 0, 3, 7, 3, 0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4,
                 accepted_per_position=[2, 1, 1])
-e = M.EngineMetrics("m", "r", speculative=True)
+e = M.PrometheusStatLogger("m", "r", speculative=True)
 e.record_step(m)
 e.record_step(m)
-M.EngineMetrics("plain", "r2").record_step(m)
+M.PrometheusStatLogger("plain", "r2").record_step(m)
 print(M.render()[0].decode())
 """
 
