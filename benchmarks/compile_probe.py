@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import engine.layers.linear as linear  # noqa: E402
 from benchmarks.common import Figures, Results, greedy, random_token_ids  # noqa: E402
 from engine import LLM  # noqa: E402
-from engine.llm_engine import StepFailedError  # noqa: E402
+from engine.step_isolation import StepFailedError
 from engine.model_loader import resolve_model  # noqa: E402
 from kernels import cpu_backend  # noqa: E402
 

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from engine.input_processor import InputProcessor, parse_prompt
-from engine.llm_engine import LLMEngine, StepFailedError
+from engine.llm_engine import LLMEngine
+from engine.step_isolation import StepFailedError
 from engine.model_loader import load_tokenizer
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -77,8 +78,8 @@ class AsyncLLMEngine:
 
         On CPU the model's thread pools belong to the thread that calls into them (OpenMP keeps
         one worker team per calling thread): a model loaded and warmed up on one thread and
-        stepped on another ran batch-1 decode at 28 ms/step instead of 21 (measured on the
-        2-core box), so load, warm-up and steps share one thread here.
+        stepped on another decodes measurably slower, so load, warm-up and steps share one
+        thread here.
 
         Raises:
             whatever :class:`LLMEngine` raises (bad config, model that does not load).
@@ -150,7 +151,7 @@ class AsyncLLMEngine:
         return self.engine.executor
 
     def add_stat_logger(self, log: Callable, on_finished: Callable | None = None) -> None:
-        """Call ``log(StepMetrics)`` after every step that runs the model (in the step thread),
+        """Call ``log(IterationStats)`` after every step that runs the model (in the step thread),
         and ``on_finished(FinishedRequestStats)`` for every request that leaves the engine
         (finished, aborted or failed; in the step thread or the event loop's)."""
         if log is not None:

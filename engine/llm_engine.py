@@ -10,37 +10,28 @@ from engine.config import EngineConfig
 from engine.draft_model import DraftModelProposer
 from engine.executor import Executor
 from engine.input_processor import (  # noqa: F401  (re-exported: the engine-level names of these)
-    InputProcessor, PromptTooLongError, chat_template_ids, encode_prompt, parse_prompt, render_chat_template)
+    InputProcessor,
+    PromptTooLongError,
+    chat_template_ids,
+    encode_prompt,
+    parse_prompt,
+    render_chat_template,
+)
 from engine.kv_cache_manager import KVCacheManager
+from engine.mixed_step_budget import MixedStepBudget
 from engine.model_loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.mixed_step_budget import MixedStepBudget
 from engine.sched_output import SchedulerOutput
-from engine.spec_decode import NgramProposer, Speculator, SpeculativeConfig
+from engine.scheduler import Scheduler
+from engine.spec_decode import NgramProposer, SpeculativeConfig, Speculator
 from engine.stats import EngineStats, FinishedRequestStats, StepMetrics
+from engine.step_isolation import StepFailedError, isolate_failing_requests
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
-
-
-class StepFailedError(RuntimeError):
-    """The model step failed for every request in it, each one alone too, so the failure
-    cannot be pinned on a request (a broken executor or device, an engine bug). The requests
-    are still in the engine; the caller decides (the async engine checks the executor's
-    health, then fails them or declares the engine dead). ``__cause__`` is the first error.
-
-    Attributes:
-        request_ids: the requests of the failed step.
-    """
-
-    def __init__(self, request_ids: list[str], error: BaseException):
-        super().__init__(f"engine step failed for all {len(request_ids)} request(s) in it: "
-                         f"{type(error).__name__}: {error}")
-        self.request_ids = request_ids
 
 
 class LLMEngine:
@@ -326,7 +317,7 @@ class LLMEngine:
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception], StepMetrics | None]:
         """Run the model on ``sched``. A call that raises is re-run in parts to find the requests
-        that fail alone (:meth:`_isolate`); one that succeeds gets the step's metrics, whose time
+        that fail alone (:func:`~engine.step_isolation.isolate_failing_requests`); one that succeeds gets the step's metrics, whose time
         also feeds the scheduler's mixed-step budget.
 
         Returns:
@@ -334,13 +325,13 @@ class LLMEngine:
             :class:`StepMetrics` (None after an isolation: the time is not one step's).
 
         Raises:
-            StepFailedError: see :meth:`_isolate`.
+            StepFailedError: see :func:`~engine.step_isolation.isolate_failing_requests`.
         """
         t0 = self.clock()
         try:
             result = self.executor.execute_model(sched)
         except Exception as e:
-            return *self._isolate(sched, e), None
+            return *isolate_failing_requests(self.executor, sched, e), None
         m = StepMetrics.of_step(sched, t0, self.clock(), len(self.scheduler.waiting))
         if self.config.enable_lora:  # vLLM's lora_requests_info
             m.running_lora_adapters, m.waiting_lora_adapters = (sorted({
@@ -392,59 +383,6 @@ class LLMEngine:
                 self.scheduler.finish_stopped(stop.request, stop.stop, stop.num_dropped_tokens)
         built, failed = self.output_processor.make_outputs(updated)
         return outputs + built + [self._fail(r, "output assembly", e, r.new_token_ids) for r, e in failed]
-
-    def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
-        """After ``execute_model(sched)`` raised ``error``: find the request(s) that make it fail.
-
-        Bisection: re-run the step's requests in halves (smaller ``SchedulerOutput`` objects), splitting
-        every half that fails again, down to single requests. Re-running is safe: the K/V of
-        the same tokens is written to the same slots, the runner's per-request state update
-        is idempotent and the sampler restores seeded generators when it raises;
-        ``finished_req_ids`` go with the first sub-call (dropping runner state twice is
-        harmless). Costs at most ``2 * f * log2(n)`` extra calls for ``f`` failing requests
-        among ``n``.
-
-        Returns:
-            The merged output of the requests that ran, and ``{request_id: exception}`` of
-            those that fail alone.
-
-        Raises:
-            StepFailedError: every request fails alone (or the step has one request), so
-                the failure is not attributable to a request.
-        """
-        reqs = sched.requests
-        if len(reqs) < 2:
-            raise StepFailedError([sr.request_id for sr in reqs], error) from error
-        logger.warning("step of %d requests failed (%s: %s); isolating the failing request(s)",
-                       len(reqs), type(error).__name__, error)
-        sampled, logprobs, prompt_logprobs, pooled, failed = {}, {}, {}, {}, {}
-
-        def run(part, finished_ids):
-            try:
-                out = self.executor.execute_model(SchedulerOutput(
-                    part, finished_ids, grammar_req_ids=sched.grammar_req_ids, grammar_bitmask=sched.grammar_bitmask))
-            except Exception as e:
-                if len(part) == 1:
-                    failed[part[0].request_id] = e
-                    return
-                mid = len(part) // 2
-                run(part[:mid], finished_ids)
-                run(part[mid:], [])
-                return
-            sampled.update(out.sampled)
-            logprobs.update(out.logprobs or {})
-            prompt_logprobs.update(out.prompt_logprobs or {})
-            pooled.update(out.pooled or {})
-
-        mid = len(reqs) // 2
-        run(reqs[:mid], sched.finished_req_ids)
-        run(reqs[mid:], [])
-        if len(failed) == len(reqs):
-            raise StepFailedError([sr.request_id for sr in reqs], error) from error
-        for rid, e in failed.items():
-            logger.error("request %s failed alone and is finished with an error: %s: %s",
-                         rid, type(e).__name__, e)
-        return ModelRunnerOutput(sampled, logprobs or None, prompt_logprobs or None, pooled or None), failed
 
     def _request_finished(self, req: Request) -> None:
         """The final output of ``req`` is being built: free its grammar matcher, report its stats."""

@@ -81,7 +81,7 @@ def test_a_tp_rank_lost_with_its_node_fails_the_step_instead_of_hanging(multinod
     import threading
 
     from engine import SamplingParams
-    from engine.llm_engine import StepFailedError
+    from engine.step_isolation import StepFailedError
 
     spare = multinode.cluster.add_node(num_cpus=2)  # the first test took a worker node
     multinode.cluster.wait_for_nodes()

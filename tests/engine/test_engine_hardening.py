@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.layers.sampler import Sampler, SamplingRow
-from engine.llm_engine import LLMEngine, StepFailedError, chat_template_ids
+from engine.llm_engine import LLMEngine, chat_template_ids
+from engine.step_isolation import StepFailedError
 from engine.mixed_step_budget import MixedStepBudget
 from engine.request import RequestStatus
 
