@@ -16,9 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.cache import CacheSettings
-from deployments.contract.config import (ENGINE_FIELDS, RENAMED_MODEL_KEYS, SERVING_ENGINE_DEFAULTS, CacheArgs,
-                                         EmbeddingArgs, EngineArgs, GatewayArgs, LimitArgs, ModelArgs, RoutingArgs,
-                                         renamed_model_keys)
+from deployments.contract.config import (ENGINE_FIELDS, RENAMED_MODEL_KEYS, SERVING_ENGINE_DEFAULTS, CacheArgs, EmbeddingArgs, EngineArgs, GatewayArgs, LimitArgs, ModelArgs, renamed_model_keys)
+from deployments.contract.routing_config import RoutingArgs
 from deployments.gateway.tool_parsers import get_tool_parser
 from deployments.limits import policies_from_keys
 

@@ -28,7 +28,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from deployments.contract.adapters import REGISTRY_REFRESH_S, AdapterEntry, AdapterRegistry, serve_app_name
-from deployments.contract.config import AUTO_MODEL
+from deployments.contract.routing_config import AUTO_MODEL
 from deployments.contract.openai_errors import OpenAIError
 from deployments.gateway.admin import admin_denied
 from deployments.gateway.errors import as_client_error, request_id_of

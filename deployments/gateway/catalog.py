@@ -20,7 +20,7 @@ import logging
 import time
 
 from deployments.contract.adapters import AdapterEntry
-from deployments.contract.config import AUTO_MODEL
+from deployments.contract.routing_config import AUTO_MODEL
 from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
 from deployments.gateway.adapters import AdapterDirectory
 from deployments.gateway.streams import background

@@ -39,7 +39,8 @@ from pydantic import BaseModel
 from ray.serve.handle import DeploymentHandle
 
 from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
-from deployments.contract.config import AUTO_MODEL, CacheArgs, GatewayArgs, LimitArgs, RoutingArgs
+from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs
+from deployments.contract.routing_config import AUTO_MODEL, RoutingArgs
 from deployments.contract.facts import FactsBoard, ModelCard
 from deployments.contract.openai_errors import OpenAIError, random_id
 from deployments.contract.openai_requests import unknown_fields

@@ -10,7 +10,8 @@ import asyncio
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, RoutingArgs
+from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs
+from deployments.contract.routing_config import RoutingArgs
 from deployments.contract.facts import ModelCard
 from deployments.contract.openai_errors import OpenAIError
 from deployments.gateway.api import build_api

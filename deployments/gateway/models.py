@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 
-from deployments.contract.config import AUTO_MODEL
+from deployments.contract.routing_config import AUTO_MODEL
 from deployments.gateway.catalog import ModelCatalog
 
 logger = logging.getLogger("ray.serve")

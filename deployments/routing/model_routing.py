@@ -13,7 +13,7 @@ are never forwarded. The upstream's answer (status, body, SSE stream) reaches th
 unchanged, with ``x-kvserve-route: fallback``.
 
 The rules and the upstream's settings are configuration (:class:`ModelRouting`,
-:class:`UpstreamArgs`, in :mod:`deployments.contract.config` with the other sections); this
+:class:`UpstreamArgs`, in :mod:`deployments.contract.routing_config`); this
 module applies them.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any, AsyncIterator
 
-from deployments.contract.config import AUTO_MODEL, ModelRouting, RouteRule, UpstreamArgs
+from deployments.contract.routing_config import AUTO_MODEL, ModelRouting, RouteRule, UpstreamArgs
 
 logger = logging.getLogger("ray.serve")
 

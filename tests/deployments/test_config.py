@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from deployments.app import build_app, gateway_options, llm_deployment_options
 from deployments.args import AppArgs, app_args_from_config
 from deployments.cli import app_args_from_cli, build_parser
-from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, ModelArgs, RoutingArgs
+from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, ModelArgs
+from deployments.contract.routing_config import RoutingArgs
 from deployments.contract.facts import ModelCard
 from deployments.contract.types import ServerInfo
 
