@@ -25,10 +25,11 @@ KV_CALIBRATION_TEXT = (
 
 #: How far past the calibration text's largest |K| / |V| a layer's float8 scale reaches before
 #: values clamp at +-448. Calibration sees the base model on one text; LoRA adapters (which can
-#: move K and V far: a 2x margin clamped a rank-4 q/v adapter's values and cost an embedding
-#: cosine of 0.94 against the unquantized cache) and unusual prompts go past it. e4m3's relative
-#: step is 2^-3 over its whole normal range (2^-6 .. 448, a range of 2^15), so headroom costs
-#: precision only to values below max/1800, whose absolute error stays under 4e-5 of the max.
+#: move K and V far: a 2x margin clamped a rank-4 q/v adapter's values, which
+#: ``tests/engine/test_kv_fp8.py`` catches by an adapter's embedding through a float8 cache) and
+#: unusual prompts go past it. e4m3's relative step is 2^-3 over its whole normal range (2^-6 ..
+#: 448, a range of 2^15), so headroom costs precision only to values below max/1800, whose
+#: absolute error stays under 4e-5 of the max.
 KV_SCALE_HEADROOM = 16.0
 
 

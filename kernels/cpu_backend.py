@@ -15,7 +15,7 @@ which ``engine/layers`` use on CPU in float32 and bfloat16 whenever the library 
 (:func:`use_fused_ops`). bfloat16 tensors are widened to float32 inside the kernels (scores,
 softmax, accumulation, norms) and rounded once on store.
 
-The kernels are compiled on first use (about a minute on 2 cores) with ``torch.utils.cpp_extension``
+The kernels are compiled on first use (a one-time C++ build) with ``torch.utils.cpp_extension``
 into ``$KVSERVE_CACHE/torch_extensions/<hash of source, torch version and CPU flags>`` and
 loaded from there afterwards; ``make setup`` builds it (``python -m kernels.cpu_backend``).
 Without a C++ compiler, or if the build fails, the backend logs one warning and runs the torch

@@ -7,22 +7,19 @@ Every matmul of the model goes through :func:`linear`. On CPU (inference, float3
 bfloat16) the layers' weights are also **prepacked** once at load (:meth:`ColumnParallelLinear.prepack`:
 oneDNN's blocked layout for a 64-row batch, ``torch.ops.mkldnn._reorder_linear_weight``), so a
 step's matmuls do not re-layout the weight on every call, as vLLM's CPU path and inductor's
-frozen linears do. Which library runs a CPU matmul, as measured per shape by
-``benchmarks/cpu_linear.py`` (``benchmarks/results/cpu_linear.json``):
+frozen linears do. Which library runs a CPU matmul is what ``benchmarks/cpu_linear.py``
+measures per shape (GFLOP/s of each library at 1 to 2,048 rows):
 
-* up to :data:`ATEN_MIN_ROWS` - 1 rows (decode, short chunks): oneDNN with the prepacked weight
-  (on a 2-core AVX2 EPYC, summed over SmolLM2's four layer shapes: 111 vs 77 GFLOP/s for plain
-  oneDNN and 58 for ATen at 64 rows, 72 vs 45 and 42 at 16);
+* up to :data:`ATEN_MIN_ROWS` - 1 rows (decode, short chunks): oneDNN with the prepacked weight,
+  ahead of plain oneDNN and of ATen at these sizes;
 * from :data:`ATEN_MIN_ROWS` rows (prefill chunks): on a CPU without AVX-512, ATen's
-  ``F.linear`` (MKL sgemm, as wide as oneDNN there); with AVX-512, oneDNN's prepacked weight
-  (MKL takes an AVX2 path on AMD CPUs, while oneDNN uses AVX-512: a 64-request decode step's
-  matmuls took 53 instead of 119 ms on the project's AVX-512 EPYC). On the AVX2 box the two are
-  level within its run-to-run noise at these sizes (147 vs 131 GFLOP/s at 512 rows and 134 vs
-  149 at 2,048 in the committed probe; 159 vs 142 at 2,048 in an earlier one).
+  ``F.linear`` (MKL sgemm, as wide as oneDNN there; the two are level within run-to-run noise at
+  these sizes); with AVX-512, oneDNN's prepacked weight (MKL takes an AVX2 path on AMD CPUs,
+  while oneDNN uses AVX-512).
 
 float32 results are IEEE float32 either way (they differ only in summation order).
 bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert``). On a CPU
-without it (oneDNN refuses bf16 there and ATen emulates it, about 5x slower than float32),
+without it (oneDNN refuses bf16 there and ATen emulates it, far slower than float32),
 bfloat16 weights stay bfloat16 and the arithmetic is float32
 (``kernels.cpu_backend.bf16_weight_linear``: a GEMV that widens each weight row as it reads it
 for up to 8 rows, the weight widened into a float32 buffer for oneDNN above), so
@@ -39,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import cpu_native_bf16
 from engine.distributed import all_reduce
 from engine.layers.quantization import quantize_layer, quantized_linear
 
@@ -66,7 +64,6 @@ def _bf16_weights_in_float32_math() -> bool:
     has no native bf16 dot products and the C++ kernels load (decided once per process)."""
     global _bf16_storage_only
     if _bf16_storage_only is None:
-        from engine.config import cpu_native_bf16
         from kernels import cpu_backend
         _bf16_storage_only = not cpu_native_bf16()[0] and cpu_backend.load_kernel()
     return _bf16_storage_only

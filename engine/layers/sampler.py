@@ -101,8 +101,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     normalised) -> int64 ``[n]``, by inverse-CDF sampling: one uniform per row against the
     row's float64 cumulative sum (the first index whose cumulative sum exceeds it, so a
     zero-probability token is never drawn). ``torch.multinomial`` draws the same distribution
-    but took about 1.2 ms per row at a 49k vocabulary on the 2-core CPU (38 ms for a 32-row
-    step), this 0.03 ms.
+    but costs far more per row at a large vocabulary on CPU (``benchmarks/step_times.py`` times
+    the sampler within a step).
 
     Raises:
         RuntimeError: a row whose sum is not finite and positive (NaN or inf logits), as

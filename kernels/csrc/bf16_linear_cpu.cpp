@@ -1,6 +1,6 @@
 // bfloat16 weights on a CPU without native bf16 dot products (no avx512_bf16 / AMX), where oneDNN
-// refuses bf16 and ATen emulates it about 5x slower than float32: the weights stay bfloat16 (half
-// float32's bytes) and the arithmetic is float32.
+// refuses bf16 and ATen emulates it far slower than float32 (benchmarks/cpu_linear.py): the
+// weights stay bfloat16 (half float32's bytes) and the arithmetic is float32.
 //
 //   bf16_gemv:    y [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 8, x and y bfloat16.
 //                 Small batches are bound by reading the weights: each weight row is read once

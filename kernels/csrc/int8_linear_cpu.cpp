@@ -19,8 +19,8 @@ constexpr int64_t kMaxRows = 8;
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-// 16 int8 weights widened to float32 (GCC 12 scalarises __builtin_convertvector here, ~1 value
-// per cycle; vpmovsxbd + vcvtdq2ps keep the GEMV bound by memory).
+// 16 int8 weights widened to float32 (GCC 12 scalarises __builtin_convertvector here, one value
+// at a time; vpmovsxbd + vcvtdq2ps keep the GEMV bound by memory).
 inline __m512 widen16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
