@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from engine.input_processor import InputProcessor, parse_prompt
-from engine.llm_engine import LLMEngine, StepFailedError
+from engine.llm_engine import LLMEngine
+from engine.step_isolation import StepFailedError
 from engine.model_loader import load_tokenizer
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
