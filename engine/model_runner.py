@@ -27,7 +27,7 @@ from engine.model_loader import iter_safetensors, load_config
 from engine.models.registry import model_class
 from engine.pipeline import pipeline_forward
 from engine.prompt_logprobs import PROMPT_LOGPROBS_SLICE, prompt_logprobs
-from engine.scheduler import SchedulerOutput
+from engine.sched_output import SchedulerOutput
 from kernels.backend import AttentionMetadata
 from kernels.selector import select_attention_backend
 

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from engine.draft_length import DraftLengthPolicy
 from engine.ngram_proposer import NgramProposer
 from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from engine.sched_output import SchedulerOutput
 from engine.spec_config import METHODS, SpeculativeConfig
 from engine.stats import IterationStats
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from engine.sched_output import SchedulerOutput
 
 logger = logging.getLogger("kvserve.engine")
 

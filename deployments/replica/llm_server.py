@@ -27,20 +27,19 @@ from typing import Any
 from ray import serve
 
 from cluster import reset_niceness
-from deployments.contract.openai_errors import random_id
-from deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
-from deployments.contract.streams import merge_streams, next_before
 from deployments.contract.config import ModelArgs, default_admission_bounds
 from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
+from deployments.contract.openai_errors import random_id
+from deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
 from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 from deployments.replica.admission import Admission, OverloadedError
 from deployments.replica.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
 from deployments.replica.pooling import PoolingEndpoints
 from deployments.replica.prefix_report import RecentPrefixes
 from deployments.replica.recent_requests import RecentRequests
-from deployments.replica.request_outputs import ChunkBuilder, stream_interval
+from deployments.replica.request_runner import RequestRunner, engine_dead
 from deployments.replica.step_stats import RATE_WINDOW_S, StepStats
-from telemetry.metrics import EngineMetrics, rejected
+from telemetry.metrics import EngineMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -55,12 +54,6 @@ def default_torch_threads(tensor_parallel_size: int = 1) -> int:
     """CPU threads for one engine process (Ray sets ``OMP_NUM_THREADS`` to the actor's
     ``num_cpus``, 1 by default, which would leave most cores idle on a CPU replica)."""
     return max(1, (os.cpu_count() or 1) // max(1, tensor_parallel_size))
-
-
-def _engine_dead(index: int = 0, during: bool = False) -> GenerationChunk:
-    """The last chunk of a request whose engine stopped (before it started, or ``during`` it)."""
-    return GenerationChunk.failed(GenerationError("engine_dead", "the model server's engine " + (
-        "stopped during this request" if during else "has stopped") + " and is being restarted; retry later"), index)
 
 
 def _exception(err: GenerationError) -> Exception:
@@ -152,7 +145,6 @@ class LLMServer(PoolingEndpoints):
         self.tool_call_parser = m.tool_call_parser
         self.metrics = EngineMetrics(self.model_name, _replica_id(), speculative=config.speculative_config is not None,
                                      lora=config.max_loras if config.enable_lora else None)
-        self._rejected = rejected()
 
         def on_step(m):
             self.stats.record(m)
@@ -164,6 +156,8 @@ class LLMServer(PoolingEndpoints):
         self.prefixes = RecentPrefixes(config.block_size, limit=min(REPORTED_HASHES, n_blocks))
         self._tokenizer_probe = tokenizer_probe(self.engine.tokenize, self.engine.input_processor.chat_template_ids)
         self.recent = RecentRequests()  # finished requests' timings
+        self.runner = RequestRunner(self.engine, self.admission, self.recent, self.model_name, m.request_timeout_s,
+                                    m.stream_interval)
         self.max_model_len = self.engine.max_model_len
         self.revision = model_revision(self.engine.model_path)
         self.facts = FactsBoard.of_this_app()
@@ -233,7 +227,7 @@ class LLMServer(PoolingEndpoints):
                 ids = await self.engine.encode(request.prompt)
             self.engine.input_processor.check_context_length(len(ids), params.max_tokens)
         except EngineDeadError:
-            yield _engine_dead()
+            yield engine_dead()
             return
         except (ValueError, TypeError) as e:
             code = ("context_length_exceeded" if isinstance(e, PromptTooLongError) else
@@ -245,9 +239,9 @@ class LLMServer(PoolingEndpoints):
         if request.echo:
             prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
         if n == 1:
-            chunks = self._run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora)
+            chunks = self.runner.run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora)
         else:
-            chunks = self._fan_out(ids, params, request_id, request.priority, n, prompt_text, lora)
+            chunks = self.runner.fan_out(ids, params, request_id, request.priority, n, prompt_text, lora)
         async for chunk in chunks:
             yield chunk
 
@@ -275,107 +269,6 @@ class LLMServer(PoolingEndpoints):
             if chunk.error is not None:
                 raise _exception(chunk.error)
             yield chunk
-
-    async def _fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
-                       prompt_text: str | None, lora=None) -> AsyncIterator[GenerationChunk]:
-        """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`stream`).
-        A choice that fails fails the request: its error chunk ends the stream and the other
-        choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all)."""
-        import dataclasses
-
-        from engine.sampling_params import SEED_MAX, SEED_MIN
-
-        prefilled = asyncio.Event()  # choice 0's prompt is in the KV cache (or it ended)
-
-        def child(i: int):
-            p, seed = params, params.seed
-            if i:  # a given seed becomes seed + i, wrapped into the seed range
-                seed = None if seed is None else seed + i - (SEED_MAX - SEED_MIN + 1) * (seed + i > SEED_MAX)
-                p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
-            return self._run(ids, p, f"{request_id}-{i}", priority, index=i,
-                             wait_for=prefilled if i else None, on_first=prefilled if not i else None,
-                             prompt_text=prompt_text, lora=lora)
-
-        choices = merge_streams([child(i) for i in range(n)])
-        try:
-            async for _, chunk in choices:
-                yield chunk
-                if chunk.error is not None:  # a choice that fails fails the request
-                    return
-        finally:
-            prefilled.set()
-            await choices.aclose()  # cancels the other choices at once (aborted in the engine)
-
-    async def _run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
-                   wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
-                   prompt_text: str | None = None, lora=None) -> AsyncIterator[GenerationChunk]:
-        """One engine request of :meth:`stream`: admission, the engine's stream as chunks
-        tagged ``index``, the request timeout. ``wait_for``: an event to await after
-        admission, before the request enters the engine; ``on_first``: an event set once the
-        request's first output arrived (its prompt is computed) or it ended; ``prompt_text``
-        goes on the first chunk."""
-        from engine.async_engine import EngineDeadError
-        from engine.input_processor import PromptTooLongError
-
-        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
-        n_prompt, admitted, started = len(ids), False, False
-        stream = None
-        try:
-            try:
-                refused = self.admission.admit(n_prompt)
-                if refused is not None:
-                    if refused.code == "queue_full":
-                        self._rejected.inc({"model_name": self.model_name, "reason": "queue_full"})
-                    yield GenerationChunk.failed(refused, index)
-                    return
-                admitted = True
-                if wait_for is not None:
-                    await wait_for.wait()
-                stream = self.engine.generate(ids, params, request_id, priority, lora_request=lora)
-                out = await next_before(stream, deadline)  # validates the prompt, then waits for the first token
-            except EngineDeadError:
-                yield _engine_dead(index)
-                return
-            except (ValueError, TypeError) as e:
-                code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
-                yield GenerationChunk.failed(GenerationError(code, str(e)), index)
-                return
-            except TimeoutError:
-                yield self._timed_out(index)
-                return
-            finally:
-                if on_first is not None:
-                    on_first.set()
-            started = True
-            self.admission.start(n_prompt)
-            chunks = ChunkBuilder(self.engine.tokenizer, params, index, prompt_text)
-            while True:
-                if out.finished:
-                    self.recent.add(out)
-                if (chunk := chunks.add(out, stream_interval(self.stream_interval, self.admission.in_flight))) is not None:
-                    yield chunk
-                if out.finished:
-                    return
-                try:
-                    out = await next_before(stream, deadline)
-                except TimeoutError:
-                    yield self._timed_out(index)
-                    return
-                except EngineDeadError:  # mid-stream (e.g. a tensor-parallel worker died): typed, retryable
-                    yield _engine_dead(index, during=True)
-                    return
-        finally:
-            if admitted:
-                self.admission.end(n_prompt, started)
-            if stream is not None:
-                await stream.aclose()  # aborts the request in the engine unless it finished
-
-    def _timed_out(self, index: int = 0) -> GenerationChunk:
-        """The last chunk of a request that ran past ``request_timeout_s`` (the caller's
-        ``finally`` aborts it in the engine, which frees its blocks)."""
-        self._rejected.inc({"model_name": self.model_name, "reason": "timeout"})
-        msg = f"the request ran longer than the server's limit of {self.request_timeout_s:g} s and was stopped"
-        return GenerationChunk.failed(GenerationError("timeout", msg), index)
 
     async def complete(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
                        messages: list[dict] | None = None, request_id: str | None = None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-
 class RecentRequests:
     """Engine-side timings (``time.time()`` seconds) and token counts of the last ``limit``
     finished requests, by request id."""

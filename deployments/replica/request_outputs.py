@@ -5,7 +5,6 @@ chunk streams as they come (:func:`merge_streams`: a replica's ``n`` choices, th
 prompts of one completions request)."""
 from __future__ import annotations
 
-
 from deployments.contract.types import GenerationChunk, TokenLogprob, TopLogprob
 
 

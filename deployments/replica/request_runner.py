@@ -1,0 +1,141 @@
+"""One request's run on a replica's engine: admission, the engine's stream as chunks, the request
+timeout and the ``n`` choices of one prompt interleaved (:class:`RequestRunner`), what
+``LLMServer.stream`` hands each prompt to."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from deployments.contract.streams import merge_streams, next_before
+from deployments.contract.types import GenerationChunk, GenerationError
+from deployments.replica.admission import Admission
+from deployments.replica.recent_requests import RecentRequests
+from deployments.replica.request_outputs import ChunkBuilder, stream_interval
+from telemetry.metrics import rejected
+
+
+def engine_dead(index: int = 0, during: bool = False) -> GenerationChunk:
+    """The last chunk of a request whose engine stopped (before it started, or ``during`` it)."""
+    return GenerationChunk.failed(GenerationError("engine_dead", "the model server's engine " + (
+        "stopped during this request" if during else "has stopped") + " and is being restarted; retry later"), index)
+
+
+class RequestRunner:
+    """Runs engine requests for one replica.
+
+    Args:
+        engine: the replica's :class:`engine.AsyncLLMEngine`.
+        admission: the replica's bounded admission (a request is admitted before it enters the engine).
+        recent: where finished requests' timings go.
+        model_name: the served name (the ``model_name`` label of refusals).
+        request_timeout_s: seconds a request may run before it is stopped (None: no limit).
+        stream_interval_setting: engine outputs per streamed chunk (0: automatic, see
+            :func:`~deployments.replica.request_outputs.stream_interval`).
+    """
+
+    def __init__(self, engine, admission: Admission, recent: RecentRequests, model_name: str,
+                 request_timeout_s: float | None, stream_interval_setting: int):
+        self.engine, self.admission, self.recent, self.model_name = engine, admission, recent, model_name
+        self.request_timeout_s, self.stream_interval = request_timeout_s, stream_interval_setting
+        self.rejected = rejected()
+
+    async def fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
+                       prompt_text: str | None, lora=None) -> AsyncIterator[GenerationChunk]:
+        """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`LLMServer.stream`).
+        A choice that fails fails the request: its error chunk ends the stream and the other
+        choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all)."""
+        from engine.sampling_params import SEED_MAX, SEED_MIN
+
+        prefilled = asyncio.Event()  # choice 0's prompt is in the KV cache (or it ended)
+
+        def child(i: int):
+            p, seed = params, params.seed
+            if i:  # a given seed becomes seed + i, wrapped into the seed range
+                seed = None if seed is None else seed + i - (SEED_MAX - SEED_MIN + 1) * (seed + i > SEED_MAX)
+                p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
+            return self.run(ids, p, f"{request_id}-{i}", priority, index=i,
+                             wait_for=prefilled if i else None, on_first=prefilled if not i else None,
+                             prompt_text=prompt_text, lora=lora)
+
+        choices = merge_streams([child(i) for i in range(n)])
+        try:
+            async for _, chunk in choices:
+                yield chunk
+                if chunk.error is not None:  # a choice that fails fails the request
+                    return
+        finally:
+            prefilled.set()
+            await choices.aclose()  # cancels the other choices at once (aborted in the engine)
+
+    async def run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
+                   wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
+                   prompt_text: str | None = None, lora=None) -> AsyncIterator[GenerationChunk]:
+        """One engine request of :meth:`LLMServer.stream`: admission, the engine's stream as chunks
+        tagged ``index``, the request timeout. ``wait_for``: an event to await after
+        admission, before the request enters the engine; ``on_first``: an event set once the
+        request's first output arrived (its prompt is computed) or it ended; ``prompt_text``
+        goes on the first chunk."""
+        from engine.async_engine import EngineDeadError
+        from engine.input_processor import PromptTooLongError
+
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        n_prompt, admitted, started = len(ids), False, False
+        stream = None
+        try:
+            try:
+                refused = self.admission.admit(n_prompt)
+                if refused is not None:
+                    if refused.code == "queue_full":
+                        self.rejected.inc({"model_name": self.model_name, "reason": "queue_full"})
+                    yield GenerationChunk.failed(refused, index)
+                    return
+                admitted = True
+                if wait_for is not None:
+                    await wait_for.wait()
+                stream = self.engine.generate(ids, params, request_id, priority, lora_request=lora)
+                out = await next_before(stream, deadline)  # validates the prompt, then waits for the first token
+            except EngineDeadError:
+                yield engine_dead(index)
+                return
+            except (ValueError, TypeError) as e:
+                code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
+                yield GenerationChunk.failed(GenerationError(code, str(e)), index)
+                return
+            except TimeoutError:
+                yield self._timed_out(index)
+                return
+            finally:
+                if on_first is not None:
+                    on_first.set()
+            started = True
+            self.admission.start(n_prompt)
+            chunks = ChunkBuilder(self.engine.tokenizer, params, index, prompt_text)
+            while True:
+                if out.finished:
+                    self.recent.add(out)
+                if (chunk := chunks.add(out, stream_interval(self.stream_interval, self.admission.in_flight))) is not None:
+                    yield chunk
+                if out.finished:
+                    return
+                try:
+                    out = await next_before(stream, deadline)
+                except TimeoutError:
+                    yield self._timed_out(index)
+                    return
+                except EngineDeadError:  # mid-stream (e.g. a tensor-parallel worker died): typed, retryable
+                    yield engine_dead(index, during=True)
+                    return
+        finally:
+            if admitted:
+                self.admission.end(n_prompt, started)
+            if stream is not None:
+                await stream.aclose()  # aborts the request in the engine unless it finished
+
+    def _timed_out(self, index: int = 0) -> GenerationChunk:
+        """The last chunk of a request that ran past ``request_timeout_s`` (the caller's
+        ``finally`` aborts it in the engine, which frees its blocks)."""
+        self.rejected.inc({"model_name": self.model_name, "reason": "timeout"})
+        msg = f"the request ran longer than the server's limit of {self.request_timeout_s:g} s and was stopped"
+        return GenerationChunk.failed(GenerationError("timeout", msg), index)
