@@ -165,9 +165,8 @@ class EngineConfig:
         choice): bfloat16 on CUDA; on CPU bfloat16 where the CPU has native bf16 dot products
         (:func:`cpu_native_bf16`), since oneDNN then runs bf16 matmuls at twice float32's rate
         on half the bytes, and float32 where there are none (bf16 weights then cost a float32
-        widening per step: 108 vs 144 tok/s on an AVX2 EPYC, ``benchmarks/results/``
-        ``throughput_bf16.json`` and ``throughput.json``), or where ``quantization="int8"``
-        (its kernels take float32 activations)."""
+        widening per step, slower than float32 weights: ``benchmarks/throughput.py --dtype``
+        measures both), or where ``quantization="int8"`` (its kernels take float32 activations)."""
         import torch
 
         if self.torch_device.type == "cuda":

@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched_output import SchedulerOutput
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer, SpeculativeConfig, Speculator
-from engine.stats import EngineStats, FinishedRequestStats, StepMetrics
+from engine.stats import EngineStats, FinishedRequestStats, IterationStats
 from engine.step_isolation import StepFailedError, isolate_failing_requests
 from engine.structured_output import StructuredOutputs
 
@@ -102,9 +102,9 @@ class LLMEngine:
                                    max_loras=config.max_loras if config.enable_lora else 0)
         #: Counters and stat loggers.
         self.stats = EngineStats()
-        #: Callables given the :class:`StepMetrics` of every step that ran the model (the list
+        #: Callables given the :class:`IterationStats` of every step that ran the model (the list
         #: of :attr:`stats`).
-        self.stat_loggers: list[Callable[[StepMetrics], None]] = self.stats.stat_loggers
+        self.stat_loggers: list[Callable[[IterationStats], None]] = self.stats.stat_loggers
         #: Callables given the :class:`FinishedRequestStats` of every request that leaves the
         #: engine (the list of :attr:`stats`).
         self.request_loggers: list[Callable[[FinishedRequestStats], None]] = self.stats.request_loggers
@@ -315,14 +315,14 @@ class LLMEngine:
             except Exception as e:
                 raise StepFailedError([], e) from e
 
-    def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception], StepMetrics | None]:
+    def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception], IterationStats | None]:
         """Run the model on ``sched``. A call that raises is re-run in parts to find the requests
         that fail alone (:func:`~engine.step_isolation.isolate_failing_requests`); one that succeeds gets the step's metrics, whose time
         also feeds the scheduler's mixed-step budget.
 
         Returns:
             The output, ``{request_id: exception}`` of the requests that failed alone, and the
-            :class:`StepMetrics` (None after an isolation: the time is not one step's).
+            :class:`IterationStats` (None after an isolation: the time is not one step's).
 
         Raises:
             StepFailedError: see :func:`~engine.step_isolation.isolate_failing_requests`.
@@ -332,7 +332,7 @@ class LLMEngine:
             result = self.executor.execute_model(sched)
         except Exception as e:
             return *isolate_failing_requests(self.executor, sched, e), None
-        m = StepMetrics.of_step(sched, t0, self.clock(), len(self.scheduler.waiting))
+        m = IterationStats.of_step(sched, t0, self.clock(), len(self.scheduler.waiting))
         if self.config.enable_lora:  # vLLM's lora_requests_info
             m.running_lora_adapters, m.waiting_lora_adapters = (sorted({
                 r.lora_request.lora_name for r in q if r.lora_request is not None})
@@ -342,7 +342,7 @@ class LLMEngine:
         return result, {}, m
 
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput, reqs: dict[str, Request],
-                m: StepMetrics | None) -> tuple[list[Request], list[RequestOutput]]:
+                m: IterationStats | None) -> tuple[list[Request], list[RequestOutput]]:
         """After the model call: the scheduler appends the sampled tokens (stop tokens, length;
         a request whose update raises fails alone), speculation records what was accepted (into
         ``m`` too), ``max_tokens=0`` requests whose prompt is done give their final output, and

@@ -27,8 +27,8 @@ class MixedStepBudget:
         slowdown: target ratio (> 1) of a mixed step's time to a decode-only step's.
         max_tokens: upper clamp (the step budget, ``max_num_batched_tokens``).
         min_tokens: lower clamp, so prefills always progress (tokens). Small: deep into a long
-            prompt a chunk's attention over the whole context costs ~5 ms per token on a 2-core
-            CPU (SmolLM2, 7k context), so the target may need chunks of ~20 tokens.
+            prompt a chunk's attention over the whole context costs far more per token than at
+            its start (``benchmarks/long_prefill.py``), so the target may need small chunks.
         initial_tokens: budget before measurements (tokens).
         alpha: weight of the newest step in the averages.
     """
@@ -42,10 +42,9 @@ class MixedStepBudget:
 
         None where ``mixed_step_prefill_tokens`` is set, and where CUDA graphs are asked for
         (``config.cuda_graphs``): there decode-only steps replay graphs while a mixed step runs
-        eagerly, so the mixed step's launch overhead (~20 ms for a 30-layer model, against
-        ~2.5 ms for a replayed decode step on an H200) would be read as prefill cost and the cap
-        would fall to ``min_tokens``: a workload of prompts above the long-prompt threshold then
-        prefilled 8 tokens per step (SmolLM2's shape on the lent H200, 2026-11-26). There
+        eagerly, so the mixed step's launch overhead (many times a replayed decode step's) would
+        be read as prefill cost and the cap would fall to ``min_tokens``: long prompts would then
+        prefill ``min_tokens`` per step (seen on a lent GPU, ``benchmarks/gpu.py``). There
         chunks are bounded by ``max_num_batched_tokens`` alone, as in vLLM by default.
         """
         if config.mixed_step_prefill_tokens is not None or config.cuda_graphs:

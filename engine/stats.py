@@ -109,9 +109,6 @@ class IterationStats:
                    sched.prefix_cache_queries, sched.prefix_cache_hits)
 
 
-#: The old name of :class:`IterationStats`, kept for one release (deployments/ still uses it).
-StepMetrics = IterationStats
-
 
 @dataclass
 class FinishedRequestStats:

@@ -142,10 +142,6 @@ class PrometheusStatLogger:
         ``num_running``, ``num_waiting`` and ``kv_cache_usage`` (an ``IterationStats``)."""
         self._set_queue(s.num_running, s.num_waiting, s.kv_cache_usage)
 
-    def record_queue(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
-        """:meth:`record_scheduler_stats` by its numbers (the old name, kept for one release)."""
-        self._set_queue(num_running, num_waiting, kv_cache_usage)
-
     def _set_queue(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         lb = self.labels
         self.running.set(lb, num_running)
@@ -163,6 +159,3 @@ class PrometheusStatLogger:
         self.req_prompt.observe(lb, r.num_prompt_tokens)
         self.req_generation.observe(lb, r.num_generation_tokens)
 
-
-#: The old name of :class:`PrometheusStatLogger`, kept for one release (deployments/ still uses it).
-EngineMetrics = PrometheusStatLogger

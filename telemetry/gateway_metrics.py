@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from telemetry.registry import Metric, metric
 
-
 #: Reasons of ``kvserve:requests_rejected_total`` (what the client got).
 REJECT_REASONS = ("unauthorized", "auth_throttled", "rate_limited", "queue_full", "model_unavailable",
                   "timeout", "draining")

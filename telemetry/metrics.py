@@ -14,16 +14,35 @@ metrics), :mod:`telemetry.gateway_metrics` (the gateway's). This module re-expor
 """
 from __future__ import annotations
 
-from telemetry.engine_metrics import (ENGINE_LABELS, ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS,
-                                      EngineMetrics, PrometheusStatLogger)
-from telemetry.gateway_metrics import (CACHE_LABELS, CACHE_LOOKUP_BUCKETS, HTTP_LATENCY_BUCKETS, REJECT_REASONS,
-                                       api_key_requests, api_key_tokens, cache_hits, cache_lookup_seconds, cache_misses,
-                                       http_request_seconds, http_requests, model_routes, rejected, upstream_fallbacks)
+from telemetry.engine_metrics import (
+                                      ENGINE_LABELS,
+                                      ITL_BUCKETS,
+                                      REQUEST_LATENCY_BUCKETS,
+                                      TOKEN_BUCKETS,
+                                      TTFT_BUCKETS,
+                                      PrometheusStatLogger,
+)
+from telemetry.gateway_metrics import (
+                                      CACHE_LABELS,
+                                      CACHE_LOOKUP_BUCKETS,
+                                      HTTP_LATENCY_BUCKETS,
+                                      REJECT_REASONS,
+                                      api_key_requests,
+                                      api_key_tokens,
+                                      cache_hits,
+                                      cache_lookup_seconds,
+                                      cache_misses,
+                                      http_request_seconds,
+                                      http_requests,
+                                      model_routes,
+                                      rejected,
+                                      upstream_fallbacks,
+)
 from telemetry.registry import PREFIX, RAY_PREFIX, Metric, _metrics, metric, metrics_dir, render
 
 __all__ = [
     "CACHE_LABELS", "CACHE_LOOKUP_BUCKETS", "ENGINE_LABELS", "HTTP_LATENCY_BUCKETS", "ITL_BUCKETS", "PREFIX",
-    "RAY_PREFIX", "REJECT_REASONS", "REQUEST_LATENCY_BUCKETS", "TOKEN_BUCKETS", "TTFT_BUCKETS", "EngineMetrics",
+    "RAY_PREFIX", "REJECT_REASONS", "REQUEST_LATENCY_BUCKETS", "TOKEN_BUCKETS", "TTFT_BUCKETS",
     "Metric", "PrometheusStatLogger", "_metrics", "api_key_requests", "api_key_tokens", "cache_hits",
     "cache_lookup_seconds", "cache_misses", "http_request_seconds", "http_requests", "metric", "metrics_dir",
     "model_routes", "rejected", "render", "upstream_fallbacks"]

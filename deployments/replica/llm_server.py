@@ -38,8 +38,9 @@ from deployments.replica.pooling import PoolingEndpoints
 from deployments.replica.prefix_report import RecentPrefixes
 from deployments.replica.recent_requests import RecentRequests
 from deployments.replica.request_runner import RequestRunner, engine_dead
-from deployments.replica.step_stats import RATE_WINDOW_S, StepStats
-from telemetry.metrics import EngineMetrics
+from deployments.replica.step_rates import RATE_WINDOW_S, StepRateTracker
+from engine.stats import SchedulerStats
+from telemetry.metrics import PrometheusStatLogger
 
 logger = logging.getLogger("ray.serve")
 
@@ -116,7 +117,7 @@ class LLMServer(PoolingEndpoints):
         config = EngineConfig(**m.engine_args())
         tp = config.tensor_parallel_size * config.pipeline_parallel_size  # worker actors
         torch.set_num_threads(m.torch_num_threads or default_torch_threads(1))
-        self.stats = StepStats(config.max_num_seqs, config.max_num_batched_tokens)
+        self.stats = StepRateTracker(config.max_num_seqs, config.max_num_batched_tokens)
 
         if tp > 1:
             from cluster.worker_group import RayWorkerGroup
@@ -143,7 +144,7 @@ class LLMServer(PoolingEndpoints):
         self.request_timeout_s = m.request_timeout_s
         self.stream_interval, self.pooling_type = m.stream_interval, m.pooling_type
         self.tool_call_parser = m.tool_call_parser
-        self.metrics = EngineMetrics(self.model_name, _replica_id(), speculative=config.speculative_config is not None,
+        self.metrics = PrometheusStatLogger(self.model_name, _replica_id(), speculative=config.speculative_config is not None,
                                      lora=config.max_loras if config.enable_lora else None)
 
         def on_step(m):
@@ -330,7 +331,7 @@ class LLMServer(PoolingEndpoints):
         queue and batch gauges from the scheduler (requests the bounded queue refused in the
         last :data:`RATE_WINDOW_S` s count as waiting), token rates over the last
         :data:`RATE_WINDOW_S` s of engine steps, and the capacities measured on full-ish steps
-        (see :class:`StepStats`)."""
+        (see :class:`StepRateTracker`)."""
         s = self.engine.get_stats()
         rates = self.stats.snapshot()
         return {
@@ -364,8 +365,9 @@ class LLMServer(PoolingEndpoints):
         """
         await self.engine.check_health_async(timeout_s)
         s = self.engine.get_stats()  # the queue gauges also move while no step runs
-        self.metrics.record_queue(int(s["num_running_requests"]), int(s["num_waiting_requests"] + s.get(
-            "num_pending_requests", 0)), float(s["kv_cache_usage"]))
+        self.metrics.record_scheduler_stats(SchedulerStats(
+            int(s["num_running_requests"]), int(s["num_waiting_requests"] + s.get("num_pending_requests", 0)),
+            float(s["kv_cache_usage"])))
         return {"status": "ok"}
 
     async def ready(self, recent_s: float = 10.0, timeout_s: float = 30.0) -> dict[str, Any]:

@@ -27,7 +27,7 @@ os.environ["KVSERVE_METRICS_DIR"] = tempfile.mkdtemp(prefix="kvserve-metrics-")
 from telemetry import metrics as M
 from autoscaling import metrics as AM
 
-M.EngineMetrics("m", "r", speculative=True)
+M.PrometheusStatLogger("m", "r", speculative=True)
 M.rejected(); M.api_key_tokens(); M.api_key_requests()
 AM._RayBackend()  # the autoscaler's definitions (telemetry.metrics inside the Serve controller)
 for m in list(M._metrics.values()):

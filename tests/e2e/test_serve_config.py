@@ -183,13 +183,13 @@ def test_protocol_models():
 
 
 def test_step_stats_capacity_only_from_full_steps():
-    from deployments.replica.step_stats import StepStats
-    from engine.stats import StepMetrics
+    from deployments.replica.step_rates import StepRateTracker
+    from engine.stats import IterationStats
 
     def step(t0, t1, n_prefill, n_decode, n_sampled, batch):
-        return StepMetrics(t0, t1, n_prefill, n_decode, n_sampled, batch, num_waiting=0)
+        return IterationStats(t0, t1, n_prefill, n_decode, n_sampled, batch, num_waiting=0)
 
-    s = StepStats(max_num_seqs=8, max_num_batched_tokens=100)
+    s = StepRateTracker(max_num_seqs=8, max_num_batched_tokens=100)
     t = 1000.0
     s.created = t - 20
     # small decode batches: rates but no capacity yet

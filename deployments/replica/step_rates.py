@@ -1,4 +1,4 @@
-"""A replica's step rates and capacities, the numbers the autoscaler reads: :class:`StepStats`."""
+"""A replica's step rates and capacities, the numbers the autoscaler reads: :class:`StepRateTracker`."""
 from __future__ import annotations
 
 import threading
@@ -22,8 +22,8 @@ class StepRates:
     prefill_capacity_tokens_per_s: float
 
 
-class StepStats:
-    """Rates and capacities from the engine's per-step :class:`engine.stats.StepMetrics`
+class StepRateTracker:
+    """Rates and capacities from the engine's per-step :class:`engine.stats.IterationStats`
     (registered as a stat logger of the engine).
 
     For every step it records its end time, the wall time of its cycle (from the end of the
@@ -47,7 +47,7 @@ class StepStats:
         self.created = time.monotonic()
 
     def record(self, m) -> None:
-        """Add one step (a ``StepMetrics``; called in the engine's step thread)."""
+        """Add one step (a ``IterationStats``; called in the engine's step thread)."""
         t0, t1, n_prefill, n_decode, n_sampled = m.start, m.end, m.num_prefill_tokens, m.num_decode_tokens, m.num_sampled
         batch, waiting = m.num_running, m.num_waiting
         exec_s = t1 - t0
