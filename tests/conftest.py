@@ -12,8 +12,13 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from engine.model_loader import resolve_model  # noqa: E402
-from helpers import free_port  # noqa: E402  (tests/ is on sys.path for this conftest)
+from helpers import PROFILE, free_port  # noqa: E402  (tests/ is on sys.path for this conftest)
 from tiny_models import make_tiny_model  # noqa: E402
+
+
+def pytest_report_header(config):
+    return (f"kvserve test profile: {PROFILE} (KVSERVE_TEST_PROFILE; `make test` runs the fast one without the "
+            f"tests marked thorough, `make test-thorough` every test at full size)")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -10,11 +10,25 @@ lines, the last one ``data: [DONE]``. Parsed events are dicts, and the end marke
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from typing import Any, AsyncIterator, Iterable, Iterator, Union
 
 DONE = "[DONE]"
+
+#: The test profile: ``fast`` (the default, what ``make test`` runs) or ``thorough``
+#: (``KVSERVE_TEST_PROFILE=thorough``, what ``make test-thorough`` runs: full fuzz sizes, request
+#: counts and steps). A test whose time is its size asserts the same in both, at :func:`sized`'s size.
+PROFILE = os.environ.get("KVSERVE_TEST_PROFILE", "fast")
+if PROFILE not in ("fast", "thorough"):
+    raise ValueError(f"KVSERVE_TEST_PROFILE={PROFILE!r}: fast or thorough")
+THOROUGH = PROFILE == "thorough"
+
+
+def sized(fast: int, thorough: int) -> int:
+    """A size (examples, requests, steps) for the current :data:`PROFILE`."""
+    return thorough if THOROUGH else fast
 
 #: What the sync parsers read: a response (httpx or requests: anything with ``iter_lines()``,
 #: streamed or not), a whole body (``str`` or ``bytes``), or lines.
