@@ -34,6 +34,11 @@ RECOVERY_LIMIT_S = 30.0
 TP_RECOVERY_LIMIT_S = 45.0
 #: Seconds an in-flight client may take, after a kill, to see the end of its response.
 CLIENT_END_LIMIT_S = 60.0
+#: Seconds from a tensor-parallel worker's kill until the replica's ``/health`` says 503 (it
+#: notices the dead engine at once, not at Serve's periodic health check).
+HEALTH_DOWN_LIMIT_S = 5.0
+#: Longest one ``/health`` answer may take while Serve replaces the replica (it never blocks).
+HEALTH_ANSWER_LIMIT_S = 10.0
 
 #: A tiny replica's share of the session's 8 logical CPUs (beside the fixture's apps).
 TINY = {"max_num_seqs": 8, "max_model_len": 2048, "torch_num_threads": 1, "replica_cpus": 0.25,
@@ -239,12 +244,47 @@ async def _wait_recovered(client: httpx.AsyncClient, base: str, t_kill: float, l
     return out
 
 
-async def _kill_mid_stream(base: str, pid: int, limit_s: float,
-                           n_streams: int = 6) -> tuple[list[StreamResult], dict, float, float]:
+async def _watch_health(client: httpx.AsyncClient, base: str, t_kill: float, *pids: int) -> dict:
+    """After a kill that leaves the replica's engine dead: ``/health`` turns 503 ``unhealthy``
+    within :data:`HEALTH_DOWN_LIMIT_S` (the replica notices at once, not at Serve's next
+    periodic check), a completion sent then succeeds or gets a clean 503, neither with anything
+    internal in it; while Serve replaces the replica ``/health`` never blocks (each answer within
+    :data:`HEALTH_ANSWER_LIMIT_S`) until it is 200 again. Returns what was seen."""
+    body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    out: dict = {"down_s": None, "up_s": None, "completion": None}
+    while True:
+        r = await client.get(f"{base}/health", timeout=30)
+        if r.status_code == 503:
+            out["down_s"] = time.monotonic() - t_kill
+            break
+        assert time.monotonic() - t_kill < HEALTH_DOWN_LIMIT_S, \
+            f"health still {r.status_code} {HEALTH_DOWN_LIMIT_S:.0f} s after the engine died"
+        await asyncio.sleep(0.2)
+    assert _assert_openai_error(r.json(), *pids)["code"] == "unhealthy", r.text
+    r = await client.post(f"{base}/v1/completions", json=body, timeout=60)
+    out["completion"] = r.status_code
+    if r.status_code != 200:  # the replica may already be replaced; if not, a clean 503
+        assert r.status_code == 503, r.text
+        assert _assert_openai_error(r.json(), *pids)["code"] in ("engine_dead", "model_unavailable", "unhealthy")
+    deadline = time.monotonic() + 180
+    while True:  # Serve replaces the unhealthy replica
+        t1 = time.monotonic()
+        h = await client.get(f"{base}/health", timeout=30)
+        assert time.monotonic() - t1 < HEALTH_ANSWER_LIMIT_S, "health blocked while the replica restarts"
+        if h.status_code == 200:
+            out["up_s"] = time.monotonic() - t_kill
+            return out
+        assert time.monotonic() < deadline, h.text
+        await asyncio.sleep(1)
+
+
+async def _kill_mid_stream(base: str, pid: int, limit_s: float, n_streams: int = 6, *, watch_health: bool = False,
+                           other_pids: tuple[int, ...] = ()) -> tuple[list[StreamResult], dict, float, float]:
     """Start ``n_streams`` long streams, SIGKILL ``pid`` once each is mid-way, wait for every
-    client to see its end and for the service to recover. Returns the streams, the recovery
-    times, the kill's ``time.monotonic()`` and the seconds from the kill until the last
-    in-flight client had seen the end of its response."""
+    client to see its end and for the service to recover (with ``watch_health``, also
+    :func:`_watch_health` from the kill on, its result in the recovery's ``health``). Returns the
+    streams, the recovery times, the kill's ``time.monotonic()`` and the seconds from the kill
+    until the last in-flight client had seen the end of its response."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
         results = [StreamResult() for _ in range(n_streams)]
         tasks = [asyncio.create_task(_stream(client, f"{base}/v1/completions", _long_body(), r)) for r in results]
@@ -253,12 +293,15 @@ async def _kill_mid_stream(base: str, pid: int, limit_s: float,
             [(r.status, r.body, r.events[-1:]) for r in results]  # every stream is mid-way
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
+        health = asyncio.create_task(_watch_health(client, base, t_kill, pid, *other_pids)) if watch_health else None
         done, pending = await asyncio.wait(tasks, timeout=CLIENT_END_LIMIT_S + 30)
         for t in pending:
             t.cancel()
         assert not pending, f"{len(pending)} of {n_streams} in-flight clients hang after the kill"
         clients_end_s = max(r.t_end for r in results) - t_kill
         recovery = await _wait_recovered(client, base, t_kill, limit_s, pid)
+        if health is not None:
+            recovery["health"] = await asyncio.wait_for(health, 240)
     return results, recovery, t_kill, clients_end_s
 
 
@@ -432,23 +475,27 @@ def test_killed_replica_mid_stream(serve_app, tiny_llama_path):
 def test_killed_tp_worker_mid_stream(serve_app, tiny_llama_path):
     """SIGKILL rank 1 of a tensor_parallel_size=2 replica while 6 streams run: same
     guarantees as a killed replica (the engine dies, Serve replaces the replica with new
-    workers)."""
+    workers), and the replica is unhealthy at once (:func:`_watch_health`: /health 503 within
+    seconds, not after Serve's periodic check; requests get a clean 503 without internals;
+    /health answers throughout the restart)."""
     from ray import serve
 
     name, route = "kvserve-tpkill", "/tpkill"
     base = f"{serve_app.root}{route}"
     _deploy(_app_args(tiny_llama_path, "tiny-tpkill", num_replicas=1, tensor_parallel_size=2), name, route)
     try:
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
         info = serve.get_deployment_handle("LLMServer", name).server_info.remote().result()
         rank1 = next(r for r in info.workers["ranks"] if r["rank"] == 1)
         (replica,) = _alive_llm_replicas(name)
-        results, rec, t_kill, clients_end_s = asyncio.run(_kill_mid_stream(base, rank1["pid"], TP_RECOVERY_LIMIT_S))
+        results, rec, t_kill, clients_end_s = asyncio.run(_kill_mid_stream(
+            base, rank1["pid"], TP_RECOVERY_LIMIT_S, watch_health=True, other_pids=(replica["pid"],)))
         codes = [_assert_failed_cleanly(r, t_kill, rank1["pid"], replica["pid"]) for r in results]
         assert set(codes) <= {"model_unavailable", "engine_dead"}, codes  # typed, retryable (not a bare 500)
         print(f"\nTP worker kill: clients answered within {clients_end_s:.2f} s ({codes}); "
               f"/ready 200 after {rec['ready_s']} s, completion after {rec['completion_s']} s; "
-              f"answers on the way: {rec['answers']}")
+              f"/health {rec['health']}; answers on the way: {rec['answers']}")
         assert rec["ready_s"] is not None and rec["completion_s"] is not None, rec
         assert max(rec["ready_s"], rec["completion_s"]) < TP_RECOVERY_LIMIT_S, rec
         (new,) = _alive_llm_replicas(name)

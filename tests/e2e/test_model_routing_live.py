@@ -1,40 +1,34 @@
 """Model routing (``model: "auto"``) and the upstream fallback, live: a Serve app with two
-models and rules, whose fallback upstream is a second kvserve (``kvserve serve`` in its own
-process, its own Ray, another loopback port, its own API key)."""
+models and rules, whose fallback upstream is another kvserve behind its own API key: the
+session's ``kvserve-auth`` app (its own ingress and key, reached over HTTP like any
+OpenAI-compatible server; ``kvserve serve`` in a process of its own is
+``tests/e2e/test_ray_auth.py``'s, which needs no second copy here)."""
 import asyncio
 
 import httpx
 import pytest
-from cli_process import start_kvserve, stop_kvserve
-from helpers import free_port, iter_sse
+from helpers import iter_sse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 APP = "kvserve-routing"
-UP_KEY = "sk-upstream-test"
 SMALL, LARGE = "tiny-small", "tiny-large"
+#: The upstream's name for the model (the session's second app, ``tests/e2e/conftest.py``).
+UPSTREAM_MODEL = "tiny-tp2"
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory, tiny_llama_path):
-    """A second kvserve as a user starts it (its own Ray, token auth, API key), serving the
-    tiny model as ``tiny-up``; yields its OpenAI base URL."""
-    port = free_port()
-    p, _ = start_kvserve(tmp_path_factory.mktemp("upstream-home"),
-                         ["--model", str(tiny_llama_path), "--served-model-name", "tiny-up", "--num-replicas", "1",
-                          "--port", str(port), "--num-cpus", "2", "--max-num-seqs", "8", "--max-model-len", "1024",
-                          "--torch-num-threads", "1", "--no-response-cache"], env={"KVSERVE_API_KEYS": UP_KEY})
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        stop_kvserve(p)
+def upstream(serve_app):
+    """The upstream: the session's ``kvserve-auth`` app (tiny model served as ``tiny-tp2``,
+    API key :data:`serve_app.api_key`); yields its OpenAI base URL and key."""
+    return serve_app.auth_base_url, serve_app.api_key
 
 
 @pytest.fixture(scope="module")
 def routing_app(ray_session, serve_app, tiny_llama_path, upstream):
     """Two models behind one ingress (route ``/routing``): ``tiny-small`` with room for one
     running and one queued request (so a burst overflows), ``tiny-large``; ``auto`` rules;
-    the second kvserve as the fallback of ``tiny-small``."""
+    the upstream kvserve as the fallback of ``tiny-small``."""
     from ray import serve
 
     from deployments.app import build_app
@@ -47,7 +41,7 @@ def routing_app(ray_session, serve_app, tiny_llama_path, upstream):
         "model_routing": {"rules": [{"name": "code", "model": LARGE, "keywords": ["python", "function"]},
                                     {"name": "short", "model": SMALL, "max_prompt_tokens": 64, "max_tokens": 16}],
                           "default": LARGE},
-        "upstream": {"base_url": upstream, "api_key": UP_KEY, "models": {SMALL: "tiny-up"}},
+        "upstream": {"base_url": upstream[0], "api_key": upstream[1], "models": {SMALL: UPSTREAM_MODEL}},
         "response_cache": False, "ingress_cpus": 0.1})
     serve.run(app, name=APP, route_prefix="/routing")
     yield f"{serve_app.root}/routing/v1"
@@ -84,8 +78,9 @@ def test_auto_routes_by_rule(routing_app):
 
 def test_overflow_goes_upstream_and_client_errors_do_not(routing_app):
     """6 long streams at once to tiny-small (1 running + 1 queued locally): the 4 the replica
-    refuses with 429 go to the second kvserve and stream from there, complete; none fails."""
-    body = {"model": SMALL, "prompt": "Tell me a story", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    refuses with 429 go to the upstream kvserve and stream from there, complete; none fails."""
+    body = {"model": SMALL, "prompt": "Tell me a story", "max_tokens": 120, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
 
     async def one(client):
         async with client.stream("POST", f"{routing_app}/completions", json=body) as r:
@@ -102,8 +97,13 @@ def test_overflow_goes_upstream_and_client_errors_do_not(routing_app):
     local = [t for _, route, t in results if route is None]
     assert len(fallback) >= 3 and len(local) >= 1, [r[1] for r in results]
     for text in fallback:  # the upstream's stream, unchanged: its model name, all 120 tokens, [DONE]
-        assert '"model":"tiny-up"' in text and text.rstrip().endswith("data: [DONE]")
-        assert text.count('"text":') >= 100
+        events = list(iter_sse(text.splitlines()))
+        assert events[-1] == "[DONE]", text[-300:]
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert chunks and all(e["model"] == UPSTREAM_MODEL for e in chunks), chunks[:2]
+        # (the upstream drafts tokens, so a chunk may carry several: the usage counts them)
+        assert chunks[-1]["usage"]["completion_tokens"] == 120, chunks[-1]
+        assert sum(bool(c.get("text")) for e in chunks for c in e["choices"]) >= 1
     # a client error is answered here, never forwarded
     with httpx.Client(timeout=60) as c:
         r = c.post(f"{routing_app}/completions", json={**body, "stream": False, "max_tokens": 5000})
