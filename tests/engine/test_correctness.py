@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.model_loader import load_tokenizer
+from helpers import THOROUGH
 from tiny_models import make_tiny_model
 
 PROMPTS = [
@@ -33,6 +34,10 @@ CHAT = [
     [{"role": "user", "content": "What is 12 times 12?"}],
 ]
 NEW_TOKENS = 48
+#: The SmolLM2 comparisons' size: the first text prompts and chats of PROMPTS and CHAT, and the
+#: tokens compared. The fast test profile (``tests/helpers.py``) runs 4 text prompts and 2 chats
+#: (sharing the template's prefix) for 16 tokens, the thorough one all 12 for NEW_TOKENS.
+SMOLLM2_TEXTS, SMOLLM2_CHATS, SMOLLM2_TOKENS = (len(PROMPTS), len(CHAT), NEW_TOKENS) if THOROUGH else (4, 2, 16)
 
 
 #: HF's greedy continuations already computed in this process: (model folder, prompt ids,
@@ -100,13 +105,19 @@ def assert_same(ref, got):
 class TestSmolLM2:
     @pytest.fixture(scope="class")
     def case(self, smollm2_path):
+        """(path, prompts, HF's greedy tokens, their number) at this profile's size. HF's
+        reference is computed for every prompt at NEW_TOKENS, as test_spec_decode.py's SmolLM2
+        case asks for it (:func:`hf_greedy` computes each once), then cut to the size: greedy
+        decoding's first tokens do not depend on how many follow."""
         ids = prompt_ids(smollm2_path)
-        return smollm2_path, ids, hf_greedy(smollm2_path, ids, NEW_TOKENS)
+        ref = hf_greedy(smollm2_path, ids, NEW_TOKENS)
+        keep = [*range(SMOLLM2_TEXTS), *range(len(PROMPTS), len(PROMPTS) + SMOLLM2_CHATS)]
+        return smollm2_path, [ids[i] for i in keep], [ref[i][:SMOLLM2_TOKENS] for i in keep], SMOLLM2_TOKENS
 
     def test_batched_equals_hf(self, case, cpu_path):
-        path, ids, ref = case
+        path, ids, ref, new_tokens = case
         llm = LLM(model=str(path), dtype="float32", attention_backend=cpu_path)
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
         assert llm.get_stats()["max_running_batch"] == len(ids)
         assert_same(ref, got)
@@ -118,17 +129,18 @@ class TestSmolLM2:
         assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
 
     def test_prefix_caching_off_chunked_prefill(self, case, cpu_path):
-        path, ids, ref = case
-        got, stats = engine_greedy(path, ids, NEW_TOKENS, enable_prefix_caching=False, max_num_batched_tokens=24,
+        path, ids, ref, new_tokens = case
+        got, stats = engine_greedy(path, ids, new_tokens, enable_prefix_caching=False, max_num_batched_tokens=24,
                                    attention_backend=cpu_path)
         assert stats["prefix_cache_hit_rate"] == 0
-        assert stats["num_steps"] > NEW_TOKENS + sum(len(i) for i in ids) // 24 - 1  # prompts were chunked
+        assert stats["num_steps"] > new_tokens + sum(len(i) for i in ids) // 24 - 1  # prompts were chunked
         assert_same(ref, got)
 
     def test_preemption_recompute(self, case, cpu_path):
-        path, ids, ref = case
-        # 12 requests of up to ~100 tokens each need ~80 blocks; 24 blocks force preemption.
-        got, stats = engine_greedy(path, ids, NEW_TOKENS, num_kv_blocks=24, block_size=8,
+        path, ids, ref, new_tokens = case
+        # 12 requests of up to ~100 tokens each need ~80 blocks of 8 (the fast profile's 6 of up
+        # to ~70, ~40): 24 blocks force preemption.
+        got, stats = engine_greedy(path, ids, new_tokens, num_kv_blocks=24, block_size=8,
                                    attention_backend=cpu_path)
         assert stats["num_preemptions"] > 0
         assert_same(ref, got)

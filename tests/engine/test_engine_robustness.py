@@ -39,10 +39,11 @@
    configurations, opt-in (``KVSERVE_FUZZ_PARALLEL=1``; skipped otherwise: it starts Ray and
    takes minutes).
 
-Budget: ``KVSERVE_FUZZ_EXAMPLES`` engine configurations (default 20, derandomized: the same
-examples every run) of ``KVSERVE_FUZZ_STEPS`` rules each (default 25); the async test
-``KVSERVE_FUZZ_ASYNC_EXAMPLES`` (default 6); the parallel one ``KVSERVE_FUZZ_PARALLEL_EXAMPLES``
-(default 4). A longer, randomized run:
+Budget: ``KVSERVE_FUZZ_EXAMPLES`` engine configurations (default 10 in the fast test profile,
+20 in the thorough one, ``tests/helpers.py``; derandomized: the same examples every run) of
+``KVSERVE_FUZZ_STEPS`` rules each (default 25); the async test ``KVSERVE_FUZZ_ASYNC_EXAMPLES``
+(default 3, thorough 6); the parallel one ``KVSERVE_FUZZ_PARALLEL_EXAMPLES`` (default 4). A
+longer, randomized run:
 ``KVSERVE_FUZZ_EXAMPLES=400 KVSERVE_FUZZ_RANDOM=1 make test PYTEST_ARGS=tests/engine/test_engine_robustness.py``
 (``KVSERVE_FUZZ_SHRINK=1`` shrinks a failure to a minimal example).
 The totals (with each hook's armed and fired counts) are printed (``-s``) and written to
@@ -71,6 +72,7 @@ from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.pooling import PoolingParams
 from faults import DRAFTING_HOOKS, FAILING_HOOKS, HOOKS, LOGGER_HOOKS, Faults
+from helpers import sized
 from tiny_models import run_async_engine
 
 #: How far below the reference's best log-probability a greedy token may be where it parts
@@ -96,9 +98,9 @@ POOL_COS = {"auto": 0.9999, "fp8": 0.9}
 #: What :func:`greedy_verdict` may say of a fuzzed request.
 OK_VERDICTS = ("equal", "tie", "not compared")
 MAX_MODEL_LEN = 64
-EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", sized(10, 20)))
 STEPS = int(os.environ.get("KVSERVE_FUZZ_STEPS", "25"))
-ASYNC_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_ASYNC_EXAMPLES", "6"))
+ASYNC_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_ASYNC_EXAMPLES", sized(3, 6)))
 PARALLEL = os.environ.get("KVSERVE_FUZZ_PARALLEL") == "1"
 PARALLEL_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_PARALLEL_EXAMPLES", "4"))
 RANDOM = os.environ.get("KVSERVE_FUZZ_RANDOM") == "1"
