@@ -1,5 +1,10 @@
 """kvserve's autoscaling policy driving a real Serve deployment (tiny model, short delays):
-a burst of concurrent requests scales the LLMServer up, and it scales back down after."""
+a burst of concurrent requests scales the LLMServer up, and it scales back down after.
+
+Thorough profile only (``make test-thorough``): the fast one has the same policy scaling a
+real Serve deployment up under a burst (refused requests counted as demand, the "up" decision
+logged) and back down ("down" logged) in ``tests/cluster/test_autoscaling_nodes.py``, where each
+scale-up also adds a Ray node."""
 import asyncio
 import time
 
@@ -7,7 +12,7 @@ import httpx
 import pytest
 from autoscaling_cluster import decisions
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.thorough, pytest.mark.timeout(600)]
 
 APP = "kvserve-autoscale"
 #: Longest the burst is kept up waiting for the second replica to run (seconds).

@@ -1,9 +1,10 @@
 """Pipeline parallelism over Ray actors (engine/pipeline.py; gloo point-to-point on CPU): the
 layers split into stages, each stage's KV cache holding its own layers, a step's batch passed
 through the stages as micro-batches. Greedy output equals Hugging Face transformers token for
-token with PP=2 and PP=2 x TP=2, on a tiny random-weight Llama (untied LM head) and on SmolLM2
-(tied: the last stage loads the embedding as its LM head), through chunked prefill, preemption
-and prefix-cache hits; every KV block goes back to the pool."""
+token with PP=2 and PP=2 x TP=2, on a tiny random-weight Llama (untied LM head) and on one with
+tied embeddings (the last stage loads the embedding as its LM head: a tiny one with SmolLM2's
+layout, SmolLM2 itself in the thorough profile), through chunked prefill, preemption and
+prefix-cache hits; every KV block goes back to the pool."""
 import pytest
 
 from tests.engine.test_correctness import hf_greedy
@@ -78,12 +79,26 @@ def test_pipeline_equals_hf_on_the_tiny_llama(ray_session, tiny4, pp, tp, kw):
         llm.engine.shutdown()
 
 
-def test_pipeline_equals_hf_on_smollm2(ray_session, smollm2_path):
-    """SmolLM2 (30 layers, tied embeddings) over PP=2 x TP=2: the first stage embeds, the last
-    loads the embedding's tensor as its LM head; text and tokens equal HF's greedy ones."""
+@pytest.fixture(scope="module")
+def tiny_tied(tmp_path_factory):
+    """A tiny Llama with SmolLM2's tied embeddings and head layout (3 KV heads of 3 query heads:
+    uneven over TP=2), 4 layers."""
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_tied"), tie_word_embeddings=True, num_hidden_layers=4,
+                           hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16,
+                           initializer_range=0.2)
+
+
+@pytest.mark.parametrize("model", ["tiny-tied", pytest.param("smollm2", marks=pytest.mark.thorough)])
+def test_pipeline_equals_hf_with_tied_embeddings(ray_session, request, model):
+    """A model with tied embeddings over PP=2 x TP=2: the first stage embeds, the last loads the
+    embedding's tensor as its LM head; text and tokens equal HF's greedy ones. A tiny one with
+    SmolLM2's layout in the fast profile, SmolLM2 (30 layers) in the thorough one."""
     from engine import SamplingParams
 
-    llm, group = pp_llm(smollm2_path, 2, 2, max_model_len=256, max_num_seqs=4, num_kv_blocks=64)
+    path = request.getfixturevalue({"tiny-tied": "tiny_tied", "smollm2": "smollm2_path"}[model])
+    llm, group = pp_llm(path, 2, 2, max_model_len=256, max_num_seqs=4, num_kv_blocks=64)
     try:
         texts = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
         prompts = [llm.tokenizer.encode(t) for t in texts]
@@ -91,7 +106,7 @@ def test_pipeline_equals_hf_on_smollm2(ray_session, smollm2_path):
                            use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in out] == hf_greedy(smollm2_path, prompts, NEW_TOKENS)
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy(path, prompts, NEW_TOKENS)
 
 
 def test_pipeline_refuses_what_it_does_not_run(ray_session, tiny4):

@@ -1,8 +1,9 @@
 """Tensor parallelism over Ray actors: TP=2 (gloo on CPU) gives the same greedy outputs as
-TP=1 on SmolLM2; the workers live in a STRICT_PACK placement group that is released. The offline
-``LLM(model, tensor_parallel_size=2)`` picks its Ray executor itself (vLLM's
-``distributed_executor_backend``), in the session's Ray or, with none connected, a local one it
-starts and stops."""
+TP=1, on a model whose 3 KV heads do not split evenly over the ranks (2 and 1): a tiny one with
+SmolLM2's head layout in the fast profile, SmolLM2 itself in the thorough one; the workers live in
+a STRICT_PACK placement group that is released. The offline ``LLM(model, tensor_parallel_size=2)``
+picks its Ray executor itself (vLLM's ``distributed_executor_backend``), in the session's Ray or,
+with none connected, a local one it starts and stops."""
 import os
 import subprocess
 import sys
@@ -18,18 +19,43 @@ PROMPTS = [
     "Once upon a time, in a land far away,",
     "The three primary colors are",
 ]
+#: The models the TP=2 comparisons run on: a tiny Llama with SmolLM2's head layout (3 KV heads,
+#: 3 query heads each: 9 heads of 16), and SmolLM2 (thorough profile).
+MODELS = ["tiny-3kv", pytest.param("smollm2", marks=pytest.mark.thorough)]
 
 
-def test_tp2_matches_tp1_greedy_on_smollm2(ray_session, smollm2_path):
+@pytest.fixture(scope="module")
+def tiny_3kv(tmp_path_factory):
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_3kv"), hidden_size=144, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=16, initializer_range=0.2)
+
+
+@pytest.fixture
+def tp_model(request):
+    """The folder of the model named by the test's ``model`` parameter."""
+    return request.getfixturevalue({"tiny-3kv": "tiny_3kv", "smollm2": "smollm2_path"}[request.param])
+
+
+@pytest.mark.parametrize("tp_model", MODELS, indirect=True)
+def test_tp2_matches_tp1_greedy(ray_session, tp_model):
     import ray
     from ray.util import placement_group_table
 
     from cluster.worker_group import RayWorkerGroup
     from engine import LLM, SamplingParams
+    from engine.model_loader import load_config
 
+    cfg = load_config(tp_model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    group_size = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert cfg.num_key_value_heads == 3  # what the shards below are about
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     kw = dict(max_model_len=256, max_num_seqs=8, num_kv_blocks=64)
-    tp1 = LLM(model=str(smollm2_path), **kw)
+    if "tiny" in str(tp_model):  # random weights have near ties that a bfloat16 TP split may round apart
+        kw["dtype"] = "float32"
+    tp1 = LLM(model=str(tp_model), **kw)
     ref = tp1.generate(PROMPTS, params, use_tqdm=False)
     tp1.engine.shutdown()
 
@@ -40,7 +66,7 @@ def test_tp2_matches_tp1_greedy_on_smollm2(ray_session, smollm2_path):
         groups.append(g)
         return g
 
-    tp2 = LLM(model=str(smollm2_path), tensor_parallel_size=2, executor_factory=factory, **kw)
+    tp2 = LLM(model=str(tp_model), tensor_parallel_size=2, executor_factory=factory, **kw)
     try:
         out = tp2.generate(PROMPTS, params, use_tqdm=False)
         group = groups[0]
@@ -49,11 +75,12 @@ def test_tp2_matches_tp1_greedy_on_smollm2(ray_session, smollm2_path):
         assert len({i["pid"] for i in group.worker_info}) == 2
         pg_id = group._owned_pg.id.hex()
         assert placement_group_table()[pg_id]["strategy"] == "STRICT_PACK"
-        # SmolLM2 has 3 KV heads: rank 0 holds 2, rank 1 holds 1 (its KV cache shard is smaller)
+        # 3 KV heads: rank 0 holds 2, rank 1 holds 1 (its KV cache shard is smaller), each with
+        # its KV heads' query heads (SmolLM2: [6, 3] of 9, head_dim 64)
         shards = ray.get([w.shard_info.remote() for w in group.workers])
         assert [s["num_kv_heads"] for s in shards] == [2, 1]
-        assert [s["num_heads"] for s in shards] == [6, 3]
-        assert [s["kv_cache_shape"] for s in shards] == [[64, 16, 2, 64], [64, 16, 1, 64]]
+        assert [s["num_heads"] for s in shards] == [2 * group_size, group_size]
+        assert [s["kv_cache_shape"] for s in shards] == [[64, 16, 2, head_dim], [64, 16, 1, head_dim]]
     finally:
         tp2.engine.shutdown()
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
@@ -95,7 +122,8 @@ def test_tp2_lora_matches_tp1(ray_session, tmp_path):
     assert len({tuple(t) for t in ref[:len(reqs)]}) == len(reqs)  # the adapters change the output
 
 
-def test_offline_llm_picks_the_ray_executor(ray_session, smollm2_path):
+@pytest.mark.parametrize("tp_model", MODELS, indirect=True)
+def test_offline_llm_picks_the_ray_executor(ray_session, tp_model):
     """vLLM's ``LLM(model, tensor_parallel_size=2)`` with no executor_factory: the engine picks
     the Ray backend (Ray is installed), runs the ranks in the session's Ray (it starts none and
     leaves it running) and gives TP=1's greedy tokens and text (float32 both: tensor ranks split
@@ -108,11 +136,11 @@ def test_offline_llm_picks_the_ray_executor(ray_session, smollm2_path):
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     kw = dict(dtype="float32", max_model_len=256, max_num_seqs=8, num_kv_blocks=64)
-    tp1 = LLM(model=str(smollm2_path), **kw)
+    tp1 = LLM(model=str(tp_model), **kw)
     ref = tp1.generate(PROMPTS, params, use_tqdm=False)
     tp1.engine.shutdown()
 
-    tp2 = LLM(str(smollm2_path), tensor_parallel_size=2, **kw)
+    tp2 = LLM(str(tp_model), tensor_parallel_size=2, **kw)
     group = tp2.engine.executor
     try:
         assert isinstance(group, RayWorkerGroup) and not group.started_ray
