@@ -21,10 +21,13 @@ def _reference(tiny_llama_path, text: bool = False) -> list:
     return [o.outputs[0].text if text else o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.thorough
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_ranks_on_two_nodes_equal_one_process(multinode, tiny_llama_path, tp, pp):
     """The engine with a RayWorkerGroup spread over two nodes (no Serve): two tensor ranks, or
-    two pipeline stages (activations sent from node to node)."""
+    two pipeline stages (activations sent from node to node). Thorough profile: the fast one has
+    the same ranks and stages, a rank per node, equal to one process, through Serve
+    (:func:`test_serve_spreads_replicas_and_tp_ranks_over_nodes`)."""
     from engine import SamplingParams
 
     llm, group = spread_tp_llm(tiny_llama_path, collective_timeout_s=60, tp=tp, pp=pp)

@@ -782,11 +782,22 @@ def test_fuzz_engine(tiny_llama_path, reference, lora_requests):
 #: What a stream does: read to its end, be cancelled by its client after its first output, be
 #: aborted by the server (``AsyncLLMEngine.abort``) after its first output, or embed its prompt.
 KINDS = ["read", "read", "cancel", "abort", "embed"]
-streams = st.lists(st.tuples(prompts, sampling_params(), st.sampled_from(KINDS), adapters,
-                             st.sampled_from(["last", "mean"]),
-                             st.one_of(st.none(), st.tuples(st.sampled_from(FAILING_HOOKS), st.integers(0, 2))),
-                             st.integers(0, 3)),
-                   min_size=2, max_size=6)
+_fault = st.tuples(st.sampled_from(FAILING_HOOKS), st.integers(0, 2))
+
+
+def _client(kind, fault=st.one_of(st.none(), _fault)):
+    """One client: ``(prompt, params, kind, adapter, pooling, fault, delay)``."""
+    return st.tuples(prompts, sampling_params(), kind, adapters, st.sampled_from(["last", "mean"]), fault,
+                     st.integers(0, 3))
+
+
+#: An example's clients in a drawn order: up to four of any kind, and one of each kind the run
+#: must cover (a cancel, an abort, an embedding and a read with a fault), so that a run of a few
+#: examples covers them whatever the draws (with three, CI once drew no cancel at all).
+streams = st.builds(lambda drawn, covering: drawn + list(covering),
+                    st.lists(_client(st.sampled_from(KINDS)), max_size=4),
+                    st.tuples(_client(st.just("cancel")), _client(st.just("abort")), _client(st.just("embed")),
+                              _client(st.just("read"), _fault))).flatmap(st.permutations)
 
 
 def _outlasting(p: SamplingParams, max_tokens: int) -> SamplingParams:
