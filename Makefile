@@ -46,11 +46,19 @@ test-deps:
 # examples, requests, steps) run a small one. `make test-thorough` runs every test at its full
 # size (KVSERVE_TEST_PROFILE=thorough), for CI on a bigger box or a nightly run. PYTEST_ARGS comes
 # last, so `make test PYTEST_ARGS='-m thorough'` (the thorough-only tests) overrides the -m.
+#
+# Both run two pytest-xdist workers (TEST_WORKERS; 0 runs in one process): the tests that start
+# Ray (tests/e2e, tests/cluster) in order in one worker, the in-process ones beside it in the
+# other at a lower CPU priority, so that they use the cores the Ray tests' waits leave idle
+# (tests/conftest.py: pytest_collection_modifyitems).
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP) test-deps
-	$(BIN)/python -m pytest -q -ra --durations=15 -m "not thorough" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=15 $(XDIST) -m "not thorough" $(PYTEST_ARGS)
 
 test-thorough: $(STAMP) test-deps
-	KVSERVE_TEST_PROFILE=thorough $(BIN)/python -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
+	KVSERVE_TEST_PROFILE=thorough $(BIN)/python -m pytest -q -ra --durations=30 $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py --peer vllm

@@ -16,6 +16,64 @@ from helpers import PROFILE, free_port  # noqa: E402  (tests/ is on sys.path for
 from tiny_models import make_tiny_model  # noqa: E402
 
 
+#: Test folders whose tests start or join a Ray instance (the session's, or a cluster of their
+#: own): under pytest-xdist they all run, in order, in one worker (one Ray per session, as
+#: without xdist).
+RAY_FOLDERS = ("e2e", "cluster")
+#: Files that share a session cache and so run in one worker: HF's SmolLM2 references.
+SHARED_GROUPS = {"test_correctness.py": "hf-smollm2", "test_spec_decode.py": "hf-smollm2"}
+#: Niceness of a worker running the in-process tests while the Ray worker runs (see below).
+IN_PROCESS_NICENESS = 10
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The pytest-xdist work unit of a test (``nodeid`` as ``tests/<folder>/test_x.py::...``):
+    ``"ray"`` for the Ray folders, a shared group for files that share a session cache, else
+    the test's file."""
+    parts = nodeid.split("::", 1)[0].split("/")
+    if len(parts) > 2 and parts[1] in RAY_FOLDERS:
+        return "ray"
+    return SHARED_GROUPS.get(parts[-1], "/".join(parts))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers (``-n 2 --dist loadgroup``): one runs the Ray
+    group (live Serve apps, whose time is largely waiting on Ray) in collection order, the other
+    the in-process tests beside it, each file whole (module fixtures built once). Groups come
+    from :func:`xdist_group_of`, not from ``xdist_group`` marks: pytest-xdist 3.8 marks a
+    group by renaming the item's node id, which pytest 9 no longer allows, so its own
+    ``loadgroup`` silently scatters a group's tests over the workers."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return ByGroup(config, log)
+
+
+def pytest_runtest_setup(item):
+    """In a pytest-xdist worker, before its first in-process test: every thread of this worker
+    gets niceness :data:`IN_PROCESS_NICENESS` (threads made later inherit it), so the in-process
+    tests use the cores the Ray worker leaves idle and do not stretch its Serve apps' timings
+    (recovery limits, drains). Without xdist nothing changes."""
+    global _niced
+    if _niced or "PYTEST_XDIST_WORKER" not in os.environ or xdist_group_of(item.nodeid) == "ray":
+        return
+    _niced = True
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), IN_PROCESS_NICENESS)
+        except OSError:  # a thread that ended meanwhile, or no permission: best effort
+            pass
+
+
+_niced = False
+
+
 def pytest_report_header(config):
     return (f"kvserve test profile: {PROFILE} (KVSERVE_TEST_PROFILE; `make test` runs the fast one without the "
             f"tests marked thorough, `make test-thorough` every test at full size)")

@@ -46,7 +46,9 @@ def ray_session():
 
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        # address "local": a new instance even where /tmp/ray/ray_current_cluster or RAY_ADDRESS
+        # names another (ray.cluster_utils.Cluster writes that file for its own clusters)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
         started = True
     yield SimpleNamespace(address=ray.get_runtime_context().gcs_address, auth=RAY_AUTH,
                           token_path=os.environ["RAY_AUTH_TOKEN_PATH"])

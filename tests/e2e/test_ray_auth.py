@@ -420,14 +420,24 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
         # Ctrl-C with streams in flight: they finish, /ready says "draining" meanwhile
         import concurrent.futures
 
-        def stream() -> tuple[int, str]:
-            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        import threading
+
+        started = [threading.Event() for _ in range(4)]
+
+        def stream(i: int) -> tuple[int, str]:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 600, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300) as r:
-                return r.status_code, "".join(r.iter_text())
+                parts = []
+                for chunk in r.iter_text():
+                    parts.append(chunk)
+                    started[i].set()  # the stream is in flight: its first bytes arrived
+                started[i].set()
+                return r.status_code, "".join(parts)
 
         pool = concurrent.futures.ThreadPoolExecutor(4)
-        streams = [pool.submit(stream) for _ in range(4)]
-        time.sleep(1.0)
+        streams = [pool.submit(stream, i) for i in range(4)]
+        for ev in started:  # Ctrl-C once every stream is under way, so the drain has them all
+            assert ev.wait(120), "a stream never started"
         p.send_signal(signal.SIGINT)
         ready = []
         for _ in range(20):
