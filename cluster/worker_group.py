@@ -262,7 +262,10 @@ def init_local_ray(num_cpus_needed: float = 1.0) -> None:
     the token from ``RAY_AUTH_TOKEN``, else an owner-only file at ``RAY_AUTH_TOKEN_PATH`` or
     ``~/.ray/auth_token``, created if missing; an explicit ``RAY_AUTH_MODE=disabled`` is kept
     with a warning), no dashboard, and at least ``num_cpus_needed`` logical CPUs (a scheduling
-    budget: the ranks' actors must fit even on a machine with fewer cores).
+    budget: the ranks' actors must fit even on a machine with fewer cores). Always a new
+    instance (``address="local"``): never a cluster that ``RAY_ADDRESS`` or the last ``ray start``
+    names (joining one with a CPU count is Ray's ValueError; to use a running cluster, call
+    ``ray.init(address=...)`` before building the engine).
 
     Raises:
         SystemExit: ``RAY_AUTH_MODE`` is neither ``token`` nor ``disabled``.
@@ -272,7 +275,7 @@ def init_local_ray(num_cpus_needed: float = 1.0) -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
     num_cpus = max(os.cpu_count() or 1, math.ceil(num_cpus_needed))
     logger.info("no Ray instance in this process: starting a local one (%d logical CPUs)", num_cpus)
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
 def placement_group_create(bundles: list[dict], strategy: str = "STRICT_PACK") -> PlacementGroup:

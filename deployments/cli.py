@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Serve config YAML (e.g. deployments/serve_config.yaml) or a YAML of app args; "
                         "flags override its args")
     s.add_argument("--address", default=None,
-                   help="join a Ray cluster ('auto', 'ray://host:10001', host:port) instead of starting one; "
+                   help="join a Ray cluster ('auto', 'ray://host:10001', host:port) instead of starting one "
+                        "(without it, a new instance starts even where RAY_ADDRESS is set); "
                         "needs the cluster's Ray auth token here (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
                         "~/.ray/auth_token; `ray get-auth-token` on the head prints it)")
     s.add_argument("--host", default="127.0.0.1")
@@ -254,7 +255,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         need = int(logical_cpus_needed(app_args) + 0.999)
         init_kw["num_cpus"] = args.num_cpus or max(os.cpu_count() or 1, need)
     try:
-        ray.init(address=args.address, **init_kw)
+        # without --address, always a new instance ("local"): not one that RAY_ADDRESS or the
+        # last `ray start` names (Ray refuses a CPU count for those; --address joins a cluster)
+        ray.init(address=args.address or "local", **init_kw)
     except Exception as e:  # ConnectionError, ray.exceptions.AuthenticationError, ...
         if started_ray:
             raise

@@ -7,6 +7,7 @@ os.environ["RAY_AUTH_MODE"] = "token"  # Ray token auth on for every Ray of the 
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -55,23 +56,59 @@ def pytest_xdist_make_scheduler(config, log):
     return ByGroup(config, log)
 
 
+def pytest_configure(config):
+    """The pytest-xdist controller makes a folder its workers share (``KVSERVE_TEST_RUN_DIR``,
+    inherited): the Ray worker flags there that it is running Ray tests."""
+    if not hasattr(config, "workerinput") and "KVSERVE_TEST_RUN_DIR" not in os.environ:
+        os.environ["KVSERVE_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="kvserve-tests-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("KVSERVE_TEST_RUN_DIR"), ignore_errors=True))
+
+
+def _ray_flag() -> str | None:
+    """The file that is there while a pytest-xdist worker runs the Ray tests (None: no xdist)."""
+    run_dir = os.environ.get("KVSERVE_TEST_RUN_DIR")
+    return os.path.join(run_dir, "ray-tests-running") if run_dir and "PYTEST_XDIST_WORKER" in os.environ else None
+
+
 def pytest_runtest_setup(item):
-    """In a pytest-xdist worker, before its first in-process test: every thread of this worker
-    gets niceness :data:`IN_PROCESS_NICENESS` (threads made later inherit it), so the in-process
-    tests use the cores the Ray worker leaves idle and do not stretch its Serve apps' timings
-    (recovery limits, drains). Without xdist nothing changes."""
-    global _niced
-    if _niced or "PYTEST_XDIST_WORKER" not in os.environ or xdist_group_of(item.nodeid) == "ray":
+    """Under pytest-xdist, the worker running the in-process tests gives way to the one running
+    Ray's: before its first in-process test every thread of this worker gets niceness
+    :data:`IN_PROCESS_NICENESS` (threads made later inherit it), and while the Ray worker's flag
+    (:func:`_ray_flag`) is up each in-process test runs torch on one thread (two OpenMP threads
+    on a contended 2-core box wait for each other at every op: a test took 7x its time). So the
+    in-process tests use what the Ray tests leave idle and do not stretch their Serve apps'
+    timings (recovery limits, drains). Without xdist nothing changes."""
+    global _niced, _threads, _wrote_flag
+    flag = _ray_flag()
+    if flag is None:
         return
-    _niced = True
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), IN_PROCESS_NICENESS)
-        except OSError:  # a thread that ended meanwhile, or no permission: best effort
-            pass
+    if xdist_group_of(item.nodeid) == "ray":
+        open(flag, "w").close()
+        _wrote_flag = True
+        return
+    if _wrote_flag:  # this worker ran the Ray tests, which are over
+        _wrote_flag = False
+        os.remove(flag)
+    import torch
+
+    if not _niced:
+        _niced, _threads = True, torch.get_num_threads()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), IN_PROCESS_NICENESS)
+            except OSError:  # a thread that ended meanwhile, or no permission: best effort
+                pass
+    torch.set_num_threads(1 if os.path.exists(flag) else _threads)
 
 
-_niced = False
+def pytest_sessionfinish(session):
+    """The Ray worker lowers its flag when it is done."""
+    flag = _ray_flag()
+    if flag is not None and _wrote_flag and os.path.exists(flag):
+        os.remove(flag)
+
+
+_niced, _threads, _wrote_flag = False, None, False
 
 
 def pytest_report_header(config):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -181,10 +182,12 @@ print("SAME TOKENS")
 def test_ray_backend_starts_a_local_ray_when_none_is_connected(tiny_llama_path, tmp_path):
     """In a process with no Ray connected, ``distributed_executor_backend="ray"`` starts a local
     instance (token auth on, its token in a file of this test's own), runs the ranks there with
-    TP=1's greedy tokens, and stops it again at shutdown."""
+    TP=1's greedy tokens, and stops it again at shutdown. A new instance even where
+    ``RAY_ADDRESS`` names another (here one that does not answer): Ray refused a CPU count for
+    an address to join, so the engine failed with ValueError where a ``ray start`` had run."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), RAY_AUTH_MODE="token",
-               RAY_AUTH_TOKEN_PATH=str(tmp_path / "auth_token"))
+               RAY_AUTH_TOKEN_PATH=str(tmp_path / "auth_token"), RAY_ADDRESS=f"127.0.0.1:{free_port()}")
     r = subprocess.run([sys.executable, "-c", _LOCAL_RAY, str(tiny_llama_path)], env=env, capture_output=True,
                        text=True, timeout=540, cwd=tmp_path)
     assert r.returncode == 0 and "SAME TOKENS" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
