@@ -93,7 +93,7 @@ def pytest_runtest_setup(item):
 
     if not _niced:
         _niced, _threads = True, torch.get_num_threads()
-        for tid in os.listdir("/proc/self/task"):
+        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [os.getpid()]:
             try:
                 os.setpriority(os.PRIO_PROCESS, int(tid), IN_PROCESS_NICENESS)
             except OSError:  # a thread that ended meanwhile, or no permission: best effort
