@@ -27,6 +27,11 @@ _TOKENIZER_FILES = [
 ]
 
 
+#: SmolLM2's attention layout at tiny size (``make_tiny_model`` overrides): 3 KV heads of 3
+#: query heads each (9 heads of 16), which split unevenly over 2 tensor ranks (2 and 1).
+SMOLLM2_HEADS = dict(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16)
+
+
 def make_tiny_model(
     path: str | os.PathLike,
     arch: str = "llama",

@@ -83,11 +83,10 @@ def test_pipeline_equals_hf_on_the_tiny_llama(ray_session, tiny4, pp, tp, kw):
 def tiny_tied(tmp_path_factory):
     """A tiny Llama with SmolLM2's tied embeddings and head layout (3 KV heads of 3 query heads:
     uneven over TP=2), 4 layers."""
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import SMOLLM2_HEADS, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_tied"), tie_word_embeddings=True, num_hidden_layers=4,
-                           hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16,
-                           initializer_range=0.2)
+                           **SMOLLM2_HEADS, initializer_range=0.2)
 
 
 @pytest.mark.parametrize("model", ["tiny-tied", pytest.param("smollm2", marks=pytest.mark.thorough)])

@@ -27,10 +27,9 @@ MODELS = ["tiny-3kv", pytest.param("smollm2", marks=pytest.mark.thorough)]
 
 @pytest.fixture(scope="module")
 def tiny_3kv(tmp_path_factory):
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import SMOLLM2_HEADS, make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_3kv"), hidden_size=144, num_attention_heads=9,
-                           num_key_value_heads=3, head_dim=16, initializer_range=0.2)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_3kv"), **SMOLLM2_HEADS, initializer_range=0.2)
 
 
 @pytest.fixture
