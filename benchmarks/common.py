@@ -225,7 +225,9 @@ RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni"
 
 
 def git_commit() -> str | None:
-    """HEAD's short hash, with ``-dirty`` when tracked files differ from it (None without git)."""
+    """HEAD's short hash, with ``-dirty`` when tracked files differ from it. Where the tree has no
+    git (a copy sent to a lent GPU machine carries no ``.git``), ``KVSERVE_COMMIT`` as its sender
+    set it (``benchmarks/gpu_lease.sh`` records the commit of the tree it ran on), else None."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
 
@@ -233,8 +235,8 @@ def git_commit() -> str | None:
         head = git("rev-parse", "--short", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("-dirty" if dirty else "")) or None
+        head, dirty = "", ""
+    return (head + ("-dirty" if dirty else "")) or os.environ.get("KVSERVE_COMMIT") or None
 
 
 def machine_info() -> dict:

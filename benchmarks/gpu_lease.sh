@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/gpu.md as one prepared run for a lent CUDA machine, in priority order
+# under one time budget (a lease is short: a step that would not fit is cut to what is left, and
+# one with under 30 s left is skipped and says so in steps.txt).
+#
+#   benchmarks/gpu_lease.sh OUT_DIR [BUDGET_SECONDS]   (default budget 540 s)
+#
+# Steps, each with its own log in OUT_DIR:
+#   1. gpu.json       python benchmarks/gpu.py (every part; HF `generate` on the first 64 requests)
+#   2. gpu_tests.log  pytest -m gpu on the tests that need no model package: the Triton kernels
+#                     compiled for the card (fp16, bf16; the fp32 variant compiles for minutes),
+#                     float8 weights, the engine refused when no GPU memory is left
+#   3. gpu_kv_fp8.json  the attention and throughput parts over float8 KV caches (no HF baseline)
+# env.txt holds nvidia-smi and the versions; steps.txt each step's exit status and seconds.
+# The tree a lease runs on carries no .git: KVSERVE_COMMIT names the commit it was sent from
+# (benchmarks/common.git_commit records it in the results files).
+set -u
+out=${1:?usage: benchmarks/gpu_lease.sh OUT_DIR [BUDGET_SECONDS]}
+budget=${2:-540}
+py=${PYTHON:-python3}
+start=$(date +%s)
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+{
+    nvidia-smi
+    "$py" -c 'import sys, torch, triton, transformers; print(sys.version); print("torch", torch.__version__,
+"triton", triton.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
+    echo "KVSERVE_COMMIT=${KVSERVE_COMMIT:-unset}"
+} > "$out/env.txt" 2>&1
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+    local name=$1 limit=$2 left t0 rc
+    shift 2
+    left=$(( budget - ($(date +%s) - start) ))
+    if (( left < 30 )); then
+        echo "$name skipped: ${left}s of the budget left" >> "$out/steps.txt"
+        return
+    fi
+    (( limit > left )) && limit=$left
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "$name rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" >> "$out/steps.txt"
+}
+
+step gpu 330 "$py" benchmarks/gpu.py --hf-max-requests 64 --out "$out/gpu.json"
+step gpu_tests 150 "$py" -m pytest -m gpu -k "not fp32" -q -p no:cacheprovider --continue-on-collection-errors \
+    tests/kernels/test_kernels.py tests/engine/test_fp8_weights.py tests/engine/test_engine_hardening.py
+step gpu_kv_fp8 200 "$py" benchmarks/gpu.py --kv-cache-dtype fp8 --parts attention,throughput --no-hf \
+    --out "$out/gpu_kv_fp8.json"
+cat "$out/steps.txt"
