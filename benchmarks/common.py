@@ -225,9 +225,13 @@ RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni"
 
 
 def git_commit() -> str | None:
-    """HEAD's short hash, with ``-dirty`` when tracked files differ from it. Where the tree has no
-    git (a copy sent to a lent GPU machine carries no ``.git``), ``KVSERVE_COMMIT`` as its sender
-    set it (``benchmarks/gpu_lease.sh`` records the commit of the tree it ran on), else None."""
+    """HEAD's short hash, with ``-dirty`` when tracked files differ from it; ``KVSERVE_COMMIT``
+    instead where it is set: the commit a tree was sent from, for a copy run elsewhere (a lent GPU
+    machine gets the working tree beside a ``.git`` of an older HEAD, whose ``rev-parse`` would name
+    the wrong commit; ``benchmarks/gpu_lease.sh`` is run with it). None without either."""
+    if os.environ.get("KVSERVE_COMMIT"):
+        return os.environ["KVSERVE_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
 
@@ -236,7 +240,7 @@ def git_commit() -> str | None:
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         head, dirty = "", ""
-    return (head + ("-dirty" if dirty else "")) or os.environ.get("KVSERVE_COMMIT") or None
+    return (head + ("-dirty" if dirty else "")) or None
 
 
 def machine_info() -> dict:

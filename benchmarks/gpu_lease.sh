@@ -8,12 +8,14 @@
 # Steps, each with its own log in OUT_DIR:
 #   1. gpu.json       python benchmarks/gpu.py (every part; HF `generate` on the first 64 requests)
 #   2. gpu_tests.log  pytest -m gpu on the tests that need no model package: the Triton kernels
-#                     compiled for the card (fp16, bf16; the fp32 variant compiles for minutes),
-#                     float8 weights, the engine refused when no GPU memory is left
+#                     compiled for the card (fp16, bf16; the fp32 variant compiles for minutes) and
+#                     float8 weights (the other gpu tests load SmolLM2's package, too big to carry)
 #   3. gpu_kv_fp8.json  the attention and throughput parts over float8 KV caches (no HF baseline)
 # env.txt holds nvidia-smi and the versions; steps.txt each step's exit status and seconds.
-# The tree a lease runs on carries no .git: KVSERVE_COMMIT names the commit it was sent from
-# (benchmarks/common.git_commit records it in the results files).
+# Run it with KVSERVE_COMMIT set to the commit the tree was sent from: the lease's copy sits
+# beside an older .git (benchmarks/common.git_commit records KVSERVE_COMMIT in the results files).
+# Seen on an H200 (2026-11-27): step 1 did not finish in 330 s (HF `generate` took 70-85 s per
+# model; SmolLM2's throughput row was cut), step 2 took ~2.5 min (compiling the kernels).
 set -u
 out=${1:?usage: benchmarks/gpu_lease.sh OUT_DIR [BUDGET_SECONDS]}
 budget=${2:-540}
@@ -45,9 +47,9 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     echo "$name rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" >> "$out/steps.txt"
 }
 
-step gpu 330 "$py" benchmarks/gpu.py --hf-max-requests 64 --out "$out/gpu.json"
+step gpu 390 "$py" benchmarks/gpu.py --hf-max-requests 64 --out "$out/gpu.json"
 step gpu_tests 150 "$py" -m pytest -m gpu -k "not fp32" -q -p no:cacheprovider --continue-on-collection-errors \
-    tests/kernels/test_kernels.py tests/engine/test_fp8_weights.py tests/engine/test_engine_hardening.py
+    tests/kernels/test_kernels.py tests/engine/test_fp8_weights.py
 step gpu_kv_fp8 200 "$py" benchmarks/gpu.py --kv-cache-dtype fp8 --parts attention,throughput --no-hf \
     --out "$out/gpu_kv_fp8.json"
 cat "$out/steps.txt"
