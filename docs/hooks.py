@@ -90,7 +90,7 @@ NOT_MEASURED: dict[str, tuple[str, str]] = {
     "gpu_nvidia-h100-80gb-hbm3": ("python benchmarks/gpu.py   # on an H100; see GPU", "6790288"),
     "gpu_nvidia-h200": ("python benchmarks/gpu.py   # on an H200; see GPU", "b780529"),
     "engine_fuzz_ci": ("not a benchmark: the engine fuzzer's report (KVSERVE_FUZZ_REPORT=<path> with "
-                       "tests/engine/test_engine_robustness.py); results/ holds only files a benchmark script writes",
+                       "tests/engine/test_engine_fuzz.py); results/ holds only files a benchmark script writes",
                        "e24928d"),
     "engine_fuzz_random60": ("not a benchmark: as engine_fuzz_ci, with KVSERVE_FUZZ_EXAMPLES=60 KVSERVE_FUZZ_RANDOM=1",
                              "e24928d"),

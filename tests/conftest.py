@@ -22,7 +22,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 #: without xdist).
 RAY_FOLDERS = ("e2e", "cluster")
 #: Files that share a session cache and so run in one worker: HF's SmolLM2 references.
-SHARED_GROUPS = {"test_correctness.py": "hf-smollm2", "test_spec_decode.py": "hf-smollm2"}
+SHARED_GROUPS = {"test_correctness.py": "hf-smollm2", "test_spec_decode_equals_hf.py": "hf-smollm2"}
 #: Niceness of a worker running the in-process tests while the Ray worker runs (see below).
 IN_PROCESS_NICENESS = 10
 

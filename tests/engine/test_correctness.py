@@ -42,7 +42,7 @@ SMOLLM2_TEXTS, SMOLLM2_CHATS, SMOLLM2_TOKENS = (len(PROMPTS), len(CHAT), NEW_TOK
 
 #: HF's greedy continuations already computed in this process: (model folder, prompt ids,
 #: new tokens) -> token ids. Each prompt runs alone, so a prompt's reference is the same whatever
-#: it is batched with: test_spec_decode.py's SmolLM2 case (these prompts and more, the same
+#: it is batched with: test_spec_decode_equals_hf.py's SmolLM2 case (these prompts and more, the same
 #: length) computes only the prompts not seen here.
 _HF_GREEDY: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
 
@@ -106,7 +106,7 @@ class TestSmolLM2:
     @pytest.fixture(scope="class")
     def case(self, smollm2_path):
         """(path, prompts, HF's greedy tokens, their number) at this profile's size. HF's
-        reference is computed for every prompt at NEW_TOKENS, as test_spec_decode.py's SmolLM2
+        reference is computed for every prompt at NEW_TOKENS, as test_spec_decode_equals_hf.py's SmolLM2
         case asks for it (:func:`hf_greedy` computes each once), then cut to the size: greedy
         decoding's first tokens do not depend on how many follow."""
         ids = prompt_ids(smollm2_path)

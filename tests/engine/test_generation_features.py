@@ -1,34 +1,25 @@
-"""Sampling and stopping features of the engine, on tiny random-weight models.
+"""Sampling and stopping features of the engine on one tiny random-weight Llama (module fixture).
 
 Random-weight models give arbitrary but deterministic greedy text, so text features (stop
 strings, stop tokens) are checked against a reference run of the same request without the
-feature. A tiny model with tied embeddings echoes its last input token, which makes
-repetition (and so penalties) and EOS easy to provoke.
+feature; also ``max_tokens`` and ``max_model_len`` limits, prompts refused with nothing left
+behind, seeds across batch mates, preemption and block size, priority order, logprobs against HF
+transformers, a negative frequency penalty and prefix-cache hits. Penalties and EOS on a model
+that echoes its input: ``test_penalties_and_eos.py``.
 """
 from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from _features_helpers import PREFIX, _has_repeat, assert_engine_empty, gen1, greedy
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import load_tokenizer
-from tiny_models import make_tiny_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
-ECHO_PROMPT = "Hello there, how are you"  # the tied model repeats " you" (token 346) forever
-ECHO_TOKEN = 346
 _ids = itertools.count()
-
-
-def greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -37,26 +28,6 @@ def tiny_llm(tiny_llama_path):
               max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=256)
     yield llm
     llm.engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def echo_llm(tmp_path_factory):
-    """Tied-embedding tiny Llama whose EOS is " you": greedy on ECHO_PROMPT emits EOS first."""
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny_echo"), arch="llama", tie_word_embeddings=True,
-                           eos_token_id=ECHO_TOKEN)
-    llm = LLM(model=str(path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64)
-    assert ECHO_TOKEN in llm.engine.eos_token_ids
-    yield llm
-    llm.engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_path):
-    return load_tokenizer(tiny_llama_path)
-
-
-def gen1(llm, prompt, params):
-    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
 
 def stream(llm, prompt, params):
@@ -70,14 +41,6 @@ def stream(llm, prompt, params):
         if outs and outs[-1].finished:
             return outs
     raise AssertionError("request never finished")
-
-
-def assert_engine_empty(llm):
-    eng = llm.engine
-    assert not eng.has_unfinished_requests()
-    assert eng.scheduler.requests == {} and eng.output_processor.detokenizers == {}
-    assert eng.scheduler.kv.pool.num_free_blocks == eng.scheduler.kv.num_blocks
-    eng.scheduler.kv.pool.check()
 
 
 # --------------------------------------------------------------------------- stop strings / tokens
@@ -169,55 +132,12 @@ def test_output_capped_by_max_model_len(tiny_llm):
     assert final.finish_reason == "length" and len(final.token_ids) == 1
 
 
-def test_eos_stops_and_ignore_eos(echo_llm):
-    final = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=12))
-    assert final.token_ids == [ECHO_TOKEN] and final.finish_reason == "stop" and final.stop_reason is None
-    final = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=12, ignore_eos=True))
-    assert final.token_ids == [ECHO_TOKEN] * 12 and final.finish_reason == "length"
-    final = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=12, min_tokens=3))
-    assert len(final.token_ids) >= 3 and ECHO_TOKEN not in final.token_ids[:3]
-    assert_engine_empty(echo_llm)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-@pytest.mark.parametrize("field, value", [
-    ("n", 2), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5),
-    ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5), ("max_tokens", -1), ("max_tokens", -3),
-    ("max_tokens", 2.5), ("min_tokens", -1), ("presence_penalty", 2.5), ("presence_penalty", -2.5),
-    ("frequency_penalty", 3.0), ("frequency_penalty", -2.1), ("repetition_penalty", 0.0),
-    ("repetition_penalty", 11.0), ("logprobs", -1), ("logprobs", 21), ("stop", [""]), ("stop", [3]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
-])
-def test_invalid_sampling_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=f"^{field} "):
-        SamplingParams(**{field: value})
-
-
-def test_min_tokens_over_max_tokens_invalid():
-    with pytest.raises(ValueError, match="^min_tokens "):
-        SamplingParams(max_tokens=2, min_tokens=3)
-
-
 def test_detokenize_false_gives_ids_only(tiny_llm, reference):
     final = gen1(tiny_llm, PROMPT, greedy(max_tokens=8, detokenize=False))
     assert final.token_ids == reference[0][:8] and final.text == "" and final.finish_reason == "length"
     assert tiny_llm.engine.output_processor.detokenizers == {}
     with pytest.raises(ValueError, match="^stop "):
         SamplingParams(stop=["x"], detokenize=False)
-
-
-@pytest.mark.parametrize("kw", [
-    dict(temperature=0.0), dict(temperature=2.0), dict(top_p=1.0), dict(top_k=0), dict(top_k=-1),
-    dict(min_p=1.0), dict(max_tokens=None), dict(max_tokens=1, min_tokens=1), dict(presence_penalty=-2.0),
-    dict(frequency_penalty=2.0), dict(repetition_penalty=10.0), dict(logprobs=0), dict(logprobs=20),
-    dict(stop="x"), dict(stop_token_ids=[0]),
-])
-def test_boundary_sampling_params_are_valid(kw):
-    sp = SamplingParams(**kw)
-    if "stop" in kw:
-        assert sp.stop == ["x"]
 
 
 def test_prompt_too_long_rejected_and_nothing_left(tiny_llm):
@@ -322,65 +242,13 @@ def test_logprobs_match_reference_model(tiny_llm, tiny_llama_path, tokenizer):
     assert gen1(tiny_llm, PROMPT, greedy(max_tokens=2)).logprobs is None
 
 
-# --------------------------------------------------------------------------- penalties
-
-
-def _has_repeat(ids):
-    return len(set(ids)) < len(ids)
-
-
-def test_frequency_and_presence_penalties(echo_llm):
-    base = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=10, ignore_eos=True)).token_ids
-    assert base == [ECHO_TOKEN] * 10
-    for kw in (dict(frequency_penalty=2.0), dict(presence_penalty=2.0)):
-        out = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=10, ignore_eos=True, **kw)).token_ids
-        assert out[0] == ECHO_TOKEN and not _has_repeat(out), kw  # penalties act on output tokens only
-    # a mild penalty: the presence penalty stays constant, the frequency penalty grows with the count
-    pres = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=10, ignore_eos=True, presence_penalty=0.5)).token_ids
-    freq = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=10, ignore_eos=True, frequency_penalty=0.5)).token_ids
-    assert pres[0] == freq[0] == ECHO_TOKEN and pres[1] == freq[1]
-    assert max(Counter(freq).values()) < max(Counter(pres).values())
-
-
-def test_logprobs_are_raw_under_penalties(echo_llm):
-    """The penalty keeps the echo model from repeating, but the returned logprobs are the
-    model's own: the token it wanted (the previous one) stays the most likely."""
-    out = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=6, ignore_eos=True, frequency_penalty=2.0, logprobs=2))
-    ids = out.token_ids
-    assert not _has_repeat(ids)
-    for pos in range(1, 6):
-        lp = out.logprobs[pos]
-        assert ids[pos] in lp and max(lp, key=lp.get) == ids[pos - 1]
+# --------------------------------------------------------------------------- penalties and prefix-cache hits
 
 
 def test_negative_frequency_penalty_encourages_repeats(tiny_llm, reference):
     assert not _has_repeat(reference[0][:10])
     out = gen1(tiny_llm, PROMPT, greedy(max_tokens=10, frequency_penalty=-2.0)).token_ids
     assert out[0] == reference[0][0] and out == [out[0]] * 10
-
-
-def test_repetition_penalty_covers_prompt_tokens(echo_llm, tokenizer):
-    prompt_ids = set(tokenizer.encode(ECHO_PROMPT, add_special_tokens=True))
-    assert ECHO_TOKEN in prompt_ids
-    out = gen1(echo_llm, ECHO_PROMPT, greedy(max_tokens=10, ignore_eos=True, repetition_penalty=10.0)).token_ids
-    assert not prompt_ids & set(out) and not _has_repeat(out)
-
-
-PREFIX = list(range(1000, 1040))  # 40 tokens: a later request can reuse 2 full blocks
-
-
-def test_penalties_survive_prefix_cache_hits(echo_llm):
-    """A prefix-cache hit starts the request past position 0; the sampler must still see the
-    whole history (regression: after a hit, penalties saw a shifted token list)."""
-    echo_llm.generate([PREFIX], greedy(max_tokens=1), use_tqdm=False)  # fill the prefix cache
-    for sp in (greedy(max_tokens=8, frequency_penalty=2.0, ignore_eos=True),
-               greedy(max_tokens=8, presence_penalty=2.0, ignore_eos=True),
-               greedy(max_tokens=8, repetition_penalty=10.0, ignore_eos=True)):
-        out = echo_llm.generate([PREFIX], sp, use_tqdm=False)[0]
-        assert out.num_cached_tokens == 32
-        assert not _has_repeat(out.outputs[0].token_ids), sp
-        if sp.repetition_penalty != 1.0:
-            assert not set(PREFIX) & set(out.outputs[0].token_ids)
 
 
 def test_min_tokens_survives_prefix_cache_hits(tiny_llm):
@@ -408,57 +276,3 @@ def test_prefix_cache_hit_gives_same_greedy_output(tiny_llm):
         assert all(o.num_cached_tokens == 0 for o in want)
     finally:
         fresh.engine.shutdown()
-
-
-# --------------------------------------------------------------------------- incremental detokenizer
-
-TRICKY = "Hello 世界! 😀🎉 naïve café – ok 👩‍👩‍👧 Ελληνικά, ₿ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢."
-
-
-def feed(tokenizer, prompt_ids, out_ids, params=None):
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params or SamplingParams())
-    deltas, stop = [], None
-    for t in out_ids:
-        stop = detok.update([t])
-        deltas.append(detok.delta(finished=stop is not None))
-        if stop is not None:
-            break
-    if stop is None:
-        deltas.append(detok.delta(finished=True))
-    return deltas, stop, detok
-
-
-def test_detokenizer_multibyte_one_token_at_a_time(tokenizer):
-    ids = tokenizer.encode(TRICKY, add_special_tokens=False)
-    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # some characters span several tokens
-    deltas, stop, _ = feed(tokenizer, tokenizer.encode("Say:", add_special_tokens=True), ids)
-    assert stop is None
-    assert not any("\ufffd" in d for d in deltas)
-    assert "".join(deltas) == tokenizer.decode(ids) == TRICKY
-
-
-def test_detokenizer_stop_string_and_special_tokens(tokenizer):
-    ids = tokenizer.encode(TRICKY, add_special_tokens=False)
-    deltas, stop, detok = feed(tokenizer, [1], ids, SamplingParams(stop=["🎉 naïve", "never"]))
-    assert stop == "🎉 naïve" and "".join(deltas) == "Hello 世界! 😀"
-    assert not any("\ufffd" in d for d in deltas)
-    eos = tokenizer.eos_token_id
-    hello = tokenizer.encode("Hello there", add_special_tokens=False)
-    deltas, _, _ = feed(tokenizer, [1], hello + [eos])
-    assert "".join(deltas) == "Hello there"
-    deltas, _, _ = feed(tokenizer, [1], hello + [eos], SamplingParams(skip_special_tokens=False))
-    assert "".join(deltas) == "Hello there" + tokenizer.decode([eos]) == "Hello there<|im_end|>"
-
-
-PIECES = st.sampled_from(list("ab yz.,\n\t") + list("éüß") + list("世界中文") + ["😀", "🎉", "👍🏽", "👩\u200d👧", "𝔘"])
-TEXTS = st.lists(PIECES, min_size=1, max_size=20).map("".join)
-
-
-@settings(max_examples=60, deadline=None)
-@given(prompt=TEXTS, text=TEXTS)
-def test_detokenizer_property(tokenizer, prompt, text):
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    deltas, _, _ = feed(tokenizer, prompt_ids, ids)
-    assert not any("\ufffd" in d for d in deltas)
-    assert "".join(deltas) == tokenizer.decode(ids)
