@@ -29,7 +29,7 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/kvserve serve $(ARGS)
 
-# redis-server and prometheus (Debian) for the tests that start them (tests/deployments/test_limits.py,
+# redis-server and prometheus (Debian) for the tests that start them (tests/deployments/test_rate_limiter_redis.py,
 # tests/e2e/test_prometheus.py, ...): installed with apt-get when missing and root (or sudo)
 # allows; otherwise those tests skip with a reason (install them by hand: apt-get install
 # redis-server prometheus).

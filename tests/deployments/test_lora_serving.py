@@ -18,7 +18,7 @@ from deployments.contract.facts import ModelCard
 from deployments.gateway.api import build_api
 from deployments.gateway.core import Gateway
 from deployments.contract.types import GenerateRequest
-from tests.deployments.test_gateway import FakeReplica, _Remote, make_gateway
+from tests.deployments.gateway_fakes import FakeReplica, _Remote, make_gateway
 
 
 def _client(replica, adapters):

@@ -13,7 +13,7 @@ from deployments.gateway.api import build_api
 from deployments.gateway.core import Gateway
 from deployments.gateway.shedding import LoadShedder
 from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
-from tests.deployments.test_gateway import FakeGen, _Remote, make_gateway
+from tests.deployments.gateway_fakes import FakeGen, _Remote, make_gateway
 
 CAP = 4
 

@@ -1,5 +1,5 @@
 """The OpenAI API surface our users' tools send, through a real Serve app and a real model
-(the gateway alone, in-process, is tests/deployments/test_gateway.py), with real clients: the openai SDK and
+(the gateway alone, in-process, is tests/deployments/test_gateway_*.py), with real clients: the openai SDK and
 langchain-openai. Structured outputs, tool calling, n > 1, best_of, logit_bias, prompt
 logprobs (checked against HF transformers), CORS, unknown fields, max_tokens over the
 context, and a client disconnect that logs no traceback."""
