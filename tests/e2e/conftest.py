@@ -5,7 +5,8 @@ tiny random-weight model ("tiny") and the bundled sentence encoder (all-MiniLM-L
 ``/v1/embeddings``), with the default exact response cache, the semantic one
 for requests that ask (``opt-in``) and an admin key; a second small app ("kvserve-auth", route ``/auth``)
 serves the tiny model with an API key and tensor_parallel_size 2 (worker actors in the
-replica's placement group).
+replica's placement group). ``tokenizers``: SmolLM2's tokenizers as the engine and the
+prefix router load them (test_router.py, test_router_live.py).
 """
 import atexit
 import os
@@ -117,3 +118,14 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
     yield ns
     serve.delete("kvserve-auth")
     serve.delete("kvserve")
+
+
+@pytest.fixture(scope="session")
+def tokenizers(smollm2_path):
+    """(the engine's tokenizer, as the engine loads it; the router's, as the router loads it), for
+    test_router.py and test_router_live.py (session scope: loaded once for both files)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.model_loader import load_tokenizer
+
+    return load_tokenizer(smollm2_path), PreTrainedTokenizerFast.from_pretrained(str(smollm2_path))

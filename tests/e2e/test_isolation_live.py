@@ -16,7 +16,7 @@ import json
 
 import httpx
 import pytest
-from test_faults import StreamResult, _app_args, _assert_completed, _assert_no_internals, _stream
+from _faults_helpers import StreamResult, _app_args, _assert_completed, _assert_no_internals, _stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
