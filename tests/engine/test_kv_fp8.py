@@ -1,8 +1,9 @@
 """The float8 (e4m3) KV cache through the engine: capacity, calibration, HF agreement, every
 request's blocks returned; SmolLM2's Paris answer and perplexity with it, in float32 and
-bfloat16. The kernels' float8 paths against the float64 reference are in ``test_kernels.py``
-(``test_fp8_kv_cache``, ``test_fp8_chunk_attends_to_its_own_exact_kv``,
-``test_fp8_store_rounds_to_e4m3``)."""
+bfloat16. The kernels' float8 paths against the float64 reference are in
+``tests/kernels/test_fp8_kv_attention.py`` (``test_fp8_kv_cache``,
+``test_fp8_chunk_attends_to_its_own_exact_kv``, ``test_fp8_store_rounds_to_e4m3``) and, for Triton,
+``tests/kernels/test_triton_attention.py``."""
 import json
 import math
 import os
@@ -143,7 +144,7 @@ def test_tiny_model_fp8_equals_hf_with_fp8_rounding(tmp_path, backend):
     has ``exact_chunk_kv``), also chunked and under preemption; every block comes back. Triton
     runs its kernels in the interpreter, in a child process (the variable must be set before
     any kernel is decorated). Triton is thorough-only: the fast profile checks its float8
-    kernels (store, prefill, decode, dispatch) against references in tests/kernels/test_kernels.py."""
+    kernels (store, prefill, decode, dispatch) against references in tests/kernels/test_triton_attention.py."""
     path = make_tiny_model(tmp_path / "llama", arch="llama", initializer_range=0.2, num_hidden_layers=3)
     tok = load_tokenizer(path)
     ids = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "List three colors:")]

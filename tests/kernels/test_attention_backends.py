@@ -121,7 +121,7 @@ def test_cpu_picks_the_cpu_kernel_for_float32_and_bfloat16(importable, monkeypat
 def test_cpu_backend_without_a_compiler_falls_back_to_torch(monkeypatch, caplog):
     """No C++ compiler: one warning naming why, then the torch path computes the same output."""
     from kernels import cpu_backend
-    from tests.kernels.test_kernels import _meta, make_problem
+    from tests.kernels.attention_cases import _meta, make_problem
     monkeypatch.setattr(cpu_backend, "_loaded", None)
     monkeypatch.setattr(cpu_backend, "_load_error", None)
     monkeypatch.setenv("CXX", "no-such-compiler-kvserve")

@@ -1,0 +1,130 @@
+"""The C++ CPU kernels (``kernels/cpu_backend.py``, the ``cpu_kernel`` fixture of conftest.py): paged
+attention against the float64 reference of attention_cases.py (``CPU_CASES``) in float32 and bfloat16,
+the fused element-wise ops against ATen; and ``engine.layers.linear`` on a prepacked (oneDNN) weight."""
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import CPU_CASES, DTYPES, _compare, _describe, _meta, make_problem, ref_attention
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(CPU_CASES))
+def test_cpu_kernel(name, dtype, cpu_kernel):
+    """The CPU kernel (and, for chunks longer than it takes, the SDPA path) against the float64
+    reference over the same float32 or bfloat16 values; bfloat16 output is rounded once."""
+    p = make_problem(dict(CPU_CASES[name], dtype=dtype))
+    out = cpu_kernel.paged_attention_cpu(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
+                                         p["window"], p["softcap"])
+    assert out.dtype == DTYPES[dtype]
+    rec = _compare(out, ref_attention(p), dtype)  # seq_len-0 rows: the kernel writes zeros
+    assert rec["ok"], f"{name}: {_describe(rec)}"
+
+
+def test_cpu_fused_ops_match_aten(cpu_kernel):
+    """The fused element-wise ops against the ATen formulas they replace (float64 reference),
+    on strided row views as the model passes them, with row counts on both sides of the
+    single-thread / thread-pool split."""
+    from engine.layers.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 64, 700):
+        H = 576
+        x = torch.randn(rows, 2 * H, generator=g)[:, :H]  # strided rows
+        res = torch.randn(rows, H, generator=g)
+        w = torch.randn(H, generator=g)
+        ref = lambda t, off=0.0: ((t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+                                  * (w.double() + off))
+        for off in (0.0, 1.0):
+            out = cpu_kernel.rms_norm(x, w, 1e-5, off)
+            assert (out.double() - ref(x, off)).abs().max() < 1e-5
+        r0 = res.clone()
+        out, r = cpu_kernel.add_rms_norm(x, res, w, 1e-5)
+        assert r is res and torch.allclose(res, r0 + x, atol=0, rtol=0)  # residual updated in place
+        assert (out.double() - ref(r0 + x)).abs().max() < 1e-5
+        gu = torch.randn(rows, 2 * 1536, generator=g)
+        ref_sm = torch.nn.functional.silu(gu[:, :1536].double()) * gu[:, 1536:].double()
+        assert (cpu_kernel.silu_and_mul(gu).double() - ref_sm).abs().max() < 1e-5
+        rope = RotaryEmbedding(64, 4096, 10000.0)
+        qkv = torch.randn(rows, (9 + 3 + 3) * 64, generator=g)
+        q, k = qkv[:, :576].reshape(rows, 9, 64), qkv[:, 576:768].reshape(rows, 3, 64)
+        pos = torch.randint(0, 4096, (rows,), generator=g)
+        cos, sin = rope.cos[pos][:, None].double(), rope.sin[pos][:, None].double()
+        rot = lambda t: t * cos + torch.cat((-t[..., 32:], t[..., :32]), -1) * sin
+        q_ref, k_ref, v_before = rot(q.double()), rot(k.double()), qkv[:, 768:].clone()
+        q2, k2 = cpu_kernel.rotary(q, k, pos, rope.cos, rope.sin)
+        assert q2.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
+        assert (q.double() - q_ref).abs().max() < 1e-5 and (k.double() - k_ref).abs().max() < 1e-5
+        assert torch.equal(qkv[:, 768:], v_before)  # v untouched
+
+
+def test_cpu_fused_ops_in_bfloat16(cpu_kernel):
+    """bfloat16 inputs: each op equals the float64 formula over the same bfloat16 values,
+    rounded once to bfloat16 (within one bfloat16 ulp, 2^-8 relative, plus a small absolute
+    slack for outputs near zero); the residual add rounds like ATen's bfloat16 add."""
+    from engine.layers.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(6)
+    bf = torch.bfloat16
+
+    def close(out, ref):
+        assert out.dtype == bf
+        err = (out.double() - ref).abs()
+        assert (err <= 2 ** -8 * ref.abs() + 1e-3 * ref.abs().max()).all(), float(err.max())
+
+    for rows in (1, 64, 300):
+        H = 576
+        x = torch.randn(rows, 2 * H, generator=g).to(bf)[:, :H]
+        res = torch.randn(rows, H, generator=g).to(bf)
+        w = torch.randn(H, generator=g).to(bf)
+        ref = lambda t: (t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()
+        close(cpu_kernel.rms_norm(x, w, 1e-5), ref(x))
+        r0 = res.clone()
+        out, r = cpu_kernel.add_rms_norm(x, res, w, 1e-5)
+        assert r is res and torch.equal(res, r0 + x)
+        close(out, ref(r0 + x))
+        gu = torch.randn(rows, 2 * 1536, generator=g).to(bf)
+        close(cpu_kernel.silu_and_mul(gu), torch.nn.functional.silu(gu[:, :1536].double()) * gu[:, 1536:].double())
+        rope = RotaryEmbedding(64, 4096, 10000.0)
+        q = torch.randn(rows, 9, 64, generator=g).to(bf)
+        k = torch.randn(rows, 3, 64, generator=g).to(bf)
+        pos = torch.randint(0, 4096, (rows,), generator=g)
+        cos, sin = rope.cos[pos][:, None].double(), rope.sin[pos][:, None].double()
+        rot = lambda t: t * cos + torch.cat((-t[..., 32:], t[..., :32]), -1) * sin
+        q_ref, k_ref = rot(q.double()), rot(k.double())
+        cpu_kernel.rotary(q, k, pos, rope.cos, rope.sin)
+        close(q, q_ref)
+        close(k, k_ref)
+
+
+def test_cpu_fused_ops_reject_mixed_dtypes(cpu_kernel):
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        cpu_kernel.add_rms_norm(x, torch.randn(4, 64).bfloat16(), torch.ones(64), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_kernel.silu_and_mul(torch.randn(4, 64).half())
+
+
+@pytest.mark.parametrize("large_on_aten", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 64, 600])
+def test_linear_with_prepacked_weight_matches_float64(monkeypatch, rows, large_on_aten):
+    """engine.layers.linear.linear on a prepacked weight (oneDNN blocked layout) and on the
+    ATen route for large batches: float32 results equal float64 within float32 rounding."""
+    import engine.layers.linear as L
+    monkeypatch.setattr(L, "_LARGE_ON_ATEN", large_on_aten)
+    monkeypatch.setattr(L, "CPU_LINEAR", "onednn")
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(300, 200, generator=g) / 10, torch.randn(300, generator=g)
+    x = torch.randn(rows, 400, generator=g)[:, :200].contiguous()
+    packed = L.prepack_weight(w)
+    assert packed is not None and packed.is_mkldnn
+    ref = x.double() @ w.double().T + b.double()
+    with torch.inference_mode():
+        for y in (L.linear(x, w, b, packed), L.linear(x, w, b)):
+            assert y.dtype == torch.float32 and y.shape == (rows, 300)
+            assert (y.double() - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_prepack_is_skipped_where_it_does_not_apply(monkeypatch):
+    import engine.layers.linear as L
+    assert L.prepack_weight(torch.randn(8, 8).half()) is None
+    monkeypatch.setattr(L, "CPU_LINEAR", "aten")
+    assert L.prepack_weight(torch.randn(8, 8)) is None
