@@ -23,7 +23,7 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
     app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny", "num_replicas": 2,
                      "max_replicas_per_node": 1, "replica_cpus": 1, "max_num_seqs": 16, "max_model_len": 2048,
                      "torch_num_threads": 1, "ingress_cpus": 0.25, "ingress_resources": {"head": 0.01},
-                     "graceful_shutdown_timeout_s": 5})
+                     "graceful_shutdown_timeout_s": 5, "stream_interval": 8})  # 8 tokens a chunk: less CPU
     serve.run(app, name="failover", route_prefix="/")
     try:
         def replicas():

@@ -22,9 +22,11 @@ HEALTH_DOWN_LIMIT_S = 5.0
 #: Longest one ``/health`` answer may take while Serve replaces the replica (it never blocks).
 HEALTH_ANSWER_LIMIT_S = 10.0
 
-#: A tiny replica's share of the session's 8 logical CPUs (beside the fixture's apps).
+#: A tiny replica's share of the session's 8 logical CPUs (beside the fixture's apps). Its streams
+#: send 8 tokens a chunk: these tests are about drains, kills and recovery, not chunking, and a
+#: chunk per token made the serving path most of their CPU time.
 TINY = {"max_num_seqs": 8, "max_model_len": 2048, "torch_num_threads": 1, "replica_cpus": 0.25,
-        "worker_cpus": 0.25, "ingress_cpus": 0.1}
+        "worker_cpus": 0.25, "ingress_cpus": 0.1, "stream_interval": 8}
 #: Tokens of each long stream: seconds of decoding for 6-8 concurrent streams of the tiny model
 #: (prompt + tokens within TINY's max_model_len).
 LONG_TOKENS = 1900

@@ -109,6 +109,7 @@ def test_a_fault_in_one_request_leaves_the_replica_and_its_other_streams_whole(s
 
     name, route = "kvserve-iso", "/iso"
     args = _app_args(tiny_llama_path, "tiny-iso", num_replicas=1, max_num_seqs=16, max_queued_requests=32,
+                     stream_interval=0,  # a chunk per token: the detokenizer's fault must come mid-stream
                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
     base = f"{serve_app.root}{route}"
     _deploy_faulty(args, name, route)

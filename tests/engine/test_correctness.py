@@ -73,6 +73,14 @@ def prompt_ids(path) -> list[list[int]]:
     return ids
 
 
+def smollm2_prompt_ids(path) -> list[list[int]]:
+    """The SmolLM2 comparisons' prompts at this profile's size: the first SMOLLM2_TEXTS of PROMPTS
+    and SMOLLM2_CHATS of CHAT (here and in test_spec_decode_equals_hf.py, which share HF's
+    reference through :func:`hf_greedy`)."""
+    ids = prompt_ids(path)
+    return [ids[i] for i in [*range(SMOLLM2_TEXTS), *range(len(PROMPTS), len(PROMPTS) + SMOLLM2_CHATS)]]
+
+
 #: (attention_backend, KVSERVE_CPU_LINEAR) pairs every HF comparison runs on.
 CPU_PATHS = [("cpu", "onednn"), ("torch", "aten")]
 
@@ -106,13 +114,12 @@ class TestSmolLM2:
     @pytest.fixture(scope="class")
     def case(self, smollm2_path):
         """(path, prompts, HF's greedy tokens, their number) at this profile's size. HF's
-        reference is computed for every prompt at NEW_TOKENS, as test_spec_decode_equals_hf.py's SmolLM2
-        case asks for it (:func:`hf_greedy` computes each once), then cut to the size: greedy
+        reference is computed at NEW_TOKENS, as test_spec_decode_equals_hf.py's SmolLM2 case asks
+        for the same prompts (:func:`hf_greedy` computes each once), then cut to the size: greedy
         decoding's first tokens do not depend on how many follow."""
-        ids = prompt_ids(smollm2_path)
+        ids = smollm2_prompt_ids(smollm2_path)
         ref = hf_greedy(smollm2_path, ids, NEW_TOKENS)
-        keep = [*range(SMOLLM2_TEXTS), *range(len(PROMPTS), len(PROMPTS) + SMOLLM2_CHATS)]
-        return smollm2_path, [ids[i] for i in keep], [ref[i][:SMOLLM2_TOKENS] for i in keep], SMOLLM2_TOKENS
+        return smollm2_path, ids, [r[:SMOLLM2_TOKENS] for r in ref], SMOLLM2_TOKENS
 
     def test_batched_equals_hf(self, case, cpu_path):
         path, ids, ref, new_tokens = case
