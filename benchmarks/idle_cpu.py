@@ -4,7 +4,8 @@ as ``make serve`` starts it, with no traffic.
 
 Any CPU work beside an engine step stretches that step on a small box (the step's OpenMP threads
 wait for each other at every op), so what the app burns while idle is a cost every request pays
-later. The script starts ``kvserve serve`` on a free loopback port (``--serve-arg`` passes flags,
+later. The script starts ``kvserve serve`` on a free loopback port as the load test does
+(``benchmarks/load_test.LocalServer``: a Ray token of its own; ``--serve-arg`` passes flags,
 ``--env KEY=VALUE`` sets variables for it, e.g. Serve's ``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``),
 waits until ``/ready`` answers 200 and ``--settle`` seconds more, then reads the CPU time (user +
 system, from ``psutil``) of every process in its process tree (the CLI, Ray's GCS, raylet,
@@ -21,19 +22,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import Figures, free_port  # noqa: E402
+from benchmarks.common import Figures  # noqa: E402
 
 RESULT_KEYS = ("serve_command", "env", "ready_s", "settle_s", "window_s", "windows", "total_pct",
                "by_process", "target_pct")
@@ -69,37 +67,21 @@ def cpu_seconds(root) -> dict[int, tuple[str, float]]:
     return out
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> float:
-    """Seconds until ``/ready`` answered 200. Raises RuntimeError if the CLI exits or the timeout
-    passes first."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvserve serve exited with {proc.returncode} before /ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"/ready did not answer 200 within {timeout_s:.0f} s")
-
-
 def measure(args: argparse.Namespace) -> dict:
-    """Start the app, measure ``args.repeats`` idle windows, stop it (SIGINT, as Ctrl-C)."""
+    """Start the app (``benchmarks.load_test.LocalServer``: its own Ray token, stopped with SIGINT
+    and its whole process tree afterwards), measure ``args.repeats`` idle windows."""
     import psutil
 
-    port = free_port()
-    cmd = [str(Path(sys.executable).with_name("kvserve")), "serve", "--host", "127.0.0.1", "--port", str(port),
-           *args.serve_arg]
+    from benchmarks.load_test import LocalServer
+
     env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.env))
-    log = open(args.log, "w") if args.log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        ready_s = wait_ready(port, proc, args.ready_timeout)
+    server = LocalServer(["--host", "127.0.0.1", *args.serve_arg], log_path=args.log,
+                         ready_timeout=args.ready_timeout, env=env)
+    t0 = time.monotonic()
+    with server:
+        ready_s = time.monotonic() - t0
         time.sleep(args.settle)
-        root = psutil.Process(proc.pid)
+        root = psutil.Process(server.proc.pid)
         windows = []
         for _ in range(args.repeats):
             a, t0 = cpu_seconds(root), time.monotonic()
@@ -109,15 +91,10 @@ def measure(args: argparse.Namespace) -> dict:
             for pid, (group, t) in b.items():  # a process started inside the window counts from 0
                 groups[group] = groups.get(group, 0.0) + (t - a.get(pid, (group, 0.0))[1]) / elapsed * 100
             windows.append({"elapsed_s": elapsed, "total_pct": sum(groups.values()), "by_process": groups})
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
     names = sorted({g for w in windows for g in w["by_process"]})
     by_process = {g: statistics.median(w["by_process"].get(g, 0.0) for w in windows) for g in names}
-    return {"serve_command": " ".join(cmd[1:]).replace(str(port), "<port>"), "env": args.env, "ready_s": ready_s,
+    command = " ".join(server.args[1:]).replace(str(server.port), "<port>")
+    return {"serve_command": command, "env": args.env, "ready_s": ready_s,
             "settle_s": args.settle, "window_s": args.seconds, "windows": windows,
             "total_pct": statistics.median(w["total_pct"] for w in windows),
             "by_process": dict(sorted(by_process.items(), key=lambda kv: -kv[1])), "target_pct": TARGET_PCT}

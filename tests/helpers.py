@@ -35,6 +35,19 @@ def sized(fast: int, thorough: int) -> int:
 SSESource = Union[str, bytes, Iterable[Union[str, bytes]], Any]
 
 
+class FakeClock:
+    """A clock the test sets (``t``, seconds) or moves (:meth:`advance`); call it for the time."""
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (nothing listens on it once this returns)."""
     with socket.socket() as s:

@@ -1,19 +1,6 @@
 """Helpers of the ``deployments.limits`` tests (test_key_policies.py, test_rate_limiter.py,
-test_rate_limiter_redis.py, test_auth_throttle.py): a clock the test sets, and ``run`` (``asyncio.run``)."""
+test_rate_limiter_redis.py, test_auth_throttle.py): ``run`` (``asyncio.run``) and a clock the test
+sets (``helpers.FakeClock``)."""
+from asyncio import run  # noqa: F401  (the limits tests take both from here)
 
-import asyncio
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, s: float) -> None:
-        self.t += s
-
-
-def run(coro):
-    return asyncio.run(coro)
+from helpers import FakeClock  # noqa: F401

@@ -1,21 +1,10 @@
 """Helpers of the response cache tests (test_response_cache_*.py): ``run`` (``asyncio.run``), a clock
-the test sets, a chat request and a replica's answer to it."""
-import asyncio
+the test sets (``helpers.FakeClock``), a chat request and a replica's answer to it."""
+from asyncio import run  # noqa: F401  (the cache tests take both from here)
 
 from deployments.contract.openai_requests import ChatCompletionRequest
 from deployments.contract.types import GenerationChunk
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-class FakeClock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from helpers import FakeClock  # noqa: F401
 
 
 def chat(**kw) -> ChatCompletionRequest:
