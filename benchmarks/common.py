@@ -587,7 +587,9 @@ def local_serve(num_cpus: int):
     Call it before anything imports ``ray``: Ray reads the auth variables when imported.
     """
     auth_dir = private_ray_token()
-    os.environ.setdefault("RAY_worker_niceness", "0")  # serving is the node's main work
+    from cluster import set_local_ray_env
+
+    set_local_ray_env()  # worker niceness, Serve's loop intervals: as `kvserve serve` does
     import ray
     from ray import serve
 

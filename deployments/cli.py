@@ -236,9 +236,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # ~/.ray/auth_token, created if missing) and the instance's ports on 127.0.0.1; an explicit
         # RAY_AUTH_MODE=disabled is kept, with a loud warning.
         auth = ensure_local_auth()
-        # Ray runs workers at niceness 15 by default; on a serving node the Serve proxy,
-        # ingress and engine replicas are the main work.
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        # worker niceness 0 (Ray's default is 15), Serve's control loop and metrics flushes
+        # slowed for an idle app that costs little (cluster.LOCAL_RAY_ENV)
+        from cluster import set_local_ray_env
+
+        set_local_ray_env()
     else:
         auth = ensure_join_auth(address=args.address)  # SystemExit with what to do if no token is here
     from deployments.app import APP_NAME, AppArgs, build_app, fit_single_node, logical_cpus_needed

@@ -15,7 +15,16 @@ import socket
 import time
 from typing import Any, AsyncIterator, Iterable, Iterator, Union
 
+import httpx
+
 DONE = "[DONE]"
+
+#: The client of the tests' one-off HTTP calls: ``HTTP.get(url, timeout=...)`` where one would
+#: write ``httpx.get(...)``, which builds a client, and with it an SSL context (~20 ms of CPU), on
+#: every call; in polling loops that was most of a live test's CPU. No keep-alive, so every
+#: request opens a connection of its own as ``httpx.get`` does (the servers here are killed and
+#: restarted under the tests).
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 #: The test profile: ``fast`` (the default, what ``make test`` runs) or ``thorough``
 #: (``KVSERVE_TEST_PROFILE=thorough``, what ``make test-thorough`` runs: full fuzz sizes, request

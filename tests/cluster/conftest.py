@@ -24,7 +24,9 @@ if "RAY_AUTH_TOKEN_PATH" not in os.environ:  # the e2e conftest may have set the
     from cluster.ray_auth import ensure_local_auth
 
     ensure_local_auth()
-os.environ.setdefault("RAY_worker_niceness", "0")
+from cluster import set_local_ray_env  # noqa: E402
+
+set_local_ray_env()  # worker niceness, Serve's loop intervals: as `kvserve serve` does
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from helpers import DONE, aiter_sse
+from helpers import DONE, HTTP, aiter_sse
 
 #: Seconds an in-flight client may take, after a kill, to see the end of its response.
 CLIENT_END_LIMIT_S = 60.0
@@ -296,7 +296,7 @@ def _finished_by_replica(base: str, served: str) -> dict[str, dict[str, float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, dict[str, float]] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
+    for fam in text_string_to_metric_families(HTTP.get(f"{base}/metrics", timeout=30).text):
         if fam.name == "kvserve:request_success":
             for s in fam.samples:
                 if s.name.endswith("_total") and s.labels.get("model_name") == served:

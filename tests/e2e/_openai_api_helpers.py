@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import httpx
+from helpers import HTTP
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -38,7 +39,7 @@ PROMPTS = [
 
 
 def _post(serve_app, path: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(f"{serve_app.base_url}{path}", json=body, timeout=kw.pop("timeout", 300), **kw)
+    return HTTP.post(f"{serve_app.base_url}{path}", json=body, timeout=kw.pop("timeout", 300), **kw)
 
 
 def _ingress_logs() -> str:

@@ -8,8 +8,8 @@ import os
 import subprocess
 import time
 
-import httpx
 import pytest
+from helpers import HTTP
 
 TINY = "tiny"
 
@@ -28,7 +28,7 @@ class Prom:
             return ""
 
     def query(self, expr: str) -> list[dict]:
-        r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        r = HTTP.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
         r.raise_for_status()
         body = r.json()
         assert body["status"] == "success", body

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 
+from cluster import set_local_ray_env
 from cluster.ray_auth import ensure_local_auth
 
 # Ray's token authentication on, as `kvserve serve` runs it, with a token of this test session
@@ -25,7 +26,7 @@ _RAY_AUTH_DIR = tempfile.mkdtemp(prefix="kvserve-ray-auth-")  # mode 0700
 atexit.register(shutil.rmtree, _RAY_AUTH_DIR, True)
 os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_RAY_AUTH_DIR, "auth_token")
 RAY_AUTH = ensure_local_auth()  # writes the session's token (0600); subprocesses inherit the env
-os.environ.setdefault("RAY_worker_niceness", "0")  # as `kvserve serve` does
+set_local_ray_env()  # worker niceness, Serve's loop intervals: as `kvserve serve` does
 
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402

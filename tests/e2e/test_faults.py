@@ -14,7 +14,7 @@ a small app of its own beside the fixture's, and deletes it):
 """
 import asyncio
 
-import httpx
+from helpers import HTTP
 import pytest
 from _faults_helpers import (_alive_llm_replicas, _app_args, _assert_completed, _assert_failed_cleanly, _deploy,
                              _finished_by_replica, _kill_mid_stream, _scale_down_mid_stream)
@@ -102,7 +102,7 @@ def test_killed_replica_mid_stream(serve_app, tiny_llama_path):
     base = f"{serve_app.root}{route}"
     _deploy(_app_args(tiny_llama_path, "tiny-kill", num_replicas=1), name, route)
     try:
-        assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        assert HTTP.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
         (victim,) = _alive_llm_replicas(name)
         results, rec, t_kill, clients_end_s = asyncio.run(_kill_mid_stream(base, victim["pid"], RECOVERY_LIMIT_S))
         codes = [_assert_failed_cleanly(r, t_kill, victim["pid"]) for r in results]
@@ -131,8 +131,8 @@ def test_killed_tp_worker_mid_stream(serve_app, tiny_llama_path):
     base = f"{serve_app.root}{route}"
     _deploy(_app_args(tiny_llama_path, "tiny-tpkill", num_replicas=1, tensor_parallel_size=2), name, route)
     try:
-        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
-        assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        assert HTTP.get(f"{base}/health", timeout=30).status_code == 200
+        assert HTTP.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
         info = serve.get_deployment_handle("LLMServer", name).server_info.remote().result()
         rank1 = next(r for r in info.workers["ranks"] if r["rank"] == 1)
         (replica,) = _alive_llm_replicas(name)

@@ -8,6 +8,7 @@ import socket
 import time
 
 import httpx
+from helpers import HTTP
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -60,35 +61,35 @@ def test_body_size_limit(serve_app):
             yield b"a" * 65536  # 5 MiB in all, over the 4 MiB default
         yield b'", "max_tokens": 1}'
 
-    r = httpx.post(f"{serve_app.base_url}/completions", content=chunks(), timeout=60,
+    r = HTTP.post(f"{serve_app.base_url}/completions", content=chunks(), timeout=60,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
     # the same server still answers a normal request
-    r = httpx.post(f"{serve_app.base_url}/completions", timeout=60,
+    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=60,
                    json={"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
 
 
 def test_too_many_prompts(serve_app):
-    r = httpx.post(f"{serve_app.base_url}/completions", timeout=60,
+    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=60,
                    json={"model": "tiny", "prompt": ["hi"] * 65, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
-    r = httpx.post(f"{serve_app.base_url}/completions", timeout=60,
+    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=60,
                    json={"model": "tiny", "prompt": ["hi"] * 8, "max_tokens": 1})
     assert r.status_code == 200 and len(r.json()["choices"]) == 8
 
 
 @pytest.mark.parametrize("value", ["Bearer ключ", "Bearer \u00ff\u00fe", "Bäärer x", "Bearer"])
 def test_non_ascii_or_malformed_authorization_is_401(serve_app, value):
-    r = httpx.post(f"{serve_app.auth_base_url}/completions", json={"prompt": "hi", "max_tokens": 1},
+    r = HTTP.post(f"{serve_app.auth_base_url}/completions", json={"prompt": "hi", "max_tokens": 1},
                    headers={"Authorization": value.encode("utf-8")}, timeout=30)
     assert r.status_code == 401, r.text
     assert r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_models_list_shows_served_names_only(serve_app, smollm2_path):
-    r = httpx.get(f"{serve_app.base_url}/models", timeout=30)
+    r = HTTP.get(f"{serve_app.base_url}/models", timeout=30)
     assert r.status_code == 200
     assert str(smollm2_path) not in r.text and "/root" not in r.text and "/tmp" not in r.text
     cards = {m["id"]: m for m in r.json()["data"]}
@@ -140,7 +141,7 @@ def test_poison_requests_fail_alone(serve_app):
 
 def test_chat_logprobs_non_streaming(serve_app):
     """(Was a 500: a helper defined below the ingress class did not exist in the running app.)"""
-    r = httpx.post(f"{serve_app.base_url}/chat/completions", timeout=120,
+    r = HTTP.post(f"{serve_app.base_url}/chat/completions", timeout=120,
                    json={"messages": PARIS, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2})
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]

@@ -11,7 +11,7 @@ import os
 import re
 import time
 
-import httpx
+from helpers import HTTP
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_load_serve_on_both_replicas_unload_and_reload(lora_app, tiny_llama_path
     assert len({want_a, want_b, want_base}) == 3
 
     def load(body, headers=admin):
-        return httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=headers, timeout=60)
+        return HTTP.post(f"{base}/v1/load_lora_adapter", json=body, headers=headers, timeout=60)
 
     # refused: no key, a bad rank (the replica's reason), a folder that is not there
     assert load({"lora_name": "cust-a", "lora_path": str(paths["all-r8"])}, headers={}).status_code == 401
@@ -114,20 +114,20 @@ def test_load_serve_on_both_replicas_unload_and_reload(lora_app, tiny_llama_path
 
     outs = asyncio.run(burst())
     assert [o.choices[0].text for o in outs] == [want_a] * 8
-    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    metrics = HTTP.get(f"{base}/metrics", timeout=30).text
     replicas = {dict(re.findall(r'(\w+)="([^"]*)"', labels))["replica"] for labels in re.findall(
         r'kvserve:lora_requests_info\{([^}]*)\}', metrics) if 'model_name="tiny-dyn"' in labels
         and 'running_lora_adapters="cust-a"' in labels}
     assert len(replicas) == 2, [ln for ln in metrics.splitlines() if "lora_requests_info{" in ln or "request_success" in ln]
 
     # unloaded: a 404 in OpenAI's shape, gone from /v1/models; a second unload is a 404 too
-    r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "cust-a"}, headers=admin, timeout=30)
+    r = HTTP.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "cust-a"}, headers=admin, timeout=30)
     assert r.status_code == 200 and "removed successfully" in r.text
     with pytest.raises(NotFoundError) as e:
         complete(client, "cust-a")
     assert e.value.body["code"] == "model_not_found"
     assert "cust-a" not in {m.id for m in client.models.list().data}
-    r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "cust-a"}, headers=admin, timeout=30)
+    r = HTTP.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "cust-a"}, headers=admin, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
     # the same name from other files: the new adapter's tokens on every replica (no old weights reused)
@@ -144,4 +144,4 @@ def test_load_serve_on_both_replicas_unload_and_reload(lora_app, tiny_llama_path
     r = load({"lora_name": "cust-a", "lora_path": str(paths["all-r8"]), "load_inplace": True})
     assert r.status_code == 200
     assert complete(client, "cust-a").choices[0].text == want_a
-    httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "cust-a"}, headers=admin, timeout=30)
+    HTTP.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "cust-a"}, headers=admin, timeout=30)

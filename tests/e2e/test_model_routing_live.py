@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import pytest
-from helpers import iter_sse
+from helpers import HTTP, iter_sse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -111,7 +111,7 @@ def test_overflow_goes_upstream_and_client_errors_do_not(routing_app):
 
 
 def test_fallback_counts_in_metrics(routing_app, serve_app):
-    text = httpx.get(f"{serve_app.root}/metrics", timeout=30).text
+    text = HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
     assert any(ln.startswith("kvserve:upstream_fallbacks_total{") and f'model_name="{SMALL}"' in ln
                and not ln.rstrip().endswith(" 0.0") for ln in text.splitlines()), text[:2000]
     assert any(ln.startswith("kvserve:model_routes_total{") and 'route="short"' in ln for ln in text.splitlines())

@@ -8,12 +8,11 @@ import json
 import re
 import time
 
-import httpx
 import jsonschema
 import pytest
 from _openai_api_helpers import (PARIS, PERSON, PROMPTS, TIME, WEATHER, _ingress_logs, _nulls_dropped, _post,
                                  _replica_logs)
-from helpers import sse_events
+from helpers import HTTP, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -81,10 +80,10 @@ def test_every_endpoint_and_option_answers(serve_app):
         assert events[-1]["usage"]["prompt_tokens"] > 0, extra
 
     for path in ("/models", f"/models/{serve_app.model}"):
-        r = httpx.get(f"{serve_app.base_url}{path}", timeout=30)
+        r = HTTP.get(f"{serve_app.base_url}{path}", timeout=30)
         assert r.status_code == 200, r.text
     for path in ("/health", "/ready", "/metrics"):
-        assert httpx.get(f"{serve_app.root}{path}", timeout=60).status_code == 200, path
+        assert HTTP.get(f"{serve_app.root}{path}", timeout=60).status_code == 200, path
 
 
 def test_continuous_usage_stats_on_every_chunk(serve_app):
@@ -335,7 +334,7 @@ def test_prompt_logprobs_equal_hf(serve_app, smollm2_path):
 # ---- CORS, unknown fields, limits, disconnects --------------------------------------------
 def test_cors_preflight_and_headers(serve_app):
     origin = "https://app.example.com"
-    pre = httpx.options(f"{serve_app.base_url}/chat/completions", timeout=30, headers={
+    pre = HTTP.options(f"{serve_app.base_url}/chat/completions", timeout=30, headers={
         "Origin": origin, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type"})
     assert pre.status_code == 200, pre.text
@@ -344,10 +343,10 @@ def test_cors_preflight_and_headers(serve_app):
     r = _post(serve_app, "/chat/completions", {"messages": PARIS, "max_tokens": 2}, headers={"Origin": origin})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", origin)
     # the API-key app: a preflight needs no key; a 401 still carries the CORS header
-    pre = httpx.options(f"{serve_app.auth_base_url}/completions", timeout=30, headers={
+    pre = HTTP.options(f"{serve_app.auth_base_url}/completions", timeout=30, headers={
         "Origin": origin, "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 200
-    r = httpx.post(f"{serve_app.auth_base_url}/completions", json={"prompt": "x"}, headers={"Origin": origin},
+    r = HTTP.post(f"{serve_app.auth_base_url}/completions", json={"prompt": "x"}, headers={"Origin": origin},
                    timeout=30)
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] in ("*", origin)
 
@@ -376,7 +375,7 @@ def test_max_tokens_over_the_context_is_a_400(serve_app):
 def test_client_disconnect_logs_no_traceback(serve_app):
     """A client that goes away mid-stream is an INFO line: the abort worked, nothing failed."""
     before = _replica_logs()
-    with httpx.stream("POST", f"{serve_app.base_url}/chat/completions", timeout=120, json={
+    with HTTP.stream("POST", f"{serve_app.base_url}/chat/completions", timeout=120, json={
             "messages": PARIS, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:

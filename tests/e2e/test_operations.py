@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from helpers import DONE, aiter_sse
+from helpers import DONE, HTTP, aiter_sse
 
 pytestmark = pytest.mark.slow
 
@@ -52,13 +52,13 @@ def ops_app(serve_app, tiny_llama_path, redis_server):
 def test_probes_and_metrics_are_open_docs_follow_the_key(serve_app):
     auth_root = serve_app.auth_base_url.removesuffix("/v1")
     for path in ("/health", "/ready", "/metrics"):
-        assert httpx.get(auth_root + path, timeout=60).status_code == 200, path
+        assert HTTP.get(auth_root + path, timeout=60).status_code == 200, path
     for path in ("/docs", "/openapi.json"):
-        r = httpx.get(auth_root + path, timeout=30)
+        r = HTTP.get(auth_root + path, timeout=30)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", path
-        ok = httpx.get(auth_root + path, headers={"Authorization": f"Bearer {serve_app.api_key}"}, timeout=30)
+        ok = HTTP.get(auth_root + path, headers={"Authorization": f"Bearer {serve_app.api_key}"}, timeout=30)
         assert ok.status_code == 200, path
-    r = httpx.get(f"{serve_app.root}/ready", timeout=60)
+    r = HTTP.get(f"{serve_app.root}/ready", timeout=60)
     assert r.status_code == 200 and r.json()["status"] == "ready"
 
 
@@ -73,8 +73,8 @@ def test_failed_auth_is_throttled_per_client_address(serve_app):
     assert r.status_code == 429 and r.json()["error"]["code"] == "auth_throttled"
     assert 1 <= int(r.headers["retry-after"]) <= 60
     assert attacker.get(url, headers={"Authorization": f"Bearer {serve_app.api_key}"}).status_code == 429
-    assert httpx.get(url, headers={"Authorization": f"Bearer {serve_app.api_key}"}, timeout=30).status_code == 200
-    m = httpx.get(f"{serve_app.root}/auth/metrics", timeout=30).text
+    assert HTTP.get(url, headers={"Authorization": f"Bearer {serve_app.api_key}"}, timeout=30).status_code == 200
+    m = HTTP.get(f"{serve_app.root}/auth/metrics", timeout=30).text
     assert _metric(m, "kvserve:requests_rejected_total", reason="unauthorized") >= 20
     assert _metric(m, "kvserve:requests_rejected_total", reason="auth_throttled") >= 2
 
@@ -110,7 +110,7 @@ def test_burst_gets_429s_at_once_and_loses_nothing(serve_app):
     """60 concurrent streams at the tiny model (max_num_seqs 8 + a queue of 1 per replica): the
     overflow is refused at once with 429, Retry-After and an OpenAI body; every admitted stream
     finishes with all its tokens and [DONE]; the replica ends with nothing running."""
-    before = httpx.get(f"{serve_app.root}/metrics", timeout=30).text
+    before = HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True}
 
     async def main():
@@ -128,7 +128,7 @@ def test_burst_gets_429s_at_once_and_loses_nothing(serve_app):
     for r in refused:
         assert r["error"]["code"] == "queue_full" and r["error"]["type"] == "rate_limit_error"
         assert 1 <= int(r["retry_after"]) <= 60
-    after = httpx.get(f"{serve_app.root}/metrics", timeout=30).text
+    after = HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
     refused_counted = (_metric(after, "kvserve:requests_rejected_total", model_name="tiny", reason="queue_full")
                        - _metric(before, "kvserve:requests_rejected_total", model_name="tiny", reason="queue_full"))
     assert refused_counted == len(refused)
@@ -140,9 +140,9 @@ def test_burst_gets_429s_at_once_and_loses_nothing(serve_app):
 
 def test_request_that_can_never_fit_is_a_400(serve_app):
     url = f"{serve_app.base_url}/completions"
-    r = httpx.post(url, json={"model": "tiny", "prompt": ["hi"] * 10, "max_tokens": 1}, timeout=60)
+    r = HTTP.post(url, json={"model": "tiny", "prompt": ["hi"] * 10, "max_tokens": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_large"  # 8 running + 1 queued at most
-    r = httpx.post(url, json={"model": "tiny", "prompt": ["hi"] * 9, "max_tokens": 1}, timeout=60)
+    r = HTTP.post(url, json={"model": "tiny", "prompt": ["hi"] * 9, "max_tokens": 1}, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"]) == 9
 
 
@@ -152,17 +152,17 @@ def test_per_key_rate_limit_is_shared_through_redis(ops_app, redis_server):
     url = f"{ops_app}/v1/completions"
     hdr = {"Authorization": "Bearer sk-ops-limited"}
     body = {"prompt": "hi", "max_tokens": 2}
-    codes = [httpx.post(url, json=body, headers=hdr, timeout=60).status_code for _ in range(3)]
+    codes = [HTTP.post(url, json=body, headers=hdr, timeout=60).status_code for _ in range(3)]
     assert codes == [200, 200, 200]
-    r = httpx.post(url, json=body, headers=hdr, timeout=60)
+    r = HTTP.post(url, json=body, headers=hdr, timeout=60)
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
     assert 10 <= int(r.headers["retry-after"]) <= 21  # one request refills every 20 s
     assert "sk-ops" not in r.text
-    other = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-ops-interactive"}, timeout=60)
+    other = HTTP.post(url, json=body, headers={"Authorization": "Bearer sk-ops-interactive"}, timeout=60)
     assert other.status_code == 200  # another key is not limited
     keys = redis.Redis.from_url(redis_server).keys("kvserve:rl:*limited*")
     assert keys, "the limiter did not use Redis"
-    m = httpx.get(f"{ops_app}/metrics", timeout=30).text
+    m = HTTP.get(f"{ops_app}/metrics", timeout=30).text
     assert _metric(m, "kvserve:api_key_tokens_total", api_key="limited", kind="generation") == 6
     assert _metric(m, "kvserve:requests_rejected_total", reason="rate_limited") >= 1
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from _prometheus_helpers import (EXPORTS, RAY_SCRAPE_S, TINY, Prom, _baseline, _check_dashboard, _expect,
                                  _ray_hist_sum, _wait)
-from helpers import free_port
+from helpers import HTTP, free_port
 
 # constants only: importing telemetry.metrics switches nothing on
 from telemetry.metrics import TOKEN_BUCKETS
@@ -82,7 +82,7 @@ def prometheus(serve_app, tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"prometheus exited with {proc.returncode}:\n{prom.log_tail()}")
             try:
-                if httpx.get(f"{prom.url}/-/ready", timeout=2).status_code == 200:
+                if HTTP.get(f"{prom.url}/-/ready", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -218,14 +218,14 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
     # ---- phase 3: the app with an API key: per-key tokens, a wrong key counted ----------------
     tp2 = "tiny-tp2"
     base = _baseline(prom, tp2)
-    r = httpx.post(f"{serve_app.auth_base_url}/completions", timeout=120,
+    r = HTTP.post(f"{serve_app.auth_base_url}/completions", timeout=120,
                    headers={"Authorization": f"Bearer {serve_app.api_key}"},
                    json={"model": tp2, "prompt": "one request with a key", "max_tokens": 4, "temperature": 0,
                          "ignore_eos": True})
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert usage["completion_tokens"] == 4, usage
-    bad = httpx.post(f"{serve_app.auth_base_url}/completions", timeout=60,
+    bad = HTTP.post(f"{serve_app.auth_base_url}/completions", timeout=60,
                      headers={"Authorization": "Bearer sk-not-the-key"},
                      json={"model": tp2, "prompt": "x", "max_tokens": 1})
     # 401, or 429 when earlier tests of the session used up this address's failed attempts

@@ -23,7 +23,7 @@ import pytest
 from _ray_auth_helpers import (ATTACKER, RAW_GRPC, _attacker_env, _collect, _is_loopback, _listeners, _ray_pids,
                                _spawn, _this_machines_address)
 from cli_process import start_kvserve
-from helpers import DONE, free_port, iter_sse
+from helpers import DONE, HTTP, free_port, iter_sse
 
 from cluster.ray_auth import (
     LOOPBACK_VAR,
@@ -238,7 +238,6 @@ def test_token_holder_gets_a_serve_handle_and_replica_grpc_needs_the_token(ray_s
 def test_dashboard_agent_http_needs_the_token(ray_session, tmp_path):
     """The node's dashboard agent takes job submissions (a shell command) over HTTP: without
     the token 401, with a wrong one 403; only its two health checks are public."""
-    import httpx
     import ray
 
     info = ray._private.worker._global_node.address_info
@@ -246,16 +245,16 @@ def test_dashboard_agent_http_needs_the_token(ray_session, tmp_path):
     token = Path(ray_session.token_path).read_text().strip()
     marker = tmp_path / "pwned"
     job = {"entrypoint": f"touch {marker}", "submission_id": "kvserve-auth-probe"}
-    assert httpx.post(f"{base}/api/job_agent/jobs/", json=job, timeout=10).status_code == 401
+    assert HTTP.post(f"{base}/api/job_agent/jobs/", json=job, timeout=10).status_code == 401
     bad = {"Authorization": "Bearer " + "0" * 64}
-    assert httpx.post(f"{base}/api/job_agent/jobs/", json=job, headers=bad, timeout=10).status_code == 403
+    assert HTTP.post(f"{base}/api/job_agent/jobs/", json=job, headers=bad, timeout=10).status_code == 403
     time.sleep(2)
     assert not marker.exists()
     good = {"Authorization": f"Bearer {token}"}
-    r = httpx.get(f"{base}/api/job_agent/jobs/no-such-job/logs", headers=good, timeout=30)
+    r = HTTP.get(f"{base}/api/job_agent/jobs/no-such-job/logs", headers=good, timeout=30)
     assert r.status_code not in (401, 403), (r.status_code, r.text[:300])
-    assert httpx.get(f"{base}/api/job_agent/jobs/no-such-job/logs", timeout=10).status_code == 401
-    assert httpx.get(f"{base}/api/healthz", timeout=10).status_code != 401  # public by Ray's design
+    assert HTTP.get(f"{base}/api/job_agent/jobs/no-such-job/logs", timeout=10).status_code == 401
+    assert HTTP.get(f"{base}/api/healthz", timeout=10).status_code != 401  # public by Ray's design
 
 
 @pytest.mark.slow
@@ -281,7 +280,7 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
         tok = home / ".ray" / "auth_token"
         assert _mode(tok) == 0o600 and _mode(tok.parent) == 0o700
         token = tok.read_text().strip()
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).status_code == 200
+        assert HTTP.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).status_code == 200
 
         import psutil
 
@@ -313,7 +312,7 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
 
         def stream(i: int) -> tuple[int, str]:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 600, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300) as r:
+            with HTTP.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300) as r:
                 parts = []
                 for chunk in r.iter_text():
                     parts.append(chunk)
@@ -329,7 +328,7 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
         ready = []
         for _ in range(20):
             try:
-                ready.append(httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code)
+                ready.append(HTTP.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code)
             except httpx.HTTPError:
                 break
             if ready[-1] != 200:

@@ -9,7 +9,7 @@ import uuid
 
 import httpx
 import pytest
-from helpers import sse_events
+from helpers import HTTP, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -21,7 +21,7 @@ def _tag() -> str:
 
 
 def _post(serve_app, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{serve_app.base_url}{path}", json=body, headers=headers or {}, timeout=120)
+    return HTTP.post(f"{serve_app.base_url}{path}", json=body, headers=headers or {}, timeout=120)
 
 
 def _status(r: httpx.Response) -> str | None:
@@ -48,7 +48,7 @@ def test_repeated_greedy_chat_is_an_exact_hit_streamed_and_not(serve_app):
 
     # streamed from the same entry: the chunks of a fresh stream, usage included
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{serve_app.base_url}/chat/completions", json=stream, timeout=120) as r:
+    with HTTP.stream("POST", f"{serve_app.base_url}/chat/completions", json=stream, timeout=120) as r:
         assert r.status_code == 200 and _status(r) == "exact"
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -67,7 +67,7 @@ def test_a_streamed_miss_is_replayed_chunk_for_chunk(serve_app):
             "n": 2, "stream": True, "stream_options": {"include_usage": True}}
 
     def run():
-        with httpx.stream("POST", f"{serve_app.base_url}/completions", json=body, timeout=120) as r:
+        with HTTP.stream("POST", f"{serve_app.base_url}/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
             return _status(r), sse_events(r)
 
@@ -105,7 +105,7 @@ def test_cached_answers_count_as_requests_without_tokens(serve_app):
     """A hit is one request of its API key (here the anonymous one) and no tokens: nothing was
     generated. Read from the app's /metrics."""
     def sample(name: str, kind: str | None = None) -> float:
-        text = httpx.get(f"{serve_app.root}/metrics", timeout=30).text
+        text = HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
         total = 0.0
         for line in text.splitlines():
             if line.startswith(name + "{") and 'api_key="anonymous"' in line and f'model_name="{TINY}"' in line \
@@ -129,7 +129,7 @@ def test_cached_answers_count_as_requests_without_tokens(serve_app):
     assert sample("kvserve:api_key_requests_total") == requests + 1
     assert sample("kvserve:api_key_tokens_total") == tokens
     assert 'kvserve:response_cache_hits_total{level="exact",model_name="tiny"}' in \
-        httpx.get(f"{serve_app.root}/metrics", timeout=30).text
+        HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
 
 
 def test_delete_cache_needs_the_admin_key(serve_app):
@@ -140,23 +140,23 @@ def test_delete_cache_needs_the_admin_key(serve_app):
         _post(serve_app, "/completions", body)
         assert _status(_post(serve_app, "/completions", body)) == "exact"
     url = f"{serve_app.base_url}/cache"
-    r = httpx.delete(url, timeout=30)
+    r = HTTP.delete(url, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.delete(url, headers={"Authorization": "Bearer not-the-admin-key"}, timeout=30).status_code == 401
+    assert HTTP.delete(url, headers={"Authorization": "Bearer not-the-admin-key"}, timeout=30).status_code == 401
     assert _status(_post(serve_app, "/completions", tiny)) == "exact"  # nothing was cleared
     admin = {"Authorization": f"Bearer {serve_app.admin_key}"}
-    r = httpx.delete(url, params={"model": TINY}, headers=admin, timeout=30)
+    r = HTTP.delete(url, params={"model": TINY}, headers=admin, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "cache.cleared" and r.json()["model"] == TINY and r.json()["exact"] >= 1
     assert _status(_post(serve_app, "/completions", tiny)) == "miss"
     assert _status(_post(serve_app, "/completions", smol)) == "exact"  # another model's entries stay
-    stats = httpx.get(url, headers=admin, timeout=30).json()
+    stats = HTTP.get(url, headers=admin, timeout=30).json()
     assert stats["exact"]["hits"] >= 1 and stats["semantic"]["mode"] == "opt-in"
-    r = httpx.delete(url, headers=admin, timeout=30)
+    r = HTTP.delete(url, headers=admin, timeout=30)
     assert r.status_code == 200 and r.json()["exact"] >= 2
     assert _status(_post(serve_app, "/completions", smol)) == "miss"
     # the API-key app has no admin key: its API key may not clear anything
-    r = httpx.delete(f"{serve_app.auth_base_url}/cache", headers={"Authorization": f"Bearer {serve_app.api_key}"},
+    r = HTTP.delete(f"{serve_app.auth_base_url}/cache", headers={"Authorization": f"Bearer {serve_app.api_key}"},
                      timeout=30)
     assert r.status_code == 403 and "no admin key is configured" in r.json()["error"]["message"]
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 import httpx
 import pytest
-from helpers import DONE, aiter_sse, iter_sse, sse_events
+from helpers import DONE, HTTP, aiter_sse, iter_sse, sse_events
 
 from openai.types import Completion as CompletionResponse
 from openai.types import CompletionChoice
@@ -32,7 +32,7 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_chat_paris_httpx(serve_app):
-    r = httpx.post(f"{serve_app.base_url}/chat/completions", timeout=120,
+    r = HTTP.post(f"{serve_app.base_url}/chat/completions", timeout=120,
                    json={"model": serve_app.model, "messages": PARIS, "max_tokens": 32, "temperature": 0})
     assert r.status_code == 200, r.text
     body = ChatCompletionResponse.model_validate(r.json())
@@ -43,7 +43,7 @@ def test_chat_paris_httpx(serve_app):
 
 
 def test_chat_stream_httpx(serve_app):
-    with httpx.stream("POST", f"{serve_app.base_url}/chat/completions", timeout=120,
+    with HTTP.stream("POST", f"{serve_app.base_url}/chat/completions", timeout=120,
                       json={"messages": PARIS, "max_tokens": 32, "temperature": 0, "stream": True,
                             "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
@@ -61,7 +61,7 @@ def test_chat_stream_httpx(serve_app):
 
 
 def test_completions_httpx_logprobs_stop(serve_app):
-    r = httpx.post(f"{serve_app.base_url}/completions", timeout=120,
+    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=120,
                    json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 2,
                          "echo": True})
     assert r.status_code == 200, r.text
@@ -80,7 +80,7 @@ def test_completions_httpx_logprobs_stop(serve_app):
     assert all(x <= 0 for x in lp.token_logprobs)
     assert all(len(t) <= 2 for t in lp.top_logprobs)
     # stop strings end the text before the stop string
-    r = httpx.post(f"{serve_app.base_url}/completions", timeout=120,
+    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=120,
                    json={"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": [" 7"]})
     assert r.status_code == 200
     assert r.json()["choices"][0]["finish_reason"] == "stop" and " 7" not in r.json()["choices"][0]["text"]
@@ -128,13 +128,13 @@ def test_openai_sdk(serve_app):
 
 
 def test_batched_prompts_and_second_model(serve_app):
-    r = httpx.post(f"{serve_app.base_url}/completions", timeout=120,
+    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=120,
                    json={"model": "tiny", "prompt": ["a b c", "hello"], "max_tokens": 5, "ignore_eos": True,
                          "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["completion_tokens"] == 10
-    with httpx.stream("POST", f"{serve_app.base_url}/completions", timeout=120,
+    with HTTP.stream("POST", f"{serve_app.base_url}/completions", timeout=120,
                       json={"model": "tiny", "prompt": ["a b c", "hello"], "max_tokens": 5, "ignore_eos": True,
                             "temperature": 0, "stream": True}) as r:
         events = sse_events(r)
@@ -166,9 +166,9 @@ BAD = [
 def test_bad_chat_input(serve_app, name, body, status):
     url = f"{serve_app.base_url}/chat/completions"
     if isinstance(body, bytes):
-        r = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+        r = HTTP.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60)
     else:
-        r = httpx.post(url, json=body, timeout=60)
+        r = HTTP.post(url, json=body, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -185,17 +185,17 @@ def test_bad_completion_input_and_routes(serve_app):
              ({"prompt": "x", "best_of": 3, "n": 4}, 400), ({"prompt": [10**9]}, 400),
              ({"prompt": "x", "top_k": -7}, 400)]
     for body, status in cases:
-        r = httpx.post(f"{base}/completions", json=body, timeout=60)
+        r = HTTP.post(f"{base}/completions", json=body, timeout=60)
         assert r.status_code == status, (body, r.text)
         assert "error" in r.json() and "detail" not in r.json()
-    r = httpx.get(f"{base}/no-such-route", timeout=30)
+    r = HTTP.get(f"{base}/no-such-route", timeout=30)
     assert r.status_code == 404 and "error" in r.json()
-    r = httpx.get(f"{base}/chat/completions", timeout=30)
+    r = HTTP.get(f"{base}/chat/completions", timeout=30)
     assert r.status_code == 405 and "error" in r.json()
     # still serving after all that
-    r = httpx.post(f"{base}/chat/completions", json={"messages": PARIS, "max_tokens": 4}, timeout=60)
+    r = HTTP.post(f"{base}/chat/completions", json={"messages": PARIS, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
-    assert httpx.get(f"{serve_app.root}/health", timeout=30).json()["status"] == "ok"
+    assert HTTP.get(f"{serve_app.root}/health", timeout=30).json()["status"] == "ok"
 
 
 async def _stream_chat(client: httpx.AsyncClient, url: str, messages, max_tokens: int) -> tuple[str, int]:
@@ -248,7 +248,7 @@ def test_32_concurrent_streams_match_offline_and_batch(serve_app, smollm2_path):
 def test_disconnect_mid_stream_frees_blocks(serve_app):
     llm = serve_app.llm
     assert llm.get_stats.remote().result()["kv_cache_usage"] == 0.0
-    with httpx.stream("POST", f"{serve_app.base_url}/completions", timeout=120,
+    with HTTP.stream("POST", f"{serve_app.base_url}/completions", timeout=120,
                       json={"prompt": "Tell me a very long story about a dragon.", "max_tokens": 600,
                             "ignore_eos": True, "stream": True}) as r:
         got = 0
@@ -276,24 +276,24 @@ def test_api_key_and_tensor_parallel_app(serve_app):
     quantizes its own shard)."""
     url = f"{serve_app.auth_base_url}/completions"
     body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
-    r = httpx.post(url, json=body, timeout=60)
+    r = HTTP.post(url, json=body, timeout=60)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}, timeout=60)
+    r = HTTP.post(url, json=body, headers={"Authorization": "Bearer wrong"}, timeout=60)
     assert r.status_code == 401
     auth = {"Authorization": f"Bearer {serve_app.api_key}"}
-    r = httpx.post(url, json=body, headers=auth, timeout=60)
+    r = HTTP.post(url, json=body, headers=auth, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["model"] == "tiny-tp2"
-    models = httpx.get(f"{serve_app.auth_base_url}/models", headers=auth, timeout=30)
+    models = HTTP.get(f"{serve_app.auth_base_url}/models", headers=auth, timeout=30)
     card = models.json()["data"][0]
     assert models.status_code == 200 and card["kv_cache_dtype"] == "fp8" and card["quantization"] == "int8"
     assert card["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
     # n-gram speculation over TP=2: a repetitive prompt drafts; the stream still has every token
     rep = {"prompt": "1 2 3 4 1 2 3 4 1 2 3 4 1 2 3", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
-    r = httpx.post(url, json=rep, headers=auth, timeout=60)
+    r = HTTP.post(url, json=rep, headers=auth, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
     text = ""
-    with httpx.stream("POST", url, json={**rep, "stream": True}, headers=auth, timeout=60) as s:
+    with HTTP.stream("POST", url, json={**rep, "stream": True}, headers=auth, timeout=60) as s:
         for ev in iter_sse(s):
             if ev != DONE:
                 text += ev["choices"][0]["text"]
@@ -301,8 +301,8 @@ def test_api_key_and_tensor_parallel_app(serve_app):
     from ray import serve as _serve
     stats = _serve.get_deployment_handle("LLMServer", "kvserve-auth").get_stats.remote().result(timeout_s=30)
     assert {"spec_decode_num_drafts", "spec_decode_acceptance_rate"} <= set(stats)  # the engine speculates
-    assert httpx.get(f"{serve_app.base_url}/models", timeout=30).json()["data"][0]["kv_cache_dtype"] == "auto"
-    assert httpx.get(f"{serve_app.root}/auth/health", timeout=30).status_code == 200  # no key needed
+    assert HTTP.get(f"{serve_app.base_url}/models", timeout=30).json()["data"][0]["kv_cache_dtype"] == "auto"
+    assert HTTP.get(f"{serve_app.root}/auth/health", timeout=30).status_code == 200  # no key needed
     from ray import serve
 
     info = serve.get_deployment_handle("LLMServer", "kvserve-auth").server_info.remote().result()

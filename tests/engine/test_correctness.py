@@ -38,6 +38,9 @@ NEW_TOKENS = 48
 #: tokens compared. The fast test profile (``tests/helpers.py``) runs 4 text prompts and 2 chats
 #: (sharing the template's prefix) for 16 tokens, the thorough one all 12 for NEW_TOKENS.
 SMOLLM2_TEXTS, SMOLLM2_CHATS, SMOLLM2_TOKENS = (len(PROMPTS), len(CHAT), NEW_TOKENS) if THOROUGH else (4, 2, 16)
+#: The length of HF's SmolLM2 references: what test_spec_decode_equals_hf.py compares (these prompts
+#: and more; :func:`hf_greedy` computes each prompt once), cut to SMOLLM2_TOKENS here.
+SMOLLM2_REF_TOKENS = NEW_TOKENS if THOROUGH else 24
 
 
 #: HF's greedy continuations already computed in this process: (model folder, prompt ids,
@@ -114,11 +117,11 @@ class TestSmolLM2:
     @pytest.fixture(scope="class")
     def case(self, smollm2_path):
         """(path, prompts, HF's greedy tokens, their number) at this profile's size. HF's
-        reference is computed at NEW_TOKENS, as test_spec_decode_equals_hf.py's SmolLM2 case asks
-        for the same prompts (:func:`hf_greedy` computes each once), then cut to the size: greedy
+        reference is computed at SMOLLM2_REF_TOKENS, as test_spec_decode_equals_hf.py's SmolLM2 case
+        asks for the same prompts (:func:`hf_greedy` computes each once), then cut to the size: greedy
         decoding's first tokens do not depend on how many follow."""
         ids = smollm2_prompt_ids(smollm2_path)
-        ref = hf_greedy(smollm2_path, ids, NEW_TOKENS)
+        ref = hf_greedy(smollm2_path, ids, SMOLLM2_REF_TOKENS)
         return smollm2_path, ids, [r[:SMOLLM2_TOKENS] for r in ref], SMOLLM2_TOKENS
 
     def test_batched_equals_hf(self, case, cpu_path):

@@ -10,13 +10,15 @@ import pytest
 from _spec_decode_helpers import COPY_PROMPTS, NGRAM, spec_greedy
 from engine import SamplingParams
 from helpers import sized
-from test_correctness import assert_same, hf_greedy, smollm2_prompt_ids
+from test_correctness import SMOLLM2_REF_TOKENS, assert_same, hf_greedy, smollm2_prompt_ids
 from tiny_models import make_tiny_model
 
 
 @pytest.mark.slow
 class TestSmolLM2:
-    NEW = 48
+    #: Tokens compared (48 in the thorough profile, 24 in the fast one: HF's references, most of
+    #: this class's time, are per token).
+    NEW = SMOLLM2_REF_TOKENS
 
     @pytest.fixture(scope="class")
     def case(self, smollm2_path):
@@ -30,7 +32,7 @@ class TestSmolLM2:
         path, ids, ref = case
         got, stats, llm = spec_greedy(path, ids, self.NEW, dict(NGRAM, adaptive=adaptive))
         assert_same(ref, got)
-        assert stats["spec_decode_num_accepted_tokens"] > 50, stats
+        assert stats["spec_decode_num_accepted_tokens"] > sized(16, 50), stats  # drafts were accepted, many
         assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
         # second round: every prompt is a prefix-cache hit now
         again = llm.generate(ids, SamplingParams(max_tokens=self.NEW, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -40,7 +42,7 @@ class TestSmolLM2:
     def test_ngram_chunked_and_preempted_equals_hf(self, case):
         path, ids, ref = case
         # too few blocks for the profile's prompts at once (9 of them in the fast profile, 15 in the thorough)
-        got, stats, _ = spec_greedy(path, ids, self.NEW, dict(NGRAM, adaptive=False), num_kv_blocks=sized(24, 40),
+        got, stats, _ = spec_greedy(path, ids, self.NEW, dict(NGRAM, adaptive=False), num_kv_blocks=sized(16, 40),
                                     max_num_batched_tokens=64)
         assert_same(ref, got)
         assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
