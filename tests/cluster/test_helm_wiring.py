@@ -1,13 +1,13 @@
 """The Helm chart's core kinds (Secret, Service, ConfigMap, PodDisruptionBudget, the pod templates) with
 ``kubernetes-validate`` in strict mode, and how the pieces point at each other: the OpenAI Service,
 ServiceMonitor -> metrics Service -> every Ray pod, the PodDisruptionBudget, the Grafana dashboard,
-and no API key in the RayService."""
+no API key in the RayService, and every Ray pod's environment as ``kvserve serve`` starts its Ray."""
 import copy
 import json
 
 import pytest
 import yaml
-from helm_chart import CHART, FULL, KUBE_VERSION, SERVICE_MONITOR_API, VARIANTS, _groups, _serve_config
+from helm_chart import CHART, FULL, KUBE_VERSION, SERVICE_MONITOR_API, VARIANTS, _container, _groups, _serve_config
 
 
 def _kv(doc):
@@ -78,3 +78,16 @@ def test_api_keys_never_in_the_rayservice(render):
     docs = render(FULL)
     text = yaml.safe_dump(docs["RayService"])
     assert "sk-frontend-1" not in text and "sk-batch-2" not in text
+
+
+def test_ray_pods_get_the_local_ray_environment(render):
+    """The head and every worker group run Ray with ``cluster.LOCAL_RAY_ENV`` (worker niceness,
+    Serve's control-loop and metrics intervals), the settings ``kvserve serve`` starts its Ray with."""
+    from cluster import LOCAL_RAY_ENV
+
+    (rs,) = render(FULL)["RayService"]
+    pods = [rs["spec"]["rayClusterConfig"]["headGroupSpec"]] + _groups(rs)
+    assert len(pods) >= 2
+    for group in pods:
+        env = {e["name"]: e["value"] for e in _container(group).get("env", [])}
+        assert {k: env.get(k) for k in LOCAL_RAY_ENV} == LOCAL_RAY_ENV, env

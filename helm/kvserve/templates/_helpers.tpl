@@ -169,4 +169,12 @@ models and the mounted API key file. */}}
 {{- define "kvserve.env" -}}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath }}
+{{- /* as `kvserve serve` starts its Ray (cluster.LOCAL_RAY_ENV): workers at niceness 0, Serve's
+     control loop every 0.5 s and metrics flushes every 1 s, for an idle app that costs little */}}
+- name: RAY_worker_niceness
+  value: "0"
+- name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
+  value: "0.5"
+- name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
+  value: "1000"
 {{- end -}}
