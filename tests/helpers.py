@@ -20,8 +20,8 @@ import httpx
 DONE = "[DONE]"
 
 #: The client of the tests' one-off HTTP calls: ``HTTP.get(url, timeout=...)`` where one would
-#: write ``httpx.get(...)``, which builds a client, and with it an SSL context (~20 ms of CPU), on
-#: every call; in polling loops that was most of a live test's CPU. No keep-alive, so every
+#: write ``httpx.get(...)``, which builds a client, and with it an SSL context, on every call; in
+#: polling loops that was most of a live test's CPU. No keep-alive, so every
 #: request opens a connection of its own as ``httpx.get`` does (the servers here are killed and
 #: restarted under the tests).
 HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
