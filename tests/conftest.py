@@ -67,8 +67,10 @@ def pytest_xdist_make_scheduler(config, log):
             """LoadScopeScheduling's, with the work queue in this order: the Ray groups, then
             the rest by size (xdist's own order is by size only, so the small tests/cluster
             group went last, after the in-process tests, to a worker niced for them)."""
-            if self.collection is not None or not self._check_nodes_have_same_collection():
-                return super().schedule()  # later calls, or xdist's own abort on differing collections
+            if self.collection is not None or not self.collection_is_completed:
+                return super().schedule()
+            if not self._check_nodes_have_same_collection():
+                return super().schedule()
             collection = list(next(iter(self.registered_collections.values())))
             units: dict[str, dict[str, bool]] = {}
             for nodeid in collection:
