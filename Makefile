@@ -57,9 +57,9 @@ test-deps:
 # last, so `make test PYTEST_ARGS='-m thorough'` (the thorough-only tests) overrides the -m.
 #
 # Both run two pytest-xdist workers (TEST_WORKERS; 0 runs in one process): the tests that start
-# Ray run in order, tests/e2e in one worker and tests/cluster in the other, side by side; then
-# the in-process ones, at a lower CPU priority, so that they use the cores the Ray tests' waits
-# leave idle (tests/conftest.py: pytest_xdist_make_scheduler, pytest_runtest_setup).
+# Ray (tests/e2e, tests/cluster) in order in one worker, the in-process ones beside it in the
+# other at a lower CPU priority, so that they use the cores the Ray tests' waits leave idle
+# (tests/conftest.py: pytest_xdist_make_scheduler, pytest_runtest_setup).
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 

@@ -17,11 +17,10 @@ from helpers import PROFILE, free_port  # noqa: E402  (tests/ is on sys.path for
 from tiny_models import make_tiny_model  # noqa: E402
 
 
-#: Test folders whose tests start or join a Ray instance, and their pytest-xdist group: under
-#: pytest-xdist each folder runs, in order, in one worker (tests/e2e shares one Ray instance,
-#: ``ray_session``; tests/cluster starts clusters of its own, one module at a time), the two
-#: groups in two workers side by side (their Ray instances are independent).
-RAY_FOLDERS = {"e2e": "ray", "cluster": "ray-cluster"}
+#: Test folders whose tests start or join a Ray instance (the session's, or a cluster of their
+#: own): under pytest-xdist they all run, in order, in one worker (one Ray per session, as
+#: without xdist).
+RAY_FOLDERS = ("e2e", "cluster")
 #: Files that share a session cache and so run in one worker: HF's SmolLM2 references.
 SHARED_GROUPS = {"test_correctness.py": "hf-smollm2", "test_spec_decode_equals_hf.py": "hf-smollm2"}
 #: Niceness of a worker running the in-process tests while the Ray worker runs (see below).
@@ -30,101 +29,60 @@ IN_PROCESS_NICENESS = 10
 
 def xdist_group_of(nodeid: str) -> str:
     """The pytest-xdist work unit of a test (``nodeid`` as ``tests/<folder>/test_x.py::...``):
-    its Ray folder's group (:data:`RAY_FOLDERS`), a shared group for files that share a session
-    cache, else the test's file."""
+    ``"ray"`` for the Ray folders, a shared group for files that share a session cache, else
+    the test's file."""
     parts = nodeid.split("::", 1)[0].split("/")
     if len(parts) > 2 and parts[1] in RAY_FOLDERS:
-        return RAY_FOLDERS[parts[1]]
+        return "ray"
     return SHARED_GROUPS.get(parts[-1], "/".join(parts))
-
-
-def is_ray_test(nodeid: str) -> bool:
-    """Whether the test starts or joins a Ray instance (it is in a :data:`RAY_FOLDERS` group)."""
-    return xdist_group_of(nodeid) in RAY_FOLDERS.values()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs two pytest-xdist workers (``-n 2 --dist loadgroup``). Work goes out in
-    groups (:func:`xdist_group_of`), each whole to one worker in collection order (module
-    fixtures built once): first the tests/e2e group (live Serve apps, whose time is largely
-    waiting on Ray) to one worker and the tests/cluster group to the other, then the in-process
-    files, largest first, to whichever worker runs out of work. Groups come from
-    :func:`xdist_group_of`, not from ``xdist_group`` marks: pytest-xdist 3.8 marks a group by
-    renaming the item's node id, which pytest 9 no longer allows, so its own ``loadgroup``
-    silently scatters a group's tests over the workers."""
+    """`make test` runs two pytest-xdist workers (``-n 2 --dist loadgroup``): one runs the Ray
+    group (live Serve apps, whose time is largely waiting on Ray) in collection order, the other
+    the in-process tests beside it, each file whole (module fixtures built once). Groups come
+    from :func:`xdist_group_of`, not from ``xdist_group`` marks: pytest-xdist 3.8 marks a
+    group by renaming the item's node id, which pytest 9 no longer allows, so its own
+    ``loadgroup`` silently scatters a group's tests over the workers."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    ray_groups = list(RAY_FOLDERS.values())
-
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group_of(nodeid)
-
-        def schedule(self) -> None:
-            """LoadScopeScheduling's, with the work queue in this order: the Ray groups, then
-            the rest by size (xdist's own order is by size only, so the small tests/cluster
-            group went last, after the in-process tests, to a worker niced for them)."""
-            if self.collection is not None or not self.collection_is_completed:
-                return super().schedule()
-            if not self._check_nodes_have_same_collection():
-                return super().schedule()
-            collection = list(next(iter(self.registered_collections.values())))
-            units: dict[str, dict[str, bool]] = {}
-            for nodeid in collection:
-                units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
-            order = sorted(units, key=lambda g: (ray_groups.index(g) if g in ray_groups else len(ray_groups),
-                                                 -len(units[g])))
-            self.collection = collection
-            for group in order:
-                self.workqueue[group] = units[group]
-            for node in self.nodes:  # one unit each first: the Ray groups side by side
-                if self.workqueue:
-                    self._assign_work_unit(node)
-            for node in self.nodes:
-                self._reschedule(node)
 
     return ByGroup(config, log)
 
 
 def pytest_configure(config):
     """The pytest-xdist controller makes a folder its workers share (``KVSERVE_TEST_RUN_DIR``,
-    inherited): a worker running Ray tests flags there that it is."""
+    inherited): the Ray worker flags there that it is running Ray tests."""
     if not hasattr(config, "workerinput") and "KVSERVE_TEST_RUN_DIR" not in os.environ:
         os.environ["KVSERVE_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="kvserve-tests-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("KVSERVE_TEST_RUN_DIR"), ignore_errors=True))
 
 
-def _ray_flag(worker: str | None = None) -> str | None:
-    """The file that is there while pytest-xdist worker ``worker`` (default: this one) runs Ray
-    tests (None: no xdist)."""
-    run_dir, me = os.environ.get("KVSERVE_TEST_RUN_DIR"), os.environ.get("PYTEST_XDIST_WORKER")
-    return os.path.join(run_dir, f"ray-tests-running-{worker or me}") if run_dir and me else None
-
-
-def _ray_tests_running() -> bool:
-    """Whether some pytest-xdist worker is running Ray tests now (its flag is up)."""
+def _ray_flag() -> str | None:
+    """The file that is there while a pytest-xdist worker runs the Ray tests (None: no xdist)."""
     run_dir = os.environ.get("KVSERVE_TEST_RUN_DIR")
-    return bool(run_dir) and any(f.startswith("ray-tests-running-") for f in os.listdir(run_dir))
+    return os.path.join(run_dir, "ray-tests-running") if run_dir and "PYTEST_XDIST_WORKER" in os.environ else None
 
 
 def pytest_runtest_setup(item):
-    """Under pytest-xdist, a worker running in-process tests gives way to the ones running
+    """Under pytest-xdist, the worker running the in-process tests gives way to the one running
     Ray's: before its first in-process test every thread of this worker gets niceness
-    :data:`IN_PROCESS_NICENESS` (threads made later inherit it), and while a Ray worker's flag
+    :data:`IN_PROCESS_NICENESS` (threads made later inherit it), and while the Ray worker's flag
     (:func:`_ray_flag`) is up each in-process test runs torch on one thread (two OpenMP threads
     on a contended 2-core box wait for each other at every op: a test took 7x its time). So the
     in-process tests use what the Ray tests leave idle and do not stretch their Serve apps'
-    timings (recovery limits, drains). A worker runs its Ray group before any in-process test
-    (:func:`pytest_xdist_make_scheduler`), so its Ray tests are never niced. Without xdist
-    nothing changes."""
+    timings (recovery limits, drains). Without xdist nothing changes."""
     global _niced, _threads, _wrote_flag
     flag = _ray_flag()
     if flag is None:
         return
-    if is_ray_test(item.nodeid):
+    if xdist_group_of(item.nodeid) == "ray":
         open(flag, "w").close()
         _wrote_flag = True
         return
@@ -140,7 +98,7 @@ def pytest_runtest_setup(item):
                 os.setpriority(os.PRIO_PROCESS, int(tid), IN_PROCESS_NICENESS)
             except OSError:  # a thread that ended meanwhile, or no permission: best effort
                 pass
-    torch.set_num_threads(1 if _ray_tests_running() else _threads)
+    torch.set_num_threads(1 if os.path.exists(flag) else _threads)
 
 
 def pytest_sessionfinish(session):
