@@ -17,6 +17,7 @@ import typing
 import warnings
 
 from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
+from cluster import set_local_ray_env
 from deployments.args import APP_NAME, AppArgs, ModelArgs, app_args_from_config
 from deployments.contract.adapters import parse_lora_module
 from deployments.contract.config import RENAMED_MODEL_KEYS
@@ -238,8 +239,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auth = ensure_local_auth()
         # worker niceness 0 (Ray's default is 15), Serve's control loop and metrics flushes
         # slowed for an idle app that costs little (cluster.LOCAL_RAY_ENV)
-        from cluster import set_local_ray_env
-
         set_local_ray_env()
     else:
         auth = ensure_join_auth(address=args.address)  # SystemExit with what to do if no token is here
