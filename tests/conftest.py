@@ -70,10 +70,12 @@ def _ray_flag() -> str | None:
     return os.path.join(run_dir, "ray-tests-running") if run_dir and "PYTEST_XDIST_WORKER" in os.environ else None
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     """Under pytest-xdist, the worker running the in-process tests gives way to the one running
-    Ray's: before its first in-process test every thread of this worker gets niceness
-    :data:`IN_PROCESS_NICENESS` (threads made later inherit it), and while the Ray worker's flag
+    Ray's: every thread of this worker runs at niceness :data:`IN_PROCESS_NICENESS` (threads made
+    later inherit it; set again after each test's fixtures, since an in-process ``LLMServer``
+    asks for niceness 0 as a Serve replica does), and while the Ray worker's flag
     (:func:`_ray_flag`) is up each in-process test runs torch on one thread (two OpenMP threads
     on a contended 2-core box wait for each other at every op: a test took 7x its time). So the
     in-process tests use what the Ray tests leave idle and do not stretch their Serve apps'
@@ -81,10 +83,12 @@ def pytest_runtest_setup(item):
     global _niced, _threads, _wrote_flag
     flag = _ray_flag()
     if flag is None:
+        yield
         return
     if xdist_group_of(item.nodeid) == "ray":
         open(flag, "w").close()
         _wrote_flag = True
+        yield
         return
     if _wrote_flag:  # this worker ran the Ray tests, which are over
         _wrote_flag = False
@@ -93,12 +97,19 @@ def pytest_runtest_setup(item):
 
     if not _niced:
         _niced, _threads = True, torch.get_num_threads()
-        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [os.getpid()]:
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), IN_PROCESS_NICENESS)
-            except OSError:  # a thread that ended meanwhile, or no permission: best effort
-                pass
+    _renice()
     torch.set_num_threads(1 if os.path.exists(flag) else _threads)
+    yield
+    _renice()
+
+
+def _renice() -> None:
+    """Every thread of this process at :data:`IN_PROCESS_NICENESS` (best effort)."""
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [os.getpid()]:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), IN_PROCESS_NICENESS)
+        except OSError:  # a thread that ended meanwhile, or no permission: best effort
+            pass
 
 
 def pytest_sessionfinish(session):

@@ -39,6 +39,11 @@ def sized(fast: int, thorough: int) -> int:
     """A size (examples, requests, steps) for the current :data:`PROFILE`."""
     return thorough if THOROUGH else fast
 
+
+#: Property tests draw new examples each run when ``KVSERVE_FUZZ_RANDOM=1``; otherwise they are
+#: derandomized (the same examples every run, so a red run is the code's doing, not the draw's).
+FUZZ_RANDOM = os.environ.get("KVSERVE_FUZZ_RANDOM") == "1"
+
 #: What the sync parsers read: a response (httpx or requests: anything with ``iter_lines()``,
 #: streamed or not), a whole body (``str`` or ``bytes``), or lines.
 SSESource = Union[str, bytes, Iterable[Union[str, bytes]], Any]

@@ -82,7 +82,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
     # keeps one replica per model here (the policy still runs) so the tests know where requests
     # land; test_autoscaling_integration.py lets it scale.
     main = build_app({"models": [
-        # float32 on every CPU: test_openai_api compares logprobs with HF transformers in float32
+        # float32 on every CPU: test_serve_http compares with the offline engine in float32
         {"model": None, "dtype": "float32", "max_num_seqs": 32, "max_model_len": 1024, "max_replicas": 1},
         {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
          "torch_num_threads": 1, "replica_cpus": 0.5, "max_replicas": 1,

@@ -25,6 +25,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.mixed_step_budget import MixedStepBudget
 from engine.request import RequestStatus
 from engine.step_isolation import StepFailedError
+from helpers import FUZZ_RANDOM
 
 VOCAB = 49152  # the tiny models use SmolLM2's tokenizer
 
@@ -146,7 +147,8 @@ def test_every_sampling_value_is_rejected_or_served(engine):
     counts = {"rejected": 0, "served": 0}
     prompt = [1, 2, 3, 2, 1, 7, 7, 7]  # repeats, so penalties have something to act on
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not FUZZ_RANDOM,
+              database=None)
     @given(SAMPLING_KW)
     def check(kw):
         try:

@@ -69,7 +69,7 @@ from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.pooling import PoolingParams
 from faults import FAILING_HOOKS, HOOKS, Faults
-from helpers import sized
+from helpers import FUZZ_RANDOM, sized
 from tiny_models import run_async_engine
 
 EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", sized(10, 20)))
@@ -77,7 +77,6 @@ STEPS = int(os.environ.get("KVSERVE_FUZZ_STEPS", "25"))
 ASYNC_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_ASYNC_EXAMPLES", sized(3, 6)))
 PARALLEL = os.environ.get("KVSERVE_FUZZ_PARALLEL") == "1"
 PARALLEL_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_PARALLEL_EXAMPLES", "4"))
-RANDOM = os.environ.get("KVSERVE_FUZZ_RANDOM") == "1"
 #: Shrink a failing example (minutes; off by default so a failing CI run ends quickly).
 SHRINK = os.environ.get("KVSERVE_FUZZ_SHRINK") == "1"
 
@@ -110,7 +109,7 @@ def _report(suffix: str, prov, extra: dict | None = None) -> dict:
     machine, the command and the load average before and after) to ``$KVSERVE_FUZZ_REPORT`` when
     that is set (``suffix``: appended to the file's stem, for the async and parallel tests)."""
     report = {"budget": {"examples": EXAMPLES, "steps": STEPS, "async_examples": ASYNC_EXAMPLES,
-                         "parallel_examples": PARALLEL_EXAMPLES, "randomized": RANDOM},
+                         "parallel_examples": PARALLEL_EXAMPLES, "randomized": FUZZ_RANDOM},
               "totals": dict(sorted(TOTALS.items())),
               "faults armed": {h: ARMED[h] for h in HOOKS}, "faults fired": {h: FIRED[h] for h in HOOKS},
               **(extra or {})}
@@ -145,7 +144,7 @@ def _run_fuzzer(machine, examples: int, model_path, reference, lora_requests, su
     for c in (TOTALS, ARMED, FIRED):
         c.clear()
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=STEPS, deadline=None, derandomize=not RANDOM,
+        max_examples=examples, stateful_step_count=STEPS, deadline=None, derandomize=not FUZZ_RANDOM,
         database=None, phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK else ()),
         suppress_health_check=list(HealthCheck)))
     _report(suffix, prov)
@@ -275,7 +274,7 @@ def test_fuzz_async_engine(tiny_llama_path, reference, lora_requests):
     for c in (TOTALS, ARMED, FIRED):
         c.clear()
 
-    @settings(max_examples=ASYNC_EXAMPLES, deadline=None, derandomize=not RANDOM, database=None,
+    @settings(max_examples=ASYNC_EXAMPLES, deadline=None, derandomize=not FUZZ_RANDOM, database=None,
               phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK else ()),
               suppress_health_check=list(HealthCheck))
     @given(cfg=configs(), drawn=streams)

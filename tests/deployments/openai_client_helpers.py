@@ -1,9 +1,8 @@
-"""Helpers of test_openai_api.py: the messages, JSON schema, tools and prompts its requests
-send, a POST to the live app's OpenAI API, the Serve replica logs of this Ray session, and a
+"""Helpers of test_openai_clients.py (and the live checks of tests/e2e/test_openai_api.py): the
+messages, JSON schema, tools and prompts its requests send, a POST to an app's OpenAI API, and a
 completions response made acceptable to the openai SDK's type.
 """
 import json
-from pathlib import Path
 
 import httpx
 from helpers import HTTP
@@ -38,27 +37,12 @@ PROMPTS = [
 ]
 
 
-def _post(serve_app, path: str, body: dict, **kw) -> httpx.Response:
-    return HTTP.post(f"{serve_app.base_url}{path}", json=body, timeout=kw.pop("timeout", 300), **kw)
+def post(app, path: str, body: dict, **kw) -> httpx.Response:
+    """POST ``body`` to ``app.base_url + path`` (``app``: an app's URLs, as the fixtures give them)."""
+    return HTTP.post(f"{app.base_url}{path}", json=body, timeout=kw.pop("timeout", 300), **kw)
 
 
-def _ingress_logs() -> str:
-    """The text of this Ray session's OpenAIIngress replica logs."""
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return "\n".join(f.read_text(errors="replace") for f in logs.glob("replica_kvserve_OpenAIIngress_*.log"))
-
-
-def _replica_logs() -> dict[str, str]:
-    """This session's kvserve replica logs (ingress and LLM servers), by file."""
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return {str(f): f.read_text(errors="replace") for f in logs.glob("replica_kvserve_*.log")}
-
-
-def _nulls_dropped(resp: dict) -> dict:
+def nulls_dropped(resp: dict) -> dict:
     """A completions response with the echoed first token's null logprobs left out (OpenAI
     sends them; the SDK's pydantic type does not admit them)."""
     resp = json.loads(json.dumps(resp))
