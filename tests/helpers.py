@@ -40,6 +40,14 @@ def sized(fast: int, thorough: int) -> int:
     return thorough if THOROUGH else fast
 
 
+def cosine(a, b) -> float:
+    """Cosine similarity of two vectors (lists or arrays), computed in float64."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
 #: Property tests draw new examples each run when ``KVSERVE_FUZZ_RANDOM=1``; otherwise they are
 #: derandomized (the same examples every run, so a red run is the code's doing, not the draw's).
 FUZZ_RANDOM = os.environ.get("KVSERVE_FUZZ_RANDOM") == "1"

@@ -120,7 +120,8 @@ class LocalApp:
     Args:
         apps: route prefix (``"/"``, ``"/auth"``) -> the application's args (what ``build_app``
             takes: ``models``, ``api_keys``, ...). A model that two applications name with the
-            same settings is loaded once and shared. Embedding models are not supported.
+            same settings is loaded once and shared. No embedding model: ``EmbeddingServer``
+            batches with ``serve.batch``, which runs only inside a Serve replica.
 
     Attributes:
         port: the HTTP port on 127.0.0.1.
@@ -156,19 +157,20 @@ class LocalApp:
         from deployments.replica.llm_server import LLMServer
 
         routes, loaded = [], {}
+
+        def handle(m) -> LocalHandle:
+            if m.name in self.servers and loaded[m.name] != m:
+                raise ValueError(f"model {m.name!r} is named twice with different settings")
+            if m.name not in self.servers:
+                self.servers[m.name], loaded[m.name] = LLMServer.func_or_class(m), m
+                self.handles[m.name] = LocalHandle(self.servers[m.name], self.loop)
+            return self.handles[m.name]
+
         for prefix, raw in self.apps.items():
             args = AppArgs.model_validate(raw)
             if args.embeddings.embedding_model is not None:
-                raise ValueError("LocalApp serves no embedding model")
-            handles = {}
-            for m in args.model_list():
-                if m.name in self.servers and loaded[m.name] != m:
-                    raise ValueError(f"model {m.name!r} is named twice with different settings")
-                if m.name not in self.servers:
-                    self.servers[m.name], loaded[m.name] = LLMServer.func_or_class(m), m
-                    self.handles[m.name] = LocalHandle(self.servers[m.name], self.loop)
-                handles[m.name] = self.handles[m.name]
-            api = build_api(Gateway(handles, **gateway_options(args)))
+                raise ValueError("LocalApp serves no embedding model (serve.batch needs a Serve replica)")
+            api = build_api(Gateway({m.name: handle(m) for m in args.model_list()}, **gateway_options(args)))
             routes.append(Mount(prefix.rstrip("/"), app=api) if prefix.strip("/") else Mount("", app=api))
         routes.sort(key=lambda r: r.path == "")  # the root app last: a prefix matches first
         config = uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port, log_level="warning",

@@ -12,36 +12,13 @@ import re
 import jsonschema
 import pytest
 from helpers import HTTP, sse_events
-from local_app import LocalApp
 from openai_client_helpers import PARIS, PERSON, PROMPTS, TIME, WEATHER, nulls_dropped, post
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-API_KEY = "sk-kvserve-test"
-
-
-@pytest.fixture(scope="module")
-def app(smollm2_path, tiny_llama_path):
-    """SmolLM2-135M-Instruct under its default name (float32 on every CPU: logprobs are compared
-    with HF transformers in float32) and a tiny random-weight model ("tiny"), as the live test app
-    serves them, with the default exact response cache; at ``/auth`` the tiny model behind an API
-    key. Yields the URLs, the model's name and key, and SmolLM2's replica handle (``llm``)."""
-    tiny = {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
-            "torch_num_threads": 1}
-    local = LocalApp({
-        "/": {"models": [{"model": None, "dtype": "float32", "max_num_seqs": 32, "max_model_len": 1024,
-                          "torch_num_threads": 1}, tiny]},
-        "/auth": {"models": [tiny], "api_keys": [API_KEY]},
-    }).start()
-    try:
-        yield local.namespace(model=SMOLLM2, api_key=API_KEY, llm=local.handles[SMOLLM2])
-    finally:
-        local.stop()
-
 
 # ---- every endpoint and option, through the live app --------------------------------------
-def test_every_endpoint_and_option_answers(app):
+def test_every_endpoint_and_option_answers(local_app):
     """One request per endpoint and per option a client may send: each answers 200 with the
     shape OpenAI's clients parse (a NameError or a bad field in any handler is a 500 here).
     On the tiny model (what is checked is that each option runs through the gateway and the
@@ -66,14 +43,14 @@ def test_every_endpoint_and_option_answers(app):
     ]
     for extra in chat_cases:
         if "tools" in extra:
-            extra = {"model": app.model, **extra}
-        r = post(app, "/chat/completions", {**chat, **extra})
+            extra = {"model": local_app.model, **extra}
+        r = post(local_app, "/chat/completions", {**chat, **extra})
         assert r.status_code == 200, (extra, r.text)
         resp = ChatCompletion.model_validate(r.json())
         assert len(resp.choices) == extra.get("n", 1) and resp.usage.completion_tokens > 0, extra
         if extra.get("logprobs"):
             assert resp.choices[0].logprobs.content, extra
-        r = post(app, "/chat/completions", {**chat, **extra, "stream": True,
+        r = post(local_app, "/chat/completions", {**chat, **extra, "stream": True,
                                                    "stream_options": {"include_usage": True}})
         assert r.status_code == 200, (extra, r.text)
         events = sse_events(r)
@@ -88,7 +65,7 @@ def test_every_endpoint_and_option_answers(app):
                   {"response_format": {"type": "json_object"}, "max_tokens": 12}]
     for extra in cmpl_cases:
         body = {**cmpl, **extra}
-        r = post(app, "/completions", body)
+        r = post(local_app, "/completions", body)
         assert r.status_code == 200, (extra, r.text)
         # OpenAI's echoed first prompt token has null logprobs, which the SDK's type does not
         # admit (the SDK builds responses unvalidated)
@@ -98,20 +75,20 @@ def test_every_endpoint_and_option_answers(app):
         assert len(resp.choices) == n_prompts * body.get("n", 1), extra
         if body.get("best_of", 1) > 1:
             continue  # best_of cannot stream
-        r = post(app, "/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+        r = post(local_app, "/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
         assert r.status_code == 200, (extra, r.text)
         events = sse_events(r)
         assert events[-1]["usage"]["prompt_tokens"] > 0, extra
 
-    for path in ("/models", f"/models/{app.model}"):
-        r = HTTP.get(f"{app.base_url}{path}", timeout=30)
+    for path in ("/models", f"/models/{local_app.model}"):
+        r = HTTP.get(f"{local_app.base_url}{path}", timeout=30)
         assert r.status_code == 200, r.text
     for path in ("/health", "/ready"):  # /metrics: tests/e2e/test_prometheus.py (it renders a Ray session's files)
-        assert HTTP.get(f"{app.root}{path}", timeout=60).status_code == 200, path
+        assert HTTP.get(f"{local_app.root}{path}", timeout=60).status_code == 200, path
 
 
-def test_continuous_usage_stats_on_every_chunk(app):
-    r = post(app, "/chat/completions", {"messages": PARIS, "max_tokens": 8, "ignore_eos": True,
+def test_continuous_usage_stats_on_every_chunk(local_app):
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 8, "ignore_eos": True,
                                                 "stream": True, "stream_options": {"continuous_usage_stats": True}})
     events = sse_events(r)
     used = [e["usage"]["completion_tokens"] for e in events]
@@ -119,16 +96,16 @@ def test_continuous_usage_stats_on_every_chunk(app):
 
 
 # ---- structured outputs -----------------------------------------------------------------
-def test_json_schema_on_20_varied_prompts(app):
+def test_json_schema_on_20_varied_prompts(local_app):
     """The openai SDK's ``response_format`` json_schema: every one of 20 concurrent requests
     (greedy and sampled) parses and validates against the schema."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=app.base_url, api_key="none", max_retries=0)
+    client = AsyncOpenAI(base_url=local_app.base_url, api_key="none", max_retries=0)
 
     async def one(i: int, prompt: str):
         r = await client.chat.completions.create(
-            model=app.model, messages=[{"role": "user", "content": prompt}], max_tokens=120,
+            model=local_app.model, messages=[{"role": "user", "content": prompt}], max_tokens=120,
             temperature=0 if i % 2 else 0.9, seed=i,
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
                                                                     "strict": True}})
@@ -145,41 +122,41 @@ def test_json_schema_on_20_varied_prompts(app):
         jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
-def test_json_object_regex_choice_and_bad_schema(app):
+def test_json_object_regex_choice_and_bad_schema(local_app):
     # greedy: sampled at temperature 1, about 1 in 5 of SmolLM2's JSON objects run past 60 tokens
-    r = post(app, "/chat/completions", {"messages": PARIS, "max_tokens": 60, "temperature": 0,
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 60, "temperature": 0,
                                                 "response_format": {"type": "json_object"}})
     assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
-    r = post(app, "/completions", {"prompt": "Today's date is", "max_tokens": 12,
+    r = post(local_app, "/completions", {"prompt": "Today's date is", "max_tokens": 12,
                                            "guided_regex": r"\d{4}-\d{2}-\d{2}"})
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.json()["choices"][0]["text"]), r.text
-    r = post(app, "/chat/completions", {"messages": PARIS, "max_tokens": 10,
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 10,
                                                 "structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}})
     assert r.json()["choices"][0]["message"]["content"] in ("Paris", "Lyon", "Nice")
     # a JSON cut off by max_tokens is reported as such
-    r = post(app, "/chat/completions", {"messages": PARIS, "max_tokens": 3, "response_format": {
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 3, "response_format": {
         "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
     assert r.json()["choices"][0]["finish_reason"] == "length"
     # an invalid schema is the client's error, and the server goes on
-    r = post(app, "/chat/completions", {"messages": PARIS, "response_format": {
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "response_format": {
         "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "no-such-type"}}}})
     assert r.status_code == 400 and "structured_outputs" in r.json()["error"]["message"], r.text
-    r = post(app, "/chat/completions", {"messages": PARIS, "guided_regex": "[", "max_tokens": 4})
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "guided_regex": "[", "max_tokens": 4})
     assert r.status_code == 400, r.text
-    r = post(app, "/chat/completions", {"messages": PARIS, "guided_regex": "a", "guided_choice": ["b"]})
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "guided_regex": "a", "guided_choice": ["b"]})
     assert r.status_code == 400, r.text
-    assert post(app, "/chat/completions", {"messages": PARIS, "max_tokens": 2}).status_code == 200
+    assert post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 2}).status_code == 200
 
 
 # ---- tool calling -----------------------------------------------------------------------
-def test_tool_choice_required_always_gives_valid_calls(app):
+def test_tool_choice_required_always_gives_valid_calls(local_app):
     from openai import OpenAI
 
-    client = OpenAI(base_url=app.base_url, api_key="none", max_retries=0)
+    client = OpenAI(base_url=local_app.base_url, api_key="none", max_retries=0)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for prompt in ("What's the weather in Paris?", "What time is it in Tokyo?", "Hello!",
                    "Is it raining in London right now, in fahrenheit?"):
-        r = client.chat.completions.create(model=app.model, messages=[{"role": "user", "content": prompt}],
+        r = client.chat.completions.create(model=local_app.model, messages=[{"role": "user", "content": prompt}],
                                            tools=[WEATHER, TIME], tool_choice="required", max_tokens=100,
                                            parallel_tool_calls=False)
         choice = r.choices[0]
@@ -189,7 +166,7 @@ def test_tool_choice_required_always_gives_valid_calls(app):
         assert call.id.startswith("call_")
     # a named function, streamed: OpenAI's tool-call deltas add up to valid arguments
     stream = client.chat.completions.create(
-        model=app.model, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER, TIME],
+        model=local_app.model, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER, TIME],
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, stream=True)
     name, args, reasons = None, "", []
     for chunk in stream:
@@ -202,27 +179,27 @@ def test_tool_choice_required_always_gives_valid_calls(app):
     jsonschema.validate(json.loads(args), schemas["get_weather"])
 
 
-def test_auto_tool_calls_are_parsed_from_the_text(app):
+def test_auto_tool_calls_are_parsed_from_the_text(local_app):
     """``tool_choice: auto``: a Hermes ``<tool_call>`` block in the model's text becomes
     ``tool_calls`` (whole and streamed), and none of its text leaks into ``content``. The
     model is made to write one with a choice constraint (a 135M model rarely calls on its own)."""
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, TIME],
             "tool_choice": "auto", "max_tokens": 60, "structured_outputs": {"choice": [call]}}
-    r = post(app, "/chat/completions", body).json()
+    r = post(local_app, "/chat/completions", body).json()
     choice = r["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"], choice
     (tc,) = choice["message"]["tool_calls"]
     assert tc["function"]["name"] == "get_weather"
     assert json.loads(tc["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
-    events = sse_events(post(app, "/chat/completions", {**body, "stream": True}))
+    events = sse_events(post(local_app, "/chat/completions", {**body, "stream": True}))
     content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     calls = [t for e in events for c in e["choices"] for t in c["delta"].get("tool_calls") or []]
     assert "<tool_call" not in content and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["tool_calls"]
 
 
-def test_tool_history_reaches_the_prompt(app):
+def test_tool_history_reaches_the_prompt(local_app):
     """Assistant ``tool_calls`` and ``tool`` results in the history are part of the prompt
     (SmolLM2's template knows no tools: they are written in the Hermes convention)."""
     base = [{"role": "user", "content": "Weather in Paris?"}]
@@ -230,15 +207,15 @@ def test_tool_history_reaches_the_prompt(app):
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"}]
-    short = post(app, "/chat/completions", {"messages": base, "tools": [WEATHER], "max_tokens": 1}).json()
-    long = post(app, "/chat/completions", {"messages": history, "tools": [WEATHER], "max_tokens": 1}).json()
+    short = post(local_app, "/chat/completions", {"messages": base, "tools": [WEATHER], "max_tokens": 1}).json()
+    long = post(local_app, "/chat/completions", {"messages": history, "tools": [WEATHER], "max_tokens": 1}).json()
     # the call and its result add their tokens (the arguments, the result text)
     assert long["usage"]["prompt_tokens"] - short["usage"]["prompt_tokens"] > 20
-    no_tools = post(app, "/chat/completions", {"messages": base, "max_tokens": 1}).json()
+    no_tools = post(local_app, "/chat/completions", {"messages": base, "max_tokens": 1}).json()
     assert short["usage"]["prompt_tokens"] - no_tools["usage"]["prompt_tokens"] > 30  # the tool list
 
 
-def test_langchain_structured_output_and_tools(app):
+def test_langchain_structured_output_and_tools(local_app):
     """langchain-openai's ``ChatOpenAI``: ``with_structured_output`` (json_schema and
     function calling) and ``bind_tools`` with a tool round trip."""
     from langchain_core.messages import HumanMessage, ToolMessage
@@ -253,7 +230,7 @@ def test_langchain_structured_output_and_tools(app):
         country: str = Field(max_length=30)
         population_millions: float
 
-    llm = ChatOpenAI(base_url=app.base_url, api_key="none", model=app.model, temperature=0,
+    llm = ChatOpenAI(base_url=local_app.base_url, api_key="none", model=local_app.model, temperature=0,
                      max_tokens=80, max_retries=0)
     for method in ("json_schema", "function_calling"):
         city = llm.with_structured_output(City, method=method).invoke("Tell me about Paris.")
@@ -274,67 +251,67 @@ def test_langchain_structured_output_and_tools(app):
 
 
 # ---- n > 1, best_of, logit_bias ------------------------------------------------------------
-def test_n_choices(app):
+def test_n_choices(local_app):
     body = {"messages": [{"role": "user", "content": "Write a word."}], "max_tokens": 12, "ignore_eos": True}
-    greedy = post(app, "/chat/completions", {**body, "n": 3, "temperature": 0}).json()
+    greedy = post(local_app, "/chat/completions", {**body, "n": 3, "temperature": 0}).json()
     texts = [c["message"]["content"] for c in greedy["choices"]]
     assert [c["index"] for c in greedy["choices"]] == [0, 1, 2] and len(set(texts)) == 1
     assert greedy["usage"]["completion_tokens"] == 36  # every choice counted, the prompt once
-    single = post(app, "/chat/completions", {**body, "temperature": 0}).json()
+    single = post(local_app, "/chat/completions", {**body, "temperature": 0}).json()
     assert single["usage"]["prompt_tokens"] == greedy["usage"]["prompt_tokens"]
     assert single["choices"][0]["message"]["content"] == texts[0]
-    sampled = post(app, "/chat/completions", {**body, "n": 3, "temperature": 1.0, "seed": 7}).json()
+    sampled = post(local_app, "/chat/completions", {**body, "n": 3, "temperature": 1.0, "seed": 7}).json()
     assert len({c["message"]["content"] for c in sampled["choices"]}) == 3
-    again = post(app, "/chat/completions", {**body, "n": 3, "temperature": 1.0, "seed": 7}).json()
+    again = post(local_app, "/chat/completions", {**body, "n": 3, "temperature": 1.0, "seed": 7}).json()
     assert [c["message"]["content"] for c in again["choices"]] == [c["message"]["content"] for c in sampled["choices"]]
     # the other choices found the prompt's blocks in the prefix cache
     long_prompt = [{"role": "user", "content": "Summarize the history of France. " * 12}]
-    r = post(app, "/chat/completions", {"messages": long_prompt, "n": 2, "max_tokens": 2}).json()
-    timings = app.llm.recent_request_metrics.remote([f"{r['id']}-0", f"{r['id']}-1"]).result()
+    r = post(local_app, "/chat/completions", {"messages": long_prompt, "n": 2, "max_tokens": 2}).json()
+    timings = local_app.llm.recent_request_metrics.remote([f"{r['id']}-0", f"{r['id']}-1"]).result()
     assert timings[f"{r['id']}-0"]["num_cached_tokens"] < timings[f"{r['id']}-1"]["num_cached_tokens"], timings
     assert timings[f"{r['id']}-1"]["num_cached_tokens"] >= 64
     # streamed: the choices interleave by index, each ends with its own finish_reason
-    r = post(app, "/chat/completions", {**body, "n": 2, "temperature": 0.8, "stream": True})
+    r = post(local_app, "/chat/completions", {**body, "n": 2, "temperature": 0.8, "stream": True})
     events = sse_events(r)
     ends = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert sorted(ends) == [0, 1]
 
 
-def test_best_of_returns_the_most_likely(app):
+def test_best_of_returns_the_most_likely(local_app):
     body = {"prompt": "My favourite colour is", "max_tokens": 6, "temperature": 1.0, "seed": 1, "logprobs": 0}
-    best = post(app, "/completions", {**body, "best_of": 4, "n": 1}).json()["choices"][0]
-    every = post(app, "/completions", {**body, "n": 4}).json()["choices"]
+    best = post(local_app, "/completions", {**body, "best_of": 4, "n": 1}).json()["choices"][0]
+    every = post(local_app, "/completions", {**body, "n": 4}).json()["choices"]
     score = [sum(c["logprobs"]["token_logprobs"]) for c in every]
     assert best["text"] == every[max(range(4), key=score.__getitem__)]["text"]
 
 
-def test_logit_bias(app, smollm2_path):
+def test_logit_bias(local_app, smollm2_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
-    plain = post(app, "/completions", body).json()["choices"][0]["text"]
+    plain = post(local_app, "/completions", body).json()["choices"][0]["text"]
     x = tok(" banana", add_special_tokens=False)["input_ids"][-1]
-    forced = post(app, "/completions", {**body, "logit_bias": {str(x): 100}}).json()["choices"][0]["text"]
+    forced = post(local_app, "/completions", {**body, "logit_bias": {str(x): 100}}).json()["choices"][0]["text"]
     assert forced == tok.decode([x] * 3)
     banned = {str(t): -100 for t in tok(plain, add_special_tokens=False)["input_ids"]}
-    other = post(app, "/completions", {**body, "logit_bias": banned}).json()["choices"][0]["text"]
+    other = post(local_app, "/completions", {**body, "logit_bias": banned}).json()["choices"][0]["text"]
     assert other != plain and not set(tok(other, add_special_tokens=False)["input_ids"][:1]) & {int(k) for k in banned}
-    r = post(app, "/completions", {**body, "logit_bias": {"10000000": 1}})
+    r = post(local_app, "/completions", {**body, "logit_bias": {"10000000": 1}})
     assert r.status_code == 400, r.text
-    r = post(app, "/completions", {**body, "logit_bias": {"5": 101}})
+    r = post(local_app, "/completions", {**body, "logit_bias": {"5": 101}})
     assert r.status_code == 400, r.text
 
 
 # ---- prompt logprobs ---------------------------------------------------------------------
-def test_prompt_logprobs_equal_hf(app, smollm2_path):
+def test_prompt_logprobs_equal_hf(local_app, smollm2_path):
     """lm-evaluation-harness' loglikelihood request (``echo``, ``max_tokens: 0``,
     ``logprobs``): every prompt token's logprob equals HF transformers' log-softmax."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     text = "The quick brown fox jumps over the lazy dog because it was in a hurry."
-    r = post(app, "/completions", {"prompt": text, "echo": True, "max_tokens": 0, "logprobs": 2})
+    r = post(local_app, "/completions", {"prompt": text, "echo": True, "max_tokens": 0, "logprobs": 2})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["text"] == text and choice["finish_reason"] == "length"
@@ -356,31 +333,31 @@ def test_prompt_logprobs_equal_hf(app, smollm2_path):
 
 
 # ---- CORS, unknown fields, limits, disconnects --------------------------------------------
-def test_cors_preflight_and_headers(app):
+def test_cors_preflight_and_headers(local_app):
     origin = "https://app.example.com"
-    pre = HTTP.options(f"{app.base_url}/chat/completions", timeout=30, headers={
+    pre = HTTP.options(f"{local_app.base_url}/chat/completions", timeout=30, headers={
         "Origin": origin, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type"})
     assert pre.status_code == 200, pre.text
     assert pre.headers["access-control-allow-origin"] in ("*", origin)
     assert "POST" in pre.headers["access-control-allow-methods"]
-    r = post(app, "/chat/completions", {"messages": PARIS, "max_tokens": 2}, headers={"Origin": origin})
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 2}, headers={"Origin": origin})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", origin)
     # the API-key app: a preflight needs no key; a 401 still carries the CORS header
-    pre = HTTP.options(f"{app.auth_base_url}/completions", timeout=30, headers={
+    pre = HTTP.options(f"{local_app.auth_base_url}/completions", timeout=30, headers={
         "Origin": origin, "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 200
-    r = HTTP.post(f"{app.auth_base_url}/completions", json={"prompt": "x"}, headers={"Origin": origin},
+    r = HTTP.post(f"{local_app.auth_base_url}/completions", json={"prompt": "x"}, headers={"Origin": origin},
                    timeout=30)
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] in ("*", origin)
 
 
-def test_max_tokens_over_the_context_is_a_400(app):
-    r = post(app, "/chat/completions", {"messages": PARIS, "max_tokens": 5000})
+def test_max_tokens_over_the_context_is_a_400(local_app):
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 5000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "1024" in r.json()["error"]["message"]
-    r = post(app, "/completions", {"prompt": "hi", "max_tokens": 1024})  # 1 + 1024 tokens
+    r = post(local_app, "/completions", {"prompt": "hi", "max_tokens": 1024})  # 1 + 1024 tokens
     assert r.status_code == 400, r.text
-    assert post(app, "/completions", {"prompt": "hi", "max_tokens": 3}).status_code == 200
+    assert post(local_app, "/completions", {"prompt": "hi", "max_tokens": 3}).status_code == 200
 
 
