@@ -79,6 +79,21 @@ def build_directory() -> Path:
     return _cache_root() / "torch_extensions" / f"kvserve_cpu_{h.hexdigest()[:16]}"
 
 
+def _sources_in(build: Path) -> list[str]:
+    """The sources as copies inside ``build`` (written once: the folder's name hashes their
+    content), so every checkout of the same sources compiles the same paths: ninja rebuilds when
+    a command line changes, and the paths of another clone's files would change it."""
+    src = build / "src"
+    src.mkdir(exist_ok=True)
+    for p in SOURCES + HEADERS:
+        dst = src / p.name
+        if not dst.exists() or dst.read_bytes() != p.read_bytes():
+            tmp = src / f".{p.name}.{os.getpid()}"
+            tmp.write_bytes(p.read_bytes())
+            os.replace(tmp, dst)
+    return [str(src / p.name) for p in SOURCES]
+
+
 def load_kernel() -> bool:
     """Compile (once per machine, cached) and load the C++ kernel into ``torch.ops.kvserve_cpu``.
 
@@ -95,7 +110,7 @@ def load_kernel() -> bool:
                 from torch.utils.cpp_extension import load
                 build = build_directory()
                 build.mkdir(parents=True, exist_ok=True)
-                load(name="kvserve_cpu_kernels", sources=[str(p) for p in SOURCES], build_directory=str(build),
+                load(name="kvserve_cpu_kernels", sources=_sources_in(build), build_directory=str(build),
                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                      is_python_module=False, verbose=False)
                 _loaded = hasattr(torch.ops.kvserve_cpu, "paged_attention")
