@@ -30,8 +30,9 @@ class EngineConfig:
 
     model: str | None = _knob(None, "local Hugging Face folder, hub id, or None for SmolLM2-135M-Instruct")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _knob(
-        "auto", "weights and KV cache dtype; auto: bfloat16 on CUDA, and on a CPU with native bf16 dot products "
-                "(avx512_bf16 or AMX; float32 with quantization='int8'), else float32")
+        "auto", "weights and KV cache dtype; auto: bfloat16 on CUDA; on a CPU with native bf16 dot products "
+                "(avx512_bf16 or AMX) the faster of float32 and bfloat16 for this model, measured once and cached "
+                "(float32 with quantization='int8'); else float32")
     device: Literal["auto", "cpu", "cuda"] = _knob(
         "auto", "auto: CUDA if available; 'cuda' gives each replica (or tensor-parallel rank) one GPU")
     block_size: int = _knob(16, "tokens per KV block")
@@ -161,12 +162,13 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
     def auto_dtype(self) -> tuple["torch.dtype", str]:
-        """What ``dtype="auto"`` means here, and why (a sentence for the log, as vLLM logs its
-        choice): bfloat16 on CUDA; on CPU bfloat16 where the CPU has native bf16 dot products
-        (:func:`cpu_native_bf16`), since oneDNN then runs bf16 matmuls at twice float32's rate
-        on half the bytes, and float32 where there are none (bf16 weights then cost a float32
-        widening per step, slower than float32 weights: ``benchmarks/throughput.py --dtype``
-        measures both), or where ``quantization="int8"`` (its kernels take float32 activations)."""
+        """What ``dtype="auto"`` means by the device and the CPU's flags, and why (a sentence for
+        the log, as vLLM logs its choice): bfloat16 on CUDA; float32 with ``quantization="int8"``
+        (its kernels take float32 activations) and on a CPU without native bf16 dot products
+        (:func:`cpu_native_bf16`: bf16 weights would cost a float32 widening per step); bfloat16
+        on a CPU with them. An engine refines the last case by measuring this model's matmuls
+        in both dtypes (:func:`engine.dtype_probe.auto_dtype`); ``benchmarks/throughput.py
+        --dtype`` measures both end to end."""
         import torch
 
         if self.torch_device.type == "cuda":

@@ -1,11 +1,13 @@
 """The synchronous engine: add requests, call ``step()`` until they finish."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable
 
+from engine import dtype_probe
 from engine.config import EngineConfig
 from engine.draft_model import DraftModelProposer
 from engine.executor import Executor
@@ -68,6 +70,10 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.hf_config)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        if config.dtype == "auto":  # decided once here, so every rank of the executor runs the same dtype
+            dtype, why = dtype_probe.auto_dtype(config, self.hf_config)
+            logger.info("dtype auto -> %s", why)
+            config = self.config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
         if config.pipeline_parallel_size > self.hf_config.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds num_hidden_layers "
                              f"{self.hf_config.num_hidden_layers} (each stage needs a layer)")

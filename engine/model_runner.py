@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine import dtype_probe
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs, graph_batch_sizes
 from engine.grammar_bitmask import bitmask_rows
@@ -86,12 +87,12 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str | Path):
         self.config = config
         self.device = config.torch_device
-        if config.dtype == "auto":
-            self.dtype, why = config.auto_dtype()
+        self.hf_config = load_config(model_path)
+        if config.dtype == "auto":  # (an LLMEngine decides before its executor starts: ranks get a dtype)
+            self.dtype, why = dtype_probe.auto_dtype(config, self.hf_config)
             logger.info("dtype auto -> %s", why)
         else:
             self.dtype = config.torch_dtype
-        self.hf_config = load_config(model_path)
         self.block_size = config.block_size
         head_dim = getattr(self.hf_config, "head_dim", None) or \
             self.hf_config.hidden_size // self.hf_config.num_attention_heads

@@ -136,10 +136,15 @@ def _assume_native_bf16():
         yield
         return
     import engine.config as config
-    real = config.cpu_native_bf16
+    real, probe = config.cpu_native_bf16, os.environ.get("KVSERVE_DTYPE_PROBE")
     config.cpu_native_bf16 = lambda: (True, "assumed by KVSERVE_TEST_ASSUME_NATIVE_BF16")
+    os.environ["KVSERVE_DTYPE_PROBE"] = "0"  # auto is then bfloat16, as where the probe finds bf16 faster
     yield
     config.cpu_native_bf16 = real
+    if probe is None:
+        os.environ.pop("KVSERVE_DTYPE_PROBE")
+    else:
+        os.environ["KVSERVE_DTYPE_PROBE"] = probe
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,8 @@ class ModelCard:
         max_model_len: the context length in tokens when the configuration sets it; None: the
             replica derives it from its KV pool when it loads (then :class:`LoadedFacts` has it).
         tensor_parallel_size, pipeline_parallel_size: ranks per stage, stages per replica.
+        dtype: the weights' and activations' dtype as configured (``auto``, ``float32``,
+            ``bfloat16``, ``float16``; what ``auto`` became is in :class:`LoadedFacts`).
         kv_cache_dtype: ``auto`` or ``fp8``; ``quantization``: None, ``int8`` or ``fp8`` (the weights').
         speculative_config: None, or its ``method`` and ``num_speculative_tokens``.
         tool_call_parser: the name of the parser of this model's tool calls.
@@ -60,6 +62,7 @@ class ModelCard:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     speculative_config: dict | None = None
@@ -76,7 +79,8 @@ class ModelCard:
         """The card of one generating model's configuration."""
         return cls(name=model.name, max_model_len=model.max_model_len,
                    tensor_parallel_size=model.tensor_parallel_size,
-                   pipeline_parallel_size=model.pipeline_parallel_size, kv_cache_dtype=model.kv_cache_dtype,
+                   pipeline_parallel_size=model.pipeline_parallel_size, dtype=model.dtype,
+                   kv_cache_dtype=model.kv_cache_dtype,
                    quantization=model.quantization,
                    speculative_config=public_speculative_config(model.speculative_config),
                    tool_call_parser=model.tool_call_parser, lora_modules=tuple(model.lora_modules or ()),
@@ -98,11 +102,14 @@ class LoadedFacts:
         revision: the weights' revision (``deployments.contract.types.model_revision``): it
             keys the response cache, so answers of other weights are never served.
         digest: :attr:`ModelCard.digest` of the configuration the replica runs.
+        dtype: the dtype its engine runs (``float32``, ``bfloat16``, ``float16``: what
+            ``auto`` became there); "" for an encoder.
     """
 
     max_model_len: int
     revision: str = ""
     digest: str = ""
+    dtype: str = ""
 
 
 class FactsBoard:

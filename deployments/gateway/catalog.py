@@ -117,6 +117,15 @@ class ModelCatalog:
         card = self.models.get(name) or self.encoders.get(name)
         return card.max_model_len if card is not None else None
 
+    async def dtype(self, name: str) -> str | None:
+        """The dtype ``name``'s engine runs: as its replicas published it (what ``auto`` became
+        there), else as configured; None for an encoder."""
+        card = self.models.get(name)
+        if card is None:
+            return None
+        facts = await self.facts(name)
+        return facts.dtype if facts is not None and facts.dtype else card.dtype
+
     async def revision(self, name: str) -> str:
         """The weights' revision ``name``'s replicas published ("" while none has): the response
         cache's key."""
@@ -142,12 +151,14 @@ class ModelCatalog:
     # ---- cards ---------------------------------------------------------------------------
     async def card(self, name: str) -> dict:
         """OpenAI's ``Model`` for a served model or encoder, plus vLLM's ``max_model_len`` and
-        ``root`` (the served name: paths of the server stay private), the KV cache's dtype
-        (``kv_cache_dtype``: ``auto`` or ``fp8``), the weights' ``quantization`` (None,
+        ``root`` (the served name: paths of the server stay private), the ``dtype`` the engine
+        runs (:meth:`dtype`: what ``auto`` became once a replica loaded; None for an encoder),
+        the KV cache's dtype (``kv_cache_dtype``: ``auto`` or ``fp8``), the weights' ``quantization`` (None,
         ``int8`` or ``fp8``) and ``speculative_config`` (None, or its ``method`` and
         ``num_speculative_tokens``), ``tensor_parallel_size`` and ``pipeline_parallel_size``."""
         c = self.models.get(name) or self.encoders[name]
         return {"id": name, "object": "model", "created": self.created, "owned_by": "kvserve", "root": name,
-                "max_model_len": await self.max_model_len(name), "kv_cache_dtype": c.kv_cache_dtype,
+                "max_model_len": await self.max_model_len(name), "dtype": await self.dtype(name),
+                "kv_cache_dtype": c.kv_cache_dtype,
                 "quantization": c.quantization, "speculative_config": c.speculative_config,
                 "tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": c.pipeline_parallel_size}

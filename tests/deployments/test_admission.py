@@ -211,5 +211,7 @@ def test_the_replica_publishes_what_it_learned_at_load(tiny, monkeypatch):
     (name, first), (_, second) = published
     assert name == "tiny" and first.max_model_len == server.max_model_len <= 8 * 16  # the KV pool's 8 blocks
     assert first.digest == second.digest == ModelCard.of(model).digest
-    assert second == LoadedFacts(first.max_model_len, llm_server.model_revision(tiny), first.digest)
+    # the dtype the engine runs: what "auto" became on this CPU, never "auto"
+    assert first.dtype == server.engine.engine.config.dtype and first.dtype in ("float32", "bfloat16")
+    assert second == LoadedFacts(first.max_model_len, llm_server.model_revision(tiny), first.digest, first.dtype)
     assert second.revision != first.revision

@@ -287,6 +287,7 @@ def test_api_key_and_tensor_parallel_app(serve_app):
     models = HTTP.get(f"{serve_app.auth_base_url}/models", headers=auth, timeout=30)
     card = models.json()["data"][0]
     assert models.status_code == 200 and card["kv_cache_dtype"] == "fp8" and card["quantization"] == "int8"
+    assert card["dtype"] == "float32"  # "auto" as the TP replica resolved and published it (int8: float32)
     assert card["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
     # n-gram speculation over TP=2: a repetitive prompt drafts; the stream still has every token
     rep = {"prompt": "1 2 3 4 1 2 3 4 1 2 3 4 1 2 3", "max_tokens": 24, "ignore_eos": True, "temperature": 0}

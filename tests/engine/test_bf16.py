@@ -54,6 +54,7 @@ def test_cpu_native_bf16_reads_the_flags():
 
 def test_auto_dtype_is_logged_with_its_reason(tiny_llama_path, monkeypatch, caplog):
     monkeypatch.setattr(config, "cpu_native_bf16", lambda: (True, "avx512_bf16"))
+    monkeypatch.setenv("KVSERVE_DTYPE_PROBE", "0")  # the flags' rule (the probe: test_dtype_probe.py)
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
         llm = LLM(model=str(tiny_llama_path), device="cpu")
     assert llm.engine.executor.runner.dtype == torch.bfloat16
