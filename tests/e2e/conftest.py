@@ -27,9 +27,6 @@ atexit.register(shutil.rmtree, _RAY_AUTH_DIR, True)
 os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_RAY_AUTH_DIR, "auth_token")
 RAY_AUTH = ensure_local_auth()  # writes the session's token (0600); subprocesses inherit the env
 set_local_ray_env()  # worker niceness, Serve's loop intervals: as `kvserve serve` does
-# Ray's processes report their metrics to the node's agent every 2 s instead of every 10 s, so
-# test_prometheus waits seconds, not tens of seconds, for a workload's counts in Ray's export
-os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
