@@ -162,7 +162,8 @@ def probe_cpu_dtype(hidden_size: int, intermediate_size: int) -> ProbeResult:
     except (OSError, ValueError):
         cache = {}
     hit = cache.get(key) if isinstance(cache, dict) else None
-    if isinstance(hit, dict) and hit.get("dtype") in ("float32", "bfloat16"):
+    if (isinstance(hit, dict) and hit.get("dtype") in ("float32", "bfloat16")
+            and all(isinstance(hit.get(k), (int, float)) for k in ("float32_ms", "bfloat16_ms"))):
         return ProbeResult(hit["dtype"], float(hit["float32_ms"]), float(hit["bfloat16_ms"]), True, str(path))
     ms = measure_ms(hidden_size, intermediate_size)
     result = ProbeResult("bfloat16" if ms["bfloat16"] < ms["float32"] else "float32", ms["float32"], ms["bfloat16"],

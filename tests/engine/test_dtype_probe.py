@@ -60,6 +60,8 @@ def test_a_damaged_cache_file_is_measured_again(cache, monkeypatch):
     assert dtype_probe.probe_cpu_dtype(64, 128).dtype == "float32" and len(calls) == 1
     cache.write_text(json.dumps({dtype_probe.probe_key(64, 128): {"dtype": "float64"}}))  # not a verdict
     assert dtype_probe.probe_cpu_dtype(64, 128).dtype == "float32" and len(calls) == 2
+    cache.write_text(json.dumps({dtype_probe.probe_key(64, 128): {"dtype": "bfloat16"}}))  # no times
+    assert dtype_probe.probe_cpu_dtype(64, 128).dtype == "float32" and len(calls) == 3
     assert json.loads(cache.read_text())[dtype_probe.probe_key(64, 128)]["dtype"] == "float32"
 
 
