@@ -147,6 +147,15 @@ def measure_ms(hidden_size: int, intermediate_size: int, repeats: int = PROBE_RE
     return {str(dtype).removeprefix("torch."): ms for dtype, ms in per_pass.items()}
 
 
+def _read_cache(path: Path) -> dict:
+    """The verdicts saved in ``path`` by key; ``{}`` for a missing or damaged file."""
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
 def probe_cpu_dtype(hidden_size: int, intermediate_size: int) -> ProbeResult:
     """float32 or bfloat16 for a model of this shape on this CPU: the cached verdict, or a new
     measurement (:func:`measure_ms`) saved to the cache. Call it only on a CPU with native bf16
@@ -157,11 +166,7 @@ def probe_cpu_dtype(hidden_size: int, intermediate_size: int) -> ProbeResult:
     """
     path = cache_dir() / CACHE_FILE
     key = probe_key(hidden_size, intermediate_size)
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    hit = cache.get(key) if isinstance(cache, dict) else None
+    hit = _read_cache(path).get(key)
     if (isinstance(hit, dict) and hit.get("dtype") in ("float32", "bfloat16")
             and all(isinstance(hit.get(k), (int, float)) for k in ("float32_ms", "bfloat16_ms"))):
         return ProbeResult(hit["dtype"], float(hit["float32_ms"]), float(hit["bfloat16_ms"]), True, str(path))
@@ -170,11 +175,7 @@ def probe_cpu_dtype(hidden_size: int, intermediate_size: int) -> ProbeResult:
                          False, str(path))
     entry = {k: v for k, v in asdict(result).items() if k not in ("cached", "path")}
     try:  # another process may write beside us: read again, add ours, replace atomically
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}
-        cache = {**(cache if isinstance(cache, dict) else {}), key: entry}
+        cache = {**_read_cache(path), key: entry}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{CACHE_FILE}.{os.getpid()}")
         tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import time
 from types import SimpleNamespace
 
 from helpers import free_port
@@ -171,23 +172,18 @@ class LocalApp:
             if args.embeddings.embedding_model is not None:
                 raise ValueError("LocalApp serves no embedding model (serve.batch needs a Serve replica)")
             api = build_api(Gateway({m.name: handle(m) for m in args.model_list()}, **gateway_options(args)))
-            routes.append(Mount(prefix.rstrip("/"), app=api) if prefix.strip("/") else Mount("", app=api))
+            routes.append(Mount(prefix.rstrip("/"), app=api))  # "/" mounts at "", the root
         routes.sort(key=lambda r: r.path == "")  # the root app last: a prefix matches first
         config = uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port, log_level="warning",
                                 lifespan="off", loop="asyncio")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="local-app", daemon=True)
         self._thread.start()
-        started = threading.Event()
-
-        async def wait_started():
-            while not self._server.started:
-                await asyncio.sleep(0.02)
-            started.set()
-
-        asyncio.run_coroutine_threadsafe(wait_started(), self.loop)
-        if not started.wait(START_TIMEOUT_S):
-            raise TimeoutError(f"the local app did not listen on 127.0.0.1:{self.port}")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:  # a server thread that died (a port taken) fails at once
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise TimeoutError(f"the local app did not listen on 127.0.0.1:{self.port}")
+            time.sleep(0.02)
         return self
 
     def _serve(self) -> None:
