@@ -6,7 +6,8 @@
 #   benchmarks/gpu_lease.sh OUT_DIR [BUDGET_SECONDS]   (default budget 540 s)
 #
 # Steps, each with its own log in OUT_DIR:
-#   1. gpu.json       python benchmarks/gpu.py (every part; HF `generate` on the first 64 requests)
+#   1. gpu.json       python benchmarks/gpu.py (every part; HF `generate` on the first HF_MAX_REQUESTS
+#                     requests, default 32: at 64 it took 70-85 s per model and cut the last row)
 #   2. gpu_tests.log  pytest -m gpu on the tests that need no model package: the Triton kernels
 #                     compiled for the card (fp16, bf16; the fp32 variant compiles for minutes) and
 #                     float8 weights (the other gpu tests load SmolLM2's package, too big to carry)
@@ -47,7 +48,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     echo "$name rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" >> "$out/steps.txt"
 }
 
-step gpu 390 "$py" benchmarks/gpu.py --hf-max-requests 64 --out "$out/gpu.json"
+step gpu 390 "$py" benchmarks/gpu.py --hf-max-requests "${HF_MAX_REQUESTS:-32}" --out "$out/gpu.json"
 step gpu_tests 150 "$py" -m pytest -m gpu -k "not fp32" -q -p no:cacheprovider --continue-on-collection-errors \
     tests/kernels/test_triton_attention.py tests/engine/test_fp8_weights.py
 step gpu_kv_fp8 200 "$py" benchmarks/gpu.py --kv-cache-dtype fp8 --parts attention,throughput --no-hf \
