@@ -7,7 +7,10 @@
 #
 # Steps, each with its own log in OUT_DIR:
 #   1. gpu.json       python benchmarks/gpu.py (every part; HF `generate` on the first HF_MAX_REQUESTS
-#                     requests, default 32: at 64 it took 70-85 s per model and cut the last row)
+#                     requests, default 32). HF's time barely depends on that count (it runs until
+#                     the batch's longest output ends, 80-90 s per model on an H200), so SmolLM2's
+#                     row did not fit on 2026-11-28 either: run it alone with --models smollm2-135m
+#                     --no-hf.
 #   2. gpu_tests.log  pytest -m gpu on the tests that need no model package: the Triton kernels
 #                     compiled for the card (fp16, bf16; the fp32 variant compiles for minutes) and
 #                     float8 weights (the other gpu tests load SmolLM2's package, too big to carry)
@@ -15,8 +18,8 @@
 # env.txt holds nvidia-smi and the versions; steps.txt each step's exit status and seconds.
 # Run it with KVSERVE_COMMIT set to the commit the tree was sent from: the lease's copy sits
 # beside an older .git (benchmarks/common.git_commit records KVSERVE_COMMIT in the results files).
-# Seen on an H200 (2026-11-27): step 1 did not finish in 330 s (HF `generate` took 70-85 s per
-# model; SmolLM2's throughput row was cut), step 2 took ~2.5 min (compiling the kernels).
+# Seen on an H200 (2026-11-27, 2026-11-28): step 1 did not finish in 390 s (SmolLM2's throughput
+# row was cut), step 2 needs more than its 140 s with a cold Triton cache (97 s with a warm one).
 set -u
 out=${1:?usage: benchmarks/gpu_lease.sh OUT_DIR [BUDGET_SECONDS]}
 budget=${2:-540}
