@@ -94,6 +94,29 @@ def _sources_in(build: Path) -> list[str]:
     return [str(src / p.name) for p in SOURCES]
 
 
+LIBRARY = "kvserve_cpu_kernels"
+#: Written in the build folder once a build there succeeded: its library is complete.
+BUILT = "built"
+
+
+def _load_built(build: Path) -> bool:
+    """Load the library an earlier build left in ``build`` (True), without running
+    ``torch.utils.cpp_extension.load``: that writes a ninja file naming this checkout's torch
+    headers, so every clone (each with its own virtual environment) would compile again although
+    the folder's name already pins the sources, flags, torch version and CPU. False when no
+    complete build is there or it does not load (then it is built again)."""
+    lib = build / f"{LIBRARY}.so"
+    if not (build / BUILT).is_file() or not lib.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(lib))
+    except OSError as exc:
+        logger.info("cpu kernels in %s did not load (%s); building them again", build, exc)
+        (build / BUILT).unlink(missing_ok=True)
+        return False
+    return True
+
+
 def load_kernel() -> bool:
     """Compile (once per machine, cached) and load the C++ kernel into ``torch.ops.kvserve_cpu``.
 
@@ -107,12 +130,14 @@ def load_kernel() -> bool:
             try:
                 if shutil.which(os.environ.get("CXX", "c++")) is None:
                     raise RuntimeError("no C++ compiler (c++) on PATH")
-                from torch.utils.cpp_extension import load
                 build = build_directory()
-                build.mkdir(parents=True, exist_ok=True)
-                load(name="kvserve_cpu_kernels", sources=_sources_in(build), build_directory=str(build),
-                     extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                     is_python_module=False, verbose=False)
+                if not _load_built(build):
+                    from torch.utils.cpp_extension import load
+                    build.mkdir(parents=True, exist_ok=True)
+                    load(name=LIBRARY, sources=_sources_in(build), build_directory=str(build),
+                         extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                         is_python_module=False, verbose=False)
+                    (build / BUILT).write_text(torch.__file__)
                 _loaded = hasattr(torch.ops.kvserve_cpu, "paged_attention")
                 if not _loaded:
                     raise RuntimeError("the library loaded but registered no kvserve_cpu.paged_attention op")

@@ -128,3 +128,32 @@ def test_prepack_is_skipped_where_it_does_not_apply(monkeypatch):
     assert L.prepack_weight(torch.randn(8, 8).half()) is None
     monkeypatch.setattr(L, "CPU_LINEAR", "aten")
     assert L.prepack_weight(torch.randn(8, 8)) is None
+
+
+def test_a_complete_build_is_loaded_without_compiling_again(cpu_kernel, tmp_path):
+    """A second checkout (its own virtual environment: other torch header paths in the ninja
+    file) loads the library an earlier build left in the cache folder, in a fresh process whose
+    ``torch.utils.cpp_extension.load`` raises: it neither compiles nor runs ninja. A folder
+    without the completion marker is not loaded (a build another process has not finished)."""
+    import subprocess
+    import sys
+
+    from kernels import cpu_backend
+
+    build = cpu_backend.build_directory()
+    assert (build / cpu_backend.BUILT).is_file(), "the build did not mark its folder complete"
+    code = ("import torch.utils.cpp_extension as c\n"
+            "def boom(*a, **k): raise AssertionError('compiled again')\n"
+            "c.load = boom\n"
+            "from kernels import cpu_backend\n"
+            "assert cpu_backend.load_kernel(), cpu_backend.kernel_error()\n"
+            "import torch; print(hasattr(torch.ops.kvserve_cpu, 'paged_attention'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=cpu_backend.Path(cpu_backend.__file__).parents[1])
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / f"{cpu_backend.LIBRARY}.so").write_bytes(b"not a library")
+    assert cpu_backend._load_built(half) is False
+    (half / cpu_backend.BUILT).write_text("x")  # marked, but it does not load: built again, marker gone
+    assert cpu_backend._load_built(half) is False and not (half / cpu_backend.BUILT).exists()
