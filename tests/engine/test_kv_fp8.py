@@ -236,13 +236,15 @@ PPL_CHUNK = 16
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("torch", marks=pytest.mark.thorough)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_fp8_answers_paris(smollm2_path, dtype, backend):
     """SmolLM2 (chat, greedy) with a float8 KV cache says Paris in both dtypes on both CPU
     backends. The first token is a near tie ("The" -1.883 against "L" -1.965 in float32, the
     float8-free reference): it comes from the prompt's attention over itself, which uses the
-    exact K/V, so the answer does not hang on float8 rounding."""
+    exact K/V, so the answer does not hang on float8 rounding. The torch backend's runs are the
+    thorough profile's: the fast one checks that backend over a float8 cache token for token
+    against HF (:func:`test_tiny_model_fp8_equals_hf_with_fp8_rounding`)."""
     llm = LLM(model=str(smollm2_path), dtype=dtype, kv_cache_dtype="fp8", attention_backend=backend)
     out = llm.chat(CAPITAL, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0].outputs[0].text
     assert "Paris" in out, out
