@@ -111,6 +111,7 @@ def config_env(kind: str) -> dict[str, str]:
     if kind == "kvserve":
         return dict(os.environ)
     env = vllm_env()  # both cores bound, none reserved (vllm-allcores)
+    env["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM's default: its log then has its settings (``non-default args``)
     if kind == "vllm":  # the documented defaults
         env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
         env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
