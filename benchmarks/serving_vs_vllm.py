@@ -332,7 +332,7 @@ def main(argv=None) -> dict:
                     s = result["servers"][kind]
                     s["startup_s"].append(round(time.monotonic() - t0, 1))
                     if s["settings"] is None:
-                        s["settings"] = settings(kind, srv, srv.base_env if kind != "kvserve" else os.environ, log)
+                        s["settings"] = settings(kind, srv, srv.base_env, log)
                     for i, c in enumerate(levels):
                         seed = args.seed + 1000 * rnd + i
                         r = bench(srv.port, model, c, num_prompts(c), seed, Path(tmp))
