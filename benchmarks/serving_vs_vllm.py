@@ -121,10 +121,11 @@ def config_env(kind: str) -> dict[str, str]:
     return env
 
 
-def server(kind: str, model: str, dtype: str, stream_interval: int | None, log: Path) -> LocalServer:
+def server(kind: str, model: str, dtype: str, log: Path, stream_interval: int | None = None) -> LocalServer:
     """A (not yet started) server of configuration ``kind`` on a free loopback port, logging to
-    ``log``; ``with`` starts it, waits until it is ready and stops its whole process tree on
-    exit (:class:`benchmarks.load_test.LocalServer`)."""
+    ``log`` (``--stream-interval`` given when ``stream_interval`` is not None; ``benchmarks/idle_cpu.py``
+    starts its peer through this too); ``with`` starts it, waits until it is ready and stops its
+    whole process tree on exit (:class:`benchmarks.load_test.LocalServer`)."""
     common = ["--served-model-name", SERVED, "--dtype", dtype]
     if stream_interval is not None:
         common += ["--stream-interval", str(stream_interval)]
@@ -328,7 +329,7 @@ def main(argv=None) -> dict:
                 log = Path(tmp) / f"{kind}-{rnd}.log"
                 si = args.stream_interval if kind == "kvserve" or vllm_si else None
                 t0 = time.monotonic()
-                with server(kind, model, args.dtype, si, log) as srv:
+                with server(kind, model, args.dtype, log, si) as srv:
                     s = result["servers"][kind]
                     s["startup_s"].append(round(time.monotonic() - t0, 1))
                     if s["settings"] is None:
