@@ -107,9 +107,8 @@ def vllm_takes(flag: str) -> bool:
 
 
 def config_env(kind: str) -> dict[str, str]:
-    """The environment of configuration ``kind`` (see the module docstring)."""
-    if kind == "kvserve":
-        return dict(os.environ)
+    """The environment of vLLM configuration ``kind`` (``vllm`` or ``vllm-allcores``, see the
+    module docstring); kvserve runs in this process's environment."""
     env = vllm_env()  # both cores bound, none reserved (vllm-allcores)
     env["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM's default: its log then has its settings (``non-default args``)
     if kind == "vllm":  # the documented defaults
@@ -181,15 +180,16 @@ def num_prompts(concurrency: int) -> int:
     return 8 if concurrency == 1 else min(128, max(32, 4 * concurrency))
 
 
-def settings(kind: str, srv: LocalServer, env: dict[str, str], log: Path) -> dict:
-    """What configuration ``kind`` ran with: its command line, the steering environment, and
-    the server's own account (kvserve's ``/v1/models`` card; vLLM's ``non-default args`` log line)."""
-    out = {"command": srv.args, "env": {k: v for k, v in sorted(env.items()) if k.startswith(STEERING)}}
+def settings(kind: str, srv: LocalServer) -> dict:
+    """What configuration ``kind`` ran with (``srv``, running): its command line, the steering
+    environment, and the server's own account (kvserve's ``/v1/models`` card; vLLM's
+    ``non-default args`` log line)."""
+    out = {"command": srv.args, "env": {k: v for k, v in sorted(srv.base_env.items()) if k.startswith(STEERING)}}
     if kind == "kvserve":
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/v1/models", timeout=30) as r:
             out["model_card"] = json.loads(r.read())["data"][0]
     else:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if "non-default args" in ln]
+        lines = [ln for ln in Path(srv.log_path).read_text(errors="replace").splitlines() if "non-default args" in ln]
         out["vllm_log"] = lines[-1].split("non-default args", 1)[1].strip(": ") if lines else None
     return out
 
@@ -333,7 +333,7 @@ def main(argv=None) -> dict:
                     s = result["servers"][kind]
                     s["startup_s"].append(round(time.monotonic() - t0, 1))
                     if s["settings"] is None:
-                        s["settings"] = settings(kind, srv, srv.base_env, log)
+                        s["settings"] = settings(kind, srv)
                     for i, c in enumerate(levels):
                         seed = args.seed + 1000 * rnd + i
                         r = bench(srv.port, model, c, num_prompts(c), seed, Path(tmp))

@@ -43,7 +43,7 @@ def tiny_app(serve_app, tiny_llama_path):
     name, route, served = "kvserve-faults", "/faults", "tiny-faults"
 
     def deploy(**extra) -> dict:
-        # max_queued_requests 8: however Serve split the 8 streams of a drain, the replica that
+        # max_waiting_requests 8: however Serve split the 8 streams of a drain, the replica that
         # stays takes them all plus the 4 new requests (the drain tests are not about admission)
         args = _app_args(tiny_llama_path, served, max_waiting_requests=8, **extra)
         _deploy(args, name, route, pin="faults-v1")

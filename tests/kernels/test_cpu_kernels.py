@@ -137,6 +137,7 @@ def test_a_complete_build_is_loaded_without_compiling_again(cpu_kernel, tmp_path
     without the completion marker is not loaded (a build another process has not finished)."""
     import subprocess
     import sys
+    from pathlib import Path
 
     from kernels import cpu_backend
 
@@ -149,7 +150,7 @@ def test_a_complete_build_is_loaded_without_compiling_again(cpu_kernel, tmp_path
             "assert cpu_backend.load_kernel(), cpu_backend.kernel_error()\n"
             "import torch; print(hasattr(torch.ops.kvserve_cpu, 'paged_attention'))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=cpu_backend.Path(cpu_backend.__file__).parents[1])
+                       cwd=Path(cpu_backend.__file__).parents[1])
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
     half = tmp_path / "half"
     half.mkdir()
