@@ -27,7 +27,9 @@ How the comparison is kept fair (issue 41):
   recorded), its threads bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``, and its default reserved
   core for the front end; ``vllm-allcores`` is the same with no core reserved and both bound
   (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>``), the setting
-  kvserve's offline comparisons use. Both get the same KV pool as kvserve's CPU default (2 GiB;
+  kvserve's offline comparisons use. ``kvserve-thread`` (not run unless named) is kvserve with its
+  engine stepping in a thread of the replica's process (``--no-engine-core-process``), the
+  alternative to its engine core process. All get the same KV pool as kvserve's CPU default (2 GiB;
   vLLM's own default reserves 92 % of the RAM). kvserve runs with its defaults but for the
   response cache, which is off (the random prompts never repeat, and it is not what is measured).
 * **Provenance.** Every configuration's full command line, the environment variables that steer
@@ -75,7 +77,10 @@ METRICS = ("completed", "failed", "duration", "request_throughput", "output_thro
            "p99_e2el_ms")
 #: The figures summarised over rounds (median, lowest, highest).
 SUMMARISED = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_ttft_ms", "prefix_cache_hit_rate")
-CONFIGS = ("kvserve", "vllm", "vllm-allcores")
+CONFIGS = ("kvserve", "vllm", "vllm-allcores", "kvserve-thread")
+#: What ``--servers`` runs unless told (``kvserve-thread`` is the alternative kvserve set-up: its
+#: engine stepping in a thread of the replica's process, ``--no-engine-core-process``).
+DEFAULT_SERVERS = ("kvserve", "vllm", "vllm-allcores")
 #: Environment variables recorded with each configuration (prefixes).
 STEERING = ("VLLM_", "OMP_", "KMP_", "LD_PRELOAD", "KVSERVE_", "RAY_", "TORCH", "MKL_")
 #: Where TCMalloc and Intel OpenMP may be installed (vLLM's CPU docs preload both).
@@ -128,8 +133,9 @@ def server(kind: str, model: str, dtype: str, log: Path, stream_interval: int | 
     common = ["--served-model-name", SERVED, "--dtype", dtype]
     if stream_interval is not None:
         common += ["--stream-interval", str(stream_interval)]
-    if kind == "kvserve":
-        return LocalServer(["--model", model, *common, "--no-response-cache"], log_path=str(log))
+    if kind.startswith("kvserve"):
+        extra = ["--no-engine-core-process"] if kind == "kvserve-thread" else []
+        return LocalServer(["--model", model, *common, "--no-response-cache", *extra], log_path=str(log))
     return LocalServer([*common, "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
                        log_path=str(log), command=vllm_cli("serve", model), env=config_env(kind))
 
@@ -185,7 +191,7 @@ def settings(kind: str, srv: LocalServer) -> dict:
     environment, and the server's own account (kvserve's ``/v1/models`` card; vLLM's
     ``non-default args`` log line)."""
     out = {"command": srv.args, "env": {k: v for k, v in sorted(srv.base_env.items()) if k.startswith(STEERING)}}
-    if kind == "kvserve":
+    if kind.startswith("kvserve"):
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/v1/models", timeout=30) as r:
             out["model_card"] = json.loads(r.read())["data"][0]
     else:
@@ -224,7 +230,8 @@ def ratios(result: dict, peer: str) -> dict:
 def plot(result: dict, path: str) -> None:
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"kvserve": ("o-", "tab:blue"), "vllm": ("s--", "tab:orange"), "vllm-allcores": ("^:", "tab:red")}
+    styles = {"kvserve": ("o-", "tab:blue"), "vllm": ("s--", "tab:orange"), "vllm-allcores": ("^:", "tab:red"),
+              "kvserve-thread": ("d-.", "tab:green")}
     for kind, s in result["servers"].items():
         style, color = styles.get(kind, ("x-", "gray"))
         cs = sorted(s["levels"], key=int)
@@ -291,7 +298,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder or bundled name (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--servers", default=",".join(CONFIGS), help=f"configurations, of {', '.join(CONFIGS)}")
+    ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                    help=f"configurations, of {', '.join(CONFIGS)} (default {','.join(DEFAULT_SERVERS)})")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--stream-interval", type=int, default=1, help="both servers' --stream-interval (default 1)")
@@ -312,13 +320,14 @@ def main(argv=None) -> dict:
     prov = Results(__file__, RESULT_KEYS)
 
     model, _ = resolve(args.model)
-    vllm_si = any(k != "kvserve" for k in kinds) and vllm_takes("--stream-interval")
+    peers = [k for k in kinds if not k.startswith("kvserve")]
+    vllm_si = bool(peers) and vllm_takes("--stream-interval")
     result: dict = {"client": f"vllm bench serve (vllm-cpu {VLLM_VERSION})", "model": Path(model).name,
                     "dtype": args.dtype, "repeats": args.repeats, "order": [],
                     "workload": {"dataset": "random", "input_len": 128, "output_len": 64, "ignore_eos": True,
                                  "seed": args.seed, "stream_interval": args.stream_interval,
                                  "vllm_stream_interval": vllm_si,
-                                 "preloads": preloads() if any(k != "kvserve" for k in kinds) else None},
+                                 "preloads": preloads() if peers else None},
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "servers": {k: {"startup_s": [], "settings": None, "runs": []} for k in kinds}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -327,7 +336,7 @@ def main(argv=None) -> dict:
             result["order"].append(order)
             for kind in order:
                 log = Path(tmp) / f"{kind}-{rnd}.log"
-                si = args.stream_interval if kind == "kvserve" or vllm_si else None
+                si = args.stream_interval if kind.startswith("kvserve") or vllm_si else None
                 t0 = time.monotonic()
                 with server(kind, model, args.dtype, log, si) as srv:
                     s = result["servers"][kind]
@@ -344,7 +353,7 @@ def main(argv=None) -> dict:
                               f"{r['prefix_cache_hit_rate']}", flush=True)
     for s in result["servers"].values():
         s["levels"] = {str(c): summary([r for r in s["runs"] if r["concurrency"] == c]) for c in levels}
-    result["kvserve_over_vllm"] = {p: ratios(result, p) for p in kinds if p != "kvserve" and ratios(result, p)}
+    result["kvserve_over_vllm"] = {p: ratios(result, p) for p in peers if ratios(result, p)}
     result = prov.write(args.out, result)
     plot(result, args.plot or str(Path(args.out).with_suffix(".png")))
     print(json.dumps(result.get("kvserve_over_vllm", {}), indent=1))

@@ -165,6 +165,11 @@ class ModelArgs(EngineArgs):
         300.0, gt=0, description="a tensor-parallel collective waiting longer for a rank fails the step (a rank on "
                                  "a dead node ends its requests with an error instead of hanging them)")
     torch_num_threads: Optional[int] = Field(None, ge=1)
+    engine_core_process: bool = Field(
+        True, description="a one-rank replica steps its engine in a process of its own (vLLM's EngineCore; "
+                          "engine/engine_core.py), so the replica's Python (Serve, streams, metrics) never holds "
+                          "the GIL a step needs; off: the engine steps in a thread of the replica's process. "
+                          "Tensor- and pipeline-parallel replicas step in their worker actors either way")
     replica_cpus: float = Field(1.0, ge=0)
     replica_resources: Optional[dict[str, float]] = Field(
         None, description="custom Ray resources each replica asks for, e.g. {\"node-type-a\": 1} to tie it to a "

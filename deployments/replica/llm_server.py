@@ -131,7 +131,12 @@ class LLMServer(PoolingEndpoints):
             inner_factory = UniProcExecutor
 
         t0 = time.time()
-        self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
+        if tp == 1 and m.engine_core_process:
+            from engine.core_client import MPAsyncLLMEngine
+
+            self.engine = MPAsyncLLMEngine.from_config(config, torch_num_threads=torch.get_num_threads())
+        else:
+            self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
         self.model_name = m.name
         self.card = ModelCard.of(m)
         self.adapters = ReplicaAdapters(self.engine.engine, m.lora_modules, self.model_name,  # a bad one fails here
