@@ -27,9 +27,10 @@ How the comparison is kept fair (issue 41):
   recorded), its threads bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``, and its default reserved
   core for the front end; ``vllm-allcores`` is the same with no core reserved and both bound
   (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>``), the setting
-  kvserve's offline comparisons use. ``kvserve-thread`` (not run unless named) is kvserve with its
-  engine stepping in a thread of the replica's process (``--no-engine-core-process``), the
-  alternative to its engine core process. All get the same KV pool as kvserve's CPU default (2 GiB;
+  kvserve's offline comparisons use. Two kvserve alternatives run when named: ``kvserve-thread``,
+  its engine stepping in a thread of the replica's process (``--no-engine-core-process``), and
+  ``kvserve-nochannel``, every chunk on its request's own Serve stream (``--no-replica-channels``).
+  All get the same KV pool as kvserve's CPU default (2 GiB;
   vLLM's own default reserves 92 % of the RAM). kvserve runs with its defaults but for the
   response cache, which is off (the random prompts never repeat, and it is not what is measured).
 * **Provenance.** Every configuration's full command line, the environment variables that steer
@@ -77,9 +78,11 @@ METRICS = ("completed", "failed", "duration", "request_throughput", "output_thro
            "p99_e2el_ms")
 #: The figures summarised over rounds (median, lowest, highest).
 SUMMARISED = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_ttft_ms", "prefix_cache_hit_rate")
-CONFIGS = ("kvserve", "vllm", "vllm-allcores", "kvserve-thread")
-#: What ``--servers`` runs unless told (``kvserve-thread`` is the alternative kvserve set-up: its
-#: engine stepping in a thread of the replica's process, ``--no-engine-core-process``).
+CONFIGS = ("kvserve", "vllm", "vllm-allcores", "kvserve-thread", "kvserve-nochannel")
+#: kvserve's alternative set-ups (run when named): its engine stepping in a thread of the replica's
+#: process, and every chunk on its request's own stream (no gateway channel).
+KVSERVE_ALTERNATIVES = {"kvserve-thread": ["--no-engine-core-process"], "kvserve-nochannel": ["--no-replica-channels"]}
+#: What ``--servers`` runs unless told.
 DEFAULT_SERVERS = ("kvserve", "vllm", "vllm-allcores")
 #: Environment variables recorded with each configuration (prefixes).
 STEERING = ("VLLM_", "OMP_", "KMP_", "LD_PRELOAD", "KVSERVE_", "RAY_", "TORCH", "MKL_")
@@ -134,7 +137,7 @@ def server(kind: str, model: str, dtype: str, log: Path, stream_interval: int | 
     if stream_interval is not None:
         common += ["--stream-interval", str(stream_interval)]
     if kind.startswith("kvserve"):
-        extra = ["--no-engine-core-process"] if kind == "kvserve-thread" else []
+        extra = KVSERVE_ALTERNATIVES.get(kind, [])
         return LocalServer(["--model", model, *common, "--no-response-cache", *extra], log_path=str(log))
     return LocalServer([*common, "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
                        log_path=str(log), command=vllm_cli("serve", model), env=config_env(kind))
@@ -231,7 +234,7 @@ def plot(result: dict, path: str) -> None:
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"kvserve": ("o-", "tab:blue"), "vllm": ("s--", "tab:orange"), "vllm-allcores": ("^:", "tab:red"),
-              "kvserve-thread": ("d-.", "tab:green")}
+              "kvserve-thread": ("d-.", "tab:green"), "kvserve-nochannel": ("v-.", "tab:purple")}
     for kind, s in result["servers"].items():
         style, color = styles.get(kind, ("x-", "gray"))
         cs = sorted(s["levels"], key=int)

@@ -48,7 +48,7 @@ _NOT_FLAGS = {"autoscaling", "min_replicas", "max_replicas"}
 #: AppArgs fields that are plain flags too (the response caches, deployments/cache/; the embedding model).
 _APP_FLAGS = ("response_cache", "cache_backend", "cache_ttl_s", "cache_max_entries", "cache_max_bytes",
               "semantic_cache", "semantic_cache_threshold", "semantic_cache_max_entries", "redis_url",
-              "embedding_model", "embedding_served_name")
+              "embedding_model", "embedding_served_name", "replica_channels")
 
 
 def _flag(name: str) -> str:

@@ -269,6 +269,10 @@ class GatewayArgs(BaseModel):
     max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
                                          description="most prompts in one /v1/completions request")
     ingress_num_replicas: int = Field(1, ge=1)
+    replica_channels: bool = Field(
+        True, description="each gateway replica receives its requests' tokens from each model replica on one "
+                          "stream, one message per engine step (deployments/replica/channels.py); off: one Serve "
+                          "message per chunk and request")
     ingress_cpus: float = Field(1.0, ge=0, description="logical CPUs of each ingress replica")
     ingress_resources: Optional[dict[str, float]] = Field(
         None, description="custom Ray resources of each ingress replica, e.g. {\"head\": 0.01} with a head started "

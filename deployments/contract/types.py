@@ -94,6 +94,9 @@ class GenerationChunk:
         index: the choice this chunk belongs to (``n > 1`` interleaves the choices' chunks in
             one stream; each choice ends with its own ``finished`` chunk).
         error: set (and ``finished``) when the request could not run.
+        replica: on a first chunk, the id of the replica that runs the request.
+        via_channel: on a first chunk, the rest of the request's chunks come on the gateway's
+            channel (:mod:`deployments.replica.channels`), not on this stream.
     """
 
     text: str = ""
@@ -109,6 +112,8 @@ class GenerationChunk:
     prompt_text: str | None = None
     index: int = 0
     error: GenerationError | None = None
+    replica: str | None = None
+    via_channel: bool = False
 
     def extend(self, chunk: "GenerationChunk") -> None:
         """Fold the request's next chunk into this one (the whole generation so far): text,
@@ -130,9 +135,11 @@ class GenerationChunk:
 
     def to_dict(self) -> dict[str, Any]:
         """The chunk as JSON-ready data (fields at their defaults left out; ``error`` is never
-        encoded: only finished, successful answers are stored). The one encoding of a chunk
-        outside Ray's pickling: the response cache stores it."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "error" and v != _CHUNK_DEFAULTS[k]}
+        encoded: only finished, successful answers are stored; neither are ``replica`` and
+        ``via_channel``). The one encoding of a chunk outside Ray's pickling: the response
+        cache stores it."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in _NOT_STORED and v != _CHUNK_DEFAULTS[k]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerationChunk":
@@ -157,6 +164,8 @@ def _logprob(d: dict | None) -> TokenLogprob | None:
     return TokenLogprob(d["token_id"], d["token"], d["bytes"], d["logprob"], tops)
 
 
+#: Fields of a chunk that :meth:`GenerationChunk.to_dict` leaves out (how it travelled, not what it says).
+_NOT_STORED = frozenset({"error", "replica", "via_channel"})
 _CHUNK_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
                    for f in dataclasses.fields(GenerationChunk)}
 
@@ -183,6 +192,8 @@ class GenerateRequest:
         shed_requests: requests the sending gateway refused for this model as full since its
             previous request (:mod:`deployments.gateway.shedding`): the replica counts them as
             demand its queue refused, for the autoscaler.
+        channel: ``(gateway id, key)``: the sending gateway replica's channel and this request's
+            key on it (:mod:`deployments.replica.channels`); None: the request streams on its own.
         num_prompts: the prompts of the client's request this one belongs to (a completions
             batch is sent as one request per prompt): the replica refuses the batch as
             ``too_large`` when ``num_prompts * n`` requests could never be in flight on it at once.
@@ -199,6 +210,7 @@ class GenerateRequest:
     lora_name: str | None = None
     shed_requests: int = 0
     num_prompts: int = 1
+    channel: tuple[str, str] | None = None
 
     @classmethod
     def of(cls, prompt: str | list[int] | dict | None = None,

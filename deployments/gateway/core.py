@@ -50,6 +50,7 @@ from deployments.gateway.call import Call, GenerateSpec, UnarySpec, estimate_pro
 from deployments.gateway.catalog import ModelCatalog
 from deployments.gateway.errors import request_id_of
 from deployments.gateway.gate import GateSettings, key_name, request_policy
+from deployments.gateway.channels import ChannelHub
 from deployments.gateway.handles import ModelHandles
 from deployments.gateway.replica_calls import ReplicaCalls
 from deployments.gateway.responses_input import ResponseStore
@@ -110,7 +111,8 @@ class Gateway:
         if self.routing is not None:
             self.routing.check(list(self.catalog.models))
         self.upstream = None if r.upstream is None else Upstream(r.upstream)
-        self.replicas = ReplicaCalls(rejected())
+        self.channels = ChannelHub(self.handles.streaming, enabled=g.replica_channels)
+        self.replicas = ReplicaCalls(rejected(), self.channels)
         self.answers = Answers(self.cache)
         self.routes, self.fallbacks = model_routes(), upstream_fallbacks()
         self.shedder = LoadShedder()

@@ -14,6 +14,7 @@ import logging
 from deployments.contract.openai_errors import OpenAIError
 from deployments.contract.types import GenerateRequest, GenerationChunk
 from deployments.gateway.call import Call
+from deployments.gateway.channels import ChannelHub
 from deployments.gateway.errors import as_client_error, internal
 from deployments.gateway.shedding import LoadShedder
 from deployments.gateway.streams import ChunkStream
@@ -29,10 +30,11 @@ class ReplicaCalls:
 
     Args:
         rejected: the ``kvserve:requests_rejected_total`` counter (Serve's refusals count there).
+        channels: the gateway's channels to the replicas (None: every request streams on its own).
     """
 
-    def __init__(self, rejected):
-        self.rejected = rejected
+    def __init__(self, rejected, channels: ChannelHub | None = None):
+        self.rejected, self.channels = rejected, channels
 
     async def open(self, call: Call, request: GenerateRequest, shedder: LoadShedder) -> ChunkStream:
         """Start the replica's stream of ``request`` and wait for its first chunk; ``shedder``
@@ -45,6 +47,9 @@ class ReplicaCalls:
         """
         model = call.model
         request.shed_requests = shedder.opened(model)
+        hub = self.channels
+        slot = hub.register(model) if hub is not None else None
+        request.channel = slot[0] if slot is not None else None
         try:
             for attempt in range(UNAVAILABLE_RETRIES + 1):
                 gen = call.handle.stream.remote(request)
@@ -58,10 +63,20 @@ class ReplicaCalls:
                     await asyncio.sleep(0.2 * (attempt + 1))
         except BaseException as e:  # the request left before its first token
             shedder.closed(model)
+            if slot is not None:
+                hub.unregister(slot[0][1])
             if isinstance(e, OpenAIError) and e.code == "queue_full":
                 shedder.refused(model, e.retry_after_s)
             raise
-        return ChunkStream(gen, first, request.n, on_end=lambda: shedder.closed(model))
+        channel = None
+        if slot is not None:
+            hub.saw(model, first.replica)
+            key = slot[0][1]
+            if first.via_channel:
+                channel = (slot[1], lambda: hub.unregister(key))
+            else:
+                hub.unregister(key)
+        return ChunkStream(gen, first, request.n, on_end=lambda: shedder.closed(model), channel=channel)
 
     async def ask(self, call: Call, method: str, *args, **kwargs):
         """``call.handle.<method>.remote(*args, **kwargs)``'s answer; a typed ``error`` on it (the

@@ -36,17 +36,28 @@ def sse(obj: BaseModel | dict) -> bytes:
     return b"data: " + body.encode() + b"\n\n"
 
 
+#: Seconds a request whose own stream ended waits for the rest of its chunks on the channel.
+CHANNEL_GRACE_S = 10.0
+
+
 class ChunkStream:
     """One request's chunks (``n`` choices interleaved, each ending with its own finished
     chunk), with the first already fetched (so bad input fails as an HTTP error before any
     byte of a streaming response is sent). ``record``, when a list, collects every chunk for
-    the response cache."""
+    the response cache.
 
-    def __init__(self, gen, first: GenerationChunk, n: int = 1, on_end=None):
+    ``channel``: ``(queue, on_close)`` when the first chunk said the rest comes on the
+    gateway's channel (:mod:`deployments.gateway.channels`): the chunks are then read from
+    ``queue``, into which the request's own stream is pumped too (it carries an error, or the
+    rest when the channel ended); ``on_close`` runs once at the end."""
+
+    def __init__(self, gen, first: GenerationChunk, n: int = 1, on_end=None, channel=None):
         self.gen, self.first, self.left = gen, first, n - first.finished
         self.done = False
         self.on_end = on_end  # called once when the stream ends (finished, failed or cancelled)
         self.record: list[GenerationChunk] | None = None
+        self.channel = channel
+        self._pump: asyncio.Task | None = None
         if self.left == 0:
             self._end()
 
@@ -55,6 +66,45 @@ class ChunkStream:
         on_end, self.on_end = self.on_end, None
         if on_end is not None:
             on_end()
+        if self.channel is not None:
+            _, on_close = self.channel
+            self.channel = None
+            on_close()
+
+    async def _rest(self) -> AsyncIterator[GenerationChunk]:
+        """The chunks after the first: from the request's own stream, or from the channel's
+        queue (with the own stream pumped into it; after the own stream ends, the channel has
+        :data:`CHANNEL_GRACE_S` seconds to bring what is left). The pump runs until the own
+        stream ends by itself (the replica ends it once the last chunk is on the channel), or
+        :meth:`cancel` cancels that stream."""
+        if self.channel is None:
+            async for chunk in self.gen:
+                yield chunk
+            return
+        queue, _ = self.channel
+        ended = object()
+
+        async def pump():
+            try:
+                async for chunk in self.gen:
+                    queue.put_nowait(chunk)
+            except Exception as e:
+                queue.put_nowait(e)
+            queue.put_nowait(ended)
+
+        self._pump = asyncio.get_running_loop().create_task(pump())
+        own_stream_open = True
+        while True:
+            try:
+                item = await (queue.get() if own_stream_open else asyncio.wait_for(queue.get(), CHANNEL_GRACE_S))
+            except TimeoutError:
+                return
+            if item is ended:
+                own_stream_open = False
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The chunks; one with ``error`` (e.g. the request ran past the server's
@@ -64,7 +114,7 @@ class ChunkStream:
         yield self.first
         if self.done:
             return
-        async for chunk in self.gen:
+        async for chunk in self._rest():
             if chunk.error is not None:
                 self._end()
                 raise OpenAIError.of(chunk.error)

@@ -33,6 +33,7 @@ from deployments.contract.openai_errors import random_id
 from deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
 from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 from deployments.replica.admission import Admission, OverloadedError
+from deployments.replica.channels import GatewayChannels
 from deployments.replica.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
 from deployments.replica.pooling import PoolingEndpoints
 from deployments.replica.prefix_report import RecentPrefixes
@@ -162,6 +163,8 @@ class LLMServer(PoolingEndpoints):
         self.prefixes = RecentPrefixes(config.block_size, limit=min(REPORTED_HASHES, n_blocks))
         self._tokenizer_probe = tokenizer_probe(self.engine.tokenize, self.engine.input_processor.chat_template_ids)
         self.recent = RecentRequests()  # finished requests' timings
+        self.replica_id = _replica_id()
+        self.channels = GatewayChannels()  # one stream per gateway replica (deployments/replica/channels.py)
         self.runner = RequestRunner(self.engine, self.admission, self.recent, self.model_name, m.request_timeout_s,
                                     m.stream_interval)
         self.max_model_len = self.engine.max_model_len
@@ -249,8 +252,17 @@ class LLMServer(PoolingEndpoints):
             chunks = self.runner.run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora)
         else:
             chunks = self.runner.fan_out(ids, params, request_id, request.priority, n, prompt_text, lora)
-        async for chunk in chunks:
+        async for chunk in self.channels.route(chunks, request.channel, self.replica_id):
             yield chunk
+
+    async def channel(self, gateway_id: str, replica_id: str | None = None) -> AsyncIterator[dict[str, list]]:
+        """The channel of gateway replica ``gateway_id`` (:mod:`deployments.replica.channels`):
+        a hello naming this replica (``{"replica": id}``), then ``{channel key: [GenerationChunk,
+        ...]}`` per engine step for every request of that gateway here whose first chunk said
+        ``via_channel``. Ends after :data:`~deployments.replica.channels.CHANNEL_IDLE_S` seconds
+        unused. ``replica_id``: the replica the gateway meant (its router sends the call there)."""
+        async for batch in self.channels.serve(gateway_id, self.replica_id):
+            yield batch
 
     async def generate(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
                        messages: list[dict] | None = None, tools: list[dict] | None = None,
@@ -327,9 +339,11 @@ class LLMServer(PoolingEndpoints):
 
     def get_stats(self) -> dict[str, float]:
         """The engine's gauges and counters (``kv_cache_usage``, ``num_running_requests``,
-        ``max_running_batch``, ``num_generated_tokens``, ...) plus the step-rate metrics."""
+        ``max_running_batch``, ``num_generated_tokens``, ...), the step-rate metrics and the
+        gateway channels' counts (:meth:`GatewayChannels.stats`)."""
         s = dict(self.engine.get_stats())
         s.update(asdict(self.stats.snapshot()))
+        s.update(self.channels.stats())
         return s
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -245,6 +245,47 @@ def test_32_concurrent_streams_match_offline_and_batch(serve_app, smollm2_path):
     assert tokens >= 32 and steps < tokens / 4, (steps, tokens, elapsed)  # many requests per step
 
 
+def test_streams_share_one_channel_message_per_step(serve_app):
+    """Issue 41 item 2: after a first request names its replica, the gateway opens its channel
+    there, and concurrent streams then get their tokens in one message per engine step (many
+    requests' chunks per message), with the same text as the replica's own path (a Python
+    handle, no channel)."""
+    llm = serve_app.llm
+    r = HTTP.post(f"{serve_app.base_url}/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+    deadline = time.time() + 30
+    while llm.get_stats.remote().result()["gateway_channels"] < 1:
+        assert time.time() < deadline, "the gateway opened no channel"
+        time.sleep(0.05)
+    before = llm.get_stats.remote().result()
+    prompts = [f"Count from {k} upwards:" for k in range(12)]
+    params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+    async def stream(client, prompt):
+        parts, finish = [], None
+        async with client.stream("POST", f"{serve_app.base_url}/completions",
+                                 json={"prompt": prompt, "stream": True, **params}) as resp:
+            assert resp.status_code == 200, (await resp.aread()).decode()
+            async for ev in aiter_sse(resp):
+                if ev != DONE and ev["choices"]:
+                    parts.append(ev["choices"][0]["text"])
+                    finish = ev["choices"][0]["finish_reason"] or finish
+        return "".join(parts), finish
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(stream(client, p) for p in prompts))
+
+    streamed = asyncio.run(run_all())
+    after = llm.get_stats.remote().result()
+    direct = [llm.complete.remote(p, dict(params)).result().text for p in prompts]
+    assert [t for t, _ in streamed] == direct
+    assert all(f == "length" for _, f in streamed)
+    messages = after["channel_messages"] - before["channel_messages"]
+    chunks = after["channel_chunks"] - before["channel_chunks"]
+    assert messages > 0 and chunks >= 2 * messages, (messages, chunks)  # several requests' tokens per message
+
+
 def test_disconnect_mid_stream_frees_blocks(serve_app):
     llm = serve_app.llm
     assert llm.get_stats.remote().result()["kv_cache_usage"] == 0.0
