@@ -28,16 +28,18 @@ from deployments.routing.prefix_router import router_config
 logger = logging.getLogger("ray.serve")
 
 
-def llm_deployment_options(m: ModelArgs, deployment_name: str) -> dict[str, Any]:
+def llm_deployment_options(m: ModelArgs, deployment_name: str, channels: int = 0) -> dict[str, Any]:
     """``LLMServer.options(...)`` for one model: replicas or autoscaling, resources, the
     placement group bundles of a tensor- or pipeline-parallel replica, and the prefix-aware request router
-    (``deployments/routing/prefix_router.py``) unless ``prefix_aware_routing`` is off."""
+    (``deployments/routing/prefix_router.py``) unless ``prefix_aware_routing`` is off. ``channels``:
+    the gateway replicas that may each hold a channel to a replica (``deployments/replica/channels.py``),
+    on top of ``max_ongoing_requests`` (a channel is a Serve call that stays open)."""
     import os
 
     from cluster.worker_group import tp_placement_group_bundles
 
     opts: dict[str, Any] = {"name": deployment_name,
-                            "max_ongoing_requests": m.ongoing_requests_bound(),
+                            "max_ongoing_requests": m.ongoing_requests_bound() + channels,
                             # Serve's own queue, in each caller's handle (requests waiting for the router to
                             # pick a replica, or for one to start; not the replica's max_waiting_requests):
                             # bounded at one replica's worth, so an overflow is a 429 at once, never an
@@ -91,8 +93,9 @@ def build_app(args: AppArgs) -> Application:
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(dict(args or {}))
     handles = {}
+    channels = args.gateway.ingress_num_replicas if args.gateway.replica_channels else 0
     for i, m in enumerate(args.model_list()):
-        handles[m.name] = LLMServer.options(**llm_deployment_options(m, _deployment_name(i, m.name))).bind(m)
+        handles[m.name] = LLMServer.options(**llm_deployment_options(m, _deployment_name(i, m.name), channels)).bind(m)
     # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
     drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
     g, e = args.gateway, args.embeddings

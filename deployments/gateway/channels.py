@@ -22,9 +22,9 @@ logger = logging.getLogger("ray.serve")
 
 #: Seconds a channel call may take to be answered by its replica before it is given up.
 OPEN_TIMEOUT_S = 10.0
-#: A channel that a replica ended for want of use is opened again at once while its model had a
-#: request in the last this many seconds (so a burst after a short pause finds it open).
-REOPEN_WINDOW_S = 30.0
+#: Seconds during which a channel call that Serve's own router sent to another replica is not
+#: made again for the same replica.
+RETRY_UNTARGETED_S = 30.0
 
 
 class ChannelHub:
@@ -41,15 +41,12 @@ class ChannelHub:
         self._queues: dict[str, asyncio.Queue] = {}
         self._open: dict[tuple[str, str], asyncio.Task] = {}
         self._keys = itertools.count()
-        self._last_request: dict[str, float] = {}  # model -> time.monotonic() of its latest request
-        self._closed = False
         self._untargeted: dict[tuple[str, str], float] = {}  # (model, replica) a channel call missed, when
 
-    def register(self, model: str) -> tuple[tuple[str, str], asyncio.Queue] | None:
-        """A new channel key and its queue, for one request to ``model`` (None when channels are off)."""
+    def register(self) -> tuple[tuple[str, str], asyncio.Queue] | None:
+        """A new channel key and its queue, for one request (None when channels are off)."""
         if not self.enabled:
             return None
-        self._last_request[model] = time.monotonic()
         key = f"{next(self._keys):x}"
         q = self._queues[key] = asyncio.Queue()
         return (self.gateway_id, key), q
@@ -63,7 +60,7 @@ class ChannelHub:
         if replica_id is None or not self.enabled or model not in self.handles:
             return
         k = (model, replica_id)
-        if k not in self._open and time.monotonic() - self._untargeted.get(k, -1e9) > REOPEN_WINDOW_S:
+        if k not in self._open and time.monotonic() - self._untargeted.get(k, -1e9) > RETRY_UNTARGETED_S:
             self._open[k] = asyncio.get_running_loop().create_task(self._run(k))
 
     @property
@@ -73,40 +70,30 @@ class ChannelHub:
 
     async def _run(self, k: tuple[str, str]) -> None:
         model, replica_id = k
-        reopen = False
-        while True:
-            gen = self.handles[model].channel.remote(self.gateway_id, replica_id)
-            try:
-                async with asyncio.timeout(OPEN_TIMEOUT_S):
-                    hello = await gen.__anext__()
-                targeted = hello.get("replica") == replica_id
-                if not targeted:  # Serve's own router sent it elsewhere: use it there until it ends, no reopening
-                    self._untargeted[k] = time.monotonic()
-                    logger.info("channel to %s replica %s reached replica %s (no targeting router)",
-                                model, replica_id, hello.get("replica"))
-                async for batch in gen:
-                    for key, chunks in batch.items():
-                        q = self._queues.get(key)
-                        if q is not None:
-                            for c in chunks:
-                                q.put_nowait(c)
-                # the replica ended it, unused: open it again while the model is in use
-                reopen = targeted and time.monotonic() - self._last_request.get(model, 0.0) < REOPEN_WINDOW_S
-            except (asyncio.CancelledError, StopAsyncIteration):
-                reopen = False
-            except Exception as e:  # the replica is gone, or refused the call: requests still stream on their own
-                logger.info("channel to %s replica %s ended: %s", model, replica_id, type(e).__name__)
-                reopen = False
-            finally:
-                gen.cancel()
-                if not reopen or self._closed:
-                    self._open.pop(k, None)
-            if not reopen or self._closed:
-                return
+        gen = self.handles[model].channel.remote(self.gateway_id, replica_id)
+        try:
+            async with asyncio.timeout(OPEN_TIMEOUT_S):
+                hello = await gen.__anext__()
+            if hello.get("replica") != replica_id:  # Serve's own router sent it elsewhere: used there until it ends
+                self._untargeted[k] = time.monotonic()
+                logger.info("channel to %s replica %s reached replica %s (no targeting router)",
+                            model, replica_id, hello.get("replica"))
+            async for batch in gen:
+                for key, chunks in batch.items():
+                    q = self._queues.get(key)
+                    if q is not None:
+                        for c in chunks:
+                            q.put_nowait(c)
+        except (asyncio.CancelledError, StopAsyncIteration):
+            pass
+        except Exception as e:  # the replica is gone, or refused the call: requests still stream on their own
+            logger.info("channel to %s replica %s ended: %s", model, replica_id, type(e).__name__)
+        finally:
+            gen.cancel()
+            self._open.pop(k, None)
 
     def close(self) -> None:
         """End every channel (the gateway replica stops)."""
-        self._closed = True
         for t in list(self._open.values()):
             t.cancel()
 

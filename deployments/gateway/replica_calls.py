@@ -48,7 +48,7 @@ class ReplicaCalls:
         model = call.model
         request.shed_requests = shedder.opened(model)
         hub = self.channels
-        slot = hub.register(model) if hub is not None else None
+        slot = hub.register() if hub is not None else None
         request.channel = slot[0] if slot is not None else None
         try:
             for attempt in range(UNAVAILABLE_RETRIES + 1):

@@ -88,9 +88,14 @@ class ChunkStream:
             try:
                 async for chunk in self.gen:
                     queue.put_nowait(chunk)
-            except Exception as e:
-                queue.put_nowait(e)
-            queue.put_nowait(ended)
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # this pump was cancelled
+                    raise
+                queue.put_nowait(RuntimeError("the replica's stream was cancelled"))
+            except BaseException as e:  # whatever ends the stream ends the reader too
+                queue.put_nowait(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            finally:
+                queue.put_nowait(ended)
 
         self._pump = asyncio.get_running_loop().create_task(pump())
         own_stream_open = True

@@ -26,13 +26,12 @@ CHANNEL_IDLE_S = 2.0
 
 
 class _Outbox:
-    """The chunks waiting for one gateway's channel, by channel key; ``users`` requests send here;
-    ``reader`` counts the channel streams that took it over (only the newest one reads)."""
+    """The chunks waiting for one gateway's channel, by channel key; ``reader`` counts the channel
+    streams that took it over (only the newest one reads)."""
 
     def __init__(self):
         self.pending: dict[str, list[GenerationChunk]] = {}
         self.ready = asyncio.Event()
-        self.users = 0
         self.reader = 0
         self.closed = False
 
@@ -42,12 +41,14 @@ class _Outbox:
 
     async def batches(self, idle_s: float, reader: int) -> AsyncIterator[dict[str, list[GenerationChunk]]]:
         """Everything put since the last batch, once there is something; ends after ``idle_s``
-        seconds with nothing put and no user, or when a newer reader took the outbox over."""
+        seconds with nothing put (a request still running then sends the rest of its chunks on
+        its own stream: nothing is lost, and its last channel chunk left ``idle_s`` seconds
+        before), or when a newer reader took the outbox over."""
         while self.reader == reader:
             try:
                 await asyncio.wait_for(self.ready.wait(), idle_s)
             except TimeoutError:
-                if self.users == 0 and not self.pending:
+                if not self.pending:  # the next chunk of a request still running goes on its own stream
                     return
                 continue
             if self.reader != reader:
@@ -109,21 +110,16 @@ class GatewayChannels:
         rest comes on the request's own stream again."""
         box = self._boxes.get(channel[0]) if channel is not None else None
         first = True
-        try:
-            async for chunk in chunks:
-                if first:
-                    first = False
-                    chunk.replica = replica_id
-                    if box is not None and not box.closed and not chunk.finished:
-                        chunk.via_channel = True
-                        box.users += 1
-                    else:
-                        box = None
-                    yield chunk
-                elif box is not None and not box.closed:
-                    box.put(channel[1], chunk)
+        async for chunk in chunks:
+            if first:
+                first = False
+                chunk.replica = replica_id
+                if box is not None and not box.closed and not chunk.finished:
+                    chunk.via_channel = True
                 else:
-                    yield chunk
-        finally:
-            if box is not None:
-                box.users -= 1
+                    box = None
+                yield chunk
+            elif box is not None and not box.closed:
+                box.put(channel[1], chunk)
+            else:
+                yield chunk

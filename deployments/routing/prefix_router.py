@@ -260,10 +260,12 @@ class PrefixAwareRouter(MultiplexMixin, RequestRouter):
         if not candidate_replicas:
             return []
         if pending_request is not None and pending_request.metadata.call_method == "channel":
-            # a gateway's channel to one replica (deployments/replica/channels.py): that replica only
+            # a gateway's channel to one replica (deployments/replica/channels.py): that replica; if it
+            # is gone (or stopping), any other (the gateway sees where it landed and does not reopen it),
+            # so a channel call never waits for a replica that will not come back
             args = pending_request.args or ()
             target = args[1] if len(args) > 1 else (pending_request.kwargs or {}).get("replica_id")
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target] or candidate_replicas]
         if pending_request is not None:  # Serve sleeps (backs off) between rounds of rejections, not a tight loop
             pending_request.routing_context.should_backoff = True
             task = asyncio.current_task()

@@ -31,7 +31,11 @@ TOKENS = 48
 
 def _faulty_server():
     """The shipped LLMServer class, with faults armed in its engine after start-up. Ray pickles
-    this class (and ``faults``) by value, so the replica needs no test code on its path."""
+    this class (and ``faults``) by value, so the replica needs no test code on its path. The
+    faults are armed on an engine in the replica's process, so the app runs with
+    ``engine_core_process: false``; in a core process the same ``LLMEngine.step`` isolates the
+    same faults (tests/engine/test_fault_injection.py), and tests/engine/test_engine_core_proc.py
+    checks that what a step reports reaches each stream."""
     import faults
     import ray.cloudpickle
     from deployments.replica.llm_server import LLMServer
@@ -110,6 +114,7 @@ def test_a_fault_in_one_request_leaves_the_replica_and_its_other_streams_whole(s
     name, route = "kvserve-iso", "/iso"
     args = _app_args(tiny_llama_path, "tiny-iso", num_replicas=1, max_num_seqs=16, max_queued_requests=32,
                      stream_interval=0,  # a chunk per token: the detokenizer's fault must come mid-stream
+                     engine_core_process=False,  # the faults are armed in the replica's process (_faulty_server)
                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
     base = f"{serve_app.root}{route}"
     _deploy_faulty(args, name, route)
