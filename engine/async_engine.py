@@ -295,6 +295,14 @@ class AsyncLLMEngine:
         return stats
 
     async def shutdown(self) -> None:
+        await self._stop_loop()
+        self._pool.shutdown(wait=True)
+        self._tok_pool.shutdown(wait=True)
+        self.engine.shutdown()
+
+    # ---- helpers ------------------------------------------------------------
+    async def _stop_loop(self) -> None:
+        """Refuse new requests and end the loop task (shutdown's first half)."""
         self._closed = True
         if self._task is not None:
             self._task.cancel()
@@ -302,11 +310,7 @@ class AsyncLLMEngine:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        self._pool.shutdown(wait=True)
-        self._tok_pool.shutdown(wait=True)
-        self.engine.shutdown()
 
-    # ---- helpers ------------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                       priority: int, lora_request=None, pooling_params=None) -> Request:
         """Tokenize and validate (runs in the tokenizer thread; touches no scheduler state)."""

@@ -173,6 +173,12 @@ class CoreProxy:
         #: called with each :class:`~engine.stats.FinishedRequestStats` (on the event loop)
         self.request_loggers: list[Callable] = []
         self.executor = self  # ``executor.check_health()``: the core's executor answers
+        #: :meth:`LLMEngine.get_stats` of the core after its latest step (set by the front)
+        self.stats: dict[str, float] = dict(info.stats)
+
+    def get_stats(self) -> dict[str, float]:
+        """The core's :meth:`LLMEngine.get_stats` after its latest step (a copy)."""
+        return dict(self.stats)
 
     def add_lora(self, lora_request) -> None:
         """Load an adapter in the core (blocking; see ``LLMEngine.add_lora``).
@@ -201,7 +207,8 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
     Same streams, aborts, errors and stats as the in-process engine; what differs:
 
     * ``engine`` is a :class:`CoreProxy` (no scheduler to reach into);
-    * :meth:`get_stats` is the core's snapshot after its latest step (plus the front's pending);
+    * :meth:`get_stats` is the core's snapshot after its latest step (:meth:`CoreProxy.get_stats`,
+      plus the front's pending);
     * stat loggers run on the event loop, from the step's message;
     * the engine dies (:class:`EngineDeadError` for every request) when the core process exits,
       reports its executor dead, or does not answer :meth:`check_health_async`.
@@ -227,7 +234,6 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         self.errored: EngineDeadError | None = None
         #: request id -> (prompt token ids, prompt text) of requests sent to the core
         self._in_core: dict[str, tuple[list[int], str | None]] = {}
-        self._stats: dict[str, float] = dict(core.info.stats)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._broken_loggers: set[int] = set()
         self._reader = threading.Thread(target=self._read, name="kvserve-core-outputs", daemon=True)
@@ -280,20 +286,8 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         self.core.fail_calls(self._dead_error())
         threading.Thread(target=self.core.stop, kwargs={"grace_s": 0}, daemon=True).start()
 
-    def get_stats(self) -> dict[str, float]:
-        """The core's :meth:`LLMEngine.get_stats` after its latest step, and ``num_pending_requests``."""
-        stats = dict(self._stats)
-        stats["num_pending_requests"] = len(self._pending)
-        return stats
-
     async def shutdown(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self._stop_loop()
         await asyncio.to_thread(self.core.stop)
         self._tok_pool.shutdown(wait=True)
 
@@ -372,7 +366,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             self._put(o.request_id, o)
         for rid in out.unknown_aborts:
             self._in_core.pop(rid, None)
-        self._stats = out.stats or self._stats
+        self.engine.stats = out.stats or self.engine.stats
         self._log(self.engine.stat_loggers, out.iteration_stats)
         self._log(self.engine.request_loggers, out.finished_stats)
 
