@@ -63,11 +63,6 @@ class ChannelHub:
         if k not in self._open and time.monotonic() - self._untargeted.get(k, -1e9) > RETRY_UNTARGETED_S:
             self._open[k] = asyncio.get_running_loop().create_task(self._run(k))
 
-    @property
-    def num_open(self) -> int:
-        """Channels open or opening."""
-        return len(self._open)
-
     async def _run(self, k: tuple[str, str]) -> None:
         model, replica_id = k
         gen = self.handles[model].channel.remote(self.gateway_id, replica_id)
@@ -91,9 +86,3 @@ class ChannelHub:
         finally:
             gen.cancel()
             self._open.pop(k, None)
-
-    def close(self) -> None:
-        """End every channel (the gateway replica stops)."""
-        for t in list(self._open.values()):
-            t.cancel()
-
