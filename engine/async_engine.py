@@ -58,6 +58,13 @@ class AsyncLLMEngine:
         #: The engine's :class:`InputProcessor` with this front's own tokenizer (used in the
         #: tokenizer thread): prompt parsing, chat templates and validation for the serving layer.
         self.input_processor: InputProcessor = engine.input_processor.with_tokenizer(self.tokenizer)
+        self._init_front()
+        # the single thread that runs engine.step() (from_config passes the one that built it)
+        self._pool = step_pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+
+    def _init_front(self) -> None:
+        """The front's request bookkeeping, shared by the in-process front and the engine core
+        process's (:class:`engine.core_client.MPAsyncLLMEngine`)."""
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[Request] = []
         self._aborts: set[str] = set()
@@ -65,8 +72,6 @@ class AsyncLLMEngine:
         self._aborted_early: set[str] = set()  # ... and that were aborted meanwhile
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        # the single thread that runs engine.step() (from_config passes the one that built it)
-        self._pool = step_pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
         self._closed = False
         self.errored: EngineDeadError | None = None

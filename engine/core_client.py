@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import EngineConfig
@@ -59,6 +58,7 @@ class EngineCoreProcess:
         ctx = multiprocessing.get_context("spawn")  # nothing inherited: torch's pools, locks, Ray's state
         self.conn, child = ctx.Pipe(duplex=True)
         self._send_lock = threading.Lock()
+        self._stop_lock = threading.Lock()  # stop() runs from mark_dead's thread and shutdown at once
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
         self.proc = ctx.Process(target=run_engine_core, args=(child, config, torch_num_threads),
@@ -136,7 +136,11 @@ class EngineCoreProcess:
 
     def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Ask the core to leave, wait up to ``grace_s`` seconds, then terminate (and kill) it.
-        Idempotent."""
+        Idempotent, and safe from several threads at once (one stops, the others wait for it)."""
+        with self._stop_lock:
+            self._stop(grace_s)
+
+    def _stop(self, grace_s: float) -> None:
         if self.proc.is_alive() and grace_s > 0:
             try:
                 self.send(("shutdown",))
@@ -222,16 +226,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         self.tokenizer = load_tokenizer(core.info.model_path)
         self.engine = CoreProxy(core, self.tokenizer)
         self.input_processor = self.engine.input_processor
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._pending: list[Request] = []
-        self._aborts: set[str] = set()
-        self._tokenizing: set[str] = set()
-        self._aborted_early: set[str] = set()
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
-        self._closed = False
-        self.errored: EngineDeadError | None = None
+        self._init_front()
         #: request id -> (prompt token ids, prompt text) of requests sent to the core
         self._in_core: dict[str, tuple[list[int], str | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +102,8 @@ def test_streams_equal_the_in_process_engine(core, reference):
     lt, eng = core
     plain, stop, stopped = reference
     assert eng.core.proc.pid != os.getpid() and eng.core.proc.is_alive()
+    if sys.platform.startswith("linux"):  # named for top / ps and the benchmarks' CPU split
+        assert Path(f"/proc/{eng.core.proc.pid}/comm").read_text().strip() == "kvserve-core"
 
     async def body():
         concurrent = await asyncio.gather(*(collect(eng.generate(p, SamplingParams(temperature=0, max_tokens=12)))
