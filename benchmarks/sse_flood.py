@@ -29,6 +29,18 @@ Usage::
     python benchmarks/sse_flood.py --url http://127.0.0.1:8000/v1 --server-pid $(pgrep -f 'kvserve serve')
     python benchmarks/sse_flood.py --start-server --streams 100 --out /tmp/sse_flood.json   # smoke run
 
+CPU: the sampler also reads every watched process's CPU time (user + system, ``/proc/PID/stat``)
+when the flood starts and once every answer is in. The engine core (the process titled
+``kvserve-core``, or an ``LLMServer`` replica's own engine when it steps in-process) does the
+admitted streams' decoding; everything else (Serve's proxy, the ingress, the replica's front,
+Serve's controller, Ray's agents) is the serving path. Issue 41 asks that a refusal cost at most
+1 ms of CPU end to end. A refusal takes a subset of the path an admitted stream takes (HTTP
+parsing, the proxy-to-ingress call, the gateway's checks), so ``serving CPU / requests`` bounds a
+refusal's cost from above; ``--refusal-burst N`` measures it directly too: once the flood is over,
+``--hold`` long streams fill the model's slots, the serving path's CPU is read over a quiet window
+of the same length as the burst, then ``N`` requests that are all refused are sent at once, and
+the cost is (CPU during the burst minus the quiet window's) / N.
+
 Results: ``benchmarks/results/sse_flood.json``.
 """
 from __future__ import annotations
@@ -44,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Figures, Results  # noqa: E402
+from benchmarks.common import Figures, Results, percentile  # noqa: E402
 from benchmarks.load_test import (  # noqa: E402
     CLEAN_REJECTIONS,
     COMPLETE,
@@ -63,7 +75,13 @@ MIB = 2 ** 20
 RESULT_KEYS = ("url", "model", "server_started_here", "server_args", "streams", "max_tokens", "ramp_s",
                "request_timeout_s", "elapsed_s", "max_in_flight", "status_counts", "outcomes", "completed",
                "rejected", "lost", "lost_samples", "rejection_samples", "ttft_ms", "e2e_ms", "rejection_latency_ms",
-               "memory", "all_complete_or_cleanly_rejected")
+               "memory", "cpu", "refusal_burst", "all_complete_or_cleanly_rejected", "targets")
+#: Issue 41's bounds: admitted TTFT p50 under the flood (ms) and CPU per refusal (ms).
+TTFT_P50_TARGET_MS = 5000.0
+REFUSAL_CPU_TARGET_MS = 1.0
+#: The title the engine core process gives itself (engine/engine_core.py).
+ENGINE_CORE_TITLE = "kvserve-core"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---- processes and their RSS ----------------------------------------------------------------
@@ -121,6 +139,24 @@ class Procs:
         return None
 
     @staticmethod
+    def cpu_s(pid: int) -> float | None:
+        """User + system CPU seconds of ``pid`` so far (None once it is gone)."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat[stat.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+    @staticmethod
+    def comm(pid: int) -> str:
+        """The process's title (``/proc/PID/comm``), e.g. ``kvserve-core``."""
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return ""
+
+    @staticmethod
     def cmdline(pid: int) -> list[str]:
         try:
             raw = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -132,10 +168,12 @@ class Procs:
         return parts
 
 
-def proc_name(cmd: list[str]) -> str:
+def proc_name(cmd: list[str], comm: str = "") -> str:
     """A short name from a command line: ``ray::ServeReplica:kvserve:LLMServer`` (the method a
     Ray worker runs at the moment is dropped), ``raylet``, ``gcs_server``, ``dashboard.py``,
-    ``kvserve serve``."""
+    ``kvserve serve``; ``kvserve-core`` for a process with that title (``comm``)."""
+    if comm == ENGINE_CORE_TITLE:
+        return comm
     if not cmd:
         return "?"
     if cmd[0].startswith("ray::"):
@@ -196,10 +234,10 @@ class RssSampler(threading.Thread):
                 continue
             d = self.per_pid.get(pid)
             if d is None:
-                d = self.per_pid[pid] = {"pid": pid, "name": proc_name(self.procs.cmdline(pid)), "before": None,
-                                         "peak": 0, "after": None}
-            elif d["name"].endswith(".py") or d["name"] == "?" or "initialize" in d["name"]:
-                d["name"] = proc_name(self.procs.cmdline(pid))
+                d = self.per_pid[pid] = {"pid": pid, "name": proc_name(self.procs.cmdline(pid), self.procs.comm(pid)),
+                                         "before": None, "peak": 0, "after": None}
+            elif d["name"].endswith(".py") or d["name"] == "?" or "initialize" in d["name"] or "spawn" in d["name"]:
+                d["name"] = proc_name(self.procs.cmdline(pid), self.procs.comm(pid))
             if self.phase == "before":
                 d["before"] = r
             elif self.phase == "after":
@@ -220,6 +258,31 @@ class RssSampler(threading.Thread):
         self.stop_event.set()
         self.join()
 
+    def cpu_snapshot(self) -> dict[int, tuple[str, float]]:
+        """pid -> (name, CPU seconds so far) of every watched process alive now."""
+        out = {}
+        for pid in self.procs.pids():
+            c = self.procs.cpu_s(pid)
+            if c is not None:
+                out[pid] = (proc_name(self.procs.cmdline(pid), self.procs.comm(pid)), c)
+        return out
+
+
+def cpu_between(a: dict[int, tuple[str, float]], b: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each process name used between snapshots ``a`` and ``b`` (a process that
+    started in between counts from zero; one that ended in between is not counted)."""
+    out: dict[str, float] = {}
+    for pid, (name, c) in b.items():
+        used = c - (a[pid][1] if pid in a else 0.0)
+        out[name] = out.get(name, 0.0) + used
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def is_engine(name: str, in_process_engine: bool) -> bool:
+    """Whether a process does the engine's steps: the engine core process, or the LLMServer
+    replica when its engine steps in-process (``--no-engine-core-process``)."""
+    return name == ENGINE_CORE_TITLE or (in_process_engine and name.endswith(":LLMServer"))
+
 
 # ---- the flood ------------------------------------------------------------------------------
 async def flood(url: str, model: str, api_key: str | None, n: int, max_tokens: int, timeout: float,
@@ -229,6 +292,61 @@ async def flood(url: str, model: str, api_key: str | None, n: int, max_tokens: i
     prompts = [f"Request {i}: write one short sentence about the sea." for i in range(n)]
     return await run_open_loop(url, model, api_key, prompts, (max_tokens, max_tokens),
                                [ramp_s * i / n for i in range(n)], timeout)
+
+
+async def refusal_burst(url: str, model: str, api_key: str | None, sampler: RssSampler, hold: int, n: int,
+                        quiet_s: float, in_process_engine: bool, timeout: float) -> dict:
+    """The serving path's CPU per refused request, measured directly: ``hold`` long streams are
+    opened (those the model admits keep its slots), a quiet window of ``quiet_s`` seconds gives
+    the serving path's CPU rate with them running, then ``n`` requests are opened at once; each
+    should be refused. Cost per refusal = (serving CPU during the burst - the quiet rate x the
+    burst's length) / refusals. The hold streams are closed at the end (their requests aborted)."""
+    import aiohttp
+
+    from benchmarks.load_test import auth_headers, chat_body, stream_chat
+
+    endpoint = url.rstrip("/") + "/chat/completions"
+    headers = auth_headers(api_key)
+    conn = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        t0 = time.perf_counter()
+        holds = [Rec(index=i, due=0.0) for i in range(hold)]
+        hold_tasks = [asyncio.create_task(stream_chat(session, endpoint,
+                                                      chat_body(model, f"Hold {i}: tell a very long story.", 2048),
+                                                      headers, timeout, r, t0)) for i, r in enumerate(holds)]
+        while any(r.status is None and not t.done() for r, t in zip(holds, hold_tasks)):
+            await asyncio.sleep(0.2)
+        admitted = sum(1 for r in holds if r.status == 200)
+        held_refused = sum(1 for r in holds if r.outcome in CLEAN_REJECTIONS)
+        await asyncio.sleep(2.0)  # let the last admitted streams' prefills pass
+        a, ta = sampler.cpu_snapshot(), time.perf_counter()
+        await asyncio.sleep(quiet_s)
+        b, tb = sampler.cpu_snapshot(), time.perf_counter()
+        recs = [Rec(index=i, due=0.0) for i in range(n)]
+        t1 = time.perf_counter()
+        await asyncio.gather(*[stream_chat(session, endpoint, chat_body(model, f"Burst {i}: hello.", 4), headers,
+                                           timeout, r, t1) for i, r in enumerate(recs)])
+        c_, tc = sampler.cpu_snapshot(), time.perf_counter()
+        for t in hold_tasks:
+            t.cancel()
+        await asyncio.gather(*hold_tasks, return_exceptions=True)
+    quiet = cpu_between(a, b)
+    burst = cpu_between(b, c_)
+    serving = {k: v for k, v in burst.items() if not is_engine(k, in_process_engine)}
+    quiet_serving = sum(v for k, v in quiet.items() if not is_engine(k, in_process_engine))
+    refused = [r for r in recs if r.outcome in CLEAN_REJECTIONS]
+    baseline = quiet_serving / (tb - ta) * (tc - tb)
+    extra = sum(serving.values()) - baseline
+    return {
+        "hold_streams": hold, "hold_admitted": admitted, "hold_refused": held_refused,
+        "quiet_window_s": tb - ta, "quiet_serving_cpu_s": quiet_serving,
+        "requests": n, "refused": len(refused), "admitted": sum(1 for r in recs if r.outcome == COMPLETE),
+        "lost": sum(1 for r in recs if r.outcome in LOST), "burst_s": tc - tb,
+        "refusal_latency_ms": dist_ms([r.e2e for r in refused if r.e2e is not None]),
+        "burst_cpu_s_by_process": {k: round(v, 3) for k, v in burst.items()},
+        "burst_serving_cpu_s": sum(serving.values()), "baseline_serving_cpu_s": baseline,
+        "cpu_ms_per_refusal": 1000 * extra / len(refused) if refused else None,
+    }
 
 
 def max_overlap(recs: list[Rec]) -> int:
@@ -254,12 +372,25 @@ def figures(r: dict) -> Figures:
     f.summary("elapsed", r["elapsed_s"], "s")
     f.summary("TTFT p50 of the admitted", r["ttft_ms"]["p50"], "ms")
     f.summary("rejection latency p50", r["rejection_latency_ms"]["p50"], "ms")
+    t = r["targets"]
+    f.summary("TTFT p50 of the admitted, against issue 41's target", r["ttft_ms"]["p50"], "ms",
+              target=f"<= {TTFT_P50_TARGET_MS:.0f} ms", met=t["ttft_p50_met"])
+    c = r["cpu"]
+    f.summary("serving-path CPU per request (bounds a refusal's cost from above)", c["serving_cpu_ms_per_request"],
+              "ms")
+    if r["refusal_burst"]:
+        f.summary("CPU per refusal, measured in a burst of refusals", r["refusal_burst"]["cpu_ms_per_refusal"], "ms",
+                  target=f"<= {REFUSAL_CPU_TARGET_MS} ms", met=t["refusal_cpu_met"])
     f.summary("server RSS before", m["server_rss_before_mib"], "MiB")
     f.summary("server RSS peak", m["server_rss_peak_total_mib"], "MiB")
     f.summary("server RSS growth per stream at the peak", m["server_rss_growth_per_stream_kib"], "KiB")
     f.table("Per process", ["process", "RSS before (MiB)", "RSS peak (MiB)", "RSS after (MiB)"],
             [[x["name"], x["rss_before_mib"], x["rss_peak_mib"], x.get("rss_after_mib")] for x in m["per_process"]],
             note=f"Watched: {m['watched']}.")
+    f.table("CPU during the flood, by process", ["process", "CPU s"],
+            [[k, round(v, 2)] for k, v in c["by_process_s"].items()],
+            note="From the flood's first request to its last answer. The engine is "
+                 f"{', '.join(c['engine_processes']) or 'not found'}.")
     return f
 
 
@@ -280,6 +411,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--server-pid", type=int, default=None, help="pid of a running `kvserve serve` (RSS of its tree)")
     ap.add_argument("--ray-session", default="/tmp/ray/session_latest",
                     help="Ray session directory whose processes to watch (without --start-server / --server-pid)")
+    ap.add_argument("--refusal-burst", type=int, default=0,
+                    help="after the flood, measure the CPU per refusal with this many refused requests (0: skip)")
+    ap.add_argument("--hold", type=int, default=300,
+                    help="long streams that fill the model's slots during the refusal burst")
+    ap.add_argument("--quiet-s", type=float, default=10.0,
+                    help="seconds of the refusal burst's quiet window (its CPU baseline)")
     ap.add_argument("--out", default="benchmarks/results/sse_flood.json")
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
@@ -302,12 +439,21 @@ def main(argv=None) -> dict:
         sampler.start()
         time.sleep(max(1.5, 3 * args.interval))
         sampler.phase = "during"
+        in_process_engine = "--no-engine-core-process" in args.server_args.split()
         print(f"opening {args.streams} streams ({args.max_tokens} tokens each) ...", flush=True)
+        cpu_a = sampler.cpu_snapshot()
         recs, elapsed = asyncio.run(flood(args.url, args.model, args.api_key, args.streams, args.max_tokens,
                                           args.request_timeout, args.ramp_s))
+        cpu_b = sampler.cpu_snapshot()
         time.sleep(args.settle_s)
         sampler.phase = "after"
         time.sleep(max(1.5, 3 * args.interval))
+        burst = None
+        if args.refusal_burst:
+            print(f"refusal burst: {args.hold} hold streams, then {args.refusal_burst} requests ...", flush=True)
+            burst = asyncio.run(refusal_burst(args.url, args.model, args.api_key, sampler, args.hold,
+                                              args.refusal_burst, args.quiet_s, in_process_engine,
+                                              args.request_timeout))
         sampler.stop()
     finally:
         if sampler.is_alive():
@@ -327,6 +473,9 @@ def main(argv=None) -> dict:
                       "rss_peak_mib": round(d["peak"] / MIB, 1),
                       "rss_after_mib": None if d["after"] is None else round(d["after"] / MIB, 1),
                       "growth_peak_mib": None if d["before"] is None else round((d["peak"] - d["before"]) / MIB, 1)})
+    cpu_used = cpu_between(cpu_a, cpu_b)
+    engine_cpu = sum(v for k, v in cpu_used.items() if is_engine(k, in_process_engine))
+    serving_cpu = sum(v for k, v in cpu_used.items() if not is_engine(k, in_process_engine))
     before_total = sum(d["before"] or 0 for d in sampler.per_pid.values())
     after_total = sum(d["after"] or 0 for d in sampler.per_pid.values())
     growth = sampler.peak_total - before_total
@@ -357,7 +506,18 @@ def main(argv=None) -> dict:
             "per_process": procs,
             "series_total_mib": sampler.series[:: max(1, len(sampler.series) // 400)],
         },
+        "cpu": {"by_process_s": {k: round(v, 3) for k, v in cpu_used.items()},
+                "engine_processes": sorted(k for k in cpu_used if is_engine(k, in_process_engine)),
+                "engine_cpu_s": engine_cpu, "serving_cpu_s": serving_cpu,
+                "serving_cpu_ms_per_request": 1000 * serving_cpu / max(1, args.streams)},
+        "refusal_burst": burst,
         "all_complete_or_cleanly_rejected": len(lost) == 0,
+        "targets": {"ttft_p50_target_ms": TTFT_P50_TARGET_MS,
+                    "ttft_p50_met": bool(done) and 1000 * percentile([r.ttft for r in done], 50) <= TTFT_P50_TARGET_MS,
+                    "nothing_lost": len(lost) == 0,
+                    "refusal_cpu_target_ms": REFUSAL_CPU_TARGET_MS,
+                    "refusal_cpu_met": None if not burst or burst["cpu_ms_per_refusal"] is None
+                    else burst["cpu_ms_per_refusal"] <= REFUSAL_CPU_TARGET_MS},
     }
     result = prov.write(args.out, result)
     print(f"{args.streams} streams in {elapsed:.1f} s (max in flight {result['max_in_flight']}): "
@@ -369,6 +529,12 @@ def main(argv=None) -> dict:
     print(f"server RSS (sum of {len(procs)} processes): before {m['server_rss_before_mib']} MiB, peak "
           f"{m['server_rss_peak_total_mib']} MiB, after {m['server_rss_after_mib']} MiB "
           f"({m['server_rss_growth_per_stream_kib']} KiB/stream at peak); client peak {m['client_rss_peak_mib']} MiB")
+    c = result["cpu"]
+    print(f"CPU during the flood: engine {c['engine_cpu_s']:.1f} s, serving path {c['serving_cpu_s']:.1f} s "
+          f"({c['serving_cpu_ms_per_request']:.2f} ms per request); by process {c['by_process_s']}")
+    if burst:
+        print(f"refusal burst: {burst['refused']} of {burst['requests']} refused in {burst['burst_s']:.2f} s, "
+              f"{burst['cpu_ms_per_refusal']} ms CPU each (hold: {burst['hold_admitted']} admitted)")
     print("| process | pid | RSS before / peak / after MiB |\n|---|---|---|")
     for p in procs:
         print(f"| {p['name']} | {p['pid']} | {p['rss_before_mib']} / {p['rss_peak_mib']} / {p['rss_after_mib']} |")
