@@ -17,9 +17,9 @@ consecutive windows of ``--seconds`` each (60 by default), both trees at the sam
 Processes are grouped by their title (Ray names actor processes ``ray::<Actor>``). It reports the
 median over the windows, as a percentage of one core, in all and per group, against issue 41's
 targets: at most 8 % of one core for the whole app, at most 1 % for each of the project's own
-processes (the ``kvserve`` CLI and the Serve replicas of kvserve's deployments; Ray's own
-processes, its controller and proxy included, are counted in the total only). Nothing outside
-the trees is counted.
+processes (the ``kvserve`` CLI, the Serve replicas of kvserve's deployments and their engine
+core processes, ``kvserve-core``; Ray's own processes, its controller and proxy included, are
+counted in the total only). Nothing outside the trees is counted.
 
 Results: ``benchmarks/results/idle_cpu.json`` (``--out``), written whole by
 :class:`benchmarks.common.Results`.
@@ -52,13 +52,16 @@ OWN_TARGET_PCT = 1.0
 
 def is_own(group: str) -> bool:
     """Whether a process group is the project's own: the ``kvserve`` CLI or a Serve replica of
-    kvserve's deployments (``ray::ServeReplica:<app>:LLMServer`` and the like), not Ray's."""
-    return group.endswith(" kvserve") or group.startswith("ray::ServeReplica:")
+    kvserve's deployments (``ray::ServeReplica:<app>:LLMServer`` and the like) or a replica's
+    engine core process (``kvserve-core``), not Ray's."""
+    return group.endswith(" kvserve") or group.startswith("ray::ServeReplica:") or group == "kvserve-core"
 
 
 def group_of(proc) -> str:
     """A process's group: its Ray actor title (``ray::ServeController``), else its executable's
     name and, for Python, the script or module it runs."""
+    if proc.name() == "kvserve-core":  # a replica's engine core process (engine/engine_core.py)
+        return "kvserve-core"
     cmd = proc.cmdline()
     if cmd and cmd[0].startswith("ray::"):
         return cmd[0].split(" ")[0]
