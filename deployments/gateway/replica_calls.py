@@ -68,6 +68,7 @@ class ReplicaCalls:
             if isinstance(e, OpenAIError) and e.code == "queue_full":
                 shedder.refused(model, e.retry_after_s)
             raise
+        shedder.admitted(model)
         channel = None
         if slot is not None:
             hub.saw(model, first.replica)
