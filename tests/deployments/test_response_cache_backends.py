@@ -43,6 +43,10 @@ def test_memory_store_ttl_and_bytes_bound():
 
 
 def _redis_store(url, prefix, **kw) -> RedisStore:
+    """A store on the test's Redis. These tests are about what the store keeps, not about its
+    time-outs: a generous command time-out (the store's 0.25 s default turns a slow answer into a
+    miss by design) keeps a loaded 2-core box from reading a slow local answer as a miss."""
+    kw.setdefault("timeout_s", 10.0)
     return RedisStore(url, kw.pop("max_entries", 100), kw.pop("max_bytes", 1 << 20), prefix=prefix, **kw)
 
 
