@@ -27,9 +27,11 @@ How the comparison is kept fair (issue 41):
   recorded), its threads bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``, and its default reserved
   core for the front end; ``vllm-allcores`` is the same with no core reserved and both bound
   (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>``), the setting
-  kvserve's offline comparisons use. Two kvserve alternatives run when named: ``kvserve-thread``,
-  its engine stepping in a thread of the replica's process (``--no-engine-core-process``), and
-  ``kvserve-nochannel``, every chunk on its request's own Serve stream (``--no-replica-channels``).
+  kvserve's offline comparisons use. kvserve's alternatives run when named: ``kvserve-thread``,
+  its engine stepping in a thread of the replica's process (``--no-engine-core-process``),
+  ``kvserve-nochannel``, every chunk on its request's own Serve stream (``--no-replica-channels``),
+  ``kvserve-omp-passive`` (``OMP_WAIT_POLICY=PASSIVE``) and ``kvserve-pinned`` (the engine's
+  OpenMP threads bound one per core), the last two set in the environment (:data:`KVSERVE_ENV`).
   All get the same KV pool as kvserve's CPU default (2 GiB;
   vLLM's own default reserves 92 % of the RAM). kvserve runs with its defaults but for the
   response cache, which is off (the random prompts never repeat, and it is not what is measured).
@@ -78,10 +80,18 @@ METRICS = ("completed", "failed", "duration", "request_throughput", "output_thro
            "p99_e2el_ms")
 #: The figures summarised over rounds (median, lowest, highest).
 SUMMARISED = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_ttft_ms", "prefix_cache_hit_rate")
-CONFIGS = ("kvserve", "vllm", "vllm-allcores", "kvserve-thread", "kvserve-nochannel")
+CONFIGS = ("kvserve", "vllm", "vllm-allcores", "kvserve-thread", "kvserve-nochannel", "kvserve-omp-passive",
+           "kvserve-pinned")
 #: kvserve's alternative set-ups (run when named): its engine stepping in a thread of the replica's
 #: process, and every chunk on its request's own stream (no gateway channel).
 KVSERVE_ALTERNATIVES = {"kvserve-thread": ["--no-engine-core-process"], "kvserve-nochannel": ["--no-replica-channels"]}
+#: kvserve's alternatives by environment (issue 41 item 1), which every process of its Ray instance
+#: inherits: the engine's OpenMP threads sleep at once when idle instead of spinning first (GNU
+#: OpenMP's default spins about 0.3 ms; ``PASSIVE`` gives the serving processes the core sooner but
+#: wakes the team later), and its threads bound one per core (``OMP_PROC_BIND=close``,
+#: ``OMP_PLACES=cores``: no migration, but the serving processes then share a bound core).
+KVSERVE_ENV = {"kvserve-omp-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+               "kvserve-pinned": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}}
 #: What ``--servers`` runs unless told.
 DEFAULT_SERVERS = ("kvserve", "vllm", "vllm-allcores")
 #: Environment variables recorded with each configuration (prefixes).
@@ -138,7 +148,8 @@ def server(kind: str, model: str, dtype: str, log: Path, stream_interval: int | 
         common += ["--stream-interval", str(stream_interval)]
     if kind.startswith("kvserve"):
         extra = KVSERVE_ALTERNATIVES.get(kind, [])
-        return LocalServer(["--model", model, *common, "--no-response-cache", *extra], log_path=str(log))
+        return LocalServer(["--model", model, *common, "--no-response-cache", *extra], log_path=str(log),
+                           env={**os.environ, **KVSERVE_ENV.get(kind, {})})
     return LocalServer([*common, "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
                        log_path=str(log), command=vllm_cli("serve", model), env=config_env(kind))
 
