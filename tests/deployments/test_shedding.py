@@ -59,6 +59,15 @@ def _gateway(replica, hold_s: float = 60.0) -> tuple[Gateway, httpx.AsyncClient]
     return gw, httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw")
 
 
+async def _fill(c: httpx.AsyncClient, replica: CappedReplica) -> list[asyncio.Task]:
+    """``CAP + 1`` streams at once: ``CAP`` hold the replica's slots (until ``release``), one is
+    refused (the model is marked full). Returns the streams' tasks."""
+    held = [asyncio.create_task(_chat(c)) for _ in range(CAP + 1)]
+    while sum(t.done() for t in held) < 1 or replica.running < CAP:
+        await asyncio.sleep(0.01)
+    return held
+
+
 async def _chat(c: httpx.AsyncClient, stream: bool = True) -> httpx.Response:
     return await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "max_tokens": 2, "stream": stream})
@@ -101,9 +110,7 @@ def test_a_freed_slot_is_taken_at_once_and_the_mark_expires_into_a_probe():
     async def main():
         gw, c = _gateway(replica, hold_s=0.2)
         async with c:
-            held = [asyncio.create_task(_chat(c)) for _ in range(CAP + 1)]
-            while sum(t.done() for t in held) < 1 or replica.running < CAP:
-                await asyncio.sleep(0.01)
+            held = await _fill(c, replica)
             n = len(replica.requests)
             assert (await _chat(c, stream=False)).status_code == 429 and len(replica.requests) == n
             time.sleep(0.25)  # past the hold: the next request is a probe that reaches the replica
@@ -132,9 +139,7 @@ def test_shed_requests_still_go_upstream_when_a_fallback_is_configured():
         gw, c = _gateway(replica)
         gw.upstream = FakeUpstream()
         async with c:
-            held = [asyncio.create_task(_chat(c)) for _ in range(CAP + 1)]
-            while sum(t.done() for t in held) < 1 or replica.running < CAP:
-                await asyncio.sleep(0.01)
+            held = await _fill(c, replica)
             n = len(replica.requests)
             r = await _chat(c, stream=False)
             reached = len(replica.requests) - n
@@ -209,9 +214,7 @@ def test_a_flood_past_the_hold_sends_one_probe_to_the_replica():
     async def main():
         gw, c = _gateway(replica, hold_s=0.2)
         async with c:
-            held = [asyncio.create_task(_chat(c)) for _ in range(CAP + 1)]
-            while sum(t.done() for t in held) < 1 or replica.running < CAP:
-                await asyncio.sleep(0.01)
+            held = await _fill(c, replica)
             time.sleep(0.25)  # past the hold
             n = len(replica.requests)
             flood = await asyncio.gather(*(_chat(c, stream=False) for _ in range(30)))
