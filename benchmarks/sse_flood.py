@@ -284,6 +284,12 @@ def is_engine(name: str, in_process_engine: bool) -> bool:
     return name == ENGINE_CORE_TITLE or (in_process_engine and name.endswith(":LLMServer"))
 
 
+def engine_and_serving(cpu: dict[str, float], in_process_engine: bool) -> tuple[float, float]:
+    """CPU seconds of ``cpu`` (:func:`cpu_between`) split into (the engine's, the serving path's)."""
+    engine = sum(v for k, v in cpu.items() if is_engine(k, in_process_engine))
+    return engine, sum(cpu.values()) - engine
+
+
 # ---- the flood ------------------------------------------------------------------------------
 async def flood(url: str, model: str, api_key: str | None, n: int, max_tokens: int, timeout: float,
                 ramp_s: float) -> tuple[list[Rec], float]:
@@ -336,11 +342,11 @@ async def refusal_burst(url: str, model: str, api_key: str | None, sampler: RssS
         await asyncio.gather(*hold_tasks, return_exceptions=True)
     quiet = cpu_between(a, b)
     burst = cpu_between(b, c_)
-    serving = {k: v for k, v in burst.items() if not is_engine(k, in_process_engine)}
-    quiet_serving = sum(v for k, v in quiet.items() if not is_engine(k, in_process_engine))
+    burst_serving = engine_and_serving(burst, in_process_engine)[1]
+    quiet_serving = engine_and_serving(quiet, in_process_engine)[1]
     refused = [r for r in recs if r.outcome in CLEAN_REJECTIONS]
     baseline = quiet_serving / (tb - ta) * (tc - tb)
-    extra = sum(serving.values()) - baseline
+    extra = burst_serving - baseline
     return {
         "hold_streams": hold, "hold_admitted": admitted, "hold_refused": held_refused,
         "quiet_window_s": tb - ta, "quiet_serving_cpu_s": quiet_serving,
@@ -348,7 +354,7 @@ async def refusal_burst(url: str, model: str, api_key: str | None, sampler: RssS
         "lost": sum(1 for r in recs if r.outcome in LOST), "burst_s": tc - tb,
         "refusal_latency_ms": dist_ms([r.e2e for r in refused if r.e2e is not None]),
         "burst_cpu_s_by_process": {k: round(v, 3) for k, v in burst.items()},
-        "burst_serving_cpu_s": sum(serving.values()), "baseline_serving_cpu_s": baseline,
+        "burst_serving_cpu_s": burst_serving, "baseline_serving_cpu_s": baseline,
         "cpu_ms_per_refusal": 1000 * extra / len(refused) if refused else None,
     }
 
@@ -478,8 +484,7 @@ def main(argv=None) -> dict:
                       "rss_after_mib": None if d["after"] is None else round(d["after"] / MIB, 1),
                       "growth_peak_mib": None if d["before"] is None else round((d["peak"] - d["before"]) / MIB, 1)})
     cpu_used = cpu_between(cpu_a, cpu_b)
-    engine_cpu = sum(v for k, v in cpu_used.items() if is_engine(k, in_process_engine))
-    serving_cpu = sum(v for k, v in cpu_used.items() if not is_engine(k, in_process_engine))
+    engine_cpu, serving_cpu = engine_and_serving(cpu_used, in_process_engine)
     before_total = sum(d["before"] or 0 for d in sampler.per_pid.values())
     after_total = sum(d["after"] or 0 for d in sampler.per_pid.values())
     growth = sampler.peak_total - before_total

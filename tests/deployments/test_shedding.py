@@ -177,35 +177,31 @@ def test_shedder_bookkeeping():
     assert s.marks["m"].limit == 2 and s.marks["m"].retry_after_s == 1.0
 
 
-def test_past_the_hold_one_probe_goes_at_a_time_and_an_admitted_probe_ends_the_mark():
+def test_past_the_hold_one_probe_goes_at_a_time_and_an_admitted_probe_ends_the_mark(monkeypatch):
     """Under a flood, a hold that runs out lets one request through, not all of them: the rest
     are refused here until the probe's answer is known (the next probe waits a hold again)."""
-    now = [100.0]
-    s = LoadShedder(hold_s=1.0)
     import deployments.gateway.shedding as shedding
 
-    real = shedding.time.monotonic
-    shedding.time.monotonic = lambda: now[0]
-    try:
-        for _ in range(2):
-            s.opened("m")
-        s.refused("m", None)  # two open when the replica said full
-        assert s.check("m") is not None
-        now[0] += 1.5  # past the hold
-        assert s.check("m") is None  # the probe
+    now = [100.0]
+    monkeypatch.setattr(shedding.time, "monotonic", lambda: now[0])
+    s = LoadShedder(hold_s=1.0)
+    for _ in range(2):
         s.opened("m")
-        assert [s.check("m") is None for _ in range(50)] == [False] * 50  # a flood behind it: refused here
-        s.closed("m")
-        s.refused("m", None)  # the replica refused the probe: the mark is renewed
-        assert s.marks["m"].limit == 2 and s.check("m") is not None
-        now[0] += 1.5
-        assert s.check("m") is None  # the next probe ...
-        s.opened("m")
-        s.admitted("m")  # ... got in: three fit now, the mark ends
-        assert "m" not in s.marks and s.check("m") is None
-        s.admitted("m")  # without a mark: nothing to do
-    finally:
-        shedding.time.monotonic = real
+    s.refused("m", None)  # two open when the replica said full
+    assert s.check("m") is not None
+    now[0] += 1.5  # past the hold
+    assert s.check("m") is None  # the probe
+    s.opened("m")
+    assert [s.check("m") is None for _ in range(50)] == [False] * 50  # a flood behind it: refused here
+    s.closed("m")
+    s.refused("m", None)  # the replica refused the probe: the mark is renewed
+    assert s.marks["m"].limit == 2 and s.check("m") is not None
+    now[0] += 1.5
+    assert s.check("m") is None  # the next probe ...
+    s.opened("m")
+    s.admitted("m")  # ... got in: three fit now, the mark ends
+    assert "m" not in s.marks and s.check("m") is None
+    s.admitted("m")  # without a mark: nothing to do
 
 
 def test_a_flood_past_the_hold_sends_one_probe_to_the_replica():
