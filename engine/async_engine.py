@@ -294,6 +294,21 @@ class AsyncLLMEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def take_kv_events(self) -> tuple[int, list]:
+        """The engine's KV cache events since the last call (:meth:`LLMEngine.take_kv_events`:
+        ``(seq of the last batch, batches)``; ``(0, [])`` with ``enable_kv_cache_events`` off)."""
+        return self.engine.take_kv_events()
+
+    async def kv_cache_snapshot(self) -> tuple[int, object]:
+        """What the KV pool and host tier hold (:meth:`LLMEngine.kv_cache_snapshot`), taken on
+        the step thread between two steps."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.engine.kv_cache_snapshot)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (:meth:`LLMEngine.reset_prefix_cache`), between two steps;
+        False while requests are in the engine."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.engine.reset_prefix_cache)
+
     def get_stats(self) -> dict[str, float]:
         stats = self.engine.get_stats()
         stats["num_pending_requests"] = len(self._pending)

@@ -87,6 +87,17 @@ class EngineConfig:
               "decode-only step (on CUDA with CUDA graphs: no cap, as decode steps replay graphs and mixed "
               "steps run eagerly); 0: no cap; k: at most k tokens. Steps without decodes get "
               "max_num_batched_tokens")
+    kv_offloading_size: float | None = _knob(
+        None, "GiB of the host tier below the KV pool (vLLM's --kv-offloading-size; the whole model's K and V, "
+              "summed over tensor/pipeline-parallel ranks): cached prefix blocks the pool evicts are copied there "
+              "and loaded back on a later hit instead of recomputed (engine/kv_offload.py); None or 0: no tier")
+    kv_offloading_backend: Literal["native", "mmap"] = _knob(
+        "native", "where the host tier keeps its blocks: native: host memory (pinned on CUDA); mmap: a "
+                  "memory-mapped file in kv_offloading_path (it can exceed RAM)")
+    kv_offloading_path: str | None = _knob(None, "folder of the mmap backend's file (default: the temp dir)")
+    enable_kv_cache_events: bool = _knob(
+        False, "record KV cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, engine/kv_events.py) "
+               "every step, for a KV-aware router")
     mixed_step_slowdown: float = _knob(
         2.5, "the automatic cap's target ratio (> 1): a step with decodes and prefill takes at most about this "
              "many times a decode-only step, bounding running streams' inter-token latency during a long prefill")
@@ -123,6 +134,14 @@ class EngineConfig:
                              ("kv_cache_dtype='fp8'", self.kv_cache_dtype == "fp8")):
                 if on:
                     raise ValueError(f"pipeline_parallel_size > 1 does not run with {name} yet")
+        if self.kv_offloading_size is not None:
+            if not isinstance(self.kv_offloading_size, (int, float)) or not 0 <= self.kv_offloading_size < float("inf"):
+                raise ValueError(f"kv_offloading_size must be None or a finite number of GiB >= 0, "
+                                 f"got {self.kv_offloading_size!r}")
+            if self.kv_offloading_size and not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs enable_prefix_caching (the tier keeps cached prefix blocks)")
+        if self.kv_offloading_backend not in ("native", "mmap"):
+            raise ValueError(f"kv_offloading_backend must be 'native' or 'mmap', got {self.kv_offloading_backend!r}")
         if self.distributed_executor_backend not in (None, "ray", "mp", "uni"):
             raise ValueError(f"distributed_executor_backend must be 'ray', 'mp', 'uni' or None, "
                              f"got {self.distributed_executor_backend!r}")

@@ -17,12 +17,14 @@ import itertools
 import logging
 import multiprocessing
 import threading
+from collections import deque
 from collections.abc import Callable
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.engine_core import CoreInfo, EngineCoreOutputs, run_engine_core
 from engine.input_processor import InputProcessor, parse_prompt
+from engine.llm_engine import KV_EVENT_BACKLOG
 from engine.model_loader import load_config, load_tokenizer
 from engine.request import Request
 
@@ -179,6 +181,31 @@ class CoreProxy:
         self.executor = self  # ``executor.check_health()``: the core's executor answers
         #: :meth:`LLMEngine.get_stats` of the core after its latest step (set by the front)
         self.stats: dict[str, float] = dict(info.stats)
+        self._kv_batches: deque = deque(maxlen=KV_EVENT_BACKLOG)  # KV event batches from the core's outputs
+        self._kv_seq = 0
+        self._kv_lock = threading.Lock()
+
+    def add_kv_events(self, seq: int, batches: list) -> None:
+        """Batches up to number ``seq`` arrived from the core (the front's reader)."""
+        with self._kv_lock:
+            self._kv_batches.extend(batches)
+            self._kv_seq = seq
+
+    def take_kv_events(self) -> tuple[int, list]:
+        """As :meth:`LLMEngine.take_kv_events`, from what the core sent."""
+        with self._kv_lock:
+            out = list(self._kv_batches)
+            self._kv_batches.clear()
+            return self._kv_seq, out
+
+    def kv_cache_snapshot(self) -> tuple[int, object]:
+        """As :meth:`LLMEngine.kv_cache_snapshot`, taken in the core between two steps (blocking;
+        the batches up to its seq arrive before it)."""
+        return self.core.call("kv_cache_snapshot")
+
+    def reset_prefix_cache(self) -> bool:
+        """As :meth:`LLMEngine.reset_prefix_cache`, in the core between two steps (blocking)."""
+        return self.core.call("reset_prefix_cache")
 
     def get_stats(self) -> dict[str, float]:
         """The core's :meth:`LLMEngine.get_stats` after its latest step (a copy)."""
@@ -248,6 +275,14 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         return cls(EngineCoreProcess(config, torch_num_threads))
 
     # ---- what differs from the in-process front --------------------------------------------
+    async def kv_cache_snapshot(self) -> tuple[int, object]:
+        """As :meth:`AsyncLLMEngine.kv_cache_snapshot`, from the core (batches up to its seq may
+        still be on their way to :meth:`take_kv_events`: skip them by number)."""
+        return await asyncio.to_thread(self.engine.kv_cache_snapshot)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await asyncio.to_thread(self.engine.reset_prefix_cache)
+
     def check_health(self) -> None:
         """As :meth:`AsyncLLMEngine.check_health`, and the core process is alive.
 
@@ -362,6 +397,8 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         for rid in out.unknown_aborts:
             self._in_core.pop(rid, None)
         self.engine.stats = out.stats or self.engine.stats
+        if out.kv_events[1]:
+            self.engine.add_kv_events(*out.kv_events)
         self._log(self.engine.stat_loggers, out.iteration_stats)
         self._log(self.engine.request_loggers, out.finished_stats)
 

@@ -46,6 +46,8 @@ logger = logging.getLogger("kvserve.engine_core")
 #: input thread (they are safe to run while a step runs: the in-process engine runs the same
 #: calls from worker threads).
 CALLS = frozenset({"add_lora", "remove_lora", "check_health", "get_stats"})
+#: Calls answered from the step loop, between two steps (they read or change the scheduler's state).
+STEP_CALLS = frozenset({"kv_cache_snapshot", "reset_prefix_cache"})
 
 
 @dataclass
@@ -88,6 +90,8 @@ class EngineCoreOutputs:
             loggers), empty when no model step ran.
         finished_stats: :class:`~engine.stats.FinishedRequestStats` of requests that left.
         stats: :meth:`LLMEngine.get_stats` after the step.
+        kv_events: ``(seq, batches)`` of :meth:`LLMEngine.take_kv_events` (``(0, [])`` with
+            events off or none new).
     """
 
     outputs: list = field(default_factory=list)
@@ -96,10 +100,11 @@ class EngineCoreOutputs:
     iteration_stats: list = field(default_factory=list)
     finished_stats: list = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    kv_events: tuple = (0, [])
 
     def __bool__(self) -> bool:
         return bool(self.outputs or self.rejected or self.unknown_aborts or self.iteration_stats
-                    or self.finished_stats)
+                    or self.finished_stats or self.kv_events[1])
 
 
 def _slim(out):
@@ -163,6 +168,9 @@ class EngineCore:
                 self.inbox.put(("inputs", ready, aborts, rejected))
             elif kind == "call":
                 _, call_id, method, args = msg
+                if method in STEP_CALLS:
+                    self.inbox.put(msg)
+                    continue
                 try:
                     if method not in CALLS:
                         raise ValueError(f"unknown engine core call {method!r}")
@@ -203,6 +211,16 @@ class EngineCore:
         if msg[0] == "shutdown":
             self._stopping = True
             return
+        if msg[0] == "call":  # a STEP_CALLS method, between two steps
+            _, call_id, method, args = msg
+            try:
+                reply = ("result", call_id, True, getattr(self.engine, method)(*args))
+            except Exception as e:
+                reply = ("result", call_id, False, (type(e).__name__, isinstance(e, ValueError), str(e)))
+            self._flush(out)  # the events up to the snapshot's seq go before the answer
+            out.__init__()
+            self.send(reply)
+            return
         _, ready, aborts, rejected = msg
         eng = self.engine
         out.rejected += rejected
@@ -240,7 +258,12 @@ class EngineCore:
                     out.outputs.append(final)
             return True
 
+    def _merge_events(self, prev: tuple) -> tuple:
+        seq, batches = self.engine.take_kv_events()
+        return (seq, prev[1] + batches) if batches else prev
+
     def _flush(self, out: EngineCoreOutputs) -> None:
+        out.kv_events = self._merge_events(out.kv_events)
         out.iteration_stats, self._iteration[:] = list(self._iteration), []
         out.finished_stats, self._finished[:] = list(self._finished), []
         if not out:

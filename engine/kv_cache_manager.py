@@ -8,12 +8,22 @@ prefix caching. Freed blocks keep their contents and hash and go to the tail of 
 free queue; a later request with the same prefix can revive them until they are evicted
 (reused from the head of the queue).
 
+Below the pool there may be a host tier (:class:`engine.kv_offload.HostKVTier`): an evicted
+cached block is copied there instead of dropped, and a prefix that continues past the pool's
+hits into the tier is loaded back into fresh blocks instead of recomputed. With an event
+recorder (:class:`engine.kv_events.KVEventRecorder`) the pool and the tier report every block
+they gain or lose (vLLM's KV events).
+
 This module only does bookkeeping on block ids; the tensors live in the model runner.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from collections.abc import Callable
+
+from engine.kv_events import MEDIUM_HOST, MEDIUM_POOL, BlockStored, KVEventBatch, KVEventRecorder
+from engine.kv_offload import HostKVTier
 from engine.request import Request
 
 NONE_HASH = 0
@@ -23,6 +33,14 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     """Chained block hash: equal iff the whole prefix up to this block is equal (modulo
     64-bit collisions)."""
     return hash((parent_hash, token_ids))
+
+
+def lora_root_hash(lora_name: str) -> int:
+    """Where the hash chain of a LoRA adapter's prompts starts (instead of ``NONE_HASH``): the
+    adapter's KV differs from the base model's, so its blocks never match the base model's or
+    another adapter's. Derived from the adapter's name, so every replica and the router agree
+    (ints and tuples of ints hash alike in every process; a ``str`` would not)."""
+    return hash_block(NONE_HASH, tuple(("lora:" + lora_name).encode()))
 
 
 class BlockPool:
@@ -41,6 +59,9 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}
+        #: called with ``(block id, hash)`` of each cached block that :meth:`allocate` evicts,
+        #: before the block is handed out (its contents are still the cached prefix's)
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,6 +96,8 @@ class BlockPool:
             if h is not None:
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    if self.on_evict is not None:
+                        self.on_evict(b, h)
                 self.block_hash[b] = None
             self.ref_cnt[b] = 1
             out.append(b)
@@ -94,13 +117,16 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Register a full, computed block under its hash (first writer wins)."""
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a full, computed block under its hash (first writer wins). Returns whether
+        the block was newly cached."""
         if not self.enable_caching or self.block_hash[block_id] is not None:
-            return
+            return False
         if block_hash not in self.cached:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
+            return True
+        return False
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):
@@ -123,13 +149,67 @@ class KVCacheManager:
         num_blocks: blocks in the pool (per layer; all layers share block ids).
         block_size: tokens per block.
         enable_prefix_caching: share full blocks between requests with equal prefixes.
+        events: records the pool's and the tier's KV events (None: none are recorded).
+        host_tier: the tier below the pool (None: evicted blocks are dropped). Needs prefix
+            caching (it keeps cached blocks).
+
+    Raises:
+        ValueError: a host tier without prefix caching.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventRecorder | None = None, host_tier: HostKVTier | None = None):
+        if host_tier is not None and not enable_prefix_caching:
+            raise ValueError("the host KV tier keeps prefix-cached blocks: it needs enable_prefix_caching")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.events = events
+        self.host_tier = host_tier
         self.prefix_queries = 0  # prompt tokens looked up
-        self.prefix_hits = 0  # of which found in the cache
+        self.prefix_hits = 0  # of which found in the pool
+        self.host_hits = 0  # of which found in the host tier (loaded back)
+        #: block id -> (parent hash, token ids, block size, LoRA id) of cached blocks, for the
+        #: events and the tier (kept only when one of them is on)
+        self._meta: dict[int, tuple] = {}
+        if events is not None or host_tier is not None:
+            self.pool.on_evict = self._evicted
+
+    def _evicted(self, block_id: int, block_hash: int) -> None:
+        meta = self._meta.pop(block_id, None)
+        if self.events is not None:
+            self.events.removed(block_hash)
+        if self.host_tier is not None:
+            self.host_tier.save(block_id, block_hash, meta)
+
+    def take_transfer(self):
+        """The step's copies between pool and host tier (:class:`engine.kv_offload.KVTransfer`),
+        None without a tier or copies."""
+        return (self.host_tier.take() or None) if self.host_tier is not None else None
+
+    def snapshot(self, ts: float) -> KVEventBatch:
+        """What the pool and the tier hold, as one ``BlockStored`` per block (pool blocks first),
+        stamped ``ts`` (seconds since the epoch). Empty without events or tier (no block
+        metadata is kept then)."""
+        out = KVEventBatch(ts)
+        for b, h in enumerate(self.pool.block_hash):
+            if h is not None and b in self._meta:
+                parent, tokens, bs, lora_id = self._meta[b]
+                out.events.append(BlockStored([h], parent, list(tokens), bs, lora_id, MEDIUM_POOL))
+        if self.host_tier is not None:
+            for h in self.host_tier.lru:
+                if h in self.host_tier.meta:
+                    parent, tokens, bs, lora_id = self.host_tier.meta[h]
+                    out.events.append(BlockStored([h], parent, list(tokens), bs, lora_id, MEDIUM_HOST))
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, in the pool and the tier (``AllBlocksCleared``)."""
+        self.pool.reset_prefix_cache()
+        self._meta.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     @property
     def num_blocks(self) -> int:
@@ -145,7 +225,7 @@ class KVCacheManager:
         while (len(req.block_hashes) + 1) * bs <= len(toks):
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else (NONE_HASH if req.lora_request is None  # adapters never
-                                                     else hash(("lora", req.lora_request.lora_int_id)))  # share KV
+                                                     else lora_root_hash(req.lora_request.lora_name))  # share KV
             req.block_hashes.append(hash_block(parent, tuple(toks[i * bs:(i + 1) * bs])))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
@@ -167,17 +247,36 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def get_offloaded_blocks(self, req: Request, num_computed_blocks: int) -> list[int]:
+        """The hashes of the blocks that continue ``req``'s pool hits (``num_computed_blocks``
+        of them, from :meth:`get_computed_blocks`) in the host tier, as long as they run
+        unbroken; at most up to the same limit (one token is always left to compute). ``[]``
+        without a tier."""
+        if self.host_tier is None or not self.pool.enable_caching:
+            return []
+        limit = (req.num_tokens - 1) // self.block_size
+        out = []
+        for h in req.block_hashes[num_computed_blocks:limit]:
+            if h not in self.host_tier:
+                break
+            out.append(h)
+        return out
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = (),
+                       offloaded: list[int] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req`` beyond its computed ones.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, only for a request with an empty
         block table) are prepended to the block table and their tokens counted as computed.
+        ``offloaded`` (hashes from :meth:`get_offloaded_blocks`, following ``computed_blocks``)
+        get fresh blocks, loaded from the host tier before the step's forward, also counted as
+        computed (and cached in the pool at once: later requests of the step share them).
         The first allocation of a (re)scheduled request updates the prefix-cache hit/query
         counters (tokens). Returns False, changing nothing, when the pool has too few free blocks.
         """
         bs = self.block_size
-        n_hit = len(computed_blocks)
-        total = req.num_computed_tokens + n_hit * bs + num_new_tokens
+        n_hit, n_load = len(computed_blocks), len(offloaded)
+        total = req.num_computed_tokens + (n_hit + n_load) * bs + num_new_tokens
         need = -(-total // bs) - len(req.block_table) - n_hit
         revive = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
         if max(need, 0) + revive > self.pool.num_free_blocks:
@@ -185,24 +284,57 @@ class KVCacheManager:
         if not req.block_table and req.num_computed_tokens == 0:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += n_hit * bs
-        if n_hit:
+            self.host_hits += n_load * bs
+        if n_hit or n_load:
             assert not req.block_table, "prefix hits only for a request without blocks"
+        if n_load:
+            self.host_tier.pin(list(offloaded))  # this step's saves (evictions below) must not overwrite them
+        if n_hit:
             self.pool.touch(list(computed_blocks))
             req.block_table.extend(computed_blocks)
-            req.num_computed_tokens += n_hit * bs
-            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, n_hit * bs)
         if need > 0:
             req.block_table.extend(self.pool.allocate(need))
+        for i, h in enumerate(offloaded, n_hit):
+            self.host_tier.load(h, req.block_table[i])
+        if n_hit or n_load:
+            req.num_computed_tokens += (n_hit + n_load) * bs
+            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, (n_hit + n_load) * bs)
+        if n_load:
+            self.cache_blocks(req)  # the loaded blocks are computed once the step's copies ran
         return True
 
     def cache_blocks(self, req: Request) -> None:
-        """Register ``req``'s blocks that are now full and computed in the prefix cache."""
+        """Register ``req``'s blocks that are now full and computed in the prefix cache (and,
+        with events on, record them as ``BlockStored``)."""
         if not self.pool.enable_caching:
             return
         self._update_hashes(req)
         n_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        keep = self.events is not None or self.host_tier is not None
+        first = None
         for i in range(n_full):
-            self.pool.cache_block(req.block_table[i], req.block_hashes[i])
+            if self.pool.cache_block(req.block_table[i], req.block_hashes[i]) and keep:
+                if first is None:
+                    first = i
+                self._meta[req.block_table[i]] = self._block_meta(req, i)
+            elif first is not None:
+                self._record_stored(req, first, i)
+                first = None
+        if first is not None:
+            self._record_stored(req, first, n_full)
+
+    def _block_meta(self, req: Request, i: int) -> tuple:
+        bs = self.block_size
+        lora = req.lora_request
+        parent = req.block_hashes[i - 1] if i else (None if lora is None else lora_root_hash(lora.lora_name))
+        return parent, req.all_token_ids[i * bs:(i + 1) * bs], bs, None if lora is None else lora.lora_int_id
+
+    def _record_stored(self, req: Request, start: int, end: int) -> None:
+        """One ``BlockStored`` for ``req``'s newly cached blocks ``start .. end - 1``."""
+        if self.events is None:
+            return
+        parent, _, bs, lora_id = self._meta[req.block_table[start]]
+        self.events.stored(req.block_hashes[start:end], parent, req.all_token_ids[start * bs:end * bs], bs, lora_id)
 
     def trim(self, req: Request) -> None:
         """Return the blocks past the ones ``req``'s tokens need (``ceil(num_tokens /
@@ -231,6 +363,8 @@ class KVCacheManager:
         bad = [(b, refs[b], self.pool.ref_cnt[b]) for b in range(self.num_blocks) if refs[b] != self.pool.ref_cnt[b]]
         assert not bad, f"(block, held by block tables, ref count) disagree: {bad[:8]}"
         self.pool.check()
+        if self.host_tier is not None:
+            self.host_tier.check()
 
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from engine import dtype_probe
@@ -19,7 +21,10 @@ from engine.input_processor import (  # noqa: F401  (re-exported: the engine-lev
     parse_prompt,
     render_chat_template,
 )
+from engine import kv_offload
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_events import KVEventBatch, KVEventRecorder
+from engine.kv_offload import HostKVTier
 from engine.mixed_step_budget import MixedStepBudget
 from engine.model_loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
@@ -34,6 +39,9 @@ from engine.step_isolation import StepFailedError, isolate_failing_requests
 from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
+#: KV event batches kept for a consumer that has not taken them (older ones are dropped: the
+#: consumer sees a gap in the numbering and asks for a snapshot)
+KV_EVENT_BACKLOG = 4096
 
 
 class LLMEngine:
@@ -100,7 +108,24 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, vocab_size=self.hf_config.vocab_size,
                                               eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                                               enable_lora=config.enable_lora)
-        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        #: KV cache events of each step (None: ``enable_kv_cache_events`` off); see :meth:`take_kv_events`
+        self.kv_events = KVEventRecorder() if config.enable_kv_cache_events else None
+        self._kv_event_batches: deque[KVEventBatch] = deque(maxlen=KV_EVENT_BACKLOG)
+        self._kv_event_lock = threading.Lock()  # the step thread records, a front's thread takes
+        #: batches recorded since the engine started (their numbering: :meth:`take_kv_events`)
+        self.kv_event_seq = 0
+        #: seconds the driver rank spent loading blocks back from the host tier
+        self.kv_load_seconds = 0.0
+        #: K+V bytes of one block of the whole model (the host tier's unit)
+        self.kv_block_bytes = kv_offload.bytes_per_block(
+            self.hf_config, config.block_size, 1 if config.kv_cache_dtype == "fp8" else config.torch_dtype.itemsize)
+        slots = kv_offload.num_slots(config.kv_offloading_size, self.hf_config, config.block_size,
+                                     1 if config.kv_cache_dtype == "fp8" else config.torch_dtype.itemsize)
+        tier = HostKVTier(slots, self.kv_events) if slots else None
+        if config.kv_offloading_size and not slots:
+            logger.warning("kv_offloading_size %s GiB holds no block of this model: no host tier",
+                           config.kv_offloading_size)
+        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events, tier)
         budget = MixedStepBudget.for_config(config)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
                                    mixed_prefill_tokens=config.mixed_step_prefill_tokens,
@@ -291,6 +316,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.clock)
         sched = self.scheduler.schedule()                                           # 1. schedule
+        if self.kv_events is not None:
+            self._keep_kv_events()
         if sched.is_empty:
             self._drop_finished(sched)
             return []
@@ -339,6 +366,7 @@ class LLMEngine:
         except Exception as e:
             return *isolate_failing_requests(self.executor, sched, e), None
         m = IterationStats.of_step(sched, t0, self.clock(), len(self.scheduler.waiting))
+        self.kv_load_seconds += getattr(result, "kv_load_seconds", 0.0)
         if self.config.enable_lora:  # vLLM's lora_requests_info
             m.running_lora_adapters, m.waiting_lora_adapters = (sorted({
                 r.lora_request.lora_name for r in q if r.lora_request is not None})
@@ -395,6 +423,47 @@ class LLMEngine:
         self.structured_outputs.release(req)
         self.stats.log_finished(req)
 
+    # ---- KV cache events -----------------------------------------------------
+    def _keep_kv_events(self) -> None:
+        with self._kv_event_lock:
+            batch = self.kv_events.take(time.time())
+            if batch is not None:
+                self._kv_event_batches.append(batch)
+                self.kv_event_seq += 1
+
+    def take_kv_events(self) -> tuple[int, list[KVEventBatch]]:
+        """The KV event batches (one per step that changed the cache) recorded since the last
+        call, oldest first, and the number of the last one (batches are numbered from 1 since
+        the engine started). When more than :data:`KV_EVENT_BACKLOG` batches waited, the oldest
+        were dropped: ``seq - len(batches)`` is then past the caller's last number, and the
+        caller should rebuild from :meth:`kv_cache_snapshot`. ``(0, [])`` with events off.
+        Safe from any thread (batches are kept under a lock; the events of a step still being
+        scheduled come with the next call)."""
+        if self.kv_events is None:
+            return 0, []
+        with self._kv_event_lock:
+            out = list(self._kv_event_batches)
+            self._kv_event_batches.clear()
+            return self.kv_event_seq, out
+
+    def kv_cache_snapshot(self) -> tuple[int, KVEventBatch]:
+        """Everything the pool and the host tier hold now, as ``BlockStored`` events (one per
+        block), after the batches up to number ``seq`` (returned first): a consumer that starts
+        from it applies only later batches. Call it from the thread that steps the engine."""
+        if self.kv_events is not None:
+            self._keep_kv_events()
+        return self.kv_event_seq, self.scheduler.kv.snapshot(time.time())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (pool and host tier; an ``AllBlocksCleared`` event).
+        Returns False, changing nothing, while requests are running (their blocks are in use)."""
+        if self.scheduler.has_unfinished():
+            return False
+        self.scheduler.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self._keep_kv_events()
+        return True
+
     # ---- introspection -------------------------------------------------------
     def get_stats(self) -> dict[str, float]:
         """Scheduler gauges plus counters: steps, generated/prompt tokens, max running batch, and
@@ -405,6 +474,12 @@ class LLMEngine:
                  num_generated_tokens=st.num_generated_tokens, num_prompt_tokens=st.num_prompt_tokens,
                  num_kv_blocks=self.scheduler.kv.num_blocks, free_kv_blocks=self.scheduler.kv.pool.num_free_blocks,
                  time=time.time())
+        tier = self.scheduler.kv.host_tier
+        if tier is not None:  # the host tier below the pool (vLLM's kv offloading)
+            block = self.kv_block_bytes
+            s.update(kv_offload_blocks=len(tier), kv_offload_capacity_blocks=tier.num_slots,
+                     kv_offload_hit_tokens=self.scheduler.kv.host_hits, kv_offload_saved_bytes=tier.num_saved * block,
+                     kv_offload_loaded_bytes=tier.num_loaded * block, kv_offload_load_seconds=self.kv_load_seconds)
         if self.speculator is not None:
             s.update(self.speculator.stats())
         return s

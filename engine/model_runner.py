@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from engine import dtype_probe
+from engine import dtype_probe, kv_offload
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs, graph_batch_sizes
 from engine.grammar_bitmask import bitmask_rows
 from engine.input_batch import RequestState, build_batch, update_states
 from engine.kv_calibration import calibrate_kv_scales
+from engine.kv_offload import HostKVStore
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.quantization import quantize_model
@@ -69,6 +70,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None
     #: embeddings of the pooling requests whose prompt this step finished (engine.pooling)
     pooled: dict[str, list[float]] | None = None
+    #: seconds this rank spent loading blocks back from the host tier before the forward
+    kv_load_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -129,6 +132,8 @@ class ModelRunner:
         self.pooling: set[str] = set()  # running embedding requests (engine.pooling): most steps have none
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        #: this rank's bytes of the host tier below the pool (engine.kv_offload), None without one
+        self.host_store: HostKVStore | None = None
         #: the captured decode graphs (None: eager; see :meth:`capture_cudagraphs`)
         self.graphs: DecodeCudaGraphs | None = None
 
@@ -224,6 +229,10 @@ class ModelRunner:
                            torch.empty(shape, dtype=self.kv_dtype, device=self.device)) for _ in self.model.layers]
         self._attach(self.kv_caches)
         self.num_blocks = num_blocks
+        c = self.config
+        slots = kv_offload.num_slots(c.kv_offloading_size, self.hf_config, self.block_size, self.kv_dtype.itemsize)
+        if slots:
+            self.host_store = HostKVStore(self.kv_caches, slots, c.kv_offloading_backend, c.kv_offloading_path)
         if self.use_cuda_graphs:
             self.capture_cudagraphs()
 
@@ -263,9 +272,14 @@ class ModelRunner:
         """Run one step. Returns the sampled token of every request whose slice ends at its
         last known token (``sample``), and the prompt logprobs of the slices that ask for them;
         None on a pipeline stage other than the last (every stage runs every step)."""
+        load_s = 0.0
+        if sched.kv_transfer:  # before the forward: saves read blocks it may overwrite, loads fill blocks it reads
+            t0 = self.host_store.load_seconds
+            self.host_store.apply(sched.kv_transfer)
+            load_s = self.host_store.load_seconds - t0
         rows = self._update_states(sched)
-        if sched.is_empty:
-            return ModelRunnerOutput({})
+        if sched.is_empty or not sched.requests:
+            return ModelRunnerOutput({}, kv_load_seconds=load_s)
         if self.config.pipeline_parallel_size > 1:  # this stage's layers, micro-batch by micro-batch
             hidden, sample_idx = pipeline_forward(self, sched.requests)
             if hidden is None:  # not the last stage: its activations went on to the next one
@@ -286,7 +300,7 @@ class ModelRunner:
         prompt_lp = prompt_logprobs(self.model, hidden, sched, self.states)
         pooled = self._pool(hidden, sched)
         if not rows:
-            return ModelRunnerOutput({}, None, prompt_lp, pooled)
+            return ModelRunnerOutput({}, None, prompt_lp, pooled, load_s)
         logits = self.model.compute_logits(hidden[sample_idx])
         ids = [sr.request_id for sr in sched.requests if sr.sample for _ in range(len(sr.spec_token_ids) + 1)]
         grammar = (None if sched.grammar_bitmask is None  # structured outputs: the engine's bitmask
@@ -311,7 +325,7 @@ class ModelRunner:
             if logprobs[i] is not None:
                 lp[rid] = logprobs[i:j + 1]
             i += k + 1
-        return ModelRunnerOutput(sampled, lp or None, prompt_lp, pooled)
+        return ModelRunnerOutput(sampled, lp or None, prompt_lp, pooled, load_s)
 
     def _pool(self, hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, list[float]] | None:
         """The embeddings of the step's pooling requests whose prompt ends in it (rows of

@@ -53,6 +53,11 @@ class SchedulerOutput:
     grammar_bitmask: "torch.Tensor | None" = None  # noqa: F821 (torch is not imported here)
     #: set by :meth:`Scheduler.update_from_output`: accepted drafts per request that verified drafts
     num_accepted: dict[str, int] = field(default_factory=dict)
+    #: copies between the KV pool and the host tier to run before the forward
+    #: (:class:`engine.kv_offload.KVTransfer`), None: none
+    kv_transfer: "KVTransfer | None" = None  # noqa: F821
+    #: of ``prefix_cache_queries``, the tokens found in the host tier (loaded back, not recomputed)
+    host_cache_hits: int = 0
 
     @property
     def num_draft_tokens(self) -> int:
@@ -64,6 +69,6 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.requests and not self.kv_transfer
 
 

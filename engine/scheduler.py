@@ -162,7 +162,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.mixed_budget is not None:
             self.mixed_prefill_tokens = self.mixed_budget.tokens
-        queries0, hits0 = self.kv.prefix_queries, self.kv.prefix_hits
+        queries0, hits0, host0 = self.kv.prefix_queries, self.kv.prefix_hits, self.kv.host_hits
         budget = self.max_num_batched_tokens
         out: list[ScheduledRequest] = []
         scheduled: set[str] = set()
@@ -243,8 +243,9 @@ class Scheduler:
             # (and mean pooling needs the hidden state of every prompt position)
             every = req.prompt_logprobs is not None or (req.pooling is not None and req.pooling.needs_every_position)
             hits = [] if every else self.kv.get_computed_blocks(req)
-            n = prefill_chunk(req, req.num_tokens - len(hits) * self.kv.block_size)
-            if n <= 0 or not self.kv.allocate_slots(req, n, hits):
+            loads = [] if every else self.kv.get_offloaded_blocks(req, len(hits))  # the host tier's
+            n = prefill_chunk(req, req.num_tokens - (len(hits) + len(loads)) * self.kv.block_size)
+            if n <= 0 or not self.kv.allocate_slots(req, n, hits, loads):
                 break
             self.waiting.pop(skip)
             if lora is not None:
@@ -257,7 +258,8 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(out, finished, preempted, self.kv.prefix_queries - queries0, self.kv.prefix_hits - hits0)
+        return SchedulerOutput(out, finished, preempted, self.kv.prefix_queries - queries0, self.kv.prefix_hits - hits0,
+                               kv_transfer=self.kv.take_transfer(), host_cache_hits=self.kv.host_hits - host0)
 
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int | list[int]],
                            logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None,
