@@ -49,7 +49,8 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str, channels: int = 0
     if m.prefix_aware_routing and m.enable_prefix_caching:
         # a local model folder's tokenizer loads at once; else the one the replicas report
         local = os.path.abspath(m.model) if m.model and os.path.isdir(m.model) else None
-        opts["request_router_config"] = router_config(m.block_size, m.prefix_routing_margin, local)
+        opts["request_router_config"] = router_config(m.block_size, m.prefix_routing_margin, local,
+                                                      kv_events=m.kv_aware_routing)
     knobs = m.autoscaling_knobs()
     if knobs is not None:
         opts["autoscaling_config"] = build_autoscaling_config(knobs, as_dict=True)

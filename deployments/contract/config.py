@@ -145,6 +145,11 @@ class ModelArgs(EngineArgs):
     prefix_aware_routing: bool = Field(
         True, description="route each request to the replica that most recently served the longest prefix of its "
                           "prompt (deployments/routing/prefix_router.py); off: Serve's power of two choices")
+    kv_aware_routing: bool = Field(
+        False, description="route on the replicas' KV cache events (deployments/routing/kv_router.py): each "
+                           "replica publishes what its KV pool and host tier hold and its load "
+                           "(enable_kv_cache_events is then on), and the router sends a request where cached "
+                           "prefix and load cost the fewest tokens; needs prefix_aware_routing and prefix caching")
     prefix_routing_margin: int = Field(
         8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
                              "has more than this many ongoing requests more")

@@ -35,10 +35,11 @@ PROBE_MESSAGES = [{"role": "system", "content": "You are a probe."},
                   {"role": "user", "content": "Hello, world! 12345"}]
 
 
-def block_hashes(token_ids: list[int], block_size: int, max_blocks: int) -> list[int]:
+def block_hashes(token_ids: list[int], block_size: int, max_blocks: int, root: int = NONE_HASH) -> list[int]:
     """Chained hashes of the first ``min(len(token_ids) // block_size, max_blocks)`` full
-    blocks, as the engine computes ``Request.block_hashes`` (``hash_block`` from ``NONE_HASH``)."""
-    out, parent = [], NONE_HASH
+    blocks, as the engine computes ``Request.block_hashes`` (``hash_block`` from ``root``:
+    ``NONE_HASH``, or a LoRA adapter's ``engine.kv_cache_manager.lora_root_hash``)."""
+    out, parent = [], root
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         out.append(parent)

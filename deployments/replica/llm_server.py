@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 from ray import serve
 
 from cluster import reset_niceness
+from deployments.contract.adapters import serve_app_name
 from deployments.contract.config import ModelArgs, default_admission_bounds
 from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
 from deployments.contract.openai_errors import random_id
@@ -34,6 +36,7 @@ from deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
 from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 from deployments.replica.admission import Admission, OverloadedError
 from deployments.replica.channels import GatewayChannels
+from deployments.replica.kv_publisher import KVEventPublisher
 from deployments.replica.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
 from deployments.replica.pooling import PoolingEndpoints
 from deployments.replica.prefix_report import RecentPrefixes
@@ -116,6 +119,8 @@ class LLMServer(PoolingEndpoints):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         m = model if isinstance(model, ModelArgs) else ModelArgs.model_validate(dict(model or {}))
         config = EngineConfig(**m.engine_args())
+        if m.kv_aware_routing and m.prefix_aware_routing and config.enable_prefix_caching:
+            config = dataclasses.replace(config, enable_kv_cache_events=True)  # what the KV-aware router reads
         tp = config.tensor_parallel_size * config.pipeline_parallel_size  # worker actors
         torch.set_num_threads(m.torch_num_threads or default_torch_threads(1))
         self.stats = StepRateTracker(config.max_num_seqs, config.max_num_batched_tokens)
@@ -171,6 +176,11 @@ class LLMServer(PoolingEndpoints):
         self.revision = model_revision(self.engine.model_path)
         self.facts = FactsBoard.of_this_app()
         self._publish()
+        #: publishes the engine's KV cache events to the application's hub (KV-aware routing), None: off
+        self.kv_publisher = None
+        app = serve_app_name()
+        if config.enable_kv_cache_events and app is not None:
+            self.kv_publisher = KVEventPublisher(self.engine, self.replica_id, app)
         logger.info("LLMServer %s ready in %.1fs (tp=%d, pp=%d, max_model_len=%d)", self.model_name,
                     time.time() - t0, config.tensor_parallel_size, config.pipeline_parallel_size, self.max_model_len)
 
@@ -370,6 +380,8 @@ class LLMServer(PoolingEndpoints):
         by Serve's controller every ``request_routing_stats_period_s`` and sent to every router: the chained
         block hashes of the prompt prefixes it served recently (oldest first; at most ``REPORTED_HASHES``
         and its KV pool's block count), the block size, the model folder and the tokenizer probe."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()  # on the replica's event loop (idempotent)
         return {"prefix_hashes": self.prefixes.report(), "block_size": self.prefixes.block_size,
                 "model_path": str(self.engine.model_path), "tokenizer_probe": self._tokenizer_probe}
 
@@ -418,7 +430,12 @@ class LLMServer(PoolingEndpoints):
         it also publishes the weights' revision again when the model folder changed."""
         await self.health(timeout_s=30.0)
         await self._republish_if_revised()
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()  # on the replica's event loop (idempotent)
 
     async def __del__(self):  # Serve calls this on graceful replica shutdown
+        with contextlib.suppress(Exception):
+            if self.kv_publisher is not None:
+                await self.kv_publisher.stop()
         with contextlib.suppress(Exception):
             await self.engine.shutdown()

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from deployments.contract.prefix import MAX_PREFIX_TOKENS, block_hashes, tokenizer_probe
+from engine.kv_cache_manager import NONE_HASH
 from engine.input_processor import chat_template_ids, encode_prompt, parse_prompt, render_chat_template
 
 logger = logging.getLogger("ray.serve")
@@ -51,42 +52,43 @@ class PrefixHasher:
         while self.levels[-1] * 2 <= 4 * max_tokens:
             self.levels.append(self.levels[-1] * 2)
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[bool, str, int], list[int]] = OrderedDict()
 
     def of_request(self, prompt: Any, messages: list[dict] | None = None,
-                   tools: list[dict] | None = None) -> list[int]:
+                   tools: list[dict] | None = None, root: int = NONE_HASH) -> list[int]:
         """Hashes of a request's prompt (text, token ids or vLLM's dict) or chat ``messages``
-        (with ``tools``); ``[]`` when there is nothing to hash (no tokenizer for text, a
-        malformed prompt: the replica reports that error itself)."""
+        (with ``tools``), chained from ``root`` (``NONE_HASH``, or a LoRA adapter's root as the
+        engine chains its prompts); ``[]`` when there is nothing to hash (no tokenizer for
+        text, a malformed prompt: the replica reports that error itself)."""
         try:
             if messages is not None:
-                return self.of_messages(messages, tools)
+                return self.of_messages(messages, tools, root)
             text, ids = parse_prompt(prompt)  # vLLM's forms, as the engine parses them
             if text is not None:
-                return self.of_text(text, add_special_tokens=True)
-            return block_hashes(ids, self.block_size, self.max_blocks)
+                return self.of_text(text, add_special_tokens=True, root=root)
+            return block_hashes(ids, self.block_size, self.max_blocks, root)
         except Exception as e:  # a template error on odd messages, ...: route without affinity
             logger.debug("prefix router: no hashes for a request (%s)", e)
         return []
 
-    def of_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def of_messages(self, messages: list[dict], tools: list[dict] | None = None, root: int = NONE_HASH) -> list[int]:
         """Hashes of a conversation rendered as the engine renders it (``prepare_messages``,
         the chat template with the generation prompt, ids without added special tokens)."""
         if self.tokenizer is None:
             return []
         text = render_chat_template(self.tokenizer, messages, tools)
-        return self.of_text(text, add_special_tokens=False)
+        return self.of_text(text, add_special_tokens=False, root=root)
 
-    def of_text(self, text: str, add_special_tokens: bool) -> list[int]:
+    def of_text(self, text: str, add_special_tokens: bool, root: int = NONE_HASH) -> list[int]:
         """Hashes of the leading blocks of ``text``: all of a text shorter than the first level,
         else those of its longest leading power-of-two characters (cached)."""
         if self.tokenizer is None:
             return []
         if len(text) < self.levels[0]:
             return block_hashes(self.tokenizer.encode(text, add_special_tokens=add_special_tokens),
-                                self.block_size, self.max_blocks)
+                                self.block_size, self.max_blocks, root)
         cut = max(lv for lv in self.levels if lv <= len(text))
-        key = (add_special_tokens, text[:cut])
+        key = (add_special_tokens, text[:cut], root)
         hashes = self._cache.get(key)
         if hashes is not None:
             self._cache.move_to_end(key)
@@ -97,7 +99,7 @@ class PrefixHasher:
             if end > cut - _CUT_MARGIN_CHARS:
                 break
             ids.append(tid)
-        hashes = block_hashes(ids, self.block_size, self.max_blocks)
+        hashes = block_hashes(ids, self.block_size, self.max_blocks, root)
         self._cache[key] = hashes
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)

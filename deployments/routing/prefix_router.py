@@ -370,11 +370,16 @@ _serialize_router_cls_under_a_lock()
 
 
 def router_config(block_size: int, imbalance_margin: int, tokenizer: str | None = None,
-                  stats_period_s: float = 1.0) -> dict[str, Any]:
+                  stats_period_s: float = 1.0, kv_events: bool = False) -> dict[str, Any]:
     """The ``request_router_config`` of an ``LLMServer`` deployment routed by
-    :class:`PrefixAwareRouter` (replicas report their prefixes every ``stats_period_s`` s)."""
+    :class:`PrefixAwareRouter` (replicas report their prefixes every ``stats_period_s`` s), or,
+    with ``kv_events``, by :class:`~deployments.routing.kv_router.KVAwareRouter` on the KV
+    events of the deployment's application."""
     kwargs: dict[str, Any] = {"block_size": block_size, "imbalance_margin": imbalance_margin}
     if tokenizer:
         kwargs["tokenizer"] = tokenizer
-    return {"request_router_class": "deployments.routing.prefix_router:PrefixAwareRouter", "request_router_kwargs": kwargs,
+    cls = "deployments.routing.prefix_router:PrefixAwareRouter"
+    if kv_events:
+        cls = "deployments.routing.kv_router:KVAwareRouter"
+    return {"request_router_class": cls, "request_router_kwargs": kwargs,
             "request_routing_stats_period_s": stats_period_s}

@@ -1,0 +1,171 @@
+"""KV-aware replica routing for ``LLMServer``: a Ray Serve ``RequestRouter`` that routes on what
+each replica's KV cache holds, as its own events say (``engine/kv_events.py``), instead of on
+what this router remembers sending.
+
+Where the knowledge comes from: replicas publish their KV event batches and load to the
+application's hub (``deployments/replica/kv_publisher.py``, ``deployments/contract/kv_event_hub.py``);
+this router pulls the hub's changes every ``pull_interval_s`` in the background into a local
+:class:`~deployments.contract.kv_index.KVBlockIndex`, so a routing decision is a local lookup.
+
+The score (llm-d's precise prefix-cache scorer plus its load scorer, folded into one cost in
+tokens; our code): for each candidate replica ``r``, with ``n`` blocks of ``block_size``
+tokens in the request's hashed prefix, ``pool_r`` of them in ``r``'s KV pool and ``host_r`` more
+in its host tier,
+
+    cost_r = block_size * (n - pool_r - host_r)          prompt tokens r must compute
+           + host_cost * block_size * host_r              loading from the host tier
+           + waiting_tokens_r + running_request_tokens * running_r    r's published load
+           + reserved_r                                   tokens this router sent r since
+
+and the request goes to the cheapest replica (ties: the less loaded, then at random). A long
+cached prefix wins until the replica holding it is busier than recomputing elsewhere costs.
+Everything else is :class:`~deployments.routing.prefix_router.PrefixAwareRouter`'s: the
+tokenizer and hashing, the LoRA multiplexing, the channels, the fallback to the prefix router
+when the index is cold (no candidate replica has published) or the hub cannot be reached.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+from ray.serve.request_router import PendingRequest, RunningReplica
+
+from deployments.contract.adapters import serve_app_name
+from deployments.contract.kv_event_hub import PullReply, get_hub
+from deployments.contract.kv_index import KVBlockIndex
+from deployments.routing.prefix_router import ROUTED_METHODS, PrefixAwareRouter, request_parts
+from engine.kv_cache_manager import NONE_HASH, lora_root_hash
+
+logger = logging.getLogger("ray.serve")
+
+#: Seconds between two pulls from the hub.
+PULL_INTERVAL_S = 0.05
+#: Tokens of load each running request of a replica counts for (its decode steps slow a prefill).
+RUNNING_REQUEST_TOKENS = 16
+#: Cost of a block loaded from the host tier, as a fraction of recomputing it.
+HOST_COST = 0.2
+
+
+def replica_costs(match: dict[str, tuple[int, int]], num_blocks: int, block_size: int, load: dict[str, float],
+                  host_cost: float = HOST_COST) -> dict[str, float]:
+    """``cost_r`` of the module docstring for each replica of ``match`` (replica -> (pool
+    blocks, host blocks)), given each one's load in tokens (``load``)."""
+    return {r: block_size * (num_blocks - pool - host) + host_cost * block_size * host + load.get(r, 0.0)
+            for r, (pool, host) in match.items()}
+
+
+class KVAwareRouter(PrefixAwareRouter):
+    """Serve ``RequestRouter`` for ``LLMServer`` on KV cache events (see the module docstring).
+
+    ``request_router_kwargs`` (:meth:`initialize_state`): those of :class:`PrefixAwareRouter`,
+    plus ``app_name`` (the Serve application whose hub to read; default: this replica's
+    application), ``pull_interval_s``, ``running_request_tokens``, ``host_cost``.
+    """
+
+    def initialize_state(self, app_name: str | None = None, pull_interval_s: float = PULL_INTERVAL_S,
+                         running_request_tokens: float = RUNNING_REQUEST_TOKENS, host_cost: float = HOST_COST,
+                         **prefix_kwargs) -> None:
+        super().initialize_state(**prefix_kwargs)
+        # the application of the deployment this router routes to (also in a driver's handle)
+        self.kv_app = app_name or getattr(getattr(self, "_deployment_id", None), "app_name", None) or serve_app_name()
+        self.pull_interval_s, self.running_request_tokens, self.host_cost = (
+            pull_interval_s, running_request_tokens, host_cost)
+        self.kv_index = KVBlockIndex()
+        self.loads: dict = {}  # replica id -> ReplicaLoad (the hub's)
+        self._hub = None
+        self._hub_id: str | None = None
+        self._cursor = 0
+        self._puller: asyncio.Task | None = None
+        self._sent: dict[str, list[tuple[float, float]]] = {}  # replica -> [(time.time(), tokens)] since its publish
+        self.num_kv_routed = self.num_fallbacks = 0
+
+    # ---- the hub ------------------------------------------------------------------------
+    def _ensure_puller(self) -> None:
+        if self.kv_app and (self._puller is None or self._puller.done()):
+            self._puller = asyncio.get_running_loop().create_task(self._pull_loop(), name="kvserve-kv-router-pull")
+
+    async def _pull_loop(self) -> None:
+        failing = False
+        while True:
+            try:
+                if self._hub is None:
+                    self._hub = await asyncio.to_thread(get_hub, self.kv_app, False)
+                if self._hub is not None:
+                    self.apply(await self._hub.pull.remote(self._hub_id, self._cursor))
+                    failing = False
+            except Exception as e:
+                self._hub = None
+                if not failing:
+                    logger.warning("KV-aware router: reading the KV event hub failed (%s: %s); routing on what it "
+                                   "had, then by prefix", type(e).__name__, e)
+                    failing = True
+            await asyncio.sleep(self.pull_interval_s)
+
+    def apply(self, reply: PullReply) -> None:
+        """Bring the local index up to date with one pull's reply."""
+        if reply.dump is not None:
+            self.kv_index = KVBlockIndex.load(reply.dump)
+        else:
+            for replica, kind, payload in reply.changes or ():
+                if kind == "batch":
+                    self.kv_index.apply(replica, payload)
+                elif kind == "replace":
+                    self.kv_index.replace(replica, payload)
+                else:
+                    self.kv_index.drop(replica)
+        self._hub_id, self._cursor, self.loads = reply.hub_id, reply.cursor, reply.loads
+
+    def load_tokens(self, replica: str) -> float:
+        """``replica``'s load in tokens: what it published, plus what this router sent it since."""
+        load = self.loads.get(replica)
+        since = load.ts if load is not None else 0.0
+        sent = self._sent.get(replica)
+        if sent:
+            sent[:] = [(t, n) for t, n in sent if t > since]
+        own = sum(n for _, n in sent or ())
+        if load is None:
+            return own
+        return load.waiting_tokens + self.running_request_tokens * load.running_requests + own
+
+    # ---- routing ------------------------------------------------------------------------
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """The cheapest replica by the KV index (module docstring), then two random others;
+        :class:`PrefixAwareRouter`'s choice for the rest (channels, other methods, adapters
+        loaded at run time, a cold index)."""
+        self._ensure_puller()
+        pr = pending_request
+        ids = [r.replica_id.unique_id for r in candidate_replicas]
+        if (pr is None or len(candidate_replicas) < 2 or pr.metadata.multiplexed_model_id
+                or pr.metadata.call_method not in ROUTED_METHODS or not any(r in self.loads for r in ids)):
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        hashes = await self._kv_hashes(pr)
+        if not hashes:
+            self.num_fallbacks += 1
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        pr.routing_context.should_backoff = True
+        task = asyncio.current_task()
+        if task is not None:
+            self._choosing_for[task] = pr
+        match = self.kv_index.match(hashes, ids)
+        load = {r: self.load_tokens(r) for r in ids}
+        cost = replica_costs(match, len(hashes), self.block_size, load, self.host_cost)
+        best = min(ids, key=lambda r: (cost[r], load[r], random.random()))
+        pool, host = match[best]
+        self._sent.setdefault(best, []).append((time.time(), self.block_size * (len(hashes) - pool - host)))
+        self.num_kv_routed += 1
+        first = [r for r in candidate_replicas if r.replica_id.unique_id == best]
+        rest = [r for r in candidate_replicas if r.replica_id.unique_id != best]
+        return [first, random.sample(rest, min(2, len(rest)))]
+
+    async def _kv_hashes(self, pr: PendingRequest) -> list[int]:
+        """The request's chained block hashes as the engine names its blocks (a LoRA adapter's
+        chain starts at its root)."""
+        prompt, messages, tools, adapter = request_parts(pr)
+        text = messages is not None or isinstance(prompt, (str, dict))
+        if text and not await self._tokenizer_ready():
+            return []
+        root = NONE_HASH if adapter is None else lora_root_hash(adapter)
+        return self.hasher.of_request(prompt, messages, tools, root)

@@ -1,0 +1,86 @@
+"""KV-event routing through a real Serve app (Ray, slow; without Ray: test_kv_router.py): a
+tiny-model app on 2 replicas with ``kv_aware_routing`` and a host tier, whose KV pools are too
+small for all its prefixes. Both replicas publish to the application's hub; a driver handle,
+which never saw these prompts before, sends each prefix's follow-ups to the replica that holds
+it (every follow-up finds its prefix cached, in the pool or loaded back from the tier), and
+each prefix lives on one replica only.
+"""
+import asyncio
+import random
+import time
+
+import pytest
+
+from deployments.contract.kv_event_hub import hub_name
+from deployments.contract.kv_index import request_hashes
+
+APP = "kvserve-kv-router"
+WORDS = ["alpha", "policy", "user", "assistant", "data", "rule", "table", "river", "stone", "cloud"]
+
+
+@pytest.fixture(scope="module")
+def kv_app(ray_session, serve_app, tiny_llama_path):
+    """The tiny model on 2 replicas, KV-aware routing, 24 blocks of 16 tokens in each pool (one
+    of the 6 prefixes, ~200 tokens, fills half of it) and a host tier; yields a driver handle
+    and the hub."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.contract.adapters import REGISTRY_NAMESPACE
+
+    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-kv", "num_replicas": 2,
+                     "max_num_seqs": 4, "max_model_len": 384, "num_kv_blocks": 24, "kv_offloading_size": 0.01,
+                     "kv_aware_routing": True, "torch_num_threads": 1, "replica_cpus": 0.25, "ingress_cpus": 0.1})
+    serve.run(app, name=APP, route_prefix="/kvrouter")
+    hub = None
+    for _ in range(300):  # the replicas start publishing on their first health check
+        try:
+            hub = ray.get_actor(hub_name(APP), namespace=REGISTRY_NAMESPACE)
+            if len(ray.get(hub.pull.remote(None, 0), timeout=30).loads) == 2:
+                break
+        except ValueError:
+            pass
+        time.sleep(0.1)
+    yield serve.get_deployment_handle("LLMServer", APP), hub
+    serve.delete(APP)
+
+
+def _prefix(i: int) -> list[int]:
+    rng = random.Random(i)
+    return [rng.randrange(1000, 40000) for _ in range(200)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_follow_ups_go_where_the_kv_is(kv_app):
+    import ray
+
+    handle, hub = kv_app
+    assert hub is not None and len(ray.get(hub.pull.remote(None, 0)).loads) == 2  # both replicas publish
+    cached: dict[int, list[int]] = {i: [] for i in range(6)}
+
+    def holders(h: int) -> list[str]:
+        return [r for r, pairs in ray.get(hub.pull.remote(None, 0)).dump.items() if any(x == h for x, _ in pairs)]
+
+    def wait_for(h: int) -> None:
+        """Until the hub holds the block just computed, then 10 of the router's pull intervals."""
+        for _ in range(300):
+            if holders(h):
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+
+    async def run():
+        for j in range(3):
+            for i in range(6):
+                prompt = _prefix(i) + [50 + j, 60 + i]
+                out = await handle.complete.remote(prompt, {"max_tokens": 2, "temperature": 0})
+                cached[i].append(out.num_cached_tokens)
+                await asyncio.to_thread(wait_for, request_hashes(_prefix(i), 16, 64)[-1])
+
+    asyncio.run(run())
+    for i, c in cached.items():
+        assert c[0] == 0 and all(n >= 12 * 16 for n in c[1:]), (i, c)
+    for i in range(6):
+        assert len(holders(request_hashes(_prefix(i), 16, 64)[-1])) == 1, i
