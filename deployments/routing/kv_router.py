@@ -30,6 +30,7 @@ import logging
 import random
 import time
 
+import ray
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from deployments.contract.adapters import serve_app_name
@@ -83,7 +84,8 @@ class KVAwareRouter(PrefixAwareRouter):
 
     # ---- the hub ------------------------------------------------------------------------
     def _ensure_puller(self) -> None:
-        if self.kv_app and (self._puller is None or self._puller.done()):
+        """Start pulling from the hub (in a process connected to Ray: never starts one)."""
+        if self.kv_app and (self._puller is None or self._puller.done()) and ray.is_initialized():
             self._puller = asyncio.get_running_loop().create_task(self._pull_loop(), name="kvserve-kv-router-pull")
 
     async def _pull_loop(self) -> None:

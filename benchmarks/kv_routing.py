@@ -1,0 +1,397 @@
+"""KV-event routing and the host KV tier against today's routers (issue 42's benchmark).
+
+A scaled-down copy of llm-d's prefix-cache benchmark. Workload (seeded per repeat; the same for
+every arm of a repeat): ``--groups`` groups of users, each group sharing a system prompt of
+``--system-tokens`` tokens; ``--users-per-group`` users per group, each a conversation of
+``--turns`` turns whose context grows every turn (the previous turns, a synthetic assistant
+answer of ~24 tokens, then a new user message of ~48 tokens); each user sends its next turn when
+the previous one has ended, after an exponential think time (mean ``--think-s``); users start
+uniformly over the first 10 s. Streaming ``/v1/chat/completions``, greedy, ``max_tokens``
+``--output-tokens`` with ``ignore_eos``. The distinct prefixes (system prompts plus every
+conversation) exceed one replica's KV pool (``--num-kv-blocks``), so pools evict.
+
+Server: a local Ray (token auth) and the kvserve app with the default model (SmolLM2-135M-Instruct,
+float32) on ``--replicas`` replicas, one torch thread each; a fresh app per arm and repeat:
+
+* ``round_robin``: replicas in turn (:func:`round_robin_router`, for reference);
+* ``prefix``: today's prefix-aware router (``deployments/routing/prefix_router.py``);
+* ``kv``: the KV-event router (``deployments/routing/kv_router.py``), no tier;
+* ``kv_tier``: the KV-event router with a host tier of ``--kv-offloading-size`` GiB per replica.
+
+Arms run interleaved (``--repeats`` rounds, the arm order rotated each round). Per arm: TTFT
+p50/p90, output tok/s, prompt tokens found in a pool and loaded from a host tier (replicas'
+``kv_offload_hit_tokens``), tokens recomputed, refusals. Medians over the repeats.
+
+Two component measures, in the same run:
+
+* **a returning conversation** (``tier_ttft``): one engine (SmolLM2, float32) with a host tier;
+  a prompt of ``--probe-tokens`` tokens, then enough other prompts to evict it from the pool, then
+  the prompt again: its TTFT (loaded from the tier) against the TTFT of the same prompt on a
+  fresh engine (recomputed); interleaved repeats;
+* **routing cost** (``router_cost``): :class:`~deployments.routing.kv_router.KVAwareRouter`'s
+  decision time on fake replicas whose index holds ``3 x 20,000`` blocks, for 1,024-token
+  token-id prompts.
+
+Usage::
+
+    python benchmarks/kv_routing.py                       # full run, writes benchmarks/results/kv_routing.json
+    python benchmarks/kv_routing.py --repeats 1 --arms prefix,kv_tier --out /tmp/k.json   # smoke
+
+Targets (issue 42): ``kv_tier`` vs ``prefix``: TTFT p90 <= 0.5x and output tok/s >= 1.3x, no more
+refusals; a returning conversation from the tier: TTFT <= 1/3 of recomputing; routing <= 1 ms per
+request (1,000 requests/s).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from benchmarks.common import Figures, Results, load_average, local_serve, percentile  # noqa: E402
+from benchmarks.load_test import COMPLETE, DEFAULT_MODEL, Rec, load_tokenizer, stream_chat  # noqa: E402
+from benchmarks.routing import make_system_prompts  # noqa: E402
+
+ARMS = ("round_robin", "prefix", "kv", "kv_tier")
+RESULT_KEYS = ("what", "workload", "server", "started", "runs", "arms", "tier_ttft", "router_cost", "targets")
+APP = "kvserve-kv-routing"
+WORDS = ["river", "stone", "cloud", "table", "garden", "winter", "number", "light", "music", "paper", "field",
+         "market", "engine", "signal", "harbor", "forest", "letter", "silver", "planet", "bridge"]
+
+
+# ---- round robin (reference arm) ----------------------------------------------------------------
+def round_robin_router():
+    """A Serve ``RequestRouter`` class that sends requests to the replicas in turn, whatever their
+    load or cache (the reference arm; made here, after Ray is started with its auth settings)."""
+    from ray.serve.request_router import RequestRouter
+
+    class RoundRobinRouter(RequestRouter):
+        def initialize_state(self, **kwargs) -> None:
+            self._turn = 0
+
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            reps = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+            self._turn += 1
+            return [[reps[self._turn % len(reps)]], reps]
+
+    return RoundRobinRouter
+
+
+# ---- workload -----------------------------------------------------------------------------------
+def conversations(systems: list[str], users_per_group: int, turns: int, seed: int) -> list[list[list[dict]]]:
+    """Per user, per turn, the chat messages sent (the context grows every turn)."""
+    rng = random.Random(seed)
+    out = []
+    for g, system in enumerate(systems):
+        for u in range(users_per_group):
+            msgs = [{"role": "system", "content": system}]
+            user_turns = []
+            for t in range(turns):
+                msgs = msgs + [{"role": "user", "content": f"User {g}-{u}-{seed}, turn {t}: " + " ".join(
+                    rng.choice(WORDS) for _ in range(40)) + "?"}]
+                user_turns.append(list(msgs))
+                msgs = msgs + [{"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(20)) + "."}]
+            out.append(user_turns)
+    return out
+
+
+async def run_users(url: str, users: list[list[list[dict]]], args, seed: int) -> tuple[list[Rec], float]:
+    """Every user's turns in order, each after the previous one ended and a think time."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    recs: list[Rec] = []
+
+    async def user(turns, start):
+        await asyncio.sleep(start)
+        for msgs in turns:
+            rec = Rec(index=len(recs))
+            recs.append(rec)
+            body = {"model": DEFAULT_MODEL, "messages": msgs, "max_tokens": args.output_tokens, "ignore_eos": True,
+                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            await stream_chat(session, url + "/chat/completions", body, {}, args.request_timeout, rec, t0)
+            await asyncio.sleep(think.pop())
+
+    think = [rng.expovariate(1 / args.think_s) for _ in range(sum(len(u) for u in users))]
+    starts = [rng.uniform(0, 10.0) for _ in users]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0)) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(u, s) for u, s in zip(users, starts)))
+        return recs, time.perf_counter() - t0
+
+
+# ---- server side --------------------------------------------------------------------------------
+def deploy(arm: str, args) -> None:
+    from ray import serve
+
+    import deployments.app as app_mod
+
+    app_args = {"model": None, "dtype": "float32", "num_replicas": args.replicas, "torch_num_threads": 1,
+                "max_num_seqs": args.max_num_seqs, "max_model_len": 2048, "num_kv_blocks": args.num_kv_blocks,
+                "prefix_aware_routing": arm != "round_robin", "kv_aware_routing": arm.startswith("kv"),
+                "kv_offloading_size": args.kv_offloading_size if arm == "kv_tier" else None,
+                "response_cache": False}
+    orig = app_mod.llm_deployment_options
+    if arm == "round_robin":
+        app_mod.llm_deployment_options = lambda m, name, channels=0: {
+            **orig(m, name, channels), "request_router_config": {"request_router_class": round_robin_router()}}
+    try:
+        app = app_mod.build_app(app_args)
+    finally:
+        app_mod.llm_deployment_options = orig
+    serve.run(app, name=APP, route_prefix="/")
+
+
+def replica_stats() -> list[dict]:
+    """Each live LLMServer replica's ``get_stats()``."""
+    import ray
+    from ray._private.state import state
+
+    out = []
+    for a in state.actor_table(None).values():
+        if (a.get("ActorClassName") or "") == f"ServeReplica:{APP}:LLMServer" and a["State"] == "ALIVE":
+            actor = ray.get_actor(a["Name"], namespace="serve")
+            out.append(ray.get(actor.get_stats.remote(), timeout=60))
+    return out
+
+
+def run_arm(arm: str, rep: int, args, url: str, users) -> dict:
+    import httpx
+    from ray import serve
+
+    print(f"[{arm} #{rep}] deploying ...", flush=True)
+    deploy(arm, args)
+    warm = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Warm up."}], "max_tokens": 2}
+    for _ in range(2 * args.replicas):
+        httpx.post(url + "/chat/completions", json=warm, timeout=300).raise_for_status()
+    time.sleep(3.0)  # replicas' first reports / publishes reach the routers
+    before = {k: sum(s.get(k, 0) for s in replica_stats()) for k in ("kv_offload_hit_tokens",)}
+    load_start = load_average()
+    recs, elapsed = asyncio.run(run_users(url, users, args, seed=1000 * rep + 7))
+    stats = replica_stats()
+    serve.delete(APP)
+    done = [r for r in recs if r.outcome == COMPLETE]
+    prompt = sum(r.prompt_tokens or 0 for r in done)
+    cached = sum(r.cached_tokens or 0 for r in done)
+    host = sum(s.get("kv_offload_hit_tokens", 0) for s in stats) - before["kv_offload_hit_tokens"]
+    outcomes: dict[str, int] = {}
+    for r in recs:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    ttft = [1000 * r.ttft for r in done if r.ttft is not None]
+    s = {"arm": arm, "repeat": rep, "requests": len(recs), "completed": len(done), "outcomes": outcomes,
+         "refused": sum(n for o, n in outcomes.items() if o != COMPLETE), "elapsed_s": round(elapsed, 2),
+         "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
+         "output_tok_per_s": sum(r.output_tokens or 0 for r in done) / elapsed,
+         "prompt_tokens": prompt, "pool_hit_tokens": cached - host, "host_hit_tokens": host,
+         "recomputed_tokens": prompt - cached, "preemptions": sum(s.get("num_preemptions", 0) for s in stats),
+         "load_average": {"start": load_start, "end": load_average()}}
+    print(f"[{arm} #{rep}] TTFT p50/p90 {s['ttft_ms_p50']:.0f}/{s['ttft_ms_p90']:.0f} ms, {s['output_tok_per_s']:.1f} "
+          f"tok/s, pool/host/recomputed {s['pool_hit_tokens']}/{host}/{s['recomputed_tokens']}, outcomes {outcomes}",
+          flush=True)
+    time.sleep(8.0)  # the replicas' processes exit before the next arm starts
+    return s
+
+
+# ---- component measures -------------------------------------------------------------------------
+def tier_ttft(args) -> dict:
+    """TTFT of a returning prompt loaded from the host tier vs recomputed (see the module docstring)."""
+    from engine import LLM, SamplingParams
+
+    rng = random.Random(5)
+    sp = SamplingParams(max_tokens=1, temperature=0)
+
+    def prompt():
+        return [rng.randrange(1000, 40000) for _ in range(args.probe_tokens)]
+
+    blocks = 2 * (args.probe_tokens // 16) + 8  # room for two prompts: the third evicts the first
+    tier = LLM(dtype="float32", num_kv_blocks=blocks, kv_offloading_size=0.5, max_model_len=blocks * 16)
+    fresh = LLM(dtype="float32", num_kv_blocks=blocks, enable_prefix_caching=False, max_model_len=blocks * 16)
+    loaded, recomputed = [], []
+    for _ in range(args.probe_repeats):
+        p = prompt()
+        tier.generate([p], sp, use_tqdm=False)
+        tier.generate([prompt(), prompt()], sp, use_tqdm=False)  # evict p from the pool
+        hits0 = tier.engine.get_stats()["kv_offload_hit_tokens"]
+        t0 = time.perf_counter()
+        tier.generate([p], sp, use_tqdm=False)
+        loaded.append(1000 * (time.perf_counter() - t0))
+        assert tier.engine.get_stats()["kv_offload_hit_tokens"] > hits0, "the probe prompt was not loaded from the tier"
+        t0 = time.perf_counter()
+        fresh.generate([p], sp, use_tqdm=False)
+        recomputed.append(1000 * (time.perf_counter() - t0))
+    lo, re_ = statistics.median(loaded), statistics.median(recomputed)
+    return {"prompt_tokens": args.probe_tokens, "repeats": args.probe_repeats, "loaded_ttft_ms": loaded,
+            "recomputed_ttft_ms": recomputed, "loaded_ttft_ms_median": lo, "recomputed_ttft_ms_median": re_,
+            "ratio": lo / re_}
+
+
+def router_cost(n: int = 1000) -> dict:
+    """KVAwareRouter's decision time, microseconds, on fake replicas and a large index."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
+    from deployments.contract.kv_index import request_hashes
+    from deployments.contract.types import GenerateRequest
+    from deployments.routing.kv_router import KVAwareRouter
+    from engine.kv_events import BlockStored, KVEventBatch
+
+    class Replica:
+        def __init__(self, name):
+            self.replica_id = ReplicaID(name, DeploymentID(name="LLMServer", app_name="bench"))
+            self.routing_stats, self.max_ongoing_requests, self.multiplexed_model_ids = {}, 100, set()
+            self.node_id = self.availability_zone = None
+
+        async def get_queue_len(self, *, deadline_s):
+            return 0
+
+    rng = random.Random(3)
+    reps = [Replica(f"r{i}") for i in range(3)]
+    hub = KVEventHubCore()
+    prompts = [[rng.randrange(50000) for _ in range(1024)] for _ in range(64)]
+    for i, r in enumerate(reps):
+        hashes = [h for p in prompts[i::3] for h in request_hashes(p, 16, 64)]
+        filler = [rng.getrandbits(62) for _ in range(20000 - len(hashes))]
+        hub.publish(r.replica_id.unique_id, 1, [KVEventBatch(0.0, [BlockStored(hashes + filler, None, [], 16)])],
+                    ReplicaLoad(), snapshot=(0, KVEventBatch(0.0)))
+    async def run():
+        router = KVAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="bench"),
+                               handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+        router.initialize_state(app_name="")
+        router.update_replicas(reps)
+        router.apply(hub.pull(None, 0))
+        times = []
+        for k in range(n):
+            rid = f"q{k}"
+            pr = PendingRequest(args=[GenerateRequest(prompt=prompts[k % len(prompts)] + [k])], kwargs={},
+                                metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method="stream"))
+            t0 = time.perf_counter()
+            await router.choose_replicas(reps, pr)
+            times.append(1e6 * (time.perf_counter() - t0))
+            router._sent.clear()
+        return times, len(router.kv_index), router.num_kv_routed
+
+    times, blocks, routed = asyncio.run(run())
+    return {"decisions": n, "index_blocks": blocks, "prompt_tokens": 1024, "us_p50": percentile(times, 50),
+            "us_p99": percentile(times, 99), "us_mean": sum(times) / n, "kv_routed": routed}
+
+
+# ---- results ------------------------------------------------------------------------------------
+def medians(runs: list[dict]) -> dict:
+    out = {}
+    for arm in ARMS:
+        rs = [r for r in runs if r["arm"] == arm]
+        if not rs:
+            continue
+        keys = ("ttft_ms_p50", "ttft_ms_p90", "output_tok_per_s", "pool_hit_tokens", "host_hit_tokens",
+                "recomputed_tokens", "refused")
+        out[arm] = {k: statistics.median(r[k] for r in rs) for k in keys}
+        out[arm]["spread"] = {k: [min(r[k] for r in rs), max(r[k] for r in rs)] for k in keys[:3]}
+        out[arm]["repeats"] = len(rs)
+    return out
+
+
+def figures(r: dict) -> Figures:
+    """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
+    f, t = Figures(), r.get("targets", {})
+    if "ttft_p90_ratio" in t:
+        f.summary("KV-event router with tiers / prefix router: TTFT p90", t["ttft_p90_ratio"], "x",
+                  target="<= 0.5x", met=t["ttft_p90_ratio"] <= 0.5, headline=True)
+        f.summary("KV-event router with tiers / prefix router: output tok/s", t["tok_s_ratio"], "x",
+                  target=">= 1.3x", met=t["tok_s_ratio"] >= 1.3)
+        f.summary("refusals, KV-event router with tiers minus prefix router", t["refusals_more"], None,
+                  target="<= 0", met=t["refusals_more"] <= 0)
+    tt = r.get("tier_ttft")
+    if tt:
+        f.summary(f"returning {tt['prompt_tokens']}-token prompt: TTFT loaded from the host tier / recomputed",
+                  tt["ratio"], "x", target="<= 0.33x", met=tt["ratio"] <= 1 / 3)
+    rc = r.get("router_cost")
+    if rc:
+        f.summary("KV-event router decision time, p99 (1,024-token prompts, 60,000-block index)", rc["us_p99"], "us",
+                  target="<= 1000 us", met=rc["us_p99"] <= 1000)
+    w = r["workload"]
+    f.table("Arms (medians over repeats)", ["arm", "TTFT p50 (ms)", "TTFT p90 (ms)", "output tok/s", "pool-hit tokens",
+                                            "host-tier-hit tokens", "recomputed tokens", "refused", "repeats"],
+            [[a, m["ttft_ms_p50"], m["ttft_ms_p90"], m["output_tok_per_s"], m["pool_hit_tokens"], m["host_hit_tokens"],
+              m["recomputed_tokens"], m["refused"], m["repeats"]] for a, m in r["arms"].items()],
+            note=f"{w['groups']} groups x {w['users_per_group']} users x {w['turns']} turns, system prompts of "
+                 f"{w['system_tokens']} tokens, {r['server']['replicas']} replicas with {w['num_kv_blocks']} KV blocks "
+                 "each; arms interleaved, a fresh app each")
+    return f
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--groups", type=int, default=6)
+    ap.add_argument("--users-per-group", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-tokens", type=int, default=384)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--think-s", type=float, default=2.0)
+    ap.add_argument("--num-kv-blocks", type=int, default=128, help="KV blocks per replica")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB of host tier per replica (kv_tier)")
+    ap.add_argument("--probe-tokens", type=int, default=1024)
+    ap.add_argument("--probe-repeats", type=int, default=3)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default="benchmarks/results/kv_routing.json")
+    args = ap.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or set(arms) - set(ARMS):
+        ap.error(f"--arms: choose from {ARMS}")
+    prov = Results(__file__, RESULT_KEYS)
+    result: dict = {
+        "what": "KV-event routing with and without a host tier vs the prefix router and round robin, "
+                "multi-turn conversations in groups sharing system prompts",
+        "workload": {"groups": args.groups, "users_per_group": args.users_per_group, "turns": args.turns,
+                     "system_tokens": args.system_tokens, "user_turn_words": 40, "assistant_words": 20,
+                     "output_tokens": args.output_tokens, "think_s_mean": args.think_s,
+                     "num_kv_blocks": args.num_kv_blocks, "endpoint": "/v1/chat/completions stream"},
+        "server": {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "replicas": args.replicas,
+                   "torch_num_threads_per_replica": 1, "max_num_seqs": args.max_num_seqs,
+                   "kv_offloading_size_gib": args.kv_offloading_size},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    tok = load_tokenizer(None)
+    runs = []
+    with local_serve(max(os.cpu_count() or 1, 6)) as port:
+        url = f"http://127.0.0.1:{port}/v1"
+        result["router_cost"] = router_cost()
+        print("router cost:", result["router_cost"], flush=True)
+        result["tier_ttft"] = tier_ttft(args)
+        print("tier TTFT:", result["tier_ttft"], flush=True)
+        for rep in range(args.repeats):
+            systems = make_system_prompts(tok, args.groups, args.system_tokens, seed=100 + rep)
+            users = conversations(systems, args.users_per_group, args.turns, seed=rep)
+            for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:
+                runs.append(run_arm(arm, rep, args, url, users))
+    result["runs"] = runs
+    result["arms"] = medians(runs)
+    m = result["arms"]
+    if "kv_tier" in m and "prefix" in m:
+        result["targets"] = {"ttft_p90_ratio": m["kv_tier"]["ttft_ms_p90"] / m["prefix"]["ttft_ms_p90"],
+                             "tok_s_ratio": m["kv_tier"]["output_tok_per_s"] / m["prefix"]["output_tok_per_s"],
+                             "refusals_more": m["kv_tier"]["refused"] - m["prefix"]["refused"]}
+    out = Path(args.out)
+    result = prov.write(out, result)
+    for a, x in m.items():
+        print(f"| {a} | TTFT p50/p90 {x['ttft_ms_p50']:.0f}/{x['ttft_ms_p90']:.0f} ms | {x['output_tok_per_s']:.1f} "
+              f"tok/s | pool/host/recomputed {x['pool_hit_tokens']}/{x['host_hit_tokens']}/{x['recomputed_tokens']} |")
+    print("targets:", result.get("targets"))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
