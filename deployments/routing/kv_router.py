@@ -47,6 +47,9 @@ PULL_INTERVAL_S = 0.05
 RUNNING_REQUEST_TOKENS = 16
 #: Cost of a block loaded from the host tier, as a fraction of recomputing it.
 HOST_COST = 0.2
+#: Seconds a router's first routing decision waits for its first pull from the hub (a new
+#: router, e.g. a driver's handle, would otherwise route its first requests on a cold index).
+FIRST_PULL_WAIT_S = 2.0
 
 
 def replica_costs(match: dict[str, tuple[int, int]], num_blocks: int, block_size: int, load: dict[str, float],
@@ -79,6 +82,7 @@ class KVAwareRouter(PrefixAwareRouter):
         self._hub_id: str | None = None
         self._cursor = 0
         self._puller: asyncio.Task | None = None
+        self._first_pull: asyncio.Event | None = None
         self._sent: dict[str, list[tuple[float, float]]] = {}  # replica -> [(time.time(), tokens)] since its publish
         self.num_kv_routed = self.num_fallbacks = 0
 
@@ -86,6 +90,7 @@ class KVAwareRouter(PrefixAwareRouter):
     def _ensure_puller(self) -> None:
         """Start pulling from the hub (in a process connected to Ray: never starts one)."""
         if self.kv_app and (self._puller is None or self._puller.done()) and ray.is_initialized():
+            self._first_pull = asyncio.Event()
             self._puller = asyncio.get_running_loop().create_task(self._pull_loop(), name="kvserve-kv-router-pull")
 
     async def _pull_loop(self) -> None:
@@ -97,7 +102,9 @@ class KVAwareRouter(PrefixAwareRouter):
                 if self._hub is not None:
                     self.apply(await self._hub.pull.remote(self._hub_id, self._cursor))
                     failing = False
+                self._first_pull.set()
             except Exception as e:
+                self._first_pull.set()
                 self._hub = None
                 if not failing:
                     logger.warning("KV-aware router: reading the KV event hub failed (%s: %s); routing on what it "
@@ -138,6 +145,11 @@ class KVAwareRouter(PrefixAwareRouter):
         :class:`PrefixAwareRouter`'s choice for the rest (channels, other methods, adapters
         loaded at run time, a cold index)."""
         self._ensure_puller()
+        if self._first_pull is not None and not self._first_pull.is_set():
+            try:
+                await asyncio.wait_for(self._first_pull.wait(), FIRST_PULL_WAIT_S)
+            except TimeoutError:
+                pass
         pr = pending_request
         ids = [r.replica_id.unique_id for r in candidate_replicas]
         if (pr is None or len(candidate_replicas) < 2 or pr.metadata.multiplexed_model_id

@@ -1,9 +1,11 @@
 """KV-event routing through a real Serve app (Ray, slow; without Ray: test_kv_router.py): a
 tiny-model app on 2 replicas with ``kv_aware_routing`` and a host tier, whose KV pools are too
-small for all its prefixes. Both replicas publish to the application's hub; a driver handle,
-which never saw these prompts before, sends each prefix's follow-ups to the replica that holds
-it (every follow-up finds its prefix cached, in the pool or loaded back from the tier), and
-each prefix lives on one replica only.
+small for all its prefixes. Both replicas publish to the application's hub. Each prefix's first
+request goes over HTTP (the ingress's router places it); a driver handle, which never routed
+these prompts, sends the follow-ups to the replica that holds each prefix: every follow-up finds
+its prefix cached, in the pool or loaded back from the tier, and each prefix lives on one replica
+only. (The prefix router cannot do this: a replica reports only its last pool's worth of
+prefixes, 24 blocks here, so the handle's router would send the older prefixes anywhere.)
 """
 import asyncio
 import random
@@ -42,7 +44,7 @@ def kv_app(ray_session, serve_app, tiny_llama_path):
         except ValueError:
             pass
         time.sleep(0.1)
-    yield serve.get_deployment_handle("LLMServer", APP), hub
+    yield serve.get_deployment_handle("LLMServer", APP), hub, f"{serve_app.root}/kvrouter/v1"
     serve.delete(APP)
 
 
@@ -56,7 +58,9 @@ def _prefix(i: int) -> list[int]:
 def test_follow_ups_go_where_the_kv_is(kv_app):
     import ray
 
-    handle, hub = kv_app
+    import httpx
+
+    handle, hub, base = kv_app
     assert hub is not None and len(ray.get(hub.pull.remote(None, 0)).loads) == 2  # both replicas publish
     cached: dict[int, list[int]] = {i: [] for i in range(6)}
 
@@ -71,11 +75,17 @@ def test_follow_ups_go_where_the_kv_is(kv_app):
             time.sleep(0.05)
         time.sleep(0.5)
 
-    async def run():
-        for j in range(3):
+    for i in range(6):  # first requests: over HTTP, placed by the ingress's router
+        r = httpx.post(f"{base}/completions", json={"model": "tiny-kv", "prompt": _prefix(i) + [50, 60 + i],
+                                                    "max_tokens": 2, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        cached[i].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        wait_for(request_hashes(_prefix(i), 16, 64)[-1])
+
+    async def run():  # follow-ups: the driver handle's router, which routed none of them
+        for j in range(1, 3):
             for i in range(6):
-                prompt = _prefix(i) + [50 + j, 60 + i]
-                out = await handle.complete.remote(prompt, {"max_tokens": 2, "temperature": 0})
+                out = await handle.complete.remote(_prefix(i) + [50 + j, 60 + i], {"max_tokens": 2, "temperature": 0})
                 cached[i].append(out.num_cached_tokens)
                 await asyncio.to_thread(wait_for, request_hashes(_prefix(i), 16, 64)[-1])
 
