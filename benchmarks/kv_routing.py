@@ -19,8 +19,9 @@ float32) on ``--replicas`` replicas, one torch thread each; a fresh app per arm 
 * ``kv_tier``: the KV-event router with a host tier of ``--kv-offloading-size`` GiB per replica.
 
 Arms run interleaved (``--repeats`` rounds, the arm order rotated each round). Per arm: TTFT
-p50/p90, output tok/s, prompt tokens found in a pool and loaded from a host tier (replicas'
-``kv_offload_hit_tokens``), tokens recomputed, refusals. Medians over the repeats.
+p50/p90, output tok/s, prompt tokens found in a pool and loaded from a host tier (the answers'
+``cached_tokens``, and the app's ``external_prefix_cache_hits`` counter for the tier), tokens
+recomputed, preemptions, refusals. Medians over the repeats.
 
 Two component measures, in the same run:
 
@@ -150,16 +151,18 @@ def deploy(arm: str, args) -> None:
     serve.run(app, name=APP, route_prefix="/")
 
 
-def replica_stats() -> list[dict]:
-    """Each live LLMServer replica's ``get_stats()``."""
-    import ray
-    from ray._private.state import state
+def replica_stats(url: str) -> dict:
+    """The app's engine counters summed over replicas, from its Prometheus export (``/metrics``):
+    prompt tokens found in the pools and loaded from the host tiers, preemptions."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    out = []
-    for a in state.actor_table(None).values():
-        if (a.get("ActorClassName") or "") == f"ServeReplica:{APP}:LLMServer" and a["State"] == "ALIVE":
-            actor = ray.get_actor(a["Name"], namespace="serve")
-            out.append(ray.get(actor.get_stats.remote(), timeout=60))
+    text = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=60).text
+    out = {"prefix_cache_hits": 0.0, "external_prefix_cache_hits": 0.0, "num_preemptions": 0.0}
+    for fam in text_string_to_metric_families(text):
+        name = fam.name.removeprefix("kvserve:")
+        if name in out:
+            out[name] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
     return out
 
 
@@ -173,15 +176,15 @@ def run_arm(arm: str, rep: int, args, url: str, users) -> dict:
     for _ in range(2 * args.replicas):
         httpx.post(url + "/chat/completions", json=warm, timeout=300).raise_for_status()
     time.sleep(3.0)  # replicas' first reports / publishes reach the routers
-    before = {k: sum(s.get(k, 0) for s in replica_stats()) for k in ("kv_offload_hit_tokens",)}
+    before = replica_stats(url)
     load_start = load_average()
     recs, elapsed = asyncio.run(run_users(url, users, args, seed=1000 * rep + 7))
-    stats = replica_stats()
+    after = replica_stats(url)
     serve.delete(APP)
     done = [r for r in recs if r.outcome == COMPLETE]
     prompt = sum(r.prompt_tokens or 0 for r in done)
     cached = sum(r.cached_tokens or 0 for r in done)
-    host = sum(s.get("kv_offload_hit_tokens", 0) for s in stats) - before["kv_offload_hit_tokens"]
+    host = int(after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"])
     outcomes: dict[str, int] = {}
     for r in recs:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
@@ -191,7 +194,7 @@ def run_arm(arm: str, rep: int, args, url: str, users) -> dict:
          "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
          "output_tok_per_s": sum(r.output_tokens or 0 for r in done) / elapsed,
          "prompt_tokens": prompt, "pool_hit_tokens": cached - host, "host_hit_tokens": host,
-         "recomputed_tokens": prompt - cached, "preemptions": sum(s.get("num_preemptions", 0) for s in stats),
+         "recomputed_tokens": prompt - cached, "preemptions": int(after["num_preemptions"] - before["num_preemptions"]),
          "load_average": {"start": load_start, "end": load_average()}}
     print(f"[{arm} #{rep}] TTFT p50/p90 {s['ttft_ms_p50']:.0f}/{s['ttft_ms_p90']:.0f} ms, {s['output_tok_per_s']:.1f} "
           f"tok/s, pool/host/recomputed {s['pool_hit_tokens']}/{host}/{s['recomputed_tokens']}, outcomes {outcomes}",
@@ -334,13 +337,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--groups", type=int, default=6)
-    ap.add_argument("--users-per-group", type=int, default=3)
+    ap.add_argument("--users-per-group", type=int, default=2)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--system-tokens", type=int, default=384)
+    ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=2.0)
-    ap.add_argument("--num-kv-blocks", type=int, default=128, help="KV blocks per replica")
-    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks per replica")
+    ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB of host tier per replica (kv_tier)")
     ap.add_argument("--probe-tokens", type=int, default=1024)
     ap.add_argument("--probe-repeats", type=int, default=3)

@@ -366,7 +366,12 @@ class LLMEngine:
         except Exception as e:
             return *isolate_failing_requests(self.executor, sched, e), None
         m = IterationStats.of_step(sched, t0, self.clock(), len(self.scheduler.waiting))
-        self.kv_load_seconds += getattr(result, "kv_load_seconds", 0.0)
+        if sched.kv_transfer:  # the host tier's share of the step
+            m.external_prefix_cache_hits = sched.host_cache_hits
+            m.kv_offload_saved_bytes = len(sched.kv_transfer.saves) * self.kv_block_bytes
+            m.kv_offload_loaded_bytes = len(sched.kv_transfer.loads) * self.kv_block_bytes
+            m.kv_offload_load_seconds = getattr(result, "kv_load_seconds", 0.0)
+            self.kv_load_seconds += m.kv_offload_load_seconds
         if self.config.enable_lora:  # vLLM's lora_requests_info
             m.running_lora_adapters, m.waiting_lora_adapters = (sorted({
                 r.lora_request.lora_name for r in q if r.lora_request is not None})

@@ -68,6 +68,11 @@ class IterationStats:
         accepted_per_position: accepted drafts by position in the draft (index 0 = first).
         running_lora_adapters, waiting_lora_adapters: names of the LoRA adapters of the running
             and the waiting requests after the step (sorted; None when LoRA is off).
+        external_prefix_cache_hits: of ``prefix_cache_queries``, the tokens loaded back from the
+            host KV tier instead of computed (vLLM's name for hits below the pool).
+        kv_offload_saved_bytes, kv_offload_loaded_bytes: bytes the step copied into the host
+            tier (evicted blocks) and back into the pool.
+        kv_offload_load_seconds: seconds the driver rank spent on the step's loads.
     """
 
     start: float
@@ -90,6 +95,10 @@ class IterationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     running_lora_adapters: list[str] | None = None
     waiting_lora_adapters: list[str] | None = None
+    external_prefix_cache_hits: int = 0
+    kv_offload_saved_bytes: int = 0
+    kv_offload_loaded_bytes: int = 0
+    kv_offload_load_seconds: float = 0.0
 
     @property
     def scheduler_stats(self) -> SchedulerStats:

@@ -59,6 +59,13 @@ class PrometheusStatLogger:
                                  "Prefix cache queries, in terms of number of queried tokens.", L)
         self.pc_hits = metric("counter", "prefix_cache_hits",
                               "Prefix cache hits, in terms of number of cached tokens.", L)
+        self.ext_hits = metric("counter", "external_prefix_cache_hits",
+                               "External prefix cache hits (the host KV tier), in terms of number of cached tokens.", L)
+        self.offload_bytes = metric("counter", "kv_offload_bytes",
+                                    "Bytes copied between the KV pool and the host tier, by direction.",
+                                    L + ("direction",))
+        self.offload_load_s = metric("counter", "kv_offload_load_seconds",
+                                     "Seconds spent loading blocks back from the host KV tier.", L)
         self.preemptions = metric("counter", "num_preemptions", "Cumulative number of preemption from the engine.", L)
         self.prompt_tokens = metric("counter", "prompt_tokens", "Number of prefill tokens processed.", L)
         self.generation_tokens = metric("counter", "generation_tokens", "Number of generation tokens processed.", L)
@@ -107,6 +114,11 @@ class PrometheusStatLogger:
         self.record_scheduler_stats(m)
         self.pc_queries.inc(lb, m.prefix_cache_queries)
         self.pc_hits.inc(lb, m.prefix_cache_hits)
+        if m.kv_offload_saved_bytes or m.kv_offload_loaded_bytes:  # the host KV tier (engine/kv_offload.py)
+            self.ext_hits.inc(lb, m.external_prefix_cache_hits)
+            self.offload_bytes.inc({**lb, "direction": "saved"}, m.kv_offload_saved_bytes)
+            self.offload_bytes.inc({**lb, "direction": "loaded"}, m.kv_offload_loaded_bytes)
+            self.offload_load_s.inc(lb, m.kv_offload_load_seconds)
         self.preemptions.inc(lb, m.num_preemptions)
         self.prompt_tokens.inc(lb, m.num_prompt_tokens)
         self.generation_tokens.inc(lb, m.num_sampled)

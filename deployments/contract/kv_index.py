@@ -83,16 +83,20 @@ class KVBlockIndex:
                 if not holders:
                     del self.where[h]
 
-    def match(self, hashes: list[int], replicas: list[str]) -> dict[str, tuple[int, int]]:
+    def match(self, hashes: list[int], replicas: list[str],
+              pending: dict[int, str] | None = None) -> dict[str, tuple[int, int]]:
         """For each of ``replicas``: ``(pool blocks, host blocks)`` it would reuse of a request
         whose chained hashes are ``hashes``: the leading run in its pool, then the run that
-        continues in its host tier (see the module docstring)."""
+        continues in its host tier (see the module docstring). ``pending``: blocks a replica is
+        about to hold (hash -> replica: a request just sent there computes them), counted as in
+        its pool."""
         out = {}
+        pending = pending or {}
         for r in replicas:
             pool = host = 0
             for h in hashes:
                 mediums = self.where.get(h, {}).get(r)
-                if not host and mediums and MEDIUM_POOL in mediums:
+                if not host and ((mediums and MEDIUM_POOL in mediums) or pending.get(h) == r):
                     pool += 1
                 elif mediums and MEDIUM_HOST in mediums:
                     host += 1

@@ -15,10 +15,18 @@ in its host tier,
     cost_r = block_size * (n - pool_r - host_r)          prompt tokens r must compute
            + host_cost * block_size * host_r              loading from the host tier
            + waiting_tokens_r + running_request_tokens * running_r    r's published load
-           + reserved_r                                   tokens this router sent r since
+           + sent_r                                       what this router sent r since (the
+                                                          tokens to compute, and running_request_tokens
+                                                          per request)
 
 and the request goes to the cheapest replica (ties: the less loaded, then at random). A long
 cached prefix wins until the replica holding it is busier than recomputing elsewhere costs.
+A prefix this router sent to a replica in the last :data:`PENDING_S` s counts as in that
+replica's pool (its events show the blocks only once they are computed: a second request of a
+new prefix follows the first instead of computing it again elsewhere).
+Replicas with more than ``imbalance_margin`` ongoing requests above the least loaded one (Serve's
+queue lengths, as the prefix router reads them) are left out first: admission bounds are in
+requests, and a router that wins by refusing more does not win.
 Everything else is :class:`~deployments.routing.prefix_router.PrefixAwareRouter`'s: the
 tokenizer and hashing, the LoRA multiplexing, the channels, the fallback to the prefix router
 when the index is cold (no candidate replica has published) or the hub cannot be reached.
@@ -29,6 +37,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import OrderedDict
 
 import ray
 from ray.serve.request_router import PendingRequest, RunningReplica
@@ -47,6 +56,12 @@ PULL_INTERVAL_S = 0.05
 RUNNING_REQUEST_TOKENS = 16
 #: Cost of a block loaded from the host tier, as a fraction of recomputing it.
 HOST_COST = 0.2
+#: Seconds a prefix this router just sent to a replica counts as held there (the replica's
+#: events say so only once it has computed the blocks; until then a second request of the same
+#: prefix should follow the first, not compute it again elsewhere).
+PENDING_S = 10.0
+#: Most pending block hashes remembered.
+PENDING_SIZE = 16384
 #: Seconds a router's first routing decision waits for its first pull from the hub (a new
 #: router, e.g. a driver's handle, would otherwise route its first requests on a cold index).
 FIRST_PULL_WAIT_S = 2.0
@@ -84,6 +99,9 @@ class KVAwareRouter(PrefixAwareRouter):
         self._puller: asyncio.Task | None = None
         self._first_pull: asyncio.Event | None = None
         self._sent: dict[str, list[tuple[float, float]]] = {}  # replica -> [(time.time(), tokens)] since its publish
+        # prefixes this router sent in the last PENDING_S s: hash -> time.monotonic(), hash -> replica
+        self._pending_at: OrderedDict[int, float] = OrderedDict()
+        self._pending_to: dict[int, str] = {}
         self.num_kv_routed = self.num_fallbacks = 0
 
     # ---- the hub ------------------------------------------------------------------------
@@ -163,16 +181,41 @@ class KVAwareRouter(PrefixAwareRouter):
         task = asyncio.current_task()
         if task is not None:
             self._choosing_for[task] = pr
-        match = self.kv_index.match(hashes, ids)
+        # replicas more than imbalance_margin ongoing requests above the least loaded are not
+        # candidates (Serve's queue lengths, as the prefix router reads them): a replica's admission
+        # bounds are in requests, and a router that wins by refusing more does not win
+        queue = await self._queue_lens(candidate_replicas)
+        known = [q for q in queue.values() if q is not None]
+        low = min(known, default=0)
+        ids = [r for r in ids if queue.get(r) is not None and queue[r] - low <= self.imbalance_margin] or ids
+        match = self.kv_index.match(hashes, ids, self._pending_blocks())
         load = {r: self.load_tokens(r) for r in ids}
         cost = replica_costs(match, len(hashes), self.block_size, load, self.host_cost)
         best = min(ids, key=lambda r: (cost[r], load[r], random.random()))
+        self._reserved[pr.future] = (best, time.monotonic())  # counted in the queue lengths until accepted
         pool, host = match[best]
-        self._sent.setdefault(best, []).append((time.time(), self.block_size * (len(hashes) - pool - host)))
+        # what the request adds to best's load until its next publish: the tokens it computes,
+        # and one more running request
+        self._sent.setdefault(best, []).append(
+            (time.time(), self.block_size * (len(hashes) - pool - host) + self.running_request_tokens))
+        now = time.monotonic()
+        for h in hashes:
+            self._pending_at[h] = now
+            self._pending_at.move_to_end(h)
+            self._pending_to[h] = best
+        while len(self._pending_at) > PENDING_SIZE:
+            self._pending_to.pop(self._pending_at.popitem(last=False)[0], None)
         self.num_kv_routed += 1
         first = [r for r in candidate_replicas if r.replica_id.unique_id == best]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != best]
         return [first, random.sample(rest, min(2, len(rest)))]
+
+    def _pending_blocks(self) -> dict[int, str]:
+        """hash -> replica of the prefixes this router sent in the last :data:`PENDING_S` s."""
+        cutoff = time.monotonic() - PENDING_S
+        while self._pending_at and next(iter(self._pending_at.values())) < cutoff:
+            self._pending_to.pop(self._pending_at.popitem(last=False)[0], None)
+        return self._pending_to
 
     async def _kv_hashes(self, pr: PendingRequest) -> list[int]:
         """The request's chained block hashes as the engine names its blocks (a LoRA adapter's

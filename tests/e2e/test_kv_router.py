@@ -205,8 +205,25 @@ def test_the_router_routes_on_the_index_and_falls_back_when_cold():
         router._sent.clear()
         hub.publish("b", 2, [], ReplicaLoad())
         router.apply(hub.pull(router._hub_id, router._cursor))
-        burst = [(_names(await router.choose_replicas(reps, _pending(prompt))))[0][0] for _ in range(6)]
-        assert burst[0] == "b" and len(set(burst)) > 1
+        router._pending_at.clear()
+        router._pending_to.clear()
+        burst = [(_names(await router.choose_replicas(reps, _pending(prompt))))[0][0] for _ in range(12)]
+        # b first (its 8 cached blocks), then, with b's queue growing, a (4 cached blocks) too
+        assert burst[0] == "b" and "a" in burst and burst.count("b") > burst.count("c")
+        # a new prefix: its second request follows the first (the blocks are being computed there,
+        # no replica has published them yet) instead of computing them again elsewhere
+        router._sent.clear()
+        new = list(range(7000, 7300))
+        first = _names(await router.choose_replicas(reps, _pending(new)))[0]
+        router._sent.clear()
+        assert _names(await router.choose_replicas(reps, _pending(new + [1])))[0] == first
+        # a replica with more than imbalance_margin ongoing requests above the least loaded is left out
+        router._sent.clear()
+        router._reserved.clear()
+        cache = router.replica_queue_len_cache
+        for q, n in ((a, 0), (b, 9), (c, 0)):
+            cache.update(q.replica_id, n)
+        assert _names(await router.choose_replicas(reps, _pending(prompt)))[0] == ["a"]
         # other methods: the prefix router's power of two choices
         assert len(await router.choose_replicas(reps, _pending(prompt, "server_info"))) == 1
 
