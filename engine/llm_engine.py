@@ -316,8 +316,6 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.clock)
         sched = self.scheduler.schedule()                                           # 1. schedule
-        if self.kv_events is not None:
-            self._keep_kv_events()
         if sched.is_empty:
             self._drop_finished(sched)
             return []
@@ -332,8 +330,15 @@ class LLMEngine:
         outputs += update_outputs
         self.stats.record_tokens(m, updated, last_token)
         outputs += self._output(updated)                                            # 4. output
-        self.stats.end_step(m, updated, self.scheduler.kv)
+        self._end_step(m, updated)
         return outputs
+
+    def _end_step(self, m: IterationStats | None, updated: list[Request]) -> None:
+        """The step's stats, and its KV cache events as one batch (what scheduling evicted and
+        loaded, and the blocks the update cached)."""
+        self.stats.end_step(m, updated, self.scheduler.kv)
+        if self.kv_events is not None:
+            self._keep_kv_events()
 
     def _drop_finished(self, sched: SchedulerOutput) -> None:
         """A step with nothing to run still tells the runner which requests finished (it drops
