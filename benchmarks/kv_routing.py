@@ -13,7 +13,9 @@ conversation) exceed one replica's KV pool (``--num-kv-blocks``), so pools evict
 Server: a local Ray (token auth) and the kvserve app with the default model (SmolLM2-135M-Instruct,
 float32) on ``--replicas`` replicas, one torch thread each; a fresh app per arm and repeat:
 
-* ``round_robin``: replicas in turn (:func:`round_robin_router`, for reference);
+* ``default``: Serve's own router, power of two choices on queue length, no cache affinity (the
+  issue's round-robin reference: Serve has no round robin, and a router of the benchmark's own
+  would have to be importable in every replica);
 * ``prefix``: today's prefix-aware router (``deployments/routing/prefix_router.py``);
 * ``kv``: the KV-event router (``deployments/routing/kv_router.py``), no tier;
 * ``kv_tier``: the KV-event router with a host tier of ``--kv-offloading-size`` GiB per replica.
@@ -61,29 +63,11 @@ from benchmarks.common import Figures, Results, load_average, local_serve, perce
 from benchmarks.load_test import COMPLETE, DEFAULT_MODEL, Rec, load_tokenizer, stream_chat  # noqa: E402
 from benchmarks.routing import make_system_prompts  # noqa: E402
 
-ARMS = ("round_robin", "prefix", "kv", "kv_tier")
+ARMS = ("default", "prefix", "kv", "kv_tier")
 RESULT_KEYS = ("what", "workload", "server", "started", "runs", "arms", "tier_ttft", "router_cost", "targets")
 APP = "kvserve-kv-routing"
 WORDS = ["river", "stone", "cloud", "table", "garden", "winter", "number", "light", "music", "paper", "field",
          "market", "engine", "signal", "harbor", "forest", "letter", "silver", "planet", "bridge"]
-
-
-# ---- round robin (reference arm) ----------------------------------------------------------------
-def round_robin_router():
-    """A Serve ``RequestRouter`` class that sends requests to the replicas in turn, whatever their
-    load or cache (the reference arm; made here, after Ray is started with its auth settings)."""
-    from ray.serve.request_router import RequestRouter
-
-    class RoundRobinRouter(RequestRouter):
-        def initialize_state(self, **kwargs) -> None:
-            self._turn = 0
-
-        async def choose_replicas(self, candidate_replicas, pending_request=None):
-            reps = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-            self._turn += 1
-            return [[reps[self._turn % len(reps)]], reps]
-
-    return RoundRobinRouter
 
 
 # ---- workload -----------------------------------------------------------------------------------
@@ -137,18 +121,10 @@ def deploy(arm: str, args) -> None:
 
     app_args = {"model": None, "dtype": "float32", "num_replicas": args.replicas, "torch_num_threads": 1,
                 "max_num_seqs": args.max_num_seqs, "max_model_len": 2048, "num_kv_blocks": args.num_kv_blocks,
-                "prefix_aware_routing": arm != "round_robin", "kv_aware_routing": arm.startswith("kv"),
+                "prefix_aware_routing": arm != "default", "kv_aware_routing": arm.startswith("kv"),
                 "kv_offloading_size": args.kv_offloading_size if arm == "kv_tier" else None,
                 "response_cache": False}
-    orig = app_mod.llm_deployment_options
-    if arm == "round_robin":
-        app_mod.llm_deployment_options = lambda m, name, channels=0: {
-            **orig(m, name, channels), "request_router_config": {"request_router_class": round_robin_router()}}
-    try:
-        app = app_mod.build_app(app_args)
-    finally:
-        app_mod.llm_deployment_options = orig
-    serve.run(app, name=APP, route_prefix="/")
+    serve.run(app_mod.build_app(app_args), name=APP, route_prefix="/")
 
 
 def replica_stats(url: str) -> dict:
@@ -355,7 +331,7 @@ def main(argv=None) -> dict:
         ap.error(f"--arms: choose from {ARMS}")
     prov = Results(__file__, RESULT_KEYS)
     result: dict = {
-        "what": "KV-event routing with and without a host tier vs the prefix router and round robin, "
+        "what": "KV-event routing with and without a host tier vs the prefix router and Serve's default router, "
                 "multi-turn conversations in groups sharing system prompts",
         "workload": {"groups": args.groups, "users_per_group": args.users_per_group, "turns": args.turns,
                      "system_tokens": args.system_tokens, "user_turn_words": 40, "assistant_words": 20,
