@@ -59,7 +59,8 @@ class DraftModelProposer:
             raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
                              f"({vocab_size}); speculative decoding needs the same tokenizer")
         dcfg = dataclasses.replace(config, model=path, speculative_config=None, num_kv_blocks=num_blocks,
-                                   enable_prefix_caching=False, tensor_parallel_size=1)
+                                   enable_prefix_caching=False, tensor_parallel_size=1, kv_offloading_size=None,
+                                   enable_kv_cache_events=False)  # the target's pool alone has a tier and events
         self.runner = ModelRunner(dcfg, path)
         self.runner.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False)

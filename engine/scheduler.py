@@ -341,6 +341,15 @@ class Scheduler:
         return True
 
     # ---- stats -----------------------------------------------------------------
+    def _uncached(self, req: Request) -> int:
+        """Tokens ``req`` (waiting) would compute if scheduled now: those past its prefix found in
+        the pool and then the host tier."""
+        if req.prompt_logprobs is not None or (req.pooling is not None and req.pooling.needs_every_position):
+            return req.num_tokens - req.num_computed_tokens
+        hits = self.kv.get_computed_blocks(req)
+        loads = self.kv.get_offloaded_blocks(req, len(hits))
+        return req.num_tokens - (len(hits) + len(loads)) * self.kv.block_size
+
     def stats(self) -> dict[str, float]:
         """Queue and cache gauges (counts, tokens, fractions)."""
         bs = self.kv.block_size
@@ -351,6 +360,10 @@ class Scheduler:
             "num_waiting_requests": len(self.waiting),
             # prompt tokens not yet computed: waiting requests and running ones mid-(chunked) prefill
             "num_waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+            + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
+            # of those, the tokens the requests would compute: a waiting request's prefix found in
+            # the pool or the host tier is not work (what a KV-aware router weighs as load)
+            "num_waiting_uncached_tokens": sum(self._uncached(r) for r in self.waiting)
             + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
             "kv_cache_usage": self.kv.usage(),
             "kv_allocated_slots": allocated,

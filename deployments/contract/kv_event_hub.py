@@ -35,8 +35,9 @@ REPLICA_TTL_S = 10.0
 
 @dataclass
 class ReplicaLoad:
-    """A replica's load when it last published: prompt tokens waiting to be computed, running
-    requests, and the wall-clock time of the publish (seconds since the epoch)."""
+    """A replica's load when it last published: prompt tokens waiting to be computed (past the
+    prefixes its pool and tier hold), requests running or waiting, and the wall-clock time of the
+    publish (seconds since the epoch)."""
 
     waiting_tokens: int = 0
     running_requests: int = 0

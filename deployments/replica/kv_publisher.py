@@ -60,7 +60,7 @@ class KVEventPublisher:
 
     def _load(self) -> ReplicaLoad:
         s = self.engine.get_stats()
-        return ReplicaLoad(int(s.get("num_waiting_prefill_tokens", 0)),
+        return ReplicaLoad(int(s.get("num_waiting_uncached_tokens", s.get("num_waiting_prefill_tokens", 0))),
                            int(s.get("num_running_requests", 0) + s.get("num_waiting_requests", 0)
                                + s.get("num_pending_requests", 0)))
 

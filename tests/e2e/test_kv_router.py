@@ -167,6 +167,13 @@ def _kv_router(**kw) -> KVAwareRouter:
     return r
 
 
+def settle(router: KVAwareRouter) -> None:
+    """As after the replicas' next publish and Serve's acceptance of the routed requests: this
+    router's sends and reservations no longer count (they expire by time otherwise)."""
+    router._sent.clear()
+    router._reserved.clear()
+
+
 def test_the_router_routes_on_the_index_and_falls_back_when_cold():
     async def run():
         prompt = list(range(1000, 1200))
@@ -186,7 +193,7 @@ def test_the_router_routes_on_the_index_and_falls_back_when_cold():
         router.apply(hub.pull(None, 0))
         for _ in range(3):  # (each after b's next publish: this router's sends no longer count)
             assert _names(await router.choose_replicas(reps, _pending(prompt)))[0] == ["b"]
-            router._sent.clear()
+            settle(router)
         assert router.num_kv_routed == 3
         # b's deeper prefix is in its host tier (a holds 4 in its pool): still b, the load is cheap
         hub.publish("b", 2, [KVEventBatch(0.0, [BlockRemoved(hashes[2:8]),
@@ -194,15 +201,15 @@ def test_the_router_routes_on_the_index_and_falls_back_when_cold():
                     ReplicaLoad())
         hub.publish("a", 1, [KVEventBatch(0.0, [BlockStored(hashes[:4], None, [], 16)])], ReplicaLoad())
         router.apply(hub.pull(router._hub_id, router._cursor))
-        router._sent.clear()
+        settle(router)
         assert _names(await router.choose_replicas(reps, _pending(prompt)))[0] == ["b"]
         # b is loaded: a long queue there sends the request to the next cheapest (a, 4 blocks cached)
         hub.publish("b", 2, [], ReplicaLoad(waiting_tokens=500))
         router.apply(hub.pull(router._hub_id, router._cursor))
-        router._sent.clear()
+        settle(router)
         assert _names(await router.choose_replicas(reps, _pending(prompt)))[0] == ["a"]
         # this router's own sends count until the replica's next publish: a burst spreads
-        router._sent.clear()
+        settle(router)
         hub.publish("b", 2, [], ReplicaLoad())
         router.apply(hub.pull(router._hub_id, router._cursor))
         router._pending_at.clear()
@@ -212,14 +219,13 @@ def test_the_router_routes_on_the_index_and_falls_back_when_cold():
         assert burst[0] == "b" and "a" in burst and burst.count("b") > burst.count("c")
         # a new prefix: its second request follows the first (the blocks are being computed there,
         # no replica has published them yet) instead of computing them again elsewhere
-        router._sent.clear()
+        settle(router)
         new = list(range(7000, 7300))
         first = _names(await router.choose_replicas(reps, _pending(new)))[0]
-        router._sent.clear()
+        settle(router)
         assert _names(await router.choose_replicas(reps, _pending(new + [1])))[0] == first
         # a replica with more than imbalance_margin ongoing requests above the least loaded is left out
-        router._sent.clear()
-        router._reserved.clear()
+        settle(router)
         cache = router.replica_queue_len_cache
         for q, n in ((a, 0), (b, 9), (c, 0)):
             cache.update(q.replica_id, n)

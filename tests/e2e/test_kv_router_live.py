@@ -94,3 +94,54 @@ def test_follow_ups_go_where_the_kv_is(kv_app):
         assert c[0] == 0 and all(n >= 12 * 16 for n in c[1:]), (i, c)
     for i in range(6):
         assert len(holders(request_hashes(_prefix(i), 16, 64)[-1])) == 1, i
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_replica_leaves_the_other_serving_and_leaves_the_index(kv_app):
+    """Kill one replica (its pool, tier and publisher go with it) while a request runs there:
+    requests keep being served (a call that reached the dead replica is retried, at most twice),
+    and the hub drops the dead replica from the index within its silence limit, so no router
+    keeps sending prefixes to it."""
+    import ray
+    from ray._private.state import state
+
+    from deployments.contract.kv_event_hub import REPLICA_TTL_S
+
+    handle, hub, _ = kv_app
+    actors = {a["Name"]: a for a in state.actor_table(None).values()
+              if (a.get("ActorClassName") or "") == f"ServeReplica:{APP}:LLMServer" and a["State"] == "ALIVE"}
+    loads = ray.get(hub.pull.remote(None, 0)).loads
+    victim_name = next(iter(actors))
+    victim_id = next(r for r in loads if victim_name.endswith(r))
+    victim = ray.get_actor(victim_name, namespace="serve")
+
+    async def run():
+        long = asyncio.ensure_future(handle.complete.remote(_prefix(50), {"max_tokens": 64, "temperature": 0}))
+        await asyncio.sleep(0.5)
+        ray.kill(victim, no_restart=True)
+        try:
+            await long
+        except Exception:
+            pass  # it may have run on the victim
+        served = 0
+        for i in range(6):
+            for _ in range(3):
+                try:
+                    params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+                    out = await handle.complete.remote(_prefix(i) + [90, i], params)
+                    served += len(out.token_ids) == 2
+                    break
+                except Exception:
+                    await asyncio.sleep(1.0)
+        return served
+
+    assert asyncio.run(run()) == 6
+    deadline = time.monotonic() + REPLICA_TTL_S + 30
+    while time.monotonic() < deadline:
+        reply = ray.get(hub.pull.remote(None, 0))
+        if victim_id not in reply.loads and victim_id not in reply.dump:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"the hub still holds the killed replica {victim_id}")

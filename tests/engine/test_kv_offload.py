@@ -362,3 +362,19 @@ def test_both_fronts_deliver_every_batch_and_a_snapshot_that_agrees(tiny_llama_p
             await eng.shutdown()
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_the_tier(tiny_llama_path, method):
+    """Drafts are verified against blocks loaded back from the tier as against computed ones (the
+    draft model keeps its own pool, without a tier)."""
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+            if method == "ngram" else
+            {"method": "draft_model", "model": str(tiny_llama_path), "num_speculative_tokens": 3})
+    ref = run_rounds(LLM(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16,
+                         block_size=BS, enable_prefix_caching=False), PROMPTS)
+    llm = tier_engine(tiny_llama_path, speculative_config=spec)
+    assert run_rounds(llm, PROMPTS) == ref
+    stats = llm.engine.get_stats()
+    assert stats["kv_offload_hit_tokens"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
+    assert_no_leak(llm)
