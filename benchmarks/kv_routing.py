@@ -6,7 +6,10 @@ every arm of a repeat): ``--groups`` groups of users, each group sharing a syste
 ``--turns`` turns whose context grows every turn (the previous turns, a synthetic assistant
 answer of ~24 tokens, then a new user message of ~48 tokens); each user sends its next turn when
 the previous one has ended, after an exponential think time (mean ``--think-s``); users start
-uniformly over the first 10 s. Streaming ``/v1/chat/completions``, greedy, ``max_tokens``
+uniformly over the first 10 s. The default load (6 users on 2 replicas of 4 sequences each) is one
+this box serves without refusals, so the arms differ in the work they make the replicas do, not
+in what they refuse (an overloaded run's refusals come from the replicas' admission bounds and
+the gateway's shedding, and make the arms' TTFTs incomparable). Streaming ``/v1/chat/completions``, greedy, ``max_tokens``
 ``--output-tokens`` with ``ignore_eos``. The distinct prefixes (system prompts plus every
 conversation) exceed one replica's KV pool (``--num-kv-blocks``), so pools evict.
 
@@ -313,8 +316,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--groups", type=int, default=6)
-    ap.add_argument("--users-per-group", type=int, default=2)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--users-per-group", type=int, default=1)
+    ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=2.0)
