@@ -62,6 +62,10 @@ HOST_COST = 0.2
 PENDING_S = 10.0
 #: Most pending block hashes remembered.
 PENDING_SIZE = 16384
+#: Deepest prefix this router hashes, tokens: a multi-turn conversation's cached context goes
+#: far past a system prompt, and the index (unlike the prefix router's reports) costs nothing per
+#: hashed block (tokenizing the longer text is cached by leading power-of-two characters).
+KV_MAX_PREFIX_TOKENS = 4096
 #: Seconds a router's first routing decision waits for its first pull from the hub (a new
 #: router, e.g. a driver's handle, would otherwise route its first requests on a cold index).
 FIRST_PULL_WAIT_S = 2.0
@@ -78,14 +82,15 @@ def replica_costs(match: dict[str, tuple[int, int]], num_blocks: int, block_size
 class KVAwareRouter(PrefixAwareRouter):
     """Serve ``RequestRouter`` for ``LLMServer`` on KV cache events (see the module docstring).
 
-    ``request_router_kwargs`` (:meth:`initialize_state`): those of :class:`PrefixAwareRouter`,
-    plus ``app_name`` (the Serve application whose hub to read; default: this replica's
+    ``request_router_kwargs`` (:meth:`initialize_state`): those of :class:`PrefixAwareRouter`
+    (``max_prefix_tokens`` defaults to :data:`KV_MAX_PREFIX_TOKENS` here), plus ``app_name`` (the Serve application whose hub to read; default: this replica's
     application), ``pull_interval_s``, ``running_request_tokens``, ``host_cost``.
     """
 
     def initialize_state(self, app_name: str | None = None, pull_interval_s: float = PULL_INTERVAL_S,
                          running_request_tokens: float = RUNNING_REQUEST_TOKENS, host_cost: float = HOST_COST,
                          **prefix_kwargs) -> None:
+        prefix_kwargs.setdefault("max_prefix_tokens", KV_MAX_PREFIX_TOKENS)
         super().initialize_state(**prefix_kwargs)
         # the application of the deployment this router routes to (also in a driver's handle)
         self.kv_app = app_name or getattr(getattr(self, "_deployment_id", None), "app_name", None) or serve_app_name()

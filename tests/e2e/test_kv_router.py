@@ -176,6 +176,9 @@ def settle(router: KVAwareRouter) -> None:
 
 def test_the_router_routes_on_the_index_and_falls_back_when_cold():
     async def run():
+        # a conversation's context past 1,024 tokens (the prefix router's depth) is hashed too
+        deep = _kv_router()
+        assert deep.hasher.max_blocks == 4096 // 16
         prompt = list(range(1000, 1200))
         hashes = request_hashes(prompt, 16, 64)
         a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
