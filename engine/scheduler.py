@@ -355,16 +355,16 @@ class Scheduler:
         bs = self.kv.block_size
         allocated = sum(len(r.block_table) for r in self.running) * bs
         used = sum(r.num_computed_tokens for r in self.running)
+        mid_prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                          if r.num_tokens - r.num_computed_tokens > 1)
         return {
             "num_running_requests": len(self.running),
             "num_waiting_requests": len(self.waiting),
             # prompt tokens not yet computed: waiting requests and running ones mid-(chunked) prefill
-            "num_waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-            + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
+            "num_waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + mid_prefill,
             # of those, the tokens the requests would compute: a waiting request's prefix found in
             # the pool or the host tier is not work (what a KV-aware router weighs as load)
-            "num_waiting_uncached_tokens": sum(self._uncached(r) for r in self.waiting)
-            + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
+            "num_waiting_uncached_tokens": sum(self._uncached(r) for r in self.waiting) + mid_prefill,
             "kv_cache_usage": self.kv.usage(),
             "kv_allocated_slots": allocated,
             "kv_used_slots": used,
