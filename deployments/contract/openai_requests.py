@@ -241,10 +241,14 @@ def unknown_fields(body: BaseModel) -> list[str]:
     """Dotted names of the fields of a request body (and its messages) that no model
     declares: accepted and ignored (the ingress warns once per name)."""
     names = [k for k in (body.model_extra or {})]
-    for m in getattr(body, "messages", None) or []:
-        names.extend(f"messages.{k}" for k in (m.model_extra or {}))
-    if getattr(body, "stream_options", None) is not None:
-        names.extend(f"stream_options.{k}" for k in (body.stream_options.model_extra or {}))
+    extra = body.model_extra or {}
+    messages = getattr(body, "messages", None) if "messages" not in extra else None  # declared, not an extra field
+    for m in messages if isinstance(messages, list) else []:
+        if isinstance(m, BaseModel):
+            names.extend(f"messages.{k}" for k in (m.model_extra or {}))
+    options = getattr(body, "stream_options", None) if "stream_options" not in extra else None
+    if isinstance(options, BaseModel):
+        names.extend(f"stream_options.{k}" for k in (options.model_extra or {}))
     return sorted(set(names))
 
 

@@ -72,6 +72,22 @@ def test_tokenize_and_detokenize():
     assert both.status_code == 400 and bad.status_code == 400 and bad.json()["error"]["message"] == "cannot tokenize"
 
 
+def test_unknown_fields_named_like_declared_ones_are_ignored_not_a_500():
+    """A body whose unknown field shares a name the warning walks on other endpoints
+    (``messages``, ``stream_options``) but holds anything (schemathesis sent ``/detokenize`` a
+    dict as ``messages``: a 500): answered, the field ignored."""
+    replica = ScriptedReplica()
+
+    async def main():
+        _, app = _sdk(replica)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return [await c.post("/detokenize", json={"tokens": [104, 105], "messages": weird, "stream_options": weird})
+                    for weird in ({"a": 4.0e16}, ["x", 1], "text", 7)]
+
+    for r in _run(main()):
+        assert r.status_code == 200 and r.json() == {"prompt": "hi"}, r.text
+
+
 def test_one_answer_calls_are_sent_again_when_their_replica_is_lost():
     """An embeddings or tokenize call whose replica died under it (a lost node: ActorDiedError)
     is idempotent, so it goes again, as a stream lost before its first token does; a replica that

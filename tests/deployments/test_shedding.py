@@ -204,14 +204,24 @@ def test_past_the_hold_one_probe_goes_at_a_time_and_an_admitted_probe_ends_the_m
     s.admitted("m")  # without a mark: nothing to do
 
 
-def test_a_flood_past_the_hold_sends_one_probe_to_the_replica():
+def test_a_flood_past_the_hold_sends_one_probe_to_the_replica(monkeypatch):
+    """Past the hold, a flood sends one probe, not one per request. The shedder's clock is held
+    still during the flood (it moves only past the hold): on a loaded box the 30 requests can take
+    longer than a hold, and then a second probe would rightly go."""
+    import types
+
+    import deployments.gateway.shedding as shedding
+
     replica = CappedReplica()
+    now = [1000.0]
+    # the shedder's clock only (the event loop keeps the real one)
+    monkeypatch.setattr(shedding, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
 
     async def main():
         gw, c = _gateway(replica, hold_s=0.2)
         async with c:
             held = await _fill(c, replica)
-            time.sleep(0.25)  # past the hold
+            now[0] += 0.25  # past the hold
             n = len(replica.requests)
             flood = await asyncio.gather(*(_chat(c, stream=False) for _ in range(30)))
             reached = len(replica.requests) - n
