@@ -357,17 +357,19 @@ class Scheduler:
         used = sum(r.num_computed_tokens for r in self.running)
         mid_prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running
                           if r.num_tokens - r.num_computed_tokens > 1)
-        return {
+        out = {
             "num_running_requests": len(self.running),
             "num_waiting_requests": len(self.waiting),
             # prompt tokens not yet computed: waiting requests and running ones mid-(chunked) prefill
             "num_waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + mid_prefill,
-            # of those, the tokens the requests would compute: a waiting request's prefix found in
-            # the pool or the host tier is not work (what a KV-aware router weighs as load)
-            "num_waiting_uncached_tokens": sum(self._uncached(r) for r in self.waiting) + mid_prefill,
             "kv_cache_usage": self.kv.usage(),
             "kv_allocated_slots": allocated,
             "kv_used_slots": used,
             "prefix_cache_hit_rate": self.kv.hit_rate(),
             "num_preemptions": self.num_preemptions,
         }
+        if self.kv.events is not None:  # with KV events on (a KV-aware router reads it): of the waiting
+            # prefill tokens, those the requests would compute (a prefix in the pool or tier is not work);
+            # a lookup per waiting block, so not in every engine's per-step stats
+            out["num_waiting_uncached_tokens"] = sum(self._uncached(r) for r in self.waiting) + mid_prefill
+        return out
