@@ -58,11 +58,9 @@ def bytes_per_block(hf_config, block_size: int, kv_element_size: int) -> int:
     return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * block_size * kv_element_size
 
 
-def num_slots(size_gib: float | None, hf_config, block_size: int, kv_element_size: int) -> int:
-    """Blocks the tier holds for ``size_gib`` GiB (0: no tier)."""
-    if not size_gib:
-        return 0
-    return int(size_gib * (1 << 30)) // bytes_per_block(hf_config, block_size, kv_element_size)
+def num_slots(size_gib: float | None, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` (:func:`bytes_per_block`) the tier holds for ``size_gib`` GiB (0: no tier)."""
+    return int(size_gib * (1 << 30)) // block_bytes if size_gib else 0
 
 
 class HostKVTier:
@@ -87,8 +85,8 @@ class HostKVTier:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self._pending = KVTransfer()
         self._pinned: set[int] = set()  # slots this step's loads read: never overwritten before they run
-        #: counters (blocks): saved into the tier, loaded back, lookups that found a block
-        self.num_saved = self.num_loaded = self.num_evicted = 0
+        #: counters (blocks): saved into the tier, loaded back
+        self.num_saved = self.num_loaded = 0
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.lru
@@ -111,7 +109,6 @@ class HostKVTier:
                 return
             slot = self.lru.pop(victim)
             self.meta.pop(victim, None)
-            self.num_evicted += 1
             if self.events is not None:
                 self.events.removed(victim, MEDIUM_HOST)
         self.lru[block_hash] = slot

@@ -119,8 +119,7 @@ class LLMEngine:
         #: K+V bytes of one block of the whole model (the host tier's unit)
         self.kv_block_bytes = kv_offload.bytes_per_block(
             self.hf_config, config.block_size, 1 if config.kv_cache_dtype == "fp8" else config.torch_dtype.itemsize)
-        slots = kv_offload.num_slots(config.kv_offloading_size, self.hf_config, config.block_size,
-                                     1 if config.kv_cache_dtype == "fp8" else config.torch_dtype.itemsize)
+        slots = kv_offload.num_slots(config.kv_offloading_size, self.kv_block_bytes)
         tier = HostKVTier(slots, self.kv_events) if slots else None
         if config.kv_offloading_size and not slots:
             logger.warning("kv_offloading_size %s GiB holds no block of this model: no host tier",

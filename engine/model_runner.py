@@ -230,7 +230,8 @@ class ModelRunner:
         self._attach(self.kv_caches)
         self.num_blocks = num_blocks
         c = self.config
-        slots = kv_offload.num_slots(c.kv_offloading_size, self.hf_config, self.block_size, self.kv_dtype.itemsize)
+        block_bytes = kv_offload.bytes_per_block(self.hf_config, self.block_size, self.kv_dtype.itemsize)
+        slots = kv_offload.num_slots(c.kv_offloading_size, block_bytes)
         if slots:
             self.host_store = HostKVStore(self.kv_caches, slots, c.kv_offloading_backend, c.kv_offloading_path)
         if self.use_cuda_graphs:

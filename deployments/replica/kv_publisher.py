@@ -43,7 +43,6 @@ class KVEventPublisher:
         self._need_snapshot = True
         self._failing = False
         self._task: asyncio.Task | None = None
-        self.published_batches = 0
 
     def start(self) -> None:
         """Start publishing on the running event loop (idempotent)."""
@@ -96,7 +95,6 @@ class KVEventPublisher:
             self.hub = await asyncio.to_thread(get_hub, self.app)
         answer = await self.hub.publish.remote(self.replica_id, self._seq, self._pending, self._load(), snapshot)
         if answer == "ok":
-            self.published_batches += len(self._pending)
             self._pending = []
             self._need_snapshot = False
         else:

@@ -83,7 +83,8 @@ class KVAwareRouter(PrefixAwareRouter):
     """Serve ``RequestRouter`` for ``LLMServer`` on KV cache events (see the module docstring).
 
     ``request_router_kwargs`` (:meth:`initialize_state`): those of :class:`PrefixAwareRouter`
-    (``max_prefix_tokens`` defaults to :data:`KV_MAX_PREFIX_TOKENS` here), plus ``app_name`` (the Serve application whose hub to read; default: this replica's
+    (``max_prefix_tokens`` defaults to :data:`KV_MAX_PREFIX_TOKENS` here), plus ``app_name``
+    (the Serve application whose hub to read; default: this replica's
     application), ``pull_interval_s``, ``running_request_tokens``, ``host_cost``.
     """
 
@@ -107,7 +108,7 @@ class KVAwareRouter(PrefixAwareRouter):
         # prefixes this router sent in the last PENDING_S s: hash -> time.monotonic(), hash -> replica
         self._pending_at: OrderedDict[int, float] = OrderedDict()
         self._pending_to: dict[int, str] = {}
-        self.num_kv_routed = self.num_fallbacks = 0
+        self.num_kv_routed = 0  # decisions made on the index (not by the prefix router)
 
     # ---- the hub ------------------------------------------------------------------------
     def _ensure_puller(self) -> None:
@@ -180,7 +181,6 @@ class KVAwareRouter(PrefixAwareRouter):
             return await super().choose_replicas(candidate_replicas, pending_request)
         hashes = await self._kv_hashes(pr)
         if not hashes:
-            self.num_fallbacks += 1
             return await super().choose_replicas(candidate_replicas, pending_request)
         pr.routing_context.should_backoff = True
         task = asyncio.current_task()
