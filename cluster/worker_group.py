@@ -197,6 +197,14 @@ class RayWorkerGroup(Executor):
     def remove_lora(self, lora_int_id: int) -> bool:
         return all(ray.get([w.remove_lora.remote(lora_int_id) for w in self.workers]))
 
+    def read_kv_blocks(self, block_ids: list[int]) -> list:
+        return ray.get([w.read_kv_blocks.remote(block_ids) for w in self.workers])
+
+    def write_kv_slots(self, slots: list[int], shards: list) -> None:
+        if len(shards) != len(self.workers):
+            raise ValueError(f"{len(self.workers)} ranks here, {len(shards)} shards given")
+        ray.get([w.write_kv_slots.remote(slots, s) for w, s in zip(self.workers, shards)])
+
     def placement_group_info(self) -> dict:
         """Where the ranks run: the placement group (the replica's own, or one created here),
         its bundles and strategy, and each rank's process."""

@@ -74,6 +74,9 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
         self._closed = False
+        #: a tier outside the engine (``engine.kv_connector.KVConnector``): each new request is
+        #: shown to it, once tokenized, before it is queued (None: no such tier)
+        self.kv_connector = None
         self.errored: EngineDeadError | None = None
         """The :class:`EngineDeadError` that killed the engine, or None while it is usable."""
 
@@ -246,6 +249,8 @@ class AsyncLLMEngine:
             try:
                 req = await loop.run_in_executor(self._tok_pool, self._make_request, request_id, prompt, params,
                                                  priority, lora_request, pooling_params)
+                if self.kv_connector is not None and pooling_params is None:
+                    await self.kv_connector.before_add(req)  # bounded; never raises
             finally:
                 self._tokenizing.discard(request_id)
             self.check_health()  # the engine may have died while we tokenized
@@ -308,6 +313,19 @@ class AsyncLLMEngine:
         """Forget every cached prefix (:meth:`LLMEngine.reset_prefix_cache`), between two steps;
         False while requests are in the engine."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.engine.reset_prefix_cache)
+
+    async def export_kv_blocks(self, block_hashes: list[int]) -> list:
+        """Copies of cached pool blocks (:meth:`LLMEngine.export_kv_blocks`), taken on the step
+        thread between two steps."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.engine.export_kv_blocks, block_hashes)
+
+    async def import_kv_blocks(self, blocks: list) -> int:
+        """Blocks into the host tier (:meth:`LLMEngine.import_kv_blocks`), between two steps.
+
+        Raises:
+            ValueError: no host tier, or blocks of another layout.
+        """
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.engine.import_kv_blocks, blocks)
 
     def get_stats(self) -> dict[str, float]:
         stats = self.engine.get_stats()

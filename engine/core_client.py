@@ -203,6 +203,14 @@ class CoreProxy:
         the batches up to its seq arrive before it)."""
         return self.core.call("kv_cache_snapshot")
 
+    def export_kv_blocks(self, block_hashes: list[int]) -> list:
+        """As :meth:`LLMEngine.export_kv_blocks`, in the core between two steps (blocking)."""
+        return self.core.call("export_kv_blocks", block_hashes)
+
+    def import_kv_blocks(self, blocks: list) -> int:
+        """As :meth:`LLMEngine.import_kv_blocks`, in the core between two steps (blocking)."""
+        return self.core.call("import_kv_blocks", blocks)
+
     def reset_prefix_cache(self) -> bool:
         """As :meth:`LLMEngine.reset_prefix_cache`, in the core between two steps (blocking)."""
         return self.core.call("reset_prefix_cache")
@@ -282,6 +290,12 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
 
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.to_thread(self.engine.reset_prefix_cache)
+
+    async def export_kv_blocks(self, block_hashes: list[int]) -> list:
+        return await asyncio.to_thread(self.engine.export_kv_blocks, block_hashes)
+
+    async def import_kv_blocks(self, blocks: list) -> int:
+        return await asyncio.to_thread(self.engine.import_kv_blocks, blocks)
 
     def check_health(self) -> None:
         """As :meth:`AsyncLLMEngine.check_health`, and the core process is alive.

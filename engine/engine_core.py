@@ -47,7 +47,7 @@ logger = logging.getLogger("kvserve.engine_core")
 #: calls from worker threads).
 CALLS = frozenset({"add_lora", "remove_lora", "check_health", "get_stats"})
 #: Calls answered from the step loop, between two steps (they read or change the scheduler's state).
-STEP_CALLS = frozenset({"kv_cache_snapshot", "reset_prefix_cache"})
+STEP_CALLS = frozenset({"kv_cache_snapshot", "reset_prefix_cache", "export_kv_blocks", "import_kv_blocks"})
 
 
 @dataclass

@@ -106,6 +106,20 @@ class Executor(ABC):
         """Unload an adapter from every rank (False: it was not loaded)."""
         raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
 
+    def read_kv_blocks(self, block_ids: list[int]) -> list:
+        """Every rank's bytes of pool blocks ``block_ids``, in rank order (each a ``uint8
+        [len(block_ids), rank's block bytes]`` array: :func:`engine.kv_offload.read_blocks`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not copy KV blocks out")
+
+    def write_kv_slots(self, slots: list[int], shards: list) -> None:
+        """Write blocks into host-tier ``slots`` on every rank: ``shards[rank]`` is that rank's
+        ``uint8 [len(slots), rank's block bytes]`` array.
+
+        Raises:
+            ValueError: no host tier, or shards of another layout.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not copy KV blocks in")
+
     def check_health(self) -> None:
         """Raise if the executor can no longer run steps (a worker is gone, the device
         failed). Called by the async engine after a step failure that no single request
@@ -145,6 +159,14 @@ class UniProcExecutor(Executor):
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.runner.lora.remove(lora_int_id)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list:
+        return [self.runner.read_kv_blocks(block_ids)]
+
+    def write_kv_slots(self, slots: list[int], shards: list) -> None:
+        if len(shards) != 1:
+            raise ValueError(f"one rank here, {len(shards)} shards given")
+        self.runner.write_kv_slots(slots, shards[0])
 
     def check_health(self) -> None:
         """Raises if the runner is gone (shut down) or, on CUDA, the device context is broken

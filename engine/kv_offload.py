@@ -20,6 +20,13 @@ Backends (``kv_offloading_backend``):
   done yet).
 * ``mmap``: a memory-mapped file under ``kv_offloading_path`` (or the temp dir): the store can
   exceed RAM; the page cache keeps what fits.
+
+Blocks also leave and enter the engine whole, for a tier outside it (the serving layer's cluster
+tier, ``deployments/replica/kv_cluster.py``): :meth:`LLMEngine.export_kv_blocks
+<engine.llm_engine.LLMEngine.export_kv_blocks>` reads cached pool blocks out as
+:class:`KVBlockCopy` (each rank's share as raw bytes), and ``import_kv_blocks`` writes copies into
+host-tier slots (:meth:`HostKVTier.insert`), from where the scheduler loads them as it loads any
+host-tier block. Bytes, not values: a block imported is bit-identical to the one exported.
 """
 from __future__ import annotations
 
@@ -63,6 +70,46 @@ def num_slots(size_gib: float | None, block_bytes: int) -> int:
     return int(size_gib * (1 << 30)) // block_bytes if size_gib else 0
 
 
+@dataclass
+class KVBlockCopy:
+    """One cached block out of an engine, to go into another engine's host tier.
+
+    Attributes:
+        block_hash: the block's chained prefix hash (``engine.kv_cache_manager.hash_block``).
+        meta: ``(parent hash, token ids, block size, LoRA id)`` as the KV events report it.
+        shards: one array per rank (rank order), dtype ``uint8``, of that rank's K and V of the
+            block: ``[layers, 2, block_size, kv_heads, head_dim]`` elements of the pool's dtype,
+            as raw bytes (:func:`read_blocks`).
+    """
+
+    block_hash: int
+    meta: tuple
+    shards: list
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(s.nbytes) for s in self.shards)
+
+
+def read_blocks(caches, block_ids: list[int]):
+    """The K and V of pool blocks ``block_ids`` of one rank, as bytes.
+
+    Args:
+        caches: the rank's pool, one ``(K, V)`` pair per layer, each ``[num_blocks, block_size,
+            kv_heads, head_dim]``.
+        block_ids: pool blocks to read.
+
+    Returns:
+        A numpy ``uint8`` array ``[len(block_ids), block bytes]`` (host memory), row ``i`` holding
+        block ``block_ids[i]`` as ``[layers, 2, block_size, kv_heads, head_dim]``.
+    """
+    import torch
+
+    idx = torch.tensor(block_ids, device=caches[0][0].device)
+    out = torch.stack([torch.stack([k[idx], v[idx]], 1) for k, v in caches], 1)  # [n, layers, 2, bs, h, d]
+    return out.cpu().contiguous().view(torch.uint8).reshape(len(block_ids), -1).numpy()
+
+
 class HostKVTier:
     """The scheduler's side of the host tier: hash -> slot, LRU (least recently used first),
     and the copies the current step needs (:meth:`take`).
@@ -85,8 +132,11 @@ class HostKVTier:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self._pending = KVTransfer()
         self._pinned: set[int] = set()  # slots this step's loads read: never overwritten before they run
-        #: counters (blocks): saved into the tier, loaded back
-        self.num_saved = self.num_loaded = 0
+        #: hashes that came from outside the engine (:meth:`insert`) and are still here
+        self.imported: set[int] = set()
+        #: counters (blocks): saved into the tier, loaded back, inserted from outside, loaded
+        #: back of those inserted
+        self.num_saved = self.num_loaded = self.num_imported = self.num_imported_loaded = 0
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.lru
@@ -101,24 +151,45 @@ class HostKVTier:
         if block_hash in self.lru:
             self.lru.move_to_end(block_hash)
             return
+        slot = self._claim(block_hash, meta)
+        if slot is not None:
+            self._pending.saves.append((block_id, slot))
+            self.num_saved += 1
+
+    def insert(self, block_hash: int, meta: tuple) -> int | None:
+        """Make room for a block coming from outside the engine (:class:`KVBlockCopy`): the slot
+        its bytes go to (the caller writes them before the next step), most recently used, or
+        None when the tier holds it already or every slot is pinned."""
+        if block_hash in self.lru:
+            return None
+        slot = self._claim(block_hash, meta)
+        if slot is not None:
+            self.imported.add(block_hash)
+            self.num_imported += 1
+        return slot
+
+    def _claim(self, block_hash: int, meta: tuple | None) -> int | None:
+        """A slot for ``block_hash`` (free, else the least recently used unpinned one's, whose
+        block is dropped with a ``BlockRemoved``), recorded with a ``BlockStored``; None when
+        every slot is pinned."""
         if self.free_slots:
             slot = self.free_slots.pop()
         else:
             victim = next((h for h, s in self.lru.items() if s not in self._pinned), None)
             if victim is None:
-                return
+                return None
             slot = self.lru.pop(victim)
             self.meta.pop(victim, None)
+            self.imported.discard(victim)
             if self.events is not None:
                 self.events.removed(victim, MEDIUM_HOST)
         self.lru[block_hash] = slot
-        self._pending.saves.append((block_id, slot))
-        self.num_saved += 1
         if meta is not None:
             self.meta[block_hash] = meta
         if self.events is not None and meta is not None:
             parent, tokens, block_size, lora_id = meta
             self.events.stored([block_hash], parent, tokens, block_size, lora_id, MEDIUM_HOST)
+        return slot
 
     def pin(self, hashes: list[int]) -> None:
         """Keep the slots of ``hashes`` (about to be loaded this step) from being overwritten by
@@ -131,6 +202,7 @@ class HostKVTier:
         """Copy the tier's block ``block_hash`` into pool block ``block_id`` before this step's forward."""
         self._pending.loads.append((self.lru[block_hash], block_id))
         self.num_loaded += 1
+        self.num_imported_loaded += block_hash in self.imported
 
     def take(self) -> KVTransfer:
         """This step's copies (the scheduler puts them in its ``SchedulerOutput``); unpins."""
@@ -142,6 +214,7 @@ class HostKVTier:
         """Drop every block (a prefix-cache reset); the caller records ``AllBlocksCleared``."""
         self.lru.clear()
         self.meta.clear()
+        self.imported.clear()
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self._pinned.clear()
 
@@ -151,6 +224,7 @@ class HostKVTier:
         assert len(set(used)) == len(used), "two hashes in one slot"
         assert not set(used) & set(self.free_slots), "a slot both free and used"
         assert len(used) + len(self.free_slots) == self.num_slots, "slots leaked"
+        assert self.imported <= self.lru.keys(), "an imported hash the tier does not hold"
 
 
 class HostKVStore:
@@ -218,3 +292,22 @@ class HostKVStore:
                     cache[blocks] = self.data[layer, j, slots].to(self.device)
             self.load_seconds += time.perf_counter() - t0
             self.bytes_loaded += len(transfer.loads) * self.block_bytes
+
+    def write_slots(self, slots: list[int], rows) -> None:
+        """Write blocks into ``slots`` (this rank's shares of :class:`KVBlockCopy`, one ``uint8``
+        row of :func:`read_blocks`'s layout per slot, a ``[len(slots), block bytes]`` array).
+
+        Raises:
+            ValueError: a row of another size than this rank's block (another model, dtype, block
+                size or parallel layout).
+        """
+        import torch
+
+        per_block = self.data[:, :, 0]  # [layers, 2, bs, h, d]
+        nbytes = per_block.numel() * per_block.element_size()
+        rows = torch.as_tensor(rows)
+        if rows.dim() != 2 or rows.shape[1] != nbytes or rows.dtype != torch.uint8:
+            raise ValueError(f"a KV block copy of {tuple(rows.shape)} {rows.dtype} does not fit this rank's "
+                             f"blocks of {nbytes} bytes (another model, KV dtype, block size or parallel layout)")
+        vals = rows.contiguous().view(self.data.dtype).view(len(slots), *per_block.shape)  # [n, layers, 2, ...]
+        self.data[:, :, torch.tensor(slots)] = vals.permute(1, 2, 0, *range(3, vals.dim()))

@@ -23,8 +23,8 @@ from engine.input_processor import (  # noqa: F401  (re-exported: the engine-lev
 )
 from engine import kv_offload
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_events import KVEventBatch, KVEventRecorder
-from engine.kv_offload import HostKVTier
+from engine.kv_events import MEDIUM_HOST, KVEventBatch, KVEventRecorder
+from engine.kv_offload import HostKVTier, KVBlockCopy
 from engine.mixed_step_budget import MixedStepBudget
 from engine.model_loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
@@ -473,6 +473,77 @@ class LLMEngine:
             self._keep_kv_events()
         return True
 
+    def export_kv_blocks(self, block_hashes: list[int]) -> list[KVBlockCopy]:
+        """Copies of the cached pool blocks named by ``block_hashes`` (those the pool still holds
+        with their metadata: events or a host tier must be on), every rank's bytes, in the
+        order asked, for a tier outside the engine. Call it from the thread that steps the
+        engine (the bytes must not change under the copy)."""
+        kv = self.scheduler.kv
+        found = []
+        for h in block_hashes:
+            b = kv.pool.lookup(h)
+            if b is not None and b in kv._meta:
+                found.append((h, b))
+        if not found:
+            return []
+        shards = self.executor.read_kv_blocks([b for _, b in found])  # per rank: [n, bytes]
+        return [KVBlockCopy(h, kv._meta[b], [rank[i] for rank in shards]) for i, (h, b) in enumerate(found)]
+
+    def import_kv_blocks(self, blocks: list[KVBlockCopy]) -> int:
+        """Put blocks from outside the engine (:meth:`export_kv_blocks` of an engine of the same
+        model, KV dtype, block size and parallel layout) into the host tier, from where a request
+        whose prefix reaches them loads them instead of computing them. Blocks the pool or the
+        tier already hold are skipped; at most the tier's size is taken (the first ones). Call it
+        from the thread that steps the engine. Returns the number of blocks put in.
+
+        Raises:
+            ValueError: no host tier (``kv_offloading_size``), or blocks of another layout
+                (checked before anything changes).
+        """
+        kv = self.scheduler.kv
+        tier = kv.host_tier
+        if tier is None:
+            raise ValueError("importing KV blocks needs the host tier: set kv_offloading_size")
+        ranks = self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+        if any(len(b.shards) != ranks for b in blocks):
+            raise ValueError(f"KV block copies of another parallel layout ({ranks} ranks here)")
+        if any(b.nbytes != self.kv_block_bytes for b in blocks):
+            raise ValueError(f"KV block copies of another size than this engine's {self.kv_block_bytes} bytes "
+                             "(another model, KV dtype or block size)")
+        take = []
+        for b in blocks:
+            if len(take) == tier.num_slots:
+                break
+            if kv.pool.lookup(b.block_hash) is None and b.block_hash not in tier:
+                take.append(b)
+        if not take:
+            return 0
+        import numpy as np
+
+        shards = [np.stack([b.shards[r] for b in take]) for r in range(ranks)]
+        slots = []
+        for b in take:
+            slot = tier.insert(b.block_hash, tuple(b.meta))
+            if slot is None:  # pinned slots only: nothing more fits this step
+                break
+            slots.append(slot)
+        try:
+            self.executor.write_kv_slots(slots, [s[:len(slots)] for s in shards])
+        except BaseException:
+            for b in take[:len(slots)]:  # the slots hold nothing valid: drop them
+                tier.lru.pop(b.block_hash, None)
+                tier.meta.pop(b.block_hash, None)
+                tier.imported.discard(b.block_hash)
+            tier.free_slots.extend(slots)
+            if self.kv_events is not None:
+                for b in take[:len(slots)]:
+                    self.kv_events.removed(b.block_hash, MEDIUM_HOST)
+            raise
+        finally:
+            if self.kv_events is not None:
+                self._keep_kv_events()
+        return len(slots)
+
     # ---- introspection -------------------------------------------------------
     def get_stats(self) -> dict[str, float]:
         """Scheduler gauges plus counters: steps, generated/prompt tokens, max running batch, and
@@ -488,7 +559,9 @@ class LLMEngine:
             block = self.kv_block_bytes
             s.update(kv_offload_blocks=len(tier), kv_offload_capacity_blocks=tier.num_slots,
                      kv_offload_hit_tokens=self.scheduler.kv.host_hits, kv_offload_saved_bytes=tier.num_saved * block,
-                     kv_offload_loaded_bytes=tier.num_loaded * block, kv_offload_load_seconds=self.kv_load_seconds)
+                     kv_offload_loaded_bytes=tier.num_loaded * block, kv_offload_load_seconds=self.kv_load_seconds,
+                     kv_offload_imported_blocks=tier.num_imported,
+                     kv_offload_imported_hit_tokens=tier.num_imported_loaded * self.config.block_size)
         if self.speculator is not None:
             s.update(self.speculator.stats())
         return s

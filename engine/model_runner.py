@@ -237,6 +237,22 @@ class ModelRunner:
         if self.use_cuda_graphs:
             self.capture_cudagraphs()
 
+    def read_kv_blocks(self, block_ids: list[int]):
+        """This rank's K and V of pool blocks ``block_ids`` as bytes (:func:`engine.kv_offload.read_blocks`:
+        ``uint8 [len(block_ids), block bytes]``), for a tier outside the engine."""
+        return kv_offload.read_blocks(self.kv_caches, block_ids)
+
+    def write_kv_slots(self, slots: list[int], rows) -> None:
+        """Write blocks from outside the engine into host-tier ``slots``
+        (:meth:`engine.kv_offload.HostKVStore.write_slots`).
+
+        Raises:
+            ValueError: no host tier here, or rows of another layout.
+        """
+        if self.host_store is None:
+            raise ValueError("blocks from outside the engine go to the host tier: set kv_offloading_size")
+        self.host_store.write_slots(slots, rows)
+
     @property
     def use_cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs: ``config.cuda_graphs``, with an attention

@@ -155,9 +155,10 @@ class MultiprocExecutor(Executor):
         logger.info("model-parallel rank processes ready (pids %s): %s", pids, self.worker_info)
 
     # ---- calls to the ranks ------------------------------------------------------------------
-    def _call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
+    def _call_all(self, method: str, *args, timeout_s: float | None = None, per_rank: list | None = None) -> list:
         """Call ``method(*args)`` on every rank's :class:`Worker` and wait for all answers
-        (all are read even when one fails, so the pipes stay in step).
+        (all are read even when one fails, so the pipes stay in step). ``per_rank``: one more
+        argument for each rank, appended to ``args`` (rank order).
 
         Raises:
             WorkerError: a rank raised (the first rank's error), died, or (``timeout_s``) did
@@ -168,7 +169,7 @@ class MultiprocExecutor(Executor):
                 raise WorkerError("the rank processes are shut down")
             for rank, conn in enumerate(self._conns):
                 try:
-                    conn.send((method, args))
+                    conn.send((method, args if per_rank is None else (*args, per_rank[rank])))
                 except (OSError, ValueError) as e:
                     raise WorkerError(f"rank {rank} is gone ({method}): {e}") from e
             replies = [self._recv(rank, method, timeout_s) for rank in range(len(self._conns))]
@@ -223,6 +224,19 @@ class MultiprocExecutor(Executor):
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return all(self._call_all("remove_lora", lora_int_id))
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list:
+        return self._call_all("read_kv_blocks", block_ids)
+
+    def write_kv_slots(self, slots: list[int], shards: list) -> None:
+        if len(shards) != len(self._conns):
+            raise ValueError(f"{len(self._conns)} ranks here, {len(shards)} shards given")
+        try:
+            self._call_all("write_kv_slots", slots, per_rank=shards)
+        except WorkerError as e:
+            if e.remote_type == "ValueError":
+                raise ValueError(str(e)) from e
+            raise
 
     def shard_info(self) -> list[dict]:
         """Each rank's share of the model (:meth:`engine.worker.Worker.shard_info`)."""

@@ -97,6 +97,14 @@ class Worker:
         """Unload an adapter (False: it was not loaded)."""
         return self.runner.lora.remove(lora_int_id)
 
+    def read_kv_blocks(self, block_ids: list[int]):
+        """This rank's bytes of pool blocks ``block_ids`` (:meth:`ModelRunner.read_kv_blocks`)."""
+        return self.runner.read_kv_blocks(block_ids)
+
+    def write_kv_slots(self, slots: list[int], rows) -> None:
+        """This rank's bytes of blocks into host-tier ``slots`` (:meth:`ModelRunner.write_kv_slots`)."""
+        self.runner.write_kv_slots(slots, rows)
+
     def ping(self) -> int:
         """Liveness: this rank's number."""
         return self.rank
