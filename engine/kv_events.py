@@ -5,7 +5,8 @@ vocabulary (``vllm/distributed/kv_events.py``: ``BlockStored``, ``BlockRemoved``
 A block is named by its chained prefix hash (:func:`engine.kv_cache_manager.hash_block`), which
 is equal for equal token prefixes in every process (a hash of ints and tuples of ints, which
 Python does not salt). ``medium`` says which tier holds it: :data:`MEDIUM_POOL` (the engine's
-KV pool, on the device), :data:`MEDIUM_HOST` (the host tier, ``engine/kv_offload.py``). The
+KV pool, on the device), :data:`MEDIUM_HOST` (the host tier, ``engine/kv_offload.py``),
+:data:`MEDIUM_CLUSTER` (the serving layer's cluster tier, which the hub reports, not an engine). The
 events of one engine step form one :class:`KVEventBatch`.
 
 Plain dataclasses of ints, strings and lists: they pickle across the engine core's pipe and
@@ -19,7 +20,10 @@ from dataclasses import dataclass, field
 MEDIUM_POOL = "pool"
 #: The per-replica host tier below the pool (pinned host memory on CUDA, a second store on CPU).
 MEDIUM_HOST = "host"
-MEDIUMS = (MEDIUM_POOL, MEDIUM_HOST)
+#: The cluster tier in Ray's object store, shared by the replicas of a model
+#: (``deployments/replica/kv_cluster.py``); its events come from the application's hub.
+MEDIUM_CLUSTER = "cluster"
+MEDIUMS = (MEDIUM_POOL, MEDIUM_HOST, MEDIUM_CLUSTER)
 
 
 @dataclass

@@ -171,3 +171,37 @@ class PrometheusStatLogger:
         self.req_prompt.observe(lb, r.num_prompt_tokens)
         self.req_generation.observe(lb, r.num_generation_tokens)
 
+
+
+class ClusterTierMetrics:
+    """The cluster KV tier's metrics of one ``LLMServer`` replica (``deployments/replica/kv_cluster.py``):
+    ``kv_cluster_hit_tokens`` (prompt tokens whose blocks were fetched from the tier for a request;
+    loaded into the pool they also count in ``external_prefix_cache_hits``), ``kv_cluster_bytes``
+    by direction (``saved``: put in the object store; ``loaded``: fetched), ``kv_cluster_load_seconds``
+    (requests' waits on fetches), ``kv_cluster_load_fallbacks`` by reason (``timeout``: the fetch
+    would have taken longer than computing; ``lost``: the object's owner is gone; ``error``).
+    Labels as :class:`PrometheusStatLogger`'s."""
+
+    def __init__(self, model_name: str, replica: str):
+        self.labels = {"model_name": model_name, "replica": replica}
+        L = ENGINE_LABELS
+        self.hits = metric("counter", "kv_cluster_hit_tokens",
+                           "Prompt tokens whose KV blocks were fetched from the cluster tier.", L)
+        self.bytes = metric("counter", "kv_cluster_bytes", "Bytes put into / fetched from the cluster KV tier.",
+                            L + ("direction",))
+        self.load_s = metric("counter", "kv_cluster_load_seconds",
+                             "Seconds requests waited on cluster-tier fetches.", L)
+        self.fallbacks = metric("counter", "kv_cluster_load_fallbacks",
+                                "Cluster-tier loads given up for recomputing, by reason.", L + ("reason",))
+
+    def saved(self, nbytes: int) -> None:
+        self.bytes.inc({**self.labels, "direction": "saved"}, nbytes)
+
+    def loaded(self, tokens: int, nbytes: int, seconds: float) -> None:
+        self.hits.inc(self.labels, tokens)
+        self.bytes.inc({**self.labels, "direction": "loaded"}, nbytes)
+        self.load_s.inc(self.labels, seconds)
+
+    def fallback(self, reason: str, seconds: float) -> None:
+        self.fallbacks.inc({**self.labels, "reason": reason}, 1)
+        self.load_s.inc(self.labels, seconds)

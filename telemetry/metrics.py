@@ -20,6 +20,7 @@ from telemetry.engine_metrics import (
                                       REQUEST_LATENCY_BUCKETS,
                                       TOKEN_BUCKETS,
                                       TTFT_BUCKETS,
+                                      ClusterTierMetrics,
                                       PrometheusStatLogger,
 )
 from telemetry.gateway_metrics import (
@@ -43,6 +44,6 @@ from telemetry.registry import PREFIX, RAY_PREFIX, Metric, _metrics, metric, met
 __all__ = [
     "CACHE_LABELS", "CACHE_LOOKUP_BUCKETS", "ENGINE_LABELS", "HTTP_LATENCY_BUCKETS", "ITL_BUCKETS", "PREFIX",
     "RAY_PREFIX", "REJECT_REASONS", "REQUEST_LATENCY_BUCKETS", "TOKEN_BUCKETS", "TTFT_BUCKETS",
-    "Metric", "PrometheusStatLogger", "_metrics", "api_key_requests", "api_key_tokens", "cache_hits",
+    "ClusterTierMetrics", "Metric", "PrometheusStatLogger", "_metrics", "api_key_requests", "api_key_tokens", "cache_hits",
     "cache_lookup_seconds", "cache_misses", "http_request_seconds", "http_requests", "metric", "metrics_dir",
     "model_routes", "rejected", "render", "upstream_fallbacks"]

@@ -150,6 +150,13 @@ class ModelArgs(EngineArgs):
                            "replica publishes what its KV pool and host tier hold and its load "
                            "(enable_kv_cache_events is then on), and the router sends a request where cached "
                            "prefix and load cost the fewest tokens; needs prefix_aware_routing and prefix caching")
+    kv_cluster_tier_size: Optional[float] = Field(
+        None, ge=0, description="GiB of the cluster KV tier in Ray's object store (deployments/replica/kv_cluster.py), "
+                                "shared by the application's replicas of a model: blocks a replica computes are put "
+                                "there, and a replica missing a prefix the cluster holds loads it instead of computing "
+                                "it (never waiting longer than computing would take); needs kv_offloading_size (loads "
+                                "go through the host tier) and prefix caching; turns KV events on. None or 0: no "
+                                "cluster tier")
     prefix_routing_margin: int = Field(
         8, ge=0, description="prefix-aware routing gives way to the least-loaded replica when the preferred one "
                              "has more than this many ongoing requests more")
@@ -202,6 +209,9 @@ class ModelArgs(EngineArgs):
                              "pipeline_parallel_size > 1 (Serve does not allow it with placement groups); use "
                              "placement_group_strategy for the ranks")
         check_lora_modules(self.lora_modules, self.name, self.enable_lora)
+        if self.kv_cluster_tier_size and not (self.kv_offloading_size and self.enable_prefix_caching):
+            raise ValueError("kv_cluster_tier_size needs kv_offloading_size (blocks from the cluster tier load through "
+                             "the host tier) and enable_prefix_caching")
         return self
 
     @property

@@ -14,8 +14,14 @@ first replica that publishes.
 * A replica that has not published for ``replica_ttl_s`` (gone, or its publisher stopped) is
   dropped from the index.
 
+It also keeps the cluster tier's directory (:class:`~deployments.contract.kv_cluster_directory.ClusterDirectory`:
+which blocks Ray's object store holds, under which object; ``deployments/replica/kv_cluster.py``
+puts and fetches them) and lists those blocks in its index under one holder per KV layout, so
+routers see them as events of medium ``cluster``.
+
 If the hub dies (its actor is owned by the replica that created it), the next publish or pull
-gets a new one: replicas resync, routers reload. Until then routers route on what they have.
+gets a new one: replicas resync, routers reload. Until then routers route on what they have. The
+cluster tier's directory goes with it (its objects are freed once nothing refers to them).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deployments.contract.adapters import REGISTRY_NAMESPACE
+from deployments.contract.kv_cluster_directory import ClusterDirectory
 from deployments.contract.kv_index import KVBlockIndex
 from engine.kv_events import KVEventBatch
 
@@ -37,11 +44,13 @@ REPLICA_TTL_S = 10.0
 class ReplicaLoad:
     """A replica's load when it last published: prompt tokens waiting to be computed (past the
     prefixes its pool and tier hold), requests running or waiting, and the wall-clock time of the
-    publish (seconds since the epoch)."""
+    publish (seconds since the epoch); ``layout``: the KV layout of its cluster-tier blocks
+    (``kv_cluster_directory.kv_layout``; empty: no cluster tier)."""
 
     waiting_tokens: int = 0
     running_requests: int = 0
     ts: float = 0.0
+    layout: str = ""
 
 
 @dataclass
@@ -83,6 +92,7 @@ class KVEventHubCore:
         self.log: deque[tuple[int, str, str, KVEventBatch | None]] = deque(maxlen=log_size)
         self.version = 0
         self.replica_ttl_s, self.clock = replica_ttl_s, clock
+        self.cluster = ClusterDirectory()
 
     def _record(self, replica: str, kind: str, payload) -> None:
         self.version += 1
@@ -126,11 +136,39 @@ class KVEventHubCore:
                 self.forget(r)
 
     def forget(self, replica: str) -> None:
-        """Drop ``replica`` from the index."""
+        """Drop ``replica`` from the index, and the cluster-tier blocks it owns (they die with it)."""
         self.loads.pop(replica, None)
         self.seq.pop(replica, None)
         self.index.drop(replica)
         self._record(replica, "drop", None)
+        self._cluster_events(self.cluster.drop(None, owner=replica))
+
+    # ---- the cluster tier's directory ----------------------------------------------------
+    def _cluster_events(self, events: dict) -> None:
+        for holder, batch in events.items():
+            if batch.events:
+                self.index.apply(holder, batch)
+                self._record(holder, "batch", batch)
+
+    def cluster_put(self, replica: str, layout: str, budget_bytes: int, blocks: list) -> tuple[str, list[int]]:
+        """``replica`` put ``blocks`` (``(hash, meta, nbytes, [ObjectRef])``) of ``layout`` in the
+        object store (:meth:`ClusterDirectory.put`). Returns this hub's id (a replica that sees a
+        new one puts again what it put before) and the hashes added."""
+        added, events = self.cluster.put(replica, layout, budget_bytes, blocks)
+        self._cluster_events(events)
+        return self.hub_id, added
+
+    def cluster_lookup(self, layout: str, hashes: list[int]) -> list:
+        """``(hash, meta, [ObjectRef])`` of the leading run of ``hashes`` in the cluster tier."""
+        return self.cluster.lookup(layout, hashes)
+
+    def cluster_drop(self, layout: str, hashes: list[int]) -> None:
+        """A replica found these blocks' objects lost: forget them."""
+        self._cluster_events(self.cluster.drop(layout, hashes))
+
+    def cluster_stats(self) -> dict[str, int]:
+        """The cluster tier's size and counters (:meth:`ClusterDirectory.stats`)."""
+        return self.cluster.stats()
 
     def pull(self, hub_id: str | None, cursor: int) -> PullReply:
         """The changes after ``cursor`` for a router that last saw hub ``hub_id`` (None: a new

@@ -5,7 +5,10 @@ The engine names a block by its chained prefix hash, so a request's prefix is fo
 its own chained hashes (:func:`request_hashes`) and, per replica, counting the leading blocks
 the replica holds: first in its KV pool, then, continuing, in its host tier; the same walk the
 engine's scheduler does (``KVCacheManager.get_computed_blocks``, then ``get_offloaded_blocks``),
-so the index predicts what each replica would reuse. The idea is llm-d's KV-cache indexer
+so the index predicts what each replica would reuse. Past those, the run may continue in the
+cluster tier (``deployments/replica/kv_cluster.py``), which the hub lists under a holder of its
+own per KV layout (``kv_cluster_directory.cluster_holder``) and every replica of that layout can
+load from. The idea is llm-d's KV-cache indexer
 (precise prefix-cache scoring); the code is ours.
 
 Pure Python, no Ray: the router (``deployments/routing/kv_router.py``) and the event hub
@@ -14,7 +17,8 @@ Pure Python, no Ray: the router (``deployments/routing/kv_router.py``) and the e
 from __future__ import annotations
 
 from engine.kv_cache_manager import NONE_HASH, hash_block, lora_root_hash
-from engine.kv_events import MEDIUM_HOST, MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from engine.kv_events import (MEDIUM_CLUSTER, MEDIUM_HOST, MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored,
+                              KVEventBatch)
 
 
 def request_hashes(token_ids: list[int], block_size: int, max_blocks: int, lora_name: str | None = None) -> list[int]:
@@ -83,26 +87,32 @@ class KVBlockIndex:
                 if not holders:
                     del self.where[h]
 
-    def match(self, hashes: list[int], replicas: list[str],
-              pending: dict[int, str] | None = None) -> dict[str, tuple[int, int]]:
-        """For each of ``replicas``: ``(pool blocks, host blocks)`` it would reuse of a request
-        whose chained hashes are ``hashes``: the leading run in its pool, then the run that
-        continues in its host tier (see the module docstring). ``pending``: blocks a replica is
-        about to hold (hash -> replica: a request just sent there computes them), counted as in
-        its pool."""
+    def match(self, hashes: list[int], replicas: list[str], pending: dict[int, str] | None = None,
+              cluster: dict[str, str] | None = None) -> dict[str, tuple[int, int, int]]:
+        """For each of ``replicas``: ``(pool blocks, host blocks, cluster blocks)`` it would reuse
+        of a request whose chained hashes are ``hashes``: the leading run in its pool, then the
+        run that continues in its host tier, then the run that continues in the cluster tier
+        (see the module docstring). ``pending``: blocks a replica is about to hold (hash ->
+        replica: a request just sent there computes them), counted as in its pool. ``cluster``:
+        replica -> the holder of its layout's cluster-tier blocks (none: no cluster run)."""
         out = {}
         pending = pending or {}
+        cluster = cluster or {}
         for r in replicas:
-            pool = host = 0
+            pool = host = far = 0
+            tier = cluster.get(r)
             for h in hashes:
-                mediums = self.where.get(h, {}).get(r)
-                if not host and ((mediums and MEDIUM_POOL in mediums) or pending.get(h) == r):
+                holders = self.where.get(h, {})
+                mediums = holders.get(r)
+                if not host and not far and ((mediums and MEDIUM_POOL in mediums) or pending.get(h) == r):
                     pool += 1
-                elif mediums and MEDIUM_HOST in mediums:
+                elif not far and mediums and MEDIUM_HOST in mediums:
                     host += 1
+                elif tier is not None and MEDIUM_CLUSTER in holders.get(tier, ()):
+                    far += 1
                 else:
                     break
-            out[r] = (pool, host)
+            out[r] = (pool, host, far)
         return out
 
     def dump(self) -> dict[str, list[tuple[int, str]]]:

@@ -31,12 +31,15 @@ class KVEventPublisher:
         replica_id: this replica's Serve id (the router's name for it).
         app: the Serve application (its hub's name).
         hub: a hub to publish to (tests); default: the application's, looked up or created.
+        listener: also shown every batch taken and every snapshot (``on_batches``, ``on_snapshot``:
+            the cluster tier's connector, ``kv_cluster.py``), or None.
+        layout: the KV layout of this replica's cluster-tier blocks, published with its load ("": none).
     """
 
     def __init__(self, engine, replica_id: str, app: str, hub=None, interval_s: float = PUBLISH_INTERVAL_S,
-                 heartbeat_s: float = HEARTBEAT_S):
+                 heartbeat_s: float = HEARTBEAT_S, listener=None, layout: str = ""):
         self.engine, self.replica_id, self.app = engine, replica_id, app
-        self.hub = hub
+        self.hub, self.listener, self.layout = hub, listener, layout
         self.interval_s, self.heartbeat_s = interval_s, heartbeat_s
         self._pending: list = []  # batches taken but not yet accepted by a hub
         self._seq = 0
@@ -61,7 +64,7 @@ class KVEventPublisher:
         s = self.engine.get_stats()
         return ReplicaLoad(int(s.get("num_waiting_uncached_tokens", s.get("num_waiting_prefill_tokens", 0))),
                            int(s.get("num_running_requests", 0) + s.get("num_waiting_requests", 0)
-                               + s.get("num_pending_requests", 0)))
+                               + s.get("num_pending_requests", 0)), layout=self.layout)
 
     def _take(self) -> None:
         """Add the engine's new batches to those waiting (numbered ``_seq - len + 1 .. _seq``);
@@ -72,6 +75,8 @@ class KVEventPublisher:
         batches = [b for i, b in enumerate(batches, first) if i > self._seq]
         if not batches:
             return
+        if self.listener is not None:
+            self.listener.on_batches(batches)
         if seq - len(batches) != self._seq:
             self._pending.clear()
             self._need_snapshot = True
@@ -88,6 +93,8 @@ class KVEventPublisher:
         snapshot = None
         if self._need_snapshot:
             snapshot = await self.engine.kv_cache_snapshot()
+            if self.listener is not None:
+                self.listener.on_snapshot(snapshot[1])
             start = self._seq - len(self._pending) + 1
             self._pending = [b for i, b in enumerate(self._pending, start) if i > snapshot[0]]
             self._seq = max(self._seq, snapshot[0])

@@ -31,11 +31,13 @@ from cluster import reset_niceness
 from deployments.contract.adapters import serve_app_name
 from deployments.contract.config import ModelArgs, default_admission_bounds
 from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
+from deployments.contract.kv_cluster_directory import kv_layout
 from deployments.contract.openai_errors import random_id
 from deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
 from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 from deployments.replica.admission import Admission, OverloadedError
 from deployments.replica.channels import GatewayChannels
+from deployments.replica.kv_cluster import ClusterKVConnector
 from deployments.replica.kv_publisher import KVEventPublisher
 from deployments.replica.lora import ReplicaAdapters, UnknownAdapterError, check_adapter
 from deployments.replica.pooling import PoolingEndpoints
@@ -44,7 +46,7 @@ from deployments.replica.recent_requests import RecentRequests
 from deployments.replica.request_runner import RequestRunner, engine_dead
 from deployments.replica.step_rates import RATE_WINDOW_S, StepRateTracker
 from engine.stats import SchedulerStats
-from telemetry.metrics import PrometheusStatLogger
+from telemetry.metrics import ClusterTierMetrics, PrometheusStatLogger
 
 logger = logging.getLogger("ray.serve")
 
@@ -119,8 +121,9 @@ class LLMServer(PoolingEndpoints):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         m = model if isinstance(model, ModelArgs) else ModelArgs.model_validate(dict(model or {}))
         config = EngineConfig(**m.engine_args())
-        if m.kv_aware_routing and m.prefix_aware_routing and config.enable_prefix_caching:
-            config = dataclasses.replace(config, enable_kv_cache_events=True)  # what the KV-aware router reads
+        if (m.kv_aware_routing and m.prefix_aware_routing and config.enable_prefix_caching) or m.kv_cluster_tier_size:
+            # what the KV-aware router reads, and what the cluster tier saves
+            config = dataclasses.replace(config, enable_kv_cache_events=True)
         tp = config.tensor_parallel_size * config.pipeline_parallel_size  # worker actors
         torch.set_num_threads(m.torch_num_threads or default_torch_threads(1))
         self.stats = StepRateTracker(config.max_num_seqs, config.max_num_batched_tokens)
@@ -177,12 +180,27 @@ class LLMServer(PoolingEndpoints):
         self.facts = FactsBoard.of_this_app()
         self._publish()
         #: publishes the engine's KV cache events to the application's hub (KV-aware routing), None: off
-        self.kv_publisher = None
+        self.kv_publisher = self.kv_cluster = None
         app = serve_app_name()
+        if m.kv_cluster_tier_size and app is not None:  # the cluster KV tier (deployments/replica/kv_cluster.py)
+            self.kv_cluster = self._cluster_tier(m, config, app)
+            self.engine.kv_connector = self.kv_cluster
         if config.enable_kv_cache_events and app is not None:
-            self.kv_publisher = KVEventPublisher(self.engine, self.replica_id, app)
+            self.kv_publisher = KVEventPublisher(self.engine, self.replica_id, app, listener=self.kv_cluster,
+                                                 layout=self.kv_cluster.layout if self.kv_cluster else "")
         logger.info("LLMServer %s ready in %.1fs (tp=%d, pp=%d, max_model_len=%d)", self.model_name,
                     time.time() - t0, config.tensor_parallel_size, config.pipeline_parallel_size, self.max_model_len)
+
+    def _cluster_tier(self, m: ModelArgs, config, app: str) -> ClusterKVConnector:
+        """This replica's side of the cluster KV tier, for blocks of this engine's layout."""
+        eng = self.engine.engine
+        cfg = eng.config
+        layout = kv_layout(m.name, str(cfg.dtype), cfg.kv_cache_dtype, cfg.block_size, cfg.tensor_parallel_size,
+                           cfg.pipeline_parallel_size)
+        slots = int(self.engine.get_stats().get("kv_offload_capacity_blocks", 0))
+        return ClusterKVConnector(self.engine, self.replica_id, app, layout, int(m.kv_cluster_tier_size * (1 << 30)),
+                                  config.block_size, max_import_blocks=max(1, slots // 2),
+                                  metrics=ClusterTierMetrics(self.model_name, self.replica_id))
 
     def _publish(self) -> None:
         """Put this replica's :class:`LoadedFacts` on the application's board (a no-op outside Serve)."""
@@ -354,6 +372,8 @@ class LLMServer(PoolingEndpoints):
         s = dict(self.engine.get_stats())
         s.update(asdict(self.stats.snapshot()))
         s.update(self.channels.stats())
+        if self.kv_cluster is not None:
+            s.update(self.kv_cluster.stats())
         return s
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -380,8 +400,7 @@ class LLMServer(PoolingEndpoints):
         by Serve's controller every ``request_routing_stats_period_s`` and sent to every router: the chained
         block hashes of the prompt prefixes it served recently (oldest first; at most ``REPORTED_HASHES``
         and its KV pool's block count), the block size, the model folder and the tokenizer probe."""
-        if self.kv_publisher is not None:
-            self.kv_publisher.start()  # on the replica's event loop (idempotent)
+        self._start_kv_tasks()
         return {"prefix_hashes": self.prefixes.report(), "block_size": self.prefixes.block_size,
                 "model_path": str(self.engine.model_path), "tokenizer_probe": self._tokenizer_probe}
 
@@ -430,12 +449,21 @@ class LLMServer(PoolingEndpoints):
         it also publishes the weights' revision again when the model folder changed."""
         await self.health(timeout_s=30.0)
         await self._republish_if_revised()
+        self._start_kv_tasks()
+
+    def _start_kv_tasks(self) -> None:
+        """Start the KV event publisher and the cluster tier's saves on the replica's event loop
+        (idempotent)."""
         if self.kv_publisher is not None:
-            self.kv_publisher.start()  # on the replica's event loop (idempotent)
+            self.kv_publisher.start()
+        if self.kv_cluster is not None:
+            self.kv_cluster.start()
 
     async def __del__(self):  # Serve calls this on graceful replica shutdown
         with contextlib.suppress(Exception):
             if self.kv_publisher is not None:
                 await self.kv_publisher.stop()
+            if self.kv_cluster is not None:
+                await self.kv_cluster.stop()
         with contextlib.suppress(Exception):
             await self.engine.shutdown()

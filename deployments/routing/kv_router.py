@@ -12,8 +12,11 @@ tokens; our code): for each candidate replica ``r``, with ``n`` blocks of ``bloc
 tokens in the request's hashed prefix, ``pool_r`` of them in ``r``'s KV pool and ``host_r`` more
 in its host tier,
 
-    cost_r = block_size * (n - pool_r - host_r)          prompt tokens r must compute
+    cost_r = block_size * (n - pool_r - host_r - far_r)  prompt tokens r must compute
            + host_cost * block_size * host_r              loading from the host tier
+           + cluster_cost * block_size * far_r            loading from the cluster tier (``far_r``
+                                                          more blocks any replica of the model can
+                                                          load: ``deployments/replica/kv_cluster.py``)
            + waiting_tokens_r + running_request_tokens * running_r    r's published load
            + sent_r                                       what this router sent r since (the
                                                           tokens to compute, and running_request_tokens
@@ -43,6 +46,7 @@ import ray
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from deployments.contract.adapters import serve_app_name
+from deployments.contract.kv_cluster_directory import cluster_holder
 from deployments.contract.kv_event_hub import PullReply, get_hub
 from deployments.contract.kv_index import KVBlockIndex
 from deployments.routing.prefix_router import ROUTED_METHODS, PrefixAwareRouter, request_parts
@@ -56,6 +60,9 @@ PULL_INTERVAL_S = 0.05
 RUNNING_REQUEST_TOKENS = 16
 #: Cost of a block loaded from the host tier, as a fraction of recomputing it.
 HOST_COST = 0.2
+#: Cost of a block loaded from the cluster tier (fetched from Ray's object store, then loaded as
+#: a host-tier block), as a fraction of recomputing it.
+CLUSTER_COST = 0.3
 #: Seconds a prefix this router just sent to a replica counts as held there (the replica's
 #: events say so only once it has computed the blocks; until then a second request of the same
 #: prefix should follow the first, not compute it again elsewhere).
@@ -71,12 +78,14 @@ KV_MAX_PREFIX_TOKENS = 4096
 FIRST_PULL_WAIT_S = 2.0
 
 
-def replica_costs(match: dict[str, tuple[int, int]], num_blocks: int, block_size: int, load: dict[str, float],
-                  host_cost: float = HOST_COST) -> dict[str, float]:
+def replica_costs(match: dict[str, tuple[int, int, int]], num_blocks: int, block_size: int,
+                  load: dict[str, float], host_cost: float = HOST_COST,
+                  cluster_cost: float = CLUSTER_COST) -> dict[str, float]:
     """``cost_r`` of the module docstring for each replica of ``match`` (replica -> (pool
-    blocks, host blocks)), given each one's load in tokens (``load``)."""
-    return {r: block_size * (num_blocks - pool - host) + host_cost * block_size * host + load.get(r, 0.0)
-            for r, (pool, host) in match.items()}
+    blocks, host blocks, cluster blocks)), given each one's load in tokens (``load``)."""
+    return {r: block_size * (num_blocks - pool - host - far) + host_cost * block_size * host
+            + cluster_cost * block_size * far + load.get(r, 0.0)
+            for r, (pool, host, far) in match.items()}
 
 
 class KVAwareRouter(PrefixAwareRouter):
@@ -85,18 +94,18 @@ class KVAwareRouter(PrefixAwareRouter):
     ``request_router_kwargs`` (:meth:`initialize_state`): those of :class:`PrefixAwareRouter`
     (``max_prefix_tokens`` defaults to :data:`KV_MAX_PREFIX_TOKENS` here), plus ``app_name``
     (the Serve application whose hub to read; default: this replica's
-    application), ``pull_interval_s``, ``running_request_tokens``, ``host_cost``.
+    application), ``pull_interval_s``, ``running_request_tokens``, ``host_cost``, ``cluster_cost``.
     """
 
     def initialize_state(self, app_name: str | None = None, pull_interval_s: float = PULL_INTERVAL_S,
                          running_request_tokens: float = RUNNING_REQUEST_TOKENS, host_cost: float = HOST_COST,
-                         **prefix_kwargs) -> None:
+                         cluster_cost: float = CLUSTER_COST, **prefix_kwargs) -> None:
         prefix_kwargs.setdefault("max_prefix_tokens", KV_MAX_PREFIX_TOKENS)
         super().initialize_state(**prefix_kwargs)
         # the application of the deployment this router routes to (also in a driver's handle)
         self.kv_app = app_name or getattr(getattr(self, "_deployment_id", None), "app_name", None) or serve_app_name()
-        self.pull_interval_s, self.running_request_tokens, self.host_cost = (
-            pull_interval_s, running_request_tokens, host_cost)
+        self.pull_interval_s, self.running_request_tokens, self.host_cost, self.cluster_cost = (
+            pull_interval_s, running_request_tokens, host_cost, cluster_cost)
         self.kv_index = KVBlockIndex()
         self.loads: dict = {}  # replica id -> ReplicaLoad (the hub's)
         self._hub = None
@@ -193,16 +202,17 @@ class KVAwareRouter(PrefixAwareRouter):
         known = [q for q in queue.values() if q is not None]
         low = min(known, default=0)
         ids = [r for r in ids if queue.get(r) is not None and queue[r] - low <= self.imbalance_margin] or ids
-        match = self.kv_index.match(hashes, ids, self._pending_blocks())
+        cluster = {r: cluster_holder(self.loads[r].layout) for r in ids if r in self.loads and self.loads[r].layout}
+        match = self.kv_index.match(hashes, ids, self._pending_blocks(), cluster)
         load = {r: self.load_tokens(r) for r in ids}
-        cost = replica_costs(match, len(hashes), self.block_size, load, self.host_cost)
+        cost = replica_costs(match, len(hashes), self.block_size, load, self.host_cost, self.cluster_cost)
         best = min(ids, key=lambda r: (cost[r], load[r], random.random()))
         self._reserved[pr.future] = (best, time.monotonic())  # counted in the queue lengths until accepted
-        pool, host = match[best]
+        pool, host, far = match[best]
         # what the request adds to best's load until its next publish: the tokens it computes,
         # and one more running request
         self._sent.setdefault(best, []).append(
-            (time.time(), self.block_size * (len(hashes) - pool - host) + self.running_request_tokens))
+            (time.time(), self.block_size * (len(hashes) - pool - host - far) + self.running_request_tokens))
         now = time.monotonic()
         for h in hashes:
             self._pending_at[h] = now

@@ -57,7 +57,7 @@ def test_the_index_predicts_what_the_engine_reuses(tiny_llama_path):
         probe = Request("probe", prompt, SamplingParams(max_tokens=1))
         pool = kv.get_computed_blocks(probe)
         host = kv.get_offloaded_blocks(probe, len(pool))
-        assert want == (len(pool), len(host)), n
+        assert want == (len(pool), len(host), 0), n
         _run(engine, prompt, f"r{n}")
     assert kv.host_hits > 0 and kv.prefix_hits > 0  # both tiers were exercised
 
@@ -150,7 +150,7 @@ def test_the_publisher_keeps_the_hub_equal_to_the_engine(tiny_llama_path):
 
 
 def test_replica_costs_weigh_the_cached_prefix_against_load():
-    match = {"a": (10, 0), "b": (0, 0), "c": (4, 6)}
+    match = {"a": (10, 0, 0), "b": (0, 0, 0), "c": (4, 6, 0)}
     cost = replica_costs(match, 10, 16, {"a": 0, "b": 0, "c": 0}, host_cost=0.2)
     assert cost == {"a": 0, "b": 160, "c": pytest.approx(0.2 * 16 * 6)}
     # a holds the prefix but has 200 tokens queued: recomputing on b costs less
