@@ -6,7 +6,8 @@ every arm of a repeat): ``--groups`` groups of users, each group sharing a syste
 ``--turns`` turns whose context grows every turn (the previous turns, a synthetic assistant
 answer of ~24 tokens, then a new user message of ~48 tokens); each user sends its next turn when
 the previous one has ended, after an exponential think time (mean ``--think-s``); users start
-uniformly over the first 10 s. The default load (6 users on 2 replicas of 4 sequences each) is one
+uniformly over the first 10 s. The default load (3 groups of 2 users: 6 users on 2 replicas of 4
+sequences each; users of a group share their system prompt, as llm-d's benchmark's do) is one
 this box serves without refusals, so the arms differ in the work they make the replicas do, not
 in what they refuse (an overloaded run's refusals come from the replicas' admission bounds and
 the gateway's shedding, and make the arms' TTFTs incomparable). Streaming ``/v1/chat/completions``, greedy, ``max_tokens``
@@ -149,11 +150,16 @@ def replica_stats(url: str) -> dict:
 
     text = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=60).text
     out = {"prefix_cache_hits": 0.0, "external_prefix_cache_hits": 0.0, "num_preemptions": 0.0,
-           "kv_cluster_hit_tokens": 0.0}
+           "kv_cluster_hit_tokens": 0.0, "kv_cluster_bytes_saved": 0.0, "kv_cluster_bytes_loaded": 0.0,
+           "kv_cluster_load_fallbacks": 0.0}
     for fam in text_string_to_metric_families(text):
         name = fam.name.removeprefix("kvserve:")
-        if name in out:
-            out[name] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        for smp in fam.samples:
+            if not smp.name.endswith("_total"):
+                continue
+            key = f"{name}_{smp.labels['direction']}" if name == "kv_cluster_bytes" else name
+            if key in out:
+                out[key] += smp.value
     return out
 
 
@@ -187,10 +193,14 @@ def run_arm(arm: str, rep: int, args, url: str, users) -> dict:
          "output_tok_per_s": sum(r.output_tokens or 0 for r in done) / elapsed,
          "prompt_tokens": prompt, "pool_hit_tokens": cached - host, "host_hit_tokens": host,
          "cluster_hit_tokens": cluster,
+         "cluster_bytes": {d: int(after[f"kv_cluster_bytes_{d}"] - before[f"kv_cluster_bytes_{d}"])
+                           for d in ("saved", "loaded")},
+         "cluster_load_fallbacks": int(after["kv_cluster_load_fallbacks"] - before["kv_cluster_load_fallbacks"]),
          "recomputed_tokens": prompt - cached, "preemptions": int(after["num_preemptions"] - before["num_preemptions"]),
          "load_average": {"start": load_start, "end": load_average()}}
     print(f"[{arm} #{rep}] TTFT p50/p90 {s['ttft_ms_p50']:.0f}/{s['ttft_ms_p90']:.0f} ms, {s['output_tok_per_s']:.1f} "
-          f"tok/s, pool/host(cluster)/recomputed {s['pool_hit_tokens']}/{host}({cluster})/{s['recomputed_tokens']}, outcomes {outcomes}",
+          f"tok/s, pool/host(cluster)/recomputed {s['pool_hit_tokens']}/{host}({cluster})/{s['recomputed_tokens']}, outcomes {outcomes}, cluster bytes {s['cluster_bytes']}, "
+          f"fallbacks {s['cluster_load_fallbacks']}",
           flush=True)
     time.sleep(8.0)  # the replicas' processes exit before the next arm starts
     return s
@@ -364,8 +374,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--groups", type=int, default=6)
-    ap.add_argument("--users-per-group", type=int, default=1)
+    ap.add_argument("--groups", type=int, default=3)
+    ap.add_argument("--users-per-group", type=int, default=2)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--output-tokens", type=int, default=16)
