@@ -191,3 +191,37 @@ def test_ray_backend_starts_a_local_ray_when_none_is_connected(tiny_llama_path, 
                        text=True, timeout=540, cwd=tmp_path)
     assert r.returncode == 0 and "SAME TOKENS" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
     assert (tmp_path / "auth_token").stat().st_mode & 0o077 == 0  # the token file is the owner's only
+
+
+def test_tp2_ray_ranks_export_and_import_kv_blocks(ray_session, tmp_path):
+    """The cluster KV tier's copies through Ray worker actors (a Serve replica's TP executor):
+    each rank reads out its share of a cached block and writes its share into its host tier; an
+    engine loading another engine's prefix this way answers as an engine that computes everything
+    (``tests/engine/test_kv_import.py`` does the same through local rank processes)."""
+    from cluster.worker_group import RayWorkerGroup
+    from engine import LLM, SamplingParams
+    from tests.engine.test_kv_offload import BS, PROMPTS as TIER_PROMPTS, chain
+    from tests.tiny_models import SMOLLM2_HEADS, make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tiny", **SMOLLM2_HEADS)
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS, kv_offloading_size=0.01)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref = LLM(model=str(path), **{**kw, "kv_offloading_size": None}, enable_prefix_caching=False).generate(
+        TIER_PROMPTS[:2], params, use_tqdm=False)
+
+    def factory(config, model_path):
+        return RayWorkerGroup(config, model_path, num_cpus=0.5, torch_num_threads=1, timeout_s=120)
+
+    a = LLM(model=str(path), tensor_parallel_size=2, executor_factory=factory, **kw)
+    b = LLM(model=str(path), tensor_parallel_size=2, executor_factory=factory, **kw)
+    try:
+        a.generate(TIER_PROMPTS[:2], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        copies = a.engine.export_kv_blocks(chain(TIER_PROMPTS[0])[:6] + chain(TIER_PROMPTS[1])[:6])
+        assert len(copies) == 12 and all(len(c.shards) == 2 for c in copies)
+        assert b.engine.import_kv_blocks(copies) == 12
+        out = b.generate(TIER_PROMPTS[:2], params, use_tqdm=False)
+        assert b.engine.get_stats()["kv_offload_imported_hit_tokens"] == 12 * BS
+    finally:
+        a.engine.shutdown()
+        b.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
