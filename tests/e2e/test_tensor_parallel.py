@@ -200,8 +200,14 @@ def test_tp2_ray_ranks_export_and_import_kv_blocks(ray_session, tmp_path):
     (``tests/engine/test_kv_import.py`` does the same through local rank processes)."""
     from cluster.worker_group import RayWorkerGroup
     from engine import LLM, SamplingParams
-    from tests.engine.test_kv_offload import BS, PROMPTS as TIER_PROMPTS, chain
+    from deployments.contract.kv_index import request_hashes
     from tests.tiny_models import SMOLLM2_HEADS, make_tiny_model
+
+    BS = 4  # tests/engine/test_kv_offload.py's prompts: 6 blocks of 4 tokens (+2), each distinct
+    TIER_PROMPTS = [[1000 + 97 * p + 13 * i for i in range(26)] for p in range(2)]
+
+    def chain(tokens):
+        return request_hashes(tokens, BS, 64)
 
     path = make_tiny_model(tmp_path / "tiny", **SMOLLM2_HEADS)
     kw = dict(device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS, kv_offloading_size=0.01)
