@@ -35,6 +35,7 @@ from collections import OrderedDict
 
 from deployments.contract.kv_event_hub import get_hub
 from deployments.contract.kv_index import KVBlockIndex, request_hashes
+from deployments.replica.background import BackgroundLoop
 from engine.kv_connector import KVConnector
 from engine.kv_events import MEDIUM_POOL, BlockStored
 from engine.kv_offload import KVBlockCopy
@@ -59,8 +60,9 @@ MAX_PREFIX_TOKENS = 4096
 _SELF = "self"
 
 
-class ClusterKVConnector(KVConnector):
-    """One replica's side of the cluster tier (see the module docstring).
+class ClusterKVConnector(KVConnector, BackgroundLoop):
+    """One replica's side of the cluster tier (see the module docstring); :meth:`start` and
+    :meth:`stop` run the saves.
 
     Args:
         engine: the replica's async front (``export_kv_blocks``, ``import_kv_blocks``,
@@ -75,6 +77,8 @@ class ClusterKVConnector(KVConnector):
         hub: a hub (tests); default: the application's, looked up or created.
     """
 
+    task_name = "kvserve-kv-cluster-save"
+
     def __init__(self, engine, replica_id: str, app: str, layout: str, budget_bytes: int, block_size: int,
                  max_import_blocks: int, metrics=None, hub=None, interval_s: float = SAVE_INTERVAL_S):
         self.engine, self.replica_id, self.app, self.layout = engine, replica_id, app, layout
@@ -84,7 +88,6 @@ class ClusterKVConnector(KVConnector):
         self._to_save: OrderedDict[int, None] = OrderedDict()
         self._exported: OrderedDict[int, None] = OrderedDict()  # hashes known to be in the cluster
         self._hub_id: str | None = None
-        self._task: asyncio.Task | None = None
         self._failing = False
         #: measured prefill seconds per token (running mean): the bound on a load's wait
         self.s_per_token = DEFAULT_S_PER_TOKEN
@@ -123,19 +126,6 @@ class ClusterKVConnector(KVConnector):
         self.local.replace(_SELF, snapshot)
 
     # ---- saves --------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start saving on the running event loop (idempotent)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvserve-kv-cluster-save")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-
     async def _hub(self):
         if self.hub is None:
             self.hub = await asyncio.to_thread(get_hub, self.app)

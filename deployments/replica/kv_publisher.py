@@ -14,6 +14,7 @@ import logging
 import time
 
 from deployments.contract.kv_event_hub import ReplicaLoad, get_hub
+from deployments.replica.background import BackgroundLoop
 
 logger = logging.getLogger("ray.serve")
 
@@ -23,8 +24,9 @@ PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_S = 1.0
 
 
-class KVEventPublisher:
-    """Publishes one replica's KV events (see the module docstring).
+class KVEventPublisher(BackgroundLoop):
+    """Publishes one replica's KV events (see the module docstring); :meth:`start` and :meth:`stop`
+    run the publishing.
 
     Args:
         engine: the replica's async front (``take_kv_events``, ``kv_cache_snapshot``, ``get_stats``).
@@ -36,6 +38,8 @@ class KVEventPublisher:
         layout: the KV layout of this replica's cluster-tier blocks, published with its load ("": none).
     """
 
+    task_name = "kvserve-kv-publisher"
+
     def __init__(self, engine, replica_id: str, app: str, hub=None, interval_s: float = PUBLISH_INTERVAL_S,
                  heartbeat_s: float = HEARTBEAT_S, listener=None, layout: str = ""):
         self.engine, self.replica_id, self.app = engine, replica_id, app
@@ -45,20 +49,6 @@ class KVEventPublisher:
         self._seq = 0
         self._need_snapshot = True
         self._failing = False
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        """Start publishing on the running event loop (idempotent)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvserve-kv-publisher")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
 
     def _load(self) -> ReplicaLoad:
         s = self.engine.get_stats()

@@ -10,9 +10,9 @@ cannot load).
 """
 import asyncio
 import random
-import time
 
 import pytest
+from _kv_helpers import wait_for_hub
 
 APP = "kvserve-kv-cluster"
 SHAPE = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=2048,
@@ -29,27 +29,16 @@ def cluster_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster_app(ray_session, serve_app, cluster_model):
-    import ray
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.contract.adapters import REGISTRY_NAMESPACE
-    from deployments.contract.kv_event_hub import hub_name
 
     app = build_app({"model": str(cluster_model), "served_model_name": "kv-cluster", "num_replicas": 2,
                      "dtype": "float32", "max_num_seqs": 4, "max_model_len": 512, "num_kv_blocks": 64,
                      "kv_offloading_size": 0.05, "kv_cluster_tier_size": 0.25, "prefix_aware_routing": False,
                      "torch_num_threads": 1, "replica_cpus": 0.25, "ingress_cpus": 0.1})
     serve.run(app, name=APP, route_prefix="/kvcluster")
-    hub = None
-    for _ in range(600):  # the replicas start publishing on their first health check
-        try:
-            hub = ray.get_actor(hub_name(APP), namespace=REGISTRY_NAMESPACE)
-            if len(ray.get(hub.pull.remote(None, 0), timeout=30).loads) == 2:
-                break
-        except ValueError:
-            pass
-        time.sleep(0.1)
+    hub = wait_for_hub(APP, 2)
     yield serve.get_deployment_handle("LLMServer", APP), hub
     serve.delete(APP)
 

@@ -12,6 +12,7 @@ import random
 import time
 
 import pytest
+from _kv_helpers import wait_for_hub
 
 from deployments.contract.kv_event_hub import hub_name
 from deployments.contract.kv_index import request_hashes
@@ -25,25 +26,15 @@ def kv_app(ray_session, serve_app, tiny_llama_path):
     """The tiny model on 2 replicas, KV-aware routing, 24 blocks of 16 tokens in each pool (one
     of the 6 prefixes, ~200 tokens, fills half of it) and a host tier; yields a driver handle
     and the hub."""
-    import ray
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.contract.adapters import REGISTRY_NAMESPACE
 
     app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-kv", "num_replicas": 2,
                      "max_num_seqs": 4, "max_model_len": 384, "num_kv_blocks": 24, "kv_offloading_size": 0.01,
                      "kv_aware_routing": True, "torch_num_threads": 1, "replica_cpus": 0.25, "ingress_cpus": 0.1})
     serve.run(app, name=APP, route_prefix="/kvrouter")
-    hub = None
-    for _ in range(300):  # the replicas start publishing on their first health check
-        try:
-            hub = ray.get_actor(hub_name(APP), namespace=REGISTRY_NAMESPACE)
-            if len(ray.get(hub.pull.remote(None, 0), timeout=30).loads) == 2:
-                break
-        except ValueError:
-            pass
-        time.sleep(0.1)
+    hub = wait_for_hub(APP, 2, tries=300)
     yield serve.get_deployment_handle("LLMServer", APP), hub, f"{serve_app.root}/kvrouter/v1"
     serve.delete(APP)
 

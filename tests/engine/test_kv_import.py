@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from test_kv_offload import BS, PROMPTS, assert_no_leak, chain, run_rounds, tier_engine
+from test_kv_offload import BS, PROMPTS, assert_no_leak, chain, lora_setup, run_rounds, tier_engine
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
 
@@ -52,19 +52,10 @@ def test_blocks_another_engine_computed_load_bit_identical(tiny_llama_path, kv_d
 
 
 def test_imports_keep_the_adapters_chain_apart(tmp_path_factory):
-    pytest.importorskip("peft")
-    from engine.lora import LoRARequest
-    from test_lora import ADAPTERS, make_adapter
-    from tiny_models import make_tiny_model
-
     from engine.kv_cache_manager import lora_root_hash
 
-    base = make_tiny_model(tmp_path_factory.mktemp("import_lora"), num_hidden_layers=2)
-    name, r, al, t, rs = ADAPTERS[0]
-    adapter = LoRARequest(name, 1, str(make_adapter(base, tmp_path_factory.mktemp("import_adapter"), r, al, t, rs, 0)))
-    kw = dict(enable_lora=True, max_lora_rank=16)
-    plain = LLM(model=str(base), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-                enable_prefix_caching=False, **kw)
+    base, adapter, kw, plain = lora_setup(tmp_path_factory, "import_lora")
+    name = adapter.lora_name
     ref_lora = run_rounds(plain, PROMPTS[:1], rounds=1, lora=adapter)[0]
     ref_base = run_rounds(plain, PROMPTS[:1], rounds=1)[0]
     assert ref_lora != ref_base

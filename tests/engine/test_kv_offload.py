@@ -233,18 +233,25 @@ def test_preempted_requests_and_the_tier(tiny_llama_path):
     assert_no_leak(llm)
 
 
-def test_lora_keyed_blocks_come_back_for_their_adapter_only(tmp_path_factory):
+def lora_setup(tmp_path_factory, tag: str):
+    """A tiny base model, a LoRA adapter of it (``LoRARequest`` id 1), the engine keywords that
+    serve it, and an engine of them that caches nothing (the reference)."""
     pytest.importorskip("peft")
     from engine.lora import LoRARequest
     from test_lora import ADAPTERS, make_adapter
     from tiny_models import make_tiny_model
 
-    base = make_tiny_model(tmp_path_factory.mktemp("tier_lora"), num_hidden_layers=2)
+    base = make_tiny_model(tmp_path_factory.mktemp(f"{tag}_model"), num_hidden_layers=2)
     name, r, a, t, rs = ADAPTERS[0]
-    adapter = LoRARequest(name, 1, str(make_adapter(base, tmp_path_factory.mktemp("tier_adapter"), r, a, t, rs, 0)))
+    adapter = LoRARequest(name, 1, str(make_adapter(base, tmp_path_factory.mktemp(f"{tag}_adapter"), r, a, t, rs, 0)))
     kw = dict(enable_lora=True, max_lora_rank=16)
     plain = LLM(model=str(base), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
                 enable_prefix_caching=False, **kw)
+    return base, adapter, kw, plain
+
+
+def test_lora_keyed_blocks_come_back_for_their_adapter_only(tmp_path_factory):
+    base, adapter, kw, plain = lora_setup(tmp_path_factory, "tier_lora")
     ref_lora, ref_base = run_rounds(plain, PROMPTS[:4], lora=adapter), run_rounds(plain, PROMPTS[:4])
     assert ref_lora != ref_base  # the adapter changes the output, or the test could not fail
     llm = tier_engine(base, **kw)
