@@ -202,6 +202,16 @@ class KVCacheManager:
                     out.events.append(BlockStored([h], parent, list(tokens), bs, lora_id, MEDIUM_HOST))
         return out
 
+    def cached_blocks(self, hashes: list[int]) -> list[tuple[int, int, tuple]]:
+        """``(hash, pool block, metadata)`` of those of ``hashes`` the pool holds cached with their
+        metadata (kept with events or a tier on), in the order given."""
+        out = []
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is not None and b in self._meta:
+                out.append((h, b, self._meta[b]))
+        return out
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, in the pool and the tier (``AllBlocksCleared``)."""
         self.pool.reset_prefix_cache()

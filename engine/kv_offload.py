@@ -168,6 +168,19 @@ class HostKVTier:
             self.num_imported += 1
         return slot
 
+    def discard(self, hashes: list[int]) -> None:
+        """Drop blocks whose slots hold nothing valid (an :meth:`insert` whose bytes were never
+        written), each with a ``BlockRemoved``; their slots are free again."""
+        for h in hashes:
+            slot = self.lru.pop(h, None)
+            if slot is None:
+                continue
+            self.meta.pop(h, None)
+            self.imported.discard(h)
+            self.free_slots.append(slot)
+            if self.events is not None:
+                self.events.removed(h, MEDIUM_HOST)
+
     def _claim(self, block_hash: int, meta: tuple | None) -> int | None:
         """A slot for ``block_hash`` (free, else the least recently used unpinned one's, whose
         block is dropped with a ``BlockRemoved``), recorded with a ``BlockStored``; None when

@@ -23,7 +23,7 @@ from engine.input_processor import (  # noqa: F401  (re-exported: the engine-lev
 )
 from engine import kv_offload
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_events import MEDIUM_HOST, KVEventBatch, KVEventRecorder
+from engine.kv_events import KVEventBatch, KVEventRecorder
 from engine.kv_offload import HostKVTier, KVBlockCopy
 from engine.mixed_step_budget import MixedStepBudget
 from engine.model_loader import load_config, load_tokenizer, resolve_model
@@ -478,16 +478,11 @@ class LLMEngine:
         with their metadata: events or a host tier must be on), every rank's bytes, in the
         order asked, for a tier outside the engine. Call it from the thread that steps the
         engine (the bytes must not change under the copy)."""
-        kv = self.scheduler.kv
-        found = []
-        for h in block_hashes:
-            b = kv.pool.lookup(h)
-            if b is not None and b in kv._meta:
-                found.append((h, b))
+        found = self.scheduler.kv.cached_blocks(block_hashes)
         if not found:
             return []
-        shards = self.executor.read_kv_blocks([b for _, b in found])  # per rank: [n, bytes]
-        return [KVBlockCopy(h, kv._meta[b], [rank[i] for rank in shards]) for i, (h, b) in enumerate(found)]
+        shards = self.executor.read_kv_blocks([b for _, b, _ in found])  # per rank: [n, bytes]
+        return [KVBlockCopy(h, meta, [rank[i] for rank in shards]) for i, (h, _, meta) in enumerate(found)]
 
     def import_kv_blocks(self, blocks: list[KVBlockCopy]) -> int:
         """Put blocks from outside the engine (:meth:`export_kv_blocks` of an engine of the same
@@ -530,14 +525,7 @@ class LLMEngine:
         try:
             self.executor.write_kv_slots(slots, [s[:len(slots)] for s in shards])
         except BaseException:
-            for b in take[:len(slots)]:  # the slots hold nothing valid: drop them
-                tier.lru.pop(b.block_hash, None)
-                tier.meta.pop(b.block_hash, None)
-                tier.imported.discard(b.block_hash)
-            tier.free_slots.extend(slots)
-            if self.kv_events is not None:
-                for b in take[:len(slots)]:
-                    self.kv_events.removed(b.block_hash, MEDIUM_HOST)
+            tier.discard([b.block_hash for b in take[:len(slots)]])  # their slots hold nothing valid
             raise
         finally:
             if self.kv_events is not None:

@@ -215,8 +215,14 @@ class MultiprocExecutor(Executor):
         Raises:
             ValueError: the adapter does not load or fit (a rank's reason in the message).
         """
+        self._call_all_bad_input("add_lora", request)
+
+    def _call_all_bad_input(self, method: str, *args, **kw) -> list:
+        """:meth:`_call_all` for calls whose ``ValueError`` on a rank is the caller's bad input:
+        raised here as ``ValueError`` (a rank's reason in the message), other failures as
+        :class:`WorkerError`."""
         try:
-            self._call_all("add_lora", request)
+            return self._call_all(method, *args, **kw)
         except WorkerError as e:
             if e.remote_type == "ValueError":
                 raise ValueError(str(e)) from e
@@ -231,12 +237,7 @@ class MultiprocExecutor(Executor):
     def write_kv_slots(self, slots: list[int], shards: list) -> None:
         if len(shards) != len(self._conns):
             raise ValueError(f"{len(self._conns)} ranks here, {len(shards)} shards given")
-        try:
-            self._call_all("write_kv_slots", slots, per_rank=shards)
-        except WorkerError as e:
-            if e.remote_type == "ValueError":
-                raise ValueError(str(e)) from e
-            raise
+        self._call_all_bad_input("write_kv_slots", slots, per_rank=shards)
 
     def shard_info(self) -> list[dict]:
         """Each rank's share of the model (:meth:`engine.worker.Worker.shard_info`)."""

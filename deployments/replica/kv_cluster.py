@@ -92,9 +92,9 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
         #: measured prefill seconds per token (running mean): the bound on a load's wait
         self.s_per_token = DEFAULT_S_PER_TOKEN
         self._measured = False
-        #: counters: blocks put / fetched and imported; prompt tokens imported for requests;
-        #: bytes put / fetched; seconds requests waited on loads; loads given up (timeout, lost objects)
-        self.num_saved_blocks = self.num_loaded_blocks = self.num_hit_tokens = 0
+        #: counters: blocks put / fetched and imported; bytes put / fetched; seconds requests
+        #: waited on loads; loads given up (timeout, lost objects)
+        self.num_saved_blocks = self.num_loaded_blocks = 0
         self.saved_bytes = self.loaded_bytes = 0
         self.load_seconds = 0.0
         self.num_timeouts = self.num_lost = 0
@@ -204,17 +204,17 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
             fallback = "timeout"
         except Exception as e:  # a lost object, the hub gone: compute instead
             fallback = "error"
-            if _lost_object(e):
+            if _lost_object(e):  # (_load dropped the lost blocks from the directory)
                 self.num_lost += 1
                 fallback = "lost"
-                await self._drop_lost(missing)
             else:
                 self.hub = None
                 logger.warning("KV cluster tier of replica %s: a load failed (%s: %s); computing instead",
                                self.replica_id, type(e).__name__, e)
         waited = time.perf_counter() - t0
         self.load_seconds += waited
-        self.num_hit_tokens += found * self.block_size
+        self.num_loaded_blocks += found
+        self.loaded_bytes += nbytes
         if self.metrics is not None:
             if fallback is not None:
                 self.metrics.fallback(fallback, waited)
@@ -228,13 +228,14 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
         found = await hub.cluster_lookup.remote(self.layout, missing)
         if not found:
             return 0, 0
-        shards = await asyncio.gather(*(ref[0] for _, _, ref in found))
+        try:
+            shards = await asyncio.gather(*(ref[0] for _, _, ref in found))
+        except Exception as e:
+            if _lost_object(e):  # their owner is gone: no replica will load them
+                await self._drop_lost([h for h, _, _ in found])
+            raise
         copies = [KVBlockCopy(h, meta, list(s)) for (h, meta, _), s in zip(found, shards)]
-        n = await self.engine.import_kv_blocks(copies)
-        nbytes = sum(c.nbytes for c in copies)
-        self.num_loaded_blocks += n
-        self.loaded_bytes += nbytes
-        return n, nbytes
+        return await self.engine.import_kv_blocks(copies), sum(c.nbytes for c in copies)
 
     async def _drop_lost(self, hashes: list[int]) -> None:
         try:
@@ -246,7 +247,8 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
     def stats(self) -> dict[str, float]:
         """The replica's cluster-tier counters (``kv_cluster_*``)."""
         return {"kv_cluster_saved_blocks": self.num_saved_blocks, "kv_cluster_loaded_blocks": self.num_loaded_blocks,
-                "kv_cluster_hit_tokens": self.num_hit_tokens, "kv_cluster_saved_bytes": self.saved_bytes,
+                "kv_cluster_hit_tokens": self.num_loaded_blocks * self.block_size,
+                "kv_cluster_saved_bytes": self.saved_bytes,
                 "kv_cluster_loaded_bytes": self.loaded_bytes, "kv_cluster_load_seconds": self.load_seconds,
                 "kv_cluster_load_timeouts": self.num_timeouts, "kv_cluster_lost_loads": self.num_lost,
                 "kv_cluster_s_per_token": self.s_per_token}

@@ -108,6 +108,22 @@ def test_the_tier_evicts_least_recently_used_and_says_so():
     assert tier.take() == KVTransfer(saves=[(0, 0), (1, 1), (2, 0)])
 
 
+def test_blocks_inserted_from_outside_and_discarded_leave_no_trace():
+    """An import whose bytes could not be written is undone (``LLMEngine.import_kv_blocks``):
+    the slots are free again, and the events say the blocks left."""
+    events = KVEventRecorder()
+    tier = HostKVTier(3, events)
+    tier.save(0, 11, (None, [0] * BS, BS, None))
+    slots = [tier.insert(h, (None, [h] * BS, BS, None)) for h in (21, 22)]
+    assert None not in slots and tier.insert(21, (None, [], BS, None)) is None  # held already
+    assert tier.imported == {21, 22} and tier.num_imported == 2
+    tier.discard([21, 22, 99])
+    assert list(tier.lru) == [11] and not tier.imported
+    tier.check()
+    assert events.take(0.0).events[-1] == BlockRemoved([21, 22], MEDIUM_HOST)
+    assert tier.insert(23, (None, [], BS, None)) in slots  # a freed slot is used again
+
+
 def test_events_name_blocks_as_the_engine_and_the_router_hash_them():
     events = KVEventRecorder()
     kv = KVCacheManager(num_blocks=8, block_size=BS, events=events)
