@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -119,8 +120,10 @@ def _run_worker(spec: dict, timeout_s: float) -> dict:
         r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec_path)], env=vllm_env(),
                            capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
         if r.returncode or not out.exists():  # vLLM's workers log their errors on stdout
-            errors = [line for line in (r.stdout + r.stderr).splitlines() if "Error" in line][-8:]
-            raise RuntimeError(f"vLLM worker exited {r.returncode}:\n" + "\n".join(errors))
+            lines = [line for line in (r.stdout + r.stderr).splitlines() if "Error" in line]
+            first = list(dict.fromkeys(m.group(0) for line in lines  # the root causes, named once each
+                                       if (m := re.search(r"\b(?!Runtime)\w+Error: .*", line))))[:3]
+            raise RuntimeError(f"vLLM worker exited {r.returncode}:\n" + "\n".join(first + lines[-8:]))
         return json.loads(out.read_text())
 
 

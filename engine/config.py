@@ -62,11 +62,14 @@ class EngineConfig:
     attention_backend: Literal["torch", "cpu", "triton", "flash_attn"] | None = _knob(
         None, "attention kernels (default: the best that supports the device, dtype and block size)")
     enforce_eager: bool = _knob(False, "disable CUDA graphs")
-    quantization: Literal["int8", "fp8"] | None = _knob(
+    quantization: Literal["int8", "fp8", "awq", "gptq", "compressed-tensors"] | None = _knob(
         None, "int8: weight-only int8 (one scale per output row) for every linear layer and the LM head, "
               "float32 activations (CPU, float32 models); fp8: float8 e4m3 weights (one scale per output row) "
               "and per-token float8 activations through torch._scaled_mm (CUDA, bfloat16, compute capability "
-              ">= 8.9; the LM head stays bfloat16); None: weights in the model dtype")
+              ">= 8.9; the LM head stays bfloat16); awq, gptq, compressed-tensors: a 4-bit (W4A16) checkpoint "
+              "of that format, kept 4-bit in memory (engine/layers/w4a16.py; detected from the checkpoint's "
+              "quantization_config when unset); None: the checkpoint's own quantization, else weights in the "
+              "model dtype")
     kv_cache_dtype: Literal["auto", "fp8"] = _knob(
         "auto", "auto: the KV cache in the model dtype; fp8: float8 e4m3 with a per-layer scale for K and one for "
                 "V (calibrated at start-up), a quarter of float32's bytes per block (torch and cpu attention "

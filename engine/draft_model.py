@@ -24,6 +24,7 @@ import dataclasses
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_config, resolve_model
+from engine.layers.w4a16 import W4_METHODS
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -60,7 +61,9 @@ class DraftModelProposer:
                              f"({vocab_size}); speculative decoding needs the same tokenizer")
         dcfg = dataclasses.replace(config, model=path, speculative_config=None, num_kv_blocks=num_blocks,
                                    enable_prefix_caching=False, tensor_parallel_size=1, kv_offloading_size=None,
-                                   enable_kv_cache_events=False)  # the target's pool alone has a tier and events
+                                   enable_kv_cache_events=False,  # the target's pool alone has a tier and events
+                                   # a 4-bit target's format is its checkpoint's: the draft's is read from its own
+                                   quantization=None if config.quantization in W4_METHODS else config.quantization)
         self.runner = ModelRunner(dcfg, path)
         self.runner.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False)

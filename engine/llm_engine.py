@@ -26,6 +26,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventBatch, KVEventRecorder
 from engine.kv_offload import HostKVTier, KVBlockCopy
 from engine.mixed_step_budget import MixedStepBudget
+from engine.layers.w4a16 import resolve_quantization
 from engine.model_loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunnerOutput, load_eos_token_ids
 from engine.output_processor import OutputProcessor
@@ -78,6 +79,9 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.hf_config)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        quantization = resolve_quantization(config.quantization, self.hf_config)  # a 4-bit checkpoint's own
+        if quantization != config.quantization:
+            config = self.config = dataclasses.replace(config, quantization=quantization)
         if config.dtype == "auto":  # decided once here, so every rank of the executor runs the same dtype
             dtype, why = dtype_probe.auto_dtype(config, self.hf_config)
             logger.info("dtype auto -> %s", why)

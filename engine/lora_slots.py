@@ -33,13 +33,11 @@ class LoRALayer:
     its ``A`` and ``B`` there stay zero)."""
 
     def __init__(self, linear, max_loras: int, max_rank: int, owner: "LoRASlots"):
-        w = linear.weight if linear.qweight is None else linear.qweight
-        dtype = w.dtype if w.is_floating_point() and w.element_size() >= 2 else torch.float32
+        n_out, n_in, dtype, device = linear.weight_geometry()  # a quantized weight: the activations' dtype
         self.linear, self.row, self.owner, self.rank = linear, hasattr(linear, "in_range"), owner, max_rank
-        n_in = w.shape[1]
-        self.sizes = [w.shape[0]] if self.row else list(linear.sizes)
-        self.a = torch.zeros(max_loras, len(self.sizes) * max_rank, n_in, dtype=dtype, device=w.device)
-        self.b_t = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=w.device) for n in self.sizes]
+        self.sizes = [n_out] if self.row else list(linear.sizes)
+        self.a = torch.zeros(max_loras, len(self.sizes) * max_rank, n_in, dtype=dtype, device=device)
+        self.b_t = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in self.sizes]
         self.has = [[False] * len(self.sizes) for _ in range(max_loras)]  # [slot][part]
 
     def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:

@@ -22,7 +22,8 @@ from engine.kv_calibration import calibrate_kv_scales
 from engine.kv_offload import HostKVStore
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-from engine.layers.quantization import quantize_model
+from engine.layers.quantization import check_quantization, quantize_model
+from engine.layers.w4a16 import W4_METHODS, prepare_w4a16, resolve_quantization, w4a16_config
 from engine.layers.sampler import Sampler, SamplingRow
 from engine.lora_slots import LoRASlots
 from engine.model_loader import iter_safetensors, load_config
@@ -113,10 +114,14 @@ class ModelRunner:
                 self.model = model_class(self.hf_config)(self.hf_config, self.backend)
         finally:
             torch.set_default_dtype(default_dtype)
+        self.quantization = resolve_quantization(config.quantization, self.hf_config)
+        if self.quantization in W4_METHODS:  # a 4-bit checkpoint: its layers take the packed tensors
+            check_quantization(self.quantization, self.device, self.dtype)
+            prepare_w4a16(self.model, w4a16_config(self.hf_config), self.dtype)
         self.model.load_weights(iter_safetensors(model_path))
         self.model.eval()
-        if config.quantization is not None:
-            quantize_model(self.model, config.quantization, self.device, self.dtype)
+        if self.quantization in ("int8", "fp8"):
+            quantize_model(self.model, self.quantization, self.device, self.dtype)
         if self.device.type == "cpu":
             self._prepack_linears()
         if config.kv_cache_dtype == "fp8":

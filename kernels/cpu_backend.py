@@ -40,7 +40,7 @@ logger = logging.getLogger("kvserve.attention")
 
 SOURCES = [Path(__file__).parent / "csrc" / n
            for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp", "bf16_linear_cpu.cpp",
-                     "lora_cpu.cpp")]
+                     "lora_cpu.cpp", "w4a16_linear_cpu.cpp")]
 #: Compiler flags: -fno-trapping-math lets GCC vectorise loops with selects (``cpu_math.h``).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 #: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
@@ -235,6 +235,33 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         torch.ops.kvserve_cpu.int8_dequant(qweight, scale, w)
         y = torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
     return y.view(*x.shape[:-1], n)
+
+
+#: Most activation rows the 4-bit GEMV takes; larger batches widen the weight to float32.
+W4A16_GEMV_ROWS = 8
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """4-bit weight linear (``kernels/csrc/w4a16_linear_cpu.cpp``): ``x`` ``[..., K]`` (float32 or
+    bfloat16) times the weight ``w[n, k] = q[n, k] * scales[n, g] - szeros[n, g]`` (``qweight``
+    uint8 ``[N, K/2]`` in ``engine.layers.w4a16``'s layout, ``scales`` / ``szeros`` float32
+    ``[N, K / group_size]``), plus ``bias`` -> ``[..., N]`` in ``x.dtype``, float32 arithmetic.
+    Up to :data:`W4A16_GEMV_ROWS` rows: the GEMV that widens the nibbles as it reads them (decode is
+    bound by weight bytes, an eighth of float32's); more rows: the weight is widened into a
+    reused float32 buffer and multiplied by oneDNN (compute-bound there). Needs the kernels
+    (:func:`load_kernel`)."""
+    x2, n = _rows(x), qweight.shape[0]
+    xf = x2 if x2.dtype == torch.float32 else x2.float()
+    b = None if bias is None else bias.float()
+    if xf.shape[0] <= W4A16_GEMV_ROWS:
+        y = torch.empty((xf.shape[0], n), dtype=torch.float32)
+        torch.ops.kvserve_cpu.w4a16_gemv(xf, qweight, scales, szeros, group_size, b, y)
+    else:
+        w = _float32_weight_buffer(torch.Size((n, qweight.shape[1] * 2)))
+        torch.ops.kvserve_cpu.w4a16_dequant(qweight, scales, szeros, group_size, w)
+        y = torch.ops.mkldnn._linear_pointwise(xf, w, b, "none", [], "")
+    return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
 #: Most activation rows the bf16-weight GEMV takes; larger batches widen the weight to float32.

@@ -48,7 +48,8 @@ class ModelCard:
         tensor_parallel_size, pipeline_parallel_size: ranks per stage, stages per replica.
         dtype: the weights' and activations' dtype as configured (``auto``, ``float32``,
             ``bfloat16``, ``float16``; what ``auto`` became is in :class:`LoadedFacts`).
-        kv_cache_dtype: ``auto`` or ``fp8``; ``quantization``: None, ``int8`` or ``fp8`` (the weights').
+        kv_cache_dtype: ``auto`` or ``fp8``; ``quantization``: as configured (None, ``int8``, ``fp8``,
+            ``awq``, ``gptq``, ``compressed-tensors``; what a replica detected is in :class:`LoadedFacts`).
         speculative_config: None, or its ``method`` and ``num_speculative_tokens``.
         tool_call_parser: the name of the parser of this model's tool calls.
         lora_modules: the names of the LoRA adapters configured with this model.
@@ -104,12 +105,15 @@ class LoadedFacts:
         digest: :attr:`ModelCard.digest` of the configuration the replica runs.
         dtype: the dtype its engine runs (``float32``, ``bfloat16``, ``float16``: what
             ``auto`` became there); "" for an encoder.
+        quantization: the weights' quantization its engine runs: the configured one, or a 4-bit
+            checkpoint's own (``awq``, ``gptq``, ``compressed-tensors``) when none was configured.
     """
 
     max_model_len: int
     revision: str = ""
     digest: str = ""
     dtype: str = ""
+    quantization: str | None = None
 
 
 class FactsBoard:

@@ -254,7 +254,8 @@ class ServerInfo:
         tensor_parallel_size: ranks per pipeline stage.
         pipeline_parallel_size: stages per replica (each of ``tensor_parallel_size`` ranks).
         kv_cache_dtype: ``auto`` or ``fp8``.
-        quantization: None, ``int8`` or ``fp8`` (the weights').
+        quantization: the weights' (None, ``int8``, ``fp8``, or a 4-bit checkpoint's ``awq``, ``gptq``,
+            ``compressed-tensors``).
         speculative_config: None, or ``{"method", "num_speculative_tokens", ...}`` (no paths).
         max_waiting_requests, max_queued_prompt_tokens: a replica's admission bounds beyond the
             running batch (requests, prompt tokens); ``max_queued_requests`` is the old name of

@@ -126,6 +126,15 @@ class ModelCatalog:
         facts = await self.facts(name)
         return facts.dtype if facts is not None and facts.dtype else card.dtype
 
+    async def quantization(self, name: str) -> str | None:
+        """The weights' quantization of ``name``: as its replicas published it (a 4-bit
+        checkpoint's own format when none was configured), else as configured."""
+        card = self.models.get(name)
+        if card is None:
+            return None
+        facts = await self.facts(name)
+        return facts.quantization if facts is not None and facts.quantization else card.quantization
+
     async def revision(self, name: str) -> str:
         """The weights' revision ``name``'s replicas published ("" while none has): the response
         cache's key."""
@@ -154,11 +163,12 @@ class ModelCatalog:
         ``root`` (the served name: paths of the server stay private), the ``dtype`` the engine
         runs (:meth:`dtype`: what ``auto`` became once a replica loaded; None for an encoder),
         the KV cache's dtype (``kv_cache_dtype``: ``auto`` or ``fp8``), the weights' ``quantization`` (None,
-        ``int8`` or ``fp8``) and ``speculative_config`` (None, or its ``method`` and
+        ``int8``, ``fp8``, or a 4-bit checkpoint's ``awq``, ``gptq``, ``compressed-tensors``: as the
+        replicas published it, else as configured) and ``speculative_config`` (None, or its ``method`` and
         ``num_speculative_tokens``), ``tensor_parallel_size`` and ``pipeline_parallel_size``."""
         c = self.models.get(name) or self.encoders[name]
         return {"id": name, "object": "model", "created": self.created, "owned_by": "kvserve", "root": name,
                 "max_model_len": await self.max_model_len(name), "dtype": await self.dtype(name),
                 "kv_cache_dtype": c.kv_cache_dtype,
-                "quantization": c.quantization, "speculative_config": c.speculative_config,
+                "quantization": await self.quantization(name), "speculative_config": c.speculative_config,
                 "tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": c.pipeline_parallel_size}

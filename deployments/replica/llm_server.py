@@ -205,8 +205,9 @@ class LLMServer(PoolingEndpoints):
     def _publish(self) -> None:
         """Put this replica's :class:`LoadedFacts` on the application's board (a no-op outside Serve)."""
         if self.facts is not None:
+            config = self.engine.engine.config
             self.facts.put(self.model_name, LoadedFacts(self.max_model_len, self.revision, self.card.digest,
-                                                        self.engine.engine.config.dtype))
+                                                        config.dtype, config.quantization))
 
     async def _republish_if_revised(self) -> None:
         """Publish again when the model folder's revision changed (new weights on disk: the

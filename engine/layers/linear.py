@@ -26,7 +26,10 @@ for up to 8 rows, the weight widened into a float32 buffer for oneDNN above), so
 ``dtype="bfloat16"`` there halves the weight and KV bytes and costs float32's matmul rate.
 ``KVSERVE_CPU_LINEAR=aten`` turns prepacking and oneDNN off (ATen everywhere).
 
-Quantized weights (int8, float8) and their matmuls are in ``engine.layers.quantization``.
+Quantized weights (int8, float8) and their matmuls are in ``engine.layers.quantization``; 4-bit
+checkpoints (GPTQ, AWQ, compressed-tensors) in ``engine.layers.w4a16``: a layer given
+``w4_config`` (:func:`engine.layers.w4a16.prepare_w4a16`) takes the checkpoint's packed tensors in
+``load`` and builds its 4-bit weight in ``finish_load``.
 """
 from __future__ import annotations
 
@@ -39,6 +42,11 @@ from torch import nn
 from engine.config import cpu_native_bf16
 from engine.distributed import all_reduce
 from engine.layers.quantization import quantize_layer, quantized_linear
+from engine.layers.w4a16 import W4A16Config, W4Weight, build_w4, decode_checkpoint_tensors, w4a16_linear
+
+#: Checkpoint tensor names of a 4-bit layer (every format's; ``engine.layers.w4a16``).
+W4_TENSORS = frozenset(("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
+                        "qweight", "qzeros", "scales", "g_idx"))
 
 #: ``"onednn"`` (default where torch has oneDNN) or ``"aten"``: how CPU float32 matmuls run.
 CPU_LINEAR = os.environ.get("KVSERVE_CPU_LINEAR") or ("onednn" if torch.backends.mkldnn.is_available() else "aten")
@@ -131,17 +139,84 @@ class ColumnParallelLinear(nn.Module):
         self.register_buffer("wscale", None)
         self.packed = None  # the weight in oneDNN's layout after prepack() (CPU)
         self.lora = None  # an engine.lora.LoRALayer when adapters are enabled
+        self.w4_config: W4A16Config | None = None  # a 4-bit checkpoint's format (prepare_w4a16)
+        self.w4: W4Weight | None = None  # this rank's 4-bit weight after finish_load()
+        self.act_dtype = self.weight.dtype  # the activations' dtype (the model's)
+        self._w4_tensors: dict[int, dict[str, torch.Tensor]] = {}
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         """Copy this rank's rows of sub-matrix ``part`` from the full ``tensor``
-        (``[out, in]`` weight or ``[out]`` bias)."""
+        (``[out, in]`` weight or ``[out]`` bias); a 4-bit checkpoint's tensors are kept whole
+        until :meth:`finish_load`.
+
+        Raises:
+            ValueError: a 4-bit tensor for a layer that is not 4-bit (no ``w4_config``).
+        """
+        if name in W4_TENSORS:
+            self._keep_w4(name, tensor, part)
+            return
         s, e = self.out_ranges[part]
         off = sum(self.sizes[:part])
         getattr(self, name).data[off:off + e - s].copy_(tensor[s:e])
 
+    def _keep_w4(self, name: str, tensor: torch.Tensor, part: int) -> None:
+        if self.w4_config is None:
+            raise ValueError(f"4-bit tensor {name!r} for a layer the checkpoint's quantization_config does not "
+                             "name as quantized")
+        self._w4_tensors.setdefault(part, {})[name] = tensor
+
+    def finish_load(self) -> None:
+        """Build the 4-bit weight from the checkpoint tensors ``load`` kept (every part's rows
+        of this rank, parts concatenated; ``engine.layers.w4a16.build_w4``) and drop the float
+        weight. Nothing for a float layer.
+
+        Raises:
+            ValueError: a part's tensors are missing or do not fit, or the fused parts of an
+                act-order checkpoint order their input columns differently.
+        """
+        if not self._w4_tensors:
+            return
+        if len(self._w4_tensors) != len(self.out_ranges):
+            raise ValueError(f"4-bit tensors for {len(self._w4_tensors)} of {len(self.out_ranges)} fused parts")
+        codes, scales, zeros, g_idx = [], [], [], None
+        for part, (s, e) in enumerate(self.out_ranges):
+            c, sc, z, g = decode_checkpoint_tensors(self.w4_config, self._w4_tensors[part])
+            if c.shape[1] != self.weight.shape[1]:
+                raise ValueError(f"4-bit weight of {c.shape[1]} input columns for a layer of {self.weight.shape[1]}")
+            if part and ((g is None) != (g_idx is None) or (g is not None and not torch.equal(g, g_idx))):
+                raise ValueError("the fused parts of an act-order layer (q/k/v or gate/up) order their input columns "
+                                 "differently")
+            g_idx = g
+            codes.append(c[s:e])
+            scales.append(sc[s:e])
+            zeros.append(z[s:e])
+        self._set_w4(build_w4(torch.cat(codes), torch.cat(scales), torch.cat(zeros), g_idx))
+
+    def _set_w4(self, w: W4Weight) -> None:
+        self.w4 = w = w.to(self.weight.device)
+        for name in ("qweight", "scales", "szeros", "perm"):  # buffers: state_dict() and .to() see them
+            self.register_buffer(f"w4_{name}", getattr(w, name))
+        self.weight = None
+        self._w4_tensors = {}
+
+    def weight_geometry(self) -> tuple[int, int, torch.dtype, torch.device]:
+        """``(out, in, dtype, device)`` of this rank's weight as the activations see it (the
+        activations' dtype for a quantized weight)."""
+        if self.w4 is not None:
+            return *self.w4.shape, self.act_dtype, self.w4.qweight.device
+        w = self.weight if self.qweight is None else self.qweight
+        dtype = w.dtype if w.is_floating_point() and w.element_size() >= 2 else torch.float32
+        return w.shape[0], w.shape[1], dtype, w.device
+
     def quantize(self, method: str = "int8") -> None:
         """``EngineConfig.quantization``: the float weight is replaced by int8 or float8 rows and
-        per-row scales (``engine.layers.quantization.quantize_layer``)."""
+        per-row scales (``engine.layers.quantization.quantize_layer``).
+
+        Raises:
+            ValueError: the layer is already 4-bit (a 4-bit checkpoint is not quantized again).
+        """
+        if self.w4 is not None:
+            raise ValueError(f"quantization={method!r} on a 4-bit checkpoint: its weights are already quantized")
         quantize_layer(self, method)
 
     def prepack(self) -> None:
@@ -152,7 +227,9 @@ class ColumnParallelLinear(nn.Module):
             self.packed = prepack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
+        if self.w4 is not None:
+            y = w4a16_linear(x, self.w4, self.bias)
+        elif self.qweight is not None:
             y = quantized_linear(x, self.qweight, self.wscale, self.bias)
         else:
             y = linear(x, self.weight, self.bias, self.packed)
@@ -173,15 +250,44 @@ class RowParallelLinear(nn.Module):
         self.register_buffer("wscale", None)
         self.packed = None
         self.lora = None
+        self.w4_config: W4A16Config | None = None
+        self.w4: W4Weight | None = None
+        self.act_dtype = self.weight.dtype
+        self._w4_tensors: dict[int, dict[str, torch.Tensor]] = {}
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        """Copy this rank's input columns of the full ``[out, in]`` ``tensor``; a 4-bit
+        checkpoint's tensors are kept whole until :meth:`finish_load`."""
+        if name in W4_TENSORS:
+            self._keep_w4(name, tensor, part)
+            return
         self.weight.data.copy_(tensor[:, self.in_range[0]:self.in_range[1]])
 
+    def finish_load(self) -> None:
+        """Build this rank's 4-bit weight (its input columns; ``engine.layers.w4a16.build_w4``)
+        from the checkpoint tensors ``load`` kept, and drop the float weight. Nothing for a
+        float layer.
+
+        Raises:
+            ValueError: missing tensors, or input columns that cannot be split here.
+        """
+        if not self._w4_tensors:
+            return
+        codes, scales, zeros, g_idx = decode_checkpoint_tensors(self.w4_config, self._w4_tensors[0])
+        if codes.shape[0] != self.weight.shape[0]:
+            raise ValueError(f"4-bit weight of {codes.shape[0]} rows for a layer of {self.weight.shape[0]}")
+        self._set_w4(build_w4(codes, scales, zeros, g_idx, cols=self.in_range))
+
+    _keep_w4 = ColumnParallelLinear._keep_w4
+    _set_w4 = ColumnParallelLinear._set_w4
+    weight_geometry = ColumnParallelLinear.weight_geometry
     quantize = ColumnParallelLinear.quantize
     prepack = ColumnParallelLinear.prepack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
+        if self.w4 is not None:
+            y = w4a16_linear(x, self.w4)
+        elif self.qweight is not None:
             y = quantized_linear(x, self.qweight, self.wscale)
         else:
             y = linear(x, self.weight, None, self.packed)

@@ -43,8 +43,15 @@ def check_quantization(method: str, device: torch.device, dtype: torch.dtype) ->
         if torch.cuda.get_device_capability(device) < (8, 9):
             raise ValueError("quantization='fp8' needs compute capability >= 8.9 (Ada, Hopper), this GPU has "
                              "%d.%d" % torch.cuda.get_device_capability(device))
+    elif method in ("awq", "gptq", "compressed-tensors"):  # a 4-bit checkpoint (engine.layers.w4a16)
+        if device.type not in ("cpu", "cuda") or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"4-bit {method} weights run on CPU or CUDA in float32, bfloat16 or float16, not "
+                             f"{device.type} {str(dtype).removeprefix('torch.')}")
+        if device.type == "cpu" and dtype == torch.float16:
+            raise ValueError("4-bit weights on CPU run float32 or bfloat16 activations, not float16")
     else:
-        raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {method!r}")
+        raise ValueError(f"quantization must be None, 'int8', 'fp8', 'awq', 'gptq' or 'compressed-tensors', "
+                         f"got {method!r}")
 
 
 def quantize_model(model: nn.Module, method: str, device: torch.device, dtype: torch.dtype) -> None:

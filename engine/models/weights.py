@@ -12,6 +12,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from engine.layers.linear import W4_TENSORS
+
 #: Hugging Face projection name -> (fused module name, part index).
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -27,7 +29,8 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             ``lm_head.weight`` is skipped and not expected.
 
     Raises:
-        ValueError: a tensor name the model does not know, or weights left unloaded.
+        ValueError: a tensor name the model does not know, weights left unloaded, or 4-bit
+            tensors that do not fit their layer (``engine.layers.w4a16``).
     """
     modules = dict(model.named_modules())
     loaded = set()
@@ -47,7 +50,7 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if mod is None or not hasattr(mod, "load"):
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         mod.load(param, tensor, part)
-        loaded.add((mod_name, param, part))
+        loaded.add((mod_name, "weight" if param in W4_TENSORS else param, part))  # a 4-bit weight's tensors
     expected = sum(
         (3 if n.endswith("qkv_proj") else 2 if n.endswith("gate_up_proj") else 1)
         * (2 if getattr(m, "bias", None) is not None else 1)
@@ -56,6 +59,9 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         expected -= 1
     if len(loaded) != expected:
         raise ValueError(f"checkpoint loaded {len(loaded)} of {expected} weight tensors")
+    for m in modules.values():
+        if hasattr(m, "finish_load"):
+            m.finish_load()  # 4-bit layers build their weight from the tensors they kept
 
 
 def stage_weights(weights: Iterable[tuple[str, torch.Tensor]], start: int, end: int, first: bool, last: bool,
