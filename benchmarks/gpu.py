@@ -16,6 +16,11 @@ Parts (``--parts``, comma-separated; default all):
 ``engine-decode``
     (2) :func:`bench_engine_decode`: engine batch-1 decode ms/token, with and without CUDA
     graphs, against the HBM floor (weight bytes / measured copy bandwidth).
+``w4a16``
+    (4) :func:`bench_w4a16`: the 4-bit weight matmul (``kernels/triton_w4a16.py``) on Qwen3-0.6B's
+    linear shapes (qkv, o, gate+up, down; random 4-bit weights in groups of 128) at 1, 16 and 256
+    rows: ms, GB/s of weight bytes read (4-bit plus scales), against torch's bf16 matmul of the
+    same weight widened (``F.linear``), and max|ours - bf16| relative to the output's scale.
 ``throughput``
     (3) :func:`bench_engine_throughput`: nano-vllm's workload (256 requests, prompt and output
     lengths uniform in 100..1024, random token ids < 10000, ``ignore_eos``, seed 0) through
@@ -67,7 +72,7 @@ from benchmarks.common import Figures  # noqa: E402
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
 RESULT_KEYS = ("gpu", "smoke", "device", "dtype", "kv_cache_dtype", "sms", "torch", "triton", "date",
                "copy_bandwidth_gbps", "args", "decode_attention", "prefill_attention", "engine_skipped",
-               "engine_decode", "throughput")
+               "engine_decode", "throughput", "w4a16")
 
 ATTN_SHAPES = {
     "qwen3-0.6b": dict(num_heads=16, num_kv_heads=8, head_dim=128),
@@ -107,6 +112,12 @@ SMOKE = dict(shapes="tiny-gqa2", contexts="40,70", batch=2, prefill_tokens=140, 
 SMOKE_ENGINE = dict(prompt_len=16, new_tokens=16, min_len=8, max_len=32, copy_bytes=64 << 20,
                     engine_kw=dict(num_kv_blocks=256))
 SMOKE_MAX_ABS_DIFF = 1e-4  # max|ours - SDPA| in float32 (observed ~1e-6)
+#: 4-bit matmul shapes (name: N, K): Qwen3-0.6B's linear layers; --smoke: one tiny shape.
+W4A16_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+W4A16_SMOKE_SHAPES = {"tiny": (64, 128)}
+W4A16_ROWS, W4A16_SMOKE_ROWS = (1, 16, 256), (1, 5)
+#: the 4-bit matmul's max|ours - dense| / max|dense| allowed (bf16 on a GPU, float32 in --smoke)
+W4A16_MAX_REL_DIFF, W4A16_SMOKE_MAX_REL_DIFF = 2e-2, 1e-5
 
 
 
@@ -285,6 +296,37 @@ def bench_prefill_attention(timer: Timer, shape_name: str, ctx: int, block_size:
 
 
 # ----------------------------------------------------------------------------- models
+
+def bench_w4a16(timer: Timer, name: str, n: int, k: int, rows: int, dtype: str = "bfloat16",
+                device: str = "cuda", group_size: int = 128) -> dict:
+    """The Triton 4-bit matmul on ``[rows, k] x [n, k]^T`` against torch's matmul of the widened
+    weight in ``dtype``: median ms of each, GB/s of the 4-bit weight bytes (packed values, scales
+    and zero terms), and max|ours - dense| / max|dense|."""
+    import torch
+    from engine.layers.w4a16 import build_w4
+    from kernels.triton_w4a16 import w4a16_matmul
+    g = torch.Generator().manual_seed(0)
+    gs = min(group_size, k)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // gs, generator=g) * 0.02
+    zeros = torch.randint(0, 16, (n, k // gs), generator=g).float()
+    w = build_w4(codes, scales, zeros, None).to(torch.device(device))
+    dt = getattr(torch, dtype)
+    dense = ((codes.float().reshape(n, -1, gs) - zeros[..., None]) * scales[..., None]).reshape(n, k).to(device, dt)
+    x = torch.randn(rows, k, generator=g).to(device, dt)
+    ours = lambda: w4a16_matmul(x, w.qweight, w.scales, w.szeros, w.group_size)  # noqa: E731
+    ref = lambda: torch.nn.functional.linear(x, dense)  # noqa: E731
+    ms, ms_ref = timer(ours), timer(ref)
+    want = ref().float()
+    rel = ((ours().float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    nbytes = w.nbytes()
+    res = dict(shape=name, n=n, k=k, rows=rows, group_size=gs, dtype=dtype, ms=ms, weight_gbps=nbytes / (ms * 1e-3) / 1e9,
+               dense_ms=ms_ref, dense_gbps=dense.numel() * dense.element_size() / (ms_ref * 1e-3) / 1e9,
+               max_rel_diff=rel)
+    del w, dense, x
+    _empty_cache()
+    return res
+
 
 def build_random_model(name: str, root: Path, device: str = "cuda",
                        dtype: str = "bfloat16") -> Path:
@@ -562,8 +604,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="See the module docstring for what each part measures.")
-    ap.add_argument("--parts", default="attention,engine-decode,throughput",
-                    help="comma-separated: attention, engine-decode, throughput")
+    ap.add_argument("--parts", default="attention,engine-decode,throughput,w4a16",
+                    help="comma-separated: attention, engine-decode, throughput, w4a16")
     ap.add_argument("--shapes", default="qwen3-0.6b,llama-3.2-1b",
                     help=f"attention shapes ({', '.join(ATTN_SHAPES)})")
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192")
@@ -662,6 +704,11 @@ def figures(r: dict) -> Figures:
               x.get("skipped") or x.get("error")] for x in r.get("engine_decode", [])],
             note="The HBM floor: weight bytes / copy bandwidth." + (
                 f" Engine parts skipped: {r['engine_skipped']}" if r.get("engine_skipped") else ""))
+    f.table("4-bit weight matmul (Triton) against the widened weight", ["shape", "rows", "ms", "weight GB/s",
+                                                                         "dense ms", "max rel diff"],
+            [[x["shape"], x["rows"], x["ms"], x["weight_gbps"], x["dense_ms"], x["max_rel_diff"]]
+             for x in r.get("w4a16", [])], note="Qwen3-0.6B's linear shapes, groups of 128; the dense matmul is "
+                                               "torch's in the run's dtype on the same weight widened.")
     tp = r.get("throughput", [])
     hf = next((x for x in tp if x.get("hf_requests")), None)
     f.table("Throughput on nano-vllm's workload", ["model", "requests", "CUDA graphs", "engine tok/s", "HF tok/s",
@@ -782,6 +829,18 @@ def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int
                       ("engine tok/s", "engine_tok_s"),
                       ("hf tok/s", "hf_tok_s"), ("speedup", "speedup_vs_hf"),
                       ("error", "error")])
+    if "w4a16" in parts:
+        shapes4 = W4A16_SMOKE_SHAPES if smoke else W4A16_SHAPES
+        rows4 = [bench_w4a16(timer, name, n, k, m, dtype, device)
+                 for name, (n, k) in shapes4.items() for m in (W4A16_SMOKE_ROWS if smoke else W4A16_ROWS)]
+        report["w4a16"] = rows4
+        save()
+        bound = W4A16_SMOKE_MAX_REL_DIFF if smoke else W4A16_MAX_REL_DIFF
+        failures += [f"w4a16 {r['shape']} rows {r['rows']}: max rel diff {r['max_rel_diff']:.3g} > {bound}"
+                     for r in rows4 if not r["max_rel_diff"] <= bound]
+        _print_table(f"4-bit weight matmul (Triton), {dtype}", rows4,
+                     [("shape", "shape"), ("rows", "rows"), ("ms", "ms"), ("weight GB/s", "weight_gbps"),
+                      (f"{dtype} ms", "dense_ms"), ("rel diff", "max_rel_diff")])
     print(f"\nwrote {out_path}")
     if smoke:
         failures += [f"{part} {r.get('model')}: {r['error']}"

@@ -56,7 +56,8 @@ class FactsBoard:
 
 def test_facts_published_at_load_complete_the_card_and_key_the_cache(monkeypatch):
     """A model whose ``max_model_len`` is left to its KV pool has none on its card until a replica
-    publishes one, and its ``dtype`` is ``auto`` until a replica publishes what ``auto`` became; the
+    publishes one, and its ``dtype`` is ``auto`` until a replica publishes what ``auto`` became (and
+    its ``quantization`` what the replica detected in a 4-bit checkpoint); the
     published revision keys the response cache (a new revision: the old answer is not served);
     facts published under another configuration's digest are not taken."""
     from deployments.args import ModelArgs
@@ -73,9 +74,10 @@ def test_facts_published_at_load_complete_the_card_and_key_the_cache(monkeypatch
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw") as c:
             first = (await c.get("/v1/models/fake")).json()
-            board.published["fake"] = LoadedFacts(200, "rev-a", card.digest, "bfloat16")
+            board.published["fake"] = LoadedFacts(200, "rev-a", card.digest, "bfloat16", "gptq")
             loaded = (await c.get("/v1/models/fake")).json()
-            before, after = (first["max_model_len"], first["dtype"]), (loaded["max_model_len"], loaded["dtype"])
+            before = (first["max_model_len"], first["dtype"], first["quantization"])
+            after = (loaded["max_model_len"], loaded["dtype"], loaded["quantization"])
             statuses = []
             for revision in ("rev-a", "rev-a", "rev-b", "rev-b"):
                 if revision != board.published["fake"].revision:
@@ -90,6 +92,6 @@ def test_facts_published_at_load_complete_the_card_and_key_the_cache(monkeypatch
             return before, after, statuses, await gw.catalog.max_model_len("fake")
 
     before, after, statuses, stale = _run(main())
-    assert before == (None, "auto") and after == (200, "bfloat16")
+    assert before == (None, "auto", None) and after == (200, "bfloat16", "gptq")  # a 4-bit checkpoint's own
     assert statuses == ["miss", "exact", "miss", "exact"] and len(replica.requests) == 2
     assert stale is None  # another configuration's facts: the card's (unknown) again

@@ -92,3 +92,12 @@ def test_throughput(smoke):
     _positive(row, "engine_s", "engine_tok_s", "hf_s", "hf_tok_s", "speedup_vs_hf")
     assert row["engine_tokens"] == row["output_tokens"] > 0
     assert row["hf_requests"] == row["num_requests"] == 8
+
+
+def test_w4a16_matmul(smoke):
+    """The 4-bit part: the Triton kernel under the interpreter equals the widened weight's matmul."""
+    rows = smoke["w4a16"]
+    assert [r["rows"] for r in rows] == [1, 5]
+    for r in rows:
+        _positive(r, "ms", "weight_gbps", "dense_ms")
+        assert 0 <= r["max_rel_diff"] < 1e-5, r
