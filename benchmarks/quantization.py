@@ -188,10 +188,8 @@ def figures(r: dict) -> Figures:
     if i8 and "batch1_speedup_vs_float32" in i8:
         f.summary("int8 weights, batch-1 decode speed / float32", i8["batch1_speedup_vs_float32"], "x",
                   target=">= 1.3x", met=t["int8 batch-1 >= 1.3x float32"], headline=True)
-    for name in W4_CONFIGS:
-        w = c.get(name)
-        if not w:
-            continue
+    for name in [n for n in c if n.startswith("w4a16")]:  # the 4-bit configurations
+        w = c[name]
         f.summary(f"{name}: perplexity vs float32", w["perplexity_vs_float32"] * 100, "%", target="<= +3 %",
                   met=t[f"{name} perplexity within +3 %"])
         key = next((k for k in t if k.startswith(f"{name} batch-1")), None)
@@ -208,19 +206,22 @@ def figures(r: dict) -> Figures:
                       target="<= 0.3x", met=t[f"{name} weights <= 0.3x bf16 (whole model)"])
             f.summary(f"{name}: linear-layer weight bytes / bfloat16", w["linear_weight_bytes_vs_bfloat16"], "x",
                       target="<= 0.3x", met=t[f"{name} linear-layer weights <= 0.3x bf16"])
-    f.targets(t, done=tuple(t))
+    f.targets(t, done=[k for k in t if "Paris" not in k])  # the rest have a summary row of their own
     tokens = next(iter(c.values())).get("tokens")
-    f.table("Configurations", ["config", "perplexity", "vs float32 (%)", "greedy tokens before the first divergence (%)",
+    f.table("Configurations", ["config", "perplexity", "HF's perplexity, same checkpoint", "vs float32 (%)",
+                               "greedy tokens before the first divergence (%)",
                                "prompts identical", "Paris", "weights (MB)", "linear layers (MB)", "peak RSS (MB)",
                                "KV capacity (tokens)", "batch-1 ms/token", "64 requests tok/s"],
-            [[name, x["perplexity"], x["perplexity_vs_float32"] * 100, x["greedy_prefix_agreement"] * 100,
+            [[name, x["perplexity"], x.get("hf_perplexity_same_checkpoint"), x["perplexity_vs_float32"] * 100,
+              x["greedy_prefix_agreement"] * 100,
               x["greedy_prompts_identical"], x["paris"], x["weight_bytes"] / 1e6, x.get("linear_weight_bytes", 0) / 1e6,
               x.get("peak_rss_bytes", 0) / 1e6, x["kv_capacity_tokens"],
               x.get("batch1_ms_per_token_ctx512"), x.get("throughput_64_requests_tok_per_s")] for name, x in c.items()],
             note=f"SmolLM2; perplexity over `{r['text']}` ({tokens} tokens); KV capacity in a fixed 256 MiB pool; "
                  "batch-1 decode at a 512-token context; the 64-request throughput workload in that pool. "
                  "The 4-bit rows are llmcompressor's GPTQ and AWQ W4A16 checkpoints (asymmetric groups of 32, LM head "
-                 "float, tied to the embedding).")
+                 "float, tied to the embedding); HF's perplexity is transformers on the same folder, whole "
+                 "paragraphs at once.")
     peers = [[name, x["vllm"].get("loaded"), x["vllm"].get("dtype"), x["vllm"].get("batch1_ms_per_token_ctx512"),
               x["vllm"].get("throughput_64_requests_tok_per_s"), x["vllm"].get("error", "")]
              for name, x in c.items() if "vllm" in x]
@@ -250,6 +251,8 @@ def main(argv=None) -> dict:
     for name in args.configs:
         model, kw = config_model(path, CONFIGS[name])
         r = {"engine_args": CONFIGS[name], "model": model, **perplexity(model, kw)}
+        if "checkpoint" in CONFIGS[name]:  # HF transformers on the same checkpoint (benchmarks/quant_checkpoints.py)
+            r["hf_perplexity_same_checkpoint"] = json.loads((Path(model) / "reference.json").read_text())["perplexity"]
         llm = LLM(model=model, kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, **kw)
         runner = llm.engine.executor.runner
         outs = greedy_outputs(llm, args.new_tokens)

@@ -52,8 +52,9 @@ from benchmarks.common import (  # noqa: E402
 
 #: Scripts that write JSON without being results writers (peer_vllm.py: its child's spec and
 #: answer in a temporary folder; migrate_results.py: adds the schema that the files' own scripts
-#: derive, through ``figures_function``, to committed files).
-NOT_RESULTS_WRITERS = {"common.py", "peer_vllm.py", "migrate_results.py"}
+#: derive, through ``figures_function``, to committed files; quant_checkpoints.py: model folders and
+#: their HF reference outputs in the cache, never in benchmarks/results).
+NOT_RESULTS_WRITERS = {"common.py", "peer_vllm.py", "migrate_results.py", "quant_checkpoints.py"}
 
 
 @cache
