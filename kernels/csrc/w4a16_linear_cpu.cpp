@@ -137,9 +137,11 @@ void gemv_rows(const float* x, int64_t ldx, const uint8_t* w, const float* scale
 #endif
     const float* zn = szeros + n * G;
     for (int m = 0; m < M; ++m) {
-      float s = sums[m];
-      for (int64_t g = 0; g < G; ++g) s -= zn[g] * xsum[m * G + g];
-      y[m * N + n] = s + (bias ? bias[n] : 0.f);
+      float z = 0.f;  // the zero points' term, a dot product of length G (vectorised, in any order)
+      const float* xs = xsum + m * G;
+#pragma omp simd reduction(+ : z)
+      for (int64_t g = 0; g < G; ++g) z += zn[g] * xs[g];
+      y[m * N + n] = sums[m] - z + (bias ? bias[n] : 0.f);
     }
   }
 }
