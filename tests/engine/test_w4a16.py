@@ -261,12 +261,19 @@ def check_close(llm: LLM, prompts, ref_tokens, ref_tops, lora=None) -> int:
 
 
 @pytest.mark.slow
-def test_bfloat16_activations_close_to_hf_bf16(w4_checkpoints):
+def test_bfloat16_activations_close_to_hf_bf16_and_float32(w4_checkpoints):
+    """bf16 activations over the 4-bit weights: every greedy output agrees with HF bf16 on the same
+    checkpoint and with HF float32 (``reference.json``) up to a near tie. Where they part is not
+    compared further: HF bf16 also rounds the widened weights to bf16 (the kernels here keep them
+    exact in float32), so its first near tie comes early on some prompts; a wrong bf16 path would
+    leave the top 5 of both references."""
     path = w4_checkpoints["gptq-g64"]
-    prompts = [g["prompt_ids"] for g in reference(path)["greedy"]][:4]
+    ref = reference(path)
+    prompts = [g["prompt_ids"] for g in ref["greedy"]]
     toks, tops = hf_greedy(hf_dequantized(path, torch.bfloat16), prompts)
     llm = LLM(model=str(path), dtype="bfloat16", device="cpu", num_kv_blocks=256)
-    assert check_close(llm, prompts, toks, tops) >= len(prompts) * NEW_TOKENS // 2
+    check_close(llm, prompts, toks, tops)
+    check_close(llm, prompts, [g["tokens"] for g in ref["greedy"]], [[set(t) for t in g["top"]] for g in ref["greedy"]])
 
 
 @pytest.mark.slow
