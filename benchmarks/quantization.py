@@ -68,7 +68,7 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "Give me three tips for learning Python.", "What is 12 times 12?"]
 KV_BYTES = 256 << 20
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
-RESULT_KEYS = ("model", "text", "quick", "configs", "targets")
+RESULT_KEYS = ("model", "text", "quick", "configs", "targets", "native_bf16")
 
 #: Every configuration in float32, named (``dtype="auto"`` is bfloat16 on a CPU with native bf16,
 #: and int8 weights run in float32 only): each is compared with the float32 one.
