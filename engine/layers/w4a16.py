@@ -354,7 +354,7 @@ def w4a16_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None)
         x = x.index_select(-1, w.perm)
     if x.device.type == "cpu":
         from kernels import cpu_backend
-        if cpu_backend.load_kernel():
+        if cpu_backend.kernels_ready():  # no lock once loaded: this runs per layer per step
             return cpu_backend.w4a16_linear(x, w.qweight, w.scales, w.szeros, w.group_size, bias)
     elif x.device.type == "cuda":
         from kernels import triton_w4a16
