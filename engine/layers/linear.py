@@ -42,11 +42,8 @@ from torch import nn
 from engine.config import cpu_native_bf16
 from engine.distributed import all_reduce
 from engine.layers.quantization import quantize_layer, quantized_linear
-from engine.layers.w4a16 import W4A16Config, W4Weight, build_w4, decode_checkpoint_tensors, w4a16_linear
-
-#: Checkpoint tensor names of a 4-bit layer (every format's; ``engine.layers.w4a16``).
-W4_TENSORS = frozenset(("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
-                        "qweight", "qzeros", "scales", "g_idx"))
+from engine.layers.w4a16 import (W4_TENSORS, W4A16Config, W4Weight, build_w4, decode_checkpoint_tensors,
+                                 w4a16_linear)
 
 #: ``"onednn"`` (default where torch has oneDNN) or ``"aten"``: how CPU float32 matmuls run.
 CPU_LINEAR = os.environ.get("KVSERVE_CPU_LINEAR") or ("onednn" if torch.backends.mkldnn.is_available() else "aten")

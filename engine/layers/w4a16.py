@@ -34,6 +34,7 @@ refused with tensor_parallel_size > 1.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,8 @@ W4_PARAMS = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_sha
                                     "weight_g_idx"),
              "gptq": ("qweight", "qzeros", "scales", "g_idx"),
              "awq": ("qweight", "qzeros", "scales")}
+#: Every format's names: what a linear layer keeps for :func:`decode_checkpoint_tensors`.
+W4_TENSORS = frozenset(name for names in W4_PARAMS.values() for name in names)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -360,4 +363,4 @@ def w4a16_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None)
         from kernels import triton_w4a16
         if triton_w4a16.available():
             return triton_w4a16.w4a16_matmul(x, w.qweight, w.scales, w.szeros, w.group_size, bias)
-    return w4a16_reference(x, W4Weight(w.qweight, w.scales, w.szeros, w.group_size), bias)
+    return w4a16_reference(x, dataclasses.replace(w, perm=None), bias)  # x is gathered already

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from engine.layers.linear import W4_TENSORS
+from engine.layers.w4a16 import W4_TENSORS
 
 #: Hugging Face projection name -> (fused module name, part index).
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
