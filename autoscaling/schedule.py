@@ -127,3 +127,34 @@ def schedule_floor(config: ScheduleSettings, now: float) -> int:
         if e.contains(hour):
             floor = max(floor, int(e.min_replicas))
     return floor
+
+
+def _floor_at(schedule: Tuple[ScheduleEntry, ...], hour: float) -> int:
+    return max((int(e.min_replicas) for e in schedule if e.contains(hour)), default=0)
+
+
+#: Resolution of :func:`low_traffic_now` / :func:`seconds_until_low_traffic` over a day, hours.
+_STEP_H = 0.25
+
+
+def low_traffic_now(schedule: Tuple[ScheduleEntry, ...], now: float, tz_name: str = "UTC") -> bool:
+    """Whether ``now`` (Unix seconds) is in one of the schedule's low-traffic windows: the
+    hours whose floor is the lowest of the day (hours no entry covers have floor 0). An empty
+    schedule has no such window (False): "low traffic" must be declared, not assumed.
+    Used by ``kvserve warm --schedule`` (cache warming off-peak)."""
+    if not schedule:
+        return False
+    lowest = min(_floor_at(schedule, i * _STEP_H) for i in range(int(24 / _STEP_H)))
+    return _floor_at(schedule, local_hour(now, tz_name)) == lowest
+
+
+def seconds_until_low_traffic(schedule: Tuple[ScheduleEntry, ...], now: float, tz_name: str = "UTC") -> float | None:
+    """Seconds from ``now`` to the next low-traffic window (0: in one now), to a quarter of an
+    hour; None for an empty schedule."""
+    if not schedule:
+        return None
+    for i in range(int(24 / _STEP_H) + 1):
+        t = now + i * _STEP_H * 3600.0
+        if low_traffic_now(schedule, t, tz_name):
+            return i * _STEP_H * 3600.0
+    return None

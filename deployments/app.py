@@ -93,12 +93,18 @@ def build_app(args: AppArgs) -> Application:
     """
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(dict(args or {}))
-    handles = {}
+    handles, variants = {}, {}
     channels = args.gateway.ingress_num_replicas if args.gateway.replica_channels else 0
+    deployments = args.deployments()  # one per model, or one per variant of a model in an A/B test
     for i, m in enumerate(args.model_list()):
-        handles[m.name] = LLMServer.options(**llm_deployment_options(m, _deployment_name(i, m.name), channels)).bind(m)
+        for d in (d for d in deployments if d.name == m.name):
+            name = _deployment_name(i, m.name) + (f"-{d.variant}" if d.variant is not None else "")
+            h = LLMServer.options(**llm_deployment_options(d, name, channels)).bind(d, args.tracing)
+            handles.setdefault(m.name, h)  # a model in an A/B test: its first variant's (the control's)
+            if d.variant is not None:
+                variants.setdefault(m.name, {})[d.variant] = h
     # the ingress outlives its models' drain: a stream cut at their deadline still gets its error event
-    drain_s = max(m.graceful_shutdown_timeout_s for m in args.model_list()) + 10.0
+    drain_s = max(m.graceful_shutdown_timeout_s for m in deployments) + 10.0
     g, e = args.gateway, args.embeddings
     encoders = {}
     if e.embedding_model is not None:  # an encoder for /v1/embeddings (deployments/replica/embedding_server.py)
@@ -109,18 +115,21 @@ def build_app(args: AppArgs) -> Application:
                                  graceful_shutdown_timeout_s=drain_s, ray_actor_options={
                                      "num_cpus": g.ingress_cpus, **({"resources": g.ingress_resources}
                                                                     if g.ingress_resources else {})}
-                                 ).bind(handles, encoders=encoders, **gateway_options(args))
+                                 ).bind(handles, encoders=encoders, variants=variants, **gateway_options(args))
 
 
 def gateway_options(args: AppArgs) -> dict[str, Any]:
     """The gateway's constructor arguments besides the handles: the models' and the encoder's
     cards (the facts known at build time) and the configuration's sections, as objects."""
-    cards = [ModelCard.of(m) for m in args.model_list()]
+    first = {}  # a model in an A/B test: the card of its first variant (the control)
+    for d in args.deployments():
+        first.setdefault(d.name, d)
+    cards = [ModelCard.of(first[m.name]) for m in args.model_list()]
     e = args.embeddings
     if e.embedding_model is not None:
         cards.append(ModelCard.of_encoder(e.embedding_model, e.served_name()))
     return {"cards": cards, "gateway": args.gateway, "limits": args.limits, "cache": args.cache,
-            "routing": args.routing}
+            "routing": args.routing, "experiments": args.experiments, "tracing": args.tracing}
 
 
 __all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "gateway_options", "llm_deployment_options",

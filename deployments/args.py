@@ -16,13 +16,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.cache import CacheSettings
-from deployments.contract.config import (ENGINE_FIELDS, RENAMED_MODEL_KEYS, SERVING_ENGINE_DEFAULTS, CacheArgs, EmbeddingArgs, EngineArgs, GatewayArgs, LimitArgs, ModelArgs, renamed_model_keys)
+from deployments.contract.config import (ENGINE_FIELDS, RENAMED_MODEL_KEYS, SERVING_ENGINE_DEFAULTS, CacheArgs, EmbeddingArgs, EngineArgs, GatewayArgs, LimitArgs, ModelArgs, TracingArgs, renamed_model_keys)
+from deployments.contract.experiments import ExperimentArgs
 from deployments.contract.routing_config import RoutingArgs
 from deployments.gateway.tool_parsers import get_tool_parser
 from deployments.limits import policies_from_keys
 
 __all__ = ["APP_NAME", "ENGINE_FIELDS", "SECTIONS", "SERVING_ENGINE_DEFAULTS", "AppArgs", "CacheArgs", "EmbeddingArgs",
-           "EngineArgs", "GatewayArgs", "LimitArgs", "ModelArgs", "RoutingArgs", "app_args_from_config",
+           "EngineArgs", "GatewayArgs", "LimitArgs", "ModelArgs", "RoutingArgs", "TracingArgs", "app_args_from_config",
            "fit_single_node", "logical_cpus_needed"]
 
 #: Serve application name ``kvserve serve`` deploys (``serve.get_app_handle(APP_NAME)``).
@@ -30,13 +31,14 @@ APP_NAME = "kvserve"
 
 #: The sections of :class:`AppArgs` besides ``models``, by name.
 SECTIONS: dict[str, type[BaseModel]] = {"gateway": GatewayArgs, "limits": LimitArgs, "cache": CacheArgs,
-                                        "routing": RoutingArgs, "embeddings": EmbeddingArgs}
+                                        "routing": RoutingArgs, "embeddings": EmbeddingArgs, "tracing": TracingArgs}
 
 
 class AppArgs(BaseModel):
     """Arguments of :func:`build_app` (``args`` of the Serve config, flags of ``kvserve serve``),
     in sections: ``models`` (each a :class:`ModelArgs`, the first being the default for
-    requests without a ``model``), ``gateway``, ``limits``, ``cache``, ``routing`` and ``embeddings``.
+    requests without a ``model``), ``gateway``, ``limits``, ``cache``, ``routing``, ``embeddings``,
+    ``tracing``, and ``experiments`` (A/B tests, :mod:`deployments.contract.experiments`).
 
     The flat form that configs and flags use is accepted too: a section's field given at the
     top level (``api_keys: [...]``, ``cache_ttl_s: 60``) goes to its section, and model fields
@@ -52,6 +54,11 @@ class AppArgs(BaseModel):
     cache: CacheArgs = Field(default_factory=CacheArgs)
     routing: RoutingArgs = Field(default_factory=RoutingArgs)
     embeddings: EmbeddingArgs = Field(default_factory=EmbeddingArgs)
+    tracing: TracingArgs = Field(default_factory=TracingArgs)
+    experiments: list[ExperimentArgs] = Field(
+        default_factory=list, description="A/B tests of configurations: each splits one served model's requests "
+                                          "between variants, each its own LLMServer deployment "
+                                          "(deployments/contract/experiments.py)")
 
     @classmethod
     def flat_fields(cls) -> dict[str, Any]:
@@ -83,7 +90,7 @@ class AppArgs(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        out: dict[str, Any] = {"models": data.pop("models", None) or []}
+        out: dict[str, Any] = {"models": data.pop("models", None) or [], "experiments": data.pop("experiments", None) or []}
         for name, section in SECTIONS.items():
             given = data.pop(name, None)
             part = dict(given) if isinstance(given, dict) else {} if given is None else given
@@ -116,7 +123,47 @@ class AppArgs(BaseModel):
             raise ValueError(f"the embedding model's name {encoder!r} is also a generating model's")
         if self.cache.response_cache and self.cache.cache_backend == "redis" and not self.limits.redis_url:
             raise ValueError("cache_backend redis needs redis_url (or $KVSERVE_REDIS_URL)")
+        self.deployments()  # every variant's settings valid for its model
         return self
+
+    def experiment_of(self, model: str) -> ExperimentArgs | None:
+        """The experiment that splits served model ``model``'s requests, if any."""
+        return next((e for e in self.experiments if e.model == model), None)
+
+    def deployments(self) -> list[ModelArgs]:
+        """One ``ModelArgs`` per ``LLMServer`` deployment: each model as configured, or, for a
+        model in an experiment, one per variant (the model's settings with the variant's, and
+        ``variant`` set), in the order of ``models`` and then of the variants.
+
+        Raises:
+            ValueError: an experiment of a model not served, two experiments of one model, two
+                experiments with one name, a variant's settings the model does not take.
+        """
+        names = {m.name for m in self.models}
+        seen_names, seen_models = set(), set()
+        for e in self.experiments:
+            if e.model not in names:
+                raise ValueError(f"experiment {e.name!r}: model {e.model!r} is not served (served: {sorted(names)})")
+            if e.model in seen_models:
+                raise ValueError(f"model {e.model!r} is in two experiments: one experiment per model")
+            if e.name in seen_names:
+                raise ValueError(f"two experiments are named {e.name!r}")
+            seen_names.add(e.name)
+            seen_models.add(e.model)
+        out = []
+        for m in self.models:
+            e = self.experiment_of(m.name)
+            if e is None:
+                out.append(m)
+                continue
+            base = m.model_dump(exclude_unset=True)
+            for v in e.variants:
+                try:
+                    out.append(ModelArgs.model_validate({**base, **v.model_settings(), "served_model_name": m.name,
+                                                        "variant": v.name}))
+                except ValueError as err:
+                    raise ValueError(f"experiment {e.name!r}, variant {v.name!r}: {err}") from None
+        return out
 
     def model_list(self) -> list[ModelArgs]:
         """The served models, the default first."""
@@ -137,7 +184,7 @@ def logical_cpus_needed(args: AppArgs) -> float:
     total = args.gateway.ingress_cpus * args.gateway.ingress_num_replicas
     if args.embeddings.embedding_model is not None:
         total += args.embeddings.embedding_cpus * args.embeddings.embedding_num_replicas
-    for m in args.model_list():
+    for m in args.deployments():
         knobs = m.autoscaling_knobs()
         n = m.num_replicas if m.num_replicas is not None else 1
         if knobs is not None:

@@ -3,6 +3,8 @@
 ``kvserve generate --prompt ...``  runs the engine in this process (no Ray) and prints the text.
 ``kvserve serve [flags]``           starts (or joins) Ray, deploys the kvserve Serve application,
                                     prints the base URL and a curl line, serves until Ctrl-C.
+``kvserve experiment report NAME``  compares an A/B test's variants (``set-weights``, ``list`` too).
+``kvserve warm --log DIR``          warms the caches from the request log (off-peak with ``--schedule``).
 """
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ import typing
 import warnings
 
 from autoscaling.policy import KVServeAutoscalingConfig, add_autoscaling_args
+from autoscaling.schedule import low_traffic_now, parse_schedule, seconds_until_low_traffic
 from cluster import set_local_ray_env
 from deployments.args import APP_NAME, AppArgs, ModelArgs, app_args_from_config
 from deployments.contract.adapters import parse_lora_module
 from deployments.contract.config import RENAMED_MODEL_KEYS
 from deployments.gateway.gate import mask_key
+from deployments.operator import experiment_report as xr
+from deployments.operator import warm
 
 
 # ---- generate (engine only) ------------------------------------------------------------------
@@ -48,7 +53,9 @@ _NOT_FLAGS = {"autoscaling", "min_replicas", "max_replicas"}
 #: AppArgs fields that are plain flags too (the response caches, deployments/cache/; the embedding model).
 _APP_FLAGS = ("response_cache", "cache_backend", "cache_ttl_s", "cache_max_entries", "cache_max_bytes",
               "semantic_cache", "semantic_cache_threshold", "semantic_cache_max_entries", "redis_url",
-              "embedding_model", "embedding_served_name", "replica_channels")
+              "embedding_model", "embedding_served_name", "replica_channels", "otlp_traces_endpoint",
+              "otlp_traces_protocol", "otlp_traces_sample_ratio", "request_log_dir", "request_log_prompts",
+              "request_log_max_bytes", "request_log_backups")
 
 
 def _flag(name: str) -> str:
@@ -151,7 +158,151 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--" + old.replace("_", "-"), dest=old, **{**kw, "help": f"deprecated: --{_flag(new)}"})
     add_autoscaling_args(s)  # --min-replicas, --max-replicas and the policy's knobs
     s.set_defaults(func=cmd_serve)
+
+    x = sub.add_parser("experiment", help="A/B tests of configurations: report, set weights, list")
+    xs = x.add_subparsers(dest="experiment_command", required=True)
+    for verb, helptext in (("report", "compare an experiment's variants (bootstrap intervals and verdicts)"),
+                           ("set-weights", "change an experiment's traffic weights (no restart)"),
+                           ("list", "the experiments and their live weights")):
+        p = xs.add_parser(verb, help=helptext)
+        if verb != "list":
+            p.add_argument("name", help="the experiment's name")
+        if verb == "set-weights":
+            p.add_argument("weights", nargs="+", metavar="VARIANT=WEIGHT", help="e.g. control=90 batch16=10")
+        p.add_argument("--url", default=os.environ.get("KVSERVE_URL", "http://127.0.0.1:8000"),
+                       help="the gateway's base URL (default $KVSERVE_URL or http://127.0.0.1:8000)")
+        p.add_argument("--admin-key", default=None,
+                       help="an admin key (default $KVSERVE_ADMIN_API_KEY, or the first of $KVSERVE_ADMIN_API_KEYS)")
+        if verb == "report":
+            p.add_argument("--since", type=float, default=None,
+                           help="only requests that ended in the last SINCE seconds (default: all the gateway kept)")
+            p.add_argument("--confidence", type=float, default=0.95,
+                           help="family-wise confidence of the verdicts (Bonferroni; default 0.95)")
+            p.add_argument("--min-effect", type=float, default=0.05,
+                           help="smallest difference reported (relative, or absolute for rates; default 0.05)")
+            p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
+            p.add_argument("--json", action="store_true", help="print the report as JSON")
+            p.add_argument("--input", default=None,
+                           help="read the experiment's samples from this JSON file (what GET /v1/experiments/NAME "
+                                "gave) instead of the gateway")
+        p.set_defaults(func=cmd_experiment)
+    add_warm_parser(sub)
     return ap
+
+
+def add_warm_parser(sub) -> None:
+    """``kvserve warm``'s flags (deployments/operator/warm.py)."""
+    w = sub.add_parser("warm", help="warm the response caches (and prefix caches) from the request log, off-peak")
+    w.add_argument("--log", required=True, metavar="DIR", help="the request log's folder (request_log_dir)")
+    w.add_argument("--url", default=os.environ.get("KVSERVE_URL", "http://127.0.0.1:8000"),
+                   help="the gateway's base URL (default $KVSERVE_URL or http://127.0.0.1:8000)")
+    w.add_argument("--admin-key", default=None,
+                   help="an admin key (default $KVSERVE_ADMIN_API_KEY, or the first of $KVSERVE_ADMIN_API_KEYS)")
+    w.add_argument("--since-hours", type=float, default=24.0, help="requests of the last this many hours (default 24)")
+    w.add_argument("--top", type=int, default=100, help="most frequent cacheable requests replayed (default 100)")
+    w.add_argument("--min-count", type=int, default=2, help="seen at least this often (default 2)")
+    w.add_argument("--top-system", type=int, default=10,
+                   help="most frequent shared system prompts prefilled into a replica's prefix cache (default 10)")
+    w.add_argument("--model", action="append", default=None, help="only this served model (repeatable)")
+    w.add_argument("--rate", type=float, default=2.0, help="requests per second at most (default 2)")
+    w.add_argument("--concurrency", type=int, default=1, help="requests at once (default 1)")
+    w.add_argument("--retries", type=int, default=5, help="tries of a request deferred by live traffic (default 5)")
+    w.add_argument("--dry-run", action="store_true", help="print the plan, send nothing")
+    w.add_argument("--schedule", default=None, metavar="SPEC",
+                   help="run in this schedule's low-traffic windows (the autoscaling schedule's syntax, e.g. "
+                        "'8-20:4,22-6:1': the hours with the lowest floor), once per window, until stopped")
+    w.add_argument("--timezone", default="UTC", help="the schedule's time zone (default UTC)")
+    w.set_defaults(func=cmd_warm)
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    """``kvserve warm`` (deployments/operator/warm.py)."""
+    import asyncio
+
+    key = _admin_key(args.admin_key)
+    if not key and not args.dry_run:
+        print("kvserve warm: an admin key is needed (--admin-key or $KVSERVE_ADMIN_API_KEY)", file=sys.stderr)
+        return 2
+    schedule = parse_schedule(args.schedule) if args.schedule else ()
+    if args.schedule and not schedule:
+        print("kvserve warm: --schedule has no entry", file=sys.stderr)
+        return 2
+
+    def once() -> int:
+        try:
+            lines = warm.read_log(args.log, time.time() - args.since_hours * 3600.0)
+        except FileNotFoundError as e:
+            print(f"kvserve warm: {e}", file=sys.stderr)
+            return 1
+        p = warm.plan(lines, args.top, args.min_count, args.top_system, set(args.model) if args.model else None)
+        if p.lines and not p.stored:
+            print("kvserve warm: the request log holds fingerprints only (request_log_prompts: hash); set "
+                  "request_log_prompts: store to warm from it", file=sys.stderr)
+            return 1
+        summary = {"log_lines": p.lines, "distinct_requests": p.distinct, "requests": len(p.requests),
+                   "system_prompts": len(p.prefixes)}
+        if not args.dry_run:
+            summary.update(asyncio.run(warm.replay(p, args.url, key, args.rate, args.concurrency, args.retries)))
+        print(json.dumps(summary))
+        return 0
+
+    if not schedule:
+        return once()
+    while True:  # one run per low-traffic window
+        wait = seconds_until_low_traffic(schedule, time.time(), args.timezone)
+        if wait:
+            time.sleep(wait)
+        once()
+        while low_traffic_now(schedule, time.time(), args.timezone):
+            time.sleep(60)
+
+
+def _admin_key(given: str | None) -> str | None:
+    if given:
+        return given
+    if os.environ.get("KVSERVE_ADMIN_API_KEY"):
+        return os.environ["KVSERVE_ADMIN_API_KEY"]
+    keys = [k.strip() for k in os.environ.get("KVSERVE_ADMIN_API_KEYS", "").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    """``kvserve experiment report | set-weights | list`` (deployments/operator/experiment_report.py)."""
+    import httpx
+
+    key = _admin_key(args.admin_key)
+    try:
+        if args.experiment_command == "list":
+            r = httpx.get(f"{args.url.rstrip('/')}/v1/experiments", timeout=30.0,
+                          headers={"Authorization": f"Bearer {key}"} if key else {})
+            if r.status_code != 200:
+                raise RuntimeError(f"{r.status_code}: {xr._message(r)}")
+            for e in r.json()["data"]:
+                print(f"{e['name']}: model {e['model']}, sticky {e['sticky']}, weights {e['weights']}, "
+                      f"differences {e['differences']}")
+            return 0
+        if args.experiment_command == "set-weights":
+            weights = {}
+            for item in args.weights:
+                name, sep, value = item.partition("=")
+                if not sep:
+                    raise SystemExit(f"kvserve experiment set-weights: expected VARIANT=WEIGHT, got {item!r}")
+                weights[name] = float(value)
+            out = xr.set_weights(args.url, args.name, weights, key)
+            print(f"{out['name']}: weights now {out['weights']}")
+            return 0
+        if args.input:
+            with open(args.input) as f:
+                data = json.load(f)
+        else:
+            since = None if args.since is None else time.time() - args.since
+            data = xr.fetch(args.url, args.name, key, since)
+        report = xr.analyse(data, confidence=args.confidence, min_effect=args.min_effect, n_boot=args.bootstrap)
+        print(json.dumps(report, indent=2) if args.json else xr.render(report))
+        return 0
+    except (RuntimeError, httpx.HTTPError, ValueError) as e:
+        print(f"kvserve experiment {args.experiment_command}: {e}", file=sys.stderr)
+        return 1
 
 
 def app_args_from_cli(args: argparse.Namespace) -> dict:

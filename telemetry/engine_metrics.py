@@ -1,7 +1,7 @@
 """The engine's metrics of one ``LLMServer`` replica, by vLLM V1's names: its Prometheus stat logger.
 
-Labels: ``model_name`` (vLLM's label: the served model name) and ``replica`` (the Serve replica
-id); histograms use vLLM V1's buckets. The logger reads the engine's records
+Labels: ``model_name`` (vLLM's label: the served model name), ``replica`` (the Serve replica
+id) and ``variant`` (the A/B test variant the replica serves, "" outside an experiment); histograms use vLLM V1's buckets. The logger reads the engine's records
 (``engine.stats.IterationStats`` per step, ``SchedulerStats`` between steps,
 ``FinishedRequestStats`` per request) by attribute: telemetry imports no engine module.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from telemetry.cost_metrics import ReplicaCost
 from telemetry.registry import metric
 
 # vLLM V1's histogram buckets (vllm/v1/metrics/loggers.py), seconds or tokens.
@@ -20,7 +21,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
-ENGINE_LABELS = ("model_name", "replica")
+ENGINE_LABELS = ("model_name", "replica", "variant")
 
 
 def _node_of_this_process() -> tuple[str, str]:
@@ -44,13 +45,19 @@ class PrometheusStatLogger:
     Args:
         model_name: the served model name (label ``model_name``).
         replica: the Serve replica id (label ``replica``).
+        variant: the A/B test variant the replica serves (label ``variant``; "" outside one).
+        cost_per_hour: what the replica costs per hour (``cost_per_replica_hour``; None: no
+            cost metrics): ``replica_cost_total`` accrues it by the wall clock, and
+            ``cost_per_million_output_tokens`` divides it by the tokens generated so far.
         speculative: also the ``spec_decode_*`` series (an engine that speculates).
         lora: ``max_loras`` of an engine that serves LoRA adapters (``lora_requests_info``);
             None: LoRA off.
     """
 
-    def __init__(self, model_name: str, replica: str, speculative: bool = False, lora: int | None = None):
-        self.labels = {"model_name": model_name, "replica": replica}
+    def __init__(self, model_name: str, replica: str, speculative: bool = False, lora: int | None = None, *,
+                 variant: str = "", cost_per_hour: float | None = None):
+        self.labels = {"model_name": model_name, "replica": replica, "variant": variant}
+        self.cost = None if cost_per_hour is None else ReplicaCost(self.labels, cost_per_hour)
         L, E = ENGINE_LABELS, ENGINE_LABELS
         self.running = metric("gauge", "num_requests_running", "Number of requests in model execution batches.", L)
         self.waiting = metric("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", L)
@@ -111,6 +118,8 @@ class PrometheusStatLogger:
         """One engine step (an ``engine.stats.IterationStats``): counters, histograms, and the
         queue gauges from its scheduler snapshot."""
         lb = self.labels
+        if self.cost is not None:
+            self.cost.generated(m.num_sampled)
         self.record_scheduler_stats(m)
         self.pc_queries.inc(lb, m.prefix_cache_queries)
         self.pc_hits.inc(lb, m.prefix_cache_hits)
@@ -152,6 +161,8 @@ class PrometheusStatLogger:
         """The queue gauges from a snapshot: an ``engine.stats.SchedulerStats`` (between steps:
         an idle engine runs no step that would reset them), or anything with its attributes
         ``num_running``, ``num_waiting`` and ``kv_cache_usage`` (an ``IterationStats``)."""
+        if self.cost is not None:
+            self.cost.accrue()
         self._set_queue(s.num_running, s.num_waiting, s.kv_cache_usage)
 
     def _set_queue(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
@@ -182,8 +193,8 @@ class ClusterTierMetrics:
     would have taken longer than computing; ``lost``: the object's owner is gone; ``error``).
     Labels as :class:`PrometheusStatLogger`'s."""
 
-    def __init__(self, model_name: str, replica: str):
-        self.labels = {"model_name": model_name, "replica": replica}
+    def __init__(self, model_name: str, replica: str, variant: str = ""):
+        self.labels = {"model_name": model_name, "replica": replica, "variant": variant}
         L = ENGINE_LABELS
         self.hits = metric("counter", "kv_cluster_hit_tokens",
                            "Prompt tokens whose KV blocks were fetched from the cluster tier.", L)

@@ -13,10 +13,12 @@ REJECT_REASONS = ("unauthorized", "auth_throttled", "rate_limited", "queue_full"
 
 
 def rejected() -> Metric:
-    """``kvserve:requests_rejected_total{model_name, reason}``: requests refused before or
-    instead of generation (401, 429, 503, 504; see :data:`REJECT_REASONS`)."""
+    """``kvserve:requests_rejected_total{model_name, reason, variant}``: requests refused before or
+    instead of generation (401, 429, 503, 504; see :data:`REJECT_REASONS`); ``variant`` the A/B
+    test variant the request was assigned ("" outside an experiment, and for refusals before
+    the model is known)."""
     return metric("counter", "requests_rejected", "Requests refused by the gateway or a replica, by reason.",
-                  ("model_name", "reason"))
+                  ("model_name", "reason", "variant"))
 
 
 def api_key_tokens() -> Metric:
@@ -24,13 +26,13 @@ def api_key_tokens() -> Metric:
     (never the key), ``kind`` ``prompt`` or ``generation``; ``model_name`` is the name the client
     sent (a LoRA adapter's, for its requests)."""
     return metric("counter", "api_key_tokens", "Tokens served per API key (its name), prompt or generation.",
-                  ("api_key", "model_name", "kind"))
+                  ("api_key", "model_name", "kind", "variant"))
 
 
 def api_key_requests() -> Metric:
     """``kvserve:api_key_requests_total{api_key, model_name}``: requests admitted per API key name."""
     return metric("counter", "api_key_requests", "Requests admitted per API key (its name).",
-                  ("api_key", "model_name"))
+                  ("api_key", "model_name", "variant"))
 
 
 def model_routes() -> Metric:
@@ -45,7 +47,7 @@ def upstream_fallbacks() -> Metric:
     """``kvserve:upstream_fallbacks_total{model_name, reason}``: requests sent to the upstream
     because the local model refused them (``reason``: the local error code, e.g. ``queue_full``)."""
     return metric("counter", "upstream_fallbacks", "Requests sent to the upstream instead of a local replica.",
-                  ("model_name", "reason"))
+                  ("model_name", "reason", "variant"))
 
 
 #: Buckets of ``kvserve:http_request_duration_seconds``: 5 ms (a tokenize call) to 5 min (a long stream).
@@ -70,7 +72,7 @@ def http_request_seconds() -> Metric:
 
 #: Buckets of ``kvserve:response_cache_lookup_seconds``: 0.1 ms (an in-process hit) to 1 s.
 CACHE_LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-CACHE_LABELS = ("level", "model_name")
+CACHE_LABELS = ("level", "model_name", "variant")
 
 
 def cache_hits() -> Metric:
@@ -85,6 +87,20 @@ def cache_misses() -> Metric:
     found nothing (a semantic hit follows an exact miss)."""
     return metric("counter", "response_cache_misses", "Response cache lookups that found nothing, by level.",
                   CACHE_LABELS)
+
+
+def cache_warmed_entries() -> Metric:
+    """``kvserve:response_cache_warmed_entries_total{level, model_name}``: answers cache warming
+    (``kvserve warm``) stored, by level."""
+    return metric("counter", "response_cache_warmed_entries", "Answers stored in the response cache by cache "
+                                                              "warming, by level.", ("level", "model_name"))
+
+
+def cache_warmed_hits() -> Metric:
+    """``kvserve:response_cache_warmed_hits_total{level, model_name, variant}``: live requests
+    answered by an entry cache warming stored."""
+    return metric("counter", "response_cache_warmed_hits", "Live requests answered by an entry cache warming "
+                                                           "stored, by level.", CACHE_LABELS)
 
 
 def cache_lookup_seconds() -> Metric:

@@ -33,6 +33,8 @@ from telemetry.gateway_metrics import (
                                       cache_hits,
                                       cache_lookup_seconds,
                                       cache_misses,
+                                      cache_warmed_entries,
+                                      cache_warmed_hits,
                                       http_request_seconds,
                                       http_requests,
                                       model_routes,
@@ -45,5 +47,5 @@ __all__ = [
     "CACHE_LABELS", "CACHE_LOOKUP_BUCKETS", "ENGINE_LABELS", "HTTP_LATENCY_BUCKETS", "ITL_BUCKETS", "PREFIX",
     "RAY_PREFIX", "REJECT_REASONS", "REQUEST_LATENCY_BUCKETS", "TOKEN_BUCKETS", "TTFT_BUCKETS",
     "ClusterTierMetrics", "Metric", "PrometheusStatLogger", "_metrics", "api_key_requests", "api_key_tokens", "cache_hits",
-    "cache_lookup_seconds", "cache_misses", "http_request_seconds", "http_requests", "metric", "metrics_dir",
+    "cache_lookup_seconds", "cache_misses", "cache_warmed_entries", "cache_warmed_hits", "http_request_seconds", "http_requests", "metric", "metrics_dir",
     "model_routes", "rejected", "render", "upstream_fallbacks"]

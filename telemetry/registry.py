@@ -77,15 +77,23 @@ def _in_ray_worker() -> bool:
     return ray.is_initialized()
 
 
+#: Labels a caller may leave out (recorded as ""): ``variant``, the A/B test variant of the
+#: request or replica (``deployments/contract/experiments.py``), empty outside an experiment (and
+#: PromQL treats an empty label as an absent one, so queries without it see every series).
+OPTIONAL_LABELS = ("variant",)
+
+
 class Metric:
     """One metric in both exports. ``kind``: ``counter``, ``gauge`` or ``histogram``; ``name``
-    without prefix (counters without ``_total``); ``labels``: label names."""
+    without prefix (counters without ``_total``); ``labels``: label names (those of
+    :data:`OPTIONAL_LABELS` may be left out of a sample's labels)."""
 
     def __init__(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
                  buckets: tuple[float, ...] | None = None):
         import prometheus_client as pc
 
         self.kind, self.name, self.labels = kind, name, labels
+        self._optional = tuple(k for k in labels if k in OPTIONAL_LABELS)
         full = PREFIX + name
         if kind == "counter":
             self.prom = pc.Counter(full, doc, labels, registry=None)
@@ -112,19 +120,28 @@ class Metric:
             except Exception as e:  # Ray's export is best effort; /metrics still has it
                 logger.warning("metric %s not exported through Ray: %s", name, e)
 
+    def _full(self, labels: dict[str, str]) -> dict[str, str]:
+        for k in self._optional:
+            if k not in labels:
+                return {**labels, **{o: "" for o in self._optional if o not in labels}}
+        return labels
+
     def inc(self, labels: dict[str, str], value: float = 1.0) -> None:
         if value <= 0:
             return
+        labels = self._full(labels)
         self.prom.labels(**labels).inc(value)
         if self.ray is not None:
             self.ray.inc(value, tags=labels)
 
     def set(self, labels: dict[str, str], value: float) -> None:
+        labels = self._full(labels)
         self.prom.labels(**labels).set(value)
         if self.ray is not None:
             self.ray.set(value, tags=labels)
 
     def observe(self, labels: dict[str, str], value: float) -> None:
+        labels = self._full(labels)
         self.prom.labels(**labels).observe(value)
         if self.ray is not None:
             self.ray.observe(value, tags=labels)

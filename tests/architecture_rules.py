@@ -47,6 +47,7 @@ ROOMS: Dict[str, Set[str]] = {
     "cache": {"contract"},
     "limits": {"contract"},
     "gateway": {"contract", "routing", "cache", "limits"},
+    "operator": {"contract"},
 }
 #: Top-level modules of deployments/: they assemble the rooms (the Serve app, its arguments, the
 #: command line), may import any room, and no room imports them.

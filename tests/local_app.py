@@ -126,8 +126,9 @@ class LocalApp:
 
     Attributes:
         port: the HTTP port on 127.0.0.1.
-        servers: served model name -> its ``LLMServer`` instance.
-        handles: served model name -> its :class:`LocalHandle`.
+        servers: served model name (``model@variant`` for a variant of an A/B test) -> its
+            ``LLMServer`` instance.
+        handles: the same keys -> its :class:`LocalHandle`.
     """
 
     def __init__(self, apps: dict[str, dict]):
@@ -160,18 +161,25 @@ class LocalApp:
         routes, loaded = [], {}
 
         def handle(m) -> LocalHandle:
-            if m.name in self.servers and loaded[m.name] != m:
-                raise ValueError(f"model {m.name!r} is named twice with different settings")
-            if m.name not in self.servers:
-                self.servers[m.name], loaded[m.name] = LLMServer.func_or_class(m), m
-                self.handles[m.name] = LocalHandle(self.servers[m.name], self.loop)
-            return self.handles[m.name]
+            key = m.deployment_key
+            if key in self.servers and loaded[key] != m:
+                raise ValueError(f"model {key!r} is named twice with different settings")
+            if key not in self.servers:
+                self.servers[key], loaded[key] = LLMServer.func_or_class(m, tracing), m
+                self.handles[key] = LocalHandle(self.servers[key], self.loop)
+            return self.handles[key]
 
         for prefix, raw in self.apps.items():
             args = AppArgs.model_validate(raw)
+            tracing = args.tracing
             if args.embeddings.embedding_model is not None:
                 raise ValueError("LocalApp serves no embedding model (serve.batch needs a Serve replica)")
-            api = build_api(Gateway({m.name: handle(m) for m in args.model_list()}, **gateway_options(args)))
+            models, variants = {}, {}
+            for d in args.deployments():  # as build_app: one per model, or per variant of an A/B test
+                models.setdefault(d.name, handle(d))
+                if d.variant is not None:
+                    variants.setdefault(d.name, {})[d.variant] = handle(d)
+            api = build_api(Gateway(models, variants=variants, **gateway_options(args)))
             routes.append(Mount(prefix.rstrip("/"), app=api))  # "/" mounts at "", the root
         routes.sort(key=lambda r: r.path == "")  # the root app last: a prefix matches first
         config = uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port, log_level="warning",

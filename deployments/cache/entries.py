@@ -19,10 +19,13 @@ import json
 from deployments.contract.types import GenerationChunk
 
 
-def encode_entry(streams: list[list[GenerationChunk]]) -> bytes:
-    """A cached answer: each prompt's chunks as the replica sent them (JSON bytes)."""
-    return json.dumps({"v": 1, "streams": [[c.to_dict() for c in s] for s in streams]},
-                      separators=(",", ":"), ensure_ascii=False).encode()
+def encode_entry(streams: list[list[GenerationChunk]], warmed: bool = False) -> bytes:
+    """A cached answer: each prompt's chunks as the replica sent them (JSON bytes); ``warmed``:
+    stored by cache warming (``kvserve warm``), not by a live request."""
+    obj: dict = {"v": 1, "streams": [[c.to_dict() for c in s] for s in streams]}
+    if warmed:
+        obj["warmed"] = True
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def decode_entry(data: bytes) -> list[list[GenerationChunk]]:
@@ -31,10 +34,19 @@ def decode_entry(data: bytes) -> list[list[GenerationChunk]]:
     Raises:
         ValueError: not an entry of this version.
     """
+    return decode_entry_warmed(data)[0]
+
+
+def decode_entry_warmed(data: bytes) -> tuple[list[list[GenerationChunk]], bool]:
+    """:func:`decode_entry` and whether cache warming stored the entry.
+
+    Raises:
+        ValueError: not an entry of this version.
+    """
     obj = json.loads(data)
     if not isinstance(obj, dict) or obj.get("v") != 1:
         raise ValueError("not a kvserve response cache entry (v1)")
-    return [[GenerationChunk.from_dict(d) for d in s] for s in obj["streams"]]
+    return [[GenerationChunk.from_dict(d) for d in s] for s in obj["streams"]], bool(obj.get("warmed"))
 
 
 def complete(streams: list[list[GenerationChunk]], n: int) -> bool:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.cache.entries import complete, decode_entry, encode_entry
+from deployments.cache.entries import complete, decode_entry_warmed, encode_entry
 from deployments.cache.keys import deterministic, exact_key, semantic_parts
 from deployments.cache.semantic import EMBEDDING_DIM, SemanticIndex, numbers_of
 from deployments.cache.settings import CacheSettings, RequestOptions
@@ -40,7 +40,7 @@ from deployments.cache.stores import MemoryStore, RedisStore
 from deployments.contract.encoder import SentenceEncoder
 from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.contract.types import GenerationChunk
-from telemetry.metrics import cache_hits, cache_lookup_seconds, cache_misses
+from telemetry.metrics import cache_hits, cache_lookup_seconds, cache_misses, cache_warmed_entries
 
 logger = logging.getLogger("ray.serve")
 
@@ -69,6 +69,9 @@ class Lookup:
         key: the exact key (None: not cacheable).
         store: store the fresh answer when it completes.
         semantic: ``(scope, vector, numbers)`` to add to the semantic index with the answer.
+        warm: the request is cache warming's (its answer is stored as warmed; its lookup is not
+            counted in the hit and miss metrics).
+        warmed: on a hit, the entry was stored by cache warming.
     """
 
     status: str
@@ -77,6 +80,8 @@ class Lookup:
     key: str | None = None
     store: bool = False
     semantic: tuple[str, Any, tuple[str, ...]] | None = None
+    warm: bool = False
+    warmed: bool = False
 
     @property
     def hit(self) -> bool:
@@ -114,7 +119,8 @@ class ResponseCache:
                 settings.redis_url, settings.max_entries, settings.max_bytes, clock=clock)
         else:
             self.store_backend = MemoryStore(settings.max_entries, settings.max_bytes, clock=clock)
-        self.counts = {"exact": {"hits": 0, "misses": 0}, "semantic": {"hits": 0, "misses": 0}, "stores": 0}
+        self.counts = {"exact": {"hits": 0, "misses": 0}, "semantic": {"hits": 0, "misses": 0}, "stores": 0,
+                       "warmed": {"exact": 0, "semantic": 0}}
         self._tasks: set[asyncio.Task] = set()
         self._metrics = None
         if metrics:
@@ -139,10 +145,18 @@ class ResponseCache:
         mode = self.settings.semantic
         return mode != "off" and (opts.semantic is True or (mode == "on" and opts.semantic is None))
 
-    def _observe(self, level: str, model: str, hit: bool, seconds: float) -> None:
+    def _warmed(self, level: str, model: str) -> None:
+        self.counts["warmed"][level] += 1
+        if self._metrics is not None:
+            try:
+                cache_warmed_entries().inc({"level": level, "model_name": model})
+            except Exception:  # metrics never fail a request
+                pass
+
+    def _observe(self, level: str, model: str, hit: bool, seconds: float, variant: str = "") -> None:
         self.counts[level]["hits" if hit else "misses"] += 1
         if self._metrics is not None:
-            labels = {"level": level, "model_name": model}
+            labels = {"level": level, "model_name": model, "variant": variant}
             try:
                 (self._metrics[0] if hit else self._metrics[1]).inc(labels)
                 self._metrics[2].observe(labels, seconds)
@@ -150,27 +164,34 @@ class ResponseCache:
                 pass
 
     async def lookup(self, model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest,
-                     opts: RequestOptions) -> Lookup:
+                     opts: RequestOptions, *, semantic_threshold: float | None = None, variant: str = "",
+                     warm: bool = False) -> Lookup:
         """Look the request up (``endpoint``: ``chat`` or ``completion``). Never raises: any
-        failure of the cache is a miss (logged)."""
+        failure of the cache is a miss (logged). ``semantic_threshold``: this request's
+        similarity a semantic hit needs (an A/B test variant's; None: the configured one);
+        ``variant``: the request's A/B test variant (its metrics' label); ``warm``: a cache
+        warming request (see :class:`Lookup`)."""
         if not (opts.read or opts.write) or not deterministic(body):
             return Lookup("bypass", model)
         try:
-            return await self._lookup(model, revision, endpoint, body, opts)
+            look = await self._lookup(model, revision, endpoint, body, opts, semantic_threshold, variant, warm)
+            look.warm = warm
+            return look
         except Exception as e:  # noqa: BLE001 -- the cache must never fail a request
             logger.warning("response cache lookup failed (%s: %s); answering without it", type(e).__name__, e)
             return Lookup("bypass", model)
 
-    async def _lookup(self, model, revision, endpoint, body, opts) -> Lookup:
+    async def _lookup(self, model, revision, endpoint, body, opts, threshold=None, variant="", warm=False) -> Lookup:
         key = exact_key(model, revision, endpoint, body)
         look = Lookup("miss" if opts.read else "bypass", model, key=key, store=opts.write)
         if opts.read:
             t0 = time.perf_counter()
             data = await self.store_backend.get(model, key)
-            streams = self._decode(data)
-            self._observe("exact", model, streams is not None, time.perf_counter() - t0)
+            streams, warmed = self._decode(data)
+            if not warm:
+                self._observe("exact", model, streams is not None, time.perf_counter() - t0, variant)
             if streams is not None:
-                look.status, look.streams, look.store = "exact", streams, False
+                look.status, look.streams, look.store, look.warmed = "exact", streams, False, warmed
                 return look
         parts = semantic_parts(model, revision, endpoint, body) if self.wants_semantic(opts) else None
         if parts is None or not await self._embedder_ready():
@@ -180,22 +201,26 @@ class ResponseCache:
         numbers = numbers_of(text)
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        vec, match = await loop.run_in_executor(self._pool, self._embed_and_search, scope, text, numbers, opts.read)
+        vec, match = await loop.run_in_executor(self._pool, self._embed_and_search, scope, text, numbers, opts.read,
+                                                threshold)
         look.semantic = (scope, vec, numbers)
         if opts.read:
-            streams = None
+            streams, warmed = None, False
             if match is not None:
-                streams = self._decode(await self.store_backend.get(model, match))
+                streams, warmed = self._decode(await self.store_backend.get(model, match))
                 if streams is None:  # its answer expired or was evicted
                     self.index.discard(scope, match)
-            self._observe("semantic", model, streams is not None, time.perf_counter() - t0)
+            if not warm:
+                self._observe("semantic", model, streams is not None, time.perf_counter() - t0, variant)
             if streams is not None:
-                look.status, look.streams, look.store = "semantic", streams, False
+                look.status, look.streams, look.store, look.warmed = "semantic", streams, False, warmed
         return look
 
-    def _embed_and_search(self, scope: str, text: str, numbers: tuple[str, ...], search: bool):
+    def _embed_and_search(self, scope: str, text: str, numbers: tuple[str, ...], search: bool,
+                          threshold: float | None = None):
         vec = self._embedder.result().embed([text])[0]
-        match = self.index.search(scope, vec, self.settings.semantic_threshold, numbers) if search else None
+        threshold = self.settings.semantic_threshold if threshold is None else threshold
+        match = self.index.search(scope, vec, threshold, numbers) if search else None
         return vec, (match[0] if match else None)
 
     async def _embedder_ready(self) -> bool:
@@ -208,14 +233,15 @@ class ResponseCache:
             return False
 
     @staticmethod
-    def _decode(data: bytes | None) -> list[list[GenerationChunk]] | None:
+    def _decode(data: bytes | None) -> tuple[list[list[GenerationChunk]] | None, bool]:
+        """``(the entry's streams, stored by warming)``; ``(None, False)`` for none or a corrupt one."""
         if data is None:
-            return None
+            return None, False
         try:
-            return decode_entry(data)
+            return decode_entry_warmed(data)
         except Exception as e:  # noqa: BLE001 -- a corrupt entry is a miss
             logger.warning("response cache: undecodable entry ignored (%s)", e)
-            return None
+            return None, False
 
     def store_soon(self, look: Lookup, streams: list[list[GenerationChunk]], n: int) -> None:
         """Store a fresh answer (each prompt's chunks, ``n`` choices each) in a task of its own
@@ -228,12 +254,17 @@ class ResponseCache:
 
     async def _store(self, look: Lookup, streams: list[list[GenerationChunk]]) -> None:
         try:
-            ok = await self.store_backend.put(look.model, look.key, encode_entry(streams), self.settings.ttl_s)
+            ok = await self.store_backend.put(look.model, look.key, encode_entry(streams, look.warm),
+                                              self.settings.ttl_s)
             if ok:
                 self.counts["stores"] += 1
+                if look.warm:
+                    self._warmed("exact", look.model)
             if ok and look.semantic is not None and self.index is not None:
                 scope, vec, numbers = look.semantic
                 self.index.add(scope, look.model, look.key, vec, self.settings.ttl_s, numbers)
+                if look.warm:
+                    self._warmed("semantic", look.model)
         except Exception as e:  # noqa: BLE001
             logger.warning("response cache: storing an answer failed (%s: %s)", type(e).__name__, e)
 
@@ -253,7 +284,7 @@ class ResponseCache:
                 "semantic": {**self.counts["semantic"], "mode": self.settings.semantic,
                              "threshold": self.settings.semantic_threshold,
                              "entries": len(self.index) if self.index is not None else 0},
-                "stores": self.counts["stores"]}
+                "stores": self.counts["stores"], "warmed": dict(self.counts["warmed"])}
 
     async def close(self) -> None:
         await self.store_backend.close()

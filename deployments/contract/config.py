@@ -187,6 +187,13 @@ class ModelArgs(EngineArgs):
         None, description="custom Ray resources each replica asks for, e.g. {\"node-type-a\": 1} to tie it to a "
                           "node type the autoscaler can add (with several ranks: in rank 0's bundle, with the replica)")
     worker_cpus: float = Field(1.0, ge=0, description="CPUs per tensor- or pipeline-parallel worker actor")
+    variant: Optional[str] = Field(
+        None, description="the variant of an A/B test this deployment serves (set from the app's experiments, "
+                          "deployments/contract/experiments.py; the `variant` label of its metrics)")
+    cost_per_replica_hour: Optional[float] = Field(
+        None, ge=0, description="what one replica of this model costs per hour, in your currency (a node's "
+                                "price divided by the replicas it holds): kvserve:cost_per_million_output_tokens "
+                                "and the response cache's saved cost are priced with it; unset: no cost metrics")
 
     @model_validator(mode="before")
     @classmethod
@@ -219,6 +226,13 @@ class ModelArgs(EngineArgs):
         from engine.model_loader import DEFAULT_MODEL
 
         return self.served_model_name or self.model or DEFAULT_MODEL
+
+    @property
+    def deployment_key(self) -> str:
+        """What tells this model's deployments apart: the served name, and ``name@variant`` for
+        a variant of an experiment (the key its replicas publish their facts under, and the
+        gateway's handles, shedding and channels use)."""
+        return self.name if self.variant is None else f"{self.name}@{self.variant}"
 
     def engine_args(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ENGINE_FIELDS}
@@ -373,6 +387,16 @@ class CacheArgs(BaseModel):
     semantic_cache_threshold: float = Field(
         0.92, gt=0, le=1, description="cosine similarity a semantic hit needs (0.92: benchmarks/cache.py)")
     semantic_cache_max_entries: int = Field(10_000, ge=1, description="semantic cache vectors per ingress replica")
+    request_log_dir: Optional[str] = Field(
+        None, description="opt-in request log that cache warming reads (kvserve warm): one JSONL file per ingress "
+                          "replica in this folder, rotated and bounded (deployments/gateway/request_log.py); unset: "
+                          "no log")
+    request_log_prompts: Literal["hash", "store"] = Field(
+        "hash", description="what the request log keeps of a request: hash (a fingerprint: which requests recur, "
+                            "not what they say; nothing to replay) or store (the request itself, which kvserve warm "
+                            "replays)")
+    request_log_max_bytes: int = Field(64 << 20, ge=1, description="bytes of a request log file before it rotates")
+    request_log_backups: int = Field(4, ge=0, description="rotated request log files kept per ingress replica")
 
     @field_validator("semantic_cache", mode="before")
     @classmethod
@@ -386,6 +410,29 @@ class CacheArgs(BaseModel):
 
 
 
+
+
+class TracingArgs(BaseModel):
+    """OpenTelemetry traces (``telemetry/tracing.py``): the gateway's and the replicas' spans of
+    each request, exported over OTLP. Off unless an endpoint is given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    otlp_traces_endpoint: Optional[str] = Field(
+        None, description="OTLP endpoint traces go to (vLLM's --otlp-traces-endpoint), e.g. http://collector:4317 "
+                          "(grpc) or http://collector:4318/v1/traces (http/protobuf); default "
+                          "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing, at no cost")
+    otlp_traces_protocol: Optional[Literal["grpc", "http/protobuf"]] = Field(
+        None, description="OTLP protocol (default $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or grpc)")
+    otlp_traces_sample_ratio: Optional[float] = Field(
+        None, ge=0, le=1, description="share of traces kept, parent-based (a client's sampled traceparent is "
+                                      "followed); default: $OTEL_TRACES_SAMPLER / _ARG (the SDK's default: all)")
+
+    @model_validator(mode="after")
+    def _endpoint_from_env(self):
+        if self.otlp_traces_endpoint is None and os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
+            self.otlp_traces_endpoint = os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].strip()
+        return self
 
 
 class EmbeddingArgs(BaseModel):

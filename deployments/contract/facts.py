@@ -56,6 +56,8 @@ class ModelCard:
         digest: a hash of the configuration the card was made from: the served name and the
             engine's settings, what the published facts depend on (not the replica count, say:
             scaling a model keeps its facts; see the module docstring).
+        facts_key: the key its replicas publish under (``ModelArgs.deployment_key``: the name,
+            or ``name@variant`` for a variant of an A/B test); "" for the name.
     """
 
     name: str
@@ -70,6 +72,7 @@ class ModelCard:
     tool_call_parser: str = "hermes"
     lora_modules: tuple[str, ...] = ()
     digest: str = ""
+    facts_key: str = ""
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -85,7 +88,8 @@ class ModelCard:
                    quantization=model.quantization,
                    speculative_config=public_speculative_config(model.speculative_config),
                    tool_call_parser=model.tool_call_parser, lora_modules=tuple(model.lora_modules or ()),
-                   digest=_digest(json.dumps({"name": model.name, **model.engine_args()}, sort_keys=True, default=str)))
+                   digest=_digest(json.dumps({"name": model.name, **model.engine_args()}, sort_keys=True, default=str)),
+                   facts_key=model.deployment_key if model.variant is not None else "")
 
     @classmethod
     def of_encoder(cls, model: str | None, served_name: str) -> "ModelCard":
@@ -107,6 +111,9 @@ class LoadedFacts:
             ``auto`` became there); "" for an encoder.
         quantization: the weights' quantization its engine runs: the configured one, or a 4-bit
             checkpoint's own (``awq``, ``gptq``, ``compressed-tensors``) when none was configured.
+        cost_per_million_output_tokens: the replica's measured cost per million output tokens
+            (``telemetry.cost_metrics.ReplicaCost``), republished as it moves; None without
+            ``cost_per_replica_hour`` or before its first token.
     """
 
     max_model_len: int
@@ -114,6 +121,7 @@ class LoadedFacts:
     digest: str = ""
     dtype: str = ""
     quantization: str | None = None
+    cost_per_million_output_tokens: float | None = None
 
 
 class FactsBoard:

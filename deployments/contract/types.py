@@ -27,6 +27,10 @@ MAX_N = 128  # OpenAI's limit
 MAX_EMBEDDING_INPUTS = 2048
 
 #: Error codes of :class:`GenerationError` and the HTTP status each maps to.
+#: Request header that marks a request as cache warming's (``kvserve warm``; the gateway needs an
+#: admin key with it): lowest priority, and sheddable on the replica (``GenerateRequest.sheddable``).
+WARM_HEADER = "x-kvserve-warm"
+
 ERROR_STATUS = {
     "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len
     "invalid_value": 400,            # a value the engine cannot honour (the message names the field)
@@ -36,6 +40,7 @@ ERROR_STATUS = {
     "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
     "internal": 500,                 # a failure of the server itself (details in its log)
     "model_not_found": 404,          # a LoRA adapter the replica does not serve
+    "warming_deferred": 429,         # a cache-warming request refused or stopped: live requests came first
 }
 
 
@@ -194,6 +199,11 @@ class GenerateRequest:
             demand its queue refused, for the autoscaler.
         channel: ``(gateway id, key)``: the sending gateway replica's channel and this request's
             key on it (:mod:`deployments.replica.channels`); None: the request streams on its own.
+        trace_context: the W3C trace context (``traceparent``) of the gateway's span that sent
+            it, when tracing is on (``telemetry/tracing.py``): the replica's spans are its children.
+        sheddable: a cache-warming request (``kvserve warm``): the replica refuses it while any
+            other request is in flight and stops it when one arrives (``warming_deferred``), so
+            it never shares a step with live traffic.
         num_prompts: the prompts of the client's request this one belongs to (a completions
             batch is sent as one request per prompt): the replica refuses the batch as
             ``too_large`` when ``num_prompts * n`` requests could never be in flight on it at once.
@@ -211,6 +221,8 @@ class GenerateRequest:
     shed_requests: int = 0
     num_prompts: int = 1
     channel: tuple[str, str] | None = None
+    trace_context: dict[str, str] | None = None
+    sheddable: bool = False
 
     @classmethod
     def of(cls, prompt: str | list[int] | dict | None = None,

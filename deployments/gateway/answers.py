@@ -25,10 +25,13 @@ class Answers:
 
     Args:
         cache: the response cache complete answers go to (None: off).
+        on_finish: called with ``(call, lasts, complete)`` when an answer ends, however it ends
+            (the gateway's experiment samples and cache savings); it must not raise.
     """
 
-    def __init__(self, cache: ResponseCache | None):
+    def __init__(self, cache: ResponseCache | None, on_finish=None):
         self.cache = cache
+        self.on_finish = on_finish
 
     async def chunks(self, call: Call) -> AsyncIterator[tuple[int, GenerationChunk]]:
         """``(prompt index, chunk)`` of the call's streams as they come (a batch's prompts
@@ -95,6 +98,11 @@ class Answers:
         """Settle the key's tokens from the last chunks and, when the answer completed
         (``store``), give it to the response cache."""
         self.settle_soon(call.use, lasts)
+        if self.on_finish is not None:
+            try:
+                self.on_finish(call, lasts, store)
+            except Exception as e:  # noqa: BLE001 -- bookkeeping never fails an answer
+                logger.warning("request %s: recording its end failed (%s)", call.http_id, e)
         if store and self.cache is not None and call.look.store:
             self.cache.store_soon(call.look, [s.record or [] for s in call.streams], call.n)
 

@@ -10,7 +10,8 @@ and no name a route uses that is not bound when the app is built. (Ray Serve LLM
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (replicas'
 placement for an admin key only),
 ``GET /v1/models/{model}``, ``GET`` and ``DELETE /v1/cache`` (admin key),
-``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (admin key), ``GET /health``,
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (admin key), ``GET /v1/experiments``,
+``GET /v1/experiments/{name}`` and ``POST /v1/experiments/{name}/weights`` (admin key), ``GET /health``,
 ``GET /ready``, ``GET /metrics``, ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``,
 ``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize``. Each lives in its own module of
 this package; every request is counted and timed by route (:mod:`~deployments.gateway.http_metrics`).
@@ -25,6 +26,7 @@ from deployments.gateway import (
     chat,
     completions,
     embeddings,
+    experiment_admin,
     gate,
     models,
     probes,
@@ -106,6 +108,18 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: adapters.UnloadLoRAAdapterRequest, request: Request):
         return await adapters.unload_adapter(gw, body, request)
+
+    @app.get("/v1/experiments")
+    async def list_experiments(request: Request):
+        return await experiment_admin.list_experiments(gw, request)
+
+    @app.get("/v1/experiments/{name}")
+    async def get_experiment(name: str, request: Request, since: float | None = None):
+        return await experiment_admin.get_experiment(gw, request, name, since)
+
+    @app.post("/v1/experiments/{name}/weights")
+    async def set_experiment_weights(name: str, body: experiment_admin.SetWeightsRequest, request: Request):
+        return await experiment_admin.set_weights(gw, request, name, body)
 
     @app.get("/health")
     async def health():

@@ -6,6 +6,7 @@ Data only: the pipeline is :class:`~deployments.gateway.core.Gateway`."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.cache import NO_CACHE, Lookup
 from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.contract.types import GenerationChunk
+from deployments.gateway.experiments import Assignment
 from deployments.gateway.streams import ChunkStream
 from deployments.limits.key_limits import KeyUse
 from engine.sampling_params import SamplingParams
@@ -130,6 +132,13 @@ class Call:
             index)``: the usage a streaming response reports, and what the key is settled with.
         adapter: the LoRA adapter the client named as its model (None: the base model);
             ``adapter_version`` a run-time adapter's load (its cached answers are this load's).
+        assignment: the A/B test variant the request was assigned (None: no experiment);
+            ``target`` the deployment it goes to (the model's name, or ``model@variant``).
+        started, first_at: ``time.monotonic()`` when the gateway got the request and when its
+            first chunk arrived (None before).
+        span: the request's OpenTelemetry span while it runs (None: tracing off, or ended).
+        warm: a cache-warming request (``x-kvserve-warm: 1`` with an admin key): lowest
+            priority, sheddable on the replica, not logged, not counted as live traffic.
     """
 
     request: Request
@@ -146,6 +155,17 @@ class Call:
     lasts: dict[tuple[int, int], GenerationChunk] = field(default_factory=dict)
     adapter: str | None = None
     adapter_version: str | None = None
+    assignment: Assignment | None = None
+    target: str = ""
+    started: float = field(default_factory=time.monotonic)
+    first_at: float | None = None
+    span: Any = None
+    warm: bool = False
+
+    @property
+    def variant(self) -> str:
+        """The ``variant`` label of the request's metrics ("" outside an experiment)."""
+        return self.assignment.variant if self.assignment is not None else ""
 
     @property
     def served(self) -> str:

@@ -94,7 +94,8 @@ class ModelCatalog:
     async def _read(self, name: str) -> LoadedFacts | None:
         old = self._facts.get(name, (None, None))[1]
         try:
-            facts = await asyncio.to_thread(self.board.get, name)
+            card = self.models.get(name) or self.encoders.get(name)
+            facts = await asyncio.to_thread(self.board.get, (card.facts_key if card is not None else "") or name)
         except Exception as e:  # the GCS is briefly away: keep what was read before
             logger.info("model %s: reading its published facts failed (%s)", name, type(e).__name__)
             self._facts[name] = (time.monotonic(), old)
@@ -116,6 +117,12 @@ class ModelCatalog:
             return facts.max_model_len
         card = self.models.get(name) or self.encoders.get(name)
         return card.max_model_len if card is not None else None
+
+    async def cost_per_million_tokens(self, name: str) -> float | None:
+        """``name``'s measured cost per million output tokens, as its replicas last published it
+        (None: no ``cost_per_replica_hour``, or nothing measured yet)."""
+        facts = await self.facts(name)
+        return None if facts is None else facts.cost_per_million_output_tokens
 
     async def dtype(self, name: str) -> str | None:
         """The dtype ``name``'s engine runs: as its replicas published it (what ``auto`` became

@@ -38,33 +38,43 @@ from fastapi import Request
 from pydantic import BaseModel
 from ray.serve.handle import DeploymentHandle
 
-from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, request_options
-from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs
+from deployments.cache import NO_CACHE, CacheSettings, Lookup, ResponseCache, deterministic, request_options
+from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, TracingArgs
+from deployments.contract.experiments import ExperimentArgs, WeightBoard
 from deployments.contract.routing_config import AUTO_MODEL, RoutingArgs
 from deployments.contract.facts import FactsBoard, ModelCard
 from deployments.contract.openai_errors import OpenAIError, random_id
 from deployments.contract.openai_requests import unknown_fields
-from deployments.contract.types import GenerateRequest
+from deployments.contract.types import WARM_HEADER, GenerateRequest
+from deployments.gateway.admin import is_admin
 from deployments.gateway.answers import Answers
 from deployments.gateway.call import Call, GenerateSpec, UnarySpec, estimate_prompt_tokens
 from deployments.gateway.catalog import ModelCatalog
 from deployments.gateway.errors import request_id_of
+from deployments.gateway.experiments import Experiments, Sample
+from deployments.gateway.request_log import RequestLog
 from deployments.gateway.gate import GateSettings, key_name, request_policy
 from deployments.gateway.channels import ChannelHub
 from deployments.gateway.handles import ModelHandles
 from deployments.gateway.replica_calls import ReplicaCalls
 from deployments.gateway.responses_input import ResponseStore
 from deployments.gateway.shedding import LoadShedder
-from deployments.gateway.streams import ChunkStream
+from deployments.gateway.streams import ChunkStream, background, usage_of
+from deployments.gateway.tracing import GatewayTracing
 from deployments.limits import RateLimiter, policies_from_keys
 from deployments.limits.key_limits import KeyLimits, KeyUse
 from deployments.routing.model_routing import Upstream, UpstreamError, user_text
-from telemetry.metrics import model_routes, rejected, upstream_fallbacks
+from telemetry.cost_metrics import CacheSavings
+from telemetry.metrics import cache_warmed_hits, model_routes, rejected, upstream_fallbacks
+from telemetry.tracing import tracing as otlp_tracing
 
 logger = logging.getLogger("ray.serve")
 
 #: Seconds a probe of a model (``/health``, ``/ready``) may take.
 PROBE_TIMEOUT_S = 5.0
+
+#: Engine priority of cache-warming requests (lower runs first: this is after everything live).
+WARM_PRIORITY = 1 << 30
 
 
 class Gateway:
@@ -81,6 +91,10 @@ class Gateway:
         encoders: embedding model name -> ``EmbeddingServer`` handle (``/v1/embeddings`` only).
         facts: where replicas publish what they learn at load (default: this Serve
             application's board; None outside Serve).
+        variants: model name -> {variant -> ``LLMServer`` handle} of the models A/B tests
+            split (``experiments``: the tests, :mod:`deployments.gateway.experiments`);
+            ``weights``: where their live weights are kept (default: this application's board).
+        tracing: the OpenTelemetry section (None or no endpoint: no spans).
 
     Raises:
         ValueError: no model, a card without a handle, a configured adapter of a model not
@@ -90,10 +104,20 @@ class Gateway:
     def __init__(self, models: dict[str, DeploymentHandle], cards: list[ModelCard] | None = None, *,
                  gateway: GatewayArgs | None = None, limits: LimitArgs | None = None, cache: CacheArgs | None = None,
                  routing: RoutingArgs | None = None, encoders: dict[str, DeploymentHandle] | None = None,
-                 facts: FactsBoard | None = None):
+                 facts: FactsBoard | None = None, variants: dict[str, dict[str, DeploymentHandle]] | None = None,
+                 experiments: list[ExperimentArgs] | None = None, weights: WeightBoard | None | str = "app",
+                 tracing: TracingArgs | None = None):
         g, lim, r = gateway or GatewayArgs(), limits or LimitArgs(), routing or RoutingArgs()
         self.args = g
-        self.handles = ModelHandles(models, encoders)
+        self.handles = ModelHandles(models, encoders, variants)
+        self.experiments = Experiments(experiments or [], weights)
+        t = tracing or TracingArgs()
+        self.tracing = GatewayTracing(otlp_tracing(t.otlp_traces_endpoint, t.otlp_traces_protocol,
+                                                   t.otlp_traces_sample_ratio))
+        for e in experiments or []:
+            missing = {v.name for v in e.variants} - set((variants or {}).get(e.model, {}))
+            if missing:
+                raise ValueError(f"experiment {e.name!r}: no deployment serves variant(s) {sorted(missing)}")
         self.catalog = _catalog(self.handles, cards or [], facts if facts is not None else FactsBoard.of_this_app())
         self.admin_keys = policies_from_keys(g.admin_api_keys or [])
         api_keys = g.api_keys
@@ -113,7 +137,11 @@ class Gateway:
         self.upstream = None if r.upstream is None else Upstream(r.upstream)
         self.channels = ChannelHub(self.handles.streaming, enabled=g.replica_channels)
         self.replicas = ReplicaCalls(rejected(), self.channels)
-        self.answers = Answers(self.cache)
+        self.answers = Answers(self.cache, on_finish=self._finished)
+        c = cache or CacheArgs()
+        self.request_log = (RequestLog(c.request_log_dir, c.request_log_prompts, c.request_log_max_bytes,
+                                       c.request_log_backups) if c.request_log_dir else None)
+        self.savings = CacheSavings()
         self.routes, self.fallbacks = model_routes(), upstream_fallbacks()
         self.shedder = LoadShedder()
         self.probe_timeout_s = PROBE_TIMEOUT_S
@@ -150,32 +178,129 @@ class Gateway:
         """
         self.warn_unknown(spec.body)
         call = await self._pick(spec)
+        call.warm = self._is_warm(call)
+        if self.request_log is not None and not call.warm:
+            self._log(call, spec)
+        self.tracing.begin(call, spec.endpoint)
+        try:
+            out = await self._run(call, spec)
+        except OpenAIError as e:
+            self._refused(call, e)
+            self.tracing.end(call, error=e, status="refused")
+            raise
+        except BaseException as e:
+            self.tracing.end(call, error=e, status="error")
+            raise
+        if out is not call:  # the upstream answered
+            self.tracing.end(call, status="fallback")
+        return out
+
+    async def _run(self, call: Call, spec: GenerateSpec):
         requests = self._requests(call, spec)
-        call.look = await self._lookup(call, spec)
+        with self.tracing.step(call, "cache_lookup") as span:
+            call.look = await self._lookup(call, spec)
+            if span is not None:
+                span.set_attribute("kvserve.cache", call.look.status)
         hit = call.look.hit
         # a cached answer counts as a request of the key, with no tokens: nothing is generated
-        call.use = await self._admit(call, 0 if hit else spec.prompt_tokens(), 0 if hit else spec.reserve_tokens(),
-                                     spec.body.priority)
+        with self.tracing.step(call, "key_admission", **{"kvserve.api_key": key_name(call.request.scope)}):
+            call.use = await self._admit(call, 0 if hit else spec.prompt_tokens(),
+                                         0 if hit else spec.reserve_tokens(), spec.body.priority)
+        if call.warm:
+            call.use.priority = max(call.use.priority, WARM_PRIORITY)
+        elif hit and call.look.warmed:
+            cache_warmed_hits().inc({"level": call.look.status, "model_name": call.served, "variant": call.variant})
         try:
             if hit:
                 call.streams = [ChunkStream.replay(c, call.n) for c in call.look.streams]
             else:
-                await self._open(call, requests)
+                with self.tracing.step(call, "routing", **{"kvserve.deployment": call.target,
+                                                           "kvserve.variant": call.variant or None}) as span:
+                    context = self.tracing.context(span)
+                    for r in requests:
+                        r.trace_context = context
+                    await self._open(call, requests)
+                    if span is not None:
+                        replicas = sorted({s.first.replica for s in call.streams if s.first.replica})
+                        span.set_attribute("kvserve.replicas", ",".join(replicas))
         except BaseException as e:
             call.cancel()
             Answers.settle_soon(call.use, [])
             if spec.fallback and self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(
                     e.status_code, e.code):
-                return await self._fallback(call, "/chat/completions" if spec.endpoint == "chat" else "/completions", e)
+                with self.tracing.step(call, "fallback", **{"kvserve.local_error": e.code or str(e.status_code)}):
+                    return await self._fallback(call, "/chat/completions" if spec.endpoint == "chat"
+                                                else "/completions", e)
             raise
         if hit:
             Answers.settle_soon(call.use, [])  # settled at 0 now (the first settle wins; later ones are no-ops)
         elif call.look.store:
             for s in call.streams:
                 s.record = []
+        call.first_at = time.monotonic()
         call.headers.update(call.look.headers)
         call.lasts = {(p, 0): s.first for p, s in enumerate(call.streams)}
         return call
+
+    def _is_warm(self, call: Call) -> bool:
+        """Whether ``call`` is cache warming's (see :data:`WARM_HEADER`).
+
+        Raises:
+            OpenAIError: 403 when the header comes without an admin key.
+        """
+        if call.request.headers.get(WARM_HEADER, "").strip().lower() not in ("1", "true", "yes"):
+            return False
+        if not is_admin(self, call.request):
+            raise OpenAIError(f"{WARM_HEADER} needs an admin key", 403, "permission_error", code="permission_denied")
+        return True
+
+    def _log(self, call: Call, spec: GenerateSpec) -> None:
+        """The request log's line of ``call`` (never fails the request)."""
+        try:
+            body = spec.body.model_dump(mode="json", exclude_unset=True)
+            body["model"] = call.served
+            self.request_log.record(call.served, spec.endpoint, body, deterministic(spec.body))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("request %s: the request log failed (%s)", call.http_id, e)
+
+    def _refused(self, call: Call, err: OpenAIError) -> None:
+        """A request of an experiment that ended before its first chunk: its sample."""
+        if call.assignment is None or call.warm:
+            return
+        status = "refused" if err.status_code in (429, 503) else "error" if err.status_code >= 500 else None
+        if status is not None:  # a client's own mistake (400, 404) says nothing of the variant
+            self.experiments.record(call.assignment, Sample(time.time(), status, e2e_s=time.monotonic() - call.started))
+
+    def _finished(self, call: Call, lasts: dict, complete: bool) -> None:
+        """A request's answer ended (:class:`Answers`' ``on_finish``): what a cache hit saved,
+        and an experiment's sample."""
+        hit = call.look.hit
+        if call.assignment is None and not hit and call.span is None:
+            return
+        usage = usage_of(lasts)
+        self.tracing.end(call, usage, status="ok" if complete else "error")
+        if call.warm:  # warming's own: no live traffic was saved or measured
+            return
+        if hit:
+            background(self._count_savings(call, call.look.status, usage.completion_tokens))
+        if call.assignment is None:
+            return
+        now = time.monotonic()
+        ttft = None if call.first_at is None else call.first_at - call.started
+        out = usage.completion_tokens
+        tpot = (now - call.first_at) / (out - 1) if call.first_at is not None and out > 1 else None
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        replica = next((s.first.replica for s in call.streams if s.first.replica), None)
+        self.experiments.record(call.assignment, Sample(
+            time.time(), "ok" if complete else "error", ttft, tpot, now - call.started, usage.prompt_tokens, out,
+            cached or 0, call.look.status if hit else None, None if hit else replica))
+
+    async def _count_savings(self, call: Call, level: str, output_tokens: int) -> None:
+        try:
+            cost = await self.catalog.cost_per_million_tokens(call.model)
+        except Exception:  # the board away: the tokens still count
+            cost = None
+        self.savings.hit(call.model, level, call.variant, output_tokens, cost)
 
     async def run_unary(self, spec: UnarySpec) -> tuple[Call, object]:
         """A one-answer replica call: pick the model (an embedding model's name goes to its
@@ -189,16 +314,27 @@ class Gateway:
         """
         if spec.body is not None:
             self.warn_unknown(spec.body)
-        call = await self._call(spec.request, spec.model, spec.id_prefix, {}, stream=False)
-        call.use = await self._admit(call, spec.prompt_tokens, 0, spec.priority)
+        call = await self._call(spec.request, spec.model, spec.id_prefix, {}, stream=False,
+                                user=getattr(spec.body, "user", None))
+        self.tracing.begin(call, spec.method)
+        try:
+            call.use = await self._admit(call, spec.prompt_tokens, 0, spec.priority)
+        except BaseException as e:
+            self.tracing.end(call, error=e, status="refused")
+            raise
         used = 0
+        error = None
         try:
             kwargs = dict(spec.kwargs)
             if spec.call_context:
                 kwargs.update(lora_name=call.adapter, priority=call.use.priority, request_id=call.response_id)
             out = await self.replicas.ask(call, spec.method, *spec.args, **kwargs)
             used = spec.tokens_used(out) if spec.tokens_used is not None else 0
+        except BaseException as e:
+            error = e
+            raise
         finally:
+            self.tracing.end(call, error=error, status="error" if error is not None else "ok")
             await call.use.settle(used, 0)
         return call, out
 
@@ -229,27 +365,36 @@ class Gateway:
                                              self.catalog.default_model)
             self.routes.inc({"model_name": name, "route": rule})
             headers["x-kvserve-route"] = f"auto:{rule}"
-        call = await self._call(spec.request, name, spec.id_prefix, headers, stream=True)
+        call = await self._call(spec.request, name, spec.id_prefix, headers, stream=True, user=getattr(spec.body, "user", None))
         call.n = spec.n
         return call
 
     async def _call(self, request: Request, name: str | None, id_prefix: str, headers: dict[str, str], *,
-                    stream: bool) -> Call:
+                    stream: bool, user: str | None = None) -> Call:
         """The :class:`Call` of served name ``name`` (None: the default model): an embedding
         model's goes to its encoder (``stream`` False), a LoRA adapter's to its base model,
-        with Serve's multiplexed model id for one loaded at run time.
+        with Serve's multiplexed model id for one loaded at run time; a model an A/B test
+        splits to the variant the request is assigned (``user``: the body's ``user`` field).
 
         Raises:
             OpenAIError: 404 for an unknown model.
         """
+        started = time.monotonic()
         base, entry = (None, None) if name in self.handles.encoders else await self.catalog.adapter_base(name)
         model = base or name or self.catalog.default_model
         if model not in self.handles.models and (stream or model not in self.handles.encoders):
             raise self._not_found(model)
+        assignment = None
+        if self.experiments and model in self.handles.models:
+            assignment = self.experiments.assign(model, request.headers, user, key_name(request.scope))
+        target = assignment.target if assignment is not None else model
+        if assignment is not None:
+            headers = {**headers, **assignment.headers()}
         return Call(request, request_id_of(request), random_id(id_prefix), model,
-                    self.handles.of(model, stream, entry), headers, int(time.time()),
+                    self.handles.of(target, stream, entry), headers, int(time.time()),
                     adapter=name if base is not None else None,
-                    adapter_version=entry.version if entry is not None else None)
+                    adapter_version=entry.version if entry is not None else None,
+                    assignment=assignment, target=target, started=started)
 
     @staticmethod
     def _requests(call: Call, spec: GenerateSpec) -> list[GenerateRequest]:
@@ -270,8 +415,13 @@ class Gateway:
         revision = await self.catalog.revision(call.model)
         if call.adapter_version is not None:
             revision += "+lora:" + call.adapter_version
+        a = call.assignment
+        if a is not None:  # each variant its own entries: a variant's hit rate is its own
+            revision += f"+variant:{a.experiment}/{a.variant}"
         return await self.cache.lookup(call.served, revision, spec.endpoint, spec.body,
-                                       request_options(spec.body, call.request.headers))
+                                       request_options(spec.body, call.request.headers),
+                                       semantic_threshold=a.semantic_threshold if a is not None else None,
+                                       variant=call.variant, warm=call.warm)
 
     async def _admit(self, call: Call, prompt_tokens: int, max_tokens: int | None, priority: int) -> KeyUse:
         """Per-API-key admission of ``call`` (:meth:`KeyLimits.admit`): ``prompt_tokens``
@@ -289,17 +439,17 @@ class Gateway:
                 context = await self.catalog.max_model_len(call.model)
                 max_tokens = 0 if context is None else context - prompt_tokens
         return await self.keys.admit(policy, key_name(call.request.scope), call.model, call.served, prompt_tokens,
-                                     max_tokens, priority)
+                                     max_tokens, priority, variant=call.variant)
 
     async def _open(self, call: Call, requests: list[GenerateRequest]) -> None:
         """``call.streams``: the replicas' streams of ``requests``, each up to its first chunk
         (all or none: the first refusal is raised, the others closed by the caller)."""
-        shed = self.shedder.check(call.model, len(requests))
+        shed = self.shedder.check(call.target, len(requests))
         if shed is not None:  # the replicas refused as full just now: no trip to them
-            self.replicas.rejected.inc({"model_name": call.model, "reason": "queue_full"})
+            self.replicas.rejected.inc({"model_name": call.model, "reason": "queue_full", "variant": call.variant})
             raise shed
         for r in requests:
-            r.priority, r.lora_name = call.use.priority, call.adapter
+            r.priority, r.lora_name, r.sheddable = call.use.priority, call.adapter, call.warm
         results = await asyncio.gather(*(self.replicas.open(call, r, self.shedder) for r in requests),
                                        return_exceptions=True)
         call.streams = [r for r in results if isinstance(r, ChunkStream)]
@@ -311,7 +461,8 @@ class Gateway:
         """The upstream's answer to this request (``path`` under its base URL), which every
         local replica refused with ``err``; ``err`` itself when the upstream cannot be reached
         (the client then sees the local verdict and its Retry-After)."""
-        self.fallbacks.inc({"model_name": call.model, "reason": err.code or str(err.status_code)})
+        self.fallbacks.inc({"model_name": call.model, "reason": err.code or str(err.status_code),
+                            "variant": call.variant})
         logger.info("request %s: %s refused it (%s); sending it upstream", call.http_id, call.model,
                     err.code or err.status_code)
         try:

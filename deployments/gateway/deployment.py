@@ -10,7 +10,8 @@ import asyncio
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs
+from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, TracingArgs
+from deployments.contract.experiments import ExperimentArgs
 from deployments.contract.routing_config import RoutingArgs
 from deployments.contract.facts import ModelCard
 from deployments.contract.openai_errors import OpenAIError
@@ -30,6 +31,8 @@ class OpenAIIngress:
         cards: the models' and encoders' :class:`~deployments.contract.facts.ModelCard`.
         gateway, limits, cache, routing: the configuration's sections (None: defaults).
         encoders: embedding model name -> ``EmbeddingServer`` handle (``/v1/embeddings`` only).
+        variants, experiments: the A/B tests' variant handles and configurations
+            (:class:`~deployments.gateway.core.Gateway`); ``tracing`` the OpenTelemetry section.
 
     Raises:
         ValueError: no model or a bad setting.
@@ -37,12 +40,14 @@ class OpenAIIngress:
 
     def __init__(self, models: dict[str, DeploymentHandle], cards: list[ModelCard] | None = None, *,
                  gateway: GatewayArgs | None = None, limits: LimitArgs | None = None, cache: CacheArgs | None = None,
-                 routing: RoutingArgs | None = None, encoders: dict[str, DeploymentHandle] | None = None):
+                 routing: RoutingArgs | None = None, encoders: dict[str, DeploymentHandle] | None = None,
+                 variants: dict[str, dict[str, DeploymentHandle]] | None = None,
+                 experiments: list[ExperimentArgs] | None = None, tracing: TracingArgs | None = None):
         from cluster import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
         self.gateway = Gateway(models, cards, gateway=gateway, limits=limits, cache=cache, routing=routing,
-                               encoders=encoders)
+                               encoders=encoders, variants=variants, experiments=experiments, tracing=tracing)
 
     def __serve_build_asgi_app__(self):
         return build_api(self.gateway, app_status=self._app_status)

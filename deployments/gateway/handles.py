@@ -17,27 +17,39 @@ class ModelHandles:
     Args:
         models: served model name -> ``LLMServer`` handle (the first is the default model).
         encoders: embedding model name -> ``EmbeddingServer`` handle.
+        variants: served model name -> {variant name -> its ``LLMServer`` handle}, for a model
+            split by an A/B test; each variant's handle is there under ``model@variant``, the
+            call's ``target``.
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], encoders: dict[str, DeploymentHandle] | None = None):
+    def __init__(self, models: dict[str, DeploymentHandle], encoders: dict[str, DeploymentHandle] | None = None,
+                 variants: dict[str, dict[str, DeploymentHandle]] | None = None):
         self.models = dict(models)
         self.encoders = dict(encoders or {})
-        self.streaming = {name: h.options(stream=True) for name, h in self.models.items()}
-        self._multiplexed: dict[tuple[str, bool], DeploymentHandle] = {}  # (multiplexed id, streaming) -> handle
+        #: deployment key (a model's name, or model@variant) -> handle
+        self.targets = dict(self.models)
+        for model, by_variant in (variants or {}).items():
+            if model not in self.models:
+                raise ValueError(f"variants of {model!r}, which is not served")
+            self.targets.update({f"{model}@{v}": h for v, h in by_variant.items()})
+        self.streaming = {name: h.options(stream=True) for name, h in self.targets.items()}
+        self._multiplexed: dict[tuple[str, str, bool], DeploymentHandle] = {}  # (target, multiplexed id, streaming)
 
     def all(self) -> dict[str, DeploymentHandle]:
-        """Every deployment's handle by served name: the generating models', then the encoders'."""
-        return {**self.models, **self.encoders}
+        """Every deployment's handle: the generating models' by served name (each variant of an
+        A/B test as ``model@variant``), then the encoders'."""
+        return {**self.targets, **self.encoders}
 
     def of(self, model: str, stream: bool, adapter: AdapterEntry | None = None) -> DeploymentHandle:
-        """The handle of served model ``model`` (``stream``: its streaming handle), bound to the
-        run-time ``adapter``'s load when one is given; an encoder's for an embedding model."""
+        """The handle of served model ``model`` or of a variant's deployment (``model@variant``)
+        (``stream``: its streaming handle), bound to the run-time ``adapter``'s load when one is
+        given; an encoder's for an embedding model."""
         if model in self.encoders:
             return self.encoders[model]
-        handle = self.streaming[model] if stream else self.models[model]
+        handle = self.streaming[model] if stream else self.targets[model]
         if adapter is None:
             return handle
-        key = (adapter.multiplexed_id, stream)
+        key = (model, adapter.multiplexed_id, stream)
         if key not in self._multiplexed:
             if len(self._multiplexed) >= MAX_MULTIPLEXED:
                 self._multiplexed.clear()

@@ -45,7 +45,7 @@ class ReplicaCalls:
             OpenAIError: the replica refused the request (its typed error), or Serve did
                 (``queue_full`` 429, ``model_unavailable`` 503).
         """
-        model = call.model
+        model = call.target  # the deployment: a variant's replicas are full or not on their own
         request.shed_requests = shedder.opened(model)
         hub = self.channels
         slot = hub.register() if hub is not None else None
@@ -107,7 +107,7 @@ class ReplicaCalls:
             logger.error("request %s: the model server failed", call.http_id, exc_info=e)
             err = internal(call.http_id)
         elif err.code in ("queue_full", "model_unavailable"):  # refused by Serve before any replica saw it
-            self.rejected.inc({"model_name": call.model, "reason": err.code})
+            self.rejected.inc({"model_name": call.model, "reason": err.code, "variant": call.variant})
         return err
 
     async def _first_chunk(self, call: Call, gen) -> GenerationChunk:

@@ -29,7 +29,7 @@ from ray import serve
 
 from cluster import reset_niceness
 from deployments.contract.adapters import serve_app_name
-from deployments.contract.config import ModelArgs, default_admission_bounds
+from deployments.contract.config import ModelArgs, TracingArgs, default_admission_bounds
 from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
 from deployments.contract.kv_cluster_directory import kv_layout
 from deployments.contract.openai_errors import random_id
@@ -47,6 +47,7 @@ from deployments.replica.request_runner import RequestRunner, engine_dead
 from deployments.replica.step_rates import RATE_WINDOW_S, StepRateTracker
 from engine.stats import SchedulerStats
 from telemetry.metrics import ClusterTierMetrics, PrometheusStatLogger
+from telemetry.tracing import tracing as otlp_tracing
 
 logger = logging.getLogger("ray.serve")
 
@@ -110,7 +111,7 @@ class LLMServer(PoolingEndpoints):
         ValueError: (constructor) a bad setting, or a configured adapter that does not load.
     """
 
-    def __init__(self, model: ModelArgs | dict | None = None):
+    def __init__(self, model: ModelArgs | dict | None = None, tracing: TracingArgs | None = None):
         import torch
 
         from engine.async_engine import AsyncLLMEngine
@@ -147,6 +148,7 @@ class LLMServer(PoolingEndpoints):
         else:
             self.engine = AsyncLLMEngine.from_config(config, executor_factory=inner_factory)
         self.model_name = m.name
+        self.deployment_key = m.deployment_key  # name@variant for a variant of an A/B test
         self.card = ModelCard.of(m)
         self.adapters = ReplicaAdapters(self.engine.engine, m.lora_modules, self.model_name,  # a bad one fails here
                                         config.enable_lora, config.max_cpu_loras or config.max_loras)
@@ -158,7 +160,8 @@ class LLMServer(PoolingEndpoints):
         self.request_timeout_s = m.request_timeout_s
         self.stream_interval, self.pooling_type = m.stream_interval, m.pooling_type
         self.tool_call_parser = m.tool_call_parser
-        self.metrics = PrometheusStatLogger(self.model_name, _replica_id(), speculative=config.speculative_config is not None,
+        self.metrics = PrometheusStatLogger(self.model_name, _replica_id(), variant=m.variant or "",
+                                            cost_per_hour=m.cost_per_replica_hour, speculative=config.speculative_config is not None,
                                      lora=config.max_loras if config.enable_lora else None)
 
         def on_step(m):
@@ -173,8 +176,11 @@ class LLMServer(PoolingEndpoints):
         self.recent = RecentRequests()  # finished requests' timings
         self.replica_id = _replica_id()
         self.channels = GatewayChannels()  # one stream per gateway replica (deployments/replica/channels.py)
+        t = tracing or TracingArgs()
         self.runner = RequestRunner(self.engine, self.admission, self.recent, self.model_name, m.request_timeout_s,
-                                    m.stream_interval)
+                                    m.stream_interval, m.variant or "",
+                                    otlp_tracing(t.otlp_traces_endpoint, t.otlp_traces_protocol,
+                                                 t.otlp_traces_sample_ratio))
         self.max_model_len = self.engine.max_model_len
         self.revision = model_revision(self.engine.model_path)
         self.facts = FactsBoard.of_this_app()
@@ -200,14 +206,29 @@ class LLMServer(PoolingEndpoints):
         slots = int(self.engine.get_stats().get("kv_offload_capacity_blocks", 0))
         return ClusterKVConnector(self.engine, self.replica_id, app, layout, int(m.kv_cluster_tier_size * (1 << 30)),
                                   config.block_size, max_import_blocks=max(1, slots // 2),
-                                  metrics=ClusterTierMetrics(self.model_name, self.replica_id))
+                                  metrics=ClusterTierMetrics(self.model_name, self.replica_id, m.variant or ""))
 
     def _publish(self) -> None:
         """Put this replica's :class:`LoadedFacts` on the application's board (a no-op outside Serve)."""
         if self.facts is not None:
             config = self.engine.engine.config
-            self.facts.put(self.model_name, LoadedFacts(self.max_model_len, self.revision, self.card.digest,
-                                                        config.dtype, config.quantization))
+            cost = self.metrics.cost.per_million() if self.metrics.cost is not None else None
+            self.facts.put(self.deployment_key, LoadedFacts(self.max_model_len, self.revision, self.card.digest,
+                                                            config.dtype, config.quantization, cost))
+            self._published_cost = cost
+
+    async def _republish_if_cost_moved(self) -> None:
+        """Publish again when the measured cost per million output tokens moved by more than 1 %
+        since it was last published (the gateway prices cache hits with it). Logged on failure."""
+        if self.metrics.cost is None or self.facts is None:
+            return
+        cost, old = self.metrics.cost.per_million(), getattr(self, "_published_cost", None)
+        if cost is None or (old is not None and abs(cost - old) <= 0.01 * old):
+            return
+        try:
+            await asyncio.to_thread(self._publish)
+        except Exception as e:
+            logger.warning("model %s: publishing the measured cost failed (%s)", self.model_name, type(e).__name__)
 
     async def _republish_if_revised(self) -> None:
         """Publish again when the model folder's revision changed (new weights on disk: the
@@ -278,9 +299,11 @@ class LLMServer(PoolingEndpoints):
         if request.echo:
             prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
         if n == 1:
-            chunks = self.runner.run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora)
+            chunks = self.runner.run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora,
+                                     trace=request.trace_context, sheddable=request.sheddable)
         else:
-            chunks = self.runner.fan_out(ids, params, request_id, request.priority, n, prompt_text, lora)
+            chunks = self.runner.fan_out(ids, params, request_id, request.priority, n, prompt_text, lora,
+                                         trace=request.trace_context, sheddable=request.sheddable)
         async for chunk in self.channels.route(chunks, request.channel, self.replica_id):
             yield chunk
 
@@ -372,6 +395,8 @@ class LLMServer(PoolingEndpoints):
         gateway channels' counts (:meth:`GatewayChannels.stats`)."""
         s = dict(self.engine.get_stats())
         s.update(asdict(self.stats.snapshot()))
+        s["engine_busy_s"] = self.stats.busy_s  # seconds in engine steps since the replica started
+        s["num_live_requests"], s["num_warm_requests"] = self.runner.live, len(self.runner.warm)
         s.update(self.channels.stats())
         if self.kv_cluster is not None:
             s.update(self.kv_cluster.stats())
@@ -450,6 +475,7 @@ class LLMServer(PoolingEndpoints):
         it also publishes the weights' revision again when the model folder changed."""
         await self.health(timeout_s=30.0)
         await self._republish_if_revised()
+        await self._republish_if_cost_moved()
         self._start_kv_tasks()
 
     def _start_kv_tasks(self) -> None:

@@ -12,6 +12,7 @@ from deployments.contract.streams import merge_streams, next_before
 from deployments.contract.types import GenerationChunk, GenerationError
 from deployments.replica.admission import Admission
 from deployments.replica.recent_requests import RecentRequests
+from deployments.replica.tracing import record_request
 from deployments.replica.request_outputs import ChunkBuilder, stream_interval
 from telemetry.metrics import rejected
 
@@ -33,16 +34,36 @@ class RequestRunner:
         request_timeout_s: seconds a request may run before it is stopped (None: no limit).
         stream_interval_setting: engine outputs per streamed chunk (0: automatic, see
             :func:`~deployments.replica.request_outputs.stream_interval`).
+        variant: the A/B test variant the replica serves ("" outside one: its metrics' label).
+        tracing: this process's :class:`~telemetry.tracing.Tracing` (None: no spans).
     """
 
     def __init__(self, engine, admission: Admission, recent: RecentRequests, model_name: str,
-                 request_timeout_s: float | None, stream_interval_setting: int):
+                 request_timeout_s: float | None, stream_interval_setting: int, variant: str = "", tracing=None):
         self.engine, self.admission, self.recent, self.model_name = engine, admission, recent, model_name
         self.request_timeout_s, self.stream_interval = request_timeout_s, stream_interval_setting
+        self.variant, self.tracing = variant, tracing
         self.rejected = rejected()
+        self.live = 0  # live (not sheddable) engine requests admitted and not yet ended
+        self.warm: dict[str, bool] = {}  # sheddable engine requests in flight -> stopped for live traffic
+
+    def _make_room(self) -> None:
+        """A live request is coming: stop every sheddable (cache-warming) request in flight.
+        The engine applies aborts before its next step, the one that takes the live request."""
+        for request_id, stopped in self.warm.items():
+            if not stopped:
+                self.warm[request_id] = True
+                self.engine.abort(request_id)
+
+    @staticmethod
+    def _deferred(index: int = 0) -> GenerationChunk:
+        return GenerationChunk.failed(GenerationError(
+            "warming_deferred", "cache warming gives way to live requests on this replica; retry when it is idle",
+            retry_after_s=1.0), index)
 
     async def fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
-                       prompt_text: str | None, lora=None) -> AsyncIterator[GenerationChunk]:
+                       prompt_text: str | None, lora=None, trace: dict | None = None,
+                       sheddable: bool = False) -> AsyncIterator[GenerationChunk]:
         """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`LLMServer.stream`).
         A choice that fails fails the request: its error chunk ends the stream and the other
         choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all)."""
@@ -57,7 +78,7 @@ class RequestRunner:
                 p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
             return self.run(ids, p, f"{request_id}-{i}", priority, index=i,
                              wait_for=prefilled if i else None, on_first=prefilled if not i else None,
-                             prompt_text=prompt_text, lora=lora)
+                             prompt_text=prompt_text, lora=lora, trace=trace, sheddable=sheddable)
 
         choices = merge_streams([child(i) for i in range(n)])
         try:
@@ -71,24 +92,39 @@ class RequestRunner:
 
     async def run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
                    wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
-                   prompt_text: str | None = None, lora=None) -> AsyncIterator[GenerationChunk]:
+                   prompt_text: str | None = None, lora=None, trace: dict | None = None,
+                   sheddable: bool = False) -> AsyncIterator[GenerationChunk]:
         """One engine request of :meth:`LLMServer.stream`: admission, the engine's stream as chunks
         tagged ``index``, the request timeout. ``wait_for``: an event to await after
         admission, before the request enters the engine; ``on_first``: an event set once the
         request's first output arrived (its prompt is computed) or it ended; ``prompt_text``
-        goes on the first chunk."""
+        goes on the first chunk; ``trace``: the W3C context of the gateway's span (the
+        request's spans go under it when tracing is on); ``sheddable``: a cache-warming request,
+        refused while a live request is in flight here and stopped when one arrives (its last
+        chunk is a ``warming_deferred`` error)."""
         from engine.async_engine import EngineDeadError
         from engine.input_processor import PromptTooLongError
 
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         n_prompt, admitted, started = len(ids), False, False
         stream = None
+        counted = False
+        if sheddable and self.live > 0:
+            yield self._deferred(index)
+            return
         try:
+            if sheddable:
+                self.warm[request_id] = False
+            else:
+                self.live += 1
+                counted = True
+                self._make_room()
             try:
                 refused = self.admission.admit(n_prompt)
                 if refused is not None:
                     if refused.code == "queue_full":
-                        self.rejected.inc({"model_name": self.model_name, "reason": "queue_full"})
+                        self.rejected.inc({"model_name": self.model_name, "reason": "queue_full",
+                                           "variant": self.variant})
                     yield GenerationChunk.failed(refused, index)
                     return
                 admitted = True
@@ -113,8 +149,14 @@ class RequestRunner:
             self.admission.start(n_prompt)
             chunks = ChunkBuilder(self.engine.tokenizer, params, index, prompt_text)
             while True:
+                if out.finished and sheddable and self.warm.get(request_id):
+                    yield self._deferred(index)  # stopped for a live request
+                    return
                 if out.finished:
                     self.recent.add(out)
+                    if trace is not None and self.tracing is not None:
+                        record_request(self.tracing, trace, out, self.model_name, params,
+                                       getattr(lora, "lora_name", None), self.variant)
                 if (chunk := chunks.add(out, stream_interval(self.stream_interval, self.admission.in_flight))) is not None:
                     yield chunk
                 if out.finished:
@@ -128,6 +170,9 @@ class RequestRunner:
                     yield engine_dead(index, during=True)
                     return
         finally:
+            if counted:
+                self.live -= 1
+            self.warm.pop(request_id, None)
             if admitted:
                 self.admission.end(n_prompt, started)
             if stream is not None:
@@ -136,6 +181,6 @@ class RequestRunner:
     def _timed_out(self, index: int = 0) -> GenerationChunk:
         """The last chunk of a request that ran past ``request_timeout_s`` (the caller's
         ``finally`` aborts it in the engine, which frees its blocks)."""
-        self.rejected.inc({"model_name": self.model_name, "reason": "timeout"})
+        self.rejected.inc({"model_name": self.model_name, "reason": "timeout", "variant": self.variant})
         msg = f"the request ran longer than the server's limit of {self.request_timeout_s:g} s and was stopped"
         return GenerationChunk.failed(GenerationError("timeout", msg), index)

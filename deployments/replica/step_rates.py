@@ -45,6 +45,7 @@ class StepRateTracker:
         self.decode_capacity = 0.0
         self.prefill_capacity = 0.0
         self.created = time.monotonic()
+        self.busy_s = 0.0  # seconds the engine spent in steps since the replica started (cycle times)
 
     def record(self, m) -> None:
         """Add one step (a ``IterationStats``; called in the engine's step thread)."""
@@ -57,6 +58,7 @@ class StepRateTracker:
         full_decode = n_decode > 0 and n_prefill == 0 and (batch >= max(2, self.max_num_seqs // 2) or waiting > 0)
         full_prefill = n_prefill > 0 and (n_prefill >= self.max_num_batched_tokens // 2 or waiting > 0)
         with self.lock:
+            self.busy_s += max(cycle, 1e-6)
             self.steps.append((t1, max(cycle, 1e-6), n_prefill, n_decode, n_sampled, full_decode, full_prefill))
             horizon = t1 - max(RATE_WINDOW_S, CAPACITY_WINDOW_S)
             while self.steps and self.steps[0][0] < horizon:

@@ -27,8 +27,9 @@ os.environ["KVSERVE_METRICS_DIR"] = tempfile.mkdtemp(prefix="kvserve-metrics-")
 from telemetry import metrics as M
 from autoscaling import metrics as AM
 
-M.PrometheusStatLogger("m", "r", speculative=True)
-M.rejected(); M.api_key_tokens(); M.api_key_requests()
+from telemetry.cost_metrics import CacheSavings
+M.PrometheusStatLogger("m", "r", speculative=True, cost_per_hour=1.0)
+M.rejected(); M.api_key_tokens(); M.api_key_requests(); CacheSavings()
 AM._RayBackend()  # the autoscaler's definitions (telemetry.metrics inside the Serve controller)
 for m in list(M._metrics.values()):
     labels = {name: "x" for name in m.labels}

@@ -71,3 +71,27 @@ def test_new_app_args_need_no_chart_change(render):
     docs = render({"app": {"args": {app_field: 123}}, "models": [{"model": "m", model_field: 45}]})
     (app,) = _serve_config(docs["RayService"][0])["applications"]
     assert app["args"][app_field] == 123 and app["args"]["models"][0][model_field] == 45
+
+
+def test_cost_values_price_each_model_replica(render, tmp_path, monkeypatch):
+    """``cost.perGpuHour`` prices a GPU replica per rank, ``perCpuHour`` a CPU replica per logical
+    CPU it asks for; a model's own ``cost_per_replica_hour`` wins; none given: no cost."""
+    monkeypatch.delenv("KVSERVE_API_KEYS", raising=False)
+    from deployments.app import AppArgs
+
+    values = {"cost": {"perGpuHour": 2.5, "perCpuHour": 0.04},
+              "models": [{"model": "m-gpu", "tensor_parallel_size": 2},
+                         {"model": "m-own", "cost_per_replica_hour": 9.0},
+                         {"model": "m-cpu", "device": "cpu", "replica_cpus": 4},
+                         {"model": "m-cpu-tp", "device": "cpu", "tensor_parallel_size": 2, "replica_cpus": 1,
+                          "worker_cpus": 3}],
+              "workerGroups": [{"name": "gpu", "gpus": 2, "replicas": 1, "minReplicas": 0, "maxReplicas": 2,
+                                "resources": {"limits": {"cpu": "16", "memory": "32Gi"}}}]}
+    docs = render(values)
+    (rs,) = docs["RayService"]
+    args = AppArgs.model_validate(_app_args(rs, docs, tmp_path))
+    assert [m.cost_per_replica_hour for m in args.model_list()] == [5.0, 9.0, 0.16, 0.28]
+    docs = render({"models": [{"model": "m-gpu"}]})
+    (rs,) = docs["RayService"]
+    (m,) = AppArgs.model_validate(_app_args(rs, docs, tmp_path)).model_list()
+    assert m.cost_per_replica_hour is None

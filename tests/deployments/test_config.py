@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from deployments.app import build_app, gateway_options, llm_deployment_options
 from deployments.args import AppArgs, app_args_from_config
 from deployments.cli import app_args_from_cli, build_parser
-from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, ModelArgs
+from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, ModelArgs, TracingArgs
 from deployments.contract.routing_config import RoutingArgs
 from deployments.contract.facts import ModelCard
 from deployments.contract.types import ServerInfo
@@ -57,8 +57,9 @@ def test_build_app_passes_the_sections_as_objects():
     kw = ingress.init_kwargs
     assert list(models) == ["a", "b"]
     for name, child in models.items():
-        (model,) = child._bound_deployment.init_args
+        model, tracing = child._bound_deployment.init_args
         assert isinstance(model, ModelArgs) and model.name == name and not child._bound_deployment.init_kwargs
+        assert isinstance(tracing, TracingArgs) and tracing.otlp_traces_endpoint is None
     assert isinstance(kw["gateway"], GatewayArgs) and kw["gateway"].api_keys == ["sk-config-key-1"]
     assert isinstance(kw["limits"], LimitArgs) and kw["limits"].rate_limit_rpm == 60
     assert isinstance(kw["cache"], CacheArgs) and kw["cache"].cache_ttl_s == 9
@@ -66,7 +67,7 @@ def test_build_app_passes_the_sections_as_objects():
     cards = {c.name: c for c in kw["cards"]}
     assert cards["a"].max_model_len == 64 and cards["b"].max_model_len is None  # b: its KV pool decides at load
     assert cards["b"].tool_call_parser == "mistral"
-    assert kw == {**gateway_options(args), "encoders": {}}
+    assert kw == {**gateway_options(args), "encoders": {}, "variants": {}}
     # what crosses pickles (Serve ships init arguments so), and the card's digest survives it
     a = pickle.loads(pickle.dumps(args.models[0]))
     assert a == args.models[0] and ModelCard.of(a).digest == cards["a"].digest
@@ -88,3 +89,31 @@ def test_a_replica_runs_its_ranks_as_ray_actors_not_local_processes():
         ModelArgs(tensor_parallel_size=2, distributed_executor_backend="mp")
     assert ModelArgs(tensor_parallel_size=2, distributed_executor_backend="ray").distributed_executor_backend == "ray"
     assert ModelArgs(tensor_parallel_size=2).distributed_executor_backend is None
+
+
+def test_build_app_makes_a_deployment_per_variant_of_an_experiment():
+    """A model in an A/B test: one ``LLMServer`` deployment per variant (named after it), each
+    with the model's settings and its own; the gateway gets the first variant's handle as the
+    model's, every variant's handle, the experiments and the control's card."""
+    args = AppArgs.model_validate({
+        "models": [{"served_model_name": "a", "max_num_seqs": 4, "cost_per_replica_hour": 2.0},
+                   {"served_model_name": "b"}],
+        "experiments": [{"name": "x", "model": "a", "variants": [
+            {"name": "ctl"}, {"name": "big", "weight": 3, "settings": {"max_num_seqs": 16}}]}],
+        "otlp_traces_endpoint": "http://127.0.0.1:4318/v1/traces", "otlp_traces_protocol": "http/protobuf"})
+    app = build_app(args)
+    ingress = app._bound_deployment
+    (models,) = ingress.init_args
+    kw = ingress.init_kwargs
+    assert list(models) == ["a", "b"] and set(kw["variants"]) == {"a"}
+    by_variant = {v: h._bound_deployment for v, h in kw["variants"]["a"].items()}
+    assert {v: d.name for v, d in by_variant.items()} == {"ctl": "LLMServer-ctl", "big": "LLMServer-big"}
+    assert models["a"]._bound_deployment is by_variant["ctl"]
+    for v, seqs in (("ctl", 4), ("big", 16)):
+        m, tracing = by_variant[v].init_args
+        assert (m.name, m.variant, m.max_num_seqs, m.cost_per_replica_hour) == ("a", v, seqs, 2.0)
+        assert tracing.otlp_traces_protocol == "http/protobuf"
+    assert models["b"]._bound_deployment.name == "LLMServer-b"
+    assert [e.name for e in kw["experiments"]] == ["x"] and kw["tracing"] == args.tracing
+    card = {c.name: c for c in kw["cards"]}["a"]
+    assert card.facts_key == "a@ctl" and card.digest == ModelCard.of(args.deployments()[0]).digest

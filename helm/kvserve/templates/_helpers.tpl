@@ -46,11 +46,29 @@ its Secret, kept across upgrades) or "open" (neither, and apiKeys.allowUnauthent
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "kvserve.fullname" .)) -}}
 {{- end -}}
 
-{{/* The models as the application gets them: modelDefaults under each entry. */}}
+{{/* The models as the application gets them: modelDefaults under each entry, and, where the
+entry sets no cost_per_replica_hour, one priced from `cost`: a GPU replica (device cuda) costs
+perGpuHour per rank (tensor_parallel_size x pipeline_parallel_size), any other perCpuHour per
+logical CPU it asks for (replica_cpus, default 1, plus worker_cpus, default 1, per rank when it
+has several). */}}
 {{- define "kvserve.models" -}}
 {{- $models := list -}}
+{{- $cost := .Values.cost | default dict -}}
 {{- range .Values.models -}}
-{{- $models = append $models (mergeOverwrite (deepCopy $.Values.modelDefaults) (deepCopy .)) -}}
+{{- $m := mergeOverwrite (deepCopy $.Values.modelDefaults) (deepCopy .) -}}
+{{- if not (hasKey $m "cost_per_replica_hour") -}}
+{{- $ranks := mul (int ($m.tensor_parallel_size | default 1)) (int ($m.pipeline_parallel_size | default 1)) -}}
+{{- if and (eq (toString ($m.device | default "auto")) "cuda") (kindIs "float64" $cost.perGpuHour) -}}
+{{- $_ := set $m "cost_per_replica_hour" (mulf $cost.perGpuHour $ranks) -}}
+{{- else if and (ne (toString ($m.device | default "auto")) "cuda") (kindIs "float64" $cost.perCpuHour) -}}
+{{- $cpus := float64 (hasKey $m "replica_cpus" | ternary $m.replica_cpus 1.0) -}}
+{{- if gt $ranks 1 -}}
+{{- $cpus = addf $cpus (mulf (float64 (hasKey $m "worker_cpus" | ternary $m.worker_cpus 1.0)) $ranks) -}}
+{{- end -}}
+{{- $_ := set $m "cost_per_replica_hour" (mulf $cost.perCpuHour $cpus) -}}
+{{- end -}}
+{{- end -}}
+{{- $models = append $models $m -}}
 {{- end -}}
 {{- toJson $models -}}
 {{- end -}}
