@@ -6,19 +6,30 @@ per variant, one record per request as the gateway saw it. Per variant the repor
 
 - TTFT p50 / p95 and TPOT p50 / p95 (seconds; requests that completed; TTFT counts response
   cache hits too, which is what their clients waited),
-- output tokens per second per replica: the output tokens its replicas generated over the time
-  its requests were in flight (the union of their intervals, so a variant given less traffic is
-  not made to look slower by its idle time), over the replicas that answered; its interval is
-  a block bootstrap (the requests in time order cut into up to 20 blocks, resampled whole: it
-  keeps the overlap of concurrent requests that the ratio depends on),
+- output tokens per second per replica (shown, not compared: see :data:`MEASURES`): the output
+  tokens its replicas generated over the time
+  its requests were in flight (the union of their intervals within each block, so a variant
+  given less traffic is not made to look slower by its idle time), over the replicas that
+  answered,
 - the error rate, the refusal rate (429 / 503), the response cache hit rate and the prefix
   cache hit rate (prompt tokens the replicas' prefix caches held, of those they were sent).
 
 Each variant after the first (the control) is compared with the control, measure by measure:
 the difference (relative for latencies and throughput, in percentage points for rates) with a
 percentile bootstrap confidence interval (Efron & Tibshirani, *An Introduction to the
-Bootstrap*, 1993, ch. 13: the requests of each variant resampled with replacement, independently,
-``n_boot`` times). The interval's level is Bonferroni-corrected for the number of measures and
+Bootstrap*, 1993, ch. 13), resampled by blocks (Künsch's block bootstrap, *Ann. Statist.* 17,
+1989): requests that run at the same time share their conditions (a replica's batch, the CPU),
+so they are not independent draws; each variant's requests, in order of arrival, are cut into
+blocks of about as many requests as it had in flight on average (at least 5), and whole blocks
+are resampled, ``n_boot`` times, independently per variant. A variant with fewer than
+:data:`MIN_BLOCKS` blocks gets no interval and no verdict (the report says to run longer). A
+variant's own intervals are the block bootstrap's percentiles; a comparison's is the standard
+bootstrap interval (the estimate plus or minus ``z`` bootstrap standard errors, Efron &
+Tibshirani 13.3), which stays stable at the far tail the correction below asks for, where
+percentiles of a few thousand resamples would be a handful of values. Its standard error is
+the larger of the block bootstrap's and the plain (request by request) bootstrap's: blocks
+capture requests that move together, but with a few dozen blocks they understate how much a
+tail percentile wanders. The interval's level is Bonferroni-corrected for the number of measures and
 comparisons, so the chance that *any* verdict of a report between identical variants says
 "better" or "worse" stays at most ``1 - confidence``. A difference is reported only when its
 interval excludes zero **and** its estimate is at least ``min_effect`` (default 5 %, or 5
@@ -31,18 +42,26 @@ fetches; :func:`fetch`).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import numpy as np
 
-#: Measures: (key, label, kind, lower_is_better). ``kind``: ``relative`` (compared as a ratio)
-#: or ``rate`` (a share, compared in percentage points).
+#: Fewest blocks of a variant (see the module docstring) that give it intervals and verdicts.
+MIN_BLOCKS = 5
+#: Fewest requests in a block.
+MIN_BLOCK_SIZE = 5
+
+#: Measures: (key, label, kind, lower_is_better). ``kind``: ``relative`` (compared as a ratio),
+#: ``rate`` (a share, compared in percentage points) or ``descriptive`` (shown per variant with
+#: its interval, not compared: output tokens per second depend on the traffic a variant is given
+#: as much as on its settings, and under a random split their difference is mostly the split's).
 MEASURES = (
     ("ttft_p50", "TTFT p50", "relative", True),
     ("ttft_p95", "TTFT p95", "relative", True),
     ("tpot_p50", "TPOT p50", "relative", True),
     ("tpot_p95", "TPOT p95", "relative", True),
-    ("output_tps_per_replica", "output tok/s per replica", "relative", False),
+    ("output_tps_per_replica", "output tok/s per replica", "descriptive", False),
     ("error_rate", "error rate", "rate", True),
     ("refusal_rate", "refusal rate", "rate", True),
     ("cache_hit_rate", "response cache hit rate", "rate", False),
@@ -80,20 +99,29 @@ class _Columns:
                    np.array([s.get("cached_tokens") or 0 for s in samples], dtype=np.float64) * replica_work,
                    hit, start, end, len({s["replica"] for s in samples if s.get("replica")}))
 
-    def throughput_blocks(self, max_blocks: int = 20) -> tuple[np.ndarray, np.ndarray]:
-        """``(output tokens, busy seconds)`` per block of the replicas' requests (ok, not cache
-        hits) in order of arrival: up to ``max_blocks`` blocks of at least 5 requests; busy
-        seconds is the union of the block's requests' intervals."""
-        keep = np.flatnonzero((self.status == 0) & (self.hit == 0))
-        if len(keep) == 0:
-            return np.zeros(0), np.zeros(0)
-        keep = keep[np.argsort(self.start[keep], kind="stable")]
-        k = max(1, min(max_blocks, len(keep) // 5))
+    def blocks(self) -> np.ndarray:
+        """The requests' indices in order of arrival cut into blocks of equal size, ``[K, m]``:
+        ``m`` about the requests in flight on average (at least :data:`MIN_BLOCK_SIZE`), the
+        oldest ``n mod m`` left out; ``K`` may be 0."""
+        n = len(self.status)
+        if n == 0:
+            return np.zeros((0, 1), dtype=np.int64)
+        span = float(self.end.max() - self.start.min())
+        in_flight = float((self.end - self.start).sum()) / span if span > 0 else 1.0
+        m = max(MIN_BLOCK_SIZE, int(math.ceil(in_flight)))
+        k = n // m
+        order = np.argsort(self.start, kind="stable")
+        return order[n - k * m:].reshape(k, m)
+
+    def throughput_blocks(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(output tokens, busy seconds)`` per block of ``blocks`` from the replicas' requests
+        (ok, not cache hits): busy seconds is the union of the block's such requests' intervals."""
         tokens, busy = [], []
-        for part in np.array_split(keep, k):
+        for part in blocks:
+            part = part[(self.status[part] == 0) & (self.hit[part] == 0)]
             tokens.append(self.out_tokens[part].sum())
-            busy.append(_union_s(self.start[part], self.end[part]))
-        return np.array(tokens), np.array(busy)
+            busy.append(_union_s(self.start[part], self.end[part]) if len(part) else 0.0)
+        return np.array(tokens, dtype=np.float64), np.array(busy, dtype=np.float64)
 
 
 def _union_s(start: np.ndarray, end: np.ndarray) -> float:
@@ -109,16 +137,36 @@ def _union_s(start: np.ndarray, end: np.ndarray) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
-def _throughput(c: _Columns, rng: np.random.Generator, n_boot: int) -> tuple[float, np.ndarray]:
-    """Output tok/s per replica of ``c``: the point estimate and ``n_boot`` block-bootstrap
-    replicates (nan without data)."""
-    tokens, busy = c.throughput_blocks()
+def _throughput(c: _Columns, blocks: np.ndarray, sel: np.ndarray | None) -> tuple[float, np.ndarray | None]:
+    """Output tok/s per replica of ``c`` over ``blocks``: the point estimate and the replicates
+    of the block resamples ``sel`` (``[B, K]``; None: none); nan without data."""
+    tokens, busy = c.throughput_blocks(blocks)
     if len(tokens) == 0 or busy.sum() <= 0 or c.replicas == 0:
-        return float("nan"), np.full(n_boot, np.nan)
-    sel = rng.integers(0, len(tokens), size=(n_boot, len(tokens)))
-    with np.errstate(all="ignore"):
-        boots = tokens[sel].sum(axis=1) / busy[sel].sum(axis=1) / c.replicas
+        return float("nan"), None if sel is None else np.full(len(sel), np.nan)
+    boots = None
+    if sel is not None:
+        with np.errstate(all="ignore"):
+            boots = tokens[sel].sum(axis=1) / busy[sel].sum(axis=1) / c.replicas
     return float(tokens.sum() / busy.sum() / c.replicas), boots
+
+
+def _row_percentiles(v: np.ndarray, qs: tuple[float, ...]) -> list[np.ndarray]:
+    """Percentiles ``qs`` of each row of ``v`` (``[B, n]``) over its finite values, linearly
+    interpolated as ``numpy.percentile``; nan for a row without one. (``numpy.nanpercentile``
+    gives the same, one row at a time.)"""
+    a = np.sort(np.where(np.isfinite(v), v, np.inf), axis=1)
+    k = np.isfinite(a).sum(axis=1)
+    out = []
+    for q in qs:
+        pos = q / 100.0 * np.maximum(k - 1, 0)
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, np.maximum(k - 1, 0))
+        a_lo = np.take_along_axis(a, lo[:, None], axis=1)[:, 0]
+        a_hi = np.take_along_axis(a, hi[:, None], axis=1)[:, 0]
+        with np.errstate(invalid="ignore"):
+            r = a_lo + (a_hi - a_lo) * (pos - lo)
+        out.append(np.where(k > 0, r, np.nan))
+    return out
 
 
 def _stats(c: _Columns, idx: np.ndarray) -> dict[str, np.ndarray]:
@@ -128,13 +176,8 @@ def _stats(c: _Columns, idx: np.ndarray) -> dict[str, np.ndarray]:
     n = idx.shape[1]
     out = {}
     for name, col in (("ttft", c.ttft), ("tpot", c.tpot)):
-        v = np.where(ok, col[idx], np.nan)
-        with np.errstate(all="ignore"):
-            has = np.isfinite(v).any(axis=1)
-            q = np.full((idx.shape[0], 2), np.nan)
-            if has.any():
-                q[has] = np.nanpercentile(v[has], [50, 95], axis=1).T
-        out[f"{name}_p50"], out[f"{name}_p95"] = q[:, 0], q[:, 1]
+        p50, p95 = _row_percentiles(np.where(ok, col[idx], np.nan), (50, 95))
+        out[f"{name}_p50"], out[f"{name}_p95"] = p50, p95
     out["error_rate"] = (c.status[idx] == 1).sum(axis=1) / n
     out["refusal_rate"] = (c.status[idx] == 2).sum(axis=1) / n
     n_ok = ok.sum(axis=1)
@@ -173,26 +216,35 @@ def analyse(experiment: dict, *, confidence: float = 0.95, min_effect: float = 0
         raise ValueError("an experiment has at least two variants")
     rng = np.random.default_rng(seed)
     cols = {v: _Columns.of(samples.get(v, [])) for v in names}
-    boots, points = {}, {}
+    boots, iid, points, shapes = {}, {}, {}, {}
     for v, c in cols.items():
         n = len(c.status)
         if n == 0:
             continue
+        blocks = c.blocks()
+        shapes[v] = blocks.shape
         points[v] = {k: float(a[0]) for k, a in _stats(c, np.arange(n)[None, :]).items()}
-        boots[v] = _stats(c, rng.integers(0, n, size=(n_boot, n)))
-        points[v]["output_tps_per_replica"], boots[v]["output_tps_per_replica"] = _throughput(c, rng, n_boot)
-    n_tests = len(MEASURES) * (len(names) - 1)
+        sel = rng.integers(0, len(blocks), size=(n_boot, len(blocks))) if len(blocks) >= MIN_BLOCKS else None
+        if sel is not None:  # whole blocks resampled: [B, K] blocks -> [B, K * m] requests
+            boots[v] = _stats(c, blocks[sel].reshape(n_boot, -1))
+            iid[v] = _stats(c, rng.integers(0, n, size=(n_boot, n)))  # requests one by one
+        points[v]["output_tps_per_replica"], tps = _throughput(c, blocks, sel)
+        if sel is not None:
+            boots[v]["output_tps_per_replica"] = tps
+    n_tests = sum(kind != "descriptive" for _, _, kind, _ in MEASURES) * (len(names) - 1)
     alpha = (1 - confidence) / n_tests
-    lo_q, hi_q = 100 * alpha / 2, 100 * (1 - alpha / 2)
+    z = statistics.NormalDist().inv_cdf(1 - alpha / 2)
     level = 100 * (1 - (1 - confidence) / 2)
     variants = {}
     for v in names:
-        row: dict = {"requests": len(cols[v].status), "replicas": cols[v].replicas}
+        k, m = shapes.get(v, (0, 0))
+        row: dict = {"requests": len(cols[v].status), "replicas": cols[v].replicas, "blocks": int(k),
+                     "block_size": int(m)}
         for key, _label, _kind, _lower in MEASURES:
             if v not in points or not math.isfinite(points[v][key]):
                 row[key] = None
                 continue
-            b = boots[v][key]
+            b = boots[v][key] if v in boots else np.zeros(0)
             b = b[np.isfinite(b)]
             row[key] = {"value": points[v][key],
                         "ci": [float(np.percentile(b, 100 - level)), float(np.percentile(b, level))] if len(b) else None}
@@ -200,26 +252,33 @@ def analyse(experiment: dict, *, confidence: float = 0.95, min_effect: float = 0
     control = names[0]
     comparisons, summary = [], []
     for v in names[1:]:
+        if control not in boots or v not in boots:
+            summary.append(f"{v} vs {control}: too few requests for a verdict (see the warnings)")
+            continue
         any_sig = False
         for key, label, kind, lower in MEASURES:
-            if control not in points or v not in points:
+            if kind == "descriptive":
                 continue
             a_pt, b_pt = points[control][key], points[v][key]
             if not (math.isfinite(a_pt) and math.isfinite(b_pt)):
                 continue
-            a_b, b_b = boots[control][key], boots[v][key]
-            if kind == "relative":
-                if a_pt <= 0:
+            if kind == "relative" and a_pt <= 0:
+                continue
+            est, unit = ((b_pt - a_pt) / a_pt, "%") if kind == "relative" else (b_pt - a_pt, "pp")
+            ses = []
+            for src in (boots, iid):  # the larger standard error of the two resamplings
+                a_b, b_b = src[control].get(key), src[v].get(key)
+                if a_b is None or b_b is None:
                     continue
                 with np.errstate(all="ignore"):
-                    d = (b_b - a_b) / a_b
-                est, unit = (b_pt - a_pt) / a_pt, "%"
-            else:
-                d, est, unit = b_b - a_b, b_pt - a_pt, "pp"
-            d = d[np.isfinite(d)]
-            if len(d) < n_boot // 2:
+                    d = (b_b - a_b) / a_b if kind == "relative" else b_b - a_b
+                d = d[np.isfinite(d)]
+                if len(d) >= n_boot // 2:
+                    ses.append(float(np.std(d, ddof=1)))
+            if not ses:
                 continue
-            lo, hi = float(np.percentile(d, lo_q)), float(np.percentile(d, hi_q))
+            se = max(ses)
+            lo, hi = est - z * se, est + z * se
             significant = (lo > 0 or hi < 0) and abs(est) >= min_effect
             better = (est < 0) == lower
             half = (hi - lo) / 2
@@ -248,6 +307,10 @@ def analyse(experiment: dict, *, confidence: float = 0.95, min_effect: float = 0
     for v in names:
         if len(cols[v].status) < 30:
             warnings.append(f"{v} has {len(cols[v].status)} requests: too few for a verdict to mean much")
+        k, m = shapes.get(v, (0, 0))
+        if len(cols[v].status) and k < MIN_BLOCKS:
+            warnings.append(f"{v}: {len(cols[v].status)} requests make {k} blocks of {m} overlapping ones, fewer "
+                            f"than {MIN_BLOCKS}: no intervals or verdicts; run longer")
     return {"experiment": experiment.get("name"), "model": experiment.get("model"),
             "weights": experiment.get("weights"), "differences": experiment.get("differences"),
             "confidence": confidence, "min_effect": min_effect, "n_boot": n_boot,

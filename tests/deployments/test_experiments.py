@@ -148,15 +148,25 @@ def test_report_finds_a_known_effect_with_its_sign_and_size():
     assert by["refusal_rate"]["significant"] and not by["refusal_rate"]["better"]
     assert 0.15 < by["refusal_rate"]["estimate"] < 0.25
     assert not by["tpot_p50"]["significant"]  # the same distribution
+    assert "output_tps_per_replica" not in by and rep["variants"]["B"]["output_tps_per_replica"]["ci"]
     assert any(line.startswith("B better than A on TTFT p50 by") for line in rep["summary"])
     assert "TTFT p50" in render(rep)
 
 
-def test_report_of_identical_variants_has_no_verdict():
-    for seed in range(20):  # the family-wise rule holds report after report
+def test_report_of_identical_variants_keeps_its_false_verdicts_to_the_confidence():
+    """30 reports of identical variants at the default 95 % family-wise confidence: at most 3 say
+    anything (5 % of 30 expected, at most, and a margin: these seeds give what they give, always
+    the same); at 99.9 % none does."""
+    said = []
+    for seed in range(30):
         rng = np.random.default_rng(100 + seed)
-        rep = analyse(_experiment(_samples(rng, 200, 0.2), _samples(rng, 200, 0.2)), n_boot=500)
-        assert rep["summary"] == ["B vs A: no significant difference"], (seed, rep["summary"])
+        data = _experiment(_samples(rng, 120, 0.2), _samples(rng, 120, 0.2))
+        rep = analyse(data, n_boot=300, seed=seed)
+        if rep["summary"] != ["B vs A: no significant difference"]:
+            said.append((seed, rep["summary"]))
+        assert analyse(data, n_boot=300, seed=seed, confidence=0.999)["summary"] == [
+            "B vs A: no significant difference"], seed
+    assert len(said) <= 3, said
 
 
 def test_report_warns_when_variants_differ_in_more_than_one_setting():
@@ -226,14 +236,14 @@ def _report(root: str, name: str) -> dict:
 def test_live_report_finds_the_batch_size_effect(ab_app):
     # long answers: a request queued behind another on seqs1 waits for all of its 48 tokens, however
     # few requests the clients (in this process, beside the gateway) manage to keep in flight
-    responses = _load(ab_app.base_url, "tiny-batch", clients=16, per_client=5, seed=1, max_tokens=48)
+    responses = _load(ab_app.base_url, "tiny-batch", clients=16, per_client=8, seed=1, max_tokens=48)
     assert all(r.status_code == 200 for r in responses), {r.status_code for r in responses}
     variants = [r.headers["x-kvserve-variant"] for r in responses]
     assert set(variants) == {"seqs1", "seqs16"} and all(r.headers["x-kvserve-experiment"] == "batch"
                                                         for r in responses)
     data = _report(ab_app.root, "batch")
     assert sum(len(v) for v in data["samples"].values()) == len(responses)
-    rep = analyse(data)
+    rep = analyse(data, confidence=0.999)  # the level at which identical variants never differ (below)
     by = {c["measure"]: c for c in rep["comparisons"]}
     # one request at a time: the others wait their turn, so seqs16 starts them far sooner
     assert by["ttft_p50"]["significant"] and by["ttft_p50"]["better"], render(rep)
@@ -244,7 +254,7 @@ def test_live_report_finds_the_batch_size_effect(ab_app):
 def test_live_report_of_identical_variants_finds_no_difference(ab_app):
     responses = _load(ab_app.base_url, "tiny-same", clients=4, per_client=24, seed=2)
     assert all(r.status_code == 200 for r in responses)
-    rep = analyse(_report(ab_app.root, "same"))
+    rep = analyse(_report(ab_app.root, "same"), confidence=0.999)
     assert rep["summary"] == ["B vs A: no significant difference"], render(rep)
     assert any("same settings" in w for w in rep["warnings"])
 
