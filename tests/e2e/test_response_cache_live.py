@@ -128,7 +128,7 @@ def test_cached_answers_count_as_requests_without_tokens(serve_app):
     time.sleep(0.5)
     assert sample("kvserve:api_key_requests_total") == requests + 1
     assert sample("kvserve:api_key_tokens_total") == tokens
-    assert 'kvserve:response_cache_hits_total{level="exact",model_name="tiny"}' in \
+    assert 'kvserve:response_cache_hits_total{level="exact",model_name="tiny",variant=""}' in \
         HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
 
 

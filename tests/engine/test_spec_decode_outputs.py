@@ -111,7 +111,7 @@ def test_prometheus_spec_decode_series_use_vllm_names():
     assert r.returncode == 0, r.stderr
     lines = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in r.stdout.splitlines()
              if ln.startswith("kvserve:spec_decode")}
-    lb = 'model_name="m",replica="r"'
+    lb = 'model_name="m",replica="r",variant=""'  # variant: the A/B test label, empty outside one
     assert lines[f"kvserve:spec_decode_num_drafts_total{{{lb}}}"] == 4
     assert lines[f"kvserve:spec_decode_num_draft_tokens_total{{{lb}}}"] == 12
     assert lines[f"kvserve:spec_decode_num_accepted_tokens_total{{{lb}}}"] == 8
