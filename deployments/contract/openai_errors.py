@@ -56,6 +56,22 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
 
 
+#: Anthropic's error ``type`` by HTTP status (its API's errors page); others: ``api_error``.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str, request_id: str | None = None) -> dict:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}, "request_id"}``
+    (the ``/v1/messages`` endpoints answer in it)."""
+    out: dict = {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                            "message": message}}
+    if request_id:
+        out["request_id"] = request_id
+    return out
+
+
 # ---- ids ------------------------------------------------------------------------------------
 def random_id(prefix: str) -> str:
     """An OpenAI-style response id: ``<prefix>-<32 hex digits>`` (``chatcmpl-...``, ``cmpl-...``)."""

@@ -68,13 +68,15 @@ class Answers:
             self.finish(call, wholes, store=complete)
         return wholes
 
-    async def sse(self, call: Call, events: AsyncIterator[bytes], done: bool = True) -> AsyncIterator[bytes]:
+    async def sse(self, call: Call, events: AsyncIterator[bytes], done: bool = True,
+                  error=stream_error) -> AsyncIterator[bytes]:
         """A streaming response's body: the endpoint's SSE ``events`` (rendered from
         :meth:`chunks`), then ``data: [DONE]``. A failure midway becomes an SSE error event
         (request id, no internals); a client that disconnects cancels the streams, which aborts
         the generation in the engine. At the end the key is settled from ``call.lasts`` and a
         complete answer goes to the response cache. ``done=False``: no ``[DONE]`` (the
-        Responses API ends with its own event)."""
+        Responses API ends with its own event); ``error(request id, exception)``: the failure's
+        event (default OpenAI's)."""
         complete = False
         try:
             async for event in events:
@@ -86,7 +88,7 @@ class Answers:
             raise
         except Exception as e:
             call.cancel()
-            yield stream_error(call.http_id, e)
+            yield error(call.http_id, e)
         finally:
             call.cancel()
             await events.aclose()

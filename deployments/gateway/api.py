@@ -12,7 +12,8 @@ placement for an admin key only),
 ``GET /v1/models/{model}``, ``GET`` and ``DELETE /v1/cache`` (admin key),
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (admin key), ``GET /v1/experiments``,
 ``GET /v1/experiments/{name}`` and ``POST /v1/experiments/{name}/weights`` (admin key), ``GET /health``,
-``GET /ready``, ``GET /metrics``, ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``,
+``GET /ready``, ``GET /metrics``, ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's),
+``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``,
 ``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize``. Each lives in its own module of
 this package; every request is counted and timed by route (:mod:`~deployments.gateway.http_metrics`).
 """
@@ -28,6 +29,7 @@ from deployments.gateway import (
     embeddings,
     experiment_admin,
     gate,
+    messages,
     models,
     probes,
     responses,
@@ -36,6 +38,7 @@ from deployments.gateway import (
 from deployments.gateway.core import Gateway
 from deployments.gateway.errors import add_error_handlers
 from deployments.gateway.http_metrics import EndpointMetrics
+from deployments.gateway.messages_input import CountTokensRequest, MessagesRequest
 from deployments.gateway.responses_input import ResponsesRequest
 
 
@@ -60,6 +63,14 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request, response: Response):
         return await completions.completions(gw, body, request, response)
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request, response: Response):
+        return await messages.create_message(gw, body, request, response)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest, request: Request):
+        return await messages.count_tokens(gw, body, request)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):

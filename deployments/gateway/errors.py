@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.contract.openai_errors import OpenAIError, error_body
+from deployments.contract.openai_errors import OpenAIError, anthropic_error_body, error_body
+from deployments.gateway.gate import anthropic_path
 from deployments.gateway.streams import sse
 
 logger = logging.getLogger("ray.serve")
@@ -36,8 +37,13 @@ def internal(request_id: str, what: str = "internal server error") -> OpenAIErro
 
 
 def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
-    """An OpenAI error body as a response."""
+                   code: str | int | None = None, headers: dict | None = None,
+                   request: Request | None = None) -> JSONResponse:
+    """An OpenAI error body as a response; Anthropic's body for a request of the Messages API
+    (``request`` given, its path under ``/v1/messages``)."""
+    if request is not None and anthropic_path(request.scope):
+        return JSONResponse(anthropic_error_body(status, message, request_id_of(request)), status_code=status,
+                            headers=headers)
     return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
@@ -78,33 +84,34 @@ def add_error_handlers(app: FastAPI) -> None:
     anything unhandled) with OpenAI's body."""
 
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError):
-        return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code, exc.headers())
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code, exc.headers(), request)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             msg = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
-            return error_response(400, msg, param=None, code="invalid_json")
+            return error_response(400, msg, param=None, code="invalid_json", request=request)
         parts = []
         for e in errs[:5]:
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
             msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
             parts.append(f"{where}: {msg}")
-        return error_response(400, "; ".join(parts), param=".".join(loc) or None, code="invalid_value")
+        return error_response(400, "; ".join(parts), param=".".join(loc) or None, code="invalid_value",
+                              request=request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if exc.status_code == 413 else None
         return error_response(exc.status_code, str(exc.detail), type_, code=code,
-                              headers=getattr(exc, "headers", None))
+                              headers=getattr(exc, "headers", None), request=request)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         rid = request_id_of(request)
         logger.error("request %s: unhandled error in the gateway", rid, exc_info=exc)
-        return error_response(500, internal(rid).message, "server_error")
+        return error_response(500, internal(rid).message, "server_error", request=request)

@@ -33,7 +33,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.contract.config import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
-from deployments.contract.openai_errors import error_body
+from deployments.contract.openai_errors import anthropic_error_body, error_body
 from deployments.limits import AuthFailureThrottle, KeyPolicy, find_policy, policies_from_keys
 from telemetry.metrics import rejected
 
@@ -42,6 +42,8 @@ from telemetry.metrics import rejected
 #: probes and the metrics scrape. Everything else, routes added later included, needs a key
 #: when keys are configured.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+#: Paths of Anthropic's Messages API: their errors take Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 @dataclass
@@ -130,8 +132,16 @@ def _count_rejected(reason: str) -> None:
         pass
 
 
-async def _send_error(send: Send, status: int, message: str, code: str, headers: dict | None = None) -> None:
-    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+def anthropic_path(scope: Scope) -> bool:
+    """Whether the request is for Anthropic's Messages API (its errors take Anthropic's shape)."""
+    return route_path(scope).startswith(ANTHROPIC_PREFIX)
+
+
+async def _send_error(send: Send, status: int, message: str, code: str, headers: dict | None = None,
+                      scope: Scope | None = None) -> None:
+    payload = (anthropic_error_body(status, message) if scope is not None and anthropic_path(scope)
+               else error_body(message, "invalid_request_error", None, code))
+    body = json.dumps(payload).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
@@ -157,14 +167,16 @@ class RequestGate:
                 _count_rejected("auth_throttled")
                 return await _send_error(send, 429, "too many failed authentication attempts from this address, "
                                                     "retry later", "auth_throttled",
-                                         {"Retry-After": str(max(1, math.ceil(wait)))})
-            token = bearer_token(headers.get(b"authorization", b""))
+                                         {"Retry-After": str(max(1, math.ceil(wait)))}, scope)
+            # the key: OpenAI's Authorization: Bearer, or Anthropic's x-api-key
+            token = bearer_token(headers.get(b"authorization", b"")) or headers.get(b"x-api-key", b"").strip() or None
             policy = find_policy(token, s.policies) if token else None
             if policy is None:
                 s.throttle.record_failure(client)
                 _count_rejected("unauthorized")
-                return await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                         "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                return await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>' "
+                                                    "or 'x-api-key: <key>')",
+                                         "invalid_api_key", {"WWW-Authenticate": "Bearer"}, scope)
             scope.setdefault("state", {})["kvserve_api_key"] = policy
         limit = s.max_body_bytes
         length = headers.get(b"content-length")
@@ -172,10 +184,10 @@ class RequestGate:
             try:
                 n = int(length)
             except ValueError:
-                return await _send_error(send, 400, "invalid Content-Length header", "invalid_request")
+                return await _send_error(send, 400, "invalid Content-Length header", "invalid_request", scope=scope)
             if n > limit:
                 return await _send_error(send, 413, f"request body is {n} bytes; the limit is {limit} bytes",
-                                         "request_too_large")
+                                         "request_too_large", scope=scope)
         seen = 0
 
         async def limited_receive() -> Message:
