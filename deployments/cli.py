@@ -273,11 +273,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     key = _admin_key(args.admin_key)
     try:
         if args.experiment_command == "list":
-            r = httpx.get(f"{args.url.rstrip('/')}/v1/experiments", timeout=30.0,
-                          headers={"Authorization": f"Bearer {key}"} if key else {})
-            if r.status_code != 200:
-                raise RuntimeError(f"{r.status_code}: {xr._message(r)}")
-            for e in r.json()["data"]:
+            for e in xr.list_experiments(args.url, key):
                 print(f"{e['name']}: model {e['model']}, sticky {e['sticky']}, weights {e['weights']}, "
                       f"differences {e['differences']}")
             return 0

@@ -353,14 +353,17 @@ def fetch(url: str, name: str, admin_key: str | None, since: float | None = None
     Raises:
         RuntimeError: the gateway answered with an error (its message).
     """
-    import httpx
+    return _call("GET", url, f"/v1/experiments/{name}", admin_key, timeout_s,
+                 params={"since": since} if since is not None else None)
 
-    params = {"since": since} if since is not None else None
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-    r = httpx.get(f"{url.rstrip('/')}/v1/experiments/{name}", params=params, headers=headers, timeout=timeout_s)
-    if r.status_code != 200:
-        raise RuntimeError(f"{r.status_code}: {_message(r)}")
-    return r.json()
+
+def list_experiments(url: str, admin_key: str | None, timeout_s: float = 30.0) -> list[dict]:
+    """``GET {url}/v1/experiments``: every experiment, without samples.
+
+    Raises:
+        RuntimeError: the gateway answered with an error (its message).
+    """
+    return _call("GET", url, "/v1/experiments", admin_key, timeout_s)["data"]
 
 
 def set_weights(url: str, name: str, weights: dict[str, float], admin_key: str | None,
@@ -370,11 +373,19 @@ def set_weights(url: str, name: str, weights: dict[str, float], admin_key: str |
     Raises:
         RuntimeError: the gateway answered with an error (its message).
     """
+    return _call("POST", url, f"/v1/experiments/{name}/weights", admin_key, timeout_s, json={"weights": weights})
+
+
+def _call(method: str, url: str, path: str, admin_key: str | None, timeout_s: float, **kw) -> dict:
+    """One admin call to the gateway; its JSON body.
+
+    Raises:
+        RuntimeError: not a 200 (the status and the gateway's message).
+    """
     import httpx
 
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-    r = httpx.post(f"{url.rstrip('/')}/v1/experiments/{name}/weights", json={"weights": weights}, headers=headers,
-                   timeout=timeout_s)
+    r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=timeout_s, **kw)
     if r.status_code != 200:
         raise RuntimeError(f"{r.status_code}: {_message(r)}")
     return r.json()
