@@ -1,13 +1,11 @@
 """A/B tests of configurations (deployments/contract/experiments.py, deployments/gateway/experiments.py,
 deployments/operator/experiment_report.py): configuration checks, sticky weighted assignment, live weights,
-the report's statistics on known samples, and, over real engines in this process (tests/local_app.py),
-a report that finds a large real effect with the right sign and none between identical variants."""
+and the report's statistics on known samples. The report over real engines under load is in
+tests/e2e/test_experiment_report_live.py."""
 from __future__ import annotations
 
 import asyncio
-import random
 
-import httpx
 import numpy as np
 import pytest
 
@@ -15,8 +13,6 @@ from deployments.args import AppArgs
 from deployments.contract.experiments import ExperimentArgs, check_weights
 from deployments.operator.experiment_report import analyse, render
 from deployments.gateway.experiments import Experiments, pick
-
-ADMIN = "sk-kvserve-ab-admin"
 
 
 def _exp(**kw) -> ExperimentArgs:
@@ -175,102 +171,3 @@ def test_report_warns_when_variants_differ_in_more_than_one_setting():
                               differences={"B": {"max_num_seqs": [None, 4], "stream_interval": [None, 2]}}))
     assert any("2 settings (max_num_seqs, stream_interval)" in w for w in rep["warnings"])
     assert any("B has 10 requests" in w for w in rep["warnings"])
-
-
-# ---- live: real engines behind the gateway ------------------------------------------------------
-@pytest.fixture(scope="module")
-def ab_app(tiny_llama_path):
-    """Two A/B tests of the tiny model in this process: ``batch`` (``max_num_seqs`` 1 against
-    16; both let 64 requests wait, so the difference shows as waiting, not as refusals) and
-    ``same`` (two identical variants), each drawing every request anew."""
-    from local_app import LocalApp
-
-    base = {"model": str(tiny_llama_path), "max_model_len": 256, "torch_num_threads": 1,
-            "max_waiting_requests": 64, "enable_prefix_caching": False}
-    app = LocalApp({"/": {
-        "models": [{**base, "served_model_name": "tiny-batch"}, {**base, "served_model_name": "tiny-same",
-                                                                 "max_num_seqs": 8}],
-        "response_cache": False, "admin_api_keys": [ADMIN],
-        "experiments": [
-            {"name": "batch", "model": "tiny-batch", "sticky": "request",
-             "variants": [{"name": "seqs1", "settings": {"max_num_seqs": 1}},
-                          {"name": "seqs16", "settings": {"max_num_seqs": 16}}]},
-            {"name": "same", "model": "tiny-same", "sticky": "request", "variants": [{"name": "A"}, {"name": "B"}]},
-        ]}}).start()
-    try:
-        yield app.namespace()
-    finally:
-        app.stop()
-
-
-def _load(base_url: str, model: str, clients: int, per_client: int, seed: int,
-          max_tokens: int = 12) -> list[httpx.Response]:
-    """``clients`` concurrent clients, each sending ``per_client`` chat requests one after the
-    other (fresh random prompts, ``max_tokens`` output tokens each); returns the responses."""
-    words = "alpha beta gamma delta river stone cloud lamp paper orbit violet maple".split()
-    rng = random.Random(seed)
-
-    async def client(c: int, http: httpx.AsyncClient):
-        out = []
-        for i in range(per_client):
-            prompt = " ".join(rng.choice(words) for _ in range(12)) + f" {seed}-{c}-{i}"
-            r = await http.post(f"{base_url}/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True})
-            out.append(r)
-        return out
-
-    async def run():
-        async with httpx.AsyncClient(timeout=120) as http:
-            return [r for rs in await asyncio.gather(*(client(c, http) for c in range(clients))) for r in rs]
-
-    return asyncio.run(run())
-
-
-def _report(root: str, name: str) -> dict:
-    r = httpx.get(f"{root}/v1/experiments/{name}", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def test_live_report_finds_the_batch_size_effect(ab_app):
-    # long answers: a request queued behind another on seqs1 waits for all of its 48 tokens, however
-    # few requests the clients (in this process, beside the gateway) manage to keep in flight
-    responses = _load(ab_app.base_url, "tiny-batch", clients=16, per_client=8, seed=1, max_tokens=48)
-    assert all(r.status_code == 200 for r in responses), {r.status_code for r in responses}
-    variants = [r.headers["x-kvserve-variant"] for r in responses]
-    assert set(variants) == {"seqs1", "seqs16"} and all(r.headers["x-kvserve-experiment"] == "batch"
-                                                        for r in responses)
-    data = _report(ab_app.root, "batch")
-    assert sum(len(v) for v in data["samples"].values()) == len(responses)
-    rep = analyse(data, confidence=0.999)  # the level at which identical variants never differ (below)
-    by = {c["measure"]: c for c in rep["comparisons"]}
-    # one request at a time: the others wait their turn, so seqs16 starts them far sooner
-    assert by["ttft_p50"]["significant"] and by["ttft_p50"]["better"], render(rep)
-    assert by["ttft_p95"]["significant"] and by["ttft_p95"]["better"], render(rep)
-    assert any(line.startswith("seqs16 better than seqs1 on TTFT p50") for line in rep["summary"])
-
-
-def test_live_report_of_identical_variants_finds_no_difference(ab_app):
-    responses = _load(ab_app.base_url, "tiny-same", clients=4, per_client=24, seed=2)
-    assert all(r.status_code == 200 for r in responses)
-    rep = analyse(_report(ab_app.root, "same"), confidence=0.999)
-    assert rep["summary"] == ["B vs A: no significant difference"], render(rep)
-    assert any("same settings" in w for w in rep["warnings"])
-
-
-def test_live_weights_change_without_restart_and_need_the_admin_key(ab_app):
-    url = f"{ab_app.root}/v1/experiments/same/weights"
-    assert httpx.post(url, json={"weights": {"B": 1}}).status_code == 401
-    r = httpx.post(url, json={"weights": {"B": 1}}, headers={"Authorization": "Bearer wrong"})
-    assert r.status_code == 401 and "error" in r.json()
-    r = httpx.post(url, json={"weights": {"C": 1}}, headers={"Authorization": f"Bearer {ADMIN}"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_weights"
-    r = httpx.post(url, json={"weights": {"B": 1}}, headers={"Authorization": f"Bearer {ADMIN}"})
-    assert r.status_code == 200 and r.json()["weights"] == {"A": 0.0, "B": 1.0}
-    responses = _load(ab_app.base_url, "tiny-same", clients=2, per_client=5, seed=3)
-    assert {r.headers["x-kvserve-variant"] for r in responses} == {"B"}
-    r = httpx.get(f"{ab_app.root}/v1/experiments", headers={"Authorization": f"Bearer {ADMIN}"})
-    assert {e["name"]: e["weights"] for e in r.json()["data"]}["same"] == {"A": 0.0, "B": 1.0}
-    assert httpx.get(f"{ab_app.root}/v1/experiments/nope",
-                     headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404

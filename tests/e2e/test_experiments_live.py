@@ -2,8 +2,8 @@
 (each its own ``LLMServer`` deployment), sticky by session, with live weights in Ray's GCS (set
 through the admin endpoint, no restart), the ``variant`` label on the replicas' and the
 gateway's metrics, and ``cost_per_replica_hour`` priced into the replicas' cost metrics and the
-response cache's savings. (The report's statistics and its detection of a real effect:
-tests/deployments/test_experiments.py.)"""
+response cache's savings. (The report's statistics: tests/deployments/test_experiments.py; its
+detection of a real effect: tests/e2e/test_experiment_report_live.py.)"""
 import re
 import time
 
