@@ -113,7 +113,8 @@ class AppArgs(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique, got {names}")
         for m in self.models:
-            get_tool_parser(m.tool_call_parser)  # an unknown name fails here
+            if m.tool_call_parser != "auto":
+                get_tool_parser(m.tool_call_parser)  # an unknown name fails here
         if self.gateway.api_keys:
             policies_from_keys(self.gateway.api_keys)  # a bad entry fails here, naming its position, never the key
         if self.routing.model_routing is not None:

@@ -62,6 +62,29 @@ def template_knows_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
+#: (marker in a chat template's source, vLLM tool-call parser), the first match wins: what each
+#: family's template writes (or teaches) for a call.
+TEMPLATE_TOOL_FORMATS = (
+    ("<function=", "qwen3_coder"),  # Qwen3-Coder: <tool_call><function=NAME><parameter=...>
+    ("<tool_call>", "hermes"),  # Hermes, Qwen2.5, Qwen3: <tool_call>{json}</tool_call>
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_start|>", "pythonic"),  # Llama 4
+    ("[func_name1(", "pythonic"),  # Llama 3.2 / Gemma pythonic templates
+    ("<|python_tag|>", "llama3_json"),  # Llama 3.1 / 3.2 / 3.3
+)
+
+
+def tool_parser_for_template(chat_template: str | None) -> str:
+    """The tool-call parser (vLLM's ``--tool-call-parser`` name) for a model whose chat template
+    is ``chat_template``: the first of :data:`TEMPLATE_TOOL_FORMATS` its source contains;
+    ``hermes`` when none is there, which is also the convention :func:`prepare_messages` teaches
+    a template that knows no tools."""
+    for marker, parser in TEMPLATE_TOOL_FORMATS:
+        if chat_template and marker in chat_template:
+            return parser
+    return "hermes"
+
+
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"

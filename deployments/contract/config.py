@@ -140,8 +140,11 @@ class ModelArgs(EngineArgs):
                              "than 16 requests run on the replica, then 1 + running // 16, so a loaded replica sends "
                              "about 16 messages per engine step")
     tool_call_parser: str = Field(
-        "hermes", description="how tool calls are read from this model's text under tool_choice auto "
-                              "(vLLM's names: hermes, llama3_json, mistral, qwen3_coder; deployments/gateway/tools.py)")
+        "auto", description="how tool calls are read from this model's text under tool_choice auto (vLLM's "
+                            "names: hermes, llama3_json, mistral, pythonic, qwen3_coder, qwen3_xml; "
+                            "deployments/gateway/tool_parsers/); auto: the one the model's chat template writes "
+                            "calls for (engine/chat_templates.py: tool_parser_for_template), hermes for a template "
+                            "that knows no tools")
     prefix_aware_routing: bool = Field(
         True, description="route each request to the replica that most recently served the longest prefix of its "
                           "prompt (deployments/routing/prefix_router.py); off: Serve's power of two choices")

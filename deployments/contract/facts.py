@@ -51,7 +51,8 @@ class ModelCard:
         kv_cache_dtype: ``auto`` or ``fp8``; ``quantization``: as configured (None, ``int8``, ``fp8``,
             ``awq``, ``gptq``, ``compressed-tensors``; what a replica detected is in :class:`LoadedFacts`).
         speculative_config: None, or its ``method`` and ``num_speculative_tokens``.
-        tool_call_parser: the name of the parser of this model's tool calls.
+        tool_call_parser: the name of the parser of this model's tool calls (``auto``: the one
+            its replicas found in the chat template and published).
         lora_modules: the names of the LoRA adapters configured with this model.
         digest: a hash of the configuration the card was made from: the served name and the
             engine's settings, what the published facts depend on (not the replica count, say:
@@ -69,7 +70,7 @@ class ModelCard:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     speculative_config: dict | None = None
-    tool_call_parser: str = "hermes"
+    tool_call_parser: str = "auto"
     lora_modules: tuple[str, ...] = ()
     digest: str = ""
     facts_key: str = ""
@@ -114,6 +115,8 @@ class LoadedFacts:
         cost_per_million_output_tokens: the replica's measured cost per million output tokens
             (``telemetry.cost_metrics.ReplicaCost``), republished as it moves; None without
             ``cost_per_replica_hour`` or before its first token.
+        tool_call_parser: the tool-call parser the replica runs the model with: the configured
+            one, or what ``auto`` found in the chat template; "" for an encoder.
     """
 
     max_model_len: int
@@ -122,6 +125,7 @@ class LoadedFacts:
     dtype: str = ""
     quantization: str | None = None
     cost_per_million_output_tokens: float | None = None
+    tool_call_parser: str = ""
 
 
 class FactsBoard:

@@ -66,7 +66,8 @@ class ModelCatalog:
             if a in self.models or a in self.encoders or a == AUTO_MODEL:
                 raise ValueError(f"adapter {a!r}: the name is a served model's")
         for c in models:
-            get_tool_parser(c.tool_call_parser)
+            if c.tool_call_parser != "auto":
+                get_tool_parser(c.tool_call_parser)
         self.board = board
         self.lora = lora if lora is not None else AdapterDirectory()
         self.created = int(time.time())
@@ -148,9 +149,14 @@ class ModelCatalog:
         facts = await self.facts(name)
         return facts.revision if facts is not None else ""
 
-    def tool_call_parser(self, name: str) -> str:
-        """The name of the parser of ``name``'s tool calls."""
-        return self.models[name].tool_call_parser
+    async def tool_call_parser(self, name: str) -> str:
+        """The name of the parser of ``name``'s tool calls: the configured one, or for ``auto``
+        the one its replicas found in the chat template (``hermes`` until one has published)."""
+        parser = self.models[name].tool_call_parser
+        if parser != "auto":
+            return parser
+        facts = await self.facts(name)
+        return facts.tool_call_parser if facts is not None and facts.tool_call_parser else "hermes"
 
     # ---- adapters ------------------------------------------------------------------------
     async def adapter_base(self, name: str | None) -> tuple[str | None, AdapterEntry | None]:

@@ -25,7 +25,7 @@ from deployments.gateway.core import Gateway
 from deployments.gateway.streams import SSE_HEADERS, sse, usage_of
 from deployments.gateway.tool_parsers import get_tool_parser
 from deployments.gateway.tool_parsers.base import ToolParser
-from deployments.gateway.tools import StreamingToolText, parse_forced, tool_grammar
+from deployments.gateway.tools import ToolCallStream, extract_calls, parse_forced, tool_grammar
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
@@ -43,7 +43,8 @@ class ChatChoiceRenderer:
     def __init__(self, mode: str, parser: ToolParser | None, tool_choice):
         self.mode, self.parser, self.tool_choice = mode, parser, tool_choice
         self.role_sent = False
-        self.tool_text = StreamingToolText(parser) if mode == "auto" else None
+        self.tool_text = ToolCallStream(parser) if mode == "auto" else None
+        self.calls_sent = 0  # auto: the index of the next streamed call
         self.held = ""  # required: the whole output is parsed at the end
         self.call_id: str | None = None  # named: the call streamed so far
         self.called = False
@@ -67,7 +68,7 @@ class ChatChoiceRenderer:
             if calls:
                 text = None
         elif self.mode == "auto":
-            content, calls = self.parser.extract(text)
+            content, calls = extract_calls(type(self.parser)(), text)
             if calls:
                 text = content
         self.called = bool(calls)
@@ -82,10 +83,10 @@ class ChatChoiceRenderer:
         if self.mode == "text":
             content = text
         elif self.mode == "auto":
-            content = self.tool_text.feed(text)
+            content, calls = self.tool_text.feed(text)
             if chunk.finished:
-                rest, calls = self.tool_text.finish()
-                content += rest
+                rest, more = self.tool_text.finish()
+                content, calls = content + rest, calls + more
         elif self.mode == "required":
             self.held += text
             if chunk.finished:
@@ -106,8 +107,9 @@ class ChatChoiceRenderer:
         if calls:
             self.called = True
             deltas.append(ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(
-                index=k, id=c.id, type="function", function=ChoiceDeltaToolCallFunction(name=c.name, arguments=c.arguments))
-                for k, c in enumerate(calls)]))
+                index=self.calls_sent + k, id=c.id, type="function",
+                function=ChoiceDeltaToolCallFunction(name=c.name, arguments=c.arguments)) for k, c in enumerate(calls)]))
+            self.calls_sent += len(calls)
         return self._role(deltas), self._finish(chunk.finish_reason) if chunk.finished else None
 
     def _role(self, deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
@@ -145,10 +147,11 @@ def chat_spec(body: ChatCompletionRequest, request: Request, id_prefix: str = "c
                         fallback=fallback), mode
 
 
-def renderers(gw: Gateway, call: Call, body: ChatCompletionRequest, mode: str) -> list[ChatChoiceRenderer]:
-    """One renderer per choice, with the model family's tool parser under ``tool_choice`` auto."""
-    parser = get_tool_parser(gw.catalog.tool_call_parser(call.model)) if mode == "auto" else None
-    return [ChatChoiceRenderer(mode, parser, body.tool_choice) for _ in range(body.n)]
+async def renderers(gw: Gateway, call: Call, body: ChatCompletionRequest, mode: str) -> list[ChatChoiceRenderer]:
+    """One renderer per choice, each with its own tool parser of the model's family under
+    ``tool_choice`` auto."""
+    name = await gw.catalog.tool_call_parser(call.model) if mode == "auto" else None
+    return [ChatChoiceRenderer(mode, get_tool_parser(name) if name else None, body.tool_choice) for _ in range(body.n)]
 
 
 async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Request, response: Response):
@@ -157,7 +160,7 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
     call = await gw.run(spec)
     if not isinstance(call, Call):  # every replica refused: the upstream's answer
         return call
-    choice_renderers = renderers(gw, call, body, mode)
+    choice_renderers = await renderers(gw, call, body, mode)
     if body.stream:
         return StreamingResponse(gw.answers.sse(call, _events(gw, call, body, choice_renderers)),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})

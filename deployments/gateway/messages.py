@@ -73,7 +73,7 @@ async def create_message(gw: Gateway, body: MessagesRequest, request: Request, r
     chat = body.to_chat()
     spec, mode = chat_spec(chat, request, "msg", fallback=False)
     call = await gw.run(spec)
-    renderer = renderers(gw, call, chat, mode)[0]
+    renderer = (await renderers(gw, call, chat, mode))[0]
     msg_id = "msg_" + call.response_id.split("-", 1)[1]
     if body.stream:
         return StreamingResponse(gw.answers.sse(call, _events(gw, call, body, renderer, msg_id), done=False,

@@ -116,7 +116,7 @@ async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequ
     chat = body.to_chat(conversation)
     spec, mode = chat_spec(chat, request, "resp", fallback=False)
     call = await gw.run(spec)
-    renderer = renderers(gw, call, chat, mode)[0]
+    renderer = (await renderers(gw, call, chat, mode))[0]
     builder = ResponseBuilder(call, body, store if body.store else None, conversation, owner)
     if body.stream:
         return StreamingResponse(gw.answers.sse(call, _events(gw, call, builder, renderer), done=False),

@@ -30,8 +30,6 @@ from deployments.gateway.tool_parsers.base import ParsedToolCall, ToolParser
 _ANY_OBJECT = {"type": "object"}
 
 
-
-
 def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or _ANY_OBJECT
 
@@ -75,72 +73,60 @@ def parse_forced(text: str, choice: str | dict) -> list[ParsedToolCall] | None:
     return calls
 
 
+class ToolCallStream:
+    """Cuts one output (``tool_choice: auto``) into content to send and tool calls, with the
+    model family's parser (:class:`~deployments.gateway.tool_parsers.base.ToolParser`), fed a
+    stream's deltas or a whole text alike, so a stream gives exactly the whole response's
+    content and calls (:func:`extract_calls`): each call goes out whole once its text is
+    complete; content goes out as soon as no later text can make it part of a call.
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-class StreamingToolText:
-    """Splits an ``auto`` stream into content to send now and text held back because it is
-    (or may become) a tool call: everything from the parser's start marker on, and a tail
-    that is a prefix of the marker. :meth:`finish` parses what was held back."""
+    Whitespace around calls is dropped (a run of content that follows a call loses its leading
+    whitespace; one that a call follows, its trailing whitespace); content with no call next to
+    it passes through as the model wrote it."""
 
     def __init__(self, parser: ToolParser):
-        self.parser, self.text, self.sent, self.calling = parser, "", 0, False
-        self.leading_only = parser.name == "llama3_json"  # a call is the whole output there
-        self.decided = False
+        self.parser, self.text, self.after_call, self.held = parser, "", False, ""
 
-    def feed(self, delta: str) -> str:
-        """Add new output text; returns the content that can be streamed now."""
+    def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
+        """Add new output text: ``(content to send now, calls completed now)``."""
         self.text += delta
-        if self.calling:
-            return ""
-        if self.leading_only:
-            if not self.decided:
-                head = self.text.lstrip()
-                if not head or "<|python_tag|>".startswith(head):
-                    return ""  # undecided: nothing yet, or maybe the start of the tag
-                self.decided = True
-                self.calling = head.startswith(("{", "<|python_tag|>"))
-                if self.calling:
-                    return ""
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out
-        marker = self.parser.start
-        at = self.text.find(marker, self.sent)
-        if at >= 0:
-            self.calling = True
-            out, self.sent = self.text[self.sent:at], at
-            return out
-        keep = 0  # the longest tail that could start the marker
-        for k in range(min(len(marker) - 1, len(self.text) - self.sent), 0, -1):
-            if marker.startswith(self.text[-k:]):
-                keep = k
-                break
-        end = len(self.text) - keep
-        out, self.sent = self.text[self.sent:end], end
-        return out
+        return self._scan(final=False)
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """At the end of the output: ``(content not yet sent, calls)``."""
-        rest = self.text[self.sent:]
-        if not self.calling:
-            return rest, []
-        content, calls = self.parser.extract(rest)
-        if not calls:
-            return rest, []
-        return content or "", calls
+        """At the end of the output: ``(content not yet sent, the last calls)``."""
+        content, calls = self._scan(final=True)
+        content, self.held = content + self.held, ""
+        return content, calls
+
+    def _scan(self, final: bool) -> tuple[str, list[ParsedToolCall]]:
+        out, calls = [], []
+        while self.text:
+            pieces, used = self.parser.scan(self.text, final)
+            if not used:
+                break
+            self.text = self.text[used:]
+            for piece in pieces:
+                if isinstance(piece, ParsedToolCall):
+                    calls.append(piece)
+                    self.after_call, self.held = True, ""  # the whitespace before a call goes
+                    continue
+                if self.after_call:
+                    piece = piece.lstrip()
+                    if not piece:
+                        continue
+                    self.after_call = False
+                body = piece.rstrip()
+                if body:  # send what was held, and this piece up to its trailing whitespace
+                    out.append(self.held + body)
+                    self.held = piece[len(body):]
+                else:
+                    self.held += piece
+        return "".join(out), calls
 
 
-# ---- the prompt side --------------------------------------------------------------------------
+def extract_calls(parser: ToolParser, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    """A whole output's ``(content or None, calls)``, cut as a stream of it would be."""
+    stream = ToolCallStream(parser)
+    content, calls = stream.feed(text)
+    rest, more = stream.finish()
+    return (content + rest) or None, calls + more

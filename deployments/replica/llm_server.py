@@ -159,7 +159,11 @@ class LLMServer(PoolingEndpoints):
                                    m.max_queued_prompt_tokens or d_tok)
         self.request_timeout_s = m.request_timeout_s
         self.stream_interval, self.pooling_type = m.stream_interval, m.pooling_type
-        self.tool_call_parser = m.tool_call_parser
+        self.tool_call_parser = m.tool_call_parser  # "auto": the one the chat template writes calls for
+        if self.tool_call_parser == "auto":
+            from engine.chat_templates import tool_parser_for_template
+
+            self.tool_call_parser = tool_parser_for_template(getattr(self.engine.tokenizer, "chat_template", None))
         self.metrics = PrometheusStatLogger(self.model_name, _replica_id(), variant=m.variant or "",
                                             cost_per_hour=m.cost_per_replica_hour, speculative=config.speculative_config is not None,
                                      lora=config.max_loras if config.enable_lora else None)
@@ -214,7 +218,8 @@ class LLMServer(PoolingEndpoints):
             config = self.engine.engine.config
             cost = self.metrics.cost.per_million() if self.metrics.cost is not None else None
             self.facts.put(self.deployment_key, LoadedFacts(self.max_model_len, self.revision, self.card.digest,
-                                                            config.dtype, config.quantization, cost))
+                                                            config.dtype, config.quantization, cost,
+                                                            self.tool_call_parser))
             self._published_cost = cost
 
     async def _republish_if_cost_moved(self) -> None:

@@ -1,70 +1,17 @@
-"""Tool calling's text side (deployments/gateway/tools.py): the parsers per model family, the
-streaming split of content and calls, the grammar for ``required`` / a named function, and
-the Hermes rendering for chat templates that know no tools (with SmolLM2's real template)."""
+"""Tool calling's text side (deployments/gateway/tools.py): the grammar for ``required`` / a named
+function, and the Hermes rendering for chat templates that know no tools (with SmolLM2's real
+template). The parsers per model family: tests/deployments/test_tool_parsers.py."""
 import json
 
 import jsonschema
 import pytest
 
-from deployments.gateway.tool_parsers import get_tool_parser
-from deployments.gateway.tools import StreamingToolText, parse_forced, tool_grammar
+from deployments.gateway.tools import parse_forced, tool_grammar
 from engine.chat_templates import prepare_messages, template_knows_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
-
-OUTPUTS = {
-    "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "Let me check."),
-    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-                    '{"name": "get_time", "parameters": {}}', None),
-    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                '{"name": "get_time", "arguments": {}}]', None),
-    "qwen3_coder": ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-                    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
-                    "Checking."),
-}
-
-
-@pytest.mark.parametrize("name", list(OUTPUTS))
-def test_parsers_find_both_calls(name):
-    text, content = OUTPUTS[name]
-    got_content, calls = get_tool_parser(name).extract(text)
-    assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
-    assert len({c.id for c in calls}) == 2
-
-
-@pytest.mark.parametrize("name", list(OUTPUTS))
-@pytest.mark.parametrize("step", [1, 2, 5, 1000])
-def test_streaming_split_sends_content_and_holds_calls(name, step):
-    text, content = OUTPUTS[name]
-    split = StreamingToolText(get_tool_parser(name))
-    sent = "".join(split.feed(text[i:i + step]) for i in range(0, len(text), step))
-    rest, calls = split.finish()
-    assert (sent + rest).strip() == (content or "")
-    assert [c.name for c in calls] == ["get_weather", "get_time"]
-
-
-@pytest.mark.parametrize("name", list(OUTPUTS))
-def test_plain_text_passes_through(name):
-    text = "The weather is nice < today > [maybe] {not json"
-    if name == "llama3_json":
-        text = "The weather is nice {not json"
-    split = StreamingToolText(get_tool_parser(name))
-    sent = "".join(split.feed(text[i:i + 3]) for i in range(0, len(text), 3))
-    rest, calls = split.finish()
-    assert sent + rest == text and calls == []
-    assert get_tool_parser(name).extract(text) == (text, [])
-
-
-def test_broken_call_is_left_as_text():
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
-    assert get_tool_parser("hermes").extract(text) == (text, [])
-    with pytest.raises(ValueError, match="unknown tool_call_parser"):
-        get_tool_parser("no-such-parser")
-
 
 def test_required_and_named_grammars():
     spec = tool_grammar([WEATHER, TIME], "required", parallel=False)["json"]

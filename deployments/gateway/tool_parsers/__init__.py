@@ -1,23 +1,26 @@
 """Tool-call parsers per model family, by vLLM's ``--tool-call-parser`` names: :data:`TOOL_PARSERS`
-and :func:`get_tool_parser`; one module per family, the interface in
-:mod:`~deployments.gateway.tool_parsers.base`."""
+and :func:`get_tool_parser`; one module per family, the interface in :mod:`~deployments.gateway.tool_parsers.base`."""
 from __future__ import annotations
 
 from deployments.gateway.tool_parsers.base import ToolParser
 from deployments.gateway.tool_parsers.hermes import HermesToolParser
 from deployments.gateway.tool_parsers.llama3_json import Llama3JsonToolParser
 from deployments.gateway.tool_parsers.mistral import MistralToolParser
-from deployments.gateway.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from deployments.gateway.tool_parsers.pythonic import PythonicToolParser
+from deployments.gateway.tool_parsers.qwen3_coder import Qwen3CoderToolParser, Qwen3XmlToolParser
 
 #: ``tool_call_parser`` name -> parser (vLLM's names).
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
-                                                                  MistralToolParser, Qwen3CoderToolParser)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser,
+    Qwen3XmlToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    """Raises: ValueError for a name not in :data:`TOOL_PARSERS`."""
+    """A fresh parser (one per output: parsers keep state) of vLLM name ``name``.
+
+    Raises:
+        ValueError: a name not in :data:`TOOL_PARSERS`.
+    """
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool_call_parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
     return TOOL_PARSERS[name]()
-
-

@@ -1,36 +1,37 @@
-"""Qwen3-Coder XML tool calls (vLLM's ``qwen3_coder`` parser): :class:`Qwen3CoderToolParser`."""
+"""Qwen3-Coder XML tool calls (vLLM's ``qwen3_coder`` and ``qwen3_xml`` parsers): :class:`Qwen3CoderToolParser`."""
 from __future__ import annotations
 
 import json
 import re
 
-from deployments.gateway.tool_parsers.base import ParsedToolCall, ToolParser
+from deployments.gateway.tool_parsers.base import ParsedToolCall
+from deployments.gateway.tool_parsers.tagged import TaggedToolParser
 
 
-class Qwen3CoderToolParser(ToolParser):
-    """Qwen3-Coder's XML calls (vLLM: ``qwen3_coder``): ``<tool_call><function=NAME>
-    <parameter=KEY>VALUE</parameter>...</function></tool_call>``; a value that parses as JSON
-    (a number, a list, ``true``) is taken as such, else as a string."""
+class Qwen3CoderToolParser(TaggedToolParser):
+    """Qwen3-Coder's XML calls (vLLM: ``qwen3_coder``; ``qwen3_xml`` reads the same format):
+    ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``;
+    a value that parses as JSON (a number, a list, ``true``) is taken as such, else as a
+    string (one leading and one trailing newline around it dropped)."""
 
-    name, start = "qwen3_coder", "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+    name, start, end = "qwen3_coder", "<tool_call>", "</tool_call>"
+    _FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.DOTALL)
     _PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
-    def extract(self, text):
-        if self.start not in text:
-            return text, []
-        calls = []
-        for name, body in self._CALL.findall(text):
-            args = {}
-            for key, raw in self._PARAM.findall(body):
-                try:
-                    args[key] = json.loads(raw)
-                except ValueError:
-                    args[key] = raw
-            calls.append(ParsedToolCall(name, json.dumps(args, ensure_ascii=False)))
-        if not calls:
-            return text, []
-        content = text[:text.index(self.start)].strip()
-        return content or None, calls
+    def parse_body(self, body):
+        m = self._FUNCTION.fullmatch(body)
+        if m is None or self._PARAM.sub("", m.group(2)).strip():
+            return None  # not one function, or text outside its parameters
+        args = {}
+        for key, raw in self._PARAM.findall(m.group(2)):
+            try:
+                args[key] = json.loads(raw)
+            except ValueError:
+                args[key] = raw
+        return ParsedToolCall(m.group(1), json.dumps(args, ensure_ascii=False))
 
 
+class Qwen3XmlToolParser(Qwen3CoderToolParser):
+    """vLLM's ``qwen3_xml``: the same format as ``qwen3_coder``, under its other name."""
+
+    name = "qwen3_xml"
