@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -209,16 +210,19 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tok_pool, self.input_processor.tokenize, prompt)
 
-    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                                  template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation (and its ``tools``) under the chat template, tools and
         tool calls written for a template that does not render them
-        (:meth:`InputProcessor.chat_template_ids`), computed in the tokenizer thread.
+        (:meth:`InputProcessor.chat_template_ids`; ``template_kwargs``: more template variables),
+        computed in the tokenizer thread.
 
         Raises:
             ValueError: no chat template or malformed messages.
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, self.input_processor.chat_template_ids, messages, tools)
+        return await loop.run_in_executor(self._tok_pool, functools.partial(
+            self.input_processor.chat_template_ids, messages, tools, template_kwargs=template_kwargs))
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,

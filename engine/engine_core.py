@@ -159,7 +159,8 @@ class EngineCore:
                 for req in adds:
                     try:
                         if req.params.structured_outputs is not None:
-                            req.grammar = eng.structured_outputs.request_grammar(req.params.structured_outputs)
+                            req.grammar = eng.structured_outputs.request_grammar(req.params.structured_outputs,
+                                req.params.reasoning_end_token_ids)
                         if req.lora_request is not None:
                             eng.add_lora(req.lora_request)
                         ready.append(req)

@@ -75,14 +75,17 @@ def encode_prompt(tokenizer, prompt: str | list[int] | dict) -> list[int]:
 
 
 def render_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
-                         add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         template_kwargs: dict | None = None) -> str:
     """The text of a conversation (``[{"role", "content", ...}, ...]``, OpenAI's message dicts)
     under the tokenizer's chat template: tools and tool-call history first go through
     :func:`engine.chat_templates.prepare_messages` (unchanged for a template that renders
     ``tools`` itself; written into the messages in the Hermes convention for one that does not;
     applying it twice changes nothing), then transformers' ``apply_chat_template(tools=...)``
     renders them, with the assistant generation prompt appended or, with
-    ``continue_final_message``, the last message left open.
+    ``continue_final_message``, the last message left open. ``template_kwargs``: more variables
+    for the template (vLLM's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``); they
+    cannot replace the ones set here.
 
     Raises:
         ValueError: the tokenizer has no chat template, the messages are malformed (the
@@ -97,14 +100,15 @@ def render_chat_template(tokenizer, messages: list[dict], tools: list[dict] | No
     try:
         messages, tools = prepare_messages(messages, tools, template)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             tools=tools or None, continue_final_message=continue_final_message)
+                                             tools=tools or None, continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
     except Exception as e:  # jinja errors on bad roles / content, a message without "role", ...
         raise ValueError(f"could not apply the chat template: {e}") from e
 
 
 def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                       tools: list[dict] | None = None, continue_final_message: bool = False,
-                      add_special_tokens: bool = False) -> list[int]:
+                      add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of :func:`render_chat_template`'s text. ``tools``: OpenAI's ``{"type":
     "function", "function": {...}}`` list. ``add_special_tokens``: the tokenizer's own (e.g. BOS)
     on top of those the template writes (off by default, as vLLM's chat path).
@@ -113,7 +117,7 @@ def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bo
         ValueError: see :func:`render_chat_template`.
     """
     text = render_chat_template(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message)
+                                continue_final_message=continue_final_message, template_kwargs=template_kwargs)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -166,14 +170,14 @@ class InputProcessor:
 
     def chat_template_ids(self, messages: list[dict], tools: list[dict] | None = None, *,
                           add_generation_prompt: bool = True, continue_final_message: bool = False,
-                          add_special_tokens: bool = False) -> list[int]:
+                          add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """:func:`chat_template_ids` with this processor's tokenizer.
 
         Raises:
             ValueError: no chat template, or malformed messages.
         """
         return chat_template_ids(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
-                                 add_special_tokens)
+                                 add_special_tokens, template_kwargs)
 
     # ---- validation ------------------------------------------------------------------------
     def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None = None,

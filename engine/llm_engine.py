@@ -234,7 +234,8 @@ class LLMEngine:
                                                   arrival_time=arrival_time, lora_request=lora_request,
                                                   pooling_params=pooling_params)
         if req.params.structured_outputs is not None:  # compiled here, off the step loop (cached)
-            req.grammar = self.structured_outputs.request_grammar(req.params.structured_outputs)
+            req.grammar = self.structured_outputs.request_grammar(req.params.structured_outputs,
+                req.params.reasoning_end_token_ids)
         if lora_request is not None:
             self.add_lora(lora_request)  # loads and checks the adapter now, off the step loop
         return req

@@ -39,7 +39,10 @@ class SamplingParams:
     ``structured_outputs`` (vLLM 0.10's): constrain the output to a grammar, a dict with
     exactly one of ``json`` (a JSON schema, dict or string), ``json_object`` (True),
     ``regex``, ``choice`` (list of strings) or ``grammar`` (EBNF), see
-    :func:`engine.grammar_spec.validate_spec`.
+    :func:`engine.grammar_spec.validate_spec`. ``reasoning_end_token_ids``: the grammar applies
+    only after these tokens appear in the output (a reasoning model's end of thinking, e.g.
+    ``</think>``: what vLLM's reasoning parser tells its structured-output manager); the tokens
+    before, the reasoning, are free. None: from the first token.
 
     Integer fields take ints only (not bool, not float); float fields take finite ints or
     floats (never NaN or inf, stored as float); flags take bools. Token ids are checked
@@ -70,6 +73,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     structured_outputs: dict | None = None
+    reasoning_end_token_ids: list[int] | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +136,9 @@ class SamplingParams:
             bad("extra", "must be a dict")
         if self.structured_outputs is not None:  # its shape only; LLMEngine.make_request compiles it
             validate_spec(self.structured_outputs)
+        r = self.reasoning_end_token_ids
+        if r is not None and (not isinstance(r, (list, tuple)) or not r or any(not is_int(t) or t < 0 for t in r)):
+            bad("reasoning_end_token_ids", "must be a non-empty list of non-negative integer token ids")
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -106,7 +106,7 @@ class StructuredOutputs(XgrammarBackend):
     def fill_bitmask(self, sched, in_process: bool):
         """Set ``sched.grammar_req_ids`` and ``sched.grammar_bitmask`` (int32 ``[k, ceil(vocab /
         32)]``) of a ``SchedulerOutput`` for the ``k`` requests of the step that sample and have a
-        grammar. With an in-process executor (``in_process``) the bitmask is a ``Future``, filled
+        grammar that constrains now (not while the output reasons). With an in-process executor (``in_process``) the bitmask is a ``Future``, filled
         in this object's worker thread while the model's forward runs (the sampler waits for it);
         else it is filled here. The step's finished requests (``sched.finished_req_ids``) are
         forgotten first.
@@ -119,7 +119,7 @@ class StructuredOutputs(XgrammarBackend):
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
         reqs = [self.requests[sr.request_id] for sr in sched.requests
-                if sr.sample and sr.request_id in self.requests]
+                if sr.sample and sr.request_id in self.requests and self.requests[sr.request_id].grammar.constraining]
         if not reqs:
             return None
         errors: dict[int, Exception] = {}

@@ -35,23 +35,49 @@ def _short_error(e: BaseException) -> str:
 class RequestGrammar:
     """One request's grammar state: an xgrammar ``GrammarMatcher`` (the pushdown automaton of
     Dong et al. 2024, sec. 3) and how many of the request's output tokens it has accepted (so a
-    token is never accepted twice, e.g. after a preemption by recompute, which keeps the outputs)."""
+    token is never accepted twice, e.g. after a preemption by recompute, which keeps the outputs).
 
-    __slots__ = ("matcher", "num_accepted")
+    ``reasoning_end`` (token ids; None: the grammar holds from the first output token): the
+    grammar starts after the output's first occurrence of this sequence (a reasoning model's
+    ``</think>``); until then the request is unconstrained (:attr:`constraining` is False)."""
 
-    def __init__(self, matcher):
+    __slots__ = ("matcher", "num_accepted", "reasoning_end", "start", "scanned")
+
+    def __init__(self, matcher, reasoning_end: list[int] | None = None):
         self.matcher = matcher
         self.num_accepted = 0
+        self.reasoning_end = list(reasoning_end) if reasoning_end else None
+        self.start = None if self.reasoning_end else 0  # output index where the grammar starts
+        self.scanned = 0  # output tokens searched for reasoning_end so far
+
+    @property
+    def constraining(self) -> bool:
+        """Whether the grammar constrains the next token (False while the output reasons)."""
+        return self.start is not None
+
+    def _find_start(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        end, n = self.reasoning_end, len(self.reasoning_end)
+        out = token_ids[num_prompt_tokens:]
+        for i in range(max(0, self.scanned - n + 1), len(out) - n + 1):
+            if out[i:i + n] == end:
+                self.start = i + n
+                return
+        self.scanned = len(out)
 
     def accept(self, token_ids: list[int], num_prompt_tokens: int) -> int | None:
         """Feed the output tokens (``token_ids[num_prompt_tokens:]``, the request's
-        ``all_token_ids``) that the matcher has not accepted yet.
+        ``all_token_ids``; after the reasoning's end when there is one) that the matcher has not
+        accepted yet.
 
         Returns:
             None if all were accepted, else the first rejected token id (the matcher then
             stays before it).
         """
-        for i in range(num_prompt_tokens + self.num_accepted, len(token_ids)):
+        if self.start is None:
+            self._find_start(token_ids, num_prompt_tokens)
+            if self.start is None:
+                return None
+        for i in range(num_prompt_tokens + self.start + self.num_accepted, len(token_ids)):
             if not self.matcher.accept_token(token_ids[i]):
                 return token_ids[i]
             self.num_accepted += 1
@@ -142,12 +168,13 @@ class XgrammarBackend:
         except Exception as e:  # xgrammar raises RuntimeError (and its own types) with C++ text
             raise ValueError(f"structured_outputs {kind} is invalid: {_short_error(e)}") from None
 
-    def request_grammar(self, spec: dict) -> RequestGrammar:
-        """A fresh matcher over the compiled ``spec`` (see :meth:`compile` for errors)."""
+    def request_grammar(self, spec: dict, reasoning_end: list[int] | None = None) -> RequestGrammar:
+        """A fresh matcher over the compiled ``spec`` (see :meth:`compile` for errors), applied
+        after ``reasoning_end`` when given (:class:`RequestGrammar`)."""
         compiled = self.compile(spec)  # first: raises the ValueError when xgrammar is missing
         import xgrammar as xgr
 
-        return RequestGrammar(xgr.GrammarMatcher(compiled))
+        return RequestGrammar(xgr.GrammarMatcher(compiled), reasoning_end)
 
     def special_token_mask(self):
         """int32 ``[ceil(vocab_size / 32)]`` with the bits of the tokenizer's special tokens that

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from deployments.contract.adapters import check_lora_modules
 from deployments.contract.encoder import served_name as encoder_served_name
+from deployments.contract.reasoning import REASONING_PARSERS
 from engine.config import EngineConfig, engine_fields
 
 #: Default most missing or wrong API keys one client address may send per minute before its
@@ -145,6 +146,11 @@ class ModelArgs(EngineArgs):
                             "deployments/gateway/tool_parsers/); auto: the one the model's chat template writes "
                             "calls for (engine/chat_templates.py: tool_parser_for_template), hermes for a template "
                             "that knows no tools")
+    reasoning_parser: Optional[str] = Field(
+        None, description="split a reasoning model's output into reasoning and content (vLLM's --reasoning-parser: "
+                          "deepseek_r1, qwen3; deployments/contract/reasoning.py): chat's reasoning_content, the "
+                          "Responses API's reasoning item, the Messages API's thinking block; tool calls and "
+                          "structured outputs apply after the reasoning. None: the output is all content")
     prefix_aware_routing: bool = Field(
         True, description="route each request to the replica that most recently served the longest prefix of its "
                           "prompt (deployments/routing/prefix_router.py); off: Serve's power of two choices")
@@ -219,6 +225,9 @@ class ModelArgs(EngineArgs):
                              "pipeline_parallel_size > 1 (Serve does not allow it with placement groups); use "
                              "placement_group_strategy for the ranks")
         check_lora_modules(self.lora_modules, self.name, self.enable_lora)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning_parser {self.reasoning_parser!r}; choose one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.kv_cluster_tier_size and not (self.kv_offloading_size and self.enable_prefix_caching):
             raise ValueError("kv_cluster_tier_size needs kv_offloading_size (blocks from the cluster tier load through "
                              "the host tier) and enable_prefix_caching")

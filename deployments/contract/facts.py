@@ -53,6 +53,8 @@ class ModelCard:
         speculative_config: None, or its ``method`` and ``num_speculative_tokens``.
         tool_call_parser: the name of the parser of this model's tool calls (``auto``: the one
             its replicas found in the chat template and published).
+        reasoning_parser: how this model's output splits into reasoning and content (None:
+            all content; :mod:`deployments.contract.reasoning`).
         lora_modules: the names of the LoRA adapters configured with this model.
         digest: a hash of the configuration the card was made from: the served name and the
             engine's settings, what the published facts depend on (not the replica count, say:
@@ -71,6 +73,7 @@ class ModelCard:
     quantization: str | None = None
     speculative_config: dict | None = None
     tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
     lora_modules: tuple[str, ...] = ()
     digest: str = ""
     facts_key: str = ""
@@ -88,7 +91,8 @@ class ModelCard:
                    kv_cache_dtype=model.kv_cache_dtype,
                    quantization=model.quantization,
                    speculative_config=public_speculative_config(model.speculative_config),
-                   tool_call_parser=model.tool_call_parser, lora_modules=tuple(model.lora_modules or ()),
+                   tool_call_parser=model.tool_call_parser,
+                   reasoning_parser=model.reasoning_parser, lora_modules=tuple(model.lora_modules or ()),
                    digest=_digest(json.dumps({"name": model.name, **model.engine_args()}, sort_keys=True, default=str)),
                    facts_key=model.deployment_key if model.variant is not None else "")
 

@@ -8,7 +8,8 @@ completions): ``n``, ``logit_bias``, ``response_format`` (``json_object``, ``jso
 (``include_usage``, vLLM's ``continuous_usage_stats``), and on completions ``echo`` with
 prompt logprobs, ``max_tokens: 0`` and ``best_of``; plus vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) and structured
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+``chat_template_kwargs``) and structured
 output fields (``structured_outputs`` as vLLM 0.10+ names it, and the older
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``). Other fields
 are accepted and ignored; :func:`unknown_fields` names them so the ingress can warn once per
@@ -276,6 +277,16 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    #: vLLM's: more variables for the chat template (e.g. ``{"enable_thinking": false}`` for Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        taken = sorted(set(v or ()) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)} (the server sets them)")
+        return v or None
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -313,6 +324,12 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+#: Chat template variables the server sets itself: ``chat_template_kwargs`` may not name them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                         "continue_final_message", "tokenize", "return_dict", "chat_template",
+                                         "tokenizer", "bos_token", "eos_token"})
 
 
 # ---- completions ----------------------------------------------------------------------

@@ -102,6 +102,10 @@ class GenerationChunk:
         replica: on a first chunk, the id of the replica that runs the request.
         via_channel: on a first chunk, the rest of the request's chunks come on the gateway's
             channel (:mod:`deployments.replica.channels`), not on this stream.
+        prompt_reasoning: on a request's first chunk, for a model with a reasoning parser:
+            where the chat prompt leaves the model (``"open"`` in a reasoning block its template
+            opened, ``"closed"`` after one it closed, ``""`` neither:
+            :func:`deployments.contract.reasoning.prompt_reasoning`).
     """
 
     text: str = ""
@@ -119,6 +123,7 @@ class GenerationChunk:
     error: GenerationError | None = None
     replica: str | None = None
     via_channel: bool = False
+    prompt_reasoning: str = ""
 
     def extend(self, chunk: "GenerationChunk") -> None:
         """Fold the request's next chunk into this one (the whole generation so far): text,
@@ -187,6 +192,8 @@ class GenerateRequest:
             ``tool`` messages as transformers' templates take them); the replica applies the
             tokenizer's chat template with the assistant generation prompt.
         tools: OpenAI function tools for the chat template.
+        chat_template_kwargs: more variables for the chat template (vLLM's; e.g. Qwen3's
+            ``enable_thinking``).
         sampling_params: the engine's :class:`engine.SamplingParams` (validated when built).
         n: choices: the replica runs ``n`` engine requests of the prompt (``1..MAX_N``).
         request_id: the engine's id (``<request_id>-<i>`` per choice when ``n > 1``).
@@ -212,6 +219,7 @@ class GenerateRequest:
     prompt: str | list[int] | dict | None = None
     messages: list[dict] | None = None
     tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1
     request_id: str = ""

@@ -51,7 +51,8 @@ class GenerateSpec:
         id_prefix: the response id's prefix (``chatcmpl``, ``cmpl``, ``resp``).
         params: the engine's sampling parameters (``max_tokens`` None: up to the context).
         n: sequences generated per prompt (``best_of`` for completions).
-        messages, tools: a chat (one request), or ``prompts``: one request per prompt.
+        messages, tools: a chat (one request), or ``prompts``: one request per prompt;
+            ``chat_template_kwargs`` more variables for a chat's template.
         echo: each choice's first chunk carries its prompt's text.
         fallback: a refusal by every replica may go to the upstream (when one is configured).
     """
@@ -64,6 +65,7 @@ class GenerateSpec:
     n: int = 1
     messages: list[dict] | None = None
     tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
     prompts: list | None = None
     echo: bool = False
     fallback: bool = True

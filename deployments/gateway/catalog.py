@@ -158,6 +158,10 @@ class ModelCatalog:
         facts = await self.facts(name)
         return facts.tool_call_parser if facts is not None and facts.tool_call_parser else "hermes"
 
+    def reasoning_parser(self, name: str) -> str | None:
+        """The reasoning parser of model ``name`` (None: its output is all content)."""
+        return self.models[name].reasoning_parser
+
     # ---- adapters ------------------------------------------------------------------------
     async def adapter_base(self, name: str | None) -> tuple[str | None, AdapterEntry | None]:
         """``(base model, registry entry)`` of LoRA adapter ``name``: a configured adapter's

@@ -22,6 +22,7 @@ from deployments.contract.openai_requests import ChatCompletionRequest
 from deployments.contract.types import GenerationChunk, TokenLogprob, finish_reason
 from deployments.gateway.call import Call, GenerateSpec
 from deployments.gateway.core import Gateway
+from deployments.gateway.reasoning import ReasoningStream
 from deployments.gateway.streams import SSE_HEADERS, sse, usage_of
 from deployments.gateway.tool_parsers import get_tool_parser
 from deployments.gateway.tool_parsers.base import ToolParser
@@ -38,10 +39,12 @@ class ChatChoiceRenderer:
     """How one chat choice's text becomes OpenAI's message: plain content, or tool calls
     (``mode``: ``text``, ``auto`` (parsed by the model family's parser), ``required`` (a
     grammar-forced JSON array of calls) or ``named`` (the output is the arguments of
-    ``tool_choice``'s function)); streaming and whole."""
+    ``tool_choice``'s function)); streaming and whole. With ``reasoning`` (a reasoning
+    model's :class:`ReasoningStream`) the reasoning goes to ``reasoning_content`` and only
+    what follows it is read as content or calls."""
 
-    def __init__(self, mode: str, parser: ToolParser | None, tool_choice):
-        self.mode, self.parser, self.tool_choice = mode, parser, tool_choice
+    def __init__(self, mode: str, parser: ToolParser | None, tool_choice, reasoning: ReasoningStream | None = None):
+        self.mode, self.parser, self.tool_choice, self.reasoning = mode, parser, tool_choice, reasoning
         self.role_sent = False
         self.tool_text = ToolCallStream(parser) if mode == "auto" else None
         self.calls_sent = 0  # auto: the index of the next streamed call
@@ -62,7 +65,11 @@ class ChatChoiceRenderer:
 
     def message(self, whole: GenerationChunk) -> tuple[ChatCompletionMessage, str | None]:
         """The whole choice: the assistant message and its finish reason."""
-        text, calls = whole.text, None
+        text, calls, reasoning = whole.text, None, None
+        if self.reasoning is not None:
+            r1, t1 = self.reasoning.feed(text)
+            r2, t2 = self.reasoning.finish()
+            reasoning, text = (r1 + r2) or None, t1 + t2
         if self.mode in ("required", "named"):
             calls = parse_forced(text, self.tool_choice.model_dump() if self.mode == "named" else "required")
             if calls:
@@ -72,14 +79,21 @@ class ChatChoiceRenderer:
             if calls:
                 text = content
         self.called = bool(calls)
-        msg = ChatCompletionMessage(role="assistant", content=text, tool_calls=[
+        msg = ChatCompletionMessage(role="assistant", content=text, reasoning_content=reasoning, tool_calls=[
             ChatCompletionMessageFunctionToolCall(id=c.id, type="function", function=Function(
                 name=c.name, arguments=c.arguments)) for c in calls] if calls else None)
         return msg, self._finish(whole.finish_reason)
 
     def deltas(self, chunk: GenerationChunk) -> tuple[list[ChoiceDelta], str | None]:
-        """The stream deltas for one chunk of this choice, and its finish reason (on the last)."""
-        text, calls, content = chunk.text, [], ""
+        """The stream deltas for one chunk of this choice, and its finish reason (on the last):
+        its reasoning first (``reasoning_content``), then its content or calls."""
+        text, calls, content, reasoning = chunk.text, [], "", ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text)
+            if chunk.finished:
+                r, t = self.reasoning.finish()
+                reasoning, text = reasoning + r, text + t
+        head = [ChoiceDelta(reasoning_content=reasoning)] if reasoning else []
         if self.mode == "text":
             content = text
         elif self.mode == "auto":
@@ -101,9 +115,9 @@ class ChatChoiceRenderer:
                                                function=ChoiceDeltaToolCallFunction(name=name, arguments=text)))
             elif text:
                 out.append(ChoiceDeltaToolCall(index=0, function=ChoiceDeltaToolCallFunction(arguments=text)))
-            deltas = [ChoiceDelta(tool_calls=out)] if out else []
+            deltas = head + ([ChoiceDelta(tool_calls=out)] if out else [])
             return self._role(deltas), self._finish(chunk.finish_reason) if chunk.finished else None
-        deltas = [ChoiceDelta(content=content)] if content else []
+        deltas = head + ([ChoiceDelta(content=content)] if content else [])
         if calls:
             self.called = True
             deltas.append(ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(
@@ -144,14 +158,17 @@ def chat_spec(body: ChatCompletionRequest, request: Request, id_prefix: str = "c
     params = body.to_sampling_params(max_tokens, body.num_logprobs,
                                      **({"structured_outputs": grammar} if grammar is not None else {}))
     return GenerateSpec(request, body, "chat", id_prefix, params, n=body.n, messages=messages, tools=tools,
-                        fallback=fallback), mode
+                        chat_template_kwargs=body.chat_template_kwargs, fallback=fallback), mode
 
 
 async def renderers(gw: Gateway, call: Call, body: ChatCompletionRequest, mode: str) -> list[ChatChoiceRenderer]:
     """One renderer per choice, each with its own tool parser of the model's family under
     ``tool_choice`` auto."""
     name = await gw.catalog.tool_call_parser(call.model) if mode == "auto" else None
-    return [ChatChoiceRenderer(mode, get_tool_parser(name) if name else None, body.tool_choice) for _ in range(body.n)]
+    reasoning = gw.catalog.reasoning_parser(call.model)
+    state = call.streams[0].first.prompt_reasoning if call.streams else ""
+    return [ChatChoiceRenderer(mode, get_tool_parser(name) if name else None, body.tool_choice,
+                               ReasoningStream(reasoning, state) if reasoning else None) for _ in range(body.n)]
 
 
 async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Request, response: Response):

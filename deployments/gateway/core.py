@@ -402,7 +402,7 @@ class Gateway:
         naming the batch's size, which the replica checks), with the engine's request ids."""
         if spec.messages is not None:
             return [GenerateRequest(messages=spec.messages, tools=spec.tools, sampling_params=spec.params, n=spec.n,
-                                    request_id=call.response_id)]
+                                    request_id=call.response_id, chat_template_kwargs=spec.chat_template_kwargs)]
         prompts = spec.prompts or []
         return [GenerateRequest(prompt=p, sampling_params=spec.params, n=spec.n, request_id=f"{call.response_id}-{i}",
                                 echo=spec.echo, num_prompts=len(prompts)) for i, p in enumerate(prompts)]

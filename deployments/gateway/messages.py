@@ -4,12 +4,13 @@ A message request runs as a chat request through the same pipeline (model, LoRA 
 model, response cache, key and limits, A/B variant, replica; no upstream fallback: the upstream
 speaks OpenAI's API), so tools behave as in chat (``tool_choice`` ``any`` / ``tool`` forced by a
 grammar, ``auto`` by the model family's parser). What differs is the shape: content blocks
-(``text``, ``tool_use`` with its ``input`` as an object), ``stop_reason`` (``end_turn``,
+(``thinking`` from a model served with a reasoning parser, with an empty ``signature``: kvserve
+does not sign; ``text``; ``tool_use`` with its ``input`` as an object), ``stop_reason`` (``end_turn``,
 ``max_tokens``, ``stop_sequence`` with the ``stop_sequence`` that matched, ``tool_use``),
 ``usage`` in input / output tokens (prefix-cached prompt tokens as ``cache_read_input_tokens``),
 errors as ``{"type": "error", "error": {"type", "message"}}``, and the stream's events:
 ``message_start``, ``ping``, per block ``content_block_start``, ``content_block_delta``
-(``text_delta`` or ``input_json_delta``) ..., ``content_block_stop``, then ``message_delta``
+(``thinking_delta``, ``text_delta`` or ``input_json_delta``) ..., ``content_block_stop``, then ``message_delta``
 (stop reason, output tokens) and ``message_stop``; a failure midway is an ``error`` event. The
 request translation: :mod:`deployments.gateway.messages_input`."""
 from __future__ import annotations
@@ -81,7 +82,9 @@ async def create_message(gw: Gateway, body: MessagesRequest, request: Request, r
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
     whole = (await gw.answers.whole(call))[(0, 0)]
     msg, _ = renderer.message(whole)
-    content: list[dict[str, Any]] = [{"type": "text", "text": msg.content}] if msg.content else []
+    thinking = getattr(msg, "reasoning_content", None)
+    content: list[dict[str, Any]] = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+    content += [{"type": "text", "text": msg.content}] if msg.content else []
     content += [{"type": "tool_use", "id": c.id, "name": c.function.name, "input": _input_of(c.function.arguments)}
                 for c in msg.tool_calls or []]
     stop_reason, stop_sequence = _stop(whole, bool(msg.tool_calls), body.stop_sequences)
@@ -104,6 +107,16 @@ async def _events(gw: Gateway, call: Call, body: MessagesRequest, renderer: Chat
     async for _, chunk in gw.answers.chunks(call):
         deltas, _ = renderer.deltas(chunk)
         for d in deltas:
+            thinking = getattr(d, "reasoning_content", None)
+            if thinking:
+                if open_kind != "thinking":
+                    if open_kind is not None:
+                        yield _event("content_block_stop", {"index": index})
+                    index, open_kind = index + 1, "thinking"
+                    yield _event("content_block_start", {"index": index, "content_block": {
+                        "type": "thinking", "thinking": "", "signature": ""}})
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta",
+                                                                               "thinking": thinking}})
             if d.content:
                 if open_kind != "text":
                     if open_kind is not None:

@@ -6,8 +6,10 @@ Supported: ``system`` (text or text blocks), ``messages`` whose content is text 
 ``tools`` (custom tools: ``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``,
 ``any``, ``tool``, ``none``; ``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequences``,
 ``temperature``, ``top_p``, ``top_k``, ``metadata.user_id`` (the chat's ``user``), ``stream``.
-Refused with a 400 naming the field: images and documents, server tools (``web_search`` ...),
-extended ``thinking`` (needs a reasoning parser). kvserve's ``priority`` and ``seed`` pass through."""
+``thinking`` (``enabled`` / ``disabled``: the template's ``enable_thinking``; ``budget_tokens`` is
+not enforced; a model served with a reasoning parser answers with a ``thinking`` block).
+Refused with a 400 naming the field: images and documents, server tools (``web_search`` ...).
+kvserve's ``priority`` and ``seed`` pass through."""
 from __future__ import annotations
 
 import json
@@ -77,11 +79,19 @@ class CountTokensRequest(BaseModel):
             out.append({"type": "function", "function": fn})
         return out
 
-    def check_thinking(self) -> None:
-        """Raises: OpenAIError: 400 when extended thinking is asked for (not supported yet)."""
-        if self.thinking and self.thinking.get("type") not in (None, "disabled"):
-            raise _bad("thinking: extended thinking is not supported by this server (no reasoning parser is "
-                       "configured)", "thinking")
+    def check_thinking(self) -> dict[str, bool] | None:
+        """The chat template's variables for ``thinking``: ``enable_thinking`` (the variable
+        Qwen3's and DeepSeek's templates read; others ignore it), None when not given.
+
+        Raises:
+            OpenAIError: 400 for a ``thinking.type`` other than ``enabled`` or ``disabled``.
+        """
+        kind = (self.thinking or {}).get("type")
+        if kind is None:
+            return None
+        if kind not in ("enabled", "disabled"):
+            raise _bad(f"thinking.type must be enabled or disabled, got {kind!r}", "thinking.type")
+        return {"enable_thinking": kind == "enabled"}
 
 
 class MessagesRequest(CountTokensRequest):
@@ -104,9 +114,11 @@ class MessagesRequest(CountTokensRequest):
         Raises:
             OpenAIError: 400 for what the chat request does not take (the message names the field).
         """
-        self.check_thinking()
+        template_kwargs = self.check_thinking()
         chat: dict[str, Any] = {"model": self.model, "messages": self.chat_messages(), "max_tokens": self.max_tokens,
                                 "stream": self.stream, "priority": self.priority}
+        if template_kwargs:
+            chat["chat_template_kwargs"] = template_kwargs
         for k in ("temperature", "top_p", "seed"):
             if getattr(self, k) is not None:
                 chat[k] = getattr(self, k)
@@ -172,6 +184,8 @@ def _turn(m: AnthropicMessage, where: str) -> list[dict[str, Any]]:
                 raise _bad(f"{where}.{i}: a tool_use block needs an id and a name", f"{where}.{i}")
             calls.append({"id": b["id"], "type": "function", "function": {
                 "name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+        elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+            continue  # an earlier turn's reasoning: not sent back to the model (as the templates drop it)
         elif kind == "tool_result" and m.role == "user":
             if not b.get("tool_use_id"):
                 raise _bad(f"{where}.{i}: a tool_result block needs a tool_use_id", f"{where}.{i}")

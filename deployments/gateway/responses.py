@@ -44,6 +44,11 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
@@ -123,7 +128,9 @@ async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequ
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
     whole = (await gw.answers.whole(call))[(0, 0)]
     msg, _ = renderer.message(whole)
-    output = [_message_item(_item_id("msg"), msg.content, "completed")] if msg.content else []
+    reasoning = getattr(msg, "reasoning_content", None)
+    output = [_reasoning_item(_item_id("rs"), reasoning, "completed")] if reasoning else []
+    output += [_message_item(_item_id("msg"), msg.content, "completed")] if msg.content else []
     output += [_call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed")
                for c in msg.tool_calls or []]
     return await builder.final(output, whole)
@@ -147,6 +154,10 @@ async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,
         item, idx, open_item = open_item, len(output), None
         item["status"] = "completed"
         output.append(item)
+        if item["type"] == "reasoning":
+            return [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                       text=item["content"][0]["text"]),
+                    ev("response.output_item.done", output_index=idx, item=item)]
         if item["type"] == "message":
             part = item["content"][0]
             return [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
@@ -162,6 +173,16 @@ async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,
     async for _, chunk in gw.answers.chunks(call):
         deltas, _ = renderer.deltas(chunk)
         for d in deltas:
+            reasoning = getattr(d, "reasoning_content", None)
+            if reasoning:
+                if open_item is None or open_item["type"] != "reasoning":
+                    for e in close():
+                        yield e
+                    open_item = _reasoning_item(_item_id("rs"), "", "in_progress")
+                    yield ev("response.output_item.added", output_index=len(output), item={**open_item, "content": []})
+                open_item["content"][0]["text"] += reasoning
+                yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=len(output),
+                         content_index=0, delta=reasoning)
             if d.content:
                 if open_item is None or open_item["type"] != "message":
                     for e in close():

@@ -6,8 +6,10 @@ Supported: ``input`` (a string, or message / ``function_call`` / ``function_call
 items with text content), ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``,
 ``text.format`` (``text``, ``json_object``, ``json_schema``), function ``tools`` with
 ``tool_choice`` and ``parallel_tool_calls``, ``stream``, ``store``, ``previous_response_id``,
-``metadata``. Anything that would change the answer and is not supported (hosted tools,
-``background``, ``truncation: auto``, ``reasoning``, images and files, ``conversation``,
+``metadata``, ``reasoning`` (a reasoning model's output gives a ``reasoning`` item; ``effort``
+``none`` or ``minimal`` turns thinking off through the template's ``enable_thinking``, other
+efforts and ``summary`` are not honoured). Anything that would change the answer and is not supported (hosted tools,
+``background``, ``truncation: auto``, images and files, ``conversation``,
 prompt templates, ``top_logprobs``) is a 400 naming the field.
 """
 from __future__ import annotations
@@ -87,8 +89,6 @@ class ResponsesRequest(BaseModel):
             raise ValueError("background: background responses are not supported; send background false")
         if self.truncation not in (None, "disabled"):
             raise ValueError("truncation: only 'disabled' is supported (a too long input is a 400)")
-        if self.reasoning is not None and any(v is not None for v in self.reasoning.values()):
-            raise ValueError("reasoning: the served models are not reasoning models")
         if self.conversation is not None:
             raise ValueError("conversation: conversations are not supported; use previous_response_id")
         if self.prompt is not None:
@@ -152,6 +152,8 @@ class ResponsesRequest(BaseModel):
                 chat[k] = getattr(self, k)
         if self.max_output_tokens is not None:
             chat["max_completion_tokens"] = self.max_output_tokens
+        if (self.reasoning or {}).get("effort") in ("none", "minimal"):
+            chat["chat_template_kwargs"] = {"enable_thinking": False}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": {k: t[k] for k in (
                 "name", "description", "parameters", "strict") if t.get(k) is not None}} for t in self.tools]

@@ -34,6 +34,7 @@ from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
 from deployments.contract.kv_cluster_directory import kv_layout
 from deployments.contract.openai_errors import random_id
 from deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
+from deployments.contract.reasoning import REASONING_PARSERS, prompt_reasoning, reasons_first
 from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 from deployments.replica.admission import Admission, OverloadedError
 from deployments.replica.channels import GatewayChannels
@@ -159,6 +160,11 @@ class LLMServer(PoolingEndpoints):
                                    m.max_queued_prompt_tokens or d_tok)
         self.request_timeout_s = m.request_timeout_s
         self.stream_interval, self.pooling_type = m.stream_interval, m.pooling_type
+        self.reasoning_parser = m.reasoning_parser
+        self.reasoning_end_ids = None  # the end marker's token ids (structured outputs start after it)
+        if m.reasoning_parser is not None:
+            end = REASONING_PARSERS[m.reasoning_parser][1]
+            self.reasoning_end_ids = self.engine.tokenizer.encode(end, add_special_tokens=False)
         self.tool_call_parser = m.tool_call_parser  # "auto": the one the chat template writes calls for
         if self.tool_call_parser == "auto":
             from engine.chat_templates import tool_parser_for_template
@@ -287,7 +293,8 @@ class LLMServer(PoolingEndpoints):
                 return
             lora = await self.adapters.resolve(request.lora_name)
             if request.messages is not None:
-                ids = await self.engine.apply_chat_template(request.messages, request.tools)
+                ids = await self.engine.apply_chat_template(request.messages, request.tools,
+                                                            request.chat_template_kwargs)
             else:
                 ids = await self.engine.encode(request.prompt)
             self.engine.input_processor.check_context_length(len(ids), params.max_tokens)
@@ -300,6 +307,11 @@ class LLMServer(PoolingEndpoints):
             yield GenerationChunk.failed(GenerationError(code, str(e)))
             return
         self.prefixes.add(ids, request.lora_name)
+        reasoning = ""  # where the chat prompt leaves a reasoning model
+        if self.reasoning_parser is not None and request.messages is not None:
+            reasoning = prompt_reasoning(self.engine.tokenizer.decode(ids[-16:]), self.reasoning_parser)
+            if params.structured_outputs is not None and reasons_first(self.reasoning_parser, reasoning):
+                params = dataclasses.replace(params, reasoning_end_token_ids=self.reasoning_end_ids)
         prompt_text = None
         if request.echo:
             prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
@@ -309,7 +321,10 @@ class LLMServer(PoolingEndpoints):
         else:
             chunks = self.runner.fan_out(ids, params, request_id, request.priority, n, prompt_text, lora,
                                          trace=request.trace_context, sheddable=request.sheddable)
+        first = True
         async for chunk in self.channels.route(chunks, request.channel, self.replica_id):
+            if first:
+                chunk.prompt_reasoning, first = reasoning, False
             yield chunk
 
     async def channel(self, gateway_id: str, replica_id: str | None = None) -> AsyncIterator[dict[str, list]]:

@@ -82,11 +82,14 @@ class FakeReplica:
                                   num_prompt_tokens=4, num_output_tokens=2, index=i)
 
 
-def make_gateway(replica, cards: list[ModelCard] | None = None, facts=None, **settings) -> Gateway:
+def make_gateway(replica, cards: list[ModelCard] | None = None, facts=None, model: dict | None = None,
+                 **settings) -> Gateway:
     """A gateway over ``replica`` served as ``fake``, built as ``build_app`` builds it: the
-    model's card from its configuration (``max_model_len`` 128, given at build time) and the
-    sections from ``settings`` (the Serve config's flat names: ``api_keys``, ``response_cache``, ...)."""
-    args = AppArgs.model_validate({"models": [{"served_model_name": "fake", "max_model_len": 128}], **settings})
+    model's card from its configuration (``max_model_len`` 128, given at build time, and the
+    settings in ``model``) and the sections from ``settings`` (the Serve config's flat names:
+    ``api_keys``, ``response_cache``, ...)."""
+    args = AppArgs.model_validate({"models": [{"served_model_name": "fake", "max_model_len": 128, **(model or {})}],
+                                   **settings})
     opts = gateway_options(args)
     if cards is not None:
         opts["cards"] = cards
@@ -104,10 +107,11 @@ def _run(coro):
 
 class ScriptedReplica:
     """An LLMServer stand-in whose answer is ``pieces`` (one chunk each) ending with
-    ``finish_reason``; it records the typed requests, and answers embed / tokenize calls."""
+    ``finish_reason`` (the first chunk saying ``prompt_reasoning``); it records the typed
+    requests, and answers embed / tokenize calls."""
 
-    def __init__(self, pieces=("Hello", " there"), finish_reason="stop"):
-        self.pieces, self.finish = list(pieces), finish_reason
+    def __init__(self, pieces=("Hello", " there"), finish_reason="stop", prompt_reasoning=""):
+        self.pieces, self.finish, self.prompt_reasoning = list(pieces), finish_reason, prompt_reasoning
         self.requests, self.embed_calls = [], []
         self.stream = _Remote(self._stream)
         self.server_info = _Remote(self._info)
@@ -130,7 +134,8 @@ class ScriptedReplica:
         for i, p in enumerate(self.pieces):
             last = i == len(self.pieces) - 1
             yield GenerationChunk(text=p, token_ids=[i], num_prompt_tokens=7, num_output_tokens=i + 1,
-                                  finished=last, finish_reason=self.finish if last else None)
+                                  finished=last, finish_reason=self.finish if last else None,
+                                  prompt_reasoning=self.prompt_reasoning if i == 0 else "")
             await asyncio.sleep(0)
 
     async def _embed(self, inputs, dimensions=None, lora_name=None, priority=0, request_id=None):
@@ -151,8 +156,8 @@ class ScriptedReplica:
         return TokenizeResult(tokens=tokens, count=len(tokens), prompt="".join(chr(t) for t in tokens))
 
 
-def _sdk(replica, api_key="sk-a", **settings):
-    gw = make_gateway(replica, **settings)
+def _sdk(replica, api_key="sk-a", model: dict | None = None, **settings):
+    gw = make_gateway(replica, model=model, **settings)
     app = build_api(gw)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
     return openai.AsyncOpenAI(api_key=api_key, base_url="http://gw/v1", http_client=http, max_retries=0), app

@@ -73,7 +73,7 @@ def test_a_tool_round_trip_becomes_the_chat_conversation():
 @pytest.mark.parametrize("bad, param", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
 ])
 def test_what_is_not_supported_is_a_400_naming_the_field(bad, param):

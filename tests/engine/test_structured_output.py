@@ -230,6 +230,30 @@ def test_free_text_of_tiny_model_is_not_json(tiny):
     llm.engine.shutdown()
 
 
+def test_grammar_starts_after_the_reasoning_end(tiny):
+    """A reasoning model's structured output (``reasoning_end_token_ids``): its tokens run free
+    until the end marker (here two tokens of the tiny model's own greedy free text), the grammar
+    holds after it; a marker that never comes leaves the whole output free."""
+    llm = tiny()
+    free = llm.generate([LONG], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    end = free.token_ids[2:4]
+    start = next(i + 2 for i in range(len(free.token_ids)) if free.token_ids[i:i + 2] == end)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": DATE},
+                            reasoning_end_token_ids=end)
+    out = llm.generate([LONG], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:start] == free.token_ids[:start]  # the reasoning: the free text, untouched
+    answer = llm.engine.tokenizer.decode(out.token_ids[start:], skip_special_tokens=True)
+    assert re.fullmatch(DATE, answer) and out.finish_reason == "stop", (out, answer)
+    never = next(t for t in range(100, 300) if t not in free.token_ids)
+    out = llm.generate([LONG], SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": DATE},
+                                              reasoning_end_token_ids=[never]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids and out.finish_reason == "length"
+    assert_idle(llm.engine)
+    with pytest.raises(ValueError, match="reasoning_end_token_ids"):
+        SamplingParams(reasoning_end_token_ids=[])
+    llm.engine.shutdown()
+
+
 def test_grammar_completion_finishes_despite_ignore_eos_and_min_tokens(tiny):
     llm = tiny()
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, structured_outputs={"regex": DATE}),
