@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from cluster import set_local_ray_env
 from deployments.args import APP_NAME, AppArgs, ModelArgs, app_args_from_config
 from deployments.contract.adapters import parse_lora_module
 from deployments.contract.config import RENAMED_MODEL_KEYS
+from deployments.contract.openai_errors import OpenAIError
 from deployments.gateway.gate import mask_key
 from deployments.operator import experiment_report as xr
 from deployments.operator import warm
@@ -158,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--" + old.replace("_", "-"), dest=old, **{**kw, "help": f"deprecated: --{_flag(new)}"})
     add_autoscaling_args(s)  # --min-replicas, --max-replicas and the policy's knobs
     s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("run-batch", help="run an OpenAI batch file offline with the engine in this process "
+                                         "(vLLM's run-batch; no Ray)")
+    b.add_argument("-i", "--input-file", required=True, help="OpenAI batch JSONL: custom_id, method, url, body")
+    b.add_argument("-o", "--output-file", required=True, help="where the output lines go (- for stdout)")
+    b.add_argument("--config", default=None, help="Serve config or app args YAML, as for serve (flags override)")
+    b.add_argument("--name", default=None, help=argparse.SUPPRESS)
+    b.add_argument("--concurrency", type=int, default=16, help="requests in flight at once (default 16)")
+    for flag, dest, kw in flags:
+        b.add_argument(flag, dest=dest, **kw)
+    b.set_defaults(func=cmd_run_batch, api_keys=None, api_keys_file=None, admin_api_keys=None,
+                   lora_allowed_roots=None, upstream_url=None, allowed_origins=None, num_replicas=None)
 
     x = sub.add_parser("experiment", help="A/B tests of configurations: report, set weights, list")
     xs = x.add_subparsers(dest="experiment_command", required=True)
@@ -299,6 +313,24 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     except (RuntimeError, httpx.HTTPError, ValueError) as e:
         print(f"kvserve experiment {args.experiment_command}: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    """``kvserve run-batch``: every request of ``--input-file`` through the gateway over the
+    engine in this process; the counts go to stderr. Exit 1 for an invalid input file."""
+    from deployments.local import run_batch
+
+    app_args = AppArgs.model_validate(app_args_from_cli(args))
+    try:
+        counts = asyncio.run(run_batch(app_args, args.input_file, args.output_file, args.concurrency))
+    except OpenAIError as e:
+        print(f"kvserve run-batch: {e.message}", file=sys.stderr)
+        for err in getattr(e, "errors", [])[1:]:
+            print(f"  line {err['line']}: {err['message']}", file=sys.stderr)
+        return 1
+    print(f"kvserve run-batch: {counts['completed']} of {counts['total']} requests answered, {counts['failed']} "
+          f"failed, in {counts['seconds']} s", file=sys.stderr)
+    return 0
 
 
 def app_args_from_cli(args: argparse.Namespace) -> dict:

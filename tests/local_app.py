@@ -2,7 +2,8 @@
 (:func:`deployments.gateway.api.build_api` over a :class:`~deployments.gateway.core.Gateway` built
 as ``build_app`` builds it) served by uvicorn on 127.0.0.1 in a thread of its own, in front of real
 :class:`~deployments.replica.llm_server.LLMServer` replicas (real engines and models) reached
-through :class:`LocalHandle`, which pickles each call's arguments and answers as Ray's hop does.
+through :class:`deployments.local.LocalHandle`, which pickles each call's arguments and answers as
+Ray's hop does (:func:`deployments.local.build_local` builds them).
 
 For the tests of what the OpenAI API does with a real model and real clients (the openai SDK,
 langchain-openai: tests/deployments/test_openai_clients.py); the live Serve apps of tests/e2e prove
@@ -10,7 +11,6 @@ the wiring (Serve's proxy, handles, routers, replicas in Ray workers)."""
 from __future__ import annotations
 
 import asyncio
-import pickle
 import threading
 import time
 from types import SimpleNamespace
@@ -19,99 +19,6 @@ from helpers import free_port
 
 #: Seconds to wait for the server to listen, or to stop.
 START_TIMEOUT_S = 60.0
-
-
-def _hop(value):
-    """``value`` after a round trip through pickle (what crosses Ray's hop is serialized: a
-    request or chunk that does not pickle fails here as it would there)."""
-    return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-class LocalStream:
-    """What ``handle.options(stream=True).<method>.remote(...)`` gives, for an in-process replica:
-    an async iterator of the replica's items, produced by a task of its own (as a replica
-    produces independently of its caller), with ``cancel()`` (the task is cancelled, so the
-    replica's generator sees a ``CancelledError`` as under Serve)."""
-
-    def __init__(self, agen):
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._pump(agen))
-
-    async def _pump(self, agen) -> None:
-        try:
-            async for item in agen:
-                await self._queue.put(("item", _hop(item)))
-            await self._queue.put(("end", None))
-        except asyncio.CancelledError:
-            await self._queue.put(("error", asyncio.CancelledError()))
-            raise
-        except Exception as e:  # the replica's failure reaches the caller, as Serve re-raises it
-            await self._queue.put(("error", e))
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        kind, value = await self._queue.get()
-        if kind == "item":
-            return value
-        if kind == "end":
-            raise StopAsyncIteration
-        raise value
-
-    def cancel(self) -> None:
-        self._task.cancel()
-
-
-class LocalResponse:
-    """What ``handle.<method>.remote(...)`` gives, for an in-process replica: awaitable in the
-    app's event loop, or ``result()`` from another thread (as a ``DeploymentResponse``)."""
-
-    def __init__(self, fn, args, kwargs, loop: asyncio.AbstractEventLoop):
-        self._fn, self._args, self._kwargs, self._loop = fn, args, kwargs, loop
-
-    async def _run(self):
-        out = self._fn(*self._args, **self._kwargs)
-        if asyncio.iscoroutine(out):
-            out = await out
-        return _hop(out)
-
-    def __await__(self):
-        return self._run().__await__()
-
-    def result(self, timeout_s: float | None = None):
-        """The answer, waited for from a thread other than the app's (seconds; None: no limit).
-
-        Raises:
-            TimeoutError: no answer within ``timeout_s``; whatever the replica's method raised.
-        """
-        return asyncio.run_coroutine_threadsafe(self._run(), self._loop).result(timeout_s)
-
-
-class LocalHandle:
-    """A ``DeploymentHandle`` stand-in over one in-process deployment instance (``LLMServer``):
-    ``handle.<method>.remote(*args, **kwargs)``, ``handle.options(stream=True)``; other options
-    (``multiplexed_model_id``) are accepted and ignored."""
-
-    def __init__(self, instance, loop: asyncio.AbstractEventLoop, stream: bool = False):
-        self._instance, self._loop, self._stream = instance, loop, stream
-
-    def options(self, *, stream: bool | None = None, **_) -> "LocalHandle":
-        return LocalHandle(self._instance, self._loop, self._stream if stream is None else stream)
-
-    def __getattr__(self, method: str):
-        fn = getattr(self._instance, method)
-        handle = self
-
-        class _Method:
-            @staticmethod
-            def remote(*args, **kwargs):
-                args, kwargs = _hop((args, kwargs))
-                if handle._stream:
-                    return LocalStream(fn(*args, **kwargs))
-                return LocalResponse(fn, args, kwargs, handle._loop)
-
-        return _Method
 
 
 class LocalApp:
@@ -128,7 +35,7 @@ class LocalApp:
         port: the HTTP port on 127.0.0.1.
         servers: served model name (``model@variant`` for a variant of an A/B test) -> its
             ``LLMServer`` instance.
-        handles: the same keys -> its :class:`LocalHandle`.
+        handles: the same keys -> its :class:`deployments.local.LocalHandle`.
     """
 
     def __init__(self, apps: dict[str, dict]):
@@ -136,7 +43,7 @@ class LocalApp:
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self.servers: dict = {}
-        self.handles: dict[str, LocalHandle] = {}
+        self.handles: dict = {}
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -152,35 +59,12 @@ class LocalApp:
         from starlette.applications import Starlette
         from starlette.routing import Mount
 
-        from deployments.app import gateway_options
         from deployments.args import AppArgs
-        from deployments.gateway.api import build_api
-        from deployments.gateway.core import Gateway
-        from deployments.replica.llm_server import LLMServer
+        from deployments.local import build_local
 
-        routes, loaded = [], {}
-
-        def handle(m) -> LocalHandle:
-            key = m.deployment_key
-            if key in self.servers and loaded[key] != m:
-                raise ValueError(f"model {key!r} is named twice with different settings")
-            if key not in self.servers:
-                self.servers[key], loaded[key] = LLMServer.func_or_class(m, tracing), m
-                self.handles[key] = LocalHandle(self.servers[key], self.loop)
-            return self.handles[key]
-
-        for prefix, raw in self.apps.items():
-            args = AppArgs.model_validate(raw)
-            tracing = args.tracing
-            if args.embeddings.embedding_model is not None:
-                raise ValueError("LocalApp serves no embedding model (serve.batch needs a Serve replica)")
-            models, variants = {}, {}
-            for d in args.deployments():  # as build_app: one per model, or per variant of an A/B test
-                models.setdefault(d.name, handle(d))
-                if d.variant is not None:
-                    variants.setdefault(d.name, {})[d.variant] = handle(d)
-            api = build_api(Gateway(models, variants=variants, **gateway_options(args)))
-            routes.append(Mount(prefix.rstrip("/"), app=api))  # "/" mounts at "", the root
+        apps, self.servers, self.handles = build_local(
+            {prefix: AppArgs.model_validate(raw) for prefix, raw in self.apps.items()}, self.loop)
+        routes = [Mount(prefix.rstrip("/"), app=api) for prefix, api in apps.items()]  # "/" mounts at ""
         routes.sort(key=lambda r: r.path == "")  # the root app last: a prefix matches first
         config = uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port, log_level="warning",
                                 lifespan="off", loop="asyncio")

@@ -31,6 +31,7 @@ DEFAULT_AUTH_FAILURES_PER_MINUTE = 20
 #: Default largest request body, bytes (4 MiB: a 128k-token prompt as text or as token ids
 #: is well under 1 MiB).
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_FILE_BYTES = 64 << 20
 
 #: Default most prompts in one ``/v1/completions`` request (``max_prompts_per_request``).
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
@@ -307,6 +308,11 @@ class GatewayArgs(BaseModel):
                                                    "(default * like vLLM: any page, which still needs an API key "
                                                    "when keys are set; [] turns CORS off)")
     max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger bodies get 413")
+    max_file_bytes: int = Field(DEFAULT_MAX_FILE_BYTES, ge=1,
+                                description="largest upload to POST /v1/files (the Batch API's input files; larger "
+                                            "get 413); each key's files together are bounded by cache_max_bytes")
+    batch_concurrency: int = Field(8, ge=1, description="requests of one batch job in flight at once (the Batch "
+                                                        "API; each sheddable, at the lowest priority)")
     max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
                                          description="most prompts in one /v1/completions request")
     ingress_num_replicas: int = Field(1, ge=1)

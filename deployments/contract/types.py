@@ -30,6 +30,9 @@ MAX_EMBEDDING_INPUTS = 2048
 #: Request header that marks a request as cache warming's (``kvserve warm``; the gateway needs an
 #: admin key with it): lowest priority, and sheddable on the replica (``GenerateRequest.sheddable``).
 WARM_HEADER = "x-kvserve-warm"
+#: Header that marks a request as a batch job's (the Batch API's runner sends it; any key may:
+#: it only lowers its own request): lowest priority and sheddable on the replica, as warming.
+BATCH_HEADER = "x-kvserve-batch"
 
 ERROR_STATUS = {
     "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len

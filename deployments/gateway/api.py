@@ -14,16 +14,20 @@ placement for an admin key only),
 ``GET /v1/experiments/{name}`` and ``POST /v1/experiments/{name}/weights`` (admin key), ``GET /health``,
 ``GET /ready``, ``GET /metrics``, ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's),
 ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``,
-``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize``. Each lives in its own module of
+``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize``, the Files API (``POST`` and
+``GET /v1/files``, ``GET`` and ``DELETE /v1/files/{id}``, ``GET /v1/files/{id}/content``) and the
+Batch API (``POST`` and ``GET /v1/batches``, ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``). Each lives in its own module of
 this package; every request is counted and timed by route (:mod:`~deployments.gateway.http_metrics`).
 """
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, File, Form, Request, Response, UploadFile
+from fastapi.responses import Response as RawResponse
 
 from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.gateway import (
     adapters,
     admin,
+    files,
     chat,
     completions,
     embeddings,
@@ -83,6 +87,44 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request):
         return await responses.delete_response(gw.responses, response_id, request)
+
+    @app.post("/v1/files")
+    async def create_file(request: Request, file: UploadFile = File(...), purpose: str = Form(...)):
+        return await files.upload(gw.files, gate.owner_id(request.scope), file, purpose)
+
+    @app.get("/v1/files")
+    async def list_files(request: Request, purpose: str | None = None, limit: int = 10000, after: str | None = None,
+                         order: str = "desc"):
+        return await gw.files.list(gate.owner_id(request.scope), purpose, limit, after, order)
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(file_id: str, request: Request):
+        return await gw.files.meta(gate.owner_id(request.scope), file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def get_file_content(file_id: str, request: Request):
+        data = await gw.files.content(gate.owner_id(request.scope), file_id)
+        return RawResponse(data, media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, request: Request):
+        return await gw.files.delete(gate.owner_id(request.scope), file_id)
+
+    @app.post("/v1/batches")
+    async def create_batch(body: dict, request: Request):
+        return await gw.batches.create(gate.owner_id(request.scope), gate.credentials(request.scope), body)
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request, after: str | None = None, limit: int = 20):
+        return await gw.batches.list(gate.owner_id(request.scope), after, limit)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str, request: Request):
+        return await gw.batches.get(gate.owner_id(request.scope), batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str, request: Request):
+        return await gw.batches.cancel(gate.owner_id(request.scope), batch_id)
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: embeddings.EmbeddingRequest, request: Request):
@@ -144,4 +186,5 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
     async def metrics():
         return await probes.metrics()
 
+    gw.batches.app = app  # batches run their requests through this app
     return app

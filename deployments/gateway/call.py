@@ -141,6 +141,8 @@ class Call:
         span: the request's OpenTelemetry span while it runs (None: tracing off, or ended).
         warm: a cache-warming request (``x-kvserve-warm: 1`` with an admin key): lowest
             priority, sheddable on the replica, not logged, not counted as live traffic.
+        batch: a batch job's request (``x-kvserve-batch: 1``, the Batch API's runner): lowest
+            priority, sheddable on the replica, not logged.
     """
 
     request: Request
@@ -163,6 +165,7 @@ class Call:
     first_at: float | None = None
     span: Any = None
     warm: bool = False
+    batch: bool = False
 
     @property
     def variant(self) -> str:

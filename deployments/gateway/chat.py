@@ -79,7 +79,10 @@ class ChatChoiceRenderer:
             if calls:
                 text = content
         self.called = bool(calls)
-        msg = ChatCompletionMessage(role="assistant", content=text, reasoning_content=reasoning, tool_calls=[
+        extra = {}
+        if self.reasoning is not None:  # vLLM's field; a reply that is all reasoning has no content
+            extra, text = {"reasoning_content": reasoning}, text or None
+        msg = ChatCompletionMessage(role="assistant", content=text, **extra, tool_calls=[
             ChatCompletionMessageFunctionToolCall(id=c.id, type="function", function=Function(
                 name=c.name, arguments=c.arguments)) for c in calls] if calls else None)
         return msg, self._finish(whole.finish_reason)

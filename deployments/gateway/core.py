@@ -45,7 +45,7 @@ from deployments.contract.routing_config import AUTO_MODEL, RoutingArgs
 from deployments.contract.facts import FactsBoard, ModelCard
 from deployments.contract.openai_errors import OpenAIError, random_id
 from deployments.contract.openai_requests import unknown_fields
-from deployments.contract.types import WARM_HEADER, GenerateRequest
+from deployments.contract.types import BATCH_HEADER, WARM_HEADER, GenerateRequest
 from deployments.gateway.admin import is_admin
 from deployments.gateway.answers import Answers
 from deployments.gateway.call import Call, GenerateSpec, UnarySpec, estimate_prompt_tokens
@@ -57,6 +57,8 @@ from deployments.gateway.gate import GateSettings, key_name, request_policy
 from deployments.gateway.channels import ChannelHub
 from deployments.gateway.handles import ModelHandles
 from deployments.gateway.replica_calls import ReplicaCalls
+from deployments.gateway.batches import Batches
+from deployments.gateway.files import FileStore
 from deployments.gateway.responses_input import ResponseStore
 from deployments.gateway.shedding import LoadShedder
 from deployments.gateway.streams import ChunkStream, background, usage_of
@@ -73,7 +75,7 @@ logger = logging.getLogger("ray.serve")
 #: Seconds a probe of a model (``/health``, ``/ready``) may take.
 PROBE_TIMEOUT_S = 5.0
 
-#: Engine priority of cache-warming requests (lower runs first: this is after everything live).
+#: Engine priority of cache-warming and batch requests (lower runs first: after everything live).
 WARM_PRIORITY = 1 << 30
 
 
@@ -124,10 +126,13 @@ class Gateway:
         if api_keys:  # an admin key must get past the gate to reach the admin endpoints
             known = {k.split()[0] for k in api_keys if k.split()}
             api_keys = list(api_keys) + [p.key for p in self.admin_keys if p.key not in known]
-        self.gate = GateSettings.of(api_keys, g.max_request_body_bytes, g.auth_failures_per_minute, g.allowed_origins)
+        self.gate = GateSettings.of(api_keys, g.max_request_body_bytes, g.auth_failures_per_minute, g.allowed_origins,
+                                    g.max_file_bytes)
         settings = CacheSettings.of(cache, lim.redis_url)
         self.cache = ResponseCache(settings) if settings.enabled else None
         self.responses = ResponseStore(settings)  # stored Responses API responses, in the cache's backend
+        self.files = FileStore(settings, g.max_file_bytes)  # the Batch API's files, there too
+        self.batches = Batches(settings, self.files, g.batch_concurrency)
         # per-key limits: shared through Redis when given, else each gateway replica enforces its share
         self.keys = KeyLimits(RateLimiter(lim.rate_limit_rpm, lim.rate_limit_tpm, redis_url=lim.redis_url,
                                           divide_by=max(1, g.ingress_num_replicas)))
@@ -179,7 +184,8 @@ class Gateway:
         self.warn_unknown(spec.body)
         call = await self._pick(spec)
         call.warm = self._is_warm(call)
-        if self.request_log is not None and not call.warm:
+        call.batch = call.request.headers.get(BATCH_HEADER, "").strip().lower() in ("1", "true", "yes")
+        if self.request_log is not None and not (call.warm or call.batch):
             self._log(call, spec)
         self.tracing.begin(call, spec.endpoint)
         try:
@@ -206,7 +212,7 @@ class Gateway:
         with self.tracing.step(call, "key_admission", **{"kvserve.api_key": key_name(call.request.scope)}):
             call.use = await self._admit(call, 0 if hit else spec.prompt_tokens(),
                                          0 if hit else spec.reserve_tokens(), spec.body.priority)
-        if call.warm:
+        if call.warm or call.batch:
             call.use.priority = max(call.use.priority, WARM_PRIORITY)
         elif hit and call.look.warmed:
             cache_warmed_hits().inc({"level": call.look.status, "model_name": call.served, "variant": call.variant})
@@ -444,13 +450,15 @@ class Gateway:
     async def _open(self, call: Call, requests: list[GenerateRequest]) -> None:
         """``call.streams``: the replicas' streams of ``requests``, each up to its first chunk
         (all or none: the first refusal is raised, the others closed by the caller)."""
-        shed = self.shedder.check(call.target, len(requests))
+        sheddable = call.warm or call.batch  # such work neither feeds nor meets the live traffic's marks
+        shed = None if sheddable else self.shedder.check(call.target, len(requests))
         if shed is not None:  # the replicas refused as full just now: no trip to them
             self.replicas.rejected.inc({"model_name": call.model, "reason": "queue_full", "variant": call.variant})
             raise shed
         for r in requests:
-            r.priority, r.lora_name, r.sheddable = call.use.priority, call.adapter, call.warm
-        results = await asyncio.gather(*(self.replicas.open(call, r, self.shedder) for r in requests),
+            r.priority, r.lora_name, r.sheddable = call.use.priority, call.adapter, sheddable
+        results = await asyncio.gather(*(self.replicas.open(call, r, None if sheddable else self.shedder)
+                                         for r in requests),
                                        return_exceptions=True)
         call.streams = [r for r in results if isinstance(r, ChunkStream)]
         for r in results:

@@ -42,6 +42,10 @@ from telemetry.metrics import rejected
 #: probes and the metrics scrape. Everything else, routes added later included, needs a key
 #: when keys are configured.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+#: The upload path of the Batch API's files: its body limit is ``max_file_bytes``.
+FILES_PATH = "/v1/files"
+#: What a multipart upload adds to the file's bytes (boundaries, headers, the purpose field).
+FILE_ENVELOPE_BYTES = 64 << 10
 #: Paths of Anthropic's Messages API: their errors take Anthropic's shape.
 ANTHROPIC_PREFIX = "/v1/messages"
 
@@ -52,6 +56,7 @@ class GateSettings:
 
     policies: list[KeyPolicy] = field(default_factory=list)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_file_bytes: int = DEFAULT_MAX_BODY_BYTES  # POST /v1/files (plus the multipart envelope)
     throttle: AuthFailureThrottle = field(default_factory=AuthFailureThrottle)
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
 
@@ -59,10 +64,11 @@ class GateSettings:
     @classmethod
     def of(cls, api_keys: list[str] | list[KeyPolicy] | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
            auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE,
-           allowed_origins: list[str] | None = None) -> "GateSettings":
+           allowed_origins: list[str] | None = None, max_file_bytes: int | None = None) -> "GateSettings":
         """The gate of a replica. ``api_keys``: key entries (``"<key> [name=..] [rpm=..]
         [tpm=..] [priority=..]"``, see :mod:`deployments.limits`) or :class:`KeyPolicy`
         objects. ``allowed_origins``: CORS origins (default ``["*"]``; ``[]``: no CORS headers).
+        ``max_file_bytes``: the body limit of ``POST /v1/files`` (default ``max_body_bytes``).
 
         Raises:
             ValueError: ``max_body_bytes`` or ``auth_failures_per_minute`` < 1, or a bad key entry.
@@ -73,7 +79,7 @@ class GateSettings:
             raise ValueError(f"auth_failures_per_minute must be positive, got {auth_failures_per_minute}")
         keys = list(api_keys or [])
         return cls(policies=keys if all(isinstance(k, KeyPolicy) for k in keys) else policies_from_keys(keys),
-                   max_body_bytes=max_body_bytes,
+                   max_body_bytes=max_body_bytes, max_file_bytes=max(max_body_bytes, max_file_bytes or 0),
                    throttle=AuthFailureThrottle(max_failures=auth_failures_per_minute, window_s=60.0),
                    allowed_origins=["*"] if allowed_origins is None else list(allowed_origins))
 
@@ -112,6 +118,14 @@ def owner_id(scope: Scope) -> str:
     re-issued under an old name owns nothing of the old key's), ``anonymous`` without keys."""
     policy = request_policy(scope)
     return policy.owner_id if policy is not None else "anonymous"
+
+
+def credentials(scope: Scope) -> dict[str, str]:
+    """The request's own API-key headers (``Authorization``, ``x-api-key``) as it sent them,
+    for work it starts that runs later as the same key (a batch job: held in memory only)."""
+    headers = dict(scope.get("headers") or [])
+    return {name: headers[name.encode()].decode("latin-1") for name in ("authorization", "x-api-key")
+            if name.encode() in headers}
 
 
 def route_path(scope: Scope) -> str:
@@ -179,6 +193,8 @@ class RequestGate:
                                          "invalid_api_key", {"WWW-Authenticate": "Bearer"}, scope)
             scope.setdefault("state", {})["kvserve_api_key"] = policy
         limit = s.max_body_bytes
+        if scope.get("method") == "POST" and route_path(scope) == FILES_PATH:  # + the multipart envelope
+            limit = s.max_file_bytes + FILE_ENVELOPE_BYTES
         length = headers.get(b"content-length")
         if length is not None:
             try:

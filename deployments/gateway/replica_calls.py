@@ -36,17 +36,18 @@ class ReplicaCalls:
     def __init__(self, rejected, channels: ChannelHub | None = None):
         self.rejected, self.channels = rejected, channels
 
-    async def open(self, call: Call, request: GenerateRequest, shedder: LoadShedder) -> ChunkStream:
+    async def open(self, call: Call, request: GenerateRequest, shedder: LoadShedder | None) -> ChunkStream:
         """Start the replica's stream of ``request`` and wait for its first chunk; ``shedder``
         counts the stream open until it ends, and a ``queue_full`` refusal (the replica's or
-        Serve's) marks the model full there.
+        Serve's) marks the model full there (None: sheddable work, which the live traffic's
+        load shedding neither counts nor learns from).
 
         Raises:
             OpenAIError: the replica refused the request (its typed error), or Serve did
                 (``queue_full`` 429, ``model_unavailable`` 503).
         """
         model = call.target  # the deployment: a variant's replicas are full or not on their own
-        request.shed_requests = shedder.opened(model)
+        request.shed_requests = shedder.opened(model) if shedder is not None else 0
         hub = self.channels
         slot = hub.register() if hub is not None else None
         request.channel = slot[0] if slot is not None else None
@@ -62,13 +63,15 @@ class ReplicaCalls:
                     logger.info("request %s: the replica was lost before its first token; sent again", call.http_id)
                     await asyncio.sleep(0.2 * (attempt + 1))
         except BaseException as e:  # the request left before its first token
-            shedder.closed(model)
+            if shedder is not None:
+                shedder.closed(model)
             if slot is not None:
                 hub.unregister(slot[0][1])
-            if isinstance(e, OpenAIError) and e.code == "queue_full":
+            if shedder is not None and isinstance(e, OpenAIError) and e.code == "queue_full":
                 shedder.refused(model, e.retry_after_s)
             raise
-        shedder.admitted(model)
+        if shedder is not None:
+            shedder.admitted(model)
         channel = None
         if slot is not None:
             hub.saw(model, first.replica)
@@ -77,7 +80,8 @@ class ReplicaCalls:
                 channel = (slot[1], lambda: hub.unregister(key))
             else:
                 hub.unregister(key)
-        return ChunkStream(gen, first, request.n, on_end=lambda: shedder.closed(model), channel=channel)
+        on_end = (lambda: shedder.closed(model)) if shedder is not None else None
+        return ChunkStream(gen, first, request.n, on_end=on_end, channel=channel)
 
     async def ask(self, call: Call, method: str, *args, **kwargs):
         """``call.handle.<method>.remote(*args, **kwargs)``'s answer; a typed ``error`` on it (the

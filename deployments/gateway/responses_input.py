@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deployments.cache import CacheSettings
-from deployments.cache.stores import MemoryStore, RedisStore
+from deployments.cache.owner_stores import OwnerStores
 from deployments.contract.openai_errors import OpenAIError
 from deployments.contract.openai_requests import ChatCompletionRequest
 
@@ -217,22 +217,11 @@ class ResponseStore:
 
     def __init__(self, settings: CacheSettings):
         self.settings = settings
-        self._stores: dict = {}  # owner -> its MemoryStore or RedisStore
-        self._redis = None  # the Redis client the owners' stores share
+        self.owners = OwnerStores(settings, self.PREFIX)
 
     def store_of(self, owner: str):
         """The store of ``owner``'s responses (made on first use)."""
-        store = self._stores.get(owner)
-        if store is None:
-            s = self.settings
-            if s.backend == "redis":
-                self._redis = self._redis or RedisStore.connect(s.redis_url)
-                store = RedisStore(s.redis_url, s.max_entries, s.max_bytes, prefix=f"{self.PREFIX}{owner}:",
-                                   client=self._redis)
-            else:
-                store = MemoryStore(s.max_entries, s.max_bytes)
-            self._stores[owner] = store
-        return store
+        return self.owners.store_of(owner)
 
     async def put(self, response: dict[str, Any], messages: list[dict[str, Any]], owner: str) -> None:
         """Keep ``response`` (its ``id``) with the conversation ``messages`` it ends, in

@@ -45,20 +45,25 @@ class RequestRunner:
         self.variant, self.tracing = variant, tracing
         self.rejected = rejected()
         self.live = 0  # live (not sheddable) engine requests admitted and not yet ended
-        self.warm: dict[str, bool] = {}  # sheddable engine requests in flight -> stopped for live traffic
+        self.warm: dict[str, _Sheddable] = {}  # sheddable engine requests in flight
 
     def _make_room(self) -> None:
-        """A live request is coming: stop every sheddable (cache-warming) request in flight.
-        The engine applies aborts before its next step, the one that takes the live request."""
-        for request_id, stopped in self.warm.items():
-            if not stopped:
-                self.warm[request_id] = True
+        """A live request is coming: stop every sheddable (cache-warming, batch) request in
+        flight and give its admission slot back at once, so the live request is admitted in
+        its place. The engine applies aborts before its next step, the one that takes the live
+        request."""
+        for request_id, s in self.warm.items():
+            if not s.stopped:
+                s.stopped = True
                 self.engine.abort(request_id)
+                if s.admitted:
+                    self.admission.end(s.num_prompt_tokens, s.started)
 
     @staticmethod
     def _deferred(index: int = 0) -> GenerationChunk:
         return GenerationChunk.failed(GenerationError(
-            "warming_deferred", "cache warming gives way to live requests on this replica; retry when it is idle",
+            "warming_deferred", "sheddable work (cache warming, batch jobs) gives way to live requests on this "
+                                "replica; retry when it is idle",
             retry_after_s=1.0), index)
 
     async def fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
@@ -112,9 +117,10 @@ class RequestRunner:
         if sheddable and self.live > 0:
             yield self._deferred(index)
             return
+        shed = None
         try:
             if sheddable:
-                self.warm[request_id] = False
+                shed = self.warm[request_id] = _Sheddable(n_prompt)
             else:
                 self.live += 1
                 counted = True
@@ -128,8 +134,13 @@ class RequestRunner:
                     yield GenerationChunk.failed(refused, index)
                     return
                 admitted = True
+                if shed is not None:
+                    shed.admitted = True
                 if wait_for is not None:
                     await wait_for.wait()
+                    if shed is not None and shed.stopped:  # stopped for a live request meanwhile
+                        yield self._deferred(index)
+                        return
                 stream = self.engine.generate(ids, params, request_id, priority, lora_request=lora)
                 out = await next_before(stream, deadline)  # validates the prompt, then waits for the first token
             except EngineDeadError:
@@ -146,10 +157,13 @@ class RequestRunner:
                 if on_first is not None:
                     on_first.set()
             started = True
-            self.admission.start(n_prompt)
+            if shed is None or not shed.stopped:  # a stopped one gave its slot back already
+                self.admission.start(n_prompt)
+            if shed is not None:
+                shed.started = True
             chunks = ChunkBuilder(self.engine.tokenizer, params, index, prompt_text)
             while True:
-                if out.finished and sheddable and self.warm.get(request_id):
+                if out.finished and shed is not None and shed.stopped:
                     yield self._deferred(index)  # stopped for a live request
                     return
                 if out.finished:
@@ -173,7 +187,7 @@ class RequestRunner:
             if counted:
                 self.live -= 1
             self.warm.pop(request_id, None)
-            if admitted:
+            if admitted and (shed is None or not shed.stopped):  # a stopped one gave its slot back already
                 self.admission.end(n_prompt, started)
             if stream is not None:
                 await stream.aclose()  # aborts the request in the engine unless it finished
@@ -184,3 +198,13 @@ class RequestRunner:
         self.rejected.inc({"model_name": self.model_name, "reason": "timeout", "variant": self.variant})
         msg = f"the request ran longer than the server's limit of {self.request_timeout_s:g} s and was stopped"
         return GenerationChunk.failed(GenerationError("timeout", msg), index)
+
+
+class _Sheddable:
+    """A sheddable request in flight: its admission state, and whether a live request stopped it
+    (its slot is then given back at once, not when its stream ends)."""
+
+    __slots__ = ("num_prompt_tokens", "admitted", "started", "stopped")
+
+    def __init__(self, num_prompt_tokens: int):
+        self.num_prompt_tokens, self.admitted, self.started, self.stopped = num_prompt_tokens, False, False, False
