@@ -9,6 +9,7 @@ import httpx
 from gateway_fakes import FakeReplica, _client, _run, make_gateway
 
 from deployments.gateway.api import build_api
+from deployments.gateway.gate import FILE_ENVELOPE_BYTES, FILES_PATH
 
 
 def test_keys_guard_the_api_but_not_the_probes():
@@ -47,9 +48,11 @@ def _route_table(app) -> list[tuple[str, str, bool]]:
 def test_every_route_but_the_probes_needs_a_key_and_every_body_is_bounded():
     """Deny by default, over the real route table of the built app: each route (each method)
     without a key is a 401 unless it is a probe; each route that takes a body refuses an
-    oversized one (413) even with a valid key."""
+    oversized one (413) even with a valid key (a file upload past ``max_file_bytes`` and its
+    multipart envelope)."""
     key, limit = "sk-test-key-1", 1024
-    gw = make_gateway(FakeReplica(), api_keys=[key], max_request_body_bytes=limit, auth_failures_per_minute=10_000)
+    gw = make_gateway(FakeReplica(), api_keys=[key], max_request_body_bytes=limit, max_file_bytes=limit,
+                      auth_failures_per_minute=10_000)
     app = build_api(gw)
     table = _route_table(app)
     paths = {p for _, p, _ in table}
@@ -62,8 +65,9 @@ def test_every_route_but_the_probes_needs_a_key_and_every_body_is_bounded():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # a handler's failure: a 500
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
             keyless = {(m, p): (await c.request(m, p, json={} if b else None)).status_code for m, p, b in table}
-            big = {(m, p): await c.request(m, p, content=b"{" + b" " * limit + b"}", headers={
-                "authorization": f"Bearer {key}", "content-type": "application/json"}) for m, p in with_body}
+            big = {(m, p): await c.request(m, p, content=b"{" + b" " * (limit + FILE_ENVELOPE_BYTES * (
+                p == FILES_PATH)) + b"}", headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+                for m, p in with_body}
             return keyless, big
 
     keyless, big = _run(main())

@@ -40,6 +40,7 @@ CHAT_VARIANTS = {
     "max_completion_tokens": ({}, 9), "logprobs": ({}, True), "top_logprobs": ({"logprobs": True}, 2),
     "tools": ({}, [WEATHER]), "tool_choice": ({"tools": [WEATHER]}, "required"),
     "parallel_tool_calls": ({"tools": [WEATHER]}, False),
+    "chat_template_kwargs": ({}, {"enable_thinking": False}),
 }
 COMPLETION_VARIANTS = {
     **SAMPLING_VARIANTS,

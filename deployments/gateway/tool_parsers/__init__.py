@@ -7,12 +7,14 @@ from deployments.gateway.tool_parsers.hermes import HermesToolParser
 from deployments.gateway.tool_parsers.llama3_json import Llama3JsonToolParser
 from deployments.gateway.tool_parsers.mistral import MistralToolParser
 from deployments.gateway.tool_parsers.pythonic import PythonicToolParser
-from deployments.gateway.tool_parsers.qwen3_coder import Qwen3CoderToolParser, Qwen3XmlToolParser
+from deployments.gateway.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
-#: ``tool_call_parser`` name -> parser (vLLM's names).
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser,
-    Qwen3XmlToolParser)}
+#: ``tool_call_parser`` name -> parser (vLLM's names; ``qwen3_xml`` is vLLM's other parser of
+#: Qwen3-Coder's format).
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    **{p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+                           Qwen3CoderToolParser)},
+    "qwen3_xml": Qwen3CoderToolParser}
 
 
 def get_tool_parser(name: str) -> ToolParser:

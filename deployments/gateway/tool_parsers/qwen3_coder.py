@@ -30,8 +30,3 @@ class Qwen3CoderToolParser(TaggedToolParser):
                 args[key] = raw
         return ParsedToolCall(m.group(1), json.dumps(args, ensure_ascii=False))
 
-
-class Qwen3XmlToolParser(Qwen3CoderToolParser):
-    """vLLM's ``qwen3_xml``: the same format as ``qwen3_coder``, under its other name."""
-
-    name = "qwen3_xml"
