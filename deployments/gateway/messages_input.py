@@ -6,7 +6,9 @@ Supported: ``system`` (text or text blocks), ``messages`` whose content is text 
 ``tools`` (custom tools: ``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``,
 ``any``, ``tool``, ``none``; ``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequences``,
 ``temperature``, ``top_p``, ``top_k``, ``metadata.user_id`` (the chat's ``user``), ``stream``.
-``thinking`` (``enabled`` / ``disabled``: the template's ``enable_thinking``; ``budget_tokens`` is
+``output_config.format`` (``json_schema``: structured outputs by the grammar, as chat's
+``response_format``; ``output_config.effort`` is not honoured), ``thinking`` (``enabled`` /
+``disabled``: the template's ``enable_thinking``; ``budget_tokens`` is
 not enforced; a model served with a reasoning parser answers with a ``thinking`` block).
 Refused with a 400 naming the field: images and documents, server tools (``web_search`` ...).
 kvserve's ``priority`` and ``seed`` pass through."""
@@ -103,6 +105,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
     stream: bool = False
     # kvserve's (and vLLM's) extensions
     seed: int | None = None
@@ -126,6 +129,13 @@ class MessagesRequest(CountTokensRequest):
             chat["top_k"] = self.top_k
         if self.stop_sequences:
             chat["stop"] = self.stop_sequences
+        fmt = (self.output_config or {}).get("format")
+        if fmt is not None:  # Anthropic's structured outputs: the grammar path of response_format
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+                raise _bad("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                           "output_config.format")
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
+                                                                              "strict": True}}
         user = (self.metadata or {}).get("user_id")
         if user:
             chat["user"] = str(user)

@@ -163,3 +163,20 @@ def test_keys_and_errors_take_anthropics_shape(msg_app):
     r = httpx.post(f"{msg_app.base_url}/chat/completions", headers={"x-api-key": KEY}, timeout=120,
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_structured_output_through_output_config(client):
+    """Anthropic's structured outputs (``output_config.format``; the SDK's ``messages.parse``
+    with a pydantic model): the grammar makes even the random-weight model's text valid."""
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):
+        city: str = Field(max_length=12)
+        sunny: bool
+
+    m = client.messages.parse(model="tiny", max_tokens=60, output_format=Answer,
+                              messages=[{"role": "user", "content": "Weather in Paris, as JSON."}])
+    assert isinstance(m.parsed_output, Answer) and m.stop_reason == "end_turn", m
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+        client.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                               output_config={"format": {"type": "xml"}})
