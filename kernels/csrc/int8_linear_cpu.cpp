@@ -3,8 +3,8 @@
 //
 //   int8_gemv:    y [M, N] = x [M, K] @ (w [N, K] * scale [N, 1])^T (+ bias), for M <= kMaxRows.
 //                 Decode-sized batches are bound by reading the weights, and int8 rows are a
-//                 quarter of float32's bytes: each row is read once, widened 16 values at a time,
-//                 and multiplied into the M activation rows (held in L1).
+//                 quarter of float32's bytes: each row is read once, widened 16 (AVX-512) or 8
+//                 (AVX2) values at a time, and multiplied into the M activation rows (held in L1).
 //   int8_dequant: out [N, K] = w * scale, for larger batches, whose matmul then runs in oneDNN on
 //                 the float32 copy (compute-bound there, so the copy costs little).
 #include <torch/library.h>
@@ -24,6 +24,18 @@ constexpr int64_t kMaxRows = 8;
 inline __m512 widen16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// AVX2 (AMD EPYC Zen 2/3, older Xeons): 8 int8 weights widened to float32 per instruction pair.
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 #endif
 
 template <int M>
@@ -41,6 +53,14 @@ void gemv_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale,
       for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + m * ldx + k), acc[m]);
     }
     for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+      const __m256 wf = widen8(wn + k);
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + m * ldx + k), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) sums[m] = hsum8(acc[m]);
 #else
     for (int m = 0; m < M; ++m) sums[m] = 0.f;
 #endif
