@@ -40,7 +40,7 @@ logger = logging.getLogger("kvserve.attention")
 
 SOURCES = [Path(__file__).parent / "csrc" / n
            for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp", "bf16_linear_cpu.cpp",
-                     "lora_cpu.cpp", "w4a16_linear_cpu.cpp")]
+                     "lora_cpu.cpp", "w4a16_linear_cpu.cpp", "f32_linear_cpu.cpp")]
 #: Compiler flags: -fno-trapping-math lets GCC vectorise loops with selects (``cpu_math.h``).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 #: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
@@ -262,6 +262,27 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, s
         torch.ops.kvserve_cpu.w4a16_dequant(qweight, scales, szeros, group_size, w)
         y = torch.ops.mkldnn._linear_pointwise(xf, w, b, "none", [], "")
     return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+#: Most activation rows the float32 GEMV takes, and the largest weight (elements) it is used for:
+#: beyond, oneDNN (a vocabulary-sized LM head streams as fast there; larger batches are compute-bound).
+F32_GEMV_ROWS = 8
+F32_GEMV_MAX_WEIGHTS = 1 << 23
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float32 for at most :data:`F32_GEMV_ROWS` rows of ``x``
+    ``[..., K]`` (``weight`` contiguous ``[N, K]``, ``bias`` ``[N]``) -> ``[..., N]``: the C++
+    GEMV (``kernels/csrc/f32_linear_cpu.cpp``) that streams each weight row once for all rows,
+    where a decode step is bound by reading the weights. Needs the kernels (:func:`load_kernel`).
+
+    Raises:
+        RuntimeError: more rows, or another dtype or layout (the op's checks).
+    """
+    x2, n = _rows(x), weight.shape[0]
+    y = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    torch.ops.kvserve_cpu.f32_gemv(x2, weight, bias, y)
+    return y.view(*x.shape[:-1], n)
 
 
 #: Most activation rows the bf16-weight GEMV takes; larger batches widen the weight to float32.

@@ -10,6 +10,11 @@ step's matmuls do not re-layout the weight on every call, as vLLM's CPU path and
 frozen linears do. Which library runs a CPU matmul is what ``benchmarks/cpu_linear.py``
 measures per shape (GFLOP/s of each library at 1 to 2,048 rows):
 
+* float32, up to :data:`F32_GEMV_ROWS` rows and weights up to :data:`F32_GEMV_MAX_WEIGHTS`
+  elements (decode's layer weights, not a vocabulary-sized LM head): kvserve's GEMV
+  (``kernels.cpu_backend.f32_linear``), which streams each weight row once; oneDNN's prepacked
+  layout suits 64-row batches and read SmolLM2's weights at 11-21 GB/s of ~28 at batch 1
+  (``benchmarks/batch1.py`` measures the decode);
 * up to :data:`ATEN_MIN_ROWS` - 1 rows (decode, short chunks): oneDNN with the prepacked weight,
   ahead of plain oneDNN and of ATen at these sizes;
 * from :data:`ATEN_MIN_ROWS` rows (prefill chunks): on a CPU without AVX-512, ATen's
@@ -64,6 +69,23 @@ _prepack_refusal_logged: set[torch.dtype] = set()
 _bf16_storage_only: bool | None = None  # None: not decided yet
 
 
+#: Decode-sized float32 matmuls (kernels.cpu_backend.f32_linear): at most this many rows, weights of at
+#: most this many elements (the kernels' F32_GEMV_ROWS / F32_GEMV_MAX_WEIGHTS; kept here so that
+#: this module loads no kernel code until a matmul needs it).
+F32_GEMV_ROWS = 8
+F32_GEMV_MAX_WEIGHTS = 1 << 23
+_f32_gemv: bool | None = None  # None: not decided yet
+
+
+def _f32_gemv_ready() -> bool:
+    """Whether the float32 GEMV kernel loaded (decided once per process)."""
+    global _f32_gemv
+    if _f32_gemv is None:
+        from kernels import cpu_backend
+        _f32_gemv = cpu_backend.load_kernel() and hasattr(torch.ops.kvserve_cpu, "f32_gemv")
+    return _f32_gemv
+
+
 def _bf16_weights_in_float32_math() -> bool:
     """Whether bfloat16 CPU matmuls run :func:`kernels.cpu_backend.bf16_weight_linear`: the CPU
     has no native bf16 dot products and the C++ kernels load (decided once per process)."""
@@ -82,6 +104,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     one runs oneDNN on the plain weight, CPU bfloat16 without native bf16 the float32-math
     kernel, everything else ``F.linear`` (module docstring)."""
     if x.device.type == "cpu" and not torch.is_grad_enabled() and CPU_LINEAR == "onednn":
+        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= F32_GEMV_ROWS * x.shape[-1]
+                and weight.numel() <= F32_GEMV_MAX_WEIGHTS and weight.is_contiguous() and _f32_gemv_ready()):
+            from kernels.cpu_backend import f32_linear
+            return f32_linear(x, weight, bias)
         large = _LARGE_ON_ATEN and x.numel() >= ATEN_MIN_ROWS * x.shape[-1]
         if packed is not None and not large and x.dtype == weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

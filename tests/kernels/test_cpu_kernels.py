@@ -123,6 +123,42 @@ def test_linear_with_prepacked_weight_matches_float64(monkeypatch, rows, large_o
             assert (y.double() - ref).abs().max() / ref.abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(300, 200), (7, 577), (130, 96), (1, 8)])
+def test_f32_gemv_matches_float64(cpu_kernel, rows, n, k):
+    """The float32 GEMV for decode-sized batches (kernels/csrc/f32_linear_cpu.cpp): every row
+    count it takes, N not a multiple of its 4-row unroll, K not a multiple of the vector width,
+    strided activation rows, with and without bias: float64's result within float32 rounding."""
+    from kernels.cpu_backend import f32_linear
+
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w, b = torch.randn(n, k, generator=g) / 10, torch.randn(n, generator=g)
+    x = torch.randn(rows, 2 * k, generator=g)[:, :k]  # rows 2k apart
+    ref = x.double() @ w.double().T
+    for bias, r in ((b, ref + b.double()), (None, ref)):
+        y = f32_linear(x, w, bias)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        assert ((y.double() - r).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6).all()
+
+
+def test_linear_takes_the_gemv_for_decode_sized_float32(cpu_kernel, monkeypatch):
+    """engine.layers.linear.linear runs the GEMV up to 8 rows of a layer-sized float32 weight
+    (what a decode step multiplies), oneDNN above 8 rows and for a vocabulary-sized LM head."""
+    import engine.layers.linear as L
+    from kernels import cpu_backend
+
+    monkeypatch.setattr(L, "CPU_LINEAR", "onednn")
+    calls = []
+    real = cpu_backend.f32_linear
+    monkeypatch.setattr(cpu_backend, "f32_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    w = torch.randn(64, 32)
+    with torch.inference_mode():
+        for rows in (1, 8, 9):
+            L.linear(torch.randn(rows, 32), w)
+        L.linear(torch.randn(1, 1, 32), torch.empty(L.F32_GEMV_MAX_WEIGHTS // 32 + 1, 32))
+    assert calls == [(1, 32), (8, 32)]
+
+
 def test_prepack_is_skipped_where_it_does_not_apply(monkeypatch):
     import engine.layers.linear as L
     assert L.prepack_weight(torch.randn(8, 8).half()) is None

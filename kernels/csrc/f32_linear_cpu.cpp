@@ -1,0 +1,146 @@
+// float32 linear layers for decode-sized batches on CPU: y [M, N] = x [M, K] @ w [N, K]^T (+ bias),
+// M <= 8, float32 throughout.
+//
+// A batch-1 decode step reads every weight once and is bound by memory. oneDNN's matmul on the
+// prepacked weight reached 11-21 GB/s on SmolLM2's layer shapes streamed from memory on a 2-core
+// EPYC (benchmarks/batch1.py's machine; read bandwidth ~28 GB/s): its blocked layout is for
+// 64-row batches. This GEMV streams each weight row once, contiguous, for all M activation rows
+// (held in L1): four rows at a time for M == 1 (four independent FMA chains hide the latency),
+// one row and M accumulators otherwise; AVX-512 or AVX2 + FMA, picked at build from the CPU's
+// flags, a scalar loop for the tail of K. Rows are split over the threads in chunks of 64.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using vec = __m512;
+inline vec load_v(const float* p) { return _mm512_loadu_ps(p); }
+inline vec fma_v(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec zero_v() { return _mm512_setzero_ps(); }
+inline float sum_v(vec a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+using vec = __m256;
+inline vec load_v(const float* p) { return _mm256_loadu_ps(p); }
+inline vec fma_v(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec zero_v() { return _mm256_setzero_ps(); }
+inline float sum_v(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int kLanes = 0;  // no vector path: the scalar loops do all of K
+#endif
+
+// One activation row, weight rows n0..n1: four at a time.
+void rows_m1(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const int64_t kv = K - K % kLanes;
+  for (; n + 4 <= n1; n += 4) {
+    const float* w0 = w + n * K;
+    const float* w1 = w0 + K;
+    const float* w2 = w1 + K;
+    const float* w3 = w2 + K;
+    vec a0 = zero_v(), a1 = zero_v(), a2 = zero_v(), a3 = zero_v();
+    for (int64_t k = 0; k < kv; k += kLanes) {
+      const vec xv = load_v(x + k);
+      a0 = fma_v(load_v(w0 + k), xv, a0);
+      a1 = fma_v(load_v(w1 + k), xv, a1);
+      a2 = fma_v(load_v(w2 + k), xv, a2);
+      a3 = fma_v(load_v(w3 + k), xv, a3);
+    }
+    float s[4] = {sum_v(a0), sum_v(a1), sum_v(a2), sum_v(a3)};
+    for (int r = 0; r < 4; ++r) {
+      const float* wr = w + (n + r) * K;
+      for (int64_t k = kv; k < K; ++k) s[r] += wr[k] * x[k];
+      y[n + r] = s[r] + (bias ? bias[n + r] : 0.f);
+    }
+  }
+#endif
+  for (; n < n1; ++n) {
+    const float* wn = w + n * K;
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += wn[k] * x[k];
+    y[n] = s + (bias ? bias[n] : 0.f);
+  }
+}
+
+// M activation rows (ldx apart), weight rows n0..n1 one at a time, M accumulators.
+template <int M>
+void rows_m(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t N, int64_t K,
+            int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wn = w + n * K;
+    float sums[M];
+    int64_t k = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    vec acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = zero_v();
+    for (; k + kLanes <= K; k += kLanes) {
+      const vec wv = load_v(wn + k);
+      for (int m = 0; m < M; ++m) acc[m] = fma_v(wv, load_v(x + m * ldx + k), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) sums[m] = sum_v(acc[m]);
+#else
+    for (int m = 0; m < M; ++m) sums[m] = 0.f;
+#endif
+    for (int m = 0; m < M; ++m) {
+      float s = sums[m];
+      for (int64_t kk = k; kk < K; ++kk) s += wn[kk] * x[m * ldx + kk];
+      y[m * N + n] = s + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+void f32_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "f32_gemv (cpu): float32 x [M, K] with contiguous rows expected");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+              "f32_gemv (cpu): contiguous float32 weight [N, K] expected");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M <= kMaxRows, "f32_gemv (cpu): at most ", kMaxRows, " rows");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == M && y.size(1) == N,
+              "f32_gemv (cpu): float32 y [M, N] expected");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "f32_gemv (cpu): float32 bias [N] expected");
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: rows_m1(xp, wp, bp, yp, K, n0, n1); break;
+      case 2: rows_m<2>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
+      case 3: rows_m<3>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
+      case 4: rows_m<4>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
+      case 5: rows_m<5>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
+      case 6: rows_m<6>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
+      case 7: rows_m<7>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
+      case 8: rows_m<8>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
+      default: break;  // M == 0
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("f32_gemv(Tensor x, Tensor w, Tensor? bias, Tensor(a!) y) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("f32_gemv", &f32_gemv);
+}
