@@ -168,13 +168,15 @@ def test_keys_and_errors_take_anthropics_shape(msg_app):
 def test_structured_output_through_output_config(client):
     """Anthropic's structured outputs (``output_config.format``; the SDK's ``messages.parse``
     with a pydantic model): the grammar makes even the random-weight model's text valid."""
-    from pydantic import BaseModel, Field
+    from typing import Literal
 
-    class Answer(BaseModel):
-        city: str = Field(max_length=12)
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):  # short by its schema: the SDK moves maxLength into a description
+        city: Literal["Paris", "Rome"]
         sunny: bool
 
-    m = client.messages.parse(model="tiny", max_tokens=60, output_format=Answer,
+    m = client.messages.parse(model="tiny", max_tokens=60, output_format=Answer, extra_body={"temperature": 0},
                               messages=[{"role": "user", "content": "Weather in Paris, as JSON."}])
     assert isinstance(m.parsed_output, Answer) and m.stop_reason == "end_turn", m
     with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
