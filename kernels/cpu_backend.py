@@ -44,7 +44,7 @@ SOURCES = [Path(__file__).parent / "csrc" / n
 #: Compiler flags: -fno-trapping-math lets GCC vectorise loops with selects (``cpu_math.h``).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 #: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
-HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h"]
+HEADERS = [Path(__file__).parent / "csrc" / n for n in ("cpu_math.h", "cpu_vec.h")]
 
 #: Longest query slice the C++ kernel takes; longer prefill chunks run SDPA on gathered K/V.
 MAX_KERNEL_QUERY_LEN = 16

@@ -15,47 +15,27 @@
 
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 
 namespace {
 
+using namespace kvserve_vec;
 constexpr int64_t kMaxRows = 8;
 
 // bf16 bits -> float32 (exact): c10's conversion, on the raw bits the vector loads also read
 inline float widen(uint16_t b) { return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits())); }
 
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vec = __m512;
 inline vec widen_v(const uint16_t* p) {  // 16 bf16 -> fp32: zero-extend, shift into the high half
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-inline vec load_v(const float* p) { return _mm512_loadu_ps(p); }
-inline vec fma_v(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec zero_v() { return _mm512_setzero_ps(); }
-inline float sum_v(vec a) { return _mm512_reduce_add_ps(a); }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vec = __m256;
+#elif defined(KVSERVE_VEC)
 inline vec widen_v(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
-inline vec load_v(const float* p) { return _mm256_loadu_ps(p); }
-inline vec fma_v(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec zero_v() { return _mm256_setzero_ps(); }
-inline float sum_v(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-#else
-constexpr int kLanes = 0;  // no vector path: the scalar loop below does all of K
 #endif
 
 // Rows n0..n1 of y for M activation rows xf [M, K] (float32): each weight row is read once and
@@ -67,7 +47,7 @@ void gemv_rows(const float* xf, const uint16_t* w, const uint16_t* bias, c10::BF
     const uint16_t* wn = w + n * K;
     float sums[M];
     int64_t k = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(KVSERVE_VEC)
     vec acc[M];
     for (int m = 0; m < M; ++m) acc[m] = zero_v();
     for (; k + kLanes <= K; k += kLanes) {

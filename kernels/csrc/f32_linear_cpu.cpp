@@ -12,41 +12,17 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
+using namespace kvserve_vec;
 constexpr int64_t kMaxRows = 8;
-
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vec = __m512;
-inline vec load_v(const float* p) { return _mm512_loadu_ps(p); }
-inline vec fma_v(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec zero_v() { return _mm512_setzero_ps(); }
-inline float sum_v(vec a) { return _mm512_reduce_add_ps(a); }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vec = __m256;
-inline vec load_v(const float* p) { return _mm256_loadu_ps(p); }
-inline vec fma_v(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec zero_v() { return _mm256_setzero_ps(); }
-inline float sum_v(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-#else
-constexpr int kLanes = 0;  // no vector path: the scalar loops do all of K
-#endif
 
 // One activation row, weight rows n0..n1: four at a time.
 void rows_m1(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t n0, int64_t n1) {
   int64_t n = n0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(KVSERVE_VEC)
   const int64_t kv = K - K % kLanes;
   for (; n + 4 <= n1; n += 4) {
     const float* w0 = w + n * K;
@@ -85,7 +61,7 @@ void rows_m(const float* x, int64_t ldx, const float* w, const float* bias, floa
     const float* wn = w + n * K;
     float sums[M];
     int64_t k = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(KVSERVE_VEC)
     vec acc[M];
     for (int m = 0; m < M; ++m) acc[m] = zero_v();
     for (; k + kLanes <= K; k += kLanes) {
