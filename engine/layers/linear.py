@@ -74,16 +74,18 @@ _bf16_storage_only: bool | None = None  # None: not decided yet
 #: this module loads no kernel code until a matmul needs it).
 F32_GEMV_ROWS = 8
 F32_GEMV_MAX_WEIGHTS = 1 << 23
-_f32_gemv: bool | None = None  # None: not decided yet
+_f32_gemv = None  # kernels.cpu_backend.f32_linear once it loaded, False where it cannot; None: not decided yet
 
 
-def _f32_gemv_ready() -> bool:
-    """Whether the float32 GEMV kernel loaded (decided once per process)."""
+def _f32_gemv_op():
+    """The float32 GEMV (``kernels.cpu_backend.f32_linear``), or None where its kernel does not
+    load (decided once per process, so a decode step's matmuls import nothing)."""
     global _f32_gemv
     if _f32_gemv is None:
         from kernels import cpu_backend
-        _f32_gemv = cpu_backend.load_kernel() and hasattr(torch.ops.kvserve_cpu, "f32_gemv")
-    return _f32_gemv
+        ok = cpu_backend.load_kernel() and hasattr(torch.ops.kvserve_cpu, "f32_gemv")
+        _f32_gemv = cpu_backend.f32_linear if ok else False
+    return _f32_gemv or None
 
 
 def _bf16_weights_in_float32_math() -> bool:
@@ -105,9 +107,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel, everything else ``F.linear`` (module docstring)."""
     if x.device.type == "cpu" and not torch.is_grad_enabled() and CPU_LINEAR == "onednn":
         if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= F32_GEMV_ROWS * x.shape[-1]
-                and weight.numel() <= F32_GEMV_MAX_WEIGHTS and weight.is_contiguous() and _f32_gemv_ready()):
-            from kernels.cpu_backend import f32_linear
-            return f32_linear(x, weight, bias)
+                and weight.numel() <= F32_GEMV_MAX_WEIGHTS and weight.is_contiguous()
+                and (gemv := _f32_gemv_op()) is not None):
+            return gemv(x, weight, bias)
         large = _LARGE_ON_ATEN and x.numel() >= ATEN_MIN_ROWS * x.shape[-1]
         if packed is not None and not large and x.dtype == weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -150,7 +150,7 @@ def test_linear_takes_the_gemv_for_decode_sized_float32(cpu_kernel, monkeypatch)
     monkeypatch.setattr(L, "CPU_LINEAR", "onednn")
     calls = []
     real = cpu_backend.f32_linear
-    monkeypatch.setattr(cpu_backend, "f32_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(L, "_f32_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
     w = torch.randn(64, 32)
     with torch.inference_mode():
         for rows in (1, 8, 9):
