@@ -40,11 +40,11 @@ logger = logging.getLogger("kvserve.attention")
 
 SOURCES = [Path(__file__).parent / "csrc" / n
            for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp", "bf16_linear_cpu.cpp",
-                     "lora_cpu.cpp", "w4a16_linear_cpu.cpp", "f32_linear_cpu.cpp")]
+                     "lora_cpu.cpp", "w4a16_linear_cpu.cpp", "f32_linear_cpu.cpp", "decode_layers_cpu.cpp")]
 #: Compiler flags: -fno-trapping-math lets GCC vectorise loops with selects (``cpu_math.h``).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 #: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
-HEADERS = [Path(__file__).parent / "csrc" / n for n in ("cpu_math.h", "cpu_vec.h")]
+HEADERS = [Path(__file__).parent / "csrc" / n for n in ("cpu_math.h", "cpu_vec.h", "cpu_ops.h")]
 
 #: Longest query slice the C++ kernel takes; longer prefill chunks run SDPA on gathered K/V.
 MAX_KERNEL_QUERY_LEN = 16
@@ -197,6 +197,62 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
     torch.ops.kvserve_cpu.silu_and_mul(x, out)
     return out
+
+
+#: The decode step's layer loop in C++ (:func:`decode_layers`): on by default where the kernels
+#: build; ``KVSERVE_CPU_DECODE_LAYERS=0`` runs the layers op by op from Python (an A/B switch).
+DECODE_LAYERS = os.environ.get("KVSERVE_CPU_DECODE_LAYERS", "1") != "0"
+#: Most decode rows (requests) :func:`decode_layers` takes: its matmuls are the GEMVs' (8 rows).
+DECODE_LAYERS_ROWS = 8
+
+
+def use_decode_layers(h: torch.Tensor) -> bool:
+    """Whether a decode step's hidden states ``h`` ``[M, H]`` may go through :func:`decode_layers`
+    (the caller checks the model's side: plain weights, the CPU attention kernel)."""
+    return (DECODE_LAYERS and h.dim() == 2 and h.shape[0] <= DECODE_LAYERS_ROWS and use_fused_ops(h)
+            and hasattr(torch.ops.kvserve_cpu, "decode_layers"))
+
+
+def decode_layers(h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                  weights: list[torch.Tensor], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                  meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, head_dim: int, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step through Llama-family decoder layers in one C++ call
+    (``kernels/csrc/decode_layers_cpu.cpp``): the same kernels, in the same order, as the layers'
+    modules run them one by one (so the same bits), without ~11 Python-dispatched ops per layer.
+
+    Args:
+        h: float32 or bfloat16 ``[M, H]``, the hidden states entering the first layer, one row per
+            request (``M <= DECODE_LAYERS_ROWS``; every query one token long).
+        residual: ``[M, H]``, updated in place; None for the first stage's first layer (then
+            ``h`` is the residual and is updated in place, as the modules do).
+        positions: int64 ``[M]``.
+        weights: per layer, in order: input norm ``[H]``, qkv weight ``[Q + 2 KV, H]``, qkv bias
+            (an empty tensor: none), o weight ``[H, Q]``, post-attention norm ``[H]``, gate_up
+            weight ``[2 I, H]``, down weight ``[H, I]``; all contiguous, ``h``'s dtype.
+        k_caches, v_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+            ``h``'s dtype.
+        meta: the step's metadata (``slot_mapping``, ``block_tables``, ``seq_lens``, ``cu_seqlens_q``).
+        cos, sin: float32 ``[max_position, head_dim]`` RoPE tables.
+        eps: the RMSNorm epsilon; scale: the attention's softmax scale.
+
+    Returns:
+        ``(out, residual)``: the last layer's MLP output ``[M, H]`` and the residual stream.
+
+    Raises:
+        RuntimeError: shapes, dtypes or slots the op's checks refuse.
+    """
+    first = residual is None
+    if first:
+        residual = h
+    reqs = meta.__dict__.get("_cpu_all_reqs")
+    if reqs is None:
+        reqs = meta.__dict__["_cpu_all_reqs"] = torch.arange(meta.num_reqs, dtype=torch.long)
+    out = torch.empty_like(h)
+    torch.ops.kvserve_cpu.decode_layers(h, residual, out, positions, weights, k_caches, v_caches, meta.block_tables,
+                                        meta.seq_lens, meta.cu_seqlens_q, reqs, meta.slot_mapping, cos, sin,
+                                        num_heads, num_kv_heads, head_dim, eps, scale, first)
+    return out, residual
 
 
 #: Most activation rows the int8 GEMV kernel takes; larger batches dequantize the weight.

@@ -122,6 +122,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def decode_gemv_weight(mod: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight of ``mod`` (a :class:`ColumnParallelLinear` or :class:`RowParallelLinear`) when
+    :func:`linear` runs its matmul for up to :data:`F32_GEMV_ROWS` rows of ``dtype`` in a C++ GEMV
+    (``kvserve_cpu.f32_gemv`` or ``bf16_gemv``), which a C++ layer loop may then call itself with
+    the same result (``kernels.cpu_backend.decode_layers``); None for any other path (quantized or
+    4-bit weights, a LoRA, oneDNN, ATen, another device)."""
+    w = getattr(mod, "weight", None)
+    if (w is None or mod.qweight is not None or mod.w4 is not None or mod.lora is not None
+            or CPU_LINEAR != "onednn" or w.device.type != "cpu" or w.dtype != dtype or not w.is_contiguous()):
+        return None
+    if dtype == torch.float32:
+        return w if w.numel() <= F32_GEMV_MAX_WEIGHTS and _f32_gemv_op() is not None else None
+    if dtype == torch.bfloat16:
+        return w if mod.packed is None and _bf16_weights_in_float32_math() else None
+    return None
+
+
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` ``[out, in]`` (CPU float32 or bfloat16) as a oneDNN tensor in the blocked
     layout for :data:`PREPACK_ROWS`-row batches, or None where this does not apply: not on CPU,

@@ -16,7 +16,7 @@ from torch import nn
 from engine.distributed import pp_rank, pp_size, split_range, tp_rank, tp_size
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, decode_gemv_weight
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.weights import load_hf_weights, stage_weights
 from kernels import cpu_backend
@@ -161,12 +161,47 @@ class LlamaForCausalLM(nn.Module):
             h = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, device=input_ids.device,
                             dtype=self.layers[0].input_layernorm.weight.dtype)
             residual = torch.zeros_like(h)
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual, meta)
+        weights = self._decode_layer_weights(h, meta) if meta.decode_only else None
+        if weights is not None:  # one C++ call for all layers, the same kernels and bits
+            a = self.layers[0].self_attn
+            h, residual = cpu_backend.decode_layers(
+                h, residual, positions, weights, [lay.self_attn.k_cache for lay in self.layers],
+                [lay.self_attn.v_cache for lay in self.layers], meta, a.rotary.cos, a.rotary.sin, a.num_heads,
+                a.num_kv_heads, a.head_dim, self.layers[0].input_layernorm.eps, a.scale)
+        else:
+            for layer in self.layers:
+                h, residual = layer(positions, h, residual, meta)
         if not self.last_stage:
             return h, residual
         h, _ = self.norm(h, residual)
         return h
+
+    def _decode_layer_weights(self, h: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor] | None:
+        """The layers' tensors in :func:`kernels.cpu_backend.decode_layers`' order when this decode
+        step can run there: CPU float32 (or bfloat16 where its matmuls take the bf16 GEMV), one
+        rank, plain weights every matmul of which :func:`engine.layers.linear.linear` would run in
+        the C++ GEMV, no LoRA, no q/k norm (Qwen3), the C++ attention kernel, a cache of ``h``'s
+        dtype; else None (the layers then run op by op)."""
+        if not self.layers or tp_size() != 1 or not cpu_backend.use_decode_layers(h):
+            return None
+        a0 = self.layers[0].self_attn
+        if a0.qk_norm or a0.backend.name != "cpu" or not getattr(a0.backend, "kernel", False):
+            return None
+        no_bias = torch.empty(0, dtype=h.dtype)
+        out = []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            if a.k_cache.dtype != h.dtype or a.v_cache.dtype != h.dtype:
+                return None
+            ws = [decode_gemv_weight(m, h.dtype) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w is None for w in ws) or any(n.dtype != h.dtype for n in norms):
+                return None
+            bias = a.qkv_proj.bias
+            if bias is not None and (bias.dtype != h.dtype or not bias.is_contiguous()):
+                return None
+            out += [norms[0], ws[0], no_bias if bias is None else bias, ws[1], norms[1], ws[2], ws[3]]
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[n, vocab_size]`` for the ``n`` positions that sample (last stage)."""

@@ -17,6 +17,8 @@
 
 #include "cpu_vec.h"
 
+#include "cpu_ops.h"
+
 
 namespace {
 
@@ -66,6 +68,10 @@ void gemv_rows(const float* xf, const uint16_t* w, const uint16_t* bias, c10::BF
   }
 }
 
+}  // namespace
+
+namespace kvserve_ops {
+
 void bf16_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "bf16_gemv (cpu): bfloat16 x [M, K] with contiguous rows expected");
@@ -113,7 +119,7 @@ void bf16_widen(const at::Tensor& w, at::Tensor& out) {
   });
 }
 
-}  // namespace
+}  // namespace kvserve_ops
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("bf16_gemv(Tensor x, Tensor w, Tensor? bias, Tensor(a!) y) -> ()");
@@ -121,6 +127,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("bf16_gemv", &bf16_gemv);
-  m.impl("bf16_widen", &bf16_widen);
+  m.impl("bf16_gemv", &kvserve_ops::bf16_gemv);
+  m.impl("bf16_widen", &kvserve_ops::bf16_widen);
 }

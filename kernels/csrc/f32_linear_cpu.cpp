@@ -14,6 +14,8 @@
 
 #include "cpu_vec.h"
 
+#include "cpu_ops.h"
+
 namespace {
 
 using namespace kvserve_vec;
@@ -80,6 +82,10 @@ void rows_m(const float* x, int64_t ldx, const float* w, const float* bias, floa
   }
 }
 
+}  // namespace
+
+namespace kvserve_ops {
+
 void f32_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "f32_gemv (cpu): float32 x [M, K] with contiguous rows expected");
@@ -111,12 +117,12 @@ void f32_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::
   });
 }
 
-}  // namespace
+}  // namespace kvserve_ops
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("f32_gemv(Tensor x, Tensor w, Tensor? bias, Tensor(a!) y) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("f32_gemv", &f32_gemv);
+  m.impl("f32_gemv", &kvserve_ops::f32_gemv);
 }

@@ -19,6 +19,8 @@
 
 #include "cpu_math.h"
 
+#include "cpu_ops.h"
+
 namespace {
 
 using kvserve::from_float;
@@ -58,6 +60,10 @@ inline void norm_row(const T* x, const T* w, T* o, int64_t n, float eps, float o
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) o[j] = from_float<T>((to_float(w[j]) + offset) * (to_float(x[j]) * r));
 }
+
+}  // namespace
+
+namespace kvserve_ops {
 
 // x [N, H] -> out [N, H]
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, double eps, double offset) {
@@ -160,7 +166,7 @@ void silu_and_mul(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
-}  // namespace
+}  // namespace kvserve_ops
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, Tensor(a!) out, float eps, float offset) -> ()");
@@ -170,8 +176,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary", &rotary);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &kvserve_ops::rms_norm);
+  m.impl("add_rms_norm", &kvserve_ops::add_rms_norm);
+  m.impl("rotary", &kvserve_ops::rotary);
+  m.impl("silu_and_mul", &kvserve_ops::silu_and_mul);
 }

@@ -18,6 +18,8 @@
 
 #include "cpu_math.h"
 
+#include "cpu_ops.h"
+
 namespace {
 
 constexpr int64_t kMaxBlock = 256;  // largest block_size the per-block score buffer holds
@@ -161,6 +163,10 @@ struct Item {
   }
 };
 
+}  // namespace
+
+namespace kvserve_ops {
+
 // q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_tables int32 [R, W]; seq_lens int32 [R];
 // cu_seqlens_q int32 [R + 1]; reqs int64 [n]: the requests this call attends (their rows of
 // `out` [T, H, D] are written, others are left alone). window 0 = none; softcap 0 = none.
@@ -231,7 +237,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   }
 }
 
-}  // namespace
+}  // namespace kvserve_ops
 
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
@@ -239,4 +245,4 @@ TORCH_LIBRARY(kvserve_cpu, m) {
         "float k_scale, float v_scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_attention", &kvserve_ops::paged_attention); }
