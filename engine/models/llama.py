@@ -161,12 +161,11 @@ class LlamaForCausalLM(nn.Module):
             h = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, device=input_ids.device,
                             dtype=self.layers[0].input_layernorm.weight.dtype)
             residual = torch.zeros_like(h)
-        weights = self._decode_layer_weights(h, meta) if meta.decode_only else None
-        if weights is not None:  # one C++ call for all layers, the same kernels and bits
+        plan = self._decode_plan(h) if meta.decode_only else None
+        if plan is not None:  # one C++ call for all layers, the same kernels and bits
             a = self.layers[0].self_attn
             h, residual = cpu_backend.decode_layers(
-                h, residual, positions, weights, [lay.self_attn.k_cache for lay in self.layers],
-                [lay.self_attn.v_cache for lay in self.layers], meta, a.rotary.cos, a.rotary.sin, a.num_heads,
+                h, residual, positions, plan[0], plan[1], plan[2], meta, a.rotary.cos, a.rotary.sin, a.num_heads,
                 a.num_kv_heads, a.head_dim, self.layers[0].input_layernorm.eps, a.scale)
         else:
             for layer in self.layers:
@@ -176,13 +175,32 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h
 
-    def _decode_layer_weights(self, h: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor] | None:
+    def _decode_plan(self, h: torch.Tensor) -> tuple[list, list, list] | None:
+        """``(weights, k_caches, v_caches)`` for :func:`kernels.cpu_backend.decode_layers` when
+        this decode step can run there (:meth:`_decode_layer_weights`), else None. Built once and
+        reused while the first and last layers' weights and caches are the same tensors (a reload,
+        a quantization or new caches build it again): walking 30 layers' modules per step cost
+        ~1.8 ms, as much as the LM head's tenth of the weights."""
+        if not self.layers or not cpu_backend.use_decode_layers(h):
+            return None
+        first, last = self.layers[0], self.layers[-1]
+        key = (h.dtype, id(first.self_attn.qkv_proj.weight), id(last.mlp.down_proj.weight),
+               id(first.self_attn.k_cache), id(last.self_attn.v_cache), first.self_attn.qkv_proj.lora is None)
+        cached = getattr(self, "_decode_plan_cache", None)
+        if cached is None or cached[0] != key:
+            weights = self._decode_layer_weights(h)
+            plan = None if weights is None else (weights, [lay.self_attn.k_cache for lay in self.layers],
+                                                 [lay.self_attn.v_cache for lay in self.layers])
+            cached = self._decode_plan_cache = (key, plan)
+        return cached[1]
+
+    def _decode_layer_weights(self, h: torch.Tensor) -> list[torch.Tensor] | None:
         """The layers' tensors in :func:`kernels.cpu_backend.decode_layers`' order when this decode
         step can run there: CPU float32 (or bfloat16 where its matmuls take the bf16 GEMV), one
         rank, plain weights every matmul of which :func:`engine.layers.linear.linear` would run in
         the C++ GEMV, no LoRA, no q/k norm (Qwen3), the C++ attention kernel, a cache of ``h``'s
         dtype; else None (the layers then run op by op)."""
-        if not self.layers or tp_size() != 1 or not cpu_backend.use_decode_layers(h):
+        if not self.layers or tp_size() != 1:
             return None
         a0 = self.layers[0].self_attn
         if a0.qk_norm or a0.backend.name != "cpu" or not getattr(a0.backend, "kernel", False):

@@ -98,7 +98,7 @@ def test_the_op_refuses_a_slot_outside_the_cache(tiny_llama_path, calls):
                              slot_mapping=torch.tensor([nb * bs], dtype=torch.long),
                              query_lens_cpu=[1], seq_lens_cpu=[1], max_seqlen_q=1, max_seqlen_k=1)
     with torch.inference_mode():
-        weights = model._decode_layer_weights(h, meta)
+        weights = model._decode_layer_weights(h)
     assert weights is not None
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the cache"):
         cpu_backend.decode_layers(h, None, torch.zeros(1, dtype=torch.long), weights,
