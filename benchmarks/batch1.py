@@ -14,7 +14,8 @@ and dtypes, in one run with interleaved repeats.
   off, one request of 128 fresh random token ids (new ones every repeat) and 64 output tokens
   (``ignore_eos``, greedy): prefill tok/s is 128 over the first step (the prompt in one chunk, its
   first token sampled), decode tok/s is 63 over the remaining steps (context 129-192).
-* Repeats interleave: for each repeat, for each dtype, llama.cpp then kvserve. Medians and the
+* Repeats interleave: for each repeat, for each dtype, llama.cpp, kvserve, then kvserve with its
+  decode step's layers op by op from Python (the C++ layer loop off: what it gains). Medians and the
   spread (min, max) per side; the ratio kvserve / llama.cpp of the medians.
 
 The issue's targets: batch-1 decode kvserve / llama.cpp >= 1.0x in float32 and bfloat16; prefill
@@ -48,6 +49,9 @@ RESULT_KEYS = ("model", "threads", "prompt_tokens", "decode_tokens", "repeats", 
 LLAMA_CPP_VERSION = "11434.0.0"
 PEERS = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "peers"
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+#: The third arm: kvserve with its decode step's layers run op by op from Python
+#: (``kernels.cpu_backend.DECODE_LAYERS`` off), what the C++ layer loop replaced.
+PER_OP = "kvserve per-op layers"
 
 
 def _run(cmd: list[str], **kw) -> str:
@@ -134,6 +138,7 @@ def main() -> None:
     import torch
 
     from engine import LLM
+    from kernels import cpu_backend
 
     torch.set_num_threads(args.threads)
     model_path, vocab = resolve(args.model)
@@ -152,10 +157,16 @@ def main() -> None:
                          **run_llama(src, ggufs[d], args.threads, args.prompt_tokens, args.decode_tokens)})
             runs.append({"repeat": rep, "dtype": d, "engine": "kvserve",
                          **run_kvserve(llms[d], rng, vocab, args.prompt_tokens, args.decode_tokens)})
-            print(runs[-2], runs[-1], flush=True)
+            cpu_backend.DECODE_LAYERS = False  # the same engine, its layers op by op from Python
+            try:
+                runs.append({"repeat": rep, "dtype": d, "engine": PER_OP,
+                             **run_kvserve(llms[d], rng, vocab, args.prompt_tokens, args.decode_tokens)})
+            finally:
+                cpu_backend.DECODE_LAYERS = True
+            print(*runs[-3:], flush=True)
     medians = {}
     for d in dtypes:
-        for e in ("llama.cpp", "kvserve"):
+        for e in ("llama.cpp", "kvserve", PER_OP):
             rs = [r for r in runs if r["dtype"] == d and r["engine"] == e]
             medians[f"{e}/{d}"] = {k: {"median": statistics.median(r[k] for r in rs), "min": min(r[k] for r in rs),
                                        "max": max(r[k] for r in rs)} for k in ("prefill_tok_s", "decode_tok_s")}
@@ -171,10 +182,13 @@ def main() -> None:
 def figures(r: dict) -> Figures:
     """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
     f = Figures()
-    rows = []
+    rows, loop = [], []
     for key in r["medians"]:
         engine, dtype = key.split("/")
         if engine != "kvserve":
+            if engine == "kvserve per-op layers":
+                ops, ours = r["medians"][key]["decode_tok_s"], r["medians"][f"kvserve/{dtype}"]["decode_tok_s"]
+                loop.append([dtype, ops["median"], ops["min"], ops["max"], ours["median"], ours["median"] / ops["median"]])
             continue
         ours, peer = r["medians"][key], r["medians"][f"llama.cpp/{dtype}"]
         for what, label, target in (("decode_tok_s", "batch-1 decode", ">= 1.0x"),
@@ -188,6 +202,10 @@ def figures(r: dict) -> Figures:
             ["measure", "dtype", "llama.cpp", "min", "max", "kvserve", "min", "max", "kvserve / llama.cpp"], rows,
             note=f"{r['threads']} threads; {r['prompt_tokens']}-token prompt, {r['decode_tokens']} tokens decoded; "
                  f"llama.cpp {r['peer']['llama.cpp']} ({r['peer']['bench']})")
+    if loop:
+        f.table("kvserve's decode step: layers in one C++ call against op by op from Python (batch-1 decode tok/s)",
+                ["dtype", "per-op", "min", "max", "C++ layer loop", "loop / per-op"], loop,
+                note="the same engine in the same run; kernels.cpu_backend.DECODE_LAYERS off for the per-op arm")
     return f
 
 

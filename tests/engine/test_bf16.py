@@ -72,15 +72,16 @@ def test_bf16_weight_linear_matches_float64(rows):
     if not cpu_backend.load_kernel():
         pytest.skip(f"CPU kernels cannot be built here: {cpu_backend.kernel_error()}")
     g = torch.Generator().manual_seed(rows)
-    w = (torch.randn(300, 200, generator=g) / 10).bfloat16()
-    b = torch.randn(300, generator=g).bfloat16()
-    x = torch.randn(rows, 400, generator=g).bfloat16()[:, :200]  # strided rows
-    ref = x.double() @ w.double().T + b.double()
-    for bias in (b, None):
-        y = cpu_backend.bf16_weight_linear(x, w, bias)
-        r = ref if bias is not None else ref - b.double()
-        assert y.dtype == torch.bfloat16 and y.shape == (rows, 300)
-        assert ((y.double() - r).abs() <= 2 ** -8 * r.abs() + 1e-4).all()
+    for n, k in ((300, 200), (301, 203)):  # K not a multiple of the vector width: the scalar tail; N odd
+        w = (torch.randn(n, k, generator=g) / 10).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16()
+        x = torch.randn(rows, 2 * k, generator=g).bfloat16()[:, :k]  # strided rows
+        ref = x.double() @ w.double().T + b.double()
+        for bias in (b, None):
+            y = cpu_backend.bf16_weight_linear(x, w, bias)
+            r = ref if bias is not None else ref - b.double()
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+            assert ((y.double() - r).abs() <= 2 ** -8 * r.abs() + 1e-4).all()
 
 
 def first_divergence_is_a_near_tie(ours: list[int], ours_top: list[dict[int, float]], ref: list[int],
