@@ -197,9 +197,15 @@ def openai_error_body(ctx, response, case):
 def sse_well_formed(ctx, response, case):
     """A 200 event stream: JSON ``data:`` events, no error event, ``data: [DONE]`` last; a
     Responses API stream instead: typed events numbered from 0, ``response.completed`` or
-    ``response.incomplete`` last (no ``[DONE]``, as OpenAI's)."""
+    ``response.incomplete`` last (no ``[DONE]``, as OpenAI's); a Messages API stream:
+    ``message_start`` first, ``message_stop`` last, no ``error`` event (Anthropic's)."""
     ctype = (response.headers.get("content-type") or [""])[0]
     if response.status_code != 200 or not ctype.startswith("text/event-stream"):
+        return
+    if case.path == "/v1/messages":  # Anthropic's stream: typed events, message_start first, message_stop last
+        events = list(iter_sse(response.content))
+        assert events and all(isinstance(e, dict) and e.get("type") != "error" for e in events), events[-3:]
+        assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop", events[-3:]
         return
     if case.path == "/v1/responses":
         events = list(iter_sse(response.content))

@@ -237,4 +237,6 @@ def test_a_dead_core_fails_its_requests_and_refuses_new_ones(tiny_llama_path):
             await eng.shutdown()
 
     outs = asyncio.run(asyncio.wait_for(body(), TIMEOUT))
-    assert len(outs) == 2 and not outs[-1].finished
+    # outputs the core sent before SIGKILL landed may still arrive after it (a fast decode step
+    # had a third one on the way, full suite at 58bbdf5); none may say the request finished
+    assert len(outs) >= 2 and not any(o.finished for o in outs)
