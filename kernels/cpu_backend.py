@@ -229,7 +229,8 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor | None, positions: tor
         positions: int64 ``[M]``.
         weights: per layer, in order: input norm ``[H]``, qkv weight ``[Q + 2 KV, H]``, qkv bias
             (an empty tensor: none), o weight ``[H, Q]``, post-attention norm ``[H]``, gate_up
-            weight ``[2 I, H]``, down weight ``[H, I]``; all contiguous, ``h``'s dtype.
+            weight ``[2 I, H]``, down weight ``[H, I]``, q norm and k norm ``[head_dim]`` (empty
+            tensors: none; Qwen3's per-head norms); all contiguous, ``h``'s dtype.
         k_caches, v_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``,
             ``h``'s dtype.
         meta: the step's metadata (``slot_mapping``, ``block_tables``, ``seq_lens``, ``cu_seqlens_q``).

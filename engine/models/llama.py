@@ -67,12 +67,22 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
         q, k = self.rotary(positions, q, k)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale,
                                  k_scale=self.k_scale, v_scale=self.v_scale, key=k, value=v)
         return self.o_proj(o.reshape(-1, q_size))
+
+
+    @staticmethod
+    def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3's RMSNorm of each head of ``x`` ``[N, heads, head_dim]``; on CPU the fused
+        kernel over a ``[N * heads, head_dim]`` copy (as ``kernels.cpu_backend.decode_layers``
+        runs it), else ATen's ops."""
+        if cpu_backend.use_fused_ops(x):
+            return norm(x.reshape(-1, x.shape[-1])).view(x.shape)
+        return norm(x)
 
 
 class MLP(nn.Module):
@@ -198,12 +208,12 @@ class LlamaForCausalLM(nn.Module):
         """The layers' tensors in :func:`kernels.cpu_backend.decode_layers`' order when this decode
         step can run there: CPU float32 (or bfloat16 where its matmuls take the bf16 GEMV), one
         rank, plain weights every matmul of which :func:`engine.layers.linear.linear` would run in
-        the C++ GEMV, no LoRA, no q/k norm (Qwen3), the C++ attention kernel, a cache of ``h``'s
-        dtype; else None (the layers then run op by op)."""
+        the C++ GEMV, no LoRA, the C++ attention kernel, a cache of ``h``'s dtype; else None (the
+        layers then run op by op)."""
         if not self.layers or tp_size() != 1:
             return None
         a0 = self.layers[0].self_attn
-        if a0.qk_norm or a0.backend.name != "cpu" or not getattr(a0.backend, "kernel", False):
+        if a0.backend.name != "cpu" or not getattr(a0.backend, "kernel", False):
             return None
         no_bias = torch.empty(0, dtype=h.dtype)
         out = []
@@ -212,13 +222,15 @@ class LlamaForCausalLM(nn.Module):
             if a.k_cache.dtype != h.dtype or a.v_cache.dtype != h.dtype:
                 return None
             ws = [decode_gemv_weight(m, h.dtype) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                     *((a.q_norm.weight, a.k_norm.weight) if a.qk_norm else ()))
             if any(w is None for w in ws) or any(n.dtype != h.dtype for n in norms):
                 return None
             bias = a.qkv_proj.bias
             if bias is not None and (bias.dtype != h.dtype or not bias.is_contiguous()):
                 return None
-            out += [norms[0], ws[0], no_bias if bias is None else bias, ws[1], norms[1], ws[2], ws[3]]
+            out += [norms[0], ws[0], no_bias if bias is None else bias, ws[1], norms[1], ws[2], ws[3],
+                    *(norms[2:] if a.qk_norm else (no_bias, no_bias))]
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@
 // Per layer, the same kernels in the same order as engine/models/llama.py's modules run them,
 // so the result is bit for bit the per-op path's:
 //   x = add_rms_norm(h, residual)        (the first layer of the first stage: rms_norm(h))
-//   qkv = gemv(x, W_qkv) + b_qkv;  q, k rotated (RoPE) in place;  k, v stored at slot_mapping
+//   qkv = gemv(x, W_qkv) + b_qkv;  [q, k = rms_norm per head (Qwen3)];  q, k rotated (RoPE) in place;
+//   k, v stored at slot_mapping
 //   a = paged_attention(q);  h = gemv(a, W_o)
 //   x = add_rms_norm(h, residual);  h = gemv(silu_and_mul(gemv(x, W_gate_up)), W_down)
 // Float32 tensors take f32_gemv, bfloat16 ones bf16_gemv (engine.layers.linear picks the same
@@ -21,8 +22,9 @@
 namespace {
 
 // Tensors per layer in `weights`: input norm, qkv weight, qkv bias (empty: none), o weight,
-// post-attention norm, gate_up weight, down weight.
-constexpr int64_t kPerLayer = 7;
+// post-attention norm, gate_up weight, down weight, q norm and k norm (empty: none; Qwen3's
+// per-head RMSNorm of q and k before RoPE).
+constexpr int64_t kPerLayer = 9;
 
 // Rows m of src [M, >= row_elems] (strided rows, contiguous within) to cache slots slots[m]
 // (-1: skipped) of cache [NB, BS, Hkv, D] (contiguous, src's dtype).
@@ -76,6 +78,7 @@ void decode_layers(const at::Tensor& h, at::Tensor& residual, at::Tensor& out, c
   at::Tensor x = at::empty({M, H}, opts);
   at::Tensor qkv = at::empty({M, Q + 2 * KV}, opts);
   at::Tensor qc = at::empty({M, num_heads, head_dim}, opts);
+  at::Tensor kn = at::empty({M, num_kv_heads, head_dim}, opts);  // k normed (q/k norm models)
   at::Tensor attn = at::empty({M, num_heads, head_dim}, opts);
   at::Tensor o = at::empty({M, H}, opts);
   at::Tensor gu, act;
@@ -91,14 +94,24 @@ void decode_layers(const at::Tensor& h, at::Tensor& residual, at::Tensor& out, c
     if (l == 0 && first_norm) rms_norm(residual, w[0], x, eps, 0.0);
     else add_rms_norm(l == 0 ? h : out, residual, w[0], x, eps, 0.0);
     gemv(x, w[1], w[2].numel() ? c10::optional<at::Tensor>(w[2]) : none, qkv);
-    rotary(q, k, positions, cos, sin);
     at::Tensor kc = k_caches[l], vc = v_caches[l];
     TORCH_CHECK(kc.scalar_type() == dt && vc.scalar_type() == dt && kc.is_contiguous() && vc.is_contiguous() &&
                     kc.dim() == 4 && kc.size(2) * kc.size(3) == KV && vc.sizes() == kc.sizes(),
                 "decode_layers (cpu): contiguous K/V caches [NB, BS, Hkv, D] of h's dtype expected");
-    store_rows(k_rows, kc, slots, M, KV);
+    if (w[7].numel()) {  // q/k norm: on contiguous copies, normed in place (the modules norm reshaped copies)
+      qc.copy_(q);
+      kn.copy_(k);
+      at::Tensor q2 = qc.view({M * num_heads, head_dim}), k2 = kn.view({M * num_kv_heads, head_dim});
+      rms_norm(q2, w[7], q2, eps, 0.0);
+      rms_norm(k2, w[8], k2, eps, 0.0);
+      rotary(qc, kn, positions, cos, sin);
+      store_rows(kn.view({M, KV}), kc, slots, M, KV);
+    } else {
+      rotary(q, k, positions, cos, sin);
+      store_rows(k_rows, kc, slots, M, KV);
+      qc.copy_(q);
+    }
     store_rows(v_rows, vc, slots, M, KV);
-    qc.copy_(q);
     paged_attention(qc, kc, vc, block_tables, seq_lens, cu_seqlens_q, reqs, attn, scale, 0, 0.0, 1.0, 1.0);
     gemv(attn2, w[3], none, o);
     add_rms_norm(o, residual, w[4], x, eps, 0.0);

@@ -1,8 +1,8 @@
 """The decode step's C++ layer loop (``kernels.cpu_backend.decode_layers``) against the layers run
 op by op from Python: the same kernels in the same order, so the same bits: every sampled token and
 every logprob equal, while batches shrink through the loop's row limit and on every model shape it
-takes (qkv bias, tied and untied heads). Models or settings it does not take (q/k norm, int8,
-LoRA, the torch attention path) run op by op. Equality with HF transformers is the correctness
+takes (qkv bias, Qwen3's q/k norm, tied and untied heads). Settings it does not take (int8, LoRA,
+the torch attention path, a float8 cache) run op by op. Equality with HF transformers is the correctness
 suite's (``test_correctness.py`` runs this path on its ``cpu-onednn`` case)."""
 import pytest
 import torch
@@ -51,7 +51,7 @@ def _both_paths(llm: LLM, calls: list, monkeypatch, n: int = 11):
     return fused, per_op, rows
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path", "smollm2_path"])
+@pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "smollm2_path"])
 def test_float32_equals_the_per_op_path(request, model, calls, monkeypatch):
     path = request.getfixturevalue(model)
     llm = LLM(model=str(path), dtype="float32", enable_prefix_caching=False, attention_backend="cpu")
@@ -74,12 +74,6 @@ def test_bfloat16_where_its_matmuls_take_the_gemv(tiny_llama_path, calls, monkey
                                 {"kv_cache_dtype": "fp8"}], ids=["int8", "lora", "torch-attention", "fp8-kv"])
 def test_settings_it_does_not_take_run_op_by_op(tiny_llama_path, calls, kw):
     llm = LLM(model=str(tiny_llama_path), **{"dtype": "float32", "enable_prefix_caching": False, **kw})
-    _run(llm, 3)
-    assert calls == []
-
-
-def test_qk_norm_models_run_op_by_op(tiny_qwen3_path, calls):
-    llm = LLM(model=str(tiny_qwen3_path), dtype="float32", enable_prefix_caching=False)
     _run(llm, 3)
     assert calls == []
 
