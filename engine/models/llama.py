@@ -6,7 +6,10 @@ into one ``[num_tokens, hidden]`` batch; attention reads and writes the paged KV
 through ``kernels.backend``. Tensor parallelism splits attention by KV-head groups (as
 evenly as possible, so e.g. 3 KV heads over 2 ranks is 2 + 1) and the MLP by columns. Pipeline
 parallelism gives each stage a consecutive run of layers: the first embeds the tokens, the last
-owns the final norm and the LM head, and the ones between pass ``(hidden, residual)`` on.
+owns the final norm and the LM head, and the ones between pass ``(hidden, residual)`` on. On CPU a
+decode step of up to 8 requests runs all of this stage's layers in one C++ call
+(``kernels.cpu_backend.decode_layers``: the same kernels in the same order, so the same bits) where
+the layers' weights and caches allow (:meth:`LlamaForCausalLM._decode_layer_weights`).
 """
 from __future__ import annotations
 
