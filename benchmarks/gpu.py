@@ -16,6 +16,11 @@ Parts (``--parts``, comma-separated; default all):
 ``engine-decode``
     (2) :func:`bench_engine_decode`: engine batch-1 decode ms/token, with and without CUDA
     graphs, against the HBM floor (weight bytes / measured copy bandwidth).
+``decode-profile``
+    (2b) :func:`bench_decode_profile`: where a batch-1 decode step's time goes, with CUDA graphs:
+    wall ms/token, the GPU time of one replay of the batch-1 graph (CUDA events around replays
+    queued back to back), the GPU kernels' time and count per token (``torch.profiler``), and the
+    host functions that take the most time per token (``cProfile``).
 ``w4a16``
     (4) :func:`bench_w4a16`: the 4-bit weight matmul (``kernels/triton_w4a16.py``) on Qwen3-0.6B's
     linear shapes (qkv, o, gate+up, down; random 4-bit weights in groups of 128) at 1, 16 and 256
@@ -72,7 +77,7 @@ from benchmarks.common import Figures  # noqa: E402
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
 RESULT_KEYS = ("gpu", "smoke", "device", "dtype", "kv_cache_dtype", "sms", "torch", "triton", "date",
                "copy_bandwidth_gbps", "args", "decode_attention", "prefill_attention", "engine_skipped",
-               "engine_decode", "throughput", "w4a16")
+               "engine_decode", "decode_profile", "throughput", "w4a16")
 
 ATTN_SHAPES = {
     "qwen3-0.6b": dict(num_heads=16, num_kv_heads=8, head_dim=128),
@@ -492,6 +497,92 @@ def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int
     return results
 
 
+def bench_decode_profile(model_dir: Path, *, prompt_len: int = 128, new_tokens: int = 64,
+                         backend: str = "triton", device: str = "cuda", dtype: str = "bfloat16",
+                         engine_kw: dict | None = None, top: int = 20) -> dict:
+    """HOOK (2b): where one stream's decode step spends its time (batch 1, CUDA graphs where the
+    engine captures them).
+
+    One engine (``max_num_seqs=1``), a warm-up generate, then three generates of
+    ``1 + new_tokens`` tokens on fresh prompts of ``prompt_len`` tokens: plain (``wall_ms_per_token``
+    = wall time / ``new_tokens``, so the prefill is counted in: it is one step of 1 + new_tokens),
+    under ``cProfile`` (``host_top``: the ``top`` functions by own time, microseconds and calls
+    per token) and under ``torch.profiler`` (``kernels_top``: the ``top`` GPU kernels by time,
+    microseconds and launches per token; ``gpu_busy_ms_per_token``, the sum of every kernel's
+    and copy's time per token; ``kernels_per_token``). ``graph_replay_ms``: the GPU time of one
+    replay of the batch-1 decode graph (50 replays queued between two CUDA events), i.e. the
+    decoder layers alone, without the LM head and sampling. On CPU (``--smoke``) there are no
+    kernels or graphs: those fields are None.
+    """
+    import cProfile
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    LLM, SamplingParams = _engine_api()
+    cuda = torch.device(device).type == "cuda"
+    llm = LLM(model=os.fspath(model_dir), dtype=dtype, device=device, max_num_seqs=1,
+              enforce_eager=not cuda, attention_backend=backend, **(engine_kw or {}))
+    rng = random.Random(1)
+
+    def gen(n: int) -> None:
+        prompt = [rng.randint(0, 10000) for _ in range(prompt_len)]
+        sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False)
+        out = llm.generate([prompt], [sp], use_tqdm=False)
+        if len(out[0].outputs[0].token_ids) != n:
+            raise RuntimeError(f"asked for {n} tokens, got {len(out[0].outputs[0].token_ids)}")
+
+    n = 1 + new_tokens
+    res = dict(model=model_dir.name, backend=backend, dtype=dtype, prompt_len=prompt_len, new_tokens=new_tokens,
+               graphs_captured=_graphs_captured(llm))
+    try:
+        gen(16)
+        _sync(device)
+        t0 = time.perf_counter()
+        gen(n)
+        _sync(device)
+        res["wall_ms_per_token"] = (time.perf_counter() - t0) / new_tokens * 1e3
+        prof = cProfile.Profile()
+        prof.enable()
+        gen(n)
+        _sync(device)
+        prof.disable()
+        st = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, tottime, cumtime, callers)
+        ranked = sorted(st.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+        res["host_top"] = [dict(function=f"{Path(f).name}:{line}({name})", calls_per_token=v[1] / new_tokens,
+                                own_us_per_token=v[2] / new_tokens * 1e6, cum_us_per_token=v[3] / new_tokens * 1e6)
+                           for (f, line, name), v in ranked]
+        res["graph_replay_ms"] = res["gpu_busy_ms_per_token"] = res["kernels_per_token"] = None
+        res["kernels_top"] = []
+        if cuda:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                gen(n)
+                _sync(device)
+            dev_events = [e for e in tp.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            dev_events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+            res["gpu_busy_ms_per_token"] = sum(e.self_device_time_total for e in dev_events) / new_tokens / 1e3
+            res["kernels_per_token"] = sum(e.count for e in dev_events) / new_tokens
+            res["kernels_top"] = [dict(kernel=e.key[:120], launches_per_token=e.count / new_tokens,
+                                       us_per_token=e.self_device_time_total / new_tokens)
+                                  for e in dev_events[:top]]
+            runner = llm.engine.executor.runner
+            if runner.graphs is not None and 1 in runner.graphs.graphs:
+                graph = runner.graphs.graphs[1][0]
+                for _ in range(5):
+                    graph.replay()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                a.record()
+                for _ in range(50):
+                    graph.replay()
+                b.record()
+                torch.cuda.synchronize()
+                res["graph_replay_ms"] = a.elapsed_time(b) / 50
+    finally:
+        _release(llm)
+    return res
+
+
 # ----------------------------------------------------------------------------- part (3)
 
 def nano_vllm_workload(num_requests: int = 256, min_len: int = 100, max_len: int = 1024,
@@ -604,8 +695,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="See the module docstring for what each part measures.")
-    ap.add_argument("--parts", default="attention,engine-decode,throughput,w4a16",
-                    help="comma-separated: attention, engine-decode, throughput, w4a16")
+    ap.add_argument("--parts", default="attention,engine-decode,decode-profile,throughput,w4a16",
+                    help="comma-separated: attention, engine-decode, decode-profile, throughput, w4a16")
     ap.add_argument("--shapes", default="qwen3-0.6b,llama-3.2-1b",
                     help=f"attention shapes ({', '.join(ATTN_SHAPES)})")
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192")
@@ -691,6 +782,15 @@ def figures(r: dict) -> Figures:
         if "engine_tok_s" in x:
             f.summary(f"{r['gpu']}, {x['model']} shape, nano-vllm workload ({r['dtype']}, {kv}): engine tok/s",
                       x["engine_tok_s"], "tok/s", headline=x["model"] == "qwen3-0.6b")
+    targets = {"qwen3-0.6b": 12000, "llama-3.2-1b": 18000}  # issue 46's GPU targets (tok/s)
+    for x in r.get("engine_decode", []):
+        if x.get("cuda_graphs") and x.get("ms_per_token") is not None and x["model"] == "qwen3-0.6b":
+            f.summary(f"{r['gpu']}, {x['model']} shape, batch-1 decode with CUDA graphs", x["ms_per_token"],
+                      "ms/token", target="<= 1.5", met=x["ms_per_token"] <= 1.5)
+    for x in r.get("throughput", []):
+        if "engine_tok_s" in x and x["model"] in targets:
+            f.summary(f"{r['gpu']}, {x['model']} shape, nano-vllm workload: target", x["engine_tok_s"], "tok/s",
+                      target=f">= {targets[x['model']]}", met=x["engine_tok_s"] >= targets[x["model"]])
     dec = r.get("decode_attention", [])
     f.table("Paged decode attention", ["shape", "batch", "context", "ours (ms)", "ours (GB/s)",
                                        "of copy bandwidth (%)", "torch SDPA, contiguous K/V (ms)"],
@@ -704,6 +804,23 @@ def figures(r: dict) -> Figures:
               x.get("skipped") or x.get("error")] for x in r.get("engine_decode", [])],
             note="The HBM floor: weight bytes / copy bandwidth." + (
                 f" Engine parts skipped: {r['engine_skipped']}" if r.get("engine_skipped") else ""))
+    prof = r.get("decode_profile", [])
+    f.table("Where a batch-1 decode step's time goes", ["model", "wall ms/token", "graph replay (ms)",
+                                                         "GPU busy ms/token", "kernels/token", "failed"],
+            [[x["model"], x.get("wall_ms_per_token"), x.get("graph_replay_ms"), x.get("gpu_busy_ms_per_token"),
+              x.get("kernels_per_token"), x.get("error")] for x in prof],
+            note="Graph replay: the decoder layers' batch-1 CUDA graph alone (no LM head, no sampling). "
+                 "GPU busy: every kernel and copy of a step, from torch.profiler.")
+    for x in prof:
+        if x.get("host_top"):
+            f.table(f"{x['model']}: host functions by own time per token (cProfile)",
+                    ["function", "calls/token", "own us/token", "cumulative us/token"],
+                    [[h["function"], h["calls_per_token"], h["own_us_per_token"], h["cum_us_per_token"]]
+                     for h in x["host_top"]])
+        if x.get("kernels_top"):
+            f.table(f"{x['model']}: GPU kernels by time per token (torch.profiler)",
+                    ["kernel", "launches/token", "us/token"],
+                    [[k["kernel"], k["launches_per_token"], k["us_per_token"]] for k in x["kernels_top"]])
     f.table("4-bit weight matmul (Triton) against the widened weight", ["shape", "rows", "ms", "weight GB/s",
                                                                          "dense ms", "max rel diff"],
             [[x["shape"], x["rows"], x["ms"], x["weight_gbps"], x["dense_ms"], x["max_rel_diff"]]
@@ -784,13 +901,34 @@ def _run(args: argparse.Namespace, models: list[str], torch, smoke: bool) -> int
                      [("shape", "shape"), ("batch", "batch"), ("ctx", "ctx"), ("ms", "ms"),
                       ("TFLOP/s", "tflops"), ("sdpa ms", "sdpa_ms"),
                       ("sdpa TFLOP/s", "sdpa_tflops"), ("max|diff|", "max_abs_diff_vs_sdpa")])
-    if parts & {"engine-decode", "throughput"}:
+    if parts & {"engine-decode", "decode-profile", "throughput"}:
         try:
             _engine_api()
         except ImportError as exc:
             report["engine_skipped"] = str(exc)
             print(f"\nengine parts skipped: {exc}")
-            parts -= {"engine-decode", "throughput"}
+            parts -= {"engine-decode", "decode-profile", "throughput"}
+    if "decode-profile" in parts:
+        prof_rows = []
+        for m in models:
+            try:
+                prof_rows.append(bench_decode_profile(
+                    build_random_model(m, args.model_root, device, dtype), backend=args.backend, device=device,
+                    dtype=dtype, engine_kw=engine_kw, **{k: sizes[k] for k in ("prompt_len", "new_tokens") if k in sizes}))
+            except Exception as exc:  # noqa: BLE001 - keep the other models
+                traceback.print_exc()
+                prof_rows.append(dict(model=m, error=f"{type(exc).__name__}: {exc}"))
+            report["decode_profile"] = prof_rows
+            save()
+        for x in prof_rows:
+            print(f"\n== decode profile {x.get('model')}: wall {x.get('wall_ms_per_token')} ms/token, graph replay "
+                  f"{x.get('graph_replay_ms')} ms, GPU busy {x.get('gpu_busy_ms_per_token')} ms/token, "
+                  f"{x.get('kernels_per_token')} kernels/token {x.get('error', '')}")
+            for k in x.get("kernels_top", []):
+                print(f"  {k['us_per_token']:8.1f} us {k['launches_per_token']:6.1f}x  {k['kernel']}")
+            for h in x.get("host_top", []):
+                print(f"  {h['own_us_per_token']:8.1f} us own {h['cum_us_per_token']:8.1f} cum "
+                      f"{h['calls_per_token']:6.1f}x  {h['function']}")
     if "engine-decode" in parts:
         rows = []
         for m in models:

@@ -6,20 +6,20 @@
 #   benchmarks/gpu_lease.sh OUT_DIR [BUDGET_SECONDS]   (default budget 540 s)
 #
 # Steps, each with its own log in OUT_DIR:
-#   1. gpu.json       python benchmarks/gpu.py (every part; HF `generate` on the first HF_MAX_REQUESTS
-#                     requests, default 32). HF's time barely depends on that count (it runs until
-#                     the batch's longest output ends, 80-90 s per model on an H200), so SmolLM2's
-#                     row did not fit on 2026-11-28 either: run it alone with --models smollm2-135m
-#                     --no-hf.
+#   1. gpu_engine.json  python benchmarks/gpu.py --parts decode-profile,engine-decode,throughput,w4a16
+#                     on the Qwen3-0.6B and Llama-3.2-1B shapes, no HF baseline (issue 46's GPU
+#                     targets: batch-1 decode with CUDA graphs, nano-vllm's workload; where a
+#                     batch-1 step's time goes; the 4-bit Triton matmul against bf16)
 #   2. gpu_tests.log  pytest -m gpu on the tests that need no model package: the Triton kernels
 #                     compiled for the card (fp16, bf16; the fp32 variant compiles for minutes) and
 #                     float8 weights (the other gpu tests load SmolLM2's package, too big to carry)
-#   3. gpu_kv_fp8.json  the attention and throughput parts over float8 KV caches (no HF baseline)
+#   3. gpu.json       the attention part (paged decode and prefill kernels against SDPA), bf16
 # env.txt holds nvidia-smi and the versions; steps.txt each step's exit status and seconds.
 # Run it with KVSERVE_COMMIT set to the commit the tree was sent from: the lease's copy sits
 # beside an older .git (benchmarks/common.git_commit records KVSERVE_COMMIT in the results files).
-# Seen on an H200 (2026-11-27, 2026-11-28): step 1 did not finish in 390 s (SmolLM2's throughput
-# row was cut), step 2 needs more than its 140 s with a cold Triton cache (97 s with a warm one).
+# Seen on an H200 (2026-11-27, 2026-11-28): every part with HF baselines on three models did not
+# fit in 390 s (HF `generate` takes 80-90 s per model), and step 2 needs more than 140 s with a
+# cold Triton cache (97 s with a warm one); the attention part was last measured at a95b395.
 set -u
 out=${1:?usage: benchmarks/gpu_lease.sh OUT_DIR [BUDGET_SECONDS]}
 budget=${2:-540}
@@ -51,9 +51,9 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     echo "$name rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" >> "$out/steps.txt"
 }
 
-step gpu 390 "$py" benchmarks/gpu.py --hf-max-requests "${HF_MAX_REQUESTS:-32}" --out "$out/gpu.json"
+step gpu_engine 330 "$py" benchmarks/gpu.py --parts decode-profile,engine-decode,throughput,w4a16 \
+    --models qwen3-0.6b,llama-3.2-1b --no-hf --out "$out/gpu_engine.json"
 step gpu_tests 150 "$py" -m pytest -m gpu -k "not fp32" -q -p no:cacheprovider --continue-on-collection-errors \
     tests/kernels/test_triton_attention.py tests/engine/test_fp8_weights.py
-step gpu_kv_fp8 200 "$py" benchmarks/gpu.py --kv-cache-dtype fp8 --parts attention,throughput --no-hf \
-    --out "$out/gpu_kv_fp8.json"
+step gpu 200 "$py" benchmarks/gpu.py --parts attention --out "$out/gpu.json"
 cat "$out/steps.txt"
