@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_backend
+from kernels import cpu_backend, gpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -12,7 +12,8 @@ class RMSNorm(nn.Module):
 
     ``forward(x, residual)`` first adds ``residual`` and returns ``(normed, x + residual)``,
     the pre-norm decoder's fused add. On CPU float32 ``[N, hidden]`` inputs both run as one
-    C++ pass (``kernels.cpu_backend``), which updates ``residual`` in place.
+    C++ pass (``kernels.cpu_backend``), on CUDA ``[N, hidden]`` or ``[N, heads, head_dim]``
+    inputs one Triton kernel (``kernels.gpu_ops``); both update ``residual`` in place.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -37,6 +38,11 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return cpu_backend.rms_norm(x, self.weight, self.eps, self.weight_offset)
             return cpu_backend.add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
+        if gpu_ops.use_fused_ops(x) and x.stride(-1) == 1 and (residual is None or x.dim() == 2):
+            gemma = self.weight_offset == 1.0  # GemmaRMSNorm: 1 + weight, in float32
+            if residual is None:
+                return gpu_ops.ops().rms_norm(x, self.weight, self.eps, gemma)
+            return gpu_ops.ops().rms_norm(x, self.weight, self.eps, gemma, residual=residual), residual
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import cpu_backend
+from kernels import cpu_backend, gpu_ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -54,11 +54,13 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x2, x1), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Returns the rotated ``(q, k)``; on CPU float32 they are rotated in place (one C++ pass,
-        ``kernels.cpu_backend.rotary``)."""
+        """Returns the rotated ``(q, k)``; on CPU they are rotated in place by one C++ pass
+        (``kernels.cpu_backend.rotary``), on CUDA by one Triton kernel (``kernels.gpu_ops``)."""
         if (q.dim() == 3 and cpu_backend.use_fused_ops(q) and q.stride(-1) == 1 and k.stride(-1) == 1
                 and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]):
             return cpu_backend.rotary(q, k, positions, self.cos, self.sin)
+        if q.dim() == 3 and gpu_ops.use_fused_ops(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            return gpu_ops.ops().rotary(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         q = q * cos + self._rotate_half(q) * sin

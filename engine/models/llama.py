@@ -22,7 +22,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, decode_gemv_weight
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.weights import load_hf_weights, stage_weights
-from kernels import cpu_backend
+from kernels import cpu_backend, gpu_ops
 from kernels.backend import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -103,6 +103,8 @@ class MLP(nn.Module):
         h = self.gate_up_proj(x)
         if h.dim() == 2 and cpu_backend.use_fused_ops(h):
             return self.down_proj(cpu_backend.silu_and_mul(h))
+        if h.dim() == 2 and gpu_ops.use_fused_ops(h):
+            return self.down_proj(gpu_ops.ops().silu_and_mul(h))
         gate, up = h.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
