@@ -87,7 +87,11 @@ for dt in (torch.float32, torch.float16) + ((torch.bfloat16,) if dev == "cuda" e
         ref_q, ref_k = (q * cos + rope._rotate_half(q) * sin), (kk * cos + rope._rotate_half(kk) * sin)
         v_before = qkv[:, 384:].clone()
         k.rotary(q, kk, pos, rope.cos, rope.sin)
-        assert torch.equal(q, ref_q) and torch.equal(kk, ref_k), f"rotary {dt} {rope_scaling}"
+        if dt == torch.float32 and dev == "cuda":  # the compiler may fuse a product into the sum (FMA)
+            torch.testing.assert_close(q, ref_q, rtol=3e-7, atol=1e-6)
+            torch.testing.assert_close(kk, ref_k, rtol=3e-7, atol=1e-6)
+        else:
+            assert torch.equal(q, ref_q) and torch.equal(kk, ref_k), f"rotary {dt} {rope_scaling}"
         assert torch.equal(qkv[:, 384:], v_before), "rotary wrote outside q and k"
 
     # SiLU-and-mul of [T, 2I] rows (strided), I not a power of two
@@ -204,9 +208,9 @@ def test_model_forward_on_cuda_equals_aten(tmp_path, dtype, monkeypatch):
     ids = torch.arange(5, 45, device="cuda")
     calls = []
     real = gpu_ops.use_fused_ops
-    monkeypatch.setattr(gpu_ops, "use_fused_ops", lambda x: calls.append(1) or real(x))
+    monkeypatch.setattr(gpu_ops, "use_fused_ops", lambda x: calls.append(real(x)) or calls[-1])
     fused, _ = runner._prefill_alone(ids)
-    assert calls and real(fused), "the kernels were not used"
+    assert calls and all(calls), "the kernels were not used"
     monkeypatch.setattr(gpu_ops, "FUSED_OPS", False)
     aten, _ = runner._prefill_alone(ids)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
