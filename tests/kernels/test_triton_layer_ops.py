@@ -86,10 +86,13 @@ for dt in (torch.float32, torch.float16) + ((torch.bfloat16,) if dev == "cuda" e
         sin = rope.sin[pos].unsqueeze(1).to(dt)
         ref_q, ref_k = (q * cos + rope._rotate_half(q) * sin), (kk * cos + rope._rotate_half(kk) * sin)
         v_before = qkv[:, 384:].clone()
+        scale = float(qkv[:, :384].abs().max())
         k.rotary(q, kk, pos, rope.cos, rope.sin)
-        if dt == torch.float32 and dev == "cuda":  # the compiler may fuse a product into the sum (FMA)
-            torch.testing.assert_close(q, ref_q, rtol=3e-7, atol=1e-6)
-            torch.testing.assert_close(kk, ref_k, rtol=3e-7, atol=1e-6)
+        if dev == "cuda":  # compiled, the products and the sum may be contracted (FMA): within rounding
+            u = 2.0 ** -24 if dt == torch.float32 else ULP[dt]
+            for got, ref in ((q, ref_q), (kk, ref_k)):
+                torch.testing.assert_close(got, ref, rtol=u, atol=2 * u * scale)
+            print(f"rotary {dt}: {float((q != ref_q).float().mean()):.4f} of q elements differ from ATen's")
         else:
             assert torch.equal(q, ref_q) and torch.equal(kk, ref_k), f"rotary {dt} {rope_scaling}"
         assert torch.equal(qkv[:, 384:], v_before), "rotary wrote outside q and k"
