@@ -68,7 +68,7 @@ void gemv_rows(const float* xf, const uint16_t* w, const uint16_t* bias, c10::BF
   }
 }
 
-// One activation row (float32 xf [K]), weight rows n0..n1 four at a time: four independent FMA
+// One activation row (float32 xf [K]), weight rows n0..n1 four at a time (kvserve_vec::four_rows): four FMA
 // chains hide the FMA latency that a single accumulator per row waits on (as f32_linear_cpu.cpp),
 // and the next four rows are prefetched while these are read: a bf16 row is half a float32 row's
 // bytes, too short for the hardware prefetcher to ramp up on (cold weights streamed at 12-17 GB/s
@@ -78,33 +78,13 @@ void rows_m1(const float* xf, const uint16_t* w, const uint16_t* bias, c10::BFlo
   int64_t n = n0;
 #if defined(KVSERVE_VEC)
   const int64_t kv = K - K % kLanes;
-  for (; n + 4 <= n1; n += 4) {
-    const uint16_t* w0 = w + n * K;
-    const uint16_t* w1 = w0 + K;
-    const uint16_t* w2 = w1 + K;
-    const uint16_t* w3 = w2 + K;
-    vec a0 = zero_v(), a1 = zero_v(), a2 = zero_v(), a3 = zero_v();
-    const bool ahead = n + 8 <= n1;  // the next four rows are this thread's
-    for (int64_t k = 0; k < kv; k += kLanes) {
-      if (ahead && k % 32 == 0) {  // one 64-byte line of each of the next four rows
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + 4 * K + k), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w1 + 4 * K + k), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w2 + 4 * K + k), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w3 + 4 * K + k), _MM_HINT_T0);
-      }
-      const vec xv = load_v(xf + k);
-      a0 = fma_v(widen_v(w0 + k), xv, a0);
-      a1 = fma_v(widen_v(w1 + k), xv, a1);
-      a2 = fma_v(widen_v(w2 + k), xv, a2);
-      a3 = fma_v(widen_v(w3 + k), xv, a3);
-    }
-    float s[4] = {sum_v(a0), sum_v(a1), sum_v(a2), sum_v(a3)};
+  n = four_rows<true>(xf, w, K, n0, n1, [](const uint16_t* p) { return widen_v(p); }, [&](int64_t r0, float* s) {
     for (int r = 0; r < 4; ++r) {
-      const uint16_t* wr = w + (n + r) * K;
+      const uint16_t* wr = w + (r0 + r) * K;
       for (int64_t k = kv; k < K; ++k) s[r] += widen(wr[k]) * xf[k];
-      y[n + r] = c10::BFloat16(s[r] + (bias ? widen(bias[n + r]) : 0.f));
+      y[r0 + r] = c10::BFloat16(s[r] + (bias ? widen(bias[r0 + r]) : 0.f));
     }
-  }
+  });
 #endif
   if (n < n1) gemv_rows<1>(xf, w, bias, y, N, K, n, n1);  // the last rows
 }

@@ -21,31 +21,18 @@ namespace {
 using namespace kvserve_vec;
 constexpr int64_t kMaxRows = 8;
 
-// One activation row, weight rows n0..n1: four at a time.
+// One activation row, weight rows n0..n1: four at a time (kvserve_vec::four_rows, no prefetch).
 void rows_m1(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t n0, int64_t n1) {
   int64_t n = n0;
 #if defined(KVSERVE_VEC)
   const int64_t kv = K - K % kLanes;
-  for (; n + 4 <= n1; n += 4) {
-    const float* w0 = w + n * K;
-    const float* w1 = w0 + K;
-    const float* w2 = w1 + K;
-    const float* w3 = w2 + K;
-    vec a0 = zero_v(), a1 = zero_v(), a2 = zero_v(), a3 = zero_v();
-    for (int64_t k = 0; k < kv; k += kLanes) {
-      const vec xv = load_v(x + k);
-      a0 = fma_v(load_v(w0 + k), xv, a0);
-      a1 = fma_v(load_v(w1 + k), xv, a1);
-      a2 = fma_v(load_v(w2 + k), xv, a2);
-      a3 = fma_v(load_v(w3 + k), xv, a3);
-    }
-    float s[4] = {sum_v(a0), sum_v(a1), sum_v(a2), sum_v(a3)};
+  n = four_rows<false>(x, w, K, n0, n1, [](const float* p) { return load_v(p); }, [&](int64_t r0, float* s) {
     for (int r = 0; r < 4; ++r) {
-      const float* wr = w + (n + r) * K;
+      const float* wr = w + (r0 + r) * K;
       for (int64_t k = kv; k < K; ++k) s[r] += wr[k] * x[k];
-      y[n + r] = s[r] + (bias ? bias[n + r] : 0.f);
+      y[r0 + r] = s[r] + (bias ? bias[r0 + r] : 0.f);
     }
-  }
+  });
 #endif
   for (; n < n1; ++n) {
     const float* wn = w + n * K;
