@@ -77,12 +77,12 @@ class Attention(nn.Module):
                                  k_scale=self.k_scale, v_scale=self.v_scale, key=k, value=v)
         return self.o_proj(o.reshape(-1, q_size))
 
-
     @staticmethod
     def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """Qwen3's RMSNorm of each head of ``x`` ``[N, heads, head_dim]``; on CPU the fused
         kernel over a ``[N * heads, head_dim]`` copy (as ``kernels.cpu_backend.decode_layers``
-        runs it), else ATen's ops."""
+        runs it), else the norm's own dispatch (on CUDA the Triton kernel reads the strided heads
+        in place)."""
         if cpu_backend.use_fused_ops(x):
             return norm(x.reshape(-1, x.shape[-1])).view(x.shape)
         return norm(x)
@@ -214,8 +214,8 @@ class LlamaForCausalLM(nn.Module):
         step can run there: CPU float32 (or bfloat16 where its matmuls take the bf16 GEMV), one
         rank, plain weights every matmul of which :func:`engine.layers.linear.linear` would run in
         the C++ GEMV, no LoRA, the C++ attention kernel, a cache of ``h``'s dtype; else None (the
-        layers then run op by op)."""
-        if not self.layers or tp_size() != 1:
+        layers then run op by op; called by :meth:`_decode_plan`, which checked ``self.layers``)."""
+        if tp_size() != 1:
             return None
         a0 = self.layers[0].self_attn
         if a0.backend.name != "cpu" or not getattr(a0.backend, "kernel", False):
