@@ -6,7 +6,7 @@
 //                 Small batches are bound by reading the weights: each weight row is read once
 //                 (widened bf16 -> fp32 exactly, by a 16-bit shift; AVX2 or AVX-512) for all M
 //                 activation rows, widened once per call into a float32 buffer; accumulation in float32,
-//                 y rounded once to bfloat16. One row: four weight rows at a time (four FMA chains).
+//                 y rounded once to bfloat16. One row: row after row, four FMA chains along K.
 //   bf16_widen:   out [N, K] float32 = w [N, K], for larger batches, whose matmul then runs in
 //                 float32 (compute-bound there, so the copy costs little).
 #include <torch/library.h>
@@ -68,25 +68,21 @@ void gemv_rows(const float* xf, const uint16_t* w, const uint16_t* bias, c10::BF
   }
 }
 
-// One activation row (float32 xf [K]), weight rows n0..n1 four at a time (kvserve_vec::four_rows): four FMA
-// chains hide the FMA latency that a single accumulator per row waits on (as f32_linear_cpu.cpp),
-// and the next four rows are prefetched while these are read: a bf16 row is half a float32 row's
-// bytes, too short for the hardware prefetcher to ramp up on (cold weights streamed at 12-17 GB/s
-// without, 17-23 with, on the 2-core EPYC; float32 rows gained nothing from it).
+// One activation row (float32 xf [K]), weight rows n0..n1 one after the other with four
+// accumulators along K (kvserve_vec::row_by_row: the weights stream in order; four rows at a time
+// with a prefetch of the next four read them slower).
 void rows_m1(const float* xf, const uint16_t* w, const uint16_t* bias, c10::BFloat16* y, int64_t N, int64_t K,
              int64_t n0, int64_t n1) {
-  int64_t n = n0;
 #if defined(KVSERVE_VEC)
   const int64_t kv = K - K % kLanes;
-  n = four_rows<true>(xf, w, K, n0, n1, [](const uint16_t* p) { return widen_v(p); }, [&](int64_t r0, float* s) {
-    for (int r = 0; r < 4; ++r) {
-      const uint16_t* wr = w + (r0 + r) * K;
-      for (int64_t k = kv; k < K; ++k) s[r] += widen(wr[k]) * xf[k];
-      y[r0 + r] = c10::BFloat16(s[r] + (bias ? widen(bias[r0 + r]) : 0.f));
-    }
+  row_by_row<4>(xf, w, K, n0, n1, [](const uint16_t* p) { return widen_v(p); }, [&](int64_t n, float s) {
+    const uint16_t* wn = w + n * K;
+    for (int64_t k = kv; k < K; ++k) s += widen(wn[k]) * xf[k];
+    y[n] = c10::BFloat16(s + (bias ? widen(bias[n]) : 0.f));
   });
+#else
+  gemv_rows<1>(xf, w, bias, y, N, K, n0, n1);
 #endif
-  if (n < n1) gemv_rows<1>(xf, w, bias, y, N, K, n, n1);  // the last rows
 }
 
 }  // namespace

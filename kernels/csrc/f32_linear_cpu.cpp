@@ -5,8 +5,8 @@
 // prepacked weight reached 11-21 GB/s on SmolLM2's layer shapes streamed from memory on a 2-core
 // EPYC (benchmarks/batch1.py's machine; read bandwidth ~28 GB/s): its blocked layout is for
 // 64-row batches. This GEMV streams each weight row once, contiguous, for all M activation rows
-// (held in L1): four rows at a time for M == 1 (four independent FMA chains hide the latency),
-// one row and M accumulators otherwise; AVX-512 or AVX2 + FMA, picked at build from the CPU's
+// (held in L1): for M == 1 one row after the other with four accumulators along K (independent FMA
+// chains; the weights stream in order), one row and M accumulators otherwise; AVX-512 or AVX2 + FMA, picked at build from the CPU's
 // flags, a scalar loop for the tail of K. Rows are split over the threads in chunks of 64.
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -21,25 +21,23 @@ namespace {
 using namespace kvserve_vec;
 constexpr int64_t kMaxRows = 8;
 
-// One activation row, weight rows n0..n1: four at a time (kvserve_vec::four_rows, no prefetch).
+// One activation row, weight rows n0..n1 (kvserve_vec::row_by_row, four accumulators).
 void rows_m1(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t n0, int64_t n1) {
-  int64_t n = n0;
 #if defined(KVSERVE_VEC)
   const int64_t kv = K - K % kLanes;
-  n = four_rows<false>(x, w, K, n0, n1, [](const float* p) { return load_v(p); }, [&](int64_t r0, float* s) {
-    for (int r = 0; r < 4; ++r) {
-      const float* wr = w + (r0 + r) * K;
-      for (int64_t k = kv; k < K; ++k) s[r] += wr[k] * x[k];
-      y[r0 + r] = s[r] + (bias ? bias[r0 + r] : 0.f);
-    }
+  row_by_row<4>(x, w, K, n0, n1, [](const float* p) { return load_v(p); }, [&](int64_t n, float s) {
+    const float* wn = w + n * K;
+    for (int64_t k = kv; k < K; ++k) s += wn[k] * x[k];
+    y[n] = s + (bias ? bias[n] : 0.f);
   });
-#endif
-  for (; n < n1; ++n) {
+#else
+  for (int64_t n = n0; n < n1; ++n) {
     const float* wn = w + n * K;
     float s = 0.f;
     for (int64_t k = 0; k < K; ++k) s += wn[k] * x[k];
     y[n] = s + (bias ? bias[n] : 0.f);
   }
+#endif
 }
 
 // M activation rows (ldx apart), weight rows n0..n1 one at a time, M accumulators.
