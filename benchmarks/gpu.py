@@ -434,6 +434,23 @@ def _release(llm) -> None:
 
 # ----------------------------------------------------------------------------- part (2)
 
+def _timed_generate(llm, SamplingParams, rng: random.Random, prompt_len: int, n: int, device) -> float:
+    """Wall seconds of one greedy ``generate`` of ``n`` tokens (``ignore_eos``) on a fresh random
+    prompt of ``prompt_len`` token ids (fresh, so no prefix-cache hit), synchronised with the
+    device before and after. Raises ``RuntimeError`` if the engine returned another count."""
+    prompt = [rng.randint(0, 10000) for _ in range(prompt_len)]
+    sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], [sp], use_tqdm=False)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    got = len(out[0].outputs[0].token_ids)
+    if got != n:
+        raise RuntimeError(f"asked for {n} tokens, got {got}")
+    return dt
+
+
 def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int = 128,
                         new_tokens: int = 256, backend: str = "triton",
                         cuda_graphs: tuple[bool, ...] = (False, True), device: str = "cuda",
@@ -464,17 +481,7 @@ def bench_engine_decode(model_dir: Path, copy_bw_gbps: float, *, prompt_len: int
         captured = _graphs_captured(llm)
 
         def run(n: int) -> float:
-            prompt = [rng.randint(0, 10000) for _ in range(prompt_len)]
-            sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False)
-            _sync(device)
-            t0 = time.perf_counter()
-            out = llm.generate([prompt], [sp], use_tqdm=False)
-            _sync(device)
-            dt = time.perf_counter() - t0
-            got = len(out[0].outputs[0].token_ids)
-            if got != n:
-                raise RuntimeError(f"asked for {n} tokens, got {got}")
-            return dt
+            return _timed_generate(llm, SamplingParams, rng, prompt_len, n, device)
 
         run(16)  # warmup (compiles kernels, captures graphs)
         t1 = min(run(1) for _ in range(3))
@@ -525,27 +532,18 @@ def bench_decode_profile(model_dir: Path, *, prompt_len: int = 128, new_tokens: 
               enforce_eager=not cuda, attention_backend=backend, **(engine_kw or {}))
     rng = random.Random(1)
 
-    def gen(n: int) -> None:
-        prompt = [rng.randint(0, 10000) for _ in range(prompt_len)]
-        sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False)
-        out = llm.generate([prompt], [sp], use_tqdm=False)
-        if len(out[0].outputs[0].token_ids) != n:
-            raise RuntimeError(f"asked for {n} tokens, got {len(out[0].outputs[0].token_ids)}")
+    def gen(n: int) -> float:
+        return _timed_generate(llm, SamplingParams, rng, prompt_len, n, device)
 
     n = 1 + new_tokens
     res = dict(model=model_dir.name, backend=backend, dtype=dtype, prompt_len=prompt_len, new_tokens=new_tokens,
                graphs_captured=_graphs_captured(llm))
     try:
         gen(16)
-        _sync(device)
-        t0 = time.perf_counter()
-        gen(n)
-        _sync(device)
-        res["wall_ms_per_token"] = (time.perf_counter() - t0) / new_tokens * 1e3
+        res["wall_ms_per_token"] = gen(n) / new_tokens * 1e3
         prof = cProfile.Profile()
         prof.enable()
         gen(n)
-        _sync(device)
         prof.disable()
         st = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, tottime, cumtime, callers)
         ranked = sorted(st.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
@@ -557,7 +555,6 @@ def bench_decode_profile(model_dir: Path, *, prompt_len: int = 128, new_tokens: 
         if cuda:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
                 gen(n)
-                _sync(device)
             dev_events = [e for e in tp.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
             dev_events.sort(key=lambda e: e.self_device_time_total, reverse=True)
             res["gpu_busy_ms_per_token"] = sum(e.self_device_time_total for e in dev_events) / new_tokens / 1e3

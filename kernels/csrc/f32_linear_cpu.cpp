@@ -6,8 +6,9 @@
 // EPYC (benchmarks/batch1.py's machine; read bandwidth ~28 GB/s): its blocked layout is for
 // 64-row batches. This GEMV streams each weight row once, contiguous, for all M activation rows
 // (held in L1): for M == 1 one row after the other with four accumulators along K (independent FMA
-// chains; the weights stream in order), one row and M accumulators otherwise; AVX-512 or AVX2 + FMA, picked at build from the CPU's
-// flags, a scalar loop for the tail of K. Rows are split over the threads in chunks of 64.
+// chains; the weights stream in order), one row and M accumulators otherwise; AVX-512 or AVX2 + FMA,
+// picked at build from the CPU's flags, a scalar loop for the tail of K. Rows are split over the
+// threads in chunks of 64.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
