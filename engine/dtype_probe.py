@@ -105,11 +105,16 @@ def _llc_bytes() -> int:
     return best
 
 
+#: Part of the cache key: raised when the matmuls the probe times change (2: bfloat16 decode rows take
+#: kvserve's bf16 GEMV on CPUs with native bf16 too), so no verdict about older kernels is reused.
+PROBE_VERSION = 2
+
+
 def probe_key(hidden_size: int, intermediate_size: int) -> str:
-    """The cache key of a probe: CPU model and flags, torch version and the model's shape (not the
-    thread count: every engine of a model on a machine, each rank and each replica, runs the
-    same dtype, whatever threads it was given)."""
-    return f"{_cpu_identity()}|torch {torch.__version__}|{hidden_size}x{intermediate_size}"
+    """The cache key of a probe: CPU model and flags, torch version, :data:`PROBE_VERSION` and
+    the model's shape (not the thread count: every engine of a model on a machine, each rank and
+    each replica, runs the same dtype, whatever threads it was given)."""
+    return f"{_cpu_identity()}|torch {torch.__version__}|probe {PROBE_VERSION}|{hidden_size}x{intermediate_size}"
 
 
 def measure_ms(hidden_size: int, intermediate_size: int, repeats: int = PROBE_REPEATS) -> dict[str, float]:

@@ -208,9 +208,11 @@ DECODE_LAYERS_ROWS = 8
 
 def use_decode_layers(h: torch.Tensor) -> bool:
     """Whether a decode step's hidden states ``h`` ``[M, H]`` may go through :func:`decode_layers`
-    (the caller checks the model's side: plain weights, the CPU attention kernel)."""
+    (the caller checks the model's side: plain weights, the CPU attention kernel): at most
+    :data:`DECODE_LAYERS_ROWS` rows, bfloat16 at most :func:`bf16_gemv_rows`."""
     return (DECODE_LAYERS and h.dim() == 2 and h.shape[0] <= DECODE_LAYERS_ROWS and use_fused_ops(h)
-            and hasattr(torch.ops.kvserve_cpu, "decode_layers"))
+            and hasattr(torch.ops.kvserve_cpu, "decode_layers")
+            and (h.dtype != torch.bfloat16 or h.shape[0] <= bf16_gemv_rows()))
 
 
 def decode_layers(h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -344,16 +346,30 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 #: Most activation rows the bf16-weight GEMV takes; larger batches widen the weight to float32.
 BF16_GEMV_ROWS = 8
+_bf16_gemv_rows: int | None = None
+
+
+def bf16_gemv_rows() -> int:
+    """The most rows a bfloat16 matmul is given to the bf16 GEMV rather than to oneDNN (decided
+    by the compiled kernel, ``bf16_linear_cpu.cpp``: :data:`BF16_GEMV_ROWS` without native bf16,
+    fewer where its avx512_bf16 loop is slower than oneDNN's native bf16 matmul at more rows);
+    0 where the kernels do not load."""
+    global _bf16_gemv_rows
+    if _bf16_gemv_rows is None:
+        ok = load_kernel() and hasattr(torch.ops.kvserve_cpu, "bf16_gemv_rows")
+        _bf16_gemv_rows = int(torch.ops.kvserve_cpu.bf16_gemv_rows()) if ok else 0
+    return _bf16_gemv_rows
 
 
 def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for bfloat16 ``x`` ``[..., K]``, ``weight`` ``[N, K]`` and
-    ``bias`` ``[N]`` on a CPU without native bf16 (where oneDNN refuses bf16 and ATen emulates
-    it): float32 arithmetic on bfloat16 storage, result rounded to bfloat16 ``[..., N]``. Up to
-    :data:`BF16_GEMV_ROWS` rows: the C++ GEMV that widens each weight row as it reads it (small
-    batches are bound by weight bytes, half float32's); more rows: the weight is widened into a
-    reused float32 buffer and the matmul runs in oneDNN float32 (compute-bound there). Needs
-    the kernels (:func:`load_kernel`)."""
+    ``bias`` ``[N]``: float32 accumulation of exact bf16 products, result rounded to bfloat16
+    ``[..., N]``. Up to :data:`BF16_GEMV_ROWS` rows (decode, on any CPU): the C++ GEMV that reads
+    each weight row once for all rows (small batches are bound by weight bytes, half float32's),
+    with avx512_bf16's dot products where the CPU has them, else widening each weight vector to
+    float32 as it reads it. More rows (a CPU without native bf16, where oneDNN refuses bf16 and
+    ATen emulates it): the weight is widened into a reused float32 buffer and the matmul runs in
+    oneDNN float32 (compute-bound there). Needs the kernels (:func:`load_kernel`)."""
     x2, n = _rows(x), weight.shape[0]
     if x2.shape[0] <= BF16_GEMV_ROWS:
         y = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)

@@ -23,11 +23,14 @@ measures per shape (GFLOP/s of each library at 1 to 2,048 rows):
   while oneDNN uses AVX-512).
 
 float32 results are IEEE float32 either way (they differ only in summation order).
-bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert``). On a CPU
-without it (oneDNN refuses bf16 there and ATen emulates it, far slower than float32),
-bfloat16 weights stay bfloat16 and the arithmetic is float32
-(``kernels.cpu_backend.bf16_weight_linear``: a GEMV that widens each weight row as it reads it
-for up to 8 rows, the weight widened into a float32 buffer for oneDNN above), so
+bfloat16, up to ``kernels.cpu_backend.bf16_gemv_rows()`` rows (decode; 8, or 4 with native bf16,
+where oneDNN's native bf16 matmul was faster at 8), on any CPU: kvserve's bf16 GEMV
+(``kernels.cpu_backend.bf16_weight_linear``; avx512_bf16 dot products where the CPU has them, else
+float32 math on weights widened as they are read).
+bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert``): larger bf16
+batches run oneDNN's bf16 matmul there. On a CPU without it (oneDNN refuses bf16 there and ATen
+emulates it, far slower than float32), bfloat16 weights stay bfloat16 and the arithmetic is
+float32 (the weight widened into a float32 buffer for oneDNN above 8 rows), so
 ``dtype="bfloat16"`` there halves the weight and KV bytes and costs float32's matmul rate.
 ``KVSERVE_CPU_LINEAR=aten`` turns prepacking and oneDNN off (ATen everywhere).
 
@@ -88,6 +91,28 @@ def _f32_gemv_op():
     return _f32_gemv or None
 
 
+#: Decode-sized bfloat16 matmuls (kernels.cpu_backend.bf16_weight_linear's GEMV, on any CPU): at most
+#: ``kernels.cpu_backend.bf16_gemv_rows()`` rows (8; 4 with native bf16); None: not decided yet.
+_bf16_gemv: tuple | None = None
+
+
+def _bf16_gemv_op() -> tuple:
+    """``(kernels.cpu_backend.bf16_weight_linear, most rows)``, or ``(None, 0)`` where the
+    kernel does not load (decided once per process)."""
+    global _bf16_gemv
+    if _bf16_gemv is None:
+        from kernels import cpu_backend
+        rows = cpu_backend.bf16_gemv_rows()
+        _bf16_gemv = (cpu_backend.bf16_weight_linear, rows) if rows else (None, 0)
+    return _bf16_gemv
+
+
+def _bf16_gemv_takes(weight: torch.Tensor) -> bool:
+    """Whether a decode-sized bfloat16 matmul on ``weight`` may run the bf16 GEMV: its kernel
+    loads and the weight is contiguous (the caller checks the rows against :func:`_bf16_gemv_op`)."""
+    return weight.is_contiguous() and _bf16_gemv_op()[0] is not None
+
+
 def _bf16_weights_in_float32_math() -> bool:
     """Whether bfloat16 CPU matmuls run :func:`kernels.cpu_backend.bf16_weight_linear`: the CPU
     has no native bf16 dot products and the C++ kernels load (decided once per process)."""
@@ -110,6 +135,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 and weight.numel() <= F32_GEMV_MAX_WEIGHTS and weight.is_contiguous()
                 and (gemv := _f32_gemv_op()) is not None):
             return gemv(x, weight, bias)
+        if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and _bf16_gemv_takes(weight)
+                and x.numel() <= _bf16_gemv_op()[1] * x.shape[-1]):
+            return _bf16_gemv_op()[0](x, weight, bias)
         large = _LARGE_ON_ATEN and x.numel() >= ATEN_MIN_ROWS * x.shape[-1]
         if packed is not None and not large and x.dtype == weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -135,7 +163,7 @@ def decode_gemv_weight(mod: nn.Module, dtype: torch.dtype) -> torch.Tensor | Non
     if dtype == torch.float32:
         return w if w.numel() <= F32_GEMV_MAX_WEIGHTS and _f32_gemv_op() is not None else None
     if dtype == torch.bfloat16:
-        return w if mod.packed is None and _bf16_weights_in_float32_math() else None
+        return w if _bf16_gemv_takes(w) else None
     return None
 
 

@@ -84,6 +84,32 @@ def test_bf16_weight_linear_matches_float64(rows):
             assert ((y.double() - r).abs() <= 2 ** -8 * r.abs() + 1e-4).all()
 
 
+def test_decode_rows_take_the_bf16_gemv_on_every_cpu():
+    """``engine.layers.linear.linear`` gives bfloat16 matmuls of up to ``bf16_gemv_rows()`` rows to
+    the bf16 GEMV whether or not the CPU has native bf16 (with a prepacked weight too), and larger
+    ones to oneDNN / the widening path: the same bits as the GEMV up to the limit, within bf16
+    rounding of float64 everywhere."""
+    from engine.layers.linear import linear, prepack_weight
+    from kernels import cpu_backend
+    if not cpu_backend.load_kernel():
+        pytest.skip(f"CPU kernels cannot be built here: {cpu_backend.kernel_error()}")
+    limit = cpu_backend.bf16_gemv_rows()
+    assert limit == (4 if config.cpu_native_bf16()[0] else 8)
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(384, 256, generator=g) / 10).bfloat16()
+    packed = prepack_weight(w)
+    for rows in (1, limit, limit + 1, 16):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        with torch.inference_mode():
+            y = linear(x, w, None, packed)
+        ref = x.double() @ w.double().T
+        assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-4).all()
+        if rows <= limit:
+            gemv = torch.empty(rows, 384, dtype=torch.bfloat16)
+            torch.ops.kvserve_cpu.bf16_gemv(x, w, None, gemv)
+            assert torch.equal(y, gemv)
+
+
 def first_divergence_is_a_near_tie(ours: list[int], ours_top: list[dict[int, float]], ref: list[int],
                                    ref_top: list[set[int]]) -> tuple[bool, int]:
     """vLLM's ``check_logprobs_close`` rule on one greedy output: equal until the first
