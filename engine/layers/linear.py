@@ -107,12 +107,6 @@ def _bf16_gemv_op() -> tuple:
     return _bf16_gemv
 
 
-def _bf16_gemv_takes(weight: torch.Tensor) -> bool:
-    """Whether a decode-sized bfloat16 matmul on ``weight`` may run the bf16 GEMV: its kernel
-    loads and the weight is contiguous (the caller checks the rows against :func:`_bf16_gemv_op`)."""
-    return weight.is_contiguous() and _bf16_gemv_op()[0] is not None
-
-
 def _bf16_weights_in_float32_math() -> bool:
     """Whether bfloat16 CPU matmuls run :func:`kernels.cpu_backend.bf16_weight_linear`: the CPU
     has no native bf16 dot products and the C++ kernels load (decided once per process)."""
@@ -135,9 +129,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 and weight.numel() <= F32_GEMV_MAX_WEIGHTS and weight.is_contiguous()
                 and (gemv := _f32_gemv_op()) is not None):
             return gemv(x, weight, bias)
-        if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and _bf16_gemv_takes(weight)
-                and x.numel() <= _bf16_gemv_op()[1] * x.shape[-1]):
-            return _bf16_gemv_op()[0](x, weight, bias)
+        if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+            gemv, rows = _bf16_gemv_op()
+            if gemv is not None and x.numel() <= rows * x.shape[-1] and weight.is_contiguous():
+                return gemv(x, weight, bias)
         large = _LARGE_ON_ATEN and x.numel() >= ATEN_MIN_ROWS * x.shape[-1]
         if packed is not None and not large and x.dtype == weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -163,7 +158,7 @@ def decode_gemv_weight(mod: nn.Module, dtype: torch.dtype) -> torch.Tensor | Non
     if dtype == torch.float32:
         return w if w.numel() <= F32_GEMV_MAX_WEIGHTS and _f32_gemv_op() is not None else None
     if dtype == torch.bfloat16:
-        return w if _bf16_gemv_takes(w) else None
+        return w if _bf16_gemv_op()[0] is not None else None  # contiguous: checked above
     return None
 
 
