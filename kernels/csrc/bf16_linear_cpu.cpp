@@ -15,7 +15,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -130,23 +129,6 @@ void dp_rows(const uint16_t* x, int64_t sx, const uint16_t* w, const uint16_t* b
   }
 }
 #endif
-
-// f(std::integral_constant<int, M>) for M in 1..kMaxRows: the row count as a template argument
-// (M == 0: nothing).
-template <typename F>
-void by_rows(int64_t M, F f) {
-  switch (M) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    default: break;
-  }
-}
 
 }  // namespace
 

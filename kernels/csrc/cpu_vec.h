@@ -1,8 +1,11 @@
 // float32 SIMD helpers shared by the CPU GEMVs (f32_linear_cpu.cpp, bf16_linear_cpu.cpp): one
 // vector type and its load / FMA / zero / horizontal sum, AVX-512 or AVX2 + FMA as the build's
 // -march=native allows; kLanes == 0 when neither (the kernels' scalar loops then do all of K); and
-// the one-row GEMV's loop both use (row_by_row).
+// the one-row GEMV's loop both use (row_by_row); and the row-count dispatch of every GEMV (by_rows).
 #pragma once
+
+#include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -64,5 +67,22 @@ inline void row_by_row(const float* x, const T* w, int64_t K, int64_t n0, int64_
   }
 }
 #endif
+
+// f(std::integral_constant<int, M>{}) for M in 1..8: a GEMV's activation row count (at most 8) as a
+// template argument, so each kernel's per-row loops unroll; M outside 1..8 (0 rows) calls nothing.
+template <typename F>
+inline void by_rows(int64_t M, F f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: break;
+  }
+}
 
 }  // namespace kvserve_vec

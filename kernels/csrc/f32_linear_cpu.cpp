@@ -89,17 +89,10 @@ void f32_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: rows_m1(xp, wp, bp, yp, K, n0, n1); break;
-      case 2: rows_m<2>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
-      case 3: rows_m<3>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
-      case 4: rows_m<4>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
-      case 5: rows_m<5>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
-      case 6: rows_m<6>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
-      case 7: rows_m<7>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
-      case 8: rows_m<8>(xp, ldx, wp, bp, yp, N, K, n0, n1); break;
-      default: break;  // M == 0
-    }
+    by_rows(M, [&](auto m) {
+      if constexpr (decltype(m)::value == 1) rows_m1(xp, wp, bp, yp, K, n0, n1);
+      else rows_m<decltype(m)::value>(xp, ldx, wp, bp, yp, N, K, n0, n1);
+    });
   });
 }
 

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 
+#include "cpu_vec.h"
+
 namespace {
 
 constexpr int64_t kMaxRows = 8;
@@ -95,17 +97,7 @@ void int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: gemv_rows<1>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); break;
-      case 2: gemv_rows<2>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); break;
-      case 3: gemv_rows<3>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); break;
-      case 4: gemv_rows<4>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); break;
-      case 5: gemv_rows<5>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); break;
-      case 6: gemv_rows<6>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); break;
-      case 7: gemv_rows<7>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); break;
-      case 8: gemv_rows<8>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); break;
-      default: break;  // M == 0
-    }
+    kvserve_vec::by_rows(M, [&](auto m) { gemv_rows<decltype(m)::value>(xp, ldx, wp, sp, bp, yp, N, K, n0, n1); });
   });
 }
 
