@@ -21,7 +21,8 @@ def tiny(tmp_path_factory):
 
 def _server(tiny, **kw):
     model = ModelArgs(model=str(tiny), served_model_name="tiny", torch_num_threads=1,
-                      max_num_seqs=kw.pop("max_num_seqs", 2), max_model_len=256, num_kv_blocks=64, block_size=16, **kw)
+                      max_num_seqs=kw.pop("max_num_seqs", 2), max_model_len=kw.pop("max_model_len", 256),
+                      num_kv_blocks=kw.pop("num_kv_blocks", 64), block_size=16, **kw)
     return LLMServer.func_or_class(model)
 
 
@@ -80,11 +81,13 @@ def test_prompt_over_the_token_bound_is_a_400_not_a_429(tiny):
 
 
 def test_request_timeout_ends_the_request_and_frees_its_blocks(tiny):
-    server = _server(tiny, request_timeout_s=0.3)
+    # 2,000 tokens, one engine step each: far past the 0.3 s timeout on any CPU (240 tokens of the
+    # tiny model once finished inside it where its bf16 decode runs in the C++ layer loop)
+    server = _server(tiny, request_timeout_s=0.3, max_model_len=2048, num_kv_blocks=160)
 
     async def main():
         try:
-            slow = await _run(server, [1, 2, 3], {"max_tokens": 240, "ignore_eos": True})
+            slow = await _run(server, [1, 2, 3], {"max_tokens": 2000, "ignore_eos": True})
             quick = await _run(server, [1, 2, 3], {"max_tokens": 2})
             return slow, quick
         finally:
@@ -93,7 +96,7 @@ def test_request_timeout_ends_the_request_and_frees_its_blocks(tiny):
     slow, quick = asyncio.run(main())
     last = slow[-1]
     assert last.finished and last.error is not None and last.error.code == "timeout" and last.error.status == 504
-    assert sum(len(c.token_ids) for c in slow) < 240  # stopped early
+    assert sum(len(c.token_ids) for c in slow) < 2000  # stopped early
     assert quick[-1].error is None  # the replica goes on
     _assert_drained(server)
 
