@@ -1,7 +1,8 @@
-// float32 SIMD helpers shared by the CPU GEMVs (f32_linear_cpu.cpp, bf16_linear_cpu.cpp): one
-// vector type and its load / FMA / zero / horizontal sum, AVX-512 or AVX2 + FMA as the build's
-// -march=native allows; kLanes == 0 when neither (the kernels' scalar loops then do all of K); and
-// the one-row GEMV's loop both use (row_by_row); and the row-count dispatch of every GEMV (by_rows).
+// float32 SIMD helpers shared by the CPU kernels (the GEMVs of f32_linear_cpu.cpp and
+// bf16_linear_cpu.cpp, paged_attention_cpu.cpp): one vector type and its load / store / FMA / zero /
+// broadcast / horizontal sum, AVX-512 or AVX2 + FMA as the build's -march=native allows; kLanes == 0
+// when neither (the kernels' scalar loops then do all the work); kLanes horizontal sums at once
+// (sum_lanes); the one-row GEMV's loop (row_by_row); and the row-count dispatch of every GEMV (by_rows).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,25 @@ inline vec fma_v(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec add_v(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec zero_v() { return _mm512_setzero_ps(); }
 inline float sum_v(vec a) { return _mm512_reduce_add_ps(a); }
+inline vec set1_v(float x) { return _mm512_set1_ps(x); }
+inline void store_v(float* p, vec a) { _mm512_storeu_ps(p, a); }
+// out[j] = the sum of v[j]'s lanes for j < 16: a transpose-and-add tree (halves, quarters, pairs,
+// lanes) of 45 shuffles and adds where 16 horizontal sums take ~130, then one permute into order.
+inline void sum_lanes(const vec* v, float* out) {
+  vec c[8], d[4], e[2];
+  for (int p = 0; p < 8; ++p)  // 256-bit halves: [v2p.lo + v2p.hi | v2p+1.lo + v2p+1.hi]
+    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+  for (int p = 0; p < 4; ++p)  // 128-bit lane k: 4 partial sums of v[4p + k]
+    d[p] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * p], c[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * p], c[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p)  // lane k: pairs of v[8p + k] and v[8p + 4 + k]
+    e[p] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * p], d[2 * p + 1]), _mm512_unpackhi_ps(d[2 * p], d[2 * p + 1]));
+  // lane 4k + s holds v[k], v[8 + k], v[4 + k], v[12 + k] for s = 0..3
+  const vec f = _mm512_add_ps(_mm512_unpacklo_ps(e[0], e[1]), _mm512_unpackhi_ps(e[0], e[1]));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, f));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KVSERVE_VEC 1
 constexpr int kLanes = 8;
@@ -35,6 +55,21 @@ inline float sum_v(vec a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
+}
+inline vec set1_v(float x) { return _mm256_set1_ps(x); }
+inline void store_v(float* p, vec a) { _mm256_storeu_ps(p, a); }
+// out[j] = the sum of v[j]'s lanes for j < 8: a transpose-and-add tree (halves, pairs, lanes), then
+// one permute into order.
+inline void sum_lanes(const vec* v, float* out) {
+  vec c[4], d[2];
+  for (int p = 0; p < 4; ++p)  // 128-bit lane k: 4 partial sums of v[2p + k]
+    c[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+  for (int p = 0; p < 2; ++p)  // lane k: pairs of v[4p + k] and v[4p + 2 + k]
+    d[p] = _mm256_add_ps(_mm256_unpacklo_ps(c[2 * p], c[2 * p + 1]), _mm256_unpackhi_ps(c[2 * p], c[2 * p + 1]));
+  // lane 4k + s holds v[k], v[4 + k], v[2 + k], v[6 + k] for s = 0..3
+  const vec f = _mm256_add_ps(_mm256_unpacklo_ps(d[0], d[1]), _mm256_unpackhi_ps(d[0], d[1]));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
 }
 #else
 constexpr int kLanes = 0;

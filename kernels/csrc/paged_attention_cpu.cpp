@@ -4,28 +4,36 @@
 // one KV block at a time: per block the scores of every query that shares the KV head, one
 // max-rescale of the running output, then the weighted V rows. Work items are (request, KV head)
 // pairs spread over ATen's intra-op thread pool; the query heads of a KV head (GQA) and the
-// query rows of a short chunk share each K/V row read. Built by kernels/cpu_backend.py with
-// torch.utils.cpp_extension (-O3 -march=native); the layout contract is kernels/backend.py's.
+// query rows of a chunk share each K/V block read. A bfloat16 or float8 block's rows are widened
+// to float32 once per block for all those queries. Scores go kLanes keys at a time: each key's
+// products summed along head_dim in one vector, then the kLanes vectors reduced together
+// (kvserve_vec::sum_lanes) instead of one horizontal sum per key; the weighted V rows accumulate
+// in registers, four vectors of the output at a time, across the block's rows. Keys a query
+// cannot see (later than its position, outside its window) get no score or V work when a whole
+// block is hidden from it. Built by kernels/cpu_backend.py with torch.utils.cpp_extension
+// (-O3 -march=native); the layout contract is kernels/backend.py's.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_vec.h"
 
 #include "cpu_ops.h"
 
 namespace {
 
 constexpr int64_t kMaxBlock = 256;  // largest block_size the per-block score buffer holds
-constexpr int64_t kMaxHeadDim = 512;  // largest head_dim a bfloat16 or float8 cache's row buffer holds
 
 using kvserve::exp_nonpos;
+using namespace kvserve_vec;
 
 // float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no inf, 0x7f/0xff NaN)
 // to float: a 256-entry table built once.
@@ -56,29 +64,110 @@ struct Item {
   const CacheT* cache_type_tag() const { return nullptr; }
   const QT* q_type_tag() const { return nullptr; }
 
-  // row of the cache as floats: the row itself for a float cache, else dequantized into buf
-  const float* row(const CacheT* r, float scale, float* buf) const {
+  // rows [0, n) of a cache block (row r at src + r * stride) as float32: the cache itself for a
+  // float cache (*rs = stride), else widened or dequantized (value * scale) into buf (*rs = head_dim)
+  const float* block_rows(const CacheT* src, int64_t n, int64_t stride, float scale, float* buf, int64_t* rs) const {
+    const int64_t d_ = hd();
     if constexpr (std::is_same_v<CacheT, float>) {
-      return r;
-    } else if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
-      const int64_t d_ = hd();
-#pragma omp simd
-      for (int64_t d = 0; d < d_; ++d) buf[d] = static_cast<float>(r[d]);
-      return buf;
+      *rs = stride;
+      return src;
     } else {
-      const int64_t d_ = hd();
-      for (int64_t d = 0; d < d_; ++d) buf[d] = kFp8.v[r[d]] * scale;
+      *rs = d_;
+      for (int64_t r = 0; r < n; ++r) {
+        const CacheT* x = src + r * stride;
+        float* o = buf + r * d_;
+        if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+#pragma omp simd
+          for (int64_t d = 0; d < d_; ++d) o[d] = static_cast<float>(x[d]);
+        } else {
+          for (int64_t d = 0; d < d_; ++d) o[d] = kFp8.v[x[d]] * scale;
+        }
+      }
       return buf;
     }
   }
 
-  // scores s[i * BS + (j - a)] for queries i of keys j in [j0, j1) of one block, then per query
+  // out[j] = q . k_j for the n rows k_j = k + j * ks: kLanes keys at a time, each key's products
+  // summed along head_dim in one vector, the kLanes vectors then reduced together (sum_lanes)
+  void dots(const float* q, const float* k, int64_t ks, int64_t n, float* out) const {
+    const int64_t d_ = hd();
+#if defined(KVSERVE_VEC)
+    if (d_ % kLanes == 0) {
+      vec part[kLanes];
+      float tail[kLanes];
+      for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+        const int64_t w = std::min<int64_t>(kLanes, n - j0);
+        for (int64_t t = 0; t < kLanes; ++t) {
+          vec a = zero_v();
+          if (t < w) {
+            const float* kj = k + (j0 + t) * ks;
+            for (int64_t d = 0; d < d_; d += kLanes) a = fma_v(load_v(q + d), load_v(kj + d), a);
+          }
+          part[t] = a;
+        }
+        if (w == kLanes) {
+          sum_lanes(part, out + j0);
+        } else {
+          sum_lanes(part, tail);
+          std::copy(tail, tail + w, out + j0);
+        }
+      }
+      return;
+    }
+#endif
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + j * ks;
+      float x = 0.f;
+#pragma omp simd reduction(+ : x)
+      for (int64_t d = 0; d < d_; ++d) x += q[d] * kj[d];
+      out[j] = x;
+    }
+  }
+
+  // o[d] += sum_j p[j] * v_j[d] over the n rows v_j = v + j * vs: up to four vectors of o held
+  // in registers across all n rows
+  void weighted_rows(const float* p, const float* v, int64_t vs, int64_t n, float* o) const {
+    const int64_t d_ = hd();
+#if defined(KVSERVE_VEC)
+    if (d_ % kLanes == 0) {
+      for (int64_t d0 = 0; d0 < d_; d0 += 4 * kLanes) {
+        const int64_t nv = std::min<int64_t>(4, (d_ - d0) / kLanes);
+        vec a[4];
+        for (int64_t u = 0; u < 4; ++u) a[u] = u < nv ? load_v(o + d0 + u * kLanes) : zero_v();
+        if (nv == 4) {
+          for (int64_t j = 0; j < n; ++j) {
+            const vec pj = set1_v(p[j]);
+            const float* vj = v + j * vs + d0;
+            for (int64_t u = 0; u < 4; ++u) a[u] = fma_v(pj, load_v(vj + u * kLanes), a[u]);
+          }
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            const vec pj = set1_v(p[j]);
+            const float* vj = v + j * vs + d0;
+            for (int64_t u = 0; u < nv; ++u) a[u] = fma_v(pj, load_v(vj + u * kLanes), a[u]);
+          }
+        }
+        for (int64_t u = 0; u < nv; ++u) store_v(o + d0 + u * kLanes, a[u]);
+      }
+      return;
+    }
+#endif
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = p[j];
+      const float* vj = v + j * vs;
+#pragma omp simd
+      for (int64_t d = 0; d < d_; ++d) o[d] += pj * vj[d];
+    }
+  }
+
+  // scores s[i * BS + (j - j0)] for queries i of keys j in [j0, j1) of one block, then per query
   // the online-softmax update of (m, l, acc) with that block's keys.
   void run(const QT* qp, const CacheT* kp, const CacheT* vp, QT* op, const int32_t* table,
            int64_t q0, int64_t qlen, int64_t slen, int64_t h, int64_t H, int64_t G, int64_t Hkv,
            int64_t BS, float scale, float cap, int64_t window, std::vector<float>& m,
            std::vector<float>& l, std::vector<float>& acc, std::vector<float>& s, std::vector<float>& qs,
-           std::vector<int64_t>& lo_q, std::vector<int64_t>& hi_q) const {
+           std::vector<int64_t>& lo_q, std::vector<int64_t>& hi_q, std::vector<float>& kvbuf,
+           bool all_heads) const {
     const int64_t d_ = hd(), nq = qlen * G, ctx = slen - qlen;
     const float ninf = -std::numeric_limits<float>::infinity();
     m.assign(nq, ninf);
@@ -88,6 +177,7 @@ struct Item {
     lo_q.resize(nq);
     hi_q.resize(nq);
     qs.resize(nq * d_);
+    if (!std::is_same_v<CacheT, float>) kvbuf.resize(2 * BS * d_);
     for (int64_t i = 0; i < nq; ++i) {  // query i = (row t = i / G, head g = i % G)
       const int64_t p = ctx + i / G;    // it sees keys lo..p
       hi_q[i] = p;
@@ -96,25 +186,44 @@ struct Item {
       for (int64_t d = 0; d < d_; ++d) qs[i * d_ + d] = kvserve::to_float(src[d]);
     }
     const int64_t first = lo_q[0], last = slen - 1;  // keys any query of the item sees
-    float rowbuf[kMaxHeadDim];
+    const int64_t stride = Hkv * d_;                 // elements between a block's rows of one head
     for (int64_t b = first / BS; b <= last / BS; ++b) {
-      const int64_t j0 = std::max(first, b * BS), j1 = std::min(last + 1, (b + 1) * BS);
-      const CacheT* kb = kp + (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_;
-      const CacheT* vb = vp + (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_;
-      // scores: each key row is read once for all nq queries
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* kj = row(kb + (j - b * BS) * Hkv * d_, ks, rowbuf);
-        for (int64_t i = 0; i < nq; ++i) {
-          const float* qi = qs.data() + i * d_;
-          float x = 0.f;
-#pragma omp simd reduction(+ : x)
-          for (int64_t d = 0; d < d_; ++d) x += qi[d] * kj[d];
-          x *= scale;
-          if (cap > 0.f) x = cap * std::tanh(x / cap);
-          s[i * BS + (j - j0)] = (j >= lo_q[i] && j <= hi_q[i]) ? x : ninf;
+      const int64_t j0 = std::max(first, b * BS), j1 = std::min(last + 1, (b + 1) * BS), n = j1 - j0;
+      const int64_t off = (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_ + (j0 - b * BS) * stride;
+      if (b + 1 <= last / BS && (h == 0 || !all_heads)) {  // the next block, while this one is worked on
+        // all_heads (the caller runs every head of the request next, on this core): every head's
+        // rows, one contiguous range, from the first head; else this head's rows
+        const int64_t next = static_cast<int64_t>(table[b + 1]) * BS * Hkv * d_ + (all_heads ? 0 : h * d_);
+        const int64_t span = (all_heads ? Hkv : 1) * d_ * static_cast<int64_t>(sizeof(CacheT));
+        for (int64_t r = 0; r < BS; ++r) {
+          const char* nk = reinterpret_cast<const char*>(kp + next + r * stride);
+          const char* nv = reinterpret_cast<const char*>(vp + next + r * stride);
+          for (int64_t c = 0; c < span; c += 64) {
+            __builtin_prefetch(nk + c);
+            __builtin_prefetch(nv + c);
+          }
         }
       }
-      const int64_t n = j1 - j0;
+      int64_t krs, vrs;
+      // scores: the block's key rows (widened once for all nq queries), kLanes keys per reduction
+      const float* kr = block_rows(kp + off, n, stride, ks, kvbuf.data(), &krs);
+      for (int64_t i = 0; i < nq; ++i) {
+        float* si = s.data() + i * BS;
+        const int64_t lo = lo_q[i] - j0, hi = hi_q[i] - j0;  // visible keys of the block: lo..hi
+        if (hi < 0 || lo >= n) {  // none (a chunk's earlier rows, before a later block)
+          std::fill(si, si + n, ninf);
+          continue;
+        }
+        dots(qs.data() + i * d_, kr, krs, n, si);
+        if (cap > 0.f) {
+          for (int64_t j = 0; j < n; ++j) si[j] = cap * std::tanh(si[j] * scale / cap);
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) si[j] *= scale;
+        }
+        for (int64_t j = 0; j < std::min(n, lo); ++j) si[j] = ninf;
+        for (int64_t j = std::max<int64_t>(hi + 1, 0); j < n; ++j) si[j] = ninf;
+      }
       for (int64_t i = 0; i < nq; ++i) {
         float* si = s.data() + i * BS;
         float mb = ninf;
@@ -141,17 +250,10 @@ struct Item {
         }
         l[i] += sum;
       }
-      // weighted V rows: each value row is read once for all nq queries
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vj = row(vb + (j0 - b * BS + j) * Hkv * d_, vs, rowbuf);
-        for (int64_t i = 0; i < nq; ++i) {
-          const float pj = s[i * BS + j];
-          if (pj == 0.f) continue;
-          float* o = acc.data() + i * d_;
-#pragma omp simd
-          for (int64_t d = 0; d < d_; ++d) o[d] += pj * vj[d];
-        }
-      }
+      // weighted V rows: the block's value rows widened once for all nq queries
+      const float* vr = block_rows(vp + off, n, stride, vs, kvbuf.data() + BS * d_, &vrs);
+      for (int64_t i = 0; i < nq; ++i)
+        if (hi_q[i] >= j0 && lo_q[i] < j1) weighted_rows(s.data() + i * BS, vr, vrs, n, acc.data() + i * d_);
     }
     for (int64_t i = 0; i < nq; ++i) {
       QT* dst = op + ((q0 + i / G) * H + h * G + i % G) * d_;
@@ -189,8 +291,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "paged_attention (cpu): shape mismatch");
   TORCH_CHECK(BS <= kMaxBlock, "paged_attention (cpu): block_size above ", kMaxBlock);
-  TORCH_CHECK(ct == at::kFloat || D <= kMaxHeadDim, "paged_attention (cpu): head_dim above ", kMaxHeadDim,
-              " with a bfloat16 or float8 cache");
   const int64_t G = H / Hkv, W = block_tables.size(1), n = reqs.numel();
   const void* qp = q.data_ptr();
   const void* kp = k_cache.data_ptr();
@@ -205,16 +305,26 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   auto body = [&](auto item) {
     using C = std::remove_cv_t<std::remove_pointer_t<decltype(item.cache_type_tag())>>;
     using Q = std::remove_cv_t<std::remove_pointer_t<decltype(item.q_type_tag())>>;
-    at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> m, l, acc, s, qs;
+    // Work units pulled by each thread in turn (one atomic counter: a long request's unit does not
+    // hold up a thread that a static split gave more of them): with at least two requests per thread,
+    // a request (its KV heads one after the other on one core, so each block's other heads come from
+    // that core's cache), else a (request, KV head) pair.
+    const int64_t threads = at::get_num_threads();
+    const bool all_heads = n >= 2 * threads;
+    const int64_t per = all_heads ? Hkv : 1, units = n * Hkv / per;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> m, l, acc, s, qs, kvbuf;
       std::vector<int64_t> lo_q, hi_q;
-      for (int64_t w = begin; w < end; ++w) {
-        const int64_t r = rq[w / Hkv], h = w % Hkv;
-        const int64_t q0 = cu[r], qlen = cu[r + 1] - q0;
-        if (qlen <= 0) continue;
-        item.run(static_cast<const Q*>(qp), static_cast<const C*>(kp), static_cast<const C*>(vp),
-                 static_cast<Q*>(op), bt + r * W, q0, qlen, sl[r], h, H, G, Hkv, BS, fscale, cap,
-                 window, m, l, acc, s, qs, lo_q, hi_q);
+      for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+        for (int64_t w = u * per; w < (u + 1) * per; ++w) {
+          const int64_t r = rq[w / Hkv], h = w % Hkv;
+          const int64_t q0 = cu[r], qlen = cu[r + 1] - q0;
+          if (qlen <= 0) continue;
+          item.run(static_cast<const Q*>(qp), static_cast<const C*>(kp), static_cast<const C*>(vp),
+                   static_cast<Q*>(op), bt + r * W, q0, qlen, sl[r], h, H, G, Hkv, BS, fscale, cap,
+                   window, m, l, acc, s, qs, lo_q, hi_q, kvbuf, all_heads);
+        }
       }
     });
   };

@@ -311,3 +311,11 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> dict:
 def _describe(rec: dict) -> str:
     return json.dumps({k: rec.get(k) for k in ("rel_err", "max_abs_err", "bound", "nonfinite",
                                                 "seconds", "error") if k in rec})
+# head_dim beyond the vector paths' common case: 256 (Gemma 3; the weighted V rows in four chunks of
+# four vectors with AVX-512), 80 (a chunk of four vectors and one of one), 40 (whole AVX2 vectors, not
+# whole AVX-512 ones: the scalar loops there) and 36 (the scalar loops on every CPU); decode rows and
+# short chunks crossing block edges, block sizes that are and are not multiples of the vector width.
+for _d, _bs in ((256, 16), (80, 8), (40, 16), (36, 4)):
+    CPU_CASES[f"cpu_head_dim_{_d}"] = dict(
+        kind="dispatch", H=4, Hkv=2, D=_d, bs=_bs, dtype="float32", qlens=[1, 3, 16, 1, 40],
+        seqlens=[37, 21, 50, 3, 70], seed=46 + _d)
