@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine import dtype_probe, kv_offload
+from engine import dtype_probe, huge_pages, kv_offload
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs, graph_batch_sizes
 from engine.grammar_bitmask import bitmask_rows
@@ -124,6 +124,9 @@ class ModelRunner:
             quantize_model(self.model, self.quantization, self.device, self.dtype)
         if self.device.type == "cpu":
             self._prepack_linears()
+            moved = huge_pages.move_to_huge_pages(self.model)  # the weights a decode step streams
+            if moved:
+                logger.info("%.0f MiB of weights on transparent huge pages", moved / 2**20)
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(model_path, self.model.layers, self.device, self._prefill_alone)
         self.eos_token_ids = load_eos_token_ids(model_path, self.hf_config)
