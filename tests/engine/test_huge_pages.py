@@ -69,8 +69,8 @@ def test_generation_is_bit_for_bit_the_same(tied_model, monkeypatch):
             llm = LLM(model=str(tied_model), dtype=dtype, enable_prefix_caching=False)
             res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1),
                                use_tqdm=False)
-            outs[flag] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                          for o in res]
+            outs[flag] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)]) for o in res]
             del llm
         assert outs["0"] == outs["1"], dtype
 
