@@ -14,9 +14,11 @@ and dtypes, in one run with interleaved repeats.
   off, one request of 128 fresh random token ids (new ones every repeat) and 64 output tokens
   (``ignore_eos``, greedy): prefill tok/s is 128 over the first step (the prompt in one chunk, its
   first token sampled), decode tok/s is 63 over the remaining steps (context 129-192).
-* Repeats interleave: for each repeat, for each dtype, llama.cpp, kvserve, then kvserve with its
-  decode step's layers op by op from Python (the C++ layer loop off: what it gains). Medians and the
-  spread (min, max) per side; the ratio kvserve / llama.cpp of the medians.
+* Repeats interleave: for each repeat, for each dtype, llama.cpp, kvserve, kvserve with its
+  decode step's layers op by op from Python (the C++ layer loop off: what it gains), then kvserve
+  with its weights on 4 KiB pages (``KVSERVE_CPU_HUGE_PAGES=0``, a second engine: what the
+  transparent huge pages of ``engine/huge_pages.py`` gain). Medians and the spread (min, max) per
+  side; the ratio kvserve / llama.cpp of the medians.
 
 The issue's targets: batch-1 decode kvserve / llama.cpp >= 1.0x in float32 and bfloat16; prefill
 >= 1.0x. On a CPU without native bf16 dot products both sides emulate bf16 (kvserve widens bf16
@@ -52,6 +54,9 @@ GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 #: The third arm: kvserve with its decode step's layers run op by op from Python
 #: (``kernels.cpu_backend.DECODE_LAYERS`` off), what the C++ layer loop replaced.
 PER_OP = "kvserve per-op layers"
+#: The fourth arm: kvserve with its weights on the 4 KiB pages the loader left them on
+#: (``KVSERVE_CPU_HUGE_PAGES=0``; ``engine/huge_pages.py``), what the huge pages gain.
+SMALL_PAGES = "kvserve 4 KiB pages"
 
 
 def _run(cmd: list[str], **kw) -> str:
@@ -145,11 +150,20 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     src = llama_cpp()
     ggufs = {d: gguf(src, model_path, d) for d in dtypes}
-    llms = {d: LLM(model=model_path, dtype=d, enable_prefix_caching=False, max_num_seqs=1,
-                   max_num_batched_tokens=max(256, args.prompt_tokens), max_model_len=1024) for d in dtypes}
+    def engine(dtype: str, huge_pages: bool):
+        os.environ["KVSERVE_CPU_HUGE_PAGES"] = "1" if huge_pages else "0"
+        try:
+            return LLM(model=model_path, dtype=dtype, enable_prefix_caching=False, max_num_seqs=1,
+                       max_num_batched_tokens=max(256, args.prompt_tokens), max_model_len=1024)
+        finally:
+            os.environ.pop("KVSERVE_CPU_HUGE_PAGES")
+
+    llms = {d: engine(d, True) for d in dtypes}
+    small_pages = {d: engine(d, False) for d in dtypes}  # the fourth arm: weights where the loader put them
     rng = random.Random(46)
     for d in dtypes:  # warm-up, not timed
         run_kvserve(llms[d], rng, vocab, args.prompt_tokens, 8)
+        run_kvserve(small_pages[d], rng, vocab, args.prompt_tokens, 8)
     runs = []
     for rep in range(args.repeats):
         for d in dtypes:
@@ -163,10 +177,12 @@ def main() -> None:
                              **run_kvserve(llms[d], rng, vocab, args.prompt_tokens, args.decode_tokens)})
             finally:
                 cpu_backend.DECODE_LAYERS = True
-            print(*runs[-3:], flush=True)
+            runs.append({"repeat": rep, "dtype": d, "engine": SMALL_PAGES,
+                         **run_kvserve(small_pages[d], rng, vocab, args.prompt_tokens, args.decode_tokens)})
+            print(*runs[-4:], flush=True)
     medians = {}
     for d in dtypes:
-        for e in ("llama.cpp", "kvserve", PER_OP):
+        for e in ("llama.cpp", "kvserve", PER_OP, SMALL_PAGES):
             rs = [r for r in runs if r["dtype"] == d and r["engine"] == e]
             medians[f"{e}/{d}"] = {k: {"median": statistics.median(r[k] for r in rs), "min": min(r[k] for r in rs),
                                        "max": max(r[k] for r in rs)} for k in ("prefill_tok_s", "decode_tok_s")}
@@ -182,13 +198,17 @@ def main() -> None:
 def figures(r: dict) -> Figures:
     """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
     f = Figures()
-    rows, loop = [], []
+    rows, loop, pages = [], [], []
     for key in r["medians"]:
         engine, dtype = key.split("/")
         if engine != "kvserve":
             if engine == "kvserve per-op layers":
                 ops, ours = r["medians"][key]["decode_tok_s"], r["medians"][f"kvserve/{dtype}"]["decode_tok_s"]
                 loop.append([dtype, ops["median"], ops["min"], ops["max"], ours["median"], ours["median"] / ops["median"]])
+            if engine == "kvserve 4 KiB pages":
+                small, ours = r["medians"][key]["decode_tok_s"], r["medians"][f"kvserve/{dtype}"]["decode_tok_s"]
+                pages.append([dtype, small["median"], small["min"], small["max"], ours["median"],
+                              ours["median"] / small["median"]])
             continue
         ours, peer = r["medians"][key], r["medians"][f"llama.cpp/{dtype}"]
         for what, label, target in (("decode_tok_s", "batch-1 decode", ">= 1.0x"),
@@ -206,6 +226,12 @@ def figures(r: dict) -> Figures:
         f.table("kvserve's decode step: layers in one C++ call against op by op from Python (batch-1 decode tok/s)",
                 ["dtype", "per-op", "min", "max", "C++ layer loop", "loop / per-op"], loop,
                 note="the same engine in the same run; kernels.cpu_backend.DECODE_LAYERS off for the per-op arm")
+    if pages:
+        f.table("kvserve's decode with its weights on 2 MiB (transparent huge) pages against 4 KiB pages "
+                "(batch-1 decode tok/s)",
+                ["dtype", "4 KiB pages", "min", "max", "huge pages", "huge / 4 KiB"], pages,
+                note="two engines in the same run, interleaved; KVSERVE_CPU_HUGE_PAGES=0 for the 4 KiB arm "
+                     "(engine/huge_pages.py)")
     return f
 
 

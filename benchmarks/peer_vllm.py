@@ -87,7 +87,7 @@ def vllm_env(cores: int | None = None) -> dict[str, str]:
 
 def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | None = None,
              batch1: dict | None = None, timeout_s: float = 3600, engine_kwargs: dict | None = None,
-             lora_paths: list[str] | None = None) -> dict:
+             lora_paths: list[str] | None = None, loop: dict | None = None) -> dict:
     """Run vLLM on each workload of ``works`` in turn (a workload: (prompt token ids, output
     length) pairs, submitted all at once, greedy with ``ignore_eos``), and/or the batch-1
     decode latency probe ``batch1`` (``{"prompt": ids, "new_tokens": n}``; prefix caching off,
@@ -100,10 +100,13 @@ def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | 
     ``lora_paths`` (the PEFT folder its request uses; -1: the base model). Every adapter serves
     one short request before the timed runs (loaded, as in a server that has served it).
 
+    ``loop`` (``benchmarks/op_profile.py``): ``{"ready": path, "seconds": s}``: after the warm-up the
+    worker writes the file ``ready`` and runs ``works`` over and over for ``s`` seconds.
+
     Raises:
         RuntimeError: the environment could not be created or the worker failed (stderr tail).
     """
-    return _run_worker({"model": model, "dtype": dtype, "works": works, "batch1": batch1,
+    return _run_worker({"model": model, "dtype": dtype, "works": works, "batch1": batch1, "loop": loop,
                         "engine_kwargs": engine_kwargs or {}, "lora_paths": lora_paths or []}, timeout_s)
 
 
@@ -178,6 +181,23 @@ def _embed_worker(spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps(result))
 
 
+def _works(spec: dict):
+    """The workloads of ``spec`` in turn; with ``spec["loop"]`` (``benchmarks/op_profile.py``:
+    ``{"ready": path, "seconds": s}``) the file ``ready`` is written first, then they run again and
+    again until ``seconds`` have passed."""
+    loop = spec.get("loop")
+    if not loop:
+        yield from spec["works"] or []
+        return
+    Path(loop["ready"]).write_text("ready")
+    end = time.perf_counter() + loop["seconds"]
+    while time.perf_counter() < end:
+        for work in spec["works"]:
+            yield work
+            if time.perf_counter() >= end:
+                return
+
+
 def _worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     _alias_distribution()
@@ -218,7 +238,7 @@ def _worker(spec_path: str) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=list(range(1000 + i, 1064 + i))) for i in range(len(loras))],
                      greedy(2), use_tqdm=False, lora_request=loras)
     result["runs"] = []
-    for work in spec["works"] or []:
+    for work in _works(spec):
         prompts = [TokensPrompt(prompt_token_ids=w[0]) for w in work]
         per_request = [loras[w[2]] if len(w) > 2 and w[2] >= 0 else None for w in work] if loras else None
         t0 = time.perf_counter()

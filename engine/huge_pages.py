@@ -8,8 +8,9 @@ same sweep crosses 135. On a 2-core Zen 4 EPYC the bf16 GEMVs of SmolLM2's decod
 same weights at about 29 GB/s on 2 MiB pages where they read 23 on 4 KiB ones (a one-off probe,
 interleaved; ``benchmarks/batch1.py`` measures the decode both ways).
 
-:func:`move_to_huge_pages` copies a model's tensors into anonymous memory mapped for the purpose,
-aligned to 2 MiB and marked ``madvise(MADV_HUGEPAGE)``: the kernel backs it with huge pages where
+:func:`move_to_huge_pages` copies a model's weights into anonymous memory mapped for the purpose,
+aligned to 2 MiB and marked ``madvise(MADV_HUGEPAGE)`` (``engine.model_runner`` calls it before
+loading, so the loader writes into that memory, or after quantizing): the kernel backs it with huge pages where
 transparent huge pages are ``always`` or ``madvise`` (the common default) and it finds free 2 MiB
 pages; where it does not, the memory is plain memory and nothing else changes. PyTorch's own
 ``THP_MEM_ALLOC_ENABLE`` does the same for every allocation, but it is read once, when torch makes

@@ -118,13 +118,20 @@ class ModelRunner:
         if self.quantization in W4_METHODS:  # a 4-bit checkpoint: its layers take the packed tensors
             check_quantization(self.quantization, self.device, self.dtype)
             prepare_w4a16(self.model, w4a16_config(self.hf_config), self.dtype)
+        # CPU: the weights a decode step streams go on huge pages (engine/huge_pages.py); a model
+        # loaded as it is moves its (not yet written) weights first and loads into them, a quantized
+        # one moves the weights its quantization made
+        moved = 0
+        if self.device.type == "cpu" and self.quantization is None:
+            moved = huge_pages.move_to_huge_pages(self.model)
         self.model.load_weights(iter_safetensors(model_path))
         self.model.eval()
         if self.quantization in ("int8", "fp8"):
             quantize_model(self.model, self.quantization, self.device, self.dtype)
         if self.device.type == "cpu":
             self._prepack_linears()
-            moved = huge_pages.move_to_huge_pages(self.model)  # the weights a decode step streams
+            if self.quantization is not None:
+                moved = huge_pages.move_to_huge_pages(self.model)
             if moved:
                 logger.info("%.0f MiB of weights on transparent huge pages", moved / 2**20)
         if config.kv_cache_dtype == "fp8":
