@@ -45,11 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, Figures, Results, resolve  # noqa: E402
 
 RESULT_KEYS = ("model", "threads", "seconds", "sampling", "parts")
-#: Op classes, first match wins, on "<library> <symbol>" (``perf report``'s dso and symbol).
+#: Op classes, first match wins, on "<library> <symbol>" (``perf report``'s dso and symbol). Without call
+#: graphs a BLAS kernel that attention calls (torch's SDPA on MKL) counts as a matmul.
 CLASSES = (
+    ("attention", r"attention|attn|Item<|soft_max|softmax|sdpa|scaled_dot"),
     ("matmul", r"gemv|gemm|dp_rows|rows_m1|_linear_cpu|mkldnn|dnnl|onednn|\[JIT\]|//anon|ggml_vec_dot|mul_mat|"
                r"mkl_blas|sgemm|xgemm|tinyBLAS|llamafile|fp32_to_bf16"),
-    ("attention", r"attention|attn|Item<|soft_max|softmax|sdpa|scaled_dot"),
     ("thread sync and spin", r"libgomp|libiomp|ggml_barrier|sched_yield|__kmp|omp_"),
     ("element-wise", r"rms_norm|rotary|rope|silu|gelu|glu|swiglu|add_rms|index_copy|store_rows|copy_kernel|"
                      r"ggml_compute_forward_(add|mul|norm|cpy|dup|get_rows|scale|cont|set_rows)"),
@@ -96,11 +97,11 @@ def summarize(rows: list[tuple[float, str, str, str]], top: int = 12) -> dict:
             "top": [[round(s, 2), c, Path(d).name, sym[:120]] for s, c, d, sym in busy[:top]]}
 
 
-def record(seconds: float | None, data: Path, cmd: list[str] | None = None) -> None:
+def record(seconds: float | None, data: Path, cmd: list[str] | None = None) -> str:
     """``perf record -a -e cpu-clock -F 999`` into ``data``: for ``seconds`` (``sleep``), or for
-    the run of ``cmd``."""
-    subprocess.run(["perf", "record", "-q", "-a", "-e", "cpu-clock", "-F", "999", "-o", str(data), "--",
-                    *(cmd or ["sleep", str(seconds)])], check=True, capture_output=True)
+    the run of ``cmd`` (its stdout is returned)."""
+    return subprocess.run(["perf", "record", "-q", "-a", "-e", "cpu-clock", "-F", "999", "-o", str(data), "--",
+                           *(cmd or ["sleep", str(seconds)])], check=True, capture_output=True, text=True).stdout
 
 
 def wait_ready(ready: Path, proc: subprocess.Popen, timeout_s: float = 900) -> None:
@@ -212,8 +213,9 @@ def profile_llama(dtype: str, model_path: str, tmp: Path) -> dict:
     cmd = [str(src / "build" / "bin" / "llama-bench"), "-m", str(gguf(src, model_path, dtype)), *LLAMA_BENCH_ARGS,
            "-o", "json"]
     t0 = time.perf_counter()
-    record(None, data, cmd)
-    return {**summarize(perf_rows(data)), "version": LLAMA_CPP_VERSION, "seconds": time.perf_counter() - t0}
+    bench = json.loads(record(None, data, cmd))
+    return {**summarize(perf_rows(data)), "version": LLAMA_CPP_VERSION, "seconds": time.perf_counter() - t0,
+            "output_tok_per_s": next(b["avg_ts"] for b in bench if b["n_gen"] > 0)}
 
 
 def main() -> None:
