@@ -74,7 +74,7 @@ def perf_rows(data: Path) -> list[tuple[float, str, str, str]]:
     """``(share %, comm, dso, symbol)`` rows of ``perf report`` on ``data``, largest first; the
     addresses of code without symbols are summed per library (``(no symbol)``)."""
     out = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "-g", "none",
-                          "--sort", "comm,dso,sym", "--percent-limit", "0.01", "-F", "overhead,comm,dso,sym"],
+                          "--sort", "comm,dso,sym", "--percent-limit", "0", "-F", "overhead,comm,dso,sym"],
                          capture_output=True, text=True, check=True).stdout
     acc: dict[tuple[str, str, str], float] = defaultdict(float)
     for line in out.splitlines():
@@ -87,8 +87,8 @@ def perf_rows(data: Path) -> list[tuple[float, str, str, str]]:
 
 
 def summarize(rows: list[tuple[float, str, str, str]], top: int = 12) -> dict:
-    """Op-class shares (%) and the ``top`` symbols of one profile (perf's own rows below 0.01 %
-    are left out, so the classes sum to a little under 100)."""
+    """Op-class shares (%) and the ``top`` symbols of one profile (the classes sum to 100 but for
+    perf's rounding of each row to 0.01 %; JIT code is thousands of rows of a few samples each)."""
     classes: dict[str, float] = defaultdict(float)
     for share, comm, dso, sym in rows:
         classes[classify(dso, sym, comm)] += share

@@ -323,10 +323,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, s
     return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
-#: Most activation rows the float32 GEMV takes, and the largest weight (elements) it is used for:
-#: beyond, oneDNN (a vocabulary-sized LM head streams as fast there; larger batches are compute-bound).
+#: Most activation rows the float32 GEMV takes (larger batches are compute-bound: oneDNN).
 F32_GEMV_ROWS = 8
-F32_GEMV_MAX_WEIGHTS = 1 << 23
 
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

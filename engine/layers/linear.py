@@ -10,11 +10,13 @@ step's matmuls do not re-layout the weight on every call, as vLLM's CPU path and
 frozen linears do. Which library runs a CPU matmul is what ``benchmarks/cpu_linear.py``
 measures per shape (GFLOP/s of each library at 1 to 2,048 rows):
 
-* float32, up to :data:`F32_GEMV_ROWS` rows and weights up to :data:`F32_GEMV_MAX_WEIGHTS`
-  elements (decode's layer weights, not a vocabulary-sized LM head): kvserve's GEMV
+* float32, up to :data:`F32_GEMV_ROWS` rows (decode), the LM head included: kvserve's GEMV
   (``kernels.cpu_backend.f32_linear``), which streams each weight row once; oneDNN's prepacked
   layout suits 64-row batches and read SmolLM2's weights at 11-21 GB/s of ~28 at batch 1
-  (``benchmarks/batch1.py`` measures the decode);
+  (``benchmarks/batch1.py`` measures the decode). The LM head went to oneDNN until the weights
+  moved to huge pages (``engine/huge_pages.py``), which oneDNN's own copy is not on: SmolLM2's
+  float32 decode then ran 54 tok/s with its LM head on oneDNN and 63 on the GEMV (a one-off
+  probe on a 2-core Zen 4 EPYC, 8 interleaved repeats, medians);
 * up to :data:`ATEN_MIN_ROWS` - 1 rows (decode, short chunks): oneDNN with the prepacked weight,
   ahead of plain oneDNN and of ATen at these sizes;
 * from :data:`ATEN_MIN_ROWS` rows (prefill chunks): on a CPU without AVX-512, ATen's
@@ -72,11 +74,9 @@ _prepack_refusal_logged: set[torch.dtype] = set()
 _bf16_storage_only: bool | None = None  # None: not decided yet
 
 
-#: Decode-sized float32 matmuls (kernels.cpu_backend.f32_linear): at most this many rows, weights of at
-#: most this many elements (the kernels' F32_GEMV_ROWS / F32_GEMV_MAX_WEIGHTS; kept here so that
-#: this module loads no kernel code until a matmul needs it).
+#: Decode-sized float32 matmuls (kernels.cpu_backend.f32_linear): at most this many rows (the kernels'
+#: F32_GEMV_ROWS; kept here so that this module loads no kernel code until a matmul needs it).
 F32_GEMV_ROWS = 8
-F32_GEMV_MAX_WEIGHTS = 1 << 23
 _f32_gemv = None  # kernels.cpu_backend.f32_linear once it loaded, False where it cannot; None: not decided yet
 
 
@@ -126,8 +126,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel, everything else ``F.linear`` (module docstring)."""
     if x.device.type == "cpu" and not torch.is_grad_enabled() and CPU_LINEAR == "onednn":
         if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= F32_GEMV_ROWS * x.shape[-1]
-                and weight.numel() <= F32_GEMV_MAX_WEIGHTS and weight.is_contiguous()
-                and (gemv := _f32_gemv_op()) is not None):
+                and weight.is_contiguous() and (gemv := _f32_gemv_op()) is not None):
             return gemv(x, weight, bias)
         if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
             gemv, rows = _bf16_gemv_op()
@@ -156,7 +155,7 @@ def decode_gemv_weight(mod: nn.Module, dtype: torch.dtype) -> torch.Tensor | Non
             or CPU_LINEAR != "onednn" or w.device.type != "cpu" or w.dtype != dtype or not w.is_contiguous()):
         return None
     if dtype == torch.float32:
-        return w if w.numel() <= F32_GEMV_MAX_WEIGHTS and _f32_gemv_op() is not None else None
+        return w if _f32_gemv_op() is not None else None
     if dtype == torch.bfloat16:
         return w if _bf16_gemv_op()[0] is not None else None  # contiguous: checked above
     return None

@@ -142,8 +142,8 @@ def test_f32_gemv_matches_float64(cpu_kernel, rows, n, k):
 
 
 def test_linear_takes_the_gemv_for_decode_sized_float32(cpu_kernel, monkeypatch):
-    """engine.layers.linear.linear runs the GEMV up to 8 rows of a layer-sized float32 weight
-    (what a decode step multiplies), oneDNN above 8 rows and for a vocabulary-sized LM head."""
+    """engine.layers.linear.linear runs the GEMV up to 8 rows of a float32 weight (what a decode
+    step multiplies, a vocabulary-sized LM head included), oneDNN above 8 rows."""
     import engine.layers.linear as L
     from kernels import cpu_backend
 
@@ -155,8 +155,9 @@ def test_linear_takes_the_gemv_for_decode_sized_float32(cpu_kernel, monkeypatch)
     with torch.inference_mode():
         for rows in (1, 8, 9):
             L.linear(torch.randn(rows, 32), w)
-        L.linear(torch.randn(1, 1, 32), torch.empty(L.F32_GEMV_MAX_WEIGHTS // 32 + 1, 32))
-    assert calls == [(1, 32), (8, 32)]
+        L.linear(torch.randn(1, 1, 32), torch.empty(49152, 32))
+        L.linear(torch.randn(9, 32), torch.empty(49152, 32))
+    assert calls == [(1, 32), (8, 32), (1, 1, 32)]
 
 
 def test_prepack_is_skipped_where_it_does_not_apply(monkeypatch):
