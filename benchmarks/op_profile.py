@@ -51,9 +51,10 @@ CLASSES = (
     ("attention", r"attention|attn|Item<|soft_max|softmax|sdpa|scaled_dot"),
     ("matmul", r"gemv|gemm|dp_rows|rows_m1|_linear_cpu|mkldnn|dnnl|onednn|\[JIT\]|//anon|ggml_vec_dot|mul_mat|"
                r"mkl_blas|sgemm|xgemm|tinyBLAS|llamafile|fp32_to_bf16"),
-    ("thread sync and spin", r"libgomp|libiomp|ggml_barrier|sched_yield|__kmp|omp_"),
     ("element-wise", r"rms_norm|rotary|rope|silu|gelu|glu|swiglu|add_rms|index_copy|store_rows|copy_kernel|"
-                     r"ggml_compute_forward_(add|mul|norm|cpy|dup|get_rows|scale|cont|set_rows)"),
+                     r"ggml_compute_forward_(add|mul|norm|cpy|dup|get_rows|scale|cont|set_rows)|"
+                     r"\.main\.so "),  # torch.compile's generated kernels (vLLM's fused norms and activations)
+    ("thread sync and spin", r"libgomp|libiomp|ggml_barrier|sched_yield|__kmp|GOMP_"),
     ("sampling", r"argmax|sampler|topk|top_k|sort"),
     ("host (Python, framework, allocator, OS)", r"python|pybind|_Py|libtorch|libc10|libc\.so|libstdc|ld-linux|"
                                                 r"\[kernel|tokenizers|zmq|libm\.so|llama|ggml"),

@@ -2,9 +2,10 @@
 //
 // FlashAttention-style online softmax (Dao et al. 2022, alg. 1; Milakov & Gimelshein 2018) over
 // one KV block at a time: per block the scores of every query that shares the KV head, one
-// max-rescale of the running output, then the weighted V rows. Work items are (request, KV head)
-// pairs spread over ATen's intra-op thread pool; the query heads of a KV head (GQA) and the
-// query rows of a chunk share each K/V block read. A bfloat16 or float8 block's rows are widened
+// max-rescale of the running output, then the weighted V rows. ATen's intra-op threads pull work
+// units from one counter: a request (its KV heads one after the other, the next block prefetched
+// for all of them) when there are at least two requests per thread, else a (request, KV head)
+// pair. The query heads of a KV head (GQA) and the query rows of a chunk share each K/V block read. A bfloat16 or float8 block's rows are widened
 // to float32 once per block for all those queries. Scores go kLanes keys at a time: each key's
 // products summed along head_dim in one vector, then the kLanes vectors reduced together
 // (kvserve_vec::sum_lanes) instead of one horizontal sum per key; the weighted V rows accumulate
