@@ -39,9 +39,11 @@ ALIGN = 64
 
 
 def enabled() -> bool:
-    """Whether :func:`move_to_huge_pages` copies anything: Linux (``madvise(MADV_HUGEPAGE)``) and
+    """Whether :func:`move_to_huge_pages` copies anything: Linux with transparent huge pages built
+    in (``madvise(MADV_HUGEPAGE)``, ``/sys/kernel/mm/transparent_hugepage``) and
     ``KVSERVE_CPU_HUGE_PAGES`` not ``0``."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVSERVE_CPU_HUGE_PAGES", "1") != "0"
+    return (hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVSERVE_CPU_HUGE_PAGES", "1") != "0"
+            and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"))
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
@@ -88,8 +90,8 @@ def move_to_huge_pages(module: nn.Module) -> int:
     (``.data`` is swapped), so tied weights stay tied. Call it before anything caches a tensor of
     the module. Returns the bytes moved (0 when :func:`enabled` is false).
 
-    Raises:
-        OSError: a mapping failed (the tensors not yet moved stay where they were).
+    A mapping or ``madvise`` the OS refuses (a sandbox, no memory left for it) ends the moving: the
+    tensors not yet moved stay where they were, and the refusal is logged once.
     """
     if not enabled():
         return 0
@@ -104,7 +106,11 @@ def move_to_huge_pages(module: nn.Module) -> int:
             group.append((slots[i], size))
             size += -(-nbytes // ALIGN) * ALIGN
             i += 1
-        arena = huge_page_buffer(size)
+        try:
+            arena = huge_page_buffer(size)
+        except OSError as e:
+            _log_refusal(e)
+            break
         for (mod, kind, name, t), off in group:
             nbytes = t.numel() * t.element_size()
             new = arena[off:off + nbytes].view(t.dtype).view(t.shape)
@@ -116,6 +122,18 @@ def move_to_huge_pages(module: nn.Module) -> int:
             moved += nbytes
     _trim_heap()
     return moved
+
+
+_refusal_logged = False
+
+
+def _log_refusal(e: OSError) -> None:
+    global _refusal_logged
+    if not _refusal_logged:
+        _refusal_logged = True
+        import logging
+        logging.getLogger("kvserve.engine").info("weights stay on small pages: the OS refused a huge-page "
+                                                 "mapping (%s)", e)
 
 
 def _trim_heap() -> None:

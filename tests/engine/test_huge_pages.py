@@ -104,3 +104,17 @@ def test_arenas_views_and_quantized_weights(monkeypatch):
         assert torch.equal(t, values[n]), n
     monkeypatch.setenv("KVSERVE_CPU_HUGE_PAGES", "0")
     assert huge_pages.move_to_huge_pages(nn.Linear(512, 512)) == 0
+
+
+def test_a_refused_mapping_leaves_the_weights_where_they_were(monkeypatch):
+    """A sandbox or kernel that refuses the mapping or the madvise: no error, nothing moved."""
+    monkeypatch.setenv("KVSERVE_CPU_HUGE_PAGES", "1")
+
+    def refuse(nbytes):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages, "huge_page_buffer", refuse)
+    m = nn.Linear(512, 512)
+    before, ptr = m.weight.detach().clone(), m.weight.data_ptr()
+    assert huge_pages.move_to_huge_pages(m) == 0
+    assert m.weight.data_ptr() == ptr and torch.equal(m.weight, before)
