@@ -3,9 +3,9 @@
 // FlashAttention-style online softmax (Dao et al. 2022, alg. 1; Milakov & Gimelshein 2018) over
 // one KV block at a time: per block the scores of every query that shares the KV head, one
 // max-rescale of the running output, then the weighted V rows. ATen's intra-op threads pull work
-// units from one counter: a request (its KV heads one after the other, the next block prefetched
-// for all of them) when there are at least two requests per thread, else a (request, KV head)
-// pair. The query heads of a KV head (GQA) and the query rows of a chunk share each K/V block read. A bfloat16 or float8 block's rows are widened
+// units from one counter: a request when there are at least two requests per thread (each block
+// read once, all its KV heads worked on before the next block, which is prefetched into L2 as one
+// contiguous range meanwhile), else a (request, KV head) pair. The query heads of a KV head (GQA) and the query rows of a chunk share each K/V block read. A bfloat16 or float8 block's rows are widened
 // to float32 once per block for all those queries. Scores go kLanes keys at a time: each key's
 // products summed along head_dim in one vector, then the kLanes vectors reduced together
 // (kvserve_vec::sum_lanes) instead of one horizontal sum per key; the weighted V rows accumulate
@@ -161,103 +161,114 @@ struct Item {
     }
   }
 
-  // scores s[i * BS + (j - j0)] for queries i of keys j in [j0, j1) of one block, then per query
-  // the online-softmax update of (m, l, acc) with that block's keys.
+  // KV heads [h0, h0 + nh) of one request: block by block, for each of those heads in turn, the
+  // scores s[i * BS + (j - j0)] of its queries i for the block's keys j in [j0, j1), their online-softmax
+  // update of (m, l, acc), then the weighted V rows. Query i is (head h0 + i / nqh, row (i % nqh) / G,
+  // query head (i % nqh) % G) with nqh = qlen * G. All heads of a block before the next block: while
+  // they are worked on, the next block's rows (prefetched to L2) stream in.
   void run(const QT* qp, const CacheT* kp, const CacheT* vp, QT* op, const int32_t* table,
-           int64_t q0, int64_t qlen, int64_t slen, int64_t h, int64_t H, int64_t G, int64_t Hkv,
+           int64_t q0, int64_t qlen, int64_t slen, int64_t h0, int64_t nh, int64_t H, int64_t G, int64_t Hkv,
            int64_t BS, float scale, float cap, int64_t window, std::vector<float>& m,
            std::vector<float>& l, std::vector<float>& acc, std::vector<float>& s, std::vector<float>& qs,
-           std::vector<int64_t>& lo_q, std::vector<int64_t>& hi_q, std::vector<float>& kvbuf,
-           bool all_heads) const {
-    const int64_t d_ = hd(), nq = qlen * G, ctx = slen - qlen;
+           std::vector<int64_t>& lo_q, std::vector<int64_t>& hi_q, std::vector<float>& kvbuf) const {
+    const int64_t d_ = hd(), nqh = qlen * G, nq = nqh * nh, ctx = slen - qlen;
     const float ninf = -std::numeric_limits<float>::infinity();
     m.assign(nq, ninf);
     l.assign(nq, 0.f);
     acc.assign(nq * d_, 0.f);
     s.resize(nq * BS);
-    lo_q.resize(nq);
-    hi_q.resize(nq);
+    lo_q.resize(nqh);
+    hi_q.resize(nqh);
     qs.resize(nq * d_);
     if (!std::is_same_v<CacheT, float>) kvbuf.resize(2 * BS * d_);
-    for (int64_t i = 0; i < nq; ++i) {  // query i = (row t = i / G, head g = i % G)
-      const int64_t p = ctx + i / G;    // it sees keys lo..p
+    for (int64_t i = 0; i < nqh; ++i) {  // query row t = i / G sees keys lo..p
+      const int64_t p = ctx + i / G;
       hi_q[i] = p;
       lo_q[i] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      const QT* src = qp + ((q0 + i / G) * H + h * G + i % G) * d_;
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t hh = h0 + i / nqh, r = i % nqh;
+      const QT* src = qp + ((q0 + r / G) * H + hh * G + r % G) * d_;
       for (int64_t d = 0; d < d_; ++d) qs[i * d_ + d] = kvserve::to_float(src[d]);
     }
     const int64_t first = lo_q[0], last = slen - 1;  // keys any query of the item sees
     const int64_t stride = Hkv * d_;                 // elements between a block's rows of one head
+    // the rows of heads [h0, h0 + nh) of a block: one contiguous range when nh == Hkv
+    const int64_t span = (nh == Hkv ? Hkv : 1) * d_ * static_cast<int64_t>(sizeof(CacheT));
     for (int64_t b = first / BS; b <= last / BS; ++b) {
       const int64_t j0 = std::max(first, b * BS), j1 = std::min(last + 1, (b + 1) * BS), n = j1 - j0;
-      const int64_t off = (static_cast<int64_t>(table[b]) * BS * Hkv + h) * d_ + (j0 - b * BS) * stride;
-      if (b + 1 <= last / BS && (h == 0 || !all_heads)) {  // the next block, while this one is worked on
-        // all_heads (the caller runs every head of the request next, on this core): every head's
-        // rows, one contiguous range, from the first head; else this head's rows
-        const int64_t next = static_cast<int64_t>(table[b + 1]) * BS * Hkv * d_ + (all_heads ? 0 : h * d_);
-        const int64_t span = (all_heads ? Hkv : 1) * d_ * static_cast<int64_t>(sizeof(CacheT));
-        for (int64_t r = 0; r < BS; ++r) {
-          const char* nk = reinterpret_cast<const char*>(kp + next + r * stride);
-          const char* nv = reinterpret_cast<const char*>(vp + next + r * stride);
-          for (int64_t c = 0; c < span; c += 64) {
-            __builtin_prefetch(nk + c);
-            __builtin_prefetch(nv + c);
+      const int64_t base = static_cast<int64_t>(table[b]) * BS * Hkv * d_ + (j0 - b * BS) * stride;
+      if (b + 1 <= last / BS) {  // the next block into L2 while this one is worked on
+        const int64_t next = static_cast<int64_t>(table[b + 1]) * BS * Hkv * d_;
+        for (int64_t hh = h0; hh < h0 + nh; hh += (nh == Hkv ? Hkv : 1)) {
+          for (int64_t r = 0; r < BS; ++r) {
+            const char* nk = reinterpret_cast<const char*>(kp + next + r * stride + (nh == Hkv ? 0 : hh * d_));
+            const char* nv = reinterpret_cast<const char*>(vp + next + r * stride + (nh == Hkv ? 0 : hh * d_));
+            for (int64_t c = 0; c < span; c += 64) {
+              __builtin_prefetch(nk + c, 0, 2);
+              __builtin_prefetch(nv + c, 0, 2);
+            }
           }
         }
       }
-      int64_t krs, vrs;
-      // scores: the block's key rows (widened once for all nq queries), kLanes keys per reduction
-      const float* kr = block_rows(kp + off, n, stride, ks, kvbuf.data(), &krs);
-      for (int64_t i = 0; i < nq; ++i) {
-        float* si = s.data() + i * BS;
-        const int64_t lo = lo_q[i] - j0, hi = hi_q[i] - j0;  // visible keys of the block: lo..hi
-        if (hi < 0 || lo >= n) {  // none (a chunk's earlier rows, before a later block)
-          std::fill(si, si + n, ninf);
-          continue;
-        }
-        dots(qs.data() + i * d_, kr, krs, n, si);
-        if (cap > 0.f) {
-          for (int64_t j = 0; j < n; ++j) si[j] = cap * std::tanh(si[j] * scale / cap);
-        } else {
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const int64_t off = base + (h0 + hh) * d_, i0 = hh * nqh, i1 = i0 + nqh;
+        int64_t krs, vrs;
+        // scores: the block's key rows of this head (widened once for its nqh queries), kLanes keys per reduction
+        const float* kr = block_rows(kp + off, n, stride, ks, kvbuf.data(), &krs);
+        for (int64_t i = i0; i < i1; ++i) {
+          float* si = s.data() + i * BS;
+          const int64_t lo = lo_q[i - i0] - j0, hi = hi_q[i - i0] - j0;  // visible keys of the block: lo..hi
+          if (hi < 0 || lo >= n) {  // none (a chunk's earlier rows, before a later block)
+            std::fill(si, si + n, ninf);
+            continue;
+          }
+          dots(qs.data() + i * d_, kr, krs, n, si);
+          if (cap > 0.f) {
+            for (int64_t j = 0; j < n; ++j) si[j] = cap * std::tanh(si[j] * scale / cap);
+          } else {
 #pragma omp simd
-          for (int64_t j = 0; j < n; ++j) si[j] *= scale;
+            for (int64_t j = 0; j < n; ++j) si[j] *= scale;
+          }
+          for (int64_t j = 0; j < std::min(n, lo); ++j) si[j] = ninf;
+          for (int64_t j = std::max<int64_t>(hi + 1, 0); j < n; ++j) si[j] = ninf;
         }
-        for (int64_t j = 0; j < std::min(n, lo); ++j) si[j] = ninf;
-        for (int64_t j = std::max<int64_t>(hi + 1, 0); j < n; ++j) si[j] = ninf;
-      }
-      for (int64_t i = 0; i < nq; ++i) {
-        float* si = s.data() + i * BS;
-        float mb = ninf;
-        for (int64_t j = 0; j < n; ++j) mb = std::max(mb, si[j]);
-        if (mb == ninf) {  // no key of this block is visible to query i
-          std::fill(si, si + n, 0.f);
-          continue;
-        }
-        const float mn = std::max(m[i], mb);
-        float* o = acc.data() + i * d_;
-        if (m[i] != ninf && mn > m[i]) {
-          const float alpha = exp_nonpos(m[i] - mn);
-          l[i] *= alpha;
+        for (int64_t i = i0; i < i1; ++i) {
+          float* si = s.data() + i * BS;
+          float mb = ninf;
+          for (int64_t j = 0; j < n; ++j) mb = std::max(mb, si[j]);
+          if (mb == ninf) {  // no key of this block is visible to query i
+            std::fill(si, si + n, 0.f);
+            continue;
+          }
+          const float mn = std::max(m[i], mb);
+          float* o = acc.data() + i * d_;
+          if (m[i] != ninf && mn > m[i]) {
+            const float alpha = exp_nonpos(m[i] - mn);
+            l[i] *= alpha;
 #pragma omp simd
-          for (int64_t d = 0; d < d_; ++d) o[d] *= alpha;
-        }
-        m[i] = mn;
-        float sum = 0.f;
+            for (int64_t d = 0; d < d_; ++d) o[d] *= alpha;
+          }
+          m[i] = mn;
+          float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          const float e = si[j] == ninf ? 0.f : exp_nonpos(si[j] - mn);
-          si[j] = e;
-          sum += e;
+          for (int64_t j = 0; j < n; ++j) {
+            const float e = si[j] == ninf ? 0.f : exp_nonpos(si[j] - mn);
+            si[j] = e;
+            sum += e;
+          }
+          l[i] += sum;
         }
-        l[i] += sum;
+        // weighted V rows: the block's value rows of this head widened once for its nqh queries
+        const float* vr = block_rows(vp + off, n, stride, vs, kvbuf.data() + BS * d_, &vrs);
+        for (int64_t i = i0; i < i1; ++i)
+          if (hi_q[i - i0] >= j0 && lo_q[i - i0] < j1)
+            weighted_rows(s.data() + i * BS, vr, vrs, n, acc.data() + i * d_);
       }
-      // weighted V rows: the block's value rows widened once for all nq queries
-      const float* vr = block_rows(vp + off, n, stride, vs, kvbuf.data() + BS * d_, &vrs);
-      for (int64_t i = 0; i < nq; ++i)
-        if (hi_q[i] >= j0 && lo_q[i] < j1) weighted_rows(s.data() + i * BS, vr, vrs, n, acc.data() + i * d_);
     }
     for (int64_t i = 0; i < nq; ++i) {
-      QT* dst = op + ((q0 + i / G) * H + h * G + i % G) * d_;
+      const int64_t hh = h0 + i / nqh, r = i % nqh;
+      QT* dst = op + ((q0 + r / G) * H + hh * G + r % G) * d_;
       const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
       const float* o = acc.data() + i * d_;
 #pragma omp simd
@@ -318,14 +329,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       std::vector<float> m, l, acc, s, qs, kvbuf;
       std::vector<int64_t> lo_q, hi_q;
       for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
-        for (int64_t w = u * per; w < (u + 1) * per; ++w) {
-          const int64_t r = rq[w / Hkv], h = w % Hkv;
-          const int64_t q0 = cu[r], qlen = cu[r + 1] - q0;
-          if (qlen <= 0) continue;
-          item.run(static_cast<const Q*>(qp), static_cast<const C*>(kp), static_cast<const C*>(vp),
-                   static_cast<Q*>(op), bt + r * W, q0, qlen, sl[r], h, H, G, Hkv, BS, fscale, cap,
-                   window, m, l, acc, s, qs, lo_q, hi_q, kvbuf, all_heads);
-        }
+        const int64_t r = rq[u * per / Hkv], h0 = u * per % Hkv;
+        const int64_t q0 = cu[r], qlen = cu[r + 1] - q0;
+        if (qlen <= 0) continue;
+        item.run(static_cast<const Q*>(qp), static_cast<const C*>(kp), static_cast<const C*>(vp),
+                 static_cast<Q*>(op), bt + r * W, q0, qlen, sl[r], h0, per, H, G, Hkv, BS, fscale, cap,
+                 window, m, l, acc, s, qs, lo_q, hi_q, kvbuf);
       }
     });
   };
