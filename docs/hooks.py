@@ -84,7 +84,7 @@ NOT_MEASURED: dict[str, tuple[str, str]] = {
     "structured_output": ("python benchmarks/structured_output.py", "782aa52"),
     "step_times": ("python benchmarks/step_times.py", "600febf"),
     "host_times": ("python benchmarks/step_times.py --host-only", "9b0c848"),
-    "cpu_linear": ("python benchmarks/cpu_linear.py", "9b0c848"),
+    "cpu_linear": ("python benchmarks/cpu_linear.py --peer vllm", "9b0c848"),
     "compile_probe": ("python benchmarks/compile_probe.py {plain,fused,compile}, each also with "
                       "KVSERVE_CPU_LINEAR=aten (one file per run: compile_probe_<mode>_<linear>.json)", "9447371"),
     "gpu_nvidia-h100-80gb-hbm3": ("python benchmarks/gpu.py   # on an H100; see GPU", "6790288"),
