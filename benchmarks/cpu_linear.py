@@ -141,8 +141,8 @@ def main(argv=None) -> None:
                     from benchmarks.peer_vllm import run_vllm_matmul
                     for part, named in parts.items():
                         v = run_vllm_matmul({k: list(s) for k, s in named.items()}, name, part_rows[part])
-                        result["vllm"] = {k: v[k] for k in ("version", "threads")}
-                        result["vllm"].setdefault("dispatch", {}).update(v["dispatch"])
+                        result["vllm"] = {"version": v["version"], "threads": v["threads"],
+                                          "dispatch": {**(result["vllm"] or {}).get("dispatch", {}), **v["dispatch"]}}
                         for n, g in v["gflops"].items():
                             runs[part][-1][n]["vllm"] = g
                         print(name, part, "vllm", {n: round(g, 1) for n, g in v["gflops"].items()}, flush=True)

@@ -349,9 +349,8 @@ _bf16_gemv_rows: int | None = None
 
 def bf16_gemv_rows() -> int:
     """The most rows a bfloat16 matmul is given to the bf16 GEMV rather than to oneDNN (decided
-    by the compiled kernel, ``bf16_linear_cpu.cpp``: :data:`BF16_GEMV_ROWS` without native bf16,
-    fewer where its avx512_bf16 loop is slower than oneDNN's native bf16 matmul at more rows);
-    0 where the kernels do not load."""
+    by the compiled kernel, ``bf16_linear_cpu.cpp``, which says why: :data:`BF16_GEMV_ROWS`, with or
+    without native bf16); 0 where the kernels do not load."""
     global _bf16_gemv_rows
     if _bf16_gemv_rows is None:
         ok = load_kernel() and hasattr(torch.ops.kvserve_cpu, "bf16_gemv_rows")

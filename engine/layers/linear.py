@@ -25,8 +25,8 @@ measures per shape (GFLOP/s of each library at 1 to 2,048 rows):
   while oneDNN uses AVX-512).
 
 float32 results are IEEE float32 either way (they differ only in summation order).
-bfloat16, up to ``kernels.cpu_backend.bf16_gemv_rows()`` rows (decode; 8, or 4 with native bf16,
-where oneDNN's native bf16 matmul was faster at 8), on any CPU: kvserve's bf16 GEMV
+bfloat16, up to ``kernels.cpu_backend.bf16_gemv_rows()`` rows (decode; 8, with or without native
+bf16: ``kernels/csrc/bf16_linear_cpu.cpp`` has the probe), on any CPU: kvserve's bf16 GEMV
 (``kernels.cpu_backend.bf16_weight_linear``; avx512_bf16 dot products where the CPU has them, else
 float32 math on weights widened as they are read).
 bfloat16 prepacking needs native bf16 (``avx512_bf16``/AMX, or ``avx_ne_convert``): larger bf16
@@ -92,7 +92,7 @@ def _f32_gemv_op():
 
 
 #: Decode-sized bfloat16 matmuls (kernels.cpu_backend.bf16_weight_linear's GEMV, on any CPU): at most
-#: ``kernels.cpu_backend.bf16_gemv_rows()`` rows (8; 4 with native bf16); None: not decided yet.
+#: ``kernels.cpu_backend.bf16_gemv_rows()`` rows (8); None: not decided yet.
 _bf16_gemv: tuple | None = None
 
 

@@ -168,17 +168,15 @@ void bf16_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
 #endif
 }
 
-// The most rows engine.layers.linear gives bf16_gemv: kMaxRows where the build has no native bf16
-// (oneDNN refuses bf16 there); with avx512_bf16, 4: on a 2-core Zen 4 EPYC, SmolLM2's decode steps
-// ran faster through the GEMV than through oneDNN's native bf16 matmul at 1 and 4 rows and slower
-// at 8 (one-off probes, interleaved).
-int64_t bf16_gemv_rows() {
-#if defined(__AVX512BF16__)
-  return 4;
-#else
-  return kMaxRows;
-#endif
-}
+// The most rows engine.layers.linear (and the C++ decode loop) gives bf16_gemv: kMaxRows, with or
+// without native bf16. Without it oneDNN refuses bf16. With avx512_bf16, on a 2-core Zen 4 EPYC,
+// SmolLM2 decoding 64 tokens for 5, 6 and 8 requests took 1.41, 1.60 and 1.98 s with the GEMV (and so
+// the C++ layer loop) against 1.97, 2.03 and 2.45 s when the limit was 4 and those steps ran op by op
+// on oneDNN's native bf16 matmul; op by op on both sides (KVSERVE_CPU_DECODE_LAYERS=0), 6 and 8
+// requests took 1.84 and 2.28 s with the GEMV against 2.05 and 2.45 on oneDNN (one-off probes, three
+// interleaved repeats, medians). oneDNN alone is faster on these shapes from 4 rows when the weights
+// sit in cache (benchmarks/cpu_linear.py); a decode step reads them from memory.
+int64_t bf16_gemv_rows() { return kMaxRows; }
 
 void bf16_widen(const at::Tensor& w, at::Tensor& out) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && out.scalar_type() == at::kFloat &&

@@ -94,7 +94,7 @@ def test_decode_rows_take_the_bf16_gemv_on_every_cpu():
     if not cpu_backend.load_kernel():
         pytest.skip(f"CPU kernels cannot be built here: {cpu_backend.kernel_error()}")
     limit = cpu_backend.bf16_gemv_rows()
-    assert limit == (4 if config.cpu_native_bf16()[0] else 8)
+    assert limit == 8
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(384, 256, generator=g) / 10).bfloat16()
     packed = prepack_weight(w)

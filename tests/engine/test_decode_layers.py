@@ -64,7 +64,7 @@ def test_float32_equals_the_per_op_path(request, model, calls, monkeypatch):
 def test_bfloat16_takes_the_loop(tiny_llama_path, calls, monkeypatch):
     """bfloat16 decode matmuls are the bf16 GEMV's on every CPU (native bf16 dot products where the
     CPU has them, float32 math on widened weights where not), so bfloat16 takes the loop too, up to
-    the GEMV's rows (4 with native bf16; larger steps run op by op on oneDNN)."""
+    the GEMV's rows (8; larger steps run op by op on oneDNN)."""
     llm = LLM(model=str(tiny_llama_path), dtype="bfloat16", enable_prefix_caching=False, attention_backend="cpu")
     fused, per_op, rows = _both_paths(llm, calls, monkeypatch, n=5)
     assert rows and max(rows) == min(5, cpu_backend.bf16_gemv_rows())
