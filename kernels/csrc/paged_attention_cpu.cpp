@@ -5,8 +5,9 @@
 // max-rescale of the running output, then the weighted V rows. ATen's intra-op threads pull work
 // units from one counter: a request when there are at least two requests per thread (each block
 // read once, all its KV heads worked on before the next block, which is prefetched into L2 as one
-// contiguous range meanwhile), else a (request, KV head) pair. The query heads of a KV head (GQA) and the query rows of a chunk share each K/V block read. A bfloat16 or float8 block's rows are widened
-// to float32 once per block for all those queries. Scores go kLanes keys at a time: each key's
+// contiguous range meanwhile), else a (request, KV head) pair. The query heads of a KV head (GQA)
+// and the query rows of a chunk share each K/V block read. A bfloat16 or float8 block's rows are
+// widened to float32 once per block for all those queries. Scores go kLanes keys at a time: each key's
 // products summed along head_dim in one vector, then the kLanes vectors reduced together
 // (kvserve_vec::sum_lanes) instead of one horizontal sum per key; the weighted V rows accumulate
 // in registers, four vectors of the output at a time, across the block's rows. Keys a query
@@ -193,21 +194,20 @@ struct Item {
     }
     const int64_t first = lo_q[0], last = slen - 1;  // keys any query of the item sees
     const int64_t stride = Hkv * d_;                 // elements between a block's rows of one head
-    // the rows of heads [h0, h0 + nh) of a block: one contiguous range when nh == Hkv
+    // bytes of a block row to prefetch: every head's (contiguous) for a whole request, else head h0's
+    // (the callers give nh == 1 or nh == Hkv)
     const int64_t span = (nh == Hkv ? Hkv : 1) * d_ * static_cast<int64_t>(sizeof(CacheT));
     for (int64_t b = first / BS; b <= last / BS; ++b) {
       const int64_t j0 = std::max(first, b * BS), j1 = std::min(last + 1, (b + 1) * BS), n = j1 - j0;
       const int64_t base = static_cast<int64_t>(table[b]) * BS * Hkv * d_ + (j0 - b * BS) * stride;
       if (b + 1 <= last / BS) {  // the next block into L2 while this one is worked on
-        const int64_t next = static_cast<int64_t>(table[b + 1]) * BS * Hkv * d_;
-        for (int64_t hh = h0; hh < h0 + nh; hh += (nh == Hkv ? Hkv : 1)) {
-          for (int64_t r = 0; r < BS; ++r) {
-            const char* nk = reinterpret_cast<const char*>(kp + next + r * stride + (nh == Hkv ? 0 : hh * d_));
-            const char* nv = reinterpret_cast<const char*>(vp + next + r * stride + (nh == Hkv ? 0 : hh * d_));
-            for (int64_t c = 0; c < span; c += 64) {
-              __builtin_prefetch(nk + c, 0, 2);
-              __builtin_prefetch(nv + c, 0, 2);
-            }
+        const int64_t next = static_cast<int64_t>(table[b + 1]) * BS * Hkv * d_ + (nh == Hkv ? 0 : h0 * d_);
+        for (int64_t r = 0; r < BS; ++r) {
+          const char* nk = reinterpret_cast<const char*>(kp + next + r * stride);
+          const char* nv = reinterpret_cast<const char*>(vp + next + r * stride);
+          for (int64_t c = 0; c < span; c += 64) {
+            __builtin_prefetch(nk + c, 0, 2);
+            __builtin_prefetch(nv + c, 0, 2);
           }
         }
       }
