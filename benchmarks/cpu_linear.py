@@ -141,8 +141,9 @@ def main(argv=None) -> None:
                     from benchmarks.peer_vllm import run_vllm_matmul
                     for part, named in parts.items():
                         v = run_vllm_matmul({k: list(s) for k, s in named.items()}, name, part_rows[part])
-                        result["vllm"] = {"version": v["version"], "threads": v["threads"],
-                                          "dispatch": {**(result["vllm"] or {}).get("dispatch", {}), **v["dispatch"]}}
+                        peer = result["vllm"] = result["vllm"] or {"dispatch": {}}
+                        peer.update(version=v["version"], threads=v["threads"])
+                        peer["dispatch"].update(v["dispatch"])  # the op vLLM chose, per weight of every part
                         for n, g in v["gflops"].items():
                             runs[part][-1][n]["vllm"] = g
                         print(name, part, "vllm", {n: round(g, 1) for n, g in v["gflops"].items()}, flush=True)
