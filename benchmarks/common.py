@@ -67,9 +67,9 @@ def add_model_arg(ap) -> None:
 
 
 def resolve(model: str | None) -> tuple[str, int]:
-    """The local model folder for ``model`` (``engine.model_loader.resolve_model``; None is
+    """The local model folder for ``model`` (``kvserve.engine.model_loader.resolve_model``; None is
     the default SmolLM2-135M-Instruct) and its vocabulary size."""
-    from engine.model_loader import load_config, resolve_model
+    from kvserve.engine.model_loader import load_config, resolve_model
 
     path = str(resolve_model(model))
     return path, load_config(path).vocab_size
@@ -101,7 +101,7 @@ def random_token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def greedy(max_tokens: int, **kw):
     """Greedy sampling of exactly ``max_tokens`` tokens (``ignore_eos``)."""
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
@@ -110,7 +110,7 @@ def greedy(max_tokens: int, **kw):
 def run_kvserve(llm, work, lora_requests: list | None = None) -> dict:
     """All of ``work`` at once on ``llm``'s engine (an ``engine.LLM``), after a warm-up
     outside the timed region (first-call allocations, thread pools); ``lora_requests``: each
-    request's ``engine.lora.LoRARequest`` (None: the base model), in workload order.
+    request's ``kvserve.engine.lora.LoRARequest`` (None: the base model), in workload order.
 
     Returns elapsed_s, output_tokens, output_tok_per_s, steps, the engine's
     max_running_batch, kv_waste, prefix_cache_hit_rate, num_preemptions, num_kv_blocks, and
@@ -568,7 +568,7 @@ def private_ray_token() -> str:
     """Turn Ray's token auth on for this process with a token of this run only (a fresh 0600 file
     in a new temp dir, as ``kvserve serve`` makes its own); returns that dir. Call it before
     anything imports ``ray``: Ray reads the auth variables when imported."""
-    from cluster.ray_auth import ensure_local_auth
+    from kvserve.cluster.ray_auth import ensure_local_auth
 
     auth_dir = tempfile.mkdtemp(prefix="kvserve-bench-auth-")
     os.environ["RAY_AUTH_MODE"] = "token"
@@ -587,7 +587,7 @@ def local_serve(num_cpus: int):
     Call it before anything imports ``ray``: Ray reads the auth variables when imported.
     """
     auth_dir = private_ray_token()
-    from cluster import set_local_ray_env
+    from kvserve.cluster import set_local_ray_env
 
     set_local_ray_env()  # worker niceness, Serve's loop intervals: as `kvserve serve` does
     import ray

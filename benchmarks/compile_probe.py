@@ -2,7 +2,7 @@
 
 Compiles every decoder layer's MLP and both RMSNorms (``dynamic=True``, so the token count does
 not recompile per step) and reports the median 64-request decode step against the same engine
-uncompiled, and against the hand-fused C++ ops (``kernels/csrc/fused_ops_cpu.cpp``).
+uncompiled, and against the hand-fused C++ ops (``kvserve/kernels/csrc/fused_ops_cpu.cpp``).
 
 Usage (one mode per process, so compiled state never leaks between them)::
 
@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import engine.layers.linear as linear  # noqa: E402
+import kvserve.engine.layers.linear as linear  # noqa: E402
 from benchmarks.common import Figures, Results, greedy, random_token_ids  # noqa: E402
-from engine import LLM  # noqa: E402
-from engine.step_isolation import StepFailedError
-from engine.model_loader import resolve_model  # noqa: E402
-from kernels import cpu_backend  # noqa: E402
+from kvserve.engine import LLM  # noqa: E402
+from kvserve.engine.step_isolation import StepFailedError
+from kvserve.engine.model_loader import resolve_model  # noqa: E402
+from kvserve.kernels import cpu_backend  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("mode", "cpu_linear", "error", "decode_step_ms_p50", "prefill_and_warmup_s")

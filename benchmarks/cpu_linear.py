@@ -1,10 +1,10 @@
-"""CPU matmul libraries per shape: what ``engine/layers/linear.py`` chooses from, measured here,
+"""CPU matmul libraries per shape: what ``kvserve/engine/layers/linear.py`` chooses from, measured here,
 and what vLLM's CPU build runs for the same weights.
 
 For a model's four decoder-layer weight shapes (default SmolLM2-135M: qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536) and the LM head, at 1..2048 activation rows, GFLOP/s of:
 
-* ``kvserve``: ``engine.layers.linear.linear`` with the weight prepacked as the engine keeps it
+* ``kvserve``: ``kvserve.engine.layers.linear.linear`` with the weight prepacked as the engine keeps it
   (``prepack_weight``): the engine's own choice per row count (its GEMVs for decode-sized float32
   and bfloat16 batches, else oneDNN);
 * ``aten``: ``F.linear`` (MKL sgemm for float32);
@@ -40,9 +40,9 @@ import torch  # noqa: E402
 
 from benchmarks.common import Figures, Results, add_model_arg  # noqa: E402
 from benchmarks.peer_vllm import gflops  # noqa: E402
-from engine.config import cpu_native_bf16  # noqa: E402
-from engine.layers.linear import linear, prepack_weight  # noqa: E402
-from engine.model_loader import load_config, resolve_model  # noqa: E402
+from kvserve.engine.config import cpu_native_bf16  # noqa: E402
+from kvserve.engine.layers.linear import linear, prepack_weight  # noqa: E402
+from kvserve.engine.model_loader import load_config, resolve_model  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("layer_shapes", "lm_head", "native_bf16", "threads", "repeats", "vllm", "gflops", "gflops_runs")

@@ -3,7 +3,7 @@
 Two models, each offline (no HTTP), float32:
 
 - **decoder**: SmolLM2-135M-Instruct's final hidden states, last-token pooled and normalised.
-  kvserve: the engine (``LLM.embed``, ``engine/pooling.py``). vLLM: ``LLM(runner="pooling",
+  kvserve: the engine (``LLM.embed``, ``kvserve/engine/pooling.py``). vLLM: ``LLM(runner="pooling",
   convert="embed").embed`` (its default pooler for a converted causal LM).
 - **encoder**: all-MiniLM-L6-v2 (the bundled model of ``--embedding-model bundled``). kvserve:
   ``EmbeddingServer``'s forward pass (sentence-transformers; batches of 256, what its
@@ -59,7 +59,7 @@ def cosine(a, b) -> float:
 
 def run_decoder(path: str, works: list[list[list[int]]]) -> dict:
     """kvserve's engine: ``LLM.embed`` (last-token pooling) on each workload."""
-    from engine import LLM
+    from kvserve.engine import LLM
 
     llm = LLM(path, dtype="float32")
     llm.embed([list(range(1000, 1064))])  # warm-up
@@ -80,7 +80,7 @@ def run_encoder(works: list[list[list[int]]], batch: int = 256) -> dict:
     ``serve.batch`` size: the inputs of one request reach one call)."""
     import torch
 
-    from deployments.replica.embedding_server import EmbeddingServer
+    from kvserve.deployments.replica.embedding_server import EmbeddingServer
 
     threads = torch.get_num_threads()
     srv = EmbeddingServer.func_or_class(torch_num_threads=threads)  # both cores, as vLLM has
@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
 
-    from deployments.contract.encoder import bundled_encoder_path
+    from kvserve.deployments.contract.encoder import bundled_encoder_path
 
     dec_path, vocab = resolve(None)
     enc_path = str(bundled_encoder_path())

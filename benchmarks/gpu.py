@@ -4,7 +4,7 @@
 Parts (``--parts``, comma-separated; default all):
 
 ``attention``
-    (1a) Paged *decode* attention (our Triton kernel, ``kernels/triton_attention.py``), bf16,
+    (1a) Paged *decode* attention (our Triton kernel, ``kvserve/kernels/triton_attention.py``), bf16,
     batch 64, contexts 512..8192, on the attention shapes of Qwen3-0.6B (16 q heads, 8 KV heads,
     head_dim 128) and Llama-3.2-1B (32 / 8 / 64). Reported as achieved bandwidth = bytes of
     K/V read (+ q and out) / time, next to the card's measured copy bandwidth (a torch copy of
@@ -22,7 +22,7 @@ Parts (``--parts``, comma-separated; default all):
     queued back to back), the GPU kernels' time and count per token (``torch.profiler``), and the
     host functions that take the most time per token (``cProfile``).
 ``w4a16``
-    (4) :func:`bench_w4a16`: the 4-bit weight matmul (``kernels/triton_w4a16.py``) on Qwen3-0.6B's
+    (4) :func:`bench_w4a16`: the 4-bit weight matmul (``kvserve/kernels/triton_w4a16.py``) on Qwen3-0.6B's
     linear shapes (qkv, o, gate+up, down; random 4-bit weights in groups of 128) at 1, 16 and 256
     rows: ms, GB/s of weight bytes read (4-bit plus scales), against torch's bf16 matmul of the
     same weight widened (``F.linear``), and max|ours - bf16| relative to the output's scale.
@@ -197,7 +197,7 @@ def _paged_problem(batch: int, q_len: int, ctx: int, shape: dict, block_size: in
     (``kv_cache_dtype="fp8"``: the caches in float8 e4m3 with a per-cache ``k_scale`` /
     ``v_scale``, the contiguous copies dequantized to ``dtype``)."""
     import torch
-    from kernels.backend import AttentionMetadata
+    from kvserve.kernels.backend import AttentionMetadata
     g = torch.Generator(device=device).manual_seed(seed)
     H, Hkv, D = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
     nblk = -(-ctx // block_size)
@@ -243,7 +243,7 @@ def bench_decode_attention(timer: Timer, shape_name: str, batch: int, ctx: int,
     """Paged decode attention (1 query per request, ``ctx`` keys): median ms, GB/s of K/V + q +
     out bytes, the same for SDPA on contiguous K/V, and max|ours - SDPA|."""
     import torch
-    from kernels import triton_attention as ta
+    from kvserve.kernels import triton_attention as ta
     p = _paged_problem(batch, 1, ctx, ATTN_SHAPES[shape_name], block_size, getattr(torch, dtype),
                        device=device, kv_cache_dtype=kv_cache_dtype)
     scale = p["D"] ** -0.5
@@ -277,7 +277,7 @@ def bench_prefill_attention(timer: Timer, shape_name: str, ctx: int, block_size:
     """Causal varlen prefill of ``tokens // ctx`` requests of ``ctx`` tokens: median ms,
     TFLOP/s (causal FLOPs), the same for SDPA ``is_causal=True``, and max|ours - SDPA|."""
     import torch
-    from kernels import triton_attention as ta
+    from kvserve.kernels import triton_attention as ta
     batch = max(1, tokens // ctx)
     p = _paged_problem(batch, ctx, ctx, ATTN_SHAPES[shape_name], block_size, getattr(torch, dtype),
                        device=device, kv_cache_dtype=kv_cache_dtype)
@@ -308,8 +308,8 @@ def bench_w4a16(timer: Timer, name: str, n: int, k: int, rows: int, dtype: str =
     weight in ``dtype``: median ms of each, GB/s of the 4-bit weight bytes (packed values, scales
     and zero terms), and max|ours - dense| / max|dense|."""
     import torch
-    from engine.layers.w4a16 import build_w4
-    from kernels.triton_w4a16 import w4a16_matmul
+    from kvserve.engine.layers.w4a16 import build_w4
+    from kvserve.kernels.triton_w4a16 import w4a16_matmul
     g = torch.Generator().manual_seed(0)
     gs = min(group_size, k)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -405,7 +405,7 @@ def weight_bytes(model_dir: Path) -> int:
 def _engine_api():
     """``(LLM, SamplingParams)`` or raise ImportError with the reason."""
     try:
-        from engine import LLM, SamplingParams
+        from kvserve.engine import LLM, SamplingParams
         return LLM, SamplingParams
     except Exception as exc:  # noqa: BLE001
         raise ImportError(f"engine.LLM not importable: {type(exc).__name__}: {exc}") from exc

@@ -60,7 +60,7 @@ def is_own(group: str) -> bool:
 def group_of(proc) -> str:
     """A process's group: its Ray actor title (``ray::ServeController``), else its executable's
     name and, for Python, the script or module it runs."""
-    if proc.name() == "kvserve-core":  # a replica's engine core process (engine/engine_core.py)
+    if proc.name() == "kvserve-core":  # a replica's engine core process (kvserve/engine/engine_core.py)
         return "kvserve-core"
     cmd = proc.cmdline()
     if cmd and cmd[0].startswith("ray::"):

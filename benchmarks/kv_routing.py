@@ -20,12 +20,12 @@ float32) on ``--replicas`` replicas, one torch thread each; a fresh app per arm 
 * ``default``: Serve's own router, power of two choices on queue length, no cache affinity (the
   issue's round-robin reference: Serve has no round robin, and a router of the benchmark's own
   would have to be importable in every replica);
-* ``prefix``: today's prefix-aware router (``deployments/routing/prefix_router.py``);
-* ``kv``: the KV-event router (``deployments/routing/kv_router.py``), no tier;
+* ``prefix``: today's prefix-aware router (``kvserve/deployments/routing/prefix_router.py``);
+* ``kv``: the KV-event router (``kvserve/deployments/routing/kv_router.py``), no tier;
 * ``kv_tier``: the KV-event router with a host tier of ``--kv-offloading-size`` GiB per replica;
 * ``kv_tiers``: the KV-event router with both tiers: the host tier, and the cluster tier in Ray's
   object store (``--kv-cluster-tier-size`` GiB shared by the replicas,
-  ``deployments/replica/kv_cluster.py``): a prefix computed on one replica loads on another.
+  ``kvserve/deployments/replica/kv_cluster.py``): a prefix computed on one replica loads on another.
 
 ``--model tiny`` serves a tiny random-weight Llama (hidden 64, 2 layers: ``tests/tiny_models.py``)
 instead of SmolLM2, for the many-replica case (``--replicas 3``): there the work is mostly the
@@ -44,7 +44,7 @@ Two component measures, in the same run:
   a prompt of ``--probe-tokens`` tokens, then enough other prompts to evict it from the pool, then
   the prompt again: its TTFT (loaded from the tier) against the TTFT of the same prompt on a
   fresh engine (recomputed); interleaved repeats;
-* **routing cost** (``router_cost``): :class:`~deployments.routing.kv_router.KVAwareRouter`'s
+* **routing cost** (``router_cost``): :class:`~kvserve.deployments.routing.kv_router.KVAwareRouter`'s
   decision time on fake replicas whose index holds ``3 x 20,000`` blocks, for 1,024-token
   token-id prompts.
 
@@ -133,7 +133,7 @@ async def run_users(url: str, users: list[list[list[dict]]], args, seed: int) ->
 def deploy(arm: str, args) -> None:
     from ray import serve
 
-    import deployments.app as app_mod
+    import kvserve.deployments.app as app_mod
 
     app_args = {"model": args.model_path, "served_model_name": DEFAULT_MODEL, "dtype": "float32",
                 "num_replicas": args.replicas, "torch_num_threads": 1,
@@ -212,7 +212,7 @@ def run_arm(arm: str, rep: int, args, url: str, users) -> dict:
 # ---- component measures -------------------------------------------------------------------------
 def tier_ttft(args) -> dict:
     """TTFT of a returning prompt loaded from the host tier vs recomputed (see the module docstring)."""
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     rng = random.Random(5)
     sp = SamplingParams(max_tokens=1, temperature=0)
@@ -247,11 +247,11 @@ def router_cost(n: int = 1000) -> dict:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
-    from deployments.contract.kv_index import request_hashes
-    from deployments.contract.types import GenerateRequest
-    from deployments.routing.kv_router import KVAwareRouter
-    from engine.kv_events import BlockStored, KVEventBatch
+    from kvserve.deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
+    from kvserve.deployments.contract.kv_index import request_hashes
+    from kvserve.deployments.contract.types import GenerateRequest
+    from kvserve.deployments.routing.kv_router import KVAwareRouter
+    from kvserve.engine.kv_events import BlockStored, KVEventBatch
 
     class Replica:
         def __init__(self, name):

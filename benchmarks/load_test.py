@@ -218,11 +218,11 @@ def auth_headers(api_key: str | None) -> dict:
 
 # ---- prompts --------------------------------------------------------------------------------
 def load_tokenizer(path: str | None):
-    """The model's tokenizer from its local folder (``engine.model_loader.resolve_model``:
+    """The model's tokenizer from its local folder (``kvserve.engine.model_loader.resolve_model``:
     None is the bundled SmolLM2-135M-Instruct)."""
     from transformers import AutoTokenizer
 
-    from engine.model_loader import resolve_model
+    from kvserve.engine.model_loader import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(path)))
 

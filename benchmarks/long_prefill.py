@@ -46,10 +46,10 @@ from benchmarks.common import Figures, Results, add_model_arg, percentile, pyplo
 RESULT_KEYS = ("benchmark", "model", "device", "dtype", "torch_threads", "smoke", "streams", "stream_prompt_tokens",
                "long_prompt_tokens", "max_num_batched_tokens", "max_model_len", "mixed_step_slowdown", "target",
                "time", "results")
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.mixed_step_budget import MixedStepBudget
-from engine.model_loader import resolve_model  # noqa: E402
+from kvserve.engine import EngineConfig, SamplingParams  # noqa: E402
+from kvserve.engine.llm_engine import LLMEngine  # noqa: E402
+from kvserve.engine.mixed_step_budget import MixedStepBudget
+from kvserve.engine.model_loader import resolve_model  # noqa: E402
 
 
 def set_mode(eng: LLMEngine, mode: str) -> None:

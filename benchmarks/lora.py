@@ -93,8 +93,8 @@ def make_adapters(model_path: str, rank: int, count: int) -> list[str]:
 def engine(path: str, dtype: str, lora_paths: list[str] | None, rank: int | None, max_num_batched_tokens: int):
     """kvserve's ``LLM`` and its ``LoRARequest`` per adapter (``lora_paths`` None: the base
     model, LoRA off), every adapter already loaded (one short request each)."""
-    from engine import LLM
-    from engine.lora import LoRARequest
+    from kvserve.engine import LLM
+    from kvserve.engine.lora import LoRARequest
 
     from benchmarks.common import greedy
 

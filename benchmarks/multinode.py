@@ -64,7 +64,7 @@ def one_run(model_path: str, streams: int, tokens: int) -> dict:
     from ray.cluster_utils import Cluster
     from ray.serve.context import _get_global_client
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1},
                                                            "include_dashboard": False})

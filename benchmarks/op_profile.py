@@ -134,7 +134,7 @@ def child(part: str, dtype: str, seconds: float, ready: str, out: str, threads: 
 
     from benchmarks.common import make_workload, run_kvserve
     from benchmarks.throughput import reshuffled
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     path, vocab = resolve(None)

@@ -46,7 +46,7 @@ def one_run(name: str, model: str, work, kv_blocks: int) -> dict:
     import torch
 
     from benchmarks.common import run_kvserve
-    from engine import LLM
+    from kvserve.engine import LLM
 
     pp, tp = CONFIGS[name]
     kw = dict(dtype="float32", max_num_seqs=64, num_kv_blocks=kv_blocks)
@@ -54,7 +54,7 @@ def one_run(name: str, model: str, work, kv_blocks: int) -> dict:
         torch.set_num_threads(2)
         llm = LLM(model, **kw)
     else:
-        from cluster.worker_group import RayWorkerGroup
+        from kvserve.cluster.worker_group import RayWorkerGroup
 
         def factory(config, path):
             return RayWorkerGroup(config, path, num_cpus=1, torch_num_threads=1, timeout_s=120)

@@ -5,7 +5,7 @@ outputs on them: the fixture of the W4A16 tests and of ``benchmarks/quantization
 transformers. :func:`ensure_venv` creates (once, cached under
 ``$KVSERVE_CACHE/peers/llmcompressor-<version>``) a virtual environment with ``torch==2.13.0``
 (CPU) and ``llmcompressor``; :func:`checkpoint` runs this file there as a worker that quantizes
-the float32 SmolLM2 folder (``engine.model_loader.resolve_model``) on CPU with one of
+the float32 SmolLM2 folder (``kvserve.engine.model_loader.resolve_model``) on CPU with one of
 :data:`RECIPES` (calibration: 32 windows of 256 tokens, 16 for AWQ, of ``benchmarks/data/calibration.txt``,
 the project's own prose, not the perplexity text), saves it as compressed-tensors
 ``pack-quantized`` (what vLLM loads from llmcompressor), and then loads the saved folder with
@@ -158,7 +158,7 @@ def checkpoint(name: str) -> Path:
         job = {"convert": fmt, "source": str(src), "out": str(out)}
     else:
         sys.path.insert(0, str(HERE.parents[1]))
-        from engine.model_loader import resolve_model
+        from kvserve.engine.model_loader import resolve_model
         job = {"recipe": RECIPES[name], "model": str(resolve_model(None)), "out": str(out),
                "calibration": str(CALIBRATION), "text": str(PERPLEXITY_TEXT), "prompts": PROMPTS,
                "new_tokens": NEW_TOKENS, "top_k": TOP_K}

@@ -58,8 +58,8 @@ from benchmarks.common import (  # noqa: E402
     resolve,
     run_kvserve,
 )
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import cpu_native_bf16  # noqa: E402
+from kvserve.engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.config import cpu_native_bf16  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -96,7 +96,7 @@ def config_model(path: str, kw: dict) -> tuple[str, dict]:
 def peak_rss(path: str, kw: dict) -> int:
     """Peak resident bytes of a fresh process that loads the configuration and answers one
     request (``ru_maxrss``; the CPU kernels already built)."""
-    code = ("import json, resource, sys; from engine import LLM, SamplingParams; a = json.loads(sys.argv[1]); "
+    code = ("import json, resource, sys; from kvserve.engine import LLM, SamplingParams; a = json.loads(sys.argv[1]); "
             "llm = LLM(model=a['path'], kv_cache_memory_bytes=a['kv'], enable_prefix_caching=False, **a['kw']); "
             "llm.generate(['Hello'], SamplingParams(max_tokens=8), use_tqdm=False); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")

@@ -232,7 +232,7 @@ def run_scenario(name: str, base_root: str, trials: int, n_streams: int, max_tok
     import httpx
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app_name, route = f"recovery-{name.replace('_', '-')}", f"/{name.replace('_', '-')}"
     app_args = {"model": None, "num_replicas": 1, **SCENARIOS[name]["app"]}
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                     "config": {"trials": args.trials, "streams": args.streams, "max_tokens": args.max_tokens,
                                "model": "SmolLM2-135M-Instruct (default)", "endpoint": "/v1/completions stream"},
                     "notes": list(args.note), "scenarios": {}}
-    from deployments.app import AppArgs, logical_cpus_needed
+    from kvserve.deployments.app import AppArgs, logical_cpus_needed
 
     names = ["replica_kill"] + ([] if args.skip_tp else ["tp_worker_kill"])
     need = max(logical_cpus_needed(AppArgs.model_validate({"num_replicas": 1, **SCENARIOS[n]["app"]})) for n in names)

@@ -11,7 +11,7 @@ default model (SmolLM2-135M-Instruct) on 2 fixed replicas, one torch thread each
 share this machine's 2 cores), ``--num-kv-blocks`` KV blocks per replica. For each router in
 ``--routers`` a fresh app (fresh prefix caches) runs the same arrivals:
 
-* ``prefix_aware``: ``deployments/routing/prefix_router.py`` (the default app's router);
+* ``prefix_aware``: ``kvserve/deployments/routing/prefix_router.py`` (the default app's router);
 * ``default``: Serve's power of two choices (``prefix_aware_routing: false``);
 * ``ray_prefix_tree``: Ray's ``PrefixCacheAffinityRouter`` through :class:`RayPrefixTreeAdapter`
   (it reads ``.prompt`` / ``.messages`` attributes of Ray LLM's request objects; our
@@ -153,7 +153,7 @@ async def send_all(url: str, bodies: list[dict], arrivals: list[float], timeout:
 def deploy(router: str, args) -> None:
     from ray import serve
 
-    import deployments.app as app_mod
+    import kvserve.deployments.app as app_mod
 
     app_args = {"model": None, "num_replicas": 2, "torch_num_threads": 1, "max_num_seqs": args.max_num_seqs,
                 "max_model_len": 1024, "num_kv_blocks": args.num_kv_blocks or None,
@@ -264,7 +264,7 @@ def routing_cost(tokenizer_path: str, bodies: list[dict]) -> dict:
     of each system prompt (tokenize its leading 2 KiB) and the others (cached leading text)."""
     from transformers import PreTrainedTokenizerFast
 
-    from deployments.routing.prefix_hasher import PrefixHasher
+    from kvserve.deployments.routing.prefix_hasher import PrefixHasher
 
     hasher = PrefixHasher(PreTrainedTokenizerFast.from_pretrained(tokenizer_path), 16)
     first, rest, seen = [], [], set()
@@ -359,8 +359,8 @@ def main(argv=None) -> dict:
         ap.error(f"--routers: choose from {ROUTERS}")
     prov = Results(__file__, RESULT_KEYS)
 
-    from deployments.contract.prefix import block_hashes
-    from engine.model_loader import resolve_model
+    from kvserve.deployments.contract.prefix import block_hashes
+    from kvserve.engine.model_loader import resolve_model
 
     model_path = str(resolve_model(None))
     tok = load_tokenizer(None)

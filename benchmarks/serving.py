@@ -10,7 +10,7 @@ requests, prompt lengths uniform in 32..256 tokens of random token ids, output l
 uniform in 16..128 with ``ignore_eos``, greedy. The offline engine's throughput run is
 ``throughput.py``'s kvserve run (``benchmarks.common.run_kvserve``).
 
-In the same run a local Ray Serve app (``deployments.app.build_app``, one replica) is started (unless
+In the same run a local Ray Serve app (``kvserve.deployments.app.build_app``, one replica) is started (unless
 ``--base-url`` points at a running server) and the offline engine (``engine.LLM``) is loaded
 in this process; then, ``--rounds`` times, the offline engine and the HTTP server each run the
 workload (alternating, so both see the same background load on a shared machine; prefix
@@ -195,8 +195,8 @@ class Offline:
     (OpenMP keeps a worker team per calling thread; mixing threads slows CPU steps)."""
 
     def __init__(self, model_path: str, engine_kw: dict):
-        from engine import LLM
-        from engine.async_engine import AsyncLLMEngine, step_thread
+        from kvserve.engine import LLM
+        from kvserve.engine.async_engine import AsyncLLMEngine, step_thread
 
         self.pool = step_thread("offline-step")
         self.llm = self.pool.submit(LLM, model=model_path, **engine_kw).result()
@@ -243,7 +243,7 @@ def launch_server(stack, model: str | None, app_args: dict, num_cpus: int) -> st
     port = stack.enter_context(local_serve(num_cpus))
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     serve.run(build_app({"model": model, **app_args}), name="kvserve", route_prefix="/")
     return f"http://127.0.0.1:{port}/v1"
@@ -315,7 +315,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
 
-    from engine.model_loader import DEFAULT_MODEL
+    from kvserve.engine.model_loader import DEFAULT_MODEL
 
     path, vocab = resolve(args.model)
     work = make_workload(args.num_requests, args.seed, vocab)

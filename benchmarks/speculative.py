@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Figures, Results, add_model_arg, load_average, pyplot, resolve  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine import LLM, SamplingParams  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 RESULTS = Path(__file__).parent / "results"

@@ -79,7 +79,7 @@ RESULT_KEYS = ("url", "model", "server_started_here", "server_args", "streams", 
 #: Issue 41's bounds: admitted TTFT p50 under the flood (ms) and CPU per refusal (ms).
 TTFT_P50_TARGET_MS = 5000.0
 REFUSAL_CPU_TARGET_MS = 1.0
-#: The title the engine core process gives itself (engine/engine_core.py).
+#: The title the engine core process gives itself (kvserve/engine/engine_core.py).
 ENGINE_CORE_TITLE = "kvserve-core"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import engine.layers.linear as linear  # noqa: E402
+import kvserve.engine.layers.linear as linear  # noqa: E402
 from benchmarks.common import Figures, Results, add_model_arg, greedy, random_token_ids  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_loader import resolve_model  # noqa: E402
-from kernels import cpu_backend  # noqa: E402
+from kvserve.engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.model_loader import resolve_model  # noqa: E402
+from kvserve.kernels import cpu_backend  # noqa: E402
 
 #: Profiler op names per category (anything else is "other").
 MATMUL = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")

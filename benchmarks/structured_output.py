@@ -48,14 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import Figures, Results, add_model_arg, load_average  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine import model_runner as runner_mod  # noqa: E402
-from engine.layers import sampler as sampler_mod  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_loader import resolve_model  # noqa: E402
-from engine import grammar_bitmask  # noqa: E402
-from engine import structured_output as so_mod  # noqa: E402
-from engine.structured_output import StructuredOutputs  # noqa: E402
+from kvserve.engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine import model_runner as runner_mod  # noqa: E402
+from kvserve.engine.layers import sampler as sampler_mod  # noqa: E402
+from kvserve.engine.llm_engine import LLMEngine  # noqa: E402
+from kvserve.engine.model_loader import resolve_model  # noqa: E402
+from kvserve.engine import grammar_bitmask  # noqa: E402
+from kvserve.engine import structured_output as so_mod  # noqa: E402
+from kvserve.engine.structured_output import StructuredOutputs  # noqa: E402
 
 PERSON = {
     "type": "object",

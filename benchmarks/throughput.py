@@ -58,7 +58,7 @@ from benchmarks.common import (  # noqa: E402
     run_kvserve,
     workload_info,
 )
-from engine import LLM  # noqa: E402
+from kvserve.engine import LLM  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("workload", "model", "dtypes", "systems", "kvserve_over_hf_static", "targets")
@@ -91,7 +91,7 @@ def run_hf_continuous(model_path, work) -> dict:
 @contextlib.contextmanager
 def hf_with_onednn_linears():
     """HF transformers with every ``nn.Linear`` on oneDNN, as kvserve runs its matmuls on CPU
-    (``engine/layers/linear.py``): the comparison without the matmul library's share."""
+    (``kvserve/engine/layers/linear.py``): the comparison without the matmul library's share."""
     import torch.nn.functional as F
     original = F.linear
 

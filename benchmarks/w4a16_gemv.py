@@ -4,13 +4,13 @@ For SmolLM2-135M's four decoder-layer weight shapes (qkv 960x576, o 576x576, gat
 576x1536), one activation row (batch-1 decode), the microseconds per call and the bytes of weight read
 per second of:
 
-* ``w4a16_g32``, ``w4a16_g64``, ``w4a16_channel``: ``kernels.cpu_backend.w4a16_linear`` (the 4-bit
-  GEMV, ``kernels/csrc/w4a16_linear_cpu.cpp``) on random 4-bit weights in asymmetric groups of 32, 64,
+* ``w4a16_g32``, ``w4a16_g64``, ``w4a16_channel``: ``kvserve.kernels.cpu_backend.w4a16_linear`` (the 4-bit
+  GEMV, ``kvserve/kernels/csrc/w4a16_linear_cpu.cpp``) on random 4-bit weights in asymmetric groups of 32, 64,
   or one scale per row;
-* ``int8``: the int8 GEMV (``kernels.cpu_backend.int8_linear``);
-* ``float32``: oneDNN on the prepacked float32 weight, as the engine runs it (``engine.layers.linear``);
+* ``int8``: the int8 GEMV (``kvserve.kernels.cpu_backend.int8_linear``);
+* ``float32``: oneDNN on the prepacked float32 weight, as the engine runs it (``kvserve.engine.layers.linear``);
 * ``bf16_weights``: bf16 weights, where the CPU has no native bf16 the widening GEMV
-  (``kernels.cpu_backend.bf16_weight_linear``), else oneDNN on the prepacked bf16 weight.
+  (``kvserve.kernels.cpu_backend.bf16_weight_linear``), else oneDNN on the prepacked bf16 weight.
 
 Also the nanoseconds per 32 weights for the 4-bit kernel with the weights of all 30 layers (so they
 come from memory, not from cache as in the per-shape loop), which says whether it is bound by
@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import Figures, Results  # noqa: E402
-from engine.config import cpu_native_bf16  # noqa: E402
-from engine.layers.linear import linear, prepack_weight  # noqa: E402
-from engine.layers.w4a16 import build_w4  # noqa: E402
-from kernels import cpu_backend  # noqa: E402
+from kvserve.engine.config import cpu_native_bf16  # noqa: E402
+from kvserve.engine.layers.linear import linear, prepack_weight  # noqa: E402
+from kvserve.engine.layers.w4a16 import build_w4  # noqa: E402
+from kvserve.kernels import cpu_backend  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("shapes", "native_bf16", "per_shape", "streaming")

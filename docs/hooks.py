@@ -261,10 +261,10 @@ def _plots(path: Path) -> list[Path]:
 def layout_rows(root: Path = ROOT) -> list[tuple[str, str]]:
     """``(path, first sentence of its docstring)`` of every package (``folder/``) and module of
     the project, packages in :data:`LAYOUT_PACKAGES` order, then the script folders."""
-    found = sorted(p.parent.name for p in root.glob("*/__init__.py"))
+    found = sorted(p.parent.name for p in (root / "kvserve").glob("*/__init__.py"))
     packages = [p for p in LAYOUT_PACKAGES if p in found] + [p for p in found if p not in LAYOUT_PACKAGES]
-    rows = []
-    for top in packages + [s for s in LAYOUT_SCRIPTS if (root / s).is_dir()]:
+    rows = [("kvserve/", first_sentence(root / "kvserve" / "__init__.py"))]
+    for top in [f"kvserve/{p}" for p in packages] + [s for s in LAYOUT_SCRIPTS if (root / s).is_dir()]:
         for py in sorted((root / top).rglob("*.py"), key=lambda p: (p.parent.relative_to(root).parts,
                                                                    p.name != "__init__.py", p.name)):
             if "__pycache__" in py.parts:

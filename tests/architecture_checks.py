@@ -2,10 +2,10 @@
 ``ast`` only (no project package is imported). Each check is a function of a repository root (or of its
 imports) that returns its violations as strings naming the file, line and import.
 
-An import is an edge to the most specific project module it names: ``from engine import config``
-is an edge to ``engine.config``; ``from engine.config import EngineConfig`` to ``engine.config``;
-``from engine import LLM`` to ``engine`` (engine/__init__.py). The parent packages Python runs on
-the way (``engine/__init__.py`` for ``import engine.config``) are not edges of the cycle check (every
+An import is an edge to the most specific project module it names: ``from kvserve.engine import config``
+is an edge to ``kvserve.engine.config``; ``from kvserve.engine.config import EngineConfig`` to ``kvserve.engine.config``;
+``from kvserve.engine import LLM`` to ``engine`` (kvserve/engine/__init__.py). The parent packages Python runs on
+the way (``kvserve/engine/__init__.py`` for ``import kvserve.engine.config``) are not edges of the cycle check (every
 package's ``__init__`` importing its own modules would otherwise be a cycle); the replica check,
 which asks what the replica process loads, does follow them.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from architecture_rules import (ALLOWED_PROJECT_IMPORTS, FLOORS, KERNELS_THIRD_PARTY, LAZY_IMPORTS, NO_RAY,
-                                ONE_CLASS_ROOMS, PACKAGES, ROOMS, STEP_CLASS, STEP_FILE, STEP_MAX_BODY_LINES,
+                                ONE_CLASS_ROOMS, PACKAGES, ROOT_PACKAGE, ROOMS, STEP_CLASS, STEP_FILE, STEP_MAX_BODY_LINES,
                                 STEP_METHOD, TOP_MODULES)
 
 
@@ -31,7 +31,7 @@ from architecture_rules import (ALLOWED_PROJECT_IMPORTS, FLOORS, KERNELS_THIRD_P
 class Import:
     """One imported name of one import statement."""
 
-    src: str  # importing module, e.g. "engine.llm_engine"
+    src: str  # importing module, e.g. "kvserve.engine.llm_engine"
     file: str  # its path relative to the root
     lineno: int
     name: str  # absolute dotted name as written (relative imports resolved)
@@ -43,14 +43,15 @@ class Import:
 
 
 def project_modules(root: Path, packages: Sequence[str] = PACKAGES) -> Dict[str, Path]:
-    """Module name -> file, for every ``.py`` file under the project's package folders."""
+    """Module name (without the ``kvserve.`` root) -> file, for every ``.py`` file under the
+    project's package folders (``root/kvserve/<package>/``)."""
     modules: Dict[str, Path] = {}
     for pkg in packages:
-        base = root / pkg
+        base = root / ROOT_PACKAGE / pkg
         if not base.is_dir():
             continue
         for path in sorted(base.rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
+            parts = path.relative_to(root / ROOT_PACKAGE).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             modules[".".join(parts)] = path
@@ -66,9 +67,17 @@ def _project_target(name: str, modules: Mapping[str, Path]) -> Optional[str]:
     return None
 
 
+def _unrooted(name: str) -> str:
+    """``kvserve.engine.llm`` -> ``engine.llm`` (the rules' names); ``kvserve`` -> ``""``; a third-party
+    name as it is."""
+    if name == ROOT_PACKAGE:
+        return ""
+    return name[len(ROOT_PACKAGE) + 1:] if name.startswith(ROOT_PACKAGE + ".") else name
+
+
 def _imported_names(node: ast.AST, module: str, is_package: bool, modules: Mapping[str, Path]) -> List[str]:
     if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
+        return [_unrooted(alias.name) or ROOT_PACKAGE for alias in node.names]
     assert isinstance(node, ast.ImportFrom)
     if node.level:
         package = module.split(".") if is_package else module.split(".")[:-1]
@@ -77,10 +86,10 @@ def _imported_names(node: ast.AST, module: str, is_package: bool, modules: Mappi
             return []
         base = ".".join(package[:keep] + ([node.module] if node.module else []))
     else:
-        base = node.module or ""
+        base = _unrooted(node.module or "")
     names = []
     for alias in node.names:
-        sub = f"{base}.{alias.name}"
+        sub = f"{base}.{alias.name}" if base else alias.name
         name = sub if alias.name != "*" and sub in modules else base
         if name not in names:
             names.append(name)
@@ -210,8 +219,8 @@ def import_cycles(imports: Iterable[Import]) -> List[str]:
 
 def floor_violations(imports: Iterable[Import]) -> List[str]:
     """Imports of a project package not allowed for the importing package (a higher floor, or a
-    neighbour on the same floor), kernels/ importing third party beyond KERNELS_THIRD_PARTY, and
-    Ray in engine/ or kernels/."""
+    neighbour on the same floor), kvserve/kernels/ importing third party beyond KERNELS_THIRD_PARTY, and
+    Ray in kvserve/engine/ or kvserve/kernels/."""
     stdlib = set(sys.stdlib_module_names)
     violations = []
     for imp in imports:
@@ -228,36 +237,36 @@ def floor_violations(imports: Iterable[Import]) -> List[str]:
         if src_pkg in NO_RAY and top == "ray":
             violations.append(f"{imp.where()}: {imp.src} imports {imp.name}; {src_pkg}/ never imports ray")
         elif src_pkg == "kernels" and top not in stdlib and top not in KERNELS_THIRD_PARTY:
-            violations.append(f"{imp.where()}: {imp.src} imports {imp.name}; kernels/ imports only the "
+            violations.append(f"{imp.where()}: {imp.src} imports {imp.name}; kvserve/kernels/ imports only the "
                               f"standard library and {sorted(KERNELS_THIRD_PARTY)}")
     return violations
 
 
 def _room_of(module: str) -> Optional[str]:
     """The room (``ROOMS``) or top-level module (``TOP_MODULES``) of a deployments module; None
-    for deployments/__init__ and anything outside deployments/."""
+    for kvserve/deployments/__init__ and anything outside kvserve/deployments/."""
     parts = module.split(".")
     return parts[1] if parts[0] == "deployments" and len(parts) > 1 else None
 
 
 def room_violations(root: Path, imports: Iterable[Import]) -> List[str]:
-    """Folders and modules of deployments/ the rules do not name, rules naming what does not exist,
+    """Folders and modules of kvserve/deployments/ the rules do not name, rules naming what does not exist,
     and imports through a wall: from a room to a room ``ROOMS`` does not list for it, or from a
     room to a top-level module."""
     violations = []
-    base = root / "deployments"
+    base = root / ROOT_PACKAGE / "deployments"
     folders = {p.name for p in base.iterdir() if p.is_dir() and any(p.rglob("*.py"))}
     tops = {p.stem for p in base.glob("*.py") if p.name != "__init__.py"}
     for name in sorted(folders - set(ROOMS)):
-        violations.append(f"deployments/{name}/: a folder that is not a room of ROOMS")
+        violations.append(f"kvserve/deployments/{name}/: a folder that is not a room of ROOMS")
     for name in sorted(set(ROOMS) - folders):
-        violations.append(f"deployments/{name}/: a room of ROOMS that does not exist")
+        violations.append(f"kvserve/deployments/{name}/: a room of ROOMS that does not exist")
     for name in sorted(set().union(*ROOMS.values()) - set(ROOMS)):
         violations.append(f"ROOMS allows importing {name}, which is not a room")
     for name in sorted(tops - TOP_MODULES):
-        violations.append(f"deployments/{name}.py: a top-level module not in TOP_MODULES (put it in a room)")
+        violations.append(f"kvserve/deployments/{name}.py: a top-level module not in TOP_MODULES (put it in a room)")
     for name in sorted(TOP_MODULES - tops):
-        violations.append(f"deployments/{name}.py: named in TOP_MODULES, does not exist")
+        violations.append(f"kvserve/deployments/{name}.py: named in TOP_MODULES, does not exist")
     for imp in imports:
         src, dst = _room_of(imp.src), imp.target and _room_of(imp.target)
         if src not in ROOMS or dst is None or dst == src:
@@ -357,3 +366,28 @@ def long_method_violations(root: Path, file: str = STEP_FILE, cls: str = STEP_CL
                         return [f"{file}:{item.lineno}: {cls}.{method} has {n} body lines (at most {max_lines})"]
                     return []
     return [f"{file}: no {cls}.{method} found"]
+
+
+def unrooted_import_violations(root: Path, folders: Sequence[str] = ("kvserve", "tests", "benchmarks"),
+                               packages: Sequence[str] = PACKAGES) -> List[str]:
+    """Absolute imports that name a project package without the ``kvserve.`` root (``import
+    kernels``, ``from engine.llm import LLM``), in every ``.py`` file under ``folders``. Such a name
+    is another distribution's (Hugging Face's ``kernels``, PyPI's ``cluster`` and ``telemetry``), or
+    nothing: the project is importable only as ``kvserve.*`` (ROOT_PACKAGE)."""
+    violations = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                else:
+                    continue
+                for name in names:
+                    if name.split(".")[0] in packages:
+                        violations.append(f"{rel}:{node.lineno}: imports {name}; the project's is "
+                                          f"{ROOT_PACKAGE}.{name} (one import root, docs/architecture.md)")
+    return violations

@@ -1,5 +1,5 @@
 """The repository's import rules, as data: the project's packages and their floors, the project packages
-each may import, what kernels/ may import of third party, the rooms of deployments/ and its top-level
+each may import, what kvserve/kernels/ may import of third party, the rooms of kvserve/deployments/ and its top-level
 modules, the imports that may wait inside a function, the one-class folders and the length limit of
 ``LLMEngine.step``. architecture_checks.py checks a source tree against them; tests/test_architecture.py
 runs those checks on this repository and checks the rules themselves."""
@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Dict, Set
 
-#: The project's packages (folders at the repository root); everything else is third party.
+#: The import root: every project module is ``kvserve.<package>...`` (the folders under kvserve/). The
+#: rules below name modules without it (``engine.llm_engine`` is ``kvserve.engine.llm_engine``).
+ROOT_PACKAGE = "kvserve"
+
+#: The project's packages (folders under kvserve/); everything else is third party.
 PACKAGES = ("engine", "kernels", "cluster", "deployments", "autoscaling", "telemetry")
 
 #: Floor of each package: 0 imports no project package, a higher floor only lower ones.
@@ -26,18 +30,18 @@ ALLOWED_PROJECT_IMPORTS: Dict[str, Set[str]] = {
     "deployments": {"engine", "kernels", "cluster", "autoscaling", "telemetry"},
 }
 
-#: Third-party modules kernels/ may import, besides the standard library.
+#: Third-party modules kvserve/kernels/ may import, besides the standard library.
 KERNELS_THIRD_PARTY = frozenset({"torch", "triton", "flash_attn", "numpy"})
 
 #: Packages that must never import Ray (any submodule, at any level): they run without a cluster.
 NO_RAY = ("engine", "kernels")
 
 #: ``LLMEngine.step``: at most this many body lines, docstring excluded.
-STEP_FILE = "engine/llm_engine.py"
+STEP_FILE = "kvserve/engine/llm_engine.py"
 STEP_CLASS, STEP_METHOD = "LLMEngine", "step"
 STEP_MAX_BODY_LINES = 25
 
-#: The rooms of deployments/ (folders) and the other rooms each may import (its own always). The
+#: The rooms of kvserve/deployments/ (folders) and the other rooms each may import (its own always). The
 #: replica side imports only the contract; so do the caller-side routers and the gateway's caches
 #: and limits; the gateway uses them all. Nothing but ``TOP_MODULES`` imports across otherwise.
 ROOMS: Dict[str, Set[str]] = {
@@ -49,7 +53,7 @@ ROOMS: Dict[str, Set[str]] = {
     "gateway": {"contract", "routing", "cache", "limits"},
     "operator": {"contract"},
 }
-#: Top-level modules of deployments/: they assemble the rooms (the Serve app, its arguments, the
+#: Top-level modules of kvserve/deployments/: they assemble the rooms (the Serve app, its arguments, the
 #: command line), may import any room, and no room imports them.
 TOP_MODULES = frozenset({"app", "args", "cli", "local"})
 
@@ -66,4 +70,4 @@ LAZY_IMPORTS: Dict[str, tuple] = {
 }
 
 #: Folders whose modules hold one public class each (data types aside).
-ONE_CLASS_ROOMS = ("deployments/replica", "deployments/gateway")
+ONE_CLASS_ROOMS = ("kvserve/deployments/replica", "kvserve/deployments/gateway")

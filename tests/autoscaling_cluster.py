@@ -19,7 +19,7 @@ resource demands start nodes, nodes idle for ``idle_timeout_minutes`` are remove
   :meth:`FakeAutoscalingCluster.shutdown` ends only the processes it started: each inherits an
   environment marker (:data:`MARKER_VAR`), and they are signalled by pid.
 * Token auth and loopback as ``kvserve serve`` runs Ray: the caller sets the token environment
-  (``cluster.ray_auth.ensure_local_auth``; ``tests/cluster/conftest.py`` does at import), which
+  (``kvserve.cluster.ray_auth.ensure_local_auth``; ``tests/cluster/conftest.py`` does at import), which
   every Ray process of the cluster inherits.
 """
 from __future__ import annotations
@@ -232,7 +232,7 @@ def serve_config(model_path: str, port: int, app: str, min_replicas: int = 1, ma
             "max_replicas": max_replicas, "autoscaling": dict(FAST_KNOBS if knobs is None else knobs),
             "ingress_cpus": 0.25, "ingress_resources": {"head": 0.01}}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
-            "applications": [{"name": app, "route_prefix": "/", "import_path": "deployments.app:build_app",
+            "applications": [{"name": app, "route_prefix": "/", "import_path": "kvserve.deployments.app:build_app",
                               "args": args}]}
 
 

@@ -12,7 +12,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine.model_loader import resolve_model  # noqa: E402
+from kvserve.engine.model_loader import resolve_model  # noqa: E402
 from helpers import PROFILE, free_port  # noqa: E402  (tests/ is on sys.path for this conftest)
 from tiny_models import make_tiny_model  # noqa: E402
 
@@ -135,7 +135,7 @@ def _assume_native_bf16():
     if os.environ.get("KVSERVE_TEST_ASSUME_NATIVE_BF16") != "1":
         yield
         return
-    import engine.config as config
+    import kvserve.engine.config as config
     real, probe = config.cpu_native_bf16, os.environ.get("KVSERVE_DTYPE_PROBE")
     config.cpu_native_bf16 = lambda: (True, "assumed by KVSERVE_TEST_ASSUME_NATIVE_BF16")
     os.environ["KVSERVE_DTYPE_PROBE"] = "0"  # auto is then bfloat16, as where the probe finds bf16 faster

@@ -1,4 +1,4 @@
-"""Fault injection into a live :class:`engine.llm_engine.LLMEngine`: make one of its per-request
+"""Fault injection into a live :class:`kvserve.engine.llm_engine.LLMEngine`: make one of its per-request
 hooks raise for the requests a predicate picks, and nothing else (the test engine, the fuzzer
 and a live Serve replica use the same wrappers).
 

@@ -130,8 +130,8 @@ def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 
     are Ray actors on as many nodes (``STRICT_SPREAD``); returns ``(llm, its RayWorkerGroup)``.
     float32, as the one-process reference it is compared with token for token (tensor ranks
     split the matmuls, so bfloat16 would round a near tie differently)."""
-    from cluster.worker_group import RayWorkerGroup
-    from engine import LLM
+    from kvserve.cluster.worker_group import RayWorkerGroup
+    from kvserve.engine import LLM
 
     groups = []
 

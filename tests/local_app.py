@@ -1,9 +1,9 @@
 """A kvserve application in this process, over real HTTP, without Ray: the gateway's HTTP app
-(:func:`deployments.gateway.api.build_api` over a :class:`~deployments.gateway.core.Gateway` built
+(:func:`kvserve.deployments.gateway.api.build_api` over a :class:`~kvserve.deployments.gateway.core.Gateway` built
 as ``build_app`` builds it) served by uvicorn on 127.0.0.1 in a thread of its own, in front of real
-:class:`~deployments.replica.llm_server.LLMServer` replicas (real engines and models) reached
-through :class:`deployments.local.LocalHandle`, which pickles each call's arguments and answers as
-Ray's hop does (:func:`deployments.local.build_local` builds them).
+:class:`~kvserve.deployments.replica.llm_server.LLMServer` replicas (real engines and models) reached
+through :class:`kvserve.deployments.local.LocalHandle`, which pickles each call's arguments and answers as
+Ray's hop does (:func:`kvserve.deployments.local.build_local` builds them).
 
 For the tests of what the OpenAI API does with a real model and real clients (the openai SDK,
 langchain-openai: tests/deployments/test_openai_clients.py); the live Serve apps of tests/e2e prove
@@ -35,7 +35,7 @@ class LocalApp:
         port: the HTTP port on 127.0.0.1.
         servers: served model name (``model@variant`` for a variant of an A/B test) -> its
             ``LLMServer`` instance.
-        handles: the same keys -> its :class:`deployments.local.LocalHandle`.
+        handles: the same keys -> its :class:`kvserve.deployments.local.LocalHandle`.
     """
 
     def __init__(self, apps: dict[str, dict]):
@@ -59,8 +59,8 @@ class LocalApp:
         from starlette.applications import Starlette
         from starlette.routing import Mount
 
-        from deployments.args import AppArgs
-        from deployments.local import build_local
+        from kvserve.deployments.args import AppArgs
+        from kvserve.deployments.local import build_local
 
         apps, self.servers, self.handles = build_local(
             {prefix: AppArgs.model_validate(raw) for prefix, raw in self.apps.items()}, self.loop)

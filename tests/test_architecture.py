@@ -4,9 +4,9 @@ package is imported, so this file runs in about a second and needs neither torch
 * No import cycle among the project's modules, counting every import statement: module level,
   inside functions and methods, and under ``if TYPE_CHECKING:`` (type-only imports included).
 * Floors: a package imports only the project packages listed for it in
-  ``ALLOWED_PROJECT_IMPORTS``, all on a lower floor (``FLOORS``); kernels/ imports nothing but the
-  standard library and ``KERNELS_THIRD_PARTY``; engine/ and kernels/ never import ``ray``.
-* Walls inside deployments/: every module sits in a room (a folder named in ``ROOMS``) or is one
+  ``ALLOWED_PROJECT_IMPORTS``, all on a lower floor (``FLOORS``); kvserve/kernels/ imports nothing but the
+  standard library and ``KERNELS_THIRD_PARTY``; kvserve/engine/ and kvserve/kernels/ never import ``ray``.
+* Walls inside kvserve/deployments/: every module sits in a room (a folder named in ``ROOMS``) or is one
   of the few top-level modules that assemble the rooms (``TOP_MODULES``); a room imports only the
   rooms ``ROOMS`` lists for it, so the replica never loads gateway code and the contract between
   them imports neither side. A folder or module the rules do not name fails, and so does a name
@@ -14,10 +14,10 @@ package is imported, so this file runs in about a second and needs neither torch
 * Imports inside functions are for heavy modules only: a project import in a function body must
   name a module of ``LAZY_IMPORTS`` (torch, Ray, sentence-transformers ... behind it), from an
   importer that entry allows; package ``__getattr__`` facades (PEP 562) are exempt.
-* One public class per module in deployments/replica/ and deployments/gateway/, data types
+* One public class per module in kvserve/deployments/replica/ and kvserve/deployments/gateway/, data types
   (dataclasses, pydantic models, exceptions, enums, named tuples) aside: a module is one concern.
-* ``LLMEngine.step`` (engine/llm_engine.py) has at most ``STEP_MAX_BODY_LINES`` body lines.
-* The LLM replica imports nothing from the gateway side: deployments/replica/llm_server.py and every
+* ``LLMEngine.step`` (kvserve/engine/llm_engine.py) has at most ``STEP_MAX_BODY_LINES`` body lines.
+* The LLM replica imports nothing from the gateway side: kvserve/deployments/replica/llm_server.py and every
   deployments module it imports, transitively, stay clear of ``GATEWAY_SIDE``.
 
 The rules are data in architecture_rules.py. Each check (architecture_checks.py) is a function of a
@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import List
 
 from architecture_checks import (Import, _prefixed, floor_violations, import_cycles, lazy_import_violations,
-                                 long_method_violations, module_imports, one_class_violations, room_violations)
+                                 long_method_violations, module_imports, one_class_violations, room_violations,
+                                 unrooted_import_violations)
 from architecture_rules import ALLOWED_PROJECT_IMPORTS, FLOORS, LAZY_IMPORTS, PACKAGES, ROOMS, STEP_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def test_no_import_from_a_higher_floor():
 
 def test_deployments_walls():
     violations = room_violations(ROOT, repo_imports())
-    assert not violations, _report(violations, "breaches of the walls inside deployments/")
+    assert not violations, _report(violations, "breaches of the walls inside kvserve/deployments/")
 
 
 def test_imports_inside_functions_are_for_heavy_modules_only():
@@ -77,6 +78,14 @@ def test_imports_inside_functions_are_for_heavy_modules_only():
 def test_one_public_class_per_module_in_replica_and_gateway():
     violations = one_class_violations(ROOT)
     assert not violations, _report(violations, "modules with several public classes")
+
+
+def test_one_import_root():
+    """Nothing of the project imports itself by a bare package name (``engine``, ``kernels`` ...):
+    only ``kvserve.*`` (tests/test_import_names.py checks the same from outside, in processes)."""
+    violations = unrooted_import_violations(ROOT)
+    assert not violations, _report(violations, "imports without the kvserve root")
+    assert not [p.name for p in ROOT.iterdir() if p.name in PACKAGES], "a package folder at the repository root"
 
 
 def test_llm_engine_step_is_short():
@@ -95,4 +104,4 @@ def test_the_rules_themselves():
     assert all(_prefixed(k, PACKAGES) for k in LAZY_IMPORTS)
     # the checks read the real tree
     assert {i.src.split(".")[0] for i in repo_imports()} == set(PACKAGES)
-    assert (ROOT / STEP_FILE).exists() and (ROOT / "deployments" / "replica" / "llm_server.py").exists()
+    assert (ROOT / STEP_FILE).exists() and (ROOT / "kvserve" / "deployments" / "replica" / "llm_server.py").exists()

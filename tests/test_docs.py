@@ -175,9 +175,9 @@ def test_layout_table_lists_every_module(site):
     assert len(modules) > 50
     missing = [m for m in modules if f"| `{m}` |" not in md]
     assert not missing, f"modules not in the layout table: {missing}"
-    assert "| `engine/llm_engine.py` | The synchronous engine" in md
+    assert "| `kvserve/engine/llm_engine.py` | The synchronous engine" in md
     html = (site / "architecture" / "index.html").read_text()
-    assert hooks.LAYOUT_MARKER not in html and "<code>engine/llm_engine.py</code>" in html
+    assert hooks.LAYOUT_MARKER not in html and "<code>kvserve/engine/llm_engine.py</code>" in html
 
 
 def test_layout_first_sentence(tmp_path):

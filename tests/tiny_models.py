@@ -1,4 +1,4 @@
-"""Tiny random-weight model folders for tests (moved here from ``engine/model_loader.py``:
+"""Tiny random-weight model folders for tests (moved here from ``kvserve/engine/model_loader.py``:
 only tests use them).
 
 Import as ``from tiny_models import make_tiny_model`` (pytest puts ``tests/`` on
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model_loader import resolve_model
+from kvserve.engine.model_loader import resolve_model
 
 # Tokenizer files copied from the default model into tiny test models.
 _TOKENIZER_FILES = [
@@ -138,7 +138,7 @@ def run_async_engine(coro_fn, engine, timeout_s: float = 60.0):
     seconds), then shut the engine down; returns what ``coro_fn`` returns."""
     import asyncio
 
-    from engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.async_engine import AsyncLLMEngine
 
     async def main():
         eng = AsyncLLMEngine(engine)

@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from autoscaling import signals as sig
-from autoscaling.decision import decide
+from kvserve.autoscaling import signals as sig
+from kvserve.autoscaling.decision import decide
 
 CAP_D = 1000.0  # decode tokens/s per replica (replica-measured capacity)
 CAP_P = 4000.0  # prefill tokens/s per replica

@@ -11,12 +11,12 @@ import warnings
 import pytest
 from policy_driver import replica_metrics
 
-from autoscaling import policy as P
-from autoscaling import schedule as sch
-from autoscaling import serve_config as sc
-from autoscaling import signals as sig
-from autoscaling.decision import decide
-from autoscaling.settings import KVServeAutoscalingConfig
+from kvserve.autoscaling import policy as P
+from kvserve.autoscaling import schedule as sch
+from kvserve.autoscaling import serve_config as sc
+from kvserve.autoscaling import signals as sig
+from kvserve.autoscaling.decision import decide
+from kvserve.autoscaling.settings import KVServeAutoscalingConfig
 
 
 def test_metric_names_and_defaults():
@@ -36,8 +36,8 @@ def test_metric_names_and_defaults():
 def test_policy_module_imports_without_ray():
     code = (
         "import sys; sys.modules['ray'] = None\n"
-        "from autoscaling import decision, demand, metrics, schedule, settings, signals\n"
-        "from autoscaling import policy as P, serve_config as sc\n"
+        "from kvserve.autoscaling import decision, demand, metrics, schedule, settings, signals\n"
+        "from kvserve.autoscaling import policy as P, serve_config as sc\n"
         "from types import SimpleNamespace as NS\n"
         "ctx = NS(target_num_replicas=2, current_num_replicas=2, running_replicas=[], aggregated_metrics={},"
         " current_time=1.0, policy_state={})\n"
@@ -49,12 +49,12 @@ def test_policy_module_imports_without_ray():
 
 
 def test_policy_module_keeps_its_public_names():
-    # deployments/ and the docs import from autoscaling.policy; the split by concern kept
+    # kvserve/deployments/ and the docs import from kvserve.autoscaling.policy; the split by concern kept
     # every name of its public API there, and Serve's import path still resolves.
     for name in P.__all__:
         assert hasattr(P, name), name
     assert P.build_autoscaling_config is sc.build_autoscaling_config and P.decide is decide
-    assert sc.POLICY_IMPORT_PATH == "autoscaling.policy:KVServeAutoscalingPolicy"
+    assert sc.POLICY_IMPORT_PATH == "kvserve.autoscaling.policy:KVServeAutoscalingPolicy"
     module, attr = sc.POLICY_IMPORT_PATH.split(":")
     assert getattr(importlib.import_module(module), attr) is P.KVServeAutoscalingPolicy
 

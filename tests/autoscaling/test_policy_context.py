@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 from policy_driver import drive, fleet, make_ctx
 
-from autoscaling import policy as P
-from autoscaling import signals as sig
-from autoscaling.decision import REASON_NO_METRICS, decide
-from autoscaling.demand import REASON_REQUESTS_FALLBACK
-from autoscaling.settings import KVServeAutoscalingConfig
+from kvserve.autoscaling import policy as P
+from kvserve.autoscaling import signals as sig
+from kvserve.autoscaling.decision import REASON_NO_METRICS, decide
+from kvserve.autoscaling.demand import REASON_REQUESTS_FALLBACK
+from kvserve.autoscaling.settings import KVServeAutoscalingConfig
 
 
 def test_missing_metrics_and_no_replicas():

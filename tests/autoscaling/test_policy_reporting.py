@@ -6,10 +6,10 @@ import logging
 
 from policy_driver import drive, fleet
 
-from autoscaling import decision as dec
-from autoscaling.decision import REASON_HYSTERESIS
-from autoscaling.demand import REASON_QUEUE
-from autoscaling.settings import KVServeAutoscalingConfig
+from kvserve.autoscaling import decision as dec
+from kvserve.autoscaling.decision import REASON_HYSTERESIS
+from kvserve.autoscaling.demand import REASON_QUEUE
+from kvserve.autoscaling.settings import KVServeAutoscalingConfig
 
 
 def test_decision_logged_as_one_structured_line(caplog):
@@ -27,7 +27,7 @@ def test_decision_logged_as_one_structured_line(caplog):
 
 
 def test_metrics_export_with_reason_label():
-    from autoscaling import metrics as M
+    from kvserve.autoscaling import metrics as M
 
     class Fake(M._Backend):
         def __init__(self):

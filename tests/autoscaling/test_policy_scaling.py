@@ -7,21 +7,21 @@ import random
 
 from policy_driver import drive, fleet, make_ctx, replica_metrics
 
-from autoscaling import decision as dec
-from autoscaling.decision import (
+from kvserve.autoscaling import decision as dec
+from kvserve.autoscaling.decision import (
     REASON_DOWNSCALE_COOLDOWN,
     REASON_HYSTERESIS,
     REASON_MAX_REPLICAS,
     REASON_QUEUE_GUARD,
     decide,
 )
-from autoscaling.demand import (
+from kvserve.autoscaling.demand import (
     REASON_PREFILL_BACKLOG,
     REASON_QUEUE,
     REASON_THROUGHPUT,
     compute_demand,
 )
-from autoscaling.settings import KVServeAutoscalingConfig
+from kvserve.autoscaling.settings import KVServeAutoscalingConfig
 
 
 def test_queue_builds_up_scales_up_proportionally():

@@ -4,9 +4,9 @@ schedule's time zone, and the forms a schedule is written in."""
 import pytest
 from policy_driver import drive, fleet, make_ctx
 
-from autoscaling import schedule as sch
-from autoscaling.decision import REASON_SCHEDULE, decide
-from autoscaling.settings import KVServeAutoscalingConfig
+from kvserve.autoscaling import schedule as sch
+from kvserve.autoscaling.decision import REASON_SCHEDULE, decide
+from kvserve.autoscaling.settings import KVServeAutoscalingConfig
 
 
 def test_time_based_floor():

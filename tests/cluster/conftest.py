@@ -21,10 +21,10 @@ if "RAY_AUTH_TOKEN_PATH" not in os.environ:  # the e2e conftest may have set the
     _DIR = tempfile.mkdtemp(prefix="kvserve-ray-auth-")
     atexit.register(shutil.rmtree, _DIR, True)
     os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_DIR, "auth_token")
-    from cluster.ray_auth import ensure_local_auth
+    from kvserve.cluster.ray_auth import ensure_local_auth
 
     ensure_local_auth()
-from cluster import set_local_ray_env  # noqa: E402
+from kvserve.cluster import set_local_ray_env  # noqa: E402
 
 set_local_ray_env()  # worker niceness, Serve's loop intervals: as `kvserve serve` does
 

@@ -10,7 +10,7 @@ binary and checked offline:
   nothing else, so an unknown or misplaced field fails as the API server's pruning would drop it;
 - the embedded ``serveConfigV2`` through Ray's ``ServeDeploySchema`` and kvserve's ``AppArgs``
   (which forbids unknown keys: the Serve schema takes any ``args``), and every model's placement
-  (deployments.app.llm_deployment_options) against the worker groups;
+  (kvserve.deployments.app.llm_deployment_options) against the worker groups;
 - core kinds (Secret, Service, ConfigMap, PodDisruptionBudget, the pod templates) with
   ``kubernetes-validate`` in strict mode;
 - the values schema and the chart's own checks refuse a bad value type, a GPU replica that fits no

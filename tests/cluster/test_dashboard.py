@@ -1,7 +1,7 @@
 """The Grafana dashboard ``helm/kvserve/dashboards/kvserve.json`` names only series kvserve exports.
 
 The exported series come from the code, not from a list kept here: a subprocess instantiates
-every metric definition of :mod:`telemetry.metrics` (the engine's, the gateway's) and of the
+every metric definition of :mod:`kvserve.telemetry.metrics` (the engine's, the gateway's) and of the
 autoscaler's backend, records one sample in each, renders the multiprocess exposition
 (``kvserve:<name>``, as the ingress's ``GET /metrics`` does) and derives Ray's export names
 (``ray_kvserve_<name>``, same suffixes). Every panel's PromQL, with ``$prefix`` set to each of
@@ -19,18 +19,18 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "helm" / "kvserve" / "dashboards" / "kvserve.json"
 PREFIXES = ("kvserve:", "ray_kvserve_")
 
-# Runs in a fresh interpreter: telemetry.metrics switches prometheus-client into multiprocess
+# Runs in a fresh interpreter: kvserve.telemetry.metrics switches prometheus-client into multiprocess
 # mode for its whole process, which must not leak into the pytest process.
 _EXPORTED = r"""
 import json, os, sys, tempfile
 os.environ["KVSERVE_METRICS_DIR"] = tempfile.mkdtemp(prefix="kvserve-metrics-")
-from telemetry import metrics as M
-from autoscaling import metrics as AM
+from kvserve.telemetry import metrics as M
+from kvserve.autoscaling import metrics as AM
 
-from telemetry.cost_metrics import CacheSavings
+from kvserve.telemetry.cost_metrics import CacheSavings
 M.PrometheusStatLogger("m", "r", speculative=True, cost_per_hour=1.0)
 M.rejected(); M.api_key_tokens(); M.api_key_requests(); CacheSavings()
-AM._RayBackend()  # the autoscaler's definitions (telemetry.metrics inside the Serve controller)
+AM._RayBackend()  # the autoscaler's definitions (kvserve.telemetry.metrics inside the Serve controller)
 for m in list(M._metrics.values()):
     labels = {name: "x" for name in m.labels}
     {"counter": lambda: m.inc(labels, 1.0), "gauge": lambda: m.set(labels, 1.0),

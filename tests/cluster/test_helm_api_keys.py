@@ -69,7 +69,7 @@ def _notes_read_command(notes: str) -> tuple[str, str, str]:
 
 
 def test_no_keys_generates_a_key_secret_the_app_reads(install_dry_run, monkeypatch, tmp_path):
-    from deployments.app import AppArgs
+    from kvserve.deployments.app import AppArgs
 
     monkeypatch.delenv("KVSERVE_API_KEYS", raising=False)
     docs, notes = install_dry_run()
@@ -114,7 +114,7 @@ def test_given_keys_are_used_and_none_generated(install_dry_run, rayservice_sche
 
 @pytest.mark.parametrize("service_type", ["ClusterIP", "LoadBalancer"])
 def test_opt_out_renders_open_with_a_loud_warning(install_dry_run, rayservice_schema, monkeypatch, service_type):
-    from deployments.app import AppArgs
+    from kvserve.deployments.app import AppArgs
 
     monkeypatch.delenv("KVSERVE_API_KEYS", raising=False)
     docs, notes = install_dry_run({"apiKeys": {"allowUnauthenticated": True}, "service": {"type": service_type}})

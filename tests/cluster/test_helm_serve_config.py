@@ -23,7 +23,7 @@ def test_serve_config_v2_parses_with_serve_and_app_args(render, tmp_path, varian
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.app import AppArgs, llm_deployment_options
+    from kvserve.deployments.app import AppArgs, llm_deployment_options
 
     monkeypatch.delenv("KVSERVE_API_KEYS", raising=False)
     assert AppArgs.model_config.get("extra") == "forbid"  # else this test would not catch typos
@@ -32,7 +32,7 @@ def test_serve_config_v2_parses_with_serve_and_app_args(render, tmp_path, varian
     (rs,) = docs["RayService"]
     schema = ServeDeploySchema.model_validate(_serve_config(rs))
     (app,) = schema.applications
-    assert app.import_path == "deployments.app:build_app" and app.route_prefix == "/"
+    assert app.import_path == "kvserve.deployments.app:build_app" and app.route_prefix == "/"
     assert schema.http_options.host == "0.0.0.0" and schema.http_options.port == 8000
     args = AppArgs.model_validate(_app_args(rs, docs, tmp_path))
     models = args.model_list()
@@ -64,7 +64,7 @@ def test_serve_config_v2_parses_with_serve_and_app_args(render, tmp_path, varian
 
 def test_new_app_args_need_no_chart_change(render):
     """Whatever AppArgs / ModelArgs field a user sets in values reaches the app unchanged."""
-    from deployments.app import AppArgs, ModelArgs
+    from kvserve.deployments.app import AppArgs, ModelArgs
 
     app_field = next(f for f in ("max_request_body_bytes", "ingress_cpus") if f in AppArgs.flat_fields())
     model_field = next(f for f in ("request_timeout_s", "graceful_shutdown_timeout_s") if f in ModelArgs.model_fields)
@@ -77,7 +77,7 @@ def test_cost_values_price_each_model_replica(render, tmp_path, monkeypatch):
     """``cost.perGpuHour`` prices a GPU replica per rank, ``perCpuHour`` a CPU replica per logical
     CPU it asks for; a model's own ``cost_per_replica_hour`` wins; none given: no cost."""
     monkeypatch.delenv("KVSERVE_API_KEYS", raising=False)
-    from deployments.app import AppArgs
+    from kvserve.deployments.app import AppArgs
 
     values = {"cost": {"perGpuHour": 2.5, "perCpuHour": 0.04},
               "models": [{"model": "m-gpu", "tensor_parallel_size": 2},

@@ -83,7 +83,7 @@ def test_api_keys_never_in_the_rayservice(render):
 def test_ray_pods_get_the_local_ray_environment(render):
     """The head and every worker group run Ray with ``cluster.LOCAL_RAY_ENV`` (worker niceness,
     Serve's control-loop and metrics intervals), the settings ``kvserve serve`` starts its Ray with."""
-    from cluster import LOCAL_RAY_ENV
+    from kvserve.cluster import LOCAL_RAY_ENV
 
     (rs,) = render(FULL)["RayService"]
     pods = [rs["spec"]["rayClusterConfig"]["headGroupSpec"]] + _groups(rs)

@@ -27,7 +27,7 @@ ADMIN = "sk-kvserve-multinode-admin"  # /v1/models shows the replicas' nodes to 
 
 
 def _reference(tiny_llama_path, text: bool = False) -> list:
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama_path), dtype="float32", max_model_len=256, num_kv_blocks=32)  # see spread_tp_llm
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -41,7 +41,7 @@ def test_ranks_on_two_nodes_equal_one_process(multinode, tiny_llama_path, tp, pp
     two pipeline stages (activations sent from node to node). Thorough profile: the fast one has
     the same ranks and stages, a rank per node, equal to one process, through Serve
     (:func:`test_serve_spreads_replicas_and_tp_ranks_over_nodes`)."""
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     llm, group = spread_tp_llm(tiny_llama_path, collective_timeout_s=60, tp=tp, pp=pp)
     try:
@@ -57,7 +57,7 @@ def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_pa
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -112,7 +112,7 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
@@ -177,8 +177,8 @@ def test_a_tp_rank_lost_with_its_node_fails_the_step_instead_of_hanging(multinod
     hanging its requests (the pytest timeout would catch a hang)."""
     import threading
 
-    from engine import SamplingParams
-    from engine.step_isolation import StepFailedError
+    from kvserve.engine import SamplingParams
+    from kvserve.engine.step_isolation import StepFailedError
 
     spare = multinode.cluster.add_node(num_cpus=2)  # the first test took a worker node
     multinode.cluster.wait_for_nodes()

@@ -11,13 +11,13 @@ import asyncio
 import httpx
 import openai
 
-from deployments.app import gateway_options
-from deployments.args import AppArgs
-from deployments.contract.facts import ModelCard
-from deployments.contract.types import (EmbedResult, GenerateRequest, GenerationChunk, GenerationError, ServerInfo,
+from kvserve.deployments.app import gateway_options
+from kvserve.deployments.args import AppArgs
+from kvserve.deployments.contract.facts import ModelCard
+from kvserve.deployments.contract.types import (EmbedResult, GenerateRequest, GenerationChunk, GenerationError, ServerInfo,
                                         TokenizeResult)
-from deployments.gateway.api import build_api
-from deployments.gateway.core import Gateway
+from kvserve.deployments.gateway.api import build_api
+from kvserve.deployments.gateway.core import Gateway
 
 SECRET = 'File "/root/.venv/x.py", line 3, pid=4242, ActorID(ab12cd), 10.0.0.7:6379'
 

@@ -2,8 +2,8 @@
 the test sets (``helpers.FakeClock``), a chat request and a replica's answer to it."""
 from asyncio import run  # noqa: F401  (the cache tests take both from here)
 
-from deployments.contract.openai_requests import ChatCompletionRequest
-from deployments.contract.types import GenerationChunk
+from kvserve.deployments.contract.openai_requests import ChatCompletionRequest
+from kvserve.deployments.contract.types import GenerationChunk
 from helpers import FakeClock  # noqa: F401
 
 

@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from deployments.contract.config import ModelArgs
-from deployments.replica.admission import Admission, default_admission_bounds
-from deployments.replica.llm_server import LLMServer
-from deployments.contract.types import GenerateRequest
+from kvserve.deployments.contract.config import ModelArgs
+from kvserve.deployments.replica.admission import Admission, default_admission_bounds
+from kvserve.deployments.replica.llm_server import LLMServer
+from kvserve.deployments.contract.types import GenerateRequest
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -186,8 +186,8 @@ def test_the_replica_publishes_what_it_learned_at_load(tiny, monkeypatch):
     are published again at the next health check."""
     import os
 
-    from deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
-    from deployments.replica import llm_server
+    from kvserve.deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
+    from kvserve.deployments.replica import llm_server
 
     published = []
 

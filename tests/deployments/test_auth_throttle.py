@@ -1,10 +1,10 @@
-"""deployments.limits' failed-auth throttle (auth_throttle.py): the sliding window per client, a
+"""kvserve.deployments.limits' failed-auth throttle (auth_throttle.py): the sliding window per client, a
 success that resets it, and its memory bound. Fast (no Ray, no model)."""
 
 import pytest
 from limits_helpers import FakeClock
 
-from deployments.limits import AuthFailureThrottle
+from kvserve.deployments.limits import AuthFailureThrottle
 
 pytestmark = pytest.mark.timeout(60)
 

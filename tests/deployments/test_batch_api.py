@@ -1,4 +1,4 @@
-"""OpenAI's Files and Batch APIs (deployments/gateway/files.py, batches.py, batch_lines.py) through
+"""OpenAI's Files and Batch APIs (kvserve/deployments/gateway/files.py, batches.py, batch_lines.py) through
 the openai SDK's ``files`` and ``batches``: over a scripted replica (the gateway's side: the
 objects, statuses, output and error files, ownership, limits, cancel; each batch request marked
 sheddable at the lowest priority), and over real engines in this process (tests/local_app.py)
@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from deployments.contract.openai_errors import OpenAIError
-from deployments.gateway.batch_lines import parse_batch
-from deployments.gateway.batches import window_seconds
-from deployments.gateway.core import WARM_PRIORITY
+from kvserve.deployments.contract.openai_errors import OpenAIError
+from kvserve.deployments.gateway.batch_lines import parse_batch
+from kvserve.deployments.gateway.batches import window_seconds
+from kvserve.deployments.gateway.core import WARM_PRIORITY
 from gateway_fakes import ScriptedReplica, _sdk
 
 KEYS = ["sk-a name=alice", "sk-b name=bob"]
@@ -208,7 +208,7 @@ def test_run_batch_offline(tiny_llama_path, tmp_path):
     lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
                   "body": {"model": "other", "messages": [{"role": "user", "content": "x"}]}})
     (tmp_path / "in.jsonl").write_bytes(_jsonl(lines))
-    cmd = [sys.executable, "-m", "deployments.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+    cmd = [sys.executable, "-m", "kvserve.deployments.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
            str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_path), "--served-model-name", "tiny",
            "--max-model-len", "128", "--torch-num-threads", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

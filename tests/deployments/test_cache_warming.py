@@ -1,5 +1,5 @@
-"""Cache warming (deployments/gateway/request_log.py, deployments/operator/warm.py, the sheddable requests of
-deployments/replica/request_runner.py): the request log's privacy modes and bounds, the plan,
+"""Cache warming (kvserve/deployments/gateway/request_log.py, kvserve/deployments/operator/warm.py, the sheddable requests of
+kvserve/deployments/replica/request_runner.py): the request log's privacy modes and bounds, the plan,
 warming through a live gateway over a real engine (answers stored as warmed, hits on them
 counted), and the rule that warming never shares an engine step with live traffic."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from deployments.gateway.request_log import RequestLog, fingerprint
-from deployments.operator.warm import plan, read_log, replay
+from kvserve.deployments.gateway.request_log import RequestLog, fingerprint
+from kvserve.deployments.operator.warm import plan, read_log, replay
 
 ADMIN = "sk-kvserve-warm-admin"
 
@@ -114,7 +114,7 @@ def test_warming_fills_the_cache_and_live_hits_on_it_are_counted(warm_app):
     stats = httpx.get(f"{warm_app.root}/v1/cache", headers=auth).json()
     assert stats["warmed"]["exact"] == 3
     # live requests for warmed questions are hits on warmed entries; the unwarmed one is a miss
-    from telemetry.metrics import cache_warmed_hits
+    from kvserve.telemetry.metrics import cache_warmed_hits
 
     counter = cache_warmed_hits().prom.labels(level="exact", model_name="tiny", variant="")
     before = counter._value.get()

@@ -1,7 +1,7 @@
 """Gateway channels (issue 41 item 2): a replica sends each gateway replica one message per engine
-step with every chunk of that gateway's requests (deployments/replica/channels.py), and the
+step with every chunk of that gateway's requests (kvserve/deployments/replica/channels.py), and the
 gateway's ChunkStream reads a request's chunks from its channel queue, with the request's own
-stream pumped beside it (deployments/gateway/streams.py). The Serve path is in
+stream pumped beside it (kvserve/deployments/gateway/streams.py). The Serve path is in
 tests/e2e/test_serve_http.py (test_streams_share_one_channel_message_per_step)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from deployments.contract.types import GenerationChunk, GenerationError
-from deployments.gateway.streams import ChunkStream
-from deployments.replica.channels import GatewayChannels
+from kvserve.deployments.contract.types import GenerationChunk, GenerationError
+from kvserve.deployments.gateway.streams import ChunkStream
+from kvserve.deployments.replica.channels import GatewayChannels
 
 
 def chunk(text, finished=False, index=0):
@@ -193,7 +193,7 @@ def test_chunk_stream_on_a_channel_raises_the_own_streams_error_chunk():
 
 
 def test_chunk_stream_waits_a_grace_period_for_the_channel_after_the_own_stream_ends(monkeypatch):
-    import deployments.gateway.streams as streams
+    import kvserve.deployments.gateway.streams as streams
 
     monkeypatch.setattr(streams, "CHANNEL_GRACE_S", 0.1)
 

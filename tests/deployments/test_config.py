@@ -1,4 +1,4 @@
-"""The configuration's sections (``deployments/contract/config.py``) as the deployments get them:
+"""The configuration's sections (``kvserve/deployments/contract/config.py``) as the deployments get them:
 pydantic objects, never dicts re-validated on the other side of a wall; and the replica's
 admission bound under its new name, ``max_waiting_requests``, with the old key
 ``max_queued_requests`` still accepted (a ``FutureWarning``) in a config, in the flat form, in a
@@ -9,13 +9,13 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from deployments.app import build_app, gateway_options, llm_deployment_options
-from deployments.args import AppArgs, app_args_from_config
-from deployments.cli import app_args_from_cli, build_parser
-from deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, ModelArgs, TracingArgs
-from deployments.contract.routing_config import RoutingArgs
-from deployments.contract.facts import ModelCard
-from deployments.contract.types import ServerInfo
+from kvserve.deployments.app import build_app, gateway_options, llm_deployment_options
+from kvserve.deployments.args import AppArgs, app_args_from_config
+from kvserve.deployments.cli import app_args_from_cli, build_parser
+from kvserve.deployments.contract.config import CacheArgs, GatewayArgs, LimitArgs, ModelArgs, TracingArgs
+from kvserve.deployments.contract.routing_config import RoutingArgs
+from kvserve.deployments.contract.facts import ModelCard
+from kvserve.deployments.contract.types import ServerInfo
 
 
 def test_the_old_key_of_the_admission_bound_still_works_with_a_warning(tmp_path):
@@ -24,7 +24,7 @@ def test_the_old_key_of_the_admission_bound_still_works_with_a_warning(tmp_path)
     with pytest.warns(FutureWarning):
         listed = AppArgs.model_validate({"models": [{"max_num_seqs": 8, "max_queued_requests": 3}]})
     config = tmp_path / "serve.yaml"  # a Serve config written before the rename
-    config.write_text(yaml.safe_dump({"applications": [{"name": "kvserve", "import_path": "deployments.app:build_app",
+    config.write_text(yaml.safe_dump({"applications": [{"name": "kvserve", "import_path": "kvserve.deployments.app:build_app",
                                                         "args": {"max_num_seqs": 8, "max_queued_requests": 3}}]}))
     with pytest.warns(FutureWarning):
         from_file = AppArgs.model_validate(app_args_from_config(str(config)))

@@ -1,8 +1,8 @@
-"""The cost metrics' arithmetic on known inputs (telemetry/cost_metrics.py): a replica's cost
+"""The cost metrics' arithmetic on known inputs (kvserve/telemetry/cost_metrics.py): a replica's cost
 accrued by a clock, its cost per million output tokens, and what a response cache hit saves."""
 import pytest
 
-from telemetry.cost_metrics import CacheSavings, ReplicaCost, cost_per_million
+from kvserve.telemetry.cost_metrics import CacheSavings, ReplicaCost, cost_per_million
 
 
 class Clock:

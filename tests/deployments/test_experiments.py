@@ -1,5 +1,5 @@
-"""A/B tests of configurations (deployments/contract/experiments.py, deployments/gateway/experiments.py,
-deployments/operator/experiment_report.py): configuration checks, sticky weighted assignment, live weights,
+"""A/B tests of configurations (kvserve/deployments/contract/experiments.py, kvserve/deployments/gateway/experiments.py,
+kvserve/deployments/operator/experiment_report.py): configuration checks, sticky weighted assignment, live weights,
 and the report's statistics on known samples. The report over real engines under load is in
 tests/e2e/test_experiment_report_live.py."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from deployments.args import AppArgs
-from deployments.contract.experiments import ExperimentArgs, check_weights
-from deployments.operator.experiment_report import analyse, render
-from deployments.gateway.experiments import Experiments, pick
+from kvserve.deployments.args import AppArgs
+from kvserve.deployments.contract.experiments import ExperimentArgs, check_weights
+from kvserve.deployments.operator.experiment_report import analyse, render
+from kvserve.deployments.gateway.experiments import Experiments, pick
 
 
 def _exp(**kw) -> ExperimentArgs:

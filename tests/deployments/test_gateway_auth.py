@@ -8,8 +8,8 @@ import re
 import httpx
 from gateway_fakes import FakeReplica, _client, _run, make_gateway
 
-from deployments.gateway.api import build_api
-from deployments.gateway.gate import FILE_ENVELOPE_BYTES, FILES_PATH
+from kvserve.deployments.gateway.api import build_api
+from kvserve.deployments.gateway.gate import FILE_ENVELOPE_BYTES, FILES_PATH
 
 
 def test_keys_guard_the_api_but_not_the_probes():
@@ -96,7 +96,7 @@ def test_a_path_outside_the_route_table_is_closed_too():
 def test_replica_placement_is_shown_to_admin_keys_only(monkeypatch):
     """``/v1/models`` names each replica's node for an admin key; an API key, and anyone when
     no key is configured, sees vLLM's plain cards."""
-    from deployments.gateway import models
+    from kvserve.deployments.gateway import models
 
     where = [{"replica_id": "r1", "node_id": "n" * 56, "node_ip": "10.1.2.3", "state": "RUNNING"}]
 

@@ -6,8 +6,8 @@ import asyncio
 import httpx
 from gateway_fakes import FakeReplica, _Remote, _run, make_gateway
 
-from deployments.contract.facts import LoadedFacts, ModelCard
-from deployments.gateway.api import build_api
+from kvserve.deployments.contract.facts import LoadedFacts, ModelCard
+from kvserve.deployments.gateway.api import build_api
 
 
 def test_cards_given_at_build_time_answer_without_a_replica_call():
@@ -60,8 +60,8 @@ def test_facts_published_at_load_complete_the_card_and_key_the_cache(monkeypatch
     its ``quantization`` what the replica detected in a 4-bit checkpoint); the
     published revision keys the response cache (a new revision: the old answer is not served);
     facts published under another configuration's digest are not taken."""
-    from deployments.args import ModelArgs
-    from deployments.gateway import catalog
+    from kvserve.deployments.args import ModelArgs
+    from kvserve.deployments.gateway import catalog
 
     monkeypatch.setattr(catalog, "MISSING_RETRY_S", 0.0)
     monkeypatch.setattr(catalog, "REVISION_REFRESH_S", 0.0)  # every read refreshes in the background

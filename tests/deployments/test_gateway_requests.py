@@ -12,8 +12,8 @@ from helpers import DONE, iter_sse
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from deployments.gateway.api import build_api
-from engine.sampling_params import SamplingParams
+from kvserve.deployments.gateway.api import build_api
+from kvserve.engine.sampling_params import SamplingParams
 
 
 def test_chat_sends_typed_request_and_renders_openai_body():

@@ -4,16 +4,16 @@ also while the load shedder has the model marked full. No Ray, no Serve, no engi
 import httpx
 from gateway_fakes import FakeReplica, _client, _run, make_gateway
 
-from deployments.contract.types import GenerationChunk
-from deployments.gateway.api import build_api
+from kvserve.deployments.contract.types import GenerationChunk
+from kvserve.deployments.gateway.api import build_api
 
 
 class SizedReplica(FakeReplica):
     """A fake replica that checks a request's size as ``LLMServer.stream`` does, with a real
-    :class:`~deployments.replica.admission.Admission` (9 requests in flight at most)."""
+    :class:`~kvserve.deployments.replica.admission.Admission` (9 requests in flight at most)."""
 
     def __init__(self):
-        from deployments.replica.admission import Admission
+        from kvserve.deployments.replica.admission import Admission
 
         super().__init__()
         self.admission = Admission(max_num_seqs=8, max_waiting_requests=1, max_prompt_tokens=1000)

@@ -1,4 +1,4 @@
-"""deployments.limits' key policies (policies.py): a key file's lines and their attributes, parse
+"""kvserve.deployments.limits' key policies (policies.py): a key file's lines and their attributes, parse
 errors that name the line but never the key, and the lookup that compares every key. Fast (no Ray,
 no model)."""
 
@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from deployments.limits import policies
-from deployments.limits import (
+from kvserve.deployments.limits import policies
+from kvserve.deployments.limits import (
     KeyPolicy,
     find_policy,
     load_key_file,

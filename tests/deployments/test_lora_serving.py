@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from deployments.args import ModelArgs
-from deployments.cli import app_args_from_cli, build_parser
-from deployments.contract.facts import ModelCard
-from deployments.gateway.api import build_api
-from deployments.gateway.core import Gateway
-from deployments.contract.types import GenerateRequest
+from kvserve.deployments.args import ModelArgs
+from kvserve.deployments.cli import app_args_from_cli, build_parser
+from kvserve.deployments.contract.facts import ModelCard
+from kvserve.deployments.gateway.api import build_api
+from kvserve.deployments.gateway.core import Gateway
+from kvserve.deployments.contract.types import GenerateRequest
 from tests.deployments.gateway_fakes import FakeReplica, _Remote, make_gateway
 
 
@@ -70,9 +70,9 @@ def test_lora_modules_flag_takes_vllms_forms_and_needs_enable_lora(tmp_path):
 
 @pytest.mark.slow
 def test_replica_runs_the_named_adapter(tmp_path):
-    from engine import LLM, SamplingParams
-    from engine.lora import LoRARequest
-    from deployments.replica.llm_server import LLMServer
+    from kvserve.engine import LLM, SamplingParams
+    from kvserve.engine.lora import LoRARequest
+    from kvserve.deployments.replica.llm_server import LLMServer
     from tests.engine.test_lora import ADAPTERS, make_adapter
     from tests.tiny_models import make_tiny_model
 
@@ -134,7 +134,7 @@ def _tree(tmp_path):
 
 
 def test_adapter_paths_resolve_under_the_allowed_roots_only(tmp_path):
-    from deployments.replica.lora import UNREADABLE_ADAPTER, AdapterPathError, resolve_adapter_path
+    from kvserve.deployments.replica.lora import UNREADABLE_ADAPTER, AdapterPathError, resolve_adapter_path
 
     root, outside, refused = _tree(tmp_path)
     assert resolve_adapter_path(str(root / "good"), [str(root)]) == str((root / "good").resolve())
@@ -156,7 +156,7 @@ def test_adapter_paths_resolve_under_the_allowed_roots_only(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 def test_an_unreadable_adapter_file_gets_the_same_answer(tmp_path):
-    from deployments.replica.lora import UNREADABLE_ADAPTER, AdapterPathError, resolve_adapter_path
+    from kvserve.deployments.replica.lora import UNREADABLE_ADAPTER, AdapterPathError, resolve_adapter_path
 
     root, _, _ = _tree(tmp_path)
     (root / "good" / "adapter_model.safetensors").chmod(0)
@@ -165,7 +165,7 @@ def test_an_unreadable_adapter_file_gets_the_same_answer(tmp_path):
 
 
 class _Registry:
-    """The GCS adapter registry's in-memory stand-in (:class:`deployments.contract.adapters.AdapterRegistry`)."""
+    """The GCS adapter registry's in-memory stand-in (:class:`kvserve.deployments.contract.adapters.AdapterRegistry`)."""
 
     def __init__(self):
         self.by_name = {}
@@ -187,9 +187,9 @@ class _Registry:
 
 
 def _lora_gateway(hf_config, roots):
-    """A gateway whose replica checks adapters with the real :func:`deployments.replica.lora.check_adapter`
+    """A gateway whose replica checks adapters with the real :func:`kvserve.deployments.replica.lora.check_adapter`
     (an engine stand-in with the tiny model's config), and an in-memory registry."""
-    from deployments.replica.lora import check_adapter
+    from kvserve.deployments.replica.lora import check_adapter
 
     engine = SimpleNamespace(config=SimpleNamespace(enable_lora=True, max_lora_rank=16), hf_config=hf_config)
     replica = FakeReplica()
@@ -250,8 +250,8 @@ def test_load_lora_adapter_reads_only_under_the_allowed_roots(tmp_path, tiny_lla
 
 
 def test_lora_allowed_root_flag_and_config(tmp_path):
-    from deployments.app import gateway_options
-    from deployments.args import AppArgs
+    from kvserve.deployments.app import gateway_options
+    from kvserve.deployments.args import AppArgs
 
     args = build_parser().parse_args(["serve", "--lora-allowed-root", "/srv/adapters",
                                       "--lora-allowed-root", "rel/adapters"])

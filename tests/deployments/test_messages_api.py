@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (deployments/gateway/messages.py) through the real ``anthropic`` SDK
+"""Anthropic's Messages API (kvserve/deployments/gateway/messages.py) through the real ``anthropic`` SDK
 against a live gateway over a real engine in this process (tests/local_app.py): create and
 stream, text and tool use, stop sequences, count_tokens, the key as ``x-api-key``, and errors in
 Anthropic's shape; the answer is the chat endpoint's answer to the same conversation."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from deployments.contract.openai_errors import OpenAIError
-from deployments.gateway.messages_input import MessagesRequest
+from kvserve.deployments.contract.openai_errors import OpenAIError
+from kvserve.deployments.gateway.messages_input import MessagesRequest
 
 anthropic = pytest.importorskip("anthropic")
 

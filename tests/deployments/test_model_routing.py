@@ -3,7 +3,7 @@ routing and the fallback to a second kvserve are in tests/e2e/test_model_routing
 import pytest
 from pydantic import ValidationError
 
-from deployments.routing.model_routing import ModelRouting, RouteRule, Upstream, UpstreamArgs, user_text
+from kvserve.deployments.routing.model_routing import ModelRouting, RouteRule, Upstream, UpstreamArgs, user_text
 
 SMALL, LARGE = "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma-3-270m"
 

@@ -1,11 +1,11 @@
-"""deployments.limits' token-bucket rate limiter (rate_limiter.py) on its local backend: requests and
+"""kvserve.deployments.limits' token-bucket rate limiter (rate_limiter.py) on its local backend: requests and
 tokens per minute, reservations settled and refunded, a cost that never fits, both limits or neither,
 the share of one replica. Fast (no Ray, no model, no Redis: test_rate_limiter_redis.py)."""
 
 import pytest
 from limits_helpers import FakeClock, run
 
-from deployments.limits import (
+from kvserve.deployments.limits import (
     KeyPolicy,
     NeverFits,
     RateLimited,

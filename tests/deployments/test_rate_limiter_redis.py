@@ -1,4 +1,4 @@
-"""deployments.limits' rate limiter (rate_limiter.py) on a real Redis: one limit shared by the
+"""kvserve.deployments.limits' rate limiter (rate_limiter.py) on a real Redis: one limit shared by the
 instances, refunds across them, bucket keys that expire, and a Redis that is down (a local fallback
 with one warning) or comes back. Uses the session's redis-server (skips without one); no Ray, no model."""
 
@@ -10,8 +10,8 @@ import pytest
 from helpers import free_port
 from limits_helpers import FakeClock, run
 
-from deployments.limits import rate_limiter
-from deployments.limits import (
+from kvserve.deployments.limits import rate_limiter
+from kvserve.deployments.limits import (
     KeyPolicy,
     NeverFits,
     RateLimited,

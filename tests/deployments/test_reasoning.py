@@ -1,5 +1,5 @@
-"""Reasoning output (``reasoning_parser``; deployments/contract/reasoning.py,
-deployments/gateway/reasoning.py): the split of a ``<think>`` model's output into reasoning and
+"""Reasoning output (``reasoning_parser``; kvserve/deployments/contract/reasoning.py,
+kvserve/deployments/gateway/reasoning.py): the split of a ``<think>`` model's output into reasoning and
 content per family and prompt, the same whole and streamed at any split; then through the
 gateway with the real SDKs: chat's ``reasoning_content`` (tool calls read after the reasoning
 only), the Responses API's ``reasoning`` item, the Messages API's ``thinking`` block, whole and
@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from deployments.contract.openai_requests import ChatCompletionRequest
-from deployments.contract.reasoning import prompt_reasoning, reasons_first
-from deployments.gateway.api import build_api
-from deployments.gateway.reasoning import ReasoningStream
+from kvserve.deployments.contract.openai_requests import ChatCompletionRequest
+from kvserve.deployments.contract.reasoning import prompt_reasoning, reasons_first
+from kvserve.deployments.gateway.api import build_api
+from kvserve.deployments.gateway.reasoning import ReasoningStream
 from gateway_fakes import ScriptedReplica, _sdk, make_gateway
 
 anthropic = pytest.importorskip("anthropic")
@@ -199,9 +199,9 @@ def test_replica_reports_the_prompt_state_and_holds_the_grammar_until_the_reason
     ``enable_thinking: false`` closes an empty block) on the tiny random model, whose free text
     never writes ``</think>``: with the block open a grammar waits (the output runs free to
     ``max_tokens``, all reasoning); with it closed the grammar holds from the first token."""
-    from deployments.contract.config import ModelArgs
-    from deployments.contract.types import GenerateRequest
-    from deployments.replica.llm_server import LLMServer
+    from kvserve.deployments.contract.config import ModelArgs
+    from kvserve.deployments.contract.types import GenerateRequest
+    from kvserve.deployments.replica.llm_server import LLMServer
     from tiny_models import make_tiny_model
 
     tiny = make_tiny_model(tmp_path_factory.mktemp("tiny_thinking"))

@@ -1,4 +1,4 @@
-"""The response cache's stores (deployments/cache/), without Ray: the in-process one (LRU, TTL, byte
+"""The response cache's stores (kvserve/deployments/cache/), without Ray: the in-process one (LRU, TTL, byte
 bound) and Redis (shared by two instances, LRU, byte bound, TTL on the session's redis-server,
 which skips without one; a Redis that is down is a miss, logged once)."""
 import asyncio
@@ -8,7 +8,7 @@ import time
 from helpers import free_port
 from response_cache_helpers import FakeClock, answer, chat, run
 
-from deployments.cache import CacheSettings, MemoryStore, RedisStore, RequestOptions, ResponseCache
+from kvserve.deployments.cache import CacheSettings, MemoryStore, RedisStore, RequestOptions, ResponseCache
 
 
 def test_memory_store_lru_by_entries():

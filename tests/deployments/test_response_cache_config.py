@@ -3,12 +3,12 @@ and their validation. No Ray, no model."""
 import pytest
 from pydantic import ValidationError
 
-from deployments.cache import CacheSettings
+from kvserve.deployments.cache import CacheSettings
 
 
 def test_app_args_and_cli_flags_of_the_caches(monkeypatch):
-    from deployments.args import AppArgs
-    from deployments.cli import app_args_from_cli, build_parser
+    from kvserve.deployments.args import AppArgs
+    from kvserve.deployments.cli import app_args_from_cli, build_parser
 
     monkeypatch.delenv("KVSERVE_REDIS_URL", raising=False)
     monkeypatch.delenv("KVSERVE_ADMIN_API_KEYS", raising=False)

@@ -1,12 +1,12 @@
-"""The response cache's exact level (deployments/cache/), without Ray: entries round-trip, only
+"""The response cache's exact level (kvserve/deployments/cache/), without Ray: entries round-trip, only
 complete answers are stored, a repeat hits and the opt-outs bypass it (in-process backend)."""
 import asyncio
 
 import pytest
 from response_cache_helpers import answer, chat, run
 
-from deployments.cache import CacheSettings, RequestOptions, ResponseCache, complete, decode_entry, encode_entry
-from deployments.contract.types import GenerationChunk, TokenLogprob, TopLogprob
+from kvserve.deployments.cache import CacheSettings, RequestOptions, ResponseCache, complete, decode_entry, encode_entry
+from kvserve.deployments.contract.types import GenerationChunk, TokenLogprob, TopLogprob
 
 
 def test_entries_round_trip_with_logprobs():

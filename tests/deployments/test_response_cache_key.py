@@ -1,14 +1,14 @@
-"""The response cache's exact key (deployments/cache/), without Ray: every field that changes the
+"""The response cache's exact key (kvserve/deployments/cache/), without Ray: every field that changes the
 output is in it, the rest declared output-neutral; equal requests spelled differently share it;
 which requests are cacheable, the per-request options, the semantic scope and the model revision."""
 import pytest
 from pydantic import ValidationError
 from response_cache_helpers import chat
 
-from deployments.cache import (NON_OUTPUT_FIELDS, RequestOptions, deterministic, exact_key, request_options,
+from kvserve.deployments.cache import (NON_OUTPUT_FIELDS, RequestOptions, deterministic, exact_key, request_options,
                                semantic_parts)
-from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
-from deployments.contract.types import model_revision
+from kvserve.deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
+from kvserve.deployments.contract.types import model_revision
 
 
 def completion(**kw) -> CompletionRequest:

@@ -1,4 +1,4 @@
-"""The response cache's semantic level (deployments/cache/semantic.py) with the real
+"""The response cache's semantic level (kvserve/deployments/cache/semantic.py) with the real
 all-MiniLM-L6-v2 (loaded once for the module; skips without it): paraphrases hit, other
 instructions, sampling and numbers miss, the threshold, a dangling entry; the index's LRU, TTL and
 clear. No Ray."""
@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from response_cache_helpers import FakeClock, answer, chat, run
 
-from deployments.cache import CacheSettings, RequestOptions, ResponseCache
-from deployments.cache.semantic import SemanticIndex, numbers_of
-from deployments.contract.openai_requests import ChatCompletionRequest
+from kvserve.deployments.cache import CacheSettings, RequestOptions, ResponseCache
+from kvserve.deployments.cache.semantic import SemanticIndex, numbers_of
+from kvserve.deployments.contract.openai_requests import ChatCompletionRequest
 
 
 @pytest.fixture(scope="module")
 def embedder():
-    from deployments.contract.encoder import SentenceEncoder, bundled_encoder_path
+    from kvserve.deployments.contract.encoder import SentenceEncoder, bundled_encoder_path
 
     try:
         bundled_encoder_path()

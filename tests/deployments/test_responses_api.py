@@ -172,7 +172,7 @@ def test_unsupported_fields_are_400s_naming_the_field(body, param):
 
 
 def test_every_endpoint_is_counted_by_route_template():
-    from telemetry.metrics import http_requests
+    from kvserve.telemetry.metrics import http_requests
 
     replica = ScriptedReplica()
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 from gateway_fakes import ScriptedReplica, _run, _sdk, make_gateway
 
-from deployments.gateway.api import build_api
+from kvserve.deployments.gateway.api import build_api
 
 
 def test_store_previous_response_id_get_and_delete_are_per_key():
@@ -128,7 +128,7 @@ def test_one_owners_responses_never_evict_anothers(store_backend):
 
 
 def test_owner_ids_follow_the_key_never_show_it():
-    from deployments.limits import KeyPolicy
+    from kvserve.deployments.limits import KeyPolicy
 
     old, new = KeyPolicy("sk-old-alice-1", name="alice"), KeyPolicy("sk-new-alice-1", name="alice")
     assert old.owner_id != new.owner_id and old.owner_id == KeyPolicy("sk-old-alice-1", name="bob").owner_id

@@ -1,4 +1,4 @@
-"""Cheap refusals (``deployments/gateway/shedding.py``): once a replica said "full", the gateway
+"""Cheap refusals (``kvserve/deployments/gateway/shedding.py``): once a replica said "full", the gateway
 refuses what it would refuse without a trip to it, fills a freed slot at once, probes again
 after the hold, reports what it refused as demand, and still sends refusals upstream when a
 fallback is configured. The gateway runs in-process over a fake replica with a fixed capacity."""
@@ -8,11 +8,11 @@ import time
 import httpx
 from fastapi.responses import JSONResponse
 
-from deployments.replica.admission import Admission
-from deployments.gateway.api import build_api
-from deployments.gateway.core import Gateway
-from deployments.gateway.shedding import LoadShedder
-from deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
+from kvserve.deployments.replica.admission import Admission
+from kvserve.deployments.gateway.api import build_api
+from kvserve.deployments.gateway.core import Gateway
+from kvserve.deployments.gateway.shedding import LoadShedder
+from kvserve.deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo
 from tests.deployments.gateway_fakes import FakeGen, _Remote, make_gateway
 
 CAP = 4
@@ -180,7 +180,7 @@ def test_shedder_bookkeeping():
 def test_past_the_hold_one_probe_goes_at_a_time_and_an_admitted_probe_ends_the_mark(monkeypatch):
     """Under a flood, a hold that runs out lets one request through, not all of them: the rest
     are refused here until the probe's answer is known (the next probe waits a hold again)."""
-    import deployments.gateway.shedding as shedding
+    import kvserve.deployments.gateway.shedding as shedding
 
     now = [100.0]
     monkeypatch.setattr(shedding.time, "monotonic", lambda: now[0])
@@ -210,7 +210,7 @@ def test_a_flood_past_the_hold_sends_one_probe_to_the_replica(monkeypatch):
     longer than a hold, and then a second probe would rightly go."""
     import types
 
-    import deployments.gateway.shedding as shedding
+    import kvserve.deployments.gateway.shedding as shedding
 
     replica = CappedReplica()
     now = [1000.0]

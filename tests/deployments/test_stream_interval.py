@@ -2,10 +2,10 @@
 with nothing lost; the first token and the last chunk go out at once."""
 import pytest
 
-from deployments.replica.request_outputs import STREAMS_PER_STEP, ChunkBuilder, stream_interval
-from engine import LLMEngine, SamplingParams
-from engine.config import EngineConfig
-from engine.model_loader import load_tokenizer
+from kvserve.deployments.replica.request_outputs import STREAMS_PER_STEP, ChunkBuilder, stream_interval
+from kvserve.engine import LLMEngine, SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_loader import load_tokenizer
 
 
 def test_auto_interval_is_one_until_streams_per_step_then_grows():

@@ -1,4 +1,4 @@
-"""Tool-call parsers per model family (deployments/gateway/tool_parsers/): what each reads, and the
+"""Tool-call parsers per model family (kvserve/deployments/gateway/tool_parsers/): what each reads, and the
 property that matters for streaming: fed the same output split anywhere (at every token boundary
 of a real tokenizer through the engine's incremental detokenizer, at every character, at random
 byte-level splits inside multi-byte characters), a stream assembles exactly the whole response's
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.gateway.tool_parsers import TOOL_PARSERS, get_tool_parser
-from deployments.gateway.tools import ToolCallStream, extract_calls
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from kvserve.deployments.gateway.tool_parsers import TOOL_PARSERS, get_tool_parser
+from kvserve.deployments.gateway.tools import ToolCallStream, extract_calls
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.sampling_params import SamplingParams
 
 W = {"city": "Zürich", "note": "東京 ☀️ \"quoted\" {braces} [x]"}  # multi-byte characters, JSON's specials
 T = {}
@@ -177,7 +177,7 @@ def test_unknown_parser_is_refused():
     (None, "hermes"),
 ])
 def test_auto_picks_the_parser_the_template_writes_calls_for(snippet, parser):
-    from engine.chat_templates import tool_parser_for_template
+    from kvserve.engine.chat_templates import tool_parser_for_template
 
     assert tool_parser_for_template(snippet) == parser
     assert parser in TOOL_PARSERS

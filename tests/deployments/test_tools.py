@@ -1,4 +1,4 @@
-"""Tool calling's text side (deployments/gateway/tools.py): the grammar for ``required`` / a named
+"""Tool calling's text side (kvserve/deployments/gateway/tools.py): the grammar for ``required`` / a named
 function, and the Hermes rendering for chat templates that know no tools (with SmolLM2's real
 template). The parsers per model family: tests/deployments/test_tool_parsers.py."""
 import json
@@ -6,8 +6,8 @@ import json
 import jsonschema
 import pytest
 
-from deployments.gateway.tools import parse_forced, tool_grammar
-from engine.chat_templates import prepare_messages, template_knows_tools
+from kvserve.deployments.gateway.tools import parse_forced, tool_grammar
+from kvserve.engine.chat_templates import prepare_messages, template_knows_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (telemetry/tracing.py, deployments/gateway/tracing.py, deployments/replica/tracing.py)
+"""OpenTelemetry traces (kvserve/telemetry/tracing.py, kvserve/deployments/gateway/tracing.py, kvserve/deployments/replica/tracing.py)
 against real OTLP receivers in the test, the protocol decoded with ``opentelemetry-proto``: OTLP
 over HTTP (a plain HTTP server) and over gRPC (a ``TraceService`` server); a request through the
 gateway to a real engine gives one trace under the client's ``traceparent``: the gateway's
@@ -18,7 +18,7 @@ import pytest
 from helpers import free_port
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from telemetry.tracing import resolve_protocol, tracing
+from kvserve.telemetry.tracing import resolve_protocol, tracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -119,8 +119,8 @@ def test_protocol_and_ratio_checks(monkeypatch):
 def test_off_by_default_loads_no_exporter():
     """(Ray itself imports the OpenTelemetry SDK; what tracing adds, the OTLP exporters and a
     span processor's thread, stays out unless an endpoint is configured.)"""
-    code = ("import sys; from deployments.gateway.core import Gateway; from deployments.replica.llm_server import "
-            "LLMServer; from deployments.contract.config import TracingArgs; from telemetry.tracing import tracing; "
+    code = ("import sys; from kvserve.deployments.gateway.core import Gateway; from kvserve.deployments.replica.llm_server import "
+            "LLMServer; from kvserve.deployments.contract.config import TracingArgs; from kvserve.telemetry.tracing import tracing; "
             "assert TracingArgs().otlp_traces_endpoint is None and tracing(None) is None; "
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.exporter.otlp')))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}

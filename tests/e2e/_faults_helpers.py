@@ -57,7 +57,7 @@ def _deploy(app_args: dict, name: str, route: str, *, pin: str | None = None) ->
     """Deploy (or update) a kvserve app; returns once Serve reports it running."""
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app = build_app(app_args)
     if pin is not None:

@@ -8,8 +8,8 @@ def wait_for_hub(app: str, replicas: int, tries: int = 600):
     (None: none was made)."""
     import ray
 
-    from deployments.contract.adapters import REGISTRY_NAMESPACE
-    from deployments.contract.kv_event_hub import hub_name
+    from kvserve.deployments.contract.adapters import REGISTRY_NAMESPACE
+    from kvserve.deployments.contract.kv_event_hub import hub_name
 
     hub = None
     for _ in range(tries):

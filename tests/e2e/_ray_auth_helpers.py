@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.ray_auth import LOOPBACK_VAR
+from kvserve.cluster.ray_auth import LOOPBACK_VAR
 
 ATTACKER = r'''
 import os, sys, time

@@ -9,17 +9,17 @@ import sys
 import time
 from pathlib import Path
 
-from engine.model_loader import cache_dir
+from kvserve.engine.model_loader import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_kvserve(home: Path, args: list[str], env: dict[str, str] | None = None,
                   timeout_s: float = 400) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m deployments.cli serve *args`` with ``HOME=home`` (so its Ray token is
+    """Start ``python -m kvserve.deployments.cli serve *args`` with ``HOME=home`` (so its Ray token is
     its own) and wait for its "Ctrl-C to stop." line; returns the process (its own session:
     stop it with :func:`stop_kvserve`) and its output so far. ``KVSERVE_CACHE`` stays this
-    session's (:func:`engine.model_loader.cache_dir`): a new ``HOME`` would otherwise build
+    session's (:func:`kvserve.engine.model_loader.cache_dir`): a new ``HOME`` would otherwise build
     the C++ CPU kernels and convert models again (~35 s of compiling on 2 cores).
 
     Raises:
@@ -28,7 +28,7 @@ def start_kvserve(home: Path, args: list[str], env: dict[str, str] | None = None
     full = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     full.update(HOME=str(home), PYTHONPATH=str(ROOT), RAY_worker_niceness="0", KVSERVE_CACHE=str(cache_dir()),
                 **(env or {}))
-    p = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", *args], env=full, cwd=ROOT, text=True,
+    p = subprocess.Popen([sys.executable, "-m", "kvserve.deployments.cli", "serve", *args], env=full, cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
     deadline = time.time() + timeout_s

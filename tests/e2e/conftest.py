@@ -13,8 +13,8 @@ import os
 import shutil
 import tempfile
 
-from cluster import set_local_ray_env
-from cluster.ray_auth import ensure_local_auth
+from kvserve.cluster import set_local_ray_env
+from kvserve.cluster.ray_auth import ensure_local_auth
 
 # Ray's token authentication on, as `kvserve serve` runs it, with a token of this test session
 # only (RAY_AUTH_TOKEN_PATH in a private temp dir, not the user's ~/.ray/auth_token, which the
@@ -69,7 +69,7 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
     """The kvserve app over real HTTP; yields base URLs and a handle to SmolLM2's LLMServer."""
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     from tests.engine.test_lora import ADAPTERS, make_adapter
 
@@ -127,6 +127,6 @@ def tokenizers(smollm2_path):
     test_router.py and test_router_live.py (session scope: loaded once for both files)."""
     from transformers import PreTrainedTokenizerFast
 
-    from engine.model_loader import load_tokenizer
+    from kvserve.engine.model_loader import load_tokenizer
 
     return load_tokenizer(smollm2_path), PreTrainedTokenizerFast.from_pretrained(str(smollm2_path))

@@ -27,7 +27,7 @@ def _replicas(serve) -> int:
 def test_burst_scales_up_then_down(ray_session, serve_app, tiny_llama_path):
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app = build_app({
         "model": str(tiny_llama_path), "served_model_name": "tiny-as", "max_num_seqs": 2, "max_model_len": 512,

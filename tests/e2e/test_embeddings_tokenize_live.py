@@ -20,7 +20,7 @@ def _client(serve_app) -> openai.OpenAI:
 def test_encoder_embeddings_equal_sentence_transformers(serve_app):
     from sentence_transformers import SentenceTransformer
 
-    from deployments.contract.encoder import bundled_encoder_path
+    from kvserve.deployments.contract.encoder import bundled_encoder_path
 
     texts = ["A man is eating food.", "The weather is lovely today.", "kvserve serves LLMs on Ray. " * 8]
     c = _client(serve_app)

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from deployments.operator.experiment_report import analyse, render
+from kvserve.deployments.operator.experiment_report import analyse, render
 
 ADMIN = "sk-kvserve-ab-admin"
 

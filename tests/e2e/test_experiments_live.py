@@ -21,7 +21,7 @@ COST = 3.6
 def ab_app(ray_session, serve_app, tiny_llama_path):
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app = build_app({
         "model": str(tiny_llama_path), "served_model_name": MODEL, "num_replicas": 1, "max_model_len": 256,
@@ -84,7 +84,7 @@ def test_weights_change_live_through_the_gcs(ab_app):
         assert r.status_code == 200 and r.json()["weights"] == {"A": 0.0, "B": 1.0}
         assert {_chat(c, ab_app, f"new{i}", "hi").headers["x-kvserve-variant"] for i in range(12)} == {"B"}
         # the weights live in the GCS: what a restarted or other gateway replica reads
-        from deployments.contract.experiments import WeightBoard
+        from kvserve.deployments.contract.experiments import WeightBoard
 
         assert WeightBoard(APP).get("seqs") == {"A": 0.0, "B": 1.0}
         data = c.get(url, headers=auth).json()

@@ -38,7 +38,7 @@ def _faulty_server():
     checks that what a step reports reaches each stream."""
     import faults
     import ray.cloudpickle
-    from deployments.replica.llm_server import LLMServer
+    from kvserve.deployments.replica.llm_server import LLMServer
 
     ray.cloudpickle.register_pickle_by_value(faults)
     base = LLMServer.func_or_class
@@ -68,7 +68,7 @@ def _faulty_server():
 def _deploy_faulty(args: dict, name: str, route: str) -> None:
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app = build_app(args)
     models = app._bound_deployment.init_args[0]  # OpenAIIngress(models={name: LLMServer app}, ...)

@@ -4,11 +4,11 @@ events of medium ``cluster`` in the routers' index, and the router's score, whic
 replica of the layout count the cluster's blocks as loadable. The tier over real Ray objects and
 two replicas: test_kv_cluster_live.py.
 """
-from deployments.contract.kv_cluster_directory import ClusterDirectory, cluster_holder, kv_layout
-from deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
-from deployments.contract.kv_index import KVBlockIndex, request_hashes
-from deployments.routing.kv_router import replica_costs
-from engine.kv_events import MEDIUM_CLUSTER, BlockRemoved, BlockStored, KVEventBatch
+from kvserve.deployments.contract.kv_cluster_directory import ClusterDirectory, cluster_holder, kv_layout
+from kvserve.deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
+from kvserve.deployments.contract.kv_index import KVBlockIndex, request_hashes
+from kvserve.deployments.routing.kv_router import replica_costs
+from kvserve.engine.kv_events import MEDIUM_CLUSTER, BlockRemoved, BlockStored, KVEventBatch
 
 L1, L2 = kv_layout("m1", "torch.float32", "auto", 16, 1, 1), kv_layout("m2", "torch.float32", "auto", 16, 1, 1)
 HASHES = request_hashes(list(range(1000, 1200)), 16, 64)  # 12 blocks

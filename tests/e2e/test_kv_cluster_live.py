@@ -32,7 +32,7 @@ def cluster_model(tmp_path_factory):
 def cluster_app(ray_session, serve_app, cluster_model):
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app = build_app({"model": str(cluster_model), "served_model_name": "kv-cluster", "num_replicas": 2,
                      "dtype": "float32", "max_num_seqs": 4, "max_model_len": 512, "num_kv_blocks": 64,
@@ -50,7 +50,7 @@ def _prefix(i: int) -> list[int]:
 
 
 def _reference(path, prompts):
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(model=str(path), device="cpu", dtype="float32", enable_prefix_caching=False, max_model_len=512)
     outs = llm.generate(prompts, SamplingParams(**SP), use_tqdm=False)
@@ -70,7 +70,7 @@ def _cluster_metric(root: str, name: str) -> float:
 def test_a_prefix_computed_on_one_replica_loads_on_the_other(cluster_app, cluster_model, serve_app):
     import ray
 
-    from deployments.contract.kv_index import request_hashes
+    from kvserve.deployments.contract.kv_index import request_hashes
 
     handle, hub = cluster_app
     assert hub is not None

@@ -1,7 +1,7 @@
-"""KV-event routing without Ray: the cluster index (``deployments/contract/kv_index.py``) against
+"""KV-event routing without Ray: the cluster index (``kvserve/deployments/contract/kv_index.py``) against
 what the engine really reuses, the hub (``kv_event_hub.py``), a replica's publisher
-(``deployments/replica/kv_publisher.py``) over a real engine, and the router
-(``deployments/routing/kv_router.py``) on fake replicas. Through a real Serve app:
+(``kvserve/deployments/replica/kv_publisher.py``) over a real engine, and the router
+(``kvserve/deployments/routing/kv_router.py``) on fake replicas. Through a real Serve app:
 test_kv_router_live.py.
 """
 import asyncio
@@ -9,25 +9,25 @@ import random
 
 import pytest
 
-from deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
-from deployments.contract.kv_index import KVBlockIndex, request_hashes
-from deployments.routing.kv_router import KVAwareRouter, replica_costs
-from engine.kv_events import MEDIUM_HOST, MEDIUM_POOL, BlockRemoved, BlockStored, KVEventBatch
+from kvserve.deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
+from kvserve.deployments.contract.kv_index import KVBlockIndex, request_hashes
+from kvserve.deployments.routing.kv_router import KVAwareRouter, replica_costs
+from kvserve.engine.kv_events import MEDIUM_HOST, MEDIUM_POOL, BlockRemoved, BlockStored, KVEventBatch
 from test_router import FakeReplica, _names, _pending
 
 BS = 4
 
 
 def _engine(path, **kw):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
                                   kv_offloading_size=0.01, enable_kv_cache_events=True, **kw))
 
 
 def _run(engine, prompt, rid):
-    from engine.sampling_params import SamplingParams
+    from kvserve.engine.sampling_params import SamplingParams
 
     engine.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0))
     while engine.has_unfinished_requests():
@@ -51,8 +51,8 @@ def test_the_index_predicts_what_the_engine_reuses(tiny_llama_path):
         for batch in engine.take_kv_events()[1]:
             index.apply("r", batch)
         want = index.match(request_hashes(prompt, BS, 64), ["r"])["r"]
-        from engine.request import Request
-        from engine.sampling_params import SamplingParams
+        from kvserve.engine.request import Request
+        from kvserve.engine.sampling_params import SamplingParams
 
         probe = Request("probe", prompt, SamplingParams(max_tokens=1))
         pool = kv.get_computed_blocks(probe)
@@ -115,9 +115,9 @@ def test_the_publisher_keeps_the_hub_equal_to_the_engine(tiny_llama_path):
     """A real async engine publishing through :class:`KVEventPublisher`: after traffic, the hub's
     index of the replica equals the engine's snapshot; a new hub (the old one died) is brought
     back by a snapshot."""
-    from deployments.replica.kv_publisher import KVEventPublisher
-    from engine.async_engine import AsyncLLMEngine
-    from engine.sampling_params import SamplingParams
+    from kvserve.deployments.replica.kv_publisher import KVEventPublisher
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.sampling_params import SamplingParams
 
     async def body():
         eng = AsyncLLMEngine(_engine(tiny_llama_path))

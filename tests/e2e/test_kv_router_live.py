@@ -14,8 +14,8 @@ import time
 import pytest
 from _kv_helpers import wait_for_hub
 
-from deployments.contract.kv_event_hub import hub_name
-from deployments.contract.kv_index import request_hashes
+from kvserve.deployments.contract.kv_event_hub import hub_name
+from kvserve.deployments.contract.kv_index import request_hashes
 
 APP = "kvserve-kv-router"
 WORDS = ["alpha", "policy", "user", "assistant", "data", "rule", "table", "river", "stone", "cloud"]
@@ -28,7 +28,7 @@ def kv_app(ray_session, serve_app, tiny_llama_path):
     and the hub."""
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-kv", "num_replicas": 2,
                      "max_num_seqs": 4, "max_model_len": 384, "num_kv_blocks": 24, "kv_offloading_size": 0.01,
@@ -97,7 +97,7 @@ def test_a_killed_replica_leaves_the_other_serving_and_leaves_the_index(kv_app):
     import ray
     from ray._private.state import state
 
-    from deployments.contract.kv_event_hub import REPLICA_TTL_S
+    from kvserve.deployments.contract.kv_event_hub import REPLICA_TTL_S
 
     handle, hub, _ = kv_app
     actors = {a["Name"]: a for a in state.actor_table(None).values()
@@ -130,7 +130,7 @@ def test_a_killed_replica_leaves_the_other_serving_and_leaves_the_index(kv_app):
     assert asyncio.run(run()) == 6
     # the hub forgets it (or, when the victim owned the hub, a new hub is made by the survivor's
     # next publish, and the victim never appears in it)
-    from deployments.contract.adapters import REGISTRY_NAMESPACE
+    from kvserve.deployments.contract.adapters import REGISTRY_NAMESPACE
 
     deadline = time.monotonic() + REPLICA_TTL_S + 30
     while time.monotonic() < deadline:

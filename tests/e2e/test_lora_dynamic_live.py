@@ -24,7 +24,7 @@ PROMPT = "Once upon a time"
 def lora_app(serve_app, tiny_llama_path, tmp_path_factory):
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
     from tests.engine.test_lora import ADAPTERS, make_adapter
 
     root = tmp_path_factory.mktemp("dyn_adapters")
@@ -51,8 +51,8 @@ def offline(tiny_llama_path, adapters):
     """The offline engine's greedy text of PROMPT under each of ``adapters`` (paths; None: base)."""
     import torch
 
-    from engine import LLM, SamplingParams
-    from engine.lora import LoRARequest
+    from kvserve.engine import LLM, SamplingParams
+    from kvserve.engine.lora import LoRARequest
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the served replicas: the same summation order

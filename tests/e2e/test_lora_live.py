@@ -10,8 +10,8 @@ pytestmark = pytest.mark.slow
 def test_sdk_calls_with_an_adapter_as_model(serve_app):
     from openai import OpenAI
 
-    from engine import LLM, SamplingParams
-    from engine.lora import LoRARequest
+    from kvserve.engine import LLM, SamplingParams
+    from kvserve.engine.lora import LoRARequest
 
     client = OpenAI(base_url=serve_app.base_url, api_key="unused")
     cards = {m.id: m for m in client.models.list().data}

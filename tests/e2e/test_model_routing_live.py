@@ -31,7 +31,7 @@ def routing_app(ray_session, serve_app, tiny_llama_path, upstream):
     the upstream kvserve as the fallback of ``tiny-small``."""
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     tiny = {"model": str(tiny_llama_path), "num_replicas": 1, "max_model_len": 1024, "torch_num_threads": 1,
             "replica_cpus": 0.25}

@@ -39,7 +39,7 @@ def ops_app(serve_app, tiny_llama_path, redis_server):
     limits shared through a real redis-server."""
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-ops", "max_num_seqs": 2,
                      "max_queued_requests": 40, "max_model_len": 256, "torch_num_threads": 1, "num_replicas": 1,

@@ -1,4 +1,4 @@
-"""Pipeline parallelism over Ray actors (engine/pipeline.py; gloo point-to-point on CPU): the
+"""Pipeline parallelism over Ray actors (kvserve/engine/pipeline.py; gloo point-to-point on CPU): the
 layers split into stages, each stage's KV cache holding its own layers, a step's batch passed
 through the stages as micro-batches. Greedy output equals Hugging Face transformers token for
 token with PP=2 and PP=2 x TP=2, on a tiny random-weight Llama (untied LM head) and on one with
@@ -16,8 +16,8 @@ NEW_TOKENS = 12
 
 def pp_llm(path, pp: int, tp: int = 1, **kw):
     """An offline ``LLM`` whose ``pp x tp`` ranks are Ray actors; returns ``(llm, group)``."""
-    from cluster.worker_group import RayWorkerGroup
-    from engine import LLM
+    from kvserve.cluster.worker_group import RayWorkerGroup
+    from kvserve.engine import LLM
 
     groups = []
 
@@ -54,7 +54,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def test_pipeline_equals_hf_on_the_tiny_llama(ray_session, tiny4, pp, tp, kw):
     import ray
 
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     prompts = [list(range(100, 150))] + _prompts(5, seed=pp * 10 + tp + len(kw))
     prompts += [prompts[0][:40] + [7, 8, 9]]  # shares its first blocks with prompts[0]: a prefix-cache hit
@@ -94,7 +94,7 @@ def test_pipeline_equals_hf_with_tied_embeddings(ray_session, request, model):
     """A model with tied embeddings over PP=2 x TP=2: the first stage embeds, the last loads the
     embedding's tensor as its LM head; text and tokens equal HF's greedy ones. A tiny one with
     SmolLM2's layout in the fast profile, SmolLM2 (30 layers) in the thorough one."""
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     path = request.getfixturevalue({"tiny-tied": "tiny_tied", "smollm2": "smollm2_path"}[model])
     llm, group = pp_llm(path, 2, 2, max_model_len=256, max_num_seqs=4, num_kv_blocks=64)
@@ -109,7 +109,7 @@ def test_pipeline_equals_hf_with_tied_embeddings(ray_session, request, model):
 
 
 def test_pipeline_refuses_what_it_does_not_run(ray_session, tiny4):
-    from engine import EngineConfig
+    from kvserve.engine import EngineConfig
 
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not run with enable_lora"):
         EngineConfig(model=str(tiny4), pipeline_parallel_size=2, enable_lora=True)

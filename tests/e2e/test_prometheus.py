@@ -23,8 +23,8 @@ from _prometheus_helpers import (EXPORTS, RAY_SCRAPE_S, TINY, Prom, _baseline, _
                                  _ray_hist_sum, _wait)
 from helpers import HTTP, free_port
 
-# constants only: importing telemetry.metrics switches nothing on
-from telemetry.metrics import TOKEN_BUCKETS
+# constants only: importing kvserve.telemetry.metrics switches nothing on
+from kvserve.telemetry.metrics import TOKEN_BUCKETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,7 +1,7 @@
 """Ray's control plane is closed to whoever lacks the cluster's token.
 
 The unit tests check the environment `kvserve serve` sets up before it starts Ray
-(cluster/ray_auth.py). The slow tests play the attacker against the session's Ray (token auth
+(kvserve/cluster/ray_auth.py). The slow tests play the attacker against the session's Ray (token auth
 on, ports on 127.0.0.1, as `kvserve serve` runs it): a separate process on this machine,
 without the token, tries to join the cluster and run a task, and calls the GCS and a Serve
 replica over raw gRPC; the same process with the token succeeds. One test runs `kvserve serve`
@@ -25,7 +25,7 @@ from _ray_auth_helpers import (ATTACKER, RAW_GRPC, _attacker_env, _collect, _is_
 from cli_process import start_kvserve
 from helpers import DONE, HTTP, free_port, iter_sse
 
-from cluster.ray_auth import (
+from kvserve.cluster.ray_auth import (
     LOOPBACK_VAR,
     TOKEN_PATH_VAR,
     TOKEN_VAR,
@@ -128,7 +128,7 @@ def test_cli_join_without_token_fails_fast_with_a_clear_message(tmp_path):
     """`kvserve serve --address` with no token here: a clear error before Ray is even imported."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", LOOPBACK_VAR))}
     env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT))
-    code = ("import sys; from deployments.cli import main\n"
+    code = ("import sys; from kvserve.deployments.cli import main\n"
             "try:\n    main(['serve', '--address', '10.255.255.1:6379'])\n"
             "finally:\n    assert 'ray' not in sys.modules, 'imported ray before checking the token'\n")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
@@ -163,7 +163,7 @@ def test_attacker_without_the_token_cannot_join_or_run_code(ray_session, tmp_pat
     # `kvserve serve --address` holding a wrong token: a clear message, not a hang
     kv_env = _attacker_env(tmp_path / "home1", RAY_AUTH_TOKEN="f" * 64, PYTHONPATH=str(ROOT))
     procs["kvserve join"] = subprocess.Popen(
-        [sys.executable, "-m", "deployments.cli", "serve", "--address", ray_session.address], env=kv_env,
+        [sys.executable, "-m", "kvserve.deployments.cli", "serve", "--address", ray_session.address], env=kv_env,
         cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     res = _collect(procs)
 

@@ -193,7 +193,7 @@ def test_new_weights_revision_never_gets_old_answers(serve_app, tiny_llama_path)
     answers (a server_info call in the request's context once left its generate call pending)."""
     import os
 
-    from deployments.gateway.catalog import REVISION_REFRESH_S
+    from kvserve.deployments.gateway.catalog import REVISION_REFRESH_S
 
     body = {"model": TINY, "prompt": f"Revision {_tag()}", "max_tokens": 4, "temperature": 0}
     _post(serve_app, "/completions", body)

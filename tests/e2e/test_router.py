@@ -1,4 +1,4 @@
-"""Prefix-aware replica routing (``deployments/routing/prefix_router.py``, ``prefix_hasher.py``, ``prefix_report.py``),
+"""Prefix-aware replica routing (``kvserve/deployments/routing/prefix_router.py``, ``prefix_hasher.py``, ``prefix_report.py``),
 without Ray.
 
 The router's hashes are the engine's own block hashes (same tokenization, same chained hash),
@@ -13,18 +13,18 @@ import uuid
 
 import pytest
 
-from deployments.routing.prefix_hasher import PrefixHasher
-from deployments.contract.prefix import PROBE_MESSAGES, PROBE_TEXT, block_hashes, tokenizer_probe
-from deployments.replica.prefix_report import RecentPrefixes
-from deployments.routing.prefix_router import PrefixAwareRouter, router_config
-from deployments.routing.prefix_scoring import least_cached, longest_match, match_depths, preferred_replicas
+from kvserve.deployments.routing.prefix_hasher import PrefixHasher
+from kvserve.deployments.contract.prefix import PROBE_MESSAGES, PROBE_TEXT, block_hashes, tokenizer_probe
+from kvserve.deployments.replica.prefix_report import RecentPrefixes
+from kvserve.deployments.routing.prefix_router import PrefixAwareRouter, router_config
+from kvserve.deployments.routing.prefix_scoring import least_cached, longest_match, match_depths, preferred_replicas
 
 
 # ---- hashes: the engine's own --------------------------------------------------------------
 def test_block_hashes_are_the_engines():
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
+    from kvserve.engine.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+    from kvserve.engine.sampling_params import SamplingParams
 
     ids = [random.Random(0).randrange(50000) for _ in range(100)]
     req = Request("r", ids, SamplingParams(max_tokens=1))
@@ -47,8 +47,8 @@ def test_router_hashes_are_a_prefix_of_the_engines(tokenizers):
     """Text prompts, chats and chats with tools, many lengths (cuts at every level): the
     router's hashes are always a leading part of the engine's ``Request.block_hashes`` for the
     ids the engine itself computes (most of them: the text's leading power-of-two characters)."""
-    from engine.chat_templates import prepare_messages
-    from engine.llm_engine import chat_template_ids, encode_prompt
+    from kvserve.engine.chat_templates import prepare_messages
+    from kvserve.engine.llm_engine import chat_template_ids, encode_prompt
 
     eng, tok = tokenizers
     hasher = PrefixHasher(tok, 16, max_tokens=1024)
@@ -183,7 +183,7 @@ def _pending(prompt, method: str = "stream"):
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from deployments.contract.types import GenerateRequest
+    from kvserve.deployments.contract.types import GenerateRequest
 
     rid = uuid.uuid4().hex
     args = [GenerateRequest(prompt=prompt)] if method == "stream" else [prompt, {"max_tokens": 4}]
@@ -270,8 +270,8 @@ def test_router_keys_by_adapter_and_prefers_replicas_holding_it():
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from deployments.contract.prefix import for_adapter
-    from deployments.contract.types import GenerateRequest
+    from kvserve.deployments.contract.prefix import for_adapter
+    from kvserve.deployments.contract.types import GenerateRequest
 
     def pending(prompt, adapter=None, multiplexed=""):
         rid = uuid.uuid4().hex
@@ -335,7 +335,7 @@ def test_router_checks_the_tokenizer_probe(smollm2_path):
 def test_router_config_and_app_options(tiny_llama_path):
     from ray.serve.config import RequestRouterConfig
 
-    from deployments.app import AppArgs, llm_deployment_options
+    from kvserve.deployments.app import AppArgs, llm_deployment_options
 
     cfg = RequestRouterConfig(**router_config(16, 8))
     assert cfg.get_request_router_class() is PrefixAwareRouter or cfg.get_request_router_class().__name__ == (
@@ -346,7 +346,7 @@ def test_router_config_and_app_options(tiny_llama_path):
     assert on["request_routing_stats_period_s"] == 1.0
     for off in (AppArgs(prefix_aware_routing=False), AppArgs(enable_prefix_caching=False)):
         assert "request_router_config" not in llm_deployment_options(off.model_list()[0], "x")
-    from deployments.cli import app_args_from_cli, build_parser
+    from kvserve.deployments.cli import app_args_from_cli, build_parser
 
     a = app_args_from_cli(build_parser().parse_args(["serve", "--no-prefix-aware-routing",
                                                      "--prefix-routing-margin", "2"]))
@@ -357,7 +357,7 @@ def test_router_config_builds_from_several_threads():
     """Serve's RequestRouterConfig pickles the router module by value around a process-global
     register / unregister; from several threads at once (a redeploy beside a handle decoding a
     config update) the unpatched sequence fails about 1 in 400 (ValueError "... is not
-    registered for pickle by value"); deployments/routing/prefix_router.py serialises it under a lock."""
+    registered for pickle by value"); kvserve/deployments/routing/prefix_router.py serialises it under a lock."""
     import threading
 
     from ray.serve.config import RequestRouterConfig

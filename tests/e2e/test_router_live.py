@@ -12,7 +12,7 @@ import time
 import pytest
 from helpers import DONE, iter_sse
 
-from deployments.contract.prefix import block_hashes
+from kvserve.deployments.contract.prefix import block_hashes
 
 
 # ---- a real Serve app: tiny model, 2 replicas (Ray) ------------------------------------------
@@ -26,7 +26,7 @@ def router_app(ray_session, serve_app, tiny_llama_path):
     routing with a margin of 2 ongoing requests; yields (base URL, a driver handle)."""
     from ray import serve
 
-    from deployments.app import build_app
+    from kvserve.deployments.app import build_app
 
     app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-router", "num_replicas": 2,
                      "max_num_seqs": 8, "max_model_len": 1024, "torch_num_threads": 1, "replica_cpus": 0.25,

@@ -16,12 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_config_file_loads_with_serve_schema():
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.app import AppArgs, build_app
+    from kvserve.deployments.app import AppArgs, build_app
 
-    data = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    data = yaml.safe_load((ROOT / "kvserve" / "deployments" / "serve_config.yaml").read_text())
     schema = ServeDeploySchema.model_validate(data)
     app = schema.applications[0]
-    assert app.name == "kvserve" and app.import_path == "deployments.app:build_app"
+    assert app.name == "kvserve" and app.import_path == "kvserve.deployments.app:build_app"
     args = AppArgs.model_validate(app.args)
     assert args.model_list()[0].name == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert args.model_list()[0].autoscaling_knobs()["max_replicas"] == 8  # kvserve's policy, 1..8
@@ -34,14 +34,14 @@ def test_serve_config_file_loads_with_serve_schema():
 
 
 def test_pipeline_serve_config_asks_for_a_rank_per_bundle():
-    """deployments/serve_config_pipeline.yaml (two stages of four GPUs): Serve's schema takes it,
+    """kvserve/deployments/serve_config_pipeline.yaml (two stages of four GPUs): Serve's schema takes it,
     and the replica asks for 8 one-GPU bundles, PACKed (stage 0 fills a node, stage 1 the next),
     the replica's own CPU in rank 0's bundle."""
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.app import AppArgs, llm_deployment_options
+    from kvserve.deployments.app import AppArgs, llm_deployment_options
 
-    data = yaml.safe_load((ROOT / "deployments" / "serve_config_pipeline.yaml").read_text())
+    data = yaml.safe_load((ROOT / "kvserve" / "deployments" / "serve_config_pipeline.yaml").read_text())
     app = ServeDeploySchema.model_validate(data).applications[0]
     m = AppArgs.model_validate(app.args).model_list()[0]
     assert (m.tensor_parallel_size, m.pipeline_parallel_size, m.num_ranks) == (4, 2, 8)
@@ -53,8 +53,8 @@ def test_pipeline_serve_config_asks_for_a_rank_per_bundle():
 
 
 def test_replica_resources_tie_replicas_to_a_node_type():
-    from deployments.app import llm_deployment_options
-    from deployments.args import ModelArgs
+    from kvserve.deployments.app import llm_deployment_options
+    from kvserve.deployments.args import ModelArgs
 
     one = llm_deployment_options(ModelArgs(replica_resources={"node-type-a": 1}), "LLMServer")
     assert one["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0, "resources": {"node-type-a": 1}}
@@ -64,7 +64,7 @@ def test_replica_resources_tie_replicas_to_a_node_type():
 
 
 def test_app_args_and_deployment_options():
-    from deployments.app import AppArgs, llm_deployment_options
+    from kvserve.deployments.app import AppArgs, llm_deployment_options
 
     with pytest.raises(ValidationError):
         AppArgs(num_replicas=2, max_replicas=4)
@@ -92,7 +92,7 @@ def test_app_args_and_deployment_options():
     default = llm_deployment_options(AppArgs().model_list()[0], "x")
     assert default["num_replicas"] == "auto"
     ac = AutoscalingConfig(**default["autoscaling_config"])
-    assert ac.policy.policy_function == "autoscaling.policy:KVServeAutoscalingPolicy"
+    assert ac.policy.policy_function == "kvserve.autoscaling.policy:KVServeAutoscalingPolicy"
     assert (ac.min_replicas, ac.max_replicas) == (1, 8)
     assert ac.policy.policy_kwargs["min_replicas"] == 1 and ac.policy.policy_kwargs["max_replicas"] == 8
 
@@ -107,7 +107,7 @@ def test_app_args_and_deployment_options():
 
 
 def test_cli_flags_to_app_args(tmp_path):
-    from deployments.cli import app_args_from_cli, build_parser
+    from kvserve.deployments.cli import app_args_from_cli, build_parser
 
     p = build_parser()
     a = app_args_from_cli(p.parse_args(["serve", "--model", "/m", "--tensor-parallel-size", "2", "--num-replicas",
@@ -115,7 +115,7 @@ def test_cli_flags_to_app_args(tmp_path):
     assert a == {"model": "/m", "tensor_parallel_size": 2, "num_replicas": 3, "max_num_seqs": 16}
     a = app_args_from_cli(p.parse_args(["serve", "--min-replicas", "1", "--max-replicas", "4"]))
     assert a["min_replicas"] == 1 and a["max_replicas"] == 4 and "num_replicas" not in a
-    a = app_args_from_cli(p.parse_args(["serve", "--config", str(ROOT / "deployments" / "serve_config.yaml"),
+    a = app_args_from_cli(p.parse_args(["serve", "--config", str(ROOT / "kvserve" / "deployments" / "serve_config.yaml"),
                                         "--max-num-seqs", "8", "--api-key", "k"]))
     assert a["max_num_seqs"] == 8 and a["tensor_parallel_size"] == 1 and a["api_keys"] == ["k"]
     plain = tmp_path / "args.yaml"
@@ -132,7 +132,7 @@ def test_cli_flags_to_app_args(tmp_path):
 
 
 def test_cli_generate_runs_engine_without_ray(tiny_llama_path):
-    code = ("import sys, json; from deployments.cli import main; "
+    code = ("import sys, json; from kvserve.deployments.cli import main; "
             f"main(['generate', '--prompt', 'hello', '--model', {str(tiny_llama_path)!r}, '--max-tokens', '5', "
             "'--json']); assert 'ray' not in sys.modules, 'kvserve generate imported ray'")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -142,8 +142,8 @@ def test_cli_generate_runs_engine_without_ray(tiny_llama_path):
 
 
 def test_protocol_models():
-    from deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
-    from deployments.contract.types import finish_reason
+    from kvserve.deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
+    from kvserve.deployments.contract.types import finish_reason
 
     r = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5,
@@ -152,7 +152,7 @@ def test_protocol_models():
     assert r.effective_max_tokens == 7 and r.num_logprobs == 3
     assert r.messages[0].to_template() == {"role": "user", "content": "ab"}
     params = r.to_sampling_params(r.effective_max_tokens, r.num_logprobs)  # the engine's own type
-    from engine.sampling_params import SamplingParams
+    from kvserve.engine.sampling_params import SamplingParams
 
     assert isinstance(params, SamplingParams)
     assert params.max_tokens == 7 and params.top_k == 5 and params.logprobs == 3 and params.temperature == 1.0
@@ -183,8 +183,8 @@ def test_protocol_models():
 
 
 def test_step_stats_capacity_only_from_full_steps():
-    from deployments.replica.step_rates import StepRateTracker
-    from engine.stats import IterationStats
+    from kvserve.deployments.replica.step_rates import StepRateTracker
+    from kvserve.engine.stats import IterationStats
 
     def step(t0, t1, n_prefill, n_decode, n_sampled, batch):
         return IterationStats(t0, t1, n_prefill, n_decode, n_sampled, batch, num_waiting=0)
@@ -220,23 +220,28 @@ def test_step_stats_capacity_only_from_full_steps():
 
 
 def _imports(pkg: str) -> set[str]:
+    """Top-level names ``kvserve/<pkg>/`` imports; a project package by its name under kvserve."""
+    def top(name: str) -> str:
+        parts = name.split(".")
+        return parts[1] if parts[0] == "kvserve" and len(parts) > 1 else parts[0]
     mods = set()
-    for f in (ROOT / pkg).rglob("*.py"):
+    for f in (ROOT / "kvserve" / pkg).rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import):
-                mods.update(a.name.split(".")[0] for a in node.names)
+                mods.update(top(a.name) for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                mods.add(node.module.split(".")[0])
+                mods.add(top(node.module))
     return mods
 
 
 def test_import_rules():
+    assert "kernels" in _imports("engine")  # the names are read: a project import counts
     assert "ray" not in _imports("engine") and "deployments" not in _imports("engine")
     assert "deployments" not in _imports("cluster")
 
 
 def test_fit_single_node_caps_only_the_default_bound():
-    from deployments.app import AppArgs, fit_single_node
+    from kvserve.deployments.app import AppArgs, fit_single_node
 
     cpu = fit_single_node(AppArgs(device="cpu"), num_gpus=0).model_list()[0]
     assert cpu.autoscaling_knobs()["max_replicas"] == 1  # one CPU engine uses every core
@@ -256,10 +261,10 @@ def test_fit_single_node_caps_only_the_default_bound():
 def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatch):
     """Keys need never be on a command line (visible in `ps`): $KVSERVE_API_KEYS or a key
     file; the banner's curl line shows a masked key."""
-    from deployments.app import AppArgs
-    from deployments.cli import _curl_line
-    from deployments.gateway.gate import bearer_token
-    from deployments.limits import find_policy, policies_from_keys
+    from kvserve.deployments.app import AppArgs
+    from kvserve.deployments.cli import _curl_line
+    from kvserve.deployments.gateway.gate import bearer_token
+    from kvserve.deployments.limits import find_policy, policies_from_keys
 
     monkeypatch.setenv("KVSERVE_API_KEYS", "sk-env-one, sk-env-two")
     assert AppArgs.model_validate({}).gateway.api_keys == ["sk-env-one", "sk-env-two"]
@@ -290,9 +295,9 @@ def test_engine_settings_have_one_source():
     says otherwise, with a reason) and a `kvserve serve` flag; nothing else claims to be one."""
     from dataclasses import fields
 
-    from deployments.args import ENGINE_FIELDS, SERVING_ENGINE_DEFAULTS, ModelArgs
-    from deployments.cli import build_parser
-    from engine.config import EngineConfig
+    from kvserve.deployments.args import ENGINE_FIELDS, SERVING_ENGINE_DEFAULTS, ModelArgs
+    from kvserve.deployments.cli import build_parser
+    from kvserve.engine.config import EngineConfig
 
     names = [f.name for f in fields(EngineConfig)]
     assert list(ENGINE_FIELDS) == names
@@ -307,7 +312,7 @@ def test_engine_settings_have_one_source():
     # a flag reaches the engine config unchanged
     args = serve.parse_args(["--max-num-seqs", "7", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
                              "--gpu-memory-utilization", "0.5"])
-    from deployments.cli import app_args_from_cli
+    from kvserve.deployments.cli import app_args_from_cli
 
     m = ModelArgs.model_validate({k: v for k, v in app_args_from_cli(args).items()})
     cfg = EngineConfig(**m.engine_args())
@@ -319,9 +324,9 @@ def test_engine_settings_have_one_source():
 
 def test_front_ends_load_no_torch():
     """The HTTP process (gateway), the args and the CLI parser import neither torch nor the model code."""
-    code = ("import sys; import deployments.gateway.deployment, deployments.args, engine.config, engine, cluster; "
-            "from deployments.cli import build_parser; build_parser(); "
-            "bad = [m for m in ('torch', 'transformers', 'engine.model_runner') if m in sys.modules]; "
+    code = ("import sys; import kvserve.deployments.gateway.deployment, kvserve.deployments.args, kvserve.engine.config, kvserve.engine, kvserve.cluster; "
+            "from kvserve.deployments.cli import build_parser; build_parser(); "
+            "bad = [m for m in ('torch', 'transformers', 'kvserve.engine.model_runner') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

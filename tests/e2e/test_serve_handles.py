@@ -23,7 +23,7 @@ def test_handle_stream_in_process(serve_app):
             "The capital of France is", {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
         return [item async for item in gen]
 
-    from deployments.contract.types import GenerationChunk
+    from kvserve.deployments.contract.types import GenerationChunk
 
     items = asyncio.run(run())
     assert all(isinstance(i, GenerationChunk) for i in items)  # the typed server -> caller contract
@@ -34,7 +34,7 @@ def test_handle_stream_in_process(serve_app):
                                                                       "ignore_eos": True}).result()
     assert full.text == "".join(i.text for i in items) and full.num_output_tokens == 6 and full.finished
 
-    from deployments.contract.types import GenerateRequest
+    from kvserve.deployments.contract.types import GenerateRequest
 
     with pytest.raises(ValueError, match="temperature"):  # validated where the request is built
         GenerateRequest.of("x", {"temperature": 9})

@@ -211,7 +211,7 @@ async def _stream_chat(client: httpx.AsyncClient, url: str, messages, max_tokens
 
 
 def test_32_concurrent_streams_match_offline_and_batch(serve_app, smollm2_path):
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     topics = ["France", "Japan", "Italy", "Spain", "Egypt", "Canada", "Brazil", "India"]
     asks = ["What is the capital of {}?", "Name a famous dish from {}.", "What language is spoken in {}?",

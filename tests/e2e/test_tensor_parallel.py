@@ -43,9 +43,9 @@ def test_tp2_matches_tp1_greedy(ray_session, tp_model):
     import ray
     from ray.util import placement_group_table
 
-    from cluster.worker_group import RayWorkerGroup
-    from engine import LLM, SamplingParams
-    from engine.model_loader import load_config
+    from kvserve.cluster.worker_group import RayWorkerGroup
+    from kvserve.engine import LLM, SamplingParams
+    from kvserve.engine.model_loader import load_config
 
     cfg = load_config(tp_model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -93,9 +93,9 @@ def test_tp2_lora_matches_tp1(ray_session, tmp_path):
     column-parallel layers, A's columns in the row-parallel ones, whose partial products the
     all-reduce sums); a batch mixing the base model and two adapters equals TP=1 (which
     ``tests/engine/test_lora.py`` holds equal to HF with PEFT)."""
-    from cluster.worker_group import RayWorkerGroup
-    from engine import LLM, SamplingParams
-    from engine.lora import LoRARequest
+    from kvserve.cluster.worker_group import RayWorkerGroup
+    from kvserve.engine import LLM, SamplingParams
+    from kvserve.engine.lora import LoRARequest
     from tests.engine.test_lora import ADAPTERS, PROMPTS, make_adapter
     from tests.tiny_models import make_tiny_model
 
@@ -131,8 +131,8 @@ def test_offline_llm_picks_the_ray_executor(ray_session, tp_model):
     import ray
     from ray.util import placement_group_table
 
-    from cluster.worker_group import RayWorkerGroup
-    from engine import LLM, SamplingParams
+    from kvserve.cluster.worker_group import RayWorkerGroup
+    from kvserve.engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     kw = dict(dtype="float32", max_model_len=256, max_num_seqs=8, num_kv_blocks=64)
@@ -157,7 +157,7 @@ def test_offline_llm_picks_the_ray_executor(ray_session, tp_model):
 _LOCAL_RAY = """
 import sys
 import ray
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 path = sys.argv[1]
 prompts = [[1, 2, 3, 4, 5], list(range(200, 230))]
@@ -198,9 +198,9 @@ def test_tp2_ray_ranks_export_and_import_kv_blocks(ray_session, tmp_path):
     each rank reads out its share of a cached block and writes its share into its host tier; an
     engine loading another engine's prefix this way answers as an engine that computes everything
     (``tests/engine/test_kv_import.py`` does the same through local rank processes)."""
-    from cluster.worker_group import RayWorkerGroup
-    from engine import LLM, SamplingParams
-    from deployments.contract.kv_index import request_hashes
+    from kvserve.cluster.worker_group import RayWorkerGroup
+    from kvserve.engine import LLM, SamplingParams
+    from kvserve.deployments.contract.kv_index import request_hashes
     from tests.tiny_models import SMOLLM2_HEADS, make_tiny_model
 
     BS = 4  # tests/engine/test_kv_offload.py's prompts: 6 blocks of 4 tokens (+2), each distinct

@@ -3,7 +3,7 @@
 a repeat check and a 40-token prompt whose first two blocks a later request can reuse."""
 from __future__ import annotations
 
-from engine import SamplingParams
+from kvserve.engine import SamplingParams
 
 
 def greedy(**kw) -> SamplingParams:

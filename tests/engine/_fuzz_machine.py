@@ -15,9 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from _robustness_helpers import (ARMED, DTYPE, MAX_MODEL_LEN, NUM_ADAPTERS, STRUCTURED, TOTALS, Reference,
                                  assert_idle, check_against_reference, count_fired)
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.pooling import PoolingParams
+from kvserve.engine import EngineConfig, SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.pooling import PoolingParams
 from faults import DRAFTING_HOOKS, FAILING_HOOKS, LOGGER_HOOKS, Faults
 
 #: Hooks armed on one request (the others are engine-wide: :data:`faults.LOGGER_HOOKS`).

@@ -3,8 +3,8 @@
 factory, running requests to their end, the idle-engine check and a fresh async engine per test."""
 from __future__ import annotations
 
-from engine import EngineConfig
-from engine.llm_engine import LLMEngine
+from kvserve.engine import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
 from tiny_models import run_async_engine
 
 TIMEOUT = 60

@@ -2,8 +2,8 @@
 ``test_scheduler.py``, ``test_scheduler_properties.py``): the EOS id and a request factory."""
 from __future__ import annotations
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from kvserve.engine.request import Request
+from kvserve.engine.sampling_params import SamplingParams
 
 EOS = 0
 

@@ -8,9 +8,9 @@ import json
 import math
 from collections import Counter
 
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.pooling import PoolingParams
+from kvserve.engine import EngineConfig, SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.pooling import PoolingParams
 from faults import Faults
 
 #: How far below the reference's best log-probability a greedy token may be where it parts

@@ -3,7 +3,7 @@
 the prompt, a deterministic step-cost clock and greedy outputs of a speculating engine."""
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 #: prompts whose continuations copy from the prompt (drafts hit) next to ones that do not

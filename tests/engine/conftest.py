@@ -2,7 +2,7 @@
 a module-scoped one is built once per test file that uses it."""
 import pytest
 
-from engine.model_loader import load_tokenizer
+from kvserve.engine.model_loader import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import asyncio
 import pytest
 from tiny_models import run_async_engine
 
-from engine import EngineConfig, SamplingParams
-from engine.async_engine import AsyncLLMEngine
-from engine.llm_engine import LLMEngine
-from engine.request import RequestStatus
+from kvserve.engine import EngineConfig, SamplingParams
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.request import RequestStatus
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning was", "1, 2, 3,"]
 TIMEOUT = 60
@@ -258,7 +258,7 @@ def test_stat_loggers_see_every_model_step(tiny_llama_path):
 def test_vllm_prompt_forms(tiny_llama_path):
     """`{"prompt": ...}` and `{"prompt_token_ids": [...]}` (vLLM's TextPrompt / TokensPrompt)
     give the same tokens as a plain string / id list, in LLM.generate and the async engine."""
-    from engine import LLM
+    from kvserve.engine import LLM
 
     llm = LLM(model=str(tiny_llama_path), num_kv_blocks=32)
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

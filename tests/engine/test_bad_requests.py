@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _hardening_helpers import PROMPTS, arun, assert_idle, collect, make_engine, run_all
-from engine import LLM, EngineConfig, SamplingParams
-from engine.mixed_step_budget import MixedStepBudget
-from engine.request import RequestStatus
-from engine.step_isolation import StepFailedError
+from kvserve.engine import LLM, EngineConfig, SamplingParams
+from kvserve.engine.mixed_step_budget import MixedStepBudget
+from kvserve.engine.request import RequestStatus
+from kvserve.engine.step_isolation import StepFailedError
 from helpers import FUZZ_RANDOM
 
 VOCAB = 49152  # the tiny models use SmolLM2's tokenizer

@@ -18,10 +18,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import engine.config as config
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.model_loader import load_tokenizer
+import kvserve.engine.config as config
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_loader import load_tokenizer
 from helpers import sized
 from test_correctness import PROMPTS as CORRECTNESS_PROMPTS
 
@@ -68,7 +68,7 @@ def test_auto_dtype_is_logged_with_its_reason(tiny_llama_path, monkeypatch, capl
 def test_bf16_weight_linear_matches_float64(rows):
     """bfloat16 storage, float32 math (CPUs without native bf16): the GEMV (<= 8 rows) and the
     widen-then-oneDNN path equal float64 over the same bf16 values, rounded once to bf16."""
-    from kernels import cpu_backend
+    from kvserve.kernels import cpu_backend
     if not cpu_backend.load_kernel():
         pytest.skip(f"CPU kernels cannot be built here: {cpu_backend.kernel_error()}")
     g = torch.Generator().manual_seed(rows)
@@ -85,12 +85,12 @@ def test_bf16_weight_linear_matches_float64(rows):
 
 
 def test_decode_rows_take_the_bf16_gemv_on_every_cpu():
-    """``engine.layers.linear.linear`` gives bfloat16 matmuls of up to ``bf16_gemv_rows()`` rows to
+    """``kvserve.engine.layers.linear.linear`` gives bfloat16 matmuls of up to ``bf16_gemv_rows()`` rows to
     the bf16 GEMV whether or not the CPU has native bf16 (with a prepacked weight too), and larger
     ones to oneDNN / the widening path: the same bits as the GEMV up to the limit, within bf16
     rounding of float64 everywhere."""
-    from engine.layers.linear import linear, prepack_weight
-    from kernels import cpu_backend
+    from kvserve.engine.layers.linear import linear, prepack_weight
+    from kvserve.kernels import cpu_backend
     if not cpu_backend.load_kernel():
         pytest.skip(f"CPU kernels cannot be built here: {cpu_backend.kernel_error()}")
     limit = cpu_backend.bf16_gemv_rows()

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.model_loader import load_tokenizer
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.model_loader import load_tokenizer
 from helpers import THOROUGH
 from tiny_models import make_tiny_model
 
@@ -91,8 +91,8 @@ CPU_PATHS = [("cpu", "onednn"), ("torch", "aten")]
 @pytest.fixture(params=CPU_PATHS, ids=lambda p: f"{p[0]}-{p[1]}")
 def cpu_path(request, monkeypatch):
     """Runs the test on one CPU path; yields the ``attention_backend`` to pass to ``LLM``."""
-    import engine.layers.linear as linear
-    from kernels import cpu_backend
+    import kvserve.engine.layers.linear as linear
+    from kvserve.kernels import cpu_backend
     backend, matmul = request.param
     monkeypatch.setattr(linear, "CPU_LINEAR", matmul)
     monkeypatch.setattr(cpu_backend, "FUSED_OPS", backend == "cpu")

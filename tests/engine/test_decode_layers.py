@@ -1,4 +1,4 @@
-"""The decode step's C++ layer loop (``kernels.cpu_backend.decode_layers``) against the layers run
+"""The decode step's C++ layer loop (``kvserve.kernels.cpu_backend.decode_layers``) against the layers run
 op by op from Python: the same kernels in the same order, so the same bits: every sampled token and
 every logprob equal, while batches shrink through the loop's row limit and on every model shape it
 takes (qkv bias, Qwen3's q/k norm, tied and untied heads). Settings it does not take (int8, LoRA,
@@ -7,11 +7,11 @@ suite's (``test_correctness.py`` runs this path on its ``cpu-onednn`` case)."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from kernels import cpu_backend
-from kernels.backend import AttentionMetadata
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.kernels import cpu_backend
+from kvserve.kernels.backend import AttentionMetadata
 
 
 @pytest.fixture

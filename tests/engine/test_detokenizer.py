@@ -1,4 +1,4 @@
-"""The incremental detokenizer (``engine/detokenizer.py``) on SmolLM2's tokenizer: multi-byte
+"""The incremental detokenizer (``kvserve/engine/detokenizer.py``) on SmolLM2's tokenizer: multi-byte
 characters split over tokens never stream a replacement character, stop strings and special
 tokens, and a property test that the deltas add up to the decoded text."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine import SamplingParams
+from kvserve.engine.detokenizer import IncrementalDetokenizer
 
 
 TRICKY = "Hello 世界! 😀🎉 naïve café – ok 👩‍👩‍👧 Ελληνικά, ₿ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢."

@@ -1,5 +1,5 @@
 """``dtype="auto"`` on a CPU with native bf16 dot products measures which of float32 and bfloat16
-runs the model's matmuls faster here (engine/dtype_probe.py): the faster one is chosen, the
+runs the model's matmuls faster here (kvserve/engine/dtype_probe.py): the faster one is chosen, the
 verdict is cached per CPU and model shape, every rank of an engine runs the one its driver
 chose, and the reason is logged. The probe's timings are faked where a verdict is asserted (which
 dtype is faster is the CPU's business); the real measurement runs once, small, on this CPU."""
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-import engine.config as config
-from engine import LLM, SamplingParams, dtype_probe
-from engine.config import EngineConfig
+import kvserve.engine.config as config
+from kvserve.engine import LLM, SamplingParams, dtype_probe
+from kvserve.engine.config import EngineConfig
 
 
 

@@ -1,4 +1,4 @@
-"""The engine core process (engine/engine_core.py) behind MPAsyncLLMEngine (engine/core_client.py):
+"""The engine core process (kvserve/engine/engine_core.py) behind MPAsyncLLMEngine (kvserve/engine/core_client.py):
 the same streams as the in-process engine, aborts that free the core's blocks, errors that reach
 the caller as the in-process engine raises them, stats and stat loggers from the core's
 messages, and a core that dies taking only its own requests with it.
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.core_client import MPAsyncLLMEngine
-from engine.llm_engine import LLMEngine
+from kvserve.engine import EngineConfig, SamplingParams
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvserve.engine.core_client import MPAsyncLLMEngine
+from kvserve.engine.llm_engine import LLMEngine
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning was", "1, 2, 3,"]
 TIMEOUT = 60
@@ -179,7 +179,7 @@ def test_bad_requests_raise_as_in_process(core, reference):
         with pytest.raises(ValueError):  # the core's grammar compiler refuses it
             await collect(eng.generate("x", SamplingParams(max_tokens=4, structured_outputs={"regex": "(unclosed"})))
         with pytest.raises(ValueError):  # the core does not load the adapter
-            from engine.lora import LoRARequest
+            from kvserve.engine.lora import LoRARequest
             await collect(eng.generate("x", SamplingParams(max_tokens=4), lora_request=LoRARequest("a", 1, "/nope")))
         outs = await good
         await wait_until_idle(eng)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from _hardening_helpers import PROMPTS, arun, assert_idle, collect
-from engine import LLM, SamplingParams
-from engine.async_engine import EngineDeadError
-from engine.layers.sampler import Sampler, SamplingRow
-from engine.step_isolation import StepFailedError
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.layers.sampler import Sampler, SamplingRow
+from kvserve.engine.step_isolation import StepFailedError
 
 
 def test_sampler_restores_generators_when_it_raises():

@@ -27,7 +27,7 @@ random-weight Llama, float32).
    :data:`POOL_COS`).
    Across the run every fault kind of :data:`faults.HOOKS` must have fired at least once, or
    the test fails (a fuzzer whose faults never fire checks nothing).
-3. The same request streams through :class:`engine.async_engine.AsyncLLMEngine` (a smaller
+3. The same request streams through :class:`kvserve.engine.async_engine.AsyncLLMEngine` (a smaller
    hypothesis test): concurrent streams read to the end, cancelled by the client after their
    first output, aborted by the server after their first output, or embedding requests, some
    with a fault armed. Every stream's deltas add up to its tokens and it ends once (an
@@ -65,9 +65,9 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 from _fuzz_machine import EngineMachine, adapters, configs, prompts, reaching, sampling_params
 from _robustness_helpers import (ARMED, DTYPE, FIRED, MAX_MODEL_LEN, NUM_ADAPTERS, TOTALS, Reference, assert_idle,
                                  check_against_reference, count_fired)
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.pooling import PoolingParams
+from kvserve.engine import EngineConfig, SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.pooling import PoolingParams
 from faults import FAILING_HOOKS, HOOKS, Faults
 from helpers import FUZZ_RANDOM, sized
 from tiny_models import run_async_engine
@@ -92,7 +92,7 @@ def reference(tiny_llama_path):
 def lora_requests(tiny_llama_path, tmp_path_factory):
     """Three PEFT adapters of the tiny model (``tests/engine/test_lora.py``'s: ranks 8, 4 and
     16, different target modules, one rsLoRA), as ``LoRARequest`` objects."""
-    from engine.lora import LoRARequest
+    from kvserve.engine.lora import LoRARequest
     from tests.engine.test_lora import ADAPTERS, make_adapter
 
     root = tmp_path_factory.mktemp("fuzz_adapters")
@@ -331,7 +331,7 @@ def ray_for_parallel(tmp_path_factory):
     if "RAY_AUTH_TOKEN_PATH" not in os.environ:
         os.environ.pop("RAY_AUTH_TOKEN", None)
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(tmp_path_factory.mktemp("ray_auth") / "auth_token")
-    from cluster.ray_auth import ensure_local_auth
+    from kvserve.cluster.ray_auth import ensure_local_auth
 
     ensure_local_auth()
     import ray
@@ -353,7 +353,7 @@ class ParallelEngineMachine(EngineMachine):
 
     @staticmethod
     def executor_factory(config, model_path):
-        from cluster.worker_group import RayWorkerGroup
+        from kvserve.cluster.worker_group import RayWorkerGroup
 
         return RayWorkerGroup(config, model_path, num_cpus=1, torch_num_threads=1, timeout_s=120,
                               collective_timeout_s=120)

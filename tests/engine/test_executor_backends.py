@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.executor import EXECUTOR_BACKENDS, Executor, UniProcExecutor, resolve_executor_backend
+from kvserve.engine import LLM, EngineConfig, SamplingParams
+from kvserve.engine.executor import EXECUTOR_BACKENDS, Executor, UniProcExecutor, resolve_executor_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 2, 3, 4, 5], list(range(200, 230)), [7] * 9]
@@ -19,7 +19,7 @@ KW = dict(dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=4)
 
 
 def test_backend_is_resolved_as_vllm_does(monkeypatch):
-    import engine.executor as executor
+    import kvserve.engine.executor as executor
 
     assert resolve_executor_backend(EngineConfig()) == "uni"
     assert resolve_executor_backend(EngineConfig(tensor_parallel_size=2)) == "ray"  # Ray is installed here
@@ -39,11 +39,11 @@ def test_backend_is_resolved_as_vllm_does(monkeypatch):
 
 
 def test_the_engine_imports_ray_only_for_the_ray_backend(tiny_llama_path):
-    """A one-rank engine and the backend choice itself load no Ray (engine/ runs without it)."""
-    code = ("import sys\nfrom engine import LLM, EngineConfig\nfrom engine.executor import Executor\n"
+    """A one-rank engine and the backend choice itself load no Ray (kvserve/engine/ runs without it)."""
+    code = ("import sys\nfrom kvserve.engine import LLM, EngineConfig\nfrom kvserve.engine.executor import Executor\n"
             f"llm = LLM({str(tiny_llama_path)!r}, dtype='float32', num_kv_blocks=8, max_model_len=32)\n"
             "Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend='mp'))\n"
-            "assert 'ray' not in sys.modules and 'cluster' not in sys.modules, sorted(sys.modules)\n"
+            "assert 'ray' not in sys.modules and 'kvserve.cluster' not in sys.modules, sorted(sys.modules)\n"
             "Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend='ray'))\n"
             "assert 'ray' in sys.modules\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -66,7 +66,7 @@ def test_mp_backend_matches_one_process(tiny_llama_path, reference, tp, pp):
     processes, no Ray: the same greedy tokens as one process (float32, so the split sums round
     alike); the ranks are processes of their own, a rank that dies is named by the next call
     (not waited for forever), and shutdown ends the others."""
-    from engine.mp_executor import MultiprocExecutor, WorkerError
+    from kvserve.engine.mp_executor import MultiprocExecutor, WorkerError
 
     llm = LLM(str(tiny_llama_path), tensor_parallel_size=tp, pipeline_parallel_size=pp,
               distributed_executor_backend="mp", **KW)

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from _robustness_helpers import DTYPE, MAX_MODEL_LEN, STRUCTURED, assert_idle, greedy_verdict
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
+from kvserve.engine import EngineConfig, SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
 from faults import DRAFTING_HOOKS, FAILING_HOOKS, HOOKS, LOGGER_HOOKS, Faults
 
 

@@ -4,8 +4,8 @@ op, and on CUDA), the engine on a GPU, and the refusal elsewhere."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.layers.quantization import FP8, FP8_MAX, fp8_linear, quantize_fp8
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.layers.quantization import FP8, FP8_MAX, fp8_linear, quantize_fp8
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an Ada/Hopper GPU")])]

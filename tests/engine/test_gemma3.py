@@ -1,4 +1,4 @@
-"""Gemma 3 (``engine/models/gemma3.py``): greedy outputs equal Hugging Face transformers token for
+"""Gemma 3 (``kvserve/engine/models/gemma3.py``): greedy outputs equal Hugging Face transformers token for
 token, with sliding-window (local) layers.
 
 The reference is HF's ``Gemma3ForCausalLM`` loaded from the same folder in float32 with eager
@@ -24,9 +24,9 @@ import torch
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import chat_template_ids
-from engine.model_loader import (
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.llm_engine import chat_template_ids
+from kvserve.engine.model_loader import (
     GEMMA3_270M,
     iter_safetensors,
     load_config,
@@ -171,7 +171,7 @@ def test_tiny_final_logit_softcapping_matches_hf_logprobs(tmp_path, tiny):
 
 _TRITON_CHILD = r"""
 import json, sys
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 path, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 llm = LLM(model=path, dtype="float32", attention_backend="triton", max_num_batched_tokens=32)  # vs HF float32
 outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)

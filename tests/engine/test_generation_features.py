@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _features_helpers import PREFIX, _has_repeat, assert_engine_empty, gen1, greedy
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 _ids = itertools.count()

@@ -1,4 +1,4 @@
-"""Model weights on transparent huge pages (``engine/huge_pages.py``): the weights a CPU decode step
+"""Model weights on transparent huge pages (``kvserve/engine/huge_pages.py``): the weights a CPU decode step
 streams are copied into 2 MiB-aligned memory marked ``madvise(MADV_HUGEPAGE)`` (the ``hg`` flag of
 its mapping in ``/proc/self/smaps``), with values, ties and Parameter objects unchanged, and the
 engine's output is bit for bit the same as with the weights where the loader left them."""
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLM, SamplingParams, huge_pages
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from kvserve.engine import LLM, SamplingParams, huge_pages
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_runner import ModelRunner
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not huge_pages.enabled(), reason="no madvise(MADV_HUGEPAGE) on this OS")

@@ -1,18 +1,18 @@
-"""engine/input_processor.py: prompt forms, chat-template rendering and request validation in one
+"""kvserve/engine/input_processor.py: prompt forms, chat-template rendering and request validation in one
 place; the engine, the async front and the old engine-level names all go through it.
 
 References: the tokenizer's own ``apply_chat_template`` / ``encode`` (transformers), and
-:func:`engine.chat_templates.prepare_messages` for the tool rewriting of a template without tools.
+:func:`kvserve.engine.chat_templates.prepare_messages` for the tool rewriting of a template without tools.
 """
 import asyncio
 
 import pytest
 
-from engine.chat_templates import prepare_messages
-from engine.input_processor import (InputProcessor, PromptTooLongError, chat_template_ids, encode_prompt,
+from kvserve.engine.chat_templates import prepare_messages
+from kvserve.engine.input_processor import (InputProcessor, PromptTooLongError, chat_template_ids, encode_prompt,
                                     parse_prompt, render_chat_template)
-from engine.model_loader import load_tokenizer
-from engine.sampling_params import SamplingParams
+from kvserve.engine.model_loader import load_tokenizer
+from kvserve.engine.sampling_params import SamplingParams
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {
@@ -86,7 +86,7 @@ def test_process_inputs_validates_against_the_model(tok):
     assert req.max_output_tokens == 2
     with pytest.raises(PromptTooLongError, match="prompt is 8 tokens"):
         p.process_inputs("r", list(range(8)))
-    from engine.pooling import PoolingParams
+    from kvserve.engine.pooling import PoolingParams
 
     emb = p.process_inputs("e", list(range(8)), pooling_params=PoolingParams())  # a pooling prompt may fill it
     assert emb.params.max_tokens == 0 and emb.pooling is not None
@@ -122,10 +122,10 @@ def test_check_context_length_with_max_tokens(tok):
 def test_engine_and_async_front_share_it(tiny_llama_path):
     """The engine's make_request, tokenize and chat template, the async front (its own tokenizer)
     and the old engine-level names are the input processor's."""
-    import engine.input_processor as input_processor
-    import engine.llm_engine as llm_engine
-    from engine import EngineConfig
-    from engine.async_engine import AsyncLLMEngine
+    import kvserve.engine.input_processor as input_processor
+    import kvserve.engine.llm_engine as llm_engine
+    from kvserve.engine import EngineConfig
+    from kvserve.engine.async_engine import AsyncLLMEngine
 
     for name in ("parse_prompt", "encode_prompt", "chat_template_ids", "PromptTooLongError"):
         assert getattr(llm_engine, name) is getattr(input_processor, name)

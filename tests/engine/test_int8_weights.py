@@ -4,16 +4,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.model_loader import load_tokenizer
-from engine.model_runner import ModelRunner
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_loader import load_tokenizer
+from kvserve.engine.model_runner import ModelRunner
 from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    from kernels import cpu_backend
+    from kvserve.kernels import cpu_backend
     if not cpu_backend.load_kernel():
         pytest.skip(f"CPU kernels cannot be built here: {cpu_backend.kernel_error()}")
     return cpu_backend
@@ -40,7 +40,7 @@ def test_int8_linear_matches_float64(kernels, rows):
 def _hf_with_int8_weights(path):
     """HF transformers (float32) whose linear layers and LM head hold int8-rounded weights: the
     reference the int8 engine must equal."""
-    from kernels.cpu_backend import quantize_int8
+    from kvserve.kernels.cpu_backend import quantize_int8
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, m in model.named_modules():

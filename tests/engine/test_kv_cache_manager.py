@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from _kv_cache_helpers import make_req
-from engine.kv_cache_manager import BlockPool, KVCacheManager
-from engine.request import Request
+from kvserve.engine.kv_cache_manager import BlockPool, KVCacheManager
+from kvserve.engine.request import Request
 
 
 # --------------------------------------------------------------------------- BlockPool vs a reference model

@@ -15,14 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.model_loader import load_tokenizer
-from engine.model_runner import ModelRunner
-from kernels.cpu_backend import CpuBackend
-from kernels.flash_attn_backend import FlashAttnBackend
-from kernels.torch_backend import TorchBackend
-from kernels.triton_backend import TritonBackend
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_loader import load_tokenizer
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.kernels.cpu_backend import CpuBackend
+from kvserve.kernels.flash_attn_backend import FlashAttnBackend
+from kvserve.kernels.torch_backend import TorchBackend
+from kvserve.kernels.triton_backend import TritonBackend
 from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,9 +204,9 @@ def test_lora_adapter_kv_is_not_clamped_by_base_model_scales(tiny_llama_path, tm
     that range: with 4-token chunks (later chunks read earlier ones from float8) the adapter's
     embedding must still equal the model-dtype cache's (cosine >= 0.999; it was 0.94 when the
     scales reached only 2x past the calibration maximum and V clamped at 448)."""
-    from engine.llm_engine import LLMEngine
-    from engine.lora import LoRARequest
-    from engine.pooling import PoolingParams
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.lora import LoRARequest
+    from kvserve.engine.pooling import PoolingParams
     from tests.engine.test_lora import ADAPTERS, make_adapter
 
     name, rank, alpha, targets, rslora = ADAPTERS[1]  # q/v, rank 4, rsLoRA

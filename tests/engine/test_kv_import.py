@@ -1,5 +1,5 @@
 """KV blocks out of one engine and into another (``LLMEngine.export_kv_blocks`` /
-``import_kv_blocks``, the engine's half of the cluster tier, ``engine/kv_connector.py``).
+``import_kv_blocks``, the engine's half of the cluster tier, ``kvserve/engine/kv_connector.py``).
 
 The reference is an engine without prefix caching (every token computed): an engine that
 loads a prompt's blocks computed by another engine must answer the same greedy tokens, hold
@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 from test_kv_offload import BS, PROMPTS, assert_no_leak, chain, lora_setup, run_rounds, tier_engine
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
@@ -52,7 +52,7 @@ def test_blocks_another_engine_computed_load_bit_identical(tiny_llama_path, kv_d
 
 
 def test_imports_keep_the_adapters_chain_apart(tmp_path_factory):
-    from engine.kv_cache_manager import lora_root_hash
+    from kvserve.engine.kv_cache_manager import lora_root_hash
 
     base, adapter, kw, plain = lora_setup(tmp_path_factory, "import_lora")
     name = adapter.lora_name
@@ -114,8 +114,8 @@ def test_tensor_parallel_ranks_export_and_import_their_shares(tmp_path_factory):
 
 
 def test_the_core_process_front_exports_and_imports(tiny_llama_path):
-    from engine.config import EngineConfig
-    from engine.core_client import MPAsyncLLMEngine
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.core_client import MPAsyncLLMEngine
 
     ref = reference(tiny_llama_path)
     cfg = EngineConfig(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,

@@ -1,5 +1,5 @@
-"""The host tier below the KV pool (``engine/kv_offload.py``) and KV cache events
-(``engine/kv_events.py``).
+"""The host tier below the KV pool (``kvserve/engine/kv_offload.py``) and KV cache events
+(``kvserve/engine/kv_events.py``).
 
 Bookkeeping tests drive :class:`KVCacheManager` without a model. Engine tests run a tiny model
 with a pool too small for its prompts, so cached prefixes are evicted and come back: greedy
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from _kv_cache_helpers import make_req
-from engine import LLM, SamplingParams
-from engine.kv_cache_manager import NONE_HASH, KVCacheManager, hash_block, lora_root_hash
-from engine.kv_events import (MEDIUM_HOST, MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored,
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.kv_cache_manager import NONE_HASH, KVCacheManager, hash_block, lora_root_hash
+from kvserve.engine.kv_events import (MEDIUM_HOST, MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored,
                               KVEventRecorder)
-from engine.kv_offload import HostKVTier, KVTransfer
+from kvserve.engine.kv_offload import HostKVTier, KVTransfer
 
 BS = 4
 
@@ -143,7 +143,7 @@ def test_events_name_blocks_as_the_engine_and_the_router_hash_them():
 
 
 def test_lora_blocks_chain_from_the_adapters_root():
-    from engine.lora import LoRARequest
+    from kvserve.engine.lora import LoRARequest
 
     events = KVEventRecorder()
     kv = KVCacheManager(num_blocks=8, block_size=BS, events=events)
@@ -253,7 +253,7 @@ def lora_setup(tmp_path_factory, tag: str):
     """A tiny base model, a LoRA adapter of it (``LoRARequest`` id 1), the engine keywords that
     serve it, and an engine of them that caches nothing (the reference)."""
     pytest.importorskip("peft")
-    from engine.lora import LoRARequest
+    from kvserve.engine.lora import LoRARequest
     from test_lora import ADAPTERS, make_adapter
     from tiny_models import make_tiny_model
 
@@ -333,10 +333,10 @@ def test_both_fronts_deliver_every_batch_and_a_snapshot_that_agrees(tiny_llama_p
     and a snapshot (taken between two steps) equal to the replay of the batches up to its seq."""
     import asyncio
 
-    from engine.async_engine import AsyncLLMEngine
-    from engine.config import EngineConfig
-    from engine.core_client import MPAsyncLLMEngine
-    from engine.llm_engine import LLMEngine
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.core_client import MPAsyncLLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
                        kv_offloading_size=0.01, enable_kv_cache_events=True)

@@ -1,4 +1,4 @@
-"""LoRA adapters (``engine/lora.py``) against the reference: Hugging Face transformers with the
+"""LoRA adapters (``kvserve/engine/lora.py``) against the reference: Hugging Face transformers with the
 PEFT adapter applied, greedy, token for token in float32.
 
 Adapters are made with ``peft`` on a tiny random-weight model: three adapters of different
@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.lora import LoRARequest
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.lora import LoRARequest
 from tiny_models import make_tiny_model
 
 peft = pytest.importorskip("peft")
@@ -134,8 +134,8 @@ def test_every_row_path_equals_hf(tiny, adapters, reference, monkeypatch, kernel
     ``LoRASlots.prepare``: a prefill chunk as its own row slice, the many decode rows of one
     adapter gathered, the few of the others batched (the C++ kernel on a CPU in float32, or
     the padded bmm): each request still gets its adapter's HF + PEFT tokens."""
-    import kernels.cpu_backend as cpu
-    from engine.lora import LoRASlots
+    import kvserve.kernels.cpu_backend as cpu
+    from kvserve.engine.lora import LoRASlots
 
     if kernel and not cpu.use_lora_kernel():
         pytest.skip(f"the C++ kernels do not build here: {cpu.kernel_error()}")
@@ -209,7 +209,7 @@ def test_lora_config_is_checked(tiny):
 def test_async_engine_streams_an_adapters_tokens(tiny, adapters, reference):
     import asyncio
 
-    from engine import AsyncLLMEngine, EngineConfig
+    from kvserve.engine import AsyncLLMEngine, EngineConfig
 
     async def main():
         eng = AsyncLLMEngine.from_config(EngineConfig(model=str(tiny), dtype="float32", enable_lora=True,
@@ -238,7 +238,7 @@ def test_cuda_adapters_equal_hf_with_peft(tiny, adapters, kw):
     """On CUDA (float32, torch attention: the LoRA slots and the padded-bmm SGMV path on the
     GPU, eager since LoRA steps never replay graphs) the mixed batch, plus a skewed batch that
     takes every row path, gives HF + PEFT's greedy tokens on the same GPU."""
-    from engine.lora import LoRASlots
+    from kvserve.engine.lora import LoRASlots
 
     ref = {name: hf_greedy(tiny, path, PROMPTS, device="cuda") for name, path in [(None, None), *adapters.items()]}
     rows, loras = _mixed_batch(adapters)

@@ -1,5 +1,5 @@
 """Mixed steps (decodes + prefill) get a prefill cap sized from measured step times
-(``engine/mixed_step_budget.py``): the budget's arithmetic, and a long prompt that arrives while
+(``kvserve/engine/mixed_step_budget.py``): the budget's arithmetic, and a long prompt that arrives while
 two streams decode on the tiny Llama is chunked at the cap with the uncapped engine's outputs. The
 engine's default budget is checked in ``test_bad_requests.py`` (it uses that file's engine)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 from _hardening_helpers import PROMPTS, make_engine, run_all
-from engine import SamplingParams
-from engine.mixed_step_budget import MixedStepBudget
+from kvserve.engine import SamplingParams
+from kvserve.engine.mixed_step_budget import MixedStepBudget
 
 
 def test_mixed_step_budget_from_step_times():

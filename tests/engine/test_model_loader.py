@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_loader
-from engine.model_loader import (
+from kvserve.engine import model_loader
+from kvserve.engine.model_loader import (
     DEFAULT_MODEL,
     ModelNotFoundError,
     iter_safetensors,
@@ -98,7 +98,7 @@ def test_second_resolve_does_not_reconvert(smollm2_path, capfd):
 def test_concurrent_first_conversion_converts_once(tmp_path):
     """Two processes on an empty cache: one converts (under the file lock), both get the folder."""
     env = dict(os.environ, KVSERVE_CACHE=str(tmp_path), OMP_NUM_THREADS="1")
-    code = "from engine.model_loader import resolve_model; print(resolve_model())"
+    code = "from kvserve.engine.model_loader import resolve_model; print(resolve_model())"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

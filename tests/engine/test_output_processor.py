@@ -4,12 +4,12 @@ frees its blocks). A real tokenizer and scheduler, tokens appended through the s
 update (several per step, as with speculative decoding)."""
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_loader import load_tokenizer
-from engine.output_processor import OutputProcessor, StopStringMatch
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.model_loader import load_tokenizer
+from kvserve.engine.output_processor import OutputProcessor, StopStringMatch
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler
 
 NUM_BLOCKS, BLOCK_SIZE = 16, 4
 

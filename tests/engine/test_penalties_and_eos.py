@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from _features_helpers import PREFIX, _has_repeat, assert_engine_empty, gen1, greedy
-from engine import LLM
+from kvserve.engine import LLM
 from tiny_models import make_tiny_model
 
 ECHO_PROMPT = "Hello there, how are you"  # the tied model repeats " you" (token 346) forever

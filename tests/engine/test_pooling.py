@@ -1,4 +1,4 @@
-"""Embeddings from a decoder (engine/pooling.py) against HF transformers on the same weights:
+"""Embeddings from a decoder (kvserve/engine/pooling.py) against HF transformers on the same weights:
 the final hidden states pooled (last token, mean), through chunked prefill, prefix-cache hits,
 preemption and batches shared with generating requests, every block back in the pool."""
 import random
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from engine import LLM, SamplingParams
-from engine.pooling import PoolingParams
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.pooling import PoolingParams
 
 
 def _hf_pooled(model, ids: list[int], pooling: str) -> torch.Tensor:

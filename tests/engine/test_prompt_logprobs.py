@@ -13,10 +13,10 @@ import pytest
 import torch
 from tiny_models import run_async_engine
 
-from engine import LLM, SamplingParams
-from engine import prompt_logprobs as prompt_logprobs_mod
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine import prompt_logprobs as prompt_logprobs_mod
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
 
 SHORT = "The capital of France is"
 LONG = ("Water boils at one hundred degrees Celsius at sea level, but at the top of a high mountain the air "

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.layers.sampler import Sampler, SamplingRow
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.layers.sampler import Sampler, SamplingRow
 from tiny_models import make_tiny_model
 
 

@@ -1,10 +1,10 @@
-"""The sampler's draw (``engine.layers.sampler.draw``, inverse-CDF sampling): its frequencies
+"""The sampler's draw (``kvserve.engine.layers.sampler.draw``, inverse-CDF sampling): its frequencies
 follow the given probabilities, zero-probability tokens never come out, a seeded generator
 repeats its draws, and NaN or all-zero rows raise as ``torch.multinomial`` does."""
 import pytest
 import torch
 
-from engine.layers.sampler import draw
+from kvserve.engine.layers.sampler import draw
 
 
 def test_frequencies_follow_the_probabilities():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine import SamplingParams
+from kvserve.engine import SamplingParams
 
 
 @pytest.mark.parametrize("field, value", [

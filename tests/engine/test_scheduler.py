@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from _kv_cache_helpers import EOS, make_req
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.request import RequestStatus
+from kvserve.engine.scheduler import Scheduler
 
 
 def _sched(num_blocks, bs, max_seqs=8, budget=64, policy="fcfs", caching=True, mixed=None):

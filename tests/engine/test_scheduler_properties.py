@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from _kv_cache_helpers import EOS, make_req
-from engine.kv_cache_manager import NONE_HASH, KVCacheManager, hash_block
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from kvserve.engine.kv_cache_manager import NONE_HASH, KVCacheManager, hash_block
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler
 
 
 def chain_hashes(tokens, bs):

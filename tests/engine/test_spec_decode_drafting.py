@@ -1,4 +1,4 @@
-"""Drafting in speculative decoding (``engine/spec_decode.py``), without a model: the n-gram proposer,
+"""Drafting in speculative decoding (``kvserve/engine/spec_decode.py``), without a model: the n-gram proposer,
 refused configurations, the adaptive draft-length policy (backs off, probes again, is defined for
 any step times) and the scheduler's handling of drafts (rejected drafts' blocks return to the pool
 and never enter the prefix cache; drafts never push past ``max_tokens`` or the token budget)."""
@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from engine import SamplingParams
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.scheduler import Scheduler
-from engine.spec_decode import DraftLengthPolicy, NgramProposer, SpeculativeConfig
+from kvserve.engine import SamplingParams
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.spec_decode import DraftLengthPolicy, NgramProposer, SpeculativeConfig
 
 
 # ---------------------------------------------------------------- proposer, config, policy

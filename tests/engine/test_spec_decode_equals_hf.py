@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from _spec_decode_helpers import COPY_PROMPTS, NGRAM, spec_greedy
-from engine import SamplingParams
+from kvserve.engine import SamplingParams
 from helpers import sized
 from test_correctness import SMOLLM2_REF_TOKENS, assert_same, hf_greedy, smollm2_prompt_ids
 from tiny_models import make_tiny_model
@@ -22,7 +22,7 @@ class TestSmolLM2:
 
     @pytest.fixture(scope="class")
     def case(self, smollm2_path):
-        from engine.model_loader import load_tokenizer
+        from kvserve.engine.model_loader import load_tokenizer
         tok = load_tokenizer(smollm2_path)
         ids = smollm2_prompt_ids(smollm2_path) + [tok.encode(p) for p in COPY_PROMPTS]  # the profile's size
         return smollm2_path, ids, hf_greedy(smollm2_path, ids, self.NEW)

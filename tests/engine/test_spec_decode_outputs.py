@@ -10,7 +10,7 @@ import math
 import pytest
 
 from _spec_decode_helpers import COPY_PROMPTS, NGRAM, StepCostClock
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 from tiny_models import make_tiny_model
 
 
@@ -40,8 +40,8 @@ def test_stop_strings_tokens_and_max_tokens_cut_inside_a_verified_run(smollm2_pa
 
 @pytest.mark.slow
 def test_streaming_delivers_several_tokens_per_step_as_one_delta(smollm2_path):
-    from engine.async_engine import AsyncLLMEngine
-    from engine.config import EngineConfig
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.config import EngineConfig
 
     async def run():
         eng = AsyncLLMEngine.from_config(EngineConfig(model=str(smollm2_path),
@@ -88,8 +88,8 @@ def test_no_hit_workload_does_not_draft(tmp_path):
 _METRICS = r"""
 import json, os, sys, tempfile
 os.environ["KVSERVE_METRICS_DIR"] = tempfile.mkdtemp(prefix="kvserve-metrics-")
-from telemetry import metrics as M
-from engine.stats import IterationStats
+from kvserve.telemetry import metrics as M
+from kvserve.engine.stats import IterationStats
 m = IterationStats(0.0, 0.1, 0, 3, 7, 3, 0, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4,
                 accepted_per_position=[2, 1, 1])
 e = M.PrometheusStatLogger("m", "r", speculative=True)

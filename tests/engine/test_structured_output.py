@@ -17,9 +17,9 @@ import pytest
 import torch
 from tiny_models import run_async_engine
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.structured_output import (StructuredOutputs, _apply_torch, apply_token_bitmask, bitmask_rows,
+from kvserve.engine import LLM, EngineConfig, SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.structured_output import (StructuredOutputs, _apply_torch, apply_token_bitmask, bitmask_rows,
                                       choice_grammar)
 
 import xgrammar as xgr  # noqa: E402  (a dependency: a missing install must fail here, not skip)
@@ -370,7 +370,7 @@ def test_bitmask_rows_follow_request_ids():
 
 
 def test_choice_grammar_escapes(smollm2_path):
-    from engine.model_loader import load_tokenizer
+    from kvserve.engine.model_loader import load_tokenizer
 
     so = StructuredOutputs(load_tokenizer(smollm2_path), 49152, [2])
     choices = ['say "hi"', "back\\slash", "new\nline", "héllo"]

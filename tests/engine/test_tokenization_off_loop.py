@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from _hardening_helpers import PROMPTS, arun, collect
-from engine import SamplingParams
-from engine.llm_engine import chat_template_ids
+from kvserve.engine import SamplingParams
+from kvserve.engine.llm_engine import chat_template_ids
 
 
 def test_tokenization_does_not_stall_the_event_loop(tiny_llama_path):

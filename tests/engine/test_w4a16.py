@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.layers.w4a16 import (W4Weight, build_w4, pack_w4, resolve_quantization, unpack_w4, w4a16_config,
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.layers.w4a16 import (W4Weight, build_w4, pack_w4, resolve_quantization, unpack_w4, w4a16_config,
                                  w4a16_reference)
-from kernels import cpu_backend
+from kvserve.kernels import cpu_backend
 from test_bf16 import TEXT, first_divergence_is_a_near_tie
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -113,13 +113,13 @@ def test_act_order_and_split_columns_match_the_dense_weight():
 
 
 def test_triton_kernel_under_the_interpreter():
-    """``kernels/triton_w4a16.py`` on CPU tensors with ``TRITON_INTERPRET=1``, in a subprocess (the
+    """``kvserve/kernels/triton_w4a16.py`` on CPU tensors with ``TRITON_INTERPRET=1``, in a subprocess (the
     variable must precede the import; a bad load would crash the process)."""
     pytest.importorskip("triton")
     code = r"""
 import torch
-from engine.layers.w4a16 import build_w4
-from kernels.triton_w4a16 import w4a16_matmul
+from kvserve.engine.layers.w4a16 import build_w4
+from kvserve.kernels.triton_w4a16 import w4a16_matmul
 torch.manual_seed(0)
 for m, gs in ((1, 64), (5, 32), (19, 128)):
     n, k = 80, 128
@@ -295,7 +295,7 @@ def test_bfloat16_activations_close_to_hf_bf16_and_float32(w4_checkpoints):
 
 @pytest.mark.slow
 def test_lora_on_a_4bit_base_equals_hf_with_peft(w4_checkpoints, smollm2_path, tmp_path):
-    from engine.lora_adapter import LoRARequest
+    from kvserve.engine.lora_adapter import LoRARequest
     from test_lora import make_adapter
     path = w4_checkpoints["gptq-g64"]
     adapter = make_adapter(str(smollm2_path), tmp_path / "a", 8, 16, ["q_proj", "v_proj", "down_proj"], False, 0)
@@ -344,8 +344,8 @@ def test_tensor_parallel_ranks_split_the_packed_weights(w4_checkpoints):
 
 def test_a_row_parallel_rank_refuses_an_act_order_split():
     """The layer itself, as a rank of 2 builds it: the refusal names act-order."""
-    from engine.layers.linear import RowParallelLinear
-    from engine.layers.w4a16 import W4A16Config
+    from kvserve.engine.layers.linear import RowParallelLinear
+    from kvserve.engine.layers.w4a16 import W4A16Config
     n, k, gs = 8, 128, 32
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     g_idx = torch.randperm(k) // gs

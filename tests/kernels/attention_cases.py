@@ -4,7 +4,7 @@ test_flash_attn_backend.py) and by the Triton runner (triton_case_runner.py).
 
 ``CASES`` are the Triton cases (store, varlen prefill, paged decode, dispatch, sliding windows,
 soft-capping, float8 caches and a fixed-seed sweep); ``TORCH_CASES`` the problems of the in-process
-torch path (``kernels/torch_backend.py``); ``CPU_CASES`` those of the C++ CPU kernel.
+torch path (``kvserve/kernels/torch_backend.py``); ``CPU_CASES`` those of the C++ CPU kernel.
 
 The reference (``ref_attention``) is deliberately naive: per request, gather its ``seq_len``
 keys/values slot by slot through the block table, in float64; per head, full softmax over keys
@@ -191,7 +191,7 @@ TORCH_CASES["torch_softcap_causal"] = dict(
     seqlens=[33, 60], softcap=3.0, seed=43)
 
 
-# The C++ CPU kernel (kernels/cpu_backend.py) takes float32 or bfloat16 queries and caches; each case
+# The C++ CPU kernel (kvserve/kernels/cpu_backend.py) takes float32 or bfloat16 queries and caches; each case
 # runs in both (fp16 problems are recast). Plus
 # short chunks (query length 2..16: the kernel's, not SDPA's) next to long ones and decode rows.
 CPU_CASES = dict(TORCH_CASES)
@@ -248,7 +248,7 @@ def quantize_fp8(p: dict) -> dict:
     224) and return the same problem with the dequantized caches (their dtype as before),
     whose float64 reference is what attention over the float8 caches must compute. NaN slots
     stay NaN."""
-    from kernels.torch_backend import FP8, FP8_MAX
+    from kvserve.kernels.torch_backend import FP8, FP8_MAX
     deq = dict(p)
     for name, key in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
         c = p[name].float()
@@ -291,7 +291,7 @@ def ref_attention(p: dict) -> torch.Tensor:
 
 
 def _meta(p: dict):
-    from kernels.backend import AttentionMetadata
+    from kvserve.kernels.backend import AttentionMetadata
     return AttentionMetadata(
         cu_seqlens_q=p["cu_seqlens_q"], seq_lens=p["seq_lens"], block_tables=p["block_tables"],
         slot_mapping=torch.empty(0, dtype=torch.int64), query_lens_cpu=p["qlens"],

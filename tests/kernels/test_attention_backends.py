@@ -1,4 +1,4 @@
-"""Attention backend selection (``kernels/selector.py``) and the CUDA-graph condition, on CPU.
+"""Attention backend selection (``kvserve/kernels/selector.py``) and the CUDA-graph condition, on CPU.
 
 CUDA and flash-attn are absent here, so their capabilities are faked: a ``torch.device("cuda")``
 object needs no GPU, and whether flash-attn / Triton import is monkeypatched on the backend
@@ -13,14 +13,14 @@ import types
 import pytest
 import torch
 
-from engine.model_runner import ModelRunner
-from kernels import flash_attn_backend as fab
-from kernels.backend import AttentionBackend
-from kernels.cpu_backend import CpuBackend
-from kernels.flash_attn_backend import FlashAttnBackend
-from kernels.selector import BACKENDS, select_attention_backend
-from kernels.torch_backend import TorchBackend
-from kernels.triton_backend import TritonBackend
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.kernels import flash_attn_backend as fab
+from kvserve.kernels.backend import AttentionBackend
+from kvserve.kernels.cpu_backend import CpuBackend
+from kvserve.kernels.flash_attn_backend import FlashAttnBackend
+from kvserve.kernels.selector import BACKENDS, select_attention_backend
+from kvserve.kernels.torch_backend import TorchBackend
+from kvserve.kernels.triton_backend import TritonBackend
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -120,7 +120,7 @@ def test_cpu_picks_the_cpu_kernel_for_float32_and_bfloat16(importable, monkeypat
 
 def test_cpu_backend_without_a_compiler_falls_back_to_torch(monkeypatch, caplog):
     """No C++ compiler: one warning naming why, then the torch path computes the same output."""
-    from kernels import cpu_backend
+    from kvserve.kernels import cpu_backend
     from tests.kernels.attention_cases import _meta, make_problem
     monkeypatch.setattr(cpu_backend, "_loaded", None)
     monkeypatch.setattr(cpu_backend, "_load_error", None)
@@ -195,7 +195,7 @@ def test_every_backend_declares_its_capabilities():
 ])
 def test_cuda_graphs_follow_the_backend_capability(backend, device, enforce_eager, graphs):
     """The model runner's capture condition reads ``supports_cuda_graphs``, not a name."""
-    from engine.config import EngineConfig
+    from kvserve.engine.config import EngineConfig
     runner = types.SimpleNamespace(device=device, backend=backend,
                                    config=EngineConfig(device=device.type, enforce_eager=enforce_eager))
     assert ModelRunner.use_cuda_graphs.fget(runner) is graphs
@@ -207,7 +207,7 @@ def test_cuda_graphs_follow_the_backend_capability(backend, device, enforce_eage
 def test_model_runner_selects_once_from_its_config(tiny_llama_path, caplog, monkeypatch):
     """A real CPU runner: one selection from (device, dtype, block_size, head_dim), logged once;
     an impossible request fails at construction with the reason; no graphs on CPU."""
-    from engine.config import EngineConfig
+    from kvserve.engine.config import EngineConfig
     captured = []
     monkeypatch.setattr(ModelRunner, "capture_cudagraphs", lambda self: captured.append(self))
     with caplog.at_level(logging.INFO, logger="kvserve.attention"):

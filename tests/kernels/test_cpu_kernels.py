@@ -1,6 +1,6 @@
-"""The C++ CPU kernels (``kernels/cpu_backend.py``, the ``cpu_kernel`` fixture of conftest.py): paged
+"""The C++ CPU kernels (``kvserve/kernels/cpu_backend.py``, the ``cpu_kernel`` fixture of conftest.py): paged
 attention against the float64 reference of attention_cases.py (``CPU_CASES``) in float32 and bfloat16,
-the fused element-wise ops against ATen; and ``engine.layers.linear`` on a prepacked (oneDNN) weight."""
+the fused element-wise ops against ATen; and ``kvserve.engine.layers.linear`` on a prepacked (oneDNN) weight."""
 from __future__ import annotations
 
 import pytest
@@ -25,7 +25,7 @@ def test_cpu_fused_ops_match_aten(cpu_kernel):
     """The fused element-wise ops against the ATen formulas they replace (float64 reference),
     on strided row views as the model passes them, with row counts on both sides of the
     single-thread / thread-pool split."""
-    from engine.layers.rotary import RotaryEmbedding
+    from kvserve.engine.layers.rotary import RotaryEmbedding
     g = torch.Generator().manual_seed(5)
     for rows in (1, 64, 700):
         H = 576
@@ -61,7 +61,7 @@ def test_cpu_fused_ops_in_bfloat16(cpu_kernel):
     """bfloat16 inputs: each op equals the float64 formula over the same bfloat16 values,
     rounded once to bfloat16 (within one bfloat16 ulp, 2^-8 relative, plus a small absolute
     slack for outputs near zero); the residual add rounds like ATen's bfloat16 add."""
-    from engine.layers.rotary import RotaryEmbedding
+    from kvserve.engine.layers.rotary import RotaryEmbedding
     g = torch.Generator().manual_seed(6)
     bf = torch.bfloat16
 
@@ -106,9 +106,9 @@ def test_cpu_fused_ops_reject_mixed_dtypes(cpu_kernel):
 @pytest.mark.parametrize("large_on_aten", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 64, 600])
 def test_linear_with_prepacked_weight_matches_float64(monkeypatch, rows, large_on_aten):
-    """engine.layers.linear.linear on a prepacked weight (oneDNN blocked layout) and on the
+    """kvserve.engine.layers.linear.linear on a prepacked weight (oneDNN blocked layout) and on the
     ATen route for large batches: float32 results equal float64 within float32 rounding."""
-    import engine.layers.linear as L
+    import kvserve.engine.layers.linear as L
     monkeypatch.setattr(L, "_LARGE_ON_ATEN", large_on_aten)
     monkeypatch.setattr(L, "CPU_LINEAR", "onednn")
     g = torch.Generator().manual_seed(rows)
@@ -126,10 +126,10 @@ def test_linear_with_prepacked_weight_matches_float64(monkeypatch, rows, large_o
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("n,k", [(300, 200), (7, 577), (130, 96), (1, 8)])
 def test_f32_gemv_matches_float64(cpu_kernel, rows, n, k):
-    """The float32 GEMV for decode-sized batches (kernels/csrc/f32_linear_cpu.cpp): every row
+    """The float32 GEMV for decode-sized batches (kvserve/kernels/csrc/f32_linear_cpu.cpp): every row
     count it takes, N not a multiple of its 4-row unroll, K not a multiple of the vector width,
     strided activation rows, with and without bias: float64's result within float32 rounding."""
-    from kernels.cpu_backend import f32_linear
+    from kvserve.kernels.cpu_backend import f32_linear
 
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w, b = torch.randn(n, k, generator=g) / 10, torch.randn(n, generator=g)
@@ -142,10 +142,10 @@ def test_f32_gemv_matches_float64(cpu_kernel, rows, n, k):
 
 
 def test_linear_takes_the_gemv_for_decode_sized_float32(cpu_kernel, monkeypatch):
-    """engine.layers.linear.linear runs the GEMV up to 8 rows of a float32 weight (what a decode
+    """kvserve.engine.layers.linear.linear runs the GEMV up to 8 rows of a float32 weight (what a decode
     step multiplies, a vocabulary-sized LM head included), oneDNN above 8 rows."""
-    import engine.layers.linear as L
-    from kernels import cpu_backend
+    import kvserve.engine.layers.linear as L
+    from kvserve.kernels import cpu_backend
 
     monkeypatch.setattr(L, "CPU_LINEAR", "onednn")
     calls = []
@@ -161,7 +161,7 @@ def test_linear_takes_the_gemv_for_decode_sized_float32(cpu_kernel, monkeypatch)
 
 
 def test_prepack_is_skipped_where_it_does_not_apply(monkeypatch):
-    import engine.layers.linear as L
+    import kvserve.engine.layers.linear as L
     assert L.prepack_weight(torch.randn(8, 8).half()) is None
     monkeypatch.setattr(L, "CPU_LINEAR", "aten")
     assert L.prepack_weight(torch.randn(8, 8)) is None
@@ -176,14 +176,14 @@ def test_a_complete_build_is_loaded_without_compiling_again(cpu_kernel, tmp_path
     import sys
     from pathlib import Path
 
-    from kernels import cpu_backend
+    from kvserve.kernels import cpu_backend
 
     build = cpu_backend.build_directory()
     assert (build / cpu_backend.BUILT).is_file(), "the build did not mark its folder complete"
     code = ("import torch.utils.cpp_extension as c\n"
             "def boom(*a, **k): raise AssertionError('compiled again')\n"
             "c.load = boom\n"
-            "from kernels import cpu_backend\n"
+            "from kvserve.kernels import cpu_backend\n"
             "assert cpu_backend.load_kernel(), cpu_backend.kernel_error()\n"
             "import torch; print(hasattr(torch.ops.kvserve_cpu, 'paged_attention'))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -1,4 +1,4 @@
-"""The flash-attn backend (``kernels/flash_attn_backend.py``) with a fake ``flash_attn`` module: what it
+"""The flash-attn backend (``kvserve/kernels/flash_attn_backend.py``) with a fake ``flash_attn`` module: what it
 passes to flash-attn's functions and to the Triton scatter."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def test_flash_attn_backend_calls(monkeypatch):
     """flash-attn cannot be installed here: a fake module checks what the backend passes
     (decode-only batch -> ``flash_attn_with_kvcache``, anything else -> paged varlen)."""
     import types
-    from kernels import flash_attn_backend as fab
+    from kvserve.kernels import flash_attn_backend as fab
     calls = []
 
     def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -41,7 +41,7 @@ def test_flash_attn_backend_calls(monkeypatch):
                                  flash_attn_with_kvcache=with_kvcache)
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     # the Triton scatter, faked: importing the kernel module here would compile-mode it
-    monkeypatch.setitem(sys.modules, "kernels.triton_attention", types.SimpleNamespace(store_kv=store_kv))
+    monkeypatch.setitem(sys.modules, "kvserve.kernels.triton_attention", types.SimpleNamespace(store_kv=store_kv))
     monkeypatch.setattr(fab, "_funcs", None)
     assert fab.FlashAttnBackend.import_error() is None
     backend = fab.FlashAttnBackend()

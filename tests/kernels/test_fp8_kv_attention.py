@@ -25,7 +25,7 @@ FP8_CASES = {k: v for k, v in CPU_CASES.items() if v["kind"] == "dispatch"}
 def test_fp8_kv_cache(name, backend, q_dtype, cpu_kernel):
     """Attention over float8 caches equals the float64 reference over the dequantized caches,
     for float32 and bfloat16 queries."""
-    from kernels.torch_backend import paged_attention_torch
+    from kvserve.kernels.torch_backend import paged_attention_torch
     p, deq = _fp8_problem(FP8_CASES[name])
     p["q"] = deq["q"] = p["q"].to(DTYPES[q_dtype])
     fn = paged_attention_torch if backend == "torch" else cpu_kernel.paged_attention_cpu
@@ -80,7 +80,7 @@ def test_fp8_chunk_attends_to_its_own_exact_kv(name, backend, q_dtype, cpu_kerne
     (chunks of 2..16 tokens, which the cpu backend otherwise sends to its C++ kernel, included).
     Without them the same call reads only float8 (``test_fp8_kv_cache``); a model-dtype cache
     ignores them."""
-    from kernels.torch_backend import paged_attention_torch
+    from kvserve.kernels.torch_backend import paged_attention_torch
     spec = FRESH_CASES[name]
     orig = make_problem(dict(spec, dtype="float32"))
     p, deq = _fp8_problem(spec)
@@ -110,7 +110,7 @@ def test_fp8_chunk_attends_to_its_own_exact_kv(name, backend, q_dtype, cpu_kerne
 def test_fp8_store_rounds_to_e4m3(cpu_kernel):
     """store_kv into a float8 cache keeps x within e4m3's half-ulp (2^-4 relative) after
     dequantization, clamps at +-448 * scale, and touches only the given slots."""
-    from kernels.torch_backend import FP8, dequantize, store_kv_torch
+    from kvserve.kernels.torch_backend import FP8, dequantize, store_kv_torch
     g = torch.Generator().manual_seed(9)
     kc = torch.zeros(4, 8, 2, 64, dtype=FP8)
     vc = torch.zeros(4, 8, 2, 64, dtype=FP8)

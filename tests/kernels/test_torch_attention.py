@@ -1,4 +1,4 @@
-"""The torch backend's paged attention (``kernels/torch_backend.py``, ``paged_attention_torch``), in-process,
+"""The torch backend's paged attention (``kvserve/kernels/torch_backend.py``, ``paged_attention_torch``), in-process,
 against the float64 reference of attention_cases.py (``TORCH_CASES``), its decode-row buckets and its
 argument checks."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from attention_cases import TORCH_CASES, _compare, _describe, _meta, make_proble
 
 def test_decode_buckets_split_at_long_rows():
     """A decode row more than twice as long as its bucket's first row opens a new bucket."""
-    from kernels.torch_backend import _decode_plan
+    from kvserve.kernels.torch_backend import _decode_plan
 
     p = make_problem(TORCH_CASES["torch_decode_long_outlier"])
     plan = _decode_plan(_meta(p), p["k_cache"])
@@ -26,7 +26,7 @@ def test_decode_buckets_split_at_long_rows():
 @pytest.mark.parametrize("window,softcap", [(0, None), (-3, None), (2.5, None), (True, None),
                                             (None, 0.0), (None, -1.0), (None, float("inf"))])
 def test_bad_window_or_softcap_raises(window, softcap):
-    from kernels.torch_backend import paged_attention_torch
+    from kvserve.kernels.torch_backend import paged_attention_torch
 
     p = make_problem(dict(H=2, Hkv=1, D=16, bs=4, dtype="float32", qlens=[3], seqlens=[5], seed=1))
     with pytest.raises(ValueError, match="window|softcap"):
@@ -35,7 +35,7 @@ def test_bad_window_or_softcap_raises(window, softcap):
 
 @pytest.mark.parametrize("name", list(TORCH_CASES))
 def test_torch_reference_path(name):
-    from kernels.torch_backend import paged_attention_torch
+    from kvserve.kernels.torch_backend import paged_attention_torch
     spec = TORCH_CASES[name]
     p = make_problem(spec)
     out = paged_attention_torch(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],

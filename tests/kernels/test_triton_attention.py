@@ -1,4 +1,4 @@
-"""The Triton attention kernels (``kernels/triton_attention.py``) against the float64 reference of
+"""The Triton attention kernels (``kvserve/kernels/triton_attention.py``) against the float64 reference of
 attention_cases.py, one test per case of ``CASES``.
 
 * Under ``TRITON_INTERPRET=1`` on CPU tensors, in a child process (triton_case_runner.py): the module

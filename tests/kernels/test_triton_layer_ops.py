@@ -1,5 +1,5 @@
-"""The fused Triton layer kernels (``kernels/triton_layer_ops.py``: RMSNorm with the residual add,
-rotary embedding, SiLU-and-mul) against the ATen ops of ``engine.layers`` they replace on CUDA.
+"""The fused Triton layer kernels (``kvserve/kernels/triton_layer_ops.py``: RMSNorm with the residual add,
+rotary embedding, SiLU-and-mul) against the ATen ops of ``kvserve.engine.layers`` they replace on CUDA.
 
 * Under ``TRITON_INTERPRET=1`` on CPU tensors, in a subprocess (the variable must precede the
   import of triton): each kernel on float32 and float16 (the interpreter's bfloat16 cast
@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The kernels against the modules' ATen path, on ``DEVICE`` (cpu under the interpreter, or cuda).
 KERNEL_CHECKS = r"""
 import torch
-from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from kernels import triton_layer_ops as k
+from kvserve.engine.layers.layernorm import GemmaRMSNorm, RMSNorm
+from kvserve.engine.layers.rotary import RotaryEmbedding
+from kvserve.kernels import triton_layer_ops as k
 
 dev = DEVICE
 torch.manual_seed(0)
@@ -122,8 +122,8 @@ print("kernels ok")
 ENGINE_CHECK = r"""
 import sys
 import torch
-from engine import LLM, SamplingParams
-from kernels import gpu_ops
+from kvserve.engine import LLM, SamplingParams
+from kvserve.kernels import gpu_ops
 
 calls = []
 real = gpu_ops.use_fused_ops
@@ -198,9 +198,9 @@ def test_model_forward_on_cuda_equals_aten(tmp_path, dtype, monkeypatch):
     hidden states' scale). Built here from a transformers config: the GPU box has no model package."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
-    from kernels import gpu_ops
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.kernels import gpu_ops
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=256,

@@ -1,6 +1,6 @@
 """Runs Triton attention cases (attention_cases.CASES) in a child process and reports each as JSON.
 
-Triton kernels (``kernels/triton_attention.py``) run under ``TRITON_INTERPRET=1`` on CPU tensors,
+Triton kernels (``kvserve/kernels/triton_attention.py``) run under ``TRITON_INTERPRET=1`` on CPU tensors,
 in a *subprocess*: an out-of-bounds load can crash the interpreter. This file is its own
 runner: ``python tests/kernels/triton_case_runner.py --device cpu CASE...`` prints one JSON line per case.
 :func:`run_cases_in_subprocess` runs all the cases it is given in one child process (to pay the
@@ -22,7 +22,7 @@ from attention_cases import CASES, DTYPES, ROOT, _compare, _meta, make_problem, 
 
 def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     """Run one Triton case (interpreter on CPU, compiled on CUDA); returns a result dict."""
-    from kernels import triton_attention as ta
+    from kvserve.kernels import triton_attention as ta
     spec = CASES[name]
     if spec["kind"] == "heuristic":
         return _run_heuristic()
@@ -53,7 +53,7 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
 def _run_heuristic() -> dict:
     """Split-K choice (pure Python, but importing the module decorates the kernels, which
     fixes interpreter-or-not for the process: hence also in the child)."""
-    from kernels.triton_attention import choose_num_splits
+    from kvserve.kernels.triton_attention import choose_num_splits
     checks = [
         choose_num_splits(64, 8, 8192, 132) == 1,  # big batch fills the GPU: no split
         choose_num_splits(1, 8, 8192, 132) == 32,  # batch 1, long context: capped at 32
@@ -67,7 +67,7 @@ def _run_heuristic() -> dict:
 
 
 def _run_store(spec: dict, device: str, dtype: str) -> dict:
-    from kernels import triton_attention as ta
+    from kvserve.kernels import triton_attention as ta
     gen = torch.Generator().manual_seed(spec["seed"])
     Hkv, D, bs, T = spec["Hkv"], spec["D"], spec["bs"], spec["T"]
     num_blocks = (T + bs - 1) // bs + 2

@@ -92,7 +92,7 @@ limit, else its request ("500m" = 0.5); -1 when none is given. */}}
 tensor_parallel_size * pipeline_parallel_size bundles of one GPU each, STRICT_PACKed onto one node
 (the default placement_group_strategy; with another strategy only one stage's tensor_parallel_size
 GPUs must share a pod), plus CPUs: replica_cpus + ranks * worker_cpus (ModelArgs' defaults: 1 and 1;
-deployments/app.py llm_deployment_options). Only groups that may have pods (maxReplicas > 0) count. */}}
+kvserve/deployments/app.py llm_deployment_options). Only groups that may have pods (maxReplicas > 0) count. */}}
 {{- define "kvserve.checkModels" -}}
 {{- if not .Values.models -}}
 {{- fail "models: give at least one model" -}}
@@ -140,7 +140,7 @@ deployments/app.py llm_deployment_options). Only groups that may have pods (maxR
 {{- end -}}
 {{- end -}}
 
-{{/* serveConfigV2: one application (deployments.app:build_app) whose args are app.args, the
+{{/* serveConfigV2: one application (kvserve.deployments.app:build_app) whose args are app.args, the
 models and the mounted API key file. */}}
 {{- define "kvserve.serveConfig" -}}
 {{- $args := deepCopy .Values.app.args -}}
@@ -148,7 +148,7 @@ models and the mounted API key file. */}}
 {{- if include "kvserve.apiKeysEnabled" . -}}
 {{- $_ := set $args "api_keys_file" (printf "%s/%s" .Values.apiKeys.mountPath .Values.apiKeys.secretKey) -}}
 {{- end -}}
-{{- $app := dict "name" .Values.app.name "route_prefix" .Values.app.routePrefix "import_path" "deployments.app:build_app" "args" $args -}}
+{{- $app := dict "name" .Values.app.name "route_prefix" .Values.app.routePrefix "import_path" "kvserve.deployments.app:build_app" "args" $args -}}
 {{- $cfg := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
 {{- toYaml $cfg -}}
 {{- end -}}

@@ -1,0 +1,285 @@
+"""From a caller's prompt to a validated :class:`Request` (vLLM V1's ``InputProcessor``).
+
+One place for what every front end does to a prompt before the engine sees it:
+
+* **Prompt parsing** (:func:`parse_prompt`): vLLM's prompt forms, a string, a list of token ids,
+  ``{"prompt": str}`` (TextPrompt) or ``{"prompt_token_ids": [...]}`` (TokensPrompt).
+* **Encoding** (:func:`encode_prompt`): text with the tokenizer's special tokens (e.g. BOS),
+  token ids as given.
+* **Chat-template rendering** (:func:`render_chat_template`, :func:`chat_template_ids`): OpenAI
+  tools and tool-call history written into the messages for templates that do not render tools
+  themselves (:func:`kvserve.engine.chat_templates.prepare_messages`, Hermes convention), then the
+  tokenizer's template with the assistant generation prompt; ids without added special tokens
+  (the template writes its own). The offline ``LLM.chat``, the async engine (the replica's
+  ``/v1/chat/completions``), ``/tokenize`` and the prefix-aware router's hasher all render
+  through these two functions, so they agree token for token.
+* **Request validation** (:meth:`InputProcessor.process_inputs`): sampling parameters against
+  the model (vocabulary, EOS), LoRA against the engine's settings, and the prompt against
+  ``max_model_len``.
+
+The module holds no engine state: an :class:`InputProcessor` is built by ``LLMEngine`` from the
+model's facts, and the async front keeps a copy with its own tokenizer
+(:meth:`InputProcessor.with_tokenizer`; Hugging Face fast tokenizers are not safe to share
+between threads).
+"""
+from __future__ import annotations
+
+import copy
+
+from kvserve.engine.chat_templates import prepare_messages
+from kvserve.engine.request import Request
+from kvserve.engine.sampling_params import SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for an output token within ``max_model_len`` (or, when the
+    caller names ``max_tokens``, the prompt plus ``max_tokens`` exceed it)."""
+
+
+def parse_prompt(prompt: str | list[int] | dict) -> tuple[str | None, list[int] | None]:
+    """vLLM's prompt forms: a string, a list of token ids, ``{"prompt": str}`` (TextPrompt) or
+    ``{"prompt_token_ids": [...]}`` (TokensPrompt). Returns ``(text, token_ids)``, exactly one
+    of them not None (the ids are a new list; they are not checked against a vocabulary here).
+
+    Raises:
+        ValueError: a dict with neither key, both, or any other key; a value of the wrong type;
+            anything that is not a string, a list / tuple or a dict.
+    """
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or len(prompt) != 1:
+            raise ValueError("a dict prompt takes exactly one of 'prompt' (text) or 'prompt_token_ids'"
+                             + (f"; unknown key(s): {sorted(unknown)}" if unknown else ""))
+        (key, value), = prompt.items()
+        if key == "prompt" and not isinstance(value, str):
+            raise ValueError(f"prompt must be a string, got {type(value).__name__}")
+        if key == "prompt_token_ids" and not isinstance(value, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of integers, got {type(value).__name__}")
+        prompt = value
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def encode_prompt(tokenizer, prompt: str | list[int] | dict) -> list[int]:
+    """Token ids of a prompt in any of :func:`parse_prompt`'s forms: text is encoded with the
+    tokenizer's special tokens (e.g. BOS), token ids are returned as given (a new list).
+
+    Raises:
+        ValueError: see :func:`parse_prompt`.
+    """
+    text, ids = parse_prompt(prompt)
+    return tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
+
+
+def render_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         template_kwargs: dict | None = None) -> str:
+    """The text of a conversation (``[{"role", "content", ...}, ...]``, OpenAI's message dicts)
+    under the tokenizer's chat template: tools and tool-call history first go through
+    :func:`kvserve.engine.chat_templates.prepare_messages` (unchanged for a template that renders
+    ``tools`` itself; written into the messages in the Hermes convention for one that does not;
+    applying it twice changes nothing), then transformers' ``apply_chat_template(tools=...)``
+    renders them, with the assistant generation prompt appended or, with
+    ``continue_final_message``, the last message left open. ``template_kwargs``: more variables
+    for the template (vLLM's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``); they
+    cannot replace the ones set here.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, the messages are malformed (the
+            template or the tool rewriting rejects them), or both ``add_generation_prompt`` and
+            ``continue_final_message`` are asked for.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("this model's tokenizer has no chat template")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    try:
+        messages, tools = prepare_messages(messages, tools, template)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=tools or None, continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
+    except Exception as e:  # jinja errors on bad roles / content, a message without "role", ...
+        raise ValueError(f"could not apply the chat template: {e}") from e
+
+
+def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None, continue_final_message: bool = False,
+                      add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of :func:`render_chat_template`'s text. ``tools``: OpenAI's ``{"type":
+    "function", "function": {...}}`` list. ``add_special_tokens``: the tokenizer's own (e.g. BOS)
+    on top of those the template writes (off by default, as vLLM's chat path).
+
+    Raises:
+        ValueError: see :func:`render_chat_template`.
+    """
+    text = render_chat_template(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+class InputProcessor:
+    """Turns a prompt and its parameters into a validated :class:`Request` (vLLM's
+    ``InputProcessor.process_inputs``), and renders / encodes prompts for the front ends.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer (used from one thread at a time; see
+            :meth:`with_tokenizer`).
+        vocab_size: the model's vocabulary size (``hf_config.vocab_size``): token ids must be
+            in ``[0, vocab_size)``.
+        eos_token_ids: the ids that end generation (the request stops at them unless
+            ``ignore_eos``).
+        max_model_len: longest prompt + output of a request, tokens.
+        enable_lora: requests may name a LoRA adapter.
+    """
+
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: set[int], max_model_len: int,
+                 enable_lora: bool = False):
+        self.tokenizer = tokenizer
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
+        self.max_model_len, self.enable_lora = max_model_len, enable_lora
+
+    def with_tokenizer(self, tokenizer) -> "InputProcessor":
+        """A copy of this processor that uses ``tokenizer`` (e.g. a second instance of the same
+        tokenizer for another thread); the model's facts are shared."""
+        other = copy.copy(self)
+        other.tokenizer = tokenizer
+        return other
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
+        """Token ids of a prompt (:func:`encode_prompt`; not validated against the model).
+
+        Raises:
+            ValueError: a malformed prompt (:func:`parse_prompt`).
+        """
+        return encode_prompt(self.tokenizer, prompt)
+
+    def render_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
+                             add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+        """:func:`render_chat_template` with this processor's tokenizer.
+
+        Raises:
+            ValueError: no chat template, or malformed messages.
+        """
+        return render_chat_template(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message)
+
+    def chat_template_ids(self, messages: list[dict], tools: list[dict] | None = None, *,
+                          add_generation_prompt: bool = True, continue_final_message: bool = False,
+                          add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """:func:`chat_template_ids` with this processor's tokenizer.
+
+        Raises:
+            ValueError: no chat template, or malformed messages.
+        """
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
+                                 add_special_tokens, template_kwargs)
+
+    # ---- validation ------------------------------------------------------------------------
+    def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None = None,
+                             pooling: bool = False) -> None:
+        """A prompt of ``num_prompt_tokens`` tokens must leave room for one output token within
+        ``max_model_len`` (a pooling request, which generates nothing, may fill it); with
+        ``max_tokens``, the prompt plus ``max_tokens`` must fit too (the serving layer's rule:
+        OpenAI's API refuses a request it cannot complete, where the engine alone would stop it
+        at ``max_model_len`` with ``finish_reason "length"``).
+
+        Raises:
+            PromptTooLongError: the prompt (and ``max_tokens``) do not fit; the message gives
+                the counts.
+        """
+        n, limit = num_prompt_tokens, self.max_model_len
+        if n > limit or (n == limit and not pooling):
+            raise PromptTooLongError(f"prompt is {n} tokens; this model's context is {limit} tokens "
+                                     "(max_model_len), which must also leave room for at least one output token")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {limit} tokens; the request asks for {n + max_tokens} "
+                f"({n} in the prompt, {max_tokens} in max_tokens): shorten the prompt or lower max_tokens")
+
+    def _validate_params(self, params: SamplingParams | None, priority: int) -> SamplingParams:
+        """The checks of ``params`` that need the model (besides :class:`SamplingParams`' own):
+        ``stop_token_ids`` and ``logit_bias`` keys in the vocabulary, ``logprobs`` at most the
+        vocabulary size, and with ``min_tokens`` a token left to sample once stop ids and EOS
+        are forbidden. ``top_k`` above the vocabulary size is clamped by the sampler. Returns
+        ``params`` (a default :class:`SamplingParams` for None).
+
+        Raises:
+            ValueError: see :meth:`process_inputs`.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        vocab = self.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), "
+                             f"got {max(params.stop_token_ids)}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}")
+        if params.min_tokens and len(set(params.stop_token_ids) | (
+                set() if params.ignore_eos else self.eos_token_ids)) >= vocab:
+            raise ValueError("stop_token_ids with min_tokens forbid every token of the vocabulary")
+        return params
+
+    def _validate_lora(self, lora_request) -> None:
+        """A request may name an adapter only when LoRA is on (whether the adapter loads and
+        fits is checked when the engine loads it).
+
+        Raises:
+            ValueError: ``lora_request`` with ``enable_lora`` off.
+        """
+        if lora_request is not None and not self.enable_lora:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+
+    def _validate_model_inputs(self, ids: list[int], pooling: bool) -> None:
+        """The prompt's token ids: not empty, integers in the vocabulary, within the context.
+
+        Raises:
+            ValueError, PromptTooLongError: see :meth:`process_inputs`.
+        """
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.vocab_size
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        self.check_context_length(len(ids), pooling=pooling)
+
+    def process_inputs(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                       *, priority: int = 0, arrival_time: float | None = None, lora_request=None,
+                       pooling_params=None) -> Request:
+        """Parse, tokenize and validate one request; returns the :class:`Request` (status
+        ``WAITING``; its grammar is not compiled and its adapter not loaded: the engine does
+        that, ``LLMEngine.make_request``). Touches no engine state, so it may run in any thread.
+
+        ``pooling_params`` (:class:`kvserve.engine.pooling.PoolingParams`) makes an embedding request:
+        ``params`` are ignored (``max_tokens=0``, no text), and the prompt may fill the whole
+        context. ``arrival_time``: ``time.time()`` seconds (default now).
+
+        Raises:
+            ValueError: a malformed or empty prompt, token ids out of the vocabulary, a
+                non-integer ``priority``, sampling parameters the model cannot honour (the
+                message starts with the field name), or a LoRA adapter with LoRA off.
+            PromptTooLongError: a prompt of ``max_model_len`` tokens or more (a
+                ``ValueError``).
+        """
+        if pooling_params is not None:
+            params = SamplingParams(max_tokens=0, detokenize=False)
+        params = self._validate_params(params, priority)
+        self._validate_lora(lora_request)
+        text, ids = parse_prompt(prompt)
+        if text is not None:
+            ids = self.tokenizer.encode(text, add_special_tokens=True)
+        self._validate_model_inputs(ids, pooling_params is not None)
+        req = Request(request_id, ids, params, self.eos_token_ids, prompt=text, priority=priority,
+                      arrival_time=arrival_time, max_model_len=self.max_model_len)
+        req.pooling = pooling_params
+        req.lora_request = lora_request
+        return req
