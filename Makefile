@@ -1,5 +1,5 @@
 # kvserve: `make serve` starts the serving cluster on the default model; `make test` runs the tests.
-# Both set up .venv on a fresh machine first (torch 2.13.0 CPU from the machine's find-links before the rest).
+# Both set up .venv on a fresh machine first, from the locks in requirements/ (the CPU build of torch included).
 # Ray runs with token authentication on (RAY_AUTH_MODE=token): `kvserve serve` writes ~/.ray/auth_token (0600);
 # the tests use a token of their own session (tests/e2e/conftest.py), never ~/.ray/auth_token.
 PY ?= python3
@@ -14,9 +14,7 @@ TEST_STAMP := $(VENV)/.kvserve-test
 # (the compile step below) does the same in less time. It is not left to Python's first imports:
 # where PYTHONDONTWRITEBYTECODE is set (this project's machines set it) nothing compiled on import is
 # kept, and every process (each Ray worker) would compile torch, Ray and transformers again.
-PIP := $(BIN)/pip install -q --no-compile
 PIP_VERSION := 26.3
-SITE = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 # torch is the CPU build, torch==2.13.0+cpu: the machine's find-links carry it here; elsewhere add
 # PyTorch's CPU index (`make serve PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`).
 
@@ -77,8 +75,10 @@ test-deps:
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 
+FAST_PYTEST = -m pytest -q -ra --durations=15 $(XDIST) -m "not thorough" $(PYTEST_ARGS)
+
 test: $(TEST_STAMP) test-deps
-	$(BIN)/python -m pytest -q -ra --durations=15 $(XDIST) -m "not thorough" $(PYTEST_ARGS)
+	$(BIN)/python $(FAST_PYTEST)
 
 test-thorough: $(TEST_STAMP) test-deps
 	KVSERVE_TEST_PROFILE=thorough $(BIN)/python -m pytest -q -ra --durations=30 $(XDIST) $(PYTEST_ARGS)
@@ -115,4 +115,4 @@ test-latest: $(TEST_STAMP) test-deps
 	$(UV_COMPILE) --upgrade --extra test -o $(LATEST)/latest.lock
 	$(call install,$(LATEST)/latest.lock,$(LATEST))
 	$(LATEST)/bin/python -m pip list --format=freeze > $(LATEST)/versions.txt
-	$(LATEST)/bin/python -m pytest -q -ra --durations=15 $(XDIST) -m "not thorough" $(PYTEST_ARGS)
+	$(LATEST)/bin/python $(FAST_PYTEST)

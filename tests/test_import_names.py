@@ -21,38 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from import_probe import PROBE_SOURCE, check_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Run in a fresh interpreter: where ``kernels``, transformers and kvserve come from, and a model
-#: loaded by each. argv: the tiny model folder.
-PROBE = r"""
-import json, sys
-import importlib.metadata as md
-from pathlib import Path
-import kernels
-import torch
-from transformers import AutoModelForCausalLM
-import kvserve
-from kvserve.engine import LLM, SamplingParams
-from kvserve.kernels import cpu_backend
-
-model = sys.argv[1]
-hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)  # hub kernels at transformers' default
-ids = torch.tensor([[1, 2, 3, 4]])
-hf_next = int(hf(ids).logits[0, -1].argmax())
-llm = LLM(model, dtype="float32", num_kv_blocks=16, max_model_len=64)
-out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0))[0].outputs[0].token_ids
-dist = md.distribution("kernels")
-print("PROBE " + json.dumps({
-    "kernels_file": str(Path(kernels.__file__).resolve()),
-    "kernels_dist_file": str(Path(dist.locate_file("kernels/__init__.py")).resolve()),
-    "kernels_version": dist.version,
-    "kvserve_file": str(Path(kvserve.__file__).resolve()),
-    "kvserve_kernels_file": str(Path(cpu_backend.__file__).resolve()),
-    "hf_next": hf_next, "kvserve_next": int(out[0]),
-}))
-"""
+#: Run in a fresh interpreter (argv: the tiny model folder): the probe's report on one line.
+PROBE = PROBE_SOURCE + "\nimport json, sys\nprint('PROBE ' + json.dumps(probe(sys.argv[1])))\n"
 
 
 def _user_env() -> dict[str, str]:
@@ -76,13 +50,8 @@ def _probe(cwd: Path, model: Path) -> dict:
 def test_hf_kernels_and_kvserve_kernels_side_by_side(where, tiny_llama_path, tmp_path):
     cwd = ROOT if where == "repository root" else tmp_path
     got = _probe(cwd, tiny_llama_path)
-    # `import kernels` is Hugging Face's distribution, wherever the process starts
-    assert got["kernels_file"] == got["kernels_dist_file"], got
-    assert not got["kernels_file"].startswith(str(ROOT / "kernels")), got
-    # kvserve's kernels are kvserve's (this checkout: the editable install, or the repository root)
-    assert got["kvserve_kernels_file"] == str((ROOT / "kvserve" / "kernels" / "cpu_backend.py").resolve()), got
-    # and both load the same model and agree on its next token
-    assert got["hf_next"] == got["kvserve_next"], got
+    assert Path(got["cwd"]).resolve() == cwd.resolve(), got
+    check_probe(got, ROOT)
 
 
 def _lock_packages(name: str) -> set[str]:

@@ -480,9 +480,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             deploy_and_wait(build_app(app_args), name, route, args.deploy_timeout_s)
         except StartupFailed as e:
-            print(f"kvserve: {e}\nkvserve: the replicas' logs: {_serve_log_dir()}", file=sys.stderr, flush=True)
+            print(f"kvserve: {e}\nkvserve: the replicas' logs: {SERVE_LOG_DIR}", file=sys.stderr, flush=True)
             failed = 1
-            return failed
+            return 1
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         base_url = f"http://{host}:{args.port}{route.rstrip('/')}/v1"
         first = app_args.model_list()[0].name
@@ -511,15 +511,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_log_dir() -> str:
-    """Where this Ray session's Serve logs are (the replicas' full tracebacks)."""
-    try:
-        import ray
-
-        return os.path.join(ray.get_runtime_context().get_node().get("session_dir") or "", "logs", "serve")
-    except Exception:
-        return "/tmp/ray/session_latest/logs/serve"
-
+#: Where a local Ray session's Serve logs are (the replicas' full tracebacks; on a cluster, the head
+#: node's).
+SERVE_LOG_DIR = "/tmp/ray/session_latest/logs/serve"
 
 #: Seconds between ``/ready`` turning 503 ("draining") and the application refusing requests.
 DRAIN_NOTICE_S = 2.0

@@ -6,41 +6,12 @@ default) and through kvserve, and reports where each name came from."""
 from __future__ import annotations
 
 import os
-import textwrap
 from pathlib import Path
 
 import pytest
+from import_probe import check_probe, probe_function
 
 ROOT = Path(__file__).resolve().parents[2]
-
-#: The deployment, compiled as ``__main__`` code so that Ray ships it by value (a worker cannot
-#: import this test module by name).
-PROBE_DEPLOYMENT = textwrap.dedent('''
-    class ImportProbe:
-        def __call__(self, model: str) -> dict:
-            import importlib.metadata as md
-            import os
-            from pathlib import Path
-
-            import kernels
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            from kvserve.engine import LLM, SamplingParams
-            from kvserve.kernels import cpu_backend
-
-            hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-            hf_next = int(hf(torch.tensor([[1, 2, 3, 4]])).logits[0, -1].argmax())
-            llm = LLM(model, dtype="float32", num_kv_blocks=16, max_model_len=64)
-            out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0))[0]
-            return {
-                "cwd": os.getcwd(),
-                "kernels_file": str(Path(kernels.__file__).resolve()),
-                "kernels_dist_file": str(Path(md.distribution("kernels").locate_file("kernels/__init__.py")).resolve()),
-                "kvserve_kernels_file": str(Path(cpu_backend.__file__).resolve()),
-                "hf_next": hf_next, "kvserve_next": int(out.outputs[0].token_ids[0]),
-            }
-''')
 
 
 @pytest.mark.slow
@@ -49,15 +20,12 @@ def test_a_replica_imports_hf_kernels_and_kvserve(serve_app, tiny_llama_path):
     from ray import serve
 
     assert Path(os.getcwd()).resolve() == ROOT  # the driver (and so its workers) at the repository root
-    ns: dict = {"__name__": "__main__"}
-    exec(compile(PROBE_DEPLOYMENT, "<import-probe>", "exec"), ns)
-    app = serve.deployment(ns["ImportProbe"], ray_actor_options={"num_cpus": 0}).bind()
+    # a function deployment: its replica calls probe(model) (shipped by value: __main__ code)
+    app = serve.deployment(probe_function(), name="ImportProbe", ray_actor_options={"num_cpus": 0}).bind()
     handle = serve.run(app, name="import-probe", route_prefix=None)
     try:
         got = handle.remote(str(tiny_llama_path)).result(timeout_s=300)
     finally:
         serve.delete("import-probe")
     assert Path(got["cwd"]).resolve() == ROOT, got
-    assert got["kernels_file"] == got["kernels_dist_file"], got  # Hugging Face's, not a folder of ours
-    assert got["kvserve_kernels_file"] == str((ROOT / "kvserve" / "kernels" / "cpu_backend.py").resolve()), got
-    assert got["hf_next"] == got["kvserve_next"], got
+    check_probe(got, ROOT)

@@ -48,28 +48,32 @@ def replica_error(message: str, max_lines: int = ERROR_LINES) -> str:
     return "\n".join(kept[:max_lines]) or "(no error message)"
 
 
-def _not_running(app_status: Any) -> list[str]:
-    """``name (STATUS): error`` for each deployment of an application status that is not healthy."""
-    out = []
-    for dep_name, dep in sorted((app_status.deployments or {}).items()):
-        status = str(getattr(dep.status, "value", dep.status))
-        if status == "HEALTHY":
-            continue
-        err = replica_error(dep.message) if dep.message else "(no replica has reported yet)"
-        out.append(f"{dep_name} ({status}): {err}")
-    return out
+def _status(obj: Any) -> str:
+    """A Serve status enum (or its string) as its name: ``HEALTHY``, ``DEPLOY_FAILED`` ..."""
+    return str(getattr(obj.status, "value", obj.status))
 
 
-def _describe(name: str, why: str) -> str:
+def _app_status(name: str) -> Any:
+    """The application's ``serve.status()`` entry; None before it exists or when the controller
+    does not answer."""
     from ray import serve
 
     try:
-        app_status = serve.status().applications.get(name)
-    except Exception:  # the controller is gone: say what we know
-        app_status = None
+        return serve.status().applications.get(name)
+    except Exception:
+        return None
+
+
+def _describe(name: str, app_status: Any, why: str) -> str:
+    """``application 'name' <why>:`` and, per deployment that is not healthy, its replica's error."""
     if app_status is None:
         return f"application {name!r} {why}"
-    parts = _not_running(app_status) or [replica_error(app_status.message)]
+    parts = []
+    for dep_name, dep in sorted((app_status.deployments or {}).items()):
+        if _status(dep) != "HEALTHY":
+            err = replica_error(dep.message) if dep.message else "(no replica has reported yet)"
+            parts.append(f"{dep_name} ({_status(dep)}): {err}")
+    parts = parts or [replica_error(app_status.message)]
     return f"application {name!r} {why}:\n  " + "\n  ".join(p.replace("\n", "\n    ") for p in parts)
 
 
@@ -102,13 +106,11 @@ def deploy_and_wait(app: Any, name: str, route_prefix: Optional[str], timeout_s:
     threading.Thread(target=run, name="kvserve-deploy", daemon=True).start()
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     while not done.wait(poll_s):
-        try:
-            app_status = serve.status().applications.get(name)
-        except Exception:
-            app_status = None
-        if app_status is not None and str(getattr(app_status.status, "value", app_status.status)) == "DEPLOY_FAILED":
-            raise StartupFailed(_describe(name, "failed to start"))
+        app_status = _app_status(name)
+        if app_status is not None and _status(app_status) == "DEPLOY_FAILED":
+            raise StartupFailed(_describe(name, app_status, "failed to start"))
         if deadline is not None and time.monotonic() > deadline:
-            raise StartupFailed(_describe(name, f"was not running after {timeout_s:g} s (--deploy-timeout-s)"))
+            raise StartupFailed(_describe(name, app_status, f"was not running after {timeout_s:g} s "
+                                                            "(--deploy-timeout-s)"))
     if "error" in result:
-        raise StartupFailed(_describe(name, "failed to start")) from result["error"]
+        raise StartupFailed(_describe(name, _app_status(name), "failed to start")) from result["error"]
