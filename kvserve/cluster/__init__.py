@@ -18,6 +18,9 @@ LOCAL_RAY_ENV = {
     # replicas and handles flush their cached metrics to Ray's every 0.1 s by default; Ray's
     # metrics agent exports every 10 s (metrics_report_interval_ms)
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    # Serve's HTTP proxy is uvicorn, which by default believes X-Forwarded-For from 127.0.0.1 and
+    # rewrites the client's address: kvserve's gate decides whom to believe (forwarded_allow_ips)
+    "FORWARDED_ALLOW_IPS": "",
 }
 
 

@@ -20,7 +20,7 @@ from kvserve.deployments.contract.config import (ENGINE_FIELDS, RENAMED_MODEL_KE
 from kvserve.deployments.contract.experiments import ExperimentArgs
 from kvserve.deployments.contract.routing_config import RoutingArgs
 from kvserve.deployments.gateway.tool_parsers import get_tool_parser
-from kvserve.deployments.limits import policies_from_keys
+from kvserve.deployments.limits import TrustedProxies, policies_from_keys
 
 __all__ = ["APP_NAME", "ENGINE_FIELDS", "SECTIONS", "SERVING_ENGINE_DEFAULTS", "AppArgs", "CacheArgs", "EmbeddingArgs",
            "EngineArgs", "GatewayArgs", "LimitArgs", "ModelArgs", "RoutingArgs", "TracingArgs", "app_args_from_config",
@@ -117,6 +117,7 @@ class AppArgs(BaseModel):
                 get_tool_parser(m.tool_call_parser)  # an unknown name fails here
         if self.gateway.api_keys:
             policies_from_keys(self.gateway.api_keys)  # a bad entry fails here, naming its position, never the key
+        TrustedProxies(self.gateway.forwarded_allow_ips)  # an entry that is no address or CIDR fails here
         if self.routing.model_routing is not None:
             self.routing.model_routing.check(names)
         encoder = self.embeddings.served_name()

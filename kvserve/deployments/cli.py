@@ -55,6 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 _NOT_FLAGS = {"autoscaling", "min_replicas", "max_replicas"}
 #: AppArgs fields that are plain flags too (the response caches, kvserve/deployments/cache/; the embedding model).
 _APP_FLAGS = ("response_cache", "cache_backend", "cache_ttl_s", "cache_max_entries", "cache_max_bytes",
+              "cache_shared_across_keys",
               "semantic_cache", "semantic_cache_threshold", "semantic_cache_max_entries", "redis_url",
               "embedding_model", "embedding_served_name", "replica_channels", "otlp_traces_endpoint",
               "otlp_traces_protocol", "otlp_traces_sample_ratio", "request_log_dir", "request_log_prompts",
@@ -155,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "refuses (capacity, failure); its key from $KVSERVE_UPSTREAM_API_KEY. Model routing "
                         "(model 'auto') and upstream model names: --config (docs/serving.md, 'Model routing')")
     s.add_argument("--allowed-origins", default=None,
-                   help="CORS: comma-separated origins whose browser pages may call the API (default '*', like "
-                        "vLLM; '' turns CORS off)")
+                   help="CORS: comma-separated origins whose browser pages may call the API (default: '*' with "
+                        "API keys, none without; '' turns CORS off)")
     flags = _model_flags()
     for flag, dest, kw in flags:  # engine and deployment settings, from ModelArgs
         s.add_argument(flag, dest=dest, **kw)

@@ -4,17 +4,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.input_processor import InputProcessor, parse_prompt
+from kvserve.engine.input_processor import InputProcessor, parse_prompt, prompt_cache_salt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.step_isolation import StepFailedError
 from kvserve.engine.model_loader import load_tokenizer
 from kvserve.engine.request import Request, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -42,9 +44,10 @@ class AsyncLLMEngine:
     (torch releases the GIL), so the event loop keeps serving while the model runs. New
     requests and aborts are applied between steps, on the event loop thread, so the
     scheduler is never touched by two threads at once. Prompts are tokenized (and chat
-    templates applied) in a second single-thread executor with a tokenizer of the front's
-    own (HF fast tokenizers are not safe to share across threads), so a huge prompt does not
-    stall the event loop.
+    templates applied) in a :class:`~kvserve.engine.tokenizer_pool.TokenizerPool` (two lanes of
+    threads, each thread with a tokenizer of its own: HF fast tokenizers are not safe to share
+    across threads), so a huge prompt stalls neither the event loop nor the other prompts'
+    tokenization; the engine's ``make_request`` (grammar, adapter) still runs one at a time.
 
     Failures: a request that fails alone inside a step ends with a ``RuntimeError`` on its
     stream only (the engine isolates it). A step failure no request explains makes the loop
@@ -73,7 +76,9 @@ class AsyncLLMEngine:
         self._aborted_early: set[str] = set()  # ... and that were aborted meanwhile
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
+        # tokenizer threads in two lanes: a large prompt queues only behind large ones (tokenizer_pool.py)
+        self._tok_pool = TokenizerPool()
+        self._make_lock = threading.Lock()  # engine.make_request (grammar, adapter): one at a time
         self._closed = False
         #: a tier outside the engine (``kvserve.engine.kv_connector.KVConnector``): each new request is
         #: shown to it, once tokenized, before it is queued (None: no such tier)
@@ -125,10 +130,11 @@ class AsyncLLMEngine:
     async def check_health_async(self, timeout_s: float = 30.0) -> None:
         """:meth:`check_health`, then the executor's own probe (``check_health_async`` of a
         distributed executor: every worker answers within ``timeout_s`` seconds). A failed
-        probe kills the engine (:meth:`mark_dead`).
+        probe kills the engine (:meth:`mark_dead`); a slow one fails itself only.
 
         Raises:
-            EngineDeadError: the engine is dead, or a worker did not answer.
+            EngineDeadError: the engine is dead, or a worker's probe failed (it is gone).
+            TimeoutError: a worker did not answer within ``timeout_s`` (the engine lives on).
         """
         self.check_health()
         probe = getattr(self.engine.executor, "check_health_async", None)
@@ -136,6 +142,8 @@ class AsyncLLMEngine:
             return
         try:
             await probe(timeout_s)
+        except TimeoutError:  # slow is not dead: this probe fails, the engine and its requests go on
+            raise TimeoutError(f"a worker did not answer a health check within {timeout_s:g} s") from None
         except Exception as e:
             self.mark_dead(e, "a worker is not answering")
             raise self._dead_error() from e
@@ -356,9 +364,12 @@ class AsyncLLMEngine:
     def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                       priority: int, lora_request=None, pooling_params=None) -> Request:
         """Tokenize and validate (runs in the tokenizer thread; touches no scheduler state)."""
-        req = self.engine.make_request(request_id, self.tokenize(prompt), params, priority,
-                                       lora_request=lora_request, pooling_params=pooling_params)
+        ids = self.tokenize(prompt)  # in this lane's thread, with its own tokenizer
+        with self._make_lock:
+            req = self.engine.make_request(request_id, ids, params, priority,
+                                           lora_request=lora_request, pooling_params=pooling_params)
         req.prompt = parse_prompt(prompt)[0]
+        req.cache_salt = prompt_cache_salt(prompt)
         return req
 
     def _dead_error(self) -> EngineDeadError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
+from kvserve.engine.grammar_spec import GrammarLimits  # standard library only
 from kvserve.engine.spec_config import SpeculativeConfig  # no torch
 
 if TYPE_CHECKING:  # torch loads only when a device or dtype is asked for (front ends never do)
@@ -41,6 +42,10 @@ class EngineConfig:
     max_model_len: int | None = _knob(
         None, "longest prompt + output, tokens (default: the model's max_position_embeddings, capped by the KV pool)")
     enable_prefix_caching: bool = _knob(True, "share full KV blocks between requests with equal prefixes")
+    prefix_caching_hash_seed: str | None = _knob(
+        None, "seed of the prefix cache's SHA-256 block hashes (the root of every chain); replicas that share "
+              "blocks or routers share it (the Serve app gives its replicas one); None: "
+              "$KVSERVE_PREFIX_CACHING_HASH_SEED, else random per engine")
     num_kv_blocks: int | None = _knob(None, "KV pool size in blocks (overrides the memory-based sizes)")
     kv_cache_memory_bytes: int | None = _knob(None, "KV pool size in bytes per rank")
     cpu_kv_cache_bytes: int = _knob(2 << 30, "KV pool size in bytes on CPU when neither of the above is set")
@@ -101,6 +106,10 @@ class EngineConfig:
     enable_kv_cache_events: bool = _knob(
         False, "record KV cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, kvserve/engine/kv_events.py) "
                "every step, for a KV-aware router")
+    structured_outputs_config: dict | None = _knob(
+        None, "bounds on structured outputs (kvserve/engine/grammar_spec.py GrammarLimits; keys max_choices, "
+              "max_choice_bytes, max_regex_bytes, max_grammar_bytes, max_json_schema_bytes, compile_timeout_s, "
+              "compile_workers, max_queued_compiles); None: the defaults")
     mixed_step_slowdown: float = _knob(
         2.5, "the automatic cap's target ratio (> 1): a step with decodes and prefill takes at most about this "
              "many times a decode-only step, bounding running streams' inter-token latency during a long prefill")
@@ -121,6 +130,7 @@ class EngineConfig:
         if not self.mixed_step_slowdown > 1.0 or self.mixed_step_slowdown == float("inf"):
             raise ValueError(f"mixed_step_slowdown must be a finite number > 1, got {self.mixed_step_slowdown!r}")
         SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming the key
+        GrammarLimits.from_dict(self.structured_outputs_config)  # raises ValueError naming the key
         if self.enable_lora:
             if not isinstance(self.max_loras, int) or not isinstance(self.max_lora_rank, int) or min(
                     self.max_loras, self.max_lora_rank) < 1:

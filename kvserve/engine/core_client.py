@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine_core import CoreInfo, EngineCoreOutputs, run_engine_core
-from kvserve.engine.input_processor import InputProcessor, parse_prompt
+from kvserve.engine.engine_core import REJECTION_TYPES, CoreInfo, EngineCoreOutputs, run_engine_core
+from kvserve.engine.input_processor import InputProcessor, parse_prompt, prompt_cache_salt
 from kvserve.engine.llm_engine import KV_EVENT_BACKLOG
 from kvserve.engine.model_loader import load_config, load_tokenizer
 from kvserve.engine.request import Request
@@ -115,6 +115,23 @@ class EngineCoreProcess:
             self.send(("call", cid, method, args))
             return fut.result(timeout_s)
         except concurrent.futures.TimeoutError as e:
+            raise TimeoutError(f"the engine core did not answer {method} within {timeout_s}s") from e
+        finally:
+            self._calls.pop(cid, None)
+
+    async def call_async(self, method: str, *args, timeout_s: float | None = None):
+        """:meth:`call` without a thread: await the core's answer on the event loop.
+
+        Raises:
+            as :meth:`call`.
+        """
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        cid = next(self._ids)
+        self._calls[cid] = fut
+        try:
+            self.send(("call", cid, method, args))
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+        except TimeoutError as e:
             raise TimeoutError(f"the engine core did not answer {method} within {timeout_s}s") from e
         finally:
             self._calls.pop(cid, None)
@@ -249,8 +266,9 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
     * :meth:`get_stats` is the core's snapshot after its latest step (:meth:`CoreProxy.get_stats`,
       plus the front's pending);
     * stat loggers run on the event loop, from the step's message;
-    * the engine dies (:class:`EngineDeadError` for every request) when the core process exits,
-      reports its executor dead, or does not answer :meth:`check_health_async`.
+    * the engine dies (:class:`EngineDeadError` for every request) when the core process exits
+      or its executor fails its health check; a core slow to answer :meth:`check_health_async`
+      fails that probe only (``TimeoutError``), never the engine.
 
     Build it with :meth:`from_config`. One rank only: a tensor- or pipeline-parallel engine's
     ranks are processes already (its executor's), so it steps in the serving process.
@@ -266,6 +284,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         self._in_core: dict[str, tuple[list[int], str | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._broken_loggers: set[int] = set()
+        self._health_probe: asyncio.Future | None = None  # the core's health call in flight (shared)
         self._reader = threading.Thread(target=self._read, name="kvserve-core-outputs", daemon=True)
         self._reader.start()
 
@@ -308,17 +327,37 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         super().check_health()
 
     async def check_health_async(self, timeout_s: float = 30.0) -> None:
-        """:meth:`check_health`, then the core's executor answers within ``timeout_s`` seconds
-        (a core that does not answer kills the engine).
+        """:meth:`check_health`, then the core's executor answers its health check within
+        ``timeout_s`` seconds. The core answers it in a thread that does nothing else (never
+        behind a grammar compile or an adapter load). Concurrent probes share one call to the
+        core, so a flood of ``/health`` probes costs the core one check.
+
+        Only a real failure kills the engine: the core process gone, or its executor's check
+        raising. A core that is merely slow to answer fails this probe alone (``TimeoutError``);
+        the engine and its requests go on (Serve's periodic check, which waits longer, fails
+        too if the core stays silent, and Serve then replaces the replica).
 
         Raises:
-            EngineDeadError: the engine is dead or the core did not answer.
+            EngineDeadError: the engine is dead (now or found dead by this probe).
+            TimeoutError: the core did not answer within ``timeout_s`` (the engine lives on).
         """
         self.check_health()
+        loop = asyncio.get_running_loop()
+        probe = self._health_probe
+        if probe is None or probe.done() or probe.get_loop() is not loop:
+            probe = self._health_probe = loop.create_task(self.core.call_async("check_health"))
+            probe.add_done_callback(lambda t: t.cancelled() or t.exception())  # read: no "never retrieved" warning
         try:
-            await asyncio.to_thread(self.engine.check_health, timeout_s)
-        except Exception as e:
-            self.mark_dead(e, "the engine core is not answering")
+            await asyncio.wait_for(asyncio.shield(probe), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the engine core did not answer a health check within {timeout_s:g} s "
+                               f"(busy, not dead: its requests go on)") from None
+        except EngineDeadError as e:
+            self.check_health()  # the process exited: the reader marks it dead
+            self.mark_dead(e, "the engine core process is gone")
+            raise self._dead_error() from e
+        except Exception as e:  # the executor's own check raised: a real failure
+            self.mark_dead(e, "the engine core's executor failed its health check")
             raise self._dead_error() from e
 
     def mark_dead(self, cause: BaseException, reason: str = "the engine is dead") -> None:
@@ -342,6 +381,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         req = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
                                                   lora_request=lora_request, pooling_params=pooling_params)
         req.prompt = parse_prompt(prompt)[0]
+        req.cache_salt = prompt_cache_salt(prompt)
         return req
 
     def _fail_all_in_engine(self, message: str) -> None:
@@ -397,9 +437,10 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             pass
 
     def _on_outputs(self, out: EngineCoreOutputs) -> None:
-        for rid, bad_input, message in out.rejected:
+        for rid, kind, message in out.rejected:
             self._in_core.pop(rid, None)
-            self._put(rid, ValueError(message) if bad_input else RuntimeError(f"request {rid} failed: {message}"))
+            cls = REJECTION_TYPES.get(kind, RuntimeError)
+            self._put(rid, cls(message) if cls is not RuntimeError else RuntimeError(f"request {rid} failed: {message}"))
         for o in out.outputs:
             prompt = self._in_core.get(o.request_id)
             if prompt is None:

@@ -6,12 +6,50 @@ multi-byte character split over several byte-level BPE tokens is emitted only on
 complete (no U+FFFD in the stream). Stop strings are matched on the text; the streamed
 text holds back ``max(len(stop)) - 1`` characters so that a stop string is never emitted
 before it is recognised.
+
+Stop strings are found in one pass per step (:class:`StopMatcher`): one compiled regular
+expression, the escaped strings as one alternation, searched over the step's new text plus
+the ``max(len(stop)) - 1`` characters before it, so a step's work grows with that window,
+not with the number of stop strings (``SamplingParams`` bounds both: ``MAX_STOP_STRINGS``,
+``MAX_STOP_STRING_CHARS``).
 """
 from __future__ import annotations
+
+import re
 
 from kvserve.engine.sampling_params import SamplingParams
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as context (leading-space handling)
+
+
+class StopMatcher:
+    """The earliest stop string in a text, found by one regex search.
+
+    The strings are escaped and joined into one alternation in their given order. Python's
+    ``re`` reports the leftmost match and, at that position, the first alternative that
+    matches, so :meth:`search` returns the stop string that starts first and, of those that
+    start at the same character, the first in ``stops``: exactly what a ``str.find`` per stop
+    string with the smallest index kept (ties to the earlier string) returns, in one call.
+
+    Args:
+        stops: non-empty strings, at least one.
+
+    Attributes:
+        pattern: the compiled alternation.
+        max_len: the longest stop string, characters.
+    """
+
+    def __init__(self, stops: list[str]):
+        if not stops:
+            raise ValueError("a StopMatcher needs at least one stop string")
+        self.pattern = re.compile("|".join(re.escape(s) for s in stops))
+        self.max_len = max(len(s) for s in stops)
+
+    def search(self, text: str, start: int) -> tuple[int, str] | None:
+        """``(index, stop string)`` of the earliest stop string in ``text`` at or after
+        ``start`` (ties: the first in ``stops``), or None."""
+        m = self.pattern.search(text, start)
+        return None if m is None else (m.start(), m.group())
 
 
 class IncrementalDetokenizer:
@@ -28,7 +66,9 @@ class IncrementalDetokenizer:
         self.skip_special = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
-        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        #: one pattern for all the stop strings (None: no stop strings)
+        self.matcher = StopMatcher(self.stop) if self.stop else None
+        self.hold_back = self.matcher.max_len - 1 if self.matcher else 0
         ctx = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.ids = ctx
         self.prefix_offset, self.read_offset = 0, len(ctx)
@@ -41,7 +81,11 @@ class IncrementalDetokenizer:
 
     def update(self, token_ids: list[int]) -> str | None:
         """Add new output tokens. Returns the stop string that matched (the text is cut
-        before it, or after it with ``include_stop_str_in_output``), else None."""
+        before it, or after it with ``include_stop_str_in_output``), else None.
+
+        The stop strings are searched once per call (one :meth:`StopMatcher.search`), over
+        the new text and the ``hold_back`` characters before it (where a stop string that
+        spans the previous text and the new one starts)."""
         if self.stopped:
             return None
         before = len(self.text)
@@ -52,17 +96,12 @@ class IncrementalDetokenizer:
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 self.text += full[len(prefix):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if not self.stop or len(self.text) == before:
+        if self.matcher is None or len(self.text) == before:
             return None
-        start = max(0, before - self.hold_back)
-        best = None
-        for s in self.stop:
-            i = self.text.find(s, start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
+        found = self.matcher.search(self.text, max(0, before - self.hold_back))
+        if found is None:
             return None
-        i, s = best
+        i, s = found
         self.text = self.text[: i + len(s) if self.include_stop else i]
         self.stopped = True
         return s

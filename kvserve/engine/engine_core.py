@@ -13,9 +13,18 @@ What runs where:
 * **Core** (this module, a ``spawn`` child): the scheduler, the model and sampler, grammars,
   LoRA slots, detokenization and stop strings (:class:`kvserve.engine.output_processor.OutputProcessor`
   stays beside the scheduler, which acts on the stop strings it finds in the same step; vLLM
-  finds them in its front and aborts afterwards, a step late). Grammar compilation and adapter
-  loads run in the core's input thread, off the step loop, as the in-process engine runs them
-  in its tokenizer thread.
+  finds them in its front and aborts afterwards, a step late).
+
+The core's threads: the **step loop** (the main thread); the **input thread**, which only
+receives messages and hands them on, so an abort or a new request is never queued behind slow
+work; the **health thread**, which answers ``check_health`` calls and does nothing else; and
+the pools of slow work a request brings (:class:`~kvserve.engine.bounded_pool.BoundedPool`):
+grammar compiles (``StructuredOutputs.compile_pool``: bounded queue, ``compile_timeout_s``
+deadline) and adapter loads (:attr:`EngineCore.adapter_pool`, which also runs ``add_lora`` /
+``remove_lora`` calls, in order). A request whose grammar compiles or adapter loads waits in
+:attr:`EngineCore.preparing`; it enters the scheduler when ready, is refused alone when its
+grammar fails, is over a limit, runs past the deadline or finds a pool full, and an abort
+meanwhile ends it at once (an ``abort`` output; the late compile result is ignored).
 
 The wire (one duplex ``multiprocessing`` pipe, pickled tuples):
 
@@ -23,7 +32,8 @@ The wire (one duplex ``multiprocessing`` pipe, pickled tuples):
   the front's ``InputProcessor``, and request ids), ``("call", call_id, method, args)`` (the
   utility calls of :data:`CALLS`), ``("shutdown",)``.
 * core -> front: ``("ready", CoreInfo)`` once, then **one** ``("outputs", EngineCoreOutputs)``
-  per step (and one after inputs that produced outputs without a step: aborts, rejections),
+  per step (and one after inputs that produced outputs without a step: aborts, rejections,
+  requests refused after their compile),
   ``("result", call_id, ok, value)`` per call, and ``("dead", message)`` before it exits
   because the engine is broken.
 """
@@ -35,17 +45,24 @@ import os
 import queue
 import threading
 import traceback
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
+from kvserve.engine.bounded_pool import BoundedPool, PoolFullError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.step_isolation import StepFailedError
 
 logger = logging.getLogger("kvserve.engine_core")
 
-#: Utility calls the front may make (``("call", id, method, args)``), answered from the core's
-#: input thread (they are safe to run while a step runs: the in-process engine runs the same
-#: calls from worker threads).
+#: Utility calls the front may make (``("call", id, method, args)``), answered off the step loop
+#: (safe while a step runs: the in-process engine runs the same calls from worker threads):
+#: ``check_health`` in the health thread, ``add_lora`` / ``remove_lora`` in the adapter pool (in
+#: order), ``get_stats`` in the input thread.
 CALLS = frozenset({"add_lora", "remove_lora", "check_health", "get_stats"})
+#: Adapter loads (a request's, or ``add_lora`` calls) waiting for the adapter thread; more are refused.
+MAX_QUEUED_ADAPTER_LOADS = 64
+#: How the core names a refusal's error (``EngineCoreOutputs.rejected``) and what the front raises.
+REJECTION_TYPES = {"ValueError": ValueError, "PoolFullError": PoolFullError, "RuntimeError": RuntimeError}
 #: Calls answered from the step loop, between two steps (they read or change the scheduler's state).
 STEP_CALLS = frozenset({"kv_cache_snapshot", "reset_prefix_cache", "export_kv_blocks", "import_kv_blocks"})
 
@@ -82,9 +99,11 @@ class EngineCoreOutputs:
         outputs: a :class:`~kvserve.engine.request.RequestOutput` per request that got tokens,
             finished, failed or was aborted, with ``prompt_token_ids`` emptied (the front holds
             them) and ``prompt`` None.
-        rejected: ``(request_id, bad_input, message)`` of requests the core refused before they
-            entered the scheduler; ``bad_input``: the error was a ``ValueError`` (a grammar that
-            does not compile, an adapter that does not load), the front raises one.
+        rejected: ``(request_id, error type, message)`` of requests the core refused before they
+            entered the scheduler; the type is a key of :data:`REJECTION_TYPES`: ``ValueError``
+            (a grammar that does not compile, is over a size limit or ran past the compile
+            deadline, an adapter that does not load), ``PoolFullError`` (a compile or adapter
+            queue is full), else ``RuntimeError``; the front raises that type.
         unknown_aborts: aborted ids the core did not hold (finished before the abort arrived).
         iteration_stats: the step's :class:`~kvserve.engine.stats.IterationStats` (for the front's stat
             loggers), empty when no model step ran.
@@ -95,7 +114,7 @@ class EngineCoreOutputs:
     """
 
     outputs: list = field(default_factory=list)
-    rejected: list[tuple[str, bool, str]] = field(default_factory=list)
+    rejected: list[tuple[str, str, str]] = field(default_factory=list)
     unknown_aborts: list[str] = field(default_factory=list)
     iteration_stats: list = field(default_factory=list)
     finished_stats: list = field(default_factory=list)
@@ -110,6 +129,24 @@ class EngineCoreOutputs:
 def _slim(out):
     """``out`` without what the front already has (the prompt's ids and text)."""
     return dataclasses.replace(out, prompt_token_ids=[], prompt=None)
+
+
+def _rejection(request_id: str, error: BaseException) -> tuple[str, str, str]:
+    """An ``EngineCoreOutputs.rejected`` entry for ``error``."""
+    kind = ("PoolFullError" if isinstance(error, PoolFullError) else
+            "ValueError" if isinstance(error, ValueError) else "RuntimeError")
+    return request_id, kind, str(error)
+
+
+class _Preparing:
+    """A request whose grammar compiles or whose adapter loads (:attr:`EngineCore.preparing`)."""
+
+    __slots__ = ("req", "future", "pool")
+
+    def __init__(self, req):
+        self.req = req
+        self.future: Future | None = None  # the stage now running
+        self.pool: BoundedPool | None = None  # ... and its pool (to cancel it)
 
 
 class EngineCore:
@@ -129,6 +166,13 @@ class EngineCore:
     def __init__(self, engine, conn):
         self.engine, self.conn = engine, conn
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        #: requests whose grammar compiles or adapter loads, by id (not yet in the scheduler)
+        self.preparing: dict[str, _Preparing] = {}
+        self._prep_lock = threading.RLock()  # a stage may end inside submit (its callback runs at once)
+        #: adapter loads (requests' and ``add_lora`` / ``remove_lora`` calls): one thread, in order
+        self.adapter_pool = BoundedPool("adapter load", 1, MAX_QUEUED_ADAPTER_LOADS, max_abandoned=0,
+                                        limit_name="MAX_QUEUED_ADAPTER_LOADS")
+        self._health_calls: queue.SimpleQueue = queue.SimpleQueue()
         self._send_lock = threading.Lock()
         self._iteration: list = []
         self._finished: list = []
@@ -142,14 +186,16 @@ class EngineCore:
             self.conn.send(msg)
 
     def read_inputs(self) -> None:
-        """The input thread: receive messages, do the off-loop work of new requests (grammar
-        compile, adapter load) and answer calls; hand the rest to the step loop. Ends (and
-        stops the loop) when the front's end closes."""
-        eng = self.engine
+        """The input thread: receive messages and hand them on (nothing slow runs here): new
+        requests without a grammar or adapter, and aborts, to the step loop; the others to
+        their pools (:meth:`_prepare`); ``check_health`` to the health thread, adapter calls to
+        the adapter pool, step calls to the step loop. Ends (and stops the loop) when the
+        front's end closes."""
         while True:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):  # the front is gone
+                self._health_calls.put(None)
                 self.inbox.put(("shutdown",))
                 return
             kind = msg[0]
@@ -157,38 +203,137 @@ class EngineCore:
                 _, adds, aborts = msg
                 ready, rejected = [], []
                 for req in adds:
-                    try:
-                        if req.params.structured_outputs is not None:
-                            req.grammar = eng.structured_outputs.request_grammar(req.params.structured_outputs,
-                                req.params.reasoning_end_token_ids)
-                        if req.lora_request is not None:
-                            eng.add_lora(req.lora_request)
+                    if req.params.structured_outputs is None and req.lora_request is None:
                         ready.append(req)
-                    except Exception as e:
-                        rejected.append((req.request_id, isinstance(e, ValueError), str(e)))
+                        continue
+                    try:
+                        self._prepare(req)
+                    except Exception as e:  # over a limit, a pool full: refused alone, at once
+                        rejected.append(_rejection(req.request_id, e))
+                for rid in aborts:
+                    req = self._stop_preparing(rid)
+                    if req is not None:  # it enters and leaves at once: an "abort" output, blocks never taken
+                        req.grammar = None
+                        ready.append(req)
                 self.inbox.put(("inputs", ready, aborts, rejected))
             elif kind == "call":
                 _, call_id, method, args = msg
                 if method in STEP_CALLS:
                     self.inbox.put(msg)
-                    continue
-                try:
-                    if method not in CALLS:
-                        raise ValueError(f"unknown engine core call {method!r}")
-                    value = (eng.executor.check_health() if method == "check_health"
-                             else getattr(eng, method)(*args))
-                    reply = ("result", call_id, True, value)
-                except Exception as e:
-                    reply = ("result", call_id, False, (type(e).__name__, isinstance(e, ValueError), str(e)))
-                self.send(reply)
+                elif method == "check_health":
+                    self._health_calls.put(call_id)
+                elif method in ("add_lora", "remove_lora"):
+                    try:
+                        fut = self.adapter_pool.submit(getattr(self.engine, method), *args)
+                    except PoolFullError as e:
+                        self._reply(call_id, None, e)
+                        continue
+                    fut.add_done_callback(lambda f, cid=call_id: self._reply(cid, *_outcome(f)))
+                elif method in CALLS:
+                    self._reply(call_id, *_outcome_of(getattr(self.engine, method), *args))
+                else:
+                    self._reply(call_id, None, ValueError(f"unknown engine core call {method!r}"))
             elif kind == "shutdown":
+                self._health_calls.put(None)
                 self.inbox.put(msg)
                 return
+
+    def answer_health(self) -> None:
+        """The health thread: answer each ``check_health`` call with the executor's own check,
+        nothing else (never behind a compile, an adapter load or the input thread's work)."""
+        while True:
+            call_id = self._health_calls.get()
+            if call_id is None:
+                return
+            self._reply(call_id, *_outcome_of(self.engine.executor.check_health))
+
+    def _reply(self, call_id: int, value, error: BaseException | None) -> None:
+        if error is None:
+            reply = ("result", call_id, True, value)
+        else:
+            reply = ("result", call_id, False, (type(error).__name__, isinstance(error, ValueError), str(error)))
+        try:
+            self.send(reply)
+        except (OSError, ValueError):  # the front is gone
+            pass
+
+    # ---- requests with slow work: grammar compile, adapter load -----------------------------
+    def _prepare(self, req) -> None:
+        """Start ``req``'s grammar compile (then its adapter load) in their pools; it enters
+        the step loop when both are done (:meth:`_done`).
+
+        Raises:
+            ValueError: a spec over a size limit; PoolFullError: a full queue (nothing started).
+        """
+        p = _Preparing(req)
+        with self._prep_lock:
+            self.preparing[req.request_id] = p
+        try:
+            if req.params.structured_outputs is not None:
+                so = self.engine.structured_outputs
+                self._stage(p, so.compile_pool, so.submit_request_grammar(
+                    req.params.structured_outputs, req.params.reasoning_end_token_ids), "grammar")
+            else:
+                self._load_adapter(p)
+        except BaseException:
+            with self._prep_lock:
+                self.preparing.pop(req.request_id, None)
+            raise
+
+    def _stage(self, p: _Preparing, pool: BoundedPool, fut: Future, stage: str) -> None:
+        p.future, p.pool = fut, pool
+        fut.add_done_callback(lambda f: self._done(p, f, stage))
+
+    def _load_adapter(self, p: _Preparing) -> None:
+        self._stage(p, self.adapter_pool, self.adapter_pool.submit(self.engine.add_lora, p.req.lora_request), "adapter")
+
+    def _done(self, p: _Preparing, fut: Future, stage: str) -> None:
+        """A stage of ``p`` ended (in a pool's thread, its deadline watchdog's, or the input
+        thread's cancel): hand the request on, or refuse it; ignored if it was aborted meanwhile."""
+        rid = p.req.request_id
+        try:
+            value, error = fut.result(), None
+        except CancelledError:
+            return  # aborted: _stop_preparing took it
+        except Exception as e:
+            value, error = None, e
+        if error is None and stage == "grammar":
+            p.req.grammar = value
+            if p.req.lora_request is not None:
+                try:
+                    with self._prep_lock:
+                        if self.preparing.get(rid) is not p:
+                            return
+                        self._load_adapter(p)
+                    return
+                except PoolFullError as e:
+                    error = e
+        with self._prep_lock:
+            if self.preparing.get(rid) is not p:
+                return  # aborted meanwhile: the late result is dropped
+            del self.preparing[rid]
+            if error is None:
+                self.inbox.put(("inputs", [p.req], [], []))
+            else:
+                p.req.grammar = None
+                self.inbox.put(("inputs", [], [], [_rejection(rid, error)]))
+
+    def _stop_preparing(self, request_id: str):
+        """The request ``request_id`` if it was preparing (its stage is stopped: a queued job
+        dropped, a running one left to finish unheard), else None."""
+        with self._prep_lock:
+            p = self.preparing.pop(request_id, None)
+        if p is None:
+            return None
+        if p.future is not None:
+            p.pool.cancel(p.future)
+        return p.req
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self) -> None:
         """Step until ``("shutdown",)`` or the front is gone."""
         threading.Thread(target=self.read_inputs, name="kvserve-core-inputs", daemon=True).start()
+        threading.Thread(target=self.answer_health, name="kvserve-core-health", daemon=True).start()
         eng = self.engine
         while not self._stopping:
             out = EngineCoreOutputs()
@@ -204,6 +349,7 @@ class EngineCore:
                 if not self._step(out):
                     return
             self._flush(out)
+        self.adapter_pool.shutdown()
         eng.shutdown()
 
     def _apply(self, msg: tuple | None, out: EngineCoreOutputs) -> None:
@@ -229,7 +375,7 @@ class EngineCore:
             try:
                 eng.enqueue(req)
             except Exception as e:
-                out.rejected.append((req.request_id, isinstance(e, ValueError), str(e)))
+                out.rejected.append(_rejection(req.request_id, e))
         for rid in aborts:
             final = eng.abort_request(rid)
             if final is None:
@@ -272,6 +418,22 @@ class EngineCore:
         out.outputs = [_slim(o) for o in out.outputs]
         out.stats = self.engine.get_stats()
         self.send(("outputs", out))
+
+
+def _outcome(fut: Future) -> tuple:
+    """``(value, None)`` or ``(None, exception)`` of a resolved future."""
+    try:
+        return fut.result(), None
+    except BaseException as e:  # noqa: BLE001 (sent to the front)
+        return None, e
+
+
+def _outcome_of(fn, *args) -> tuple:
+    """``(fn(*args), None)`` or ``(None, exception)``."""
+    try:
+        return fn(*args), None
+    except Exception as e:
+        return None, e
 
 
 #: The core process's title (``/proc/PID/comm``, what ``top`` and ``ps -o comm`` show); vLLM's is

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.layers.sampler import SamplingRow
+from kvserve.engine.layers.sampler import SamplingRow, logit_bias_tensors
 from kvserve.engine.pooling import PoolingState
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sched_output import SchedulerOutput
@@ -22,10 +22,13 @@ class RequestState:
     """The runner's state of one request: ``token_ids`` (prompt and output so far, as computed),
     ``prompt_len``, ``params``, its seeded ``generator`` (None: unseeded), ``prompt_token_ids``
     (kept only with ``params.prompt_logprobs``), ``lora`` (its ``kvserve.engine.lora.LoRARequest``,
-    None: the base model) and ``pooling`` (an embedding request's
-    :class:`~kvserve.engine.pooling.PoolingState`)."""
+    None: the base model), ``pooling`` (an embedding request's
+    :class:`~kvserve.engine.pooling.PoolingState`) and ``logit_bias``: ``params.logit_bias`` as
+    ``(ids int64 [k], values float32 [k])`` on the runner's device, built once here
+    (:func:`~kvserve.engine.layers.sampler.logit_bias_tensors`; None: no bias)."""
 
-    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids", "lora", "pooling")
+    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids", "lora", "pooling",
+                 "logit_bias")
 
     def __init__(self, prompt_len: int, params: SamplingParams, generator: torch.Generator | None):
         self.prompt_len, self.params, self.generator = prompt_len, params, generator
@@ -33,6 +36,7 @@ class RequestState:
         self.prompt_token_ids: list[int] = []
         self.lora = None
         self.pooling = None
+        self.logit_bias = None
 
 
 def update_states(states: dict[str, RequestState], pooling: set[str], sched: SchedulerOutput,
@@ -56,6 +60,7 @@ def update_states(states: dict[str, RequestState], pooling: set[str], sched: Sch
             st = states[sr.request_id] = RequestState(len(sr.new.prompt_token_ids), p, gen)
             st.token_ids = list(sr.new.computed_token_ids)  # history before a prefix-cache hit
             st.lora = sr.new.lora_request
+            st.logit_bias = logit_bias_tensors(p.logit_bias, device)  # once, not at every step
             if sr.new.pooling is not None:
                 st.pooling = PoolingState(sr.new.pooling, len(sr.new.prompt_token_ids))
                 pooling.add(sr.request_id)
@@ -78,7 +83,7 @@ def update_states(states: dict[str, RequestState], pooling: set[str], sched: Sch
             rows.append(SamplingRow(p, st.generator,
                                     st.token_ids[:st.prompt_len] if need_hist else [],
                                     st.token_ids[st.prompt_len:st.prompt_len + n_out] if need_hist else [],
-                                    masked, sr.spec_token_ids[j] if j < k else None))
+                                    masked, sr.spec_token_ids[j] if j < k else None, st.logit_bias))
     return rows
 
 

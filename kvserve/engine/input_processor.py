@@ -25,6 +25,9 @@ between threads).
 from __future__ import annotations
 
 import copy
+import json
+import re
+import threading
 
 from kvserve.engine.chat_templates import prepare_messages
 from kvserve.engine.request import Request
@@ -46,11 +49,15 @@ def parse_prompt(prompt: str | list[int] | dict) -> tuple[str | None, list[int] 
             anything that is not a string, a list / tuple or a dict.
     """
     if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-        if unknown or len(prompt) != 1:
+        prompt_cache_salt(prompt)  # validated here too: every path parses the prompt
+        keys = set(prompt) - {"cache_salt"}
+        unknown = keys - {"prompt", "prompt_token_ids"}
+        if unknown or len(keys) != 1:
             raise ValueError("a dict prompt takes exactly one of 'prompt' (text) or 'prompt_token_ids'"
+                             " (and optionally 'cache_salt')"
                              + (f"; unknown key(s): {sorted(unknown)}" if unknown else ""))
-        (key, value), = prompt.items()
+        key, = keys
+        value = prompt[key]
         if key == "prompt" and not isinstance(value, str):
             raise ValueError(f"prompt must be a string, got {type(value).__name__}")
         if key == "prompt_token_ids" and not isinstance(value, (list, tuple)):
@@ -63,15 +70,53 @@ def parse_prompt(prompt: str | list[int] | dict) -> tuple[str | None, list[int] 
     raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
+#: Longest ``cache_salt``, characters.
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def prompt_cache_salt(prompt) -> str | None:
+    """The ``cache_salt`` of a dict prompt (vLLM's ``TextPrompt`` / ``TokensPrompt`` key; None
+    for other forms or without one): only requests with the same salt share prefix-cache blocks
+    (it is part of the first block's hash).
+
+    Raises:
+        ValueError: a salt that is not a non-empty string of at most :data:`MAX_CACHE_SALT_CHARS`
+            characters (the message names the field and the limit).
+    """
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return salt
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str, what: str = "prompt") -> str:
+    """``text`` unchanged if it is valid Unicode; a lone UTF-16 surrogate (what a JSON
+    ``"\\ud800"`` escape without its pair decodes to) is not, and no tokenizer encodes it.
+
+    Raises:
+        ValueError: ``text`` holds a surrogate code point (the message names ``what`` and where).
+    """
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise ValueError(f"{what} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
+                         "which is not valid Unicode")
+    return text
+
+
 def encode_prompt(tokenizer, prompt: str | list[int] | dict) -> list[int]:
     """Token ids of a prompt in any of :func:`parse_prompt`'s forms: text is encoded with the
     tokenizer's special tokens (e.g. BOS), token ids are returned as given (a new list).
 
     Raises:
-        ValueError: see :func:`parse_prompt`.
+        ValueError: see :func:`parse_prompt`; text with a lone surrogate (:func:`check_unicode`).
     """
     text, ids = parse_prompt(prompt)
-    return tokenizer.encode(text, add_special_tokens=True) if text is not None else ids
+    return tokenizer.encode(check_unicode(text), add_special_tokens=True) if text is not None else ids
 
 
 def render_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
@@ -114,11 +159,43 @@ def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bo
     on top of those the template writes (off by default, as vLLM's chat path).
 
     Raises:
-        ValueError: see :func:`render_chat_template`.
+        ValueError: see :func:`render_chat_template`; text with a lone surrogate (:func:`check_unicode`).
     """
     text = render_chat_template(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
                                 continue_final_message=continue_final_message, template_kwargs=template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(check_unicode(text, "messages"), add_special_tokens=add_special_tokens)
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """The most UTF-8 bytes of input text one token of ``tokenizer`` can stand for, or None
+    where no such bound is sound.
+
+    Sound for a byte-level BPE tokenizer (GPT-2's scheme: SmolLM2, Llama 3, Qwen) without a
+    normalizer and with no added token that strips the whitespace beside it: every input byte
+    then belongs to exactly one token, a regular token covers one byte per character of its
+    vocabulary string and an added token its own text, so a text of ``B`` bytes has at least
+    ``B / max_token_bytes`` tokens. A normalizer (NFKC, lowercasing, stripping) or a
+    pre-tokenizer that drops characters can shrink the text before it is split, so such
+    tokenizers get None (their prompts are only counted after tokenizing).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str())
+        vocab = backend.get_vocab(with_added_tokens=True)
+    except Exception:  # a slow tokenizer, a mock: no bound
+        return None
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    byte_level = any(p.get("type") == "ByteLevel" for p in parts) and all(
+        p.get("type") == "ByteLevel" or (p.get("type") == "Split" and p.get("behavior") != "Removed")
+        for p in parts)
+    if (spec.get("normalizer") is not None or not byte_level or (spec.get("model") or {}).get("type") != "BPE"
+            or any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens", []))):
+        return None
+    added = {a.get("content") for a in spec.get("added_tokens", [])}
+    # a byte-level vocabulary string is one character per byte; an added token is its own text
+    return max((len(t.encode("utf-8", "surrogatepass")) if t in added else len(t) for t in vocab),
+               default=None) or None
 
 
 class InputProcessor:
@@ -126,8 +203,12 @@ class InputProcessor:
     ``InputProcessor.process_inputs``), and renders / encodes prompts for the front ends.
 
     Args:
-        tokenizer: the model's Hugging Face tokenizer (used from one thread at a time; see
-            :meth:`with_tokenizer`).
+        tokenizer: the model's Hugging Face tokenizer. Fast tokenizers are not safe to share
+            between threads (a call that sets truncation or padding while another encodes fails
+            with "Already borrowed"), so :attr:`tokenizer` is per thread: the first thread to
+            use the processor gets this instance, every other thread its own copy (copied once
+            per thread from a copy made here, which nothing ever encodes with), and a pool of
+            threads (:class:`kvserve.engine.tokenizer_pool.TokenizerPool`) can tokenize at once.
         vocab_size: the model's vocabulary size (``hf_config.vocab_size``): token ids must be
             in ``[0, vocab_size)``.
         eos_token_ids: the ids that end generation (the request stops at them unless
@@ -142,20 +223,78 @@ class InputProcessor:
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self.max_model_len, self.enable_lora = max_model_len, enable_lora
 
+    @property
+    def tokenizer(self):
+        """This thread's tokenizer (see the class docstring)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            with self._lock:
+                if not self._base_taken or self._template is None:  # no copy: one shared instance
+                    self._base_taken, tok = True, self._base
+                else:
+                    tok = copy.deepcopy(self._template)
+            self._local.tokenizer = tok
+        return tok
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self._base, self._base_taken = tokenizer, False
+        self._local, self._lock = threading.local(), threading.Lock()
+        try:  # copied now, while no thread encodes with it (the copy is only ever copied)
+            self._template = copy.deepcopy(tokenizer)
+        except Exception:  # a tokenizer that cannot be copied: one shared instance, as before
+            self._template = None
+        #: bytes of text one token covers at most (None: no sound bound for this tokenizer)
+        self.max_token_bytes = max_token_bytes(tokenizer)
+
+    def __getstate__(self) -> dict:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_local", "_lock", "_template", "_base_taken")}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        base = state.pop("_base")
+        self.__dict__.update(state)
+        self.tokenizer = base
+
     def with_tokenizer(self, tokenizer) -> "InputProcessor":
         """A copy of this processor that uses ``tokenizer`` (e.g. a second instance of the same
-        tokenizer for another thread); the model's facts are shared."""
+        tokenizer, for the async front); the model's facts are shared."""
         other = copy.copy(self)
         other.tokenizer = tokenizer
         return other
 
     # ---- prompts ---------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
-        """Token ids of a prompt (:func:`encode_prompt`; not validated against the model).
+    def check_prompt_bytes(self, text: str) -> None:
+        """Before tokenizing: a text whose UTF-8 length alone shows it has more tokens than
+        ``max_model_len`` allows (more than ``max_model_len * max_token_bytes`` bytes, see
+        :func:`max_token_bytes`) is refused without being tokenized, so a prompt that cannot fit
+        costs no tokenizer time. Nothing is refused where the tokenizer gives no sound bound.
 
         Raises:
-            ValueError: a malformed prompt (:func:`parse_prompt`).
+            PromptTooLongError: the text cannot fit; the message gives the bytes and the bound.
         """
+        per = self.max_token_bytes
+        if per is None or len(text) * 4 <= per * self.max_model_len:  # cannot exceed: skip the count
+            return
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if n > per * self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {n} bytes of text, so more than {self.max_model_len} tokens (each token of this model's "
+                f"tokenizer covers at most {per} bytes); this model's context is {self.max_model_len} tokens "
+                "(max_model_len)")
+
+    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
+        """Token ids of a prompt (:func:`encode_prompt`; not validated against the model, but text
+        that cannot fit ``max_model_len`` is refused before it is tokenized,
+        :meth:`check_prompt_bytes`).
+
+        Raises:
+            ValueError: a malformed prompt (:func:`parse_prompt`), text with a lone surrogate.
+            PromptTooLongError: text too long to fit, by its bytes alone.
+        """
+        text, _ = parse_prompt(prompt)
+        if text is not None:
+            self.check_prompt_bytes(text)
         return encode_prompt(self.tokenizer, prompt)
 
     def render_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -171,13 +310,19 @@ class InputProcessor:
     def chat_template_ids(self, messages: list[dict], tools: list[dict] | None = None, *,
                           add_generation_prompt: bool = True, continue_final_message: bool = False,
                           add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
-        """:func:`chat_template_ids` with this processor's tokenizer.
+        """:func:`chat_template_ids` with this processor's tokenizer; a rendered conversation
+        that cannot fit by its bytes alone is refused before it is tokenized
+        (:meth:`check_prompt_bytes`).
 
         Raises:
-            ValueError: no chat template, or malformed messages.
+            ValueError: no chat template, malformed messages, a lone surrogate.
+            PromptTooLongError: the conversation cannot fit, by its bytes alone.
         """
-        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
-                                 add_special_tokens, template_kwargs)
+        tok = self.tokenizer
+        text = render_chat_template(tok, messages, tools, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        self.check_prompt_bytes(check_unicode(text, "messages"))
+        return tok.encode(text, add_special_tokens=add_special_tokens)
 
     # ---- validation ------------------------------------------------------------------------
     def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None = None,
@@ -264,7 +409,7 @@ class InputProcessor:
         context. ``arrival_time``: ``time.time()`` seconds (default now).
 
         Raises:
-            ValueError: a malformed or empty prompt, token ids out of the vocabulary, a
+            ValueError: a malformed or empty prompt, text with a lone surrogate, token ids out of the vocabulary, a
                 non-integer ``priority``, sampling parameters the model cannot honour (the
                 message starts with the field name), or a LoRA adapter with LoRA off.
             PromptTooLongError: a prompt of ``max_model_len`` tokens or more (a
@@ -276,10 +421,12 @@ class InputProcessor:
         self._validate_lora(lora_request)
         text, ids = parse_prompt(prompt)
         if text is not None:
+            self.check_prompt_bytes(check_unicode(text))
             ids = self.tokenizer.encode(text, add_special_tokens=True)
         self._validate_model_inputs(ids, pooling_params is not None)
         req = Request(request_id, ids, params, self.eos_token_ids, prompt=text, priority=priority,
                       arrival_time=arrival_time, max_model_len=self.max_model_len)
         req.pooling = pooling_params
         req.lora_request = lora_request
+        req.cache_salt = prompt_cache_salt(prompt)
         return req

@@ -3,8 +3,11 @@
 The algorithm is PagedAttention's (Kwon et al. 2023, sec. 4.2-4.3): a request's K/V live
 in ``block_size``-token blocks listed in its block table; blocks are reference counted so
 that requests sharing a prefix share blocks. Prefix caching identifies a full block by a
-hash chained over (parent block hash, the block's token ids), as in vLLM's automatic
-prefix caching. Freed blocks keep their contents and hash and go to the tail of an LRU
+hash chained over (parent block hash, the block's token ids, extra keys), as in vLLM's
+automatic prefix caching: SHA-256 (:func:`hash_block`) from a per-engine random root
+(:func:`root_hash`, or a seed the replicas of a model share), a LoRA adapter's chain from a
+root of its own (name and version, :func:`lora_root_hash`), a request's ``cache_salt`` in its
+first block, so prompts cannot be crafted to land on another adapter's or tenant's blocks. Freed blocks keep their contents and hash and go to the tail of an LRU
 free queue; a later request with the same prefix can revive them until they are evicted
 (reused from the head of the queue).
 
@@ -18,29 +21,115 @@ This module only does bookkeeping on block ids; the tensors live in the model ru
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
 from collections import OrderedDict
-
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvserve.engine.kv_events import MEDIUM_HOST, MEDIUM_POOL, BlockStored, KVEventBatch, KVEventRecorder
 from kvserve.engine.kv_offload import HostKVTier
 from kvserve.engine.request import Request
 
-NONE_HASH = 0
+#: Domain tags of the hashes below: a block, the root of one engine's (cluster's) chains, a LoRA
+#: adapter's root, a prompt's ``cache_salt``. Distinct tags keep the inputs of one kind of hash
+#: from ever being read as another's.
+_BLOCK_TAG = b"kvserve-block\0"
+_ROOT_TAG = b"kvserve-root\0"
+_LORA_TAG = b"kvserve-lora\0"
+_SALT_KEY = b"s"
+#: Bytes of a block hash (the leading bytes of its SHA-256): 128 bits, as a Python ``int``.
+HASH_BYTES = 16
+#: The environment variable that gives an engine its hash seed when its config does not
+#: (``EngineConfig.prefix_caching_hash_seed``); unset and unconfigured: a random seed per engine.
+HASH_SEED_ENV = "KVSERVE_PREFIX_CACHING_HASH_SEED"
+_U32 = struct.Struct(">I")
 
 
-def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Chained block hash: equal iff the whole prefix up to this block is equal (modulo
-    64-bit collisions)."""
-    return hash((parent_hash, token_ids))
+def _digest(h) -> int:
+    return int.from_bytes(h.digest()[:HASH_BYTES], "big")
 
 
-def lora_root_hash(lora_name: str) -> int:
-    """Where the hash chain of a LoRA adapter's prompts starts (instead of ``NONE_HASH``): the
-    adapter's KV differs from the base model's, so its blocks never match the base model's or
-    another adapter's. Derived from the adapter's name, so every replica and the router agree
-    (ints and tuples of ints hash alike in every process; a ``str`` would not)."""
-    return hash_block(NONE_HASH, tuple(("lora:" + lora_name).encode()))
+def _lp(data: bytes) -> bytes:
+    """``data`` length-prefixed (4 bytes, big-endian): a field that cannot run into the next."""
+    return _U32.pack(len(data)) + data
+
+
+def root_hash(seed: str | bytes | None = None) -> int:
+    """Where every chain of block hashes of one engine (or of the replicas that share blocks)
+    starts: 128 bits of ``SHA-256("kvserve-root\\0" + seed)``. ``None``: a random seed
+    (``os.urandom``), so no one outside can predict (or precompute collisions against) the
+    engine's block names. vLLM's ``NONE_HASH`` (random unless ``PYTHONHASHSEED`` is set)."""
+    if seed is None:
+        seed = os.urandom(32)
+    elif isinstance(seed, str):
+        seed = seed.encode()
+    return _digest(hashlib.sha256(_ROOT_TAG + seed))
+
+
+def engine_root_hash(seed: str | None) -> int:
+    """The root of an engine whose config gives ``seed`` (``EngineConfig.prefix_caching_hash_seed``):
+    that seed, else the :data:`HASH_SEED_ENV` variable's, else a random one."""
+    if seed is None:
+        seed = os.environ.get(HASH_SEED_ENV) or None
+    return root_hash(seed)
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    """Chained block hash, as vLLM's ``hash_block_tokens`` with ``sha256``: the first 128 bits of
+    SHA-256 over an unambiguous serialization of (domain tag, the parent's 16 bytes, the
+    token count, each token id as 4 big-endian bytes, ``extra``, already tag-length-value
+    encoded by :func:`block_extra`). Equal iff the whole prefix (tokens, adapter, salt) up to
+    this block is equal, up to a 2^-64 birthday bound no prompt can be crafted against.
+
+    Raises:
+        struct.error: a token id outside ``[0, 2**32)``.
+    """
+    h = hashlib.sha256(_BLOCK_TAG)
+    h.update(parent_hash.to_bytes(HASH_BYTES, "big"))
+    h.update(struct.pack(f">I{len(token_ids)}I", len(token_ids), *token_ids))
+    if extra:
+        h.update(extra)
+    return _digest(h)
+
+
+def block_extra(cache_salt: str | None) -> bytes:
+    """The extra keys of a prompt's first block (vLLM puts ``cache_salt`` there): ``b""`` without
+    a salt, else the salt's UTF-8 bytes, tagged and length-prefixed."""
+    return b"" if not cache_salt else _SALT_KEY + _lp(cache_salt.encode())
+
+
+def lora_root_hash(root: int, lora_name: str, lora_version: str = "") -> int:
+    """Where the hash chain of a LoRA adapter's prompts starts (instead of ``root``): 128 bits of
+    SHA-256 over a domain tag, ``root`` and the adapter's name and version, length-prefixed.
+    The adapter's KV differs from the base model's and from another adapter's (or another load
+    of the same name: a new ``lora_version``), so its blocks never match theirs; no token
+    sequence reaches it (block hashes carry another tag)."""
+    h = hashlib.sha256(_LORA_TAG)
+    h.update(root.to_bytes(HASH_BYTES, "big"))
+    h.update(_lp(lora_name.encode()) + _lp(lora_version.encode()))
+    return _digest(h)
+
+
+def request_root(root: int, lora_request) -> int:
+    """The root of the chain of a request with adapter ``lora_request`` (a
+    :class:`kvserve.engine.lora.LoRARequest`; None: the base model's ``root``)."""
+    if lora_request is None:
+        return root
+    return lora_root_hash(root, lora_request.lora_name, getattr(lora_request, "lora_version", "") or "")
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int, root: int,
+                 cache_salt: str | None = None) -> list[int]:
+    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids`` (fewer if
+    the tokens end first), from ``root`` (:func:`request_root`), the first block carrying
+    ``cache_salt``: what the engine computes as ``Request.block_hashes``."""
+    out, parent = [], root
+    extra = block_extra(cache_salt)
+    for i in range(min(len(token_ids) // block_size, num_blocks)):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra if i == 0 else b"")
+        out.append(parent)
+    return out
 
 
 class BlockPool:
@@ -152,16 +241,22 @@ class KVCacheManager:
         events: records the pool's and the tier's KV events (None: none are recorded).
         host_tier: the tier below the pool (None: evicted blocks are dropped). Needs prefix
             caching (it keeps cached blocks).
+        hash_seed: the seed of the block hashes' root (:func:`engine_root_hash`: None takes
+            :data:`HASH_SEED_ENV`, else a random one). Engines that exchange blocks or
+            hashes (the replicas of one model, their routers) must share it.
 
     Raises:
         ValueError: a host tier without prefix caching.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventRecorder | None = None, host_tier: HostKVTier | None = None):
+                 events: KVEventRecorder | None = None, host_tier: HostKVTier | None = None,
+                 hash_seed: str | None = None):
         if host_tier is not None and not enable_prefix_caching:
             raise ValueError("the host KV tier keeps prefix-cached blocks: it needs enable_prefix_caching")
         self.block_size = block_size
+        #: the root of this engine's block-hash chains (:func:`root_hash`)
+        self.root = engine_root_hash(hash_seed)
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.events = events
         self.host_tier = host_tier
@@ -234,9 +329,11 @@ class KVCacheManager:
         toks = req.all_token_ids
         while (len(req.block_hashes) + 1) * bs <= len(toks):
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if i else (NONE_HASH if req.lora_request is None  # adapters never
-                                                     else lora_root_hash(req.lora_request.lora_name))  # share KV
-            req.block_hashes.append(hash_block(parent, tuple(toks[i * bs:(i + 1) * bs])))
+            if i:
+                parent, extra = req.block_hashes[-1], b""
+            else:  # adapters (and loads of one) never share KV; the salt only in the first block
+                parent, extra = request_root(self.root, req.lora_request), block_extra(req.cache_salt)
+            req.block_hashes.append(hash_block(parent, toks[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Longest run of cached blocks matching the start of ``req``'s tokens.
@@ -336,7 +433,7 @@ class KVCacheManager:
     def _block_meta(self, req: Request, i: int) -> tuple:
         bs = self.block_size
         lora = req.lora_request
-        parent = req.block_hashes[i - 1] if i else (None if lora is None else lora_root_hash(lora.lora_name))
+        parent = req.block_hashes[i - 1] if i else (None if lora is None else request_root(self.root, lora))
         return parent, req.all_token_ids[i * bs:(i + 1) * bs], bs, None if lora is None else lora.lora_int_id
 
     def _record_stored(self, req: Request, start: int, end: int) -> None:

@@ -85,10 +85,34 @@ class KVBlockCopy:
     block_hash: int
     meta: tuple
     shards: list
+    #: :func:`block_digest` of ``shards`` as the exporter computed it (None: not computed)
+    digest: bytes | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(int(s.nbytes) for s in self.shards)
+
+    def verified(self) -> bool:
+        """Whether ``shards`` still hash to ``digest`` (False without a digest): bytes that were
+        corrupted or swapped on their way (the object store, its spill files, another replica)
+        are recomputed, never loaded."""
+        return self.digest is not None and block_digest(self.shards) == self.digest
+
+
+def block_digest(shards: list) -> bytes:
+    """SHA-256 over a block's bytes (``KVBlockCopy.shards``: one ``uint8`` array per rank), each
+    shard length-prefixed (8 bytes, big-endian) so that a byte moved between ranks changes it.
+    32 bytes; ~1-2 GB/s on one core (hashlib's SHA-256, which releases the GIL)."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256(b"kvserve-kv-bytes\0")
+    for s in shards:
+        a = np.ascontiguousarray(s)
+        h.update(int(a.nbytes).to_bytes(8, "big"))
+        h.update(memoryview(a).cast("B"))
+    return h.digest()
 
 
 def read_blocks(caches, block_ids: list[int]):
@@ -240,6 +264,34 @@ class HostKVTier:
         assert self.imported <= self.lru.keys(), "an imported hash the tier does not hold"
 
 
+def _reserve_disk(fd: int, nbytes: int, folder: str) -> None:
+    """Make sure the file ``fd`` (in ``folder``) holds ``nbytes`` of real disk blocks before it is
+    memory-mapped: a sparse file on a full disk maps fine and kills the process with SIGBUS at
+    the first write of a page it cannot back. Checks the free space (``os.statvfs``: blocks free
+    to unprivileged users) and then allocates the blocks (``os.posix_fallocate``; a file system
+    without it, ``EOPNOTSUPP``/``EINVAL``, keeps the free-space check alone).
+
+    Raises:
+        OSError: ``ENOSPC`` naming the folder, the bytes needed and the bytes free.
+    """
+    import errno
+
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
+    msg = (f"the mmap KV tier (kv_offloading_backend='mmap') needs {nbytes} bytes in {folder!r} but "
+           f"{free} bytes are free there: set kv_offloading_path to a bigger disk, lower "
+           f"kv_offloading_size, or use kv_offloading_backend='native'")
+    if nbytes > free:
+        raise OSError(errno.ENOSPC, msg)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, msg) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+            raise
+
+
 class HostKVStore:
     """A rank's bytes of the host tier: K and V of ``num_slots`` blocks for each of its layers,
     shaped like its pool blocks ``[num_slots, block_size, kv_heads, head_dim]`` (the pool's
@@ -250,10 +302,13 @@ class HostKVStore:
             kv_heads, head_dim]``.
         num_slots: blocks in the tier (the same on every rank).
         backend: ``native`` (host memory, pinned when the pool is on CUDA) or ``mmap`` (a file
-            in ``path``, the temp dir by default, unlinked at once: it lives as long as the store).
+            in ``path``, the temp dir by default, unlinked at once: it lives as long as the store;
+            its blocks are reserved on the disk first, :func:`_reserve_disk`, so a full disk is an
+            error here and never a SIGBUS when a page is first written).
 
     Raises:
         ValueError: an unknown backend or ``num_slots`` below 1.
+        OSError: (``ENOSPC``) the mmap backend's disk cannot hold the tier.
     """
 
     def __init__(self, caches, num_slots: int, backend: str = "native", path: str | None = None):
@@ -270,11 +325,16 @@ class HostKVStore:
         for d in shape:
             numel *= d
         if backend == "mmap":
+            nbytes = numel * k0.element_size()
             fd, name = tempfile.mkstemp(prefix="kvserve-kv-tier-", dir=path)
-            os.close(fd)
             try:
-                flat = torch.from_file(name, shared=True, size=numel * k0.element_size(), dtype=torch.uint8)
+                _reserve_disk(fd, nbytes, os.path.dirname(name))
+                os.close(fd)
+                fd = -1
+                flat = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
             finally:
+                if fd >= 0:
+                    os.close(fd)
                 os.unlink(name)
             self.data = flat.view(k0.dtype).view(shape)
         else:

@@ -37,7 +37,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode import NgramProposer, SpeculativeConfig, Speculator
 from kvserve.engine.stats import EngineStats, FinishedRequestStats, IterationStats
 from kvserve.engine.step_isolation import StepFailedError, isolate_failing_requests
-from kvserve.engine.structured_output import StructuredOutputs
+from kvserve.engine.structured_output import GrammarLimits, StructuredOutputs
 
 logger = logging.getLogger("kvserve.engine")
 #: KV event batches kept for a consumer that has not taken them (older ones are dropped: the
@@ -128,7 +128,8 @@ class LLMEngine:
         if config.kv_offloading_size and not slots:
             logger.warning("kv_offloading_size %s GiB holds no block of this model: no host tier",
                            config.kv_offloading_size)
-        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events, tier)
+        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events, tier,
+                            hash_seed=config.prefix_caching_hash_seed)
         budget = MixedStepBudget.for_config(config)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
                                    mixed_prefill_tokens=config.mixed_step_prefill_tokens,
@@ -144,7 +145,8 @@ class LLMEngine:
         self.request_loggers: list[Callable[[FinishedRequestStats], None]] = self.stats.request_loggers
         #: Grammar compiler (xgrammar, built on the first request with ``structured_outputs``)
         #: and the requests that have a grammar.
-        self.structured_outputs = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
+                                                    limits=GrammarLimits.from_dict(config.structured_outputs_config))
         self._finish_stopped = functools.partial(self.scheduler.finish_stopped, stop_reason=None)
         #: Detokenization, stop strings and the outputs (:class:`OutputProcessor`).
         self.output_processor = OutputProcessor(self.tokenizer, self._request_finished)

@@ -30,11 +30,15 @@ class LoRARequest:
         lora_name: the adapter's name (what clients send as ``model``).
         lora_int_id: a positive integer id, unique per adapter in the engine.
         lora_path: a PEFT folder: ``adapter_config.json`` and ``adapter_model.safetensors``.
+        lora_version: which load of ``lora_name`` this is (a digest of its files, or the
+            registry's version of a run-time load): part of the root of its prompts' KV block
+            hashes, so a name loaded again with other weights never reuses the old KV.
     """
 
     lora_name: str
     lora_int_id: int
     lora_path: str
+    lora_version: str = ""
 
     def __post_init__(self):
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:

@@ -51,7 +51,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int] | None = None, prompt: str | None = None,
-                 priority: int = 0, arrival_time: float | None = None, max_model_len: int = 1 << 30):
+                 priority: int = 0, arrival_time: float | None = None, max_model_len: int = 1 << 30,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,6 +65,9 @@ class Request:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        #: vLLM's ``cache_salt``: part of the first block's hash, so only requests with the same
+        #: salt share cached prefixes (None: no salt)
+        self.cache_salt = cache_salt
         #: the request's LoRA adapter (kvserve.engine.lora.LoRARequest), None: the base model
         self.lora_request = None
         #: an embedding request (kvserve.engine.pooling.PoolingParams): its prompt is pooled, nothing generated

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 
 from kvserve.engine.grammar_spec import validate_spec
@@ -10,6 +11,34 @@ from kvserve.engine.grammar_spec import validate_spec
 # torch.Generator.manual_seed takes a uint64, or an int64 that it reads as two's complement
 # (seed -1 is seed 2**64 - 1); anything outside raises inside the engine step.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _limit(env: str, default: int) -> int:
+    """A positive integer limit from the environment variable ``env`` (``default`` if unset).
+
+    Raises:
+        ValueError: the variable is set to something other than a positive integer.
+    """
+    raw = os.environ.get(env)
+    if raw is None or raw == "":
+        return default
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"{env} must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+# Per-request work limits: each stop string is searched for after every token, and the
+# logit_bias is added to the logits at every step, so their sizes bound what one request makes
+# every step of the batch cost. Defaults an OpenAI / vLLM client fits in: OpenAI takes up to 4
+# stop sequences and documents no logit_bias count (values -100..100); vLLM bounds neither.
+# Set the environment variables in the server's processes (gateway and replicas) to change them.
+#: Most stop strings of one request (``KVSERVE_MAX_STOP_STRINGS``, default 64).
+MAX_STOP_STRINGS = _limit("KVSERVE_MAX_STOP_STRINGS", 64)
+#: Longest stop string, characters (``KVSERVE_MAX_STOP_STRING_CHARS``, default 256; the stream
+#: holds back up to this many characters minus one until it knows no stop string starts there).
+MAX_STOP_STRING_CHARS = _limit("KVSERVE_MAX_STOP_STRING_CHARS", 256)
+#: Most ``logit_bias`` entries of one request (``KVSERVE_MAX_LOGIT_BIAS``, default 1024).
+MAX_LOGIT_BIAS = _limit("KVSERVE_MAX_LOGIT_BIAS", 1024)
 
 
 @dataclass
@@ -31,7 +60,9 @@ class SamplingParams:
     ``max_tokens=0`` computes the prompt only (e.g. for ``prompt_logprobs``) and finishes with
     ``finish_reason="length"`` and no output token. ``logit_bias`` (OpenAI's): ``{token_id:
     bias}`` with biases in ``[-100, 100]`` added to the logits before sampling (after the
-    penalties; returned logprobs stay the model's raw distribution). ``prompt_logprobs=k``
+    penalties; returned logprobs stay the model's raw distribution), at most
+    :data:`MAX_LOGIT_BIAS` entries. ``stop``: at most :data:`MAX_STOP_STRINGS` strings of at
+    most :data:`MAX_STOP_STRING_CHARS` characters each. ``prompt_logprobs=k``
     (vLLM's; ``0..20``) returns, per prompt token, its log-probability given the tokens before
     it plus the top-k (``RequestOutput.prompt_logprobs``); such a request skips prefix-cache
     hits (it needs the logits of every prompt position).
@@ -123,6 +154,9 @@ class SamplingParams:
         integer("prompt_logprobs", 0, 20, "must be in [0, 20]", optional=True)
         if self.logit_bias is not None:
             b = self.logit_bias
+            if isinstance(b, dict) and len(b) > MAX_LOGIT_BIAS:  # before any per-entry work
+                raise ValueError(f"logit_bias has {len(b)} entries; at most {MAX_LOGIT_BIAS} are allowed "
+                                 "(MAX_LOGIT_BIAS)")
             if not isinstance(b, dict) or any(not is_int(t) or t < 0 for t in b):
                 bad("logit_bias", "must be a dict of non-negative integer token ids to numbers")
             if any(not isinstance(v, numbers.Real) or isinstance(v, bool) or not -100 <= v <= 100 for v in b.values()):
@@ -144,8 +178,15 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop is None:
             self.stop = []
+        if isinstance(self.stop, (list, tuple)) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
+                             "(MAX_STOP_STRINGS)")
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long "
+                             f"(MAX_STOP_STRING_CHARS), got one of {longest}")
         self.stop = list(self.stop)
         if self.stop and not self.detokenize:
             bad("stop", "needs detokenize=True")

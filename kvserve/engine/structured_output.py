@@ -6,10 +6,12 @@ decided per automaton state at compile time, the adaptive token-mask cache, so m
 mask is a lookup). vLLM V1 wires it the same way (``StructuredOutputManager`` in the engine
 core, the bitmask applied by the sampler).
 
-A request's ``SamplingParams.structured_outputs`` (vLLM 0.10's shape, see :func:`validate_spec`)
+A request's ``SamplingParams.structured_outputs`` (vLLM 0.10's shape, see :func:`validate_spec`;
+its size bounded by :class:`GrammarLimits`, the engine config's ``structured_outputs_config``)
 flows like this::
 
-    LLMEngine.make_request    StructuredOutputs.request_grammar(spec)   compile (cached) + matcher -> req.grammar
+    LLMEngine.make_request    StructuredOutputs.request_grammar(spec)   compile (cached, in the compile pool,
+                              (the engine core: submit_request_grammar)  under a deadline) + matcher -> req.grammar
     LLMEngine.enqueue         StructuredOutputs.add_request(req)        the engine's grammar requests
     LLMEngine.step            StructuredOutputs.fill_bitmask(sched)     fill_bitmask in a worker thread
                                                                         -> SchedulerOutput.grammar_bitmask
@@ -46,12 +48,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.engine.grammar_bitmask import (FILL_THREADS, _apply_torch, apply_token_bitmask, bitmask_rows, clear_token_bit,
                                     fill_bitmask, new_batch_matcher)
-from kvserve.engine.grammar_spec import KINDS, OPTIONS, choice_grammar, validate_spec
+from kvserve.engine.grammar_spec import (DEFAULT_LIMITS, KINDS, OPTIONS, GrammarLimits, check_limits, choice_grammar,
+                                         validate_spec)
 from kvserve.engine.xgrammar_backend import CACHE_LIMIT_BYTES, RequestGrammar, XgrammarBackend
 
-__all__ = ["CACHE_LIMIT_BYTES", "FILL_THREADS", "KINDS", "OPTIONS", "RequestGrammar", "StructuredOutputs",
-           "XgrammarBackend", "_apply_torch", "apply_token_bitmask", "bitmask_rows", "choice_grammar",
-           "clear_token_bit", "fill_bitmask", "validate_spec"]
+__all__ = ["CACHE_LIMIT_BYTES", "DEFAULT_LIMITS", "FILL_THREADS", "GrammarLimits", "KINDS", "OPTIONS", "RequestGrammar",
+           "StructuredOutputs", "XgrammarBackend", "_apply_torch", "apply_token_bitmask", "bitmask_rows",
+           "check_limits", "choice_grammar", "clear_token_bit", "fill_bitmask", "validate_spec"]
 
 
 class StructuredOutputs(XgrammarBackend):
@@ -61,8 +64,9 @@ class StructuredOutputs(XgrammarBackend):
     :meth:`fill_bitmask`, :meth:`fill_failures`, :meth:`advance`.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int | None = None):
-        super().__init__(tokenizer, vocab_size, stop_token_ids, max_threads)
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int | None = None,
+                 limits: GrammarLimits | None = None):
+        super().__init__(tokenizer, vocab_size, stop_token_ids, max_threads, limits)
         self._batch_matcher = None  # xgrammar BatchGrammarMatcher, built with the first fill
         self._pool: ThreadPoolExecutor | None = None  # bitmask_async's worker thread
         #: The engine's requests (``kvserve.engine.request.Request``) that have a grammar, by id (empty:
@@ -86,7 +90,8 @@ class StructuredOutputs(XgrammarBackend):
         return self._pool.submit(self.bitmask, grammars, errors)
 
     def close(self) -> None:
-        """Stop the worker thread (pending fills finish first)."""
+        """Stop the worker thread (pending fills finish first) and the compile pool."""
+        self.close_pool()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

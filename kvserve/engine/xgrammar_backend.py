@@ -7,6 +7,12 @@ vocabulary is decided per automaton state at compile time (the adaptive token-ma
 built on first use, whose cache (keyed by the grammar text, at most :data:`CACHE_LIMIT_BYTES`)
 makes a repeated spec a lookup instead of a compile; :class:`RequestGrammar` is one request's
 ``GrammarMatcher``. vLLM V1 names the same pieces ``XgrammarBackend`` and ``XgrammarGrammar``.
+
+Compiles run in a :class:`~kvserve.engine.bounded_pool.BoundedPool` of their own, never in the
+caller's thread: sizes are checked first (:func:`~kvserve.engine.grammar_spec.check_limits`), the
+queue is bounded (:class:`~kvserve.engine.bounded_pool.PoolFullError` when full) and a compile
+past ``compile_timeout_s`` fails its request alone (a ``ValueError`` naming the limit) while its
+thread, which xgrammar's C++ cannot be told to stop, runs on outside the pool's count.
 """
 from __future__ import annotations
 
@@ -15,8 +21,9 @@ import os
 import re
 import threading
 
+from kvserve.engine.bounded_pool import BoundedPool
 from kvserve.engine.grammar_bitmask import clear_token_bit, fill_bitmask
-from kvserve.engine.grammar_spec import KINDS, choice_grammar, validate_spec
+from kvserve.engine.grammar_spec import DEFAULT_LIMITS, KINDS, GrammarLimits, check_limits, choice_grammar, validate_spec
 
 #: Memory cap of the per-engine compiled-grammar cache (bytes; least recently used evicted).
 CACHE_LIMIT_BYTES = 256 << 20
@@ -112,16 +119,25 @@ class XgrammarBackend:
         stop_token_ids: ids that end the output once the grammar is complete (the engine's EOS
             ids); a matcher accepts one of them after a complete match and then terminates.
         max_threads: compiler threads (default: the CPU count, at most 8).
+        limits: sizes, compile deadline and compile pool (:class:`~kvserve.engine.grammar_spec.GrammarLimits`;
+            default :data:`~kvserve.engine.grammar_spec.DEFAULT_LIMITS`).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int | None = None,
+                 limits: GrammarLimits | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.max_threads = max_threads or min(8, os.cpu_count() or 1)
+        self.limits = limits or DEFAULT_LIMITS
         self._compiler = None
         self._and_mask = None  # special_token_mask(), built with the compiler
         self._lock = threading.Lock()
+        #: the compile threads (:class:`~kvserve.engine.bounded_pool.BoundedPool`), started on first use
+        self.compile_pool = BoundedPool("grammar compile", self.limits.compile_workers,
+                                        self.limits.max_queued_compiles, limit_name="max_queued_compiles")
+        #: test hook: called in the compile thread before each compile (e.g. to hold it on an event)
+        self.before_compile = None
 
     def compiler(self):
         """The xgrammar ``GrammarCompiler`` (built on the first call: it preprocesses the whole
@@ -147,10 +163,12 @@ class XgrammarBackend:
         """Compile a spec (checked by :func:`validate_spec`) into an xgrammar ``CompiledGrammar``.
 
         Raises:
-            ValueError: xgrammar missing, or a schema / regex / grammar xgrammar rejects
+            ValueError: xgrammar missing, a spec over a size limit (:func:`check_limits`), or a
+                schema / regex / grammar xgrammar rejects
                 (``"structured_outputs <kind> is invalid: <xgrammar's reason>"``).
         """
         validate_spec(spec)
+        check_limits(spec, self.limits)
         comp = self.compiler()
         kind = next(k for k in KINDS if k in spec)
         ws = spec.get("whitespace_flexible", False)
@@ -168,13 +186,49 @@ class XgrammarBackend:
         except Exception as e:  # xgrammar raises RuntimeError (and its own types) with C++ text
             raise ValueError(f"structured_outputs {kind} is invalid: {_short_error(e)}") from None
 
-    def request_grammar(self, spec: dict, reasoning_end: list[int] | None = None) -> RequestGrammar:
-        """A fresh matcher over the compiled ``spec`` (see :meth:`compile` for errors), applied
-        after ``reasoning_end`` when given (:class:`RequestGrammar`)."""
+    def _request_grammar_now(self, spec: dict, reasoning_end: list[int] | None) -> RequestGrammar:
+        if self.before_compile is not None:
+            self.before_compile(spec)
         compiled = self.compile(spec)  # first: raises the ValueError when xgrammar is missing
         import xgrammar as xgr
 
         return RequestGrammar(xgr.GrammarMatcher(compiled), reasoning_end)
+
+    def submit_request_grammar(self, spec: dict, reasoning_end: list[int] | None = None):
+        """Start compiling ``spec`` in the compile pool; never blocks. Returns a
+        ``concurrent.futures.Future`` of its :class:`RequestGrammar` (a fresh matcher, applied
+        after ``reasoning_end`` when given), which raises what :meth:`compile` raises or, past
+        ``compile_timeout_s``, a ``ValueError`` naming the limit (stop waiting for it with
+        ``compile_pool.cancel(future)``).
+
+        Raises:
+            ValueError: a malformed spec, or one over a size limit (``check_limits``: the
+                message names the limit), at once.
+            PoolFullError: ``max_queued_compiles`` compiles are waiting already.
+        """
+        validate_spec(spec)
+        check_limits(spec, self.limits)
+        t = self.limits.compile_timeout_s
+        kind = next(k for k in KINDS if k in spec)
+        return self.compile_pool.submit(
+            self._request_grammar_now, spec, reasoning_end, deadline_s=t,
+            deadline_message=f"structured_outputs {kind} took longer than the limit of {t:g} s to compile "
+                             f"(compile_timeout_s, structured_outputs_config)")
+
+    def request_grammar(self, spec: dict, reasoning_end: list[int] | None = None) -> RequestGrammar:
+        """A fresh matcher over the compiled ``spec``, applied after ``reasoning_end`` when given
+        (:class:`RequestGrammar`): :meth:`submit_request_grammar`, waited for (blocking, at
+        most ``compile_timeout_s`` once a thread took it).
+
+        Raises:
+            ValueError: see :meth:`compile`, a size limit, or the compile deadline (each names its limit).
+            PoolFullError: the compile queue is full.
+        """
+        return self.submit_request_grammar(spec, reasoning_end).result()
+
+    def close_pool(self) -> None:
+        """Stop the compile pool (queued compiles are cancelled)."""
+        self.compile_pool.shutdown()
 
     def special_token_mask(self):
         """int32 ``[ceil(vocab_size / 32)]`` with the bits of the tokenizer's special tokens that

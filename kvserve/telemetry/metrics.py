@@ -41,11 +41,11 @@ from kvserve.telemetry.gateway_metrics import (
                                       rejected,
                                       upstream_fallbacks,
 )
-from kvserve.telemetry.registry import PREFIX, RAY_PREFIX, Metric, _metrics, metric, metrics_dir, render
+from kvserve.telemetry.registry import PREFIX, RAY_PREFIX, Metric, _metrics, cached_render, metric, metrics_dir, render
 
 __all__ = [
     "CACHE_LABELS", "CACHE_LOOKUP_BUCKETS", "ENGINE_LABELS", "HTTP_LATENCY_BUCKETS", "ITL_BUCKETS", "PREFIX",
     "RAY_PREFIX", "REJECT_REASONS", "REQUEST_LATENCY_BUCKETS", "TOKEN_BUCKETS", "TTFT_BUCKETS",
-    "ClusterTierMetrics", "Metric", "PrometheusStatLogger", "_metrics", "api_key_requests", "api_key_tokens", "cache_hits",
+    "ClusterTierMetrics", "Metric", "cached_render", "PrometheusStatLogger", "_metrics", "api_key_requests", "api_key_tokens", "cache_hits",
     "cache_lookup_seconds", "cache_misses", "cache_warmed_entries", "cache_warmed_hits", "http_request_seconds", "http_requests", "metric", "metrics_dir",
     "model_routes", "rejected", "render", "upstream_fallbacks"]

@@ -160,6 +160,61 @@ def metric(kind: str, name: str, doc: str, labels: tuple[str, ...], buckets: tup
 
 _PID_RE = re.compile(r"_(\d+)\.db$")
 
+class CoalescedRender:
+    """``GET /metrics``'s renders, coalesced: at most one :func:`render` runs at a time, and every
+    caller gets one that started after it called (never an older answer), shared with all who
+    called while the previous one ran. Reading every process's files is the scrape's cost; a
+    flood of calls on the open path costs one render after another on one thread, never one
+    per call at once (and a scrape every 15 s renders once, as before).
+
+    Args:
+        fn: what renders (default :func:`render`), called without arguments.
+    """
+
+    def __init__(self, fn=None):
+        self._fn = fn
+        self._cond = threading.Condition()
+        self._started = 0    # renders begun
+        self._done = 0       # renders finished (their answers in _answer, or _error)
+        self._running = False
+        self._answer = None
+        self._error: BaseException | None = None
+        self.renders = 0     # renders made (for tests and logs)
+
+    def __call__(self) -> tuple[bytes, str]:
+        """The body and content type (blocking: call it in a worker thread).
+
+        Raises:
+            RuntimeError: as :func:`render`.
+        """
+        with self._cond:
+            need = self._started + 1  # the next render to begin: it begins after this call
+            while self._done < need:
+                if not self._running:
+                    self._running = True
+                    self._started += 1
+                    self._cond.release()
+                    try:
+                        answer, error = (self._fn or render)(), None
+                    except BaseException as e:  # handed to every waiter of this render
+                        answer, error = None, e
+                    finally:
+                        self._cond.acquire()
+                    self.renders += 1
+                    self._answer, self._error = answer, error
+                    self._done += 1
+                    self._running = False
+                    self._cond.notify_all()
+                else:
+                    self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            return self._answer
+
+
+#: The process's coalesced renders of ``GET /metrics`` (:class:`CoalescedRender`).
+cached_render = CoalescedRender()
+
 
 def render() -> tuple[bytes, str]:
     """``(body, content type)`` of ``GET /metrics``: every kvserve process of this node (the

@@ -139,6 +139,7 @@ class _FakeKubeAPI:
     (`helm template --dry-run=server`): discovery for the chart's kinds and GET of stored Secrets."""
 
     KINDS = {"/api/v1": ("v1", ["Secret", "Service", "ConfigMap"]), "/apis/policy/v1": ("policy/v1", ["PodDisruptionBudget"]),
+             "/apis/networking.k8s.io/v1": ("networking.k8s.io/v1", ["NetworkPolicy"]),
              "/apis/ray.io/v1": ("ray.io/v1", ["RayService"])}
 
     def __init__(self):
@@ -170,7 +171,7 @@ class _FakeKubeAPI:
                 if path == "/apis":
                     return self._send(200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
                         {"name": g, "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
-                         "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"}} for g in ("policy", "ray.io")]})
+                         "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"}} for g in ("policy", "networking.k8s.io", "ray.io")]})
                 if path in api.KINDS:
                     gv, kinds = api.KINDS[path]
                     return self._send(200, {"kind": "APIResourceList", "groupVersion": gv, "resources": [

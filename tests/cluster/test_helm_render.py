@@ -12,14 +12,15 @@ def test_helm_lint_strict(helm, tmp_path):
 
 def test_rendered_kinds(render):
     docs = render()
-    assert sorted(docs) == ["ConfigMap", "PodDisruptionBudget", "RayService", "Secret", "Service"]
+    assert sorted(docs) == ["ConfigMap", "NetworkPolicy", "PodDisruptionBudget", "RayService", "Secret", "Service"]
     # no API keys given: a generated one (never an open API by default)
     assert sorted(s["metadata"]["name"] for s in docs["Secret"]) == ["rel-kvserve-api-keys", "rel-kvserve-ray-token"]
     # with Prometheus Operator's API in the cluster, the ServiceMonitor too
     with_monitor = render(None, "--api-versions", SERVICE_MONITOR_API)
     assert len(with_monitor["ServiceMonitor"]) == 1
-    off = render({"metrics": {"serviceMonitor": {"enabled": False}}, "grafanaDashboard": {"enabled": False},
-                  "podDisruptionBudget": {"enabled": False}}, "--api-versions", SERVICE_MONITOR_API)
+    off = render({"grafanaDashboard": {"enabled": False},
+                  "podDisruptionBudget": {"enabled": False}, "metrics": {"networkPolicy": {"enabled": False},
+                  "serviceMonitor": {"enabled": False}}}, "--api-versions", SERVICE_MONITOR_API)
     assert sorted(off) == ["RayService", "Secret", "Service"]
     full = render(FULL)
     assert sorted(s["metadata"]["name"] for s in full["Secret"]) == ["rel-kvserve-api-keys", "rel-kvserve-ray-token"]

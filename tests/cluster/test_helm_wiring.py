@@ -20,7 +20,7 @@ def _kv(doc):
 def test_core_kinds_validate_with_kubernetes_validate(render, variant):
     docs = render(VARIANTS[variant], "--api-versions", SERVICE_MONITOR_API)
     checked = 0
-    for kind in ("Secret", "Service", "ConfigMap", "PodDisruptionBudget"):
+    for kind in ("Secret", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"):
         for d in docs.get(kind, []):
             _kv(d)
             checked += 1
@@ -89,5 +89,5 @@ def test_ray_pods_get_the_local_ray_environment(render):
     pods = [rs["spec"]["rayClusterConfig"]["headGroupSpec"]] + _groups(rs)
     assert len(pods) >= 2
     for group in pods:
-        env = {e["name"]: e["value"] for e in _container(group).get("env", [])}
+        env = {e["name"]: e.get("value") for e in _container(group).get("env", [])}
         assert {k: env.get(k) for k in LOCAL_RAY_ENV} == LOCAL_RAY_ENV, env

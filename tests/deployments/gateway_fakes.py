@@ -28,16 +28,20 @@ class _Remote:
 
 
 class FakeGen:
-    """What ``handle.options(stream=True).stream.remote(...)`` gives: an async iterator with cancel()."""
+    """What ``handle.options(stream=True).stream.remote(...)`` gives: an async iterator with cancel();
+    its chunks numbered (``seq``) as the replica numbers them."""
 
     def __init__(self, agen):
-        self.agen, self.cancelled = agen, False
+        self.agen, self.cancelled, self.seq = agen, False, 0
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        return await self.agen.__anext__()
+        chunk = await self.agen.__anext__()
+        if isinstance(chunk, GenerationChunk):
+            chunk.seq, self.seq = self.seq, self.seq + 1
+        return chunk
 
     def cancel(self):
         self.cancelled = True

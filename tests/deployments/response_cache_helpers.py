@@ -14,10 +14,13 @@ def chat(**kw) -> ChatCompletionRequest:
 
 
 def answer(text="Paris.", n=1, reason="stop") -> list[GenerationChunk]:
-    """A replica's chunks for one prompt, ``n`` choices of two steps each."""
+    """A replica's chunks for one prompt, ``n`` choices of two steps each, numbered (``seq``) as
+    the replica numbers them."""
     out = []
     for i in range(n):
         out.append(GenerationChunk(text=text[:3], token_ids=[11], num_prompt_tokens=9, num_output_tokens=1, index=i))
         out.append(GenerationChunk(text=text[3:], token_ids=[12], finished=True, finish_reason=reason,
                                    num_prompt_tokens=9, num_output_tokens=2, num_cached_tokens=4, index=i))
+    for k, c in enumerate(out):
+        c.seq = k
     return out

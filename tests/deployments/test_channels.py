@@ -9,14 +9,15 @@ import asyncio
 
 import pytest
 
+from kvserve.deployments.contract.openai_errors import OpenAIError
 from kvserve.deployments.contract.types import GenerationChunk, GenerationError
 from kvserve.deployments.gateway.streams import ChunkStream
 from kvserve.deployments.replica.channels import GatewayChannels
 
 
-def chunk(text, finished=False, index=0):
+def chunk(text, finished=False, index=0, seq=0):
     return GenerationChunk(text=text, token_ids=[len(text)], finished=finished,
-                           finish_reason="length" if finished else None, index=index)
+                           finish_reason="length" if finished else None, index=index, seq=seq)
 
 
 class Step:
@@ -168,7 +169,7 @@ def test_chunk_stream_reads_the_channel_queue_and_the_own_stream():
         q: asyncio.Queue = asyncio.Queue()
         closed = []
         s = ChunkStream(_gen([], delay=0.05), chunk("a"), 1, channel=(q, lambda: closed.append(1)))
-        for c in (chunk("b"), chunk("c", finished=True)):
+        for c in (chunk("b", seq=1), chunk("c", finished=True, seq=2)):
             q.put_nowait(c)
         texts = [c.text async for c in s.chunks()]
         return texts, closed, s.done
@@ -182,7 +183,7 @@ def test_chunk_stream_on_a_channel_raises_the_own_streams_error_chunk():
         q: asyncio.Queue = asyncio.Queue()
         err = GenerationChunk.failed(GenerationError("timeout", "too slow"))
         s = ChunkStream(_gen([err], delay=0.05), chunk("a"), 1, channel=(q, lambda: None))
-        q.put_nowait(chunk("b"))
+        q.put_nowait(chunk("b", seq=1))
         got = []
         with pytest.raises(Exception, match="too slow"):
             async for c in s.chunks():
@@ -203,14 +204,74 @@ def test_chunk_stream_waits_a_grace_period_for_the_channel_after_the_own_stream_
 
         async def late():
             await asyncio.sleep(0.05)
-            q.put_nowait(chunk("b", finished=True))
+            q.put_nowait(chunk("b", finished=True, seq=1))
 
         t = asyncio.create_task(late())
         texts = [c.text async for c in s.chunks()]
         await t
         lost = ChunkStream(_gen([]), chunk("x"), 1, channel=(asyncio.Queue(), lambda: None))
-        return texts, [c.text async for c in lost.chunks()], lost.done
+        got = []
+        with pytest.raises(OpenAIError) as e:
+            async for c in lost.chunks():
+                got.append(c.text)
+        return texts, got, lost.done, e.value
 
-    texts, lost, done = run(body())
+    texts, lost, done, err = run(body())
     assert texts == ["a", "b"]
-    assert lost == ["x"] and done  # nothing came: the stream ends (as a replica stream that ended early)
+    # nothing came: the stream ends with an error (never as an answer that looks whole)
+    assert lost == ["x"] and done and err.code == "stream_incomplete"
+
+
+# ---- issue 63: no chunk is ever dropped by the replica's channel ------------------------------
+def test_chunks_waiting_when_the_channel_ends_go_back_to_their_own_stream_in_order():
+    """The channel ends (its reader goes away) while the outbox holds two chunks of a request:
+    they come on the request's own stream, before the rest, every seq once (they were lost)."""
+    async def body():
+        ch = GatewayChannels(idle_s=60)
+        step = Step()
+        reader = ch.serve("gw")
+        await reader.__anext__()
+        out = ch.route(engine_stream(step, "q", 4), ("gw", "k"), "r")
+        first = await out.__anext__()
+        rest = asyncio.create_task(collect(out))
+        await step.next()
+        await step.next()  # q1 and q2 wait in the outbox: nobody reads the channel
+        await step.next()  # q3 (finished) too: the own stream waits until the channel took them
+        for _ in range(20):
+            await asyncio.sleep(0)
+        waiting = not rest.done()
+        await reader.aclose()  # the channel is gone with them
+        return first, waiting, await rest
+
+    first, waiting, rest = run(body())
+    assert first.via_channel and first.seq == 0 and waiting
+    assert [(c.seq, c.text) for c in rest] == [(1, "q1"), (2, "q2"), (3, "q3")] and rest[-1].finished
+
+
+def test_a_full_outbox_holds_the_request_back_instead_of_dropping_chunks():
+    async def body():
+        ch = GatewayChannels(idle_s=60, max_pending=2)
+        reader = ch.serve("gw")
+        await reader.__anext__()
+        produced = []
+
+        async def engine():
+            for k in range(6):
+                produced.append(k)
+                yield chunk(f"c{k}", finished=k == 5)
+
+        out = ch.route(engine(), ("gw", "k"), "r")
+        await out.__anext__()
+        rest = asyncio.create_task(collect(out))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        held = len(produced)  # c1, c2 in the outbox, c3 made and waiting for room
+        got = []
+        while not got or not got[-1].finished:
+            got += (await reader.__anext__())["k"]
+        assert await rest == []  # everything went on the channel
+        return held, got
+
+    held, got = run(body())
+    assert held == 4
+    assert [(c.seq, c.text) for c in got] == [(k, f"c{k}") for k in range(1, 6)]

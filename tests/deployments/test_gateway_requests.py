@@ -167,27 +167,55 @@ def test_exact_cache_answers_a_repeat_without_the_replica():
     assert len(replica.requests) == 1, "the repeat reached the replica"
 
 
-def test_a_replica_lost_before_the_first_chunk_is_retried_once_elsewhere():
-    """A replica that died (its node lost) before producing anything: the request goes again
-    (nothing was generated), and the client gets the answer, not a 503."""
+def test_a_request_that_reached_its_replica_is_not_run_again_when_the_replica_is_lost():
+    """A replica that took the request (it reached the engine: recorded) and then died (its node
+    lost, before the first chunk): the gateway does not send it again (it may have run, or be
+    running still); the client gets the typed 503 ``model_unavailable`` and the replica saw the
+    request once."""
     from ray.exceptions import ActorDiedError
 
-    class LosesFirst(FakeReplica):
+    class DiesAfterTaking(FakeReplica):
+        def _stream(self, request):
+            self.requests.append(request)  # the engine has it
+
+            async def dead():
+                raise ActorDiedError()
+                yield  # noqa: unreachable (an async generator)
+            return FakeGen(dead())
+
+    replica = DiesAfterTaking()
+
+    async def main():
+        async with _client(replica) as c:
+            return await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+
+    r = _run(main())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable", r.text
+    assert len(replica.requests) == 1, "the request ran twice"
+
+
+def test_a_request_no_replica_took_is_sent_again():
+    """Serve had no replica to send the request to (DeploymentUnavailableError: it never started
+    anywhere): the gateway sends it again, and the client gets the answer, not a 503."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    class NoneAtFirst(FakeReplica):
         def __init__(self):
             super().__init__()
-            self.lost = 0
+            self.refused = 0
 
         def _stream(self, request):
-            if self.lost == 0:
-                self.lost += 1
+            if self.refused == 0:
+                self.refused += 1
 
-                async def dead():
-                    raise ActorDiedError()
+                async def refused():
+                    raise DeploymentUnavailableError(DeploymentID(name="LLMServer", app_name="kvserve"))
                     yield  # noqa: unreachable (an async generator)
-                return FakeGen(dead())
+                return FakeGen(refused())
             return super()._stream(request)
 
-    replica = LosesFirst()
+    replica = NoneAtFirst()
 
     async def main():
         async with _client(replica) as c:
@@ -196,4 +224,4 @@ def test_a_replica_lost_before_the_first_chunk_is_retried_once_elsewhere():
     r = _run(main())
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == "hello world"
-    assert replica.lost == 1 and len(replica.requests) == 1
+    assert replica.refused == 1 and len(replica.requests) == 1

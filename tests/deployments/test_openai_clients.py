@@ -335,18 +335,16 @@ def test_prompt_logprobs_equal_hf(local_app, smollm2_path):
 # ---- CORS, unknown fields, limits, disconnects --------------------------------------------
 def test_cors_preflight_and_headers(local_app):
     origin = "https://app.example.com"
-    pre = HTTP.options(f"{local_app.base_url}/chat/completions", timeout=30, headers={
+    # the open app (no keys): no CORS by default, so no web page can read what it answers
+    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 2}, headers={"Origin": origin})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    # the API-key app: a preflight needs no key; a 401 still carries the CORS header
+    pre = HTTP.options(f"{local_app.auth_base_url}/completions", timeout=30, headers={
         "Origin": origin, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type"})
     assert pre.status_code == 200, pre.text
     assert pre.headers["access-control-allow-origin"] in ("*", origin)
     assert "POST" in pre.headers["access-control-allow-methods"]
-    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 2}, headers={"Origin": origin})
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", origin)
-    # the API-key app: a preflight needs no key; a 401 still carries the CORS header
-    pre = HTTP.options(f"{local_app.auth_base_url}/completions", timeout=30, headers={
-        "Origin": origin, "Access-Control-Request-Method": "POST"})
-    assert pre.status_code == 200
     r = HTTP.post(f"{local_app.auth_base_url}/completions", json={"prompt": "x"}, headers={"Origin": origin},
                    timeout=30)
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] in ("*", origin)

@@ -33,6 +33,7 @@ SAMPLING_VARIANTS = {
     "include_stop_str_in_output": ({}, True), "structured_outputs": ({}, {"regex": "a+"}),
     "guided_json": ({}, {"type": "object"}), "guided_regex": ({}, "b+"), "guided_choice": ({}, ["a", "b"]),
     "guided_grammar": ({}, 'root ::= "a"'),
+    "cache_salt": ({}, "tenant-a"),  # output-neutral, but a client's salt keeps its answers apart too
 }
 CHAT_VARIANTS = {
     **SAMPLING_VARIANTS,

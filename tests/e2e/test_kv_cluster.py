@@ -8,10 +8,11 @@ from kvserve.deployments.contract.kv_cluster_directory import ClusterDirectory, 
 from kvserve.deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
 from kvserve.deployments.contract.kv_index import KVBlockIndex, request_hashes
 from kvserve.deployments.routing.kv_router import replica_costs
+from kvserve.engine.kv_cache_manager import root_hash
 from kvserve.engine.kv_events import MEDIUM_CLUSTER, BlockRemoved, BlockStored, KVEventBatch
 
 L1, L2 = kv_layout("m1", "torch.float32", "auto", 16, 1, 1), kv_layout("m2", "torch.float32", "auto", 16, 1, 1)
-HASHES = request_hashes(list(range(1000, 1200)), 16, 64)  # 12 blocks
+HASHES = request_hashes(list(range(1000, 1200)), 16, 64, root_hash("kv-cluster-tests"))  # 12 blocks
 
 
 def blocks(hashes, nbytes=100, tag="x"):
@@ -25,7 +26,7 @@ def test_the_directory_keeps_the_budget_least_recently_used_first():
     (holder, batch), = events.items()
     assert holder == cluster_holder(L1)
     assert [(type(e), e.medium) for e in batch.events] == [(BlockStored, MEDIUM_CLUSTER)] * 8
-    assert [h for h, _, _ in d.lookup(L1, HASHES[:4])] == HASHES[:4]  # used: now the most recent
+    assert [e[0] for e in d.lookup(L1, HASHES[:4])] == HASHES[:4]  # used: now the most recent
     added, events = d.put("b", L1, 1200, blocks(HASHES[4:12], tag="y"))  # 4..7 held already: kept as they were
     assert added == HASHES[8:12] and d.nbytes == 1200
     assert d.lookup(L1, [HASHES[4]])[0][2] == [f"x{HASHES[4]}"]
@@ -36,7 +37,7 @@ def test_the_directory_keeps_the_budget_least_recently_used_first():
     assert removed[0].block_hashes == HASHES[:2] and d.nbytes == 1200
     # the leading run only: a request whose first block is gone loads nothing
     assert d.lookup(L1, HASHES[:8]) == []
-    assert [h for h, _, _ in d.lookup(L1, HASHES[2:12])] == HASHES[2:12]
+    assert [e[0] for e in d.lookup(L1, HASHES[2:12])] == HASHES[2:12]
     assert d.lookup(L2, HASHES[2:4]) == []  # another model's blocks are apart
 
 
@@ -46,7 +47,7 @@ def test_lost_objects_and_a_gone_owner_leave_the_directory():
     d.put("b", L1, 10_000, blocks(HASHES[6:]))
     events = d.drop(L1, [HASHES[2], 12345])
     assert events[cluster_holder(L1)].events[0].block_hashes == [HASHES[2]]
-    assert [h for h, _, _ in d.lookup(L1, HASHES)] == HASHES[:2]
+    assert [e[0] for e in d.lookup(L1, HASHES)] == HASHES[:2]
     d.drop(None, owner="b")  # b's objects died with b
     assert len(d) == 5 and d.nbytes == 500 and d.lookup(L1, HASHES[6:]) == []
 

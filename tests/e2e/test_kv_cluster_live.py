@@ -71,6 +71,7 @@ def test_a_prefix_computed_on_one_replica_loads_on_the_other(cluster_app, cluste
     import ray
 
     from kvserve.deployments.contract.kv_index import request_hashes
+    from kvserve.deployments.contract.prefix import app_hash_root
 
     handle, hub = cluster_app
     assert hub is not None
@@ -88,7 +89,7 @@ def test_a_prefix_computed_on_one_replica_loads_on_the_other(cluster_app, cluste
     async def run():
         for i in range(4):
             await send((i, 0))  # computed where Serve's router put it, then saved to the cluster tier
-            want = request_hashes(_prefix(i), 16, 64)[:12]
+            want = request_hashes(_prefix(i), 16, 64, app_hash_root(APP))[:12]
             for _ in range(600):
                 if len(await hub.cluster_lookup.remote(layout, want)) == 12:
                     break

@@ -50,7 +50,7 @@ def test_the_index_predicts_what_the_engine_reuses(tiny_llama_path):
         prompt = base[:rng.choice([9, 17, 26])] + [rng.randrange(100, 200)]
         for batch in engine.take_kv_events()[1]:
             index.apply("r", batch)
-        want = index.match(request_hashes(prompt, BS, 64), ["r"])["r"]
+        want = index.match(request_hashes(prompt, BS, 64, kv.root), ["r"])["r"]
         from kvserve.engine.request import Request
         from kvserve.engine.sampling_params import SamplingParams
 
@@ -180,7 +180,7 @@ def test_the_router_routes_on_the_index_and_falls_back_when_cold():
         deep = _kv_router()
         assert deep.hasher.max_blocks == 4096 // 16
         prompt = list(range(1000, 1200))
-        hashes = request_hashes(prompt, 16, 64)
+        hashes = request_hashes(prompt, 16, 64, 0)  # (the fake replicas' root)
         a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
         router = _kv_router()
         router.update_replicas([a, b, c])

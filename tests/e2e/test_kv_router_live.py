@@ -16,6 +16,7 @@ from _kv_helpers import wait_for_hub
 
 from kvserve.deployments.contract.kv_event_hub import hub_name
 from kvserve.deployments.contract.kv_index import request_hashes
+from kvserve.deployments.contract.prefix import app_hash_root
 
 APP = "kvserve-kv-router"
 WORDS = ["alpha", "policy", "user", "assistant", "data", "rule", "table", "river", "stone", "cloud"]
@@ -71,20 +72,20 @@ def test_follow_ups_go_where_the_kv_is(kv_app):
                                                     "max_tokens": 2, "temperature": 0}, timeout=120)
         assert r.status_code == 200, r.text
         cached[i].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-        wait_for(request_hashes(_prefix(i), 16, 64)[-1])
+        wait_for(request_hashes(_prefix(i), 16, 64, app_hash_root(APP))[-1])
 
     async def run():  # follow-ups: the driver handle's router, which routed none of them
         for j in range(1, 3):
             for i in range(6):
                 out = await handle.complete.remote(_prefix(i) + [50 + j, 60 + i], {"max_tokens": 2, "temperature": 0})
                 cached[i].append(out.num_cached_tokens)
-                await asyncio.to_thread(wait_for, request_hashes(_prefix(i), 16, 64)[-1])
+                await asyncio.to_thread(wait_for, request_hashes(_prefix(i), 16, 64, app_hash_root(APP))[-1])
 
     asyncio.run(run())
     for i, c in cached.items():
         assert c[0] == 0 and all(n >= 12 * 16 for n in c[1:]), (i, c)
     for i in range(6):
-        assert len(holders(request_hashes(_prefix(i), 16, 64)[-1])) == 1, i
+        assert len(holders(request_hashes(_prefix(i), 16, 64, app_hash_root(APP))[-1])) == 1, i
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import time
 import pytest
 from helpers import DONE, iter_sse
 
-from kvserve.deployments.contract.prefix import block_hashes
+from kvserve.deployments.contract.prefix import app_hash_root, block_hashes
 
 
 # ---- a real Serve app: tiny model, 2 replicas (Ray) ------------------------------------------
@@ -58,7 +58,7 @@ def _reports() -> dict[str, set[int]]:
 
 def _deep_hash(tokenizer, text: str, blocks: int = 8) -> int:
     """The chained hash of the first ``blocks`` blocks of ``text`` as the engine encodes it."""
-    return block_hashes(tokenizer.encode(text, add_special_tokens=True), 16, blocks)[-1]
+    return block_hashes(tokenizer.encode(text, add_special_tokens=True), 16, blocks, app_hash_root(APP))[-1]
 
 
 @pytest.mark.slow

@@ -52,9 +52,13 @@ def test_tp2_matches_tp1_greedy(ray_session, tp_model):
     group_size = cfg.num_attention_heads // cfg.num_key_value_heads
     assert cfg.num_key_value_heads == 3  # what the shards below are about
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    kw = dict(max_model_len=256, max_num_seqs=8, num_kv_blocks=64)
-    if "tiny" in str(tp_model):  # random weights have near ties that a bfloat16 TP split may round apart
-        kw["dtype"] = "float32"
+    # float32 on every CPU (the auto dtype where bfloat16 is not native): bfloat16 logits tie
+    # exactly, and a TP split sums the row-parallel partial products in another order. Measured
+    # on SmolLM2 with native bf16 (avx512_bf16): "def fibonacci(n):" token 13 has 304 and 2822
+    # both at -1.1375 under TP=1, which TP=2 splits by 0.125 (and prompt 4's token 3, 42 and 282
+    # both at -1.7493); in float32 TP=2 equals TP=1 on all four prompts. Random tiny weights have
+    # such ties too.
+    kw = dict(max_model_len=256, max_num_seqs=8, num_kv_blocks=64, dtype="float32")
     tp1 = LLM(model=str(tp_model), **kw)
     ref = tp1.generate(PROMPTS, params, use_tqdm=False)
     tp1.engine.shutdown()
@@ -206,11 +210,14 @@ def test_tp2_ray_ranks_export_and_import_kv_blocks(ray_session, tmp_path):
     BS = 4  # tests/engine/test_kv_offload.py's prompts: 6 blocks of 4 tokens (+2), each distinct
     TIER_PROMPTS = [[1000 + 97 * p + 13 * i for i in range(26)] for p in range(2)]
 
-    def chain(tokens):
-        return request_hashes(tokens, BS, 64)
+    from kvserve.engine.kv_cache_manager import root_hash
+
+    def chain(tokens):  # both engines hash from one seed (as a Serve app's replicas do)
+        return request_hashes(tokens, BS, 64, root_hash("tp-kv-tests"))
 
     path = make_tiny_model(tmp_path / "tiny", **SMOLLM2_HEADS)
-    kw = dict(device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS, kv_offloading_size=0.01)
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS, kv_offloading_size=0.01,
+              prefix_caching_hash_seed="tp-kv-tests")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ref = LLM(model=str(path), **{**kw, "kv_offloading_size": None}, enable_prefix_caching=False).generate(
         TIER_PROMPTS[:2], params, use_tqdm=False)

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from _robustness_helpers import (ARMED, DTYPE, MAX_MODEL_LEN, NUM_ADAPTERS, STRUCTURED, TOTALS, Reference,
-                                 assert_idle, check_against_reference, count_fired)
+                                 assert_idle, check_against_reference, count_fired,
+                                 one_chunk_schedule)
 from kvserve.engine import EngineConfig, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.pooling import PoolingParams
@@ -194,6 +195,16 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine = LLMEngine(EngineConfig(model=self.model_path, dtype=DTYPE, max_model_len=MAX_MODEL_LEN,
                                              num_kv_blocks=per_seq + spare, **cfg), self.executor_factory)
         self.engine.clock = NoisyClock(clock_seed)
+        self.steps: dict[str, list[tuple[int, int]]] = {}  # request id -> its slices (start, tokens)
+        schedule = self.engine.scheduler.schedule
+
+        def recording():
+            out = schedule()
+            for r in out.requests:
+                self.steps.setdefault(r.request_id, []).append((r.start, len(r.token_ids)))
+            return out
+
+        self.engine.scheduler.schedule = recording
         self.faults = Faults(self.engine)
         if broken:
             self.faults.break_loggers()
@@ -349,4 +360,6 @@ class EngineMachine(RuleBasedStateMachine):
         for (rid, out, pooling), ref in zip(compare, refs):
             req = self.all_requests[rid]
             check_against_reference(rid, self.cfg, out, pooling, ref, f"; prompt {out.prompt_token_ids}, adapter "
-                                    f"{getattr(req.lora_request, 'lora_name', None)}, {req.params}")
+                                    f"{getattr(req.lora_request, 'lora_name', None)}, {req.params}, steps "
+                                    f"{self.steps.get(rid)}",
+                                    same_schedule=one_chunk_schedule(self.steps.get(rid), len(out.prompt_token_ids)))

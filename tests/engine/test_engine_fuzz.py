@@ -23,8 +23,10 @@ random-weight Llama, float32).
    request's tokens equal those of a reference engine (no speculation, no prefix caching, one
    roomy configuration, same weights, adapters and KV dtype, float32), up to a near-tie in the
    reference's logits (top-2 log-probability gap below :data:`TIE`, by KV dtype) where batching may round
-   either way, and each embedding equals the reference engine's (cosine at least
-   :data:`POOL_COS`).
+   either way (a float8 request is compared so where its steps were the reference's: its prompt in
+   one step from 0, then one token per step, :data:`TIE_FP8_SAME_SCHEDULE`; a chunked or
+   prefix-hit prompt reads other K/V from float8 than the reference does), and each embedding
+   equals the reference engine's (cosine at least :data:`POOL_COS`).
    Across the run every fault kind of :data:`faults.HOOKS` must have fired at least once, or
    the test fails (a fuzzer whose faults never fire checks nothing).
 3. The same request streams through :class:`kvserve.engine.async_engine.AsyncLLMEngine` (a smaller
@@ -64,7 +66,7 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 
 from _fuzz_machine import EngineMachine, adapters, configs, prompts, reaching, sampling_params
 from _robustness_helpers import (ARMED, DTYPE, FIRED, MAX_MODEL_LEN, NUM_ADAPTERS, TOTALS, Reference, assert_idle,
-                                 check_against_reference, count_fired)
+                                 check_against_reference, count_fired, one_chunk_schedule)
 from kvserve.engine import EngineConfig, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.pooling import PoolingParams
@@ -156,6 +158,18 @@ def _check_coverage() -> None:
     never = [h for h in HOOKS if FIRED[h] == 0]
     assert not never, (f"fault kinds that never fired in {TOTALS['configurations']} configurations: {never} "
                        f"(armed: {dict(ARMED)})")
+
+
+def test_one_chunk_schedule_is_the_references():
+    """Which float8 requests are compared token for token: the whole prompt in one step from 0,
+    then one token per step (what the reference engine runs), and nothing else."""
+    assert one_chunk_schedule([(0, 5), (5, 1), (6, 1)], 5)
+    assert one_chunk_schedule([(0, 5)], 5)  # one token asked for
+    assert not one_chunk_schedule([(0, 3), (3, 2), (5, 1)], 5)  # chunked prefill
+    assert not one_chunk_schedule([(2, 3), (5, 1)], 5)  # a prefix-cache hit
+    assert not one_chunk_schedule([(0, 5), (5, 1), (0, 7)], 5)  # recomputed after preemption
+    assert not one_chunk_schedule([(0, 5), (5, 3)], 5)  # drafts verified
+    assert not one_chunk_schedule(None, 5) and not one_chunk_schedule([], 5)
 
 
 def test_fuzz_engine(tiny_llama_path, reference, lora_requests):

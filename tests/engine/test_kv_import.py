@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvserve.engine import LLM, SamplingParams
-from test_kv_offload import BS, PROMPTS, assert_no_leak, chain, lora_setup, run_rounds, tier_engine
+from test_kv_offload import (BS, PROMPTS, ROOT, _shared_hash_seed, assert_no_leak, chain, lora_setup,  # noqa: F401
+                             run_rounds, tier_engine)
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
 
@@ -52,16 +53,15 @@ def test_blocks_another_engine_computed_load_bit_identical(tiny_llama_path, kv_d
 
 
 def test_imports_keep_the_adapters_chain_apart(tmp_path_factory):
-    from kvserve.engine.kv_cache_manager import lora_root_hash
+    from kvserve.engine.kv_cache_manager import request_root
 
     base, adapter, kw, plain = lora_setup(tmp_path_factory, "import_lora")
-    name = adapter.lora_name
     ref_lora = run_rounds(plain, PROMPTS[:1], rounds=1, lora=adapter)[0]
     ref_base = run_rounds(plain, PROMPTS[:1], rounds=1)[0]
     assert ref_lora != ref_base
     a, b = tier_engine(base, **kw), tier_engine(base, **kw)
     a.generate(PROMPTS[:1], ONE, use_tqdm=False, lora_request=adapter)
-    copies = a.engine.export_kv_blocks(chain(PROMPTS[0], root=lora_root_hash(name))[:6])
+    copies = a.engine.export_kv_blocks(chain(PROMPTS[0], root=request_root(ROOT, adapter))[:6])
     assert len(copies) == 6 and copies[0].meta[3] == 1  # LoRA id in the block's metadata
     assert b.engine.import_kv_blocks(copies) == 6
     assert run_rounds(b, PROMPTS[:1], rounds=1)[0] == ref_base  # the base model does not take the adapter's KV

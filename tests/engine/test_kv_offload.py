@@ -15,12 +15,21 @@ import torch
 
 from _kv_cache_helpers import make_req
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.kv_cache_manager import NONE_HASH, KVCacheManager, hash_block, lora_root_hash
+from kvserve.engine.kv_cache_manager import (HASH_SEED_ENV, KVCacheManager, chain_hashes, hash_block, lora_root_hash,
+                                             root_hash)
 from kvserve.engine.kv_events import (MEDIUM_HOST, MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored,
                               KVEventRecorder)
 from kvserve.engine.kv_offload import HostKVTier, KVTransfer
 
 BS = 4
+#: every engine and manager of these tests hashes from this seed (the autouse fixture below)
+SEED = "kv-offload-tests"
+ROOT = root_hash(SEED)
+
+
+@pytest.fixture(autouse=True)
+def _shared_hash_seed(monkeypatch):
+    monkeypatch.setenv(HASH_SEED_ENV, SEED)
 
 
 def computed(kv: KVCacheManager, req, n=None):
@@ -33,12 +42,8 @@ def computed(kv: KVCacheManager, req, n=None):
     return hits, loads
 
 
-def chain(tokens, bs=BS, root=NONE_HASH):
-    out, h = [], root
-    for i in range(len(tokens) // bs):
-        h = hash_block(h, tuple(tokens[i * bs:(i + 1) * bs]))
-        out.append(h)
-    return out
+def chain(tokens, bs=BS, root=ROOT):
+    return chain_hashes(tokens, bs, len(tokens) // bs, root)
 
 
 # --------------------------------------------------------------------------- bookkeeping
@@ -151,10 +156,10 @@ def test_lora_blocks_chain_from_the_adapters_root():
     a.lora_request = LoRARequest("sql", 3, "/nowhere")
     computed(kv, a)
     (stored,) = events.take(0.0).events
-    root = lora_root_hash("sql")
+    root = lora_root_hash(ROOT, "sql")
     assert stored.parent_block_hash == root and stored.lora_id == 3
     assert stored.block_hashes == chain(list(range(1, 9)), root=root)
-    assert root != lora_root_hash("other") and root == hash_block(NONE_HASH, tuple(b"lora:sql"))
+    assert root != lora_root_hash(ROOT, "other") and root != hash_block(ROOT, tuple(b"lora:sql"))
 
 
 def test_a_tier_needs_prefix_caching():

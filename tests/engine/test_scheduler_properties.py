@@ -16,17 +16,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from _kv_cache_helpers import EOS, make_req
-from kvserve.engine.kv_cache_manager import NONE_HASH, KVCacheManager, hash_block
+from kvserve.engine.kv_cache_manager import KVCacheManager, chain_hashes as _chain, root_hash
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 
 
+SEED = "scheduler-properties"
+
+
 def chain_hashes(tokens, bs):
-    out, parent = [], NONE_HASH
-    for i in range(len(tokens) // bs):
-        parent = hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]))
-        out.append(parent)
-    return out
+    return _chain(tokens, bs, len(tokens) // bs, root_hash(SEED))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -37,7 +36,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 caching=st.booleans(), seed=st.integers(0, 2**16), mixed=st.sampled_from([None, 0, 1, 3, 8]))
     def init(self, bs, num_blocks, max_seqs, budget, policy, caching, seed, mixed):
         self.bs, self.max_seqs, self.budget, self.mixed = bs, max_seqs, budget, mixed
-        self.kv = KVCacheManager(num_blocks, bs, caching)
+        self.kv = KVCacheManager(num_blocks, bs, caching, hash_seed=SEED)
         self.pool = self.kv.pool
         self.sched = Scheduler(self.kv, max_seqs, budget, policy, mixed_prefill_tokens=mixed)
         self.cap = num_blocks * bs  # max_model_len, as LLMEngine caps it

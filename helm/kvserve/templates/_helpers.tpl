@@ -42,6 +42,18 @@ its Secret, kept across upgrades) or "open" (neither, and apiKeys.allowUnauthent
 {{- if ne (include "kvserve.apiKeysMode" .) "open" -}}true{{- end -}}
 {{- end -}}
 
+{{- define "kvserve.adminKeysSecret" -}}
+{{- if .Values.adminApiKeys.existingSecret -}}{{ .Values.adminApiKeys.existingSecret }}
+{{- else if .Values.adminApiKeys.keys -}}{{ printf "%s-admin-keys" (include "kvserve.fullname" .) }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvserve.redisSecret" -}}
+{{- if .Values.redis.existingSecret -}}{{ .Values.redis.existingSecret }}
+{{- else if .Values.redis.url -}}{{ printf "%s-redis" (include "kvserve.fullname" .) }}
+{{- end -}}
+{{- end -}}
+
 {{- define "kvserve.apiKeysSecret" -}}
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "kvserve.fullname" .)) -}}
 {{- end -}}
@@ -103,6 +115,12 @@ kvserve/deployments/app.py llm_deployment_options). Only groups that may have po
 {{- if or (hasKey .Values.app.args "api_keys") (hasKey .Values.app.args "api_keys_file") -}}
 {{- fail "app.args.api_keys / api_keys_file: give API keys through `apiKeys` (a Secret), never in the RayService spec" -}}
 {{- end -}}
+{{- if hasKey .Values.app.args "admin_api_keys" -}}
+{{- fail "app.args.admin_api_keys: give admin keys through `adminApiKeys` (a Secret), never in the RayService spec" -}}
+{{- end -}}
+{{- if hasKey .Values.app.args "redis_url" -}}
+{{- fail "app.args.redis_url: give the Redis URL (it holds the password) through `redis` (a Secret), never in the RayService spec" -}}
+{{- end -}}
 {{- $groups := .Values.workerGroups -}}
 {{- $maxGpus := 0 -}}
 {{- $largest := "" -}}
@@ -153,8 +171,12 @@ models and the mounted API key file. */}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
-{{/* Volumes and mounts every Ray container gets: the API key file, the model cache. */}}
+{{/* Volumes and mounts every Ray container gets: the API key file, the model cache, /tmp (Ray's
+session files; the root file system is read-only). */}}
 {{- define "kvserve.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
 - name: model-cache
 {{- if .Values.modelCache.existingClaim }}
   persistentVolumeClaim:
@@ -175,6 +197,8 @@ models and the mounted API key file. */}}
 {{- end -}}
 
 {{- define "kvserve.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
 - name: model-cache
   mountPath: {{ .Values.modelCache.mountPath }}
 {{- if include "kvserve.apiKeysEnabled" . }}
@@ -195,4 +219,24 @@ models and the mounted API key file. */}}
   value: "0.5"
 - name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
   value: "1000"
+{{- /* Serve's proxy (uvicorn) believes no X-Forwarded-For itself: the gateway's forwarded_allow_ips decides */}}
+- name: FORWARDED_ALLOW_IPS
+  value: ""
+{{- /* compiler caches under the writable /tmp (the root file system is read-only) */}}
+- name: TRITON_CACHE_DIR
+  value: /tmp/triton
+{{- with (include "kvserve.adminKeysSecret" .) }}
+- name: KVSERVE_ADMIN_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.adminApiKeys.secretKey }}
+{{- end }}
+{{- with (include "kvserve.redisSecret" .) }}
+- name: KVSERVE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.redis.secretKey }}
+{{- end }}
 {{- end -}}

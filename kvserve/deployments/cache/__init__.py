@@ -2,8 +2,9 @@
 
 Two levels, one :class:`ResponseCache` per ingress replica:
 
-* **exact** (on by default): a SHA-256 key over the served model, its weights revision, the
-  endpoint and the request's normalised output-relevant fields; only deterministic requests
+* **exact** (on by default): a SHA-256 key over the owner (the API key's owner id: each key
+  only its own answers, unless ``cache_shared_across_keys``), the served model, its weights
+  revision, the endpoint and the request's normalised output-relevant fields; only deterministic requests
   (``temperature`` 0 or a ``seed``) are cached, and only answers that completed;
 * **semantic** (off by default, opt-in per request or on for all): a request whose last user
   message is a paraphrase of a cached one's (all-MiniLM-L6-v2 embeddings, same scope, same

@@ -8,9 +8,10 @@ delta per original engine step, finish chunk, usage chunk), the same tool-call p
 same ``usage`` (prompt, completion and prefix-cached tokens of the run that produced it) as the
 fresh one; ids and ``created`` are new.
 
-An answer is stored only when it completed (:func:`complete`): every choice finished with
-``stop`` or ``length`` (not an error, a timeout or an abort, and not a stream whose client went
-away).
+An answer is stored only when it completed (:func:`complete`): every chunk the replica sent is
+there (their ``seq`` numbers are 0, 1, 2, ... without a gap: a stream that lost a chunk on the
+way is never stored) and every choice finished with ``stop`` or ``length`` (not an error, a
+timeout or an abort, and not a stream whose client went away).
 """
 from __future__ import annotations
 
@@ -50,11 +51,14 @@ def decode_entry_warmed(data: bytes) -> tuple[list[list[GenerationChunk]], bool]
 
 
 def complete(streams: list[list[GenerationChunk]], n: int) -> bool:
-    """Whether every prompt's ``n`` choices finished with ``stop`` or ``length`` (nothing
-    failed, timed out or was aborted): only such answers are stored."""
+    """Whether every prompt's stream has all its chunks (``seq`` 0, 1, 2, ... in order: no
+    hole) and its ``n`` choices finished with ``stop`` or ``length`` (nothing failed, timed out
+    or was aborted): only such answers are stored."""
     if not streams:
         return False
     for s in streams:
+        if any(c.seq != i for i, c in enumerate(s)):
+            return False
         ends = {c.index: c for c in s if c.finished}
         if len(ends) != n or any(c.error is not None or c.finish_reason not in ("stop", "length")
                                  for c in ends.values()):

@@ -1,6 +1,9 @@
 """Cache keys: which requests are cacheable, and when two requests are the same request.
 
-**Exact key** (:func:`exact_key`): a SHA-256 over the served model name and its weights
+**Exact key** (:func:`exact_key`): a SHA-256 over the owner of the answer (the API key's
+:attr:`~kvserve.deployments.limits.KeyPolicy.owner_id`, ``anonymous`` without keys, or
+:data:`SHARED_OWNER` where the deployment shares its caches across keys:
+``cache_shared_across_keys``), the served model name and its weights
 revision (``LLMServer.server_info().revision``,
 :func:`~kvserve.deployments.contract.types.model_revision`), the endpoint, and the request's normalised
 fields (:func:`request_payload`): every declared field of
@@ -19,9 +22,13 @@ greedy choices are equal), or a ``seed`` (the server gives choice ``i`` the seed
 key, up to floating-point differences between batch compositions, which every serving engine
 has.
 
-**Semantic scope** (:func:`semantic_parts`): the hash of the same payload with the text to embed
-(the last user message, or the single text prompt) left out, so system prompt, earlier turns,
-tools and sampling fields must be equal for a semantic hit (:mod:`kvserve.deployments.cache.semantic`).
+**Semantic scope** (:func:`semantic_parts`): the hash of the same owner and payload with the
+text to embed (the last user message, or the single text prompt) left out, so owner, system
+prompt, earlier turns, tools and sampling fields must be equal for a semantic hit
+(:mod:`kvserve.deployments.cache.semantic`).
+
+The owner is part of both, so one tenant's request never gets another's answer (its text, or
+the fact that someone asked it: the ``x-kvserve-cache`` header), nor one it planted.
 """
 from __future__ import annotations
 
@@ -38,7 +45,12 @@ NON_OUTPUT_FIELDS = frozenset({"model", "stream", "stream_options", "user", "pri
 #: Fields whose spellings are folded into ``structured`` (one spec, whichever field gave it).
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
-_KEY_VERSION = b"kvserve-response-cache-v1\0"
+#: v2: the owner is part of every key (v1 keys, shared by every key, are never looked up).
+_KEY_VERSION = b"kvserve-response-cache-v2\0"
+#: The owner part of the keys of a deployment that shares its caches across API keys.
+SHARED_OWNER = "*shared*"
+#: The owner of requests to a deployment without API keys (:func:`kvserve.deployments.gateway.gate.owner_id`).
+ANONYMOUS_OWNER = "anonymous"
 
 
 def deterministic(body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -85,26 +97,28 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _digest(model: str, revision: str, endpoint: str, payload: Any) -> str:
+def _digest(owner: str, model: str, revision: str, endpoint: str, payload: Any) -> str:
     h = hashlib.sha256(_KEY_VERSION)
-    for part in (model, revision, endpoint):
+    for part in (owner, model, revision, endpoint):
         h.update(part.encode() + b"\0")
     h.update(canonical_json(payload))
     return h.hexdigest()
 
 
-def exact_key(model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest) -> str:
-    """The exact-cache key (64 hex digits) of a request to ``model`` at ``revision`` on
-    ``endpoint`` (``chat`` or ``completion``)."""
-    return _digest(model, revision, endpoint, request_payload(body))
+def exact_key(model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest,
+              owner: str = ANONYMOUS_OWNER) -> str:
+    """The exact-cache key (64 hex digits) of ``owner``'s request (an owner id, or
+    :data:`SHARED_OWNER`) to ``model`` at ``revision`` on ``endpoint`` (``chat`` or
+    ``completion``)."""
+    return _digest(owner, model, revision, endpoint, request_payload(body))
 
 
-def semantic_parts(model: str, revision: str, endpoint: str,
-                   body: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
+def semantic_parts(model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest,
+                   owner: str = ANONYMOUS_OWNER) -> tuple[str, str] | None:
     """``(scope, text)`` for the semantic level: the text to embed (the last message, if it is
-    a user message with text, or the single text prompt) and the hash of everything else.
-    None when the request has no such text (a conversation ending with a tool result, token
-    id prompts, several prompts)."""
+    a user message with text, or the single text prompt) and the hash of everything else,
+    ``owner`` included (as in :func:`exact_key`). None when the request has no such text (a
+    conversation ending with a tool result, token id prompts, several prompts)."""
     payload = request_payload(body)
     if isinstance(body, ChatCompletionRequest):
         last = payload["messages"][-1]
@@ -115,4 +129,4 @@ def semantic_parts(model: str, revision: str, endpoint: str,
         if not isinstance(body.prompt, str) or not body.prompt.strip():
             return None
         text, payload["prompt"] = body.prompt, None
-    return _digest(model, revision, endpoint, payload), text
+    return _digest(owner, model, revision, endpoint, payload), text

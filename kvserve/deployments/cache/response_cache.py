@@ -2,6 +2,10 @@
 exact level, then the semantic level, and stores fresh answers; :class:`Lookup` is one
 request's dealings with it.
 
+**Per owner**: every key and semantic scope includes the owner of the request (the API key's
+owner id, ``anonymous`` without keys), so one key's requests are answered only from its own
+answers (``cache_shared_across_keys`` shares them: :class:`~kvserve.deployments.cache.settings.CacheSettings`).
+
 **Exact** (level ``exact``, on by default): the request's key (:mod:`kvserve.deployments.cache.keys`)
 names an entry (:mod:`kvserve.deployments.cache.entries`) in the backend
 (:mod:`kvserve.deployments.cache.stores`: in-process or a shared Redis).
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.deployments.cache.entries import complete, decode_entry_warmed, encode_entry
-from kvserve.deployments.cache.keys import deterministic, exact_key, semantic_parts
+from kvserve.deployments.cache.keys import ANONYMOUS_OWNER, SHARED_OWNER, deterministic, exact_key, semantic_parts
 from kvserve.deployments.cache.semantic import EMBEDDING_DIM, SemanticIndex, numbers_of
 from kvserve.deployments.cache.settings import CacheSettings, RequestOptions
 from kvserve.deployments.cache.stores import MemoryStore, RedisStore
@@ -164,25 +168,30 @@ class ResponseCache:
                 pass
 
     async def lookup(self, model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest,
-                     opts: RequestOptions, *, semantic_threshold: float | None = None, variant: str = "",
-                     warm: bool = False) -> Lookup:
+                     opts: RequestOptions, *, owner: str = ANONYMOUS_OWNER, semantic_threshold: float | None = None,
+                     variant: str = "", warm: bool = False) -> Lookup:
         """Look the request up (``endpoint``: ``chat`` or ``completion``). Never raises: any
-        failure of the cache is a miss (logged). ``semantic_threshold``: this request's
+        failure of the cache is a miss (logged). ``owner``: the owner id of the request's API
+        key (:func:`kvserve.deployments.gateway.gate.owner_id`): only its own answers are found,
+        and a fresh answer is stored as its own, unless the deployment shares answers across
+        keys (:attr:`CacheSettings.shared_across_keys`). ``semantic_threshold``: this request's
         similarity a semantic hit needs (an A/B test variant's; None: the configured one);
         ``variant``: the request's A/B test variant (its metrics' label); ``warm``: a cache
         warming request (see :class:`Lookup`)."""
         if not (opts.read or opts.write) or not deterministic(body):
             return Lookup("bypass", model)
         try:
-            look = await self._lookup(model, revision, endpoint, body, opts, semantic_threshold, variant, warm)
+            owner = SHARED_OWNER if self.settings.shared_across_keys else owner
+            look = await self._lookup(model, revision, endpoint, body, opts, owner, semantic_threshold, variant, warm)
             look.warm = warm
             return look
         except Exception as e:  # noqa: BLE001 -- the cache must never fail a request
             logger.warning("response cache lookup failed (%s: %s); answering without it", type(e).__name__, e)
             return Lookup("bypass", model)
 
-    async def _lookup(self, model, revision, endpoint, body, opts, threshold=None, variant="", warm=False) -> Lookup:
-        key = exact_key(model, revision, endpoint, body)
+    async def _lookup(self, model, revision, endpoint, body, opts, owner, threshold=None, variant="",
+                      warm=False) -> Lookup:
+        key = exact_key(model, revision, endpoint, body, owner)
         look = Lookup("miss" if opts.read else "bypass", model, key=key, store=opts.write)
         if opts.read:
             t0 = time.perf_counter()
@@ -193,7 +202,7 @@ class ResponseCache:
             if streams is not None:
                 look.status, look.streams, look.store, look.warmed = "exact", streams, False, warmed
                 return look
-        parts = semantic_parts(model, revision, endpoint, body) if self.wants_semantic(opts) else None
+        parts = semantic_parts(model, revision, endpoint, body, owner) if self.wants_semantic(opts) else None
         if parts is None or not await self._embedder_ready():
             return look
 
@@ -252,7 +261,20 @@ class ResponseCache:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def store(self, look: Lookup, streams: list[list[GenerationChunk]], n: int) -> None:
+        """:meth:`store_soon`, awaited: the gateway stores an answer before the response ends, so
+        the client's next identical request finds it whatever the backend (a Redis write that
+        would still be on its way otherwise). Never raises (a failure is logged); the write is
+        shielded from the request's cancellation."""
+        if not look.store or look.key is None or not complete(streams, n):
+            return
+        task = asyncio.ensure_future(self._store(look, streams))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await asyncio.shield(task)
+
     async def _store(self, look: Lookup, streams: list[list[GenerationChunk]]) -> None:
+        look.store = False  # one answer, one write
         try:
             ok = await self.store_backend.put(look.model, look.key, encode_entry(streams, look.warm),
                                               self.settings.ttl_s)

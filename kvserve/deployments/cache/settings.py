@@ -9,6 +9,11 @@ cache but stores the fresh answer (HTTP's meaning: revalidate); ``"cache": {"sem
 response header :data:`~kvserve.deployments.cache.response_cache.CACHE_HEADER` says ``exact``,
 ``semantic``, ``miss`` or ``bypass`` (cache on, this request not served from it: opted out or
 not deterministic); no header when the deployment's cache is off.
+
+**Per owner** (the default): cached answers belong to the API key that made them (its owner id;
+one anonymous owner without keys), so a request is answered only from its own key's answers
+and the header tells only of them. ``cache_shared_across_keys: true`` (the operator's choice,
+for keys of one tenant) lets every key hit every key's answers.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ class CacheSettings:
         semantic_threshold: cosine similarity a semantic hit needs, in (0, 1].
         semantic_max_entries: vectors kept per ingress replica.
         redis_url: the Redis of the ``redis`` backend.
+        shared_across_keys: every API key hits every key's answers (default False: each key,
+            by its owner id, only its own).
 
     Raises:
         ValueError: a value out of range, or the redis backend without ``redis_url``.
@@ -52,6 +59,7 @@ class CacheSettings:
     semantic_threshold: float = DEFAULT_SEMANTIC_THRESHOLD
     semantic_max_entries: int = 10_000
     redis_url: str | None = None
+    shared_across_keys: bool = False
 
     def __post_init__(self):
         if self.backend not in ("memory", "redis"):
@@ -79,7 +87,7 @@ class CacheSettings:
         return cls(enabled=c.response_cache, backend=c.cache_backend, ttl_s=c.cache_ttl_s,
                    max_entries=c.cache_max_entries, max_bytes=c.cache_max_bytes, semantic=c.semantic_cache,
                    semantic_threshold=c.semantic_cache_threshold, semantic_max_entries=c.semantic_cache_max_entries,
-                   redis_url=redis_url)
+                   redis_url=redis_url, shared_across_keys=c.cache_shared_across_keys)
 
 
 @dataclass(frozen=True)

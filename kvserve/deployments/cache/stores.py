@@ -8,7 +8,11 @@ the entries and the bytes with least-recently-used eviction and expire entries a
 last use, a hash of their sizes and a byte counter, all changed by Lua scripts in one round
 trip; the bounds are ours, Redis's ``maxmemory`` is the operator's. Redis down: one warning,
 every lookup a miss and every store skipped for ``retry_s``, then tried again; a request never
-fails or waits on it (timeouts 0.25 s).
+fails or waits on it (timeouts 0.25 s). That is right for a cache, wrong for what is kept on a
+tenant's behalf (stored responses, files, batches: :mod:`~kvserve.deployments.cache.owner_stores`):
+there a :class:`RedisStore` is ``strict`` and a failed read or write raises
+:class:`StoreUnavailable` (a 503), never "not found", so nothing is deleted or reported stored
+because Redis blinked.
 """
 from __future__ import annotations
 
@@ -20,9 +24,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvserve.deployments.contract.openai_errors import OpenAIError
 from kvserve.deployments.contract.redis_url import safe_url
 
 logger = logging.getLogger("ray.serve")
+
+
+class StoreUnavailable(OpenAIError):
+    """A strict store's backend (Redis) failed to answer a read or a write: HTTP 503
+    ``store_unavailable`` with ``Retry-After`` (an OpenAI error body). It never means "not
+    found": callers must not forget anything because of it."""
+
+    def __init__(self, what: str, err: BaseException | None = None):
+        detail = f" ({type(err).__name__})" if err is not None else ""
+        super().__init__(f"the store did not answer {what}{detail}; nothing was changed or lost, retry later", 503,
+                         "server_error", code="store_unavailable", retry_after_s=1.0)
 
 
 class MemoryStore:
@@ -161,13 +177,17 @@ class RedisStore:
         clock: monotonic seconds for the retry pause.
         client: a ``redis.asyncio.Redis`` of ``url`` to share (several prefixes, one connection
             pool); None: a client of its own.
+        strict: a failed read or write raises :class:`StoreUnavailable` (after redis-py's one
+            retry) instead of a miss or a skipped store, and no ``retry_s`` pause: for what is
+            kept on a tenant's behalf, where "missing" leads to deletions.
     """
 
     name = "redis"
 
     def __init__(self, url: str, max_entries: int, max_bytes: int, *, timeout_s: float = 0.25,
                  retry_s: float = 5.0, prefix: str = "kvserve:rc:", clock: Callable[[], float] = time.monotonic,
-                 client=None):
+                 client=None, strict: bool = False):
+        self.strict = strict
         self.url, self.max_entries, self.max_bytes, self.prefix = url, max_entries, max_bytes, prefix
         self.retry_s, self._clock = retry_s, clock
         self._redis = client if client is not None else self.connect(url, timeout_s)
@@ -203,6 +223,8 @@ class RedisStore:
             data = await self._get(keys=self._meta + [self.entry_key(model, key)])
         except Exception as e:  # noqa: BLE001 -- any Redis trouble is a miss, never a failed request
             self._failed(e)
+            if self.strict:
+                raise StoreUnavailable("a read", e) from None
             return None
         self._ok()
         return data
@@ -215,6 +237,8 @@ class RedisStore:
                             args=[data, max(1, int(ttl_s * 1000)), self.max_entries, self.max_bytes])
         except Exception as e:  # noqa: BLE001
             self._failed(e)
+            if self.strict:
+                raise StoreUnavailable("a write", e) from None
             return False
         self._ok()
         return True
@@ -223,9 +247,16 @@ class RedisStore:
         """Remove one entry; True if it was there.
 
         Raises:
-            redis.RedisError: Redis failed (a deletion must not pass silently).
+            redis.RedisError: Redis failed (a deletion must not pass silently);
+                :class:`StoreUnavailable` when ``strict``.
         """
-        n = await self._del(keys=self._meta + [self.entry_key(model, key)])
+        try:
+            n = await self._del(keys=self._meta + [self.entry_key(model, key)])
+        except Exception as e:  # noqa: BLE001
+            if not self.strict:
+                raise
+            self._failed(e)
+            raise StoreUnavailable("a deletion", e) from None
         self._ok()
         return bool(n)
 
@@ -247,6 +278,8 @@ class RedisStore:
             n, b = await asyncio.gather(self._redis.zcard(self._meta[0]), self._redis.get(self._meta[2]))
         except Exception as e:  # noqa: BLE001
             self._failed(e)
+            if self.strict:
+                raise StoreUnavailable("a size query", e) from None
             return 0, 0
         return int(n), int(b or 0)
 
@@ -254,12 +287,16 @@ class RedisStore:
         await self._redis.aclose()
 
     def _usable(self) -> bool:
-        return self._clock() >= self._down_until
+        return self.strict or self._clock() >= self._down_until
 
     def _failed(self, err: BaseException) -> None:
         self._down_until = self._clock() + self.retry_s
         if not self._warned:
             self._warned = True
+            if self.strict:
+                logger.warning("store %s: Redis at %s failed (%s: %s); its requests get 503 until it answers again",
+                               self.prefix, safe_url(self.url), type(err).__name__, err)
+                return
             logger.warning("response cache: Redis at %s failed (%s: %s); every lookup is a miss until it answers "
                            "again (retried every %.0f s)", safe_url(self.url), type(err).__name__, err, self.retry_s)
 

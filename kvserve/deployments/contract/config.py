@@ -302,17 +302,34 @@ class GatewayArgs(BaseModel):
                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     auth_failures_per_minute: int = Field(
         DEFAULT_AUTH_FAILURES_PER_MINUTE, ge=1,
-        description="missing or wrong API keys one client address may send per minute before 429s")
-    allowed_origins: list[str] = Field(
-        default_factory=lambda: ["*"], description="CORS: origins whose browser pages may call the API "
-                                                   "(default * like vLLM: any page, which still needs an API key "
-                                                   "when keys are set; [] turns CORS off)")
+        description="missing or wrong API keys one client may send per minute before its wrong keys get 429 "
+                    "(valid keys are checked first and never throttled; a valid key clears its client's count)")
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list, description="addresses or CIDRs of the proxies in front of the gateway (load "
+                                          "balancer, ingress) whose X-Forwarded-For names the client for the "
+                                          "wrong-key throttle: the rightmost hop not in this list (uvicorn's "
+                                          "--forwarded-allow-ips rule); empty: the connection's peer, the header "
+                                          "ignored")
+    metrics_per_key: bool = Field(
+        False, description="label kvserve:api_key_requests_total and kvserve:api_key_tokens_total with each API "
+                           "key's name (its name=, never the key); off: their api_key label is empty for every "
+                           "key (anonymous without keys), so the open /metrics names no tenant")
+    allowed_origins: Optional[list[str]] = Field(
+        None, description="CORS: origins whose browser pages may call the API; default: * when API keys are set "
+                          "(a page still needs a key) and none without keys (no web page can read an open "
+                          "server); [] turns CORS off")
     max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger bodies get 413")
     max_file_bytes: int = Field(DEFAULT_MAX_FILE_BYTES, ge=1,
                                 description="largest upload to POST /v1/files (the Batch API's input files; larger "
-                                            "get 413); each key's files together are bounded by cache_max_bytes")
+                                            "get 413); each key's files together are bounded by its share of "
+                                            "cache_max_bytes (cache_max_bytes divided among the API keys)")
     batch_concurrency: int = Field(8, ge=1, description="requests of one batch job in flight at once (the Batch "
                                                         "API; each sheddable, at the lowest priority)")
+    max_files_per_key: int = Field(1000, ge=1, description="files one API key may keep (uploads and batch outputs; "
+                                                           "more uploads get 400 quota_exceeded)")
+    max_active_batches_per_key: int = Field(4, ge=1, description="batches of one API key validating, running or "
+                                                                 "finalizing at once (more get 429 "
+                                                                 "too_many_active_batches)")
     max_prompts_per_request: int = Field(DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1,
                                          description="most prompts in one /v1/completions request")
     ingress_num_replicas: int = Field(1, ge=1)
@@ -398,6 +415,9 @@ class CacheArgs(BaseModel):
     cache_ttl_s: float = Field(3600.0, gt=0, description="seconds a cached answer lives")
     cache_max_entries: int = Field(10_000, ge=1, description="cached answers kept (least recently used go first)")
     cache_max_bytes: int = Field(256 << 20, ge=1, description="bytes of cached answers kept (default 256 MiB)")
+    cache_shared_across_keys: bool = Field(
+        False, description="let every API key hit the answers every other key cached (exact and semantic); default "
+                           "false: each key only its own (keys of different tenants never see each other's)")
     semantic_cache: Literal["off", "opt-in", "on"] = Field(
         "off", description="semantic response cache (all-MiniLM-L6-v2 embeddings of the last user message): off, "
                            "opt-in (requests send \"cache\": {\"semantic\": true}) or on (every cacheable request "

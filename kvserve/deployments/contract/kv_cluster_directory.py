@@ -5,8 +5,9 @@ Pure Python, no Ray: the event hub (``kvserve/deployments/contract/kv_event_hub.
 wraps its methods as actor calls; the objects are opaque here (Ray ``ObjectRef``\\ s, each in a
 one-element list so that Ray passes the reference rather than the value).
 
-A block is keyed by ``(layout, hash)``: the layout (:func:`kv_layout`) names the model and the
-shape of its KV (dtype, block size, parallel layout), since the chained hash names only tokens;
+A block is keyed by ``(layout, hash)``: the layout (:func:`kv_layout`) names the model, its
+weights (revision, quantization, A/B variant) and the shape of its KV (dtype, block size,
+parallel layout), since the chained hash names only tokens (with adapter and salt);
 two models in one application never share blocks. Entries go when the budget needs room (LRU),
 when a replica reports an object lost, and with their owner: an object dies with the process
 that put it, so a replica that is dropped takes its entries along.
@@ -19,9 +20,15 @@ from dataclasses import dataclass
 from kvserve.engine.kv_events import MEDIUM_CLUSTER, BlockRemoved, BlockStored, KVEventBatch
 
 
-def kv_layout(model: str, dtype: str, kv_cache_dtype: str, block_size: int, tp: int, pp: int) -> str:
-    """The name of a KV layout: blocks move only between engines of the same one."""
-    return f"{model}|{dtype}|{kv_cache_dtype}|bs{block_size}|tp{tp}|pp{pp}"
+def kv_layout(model: str, dtype: str, kv_cache_dtype: str, block_size: int, tp: int, pp: int,
+              revision: str = "", quantization: str | None = None, variant: str = "") -> str:
+    """The name of a KV layout: blocks move only between engines of the same one. Besides the
+    KV's shape (dtype, KV dtype, block size, parallel layout) it names what the KV's values
+    depend on: the weights' ``revision`` (a rolling update's new weights never load the old
+    ones' KV), the weights' ``quantization`` and the A/B ``variant``. A LoRA adapter's name and
+    version are in its blocks' hashes (their chain's root), so they need no place here."""
+    return (f"{model}|rev:{revision}|q:{quantization or 'none'}|var:{variant}|{dtype}|{kv_cache_dtype}"
+            f"|bs{block_size}|tp{tp}|pp{pp}")
 
 
 def cluster_holder(layout: str) -> str:
@@ -39,12 +46,15 @@ class ClusterEntry:
         meta: ``(parent hash, token ids, block size, LoRA id)``.
         nbytes: the block's bytes (every rank's).
         owner: the replica that put it (the object lives as long as that process).
+        digest: SHA-256 of the block's bytes (``kvserve.engine.kv_offload.block_digest``), which
+            an importer checks before it loads them.
     """
 
     ref: list
     meta: tuple
     nbytes: int
     owner: str
+    digest: bytes | None = None
 
 
 class ClusterDirectory:
@@ -62,20 +72,20 @@ class ClusterDirectory:
         return len(self.entries)
 
     def put(self, owner: str, layout: str, budget_bytes: int,
-            blocks: list[tuple[int, tuple, int, list]]) -> tuple[list[int], dict[str, KVEventBatch]]:
-        """Add ``blocks`` (``(hash, meta, nbytes, [ref])``) put by ``owner``; blocks held already
+            blocks: list[tuple]) -> tuple[list[int], dict[str, KVEventBatch]]:
+        """Add ``blocks`` (``(hash, meta, nbytes, [ref], digest)``) put by ``owner``; blocks held already
         are kept as they are (and marked used). Returns the hashes added and the events for the
         index: ``{holder: batch}`` (:func:`cluster_holder`; evictions may concern other layouts)."""
         import time
 
         self.budget_bytes = max(self.budget_bytes, int(budget_bytes))
         added, events = [], {}
-        for h, meta, nbytes, ref in blocks:
+        for h, meta, nbytes, ref, *digest in blocks:
             key = (layout, h)
             if key in self.entries:
                 self.entries.move_to_end(key)
                 continue
-            self.entries[key] = ClusterEntry(ref, tuple(meta), int(nbytes), owner)
+            self.entries[key] = ClusterEntry(ref, tuple(meta), int(nbytes), owner, digest[0] if digest else None)
             self.nbytes += int(nbytes)
             self.num_put += 1
             added.append(h)
@@ -91,15 +101,15 @@ class ClusterDirectory:
             batch.ts = time.time()
         return added, events
 
-    def lookup(self, layout: str, hashes: list[int]) -> list[tuple[int, tuple, list]]:
-        """``(hash, meta, [ref])`` of the leading run of ``hashes`` the tier holds (marked used)."""
+    def lookup(self, layout: str, hashes: list[int]) -> list[tuple[int, tuple, list, bytes | None]]:
+        """``(hash, meta, [ref], digest)`` of the leading run of ``hashes`` the tier holds (marked used)."""
         out = []
         for h in hashes:
             e = self.entries.get((layout, h))
             if e is None:
                 break
             self.entries.move_to_end((layout, h))
-            out.append((h, e.meta, e.ref))
+            out.append((h, e.meta, e.ref, e.digest))
         return out
 
     def drop(self, layout: str | None, hashes: list[int] | None = None,

@@ -151,7 +151,7 @@ class KVEventHubCore:
                 self._record(holder, "batch", batch)
 
     def cluster_put(self, replica: str, layout: str, budget_bytes: int, blocks: list) -> tuple[str, list[int]]:
-        """``replica`` put ``blocks`` (``(hash, meta, nbytes, [ObjectRef])``) of ``layout`` in the
+        """``replica`` put ``blocks`` (``(hash, meta, nbytes, [ObjectRef], digest)``) of ``layout`` in the
         object store (:meth:`ClusterDirectory.put`). Returns this hub's id (a replica that sees a
         new one puts again what it put before) and the hashes added."""
         added, events = self.cluster.put(replica, layout, budget_bytes, blocks)
@@ -159,11 +159,11 @@ class KVEventHubCore:
         return self.hub_id, added
 
     def cluster_lookup(self, layout: str, hashes: list[int]) -> list:
-        """``(hash, meta, [ObjectRef])`` of the leading run of ``hashes`` in the cluster tier."""
+        """``(hash, meta, [ObjectRef], digest)`` of the leading run of ``hashes`` in the cluster tier."""
         return self.cluster.lookup(layout, hashes)
 
     def cluster_drop(self, layout: str, hashes: list[int]) -> None:
-        """A replica found these blocks' objects lost: forget them."""
+        """A replica found these blocks' objects lost (or their bytes not matching their digest): forget them."""
         self._cluster_events(self.cluster.drop(layout, hashes))
 
     def cluster_stats(self) -> dict[str, int]:

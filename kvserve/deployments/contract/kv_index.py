@@ -16,21 +16,19 @@ Pure Python, no Ray: the router (``kvserve/deployments/routing/kv_router.py``) a
 """
 from __future__ import annotations
 
-from kvserve.engine.kv_cache_manager import NONE_HASH, hash_block, lora_root_hash
+from kvserve.engine.kv_cache_manager import chain_hashes
 from kvserve.engine.kv_events import (MEDIUM_CLUSTER, MEDIUM_HOST, MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored,
                               KVEventBatch)
 
 
-def request_hashes(token_ids: list[int], block_size: int, max_blocks: int, lora_name: str | None = None) -> list[int]:
+def request_hashes(token_ids: list[int], block_size: int, max_blocks: int, root: int,
+                   cache_salt: str | None = None) -> list[int]:
     """The chained hashes of the first full blocks of a prompt (at most ``max_blocks``, and
     never its last token's block: the engine always computes one token), exactly as the engine
-    names them: from ``NONE_HASH``, or from :func:`~kvserve.engine.kv_cache_manager.lora_root_hash` for a
-    LoRA adapter's prompts."""
-    out, parent = [], (NONE_HASH if lora_name is None else lora_root_hash(lora_name))
-    for i in range(min((len(token_ids) - 1) // block_size, max_blocks)):
-        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
-        out.append(parent)
-    return out
+    names them (:func:`~kvserve.engine.kv_cache_manager.chain_hashes`): from ``root`` (the
+    engine's, or :func:`~kvserve.engine.kv_cache_manager.request_root` of a LoRA adapter's
+    prompts), ``cache_salt`` in the first block."""
+    return chain_hashes(token_ids, block_size, min((len(token_ids) - 1) // block_size, max_blocks), root, cache_salt)
 
 
 class KVBlockIndex:

@@ -3,9 +3,48 @@ content parts and tool calls, :class:`ToolDef` and :class:`NamedToolChoice`."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: A UTF-16 surrogate code point. JSON's ``"\\ud83d\\ude00"`` (a pair) decodes to one astral
+#: character, so a surrogate left in a decoded string is a lone one: not Unicode text, which no
+#: tokenizer encodes and no UTF-8 writer writes.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_error(value: Any, where: str = "body") -> str | None:
+    """Where the first lone surrogate sits in a decoded JSON value (dicts, lists, strings, keys
+    included), as an error message naming the field (``messages.0.content: ...``); None when
+    there is none. Iterative (no recursion limit), one regex search per string.
+    """
+    stack = [(where, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            m = _SURROGATE.search(v)
+            if m is not None:
+                return (f"{path} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
+                        "which is not valid Unicode; a JSON \\uD800-\\uDFFF escape must be half of a surrogate pair")
+        elif isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    return f"a key of {path} holds a lone surrogate, which is not valid Unicode"
+                stack.append((f"{path}.{k}" if path != "body" else str(k), item))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+def reject_lone_surrogates(data: Any) -> Any:
+    """A ``model_validator(mode="before")`` body: ``data`` unchanged, or ``ValueError`` naming
+    the first field whose text holds a lone surrogate (:func:`lone_surrogate_error`), so such a
+    request is a 400 before anything encodes its text."""
+    err = lone_surrogate_error(data)
+    if err is not None:
+        raise ValueError(err)
+    return data
 
 
 # ---- chat completions ---------------------------------------------------------------------

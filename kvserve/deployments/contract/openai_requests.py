@@ -27,12 +27,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.deployments.contract.openai_errors import OpenAIError
-from kvserve.deployments.contract.openai_messages import ChatMessage, NamedToolChoice, ToolDef
+from kvserve.deployments.contract.openai_messages import (ChatMessage, NamedToolChoice, ToolDef,
+                                                         reject_lone_surrogates)
 from kvserve.deployments.contract.types import MAX_N
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.grammar_spec import check_limits
+from kvserve.engine.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                              SamplingParams)
 
 
 # ---- shared request fields --------------------------------------------------------------------
+#: Longest ``cache_salt`` a client may send, characters (the gateway adds the key's part).
+MAX_CLIENT_CACHE_SALT = 512
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -115,25 +122,48 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     #: the response caches: false = neither read nor write them; an object: see CacheOptions
     cache: bool | CacheOptions | None = None
+    #: vLLM's prefix-cache salt: only requests with the same salt share cached prompt blocks (with
+    #: API keys, within the key's own salt: kvserve.deployments.limits.KeyPolicy.cache_salt)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CLIENT_CACHE_SALT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        """A lone surrogate anywhere in the body (``"\\ud800"`` in the JSON) is a 400 naming the
+        field, before any of it is encoded (tokenizers and UTF-8 writers reject such text)."""
+        return reject_lone_surrogates(data)
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v):
+        """Non-empty strings, at most ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_CHARS``
+        characters (the engine's limits, ``kvserve.engine.sampling_params``)."""
         if v is None:
             return v
         items = [v] if isinstance(v, str) else v
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (MAX_STOP_STRINGS), "
+                             f"got {len(items)}")
         if any(not s for s in items):
             raise ValueError("stop strings must be non-empty")
+        longest = max(len(s) for s in items) if items else 0
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long "
+                             f"(MAX_STOP_STRING_CHARS), got one of {longest}")
         return v
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
-        """OpenAI's map of token id (a decimal string) to a bias in [-100, 100]."""
+        """OpenAI's map of token id (a decimal string) to a bias in [-100, 100], at most
+        ``MAX_LOGIT_BIAS`` entries (whether the ids are in the vocabulary, the replica checks)."""
         if not v:
             return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed (MAX_LOGIT_BIAS), "
+                             f"got {len(v)}")
         for k, b in v.items():
-            if not k.isdigit():
+            if not (k.isascii() and k.isdigit() and len(k) <= 10):
                 raise ValueError(f"logit_bias keys are token ids (decimal strings), got {k[:20]!r}")
             if not (-100.0 <= b <= 100.0):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {k}")
@@ -153,7 +183,8 @@ class _SamplingFields(BaseModel):
         free text.
 
         Raises:
-            ValueError: more than one constraint, or a malformed one.
+            ValueError: more than one constraint, a malformed one, or one over a size limit of
+                :data:`~kvserve.engine.grammar_spec.DEFAULT_LIMITS` (the message names it).
         """
         specs = []
         rf = self.response_format
@@ -183,6 +214,8 @@ class _SamplingFields(BaseModel):
                 raise ValueError("a choice constraint is a non-empty list of non-empty strings")
         if flexible and specs:  # any whitespace in JSON (the engine's default is compact JSON)
             specs[0]["whitespace_flexible"] = True
+        if specs:  # sizes, before anything reaches a replica (the engine checks its own limits again)
+            check_limits(specs[0])
         return specs[0] if specs else None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, **overrides: Any) -> SamplingParams:

@@ -30,6 +30,9 @@ MAX_EMBEDDING_INPUTS = 2048
 #: Request header that marks a request as cache warming's (``kvserve warm``; the gateway needs an
 #: admin key with it): lowest priority, and sheddable on the replica (``GenerateRequest.sheddable``).
 WARM_HEADER = "x-kvserve-warm"
+#: With :data:`WARM_HEADER`: the name of the API key whose request warming replays; the replay
+#: runs under that key's limits (and is its cache owner's), not the admin key's.
+WARM_KEY_HEADER = "x-kvserve-warm-key"
 #: Header that marks a request as a batch job's (the Batch API's runner sends it; any key may:
 #: it only lowers its own request): lowest priority and sheddable on the replica, as warming.
 BATCH_HEADER = "x-kvserve-batch"
@@ -109,6 +112,10 @@ class GenerationChunk:
             where the chat prompt leaves the model (``"open"`` in a reasoning block its template
             opened, ``"closed"`` after one it closed, ``""`` neither:
             :func:`kvserve.deployments.contract.reasoning.prompt_reasoning`).
+        seq: the chunk's place in its request's stream (0, 1, 2, ... over all choices), set by
+            the replica on every chunk it sends (:meth:`kvserve.deployments.replica.channels.GatewayChannels.route`),
+            so the gateway puts chunks that came on two streams in order and knows when one is
+            missing (:mod:`kvserve.deployments.gateway.streams`).
     """
 
     text: str = ""
@@ -127,6 +134,7 @@ class GenerationChunk:
     replica: str | None = None
     via_channel: bool = False
     prompt_reasoning: str = ""
+    seq: int = 0
 
     def extend(self, chunk: "GenerationChunk") -> None:
         """Fold the request's next chunk into this one (the whole generation so far): text,
@@ -214,6 +222,9 @@ class GenerateRequest:
         sheddable: a cache-warming request (``kvserve warm``): the replica refuses it while any
             other request is in flight and stops it when one arrives (``warming_deferred``), so
             it never shares a step with live traffic.
+        cache_salt: vLLM's ``cache_salt`` (the gateway's per-API-key salt, with the client's):
+            part of the first KV block's hash, so only requests with the same salt share cached
+            prefixes; None: no salt.
         num_prompts: the prompts of the client's request this one belongs to (a completions
             batch is sent as one request per prompt): the replica refuses the batch as
             ``too_large`` when ``num_prompts * n`` requests could never be in flight on it at once.
@@ -231,6 +242,7 @@ class GenerateRequest:
     lora_name: str | None = None
     shed_requests: int = 0
     num_prompts: int = 1
+    cache_salt: str | None = None
     channel: tuple[str, str] | None = None
     trace_context: dict[str, str] | None = None
     sheddable: bool = False

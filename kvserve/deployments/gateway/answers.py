@@ -2,7 +2,9 @@
 (:meth:`Answers.chunks`, a batch's prompts merged, each choice's newest chunk kept in
 ``Call.lasts``), the whole answer (:meth:`Answers.whole`) or a streaming response's body
 (:meth:`Answers.sse`); and, when the answer ends however it ends, the key settled with the tokens
-used and a complete answer stored in the response cache."""
+used and a complete answer stored in the response cache. The store is awaited before the
+response ends (the whole body returned, ``data: [DONE]`` sent), so an identical request sent
+after it always finds the entry."""
 from __future__ import annotations
 
 import asyncio
@@ -59,6 +61,7 @@ class Answers:
             async for p, chunk in self.chunks(call):
                 wholes.setdefault((p, chunk.index), GenerationChunk(index=chunk.index)).extend(chunk)
             complete = True
+            await self.store(call)
         except BaseException as e:
             call.cancel()
             if isinstance(e, Exception):
@@ -82,6 +85,7 @@ class Answers:
             async for event in events:
                 yield event
             complete = True
+            await self.store(call)
         except asyncio.CancelledError:
             call.cancel()
             logger.info("request %s: client disconnected mid-stream; generation aborted", call.http_id)
@@ -107,6 +111,12 @@ class Answers:
                 logger.warning("request %s: recording its end failed (%s)", call.http_id, e)
         if store and self.cache is not None and call.look.store:
             self.cache.store_soon(call.look, [s.record or [] for s in call.streams], call.n)
+
+    async def store(self, call: Call) -> None:
+        """Store the call's complete answer in the response cache now (awaited, before the
+        response ends; :meth:`ResponseCache.store`); a no-op when there is nothing to store."""
+        if self.cache is not None and call.look.store:
+            await self.cache.store(call.look, [s.record or [] for s in call.streams], call.n)
 
     @staticmethod
     def settle_soon(use: KeyUse, lasts: dict[tuple[int, int], GenerationChunk] | list[GenerationChunk]) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 
 from kvserve.deployments.contract.openai_errors import OpenAIError
-from kvserve.deployments.contract.types import BATCH_HEADER
 
 #: What a batch may call (OpenAI's Batch API endpoints that kvserve serves).
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -25,6 +24,27 @@ MAX_BATCH_REQUESTS = 50_000
 RETRYABLE = (429, 503)
 #: Longest wait between two tries of one request (seconds).
 MAX_RETRY_WAIT_S = 5.0
+#: The ASGI scope key that marks a request as the batch runner's own (set in this process
+#: only, by :func:`mark_batch`: no header or other client input can set it).
+BATCH_SCOPE_KEY = "kvserve_batch_runner"
+
+
+def mark_batch(app):
+    """``app`` with every request it gets marked as batch work (:data:`BATCH_SCOPE_KEY` in its
+    ASGI scope): what :class:`BatchLineRunner` calls, so the gateway runs those requests at
+    the lowest priority, sheddable, and out of the request log. A client's request through
+    the HTTP server never carries the mark (a header such as ``x-kvserve-batch`` does nothing)."""
+    async def marked(scope, receive, send):
+        if scope.get("type") == "http":
+            scope = {**scope, BATCH_SCOPE_KEY: True}
+        await app(scope, receive, send)
+
+    return marked
+
+
+def is_batch(scope) -> bool:
+    """Whether a request is the batch runner's own (see :func:`mark_batch`)."""
+    return scope.get(BATCH_SCOPE_KEY) is True
 
 
 def parse_batch(data: bytes, endpoint: str | None = None) -> list[dict[str, Any]]:
@@ -103,8 +123,8 @@ def result_line(custom_id: str, status: int | None, body: Any, request_id: str |
 class BatchLineRunner:
     """Runs a batch's requests through an ASGI app (the gateway's own, in this process: keys,
     limits, caches, routing and replicas as for any request), at most ``concurrency`` at once,
-    each with ``x-kvserve-batch: 1`` (lowest priority, sheddable: a replica refuses or stops
-    it while live requests need it). A refusal to wait out (429, 503: deferred for live
+    each marked in its ASGI scope as batch work (:func:`mark_batch`: lowest priority,
+    sheddable: a replica refuses or stops it while live requests need it). A refusal to wait out (429, 503: deferred for live
     traffic, a full replica, a key's rate limit) is retried after its ``Retry-After`` (at most
     :data:`MAX_RETRY_WAIT_S`) until ``deadline``.
 
@@ -128,7 +148,7 @@ class BatchLineRunner:
         queue: asyncio.Queue = asyncio.Queue()
         for i, r in enumerate(requests):
             queue.put_nowait((i, r))
-        transport = httpx.ASGITransport(app=self.app)
+        transport = httpx.ASGITransport(app=mark_batch(self.app))
         async with httpx.AsyncClient(transport=transport, base_url="http://kvserve-batch", timeout=None) as http:
             async def worker():
                 while not queue.empty():
@@ -156,7 +176,7 @@ class BatchLineRunner:
                     "the batch's completion window ended before this request ran"}), False
             try:
                 resp = await http.post(r["url"], json=r["body"],
-                                       headers={**self.headers, BATCH_HEADER: "1", "x-request-id": request_id})
+                                       headers={**self.headers, "x-request-id": request_id})
             except Exception as e:  # the app itself failed (it answers errors as responses otherwise)
                 return result_line(r["custom_id"], None, None, request_id, {
                     "code": "server_error", "message": f"the request failed: {type(e).__name__}"}), False

@@ -45,7 +45,7 @@ from kvserve.deployments.contract.routing_config import AUTO_MODEL, RoutingArgs
 from kvserve.deployments.contract.facts import FactsBoard, ModelCard
 from kvserve.deployments.contract.openai_errors import OpenAIError, random_id
 from kvserve.deployments.contract.openai_requests import unknown_fields
-from kvserve.deployments.contract.types import BATCH_HEADER, WARM_HEADER, GenerateRequest
+from kvserve.deployments.contract.types import WARM_HEADER, WARM_KEY_HEADER, GenerateRequest
 from kvserve.deployments.gateway.admin import is_admin
 from kvserve.deployments.gateway.answers import Answers
 from kvserve.deployments.gateway.call import Call, GenerateSpec, UnarySpec, estimate_prompt_tokens
@@ -53,10 +53,11 @@ from kvserve.deployments.gateway.catalog import ModelCatalog
 from kvserve.deployments.gateway.errors import request_id_of
 from kvserve.deployments.gateway.experiments import Experiments, Sample
 from kvserve.deployments.gateway.request_log import RequestLog
-from kvserve.deployments.gateway.gate import GateSettings, key_name, request_policy
+from kvserve.deployments.gateway.gate import GateSettings, key_name, owner_id, request_policy
 from kvserve.deployments.gateway.channels import ChannelHub
 from kvserve.deployments.gateway.handles import ModelHandles
 from kvserve.deployments.gateway.replica_calls import ReplicaCalls
+from kvserve.deployments.gateway.batch_lines import is_batch
 from kvserve.deployments.gateway.batches import Batches
 from kvserve.deployments.gateway.files import FileStore
 from kvserve.deployments.gateway.responses_input import ResponseStore
@@ -127,15 +128,18 @@ class Gateway:
             known = {k.split()[0] for k in api_keys if k.split()}
             api_keys = list(api_keys) + [p.key for p in self.admin_keys if p.key not in known]
         self.gate = GateSettings.of(api_keys, g.max_request_body_bytes, g.auth_failures_per_minute, g.allowed_origins,
-                                    g.max_file_bytes)
+                                    g.max_file_bytes, g.forwarded_allow_ips)
         settings = CacheSettings.of(cache, lim.redis_url)
         self.cache = ResponseCache(settings) if settings.enabled else None
-        self.responses = ResponseStore(settings)  # stored Responses API responses, in the cache's backend
-        self.files = FileStore(settings, g.max_file_bytes)  # the Batch API's files, there too
-        self.batches = Batches(settings, self.files, g.batch_concurrency)
+        owners = max(1, len(self.gate.policies))  # each key's stores: an equal share of cache_max_bytes
+        self.responses = ResponseStore(settings, owners)  # stored Responses API responses, in the cache's backend
+        self.files = FileStore(settings, g.max_file_bytes, owners=owners,
+                               max_files=g.max_files_per_key)  # the Batch API's files, there too
+        self.batches = Batches(settings, self.files, g.batch_concurrency, owners=owners,
+                               max_active=g.max_active_batches_per_key, keys=self.gate.policies)
         # per-key limits: shared through Redis when given, else each gateway replica enforces its share
         self.keys = KeyLimits(RateLimiter(lim.rate_limit_rpm, lim.rate_limit_tpm, redis_url=lim.redis_url,
-                                          divide_by=max(1, g.ingress_num_replicas)))
+                                          divide_by=max(1, g.ingress_num_replicas)), g.metrics_per_key)
         self.routing = r.model_routing
         if self.routing is not None:
             self.routing.check(list(self.catalog.models))
@@ -184,9 +188,7 @@ class Gateway:
         self.warn_unknown(spec.body)
         call = await self._pick(spec)
         call.warm = self._is_warm(call)
-        call.batch = call.request.headers.get(BATCH_HEADER, "").strip().lower() in ("1", "true", "yes")
-        if self.request_log is not None and not (call.warm or call.batch):
-            self._log(call, spec)
+        call.batch = is_batch(call.request.scope)  # the batch runner's in-process mark, never a client header
         self.tracing.begin(call, spec.endpoint)
         try:
             out = await self._run(call, spec)
@@ -199,6 +201,8 @@ class Gateway:
             raise
         if out is not call:  # the upstream answered
             self.tracing.end(call, status="fallback")
+        elif self.request_log is not None and not (call.warm or call.batch):  # admitted: warming may replay it
+            self._log(call, spec)
         return out
 
     async def _run(self, call: Call, spec: GenerateSpec):
@@ -258,6 +262,13 @@ class Gateway:
             return False
         if not is_admin(self, call.request):
             raise OpenAIError(f"{WARM_HEADER} needs an admin key", 403, "permission_error", code="permission_denied")
+        name = call.request.headers.get(WARM_KEY_HEADER, "").strip()
+        if name and self.gate.policies:  # replayed under the limits of the key that sent it first
+            policy = next((p for p in self.gate.policies if p.name == name), None)
+            if policy is None:
+                raise OpenAIError(f"{WARM_KEY_HEADER}: no API key is named {name!r}", 400, param=WARM_KEY_HEADER,
+                                  code="unknown_api_key")
+            call.request.scope.setdefault("state", {})["kvserve_api_key"] = policy
         return True
 
     def _log(self, call: Call, spec: GenerateSpec) -> None:
@@ -265,7 +276,8 @@ class Gateway:
         try:
             body = spec.body.model_dump(mode="json", exclude_unset=True)
             body["model"] = call.served
-            self.request_log.record(call.served, spec.endpoint, body, deterministic(spec.body))
+            self.request_log.record(call.served, spec.endpoint, body, deterministic(spec.body),
+                                    key=key_name(call.request.scope))
         except Exception as e:  # noqa: BLE001
             logger.warning("request %s: the request log failed (%s)", call.http_id, e)
 
@@ -405,13 +417,21 @@ class Gateway:
     @staticmethod
     def _requests(call: Call, spec: GenerateSpec) -> list[GenerateRequest]:
         """What goes to the replica: one request for a chat, one per prompt of a batch (each
-        naming the batch's size, which the replica checks), with the engine's request ids."""
+        naming the batch's size, which the replica checks), with the engine's request ids and
+        ``cache_salt`` (with API keys, the key's own: :meth:`KeyPolicy.cache_salt`; without, the
+        client's, if any)."""
+        salt = getattr(spec.body, "cache_salt", None)
+        policy = request_policy(call.request.scope)
+        if policy is not None:  # one tenant's cached prefixes are invisible to another
+            salt = policy.cache_salt(salt)
         if spec.messages is not None:
             return [GenerateRequest(messages=spec.messages, tools=spec.tools, sampling_params=spec.params, n=spec.n,
-                                    request_id=call.response_id, chat_template_kwargs=spec.chat_template_kwargs)]
+                                    request_id=call.response_id, chat_template_kwargs=spec.chat_template_kwargs,
+                                    cache_salt=salt)]
         prompts = spec.prompts or []
         return [GenerateRequest(prompt=p, sampling_params=spec.params, n=spec.n, request_id=f"{call.response_id}-{i}",
-                                echo=spec.echo, num_prompts=len(prompts)) for i, p in enumerate(prompts)]
+                                echo=spec.echo, num_prompts=len(prompts), cache_salt=salt)
+                for i, p in enumerate(prompts)]
 
     async def _lookup(self, call: Call, spec: GenerateSpec) -> Lookup:
         """The response cache's verdict before any replica sees the request: a hit with the
@@ -426,6 +446,7 @@ class Gateway:
             revision += f"+variant:{a.experiment}/{a.variant}"
         return await self.cache.lookup(call.served, revision, spec.endpoint, spec.body,
                                        request_options(spec.body, call.request.headers),
+                                       owner=owner_id(call.request.scope),  # each key its own answers
                                        semantic_threshold=a.semantic_threshold if a is not None else None,
                                        variant=call.variant, warm=call.warm)
 

@@ -9,9 +9,10 @@ from typing import Literal, Union
 
 import numpy as np
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.deployments.contract.openai_errors import OpenAIError
+from kvserve.deployments.contract.openai_messages import reject_lone_surrogates
 from kvserve.deployments.contract.types import MAX_EMBEDDING_INPUTS
 from kvserve.deployments.gateway.call import UnarySpec, estimate_prompt_tokens
 from kvserve.deployments.gateway.core import Gateway
@@ -36,6 +37,12 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(None, ge=1, description="only for models trained for shorter embeddings")
     user: str | None = None
     priority: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        """A lone surrogate in an input is a 400 naming it (``reject_lone_surrogates``)."""
+        return reject_lone_surrogates(data)
 
     @field_validator("input")
     @classmethod

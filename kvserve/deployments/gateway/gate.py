@@ -8,7 +8,10 @@ pass through untouched) that, for the API paths (``/v1/...``):
 1. answers 401 (with ``WWW-Authenticate: Bearer``) when API keys are configured and
    ``Authorization: Bearer <key>`` does not carry one of them (keys compared as bytes in
    constant time, so any header value, non-ASCII included, is a 401 and never a 500), and 429
-   to a client address that sent too many wrong keys in the last minute; a matched key's
+   instead of the 401 to a client that sent too many wrong keys in the last minute (the key is
+   looked at first: a valid key is never throttled, whoever shares its address, and clears
+   the count of its client; the client is the peer, or behind ``forwarded_allow_ips`` the
+   rightmost untrusted ``X-Forwarded-For`` hop, :mod:`kvserve.deployments.limits.auth_throttle`); a matched key's
    :class:`kvserve.deployments.limits.KeyPolicy` (limits, priority) goes to the endpoint in
    ``scope["state"]`` (:func:`request_policy`);
 2. answers 413 when ``Content-Length`` exceeds the limit, and stops reading a body without a
@@ -34,7 +37,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.deployments.contract.config import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
 from kvserve.deployments.contract.openai_errors import anthropic_error_body, error_body
-from kvserve.deployments.limits import AuthFailureThrottle, KeyPolicy, find_policy, policies_from_keys
+from kvserve.deployments.limits import (AuthFailureThrottle, KeyPolicy, TrustedProxies, client_address, find_policy,
+                                        policies_from_keys)
 from kvserve.telemetry.metrics import rejected
 
 
@@ -58,30 +62,38 @@ class GateSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_file_bytes: int = DEFAULT_MAX_BODY_BYTES  # POST /v1/files (plus the multipart envelope)
     throttle: AuthFailureThrottle = field(default_factory=AuthFailureThrottle)
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
-
+    allowed_origins: list[str] = field(default_factory=list)
+    trusted_proxies: TrustedProxies = field(default_factory=TrustedProxies)
 
     @classmethod
     def of(cls, api_keys: list[str] | list[KeyPolicy] | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
            auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE,
-           allowed_origins: list[str] | None = None, max_file_bytes: int | None = None) -> "GateSettings":
+           allowed_origins: list[str] | None = None, max_file_bytes: int | None = None,
+           forwarded_allow_ips: list[str] | None = None) -> "GateSettings":
         """The gate of a replica. ``api_keys``: key entries (``"<key> [name=..] [rpm=..]
         [tpm=..] [priority=..]"``, see :mod:`kvserve.deployments.limits`) or :class:`KeyPolicy`
-        objects. ``allowed_origins``: CORS origins (default ``["*"]``; ``[]``: no CORS headers).
-        ``max_file_bytes``: the body limit of ``POST /v1/files`` (default ``max_body_bytes``).
+        objects. ``allowed_origins``: CORS origins (``[]``: no CORS headers; None, the default:
+        ``["*"]`` when keys are set, since a page must then know a key, and none without keys,
+        so no web page can read an open local server). ``max_file_bytes``: the body limit of
+        ``POST /v1/files`` (default ``max_body_bytes``). ``forwarded_allow_ips``: addresses or
+        CIDRs of the proxies whose ``X-Forwarded-For`` names the client for the wrong-key
+        throttle (none: the connection's peer).
 
         Raises:
-            ValueError: ``max_body_bytes`` or ``auth_failures_per_minute`` < 1, or a bad key entry.
+            ValueError: ``max_body_bytes`` or ``auth_failures_per_minute`` < 1, a bad key entry,
+                or a ``forwarded_allow_ips`` entry that is no address or network.
         """
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
         if auth_failures_per_minute < 1:
             raise ValueError(f"auth_failures_per_minute must be positive, got {auth_failures_per_minute}")
         keys = list(api_keys or [])
+        if allowed_origins is None:
+            allowed_origins = ["*"] if keys else []
         return cls(policies=keys if all(isinstance(k, KeyPolicy) for k in keys) else policies_from_keys(keys),
                    max_body_bytes=max_body_bytes, max_file_bytes=max(max_body_bytes, max_file_bytes or 0),
                    throttle=AuthFailureThrottle(max_failures=auth_failures_per_minute, window_s=60.0),
-                   allowed_origins=["*"] if allowed_origins is None else list(allowed_origins))
+                   allowed_origins=list(allowed_origins), trusted_proxies=TrustedProxies(forwarded_allow_ips or ()))
 
 
 def install(app, settings: GateSettings) -> None:
@@ -175,17 +187,22 @@ class RequestGate:
         s = self.settings
         headers = dict(scope.get("headers") or [])
         if s.policies and route_path(scope) not in OPEN_PATHS:  # deny by default
-            client = (scope.get("client") or ("unknown", 0))[0]
-            wait = s.throttle.retry_after(client)
-            if wait is not None:  # this address sent too many wrong keys: not even checked now
-                _count_rejected("auth_throttled")
-                return await _send_error(send, 429, "too many failed authentication attempts from this address, "
-                                                    "retry later", "auth_throttled",
-                                         {"Retry-After": str(max(1, math.ceil(wait)))}, scope)
-            # the key: OpenAI's Authorization: Bearer, or Anthropic's x-api-key
+            client = client_address((scope.get("client") or ("unknown", 0))[0],
+                                    [v for k, v in scope.get("headers") or () if k == b"x-forwarded-for"],
+                                    s.trusted_proxies)
+            # the key first: a valid one is never throttled by what others sharing its address sent
+            # (OpenAI's Authorization: Bearer, or Anthropic's x-api-key)
             token = bearer_token(headers.get(b"authorization", b"")) or headers.get(b"x-api-key", b"").strip() or None
             policy = find_policy(token, s.policies) if token else None
-            if policy is None:
+            if policy is not None:
+                s.throttle.record_success(client)
+            else:
+                wait = s.throttle.retry_after(client)
+                if wait is not None:  # this client sent too many wrong keys
+                    _count_rejected("auth_throttled")
+                    return await _send_error(send, 429, "too many failed authentication attempts from this address, "
+                                                        "retry later", "auth_throttled",
+                                             {"Retry-After": str(max(1, math.ceil(wait)))}, scope)
                 s.throttle.record_failure(client)
                 _count_rejected("unauthorized")
                 return await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>' "

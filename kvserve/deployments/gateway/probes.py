@@ -7,7 +7,7 @@ import logging
 from fastapi.responses import Response
 
 from kvserve.deployments.gateway.errors import error_response
-from kvserve.telemetry.metrics import render
+from kvserve.telemetry.metrics import cached_render
 
 logger = logging.getLogger("ray.serve")
 
@@ -16,9 +16,16 @@ def _engine_dead(exc: BaseException) -> bool:
     return type(getattr(exc, "cause", exc)).__name__ == "EngineDeadError"
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """The replica's own probe timed out (its engine is busy, not dead: ``LLMServer.health``)."""
+    return isinstance(getattr(exc, "cause", exc), TimeoutError)
+
+
 async def health(gw) -> dict | Response:
     """200 when every model's server (embedding models' too) answers its health probe now (no caching: a dead
-    engine, a dead tensor-parallel worker or a replica still loading is a 503 at once)."""
+    engine, a dead tensor-parallel worker or a replica still loading is a 503 at once). A probe
+    the replica does not answer in time is a 503 ``not responding`` for that probe alone: it
+    never marks the engine dead nor touches a request (``LLMServer.health``)."""
     async def probe(name: str) -> str | None:
         try:
             await asyncio.wait_for(gw.handles.all()[name].health.remote(), gw.probe_timeout_s)
@@ -27,7 +34,8 @@ async def health(gw) -> dict | Response:
             return "not responding"
         except Exception as e:  # the details (Ray's actor ids, addresses) go to the log only
             logger.warning("health probe of model %s failed", name, exc_info=e)
-            return "engine stopped, being replaced" if _engine_dead(e) else "not available"
+            return ("engine stopped, being replaced" if _engine_dead(e) else
+                    "not responding" if _timed_out(e) else "not available")
 
     problems = dict(zip(gw.handles.all(), await asyncio.gather(*(probe(n) for n in gw.handles.all()))))
     bad = {n: p for n, p in problems.items() if p is not None}
@@ -85,6 +93,7 @@ class Readiness:
 
 async def metrics() -> Response:
     """Prometheus exposition of every kvserve process on this node (the engines' vLLM-named
-    metrics, the gateway's, the autoscaler's); see :mod:`kvserve.telemetry.metrics`."""
-    body, ctype = await asyncio.to_thread(render)
+    metrics, the gateway's, the autoscaler's); see :mod:`kvserve.telemetry.metrics`. Calls at once
+    share renders (:class:`kvserve.telemetry.registry.CoalescedRender`): one read of the files at a time."""
+    body, ctype = await asyncio.to_thread(cached_render)
     return Response(body, media_type=ctype)

@@ -1,8 +1,16 @@
 """Calls to a model's replicas as the pipeline makes them: a stream opened up to its first chunk
-(:meth:`ReplicaCalls.open`) or a one-answer method (:meth:`ReplicaCalls.ask`). A replica lost
-before it answered (its node gone: ``model_unavailable``) produced nothing, so the call is made
-again, up to :data:`UNAVAILABLE_RETRIES` times (Serve's router has dropped the dead replica by
-then). Whatever refuses the call comes back as an :class:`~kvserve.deployments.contract.openai_errors.OpenAIError`:
+(:meth:`ReplicaCalls.open`) or a one-answer method (:meth:`ReplicaCalls.ask`).
+
+A generating request is never run twice. It is sent again (up to :data:`UNAVAILABLE_RETRIES`
+times) only when the first attempt is known not to have started on any replica
+(:func:`never_started`: Serve had no replica to send it to, or the replica's actor never came
+up). A replica lost under it (``ActorDiedError``, ``ActorUnavailableError``: its node gone, or
+unreachable) may already have admitted it and run part of it, or (unreachable, not dead) be
+running it still, so that is the client's 503 ``model_unavailable``, its own to retry. (Serve's
+router takes a replica out of rotation at the first call that fails with ``ActorDiedError``, so
+the next request goes elsewhere.) The one-answer methods (:data:`READ_ONLY_METHODS`: tokenize, detokenize,
+embed) change nothing, so they are sent again after any ``model_unavailable`` (Serve's router
+has dropped the dead replica by then). Whatever refuses the call comes back as an :class:`~kvserve.deployments.contract.openai_errors.OpenAIError`:
 the replica's typed verdict as it is (a full queue, a request too large, a prompt over the
 context), Serve's refusals (``queue_full`` 429, ``model_unavailable`` 503) counted, anything else
 a 500 naming only the request id."""
@@ -21,8 +29,32 @@ from kvserve.deployments.gateway.streams import ChunkStream
 
 logger = logging.getLogger("ray.serve")
 
-#: Times a request is sent again when its replica died before its first chunk (nothing generated).
+#: Times a request is sent again when it never reached a replica (or, for a read-only method, when
+#: its replica was lost).
 UNAVAILABLE_RETRIES = 2
+#: Replica methods that change nothing (no engine step, no stored state): safe to run twice.
+READ_ONLY_METHODS = frozenset({"tokenize", "detokenize", "embed"})
+
+
+def never_started(exc: BaseException) -> bool:
+    """Whether the failure ``exc`` of a replica call proves the call never started on a replica:
+    Serve found no replica to send it to (``DeploymentUnavailableError``), or the replica's
+    actor died in its constructor (``ActorDiedError.actor_init_failed``), before it could take
+    any call. A replica that died or went unreachable otherwise may have run it."""
+    from ray.exceptions import ActorDiedError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    if isinstance(exc, DeploymentUnavailableError):
+        return True
+    return isinstance(exc, ActorDiedError) and bool(getattr(exc, "actor_init_failed", False))
+
+
+class _NotStarted(Exception):
+    """A refusal of a call that never reached a replica (safe to send again)."""
+
+    def __init__(self, error: OpenAIError):
+        super().__init__(error.message)
+        self.error = error
 
 
 class ReplicaCalls:
@@ -57,10 +89,10 @@ class ReplicaCalls:
                 try:
                     first = await self._first_chunk(call, gen)
                     break
-                except OpenAIError as e:
-                    if e.code != "model_unavailable" or attempt == UNAVAILABLE_RETRIES:
-                        raise
-                    logger.info("request %s: the replica was lost before its first token; sent again", call.http_id)
+                except _NotStarted as e:
+                    if attempt == UNAVAILABLE_RETRIES:
+                        raise e.error from None
+                    logger.info("request %s: no replica took it (%s); sent again", call.http_id, e.error.code)
                     await asyncio.sleep(0.2 * (attempt + 1))
         except BaseException as e:  # the request left before its first token
             if shedder is not None:
@@ -87,6 +119,9 @@ class ReplicaCalls:
         """``call.handle.<method>.remote(*args, **kwargs)``'s answer; a typed ``error`` on it (the
         replica's verdict) is raised as its :class:`OpenAIError`.
 
+        A read-only method (:data:`READ_ONLY_METHODS`) is sent again after ``model_unavailable``;
+        any other only when it never reached a replica (:func:`never_started`).
+
         Raises:
             OpenAIError: the replica's verdict, Serve's refusal, or a 500 (logged).
         """
@@ -96,7 +131,8 @@ class ReplicaCalls:
                 break
             except Exception as e:  # (a cancellation is no Exception: it goes through)
                 err = self.error(call, e)
-                if err.code != "model_unavailable" or attempt == UNAVAILABLE_RETRIES:
+                again = err.code == "model_unavailable" and (method in READ_ONLY_METHODS or never_started(e))
+                if not again or attempt == UNAVAILABLE_RETRIES:
                     raise err from None
                 await asyncio.sleep(0.2 * (attempt + 1))
         if getattr(out, "error", None) is not None:
@@ -115,7 +151,8 @@ class ReplicaCalls:
         return err
 
     async def _first_chunk(self, call: Call, gen) -> GenerationChunk:
-        """The stream's first chunk; a refusal or failure as an :class:`OpenAIError`."""
+        """The stream's first chunk; a refusal or failure as an :class:`OpenAIError` (wrapped in
+        :class:`_NotStarted` when the request never reached a replica)."""
         try:
             first = await gen.__anext__()
         except asyncio.CancelledError:  # the client went away before the first token
@@ -125,7 +162,8 @@ class ReplicaCalls:
             logger.error("request %s: the model server returned no output", call.http_id)
             raise internal(call.http_id) from None
         except Exception as e:
-            raise self.error(call, e) from None
+            err = self.error(call, e)
+            raise (_NotStarted(err) if err.code == "model_unavailable" and never_started(e) else err) from None
         if first.error is not None:  # the replica's own verdict: a client error, a full queue, a dead engine
             raise OpenAIError.of(first.error)
         return first

@@ -1,16 +1,20 @@
 """The opt-in request log that cache warming reads (``kvserve warm``, :mod:`kvserve.deployments.operator.warm`).
 
-One JSON line per generating request a gateway replica received (warming's own requests
-excepted), in ``<request_log_dir>/requests-<gateway id>.jsonl`` (one file per gateway replica, so
+One JSON line per generating request a gateway replica admitted (its key's limits passed and a
+replica took it, or the response cache answered it; refused requests, warming's and batch jobs'
+own are not logged), in ``<request_log_dir>/requests-<gateway id>.jsonl`` (one file per gateway replica, so
 replicas never share a file), rotated by the standard library's ``RotatingFileHandler`` at
 ``request_log_max_bytes`` with ``request_log_backups`` old files kept: the log never holds more
 than ``max_bytes * (backups + 1)`` bytes per gateway replica. Lines are written by a
 ``QueueListener`` thread: a request never waits on the disk. The directory is made owner-only
-(0700).
+(0700) and every file, the current one and each made at a rotation, is created owner-only
+(0600) whatever the process's umask (:class:`_PrivateRotatingFileHandler`; rotation renames
+files, so the old ones keep that mode).
 
 A line: ``{"t": Unix seconds, "model": served name, "endpoint": "chat" | "completion",
 "fingerprint": hash of the request, "cacheable": the response cache could store its answer,
-"system_fingerprint": hash of the chat's system prompt or null}``, and, only with
+"system_fingerprint": hash of the chat's system prompt or null, "admitted": true, "key": the
+name of its API key (its ``name=``, never the key; ``anonymous`` without keys)}``, and, only with
 ``request_log_prompts: store``, ``"body"`` (the request as the client sent it, without
 ``stream``, ``stream_options`` and ``user``) and ``"system"`` (the system prompt's text). With the
 default ``hash``, the log says which requests recur and how often, never what they said, and
@@ -52,6 +56,22 @@ def system_prompt(body: dict) -> str | None:
     return content if isinstance(content, str) and content else None
 
 
+class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """The standard library's ``RotatingFileHandler`` whose files are created 0600 (owner read
+    and write only), never with the umask's mode: it opens each file itself, the first and the
+    one a rotation starts, with ``os.open(..., 0o600)``, and sets that mode on a file that was
+    there already."""
+
+    def _open(self):
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+        except BaseException:
+            os.close(fd)
+            raise
+
+
 class RequestLog:
     """One gateway replica's request log (see the module docstring).
 
@@ -76,10 +96,8 @@ class RequestLog:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.path = os.path.join(directory, f"requests-{name or f'{os.getpid()}-{os.urandom(3).hex()}'}.jsonl")
         self.prompts = prompts
-        handler = logging.handlers.RotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups,
-                                                       encoding="utf-8")
+        handler = _PrivateRotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(message)s"))
-        os.chmod(self.path, 0o600)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._logger = logging.getLogger(f"kvserve.request_log.{id(self)}")
         self._logger.propagate = False
@@ -89,12 +107,14 @@ class RequestLog:
         self._listener.start()
         self._handler = handler
 
-    def record(self, model: str, endpoint: str, body: dict, cacheable: bool) -> None:
-        """Log one request (``body``: as the client sent it, a dict)."""
+    def record(self, model: str, endpoint: str, body: dict, cacheable: bool, key: str = "anonymous") -> None:
+        """Log one admitted request (``body``: as the client sent it, a dict; ``key``: its API
+        key's name, under whose limits warming replays it)."""
         system = system_prompt(body)
         line = {"t": round(time.time(), 3), "model": model, "endpoint": endpoint,
                 "fingerprint": fingerprint(model, endpoint, body), "cacheable": bool(cacheable),
-                "system_fingerprint": None if system is None else hashlib.sha256(system.encode()).hexdigest()[:32]}
+                "system_fingerprint": None if system is None else hashlib.sha256(system.encode()).hexdigest()[:32],
+                "admitted": True, "key": key}
         if self.prompts == "store":
             line["body"] = {k: v for k, v in body.items() if k not in VOLATILE_FIELDS}
             line["system"] = system

@@ -13,7 +13,9 @@ cut the answer, and a stream of typed events, each with a ``sequence_number``:
 ``response.completed`` (or ``response.incomplete``). With ``store`` (the default, as OpenAI's)
 the response and its conversation are kept (:class:`~kvserve.deployments.gateway.responses_input.ResponseStore`)
 for ``GET`` and for a later request's ``previous_response_id``; ``instructions`` are not carried
-over (as OpenAI's)."""
+over (as OpenAI's). A response that asked to be stored and was not (the store failed, or it is
+larger than the key's share of the store) says so: its ``store`` is ``false``, and a whole
+answer carries the header :data:`STORE_HEADER` ``failed``."""
 from __future__ import annotations
 
 import itertools
@@ -24,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.deployments.contract.types import GenerationChunk, finish_reason
 from kvserve.deployments.gateway.call import Call
@@ -33,6 +35,10 @@ from kvserve.deployments.gateway.core import Gateway
 from kvserve.deployments.gateway.gate import owner_id
 from kvserve.deployments.gateway.responses_input import ResponsesRequest, ResponseStore
 from kvserve.deployments.gateway.streams import SSE_HEADERS, usage_of
+
+
+#: Response header of a ``store: true`` response that was not stored: ``failed``.
+STORE_HEADER = "x-kvserve-store"
 
 
 def _item_id(prefix: str) -> str:
@@ -63,6 +69,7 @@ class ResponseBuilder:
         self.call, self.body, self.store, self.conversation, self.owner = call, body, store, conversation, owner
         self.id = "resp_" + call.response_id.split("-", 1)[1]
         self.created = time.time()
+        self.store_failed = False  # asked to be stored, and the store did not take it
 
     def response(self, status: str, output: list[dict[str, Any]], lasts: dict | None = None) -> dict[str, Any]:
         """The response object (``status`` ``in_progress``, ``completed`` or ``incomplete``)."""
@@ -94,8 +101,10 @@ class ResponseBuilder:
         the generation's final chunk), stored when the request asked."""
         status = "incomplete" if finish_reason(last.finish_reason) == "length" else "completed"
         resp = self.response(status, output, {(0, 0): last})
-        if self.store is not None:
-            await self.store.put(resp, self.conversation + conversation_of(output), self.owner)
+        if self.store is not None and not await self.store.put(resp, self.conversation + conversation_of(output),
+                                                               self.owner):
+            self.store_failed = True
+            resp["store"] = False  # not kept: a later GET or previous_response_id would not find it
         return resp
 
 
@@ -133,7 +142,10 @@ async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequ
     output += [_message_item(_item_id("msg"), msg.content, "completed")] if msg.content else []
     output += [_call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed")
                for c in msg.tool_calls or []]
-    return await builder.final(output, whole)
+    resp = await builder.final(output, whole)
+    if builder.store_failed:
+        return JSONResponse(resp, headers={STORE_HEADER: "failed"})
+    return resp
 
 
 async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,

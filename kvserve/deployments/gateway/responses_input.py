@@ -74,6 +74,7 @@ class ResponsesRequest(BaseModel):
     # kvserve's (and vLLM's) extensions
     seed: int | None = None
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=512)  # vLLM's: see the chat request's
     # refused when set (they change the answer and are not supported)
     background: bool | None = None
     truncation: str | None = None
@@ -215,20 +216,24 @@ class ResponseStore:
     MODEL = "responses"  # the stores' model tag of every stored response
     PREFIX = "kvserve:resp:"  # Redis: each owner's keys under kvserve:resp:<owner>:
 
-    def __init__(self, settings: CacheSettings):
+    def __init__(self, settings: CacheSettings, owners: int = 1):
         self.settings = settings
-        self.owners = OwnerStores(settings, self.PREFIX)
+        self.owners = OwnerStores(settings, self.PREFIX, owners=owners)  # each owner: 1/owners of the bytes
 
     def store_of(self, owner: str):
         """The store of ``owner``'s responses (made on first use)."""
         return self.owners.store_of(owner)
 
-    async def put(self, response: dict[str, Any], messages: list[dict[str, Any]], owner: str) -> None:
+    async def put(self, response: dict[str, Any], messages: list[dict[str, Any]], owner: str) -> bool:
         """Keep ``response`` (its ``id``) with the conversation ``messages`` it ends, in
-        ``owner``'s store (its least recently used go past the owner's bounds)."""
+        ``owner``'s store (its least recently used go past the owner's bounds); False when it
+        was not kept (larger than the owner's bytes, or the backend failed)."""
         data = json.dumps({"response": response, "messages": messages, "owner": owner},
                           separators=(",", ":"), ensure_ascii=False).encode()
-        await self.store_of(owner).put(self.MODEL, response["id"], data, RESPONSE_TTL_S)
+        try:
+            return await self.store_of(owner).put(self.MODEL, response["id"], data, RESPONSE_TTL_S)
+        except OpenAIError:  # StoreUnavailable: the caller says so in the response
+            return False
 
     async def get(self, response_id: str, owner: str, param: str | None = None) -> dict[str, Any]:
         """The stored record of ``response_id`` (``response``, ``messages``) of ``owner``.

@@ -40,6 +40,14 @@ def sse(obj: BaseModel | dict) -> bytes:
 CHANNEL_GRACE_S = 10.0
 
 
+def stream_incomplete() -> OpenAIError:
+    """The error of an answer whose stream lost chunks or ended before its last one (a channel
+    or replica gone mid-stream): the client gets it (an SSE error event once the stream has
+    started) instead of an answer with a hole, and nothing is cached."""
+    return OpenAIError("the model server's stream of this answer was cut off before it ended (part of it is "
+                       "missing); retry the request", 503, "server_error", code="stream_incomplete")
+
+
 class ChunkStream:
     """One request's chunks (``n`` choices interleaved, each ending with its own finished
     chunk), with the first already fetched (so bad input fails as an HTTP error before any
@@ -49,14 +57,22 @@ class ChunkStream:
     ``channel``: ``(queue, on_close)`` when the first chunk said the rest comes on the
     gateway's channel (:mod:`kvserve.deployments.gateway.channels`): the chunks are then read from
     ``queue``, into which the request's own stream is pumped too (it carries an error, or the
-    rest when the channel ended); ``on_close`` runs once at the end."""
+    rest when the channel ended); ``on_close`` runs once at the end.
 
-    def __init__(self, gen, first: GenerationChunk, n: int = 1, on_end=None, channel=None):
+    No hole is ever passed on (issue 63): the replica numbers every chunk of a request
+    (``GenerationChunk.seq``), chunks that came on the two streams are put back in that order,
+    and a stream that ends with a chunk missing, or before every choice finished, raises
+    :func:`stream_incomplete` (``ordered=False``: a cached answer's replay, not numbered by a
+    replica)."""
+
+    def __init__(self, gen, first: GenerationChunk, n: int = 1, on_end=None, channel=None, ordered: bool = True):
         self.gen, self.first, self.left = gen, first, n - first.finished
         self.done = False
         self.on_end = on_end  # called once when the stream ends (finished, failed or cancelled)
         self.record: list[GenerationChunk] | None = None
         self.channel = channel
+        self.ordered = ordered
+        self.next_seq = first.seq + 1  # the seq of the chunk that must come next
         self._pump: asyncio.Task | None = None
         if self.left == 0:
             self._end()
@@ -72,13 +88,22 @@ class ChunkStream:
             on_close()
 
     async def _rest(self) -> AsyncIterator[GenerationChunk]:
-        """The chunks after the first: from the request's own stream, or from the channel's
-        queue (with the own stream pumped into it; after the own stream ends, the channel has
-        :data:`CHANNEL_GRACE_S` seconds to bring what is left). The pump runs until the own
-        stream ends by itself (the replica ends it once the last chunk is on the channel), or
-        :meth:`cancel` cancels that stream."""
+        """The chunks after the first, in ``seq`` order: from the request's own stream, or from
+        the channel's queue (with the own stream pumped into it; after the own stream ends, the
+        channel has :data:`CHANNEL_GRACE_S` seconds to bring what is left). The pump runs until
+        the own stream ends by itself (the replica ends it once the channel took the last
+        chunk), or :meth:`cancel` cancels that stream. A chunk with an error is passed on at
+        once, whatever came before it.
+
+        Raises:
+            OpenAIError: :func:`stream_incomplete` for a gap on the own stream alone.
+        """
         if self.channel is None:
             async for chunk in self.gen:
+                if self.ordered and chunk.error is None:
+                    if chunk.seq != self.next_seq:  # one stream keeps order: a chunk never came
+                        raise stream_incomplete()
+                    self.next_seq += 1
                 yield chunk
             return
         queue, _ = self.channel
@@ -99,21 +124,28 @@ class ChunkStream:
 
         self._pump = asyncio.get_running_loop().create_task(pump())
         own_stream_open = True
+        early: dict[int, GenerationChunk] = {}  # chunks that came before one they follow
         while True:
             try:
                 item = await (queue.get() if own_stream_open else asyncio.wait_for(queue.get(), CHANNEL_GRACE_S))
             except TimeoutError:
-                return
+                return  # what is still missing never came: chunks() raises
             if item is ended:
                 own_stream_open = False
             elif isinstance(item, Exception):
                 raise item
-            else:
+            elif item.error is not None:
                 yield item
+            elif item.seq >= self.next_seq:  # (an older seq would be a copy: never sent, never passed on)
+                early[item.seq] = item
+                while self.next_seq in early:
+                    self.next_seq += 1
+                    yield early.pop(self.next_seq - 1)
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The chunks; one with ``error`` (e.g. the request ran past the server's
-        ``request_timeout_s``, or the engine stopped) raises it as an :class:`OpenAIError`."""
+        ``request_timeout_s``, or the engine stopped) raises it as an :class:`OpenAIError`, and
+        so does a stream that lost a chunk or ended before its last (:func:`stream_incomplete`)."""
         if self.record is not None:
             self.record.append(self.first)
         yield self.first
@@ -132,6 +164,7 @@ class ChunkStream:
             if self.done:
                 return
         self._end()  # the replica's stream ended without the last choice's finished chunk
+        raise stream_incomplete()
 
     @classmethod
     def replay(cls, chunks: list[GenerationChunk], n: int) -> "ChunkStream":
@@ -140,7 +173,7 @@ class ChunkStream:
             for c in chunks[1:]:
                 yield c
 
-        return cls(rest(), chunks[0], n)
+        return cls(rest(), chunks[0], n, ordered=False)
 
     def cancel(self) -> None:
         """Stop the replica's generation (a no-op once the stream ended)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvserve.deployments.contract.openai_messages import ChatMessage, ToolDef
+from kvserve.deployments.contract.openai_messages import ChatMessage, ToolDef, reject_lone_surrogates
 from kvserve.deployments.gateway.call import UnarySpec
 from kvserve.deployments.gateway.core import Gateway
 
@@ -30,6 +30,12 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        """A lone surrogate in the body is a 400 naming the field (see ``reject_lone_surrogates``)."""
+        return reject_lone_surrogates(data)
 
     @model_validator(mode="after")
     def _one_of(self):

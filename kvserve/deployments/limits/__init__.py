@@ -12,8 +12,9 @@ is given a ``redis_url``. Four modules, one concern each:
    (requests and tokens per minute), in this process or in Redis; :class:`RateLimited` (wait,
    429) and :class:`NeverFits` (the request can never pass).
 3. :mod:`kvserve.deployments.limits.auth_throttle` -- :class:`AuthFailureThrottle`: after
-   ``max_failures`` missing or wrong keys from one client address within ``window_s``, that
-   address waits (sliding window log).
+   ``max_failures`` missing or wrong keys from one client within ``window_s``, its further wrong
+   keys get 429 (sliding window log; valid keys are never throttled); :func:`client_address`,
+   the client behind trusted proxies (``X-Forwarded-For``, rightmost untrusted hop).
 4. :mod:`kvserve.deployments.limits.key_limits` -- :class:`KeyLimits`, the gateway's per-key admission
    (the buckets as OpenAI errors, the per-key metrics), and :class:`KeyUse`, one admitted
    request's reservation, settled when it ends.
@@ -29,7 +30,7 @@ How the gateway uses it, per request::
     try: ... generate ...
     finally: await limiter.settle(grant, prompt_tokens + completion_tokens)
 """
-from kvserve.deployments.limits.auth_throttle import AuthFailureThrottle
+from kvserve.deployments.limits.auth_throttle import AuthFailureThrottle, TrustedProxies, client_address
 from kvserve.deployments.limits.policies import (KeyPolicy, find_policy, key_name, load_key_file, parse_key_lines,
                                          policies_from_keys)
 from kvserve.deployments.limits.rate_limiter import Grant, NeverFits, RateLimited, RateLimiter
@@ -41,6 +42,8 @@ __all__ = [
     "NeverFits",
     "RateLimited",
     "RateLimiter",
+    "TrustedProxies",
+    "client_address",
     "find_policy",
     "key_name",
     "load_key_file",

@@ -19,11 +19,19 @@ class KeyLimits:
 
     Args:
         limiter: the buckets (in this process or shared through Redis).
+        per_key_labels: label the per-key counters with each key's name (``metrics_per_key``);
+            off (the default), their ``api_key`` label is empty for every key (``anonymous``
+            without keys), so the open ``/metrics`` names no tenant.
     """
 
-    def __init__(self, limiter: RateLimiter):
+    def __init__(self, limiter: RateLimiter, per_key_labels: bool = False):
         self.limiter = limiter
+        self.per_key_labels = per_key_labels
         self._tokens, self._requests, self._rejected = api_key_tokens(), api_key_requests(), rejected()
+
+    def label(self, key: str) -> str:
+        """The ``api_key`` label of key name ``key`` (see ``per_key_labels``)."""
+        return key if self.per_key_labels or key == "anonymous" else ""
 
     def reserves(self, policy: KeyPolicy | None) -> bool:
         """Whether admitting a request of ``policy`` takes tokens from a bucket (then the caller
@@ -56,13 +64,13 @@ class KeyLimits:
                     raise OpenAIError("this API key may not send requests", 403, "permission_error",
                                       code="permission_denied") from None
                 raise OpenAIError(str(e), 400, param="max_tokens", code="too_large") from None
-        self._requests.inc({"api_key": key, "model_name": served, "variant": variant})
+        self._requests.inc({"api_key": self.label(key), "model_name": served, "variant": variant})
         return KeyUse(self, key, served, grant, max(priority, policy.priority if policy is not None else priority),
                       variant)
 
     async def settle(self, use: "KeyUse", prompt_tokens: int, generation_tokens: int) -> None:
         """Count what ``use`` used and give the rest of its reservation back (see :meth:`KeyUse.settle`)."""
-        labels = {"api_key": use.key, "model_name": use.model, "variant": use.variant}
+        labels = {"api_key": self.label(use.key), "model_name": use.model, "variant": use.variant}
         self._tokens.inc({**labels, "kind": "prompt"}, prompt_tokens)
         self._tokens.inc({**labels, "kind": "generation"}, generation_tokens)
         if use.grant is not None:

@@ -8,11 +8,15 @@ Key file format, one key per line::
     sk-plain-key                                  # the old format: a key alone
     sk-team-a  name=team-a  rpm=60  tpm=20000  priority=-1
     sk-batch   name=batch   rpm=inf  priority=5   # inf: no limit even when a default is set
+    sk-app-1   name=app-1   prefix_cache_group=app  # keys of one group share cached prefixes
 
 ``rpm`` / ``tpm``: requests / tokens per minute (numbers >= 0; ``0``: none at all; absent: the
 server's default). ``priority``: an integer for the engine scheduler, lower runs first (vLLM's
 convention). ``name``: the label for metrics and logs, by default
-``"key-" + sha256(key).hexdigest()[:8]``. Errors name the line, never the key.
+``"key-" + sha256(key).hexdigest()[:8]``. ``prefix_cache_group``: keys naming the same group
+share the engine's cached prompt prefixes (and see each other's hits in ``cached_tokens``);
+by default each key's prefixes are its own (:meth:`KeyPolicy.cache_salt`). Errors name the
+line, never the key.
 """
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,63}")
-_ATTRS = ("name", "rpm", "tpm", "priority")
-_ATTR_PREFIX = re.compile(r"(?:name|rpm|tpm|priority)=")
+_ATTRS = ("name", "rpm", "tpm", "priority", "prefix_cache_group")
+_ATTR_PREFIX = re.compile(r"(?:name|rpm|tpm|priority|prefix_cache_group)=")
 
 
 def key_name(key: str) -> str:
@@ -52,12 +56,16 @@ class KeyPolicy:
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
     priority: int = 0
+    #: keys of one group share cached prompt prefixes; None: this key's are its own
+    prefix_cache_group: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             object.__setattr__(self, "name", key_name(self.key))
         elif not _NAME_RE.fullmatch(self.name):
             raise ValueError(f"invalid key name {self.name!r}: use 1-64 characters of [A-Za-z0-9._:@/+-]")
+        if self.prefix_cache_group is not None and not _NAME_RE.fullmatch(self.prefix_cache_group):
+            raise ValueError("prefix_cache_group must be 1-64 characters of [A-Za-z0-9._:@/+-]")
         for attr in ("requests_per_minute", "tokens_per_minute"):
             v = getattr(self, attr)
             if v is not None and not v >= 0:  # `not >=` also catches NaN
@@ -69,6 +77,16 @@ class KeyPolicy:
         digits of SHA-256 over the key's bytes (domain-separated), never the key itself. It
         follows the key, not its ``name``: a new key under an old name is another owner."""
         return "owner-" + hashlib.sha256(b"kvserve-owner\0" + self.key.encode()).hexdigest()[:32]
+
+    def cache_salt(self, client_salt: str | None = None) -> str:
+        """The engine's ``cache_salt`` for this key's requests (part of the first KV block's
+        hash: only requests with equal salts share cached prefixes): ``"group:<group>"`` for a
+        key of a :attr:`prefix_cache_group`, else the key's :attr:`owner_id`, so no tenant's
+        prefixes are visible to another (vLLM's ``cache_salt``, set per tenant). A client's own
+        ``cache_salt`` narrows it further (``<that>#<client salt>``; neither part contains ``#``
+        before the first one, so two pairs never give one string)."""
+        scope = f"group:{self.prefix_cache_group}" if self.prefix_cache_group else self.owner_id
+        return scope if client_salt is None else f"{scope}#{client_salt}"
 
 
 def _parse_entries(entries: Iterable[tuple[int, str]], where: str) -> list[KeyPolicy]:
@@ -87,13 +105,14 @@ def _parse_entries(entries: Iterable[tuple[int, str]], where: str) -> list[KeyPo
         at = f"{where} {n}"
         key, attrs = words[0], words[1:]
         if _ATTR_PREFIX.match(key):
-            raise ValueError(f"{at}: the key must come first, before name=, rpm=, tpm=, priority=")
+            raise ValueError(f"{at}: the key must come first, before name=, rpm=, tpm=, priority=, prefix_cache_group=")
         values: dict[str, str] = {}
         for w in attrs:
             # Never echo the word: a key with a space in it would end up here.
             attr, eq, value = w.partition("=")
             if not eq or attr not in _ATTRS:
-                raise ValueError(f"{at}: unknown attribute after the key (expected name=, rpm=, tpm=, priority=)")
+                raise ValueError(f"{at}: unknown attribute after the key (expected name=, rpm=, tpm=, priority=, "
+                                 "prefix_cache_group=)")
             if attr in values:
                 raise ValueError(f"{at}: {attr}= given twice")
             values[attr] = value
@@ -112,6 +131,10 @@ def _parse_entries(entries: Iterable[tuple[int, str]], where: str) -> list[KeyPo
                 kwargs["priority"] = int(values["priority"])
             except ValueError:
                 raise ValueError(f"{at}: priority= must be an integer") from None
+        if "prefix_cache_group" in values:
+            if not _NAME_RE.fullmatch(values["prefix_cache_group"]):
+                raise ValueError(f"{at}: prefix_cache_group= must be 1-64 characters of [A-Za-z0-9._:@/+-]")
+            kwargs["prefix_cache_group"] = values["prefix_cache_group"]
         if "name" in values:
             if not _NAME_RE.fullmatch(values["name"]):
                 raise ValueError(f"{at}: name= must be 1-64 characters of [A-Za-z0-9._:@/+-]")

@@ -4,14 +4,19 @@ The design's recipe: "identify frequently occurring prompts from historical data
 responses in large batches during off-peak hours, and populate your cache". From the opt-in
 request log (:mod:`kvserve.deployments.gateway.request_log`, ``request_log_prompts: store``):
 
-1. :func:`plan`: the requests of the last ``window_s`` seconds, grouped by fingerprint; the
+1. :func:`plan`: the admitted requests of the last ``window_s`` seconds (lines without
+   ``"admitted": true``, from logs of older versions that logged refused requests too, are
+   skipped), grouped by fingerprint; the
    ``top`` most frequent cacheable ones seen at least ``min_count`` times are replayed (their
    answers fill the exact and semantic response caches), and the ``top_system`` most frequent
    system prompts shared by at least ``min_count`` requests are prefilled once (a one-token
    request that does not touch the response cache), so a replica's prefix cache holds them
    and the prefix-aware router sends their conversations there.
 2. :func:`replay`: sends the plan to the gateway at no more than ``rate`` requests per second,
-   ``concurrency`` at a time, each marked ``x-kvserve-warm: 1`` with an admin key. The gateway
+   ``concurrency`` at a time, each marked ``x-kvserve-warm: 1`` with an admin key and, naming
+   the API key that sent it first, ``x-kvserve-warm-key``: the gateway admits the replay under
+   that key's limits (a 429 of them is tried again after its Retry-After, as a deferral is), never
+   the admin key's. The gateway
    runs them at the lowest priority as *sheddable*: a replica refuses one while any live request
    is in flight there and stops those running when a live request arrives (``warming_deferred``,
    429), so warming never shares an engine step with live traffic. A deferred request is tried
@@ -30,15 +35,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvserve.deployments.contract.types import WARM_HEADER
+from kvserve.deployments.contract.types import WARM_HEADER, WARM_KEY_HEADER
 
 
 @dataclass
 class WarmPlan:
-    """What to warm: ``requests`` (``(endpoint, body)``, most frequent first), ``prefixes``
-    (``(model, system prompt)``), and what the log held."""
+    """What to warm: ``requests`` (``(endpoint, body)``, most frequent first) with ``keys`` (the
+    name of the API key each was first sent with, None: unknown), ``prefixes`` (``(model,
+    system prompt)``), and what the log held."""
 
     requests: list[tuple[str, dict]] = field(default_factory=list)
+    keys: list[str | None] = field(default_factory=list)
     prefixes: list[tuple[str, str]] = field(default_factory=list)
     lines: int = 0
     distinct: int = 0
@@ -76,7 +83,7 @@ def plan(lines: list[dict], top: int = 100, min_count: int = 2, top_system: int 
          models: set[str] | None = None) -> WarmPlan:
     """The warming plan of request log ``lines`` (see the module docstring); ``models``: only
     these served models (None: all)."""
-    lines = [d for d in lines if models is None or d.get("model") in models]
+    lines = [d for d in lines if d.get("admitted") is True and (models is None or d.get("model") in models)]
     counts = Counter(d["fingerprint"] for d in lines if d.get("fingerprint"))
     first: dict[str, dict] = {}
     for d in lines:
@@ -89,6 +96,7 @@ def plan(lines: list[dict], top: int = 100, min_count: int = 2, top_system: int 
         d = first.get(fp)
         if d is not None and d.get("cacheable"):
             p.requests.append((d["endpoint"], d["body"]))
+            p.keys.append(d.get("key") if isinstance(d.get("key"), str) else None)
     sys_counts = Counter((d["model"], d["system_fingerprint"]) for d in lines if d.get("system_fingerprint"))
     texts = {(d["model"], d["system_fingerprint"]): d.get("system") for d in lines if d.get("system")}
     for key, n in sys_counts.most_common(top_system):
@@ -98,8 +106,9 @@ def plan(lines: list[dict], top: int = 100, min_count: int = 2, top_system: int 
 
 
 async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concurrency: int = 1,
-                 retries: int = 5, timeout_s: float = 300.0) -> dict:
-    """Send plan ``p`` to the gateway at ``url`` (see the module docstring).
+                 retries: int = 5, timeout_s: float = 300.0, transport=None) -> dict:
+    """Send plan ``p`` to the gateway at ``url`` (see the module docstring); ``transport``: an
+    ``httpx`` transport to send through (None: the network).
 
     Returns:
         ``{"sent", "warmed" (answers stored), "already" (the cache had them), "prefixes"
@@ -108,10 +117,12 @@ async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concu
     """
     import httpx
 
-    jobs = [("/v1/chat/completions" if ep == "chat" else "/v1/completions", body, False) for ep, body in p.requests]
+    keys = list(p.keys) + [None] * (len(p.requests) - len(p.keys))
+    jobs = [("/v1/chat/completions" if ep == "chat" else "/v1/completions", body, False, key)
+            for (ep, body), key in zip(p.requests, keys)]
     jobs += [("/v1/chat/completions", {"model": model, "messages": [{"role": "system", "content": text},
                                                                      {"role": "user", "content": "."}],
-                                       "max_tokens": 1, "temperature": 0.0, "cache": False}, True)
+                                       "max_tokens": 1, "temperature": 0.0, "cache": False}, True, None)
              for model, text in p.prefixes]
     counts = Counter()
     gap = 1.0 / rate if rate > 0 else 0.0
@@ -127,12 +138,13 @@ async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concu
         if wait > 0:
             await asyncio.sleep(wait)
 
-    async def one(http, path, body, prefix):
+    async def one(http, path, body, prefix, key):
+        hdrs = {**headers, WARM_KEY_HEADER: key} if key and key != "anonymous" else headers
         for attempt in range(retries + 1):
             await pace()
             counts["sent"] += 1
             try:
-                r = await http.post(url.rstrip("/") + path, json={**body, "stream": False}, headers=headers)
+                r = await http.post(url.rstrip("/") + path, json={**body, "stream": False}, headers=hdrs)
             except httpx.HTTPError:
                 counts["failed"] += 1
                 return
@@ -141,7 +153,7 @@ async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concu
                     "exact", "semantic") else "warmed"] += 1
                 return
             code = _code(r)
-            if r.status_code == 429 and attempt < retries:  # live traffic first: try again later
+            if r.status_code == 429 and attempt < retries:  # live traffic (or the key's limit) first: later
                 await asyncio.sleep(float(r.headers.get("retry-after") or 1.0))
                 continue
             counts["deferred" if code == "warming_deferred" else "failed"] += 1
@@ -155,7 +167,7 @@ async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concu
         while not queue.empty():
             await one(http, *queue.get_nowait())
 
-    async with httpx.AsyncClient(timeout=timeout_s) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:
         await asyncio.gather(*(worker(http) for _ in range(max(1, concurrency))))
     return {k: counts.get(k, 0) for k in ("sent", "warmed", "already", "prefixes", "deferred", "failed")} | {
         "seconds": round(time.monotonic() - t0, 3)}

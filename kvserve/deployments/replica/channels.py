@@ -13,6 +13,14 @@ no channel here streams on its own, as before.
 
 A channel ends when no request has used it for :data:`CHANNEL_IDLE_S` seconds (so a replica that is
 draining is not held by it) or when the gateway goes away; the gateway opens it again on demand.
+
+No chunk is dropped here (issue 63): every chunk a request sends carries its place in the stream
+(``GenerationChunk.seq``); the outbox is bounded (:data:`CHANNEL_MAX_PENDING_CHUNKS`: a request
+waits for room, so the engine's stream slows to the channel's pace instead of losing chunks);
+chunks still in the outbox when its channel ends go back to their request's own stream, ahead of
+the rest; and a request's own stream ends only once the channel has taken its last chunk. A
+batch the channel took but never delivered (the gateway's end went away under it) is the only
+loss left, and the gateway sees it as a gap in ``seq`` (:mod:`kvserve.deployments.gateway.streams`).
 """
 from __future__ import annotations
 
@@ -23,21 +31,59 @@ from kvserve.deployments.contract.types import GenerationChunk
 
 #: Seconds without a chunk and without a request on it after which a channel ends.
 CHANNEL_IDLE_S = 2.0
+#: Chunks one gateway's outbox holds at most; a request with a chunk for a full outbox waits.
+CHANNEL_MAX_PENDING_CHUNKS = 4096
 
 
 class _Outbox:
-    """The chunks waiting for one gateway's channel, by channel key; ``reader`` counts the channel
-    streams that took it over (only the newest one reads)."""
+    """The chunks waiting for one gateway's channel, by channel key, at most ``max_pending`` of
+    them; ``reader`` counts the channel streams that took it over (only the newest one reads).
+    Requests waiting on it (for room, for their chunks to be taken) wake on every change."""
 
-    def __init__(self):
+    def __init__(self, max_pending: int = CHANNEL_MAX_PENDING_CHUNKS):
         self.pending: dict[str, list[GenerationChunk]] = {}
+        self.num_pending = 0
+        self.max_pending = max_pending
         self.ready = asyncio.Event()
+        self._changed = asyncio.Event()  # set (and replaced) on every change waiters look at
         self.reader = 0
         self.closed = False
 
-    def put(self, key: str, chunk: GenerationChunk) -> None:
+    async def put(self, key: str, chunk: GenerationChunk) -> bool:
+        """Queue ``chunk`` for the channel once there is room; False (nothing queued) when the
+        channel ended first."""
+        await self._until(lambda: self.closed or self.num_pending < self.max_pending)
+        if self.closed:
+            return False
         self.pending.setdefault(key, []).append(chunk)
+        self.num_pending += 1
         self.ready.set()
+        return True
+
+    async def flushed(self, key: str) -> list[GenerationChunk]:
+        """Wait until the channel took every chunk of ``key``; ``[]`` then, or, when the channel
+        ended first, the chunks it left (to go on the request's own stream)."""
+        await self._until(lambda: self.closed or key not in self.pending)
+        return self.take_back(key)
+
+    def take_back(self, key: str) -> list[GenerationChunk]:
+        """Remove and return the chunks of ``key`` not yet taken by the channel."""
+        left = self.pending.pop(key, [])
+        self.num_pending -= len(left)
+        return left
+
+    async def _until(self, condition) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def close(self) -> None:
+        """The channel ended: requests with chunks here take them back."""
+        self.closed = True
+        self._notify()
 
     async def batches(self, idle_s: float, reader: int) -> AsyncIterator[dict[str, list[GenerationChunk]]]:
         """Everything put since the last batch, once there is something; ends after ``idle_s``
@@ -54,8 +100,9 @@ class _Outbox:
             if self.reader != reader:
                 return
             self.ready.clear()
-            batch, self.pending = self.pending, {}
+            batch, self.pending, self.num_pending = self.pending, {}, 0
             if batch:
+                self._notify()  # room again, and these keys' chunks are on their way
                 yield batch
 
 
@@ -64,10 +111,11 @@ class GatewayChannels:
 
     Args:
         idle_s: seconds after which an unused channel ends (:data:`CHANNEL_IDLE_S`).
+        max_pending: chunks each gateway's outbox holds at most (:data:`CHANNEL_MAX_PENDING_CHUNKS`).
     """
 
-    def __init__(self, idle_s: float = CHANNEL_IDLE_S):
-        self.idle_s = idle_s
+    def __init__(self, idle_s: float = CHANNEL_IDLE_S, max_pending: int = CHANNEL_MAX_PENDING_CHUNKS):
+        self.idle_s, self.max_pending = idle_s, max_pending
         self._boxes: dict[str, _Outbox] = {}
         self.num_messages = 0
         self.num_chunks = 0
@@ -85,7 +133,7 @@ class GatewayChannels:
         (with what it holds); the first ends."""
         box = self._boxes.get(gateway_id)
         if box is None or box.closed:
-            box = self._boxes[gateway_id] = _Outbox()
+            box = self._boxes[gateway_id] = _Outbox(self.max_pending)
         box.reader += 1
         reader = box.reader
         box.ready.set()  # wakes an older reader, which then leaves
@@ -97,29 +145,43 @@ class GatewayChannels:
                 yield batch
         finally:
             if box.reader == reader:  # the newest reader leaves: the channel is gone
-                box.closed = True
                 if self._boxes.get(gateway_id) is box:
                     del self._boxes[gateway_id]
+                box.close()  # its requests take what it holds back to their own streams
 
     async def route(self, chunks: AsyncIterator[GenerationChunk], channel: tuple[str, str] | None,
                     replica_id: str) -> AsyncIterator[GenerationChunk]:
-        """A request's chunks as its own stream yields them: all of them when its gateway has no
-        channel open here; else the first (``via_channel`` set), with the rest going to the
-        channel under the request's key. Every first chunk names this replica (``replica``), so
-        the gateway can open a channel to it. If the channel ends while the request runs, the
-        rest comes on the request's own stream again."""
+        """A request's chunks as its own stream yields them, each numbered (``seq``, from 0):
+        all of them when its gateway has no channel open here; else the first (``via_channel``
+        set), with the rest going to the channel under the request's key, and the own stream
+        ending only once the channel took the last of them. If the channel ends while the
+        request runs, the chunks it had not taken and every later one come on the request's own
+        stream, in order. Every first chunk names this replica (``replica``), so the gateway can
+        open a channel to it."""
         box = self._boxes.get(channel[0]) if channel is not None else None
-        first = True
-        async for chunk in chunks:
-            if first:
-                first = False
-                chunk.replica = replica_id
-                if box is not None and not box.closed and not chunk.finished:
-                    chunk.via_channel = True
+        seq = 0
+        try:
+            async for chunk in chunks:
+                chunk.seq, seq = seq, seq + 1
+                if chunk.seq == 0:
+                    chunk.replica = replica_id
+                    if box is not None and not box.closed and not chunk.finished:
+                        chunk.via_channel = True
+                    else:
+                        box = None
+                    yield chunk
+                elif box is not None and await box.put(channel[1], chunk):
+                    continue
                 else:
-                    box = None
-                yield chunk
-            elif box is not None and not box.closed:
-                box.put(channel[1], chunk)
-            else:
-                yield chunk
+                    if box is not None:  # the channel ended: what it left first, then this one
+                        for c in box.take_back(channel[1]):
+                            yield c
+                        box = None
+                    yield chunk
+            if box is not None:
+                for c in await box.flushed(channel[1]):
+                    yield c
+                box = None
+        finally:
+            if box is not None:  # the request stopped early (cancelled): its chunks go nowhere
+                box.take_back(channel[1])

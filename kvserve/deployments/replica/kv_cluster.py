@@ -18,6 +18,13 @@ One :class:`ClusterKVConnector` per ``LLMServer`` replica (``--kv-cluster-tier-s
   cluster holds (one Ray call, only for such requests), the connector fetches them and puts them
   into the engine's host tier (``import_kv_blocks``), and the scheduler loads them as any
   host-tier block: bit-identical bytes, so outputs equal recomputing.
+* **Verify.** Each block travels with the SHA-256 of its bytes, taken when it was exported; an
+  importer checks it (and that the block's recorded tokens are the request's) before loading:
+  a block that fails is not loaded but recomputed, dropped from the directory, and counted
+  (``kv_cluster_load_fallbacks{reason="digest_mismatch"}``). Blocks move only within one KV
+  layout (``kv_cluster_directory.kv_layout``: model, weights revision, quantization, A/B
+  variant, dtypes, block size, parallel layout), and a block's hash names its adapter and
+  version and its ``cache_salt``.
 * **Fall back to recompute.** The fetch and import are bounded by the time computing those
   blocks would take (this replica's measured prefill seconds per token, :attr:`s_per_token`);
   past it, or when an object is lost (its owner died: ``OwnerDiedError``, ``ObjectLostError``),
@@ -38,7 +45,8 @@ from kvserve.deployments.contract.kv_index import KVBlockIndex, request_hashes
 from kvserve.deployments.replica.background import BackgroundLoop
 from kvserve.engine.kv_connector import KVConnector
 from kvserve.engine.kv_events import MEDIUM_POOL, BlockStored
-from kvserve.engine.kv_offload import KVBlockCopy
+from kvserve.engine.kv_cache_manager import request_root
+from kvserve.engine.kv_offload import KVBlockCopy, block_digest
 
 logger = logging.getLogger("ray.serve")
 
@@ -75,15 +83,19 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
         max_import_blocks: most blocks one request imports (the host tier's slots).
         metrics: where the counters also go (``kvserve.telemetry.engine_metrics.ClusterTierMetrics``), or None.
         hub: a hub (tests); default: the application's, looked up or created.
+        hash_root: the root of the engine's block-hash chains (``KVCacheManager.root``: the
+            application's seed), to name a request's blocks as the engine does.
     """
 
     task_name = "kvserve-kv-cluster-save"
 
     def __init__(self, engine, replica_id: str, app: str, layout: str, budget_bytes: int, block_size: int,
-                 max_import_blocks: int, metrics=None, hub=None, interval_s: float = SAVE_INTERVAL_S):
+                 max_import_blocks: int, metrics=None, hub=None, interval_s: float = SAVE_INTERVAL_S,
+                 hash_root: int = 0):
         self.engine, self.replica_id, self.app, self.layout = engine, replica_id, app, layout
         self.budget_bytes, self.block_size, self.max_import_blocks = budget_bytes, block_size, max_import_blocks
         self.hub, self.interval_s, self.metrics = hub, interval_s, metrics
+        self.hash_root = hash_root
         self.local = KVBlockIndex()  # what this replica's pool and host tier hold (its own events)
         self._to_save: OrderedDict[int, None] = OrderedDict()
         self._exported: OrderedDict[int, None] = OrderedDict()  # hashes known to be in the cluster
@@ -98,6 +110,9 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
         self.saved_bytes = self.loaded_bytes = 0
         self.load_seconds = 0.0
         self.num_timeouts = self.num_lost = 0
+        #: fetched blocks whose bytes did not match their digest (or whose tokens not the
+        #: request's): not loaded, dropped from the tier, recomputed
+        self.num_digest_mismatches = 0
         engine.add_stat_logger(self._on_step)
 
     # ---- what the replica tells it ------------------------------------------------------
@@ -144,8 +159,8 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
         if not copies:
             return 0
 
-        def put():
-            return [(c.block_hash, c.meta, c.nbytes, [ray.put(c.shards)]) for c in copies]
+        def put():  # the digest travels with the block: importers check the bytes they fetch
+            return [(c.block_hash, c.meta, c.nbytes, [ray.put(c.shards)], block_digest(c.shards)) for c in copies]
 
         blocks = await asyncio.to_thread(put)
         hub = await self._hub()
@@ -160,7 +175,7 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
             self._exported.popitem(last=False)
         self.num_saved_blocks += len(added)
         new = set(added)
-        nbytes = sum(n for h, _, n, _ in blocks if h in new)
+        nbytes = sum(b[2] for b in blocks if b[0] in new)
         self.saved_bytes += nbytes
         if self.metrics is not None and nbytes:
             self.metrics.saved(nbytes)
@@ -187,9 +202,8 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
     async def before_add(self, request) -> None:
         """Load the blocks of ``request``'s prefix that the cluster holds and this replica does
         not, within the time computing them would take (module docstring). Never raises."""
-        lora = request.lora_request
         hashes = request_hashes(request.prompt_token_ids, self.block_size, MAX_PREFIX_TOKENS // self.block_size,
-                                None if lora is None else lora.lora_name)
+                                request_root(self.hash_root, request.lora_request), request.cache_salt)
         pool, host, _ = self.local.match(hashes, [_SELF])[_SELF]
         missing = hashes[pool + host:][:self.max_import_blocks]
         if not missing:
@@ -197,8 +211,9 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
         budget_s = len(missing) * self.block_size * self.s_per_token
         t0 = time.perf_counter()
         found, nbytes, fallback = 0, 0, None
+        tokens = request.prompt_token_ids[(pool + host) * self.block_size:]
         try:
-            found, nbytes = await asyncio.wait_for(self._load(missing), budget_s)
+            found, nbytes = await asyncio.wait_for(self._load(missing, tokens), budget_s)
         except TimeoutError:
             self.num_timeouts += 1
             fallback = "timeout"
@@ -221,21 +236,44 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
             elif found:
                 self.metrics.loaded(found * self.block_size, nbytes, waited)
 
-    async def _load(self, missing: list[int]) -> tuple[int, int]:
-        """Fetch the leading run of ``missing`` the cluster holds and import it; the blocks
-        imported and the bytes fetched."""
+    async def _load(self, missing: list[int], tokens: list[int]) -> tuple[int, int]:
+        """Fetch the leading run of ``missing`` the cluster holds, check it (:meth:`_verified`)
+        and import the leading run that passes; the blocks imported and the bytes fetched.
+        ``tokens``: the request's prompt tokens from the first missing block on."""
         hub = await self._hub()
         found = await hub.cluster_lookup.remote(self.layout, missing)
         if not found:
             return 0, 0
         try:
-            shards = await asyncio.gather(*(ref[0] for _, _, ref in found))
+            shards = await asyncio.gather(*(f[2][0] for f in found))
         except Exception as e:
             if _lost_object(e):  # their owner is gone: no replica will load them
-                await self._drop_lost([h for h, _, _ in found])
+                await self._drop_lost([f[0] for f in found])
             raise
-        copies = [KVBlockCopy(h, meta, list(s)) for (h, meta, _), s in zip(found, shards)]
-        return await self.engine.import_kv_blocks(copies), sum(c.nbytes for c in copies)
+        copies = [KVBlockCopy(f[0], f[1], list(s), f[3] if len(f) > 3 else None) for f, s in zip(found, shards)]
+        fetched = sum(c.nbytes for c in copies)
+        good = await asyncio.to_thread(self._verified, copies, tokens)
+        if good < len(copies):  # corrupted or foreign bytes: recompute from there, and nobody loads them again
+            self.num_digest_mismatches += len(copies) - good
+            if self.metrics is not None:
+                self.metrics.fallback("digest_mismatch", 0.0)
+            logger.warning("KV cluster tier of replica %s: %d fetched block(s) failed their digest check; "
+                           "computing them instead", self.replica_id, len(copies) - good)
+            await self._drop_lost([c.block_hash for c in copies[good:good + 1]])
+            copies = copies[:good]
+        if not copies:
+            return 0, fetched
+        return await self.engine.import_kv_blocks(copies), fetched
+
+    def _verified(self, copies: list[KVBlockCopy], tokens: list[int]) -> int:
+        """How many of ``copies`` (consecutive blocks of the request) may be loaded: the leading
+        run whose bytes match the digest they were exported with (``KVBlockCopy.verified``) and
+        whose recorded tokens are the request's own (``meta``'s token ids)."""
+        bs = self.block_size
+        for i, c in enumerate(copies):
+            if not c.verified() or list(c.meta[1]) != list(tokens[i * bs:(i + 1) * bs]):
+                return i
+        return len(copies)
 
     async def _drop_lost(self, hashes: list[int]) -> None:
         try:
@@ -251,6 +289,7 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
                 "kv_cluster_saved_bytes": self.saved_bytes,
                 "kv_cluster_loaded_bytes": self.loaded_bytes, "kv_cluster_load_seconds": self.load_seconds,
                 "kv_cluster_load_timeouts": self.num_timeouts, "kv_cluster_lost_loads": self.num_lost,
+                "kv_cluster_digest_mismatches": self.num_digest_mismatches,
                 "kv_cluster_s_per_token": self.s_per_token}
 
 

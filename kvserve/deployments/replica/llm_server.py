@@ -33,7 +33,7 @@ from kvserve.deployments.contract.config import ModelArgs, TracingArgs, default_
 from kvserve.deployments.contract.facts import FactsBoard, LoadedFacts, ModelCard
 from kvserve.deployments.contract.kv_cluster_directory import kv_layout
 from kvserve.deployments.contract.openai_errors import random_id
-from kvserve.deployments.contract.prefix import REPORTED_HASHES, tokenizer_probe
+from kvserve.deployments.contract.prefix import REPORTED_HASHES, replica_hash_seed, tokenizer_probe
 from kvserve.deployments.contract.reasoning import REASONING_PARSERS, prompt_reasoning, reasons_first
 from kvserve.deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
 from kvserve.deployments.replica.admission import Admission, OverloadedError
@@ -46,6 +46,8 @@ from kvserve.deployments.replica.prefix_report import RecentPrefixes
 from kvserve.deployments.replica.recent_requests import RecentRequests
 from kvserve.deployments.replica.request_runner import RequestRunner, engine_dead
 from kvserve.deployments.replica.step_rates import RATE_WINDOW_S, StepRateTracker
+from kvserve.engine.input_processor import prompt_cache_salt
+from kvserve.engine.kv_cache_manager import engine_root_hash
 from kvserve.engine.stats import SchedulerStats
 from kvserve.telemetry.metrics import ClusterTierMetrics, PrometheusStatLogger
 from kvserve.telemetry.tracing import tracing as otlp_tracing
@@ -123,6 +125,10 @@ class LLMServer(PoolingEndpoints):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         m = model if isinstance(model, ModelArgs) else ModelArgs.model_validate(dict(model or {}))
         config = EngineConfig(**m.engine_args())
+        if config.prefix_caching_hash_seed is None:  # one seed for the app's replicas (and routers)
+            config = dataclasses.replace(config, prefix_caching_hash_seed=replica_hash_seed())
+        #: the root of the engine's KV block-hash chains (the routers and the cluster tier hash alike)
+        self.hash_root = engine_root_hash(config.prefix_caching_hash_seed)
         if (m.kv_aware_routing and m.prefix_aware_routing and config.enable_prefix_caching) or m.kv_cluster_tier_size:
             # what the KV-aware router reads, and what the cluster tier saves
             config = dataclasses.replace(config, enable_kv_cache_events=True)
@@ -181,7 +187,7 @@ class LLMServer(PoolingEndpoints):
         self.engine.add_stat_logger(on_step, self.metrics.record_finished)
         # what the prefix-aware router learns from this replica (record_routing_stats)
         n_blocks = int(self.engine.get_stats().get("num_kv_blocks") or REPORTED_HASHES)
-        self.prefixes = RecentPrefixes(config.block_size, limit=min(REPORTED_HASHES, n_blocks))
+        self.prefixes = RecentPrefixes(config.block_size, limit=min(REPORTED_HASHES, n_blocks), root=self.hash_root)
         self._tokenizer_probe = tokenizer_probe(self.engine.tokenize, self.engine.input_processor.chat_template_ids)
         self.recent = RecentRequests()  # finished requests' timings
         self.replica_id = _replica_id()
@@ -212,10 +218,11 @@ class LLMServer(PoolingEndpoints):
         eng = self.engine.engine
         cfg = eng.config
         layout = kv_layout(m.name, str(cfg.dtype), cfg.kv_cache_dtype, cfg.block_size, cfg.tensor_parallel_size,
-                           cfg.pipeline_parallel_size)
+                           cfg.pipeline_parallel_size, revision=self.revision, quantization=cfg.quantization,
+                           variant=m.variant or "")
         slots = int(self.engine.get_stats().get("kv_offload_capacity_blocks", 0))
         return ClusterKVConnector(self.engine, self.replica_id, app, layout, int(m.kv_cluster_tier_size * (1 << 30)),
-                                  config.block_size, max_import_blocks=max(1, slots // 2),
+                                  config.block_size, max_import_blocks=max(1, slots // 2), hash_root=self.hash_root,
                                   metrics=ClusterTierMetrics(self.model_name, self.replica_id, m.variant or ""))
 
     def _publish(self) -> None:
@@ -306,7 +313,8 @@ class LLMServer(PoolingEndpoints):
                     "model_not_found" if isinstance(e, UnknownAdapterError) else "invalid_value")
             yield GenerationChunk.failed(GenerationError(code, str(e)))
             return
-        self.prefixes.add(ids, request.lora_name)
+        salt = request.cache_salt or prompt_cache_salt(request.prompt)
+        self.prefixes.add(ids, request.lora_name, salt)
         reasoning = ""  # where the chat prompt leaves a reasoning model
         if self.reasoning_parser is not None and request.messages is not None:
             reasoning = prompt_reasoning(self.engine.tokenizer.decode(ids[-16:]), self.reasoning_parser)
@@ -317,10 +325,10 @@ class LLMServer(PoolingEndpoints):
             prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
         if n == 1:
             chunks = self.runner.run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora,
-                                     trace=request.trace_context, sheddable=request.sheddable)
+                                     trace=request.trace_context, sheddable=request.sheddable, cache_salt=salt)
         else:
             chunks = self.runner.fan_out(ids, params, request_id, request.priority, n, prompt_text, lora,
-                                         trace=request.trace_context, sheddable=request.sheddable)
+                                         trace=request.trace_context, sheddable=request.sheddable, cache_salt=salt)
         first = True
         async for chunk in self.channels.route(chunks, request.channel, self.replica_id):
             if first:
@@ -445,20 +453,29 @@ class LLMServer(PoolingEndpoints):
         """What the prefix-aware router (``kvserve/deployments/routing/prefix_router.py``) learns from this replica, polled
         by Serve's controller every ``request_routing_stats_period_s`` and sent to every router: the chained
         block hashes of the prompt prefixes it served recently (oldest first; at most ``REPORTED_HASHES``
-        and its KV pool's block count), the block size, the model folder and the tokenizer probe."""
+        and its KV pool's block count), the block size, the model folder, the tokenizer probe and the
+        roots of its hash chains (``prefix_hash_roots``: the base model's and each configured adapter's)."""
         self._start_kv_tasks()
         return {"prefix_hashes": self.prefixes.report(), "block_size": self.prefixes.block_size,
-                "model_path": str(self.engine.model_path), "tokenizer_probe": self._tokenizer_probe}
+                "model_path": str(self.engine.model_path), "tokenizer_probe": self._tokenizer_probe,
+                "prefix_hash_roots": self.adapters.hash_roots(self.hash_root)}
 
     async def health(self, timeout_s: float = 2.0) -> dict[str, str]:
         """Liveness now, for the ingress's ``/health`` (cheap; never cached): the engine's
-        step loop is alive and, with tensor parallelism, every worker answers a ping within
-        ``timeout_s`` seconds (pings run beside a long step, not behind it). A full queue is
-        still alive.
+        step loop is alive and its executor answers its health check within ``timeout_s``
+        seconds: the engine core's health thread (never behind a grammar compile or an adapter
+        load), or with tensor parallelism every worker's ping (beside a long step, not behind
+        it). Concurrent probes share one check. A full queue is still alive.
+
+        Only a real failure is fatal (the core process gone, the executor's check raising); a
+        check slower than ``timeout_s`` fails this probe alone (the gateway's ``/health`` is then
+        503) and touches no request.
 
         Raises:
-            EngineDeadError: the step loop died or a worker is gone (this replica is then
-                unhealthy for Serve too, which replaces it).
+            EngineDeadError: the step loop died, the core process or a worker is gone, or the
+                executor failed its check (this replica is then unhealthy for Serve too, which
+                replaces it).
+            TimeoutError: no answer within ``timeout_s`` (the engine and its requests go on).
         """
         await self.engine.check_health_async(timeout_s)
         s = self.engine.get_stats()  # the queue gauges also move while no step runs
@@ -491,8 +508,10 @@ class LLMServer(PoolingEndpoints):
         return {"status": "ok", "probe": True, "probe_s": round(time.monotonic() - t0, 3)}
 
     async def check_health(self) -> None:
-        """Serve's periodic health check (every ``health_check_period_s``): see :meth:`health`;
-        it also publishes the weights' revision again when the model folder changed."""
+        """Serve's periodic health check (every ``health_check_period_s``): see :meth:`health`,
+        with 30 s to answer (Serve replaces a replica only after several failed checks in a
+        row, so one slow answer costs nothing); it also publishes the weights' revision again
+        when the model folder changed."""
         await self.health(timeout_s=30.0)
         await self._republish_if_revised()
         await self._republish_if_cost_moved()

@@ -24,6 +24,26 @@ class UnknownAdapterError(ValueError):
     """A request names an adapter this replica does not serve (code ``model_not_found``, 404)."""
 
 
+def adapter_files_version(path: str) -> str:
+    """The version of the PEFT folder ``path`` as it is now: ``"files-"`` + 32 hex digits of
+    SHA-256 over its :data:`ADAPTER_FILES` (name, size, bytes; a missing one counts as empty),
+    so replicas that load the same files agree (their KV blocks are shared) and a changed file
+    under the same name gets other KV block hashes (no replica reuses the old adapter's KV)."""
+    import hashlib
+
+    h = hashlib.sha256(b"kvserve-adapter-files\0")
+    for name in ADAPTER_FILES:
+        h.update(name.encode() + b"\0")
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                h.update(os.fstat(f.fileno()).st_size.to_bytes(8, "big"))
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        except OSError:
+            h.update(b"\xff" * 8)  # missing or unreadable: the load itself reports it
+    return "files-" + h.hexdigest()[:32]
+
+
 def load_adapters(llm_engine, modules: dict[str, str] | None) -> dict:
     """Load a replica's configured adapters into its engine (``engine.LLMEngine``) at start-up,
     so a bad one fails the replica's start with the reason. Returns ``{name:
@@ -35,8 +55,10 @@ def load_adapters(llm_engine, modules: dict[str, str] | None) -> dict:
     """
     from kvserve.engine.lora import LoRARequest
 
-    table = {name: LoRARequest(name, i + 1, os.path.abspath(os.path.expanduser(path)))
-             for i, (name, path) in enumerate((modules or {}).items())}
+    table = {}
+    for i, (name, path) in enumerate((modules or {}).items()):
+        path = os.path.abspath(os.path.expanduser(path))
+        table[name] = LoRARequest(name, i + 1, path, lora_version=adapter_files_version(path))
     for r in table.values():
         llm_engine.add_lora(r)
     return table
@@ -109,6 +131,15 @@ class ReplicaAdapters:
 
             self._multiplexed = serve.multiplexed(max_num_models_per_replica=max_dynamic)(load)
 
+    def hash_roots(self, root: int) -> dict[str, int]:
+        """The roots of the KV block-hash chains this replica's engine starts from (``root``:
+        the engine's): ``{"": root}`` for the base model, plus each configured adapter's
+        (``kvserve.engine.kv_cache_manager.request_root``, name and version), which the KV-aware
+        router needs to hash as the engine does."""
+        from kvserve.engine.kv_cache_manager import request_root
+
+        return {"": root, **{name: request_root(root, r) for name, r in self.static.items()}}
+
     async def resolve(self, name: str | None):
         """The ``kvserve.engine.lora.LoRARequest`` of adapter ``name`` (None: the base model), loading
         a run-time adapter on this replica first if need be.
@@ -134,7 +165,9 @@ class ReplicaAdapters:
         from kvserve.engine.lora import LoRARequest
 
         entry = next(e for e in self.entries.values() if e.multiplexed_id == multiplexed_id)
-        request = LoRARequest(entry.name, next(self._ids), entry.path)
+        # the registry's version changes on every load of the name: its prompts' KV block hashes
+        # start from a new root, so a re-load never reuses the old adapter's KV (here or in the tier)
+        request = LoRARequest(entry.name, next(self._ids), entry.path, lora_version=entry.version)
         await asyncio.to_thread(self.engine.add_lora, request)
         self.held[multiplexed_id] = request.lora_int_id
         logger.info("adapter %s loaded (lora_int_id %d)", entry.name, request.lora_int_id)

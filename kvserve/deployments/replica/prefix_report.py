@@ -16,19 +16,24 @@ class RecentPrefixes:
         block_size: the engine's tokens per KV block.
         limit: most hashes kept (and reported).
         max_tokens: deepest prefix recorded per prompt, tokens.
+        root: the root of the engine's hash chains (``KVCacheManager.root``).
 
     Raises:
         ValueError: a bound below 1.
     """
 
-    def __init__(self, block_size: int, limit: int = REPORTED_HASHES, max_tokens: int = MAX_PREFIX_TOKENS):
+    def __init__(self, block_size: int, limit: int = REPORTED_HASHES, max_tokens: int = MAX_PREFIX_TOKENS,
+                 root: int = 0):
         if min(block_size, limit, max_tokens) < 1:
             raise ValueError(f"block_size, limit and max_tokens must be >= 1, got {block_size}, {limit}, {max_tokens}")
         self.block_size, self.limit, self.max_blocks = block_size, limit, max(1, max_tokens // block_size)
+        self.root = root
         self._lru: OrderedDict[int, None] = OrderedDict()
 
-    def add(self, token_ids: list[int], adapter: str | None = None) -> None:
-        for h in for_adapter(block_hashes(token_ids, self.block_size, self.max_blocks), adapter):
+    def add(self, token_ids: list[int], adapter: str | None = None, cache_salt: str | None = None) -> None:
+        """Record a prompt's leading block hashes (of LoRA ``adapter``'s, with ``cache_salt``)."""
+        for h in for_adapter(block_hashes(token_ids, self.block_size, self.max_blocks, self.root, cache_salt),
+                             adapter):
             self._lru[h] = None
             self._lru.move_to_end(h)
         while len(self._lru) > self.limit:

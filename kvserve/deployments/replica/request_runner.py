@@ -14,6 +14,7 @@ from kvserve.deployments.replica.admission import Admission
 from kvserve.deployments.replica.recent_requests import RecentRequests
 from kvserve.deployments.replica.tracing import record_request
 from kvserve.deployments.replica.request_outputs import ChunkBuilder, stream_interval
+from kvserve.engine.bounded_pool import PoolFullError
 from kvserve.telemetry.metrics import rejected
 
 
@@ -68,7 +69,7 @@ class RequestRunner:
 
     async def fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
                        prompt_text: str | None, lora=None, trace: dict | None = None,
-                       sheddable: bool = False) -> AsyncIterator[GenerationChunk]:
+                       sheddable: bool = False, cache_salt: str | None = None) -> AsyncIterator[GenerationChunk]:
         """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`LLMServer.stream`).
         A choice that fails fails the request: its error chunk ends the stream and the other
         choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all)."""
@@ -83,7 +84,8 @@ class RequestRunner:
                 p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
             return self.run(ids, p, f"{request_id}-{i}", priority, index=i,
                              wait_for=prefilled if i else None, on_first=prefilled if not i else None,
-                             prompt_text=prompt_text, lora=lora, trace=trace, sheddable=sheddable)
+                             prompt_text=prompt_text, lora=lora, trace=trace, sheddable=sheddable,
+                             cache_salt=cache_salt)
 
         choices = merge_streams([child(i) for i in range(n)])
         try:
@@ -98,9 +100,9 @@ class RequestRunner:
     async def run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
                    wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
                    prompt_text: str | None = None, lora=None, trace: dict | None = None,
-                   sheddable: bool = False) -> AsyncIterator[GenerationChunk]:
+                   sheddable: bool = False, cache_salt: str | None = None) -> AsyncIterator[GenerationChunk]:
         """One engine request of :meth:`LLMServer.stream`: admission, the engine's stream as chunks
-        tagged ``index``, the request timeout. ``wait_for``: an event to await after
+        tagged ``index``, the request timeout. ``cache_salt``: vLLM's, into the engine's prompt. ``wait_for``: an event to await after
         admission, before the request enters the engine; ``on_first``: an event set once the
         request's first output arrived (its prompt is computed) or it ended; ``prompt_text``
         goes on the first chunk; ``trace``: the W3C context of the gateway's span (the
@@ -141,10 +143,14 @@ class RequestRunner:
                     if shed is not None and shed.stopped:  # stopped for a live request meanwhile
                         yield self._deferred(index)
                         return
-                stream = self.engine.generate(ids, params, request_id, priority, lora_request=lora)
+                prompt = ids if cache_salt is None else {"prompt_token_ids": ids, "cache_salt": cache_salt}
+                stream = self.engine.generate(prompt, params, request_id, priority, lora_request=lora)
                 out = await next_before(stream, deadline)  # validates the prompt, then waits for the first token
             except EngineDeadError:
                 yield engine_dead(index)
+                return
+            except PoolFullError as e:  # the engine's grammar compile / adapter load queue is full: retry later
+                yield GenerationChunk.failed(GenerationError("queue_full", str(e), retry_after_s=1.0), index)
                 return
             except (ValueError, TypeError) as e:
                 code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"

@@ -49,8 +49,7 @@ from kvserve.deployments.contract.adapters import serve_app_name
 from kvserve.deployments.contract.kv_cluster_directory import cluster_holder
 from kvserve.deployments.contract.kv_event_hub import PullReply, get_hub
 from kvserve.deployments.contract.kv_index import KVBlockIndex
-from kvserve.deployments.routing.prefix_router import ROUTED_METHODS, PrefixAwareRouter, request_parts
-from kvserve.engine.kv_cache_manager import NONE_HASH, lora_root_hash
+from kvserve.deployments.routing.prefix_router import ROUTED_METHODS, PrefixAwareRouter, request_parts, request_salt
 
 logger = logging.getLogger("ray.serve")
 
@@ -233,11 +232,12 @@ class KVAwareRouter(PrefixAwareRouter):
         return self._pending_to
 
     async def _kv_hashes(self, pr: PendingRequest) -> list[int]:
-        """The request's chained block hashes as the engine names its blocks (a LoRA adapter's
-        chain starts at its root)."""
+        """The request's chained block hashes as the engine names its blocks (from the root the
+        replicas report: a LoRA adapter's chain starts at its own, with its version; the
+        request's ``cache_salt`` in the first block); ``[]`` before a replica reported its roots."""
         prompt, messages, tools, adapter = request_parts(pr)
         text = messages is not None or isinstance(prompt, (str, dict))
-        if text and not await self._tokenizer_ready():
+        root = (self._hash_roots or {}).get(adapter or "")
+        if root is None or (text and not await self._tokenizer_ready()):
             return []
-        root = NONE_HASH if adapter is None else lora_root_hash(adapter)
-        return self.hasher.of_request(prompt, messages, tools, root)
+        return self.hasher.of_request(prompt, messages, tools, root, request_salt(pr))

@@ -23,7 +23,6 @@ from collections import OrderedDict
 from typing import Any
 
 from kvserve.deployments.contract.prefix import MAX_PREFIX_TOKENS, block_hashes, tokenizer_probe
-from kvserve.engine.kv_cache_manager import NONE_HASH
 from kvserve.engine.input_processor import chat_template_ids, encode_prompt, parse_prompt, render_chat_template
 
 logger = logging.getLogger("ray.serve")
@@ -52,43 +51,45 @@ class PrefixHasher:
         while self.levels[-1] * 2 <= 4 * max_tokens:
             self.levels.append(self.levels[-1] * 2)
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[bool, str, int], list[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[bool, str, int, str | None], list[int]] = OrderedDict()
 
     def of_request(self, prompt: Any, messages: list[dict] | None = None,
-                   tools: list[dict] | None = None, root: int = NONE_HASH) -> list[int]:
+                   tools: list[dict] | None = None, root: int = 0, cache_salt: str | None = None) -> list[int]:
         """Hashes of a request's prompt (text, token ids or vLLM's dict) or chat ``messages``
-        (with ``tools``), chained from ``root`` (``NONE_HASH``, or a LoRA adapter's root as the
-        engine chains its prompts); ``[]`` when there is nothing to hash (no tokenizer for
-        text, a malformed prompt: the replica reports that error itself)."""
+        (with ``tools``), chained from ``root`` (the engine's root, or a LoRA adapter's as the
+        engine chains its prompts), ``cache_salt`` in the first block; ``[]`` when there is
+        nothing to hash (no tokenizer for text, a malformed prompt: the replica reports that
+        error itself)."""
         try:
             if messages is not None:
-                return self.of_messages(messages, tools, root)
+                return self.of_messages(messages, tools, root, cache_salt)
             text, ids = parse_prompt(prompt)  # vLLM's forms, as the engine parses them
             if text is not None:
-                return self.of_text(text, add_special_tokens=True, root=root)
-            return block_hashes(ids, self.block_size, self.max_blocks, root)
+                return self.of_text(text, add_special_tokens=True, root=root, cache_salt=cache_salt)
+            return block_hashes(ids, self.block_size, self.max_blocks, root, cache_salt)
         except Exception as e:  # a template error on odd messages, ...: route without affinity
             logger.debug("prefix router: no hashes for a request (%s)", e)
         return []
 
-    def of_messages(self, messages: list[dict], tools: list[dict] | None = None, root: int = NONE_HASH) -> list[int]:
+    def of_messages(self, messages: list[dict], tools: list[dict] | None = None, root: int = 0,
+                    cache_salt: str | None = None) -> list[int]:
         """Hashes of a conversation rendered as the engine renders it (``prepare_messages``,
         the chat template with the generation prompt, ids without added special tokens)."""
         if self.tokenizer is None:
             return []
         text = render_chat_template(self.tokenizer, messages, tools)
-        return self.of_text(text, add_special_tokens=False, root=root)
+        return self.of_text(text, add_special_tokens=False, root=root, cache_salt=cache_salt)
 
-    def of_text(self, text: str, add_special_tokens: bool, root: int = NONE_HASH) -> list[int]:
+    def of_text(self, text: str, add_special_tokens: bool, root: int = 0, cache_salt: str | None = None) -> list[int]:
         """Hashes of the leading blocks of ``text``: all of a text shorter than the first level,
         else those of its longest leading power-of-two characters (cached)."""
         if self.tokenizer is None:
             return []
         if len(text) < self.levels[0]:
             return block_hashes(self.tokenizer.encode(text, add_special_tokens=add_special_tokens),
-                                self.block_size, self.max_blocks, root)
+                                self.block_size, self.max_blocks, root, cache_salt)
         cut = max(lv for lv in self.levels if lv <= len(text))
-        key = (add_special_tokens, text[:cut], root)
+        key = (add_special_tokens, text[:cut], root, cache_salt)
         hashes = self._cache.get(key)
         if hashes is not None:
             self._cache.move_to_end(key)
@@ -99,7 +100,7 @@ class PrefixHasher:
             if end > cut - _CUT_MARGIN_CHARS:
                 break
             ids.append(tid)
-        hashes = block_hashes(ids, self.block_size, self.max_blocks, root)
+        hashes = block_hashes(ids, self.block_size, self.max_blocks, root, cache_salt)
         self._cache[key] = hashes
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)

@@ -70,6 +70,18 @@ def request_parts(pr: PendingRequest) -> tuple[Any, list[dict] | None, list[dict
     if isinstance(first, GenerateRequest):
         return first.prompt, first.messages, first.tools, first.lora_name
     return first, kwargs.get("messages"), kwargs.get("tools"), kwargs.get("lora_name")
+
+
+def request_salt(pr: PendingRequest) -> str | None:
+    """The ``cache_salt`` of a pending ``LLMServer`` call (the gateway's per-key salt, or the
+    one of a Python-handle call's dict prompt): part of the engine's first block hash."""
+    args, kwargs = pr.args or (), pr.kwargs or {}
+    first = args[0] if args else kwargs.get("request", kwargs.get("prompt"))
+    if isinstance(first, GenerateRequest):
+        return first.cache_salt
+    if isinstance(first, dict) and isinstance(first.get("cache_salt"), str):
+        return first["cache_salt"]
+    return None
 #: Seconds a routing decision waits for the router's tokenizer to finish loading (the first
 #: text request of a router only); past it, the request is routed without affinity.
 TOKENIZER_WAIT_S = 10.0
@@ -124,6 +136,9 @@ class PrefixAwareRouter(MultiplexMixin, RequestRouter):
         self._history: OrderedDict[int, str] = OrderedDict()  # hash -> replica id this router last sent it to
         self._reported: dict[int, tuple[str, ...]] = {}  # hash -> replica ids that report it
         self._replica_probe: list | None = None
+        #: the replicas' hash roots (``prefix_hash_roots``: "" -> the base model's, adapter name
+        #: -> its chain's root), None until one reports: nothing is hashed before
+        self._hash_roots: dict[str, int] | None = None
         self._probe_ok: bool | None = None  # this router's tokenizer probe equals the replicas'
         self._tokenizer: concurrent.futures.Future | None = None
         # keyed by the pending request's future (see the class docstring)
@@ -149,6 +164,8 @@ class PrefixAwareRouter(MultiplexMixin, RequestRouter):
                 index.setdefault(h, []).append(r.replica_id.unique_id)
             if stats.get("tokenizer_probe") is not None:
                 self._replica_probe = stats["tokenizer_probe"]
+            if stats.get("prefix_hash_roots"):
+                self._hash_roots = dict(stats["prefix_hash_roots"])
             path = stats.get("model_path")
             if self._tokenizer is None and path and os.path.isdir(path):
                 self._load_tokenizer(path)
@@ -207,9 +224,10 @@ class PrefixAwareRouter(MultiplexMixin, RequestRouter):
             return []
         prompt, messages, tools, adapter = request_parts(pr)
         text = messages is not None or isinstance(prompt, str) or isinstance(prompt, dict)
-        if text and not await self._tokenizer_ready():
+        root = (self._hash_roots or {}).get("")
+        if root is None or (text and not await self._tokenizer_ready()):
             return []
-        hashes = for_adapter(self.hasher.of_request(prompt, messages, tools), adapter)
+        hashes = for_adapter(self.hasher.of_request(prompt, messages, tools, root, request_salt(pr)), adapter)
         self._routed[rid] = hashes
         while len(self._routed) > 4096:  # requests cancelled before they were routed
             self._routed.popitem(last=False)

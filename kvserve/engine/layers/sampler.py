@@ -21,6 +21,21 @@ class SamplingRow:
     #: speculative decoding: the draft token proposed for this position, verified here
     #: (see :meth:`Sampler.__call__`); None for an ordinary row or a bonus position.
     draft_token: int | None = None
+    #: ``params.logit_bias`` as tensors, built once when the request is admitted
+    #: (:func:`logit_bias_tensors`; ``kvserve.engine.input_batch.RequestState``); None: built from
+    #: ``params.logit_bias`` at each step (rows made by hand, e.g. in tests).
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def logit_bias_tensors(bias: dict[int, float] | None, device: torch.device | str = "cpu"
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """OpenAI's ``logit_bias`` ``{token_id: bias}`` as ``(ids, values)``: int64 ``[k]`` and
+    float32 ``[k]`` on ``device`` (None for no bias), what :func:`apply_logit_bias` adds each step
+    without touching the dict again."""
+    if not bias:
+        return None
+    ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=device)
+    return ids, torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -50,23 +65,31 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place on float32 ``logits`` ``[n, vocab]``: add each row's ``params.logit_bias``
-    (``{token_id: bias}``, OpenAI's) in one indexed add over the rows that have one; rows
-    without a bias are untouched and cost nothing. A -inf logit stays -inf (biases are finite).
+    """In place on float32 ``logits`` ``[n, vocab]``: add each row's ``logit_bias`` (OpenAI's
+    ``{token_id: bias}``; the row's tensors, :attr:`SamplingRow.logit_bias`, built once per
+    request) in one indexed add over every biased row of the batch (``index_put_`` with
+    ``accumulate``: the rows' ids concatenated, each paired with its row index); rows without a
+    bias are untouched and cost nothing. A -inf logit stays -inf (biases are finite).
 
     Raises:
         IndexError: a biased token id outside the vocabulary (``LLMEngine.make_request``
             rejects those).
     """
-    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
-    if not biased:
+    rows_at, ids, vals = [], [], []
+    for i, r in enumerate(rows):
+        t = r.logit_bias if r.logit_bias is not None else logit_bias_tensors(r.params.logit_bias, logits.device)
+        if t is not None:
+            rows_at.append(i)
+            ids.append(t[0])
+            vals.append(t[1])
+    if not rows_at:
         return
-    row_idx = [i for i, b in biased for _ in b]
-    tok_idx = [t for _, b in biased for t in b]
-    vals = [v for _, b in biased for v in b.values()]
     dev = logits.device
-    logits.index_put_((torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)),
-                      torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    all_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+    row_idx = torch.repeat_interleave(torch.tensor(rows_at, device=dev),
+                                      torch.tensor([len(t) for t in ids], device=dev))
+    logits.index_put_((row_idx, all_ids.to(dev)), (vals[0] if len(vals) == 1 else torch.cat(vals)).to(
+        device=dev, dtype=logits.dtype), accumulate=True)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""Where the async front tokenizes prompts: threads in two lanes, so one large prompt never holds
+up the tokenization of the others.
+
+A 4 MiB prompt takes the tokenizer tens of seconds on a small CPU (``benchmarks/noisy_neighbor.py``
+times it); behind a single tokenizer thread every other request would wait that long for its
+first token. :class:`TokenizerPool` is a ``concurrent.futures.Executor`` (what
+``loop.run_in_executor`` takes) with two thread pools: jobs whose arguments hold at most
+``large_chars`` characters of text run in the *small* lane (``workers`` threads), larger ones in
+the *large* lane (``large_workers`` threads), so large prompts queue only behind each other.
+Each thread tokenizes with a tokenizer of its own (``InputProcessor.tokenizer`` is per thread);
+Hugging Face's fast tokenizers release the GIL while they encode, so the lanes run at once.
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from collections.abc import Callable
+
+#: Default size, characters of text in a job's arguments, above which it runs in the large lane
+#: (64 Ki characters: some 16k tokens of English, well over what an interactive prompt holds).
+LARGE_PROMPT_CHARS = 64 << 10
+
+
+def text_chars(value, limit: int) -> int:
+    """Characters of text in ``value`` (strings, and those inside lists, tuples, dicts and
+    ``functools.partial`` arguments), counted up to just past ``limit`` (then it stops)."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, functools.partial):
+            stack.extend(v.args)
+            stack.extend(v.keywords.values())
+    return total
+
+
+class TokenizerPool(concurrent.futures.Executor):
+    """Two lanes of tokenizer threads (see the module docstring).
+
+    Args:
+        workers: threads of the small lane (>= 1).
+        large_workers: threads of the large lane (>= 1).
+        large_chars: a job whose arguments hold more characters of text than this runs in the
+            large lane (:func:`text_chars`).
+        name: thread name prefix.
+
+    Raises:
+        ValueError: a lane without threads or a negative ``large_chars``.
+    """
+
+    def __init__(self, workers: int = 2, large_workers: int = 1, large_chars: int = LARGE_PROMPT_CHARS,
+                 name: str = "kvserve-tokenize"):
+        if workers < 1 or large_workers < 1 or large_chars < 0:
+            raise ValueError(f"a tokenizer pool needs workers >= 1, large_workers >= 1 and large_chars >= 0, got "
+                             f"{workers}, {large_workers}, {large_chars}")
+        self.large_chars = large_chars
+        self.small = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{name}-small")
+        self.large = concurrent.futures.ThreadPoolExecutor(large_workers, thread_name_prefix=f"{name}-large")
+
+    def lane(self, fn: Callable, args: tuple, kwargs: dict) -> concurrent.futures.ThreadPoolExecutor:
+        """The lane a job runs in: large when its arguments hold more than ``large_chars``
+        characters of text."""
+        big = text_chars((fn, args, kwargs) if isinstance(fn, functools.partial) else (args, kwargs),
+                         self.large_chars) > self.large_chars
+        return self.large if big else self.small
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        """Run ``fn(*args, **kwargs)`` in its lane; returns its future."""
+        return self.lane(fn, args, kwargs).submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Shut both lanes down (as ``ThreadPoolExecutor.shutdown``)."""
+        self.small.shutdown(wait=wait, cancel_futures=cancel_futures)
+        self.large.shutdown(wait=wait, cancel_futures=cancel_futures)
