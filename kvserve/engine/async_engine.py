@@ -63,6 +63,7 @@ class AsyncLLMEngine:
         #: tokenizer thread): prompt parsing, chat templates and validation for the serving layer.
         self.input_processor: InputProcessor = engine.input_processor.with_tokenizer(self.tokenizer)
         self._init_front()
+        self._tok_pool.warm(lambda: self.input_processor.tokenizer)  # per-thread copies made now
         # the single thread that runs engine.step() (from_config passes the one that built it)
         self._pool = step_pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
 

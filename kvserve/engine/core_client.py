@@ -280,6 +280,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         self.engine = CoreProxy(core, self.tokenizer)
         self.input_processor = self.engine.input_processor
         self._init_front()
+        self._tok_pool.warm(lambda: self.input_processor.tokenizer)  # per-thread copies made now
         #: request id -> (prompt token ids, prompt text) of requests sent to the core
         self._in_core: dict[str, tuple[list[int], str | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -6,7 +6,6 @@ One app start: the tiny model with two tenants' keys and a trusted proxy (127.0.
 
 import httpx
 import pytest
-from helpers import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -15,19 +14,19 @@ PROXY = "127.0.0.5"
 
 
 @pytest.fixture(scope="module")
-def throttle_app(ray_session, tiny_llama_path):
+def throttle_app(serve_app, tiny_llama_path):
+    # on the session's Serve (tests/e2e/conftest.py): Serve has one HTTP proxy, and a second
+    # serve.start with another port is ignored once it runs
     from ray import serve
 
     from kvserve.deployments.app import build_app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-throttle", "max_num_seqs": 2,
                      "max_model_len": 128, "torch_num_threads": 1, "replica_cpus": 0.25, "ingress_cpus": 0.25,
                      "num_replicas": 1, "api_keys": KEYS, "auth_failures_per_minute": 20,
                      "forwarded_allow_ips": [PROXY]})
     serve.run(app, name="kvserve-throttle", route_prefix="/throttle")
-    yield f"http://127.0.0.1:{port}/throttle/v1/models"
+    yield f"{serve_app.root}/throttle/v1/models"
     serve.delete("kvserve-throttle")
 
 

@@ -254,3 +254,26 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(tokenizer):
     # the bound is sound: the longest possible tokens, back to back, fit when the bytes do
     ids = tokenizer.encode(" " * (per * 64 - 1000), add_special_tokens=False)
     assert len(ids) * per >= per * 64 - 1000
+
+
+def test_warm_starts_every_lane_thread_and_runs_the_set_up_once_in_each():
+    # the front warms its tokenizer pool at start (each thread's tokenizer copy): the first
+    # requests' TTFT does not pay for them (the A/B report's TTFT p95, test_experiment_report_live)
+    import threading
+
+    from kvserve.engine.tokenizer_pool import TokenizerPool
+
+    seen, lock = [], threading.Lock()
+
+    def set_up():
+        with lock:
+            seen.append(threading.get_ident())
+
+    pool = TokenizerPool(workers=3, large_workers=2)
+    try:
+        pool.warm(set_up)
+        assert len(seen) == 5 and len(set(seen)) == 5
+        # later jobs run in those threads: no thread is started (and set up) on a request's path
+        assert {pool.submit(threading.get_ident).result() for _ in range(20)} <= set(seen)
+    finally:
+        pool.shutdown()
