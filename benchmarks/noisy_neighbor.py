@@ -139,12 +139,16 @@ def figures(r: dict) -> Figures:
     by = {s["scenario"]: s for s in r["scenarios"]}
     alone = by.get("alone", {}).get("tpot_ms_median")
     plain = by.get("plain", {}).get("tpot_ms_median")
+    plain_max = by.get("plain", {}).get("tpot_ms_max")
+    # issue 63's target: the victim's TPOT unchanged within spread, i.e. beside a max-size neighbour
+    # its median is no higher than the highest round median beside a plain neighbour
     for name in ("stop", "logit_bias", "grammar", "big_prompt"):
         s = by.get(name)
-        if s is None or s["tpot_ms_median"] is None or plain is None:
+        if s is None or s["tpot_ms_median"] is None or plain is None or plain_max is None:
             continue
         f.summary(f"victim TPOT with a max-size {name} neighbour, vs a plain neighbour", s["tpot_ms_median"] / plain,
-                  "x", target="<= 1.5", met=s["tpot_ms_median"] / plain <= 1.5, headline=name == "stop")
+                  "x", target=f"<= {plain_max / plain:.3g} (the plain neighbour's spread)",
+                  met=s["tpot_ms_median"] <= plain_max, headline=name == "stop")
     if alone is not None:
         f.summary("victim TPOT alone", alone, "ms")
     w = r.get("small_prompt_tokenize_ms") or {}
