@@ -5,15 +5,13 @@ import os
 os.environ["RAY_AUTH_MODE"] = "token"  # Ray token auth on for every Ray of the session (token: tests/e2e/conftest.py)
 
 import shutil  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 
 from kvserve.engine.model_loader import resolve_model  # noqa: E402
-from helpers import PROFILE, free_port  # noqa: E402  (tests/ is on sys.path for this conftest)
+from helpers import PROFILE  # noqa: E402  (tests/ is on sys.path for this conftest)
+from redis_helpers import start_redis  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 
@@ -176,31 +174,8 @@ def tiny_qwen2_path(tmp_path_factory):
 def redis_server(tmp_path_factory):
     """A real redis-server (Debian's; `.ci/run` installs it) on a free loopback port, no
     persistence; yields its URL. Skips when redis-server is not installed."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--save", "", "--appendonly", "no", "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_redis(tmp_path_factory.mktemp("redis"))
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from gateway_fakes import ScriptedReplica, make_gateway
-from redis_pause_helpers import own_redis  # noqa: F401  (the fixture)
+from redis_helpers import own_redis  # noqa: F401  (the fixture)
 
 from kvserve.deployments.gateway.api import build_api
 

@@ -367,3 +367,20 @@ def _scale_down_mid_stream(base: str, name: str, route: str, args: dict, pin: st
     for r in out["answers"]:
         assert r.status_code == 200, r.text
     return out
+
+
+def _wait_ready(base: str, tries: int = 600) -> None:
+    """Poll ``{base}/ready`` every 0.5 s until it answers 200 (``tries`` times at most).
+
+    Raises:
+        AssertionError: it never did.
+    """
+    with httpx.Client(timeout=60) as c:
+        for _ in range(tries):
+            try:
+                if c.get(f"{base}/ready").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise AssertionError("the app never became ready")

@@ -16,7 +16,7 @@ import json
 
 import httpx
 import pytest
-from _faults_helpers import StreamResult, _app_args, _assert_completed, _assert_no_internals, _stream
+from _faults_helpers import StreamResult, _wait_ready, _app_args, _assert_completed, _assert_no_internals, _stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -119,16 +119,7 @@ def test_a_fault_in_one_request_leaves_the_replica_and_its_other_streams_whole(s
     base = f"{serve_app.root}{route}"
     _deploy_faulty(args, name, route)
     try:
-        with httpx.Client(timeout=60) as c:
-            for _ in range(600):
-                try:
-                    if c.get(f"{base}/ready").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                asyncio.run(asyncio.sleep(0.5))
-            else:
-                raise AssertionError("the app never became ready")
+        _wait_ready(base)
         repetitive = "one two three one two three one two three one two three"
         ordinary = [(f"{repetitive} {i}", i % 2 == 1) for i in range(8)]
         poisoned = {hook: (f"{word} {repetitive}", hook.startswith("grammar")) for hook, word in MARKERS.items()}

@@ -14,7 +14,7 @@ import json
 
 import httpx
 import pytest
-from _faults_helpers import StreamResult, _alive_llm_replicas, _app_args, _assert_completed, _deploy, _long_body, _stream
+from _faults_helpers import StreamResult, _wait_ready, _alive_llm_replicas, _app_args, _assert_completed, _deploy, _long_body, _stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -32,16 +32,7 @@ def test_a_slow_grammar_and_health_probes_leave_the_replica_and_its_streams_whol
     base = f"{serve_app.root}{route}"
     _deploy(args, name, route)
     try:
-        with httpx.Client(timeout=60) as c:
-            for _ in range(600):
-                try:
-                    if c.get(f"{base}/ready").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                asyncio.run(asyncio.sleep(0.5))
-            else:
-                raise AssertionError("the app never became ready")
+        _wait_ready(base)
         [replica] = _alive_llm_replicas(name)
 
         async def main():

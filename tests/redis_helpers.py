@@ -1,6 +1,8 @@
-"""A private real redis-server a test may pause (SIGSTOP: every command to it hangs, as in a
-network partition or a stalled server) and resume (SIGCONT): :func:`start_redis`, :class:`OwnRedis`.
-Used by tests/deployments/test_store_faults_redis.py and test_batch_resume_redis.py."""
+"""A real redis-server on a free loopback port, no persistence (:func:`start_redis`): the
+session's ``redis_server`` fixture (tests/conftest.py) starts one this way, and a test may have
+a private one (the ``own_redis`` fixture) to pause (SIGSTOP: every command to it hangs, as in a
+network partition or a stalled server) and resume (SIGCONT), :class:`OwnRedis`. Used by
+tests/deployments/test_store_faults_redis.py and test_batch_resume_redis.py."""
 from __future__ import annotations
 
 import os
