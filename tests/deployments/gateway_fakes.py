@@ -7,6 +7,7 @@ embed / tokenize calls. :func:`make_gateway` builds a gateway over one as ``buil
 :func:`_client` (httpx) and :func:`_sdk` (the openai SDK) drive its app through httpx's ASGI
 transport."""
 import asyncio
+import json
 
 import httpx
 import openai
@@ -165,3 +166,23 @@ def _sdk(replica, api_key="sk-a", model: dict | None = None, **settings):
     app = build_api(gw)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
     return openai.AsyncOpenAI(api_key=api_key, base_url="http://gw/v1", http_client=http, max_retries=0), app
+
+
+def jsonl(lines) -> bytes:
+    """``lines`` (dicts) as a JSONL file's bytes: a Batch API input file."""
+    return "".join(json.dumps(x) + "\n" for x in lines).encode()
+
+
+async def wait_batch(client, batch_id, until=("completed", "failed", "cancelled", "expired")):
+    """The batch ``batch_id`` (openai SDK ``client``) once its status is in ``until``, polled
+    every 10 ms for at most 20 s (a bound on a hang, not a speed check).
+
+    Raises:
+        AssertionError: it was still elsewhere then.
+    """
+    for _ in range(2000):
+        b = await client.batches.retrieve(batch_id)
+        if b.status in until:
+            return b
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"batch {batch_id} still {b.status}")

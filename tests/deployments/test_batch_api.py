@@ -19,7 +19,7 @@ from kvserve.deployments.contract.openai_errors import OpenAIError
 from kvserve.deployments.gateway.batch_lines import parse_batch
 from kvserve.deployments.gateway.batches import window_seconds
 from kvserve.deployments.gateway.core import WARM_PRIORITY
-from gateway_fakes import ScriptedReplica, _sdk
+from gateway_fakes import ScriptedReplica, _sdk, jsonl, wait_batch
 
 KEYS = ["sk-a name=alice", "sk-b name=bob"]
 
@@ -29,30 +29,17 @@ def _line(i, url="/v1/chat/completions", **body):
             "body": {"model": "fake", "messages": [{"role": "user", "content": f"question {i}"}], **body}}
 
 
-def _jsonl(lines) -> bytes:
-    return "".join(json.dumps(x) + "\n" for x in lines).encode()
-
-
-async def _wait(client, batch_id, until=("completed", "failed", "cancelled", "expired")):
-    for _ in range(400):
-        b = await client.batches.retrieve(batch_id)
-        if b.status in until:
-            return b
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"batch {batch_id} still {b.status}")
-
-
 def test_batch_runs_every_request_in_order_with_output_and_error_files():
     async def run():
         replica = ScriptedReplica(["Hello", " there"])
         client, _ = _sdk(replica, api_keys=KEYS)
         lines = [_line(i) for i in range(6)] + [_line(6, messages=[])]  # the last one is a 400
-        f = await client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
-        assert (f.purpose, f.bytes, f.filename, f.status) == ("batch", len(_jsonl(lines)), "in.jsonl", "processed")
+        f = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        assert (f.purpose, f.bytes, f.filename, f.status) == ("batch", len(jsonl(lines)), "in.jsonl", "processed")
         b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
                                         metadata={"job": "nightly"})
         assert b.status == "validating" and b.metadata == {"job": "nightly"}
-        b = await _wait(client, b.id)
+        b = await wait_batch(client, b.id)
         assert b.status == "completed" and b.request_counts.model_dump() == {"total": 7, "completed": 6, "failed": 1}
         assert b.model == "fake" and b.usage.output_tokens == 12 and b.completed_at >= b.in_progress_at
         out = [json.loads(x) for x in (await client.files.content(b.output_file_id)).text.splitlines()]
@@ -80,8 +67,8 @@ def test_files_and_batches_belong_to_their_key():
         alice, app = _sdk(ScriptedReplica(), api_keys=KEYS)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
         bob = openai.AsyncOpenAI(api_key="sk-b", base_url="http://gw/v1", http_client=http, max_retries=0)
-        f = await alice.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
-        b = await _wait(alice, (await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+        f = await alice.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
+        b = await wait_batch(alice, (await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                            completion_window="24h")).id)
         for call in (bob.files.retrieve(f.id), bob.files.content(f.id), bob.files.delete(f.id),
                      bob.batches.retrieve(b.id), bob.batches.cancel(b.id),
@@ -110,7 +97,7 @@ def test_bad_input_is_refused_or_fails_the_batch_with_its_lines():
         bad = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\nnot json\n' \
               b'{"custom_id": "a", "method": "GET", "url": "/v1/images", "body": {}}\n'
         f = await client.files.create(file=("bad.jsonl", bad), purpose="batch")
-        b = await _wait(client, (await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+        b = await wait_batch(client, (await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                              completion_window="24h")).id)
         assert b.status == "failed" and b.output_file_id is None
         assert [(e.line, e.code) for e in b.errors.data] == [
@@ -140,20 +127,20 @@ class SlowReplica(ScriptedReplica):
 def test_cancel_keeps_the_results_so_far():
     async def run():
         client, _ = _sdk(SlowReplica(), api_keys=KEYS, batch_concurrency=1)
-        f = await client.files.create(file=("in.jsonl", _jsonl([_line(i) for i in range(40)])), purpose="batch")
+        f = await client.files.create(file=("in.jsonl", jsonl([_line(i) for i in range(40)])), purpose="batch")
         b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        await _wait(client, b.id, until=("in_progress",))
+        await wait_batch(client, b.id, until=("in_progress",))
         await asyncio.sleep(0.2)
         assert (await client.batches.cancel(b.id)).status == "cancelling"
-        b = await _wait(client, b.id)
+        b = await wait_batch(client, b.id)
         assert b.status == "cancelled" and b.cancelled_at is not None
         done, failed = b.request_counts.completed, b.request_counts.failed
         assert 1 <= done < 40 and done + failed == 40
         err = [json.loads(x) for x in (await client.files.content(b.error_file_id)).text.splitlines()]
         assert len(err) == failed and all(x["error"]["code"] == "batch_cancelled" for x in err)
         with pytest.raises(openai.ConflictError):
-            f2 = await client.files.create(file=("one.jsonl", _jsonl([_line(0)])), purpose="batch")
-            b2 = await _wait(client, (await client.batches.create(
+            f2 = await client.files.create(file=("one.jsonl", jsonl([_line(0)])), purpose="batch")
+            b2 = await wait_batch(client, (await client.batches.create(
                 input_file_id=f2.id, endpoint="/v1/chat/completions", completion_window="24h")).id)
             await client.batches.cancel(b2.id)  # completed: nothing to cancel
 
@@ -182,7 +169,7 @@ def test_live_batch_beside_live_traffic(batch_app):
     lines = [{"custom_id": f"j{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": 48, "ignore_eos": True,
                        "temperature": 0}} for i in range(8)]
-    f = client.files.create(file=("jobs.jsonl", _jsonl(lines)), purpose="batch")
+    f = client.files.create(file=("jobs.jsonl", jsonl(lines)), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
     live = [client.completions.create(model="tiny", prompt=f"Live {i}:", max_tokens=8, temperature=0)
             for i in range(3)]
@@ -207,7 +194,7 @@ def test_run_batch_offline(tiny_llama_path, tmp_path):
                        "temperature": 0}} for i in range(3)]
     lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
                   "body": {"model": "other", "messages": [{"role": "user", "content": "x"}]}})
-    (tmp_path / "in.jsonl").write_bytes(_jsonl(lines))
+    (tmp_path / "in.jsonl").write_bytes(jsonl(lines))
     cmd = [sys.executable, "-m", "kvserve.deployments.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
            str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_path), "--served-model-name", "tiny",
            "--max-model-len", "128", "--torch-num-threads", "1"]

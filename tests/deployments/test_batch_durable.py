@@ -12,7 +12,7 @@ import json
 import httpx
 import openai
 import pytest
-from gateway_fakes import ScriptedReplica, _sdk, make_gateway
+from gateway_fakes import ScriptedReplica, _sdk, jsonl, make_gateway, wait_batch
 
 from kvserve.deployments.gateway.api import build_api
 from kvserve.deployments.gateway.core import WARM_PRIORITY
@@ -25,19 +25,6 @@ def _line(i, content=None):
             "body": {"model": "fake", "messages": [{"role": "user", "content": content or f"q{i}"}]}}
 
 
-def _jsonl(lines) -> bytes:
-    return "".join(json.dumps(x) + "\n" for x in lines).encode()
-
-
-async def _wait(client, batch_id, until=("completed", "failed", "cancelled", "expired")):
-    for _ in range(1000):
-        b = await client.batches.retrieve(batch_id)
-        if b.status in until:
-            return b
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"batch {batch_id} still {b.status}")
-
-
 def test_an_output_over_max_file_bytes_keeps_every_answer_that_fits():
     """Each answer line is ~900 bytes and the output file may hold 4000: the first answers go
     to the output file, in order, and the ones that no longer fit become error lines
@@ -45,9 +32,9 @@ def test_an_output_over_max_file_bytes_keeps_every_answer_that_fits():
     finished answer was dropped)."""
     async def run():
         client, _ = _sdk(ScriptedReplica(["x" * 600]), api_keys=KEYS, api_key="sk-tenant-a-1", max_file_bytes=4000)
-        f = await client.files.create(file=("in.jsonl", _jsonl([_line(i) for i in range(10)])), purpose="batch")
+        f = await client.files.create(file=("in.jsonl", jsonl([_line(i) for i in range(10)])), purpose="batch")
         b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        b = await _wait(client, b.id)
+        b = await wait_batch(client, b.id)
         assert b.status == "completed", b
         out = [json.loads(x) for x in (await client.files.content(b.output_file_id)).text.splitlines()]
         err = [json.loads(x) for x in (await client.files.content(b.error_file_id)).text.splitlines()]
@@ -120,7 +107,7 @@ def test_files_and_batch_routes_are_behind_the_keys_rate_limit():
     ``rate_limit_exceeded`` with Retry-After (before: those routes were never limited)."""
     async def run():
         client, _ = _sdk(ScriptedReplica(), api_keys=["sk-slow-1 name=slow rpm=3"], api_key="sk-slow-1")
-        f = await client.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+        f = await client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
         await client.files.list()
         await client.batches.list()
         with pytest.raises(openai.RateLimitError) as e:
@@ -155,18 +142,18 @@ def test_a_key_may_have_so_many_active_batches_and_files():
         replica.release = asyncio.Event()
         client, _ = _sdk(replica, api_keys=KEYS, api_key="sk-tenant-a-1", max_active_batches_per_key=1,
                          max_files_per_key=3)
-        f = await client.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+        f = await client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
         first = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                             completion_window="24h")
         with pytest.raises(openai.RateLimitError) as too_many:
             await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         replica.release.set()
-        assert (await _wait(client, first.id)).status == "completed"  # + its output file: 2 files
+        assert (await wait_batch(client, first.id)).status == "completed"  # + its output file: 2 files
         second = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                              completion_window="24h")
-        await _wait(client, second.id)  # its output: 3 files
+        await wait_batch(client, second.id)  # its output: 3 files
         with pytest.raises(openai.BadRequestError) as files_cap:
-            await client.files.create(file=("more.jsonl", _jsonl([_line(1)])), purpose="batch")
+            await client.files.create(file=("more.jsonl", jsonl([_line(1)])), purpose="batch")
         return too_many.value, files_cap.value
 
     too_many, files_cap = asyncio.run(run())
@@ -184,9 +171,9 @@ def test_a_client_cannot_mark_its_request_as_batch_work():
         client, _ = _sdk(replica, api_keys=KEYS, api_key="sk-tenant-a-1")
         await client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
                                              extra_headers={"x-kvserve-batch": "1"})
-        f = await client.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+        f = await client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
         b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        await _wait(client, b.id)
+        await wait_batch(client, b.id)
 
     asyncio.run(run())
     live, batch = replica.requests

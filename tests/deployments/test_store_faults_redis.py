@@ -13,7 +13,7 @@ import logging
 import httpx
 import openai
 import pytest
-from gateway_fakes import ScriptedReplica, make_gateway
+from gateway_fakes import ScriptedReplica, make_gateway, wait_batch
 from redis_helpers import own_redis  # noqa: F401  (the fixture)
 
 from kvserve.deployments.gateway.api import build_api
@@ -38,15 +38,6 @@ def _gateway(replica, url):
     return gw, http, openai.AsyncOpenAI(api_key=KEY, base_url="http://gw/v1", http_client=http, max_retries=0)
 
 
-async def _wait(client, batch_id, until=("completed", "failed", "cancelled", "expired")):
-    for _ in range(2000):
-        b = await client.batches.retrieve(batch_id)
-        if b.status in until:
-            return b
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"batch {batch_id} still {b.status}")
-
-
 def test_a_redis_pause_is_a_503_and_no_id_leaves_an_index(own_redis):
     """Files, a finished batch and a stored response; Redis paused: every read is a 503
     ``store_unavailable``, and a new ``store: true`` response comes back with ``store: false``
@@ -59,7 +50,7 @@ def test_a_redis_pause_is_a_503_and_no_id_leaves_an_index(own_redis):
         _, http, client = _gateway(replica, own_redis.url)
         files = [await client.files.create(file=(f"f{i}.jsonl", json.dumps(_line(i)).encode() + b"\n"),
                                            purpose="batch") for i in range(2)]
-        b = await _wait(client, (await client.batches.create(input_file_id=files[0].id, endpoint="/v1/chat/completions",
+        b = await wait_batch(client, (await client.batches.create(input_file_id=files[0].id, endpoint="/v1/chat/completions",
                                                              completion_window="24h")).id)
         kept = await client.responses.create(model="fake", input="remember me")
         before = ({f.id for f in (await client.files.list()).data}, [x.id for x in (await client.batches.list()).data])
@@ -139,7 +130,7 @@ def test_a_batch_is_complete_only_once_its_final_status_is_stored(own_redis):
                 during = await http.get(f"/batches/{b.id}")
             finally:
                 own_redis.resume()
-            done = await _wait(client, b.id)
+            done = await wait_batch(client, b.id)
             out = (await client.files.content(done.output_file_id)).text
             return during, done, out
         finally:

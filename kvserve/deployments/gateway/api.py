@@ -20,7 +20,7 @@ Batch API (``POST`` and ``GET /v1/batches``, ``GET /v1/batches/{id}``, ``POST /v
 this package; every request is counted and timed by route (:mod:`~kvserve.deployments.gateway.http_metrics`).
 """
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 
 from kvserve.deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
 from kvserve.deployments.gateway import (
@@ -87,51 +87,48 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
     async def delete_response(response_id: str, request: Request):
         return await responses.delete_response(gw.responses, response_id, request)
 
-    @app.post("/v1/files", openapi_extra=files.UPLOAD_OPENAPI)
-    async def create_file(request: Request):  # streamed: the form is parsed as it arrives (files.upload_stream)
+    async def files_owner(request: Request) -> str:
+        """The Files and Batch API routes' caller: its owner id, once the request passed its
+        key's rate limits (:func:`files.admit`, which raises the 429/403)."""
         await files.admit(gw.keys, request.scope)
-        return await files.upload_stream(gw.files, gate.owner_id(request.scope), request)
+        return gate.owner_id(request.scope)
+
+    @app.post("/v1/files", openapi_extra=files.UPLOAD_OPENAPI)
+    async def create_file(request: Request, owner: str = Depends(files_owner)):
+        return await files.upload_stream(gw.files, owner, request)  # the form is parsed as it arrives
 
     @app.get("/v1/files")
-    async def list_files(request: Request, purpose: str | None = None, limit: int = 10000, after: str | None = None,
-                         order: str = "desc"):
-        await files.admit(gw.keys, request.scope)
-        return await gw.files.list(gate.owner_id(request.scope), purpose, limit, after, order)
+    async def list_files(purpose: str | None = None, limit: int = 10000, after: str | None = None,
+                         order: str = "desc", owner: str = Depends(files_owner)):
+        return await gw.files.list(owner, purpose, limit, after, order)
 
     @app.get("/v1/files/{file_id}")
-    async def get_file(file_id: str, request: Request):
-        await files.admit(gw.keys, request.scope)
-        return await gw.files.meta(gate.owner_id(request.scope), file_id)
+    async def get_file(file_id: str, owner: str = Depends(files_owner)):
+        return await gw.files.meta(owner, file_id)
 
     @app.get("/v1/files/{file_id}/content")
-    async def get_file_content(file_id: str, request: Request):
-        await files.admit(gw.keys, request.scope)
-        return await files.content_response(gw.files, gate.owner_id(request.scope), file_id)
+    async def get_file_content(file_id: str, owner: str = Depends(files_owner)):
+        return await files.content_response(gw.files, owner, file_id)
 
     @app.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str, request: Request):
-        await files.admit(gw.keys, request.scope)
-        return await gw.files.delete(gate.owner_id(request.scope), file_id)
+    async def delete_file(file_id: str, owner: str = Depends(files_owner)):
+        return await gw.files.delete(owner, file_id)
 
     @app.post("/v1/batches")
-    async def create_batch(body: dict, request: Request):
-        await files.admit(gw.keys, request.scope)
-        return await gw.batches.create(gate.owner_id(request.scope), gate.credentials(request.scope), body)
+    async def create_batch(body: dict, request: Request, owner: str = Depends(files_owner)):
+        return await gw.batches.create(owner, gate.credentials(request.scope), body)
 
     @app.get("/v1/batches")
-    async def list_batches(request: Request, after: str | None = None, limit: int = 20):
-        await files.admit(gw.keys, request.scope)
-        return await gw.batches.list(gate.owner_id(request.scope), after, limit)
+    async def list_batches(after: str | None = None, limit: int = 20, owner: str = Depends(files_owner)):
+        return await gw.batches.list(owner, after, limit)
 
     @app.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str, request: Request):
-        await files.admit(gw.keys, request.scope)
-        return await gw.batches.get(gate.owner_id(request.scope), batch_id)
+    async def get_batch(batch_id: str, owner: str = Depends(files_owner)):
+        return await gw.batches.get(owner, batch_id)
 
     @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str, request: Request):
-        await files.admit(gw.keys, request.scope)
-        return await gw.batches.cancel(gate.owner_id(request.scope), batch_id)
+    async def cancel_batch(batch_id: str, owner: str = Depends(files_owner)):
+        return await gw.batches.cancel(owner, batch_id)
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: embeddings.EmbeddingRequest, request: Request):
