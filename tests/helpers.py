@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from typing import Any, AsyncIterator, Iterable, Iterator, Union
@@ -95,7 +96,9 @@ def _lines(source: SSESource) -> Iterable[Union[str, bytes]]:
     if isinstance(source, bytes):
         source = source.decode("utf-8", "replace")
     if isinstance(source, str):
-        return source.splitlines()
+        # SSE ends a line at CR, LF or CRLF only; str.splitlines also splits at U+2028, U+0085
+        # and others, which JSON (and so an event's data) may hold unescaped
+        return re.split(r"\r\n|\r|\n", source)
     iter_lines = getattr(source, "iter_lines", None)
     return iter_lines() if iter_lines is not None else source
 
