@@ -59,9 +59,10 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_pool: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.tokenizer = load_tokenizer(engine.model_path)
-        #: The engine's :class:`InputProcessor` with this front's own tokenizer (used in the
-        #: tokenizer thread): prompt parsing, chat templates and validation for the serving layer.
-        self.input_processor: InputProcessor = engine.input_processor.with_tokenizer(self.tokenizer)
+        #: The engine's :class:`InputProcessor` over copies of this front's tokenizer (one per
+        #: tokenizer thread; ``self.tokenizer`` itself is the event loop's, for decoding):
+        #: prompt parsing, chat templates and validation for the serving layer.
+        self.input_processor: InputProcessor = engine.input_processor.with_tokenizer(self.tokenizer, keep_base=True)
         self._init_front()
         self._tok_pool.warm(lambda: self.input_processor.tokenizer)  # per-thread copies made now
         # the single thread that runs engine.step() (from_config passes the one that built it)

@@ -256,11 +256,20 @@ class InputProcessor:
         self.__dict__.update(state)
         self.tokenizer = base
 
-    def with_tokenizer(self, tokenizer) -> "InputProcessor":
+    def with_tokenizer(self, tokenizer, *, keep_base: bool = False) -> "InputProcessor":
         """A copy of this processor that uses ``tokenizer`` (e.g. a second instance of the same
-        tokenizer, for the async front); the model's facts are shared."""
+        tokenizer, for the async front); the model's facts are shared.
+
+        Args:
+            keep_base: ``tokenizer`` stays its owner's (the async front decodes with it on its
+                event loop): no thread gets it from :attr:`tokenizer`, every thread that asks
+                gets a copy of its own (where the tokenizer cannot be copied, one instance is
+                shared, as without this flag).
+        """
         other = copy.copy(self)
         other.tokenizer = tokenizer
+        if keep_base and other._template is not None:
+            other._base_taken = True
         return other
 
     # ---- prompts ---------------------------------------------------------------------------

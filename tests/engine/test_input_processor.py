@@ -139,7 +139,13 @@ def test_engine_and_async_front_share_it(tiny_llama_path):
         with pytest.raises(PromptTooLongError):
             eng.make_request("r", list(range(64)))
         front = AsyncLLMEngine(eng)
-        assert front.input_processor.tokenizer is front.tokenizer is not tok
+        # the front's tokenizer is its event loop's (decoding); every tokenizer thread, and any
+        # other thread that asks the input processor, has a copy of its own: none shares it
+        pool_toks = [front._tok_pool.submit(lambda: front.input_processor.tokenizer).result() for _ in range(8)]
+        here = front.input_processor.tokenizer
+        assert all(t is not front.tokenizer and t is not tok for t in [here, *pool_toks])
+        assert front.tokenizer is not tok and here is front.input_processor.tokenizer
+        assert here.encode("hi there") == front.tokenizer.encode("hi there") == tok.encode("hi there")
         assert asyncio.run(front.apply_chat_template(MESSAGES, [WEATHER])) == want
         assert asyncio.run(front.encode({"prompt": "hi there"})) == tok.encode("hi there")
         front._tok_pool.shutdown()
