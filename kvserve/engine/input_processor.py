@@ -34,6 +34,12 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 
 
+#: :meth:`InputProcessor.check_prompt_prefix`: a text longer than this many characters per token
+#: of ``max_model_len`` has its prefix of that length counted first (English runs at about 4.5
+#: characters per token in a BPE vocabulary, so a prompt that fits is almost never this long).
+PREFIX_CHARS_PER_TOKEN = 8
+
+
 class PromptTooLongError(ValueError):
     """The prompt leaves no room for an output token within ``max_model_len`` (or, when the
     caller names ``max_tokens``, the prompt plus ``max_tokens`` exceed it)."""
@@ -292,6 +298,47 @@ class InputProcessor:
                 f"tokenizer covers at most {per} bytes); this model's context is {self.max_model_len} tokens "
                 "(max_model_len)")
 
+    def check_prompt_prefix(self, text: str) -> None:
+        """Before tokenizing a long text whole: where the text has more than
+        :data:`PREFIX_CHARS_PER_TOKEN` characters per token of ``max_model_len``, its first
+        ``PREFIX_CHARS_PER_TOKEN * max_model_len`` characters (cut before a space that follows
+        a non-space) are tokenized first, and a text whose prefix alone has more than
+        ``max_model_len`` tokens is refused: a prompt at the byte bound costs the tokenizer a
+        prefix, not the whole text (issue 63: such prompts, sent back to back, took a core
+        from the engine's other streams).
+
+        Sound only where :func:`max_token_bytes` is (byte-level BPE with a GPT-2-style split,
+        no normalizer): the pre-tokenizer's pieces never span a space that follows a
+        non-space, and BPE merges stay inside a piece, so the prefix's pieces are the whole
+        text's first pieces and its token count is at most the text's. Elsewhere nothing is
+        checked here.
+
+        Raises:
+            PromptTooLongError: the prefix alone has more than ``max_model_len`` tokens.
+        """
+        limit = PREFIX_CHARS_PER_TOKEN * self.max_model_len
+        if self.max_token_bytes is None or len(text) <= limit:
+            return
+        cut = text.rfind(" ", 0, limit + 1)
+        while cut > 0 and text[cut - 1].isspace():
+            cut = text.rfind(" ", 0, cut)
+        if cut <= 0:  # no cut point: the text is tokenized whole (bounded by check_prompt_bytes)
+            return
+        n = len(self.tokenizer.encode(text[:cut], add_special_tokens=False))
+        if n > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is more than {self.max_model_len} tokens (its first {cut} characters alone are {n} tokens); "
+                f"this model's context is {self.max_model_len} tokens (max_model_len)")
+
+    def check_prompt_length(self, text: str) -> None:
+        """Before tokenizing: :meth:`check_prompt_bytes`, then :meth:`check_prompt_prefix`.
+
+        Raises:
+            PromptTooLongError: the text cannot fit, by its bytes or by its prefix's tokens.
+        """
+        self.check_prompt_bytes(text)
+        self.check_prompt_prefix(text)
+
     def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
         """Token ids of a prompt (:func:`encode_prompt`; not validated against the model, but text
         that cannot fit ``max_model_len`` is refused before it is tokenized,
@@ -303,7 +350,7 @@ class InputProcessor:
         """
         text, _ = parse_prompt(prompt)
         if text is not None:
-            self.check_prompt_bytes(text)
+            self.check_prompt_length(check_unicode(text))
         return encode_prompt(self.tokenizer, prompt)
 
     def render_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -330,7 +377,7 @@ class InputProcessor:
         tok = self.tokenizer
         text = render_chat_template(tok, messages, tools, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, template_kwargs=template_kwargs)
-        self.check_prompt_bytes(check_unicode(text, "messages"))
+        self.check_prompt_length(check_unicode(text, "messages"))
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     # ---- validation ------------------------------------------------------------------------
@@ -430,7 +477,7 @@ class InputProcessor:
         self._validate_lora(lora_request)
         text, ids = parse_prompt(prompt)
         if text is not None:
-            self.check_prompt_bytes(check_unicode(text))
+            self.check_prompt_length(check_unicode(text))
             ids = self.tokenizer.encode(text, add_special_tokens=True)
         self._validate_model_inputs(ids, pooling_params is not None)
         req = Request(request_id, ids, params, self.eos_token_ids, prompt=text, priority=priority,

@@ -10,18 +10,40 @@ the *large* lane (``large_workers`` threads), so large prompts queue only behind
 Each thread tokenizes with a tokenizer of its own (``InputProcessor.tokenizer`` is per thread);
 Hugging Face's fast tokenizers release the GIL while they encode, so the lanes run at once.
 
+The large lane's threads run at the lowest CPU priority (``large_nice``, Linux's per-thread
+nice value, 19 by default): on a small machine a large prompt's tokenizing would otherwise take
+a core from the engine's step, and every other stream's time per output token with it
+(``benchmarks/noisy_neighbor.py``, the ``big_prompt`` scenario). At nice 19 the scheduler gives
+such a thread about 1.5 % of a core the engine wants (CFS weights 15 against 1024), all of an
+idle one, so large prompts are tokenized in the time the engine leaves.
+
 Standard library only.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 import threading
 from collections.abc import Callable
 
 #: Default size, characters of text in a job's arguments, above which it runs in the large lane
 #: (64 Ki characters: some 16k tokens of English, well over what an interactive prompt holds).
 LARGE_PROMPT_CHARS = 64 << 10
+
+
+#: Default nice value of the large lane's threads (the lowest priority; see the module docstring).
+LARGE_LANE_NICE = 19
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Set the calling thread's nice value to ``nice`` (Linux: ``setpriority`` on the thread's
+    own id changes that thread alone). Raising it needs no privilege; where the platform has no
+    per-thread priority, or refuses, nothing changes (the lane then runs at the process's)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
 
 
 def text_chars(value, limit: int) -> int:
@@ -51,20 +73,25 @@ class TokenizerPool(concurrent.futures.Executor):
         large_chars: a job whose arguments hold more characters of text than this runs in the
             large lane (:func:`text_chars`).
         name: thread name prefix.
+        large_nice: the nice value of the large lane's threads (0 to 19; None: the process's).
 
     Raises:
         ValueError: a lane without threads or a negative ``large_chars``.
     """
 
     def __init__(self, workers: int = 2, large_workers: int = 1, large_chars: int = LARGE_PROMPT_CHARS,
-                 name: str = "kvserve-tokenize"):
+                 name: str = "kvserve-tokenize", large_nice: int | None = LARGE_LANE_NICE):
         if workers < 1 or large_workers < 1 or large_chars < 0:
             raise ValueError(f"a tokenizer pool needs workers >= 1, large_workers >= 1 and large_chars >= 0, got "
                              f"{workers}, {large_workers}, {large_chars}")
         self.large_chars = large_chars
         self.workers, self.large_workers = workers, large_workers
         self.small = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{name}-small")
-        self.large = concurrent.futures.ThreadPoolExecutor(large_workers, thread_name_prefix=f"{name}-large")
+        self.large_nice = large_nice
+        self.large = concurrent.futures.ThreadPoolExecutor(
+            large_workers, thread_name_prefix=f"{name}-large",
+            initializer=None if large_nice is None else lower_thread_priority,
+            initargs=() if large_nice is None else (large_nice,))
 
     def lane(self, fn: Callable, args: tuple, kwargs: dict) -> concurrent.futures.ThreadPoolExecutor:
         """The lane a job runs in: large when its arguments hold more than ``large_chars``

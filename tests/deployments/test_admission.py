@@ -217,5 +217,7 @@ def test_the_replica_publishes_what_it_learned_at_load(tiny, monkeypatch):
     # the dtype the engine runs: what "auto" became on this CPU, never "auto"
     assert first.dtype == server.engine.engine.config.dtype and first.dtype in ("float32", "bfloat16")
     assert second == LoadedFacts(first.max_model_len, llm_server.model_revision(tiny), first.digest, first.dtype,
-                                 tool_call_parser="hermes")  # auto: the tiny model's template knows no tools
+                                 tool_call_parser="hermes",  # auto: the tiny model's template knows no tools
+                                 max_token_bytes=server.engine.input_processor.max_token_bytes)
+    assert first.max_token_bytes is not None and first.max_prompt_bytes() == first.max_model_len * first.max_token_bytes
     assert second.revision != first.revision

@@ -178,6 +178,31 @@ def test_bad_chat_input(serve_app, name, body, status):
         assert err["code"] == "context_length_exceeded"
 
 
+def test_a_prompt_too_long_by_its_bytes_is_refused_at_the_gateway(serve_app, tiny_llama_path):
+    """Issue 63: a prompt whose text alone cannot fit (more than ``max_model_len`` times the
+    most bytes one token covers, as the replicas published it) is a 400 from the gateway; one
+    just under that bound reaches the replica, which refuses it once a prefix is counted."""
+    from kvserve.engine.input_processor import max_token_bytes
+    from kvserve.engine.model_loader import load_tokenizer
+
+    per = max_token_bytes(load_tokenizer(tiny_llama_path))
+    bound = 256 * per  # the "tiny" model's max_model_len is 256
+    words = "the quick brown fox jumps over the lazy dog "
+    for body, param in (({"prompt": (words * (bound // 40))[: bound + 1], "max_tokens": 4}, "prompt"),
+                        ({"messages": [{"role": "user", "content": "é" * (bound // 2 + 1)}]}, "messages")):
+        path = "completions" if "prompt" in body else "chat/completions"
+        r = HTTP.post(f"{serve_app.base_url}/{path}", json={"model": "tiny", **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param
+        assert f"more than any prompt that fits this model's context can hold ({bound} bytes" in err["message"]
+    r = HTTP.post(f"{serve_app.base_url}/completions", json={
+        "model": "tiny", "prompt": (words * (bound // 40))[: bound - 100], "max_tokens": 4}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+    assert "characters alone are" in err["message"]  # the replica's prefix count, not the gateway's bytes
+
+
 def test_bad_completion_input_and_routes(serve_app):
     base = serve_app.base_url
     cases = [({"prompt": []}, 400), ({"prompt": "x", "max_tokens": 0}, 400), ({}, 400),

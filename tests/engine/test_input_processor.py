@@ -130,14 +130,14 @@ def test_engine_and_async_front_share_it(tiny_llama_path):
     for name in ("parse_prompt", "encode_prompt", "chat_template_ids", "PromptTooLongError"):
         assert getattr(llm_engine, name) is getattr(input_processor, name)
     eng = llm_engine.LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=16,
-                                            max_model_len=64))
+                                            max_model_len=128))
     try:
         tok = eng.tokenizer
-        assert eng.input_processor.max_model_len == eng.max_model_len == 64
+        assert eng.input_processor.max_model_len == eng.max_model_len == 128
         want = chat_template_ids(tok, MESSAGES, True, [WEATHER])
         assert eng.apply_chat_template(MESSAGES, tools=[WEATHER]) == want
         with pytest.raises(PromptTooLongError):
-            eng.make_request("r", list(range(64)))
+            eng.make_request("r", list(range(128)))
         front = AsyncLLMEngine(eng)
         # the front's tokenizer is its event loop's (decoding); every tokenizer thread, and any
         # other thread that asks the input processor, has a copy of its own: none shares it

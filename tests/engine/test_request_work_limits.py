@@ -277,3 +277,89 @@ def test_warm_starts_every_lane_thread_and_runs_the_set_up_once_in_each():
         assert {pool.submit(threading.get_ident).result() for _ in range(20)} <= set(seen)
     finally:
         pool.shutdown()
+
+
+# ---------------------------------------------------------------------------- long prompts
+def test_a_prompt_far_over_the_context_is_refused_after_tokenizing_a_prefix_only(tokenizer):
+    """A prompt just under the byte bound (which check_prompt_bytes lets through) but far over
+    ``max_model_len`` in tokens is refused once its prefix of ``PREFIX_CHARS_PER_TOKEN *
+    max_model_len`` characters is counted: the tokenizer never sees the whole text."""
+    from kvserve.engine.input_processor import PREFIX_CHARS_PER_TOKEN, PromptTooLongError
+
+    proc = InputProcessor(tokenizer, vocab_size=len(tokenizer), eos_token_ids={0}, max_model_len=64)
+    per = proc.max_token_bytes
+    text = ("the quick brown fox jumps over the lazy dog " * (per * 64 // 44 + 1))[: per * 64 - 200]
+    seen = []
+    real = proc.tokenizer.encode
+    proc.tokenizer.encode = lambda t, *a, **k: seen.append(len(t)) or real(t, *a, **k)
+    for call in (lambda: proc.tokenize(text), lambda: proc.process_inputs("r", text),
+                 lambda: proc.chat_template_ids([{"role": "user", "content": text}])):
+        seen.clear()
+        with pytest.raises(PromptTooLongError, match=r"more than 64 tokens \(its first \d+ characters alone"):
+            call()
+        assert seen and max(seen) <= PREFIX_CHARS_PER_TOKEN * 64 < len(text) // 9  # a ninth of it, at most
+    # a text over the prefix length that fits (15 characters per token) is counted by its
+    # prefix, then tokenized whole: the result is the tokenizer's own
+    fits = " administration" * 60
+    assert len(fits) > PREFIX_CHARS_PER_TOKEN * 64 and len(real(fits, add_special_tokens=True)) < 64
+    seen.clear()
+    assert proc.tokenize(fits) == real(fits, add_special_tokens=True)
+    assert len(seen) == 2 and seen[0] <= PREFIX_CHARS_PER_TOKEN * 64 and seen[1] == len(fits)
+
+
+_PIECES = ["a", "b", "Z", "é", "字", "🙂", "7", "42", "1234", " ", "  ", "   ", "\t", "\n", "\r\n", "'s", "'ll",
+           ",", ".", "!?", "-", "_", "(", ")", "\u00a0", "\u3000", "<|im_start|>", "<|endoftext|>", "don", "word"]
+
+
+def test_the_prefix_rule_never_refuses_a_prompt_that_fits(tokenizer):
+    """Soundness of check_prompt_prefix over many random texts of letters, digits, runs of every
+    kind of whitespace, contractions, punctuation, non-Latin scripts, emoji and special tokens:
+    whenever it refuses, the whole text really has more than ``max_model_len`` tokens (HF's
+    own count, special tokens included)."""
+    from kvserve.engine.input_processor import PREFIX_CHARS_PER_TOKEN, PromptTooLongError
+
+    rng = random.Random(63)
+    procs = {n: InputProcessor(tokenizer, vocab_size=len(tokenizer), eos_token_ids={0}, max_model_len=n)
+             for n in (2, 3, 5, 8)}
+    refused = 0
+    for _ in range(3000):
+        n = rng.choice(list(procs))
+        # mostly long runs of one or two pieces (many chars per token: the prefix rule's case)
+        pool = rng.sample(_PIECES, rng.choice([1, 2, 3, 6]))
+        text = "".join(rng.choice(pool) for _ in range(rng.randint(1, 8 * PREFIX_CHARS_PER_TOKEN * n)))
+        try:
+            procs[n].check_prompt_prefix(text)
+        except PromptTooLongError:
+            refused += 1
+            assert len(tokenizer.encode(text, add_special_tokens=True)) > n, repr(text)
+    assert refused > 300  # the rule was exercised, not only skipped
+
+
+def test_the_large_lane_runs_at_the_lowest_cpu_priority():
+    """The large lane's threads run at nice 19 (so a big prompt's tokenizing takes no core the
+    engine wants); the small lane's at the process's own priority."""
+    import os
+    import threading
+    import sys
+
+    from kvserve.engine.tokenizer_pool import LARGE_LANE_NICE, TokenizerPool
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice values are Linux's")
+
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    pool = TokenizerPool(workers=1, large_workers=2, large_chars=10)
+    try:
+        assert pool.submit(nice).result() == base  # no text: the small lane
+        assert pool.submit(lambda _t: nice(), "x" * 11).result() == LARGE_LANE_NICE == 19
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller unchanged
+    finally:
+        pool.shutdown()
+    plain = TokenizerPool(large_chars=10, large_nice=None)
+    try:
+        assert plain.submit(lambda _t: nice(), "x" * 11).result() == base
+    finally:
+        plain.shutdown()

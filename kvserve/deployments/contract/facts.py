@@ -121,6 +121,10 @@ class LoadedFacts:
             ``cost_per_replica_hour`` or before its first token.
         tool_call_parser: the tool-call parser the replica runs the model with: the configured
             one, or what ``auto`` found in the chat template; "" for an encoder.
+        max_token_bytes: the most UTF-8 bytes one token of the model's tokenizer covers
+            (``kvserve.engine.input_processor.max_token_bytes``), None where no sound bound
+            exists: the gateway refuses a prompt of more than ``max_model_len *
+            max_token_bytes`` bytes without sending it (:meth:`max_prompt_bytes`).
     """
 
     max_model_len: int
@@ -130,6 +134,12 @@ class LoadedFacts:
     quantization: str | None = None
     cost_per_million_output_tokens: float | None = None
     tool_call_parser: str = ""
+    max_token_bytes: int | None = None
+
+    def max_prompt_bytes(self) -> int | None:
+        """Bytes of prompt text beyond which a prompt cannot fit ``max_model_len`` whatever its
+        tokens (None: no sound bound)."""
+        return None if self.max_token_bytes is None else self.max_model_len * self.max_token_bytes
 
 
 class FactsBoard:

@@ -70,6 +70,25 @@ class GenerateSpec:
     echo: bool = False
     fallback: bool = True
 
+    def prompt_bytes(self) -> tuple[int, str]:
+        """A lower bound of the longest single prompt text the replica will tokenize, in UTF-8
+        bytes, and the parameter it came from (``prompt`` or ``messages``): a completion's
+        longest text prompt as sent; for a chat, its longest user message's text, stripped
+        (chat templates may trim, or drop other roles' content, such as an assistant turn's
+        reasoning, but they render each user message's text). Token-id prompts count 0."""
+        if self.messages is not None:
+            best = 0
+            for m in self.messages:
+                if m.get("role") != "user":
+                    continue
+                c = m.get("content")
+                parts = [c] if isinstance(c, str) else [p.get("text") for p in c or [] if isinstance(p, dict)]
+                best = max(best, sum(len(t.strip().encode("utf-8", "surrogatepass")) for t in parts
+                                     if isinstance(t, str)))
+            return best, "messages"
+        return max((len(p.encode("utf-8", "surrogatepass")) for p in self.prompts or [] if isinstance(p, str)),
+                   default=0), "prompt"
+
     def prompt_tokens(self) -> int:
         """The prompts' estimated tokens (:func:`estimate_prompt_tokens`)."""
         if self.messages is not None:

@@ -119,6 +119,12 @@ class ModelCatalog:
         card = self.models.get(name) or self.encoders.get(name)
         return card.max_model_len if card is not None else None
 
+    async def max_prompt_bytes(self, name: str) -> int | None:
+        """Bytes of prompt text beyond which no prompt fits ``name``'s context, as its replicas
+        published it (:meth:`LoadedFacts.max_prompt_bytes`); None while unknown or unbounded."""
+        facts = await self.facts(name)
+        return None if facts is None else facts.max_prompt_bytes()
+
     async def cost_per_million_tokens(self, name: str) -> float | None:
         """``name``'s measured cost per million output tokens, as its replicas last published it
         (None: no ``cost_per_replica_hour``, or nothing measured yet)."""

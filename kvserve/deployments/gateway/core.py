@@ -205,7 +205,27 @@ class Gateway:
             self._log(call, spec)
         return out
 
+    async def _check_prompt_bytes(self, call: Call, spec: GenerateSpec) -> None:
+        """A prompt whose text alone has more bytes than any prompt that fits the model's context
+        (its replicas' published bound, :meth:`Catalog.max_prompt_bytes`) is refused here,
+        before a replica tokenizes it (issue 63: such prompts took a replica's core from its
+        other streams). Nothing is refused before a replica has published the bound.
+
+        Raises:
+            OpenAIError: 400 ``context_length_exceeded``.
+        """
+        limit = await self.catalog.max_prompt_bytes(call.model)
+        if limit is None:
+            return
+        n, param = spec.prompt_bytes()
+        if n > limit:
+            what = "prompt" if param == "prompt" else "longest user message"
+            raise OpenAIError(f"the {what} has {n} bytes of text, more than any prompt that fits this model's "
+                              f"context can hold ({limit} bytes, max_model_len times the most bytes one token "
+                              f"covers); shorten it", 400, param=param, code="context_length_exceeded")
+
     async def _run(self, call: Call, spec: GenerateSpec):
+        await self._check_prompt_bytes(call, spec)
         requests = self._requests(call, spec)
         with self.tracing.step(call, "cache_lookup") as span:
             call.look = await self._lookup(call, spec)

@@ -232,7 +232,8 @@ class LLMServer(PoolingEndpoints):
             cost = self.metrics.cost.per_million() if self.metrics.cost is not None else None
             self.facts.put(self.deployment_key, LoadedFacts(self.max_model_len, self.revision, self.card.digest,
                                                             config.dtype, config.quantization, cost,
-                                                            self.tool_call_parser))
+                                                            self.tool_call_parser,
+                                                            self.engine.input_processor.max_token_bytes))
             self._published_cost = cost
 
     async def _republish_if_cost_moved(self) -> None:
