@@ -13,8 +13,10 @@ runs, one scenario at a time:
 - ``grammar``: the neighbour is held to a ``choice`` list of the engine's most choices
   (``GrammarLimits.max_choices``, within ``max_choice_bytes``);
 - ``big_prompt``: the neighbour's prompt is text just under the byte bound that rejects a prompt
-  untokenized (``max_model_len * max_token_bytes``), so it is tokenized whole each time (and then
-  refused as too long); meanwhile a short prompt's tokenization wait is timed as well.
+  untokenized (``max_model_len * max_token_bytes``; the gateway refuses one above it), sent again
+  the moment it is refused: the engine counts its prefix (``InputProcessor.check_prompt_prefix``)
+  in the tokenizer pool's large lane (at nice 19) and refuses it as too long; meanwhile a short
+  prompt's tokenization wait is timed as well.
 
 The neighbour is submitted again whenever it ends, so it runs for the whole victim stream.
 Scenarios are interleaved (``--repeats`` rounds of all of them, so each sees the same background
