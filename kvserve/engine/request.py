@@ -61,6 +61,8 @@ class Request:
         self.params = params
         self.priority = priority
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids or ())
+        #: ``params.stop_token_ids`` as a set, built once (each step looks a token up in it)
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -131,7 +133,7 @@ class Request:
             if tok in self.eos_token_ids:
                 self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
                 return True
-            if tok in self.params.stop_token_ids:
+            if tok in self.stop_token_ids:
                 self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, tok
                 return True
         if n_out >= self.max_output_tokens:

@@ -39,6 +39,9 @@ MAX_STOP_STRINGS = _limit("KVSERVE_MAX_STOP_STRINGS", 64)
 MAX_STOP_STRING_CHARS = _limit("KVSERVE_MAX_STOP_STRING_CHARS", 256)
 #: Most ``logit_bias`` entries of one request (``KVSERVE_MAX_LOGIT_BIAS``, default 1024).
 MAX_LOGIT_BIAS = _limit("KVSERVE_MAX_LOGIT_BIAS", 1024)
+#: Most ``stop_token_ids`` of one request (``KVSERVE_MAX_STOP_TOKEN_IDS``, default 1024; a grammar's
+#: step checks them against what it allows).
+MAX_STOP_TOKEN_IDS = _limit("KVSERVE_MAX_STOP_TOKEN_IDS", 1024)
 
 
 @dataclass
@@ -192,6 +195,9 @@ class SamplingParams:
             bad("stop", "needs detokenize=True")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are "
+                             "allowed (MAX_STOP_TOKEN_IDS)")  # before any per-entry work
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")

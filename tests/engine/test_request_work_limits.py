@@ -124,6 +124,21 @@ def test_stop_string_limits_are_value_errors():
         SamplingParams(stop=["x" * (MAX_STOP_STRING_CHARS + 1)])
 
 
+def test_stop_token_ids_are_bounded_and_looked_up_in_a_set():
+    from kvserve.engine.request import Request
+    from kvserve.engine.sampling_params import MAX_STOP_TOKEN_IDS
+
+    SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    with pytest.raises(ValueError, match=rf"^stop_token_ids has {MAX_STOP_TOKEN_IDS + 1} ids; at most "):
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    req = Request("r", [1, 2], SamplingParams(stop_token_ids=[7, 9], max_tokens=5), eos_token_ids={0})
+    assert req.stop_token_ids == {7, 9}
+    for tok, stops in ((5, False), (9, True)):
+        req.all_token_ids.append(tok)
+        assert req.check_stop_token() is stops
+    assert req.stop_reason == 9
+
+
 # ---------------------------------------------------------------------------- logit_bias
 def test_logit_bias_tensors_are_built_once_and_add_exactly_the_bias():
     """Rows from the runner's real admission path (``update_states``): the bias tensors are
