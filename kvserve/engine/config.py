@@ -63,7 +63,9 @@ class EngineConfig:
               "no Ray; uni: the engine's own process (one rank only); None: uni for one rank, else ray where Ray "
               "is installed, else mp")
     seed: int = _knob(0, "seed of the sampler's global RNG")
-    scheduling_policy: Literal["fcfs", "priority"] = _knob("fcfs", "fcfs: arrival order; priority: lower first")
+    scheduling_policy: Literal["fcfs", "priority"] = _knob(
+        "fcfs", "fcfs: arrival order; priority: lower first, and a waiting request of strictly lower priority "
+                "preempts the worst running one (by recompute) when max_num_seqs run")
     attention_backend: Literal["torch", "cpu", "triton", "flash_attn"] | None = _knob(
         None, "attention kernels (default: the best that supports the device, dtype and block size)")
     enforce_eager: bool = _knob(False, "disable CUDA graphs")

@@ -17,7 +17,12 @@ prompts are admitted whole (a burst of chat requests starts together); a step wi
 decodes gets the whole budget. The cap is fixed (``mixed_step_prefill_tokens``) or set before
 every step by a :class:`MixedStepBudget` from measured step times. When the KV pool runs dry,
 the lowest-priority, latest-arriving running request is preempted by recompute: its blocks are
-freed and it goes back to the waiting queue.
+freed and it goes back to the waiting queue. Under the priority policy a waiting request of
+strictly better priority does not wait behind a full batch (``max_num_seqs`` running) of
+worse ones either: the worst running request is preempted the same way at the start of the
+step, so the better one enters in that step (:meth:`Scheduler._preempt_for_priority`). A
+preempted request keeps its generated tokens; it recomputes their KV when it runs again (with
+prefix caching, mostly from its own cached blocks).
 """
 from __future__ import annotations
 
@@ -50,7 +55,9 @@ class Scheduler:
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one step.
         policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``Request.priority``, lower
-            first, then arrival).
+            first, then arrival; a waiting request of strictly lower ``priority`` than a
+            running one preempts it when ``max_num_seqs`` requests run, as vLLM's priority
+            scheduling does).
         mixed_prefill_tokens: in a step that also has decodes, the largest chunk of a long
             prefill (None or 0: no cap); may be changed between steps.
         mixed_budget: sets :attr:`mixed_prefill_tokens` at the start of every :meth:`schedule`
@@ -158,15 +165,49 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=self._key)
 
+    def _preempt_for_priority(self) -> list[Request]:
+        """Under the priority policy, make room in a full batch (``max_num_seqs`` running) for
+        waiting requests of strictly better priority: each waiting request past the free slots,
+        in priority order, whose ``priority`` is lower than the worst running request's (the
+        lowest priority, the latest arrival) preempts that one (by recompute, :meth:`_preempt`:
+        its generated tokens are kept), until the worst running request is no worse. A waiting
+        request whose LoRA adapter would not fit ``max_loras`` beside the running ones preempts
+        nothing. Returns the requests preempted (none under ``fcfs``, when the free slots take
+        every waiting request, or when none is strictly better than a running one)."""
+        free = self.max_num_seqs - len(self.running)  # the first ``free`` waiting requests fit as it is
+        if self.policy != "priority" or len(self.waiting) <= free:
+            return []
+        victims: list[Request] = []
+        for req in self.waiting[free:]:  # the victims join the queue behind the requests they make room for
+            if not self.running:
+                break
+            victim = max(self.running, key=self._key)
+            if victim.priority <= req.priority:
+                break  # the queue is in priority order: no later request is better either
+            if self.max_loras and req.lora_request is not None:
+                loras = {r.lora_request.lora_int_id for r in self.running
+                         if r is not victim and r.lora_request is not None}
+                if req.lora_request.lora_int_id not in loras and len(loras) >= self.max_loras:
+                    continue
+            self._preempt(victim)
+            victims.append(victim)
+        return victims
+
     # ---- one step --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's work (see the module docstring): first, under the priority policy,
+        preempt running requests for strictly better waiting ones (:meth:`_preempt_for_priority`);
+        then running requests (preempting for KV blocks when the pool runs dry); then waiting
+        requests, unless this step had to preempt for KV blocks. ``num_preempted`` of the output
+        counts both kinds of preemption."""
         if self.mixed_budget is not None:
             self.mixed_prefill_tokens = self.mixed_budget.tokens
         queries0, hits0, host0 = self.kv.prefix_queries, self.kv.prefix_hits, self.kv.host_hits
         budget = self.max_num_batched_tokens
         out: list[ScheduledRequest] = []
         scheduled: set[str] = set()
-        preempted = 0
+        evicted = {r.request_id for r in self._preempt_for_priority()}  # room for better waiting requests
+        preempted = 0  # preempted for KV blocks: no waiting request is admitted in this step
         num_decodes = 0
 
         long_chunk_taken = False
@@ -228,13 +269,17 @@ class Scheduler:
                 budget -= n
                 num_decodes += left == 1
 
-        # 2. Waiting requests, unless this step had to preempt. A request whose LoRA adapter
-        # would be one too many for the step's slots (max_loras) waits; later ones may go.
+        # 2. Waiting requests, unless this step had to preempt for KV blocks. A request whose
+        # LoRA adapter would be one too many for the step's slots (max_loras) waits; later ones
+        # may go. A request preempted for priority above does not come back in the same step
+        # (everything queued before it is better; nothing after it is).
         loras = set() if not self.max_loras else {
             r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         skip = 0
         while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[skip]
+            if req.request_id in evicted:
+                break
             lora = req.lora_request
             if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.max_loras:
                 skip += 1
@@ -258,8 +303,9 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(out, finished, preempted, self.kv.prefix_queries - queries0, self.kv.prefix_hits - hits0,
-                               kv_transfer=self.kv.take_transfer(), host_cache_hits=self.kv.host_hits - host0)
+        return SchedulerOutput(out, finished, preempted + len(evicted), self.kv.prefix_queries - queries0,
+                               self.kv.prefix_hits - hits0, kv_transfer=self.kv.take_transfer(),
+                               host_cache_hits=self.kv.host_hits - host0)
 
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int | list[int]],
                            logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None,

@@ -1,7 +1,7 @@
 """OpenAI's Files and Batch APIs (kvserve/deployments/gateway/files.py, batches.py, batch_lines.py) through
 the openai SDK's ``files`` and ``batches``: over a scripted replica (the gateway's side: the
 objects, statuses, output and error files, ownership, limits, cancel; each batch request marked
-sheddable at the lowest priority), and over real engines in this process (tests/local_app.py)
+as batch work at the lowest priority), and over real engines in this process (tests/local_app.py)
 beside live traffic; and ``kvserve run-batch`` offline."""
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from kvserve.deployments.contract.openai_errors import OpenAIError
 from kvserve.deployments.gateway.batch_lines import parse_batch
 from kvserve.deployments.gateway.batches import window_seconds
 from kvserve.deployments.gateway.core import WARM_PRIORITY
-from gateway_fakes import ScriptedReplica, _sdk, jsonl, wait_batch
+from gateway_fakes import FakeGen, ScriptedReplica, _sdk, jsonl, make_gateway, wait_batch
+from kvserve.deployments.contract.types import GenerationChunk, GenerationError
+from kvserve.deployments.gateway.api import build_api
 
 KEYS = ["sk-a name=alice", "sk-b name=bob"]
 
@@ -50,8 +52,8 @@ def test_batch_runs_every_request_in_order_with_output_and_error_files():
         err = [json.loads(x) for x in (await client.files.content(b.error_file_id)).text.splitlines()]
         assert [(x["custom_id"], x["response"]["status_code"]) for x in err] == [("req-6", 400)]
         assert err[0]["response"]["body"]["error"]["param"] == "messages"
-        # each request ran as batch work: sheddable, after every live request
-        assert len(replica.requests) == 6 and all(r.sheddable and r.priority == WARM_PRIORITY
+        # each request ran as batch work (not warming's sheddable work), after every live request
+        assert len(replica.requests) == 6 and all(r.batch and not r.sheddable and r.priority == WARM_PRIORITY
                                                   for r in replica.requests)
         assert (await client.files.retrieve(b.output_file_id)).purpose == "batch_output"
         page = await client.batches.list(limit=5)
@@ -147,6 +149,57 @@ def test_cancel_keeps_the_results_so_far():
     asyncio.run(run())
 
 
+class RefusingReplica(ScriptedReplica):
+    """Refuses its first ``refusals`` requests as full (``queue_full``, as a replica whose batch
+    share is taken), then answers."""
+
+    def __init__(self, refusals: int):
+        super().__init__(["Hello"])
+        self.refusals = refusals
+
+    def _stream(self, request):
+        self.requests.append(request)
+        if len(self.requests) <= self.refusals:
+            return FakeGen(self._refused())
+        return FakeGen(self._chunks())
+
+    async def _refused(self):
+        yield GenerationChunk.failed(GenerationError("queue_full", "batch work has its share", retry_after_s=0.05))
+
+
+def test_batch_work_waits_for_local_capacity_and_never_goes_upstream():
+    """With an upstream configured, a live request every replica refuses as full goes upstream;
+    a batch job's refused request does not (a replica's batch share being full is routine): the
+    batch retries it locally until a replica answers."""
+    from starlette.responses import JSONResponse
+
+    replica = RefusingReplica(refusals=3)
+    gw = make_gateway(replica, api_keys=KEYS, upstream={"base_url": "http://127.0.0.1:9/v1"})
+    forwarded = []
+
+    async def forward(path, body, model, request_id):
+        forwarded.append(body["messages"][0]["content"])
+        return JSONResponse({"id": "up", "object": "chat.completion", "created": 0, "model": "up", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "upstream"}, "finish_reason": "stop"}]})
+
+    gw.upstream.forward = forward
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw/v1")
+    client = openai.AsyncOpenAI(api_key="sk-a", base_url="http://gw/v1", http_client=http, max_retries=0)
+
+    async def run():
+        live = await client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "live"}])
+        f = await client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
+        b = await wait_batch(client, (await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                                  completion_window="24h")).id)
+        return live, b, (await client.files.content(b.output_file_id)).text
+
+    live, b, out = asyncio.run(run())
+    assert live.choices[0].message.content == "upstream" and forwarded == ["live"]  # only the live one went
+    assert b.status == "completed" and b.request_counts.completed == 1
+    assert json.loads(out)["response"]["body"]["choices"][0]["message"]["content"] == "Hello"
+    assert len(replica.requests) == 4 and all(r.batch for r in replica.requests[1:])  # refused twice, then run
+
+
 # ---- real engines ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def batch_app(tiny_llama_path):
@@ -163,8 +216,9 @@ def batch_app(tiny_llama_path):
 
 def test_live_batch_beside_live_traffic(batch_app):
     """A batch of 8 long answers on a replica that runs 2 at a time, with live requests sent
-    while it runs: the live ones are answered (batch work gives way), and the batch still ends
-    with every answer (its deferred requests retried)."""
+    while it runs: the live ones are answered (batch work runs beside them at the lowest
+    priority, preempted when they need its slot, never stopped), and the batch ends with every
+    answer (those over the replica's batch share, max_batch_requests, retried)."""
     client = openai.OpenAI(api_key="sk-live", base_url=batch_app.base_url, max_retries=0)
     lines = [{"custom_id": f"j{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": 48, "ignore_eos": True,

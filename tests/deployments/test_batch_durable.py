@@ -162,8 +162,8 @@ def test_a_key_may_have_so_many_active_batches_and_files():
 
 
 def test_a_client_cannot_mark_its_request_as_batch_work():
-    """``x-kvserve-batch: 1`` from a client changes nothing: its request runs live (not
-    sheddable, its own priority), while the batch runner's own requests stay batch work
+    """``x-kvserve-batch: 1`` from a client changes nothing: its request runs live (not batch
+    work, its own priority), while the batch runner's own requests stay batch work
     (before: the header alone made any request skip shedding and the request log)."""
     replica = ScriptedReplica(["Hello"])
 
@@ -177,5 +177,5 @@ def test_a_client_cannot_mark_its_request_as_batch_work():
 
     asyncio.run(run())
     live, batch = replica.requests
-    assert not live.sheddable and live.priority < WARM_PRIORITY
-    assert batch.sheddable and batch.priority == WARM_PRIORITY
+    assert not live.sheddable and not live.batch and live.priority < WARM_PRIORITY
+    assert batch.batch and not batch.sheddable and batch.priority == WARM_PRIORITY

@@ -165,8 +165,9 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
 
     # ---- phase 2: a burst over the replica's admission bound -> 429 queue_full, counted --------
     base = _baseline(prom, TINY)
-    # 40 > what Serve lets through to the one replica (max_ongoing_requests 10 + the ingress
-    # handle's max_queued_requests 9): refused by Serve's back-pressure (counted by the ingress)
+    # 40 > what Serve lets through to the one replica (max_ongoing_requests 14: 8 + 2 x 1 + batch
+    # work's share 4; + the ingress handle's max_queued_requests 9): refused by Serve's
+    # back-pressure (counted by the ingress)
     # and by the replica's admission (max_num_seqs 8 + 1 queued, counted by the replica), both
     # code and reason "queue_full"
     burst, burst_tokens = 40, 96

@@ -160,3 +160,44 @@ def test_long_prefill_threshold_admits_ordinary_prompts_whole():
     out = _step(s)
     got = {sr.request_id: len(sr.token_ids) for sr in out.requests}
     assert got == {"d": 1, **{f"p{i}": 18 for i in range(6)}, "long": 5}
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_better_priority_preempts_a_full_batch_of_worse_ones(policy):
+    """Under the priority policy a request of strictly better priority does not wait behind
+    ``max_num_seqs`` running requests of worse priority: the worst (lowest priority, latest
+    arrival) is preempted by recompute at the start of the next step, keeping its output tokens,
+    and the better one is scheduled in that step; the preempted request resumes once a slot is
+    free and finishes all its tokens. An equal-priority arrival preempts nobody, nor does any
+    arrival under fcfs (it waits for a slot)."""
+    s = _sched(num_blocks=64, bs=4, max_seqs=2, policy=policy)
+    low = {rid: make_req(rid, [1, 2, 3, 4, 5], max_tokens=12, ignore_eos=True, priority=5, arrival=t)
+           for rid, t in (("low0", 1.0), ("low1", 2.0))}
+    for r in low.values():
+        s.add_request(r)
+    for _ in range(4):
+        _step(s)
+    assert [r.request_id for r in s.running] == ["low0", "low1"] and low["low1"].num_output_tokens == 4
+    same = make_req("same", [7, 8], max_tokens=2, priority=5, arrival=3.0)  # equal priority: waits
+    s.add_request(same)
+    out = _step(s)
+    assert out.num_preempted == 0 and "same" not in {sr.request_id for sr in out.requests}
+    s.abort("same")
+    high = make_req("high", [9, 9, 9], max_tokens=3, ignore_eos=True, priority=0, arrival=4.0)
+    s.add_request(high)
+    out = _step(s)
+    ids = {sr.request_id for sr in out.requests}
+    if policy == "fcfs":
+        assert out.num_preempted == 0 and ids == {"low0", "low1"} and high.status is RequestStatus.WAITING
+    else:
+        assert out.num_preempted == 1 and s.num_preemptions == 1 and ids == {"low0", "high"}
+        victim = low["low1"]  # the lower priority's latest arrival
+        assert victim.status is RequestStatus.PREEMPTED and victim.block_table == []
+        assert victim.num_output_tokens == 5 and victim.metrics.num_preemptions == 1  # its tokens are kept
+        assert [r.request_id for r in s.waiting] == ["low1"]
+        assert high.status is RequestStatus.RUNNING and high.num_output_tokens == 1
+    while s.has_unfinished():
+        _step(s)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in (*low.values(), high))
+    assert [r.num_output_tokens for r in (*low.values(), high)] == [12, 12, 3]
+    assert s.kv.pool.num_free_blocks == 64

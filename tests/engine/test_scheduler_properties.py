@@ -115,9 +115,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                      if rid in self.sched.requests and self.sched.requests[rid].status is RequestStatus.PREEMPTED}
         assert out.num_preempted == len(preempted)
         self.preempted_seen += len(preempted)
-        if preempted:
-            assert not any(sr.new and sr.request_id in waiting_before for sr in out.requests), \
-                "waiting requests admitted in a step that had to preempt"
+        admitted = [self.sched.requests[sr.request_id] for sr in out.requests
+                    if sr.new and sr.request_id in waiting_before]
+        if preempted and admitted:  # only a preemption for priority lets waiting requests in
+            assert self.sched.policy == "priority", "waiting requests admitted in a step that had to preempt"
+            worst = min(self.reqs[rid].priority for rid in preempted)
+            assert all(r.priority < worst for r in admitted), \
+                "a preemption for priority let in a request no better than the one it preempted"
+        if self.sched.policy == "priority" and waiting_before and len(running_before) == self.max_seqs:
+            best = min(self.reqs[rid].priority for rid in waiting_before)
+            worst = max(self.reqs[rid].priority for rid in running_before)
+            if best < worst:  # a strictly better request waited behind a full batch: someone made room
+                assert preempted, "a strictly better waiting request stuck behind a full batch"
 
         for sr in out.requests:
             req = self.sched.requests[sr.request_id]

@@ -84,6 +84,16 @@ def default_admission_bounds(max_num_seqs: int, max_num_batched_tokens: int, max
     return max(1, max_num_seqs // 64), max(max_model_len, 4 * max_num_batched_tokens)
 
 
+def default_batch_requests(max_num_seqs: int) -> int:
+    """A replica's default ``max_batch_requests``: half its batch (``max_num_seqs // 2``), at
+    least 1. Batch-API requests never hold more than this many of a replica's ``max_num_seqs``
+    slots, so idle capacity goes to batch work while live traffic keeps room to arrive; a live
+    request that finds the batch full of batch work preempts one (the engine's priority
+    scheduling), so the share bounds how much batch work a burst of live requests preempts,
+    and how many recomputes that costs."""
+    return max(1, max_num_seqs // 2)
+
+
 def renamed_model_keys(data: Any) -> Any:
     """``data`` (a model's settings as a dict) with each key of :data:`RENAMED_MODEL_KEYS`
     given under its new name, and a ``FutureWarning`` naming the rename; anything else as given.
@@ -121,7 +131,8 @@ class ModelArgs(EngineArgs):
         None, description="autoscaling knobs (see kvserve/autoscaling/policy.py KVServeAutoscalingConfig)")
     max_ongoing_requests: Optional[int] = Field(
         None, ge=1, description="requests Serve routes to one replica at once (default: max_num_seqs + "
-                                "2 * max_waiting_requests, so the replica's own admission decides)")
+                                "2 * max_waiting_requests + max_batch_requests, so the replica's own admission "
+                                "decides)")
     max_waiting_requests: Optional[int] = Field(
         None, ge=1, description="requests a replica admits to wait behind a full batch (max_num_seqs) before 429s "
                                 "(default: max(1, max_num_seqs // 64)); was max_queued_requests, still accepted. "
@@ -130,6 +141,11 @@ class ModelArgs(EngineArgs):
     max_queued_prompt_tokens: Optional[int] = Field(
         None, ge=1, description="prompt tokens a replica queues before 429s (default: "
                                 "max(max_model_len, 4 * max_num_batched_tokens))")
+    max_batch_requests: Optional[int] = Field(
+        None, ge=1, description="Batch-API requests a replica runs at once, at most max_num_seqs (default: "
+                                "max(1, max_num_seqs // 2)); one is admitted only while fewer than max_num_seqs "
+                                "requests are in flight, and live requests are admitted as if no batch work ran "
+                                "(they preempt running batch requests, which resume with their tokens kept)")
     request_timeout_s: Optional[float] = Field(
         600.0, gt=0, description="a request running longer is aborted (blocks freed) and ends with a 504 / "
                                  "an SSE error event; null: no limit")
@@ -254,11 +270,18 @@ class ModelArgs(EngineArgs):
         """``max_waiting_requests``, or its default (see :func:`default_admission_bounds`)."""
         return self.max_waiting_requests or default_admission_bounds(self.max_num_seqs, 1, 1)[0]
 
+    def batch_requests_bound(self) -> int:
+        """``max_batch_requests`` (at most ``max_num_seqs``), or its default (see
+        :func:`default_batch_requests`)."""
+        return min(self.max_batch_requests or default_batch_requests(self.max_num_seqs), self.max_num_seqs)
+
     def ongoing_requests_bound(self) -> int:
-        """Serve's ``max_ongoing_requests`` of a replica: its batch, its queue, and as many
-        again for requests being refused, so the replica's own admission (not Serve's handle
-        queue) decides while replicas run."""
-        return self.max_ongoing_requests or self.max_num_seqs + 2 * self.waiting_requests_bound()
+        """Serve's ``max_ongoing_requests`` of a replica: its batch, its queue, as many again
+        for requests being refused, and batch work's share (live requests are admitted as if
+        no batch work ran), so the replica's own admission (not Serve's handle queue) decides
+        while replicas run."""
+        return self.max_ongoing_requests or (self.max_num_seqs + 2 * self.waiting_requests_bound()
+                                             + self.batch_requests_bound())
 
     @property
     def num_ranks(self) -> int:
@@ -324,7 +347,8 @@ class GatewayArgs(BaseModel):
                                             "get 413); each key's files together are bounded by its share of "
                                             "cache_max_bytes (cache_max_bytes divided among the API keys)")
     batch_concurrency: int = Field(8, ge=1, description="requests of one batch job in flight at once (the Batch "
-                                                        "API; each sheddable, at the lowest priority)")
+                                                        "API; each at the lowest priority, within each replica's "
+                                                        "max_batch_requests)")
     max_files_per_key: int = Field(1000, ge=1, description="files one API key may keep (uploads and batch outputs; "
                                                            "more uploads get 400 quota_exceeded)")
     max_active_batches_per_key: int = Field(4, ge=1, description="batches of one API key validating, running or "

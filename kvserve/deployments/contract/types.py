@@ -33,8 +33,10 @@ WARM_HEADER = "x-kvserve-warm"
 #: With :data:`WARM_HEADER`: the name of the API key whose request warming replays; the replay
 #: runs under that key's limits (and is its cache owner's), not the admin key's.
 WARM_KEY_HEADER = "x-kvserve-warm-key"
-#: Header that marks a request as a batch job's (the Batch API's runner sends it; any key may:
-#: it only lowers its own request): lowest priority and sheddable on the replica, as warming.
+#: Header that once marked a request as a batch job's; from a client it changes nothing (the Batch
+#: API's runner marks its requests in-process, ``batch_lines.mark_batch``): those run at the lowest
+#: priority as batch work on the replica (``GenerateRequest.batch``: a bounded share, preempted for
+#: live requests, never stopped).
 BATCH_HEADER = "x-kvserve-batch"
 
 ERROR_STATUS = {
@@ -220,8 +222,15 @@ class GenerateRequest:
         trace_context: the W3C trace context (``traceparent``) of the gateway's span that sent
             it, when tracing is on (``kvserve/telemetry/tracing.py``): the replica's spans are its children.
         sheddable: a cache-warming request (``kvserve warm``): the replica refuses it while any
-            other request is in flight and stops it when one arrives (``warming_deferred``), so
+            live request is in flight and stops it when one arrives (``warming_deferred``), so
             it never shares a step with live traffic.
+        batch: a Batch-API request (the gateway's batch runner, ``batch_lines.py``): the
+            replica admits it within its batch share (``max_batch_requests``, and only while
+            fewer than ``max_num_seqs`` requests are in flight there, else ``queue_full``) and
+            never stops it for live traffic: at its (lowest) ``priority`` the engine preempts it
+            by recompute for a live request, keeping its generated tokens, and it goes on when
+            a slot is free again. Not a live request for warming (a warming request is not
+            refused or stopped for it).
         cache_salt: vLLM's ``cache_salt`` (the gateway's per-API-key salt, with the client's):
             part of the first KV block's hash, so only requests with the same salt share cached
             prefixes; None: no salt.
@@ -246,6 +255,7 @@ class GenerateRequest:
     channel: tuple[str, str] | None = None
     trace_context: dict[str, str] | None = None
     sheddable: bool = False
+    batch: bool = False
 
     @classmethod
     def of(cls, prompt: str | list[int] | dict | None = None,

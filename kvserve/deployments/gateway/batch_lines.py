@@ -19,8 +19,8 @@ from kvserve.deployments.contract.openai_errors import OpenAIError
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 #: Most requests in one input file (OpenAI's limit).
 MAX_BATCH_REQUESTS = 50_000
-#: Refusals a batch request waits out and retries: sheddable work deferred for live traffic, a
-#: full replica, a key's rate limits, a replica that is not up yet.
+#: Refusals a batch request waits out and retries: a replica's full batch share
+#: (``max_batch_requests``) or a full replica, a key's rate limits, a replica that is not up yet.
 RETRYABLE = (429, 503)
 #: Longest wait between two tries of one request (seconds).
 MAX_RETRY_WAIT_S = 5.0
@@ -32,7 +32,8 @@ BATCH_SCOPE_KEY = "kvserve_batch_runner"
 def mark_batch(app):
     """``app`` with every request it gets marked as batch work (:data:`BATCH_SCOPE_KEY` in its
     ASGI scope): what :class:`BatchLineRunner` calls, so the gateway runs those requests at
-    the lowest priority, sheddable, and out of the request log. A client's request through
+    the lowest priority, as batch work on the replica (``GenerateRequest.batch``), never
+    upstream, and out of the request log. A client's request through
     the HTTP server never carries the mark (a header such as ``x-kvserve-batch`` does nothing)."""
     async def marked(scope, receive, send):
         if scope.get("type") == "http":
@@ -123,10 +124,11 @@ def result_line(custom_id: str, status: int | None, body: Any, request_id: str |
 class BatchLineRunner:
     """Runs a batch's requests through an ASGI app (the gateway's own, in this process: keys,
     limits, caches, routing and replicas as for any request), at most ``concurrency`` at once,
-    each marked in its ASGI scope as batch work (:func:`mark_batch`: lowest priority,
-    sheddable: a replica refuses or stops it while live requests need it). A refusal to wait out (429, 503: deferred for live
-    traffic, a full replica, a key's rate limit) is retried after its ``Retry-After`` (at most
-    :data:`MAX_RETRY_WAIT_S`) until ``deadline``.
+    each marked in its ASGI scope as batch work (:func:`mark_batch`: lowest priority; a
+    replica runs it within its batch share and the engine preempts it for live requests,
+    keeping its tokens, but never stops it). A refusal to wait out (429, 503: a full batch
+    share or replica, a key's rate limit, a replica not up yet) is retried after its
+    ``Retry-After`` (at most :data:`MAX_RETRY_WAIT_S`) until ``deadline``.
 
     Args:
         app: the ASGI app.

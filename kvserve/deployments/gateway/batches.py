@@ -3,10 +3,12 @@
 
 A batch runs in one ingress replica at a time, as a task beside live traffic: its requests go
 through that replica's own HTTP app (:class:`~kvserve.deployments.gateway.batch_lines.BatchLineRunner`:
-the creator's key, its limits, the caches, routing), at the lowest priority and sheddable, so
-a replica refuses or stops batch work while live requests need it and the batch waits for idle
-capacity. Its input is a file of the Files API (:class:`~kvserve.deployments.gateway.files.FileStore`),
-parsed off the event loop; its results go, in input order and as they come, into an output
+the creator's key, its limits, the caches, routing), at the lowest priority as batch work
+(``GenerateRequest.batch``): a replica runs it within a bounded share of its slots
+(``max_batch_requests``) beside live traffic, the engine preempts it (keeping its tokens) when a
+live request needs its slot, and the batch retries what a full share refused. Its input is a
+file of the Files API (:class:`~kvserve.deployments.gateway.files.FileStore`), parsed off the
+event loop; its results go, in input order and as they come, into an output
 file (``2xx`` answers) and an error file (the rest), written in parts
 (:class:`~kvserve.deployments.gateway.files.FileWriter`): an answer that no longer fits the output
 file's bounds (``max_file_bytes``, the key's bytes) becomes an error line

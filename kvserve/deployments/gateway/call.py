@@ -160,8 +160,10 @@ class Call:
         span: the request's OpenTelemetry span while it runs (None: tracing off, or ended).
         warm: a cache-warming request (``x-kvserve-warm: 1`` with an admin key): lowest
             priority, sheddable on the replica, not logged, not counted as live traffic.
-        batch: a batch job's request (``x-kvserve-batch: 1``, the Batch API's runner): lowest
-            priority, sheddable on the replica, not logged.
+        batch: a batch job's request (marked in-process by the Batch API's runner,
+            :func:`~kvserve.deployments.gateway.batch_lines.mark_batch`): lowest priority, batch
+            work on the replica (``GenerateRequest.batch``: a bounded share, preempted for live
+            requests, never stopped for them), not logged, not counted as live traffic.
     """
 
     request: Request

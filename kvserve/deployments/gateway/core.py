@@ -256,8 +256,10 @@ class Gateway:
         except BaseException as e:
             call.cancel()
             Answers.settle_soon(call.use, [])
-            if spec.fallback and self.upstream is not None and isinstance(e, OpenAIError) and Upstream.applies(
-                    e.status_code, e.code):
+            # batch work waits for local capacity (its runner retries a 429): a replica's batch
+            # share being full is routine, not a reason to pay the upstream
+            if spec.fallback and not call.batch and self.upstream is not None and isinstance(e, OpenAIError) and \
+                    Upstream.applies(e.status_code, e.code):
                 with self.tracing.step(call, "fallback", **{"kvserve.local_error": e.code or str(e.status_code)}):
                     return await self._fallback(call, "/chat/completions" if spec.endpoint == "chat"
                                                 else "/completions", e)
@@ -491,14 +493,14 @@ class Gateway:
     async def _open(self, call: Call, requests: list[GenerateRequest]) -> None:
         """``call.streams``: the replicas' streams of ``requests``, each up to its first chunk
         (all or none: the first refusal is raised, the others closed by the caller)."""
-        sheddable = call.warm or call.batch  # such work neither feeds nor meets the live traffic's marks
-        shed = None if sheddable else self.shedder.check(call.target, len(requests))
+        background = call.warm or call.batch  # such work neither feeds nor meets the live traffic's marks
+        shed = None if background else self.shedder.check(call.target, len(requests))
         if shed is not None:  # the replicas refused as full just now: no trip to them
             self.replicas.rejected.inc({"model_name": call.model, "reason": "queue_full", "variant": call.variant})
             raise shed
-        for r in requests:
-            r.priority, r.lora_name, r.sheddable = call.use.priority, call.adapter, sheddable
-        results = await asyncio.gather(*(self.replicas.open(call, r, None if sheddable else self.shedder)
+        for r in requests:  # warming gives way to live requests; batch work runs beside them, preempted
+            r.priority, r.lora_name, r.sheddable, r.batch = call.use.priority, call.adapter, call.warm, call.batch
+        results = await asyncio.gather(*(self.replicas.open(call, r, None if background else self.shedder)
                                          for r in requests),
                                        return_exceptions=True)
         call.streams = [r for r in results if isinstance(r, ChunkStream)]

@@ -71,8 +71,8 @@ class ReplicaCalls:
     async def open(self, call: Call, request: GenerateRequest, shedder: LoadShedder | None) -> ChunkStream:
         """Start the replica's stream of ``request`` and wait for its first chunk; ``shedder``
         counts the stream open until it ends, and a ``queue_full`` refusal (the replica's or
-        Serve's) marks the model full there (None: sheddable work, which the live traffic's
-        load shedding neither counts nor learns from).
+        Serve's) marks the model full there (None: background work, cache warming's or a batch
+        job's, which the live traffic's load shedding neither counts nor learns from).
 
         Raises:
             OpenAIError: the replica refused the request (its typed error), or Serve did

@@ -98,7 +98,9 @@ class LLMServer(PoolingEndpoints):
         model: the model's :class:`~kvserve.deployments.contract.config.ModelArgs` (or their dict): the
             engine's settings (``EngineConfig``'s fields), the served name, the admission bounds
             (``max_waiting_requests``, ``max_queued_prompt_tokens``; defaults
-            :func:`~kvserve.deployments.contract.config.default_admission_bounds`), ``request_timeout_s``
+            :func:`~kvserve.deployments.contract.config.default_admission_bounds`; batch work's
+            share ``max_batch_requests``, default
+            :func:`~kvserve.deployments.contract.config.default_batch_requests`), ``request_timeout_s``
             (a request still running after this many seconds is aborted, its KV blocks freed,
             and ends with error ``timeout``, 504; None: no limit), ``stream_interval`` (engine
             outputs per chunk; 0: auto), ``lora_modules`` (``{name: PEFT folder}``, loaded at
@@ -163,7 +165,7 @@ class LLMServer(PoolingEndpoints):
         d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
                                                 self.engine.max_model_len)
         self.admission = Admission(config.max_num_seqs, m.max_waiting_requests or d_req,
-                                   m.max_queued_prompt_tokens or d_tok)
+                                   m.max_queued_prompt_tokens or d_tok, m.batch_requests_bound())
         self.request_timeout_s = m.request_timeout_s
         self.stream_interval, self.pooling_type = m.stream_interval, m.pooling_type
         self.reasoning_parser = m.reasoning_parser
@@ -276,7 +278,10 @@ class LLMServer(PoolingEndpoints):
         numbers: ``n`` choices times the batch's ``num_prompts`` against what it holds in flight
         (``too_large``, :meth:`Admission.never_fits`), and the context: the prompt leaves room for
         one output token and, when ``max_tokens`` is set, prompt plus ``max_tokens`` fit
-        ``max_model_len`` (``context_length_exceeded``).
+        ``max_model_len`` (``context_length_exceeded``). A cache-warming request
+        (``request.sheddable``) gives way to live ones (``warming_deferred`` 429); a Batch-API
+        request (``request.batch``) is admitted within the replica's batch share and is never
+        stopped for live traffic (:class:`~kvserve.deployments.replica.request_runner.RequestRunner`).
 
         With ``n > 1`` the replica runs ``n`` engine requests (ids ``<request_id>-<i>``; a
         given ``seed`` becomes ``seed + i``) and interleaves their chunks, each tagged with
@@ -295,7 +300,7 @@ class LLMServer(PoolingEndpoints):
         self.admission.note_refused(request.shed_requests)  # the gateway's refusals count as demand
         try:
             request.check()
-            too_large = self.admission.never_fits(n, max(1, int(request.num_prompts)))
+            too_large = self.admission.never_fits(n, max(1, int(request.num_prompts)), batch=request.batch)
             if too_large is not None:  # the one size check: the gateway renders it as it is
                 yield GenerationChunk.failed(too_large)
                 return
@@ -326,10 +331,12 @@ class LLMServer(PoolingEndpoints):
             prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
         if n == 1:
             chunks = self.runner.run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora,
-                                     trace=request.trace_context, sheddable=request.sheddable, cache_salt=salt)
+                                     trace=request.trace_context, sheddable=request.sheddable, cache_salt=salt,
+                                     batch=request.batch)
         else:
             chunks = self.runner.fan_out(ids, params, request_id, request.priority, n, prompt_text, lora,
-                                         trace=request.trace_context, sheddable=request.sheddable, cache_salt=salt)
+                                         trace=request.trace_context, sheddable=request.sheddable, cache_salt=salt,
+                                         batch=request.batch)
         first = True
         async for chunk in self.channels.route(chunks, request.channel, self.replica_id):
             if first:
@@ -420,12 +427,15 @@ class LLMServer(PoolingEndpoints):
 
     def get_stats(self) -> dict[str, float]:
         """The engine's gauges and counters (``kv_cache_usage``, ``num_running_requests``,
-        ``max_running_batch``, ``num_generated_tokens``, ...), the step-rate metrics and the
-        gateway channels' counts (:meth:`GatewayChannels.stats`)."""
+        ``max_running_batch``, ``num_generated_tokens``, ...), the step-rate metrics, the
+        requests in flight by kind (``num_live_requests``, ``num_warm_requests``: cache warming's,
+        ``num_batch_requests``: the Batch API's) and the gateway channels' counts
+        (:meth:`GatewayChannels.stats`)."""
         s = dict(self.engine.get_stats())
         s.update(asdict(self.stats.snapshot()))
         s["engine_busy_s"] = self.stats.busy_s  # seconds in engine steps since the replica started
         s["num_live_requests"], s["num_warm_requests"] = self.runner.live, len(self.runner.warm)
+        s["num_batch_requests"] = self.admission.batch_in_flight  # batch-API requests admitted, not yet ended
         s.update(self.channels.stats())
         if self.kv_cluster is not None:
             s.update(self.kv_cluster.stats())

@@ -1,6 +1,14 @@
 """One request's run on a replica's engine: admission, the engine's stream as chunks, the request
 timeout and the ``n`` choices of one prompt interleaved (:class:`RequestRunner`), what
-``LLMServer.stream`` hands each prompt to."""
+``LLMServer.stream`` hands each prompt to.
+
+Three kinds of request share a replica: *live* ones (every client request), *cache warming*
+(``sheddable``: refused while a live request is in flight, stopped when one arrives, so it
+never shares an engine step with live traffic) and *batch work* (the Batch API's ``batch``
+requests: admitted within a bounded share, :class:`~kvserve.deployments.replica.admission.Admission`,
+and never stopped for live traffic; at the lowest priority, the engine's priority scheduling
+preempts a running one by recompute when a live request waits for its slot in a full batch, or
+a running request needs KV blocks, and it resumes with its generated tokens kept)."""
 from __future__ import annotations
 
 import asyncio
@@ -45,14 +53,14 @@ class RequestRunner:
         self.request_timeout_s, self.stream_interval = request_timeout_s, stream_interval_setting
         self.variant, self.tracing = variant, tracing
         self.rejected = rejected()
-        self.live = 0  # live (not sheddable) engine requests admitted and not yet ended
-        self.warm: dict[str, _Sheddable] = {}  # sheddable engine requests in flight
+        self.live = 0  # live (neither warming nor batch) engine requests admitted and not yet ended
+        self.warm: dict[str, _Sheddable] = {}  # sheddable (cache-warming) engine requests in flight
 
     def _make_room(self) -> None:
-        """A live request is coming: stop every sheddable (cache-warming, batch) request in
-        flight and give its admission slot back at once, so the live request is admitted in
-        its place. The engine applies aborts before its next step, the one that takes the live
-        request."""
+        """A live request is coming: stop every sheddable (cache-warming) request in flight and
+        give its admission slot back at once, so the live request is admitted in its place. The
+        engine applies aborts before its next step, the one that takes the live request. Batch
+        work is not stopped (the engine preempts it, keeping its progress)."""
         for request_id, s in self.warm.items():
             if not s.stopped:
                 s.stopped = True
@@ -63,16 +71,18 @@ class RequestRunner:
     @staticmethod
     def _deferred(index: int = 0) -> GenerationChunk:
         return GenerationChunk.failed(GenerationError(
-            "warming_deferred", "sheddable work (cache warming, batch jobs) gives way to live requests on this "
-                                "replica; retry when it is idle",
+            "warming_deferred", "cache warming gives way to live requests on this replica; retry when it is "
+                                "idle",
             retry_after_s=1.0), index)
 
     async def fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
                        prompt_text: str | None, lora=None, trace: dict | None = None,
-                       sheddable: bool = False, cache_salt: str | None = None) -> AsyncIterator[GenerationChunk]:
+                       sheddable: bool = False, cache_salt: str | None = None,
+                       batch: bool = False) -> AsyncIterator[GenerationChunk]:
         """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`LLMServer.stream`).
         A choice that fails fails the request: its error chunk ends the stream and the other
-        choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all)."""
+        choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all).
+        ``sheddable``, ``batch``: as :meth:`run`, for every choice."""
         from kvserve.engine.sampling_params import SEED_MAX, SEED_MIN
 
         prefilled = asyncio.Event()  # choice 0's prompt is in the KV cache (or it ended)
@@ -85,7 +95,7 @@ class RequestRunner:
             return self.run(ids, p, f"{request_id}-{i}", priority, index=i,
                              wait_for=prefilled if i else None, on_first=prefilled if not i else None,
                              prompt_text=prompt_text, lora=lora, trace=trace, sheddable=sheddable,
-                             cache_salt=cache_salt)
+                             cache_salt=cache_salt, batch=batch)
 
         choices = merge_streams([child(i) for i in range(n)])
         try:
@@ -100,15 +110,20 @@ class RequestRunner:
     async def run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
                    wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
                    prompt_text: str | None = None, lora=None, trace: dict | None = None,
-                   sheddable: bool = False, cache_salt: str | None = None) -> AsyncIterator[GenerationChunk]:
+                   sheddable: bool = False, cache_salt: str | None = None,
+                   batch: bool = False) -> AsyncIterator[GenerationChunk]:
         """One engine request of :meth:`LLMServer.stream`: admission, the engine's stream as chunks
-        tagged ``index``, the request timeout. ``cache_salt``: vLLM's, into the engine's prompt. ``wait_for``: an event to await after
-        admission, before the request enters the engine; ``on_first``: an event set once the
-        request's first output arrived (its prompt is computed) or it ended; ``prompt_text``
-        goes on the first chunk; ``trace``: the W3C context of the gateway's span (the
-        request's spans go under it when tracing is on); ``sheddable``: a cache-warming request,
-        refused while a live request is in flight here and stopped when one arrives (its last
-        chunk is a ``warming_deferred`` error)."""
+        tagged ``index``, the request timeout. ``cache_salt``: vLLM's, into the engine's prompt.
+        ``wait_for``: an event to await after admission, before the request enters the engine;
+        ``on_first``: an event set once the request's first output arrived (its prompt is
+        computed) or it ended; ``prompt_text`` goes on the first chunk; ``trace``: the W3C
+        context of the gateway's span (the request's spans go under it when tracing is on);
+        ``sheddable``: a cache-warming request, refused while a live request is in flight here
+        and stopped when one arrives (its last chunk is a ``warming_deferred`` error);
+        ``batch``: a Batch-API request, admitted within the batch share (else a ``queue_full``
+        chunk) and run to its end beside live requests at its ``priority`` (the engine
+        preempts it for better ones; it is neither refused nor stopped for them, and a live
+        request does not count it); a request with both flags is batch work."""
         from kvserve.engine.async_engine import EngineDeadError
         from kvserve.engine.input_processor import PromptTooLongError
 
@@ -116,6 +131,7 @@ class RequestRunner:
         n_prompt, admitted, started = len(ids), False, False
         stream = None
         counted = False
+        sheddable = sheddable and not batch  # batch work is never shed
         if sheddable and self.live > 0:
             yield self._deferred(index)
             return
@@ -123,14 +139,14 @@ class RequestRunner:
         try:
             if sheddable:
                 shed = self.warm[request_id] = _Sheddable(n_prompt)
-            else:
+            elif not batch:
                 self.live += 1
                 counted = True
                 self._make_room()
             try:
-                refused = self.admission.admit(n_prompt)
+                refused = self.admission.admit(n_prompt, batch=batch)
                 if refused is not None:
-                    if refused.code == "queue_full":
+                    if refused.code == "queue_full" and not batch:  # batch work's share is full: not a rejection
                         self.rejected.inc({"model_name": self.model_name, "reason": "queue_full",
                                            "variant": self.variant})
                     yield GenerationChunk.failed(refused, index)
@@ -164,7 +180,7 @@ class RequestRunner:
                     on_first.set()
             started = True
             if shed is None or not shed.stopped:  # a stopped one gave its slot back already
-                self.admission.start(n_prompt)
+                self.admission.start(n_prompt, batch=batch)
             if shed is not None:
                 shed.started = True
             chunks = ChunkBuilder(self.engine.tokenizer, params, index, prompt_text)
@@ -194,7 +210,7 @@ class RequestRunner:
                 self.live -= 1
             self.warm.pop(request_id, None)
             if admitted and (shed is None or not shed.stopped):  # a stopped one gave its slot back already
-                self.admission.end(n_prompt, started)
+                self.admission.end(n_prompt, started, batch=batch)
             if stream is not None:
                 await stream.aclose()  # aborts the request in the engine unless it finished
 
