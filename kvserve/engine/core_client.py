@@ -278,9 +278,8 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         self.core = core
         self.tokenizer = load_tokenizer(core.info.model_path)
         self.engine = CoreProxy(core, self.tokenizer)
-        # the tokenizer threads' copies; self.tokenizer stays the event loop's (decoding)
-        self.input_processor = self.engine.input_processor = self.engine.input_processor.with_tokenizer(
-            self.tokenizer, keep_base=True)
+        self.input_processor = self.engine.input_processor  # built over self.tokenizer
+        self.input_processor.keep_base_tokenizer()  # the tokenizer threads' copies; self.tokenizer the loop's
         self._init_front()
         self._tok_pool.warm(lambda: self.input_processor.tokenizer)  # per-thread copies made now
         #: request id -> (prompt token ids, prompt text) of requests sent to the core

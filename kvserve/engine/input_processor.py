@@ -274,9 +274,17 @@ class InputProcessor:
         """
         other = copy.copy(self)
         other.tokenizer = tokenizer
-        if keep_base and other._template is not None:
-            other._base_taken = True
+        if keep_base:
+            other.keep_base_tokenizer()
         return other
+
+    def keep_base_tokenizer(self) -> None:
+        """From now on no thread gets the tokenizer this processor was given from
+        :attr:`tokenizer`: its owner keeps it (the async front decodes with it on its event
+        loop) and every thread that asks gets a copy of its own. Where the tokenizer cannot be
+        copied, the one instance stays shared."""
+        if self._template is not None:
+            self._base_taken = True
 
     # ---- prompts ---------------------------------------------------------------------------
     def check_prompt_bytes(self, text: str) -> None:
