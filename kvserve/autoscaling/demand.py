@@ -9,7 +9,9 @@ Per tick, from the metrics of the replicas that reported (``kvserve/autoscaling/
   backlog is demand not served yet (a replica cannot report more throughput than it has,
   so overload first shows as work piling up: batches filling, then a queue). It counts
   only as the fleet nears saturation (:func:`replica_demand`);
-* ``queue = waiting requests / target_queue_per_replica`` and
+* ``queue = waiting requests / target_queue_per_replica`` (waiting in the engines, queued at
+  Serve handles, and refused as full over the replicas' rate window: with admission bounded,
+  overload shows as 429s rather than as a queue) and
   ``prefill_backlog = waiting prefill tokens / (prefill_cap * target_prefill_backlog_s)``,
   both capped at ``throughput + queued work (replica-seconds) / queue_drain_s``;
 * ``kv_cache = sum_r kv_cache_usage_r / kv_cache_target`` (secondary);
@@ -37,11 +39,13 @@ from kvserve.autoscaling.signals import (
     DECODE_CAPACITY_TOKENS_PER_S,
     GENERATION_TOKENS_PER_S,
     KV_CACHE_USAGE,
+    NUM_REFUSED_REQUESTS,
     NUM_RUNNING_REQUESTS,
     NUM_WAITING_PREFILL_TOKENS,
     NUM_WAITING_REQUESTS,
     PREFILL_CAPACITY_TOKENS_PER_S,
     PREFILL_TOKENS_PER_S,
+    SERVED_PROMPT_TOKENS,
     finite,
     state_key,
 )
@@ -74,6 +78,7 @@ class FleetLoad:
     num_replicas_reporting: int
     waiting_requests: float  # in the engines
     handle_queued_requests: float  # at Serve handles, not given to a replica yet
+    refused_requests: float  # turned away as full over the replicas' rate window
     replica_waiting_prefill_tokens: float  # in the engines
     waiting_prefill_tokens: float  # engines + handle queue x mean waiting prompt
     running_requests: float
@@ -84,14 +89,14 @@ class FleetLoad:
     kv_cache_usages: Tuple[float, ...]
     load_replicas: Optional[float]
     prefill_load_replicas: Optional[float]
-    avg_prompt_tokens: Optional[float]  # mean prompt of a waiting request
+    avg_prompt_tokens: Optional[float]  # mean prompt of a request not in an engine (handle queue, refused)
     decode_work_per_request_s: Optional[float]
     queued_work_s: Optional[float]  # waiting prefill + decode work of waiting requests
     work_backlog_s: Optional[float]  # queued work + decode work of running requests
 
     @property
     def waiting_total(self) -> float:
-        return self.waiting_requests + self.handle_queued_requests
+        return self.waiting_requests + self.handle_queued_requests + self.refused_requests
 
     @property
     def have_capacity(self) -> bool:
@@ -108,10 +113,13 @@ def measure_fleet(replicas: Mapping[Any, Mapping[str, float]], state: Mapping[st
     """Fleet totals from ``{replica_id: metrics}`` (see ``read_replica_metrics``).
 
     ``state`` (read only) supplies the last known capacities when no replica reports one,
-    and the long averages of the request mix (:func:`update_fleet_memory`): the mean
-    waiting prompt (tokens) prices the ``handle_queued`` requests, whose prompts are not
-    known yet, and the decode work per request (replica-seconds) is the mean decode load
-    over the request rate (prefill throughput / mean prompt).
+    and the long averages of the request mix (:func:`update_fleet_memory`). A request whose
+    prompt no engine has seen (``handle_queued`` at Serve's handles, and those refused as
+    full) is priced at the mean prompt of the requests served (the replicas'
+    ``served_prompt_tokens``, weighted by their prefill throughput), or, before any reports
+    one, at the long average of the waiting prompts. The decode work per request
+    (replica-seconds) is the mean decode load over the request rate (prefill throughput /
+    mean prompt).
     """
     reporting = [m for m in replicas.values() if m]
 
@@ -128,13 +136,15 @@ def measure_fleet(replicas: Mapping[Any, Mapping[str, float]], state: Mapping[st
     kv = tuple(min(1.0, max(0.0, m[KV_CACHE_USAGE])) for m in reporting if KV_CACHE_USAGE in m)
 
     handle_queued = max(0.0, finite(handle_queued) or 0.0)
+    refused = total(NUM_REFUSED_REQUESTS)
+    avg_prompt = _served_prompt(reporting)
     ew_wtok, ew_wreq = finite(state.get(state_key("mix_wtok"))), finite(state.get(state_key("mix_wreq")))
-    if ew_wtok and ew_wreq:
-        avg_prompt: Optional[float] = ew_wtok / ew_wreq  # ratio of long averages: robust
-    else:
-        avg_prompt = (waiting_tok / waiting) if waiting >= 1.0 else None
-    waiting_total = waiting + handle_queued
-    waiting_tok_total = waiting_tok + handle_queued * (avg_prompt or 0.0)
+    if avg_prompt is None and ew_wtok and ew_wreq:
+        avg_prompt = ew_wtok / ew_wreq  # ratio of long averages: robust
+    elif avg_prompt is None and waiting >= 1.0:
+        avg_prompt = waiting_tok / waiting
+    waiting_total = waiting + handle_queued + refused
+    waiting_tok_total = waiting_tok + (handle_queued + refused) * (avg_prompt or 0.0)
 
     load = prefill_load = None
     if cap_d and cap_p:
@@ -159,6 +169,7 @@ def measure_fleet(replicas: Mapping[Any, Mapping[str, float]], state: Mapping[st
 
     return FleetLoad(
         num_replicas_reporting=len(reporting), waiting_requests=waiting, handle_queued_requests=handle_queued,
+        refused_requests=refused,
         replica_waiting_prefill_tokens=waiting_tok, waiting_prefill_tokens=waiting_tok_total,
         running_requests=running, generation_tokens_per_s=gen_tps, prefill_tokens_per_s=pre_tps,
         decode_capacity_tokens_per_s=cap_d, prefill_capacity_tokens_per_s=cap_p, kv_cache_usages=kv,
@@ -217,6 +228,7 @@ def replica_demand(fleet: FleetLoad, config: KVServeAutoscalingConfig,
         "num_replicas_reporting": n,
         "waiting_requests": f.waiting_requests,
         "handle_queued_requests": f.handle_queued_requests,
+        "refused_requests": f.refused_requests,
         "waiting_prefill_tokens": f.waiting_prefill_tokens,
         "running_requests": f.running_requests,
         "generation_tokens_per_s": f.generation_tokens_per_s,
@@ -305,6 +317,20 @@ def _ewma_into(state: Dict[str, Any], key: str, value: float, dt: float, tau: fl
         state[state_key(key)] = value
     else:
         state[state_key(key)] = prev + (1.0 - math.exp(-dt / tau)) * (value - prev)
+
+
+def _served_prompt(reporting: Sequence[Mapping[str, float]]) -> Optional[float]:
+    """Mean prompt (tokens) of the requests the replicas served recently: their
+    ``served_prompt_tokens`` weighted by prefill throughput (plain mean where none has any);
+    None when no replica reports one."""
+    rows = [(m[SERVED_PROMPT_TOKENS], max(0.0, m.get(PREFILL_TOKENS_PER_S, 0.0)))
+            for m in reporting if m.get(SERVED_PROMPT_TOKENS, 0.0) > 0]
+    if not rows:
+        return None
+    weight = sum(w for _, w in rows)
+    if weight <= 0:
+        return sum(p for p, _ in rows) / len(rows)
+    return sum(p * w for p, w in rows) / weight
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -52,11 +52,13 @@ from kvserve.autoscaling.signals import (
     GENERATION_TOKENS_PER_S,
     KV_CACHE_USAGE,
     METRIC_NAMES,
+    NUM_REFUSED_REQUESTS,
     NUM_RUNNING_REQUESTS,
     NUM_WAITING_PREFILL_TOKENS,
     NUM_WAITING_REQUESTS,
     PREFILL_CAPACITY_TOKENS_PER_S,
     PREFILL_TOKENS_PER_S,
+    SERVED_PROMPT_TOKENS,
     read_replica_metrics,
 )
 
@@ -90,7 +92,8 @@ class KVServeAutoscalingPolicy:
 __all__ = [
     "METRIC_NAMES", "NUM_WAITING_REQUESTS", "NUM_WAITING_PREFILL_TOKENS", "NUM_RUNNING_REQUESTS",
     "GENERATION_TOKENS_PER_S", "PREFILL_TOKENS_PER_S", "DECODE_CAPACITY_TOKENS_PER_S",
-    "PREFILL_CAPACITY_TOKENS_PER_S", "KV_CACHE_USAGE", "POLICY_IMPORT_PATH", "POLICY_MODES", "REASONS",
+    "PREFILL_CAPACITY_TOKENS_PER_S", "KV_CACHE_USAGE", "NUM_REFUSED_REQUESTS", "SERVED_PROMPT_TOKENS",
+    "POLICY_IMPORT_PATH", "POLICY_MODES", "REASONS",
     "ScheduleEntry", "parse_schedule", "KVServeAutoscalingConfig", "Decision", "compute_demand",
     "decide", "kvserve_policy", "kvserve_autoscaling_policy", "KVServeAutoscalingPolicy",
     "read_replica_metrics", "schedule_floor", "serve_autoscaling_dict", "build_autoscaling_config",

@@ -36,6 +36,12 @@ DECODE_CAPACITY_TOKENS_PER_S = "decode_capacity_tokens_per_s"
 PREFILL_CAPACITY_TOKENS_PER_S = "prefill_capacity_tokens_per_s"
 #: Fraction of KV cache blocks in use, 0..1.
 KV_CACHE_USAGE = "kv_cache_usage"
+#: Requests turned away as full (the bounded queue's 429s, the gateway's shedding) over the
+#: replica's rate window: demand the queue never held, so with no prompt tokens counted.
+NUM_REFUSED_REQUESTS = "num_refused_requests"
+#: Mean prompt (tokens) of the requests that got their first token over the replica's recent
+#: steps (0: none yet): what a request whose prompt is unknown is priced at.
+SERVED_PROMPT_TOKENS = "served_prompt_tokens"
 
 METRIC_NAMES: Tuple[str, ...] = (
     NUM_WAITING_REQUESTS,
@@ -46,6 +52,8 @@ METRIC_NAMES: Tuple[str, ...] = (
     DECODE_CAPACITY_TOKENS_PER_S,
     PREFILL_CAPACITY_TOKENS_PER_S,
     KV_CACHE_USAGE,
+    NUM_REFUSED_REQUESTS,
+    SERVED_PROMPT_TOKENS,
 )
 
 #: ``"latest"``: newest raw sample per metric and replica (window mean where missing);

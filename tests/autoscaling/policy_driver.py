@@ -17,9 +17,12 @@ CAP_P = 4000.0  # prefill tokens/s per replica
 
 
 def replica_metrics(util=0.6, prefill_share=0.25, waiting=0.0, waiting_tok=0.0, running=20.0, kv=0.3,
-                    cap_d=CAP_D, cap_p=CAP_P):
-    """One replica's record_autoscaling_stats() dict with token load ``util`` (of capacity)."""
+                    cap_d=CAP_D, cap_p=CAP_P, refused=0.0, served_prompt=0.0):
+    """One replica's record_autoscaling_stats() dict with token load ``util`` (of capacity),
+    ``refused`` requests turned away as full and the mean ``served_prompt`` (0: none served)."""
     return {
+        sig.NUM_REFUSED_REQUESTS: refused,
+        sig.SERVED_PROMPT_TOKENS: served_prompt,
         sig.NUM_WAITING_REQUESTS: waiting,
         sig.NUM_WAITING_PREFILL_TOKENS: waiting_tok,
         sig.NUM_RUNNING_REQUESTS: running,

@@ -23,7 +23,7 @@ def test_metric_names_and_defaults():
     assert sig.METRIC_NAMES == (
         "num_waiting_requests", "num_waiting_prefill_tokens", "num_running_requests",
         "generation_tokens_per_s", "prefill_tokens_per_s", "decode_capacity_tokens_per_s",
-        "prefill_capacity_tokens_per_s", "kv_cache_usage",
+        "prefill_capacity_tokens_per_s", "kv_cache_usage", "num_refused_requests", "served_prompt_tokens",
     )
     cfg = KVServeAutoscalingConfig()
     assert cfg.min_replicas >= 1 and not cfg.allow_scale_to_zero  # warm pool by default

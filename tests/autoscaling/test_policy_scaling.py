@@ -135,6 +135,31 @@ def test_queue_signal_capped_by_drain_time():
     assert run.target == math.ceil(cap - cfg.upscale_tolerance) < 100
 
 
+def test_refused_demand_is_priced_at_the_served_prompt():
+    # A saturated 2-seat replica with a bounded queue: demand shows as refusals (429s), not as a
+    # queue. Counted as waiting requests of no prompt tokens they once left the queue signal's
+    # drain cap at one replica's throughput (docs/known-limits.md history); priced at the
+    # served requests' mean prompt they ask for the replicas the offered load needs.
+    cfg = KVServeAutoscalingConfig(max_replicas=16, target_queue_per_replica=4.0, queue_drain_s=30.0)
+
+    def saturated(t, n, refused=120.0):
+        per = refused / n  # the same offered load spread over the fleet
+        return fleet(n, util=1.0, running=2.0, waiting=0.0, waiting_tok=0.0, refused=per, served_prompt=400.0)
+
+    run = drive(cfg, saturated, 30.0, target0=1)
+    d = run.decisions[-1][1]
+    assert d.inputs["refused_requests"] > 0 and d.inputs["avg_prompt_tokens"] == 400.0
+    assert d.inputs["reason"] == REASON_QUEUE
+    assert run.target >= 4
+    # the same refusals with nothing served to price them by still count as requests
+    run = drive(cfg, lambda t, n: fleet(n, util=1.0, running=2.0, refused=120.0 / n), 30.0, target0=1)
+    assert run.target >= 2
+    # and a fleet that refuses nothing and is not loaded stays put
+    run = drive(cfg, lambda t, n: fleet(n, util=0.5, running=2.0, refused=0.0, served_prompt=400.0), 30.0,
+                target0=1)
+    assert run.target == 1
+
+
 def test_idle_scales_down_only_after_cooldown():
     cfg = KVServeAutoscalingConfig(min_replicas=1, max_replicas=8, downscale_cooldown_s=60.0)
     idle = lambda t, n: fleet(n, util=0.0, running=0.0, kv=0.0)  # noqa: E731

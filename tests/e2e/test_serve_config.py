@@ -219,6 +219,32 @@ def test_step_stats_capacity_only_from_full_steps():
         _time.monotonic = real
 
 
+def test_step_stats_mean_prompt_of_the_requests_served():
+    # the autoscaler prices a refused request (whose prompt nobody tokenized) at this mean
+    from kvserve.deployments.replica.step_rates import CAPACITY_WINDOW_S, StepRateTracker
+    from kvserve.engine.stats import IterationStats
+
+    s = StepRateTracker(max_num_seqs=8, max_num_batched_tokens=512)
+    t = 1000.0
+    s.created = t - 40
+    # a 300-token prompt in two chunks (first token in the second step), then two 100-token ones
+    s.record(IterationStats(t, t + 0.1, 256, 0, 0, 1, num_waiting=0))
+    s.record(IterationStats(t + 0.1, t + 0.2, 44, 0, 1, 1, num_waiting=0, num_prompt_tokens=300,
+                            time_to_first_tokens=[0.2]))
+    s.record(IterationStats(t + 0.2, t + 0.3, 200, 1, 3, 3, num_waiting=0, num_prompt_tokens=200,
+                            time_to_first_tokens=[0.1, 0.1]))
+    import time as _time
+
+    real = _time.monotonic
+    try:
+        _time.monotonic = lambda: t + 1.0
+        assert s.snapshot().served_prompt_tokens == pytest.approx(500 / 3)
+        _time.monotonic = lambda: t + 1.0 + CAPACITY_WINDOW_S  # nobody served recently
+        assert s.snapshot().served_prompt_tokens == 0.0
+    finally:
+        _time.monotonic = real
+
+
 def _imports(pkg: str) -> set[str]:
     """Top-level names ``kvserve/<pkg>/`` imports; a project package by its name under kvserve."""
     def top(name: str) -> str:

@@ -443,17 +443,17 @@ class LLMServer(PoolingEndpoints):
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica metrics for the custom autoscaling policy (``kvserve/autoscaling/policy.py``):
-        queue and batch gauges from the scheduler (requests the bounded queue refused in the
-        last :data:`RATE_WINDOW_S` s count as waiting), token rates over the last
-        :data:`RATE_WINDOW_S` s of engine steps, and the capacities measured on full-ish steps
-        (see :class:`StepRateTracker`)."""
+        queue and batch gauges from the scheduler, the requests refused as full (the bounded
+        queue's and the gateway's shedding) in the last :data:`RATE_WINDOW_S` s, token rates over
+        the last :data:`RATE_WINDOW_S` s of engine steps, the capacities measured on full-ish steps
+        and the mean prompt of the requests served (see :class:`StepRateTracker`)."""
         s = self.engine.get_stats()
         rates = self.stats.snapshot()
         return {
-            # requests refused by the bounded queue over the rate window count as waiting: with admission
-            # bounded, overload shows as 429s, not as a queue, and the policy must still see the demand
-            "num_waiting_requests": float(s["num_waiting_requests"] + s.get("num_pending_requests", 0)
-                                          + self.admission.recently_refused(RATE_WINDOW_S)),
+            "num_waiting_requests": float(s["num_waiting_requests"] + s.get("num_pending_requests", 0)),
+            # with admission bounded, overload shows as 429s, not as a queue: the policy counts these as
+            # waiting demand and prices them at the served requests' mean prompt (no prompt of theirs is known)
+            "num_refused_requests": float(self.admission.recently_refused(RATE_WINDOW_S)),
             "num_waiting_prefill_tokens": float(s["num_waiting_prefill_tokens"]),
             "num_running_requests": float(s["num_running_requests"]),
             **{k: float(v) for k, v in asdict(rates).items()},

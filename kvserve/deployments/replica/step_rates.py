@@ -14,12 +14,15 @@ CAPACITY_WINDOW_S = 30.0
 
 @dataclass(frozen=True)
 class StepRates:
-    """A replica's token rates and capacities, tokens per second (0: not measured yet)."""
+    """A replica's token rates and capacities, tokens per second (0: not measured yet), and
+    the mean prompt (tokens) of the requests that got their first token over the last
+    :data:`CAPACITY_WINDOW_S` (0: none)."""
 
     generation_tokens_per_s: float
     prefill_tokens_per_s: float
     decode_capacity_tokens_per_s: float
     prefill_capacity_tokens_per_s: float
+    served_prompt_tokens: float = 0.0
 
 
 class StepRateTracker:
@@ -39,7 +42,9 @@ class StepRateTracker:
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.steps: deque[tuple[float, float, int, int, int, bool, bool]] = deque()
+        # (end, cycle s, prefill tokens, decode tokens, sampled, full decode, full prefill,
+        #  prompt tokens of the requests that got their first token, how many did)
+        self.steps: deque[tuple[float, float, int, int, int, bool, bool, int, int]] = deque()
         self.lock = threading.Lock()
         self.last_end = 0.0
         self.decode_capacity = 0.0
@@ -59,7 +64,9 @@ class StepRateTracker:
         full_prefill = n_prefill > 0 and (n_prefill >= self.max_num_batched_tokens // 2 or waiting > 0)
         with self.lock:
             self.busy_s += max(cycle, 1e-6)
-            self.steps.append((t1, max(cycle, 1e-6), n_prefill, n_decode, n_sampled, full_decode, full_prefill))
+            self.steps.append((t1, max(cycle, 1e-6), n_prefill, n_decode, n_sampled, full_decode, full_prefill,
+                               int(getattr(m, "num_prompt_tokens", 0) or 0),
+                               len(getattr(m, "time_to_first_tokens", None) or ())))
             horizon = t1 - max(RATE_WINDOW_S, CAPACITY_WINDOW_S)
             while self.steps and self.steps[0][0] < horizon:
                 self.steps.popleft()
@@ -80,6 +87,8 @@ class StepRateTracker:
         pf = [s for s in steps if s[6] and s[0] >= cap_from]
         if pf:
             self.prefill_capacity = sum(s[2] + s[3] for s in pf) / sum(s[1] for s in pf)
-        return StepRates(gen, pre, self.decode_capacity, self.prefill_capacity)
+        firsts = sum(s[8] for s in steps if s[0] >= cap_from)
+        served = sum(s[7] for s in steps if s[0] >= cap_from) / firsts if firsts else 0.0
+        return StepRates(gen, pre, self.decode_capacity, self.prefill_capacity, served)
 
 
