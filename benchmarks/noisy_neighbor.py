@@ -236,8 +236,8 @@ async def amain(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arg(ap)
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every scenario (>= 3 to report)")
-    ap.add_argument("--victim-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds of every scenario (>= 3 to report)")
+    ap.add_argument("--victim-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--big-prompt-bytes", type=int, default=None,
                     help="default: just under max_model_len * the tokenizer's max_token_bytes")
