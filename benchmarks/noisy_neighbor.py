@@ -200,11 +200,15 @@ async def amain(args) -> dict:
     per = eng.input_processor.max_token_bytes or 4
     size = args.big_prompt_bytes or per * args.max_model_len - 16
     big_prompt = ("the quick brown fox jumps over the lazy dog " * (size // 44 + 1))[:size]
-    choice = grammar_choices()[0]
-    args.short_tokens = len(eng.input_processor.tokenizer.encode(choice, add_special_tokens=False)) + 1  # + the end
-    print(f"model {path}; short neighbour {args.short_tokens} tokens; big prompt {len(big_prompt)} bytes; torch threads {torch.get_num_threads()}", flush=True)
     async for _ in eng.generate([1, 2, 3, 4], neighbour_params("plain", vocab, 4)):  # warm-up
         pass
+    # the grammar neighbour once (its grammar compiled before any round): its answer's length is
+    # the short control's (greedy decoding under the grammar picks its own tokenization of the choice)
+    args.short_tokens = 1
+    async for out in eng.generate([100] * 16, neighbour_params("grammar", vocab, args.victim_tokens + 64)):
+        args.short_tokens = max(1, len(out.outputs[0].token_ids))
+    print(f"model {path}; short neighbour {args.short_tokens} tokens; big prompt {len(big_prompt)} bytes; "
+          f"torch threads {torch.get_num_threads()}", flush=True)
     rounds = []
     for rep in range(args.repeats):
         for scenario in args.scenarios:
