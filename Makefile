@@ -18,7 +18,7 @@ PIP_VERSION := 26.3
 # torch is the CPU build, torch==2.13.0+cpu: the machine's find-links carry it here; elsewhere add
 # PyTorch's CPU index (`make serve PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`).
 
-.PHONY: setup serve test test-thorough test-latest test-deps lock bench bench-load clean
+.PHONY: setup serve lint test test-thorough test-latest test-deps lock bench bench-load clean
 
 # install(lock, venv): a venv holding exactly the lock (hashes checked; --no-deps: the lock is the
 # whole environment, resolved by `make lock`), then kvserve itself, editable, with no dependency
@@ -77,7 +77,12 @@ XDIST = -n $(TEST_WORKERS) --dist loadgroup
 
 FAST_PYTEST = -m pytest -q -ra --durations=15 $(XDIST) -m "not thorough" $(PYTEST_ARGS)
 
-test: $(TEST_STAMP) test-deps
+# The format and the lint rules ([tool.ruff] in pyproject.toml), first: `ruff format .` fixes the first.
+lint: $(TEST_STAMP)
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
+
+test: $(TEST_STAMP) test-deps lint
 	$(BIN)/python $(FAST_PYTEST)
 
 test-thorough: $(TEST_STAMP) test-deps

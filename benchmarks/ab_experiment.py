@@ -19,6 +19,7 @@ Usage::
 
 Results: ``benchmarks/results/ab_experiment.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,10 @@ RESULT_KEYS = ("benchmark", "workload", "experiments", "started")
 
 APP = "kvserve-ab-bench"
 ADMIN = "bench-ab-admin"
-WORDS = ("river stone cloud lamp paper orbit violet maple harbor meadow copper lantern signal garden "
-         "winter needle canyon pepper marble thunder").split()
+WORDS = (
+    "river stone cloud lamp paper orbit violet maple harbor meadow copper lantern signal garden "
+    "winter needle canyon pepper marble thunder"
+).split()
 
 
 async def load(url: str, model: str, clients: int, per_client: int, max_tokens: int, seed: int) -> int:
@@ -56,9 +59,17 @@ async def load(url: str, model: str, clients: int, per_client: int, max_tokens: 
         nonlocal ok
         for i in range(per_client):
             prompt = "Write a line about " + " ".join(rng.choice(WORDS) for _ in range(8)) + f" ({seed}.{c}.{i})"
-            r = await http.post(f"{url}/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "cache": False})
+            r = await http.post(
+                f"{url}/v1/chat/completions",
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "cache": False,
+                },
+            )
             ok += r.status_code == 200
 
     async with httpx.AsyncClient(timeout=600) as http:
@@ -76,20 +87,30 @@ def figures(r: dict) -> Figures:
         f.summary(f"{name}: measures with a significant difference", len(sig), None, headline=name == "batch")
         for c in comps:
             if c["measure"] in ("ttft_p50", "ttft_p95", "tpot_p50", "output_tps_per_replica"):
-                f.summary(f"{name}: {c['variant']} vs control, {c['label']}", c["estimate"] * 100,
-                          c["unit"])
+                f.summary(f"{name}: {c['variant']} vs control, {c['label']}", c["estimate"] * 100, c["unit"])
         variants = list(rep["variants"])
         rows = []
-        for key in ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "output_tps_per_replica", "error_rate",
-                    "refusal_rate"):
+        for key in (
+            "ttft_p50",
+            "ttft_p95",
+            "tpot_p50",
+            "tpot_p95",
+            "output_tps_per_replica",
+            "error_rate",
+            "refusal_rate",
+        ):
             row = [key]
             for v in variants:
                 m = rep["variants"][v].get(key)
                 row.append(None if m is None else m["value"])
             rows.append(row)
-        f.table(f"Experiment {name}: per variant", ["measure"] + variants, rows,
-                note=f"{rep['variants'][variants[0]]['requests']} / {rep['variants'][variants[1]]['requests']} "
-                     f"requests; verdicts: {'; '.join(rep['summary'])}")
+        f.table(
+            f"Experiment {name}: per variant",
+            ["measure"] + variants,
+            rows,
+            note=f"{rep['variants'][variants[0]]['requests']} / {rep['variants'][variants[1]]['requests']} "
+            f"requests; verdicts: {'; '.join(rep['summary'])}",
+        )
     return f
 
 
@@ -105,33 +126,60 @@ def main(argv: list[str] | None = None) -> dict:
     from kvserve.deployments.operator.experiment_report import analyse, render
 
     base = {"model": args.model, "num_replicas": 1, "max_waiting_requests": 64, "enable_prefix_caching": False}
-    result: dict = {"benchmark": "an A/B test of max_num_seqs, through kvserve experiment report",
-                    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "workload": {"clients": args.clients, "requests_per_client": args.requests,
-                                 "max_tokens": args.max_tokens}, "experiments": {}}
+    result: dict = {
+        "benchmark": "an A/B test of max_num_seqs, through kvserve experiment report",
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "workload": {"clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens},
+        "experiments": {},
+    }
     with local_serve(max(os.cpu_count() or 1, 6)) as port:
         import httpx
         from ray import serve
 
         from kvserve.deployments.app import build_app
 
-        serve.run(build_app({
-            "models": [{**base, "served_model_name": "smol-batch"}, {**base, "served_model_name": "smol-same",
-                                                                     "max_num_seqs": 8}],
-            "admin_api_keys": [ADMIN], "response_cache": False,
-            "experiments": [
-                {"name": "batch", "model": "smol-batch", "sticky": "request",
-                 "variants": [{"name": "control", "settings": {"max_num_seqs": 4}},
-                              {"name": "batch16", "settings": {"max_num_seqs": 16}}]},
-                {"name": "same", "model": "smol-same", "sticky": "request",
-                 "variants": [{"name": "A"}, {"name": "B"}]}]}), name=APP, route_prefix="/")
+        serve.run(
+            build_app(
+                {
+                    "models": [
+                        {**base, "served_model_name": "smol-batch"},
+                        {**base, "served_model_name": "smol-same", "max_num_seqs": 8},
+                    ],
+                    "admin_api_keys": [ADMIN],
+                    "response_cache": False,
+                    "experiments": [
+                        {
+                            "name": "batch",
+                            "model": "smol-batch",
+                            "sticky": "request",
+                            "variants": [
+                                {"name": "control", "settings": {"max_num_seqs": 4}},
+                                {"name": "batch16", "settings": {"max_num_seqs": 16}},
+                            ],
+                        },
+                        {
+                            "name": "same",
+                            "model": "smol-same",
+                            "sticky": "request",
+                            "variants": [{"name": "A"}, {"name": "B"}],
+                        },
+                    ],
+                }
+            ),
+            name=APP,
+            route_prefix="/",
+        )
         url = f"http://127.0.0.1:{port}"
         for name, model, seed in (("batch", "smol-batch", 1), ("same", "smol-same", 2)):
             asyncio.run(load(url, model, 2, 1, 4, seed + 100))  # the variants' first steps, not measured
             since = time.time()
             ok = asyncio.run(load(url, model, args.clients, args.requests, args.max_tokens, seed))
-            data = httpx.get(f"{url}/v1/experiments/{name}", params={"since": since},
-                             headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60).json()
+            data = httpx.get(
+                f"{url}/v1/experiments/{name}",
+                params={"since": since},
+                headers={"Authorization": f"Bearer {ADMIN}"},
+                timeout=60,
+            ).json()
             report = analyse(data)
             text = render(report)
             print(text, flush=True)

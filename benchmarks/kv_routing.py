@@ -60,6 +60,7 @@ Targets (issue 42): ``kv_tiers`` (else ``kv_tier``) vs ``prefix``: TTFT p90 <= 0
 refusals; a returning conversation from the tier: TTFT <= 1/3 of recomputing; routing <= 1 ms per
 request (1,000 requests/s).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,28 @@ from benchmarks.routing import make_system_prompts  # noqa: E402
 ARMS = ("default", "prefix", "kv", "kv_tier", "kv_tiers")
 RESULT_KEYS = ("what", "workload", "server", "started", "runs", "arms", "tier_ttft", "router_cost", "targets")
 APP = "kvserve-kv-routing"
-WORDS = ["river", "stone", "cloud", "table", "garden", "winter", "number", "light", "music", "paper", "field",
-         "market", "engine", "signal", "harbor", "forest", "letter", "silver", "planet", "bridge"]
+WORDS = [
+    "river",
+    "stone",
+    "cloud",
+    "table",
+    "garden",
+    "winter",
+    "number",
+    "light",
+    "music",
+    "paper",
+    "field",
+    "market",
+    "engine",
+    "signal",
+    "harbor",
+    "forest",
+    "letter",
+    "silver",
+    "planet",
+    "bridge",
+]
 
 
 # ---- workload -----------------------------------------------------------------------------------
@@ -96,8 +117,14 @@ def conversations(systems: list[str], users_per_group: int, turns: int, seed: in
             msgs = [{"role": "system", "content": system}]
             user_turns = []
             for t in range(turns):
-                msgs = msgs + [{"role": "user", "content": f"User {g}-{u}-{seed}, turn {t}: " + " ".join(
-                    rng.choice(WORDS) for _ in range(40)) + "?"}]
+                msgs = msgs + [
+                    {
+                        "role": "user",
+                        "content": f"User {g}-{u}-{seed}, turn {t}: "
+                        + " ".join(rng.choice(WORDS) for _ in range(40))
+                        + "?",
+                    }
+                ]
                 user_turns.append(list(msgs))
                 msgs = msgs + [{"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(20)) + "."}]
             out.append(user_turns)
@@ -116,8 +143,15 @@ async def run_users(url: str, users: list[list[list[dict]]], args, seed: int) ->
         for msgs in turns:
             rec = Rec(index=len(recs))
             recs.append(rec)
-            body = {"model": DEFAULT_MODEL, "messages": msgs, "max_tokens": args.output_tokens, "ignore_eos": True,
-                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": DEFAULT_MODEL,
+                "messages": msgs,
+                "max_tokens": args.output_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             await stream_chat(session, url + "/chat/completions", body, {}, args.request_timeout, rec, t0)
             await asyncio.sleep(think.pop())
 
@@ -135,13 +169,21 @@ def deploy(arm: str, args) -> None:
 
     import kvserve.deployments.app as app_mod
 
-    app_args = {"model": args.model_path, "served_model_name": DEFAULT_MODEL, "dtype": "float32",
-                "num_replicas": args.replicas, "torch_num_threads": 1,
-                "max_num_seqs": args.max_num_seqs, "max_model_len": 2048, "num_kv_blocks": args.num_kv_blocks,
-                "prefix_aware_routing": arm != "default", "kv_aware_routing": arm.startswith("kv"),
-                "kv_offloading_size": args.kv_offloading_size if arm in ("kv_tier", "kv_tiers") else None,
-                "kv_cluster_tier_size": args.kv_cluster_tier_size if arm == "kv_tiers" else None,
-                "response_cache": False}
+    app_args = {
+        "model": args.model_path,
+        "served_model_name": DEFAULT_MODEL,
+        "dtype": "float32",
+        "num_replicas": args.replicas,
+        "torch_num_threads": 1,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": 2048,
+        "num_kv_blocks": args.num_kv_blocks,
+        "prefix_aware_routing": arm != "default",
+        "kv_aware_routing": arm.startswith("kv"),
+        "kv_offloading_size": args.kv_offloading_size if arm in ("kv_tier", "kv_tiers") else None,
+        "kv_cluster_tier_size": args.kv_cluster_tier_size if arm == "kv_tiers" else None,
+        "response_cache": False,
+    }
     serve.run(app_mod.build_app(app_args), name=APP, route_prefix="/")
 
 
@@ -152,9 +194,15 @@ def replica_stats(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=60).text
-    out = {"prefix_cache_hits": 0.0, "external_prefix_cache_hits": 0.0, "num_preemptions": 0.0,
-           "kv_cluster_hit_tokens": 0.0, "kv_cluster_bytes_saved": 0.0, "kv_cluster_bytes_loaded": 0.0,
-           "kv_cluster_load_fallbacks": 0.0}
+    out = {
+        "prefix_cache_hits": 0.0,
+        "external_prefix_cache_hits": 0.0,
+        "num_preemptions": 0.0,
+        "kv_cluster_hit_tokens": 0.0,
+        "kv_cluster_bytes_saved": 0.0,
+        "kv_cluster_bytes_loaded": 0.0,
+        "kv_cluster_load_fallbacks": 0.0,
+    }
     for fam in text_string_to_metric_families(text):
         name = fam.name.removeprefix("kvserve:")
         for smp in fam.samples:
@@ -190,21 +238,35 @@ def run_arm(arm: str, rep: int, args, url: str, users) -> dict:
     for r in recs:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     ttft = [1000 * r.ttft for r in done if r.ttft is not None]
-    s = {"arm": arm, "repeat": rep, "requests": len(recs), "completed": len(done), "outcomes": outcomes,
-         "refused": sum(n for o, n in outcomes.items() if o != COMPLETE), "elapsed_s": round(elapsed, 2),
-         "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
-         "output_tok_per_s": sum(r.output_tokens or 0 for r in done) / elapsed,
-         "prompt_tokens": prompt, "pool_hit_tokens": cached - host, "host_hit_tokens": host,
-         "cluster_hit_tokens": cluster,
-         "cluster_bytes": {d: int(after[f"kv_cluster_bytes_{d}"] - before[f"kv_cluster_bytes_{d}"])
-                           for d in ("saved", "loaded")},
-         "cluster_load_fallbacks": int(after["kv_cluster_load_fallbacks"] - before["kv_cluster_load_fallbacks"]),
-         "recomputed_tokens": prompt - cached, "preemptions": int(after["num_preemptions"] - before["num_preemptions"]),
-         "load_average": {"start": load_start, "end": load_average()}}
-    print(f"[{arm} #{rep}] TTFT p50/p90 {s['ttft_ms_p50']:.0f}/{s['ttft_ms_p90']:.0f} ms, {s['output_tok_per_s']:.1f} "
-          f"tok/s, pool/host(cluster)/recomputed {s['pool_hit_tokens']}/{host}({cluster})/{s['recomputed_tokens']}, outcomes {outcomes}, cluster bytes {s['cluster_bytes']}, "
-          f"fallbacks {s['cluster_load_fallbacks']}",
-          flush=True)
+    s = {
+        "arm": arm,
+        "repeat": rep,
+        "requests": len(recs),
+        "completed": len(done),
+        "outcomes": outcomes,
+        "refused": sum(n for o, n in outcomes.items() if o != COMPLETE),
+        "elapsed_s": round(elapsed, 2),
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p90": percentile(ttft, 90),
+        "output_tok_per_s": sum(r.output_tokens or 0 for r in done) / elapsed,
+        "prompt_tokens": prompt,
+        "pool_hit_tokens": cached - host,
+        "host_hit_tokens": host,
+        "cluster_hit_tokens": cluster,
+        "cluster_bytes": {
+            d: int(after[f"kv_cluster_bytes_{d}"] - before[f"kv_cluster_bytes_{d}"]) for d in ("saved", "loaded")
+        },
+        "cluster_load_fallbacks": int(after["kv_cluster_load_fallbacks"] - before["kv_cluster_load_fallbacks"]),
+        "recomputed_tokens": prompt - cached,
+        "preemptions": int(after["num_preemptions"] - before["num_preemptions"]),
+        "load_average": {"start": load_start, "end": load_average()},
+    }
+    print(
+        f"[{arm} #{rep}] TTFT p50/p90 {s['ttft_ms_p50']:.0f}/{s['ttft_ms_p90']:.0f} ms, {s['output_tok_per_s']:.1f} "
+        f"tok/s, pool/host(cluster)/recomputed {s['pool_hit_tokens']}/{host}({cluster})/{s['recomputed_tokens']}, outcomes {outcomes}, cluster bytes {s['cluster_bytes']}, "
+        f"fallbacks {s['cluster_load_fallbacks']}",
+        flush=True,
+    )
     time.sleep(8.0)  # the replicas' processes exit before the next arm starts
     return s
 
@@ -237,9 +299,15 @@ def tier_ttft(args) -> dict:
         fresh.generate([p], sp, use_tqdm=False)
         recomputed.append(1000 * (time.perf_counter() - t0))
     lo, re_ = statistics.median(loaded), statistics.median(recomputed)
-    return {"prompt_tokens": args.probe_tokens, "repeats": args.probe_repeats, "loaded_ttft_ms": loaded,
-            "recomputed_ttft_ms": recomputed, "loaded_ttft_ms_median": lo, "recomputed_ttft_ms_median": re_,
-            "ratio": lo / re_}
+    return {
+        "prompt_tokens": args.probe_tokens,
+        "repeats": args.probe_repeats,
+        "loaded_ttft_ms": loaded,
+        "recomputed_ttft_ms": recomputed,
+        "loaded_ttft_ms_median": lo,
+        "recomputed_ttft_ms_median": re_,
+        "ratio": lo / re_,
+    }
 
 
 def router_cost(n: int = 1000) -> dict:
@@ -269,19 +337,31 @@ def router_cost(n: int = 1000) -> dict:
     for i, r in enumerate(reps):
         hashes = [h for p in prompts[i::3] for h in request_hashes(p, 16, 64)]
         filler = [rng.getrandbits(62) for _ in range(20000 - len(hashes))]
-        hub.publish(r.replica_id.unique_id, 1, [KVEventBatch(0.0, [BlockStored(hashes + filler, None, [], 16)])],
-                    ReplicaLoad(), snapshot=(0, KVEventBatch(0.0)))
+        hub.publish(
+            r.replica_id.unique_id,
+            1,
+            [KVEventBatch(0.0, [BlockStored(hashes + filler, None, [], 16)])],
+            ReplicaLoad(),
+            snapshot=(0, KVEventBatch(0.0)),
+        )
+
     async def run():
-        router = KVAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="bench"),
-                               handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+        router = KVAwareRouter(
+            deployment_id=DeploymentID(name="LLMServer", app_name="bench"),
+            handle_source=DeploymentHandleSource.UNKNOWN,
+            use_replica_queue_len_cache=True,
+        )
         router.initialize_state(app_name="")
         router.update_replicas(reps)
         router.apply(hub.pull(None, 0))
         times = []
         for k in range(n):
             rid = f"q{k}"
-            pr = PendingRequest(args=[GenerateRequest(prompt=prompts[k % len(prompts)] + [k])], kwargs={},
-                                metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method="stream"))
+            pr = PendingRequest(
+                args=[GenerateRequest(prompt=prompts[k % len(prompts)] + [k])],
+                kwargs={},
+                metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method="stream"),
+            )
             t0 = time.perf_counter()
             await router.choose_replicas(reps, pr)
             times.append(1e6 * (time.perf_counter() - t0))
@@ -289,8 +369,15 @@ def router_cost(n: int = 1000) -> dict:
         return times, len(router.kv_index), router.num_kv_routed
 
     times, blocks, routed = asyncio.run(run())
-    return {"decisions": n, "index_blocks": blocks, "prompt_tokens": 1024, "us_p50": percentile(times, 50),
-            "us_p99": percentile(times, 99), "us_mean": sum(times) / n, "kv_routed": routed}
+    return {
+        "decisions": n,
+        "index_blocks": blocks,
+        "prompt_tokens": 1024,
+        "us_p50": percentile(times, 50),
+        "us_p99": percentile(times, 99),
+        "us_mean": sum(times) / n,
+        "kv_routed": routed,
+    }
 
 
 # ---- results ------------------------------------------------------------------------------------
@@ -300,8 +387,16 @@ def medians(runs: list[dict]) -> dict:
         rs = [r for r in runs if r["arm"] == arm]
         if not rs:
             continue
-        keys = ("ttft_ms_p50", "ttft_ms_p90", "output_tok_per_s", "pool_hit_tokens", "host_hit_tokens",
-                "cluster_hit_tokens", "recomputed_tokens", "refused")
+        keys = (
+            "ttft_ms_p50",
+            "ttft_ms_p90",
+            "output_tok_per_s",
+            "pool_hit_tokens",
+            "host_hit_tokens",
+            "cluster_hit_tokens",
+            "recomputed_tokens",
+            "refused",
+        )
         out[arm] = {k: statistics.median(r.get(k, 0) for r in rs) for k in keys}
         out[arm]["spread"] = {k: [min(r[k] for r in rs), max(r[k] for r in rs)] for k in keys[:3]}
         out[arm]["repeats"] = len(rs)
@@ -312,33 +407,82 @@ def figures(r: dict) -> Figures:
     """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
     f, t = Figures(), r.get("targets", {})
     if "ttft_p90_ratio" in t:
-        f.summary(f"KV-event router with tiers ({t.get('arm', 'kv_tier')}) / prefix router: TTFT p90",
-                  t["ttft_p90_ratio"], "x",
-                  target="<= 0.5x", met=t["ttft_p90_ratio"] <= 0.5, headline=True)
-        f.summary("KV-event router with tiers / prefix router: output tok/s", t["tok_s_ratio"], "x",
-                  target=">= 1.3x", met=t["tok_s_ratio"] >= 1.3)
-        f.summary("refusals, KV-event router with tiers minus prefix router", t["refusals_more"], None,
-                  target="<= 0", met=t["refusals_more"] <= 0)
+        f.summary(
+            f"KV-event router with tiers ({t.get('arm', 'kv_tier')}) / prefix router: TTFT p90",
+            t["ttft_p90_ratio"],
+            "x",
+            target="<= 0.5x",
+            met=t["ttft_p90_ratio"] <= 0.5,
+            headline=True,
+        )
+        f.summary(
+            "KV-event router with tiers / prefix router: output tok/s",
+            t["tok_s_ratio"],
+            "x",
+            target=">= 1.3x",
+            met=t["tok_s_ratio"] >= 1.3,
+        )
+        f.summary(
+            "refusals, KV-event router with tiers minus prefix router",
+            t["refusals_more"],
+            None,
+            target="<= 0",
+            met=t["refusals_more"] <= 0,
+        )
     tt = r.get("tier_ttft")
     if tt:
-        f.summary(f"returning {tt['prompt_tokens']}-token prompt: TTFT loaded from the host tier / recomputed",
-                  tt["ratio"], "x", target="<= 0.33x", met=tt["ratio"] <= 1 / 3)
+        f.summary(
+            f"returning {tt['prompt_tokens']}-token prompt: TTFT loaded from the host tier / recomputed",
+            tt["ratio"],
+            "x",
+            target="<= 0.33x",
+            met=tt["ratio"] <= 1 / 3,
+        )
     rc = r.get("router_cost")
     if rc:
-        f.summary("KV-event router decision time, p99 (1,024-token prompts, 60,000-block index)", rc["us_p99"], "us",
-                  target="<= 1000 us", met=rc["us_p99"] <= 1000)
+        f.summary(
+            "KV-event router decision time, p99 (1,024-token prompts, 60,000-block index)",
+            rc["us_p99"],
+            "us",
+            target="<= 1000 us",
+            met=rc["us_p99"] <= 1000,
+        )
     w = r["workload"]
     if not r["arms"]:
         return f
-    f.table("Arms (medians over repeats)", ["arm", "TTFT p50 (ms)", "TTFT p90 (ms)", "output tok/s", "pool-hit tokens",
-                                            "host-tier-hit tokens", "of which from the cluster tier",
-                                            "recomputed tokens", "refused", "repeats"],
-            [[a, m["ttft_ms_p50"], m["ttft_ms_p90"], m["output_tok_per_s"], m["pool_hit_tokens"], m["host_hit_tokens"],
-              m.get("cluster_hit_tokens", 0), m["recomputed_tokens"], m["refused"], m["repeats"]]
-             for a, m in r["arms"].items()],
-            note=f"{w['groups']} groups x {w['users_per_group']} users x {w['turns']} turns, system prompts of "
-                 f"{w['system_tokens']} tokens, {r['server']['replicas']} replicas of {r['server']['model']} with "
-                 f"{w['num_kv_blocks']} KV blocks each; arms interleaved, a fresh app each")
+    f.table(
+        "Arms (medians over repeats)",
+        [
+            "arm",
+            "TTFT p50 (ms)",
+            "TTFT p90 (ms)",
+            "output tok/s",
+            "pool-hit tokens",
+            "host-tier-hit tokens",
+            "of which from the cluster tier",
+            "recomputed tokens",
+            "refused",
+            "repeats",
+        ],
+        [
+            [
+                a,
+                m["ttft_ms_p50"],
+                m["ttft_ms_p90"],
+                m["output_tok_per_s"],
+                m["pool_hit_tokens"],
+                m["host_hit_tokens"],
+                m.get("cluster_hit_tokens", 0),
+                m["recomputed_tokens"],
+                m["refused"],
+                m["repeats"],
+            ]
+            for a, m in r["arms"].items()
+        ],
+        note=f"{w['groups']} groups x {w['users_per_group']} users x {w['turns']} turns, system prompts of "
+        f"{w['system_tokens']} tokens, {r['server']['replicas']} replicas of {r['server']['model']} with "
+        f"{w['num_kv_blocks']} KV blocks each; arms interleaved, a fresh app each",
+    )
     return f
 
 
@@ -353,13 +497,17 @@ def plot(result: dict, path: Path) -> None:
     x = range(len(arms))
     for off, key, label in ((-0.2, "ttft_ms_p50", "p50"), (0.2, "ttft_ms_p90", "p90")):
         vals = [m[a][key] for a in arms]
-        err = [[v - m[a]["spread"][key][0] for a, v in zip(arms, vals)],
-               [m[a]["spread"][key][1] - v for a, v in zip(arms, vals)]]
+        err = [
+            [v - m[a]["spread"][key][0] for a, v in zip(arms, vals)],
+            [m[a]["spread"][key][1] - v for a, v in zip(arms, vals)],
+        ]
         axes[0].bar([i + off for i in x], vals, 0.4, yerr=err, capsize=3, label=label)
     axes[0].set_ylabel("TTFT (ms)")
     vals = [m[a]["output_tok_per_s"] for a in arms]
-    err = [[v - m[a]["spread"]["output_tok_per_s"][0] for a, v in zip(arms, vals)],
-           [m[a]["spread"]["output_tok_per_s"][1] - v for a, v in zip(arms, vals)]]
+    err = [
+        [v - m[a]["spread"]["output_tok_per_s"][0] for a, v in zip(arms, vals)],
+        [m[a]["spread"]["output_tok_per_s"][1] - v for a, v in zip(arms, vals)],
+    ]
     axes[1].bar(list(x), vals, 0.6, yerr=err, capsize=3)
     axes[1].set_ylabel("output tok/s")
     for ax in axes:
@@ -387,16 +535,29 @@ def main(argv=None) -> dict:
     ap.add_argument("--think-s", type=float, default=2.0)
     ap.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks per replica")
     ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--kv-offloading-size", type=float, default=1.0,
-                    help="GiB of host tier per replica (kv_tier, kv_tiers)")
-    ap.add_argument("--kv-cluster-tier-size", type=float, default=2.0,
-                    help="GiB of the cluster tier, shared by the replicas (kv_tiers)")
-    ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
-                    help="SmolLM2-135M-Instruct, or the tiny random-weight Llama (the many-replica case)")
-    ap.add_argument("--skip-components", action="store_true",
-                    help="no tier_ttft / router_cost (measured by the headline run)")
-    ap.add_argument("--components-only", action="store_true",
-                    help="only tier_ttft and router_cost, on an idle app-less Ray (no arms)")
+    ap.add_argument(
+        "--kv-offloading-size", type=float, default=1.0, help="GiB of host tier per replica (kv_tier, kv_tiers)"
+    )
+    ap.add_argument(
+        "--kv-cluster-tier-size",
+        type=float,
+        default=2.0,
+        help="GiB of the cluster tier, shared by the replicas (kv_tiers)",
+    )
+    ap.add_argument(
+        "--model",
+        choices=("smollm2", "tiny"),
+        default="smollm2",
+        help="SmolLM2-135M-Instruct, or the tiny random-weight Llama (the many-replica case)",
+    )
+    ap.add_argument(
+        "--skip-components", action="store_true", help="no tier_ttft / router_cost (measured by the headline run)"
+    )
+    ap.add_argument(
+        "--components-only",
+        action="store_true",
+        help="only tier_ttft and router_cost, on an idle app-less Ray (no arms)",
+    )
     ap.add_argument("--probe-tokens", type=int, default=1024)
     ap.add_argument("--probe-repeats", type=int, default=3)
     ap.add_argument("--request-timeout", type=float, default=600.0)
@@ -416,22 +577,38 @@ def main(argv=None) -> dict:
     prov = Results(__file__, RESULT_KEYS)
     result: dict = {
         "what": "KV-event routing with and without a host tier vs the prefix router and Serve's default router, "
-                "multi-turn conversations in groups sharing system prompts",
-        "workload": {"groups": args.groups, "users_per_group": args.users_per_group, "turns": args.turns,
-                     "system_tokens": args.system_tokens, "user_turn_words": 40, "assistant_words": 20,
-                     "output_tokens": args.output_tokens, "think_s_mean": args.think_s,
-                     "num_kv_blocks": args.num_kv_blocks, "endpoint": "/v1/chat/completions stream"},
-        "server": {"model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else
-                   "tiny random-weight Llama (hidden 64, 2 layers)", "dtype": "float32", "replicas": args.replicas,
-                   "torch_num_threads_per_replica": 1, "max_num_seqs": args.max_num_seqs,
-                   "kv_offloading_size_gib": args.kv_offloading_size,
-                   "kv_cluster_tier_size_gib": args.kv_cluster_tier_size},
+        "multi-turn conversations in groups sharing system prompts",
+        "workload": {
+            "groups": args.groups,
+            "users_per_group": args.users_per_group,
+            "turns": args.turns,
+            "system_tokens": args.system_tokens,
+            "user_turn_words": 40,
+            "assistant_words": 20,
+            "output_tokens": args.output_tokens,
+            "think_s_mean": args.think_s,
+            "num_kv_blocks": args.num_kv_blocks,
+            "endpoint": "/v1/chat/completions stream",
+        },
+        "server": {
+            "model": "SmolLM2-135M-Instruct"
+            if args.model == "smollm2"
+            else "tiny random-weight Llama (hidden 64, 2 layers)",
+            "dtype": "float32",
+            "replicas": args.replicas,
+            "torch_num_threads_per_replica": 1,
+            "max_num_seqs": args.max_num_seqs,
+            "kv_offloading_size_gib": args.kv_offloading_size,
+            "kv_cluster_tier_size_gib": args.kv_cluster_tier_size,
+        },
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if args.components_only:
-        result["what"] = ("the component measures of the KV-routing benchmark alone, on an idle local Ray: a "
-                          "returning prompt's TTFT from the host tier vs recomputed, the KV-event router's "
-                          "decision time")
+        result["what"] = (
+            "the component measures of the KV-routing benchmark alone, on an idle local Ray: a "
+            "returning prompt's TTFT from the host tier vs recomputed, the KV-event router's "
+            "decision time"
+        )
     tok = load_tokenizer(None)
     runs = []
     with local_serve(max(os.cpu_count() or 1, 6)) as port:
@@ -439,7 +616,7 @@ def main(argv=None) -> dict:
         for rep in range(0 if args.components_only else args.repeats):
             systems = make_system_prompts(tok, args.groups, args.system_tokens, seed=100 + rep)
             users = conversations(systems, args.users_per_group, args.turns, seed=rep)
-            for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:
+            for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:
                 runs.append(run_arm(arm, rep, args, url, users))
         if not args.skip_components:  # after the arms: not beside Ray's start-up on a small box
             time.sleep(10.0)
@@ -452,16 +629,21 @@ def main(argv=None) -> dict:
     m = result["arms"]
     best = "kv_tiers" if "kv_tiers" in m else "kv_tier"
     if best in m and "prefix" in m:
-        result["targets"] = {"arm": best, "ttft_p90_ratio": m[best]["ttft_ms_p90"] / m["prefix"]["ttft_ms_p90"],
-                             "tok_s_ratio": m[best]["output_tok_per_s"] / m["prefix"]["output_tok_per_s"],
-                             "refusals_more": m[best]["refused"] - m["prefix"]["refused"]}
+        result["targets"] = {
+            "arm": best,
+            "ttft_p90_ratio": m[best]["ttft_ms_p90"] / m["prefix"]["ttft_ms_p90"],
+            "tok_s_ratio": m[best]["output_tok_per_s"] / m["prefix"]["output_tok_per_s"],
+            "refusals_more": m[best]["refused"] - m["prefix"]["refused"],
+        }
     out = Path(args.out)
     result = prov.write(out, result)
     if m:
         plot(result, out.with_suffix(".png"))
     for a, x in m.items():
-        print(f"| {a} | TTFT p50/p90 {x['ttft_ms_p50']:.0f}/{x['ttft_ms_p90']:.0f} ms | {x['output_tok_per_s']:.1f} "
-              f"tok/s | pool/host/recomputed {x['pool_hit_tokens']}/{x['host_hit_tokens']}/{x['recomputed_tokens']} |")
+        print(
+            f"| {a} | TTFT p50/p90 {x['ttft_ms_p50']:.0f}/{x['ttft_ms_p90']:.0f} ms | {x['output_tok_per_s']:.1f} "
+            f"tok/s | pool/host/recomputed {x['pool_hit_tokens']}/{x['host_hit_tokens']}/{x['recomputed_tokens']} |"
+        )
     print("targets:", result.get("targets"))
     print(f"wrote {out}")
     return result

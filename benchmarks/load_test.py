@@ -72,6 +72,7 @@ Usage::
 
 Results: ``benchmarks/results/load_test.json`` and ``benchmarks/results/load_test.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,8 +95,21 @@ from benchmarks.common import Figures, Results, free_port, load_average, percent
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
-RESULT_KEYS = ("tool", "url", "model", "server_started_here", "server_args", "workload", "slo_ttft_s", "started",
-               "search", "sustainable_rate_rps", "runs", "targets", "nothing_lost_any_run")
+RESULT_KEYS = (
+    "tool",
+    "url",
+    "model",
+    "server_started_here",
+    "server_args",
+    "workload",
+    "slo_ttft_s",
+    "started",
+    "search",
+    "sustainable_rate_rps",
+    "runs",
+    "targets",
+    "nothing_lost_any_run",
+)
 COMPLETE = "complete"
 CLEAN_REJECTIONS = ("rejected_429", "rejected_503", "rejected_in_stream")
 LOST = ("lost_timeout", "lost_connection", "lost_truncated", "lost_bad_rejection", "lost_http_error")
@@ -106,16 +120,17 @@ OUTCOMES = (COMPLETE, *CLEAN_REJECTIONS, *LOST)
 @dataclass
 class Rec:
     """One request: when it was due and sent, what came back and how it is classified."""
+
     index: int
-    due: float = 0.0            # scheduled arrival, s after the run's start
-    sent: float = 0.0           # actual send time, s after the run's start
-    status: int | None = None   # HTTP status (None: no response at all)
+    due: float = 0.0  # scheduled arrival, s after the run's start
+    sent: float = 0.0  # actual send time, s after the run's start
+    status: int | None = None  # HTTP status (None: no response at all)
     outcome: str = ""
-    detail: str | None = None   # error text, for anything but complete
+    detail: str | None = None  # error text, for anything but complete
     retry_after: str | None = None
-    ttft: float | None = None   # s, first content chunk
+    ttft: float | None = None  # s, first content chunk
     itl: list[float] = field(default_factory=list)  # s, between content chunks
-    e2e: float | None = None    # s, send -> [DONE] (or the end of the exchange)
+    e2e: float | None = None  # s, send -> [DONE] (or the end of the exchange)
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None
@@ -124,12 +139,12 @@ class Rec:
 
 def is_openai_error(obj) -> bool:
     """``{"error": {"message": str, ...}}``, OpenAI's error body."""
-    return isinstance(obj, dict) and isinstance(obj.get("error"), dict) and isinstance(
-        obj["error"].get("message"), str)
+    return isinstance(obj, dict) and isinstance(obj.get("error"), dict) and isinstance(obj["error"].get("message"), str)
 
 
-async def stream_chat(session, url: str, body: dict, headers: dict, timeout: float, rec: Rec,
-                      t_base: float = 0.0) -> Rec:
+async def stream_chat(
+    session, url: str, body: dict, headers: dict, timeout: float, rec: Rec, t_base: float = 0.0
+) -> Rec:
     """POST one streaming chat request and classify the answer into ``rec`` (see the module
     docstring). ``t_base`` is the run's start on ``time.perf_counter``'s clock. Never raises
     (but for cancellation)."""
@@ -141,8 +156,7 @@ async def stream_chat(session, url: str, body: dict, headers: dict, timeout: flo
     err = None
     last = None
     try:
-        async with session.post(url, json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             rec.status = resp.status
             if resp.status != 200:
                 text = await resp.text(errors="replace")
@@ -208,8 +222,15 @@ async def stream_chat(session, url: str, body: dict, headers: dict, timeout: flo
 
 
 def chat_body(model: str, prompt: str, max_tokens: int) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def auth_headers(api_key: str | None) -> dict:
@@ -230,14 +251,19 @@ def load_tokenizer(path: str | None):
 def make_prompts(tokenizer, n: int, prompt_tokens: int, seed: int) -> tuple[list[str], list[int]]:
     """``n`` distinct user messages of random words, each ``prompt_tokens`` tokens long once the
     chat template is applied (as close as the template allows); returns them and their counts."""
+
     def templated(text: str) -> int:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     # words that are one token each with their leading space ("Ġword" in a byte-level BPE)
-    words = [w for w, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-             if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower() and 3 <= len(w) <= 9]
+    words = [
+        w
+        for w, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+        if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower() and 3 <= len(w) <= 9
+    ]
     words = [w[1:] for w in words[:20000]]
     overhead = templated("x") - 1
     rng = random.Random(seed)
@@ -285,9 +311,16 @@ def output_lengths(n: int, lo_hi: tuple[int, int], seed: int) -> list[int]:
     return [rng.randint(*lo_hi) for _ in range(n)]
 
 
-async def run_open_loop(url: str, model: str, api_key: str | None, prompts: list[str],
-                        output_tokens: tuple[int, int], arrivals: list[float], timeout: float,
-                        seed: int = 0) -> tuple[list[Rec], float]:
+async def run_open_loop(
+    url: str,
+    model: str,
+    api_key: str | None,
+    prompts: list[str],
+    output_tokens: tuple[int, int],
+    arrivals: list[float],
+    timeout: float,
+    seed: int = 0,
+) -> tuple[list[Rec], float]:
     """Send request i at ``arrivals[i]`` (prompt ``prompts[i % len]``) whatever the answers so
     far; wait for every answer. Returns the records and the wall time from the start to the
     last answer."""
@@ -316,8 +349,14 @@ async def run_open_loop(url: str, model: str, api_key: str | None, prompts: list
 def dist_ms(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    return {"n": len(xs), "mean": 1000 * sum(xs) / len(xs), "p50": 1000 * percentile(xs, 50),
-            "p90": 1000 * percentile(xs, 90), "p99": 1000 * percentile(xs, 99), "max": 1000 * max(xs)}
+    return {
+        "n": len(xs),
+        "mean": 1000 * sum(xs) / len(xs),
+        "p50": 1000 * percentile(xs, 50),
+        "p90": 1000 * percentile(xs, 90),
+        "p99": 1000 * percentile(xs, 99),
+        "max": 1000 * max(xs),
+    }
 
 
 def status_counts(recs: list[Rec]) -> dict:
@@ -347,14 +386,19 @@ def summarize(name: str, rate: float, recs: list[Rec], elapsed: float, slo_s: fl
     good_tok = sum(r.output_tokens or 0 for r in good)
     lateness = [max(0.0, r.sent - r.due) for r in recs]
     return {
-        "run": name, "rate_rps": rate, "num_requests": n,
+        "run": name,
+        "rate_rps": rate,
+        "num_requests": n,
         "arrival_window_s": duration if duration is not None else (max((r.due for r in recs), default=0.0)),
         "elapsed_s": elapsed,
         "status_counts": status_counts(recs),
         "outcomes": outcomes,
-        "completed": len(done), "rejected": rejected, "lost": len(lost),
-        "lost_samples": [{"index": r.index, "outcome": r.outcome, "status": r.status, "detail": r.detail}
-                         for r in lost[:5]],
+        "completed": len(done),
+        "rejected": rejected,
+        "lost": len(lost),
+        "lost_samples": [
+            {"index": r.index, "outcome": r.outcome, "status": r.status, "detail": r.detail} for r in lost[:5]
+        ],
         "rejection_samples": sorted({(r.detail or "")[:160] for r in recs if r.outcome in CLEAN_REJECTIONS})[:3],
         "retry_after_on_429": f"{sum(r.retry_after is not None for r in rejections_429)}/{len(rejections_429)}",
         "reject_fraction": rejected / n if n else 0.0,
@@ -378,8 +422,13 @@ def passes(s: dict, slo_s: float, max_reject: float) -> bool:
     """A search step passes: nothing lost, rejections within ``max_reject``, p99 TTFT of the
     completed requests within the SLO."""
     p99 = s["ttft_ms"]["p99"]
-    return (s["lost"] == 0 and s["completed"] > 0 and s["reject_fraction"] <= max_reject
-            and p99 is not None and p99 <= 1000 * slo_s)
+    return (
+        s["lost"] == 0
+        and s["completed"] > 0
+        and s["reject_fraction"] <= max_reject
+        and p99 is not None
+        and p99 <= 1000 * slo_s
+    )
 
 
 # ---- local server ---------------------------------------------------------------------------
@@ -395,9 +444,16 @@ class LocalServer:
     SIGINT (its own clean shutdown), then ends any process of its tree still alive, by pid.
     ``env``: the base environment (default this process's)."""
 
-    def __init__(self, extra_args: list[str], api_key: str | None = None, port: int | None = None,
-                 log_path: str | None = None, ready_timeout: float = 600.0, command: list[str] | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        extra_args: list[str],
+        api_key: str | None = None,
+        port: int | None = None,
+        log_path: str | None = None,
+        ready_timeout: float = 600.0,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         command = command or [str(Path(sys.executable).with_name("kvserve")), "serve"]
@@ -420,8 +476,9 @@ class LocalServer:
             env["KVSERVE_API_KEYS"] = self.api_key
         self._log = open(self.log_path, "w")
         print(f"starting: {' '.join(self.args)} (log: {self.log_path})", flush=True)
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         deadline = time.time() + self.ready_timeout
         root = root_of(self.url)
         paths = ["/ready", "/health"]
@@ -524,10 +581,13 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax = axes[1]
-    parts = [("complete", "200 complete", "tab:green"), ("rejected_429", "429 (clean)", "tab:orange"),
-             ("rejected_503", "503 (clean)", "tab:purple"),
-             ("rejected_in_stream", "in-stream error (clean)", "tab:gray"),
-             ("lost", "lost", "tab:red")]
+    parts = [
+        ("complete", "200 complete", "tab:green"),
+        ("rejected_429", "429 (clean)", "tab:orange"),
+        ("rejected_503", "503 (clean)", "tab:purple"),
+        ("rejected_in_stream", "in-stream error (clean)", "tab:gray"),
+        ("lost", "lost", "tab:red"),
+    ]
     bottom = [0] * len(runs)
     for key, label, color in parts:
         vals = [r["lost"] if key == "lost" else r["outcomes"][key] for r in runs]
@@ -545,8 +605,13 @@ def plot(result: dict, path: Path) -> None:
         ok = [s for s in search if s["pass"]]
         bad = [s for s in search if not s["pass"]]
         for group, marker, label in ((ok, "o", "pass"), (bad, "x", "fail")):
-            ax.scatter([s["rate_rps"] for s in group], [(s["ttft_p99_ms"] or 0) / 1000 for s in group],
-                       marker=marker, label=label, s=40)
+            ax.scatter(
+                [s["rate_rps"] for s in group],
+                [(s["ttft_p99_ms"] or 0) / 1000 for s in group],
+                marker=marker,
+                label=label,
+                s=40,
+            )
         ax.axhline(result["slo_ttft_s"], color="red", ls="--", lw=1)
         ax.axvline(result["sustainable_rate_rps"], color="gray", ls=":", lw=1, label="sustainable")
         ax.set_xlabel("request rate (req/s, Poisson)")
@@ -556,8 +621,11 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     m = result["machine"]
     wl = result["workload"]
-    fig.suptitle(f"kvserve load test: {wl['prompt_tokens']} prompt / {wl['output_tokens']} output tokens, "
-                 f"{m['cores']} x {m['cpu_model']}", fontsize=10)
+    fig.suptitle(
+        f"kvserve load test: {wl['prompt_tokens']} prompt / {wl['output_tokens']} output tokens, "
+        f"{m['cores']} x {m['cpu_model']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -568,16 +636,22 @@ def table(runs: list[dict]) -> str:
         v = d.get(k)
         return "-" if v is None else f"{v * scale:.0f}"
 
-    lines = [("| run | rate/s | n | 200/429/503/other | complete/rejected/LOST | goodput/s | good tok/s | "
-              "TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| run | rate/s | n | 200/429/503/other | complete/rejected/LOST | goodput/s | good tok/s | "
+            "TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         sc = r["status_counts"]
-        lines.append(f"| {r['run']} | {r['rate_rps']:.2f} | {r['num_requests']} | {sc['200']}/{sc['429']}/{sc['503']}/"
-                     f"{sc['other']} | {r['completed']}/{r['rejected']}/{r['lost']} | {r['goodput_rps']:.2f} | "
-                     f"{r['goodput_output_tok_per_s']:.1f} | {f(r['ttft_ms'], 'p50')}/{f(r['ttft_ms'], 'p99')} | "
-                     f"{f(r['itl_ms'], 'p50')}/{f(r['itl_ms'], 'p99')} | "
-                     f"{f(r['e2e_ms'], 'p50')}/{f(r['e2e_ms'], 'p99')} |")
+        lines.append(
+            f"| {r['run']} | {r['rate_rps']:.2f} | {r['num_requests']} | {sc['200']}/{sc['429']}/{sc['503']}/"
+            f"{sc['other']} | {r['completed']}/{r['rejected']}/{r['lost']} | {r['goodput_rps']:.2f} | "
+            f"{r['goodput_output_tok_per_s']:.1f} | {f(r['ttft_ms'], 'p50')}/{f(r['ttft_ms'], 'p99')} | "
+            f"{f(r['itl_ms'], 'p50')}/{f(r['itl_ms'], 'p99')} | "
+            f"{f(r['e2e_ms'], 'p50')}/{f(r['e2e_ms'], 'p99')} |"
+        )
     return "\n".join(lines)
 
 
@@ -586,23 +660,63 @@ def figures(r: dict) -> Figures:
     """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
     f, t, w = Figures(), r.get("targets", {}), r["workload"]
     search = r.get("search", {})
-    f.summary(f"sustainable request rate at a {r['slo_ttft_s']} s p99 TTFT SLO, one CPU replica",
-              r["sustainable_rate_rps"], "req/s", headline=True)
+    f.summary(
+        f"sustainable request rate at a {r['slo_ttft_s']} s p99 TTFT SLO, one CPU replica",
+        r["sustainable_rate_rps"],
+        "req/s",
+        headline=True,
+    )
     if "p99_ttft_3x_over_1x" in t:
-        f.summary("p99 TTFT at 3x the sustainable rate / at 1x", t["p99_ttft_3x_over_1x"], "x", target="<= 2x",
-                  met=t.get("p99 TTFT at 3x <= 2 x p99 TTFT at 1x"))
+        f.summary(
+            "p99 TTFT at 3x the sustainable rate / at 1x",
+            t["p99_ttft_3x_over_1x"],
+            "x",
+            target="<= 2x",
+            met=t.get("p99 TTFT at 3x <= 2 x p99 TTFT at 1x"),
+        )
     f.targets(t, ("p99 TTFT at 3x <= 2 x p99 TTFT at 1x", "p99_ttft_3x_over_1x"))
     f.summary("no request lost in any run", r["nothing_lost_any_run"], met=r["nothing_lost_any_run"])
-    f.table("Runs", ["run", "req/s", "sent", "complete", "rejected (clean 429)", "lost", "429s with Retry-After",
-                     "TTFT p99 of admitted (ms)", "goodput (req/s)", "load"],
-            [[x["run"], x["rate_rps"], x["num_requests"], x["completed"], x["rejected"], x["lost"],
-              x.get("retry_after_on_429"), x["ttft_ms"]["p99"], x["goodput_rps"], x.get("load_average")]
-             for x in r["runs"]],
-            note=f"{w['endpoint']}, {w['prompt_tokens']}-token prompts, {w['output_tokens']} output tokens, "
-                 f"{w['arrivals']} arrivals, {w['duration_s']} s per run; TTFT SLO {r['slo_ttft_s']} s.")
-    f.table("Rate search", ["req/s", "pass", "TTFT p99 (ms)", "lost", "rejected (%)"],
-            [[x["rate_rps"], x["pass"], x["ttft_p99_ms"], x["lost"], x["reject_fraction"] * 100]
-             for x in search.get("steps", [])], note=f"Criteria: {search.get('criteria')}.")
+    f.table(
+        "Runs",
+        [
+            "run",
+            "req/s",
+            "sent",
+            "complete",
+            "rejected (clean 429)",
+            "lost",
+            "429s with Retry-After",
+            "TTFT p99 of admitted (ms)",
+            "goodput (req/s)",
+            "load",
+        ],
+        [
+            [
+                x["run"],
+                x["rate_rps"],
+                x["num_requests"],
+                x["completed"],
+                x["rejected"],
+                x["lost"],
+                x.get("retry_after_on_429"),
+                x["ttft_ms"]["p99"],
+                x["goodput_rps"],
+                x.get("load_average"),
+            ]
+            for x in r["runs"]
+        ],
+        note=f"{w['endpoint']}, {w['prompt_tokens']}-token prompts, {w['output_tokens']} output tokens, "
+        f"{w['arrivals']} arrivals, {w['duration_s']} s per run; TTFT SLO {r['slo_ttft_s']} s.",
+    )
+    f.table(
+        "Rate search",
+        ["req/s", "pass", "TTFT p99 (ms)", "lost", "rejected (%)"],
+        [
+            [x["rate_rps"], x["pass"], x["ttft_p99_ms"], x["lost"], x["reject_fraction"] * 100]
+            for x in search.get("steps", [])
+        ],
+        note=f"Criteria: {search.get('criteria')}.",
+    )
     return f
 
 
@@ -610,14 +724,21 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model name sent in requests")
-    ap.add_argument("--tokenizer", default=None,
-                    help="local model folder for the tokenizer (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local model folder for the tokenizer (default: the bundled SmolLM2-135M-Instruct)",
+    )
     ap.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"), help="Bearer key (or $KVSERVE_API_KEY)")
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, seconds (default 2 on this CPU)")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens after the chat template")
-    ap.add_argument("--output-tokens", type=output_range, default="16-128",
-                    help="max_tokens (with ignore_eos): N, or LO-HI for a uniform draw per request (default 16-128, "
-                         "as the throughput and serving benchmarks: answers end at different lengths)")
+    ap.add_argument(
+        "--output-tokens",
+        type=output_range,
+        default="16-128",
+        help="max_tokens (with ignore_eos): N, or LO-HI for a uniform draw per request (default 16-128, "
+        "as the throughput and serving benchmarks: answers end at different lengths)",
+    )
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per 1x/2x/3x run")
     ap.add_argument("--num-requests", type=int, default=None, help="requests per 1x/2x/3x run (instead of --duration)")
     ap.add_argument("--multipliers", default="1,2,3", help="runs at these multiples of the sustainable rate")
@@ -626,10 +747,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--search-duration", type=float, default=30.0, help="seconds of arrivals per search step")
     ap.add_argument("--search-bisect", type=int, default=2, help="bisection steps after the doubling")
     ap.add_argument("--search-max-steps", type=int, default=8, help="most doubling / halving steps")
-    ap.add_argument("--max-reject", type=float, default=0.01,
-                    help="largest share of clean rejections a search step may have and still pass")
-    ap.add_argument("--request-timeout", type=float, default=300.0,
-                    help="seconds a request may take in all; past it, it counts as lost")
+    ap.add_argument(
+        "--max-reject",
+        type=float,
+        default=0.01,
+        help="largest share of clean rejections a search step may have and still pass",
+    )
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a request may take in all; past it, it counts as lost",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-server", action="store_true", help="launch `kvserve serve` and stop it at the end")
     ap.add_argument("--server-args", default="", help="extra `kvserve serve` flags with --start-server (one string)")
@@ -648,13 +777,23 @@ def main(argv=None) -> dict:
         args.url = server.url
     result: dict = {
         "tool": "aiohttp open-loop Poisson sender (guidellm 0.8.1 / locust 2.47 do not fit: see the module docstring)",
-        "url": args.url, "model": args.model, "server_started_here": bool(server),
+        "url": args.url,
+        "model": args.model,
+        "server_started_here": bool(server),
         "server_args": args.server_args if server else None,
-        "workload": {"endpoint": "/v1/chat/completions (stream, include_usage)", "prompt_tokens": args.prompt_tokens,
-                     "prompt_tokens_templated_mean": sum(counts) / len(counts), "output_tokens": "{}-{}".format(*args.output_tokens),
-                     "ignore_eos": True, "temperature": 0.0, "arrivals": "Poisson", "seed": args.seed,
-                     "duration_s": None if args.num_requests else args.duration, "num_requests": args.num_requests,
-                     "request_timeout_s": args.request_timeout},
+        "workload": {
+            "endpoint": "/v1/chat/completions (stream, include_usage)",
+            "prompt_tokens": args.prompt_tokens,
+            "prompt_tokens_templated_mean": sum(counts) / len(counts),
+            "output_tokens": "{}-{}".format(*args.output_tokens),
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "arrivals": "Poisson",
+            "seed": args.seed,
+            "duration_s": None if args.num_requests else args.duration,
+            "num_requests": args.num_requests,
+            "request_timeout_s": args.request_timeout,
+        },
         "slo_ttft_s": args.slo_ttft,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -662,12 +801,18 @@ def main(argv=None) -> dict:
     def run(name: str, rate: float, seed: int, duration: float | None, count: int | None) -> dict:
         arrivals = poisson_arrivals(rate, seed, duration, count)
         print(f"{name}: {rate:.3f} req/s, {len(arrivals)} requests ...", flush=True)
-        recs, elapsed = asyncio.run(run_open_loop(args.url, args.model, args.api_key, prompts, args.output_tokens,
-                                                  arrivals, args.request_timeout, seed))
+        recs, elapsed = asyncio.run(
+            run_open_loop(
+                args.url, args.model, args.api_key, prompts, args.output_tokens, arrivals, args.request_timeout, seed
+            )
+        )
         s = summarize(name, rate, recs, elapsed, args.slo_ttft, duration)
-        print(f"  status {s['status_counts']}, outcomes { {k: v for k, v in s['outcomes'].items() if v} }, "
-              f"TTFT p50/p99 {s['ttft_ms']['p50'] or float('nan'):.0f}/{s['ttft_ms']['p99'] or float('nan'):.0f} ms, "
-              f"goodput {s['goodput_rps']:.2f}/s", flush=True)
+        print(
+            f"  status {s['status_counts']}, outcomes { {k: v for k, v in s['outcomes'].items() if v} }, "
+            f"TTFT p50/p99 {s['ttft_ms']['p50'] or float('nan'):.0f}/{s['ttft_ms']['p99'] or float('nan'):.0f} ms, "
+            f"goodput {s['goodput_rps']:.2f}/s",
+            flush=True,
+        )
         return s
 
     try:
@@ -682,9 +827,18 @@ def main(argv=None) -> dict:
                 step_seed += 1
                 s = run(f"search {len(steps)}", rate, step_seed, args.search_duration, None)
                 ok = passes(s, args.slo_ttft, args.max_reject)
-                steps.append({"rate_rps": rate, "pass": ok, "ttft_p99_ms": s["ttft_ms"]["p99"], "lost": s["lost"],
-                              "reject_fraction": s["reject_fraction"], "num_requests": s["num_requests"],
-                              "goodput_rps": s["goodput_rps"], "summary": s})
+                steps.append(
+                    {
+                        "rate_rps": rate,
+                        "pass": ok,
+                        "ttft_p99_ms": s["ttft_ms"]["p99"],
+                        "lost": s["lost"],
+                        "reject_fraction": s["reject_fraction"],
+                        "num_requests": s["num_requests"],
+                        "goodput_rps": s["goodput_rps"],
+                        "summary": s,
+                    }
+                )
                 print(f"  -> {'pass' if ok else 'FAIL'}", flush=True)
                 return ok
 
@@ -712,11 +866,18 @@ def main(argv=None) -> dict:
                 raise SystemExit(f"no rate passed (lowest tried {rate:.3f} req/s): the SLO cannot be met here")
             sustainable = lo
             if hi is None:
-                print(f"WARNING: every rate up to {lo:.3f} req/s passed: the sustainable rate is a lower bound "
-                      f"(raise --search-max-steps or --search-start)", flush=True)
-            result["search"] = {"criteria": f"lost == 0, rejected <= {args.max_reject:.0%}, TTFT p99 <= SLO",
-                                "step_duration_s": args.search_duration, "lowest_failing_rate_rps": hi,
-                                "upper_bound_found": hi is not None, "steps": steps}
+                print(
+                    f"WARNING: every rate up to {lo:.3f} req/s passed: the sustainable rate is a lower bound "
+                    f"(raise --search-max-steps or --search-start)",
+                    flush=True,
+                )
+            result["search"] = {
+                "criteria": f"lost == 0, rejected <= {args.max_reject:.0%}, TTFT p99 <= SLO",
+                "step_duration_s": args.search_duration,
+                "lowest_failing_rate_rps": hi,
+                "upper_bound_found": hi is not None,
+                "steps": steps,
+            }
         else:
             sustainable = args.rate
             result["search"] = {"skipped": True, "rate_given_rps": args.rate}
@@ -725,8 +886,15 @@ def main(argv=None) -> dict:
         runs = []
         for m in [float(x) for x in args.multipliers.split(",")]:
             step_seed += 1
-            runs.append(run(f"{m:g}x", m * sustainable, step_seed, None if args.num_requests else args.duration,
-                            args.num_requests))
+            runs.append(
+                run(
+                    f"{m:g}x",
+                    m * sustainable,
+                    step_seed,
+                    None if args.num_requests else args.duration,
+                    args.num_requests,
+                )
+            )
         result["runs"] = runs
     finally:
         if server is not None:

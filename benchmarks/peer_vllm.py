@@ -21,6 +21,7 @@ Usage (normally through ``benchmarks/throughput.py --peer vllm``)::
 
     python benchmarks/peer_vllm.py --setup          # create the cached environment, print its python
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,7 @@ def ensure_venv(version: str = VLLM_VERSION) -> Path:
         return py
 
     def pip(*args: str) -> None:
-        r = subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", *args],
-                           capture_output=True, text=True)
+        r = subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", *args], capture_output=True, text=True)
         if r.returncode:
             tail = "\n".join((r.stdout + r.stderr).splitlines()[-15:])
             raise RuntimeError(f"pip {' '.join(args)} failed in {d}:\n{tail}")
@@ -80,16 +80,29 @@ def vllm_env(cores: int | None = None) -> dict[str, str]:
     """The environment vLLM runs under: every core bound to its OpenMP team, none reserved."""
     n = cores or os.cpu_count() or 1
     env = dict(os.environ)
-    env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                "TOKENIZERS_PARALLELISM": "false"})
+    env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     env.pop("PYTHONPATH", None)  # nothing of this project's environment leaks into the peer's
     return env
 
 
-def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | None = None,
-             batch1: dict | None = None, timeout_s: float = 3600, engine_kwargs: dict | None = None,
-             lora_paths: list[str] | None = None, loop: dict | None = None) -> dict:
+def run_vllm(
+    model: str,
+    dtype: str,
+    works: list[list[tuple[list[int], int]]] | None = None,
+    batch1: dict | None = None,
+    timeout_s: float = 3600,
+    engine_kwargs: dict | None = None,
+    lora_paths: list[str] | None = None,
+    loop: dict | None = None,
+) -> dict:
     """Run vLLM on each workload of ``works`` in turn (a workload: (prompt token ids, output
     length) pairs, submitted all at once, greedy with ``ignore_eos``), and/or the batch-1
     decode latency probe ``batch1`` (``{"prompt": ids, "new_tokens": n}``; prefix caching off,
@@ -108,8 +121,18 @@ def run_vllm(model: str, dtype: str, works: list[list[tuple[list[int], int]]] | 
     Raises:
         RuntimeError: the environment could not be created or the worker failed (stderr tail).
     """
-    return _run_worker({"model": model, "dtype": dtype, "works": works, "batch1": batch1, "loop": loop,
-                        "engine_kwargs": engine_kwargs or {}, "lora_paths": lora_paths or []}, timeout_s)
+    return _run_worker(
+        {
+            "model": model,
+            "dtype": dtype,
+            "works": works,
+            "batch1": batch1,
+            "loop": loop,
+            "engine_kwargs": engine_kwargs or {},
+            "lora_paths": lora_paths or [],
+        },
+        timeout_s,
+    )
 
 
 def _run_worker(spec: dict, timeout_s: float) -> dict:
@@ -122,12 +145,23 @@ def _run_worker(spec: dict, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps({**spec, "out": str(out)}))
-        r = subprocess.run([str(py), str(Path(__file__).resolve()), "--worker", str(spec_path)], env=vllm_env(),
-                           capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
+        r = subprocess.run(
+            [str(py), str(Path(__file__).resolve()), "--worker", str(spec_path)],
+            env=vllm_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=tmp,
+        )
         if r.returncode or not out.exists():  # vLLM's workers log their errors on stdout
             lines = [line for line in (r.stdout + r.stderr).splitlines() if "Error" in line]
-            first = list(dict.fromkeys(m.group(0) for line in lines  # the root causes, named once each
-                                       if (m := re.search(r"\b(?!Runtime)\w+Error: .*", line))))[:3]
+            first = list(
+                dict.fromkeys(
+                    m.group(0)
+                    for line in lines  # the root causes, named once each
+                    if (m := re.search(r"\b(?!Runtime)\w+Error: .*", line))
+                )
+            )[:3]
             raise RuntimeError(f"vLLM worker exited {r.returncode}:\n" + "\n".join(first + lines[-8:]))
         return json.loads(out.read_text())
 
@@ -169,8 +203,9 @@ def run_vllm_matmul(shapes: dict[str, list[int]], dtype: str, rows: list[int], t
     return _run_worker({"matmul": {"shapes": shapes, "dtype": dtype, "rows": rows}}, timeout_s)
 
 
-def run_vllm_embed(model: str, dtype: str, works: list[list[list[int]]], convert: str = "auto", keep: int = 8,
-                   timeout_s: float = 3600) -> dict:
+def run_vllm_embed(
+    model: str, dtype: str, works: list[list[list[int]]], convert: str = "auto", keep: int = 8, timeout_s: float = 3600
+) -> dict:
     """vLLM's pooling runner (``LLM(runner="pooling", convert=...)``; ``convert="embed"`` turns a
     causal LM into an embedding model with vLLM's default pooler for it) on each workload of
     ``works`` (lists of prompt token ids, all submitted at once to ``LLM.embed``), in the cached
@@ -199,16 +234,29 @@ def _embed_worker(spec: dict) -> None:
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, runner="pooling", convert=spec["convert"],
-              kv_cache_memory_bytes=KV_CACHE_BYTES)
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        seed=0,
+        runner="pooling",
+        convert=spec["convert"],
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
     cfg = llm.llm_engine.vllm_config
-    result: dict = {"version": md.version("vllm"), "settings": {
-        "dtype": str(cfg.model_config.dtype).removeprefix("torch."), "runner": "pooling", "convert": spec["convert"],
-        "max_num_seqs": cfg.scheduler_config.max_num_seqs,
-        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-        "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
-        "pooler_config": str(cfg.model_config.pooler_config),
-        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}, "runs": []}
+    result: dict = {
+        "version": md.version("vllm"),
+        "settings": {
+            "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
+            "runner": "pooling",
+            "convert": spec["convert"],
+            "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+            "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+            "pooler_config": str(cfg.model_config.pooler_config),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
+        },
+        "runs": [],
+    }
     llm.embed([TokensPrompt(prompt_token_ids=list(range(1000, 1064)))], use_tqdm=False)  # warm-up
     for i, work in enumerate(spec["embed"]):
         t0 = time.perf_counter()
@@ -216,7 +264,7 @@ def _embed_worker(spec: dict) -> None:
         elapsed = time.perf_counter() - t0
         result["runs"].append({"elapsed_s": elapsed, "inputs": len(work), "tokens": sum(map(len, work))})
         if i == 0:
-            result["vectors"] = [list(map(float, o.outputs.embedding)) for o in outs[:spec["keep"]]]
+            result["vectors"] = [list(map(float, o.outputs.embedding)) for o in outs[: spec["keep"]]]
     Path(spec["out"]).write_text(json.dumps(result))
 
 
@@ -253,17 +301,23 @@ def _matmul_worker(spec: dict) -> None:
         dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
         layers[name] = layer
         names = layer.cpu_linear.__code__.co_names  # the op its lambda calls
-        dispatch[name] = next((op for op in ("onednn_mm", "weight_packed_linear_cpu", "zentorch_linear_unary")
-                               if op in names), "torch.nn.functional.linear")
+        dispatch[name] = next(
+            (op for op in ("onednn_mm", "weight_packed_linear_cpu", "zentorch_linear_unary") if op in names),
+            "torch.nn.functional.linear",
+        )
     out = {}
     with torch.inference_mode():
         for rows in m["rows"]:
             x = {name: torch.randn(rows, k, generator=g).to(dt) for name, (_, k) in m["shapes"].items()}
             flop = sum(2 * rows * n_out * k for n_out, k in m["shapes"].values())
-            out[str(rows)] = gflops([lambda name=name: layers[name].cpu_linear(x[name], layers[name].weight, None)
-                                     for name in layers], flop)
-    Path(spec["out"]).write_text(json.dumps({"version": md.version("vllm"), "threads": torch.get_num_threads(),
-                                             "dispatch": dispatch, "gflops": out}))
+            out[str(rows)] = gflops(
+                [lambda name=name: layers[name].cpu_linear(x[name], layers[name].weight, None) for name in layers], flop
+            )
+    Path(spec["out"]).write_text(
+        json.dumps(
+            {"version": md.version("vllm"), "threads": torch.get_num_threads(), "dispatch": dispatch, "gflops": out}
+        )
+    )
 
 
 def _worker(spec_path: str) -> None:
@@ -286,8 +340,14 @@ def _worker(spec_path: str) -> None:
     result: dict = {"version": md.version("vllm")}
     # vLLM's CPU default reserves 92 % of RAM for the KV cache and refuses to start when less is
     # free; the same KV pool as kvserve's default (cpu_kv_cache_bytes, 2 GiB) holds this workload
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=spec["batch1"] is None,
-              kv_cache_memory_bytes=KV_CACHE_BYTES, **spec.get("engine_kwargs", {}))
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        seed=0,
+        enable_prefix_caching=spec["batch1"] is None,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        **spec.get("engine_kwargs", {}),
+    )
     loras = []
     if spec.get("lora_paths"):
         from vllm.lora.request import LoRARequest
@@ -306,8 +366,12 @@ def _worker(spec_path: str) -> None:
     }
     llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1064)))], greedy(4), use_tqdm=False)  # warm-up
     if loras:
-        llm.generate([TokensPrompt(prompt_token_ids=list(range(1000 + i, 1064 + i))) for i in range(len(loras))],
-                     greedy(2), use_tqdm=False, lora_request=loras)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=list(range(1000 + i, 1064 + i))) for i in range(len(loras))],
+            greedy(2),
+            use_tqdm=False,
+            lora_request=loras,
+        )
     result["runs"] = []
     for work in _works(spec):
         prompts = [TokensPrompt(prompt_token_ids=w[0]) for w in work]
@@ -335,8 +399,11 @@ if __name__ == "__main__":  # vLLM spawns processes: everything that starts it s
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", action="store_true", help="create the cached environment and print its python")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
-    ap.add_argument("--cli", nargs=argparse.REMAINDER, help="run `vllm <args>` (inside the cached environment's "
-                                                              "python: serve, bench serve, ...)")
+    ap.add_argument(
+        "--cli",
+        nargs=argparse.REMAINDER,
+        help="run `vllm <args>` (inside the cached environment's python: serve, bench serve, ...)",
+    )
     a = ap.parse_args()
     if a.cli is not None:
         _alias_distribution()

@@ -20,6 +20,7 @@ Usage::
 
     python benchmarks/pipeline.py            # -> benchmarks/results/pipeline.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 RESULTS = ROOT / "benchmarks" / "results"
 
 from benchmarks.common import Figures  # noqa: E402
+
 #: The top-level keys this script writes (besides benchmarks.common.PROVENANCE_KEYS).
 RESULT_KEYS = ("workload", "configs", "note")
 
@@ -70,16 +72,43 @@ def figures(r: dict) -> Figures:
     """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
     f, c, w = Figures(), r["configs"], r["workload"]
     if "pp2" in c:
-        f.summary("pipeline parallelism on one machine: PP=2 / the engine alone on the same cores, offline (the "
-                  "pipeline's cost, not a speed-up)", c["pp2"]["vs_pp1"], "x", headline=True)
+        f.summary(
+            "pipeline parallelism on one machine: PP=2 / the engine alone on the same cores, offline (the "
+            "pipeline's cost, not a speed-up)",
+            c["pp2"]["vs_pp1"],
+            "x",
+            headline=True,
+        )
     if "tp2" in c:
-        f.summary("tensor parallelism on one machine: TP=2 / the engine alone on the same cores", c["tp2"]["vs_pp1"], "x")
-    f.table("Configurations", ["config", "pipeline stages", "tensor ranks", "output tok/s (runs)", "median",
-                               "vs the engine alone (x)", "texts equal the engine alone's"],
-            [[name, x["pipeline_parallel_size"], x["tensor_parallel_size"], [y["output_tok_per_s"] for y in x["runs"]],
-              x["output_tok_per_s_median"], x["vs_pp1"], x["texts_equal_pp1"]] for name, x in c.items()],
-            note=f"{w['model']} in {w['dtype']}, {w['num_requests']} requests ({w['prompt_tokens']} prompt and "
-                 f"{w['output_tokens']} output tokens), all at once, offline. {r['note']}.")
+        f.summary(
+            "tensor parallelism on one machine: TP=2 / the engine alone on the same cores", c["tp2"]["vs_pp1"], "x"
+        )
+    f.table(
+        "Configurations",
+        [
+            "config",
+            "pipeline stages",
+            "tensor ranks",
+            "output tok/s (runs)",
+            "median",
+            "vs the engine alone (x)",
+            "texts equal the engine alone's",
+        ],
+        [
+            [
+                name,
+                x["pipeline_parallel_size"],
+                x["tensor_parallel_size"],
+                [y["output_tok_per_s"] for y in x["runs"]],
+                x["output_tok_per_s_median"],
+                x["vs_pp1"],
+                x["texts_equal_pp1"],
+            ]
+            for name, x in c.items()
+        ],
+        note=f"{w['model']} in {w['dtype']}, {w['num_requests']} requests ({w['prompt_tokens']} prompt and "
+        f"{w['output_tokens']} output tokens), all at once, offline. {r['note']}.",
+    )
     return f
 
 
@@ -111,13 +140,22 @@ def main(argv=None) -> dict:
     finally:
         ray.shutdown()
     med = {n: statistics.median(r["output_tok_per_s"] for r in rs) for n, rs in rows.items()}
-    result = {"workload": {**workload_info(work, a.seed), "model": "SmolLM2-135M-Instruct", "dtype": "float32"},
-              "configs": {n: {"pipeline_parallel_size": CONFIGS[n][0], "tensor_parallel_size": CONFIGS[n][1],
-                              "runs": rows[n], "output_tok_per_s_median": round(med[n], 1),
-                              "vs_pp1": round(med[n] / med["pp1"], 3),
-                              "texts_equal_pp1": texts[n] == texts["pp1"]} for n in rows},
-              "note": "one 2-core machine: the stages share the cores the baseline uses alone, so this is the "
-                      "pipeline's overhead, not a speed-up (see the module docstring)"}
+    result = {
+        "workload": {**workload_info(work, a.seed), "model": "SmolLM2-135M-Instruct", "dtype": "float32"},
+        "configs": {
+            n: {
+                "pipeline_parallel_size": CONFIGS[n][0],
+                "tensor_parallel_size": CONFIGS[n][1],
+                "runs": rows[n],
+                "output_tok_per_s_median": round(med[n], 1),
+                "vs_pp1": round(med[n] / med["pp1"], 3),
+                "texts_equal_pp1": texts[n] == texts["pp1"],
+            }
+            for n in rows
+        },
+        "note": "one 2-core machine: the stages share the cores the baseline uses alone, so this is the "
+        "pipeline's overhead, not a speed-up (see the module docstring)",
+    }
     result = prov.write(a.out, result)
     print(json.dumps({n: {k: v for k, v in c.items() if k != "runs"} for n, c in result["configs"].items()}, indent=1))
     return result

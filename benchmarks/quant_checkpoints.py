@@ -33,6 +33,7 @@ Usage::
     python benchmarks/quant_checkpoints.py                 # make every checkpoint, print the folders
     python benchmarks/quant_checkpoints.py gptq-g64        # one
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,14 +59,26 @@ PERPLEXITY_TEXT = HERE.parent / "data" / "public_domain.txt"
 #: are the quality checkpoints; the symmetric ones of 64 lose more (a coarser grid than the one the
 #: weights came from).
 RECIPES: dict[str, dict] = {
-    "gptq-g64": {"modifier": "GPTQ", "actorder": "static",
-                 "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}},
-    "gptq-channel": {"modifier": "GPTQ", "actorder": None,
-                     "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}},
-    "gptq-g32": {"modifier": "GPTQ", "actorder": "static",
-                 "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}},
-    "awq-g32": {"modifier": "AWQ", "samples": 16,  # AWQ's scale search is ~5x GPTQ's time on CPU
-                "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}},
+    "gptq-g64": {
+        "modifier": "GPTQ",
+        "actorder": "static",
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64},
+    },
+    "gptq-channel": {
+        "modifier": "GPTQ",
+        "actorder": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"},
+    },
+    "gptq-g32": {
+        "modifier": "GPTQ",
+        "actorder": "static",
+        "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
+    },
+    "awq-g32": {
+        "modifier": "AWQ",
+        "samples": 16,  # AWQ's scale search is ~5x GPTQ's time on CPU
+        "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
+    },
 }
 #: classic-layout checkpoints: name -> (format, source recipe)
 CONVERTED: dict[str, tuple[str, str]] = {
@@ -74,8 +87,14 @@ CONVERTED: dict[str, tuple[str, str]] = {
     "awq-classic": ("awq", "awq-g32"),
 }
 #: Plain prompts of the reference's greedy runs.
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "List three colors:", "In 1492, Columbus", "The best way to learn a language is"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+    "In 1492, Columbus",
+    "The best way to learn a language is",
+]
 NEW_TOKENS = 24
 TOP_K = 5
 CALIBRATION_SAMPLES = 32
@@ -103,11 +122,15 @@ def ensure_venv() -> Path:
         return py
 
     def pip(*args: str) -> None:
-        r = subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", "install", "-q", *args],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [str(py), "-m", "pip", "--disable-pip-version-check", "install", "-q", *args],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
-            raise RuntimeError(f"pip install {' '.join(args)} failed in {d}:\n" +
-                               "\n".join((r.stdout + r.stderr).splitlines()[-15:]))
+            raise RuntimeError(
+                f"pip install {' '.join(args)} failed in {d}:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-15:])
+            )
 
     print(f"[quant_checkpoints] creating {d}", file=sys.stderr, flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(d)], check=True)
@@ -127,11 +150,28 @@ def _key(name: str) -> str:
     """What a checkpoint depends on, hashed: its recipe (and a converted one's source), the
     calibration and perplexity texts, the reference's prompts and lengths, the tool's and the
     worker's versions."""
-    spec = RECIPES.get(name) or {"convert": CONVERTED[name], "source": _key(CONVERTED[name][1]),
-                                 "converter": CONVERTER_VERSION}
-    h = hashlib.sha256(CALIBRATION.read_bytes() + PERPLEXITY_TEXT.read_bytes() + json.dumps(
-        [spec, PROMPTS, NEW_TOKENS, TOP_K, CALIBRATION_SAMPLES, CALIBRATION_TOKENS, LLMCOMPRESSOR_VERSION,
-         WORKER_VERSION], sort_keys=True).encode())
+    spec = RECIPES.get(name) or {
+        "convert": CONVERTED[name],
+        "source": _key(CONVERTED[name][1]),
+        "converter": CONVERTER_VERSION,
+    }
+    h = hashlib.sha256(
+        CALIBRATION.read_bytes()
+        + PERPLEXITY_TEXT.read_bytes()
+        + json.dumps(
+            [
+                spec,
+                PROMPTS,
+                NEW_TOKENS,
+                TOP_K,
+                CALIBRATION_SAMPLES,
+                CALIBRATION_TOKENS,
+                LLMCOMPRESSOR_VERSION,
+                WORKER_VERSION,
+            ],
+            sort_keys=True,
+        ).encode()
+    )
     return h.hexdigest()[:10]
 
 
@@ -159,9 +199,17 @@ def checkpoint(name: str) -> Path:
     else:
         sys.path.insert(0, str(HERE.parents[1]))
         from kvserve.engine.model_loader import resolve_model
-        job = {"recipe": RECIPES[name], "model": str(resolve_model(None)), "out": str(out),
-               "calibration": str(CALIBRATION), "text": str(PERPLEXITY_TEXT), "prompts": PROMPTS,
-               "new_tokens": NEW_TOKENS, "top_k": TOP_K}
+
+        job = {
+            "recipe": RECIPES[name],
+            "model": str(resolve_model(None)),
+            "out": str(out),
+            "calibration": str(CALIBRATION),
+            "text": str(PERPLEXITY_TEXT),
+            "prompts": PROMPTS,
+            "new_tokens": NEW_TOKENS,
+            "top_k": TOP_K,
+        }
     py = ensure_venv()
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -179,10 +227,12 @@ def checkpoint(name: str) -> Path:
 
 # ---- the worker (runs in the llmcompressor environment; imports nothing from kvserve) -------------
 
+
 def _calibration_set(tok, path: str, samples: int):
     from datasets import Dataset
+
     ids = tok(Path(path).read_text())["input_ids"]
-    windows = [ids[i:i + CALIBRATION_TOKENS] for i in range(0, len(ids) - CALIBRATION_TOKENS, CALIBRATION_TOKENS)]
+    windows = [ids[i : i + CALIBRATION_TOKENS] for i in range(0, len(ids) - CALIBRATION_TOKENS, CALIBRATION_TOKENS)]
     windows = windows[:samples]
     return Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
 
@@ -199,15 +249,16 @@ def _quantize(job: dict) -> None:
     groups = {"group_0": {"targets": ["Linear"], "weights": dict(recipe["weights"])}}
     if recipe["modifier"] == "GPTQ":
         from llmcompressor.modifiers.quantization import GPTQModifier
+
         mod = GPTQModifier(config_groups=groups, ignore=["lm_head"], actorder=recipe["actorder"])
     else:
         from llmcompressor.modifiers.awq import AWQModifier
+
         mod = AWQModifier(config_groups=groups, ignore=["lm_head"])
         if not torch.cuda.is_available():  # llmcompressor 0.14's AWQ pins its cached activations, which
             torch.Tensor.pin_memory = lambda self, *a, **k: self  # needs an accelerator: on CPU, keep them as they are
     ds = _calibration_set(tok, job["calibration"], recipe.get("samples", CALIBRATION_SAMPLES))
-    oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=CALIBRATION_TOKENS,
-            num_calibration_samples=len(ds))
+    oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=CALIBRATION_TOKENS, num_calibration_samples=len(ds))
     model.save_pretrained(job["out"], save_compressed=True)
     tok.save_pretrained(job["out"])
     for extra in ("generation_config.json", "chat_template.jinja"):
@@ -231,26 +282,45 @@ def _reference(job: dict) -> None:
         ids = tok(p)["input_ids"]
         x = torch.tensor([ids])
         with torch.inference_mode():
-            g = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=job["new_tokens"], do_sample=False,
-                            eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        greedy.append({"prompt": p, "prompt_ids": ids, "tokens": g.sequences[0, len(ids):].tolist(),
-                       "top": [s[0].float().topk(job["top_k"]).indices.tolist() for s in g.scores]})
+            g = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=job["new_tokens"],
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        greedy.append(
+            {
+                "prompt": p,
+                "prompt_ids": ids,
+                "tokens": g.sequences[0, len(ids) :].tolist(),
+                "top": [s[0].float().topk(job["top_k"]).indices.tolist() for s in g.scores],
+            }
+        )
     nll = []
     for para in [q.strip() for q in Path(job["text"]).read_text().split("\n\n") if q.strip()]:
         ids = torch.tensor([tok(para)["input_ids"]])
         with torch.inference_mode():
             logits = hf(ids).logits[0, :-1].float()
         nll += (-torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]).tolist()
-    ref = {"greedy": greedy, "perplexity": math.exp(sum(nll) / len(nll)), "perplexity_tokens": len(nll),
-           "transformers": __import__("transformers").__version__,
-           "compressed_tensors": __import__("compressed_tensors").__version__,
-           "llmcompressor": __import__("llmcompressor").__version__}
+    ref = {
+        "greedy": greedy,
+        "perplexity": math.exp(sum(nll) / len(nll)),
+        "perplexity_tokens": len(nll),
+        "transformers": __import__("transformers").__version__,
+        "compressed_tensors": __import__("compressed_tensors").__version__,
+        "llmcompressor": __import__("llmcompressor").__version__,
+    }
     (Path(job["out"]) / "reference.json").write_text(json.dumps(ref, indent=1))
 
 
 def _unpack_rows(packed, n_values: int):
     """compressed-tensors' dense int32 packing along the last dim -> uint8 values (0..15)."""
     import torch
+
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     v = (packed[..., None] >> shifts) & 0xF
     return v.reshape(*packed.shape[:-1], -1)[..., :n_values].to(torch.uint8)
@@ -259,6 +329,7 @@ def _unpack_rows(packed, n_values: int):
 def _pack_int32(values, order=(0, 1, 2, 3, 4, 5, 6, 7)):
     """uint8 values (0..15) ``[..., 8 m]`` -> int32 ``[..., m]``, value ``8 j + order[i]`` in nibble i of word j."""
     import torch
+
     v = values.to(torch.int64).reshape(*values.shape[:-1], -1, 8)[..., list(order)]
     word = torch.zeros(v.shape[:-1], dtype=torch.int64)
     for i in range(8):
@@ -314,11 +385,23 @@ def _convert(job: dict) -> None:
             result[base + ".scales"] = scale.t().contiguous().half()  # [G, N]
     save_file(result, str(out / "model.safetensors"), metadata={"format": "pt"})
     if fmt.startswith("gptq"):
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": gs, "desc_act": fmt == "gptq-actorder",
-              "sym": qargs["symmetric"], "checkpoint_format": "gptq", "lm_head": False}
+        qc = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": gs,
+            "desc_act": fmt == "gptq-actorder",
+            "sym": qargs["symmetric"],
+            "checkpoint_format": "gptq",
+            "lm_head": False,
+        }
     else:
-        qc = {"quant_method": "awq", "bits": 4, "group_size": gs, "zero_point": not qargs["symmetric"],
-              "version": "gemm"}
+        qc = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": gs,
+            "zero_point": not qargs["symmetric"],
+            "version": "gemm",
+        }
     cfg["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for f in src.iterdir():

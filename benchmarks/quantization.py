@@ -34,6 +34,7 @@ Usage::
     python benchmarks/quantization.py --quick --out /tmp/q.json    # quality only, fewer prompts
     python benchmarks/quantization.py --peer vllm                  # and vLLM on the 4-bit checkpoints
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,22 +63,33 @@ from kvserve.engine import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.config import cpu_native_bf16  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "List three colors:"]
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
-         "Give me three tips for learning Python.", "What is 12 times 12?"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+]
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning Python.",
+    "What is 12 times 12?",
+]
 KV_BYTES = 256 << 20
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
 RESULT_KEYS = ("model", "text", "quick", "configs", "targets", "native_bf16")
 
 #: Every configuration in float32, named (``dtype="auto"`` is bfloat16 on a CPU with native bf16,
 #: and int8 weights run in float32 only): each is compared with the float32 one.
-CONFIGS = {"float32": {"dtype": "float32"}, "fp8_kv": {"dtype": "float32", "kv_cache_dtype": "fp8"},
-           "int8_weights": {"dtype": "float32", "quantization": "int8"},
-           "int8_weights_fp8_kv": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "fp8"},
-           "bfloat16": {"dtype": "bfloat16"},
-           "w4a16_gptq": {"dtype": "float32", "checkpoint": "gptq-g32"},
-           "w4a16_awq": {"dtype": "float32", "checkpoint": "awq-g32"}}
+CONFIGS = {
+    "float32": {"dtype": "float32"},
+    "fp8_kv": {"dtype": "float32", "kv_cache_dtype": "fp8"},
+    "int8_weights": {"dtype": "float32", "quantization": "int8"},
+    "int8_weights_fp8_kv": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "fp8"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "w4a16_gptq": {"dtype": "float32", "checkpoint": "gptq-g32"},
+    "w4a16_awq": {"dtype": "float32", "checkpoint": "awq-g32"},
+}
 #: The 4-bit configurations: llmcompressor's checkpoints (``benchmarks/quant_checkpoints.py``).
 W4_CONFIGS = ("w4a16_gptq", "w4a16_awq")
 
@@ -90,18 +102,26 @@ def config_model(path: str, kw: dict) -> tuple[str, dict]:
     if name is None:
         return path, kw
     from benchmarks.quant_checkpoints import checkpoint
+
     return str(checkpoint(name)), kw
 
 
 def peak_rss(path: str, kw: dict) -> int:
     """Peak resident bytes of a fresh process that loads the configuration and answers one
     request (``ru_maxrss``; the CPU kernels already built)."""
-    code = ("import json, resource, sys; from kvserve.engine import LLM, SamplingParams; a = json.loads(sys.argv[1]); "
-            "llm = LLM(model=a['path'], kv_cache_memory_bytes=a['kv'], enable_prefix_caching=False, **a['kw']); "
-            "llm.generate(['Hello'], SamplingParams(max_tokens=8), use_tqdm=False); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    r = subprocess.run([sys.executable, "-c", code, json.dumps({"path": path, "kv": KV_BYTES, "kw": kw})],
-                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], check=True)
+    code = (
+        "import json, resource, sys; from kvserve.engine import LLM, SamplingParams; a = json.loads(sys.argv[1]); "
+        "llm = LLM(model=a['path'], kv_cache_memory_bytes=a['kv'], enable_prefix_caching=False, **a['kw']); "
+        "llm.generate(['Hello'], SamplingParams(max_tokens=8), use_tqdm=False); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, json.dumps({"path": path, "kv": KV_BYTES, "kw": kw})],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+    )
     return int(r.stdout.strip().splitlines()[-1])
 
 
@@ -131,13 +151,18 @@ def perplexity(path: str, kw: dict) -> dict:
     engine of its own (``kw``: the configuration's engine arguments) that prefills in chunks of
     ``PPL_CHUNK`` tokens (see the module docstring)."""
     paragraphs = [p.strip() for p in TEXT.read_text().split("\n\n") if p.strip()]
-    llm = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False,
-              max_num_batched_tokens=PPL_CHUNK, **kw)
+    llm = LLM(
+        model=path, kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, max_num_batched_tokens=PPL_CHUNK, **kw
+    )
     outs = llm.generate(paragraphs, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     nll = [-getattr(x, "logprob", x) for x in (next(iter(d.values())) for o in outs for d in o.prompt_logprobs[1:])]
     del llm
-    return {"perplexity": math.exp(sum(nll) / len(nll)), "tokens": len(nll), "paragraphs": len(paragraphs),
-            "prefill_chunk_tokens": PPL_CHUNK}
+    return {
+        "perplexity": math.exp(sum(nll) / len(nll)),
+        "tokens": len(nll),
+        "paragraphs": len(paragraphs),
+        "prefill_chunk_tokens": PPL_CHUNK,
+    }
 
 
 def greedy_outputs(llm: LLM, new_tokens: int) -> list[list[int]]:
@@ -163,15 +188,25 @@ def vllm_on(model: str, vocab: int, dtype: str) -> dict:
     """vLLM's CPU build on a 4-bit checkpoint (``benchmarks/peer_vllm.py``): the same batch-1 probe
     and 64-request workload, or why it did not load."""
     from benchmarks.peer_vllm import run_vllm
+
     prompt = [random.Random(0).randint(100, vocab - 100) for _ in range(512)]
     try:
-        out = run_vllm(model, dtype, works=[make_workload(64, 0, vocab)], batch1={"prompt": prompt, "new_tokens": 64},
-                       timeout_s=1800)
+        out = run_vllm(
+            model,
+            dtype,
+            works=[make_workload(64, 0, vocab)],
+            batch1={"prompt": prompt, "new_tokens": 64},
+            timeout_s=1800,
+        )
     except RuntimeError as e:
         return {"loaded": False, "dtype": dtype, "error": str(e).strip().splitlines()[1][:400]}  # the root cause
-    return {"loaded": True, "dtype": dtype, "version": out.get("version"),
-            "batch1_ms_per_token_ctx512": out.get("batch1_ms_per_token"),
-            "throughput_64_requests_tok_per_s": out["runs"][0]["output_tok_per_s"]}
+    return {
+        "loaded": True,
+        "dtype": dtype,
+        "version": out.get("version"),
+        "batch1_ms_per_token_ctx512": out.get("batch1_ms_per_token"),
+        "throughput_64_requests_tok_per_s": out["runs"][0]["output_tok_per_s"],
+    }
 
 
 def figures(r: dict) -> Figures:
@@ -179,55 +214,135 @@ def figures(r: dict) -> Figures:
     c, t = r["configs"], r["targets"]
     f = Figures()
     if "fp8_kv" in c:
-        f.summary("fp8 KV: perplexity vs float32", c["fp8_kv"]["perplexity_vs_float32"] * 100, "%", target="<= +3 %",
-                  met=t["fp8 KV perplexity within +3 %"])
+        f.summary(
+            "fp8 KV: perplexity vs float32",
+            c["fp8_kv"]["perplexity_vs_float32"] * 100,
+            "%",
+            target="<= +3 %",
+            met=t["fp8 KV perplexity within +3 %"],
+        )
     i8 = c.get("int8_weights")
     if i8:
-        f.summary("int8 weights: perplexity vs float32", i8["perplexity_vs_float32"] * 100, "%", target="<= +3 %",
-                  met=t["int8 perplexity within +3 %"])
+        f.summary(
+            "int8 weights: perplexity vs float32",
+            i8["perplexity_vs_float32"] * 100,
+            "%",
+            target="<= +3 %",
+            met=t["int8 perplexity within +3 %"],
+        )
     if i8 and "batch1_speedup_vs_float32" in i8:
-        f.summary("int8 weights, batch-1 decode speed / float32", i8["batch1_speedup_vs_float32"], "x",
-                  target=">= 1.3x", met=t["int8 batch-1 >= 1.3x float32"], headline=True)
+        f.summary(
+            "int8 weights, batch-1 decode speed / float32",
+            i8["batch1_speedup_vs_float32"],
+            "x",
+            target=">= 1.3x",
+            met=t["int8 batch-1 >= 1.3x float32"],
+            headline=True,
+        )
     for name in [n for n in c if n.startswith("w4a16")]:  # the 4-bit configurations
         w = c[name]
-        f.summary(f"{name}: perplexity vs float32", w["perplexity_vs_float32"] * 100, "%", target="<= +3 %",
-                  met=t[f"{name} perplexity within +3 %"])
+        f.summary(
+            f"{name}: perplexity vs float32",
+            w["perplexity_vs_float32"] * 100,
+            "%",
+            target="<= +3 %",
+            met=t[f"{name} perplexity within +3 %"],
+        )
         key = next((k for k in t if k.startswith(f"{name} batch-1")), None)
         if key:
             native = "0.45x" in key  # the native-bf16 CPU's bar (against bf16); else against float32
-            f.summary(f"{name}: batch-1 decode time / {'bfloat16' if native else 'float32'}",
-                      w["batch1_time_vs_bfloat16" if native else "batch1_time_vs_float32"], "x",
-                      target="<= 0.45x" if native else "<= 0.35x", met=t[key], headline=True)
+            f.summary(
+                f"{name}: batch-1 decode time / {'bfloat16' if native else 'float32'}",
+                w["batch1_time_vs_bfloat16" if native else "batch1_time_vs_float32"],
+                "x",
+                target="<= 0.45x" if native else "<= 0.35x",
+                met=t[key],
+                headline=True,
+            )
         if f"{name} 64-request tok/s >= int8's" in t:
-            f.summary(f"{name}: 64-request tok/s / int8's", w["throughput_vs_int8"], "x", target=">= 1.0x",
-                      met=t[f"{name} 64-request tok/s >= int8's"])
+            f.summary(
+                f"{name}: 64-request tok/s / int8's",
+                w["throughput_vs_int8"],
+                "x",
+                target=">= 1.0x",
+                met=t[f"{name} 64-request tok/s >= int8's"],
+            )
         if "weight_bytes_vs_bfloat16" in w:
-            f.summary(f"{name}: weight bytes / bfloat16 (whole model)", w["weight_bytes_vs_bfloat16"], "x",
-                      target="<= 0.3x", met=t[f"{name} weights <= 0.3x bf16 (whole model)"])
-            f.summary(f"{name}: linear-layer weight bytes / bfloat16", w["linear_weight_bytes_vs_bfloat16"], "x",
-                      target="<= 0.3x", met=t[f"{name} linear-layer weights <= 0.3x bf16"])
+            f.summary(
+                f"{name}: weight bytes / bfloat16 (whole model)",
+                w["weight_bytes_vs_bfloat16"],
+                "x",
+                target="<= 0.3x",
+                met=t[f"{name} weights <= 0.3x bf16 (whole model)"],
+            )
+            f.summary(
+                f"{name}: linear-layer weight bytes / bfloat16",
+                w["linear_weight_bytes_vs_bfloat16"],
+                "x",
+                target="<= 0.3x",
+                met=t[f"{name} linear-layer weights <= 0.3x bf16"],
+            )
     f.targets(t, done=[k for k in t if "Paris" not in k])  # the rest have a summary row of their own
     tokens = next(iter(c.values())).get("tokens")
-    f.table("Configurations", ["config", "perplexity", "HF's perplexity, same checkpoint", "vs float32 (%)",
-                               "greedy tokens before the first divergence (%)",
-                               "prompts identical", "Paris", "weights (MB)", "linear layers (MB)", "peak RSS (MB)",
-                               "KV capacity (tokens)", "batch-1 ms/token", "64 requests tok/s"],
-            [[name, x["perplexity"], x.get("hf_perplexity_same_checkpoint"), x["perplexity_vs_float32"] * 100,
-              x["greedy_prefix_agreement"] * 100,
-              x["greedy_prompts_identical"], x["paris"], x["weight_bytes"] / 1e6, x.get("linear_weight_bytes", 0) / 1e6,
-              x.get("peak_rss_bytes", 0) / 1e6, x["kv_capacity_tokens"],
-              x.get("batch1_ms_per_token_ctx512"), x.get("throughput_64_requests_tok_per_s")] for name, x in c.items()],
-            note=f"SmolLM2; perplexity over `{r['text']}` ({tokens} tokens); KV capacity in a fixed 256 MiB pool; "
-                 "batch-1 decode at a 512-token context; the 64-request throughput workload in that pool. "
-                 "The 4-bit rows are llmcompressor's GPTQ and AWQ W4A16 checkpoints (asymmetric groups of 32, LM head "
-                 "float, tied to the embedding); HF's perplexity is transformers on the same folder, whole "
-                 "paragraphs at once.")
-    peers = [[name, x["vllm"].get("loaded"), x["vllm"].get("dtype"), x["vllm"].get("batch1_ms_per_token_ctx512"),
-              x["vllm"].get("throughput_64_requests_tok_per_s"), x["vllm"].get("error", "")]
-             for name, x in c.items() if "vllm" in x]
+    f.table(
+        "Configurations",
+        [
+            "config",
+            "perplexity",
+            "HF's perplexity, same checkpoint",
+            "vs float32 (%)",
+            "greedy tokens before the first divergence (%)",
+            "prompts identical",
+            "Paris",
+            "weights (MB)",
+            "linear layers (MB)",
+            "peak RSS (MB)",
+            "KV capacity (tokens)",
+            "batch-1 ms/token",
+            "64 requests tok/s",
+        ],
+        [
+            [
+                name,
+                x["perplexity"],
+                x.get("hf_perplexity_same_checkpoint"),
+                x["perplexity_vs_float32"] * 100,
+                x["greedy_prefix_agreement"] * 100,
+                x["greedy_prompts_identical"],
+                x["paris"],
+                x["weight_bytes"] / 1e6,
+                x.get("linear_weight_bytes", 0) / 1e6,
+                x.get("peak_rss_bytes", 0) / 1e6,
+                x["kv_capacity_tokens"],
+                x.get("batch1_ms_per_token_ctx512"),
+                x.get("throughput_64_requests_tok_per_s"),
+            ]
+            for name, x in c.items()
+        ],
+        note=f"SmolLM2; perplexity over `{r['text']}` ({tokens} tokens); KV capacity in a fixed 256 MiB pool; "
+        "batch-1 decode at a 512-token context; the 64-request throughput workload in that pool. "
+        "The 4-bit rows are llmcompressor's GPTQ and AWQ W4A16 checkpoints (asymmetric groups of 32, LM head "
+        "float, tied to the embedding); HF's perplexity is transformers on the same folder, whole "
+        "paragraphs at once.",
+    )
+    peers = [
+        [
+            name,
+            x["vllm"].get("loaded"),
+            x["vllm"].get("dtype"),
+            x["vllm"].get("batch1_ms_per_token_ctx512"),
+            x["vllm"].get("throughput_64_requests_tok_per_s"),
+            x["vllm"].get("error", ""),
+        ]
+        for name, x in c.items()
+        if "vllm" in x
+    ]
     if peers:
-        f.table("vLLM's CPU build on the same 4-bit checkpoints",
-                ["config", "loaded", "dtype", "batch-1 ms/token", "64 requests tok/s", "error"], peers)
+        f.table(
+            "vLLM's CPU build on the same 4-bit checkpoints",
+            ["config", "loaded", "dtype", "batch-1 ms/token", "64 requests tok/s", "error"],
+            peers,
+        )
     return f
 
 
@@ -237,10 +352,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--quick", action="store_true", help="quality only (no speed runs)")
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
-                    help="configurations to run (default: all; float32 is always run first, the reference)")
-    ap.add_argument("--peer", choices=("none", "vllm"), default="none",
-                    help="vllm: vLLM's CPU build on the 4-bit checkpoints too (its cached environment)")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=list(CONFIGS),
+        help="configurations to run (default: all; float32 is always run first, the reference)",
+    )
+    ap.add_argument(
+        "--peer",
+        choices=("none", "vllm"),
+        default="none",
+        help="vllm: vLLM's CPU build on the 4-bit checkpoints too (its cached environment)",
+    )
     ap.add_argument("--vllm-dtype", default="bfloat16", help="the dtype vLLM runs the 4-bit checkpoints in")
     args = ap.parse_args(argv)
     args.configs = ["float32"] + [n for n in args.configs if n != "float32"]
@@ -258,11 +382,20 @@ def main(argv=None) -> dict:
         outs = greedy_outputs(llm, args.new_tokens)
         if reference is None:
             reference = outs
-        same = [next((j for j, (a, b) in enumerate(zip(o, ref)) if a != b), len(ref)) for o, ref in zip(outs, reference)]
+        same = [
+            next((j for j, (a, b) in enumerate(zip(o, ref)) if a != b), len(ref)) for o, ref in zip(outs, reference)
+        ]
         r["greedy_prefix_agreement"] = sum(same) / sum(len(x) for x in reference)
         r["greedy_prompts_identical"] = f"{sum(s == len(x) for s, x in zip(same, reference))}/{len(reference)}"
-        paris = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                         SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0].text
+        paris = (
+            llm.chat(
+                [{"role": "user", "content": "What is the capital of France?"}],
+                SamplingParams(max_tokens=24, temperature=0),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .text
+        )
         r["paris_answer"], r["paris"] = paris, "Paris" in paris
         tensors = {t.data_ptr(): t for t in runner.model.state_dict().values()}.values()
         r["weight_bytes"] = sum(t.numel() * t.element_size() for t in tensors)

@@ -40,6 +40,7 @@ Usage::
 
 Results: ``benchmarks/results/routing.json`` and ``benchmarks/results/routing.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,17 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.common import Figures, Results, load_average, local_serve, percentile, pyplot  # noqa: E402
-from benchmarks.load_test import (COMPLETE, DEFAULT_MODEL, Rec, dist_ms, load_tokenizer,  # noqa: E402
-                                  output_lengths, output_range, poisson_arrivals, stream_chat)
+from benchmarks.load_test import (  # noqa: E402
+    COMPLETE,
+    DEFAULT_MODEL,
+    Rec,
+    dist_ms,
+    load_tokenizer,  # noqa: E402
+    output_lengths,
+    output_range,
+    poisson_arrivals,
+    stream_chat,
+)
 
 ROUTERS = ("prefix_aware", "default", "ray_prefix_tree")
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
@@ -70,11 +80,13 @@ SYSTEM_TOKENS = 512
 # ---- Ray's router, adapted to LLMServer.generate's arguments -------------------------------------
 try:
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-        PrefixCacheAffinityRouter as _RayPrefixRouter)
+        PrefixCacheAffinityRouter as _RayPrefixRouter,
+    )
 except ImportError:  # not in this Ray build
     _RayPrefixRouter = None
 
 if _RayPrefixRouter is not None:
+
     class RayPrefixTreeAdapter(_RayPrefixRouter):
         """Ray's ``PrefixCacheAffinityRouter`` with the prompt text taken from
         ``LLMServer.generate(prompt, sampling_params, messages=...)`` (its own
@@ -95,15 +107,21 @@ def router_options(name: str, margin: int) -> dict | None:
         return None
     if _RayPrefixRouter is None:
         raise SystemExit("ray_prefix_tree: this Ray has no PrefixCacheAffinityRouter")
-    return {"request_router_class": RayPrefixTreeAdapter, "request_router_kwargs": {"imbalanced_threshold": margin},
-            "request_routing_stats_period_s": 1.0}
+    return {
+        "request_router_class": RayPrefixTreeAdapter,
+        "request_router_kwargs": {"imbalanced_threshold": margin},
+        "request_routing_stats_period_s": 1.0,
+    }
 
 
 # ---- workload -----------------------------------------------------------------------------------
 def make_system_prompts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
     """``n`` system prompts of ``tokens`` tokens (the content alone), random single-token words."""
-    words = [w[1:] for w, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-             if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower() and 3 <= len(w) <= 9][:20000]
+    words = [
+        w[1:]
+        for w, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+        if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower() and 3 <= len(w) <= 9
+    ][:20000]
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -124,10 +142,20 @@ def make_requests(systems: list[str], n: int, out_tokens: tuple[int, int], seed:
     bodies = []
     for k in range(n):
         user = f"Question {k}: " + " ".join(rng.choice(words) for _ in range(rng.randint(4, 8))) + "?"
-        bodies.append({"model": model, "messages": [{"role": "system", "content": systems[rng.randrange(len(systems))]},
-                                                    {"role": "user", "content": user}],
-                       "max_tokens": lengths[k], "ignore_eos": True, "temperature": 0.0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+        bodies.append(
+            {
+                "model": model,
+                "messages": [
+                    {"role": "system", "content": systems[rng.randrange(len(systems))]},
+                    {"role": "user", "content": user},
+                ],
+                "max_tokens": lengths[k],
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
     return bodies
 
 
@@ -143,8 +171,9 @@ async def send_all(url: str, bodies: list[dict], arrivals: list[float], timeout:
             delay = t0 + rec.due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(
-                stream_chat(session, url + "/chat/completions", body, {}, timeout, rec, t0)))
+            tasks.append(
+                asyncio.create_task(stream_chat(session, url + "/chat/completions", body, {}, timeout, rec, t0))
+            )
         await asyncio.gather(*tasks)
         return recs, time.perf_counter() - t0
 
@@ -155,9 +184,16 @@ def deploy(router: str, args) -> None:
 
     import kvserve.deployments.app as app_mod
 
-    app_args = {"model": None, "num_replicas": 2, "torch_num_threads": 1, "max_num_seqs": args.max_num_seqs,
-                "max_model_len": 1024, "num_kv_blocks": args.num_kv_blocks or None,
-                "prefix_aware_routing": router == "prefix_aware", "prefix_routing_margin": args.margin}
+    app_args = {
+        "model": None,
+        "num_replicas": 2,
+        "torch_num_threads": 1,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": 1024,
+        "num_kv_blocks": args.num_kv_blocks or None,
+        "prefix_aware_routing": router == "prefix_aware",
+        "prefix_routing_margin": args.margin,
+    }
     extra = router_options(router, args.margin)
     orig = app_mod.llm_deployment_options
     if extra is not None:
@@ -203,8 +239,9 @@ class LoadSampler:
 
 
 # ---- one router -----------------------------------------------------------------------------------
-def run_router(router: str, args, url: str, bodies: list[dict], arrivals: list[float], prefix_hashes: list[int],
-               system_blocks: int) -> dict:
+def run_router(
+    router: str, args, url: str, bodies: list[dict], arrivals: list[float], prefix_hashes: list[int], system_blocks: int
+) -> dict:
     import httpx
     from ray import serve
 
@@ -230,31 +267,45 @@ def run_router(router: str, args, url: str, bodies: list[dict], arrivals: list[f
     for r in recs:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     s = {
-        "router": router, "deploy_s": round(deploy_s, 1), "num_requests": len(recs), "completed": len(done),
-        "outcomes": outcomes, "elapsed_s": round(elapsed, 2),
+        "router": router,
+        "deploy_s": round(deploy_s, 1),
+        "num_requests": len(recs),
+        "completed": len(done),
+        "outcomes": outcomes,
+        "elapsed_s": round(elapsed, 2),
         "prefix_cache_hit_rate": cached / prompt if prompt else None,
         # without the cold start (each prompt's first request misses under any router; a second replica's too)
         "prefix_cache_hit_rate_after_first_16": (
-            sum(r.cached_tokens or 0 for r in done if r.index >= 16) / max(1, sum(r.prompt_tokens or 0 for r in done
-                                                                             if r.index >= 16))),
-        "prompt_tokens": prompt, "cached_tokens": cached,
+            sum(r.cached_tokens or 0 for r in done if r.index >= 16)
+            / max(1, sum(r.prompt_tokens or 0 for r in done if r.index >= 16))
+        ),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
         "requests_hitting_their_system_prompt": hit_requests / len(done) if done else None,
         "ttft_ms": dist_ms([r.ttft for r in done if r.ttft is not None]),
         "e2e_ms": dist_ms([r.e2e for r in done if r.e2e is not None]),
-        "completed_rps": len(done) / elapsed, "output_tok_per_s": sum(r.output_tokens or 0 for r in done) / elapsed,
+        "completed_rps": len(done) / elapsed,
+        "output_tok_per_s": sum(r.output_tokens or 0 for r in done) / elapsed,
         "client_send_lateness_ms_p99": 1000 * (percentile([max(0.0, r.sent - r.due) for r in recs], 99) or 0.0),
         "replicas_serving_each_system_prompt": [sum(h in rep for rep in reports) for h in prefix_hashes],
         "system_prompts_reported_by_each_replica": [sum(h in rep for h in prefix_hashes) for rep in reports],
-        "load_average": {"start": load_start, "end": load_average(),
-                         "during_1min_mean": round(sum(load.samples) / len(load.samples), 2) if load.samples else None,
-                         "during_1min_max": max(load.samples, default=None)},
-        "lost_samples": [{"index": r.index, "outcome": r.outcome, "detail": r.detail}
-                         for r in recs if r.outcome != COMPLETE][:5],
+        "load_average": {
+            "start": load_start,
+            "end": load_average(),
+            "during_1min_mean": round(sum(load.samples) / len(load.samples), 2) if load.samples else None,
+            "during_1min_max": max(load.samples, default=None),
+        },
+        "lost_samples": [
+            {"index": r.index, "outcome": r.outcome, "detail": r.detail} for r in recs if r.outcome != COMPLETE
+        ][:5],
     }
-    print(f"[{router}] hit rate {s['prefix_cache_hit_rate']:.3f}, TTFT p50/p99 {s['ttft_ms']['p50']:.0f}/"
-          f"{s['ttft_ms']['p99']:.0f} ms, {s['completed_rps']:.2f} req/s, outcomes {outcomes}, "
-          f"replicas per prompt {s['replicas_serving_each_system_prompt']}, prompts per replica "
-          f"{s['system_prompts_reported_by_each_replica']}, load {s['load_average']}", flush=True)
+    print(
+        f"[{router}] hit rate {s['prefix_cache_hit_rate']:.3f}, TTFT p50/p99 {s['ttft_ms']['p50']:.0f}/"
+        f"{s['ttft_ms']['p99']:.0f} ms, {s['completed_rps']:.2f} req/s, outcomes {outcomes}, "
+        f"replicas per prompt {s['replicas_serving_each_system_prompt']}, prompts per replica "
+        f"{s['system_prompts_reported_by_each_replica']}, load {s['load_average']}",
+        flush=True,
+    )
     time.sleep(10.0)  # the replicas' processes exit before the next router's start
     return s
 
@@ -275,8 +326,11 @@ def routing_cost(tokenizer_path: str, bodies: list[dict]) -> dict:
         key = b["messages"][0]["content"]
         (rest if key in seen else first).append(dt)
         seen.add(key)
-    return {"first_per_system_prompt_us_mean": sum(first) / len(first),
-            "cached_us_p50": percentile(rest, 50), "cached_us_p99": percentile(rest, 99)}
+    return {
+        "first_per_system_prompt_us_mean": sum(first) / len(first),
+        "cached_us_p50": percentile(rest, 50),
+        "cached_us_p99": percentile(rest, 99),
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -305,9 +359,12 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(list(x), names)
     ax.set_title("output tokens/s")
     wl = result["workload"]
-    fig.suptitle(f"2 replicas, {wl['num_system_prompts']} system prompts x {wl['system_prompt_tokens']} tokens, "
-                 f"Poisson {wl['rate_rps']} req/s, {wl['num_kv_blocks']} KV blocks/replica, "
-                 f"{result['machine']['cores']} CPU cores", fontsize=10)
+    fig.suptitle(
+        f"2 replicas, {wl['num_system_prompts']} system prompts x {wl['system_prompt_tokens']} tokens, "
+        f"Poisson {wl['rate_rps']} req/s, {wl['num_kv_blocks']} KV blocks/replica, "
+        f"{result['machine']['cores']} CPU cores",
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -317,11 +374,18 @@ def figures(r: dict) -> Figures:
     """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
     f, t = Figures(), r.get("targets", {})
     if "hit_rate" in t:
-        f.summary("prefix-aware routing: prefix-cache hit rate", t["hit_rate"], target=">= 0.8",
-                  met=t.get("hit_rate >= 0.8"))
+        f.summary(
+            "prefix-aware routing: prefix-cache hit rate", t["hit_rate"], target=">= 0.8", met=t.get("hit_rate >= 0.8")
+        )
     if "ttft_p50_over_default" in t:
-        f.summary("prefix-aware routing: TTFT p50 / Serve's default router", t["ttft_p50_over_default"], "x",
-                  target="<= 0.6x", met=t.get("ttft_p50 <= 0.6 x default"), headline=True)
+        f.summary(
+            "prefix-aware routing: TTFT p50 / Serve's default router",
+            t["ttft_p50_over_default"],
+            "x",
+            target="<= 0.6x",
+            met=t.get("ttft_p50 <= 0.6 x default"),
+            headline=True,
+        )
     for k, v in r.get("routing_cost", {}).items():
         f.summary(f"routing cost per request, {k.replace('_us', '').replace('_', ' ')}", v, "us")
     w, srv = r["workload"], r.get("server", {})
@@ -330,14 +394,36 @@ def figures(r: dict) -> Figures:
         la = x.get("load_average")
         return la.get("during_1min_mean") if isinstance(la, dict) else la
 
-    f.table("Routers", ["router", "prefix-cache hit rate", "requests hitting their system prompt", "TTFT p50 (ms)",
-                        "TTFT p99 (ms)", "E2E p50 (ms)", "req/s", "load (1-min mean)"],
-            [[x["router"], x["prefix_cache_hit_rate"], x.get("requests_hitting_their_system_prompt"), x["ttft_ms"]["p50"],
-              x["ttft_ms"]["p99"], x.get("e2e_ms", {}).get("p50"), x["completed_rps"], load(x)] for x in r["runs"]],
-            note=f"{w['num_requests']} chat streams, {w['num_system_prompts']} system prompts of "
-                 f"{w['system_prompt_tokens']} tokens, Poisson {w['rate_rps']} req/s for {w['duration_s']} s, "
-                 f"{srv.get('replicas')} replicas, {w['num_kv_blocks']} KV blocks each; the same arrivals for every "
-                 "router.")
+    f.table(
+        "Routers",
+        [
+            "router",
+            "prefix-cache hit rate",
+            "requests hitting their system prompt",
+            "TTFT p50 (ms)",
+            "TTFT p99 (ms)",
+            "E2E p50 (ms)",
+            "req/s",
+            "load (1-min mean)",
+        ],
+        [
+            [
+                x["router"],
+                x["prefix_cache_hit_rate"],
+                x.get("requests_hitting_their_system_prompt"),
+                x["ttft_ms"]["p50"],
+                x["ttft_ms"]["p99"],
+                x.get("e2e_ms", {}).get("p50"),
+                x["completed_rps"],
+                load(x),
+            ]
+            for x in r["runs"]
+        ],
+        note=f"{w['num_requests']} chat streams, {w['num_system_prompts']} system prompts of "
+        f"{w['system_prompt_tokens']} tokens, Poisson {w['rate_rps']} req/s for {w['duration_s']} s, "
+        f"{srv.get('replicas')} replicas, {w['num_kv_blocks']} KV blocks each; the same arrivals for every "
+        "router.",
+    )
     return f
 
 
@@ -371,22 +457,39 @@ def main(argv=None) -> dict:
     # each system prompt's chained hash at block 24 (inside the system prompt), as the engine computes it
     prefix_hashes = []
     for s in systems:
-        ids = tok.apply_chat_template([{"role": "system", "content": s}, {"role": "user", "content": "x"}],
-                                      tokenize=True, add_generation_prompt=True)
+        ids = tok.apply_chat_template(
+            [{"role": "system", "content": s}, {"role": "user", "content": "x"}],
+            tokenize=True,
+            add_generation_prompt=True,
+        )
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         prefix_hashes.append(block_hashes(list(ids), 16, 24)[-1])
     result: dict = {
         "what": "prefix-aware routing vs Serve's default router (and Ray's PrefixCacheAffinityRouter), same arrivals",
-        "workload": {"num_system_prompts": NUM_PROMPTS, "system_prompt_tokens": SYSTEM_TOKENS,
-                     "user_turn": "Question k: 4-8 words? (~15 tokens, unique)",
-                     "endpoint": "/v1/chat/completions stream",
-                     "output_tokens": "{}-{}".format(*args.output_tokens), "ignore_eos": True, "temperature": 0.0,
-                     "arrivals": "Poisson", "rate_rps": args.rate, "duration_s": args.duration,
-                     "num_requests": len(arrivals), "seed": args.seed, "num_kv_blocks": args.num_kv_blocks or "default",
-                     "kv_blocks_per_system_prompt": system_blocks},
-        "server": {"model": "SmolLM2-135M-Instruct (default)", "replicas": 2, "torch_num_threads_per_replica": 1,
-                   "max_num_seqs": args.max_num_seqs, "prefix_routing_margin": args.margin,
-                   "note": "2 replicas share the machine's cores (one torch thread each)"},
+        "workload": {
+            "num_system_prompts": NUM_PROMPTS,
+            "system_prompt_tokens": SYSTEM_TOKENS,
+            "user_turn": "Question k: 4-8 words? (~15 tokens, unique)",
+            "endpoint": "/v1/chat/completions stream",
+            "output_tokens": "{}-{}".format(*args.output_tokens),
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "arrivals": "Poisson",
+            "rate_rps": args.rate,
+            "duration_s": args.duration,
+            "num_requests": len(arrivals),
+            "seed": args.seed,
+            "num_kv_blocks": args.num_kv_blocks or "default",
+            "kv_blocks_per_system_prompt": system_blocks,
+        },
+        "server": {
+            "model": "SmolLM2-135M-Instruct (default)",
+            "replicas": 2,
+            "torch_num_threads_per_replica": 1,
+            "max_num_seqs": args.max_num_seqs,
+            "prefix_routing_margin": args.margin,
+            "note": "2 replicas share the machine's cores (one torch thread each)",
+        },
         "routing_cost": routing_cost(model_path, bodies),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -409,7 +512,8 @@ def main(argv=None) -> dict:
             t["vs_ray_prefix_tree"] = {
                 "hit_rate": [ours["prefix_cache_hit_rate"], ray_r["prefix_cache_hit_rate"]],
                 "ttft_p50_ms": [ours["ttft_ms"]["p50"], ray_r["ttft_ms"]["p50"]],
-                "ttft_p99_ms": [ours["ttft_ms"]["p99"], ray_r["ttft_ms"]["p99"]]}
+                "ttft_p99_ms": [ours["ttft_ms"]["p99"], ray_r["ttft_ms"]["p99"]],
+            }
         result["targets"] = t
     out = Path(args.out)
     result = prov.write(out, result)
@@ -417,9 +521,11 @@ def main(argv=None) -> dict:
     print("| router | hit rate | hit sys prompt | TTFT p50/p99 ms | E2E p50 ms | req/s | out tok/s | load (mean) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in runs:
-        print(f"| {r['router']} | {r['prefix_cache_hit_rate']:.3f} | {r['requests_hitting_their_system_prompt']:.2f} | "
-              f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f} | {r['e2e_ms']['p50']:.0f} | "
-              f"{r['completed_rps']:.2f} | {r['output_tok_per_s']:.1f} | {r['load_average']['during_1min_mean']} |")
+        print(
+            f"| {r['router']} | {r['prefix_cache_hit_rate']:.3f} | {r['requests_hitting_their_system_prompt']:.2f} | "
+            f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f} | {r['e2e_ms']['p50']:.0f} | "
+            f"{r['completed_rps']:.2f} | {r['output_tok_per_s']:.1f} | {r['load_average']['during_1min_mean']} |"
+        )
     print("targets:", result.get("targets"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return result

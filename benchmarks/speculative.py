@@ -25,6 +25,7 @@ Usage::
     python benchmarks/speculative.py
     python benchmarks/speculative.py --quick --out /tmp/s.json   # 3 prompts, 48 tokens, 1 rep
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,18 +43,41 @@ from kvserve.engine import LLM, SamplingParams  # noqa: E402
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 RESULTS = Path(__file__).parent / "results"
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
-RESULT_KEYS = ("model", "dtype", "device", "max_tokens", "prompts_per_workload", "reps", "configs", "draft_model",
-               "load_average", "date", "rows", "speedups", "targets")
+RESULT_KEYS = (
+    "model",
+    "dtype",
+    "device",
+    "max_tokens",
+    "prompts_per_workload",
+    "reps",
+    "configs",
+    "draft_model",
+    "load_average",
+    "date",
+    "rows",
+    "speedups",
+    "targets",
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
-CODE = ("def add_all(values):\n    result = 0\n    for value in values:\n        result = result + value\n"
-        "    return result\n\n\nprint(add_all([1, 2, 3]))\nprint(add_all([4, 5, 6]))\n")
-CODE2 = ("class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
-         "        self.count += 1\n        return self.count\n\n    def reset(self):\n        self.count = 0\n")
-NO_HIT = ["Write a short story about a dragon who learns to paint.", "Explain how photosynthesis works.",
-          "Give me five ideas for a birthday party.", "What are the benefits of regular exercise?",
-          "Describe the city of Paris to someone who has never been there.", "How do airplanes stay in the air?",
-          "Write a poem about winter mornings.", "What should I pack for a three-day hiking trip?"]
+CODE = (
+    "def add_all(values):\n    result = 0\n    for value in values:\n        result = result + value\n"
+    "    return result\n\n\nprint(add_all([1, 2, 3]))\nprint(add_all([4, 5, 6]))\n"
+)
+CODE2 = (
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
+    "        self.count += 1\n        return self.count\n\n    def reset(self):\n        self.count = 0\n"
+)
+NO_HIT = [
+    "Write a short story about a dragon who learns to paint.",
+    "Explain how photosynthesis works.",
+    "Give me five ideas for a birthday party.",
+    "What are the benefits of regular exercise?",
+    "Describe the city of Paris to someone who has never been there.",
+    "How do airplanes stay in the air?",
+    "Write a poem about winter mornings.",
+    "What should I pack for a three-day hiking trip?",
+]
 
 
 def copy_prompts() -> list[str]:
@@ -71,6 +95,7 @@ def draft_model(path: str, layers: int, out: Path) -> str:
     import shutil
 
     from safetensors.torch import load_file, save_file
+
     src = Path(path)
     cfg = json.loads((src / "config.json").read_text())
     cfg["num_hidden_layers"] = layers
@@ -97,24 +122,39 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict
     t0 = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), batch):
-        outs += llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
+        outs += llm.generate(prompts[i : i + batch], sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     after = llm.get_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_steps", "spec_decode_num_drafts",
-                                                          "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")}
+    d = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in (
+            "num_steps",
+            "spec_decode_num_drafts",
+            "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens",
+        )
+    }
     assert after["free_kv_blocks"] == after["num_kv_blocks"]
     del eng
     streams = min(batch, len(prompts))
-    return dict(wall_s=wall, output_tokens=tokens, steps=d["num_steps"],
-                ms_per_token=1000 * wall * streams / tokens, tokens_per_step=tokens / max(d["num_steps"], 1),
-                drafts=d["spec_decode_num_drafts"], draft_tokens=d["spec_decode_num_draft_tokens"],
-                accepted_tokens=d["spec_decode_num_accepted_tokens"],
-                acceptance_rate=d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_draft_tokens"]
-                if d["spec_decode_num_draft_tokens"] else None,
-                mean_acceptance_length=1 + d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_drafts"]
-                if d["spec_decode_num_drafts"] else None,
-                token_ids=[o.outputs[0].token_ids for o in outs])
+    return dict(
+        wall_s=wall,
+        output_tokens=tokens,
+        steps=d["num_steps"],
+        ms_per_token=1000 * wall * streams / tokens,
+        tokens_per_step=tokens / max(d["num_steps"], 1),
+        drafts=d["spec_decode_num_drafts"],
+        draft_tokens=d["spec_decode_num_draft_tokens"],
+        accepted_tokens=d["spec_decode_num_accepted_tokens"],
+        acceptance_rate=d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_draft_tokens"]
+        if d["spec_decode_num_draft_tokens"]
+        else None,
+        mean_acceptance_length=1 + d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_drafts"]
+        if d["spec_decode_num_drafts"]
+        else None,
+        token_ids=[o.outputs[0].token_ids for o in outs],
+    )
 
 
 def main(argv=None) -> int:
@@ -134,15 +174,21 @@ def main(argv=None) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="kvserve-draft-")
     draft = draft_model(path, args.draft_layers, Path(tmp.name) / "draft")
-    configs = {"off": None, "ngram": NGRAM,
-               "draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}}
+    configs = {
+        "off": None,
+        "ngram": NGRAM,
+        "draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
+    }
     engines = {name: LLM(model=path, speculative_config=spec, num_kv_blocks=1024) for name, spec in configs.items()}
     tok = engines["off"].engine.tokenizer
     workloads = {
-        "copy": [engines["off"].engine.apply_chat_template([{"role": "user", "content": p}])
-                 for p in copy_prompts()[:n_prompts]],
-        "no_hit": [engines["off"].engine.apply_chat_template([{"role": "user", "content": p}])
-                   for p in NO_HIT[:n_prompts]],
+        "copy": [
+            engines["off"].engine.apply_chat_template([{"role": "user", "content": p}])
+            for p in copy_prompts()[:n_prompts]
+        ],
+        "no_hit": [
+            engines["off"].engine.apply_chat_template([{"role": "user", "content": p}]) for p in NO_HIT[:n_prompts]
+        ],
     }
     cases = [(w, b, c) for w in workloads for b in (1, 8) for c in configs if not (c == "draft_model" and b > 1)]
     for name, llm in engines.items():  # warm-up (kernels, thread pools, acceptance priors reset below)
@@ -155,32 +201,56 @@ def main(argv=None) -> int:
             key = (w, b, c)
             if key not in best or r["wall_s"] < best[key]["wall_s"]:
                 best[key] = r
-            print(f"rep {rep} {w:7s} batch {b} {c:12s} {r['ms_per_token']:7.2f} ms/token  "
-                  f"{r['tokens_per_step']:.2f} tok/step  acceptance {r['acceptance_rate']}", flush=True)
+            print(
+                f"rep {rep} {w:7s} batch {b} {c:12s} {r['ms_per_token']:7.2f} ms/token  "
+                f"{r['tokens_per_step']:.2f} tok/step  acceptance {r['acceptance_rate']}",
+                flush=True,
+            )
     load.append(load_average())
 
     rows = []
     for (w, b, c), r in best.items():
         off = best[(w, b, "off")]
         same = r["token_ids"] == off["token_ids"]
-        rows.append(dict({k: v for k, v in r.items() if k != "token_ids"}, workload=w, batch=b, config=c,
-                         speedup_vs_off=off["ms_per_token"] / r["ms_per_token"], greedy_equals_off=same))
+        rows.append(
+            dict(
+                {k: v for k, v in r.items() if k != "token_ids"},
+                workload=w,
+                batch=b,
+                config=c,
+                speedup_vs_off=off["ms_per_token"] / r["ms_per_token"],
+                greedy_equals_off=same,
+            )
+        )
     summary = {}
     for w in workloads:
         for b in (1, 8):
             off = best[(w, b, "off")]["ms_per_token"]
             summary[f"{w}_batch{b}_ngram_speedup"] = off / best[(w, b, "ngram")]["ms_per_token"]
-        summary[f"{w}_batch1_draft_model_speedup"] = (best[(w, 1, "off")]["ms_per_token"]
-                                                      / best[(w, 1, "draft_model")]["ms_per_token"])
-    targets = {"copy_batch1_ngram_speedup >= 1.5": summary["copy_batch1_ngram_speedup"] >= 1.5,
-               "no_hit_batch1_ngram_slowdown <= 5 %": summary["no_hit_batch1_ngram_speedup"] >= 1 / 1.05,
-               "no_hit_batch8_ngram_slowdown <= 5 %": summary["no_hit_batch8_ngram_speedup"] >= 1 / 1.05,
-               "greedy outputs equal": all(r["greedy_equals_off"] for r in rows)}
-    res = dict(model=path, dtype="float32", device="cpu", max_tokens=max_tokens, prompts_per_workload=n_prompts,
-               reps=reps, configs={k: v for k, v in configs.items() if k != "draft_model"},
-               draft_model=f"SmolLM2 first {args.draft_layers} layers + final norm + LM head, 3 drafts",
-               load_average=load, date=time.strftime("%Y-%m-%dT%H:%M:%S"), rows=rows, speedups=summary,
-               targets=targets)
+        summary[f"{w}_batch1_draft_model_speedup"] = (
+            best[(w, 1, "off")]["ms_per_token"] / best[(w, 1, "draft_model")]["ms_per_token"]
+        )
+    targets = {
+        "copy_batch1_ngram_speedup >= 1.5": summary["copy_batch1_ngram_speedup"] >= 1.5,
+        "no_hit_batch1_ngram_slowdown <= 5 %": summary["no_hit_batch1_ngram_speedup"] >= 1 / 1.05,
+        "no_hit_batch8_ngram_slowdown <= 5 %": summary["no_hit_batch8_ngram_speedup"] >= 1 / 1.05,
+        "greedy outputs equal": all(r["greedy_equals_off"] for r in rows),
+    }
+    res = dict(
+        model=path,
+        dtype="float32",
+        device="cpu",
+        max_tokens=max_tokens,
+        prompts_per_workload=n_prompts,
+        reps=reps,
+        configs={k: v for k, v in configs.items() if k != "draft_model"},
+        draft_model=f"SmolLM2 first {args.draft_layers} layers + final norm + LM head, 3 drafts",
+        load_average=load,
+        date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        rows=rows,
+        speedups=summary,
+        targets=targets,
+    )
     res = prov.write(args.out, res)
     print(json.dumps(summary, indent=1), json.dumps(targets, indent=1))
     if not args.quick:
@@ -193,34 +263,79 @@ def main(argv=None) -> int:
 def figures(r: dict) -> Figures:
     """The file's summary and table (``benchmarks.common.Figures``), from its measured values."""
     f, sp, t = Figures(), r["speedups"], r.get("targets", {})
-    done = ("copy_batch1_ngram_speedup >= 1.5", "no_hit_batch1_ngram_slowdown <= 5 %",
-            "no_hit_batch8_ngram_slowdown <= 5 %")
-    f.summary("n-gram speculative decoding, copy prompts, batch 1: speed-up", sp["copy_batch1_ngram_speedup"], "x",
-              target=">= 1.5x", met=t.get(done[0]), headline=True)
-    f.summary("n-gram, open-ended prompts, batch 1: speed-up", sp["no_hit_batch1_ngram_speedup"], "x",
-              target=">= 0.952x (at most 5 % slower)", met=t.get(done[1]))
-    f.summary("n-gram, open-ended prompts, batch 8: speed-up", sp["no_hit_batch8_ngram_speedup"], "x",
-              target=">= 0.952x (at most 5 % slower)", met=t.get(done[2]))
+    done = (
+        "copy_batch1_ngram_speedup >= 1.5",
+        "no_hit_batch1_ngram_slowdown <= 5 %",
+        "no_hit_batch8_ngram_slowdown <= 5 %",
+    )
+    f.summary(
+        "n-gram speculative decoding, copy prompts, batch 1: speed-up",
+        sp["copy_batch1_ngram_speedup"],
+        "x",
+        target=">= 1.5x",
+        met=t.get(done[0]),
+        headline=True,
+    )
+    f.summary(
+        "n-gram, open-ended prompts, batch 1: speed-up",
+        sp["no_hit_batch1_ngram_speedup"],
+        "x",
+        target=">= 0.952x (at most 5 % slower)",
+        met=t.get(done[1]),
+    )
+    f.summary(
+        "n-gram, open-ended prompts, batch 8: speed-up",
+        sp["no_hit_batch8_ngram_speedup"],
+        "x",
+        target=">= 0.952x (at most 5 % slower)",
+        met=t.get(done[2]),
+    )
     for k, v in sp.items():
         if k not in ("copy_batch1_ngram_speedup", "no_hit_batch1_ngram_speedup", "no_hit_batch8_ngram_speedup"):
             w, rest = k.split("_batch", 1)
             b, method = rest.split("_", 1)
-            f.summary(f"{method.removesuffix('_speedup').replace('_', ' ')}, "
-                      f"{'open-ended' if w == 'no_hit' else w} prompts, batch {b}: speed-up", v, "x")
+            f.summary(
+                f"{method.removesuffix('_speedup').replace('_', ' ')}, "
+                f"{'open-ended' if w == 'no_hit' else w} prompts, batch {b}: speed-up",
+                v,
+                "x",
+            )
     f.targets(t, done)
     loads = r.get("load_average") or []
     if loads and not isinstance(loads[0], list):
         loads = [loads]
-    f.table("Runs", ["workload", "batch", "config", "ms/token", "speed-up (x)", "drafts accepted (%)", "tokens per step",
-                     "greedy = plain"],
-            [[x["workload"], x["batch"], x["config"], x["ms_per_token"], x["speedup_vs_off"],
-              None if x.get("acceptance_rate") is None else x["acceptance_rate"] * 100, x.get("tokens_per_step"),
-              x.get("greedy_equals_off")] for x in r["rows"]],
-            note=f"SmolLM2 {r['dtype']}, greedy, {r['prompts_per_workload']} chat prompts per workload, up to "
-                 f"{r['max_tokens']} tokens; best of {r['reps']} reps. `copy`: rewrite/copy prompts, `no_hit`: "
-                 f"open-ended questions. n-gram: {r['configs'].get('ngram')}; draft model: {r['draft_model']}. "
-                 "ms per output token per stream. Load average (before; after): "
-                 + "; ".join(" / ".join(str(v) for v in x) for x in loads if x) + ".")
+    f.table(
+        "Runs",
+        [
+            "workload",
+            "batch",
+            "config",
+            "ms/token",
+            "speed-up (x)",
+            "drafts accepted (%)",
+            "tokens per step",
+            "greedy = plain",
+        ],
+        [
+            [
+                x["workload"],
+                x["batch"],
+                x["config"],
+                x["ms_per_token"],
+                x["speedup_vs_off"],
+                None if x.get("acceptance_rate") is None else x["acceptance_rate"] * 100,
+                x.get("tokens_per_step"),
+                x.get("greedy_equals_off"),
+            ]
+            for x in r["rows"]
+        ],
+        note=f"SmolLM2 {r['dtype']}, greedy, {r['prompts_per_workload']} chat prompts per workload, up to "
+        f"{r['max_tokens']} tokens; best of {r['reps']} reps. `copy`: rewrite/copy prompts, `no_hit`: "
+        f"open-ended questions. n-gram: {r['configs'].get('ngram')}; draft model: {r['draft_model']}. "
+        "ms per output token per stream. Load average (before; after): "
+        + "; ".join(" / ".join(str(v) for v in x) for x in loads if x)
+        + ".",
+    )
     return f
 
 

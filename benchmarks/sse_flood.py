@@ -43,6 +43,7 @@ the cost is (CPU during the burst minus the quiet window's) / N.
 
 Results: ``benchmarks/results/sse_flood.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,12 +71,35 @@ from benchmarks.load_test import (  # noqa: E402
     run_open_loop,
 )
 
-MIB = 2 ** 20
+MIB = 2**20
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS).
-RESULT_KEYS = ("url", "model", "server_started_here", "server_args", "streams", "max_tokens", "ramp_s",
-               "request_timeout_s", "elapsed_s", "max_in_flight", "status_counts", "outcomes", "completed",
-               "rejected", "lost", "lost_samples", "rejection_samples", "ttft_ms", "e2e_ms", "rejection_latency_ms",
-               "memory", "cpu", "refusal_burst", "all_complete_or_cleanly_rejected", "targets")
+RESULT_KEYS = (
+    "url",
+    "model",
+    "server_started_here",
+    "server_args",
+    "streams",
+    "max_tokens",
+    "ramp_s",
+    "request_timeout_s",
+    "elapsed_s",
+    "max_in_flight",
+    "status_counts",
+    "outcomes",
+    "completed",
+    "rejected",
+    "lost",
+    "lost_samples",
+    "rejection_samples",
+    "ttft_ms",
+    "e2e_ms",
+    "rejection_latency_ms",
+    "memory",
+    "cpu",
+    "refusal_burst",
+    "all_complete_or_cleanly_rejected",
+    "targets",
+)
 #: Issue 41's bounds: admitted TTFT p50 under the flood (ms) and CPU per refusal (ms).
 TTFT_P50_TARGET_MS = 5000.0
 REFUSAL_CPU_TARGET_MS = 1.0
@@ -92,6 +116,7 @@ class Procs:
         self.roots = roots
         try:
             import psutil
+
             self.psutil = psutil
         except ImportError:
             self.psutil = None
@@ -113,7 +138,7 @@ class Procs:
             if d.isdigit():
                 try:
                     stat = Path(f"/proc/{d}/stat").read_text()
-                    parent[int(d)] = int(stat[stat.rindex(")") + 2:].split()[1])
+                    parent[int(d)] = int(stat[stat.rindex(")") + 2 :].split()[1])
                 except (OSError, ValueError):
                     pass
         out = {r for r in self.roots if r in parent}
@@ -145,7 +170,7 @@ class Procs:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             return None
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
     @staticmethod
@@ -234,8 +259,13 @@ class RssSampler(threading.Thread):
                 continue
             d = self.per_pid.get(pid)
             if d is None:
-                d = self.per_pid[pid] = {"pid": pid, "name": proc_name(self.procs.cmdline(pid), self.procs.comm(pid)),
-                                         "before": None, "peak": 0, "after": None}
+                d = self.per_pid[pid] = {
+                    "pid": pid,
+                    "name": proc_name(self.procs.cmdline(pid), self.procs.comm(pid)),
+                    "before": None,
+                    "peak": 0,
+                    "after": None,
+                }
             elif d["name"].endswith(".py") or d["name"] == "?" or "initialize" in d["name"] or "spawn" in d["name"]:
                 d["name"] = proc_name(self.procs.cmdline(pid), self.procs.comm(pid))
             if self.phase == "before":
@@ -291,17 +321,28 @@ def engine_and_serving(cpu: dict[str, float], in_process_engine: bool) -> tuple[
 
 
 # ---- the flood ------------------------------------------------------------------------------
-async def flood(url: str, model: str, api_key: str | None, n: int, max_tokens: int, timeout: float,
-                ramp_s: float) -> tuple[list[Rec], float]:
+async def flood(
+    url: str, model: str, api_key: str | None, n: int, max_tokens: int, timeout: float, ramp_s: float
+) -> tuple[list[Rec], float]:
     """``n`` streaming chat requests opened over ``ramp_s`` seconds (load_test's open-loop
     sender with evenly spaced arrivals), each read to its end."""
     prompts = [f"Request {i}: write one short sentence about the sea." for i in range(n)]
-    return await run_open_loop(url, model, api_key, prompts, (max_tokens, max_tokens),
-                               [ramp_s * i / n for i in range(n)], timeout)
+    return await run_open_loop(
+        url, model, api_key, prompts, (max_tokens, max_tokens), [ramp_s * i / n for i in range(n)], timeout
+    )
 
 
-async def refusal_burst(url: str, model: str, api_key: str | None, sampler: RssSampler, hold: int, n: int,
-                        quiet_s: float, in_process_engine: bool, timeout: float) -> dict:
+async def refusal_burst(
+    url: str,
+    model: str,
+    api_key: str | None,
+    sampler: RssSampler,
+    hold: int,
+    n: int,
+    quiet_s: float,
+    in_process_engine: bool,
+    timeout: float,
+) -> dict:
     """The serving path's CPU per refused request, measured directly: ``hold`` long streams are
     opened (those the model admits keep its slots), a quiet window of ``quiet_s`` seconds gives
     the serving path's CPU rate with them running, then ``n`` requests are opened at once; each
@@ -322,8 +363,12 @@ async def refusal_burst(url: str, model: str, api_key: str | None, sampler: RssS
     async with aiohttp.ClientSession(connector=conn) as session:
         t0 = time.perf_counter()
         holds = [Rec(index=i, due=0.0) for i in range(hold)]
-        hold_tasks = [asyncio.create_task(stream_chat(session, endpoint, body(f"Hold {i}: tell a long story.", 2048),
-                                                      headers, timeout, r, t0)) for i, r in enumerate(holds)]
+        hold_tasks = [
+            asyncio.create_task(
+                stream_chat(session, endpoint, body(f"Hold {i}: tell a long story.", 2048), headers, timeout, r, t0)
+            )
+            for i, r in enumerate(holds)
+        ]
         while any(r.status is None and not t.done() for r, t in zip(holds, hold_tasks)):
             await asyncio.sleep(0.2)
         admitted = sum(1 for r in holds if r.status == 200 and not r.outcome)  # still streaming
@@ -334,8 +379,12 @@ async def refusal_burst(url: str, model: str, api_key: str | None, sampler: RssS
         b, tb = sampler.cpu_snapshot(), time.perf_counter()
         recs = [Rec(index=i, due=0.0) for i in range(n)]
         t1 = time.perf_counter()
-        await asyncio.gather(*[stream_chat(session, endpoint, body(f"Burst {i}: hello.", 4), headers, timeout, r, t1)
-                               for i, r in enumerate(recs)])
+        await asyncio.gather(
+            *[
+                stream_chat(session, endpoint, body(f"Burst {i}: hello.", 4), headers, timeout, r, t1)
+                for i, r in enumerate(recs)
+            ]
+        )
         c_, tc = sampler.cpu_snapshot(), time.perf_counter()
         for t in hold_tasks:
             t.cancel()
@@ -348,13 +397,20 @@ async def refusal_burst(url: str, model: str, api_key: str | None, sampler: RssS
     baseline = quiet_serving / (tb - ta) * (tc - tb)
     extra = burst_serving - baseline
     return {
-        "hold_streams": hold, "hold_admitted": admitted, "hold_refused": held_refused,
-        "quiet_window_s": tb - ta, "quiet_serving_cpu_s": quiet_serving,
-        "requests": n, "refused": len(refused), "admitted": sum(1 for r in recs if r.outcome == COMPLETE),
-        "lost": sum(1 for r in recs if r.outcome in LOST), "burst_s": tc - tb,
+        "hold_streams": hold,
+        "hold_admitted": admitted,
+        "hold_refused": held_refused,
+        "quiet_window_s": tb - ta,
+        "quiet_serving_cpu_s": quiet_serving,
+        "requests": n,
+        "refused": len(refused),
+        "admitted": sum(1 for r in recs if r.outcome == COMPLETE),
+        "lost": sum(1 for r in recs if r.outcome in LOST),
+        "burst_s": tc - tb,
         "refusal_latency_ms": dist_ms([r.e2e for r in refused if r.e2e is not None]),
         "burst_cpu_s_by_process": {k: round(v, 3) for k, v in burst.items()},
-        "burst_serving_cpu_s": burst_serving, "baseline_serving_cpu_s": baseline,
+        "burst_serving_cpu_s": burst_serving,
+        "baseline_serving_cpu_s": baseline,
         "cpu_ms_per_refusal": 1000 * extra / len(refused) if refused else None,
     }
 
@@ -377,30 +433,51 @@ def figures(r: dict) -> Figures:
     f, m = Figures(), r["memory"]
     f.summary("streams opened at once", r["streams"])
     f.summary("max tokens each", r["max_tokens"])
-    f.summary("complete / cleanly rejected / lost", f"{r['completed']} / {r['rejected']} / {r['lost']}",
-              target="none lost", met=r["lost"] == 0)
+    f.summary(
+        "complete / cleanly rejected / lost",
+        f"{r['completed']} / {r['rejected']} / {r['lost']}",
+        target="none lost",
+        met=r["lost"] == 0,
+    )
     f.summary("elapsed", r["elapsed_s"], "s")
     f.summary("TTFT p50 of the admitted", r["ttft_ms"]["p50"], "ms")
     f.summary("rejection latency p50", r["rejection_latency_ms"]["p50"], "ms")
     t = r["targets"]
-    f.summary("TTFT p50 of the admitted, against issue 41's target", r["ttft_ms"]["p50"], "ms",
-              target=f"<= {t['ttft_p50_target_ms']:.0f} ms", met=t["ttft_p50_met"])
+    f.summary(
+        "TTFT p50 of the admitted, against issue 41's target",
+        r["ttft_ms"]["p50"],
+        "ms",
+        target=f"<= {t['ttft_p50_target_ms']:.0f} ms",
+        met=t["ttft_p50_met"],
+    )
     c = r["cpu"]
-    f.summary("serving-path CPU per request (bounds a refusal's cost from above)", c["serving_cpu_ms_per_request"],
-              "ms")
+    f.summary(
+        "serving-path CPU per request (bounds a refusal's cost from above)", c["serving_cpu_ms_per_request"], "ms"
+    )
     if r["refusal_burst"]:
-        f.summary("CPU per refusal, measured in a burst of refusals", r["refusal_burst"]["cpu_ms_per_refusal"], "ms",
-                  target=f"<= {t['refusal_cpu_target_ms']} ms", met=t["refusal_cpu_met"])
+        f.summary(
+            "CPU per refusal, measured in a burst of refusals",
+            r["refusal_burst"]["cpu_ms_per_refusal"],
+            "ms",
+            target=f"<= {t['refusal_cpu_target_ms']} ms",
+            met=t["refusal_cpu_met"],
+        )
     f.summary("server RSS before", m["server_rss_before_mib"], "MiB")
     f.summary("server RSS peak", m["server_rss_peak_total_mib"], "MiB")
     f.summary("server RSS growth per stream at the peak", m["server_rss_growth_per_stream_kib"], "KiB")
-    f.table("Per process", ["process", "RSS before (MiB)", "RSS peak (MiB)", "RSS after (MiB)"],
-            [[x["name"], x["rss_before_mib"], x["rss_peak_mib"], x.get("rss_after_mib")] for x in m["per_process"]],
-            note=f"Watched: {m['watched']}.")
-    f.table("CPU during the flood, by process", ["process", "CPU s"],
-            [[k, round(v, 2)] for k, v in c["by_process_s"].items()],
-            note="From the flood's first request to its last answer. The engine is "
-                 f"{', '.join(c['engine_processes']) or 'not found'}.")
+    f.table(
+        "Per process",
+        ["process", "RSS before (MiB)", "RSS peak (MiB)", "RSS after (MiB)"],
+        [[x["name"], x["rss_before_mib"], x["rss_peak_mib"], x.get("rss_after_mib")] for x in m["per_process"]],
+        note=f"Watched: {m['watched']}.",
+    )
+    f.table(
+        "CPU during the flood, by process",
+        ["process", "CPU s"],
+        [[k, round(v, 2)] for k, v in c["by_process_s"].items()],
+        note="From the flood's first request to its last answer. The engine is "
+        f"{', '.join(c['engine_processes']) or 'not found'}.",
+    )
     return f
 
 
@@ -412,21 +489,34 @@ def main(argv=None) -> dict:
     ap.add_argument("--streams", type=int, default=2000, help="concurrent streaming requests")
     ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (ignore_eos)")
     ap.add_argument("--ramp-s", type=float, default=0.0, help="spread the opening over this many seconds")
-    ap.add_argument("--request-timeout", type=float, default=900.0,
-                    help="seconds a request may take in all; past it, it counts as lost")
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a request may take in all; past it, it counts as lost",
+    )
     ap.add_argument("--interval", type=float, default=0.25, help="RSS sampling interval, s")
     ap.add_argument("--settle-s", type=float, default=5.0, help="seconds after the flood before the 'after' RSS")
     ap.add_argument("--start-server", action="store_true", help="launch `kvserve serve` and stop it at the end")
     ap.add_argument("--server-args", default="", help="extra `kvserve serve` flags with --start-server")
     ap.add_argument("--server-pid", type=int, default=None, help="pid of a running `kvserve serve` (RSS of its tree)")
-    ap.add_argument("--ray-session", default="/tmp/ray/session_latest",
-                    help="Ray session directory whose processes to watch (without --start-server / --server-pid)")
-    ap.add_argument("--refusal-burst", type=int, default=0,
-                    help="after the flood, measure the CPU per refusal with this many refused requests (0: skip)")
-    ap.add_argument("--hold", type=int, default=300,
-                    help="long streams that fill the model's slots during the refusal burst")
-    ap.add_argument("--quiet-s", type=float, default=10.0,
-                    help="seconds of the refusal burst's quiet window (its CPU baseline)")
+    ap.add_argument(
+        "--ray-session",
+        default="/tmp/ray/session_latest",
+        help="Ray session directory whose processes to watch (without --start-server / --server-pid)",
+    )
+    ap.add_argument(
+        "--refusal-burst",
+        type=int,
+        default=0,
+        help="after the flood, measure the CPU per refusal with this many refused requests (0: skip)",
+    )
+    ap.add_argument(
+        "--hold", type=int, default=300, help="long streams that fill the model's slots during the refusal burst"
+    )
+    ap.add_argument(
+        "--quiet-s", type=float, default=10.0, help="seconds of the refusal burst's quiet window (its CPU baseline)"
+    )
     ap.add_argument("--out", default="benchmarks/results/sse_flood.json")
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
@@ -440,8 +530,10 @@ def main(argv=None) -> dict:
     else:
         roots = ray_session_roots(args.ray_session)
         watched = f"Ray session {os.path.realpath(args.ray_session)}"
-        print(f"watching {watched} ({len(roots)} head processes); name --server-pid if that is not the server's",
-              flush=True)
+        print(
+            f"watching {watched} ({len(roots)} head processes); name --server-pid if that is not the server's",
+            flush=True,
+        )
     sampler = RssSampler(Procs(roots), args.interval)
     try:
         # warm-up (not counted), then the 'before' RSS
@@ -452,8 +544,9 @@ def main(argv=None) -> dict:
         in_process_engine = "--no-engine-core-process" in args.server_args.split()
         print(f"opening {args.streams} streams ({args.max_tokens} tokens each) ...", flush=True)
         cpu_a = sampler.cpu_snapshot()
-        recs, elapsed = asyncio.run(flood(args.url, args.model, args.api_key, args.streams, args.max_tokens,
-                                          args.request_timeout, args.ramp_s))
+        recs, elapsed = asyncio.run(
+            flood(args.url, args.model, args.api_key, args.streams, args.max_tokens, args.request_timeout, args.ramp_s)
+        )
         cpu_b = sampler.cpu_snapshot()
         time.sleep(args.settle_s)
         sampler.phase = "after"
@@ -461,9 +554,19 @@ def main(argv=None) -> dict:
         burst = None
         if args.refusal_burst:
             print(f"refusal burst: {args.hold} hold streams, then {args.refusal_burst} requests ...", flush=True)
-            burst = asyncio.run(refusal_burst(args.url, args.model, args.api_key, sampler, args.hold,
-                                              args.refusal_burst, args.quiet_s, in_process_engine,
-                                              args.request_timeout))
+            burst = asyncio.run(
+                refusal_burst(
+                    args.url,
+                    args.model,
+                    args.api_key,
+                    sampler,
+                    args.hold,
+                    args.refusal_burst,
+                    args.quiet_s,
+                    in_process_engine,
+                    args.request_timeout,
+                )
+            )
         sampler.stop()
     finally:
         if sampler.is_alive():
@@ -478,28 +581,40 @@ def main(argv=None) -> dict:
     lost = [r for r in recs if r.outcome in LOST]
     procs = []
     for d in sorted(sampler.per_pid.values(), key=lambda d: -d["peak"]):
-        procs.append({"name": d["name"], "pid": d["pid"],
-                      "rss_before_mib": None if d["before"] is None else round(d["before"] / MIB, 1),
-                      "rss_peak_mib": round(d["peak"] / MIB, 1),
-                      "rss_after_mib": None if d["after"] is None else round(d["after"] / MIB, 1),
-                      "growth_peak_mib": None if d["before"] is None else round((d["peak"] - d["before"]) / MIB, 1)})
+        procs.append(
+            {
+                "name": d["name"],
+                "pid": d["pid"],
+                "rss_before_mib": None if d["before"] is None else round(d["before"] / MIB, 1),
+                "rss_peak_mib": round(d["peak"] / MIB, 1),
+                "rss_after_mib": None if d["after"] is None else round(d["after"] / MIB, 1),
+                "growth_peak_mib": None if d["before"] is None else round((d["peak"] - d["before"]) / MIB, 1),
+            }
+        )
     cpu_used = cpu_between(cpu_a, cpu_b)
     engine_cpu, serving_cpu = engine_and_serving(cpu_used, in_process_engine)
     before_total = sum(d["before"] or 0 for d in sampler.per_pid.values())
     after_total = sum(d["after"] or 0 for d in sampler.per_pid.values())
     growth = sampler.peak_total - before_total
     result = {
-        "url": args.url, "model": args.model, "server_started_here": bool(server),
+        "url": args.url,
+        "model": args.model,
+        "server_started_here": bool(server),
         "server_args": args.server_args if server else None,
-        "streams": args.streams, "max_tokens": args.max_tokens, "ramp_s": args.ramp_s,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "ramp_s": args.ramp_s,
         "request_timeout_s": args.request_timeout,
         "elapsed_s": elapsed,
         "max_in_flight": max_overlap(recs),
         "status_counts": status_counts(recs),
         "outcomes": outcomes,
-        "completed": len(done), "rejected": sum(outcomes[o] for o in CLEAN_REJECTIONS), "lost": len(lost),
-        "lost_samples": [{"index": r.index, "outcome": r.outcome, "status": r.status, "detail": r.detail}
-                         for r in lost[:5]],
+        "completed": len(done),
+        "rejected": sum(outcomes[o] for o in CLEAN_REJECTIONS),
+        "lost": len(lost),
+        "lost_samples": [
+            {"index": r.index, "outcome": r.outcome, "status": r.status, "detail": r.detail} for r in lost[:5]
+        ],
         "rejection_samples": sorted({(r.detail or "")[:160] for r in recs if r.outcome in CLEAN_REJECTIONS})[:3],
         "ttft_ms": dist_ms([r.ttft for r in done]),
         "e2e_ms": dist_ms([r.e2e for r in done]),
@@ -515,35 +630,51 @@ def main(argv=None) -> dict:
             "per_process": procs,
             "series_total_mib": sampler.series[:: max(1, len(sampler.series) // 400)],
         },
-        "cpu": {"by_process_s": {k: round(v, 3) for k, v in cpu_used.items()},
-                "engine_processes": sorted(k for k in cpu_used if is_engine(k, in_process_engine)),
-                "engine_cpu_s": engine_cpu, "serving_cpu_s": serving_cpu,
-                "serving_cpu_ms_per_request": 1000 * serving_cpu / max(1, args.streams)},
+        "cpu": {
+            "by_process_s": {k: round(v, 3) for k, v in cpu_used.items()},
+            "engine_processes": sorted(k for k in cpu_used if is_engine(k, in_process_engine)),
+            "engine_cpu_s": engine_cpu,
+            "serving_cpu_s": serving_cpu,
+            "serving_cpu_ms_per_request": 1000 * serving_cpu / max(1, args.streams),
+        },
         "refusal_burst": burst,
         "all_complete_or_cleanly_rejected": len(lost) == 0,
-        "targets": {"ttft_p50_target_ms": TTFT_P50_TARGET_MS,
-                    "ttft_p50_met": bool(done) and 1000 * percentile([r.ttft for r in done], 50) <= TTFT_P50_TARGET_MS,
-                    "nothing_lost": len(lost) == 0,
-                    "refusal_cpu_target_ms": REFUSAL_CPU_TARGET_MS,
-                    "refusal_cpu_met": None if not burst or burst["cpu_ms_per_refusal"] is None
-                    else burst["cpu_ms_per_refusal"] <= REFUSAL_CPU_TARGET_MS},
+        "targets": {
+            "ttft_p50_target_ms": TTFT_P50_TARGET_MS,
+            "ttft_p50_met": bool(done) and 1000 * percentile([r.ttft for r in done], 50) <= TTFT_P50_TARGET_MS,
+            "nothing_lost": len(lost) == 0,
+            "refusal_cpu_target_ms": REFUSAL_CPU_TARGET_MS,
+            "refusal_cpu_met": None
+            if not burst or burst["cpu_ms_per_refusal"] is None
+            else burst["cpu_ms_per_refusal"] <= REFUSAL_CPU_TARGET_MS,
+        },
     }
     result = prov.write(args.out, result)
-    print(f"{args.streams} streams in {elapsed:.1f} s (max in flight {result['max_in_flight']}): "
-          f"status {result['status_counts']}, outcomes { {k: v for k, v in outcomes.items() if v} }")
+    print(
+        f"{args.streams} streams in {elapsed:.1f} s (max in flight {result['max_in_flight']}): "
+        f"status {result['status_counts']}, outcomes { {k: v for k, v in outcomes.items() if v} }"
+    )
     nan = float("nan")
-    print(f"TTFT p50/p99 {result['ttft_ms']['p50'] or nan:.0f}/{result['ttft_ms']['p99'] or nan:.0f} ms, "
-          f"E2E p99 {result['e2e_ms']['p99'] or nan:.0f} ms; lost: {len(lost)}")
+    print(
+        f"TTFT p50/p99 {result['ttft_ms']['p50'] or nan:.0f}/{result['ttft_ms']['p99'] or nan:.0f} ms, "
+        f"E2E p99 {result['e2e_ms']['p99'] or nan:.0f} ms; lost: {len(lost)}"
+    )
     m = result["memory"]
-    print(f"server RSS (sum of {len(procs)} processes): before {m['server_rss_before_mib']} MiB, peak "
-          f"{m['server_rss_peak_total_mib']} MiB, after {m['server_rss_after_mib']} MiB "
-          f"({m['server_rss_growth_per_stream_kib']} KiB/stream at peak); client peak {m['client_rss_peak_mib']} MiB")
+    print(
+        f"server RSS (sum of {len(procs)} processes): before {m['server_rss_before_mib']} MiB, peak "
+        f"{m['server_rss_peak_total_mib']} MiB, after {m['server_rss_after_mib']} MiB "
+        f"({m['server_rss_growth_per_stream_kib']} KiB/stream at peak); client peak {m['client_rss_peak_mib']} MiB"
+    )
     c = result["cpu"]
-    print(f"CPU during the flood: engine {c['engine_cpu_s']:.1f} s, serving path {c['serving_cpu_s']:.1f} s "
-          f"({c['serving_cpu_ms_per_request']:.2f} ms per request); by process {c['by_process_s']}")
+    print(
+        f"CPU during the flood: engine {c['engine_cpu_s']:.1f} s, serving path {c['serving_cpu_s']:.1f} s "
+        f"({c['serving_cpu_ms_per_request']:.2f} ms per request); by process {c['by_process_s']}"
+    )
     if burst:
-        print(f"refusal burst: {burst['refused']} of {burst['requests']} refused in {burst['burst_s']:.2f} s, "
-              f"{burst['cpu_ms_per_refusal']} ms CPU each (hold: {burst['hold_admitted']} admitted)")
+        print(
+            f"refusal burst: {burst['refused']} of {burst['requests']} refused in {burst['burst_s']:.2f} s, "
+            f"{burst['cpu_ms_per_refusal']} ms CPU each (hold: {burst['hold_admitted']} admitted)"
+        )
     print("| process | pid | RSS before / peak / after MiB |\n|---|---|---|")
     for p in procs:
         print(f"| {p['name']} | {p['pid']} | {p['rss_before_mib']} / {p['rss_peak_mib']} / {p['rss_after_mib']} |")

@@ -36,6 +36,7 @@ Usage::
     python benchmarks/step_times.py --prefill-tokens 64 --batch 2 --iters 2 --out /tmp/st.json   # smoke
     python benchmarks/step_times.py --host-only      # writes benchmarks/results/host_times.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,13 +58,27 @@ from kvserve.kernels import cpu_backend  # noqa: E402
 
 #: Profiler op names per category (anything else is "other").
 MATMUL = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
-ATTENTION = ("kvserve_cpu::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
-             "aten::index_select", "aten::index_copy_", "aten::_efficient_attention_forward")
+ATTENTION = (
+    "kvserve_cpu::paged_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::index_select",
+    "aten::index_copy_",
+    "aten::_efficient_attention_forward",
+)
 
 #: The top-level keys this script writes (besides common.PROVENANCE_KEYS): step_times.json's, then
 #: host_times.json's (``--host-only``).
-RESULT_KEYS = ("model", "threads", "prefill_tokens", "decode_batch", "before", "after", "decode_speedup",
-               "prefill_speedup", "host_time_per_decode_step")
+RESULT_KEYS = (
+    "model",
+    "threads",
+    "prefill_tokens",
+    "decode_batch",
+    "before",
+    "after",
+    "decode_speedup",
+    "prefill_speedup",
+    "host_time_per_decode_step",
+)
 CONFIGS = {
     "before": {"attention_backend": "torch", "cpu_linear": "aten", "fused_ops": False},
     "after": {"attention_backend": None, "cpu_linear": linear.CPU_LINEAR, "fused_ops": cpu_backend.FUSED_OPS},
@@ -94,15 +109,20 @@ def breakdown(eng, steps: int, step_ms: float) -> dict:
 
 def measure(model: str, args, cfg: dict) -> dict:
     linear.CPU_LINEAR, cpu_backend.FUSED_OPS = cfg["cpu_linear"], cfg["fused_ops"]
-    llm = LLM(model=model, max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.prefill_tokens),
-              attention_backend=cfg["attention_backend"])
+    llm = LLM(
+        model=model,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(2048, args.prefill_tokens),
+        attention_backend=cfg["attention_backend"],
+    )
     eng, rng = llm.engine, random.Random(0)
     vocab = eng.hf_config.vocab_size
 
     prefill = []
     for k in range(3):  # the first is a warm-up
-        eng.add_request(f"p{k}", random_token_ids(rng, args.prefill_tokens, vocab),
-                        SamplingParams(max_tokens=1, temperature=0))
+        eng.add_request(
+            f"p{k}", random_token_ids(rng, args.prefill_tokens, vocab), SamplingParams(max_tokens=1, temperature=0)
+        )
         t = time.perf_counter()
         eng.step()
         prefill.append(time.perf_counter() - t)
@@ -165,8 +185,8 @@ def host_times(model: str, batches=(1, 64, 256), iters: int = 30, prompt_tokens:
     width = max(batches) * 2 + 2048
     hidden_buf = torch.zeros(width, hidden)
     logits_buf = torch.randn(width, vocab, generator=torch.Generator().manual_seed(0))
-    runner.model.forward = lambda ids, pos, meta: hidden_buf[:ids.shape[0]]
-    runner.model.compute_logits = lambda h: logits_buf[:h.shape[0]]
+    runner.model.forward = lambda ids, pos, meta: hidden_buf[: ids.shape[0]]
+    runner.model.compute_logits = lambda h: logits_buf[: h.shape[0]]
     totals = {"schedule": 0.0, "prepare": 0.0, "sample": 0.0}
     eng.scheduler.schedule = _Timed(eng.scheduler.schedule, totals, "schedule")
     runner._prepare = _Timed(runner._prepare, totals, "prepare")
@@ -189,9 +209,11 @@ def host_times(model: str, batches=(1, 64, 256), iters: int = 30, prompt_tokens:
             times.append(time.perf_counter() - t)
         split = {k: round(v / iters * 1e3, 3) for k, v in totals.items()}
         split["update"] = round(sum(times) / iters * 1e3 - sum(split.values()), 3)
-        out[str(b)] = {"step_ms_p50": round(sorted(times)[iters // 2] * 1e3, 3),
-                       "host_ms_excluding_sample": round((sum(times) / iters - totals["sample"] / iters) * 1e3, 3),
-                       "mean_split_ms": split}
+        out[str(b)] = {
+            "step_ms_p50": round(sorted(times)[iters // 2] * 1e3, 3),
+            "host_ms_excluding_sample": round((sum(times) / iters - totals["sample"] / iters) * 1e3, 3),
+            "mean_split_ms": split,
+        }
         print(b, json.dumps(out[str(b)]), flush=True)
         for rid in list(eng.scheduler.requests):
             eng.abort_request(rid)
@@ -208,28 +230,70 @@ def figures(r: dict) -> Figures:
         rows = []
         for batch, x in r["host_time_per_decode_step"].items():
             s = x["mean_split_ms"]
-            f.summary(f"host time per decode step without the sampler, batch {batch}", x["host_ms_excluding_sample"],
-                      "ms")
-            rows.append([batch, x["step_ms_p50"], x["host_ms_excluding_sample"], s.get("schedule"), s.get("prepare"),
-                         s.get("sample"), s.get("update")])
-        return f.table("Host time per decode step", ["batch", "step p50 (ms)", "without the sampler (ms)",
-                                                     "schedule", "prepare inputs", "sample",
-                                                     "update + stops + detokenize + outputs"], rows,
-                       note="The model returns fixed hidden states and logits, so the step is host work only; the "
-                            "sampler works on `[batch, vocabulary]` float32 logits.")
+            f.summary(
+                f"host time per decode step without the sampler, batch {batch}", x["host_ms_excluding_sample"], "ms"
+            )
+            rows.append(
+                [
+                    batch,
+                    x["step_ms_p50"],
+                    x["host_ms_excluding_sample"],
+                    s.get("schedule"),
+                    s.get("prepare"),
+                    s.get("sample"),
+                    s.get("update"),
+                ]
+            )
+        return f.table(
+            "Host time per decode step",
+            [
+                "batch",
+                "step p50 (ms)",
+                "without the sampler (ms)",
+                "schedule",
+                "prepare inputs",
+                "sample",
+                "update + stops + detokenize + outputs",
+            ],
+            rows,
+            note="The model returns fixed hidden states and logits, so the step is host work only; the "
+            "sampler works on `[batch, vocabulary]` float32 logits.",
+        )
     f.summary("decode step speed-up, after / before", r["decode_speedup"], "x")
     f.summary("prefill step speed-up, after / before", r["prefill_speedup"], "x")
     rows = []
     for name in ("before", "after"):
         x = r[name]
         b = x["decode_breakdown_ms"]
-        rows.append([name, ", ".join(f"{k}={v}" for k, v in x["config"].items()), x["prefill_step_s"],
-                     x["decode_step_s_p50"] * 1e3, b["matmul"], b["attention"], b["other"], b["host"]])
-    return f.table("Steps", ["path", "config", "prefill step (s)", "decode step p50 (ms)", "matmul (ms)",
-                             "attention (ms)", "other ops (ms)", "host (ms)"], rows,
-                   note=f"A {r['prefill_tokens']}-token single-request prefill step and a {r['decode_batch']}-request "
-                        "decode step; the decode step's split from `torch.profiler` (host = the unprofiled median "
-                        "step minus op times under the profiler: approximate).")
+        rows.append(
+            [
+                name,
+                ", ".join(f"{k}={v}" for k, v in x["config"].items()),
+                x["prefill_step_s"],
+                x["decode_step_s_p50"] * 1e3,
+                b["matmul"],
+                b["attention"],
+                b["other"],
+                b["host"],
+            ]
+        )
+    return f.table(
+        "Steps",
+        [
+            "path",
+            "config",
+            "prefill step (s)",
+            "decode step p50 (ms)",
+            "matmul (ms)",
+            "attention (ms)",
+            "other ops (ms)",
+            "host (ms)",
+        ],
+        rows,
+        note=f"A {r['prefill_tokens']}-token single-request prefill step and a {r['decode_batch']}-request "
+        "decode step; the decode step's split from `torch.profiler` (host = the unprofiled median "
+        "step minus op times under the profiler: approximate).",
+    )
 
 
 def main(argv=None) -> int:
@@ -249,8 +313,12 @@ def main(argv=None) -> int:
         result = {"model": model, "host_time_per_decode_step": host_times(model)}
         prov.write(args.out or "benchmarks/results/host_times.json", result, indent=1)
         return 0
-    result = {"model": model, "threads": torch.get_num_threads(), "prefill_tokens": args.prefill_tokens,
-              "decode_batch": args.batch}
+    result = {
+        "model": model,
+        "threads": torch.get_num_threads(),
+        "prefill_tokens": args.prefill_tokens,
+        "decode_batch": args.batch,
+    }
     for name, cfg in CONFIGS.items():
         result[name] = measure(model, args, cfg)
         print(name, json.dumps(result[name]), flush=True)

@@ -34,6 +34,7 @@ Usage::
     python benchmarks/structured_output.py          # writes benchmarks/results/structured_output.json
     python benchmarks/structured_output.py --reps 1 --batch-sizes 1 --out /tmp/so.json   # smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,11 +79,40 @@ PERSON_BOUNDED = {
     "required": ["name", "age", "color", "tags"],
 }
 SCHEMAS = {"person": PERSON, "person_bounded": PERSON_BOUNDED}
-SUBJECTS = ["a chef", "a pilot", "an astronaut", "a teacher", "a painter", "a farmer", "a doctor", "a poet",
-            "a sailor", "a baker", "a musician", "a gardener", "a detective", "a librarian", "a carpenter",
-            "a nurse", "a scientist", "a dancer", "a firefighter", "a photographer", "a lawyer", "a miner",
-            "a tailor", "a fisherman", "a judge", "a singer", "a blacksmith", "a clown", "a student",
-            "a programmer", "a knight", "a wizard"]
+SUBJECTS = [
+    "a chef",
+    "a pilot",
+    "an astronaut",
+    "a teacher",
+    "a painter",
+    "a farmer",
+    "a doctor",
+    "a poet",
+    "a sailor",
+    "a baker",
+    "a musician",
+    "a gardener",
+    "a detective",
+    "a librarian",
+    "a carpenter",
+    "a nurse",
+    "a scientist",
+    "a dancer",
+    "a firefighter",
+    "a photographer",
+    "a lawyer",
+    "a miner",
+    "a tailor",
+    "a fisherman",
+    "a judge",
+    "a singer",
+    "a blacksmith",
+    "a clown",
+    "a student",
+    "a programmer",
+    "a knight",
+    "a wizard",
+]
 
 
 #: Grammar work per decode step: the engine's part of the fill (all of it with --sync-fill),
@@ -120,6 +150,7 @@ class Timers:
                 return fn(*a, **kw)
             finally:
                 self.parts[key] += time.perf_counter() - t
+
         setattr(owner, name, timed)
 
     def _on_step(self, m) -> None:
@@ -147,23 +178,27 @@ class Timers:
 
 def measure(llm: LLM, timers: Timers, prompts, schema, batch: int, reps: int, max_tokens: int) -> dict:
     """Grammar and plain runs of ``prompts`` in groups of ``batch``, alternating; medians."""
-    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
 
     def one(kind: str, lengths: list[int] | None):
         timers.reset()
         outs = []
         for g, group in enumerate(groups):
             if kind == "grammar":
-                params = [SamplingParams(temperature=0, max_tokens=max_tokens,
-                                         structured_outputs={"json": schema})] * len(group)
+                params = [
+                    SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs={"json": schema})
+                ] * len(group)
             else:
-                lens = lengths[g * batch:g * batch + len(group)]
+                lens = lengths[g * batch : g * batch + len(group)]
                 params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in lens]
             outs += timers.run(group, params)
-        return {"ms_per_token": 1e3 * timers.decode_s / timers.decode_tokens,
-                "decode_tokens": timers.decode_tokens, "decode_steps": timers.decode_steps,
-                "parts_ms_per_step": {k: 1e3 * v / max(1, timers.decode_steps) for k, v in timers.parts.items()},
-                "outputs": outs}
+        return {
+            "ms_per_token": 1e3 * timers.decode_s / timers.decode_tokens,
+            "decode_tokens": timers.decode_tokens,
+            "decode_steps": timers.decode_steps,
+            "parts_ms_per_step": {k: 1e3 * v / max(1, timers.decode_steps) for k, v in timers.parts.items()},
+            "outputs": outs,
+        }
 
     warm = one("grammar", None)  # warm-up pair (first-call allocations; xgrammar's mask caches)
     lengths = [len(o.outputs[0].token_ids) for o in warm["outputs"]]
@@ -182,14 +217,18 @@ def measure(llm: LLM, timers: Timers, prompts, schema, batch: int, reps: int, ma
     best = {k: min(r["ms_per_token"] for r in v) for k, v in runs.items()}
     parts = {p: statistics.median(r["parts_ms_per_step"][p] for r in runs["grammar"]) for p in PARTS}
     return {
-        "batch": batch, "requests": len(prompts), "reps": reps,
-        "grammar_ms_per_token": round(med["grammar"], 3), "plain_ms_per_token": round(med["plain"], 3),
+        "batch": batch,
+        "requests": len(prompts),
+        "reps": reps,
+        "grammar_ms_per_token": round(med["grammar"], 3),
+        "plain_ms_per_token": round(med["plain"], 3),
         "slowdown": round(med["grammar"] / med["plain"] - 1, 4),
         "slowdown_best_of_reps": round(best["grammar"] / best["plain"] - 1, 4),
         "grammar_ms_per_token_runs": [round(r["ms_per_token"], 3) for r in runs["grammar"]],
         "plain_ms_per_token_runs": [round(r["ms_per_token"], 3) for r in runs["plain"]],
         "grammar_parts_ms_per_decode_step": {k: round(v, 3) for k, v in parts.items()},
-        "decode_tokens": runs["grammar"][-1]["decode_tokens"], "decode_steps": runs["grammar"][-1]["decode_steps"],
+        "decode_tokens": runs["grammar"][-1]["decode_tokens"],
+        "decode_steps": runs["grammar"][-1]["decode_steps"],
         "output_tokens_mean": round(statistics.mean(lengths), 1),
         "finish_stop": sum(o.outputs[0].finish_reason == "stop" for o in runs["grammar"][-1]["outputs"]),
         "valid_json_objects": valid,
@@ -223,8 +262,11 @@ def compile_times(tokenizer, vocab: int, eos: set[int]) -> dict:
         t = time.perf_counter()
         so.request_grammar({"json": schema})
         with_matcher = time.perf_counter() - t
-        out[name] = {"first_compile_ms": round(1e3 * first, 3), "cached_compile_ms": round(1e3 * statistics.median(cached), 4),
-                     "cached_compile_plus_matcher_ms": round(1e3 * with_matcher, 4)}
+        out[name] = {
+            "first_compile_ms": round(1e3 * first, 3),
+            "cached_compile_ms": round(1e3 * statistics.median(cached), 4),
+            "cached_compile_plus_matcher_ms": round(1e3 * with_matcher, 4),
+        }
     return out
 
 
@@ -233,16 +275,40 @@ def figures(r: dict) -> Figures:
     f = Figures()
     for name, x in r["runs"].items():
         f.summary(f"grammar slowdown, {name}", x["slowdown"] * 100, "%")
-    f.table("Runs", ["schema / batch", "batch", "grammar ms/token", "plain ms/token", "slowdown (%)",
-                     "slowdown, best of reps (%)", "bitmask fill per step (ms)", "valid JSON objects"],
-            [[name, x["batch"], x["grammar_ms_per_token"], x["plain_ms_per_token"], x["slowdown"] * 100,
-              x["slowdown_best_of_reps"] * 100, x["grammar_parts_ms_per_decode_step"].get("fill"),
-              x.get("valid_json_objects")] for name, x in r["runs"].items()],
-            note=f"{r['dtype']} on {r['device']}, {r['threads']} threads, bitmask fill: {r['fill']}; median of the "
-                 "reps. `person`: a schema without length bounds; `person_bounded`: with `maxLength` / `maxItems`. "
-                 + r.get("note", ""))
-    f.table("Grammar compile", ["schema", "first (ms)", "cached (ms)"],
-            [[k, v["first_compile_ms"], v["cached_compile_ms"]] for k, v in r["compile"].items() if isinstance(v, dict)])
+    f.table(
+        "Runs",
+        [
+            "schema / batch",
+            "batch",
+            "grammar ms/token",
+            "plain ms/token",
+            "slowdown (%)",
+            "slowdown, best of reps (%)",
+            "bitmask fill per step (ms)",
+            "valid JSON objects",
+        ],
+        [
+            [
+                name,
+                x["batch"],
+                x["grammar_ms_per_token"],
+                x["plain_ms_per_token"],
+                x["slowdown"] * 100,
+                x["slowdown_best_of_reps"] * 100,
+                x["grammar_parts_ms_per_decode_step"].get("fill"),
+                x.get("valid_json_objects"),
+            ]
+            for name, x in r["runs"].items()
+        ],
+        note=f"{r['dtype']} on {r['device']}, {r['threads']} threads, bitmask fill: {r['fill']}; median of the "
+        "reps. `person`: a schema without length bounds; `person_bounded`: with `maxLength` / `maxItems`. "
+        + r.get("note", ""),
+    )
+    f.table(
+        "Grammar compile",
+        ["schema", "first (ms)", "cached (ms)"],
+        [[k, v["first_compile_ms"], v["cached_compile_ms"]] for k, v in r["compile"].items() if isinstance(v, dict)],
+    )
     return f
 
 
@@ -254,10 +320,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--schemas", default=",".join(SCHEMAS))
-    ap.add_argument("--fill-threads", type=int, default=grammar_bitmask.FILL_THREADS,
-                    help="native threads of one bitmask fill (xgrammar BatchGrammarMatcher)")
-    ap.add_argument("--sync-fill", action="store_true",
-                    help="fill the bitmask before the forward (as for a distributed executor), not beside it")
+    ap.add_argument(
+        "--fill-threads",
+        type=int,
+        default=grammar_bitmask.FILL_THREADS,
+        help="native threads of one bitmask fill (xgrammar BatchGrammarMatcher)",
+    )
+    ap.add_argument(
+        "--sync-fill",
+        action="store_true",
+        help="fill the bitmask before the forward (as for a distributed executor), not beside it",
+    )
     ap.add_argument("--out", default="benchmarks/results/structured_output.json")
     args = ap.parse_args(argv)
     prov = Results(__file__, RESULT_KEYS)
@@ -268,27 +341,39 @@ def main(argv=None) -> int:
     eng = llm.engine
     if args.sync_fill:
         eng.executor.in_process = False
-    result = {"model": model, "dtype": "float32", "device": "cpu", "threads": torch.get_num_threads(),
-              "max_tokens": args.max_tokens, "fill": "sync" if args.sync_fill else "overlapped with the forward",
-              "fill_threads": args.fill_threads}
+    result = {
+        "model": model,
+        "dtype": "float32",
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "max_tokens": args.max_tokens,
+        "fill": "sync" if args.sync_fill else "overlapped with the forward",
+        "fill_threads": args.fill_threads,
+    }
     result["compile"] = compile_times(eng.tokenizer, eng.hf_config.vocab_size, eng.eos_token_ids)
     timers = Timers(eng)
-    prompts = [eng.apply_chat_template([{"role": "user", "content": f"Describe {s} as a JSON object."}])
-               for s in SUBJECTS]
+    prompts = [
+        eng.apply_chat_template([{"role": "user", "content": f"Describe {s} as a JSON object."}]) for s in SUBJECTS
+    ]
     result["runs"] = {}
     for name in args.schemas.split(","):
         for b in (int(x) for x in args.batch_sizes.split(",")):
-            ps = prompts[:args.requests_b1] if b == 1 else prompts[:b]
+            ps = prompts[: args.requests_b1] if b == 1 else prompts[:b]
             r = measure(llm, timers, ps, SCHEMAS[name], b, args.reps, args.max_tokens)
             result["runs"][f"{name}/batch{b}"] = r
-            print(f"{name} batch {b}: grammar {r['grammar_ms_per_token']} ms/token, plain "
-                  f"{r['plain_ms_per_token']} ms/token, slowdown {100 * r['slowdown']:+.1f} % (best of reps "
-                  f"{100 * r['slowdown_best_of_reps']:+.1f} %), parts/step "
-                  f"{r['grammar_parts_ms_per_decode_step']} ms, load {r['load_average'][-1]}", flush=True)
+            print(
+                f"{name} batch {b}: grammar {r['grammar_ms_per_token']} ms/token, plain "
+                f"{r['plain_ms_per_token']} ms/token, slowdown {100 * r['slowdown']:+.1f} % (best of reps "
+                f"{100 * r['slowdown_best_of_reps']:+.1f} %), parts/step "
+                f"{r['grammar_parts_ms_per_decode_step']} ms, load {r['load_average'][-1]}",
+                flush=True,
+            )
     loads = [la[0] for r in result["runs"].values() for la in r["load_average"] if la]
-    result["note"] = ("2-core CPU; the benchmark itself keeps ~2 threads busy (torch) plus the fill thread, so a "
-                      "1-min load average above ~2.5 means another job shared the CPU"
-                      + (f" (max 1-min load seen: {max(loads)})" if loads else ""))
+    result["note"] = (
+        "2-core CPU; the benchmark itself keeps ~2 threads busy (torch) plus the fill thread, so a "
+        "1-min load average above ~2.5 means another job shared the CPU"
+        + (f" (max 1-min load seen: {max(loads)})" if loads else "")
+    )
     prov.write(args.out, result)
     eng.shutdown()
     return 0

@@ -24,6 +24,7 @@ the code the tree holds. ``--repeats`` runs refuse to start on a dirty tree unle
 Results: ``benchmarks/results/suite_time.json`` (``--out``), written whole by
 :class:`benchmarks.common.Results`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,11 +67,20 @@ def parse_output(text: str) -> dict:
             continue
         m = SUMMARY.match(line.strip())
         if m:
-            sessions.append({"counts": {k: int(n) for n, k in re.findall(r"(\d+) (\w+)", m["counts"])},
-                             "pytest_s": float(m["secs"])})
+            sessions.append(
+                {
+                    "counts": {k: int(n) for n, k in re.findall(r"(\d+) (\w+)", m["counts"])},
+                    "pytest_s": float(m["secs"]),
+                }
+            )
     first = sessions[0] if sessions else {"counts": {}, "pytest_s": None}
-    return {"counts": first["counts"], "pytest_s": first["pytest_s"], "sessions": sessions,
-            "pytest_total_s": sum(x["pytest_s"] for x in sessions) if sessions else None, "slowest": slowest}
+    return {
+        "counts": first["counts"],
+        "pytest_s": first["pytest_s"],
+        "sessions": sessions,
+        "pytest_total_s": sum(x["pytest_s"] for x in sessions) if sessions else None,
+        "slowest": slowest,
+    }
 
 
 def git(*args: str, cwd: Path = ROOT) -> str:
@@ -89,9 +99,12 @@ def verdict(runs: list[dict]) -> dict:
     ``one_commit``, ``clean_tree`` (no run had uncommitted changes beside it; a run that did not
     record it counts as not clean) and ``green`` (every run exited 0)."""
     commits = list(dict.fromkeys(r.get("commit") for r in runs))
-    return {"commits": commits, "one_commit": len(commits) == 1 and None not in commits,
-            "clean_tree": all(r.get("tree_dirty") is False for r in runs),
-            "green": all(r.get("exit_status") == 0 for r in runs)}
+    return {
+        "commits": commits,
+        "one_commit": len(commits) == 1 and None not in commits,
+        "clean_tree": all(r.get("tree_dirty") is False for r in runs),
+        "green": all(r.get("exit_status") == 0 for r in runs),
+    }
 
 
 def one_run(keep: bool, timeout_s: float, commit: str) -> dict:
@@ -106,8 +119,9 @@ def one_run(keep: bool, timeout_s: float, commit: str) -> dict:
         commit = git("rev-parse", "HEAD", cwd=clone)
         t0 = time.monotonic()
         try:
-            p = subprocess.run([str(clone / ".ci" / "run")], cwd=clone, capture_output=True, text=True,
-                               timeout=timeout_s)
+            p = subprocess.run(
+                [str(clone / ".ci" / "run")], cwd=clone, capture_output=True, text=True, timeout=timeout_s
+            )
             rc, out = p.returncode, p.stdout + p.stderr
         except subprocess.TimeoutExpired as e:  # recorded with what it printed so far
             raw = e.stdout or ""
@@ -116,8 +130,16 @@ def one_run(keep: bool, timeout_s: float, commit: str) -> dict:
         parsed = parse_output(out)
         setup = wall - parsed["pytest_total_s"] if parsed["pytest_total_s"] is not None else None
         make_test = setup + parsed["pytest_s"] if setup is not None else None
-        return {"commit": commit, "tree_dirty": dirty or tree_dirty(), "exit_status": rc, "wall_s": wall,
-                "setup_s": setup, "make_test_s": make_test, **parsed, "tail": None if rc == 0 else out[-3000:]}
+        return {
+            "commit": commit,
+            "tree_dirty": dirty or tree_dirty(),
+            "exit_status": rc,
+            "wall_s": wall,
+            "setup_s": setup,
+            "make_test_s": make_test,
+            **parsed,
+            "tail": None if rc == 0 else out[-3000:],
+        }
     finally:
         if not keep:
             shutil.rmtree(where, ignore_errors=True)
@@ -131,14 +153,23 @@ def measure(args: argparse.Namespace) -> dict:
     for i in range(args.repeats):
         r = one_run(args.keep, args.timeout, commit)
         runs.append(r)
-        print(f"run {i + 1} at {r['commit'][:9]}{' (tree dirty)' if r['tree_dirty'] else ''}: exit "
-              f"{r['exit_status']}, {r['wall_s']:.0f} s (pytest {[x['pytest_s'] for x in r['sessions']]}, "
-              f"set-up {r['setup_s'] and round(r['setup_s'])}) {r['counts']}", flush=True)
+        print(
+            f"run {i + 1} at {r['commit'][:9]}{' (tree dirty)' if r['tree_dirty'] else ''}: exit "
+            f"{r['exit_status']}, {r['wall_s']:.0f} s (pytest {[x['pytest_s'] for x in r['sessions']]}, "
+            f"set-up {r['setup_s'] and round(r['setup_s'])}) {r['counts']}",
+            flush=True,
+        )
     v = verdict(runs)
     make_test = [r["make_test_s"] for r in runs if r["make_test_s"] is not None]
-    return {"runs": runs, "wall_s_median": statistics.median(r["wall_s"] for r in runs), "target_s": TARGET_S,
-            "make_test_s_median": statistics.median(make_test) if make_test else None, "ci_target_s": CI_TARGET_S,
-            "commits": v["commits"], "clean_tree": v["clean_tree"]}
+    return {
+        "runs": runs,
+        "wall_s_median": statistics.median(r["wall_s"] for r in runs),
+        "target_s": TARGET_S,
+        "make_test_s_median": statistics.median(make_test) if make_test else None,
+        "ci_target_s": CI_TARGET_S,
+        "commits": v["commits"],
+        "clean_tree": v["clean_tree"],
+    }
 
 
 def figures(r: dict) -> Figures:
@@ -156,35 +187,77 @@ def figures(r: dict) -> Figures:
     green = all(run["exit_status"] == 0 for run in runs)
     honest = green and one_commit and clean
     make_test = r.get("make_test_s_median", r["wall_s_median"])
-    f = Figures().summary("fresh clone, `make test` (set-up and the fast profile), median wall time", make_test, "s",
-                          target=f"<= {r['target_s']:.0f} s", met=honest and make_test is not None
-                          and make_test <= r["target_s"], headline=True)
+    f = Figures().summary(
+        "fresh clone, `make test` (set-up and the fast profile), median wall time",
+        make_test,
+        "s",
+        target=f"<= {r['target_s']:.0f} s",
+        met=honest and make_test is not None and make_test <= r["target_s"],
+        headline=True,
+    )
     if "ci_target_s" in r:
-        f.summary("fresh clone, the whole of `.ci/run` (`make test`, then the thorough tests), median wall time",
-                  r["wall_s_median"], "s", target=f"<= {r['ci_target_s']:.0f} s",
-                  met=honest and r["wall_s_median"] <= r["ci_target_s"])
+        f.summary(
+            "fresh clone, the whole of `.ci/run` (`make test`, then the thorough tests), median wall time",
+            r["wall_s_median"],
+            "s",
+            target=f"<= {r['ci_target_s']:.0f} s",
+            met=honest and r["wall_s_median"] <= r["ci_target_s"],
+        )
     f.summary("every run green", green, met=green)
     f.summary("every run on one commit", ", ".join(str(c)[:9] for c in commits), met=one_commit)
-    f.summary("working tree clean at every run (no uncommitted changes beside the clone; null: not recorded)",
-              None if None in dirty else clean, met=clean)
-    f.table("Runs", ["run", "commit", "tree dirty", "exit status", "wall (s)", "set-up (s)", "make test (s)",
-                     "pytest (s)", "passed", "skipped", "failed"],
-            [[i + 1, run["commit"], run.get("tree_dirty"), run["exit_status"], run["wall_s"], run["setup_s"],
-              run.get("make_test_s"), " + ".join(str(x["pytest_s"]) for x in run["sessions"])
-              if run.get("sessions") else run["pytest_s"],
-              sum(x["counts"].get("passed", 0) for x in run["sessions"]) if run.get("sessions")
-              else run["counts"].get("passed"),
-              sum(x["counts"].get("skipped", 0) for x in run["sessions"]) if run.get("sessions")
-              else run["counts"].get("skipped"),
-              sum(x["counts"].get("failed", 0) for x in run["sessions"]) if run.get("sessions")
-              else run["counts"].get("failed", 0)]
-             for i, run in enumerate(runs)],
-            note="one run after the other, each on a new clone at one commit; set-up is the virtual environment, "
-                 "the C++ kernels and the Debian test dependencies, outside pytest; pytest: each session's time "
-                 "(make test's, then the thorough tests'); tree dirty: null where the run did not record it")
+    f.summary(
+        "working tree clean at every run (no uncommitted changes beside the clone; null: not recorded)",
+        None if None in dirty else clean,
+        met=clean,
+    )
+    f.table(
+        "Runs",
+        [
+            "run",
+            "commit",
+            "tree dirty",
+            "exit status",
+            "wall (s)",
+            "set-up (s)",
+            "make test (s)",
+            "pytest (s)",
+            "passed",
+            "skipped",
+            "failed",
+        ],
+        [
+            [
+                i + 1,
+                run["commit"],
+                run.get("tree_dirty"),
+                run["exit_status"],
+                run["wall_s"],
+                run["setup_s"],
+                run.get("make_test_s"),
+                " + ".join(str(x["pytest_s"]) for x in run["sessions"]) if run.get("sessions") else run["pytest_s"],
+                sum(x["counts"].get("passed", 0) for x in run["sessions"])
+                if run.get("sessions")
+                else run["counts"].get("passed"),
+                sum(x["counts"].get("skipped", 0) for x in run["sessions"])
+                if run.get("sessions")
+                else run["counts"].get("skipped"),
+                sum(x["counts"].get("failed", 0) for x in run["sessions"])
+                if run.get("sessions")
+                else run["counts"].get("failed", 0),
+            ]
+            for i, run in enumerate(runs)
+        ],
+        note="one run after the other, each on a new clone at one commit; set-up is the virtual environment, "
+        "the C++ kernels and the Debian test dependencies, outside pytest; pytest: each session's time "
+        "(make test's, then the thorough tests'); tree dirty: null where the run did not record it",
+    )
     last = runs[-1]
-    f.table("Slowest tests (last run)", ["test", "phase", "seconds"], last["slowest"],
-            note="pytest --durations, as make test prints them")
+    f.table(
+        "Slowest tests (last run)",
+        ["test", "phase", "seconds"],
+        last["slowest"],
+        note="pytest --durations, as make test prints them",
+    )
     return f
 
 
@@ -194,12 +267,16 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
     ap.add_argument("--keep", action="store_true", help="keep each clone (its .venv is large)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "suite_time.json")
-    ap.add_argument("--allow-dirty", action="store_true",
-                    help="measure beside uncommitted changes (the result is then never met)")
+    ap.add_argument(
+        "--allow-dirty", action="store_true", help="measure beside uncommitted changes (the result is then never met)"
+    )
     args = ap.parse_args(argv)
     if tree_dirty() and not args.allow_dirty:
-        print("suite_time: the working tree has uncommitted changes to tracked files, which a clone does not "
-              "measure: commit them (or pass --allow-dirty: the result then says so and is not met)", file=sys.stderr)
+        print(
+            "suite_time: the working tree has uncommitted changes to tracked files, which a clone does not "
+            "measure: commit them (or pass --allow-dirty: the result then says so and is not met)",
+            file=sys.stderr,
+        )
         return 2
     from benchmarks.common import Results
 
@@ -207,8 +284,10 @@ def main(argv=None) -> int:
     result = measure(args)
     prov.write(args.out, result)
     v = verdict(result["runs"])
-    print(f"median {result['wall_s_median']:.0f} s over {args.repeats} fresh-clone runs at {v['commits']} "
-          f"(clean tree: {v['clean_tree']}); wrote {args.out}")
+    print(
+        f"median {result['wall_s_median']:.0f} s over {args.repeats} fresh-clone runs at {v['commits']} "
+        f"(clean tree: {v['clean_tree']}); wrote {args.out}"
+    )
     return 0 if v["green"] and v["one_commit"] and v["clean_tree"] else 1
 
 

@@ -30,6 +30,7 @@ Usage::
     python benchmarks/throughput.py --peer vllm --dtype float32 --skip-hf --repeats 3
     python benchmarks/throughput.py --quick              # 16 requests, kvserve float32 only, smoke test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,6 +69,7 @@ TARGET = 1.3
 
 def run_hf_continuous(model_path, work) -> dict:
     from transformers import GenerationConfig
+
     model = load_hf_model(model_path)
     if not hasattr(model, "continuous_batching_context_manager"):
         return {"system": "hf_continuous_batching", "skipped": "not available in this transformers"}
@@ -84,8 +86,12 @@ def run_hf_continuous(model_path, work) -> dict:
                 done += 1
                 produced += len(res.generated_tokens)
     elapsed = time.perf_counter() - t0
-    return {"system": "hf_continuous_batching", "elapsed_s": elapsed, "output_tokens": produced,
-            "output_tok_per_s": produced / elapsed}
+    return {
+        "system": "hf_continuous_batching",
+        "elapsed_s": elapsed,
+        "output_tokens": produced,
+        "output_tok_per_s": produced / elapsed,
+    }
 
 
 @contextlib.contextmanager
@@ -93,6 +99,7 @@ def hf_with_onednn_linears():
     """HF transformers with every ``nn.Linear`` on oneDNN, as kvserve runs its matmuls on CPU
     (``kvserve/engine/layers/linear.py``): the comparison without the matmul library's share."""
     import torch.nn.functional as F
+
     original = F.linear
 
     def onednn_linear(x, w, b=None):
@@ -141,8 +148,9 @@ def hf_batch1(path: str, prompt: list[int], new_tokens: int) -> float:
 
     model = load_hf_model(path)
     ids = torch.tensor([prompt])
-    cfg = lambda n: GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                                     pad_token_id=2)
+    cfg = lambda n: GenerationConfig(  # noqa: E731
+        max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2
+    )
 
     def hf(n):
         t = time.perf_counter()
@@ -174,16 +182,25 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
-        args.num_requests, args.dtype, args.peer, args.skip_hf, args.skip_batch1, args.repeats = \
-            16, "float32", None, True, True, 1
+        args.num_requests, args.dtype, args.peer, args.skip_hf, args.skip_batch1, args.repeats = (
+            16,
+            "float32",
+            None,
+            True,
+            True,
+            1,
+        )
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     path, vocab = resolve(args.model)
     work = make_workload(args.num_requests, args.seed, vocab)
     works = [work] + [reshuffled(work, args.seed * 1000 + r, vocab) for r in range(1, args.repeats)]
     prompt = batch1_prompt(args.context, args.seed, vocab)
     results = {
-        "workload": {**workload_info(work, args.seed), "repeats": args.repeats,
-                     "kvserve_max_num_batched_tokens": args.max_num_batched_tokens},
+        "workload": {
+            **workload_info(work, args.seed),
+            "repeats": args.repeats,
+            "kvserve_max_num_batched_tokens": args.max_num_batched_tokens,
+        },
         "model": path,
         "dtypes": {},
         "systems": [],
@@ -212,6 +229,7 @@ def main(argv=None) -> dict:
                     errors["kvserve"] = f"{type(e).__name__}: {e}"
             if args.peer == "vllm" and "vllm" not in errors:
                 from benchmarks.peer_vllm import run_vllm
+
                 try:
                     v = run_vllm(path, dt, [w])
                     v_meta = {"version": v["version"], "settings": v["settings"]}
@@ -223,16 +241,27 @@ def main(argv=None) -> dict:
         if "kvserve" in errors:
             block["kvserve"] = record({"system": "kvserve", "dtype": dt, "error": errors["kvserve"]})
         else:
-            block["kvserve"] = record({"system": "kvserve", "dtype": dt,
-                                       "output_tok_per_s": statistics.median([r["output_tok_per_s"] for r in kv_runs]),
-                                       "runs": kv_runs})
+            block["kvserve"] = record(
+                {
+                    "system": "kvserve",
+                    "dtype": dt,
+                    "output_tok_per_s": statistics.median([r["output_tok_per_s"] for r in kv_runs]),
+                    "runs": kv_runs,
+                }
+            )
         if args.peer == "vllm":
             if "vllm" in errors:
                 block["vllm"] = record({"system": "vllm", "dtype": dt, "error": errors["vllm"]})
             else:
-                block["vllm"] = record({"system": "vllm", "dtype": dt, **v_meta,
-                                        "output_tok_per_s": statistics.median([r["output_tok_per_s"] for r in v_runs]),
-                                        "runs": v_runs})
+                block["vllm"] = record(
+                    {
+                        "system": "vllm",
+                        "dtype": dt,
+                        **v_meta,
+                        "output_tok_per_s": statistics.median([r["output_tok_per_s"] for r in v_runs]),
+                        "runs": v_runs,
+                    }
+                )
         if not args.skip_batch1:
             b1 = {"context_tokens": args.context, "new_tokens": args.new_tokens}
             try:
@@ -242,7 +271,8 @@ def main(argv=None) -> dict:
             if args.peer == "vllm":
                 try:
                     b1["vllm_ms_per_token"] = run_vllm(
-                        path, dt, None, batch1={"prompt": prompt, "new_tokens": args.new_tokens})["batch1_ms_per_token"]
+                        path, dt, None, batch1={"prompt": prompt, "new_tokens": args.new_tokens}
+                    )["batch1_ms_per_token"]
                 except Exception as e:
                     b1["vllm_error"] = f"{type(e).__name__}: {e}"
             if "kvserve_ms_per_token" in b1 and "vllm_ms_per_token" in b1:
@@ -256,6 +286,7 @@ def main(argv=None) -> dict:
     # goes last, since OpenMP then keeps a second worker team that slowed later runs (25 vs
     # 19.5 ms/token)
     if not args.skip_hf:
+
         def hf_static_onednn() -> dict:
             with hf_with_onednn_linears():
                 r = run_hf_static(path, work)
@@ -263,8 +294,14 @@ def main(argv=None) -> dict:
 
         systems = [lambda: run_hf_static(path, work), hf_static_onednn, lambda: run_hf_continuous(path, work)]
         if not args.skip_batch1:
-            systems.insert(0, lambda: {"system": "hf_batch1_decode", "context_tokens": args.context,
-                                       "ms_per_token": hf_batch1(path, prompt, args.new_tokens)})
+            systems.insert(
+                0,
+                lambda: {
+                    "system": "hf_batch1_decode",
+                    "context_tokens": args.context,
+                    "ms_per_token": hf_batch1(path, prompt, args.new_tokens),
+                },
+            )
         for fn in systems:
             try:
                 r = fn()
@@ -274,13 +311,17 @@ def main(argv=None) -> dict:
     by = {r["system"]: r for r in results["systems"]}
     f32 = results["dtypes"].get("float32", {})
     if "output_tok_per_s" in f32.get("kvserve", {}) and "output_tok_per_s" in by.get("hf_generate_static_bs16", {}):
-        results["kvserve_over_hf_static"] = f32["kvserve"]["output_tok_per_s"] / by["hf_generate_static_bs16"]["output_tok_per_s"]
+        results["kvserve_over_hf_static"] = (
+            f32["kvserve"]["output_tok_per_s"] / by["hf_generate_static_bs16"]["output_tok_per_s"]
+        )
     targets = {}
     for dt, block in results["dtypes"].items():
         if "kvserve_over_vllm" in block:
             targets[f"{dt}: throughput kvserve / vLLM >= {TARGET}"] = block["kvserve_over_vllm"] >= TARGET
         if "kvserve_over_vllm" in block.get("batch1_decode", {}):
-            targets[f"{dt}: batch-1 decode ms/token kvserve / vLLM <= 0.8"] = block["batch1_decode"]["kvserve_over_vllm"] <= 0.8
+            targets[f"{dt}: batch-1 decode ms/token kvserve / vLLM <= 0.8"] = (
+                block["batch1_decode"]["kvserve_over_vllm"] <= 0.8
+            )
     if "kvserve_over_hf_static" in results:
         targets["float32: throughput kvserve / HF static >= 3.0"] = results["kvserve_over_hf_static"] >= 3.0
     results["targets"] = targets
@@ -295,47 +336,108 @@ def figures(r: dict) -> Figures:
     f, t, done = Figures(), r.get("targets", {}), []
     for dt, block in r["dtypes"].items():
         # the target the file was measured against (1.2 before issue 46's 1.3)
-        name = next((k for k in t if k.startswith(f"{dt}: throughput kvserve / vLLM >= ")),
-                    f"{dt}: throughput kvserve / vLLM >= 1.3")
+        name = next(
+            (k for k in t if k.startswith(f"{dt}: throughput kvserve / vLLM >= ")),
+            f"{dt}: throughput kvserve / vLLM >= 1.3",
+        )
         if "kvserve_over_vllm" in block:
-            f.summary(f"offline throughput, {dt}, kvserve / vLLM CPU", block["kvserve_over_vllm"], "x",
-                      target=f">= {name.rsplit(' ', 1)[1]}x", met=t.get(name), headline=True)
+            f.summary(
+                f"offline throughput, {dt}, kvserve / vLLM CPU",
+                block["kvserve_over_vllm"],
+                "x",
+                target=f">= {name.rsplit(' ', 1)[1]}x",
+                met=t.get(name),
+                headline=True,
+            )
             done.append(name)
         b1, name = block.get("batch1_decode", {}), f"{dt}: batch-1 decode ms/token kvserve / vLLM <= 0.8"
         if "kvserve_over_vllm" in b1:
-            f.summary(f"batch-1 decode ms/token, {dt}, kvserve / vLLM (lower is better)", b1["kvserve_over_vllm"], "x",
-                      target="<= 0.8x", met=t.get(name), headline=dt == "float32")
+            f.summary(
+                f"batch-1 decode ms/token, {dt}, kvserve / vLLM (lower is better)",
+                b1["kvserve_over_vllm"],
+                "x",
+                target="<= 0.8x",
+                met=t.get(name),
+                headline=dt == "float32",
+            )
             done.append(name)
     if "kvserve_over_hf_static" in r:
         done.append("float32: throughput kvserve / HF static >= 3.0")
-        f.summary("offline throughput, float32, kvserve / HF `generate` static batches", r["kvserve_over_hf_static"],
-                  "x", target=">= 3.0x", met=t.get(done[-1]), headline=True)
+        f.summary(
+            "offline throughput, float32, kvserve / HF `generate` static batches",
+            r["kvserve_over_hf_static"],
+            "x",
+            target=">= 3.0x",
+            met=t.get(done[-1]),
+            headline=True,
+        )
     f.targets(t, done)
     w = r["workload"]
     rows = []
     for dt, block in r["dtypes"].items():
         k, v, b1 = block.get("kvserve", {}), block.get("vllm", {}), block.get("batch1_decode", {})
-        rows.append([dt, k.get("output_tok_per_s", k.get("error")), v.get("output_tok_per_s", v.get("error")),
-                     block.get("kvserve_over_vllm"), b1.get("kvserve_ms_per_token"), b1.get("vllm_ms_per_token"),
-                     b1.get("kvserve_over_vllm")])
+        rows.append(
+            [
+                dt,
+                k.get("output_tok_per_s", k.get("error")),
+                v.get("output_tok_per_s", v.get("error")),
+                block.get("kvserve_over_vllm"),
+                b1.get("kvserve_ms_per_token"),
+                b1.get("vllm_ms_per_token"),
+                b1.get("kvserve_over_vllm"),
+            ]
+        )
     waste = [x["kv_waste"] for b in r["dtypes"].values() for x in b.get("kvserve", {}).get("runs", [])[:1]]
-    f.table("Per dtype", ["dtype", "kvserve tok/s", "vLLM tok/s", "kvserve / vLLM (x)", "batch-1 kvserve ms/token",
-                          "batch-1 vLLM ms/token", "batch-1 kvserve / vLLM (x, lower is better)"], rows,
-            note=f"Workload: {w['num_requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens, "
-                 f"outputs {w['output_len'][0]}-{w['output_len'][1]} (ignore_eos, greedy), median of "
-                 f"{w.get('repeats', 1)} runs; batch-1 decode at a 512-token context."
-                 + (f" KV waste (allocated but unfilled KV slots, mean over steps): {waste[0] * 100:.1f} %." if waste else ""))
-    runs = [[dt, name + (f" {s['version']}" if s.get("version") else ""), [x["output_tok_per_s"] for x in s["runs"]],
-             s.get("load_average_after")]
-            for dt, block in r["dtypes"].items() for name in ("kvserve", "vllm") if (s := block.get(name, {})).get("runs")]
+    f.table(
+        "Per dtype",
+        [
+            "dtype",
+            "kvserve tok/s",
+            "vLLM tok/s",
+            "kvserve / vLLM (x)",
+            "batch-1 kvserve ms/token",
+            "batch-1 vLLM ms/token",
+            "batch-1 kvserve / vLLM (x, lower is better)",
+        ],
+        rows,
+        note=f"Workload: {w['num_requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens, "
+        f"outputs {w['output_len'][0]}-{w['output_len'][1]} (ignore_eos, greedy), median of "
+        f"{w.get('repeats', 1)} runs; batch-1 decode at a 512-token context."
+        + (f" KV waste (allocated but unfilled KV slots, mean over steps): {waste[0] * 100:.1f} %." if waste else ""),
+    )
+    runs = [
+        [
+            dt,
+            name + (f" {s['version']}" if s.get("version") else ""),
+            [x["output_tok_per_s"] for x in s["runs"]],
+            s.get("load_average_after"),
+        ]
+        for dt, block in r["dtypes"].items()
+        for name in ("kvserve", "vllm")
+        if (s := block.get(name, {})).get("runs")
+    ]
     settings = next((b["vllm"]["settings"] for b in r["dtypes"].values() if b.get("vllm", {}).get("settings")), None)
-    f.table("Runs", ["dtype", "system", "runs (output tok/s)", "load after (1 / 5 / 15 min)"], runs,
-            note="vLLM's settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items() if k != "env") + "."
-            if settings else None)
-    f.table("Hugging Face transformers, float32", ["system", "figure", "unit", "load after"],
-            [[s["system"], s.get("output_tok_per_s", s.get("ms_per_token", s.get("error", s.get("skipped")))),
-              "tok/s" if "output_tok_per_s" in s else "ms/token" if "ms_per_token" in s else "",
-              s.get("load_average_after")] for s in r.get("systems", [])])
+    f.table(
+        "Runs",
+        ["dtype", "system", "runs (output tok/s)", "load after (1 / 5 / 15 min)"],
+        runs,
+        note="vLLM's settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items() if k != "env") + "."
+        if settings
+        else None,
+    )
+    f.table(
+        "Hugging Face transformers, float32",
+        ["system", "figure", "unit", "load after"],
+        [
+            [
+                s["system"],
+                s.get("output_tok_per_s", s.get("ms_per_token", s.get("error", s.get("skipped")))),
+                "tok/s" if "output_tok_per_s" in s else "ms/token" if "ms_per_token" in s else "",
+                s.get("load_average_after"),
+            ]
+            for s in r.get("systems", [])
+        ],
+    )
     return f
 
 
@@ -353,8 +455,10 @@ def table(results: dict) -> str:
             notes = ""
             if name == "kvserve":
                 x = r["runs"][0]
-                notes = (f"KV waste {x['kv_waste']:.1%}, max batch {x['max_running_batch']}, "
-                         f"preemptions {x['num_preemptions']}")
+                notes = (
+                    f"KV waste {x['kv_waste']:.1%}, max batch {x['max_running_batch']}, "
+                    f"preemptions {x['num_preemptions']}"
+                )
             else:
                 notes = f"vLLM {r['version']}, max_num_batched_tokens {r['settings']['max_num_batched_tokens']}"
             rows.append(f"| {name} | {dt} | {r['output_tok_per_s']:.1f} | {runs} | {notes} |")
@@ -367,10 +471,15 @@ def table(results: dict) -> str:
             lines.append(f"{dt}: kvserve / vLLM throughput = {block['kvserve_over_vllm']:.2f}x (target >= {TARGET})")
         b = block.get("batch1_decode", {})
         if "kvserve_ms_per_token" in b:
-            peer = (f", vLLM {b['vllm_ms_per_token']:.2f} ms/token = {b['kvserve_over_vllm']:.2f}x (target <= 0.8)"
-                    if "kvserve_over_vllm" in b else "")
-            lines.append(f"{dt}: batch-1 decode at {b['context_tokens']} tokens: kvserve "
-                         f"{b['kvserve_ms_per_token']:.2f} ms/token{peer}")
+            peer = (
+                f", vLLM {b['vllm_ms_per_token']:.2f} ms/token = {b['kvserve_over_vllm']:.2f}x (target <= 0.8)"
+                if "kvserve_over_vllm" in b
+                else ""
+            )
+            lines.append(
+                f"{dt}: batch-1 decode at {b['context_tokens']} tokens: kvserve "
+                f"{b['kvserve_ms_per_token']:.2f} ms/token{peer}"
+            )
     hf = {r["system"]: r for r in results["systems"]}
     if "hf_batch1_decode" in hf and "ms_per_token" in hf["hf_batch1_decode"]:
         lines.append(f"float32: batch-1 decode HF generate {hf['hf_batch1_decode']['ms_per_token']:.2f} ms/token")

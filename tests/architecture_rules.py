@@ -60,11 +60,17 @@ TOP_MODULES = frozenset({"app", "args", "cli", "local"})
 #: What a function body may import of the project, and why it is not imported at module level:
 #: target module prefix -> (the importers allowed, as module prefixes; the reason).
 LAZY_IMPORTS: Dict[str, tuple] = {
-    "engine": (("deployments", "cluster"), "torch: a gateway, a CLI or a Ray driver that runs no engine never loads it"),
+    "engine": (
+        ("deployments", "cluster"),
+        "torch: a gateway, a CLI or a Ray driver that runs no engine never loads it",
+    ),
     "kernels": (("engine", "kernels"), "torch, Triton or the C++ build, loaded when a backend is picked"),
     "cluster": (("deployments",), "Ray actors and torch, for replicas that spread a model over ranks"),
     "deployments.app": (("deployments.cli",), "Ray Serve: `kvserve generate` runs without Ray"),
-    "deployments.local": (("deployments.cli",), "the engine and Ray Serve's classes: only `kvserve run-batch` needs them"),
+    "deployments.local": (
+        ("deployments.cli",),
+        "the engine and Ray Serve's classes: only `kvserve run-batch` needs them",
+    ),
     "telemetry": (("autoscaling",), "prometheus_client: the policy imports only the standard library"),
     "autoscaling.metrics": (("autoscaling",), "prometheus_client: the policy imports only the standard library"),
 }

@@ -22,6 +22,7 @@ resource demands start nodes, nodes idle for ``idle_timeout_minutes`` are remove
   (``kvserve.cluster.ray_auth.ensure_local_auth``; ``tests/cluster/conftest.py`` does at import), which
   every Ray process of the cluster inherits.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,15 +79,31 @@ class FakeAutoscalingCluster(AutoscalingCluster):
         config = {
             "cluster_name": f"kvserve-fake-{self.cluster_id}",
             "max_workers": sum(spec.get("max_workers", 0) for spec in worker_node_types.values()),
-            "provider": {"type": "external", "module": FAKE_PROVIDER, "use_node_id_as_ip": True,
-                         "disable_node_updaters": True, "disable_launch_config_check": True,
-                         "gcs_address": self.address},
-            "available_node_types": types, "head_node_type": "ray.head.default",
-            "upscaling_speed": 1.0, "idle_timeout_minutes": 0.1, "auth": {}, "docker": {},
-            "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-            "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
-            "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
-            "rsync_exclude": [], "rsync_filter": [],
+            "provider": {
+                "type": "external",
+                "module": FAKE_PROVIDER,
+                "use_node_id_as_ip": True,
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+                "gcs_address": self.address,
+            },
+            "available_node_types": types,
+            "head_node_type": "ray.head.default",
+            "upscaling_speed": 1.0,
+            "idle_timeout_minutes": 0.1,
+            "auth": {},
+            "docker": {},
+            "initialization_commands": [],
+            "setup_commands": [],
+            "head_setup_commands": [],
+            "worker_setup_commands": [],
+            "head_start_ray_commands": [],
+            "worker_start_ray_commands": [],
+            "file_mounts": {},
+            "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False,
+            "rsync_exclude": [],
+            "rsync_filter": [],
         }
         config.update(config_kwargs)
         return config
@@ -101,11 +118,20 @@ class FakeAutoscalingCluster(AutoscalingCluster):
         with open(config_path, "w") as f:
             json.dump(self._config, f)
         res = dict(self._head_resources)
-        cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
-               f"--port={self.port}", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}",
-               f"--autoscaling-config={config_path}", "--include-dashboard=false", "--disable-usage-stats",
-               f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-               f"--num-cpus={int(res.pop('CPU', 0))}"]
+        cmd = [
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "start",
+            "--head",
+            f"--port={self.port}",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={self.temp_dir}",
+            f"--autoscaling-config={config_path}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--num-cpus={int(res.pop('CPU', 0))}",
+        ]
         if "object_store_memory" in res:
             cmd.append(f"--object-store-memory={int(res.pop('object_store_memory'))}")
         if res:
@@ -208,32 +234,64 @@ HEAD_RESOURCES = {"CPU": 1, "head": 1, "object_store_memory": 100 * 2**20}
 
 def worker_node_types(max_workers: int = 2) -> dict:
     """One autoscaler node type, ``type-a``: 1 CPU and :data:`NODE_TYPE`, 0..``max_workers`` nodes."""
-    return {"type-a": {"resources": {"CPU": 1, NODE_TYPE: 1, "object_store_memory": 100 * 2**20},
-                       "node_config": {}, "min_workers": 0, "max_workers": max_workers}}
+    return {
+        "type-a": {
+            "resources": {"CPU": 1, NODE_TYPE: 1, "object_store_memory": 100 * 2**20},
+            "node_config": {},
+            "min_workers": 0,
+            "max_workers": max_workers,
+        }
+    }
 
 
 #: Policy knobs that let a test see both moves within a minute or two: demand above one replica's
 #: queue target (requests waiting, or refused in the last 10 s) for 1 s scales up (no queue-drain
 #: cap); a scale-down waits 10 s since the last scale event.
-FAST_KNOBS = {"target_queue_per_replica": 1, "queue_drain_s": 0, "upscale_smoothing_s": 1, "upscale_cooldown_s": 1,
-              "downscale_smoothing_s": 2, "downscale_cooldown_s": 10, "serve_downscale_delay_s": 1,
-              "serve_look_back_period_s": 2, "serve_metrics_interval_s": 0.5}
+FAST_KNOBS = {
+    "target_queue_per_replica": 1,
+    "queue_drain_s": 0,
+    "upscale_smoothing_s": 1,
+    "upscale_cooldown_s": 1,
+    "downscale_smoothing_s": 2,
+    "downscale_cooldown_s": 10,
+    "serve_downscale_delay_s": 1,
+    "serve_look_back_period_s": 2,
+    "serve_metrics_interval_s": 0.5,
+}
 
 
-def serve_config(model_path: str, port: int, app: str, min_replicas: int = 1, max_replicas: int = 2,
-                 knobs: dict | None = None) -> dict:
+def serve_config(
+    model_path: str, port: int, app: str, min_replicas: int = 1, max_replicas: int = 2, knobs: dict | None = None
+) -> dict:
     """A Serve deploy config (``serve deploy``'s schema) of kvserve's app serving the tiny model
     as ``tiny``: the ingress pinned to the head (``ingress_resources``), ``LLMServer`` autoscaled
     by kvserve's policy between ``min_replicas`` and ``max_replicas``, each replica needing one
     :data:`NODE_TYPE` (the model's ``replica_resources``)."""
-    args = {"model": model_path, "served_model_name": "tiny", "dtype": "float32", "max_num_seqs": 2,
-            "max_queued_requests": 1, "max_model_len": 512, "num_kv_blocks": 64, "torch_num_threads": 1,
-            "replica_cpus": 1, "replica_resources": {NODE_TYPE: 1}, "graceful_shutdown_timeout_s": 5, "min_replicas": min_replicas,
-            "max_replicas": max_replicas, "autoscaling": dict(FAST_KNOBS if knobs is None else knobs),
-            "ingress_cpus": 0.25, "ingress_resources": {"head": 0.01}}
-    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
-            "applications": [{"name": app, "route_prefix": "/", "import_path": "kvserve.deployments.app:build_app",
-                              "args": args}]}
+    args = {
+        "model": model_path,
+        "served_model_name": "tiny",
+        "dtype": "float32",
+        "max_num_seqs": 2,
+        "max_queued_requests": 1,
+        "max_model_len": 512,
+        "num_kv_blocks": 64,
+        "torch_num_threads": 1,
+        "replica_cpus": 1,
+        "replica_resources": {NODE_TYPE: 1},
+        "graceful_shutdown_timeout_s": 5,
+        "min_replicas": min_replicas,
+        "max_replicas": max_replicas,
+        "autoscaling": dict(FAST_KNOBS if knobs is None else knobs),
+        "ingress_cpus": 0.25,
+        "ingress_resources": {"head": 0.01},
+    }
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {"name": app, "route_prefix": "/", "import_path": "kvserve.deployments.app:build_app", "args": args}
+        ],
+    }
 
 
 def deploy(config: dict, timeout_s: float = 240.0) -> None:
@@ -301,7 +359,7 @@ def decisions(app: str) -> list[dict]:
     for f in logs.glob("controller_*.log"):
         for line in f.read_text(errors="replace").splitlines():
             if '"event": "kvserve_autoscaling_decision"' in line:
-                rec = json.loads(line[line.index("{"):])
+                rec = json.loads(line[line.index("{") :])
                 if rec.get("application") == app:
                     out.append(rec)
     return sorted(out, key=lambda r: r["time"])
@@ -313,8 +371,11 @@ def served_request_ids(app: str, replica_id: str, deployment: str = "LLMServer")
     replica refused ends so too: match them with a client's 200 responses)."""
     import ray
 
-    path = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve" / (
-        f"replica_{app}_{deployment}_{replica_id}.log")
+    path = (
+        Path(ray._private.worker._global_node.get_logs_dir_path())
+        / "serve"
+        / (f"replica_{app}_{deployment}_{replica_id}.log")
+    )
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
@@ -376,10 +437,22 @@ class StreamLoad:
         n = 0
         while not self._stop.is_set():
             n += 1
-            rec = {"request_id": None, "status": None, "t_sent": time.time(), "t_first": None, "done": False,
-                   "error": None}
-            body = {"model": self.model, "prompt": f"client {k} request {n}:", "max_tokens": self.max_tokens,
-                    "temperature": 0, "ignore_eos": True, "cache": False}
+            rec = {
+                "request_id": None,
+                "status": None,
+                "t_sent": time.time(),
+                "t_first": None,
+                "done": False,
+                "error": None,
+            }
+            body = {
+                "model": self.model,
+                "prompt": f"client {k} request {n}:",
+                "max_tokens": self.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache": False,
+            }
             try:
                 rec.update(await stream_completion(c, body))
             except Exception as e:  # a connection problem is a record, not a crash of the load

@@ -121,8 +121,10 @@ _niced, _threads, _wrote_flag = False, None, False
 
 
 def pytest_report_header(config):
-    return (f"kvserve test profile: {PROFILE} (KVSERVE_TEST_PROFILE; `make test` runs the fast one without the "
-            f"tests marked thorough, `make test-thorough` every test at full size)")
+    return (
+        f"kvserve test profile: {PROFILE} (KVSERVE_TEST_PROFILE; `make test` runs the fast one without the "
+        f"tests marked thorough, `make test-thorough` every test at full size)"
+    )
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -134,6 +136,7 @@ def _assume_native_bf16():
         yield
         return
     import kvserve.engine.config as config
+
     real, probe = config.cpu_native_bf16, os.environ.get("KVSERVE_DTYPE_PROBE")
     config.cpu_native_bf16 = lambda: (True, "assumed by KVSERVE_TEST_ASSUME_NATIVE_BF16")
     os.environ["KVSERVE_DTYPE_PROBE"] = "0"  # auto is then bfloat16, as where the probe finds bf16 faster

@@ -16,6 +16,7 @@ Hooks (:data:`HOOKS`) and what the engine promises when one raises on a request:
 Wrappers stand in for the engine's own objects (the proposer, the policy, a request's grammar
 matcher, detokenizer and logprob list), so the engine code under test is the shipped code.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -47,9 +48,11 @@ class _Proxy:
 
     def __getattr__(self, name):
         if name == self._method:
+
             def call(*a, **k):
                 self._faults._check(self._hook, self._rid)
                 return getattr(self._inner, name)(*a, **k)
+
             return call
         if name == "_handle" and self._hook == "grammar_fill":
             # xgrammar's batch fill reads each matcher's native handle, past the wrapper:
@@ -133,6 +136,7 @@ class Faults:
 
     def break_loggers(self) -> None:
         """Add a stat logger and a request logger that always raise."""
+
         def stat(m):
             self._fire("stat_logger", "-")
 
@@ -152,9 +156,14 @@ class Faults:
         detokenizer, no logprobs, no speculation)."""
         rid, eng = req.request_id, self.engine
         if hook in ("propose", "draft_length", "logprobs", "prompt_logprobs"):
-            if hook in DRAFTING_HOOKS and eng.speculator is None or \
-                    hook == "logprobs" and req.params.logprobs is None or \
-                    hook == "prompt_logprobs" and req.params.prompt_logprobs is None:
+            if (
+                hook in DRAFTING_HOOKS
+                and eng.speculator is None
+                or hook == "logprobs"
+                and req.params.logprobs is None
+                or hook == "prompt_logprobs"
+                and req.params.prompt_logprobs is None
+            ):
                 return False
             self._armed[(hook, rid)] = after
             if hook == "logprobs":

@@ -7,6 +7,7 @@ SSE as the OpenAI API streams it: ``data: <json>`` events, one per line, separat
 lines, the last one ``data: [DONE]``. Parsed events are dicts, and the end marker is the string
 :data:`DONE`.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,7 +87,7 @@ def sse_event(line: Union[str, bytes]) -> Union[None, str, dict]:
     line = line.rstrip("\r")
     if not line.startswith("data:"):
         return None
-    data = line[len("data:"):]
+    data = line[len("data:") :]
     if data.startswith(" "):  # the SSE format: one optional space after the colon
         data = data[1:]
     return DONE if data == DONE else json.loads(data)
@@ -139,12 +140,28 @@ def spread_tp_llm(model_path, collective_timeout_s: float, num_kv_blocks: int = 
     groups = []
 
     def factory(config, path):
-        groups.append(RayWorkerGroup(config, path, num_cpus=1, torch_num_threads=1, strategy="STRICT_SPREAD",
-                                     timeout_s=120, collective_timeout_s=collective_timeout_s))
+        groups.append(
+            RayWorkerGroup(
+                config,
+                path,
+                num_cpus=1,
+                torch_num_threads=1,
+                strategy="STRICT_SPREAD",
+                timeout_s=120,
+                collective_timeout_s=collective_timeout_s,
+            )
+        )
         return groups[-1]
 
-    llm = LLM(str(model_path), tensor_parallel_size=tp, pipeline_parallel_size=pp, executor_factory=factory,
-              dtype="float32", max_model_len=256, num_kv_blocks=num_kv_blocks)
+    llm = LLM(
+        str(model_path),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        executor_factory=factory,
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=num_kv_blocks,
+    )
     return llm, groups[0]
 
 

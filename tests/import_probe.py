@@ -2,13 +2,14 @@
 run inside a process of its own (a fresh interpreter, a Serve replica), it imports Hugging Face's
 ``kernels`` and kvserve side by side, loads one model through transformers (hub kernels at
 transformers' default) and through kvserve, and reports where each name came from."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 #: Source of ``probe(model: str) -> dict``, run where the check is (``exec`` it as ``__main__``
 #: code: a Ray worker cannot import this test module by name, so Ray ships it by value).
-PROBE_SOURCE = '''
+PROBE_SOURCE = """
 def probe(model):
     import importlib.metadata as md
     import os
@@ -32,7 +33,7 @@ def probe(model):
         "kvserve_kernels_file": str(Path(cpu_backend.__file__).resolve()),
         "hf_next": hf_next, "kvserve_next": int(out.outputs[0].token_ids[0]),
     }
-'''
+"""
 
 
 def probe_function():

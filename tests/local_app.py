@@ -8,6 +8,7 @@ Ray's hop does (:func:`kvserve.deployments.local.build_local` builds them).
 For the tests of what the OpenAI API does with a real model and real clients (the openai SDK,
 langchain-openai: tests/deployments/test_openai_clients.py); the live Serve apps of tests/e2e prove
 the wiring (Serve's proxy, handles, routers, replicas in Ray workers)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -63,11 +64,18 @@ class LocalApp:
         from kvserve.deployments.local import build_local
 
         apps, self.servers, self.handles = build_local(
-            {prefix: AppArgs.model_validate(raw) for prefix, raw in self.apps.items()}, self.loop)
+            {prefix: AppArgs.model_validate(raw) for prefix, raw in self.apps.items()}, self.loop
+        )
         routes = [Mount(prefix.rstrip("/"), app=api) for prefix, api in apps.items()]  # "/" mounts at ""
         routes.sort(key=lambda r: r.path == "")  # the root app last: a prefix matches first
-        config = uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="off", loop="asyncio")
+        config = uvicorn.Config(
+            Starlette(routes=routes),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="off",
+            loop="asyncio",
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="local-app", daemon=True)
         self._thread.start()

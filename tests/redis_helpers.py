@@ -3,6 +3,7 @@ session's ``redis_server`` fixture (tests/conftest.py) starts one this way, and 
 a private one (the ``own_redis`` fixture) to pause (SIGSTOP: every command to it hangs, as in a
 network partition or a stalled server) and resume (SIGCONT), :class:`OwnRedis`. Used by
 tests/deployments/test_store_faults_redis.py and test_batch_resume_redis.py."""
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,11 @@ def start_redis(folder: Path) -> OwnRedis:
     if exe is None:
         pytest.skip("redis-server not installed (apt-get install redis-server)")
     port = free_port()
-    proc = subprocess.Popen([exe, "--save", "", "--appendonly", "no", "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "--save", "", "--appendonly", "no", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while True:
         try:

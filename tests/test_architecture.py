@@ -31,9 +31,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List
 
-from architecture_checks import (Import, _prefixed, floor_violations, import_cycles, lazy_import_violations,
-                                 long_method_violations, module_imports, one_class_violations, room_violations,
-                                 unrooted_import_violations)
+from architecture_checks import (
+    Import,
+    _prefixed,
+    floor_violations,
+    import_cycles,
+    lazy_import_violations,
+    long_method_violations,
+    module_imports,
+    one_class_violations,
+    room_violations,
+    unrooted_import_violations,
+)
 from architecture_rules import ALLOWED_PROJECT_IMPORTS, FLOORS, LAZY_IMPORTS, PACKAGES, ROOMS, STEP_FILE
 
 ROOT = Path(__file__).resolve().parents[1]

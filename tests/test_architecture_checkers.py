@@ -7,9 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from architecture_checks import (floor_violations, import_cycles, lazy_import_violations, long_method_violations,
-                                 module_imports, one_class_violations, room_violations,
-                                 unrooted_import_violations)
+from architecture_checks import (
+    floor_violations,
+    import_cycles,
+    lazy_import_violations,
+    long_method_violations,
+    module_imports,
+    one_class_violations,
+    room_violations,
+    unrooted_import_violations,
+)
 from architecture_rules import PACKAGES, ROOMS, TOP_MODULES
 
 
@@ -26,11 +33,14 @@ def _tree(root: Path, files: Mapping[str, str]) -> Path:
 
 
 def test_checker_import_resolution(tmp_path):
-    root = _tree(tmp_path, {
-        "kvserve/engine/sub/__init__.py": "from . import leaf\nfrom .. import config\n",
-        "kvserve/engine/sub/leaf.py": "from ..config import X\nimport kvserve.engine.sub\nfrom kvserve.engine import LLM, sub\n",
-        "kvserve/engine/config.py": "import os.path\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "kvserve/engine/sub/__init__.py": "from . import leaf\nfrom .. import config\n",
+            "kvserve/engine/sub/leaf.py": "from ..config import X\nimport kvserve.engine.sub\nfrom kvserve.engine import LLM, sub\n",
+            "kvserve/engine/config.py": "import os.path\n",
+        },
+    )
     got = {(i.src, i.name, i.target) for i in module_imports(root)}
     assert ("engine.sub", "engine.sub.leaf", "engine.sub.leaf") in got
     assert ("engine.sub", "engine.config", "engine.config") in got
@@ -41,16 +51,18 @@ def test_checker_import_resolution(tmp_path):
 
 
 def test_checker_finds_a_type_only_cycle(tmp_path):
-    root = _tree(tmp_path, {
-        "kvserve/autoscaling/a.py": "from kvserve.autoscaling.b import B\n",
-        "kvserve/autoscaling/b.py": (
-            "from typing import TYPE_CHECKING\n"
-            "if TYPE_CHECKING:\n"
-            "    from kvserve.autoscaling.a import A\n"),
-        "kvserve/autoscaling/c.py": "def f():\n    from kvserve.autoscaling import d\n",
-        "kvserve/autoscaling/d.py": "import kvserve.autoscaling.c\n",
-        "kvserve/autoscaling/e.py": "from kvserve.autoscaling import a\n",  # into a cycle, not on one
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "kvserve/autoscaling/a.py": "from kvserve.autoscaling.b import B\n",
+            "kvserve/autoscaling/b.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvserve.autoscaling.a import A\n"
+            ),
+            "kvserve/autoscaling/c.py": "def f():\n    from kvserve.autoscaling import d\n",
+            "kvserve/autoscaling/d.py": "import kvserve.autoscaling.c\n",
+            "kvserve/autoscaling/e.py": "from kvserve.autoscaling import a\n",  # into a cycle, not on one
+        },
+    )
     violations = import_cycles(module_imports(root))
     assert len(violations) == 2, violations
     assert "autoscaling.a, autoscaling.b" in violations[0]
@@ -60,35 +72,50 @@ def test_checker_finds_a_type_only_cycle(tmp_path):
 
 
 def test_checker_finds_floor_violations(tmp_path):
-    root = _tree(tmp_path, {
-        "kvserve/engine/llm.py": "import kvserve.kernels.backend\ndef f():\n    from kvserve.deployments import app\n",
-        "kvserve/engine/metrics.py": "from kvserve.telemetry.metrics import metric\n",
-        "kvserve/engine/dist.py": "def f():\n    import ray.util.placement_group\n",
-        "kvserve/kernels/ok.py": "import torch, triton, numpy, os\nfrom flash_attn import f\n",
-        "kvserve/kernels/bad.py": "import yaml\n",
-        "kvserve/autoscaling/policy.py": "from kvserve.telemetry.metrics import metric\nfrom kvserve.cluster import x\n",
-        "kvserve/telemetry/metrics.py": "import prometheus_client\nfrom kvserve.engine import config\n",
-        "kvserve/cluster/w.py": "from kvserve.engine.config import C\nimport ray\n",
-        "kvserve/deployments/app.py": "from kvserve.engine import LLM\nfrom kvserve.autoscaling import policy\nimport ray\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "kvserve/engine/llm.py": "import kvserve.kernels.backend\ndef f():\n    from kvserve.deployments import app\n",
+            "kvserve/engine/metrics.py": "from kvserve.telemetry.metrics import metric\n",
+            "kvserve/engine/dist.py": "def f():\n    import ray.util.placement_group\n",
+            "kvserve/kernels/ok.py": "import torch, triton, numpy, os\nfrom flash_attn import f\n",
+            "kvserve/kernels/bad.py": "import yaml\n",
+            "kvserve/autoscaling/policy.py": "from kvserve.telemetry.metrics import metric\nfrom kvserve.cluster import x\n",
+            "kvserve/telemetry/metrics.py": "import prometheus_client\nfrom kvserve.engine import config\n",
+            "kvserve/cluster/w.py": "from kvserve.engine.config import C\nimport ray\n",
+            "kvserve/deployments/app.py": "from kvserve.engine import LLM\nfrom kvserve.autoscaling import policy\nimport ray\n",
+        },
+    )
     violations = floor_violations(module_imports(root))
-    expected = ["kvserve/engine/dist.py:2", "kvserve/engine/llm.py:3", "kvserve/engine/metrics.py:1", "kvserve/kernels/bad.py:1",
-                "kvserve/autoscaling/policy.py:2", "kvserve/telemetry/metrics.py:2"]
+    expected = [
+        "kvserve/engine/dist.py:2",
+        "kvserve/engine/llm.py:3",
+        "kvserve/engine/metrics.py:1",
+        "kvserve/kernels/bad.py:1",
+        "kvserve/autoscaling/policy.py:2",
+        "kvserve/telemetry/metrics.py:2",
+    ]
     for where in expected:
         assert sum(v.startswith(where + ":") for v in violations) == 1, (where, violations)
     assert len(violations) == len(expected), violations
 
 
 def test_checker_finds_long_methods(tmp_path):
-    root = _tree(tmp_path, {
-        "kvserve/engine/llm_engine.py": (
-            "class LLMEngine:\n"
-            "    def step(self):\n"
-            "        '''A docstring\n\n        of several lines.\n        '''\n"
-            + "        x = 1\n" * 24
-            + "        return [\n            x,\n        ]\n"),  # 24 + 3 = 27 body lines
-    })
-    assert long_method_violations(root) == ["kvserve/engine/llm_engine.py:2: LLMEngine.step has 27 body lines (at most 25)"]
+    root = _tree(
+        tmp_path,
+        {
+            "kvserve/engine/llm_engine.py": (
+                "class LLMEngine:\n"
+                "    def step(self):\n"
+                "        '''A docstring\n\n        of several lines.\n        '''\n"
+                + "        x = 1\n" * 24
+                + "        return [\n            x,\n        ]\n"
+            ),  # 24 + 3 = 27 body lines
+        },
+    )
+    assert long_method_violations(root) == [
+        "kvserve/engine/llm_engine.py:2: LLMEngine.step has 27 body lines (at most 25)"
+    ]
     assert long_method_violations(root, max_lines=27) == []
     (root / "kvserve/engine/llm_engine.py").write_text("class LLMEngine:\n    def stop(self):\n        pass\n")
     assert long_method_violations(root) == ["kvserve/engine/llm_engine.py: no LLMEngine.step found"]
@@ -102,20 +129,26 @@ def _rooms_tree(tmp_path: Path, extra: Mapping[str, str]) -> Path:
 
 
 def test_checker_finds_breaches_of_the_walls(tmp_path):
-    root = _rooms_tree(tmp_path, {
-        "kvserve/deployments/replica/server.py": (
-            "from kvserve.deployments.contract.types import T\n"      # allowed
-            "from kvserve.deployments.replica import other\n"         # own room
-            "def f():\n    from kvserve.deployments.gateway import chat\n"),  # through the wall, even lazily
-        "kvserve/deployments/replica/other.py": "",
-        "kvserve/deployments/contract/types.py": "from kvserve.deployments.routing.router import R\n",
-        "kvserve/deployments/routing/router.py": "from kvserve.deployments.contract import types\n",
-        "kvserve/deployments/gateway/chat.py": ("from kvserve.deployments.cache import c\nfrom kvserve.deployments.routing import router\n"
-                                        "from kvserve.deployments.args import A\n"),
-        "kvserve/deployments/app.py": "from kvserve.deployments.replica.server import S\nfrom kvserve.deployments.gateway.chat import C\n",
-        "kvserve/deployments/loose.py": "",
-        "kvserve/deployments/attic/thing.py": "",
-    })
+    root = _rooms_tree(
+        tmp_path,
+        {
+            "kvserve/deployments/replica/server.py": (
+                "from kvserve.deployments.contract.types import T\n"  # allowed
+                "from kvserve.deployments.replica import other\n"  # own room
+                "def f():\n    from kvserve.deployments.gateway import chat\n"
+            ),  # through the wall, even lazily
+            "kvserve/deployments/replica/other.py": "",
+            "kvserve/deployments/contract/types.py": "from kvserve.deployments.routing.router import R\n",
+            "kvserve/deployments/routing/router.py": "from kvserve.deployments.contract import types\n",
+            "kvserve/deployments/gateway/chat.py": (
+                "from kvserve.deployments.cache import c\nfrom kvserve.deployments.routing import router\n"
+                "from kvserve.deployments.args import A\n"
+            ),
+            "kvserve/deployments/app.py": "from kvserve.deployments.replica.server import S\nfrom kvserve.deployments.gateway.chat import C\n",
+            "kvserve/deployments/loose.py": "",
+            "kvserve/deployments/attic/thing.py": "",
+        },
+    )
     violations = room_violations(root, module_imports(root))
     assert violations == [
         "kvserve/deployments/attic/: a folder that is not a room of ROOMS",
@@ -136,45 +169,63 @@ def test_checker_finds_breaches_of_the_walls(tmp_path):
 
 
 def test_checker_finds_lazy_imports_of_light_modules(tmp_path):
-    root = _rooms_tree(tmp_path, {
-        "kvserve/deployments/replica/server.py": (
-            "def f():\n    from kvserve.engine.llm_engine import LLMEngine\n"      # heavy: allowed
-            "def g():\n    from kvserve.deployments.contract import types\n"       # light: not allowed
-            "def h():\n    import json\n"),                                # third party / stdlib: not checked
-        "kvserve/deployments/cli.py": "def main():\n    from kvserve.deployments.app import build_app\n",  # allowed importer
-        "kvserve/deployments/gateway/chat.py": "def f():\n    from kvserve.deployments.app import build_app\n",  # not this importer
-        "kvserve/engine/__init__.py": "def __getattr__(name):\n    from kvserve.engine.llm import LLM\n",  # PEP 562 facade
-        "kvserve/engine/llm.py": "def f():\n    from kvserve.engine.config import C\n",               # same package: no
-        "kvserve/engine/config.py": "",
-    })
+    root = _rooms_tree(
+        tmp_path,
+        {
+            "kvserve/deployments/replica/server.py": (
+                "def f():\n    from kvserve.engine.llm_engine import LLMEngine\n"  # heavy: allowed
+                "def g():\n    from kvserve.deployments.contract import types\n"  # light: not allowed
+                "def h():\n    import json\n"
+            ),  # third party / stdlib: not checked
+            "kvserve/deployments/cli.py": "def main():\n    from kvserve.deployments.app import build_app\n",  # allowed importer
+            "kvserve/deployments/gateway/chat.py": "def f():\n    from kvserve.deployments.app import build_app\n",  # not this importer
+            "kvserve/engine/__init__.py": "def __getattr__(name):\n    from kvserve.engine.llm import LLM\n",  # PEP 562 facade
+            "kvserve/engine/llm.py": "def f():\n    from kvserve.engine.config import C\n",  # same package: no
+            "kvserve/engine/config.py": "",
+        },
+    )
     violations = lazy_import_violations(module_imports(root))
     assert [v.split(": ")[0] for v in violations] == [
-        "kvserve/deployments/gateway/chat.py:2", "kvserve/deployments/replica/server.py:4", "kvserve/engine/llm.py:2"], violations
+        "kvserve/deployments/gateway/chat.py:2",
+        "kvserve/deployments/replica/server.py:4",
+        "kvserve/engine/llm.py:2",
+    ], violations
 
 
 def test_checker_finds_modules_with_several_classes(tmp_path):
-    root = _rooms_tree(tmp_path, {
-        "kvserve/deployments/gateway/one.py": (
-            "from dataclasses import dataclass\nfrom pydantic import BaseModel\n"
-            "class Gateway:\n    pass\n"
-            "class _Helper:\n    pass\n"
-            "@dataclass\nclass Settings:\n    x: int = 0\n"
-            "class Body(BaseModel):\n    pass\n"
-            "class Child(Body):\n    pass\n"
-            "class Refused(Exception):\n    pass\n"),
-        "kvserve/deployments/replica/two.py": "class Server:\n    pass\nclass Admission:\n    pass\n",
-        "kvserve/deployments/cache/many.py": "class A:\n    pass\nclass B:\n    pass\n",  # not a one-class room
-    })
+    root = _rooms_tree(
+        tmp_path,
+        {
+            "kvserve/deployments/gateway/one.py": (
+                "from dataclasses import dataclass\nfrom pydantic import BaseModel\n"
+                "class Gateway:\n    pass\n"
+                "class _Helper:\n    pass\n"
+                "@dataclass\nclass Settings:\n    x: int = 0\n"
+                "class Body(BaseModel):\n    pass\n"
+                "class Child(Body):\n    pass\n"
+                "class Refused(Exception):\n    pass\n"
+            ),
+            "kvserve/deployments/replica/two.py": "class Server:\n    pass\nclass Admission:\n    pass\n",
+            "kvserve/deployments/cache/many.py": "class A:\n    pass\nclass B:\n    pass\n",  # not a one-class room
+        },
+    )
     assert one_class_violations(root) == [
-        "kvserve/deployments/replica/two.py: 2 public classes (Server, Admission); one concern per module"]
+        "kvserve/deployments/replica/two.py: 2 public classes (Server, Admission); one concern per module"
+    ]
 
 
 def test_checker_finds_imports_without_the_root(tmp_path):
-    root = _tree(tmp_path, {
-        "kvserve/engine/llm.py": "from kvserve.kernels import backend\nimport kernels\nfrom . import config\n",
-        "kvserve/engine/config.py": "",
-        "tests/test_x.py": "import os\nfrom engine.llm import LLM\ndef f():\n    import telemetry.metrics as m\n",
-        "benchmarks/b.py": "from kvserve import engine\nimport kvserve.cluster\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "kvserve/engine/llm.py": "from kvserve.kernels import backend\nimport kernels\nfrom . import config\n",
+            "kvserve/engine/config.py": "",
+            "tests/test_x.py": "import os\nfrom engine.llm import LLM\ndef f():\n    import telemetry.metrics as m\n",
+            "benchmarks/b.py": "from kvserve import engine\nimport kvserve.cluster\n",
+        },
+    )
     assert [v.split(": ")[0] for v in unrooted_import_violations(root)] == [
-        "kvserve/engine/llm.py:2", "tests/test_x.py:2", "tests/test_x.py:4"]
+        "kvserve/engine/llm.py:2",
+        "tests/test_x.py:2",
+        "tests/test_x.py:4",
+    ]

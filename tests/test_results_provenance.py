@@ -22,6 +22,7 @@ The checker is :func:`benchmarks.common.check_results`, the same function ``Resu
 before it writes; :func:`test_checker_rejects` shows that it fails on what it must. Runs in well
 under a second.
 """
+
 from __future__ import annotations
 
 import ast
@@ -63,13 +64,15 @@ def declared_keys(script: Path) -> tuple[str, ...]:
     has none, or it is not made of literals)."""
     tree = ast.parse(script.read_text(), str(script))
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "RESULT_KEYS"
-                                                for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "RESULT_KEYS" for t in node.targets
+        ):
             assert isinstance(node.value, ast.Tuple), f"{script.name}: RESULT_KEYS is not a tuple literal"
             keys = []
             for elt in node.value.elts:
-                assert isinstance(elt, ast.Constant) and isinstance(elt.value, str), \
+                assert isinstance(elt, ast.Constant) and isinstance(elt.value, str), (
                     f"{script.name}: RESULT_KEYS holds a non-literal ({ast.dump(elt)})"
+                )
                 keys.append(elt.value)
             return tuple(keys)
     raise AssertionError(f"{script.relative_to(ROOT)} declares no module-level RESULT_KEYS")
@@ -80,8 +83,9 @@ def names_in_code(script: Path) -> set[str]:
     tree = ast.parse(script.read_text(), str(script))
     out: set[str] = set()
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "RESULT_KEYS"
-                                                for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "RESULT_KEYS" for t in node.targets
+        ):
             continue
         for sub in ast.walk(node):
             if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
@@ -133,8 +137,9 @@ def test_schema_is_derived_from_the_measured_values(path):
     data = json.loads(path.read_text())
     derived = json.loads(json.dumps(figures_function(ROOT / data["script"])(measured_part(data)).as_dict()))
     for key in SCHEMA_KEYS:
-        assert data[key] == derived[key], (f"{path.relative_to(ROOT)}: its {key!r} differs from what "
-                                           f"{data['script']}'s figures() derives from it")
+        assert data[key] == derived[key], (
+            f"{path.relative_to(ROOT)}: its {key!r} differs from what {data['script']}'s figures() derives from it"
+        )
 
 
 def test_every_other_file_belongs_to_a_results_file():
@@ -165,28 +170,52 @@ def test_scripts_write_only_through_the_helper(script):
     assert not unnamed, f"{script.name}: RESULT_KEYS declares keys its code never names: {unnamed}"
     figures_function(script)  # ValueError: no module-level figures(result)
     free = figures_free_names(script)
-    assert not free, (f"{script.name}: figures() reads {free}, neither builtins nor benchmarks.common names "
-                      "(it runs compiled alone: benchmarks.common.figures_function)")
+    assert not free, (
+        f"{script.name}: figures() reads {free}, neither builtins nor benchmarks.common names "
+        "(it runs compiled alone: benchmarks.common.figures_function)"
+    )
 
 
 # ---- the checker fails where it must -------------------------------------------------------------
 def _good() -> dict:
-    return {"script": "benchmarks/throughput.py", "commit": "abc1234",
-            "machine": {"cpu_model": "Some CPU", "flags": ["avx2"], "cores": 2, "memory_gib": 24.0},
-            "command": ".venv/bin/python benchmarks/throughput.py", "loadavg_before": [0.1, 0.2, 0.3],
-            "loadavg_after": [0.4, 0.5, 0.6], "workload": {"num_requests": 64},
-            "summary": [{"metric": "output tok/s", "value": 143.7, "unit": "tok/s", "target": ">= 100", "met": True}],
-            "tables": [{"title": "runs", "columns": ["run", "tok/s"], "rows": [[1, 143.7], [2, 141.0]]}]}
+    return {
+        "script": "benchmarks/throughput.py",
+        "commit": "abc1234",
+        "machine": {"cpu_model": "Some CPU", "flags": ["avx2"], "cores": 2, "memory_gib": 24.0},
+        "command": ".venv/bin/python benchmarks/throughput.py",
+        "loadavg_before": [0.1, 0.2, 0.3],
+        "loadavg_after": [0.4, 0.5, 0.6],
+        "workload": {"num_requests": 64},
+        "summary": [{"metric": "output tok/s", "value": 143.7, "unit": "tok/s", "target": ">= 100", "met": True}],
+        "tables": [{"title": "runs", "columns": ["run", "tok/s"], "rows": [[1, 143.7], [2, 141.0]]}],
+    }
 
 
 def test_checker_accepts_a_whole_file():
     assert check_results(_good(), declared_keys(BENCHMARKS / "throughput.py")) == []
 
 
-@pytest.mark.parametrize("change", ["extra key", "no commit", "empty commit", "no machine", "machine without flags",
-                                    "no command", "no loadavg_after", "loadavg not a triple", "no summary",
-                                    "no tables", "both empty", "summary row without met", "met not a bool",
-                                    "value a record", "table row too short", "table without columns"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "extra key",
+        "no commit",
+        "empty commit",
+        "no machine",
+        "machine without flags",
+        "no command",
+        "no loadavg_after",
+        "loadavg not a triple",
+        "no summary",
+        "no tables",
+        "both empty",
+        "summary row without met",
+        "met not a bool",
+        "value a record",
+        "table row too short",
+        "table without columns",
+    ],
+)
 def test_checker_rejects(change):
     data = _good()
     row, table = data["summary"][0], data["tables"][0]
@@ -266,8 +295,10 @@ def test_free_names_of_figures_are_found(tmp_path):
     """``figures_free_names`` finds a script global that ``figures`` reads (it would be a
     NameError when compiled alone) and accepts builtins, its own names and benchmarks.common's."""
     script = tmp_path / "s.py"
-    script.write_text("LIMIT = 3\n\ndef figures(r):\n    f = Figures()\n    for k, v in r.items():\n"
-                      "        f.summary(k, percentile(v, 50), met=len(v) > LIMIT)\n    return f\n")
+    script.write_text(
+        "LIMIT = 3\n\ndef figures(r):\n    f = Figures()\n    for k, v in r.items():\n"
+        "        f.summary(k, percentile(v, 50), met=len(v) > LIMIT)\n    return f\n"
+    )
     assert figures_free_names(script) == ["LIMIT"]
     with pytest.raises(NameError, match="LIMIT"):
         figures_function(script)({"a": [1.0, 2.0]})

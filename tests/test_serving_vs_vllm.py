@@ -3,6 +3,7 @@ from a real Prometheus exposition (kvserve's and vLLM's names), medians and rang
 and kvserve / vLLM ratios with issue 41's targets judged from the medians; the headline rows
 (kvserve against ``vllm-allcores`` first, the docs default beside it) and ``--from-results``, which
 derives a committed file's figures again from its recorded runs."""
+
 import http.server
 import json
 import shutil
@@ -62,21 +63,38 @@ def test_prefix_counters_sum_every_series_of_both_names(metrics_server):
 
 
 def _runs(tputs, ttfts, tpots, hits=None):
-    return [{"output_throughput": a, "median_ttft_ms": b, "median_tpot_ms": c, "p99_ttft_ms": 2 * b,
-             "prefix_cache_hit_rate": None if hits is None else hits[i]}
-            for i, (a, b, c) in enumerate(zip(tputs, ttfts, tpots))]
+    return [
+        {
+            "output_throughput": a,
+            "median_ttft_ms": b,
+            "median_tpot_ms": c,
+            "p99_ttft_ms": 2 * b,
+            "prefix_cache_hit_rate": None if hits is None else hits[i],
+        }
+        for i, (a, b, c) in enumerate(zip(tputs, ttfts, tpots))
+    ]
 
 
 def test_medians_ranges_and_ratios_with_targets():
-    kv = {"1": summary(_runs([20, 22, 21], [150, 140, 400], [40, 41, 39], [0.0, 0.0, 0.0])),
-          "32": summary(_runs([240, 250, 230], [900, 950, 1000], [100, 90, 95]))}
-    vl = {"1": summary(_runs([25, 24, 26], [135, 130, 131], [39, 40, 41], [0.0, 0.0, 0.125])),
-          "32": summary(_runs([200, 190, 210], [800, 820, 810], [110, 100, 105]))}
+    kv = {
+        "1": summary(_runs([20, 22, 21], [150, 140, 400], [40, 41, 39], [0.0, 0.0, 0.0])),
+        "32": summary(_runs([240, 250, 230], [900, 950, 1000], [100, 90, 95])),
+    }
+    vl = {
+        "1": summary(_runs([25, 24, 26], [135, 130, 131], [39, 40, 41], [0.0, 0.0, 0.125])),
+        "32": summary(_runs([200, 190, 210], [800, 820, 810], [110, 100, 105])),
+    }
     assert kv["1"]["median_ttft_ms"] == {"median": 150, "min": 140, "max": 400}  # one slow round moves no median
     assert kv["32"]["prefix_cache_hit_rate"] is None and vl["1"]["prefix_cache_hit_rate"]["max"] == 0.125
-    result = {"servers": {"kvserve": {"levels": kv}, "vllm": {"levels": vl}}, "dtype": "float32", "repeats": 3,
-              "workload": {"input_len": 128, "output_len": 64, "stream_interval": 1, "vllm_stream_interval": True},
-              "client": "c", "model": "m", "order": [["kvserve", "vllm"], ["vllm", "kvserve"]]}
+    result = {
+        "servers": {"kvserve": {"levels": kv}, "vllm": {"levels": vl}},
+        "dtype": "float32",
+        "repeats": 3,
+        "workload": {"input_len": 128, "output_len": 64, "stream_interval": 1, "vllm_stream_interval": True},
+        "client": "c",
+        "model": "m",
+        "order": [["kvserve", "vllm"], ["vllm", "kvserve"]],
+    }
     r = ratios(result, "vllm")
     assert r["32"]["output_throughput"] == 1.2 and r["1"]["median_ttft_diff_ms"] == 19.0
     assert r["1"]["median_tpot"] == 1.0 and r["32"]["median_tpot"] == round(95 / 105, 3)
@@ -86,23 +104,49 @@ def test_medians_ranges_and_ratios_with_targets():
     result["kvserve_over_vllm"] = {"vllm": r}
     rows = {row["metric"]: row for row in figures(result).as_dict()["summary"]}
     met = {k.split("`vllm`")[1].split(",")[0].split(")")[-1].strip(): v["met"] for k, v in rows.items()}
-    assert met == {"output tok/s at concurrency 32": True, "TPOT p50 at concurrency 1": True,
-                   "TPOT p50 at concurrency 32": True, "TTFT p50 at concurrency 1": False}
+    assert met == {
+        "output tok/s at concurrency 32": True,
+        "TPOT p50 at concurrency 1": True,
+        "TPOT p50 at concurrency 32": True,
+        "TTFT p50 at concurrency 1": False,
+    }
 
 
 def _two_peer_result() -> dict:
     """Raw runs of kvserve and both vLLM configurations at concurrency 1 and 32, three rounds."""
+
     def runs(tput32):
-        return [{"round": i, "concurrency": c, "seed": i, "failed": 0, "output_throughput": t,
-                 "median_ttft_ms": 100.0, "median_tpot_ms": 1000 / t, "p99_ttft_ms": 200.0,
-                 "prefix_cache_hit_rate": 0.0, "load_average_before": [1.0, 1.0, 1.0],
-                 "load_average_after": [1.0, 1.0, 1.0]}
-                for i in range(3) for c, t in ((1, 20.0), (32, tput32 + i))]
-    return {"servers": {"kvserve": {"runs": runs(150.0)}, "vllm": {"runs": runs(110.0)},
-                        "vllm-allcores": {"runs": runs(190.0)}},
-            "dtype": "float32", "repeats": 3, "client": "c", "model": "m",
-            "workload": {"input_len": 128, "output_len": 64, "stream_interval": 1, "vllm_stream_interval": True},
-            "order": [["kvserve", "vllm", "vllm-allcores"]]}
+        return [
+            {
+                "round": i,
+                "concurrency": c,
+                "seed": i,
+                "failed": 0,
+                "output_throughput": t,
+                "median_ttft_ms": 100.0,
+                "median_tpot_ms": 1000 / t,
+                "p99_ttft_ms": 200.0,
+                "prefix_cache_hit_rate": 0.0,
+                "load_average_before": [1.0, 1.0, 1.0],
+                "load_average_after": [1.0, 1.0, 1.0],
+            }
+            for i in range(3)
+            for c, t in ((1, 20.0), (32, tput32 + i))
+        ]
+
+    return {
+        "servers": {
+            "kvserve": {"runs": runs(150.0)},
+            "vllm": {"runs": runs(110.0)},
+            "vllm-allcores": {"runs": runs(190.0)},
+        },
+        "dtype": "float32",
+        "repeats": 3,
+        "client": "c",
+        "model": "m",
+        "workload": {"input_len": 128, "output_len": 64, "stream_interval": 1, "vllm_stream_interval": True},
+        "order": [["kvserve", "vllm", "vllm-allcores"]],
+    }
 
 
 def test_headline_is_the_both_cores_peer_with_the_docs_default_beside_it():
@@ -131,8 +175,10 @@ def test_from_results_rederives_the_committed_file(tmp_path):
     assert measured_part(after) == measured_part(before)
     for k in ("script", "commit", "machine", "command", "loadavg_before", "loadavg_after"):
         assert after[k] == before[k]
-    assert after["summary"] == json.loads(json.dumps(figures_function(ROOT / after["script"])(
-        measured_part(after)).as_dict()))["summary"]
+    assert (
+        after["summary"]
+        == json.loads(json.dumps(figures_function(ROOT / after["script"])(measured_part(after)).as_dict()))["summary"]
+    )
     assert "--from-results" in after["schema_migrated_by"] and "(at commit " in after["schema_migrated_by"]
     assert (tmp_path / "serving_vs_vllm.png").stat().st_size > 10_000
     bad = json.loads(out.read_text())

@@ -2,6 +2,7 @@
 `.ci/run` output; a run that did not get that far has no counts (never a made-up time); a time is
 "met" only when every run was green, on one commit, beside a clean working tree, and a dirty tree
 is refused before anything runs."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -30,24 +31,35 @@ def test_counts_time_and_slowest_are_read():
     r = parse_output(OUTPUT)
     assert r["pytest_s"] == 892.39
     assert r["counts"] == {"passed": 1361, "skipped": 15, "warnings": 95, "subtests": 17}
-    assert r["slowest"][0] == ["tests/cluster/test_autoscaling_nodes.py::test_scale_up_adds_a_node_and_scale_down_"
-                               "removes_it", "call", 72.68]
+    assert r["slowest"][0] == [
+        "tests/cluster/test_autoscaling_nodes.py::test_scale_up_adds_a_node_and_scale_down_removes_it",
+        "call",
+        72.68,
+    ]
     assert [s[1] for s in r["slowest"]] == ["call", "setup", "teardown"]
 
 
 def test_a_failed_run_is_read_as_such():
     r = parse_output("FAILED tests/x.py::test_y\n1 failed, 1360 passed, 15 skipped in 821.61s (0:13:41)\n")
     assert r["counts"] == {"failed": 1, "passed": 1360, "skipped": 15} and r["pytest_s"] == 821.61
-    assert parse_output("make: *** [Makefile:17] Error 2\n") == {"counts": {}, "pytest_s": None, "sessions": [],
-                                                                 "pytest_total_s": None, "slowest": []}
+    assert parse_output("make: *** [Makefile:17] Error 2\n") == {
+        "counts": {},
+        "pytest_s": None,
+        "sessions": [],
+        "pytest_total_s": None,
+        "slowest": [],
+    }
 
 
-CI_OUTPUT = OUTPUT + """\
+CI_OUTPUT = (
+    OUTPUT
+    + """\
 .......... [100%]
 ============================= slowest 30 durations =============================
 148.80s call     tests/engine/test_kv_fp8.py::test_tiny_model_fp8_equals_hf_with_fp8_rounding[triton]
 10 passed, 1751 deselected in 210.65s (0:03:30)
 """
+)
 
 
 def test_both_sessions_of_ci_run_are_read():
@@ -63,24 +75,45 @@ def test_both_sessions_of_ci_run_are_read():
 def _run(commit, dirty=False, rc=0, wall=1000.0):
     parsed = parse_output(CI_OUTPUT)
     setup = wall - parsed["pytest_total_s"]
-    return {"commit": commit, "tree_dirty": dirty, "exit_status": rc, "wall_s": wall, "setup_s": setup,
-            "make_test_s": setup + parsed["pytest_s"], **parsed, "tail": None}
+    return {
+        "commit": commit,
+        "tree_dirty": dirty,
+        "exit_status": rc,
+        "wall_s": wall,
+        "setup_s": setup,
+        "make_test_s": setup + parsed["pytest_s"],
+        **parsed,
+        "tail": None,
+    }
 
 
 def _result(runs):
-    return {"runs": runs, "wall_s_median": 1200.0, "target_s": 900.0, "make_test_s_median": 850.0,
-            "ci_target_s": 5400.0, "commits": verdict(runs)["commits"], "clean_tree": verdict(runs)["clean_tree"]}
+    return {
+        "runs": runs,
+        "wall_s_median": 1200.0,
+        "target_s": 900.0,
+        "make_test_s_median": 850.0,
+        "ci_target_s": 5400.0,
+        "commits": verdict(runs)["commits"],
+        "clean_tree": verdict(runs)["clean_tree"],
+    }
 
 
 def _met(runs):
-    return {row["metric"].split(",")[0].split(" (")[0]: row["met"] for row in figures(_result(runs)).as_dict()["summary"]}
+    return {
+        row["metric"].split(",")[0].split(" (")[0]: row["met"] for row in figures(_result(runs)).as_dict()["summary"]
+    }
 
 
 def test_met_only_on_one_commit_and_a_clean_tree():
     good = [_run("a" * 40), _run("a" * 40), _run("a" * 40)]
     assert verdict(good) == {"commits": ["a" * 40], "one_commit": True, "clean_tree": True, "green": True}
-    assert _met(good) == {"fresh clone": True, "every run green": True, "every run on one commit": True,
-                          "working tree clean at every run": True}
+    assert _met(good) == {
+        "fresh clone": True,
+        "every run green": True,
+        "every run on one commit": True,
+        "working tree clean at every run": True,
+    }
     spans = [_run("a" * 40), _run("b" * 40), _run("b" * 40)]  # HEAD moved between runs
     assert verdict(spans)["commits"] == ["a" * 40, "b" * 40] and not verdict(spans)["one_commit"]
     m = _met(spans)
@@ -99,11 +132,30 @@ def test_a_file_from_before_the_check_is_not_met():
 
     from benchmarks.common import figures_function, measured_part
 
-    old = {"runs": [{"commit": "8d20439", "exit_status": 0, "wall_s": 844.7, "setup_s": 98.3, "counts": {"passed": 1},
-                     "pytest_s": 746.3, "slowest": [["t", "call", 1.0]]},
-                    {"commit": "2904433", "exit_status": 0, "wall_s": 807.2, "setup_s": 88.7, "counts": {"passed": 1},
-                     "pytest_s": 718.6, "slowest": [["t", "call", 1.0]]}],
-           "wall_s_median": 815.2, "target_s": 900.0}
+    old = {
+        "runs": [
+            {
+                "commit": "8d20439",
+                "exit_status": 0,
+                "wall_s": 844.7,
+                "setup_s": 98.3,
+                "counts": {"passed": 1},
+                "pytest_s": 746.3,
+                "slowest": [["t", "call", 1.0]],
+            },
+            {
+                "commit": "2904433",
+                "exit_status": 0,
+                "wall_s": 807.2,
+                "setup_s": 88.7,
+                "counts": {"passed": 1},
+                "pytest_s": 718.6,
+                "slowest": [["t", "call", 1.0]],
+            },
+        ],
+        "wall_s_median": 815.2,
+        "target_s": 900.0,
+    }
     rows = figures(old).as_dict()["summary"]
     assert rows[0]["value"] == 815.2 and rows[0]["met"] is False
     clean = next(r for r in rows if r["metric"].startswith("working tree"))
@@ -125,6 +177,7 @@ def test_a_dirty_tree_is_refused_before_anything_runs(tmp_path, monkeypatch):
 
 def test_tree_dirty_reads_git(tmp_path):
     """A repository with a changed tracked file is dirty; an untracked file alone is not."""
+
     def git(*a):
         subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
 

@@ -4,6 +4,7 @@ only tests use them).
 Import as ``from tiny_models import make_tiny_model`` (pytest puts ``tests/`` on
 ``sys.path`` for ``tests/conftest.py``).
 """
+
 from __future__ import annotations
 
 import os
@@ -101,10 +102,16 @@ def make_tiny_model(
     if arch == "gemma3":
         del fields["rope_theta"]
         fields.update(
-            sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=32,
-            rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
-            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+            sliding_window=16,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=32,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
     fields.update(overrides)
     if "rope_scaling" in fields and fields["rope_scaling"] is not None:
         # transformers 5 folds rope_theta and rope scaling into rope_parameters.
@@ -146,4 +153,5 @@ def run_async_engine(coro_fn, engine, timeout_s: float = 60.0):
             return await asyncio.wait_for(coro_fn(eng), timeout_s)
         finally:
             await eng.shutdown()
+
     return asyncio.run(main())

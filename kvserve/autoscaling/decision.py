@@ -72,8 +72,12 @@ class Decision:
     inputs: Dict[str, Any] = field(default_factory=dict)
 
     def log_record(self) -> Dict[str, Any]:
-        rec = {"event": "kvserve_autoscaling_decision", "desired": self.desired,
-               "action": self.action, "reason": self.reason}
+        rec = {
+            "event": "kvserve_autoscaling_decision",
+            "desired": self.desired,
+            "action": self.action,
+            "reason": self.reason,
+        }
         rec.update(self.inputs)
         return rec
 
@@ -117,8 +121,9 @@ def decide(ctx: Any, config: Optional[KVServeAutoscalingConfig] = None) -> Tuple
         return _finish(desired, reason, tick, inputs, state, prev, cfg)
 
     # Demand, once: measured with the memory the tick started with, which then advances.
-    fleet = measure_fleet(read_replica_metrics(ctx, cfg.signal_source), state,
-                          ctx_attr(ctx, "total_queued_requests", 0.0))
+    fleet = measure_fleet(
+        read_replica_metrics(ctx, cfg.signal_source), state, ctx_attr(ctx, "total_queued_requests", 0.0)
+    )
     growth = update_fleet_memory(state, fleet, tick.now, tick.dt, cfg)
     demand = replica_demand(fleet, cfg, growth)
     inputs.update({k: (round(v, 3) if isinstance(v, float) else v) for k, v in demand.items()})
@@ -131,8 +136,12 @@ def decide(ctx: Any, config: Optional[KVServeAutoscalingConfig] = None) -> Tuple
         sustained = _sustained(state, raw, tick, cfg)
         smoothed = _decayed(state, raw, sustained, tick, cfg)
         peak = _recent_peak(state, sustained, tick, cfg)
-        inputs.update(raw_desired=round(raw, 3), sustained_desired=round(sustained, 3),
-                      smoothed_desired=round(smoothed, 3), recent_sustained_peak=round(peak, 3))
+        inputs.update(
+            raw_desired=round(raw, 3),
+            sustained_desired=round(sustained, 3),
+            smoothed_desired=round(smoothed, 3),
+            recent_sustained_peak=round(peak, 3),
+        )
         desired, reason = _hysteresis(sustained, smoothed, peak, demand, tick, cfg)
     return _finish(desired, reason, tick, inputs, state, prev, cfg)
 
@@ -172,8 +181,16 @@ def _start_tick(ctx: Any, state: Dict[str, Any], cfg: KVServeAutoscalingConfig) 
     downs = (finite(ctx_attr(ctx, "last_scale_down_time")), finite(state.get(state_key("last_down"))))
     last_up = max([x for x in ups if x is not None], default=-math.inf)
     last_down = max([x for x in downs if x is not None], default=-math.inf)
-    return Tick(now=now, dt=dt, target=target, lo=lo, hi=hi, floor=floor, last_up=last_up,
-                last_event=max(last_up, last_down, t0))
+    return Tick(
+        now=now,
+        dt=dt,
+        target=target,
+        lo=lo,
+        hi=hi,
+        floor=floor,
+        last_up=last_up,
+        last_event=max(last_up, last_down, t0),
+    )
 
 
 def _sustained(state: Dict[str, Any], raw: float, tick: Tick, cfg: KVServeAutoscalingConfig) -> float:
@@ -194,8 +211,7 @@ def _sustained(state: Dict[str, Any], raw: float, tick: Tick, cfg: KVServeAutosc
     return min(raw, float(tick.target))  # (re)started less than one window ago: no upscale yet
 
 
-def _decayed(state: Dict[str, Any], raw: float, sustained: float, tick: Tick,
-             cfg: KVServeAutoscalingConfig) -> float:
+def _decayed(state: Dict[str, Any], raw: float, sustained: float, tick: Tick, cfg: KVServeAutoscalingConfig) -> float:
     """Downscale smoothing: an EWMA that follows sustained rises at once and decays toward
     lower demand with time constant ``downscale_smoothing_s``."""
     ewma = finite(state.get(state_key("ewma")))
@@ -216,8 +232,11 @@ def _recent_peak(state: Dict[str, Any], sustained: float, tick: Tick, cfg: KVSer
     buckets): a scale-down never goes below what it would have scaled up to, so it is not
     undone by the next upward wiggle of a noisy signal."""
     now = tick.now
-    peaks = [p for p in state.get(state_key("peaks"), []) if isinstance(p, (list, tuple)) and len(p) == 2
-             and p[0] >= now - cfg.downscale_cooldown_s]
+    peaks = [
+        p
+        for p in state.get(state_key("peaks"), [])
+        if isinstance(p, (list, tuple)) and len(p) == 2 and p[0] >= now - cfg.downscale_cooldown_s
+    ]
     bucket = math.floor(now / PEAK_BUCKET_S) * PEAK_BUCKET_S
     if peaks and peaks[-1][0] == bucket:
         peaks[-1] = [bucket, max(peaks[-1][1], sustained)]
@@ -227,8 +246,9 @@ def _recent_peak(state: Dict[str, Any], sustained: float, tick: Tick, cfg: KVSer
     return max(p[1] for p in peaks)
 
 
-def _hysteresis(sustained: float, smoothed: float, peak: float, demand: Mapping[str, Any], tick: Tick,
-                cfg: KVServeAutoscalingConfig) -> Tuple[int, str]:
+def _hysteresis(
+    sustained: float, smoothed: float, peak: float, demand: Mapping[str, Any], tick: Tick, cfg: KVServeAutoscalingConfig
+) -> Tuple[int, str]:
     """Scale up when the sustained demand leaves the band above the target (after the
     upscale cool-down), down when the smoothed demand plus headroom and the recent peaks
     fit a smaller fleet (after the downscale cool-down, and only if the queue fits it)."""
@@ -242,8 +262,7 @@ def _hysteresis(sustained: float, smoothed: float, peak: float, demand: Mapping[
             return up, demand["reason"]
         return tick.target, REASON_UPSCALE_COOLDOWN
     if down < tick.target:
-        waiting = (demand["waiting_requests"] + demand["handle_queued_requests"]
-                   + demand.get("refused_requests", 0.0))
+        waiting = demand["waiting_requests"] + demand["handle_queued_requests"] + demand.get("refused_requests", 0.0)
         if waiting > cfg.target_queue_per_replica * max(down, 1):
             return tick.target, REASON_QUEUE_GUARD
         if tick.now - tick.last_event >= cfg.downscale_cooldown_s:
@@ -252,8 +271,15 @@ def _hysteresis(sustained: float, smoothed: float, peak: float, demand: Mapping[
     return tick.target, REASON_HYSTERESIS
 
 
-def _finish(desired: int, reason: str, tick: Tick, inputs: Dict[str, Any], state: Dict[str, Any],
-            prev: Mapping[str, Any], cfg: KVServeAutoscalingConfig) -> Tuple[Decision, Dict[str, Any]]:
+def _finish(
+    desired: int,
+    reason: str,
+    tick: Tick,
+    inputs: Dict[str, Any],
+    state: Dict[str, Any],
+    prev: Mapping[str, Any],
+    cfg: KVServeAutoscalingConfig,
+) -> Tuple[Decision, Dict[str, Any]]:
     """Apply the bounds (the schedule floor and min/max win over everything), then log/export."""
     if desired > tick.hi:
         desired, reason = tick.hi, REASON_MAX_REPLICAS
@@ -266,13 +292,13 @@ def _finish(desired: int, reason: str, tick: Tick, inputs: Dict[str, Any], state
     return decision, state
 
 
-def _observe(decision: Decision, state: Dict[str, Any], prev: Mapping[str, Any], now: float,
-             cfg: KVServeAutoscalingConfig) -> None:
+def _observe(
+    decision: Decision, state: Dict[str, Any], prev: Mapping[str, Any], now: float, cfg: KVServeAutoscalingConfig
+) -> None:
     """One structured log line per decision change (and every ``log_interval_s``), plus gauges."""
     last_log = finite(prev.get(state_key("last_log")))
     changed = (
-        prev.get(state_key("last_desired")) != decision.desired
-        or prev.get(state_key("last_reason")) != decision.reason
+        prev.get(state_key("last_desired")) != decision.desired or prev.get(state_key("last_reason")) != decision.reason
     )
     if changed or last_log is None or now - last_log >= cfg.log_interval_s:
         if logger.isEnabledFor(logging.INFO):

@@ -104,12 +104,17 @@ class FleetLoad:
 
     @property
     def idle(self) -> bool:
-        return (self.waiting_total <= 0 and self.running_requests <= 0
-                and self.generation_tokens_per_s <= 0 and self.prefill_tokens_per_s <= 0)
+        return (
+            self.waiting_total <= 0
+            and self.running_requests <= 0
+            and self.generation_tokens_per_s <= 0
+            and self.prefill_tokens_per_s <= 0
+        )
 
 
-def measure_fleet(replicas: Mapping[Any, Mapping[str, float]], state: Mapping[str, Any],
-                  handle_queued: float = 0.0) -> FleetLoad:
+def measure_fleet(
+    replicas: Mapping[Any, Mapping[str, float]], state: Mapping[str, Any], handle_queued: float = 0.0
+) -> FleetLoad:
     """Fleet totals from ``{replica_id: metrics}`` (see ``read_replica_metrics``).
 
     ``state`` (read only) supplies the last known capacities when no replica reports one,
@@ -130,8 +135,11 @@ def measure_fleet(replicas: Mapping[Any, Mapping[str, float]], state: Mapping[st
     cap_p_list = [m[PREFILL_CAPACITY_TOKENS_PER_S] for m in reporting if m.get(PREFILL_CAPACITY_TOKENS_PER_S, 0.0) > 0]
     cap_d = _median(cap_d_list) if cap_d_list else finite(state.get(state_key("cap_decode")))
     cap_p = _median(cap_p_list) if cap_p_list else finite(state.get(state_key("cap_prefill")))
-    waiting, waiting_tok, running = (total(NUM_WAITING_REQUESTS), total(NUM_WAITING_PREFILL_TOKENS),
-                                     total(NUM_RUNNING_REQUESTS))
+    waiting, waiting_tok, running = (
+        total(NUM_WAITING_REQUESTS),
+        total(NUM_WAITING_PREFILL_TOKENS),
+        total(NUM_RUNNING_REQUESTS),
+    )
     gen_tps, pre_tps = total(GENERATION_TOKENS_PER_S), total(PREFILL_TOKENS_PER_S)
     kv = tuple(min(1.0, max(0.0, m[KV_CACHE_USAGE])) for m in reporting if KV_CACHE_USAGE in m)
 
@@ -168,18 +176,30 @@ def measure_fleet(replicas: Mapping[Any, Mapping[str, float]], state: Mapping[st
         work_backlog = queued_work + running * (decode_work or 0.0)
 
     return FleetLoad(
-        num_replicas_reporting=len(reporting), waiting_requests=waiting, handle_queued_requests=handle_queued,
+        num_replicas_reporting=len(reporting),
+        waiting_requests=waiting,
+        handle_queued_requests=handle_queued,
         refused_requests=refused,
-        replica_waiting_prefill_tokens=waiting_tok, waiting_prefill_tokens=waiting_tok_total,
-        running_requests=running, generation_tokens_per_s=gen_tps, prefill_tokens_per_s=pre_tps,
-        decode_capacity_tokens_per_s=cap_d, prefill_capacity_tokens_per_s=cap_p, kv_cache_usages=kv,
-        load_replicas=load, prefill_load_replicas=prefill_load, avg_prompt_tokens=avg_prompt,
-        decode_work_per_request_s=decode_work, queued_work_s=queued_work, work_backlog_s=work_backlog,
+        replica_waiting_prefill_tokens=waiting_tok,
+        waiting_prefill_tokens=waiting_tok_total,
+        running_requests=running,
+        generation_tokens_per_s=gen_tps,
+        prefill_tokens_per_s=pre_tps,
+        decode_capacity_tokens_per_s=cap_d,
+        prefill_capacity_tokens_per_s=cap_p,
+        kv_cache_usages=kv,
+        load_replicas=load,
+        prefill_load_replicas=prefill_load,
+        avg_prompt_tokens=avg_prompt,
+        decode_work_per_request_s=decode_work,
+        queued_work_s=queued_work,
+        work_backlog_s=work_backlog,
     )
 
 
-def replica_demand(fleet: FleetLoad, config: KVServeAutoscalingConfig,
-                   backlog_growth_replicas: float = 0.0) -> Dict[str, Any]:
+def replica_demand(
+    fleet: FleetLoad, config: KVServeAutoscalingConfig, backlog_growth_replicas: float = 0.0
+) -> Dict[str, Any]:
     """Raw demand (replicas, float) from one tick's fleet totals: no smoothing, no bounds.
 
     Returns ``raw``, ``reason`` (the dominating signal), the rounded ``signals`` and every
@@ -203,7 +223,8 @@ def replica_demand(fleet: FleetLoad, config: KVServeAutoscalingConfig,
         growth_load = max(0.0, finite(backlog_growth_replicas) or 0.0) * min(1.0, max(0.0, gate))
         signals[REASON_THROUGHPUT] = (f.load_replicas + growth_load) / cfg.target_utilization
         signals[REASON_PREFILL_BACKLOG] = (
-            f.waiting_prefill_tokens / f.prefill_capacity_tokens_per_s / cfg.target_prefill_backlog_s)
+            f.waiting_prefill_tokens / f.prefill_capacity_tokens_per_s / cfg.target_prefill_backlog_s
+        )
     else:
         signals[REASON_REQUESTS_FALLBACK] = (f.running_requests + f.waiting_total) / cfg.fallback_ongoing_per_replica
     signals[REASON_QUEUE] = f.waiting_total / cfg.target_queue_per_replica
@@ -259,8 +280,9 @@ def compute_demand(
     return replica_demand(measure_fleet(replicas, state, handle_queued), config, backlog_growth_replicas)
 
 
-def update_fleet_memory(state: Dict[str, Any], fleet: FleetLoad, now: float, dt: float,
-                        config: KVServeAutoscalingConfig) -> float:
+def update_fleet_memory(
+    state: Dict[str, Any], fleet: FleetLoad, now: float, dt: float, config: KVServeAutoscalingConfig
+) -> float:
     """Advance the policy's memory of the fleet after a tick's measurement (in ``state``):
     the request-mix averages, the backlog-growth EWMA and the last known capacities.
 
@@ -288,8 +310,9 @@ def _update_mix(state: Dict[str, Any], fleet: FleetLoad, dt: float) -> None:
         _ewma_into(state, "mix_ptps", fleet.prefill_tokens_per_s, dt, MIX_TAU_S)
 
 
-def _update_backlog_growth(state: Dict[str, Any], backlog: Optional[float], now: float,
-                           config: KVServeAutoscalingConfig) -> float:
+def _update_backlog_growth(
+    state: Dict[str, Any], backlog: Optional[float], now: float, config: KVServeAutoscalingConfig
+) -> float:
     """Smoothed d(work backlog)/dt in replicas, sampled at most once per second, EWMA with
     time constant ``backlog_growth_smoothing_s`` (0 disables: returns 0)."""
     tau = config.backlog_growth_smoothing_s
@@ -323,8 +346,11 @@ def _served_prompt(reporting: Sequence[Mapping[str, float]]) -> Optional[float]:
     """Mean prompt (tokens) of the requests the replicas served recently: their
     ``served_prompt_tokens`` weighted by prefill throughput (plain mean where none has any);
     None when no replica reports one."""
-    rows = [(m[SERVED_PROMPT_TOKENS], max(0.0, m.get(PREFILL_TOKENS_PER_S, 0.0)))
-            for m in reporting if m.get(SERVED_PROMPT_TOKENS, 0.0) > 0]
+    rows = [
+        (m[SERVED_PROMPT_TOKENS], max(0.0, m.get(PREFILL_TOKENS_PER_S, 0.0)))
+        for m in reporting
+        if m.get(SERVED_PROMPT_TOKENS, 0.0) > 0
+    ]
     if not rows:
         return None
     weight = sum(w for _, w in rows)

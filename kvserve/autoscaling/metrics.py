@@ -55,14 +55,24 @@ class _RayBackend(_Backend):
     def __init__(self):
         from kvserve.telemetry.metrics import metric
 
-        self._desired = metric("gauge", DESIRED_REPLICAS.removeprefix("kvserve_"),
-                               "Replicas the kvserve autoscaling policy asked for, by reason.",
-                               ("deployment", "application", "reason"))
-        self._raw = metric("gauge", RAW_DESIRED_REPLICAS.removeprefix("kvserve_"),
-                           "Unsmoothed replica demand computed by the kvserve policy.", ("deployment", "application"))
-        self._decisions = metric("counter", SCALE_DECISIONS.removeprefix("kvserve_").removesuffix("_total"),
-                                 "kvserve autoscaling evaluations asking for a different target.",
-                                 ("deployment", "application", "direction", "reason"))
+        self._desired = metric(
+            "gauge",
+            DESIRED_REPLICAS.removeprefix("kvserve_"),
+            "Replicas the kvserve autoscaling policy asked for, by reason.",
+            ("deployment", "application", "reason"),
+        )
+        self._raw = metric(
+            "gauge",
+            RAW_DESIRED_REPLICAS.removeprefix("kvserve_"),
+            "Unsmoothed replica demand computed by the kvserve policy.",
+            ("deployment", "application"),
+        )
+        self._decisions = metric(
+            "counter",
+            SCALE_DECISIONS.removeprefix("kvserve_").removesuffix("_total"),
+            "kvserve autoscaling evaluations asking for a different target.",
+            ("deployment", "application", "direction", "reason"),
+        )
 
     def set_desired(self, labels, value):
         self._desired.set(labels, value)

@@ -70,8 +70,7 @@ def parse_schedule(spec: Union[None, str, Iterable[Any]]) -> Tuple[ScheduleEntry
                 entries.append(ScheduleEntry(float(start), float(end), int(n)))
             except ValueError as e:
                 raise ValueError(
-                    f"bad schedule entry {part!r}: expected START-END:MIN_REPLICAS "
-                    f"(hours, e.g. '8-20:4' or '22-6:1')"
+                    f"bad schedule entry {part!r}: expected START-END:MIN_REPLICAS (hours, e.g. '8-20:4' or '22-6:1')"
                 ) from e
         return tuple(entries)
     out = []
@@ -79,11 +78,7 @@ def parse_schedule(spec: Union[None, str, Iterable[Any]]) -> Tuple[ScheduleEntry
         if isinstance(item, ScheduleEntry):
             out.append(item)
         elif isinstance(item, Mapping):
-            out.append(
-                ScheduleEntry(
-                    float(item["start_hour"]), float(item["end_hour"]), int(item["min_replicas"])
-                )
-            )
+            out.append(ScheduleEntry(float(item["start_hour"]), float(item["end_hour"]), int(item["min_replicas"])))
         else:
             s, e, n = item
             out.append(ScheduleEntry(float(s), float(e), int(n)))

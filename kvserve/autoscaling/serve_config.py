@@ -113,13 +113,20 @@ def add_autoscaling_args(parser: Any) -> Any:
         if name == "policy_mode":
             kwargs["choices"] = POLICY_MODES
         group.add_argument(flag, **kwargs)
-    group.add_argument("--allow-scale-to-zero", action="store_true", default=None,
-                       dest="autoscaling_allow_scale_to_zero", help="permit min_replicas=0")
+    group.add_argument(
+        "--allow-scale-to-zero",
+        action="store_true",
+        default=None,
+        dest="autoscaling_allow_scale_to_zero",
+        help="permit min_replicas=0",
+    )
     return parser
 
 
-def config_from_args(args: Any, base: Union[None, KVServeAutoscalingConfig, Mapping[str, Any]] = None,
-                     ) -> KVServeAutoscalingConfig:
+def config_from_args(
+    args: Any,
+    base: Union[None, KVServeAutoscalingConfig, Mapping[str, Any]] = None,
+) -> KVServeAutoscalingConfig:
     """Knobs from parsed ``add_autoscaling_args`` flags layered over ``base``; raises
     ValueError when the result is not a valid config."""
     data = KVServeAutoscalingConfig.coerce(base).to_dict()
@@ -128,4 +135,3 @@ def config_from_args(args: Any, base: Union[None, KVServeAutoscalingConfig, Mapp
         if v is not None:
             data[name] = v
     return KVServeAutoscalingConfig.from_dict(data)
-

@@ -128,9 +128,7 @@ class KVServeAutoscalingConfig:
             )
         if self.max_replicas < max(1, self.min_replicas):
             raise ValueError("max_replicas must be >= max(1, min_replicas)")
-        if self.initial_replicas is not None and not (
-            self.min_replicas <= self.initial_replicas <= self.max_replicas
-        ):
+        if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
             raise ValueError("initial_replicas must be within [min_replicas, max_replicas]")
         for name in (
             "target_queue_per_replica",

@@ -2,6 +2,7 @@
 (``ray_auth``), the ``ray up`` configs (``*.yaml``, checked by ``launcher_config``) and their
 local smoke test (``smoke_local.sh``). This package module itself imports nothing heavy
 (no Ray, no torch), so front ends can use :func:`reset_niceness` and :func:`set_local_ray_env`."""
+
 import os
 from collections.abc import MutableMapping
 

@@ -9,6 +9,7 @@ it too. No cloud API is called and no credentials are needed.
 
     python -m kvserve.cluster.launcher_config kvserve/cluster/aws-gpu.yaml kvserve/cluster/gcp-gpu.yaml kvserve/cluster/local.yaml
 """
+
 from __future__ import annotations
 
 import copy

@@ -13,6 +13,7 @@ Ray 2.60): readable by every local user. kvserve writes the token file itself, o
 Nothing here imports ray at module level: these functions set environment variables that Ray
 reads when it is imported (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) or initialised.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,10 +44,10 @@ TOKEN_HELP = (
 class AuthSetup:
     """What :func:`ensure_local_auth` / :func:`ensure_join_auth` settled on."""
 
-    mode: str                  # "token" or "disabled"
-    token_source: str | None   # "RAY_AUTH_TOKEN" (env) or the token file's path; None when disabled
-    created: bool = False      # a new token file was written
-    loopback: bool = False     # a local instance binds its ports to 127.0.0.1
+    mode: str  # "token" or "disabled"
+    token_source: str | None  # "RAY_AUTH_TOKEN" (env) or the token file's path; None when disabled
+    created: bool = False  # a new token file was written
+    loopback: bool = False  # a local instance binds its ports to 127.0.0.1
 
     def describe(self) -> str:
         if self.mode != "token":
@@ -111,9 +112,11 @@ def _make_private(path: Path, *, warn: Callable[[str], None]) -> None:
     if st.st_uid == os.getuid():
         os.chmod(path, 0o600)
     else:
-        warn(f"kvserve: WARNING: the Ray token file {path} is readable by other users "
-             f"(mode {stat.S_IMODE(st.st_mode):o}) and not yours to chmod: anyone who reads it can run code "
-             f"on the cluster.")
+        warn(
+            f"kvserve: WARNING: the Ray token file {path} is readable by other users "
+            f"(mode {stat.S_IMODE(st.st_mode):o}) and not yours to chmod: anyone who reads it can run code "
+            f"on the cluster."
+        )
 
 
 def write_token_file(path: Path) -> bool:
@@ -168,17 +171,20 @@ def disabled_warning() -> str:
     except (ImportError, KeyError):
         user = os.environ.get("USER") or str(os.getuid())
     bar = "!" * 100
-    return (f"{bar}\n"
-            f"kvserve: WARNING: RAY_AUTH_MODE=disabled is set: Ray's token authentication is OFF.\n"
-            f"  Anyone who can reach this machine's Ray ports (GCS, raylet, object manager, worker and\n"
-            f"  Serve-replica gRPC servers, dashboard agent) can join the cluster, run arbitrary code as\n"
-            f"  user {user!r} and call the model deployments directly, without an API key.\n"
-            f"  Unset RAY_AUTH_MODE (kvserve's default is token) unless this machine is unreachable.\n"
-            f"{bar}")
+    return (
+        f"{bar}\n"
+        f"kvserve: WARNING: RAY_AUTH_MODE=disabled is set: Ray's token authentication is OFF.\n"
+        f"  Anyone who can reach this machine's Ray ports (GCS, raylet, object manager, worker and\n"
+        f"  Serve-replica gRPC servers, dashboard agent) can join the cluster, run arbitrary code as\n"
+        f"  user {user!r} and call the model deployments directly, without an API key.\n"
+        f"  Unset RAY_AUTH_MODE (kvserve's default is token) unless this machine is unreachable.\n"
+        f"{bar}"
+    )
 
 
-def _begin(env: MutableMapping[str, str], want_loopback: bool,
-           warn: Callable[[str], None]) -> tuple[AuthSetup | None, bool]:
+def _begin(
+    env: MutableMapping[str, str], want_loopback: bool, warn: Callable[[str], None]
+) -> tuple[AuthSetup | None, bool]:
     """What starting and joining share: bind to loopback when wanted (unless the user set
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``), then the auth mode: a user's explicit "disabled"
     is kept with a loud warning (returns its :class:`AuthSetup`); otherwise token mode is set
@@ -203,8 +209,9 @@ def _begin(env: MutableMapping[str, str], want_loopback: bool,
     return None, loopback
 
 
-def ensure_local_auth(env: MutableMapping[str, str] | None = None, *, loopback: bool = True,
-                      warn: Callable[[str], None] = _stderr) -> AuthSetup:
+def ensure_local_auth(
+    env: MutableMapping[str, str] | None = None, *, loopback: bool = True, warn: Callable[[str], None] = _stderr
+) -> AuthSetup:
     """Environment for a Ray instance kvserve starts itself (``kvserve serve`` without ``--address``).
 
     Call it before ``import ray``. Turns on token auth (``RAY_AUTH_MODE=token``) unless the
@@ -240,8 +247,9 @@ def is_loopback_address(address: str | None) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
-def ensure_join_auth(env: MutableMapping[str, str] | None = None, address: str | None = None, *,
-                     warn: Callable[[str], None] = _stderr) -> AuthSetup:
+def ensure_join_auth(
+    env: MutableMapping[str, str] | None = None, address: str | None = None, *, warn: Callable[[str], None] = _stderr
+) -> AuthSetup:
     """Environment for a driver joining a running cluster (``kvserve serve --address ...``).
 
     Call it before ``import ray``. Token mode by default: the driver must hold the cluster's
@@ -266,7 +274,8 @@ def ensure_join_auth(env: MutableMapping[str, str] | None = None, address: str |
                 f"  Copy the head node's token here, owner-only, e.g. `mkdir -p -m 700 ~/.ray && "
                 f"(umask 077; ssh <head> ray get-auth-token > ~/.ray/auth_token)`,\n"
                 f"  or run with RAY_AUTH_TOKEN_PATH=/path/to/token. "
-                f"Only for a cluster that runs without token auth: RAY_AUTH_MODE=disabled.")
+                f"Only for a cluster that runs without token auth: RAY_AUTH_MODE=disabled."
+            )
         _make_private(path, warn=warn)
         setup = AuthSetup("token", str(path), loopback=loopback)
     _refresh_imported_ray(env, loopback)
@@ -278,16 +287,22 @@ def join_failure_message(address: str | None, setup: AuthSetup, exc: BaseExcepti
     text = f"{type(exc).__name__}: {exc}".strip()
     lines = [f"kvserve serve: could not join the Ray cluster at {address!r}: {text.splitlines()[0][:300]}"]
     if setup.mode == "token":
-        lines.append(f"  This driver authenticates with the token from {setup.token_source}. If the cluster's GCS "
-                     f"logged 'Unauthenticated' / 'InvalidAuthToken', the token differs from the cluster's: "
-                     f"{TOKEN_HELP}")
+        lines.append(
+            f"  This driver authenticates with the token from {setup.token_source}. If the cluster's GCS "
+            f"logged 'Unauthenticated' / 'InvalidAuthToken', the token differs from the cluster's: "
+            f"{TOKEN_HELP}"
+        )
         lines.append("  If the cluster runs without token auth, join with RAY_AUTH_MODE=disabled (not recommended).")
     else:
-        lines.append("  RAY_AUTH_MODE=disabled: if the cluster uses token auth (Ray >= 2.52 enables it for new "
-                     "local clusters), unset RAY_AUTH_MODE and provide its token. " + TOKEN_HELP)
-    lines.append("  For a single-node instance bound to 127.0.0.1 (one that `kvserve serve` started), set "
-                 f"{LOOPBACK_VAR}=0 in this environment too: without it Ray rewrites 127.0.0.1 to this "
-                 "machine's network address.")
+        lines.append(
+            "  RAY_AUTH_MODE=disabled: if the cluster uses token auth (Ray >= 2.52 enables it for new "
+            "local clusters), unset RAY_AUTH_MODE and provide its token. " + TOKEN_HELP
+        )
+    lines.append(
+        "  For a single-node instance bound to 127.0.0.1 (one that `kvserve serve` started), set "
+        f"{LOOPBACK_VAR}=0 in this environment too: without it Ray rewrites 127.0.0.1 to this "
+        "machine's network address."
+    )
     return "\n".join(lines)
 
 

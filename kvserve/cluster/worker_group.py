@@ -21,6 +21,7 @@ sampled tokens of the last stage's tensor rank 0 (rank 0 without a pipeline) are
 
 This module imports Ray and the engine, never ``kvserve/deployments/``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,12 @@ import tempfile
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, \
-    remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvserve.cluster import reset_niceness
@@ -75,8 +80,14 @@ class TPWorker(Worker):
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
         return os.path.join(self._rendezvous_dir, "rendezvous")
 
-    def init(self, config: EngineConfig, model_path: str, init_method: str, one_node: bool = True,
-             collective_timeout_s: float = 300.0) -> dict:
+    def init(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        init_method: str,
+        one_node: bool = True,
+        collective_timeout_s: float = 300.0,
+    ) -> dict:
         """:meth:`kvserve.engine.worker.Worker.init` (Ray sets ``CUDA_VISIBLE_DEVICES`` to this actor's
         GPU); the returned dict also has this rank's ``node_id`` and ``ip``."""
         return {**super().init(config, model_path, init_method, one_node, collective_timeout_s), **self.where()}
@@ -121,10 +132,20 @@ class RayWorkerGroup(Executor):
         TimeoutError: the placement group could not be reserved in time.
     """
 
-    def __init__(self, config: EngineConfig, model_path: str | Path, *, placement_group: PlacementGroup | None = None,
-                 num_cpus: float | None = None, num_gpus: float | None = None,
-                 torch_num_threads: int | None = None, bundle_offset: int = 0, timeout_s: float = 300.0,
-                 strategy: str = "STRICT_PACK", collective_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str | Path,
+        *,
+        placement_group: PlacementGroup | None = None,
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
+        torch_num_threads: int | None = None,
+        bundle_offset: int = 0,
+        timeout_s: float = 300.0,
+        strategy: str = "STRICT_PACK",
+        collective_timeout_s: float = 300.0,
+    ):
         super().__init__(config, model_path)
         n = config.tensor_parallel_size * config.pipeline_parallel_size
         self.driver = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
@@ -146,19 +167,26 @@ class RayWorkerGroup(Executor):
             self._owned_pg = pg
         if not pg.wait(timeout_seconds=timeout_s):
             self.shutdown()
-            raise TimeoutError(f"placement group for {n} model-parallel workers not ready after {timeout_s}s "
-                               f"(each needs {num_cpus} CPU, {num_gpus} GPU)")
+            raise TimeoutError(
+                f"placement group for {n} model-parallel workers not ready after {timeout_s}s "
+                f"(each needs {num_cpus} CPU, {num_gpus} GPU)"
+            )
         if len(pg.bundle_specs) < bundle_offset + n:
             self.shutdown()
-            raise ValueError(f"placement group has {len(pg.bundle_specs)} bundles; "
-                             f"{n} ranks (tensor x pipeline parallel) need {n} from bundle {bundle_offset}")
+            raise ValueError(
+                f"placement group has {len(pg.bundle_specs)} bundles; "
+                f"{n} ranks (tensor x pipeline parallel) need {n} from bundle {bundle_offset}"
+            )
         actor_cls = ray.remote(concurrency_groups={"health": 1})(TPWorker)
         self.workers = [
             actor_cls.options(
-                num_cpus=num_cpus, num_gpus=num_gpus,
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle_offset + rank,
-                    placement_group_capture_child_tasks=True),
+                    placement_group=pg,
+                    placement_group_bundle_index=bundle_offset + rank,
+                    placement_group_capture_child_tasks=True,
+                ),
             ).remote(rank, n, torch_num_threads)
             for rank in range(n)
         ]
@@ -169,8 +197,13 @@ class RayWorkerGroup(Executor):
                 init_method = "file://" + ray.get(self.workers[0].rendezvous_file.remote(), timeout=timeout_s)
             else:
                 init_method = ray.get(self.workers[0].rendezvous_tcp.remote(), timeout=timeout_s)
-            infos = ray.get([w.init.remote(config, str(model_path), init_method, one_node, collective_timeout_s)
-                             for w in self.workers], timeout=timeout_s)
+            infos = ray.get(
+                [
+                    w.init.remote(config, str(model_path), init_method, one_node, collective_timeout_s)
+                    for w in self.workers
+                ],
+                timeout=timeout_s,
+            )
         except Exception:
             self.shutdown()
             raise
@@ -209,10 +242,12 @@ class RayWorkerGroup(Executor):
         """Where the ranks run: the placement group (the replica's own, or one created here),
         its bundles and strategy, and each rank's process."""
         pg = self.placement_group
-        return {"placement_group_id": pg.id.hex() if pg is not None else None,
-                "created_here": self._owned_pg is not None,
-                "bundles": list(pg.bundle_specs) if pg is not None else None,
-                "ranks": self.worker_info}
+        return {
+            "placement_group_id": pg.id.hex() if pg is not None else None,
+            "created_here": self._owned_pg is not None,
+            "bundles": list(pg.bundle_specs) if pg is not None else None,
+            "ranks": self.worker_info,
+        }
 
     def check_health(self, timeout_s: float = 30.0) -> None:
         """Ping every rank (blocking, for the engine's step thread).
@@ -290,8 +325,14 @@ def placement_group_create(bundles: list[dict], strategy: str = "STRICT_PACK") -
     return placement_group(bundles, strategy=strategy)
 
 
-def tp_placement_group_bundles(tensor_parallel_size: int, device: str = "cpu", *, replica_cpus: float = 1.0,
-                               worker_cpus: float = 1.0, worker_gpus: float | None = None) -> list[dict]:
+def tp_placement_group_bundles(
+    tensor_parallel_size: int,
+    device: str = "cpu",
+    *,
+    replica_cpus: float = 1.0,
+    worker_cpus: float = 1.0,
+    worker_gpus: float | None = None,
+) -> list[dict]:
     """Serve ``placement_group_bundles`` for a replica with ``tensor_parallel_size`` workers (pass
     ``tensor_parallel_size * pipeline_parallel_size``: one bundle per rank of every stage).
 

@@ -10,6 +10,7 @@ with kvserve's queue + token-throughput policy (``kvserve/autoscaling/policy.py`
 ``LLMServer.record_autoscaling_stats``), between ``min_replicas`` (default 1, a warm pool) and
 ``max_replicas`` (default 8), with the knobs of the model's ``autoscaling`` section.
 """
+
 # No ``from __future__ import annotations`` here: Serve reads the builder's parameter
 # annotation at runtime to validate its arguments with AppArgs.
 import logging
@@ -18,7 +19,14 @@ from typing import Any
 from ray.serve import Application
 
 from kvserve.autoscaling.policy import build_autoscaling_config
-from kvserve.deployments.args import APP_NAME, AppArgs, ModelArgs, app_args_from_config, fit_single_node, logical_cpus_needed
+from kvserve.deployments.args import (
+    APP_NAME,
+    AppArgs,
+    ModelArgs,
+    app_args_from_config,
+    fit_single_node,
+    logical_cpus_needed,
+)
 from kvserve.deployments.contract.facts import ModelCard
 from kvserve.deployments.gateway.deployment import OpenAIIngress
 from kvserve.deployments.replica.embedding_server import EmbeddingServer
@@ -38,19 +46,22 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str, channels: int = 0
 
     from kvserve.cluster.worker_group import tp_placement_group_bundles
 
-    opts: dict[str, Any] = {"name": deployment_name,
-                            "max_ongoing_requests": m.ongoing_requests_bound() + channels,
-                            # Serve's own queue, in each caller's handle (requests waiting for the router to
-                            # pick a replica, or for one to start; not the replica's max_waiting_requests):
-                            # bounded at one replica's worth, so an overflow is a 429 at once, never an
-                            # unbounded wait
-                            "max_queued_requests": m.max_num_seqs + m.waiting_requests_bound(),
-                            "graceful_shutdown_timeout_s": m.graceful_shutdown_timeout_s}
+    opts: dict[str, Any] = {
+        "name": deployment_name,
+        "max_ongoing_requests": m.ongoing_requests_bound() + channels,
+        # Serve's own queue, in each caller's handle (requests waiting for the router to
+        # pick a replica, or for one to start; not the replica's max_waiting_requests):
+        # bounded at one replica's worth, so an overflow is a 429 at once, never an
+        # unbounded wait
+        "max_queued_requests": m.max_num_seqs + m.waiting_requests_bound(),
+        "graceful_shutdown_timeout_s": m.graceful_shutdown_timeout_s,
+    }
     if m.prefix_aware_routing and m.enable_prefix_caching:
         # a local model folder's tokenizer loads at once; else the one the replicas report
         local = os.path.abspath(m.model) if m.model and os.path.isdir(m.model) else None
-        opts["request_router_config"] = router_config(m.block_size, m.prefix_routing_margin, local,
-                                                      kv_events=m.kv_aware_routing)
+        opts["request_router_config"] = router_config(
+            m.block_size, m.prefix_routing_margin, local, kv_events=m.kv_aware_routing
+        )
     knobs = m.autoscaling_knobs()
     if knobs is not None:
         opts["autoscaling_config"] = build_autoscaling_config(knobs, as_dict=True)
@@ -60,8 +71,8 @@ def llm_deployment_options(m: ModelArgs, deployment_name: str, channels: int = 0
     cuda = m.device == "cuda"
     if m.num_ranks > 1:
         opts["placement_group_bundles"] = tp_placement_group_bundles(
-            m.num_ranks, "cuda" if cuda else "cpu", replica_cpus=m.replica_cpus,
-            worker_cpus=m.worker_cpus)
+            m.num_ranks, "cuda" if cuda else "cpu", replica_cpus=m.replica_cpus, worker_cpus=m.worker_cpus
+        )
         opts["placement_group_strategy"] = m.placement_group_strategy
         opts["ray_actor_options"] = {"num_cpus": m.replica_cpus, "num_gpus": 0}
         if m.replica_resources:
@@ -109,13 +120,17 @@ def build_app(args: AppArgs) -> Application:
     encoders = {}
     if e.embedding_model is not None:  # an encoder for /v1/embeddings (kvserve/deployments/replica/embedding_server.py)
         encoders[e.served_name()] = EmbeddingServer.options(
-            num_replicas=e.embedding_num_replicas, ray_actor_options={"num_cpus": e.embedding_cpus}).bind(
-            e.embedding_model, e.served_name(), e.embedding_num_threads)
-    return OpenAIIngress.options(num_replicas=g.ingress_num_replicas, max_ongoing_requests=g.ingress_max_ongoing_requests,
-                                 graceful_shutdown_timeout_s=drain_s, ray_actor_options={
-                                     "num_cpus": g.ingress_cpus, **({"resources": g.ingress_resources}
-                                                                    if g.ingress_resources else {})}
-                                 ).bind(handles, encoders=encoders, variants=variants, **gateway_options(args))
+            num_replicas=e.embedding_num_replicas, ray_actor_options={"num_cpus": e.embedding_cpus}
+        ).bind(e.embedding_model, e.served_name(), e.embedding_num_threads)
+    return OpenAIIngress.options(
+        num_replicas=g.ingress_num_replicas,
+        max_ongoing_requests=g.ingress_max_ongoing_requests,
+        graceful_shutdown_timeout_s=drain_s,
+        ray_actor_options={
+            "num_cpus": g.ingress_cpus,
+            **({"resources": g.ingress_resources} if g.ingress_resources else {}),
+        },
+    ).bind(handles, encoders=encoders, variants=variants, **gateway_options(args))
 
 
 def gateway_options(args: AppArgs) -> dict[str, Any]:
@@ -128,9 +143,25 @@ def gateway_options(args: AppArgs) -> dict[str, Any]:
     e = args.embeddings
     if e.embedding_model is not None:
         cards.append(ModelCard.of_encoder(e.embedding_model, e.served_name()))
-    return {"cards": cards, "gateway": args.gateway, "limits": args.limits, "cache": args.cache,
-            "routing": args.routing, "experiments": args.experiments, "tracing": args.tracing}
+    return {
+        "cards": cards,
+        "gateway": args.gateway,
+        "limits": args.limits,
+        "cache": args.cache,
+        "routing": args.routing,
+        "experiments": args.experiments,
+        "tracing": args.tracing,
+    }
 
 
-__all__ = ["APP_NAME", "AppArgs", "ModelArgs", "build_app", "gateway_options", "llm_deployment_options",
-           "fit_single_node", "app_args_from_config", "logical_cpus_needed"]
+__all__ = [
+    "APP_NAME",
+    "AppArgs",
+    "ModelArgs",
+    "build_app",
+    "gateway_options",
+    "llm_deployment_options",
+    "fit_single_node",
+    "app_args_from_config",
+    "logical_cpus_needed",
+]

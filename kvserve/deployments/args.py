@@ -10,28 +10,62 @@ parsers, API key entries), and reading a Serve config file. This module imports 
 nor torch: ``kvserve serve`` builds its flags from it before Ray's environment (auth,
 loopback) is set.
 """
+
 import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.deployments.cache import CacheSettings
-from kvserve.deployments.contract.config import (ENGINE_FIELDS, RENAMED_MODEL_KEYS, SERVING_ENGINE_DEFAULTS, CacheArgs, EmbeddingArgs, EngineArgs, GatewayArgs, LimitArgs, ModelArgs, TracingArgs, renamed_model_keys)
+from kvserve.deployments.contract.config import (
+    ENGINE_FIELDS,
+    RENAMED_MODEL_KEYS,
+    SERVING_ENGINE_DEFAULTS,
+    CacheArgs,
+    EmbeddingArgs,
+    EngineArgs,
+    GatewayArgs,
+    LimitArgs,
+    ModelArgs,
+    TracingArgs,
+    renamed_model_keys,
+)
 from kvserve.deployments.contract.experiments import ExperimentArgs
 from kvserve.deployments.contract.routing_config import RoutingArgs
 from kvserve.deployments.gateway.tool_parsers import get_tool_parser
 from kvserve.deployments.limits import TrustedProxies, policies_from_keys
 
-__all__ = ["APP_NAME", "ENGINE_FIELDS", "SECTIONS", "SERVING_ENGINE_DEFAULTS", "AppArgs", "CacheArgs", "EmbeddingArgs",
-           "EngineArgs", "GatewayArgs", "LimitArgs", "ModelArgs", "RoutingArgs", "TracingArgs", "app_args_from_config",
-           "fit_single_node", "logical_cpus_needed"]
+__all__ = [
+    "APP_NAME",
+    "ENGINE_FIELDS",
+    "SECTIONS",
+    "SERVING_ENGINE_DEFAULTS",
+    "AppArgs",
+    "CacheArgs",
+    "EmbeddingArgs",
+    "EngineArgs",
+    "GatewayArgs",
+    "LimitArgs",
+    "ModelArgs",
+    "RoutingArgs",
+    "TracingArgs",
+    "app_args_from_config",
+    "fit_single_node",
+    "logical_cpus_needed",
+]
 
 #: Serve application name ``kvserve serve`` deploys (``serve.get_app_handle(APP_NAME)``).
 APP_NAME = "kvserve"
 
 #: The sections of :class:`AppArgs` besides ``models``, by name.
-SECTIONS: dict[str, type[BaseModel]] = {"gateway": GatewayArgs, "limits": LimitArgs, "cache": CacheArgs,
-                                        "routing": RoutingArgs, "embeddings": EmbeddingArgs, "tracing": TracingArgs}
+SECTIONS: dict[str, type[BaseModel]] = {
+    "gateway": GatewayArgs,
+    "limits": LimitArgs,
+    "cache": CacheArgs,
+    "routing": RoutingArgs,
+    "embeddings": EmbeddingArgs,
+    "tracing": TracingArgs,
+}
 
 
 class AppArgs(BaseModel):
@@ -56,9 +90,11 @@ class AppArgs(BaseModel):
     embeddings: EmbeddingArgs = Field(default_factory=EmbeddingArgs)
     tracing: TracingArgs = Field(default_factory=TracingArgs)
     experiments: list[ExperimentArgs] = Field(
-        default_factory=list, description="A/B tests of configurations: each splits one served model's requests "
-                                          "between variants, each its own LLMServer deployment "
-                                          "(kvserve/deployments/contract/experiments.py)")
+        default_factory=list,
+        description="A/B tests of configurations: each splits one served model's requests "
+        "between variants, each its own LLMServer deployment "
+        "(kvserve/deployments/contract/experiments.py)",
+    )
 
     @classmethod
     def flat_fields(cls) -> dict[str, Any]:
@@ -90,7 +126,10 @@ class AppArgs(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        out: dict[str, Any] = {"models": data.pop("models", None) or [], "experiments": data.pop("experiments", None) or []}
+        out: dict[str, Any] = {
+            "models": data.pop("models", None) or [],
+            "experiments": data.pop("experiments", None) or [],
+        }
         for name, section in SECTIONS.items():
             given = data.pop(name, None)
             part = dict(given) if isinstance(given, dict) else {} if given is None else given
@@ -99,8 +138,9 @@ class AppArgs(BaseModel):
                     if key in section.model_fields:
                         part[key] = data.pop(key)
             out[name] = part
-        own = renamed_model_keys({k: data.pop(k) for k in list(data)
-                                  if k in ModelArgs.model_fields or k in RENAMED_MODEL_KEYS})
+        own = renamed_model_keys(
+            {k: data.pop(k) for k in list(data) if k in ModelArgs.model_fields or k in RENAMED_MODEL_KEYS}
+        )
         if data:  # unknown keys: let the model name them
             out.update(data)
         if not out["models"]:
@@ -161,8 +201,11 @@ class AppArgs(BaseModel):
             base = m.model_dump(exclude_unset=True)
             for v in e.variants:
                 try:
-                    out.append(ModelArgs.model_validate({**base, **v.model_settings(), "served_model_name": m.name,
-                                                        "variant": v.name}))
+                    out.append(
+                        ModelArgs.model_validate(
+                            {**base, **v.model_settings(), "served_model_name": m.name, "variant": v.name}
+                        )
+                    )
                 except ValueError as err:
                     raise ValueError(f"experiment {e.name!r}, variant {v.name!r}: {err}") from None
         return out

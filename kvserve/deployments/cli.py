@@ -6,6 +6,7 @@
 ``kvserve experiment report NAME``  compares an A/B test's variants (``set-weights``, ``list`` too).
 ``kvserve warm --log DIR``          warms the caches from the request log (off-peak with ``--schedule``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,12 +55,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 #: ModelArgs fields that are not plain flags (the autoscaling section has flags of its own).
 _NOT_FLAGS = {"autoscaling", "min_replicas", "max_replicas"}
 #: AppArgs fields that are plain flags too (the response caches, kvserve/deployments/cache/; the embedding model).
-_APP_FLAGS = ("response_cache", "cache_backend", "cache_ttl_s", "cache_max_entries", "cache_max_bytes",
-              "cache_shared_across_keys",
-              "semantic_cache", "semantic_cache_threshold", "semantic_cache_max_entries", "redis_url",
-              "embedding_model", "embedding_served_name", "replica_channels", "otlp_traces_endpoint",
-              "otlp_traces_protocol", "otlp_traces_sample_ratio", "request_log_dir", "request_log_prompts",
-              "request_log_max_bytes", "request_log_backups")
+_APP_FLAGS = (
+    "response_cache",
+    "cache_backend",
+    "cache_ttl_s",
+    "cache_max_entries",
+    "cache_max_bytes",
+    "cache_shared_across_keys",
+    "semantic_cache",
+    "semantic_cache_threshold",
+    "semantic_cache_max_entries",
+    "redis_url",
+    "embedding_model",
+    "embedding_served_name",
+    "replica_channels",
+    "otlp_traces_endpoint",
+    "otlp_traces_protocol",
+    "otlp_traces_sample_ratio",
+    "request_log_dir",
+    "request_log_prompts",
+    "request_log_max_bytes",
+    "request_log_backups",
+)
 
 
 def _flag(name: str) -> str:
@@ -90,8 +107,11 @@ def _model_flags() -> list[tuple[str, str, dict]]:
         if name in _NOT_FLAGS:
             continue
         typ = f.annotation
-        args = [a for a in typing.get_args(typ) if a is not type(None)] if typing.get_origin(typ) in (
-            typing.Union, types.UnionType) else [typ]
+        args = (
+            [a for a in typing.get_args(typ) if a is not type(None)]
+            if typing.get_origin(typ) in (typing.Union, types.UnionType)
+            else [typ]
+        )
         typ = args[0]
         kw: dict = {"default": None, "help": f"{f.description or ''} (default: {f.default})".strip()}
         if typ is bool:
@@ -123,41 +143,78 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI API on Ray Serve until Ctrl-C")
-    s.add_argument("--config", default=None,
-                   help="Serve config YAML (e.g. kvserve/deployments/serve_config.yaml) or a YAML of app args; "
-                        "flags override its args")
-    s.add_argument("--address", default=None,
-                   help="join a Ray cluster ('auto', 'ray://host:10001', host:port) instead of starting one "
-                        "(without it, a new instance starts even where RAY_ADDRESS is set); "
-                        "needs the cluster's Ray auth token here (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
-                        "~/.ray/auth_token; `ray get-auth-token` on the head prints it)")
+    s.add_argument(
+        "--config",
+        default=None,
+        help="Serve config YAML (e.g. kvserve/deployments/serve_config.yaml) or a YAML of app args; "
+        "flags override its args",
+    )
+    s.add_argument(
+        "--address",
+        default=None,
+        help="join a Ray cluster ('auto', 'ray://host:10001', host:port) instead of starting one "
+        "(without it, a new instance starts even where RAY_ADDRESS is set); "
+        "needs the cluster's Ray auth token here (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+        "~/.ray/auth_token; `ray get-auth-token` on the head prints it)",
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--name", default=None, help="Serve application name (default kvserve)")
     s.add_argument("--route-prefix", default="/")
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray instance")
-    s.add_argument("--deploy-timeout-s", type=float, default=1800.0,
-                   help="seconds for every model to load and its replicas to start; past it, or as soon "
-                        "as Serve gives up on a replica that cannot start, kvserve exits non-zero with the "
-                        "replica's error (0: wait as long as Serve retries; default %(default)g)")
-    s.add_argument("--api-key", action="append", default=None, dest="api_keys",
-                   help="require 'Authorization: Bearer <key>' (repeatable; a flag shows in `ps`: "
-                        "prefer $KVSERVE_API_KEYS or --api-keys-file)")
-    s.add_argument("--api-key-file", "--api-keys-file", default=None, dest="api_keys_file",
-                   help="file with one API key per line (owner-only permissions recommended)")
-    s.add_argument("--admin-api-key", action="append", default=None, dest="admin_api_keys",
-                   help="a key of the admin endpoints: DELETE /v1/cache, POST /v1/load_lora_adapter and "
-                        "/v1/unload_lora_adapter (repeatable; a flag shows in `ps`: prefer $KVSERVE_ADMIN_API_KEYS)")
-    s.add_argument("--lora-allowed-root", action="append", default=None, dest="lora_allowed_roots",
-                   metavar="DIR", help="POST /v1/load_lora_adapter may read adapters under DIR (repeatable; "
-                                       "symlinks and '..' resolved); without one, loading at run time is off")
-    s.add_argument("--upstream-url", default=None,
-                   help="OpenAI-compatible base URL (e.g. https://host/v1) that takes requests every local replica "
-                        "refuses (capacity, failure); its key from $KVSERVE_UPSTREAM_API_KEY. Model routing "
-                        "(model 'auto') and upstream model names: --config (docs/serving.md, 'Model routing')")
-    s.add_argument("--allowed-origins", default=None,
-                   help="CORS: comma-separated origins whose browser pages may call the API (default: '*' with "
-                        "API keys, none without; '' turns CORS off)")
+    s.add_argument(
+        "--deploy-timeout-s",
+        type=float,
+        default=1800.0,
+        help="seconds for every model to load and its replicas to start; past it, or as soon "
+        "as Serve gives up on a replica that cannot start, kvserve exits non-zero with the "
+        "replica's error (0: wait as long as Serve retries; default %(default)g)",
+    )
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        dest="api_keys",
+        help="require 'Authorization: Bearer <key>' (repeatable; a flag shows in `ps`: "
+        "prefer $KVSERVE_API_KEYS or --api-keys-file)",
+    )
+    s.add_argument(
+        "--api-key-file",
+        "--api-keys-file",
+        default=None,
+        dest="api_keys_file",
+        help="file with one API key per line (owner-only permissions recommended)",
+    )
+    s.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=None,
+        dest="admin_api_keys",
+        help="a key of the admin endpoints: DELETE /v1/cache, POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (repeatable; a flag shows in `ps`: prefer $KVSERVE_ADMIN_API_KEYS)",
+    )
+    s.add_argument(
+        "--lora-allowed-root",
+        action="append",
+        default=None,
+        dest="lora_allowed_roots",
+        metavar="DIR",
+        help="POST /v1/load_lora_adapter may read adapters under DIR (repeatable; "
+        "symlinks and '..' resolved); without one, loading at run time is off",
+    )
+    s.add_argument(
+        "--upstream-url",
+        default=None,
+        help="OpenAI-compatible base URL (e.g. https://host/v1) that takes requests every local replica "
+        "refuses (capacity, failure); its key from $KVSERVE_UPSTREAM_API_KEY. Model routing "
+        "(model 'auto') and upstream model names: --config (docs/serving.md, 'Model routing')",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="CORS: comma-separated origins whose browser pages may call the API (default: '*' with "
+        "API keys, none without; '' turns CORS off)",
+    )
     flags = _model_flags()
     for flag, dest, kw in flags:  # engine and deployment settings, from ModelArgs
         s.add_argument(flag, dest=dest, **kw)
@@ -167,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_autoscaling_args(s)  # --min-replicas, --max-replicas and the policy's knobs
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("run-batch", help="run an OpenAI batch file offline with the engine in this process "
-                                         "(vLLM's run-batch; no Ray)")
+    b = sub.add_parser(
+        "run-batch", help="run an OpenAI batch file offline with the engine in this process (vLLM's run-batch; no Ray)"
+    )
     b.add_argument("-i", "--input-file", required=True, help="OpenAI batch JSONL: custom_id, method, url, body")
     b.add_argument("-o", "--output-file", required=True, help="where the output lines go (- for stdout)")
     b.add_argument("--config", default=None, help="Serve config or app args YAML, as for serve (flags override)")
@@ -176,35 +234,66 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, default=16, help="requests in flight at once (default 16)")
     for flag, dest, kw in flags:
         b.add_argument(flag, dest=dest, **kw)
-    b.set_defaults(func=cmd_run_batch, api_keys=None, api_keys_file=None, admin_api_keys=None,
-                   lora_allowed_roots=None, upstream_url=None, allowed_origins=None, num_replicas=None)
+    b.set_defaults(
+        func=cmd_run_batch,
+        api_keys=None,
+        api_keys_file=None,
+        admin_api_keys=None,
+        lora_allowed_roots=None,
+        upstream_url=None,
+        allowed_origins=None,
+        num_replicas=None,
+    )
 
     x = sub.add_parser("experiment", help="A/B tests of configurations: report, set weights, list")
     xs = x.add_subparsers(dest="experiment_command", required=True)
-    for verb, helptext in (("report", "compare an experiment's variants (bootstrap intervals and verdicts)"),
-                           ("set-weights", "change an experiment's traffic weights (no restart)"),
-                           ("list", "the experiments and their live weights")):
+    for verb, helptext in (
+        ("report", "compare an experiment's variants (bootstrap intervals and verdicts)"),
+        ("set-weights", "change an experiment's traffic weights (no restart)"),
+        ("list", "the experiments and their live weights"),
+    ):
         p = xs.add_parser(verb, help=helptext)
         if verb != "list":
             p.add_argument("name", help="the experiment's name")
         if verb == "set-weights":
             p.add_argument("weights", nargs="+", metavar="VARIANT=WEIGHT", help="e.g. control=90 batch16=10")
-        p.add_argument("--url", default=os.environ.get("KVSERVE_URL", "http://127.0.0.1:8000"),
-                       help="the gateway's base URL (default $KVSERVE_URL or http://127.0.0.1:8000)")
-        p.add_argument("--admin-key", default=None,
-                       help="an admin key (default $KVSERVE_ADMIN_API_KEY, or the first of $KVSERVE_ADMIN_API_KEYS)")
+        p.add_argument(
+            "--url",
+            default=os.environ.get("KVSERVE_URL", "http://127.0.0.1:8000"),
+            help="the gateway's base URL (default $KVSERVE_URL or http://127.0.0.1:8000)",
+        )
+        p.add_argument(
+            "--admin-key",
+            default=None,
+            help="an admin key (default $KVSERVE_ADMIN_API_KEY, or the first of $KVSERVE_ADMIN_API_KEYS)",
+        )
         if verb == "report":
-            p.add_argument("--since", type=float, default=None,
-                           help="only requests that ended in the last SINCE seconds (default: all the gateway kept)")
-            p.add_argument("--confidence", type=float, default=0.95,
-                           help="family-wise confidence of the verdicts (Bonferroni; default 0.95)")
-            p.add_argument("--min-effect", type=float, default=0.05,
-                           help="smallest difference reported (relative, or absolute for rates; default 0.05)")
+            p.add_argument(
+                "--since",
+                type=float,
+                default=None,
+                help="only requests that ended in the last SINCE seconds (default: all the gateway kept)",
+            )
+            p.add_argument(
+                "--confidence",
+                type=float,
+                default=0.95,
+                help="family-wise confidence of the verdicts (Bonferroni; default 0.95)",
+            )
+            p.add_argument(
+                "--min-effect",
+                type=float,
+                default=0.05,
+                help="smallest difference reported (relative, or absolute for rates; default 0.05)",
+            )
             p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
             p.add_argument("--json", action="store_true", help="print the report as JSON")
-            p.add_argument("--input", default=None,
-                           help="read the experiment's samples from this JSON file (what GET /v1/experiments/NAME "
-                                "gave) instead of the gateway")
+            p.add_argument(
+                "--input",
+                default=None,
+                help="read the experiment's samples from this JSON file (what GET /v1/experiments/NAME "
+                "gave) instead of the gateway",
+            )
         p.set_defaults(func=cmd_experiment)
     add_warm_parser(sub)
     return ap
@@ -214,23 +303,37 @@ def add_warm_parser(sub) -> None:
     """``kvserve warm``'s flags (kvserve/deployments/operator/warm.py)."""
     w = sub.add_parser("warm", help="warm the response caches (and prefix caches) from the request log, off-peak")
     w.add_argument("--log", required=True, metavar="DIR", help="the request log's folder (request_log_dir)")
-    w.add_argument("--url", default=os.environ.get("KVSERVE_URL", "http://127.0.0.1:8000"),
-                   help="the gateway's base URL (default $KVSERVE_URL or http://127.0.0.1:8000)")
-    w.add_argument("--admin-key", default=None,
-                   help="an admin key (default $KVSERVE_ADMIN_API_KEY, or the first of $KVSERVE_ADMIN_API_KEYS)")
+    w.add_argument(
+        "--url",
+        default=os.environ.get("KVSERVE_URL", "http://127.0.0.1:8000"),
+        help="the gateway's base URL (default $KVSERVE_URL or http://127.0.0.1:8000)",
+    )
+    w.add_argument(
+        "--admin-key",
+        default=None,
+        help="an admin key (default $KVSERVE_ADMIN_API_KEY, or the first of $KVSERVE_ADMIN_API_KEYS)",
+    )
     w.add_argument("--since-hours", type=float, default=24.0, help="requests of the last this many hours (default 24)")
     w.add_argument("--top", type=int, default=100, help="most frequent cacheable requests replayed (default 100)")
     w.add_argument("--min-count", type=int, default=2, help="seen at least this often (default 2)")
-    w.add_argument("--top-system", type=int, default=10,
-                   help="most frequent shared system prompts prefilled into a replica's prefix cache (default 10)")
+    w.add_argument(
+        "--top-system",
+        type=int,
+        default=10,
+        help="most frequent shared system prompts prefilled into a replica's prefix cache (default 10)",
+    )
     w.add_argument("--model", action="append", default=None, help="only this served model (repeatable)")
     w.add_argument("--rate", type=float, default=2.0, help="requests per second at most (default 2)")
     w.add_argument("--concurrency", type=int, default=1, help="requests at once (default 1)")
     w.add_argument("--retries", type=int, default=5, help="tries of a request deferred by live traffic (default 5)")
     w.add_argument("--dry-run", action="store_true", help="print the plan, send nothing")
-    w.add_argument("--schedule", default=None, metavar="SPEC",
-                   help="run in this schedule's low-traffic windows (the autoscaling schedule's syntax, e.g. "
-                        "'8-20:4,22-6:1': the hours with the lowest floor), once per window, until stopped")
+    w.add_argument(
+        "--schedule",
+        default=None,
+        metavar="SPEC",
+        help="run in this schedule's low-traffic windows (the autoscaling schedule's syntax, e.g. "
+        "'8-20:4,22-6:1': the hours with the lowest floor), once per window, until stopped",
+    )
     w.add_argument("--timezone", default="UTC", help="the schedule's time zone (default UTC)")
     w.set_defaults(func=cmd_warm)
 
@@ -256,11 +359,18 @@ def cmd_warm(args: argparse.Namespace) -> int:
             return 1
         p = warm.plan(lines, args.top, args.min_count, args.top_system, set(args.model) if args.model else None)
         if p.lines and not p.stored:
-            print("kvserve warm: the request log holds fingerprints only (request_log_prompts: hash); set "
-                  "request_log_prompts: store to warm from it", file=sys.stderr)
+            print(
+                "kvserve warm: the request log holds fingerprints only (request_log_prompts: hash); set "
+                "request_log_prompts: store to warm from it",
+                file=sys.stderr,
+            )
             return 1
-        summary = {"log_lines": p.lines, "distinct_requests": p.distinct, "requests": len(p.requests),
-                   "system_prompts": len(p.prefixes)}
+        summary = {
+            "log_lines": p.lines,
+            "distinct_requests": p.distinct,
+            "requests": len(p.requests),
+            "system_prompts": len(p.prefixes),
+        }
         if not args.dry_run:
             summary.update(asyncio.run(warm.replay(p, args.url, key, args.rate, args.concurrency, args.retries)))
         print(json.dumps(summary))
@@ -294,8 +404,10 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     try:
         if args.experiment_command == "list":
             for e in xr.list_experiments(args.url, key):
-                print(f"{e['name']}: model {e['model']}, sticky {e['sticky']}, weights {e['weights']}, "
-                      f"differences {e['differences']}")
+                print(
+                    f"{e['name']}: model {e['model']}, sticky {e['sticky']}, weights {e['weights']}, "
+                    f"differences {e['differences']}"
+                )
             return 0
         if args.experiment_command == "set-weights":
             weights = {}
@@ -334,8 +446,11 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         for err in getattr(e, "errors", [])[1:]:
             print(f"  line {err['line']}: {err['message']}", file=sys.stderr)
         return 1
-    print(f"kvserve run-batch: {counts['completed']} of {counts['total']} requests answered, {counts['failed']} "
-          f"failed, in {counts['seconds']} s", file=sys.stderr)
+    print(
+        f"kvserve run-batch: {counts['completed']} of {counts['total']} requests answered, {counts['failed']} "
+        f"failed, in {counts['seconds']} s",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -366,8 +481,9 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
         app_args["upstream"] = {**(app_args.get("upstream") or {}), "base_url": args.upstream_url}
     if args.allowed_origins is not None:
         app_args["allowed_origins"] = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
-    knobs = {k[len("autoscaling_"):]: v for k, v in vars(args).items()
-             if k.startswith("autoscaling_") and v is not None}
+    knobs = {
+        k[len("autoscaling_") :]: v for k, v in vars(args).items() if k.startswith("autoscaling_") and v is not None
+    }
     if knobs:
         if "num_replicas" in app_args and args.num_replicas is not None:
             raise SystemExit("kvserve serve: give either --num-replicas or autoscaling flags, not both")
@@ -385,8 +501,14 @@ def app_args_from_cli(args: argparse.Namespace) -> dict:
 def _curl_line(base_url: str, model: str, api_key: str | None) -> str:
     """The banner's example request; a key shows masked (banners end up in logs)."""
     auth = f" -H 'Authorization: Bearer {mask_key(api_key)}'" if api_key else ""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 32, "temperature": 0})
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
+    )
     return f"curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
@@ -468,16 +590,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     try:
         if args.host not in ("127.0.0.1", "localhost", "::1") and not app_args.gateway.api_keys:
-            print(f"kvserve: WARNING: HTTP listens on {args.host} with no API key: anyone who reaches this "
-                  f"port can use the model (set KVSERVE_API_KEYS or --api-key-file)", file=sys.stderr, flush=True)
+            print(
+                f"kvserve: WARNING: HTTP listens on {args.host} with no API key: anyone who reaches this "
+                f"port can use the model (set KVSERVE_API_KEYS or --api-key-file)",
+                file=sys.stderr,
+                flush=True,
+            )
         elif not app_args.gateway.api_keys:
-            print("kvserve: NOTE: no API key configured: open access for every process that reaches "
-                  f"{args.host}:{args.port} (set KVSERVE_API_KEYS or --api-key-file to require one)",
-                  file=sys.stderr, flush=True)
+            print(
+                "kvserve: NOTE: no API key configured: open access for every process that reaches "
+                f"{args.host}:{args.port} (set KVSERVE_API_KEYS or --api-key-file to require one)",
+                file=sys.stderr,
+                flush=True,
+            )
         serve.start(http_options={"host": args.host, "port": args.port})
         route = args.route_prefix
-        print(f"kvserve: deploying {', '.join(m.name for m in app_args.model_list())} "
-              f"(application {name!r}) ...", flush=True)
+        print(
+            f"kvserve: deploying {', '.join(m.name for m in app_args.model_list())} (application {name!r}) ...",
+            flush=True,
+        )
         try:
             deploy_and_wait(build_app(app_args), name, route, args.deploy_timeout_s)
         except StartupFailed as e:
@@ -498,8 +629,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"{m.name}: {m.num_replicas} replica(s), fixed", flush=True)
             else:
                 cfg = KVServeAutoscalingConfig.from_dict(knobs)
-                print(f"{m.name}: autoscaling {cfg.min_replicas}..{cfg.max_replicas} replicas (kvserve policy)",
-                      flush=True)
+                print(
+                    f"{m.name}: autoscaling {cfg.min_replicas}..{cfg.max_replicas} replicas (kvserve policy)",
+                    flush=True,
+                )
         print(_ray_access_line(auth, started_ray), flush=True)
         print("Ctrl-C to stop.", flush=True)
         while True:
@@ -559,8 +692,11 @@ def _drain_and_stop(name: str, app_args, started_ray: bool, quick: bool = False)
 
             ray.shutdown()
         return
-    print(f"\nkvserve: draining: /ready says 503, new requests are refused after {DRAIN_NOTICE_S:g} s, in-flight "
-          f"ones finish (up to {drain_s:g} s; Ctrl-C again to stop now) ...", flush=True)
+    print(
+        f"\nkvserve: draining: /ready says 503, new requests are refused after {DRAIN_NOTICE_S:g} s, in-flight "
+        f"ones finish (up to {drain_s:g} s; Ctrl-C again to stop now) ...",
+        flush=True,
+    )
     try:
         try:
             _mark_draining(name)

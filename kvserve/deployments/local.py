@@ -3,6 +3,7 @@
 :class:`LocalHandle`, which stands in for Serve's ``DeploymentHandle`` and pickles each call's
 arguments and answers as Ray's hop does. ``kvserve run-batch`` runs a batch file through it
 (:func:`run_batch`); the tests serve it over HTTP (tests/local_app.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -162,8 +163,9 @@ async def run_batch(args: AppArgs, input_path: str, output_path: str, concurrenc
         ValueError: see :func:`build_local`.
     """
     requests = parse_batch(Path(input_path).read_bytes())
-    args = args.model_copy(update={"gateway": args.gateway.model_copy(update={"api_keys": None,
-                                                                              "admin_api_keys": None})})
+    args = args.model_copy(
+        update={"gateway": args.gateway.model_copy(update={"api_keys": None, "admin_api_keys": None})}
+    )
     apps, servers, _ = build_local({"/": args}, asyncio.get_running_loop())
     lines: list = [None] * len(requests)
     counts = {"total": len(requests), "completed": 0, "failed": 0}

@@ -1,4 +1,5 @@
 """asyncio front of the engine: a background step loop, one queue per request, abort."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,9 @@ def step_thread(prefix: str = "kvserve-step") -> ThreadPoolExecutor:
     count carried over (a new thread starts at ``OMP_NUM_THREADS``, which Ray sets to 1)."""
     import torch
 
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=prefix, initializer=torch.set_num_threads,
-                              initargs=(torch.get_num_threads(),))
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=prefix, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
+    )
 
 
 class AsyncLLMEngine:
@@ -220,8 +222,9 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tok_pool, self.input_processor.tokenize, prompt)
 
-    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                                  template_kwargs: dict | None = None) -> list[int]:
+    async def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> list[int]:
         """Token ids of a conversation (and its ``tools``) under the chat template, tools and
         tool calls written for a template that does not render them
         (:meth:`InputProcessor.chat_template_ids`; ``template_kwargs``: more template variables),
@@ -231,12 +234,20 @@ class AsyncLLMEngine:
             ValueError: no chat template or malformed messages.
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, functools.partial(
-            self.input_processor.chat_template_ids, messages, tools, template_kwargs=template_kwargs))
+        return await loop.run_in_executor(
+            self._tok_pool,
+            functools.partial(self.input_processor.chat_template_ids, messages, tools, template_kwargs=template_kwargs),
+        )
 
-    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0,
-                       lora_request=None, pooling_params=None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request=None,
+        pooling_params=None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield a :class:`RequestOutput` after every step that gives this request a token;
         the last one has ``finished=True``. Closing or cancelling the iterator aborts the
         request and frees its KV blocks. The prompt is tokenized and validated in the
@@ -261,8 +272,16 @@ class AsyncLLMEngine:
             loop = asyncio.get_running_loop()
             self._tokenizing.add(request_id)
             try:
-                req = await loop.run_in_executor(self._tok_pool, self._make_request, request_id, prompt, params,
-                                                 priority, lora_request, pooling_params)
+                req = await loop.run_in_executor(
+                    self._tok_pool,
+                    self._make_request,
+                    request_id,
+                    prompt,
+                    params,
+                    priority,
+                    lora_request,
+                    pooling_params,
+                )
                 if self.kv_connector is not None and pooling_params is None:
                     await self.kv_connector.before_add(req)  # bounded; never raises
             finally:
@@ -291,8 +310,14 @@ class AsyncLLMEngine:
             if queued and not finished:
                 self.abort(request_id)
 
-    async def embed(self, prompt: str | list[int] | dict, pooling_params, request_id: str | None = None,
-                    priority: int = 0, lora_request=None) -> RequestOutput:
+    async def embed(
+        self,
+        prompt: str | list[int] | dict,
+        pooling_params,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request=None,
+    ) -> RequestOutput:
         """The final output of an embedding request (``pooled``: float32 values of length
         ``hidden_size``), batched with the other requests of each step, nothing generated.
 
@@ -363,13 +388,21 @@ class AsyncLLMEngine:
             except (asyncio.CancelledError, Exception):
                 pass
 
-    def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
-                      priority: int, lora_request=None, pooling_params=None) -> Request:
+    def _make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        priority: int,
+        lora_request=None,
+        pooling_params=None,
+    ) -> Request:
         """Tokenize and validate (runs in the tokenizer thread; touches no scheduler state)."""
         ids = self.tokenize(prompt)  # in this lane's thread, with its own tokenizer
         with self._make_lock:
-            req = self.engine.make_request(request_id, ids, params, priority,
-                                           lora_request=lora_request, pooling_params=pooling_params)
+            req = self.engine.make_request(
+                request_id, ids, params, priority, lora_request=lora_request, pooling_params=pooling_params
+            )
         req.prompt = parse_prompt(prompt)[0]
         req.cache_salt = prompt_cache_salt(prompt)
         return req

@@ -17,6 +17,7 @@ thread, and every other request's, never wait for them).
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -60,8 +61,9 @@ class BoundedPool:
     grammar starts none.
     """
 
-    def __init__(self, name: str, workers: int, max_queued: int, max_abandoned: int | None = None,
-                 limit_name: str = "max_queued"):
+    def __init__(
+        self, name: str, workers: int, max_queued: int, max_abandoned: int | None = None, limit_name: str = "max_queued"
+    ):
         if workers < 1 or max_queued < 0:
             raise ValueError(f"a pool needs workers >= 1 and max_queued >= 0, got {workers}, {max_queued}")
         self.name, self.workers, self.max_queued = name, workers, max_queued
@@ -81,8 +83,9 @@ class BoundedPool:
         self.num_refused = 0
 
     # ---- public ---------------------------------------------------------------------------
-    def submit(self, fn: Callable, *args, deadline_s: float | None = None,
-               deadline_message: str | None = None) -> concurrent.futures.Future:
+    def submit(
+        self, fn: Callable, *args, deadline_s: float | None = None, deadline_message: str | None = None
+    ) -> concurrent.futures.Future:
         """Queue ``fn(*args)``; never blocks.
 
         Args:
@@ -102,8 +105,10 @@ class BoundedPool:
                 raise PoolFullError(f"the {self.name} pool is shut down")
             if len(self._queue) >= self.max_queued + self._idle:
                 self.num_refused += 1
-                raise PoolFullError(f"the {self.name} queue is full: {len(self._queue)} waiting, the limit "
-                                    f"({self.limit_name}); retry later")
+                raise PoolFullError(
+                    f"the {self.name} queue is full: {len(self._queue)} waiting, the limit "
+                    f"({self.limit_name}); retry later"
+                )
             self._queue.append(job)
             job.future.job = job  # for cancel()
             if self._idle >= len(self._queue):
@@ -131,8 +136,13 @@ class BoundedPool:
         """``queued``, ``running``, ``abandoned`` (threads still inside an abandoned job), ``timed_out``
         and ``refused`` (totals)."""
         with self._cv:
-            return {"queued": len(self._queue), "running": len(self._running), "abandoned": self._abandoned,
-                    "timed_out": self.num_timed_out, "refused": self.num_refused}
+            return {
+                "queued": len(self._queue),
+                "running": len(self._running),
+                "abandoned": self._abandoned,
+                "timed_out": self.num_timed_out,
+                "refused": self.num_refused,
+            }
 
     def shutdown(self) -> None:
         """Refuse new jobs; queued ones are cancelled; running ones finish in their threads."""
@@ -146,8 +156,11 @@ class BoundedPool:
     # ---- threads ----------------------------------------------------------------------------
     def _maybe_start(self) -> None:  # under the lock
         """Start a thread if fewer than ``workers`` count and the abandoned ones leave room."""
-        if (not self._closed and self._threads < self.workers
-                and self._threads + self._abandoned < self.workers + self.max_abandoned):
+        if (
+            not self._closed
+            and self._threads < self.workers
+            and self._threads + self._abandoned < self.workers + self.max_abandoned
+        ):
             self._start_worker()
 
     def _start_worker(self) -> None:  # under the lock

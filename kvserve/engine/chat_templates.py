@@ -11,6 +11,7 @@ template raises, which ``chat_template_ids`` turns into a ``ValueError``).
 :func:`prepare_messages` writes OpenAI tools and tool-call history into the messages, in the
 Hermes convention, for templates that do not render tools themselves.
 """
+
 import json
 
 
@@ -89,12 +90,14 @@ HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}}\n</tool_call>")
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
+    "<args-json-object>}}\n</tool_call>"
+)
 
 
-def prepare_messages(messages: list[dict], tools: list[dict] | None,
-                     chat_template: str | None) -> tuple[list[dict], list[dict] | None]:
+def prepare_messages(
+    messages: list[dict], tools: list[dict] | None, chat_template: str | None
+) -> tuple[list[dict], list[dict] | None]:
     """Messages (``ChatMessage.to_template`` dicts) and tools as the chat template gets them.
 
     A template that renders tools gets both unchanged. For one that does not, the Hermes
@@ -112,8 +115,10 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None,
     for m in messages:
         m = dict(m)
         if m.get("tool_calls"):
-            blocks = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                 ensure_ascii=False) for c in m.pop("tool_calls")]
+            blocks = [
+                json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+                for c in m.pop("tool_calls")
+            ]
             text = m.get("content") or ""
             m["content"] = (text + "\n" if text else "") + "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in blocks)
         elif m["role"] == "tool":

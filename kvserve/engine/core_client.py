@@ -8,6 +8,7 @@ in the tokenizer thread), sends new requests and aborts to the core in one messa
 turn, and a reader thread receives the core's one message per step and hands it to the event
 loop, which fans the outputs out to the per-request streams and calls the stat loggers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,9 @@ class EngineCoreProcess:
         self._stop_lock = threading.Lock()  # stop() runs from mark_dead's thread and shutdown at once
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
-        self.proc = ctx.Process(target=run_engine_core, args=(child, config, torch_num_threads),
-                                name="kvserve-engine-core", daemon=True)
+        self.proc = ctx.Process(
+            target=run_engine_core, args=(child, config, torch_num_threads), name="kvserve-engine-core", daemon=True
+        )
         self.proc.start()
         child.close()
         try:
@@ -189,8 +191,13 @@ class CoreProxy:
         self.eos_token_ids: set[int] = info.eos_token_ids
         self.hf_config = load_config(info.model_path)
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(tokenizer, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-                                              max_model_len=info.max_model_len, enable_lora=info.config.enable_lora)
+        self.input_processor = InputProcessor(
+            tokenizer,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            max_model_len=info.max_model_len,
+            enable_lora=info.config.enable_lora,
+        )
         #: called with each step's :class:`~kvserve.engine.stats.IterationStats` (on the event loop)
         self.stat_loggers: list[Callable] = []
         #: called with each :class:`~kvserve.engine.stats.FinishedRequestStats` (on the event loop)
@@ -291,8 +298,9 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         self._reader.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, executor_factory: Callable | None = None,
-                    torch_num_threads: int | None = None) -> "MPAsyncLLMEngine":
+    def from_config(
+        cls, config: EngineConfig, executor_factory: Callable | None = None, torch_num_threads: int | None = None
+    ) -> "MPAsyncLLMEngine":
         """Start a core process that builds the engine of ``config`` and wait until it is ready.
 
         Raises:
@@ -352,8 +360,10 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         try:
             await asyncio.wait_for(asyncio.shield(probe), timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"the engine core did not answer a health check within {timeout_s:g} s "
-                               f"(busy, not dead: its requests go on)") from None
+            raise TimeoutError(
+                f"the engine core did not answer a health check within {timeout_s:g} s "
+                f"(busy, not dead: its requests go on)"
+            ) from None
         except EngineDeadError as e:
             self.check_health()  # the process exited: the reader marks it dead
             self.mark_dead(e, "the engine core process is gone")
@@ -376,12 +386,14 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         await asyncio.to_thread(self.core.stop)
         self._tok_pool.shutdown(wait=True)
 
-    def _make_request(self, request_id: str, prompt, params, priority: int, lora_request=None,
-                      pooling_params=None) -> Request:
+    def _make_request(
+        self, request_id: str, prompt, params, priority: int, lora_request=None, pooling_params=None
+    ) -> Request:
         """Tokenize and validate in the front (tokenizer thread); the core compiles the grammar
         and loads the adapter."""
-        req = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
-                                                  lora_request=lora_request, pooling_params=pooling_params)
+        req = self.input_processor.process_inputs(
+            request_id, prompt, params, priority=priority, lora_request=lora_request, pooling_params=pooling_params
+        )
         req.prompt = parse_prompt(prompt)[0]
         req.cache_salt = prompt_cache_salt(prompt)
         return req
@@ -417,8 +429,11 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                 err = EngineDeadError("the engine core process is gone")
                 self.core.fail_calls(err)
                 if not self._closed:
-                    self._on_loop(self.mark_dead, RuntimeError(f"exit code {self.core.proc.exitcode}"),
-                                  "the engine core process exited")
+                    self._on_loop(
+                        self.mark_dead,
+                        RuntimeError(f"exit code {self.core.proc.exitcode}"),
+                        "the engine core process exited",
+                    )
                 return
             kind = msg[0]
             if kind == "outputs":
@@ -442,7 +457,9 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         for rid, kind, message in out.rejected:
             self._in_core.pop(rid, None)
             cls = REJECTION_TYPES.get(kind, RuntimeError)
-            self._put(rid, cls(message) if cls is not RuntimeError else RuntimeError(f"request {rid} failed: {message}"))
+            self._put(
+                rid, cls(message) if cls is not RuntimeError else RuntimeError(f"request {rid} failed: {message}")
+            )
         for o in out.outputs:
             prompt = self._in_core.get(o.request_id)
             if prompt is None:

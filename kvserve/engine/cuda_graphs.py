@@ -5,6 +5,7 @@ forward as one launch. Inputs live in static buffers that a replay fills; a batc
 to the next captured size with rows of slot -1 (the KV store skips them) and ``seq_len`` 0
 (attention writes zeros), so padding touches no cache state.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,9 +49,15 @@ class DecodeCudaGraphs:
         pool = None
         for b in reversed(sizes):  # largest first, sharing one memory pool
             meta = AttentionMetadata(
-                cu_seqlens_q=self.cu[:b + 1], seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
-                slot_mapping=self.slots[:b], query_lens_cpu=[1] * b, seq_lens_cpu=[max_len] * b,
-                max_seqlen_q=1, max_seqlen_k=max_len)
+                cu_seqlens_q=self.cu[: b + 1],
+                seq_lens=self.seq_lens[:b],
+                block_tables=self.block_tables[:b],
+                slot_mapping=self.slots[:b],
+                query_lens_cpu=[1] * b,
+                seq_lens_cpu=[max_len] * b,
+                max_seqlen_q=1,
+                max_seqlen_k=max_len,
+            )
             model(self.input_ids[:b], self.positions[:b], meta)  # warm-up: JIT, allocator
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -77,6 +84,6 @@ class DecodeCudaGraphs:
         self.slots[b:gb].fill_(-1)
         self.seq_lens[:b].copy_(meta.seq_lens)
         self.seq_lens[b:gb].zero_()
-        self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.block_tables[:b, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         graph.replay()
         return out[:b]

@@ -13,6 +13,7 @@ the ``max(len(stop)) - 1`` characters before it, so a step's work grows with tha
 not with the number of stop strings (``SamplingParams`` bounds both: ``MAX_STOP_STRINGS``,
 ``MAX_STOP_STRING_CHARS``).
 """
+
 from __future__ import annotations
 
 import re
@@ -91,10 +92,10 @@ class IncrementalDetokenizer:
         before = len(self.text)
         for tok in token_ids:
             self.ids.append(tok)
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            full = self._decode(self.ids[self.prefix_offset:])
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.text += full[len(prefix):]
+                self.text += full[len(prefix) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.matcher is None or len(self.text) == before:
             return None
@@ -110,6 +111,6 @@ class IncrementalDetokenizer:
         """Text not yet handed out; while unfinished, the last ``hold_back`` characters
         wait (they may start a stop string)."""
         end = len(self.text) if finished or self.stopped else max(self.emitted, len(self.text) - self.hold_back)
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = end
         return out

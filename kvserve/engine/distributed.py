@@ -11,6 +11,7 @@ Without an initialised process group everything degrades to a single rank, so th
 runs unchanged in one process. ``kvserve/cluster/`` starts the group (NCCL on GPU, gloo on CPU) and calls
 :func:`init_model_parallel`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,10 @@ def init_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int) 
     global _TP_GROUP, _PP, _TP
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != tensor_parallel_size * pipeline_parallel_size:
-        raise ValueError(f"world size {world} != tensor_parallel_size {tensor_parallel_size} x "
-                         f"pipeline_parallel_size {pipeline_parallel_size}")
+        raise ValueError(
+            f"world size {world} != tensor_parallel_size {tensor_parallel_size} x "
+            f"pipeline_parallel_size {pipeline_parallel_size}"
+        )
     _TP_GROUP, _TP = None, tensor_parallel_size
     if pipeline_parallel_size > 1:
         for stage in range(pipeline_parallel_size):  # every rank creates every group (torch's rule)

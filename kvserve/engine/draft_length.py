@@ -7,6 +7,7 @@ target-token units (step-time regression). When drafts keep being rejected, ``al
 below ``lambda`` and the request stops drafting; its estimate decays back toward the prior, so
 it probes again later.
 """
+
 from __future__ import annotations
 
 import math

@@ -17,6 +17,7 @@ The shadow's computed count then stays at the target's token count: draft K/V wr
 positions is scratch, overwritten next call (the runner rewinds its token history to each
 slice's ``start``), so rejected drafts need no rollback here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,18 +53,29 @@ class DraftModelProposer:
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, vocab_size: int, num_blocks: int):
         if config.tensor_parallel_size != 1:
-            raise ValueError("speculative_config method 'draft_model' needs tensor_parallel_size 1 "
-                             "(use method 'ngram' with tensor parallelism)")
+            raise ValueError(
+                "speculative_config method 'draft_model' needs tensor_parallel_size 1 "
+                "(use method 'ngram' with tensor parallelism)"
+            )
         path = str(resolve_model(spec.model))
         draft_vocab = load_config(path).vocab_size
         if draft_vocab != vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
-                             f"({vocab_size}); speculative decoding needs the same tokenizer")
-        dcfg = dataclasses.replace(config, model=path, speculative_config=None, num_kv_blocks=num_blocks,
-                                   enable_prefix_caching=False, tensor_parallel_size=1, kv_offloading_size=None,
-                                   enable_kv_cache_events=False,  # the target's pool alone has a tier and events
-                                   # a 4-bit target's format is its checkpoint's: the draft's is read from its own
-                                   quantization=None if config.quantization in W4_METHODS else config.quantization)
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
+                f"({vocab_size}); speculative decoding needs the same tokenizer"
+            )
+        dcfg = dataclasses.replace(
+            config,
+            model=path,
+            speculative_config=None,
+            num_kv_blocks=num_blocks,
+            enable_prefix_caching=False,
+            tensor_parallel_size=1,
+            kv_offloading_size=None,
+            enable_kv_cache_events=False,  # the target's pool alone has a tier and events
+            # a 4-bit target's format is its checkpoint's: the draft's is read from its own
+            quantization=None if config.quantization in W4_METHODS else config.quantization,
+        )
         self.runner = ModelRunner(dcfg, path)
         self.runner.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False)
@@ -94,10 +106,18 @@ class DraftModelProposer:
             if not self.kv.allocate_slots(sh, n + k - 1):
                 self.forget(req.request_id)
                 continue
-            first.append(ScheduledRequest(
-                req.request_id, sh.all_token_ids[start:], start, list(sh.block_table), sample=True,
-                new=NewRequestData(req.request_id, req.prompt_token_ids, _GREEDY, sh.all_token_ids[:start])
-                if new else None))
+            first.append(
+                ScheduledRequest(
+                    req.request_id,
+                    sh.all_token_ids[start:],
+                    start,
+                    list(sh.block_table),
+                    sample=True,
+                    new=NewRequestData(req.request_id, req.prompt_token_ids, _GREEDY, sh.all_token_ids[:start])
+                    if new
+                    else None,
+                )
+            )
             states.append((sh, k))
         drafts: dict[str, list[int]] = {}
         if not first:
@@ -108,9 +128,13 @@ class DraftModelProposer:
             drafts[sh.request_id] = [out.sampled[sh.request_id]]
             sh.num_computed_tokens = len(sh.all_token_ids)
         for j in range(1, max(k for _, k in states)):
-            batch = [ScheduledRequest(sh.request_id, [drafts[sh.request_id][-1]], sh.num_tokens + j - 1,
-                                      list(sh.block_table), sample=True)
-                     for sh, k in states if k > j]
+            batch = [
+                ScheduledRequest(
+                    sh.request_id, [drafts[sh.request_id][-1]], sh.num_tokens + j - 1, list(sh.block_table), sample=True
+                )
+                for sh, k in states
+                if k > j
+            ]
             out = self.runner.execute_model(SchedulerOutput(batch))
             for sr in batch:
                 drafts[sr.request_id].append(out.sampled[sr.request_id])

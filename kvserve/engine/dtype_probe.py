@@ -19,6 +19,7 @@ runs the same dtype.
 ``KVSERVE_DTYPE_PROBE=0`` turns the probe off: ``auto`` then follows the flags (bfloat16 with
 native bf16).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,9 +67,11 @@ class ProbeResult:
     def reason(self) -> str:
         """The sentence the engine logs for its choice."""
         word = "faster" if self.dtype == "bfloat16" else "not faster"
-        return (f"{self.dtype}: bfloat16 measured {word} than float32 on this CPU for this model's MLP matmuls at "
-                f"{' and '.join(map(str, PROBE_ROWS))} rows ({self.bfloat16_ms:.2f} vs {self.float32_ms:.2f} ms; "
-                f"{'cached in' if self.cached else 'saved to'} {self.path}; KVSERVE_DTYPE_PROBE=0 turns the probe off)")
+        return (
+            f"{self.dtype}: bfloat16 measured {word} than float32 on this CPU for this model's MLP matmuls at "
+            f"{' and '.join(map(str, PROBE_ROWS))} rows ({self.bfloat16_ms:.2f} vs {self.float32_ms:.2f} ms; "
+            f"{'cached in' if self.cached else 'saved to'} {self.path}; KVSERVE_DTYPE_PROBE=0 turns the probe off)"
+        )
 
 
 def probe_enabled() -> bool:
@@ -132,23 +135,28 @@ def measure_ms(hidden_size: int, intermediate_size: int, repeats: int = PROBE_RE
         ws = []
         for _ in range(copies):
             for shape in ((intermediate_size, hidden_size), (hidden_size, intermediate_size)):
-                w = (torch.randn(shape, generator=g) / hidden_size ** 0.5).to(dtype)
+                w = (torch.randn(shape, generator=g) / hidden_size**0.5).to(dtype)
                 ws.append((w, prepack_weight(w)))
         weights[dtype] = ws
     times = {(dtype, rows): [] for dtype in weights for rows in PROBE_ROWS}
     with torch.inference_mode():
-        inputs = {(dtype, rows, w.shape[1]): torch.randn(rows, w.shape[1], generator=g).to(dtype)
-                  for dtype, ws in weights.items() for w, _ in ws[:2] for rows in PROBE_ROWS}
+        inputs = {
+            (dtype, rows, w.shape[1]): torch.randn(rows, w.shape[1], generator=g).to(dtype)
+            for dtype, ws in weights.items()
+            for w, _ in ws[:2]
+            for rows in PROBE_ROWS
+        }
         for i in range(repeats + 1):  # the first round warms up (oneDNN builds its kernels)
             for rows in PROBE_ROWS:
-                for dtype in (weights if i % 2 else reversed(list(weights))):
+                for dtype in weights if i % 2 else reversed(list(weights)):
                     t0 = time.perf_counter()
                     for w, packed in weights[dtype]:
                         linear(inputs[(dtype, rows, w.shape[1])], w, None, packed)
                     if i:
                         times[(dtype, rows)].append(time.perf_counter() - t0)
-    per_pass = {dtype: sum(statistics.median(times[(dtype, rows)]) for rows in PROBE_ROWS) / copies * 1e3
-                for dtype in weights}
+    per_pass = {
+        dtype: sum(statistics.median(times[(dtype, rows)]) for rows in PROBE_ROWS) / copies * 1e3 for dtype in weights
+    }
     return {str(dtype).removeprefix("torch."): ms for dtype, ms in per_pass.items()}
 
 
@@ -172,12 +180,16 @@ def probe_cpu_dtype(hidden_size: int, intermediate_size: int) -> ProbeResult:
     path = cache_dir() / CACHE_FILE
     key = probe_key(hidden_size, intermediate_size)
     hit = _read_cache(path).get(key)
-    if (isinstance(hit, dict) and hit.get("dtype") in ("float32", "bfloat16")
-            and all(isinstance(hit.get(k), (int, float)) for k in ("float32_ms", "bfloat16_ms"))):
+    if (
+        isinstance(hit, dict)
+        and hit.get("dtype") in ("float32", "bfloat16")
+        and all(isinstance(hit.get(k), (int, float)) for k in ("float32_ms", "bfloat16_ms"))
+    ):
         return ProbeResult(hit["dtype"], float(hit["float32_ms"]), float(hit["bfloat16_ms"]), True, str(path))
     ms = measure_ms(hidden_size, intermediate_size)
-    result = ProbeResult("bfloat16" if ms["bfloat16"] < ms["float32"] else "float32", ms["float32"], ms["bfloat16"],
-                         False, str(path))
+    result = ProbeResult(
+        "bfloat16" if ms["bfloat16"] < ms["float32"] else "float32", ms["float32"], ms["bfloat16"], False, str(path)
+    )
     entry = {k: v for k, v in asdict(result).items() if k not in ("cached", "path")}
     try:  # another process may write beside us: read again, add ours, replace atomically
         cache = {**_read_cache(path), key: entry}
@@ -198,8 +210,12 @@ def auto_dtype(config: EngineConfig, hf_config: Any) -> tuple[torch.dtype, str]:
     unknown, or it fails (then bfloat16, the reason naming the failure)."""
     dtype, why = config.auto_dtype()
     shape = [getattr(hf_config, k, None) for k in ("hidden_size", "intermediate_size")]
-    if (dtype != torch.bfloat16 or config.torch_device.type != "cpu" or not probe_enabled()
-            or not all(isinstance(v, int) and v > 0 for v in shape)):
+    if (
+        dtype != torch.bfloat16
+        or config.torch_device.type != "cpu"
+        or not probe_enabled()
+        or not all(isinstance(v, int) and v > 0 for v in shape)
+    ):
         return dtype, why
     try:
         result = probe_cpu_dtype(*shape)

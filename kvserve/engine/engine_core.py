@@ -37,6 +37,7 @@ The wire (one duplex ``multiprocessing`` pipe, pickled tuples):
   ``("result", call_id, ok, value)`` per call, and ``("dead", message)`` before it exits
   because the engine is broken.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -122,8 +123,14 @@ class EngineCoreOutputs:
     kv_events: tuple = (0, [])
 
     def __bool__(self) -> bool:
-        return bool(self.outputs or self.rejected or self.unknown_aborts or self.iteration_stats
-                    or self.finished_stats or self.kv_events[1])
+        return bool(
+            self.outputs
+            or self.rejected
+            or self.unknown_aborts
+            or self.iteration_stats
+            or self.finished_stats
+            or self.kv_events[1]
+        )
 
 
 def _slim(out):
@@ -133,8 +140,13 @@ def _slim(out):
 
 def _rejection(request_id: str, error: BaseException) -> tuple[str, str, str]:
     """An ``EngineCoreOutputs.rejected`` entry for ``error``."""
-    kind = ("PoolFullError" if isinstance(error, PoolFullError) else
-            "ValueError" if isinstance(error, ValueError) else "RuntimeError")
+    kind = (
+        "PoolFullError"
+        if isinstance(error, PoolFullError)
+        else "ValueError"
+        if isinstance(error, ValueError)
+        else "RuntimeError"
+    )
     return request_id, kind, str(error)
 
 
@@ -170,8 +182,9 @@ class EngineCore:
         self.preparing: dict[str, _Preparing] = {}
         self._prep_lock = threading.RLock()  # a stage may end inside submit (its callback runs at once)
         #: adapter loads (requests' and ``add_lora`` / ``remove_lora`` calls): one thread, in order
-        self.adapter_pool = BoundedPool("adapter load", 1, MAX_QUEUED_ADAPTER_LOADS, max_abandoned=0,
-                                        limit_name="MAX_QUEUED_ADAPTER_LOADS")
+        self.adapter_pool = BoundedPool(
+            "adapter load", 1, MAX_QUEUED_ADAPTER_LOADS, max_abandoned=0, limit_name="MAX_QUEUED_ADAPTER_LOADS"
+        )
         self._health_calls: queue.SimpleQueue = queue.SimpleQueue()
         self._send_lock = threading.Lock()
         self._iteration: list = []
@@ -271,8 +284,12 @@ class EngineCore:
         try:
             if req.params.structured_outputs is not None:
                 so = self.engine.structured_outputs
-                self._stage(p, so.compile_pool, so.submit_request_grammar(
-                    req.params.structured_outputs, req.params.reasoning_end_token_ids), "grammar")
+                self._stage(
+                    p,
+                    so.compile_pool,
+                    so.submit_request_grammar(req.params.structured_outputs, req.params.reasoning_end_token_ids),
+                    "grammar",
+                )
             else:
                 self._load_adapter(p)
         except BaseException:
@@ -394,8 +411,9 @@ class EngineCore:
             try:
                 eng.executor.check_health()
             except Exception as dead:
-                self.send(("dead", f"the executor failed its health check after a failed step: "
-                                   f"{type(dead).__name__}: {dead}"))
+                self.send(
+                    ("dead", f"the executor failed its health check after a failed step: {type(dead).__name__}: {dead}")
+                )
                 return False
             ids = error.request_ids if isinstance(error, StepFailedError) else list(eng.scheduler.requests)
             msg = f"engine step failed: {type(error).__name__}: {error}"
@@ -475,8 +493,15 @@ def run_engine_core(conn, config, torch_num_threads: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(config)
-        info = CoreInfo(engine.config, engine.model_path, engine.max_model_len, set(engine.eos_token_ids),
-                        engine.hf_config.vocab_size, engine.get_stats(), os.getpid())
+        info = CoreInfo(
+            engine.config,
+            engine.model_path,
+            engine.max_model_len,
+            set(engine.eos_token_ids),
+            engine.hf_config.vocab_size,
+            engine.get_stats(),
+            os.getpid(),
+        )
     except BaseException as e:
         conn.send(("error", type(e).__name__, isinstance(e, ValueError), str(e), traceback.format_exc()))
         conn.close()

@@ -10,6 +10,7 @@ only when chosen, so ``kvserve/engine/`` itself never imports Ray (nor ``kvserve
 inject any executor (``LLMEngine(executor_factory=...)``, e.g. a ``RayWorkerGroup`` in a Serve
 replica's placement group).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -45,9 +46,11 @@ def resolve_executor_backend(config: EngineConfig) -> str:
             return "uni"
         return "ray" if importlib.util.find_spec("ray") is not None else "mp"
     if name == "uni" and world > 1:
-        raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size "
-                         f"{config.tensor_parallel_size} x pipeline_parallel_size {config.pipeline_parallel_size} "
-                         f"needs 'mp' (local processes) or 'ray' (Ray actors)")
+        raise ValueError(
+            f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size "
+            f"{config.tensor_parallel_size} x pipeline_parallel_size {config.pipeline_parallel_size} "
+            f"needs 'mp' (local processes) or 'ray' (Ray actors)"
+        )
     return name
 
 
@@ -73,8 +76,9 @@ class Executor(ABC):
         """
         name = resolve_executor_backend(config)
         if name not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {sorted(EXECUTOR_BACKENDS)} or None, "
-                             f"got {name!r}")
+            raise ValueError(
+                f"distributed_executor_backend must be one of {sorted(EXECUTOR_BACKENDS)} or None, got {name!r}"
+            )
         module, attr = EXECUTOR_BACKENDS[name].split(":")
         try:
             return getattr(importlib.import_module(module), attr)
@@ -141,8 +145,10 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: str | Path):
         super().__init__(config, model_path)
         if config.tensor_parallel_size != 1 or config.pipeline_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 or pipeline_parallel_size > 1 needs a distributed executor: "
-                             "distributed_executor_backend 'mp' (local processes) or 'ray' (Ray actors)")
+            raise ValueError(
+                "tensor_parallel_size > 1 or pipeline_parallel_size > 1 needs a distributed executor: "
+                "distributed_executor_backend 'mp' (local processes) or 'ray' (Ray actors)"
+            )
         self.runner = ModelRunner(config, model_path)
 
     def determine_num_blocks(self) -> int:

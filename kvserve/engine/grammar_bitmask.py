@@ -5,6 +5,7 @@ means token ``t`` is allowed (xgrammar's layout). It is filled in the engine pro
 matchers are) and applied by the sampler, in whatever process runs the model; there xgrammar is
 optional (a torch fallback applies it).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,7 @@ def clear_token_bit(words, token_id: int) -> None:
     words[token_id // 32] &= mask if mask >= -(1 << 31) else mask + (1 << 32)  # bit 31: the sign bit
 
 
-def fill_bitmask(grammars: list, vocab_size: int, and_mask=None, errors: dict | None = None,
-                 batch_matcher=None):
+def fill_bitmask(grammars: list, vocab_size: int, and_mask=None, errors: dict | None = None, batch_matcher=None):
     """The next-token bitmask of each grammar, one row each (xgrammar's
     ``fill_next_token_bitmask``, Dong et al. 2024 sec. 3.1: context-independent tokens from the
     compile-time cache, the rest checked against the parser's stack; cheap where the token-mask
@@ -120,8 +120,9 @@ def apply_token_bitmask(logits, bitmask, rows: list[int]) -> None:
         full = torch.full((n, bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
         full[rows] = bitmask
         bitmask = full
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    indices=rows if partial else None)
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), indices=rows if partial else None
+    )
 
 
 def _xgrammar():

@@ -4,6 +4,7 @@ its size against the engine's :class:`GrammarLimits`; a ``choice`` spec as a gra
 Standard library only: :class:`kvserve.engine.sampling_params.SamplingParams` checks specs with
 :func:`validate_spec` in processes that have neither torch nor xgrammar.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,12 @@ def validate_spec(spec) -> None:
         ValueError: any other shape; the message starts with ``structured_outputs``.
     """
     if not isinstance(spec, dict):
-        raise ValueError(f"structured_outputs must be a dict with one of the keys {', '.join(KINDS)}, "
-                         f"got {type(spec).__name__}")
+        raise ValueError(
+            f"structured_outputs must be a dict with one of the keys {', '.join(KINDS)}, got {type(spec).__name__}"
+        )
     unknown = sorted(str(k) for k in spec if k not in KINDS + OPTIONS)
     if unknown:
-        raise ValueError(f"structured_outputs has unknown key(s) {unknown}; "
-                         f"allowed: {', '.join(KINDS + OPTIONS)}")
+        raise ValueError(f"structured_outputs has unknown key(s) {unknown}; allowed: {', '.join(KINDS + OPTIONS)}")
     kinds = [k for k in KINDS if k in spec]
     if len(kinds) != 1:
         raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}, got {kinds or 'none'}")
@@ -59,8 +60,7 @@ def validate_spec(spec) -> None:
         if not isinstance(value, str) or not value:
             raise ValueError(f"structured_outputs {kind} must be a non-empty string")
     elif kind == "choice":
-        if (not isinstance(value, (list, tuple)) or not value
-                or any(not isinstance(c, str) or not c for c in value)):
+        if not isinstance(value, (list, tuple)) or not value or any(not isinstance(c, str) or not c for c in value):
             raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
     ws = spec.get("whitespace_flexible", False)
     if not isinstance(ws, bool):
@@ -115,8 +115,10 @@ class GrammarLimits:
             else:
                 ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
             if not ok:
-                raise ValueError(f"structured_outputs_config {f.name} must be a positive "
-                                 f"{'number of seconds' if f.name == 'compile_timeout_s' else 'integer'}, got {v!r}")
+                raise ValueError(
+                    f"structured_outputs_config {f.name} must be a positive "
+                    f"{'number of seconds' if f.name == 'compile_timeout_s' else 'integer'}, got {v!r}"
+                )
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "GrammarLimits":
@@ -134,7 +136,9 @@ class GrammarLimits:
         names = {f.name for f in fields(cls)}
         unknown = sorted(str(k) for k in d if k not in names)
         if unknown:
-            raise ValueError(f"structured_outputs_config has unknown key(s) {unknown}; allowed: {', '.join(sorted(names))}")
+            raise ValueError(
+                f"structured_outputs_config has unknown key(s) {unknown}; allowed: {', '.join(sorted(names))}"
+            )
         return cls(**d)
 
 
@@ -161,8 +165,10 @@ def check_limits(spec: dict, limits: GrammarLimits | None = None) -> None:
     def over(n: int, unit: str, key: str) -> None:
         cap = getattr(lim, key)
         if n > cap:
-            raise ValueError(f"structured_outputs {kind} is too large: {n} {unit}, over the limit of {cap} "
-                             f"({key}, structured_outputs_config)")
+            raise ValueError(
+                f"structured_outputs {kind} is too large: {n} {unit}, over the limit of {cap} "
+                f"({key}, structured_outputs_config)"
+            )
 
     if kind == "choice" and isinstance(value, (list, tuple)):
         over(len(value), "choices", "max_choices")

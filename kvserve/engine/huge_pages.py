@@ -19,6 +19,7 @@ nothing from it.
 
 ``KVSERVE_CPU_HUGE_PAGES=0`` turns the copy off.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -42,8 +43,11 @@ def enabled() -> bool:
     """Whether :func:`move_to_huge_pages` copies anything: Linux with transparent huge pages built
     in (``madvise(MADV_HUGEPAGE)``, ``/sys/kernel/mm/transparent_hugepage``) and
     ``KVSERVE_CPU_HUGE_PAGES`` not ``0``."""
-    return (hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVSERVE_CPU_HUGE_PAGES", "1") != "0"
-            and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"))
+    return (
+        hasattr(mmap, "MADV_HUGEPAGE")
+        and os.environ.get("KVSERVE_CPU_HUGE_PAGES", "1") != "0"
+        and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    )
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
@@ -58,7 +62,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     m.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to m
     start = -whole.data_ptr() % HUGE_PAGE
-    return whole[start:start + nbytes]
+    return whole[start : start + nbytes]
 
 
 def _slots(module: nn.Module):
@@ -113,7 +117,7 @@ def move_to_huge_pages(module: nn.Module) -> int:
             break
         for (mod, kind, name, t), off in group:
             nbytes = t.numel() * t.element_size()
-            new = arena[off:off + nbytes].view(t.dtype).view(t.shape)
+            new = arena[off : off + nbytes].view(t.dtype).view(t.shape)
             new.copy_(t)
             if kind == "param":
                 mod._parameters[name].data = new
@@ -132,8 +136,10 @@ def _log_refusal(e: OSError) -> None:
     if not _refusal_logged:
         _refusal_logged = True
         import logging
-        logging.getLogger("kvserve.engine").info("weights stay on small pages: the OS refused a huge-page "
-                                                 "mapping (%s)", e)
+
+        logging.getLogger("kvserve.engine").info(
+            "weights stay on small pages: the OS refused a huge-page mapping (%s)", e
+        )
 
 
 def _trim_heap() -> None:
@@ -141,6 +147,7 @@ def _trim_heap() -> None:
     were freed into malloc's heap, which would otherwise keep their pages resident."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass

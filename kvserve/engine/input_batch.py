@@ -7,6 +7,7 @@ seeded generator, adapter, pooling state), kept up to date by :func:`update_stat
 positions of every row, the attention metadata (``cu_seqlens_q``, ``seq_lens``, block tables,
 slot mapping) and the rows that sample.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,7 @@ class RequestState:
     ``(ids int64 [k], values float32 [k])`` on the runner's device, built once here
     (:func:`~kvserve.engine.layers.sampler.logit_bias_tensors`; None: no bias)."""
 
-    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids", "lora", "pooling",
-                 "logit_bias")
+    __slots__ = ("prompt_len", "token_ids", "params", "generator", "prompt_token_ids", "lora", "pooling", "logit_bias")
 
     def __init__(self, prompt_len: int, params: SamplingParams, generator: torch.Generator | None):
         self.prompt_len, self.params, self.generator = prompt_len, params, generator
@@ -39,8 +39,13 @@ class RequestState:
         self.logit_bias = None
 
 
-def update_states(states: dict[str, RequestState], pooling: set[str], sched: SchedulerOutput,
-                  device: torch.device, eos_token_ids: set[int]) -> list[SamplingRow]:
+def update_states(
+    states: dict[str, RequestState],
+    pooling: set[str],
+    sched: SchedulerOutput,
+    device: torch.device,
+    eos_token_ids: set[int],
+) -> list[SamplingRow]:
     """Bring ``states`` (by request id) up to date with ``sched``: forget its finished requests,
     add its new ones (and the embedding requests to ``pooling``), and take in each slice's
     tokens. Returns the step's sampling rows in logits-row order: one per request that samples,
@@ -66,7 +71,7 @@ def update_states(states: dict[str, RequestState], pooling: set[str], sched: Sch
                 pooling.add(sr.request_id)
             if p.prompt_logprobs is not None:
                 st.prompt_token_ids = sr.new.prompt_token_ids
-        del st.token_ids[sr.start:]
+        del st.token_ids[sr.start :]
         st.token_ids.extend(sr.token_ids)
         if not sr.sample:
             continue
@@ -80,15 +85,23 @@ def update_states(states: dict[str, RequestState], pooling: set[str], sched: Sch
                 masked = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))
             # the histories are copied only for penalties: a copy per row and step costs
             # O(length) of host time at every step of a long output
-            rows.append(SamplingRow(p, st.generator,
-                                    st.token_ids[:st.prompt_len] if need_hist else [],
-                                    st.token_ids[st.prompt_len:st.prompt_len + n_out] if need_hist else [],
-                                    masked, sr.spec_token_ids[j] if j < k else None, st.logit_bias))
+            rows.append(
+                SamplingRow(
+                    p,
+                    st.generator,
+                    st.token_ids[: st.prompt_len] if need_hist else [],
+                    st.token_ids[st.prompt_len : st.prompt_len + n_out] if need_hist else [],
+                    masked,
+                    sr.spec_token_ids[j] if j < k else None,
+                    st.logit_bias,
+                )
+            )
     return rows
 
 
-def build_batch(requests: list, block_size: int, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+def build_batch(
+    requests: list, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """The flat batch of ``requests`` (a step's ``ScheduledRequest`` list, or a micro-batch of
     it): ``(input_ids, positions, meta, sample_idx)``, input ids and positions int64
     ``[num_tokens]`` on ``device``, the attention metadata, and the rows that sample (int64: the
@@ -116,7 +129,14 @@ def build_batch(requests: list, block_size: int, device: torch.device
         seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        query_lens_cpu=qlens, seq_lens_cpu=slens, max_seqlen_q=max(qlens), max_seqlen_k=max(slens))
-    return (torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device), meta,
-            torch.tensor(sample_idx, dtype=torch.long, device=device))
+        query_lens_cpu=qlens,
+        seq_lens_cpu=slens,
+        max_seqlen_q=max(qlens),
+        max_seqlen_k=max(slens),
+    )
+    return (
+        torch.tensor(input_ids, dtype=torch.long, device=device),
+        torch.tensor(positions, dtype=torch.long, device=device),
+        meta,
+        torch.tensor(sample_idx, dtype=torch.long, device=device),
+    )

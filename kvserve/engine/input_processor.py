@@ -22,6 +22,7 @@ model's facts, and the async front keeps a copy with its own tokenizer
 (:meth:`InputProcessor.with_tokenizer`; Hugging Face fast tokenizers are not safe to share
 between threads).
 """
+
 from __future__ import annotations
 
 import copy
@@ -59,10 +60,11 @@ def parse_prompt(prompt: str | list[int] | dict) -> tuple[str | None, list[int] 
         keys = set(prompt) - {"cache_salt"}
         unknown = keys - {"prompt", "prompt_token_ids"}
         if unknown or len(keys) != 1:
-            raise ValueError("a dict prompt takes exactly one of 'prompt' (text) or 'prompt_token_ids'"
-                             " (and optionally 'cache_salt')"
-                             + (f"; unknown key(s): {sorted(unknown)}" if unknown else ""))
-        key, = keys
+            raise ValueError(
+                "a dict prompt takes exactly one of 'prompt' (text) or 'prompt_token_ids'"
+                " (and optionally 'cache_salt')" + (f"; unknown key(s): {sorted(unknown)}" if unknown else "")
+            )
+        (key,) = keys
         value = prompt[key]
         if key == "prompt" and not isinstance(value, str):
             raise ValueError(f"prompt must be a string, got {type(value).__name__}")
@@ -109,8 +111,10 @@ def check_unicode(text: str, what: str = "prompt") -> str:
     """
     m = _SURROGATE.search(text)
     if m is not None:
-        raise ValueError(f"{what} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
-                         "which is not valid Unicode")
+        raise ValueError(
+            f"{what} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
+            "which is not valid Unicode"
+        )
     return text
 
 
@@ -125,9 +129,15 @@ def encode_prompt(tokenizer, prompt: str | list[int] | dict) -> list[int]:
     return tokenizer.encode(check_unicode(text), add_special_tokens=True) if text is not None else ids
 
 
-def render_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
-                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                         template_kwargs: dict | None = None) -> str:
+def render_chat_template(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+) -> str:
     """The text of a conversation (``[{"role", "content", ...}, ...]``, OpenAI's message dicts)
     under the tokenizer's chat template: tools and tool-call history first go through
     :func:`kvserve.engine.chat_templates.prepare_messages` (unchanged for a template that renders
@@ -150,16 +160,27 @@ def render_chat_template(tokenizer, messages: list[dict], tools: list[dict] | No
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     try:
         messages, tools = prepare_messages(messages, tools, template)
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             tools=tools or None, continue_final_message=continue_final_message,
-                                             **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools or None,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
+        )
     except Exception as e:  # jinja errors on bad roles / content, a message without "role", ...
         raise ValueError(f"could not apply the chat template: {e}") from e
 
 
-def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None, continue_final_message: bool = False,
-                      add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
+def chat_template_ids(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    template_kwargs: dict | None = None,
+) -> list[int]:
     """Token ids of :func:`render_chat_template`'s text. ``tools``: OpenAI's ``{"type":
     "function", "function": {...}}`` list. ``add_special_tokens``: the tokenizer's own (e.g. BOS)
     on top of those the template writes (off by default, as vLLM's chat path).
@@ -167,8 +188,14 @@ def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bo
     Raises:
         ValueError: see :func:`render_chat_template`; text with a lone surrogate (:func:`check_unicode`).
     """
-    text = render_chat_template(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+    text = render_chat_template(
+        tokenizer,
+        messages,
+        tools,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+    )
     return tokenizer.encode(check_unicode(text, "messages"), add_special_tokens=add_special_tokens)
 
 
@@ -193,15 +220,18 @@ def max_token_bytes(tokenizer) -> int | None:
     pre = spec.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     byte_level = any(p.get("type") == "ByteLevel" for p in parts) and all(
-        p.get("type") == "ByteLevel" or (p.get("type") == "Split" and p.get("behavior") != "Removed")
-        for p in parts)
-    if (spec.get("normalizer") is not None or not byte_level or (spec.get("model") or {}).get("type") != "BPE"
-            or any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens", []))):
+        p.get("type") == "ByteLevel" or (p.get("type") == "Split" and p.get("behavior") != "Removed") for p in parts
+    )
+    if (
+        spec.get("normalizer") is not None
+        or not byte_level
+        or (spec.get("model") or {}).get("type") != "BPE"
+        or any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens", []))
+    ):
         return None
     added = {a.get("content") for a in spec.get("added_tokens", [])}
     # a byte-level vocabulary string is one character per byte; an added token is its own text
-    return max((len(t.encode("utf-8", "surrogatepass")) if t in added else len(t) for t in vocab),
-               default=None) or None
+    return max((len(t.encode("utf-8", "surrogatepass")) if t in added else len(t) for t in vocab), default=None) or None
 
 
 class InputProcessor:
@@ -223,8 +253,9 @@ class InputProcessor:
         enable_lora: requests may name a LoRA adapter.
     """
 
-    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: set[int], max_model_len: int,
-                 enable_lora: bool = False):
+    def __init__(
+        self, tokenizer, *, vocab_size: int, eos_token_ids: set[int], max_model_len: int, enable_lora: bool = False
+    ):
         self.tokenizer = tokenizer
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self.max_model_len, self.enable_lora = max_model_len, enable_lora
@@ -304,7 +335,8 @@ class InputProcessor:
             raise PromptTooLongError(
                 f"prompt is {n} bytes of text, so more than {self.max_model_len} tokens (each token of this model's "
                 f"tokenizer covers at most {per} bytes); this model's context is {self.max_model_len} tokens "
-                "(max_model_len)")
+                "(max_model_len)"
+            )
 
     def check_prompt_prefix(self, text: str) -> None:
         """Before tokenizing a long text whole: where the text has more than
@@ -336,7 +368,8 @@ class InputProcessor:
         if n > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt is more than {self.max_model_len} tokens (its first {cut} characters alone are {n} tokens); "
-                f"this model's context is {self.max_model_len} tokens (max_model_len)")
+                f"this model's context is {self.max_model_len} tokens (max_model_len)"
+            )
 
     def check_prompt_length(self, text: str) -> None:
         """Before tokenizing: :meth:`check_prompt_bytes`, then :meth:`check_prompt_prefix`.
@@ -361,19 +394,37 @@ class InputProcessor:
             self.check_prompt_length(check_unicode(text))
         return encode_prompt(self.tokenizer, prompt)
 
-    def render_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
-                             add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    def render_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
         """:func:`render_chat_template` with this processor's tokenizer.
 
         Raises:
             ValueError: no chat template, or malformed messages.
         """
-        return render_chat_template(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message)
+        return render_chat_template(
+            self.tokenizer,
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
 
-    def chat_template_ids(self, messages: list[dict], tools: list[dict] | None = None, *,
-                          add_generation_prompt: bool = True, continue_final_message: bool = False,
-                          add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
+    def chat_template_ids(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
         """:func:`chat_template_ids` with this processor's tokenizer; a rendered conversation
         that cannot fit by its bytes alone is refused before it is tokenized
         (:meth:`check_prompt_bytes`).
@@ -383,14 +434,21 @@ class InputProcessor:
             PromptTooLongError: the conversation cannot fit, by its bytes alone.
         """
         tok = self.tokenizer
-        text = render_chat_template(tok, messages, tools, add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        text = render_chat_template(
+            tok,
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
         self.check_prompt_length(check_unicode(text, "messages"))
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     # ---- validation ------------------------------------------------------------------------
-    def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None = None,
-                             pooling: bool = False) -> None:
+    def check_context_length(
+        self, num_prompt_tokens: int, max_tokens: int | None = None, pooling: bool = False
+    ) -> None:
         """A prompt of ``num_prompt_tokens`` tokens must leave room for one output token within
         ``max_model_len`` (a pooling request, which generates nothing, may fill it); with
         ``max_tokens``, the prompt plus ``max_tokens`` must fit too (the serving layer's rule:
@@ -403,12 +461,15 @@ class InputProcessor:
         """
         n, limit = num_prompt_tokens, self.max_model_len
         if n > limit or (n == limit and not pooling):
-            raise PromptTooLongError(f"prompt is {n} tokens; this model's context is {limit} tokens "
-                                     "(max_model_len), which must also leave room for at least one output token")
+            raise PromptTooLongError(
+                f"prompt is {n} tokens; this model's context is {limit} tokens "
+                "(max_model_len), which must also leave room for at least one output token"
+            )
         if max_tokens is not None and n + max_tokens > limit:
             raise PromptTooLongError(
                 f"this model's maximum context length is {limit} tokens; the request asks for {n + max_tokens} "
-                f"({n} in the prompt, {max_tokens} in max_tokens): shorten the prompt or lower max_tokens")
+                f"({n} in the prompt, {max_tokens} in max_tokens): shorten the prompt or lower max_tokens"
+            )
 
     def _validate_params(self, params: SamplingParams | None, priority: int) -> SamplingParams:
         """The checks of ``params`` that need the model (besides :class:`SamplingParams`' own):
@@ -427,14 +488,15 @@ class InputProcessor:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         vocab = self.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), "
-                             f"got {max(params.stop_token_ids)}")
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {max(params.stop_token_ids)}")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {max(params.logit_bias)}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}")
-        if params.min_tokens and len(set(params.stop_token_ids) | (
-                set() if params.ignore_eos else self.eos_token_ids)) >= vocab:
+        if (
+            params.min_tokens
+            and len(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)) >= vocab
+        ):
             raise ValueError("stop_token_ids with min_tokens forbid every token of the vocabulary")
         return params
 
@@ -461,9 +523,17 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         self.check_context_length(len(ids), pooling=pooling)
 
-    def process_inputs(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                       *, priority: int = 0, arrival_time: float | None = None, lora_request=None,
-                       pooling_params=None) -> Request:
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_request=None,
+        pooling_params=None,
+    ) -> Request:
         """Parse, tokenize and validate one request; returns the :class:`Request` (status
         ``WAITING``; its grammar is not compiled and its adapter not loaded: the engine does
         that, ``LLMEngine.make_request``). Touches no engine state, so it may run in any thread.
@@ -488,8 +558,16 @@ class InputProcessor:
             self.check_prompt_length(check_unicode(text))
             ids = self.tokenizer.encode(text, add_special_tokens=True)
         self._validate_model_inputs(ids, pooling_params is not None)
-        req = Request(request_id, ids, params, self.eos_token_ids, prompt=text, priority=priority,
-                      arrival_time=arrival_time, max_model_len=self.max_model_len)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            self.eos_token_ids,
+            prompt=text,
+            priority=priority,
+            arrival_time=arrival_time,
+            max_model_len=self.max_model_len,
+        )
         req.pooling = pooling_params
         req.lora_request = lora_request
         req.cache_salt = prompt_cache_salt(prompt)

@@ -19,6 +19,7 @@ they gain or lose (vLLM's KV events).
 
 This module only does bookkeeping on block ids; the tensors live in the model runner.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -119,15 +120,16 @@ def request_root(root: int, lora_request) -> int:
     return lora_root_hash(root, lora_request.lora_name, getattr(lora_request, "lora_version", "") or "")
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int, root: int,
-                 cache_salt: str | None = None) -> list[int]:
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int, num_blocks: int, root: int, cache_salt: str | None = None
+) -> list[int]:
     """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids`` (fewer if
     the tokens end first), from ``root`` (:func:`request_root`), the first block carrying
     ``cache_salt``: what the engine computes as ``Request.block_hashes``."""
     out, parent = [], root
     extra = block_extra(cache_salt)
     for i in range(min(len(token_ids) // block_size, num_blocks)):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra if i == 0 else b"")
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra if i == 0 else b"")
         out.append(parent)
     return out
 
@@ -249,9 +251,15 @@ class KVCacheManager:
         ValueError: a host tier without prefix caching.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventRecorder | None = None, host_tier: HostKVTier | None = None,
-                 hash_seed: str | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: KVEventRecorder | None = None,
+        host_tier: HostKVTier | None = None,
+        hash_seed: str | None = None,
+    ):
         if host_tier is not None and not enable_prefix_caching:
             raise ValueError("the host KV tier keeps prefix-cached blocks: it needs enable_prefix_caching")
         self.block_size = block_size
@@ -333,7 +341,7 @@ class KVCacheManager:
                 parent, extra = req.block_hashes[-1], b""
             else:  # adapters (and loads of one) never share KV; the salt only in the first block
                 parent, extra = request_root(self.root, req.lora_request), block_extra(req.cache_salt)
-            req.block_hashes.append(hash_block(parent, toks[i * bs:(i + 1) * bs], extra))
+            req.block_hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs], extra))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Longest run of cached blocks matching the start of ``req``'s tokens.
@@ -369,8 +377,9 @@ class KVCacheManager:
             out.append(h)
         return out
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = (),
-                       offloaded: list[int] = ()) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: list[int] = (), offloaded: list[int] = ()
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req`` beyond its computed ones.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, only for a request with an empty
@@ -434,14 +443,14 @@ class KVCacheManager:
         bs = self.block_size
         lora = req.lora_request
         parent = req.block_hashes[i - 1] if i else (None if lora is None else request_root(self.root, lora))
-        return parent, req.all_token_ids[i * bs:(i + 1) * bs], bs, None if lora is None else lora.lora_int_id
+        return parent, req.all_token_ids[i * bs : (i + 1) * bs], bs, None if lora is None else lora.lora_int_id
 
     def _record_stored(self, req: Request, start: int, end: int) -> None:
         """One ``BlockStored`` for ``req``'s newly cached blocks ``start .. end - 1``."""
         if self.events is None:
             return
         parent, _, bs, lora_id = self._meta[req.block_table[start]]
-        self.events.stored(req.block_hashes[start:end], parent, req.all_token_ids[start * bs:end * bs], bs, lora_id)
+        self.events.stored(req.block_hashes[start:end], parent, req.all_token_ids[start * bs : end * bs], bs, lora_id)
 
     def trim(self, req: Request) -> None:
         """Return the blocks past the ones ``req``'s tokens need (``ceil(num_tokens /

@@ -1,5 +1,6 @@
 """Calibration of the float8 KV cache (``kv_cache_dtype="fp8"``): one scale for K and one for V
 per layer, measured once at load, after the weights, on a short fixed text."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,7 +21,8 @@ KV_CALIBRATION_TEXT = (
     "It computes an index from each key with a hash function and keeps the value in that slot.\n"
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
     "In 1969, 3 astronauts flew 384,400 km to the Moon; 12 people have walked on it since, "
-    "and the last did so on 14 December 1972.")
+    "and the last did so on 14 December 1972."
+)
 
 
 #: How far past the calibration text's largest |K| / |V| a layer's float8 scale reaches before
@@ -34,9 +36,12 @@ KV_SCALE_HEADROOM = 16.0
 
 
 @torch.inference_mode()
-def calibrate_kv_scales(model_path: str | Path, layers: nn.ModuleList, device: torch.device,
-                        prefill: Callable[[torch.Tensor], tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]]
-                        ) -> None:
+def calibrate_kv_scales(
+    model_path: str | Path,
+    layers: nn.ModuleList,
+    device: torch.device,
+    prefill: Callable[[torch.Tensor], tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]],
+) -> None:
     """Set ``k_scale`` and ``v_scale`` (floats) of each layer's ``self_attn``: the model runs
     :data:`KV_CALIBRATION_TEXT` (encoded by the tokenizer of ``model_path``), and each layer's
     scale is ``KV_SCALE_HEADROOM * max|x| / 448`` (see :data:`KV_SCALE_HEADROOM`).
@@ -54,6 +59,6 @@ def calibrate_kv_scales(model_path: str | Path, layers: nn.ModuleList, device: t
     _, caches = prefill(torch.tensor(ids, dtype=torch.long, device=device))
     for layer, (k, v) in zip(layers, caches):
         a = layer.self_attn
-        k, v = (c.view(-1, a.num_kv_heads, a.head_dim)[:len(ids)] for c in (k, v))
+        k, v = (c.view(-1, a.num_kv_heads, a.head_dim)[: len(ids)] for c in (k, v))
         a.k_scale = max(KV_SCALE_HEADROOM * float(k.abs().max()) / FP8_MAX, 1e-8)
         a.v_scale = max(KV_SCALE_HEADROOM * float(v.abs().max()) / FP8_MAX, 1e-8)

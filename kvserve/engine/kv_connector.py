@@ -15,6 +15,7 @@ object store, ``kvserve/deployments/replica/kv_cluster.py``) plugs in through th
 
 The engine imports nothing of a connector; it runs without one, and without Ray.
 """
+
 from __future__ import annotations
 
 from kvserve.engine.request import Request

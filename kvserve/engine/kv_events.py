@@ -12,6 +12,7 @@ events of one engine step form one :class:`KVEventBatch`.
 Plain dataclasses of ints, strings and lists: they pickle across the engine core's pipe and
 Ray calls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,8 +86,15 @@ class KVEventRecorder:
     def __init__(self) -> None:
         self._events: list[KVCacheEvent] = []
 
-    def stored(self, hashes: list[int], parent: int | None, token_ids: list[int], block_size: int,
-               lora_id: int | None, medium: str = MEDIUM_POOL) -> None:
+    def stored(
+        self,
+        hashes: list[int],
+        parent: int | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_id: int | None,
+        medium: str = MEDIUM_POOL,
+    ) -> None:
         if hashes:
             self._events.append(BlockStored(list(hashes), parent, list(token_ids), block_size, lora_id, medium))
 

@@ -28,6 +28,7 @@ tier, ``kvserve/deployments/replica/kv_cluster.py``): :meth:`LLMEngine.export_kv
 host-tier slots (:meth:`HostKVTier.insert`), from where the scheduler loads them as it loads any
 host-tier block. Bytes, not values: a block imported is bit-identical to the one exported.
 """
+
 from __future__ import annotations
 
 import os
@@ -278,9 +279,11 @@ def _reserve_disk(fd: int, nbytes: int, folder: str) -> None:
 
     st = os.statvfs(folder)
     free = st.f_bavail * st.f_frsize
-    msg = (f"the mmap KV tier (kv_offloading_backend='mmap') needs {nbytes} bytes in {folder!r} but "
-           f"{free} bytes are free there: set kv_offloading_path to a bigger disk, lower "
-           f"kv_offloading_size, or use kv_offloading_backend='native'")
+    msg = (
+        f"the mmap KV tier (kv_offloading_backend='mmap') needs {nbytes} bytes in {folder!r} but "
+        f"{free} bytes are free there: set kv_offloading_path to a bigger disk, lower "
+        f"kv_offloading_size, or use kv_offloading_backend='native'"
+    )
     if nbytes > free:
         raise OSError(errno.ENOSPC, msg)
     try:
@@ -380,7 +383,9 @@ class HostKVStore:
         nbytes = per_block.numel() * per_block.element_size()
         rows = torch.as_tensor(rows)
         if rows.dim() != 2 or rows.shape[1] != nbytes or rows.dtype != torch.uint8:
-            raise ValueError(f"a KV block copy of {tuple(rows.shape)} {rows.dtype} does not fit this rank's "
-                             f"blocks of {nbytes} bytes (another model, KV dtype, block size or parallel layout)")
+            raise ValueError(
+                f"a KV block copy of {tuple(rows.shape)} {rows.dtype} does not fit this rank's "
+                f"blocks of {nbytes} bytes (another model, KV dtype, block size or parallel layout)"
+            )
         vals = rows.contiguous().view(self.data.dtype).view(len(slots), *per_block.shape)  # [n, layers, 2, ...]
         self.data[:, :, torch.tensor(slots)] = vals.permute(1, 2, 0, *range(3, vals.dim()))

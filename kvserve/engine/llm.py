@@ -1,13 +1,18 @@
 """Offline batch inference, shaped like vLLM's ``LLM`` class."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.pooling import PoolingParams
 from kvserve.engine.request import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.lora_adapter import LoRARequest
 
 
 class LLM:
@@ -40,10 +45,14 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
+    ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs come back in prompt order.
 
         Args:
@@ -75,13 +84,20 @@ class LLM:
             lora_request = [lora_request] * len(prompts)
         if len(lora_request) != len(prompts):
             raise ValueError(f"got {len(lora_request)} lora_request entries for {len(prompts)} prompts")
-        return self._submit([dict(prompt=p, params=sp, priority=priority[i] if priority else 0,
-                                   lora_request=lora_request[i])
-                              for i, (p, sp) in enumerate(zip(prompts, sampling_params))], use_tqdm)
+        return self._submit(
+            [
+                dict(prompt=p, params=sp, priority=priority[i] if priority else 0, lora_request=lora_request[i])
+                for i, (p, sp) in enumerate(zip(prompts, sampling_params))
+            ],
+            use_tqdm,
+        )
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Like :meth:`generate` for conversations (``[{"role", "content"}, ...]`` each), with
         the tokenizer's chat template and the assistant generation prompt applied."""
         if messages and isinstance(messages[0], dict):
@@ -89,8 +105,13 @@ class LLM:
         prompts = [self.engine.apply_chat_template(m) for m in messages]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_type: str = "last",
-              normalize: bool = True, use_tqdm: bool = False) -> list[list[float]]:
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        pooling_type: str = "last",
+        normalize: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[list[float]]:
         """Embeddings of ``prompts`` (the forms of :meth:`generate`): the final hidden states
         pooled (``last`` token or ``mean``; :mod:`kvserve.engine.pooling`), L2-normalised unless
         ``normalize=False``; one list of ``hidden_size`` float32 values per prompt, in order.
@@ -128,6 +149,7 @@ class LLM:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
+
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         wanted = set(ids)
         while wanted - done.keys():

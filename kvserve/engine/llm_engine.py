@@ -1,4 +1,5 @@
 """The synchronous engine: add requests, call ``step()`` until they finish."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,7 @@ class LLMEngine:
         ImportError: the chosen backend's module is missing (``"ray"`` without Ray).
     """
 
-    def __init__(self, config: EngineConfig,
-                 executor_factory: Callable[[EngineConfig, str], Executor] | None = None):
+    def __init__(self, config: EngineConfig, executor_factory: Callable[[EngineConfig, str], Executor] | None = None):
         self.config = config
         self.model_path = str(resolve_model(config.model))
         self.tokenizer = load_tokenizer(self.model_path)
@@ -87,8 +87,10 @@ class LLMEngine:
             logger.info("dtype auto -> %s", why)
             config = self.config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
         if config.pipeline_parallel_size > self.hf_config.num_hidden_layers:
-            raise ValueError(f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds num_hidden_layers "
-                             f"{self.hf_config.num_hidden_layers} (each stage needs a layer)")
+            raise ValueError(
+                f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds num_hidden_layers "
+                f"{self.hf_config.num_hidden_layers} (each stage needs a layer)"
+            )
         factory = executor_factory or Executor.get_class(config)
         self.executor = factory(config, self.model_path)
         num_blocks = self.executor.determine_num_blocks()
@@ -97,21 +99,33 @@ class LLMEngine:
         model_max = self.hf_config.max_position_embeddings
         if config.max_model_len is not None:
             if config.max_model_len > model_max:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                                 f"max_position_embeddings {model_max}")
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {model_max}"
+                )
             if config.max_model_len > capacity:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache capacity "
-                                 f"{capacity} tokens ({num_blocks} blocks); give it more memory")
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} exceeds the KV cache capacity "
+                    f"{capacity} tokens ({num_blocks} blocks); give it more memory"
+                )
             self.max_model_len = config.max_model_len
         else:
             self.max_model_len = min(model_max, capacity)
             if capacity < model_max:
-                logger.warning("max_model_len is %d tokens, the KV cache's capacity (%d blocks), below the model's "
-                               "%d: give the cache more memory for longer contexts", capacity, num_blocks, model_max)
+                logger.warning(
+                    "max_model_len is %d tokens, the KV cache's capacity (%d blocks), below the model's "
+                    "%d: give the cache more memory for longer contexts",
+                    capacity,
+                    num_blocks,
+                    model_max,
+                )
         #: Prompt parsing, chat templates and request validation (:class:`InputProcessor`).
-        self.input_processor = InputProcessor(self.tokenizer, vocab_size=self.hf_config.vocab_size,
-                                              eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                                              enable_lora=config.enable_lora)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            vocab_size=self.hf_config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            enable_lora=config.enable_lora,
+        )
         #: KV cache events of each step (None: ``enable_kv_cache_events`` off); see :meth:`take_kv_events`
         self.kv_events = KVEventRecorder() if config.enable_kv_cache_events else None
         self._kv_event_batches: deque[KVEventBatch] = deque(maxlen=KV_EVENT_BACKLOG)
@@ -122,19 +136,33 @@ class LLMEngine:
         self.kv_load_seconds = 0.0
         #: K+V bytes of one block of the whole model (the host tier's unit)
         self.kv_block_bytes = kv_offload.bytes_per_block(
-            self.hf_config, config.block_size, 1 if config.kv_cache_dtype == "fp8" else config.torch_dtype.itemsize)
+            self.hf_config, config.block_size, 1 if config.kv_cache_dtype == "fp8" else config.torch_dtype.itemsize
+        )
         slots = kv_offload.num_slots(config.kv_offloading_size, self.kv_block_bytes)
         tier = HostKVTier(slots, self.kv_events) if slots else None
         if config.kv_offloading_size and not slots:
-            logger.warning("kv_offloading_size %s GiB holds no block of this model: no host tier",
-                           config.kv_offloading_size)
-        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events, tier,
-                            hash_seed=config.prefix_caching_hash_seed)
+            logger.warning(
+                "kv_offloading_size %s GiB holds no block of this model: no host tier", config.kv_offloading_size
+            )
+        kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.kv_events,
+            tier,
+            hash_seed=config.prefix_caching_hash_seed,
+        )
         budget = MixedStepBudget.for_config(config)
-        self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
-                                   mixed_prefill_tokens=config.mixed_step_prefill_tokens,
-                                   long_prefill_threshold=self.max_model_len // 25, mixed_budget=budget,
-                                   max_loras=config.max_loras if config.enable_lora else 0)
+        self.scheduler = Scheduler(
+            kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
+            mixed_prefill_tokens=config.mixed_step_prefill_tokens,
+            long_prefill_threshold=self.max_model_len // 25,
+            mixed_budget=budget,
+            max_loras=config.max_loras if config.enable_lora else 0,
+        )
         #: Counters and stat loggers.
         self.stats = EngineStats()
         #: Callables given the :class:`IterationStats` of every step that ran the model (the list
@@ -145,8 +173,12 @@ class LLMEngine:
         self.request_loggers: list[Callable[[FinishedRequestStats], None]] = self.stats.request_loggers
         #: Grammar compiler (xgrammar, built on the first request with ``structured_outputs``)
         #: and the requests that have a grammar.
-        self.structured_outputs = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
-                                                    limits=GrammarLimits.from_dict(config.structured_outputs_config))
+        self.structured_outputs = StructuredOutputs(
+            self.tokenizer,
+            self.hf_config.vocab_size,
+            self.eos_token_ids,
+            limits=GrammarLimits.from_dict(config.structured_outputs_config),
+        )
         self._finish_stopped = functools.partial(self.scheduler.finish_stopped, stop_reason=None)
         #: Detokenization, stop strings and the outputs (:class:`OutputProcessor`).
         self.output_processor = OutputProcessor(self.tokenizer, self._request_finished)
@@ -163,8 +195,13 @@ class LLMEngine:
                 proposer = DraftModelProposer(spec, config, self.hf_config.vocab_size, num_blocks)
             self.speculator = Speculator(spec, proposer, self.hf_config.vocab_size)
             self.scheduler.on_finish = self.speculator.release
-        logger.info("engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d", self.model_path,
-                    num_blocks, capacity, self.max_model_len)
+        logger.info(
+            "engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d",
+            self.model_path,
+            num_blocks,
+            capacity,
+            self.max_model_len,
+        )
 
     @property
     def mixed_budget(self) -> MixedStepBudget | None:
@@ -186,8 +223,9 @@ class LLMEngine:
         """
         return self.input_processor.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` (and ``tools``) under the tokenizer's chat template
         (:meth:`InputProcessor.chat_template_ids`).
 
@@ -213,9 +251,16 @@ class LLMEngine:
         until they end, as the adapter is loaded again for them)."""
         return self.config.enable_lora and self.executor.remove_lora(lora_int_id)
 
-    def make_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                     priority: int = 0, arrival_time: float | None = None, lora_request=None,
-                     pooling_params=None) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_request=None,
+        pooling_params=None,
+    ) -> Request:
         """Validate and tokenize a request without queueing it (safe to call while a step runs):
         :meth:`InputProcessor.process_inputs` (prompt forms, sampling parameters against the
         model, the prompt against ``max_model_len``), then the request's grammar is compiled
@@ -232,12 +277,19 @@ class LLMEngine:
                 with the field name), a grammar that does not compile, or a LoRA adapter that
                 LoRA being off, or the adapter itself, rules out.
         """
-        req = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
-                                                  arrival_time=arrival_time, lora_request=lora_request,
-                                                  pooling_params=pooling_params)
+        req = self.input_processor.process_inputs(
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
+            pooling_params=pooling_params,
+        )
         if req.params.structured_outputs is not None:  # compiled here, off the step loop (cached)
-            req.grammar = self.structured_outputs.request_grammar(req.params.structured_outputs,
-                req.params.reasoning_end_token_ids)
+            req.grammar = self.structured_outputs.request_grammar(
+                req.params.structured_outputs, req.params.reasoning_end_token_ids
+            )
         if lora_request is not None:
             self.add_lora(lora_request)  # loads and checks the adapter now, off the step loop
         return req
@@ -253,9 +305,16 @@ class LLMEngine:
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         self.structured_outputs.add_request(req)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, lora_request=None,
-                    pooling_params=None) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_request=None,
+        pooling_params=None,
+    ) -> Request:
         """Validate, tokenize and queue a request (see :meth:`make_request`, :meth:`enqueue`);
         ``lora_request``: its adapter (:class:`kvserve.engine.lora.LoRARequest`), None: the base model;
         ``pooling_params``: an embedding request (:mod:`kvserve.engine.pooling`)."""
@@ -285,8 +344,9 @@ class LLMEngine:
         blocks freed (the scheduler), ``req.error`` set unless it already is; returns its final
         output (``new_token_ids``: the step's tokens it carries), built without the detokenizer if
         that is what fails."""
-        logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(error).__name__, error,
-                     exc_info=error)
+        logger.error(
+            "request %s failed in %s: %s: %s", req.request_id, where, type(error).__name__, error, exc_info=error
+        )
         req.error = req.error or f"{type(error).__name__}: {error}"
         if req.request_id in self.scheduler.requests:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
@@ -321,21 +381,21 @@ class LLMEngine:
         """
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.clock)
-        sched = self.scheduler.schedule()                                           # 1. schedule
+        sched = self.scheduler.schedule()  # 1. schedule
         if sched.is_empty:
             self._drop_finished(sched)
             return []
         reqs = {sr.request_id: self.scheduler.requests[sr.request_id] for sr in sched.requests}
         last_token = self.stats.begin_step(reqs.values())
         grammar = self.structured_outputs.fill_bitmask(sched, getattr(self.executor, "in_process", False))
-        result, failed, m = self._execute(sched)                                    # 2. execute
+        result, failed, m = self._execute(sched)  # 2. execute
         fail = self._fail
         outputs = [fail(reqs[rid], "the model step", e) for rid, e in failed.items()]
         outputs += [fail(r, "its grammar bitmask", e) for r, e in self.structured_outputs.fill_failures(grammar)]
-        updated, update_outputs = self._update(sched, result, reqs, m)              # 3. update
+        updated, update_outputs = self._update(sched, result, reqs, m)  # 3. update
         outputs += update_outputs
         self.stats.record_tokens(m, updated, last_token)
-        outputs += self._output(updated)                                            # 4. output
+        outputs += self._output(updated)  # 4. output
         self._end_step(m, updated)
         return outputs
 
@@ -384,15 +444,17 @@ class LLMEngine:
             m.kv_offload_load_seconds = getattr(result, "kv_load_seconds", 0.0)
             self.kv_load_seconds += m.kv_offload_load_seconds
         if self.config.enable_lora:  # vLLM's lora_requests_info
-            m.running_lora_adapters, m.waiting_lora_adapters = (sorted({
-                r.lora_request.lora_name for r in q if r.lora_request is not None})
-                for q in (self.scheduler.running, self.scheduler.waiting))
+            m.running_lora_adapters, m.waiting_lora_adapters = (
+                sorted({r.lora_request.lora_name for r in q if r.lora_request is not None})
+                for q in (self.scheduler.running, self.scheduler.waiting)
+            )
         if self.scheduler.mixed_budget is not None:
             self.scheduler.mixed_budget.record(m.end - m.start, m.num_prefill_tokens, m.num_decode_tokens)
         return result, {}, m
 
-    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput, reqs: dict[str, Request],
-                m: IterationStats | None) -> tuple[list[Request], list[RequestOutput]]:
+    def _update(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, reqs: dict[str, Request], m: IterationStats | None
+    ) -> tuple[list[Request], list[RequestOutput]]:
         """After the model call: the scheduler appends the sampled tokens (stop tokens, length;
         a request whose update raises fails alone), speculation records what was accepted (into
         ``m`` too), ``max_tokens=0`` requests whose prompt is done give their final output, and
@@ -404,8 +466,9 @@ class LLMEngine:
             requests that finished or failed here.
         """
         errors: dict[str, BaseException] = {}
-        updated = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs,
-                                                    errors=errors, pooled=result.pooled)
+        updated = self.scheduler.update_from_output(
+            sched, result.sampled, result.logprobs, result.prompt_logprobs, errors=errors, pooled=result.pooled
+        )
         fail = self._fail
         outputs = [fail(reqs[rid], "its output update", e) for rid, e in errors.items()]
         if self.speculator is not None:
@@ -413,11 +476,17 @@ class LLMEngine:
                 self.speculator.record(sched, m)
             except Exception:
                 self.stats.log_broken("speculation bookkeeping")
-        outputs += [self.output_processor.final_output(r) for sr in sched.requests  # max_tokens=0: no token
-                    if not sr.sample and (r := reqs[sr.request_id]).max_output_tokens == 0
-                    and r.status is RequestStatus.FINISHED_LENGTH]
-        outputs += [fail(r, "its grammar", e, r.new_token_ids)
-                    for r, e in self.structured_outputs.advance(updated, self._finish_stopped)]
+        outputs += [
+            self.output_processor.final_output(r)
+            for sr in sched.requests  # max_tokens=0: no token
+            if not sr.sample
+            and (r := reqs[sr.request_id]).max_output_tokens == 0
+            and r.status is RequestStatus.FINISHED_LENGTH
+        ]
+        outputs += [
+            fail(r, "its grammar", e, r.new_token_ids)
+            for r, e in self.structured_outputs.advance(updated, self._finish_stopped)
+        ]
         return updated, outputs
 
     def _output(self, updated: list[Request]) -> list[RequestOutput]:
@@ -510,8 +579,10 @@ class LLMEngine:
         if any(len(b.shards) != ranks for b in blocks):
             raise ValueError(f"KV block copies of another parallel layout ({ranks} ranks here)")
         if any(b.nbytes != self.kv_block_bytes for b in blocks):
-            raise ValueError(f"KV block copies of another size than this engine's {self.kv_block_bytes} bytes "
-                             "(another model, KV dtype or block size)")
+            raise ValueError(
+                f"KV block copies of another size than this engine's {self.kv_block_bytes} bytes "
+                "(another model, KV dtype or block size)"
+            )
         take = []
         for b in blocks:
             if len(take) == tier.num_slots:
@@ -530,9 +601,9 @@ class LLMEngine:
                 break
             slots.append(slot)
         try:
-            self.executor.write_kv_slots(slots, [s[:len(slots)] for s in shards])
+            self.executor.write_kv_slots(slots, [s[: len(slots)] for s in shards])
         except BaseException:
-            tier.discard([b.block_hash for b in take[:len(slots)]])  # their slots hold nothing valid
+            tier.discard([b.block_hash for b in take[: len(slots)]])  # their slots hold nothing valid
             raise
         finally:
             if self.kv_events is not None:
@@ -545,18 +616,28 @@ class LLMEngine:
         with speculative decoding the ``spec_decode_*`` totals (:meth:`Speculator.stats`)."""
         s = self.scheduler.stats()
         st = self.stats
-        s.update(num_steps=st.num_steps, max_running_batch=st.max_running,
-                 num_generated_tokens=st.num_generated_tokens, num_prompt_tokens=st.num_prompt_tokens,
-                 num_kv_blocks=self.scheduler.kv.num_blocks, free_kv_blocks=self.scheduler.kv.pool.num_free_blocks,
-                 time=time.time())
+        s.update(
+            num_steps=st.num_steps,
+            max_running_batch=st.max_running,
+            num_generated_tokens=st.num_generated_tokens,
+            num_prompt_tokens=st.num_prompt_tokens,
+            num_kv_blocks=self.scheduler.kv.num_blocks,
+            free_kv_blocks=self.scheduler.kv.pool.num_free_blocks,
+            time=time.time(),
+        )
         tier = self.scheduler.kv.host_tier
         if tier is not None:  # the host tier below the pool (vLLM's kv offloading)
             block = self.kv_block_bytes
-            s.update(kv_offload_blocks=len(tier), kv_offload_capacity_blocks=tier.num_slots,
-                     kv_offload_hit_tokens=self.scheduler.kv.host_hits, kv_offload_saved_bytes=tier.num_saved * block,
-                     kv_offload_loaded_bytes=tier.num_loaded * block, kv_offload_load_seconds=self.kv_load_seconds,
-                     kv_offload_imported_blocks=tier.num_imported,
-                     kv_offload_imported_hit_tokens=tier.num_imported_loaded * self.config.block_size)
+            s.update(
+                kv_offload_blocks=len(tier),
+                kv_offload_capacity_blocks=tier.num_slots,
+                kv_offload_hit_tokens=self.scheduler.kv.host_hits,
+                kv_offload_saved_bytes=tier.num_saved * block,
+                kv_offload_loaded_bytes=tier.num_loaded * block,
+                kv_offload_load_seconds=self.kv_load_seconds,
+                kv_offload_imported_blocks=tier.num_imported,
+                kv_offload_imported_hit_tokens=tier.num_imported_loaded * self.config.block_size,
+            )
         if self.speculator is not None:
             s.update(self.speculator.stats())
         return s

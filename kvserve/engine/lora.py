@@ -23,6 +23,7 @@ Modules:
 Adapters cover q/k/v/o and the MLP's gate/up/down projections of Llama-family models, with tensor
 parallelism too (each slot holds this rank's shard). This module re-exports both modules' names.
 """
+
 from kvserve.engine.lora_adapter import TARGETS, LoRARequest, LoRAWeights
 from kvserve.engine.lora_slots import LONG_SPAN, LoRALayer, LoRASlots
 

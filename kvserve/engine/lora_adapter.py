@@ -6,6 +6,7 @@ Hugging Face PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors`
 shapes) before any device memory is touched, folding ``scaling = lora_alpha / r`` (``lora_alpha /
 sqrt(r)`` with rsLoRA) into ``B``. Placing adapters on the device is :mod:`kvserve.engine.lora_slots`.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,14 @@ import torch
 
 #: PEFT's module names -> (the fused layer of :mod:`kvserve.engine.models.llama`, the part in it).
 TARGETS: dict[str, tuple[str, int]] = {
-    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1), "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0), "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0)}
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
 
 
 @dataclass(frozen=True)
@@ -82,9 +88,15 @@ class LoRAWeights:
             raise ValueError(f"{where}: rank r={rank} must be positive")
         if rank > max_rank:
             raise ValueError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
-        for key, bad in (("bias", lambda v: v not in (None, "none")), ("use_dora", bool),
-                         ("modules_to_save", bool), ("fan_in_fan_out", bool),
-                         ("rank_pattern", bool), ("alpha_pattern", bool), ("layers_to_transform", bool)):
+        for key, bad in (
+            ("bias", lambda v: v not in (None, "none")),
+            ("use_dora", bool),
+            ("modules_to_save", bool),
+            ("fan_in_fan_out", bool),
+            ("rank_pattern", bool),
+            ("alpha_pattern", bool),
+            ("layers_to_transform", bool),
+        ):
             if bad(ac.get(key)):
                 raise ValueError(f"{where}: {key}={ac.get(key)!r} is not supported")
         scaling = alpha / math.sqrt(rank) if ac.get("use_rslora") else alpha / rank
@@ -92,17 +104,24 @@ class LoRAWeights:
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
         q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-        shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-                  "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+        shapes = {
+            "q_proj": (hidden, q),
+            "k_proj": (hidden, kv),
+            "v_proj": (hidden, kv),
+            "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden),
+        }
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             layer, module, which = _parse_key(name, where)
             if module not in TARGETS:
-                raise ValueError(f"{where}: module {module!r} ({name}) is not supported; kvserve adapts "
-                                 f"{', '.join(TARGETS)}")
+                raise ValueError(
+                    f"{where}: module {module!r} ({name}) is not supported; kvserve adapts {', '.join(TARGETS)}"
+                )
             if not 0 <= layer < cfg.num_hidden_layers:
-                raise ValueError(f"{where}: {name} names layer {layer}; the base model has "
-                                 f"{cfg.num_hidden_layers}")
+                raise ValueError(f"{where}: {name} names layer {layer}; the base model has {cfg.num_hidden_layers}")
             pairs.setdefault((layer, module), {})[which] = t
         out = cls(request.lora_name, request.lora_int_id, rank)
         for (layer, module), ab in pairs.items():
@@ -111,9 +130,11 @@ class LoRAWeights:
             a, b = ab["A"].float(), ab["B"].float()
             n_in, n_out = shapes[module]
             if tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n_out, rank):
-                raise ValueError(f"{where}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B "
-                                 f"{tuple(b.shape)} do not fit the base model ([{rank}, {n_in}] / "
-                                 f"[{n_out}, {rank}]): an adapter of another base model?")
+                raise ValueError(
+                    f"{where}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B "
+                    f"{tuple(b.shape)} do not fit the base model ([{rank}, {n_in}] / "
+                    f"[{n_out}, {rank}]): an adapter of another base model?"
+                )
             out.weights[(layer, module)] = (a.contiguous(), (b * scaling).contiguous())
         if not out.weights:
             raise ValueError(f"{where}: no LoRA weights in {path}")

@@ -11,6 +11,7 @@ With tensor parallelism each slot holds this rank's shard, cut like its base lay
 (column-parallel layers split ``B``'s rows, row-parallel layers split ``A``'s columns and add
 their partial ``x A^T B^T`` before the layer's all-reduce, which sums it like the base output).
 """
+
 from __future__ import annotations
 
 import threading
@@ -43,7 +44,7 @@ class LoRALayer:
     def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Fill ``slot``'s ``part`` from the full (unsharded) ``a`` ``[r, in]`` and ``b``
         ``[out, r]`` (None: the adapter leaves this module out)."""
-        self.a[slot, part * self.rank:(part + 1) * self.rank].zero_()
+        self.a[slot, part * self.rank : (part + 1) * self.rank].zero_()
         self.b_t[part][slot].zero_()
         self.has[slot][part] = a is not None
         if a is None:
@@ -55,7 +56,7 @@ class LoRALayer:
         else:
             s, e = self.linear.out_ranges[part]
             b = b[s:e]
-        self.a[slot, part * self.rank:part * self.rank + r].copy_(a)
+        self.a[slot, part * self.rank : part * self.rank + r].copy_(a)
         self.b_t[part][slot, :r].copy_(b.T)
 
     def _expand(self, h: torch.Tensor, slot: int, y: torch.Tensor) -> None:
@@ -63,7 +64,7 @@ class LoRALayer:
         off = 0
         for p, n in enumerate(self.sizes):
             if self.has[slot][p]:
-                hp, out = h[:, p * self.rank:(p + 1) * self.rank], y[:, off:off + n]
+                hp, out = h[:, p * self.rank : (p + 1) * self.rank], y[:, off : off + n]
                 if out.dtype == hp.dtype:
                     out.addmm_(hp, self.b_t[p][slot])
                 else:
@@ -97,8 +98,10 @@ class LoRALayer:
         n_slots, length, idx, pad = own.batch
         h = torch.bmm(x.index_select(0, idx).to(dtype).view(n_slots, length, -1), self.a[:n_slots].mT)
         h.mul_(pad)  # [slots, L, parts * rank]; padding rows (gathered from row 0) to zero
-        d = [torch.bmm(h[:, :, p * self.rank:(p + 1) * self.rank], self.b_t[p][:n_slots])
-             for p in range(len(self.sizes))]  # [slots, L, out_p] each
+        d = [
+            torch.bmm(h[:, :, p * self.rank : (p + 1) * self.rank], self.b_t[p][:n_slots])
+            for p in range(len(self.sizes))
+        ]  # [slots, L, out_p] each
         d = d[0] if len(d) == 1 else torch.cat(d, dim=-1)
         y.index_add_(0, idx, d.view(n_slots * length, -1).to(y.dtype))  # padding rows add zeros
 
@@ -115,8 +118,10 @@ class LoRASlots:
     def __init__(self, model, cfg, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None):
         max_cpu_loras = max_cpu_loras or max_loras
         if min(max_loras, max_lora_rank) < 1 or max_cpu_loras < max_loras:
-            raise ValueError(f"need max_loras >= 1, max_lora_rank >= 1 and max_cpu_loras >= max_loras; got "
-                             f"{max_loras}, {max_lora_rank}, {max_cpu_loras}")
+            raise ValueError(
+                f"need max_loras >= 1, max_lora_rank >= 1 and max_cpu_loras >= max_loras; got "
+                f"{max_loras}, {max_lora_rank}, {max_cpu_loras}"
+            )
         self.cfg, self.max_loras, self.max_rank, self.max_cpu = cfg, max_loras, max_lora_rank, max_cpu_loras
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         self.num_layers = len(model.layers)
@@ -253,8 +258,8 @@ class LoRASlots:
             idx = torch.zeros((n_slots, length), dtype=torch.long)
             pad = torch.zeros((n_slots, length, 1))
             for s, rows in short.items():
-                idx[s, :len(rows)] = torch.tensor(rows)
-                pad[s, :len(rows)] = 1
+                idx[s, : len(rows)] = torch.tensor(rows)
+                pad[s, : len(rows)] = 1
             self.batch = (n_slots, length, idx.view(-1).to(device), pad.to(device))
 
     @property

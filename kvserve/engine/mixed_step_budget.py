@@ -1,4 +1,5 @@
 """How many prefill tokens may ride along with a step's decodes: :class:`MixedStepBudget`, an online estimate of the prefill cost per token from the engine's own step times, capped so a mixed step stays within a slowdown of a pure decode step."""
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,9 @@ class MixedStepBudget:
             return None
         return cls(config.mixed_step_slowdown, config.max_num_batched_tokens)
 
-    def __init__(self, slowdown: float, max_tokens: int, min_tokens: int = 8, initial_tokens: int = 256,
-                 alpha: float = 0.2):
+    def __init__(
+        self, slowdown: float, max_tokens: int, min_tokens: int = 8, initial_tokens: int = 256, alpha: float = 0.2
+    ):
         self.slowdown, self.alpha = slowdown, alpha
         self.max_tokens = max_tokens
         self.min_tokens = min(min_tokens, max_tokens)
@@ -99,5 +101,3 @@ class MixedStepBudget:
         if not math.isfinite(tokens):  # b underflowed to a denormal: prefill is free
             return self.max_tokens
         return int(max(self.min_tokens, min(self.max_tokens, tokens)))
-
-

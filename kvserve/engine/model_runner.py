@@ -4,6 +4,7 @@ One instance per tensor-parallel rank. The step's inputs are built by :mod:`kvse
 decode steps on a GPU replay :mod:`kvserve.engine.cuda_graphs`, prompt logprobs come from
 :mod:`kvserve.engine.prompt_logprobs`.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,15 +99,20 @@ class ModelRunner:
         else:
             self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        head_dim = getattr(self.hf_config, "head_dim", None) or \
-            self.hf_config.hidden_size // self.hf_config.num_attention_heads
-        self.backend = select_attention_backend(self.device, self.dtype, self.block_size, head_dim,
-                                                config.attention_backend)()
+        head_dim = (
+            getattr(self.hf_config, "head_dim", None)
+            or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        )
+        self.backend = select_attention_backend(
+            self.device, self.dtype, self.block_size, head_dim, config.attention_backend
+        )()
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         reason = config.kv_cache_dtype == "fp8" and self.backend.fp8_kv_unsupported_reason(self.device)
         if reason:
-            raise ValueError(f"kv_cache_dtype='fp8' is not supported here: {reason} "
-                             f"(float8 caches run on the torch, cpu and triton backends)")
+            raise ValueError(
+                f"kv_cache_dtype='fp8' is not supported here: {reason} "
+                f"(float8 caches run on the torch, cpu and triton backends)"
+            )
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -140,8 +146,9 @@ class ModelRunner:
         #: LoRA adapters' slots in the linear layers (kvserve.engine.lora.LoRASlots), None without enable_lora
         self.lora = None
         if config.enable_lora:
-            self.lora = LoRASlots(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
-                                  config.max_cpu_loras)
+            self.lora = LoRASlots(
+                self.model, self.hf_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras
+            )
         self.sampler = Sampler()
         self.states: dict[str, RequestState] = {}
         self.pooling: set[str] = set()  # running embedding requests (kvserve.engine.pooling): most steps have none
@@ -192,7 +199,8 @@ class ModelRunner:
                 f"{total / gib:.1f} GiB, minus {peak / gib:.2f} GiB for weights and activations (this process, "
                 f"other engines in it included) and {max(used_elsewhere, 0) / gib:.2f} GiB used by other "
                 f"processes, leaves less than one block ({self.bytes_per_block} bytes); raise "
-                "gpu_memory_utilization, free the GPU, or set kv_cache_memory_bytes")
+                "gpu_memory_utilization, free the GPU, or set kv_cache_memory_bytes"
+            )
         return int(budget // self.bytes_per_block)
 
     @torch.inference_mode()
@@ -200,7 +208,7 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         h, _ = self._prefill_alone(torch.zeros(n, dtype=torch.long, device=self.device))
         if getattr(self.model, "last_stage", True):
-            self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
+            self.model.compute_logits(h[-min(n, self.config.max_num_seqs) :])
 
     @torch.inference_mode()
     def _prefill_alone(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -211,14 +219,20 @@ class ModelRunner:
         nblocks = -(-n // self.block_size)
         attn = self.model.layers[0].self_attn
         shape = (nblocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
-                  for _ in self.model.layers]
+        caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
+            for _ in self.model.layers
+        ]
         meta = AttentionMetadata(
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             block_tables=torch.arange(nblocks, dtype=torch.int32, device=dev)[None],
             slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
-            query_lens_cpu=[n], seq_lens_cpu=[n], max_seqlen_q=n, max_seqlen_k=n)
+            query_lens_cpu=[n],
+            seq_lens_cpu=[n],
+            max_seqlen_q=n,
+            max_seqlen_k=n,
+        )
         self._attach(caches)
         try:
             h = self.model(ids, torch.arange(n, device=dev) % self.hf_config.max_position_embeddings, meta)
@@ -240,8 +254,13 @@ class ModelRunner:
         attention backends never let a slot past a request's ``seq_len`` affect the output."""
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.empty(shape, dtype=self.kv_dtype, device=self.device)) for _ in self.model.layers]
+        self.kv_caches = [
+            (
+                torch.empty(shape, dtype=self.kv_dtype, device=self.device),
+                torch.empty(shape, dtype=self.kv_dtype, device=self.device),
+            )
+            for _ in self.model.layers
+        ]
         self._attach(self.kv_caches)
         self.num_blocks = num_blocks
         c = self.config
@@ -319,8 +338,9 @@ class ModelRunner:
         else:
             input_ids, positions, meta, sample_idx = self._prepare(sched.requests)
             if self.lora is not None:  # each row's adapter (LoRA steps never replay graphs: cuda_graphs is off)
-                self.lora.prepare([(self.states[sr.request_id].lora, len(sr.token_ids)) for sr in sched.requests],
-                                  self.device)
+                self.lora.prepare(
+                    [(self.states[sr.request_id].lora, len(sr.token_ids)) for sr in sched.requests], self.device
+                )
             try:
                 if self.graphs is not None and self.graphs.can_replay(meta):
                     hidden = self.graphs.replay(input_ids, positions, meta)
@@ -335,8 +355,11 @@ class ModelRunner:
             return ModelRunnerOutput({}, None, prompt_lp, pooled, load_s)
         logits = self.model.compute_logits(hidden[sample_idx])
         ids = [sr.request_id for sr in sched.requests if sr.sample for _ in range(len(sr.spec_token_ids) + 1)]
-        grammar = (None if sched.grammar_bitmask is None  # structured outputs: the engine's bitmask
-                   else bitmask_rows(sched.grammar_bitmask, sched.grammar_req_ids, ids))
+        grammar = (
+            None
+            if sched.grammar_bitmask is None  # structured outputs: the engine's bitmask
+            else bitmask_rows(sched.grammar_bitmask, sched.grammar_req_ids, ids)
+        )
         tokens, logprobs, accepted = self.sampler(logits, rows, grammar)
         sampled, lp, i = {}, {}, 0
         for sr in sched.requests:
@@ -353,9 +376,9 @@ class ModelRunner:
             j, k = i, len(sr.spec_token_ids)
             while j < i + k and accepted[j]:
                 j += 1
-            sampled[rid] = tokens[i:j + 1]
+            sampled[rid] = tokens[i : j + 1]
             if logprobs[i] is not None:
-                lp[rid] = logprobs[i:j + 1]
+                lp[rid] = logprobs[i : j + 1]
             i += k + 1
         return ModelRunnerOutput(sampled, lp or None, prompt_lp, pooled, load_s)
 

@@ -15,6 +15,7 @@ Because of ``spawn``, a script that builds an engine with this backend must guar
 point with ``if __name__ == "__main__":`` (each rank imports the main module, as with any
 ``spawn`` multiprocessing program).
 """
+
 from __future__ import annotations
 
 import logging
@@ -118,8 +119,15 @@ class MultiprocExecutor(Executor):
             own error in the message), or did not within ``timeout_s``.
     """
 
-    def __init__(self, config: EngineConfig, model_path: str | Path, *, torch_num_threads: int | None = None,
-                 timeout_s: float = 300.0, collective_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str | Path,
+        *,
+        torch_num_threads: int | None = None,
+        timeout_s: float = 300.0,
+        collective_timeout_s: float = 300.0,
+    ):
         super().__init__(config, model_path)
         n = config.tensor_parallel_size * config.pipeline_parallel_size
         self.driver = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
@@ -127,8 +135,9 @@ class MultiprocExecutor(Executor):
             import torch
 
             if torch.cuda.device_count() < n:
-                raise ValueError(f"{n} ranks (tensor x pipeline parallel) need {n} GPUs; "
-                                 f"{torch.cuda.device_count()} visible")
+                raise ValueError(
+                    f"{n} ranks (tensor x pipeline parallel) need {n} GPUs; {torch.cuda.device_count()} visible"
+                )
         threads = torch_num_threads or max(1, (os.cpu_count() or 1) // n)
         ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
@@ -139,16 +148,18 @@ class MultiprocExecutor(Executor):
         try:
             for rank in range(n):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(rank, n, threads, child),
-                                   name=f"kvserve-rank-{rank}", daemon=True)
+                proc = ctx.Process(
+                    target=_worker_main, args=(rank, n, threads, child), name=f"kvserve-rank-{rank}", daemon=True
+                )
                 proc.start()
                 child.close()
                 self._procs.append(proc)
                 self._conns.append(parent)
             pids = self._call_all("start", timeout_s=timeout_s)
             init_method = "file://" + os.path.join(self._dir, "rendezvous")
-            self.worker_info = self._call_all("init", config, str(model_path), init_method, True,
-                                              collective_timeout_s, timeout_s=timeout_s)
+            self.worker_info = self._call_all(
+                "init", config, str(model_path), init_method, True, collective_timeout_s, timeout_s=timeout_s
+            )
         except BaseException:
             self.shutdown()
             raise

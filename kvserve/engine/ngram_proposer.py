@@ -3,6 +3,7 @@
 The request's own text is the draft model: the continuation of the latest earlier occurrence of
 its last ``n`` tokens is proposed as the next tokens.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,9 +25,9 @@ class NgramProposer:
             return []
         arr = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)  # starts 0..L-1-n
-            hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)  # starts 0..L-1-n
+            hits = np.flatnonzero((windows == arr[L - n :]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the latest occurrence; its continuation
-                return arr[start:start + k].tolist()
+                return arr[start : start + k].tolist()
         return []

@@ -13,6 +13,7 @@ output processor never changes a request's tokens or status and never touches th
 request whose detokenization or output assembly raises is returned as failed, for the engine to
 finish with an error.
 """
+
 from __future__ import annotations
 
 import logging
@@ -124,8 +125,12 @@ class OutputProcessor:
         try:
             return self._output(req, new_token_ids)
         except Exception as e:
-            logger.error("request %s: output assembly failed (%s: %s); its final output carries no text delta",
-                         req.request_id, type(e).__name__, e)
+            logger.error(
+                "request %s: output assembly failed (%s: %s); its final output carries no text delta",
+                req.request_id,
+                type(e).__name__,
+                e,
+            )
             self.detokenizers.pop(req.request_id, None)
             return self._output(req, new_token_ids)
 
@@ -133,18 +138,31 @@ class OutputProcessor:
         detok = self.detokenizers.get(req.request_id)
         finished = req.finished
         delta = detok.delta(finished) if detok else ""
-        text = detok.text[:detok.emitted] if detok else ""
+        text = detok.text[: detok.emitted] if detok else ""
         out_ids = req.output_token_ids
         if finished:
             self.detokenizers.pop(req.request_id, None)
             self.on_finished(req)
         comp = CompletionOutput(
-            index=0, text=text, token_ids=out_ids,
-            finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason,
+            index=0,
+            text=text,
+            token_ids=out_ids,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
-            delta_text=delta, delta_token_ids=list(new_token_ids))
+            delta_text=delta,
+            delta_token_ids=list(new_token_ids),
+        )
         # prompt logprobs once the prompt is done: on the first output with a token and the final one
         plp = req.prompt_logprobs if (finished or req.num_output_tokens == 1) and req.prompt_logprobs_done else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished,
-                             req.metrics, error=req.error, prompt_logprobs=plp,
-                             pooled=req.pooled if finished else None)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [comp],
+            finished,
+            req.metrics,
+            error=req.error,
+            prompt_logprobs=plp,
+            pooled=req.pooled if finished else None,
+        )

@@ -11,6 +11,7 @@ it full by scheduling another batch of other requests meanwhile (its virtual eng
 this engine does not do yet. Only the last stage computes logits, samples, pools and returns
 the step's output.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,11 @@ def micro_batches(requests: list, n: int) -> list[list]:
         current.append(sr)
         seen += len(sr.token_ids)
         groups_left, requests_left = n - len(groups) - 1, len(requests) - i - 1
-        if groups_left > 0 and requests_left > 0 and (
-                seen * n >= total * (len(groups) + 1) or requests_left == groups_left):
+        if (
+            groups_left > 0
+            and requests_left > 0
+            and (seen * n >= total * (len(groups) + 1) or requests_left == groups_left)
+        ):
             groups.append(current)
             current = []
     groups.append(current)

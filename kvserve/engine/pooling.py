@@ -10,6 +10,7 @@ calls ``last_hidden_state``) and the request finishes with the vector in
 ``RequestOutput.pooled``. Mean pooling needs every position's hidden state, so such requests
 take no prefix-cache hits (as ``prompt_logprobs``); last-token pooling does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

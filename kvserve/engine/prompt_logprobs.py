@@ -5,6 +5,7 @@ The hidden state at position ``p`` gives the logits of the prompt token at ``p +
 computed :data:`PROMPT_LOGPROBS_SLICE` rows at a time, so a long prompt never holds a
 ``[prompt_len, vocab]`` float32 tensor.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ from kvserve.engine.sched_output import SchedulerOutput
 PROMPT_LOGPROBS_SLICE = 256
 
 
-def prompt_logprobs(model, hidden: torch.Tensor, sched: SchedulerOutput, states: dict
-                    ) -> dict[str, list[tuple[int, dict[int, float]]]] | None:
+def prompt_logprobs(
+    model, hidden: torch.Tensor, sched: SchedulerOutput, states: dict
+) -> dict[str, list[tuple[int, dict[int, float]]]] | None:
     """Prompt logprobs of the step's requests that ask for them
     (``params.prompt_logprobs``), as ``{request_id: [(position, {token_id: logprob}), ...]}``:
     the prompt token at ``position`` first, then the top-k (plain Python values: picklable for a
@@ -42,9 +44,9 @@ def prompt_logprobs(model, hidden: torch.Tensor, sched: SchedulerOutput, states:
         prompt, entries = st.prompt_token_ids, []
         for a in range(sr.start, end, PROMPT_LOGPROBS_SLICE):
             b = min(a + PROMPT_LOGPROBS_SLICE, end)
-            h = hidden[row0 + a - sr.start:row0 + b - sr.start]
+            h = hidden[row0 + a - sr.start : row0 + b - sr.start]
             lp = model.compute_logits(h).float().log_softmax(dim=-1)
-            targets = prompt[a + 1:b + 1]
+            targets = prompt[a + 1 : b + 1]
             actual = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
             if k:
                 top_vals, top_ids = (t.tolist() for t in lp.topk(min(k, lp.shape[1]), dim=-1))

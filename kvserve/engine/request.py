@@ -1,4 +1,5 @@
 """A request's state inside the engine, and what the engine returns for it."""
+
 from __future__ import annotations
 
 import enum
@@ -49,10 +50,18 @@ class Request:
     recomputed as if they were prompt.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int] | None = None, prompt: str | None = None,
-                 priority: int = 0, arrival_time: float | None = None, max_model_len: int = 1 << 30,
-                 cache_salt: str | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: set[int] | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        max_model_len: int = 1 << 30,
+        cache_salt: str | None = None,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -83,7 +92,8 @@ class Request:
         # with params.prompt_logprobs: entry q = {token_id: logprob} of prompt position q
         # (None until computed; entry 0 stays None: no context)
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
-            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None
+        )
         self.error: str | None = None
         # structured outputs: an kvserve.engine.structured_output.RequestGrammar (set by LLMEngine.make_request)
         self.grammar = None
@@ -100,7 +110,7 @@ class Request:
     # ---- token bookkeeping -------------------------------------------------
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:
@@ -150,8 +160,10 @@ class Request:
         return (self.priority, self.metrics.arrival_time)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
-                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
 
 
 @dataclass

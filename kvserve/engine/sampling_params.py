@@ -1,4 +1,5 @@
 """Per-request sampling parameters (the vLLM / OpenAI set)."""
+
 from __future__ import annotations
 
 import math
@@ -126,8 +127,11 @@ class SamplingParams:
 
         def real(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
             v = getattr(self, name)
-            if (not isinstance(v, numbers.Real) or isinstance(v, bool)
-                    or not (isinstance(v, numbers.Integral) or math.isfinite(v))):
+            if (
+                not isinstance(v, numbers.Real)
+                or isinstance(v, bool)
+                or not (isinstance(v, numbers.Integral) or math.isfinite(v))
+            ):
                 bad(name, "must be a finite number")
             if not (lo < v if lo_open else lo <= v) or not v <= hi:
                 bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
@@ -158,8 +162,9 @@ class SamplingParams:
         if self.logit_bias is not None:
             b = self.logit_bias
             if isinstance(b, dict) and len(b) > MAX_LOGIT_BIAS:  # before any per-entry work
-                raise ValueError(f"logit_bias has {len(b)} entries; at most {MAX_LOGIT_BIAS} are allowed "
-                                 "(MAX_LOGIT_BIAS)")
+                raise ValueError(
+                    f"logit_bias has {len(b)} entries; at most {MAX_LOGIT_BIAS} are allowed (MAX_LOGIT_BIAS)"
+                )
             if not isinstance(b, dict) or any(not is_int(t) or t < 0 for t in b):
                 bad("logit_bias", "must be a dict of non-negative integer token ids to numbers")
             if any(not isinstance(v, numbers.Real) or isinstance(v, bool) or not -100 <= v <= 100 for v in b.values()):
@@ -182,24 +187,30 @@ class SamplingParams:
         if self.stop is None:
             self.stop = []
         if isinstance(self.stop, (list, tuple)) and len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
-                             "(MAX_STOP_STRINGS)")
+            raise ValueError(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed (MAX_STOP_STRINGS)"
+            )
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         longest = max((len(s) for s in self.stop), default=0)
         if longest > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long "
-                             f"(MAX_STOP_STRING_CHARS), got one of {longest}")
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long "
+                f"(MAX_STOP_STRING_CHARS), got one of {longest}"
+            )
         self.stop = list(self.stop)
         if self.stop and not self.detokenize:
             bad("stop", "needs detokenize=True")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are "
-                             "allowed (MAX_STOP_TOKEN_IDS)")  # before any per-entry work
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are "
+                "allowed (MAX_STOP_TOKEN_IDS)"
+            )  # before any per-entry work
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
-                not is_int(t) or t < 0 for t in self.stop_token_ids):
+            not is_int(t) or t < 0 for t in self.stop_token_ids
+        ):
             bad("stop_token_ids", "must be a list of non-negative integers")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
@@ -209,5 +220,4 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -1,9 +1,15 @@
 """What the scheduler hands the executor each step (vLLM V1's ``SchedulerOutput``): the requests scheduled for the first time (:class:`NewRequestData`), every scheduled request's tokens this step (:class:`ScheduledRequest`), and the step as a whole (:class:`SchedulerOutput`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.lora_adapter import LoRARequest
+    from kvserve.engine.pooling import PoolingParams
 
 
 @dataclass
@@ -70,5 +76,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests and not self.kv_transfer
-
-

@@ -24,6 +24,7 @@ step, so the better one enters in that step (:meth:`Scheduler._preempt_for_prior
 preempted request keeps its generated tokens; it recomputes their KV when it runs again (with
 prefix caching, mostly from its own cached blocks).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -37,14 +38,6 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("kvserve.engine")
-
-
-
-
-
-
-
-
 
 
 class Scheduler:
@@ -68,9 +61,17 @@ class Scheduler:
             ordinary prompts are admitted whole even while the cap is small.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", mixed_prefill_tokens: int | None = None, long_prefill_threshold: int = 0,
-                 mixed_budget: MixedStepBudget | None = None, max_loras: int = 0):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+        mixed_prefill_tokens: int | None = None,
+        long_prefill_threshold: int = 0,
+        mixed_budget: MixedStepBudget | None = None,
+        max_loras: int = 0,
+    ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv = kv
@@ -135,8 +136,10 @@ class Scheduler:
             ValueError: ``num_dropped_tokens`` negative or more than the step's new tokens.
         """
         if not 0 <= num_dropped_tokens <= len(req.new_token_ids):
-            raise ValueError(f"num_dropped_tokens must be in [0, {len(req.new_token_ids)}] (the step's new "
-                             f"tokens of request {req.request_id}), got {num_dropped_tokens}")
+            raise ValueError(
+                f"num_dropped_tokens must be in [0, {len(req.new_token_ids)}] (the step's new "
+                f"tokens of request {req.request_id}), got {num_dropped_tokens}"
+            )
         if num_dropped_tokens:
             del req.all_token_ids[-num_dropped_tokens:]
             if req.params.logprobs is not None:
@@ -185,8 +188,9 @@ class Scheduler:
             if victim.priority <= req.priority:
                 break  # the queue is in priority order: no later request is better either
             if self.max_loras and req.lora_request is not None:
-                loras = {r.lora_request.lora_int_id for r in self.running
-                         if r is not victim and r.lora_request is not None}
+                loras = {
+                    r.lora_request.lora_int_id for r in self.running if r is not victim and r.lora_request is not None
+                }
                 if req.lora_request.lora_int_id not in loras and len(loras) >= self.max_loras:
                     continue
             self._preempt(victim)
@@ -228,19 +232,33 @@ class Scheduler:
 
         def emit(req: Request, n: int, new: bool, drafts: list[int] = ()) -> None:
             start = req.num_computed_tokens
-            out.append(ScheduledRequest(
-                req.request_id, req.all_token_ids[start:start + n] + list(drafts), start, list(req.block_table),
-                sample=start + n == req.num_tokens and req.max_output_tokens > 0,  # max_tokens=0: prompt only
-                new=NewRequestData(req.request_id, req.prompt_token_ids, req.params,
-                                   req.all_token_ids[:start], req.lora_request, req.pooling) if new else None,
-                spec_token_ids=list(drafts)))
+            out.append(
+                ScheduledRequest(
+                    req.request_id,
+                    req.all_token_ids[start : start + n] + list(drafts),
+                    start,
+                    list(req.block_table),
+                    sample=start + n == req.num_tokens and req.max_output_tokens > 0,  # max_tokens=0: prompt only
+                    new=NewRequestData(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.params,
+                        req.all_token_ids[:start],
+                        req.lora_request,
+                        req.pooling,
+                    )
+                    if new
+                    else None,
+                    spec_token_ids=list(drafts),
+                )
+            )
             scheduled.add(req.request_id)
 
         def drafts_of(req: Request) -> list[int]:
             """The request's drafts that fit: the step budget (one row is its own token) and
             its output limit (the step emits up to ``k + 1`` tokens, never past max_tokens)."""
             k = min(len(req.spec_token_ids), budget - 1, req.max_output_tokens - req.num_output_tokens - 1)
-            return req.spec_token_ids[:max(k, 0)]
+            return req.spec_token_ids[: max(k, 0)]
 
         # 1. Running requests: decodes first, then unfinished prefills, each in priority order.
         for req in sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._key(r))):
@@ -273,8 +291,11 @@ class Scheduler:
         # LoRA adapter would be one too many for the step's slots (max_loras) waits; later ones
         # may go. A request preempted for priority above does not come back in the same step
         # (everything queued before it is better; nothing after it is).
-        loras = set() if not self.max_loras else {
-            r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        loras = (
+            set()
+            if not self.max_loras
+            else {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        )
         skip = 0
         while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[skip]
@@ -303,15 +324,25 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(out, finished, preempted + len(evicted), self.kv.prefix_queries - queries0,
-                               self.kv.prefix_hits - hits0, kv_transfer=self.kv.take_transfer(),
-                               host_cache_hits=self.kv.host_hits - host0)
+        return SchedulerOutput(
+            out,
+            finished,
+            preempted + len(evicted),
+            self.kv.prefix_queries - queries0,
+            self.kv.prefix_hits - hits0,
+            kv_transfer=self.kv.take_transfer(),
+            host_cache_hits=self.kv.host_hits - host0,
+        )
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int | list[int]],
-                           logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None,
-                           prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None,
-                           errors: dict[str, BaseException] | None = None,
-                           pooled: dict[str, list[float]] | None = None) -> list[Request]:
+    def update_from_output(
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[str, int | list[int]],
+        logprobs: dict[str, dict[int, float] | list[dict[int, float]]] | None = None,
+        prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] | None = None,
+        errors: dict[str, BaseException] | None = None,
+        pooled: dict[str, list[float]] | None = None,
+    ) -> list[Request]:
         """Advance computed-token counts, record prompt logprobs (``{request_id: [(position,
         {token_id: logprob})]}``), append sampled tokens, finish requests that hit EOS / a stop
         token / their length limit, and ``max_tokens=0`` requests whose prompt is computed
@@ -348,8 +379,9 @@ class Scheduler:
                 errors[sr.request_id] = e
         return updated
 
-    def _update_one(self, sr, req: Request, sched: SchedulerOutput, sampled, logprobs, prompt_logprobs,
-                    now: float) -> bool:
+    def _update_one(
+        self, sr, req: Request, sched: SchedulerOutput, sampled, logprobs, prompt_logprobs, now: float
+    ) -> bool:
         """:meth:`update_from_output` for one running request; True if it got tokens."""
         if prompt_logprobs and sr.request_id in prompt_logprobs:
             req.add_prompt_logprobs(prompt_logprobs[sr.request_id])
@@ -401,8 +433,9 @@ class Scheduler:
         bs = self.kv.block_size
         allocated = sum(len(r.block_table) for r in self.running) * bs
         used = sum(r.num_computed_tokens for r in self.running)
-        mid_prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running
-                          if r.num_tokens - r.num_computed_tokens > 1)
+        mid_prefill = sum(
+            r.num_tokens - r.num_computed_tokens for r in self.running if r.num_tokens - r.num_computed_tokens > 1
+        )
         out = {
             "num_running_requests": len(self.running),
             "num_waiting_requests": len(self.waiting),

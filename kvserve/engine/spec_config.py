@@ -1,4 +1,5 @@
 """``speculative_config``: which proposer drafts, how many tokens, and its checks (vLLM's keys)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -62,14 +63,19 @@ class SpeculativeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
         if self.num_speculative_tokens > 32:
-            raise ValueError(f"speculative_config num_speculative_tokens must be <= 32, got {self.num_speculative_tokens}")
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be <= 32, got {self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative_config method 'draft_model' needs 'model' (a local folder or hub id)")
         if self.draft_tensor_parallel_size != 1:
-            raise ValueError("speculative_config draft_tensor_parallel_size must be 1 (the draft runs in the "
-                             "engine's process)")
+            raise ValueError(
+                "speculative_config draft_tensor_parallel_size must be 1 (the draft runs in the engine's process)"
+            )
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")

@@ -33,6 +33,7 @@ Modules: :mod:`kvserve.engine.spec_config` (:class:`SpeculativeConfig`), :mod:`k
 (:class:`NgramProposer`), :mod:`kvserve.engine.draft_length` (:class:`DraftLengthPolicy`), and this one
 (:class:`Speculator`; it re-exports the others' names).
 """
+
 from __future__ import annotations
 
 import logging
@@ -86,8 +87,12 @@ class Speculator:
         reqs = []
         for req in running:
             req.spec_token_ids = []
-            if (req.num_tokens - req.num_computed_tokens == 1 and req.grammar is None and not req.spec_disabled
-                    and req.max_output_tokens - req.num_output_tokens > 1):
+            if (
+                req.num_tokens - req.num_computed_tokens == 1
+                and req.grammar is None
+                and not req.spec_disabled
+                and req.max_output_tokens - req.num_output_tokens > 1
+            ):
                 reqs.append(req)
         if not reqs:
             return
@@ -100,7 +105,9 @@ class Speculator:
             for req in reqs:
                 try:
                     draft = self.proposer.propose(req.all_token_ids, room(req))
-                    req.spec_token_ids = self._checked_drafts(draft[:p.draft_length(req.request_id, len(draft), batch)])
+                    req.spec_token_ids = self._checked_drafts(
+                        draft[: p.draft_length(req.request_id, len(draft), batch)]
+                    )
                 except Exception as e:
                     self._stop_drafting(req, e)
             return
@@ -117,8 +124,12 @@ class Speculator:
         try:
             drafts = self.proposer.propose(want)
         except Exception as e:  # which request? each alone, from a clean draft state
-            logger.warning("draft model failed on a batch of %d (%s: %s); retrying each request alone",
-                           len(want), type(e).__name__, e)
+            logger.warning(
+                "draft model failed on a batch of %d (%s: %s); retrying each request alone",
+                len(want),
+                type(e).__name__,
+                e,
+            )
             for req, _ in want:
                 self.proposer.forget(req.request_id)
             drafts = {}
@@ -199,8 +210,13 @@ class Speculator:
     def _stop_drafting(self, req: Request, error: BaseException) -> None:
         """The proposer or the draft-length policy failed on ``req``: it goes on without drafts
         (and its proposer state is dropped)."""
-        logger.error("speculative decoding turned off for request %s: its proposer failed: %s: %s",
-                     req.request_id, type(error).__name__, error, exc_info=error)
+        logger.error(
+            "speculative decoding turned off for request %s: its proposer failed: %s: %s",
+            req.request_id,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
         req.spec_disabled, req.spec_token_ids = True, []
         try:
             self.release(req)

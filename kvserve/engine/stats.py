@@ -8,6 +8,7 @@ left it, and the counters of ``LLMEngine.get_stats``.
 layer's rates and Prometheus metrics, the autoscaler's inputs); a logger that raises is logged
 and skipped, the step goes on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -110,13 +111,20 @@ class IterationStats:
         """The scheduler's side of a step whose model call ran from ``start`` to ``end`` (seconds);
         the token side is added after the update (:meth:`EngineStats.record_tokens`; ``num_sampled``
         by :meth:`EngineStats.end_step`, once stop strings have cut the tokens)."""
-        num_decodes = sum(len(sr.token_ids) - len(sr.spec_token_ids) == 1 and sr.new is None
-                          for sr in sched.requests)
+        num_decodes = sum(len(sr.token_ids) - len(sr.spec_token_ids) == 1 and sr.new is None for sr in sched.requests)
         num_rows = sched.num_batched_tokens - sched.num_draft_tokens
-        return cls(start, end, num_rows - num_decodes, num_decodes, 0,
-                   len(sched.requests), num_waiting, sched.num_preempted,
-                   sched.prefix_cache_queries, sched.prefix_cache_hits)
-
+        return cls(
+            start,
+            end,
+            num_rows - num_decodes,
+            num_decodes,
+            0,
+            len(sched.requests),
+            num_waiting,
+            sched.num_preempted,
+            sched.prefix_cache_queries,
+            sched.prefix_cache_hits,
+        )
 
 
 @dataclass
@@ -155,10 +163,18 @@ class FinishedRequestStats:
         def span(a, b):
             return None if a is None or b is None else max(0.0, b - a)
 
-        return cls(req.request_id, req.status.value, max(0.0, end - m.arrival_time),
-                   span(m.arrival_time, m.first_scheduled_time if m.first_scheduled_time is not None else end),
-                   span(m.first_scheduled_time, m.first_token_time), span(m.first_token_time, end),
-                   req.num_prompt_tokens, req.num_output_tokens, m.num_cached_tokens, req.max_output_tokens)
+        return cls(
+            req.request_id,
+            req.status.value,
+            max(0.0, end - m.arrival_time),
+            span(m.arrival_time, m.first_scheduled_time if m.first_scheduled_time is not None else end),
+            span(m.first_scheduled_time, m.first_token_time),
+            span(m.first_token_time, end),
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+            m.num_cached_tokens,
+            req.max_output_tokens,
+        )
 
 
 class EngineStats:
@@ -192,8 +208,9 @@ class EngineStats:
         self.max_running = max(self.max_running, len(last_token))
         return last_token
 
-    def record_tokens(self, m: IterationStats | None, updated: list[Request],
-                      last_token: dict[str, float | None]) -> None:
+    def record_tokens(
+        self, m: IterationStats | None, updated: list[Request], last_token: dict[str, float | None]
+    ) -> None:
         """After the update: count the tokens the requests ``updated`` got, and put their time to
         first token or inter-token latency (from ``last_token``, :meth:`begin_step`'s) into ``m``
         (None: the model call failed and was isolated, no metrics)."""

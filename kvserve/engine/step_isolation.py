@@ -1,6 +1,7 @@
 """When a step fails: find the request(s) that make it fail by re-running the step in parts
 (:func:`isolate_failing_requests`), so one bad request is finished with an error instead of
 taking the batch (or the engine) down; :class:`StepFailedError` when no request is to blame."""
+
 from __future__ import annotations
 
 import logging
@@ -23,13 +24,15 @@ class StepFailedError(RuntimeError):
     """
 
     def __init__(self, request_ids: list[str], error: BaseException):
-        super().__init__(f"engine step failed for all {len(request_ids)} request(s) in it: "
-                         f"{type(error).__name__}: {error}")
+        super().__init__(
+            f"engine step failed for all {len(request_ids)} request(s) in it: {type(error).__name__}: {error}"
+        )
         self.request_ids = request_ids
 
 
-def isolate_failing_requests(executor: Executor, sched: SchedulerOutput, error: Exception
-                             ) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
+def isolate_failing_requests(
+    executor: Executor, sched: SchedulerOutput, error: Exception
+) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
     """After ``executor.execute_model(sched)`` raised ``error``: find the request(s) that make it fail.
 
     Bisection: re-run the step's requests in halves (smaller ``SchedulerOutput`` objects), splitting
@@ -51,14 +54,18 @@ def isolate_failing_requests(executor: Executor, sched: SchedulerOutput, error: 
     reqs = sched.requests
     if len(reqs) < 2:
         raise StepFailedError([sr.request_id for sr in reqs], error) from error
-    logger.warning("step of %d requests failed (%s: %s); isolating the failing request(s)",
-                   len(reqs), type(error).__name__, error)
+    logger.warning(
+        "step of %d requests failed (%s: %s); isolating the failing request(s)", len(reqs), type(error).__name__, error
+    )
     sampled, logprobs, prompt_logprobs, pooled, failed = {}, {}, {}, {}, {}
 
     def run(part, finished_ids):
         try:
-            out = executor.execute_model(SchedulerOutput(
-                part, finished_ids, grammar_req_ids=sched.grammar_req_ids, grammar_bitmask=sched.grammar_bitmask))
+            out = executor.execute_model(
+                SchedulerOutput(
+                    part, finished_ids, grammar_req_ids=sched.grammar_req_ids, grammar_bitmask=sched.grammar_bitmask
+                )
+            )
         except Exception as e:
             if len(part) == 1:
                 failed[part[0].request_id] = e
@@ -78,6 +85,5 @@ def isolate_failing_requests(executor: Executor, sched: SchedulerOutput, error: 
     if len(failed) == len(reqs):
         raise StepFailedError([sr.request_id for sr in reqs], error) from error
     for rid, e in failed.items():
-        logger.error("request %s failed alone and is finished with an error: %s: %s",
-                     rid, type(e).__name__, e)
+        logger.error("request %s failed alone and is finished with an error: %s: %s", rid, type(e).__name__, e)
     return ModelRunnerOutput(sampled, logprobs or None, prompt_logprobs or None, pooled or None), failed

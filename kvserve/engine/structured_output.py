@@ -41,20 +41,51 @@ Modules: :mod:`kvserve.engine.grammar_spec` (the spec's shape, :func:`validate_s
 bitmask), and this one: :class:`StructuredOutputs`, the engine's grammar requests and their
 per-step work (it re-exports the other modules' names).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvserve.engine.grammar_bitmask import (FILL_THREADS, _apply_torch, apply_token_bitmask, bitmask_rows, clear_token_bit,
-                                    fill_bitmask, new_batch_matcher)
-from kvserve.engine.grammar_spec import (DEFAULT_LIMITS, KINDS, OPTIONS, GrammarLimits, check_limits, choice_grammar,
-                                         validate_spec)
+from kvserve.engine.grammar_bitmask import (
+    FILL_THREADS,
+    _apply_torch,
+    apply_token_bitmask,
+    bitmask_rows,
+    clear_token_bit,
+    fill_bitmask,
+    new_batch_matcher,
+)
+from kvserve.engine.grammar_spec import (
+    DEFAULT_LIMITS,
+    KINDS,
+    OPTIONS,
+    GrammarLimits,
+    check_limits,
+    choice_grammar,
+    validate_spec,
+)
 from kvserve.engine.xgrammar_backend import CACHE_LIMIT_BYTES, RequestGrammar, XgrammarBackend
 
-__all__ = ["CACHE_LIMIT_BYTES", "DEFAULT_LIMITS", "FILL_THREADS", "GrammarLimits", "KINDS", "OPTIONS", "RequestGrammar",
-           "StructuredOutputs", "XgrammarBackend", "_apply_torch", "apply_token_bitmask", "bitmask_rows",
-           "check_limits", "choice_grammar", "clear_token_bit", "fill_bitmask", "validate_spec"]
+__all__ = [
+    "CACHE_LIMIT_BYTES",
+    "DEFAULT_LIMITS",
+    "FILL_THREADS",
+    "GrammarLimits",
+    "KINDS",
+    "OPTIONS",
+    "RequestGrammar",
+    "StructuredOutputs",
+    "XgrammarBackend",
+    "_apply_torch",
+    "apply_token_bitmask",
+    "bitmask_rows",
+    "check_limits",
+    "choice_grammar",
+    "clear_token_bit",
+    "fill_bitmask",
+    "validate_spec",
+]
 
 
 class StructuredOutputs(XgrammarBackend):
@@ -64,8 +95,14 @@ class StructuredOutputs(XgrammarBackend):
     :meth:`fill_bitmask`, :meth:`fill_failures`, :meth:`advance`.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int | None = None,
-                 limits: GrammarLimits | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids,
+        max_threads: int | None = None,
+        limits: GrammarLimits | None = None,
+    ):
         super().__init__(tokenizer, vocab_size, stop_token_ids, max_threads, limits)
         self._batch_matcher = None  # xgrammar BatchGrammarMatcher, built with the first fill
         self._pool: ThreadPoolExecutor | None = None  # bitmask_async's worker thread
@@ -123,8 +160,11 @@ class StructuredOutputs(XgrammarBackend):
             return None
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
-        reqs = [self.requests[sr.request_id] for sr in sched.requests
-                if sr.sample and sr.request_id in self.requests and self.requests[sr.request_id].grammar.constraining]
+        reqs = [
+            self.requests[sr.request_id]
+            for sr in sched.requests
+            if sr.sample and sr.request_id in self.requests and self.requests[sr.request_id].grammar.constraining
+        ]
         if not reqs:
             return None
         errors: dict[int, Exception] = {}
@@ -182,8 +222,10 @@ class StructuredOutputs(XgrammarBackend):
                 if rejected is not None:
                     raise RuntimeError(f"structured_outputs: the grammar rejected token {rejected}")
                 if g.is_terminated() or (
-                        req.num_output_tokens < req.params.min_tokens and not req.params.ignore_eos
-                        and g.only_stop_allowed(self.stop_token_ids, self.vocab_size)):
+                    req.num_output_tokens < req.params.min_tokens
+                    and not req.params.ignore_eos
+                    and g.only_stop_allowed(self.stop_token_ids, self.vocab_size)
+                ):
                     req.stop_reason = None
                     finish_stopped(req)
             except Exception as e:  # one bad request must not take the batch down

@@ -19,6 +19,7 @@ idle one, so large prompts are tokenized in the time the engine leaves.
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -79,25 +80,37 @@ class TokenizerPool(concurrent.futures.Executor):
         ValueError: a lane without threads or a negative ``large_chars``.
     """
 
-    def __init__(self, workers: int = 2, large_workers: int = 1, large_chars: int = LARGE_PROMPT_CHARS,
-                 name: str = "kvserve-tokenize", large_nice: int | None = LARGE_LANE_NICE):
+    def __init__(
+        self,
+        workers: int = 2,
+        large_workers: int = 1,
+        large_chars: int = LARGE_PROMPT_CHARS,
+        name: str = "kvserve-tokenize",
+        large_nice: int | None = LARGE_LANE_NICE,
+    ):
         if workers < 1 or large_workers < 1 or large_chars < 0:
-            raise ValueError(f"a tokenizer pool needs workers >= 1, large_workers >= 1 and large_chars >= 0, got "
-                             f"{workers}, {large_workers}, {large_chars}")
+            raise ValueError(
+                f"a tokenizer pool needs workers >= 1, large_workers >= 1 and large_chars >= 0, got "
+                f"{workers}, {large_workers}, {large_chars}"
+            )
         self.large_chars = large_chars
         self.workers, self.large_workers = workers, large_workers
         self.small = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{name}-small")
         self.large_nice = large_nice
         self.large = concurrent.futures.ThreadPoolExecutor(
-            large_workers, thread_name_prefix=f"{name}-large",
+            large_workers,
+            thread_name_prefix=f"{name}-large",
             initializer=None if large_nice is None else lower_thread_priority,
-            initargs=() if large_nice is None else (large_nice,))
+            initargs=() if large_nice is None else (large_nice,),
+        )
 
     def lane(self, fn: Callable, args: tuple, kwargs: dict) -> concurrent.futures.ThreadPoolExecutor:
         """The lane a job runs in: large when its arguments hold more than ``large_chars``
         characters of text."""
-        big = text_chars((fn, args, kwargs) if isinstance(fn, functools.partial) else (args, kwargs),
-                         self.large_chars) > self.large_chars
+        big = (
+            text_chars((fn, args, kwargs) if isinstance(fn, functools.partial) else (args, kwargs), self.large_chars)
+            > self.large_chars
+        )
         return self.large if big else self.small
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:

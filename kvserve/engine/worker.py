@@ -6,6 +6,7 @@ Executors that run ranks in processes of their own wrap it: :class:`kvserve.engi
 (local processes, no Ray) and ``kvserve.cluster.worker_group.TPWorker`` (a Ray actor). Nothing here
 imports Ray.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,8 +39,14 @@ class Worker:
         self.runner = None
         self.driver = False
 
-    def init(self, config: EngineConfig, model_path: str, init_method: str, one_node: bool = True,
-             collective_timeout_s: float = 300.0) -> dict:
+    def init(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        init_method: str,
+        one_node: bool = True,
+        collective_timeout_s: float = 300.0,
+    ) -> dict:
         """Join the process group (NCCL on CUDA, gloo on CPU) at ``init_method`` (``file://`` or
         ``tcp://``), split it into stages (:func:`kvserve.engine.distributed.init_model_parallel`) and
         load this rank's shard (:class:`ModelRunner`). ``one_node``: every rank is on this node,
@@ -63,9 +70,13 @@ class Worker:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         if backend == "nccl":
             torch.cuda.set_device(self.device_index)  # "cuda" is then this rank's GPU (the model runner's device)
-        dist.init_process_group(backend=backend, init_method=init_method, rank=self.rank,
-                                world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
         init_model_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)
         self.driver = self.rank == (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.runner = ModelRunner(config, model_path)
@@ -115,10 +126,14 @@ class Worker:
         model = self.runner.model
         attn = model.layers[0].self_attn
         k = self.runner.kv_caches[0][0] if self.runner.kv_caches else None
-        return {"rank": self.rank, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
-                "layers": [getattr(model, "start_layer", 0), getattr(model, "end_layer", len(model.layers))],
-                "num_kv_caches": len(self.runner.kv_caches),
-                "kv_cache_shape": list(k.shape) if k is not None else None}
+        return {
+            "rank": self.rank,
+            "num_heads": attn.num_heads,
+            "num_kv_heads": attn.num_kv_heads,
+            "layers": [getattr(model, "start_layer", 0), getattr(model, "end_layer", len(model.layers))],
+            "num_kv_caches": len(self.runner.kv_caches),
+            "kv_cache_shape": list(k.shape) if k is not None else None,
+        }
 
     def shutdown(self) -> None:
         """Drop the model and leave the process group."""

@@ -14,6 +14,7 @@ queue is bounded (:class:`~kvserve.engine.bounded_pool.PoolFullError` when full)
 past ``compile_timeout_s`` fails its request alone (a ``ValueError`` naming the limit) while its
 thread, which xgrammar's C++ cannot be told to stop, runs on outside the pool's count.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,14 @@ import threading
 
 from kvserve.engine.bounded_pool import BoundedPool
 from kvserve.engine.grammar_bitmask import clear_token_bit, fill_bitmask
-from kvserve.engine.grammar_spec import DEFAULT_LIMITS, KINDS, GrammarLimits, check_limits, choice_grammar, validate_spec
+from kvserve.engine.grammar_spec import (
+    DEFAULT_LIMITS,
+    KINDS,
+    GrammarLimits,
+    check_limits,
+    choice_grammar,
+    validate_spec,
+)
 
 #: Memory cap of the per-engine compiled-grammar cache (bytes; least recently used evicted).
 CACHE_LIMIT_BYTES = 256 << 20
@@ -66,7 +74,7 @@ class RequestGrammar:
         end, n = self.reasoning_end, len(self.reasoning_end)
         out = token_ids[num_prompt_tokens:]
         for i in range(max(0, self.scanned - n + 1), len(out) - n + 1):
-            if out[i:i + n] == end:
+            if out[i : i + n] == end:
                 self.start = i + n
                 return
         self.scanned = len(out)
@@ -123,8 +131,14 @@ class XgrammarBackend:
             default :data:`~kvserve.engine.grammar_spec.DEFAULT_LIMITS`).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int | None = None,
-                 limits: GrammarLimits | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids,
+        max_threads: int | None = None,
+        limits: GrammarLimits | None = None,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -134,8 +148,12 @@ class XgrammarBackend:
         self._and_mask = None  # special_token_mask(), built with the compiler
         self._lock = threading.Lock()
         #: the compile threads (:class:`~kvserve.engine.bounded_pool.BoundedPool`), started on first use
-        self.compile_pool = BoundedPool("grammar compile", self.limits.compile_workers,
-                                        self.limits.max_queued_compiles, limit_name="max_queued_compiles")
+        self.compile_pool = BoundedPool(
+            "grammar compile",
+            self.limits.compile_workers,
+            self.limits.max_queued_compiles,
+            limit_name="max_queued_compiles",
+        )
         #: test hook: called in the compile thread before each compile (e.g. to hold it on an event)
         self.before_compile = None
 
@@ -152,11 +170,13 @@ class XgrammarBackend:
                     import xgrammar as xgr
                 except ImportError:
                     raise ValueError(_XGRAMMAR_MISSING) from None
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
                 self._and_mask = self.special_token_mask()
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads,
-                                                     cache_limit_bytes=CACHE_LIMIT_BYTES)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self.max_threads, cache_limit_bytes=CACHE_LIMIT_BYTES
+                )
             return self._compiler
 
     def compile(self, spec: dict):
@@ -211,9 +231,13 @@ class XgrammarBackend:
         t = self.limits.compile_timeout_s
         kind = next(k for k in KINDS if k in spec)
         return self.compile_pool.submit(
-            self._request_grammar_now, spec, reasoning_end, deadline_s=t,
+            self._request_grammar_now,
+            spec,
+            reasoning_end,
+            deadline_s=t,
             deadline_message=f"structured_outputs {kind} took longer than the limit of {t:g} s to compile "
-                             f"(compile_timeout_s, structured_outputs_config)")
+            f"(compile_timeout_s, structured_outputs_config)",
+        )
 
     def request_grammar(self, spec: dict, reasoning_end: list[int] | None = None) -> RequestGrammar:
         """A fresh matcher over the compiled ``spec``, applied after ``reasoning_end`` when given

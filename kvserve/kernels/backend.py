@@ -23,6 +23,7 @@ soft-capping): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
 softmax. The cache itself is the same for every layer: blocks that fall out of a layer's window
 are kept (not freed), so prefix caching and preemption need nothing special.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -104,8 +105,9 @@ class AttentionBackend:
         return None
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, block_size: int,
-                           head_dim: int, *, requested: bool = False) -> str | None:
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int, *, requested: bool = False
+    ) -> str | None:
         """Why this backend cannot run an engine with these settings (None: it can).
 
         Args:
@@ -125,18 +127,36 @@ class AttentionBackend:
             return f"head_dim {head_dim} exceeds {cls.max_head_dim}"
         return cls.import_error()
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> None:
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache
         slots ``slot_mapping`` (int64 ``[num_tokens]``), in the cache dtype (float8: divided
         by ``k_scale`` / ``v_scale``, see ``supports_fp8_kv``)."""
         raise NotImplementedError
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, *, window: int | None = None,
-                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the cache (which
         already holds this step's K/V); returns ``[num_tokens, num_heads, head_dim]`` in
         ``q.dtype``. ``scale`` multiplies ``q @ k^T`` (usually ``head_dim ** -0.5``).

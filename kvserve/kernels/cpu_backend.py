@@ -21,6 +21,7 @@ loaded from there afterwards; ``make setup`` builds it (``python -m kvserve.kern
 Without a C++ compiler, or if the build fails, the backend logs one warning and runs the torch
 path for everything.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,9 +39,19 @@ from kvserve.kernels.torch_backend import FP8, paged_attention_torch, prefill_at
 
 logger = logging.getLogger("kvserve.attention")
 
-SOURCES = [Path(__file__).parent / "csrc" / n
-           for n in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "int8_linear_cpu.cpp", "bf16_linear_cpu.cpp",
-                     "lora_cpu.cpp", "w4a16_linear_cpu.cpp", "f32_linear_cpu.cpp", "decode_layers_cpu.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / n
+    for n in (
+        "paged_attention_cpu.cpp",
+        "fused_ops_cpu.cpp",
+        "int8_linear_cpu.cpp",
+        "bf16_linear_cpu.cpp",
+        "lora_cpu.cpp",
+        "w4a16_linear_cpu.cpp",
+        "f32_linear_cpu.cpp",
+        "decode_layers_cpu.cpp",
+    )
+]
 #: Compiler flags: -fno-trapping-math lets GCC vectorise loops with selects (``cpu_math.h``).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 #: Headers the sources include: part of the build folder's hash, so an edit rebuilds.
@@ -133,10 +144,17 @@ def load_kernel() -> bool:
                 build = build_directory()
                 if not _load_built(build):
                     from torch.utils.cpp_extension import load
+
                     build.mkdir(parents=True, exist_ok=True)
-                    load(name=LIBRARY, sources=_sources_in(build), build_directory=str(build),
-                         extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                         is_python_module=False, verbose=False)
+                    load(
+                        name=LIBRARY,
+                        sources=_sources_in(build),
+                        build_directory=str(build),
+                        extra_cflags=CFLAGS,
+                        extra_ldflags=["-fopenmp"],
+                        is_python_module=False,
+                        verbose=False,
+                    )
                     (build / BUILT).write_text(torch.__file__)
                 _loaded = hasattr(torch.ops.kvserve_cpu, "paged_attention")
                 if not _loaded:
@@ -161,8 +179,13 @@ def kernels_ready() -> bool:
 def use_fused_ops(x: torch.Tensor) -> bool:
     """Whether the layers should run :func:`rms_norm` & co. on ``x``: CPU float32 or bfloat16
     inference with the kernels built (the first call may build them, see :func:`load_kernel`)."""
-    return (FUSED_OPS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and not torch.is_grad_enabled() and kernels_ready())
+    return (
+        FUSED_OPS
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and not torch.is_grad_enabled()
+        and kernels_ready()
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -173,8 +196,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm decoder's fused add: ``residual += x`` **in place**, then
     ``(rms_norm(residual), residual)``; float32 or bfloat16 ``[N, H]`` (one dtype)."""
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -182,8 +206,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return out, residual
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE ("rotate half" layout, Su et al. 2021) applied **in place** to float32 or bfloat16 ``q``
     ``[N, Hq, D]`` and ``k`` ``[N, Hk, D]`` (rows may be strided views) at int64 ``positions``
     ``[N]``, with float32 ``cos``/``sin`` caches ``[max_position, D]``; returns ``(q, k)``."""
@@ -210,15 +235,32 @@ def use_decode_layers(h: torch.Tensor) -> bool:
     """Whether a decode step's hidden states ``h`` ``[M, H]`` may go through :func:`decode_layers`
     (the caller checks the model's side: plain weights, the CPU attention kernel): at most
     :data:`DECODE_LAYERS_ROWS` rows, bfloat16 at most :func:`bf16_gemv_rows`."""
-    return (DECODE_LAYERS and h.dim() == 2 and h.shape[0] <= DECODE_LAYERS_ROWS and use_fused_ops(h)
-            and hasattr(torch.ops.kvserve_cpu, "decode_layers")
-            and (h.dtype != torch.bfloat16 or h.shape[0] <= bf16_gemv_rows()))
+    return (
+        DECODE_LAYERS
+        and h.dim() == 2
+        and h.shape[0] <= DECODE_LAYERS_ROWS
+        and use_fused_ops(h)
+        and hasattr(torch.ops.kvserve_cpu, "decode_layers")
+        and (h.dtype != torch.bfloat16 or h.shape[0] <= bf16_gemv_rows())
+    )
 
 
-def decode_layers(h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                  weights: list[torch.Tensor], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                  meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, head_dim: int, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_layers(
+    h: torch.Tensor,
+    residual: torch.Tensor | None,
+    positions: torch.Tensor,
+    weights: list[torch.Tensor],
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step through Llama-family decoder layers in one C++ call
     (``kvserve/kernels/csrc/decode_layers_cpu.cpp``): the same kernels, in the same order, as the layers'
     modules run them one by one (so the same bits), without ~11 Python-dispatched ops per layer.
@@ -252,9 +294,28 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor | None, positions: tor
     if reqs is None:
         reqs = meta.__dict__["_cpu_all_reqs"] = torch.arange(meta.num_reqs, dtype=torch.long)
     out = torch.empty_like(h)
-    torch.ops.kvserve_cpu.decode_layers(h, residual, out, positions, weights, k_caches, v_caches, meta.block_tables,
-                                        meta.seq_lens, meta.cu_seqlens_q, reqs, meta.slot_mapping, cos, sin,
-                                        num_heads, num_kv_heads, head_dim, eps, scale, first)
+    torch.ops.kvserve_cpu.decode_layers(
+        h,
+        residual,
+        out,
+        positions,
+        weights,
+        k_caches,
+        v_caches,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.cu_seqlens_q,
+        reqs,
+        meta.slot_mapping,
+        cos,
+        sin,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        eps,
+        scale,
+        first,
+    )
     return out, residual
 
 
@@ -278,8 +339,9 @@ def _float32_weight_buffer(shape: torch.Size) -> torch.Tensor:
     return w
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weight-only int8 linear (W8A32): ``x`` float32 ``[..., K]`` times ``qweight`` int8
     ``[N, K]`` scaled per row by ``scale`` float32 ``[N]``, plus ``bias`` -> float32 ``[..., N]``.
     Up to :data:`INT8_GEMV_ROWS` rows: the C++ GEMV that reads the int8 rows directly (decode is
@@ -300,8 +362,14 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 W4A16_GEMV_ROWS = 8
 
 
-def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    szeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """4-bit weight linear (``kvserve/kernels/csrc/w4a16_linear_cpu.cpp``): ``x`` ``[..., K]`` (float32 or
     bfloat16) times the weight ``w[n, k] = q[n, k] * scales[n, g] - szeros[n, g]`` (``qweight``
     uint8 ``[N, K/2]`` in ``kvserve.engine.layers.w4a16``'s layout, ``scales`` / ``szeros`` float32
@@ -384,8 +452,15 @@ def use_lora_kernel() -> bool:
     return kernels_ready() and hasattr(torch.ops.kvserve_cpu, "lora_sgmv")
 
 
-def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b_t: list[torch.Tensor], order: torch.Tensor,
-              starts: torch.Tensor, slots: torch.Tensor) -> None:
+def lora_sgmv(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b_t: list[torch.Tensor],
+    order: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     """Batched multi-LoRA, float32, in place (``kvserve/kernels/csrc/lora_cpu.cpp``): for each group
     ``g`` of rows ``order[starts[g]:starts[g + 1]]`` (int64) with adapter slot ``slots[g]``,
     ``y[row, part p] += (a[slot] @ x[row])[p * rank:(p + 1) * rank] @ b_t[p][slot]``.
@@ -411,11 +486,19 @@ def kernel_error() -> str | None:
     return _load_error
 
 
-def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, window: int | None = None,
-                        softcap: float | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0, key: torch.Tensor | None = None,
-                        value: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of ``q`` float32 or bfloat16 ``[num_tokens, num_heads, head_dim]`` over
     the paged cache (``q``'s dtype, or float8 e4m3 read as ``value * k_scale`` / ``v_scale``; ``[num_blocks,
     block_size, num_kv_heads, head_dim]``): requests with a query
@@ -443,13 +526,37 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q = q.contiguous()
     out = torch.empty_like(q)
     if not all_short:  # longer prefill chunks: SDPA over their gathered K/V
-        prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out,
-                                min_query_len=longest + 1, k_scale=k_scale, v_scale=v_scale,
-                                key=key if fresh else None, value=value if fresh else None)
+        prefill_attention_torch(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            scale,
+            window,
+            softcap,
+            out,
+            min_query_len=longest + 1,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            key=key if fresh else None,
+            value=value if fresh else None,
+        )
     if reqs.numel():
-        torch.ops.kvserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                              meta.cu_seqlens_q, reqs, out, scale, window or 0,
-                                              float(softcap or 0.0), float(k_scale), float(v_scale))
+        torch.ops.kvserve_cpu.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.cu_seqlens_q,
+            reqs,
+            out,
+            scale,
+            window or 0,
+            float(softcap or 0.0),
+            float(k_scale),
+            float(v_scale),
+        )
     return out
 
 
@@ -471,19 +578,34 @@ class CpuBackend(AttentionBackend):
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
-                window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if not self.kernel:
-            return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale,
-                                         key=key, value=value)
-        return paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale,
-                                   key=key, value=value)
+            return paged_attention_torch(
+                q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale, key=key, value=value
+            )
+        return paged_attention_cpu(
+            q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale, key=key, value=value
+        )
 
 
 if __name__ == "__main__":  # `python -m kvserve.kernels.cpu_backend`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO)
     ok = load_kernel()
-    print(f"cpu attention kernel: {'ready in ' + str(build_directory()) if ok else 'unavailable: ' + str(kernel_error())}")
+    print(
+        f"cpu attention kernel: {'ready in ' + str(build_directory()) if ok else 'unavailable: ' + str(kernel_error())}"
+    )
     raise SystemExit(0 if ok else 1)

@@ -22,6 +22,7 @@ must be divisible by 256"; kvserve's default block size is 16); ``block_table`` 
 tensors, not their contents, and writes 0 for a ``cache_seqlens`` 0 row (padding), as vLLM's
 graphs over ``flash_attn_with_kvcache`` rely on.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -47,8 +48,9 @@ def _flash() -> tuple:
         try:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except ImportError as exc:
-            raise ImportError(f"flash-attn does not import ({exc}; pip install flash-attn "
-                              "--no-build-isolation, CUDA only)") from exc
+            raise ImportError(
+                f"flash-attn does not import ({exc}; pip install flash-attn --no-build-isolation, CUDA only)"
+            ) from exc
         has_bt = "block_table" in inspect.signature(flash_attn_varlen_func).parameters
         _funcs = (flash_attn_varlen_func, flash_attn_with_kvcache, has_bt)
     return _funcs
@@ -78,6 +80,7 @@ class FlashAttnBackend(AttentionBackend):
 
     def __init__(self):
         from kvserve.kernels.triton_attention import store_kv
+
         self._store = store_kv
         self._varlen, self._with_kvcache, _ = _flash()
 
@@ -86,10 +89,21 @@ class FlashAttnBackend(AttentionBackend):
         ``slot_mapping`` (int64, ``-1`` skipped)."""
         self._store(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, *, window: int | None = None,
-                softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` (fp16/bf16, CUDA)
         over the paged cache; returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``
         (``key`` / ``value`` ignored: no float8 cache here).
@@ -100,14 +114,30 @@ class FlashAttnBackend(AttentionBackend):
         out_dtype = q.dtype
         q = q.to(k_cache.dtype)
         if meta.decode_only and q.shape[0] == meta.num_reqs:
-            out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                     block_table=meta.block_tables, softmax_scale=scale, causal=True,
-                                     **extra)
+            out = self._with_kvcache(
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
+                **extra,
+            )
             return out.squeeze(1).to(out_dtype)
         cu_seqlens_k = torch.zeros(meta.num_reqs + 1, dtype=torch.int32, device=q.device)
         cu_seqlens_k[1:] = torch.cumsum(meta.seq_lens, 0, dtype=torch.int32)
-        out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
-                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
-                           max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
-                           block_table=meta.block_tables, **extra)
+        out = self._varlen(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_tables,
+            **extra,
+        )
         return out.to(out_dtype)

@@ -5,6 +5,7 @@ The layers of :mod:`kvserve.engine.layers` ask :func:`use_fused_ops` and call th
 they run their ATen ops. Triton is an optional extra: nothing here imports it until a CUDA tensor
 asks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,5 +32,4 @@ def ops():
 def use_fused_ops(x: torch.Tensor) -> bool:
     """Whether the layers should run the Triton kernels on ``x``: a CUDA tensor of float32,
     float16 or bfloat16 under inference (no autograd), Triton importable, not switched off."""
-    return (FUSED_OPS and x.is_cuda and x.dtype in _DTYPES and not torch.is_grad_enabled()
-            and ops() is not None)
+    return FUSED_OPS and x.is_cuda and x.dtype in _DTYPES and not torch.is_grad_enabled() and ops() is not None

@@ -15,6 +15,7 @@ Rules (:func:`select_attention_backend`):
 The choice is logged once at INFO on ``kvserve.attention``, with why the backends before it were
 passed over. Reading capabilities imports no kernels: backends import theirs when built.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,13 +33,15 @@ logger = logging.getLogger("kvserve.attention")
 
 #: Every backend by name, in the order of automatic preference (fastest first).
 BACKENDS: dict[str, type[AttentionBackend]] = {
-    b.name: b for b in (FlashAttnBackend, TritonBackend, CpuBackend, TorchBackend)}
+    b.name: b for b in (FlashAttnBackend, TritonBackend, CpuBackend, TorchBackend)
+}
 
 ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
 
 
-def select_attention_backend(device: torch.device | str, dtype: torch.dtype, block_size: int,
-                             head_dim: int, requested: str | None = None) -> type[AttentionBackend]:
+def select_attention_backend(
+    device: torch.device | str, dtype: torch.dtype, block_size: int, head_dim: int, requested: str | None = None
+) -> type[AttentionBackend]:
     """The backend class for an engine with these settings (build it with ``cls()``).
 
     Args:
@@ -70,5 +73,7 @@ def select_attention_backend(device: torch.device | str, dtype: torch.dtype, blo
             logger.info("attention backend: %s (%s)", cls.name, why)
             return cls
         skipped.append(f"{cls.name} skipped: {reason}")
-    raise ValueError(f"no attention backend supports device {device}, dtype {dtype}, "
-                     f"block_size {block_size}, head_dim {head_dim}: {'; '.join(skipped)}")
+    raise ValueError(
+        f"no attention backend supports device {device}, dtype {dtype}, "
+        f"block_size {block_size}, head_dim {head_dim}: {'; '.join(skipped)}"
+    )

@@ -5,6 +5,7 @@ tables and fed to ``scaled_dot_product_attention``, whose fused CPU kernel is Fl
 (tiled online softmax, Dao 2023). Any device, any float dtype, any block size; sliding windows
 and logit soft-capping per layer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,15 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> None:
+def store_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots
     ``slot_mapping`` (int64 ``[num_tokens]``; all slots must be valid, >= 0). A float8 e4m3
     cache stores ``clamp(x / scale, +-448)`` (``k_scale`` / ``v_scale``: the layer's scales);
@@ -48,7 +55,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int, start: int =
     bs = cache.shape[1]
     first, nblocks = start // bs, (n + bs - 1) // bs
     src = cache.view(torch.uint8) if cache.dtype == FP8 else cache  # no float8 indexing in ATen
-    out = src[block_table[first:nblocks]].flatten(0, 1)[start - first * bs:n - first * bs]
+    out = src[block_table[first:nblocks]].flatten(0, 1)[start - first * bs : n - first * bs]
     return out.view(FP8) if cache.dtype == FP8 else out
 
 
@@ -83,8 +90,11 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor, window: int | N
     heads = torch.arange(num_kv_heads, device=device)
     buckets: list[list[int]] = []
     for i in decode:
-        if (not buckets or len(buckets[-1]) == DECODE_BUCKET_ROWS
-                or length_of[i] > 2 * length_of[buckets[-1][0]] + block_size):
+        if (
+            not buckets
+            or len(buckets[-1]) == DECODE_BUCKET_ROWS
+            or length_of[i] > 2 * length_of[buckets[-1][0]] + block_size
+        ):
             buckets.append([])
         buckets[-1].append(i)
     plan = []
@@ -115,8 +125,9 @@ def _rows(cache: torch.Tensor, head_dim: int, index: torch.Tensor, scale: float)
     return cache.view(-1, head_dim).index_select(0, index)
 
 
-def _softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                       scale: float, softcap: float) -> torch.Tensor:
+def _softcap_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
     """Attention with tanh logit soft-capping (Gemma 2), which SDPA has no option for.
 
     ``q`` ``[B, Hkv, G, M, D]`` (the ``G`` query heads of each KV head), ``k``/``v``
@@ -131,11 +142,19 @@ def _softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return torch.matmul(s.softmax(dim=-1).to(v.dtype), v.unsqueeze(2)).to(q.dtype)
 
 
-def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float, window: int | None = None,
-                          softcap: float | None = None, k_scale: float = 1.0,
-                          v_scale: float = 1.0, key: torch.Tensor | None = None,
-                          value: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
     Decode rows (query length 1), in buckets of similar length, gather their K/V through the
@@ -177,15 +196,26 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         else:
             o = _softcap_attention(qd.unsqueeze(3), k, v, mask.unsqueeze(3), scale, softcap)
         out[rows] = o.reshape(b, num_heads, head_dim).to(q.dtype)
-    return prefill_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, out,
-                                   k_scale=k_scale, v_scale=v_scale, key=key, value=value)
+    return prefill_attention_torch(
+        q, k_cache, v_cache, meta, scale, window, softcap, out, k_scale=k_scale, v_scale=v_scale, key=key, value=value
+    )
 
 
-def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None,
-                            out: torch.Tensor, min_query_len: int = 2, k_scale: float = 1.0,
-                            v_scale: float = 1.0, key: torch.Tensor | None = None,
-                            value: torch.Tensor | None = None) -> torch.Tensor:
+def prefill_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    out: torch.Tensor,
+    min_query_len: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The prefill half of :func:`paged_attention_torch`: writes the rows of ``out`` of every
     request whose query length is >= ``min_query_len`` (one SDPA per chunk over its gathered
     K/V) and returns ``out``; other rows are left alone.
@@ -209,10 +239,10 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k = dequantize(_gather(k_cache, meta.block_tables[i], slen, lo), k_scale)
         v = dequantize(_gather(v_cache, meta.block_tables[i], slen, lo), v_scale)
         if fresh:  # the chunk's own K/V exact (dequantize made float32 copies); lo <= ctx
-            k[ctx - lo:] = key[s:s + qlen]
-            v[ctx - lo:] = value[s:s + qlen]
+            k[ctx - lo :] = key[s : s + qlen]
+            v[ctx - lo :] = value[s : s + qlen]
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        qi = q[s:s + qlen].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, qlen, D]
+        qi = q[s : s + qlen].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, qlen, D]
         mask = None
         if qlen != slen or (window and window < slen) or softcap is not None:
             qpos = torch.arange(ctx, slen, device=q.device)[:, None]
@@ -227,7 +257,7 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[s:s + qlen] = o[0].transpose(0, 1).to(q.dtype)
+        out[s : s + qlen] = o[0].transpose(0, 1).to(q.dtype)
         s += qlen
     return out
 
@@ -245,9 +275,21 @@ class TorchBackend(AttentionBackend):
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
-                window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale,
-                                     key=key, value=value)
+    def forward(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return paged_attention_torch(
+            q, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale, key=key, value=value
+        )

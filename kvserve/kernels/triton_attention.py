@@ -37,21 +37,37 @@ bf16 ``tl.dot`` is wrong in Triton 3.9, so bf16 operands are converted to fp32 f
 Triton caveats honoured: no ``make_block_ptr`` (plain pointer arithmetic, also needed for the
 block-table gather), no autotuning (tile sizes by heuristic), every ``tl.dot`` dimension >= 16.
 """
+
 from __future__ import annotations
 
 import torch
 
 from kvserve.kernels.backend import AttentionMetadata
-from kvserve.kernels.triton_decode import MAX_SPLITS, MIN_KEYS_PER_SPLIT, _num_sms, choose_num_splits, paged_decode_attention
+from kvserve.kernels.triton_decode import (
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    _num_sms,
+    choose_num_splits,
+    paged_decode_attention,
+)
 from kvserve.kernels.triton_prefill import varlen_prefill_attention
 from kvserve.kernels.triton_store_kv import store_kv
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, out: torch.Tensor | None = None,
-                    num_splits: int | None = None, window: int | None = None,
-                    softcap: float | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
     """Backend entry point (same contract as :meth:`kvserve.kernels.backend.AttentionBackend.forward`).
 
     Decode-only batches (every query length 1, one row per request) go to
@@ -62,15 +78,45 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
     if meta.decode_only and q.shape[0] == meta.num_reqs:
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      scale, meta.max_seqlen_k, out=out, num_splits=num_splits,
-                                      window=window, softcap=softcap, k_scale=k_scale,
-                                      v_scale=v_scale)
-    return varlen_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                    meta.cu_seqlens_q, meta.max_seqlen_q, scale, out=out,
-                                    window=window, softcap=softcap, k_scale=k_scale,
-                                    v_scale=v_scale)
+        return paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            meta.max_seqlen_k,
+            out=out,
+            num_splits=num_splits,
+            window=window,
+            softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+    return varlen_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.cu_seqlens_q,
+        meta.max_seqlen_q,
+        scale,
+        out=out,
+        window=window,
+        softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
-__all__ = ["store_kv", "paged_attention", "varlen_prefill_attention", "paged_decode_attention",
-           "choose_num_splits", "MIN_KEYS_PER_SPLIT", "MAX_SPLITS", "_num_sms"]
+__all__ = [
+    "store_kv",
+    "paged_attention",
+    "varlen_prefill_attention",
+    "paged_decode_attention",
+    "choose_num_splits",
+    "MIN_KEYS_PER_SPLIT",
+    "MAX_SPLITS",
+    "_num_sms",
+]

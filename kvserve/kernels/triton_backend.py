@@ -8,6 +8,7 @@ by name under ``TRITON_INTERPRET=1`` (the interpreter, for tests: it is never ch
 automatically). The kernel module is imported when the backend is built, not when this module
 is, so reading the capabilities imports no Triton.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,9 @@ class TritonBackend(AttentionBackend):
         return triton_import_error()
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, block_size: int,
-                           head_dim: int, *, requested: bool = False) -> str | None:
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int, *, requested: bool = False
+    ) -> str | None:
         """As :meth:`AttentionBackend.unsupported_reason`; a CPU device is accepted when the
         backend is requested by name and ``TRITON_INTERPRET=1``."""
         if device.type == "cpu" and requested and interpreting():
@@ -68,15 +70,28 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self):
         from kvserve.kernels import triton_attention
+
         self._store, self._attend = triton_attention.store_kv, triton_attention.paged_attention
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         self._store(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *,
-                window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Reads everything from the cache: ``key`` / ``value`` are ignored (``exact_chunk_kv`` False)."""
-        return self._attend(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-                            k_scale=k_scale, v_scale=v_scale)
+        return self._attend(
+            q, k_cache, v_cache, meta, scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale
+        )

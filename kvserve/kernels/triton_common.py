@@ -5,6 +5,7 @@ Softmax statistics and accumulators are always fp32 (``exp2`` with ``scale * log
 in); the two matmuls take fp16/bf16 operands with fp32 accumulation on a GPU (:func:`native_dot`),
 fp32 operands with ``ieee`` dots otherwise.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,9 +44,11 @@ def check_cache(cache: torch.Tensor) -> None:
     """Raises ``ValueError`` unless ``cache`` is ``[num_blocks, block_size, num_kv_heads,
     head_dim]`` with contiguous ``[num_kv_heads, head_dim]`` slots."""
     if cache.dim() != 4 or cache.stride(3) != 1 or cache.stride(2) != cache.shape[3]:
-        raise ValueError("cache must be [num_blocks, block_size, num_kv_heads, head_dim] with "
-                         "contiguous [num_kv_heads, head_dim] slots, got shape "
-                         f"{tuple(cache.shape)} strides {cache.stride()}")
+        raise ValueError(
+            "cache must be [num_blocks, block_size, num_kv_heads, head_dim] with "
+            "contiguous [num_kv_heads, head_dim] slots, got shape "
+            f"{tuple(cache.shape)} strides {cache.stride()}"
+        )
 
 
 def check_q(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
@@ -71,8 +74,7 @@ def window_softcap_args(window: int | None, softcap: float | None, scale: float)
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, bt_row_ptr, n, nmask, head_off, stride_b, stride_s, d, dmask,
-                 BLOCK_SIZE: tl.constexpr):
+def load_kv_tile(cache_ptr, bt_row_ptr, n, nmask, head_off, stride_b, stride_s, d, dmask, BLOCK_SIZE: tl.constexpr):
     """Gather K or V ``[BLOCK_N, BLOCK_D]`` for logical positions ``n`` through the block table.
 
     Positions may straddle any number of cache blocks (the tile size is independent of the
@@ -80,13 +82,25 @@ def load_kv_tile(cache_ptr, bt_row_ptr, n, nmask, head_off, stride_b, stride_s, 
     """
     blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     row = blk * stride_b + (n % BLOCK_SIZE).to(tl.int64) * stride_s + head_off
-    return tl.load(cache_ptr + row[:, None] + d[None, :],
-                   mask=nmask[:, None] & dmask[None, :], other=0.0)
+    return tl.load(cache_ptr + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
 
 
 @triton.jit
-def softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale, cap_in, cap_out,
-                   NATIVE_DOT: tl.constexpr, USE_MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+def softmax_update(
+    q,
+    k,
+    v,
+    acc,
+    m_i,
+    l_i,
+    valid,
+    qk_scale,
+    cap_in,
+    cap_out,
+    NATIVE_DOT: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """One FlashAttention-2 inner step (Algorithm 1, lines 8-10) in the log2 domain.
 
     ``q`` ``[M, D]`` (already in the dot dtype), ``k``/``v`` ``[N, D]`` as loaded, ``valid``

@@ -10,25 +10,66 @@ This keeps all SMs busy when ``batch x num_kv_heads`` is small and contexts are 
 (:func:`choose_num_splits`). With a sliding window only the last ``window`` keys are split and
 read.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton_common import (FP8, LOG2E, check_cache, check_q, dot_dtype, interpreting, load_kv_tile,
-                                   native_dot, softmax_update, window_softcap_args)
+from kvserve.kernels.triton_common import (
+    FP8,
+    LOG2E,
+    check_cache,
+    check_q,
+    dot_dtype,
+    interpreting,
+    load_kv_tile,
+    native_dot,
+    softmax_update,
+    window_softcap_args,
+)
+
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
-                   part_o_ptr, part_lse_ptr, qk_scale, num_splits, window, cap_in, cap_out,
-                   v_scale,
-                   stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   SPLIT: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
-                   SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    qk_scale,
+    num_splits,
+    window,
+    cap_in,
+    cap_out,
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """Program (request, kv_head, split). Without ``SPLIT`` it writes the final output; with it,
     the normalised partial output ``part_o[req, head, split, :]`` and its log2-sum-exp
     ``part_lse[req, head, split]`` (``-inf`` for an empty split). The keys read are
@@ -57,8 +98,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_pt
     dmask = d < HEAD_DIM
     head = kvh * GROUP + g
     req64 = req.to(tl.int64)
-    q = tl.load(q_ptr + (req64 * stride_qt + head * stride_qh)[:, None] + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (req64 * stride_qt + head * stride_qh)[:, None] + d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if not NATIVE_DOT:
         q = q.to(tl.float32)
     elif not KV_FP8:  # float8 K/V are converted to q's 16-bit dtype inside the dots
@@ -74,12 +118,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_pt
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
         nmask = n < hi
-        k = load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask,
-                         BLOCK_SIZE)
-        v = load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask,
-                         BLOCK_SIZE)
-        acc, m_i, l_i = softmax_update(q, k, v, acc, m_i, l_i, nmask[None, :], qk_scale,
-                                       cap_in, cap_out, NATIVE_DOT, True, SOFTCAP)
+        k = load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask, BLOCK_SIZE)
+        v = load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask, BLOCK_SIZE)
+        acc, m_i, l_i = softmax_update(
+            q, k, v, acc, m_i, l_i, nmask[None, :], qk_scale, cap_in, cap_out, NATIVE_DOT, True, SOFTCAP
+        )
 
     nonempty = l_i > 0.0
     out = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]  # empty (seq_len 0 / split) -> 0
@@ -90,14 +133,26 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_pt
         tl.store(part_o_ptr + (row * HEAD_DIM)[:, None] + d[None, :], out, mask=omask)
         tl.store(part_lse_ptr + row, lse, mask=gmask)
     else:
-        tl.store(out_ptr + (req64 * stride_ot + head * stride_oh)[:, None] + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(
+            out_ptr + (req64 * stride_ot + head * stride_oh)[:, None] + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=omask,
+        )
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_heads,
-                    stride_ot, stride_oh,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """Program (request, head): ``out = sum_s w_s o_s / sum_s w_s`` with
     ``w_s = 2^(lse_s - max lse)`` (Flash-Decoding's final reduction)."""
     req = tl.program_id(0).to(tl.int64)
@@ -112,11 +167,11 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_heads,
     denom = tl.sum(w, 0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    o = tl.load(part_o_ptr + ((base + s) * HEAD_DIM)[:, None] + d[None, :],
-                mask=smask[:, None] & dmask[None, :], other=0.0)
+    o = tl.load(
+        part_o_ptr + ((base + s) * HEAD_DIM)[:, None] + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0
+    )
     out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + req * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=dmask)
+    tl.store(out_ptr + req * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -151,12 +206,22 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (splits.bit_length() - 1)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           max_seq_len: int, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, block_n: int | None = None,
-                           window: int | None = None, softcap: float | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
     """Decode attention: row ``i`` of ``q`` is request ``i``'s single (last) query.
 
     Args:
@@ -208,23 +273,62 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
     if split:
-        part_o = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                             device=q.device)
-        part_lse = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32,
-                               device=q.device)
+        part_o = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
     _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, scale * LOG2E,
-        num_splits, win, cap_in, cap_out, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1], SPLIT=split, NATIVE_DOT=native, USE_WINDOW=use_window,
-        SOFTCAP=use_softcap, KV_FP8=kv_fp8, num_warps=4, num_stages=2)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        scale * LOG2E,
+        num_splits,
+        win,
+        cap_in,
+        cap_out,
+        v_scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1],
+        SPLIT=split,
+        NATIVE_DOT=native,
+        USE_WINDOW=use_window,
+        SOFTCAP=use_softcap,
+        KV_FP8=kv_fp8,
+        num_warps=4,
+        num_stages=2,
+    )
     if split:
         _combine_kernel[(num_reqs, num_heads)](
-            part_o, part_lse, out, num_splits, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4 if head_dim >= 128 else 2)
+            part_o,
+            part_lse,
+            out,
+            num_splits,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
     return out

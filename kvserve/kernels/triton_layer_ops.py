@@ -9,6 +9,7 @@ ran 1,677 kernels, ~2 us each, for 3.0 ms of GPU time where its weights need 0.2
 outputs are those of :mod:`kvserve.engine.layers` up to float32 summation order in the norm's mean (and
 ``exp``/``rsqrt`` ulps). Dispatch: :mod:`kvserve.kernels.gpu_ops`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, num_heads, stride_xt, stride_xh, stride_rt,
-                     H, eps, HAS_RES: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    H,
+    eps,
+    HAS_RES: tl.constexpr,
+    GEMMA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One row: ``x`` row ``(t, h)`` of ``[T, num_heads, H]`` (strided), output row-major. With
     ``HAS_RES`` (``num_heads == 1``): ``res[t] = x[t] + res[t]`` (rounded to the dtype), then the
     norm of that. ``GEMMA``: ``(x * rstd * (1 + w))`` in float32, else ``w * dtype(x * rstd)``."""
@@ -45,8 +59,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, num_heads, stride_xt, strid
 
 
 @triton.jit
-def _rotary_half(ptr, t, stride_t, stride_h, n_heads, pos_row, cos_ptr, sin_ptr,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotary_half(
+    ptr,
+    t,
+    stride_t,
+    stride_h,
+    n_heads,
+    pos_row,
+    cos_ptr,
+    sin_ptr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Rotate ``n_heads`` heads of token ``t`` in place: ``x * cos + rotate_half(x) * sin``,
     each product and the sum rounded to the dtype as ATen rounds them."""
     hh = tl.arange(0, BLOCK_H)
@@ -74,9 +99,24 @@ def _rotary_half(ptr, t, stride_t, stride_h, n_heads, pos_row, cos_ptr, sin_ptr,
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_cos, num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                   BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One token: its q heads, then its k heads."""
     t = tl.program_id(0).to(tl.int64)
     pos_row = tl.load(pos_ptr + t).to(tl.int64) * stride_cos
@@ -98,8 +138,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, inter, BLOCK: tl.constexpr):
     tl.store(out_ptr + t * inter + j, (s * u.to(tl.float32)).to(dt), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) of the last dimension of ``x`` ``[T, H]`` or
     ``[T, heads, H]`` (strided rows allowed; the last dimension contiguous); ``weight`` ``[H]``.
     ``gemma``: scale by ``1 + weight`` in float32 (Gemma), else ``weight * dtype(normed)``
@@ -122,23 +163,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.shape[0] * heads
     if rows:
-        _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, heads, stride_t,
-                                  stride_h, residual.stride(0) if residual is not None else 0, H, eps,
-                                  HAS_RES=residual is not None, GEMMA=gemma, BLOCK=triton.next_power_of_2(H))
+        _rms_norm_kernel[(rows,)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            heads,
+            stride_t,
+            stride_h,
+            residual.stride(0) if residual is not None else 0,
+            H,
+            eps,
+            HAS_RES=residual is not None,
+            GEMMA=gemma,
+            BLOCK=triton.next_power_of_2(H),
+        )
     return out
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE ("rotate half" layout, Su et al. 2021) applied **in place** to ``q`` ``[T, Hq, D]`` and
     ``k`` ``[T, Hk, D]`` (strided token and head dimensions, contiguous last) at int64
     ``positions`` ``[T]``, from float32 ``cos``/``sin`` caches ``[max_position, D]`` (cast to the
     dtype first, as :class:`kvserve.engine.layers.rotary.RotaryEmbedding` does); returns ``(q, k)``."""
     T, hq, D = q.shape
     if T:
-        _rotary_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                             cos.stride(0), hq, k.shape[1], HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(hq),
-                             BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(D // 2))
+        _rotary_kernel[(T,)](
+            q,
+            k,
+            positions,
+            cos,
+            sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            hq,
+            k.shape[1],
+            HALF=D // 2,
+            BLOCK_HQ=triton.next_power_of_2(hq),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            BLOCK_D=triton.next_power_of_2(D // 2),
+        )
     return q, k
 
 

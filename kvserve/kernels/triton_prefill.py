@@ -16,24 +16,64 @@ without a mask, only the diagonal tiles are masked, and tiles above it are skipp
 older than every row's window are skipped, keys inside every row's window run unmasked, only
 the tiles straddling the window edge are masked.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton_common import (FP8, LOG2E, check_cache, check_q, dot_dtype, interpreting, load_kv_tile,
-                                   native_dot, softmax_update, window_softcap_args)
+from kvserve.kernels.triton_common import (
+    FP8,
+    LOG2E,
+    check_cache,
+    check_q,
+    dot_dtype,
+    interpreting,
+    load_kv_tile,
+    native_dot,
+    softmax_update,
+    window_softcap_args,
+)
+
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, out_ptr,
-                    qk_scale, window, cap_in, cap_out, v_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, NATIVE_DOT: tl.constexpr,
-                    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    cu_q_ptr,
+    out_ptr,
+    qk_scale,
+    window,
+    cap_in,
+    cap_out,
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """Program (q_tile, request, kv_head): ``BLOCK_Q`` query tokens x ``GROUP`` query heads.
 
     Tile rows ``r = i * BLOCK_G + g`` (token ``i``, head ``kv_head * GROUP + g``), so the
@@ -60,8 +100,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, cu_q_
     dmask = d < HEAD_DIM
     head = kvh * GROUP + g
     q_rows = (q_start + qi).to(tl.int64)
-    q = tl.load(q_ptr + (q_rows * stride_qt + head * stride_qh)[:, None] + d[None, :],
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q_rows * stride_qt + head * stride_qh)[:, None] + d[None, :],
+        mask=rmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if not NATIVE_DOT:
         q = q.to(tl.float32)
     elif not KV_FP8:  # float8 K/V are converted to q's 16-bit dtype inside the dots
@@ -91,45 +134,44 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, cu_q_
         for start_n in range(lo, edge_end, BLOCK_N):
             n = start_n + offs_n
             nmask = n < edge_end
-            k = load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d,
-                             dmask, BLOCK_SIZE)
-            v = load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d,
-                             dmask, BLOCK_SIZE)
-            valid = ((n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
-                     & nmask[None, :])
-            acc, m_i, l_i = softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale, cap_in,
-                                           cap_out, NATIVE_DOT, True, SOFTCAP)
+            k = load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask, BLOCK_SIZE)
+            v = load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask, BLOCK_SIZE)
+            valid = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window) & nmask[None, :]
+            acc, m_i, l_i = softmax_update(
+                q, k, v, acc, m_i, l_i, valid, qk_scale, cap_in, cap_out, NATIVE_DOT, True, SOFTCAP
+            )
     else:
         u0 = 0
         u1 = full_end
     for start_n in range(u0, u1, BLOCK_N):
         n = start_n + offs_n
         nmask = n < u1
-        k = load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask,
-                         BLOCK_SIZE)
-        v = load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask,
-                         BLOCK_SIZE)
-        acc, m_i, l_i = softmax_update(q, k, v, acc, m_i, l_i, nmask[None, :], qk_scale,
-                                       cap_in, cap_out, NATIVE_DOT, False, SOFTCAP)
+        k = load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask, BLOCK_SIZE)
+        v = load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask, BLOCK_SIZE)
+        acc, m_i, l_i = softmax_update(
+            q, k, v, acc, m_i, l_i, nmask[None, :], qk_scale, cap_in, cap_out, NATIVE_DOT, False, SOFTCAP
+        )
     for start_n in range(u1, end, BLOCK_N):
         n = start_n + offs_n
         nmask = n < end
-        k = load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask,
-                         BLOCK_SIZE)
-        v = load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask,
-                         BLOCK_SIZE)
+        k = load_kv_tile(k_cache_ptr, bt_row, n, nmask, k_head, stride_kb, stride_ks, d, dmask, BLOCK_SIZE)
+        v = load_kv_tile(v_cache_ptr, bt_row, n, nmask, v_head, stride_vb, stride_vs, d, dmask, BLOCK_SIZE)
         valid = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
         if USE_WINDOW:
             valid = valid & (n[None, :] > q_pos[:, None] - window)
-        acc, m_i, l_i = softmax_update(q, k, v, acc, m_i, l_i, valid, qk_scale, cap_in, cap_out,
-                                       NATIVE_DOT, True, SOFTCAP)
+        acc, m_i, l_i = softmax_update(
+            q, k, v, acc, m_i, l_i, valid, qk_scale, cap_in, cap_out, NATIVE_DOT, True, SOFTCAP
+        )
 
     # every row of a query token saw at least its own key, so l_i > 0 there; padding rows
     # (past q_len) may have seen none and are not stored
     out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     o_rows = (q_start + qi).to(tl.int64)
-    tl.store(out_ptr + (o_rows * stride_ot + head * stride_oh)[:, None] + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    tl.store(
+        out_ptr + (o_rows * stride_ot + head * stride_oh)[:, None] + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=rmask[:, None] & dmask[None, :],
+    )
 
 
 def _tiles(head_dim: int, native: bool) -> tuple[int, int]:
@@ -143,13 +185,23 @@ def _tiles(head_dim: int, native: bool) -> tuple[int, int]:
     return (64, 32) if native else (32, 32)
 
 
-def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                             cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float,
-                             out: torch.Tensor | None = None, block_m: int | None = None,
-                             block_n: int | None = None, window: int | None = None,
-                             softcap: float | None = None, k_scale: float = 1.0,
-                             v_scale: float = 1.0) -> torch.Tensor:
+def varlen_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
     """Causal varlen attention of ``q`` over the paged cache (FlashAttention-2 forward).
 
     Args:
@@ -201,14 +253,41 @@ def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     num_kv_heads = k_cache.shape[2]
     grid = (triton.cdiv(max_seqlen_q, block_q), num_reqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale * LOG2E,
-        win, cap_in, cap_out, v_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
-        NATIVE_DOT=native, USE_WINDOW=use_window, SOFTCAP=use_softcap, KV_FP8=kv_fp8,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        out,
+        scale * LOG2E,
+        win,
+        cap_in,
+        cap_out,
+        v_scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        NATIVE_DOT=native,
+        USE_WINDOW=use_window,
+        SOFTCAP=use_softcap,
+        KV_FP8=kv_fp8,
         num_warps=8 if block_q * block_g * head_dim >= 128 * 128 else 4,
-        num_stages=2)
+        num_stages=2,
+    )
     return out

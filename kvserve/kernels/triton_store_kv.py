@@ -5,6 +5,7 @@ program, to slot ``slot_mapping[t]`` (``block * block_size + offset``); a negati
 padding and skipped. Into a float8 cache it writes e4m3 bit patterns it computes itself
 (:func:`_e4m3_bits`), rounding as torch does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,11 +36,27 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
-                     stride_kt, stride_vt, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-                     k_scale, v_scale,
-                     ROW: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_tokens,
+    stride_kt,
+    stride_vt,
+    stride_kcb,
+    stride_kcs,
+    stride_vcb,
+    stride_vcs,
+    k_scale,
+    v_scale,
+    ROW: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+):
     """Copy ``BLOCK_T`` tokens' ``[num_kv_heads * head_dim]`` K and V rows to their slots
     (``FP8``: the caches are uint8 views of float8 e4m3 caches; rows are divided by the scales,
      IEEE-rounded as torch divides, and encoded by :func:`_e4m3_bits`)."""
@@ -58,10 +75,16 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num
     if FP8:
         k = _e4m3_bits(tl.math.div_rn(k.to(tl.float32), k_scale))
         v = _e4m3_bits(tl.math.div_rn(v.to(tl.float32), v_scale))
-    tl.store(k_cache_ptr + (blk * stride_kcb + off * stride_kcs)[:, None] + e[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + (blk * stride_vcb + off * stride_vcs)[:, None] + e[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        k_cache_ptr + (blk * stride_kcb + off * stride_kcs)[:, None] + e[None, :],
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_cache_ptr + (blk * stride_vcb + off * stride_vcs)[:, None] + e[None, :],
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -71,9 +94,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-             v_scale: float = 1.0) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Write new K/V rows into the paged cache.
 
     Args:
@@ -103,8 +132,25 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     fp8 = k_cache.dtype == FP8
     if fp8:  # the kernel writes the e4m3 bit patterns itself (see _e4m3_bits)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    _store_kv_kernel[grid](key, value, k_cache, v_cache, slot_mapping, num_tokens,
-                           key.stride(0), value.stride(0), k_cache.stride(0), k_cache.stride(1),
-                           v_cache.stride(0), v_cache.stride(1), k_scale, v_scale,
-                           ROW=row, BLOCK_ROW=block_row, BLOCK_T=block_t, BLOCK_SIZE=block_size,
-                           FP8=fp8, num_warps=4)
+    _store_kv_kernel[grid](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_tokens,
+        key.stride(0),
+        value.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        k_scale,
+        v_scale,
+        ROW=row,
+        BLOCK_ROW=block_row,
+        BLOCK_T=block_t,
+        BLOCK_SIZE=block_size,
+        FP8=fp8,
+        num_warps=4,
+    )

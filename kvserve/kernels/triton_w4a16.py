@@ -11,6 +11,7 @@ is never widened outside registers. Accumulation is float32; the operands are fl
 nibbles are exact in any float type). Runs under ``TRITON_INTERPRET=1`` on CPU tensors for the
 tests (``tests/kernels/test_w4a16.py``); a GPU compile needs 16-wide dots, which these are.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,10 +29,26 @@ def available() -> bool:
 
 
 if triton is not None:
+
     @triton.jit
-    def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, GS: tl.constexpr,
-                      stride_xm, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+    def _w4a16_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        G,
+        GS: tl.constexpr,
+        stride_xm,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,13 +75,23 @@ if triton is not None:
             acc += part * s[None, :] - xs[:, None] * z[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(
+            y_ptr + rm[:, None] * stride_ym + rn[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & n_ok[None, :],
+        )
 
 
-def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None = None, block_m: int = 16,
-                 block_n: int = 64) -> torch.Tensor:
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    szeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    block_m: int = 16,
+    block_n: int = 64,
+) -> torch.Tensor:
     """``x`` ``[..., K]`` (float32, float16 or bfloat16) times the 4-bit weight -> ``[..., N]``
     in ``x.dtype`` (module docstring), float32 accumulation.
 
@@ -86,7 +113,22 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, s
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _w4a16_kernel[grid](x2, qweight, scales, szeros, bias if bias is not None else y, y, m, n, k,
-                            k // group_size, group_size, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                            BLOCK_M=block_m, BLOCK_N=block_n)
+        _w4a16_kernel[grid](
+            x2,
+            qweight,
+            scales,
+            szeros,
+            bias if bias is not None else y,
+            y,
+            m,
+            n,
+            k,
+            k // group_size,
+            group_size,
+            x2.stride(0),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+        )
     return y.view(*x.shape[:-1], n)

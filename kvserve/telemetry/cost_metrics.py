@@ -16,6 +16,7 @@ Labels: as the engine's (``model_name``, ``replica``, ``variant``) on the replic
 ``level`` (``exact`` or ``semantic``) and ``variant`` on the gateway's. Costs are in the unit
 ``cost_per_replica_hour`` is given in (the operator's currency).
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,19 +47,25 @@ class ReplicaCost:
         ValueError: a negative ``cost_per_hour``.
     """
 
-    def __init__(self, labels: dict[str, str], cost_per_hour: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, labels: dict[str, str], cost_per_hour: float, clock: Callable[[], float] = time.monotonic):
         if not cost_per_hour >= 0:
             raise ValueError(f"cost_per_replica_hour must be >= 0, got {cost_per_hour}")
         self.labels, self.cost_per_hour, self._clock = labels, float(cost_per_hour), clock
         self.cost, self.tokens = 0.0, 0
         self._last = clock()
         self._lock = threading.Lock()  # the step thread and the event loop both call in
-        self._total = metric("counter", "replica_cost", "Cost of the replica accrued by the wall clock since it "
-                                                        "started (cost_per_replica_hour).", tuple(labels))
-        self._per_m = metric("gauge", "cost_per_million_output_tokens",
-                             "The replica's cost so far over the output tokens it generated, per million.",
-                             tuple(labels))
+        self._total = metric(
+            "counter",
+            "replica_cost",
+            "Cost of the replica accrued by the wall clock since it started (cost_per_replica_hour).",
+            tuple(labels),
+        )
+        self._per_m = metric(
+            "gauge",
+            "cost_per_million_output_tokens",
+            "The replica's cost so far over the output tokens it generated, per million.",
+            tuple(labels),
+        )
 
     def accrue(self) -> float:
         """Add the cost of the time since the last call; returns the cost so far."""
@@ -90,15 +97,23 @@ class CacheSavings:
     """The gateway's count of what response cache hits saved (see the module docstring)."""
 
     def __init__(self):
-        self.tokens = metric("counter", "cache_saved_tokens",
-                             "Output tokens answered from the response cache instead of generated, by level.",
-                             SAVINGS_LABELS)
-        self.cost = metric("counter", "cache_saved_cost",
-                           "The cost of the output tokens the response cache answered, at the model's measured "
-                           "cost per token, by level.", SAVINGS_LABELS)
+        self.tokens = metric(
+            "counter",
+            "cache_saved_tokens",
+            "Output tokens answered from the response cache instead of generated, by level.",
+            SAVINGS_LABELS,
+        )
+        self.cost = metric(
+            "counter",
+            "cache_saved_cost",
+            "The cost of the output tokens the response cache answered, at the model's measured "
+            "cost per token, by level.",
+            SAVINGS_LABELS,
+        )
 
-    def hit(self, model: str, level: str, variant: str, output_tokens: int,
-            cost_per_million_tokens: float | None) -> float:
+    def hit(
+        self, model: str, level: str, variant: str, output_tokens: int, cost_per_million_tokens: float | None
+    ) -> float:
         """Count one hit that answered ``output_tokens``; returns the cost saved (0 when the
         model's cost per token is not known)."""
         labels = {"model_name": model, "level": level, "variant": variant}

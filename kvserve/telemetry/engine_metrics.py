@@ -5,6 +5,7 @@ id) and ``variant`` (the A/B test variant the replica serves, "" outside an expe
 (``kvserve.engine.stats.IterationStats`` per step, ``SchedulerStats`` between steps,
 ``FinishedRequestStats`` per request) by attribute: telemetry imports no engine module.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,12 +14,74 @@ from kvserve.telemetry.cost_metrics import ReplicaCost
 from kvserve.telemetry.registry import metric
 
 # vLLM V1's histogram buckets (vllm/v1/metrics/loggers.py), seconds or tokens.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 ENGINE_LABELS = ("model_name", "replica", "variant")
@@ -54,55 +117,103 @@ class PrometheusStatLogger:
             None: LoRA off.
     """
 
-    def __init__(self, model_name: str, replica: str, speculative: bool = False, lora: int | None = None, *,
-                 variant: str = "", cost_per_hour: float | None = None):
+    def __init__(
+        self,
+        model_name: str,
+        replica: str,
+        speculative: bool = False,
+        lora: int | None = None,
+        *,
+        variant: str = "",
+        cost_per_hour: float | None = None,
+    ):
         self.labels = {"model_name": model_name, "replica": replica, "variant": variant}
         self.cost = None if cost_per_hour is None else ReplicaCost(self.labels, cost_per_hour)
         L, E = ENGINE_LABELS, ENGINE_LABELS
         self.running = metric("gauge", "num_requests_running", "Number of requests in model execution batches.", L)
         self.waiting = metric("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", L)
         self.kv_usage = metric("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L)
-        self.pc_queries = metric("counter", "prefix_cache_queries",
-                                 "Prefix cache queries, in terms of number of queried tokens.", L)
-        self.pc_hits = metric("counter", "prefix_cache_hits",
-                              "Prefix cache hits, in terms of number of cached tokens.", L)
-        self.ext_hits = metric("counter", "external_prefix_cache_hits",
-                               "External prefix cache hits (the host KV tier), in terms of number of cached tokens.", L)
-        self.offload_bytes = metric("counter", "kv_offload_bytes",
-                                    "Bytes copied between the KV pool and the host tier, by direction.",
-                                    L + ("direction",))
-        self.offload_load_s = metric("counter", "kv_offload_load_seconds",
-                                     "Seconds spent loading blocks back from the host KV tier.", L)
+        self.pc_queries = metric(
+            "counter", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", L
+        )
+        self.pc_hits = metric(
+            "counter", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", L
+        )
+        self.ext_hits = metric(
+            "counter",
+            "external_prefix_cache_hits",
+            "External prefix cache hits (the host KV tier), in terms of number of cached tokens.",
+            L,
+        )
+        self.offload_bytes = metric(
+            "counter",
+            "kv_offload_bytes",
+            "Bytes copied between the KV pool and the host tier, by direction.",
+            L + ("direction",),
+        )
+        self.offload_load_s = metric(
+            "counter", "kv_offload_load_seconds", "Seconds spent loading blocks back from the host KV tier.", L
+        )
         self.preemptions = metric("counter", "num_preemptions", "Cumulative number of preemption from the engine.", L)
         self.prompt_tokens = metric("counter", "prompt_tokens", "Number of prefill tokens processed.", L)
         self.generation_tokens = metric("counter", "generation_tokens", "Number of generation tokens processed.", L)
-        self.success = metric("counter", "request_success", "Count of finished requests, by finish reason.",
-                              E + ("finished_reason",))
-        self.ttft = metric("histogram", "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                           L, TTFT_BUCKETS)
-        self.itl = metric("histogram", "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                          L, ITL_BUCKETS)
-        self.e2e = metric("histogram", "e2e_request_latency_seconds",
-                          "Histogram of e2e request latency in seconds.", L, REQUEST_LATENCY_BUCKETS)
-        self.queue = metric("histogram", "request_queue_time_seconds",
-                            "Histogram of time spent in WAITING phase for request.", L, REQUEST_LATENCY_BUCKETS)
-        self.prefill = metric("histogram", "request_prefill_time_seconds",
-                              "Histogram of time spent in PREFILL phase for request.", L, REQUEST_LATENCY_BUCKETS)
-        self.decode = metric("histogram", "request_decode_time_seconds",
-                             "Histogram of time spent in DECODE phase for request.", L, REQUEST_LATENCY_BUCKETS)
-        self.req_prompt = metric("histogram", "request_prompt_tokens", "Number of prefill tokens processed.", L,
-                                 TOKEN_BUCKETS)
-        self.req_generation = metric("histogram", "request_generation_tokens",
-                                     "Number of generation tokens processed.", L, TOKEN_BUCKETS)
+        self.success = metric(
+            "counter", "request_success", "Count of finished requests, by finish reason.", E + ("finished_reason",)
+        )
+        self.ttft = metric(
+            "histogram", "time_to_first_token_seconds", "Histogram of time to first token in seconds.", L, TTFT_BUCKETS
+        )
+        self.itl = metric(
+            "histogram", "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", L, ITL_BUCKETS
+        )
+        self.e2e = metric(
+            "histogram",
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            L,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue = metric(
+            "histogram",
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            L,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = metric(
+            "histogram",
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            L,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = metric(
+            "histogram",
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            L,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.req_prompt = metric(
+            "histogram", "request_prompt_tokens", "Number of prefill tokens processed.", L, TOKEN_BUCKETS
+        )
+        self.req_generation = metric(
+            "histogram", "request_generation_tokens", "Number of generation tokens processed.", L, TOKEN_BUCKETS
+        )
         self._set_queue(0, 0, 0.0)
         # which node serves this replica (value 1): on a multi-node cluster, where each model runs
         node_id, node_ip = _node_of_this_process()
-        metric("gauge", "replica_info", "The node of each model replica (value 1).",
-               L + ("node_id", "node_ip")).set({**self.labels, "node_id": node_id, "node_ip": node_ip}, 1.0)
+        metric("gauge", "replica_info", "The node of each model replica (value 1).", L + ("node_id", "node_ip")).set(
+            {**self.labels, "node_id": node_id, "node_ip": node_ip}, 1.0
+        )
         self.lora_info = None
         if lora is not None:  # vLLM's lora_requests_info: the adapters in use, as labels; the value is when
-            self.lora_info = metric("gauge", "lora_requests_info", "Running stats on lora requests.",
-                                    L + ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
+            self.lora_info = metric(
+                "gauge",
+                "lora_requests_info",
+                "Running stats on lora requests.",
+                L + ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+            )
             self._lora_labels: dict | None = None
             self._lora_at, self.max_lora = 0.0, str(lora)
         self.spec = None
@@ -111,8 +222,13 @@ class PrometheusStatLogger:
                 metric("counter", "spec_decode_num_drafts", "Number of spec decoding drafts.", L),
                 metric("counter", "spec_decode_num_draft_tokens", "Number of draft tokens.", L),
                 metric("counter", "spec_decode_num_accepted_tokens", "Number of accepted tokens.", L),
-                metric("counter", "spec_decode_num_accepted_tokens_per_pos",
-                       "Accepted tokens per draft position.", L + ("position",)))
+                metric(
+                    "counter",
+                    "spec_decode_num_accepted_tokens_per_pos",
+                    "Accepted tokens per draft position.",
+                    L + ("position",),
+                ),
+            )
 
     def record_step(self, m) -> None:
         """One engine step (an ``kvserve.engine.stats.IterationStats``): counters, histograms, and the
@@ -150,8 +266,12 @@ class PrometheusStatLogger:
         """``lora_requests_info``, as vLLM: one series per set of adapters in use (comma-separated
         names), its value the Unix time it was last seen (read the newest); written when the set
         changes or a second after the last write."""
-        labels = {**self.labels, "max_lora": self.max_lora, "running_lora_adapters": ",".join(running),
-                  "waiting_lora_adapters": ",".join(waiting)}
+        labels = {
+            **self.labels,
+            "max_lora": self.max_lora,
+            "running_lora_adapters": ",".join(running),
+            "waiting_lora_adapters": ",".join(waiting),
+        }
         now = time.time()
         if labels != self._lora_labels or now - self._lora_at >= 1.0:
             self.lora_info.set(labels, now)
@@ -183,7 +303,6 @@ class PrometheusStatLogger:
         self.req_generation.observe(lb, r.num_generation_tokens)
 
 
-
 class ClusterTierMetrics:
     """The cluster KV tier's metrics of one ``LLMServer`` replica (``kvserve/deployments/replica/kv_cluster.py``):
     ``kv_cluster_hit_tokens`` (prompt tokens whose blocks were fetched from the tier for a request;
@@ -196,14 +315,21 @@ class ClusterTierMetrics:
     def __init__(self, model_name: str, replica: str, variant: str = ""):
         self.labels = {"model_name": model_name, "replica": replica, "variant": variant}
         L = ENGINE_LABELS
-        self.hits = metric("counter", "kv_cluster_hit_tokens",
-                           "Prompt tokens whose KV blocks were fetched from the cluster tier.", L)
-        self.bytes = metric("counter", "kv_cluster_bytes", "Bytes put into / fetched from the cluster KV tier.",
-                            L + ("direction",))
-        self.load_s = metric("counter", "kv_cluster_load_seconds",
-                             "Seconds requests waited on cluster-tier fetches.", L)
-        self.fallbacks = metric("counter", "kv_cluster_load_fallbacks",
-                                "Cluster-tier loads given up for recomputing, by reason.", L + ("reason",))
+        self.hits = metric(
+            "counter", "kv_cluster_hit_tokens", "Prompt tokens whose KV blocks were fetched from the cluster tier.", L
+        )
+        self.bytes = metric(
+            "counter", "kv_cluster_bytes", "Bytes put into / fetched from the cluster KV tier.", L + ("direction",)
+        )
+        self.load_s = metric(
+            "counter", "kv_cluster_load_seconds", "Seconds requests waited on cluster-tier fetches.", L
+        )
+        self.fallbacks = metric(
+            "counter",
+            "kv_cluster_load_fallbacks",
+            "Cluster-tier loads given up for recomputing, by reason.",
+            L + ("reason",),
+        )
 
     def saved(self, nbytes: int) -> None:
         self.bytes.inc({**self.labels, "direction": "saved"}, nbytes)

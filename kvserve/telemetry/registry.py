@@ -14,6 +14,7 @@ Every metric is recorded twice, once per way a Prometheus reaches it:
    samples of every process of its node, which is how Ray clusters are scraped (KubeRay's
    PodMonitor / ServiceMonitor, ``ray metrics launch-prometheus``). The cluster path.
 """
+
 from __future__ import annotations
 
 import glob
@@ -88,8 +89,9 @@ class Metric:
     without prefix (counters without ``_total``); ``labels``: label names (those of
     :data:`OPTIONAL_LABELS` may be left out of a sample's labels)."""
 
-    def __init__(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
-                 buckets: tuple[float, ...] | None = None):
+    def __init__(
+        self, kind: str, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...] | None = None
+    ):
         import prometheus_client as pc
 
         self.kind, self.name, self.labels = kind, name, labels
@@ -147,8 +149,7 @@ class Metric:
             self.ray.observe(value, tags=labels)
 
 
-def metric(kind: str, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...] | None = None
-           ) -> Metric:
+def metric(kind: str, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...] | None = None) -> Metric:
     """The process's one :class:`Metric` of this name (created on first use)."""
     with _lock:
         m = _metrics.get(name)
@@ -159,6 +160,7 @@ def metric(kind: str, name: str, doc: str, labels: tuple[str, ...], buckets: tup
 
 
 _PID_RE = re.compile(r"_(\d+)\.db$")
+
 
 class CoalescedRender:
     """``GET /metrics``'s renders, coalesced: at most one :func:`render` runs at a time, and every
@@ -174,12 +176,12 @@ class CoalescedRender:
     def __init__(self, fn=None):
         self._fn = fn
         self._cond = threading.Condition()
-        self._started = 0    # renders begun
-        self._done = 0       # renders finished (their answers in _answer, or _error)
+        self._started = 0  # renders begun
+        self._done = 0  # renders finished (their answers in _answer, or _error)
         self._running = False
         self._answer = None
         self._error: BaseException | None = None
-        self.renders = 0     # renders made (for tests and logs)
+        self.renders = 0  # renders made (for tests and logs)
 
     def __call__(self) -> tuple[bytes, str]:
         """The body and content type (blocking: call it in a worker thread).

@@ -21,6 +21,7 @@ Span names and attributes follow vLLM's (``llm_request`` with ``gen_ai.*`` attri
 ``vllm/tracing.py`` names) on the replica; the gateway's spans are kvserve's (see
 ``kvserve/deployments/gateway/tracing.py``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,8 +65,16 @@ def resolve_protocol(protocol: str | None) -> str:
     Raises:
         ValueError: not one of :data:`PROTOCOLS`.
     """
-    p = (protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-         or "grpc").strip().lower()
+    p = (
+        (
+            protocol
+            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "grpc"
+        )
+        .strip()
+        .lower()
+    )
     if p not in PROTOCOLS:
         raise ValueError(f"OTLP traces protocol must be one of {PROTOCOLS}, got {p!r}")
     return p
@@ -116,8 +125,15 @@ class Tracing:
         self.propagator.inject(carrier, context=trace.set_span_in_context(span))
         return carrier
 
-    def start_span(self, name: str, parent=None, *, kind: str = "internal", start_time_s: float | None = None,
-                   attributes: dict[str, Any] | None = None):
+    def start_span(
+        self,
+        name: str,
+        parent=None,
+        *,
+        kind: str = "internal",
+        start_time_s: float | None = None,
+        attributes: dict[str, Any] | None = None,
+    ):
         """A started span (end it with ``span.end()``) under ``parent`` (a ``Context``, a span,
         or None: a new root). ``kind``: ``server``, ``client`` or ``internal``;
         ``start_time_s``: Unix seconds (default now)."""
@@ -126,9 +142,13 @@ class Tracing:
         if parent is not None and not hasattr(parent, "get"):  # a span: its context
             parent = trace.set_span_in_context(parent)
         kinds = {"server": trace.SpanKind.SERVER, "client": trace.SpanKind.CLIENT, "internal": trace.SpanKind.INTERNAL}
-        return self.tracer.start_span(name, context=parent, kind=kinds[kind],
-                                      attributes={k: v for k, v in (attributes or {}).items() if v is not None},
-                                      start_time=None if start_time_s is None else int(start_time_s * 1e9))
+        return self.tracer.start_span(
+            name,
+            context=parent,
+            kind=kinds[kind],
+            attributes={k: v for k, v in (attributes or {}).items() if v is not None},
+            start_time=None if start_time_s is None else int(start_time_s * 1e9),
+        )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Send the spans still batched now; False when the exporter did not finish in time."""
@@ -148,8 +168,9 @@ class _Getter:
         return list(carrier.keys())
 
 
-def tracing(endpoint: str | None, protocol: str | None = None, sample_ratio: float | None = None,
-            service_name: str = "kvserve") -> Tracing | None:
+def tracing(
+    endpoint: str | None, protocol: str | None = None, sample_ratio: float | None = None, service_name: str = "kvserve"
+) -> Tracing | None:
     """This process's :class:`Tracing` for ``endpoint`` (one per endpoint, protocol and ratio;
     None when ``endpoint`` is empty: tracing off).
 

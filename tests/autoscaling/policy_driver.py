@@ -16,8 +16,18 @@ CAP_D = 1000.0  # decode tokens/s per replica (replica-measured capacity)
 CAP_P = 4000.0  # prefill tokens/s per replica
 
 
-def replica_metrics(util=0.6, prefill_share=0.25, waiting=0.0, waiting_tok=0.0, running=20.0, kv=0.3,
-                    cap_d=CAP_D, cap_p=CAP_P, refused=0.0, served_prompt=0.0):
+def replica_metrics(
+    util=0.6,
+    prefill_share=0.25,
+    waiting=0.0,
+    waiting_tok=0.0,
+    running=20.0,
+    kv=0.3,
+    cap_d=CAP_D,
+    cap_p=CAP_P,
+    refused=0.0,
+    served_prompt=0.0,
+):
     """One replica's record_autoscaling_stats() dict with token load ``util`` (of capacity),
     ``refused`` requests turned away as full and the mean ``served_prompt`` (0: none served)."""
     return {

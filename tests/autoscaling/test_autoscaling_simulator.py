@@ -45,18 +45,27 @@ def test_ray_serve_wrapper_is_pinned():
     rap = pytest.importorskip("ray.serve.autoscaling_policy")
     import ray
 
-    got = {name: hashlib.sha256(inspect.getsource(getattr(rap, name)).encode()).hexdigest()
-           for name in RAY_SERVE_WRAPPER_SHA256}
+    got = {
+        name: hashlib.sha256(inspect.getsource(getattr(rap, name)).encode()).hexdigest()
+        for name in RAY_SERVE_WRAPPER_SHA256
+    }
     assert got == RAY_SERVE_WRAPPER_SHA256, (
         f"Ray {ray.__version__} changed Serve's scaling-factor/delay logic: check serve_wrap in "
-        "benchmarks/autoscaling_sim.py and test_simulator_serve_wrap_on_simulated_time, then update the hashes")
+        "benchmarks/autoscaling_sim.py and test_simulator_serve_wrap_on_simulated_time, then update the hashes"
+    )
 
 
 def test_simulator_serve_wrap_on_simulated_time():
     S = simulator()
 
-    t = S.ServeTiming(upscale_delay_s=2.0, downscale_delay_s=10.0, look_back_period_s=30.0,
-                      metrics_interval_s=10.0, min_replicas=1, max_replicas=8)
+    t = S.ServeTiming(
+        upscale_delay_s=2.0,
+        downscale_delay_s=10.0,
+        look_back_period_s=30.0,
+        metrics_interval_s=10.0,
+        min_replicas=1,
+        max_replicas=8,
+    )
     # an upscale must be asked for continuously for upscale_delay_s of simulated time
     state = {}
     assert [S.serve_wrap(5, 3, 3, t, state, now) for now in (100.0, 101.0, 102.0)] == [3, 3, 5]
@@ -78,10 +87,15 @@ def test_simulator_serve_wrap_on_simulated_time():
 def test_simulator_smoke(tmp_path):
     S = simulator()
 
-    spec = S.TraceSpec(duration_s=400.0, base_load_replicas=2.0, spike_start_s=100.0, spike_duration_s=60.0,
-                       long_start_s=250.0, long_duration_s=100.0)
-    rep = S.run_all(S.CPU_PROFILE, spec, dt=0.5, max_replicas=12, knobs={}, seeds=[0],
-                    equal_cost_utilization=None)
+    spec = S.TraceSpec(
+        duration_s=400.0,
+        base_load_replicas=2.0,
+        spike_start_s=100.0,
+        spike_duration_s=60.0,
+        long_start_s=250.0,
+        long_duration_s=100.0,
+    )
+    rep = S.run_all(S.CPU_PROFILE, spec, dt=0.5, max_replicas=12, knobs={}, seeds=[0], equal_cost_utilization=None)
     names = [r["policy"] for r in rep["results"]]
     assert names == ["fixed_peak", "request_default", "request_fast", "kvserve"]
     for r in rep["results"]:
@@ -98,9 +112,16 @@ def test_simulator_reads_measured_replica_numbers(tmp_path):
     S = simulator()
 
     path = tmp_path / "throughput.json"
-    path.write_text(json.dumps({"systems": [{"system": "hf_generate_static_bs16", "output_tok_per_s": 90.0},
-                                            {"system": "kvserve", "output_tok_per_s": 310.0,
-                                             "max_running_batch": 48}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "systems": [
+                    {"system": "hf_generate_static_bs16", "output_tok_per_s": 90.0},
+                    {"system": "kvserve", "output_tok_per_s": 310.0, "max_running_batch": 48},
+                ]
+            }
+        )
+    )
     prof = S.load_profile(str(path), S.CPU_PROFILE)
     assert (prof.decode_tokens_per_s, prof.max_num_seqs, prof.max_ongoing_requests) == (310.0, 48, 96)
     assert prof.prefill_tokens_per_s == S.CPU_PROFILE.prefill_tokens_per_s

@@ -21,9 +21,16 @@ from kvserve.autoscaling.settings import KVServeAutoscalingConfig
 
 def test_metric_names_and_defaults():
     assert sig.METRIC_NAMES == (
-        "num_waiting_requests", "num_waiting_prefill_tokens", "num_running_requests",
-        "generation_tokens_per_s", "prefill_tokens_per_s", "decode_capacity_tokens_per_s",
-        "prefill_capacity_tokens_per_s", "kv_cache_usage", "num_refused_requests", "served_prompt_tokens",
+        "num_waiting_requests",
+        "num_waiting_prefill_tokens",
+        "num_running_requests",
+        "generation_tokens_per_s",
+        "prefill_tokens_per_s",
+        "decode_capacity_tokens_per_s",
+        "prefill_capacity_tokens_per_s",
+        "kv_cache_usage",
+        "num_refused_requests",
+        "served_prompt_tokens",
     )
     cfg = KVServeAutoscalingConfig()
     assert cfg.min_replicas >= 1 and not cfg.allow_scale_to_zero  # warm pool by default
@@ -59,17 +66,20 @@ def test_policy_module_keeps_its_public_names():
     assert getattr(importlib.import_module(module), attr) is P.KVServeAutoscalingPolicy
 
 
-@pytest.mark.parametrize("bad", [
-    dict(min_replicas=0),
-    dict(min_replicas=4, max_replicas=2),
-    dict(target_utilization=0.0),
-    dict(target_utilization=1.5),
-    dict(policy_mode="hybrid"),  # needs a schedule
-    dict(policy_mode="nope"),
-    dict(schedule="8-20:99", max_replicas=8),
-    dict(serve_look_back_period_s=2.0, serve_metrics_interval_s=2.0),
-    dict(unknown_knob=1),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(min_replicas=0),
+        dict(min_replicas=4, max_replicas=2),
+        dict(target_utilization=0.0),
+        dict(target_utilization=1.5),
+        dict(policy_mode="hybrid"),  # needs a schedule
+        dict(policy_mode="nope"),
+        dict(schedule="8-20:99", max_replicas=8),
+        dict(serve_look_back_period_s=2.0, serve_metrics_interval_s=2.0),
+        dict(unknown_knob=1),
+    ],
+)
 def test_config_validation(bad):
     with pytest.raises(ValueError):
         KVServeAutoscalingConfig.from_dict(bad)
@@ -85,8 +95,18 @@ def test_cli_flags_round_trip():
     import argparse
 
     ap = sc.add_autoscaling_args(argparse.ArgumentParser())
-    args = ap.parse_args(["--max-replicas", "12", "--target-utilization", "0.6", "--autoscaling-policy", "hybrid",
-                          "--autoscaling-schedule", "8-20:3"])
+    args = ap.parse_args(
+        [
+            "--max-replicas",
+            "12",
+            "--target-utilization",
+            "0.6",
+            "--autoscaling-policy",
+            "hybrid",
+            "--autoscaling-schedule",
+            "8-20:3",
+        ]
+    )
     cfg = sc.config_from_args(args, base={"min_replicas": 2})
     assert (cfg.max_replicas, cfg.target_utilization, cfg.policy_mode, cfg.min_replicas) == (12, 0.6, "hybrid", 2)
     assert cfg.schedule == (sch.ScheduleEntry(8, 20, 3),)
@@ -131,13 +151,23 @@ def test_build_autoscaling_config_for_serve():
         raw = {n: {rid: [TimeStampedValue(now - 1.0, per[n])] for rid in rids} for n in sig.METRIC_NAMES}
         agg = {n: {rid: per[n] for rid in rids} for n in sig.METRIC_NAMES}
         ctx = AutoscalingContext(
-            deployment_id=dep, deployment_name="LLMServer", app_name="default",
-            current_num_replicas=2, target_num_replicas=target, running_replicas=rids,
-            total_num_requests=lambda: 200.0, total_queued_requests=lambda: 0.0,
-            aggregated_metrics=lambda agg=agg: agg, raw_metrics=lambda raw=raw: raw,
-            capacity_adjusted_min_replicas=2, capacity_adjusted_max_replicas=12,
-            policy_state=state, last_scale_up_time=None, last_scale_down_time=None,
-            current_time=now, config=cfg,
+            deployment_id=dep,
+            deployment_name="LLMServer",
+            app_name="default",
+            current_num_replicas=2,
+            target_num_replicas=target,
+            running_replicas=rids,
+            total_num_requests=lambda: 200.0,
+            total_queued_requests=lambda: 0.0,
+            aggregated_metrics=lambda agg=agg: agg,
+            raw_metrics=lambda raw=raw: raw,
+            capacity_adjusted_min_replicas=2,
+            capacity_adjusted_max_replicas=12,
+            policy_state=state,
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=now,
+            config=cfg,
         )
         n, state = policy(ctx)
         assert isinstance(n, int)

@@ -37,8 +37,14 @@ def test_missing_metrics_and_no_replicas():
     d, _ = decide(make_ctx({}, 0, 100.0), cfg)
     assert d.desired == cfg.min_replicas
     # No capacity reported (and none remembered): fall back to request counts.
-    per = {f"r{i}": {sig.NUM_RUNNING_REQUESTS: 60.0, sig.NUM_WAITING_REQUESTS: 4.0,
-                     sig.GENERATION_TOKENS_PER_S: float("nan")} for i in range(2)}
+    per = {
+        f"r{i}": {
+            sig.NUM_RUNNING_REQUESTS: 60.0,
+            sig.NUM_WAITING_REQUESTS: 4.0,
+            sig.GENERATION_TOKENS_PER_S: float("nan"),
+        }
+        for i in range(2)
+    }
     run = drive(cfg, lambda t, n: per, 10.0, target0=2)
     assert run.changes and run.changes[0][3] == REASON_REQUESTS_FALLBACK
     assert run.target == math.ceil(128 / cfg.fallback_ongoing_per_replica - cfg.upscale_tolerance)
@@ -57,8 +63,9 @@ def test_latest_raw_sample_is_used():
 
     def ctx_at(now, state, target):
         c = make_ctx(idle, target, now, state)
-        c.raw_metrics = {n: {rid: [TSV(now - 5, idle[rid][n]), TSV(now - 1, per_now[rid][n])]
-                             for rid in per_now} for n in names}
+        c.raw_metrics = {
+            n: {rid: [TSV(now - 5, idle[rid][n]), TSV(now - 1, per_now[rid][n])] for rid in per_now} for n in names
+        }
         return c
 
     state, target = {}, 2

@@ -21,8 +21,16 @@ def test_decision_logged_as_one_structured_line(caplog):
     assert 1 <= len(recs) <= 6
     up = [r for r in recs if r["action"] == "up"]
     assert up and up[0]["desired"] == run.changes[0][2] and up[0]["reason"] == REASON_QUEUE
-    for key in ("waiting_requests", "waiting_prefill_tokens", "load_replicas", "raw_desired",
-                "smoothed_desired", "signals", "target_replicas", "decode_capacity_tokens_per_s"):
+    for key in (
+        "waiting_requests",
+        "waiting_prefill_tokens",
+        "load_replicas",
+        "raw_desired",
+        "smoothed_desired",
+        "signals",
+        "target_replicas",
+        "decode_capacity_tokens_per_s",
+    ):
         assert key in up[0]
 
 

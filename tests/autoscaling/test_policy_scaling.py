@@ -29,6 +29,7 @@ def test_queue_builds_up_scales_up_proportionally():
     cfg = KVServeAutoscalingConfig(max_replicas=32, target_queue_per_replica=4.0, queue_drain_s=0)
     results = {}
     for waiting in (16, 32, 64):
+
         def metrics_at(t, target, waiting=waiting):
             per = waiting / 2
             return fleet(2, util=0.7, waiting=per, waiting_tok=per * 50)
@@ -67,6 +68,7 @@ def test_throughput_at_target_with_empty_queue_holds():
 
 def test_throughput_over_target_scales_by_load_ratio():
     cfg = KVServeAutoscalingConfig(max_replicas=16, target_utilization=0.75)
+
     # Offered load of 6 replica-equivalents spread over the current fleet (capped at 100%).
     def metrics_at(t, n):
         return fleet(n, util=min(1.0, 6.0 / n))
@@ -155,8 +157,7 @@ def test_refused_demand_is_priced_at_the_served_prompt():
     run = drive(cfg, lambda t, n: fleet(n, util=1.0, running=2.0, refused=120.0 / n), 30.0, target0=1)
     assert run.target >= 2
     # and a fleet that refuses nothing and is not loaded stays put
-    run = drive(cfg, lambda t, n: fleet(n, util=0.5, running=2.0, refused=0.0, served_prompt=400.0), 30.0,
-                target0=1)
+    run = drive(cfg, lambda t, n: fleet(n, util=0.5, running=2.0, refused=0.0, served_prompt=400.0), 30.0, target0=1)
     assert run.target == 1
 
 
@@ -181,13 +182,11 @@ def test_cooldown_measured_from_serves_last_scale_event():
     # Idle for 200 s, but Serve keeps reporting a scale-up 10 s ago: no scale-down.
     for i in range(400):
         now = t0 + i * 0.5
-        ctx = make_ctx(fleet(6, util=0.0, running=0.0, kv=0.0), 6, now, state,
-                       last_scale_up_time=now - 10.0)
+        ctx = make_ctx(fleet(6, util=0.0, running=0.0, kv=0.0), 6, now, state, last_scale_up_time=now - 10.0)
         d, state = decide(ctx, cfg)
         assert d.desired == 6
     assert d.reason == REASON_DOWNSCALE_COOLDOWN
-    ctx = make_ctx(fleet(6, util=0.0, running=0.0, kv=0.0), 6, t0 + 200.5, state,
-                   last_scale_up_time=t0 + 200.5 - 61.0)
+    ctx = make_ctx(fleet(6, util=0.0, running=0.0, kv=0.0), 6, t0 + 200.5, state, last_scale_up_time=t0 + 200.5 - 61.0)
     d, state = decide(ctx, cfg)
     assert d.desired < 6
 
@@ -195,7 +194,12 @@ def test_cooldown_measured_from_serves_last_scale_event():
 def test_no_scale_down_while_requests_wait():
     cfg = KVServeAutoscalingConfig(target_queue_per_replica=4.0)
     # Tiny load but a queue longer than the smaller fleet may hold: hold.
-    run = drive(cfg, lambda t, n: fleet(n, util=0.05, waiting=5.0, waiting_tok=50.0), 400.0, target0=4,)
+    run = drive(
+        cfg,
+        lambda t, n: fleet(n, util=0.05, waiting=5.0, waiting_tok=50.0),
+        400.0,
+        target0=4,
+    )
     assert run.target == 4
     assert run.decisions[-1][1].reason in (REASON_QUEUE_GUARD, REASON_HYSTERESIS)
 
@@ -212,8 +216,13 @@ def test_noisy_inputs_do_not_flap():
         for i in range(8):
             u = 0.66 * rng.uniform(0.7, 1.3) * blip
             w = rng.choice([0, 0, 0, 1, 2])
-            out[f"r{i}"] = replica_metrics(util=min(u, 1.0), waiting=w, waiting_tok=w * rng.uniform(50, 800),
-                                           running=rng.uniform(10, 40), kv=rng.uniform(0.2, 0.6))
+            out[f"r{i}"] = replica_metrics(
+                util=min(u, 1.0),
+                waiting=w,
+                waiting_tok=w * rng.uniform(50, 800),
+                running=rng.uniform(10, 40),
+                kv=rng.uniform(0.2, 0.6),
+            )
         return out
 
     run = drive(cfg, noisy, t_end=1800.0, target0=8)
@@ -243,6 +252,11 @@ def test_bounds_respected():
     assert run.target == 2
     assert min(d.desired for _, d in run.decisions) == 2
     # Serve's capacity-adjusted bounds (target_capacity) are honoured too.
-    run = drive(cfg, lambda t, n: fleet(n, util=1.0, waiting=100, waiting_tok=10_000), 30.0, target0=2,
-                capacity_adjusted_max_replicas=3)
+    run = drive(
+        cfg,
+        lambda t, n: fleet(n, util=1.0, waiting=100, waiting_tok=10_000),
+        30.0,
+        target0=2,
+        capacity_adjusted_max_replicas=3,
+    )
     assert run.target == 3

@@ -20,8 +20,9 @@ def test_time_based_floor():
     pw = tb.replace(schedule_prewarm_s=300.0)
     assert decide(make_ctx(fleet(1), 1, hour(7.95)), pw)[0].desired == 4
 
-    hy = KVServeAutoscalingConfig(policy_mode="hybrid", schedule=[{"start_hour": 8, "end_hour": 20,
-                                                                   "min_replicas": 4}], max_replicas=16)
+    hy = KVServeAutoscalingConfig(
+        policy_mode="hybrid", schedule=[{"start_hour": 8, "end_hour": 20, "min_replicas": 4}], max_replicas=16
+    )
     idle = lambda t, n: fleet(n, util=0.0, running=0.0, kv=0.0)  # noqa: E731
     # idle inside the window: the floor wins at once, cool-downs notwithstanding
     run = drive(hy, idle, 300.0, target0=1, t0=hour(9))

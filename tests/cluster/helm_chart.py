@@ -16,6 +16,7 @@ binary and checked offline:
 - the values schema and the chart's own checks refuse a bad value type, a GPU replica that fits no
   worker group and a tensor parallel size beyond a worker's GPUs.
 """
+
 import base64
 import copy
 import io
@@ -53,9 +54,12 @@ def _helm(helm: Path, *args: str, values: dict | None = None, tmp_path: Path | N
         f = tmp_path / f"values-{len(list(tmp_path.glob('values-*')))}.yaml"
         f.write_text(yaml.safe_dump(values))
         cmd += ["-f", str(f)]
-    env = {**os.environ, "HELM_CACHE_HOME": str(tmp_path or "/tmp") + "/.helm-cache",
-           "HELM_CONFIG_HOME": str(tmp_path or "/tmp") + "/.helm-config",
-           "HELM_DATA_HOME": str(tmp_path or "/tmp") + "/.helm-data"}
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": str(tmp_path or "/tmp") + "/.helm-cache",
+        "HELM_CONFIG_HOME": str(tmp_path or "/tmp") + "/.helm-config",
+        "HELM_DATA_HOME": str(tmp_path or "/tmp") + "/.helm-data",
+    }
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 
@@ -69,20 +73,41 @@ FULL = {
     "image": {"repository": "registry.example/kvserve", "tag": "1.2.3"},
     "app": {"args": {"rate_limit_rpm": 600, "ingress_num_replicas": 2, "allowed_origins": []}},
     "models": [
-        {"model": "Qwen/Qwen3-8B", "served_model_name": "qwen3-8b", "tensor_parallel_size": 4, "dtype": "bfloat16",
-         "min_replicas": 1, "max_replicas": 3, "autoscaling": {"target_queue_per_replica": 2},
-         "enable_prefix_caching": True, "kv_cache_memory_bytes": 8589934592, "max_num_seqs": 128},
+        {
+            "model": "Qwen/Qwen3-8B",
+            "served_model_name": "qwen3-8b",
+            "tensor_parallel_size": 4,
+            "dtype": "bfloat16",
+            "min_replicas": 1,
+            "max_replicas": 3,
+            "autoscaling": {"target_queue_per_replica": 2},
+            "enable_prefix_caching": True,
+            "kv_cache_memory_bytes": 8589934592,
+            "max_num_seqs": 128,
+        },
         {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "num_replicas": 2, "gpu_memory_utilization": 0.5},
     ],
     "apiKeys": {"keys": ["sk-frontend-1 name=frontend priority=0", "sk-batch-2 name=batch tpm=20000"]},
     "workerGroups": [
-        {"name": "l4", "gpus": 1, "replicas": 1, "minReplicas": 0, "maxReplicas": 4,
-         "resources": {"limits": {"cpu": "8", "memory": "32Gi"}},
-         "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
-         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
-        {"name": "a100x8", "gpus": 8, "replicas": 0, "minReplicas": 0, "maxReplicas": 2,
-         "rayStartParams": {"num-cpus": "90"},
-         "resources": {"requests": {"cpu": "90", "memory": "900Gi"}, "limits": {"cpu": "92", "memory": "900Gi"}}},
+        {
+            "name": "l4",
+            "gpus": 1,
+            "replicas": 1,
+            "minReplicas": 0,
+            "maxReplicas": 4,
+            "resources": {"limits": {"cpu": "8", "memory": "32Gi"}},
+            "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+        {
+            "name": "a100x8",
+            "gpus": 8,
+            "replicas": 0,
+            "minReplicas": 0,
+            "maxReplicas": 2,
+            "rayStartParams": {"num-cpus": "90"},
+            "resources": {"requests": {"cpu": "90", "memory": "900Gi"}, "limits": {"cpu": "92", "memory": "900Gi"}},
+        },
     ],
     "head": {"nodeSelector": {"pool": "cpu"}, "rayStartParams": {"log-style": "record"}},
     "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
@@ -97,8 +122,11 @@ def _strict(schema):
     about others (Kubernetes prunes such fields: a typo would vanish without a word)."""
     if isinstance(schema, dict):
         out = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in out and "additionalProperties" not in out
-                and not out.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
@@ -134,14 +162,16 @@ def _app_args(rs, docs, tmp_path) -> dict:
         mount = args["api_keys_file"]
         (secret,) = [s for s in docs["Secret"] if s["metadata"]["name"].endswith("-api-keys")]
         (content,) = secret.get("stringData", {}).values() or [
-            base64.b64decode(v).decode() for v in secret["data"].values()]
+            base64.b64decode(v).decode() for v in secret["data"].values()
+        ]
         local = tmp_path / "api-keys.txt"
         local.write_text(content)
         args["api_keys_file"] = str(local)
         # the path the app reads is where every Ray pod mounts that Secret
         for tpl in [rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]] + [g["template"] for g in _groups(rs)]:
-            vol = next(v for v in tpl["spec"]["volumes"] if v.get("secret", {}).get("secretName")
-                       == secret["metadata"]["name"])
+            vol = next(
+                v for v in tpl["spec"]["volumes"] if v.get("secret", {}).get("secretName") == secret["metadata"]["name"]
+            )
             mnt = next(m for m in tpl["spec"]["containers"][0]["volumeMounts"] if m["name"] == vol["name"])
             assert mount == f"{mnt['mountPath']}/{vol['secret']['items'][0]['path']}"
     return args

@@ -17,10 +17,23 @@ Token auth is on (``tests/cluster/conftest.py``); the module stops every process
 started. Timings are not asserted (the benchmark measures them: ``benchmarks/multinode.py
 --parts scale-up``); every wait is bounded.
 """
+
 import pytest
-from autoscaling_cluster import (HEAD_RESOURCES, NODE_TYPE, FakeAutoscalingCluster, StreamLoad, alive_nodes,
-                                 decisions, deploy, replicas, serve_config, served_request_ids, target_replicas,
-                                 wait_for, worker_node_types)
+from autoscaling_cluster import (
+    HEAD_RESOURCES,
+    NODE_TYPE,
+    FakeAutoscalingCluster,
+    StreamLoad,
+    alive_nodes,
+    decisions,
+    deploy,
+    replicas,
+    serve_config,
+    served_request_ids,
+    target_replicas,
+    wait_for,
+    worker_node_types,
+)
 from helpers import free_port, shutdown_ray_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -74,6 +87,7 @@ def test_scale_up_adds_a_node_and_scale_down_removes_it(fake_autoscaling, tiny_l
         def served_there():
             ids = served_request_ids(APP, second_replica)
             return [r for r in list(load.records) if r["request_id"] in ids and r["status"] == 200]
+
         served = wait_for("a streamed request served by the new replica", served_there, 120)
     finally:
         load.stop()
@@ -90,10 +104,13 @@ def test_scale_up_adds_a_node_and_scale_down_removes_it(fake_autoscaling, tiny_l
 
     admitted = [r for r in load.records if r["status"] == 200]
     assert admitted and all(r["done"] and r["error"] is None for r in admitted), [
-        r for r in admitted if not r["done"] or r["error"] is not None][:3]
+        r for r in admitted if not r["done"] or r["error"] is not None
+    ][:3]
     assert {r["status"] for r in load.records} <= {200, 429}, {r["status"] for r in load.records}
     # the bounded queue refused some: the load did overload the replica (tests/e2e's single-node
     # scale-up and scale-down, the same policy through Serve, is the thorough profile's)
     assert len(admitted) < len(load.records), "the bounded queue refused nothing: the load did not overload"
-    print(f"\n{len(admitted)} streams served, {len(load.records) - len(admitted)} refused (429, sent again); "
-          f"replicas {first_replica} -> +{second_replica} -> {kept_replica} left")
+    print(
+        f"\n{len(admitted)} streams served, {len(load.records) - len(admitted)} refused (429, sent again); "
+        f"replicas {first_replica} -> +{second_replica} -> {kept_replica} left"
+    )

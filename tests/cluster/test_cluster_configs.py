@@ -6,6 +6,7 @@ cluster: token auth on every ``ray start``, the token file mounted owner-only, t
 metrics export on, a head without replicas, the repo's pinned versions. Negative cases show the
 check rejects what it should. No cloud API, no Ray cluster: fast.
 """
+
 import copy
 import re
 import shlex
@@ -50,7 +51,9 @@ def test_every_node_runs_ray_with_token_auth_and_the_token_mounted_owner_only(na
     assert starts["head"] and starts["worker"]
     for cmd in starts["head"] + starts["worker"]:
         assert re.search(r"(^|[;\s])RAY_AUTH_MODE=token ray start ", cmd), cmd
-        assert "--metrics-export-port=8080" in cmd, cmd  # docs/operations.md, "Metrics": scrape every node's metrics agent
+        assert "--metrics-export-port=8080" in cmd, (
+            cmd
+        )  # docs/operations.md, "Metrics": scrape every node's metrics agent
     head = starts["head"][0]
     assert "--include-dashboard=true" in head and "--dashboard-host=127.0.0.1" in head
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head
@@ -68,8 +71,14 @@ def test_commands_survive_rays_wrapping(name):
     inside CMD swallows the closing parenthesis and the node's setup fails (seen in
     kvserve/cluster/smoke_local.sh), so comments belong outside the YAML strings."""
     prepared = _check(_load(name))
-    keys = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
-            "head_start_ray_commands", "worker_start_ray_commands")
+    keys = (
+        "initialization_commands",
+        "setup_commands",
+        "head_setup_commands",
+        "worker_setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+    )
     for key in keys:
         for cmd in prepared[key]:
             assert "#" not in cmd, (key, cmd)
@@ -124,31 +133,46 @@ def test_cloud_setup_installs_the_repos_pinned_versions(name):
 
 def _mutations(name: str):
     """(description, mutate(config), expected exception type, message regex) for one config."""
-    yield "a typo'd top-level key", lambda c: c.update(setup_comands=c.pop("setup_commands")), \
-        "ValidationError", "setup_comands"
-    yield "global max_workers below the types' min_workers", lambda c: c.update(max_workers=-1), \
-        "ValueError|ValidationError", "max_workers"
+    yield (
+        "a typo'd top-level key",
+        lambda c: c.update(setup_comands=c.pop("setup_commands")),
+        "ValidationError",
+        "setup_comands",
+    )
+    yield (
+        "global max_workers below the types' min_workers",
+        lambda c: c.update(max_workers=-1),
+        "ValueError|ValidationError",
+        "max_workers",
+    )
     if name in CLOUD:
+
         def typo_in_type(c):
             c["available_node_types"][next(iter(c["available_node_types"]))]["min_worker"] = 1
+
         yield "a typo'd key in a node type", typo_in_type, "ValidationError", "min_worker"
 
         def undefined_type(c):
             c["head_node_type"] = "gpu_nonexistent"
+
         yield "a node type referenced but not defined", undefined_type, "ValueError", "head_node_type"
 
         def max_below_min(c):
             t = [k for k in c["available_node_types"] if k != c["head_node_type"]][0]
             c["available_node_types"][t].update(min_workers=3, max_workers=1)
+
         yield "a type's max_workers below its min_workers", max_below_min, "ValueError", "below min_workers"
 
         def bad_type(c):
             t = [k for k in c["available_node_types"] if k != c["head_node_type"]][0]
             c["available_node_types"][t]["resources"]["GPU"] = "four"
+
         yield "a resource count that is not an integer", bad_type, "ValidationError", "four"
     else:
+
         def node_types_in_local(c):
             c["available_node_types"] = {"gpu": {"resources": {}, "node_config": {}}}
+
         yield "node types in a local config", node_types_in_local, "ClickException", "available_node_types"
 
 
@@ -168,8 +192,13 @@ def test_checker_cli(tmp_path):
     cfg = _load("aws-gpu")
     cfg["head_node_type"] = "nope"
     bad.write_text(yaml.safe_dump(cfg))
-    run = lambda *files: subprocess.run([sys.executable, "-m", "kvserve.cluster.launcher_config", *files],  # noqa: E731
-                                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = lambda *files: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "kvserve.cluster.launcher_config", *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     ok = run(*map(str, CONFIGS.values()))
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.count(": ok") == 3

@@ -7,6 +7,7 @@ autoscaler's backend, records one sample in each, renders the multiprocess expos
 (``ray_kvserve_<name>``, same suffixes). Every panel's PromQL, with ``$prefix`` set to each of
 the two exports, may reference only those series. No Ray, no model: fast.
 """
+
 import json
 import re
 import subprocess
@@ -44,21 +45,113 @@ json.dump({"prefix": M.PREFIX, "ray_prefix": M.RAY_PREFIX, "names": names,
 
 # PromQL words that are not series: functions, aggregations, operators, modifiers.
 PROMQL_FUNCTIONS = {
-    "abs", "absent", "absent_over_time", "acos", "acosh", "asin", "asinh", "atan", "atanh", "avg_over_time",
-    "ceil", "changes", "clamp", "clamp_max", "clamp_min", "cos", "cosh", "count_over_time", "day_of_month",
-    "day_of_week", "day_of_year", "days_in_month", "deg", "delta", "deriv", "exp", "floor",
-    "histogram_avg", "histogram_count", "histogram_fraction", "histogram_quantile", "histogram_stddev",
-    "histogram_stdvar", "histogram_sum", "holt_winters", "hour", "idelta", "increase", "irate", "label_join",
-    "label_replace", "last_over_time", "ln", "log10", "log2", "mad_over_time", "max_over_time",
-    "min_over_time", "minute", "month", "pi", "predict_linear", "present_over_time", "quantile_over_time",
-    "rad", "rate", "resets", "round", "scalar", "sgn", "sin", "sinh", "sort", "sort_desc", "sqrt",
-    "stddev_over_time", "stdvar_over_time", "sum_over_time", "tan", "tanh", "time", "timestamp", "vector",
+    "abs",
+    "absent",
+    "absent_over_time",
+    "acos",
+    "acosh",
+    "asin",
+    "asinh",
+    "atan",
+    "atanh",
+    "avg_over_time",
+    "ceil",
+    "changes",
+    "clamp",
+    "clamp_max",
+    "clamp_min",
+    "cos",
+    "cosh",
+    "count_over_time",
+    "day_of_month",
+    "day_of_week",
+    "day_of_year",
+    "days_in_month",
+    "deg",
+    "delta",
+    "deriv",
+    "exp",
+    "floor",
+    "histogram_avg",
+    "histogram_count",
+    "histogram_fraction",
+    "histogram_quantile",
+    "histogram_stddev",
+    "histogram_stdvar",
+    "histogram_sum",
+    "holt_winters",
+    "hour",
+    "idelta",
+    "increase",
+    "irate",
+    "label_join",
+    "label_replace",
+    "last_over_time",
+    "ln",
+    "log10",
+    "log2",
+    "mad_over_time",
+    "max_over_time",
+    "min_over_time",
+    "minute",
+    "month",
+    "pi",
+    "predict_linear",
+    "present_over_time",
+    "quantile_over_time",
+    "rad",
+    "rate",
+    "resets",
+    "round",
+    "scalar",
+    "sgn",
+    "sin",
+    "sinh",
+    "sort",
+    "sort_desc",
+    "sqrt",
+    "stddev_over_time",
+    "stdvar_over_time",
+    "sum_over_time",
+    "tan",
+    "tanh",
+    "time",
+    "timestamp",
+    "vector",
     "year",
 }
-PROMQL_AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values",
-                       "bottomk", "topk", "quantile", "limitk", "limit_ratio"}
-PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-                   "offset", "atan2", "inf", "nan"}
+PROMQL_AGGREGATIONS = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+    "limitk",
+    "limit_ratio",
+}
+PROMQL_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "atan2",
+    "inf",
+    "nan",
+}
 # clauses whose parentheses hold label names, not expressions
 _LABEL_LIST = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)", re.IGNORECASE)
 _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
@@ -67,7 +160,9 @@ _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 @pytest.fixture(scope="module")
 def exported() -> dict[str, set[str]]:
     """``{prefix: series names}`` of both exports, from the code."""
-    r = subprocess.run([sys.executable, "-c", _EXPORTED], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", _EXPORTED], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     prefix, ray_prefix = out["prefix"], out["ray_prefix"]
@@ -80,7 +175,7 @@ def exported() -> dict[str, set[str]]:
         for s in suffixes[kind]:
             assert prefix + base + s in names, (base, kind, sorted(names))
     assert len(names) == sum(len(suffixes[k]) for k in out["metrics"].values()), sorted(names)
-    ray_names = {"ray_" + ray_prefix + n[len(prefix):] for n in names}
+    ray_names = {"ray_" + ray_prefix + n[len(prefix) :] for n in names}
     return {"kvserve:": names, "ray_kvserve_": ray_names}
 
 
@@ -91,8 +186,13 @@ def dashboard() -> dict:
 
 def substitute(expr: str, prefix: str) -> str:
     """The expression as Grafana sends it: variables replaced by concrete values."""
-    for var, value in (("prefix", prefix), ("model_name", "tiny"), ("__rate_interval", "1m"),
-                       ("__interval", "15s"), ("__range", "1h")):
+    for var, value in (
+        ("prefix", prefix),
+        ("model_name", "tiny"),
+        ("__rate_interval", "1m"),
+        ("__interval", "15s"),
+        ("__range", "1h"),
+    ):
         expr = expr.replace("${" + var + "}", value)
         expr = re.sub(r"\$" + re.escape(var) + r"(?![A-Za-z0-9_])", value, expr)
     return expr
@@ -115,15 +215,16 @@ def series_names(expr: str) -> set[str]:
     names = set()
     for m in _IDENT.finditer(s):
         word = m.group()
-        is_call = s[m.end():].lstrip().startswith("(")
+        is_call = s[m.end() :].lstrip().startswith("(")
         low = word.lower()
         if low in PROMQL_KEYWORDS:
             continue
         if is_call:
             assert low in PROMQL_FUNCTIONS or low in PROMQL_AGGREGATIONS, f"unknown function {word!r} in {expr!r}"
             continue
-        assert low not in PROMQL_FUNCTIONS and low not in PROMQL_AGGREGATIONS or word.endswith(":"), \
+        assert low not in PROMQL_FUNCTIONS and low not in PROMQL_AGGREGATIONS or word.endswith(":"), (
             f"{word!r} used as a series in {expr!r}"
+        )
         names.add(word)
     return names
 
@@ -144,9 +245,11 @@ def all_exprs(dash: dict) -> list[tuple[str, str]]:
 
 
 def test_series_parser():
-    e = ('histogram_quantile(0.99, sum by (le, model_name) (rate(kvserve:x_bucket{model_name=~"a.*|b"}[1m]))) '
-         '/ on (model_name) group_left clamp_min(sum without (replica) (kvserve:y_total offset 5m), 1) '
-         '+ count(count by (model_name, replica) (ray_kvserve_z{le="+Inf"})) > 0')
+    e = (
+        'histogram_quantile(0.99, sum by (le, model_name) (rate(kvserve:x_bucket{model_name=~"a.*|b"}[1m]))) '
+        "/ on (model_name) group_left clamp_min(sum without (replica) (kvserve:y_total offset 5m), 1) "
+        '+ count(count by (model_name, replica) (ray_kvserve_z{le="+Inf"})) > 0'
+    )
     assert series_names(e) == {"kvserve:x_bucket", "kvserve:y_total", "ray_kvserve_z"}
     with pytest.raises(AssertionError):
         series_names("rat(kvserve:x_total[1m])")
@@ -194,12 +297,24 @@ def test_dashboard_reads_only_exported_series(dashboard, exported, prefix):
         assert not missing, f"{where} reads series kvserve does not export: {sorted(missing)}\n{expr}"
         used |= names
     # the panels the dashboard promises
-    for base in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
-                 "generation_tokens_total", "prompt_tokens_total", "request_success_total",
-                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prefix_cache_hits_total", "prefix_cache_queries_total", "num_preemptions_total",
-                 "requests_rejected_total", "autoscaling_desired_replicas", "api_key_tokens_total"):
+    for base in (
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "request_queue_time_seconds_bucket",
+        "generation_tokens_total",
+        "prompt_tokens_total",
+        "request_success_total",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_hits_total",
+        "prefix_cache_queries_total",
+        "num_preemptions_total",
+        "requests_rejected_total",
+        "autoscaling_desired_replicas",
+        "api_key_tokens_total",
+    ):
         assert prefix + base in used, f"no panel reads {prefix + base}"
 
 
@@ -214,8 +329,13 @@ def test_expressions_parse_with_promtool(dashboard, tmp_path):
     rules = []
     for prefix in PREFIXES:
         for where, expr in all_exprs(dashboard):
-            rules.append({"record": f"dashboard:check_{len(rules)}", "expr": substitute(expr, prefix),
-                          "labels": {"where": f"{prefix} {where}"}})
+            rules.append(
+                {
+                    "record": f"dashboard:check_{len(rules)}",
+                    "expr": substitute(expr, prefix),
+                    "labels": {"where": f"{prefix} {where}"},
+                }
+            )
     path = tmp_path / "rules.yml"
     path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))  # JSON is YAML
     r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False)

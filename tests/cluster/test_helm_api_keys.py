@@ -2,6 +2,7 @@
 reads and the NOTES' command names, given keys or an existing Secret (none generated), a deliberate
 opt-out with a loud warning, and a generated key that survives ``helm upgrade`` (``lookup`` against a
 fake API server)."""
+
 import base64
 import copy
 import json
@@ -19,9 +20,20 @@ GENERATED = "kvserve.io/generated-api-key"
 def install_dry_run(helm, tmp_path):
     """install_dry_run(values) -> ({kind: [documents]}, NOTES) of one `helm install --dry-run=client`
     (the NOTES and the manifest of the same render: a generated key is the same in both)."""
+
     def _install(values: dict | None = None, *flags: str) -> tuple[dict[str, list[dict]], str]:
-        r = _helm(helm, "install", "rel", str(CHART), "--namespace", "serving", "--dry-run=client", *flags,
-                  values=values, tmp_path=tmp_path)
+        r = _helm(
+            helm,
+            "install",
+            "rel",
+            str(CHART),
+            "--namespace",
+            "serving",
+            "--dry-run=client",
+            *flags,
+            values=values,
+            tmp_path=tmp_path,
+        )
         assert r.returncode == 0, r.stderr
         manifest, notes = r.stdout.split("\nMANIFEST:\n", 1)[1].split("\nNOTES:\n", 1)
         docs: dict[str, list[dict]] = {}
@@ -29,6 +41,7 @@ def install_dry_run(helm, tmp_path):
             if d:
                 docs.setdefault(d["kind"], []).append(d)
         return docs, notes
+
     return _install
 
 
@@ -44,14 +57,21 @@ def _key_file_source(rs) -> tuple[str, str] | None:
     sources = set()
     for tpl in _pod_templates(rs):
         vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
-        mounted = [(m, vols[m["name"]]) for m in tpl["spec"]["containers"][0]["volumeMounts"]
-                   if "secret" in vols[m["name"]]]
+        mounted = [
+            (m, vols[m["name"]]) for m in tpl["spec"]["containers"][0]["volumeMounts"] if "secret" in vols[m["name"]]
+        ]
         if path is None:
-            assert all(v["secret"]["secretName"] == rs["spec"]["rayClusterConfig"]["authOptions"]["secretName"]
-                       for _, v in mounted), mounted  # no key file: no API key Secret mounted either
+            assert all(
+                v["secret"]["secretName"] == rs["spec"]["rayClusterConfig"]["authOptions"]["secretName"]
+                for _, v in mounted
+            ), mounted  # no key file: no API key Secret mounted either
             continue
-        (src,) = [(v["secret"]["secretName"], item["key"]) for m, v in mounted for item in v["secret"]["items"]
-                  if f"{m['mountPath']}/{item['path']}" == path]
+        (src,) = [
+            (v["secret"]["secretName"], item["key"])
+            for m, v in mounted
+            for item in v["secret"]["items"]
+            if f"{m['mountPath']}/{item['path']}" == path
+        ]
         sources.add(src)
     if path is None:
         return None
@@ -62,8 +82,9 @@ def _key_file_source(rs) -> tuple[str, str] | None:
 def _notes_read_command(notes: str) -> tuple[str, str, str]:
     """(namespace, Secret, key) of the NOTES' `kubectl get secret ... -o jsonpath=... | base64 -d`
     that reads the API key (the jsonpath's escaped dots unescaped as kubectl does)."""
-    m = re.search(r"kubectl get secret -n (\S+) (\S+) -o jsonpath='\{\.data\.((?:[^}\\]|\\.)+)\}' \| base64 -d\)",
-                  notes)
+    m = re.search(
+        r"kubectl get secret -n (\S+) (\S+) -o jsonpath='\{\.data\.((?:[^}\\]|\\.)+)\}' \| base64 -d\)", notes
+    )
     assert m, notes
     return m.group(1), m.group(2), m.group(3).replace("\\.", ".")
 
@@ -84,7 +105,7 @@ def test_no_keys_generates_a_key_secret_the_app_reads(install_dry_run, monkeypat
     assert AppArgs.model_validate(_app_args(rs, docs, tmp_path)).gateway.api_keys == [key]
     # the NOTES' command reads that very key, and the curl line sends it
     assert _notes_read_command(notes) == ("serving", secret_name, item)
-    assert 'KEY=$(kubectl get secret' in notes and '-H "Authorization: Bearer $KEY"' in notes
+    assert "KEY=$(kubectl get secret" in notes and '-H "Authorization: Bearer $KEY"' in notes
     assert "generated" in notes and "WARNING" not in notes
     # random per install (helm template / a new release): not a key baked into the chart
     docs2, _ = install_dry_run()
@@ -92,11 +113,15 @@ def test_no_keys_generates_a_key_secret_the_app_reads(install_dry_run, monkeypat
     assert secret2["data"][item] != secret["data"][item]
 
 
-@pytest.mark.parametrize("api_keys,secret_name", [
-    ({"keys": ["sk-given-1 name=frontend", "sk-given-2"]}, "rel-kvserve-api-keys"),
-    ({"existingSecret": "my-keys", "secretKey": "keys.txt"}, "my-keys"),
-    ({"keys": ["sk-given-1"], "allowUnauthenticated": True}, "rel-kvserve-api-keys"),  # keys win over the opt-out
-], ids=["keys", "existing-secret", "keys-and-opt-out"])
+@pytest.mark.parametrize(
+    "api_keys,secret_name",
+    [
+        ({"keys": ["sk-given-1 name=frontend", "sk-given-2"]}, "rel-kvserve-api-keys"),
+        ({"existingSecret": "my-keys", "secretKey": "keys.txt"}, "my-keys"),
+        ({"keys": ["sk-given-1"], "allowUnauthenticated": True}, "rel-kvserve-api-keys"),  # keys win over the opt-out
+    ],
+    ids=["keys", "existing-secret", "keys-and-opt-out"],
+)
 def test_given_keys_are_used_and_none_generated(install_dry_run, rayservice_schema, api_keys, secret_name):
     docs, notes = install_dry_run({"apiKeys": api_keys})
     (rs,) = docs["RayService"]
@@ -138,9 +163,12 @@ class _FakeKubeAPI:
     """Just enough of a Kubernetes API server for helm's `lookup` and its resource mapping
     (`helm template --dry-run=server`): discovery for the chart's kinds and GET of stored Secrets."""
 
-    KINDS = {"/api/v1": ("v1", ["Secret", "Service", "ConfigMap"]), "/apis/policy/v1": ("policy/v1", ["PodDisruptionBudget"]),
-             "/apis/networking.k8s.io/v1": ("networking.k8s.io/v1", ["NetworkPolicy"]),
-             "/apis/ray.io/v1": ("ray.io/v1", ["RayService"])}
+    KINDS = {
+        "/api/v1": ("v1", ["Secret", "Service", "ConfigMap"]),
+        "/apis/policy/v1": ("policy/v1", ["PodDisruptionBudget"]),
+        "/apis/networking.k8s.io/v1": ("networking.k8s.io/v1", ["NetworkPolicy"]),
+        "/apis/ray.io/v1": ("ray.io/v1", ["RayService"]),
+    }
 
     def __init__(self):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -169,31 +197,67 @@ class _FakeKubeAPI:
                 if path == "/api":
                     return self._send(200, {"kind": "APIVersions", "versions": ["v1"]})
                 if path == "/apis":
-                    return self._send(200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
-                        {"name": g, "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
-                         "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"}} for g in ("policy", "networking.k8s.io", "ray.io")]})
+                    return self._send(
+                        200,
+                        {
+                            "kind": "APIGroupList",
+                            "apiVersion": "v1",
+                            "groups": [
+                                {
+                                    "name": g,
+                                    "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
+                                    "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"},
+                                }
+                                for g in ("policy", "networking.k8s.io", "ray.io")
+                            ],
+                        },
+                    )
                 if path in api.KINDS:
                     gv, kinds = api.KINDS[path]
-                    return self._send(200, {"kind": "APIResourceList", "groupVersion": gv, "resources": [
-                        {"name": k.lower() + "s", "singularName": k.lower(), "namespaced": True, "kind": k,
-                         "verbs": ["get"]} for k in kinds]})
+                    return self._send(
+                        200,
+                        {
+                            "kind": "APIResourceList",
+                            "groupVersion": gv,
+                            "resources": [
+                                {
+                                    "name": k.lower() + "s",
+                                    "singularName": k.lower(),
+                                    "namespaced": True,
+                                    "kind": k,
+                                    "verbs": ["get"],
+                                }
+                                for k in kinds
+                            ],
+                        },
+                    )
                 api.gets.append(path)
                 parts = path.strip("/").split("/")
                 if parts[:3] == ["api", "v1", "namespaces"] and len(parts) == 6 and parts[4] == "secrets":
                     if (parts[3], parts[5]) in api.secrets:
                         return self._send(200, api.secrets[(parts[3], parts[5])])
-                self._send(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
-                                 "code": 404})
+                self._send(
+                    404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+                )
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def kubeconfig(self, path: Path) -> Path:
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{self.server.server_address[1]}"}}],
-            "users": [{"name": "fake", "user": {"token": "x"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [
+                        {"name": "fake", "cluster": {"server": f"http://127.0.0.1:{self.server.server_address[1]}"}}
+                    ],
+                    "users": [{"name": "fake", "user": {"token": "x"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                }
+            )
+        )
         return path
 
     def store(self, doc: dict, namespace: str = "serving"):
@@ -202,11 +266,13 @@ class _FakeKubeAPI:
         meta = doc["metadata"]
         meta["namespace"] = namespace
         meta.setdefault("labels", {})["app.kubernetes.io/managed-by"] = "Helm"
-        meta.setdefault("annotations", {}).update({"meta.helm.sh/release-name": "rel",
-                                                    "meta.helm.sh/release-namespace": namespace})
+        meta.setdefault("annotations", {}).update(
+            {"meta.helm.sh/release-name": "rel", "meta.helm.sh/release-namespace": namespace}
+        )
         if "stringData" in doc:  # the API server stores stringData as data
-            doc.setdefault("data", {}).update({k: base64.b64encode(v.encode()).decode()
-                                               for k, v in doc.pop("stringData").items()})
+            doc.setdefault("data", {}).update(
+                {k: base64.b64encode(v.encode()).decode() for k, v in doc.pop("stringData").items()}
+            )
         self.secrets[(namespace, meta["name"])] = doc
 
     def close(self):
@@ -223,9 +289,24 @@ def test_generated_key_survives_helm_upgrade(helm, tmp_path, render):
         kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
 
         def generated_key(values=None) -> str:
-            r = _helm(helm, "template", "rel", str(CHART), "--namespace", "serving", "--kube-version", KUBE_VERSION,
-                      "--dry-run=server", "--disable-openapi-validation", "--kubeconfig", str(kubeconfig),
-                      "--show-only", "templates/secret-api-keys.yaml", values=values, tmp_path=tmp_path)
+            r = _helm(
+                helm,
+                "template",
+                "rel",
+                str(CHART),
+                "--namespace",
+                "serving",
+                "--kube-version",
+                KUBE_VERSION,
+                "--dry-run=server",
+                "--disable-openapi-validation",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--show-only",
+                "templates/secret-api-keys.yaml",
+                values=values,
+                tmp_path=tmp_path,
+            )
             assert r.returncode == 0, r.stderr
             (secret,) = [d for d in yaml.safe_load_all(r.stdout) if d]
             assert secret["metadata"]["annotations"][GENERATED] == "true"
@@ -239,8 +320,11 @@ def test_generated_key_survives_helm_upgrade(helm, tmp_path, render):
         stored = base64.b64decode(installed["data"]["api-keys.txt"]).decode()
         assert generated_key() == stored and generated_key() == stored  # upgrade: the same key, every time
         # the Secret made from apiKeys.keys, then the keys taken out of the values: a new key, not the old file
-        (from_keys,) = [s for s in render({"apiKeys": {"keys": ["sk-old name=x"]}})["Secret"]
-                        if s["metadata"]["name"] == "rel-kvserve-api-keys"]
+        (from_keys,) = [
+            s
+            for s in render({"apiKeys": {"keys": ["sk-old name=x"]}})["Secret"]
+            if s["metadata"]["name"] == "rel-kvserve-api-keys"
+        ]
         api.store(from_keys)
         key = generated_key()
         assert "sk-old" not in key and re.fullmatch(r"sk-[A-Za-z0-9]{48}", key), key

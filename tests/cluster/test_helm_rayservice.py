@@ -1,6 +1,7 @@
 """The Helm chart's RayService against KubeRay v1.7.0's CRD ``openAPIV3Schema`` (tests/data/kuberay/), with
 unknown or misplaced fields rejected, and the Ray cluster it describes: token auth, the autoscaler,
 the head and the GPU worker groups, the image."""
+
 import base64
 import copy
 import json

@@ -1,5 +1,6 @@
 """The Helm chart (helm/kvserve) through ``helm lint --strict`` and ``helm template``: lint passes for the
 default, full and open-API values, and the kinds rendered with and without the optional parts."""
+
 from helm_chart import CHART, FULL, SERVICE_MONITOR_API, VARIANTS, _helm
 
 
@@ -18,9 +19,15 @@ def test_rendered_kinds(render):
     # with Prometheus Operator's API in the cluster, the ServiceMonitor too
     with_monitor = render(None, "--api-versions", SERVICE_MONITOR_API)
     assert len(with_monitor["ServiceMonitor"]) == 1
-    off = render({"grafanaDashboard": {"enabled": False},
-                  "podDisruptionBudget": {"enabled": False}, "metrics": {"networkPolicy": {"enabled": False},
-                  "serviceMonitor": {"enabled": False}}}, "--api-versions", SERVICE_MONITOR_API)
+    off = render(
+        {
+            "grafanaDashboard": {"enabled": False},
+            "podDisruptionBudget": {"enabled": False},
+            "metrics": {"networkPolicy": {"enabled": False}, "serviceMonitor": {"enabled": False}},
+        },
+        "--api-versions",
+        SERVICE_MONITOR_API,
+    )
     assert sorted(off) == ["RayService", "Secret", "Service"]
     full = render(FULL)
     assert sorted(s["metadata"]["name"] for s in full["Secret"]) == ["rel-kvserve-api-keys", "rel-kvserve-ray-token"]

@@ -5,6 +5,7 @@ the app reads them there; plain ones under app.args are refused; every Ray pod r
 writable /tmp); the unauthenticated metrics port is reachable only from the release's pods and the
 configured scrapers (a NetworkPolicy), every other port as before. Rendered by a real helm binary,
 checked with kubernetes-validate and KubeRay's CRD."""
+
 import pytest
 import yaml
 from helm_chart import KUBE_VERSION, _container, _groups, _serve_config, _validate_crd
@@ -41,8 +42,11 @@ def test_admin_keys_and_redis_url_come_from_secrets_and_the_app_reads_them(rende
     for group in _pods(rs):
         env = {e["name"]: e for e in _container(group)["env"]}
         assert env["KVSERVE_ADMIN_API_KEYS"]["valueFrom"] == {
-            "secretKeyRef": {"name": "rel-kvserve-admin-keys", "key": "admin-api-keys"}}
-        assert env["KVSERVE_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "rel-kvserve-redis", "key": "redis-url"}}
+            "secretKeyRef": {"name": "rel-kvserve-admin-keys", "key": "admin-api-keys"}
+        }
+        assert env["KVSERVE_REDIS_URL"]["valueFrom"] == {
+            "secretKeyRef": {"name": "rel-kvserve-redis", "key": "redis-url"}
+        }
     # the application, built with the pods' environment, has both
     from kvserve.deployments.args import AppArgs
 
@@ -52,8 +56,9 @@ def test_admin_keys_and_redis_url_come_from_secrets_and_the_app_reads_them(rende
     args = AppArgs.model_validate({k: v for k, v in app["args"].items() if k != "api_keys_file"})
     assert args.gateway.admin_api_keys == [ADMIN, "sk-admin-secret-2"] and args.limits.redis_url == REDIS
     # existing Secrets: referenced, none made
-    docs = render({"adminApiKeys": {"existingSecret": "ops-admin", "secretKey": "k"},
-                   "redis": {"existingSecret": "ops-redis"}})
+    docs = render(
+        {"adminApiKeys": {"existingSecret": "ops-admin", "secretKey": "k"}, "redis": {"existingSecret": "ops-redis"}}
+    )
     assert not {"rel-kvserve-admin-keys", "rel-kvserve-redis"} & {s["metadata"]["name"] for s in docs["Secret"]}
     env = {e["name"]: e for e in _container(_groups(docs["RayService"][0])[0])["env"]}
     assert env["KVSERVE_ADMIN_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "ops-admin", "key": "k"}
@@ -78,7 +83,11 @@ def test_every_ray_pod_runs_restricted(render, rayservice_schema):
         pod = spec["securityContext"]
         assert pod["runAsNonRoot"] is True and pod["seccompProfile"] == {"type": "RuntimeDefault"}
         c = _container(group)["securityContext"]
-        assert c == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+        assert c == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
         (tmp,) = [m for m in _container(group)["volumeMounts"] if m["mountPath"] == "/tmp"]
         assert "emptyDir" in next(v for v in spec["volumes"] if v["name"] == tmp["name"])
 
@@ -88,8 +97,10 @@ def test_the_metrics_port_is_reachable_only_from_the_release_and_the_scrapers(re
     (np,) = docs["NetworkPolicy"]
     _kv(np)
     (rs,) = docs["RayService"]
-    assert all(np["spec"]["podSelector"]["matchLabels"].items() <= g["template"]["metadata"]["labels"].items()
-               for g in _pods(rs))
+    assert all(
+        np["spec"]["podSelector"]["matchLabels"].items() <= g["template"]["metadata"]["labels"].items()
+        for g in _pods(rs)
+    )
     assert np["spec"]["policyTypes"] == ["Ingress"]
     anyone, scrapers = np["spec"]["ingress"]
     assert "from" not in anyone  # every port but the metrics one: open as before

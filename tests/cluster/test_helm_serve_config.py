@@ -1,6 +1,7 @@
 """The Helm chart's ``serveConfigV2`` through Ray's ``ServeDeploySchema`` and kvserve's ``AppArgs`` (which
 forbids unknown keys), room for every model's replica in a worker group, and app args that reach the
 app without a chart change."""
+
 import re
 
 import pytest
@@ -50,7 +51,8 @@ def test_serve_config_v2_parses_with_serve_and_app_args(render, tmp_path, varian
         assert m.device == "cuda"  # modelDefaults: a GPU per rank
         opts = llm_deployment_options(m, "x")
         bundles = opts.get("placement_group_bundles") or [
-            {"CPU": opts["ray_actor_options"]["num_cpus"], "GPU": opts["ray_actor_options"]["num_gpus"]}]
+            {"CPU": opts["ray_actor_options"]["num_cpus"], "GPU": opts["ray_actor_options"]["num_gpus"]}
+        ]
         need_gpu = sum(b.get("GPU", 0) for b in bundles)
         need_cpu = sum(b.get("CPU", 0) for b in bundles)
         assert any(gpus >= need_gpu and (cpus is None or cpus >= need_cpu) for gpus, cpus in capacities), (m, bundles)
@@ -79,14 +81,25 @@ def test_cost_values_price_each_model_replica(render, tmp_path, monkeypatch):
     monkeypatch.delenv("KVSERVE_API_KEYS", raising=False)
     from kvserve.deployments.app import AppArgs
 
-    values = {"cost": {"perGpuHour": 2.5, "perCpuHour": 0.04},
-              "models": [{"model": "m-gpu", "tensor_parallel_size": 2},
-                         {"model": "m-own", "cost_per_replica_hour": 9.0},
-                         {"model": "m-cpu", "device": "cpu", "replica_cpus": 4},
-                         {"model": "m-cpu-tp", "device": "cpu", "tensor_parallel_size": 2, "replica_cpus": 1,
-                          "worker_cpus": 3}],
-              "workerGroups": [{"name": "gpu", "gpus": 2, "replicas": 1, "minReplicas": 0, "maxReplicas": 2,
-                                "resources": {"limits": {"cpu": "16", "memory": "32Gi"}}}]}
+    values = {
+        "cost": {"perGpuHour": 2.5, "perCpuHour": 0.04},
+        "models": [
+            {"model": "m-gpu", "tensor_parallel_size": 2},
+            {"model": "m-own", "cost_per_replica_hour": 9.0},
+            {"model": "m-cpu", "device": "cpu", "replica_cpus": 4},
+            {"model": "m-cpu-tp", "device": "cpu", "tensor_parallel_size": 2, "replica_cpus": 1, "worker_cpus": 3},
+        ],
+        "workerGroups": [
+            {
+                "name": "gpu",
+                "gpus": 2,
+                "replicas": 1,
+                "minReplicas": 0,
+                "maxReplicas": 2,
+                "resources": {"limits": {"cpu": "16", "memory": "32Gi"}},
+            }
+        ],
+    }
     docs = render(values)
     (rs,) = docs["RayService"]
     args = AppArgs.model_validate(_app_args(rs, docs, tmp_path))

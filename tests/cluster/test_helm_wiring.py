@@ -2,6 +2,7 @@
 ``kubernetes-validate`` in strict mode, and how the pieces point at each other: the OpenAI Service,
 ServiceMonitor -> metrics Service -> every Ray pod, the PodDisruptionBudget, the Grafana dashboard,
 no API key in the RayService, and every Ray pod's environment as ``kvserve serve`` starts its Ray."""
+
 import copy
 import json
 

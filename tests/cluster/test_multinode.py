@@ -13,6 +13,7 @@ Then, on the same cluster (its tests remove nodes, so they come last), nodes are
 * the node of one tensor-parallel rank dies mid-generation: the step fails instead of hanging.
 
 Each Serve test stops Serve when it ends: the next one starts it with other options."""
+
 import asyncio
 import time
 
@@ -62,17 +63,48 @@ def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_pa
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # float32: replicas, TP ranks and pipeline stages are compared with one process token for token
-    common = {"model": str(tiny_llama_path), "dtype": "float32", "max_num_seqs": 4, "max_model_len": 256, "torch_num_threads": 1}
-    app = build_app({"models": [
-        {**common, "served_model_name": "tiny-spread", "num_replicas": 2, "max_replicas_per_node": 1,
-         "replica_cpus": 1},
-        {**common, "served_model_name": "tiny-tp", "num_replicas": 1, "tensor_parallel_size": 2,
-         "placement_group_strategy": "STRICT_SPREAD", "replica_cpus": 0.5, "worker_cpus": 0.5,
-         "collective_timeout_s": 60},
-        {**common, "served_model_name": "tiny-pp", "num_replicas": 1, "pipeline_parallel_size": 2,
-         "placement_group_strategy": "STRICT_SPREAD", "replica_cpus": 0.5, "worker_cpus": 0.5,
-         "collective_timeout_s": 60},
-    ], "ingress_cpus": 0.25, "admin_api_keys": [ADMIN]})
+    common = {
+        "model": str(tiny_llama_path),
+        "dtype": "float32",
+        "max_num_seqs": 4,
+        "max_model_len": 256,
+        "torch_num_threads": 1,
+    }
+    app = build_app(
+        {
+            "models": [
+                {
+                    **common,
+                    "served_model_name": "tiny-spread",
+                    "num_replicas": 2,
+                    "max_replicas_per_node": 1,
+                    "replica_cpus": 1,
+                },
+                {
+                    **common,
+                    "served_model_name": "tiny-tp",
+                    "num_replicas": 1,
+                    "tensor_parallel_size": 2,
+                    "placement_group_strategy": "STRICT_SPREAD",
+                    "replica_cpus": 0.5,
+                    "worker_cpus": 0.5,
+                    "collective_timeout_s": 60,
+                },
+                {
+                    **common,
+                    "served_model_name": "tiny-pp",
+                    "num_replicas": 1,
+                    "pipeline_parallel_size": 2,
+                    "placement_group_strategy": "STRICT_SPREAD",
+                    "replica_cpus": 0.5,
+                    "worker_cpus": 0.5,
+                    "collective_timeout_s": 60,
+                },
+            ],
+            "ingress_cpus": 0.25,
+            "admin_api_keys": [ADMIN],
+        }
+    )
     serve.run(app, name="multinode", route_prefix="/")
     try:
         details = _get_global_client().get_serve_details()
@@ -94,13 +126,25 @@ def test_serve_spreads_replicas_and_tp_ranks_over_nodes(multinode, tiny_llama_pa
             assert cards["tiny-pp"]["pipeline_parallel_size"] == 2 and cards["tiny-tp"]["tensor_parallel_size"] == 2
             for model in ("tiny-spread", "tiny-tp", "tiny-pp"):
                 for prompt, want in zip(PROMPTS, ref):
-                    r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
-                                                        "temperature": 0, "ignore_eos": True, "cache": False})
+                    r = c.post(
+                        "/v1/completions",
+                        json={
+                            "model": model,
+                            "prompt": prompt,
+                            "max_tokens": 12,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "cache": False,
+                        },
+                    )
                     assert r.status_code == 200, r.text
                     assert r.json()["choices"][0]["text"] == want, model
             metrics = c.get("/metrics").text
-        nodes = {line.split('node_id="')[1].split('"')[0] for line in metrics.splitlines()
-                 if line.startswith("kvserve:replica_info") and 'model_name="tiny-spread"' in line}
+        nodes = {
+            line.split('node_id="')[1].split('"')[0]
+            for line in metrics.splitlines()
+            if line.startswith("kvserve:replica_info") and 'model_name="tiny-spread"' in line
+        }
         assert nodes == set(spread)
     finally:
         serve.delete("multinode")
@@ -116,12 +160,25 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny", "num_replicas": 2,
-                     "max_replicas_per_node": 1, "replica_cpus": 1, "max_num_seqs": 16, "max_model_len": 2048,
-                     "torch_num_threads": 1, "ingress_cpus": 0.25, "ingress_resources": {"head": 0.01},
-                     "graceful_shutdown_timeout_s": 5, "stream_interval": 8})  # 8 tokens a chunk: less CPU
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny",
+            "num_replicas": 2,
+            "max_replicas_per_node": 1,
+            "replica_cpus": 1,
+            "max_num_seqs": 16,
+            "max_model_len": 2048,
+            "torch_num_threads": 1,
+            "ingress_cpus": 0.25,
+            "ingress_resources": {"head": 0.01},
+            "graceful_shutdown_timeout_s": 5,
+            "stream_interval": 8,
+        }
+    )  # 8 tokens a chunk: less CPU
     serve.run(app, name="failover", route_prefix="/")
     try:
+
         def replicas():
             deps = _get_global_client().get_serve_details()["applications"]["failover"]["deployments"]
             return deps["LLMServer"]["replicas"]
@@ -133,9 +190,23 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
         async def main():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
                 started = asyncio.Semaphore(0)
-                streams = [asyncio.create_task(stream_completion(c, {
-                    "model": "tiny", "prompt": f"story {k}:", "max_tokens": 600, "temperature": 0,
-                    "ignore_eos": True, "cache": False}, started)) for k in range(12)]
+                streams = [
+                    asyncio.create_task(
+                        stream_completion(
+                            c,
+                            {
+                                "model": "tiny",
+                                "prompt": f"story {k}:",
+                                "max_tokens": 600,
+                                "temperature": 0,
+                                "ignore_eos": True,
+                                "cache": False,
+                            },
+                            started,
+                        )
+                    )
+                    for k in range(12)
+                ]
                 for _ in streams:  # every stream has its first tokens (600 to go: they run for a while)
                     await asyncio.wait_for(started.acquire(), 120)
                 t_kill = time.monotonic()
@@ -143,13 +214,16 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
                 ended = await asyncio.wait_for(asyncio.gather(*streams), 120)  # never a hang
                 after = []
                 for k in range(6):  # sent right after the loss: the surviving replica serves them
-                    r = await c.post("/v1/completions", json={"model": "tiny", "prompt": f"after {k}",
-                                                              "max_tokens": 4, "cache": False})
+                    r = await c.post(
+                        "/v1/completions",
+                        json={"model": "tiny", "prompt": f"after {k}", "max_tokens": 4, "cache": False},
+                    )
                     after.append(r.status_code)
                 ready_s = None
                 while time.monotonic() - t_kill < 120:
                     if (await c.get("/ready")).status_code == 200 and len(
-                            {r["node_id"] for r in replicas() if r["state"] == "RUNNING"} - {victim_id}) == 2:
+                        {r["node_id"] for r in replicas() if r["state"] == "RUNNING"} - {victim_id}
+                    ) == 2:
                         ready_s = time.monotonic() - t_kill
                         break
                     await asyncio.sleep(1.0)
@@ -166,8 +240,10 @@ def test_streams_on_a_killed_node_end_cleanly_and_the_model_recovers(multinode, 
     assert all(s["error"] is None for s in ended if s not in cut) and len(cut) < len(ended)
     assert after == [200] * 6, after
     assert ready_s is not None, "the lost replica was not rebuilt on a remaining node within 120 s"
-    print(f"\nrecovery: {len(cut)} of {len(ended)} streams cut; replica rebuilt and /ready 200 {ready_s:.1f} s "
-          "after the node died")
+    print(
+        f"\nrecovery: {len(cut)} of {len(ended)} streams cut; replica rebuilt and /ready 200 {ready_s:.1f} s "
+        "after the node died"
+    )
 
 
 def test_a_tp_rank_lost_with_its_node_fails_the_step_instead_of_hanging(multinode, tiny_llama_path):

@@ -1,5 +1,6 @@
 """Fixtures of the in-process serving tests: ``local_app``, kvserve's HTTP API over real models in
 this process (tests/local_app.py), shared by the files that drive it with real clients."""
+
 import pytest
 from local_app import LocalApp
 
@@ -15,13 +16,30 @@ def local_app(smollm2_path, tiny_llama_path):
     response cache; at ``/auth`` the tiny model behind an API key (the encoder is the live app's
     only: tests/e2e/test_embeddings_tokenize_live.py). Yields the URLs (``root``, ``base_url``,
     ``auth_base_url``), the model's name (``model``), the key and SmolLM2's replica handle (``llm``)."""
-    tiny = {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
-            "torch_num_threads": 1}
-    app = LocalApp({
-        "/": {"models": [{"model": None, "dtype": "float32", "max_num_seqs": 32, "max_model_len": 1024,
-                          "torch_num_threads": 1}, tiny]},
-        "/auth": {"models": [tiny], "api_keys": [API_KEY]},
-    }).start()
+    tiny = {
+        "model": str(tiny_llama_path),
+        "served_model_name": "tiny",
+        "max_num_seqs": 8,
+        "max_model_len": 256,
+        "torch_num_threads": 1,
+    }
+    app = LocalApp(
+        {
+            "/": {
+                "models": [
+                    {
+                        "model": None,
+                        "dtype": "float32",
+                        "max_num_seqs": 32,
+                        "max_model_len": 1024,
+                        "torch_num_threads": 1,
+                    },
+                    tiny,
+                ]
+            },
+            "/auth": {"models": [tiny], "api_keys": [API_KEY]},
+        }
+    ).start()
     try:
         yield app.namespace(model=SMOLLM2, api_key=API_KEY, llm=app.handles[SMOLLM2])
     finally:

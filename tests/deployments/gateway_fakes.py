@@ -6,6 +6,7 @@ failure after the first chunk); :class:`ScriptedReplica` answers given pieces an
 embed / tokenize calls. :func:`make_gateway` builds a gateway over one as ``build_app`` does;
 :func:`_client` (httpx) and :func:`_sdk` (the openai SDK) drive its app through httpx's ASGI
 transport."""
+
 import asyncio
 import json
 
@@ -15,8 +16,14 @@ import openai
 from kvserve.deployments.app import gateway_options
 from kvserve.deployments.args import AppArgs
 from kvserve.deployments.contract.facts import ModelCard
-from kvserve.deployments.contract.types import (EmbedResult, GenerateRequest, GenerationChunk, GenerationError, ServerInfo,
-                                        TokenizeResult)
+from kvserve.deployments.contract.types import (
+    EmbedResult,
+    GenerateRequest,
+    GenerationChunk,
+    GenerationError,
+    ServerInfo,
+    TokenizeResult,
+)
 from kvserve.deployments.gateway.api import build_api
 from kvserve.deployments.gateway.core import Gateway
 
@@ -78,23 +85,38 @@ class FakeReplica:
             yield GenerationChunk.failed(GenerationError("queue_full", "the model is at capacity", 3.0))
             return
         for i in range(request.n):
-            yield GenerationChunk(text="hello", token_ids=[1], num_prompt_tokens=4, num_output_tokens=1, index=i,
-                                  prompt_text=text if request.echo else None)
+            yield GenerationChunk(
+                text="hello",
+                token_ids=[1],
+                num_prompt_tokens=4,
+                num_output_tokens=1,
+                index=i,
+                prompt_text=text if request.echo else None,
+            )
             await asyncio.sleep(0)
             if text == "BOOM":
                 raise RuntimeError(SECRET)
-            yield GenerationChunk(text=" world", token_ids=[2], finished=True, finish_reason="length",
-                                  num_prompt_tokens=4, num_output_tokens=2, index=i)
+            yield GenerationChunk(
+                text=" world",
+                token_ids=[2],
+                finished=True,
+                finish_reason="length",
+                num_prompt_tokens=4,
+                num_output_tokens=2,
+                index=i,
+            )
 
 
-def make_gateway(replica, cards: list[ModelCard] | None = None, facts=None, model: dict | None = None,
-                 **settings) -> Gateway:
+def make_gateway(
+    replica, cards: list[ModelCard] | None = None, facts=None, model: dict | None = None, **settings
+) -> Gateway:
     """A gateway over ``replica`` served as ``fake``, built as ``build_app`` builds it: the
     model's card from its configuration (``max_model_len`` 128, given at build time, and the
     settings in ``model``) and the sections from ``settings`` (the Serve config's flat names:
     ``api_keys``, ``response_cache``, ...)."""
-    args = AppArgs.model_validate({"models": [{"served_model_name": "fake", "max_model_len": 128, **(model or {})}],
-                                   **settings})
+    args = AppArgs.model_validate(
+        {"models": [{"served_model_name": "fake", "max_model_len": 128, **(model or {})}], **settings}
+    )
     opts = gateway_options(args)
     if cards is not None:
         opts["cards"] = cards
@@ -128,8 +150,9 @@ class ScriptedReplica:
         return self
 
     async def _info(self):
-        return ServerInfo(name="fake", max_model_len=128, max_in_flight_requests=8, revision="r1",
-                          tool_call_parser="hermes")
+        return ServerInfo(
+            name="fake", max_model_len=128, max_in_flight_requests=8, revision="r1", tool_call_parser="hermes"
+        )
 
     def _stream(self, request):
         self.requests.append(request)
@@ -138,9 +161,15 @@ class ScriptedReplica:
     async def _chunks(self):
         for i, p in enumerate(self.pieces):
             last = i == len(self.pieces) - 1
-            yield GenerationChunk(text=p, token_ids=[i], num_prompt_tokens=7, num_output_tokens=i + 1,
-                                  finished=last, finish_reason=self.finish if last else None,
-                                  prompt_reasoning=self.prompt_reasoning if i == 0 else "")
+            yield GenerationChunk(
+                text=p,
+                token_ids=[i],
+                num_prompt_tokens=7,
+                num_output_tokens=i + 1,
+                finished=last,
+                finish_reason=self.finish if last else None,
+                prompt_reasoning=self.prompt_reasoning if i == 0 else "",
+            )
             await asyncio.sleep(0)
 
     async def _embed(self, inputs, dimensions=None, lora_name=None, priority=0, request_id=None):
@@ -154,8 +183,12 @@ class ScriptedReplica:
             return TokenizeResult(error=GenerationError("invalid_value", "cannot tokenize"))
         text = prompt if prompt is not None else "".join(m["content"] for m in messages)
         ids = [ord(c) for c in text]
-        return TokenizeResult(tokens=ids, count=len(ids), max_model_len=128,
-                              token_strs=list(text) if kw.get("return_token_strs") else None)
+        return TokenizeResult(
+            tokens=ids,
+            count=len(ids),
+            max_model_len=128,
+            token_strs=list(text) if kw.get("return_token_strs") else None,
+        )
 
     async def _detokenize(self, tokens):
         return TokenizeResult(tokens=tokens, count=len(tokens), prompt="".join(chr(t) for t in tokens))

@@ -1,6 +1,7 @@
 """A replica's bounded admission and per-request timeout, in-process (``LLMServer``'s class
 without Serve) on a tiny random-weight model: what is admitted, what is refused (with a
 ``Retry-After`` estimate), and that every request leaves the engine with its KV blocks."""
+
 import asyncio
 
 import pytest
@@ -20,9 +21,16 @@ def tiny(tmp_path_factory):
 
 
 def _server(tiny, **kw):
-    model = ModelArgs(model=str(tiny), served_model_name="tiny", torch_num_threads=1,
-                      max_num_seqs=kw.pop("max_num_seqs", 2), max_model_len=kw.pop("max_model_len", 256),
-                      num_kv_blocks=kw.pop("num_kv_blocks", 64), block_size=16, **kw)
+    model = ModelArgs(
+        model=str(tiny),
+        served_model_name="tiny",
+        torch_num_threads=1,
+        max_num_seqs=kw.pop("max_num_seqs", 2),
+        max_model_len=kw.pop("max_model_len", 256),
+        num_kv_blocks=kw.pop("num_kv_blocks", 64),
+        block_size=16,
+        **kw,
+    )
     return LLMServer.func_or_class(model)
 
 
@@ -44,8 +52,9 @@ def test_full_replica_refuses_at_once_and_admits_the_rest(tiny):
 
     async def main():
         try:
-            return await asyncio.gather(*(_run(server, [1, 2, 3, 4 + i], {"max_tokens": 40, "ignore_eos": True})
-                                          for i in range(10)))
+            return await asyncio.gather(
+                *(_run(server, [1, 2, 3, 4 + i], {"max_tokens": 40, "ignore_eos": True}) for i in range(10))
+            )
         finally:
             await server.engine.shutdown()
 
@@ -152,6 +161,7 @@ def test_replica_streams_every_interval_tokens_and_loses_none(tiny, interval, ex
                 return await _run(reference, [5, 6, 7], params)
             finally:
                 await reference.engine.shutdown()
+
         assert sum((c.token_ids for c in asyncio.run(ref())), []) == ids
     _assert_drained(server)
 
@@ -196,8 +206,9 @@ def test_the_replica_publishes_what_it_learned_at_load(tiny, monkeypatch):
             published.append((model, facts))
 
     monkeypatch.setattr(FactsBoard, "of_this_app", classmethod(lambda cls: Board()))
-    model = ModelArgs(model=str(tiny), served_model_name="tiny", torch_num_threads=1, max_num_seqs=2,
-                      num_kv_blocks=8, block_size=16)
+    model = ModelArgs(
+        model=str(tiny), served_model_name="tiny", torch_num_threads=1, max_num_seqs=2, num_kv_blocks=8, block_size=16
+    )
     server = LLMServer.func_or_class(model)
 
     async def touch_and_check():
@@ -216,8 +227,13 @@ def test_the_replica_publishes_what_it_learned_at_load(tiny, monkeypatch):
     assert first.digest == second.digest == ModelCard.of(model).digest
     # the dtype the engine runs: what "auto" became on this CPU, never "auto"
     assert first.dtype == server.engine.engine.config.dtype and first.dtype in ("float32", "bfloat16")
-    assert second == LoadedFacts(first.max_model_len, llm_server.model_revision(tiny), first.digest, first.dtype,
-                                 tool_call_parser="hermes",  # auto: the tiny model's template knows no tools
-                                 max_token_bytes=server.engine.input_processor.max_token_bytes)
+    assert second == LoadedFacts(
+        first.max_model_len,
+        llm_server.model_revision(tiny),
+        first.digest,
+        first.dtype,
+        tool_call_parser="hermes",  # auto: the tiny model's template knows no tools
+        max_token_bytes=server.engine.input_processor.max_token_bytes,
+    )
     assert first.max_token_bytes is not None and first.max_prompt_bytes() == first.max_model_len * first.max_token_bytes
     assert second.revision != first.revision

@@ -85,8 +85,14 @@ def _gate_app(**settings):
 
     from kvserve.deployments.gateway.api import build_api
 
-    return build_api(make_gateway(FakeReplica(), api_keys=["sk-tenant-a name=a", "sk-tenant-b name=b"],
-                                  auth_failures_per_minute=20, **settings))
+    return build_api(
+        make_gateway(
+            FakeReplica(),
+            api_keys=["sk-tenant-a name=a", "sk-tenant-b name=b"],
+            auth_failures_per_minute=20,
+            **settings,
+        )
+    )
 
 
 def _codes(app, calls):
@@ -118,8 +124,15 @@ def test_wrong_keys_behind_a_shared_address_never_lock_out_valid_keys():
     lb = "10.0.0.1"
     wrong = _codes(app, [(lb, f"sk-wrong-{i}", None) for i in range(25)])
     assert wrong == [401] * 20 + [429] * 5
-    after = _codes(app, [(lb, "sk-tenant-a", None), (lb, "sk-tenant-b", None), (lb, "sk-wrong-x", None),
-                         ("10.0.0.2", "sk-tenant-a", None)])
+    after = _codes(
+        app,
+        [
+            (lb, "sk-tenant-a", None),
+            (lb, "sk-tenant-b", None),
+            (lb, "sk-wrong-x", None),
+            ("10.0.0.2", "sk-tenant-a", None),
+        ],
+    )
     assert after == [200, 200, 401, 200]
 
 

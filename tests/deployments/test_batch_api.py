@@ -3,6 +3,7 @@ the openai SDK's ``files`` and ``batches``: over a scripted replica (the gateway
 objects, statuses, output and error files, ownership, limits, cancel; each batch request marked
 as batch work at the lowest priority), and over real engines in this process (tests/local_app.py)
 beside live traffic; and ``kvserve run-batch`` offline."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,12 @@ KEYS = ["sk-a name=alice", "sk-b name=bob"]
 
 
 def _line(i, url="/v1/chat/completions", **body):
-    return {"custom_id": f"req-{i}", "method": "POST", "url": url,
-            "body": {"model": "fake", "messages": [{"role": "user", "content": f"question {i}"}], **body}}
+    return {
+        "custom_id": f"req-{i}",
+        "method": "POST",
+        "url": url,
+        "body": {"model": "fake", "messages": [{"role": "user", "content": f"question {i}"}], **body},
+    }
 
 
 def test_batch_runs_every_request_in_order_with_output_and_error_files():
@@ -38,8 +43,9 @@ def test_batch_runs_every_request_in_order_with_output_and_error_files():
         lines = [_line(i) for i in range(6)] + [_line(6, messages=[])]  # the last one is a 400
         f = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
         assert (f.purpose, f.bytes, f.filename, f.status) == ("batch", len(jsonl(lines)), "in.jsonl", "processed")
-        b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
-                                        metadata={"job": "nightly"})
+        b = await client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "nightly"}
+        )
         assert b.status == "validating" and b.metadata == {"job": "nightly"}
         b = await wait_batch(client, b.id)
         assert b.status == "completed" and b.request_counts.model_dump() == {"total": 7, "completed": 6, "failed": 1}
@@ -53,8 +59,9 @@ def test_batch_runs_every_request_in_order_with_output_and_error_files():
         assert [(x["custom_id"], x["response"]["status_code"]) for x in err] == [("req-6", 400)]
         assert err[0]["response"]["body"]["error"]["param"] == "messages"
         # each request ran as batch work (not warming's sheddable work), after every live request
-        assert len(replica.requests) == 6 and all(r.batch and not r.sheddable and r.priority == WARM_PRIORITY
-                                                  for r in replica.requests)
+        assert len(replica.requests) == 6 and all(
+            r.batch and not r.sheddable and r.priority == WARM_PRIORITY for r in replica.requests
+        )
         assert (await client.files.retrieve(b.output_file_id)).purpose == "batch_output"
         page = await client.batches.list(limit=5)
         assert [x.id for x in page.data] == [b.id]
@@ -70,11 +77,20 @@ def test_files_and_batches_belong_to_their_key():
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
         bob = openai.AsyncOpenAI(api_key="sk-b", base_url="http://gw/v1", http_client=http, max_retries=0)
         f = await alice.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
-        b = await wait_batch(alice, (await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                                           completion_window="24h")).id)
-        for call in (bob.files.retrieve(f.id), bob.files.content(f.id), bob.files.delete(f.id),
-                     bob.batches.retrieve(b.id), bob.batches.cancel(b.id),
-                     bob.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")):
+        b = await wait_batch(
+            alice,
+            (
+                await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            ).id,
+        )
+        for call in (
+            bob.files.retrieve(f.id),
+            bob.files.content(f.id),
+            bob.files.delete(f.id),
+            bob.batches.retrieve(b.id),
+            bob.batches.cancel(b.id),
+            bob.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"),
+        ):
             with pytest.raises(openai.NotFoundError):
                 await call
         assert (await bob.files.list()).data == [] and (await bob.batches.list()).data == []
@@ -96,16 +112,31 @@ def test_bad_input_is_refused_or_fails_the_batch_with_its_lines():
         with pytest.raises(openai.APIStatusError) as e:
             await client.files.create(file=("big.jsonl", b"x" * 3000), purpose="batch")
         assert e.value.status_code == 413
-        bad = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\nnot json\n' \
-              b'{"custom_id": "a", "method": "GET", "url": "/v1/images", "body": {}}\n'
+        bad = (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\nnot json\n'
+            b'{"custom_id": "a", "method": "GET", "url": "/v1/images", "body": {}}\n'
+        )
         f = await client.files.create(file=("bad.jsonl", bad), purpose="batch")
-        b = await wait_batch(client, (await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                                             completion_window="24h")).id)
+        b = await wait_batch(
+            client,
+            (
+                await client.batches.create(
+                    input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+            ).id,
+        )
         assert b.status == "failed" and b.output_file_id is None
         assert [(e.line, e.code) for e in b.errors.data] == [
-            (2, "invalid_json_line"), (3, "duplicate_custom_id"), (3, "invalid_method"), (3, "invalid_url")]
-        for kw, status in ((dict(endpoint="/v1/images"), 400), (dict(completion_window="48h"), 400),
-                           (dict(input_file_id="file-nope"), 404)):
+            (2, "invalid_json_line"),
+            (3, "duplicate_custom_id"),
+            (3, "invalid_method"),
+            (3, "invalid_url"),
+        ]
+        for kw, status in (
+            (dict(endpoint="/v1/images"), 400),
+            (dict(completion_window="48h"), 400),
+            (dict(input_file_id="file-nope"), 404),
+        ):
             args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **kw}
             with pytest.raises(openai.APIStatusError) as e:
                 await client.batches.create(**args)
@@ -142,8 +173,14 @@ def test_cancel_keeps_the_results_so_far():
         assert len(err) == failed and all(x["error"]["code"] == "batch_cancelled" for x in err)
         with pytest.raises(openai.ConflictError):
             f2 = await client.files.create(file=("one.jsonl", jsonl([_line(0)])), purpose="batch")
-            b2 = await wait_batch(client, (await client.batches.create(
-                input_file_id=f2.id, endpoint="/v1/chat/completions", completion_window="24h")).id)
+            b2 = await wait_batch(
+                client,
+                (
+                    await client.batches.create(
+                        input_file_id=f2.id, endpoint="/v1/chat/completions", completion_window="24h"
+                    )
+                ).id,
+            )
             await client.batches.cancel(b2.id)  # completed: nothing to cancel
 
     asyncio.run(run())
@@ -179,8 +216,17 @@ def test_batch_work_waits_for_local_capacity_and_never_goes_upstream():
 
     async def forward(path, body, model, request_id):
         forwarded.append(body["messages"][0]["content"])
-        return JSONResponse({"id": "up", "object": "chat.completion", "created": 0, "model": "up", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "upstream"}, "finish_reason": "stop"}]})
+        return JSONResponse(
+            {
+                "id": "up",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "up",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "upstream"}, "finish_reason": "stop"}
+                ],
+            }
+        )
 
     gw.upstream.forward = forward
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw/v1")
@@ -189,8 +235,14 @@ def test_batch_work_waits_for_local_capacity_and_never_goes_upstream():
     async def run():
         live = await client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "live"}])
         f = await client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
-        b = await wait_batch(client, (await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                                                  completion_window="24h")).id)
+        b = await wait_batch(
+            client,
+            (
+                await client.batches.create(
+                    input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+            ).id,
+        )
         return live, b, (await client.files.content(b.output_file_id)).text
 
     live, b, out = asyncio.run(run())
@@ -205,9 +257,24 @@ def test_batch_work_waits_for_local_capacity_and_never_goes_upstream():
 def batch_app(tiny_llama_path):
     from local_app import LocalApp
 
-    app = LocalApp({"/": {"models": [{"model": str(tiny_llama_path), "served_model_name": "tiny",
-                                      "max_model_len": 256, "max_num_seqs": 2, "torch_num_threads": 1}],
-                          "api_keys": ["sk-live"], "response_cache": False, "batch_concurrency": 4}}).start()
+    app = LocalApp(
+        {
+            "/": {
+                "models": [
+                    {
+                        "model": str(tiny_llama_path),
+                        "served_model_name": "tiny",
+                        "max_model_len": 256,
+                        "max_num_seqs": 2,
+                        "torch_num_threads": 1,
+                    }
+                ],
+                "api_keys": ["sk-live"],
+                "response_cache": False,
+                "batch_concurrency": 4,
+            }
+        }
+    ).start()
     try:
         yield app.namespace()
     finally:
@@ -220,13 +287,18 @@ def test_live_batch_beside_live_traffic(batch_app):
     priority, preempted when they need its slot, never stopped), and the batch ends with every
     answer (those over the replica's batch share, max_batch_requests, retried)."""
     client = openai.OpenAI(api_key="sk-live", base_url=batch_app.base_url, max_retries=0)
-    lines = [{"custom_id": f"j{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": 48, "ignore_eos": True,
-                       "temperature": 0}} for i in range(8)]
+    lines = [
+        {
+            "custom_id": f"j{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": 48, "ignore_eos": True, "temperature": 0},
+        }
+        for i in range(8)
+    ]
     f = client.files.create(file=("jobs.jsonl", jsonl(lines)), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-    live = [client.completions.create(model="tiny", prompt=f"Live {i}:", max_tokens=8, temperature=0)
-            for i in range(3)]
+    live = [client.completions.create(model="tiny", prompt=f"Live {i}:", max_tokens=8, temperature=0) for i in range(3)]
     assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8 for r in live)
     deadline = time.monotonic() + 120
     while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed"):
@@ -237,21 +309,54 @@ def test_live_batch_beside_live_traffic(batch_app):
     assert [x["custom_id"] for x in out] == [f"j{i}" for i in range(8)]
     assert all(x["response"]["body"]["usage"]["completion_tokens"] == 48 for x in out)
     # the same prompt answered live (greedy) gives the same text: batch work is the same work
-    ref = client.completions.create(model="tiny", prompt="Story 3:", max_tokens=48, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    ref = client.completions.create(
+        model="tiny", prompt="Story 3:", max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out[3]["response"]["body"]["choices"][0]["text"] == ref.choices[0].text
 
 
 def test_run_batch_offline(tiny_llama_path, tmp_path):
-    lines = [{"custom_id": f"o{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 6,
-                       "temperature": 0}} for i in range(3)]
-    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": "other", "messages": [{"role": "user", "content": "x"}]}})
+    lines = [
+        {
+            "custom_id": f"o{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"hi {i}"}],
+                "max_tokens": 6,
+                "temperature": 0,
+            },
+        }
+        for i in range(3)
+    ]
+    lines.append(
+        {
+            "custom_id": "bad",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "other", "messages": [{"role": "user", "content": "x"}]},
+        }
+    )
     (tmp_path / "in.jsonl").write_bytes(jsonl(lines))
-    cmd = [sys.executable, "-m", "kvserve.deployments.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
-           str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_path), "--served-model-name", "tiny",
-           "--max-model-len", "128", "--torch-num-threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.deployments.cli",
+        "run-batch",
+        "-i",
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+        "--model",
+        str(tiny_llama_path),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "128",
+        "--torch-num-threads",
+        "1",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "3 of 4 requests answered, 1 failed" in p.stderr

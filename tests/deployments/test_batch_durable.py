@@ -4,6 +4,7 @@ refused as their bytes arrive, each key within its share of the store; the Files
 routes behind the key's rate limits; a cap on a key's active batches and files; the batch mark
 no client can send. The gateway over a scripted replica, driven by the openai SDK (no Ray, no
 engine). Batches that survive their ingress replica on a real Redis: tests/deployments/test_batch_resume_redis.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,12 @@ KEYS = ["sk-tenant-a-1 name=a", "sk-tenant-b-1 name=b"]
 
 
 def _line(i, content=None):
-    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "fake", "messages": [{"role": "user", "content": content or f"q{i}"}]}}
+    return {
+        "custom_id": f"req-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "fake", "messages": [{"role": "user", "content": content or f"q{i}"}]},
+    }
 
 
 def test_an_output_over_max_file_bytes_keeps_every_answer_that_fits():
@@ -30,6 +35,7 @@ def test_an_output_over_max_file_bytes_keeps_every_answer_that_fits():
     to the output file, in order, and the ones that no longer fit become error lines
     ``batch_output_too_large``; the batch completes (before: it failed at its end and every
     finished answer was dropped)."""
+
     async def run():
         client, _ = _sdk(ScriptedReplica(["x" * 600]), api_keys=KEYS, api_key="sk-tenant-a-1", max_file_bytes=4000)
         f = await client.files.create(file=("in.jsonl", jsonl([_line(i) for i in range(10)])), purpose="batch")
@@ -44,8 +50,9 @@ def test_an_output_over_max_file_bytes_keeps_every_answer_that_fits():
     assert 1 <= len(out) < 10 and [x["custom_id"] for x in out] == [f"req-{i}" for i in range(len(out))]
     assert all(x["response"]["body"]["choices"][0]["message"]["content"] == "x" * 600 for x in out)
     assert [x["custom_id"] for x in err] == [f"req-{i}" for i in range(len(out), 10)]
-    assert all(x["error"]["code"] == "batch_output_too_large" and "max_file_bytes" in x["error"]["message"]
-               for x in err)
+    assert all(
+        x["error"]["code"] == "batch_output_too_large" and "max_file_bytes" in x["error"]["message"] for x in err
+    )
     assert b.request_counts.model_dump() == {"total": 10, "completed": len(out), "failed": 10 - len(out)}
     assert b.usage.output_tokens == len(out)  # the usage of the answers kept
 
@@ -65,11 +72,15 @@ class Counted:
 
 
 def _multipart(size: int, boundary="kvservebnd") -> tuple[Counted, dict]:
-    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
-            "Content-Type: application/octet-stream\r\n\r\n").encode()
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
     return Counted(head, size, f"\r\n--{boundary}--\r\n".encode()), {
-        "content-type": f"multipart/form-data; boundary={boundary}", "authorization": "Bearer sk-tenant-a-1"}
+        "content-type": f"multipart/form-data; boundary={boundary}",
+        "authorization": "Bearer sk-tenant-a-1",
+    }
 
 
 def test_an_upload_is_refused_as_its_bytes_cross_the_keys_share():
@@ -105,6 +116,7 @@ def test_an_upload_is_refused_as_its_bytes_cross_the_keys_share():
 def test_files_and_batch_routes_are_behind_the_keys_rate_limit():
     """A key of 3 requests per minute: its fourth Files or Batch API call gets 429
     ``rate_limit_exceeded`` with Retry-After (before: those routes were never limited)."""
+
     async def run():
         client, _ = _sdk(ScriptedReplica(), api_keys=["sk-slow-1 name=slow rpm=3"], api_key="sk-slow-1")
         f = await client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
@@ -140,17 +152,20 @@ def test_a_key_may_have_so_many_active_batches_and_files():
 
     async def run():
         replica.release = asyncio.Event()
-        client, _ = _sdk(replica, api_keys=KEYS, api_key="sk-tenant-a-1", max_active_batches_per_key=1,
-                         max_files_per_key=3)
+        client, _ = _sdk(
+            replica, api_keys=KEYS, api_key="sk-tenant-a-1", max_active_batches_per_key=1, max_files_per_key=3
+        )
         f = await client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
-        first = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
+        first = await client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         with pytest.raises(openai.RateLimitError) as too_many:
             await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         replica.release.set()
         assert (await wait_batch(client, first.id)).status == "completed"  # + its output file: 2 files
-        second = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                             completion_window="24h")
+        second = await client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         await wait_batch(client, second.id)  # its output: 3 files
         with pytest.raises(openai.BadRequestError) as files_cap:
             await client.files.create(file=("more.jsonl", jsonl([_line(1)])), purpose="batch")
@@ -169,8 +184,9 @@ def test_a_client_cannot_mark_its_request_as_batch_work():
 
     async def run():
         client, _ = _sdk(replica, api_keys=KEYS, api_key="sk-tenant-a-1")
-        await client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
-                                             extra_headers={"x-kvserve-batch": "1"})
+        await client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], extra_headers={"x-kvserve-batch": "1"}
+        )
         f = await client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
         b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         await wait_batch(client, b.id)

@@ -4,6 +4,7 @@ stopped for live requests, only preempted by the engine when they need its slot,
 the tokens it gives alone, however many live requests come and go while it runs; it gets a
 bounded share of the replica's admission; cache warming (``sheddable``) still gives way to live
 requests at once (``warming_deferred``)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,17 @@ LIVE_PROMPTS = [[11, 12, 13], [21, 22, 23, 24], [31, 32]]
 
 
 def _server(path, **kw):
-    model = ModelArgs(model=str(path), served_model_name="tiny", dtype="float32", torch_num_threads=1,
-                      max_num_seqs=2, max_model_len=256, num_kv_blocks=64, block_size=16, **kw)
+    model = ModelArgs(
+        model=str(path),
+        served_model_name="tiny",
+        dtype="float32",
+        torch_num_threads=1,
+        max_num_seqs=2,
+        max_model_len=256,
+        num_kv_blocks=64,
+        block_size=16,
+        **kw,
+    )
     return LLMServer.func_or_class(model)
 
 
@@ -70,8 +80,14 @@ def _assert_drained(server):
     assert s["num_running_requests"] == 0 and s["num_waiting_requests"] == 0
     assert s["free_kv_blocks"] == s["num_kv_blocks"]
     a = server.admission
-    assert (a.in_flight, a.queued_requests, a.queued_tokens, a.batch_in_flight, a.batch_queued_requests,
-            a.batch_queued_tokens) == (0, 0, 0, 0, 0, 0)
+    assert (
+        a.in_flight,
+        a.queued_requests,
+        a.queued_tokens,
+        a.batch_in_flight,
+        a.batch_queued_requests,
+        a.batch_queued_tokens,
+    ) == (0, 0, 0, 0, 0, 0)
     assert server.runner.live == 0 and server.runner.warm == {}
 
 
@@ -88,13 +104,16 @@ def test_a_batch_request_finishes_under_a_steady_trickle_of_live_requests(tiny_l
     async def main():
         try:
             alone = _ids(await _collect(server, _batch(prompt, "alone")))
-            live_alone = {tuple(p): _ids(await _collect(server, GenerateRequest.of(p, LIVE)))
-                          for p in LIVE_PROMPTS}
+            live_alone = {tuple(p): _ids(await _collect(server, GenerateRequest.of(p, LIVE))) for p in LIVE_PROMPTS}
             started = asyncio.Event()
             batch = asyncio.create_task(_first_then_rest(server, _batch(prompt, "batch"), started))
             await started.wait()  # it is in the engine, making tokens
-            second = await _collect(server, GenerateRequest.of(
-                [40, 41], {**BATCH, "max_tokens": 2}, request_id="second", priority=WARM_PRIORITY, batch=True))
+            second = await _collect(
+                server,
+                GenerateRequest.of(
+                    [40, 41], {**BATCH, "max_tokens": 2}, request_id="second", priority=WARM_PRIORITY, batch=True
+                ),
+            )
             stats = server.get_stats()
             live = await _trickle(server, [batch])
             return alone, live_alone, await batch, second, stats, live
@@ -128,12 +147,13 @@ def test_live_requests_preempt_a_full_batch_of_batch_work_which_keeps_its_tokens
     async def main():
         try:
             alone = {rid: _ids(await _collect(server, _batch(p, f"{rid}-alone"))) for rid, p in prompts.items()}
-            live_alone = {tuple(p): _ids(await _collect(server, GenerateRequest.of(p, LIVE)))
-                          for p in LIVE_PROMPTS}
+            live_alone = {tuple(p): _ids(await _collect(server, GenerateRequest.of(p, LIVE))) for p in LIVE_PROMPTS}
             before = server.engine.get_stats()["num_preemptions"]
             events = {rid: asyncio.Event() for rid in prompts}
-            tasks = {rid: asyncio.create_task(_first_then_rest(server, _batch(p, rid), events[rid]))
-                     for rid, p in prompts.items()}
+            tasks = {
+                rid: asyncio.create_task(_first_then_rest(server, _batch(p, rid), events[rid]))
+                for rid, p in prompts.items()
+            }
             for e in events.values():
                 await e.wait()  # both run: the batch is full of batch work
             full = server.engine.get_stats()["num_running_requests"]
@@ -171,8 +191,11 @@ def test_warming_still_gives_way_to_a_live_request(tiny_llama_path):
             stopped = asyncio.create_task(_first_then_rest(server, warm("warm-0"), started))
             await started.wait()
             live_started = asyncio.Event()
-            live = asyncio.create_task(_first_then_rest(
-                server, GenerateRequest.of([9, 9, 9], {**LIVE, "max_tokens": 40}, request_id="live"), live_started))
+            live = asyncio.create_task(
+                _first_then_rest(
+                    server, GenerateRequest.of([9, 9, 9], {**LIVE, "max_tokens": 40}, request_id="live"), live_started
+                )
+            )
             await live_started.wait()
             refused = await _collect(server, warm("warm-1"))  # a live request is in flight
             live, stopped = await live, await stopped

@@ -3,6 +3,7 @@ a real Redis, an ingress replica (a process of its own here) runs a batch and is
 (SIGKILL) mid-way; another ingress replica claims the batch once its lease ran out and goes on
 from its last progress: every line in the output once, in order, and the lines the dead
 replica had written are not run again. The gateways over scripted replicas (no Ray, no engine)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,11 @@ FIRST_REPLICA = textwrap.dedent("""
 
 
 def test_a_batch_goes_on_in_another_ingress_replica_after_a_crash(own_redis):
-    a = subprocess.Popen([sys.executable, "-c", FIRST_REPLICA, own_redis.url, str(HERE), str(HERE.parent), KEY],
-                         stdout=subprocess.PIPE, text=True)
+    a = subprocess.Popen(
+        [sys.executable, "-c", FIRST_REPLICA, own_redis.url, str(HERE), str(HERE.parent), KEY],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         batch_id = json.loads(a.stdout.readline())["batch"]
         replica = ScriptedReplica(["Hello"])

@@ -8,6 +8,7 @@ Through the real gateway app (``build_api`` over a :class:`Gateway`, httpx's ASG
 front of fake replicas (tests/deployments/gateway_fakes.py); the channel test runs the real
 replica-side channels (:class:`kvserve.deployments.replica.channels.GatewayChannels`) behind its
 fake, and loses one batch on the way as a gateway end that went away would."""
+
 import asyncio
 
 import httpx
@@ -28,8 +29,13 @@ def _auth(key: str) -> dict:
 
 
 def _chat(text: str, **kw) -> dict:
-    return {"model": "fake", "messages": [{"role": "system", "content": "Answer briefly."},
-                                          {"role": "user", "content": text}], "max_tokens": 4, "temperature": 0, **kw}
+    return {
+        "model": "fake",
+        "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **kw,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +62,7 @@ def _gateway(replica, encoder, **settings):
 
 def _ask_all(gw, steps):
     """Send ``(key, body)`` steps one after the other; their cache headers."""
+
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw") as c:
             out = []
@@ -75,13 +82,16 @@ QUESTION, PARAPHRASE = "How many days are there in a leap year?", "How many days
 def test_another_keys_identical_and_similar_requests_never_get_its_answer(encoder):
     replica = FakeReplica()
     gw = _gateway(replica, encoder)
-    statuses = _ask_all(gw, [
-        (KEY_A, _chat(QUESTION, **SEMANTIC)),     # A asks: stored as A's
-        (KEY_A, _chat(QUESTION, **SEMANTIC)),     # A again: its own answer
-        (KEY_B, _chat(QUESTION, **SEMANTIC)),     # B, the same text: not A's answer
-        (KEY_B, _chat(PARAPHRASE, **SEMANTIC)),   # B, a paraphrase: B's own (just stored), never A's
-        (KEY_A, _chat(PARAPHRASE, **SEMANTIC)),   # A's paraphrase: A's own answer
-    ])
+    statuses = _ask_all(
+        gw,
+        [
+            (KEY_A, _chat(QUESTION, **SEMANTIC)),  # A asks: stored as A's
+            (KEY_A, _chat(QUESTION, **SEMANTIC)),  # A again: its own answer
+            (KEY_B, _chat(QUESTION, **SEMANTIC)),  # B, the same text: not A's answer
+            (KEY_B, _chat(PARAPHRASE, **SEMANTIC)),  # B, a paraphrase: B's own (just stored), never A's
+            (KEY_A, _chat(PARAPHRASE, **SEMANTIC)),  # A's paraphrase: A's own answer
+        ],
+    )
     assert statuses == ["miss", "exact", "miss", "semantic", "semantic"]
     assert len(replica.requests) == 2  # A's first and B's first reached the replica
     assert gw.cache.counts["exact"]["hits"] == 1 and gw.cache.counts["semantic"]["hits"] == 2
@@ -89,16 +99,24 @@ def test_another_keys_identical_and_similar_requests_never_get_its_answer(encode
     # B's paraphrase before B ever asked: a miss, though A's answer to the question is cached
     replica = FakeReplica()
     gw = _gateway(replica, encoder)
-    assert _ask_all(gw, [(KEY_A, _chat(QUESTION, **SEMANTIC)), (KEY_B, _chat(PARAPHRASE, **SEMANTIC))]) == \
-        ["miss", "miss"]
+    assert _ask_all(gw, [(KEY_A, _chat(QUESTION, **SEMANTIC)), (KEY_B, _chat(PARAPHRASE, **SEMANTIC))]) == [
+        "miss",
+        "miss",
+    ]
     assert len(replica.requests) == 2
 
 
 def test_sharing_across_keys_is_an_explicit_setting(encoder):
     replica = FakeReplica()
     gw = _gateway(replica, encoder, cache_shared_across_keys=True)
-    statuses = _ask_all(gw, [(KEY_A, _chat(QUESTION, **SEMANTIC)), (KEY_B, _chat(QUESTION, **SEMANTIC)),
-                             (KEY_B, _chat(PARAPHRASE, **SEMANTIC))])
+    statuses = _ask_all(
+        gw,
+        [
+            (KEY_A, _chat(QUESTION, **SEMANTIC)),
+            (KEY_B, _chat(QUESTION, **SEMANTIC)),
+            (KEY_B, _chat(PARAPHRASE, **SEMANTIC)),
+        ],
+    )
     assert statuses == ["miss", "exact", "semantic"]
     assert len(replica.requests) == 1
 
@@ -118,8 +136,13 @@ def test_an_identical_request_right_after_the_first_answer_hits_and_counts_its_s
         out = []
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw") as c:
             for stream in (False, True):
-                body = {"model": "fake", "prompt": f"same words {stream}", "max_tokens": 2, "temperature": 0,
-                        "stream": stream}
+                body = {
+                    "model": "fake",
+                    "prompt": f"same words {stream}",
+                    "max_tokens": 2,
+                    "temperature": 0,
+                    "stream": stream,
+                }
                 for _ in range(2):
                     r = await c.post("/v1/completions", json=body)
                     assert r.status_code == 200, r.text
@@ -180,8 +203,14 @@ class ChannelReplica:
 
     async def _engine(self):
         for k in range(4):
-            yield GenerationChunk(text=f"t{k} ", token_ids=[k], num_prompt_tokens=3, num_output_tokens=k + 1,
-                                  finished=k == 3, finish_reason="length" if k == 3 else None)
+            yield GenerationChunk(
+                text=f"t{k} ",
+                token_ids=[k],
+                num_prompt_tokens=3,
+                num_output_tokens=k + 1,
+                finished=k == 3,
+                finish_reason="length" if k == 3 else None,
+            )
             await asyncio.sleep(0)
 
     def _channel(self, gateway_id, replica_id):

@@ -2,6 +2,7 @@
 kvserve/deployments/replica/request_runner.py): the request log's privacy modes and bounds, the plan,
 warming through a live gateway over a real engine (answers stored as warmed, hits on them
 counted), and the rule that warming never shares an engine step with live traffic."""
+
 from __future__ import annotations
 
 import asyncio
@@ -81,9 +82,20 @@ def warm_app(tiny_llama_path, tmp_path_factory):
     from local_app import LocalApp
 
     log_dir = tmp_path_factory.mktemp("request-log")
-    app = LocalApp({"/": {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_model_len": 512,
-                          "torch_num_threads": 1, "engine_core_process": False, "admin_api_keys": [ADMIN],
-                          "request_log_dir": str(log_dir), "request_log_prompts": "store"}}).start()
+    app = LocalApp(
+        {
+            "/": {
+                "model": str(tiny_llama_path),
+                "served_model_name": "tiny",
+                "max_model_len": 512,
+                "torch_num_threads": 1,
+                "engine_core_process": False,
+                "admin_api_keys": [ADMIN],
+                "request_log_dir": str(log_dir),
+                "request_log_prompts": "store",
+            }
+        }
+    ).start()
     try:
         yield app.namespace(log_dir=str(log_dir), server=app.servers["tiny"], handle=app.handles["tiny"])
     finally:
@@ -91,17 +103,26 @@ def warm_app(tiny_llama_path, tmp_path_factory):
 
 
 def _post(base_url: str, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{base_url}/chat/completions", json={"model": "tiny", **body}, headers=headers or {}, timeout=120)
+    return httpx.post(
+        f"{base_url}/chat/completions", json={"model": "tiny", **body}, headers=headers or {}, timeout=120
+    )
 
 
 def test_warming_fills_the_cache_and_live_hits_on_it_are_counted(warm_app):
     questions = [f"what is item {i}?" for i in range(4)]
     for q in questions[:3]:  # yesterday's traffic: three questions asked twice, one once
         for _ in range(2):
-            assert _post(warm_app.base_url, {"messages": [{"role": "user", "content": q}], "max_tokens": 6,
-                                             "temperature": 0.0}).status_code == 200
-    _post(warm_app.base_url, {"messages": [{"role": "user", "content": questions[3]}], "max_tokens": 6,
-                              "temperature": 0.0})
+            assert (
+                _post(
+                    warm_app.base_url,
+                    {"messages": [{"role": "user", "content": q}], "max_tokens": 6, "temperature": 0.0},
+                ).status_code
+                == 200
+            )
+    _post(
+        warm_app.base_url,
+        {"messages": [{"role": "user", "content": questions[3]}], "max_tokens": 6, "temperature": 0.0},
+    )
     # a new day: the cache starts empty
     auth = {"Authorization": f"Bearer {ADMIN}"}
     assert httpx.delete(f"{warm_app.root}/v1/cache", headers=auth).status_code == 200
@@ -119,19 +140,26 @@ def test_warming_fills_the_cache_and_live_hits_on_it_are_counted(warm_app):
     counter = cache_warmed_hits().prom.labels(level="exact", model_name="tiny", variant="")
     before = counter._value.get()
     for q in questions[:3]:
-        r = _post(warm_app.base_url, {"messages": [{"role": "user", "content": q}], "max_tokens": 6,
-                                      "temperature": 0.0})
+        r = _post(
+            warm_app.base_url, {"messages": [{"role": "user", "content": q}], "max_tokens": 6, "temperature": 0.0}
+        )
         assert r.headers["x-kvserve-cache"] == "exact"
-    assert _post(warm_app.base_url, {"messages": [{"role": "user", "content": questions[3]}], "max_tokens": 6,
-                                     "temperature": 0.0}).headers["x-kvserve-cache"] == "miss"
+    assert (
+        _post(
+            warm_app.base_url,
+            {"messages": [{"role": "user", "content": questions[3]}], "max_tokens": 6, "temperature": 0.0},
+        ).headers["x-kvserve-cache"]
+        == "miss"
+    )
     assert counter._value.get() - before == 3
     # a second run finds them cached
     assert asyncio.run(replay(p, warm_app.root, ADMIN, rate=50))["already"] == 3
 
 
 def test_the_warm_header_needs_an_admin_key(warm_app):
-    r = _post(warm_app.base_url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-              {"x-kvserve-warm": "1"})
+    r = _post(
+        warm_app.base_url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, {"x-kvserve-warm": "1"}
+    )
     assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
 
 
@@ -153,8 +181,9 @@ def test_warming_never_shares_a_step_with_live_traffic(warm_app):
     results = {}
 
     def warm_request():
-        results["warm"] = _post(warm_app.base_url, {"messages": [{"role": "user", "content": "warm me up"}],
-                                                    **long_body}, warm_headers)
+        results["warm"] = _post(
+            warm_app.base_url, {"messages": [{"role": "user", "content": "warm me up"}], **long_body}, warm_headers
+        )
 
     t = threading.Thread(target=warm_request)
     t.start()
@@ -164,16 +193,19 @@ def test_warming_never_shares_a_step_with_live_traffic(warm_app):
         time.sleep(0.01)
     watching.set()
     with httpx.Client(timeout=120) as c:
-        with c.stream("POST", f"{warm_app.base_url}/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": "live one"}], "stream": True,
-                **long_body}) as live:
+        with c.stream(
+            "POST",
+            f"{warm_app.base_url}/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "live one"}], "stream": True, **long_body},
+        ) as live:
             assert live.status_code == 200
             lines = live.iter_lines()
             next(line for line in lines if line.startswith("data: {"))  # the live request's first token
             assert warm_app.handle.get_stats.remote().result(30)["num_warm_requests"] == 0
             # while it runs, warming is refused at once
-            r = _post(warm_app.base_url, {"messages": [{"role": "user", "content": "warm again"}], **long_body},
-                      warm_headers)
+            r = _post(
+                warm_app.base_url, {"messages": [{"role": "user", "content": "warm again"}], **long_body}, warm_headers
+            )
             assert r.status_code == 429 and r.json()["error"]["code"] == "warming_deferred"
             assert "retry-after" in {k.lower() for k in r.headers}
             body = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]

@@ -3,6 +3,7 @@ step with every chunk of that gateway's requests (kvserve/deployments/replica/ch
 gateway's ChunkStream reads a request's chunks from its channel queue, with the request's own
 stream pumped beside it (kvserve/deployments/gateway/streams.py). The Serve path is in
 tests/e2e/test_serve_http.py (test_streams_share_one_channel_message_per_step)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,14 @@ from kvserve.deployments.replica.channels import GatewayChannels
 
 
 def chunk(text, finished=False, index=0, seq=0):
-    return GenerationChunk(text=text, token_ids=[len(text)], finished=finished,
-                           finish_reason="length" if finished else None, index=index, seq=seq)
+    return GenerationChunk(
+        text=text,
+        token_ids=[len(text)],
+        finished=finished,
+        finish_reason="length" if finished else None,
+        index=index,
+        seq=seq,
+    )
 
 
 class Step:
@@ -78,7 +85,9 @@ def test_requests_of_one_gateway_share_one_message_per_step():
     assert all(f.via_channel and f.replica == "replica-1" and f.text == f"{n}0" for n, f in firsts.items())
     # one message per step, each with the step's chunk of every request
     assert [sorted((k, [c.text for c in v]) for k, v in b.items()) for b in batches] == [
-        [("a", ["a1"]), ("b", ["b1"]), ("c", ["c1"])], [("a", ["a2"]), ("b", ["b2"]), ("c", ["c2"])]]
+        [("a", ["a1"]), ("b", ["b1"]), ("c", ["c1"])],
+        [("a", ["a2"]), ("b", ["b2"]), ("c", ["c2"])],
+    ]
     assert batches[1]["a"][0].finished
     assert stats == {"gateway_channels": 1, "channel_messages": 2, "channel_chunks": 6}
 
@@ -226,6 +235,7 @@ def test_chunk_stream_waits_a_grace_period_for_the_channel_after_the_own_stream_
 def test_chunks_waiting_when_the_channel_ends_go_back_to_their_own_stream_in_order():
     """The channel ends (its reader goes away) while the outbox holds two chunks of a request:
     they come on the request's own stream, before the rest, every seq once (they were lost)."""
+
     async def body():
         ch = GatewayChannels(idle_s=60)
         step = Step()

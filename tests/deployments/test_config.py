@@ -3,6 +3,7 @@ pydantic objects, never dicts re-validated on the other side of a wall; and the 
 admission bound under its new name, ``max_waiting_requests``, with the old key
 ``max_queued_requests`` still accepted (a ``FutureWarning``) in a config, in the flat form, in a
 model's section and as a flag, while Serve's own ``max_queued_requests`` keeps its name."""
+
 import pickle
 
 import pytest
@@ -24,13 +25,25 @@ def test_the_old_key_of_the_admission_bound_still_works_with_a_warning(tmp_path)
     with pytest.warns(FutureWarning):
         listed = AppArgs.model_validate({"models": [{"max_num_seqs": 8, "max_queued_requests": 3}]})
     config = tmp_path / "serve.yaml"  # a Serve config written before the rename
-    config.write_text(yaml.safe_dump({"applications": [{"name": "kvserve", "import_path": "kvserve.deployments.app:build_app",
-                                                        "args": {"max_num_seqs": 8, "max_queued_requests": 3}}]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "applications": [
+                    {
+                        "name": "kvserve",
+                        "import_path": "kvserve.deployments.app:build_app",
+                        "args": {"max_num_seqs": 8, "max_queued_requests": 3},
+                    }
+                ]
+            }
+        )
+    )
     with pytest.warns(FutureWarning):
         from_file = AppArgs.model_validate(app_args_from_config(str(config)))
     with pytest.warns(FutureWarning, match="--max-queued-requests is deprecated"):
-        flag = app_args_from_cli(build_parser().parse_args(["serve", "--max-num-seqs", "8", "--max-queued-requests",
-                                                            "3"]))
+        flag = app_args_from_cli(
+            build_parser().parse_args(["serve", "--max-num-seqs", "8", "--max-queued-requests", "3"])
+        )
     for args in (flat, listed, from_file, AppArgs.model_validate(flag)):
         (m,) = args.model_list()
         assert m.max_waiting_requests == 3 and m.waiting_requests_bound() == 3
@@ -48,10 +61,18 @@ def test_the_old_key_of_the_admission_bound_still_works_with_a_warning(tmp_path)
 def test_build_app_passes_the_sections_as_objects():
     """``LLMServer(model: ModelArgs)``; the gateway: the models' handles, their cards and the
     configuration's sections. Nothing crosses as a dict to be validated again."""
-    args = AppArgs.model_validate({"models": [{"served_model_name": "a", "max_model_len": 64, "max_num_seqs": 4},
-                                              {"served_model_name": "b", "tool_call_parser": "mistral"}],
-                                   "api_keys": ["sk-config-key-1"], "rate_limit_rpm": 60, "cache_ttl_s": 9,
-                                   "model_routing": {"rules": [{"model": "b", "max_tokens": 8}]}})
+    args = AppArgs.model_validate(
+        {
+            "models": [
+                {"served_model_name": "a", "max_model_len": 64, "max_num_seqs": 4},
+                {"served_model_name": "b", "tool_call_parser": "mistral"},
+            ],
+            "api_keys": ["sk-config-key-1"],
+            "rate_limit_rpm": 60,
+            "cache_ttl_s": 9,
+            "model_routing": {"rules": [{"model": "b", "max_tokens": 8}]},
+        }
+    )
     app = build_app(args)
     ingress = app._bound_deployment
     (models,) = ingress.init_args
@@ -96,12 +117,23 @@ def test_build_app_makes_a_deployment_per_variant_of_an_experiment():
     """A model in an A/B test: one ``LLMServer`` deployment per variant (named after it), each
     with the model's settings and its own; the gateway gets the first variant's handle as the
     model's, every variant's handle, the experiments and the control's card."""
-    args = AppArgs.model_validate({
-        "models": [{"served_model_name": "a", "max_num_seqs": 4, "cost_per_replica_hour": 2.0},
-                   {"served_model_name": "b"}],
-        "experiments": [{"name": "x", "model": "a", "variants": [
-            {"name": "ctl"}, {"name": "big", "weight": 3, "settings": {"max_num_seqs": 16}}]}],
-        "otlp_traces_endpoint": "http://127.0.0.1:4318/v1/traces", "otlp_traces_protocol": "http/protobuf"})
+    args = AppArgs.model_validate(
+        {
+            "models": [
+                {"served_model_name": "a", "max_num_seqs": 4, "cost_per_replica_hour": 2.0},
+                {"served_model_name": "b"},
+            ],
+            "experiments": [
+                {
+                    "name": "x",
+                    "model": "a",
+                    "variants": [{"name": "ctl"}, {"name": "big", "weight": 3, "settings": {"max_num_seqs": 16}}],
+                }
+            ],
+            "otlp_traces_endpoint": "http://127.0.0.1:4318/v1/traces",
+            "otlp_traces_protocol": "http/protobuf",
+        }
+    )
     app = build_app(args)
     ingress = app._bound_deployment
     (models,) = ingress.init_args

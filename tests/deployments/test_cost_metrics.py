@@ -1,5 +1,6 @@
 """The cost metrics' arithmetic on known inputs (kvserve/telemetry/cost_metrics.py): a replica's cost
 accrued by a clock, its cost per million output tokens, and what a response cache hit saves."""
+
 import pytest
 
 from kvserve.telemetry.cost_metrics import CacheSavings, ReplicaCost, cost_per_million

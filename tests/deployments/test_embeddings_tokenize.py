@@ -2,6 +2,7 @@
 engine), driven by the openai SDK (base64 embeddings decoded by the SDK) and httpx: floats and
 base64, errors, the key's token budget, tokenize / detokenize, and one-answer calls sent again when
 their replica is lost."""
+
 import base64
 
 import httpx
@@ -40,8 +41,9 @@ def test_embedding_tokens_count_against_the_keys_token_budget():
 
     async def main():
         _, app = _sdk(replica, api_keys=["sk-a tpm=40"])
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                     headers={"Authorization": "Bearer sk-a"}) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw", headers={"Authorization": "Bearer sk-a"}
+        ) as c:
             codes = []
             for _ in range(6):  # each: 4 inputs estimated at 2 tokens, settled at 12 used
                 r = await c.post("/v1/embeddings", json={"model": "fake", "input": ["abcd"] * 4})
@@ -81,8 +83,10 @@ def test_unknown_fields_named_like_declared_ones_are_ignored_not_a_500():
     async def main():
         _, app = _sdk(replica)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-            return [await c.post("/detokenize", json={"tokens": [104, 105], "messages": weird, "stream_options": weird})
-                    for weird in ({"a": 4.0e16}, ["x", 1], "text", 7)]
+            return [
+                await c.post("/detokenize", json={"tokens": [104, 105], "messages": weird, "stream_options": weird})
+                for weird in ({"a": 4.0e16}, ["x", 1], "text", 7)
+            ]
 
     for r in _run(main()):
         assert r.status_code == 200 and r.json() == {"prompt": "hi"}, r.text
@@ -107,7 +111,9 @@ def test_one_answer_calls_are_sent_again_when_their_replica_is_lost():
                         self.losses -= 1
                         raise ActorDiedError()
                     return await fn(*a, **kw)
+
                 return _Remote(call)
+
             self.embed, self.tokenize = lossy(embed), lossy(tokenize)
 
     async def main(replica):

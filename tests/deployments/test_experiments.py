@@ -2,6 +2,7 @@
 kvserve/deployments/operator/experiment_report.py): configuration checks, sticky weighted assignment, live weights,
 and the report's statistics on known samples. The report over real engines under load is in
 tests/e2e/test_experiment_report_live.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,12 +23,27 @@ def _exp(**kw) -> ExperimentArgs:
 
 # ---- configuration -------------------------------------------------------------------------
 def test_variants_become_deployments_with_their_settings(tiny_llama_path):
-    args = AppArgs.model_validate({
-        "models": [{"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8},
-                   {"model": str(tiny_llama_path), "served_model_name": "other"}],
-        "experiments": [{"name": "bs", "model": "tiny", "variants": [
-            {"name": "A"}, {"name": "B", "settings": {"max_num_seqs": 2, "stream_interval": 4,
-                                                      "semantic_cache_threshold": 0.8}}]}]})
+    args = AppArgs.model_validate(
+        {
+            "models": [
+                {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8},
+                {"model": str(tiny_llama_path), "served_model_name": "other"},
+            ],
+            "experiments": [
+                {
+                    "name": "bs",
+                    "model": "tiny",
+                    "variants": [
+                        {"name": "A"},
+                        {
+                            "name": "B",
+                            "settings": {"max_num_seqs": 2, "stream_interval": 4, "semantic_cache_threshold": 0.8},
+                        },
+                    ],
+                }
+            ],
+        }
+    )
     deps = {d.deployment_key: d for d in args.deployments()}
     assert list(deps) == ["tiny@A", "tiny@B", "other"]
     assert deps["tiny@A"].max_num_seqs == 8 and deps["tiny@B"].max_num_seqs == 2
@@ -35,28 +51,41 @@ def test_variants_become_deployments_with_their_settings(tiny_llama_path):
     assert deps["tiny@B"].name == "tiny" and deps["tiny@B"].variant == "B"
     # a gateway setting stays out of the deployment and reaches the assignment
     assert args.experiments[0].variants[1].gateway_settings() == {"semantic_cache_threshold": 0.8}
-    assert args.experiments[0].differences() == {"B": {"max_num_seqs": (None, 2), "semantic_cache_threshold": (None, 0.8),
-                                                       "stream_interval": (None, 4)}}
+    assert args.experiments[0].differences() == {
+        "B": {"max_num_seqs": (None, 2), "semantic_cache_threshold": (None, 0.8), "stream_interval": (None, 4)}
+    }
 
 
 def test_a_variant_that_changes_the_weights_keeps_the_served_name(tiny_llama_path, tmp_path):
-    args = AppArgs.model_validate({
-        "model": str(tiny_llama_path), "served_model_name": "tiny",
-        "experiments": [{"name": "w", "model": "tiny", "variants": [
-            {"name": "A"}, {"name": "B", "settings": {"model": str(tmp_path)}}]}]})
+    args = AppArgs.model_validate(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny",
+            "experiments": [
+                {
+                    "name": "w",
+                    "model": "tiny",
+                    "variants": [{"name": "A"}, {"name": "B", "settings": {"model": str(tmp_path)}}],
+                }
+            ],
+        }
+    )
     assert [d.name for d in args.deployments()] == ["tiny", "tiny"]
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"model": "nope"}, "not served"),
-    ({"variants": [{"name": "A"}]}, "at least two variants"),
-    ({"variants": [{"name": "A"}, {"name": "A"}]}, "unique"),
-    ({"variants": [{"name": "A", "weight": 0}, {"name": "B", "weight": 0}]}, "weight above 0"),
-    ({"variants": [{"name": "A"}, {"name": "B", "settings": {"served_model_name": "x"}}]}, "cannot differ"),
-    ({"variants": [{"name": "A"}, {"name": "B", "settings": {"max_num_seqs": 0}}]}, "variant 'B'"),
-    ({"variants": [{"name": "A"}, {"name": "B", "settings": {"no_such_setting": 1}}]}, "variant 'B'"),
-    ({"variants": [{"name": "A b"}, {"name": "B"}]}, "variant's name"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"model": "nope"}, "not served"),
+        ({"variants": [{"name": "A"}]}, "at least two variants"),
+        ({"variants": [{"name": "A"}, {"name": "A"}]}, "unique"),
+        ({"variants": [{"name": "A", "weight": 0}, {"name": "B", "weight": 0}]}, "weight above 0"),
+        ({"variants": [{"name": "A"}, {"name": "B", "settings": {"served_model_name": "x"}}]}, "cannot differ"),
+        ({"variants": [{"name": "A"}, {"name": "B", "settings": {"max_num_seqs": 0}}]}, "variant 'B'"),
+        ({"variants": [{"name": "A"}, {"name": "B", "settings": {"no_such_setting": 1}}]}, "variant 'B'"),
+        ({"variants": [{"name": "A b"}, {"name": "B"}]}, "variant's name"),
+    ],
+)
 def test_bad_experiments_are_refused_by_name(tiny_llama_path, bad, match):
     exp = {"name": "bs", "model": "tiny", "variants": [{"name": "A"}, {"name": "B"}], **bad}
     with pytest.raises(ValueError, match=match):
@@ -66,15 +95,25 @@ def test_bad_experiments_are_refused_by_name(tiny_llama_path, bad, match):
 def test_two_experiments_of_one_model_are_refused(tiny_llama_path):
     e = {"model": "tiny", "variants": [{"name": "A"}, {"name": "B"}]}
     with pytest.raises(ValueError, match="two experiments"):
-        AppArgs.model_validate({"model": str(tiny_llama_path), "served_model_name": "tiny",
-                                "experiments": [{"name": "x", **e}, {"name": "y", **e}]})
+        AppArgs.model_validate(
+            {
+                "model": str(tiny_llama_path),
+                "served_model_name": "tiny",
+                "experiments": [{"name": "x", **e}, {"name": "y", **e}],
+            }
+        )
 
 
 def test_check_weights():
     e = _exp()
     assert check_weights({"A": 3}, e) == {"A": 3.0, "B": 0.0}
-    for bad, match in (({"C": 1}, "no variant 'C'"), ({"A": -1}, ">= 0"), ({"A": 0}, "above 0"),
-                       ({"A": float("nan")}, ">= 0"), ({"A": "x"}, "a number")):
+    for bad, match in (
+        ({"C": 1}, "no variant 'C'"),
+        ({"A": -1}, ">= 0"),
+        ({"A": 0}, "above 0"),
+        ({"A": float("nan")}, ">= 0"),
+        ({"A": "x"}, "a number"),
+    ):
         with pytest.raises(ValueError, match=match):
             check_weights(bad, e)
 
@@ -122,17 +161,32 @@ def _samples(rng, n, ttft_scale, tpot=0.02, refuse=0.0, replica="r1"):
             out.append({"t": t, "status": "refused", "e2e_s": 0.001})
             continue
         ttft = rng.lognormal(np.log(ttft_scale), 0.3)
-        out.append({"t": t, "status": "ok", "ttft_s": ttft, "tpot_s": rng.lognormal(np.log(tpot), 0.2),
-                    "e2e_s": ttft + 15 * tpot, "prompt_tokens": 40, "output_tokens": 16, "cached_tokens": 0,
-                    "cache": None, "replica": replica})
+        out.append(
+            {
+                "t": t,
+                "status": "ok",
+                "ttft_s": ttft,
+                "tpot_s": rng.lognormal(np.log(tpot), 0.2),
+                "e2e_s": ttft + 15 * tpot,
+                "prompt_tokens": 40,
+                "output_tokens": 16,
+                "cached_tokens": 0,
+                "cache": None,
+                "replica": replica,
+            }
+        )
     return out
 
 
 def _experiment(a, b, differences=None):
-    return {"name": "x", "model": "m", "weights": {"A": 1, "B": 1},
-            "variants": [{"name": "A", "settings": {}}, {"name": "B", "settings": {}}],
-            "differences": differences if differences is not None else {"B": {"max_num_seqs": [None, 4]}},
-            "samples": {"A": a, "B": b}}
+    return {
+        "name": "x",
+        "model": "m",
+        "weights": {"A": 1, "B": 1},
+        "variants": [{"name": "A", "settings": {}}, {"name": "B", "settings": {}}],
+        "differences": differences if differences is not None else {"B": {"max_num_seqs": [None, 4]}},
+        "samples": {"A": a, "B": b},
+    }
 
 
 def test_report_finds_a_known_effect_with_its_sign_and_size():
@@ -161,13 +215,19 @@ def test_report_of_identical_variants_keeps_its_false_verdicts_to_the_confidence
         if rep["summary"] != ["B vs A: no significant difference"]:
             said.append((seed, rep["summary"]))
         assert analyse(data, n_boot=300, seed=seed, confidence=0.999)["summary"] == [
-            "B vs A: no significant difference"], seed
+            "B vs A: no significant difference"
+        ], seed
     assert len(said) <= 3, said
 
 
 def test_report_warns_when_variants_differ_in_more_than_one_setting():
     rng = np.random.default_rng(2)
-    rep = analyse(_experiment(_samples(rng, 50, 0.2), _samples(rng, 10, 0.2),
-                              differences={"B": {"max_num_seqs": [None, 4], "stream_interval": [None, 2]}}))
+    rep = analyse(
+        _experiment(
+            _samples(rng, 50, 0.2),
+            _samples(rng, 10, 0.2),
+            differences={"B": {"max_num_seqs": [None, 4], "stream_interval": [None, 2]}},
+        )
+    )
     assert any("2 settings (max_num_seqs, stream_interval)" in w for w in rep["warnings"])
     assert any("B has 10 requests" in w for w in rep["warnings"])

@@ -1,6 +1,7 @@
 """CORS defaults of the gateway's gate (gate.py), through the built app in-process: an open server
 (no API keys) sends no CORS headers unless origins are configured, so no web page can read its
 answers; with keys, any origin (a page must still know a key); an explicit list is kept as given."""
+
 import httpx
 from gateway_fakes import FakeReplica, _run, make_gateway
 

@@ -2,6 +2,7 @@
 app's real route table, each body bounded too), a path no route serves is closed as well, and a
 replica's placement is shown to admin keys only. A fake replica (no Ray, no Serve, no engine)
 behind httpx's ASGI transport."""
+
 import json
 import re
 
@@ -15,8 +16,11 @@ from kvserve.deployments.gateway.gate import FILE_ENVELOPE_BYTES, FILES_PATH
 def test_keys_guard_the_api_but_not_the_probes():
     async def main():
         async with _client(FakeReplica(), api_keys=["sk-test-key-1"]) as c:
-            return (await c.get("/v1/models"), await c.get("/v1/models", headers={"authorization": "Bearer sk-test-key-1"}),
-                    await c.get("/health"))
+            return (
+                await c.get("/v1/models"),
+                await c.get("/v1/models", headers={"authorization": "Bearer sk-test-key-1"}),
+                await c.get("/health"),
+            )
 
     denied, models, health = _run(main())
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
@@ -51,8 +55,13 @@ def test_every_route_but_the_probes_needs_a_key_and_every_body_is_bounded():
     oversized one (413) even with a valid key (a file upload past ``max_file_bytes`` and its
     multipart envelope)."""
     key, limit = "sk-test-key-1", 1024
-    gw = make_gateway(FakeReplica(), api_keys=[key], max_request_body_bytes=limit, max_file_bytes=limit,
-                      auth_failures_per_minute=10_000)
+    gw = make_gateway(
+        FakeReplica(),
+        api_keys=[key],
+        max_request_body_bytes=limit,
+        max_file_bytes=limit,
+        auth_failures_per_minute=10_000,
+    )
     app = build_api(gw)
     table = _route_table(app)
     paths = {p for _, p, _ in table}
@@ -65,9 +74,15 @@ def test_every_route_but_the_probes_needs_a_key_and_every_body_is_bounded():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # a handler's failure: a 500
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
             keyless = {(m, p): (await c.request(m, p, json={} if b else None)).status_code for m, p, b in table}
-            big = {(m, p): await c.request(m, p, content=b"{" + b" " * (limit + FILE_ENVELOPE_BYTES * (
-                p == FILES_PATH)) + b"}", headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
-                for m, p in with_body}
+            big = {
+                (m, p): await c.request(
+                    m,
+                    p,
+                    content=b"{" + b" " * (limit + FILE_ENVELOPE_BYTES * (p == FILES_PATH)) + b"}",
+                    headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+                )
+                for m, p in with_body
+            }
             return keyless, big
 
     keyless, big = _run(main())
@@ -77,16 +92,22 @@ def test_every_route_but_the_probes_needs_a_key_and_every_body_is_bounded():
     assert open_[("GET", "/health")] == open_[("GET", "/ready")] == 200, open_
     assert {mp: r.status_code for mp, r in big.items()} == {mp: 413 for mp in with_body}
     # Anthropic's Messages API answers in Anthropic's shape (error.type), the rest in OpenAI's (error.code)
-    assert all(r.json()["error"]["type" if p.startswith("/v1/messages") else "code"] == "request_too_large"
-               for (_, p), r in big.items())
+    assert all(
+        r.json()["error"]["type" if p.startswith("/v1/messages") else "code"] == "request_too_large"
+        for (_, p), r in big.items()
+    )
 
 
 def test_a_path_outside_the_route_table_is_closed_too():
     """A path no route serves (a route someone adds later) is a 401 without a key, not a 404."""
+
     async def main():
         async with _client(FakeReplica(), api_keys=["sk-test-key-1"]) as c:
-            return (await c.post("/admin/new", json={}), await c.get("/health/"),
-                    await c.post("/new", headers={"authorization": "Bearer sk-test-key-1"}))
+            return (
+                await c.post("/admin/new", json={}),
+                await c.get("/health/"),
+                await c.post("/new", headers={"authorization": "Bearer sk-test-key-1"}),
+            )
 
     keyless, near_probe, keyed = _run(main())
     assert keyless.status_code == 401 and near_probe.status_code == 401

@@ -1,6 +1,7 @@
 """The gateway in-process, its catalog: cards given at build time answer without a replica call,
 and facts a replica publishes at load complete the card and key the response cache. A fake replica
 and a dict as the facts board (no Ray, no Serve, no engine)."""
+
 import asyncio
 
 import httpx
@@ -21,18 +22,32 @@ def test_cards_given_at_build_time_answer_without_a_replica_call():
         raise AssertionError("the gateway asked a replica for its facts")
 
     replica.server_info = _Remote(server_info)
-    card = ModelCard("fake", max_model_len=96, tensor_parallel_size=2, kv_cache_dtype="fp8",
-                     tool_call_parser="mistral", lora_modules=("sql-lora",))
+    card = ModelCard(
+        "fake",
+        max_model_len=96,
+        tensor_parallel_size=2,
+        kv_cache_dtype="fp8",
+        tool_call_parser="mistral",
+        lora_modules=("sql-lora",),
+    )
 
     async def main():
         gw = make_gateway(replica, cards=[card], api_keys=["sk-key-1 tpm=100000"])
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw",
-                                     headers={"authorization": "Bearer sk-key-1"}) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=build_api(gw)),
+            base_url="http://gw",
+            headers={"authorization": "Bearer sk-key-1"},
+        ) as c:
             models = await c.get("/v1/models")
             one = await c.get("/v1/models/fake")
-            chat = await c.post("/v1/chat/completions", json={  # no max_tokens: the key reserves up to the context
-                "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto", "tools": [
-                    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+            chat = await c.post(
+                "/v1/chat/completions",
+                json={  # no max_tokens: the key reserves up to the context
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "tool_choice": "auto",
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                },
+            )
             return models, one, chat
 
     models, one, chat = _run(main())

@@ -3,6 +3,7 @@ replica (no Ray, no Serve, no engine), driven over HTTP through httpx's ASGI tra
 to the replica is checked as typed values; answers as OpenAI bodies and SSE streams; errors as
 OpenAI bodies without internals; an unknown model, a draining gateway, the exact cache and a replica
 lost before its first chunk."""
+
 import asyncio
 import json
 
@@ -21,8 +22,10 @@ def test_chat_sends_typed_request_and_renders_openai_body():
 
     async def main():
         async with _client(replica) as c:
-            return await c.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "n": 2})
+            return await c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "n": 2},
+            )
 
     r = _run(main())
     assert r.status_code == 200, r.text
@@ -41,9 +44,14 @@ def test_chat_stream_is_openai_sse_ending_with_done():
 
     async def main():
         async with _client(replica) as c:
-            return await c.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                "stream_options": {"include_usage": True}})
+            return await c.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
 
     r = _run(main())
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -60,7 +68,7 @@ def test_a_value_the_engine_refuses_is_a_400_before_any_replica_sees_it():
 
     async def main():
         async with _client(replica) as c:
-            return await c.post("/v1/completions", json={"prompt": "hi", "seed": 2 ** 70})
+            return await c.post("/v1/completions", json={"prompt": "hi", "seed": 2**70})
 
     r = _run(main())
     assert r.status_code == 400, r.text
@@ -83,10 +91,14 @@ def test_failures_tell_the_request_id_and_no_internals():
     async def main():
         async with _client(FakeReplica()) as c:
             whole = await c.post("/v1/completions", json={"prompt": "BOOM"}, headers={"x-request-id": "req-123"})
-            streamed = await c.post("/v1/completions", json={"prompt": "BOOM", "stream": True},
-                                    headers={"x-request-id": "req-456"})
-            chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "BOOM"}],
-                                                              "stream": True}, headers={"x-request-id": "req-789"})
+            streamed = await c.post(
+                "/v1/completions", json={"prompt": "BOOM", "stream": True}, headers={"x-request-id": "req-456"}
+            )
+            chat = await c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "BOOM"}], "stream": True},
+                headers={"x-request-id": "req-789"},
+            )
             return whole, streamed, chat
 
     whole, streamed, chat = _run(main())
@@ -105,8 +117,9 @@ def test_completions_echo_and_best_of_and_prompt_batch():
 
     async def main():
         async with _client(replica) as c:
-            return await c.post("/v1/completions", json={"prompt": ["a", "b"], "echo": True, "n": 1,
-                                                         "best_of": 2, "max_tokens": 3})
+            return await c.post(
+                "/v1/completions", json={"prompt": ["a", "b"], "echo": True, "n": 1, "best_of": 2, "max_tokens": 3}
+            )
 
     r = _run(main())
     assert r.status_code == 200, r.text
@@ -119,8 +132,10 @@ def test_completions_echo_and_best_of_and_prompt_batch():
 def test_streamed_prompts_and_choices_interleave_with_their_indexes():
     async def main():
         async with _client(FakeReplica()) as c:
-            return await c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "stream": True,
-                                                         "stream_options": {"include_usage": True}})
+            return await c.post(
+                "/v1/completions",
+                json={"prompt": ["a", "b"], "n": 2, "stream": True, "stream_options": {"include_usage": True}},
+            )
 
     r = _run(main())
     events = list(iter_sse(r.text))
@@ -130,8 +145,12 @@ def test_streamed_prompts_and_choices_interleave_with_their_indexes():
         for ch in e["choices"]:
             texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
     assert texts == {i: "hello world" for i in range(4)}  # prompt p, choice i -> index p * n + i
-    assert events[-2]["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16,
-                                   "prompt_tokens_details": {"cached_tokens": 0}}
+    assert events[-2]["usage"] == {
+        "prompt_tokens": 8,
+        "completion_tokens": 8,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_unknown_model_is_404_and_draining_is_not_ready():
@@ -180,7 +199,8 @@ def test_a_request_that_reached_its_replica_is_not_run_again_when_the_replica_is
 
             async def dead():
                 raise ActorDiedError()
-                yield  # noqa: unreachable (an async generator)
+                yield  # unreachable: makes this an async generator
+
             return FakeGen(dead())
 
     replica = DiesAfterTaking()
@@ -211,7 +231,8 @@ def test_a_request_no_replica_took_is_sent_again():
 
                 async def refused():
                     raise DeploymentUnavailableError(DeploymentID(name="LLMServer", app_name="kvserve"))
-                    yield  # noqa: unreachable (an async generator)
+                    yield  # unreachable: makes this an async generator
+
                 return FakeGen(refused())
             return super()._stream(request)
 

@@ -1,6 +1,7 @@
 """The gateway in-process, the size check: a request larger than a replica ever holds is refused by
 the replica (a real ``Admission`` in a fake replica) and rendered as the same 400 ``too_large``,
 also while the load shedder has the model marked full. No Ray, no Serve, no engine."""
+
 import httpx
 from gateway_fakes import FakeReplica, _client, _run, make_gateway
 
@@ -45,9 +46,12 @@ def test_the_size_check_is_the_replicas_and_renders_as_the_same_400():
     big, sent, many, fits = _run(main())
     assert big.status_code == 400 and big.json()["error"] == {
         "message": "10 prompts x 1 choices in one request; a replica of this model takes at most 9 requests at once "
-                   "(max_num_seqs + max_waiting_requests), so this request can never be admitted: send fewer "
-                   "prompts or choices per request",
-        "type": "invalid_request_error", "param": "prompt", "code": "too_large"}
+        "(max_num_seqs + max_waiting_requests), so this request can never be admitted: send fewer "
+        "prompts or choices per request",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "too_large",
+    }
     assert len(sent) == 10 and {r.num_prompts for r in sent} == {10}  # the gateway sent it: no check of its own
     assert many.status_code == 400 and many.json()["error"]["code"] == "too_large"
     assert many.json()["error"]["param"] is None and "n=10" in many.json()["error"]["message"]
@@ -66,8 +70,10 @@ def test_a_batch_larger_than_the_capacity_seen_gets_the_replicas_verdict_under_a
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(gw)), base_url="http://gw") as c:
-            return (await c.post("/v1/completions", json={"prompt": ["hi"] * 10, "max_tokens": 1}),
-                    await c.post("/v1/completions", json={"prompt": ["hi"] * 9, "max_tokens": 1}))
+            return (
+                await c.post("/v1/completions", json={"prompt": ["hi"] * 10, "max_tokens": 1}),
+                await c.post("/v1/completions", json={"prompt": ["hi"] * 9, "max_tokens": 1}),
+            )
 
     big, full = _run(main())
     assert big.status_code == 400 and big.json()["error"]["code"] == "too_large"

@@ -22,14 +22,16 @@ SECRET = "sk-Secret-Value-123"
 
 
 def test_parse_attributes_and_old_format():
-    ps = parse_key_lines([
-        "# a comment",
-        "",
-        "   ",
-        "sk-plain",
-        f"{SECRET}  name=team-a  rpm=60 tpm=2.5e4 priority=-2   # trailing comment",
-        "sk-inf rpm=inf tpm=0",
-    ])
+    ps = parse_key_lines(
+        [
+            "# a comment",
+            "",
+            "   ",
+            "sk-plain",
+            f"{SECRET}  name=team-a  rpm=60 tpm=2.5e4 priority=-2   # trailing comment",
+            "sk-inf rpm=inf tpm=0",
+        ]
+    )
     assert [p.key for p in ps] == ["sk-plain", SECRET, "sk-inf"]
     plain, a, inf = ps
     assert plain.name == "key-" + hashlib.sha256(b"sk-plain").hexdigest()[:8]
@@ -52,17 +54,20 @@ def test_key_never_in_repr():
     assert "name='x'" in repr(p)
 
 
-@pytest.mark.parametrize("line, needle", [
-    (f"{SECRET} rpm=abc", "rpm="),
-    (f"{SECRET} rpm=-1", "rpm="),
-    (f"{SECRET} tpm=nan", "tpm="),
-    (f"{SECRET} priority=1.5", "priority="),
-    (f"{SECRET} color=red", "unknown attribute"),
-    (f"{SECRET} tail-of-a-key-with-a-space", "unknown attribute"),
-    (f"{SECRET} rpm=1 rpm=2", "twice"),
-    (f"{SECRET} name=bad!name", "name="),
-    (f"rpm=5 {SECRET}", "key must come first"),
-])
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        (f"{SECRET} rpm=abc", "rpm="),
+        (f"{SECRET} rpm=-1", "rpm="),
+        (f"{SECRET} tpm=nan", "tpm="),
+        (f"{SECRET} priority=1.5", "priority="),
+        (f"{SECRET} color=red", "unknown attribute"),
+        (f"{SECRET} tail-of-a-key-with-a-space", "unknown attribute"),
+        (f"{SECRET} rpm=1 rpm=2", "twice"),
+        (f"{SECRET} name=bad!name", "name="),
+        (f"rpm=5 {SECRET}", "key must come first"),
+    ],
+)
 def test_parse_errors_name_the_line_not_the_key(line, needle):
     with pytest.raises(ValueError) as ei:
         parse_key_lines(["sk-first", "# c", line])

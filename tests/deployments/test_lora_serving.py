@@ -4,6 +4,7 @@ base model's replicas (the typed request carries ``lora_name``; answers, the res
 (in-process ``LLMServer`` on a tiny model, its tokens equal to the engine's offline ``LLM`` with
 the same adapter, which ``tests/engine/test_lora.py`` holds equal to HF with PEFT); flags and
 config are checked."""
+
 import asyncio
 import os
 import re
@@ -31,8 +32,10 @@ def test_gateway_sends_an_adapters_requests_to_its_base_model():
 
     async def main():
         async with _client(replica, {"sql-lora": "fake"}) as c:
-            chat = await c.post("/v1/chat/completions", json={
-                "model": "sql-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            chat = await c.post(
+                "/v1/chat/completions",
+                json={"model": "sql-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
             base = await c.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2})
             models = await c.get("/v1/models")
             one = await c.get("/v1/models/sql-lora")
@@ -57,8 +60,9 @@ def test_gateway_refuses_adapters_of_unknown_models():
 
 
 def test_lora_modules_flag_takes_vllms_forms_and_needs_enable_lora(tmp_path):
-    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x/a",
-                                      '{"name": "b", "path": "/x/b"}'])
+    args = build_parser().parse_args(
+        ["serve", "--enable-lora", "--lora-modules", "a=/x/a", '{"name": "b", "path": "/x/b"}']
+    )
     app = app_args_from_cli(args)
     assert app["lora_modules"] == {"a": "/x/a", "b": "/x/b"}
     with pytest.raises(SystemExit):
@@ -81,12 +85,22 @@ def test_replica_runs_the_named_adapter(tmp_path):
     path = make_adapter(base, tmp_path / name, r, a, t, rs, seed=0)
     prompt, sp = [1, 17, 300, 42, 9, 77], {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
     offline = LLM(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=16)
-    want = offline.generate([prompt] * 2, SamplingParams(**sp), use_tqdm=False,
-                            lora_request=[LoRARequest(name, 1, str(path)), None])
+    want = offline.generate(
+        [prompt] * 2, SamplingParams(**sp), use_tqdm=False, lora_request=[LoRARequest(name, 1, str(path)), None]
+    )
     offline.engine.shutdown()
-    server = LLMServer.func_or_class(ModelArgs(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=16,
-                                               num_kv_blocks=64, served_model_name="tiny", torch_num_threads=1,
-                                               lora_modules={name: str(path)}))
+    server = LLMServer.func_or_class(
+        ModelArgs(
+            model=str(base),
+            dtype="float32",
+            enable_lora=True,
+            max_lora_rank=16,
+            num_kv_blocks=64,
+            served_model_name="tiny",
+            torch_num_threads=1,
+            lora_modules={name: str(path)},
+        )
+    )
 
     async def run(lora_name):
         chunks = [c async for c in server.stream(GenerateRequest.of(prompt, sp, lora_name=lora_name))]
@@ -126,10 +140,17 @@ def _tree(tmp_path):
     (root / "half" / "adapter_model.safetensors").symlink_to(outside / "a" / "adapter_model.safetensors")
     folder(root / "dir-not-file", ["adapter_config.json"])
     (root / "dir-not-file" / "adapter_model.safetensors").mkdir()
-    refused = {"missing": root / "missing", "symlink escape": root / "link",
-               "dotdot escape": f"{root}/../outside/a", "outside": outside / "a",
-               "prefix sibling": tmp_path / "root-sibling" / "a", "file symlinked out": root / "half",
-               "not a file": root / "dir-not-file", "nul byte": f"{root}/good\0x", "the root's parent": tmp_path}
+    refused = {
+        "missing": root / "missing",
+        "symlink escape": root / "link",
+        "dotdot escape": f"{root}/../outside/a",
+        "outside": outside / "a",
+        "prefix sibling": tmp_path / "root-sibling" / "a",
+        "file symlinked out": root / "half",
+        "not a file": root / "dir-not-file",
+        "nul byte": f"{root}/good\0x",
+        "the root's parent": tmp_path,
+    }
     return root, outside, {k: str(v) for k, v in refused.items()}
 
 
@@ -236,10 +257,12 @@ def test_load_lora_adapter_reads_only_under_the_allowed_roots(tmp_path, tiny_lla
     ok = asyncio.run(load(gw, {"lora_name": "ok", "lora_path": str(root / "real-alias")}))
     assert ok.status_code == 200, ok.text
     assert gw.lora.registry.get("ok").path == str(real.resolve())  # the resolved path is registered
-    answers = {case: asyncio.run(load(gw, {"lora_name": "refused", "lora_path": path}))
-               for case, path in refused.items()}
-    bodies = {case: (r.status_code, r.json()["error"]["code"], r.json()["error"]["message"])
-              for case, r in answers.items()}
+    answers = {
+        case: asyncio.run(load(gw, {"lora_name": "refused", "lora_path": path})) for case, path in refused.items()
+    }
+    bodies = {
+        case: (r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]) for case, r in answers.items()
+    }
     assert len(set(bodies.values())) == 1, bodies  # missing, forbidden, unreadable: one answer
     status, code, message = next(iter(bodies.values()))
     assert status == 400 and code == "invalid_adapter" and str(tmp_path) not in message
@@ -253,8 +276,9 @@ def test_lora_allowed_root_flag_and_config(tmp_path):
     from kvserve.deployments.app import gateway_options
     from kvserve.deployments.args import AppArgs
 
-    args = build_parser().parse_args(["serve", "--lora-allowed-root", "/srv/adapters",
-                                      "--lora-allowed-root", "rel/adapters"])
+    args = build_parser().parse_args(
+        ["serve", "--lora-allowed-root", "/srv/adapters", "--lora-allowed-root", "rel/adapters"]
+    )
     app = app_args_from_cli(args)
     assert app["lora_allowed_roots"] == ["/srv/adapters", os.path.abspath("rel/adapters")]
     assert gateway_options(AppArgs.model_validate(app))["gateway"].lora_allowed_roots == app["lora_allowed_roots"]

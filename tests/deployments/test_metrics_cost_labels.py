@@ -2,6 +2,7 @@
 (registry.py's CoalescedRender: at most one read of the files at a time, each caller answered by
 a render begun after it called), and the per-key series carry key names only with
 ``metrics_per_key`` (key_limits.py), through the real gateway app in-process."""
+
 import threading
 
 import httpx
@@ -53,8 +54,11 @@ def _one_request(**settings):
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-            return await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                headers={"authorization": "Bearer sk-metrics-acme"})
+            return await c.post(
+                "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 2},
+                headers={"authorization": "Bearer sk-metrics-acme"},
+            )
 
     return _run(main())
 

@@ -1,5 +1,6 @@
 """Model routing rules (``model: "auto"``) and the fallback's trigger, without Ray; the live
 routing and the fallback to a second kvserve are in tests/e2e/test_model_routing_live.py."""
+
 import pytest
 from pydantic import ValidationError
 
@@ -9,11 +10,21 @@ SMALL, LARGE = "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma-3-270m"
 
 
 def _routing() -> ModelRouting:
-    return ModelRouting.model_validate({
-        "rules": [{"name": "code", "model": LARGE, "keywords": ["Python", "def ", "function"]},
-                  {"name": "short", "model": SMALL, "max_prompt_tokens": 200, "max_tokens": 256,
-                   "exclude_keywords": ["step by step", "prove"]}],
-        "default": LARGE})
+    return ModelRouting.model_validate(
+        {
+            "rules": [
+                {"name": "code", "model": LARGE, "keywords": ["Python", "def ", "function"]},
+                {
+                    "name": "short",
+                    "model": SMALL,
+                    "max_prompt_tokens": 200,
+                    "max_tokens": 256,
+                    "exclude_keywords": ["step by step", "prove"],
+                },
+            ],
+            "default": LARGE,
+        }
+    )
 
 
 def test_first_matching_rule_wins():
@@ -50,10 +61,12 @@ def test_config_errors_are_clear():
 
 
 def test_user_text_reads_user_turns_and_prompts():
-    msgs = [{"role": "system", "content": "You write Python."},
-            {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
-            {"role": "assistant", "content": "def f(): pass"},
-            {"role": "user", "content": "again"}]
+    msgs = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "def f(): pass"},
+        {"role": "user", "content": "again"},
+    ]
     assert user_text(msgs) == "Hello\nthere\nagain"  # the system prompt and the assistant turn do not count
     assert user_text(prompt=["a", "b"]) == "a\nb"
     assert user_text(prompt=[1, 2, 3]) == ""

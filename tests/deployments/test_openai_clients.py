@@ -5,6 +5,7 @@ n > 1, best_of, logit_bias, prompt logprobs (checked against HF transformers), C
 the context. The same app under Serve, with what only Serve shows (its logs, a client's disconnect
 through Serve's proxy): tests/e2e/test_openai_api.py. The gateway alone over fake replicas:
 test_gateway_*.py."""
+
 import asyncio
 import json
 import re
@@ -29,16 +30,35 @@ def test_every_endpoint_and_option_answers(local_app):
 
     chat = {"model": "tiny", "messages": PARIS, "max_tokens": 6}
     chat_cases = [
-        {}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 3}, {"temperature": 0.7, "seed": 3},
-        {"n": 2}, {"logit_bias": {"42": 5}}, {"response_format": {"type": "json_object"}},
+        {},
+        {"logprobs": True},
+        {"logprobs": True, "top_logprobs": 3},
+        {"temperature": 0.7, "seed": 3},
+        {"n": 2},
+        {"logit_bias": {"42": 5}},
+        {"response_format": {"type": "json_object"}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
-        {"tools": [WEATHER], "tool_choice": "auto"}, {"tools": [WEATHER], "tool_choice": "none"},
+        {"tools": [WEATHER], "tool_choice": "auto"},
+        {"tools": [WEATHER], "tool_choice": "none"},
         {"tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 60},
-        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-         "max_tokens": 40},
-        {"stop": ["."], "presence_penalty": 0.5, "frequency_penalty": 0.5, "top_k": 5, "min_p": 0.05,
-         "repetition_penalty": 1.1, "user": "u1", "priority": 1},
-        {"max_completion_tokens": 5}, {"guided_choice": ["yes", "no"]}, {"guided_regex": "[0-9]{3}"},
+        {
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": 40,
+        },
+        {
+            "stop": ["."],
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.5,
+            "top_k": 5,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "user": "u1",
+            "priority": 1,
+        },
+        {"max_completion_tokens": 5},
+        {"guided_choice": ["yes", "no"]},
+        {"guided_regex": "[0-9]{3}"},
         {"structured_outputs": {"choice": ["red", "blue"]}},
     ]
     for extra in chat_cases:
@@ -50,19 +70,28 @@ def test_every_endpoint_and_option_answers(local_app):
         assert len(resp.choices) == extra.get("n", 1) and resp.usage.completion_tokens > 0, extra
         if extra.get("logprobs"):
             assert resp.choices[0].logprobs.content, extra
-        r = post(local_app, "/chat/completions", {**chat, **extra, "stream": True,
-                                                   "stream_options": {"include_usage": True}})
+        r = post(
+            local_app, "/chat/completions", {**chat, **extra, "stream": True, "stream_options": {"include_usage": True}}
+        )
         assert r.status_code == 200, (extra, r.text)
         events = sse_events(r)
         assert events[-1]["usage"]["completion_tokens"] > 0 and not events[-1]["choices"], extra
         assert {c["index"] for e in events for c in e["choices"]} == set(range(extra.get("n", 1))), extra
 
     cmpl = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 5}
-    cmpl_cases = [{}, {"echo": True}, {"logprobs": 2}, {"echo": True, "logprobs": 1},
-                  {"echo": True, "logprobs": 1, "max_tokens": 0}, {"n": 2, "temperature": 0.8},
-                  {"best_of": 3, "n": 2, "temperature": 0.8}, {"prompt": ["a", "b"], "n": 2},
-                  {"prompt": [1, 2, 3], "echo": True}, {"logit_bias": {"42": -100}},
-                  {"response_format": {"type": "json_object"}, "max_tokens": 12}]
+    cmpl_cases = [
+        {},
+        {"echo": True},
+        {"logprobs": 2},
+        {"echo": True, "logprobs": 1},
+        {"echo": True, "logprobs": 1, "max_tokens": 0},
+        {"n": 2, "temperature": 0.8},
+        {"best_of": 3, "n": 2, "temperature": 0.8},
+        {"prompt": ["a", "b"], "n": 2},
+        {"prompt": [1, 2, 3], "echo": True},
+        {"logit_bias": {"42": -100}},
+        {"response_format": {"type": "json_object"}, "max_tokens": 12},
+    ]
     for extra in cmpl_cases:
         body = {**cmpl, **extra}
         r = post(local_app, "/completions", body)
@@ -88,8 +117,17 @@ def test_every_endpoint_and_option_answers(local_app):
 
 
 def test_continuous_usage_stats_on_every_chunk(local_app):
-    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 8, "ignore_eos": True,
-                                                "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    r = post(
+        local_app,
+        "/chat/completions",
+        {
+            "messages": PARIS,
+            "max_tokens": 8,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": True},
+        },
+    )
     events = sse_events(r)
     used = [e["usage"]["completion_tokens"] for e in events]
     assert all(e.get("usage") for e in events) and used == sorted(used) and used[-1] == 8
@@ -105,10 +143,16 @@ def test_json_schema_on_20_varied_prompts(local_app):
 
     async def one(i: int, prompt: str):
         r = await client.chat.completions.create(
-            model=local_app.model, messages=[{"role": "user", "content": prompt}], max_tokens=120,
-            temperature=0 if i % 2 else 0.9, seed=i,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
-                                                                    "strict": True}})
+            model=local_app.model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=120,
+            temperature=0 if i % 2 else 0.9,
+            seed=i,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            },
+        )
         return r.choices[0]
 
     async def run():
@@ -124,22 +168,45 @@ def test_json_schema_on_20_varied_prompts(local_app):
 
 def test_json_object_regex_choice_and_bad_schema(local_app):
     # greedy: sampled at temperature 1, about 1 in 5 of SmolLM2's JSON objects run past 60 tokens
-    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 60, "temperature": 0,
-                                                "response_format": {"type": "json_object"}})
+    r = post(
+        local_app,
+        "/chat/completions",
+        {"messages": PARIS, "max_tokens": 60, "temperature": 0, "response_format": {"type": "json_object"}},
+    )
     assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
-    r = post(local_app, "/completions", {"prompt": "Today's date is", "max_tokens": 12,
-                                           "guided_regex": r"\d{4}-\d{2}-\d{2}"})
+    r = post(
+        local_app, "/completions", {"prompt": "Today's date is", "max_tokens": 12, "guided_regex": r"\d{4}-\d{2}-\d{2}"}
+    )
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.json()["choices"][0]["text"]), r.text
-    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 10,
-                                                "structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}})
+    r = post(
+        local_app,
+        "/chat/completions",
+        {"messages": PARIS, "max_tokens": 10, "structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}},
+    )
     assert r.json()["choices"][0]["message"]["content"] in ("Paris", "Lyon", "Nice")
     # a JSON cut off by max_tokens is reported as such
-    r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 3, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+    r = post(
+        local_app,
+        "/chat/completions",
+        {
+            "messages": PARIS,
+            "max_tokens": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        },
+    )
     assert r.json()["choices"][0]["finish_reason"] == "length"
     # an invalid schema is the client's error, and the server goes on
-    r = post(local_app, "/chat/completions", {"messages": PARIS, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "no-such-type"}}}})
+    r = post(
+        local_app,
+        "/chat/completions",
+        {
+            "messages": PARIS,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": {"type": "no-such-type"}},
+            },
+        },
+    )
     assert r.status_code == 400 and "structured_outputs" in r.json()["error"]["message"], r.text
     r = post(local_app, "/chat/completions", {"messages": PARIS, "guided_regex": "[", "max_tokens": 4})
     assert r.status_code == 400, r.text
@@ -154,11 +221,20 @@ def test_tool_choice_required_always_gives_valid_calls(local_app):
 
     client = OpenAI(base_url=local_app.base_url, api_key="none", max_retries=0)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    for prompt in ("What's the weather in Paris?", "What time is it in Tokyo?", "Hello!",
-                   "Is it raining in London right now, in fahrenheit?"):
-        r = client.chat.completions.create(model=local_app.model, messages=[{"role": "user", "content": prompt}],
-                                           tools=[WEATHER, TIME], tool_choice="required", max_tokens=100,
-                                           parallel_tool_calls=False)
+    for prompt in (
+        "What's the weather in Paris?",
+        "What time is it in Tokyo?",
+        "Hello!",
+        "Is it raining in London right now, in fahrenheit?",
+    ):
+        r = client.chat.completions.create(
+            model=local_app.model,
+            messages=[{"role": "user", "content": prompt}],
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=100,
+            parallel_tool_calls=False,
+        )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
         call = choice.message.tool_calls[0]
@@ -166,8 +242,13 @@ def test_tool_choice_required_always_gives_valid_calls(local_app):
         assert call.id.startswith("call_")
     # a named function, streamed: OpenAI's tool-call deltas add up to valid arguments
     stream = client.chat.completions.create(
-        model=local_app.model, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER, TIME],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, stream=True)
+        model=local_app.model,
+        messages=[{"role": "user", "content": "Weather in Rome?"}],
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+        stream=True,
+    )
     name, args, reasons = None, "", []
     for chunk in stream:
         for c in chunk.choices:
@@ -184,8 +265,13 @@ def test_auto_tool_calls_are_parsed_from_the_text(local_app):
     ``tool_calls`` (whole and streamed), and none of its text leaks into ``content``. The
     model is made to write one with a choice constraint (a 135M model rarely calls on its own)."""
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, TIME],
-            "tool_choice": "auto", "max_tokens": 60, "structured_outputs": {"choice": [call]}}
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": "auto",
+        "max_tokens": 60,
+        "structured_outputs": {"choice": [call]},
+    }
     r = post(local_app, "/chat/completions", body).json()
     choice = r["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"], choice
@@ -204,9 +290,19 @@ def test_tool_history_reaches_the_prompt(local_app):
     (SmolLM2's template knows no tools: they are written in the Hermes convention)."""
     base = [{"role": "user", "content": "Weather in Paris?"}]
     history = base + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"},
+    ]
     short = post(local_app, "/chat/completions", {"messages": base, "tools": [WEATHER], "max_tokens": 1}).json()
     long = post(local_app, "/chat/completions", {"messages": history, "tools": [WEATHER], "max_tokens": 1}).json()
     # the call and its result add their tokens (the arguments, the result text)
@@ -230,8 +326,9 @@ def test_langchain_structured_output_and_tools(local_app):
         country: str = Field(max_length=30)
         population_millions: float
 
-    llm = ChatOpenAI(base_url=local_app.base_url, api_key="none", model=local_app.model, temperature=0,
-                     max_tokens=80, max_retries=0)
+    llm = ChatOpenAI(
+        base_url=local_app.base_url, api_key="none", model=local_app.model, temperature=0, max_tokens=80, max_retries=0
+    )
     for method in ("json_schema", "function_calling"):
         city = llm.with_structured_output(City, method=method).invoke("Tell me about Paris.")
         assert isinstance(city, City) and city.name, (method, city)
@@ -339,14 +436,21 @@ def test_cors_preflight_and_headers(local_app):
     r = post(local_app, "/chat/completions", {"messages": PARIS, "max_tokens": 2}, headers={"Origin": origin})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     # the API-key app: a preflight needs no key; a 401 still carries the CORS header
-    pre = HTTP.options(f"{local_app.auth_base_url}/completions", timeout=30, headers={
-        "Origin": origin, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type"})
+    pre = HTTP.options(
+        f"{local_app.auth_base_url}/completions",
+        timeout=30,
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert pre.status_code == 200, pre.text
     assert pre.headers["access-control-allow-origin"] in ("*", origin)
     assert "POST" in pre.headers["access-control-allow-methods"]
-    r = HTTP.post(f"{local_app.auth_base_url}/completions", json={"prompt": "x"}, headers={"Origin": origin},
-                   timeout=30)
+    r = HTTP.post(
+        f"{local_app.auth_base_url}/completions", json={"prompt": "x"}, headers={"Origin": origin}, timeout=30
+    )
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] in ("*", origin)
 
 
@@ -357,5 +461,3 @@ def test_max_tokens_over_the_context_is_a_400(local_app):
     r = post(local_app, "/completions", {"prompt": "hi", "max_tokens": 1024})  # 1 + 1024 tokens
     assert r.status_code == 400, r.text
     assert post(local_app, "/completions", {"prompt": "hi", "max_tokens": 3}).status_code == 200
-
-

@@ -48,7 +48,11 @@ def test_rpm_exhausts_then_refills():
 def test_policy_limit_overrides_default_and_inf_means_unlimited():
     clock = FakeClock()
     rl = RateLimiter(default_rpm=1, clock=clock)
-    own, free, dflt = KeyPolicy("a", requests_per_minute=3), KeyPolicy("b", requests_per_minute=float("inf")), KeyPolicy("c")
+    own, free, dflt = (
+        KeyPolicy("a", requests_per_minute=3),
+        KeyPolicy("b", requests_per_minute=float("inf")),
+        KeyPolicy("c"),
+    )
     assert rl.enabled_for(own) and not rl.enabled_for(free) and rl.enabled_for(dflt)
     assert not RateLimiter(clock=clock).enabled_for(dflt)
 

@@ -5,6 +5,7 @@ gateway with the real SDKs: chat's ``reasoning_content`` (tool calls read after 
 only), the Responses API's ``reasoning`` item, the Messages API's ``thinking`` block, whole and
 streamed; and the replica's side: the prompt's state from a thinking template, structured outputs
 held until the reasoning ends (the engine's side: tests/engine/test_structured_output.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +26,20 @@ CASES = [
     ("qwen3", "", "<think>\nLet me think: 2 + 2.\n</think>\n\nIt is 4.", "Let me think: 2 + 2.\n", "It is 4."),
     ("qwen3", "", "It is 4, no thinking.", "", "It is 4, no thinking."),
     ("qwen3", "", "  <thin", "", "  <thin"),  # a start marker's prefix that never completes
-    ("qwen3", "open", "Reasoning from the prompt's <think>.</think>Answer ☀️", "Reasoning from the prompt's <think>.",
-     "Answer ☀️"),
-    ("qwen3", "closed", "<think>not a block: thinking is off</think> x", "",
-     "<think>not a block: thinking is off</think> x"),
+    (
+        "qwen3",
+        "open",
+        "Reasoning from the prompt's <think>.</think>Answer ☀️",
+        "Reasoning from the prompt's <think>.",
+        "Answer ☀️",
+    ),
+    (
+        "qwen3",
+        "closed",
+        "<think>not a block: thinking is off</think> x",
+        "",
+        "<think>not a block: thinking is off</think> x",
+    ),
     ("qwen3", "", "<think>cut off by max_tokens, 東京 and </thi", "cut off by max_tokens, 東京 and </thi", ""),
     ("deepseek_r1", "", "Hmm, the user wants 4.</think>\n4", "Hmm, the user wants 4.", "4"),
     ("deepseek_r1", "open", "<think>Own tag dropped.</think>Done.", "Own tag dropped.", "Done."),
@@ -65,18 +76,26 @@ def test_prompt_state_from_the_prompt_tail():
 
 
 # ---- through the gateway ----------------------------------------------------------------------
-OUTPUT = ('<think>\nThe user asks for the weather. Should I write <tool_call> now? Not inside the reasoning: '
-          '{"name": "fake_call"}.\n</think>\n\nLet me look it up.\n<tool_call>\n{"name": "get_weather", '
-          '"arguments": {"city": "Zürich"}}\n</tool_call>')
-REASONING = ('The user asks for the weather. Should I write <tool_call> now? Not inside the reasoning: '
-             '{"name": "fake_call"}.\n')
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+OUTPUT = (
+    "<think>\nThe user asks for the weather. Should I write <tool_call> now? Not inside the reasoning: "
+    '{"name": "fake_call"}.\n</think>\n\nLet me look it up.\n<tool_call>\n{"name": "get_weather", '
+    '"arguments": {"city": "Zürich"}}\n</tool_call>'
+)
+REASONING = (
+    'The user asks for the weather. Should I write <tool_call> now? Not inside the reasoning: {"name": "fake_call"}.\n'
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 QWEN3 = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes"}
 
 
 def _pieces(text: str, step: int = 3) -> list[str]:
-    return [text[i:i + step] for i in range(0, len(text), step)]
+    return [text[i : i + step] for i in range(0, len(text), step)]
 
 
 def test_chat_reasoning_content_whole_and_streamed_with_tools_after_it():
@@ -87,7 +106,8 @@ def test_chat_reasoning_content_whole_and_streamed_with_tools_after_it():
         m = r.choices[0].message
         assert m.reasoning_content == REASONING and m.content == "Let me look it up."
         assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
-            ("get_weather", {"city": "Zürich"})]
+            ("get_weather", {"city": "Zürich"})
+        ]
         assert r.choices[0].finish_reason == "tool_calls"
         stream = await client.chat.completions.create(model="fake", messages=msgs, tools=[WEATHER], stream=True)
         reasoning, content, calls, seen_content = "", "", [], False
@@ -118,21 +138,26 @@ def test_prompt_opened_reasoning_and_thinking_switched_off():
         m = (await client.chat.completions.create(model="fake", messages=msgs)).choices[0].message
         assert (m.reasoning_content, m.content) == ("Still thinking.", "The answer.")
         # chat_template_kwargs reach the replica (Qwen3's enable_thinking)
-        await client.chat.completions.create(model="fake", messages=msgs,
-                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        await client.chat.completions.create(
+            model="fake", messages=msgs, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
         assert replica.requests[-1].chat_template_kwargs == {"enable_thinking": False}
 
     asyncio.run(run())
     with pytest.raises(ValueError, match="chat_template_kwargs cannot set messages"):
-        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "q"}],
-                                              "chat_template_kwargs": {"messages": []}})
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "q"}], "chat_template_kwargs": {"messages": []}}
+        )
 
 
 def test_responses_reasoning_item_whole_and_streamed():
     async def run():
         client, _ = _sdk(ScriptedReplica(_pieces(OUTPUT)), model=QWEN3)
-        r = await client.responses.create(model="fake", input="Weather in Zürich?", tools=[
-            {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}])
+        r = await client.responses.create(
+            model="fake",
+            input="Weather in Zürich?",
+            tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],
+        )
         kinds = [it.type for it in r.output]
         assert kinds == ["reasoning", "message", "function_call"]
         assert r.output[0].content[0].text == REASONING and r.output[1].content[0].text == "Let me look it up."
@@ -160,25 +185,37 @@ def test_messages_thinking_block_whole_and_streamed():
         client = anthropic.AsyncAnthropic(base_url="http://gw", api_key="x", http_client=http, max_retries=0)
         tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
         msgs = [{"role": "user", "content": "Weather in Zürich?"}]
-        m = await client.messages.create(model="fake", max_tokens=64, messages=msgs, tools=tools,
-                                         thinking={"type": "enabled", "budget_tokens": 1024})
+        m = await client.messages.create(
+            model="fake", max_tokens=64, messages=msgs, tools=tools, thinking={"type": "enabled", "budget_tokens": 1024}
+        )
         assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
         assert m.content[0].thinking == REASONING and m.content[1].text == "Let me look it up."
         assert m.content[2].input == {"city": "Zürich"} and m.stop_reason == "tool_use"
         assert replica.requests[-1].chat_template_kwargs == {"enable_thinking": True}
         async with client.messages.stream(model="fake", max_tokens=64, messages=msgs, tools=tools) as stream:
-            thinking = "".join([e.delta.thinking async for e in stream
-                                if e.type == "content_block_delta" and e.delta.type == "thinking_delta"])
+            thinking = "".join(
+                [
+                    e.delta.thinking
+                    async for e in stream
+                    if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+                ]
+            )
             final = await stream.get_final_message()
         assert thinking == REASONING
         assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
         assert final.content[0].thinking == REASONING and final.content[2].input == {"city": "Zürich"}
         # the thinking block sent back in the next turn is accepted (and not shown to the model)
-        back = [*msgs, {"role": "assistant", "content": [b.model_dump() for b in final.content]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": final.content[2].id,
-                                              "content": "21 C"}]}]
-        await client.messages.create(model="fake", max_tokens=8, messages=back, tools=tools,
-                                     thinking={"type": "disabled"})
+        back = [
+            *msgs,
+            {"role": "assistant", "content": [b.model_dump() for b in final.content]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": final.content[2].id, "content": "21 C"}],
+            },
+        ]
+        await client.messages.create(
+            model="fake", max_tokens=8, messages=back, tools=tools, thinking={"type": "disabled"}
+        )
         sent = replica.requests[-1]
         assert sent.chat_template_kwargs == {"enable_thinking": False}
         assert all(REASONING not in json.dumps(msg) for msg in sent.messages)
@@ -191,7 +228,8 @@ THINKING_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+)
 
 
 def test_replica_reports_the_prompt_state_and_holds_the_grammar_until_the_reasoning_ends(tmp_path_factory):
@@ -206,9 +244,17 @@ def test_replica_reports_the_prompt_state_and_holds_the_grammar_until_the_reason
 
     tiny = make_tiny_model(tmp_path_factory.mktemp("tiny_thinking"))
     (tiny / "chat_template.jinja").write_text(THINKING_TEMPLATE)
-    server = LLMServer.func_or_class(ModelArgs(model=str(tiny), served_model_name="tiny", torch_num_threads=1,
-                                               max_model_len=256, num_kv_blocks=64, block_size=16,
-                                               reasoning_parser="deepseek_r1"))
+    server = LLMServer.func_or_class(
+        ModelArgs(
+            model=str(tiny),
+            served_model_name="tiny",
+            torch_num_threads=1,
+            max_model_len=256,
+            num_kv_blocks=64,
+            block_size=16,
+            reasoning_parser="deepseek_r1",
+        )
+    )
     choice = {"temperature": 0, "max_tokens": 6, "structured_outputs": {"choice": ["yes", "no"]}}
     msgs = [{"role": "user", "content": "Is water wet?"}]
 

@@ -1,5 +1,6 @@
 """The request log's files are owner-only (request_log.py): the current file and each one a
 rotation makes are 0600 under a permissive umask (022), and the rotated ones keep it."""
+
 import os
 
 from kvserve.deployments.gateway.request_log import RequestLog
@@ -10,8 +11,9 @@ def test_rotated_and_new_request_log_files_are_0600_under_umask_022(tmp_path):
     try:
         log = RequestLog(str(tmp_path), "store", max_bytes=500, backups=2, name="g1")
         for i in range(60):
-            log.record("m", "chat", {"model": "m", "messages": [{"role": "user", "content": f"q{i} " + "x" * 40}]},
-                       True)
+            log.record(
+                "m", "chat", {"model": "m", "messages": [{"role": "user", "content": f"q{i} " + "x" * 40}]}, True
+            )
         log.close()
     finally:
         os.umask(old)

@@ -1,6 +1,7 @@
 """The response cache's stores (kvserve/deployments/cache/), without Ray: the in-process one (LRU, TTL, byte
 bound) and Redis (shared by two instances, LRU, byte bound, TTL on the session's redis-server,
 which skips without one; a Redis that is down is a miss, logged once)."""
+
 import asyncio
 import logging
 import time

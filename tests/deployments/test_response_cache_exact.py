@@ -1,5 +1,6 @@
 """The response cache's exact level (kvserve/deployments/cache/), without Ray: entries round-trip, only
 complete answers are stored, a repeat hits and the opt-outs bypass it (in-process backend)."""
+
 import asyncio
 
 import pytest
@@ -10,12 +11,29 @@ from kvserve.deployments.contract.types import GenerationChunk, TokenLogprob, To
 
 
 def test_entries_round_trip_with_logprobs():
-    lp = TokenLogprob(5, "Par", [80, 97, 114], -0.5, [TopLogprob(5, "Par", [80, 97, 114], -0.5),
-                                                        TopLogprob(6, "Lon", [76], -2.0)])
-    first = GenerationChunk(text="Par", token_ids=[5], num_prompt_tokens=3, num_output_tokens=1, logprobs=[lp],
-                            prompt_logprobs=[None, TokenLogprob(1, "a", [97], -1.0)], prompt_text="a b")
-    last = GenerationChunk(text="is", token_ids=[6], finished=True, finish_reason="length", stop_reason=None,
-                           num_prompt_tokens=3, num_output_tokens=2, num_cached_tokens=2, index=1)
+    lp = TokenLogprob(
+        5, "Par", [80, 97, 114], -0.5, [TopLogprob(5, "Par", [80, 97, 114], -0.5), TopLogprob(6, "Lon", [76], -2.0)]
+    )
+    first = GenerationChunk(
+        text="Par",
+        token_ids=[5],
+        num_prompt_tokens=3,
+        num_output_tokens=1,
+        logprobs=[lp],
+        prompt_logprobs=[None, TokenLogprob(1, "a", [97], -1.0)],
+        prompt_text="a b",
+    )
+    last = GenerationChunk(
+        text="is",
+        token_ids=[6],
+        finished=True,
+        finish_reason="length",
+        stop_reason=None,
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+        num_cached_tokens=2,
+        index=1,
+    )
     streams = [[first, last], answer()]
     assert decode_entry(encode_entry(streams)) == streams
     with pytest.raises(ValueError):

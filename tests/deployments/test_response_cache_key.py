@@ -1,57 +1,89 @@
 """The response cache's exact key (kvserve/deployments/cache/), without Ray: every field that changes the
 output is in it, the rest declared output-neutral; equal requests spelled differently share it;
 which requests are cacheable, the per-request options, the semantic scope and the model revision."""
+
 import pytest
 from pydantic import ValidationError
 from response_cache_helpers import chat
 
-from kvserve.deployments.cache import (NON_OUTPUT_FIELDS, RequestOptions, deterministic, exact_key, request_options,
-                               semantic_parts)
+from kvserve.deployments.cache import (
+    NON_OUTPUT_FIELDS,
+    RequestOptions,
+    deterministic,
+    exact_key,
+    request_options,
+    semantic_parts,
+)
 from kvserve.deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
 from kvserve.deployments.contract.types import model_revision
 
 
 def completion(**kw) -> CompletionRequest:
-    return CompletionRequest.model_validate({"prompt": "The capital of France is", "temperature": 0,
-                                             "max_tokens": 8, **kw})
+    return CompletionRequest.model_validate(
+        {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 8, **kw}
+    )
 
 
 def key(body, model="m", revision="r1") -> str:
     return exact_key(model, revision, "chat" if isinstance(body, ChatCompletionRequest) else "completion", body)
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 
 # field -> (extra base fields, the changed value): each must change the key
 SAMPLING_VARIANTS = {
-    "max_tokens": ({}, 9), "temperature": ({}, 0.5), "top_p": ({}, 0.5),
-    "n": ({}, 2), "stop": ({}, ["."]), "seed": ({}, 1), "presence_penalty": ({}, 0.5),
-    "frequency_penalty": ({}, 0.5), "logit_bias": ({}, {"5": 1.0}), "response_format": ({}, {"type": "json_object"}),
-    "top_k": ({}, 5), "min_p": ({}, 0.1), "repetition_penalty": ({}, 1.1), "ignore_eos": ({}, True),
-    "min_tokens": ({}, 2), "stop_token_ids": ({}, [3]), "skip_special_tokens": ({}, False),
-    "include_stop_str_in_output": ({}, True), "structured_outputs": ({}, {"regex": "a+"}),
-    "guided_json": ({}, {"type": "object"}), "guided_regex": ({}, "b+"), "guided_choice": ({}, ["a", "b"]),
+    "max_tokens": ({}, 9),
+    "temperature": ({}, 0.5),
+    "top_p": ({}, 0.5),
+    "n": ({}, 2),
+    "stop": ({}, ["."]),
+    "seed": ({}, 1),
+    "presence_penalty": ({}, 0.5),
+    "frequency_penalty": ({}, 0.5),
+    "logit_bias": ({}, {"5": 1.0}),
+    "response_format": ({}, {"type": "json_object"}),
+    "top_k": ({}, 5),
+    "min_p": ({}, 0.1),
+    "repetition_penalty": ({}, 1.1),
+    "ignore_eos": ({}, True),
+    "min_tokens": ({}, 2),
+    "stop_token_ids": ({}, [3]),
+    "skip_special_tokens": ({}, False),
+    "include_stop_str_in_output": ({}, True),
+    "structured_outputs": ({}, {"regex": "a+"}),
+    "guided_json": ({}, {"type": "object"}),
+    "guided_regex": ({}, "b+"),
+    "guided_choice": ({}, ["a", "b"]),
     "guided_grammar": ({}, 'root ::= "a"'),
     "cache_salt": ({}, "tenant-a"),  # output-neutral, but a client's salt keeps its answers apart too
 }
 CHAT_VARIANTS = {
     **SAMPLING_VARIANTS,
     "messages": ({}, [{"role": "user", "content": "What is the capital of Spain?"}]),
-    "max_completion_tokens": ({}, 9), "logprobs": ({}, True), "top_logprobs": ({"logprobs": True}, 2),
-    "tools": ({}, [WEATHER]), "tool_choice": ({"tools": [WEATHER]}, "required"),
+    "max_completion_tokens": ({}, 9),
+    "logprobs": ({}, True),
+    "top_logprobs": ({"logprobs": True}, 2),
+    "tools": ({}, [WEATHER]),
+    "tool_choice": ({"tools": [WEATHER]}, "required"),
     "parallel_tool_calls": ({"tools": [WEATHER]}, False),
     "chat_template_kwargs": ({}, {"enable_thinking": False}),
 }
 COMPLETION_VARIANTS = {
     **SAMPLING_VARIANTS,
-    "prompt": ({}, "The capital of Spain is"), "logprobs": ({}, 1), "echo": ({}, True), "best_of": ({}, 2),
+    "prompt": ({}, "The capital of Spain is"),
+    "logprobs": ({}, 1),
+    "echo": ({}, True),
+    "best_of": ({}, 2),
     "suffix": ({}, ""),
 }
 
 
-@pytest.mark.parametrize("model,variants", [(ChatCompletionRequest, CHAT_VARIANTS),
-                                            (CompletionRequest, COMPLETION_VARIANTS)])
+@pytest.mark.parametrize(
+    "model,variants", [(ChatCompletionRequest, CHAT_VARIANTS), (CompletionRequest, COMPLETION_VARIANTS)]
+)
 def test_every_request_field_is_in_the_key_or_declared_output_neutral(model, variants):
     """A field added to the protocol must be decided on: in the key (a variant here) or in
     NON_OUTPUT_FIELDS. Nothing is silently left out of the key."""
@@ -77,9 +109,16 @@ def test_model_revision_and_endpoint_change_the_key():
 
 def test_fields_that_do_not_change_the_output_leave_the_key_alone():
     base = key(chat())
-    for extra in ({"stream": True}, {"stream": True, "stream_options": {"include_usage": True}}, {"user": "u1"},
-                  {"priority": 5}, {"cache": {"semantic": True}}, {"cache": True}, {"model": "anything"},
-                  {"metadata": {"trace": "x"}, "unknown_vendor_field": 1}):
+    for extra in (
+        {"stream": True},
+        {"stream": True, "stream_options": {"include_usage": True}},
+        {"user": "u1"},
+        {"priority": 5},
+        {"cache": {"semantic": True}},
+        {"cache": True},
+        {"model": "anything"},
+        {"metadata": {"trace": "x"}, "unknown_vendor_field": 1},
+    ):
         assert key(chat(**extra)) == base, extra
     assert key(completion(stream=True, user="u")) == key(completion())
 
@@ -117,8 +156,12 @@ def test_request_options_from_body_and_cache_control():
     assert request_options(chat(), {"cache-control": "max-age=0, no-store"}) == RequestOptions(False, False, False)
     with pytest.raises(ValidationError, match="semantik"):
         chat(cache={"semantik": True})  # a typo is a 400, not silently ignored
-    assert "cache" not in ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "x"}], "cache": False}).model_extra
+    assert (
+        "cache"
+        not in ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], "cache": False}
+        ).model_extra
+    )
 
 
 def test_semantic_parts_leave_the_text_out_of_the_scope():
@@ -129,9 +172,11 @@ def test_semantic_parts_leave_the_text_out_of_the_scope():
     assert semantic_parts("m", "r", "chat", chat(messages=sys_msgs))[0] != s1
     assert semantic_parts("m", "r", "chat", chat(max_tokens=9))[0] != s1
     assert semantic_parts("m", "r2", "chat", chat())[0] != s1
-    tool_last = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
-                 "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
-                 {"role": "tool", "content": "42", "tool_call_id": "c"}]
+    tool_last = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c"},
+    ]
     assert semantic_parts("m", "r", "chat", chat(messages=tool_last)) is None
     assert semantic_parts("m", "r", "completion", completion(prompt=[1, 2, 3])) is None
     assert semantic_parts("m", "r", "completion", completion())[1] == "The capital of France is"

@@ -2,6 +2,7 @@
 all-MiniLM-L6-v2 (loaded once for the module; skips without it): paraphrases hit, other
 instructions, sampling and numbers miss, the threshold, a dangling entry; the index's LRU, TTL and
 clear. No Ray."""
+
 import asyncio
 
 import numpy as np
@@ -25,16 +26,20 @@ def embedder():
 
 
 def test_embeddings_are_unit_vectors_and_paraphrases_are_close(embedder):
-    v = embedder.embed(["What is the capital of France?", "Which city is the capital of France?",
-                        "How do I sort a list in Python?"])
+    v = embedder.embed(
+        ["What is the capital of France?", "Which city is the capital of France?", "How do I sort a list in Python?"]
+    )
     assert v.shape == (3, 384) and v.dtype == np.float32
     assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
     assert v[0] @ v[1] > 0.9 > 0.3 > v[0] @ v[2]
 
 
 def semantic_cache(embedder, mode="opt-in", threshold=0.92, **kw) -> ResponseCache:
-    return ResponseCache(CacheSettings(semantic=mode, semantic_threshold=threshold, **kw),
-                         embedder_factory=lambda: embedder, metrics=False)
+    return ResponseCache(
+        CacheSettings(semantic=mode, semantic_threshold=threshold, **kw),
+        embedder_factory=lambda: embedder,
+        metrics=False,
+    )
 
 
 def ask(text: str, system: str | None = None, **kw) -> ChatCompletionRequest:
@@ -55,17 +60,22 @@ def test_semantic_paraphrase_hits_unrelated_and_other_instructions_miss(embedder
     async def go():
         cache = semantic_cache(embedder)
         await _seed(cache, ask("How many days are there in a leap year?", system="Be brief."))
-        para = await cache.lookup("m", "r", "chat", ask("How many days does a leap year have?", system="Be brief."), sem)
-        unrelated = await cache.lookup("m", "r", "chat", ask("What is the capital of France?", system="Be brief."),
-                                       sem)
-        other_system = await cache.lookup("m", "r", "chat",
-                                          ask("How many days does a leap year have?", system="Answer in French."), sem)
+        para = await cache.lookup(
+            "m", "r", "chat", ask("How many days does a leap year have?", system="Be brief."), sem
+        )
+        unrelated = await cache.lookup("m", "r", "chat", ask("What is the capital of France?", system="Be brief."), sem)
+        other_system = await cache.lookup(
+            "m", "r", "chat", ask("How many days does a leap year have?", system="Answer in French."), sem
+        )
         same_text_other_system = await cache.lookup(
-            "m", "r", "chat", ask("How many days are there in a leap year?", system="Answer in French."), sem)
+            "m", "r", "chat", ask("How many days are there in a leap year?", system="Answer in French."), sem
+        )
         other_sampling = await cache.lookup(
-            "m", "r", "chat", ask("How many days does a leap year have?", system="Be brief.", max_tokens=9), sem)
-        not_asked = await cache.lookup("m", "r", "chat", ask("How many days does a leap year have?",
-                                                             system="Be brief."), RequestOptions())
+            "m", "r", "chat", ask("How many days does a leap year have?", system="Be brief.", max_tokens=9), sem
+        )
+        not_asked = await cache.lookup(
+            "m", "r", "chat", ask("How many days does a leap year have?", system="Be brief."), RequestOptions()
+        )
         return para, unrelated, other_system, same_text_other_system, other_sampling, not_asked, cache.counts
 
     para, unrelated, other_system, same_text_other_system, other_sampling, not_asked, counts = run(go())
@@ -88,8 +98,9 @@ def test_semantic_threshold_and_numbers(embedder):
         para = await cache.lookup("m", "r", "chat", ask("How many days does a leap year have?"), RequestOptions())
         loose = await cache.lookup("m", "r", "chat", ask("How many days are there in February?"), sem)
         numbers = await cache.lookup("m", "r", "chat", ask("What is 12 times 13?"), sem)
-        declined = await cache.lookup("m", "r", "chat", ask("How many days does a leap year have?"),
-                                      RequestOptions(semantic=False))
+        declined = await cache.lookup(
+            "m", "r", "chat", ask("How many days does a leap year have?"), RequestOptions(semantic=False)
+        )
         return para.status, loose.status, numbers.status, declined.status
 
     # mode "on": a request that does not say anything gets the semantic level; one that declines does not
@@ -105,8 +116,9 @@ def test_semantic_entry_whose_answer_is_gone_is_a_miss(embedder):
         cache = semantic_cache(embedder, max_entries=1)
         await _seed(cache, ask("How many days are there in a leap year?"))
         await _seed(cache, ask("Name a famous painter."))  # evicts the first exact entry (max_entries 1)
-        look = await cache.lookup("m", "r", "chat", ask("How many days does a leap year have?"),
-                                  RequestOptions(semantic=True))
+        look = await cache.lookup(
+            "m", "r", "chat", ask("How many days does a leap year have?"), RequestOptions(semantic=True)
+        )
         return look.status, len(cache.index)
 
     assert run(go()) == ("miss", 1)  # and the dangling vector was dropped

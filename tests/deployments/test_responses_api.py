@@ -3,6 +3,7 @@ openai SDK itself through httpx's ASGI transport, so the SDK's own parsing (its 
 ``responses.parse``) checks what the gateway sends: a response and its stream, function tools,
 structured output, tool turns, a cut answer, the fields refused, and the route metrics. Stored
 responses: test_responses_store.py; embeddings and tokenize: test_embeddings_tokenize.py."""
+
 import httpx
 import pytest
 from gateway_fakes import ScriptedReplica, _run, _sdk
@@ -16,8 +17,9 @@ def test_create_maps_to_one_chat_request_and_renders_a_response():
 
     async def main():
         client, _ = _sdk(replica)
-        return await client.responses.create(model="fake", input="Say hi", instructions="Be brief.",
-                                             max_output_tokens=20, temperature=0, store=False)
+        return await client.responses.create(
+            model="fake", input="Say hi", instructions="Be brief.", max_output_tokens=20, temperature=0, store=False
+        )
 
     r = _run(main())
     assert r.output_text == "Hello there" and r.status == "completed" and r.id.startswith("resp_")
@@ -45,19 +47,33 @@ def test_stream_events_build_the_same_response_in_the_sdk_accumulator():
     kinds, seqs, final = _run(main())
     assert final.output_text == "One, two, three" and final.status == "completed"
     assert seqs == list(range(len(seqs)))
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert kinds.count("response.output_text.delta") == 3
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert final.usage.output_tokens == 3
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_function_tools_give_function_call_items(stream):
     replica = ScriptedReplica(pieces=(TOOL_TEXT[:20], TOOL_TEXT[20:]))
-    tools = [{"type": "function", "name": "get_weather", "description": "weather of a city",
-              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }
+    ]
 
     async def main():
         client, _ = _sdk(replica)
@@ -83,8 +99,9 @@ def test_forced_function_streams_its_arguments_as_deltas():
     async def main():
         client, _ = _sdk(replica)
         deltas = []
-        async with client.responses.stream(model="fake", input="x", tools=tools, store=False,
-                                           tool_choice={"type": "function", "name": "get_weather"}) as s:
+        async with client.responses.stream(
+            model="fake", input="x", tools=tools, store=False, tool_choice={"type": "function", "name": "get_weather"}
+        ) as s:
             async for e in s:
                 if e.type == "response.function_call_arguments.delta":
                     deltas.append(e.delta)
@@ -115,9 +132,11 @@ def test_parse_with_a_pydantic_model_sends_the_schema_and_parses_the_text():
 
 def test_function_call_output_items_become_tool_turns():
     replica = ScriptedReplica()
-    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
-             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
-             {"type": "function_call_output", "call_id": "c1", "output": "sunny, 21 C"}]
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny, 21 C"},
+    ]
 
     async def main():
         client, _ = _sdk(replica)
@@ -147,15 +166,20 @@ def test_max_output_tokens_cut_is_incomplete():
     assert kinds[-1] == "response.incomplete"
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": "x", "background": True}, "background"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
-     "input[0].content[0].type"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-    ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "background": True}, "background"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+    ],
+)
 def test_unsupported_fields_are_400s_naming_the_field(body, param):
     replica = ScriptedReplica()
 

@@ -2,6 +2,7 @@
 app (``local_app``, tests/deployments/conftest.py: SmolLM2 in float32 and the tiny model, real
 replicas); vectors against HF transformers on the same weights. The encoder's embeddings and
 ``/tokenize``: tests/e2e/test_embeddings_tokenize_live.py, on the live app."""
+
 import json
 
 import numpy as np
@@ -13,8 +14,14 @@ from pydantic import BaseModel
 
 pytestmark = pytest.mark.slow
 
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 
 
 def _client(local_app) -> openai.OpenAI:
@@ -23,11 +30,21 @@ def _client(local_app) -> openai.OpenAI:
 
 def test_responses_create_stream_and_chat_agree(local_app):
     c = _client(local_app)
-    kw = dict(model=local_app.model, input="Name three colours.", instructions="Answer briefly.",
-              max_output_tokens=24, temperature=0, store=False)
+    kw = dict(
+        model=local_app.model,
+        input="Name three colours.",
+        instructions="Answer briefly.",
+        max_output_tokens=24,
+        temperature=0,
+        store=False,
+    )
     created = c.responses.create(**kw)
-    chat = c.chat.completions.create(model=local_app.model, max_tokens=24, temperature=0, messages=[
-        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three colours."}])
+    chat = c.chat.completions.create(
+        model=local_app.model,
+        max_tokens=24,
+        temperature=0,
+        messages=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three colours."}],
+    )
     with c.responses.stream(**kw) as s:
         kinds = [e.type for e in s]
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
@@ -49,21 +66,40 @@ def test_responses_parse_tools_and_previous_response_id(local_app):
         capital: str
 
     c = _client(local_app)
-    parsed = c.responses.parse(model=local_app.model, input="Give a country and its capital as JSON.",
-                               text_format=Country, max_output_tokens=64, temperature=0, store=False)
+    parsed = c.responses.parse(
+        model=local_app.model,
+        input="Give a country and its capital as JSON.",
+        text_format=Country,
+        max_output_tokens=64,
+        temperature=0,
+        store=False,
+    )
     assert isinstance(parsed.output_parsed, Country) and parsed.output_parsed.capital
 
-    called = c.responses.create(model=local_app.model, input="What is the weather in Paris?", tools=TOOLS,
-                                tool_choice="required", max_output_tokens=64, temperature=0, store=False)
+    called = c.responses.create(
+        model=local_app.model,
+        input="What is the weather in Paris?",
+        tools=TOOLS,
+        tool_choice="required",
+        max_output_tokens=64,
+        temperature=0,
+        store=False,
+    )
     [item] = [o for o in called.output if o.type == "function_call"]
     assert item.name == "get_weather" and isinstance(json.loads(item.arguments), dict)
 
     first = c.responses.create(model=local_app.model, input="My name is Ada.", max_output_tokens=16, temperature=0)
-    second = c.responses.create(model=local_app.model, input="What is my name?", previous_response_id=first.id,
-                                max_output_tokens=16, temperature=0)
+    second = c.responses.create(
+        model=local_app.model,
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=16,
+        temperature=0,
+    )
     # the second prompt holds the first turn (its input and output) before its own input
-    alone = c.responses.create(model=local_app.model, input="What is my name?", max_output_tokens=16, temperature=0,
-                               store=False)
+    alone = c.responses.create(
+        model=local_app.model, input="What is my name?", max_output_tokens=16, temperature=0, store=False
+    )
     assert second.usage.input_tokens >= alone.usage.input_tokens + first.usage.output_tokens
     assert c.responses.retrieve(first.id).output_text == first.output_text
     c.responses.delete(first.id)

@@ -2,6 +2,7 @@
 ``DELETE`` per key, shared by every ingress replica on one Redis, owned by the key itself (not its
 name) with a bound per owner, in memory and on a real Redis (skips without redis-server). The
 gateway over a fake replica (no Ray, no engine), driven by the openai SDK."""
+
 import httpx
 import openai
 import pytest
@@ -16,13 +17,15 @@ def test_store_previous_response_id_get_and_delete_are_per_key():
     async def main():
         client, app = _sdk(replica, api_keys=["sk-a name=alice", "sk-b name=bob"])
         first = await client.responses.create(model="fake", input="My name is Ada.", instructions="Be kind.")
-        second = await client.responses.create(model="fake", input="What is my name?",
-                                               previous_response_id=first.id)
+        second = await client.responses.create(model="fake", input="What is my name?", previous_response_id=first.id)
         got = await client.responses.retrieve(first.id)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
         other = await http.get(f"/v1/responses/{first.id}", headers={"Authorization": "Bearer sk-b"})
-        other_prev = await http.post("/v1/responses", headers={"Authorization": "Bearer sk-b"},
-                                     json={"model": "fake", "input": "hi", "previous_response_id": first.id})
+        other_prev = await http.post(
+            "/v1/responses",
+            headers={"Authorization": "Bearer sk-b"},
+            json={"model": "fake", "input": "hi", "previous_response_id": first.id},
+        )
         await client.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)
@@ -34,9 +37,11 @@ def test_store_previous_response_id_get_and_delete_are_per_key():
     assert other_prev.status_code == 404 and other_prev.json()["error"]["param"] == "previous_response_id"
     assert second.previous_response_id == first.id
     # the second turn carries the first turn's input and output, not its instructions
-    assert replica.requests[1].messages == [{"role": "user", "content": "My name is Ada."},
-                                            {"role": "assistant", "content": "Hello there"},
-                                            {"role": "user", "content": "What is my name?"}]
+    assert replica.requests[1].messages == [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": "Hello there"},
+        {"role": "user", "content": "What is my name?"},
+    ]
 
 
 def test_stored_responses_in_redis_are_seen_by_every_ingress_replica(redis_server):
@@ -58,8 +63,10 @@ def test_stored_responses_in_redis_are_seen_by_every_ingress_replica(redis_serve
 
     first, seen = _run(main())
     assert seen.id == first.id and seen.output_text == "Hello there"
-    assert replica.requests[1].messages[:2] == [{"role": "user", "content": "Remember 42."},
-                                                {"role": "assistant", "content": "Hello there"}]
+    assert replica.requests[1].messages[:2] == [
+        {"role": "user", "content": "Remember 42."},
+        {"role": "assistant", "content": "Hello there"},
+    ]
 
 
 # ---- owners: the key itself, each with its own bound ------------------------------------------
@@ -109,8 +116,9 @@ def test_one_owners_responses_never_evict_anothers(store_backend):
     """Each owner has its own bound (the cache's ``max_entries``, 3 here): key A storing six
     responses evicts only A's oldest, never B's one."""
     replica = ScriptedReplica()
-    gw = make_gateway(replica, api_keys=["sk-tenant-a-2 name=a", "sk-tenant-b-2 name=b"], cache_max_entries=3,
-                      **store_backend)
+    gw = make_gateway(
+        replica, api_keys=["sk-tenant-a-2 name=a", "sk-tenant-b-2 name=b"], cache_max_entries=3, **store_backend
+    )
 
     async def main():
         a, b = _as(gw, "sk-tenant-a-2"), _as(gw, "sk-tenant-b-2")

@@ -2,6 +2,7 @@
 refuses what it would refuse without a trip to it, fills a freed slot at once, probes again
 after the hold, reports what it refused as demand, and still sends refusals upstream when a
 fallback is configured. The gateway runs in-process over a fake replica with a fixed capacity."""
+
 import asyncio
 import time
 
@@ -47,8 +48,14 @@ class CappedReplica:
         try:
             yield GenerationChunk(text="hello", token_ids=[1], num_prompt_tokens=4, num_output_tokens=1)
             await self.release.wait()
-            yield GenerationChunk(text=" world", token_ids=[2], finished=True, finish_reason="length",
-                                  num_prompt_tokens=4, num_output_tokens=2)
+            yield GenerationChunk(
+                text=" world",
+                token_ids=[2],
+                finished=True,
+                finish_reason="length",
+                num_prompt_tokens=4,
+                num_output_tokens=2,
+            )
         finally:
             self.running -= 1
 
@@ -69,8 +76,10 @@ async def _fill(c: httpx.AsyncClient, replica: CappedReplica) -> list[asyncio.Ta
 
 
 async def _chat(c: httpx.AsyncClient, stream: bool = True) -> httpx.Response:
-    return await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                       "max_tokens": 2, "stream": stream})
+    return await c.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream},
+    )
 
 
 def test_after_a_full_refusal_the_gateway_refuses_without_a_trip_and_refills_freed_slots():

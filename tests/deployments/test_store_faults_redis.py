@@ -4,6 +4,7 @@ a real redis-server paused (SIGSTOP) mid-use, the Files, Batch and Responses API
 during the pause or just after it; a ``store: true`` response that was not stored says so; a
 batch's final status is retried until stored, and the batch is not reported complete before.
 The gateway over a scripted replica (no Ray, no engine), driven by httpx and the openai SDK."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,12 @@ KEY = "sk-store-faults-1"
 
 
 def _line(i):
-    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "fake", "messages": [{"role": "user", "content": f"q{i}"}]}}
+    return {
+        "custom_id": f"req-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "fake", "messages": [{"role": "user", "content": f"q{i}"}]},
+    }
 
 
 def _gateway(replica, url):
@@ -33,8 +38,9 @@ def _gateway(replica, url):
     for owners in (gw.files.owners, gw.batches.owners, gw.responses.owners):
         owners.timeout_s = 0.3  # a paused Redis is found out fast (files default to 2 s)
     app = build_api(gw)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1",
-                             headers={"Authorization": f"Bearer {KEY}"})
+    http = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gw/v1", headers={"Authorization": f"Bearer {KEY}"}
+    )
     return gw, http, openai.AsyncOpenAI(api_key=KEY, base_url="http://gw/v1", http_client=http, max_retries=0)
 
 
@@ -48,17 +54,33 @@ def test_a_redis_pause_is_a_503_and_no_id_leaves_an_index(own_redis):
 
     async def run():
         _, http, client = _gateway(replica, own_redis.url)
-        files = [await client.files.create(file=(f"f{i}.jsonl", json.dumps(_line(i)).encode() + b"\n"),
-                                           purpose="batch") for i in range(2)]
-        b = await wait_batch(client, (await client.batches.create(input_file_id=files[0].id, endpoint="/v1/chat/completions",
-                                                             completion_window="24h")).id)
+        files = [
+            await client.files.create(file=(f"f{i}.jsonl", json.dumps(_line(i)).encode() + b"\n"), purpose="batch")
+            for i in range(2)
+        ]
+        b = await wait_batch(
+            client,
+            (
+                await client.batches.create(
+                    input_file_id=files[0].id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+            ).id,
+        )
         kept = await client.responses.create(model="fake", input="remember me")
         before = ({f.id for f in (await client.files.list()).data}, [x.id for x in (await client.batches.list()).data])
         own_redis.pause()
         try:
-            paused = {path: await http.get(path) for path in (
-                "/files", "/batches", f"/files/{files[1].id}", f"/files/{files[1].id}/content", f"/batches/{b.id}",
-                f"/responses/{kept.id}")}
+            paused = {
+                path: await http.get(path)
+                for path in (
+                    "/files",
+                    "/batches",
+                    f"/files/{files[1].id}",
+                    f"/files/{files[1].id}/content",
+                    f"/batches/{b.id}",
+                    f"/responses/{kept.id}",
+                )
+            }
             unstored = await http.post("/responses", json={"model": "fake", "input": "during the pause"})
         finally:
             own_redis.resume()
@@ -119,8 +141,9 @@ def test_a_batch_is_complete_only_once_its_final_status_is_stored(own_redis):
         try:
             gw, http, client = _gateway(replica, own_redis.url)
             f = await client.files.create(file=("in.jsonl", json.dumps(_line(0)).encode() + b"\n"), purpose="batch")
-            b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
+            b = await client.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
             while not replica.requests:  # the line reached the replica
                 await asyncio.sleep(0.005)
             own_redis.pause()

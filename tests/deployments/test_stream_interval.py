@@ -1,5 +1,6 @@
 """Stream coalescing (``stream_interval``): held engine outputs are folded into the next chunk
 with nothing lost; the first token and the last chunk go out at once."""
+
 import pytest
 
 from kvserve.deployments.replica.request_outputs import STREAMS_PER_STEP, ChunkBuilder, stream_interval

@@ -3,6 +3,7 @@ property that matters for streaming: fed the same output split anywhere (at ever
 of a real tokenizer through the engine's incremental detokenizer, at every character, at random
 byte-level splits inside multi-byte characters), a stream assembles exactly the whole response's
 content and calls; malformed or cut-off calls stay content."""
+
 from __future__ import annotations
 
 import codecs
@@ -17,59 +18,106 @@ from kvserve.deployments.gateway.tools import ToolCallStream, extract_calls
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.sampling_params import SamplingParams
 
-W = {"city": "Zürich", "note": "東京 ☀️ \"quoted\" {braces} [x]"}  # multi-byte characters, JSON's specials
+W = {"city": "Zürich", "note": '東京 ☀️ "quoted" {braces} [x]'}  # multi-byte characters, JSON's specials
 T = {}
 
 #: parser -> [(output, expected content, expected [(name, arguments)])]: well-formed calls with
 #: content around them, several calls, a cut-off or broken call (content), plain text.
 CASES = {
     "hermes": [
-        (f'Let me check.\n<tool_call>\n{json.dumps({"name": "get_weather", "arguments": W}, ensure_ascii=False)}\n'
-         '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
-         "Let me check.", [("get_weather", W), ("get_time", T)]),
-        ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call> and then prose after it, < and <tool',
-         "and then prose after it, < and <tool", [("get_time", T)]),
+        (
+            f"Let me check.\n<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': W}, ensure_ascii=False)}\n"
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+            "Let me check.",
+            [("get_weather", W), ("get_time", T)],
+        ),
+        (
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> and then prose after it, < and <tool',
+            "and then prose after it, < and <tool",
+            [("get_time", T)],
+        ),
         ('<tool_call>{"name": "get_time", "arguments": {}}', None, [("get_time", T)]),  # ended on EOS, no tag
-        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Zür', '<tool_call>{"name": "get_weather", '
-         '"arguments": {"city": "Zür', []),  # cut off by max_tokens
-        ('<tool_call>{"nom": 1}</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
-         '<tool_call>{"nom": 1}</tool_call>', [("get_time", T)]),  # a broken block stays content
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Zür',
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Zür',
+            [],
+        ),  # cut off by max_tokens
+        (
+            '<tool_call>{"nom": 1}</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+            '<tool_call>{"nom": 1}</tool_call>',
+            [("get_time", T)],
+        ),  # a broken block stays content
         ("Plain text: 1 < 2, a <tag>, ünïcödé. ", "Plain text: 1 < 2, a <tag>, ünïcödé. ", []),
     ],
     "qwen3_coder": [
-        ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
-         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
-         "</function>\n</tool_call>", "Checking.", [("get_weather", {"city": "Zürich", "days": 3}),
-                                                    ("get_time", T)]),
-        ("<tool_call>\n<function=get_weather>\n<parameter=city>\n東京", "<tool_call>\n<function=get_weather>\n"
-         "<parameter=city>\n東京", []),
+        (
+            "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+            "</function>\n</tool_call>",
+            "Checking.",
+            [("get_weather", {"city": "Zürich", "days": 3}), ("get_time", T)],
+        ),
+        (
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\n東京",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\n東京",
+            [],
+        ),
         ("<tool_call>not a function</tool_call> ok", "<tool_call>not a function</tool_call> ok", []),
     ],
     "mistral": [
-        (f'[TOOL_CALLS][{json.dumps({"name": "get_weather", "arguments": W}, ensure_ascii=False)}, '
-         '{"name": "get_time", "arguments": {}}]', None, [("get_weather", W), ("get_time", T)]),
-        (f'Sure. [TOOL_CALLS]get_weather[ARGS]{json.dumps(W, ensure_ascii=False)}[TOOL_CALLS]get_time[ARGS]{{}}',
-         "Sure.", [("get_weather", W), ("get_time", T)]),
-        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Z', '[TOOL_CALLS][{"name": "get_weather", '
-         '"arguments": {"city": "Z', []),
+        (
+            f"[TOOL_CALLS][{json.dumps({'name': 'get_weather', 'arguments': W}, ensure_ascii=False)}, "
+            '{"name": "get_time", "arguments": {}}]',
+            None,
+            [("get_weather", W), ("get_time", T)],
+        ),
+        (
+            f"Sure. [TOOL_CALLS]get_weather[ARGS]{json.dumps(W, ensure_ascii=False)}[TOOL_CALLS]get_time[ARGS]{{}}",
+            "Sure.",
+            [("get_weather", W), ("get_time", T)],
+        ),
+        (
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Z',
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Z',
+            [],
+        ),
         ("[TOOL_CALLS] is a marker [but] not {a call}", "[TOOL_CALLS] is a marker [but] not {a call}", []),
     ],
     "llama3_json": [
-        (f'<|python_tag|>{json.dumps({"name": "get_weather", "parameters": W}, ensure_ascii=False)}; '
-         '{"name": "get_time", "parameters": {}}', None, [("get_weather", W), ("get_time", T)]),
-        ('{"answer": 42, "note": "a JSON answer is no call"}', '{"answer": 42, "note": "a JSON answer is no call"}',
-         []),
+        (
+            f"<|python_tag|>{json.dumps({'name': 'get_weather', 'parameters': W}, ensure_ascii=False)}; "
+            '{"name": "get_time", "parameters": {}}',
+            None,
+            [("get_weather", W), ("get_time", T)],
+        ),
+        (
+            '{"answer": 42, "note": "a JSON answer is no call"}',
+            '{"answer": 42, "note": "a JSON answer is no call"}',
+            [],
+        ),
         ('{"name": "get_time", "parameters": {}} and some words', "and some words", [("get_time", T)]),
-        ('The answer: {"name": "get_time", "parameters": {}}', 'The answer: {"name": "get_time", "parameters": {}}',
-         []),
-        ('{"name": "get_weather", "parameters": {"city": "Zü', '{"name": "get_weather", "parameters": {"city": "Zü',
-         []),
+        (
+            'The answer: {"name": "get_time", "parameters": {}}',
+            'The answer: {"name": "get_time", "parameters": {}}',
+            [],
+        ),
+        (
+            '{"name": "get_weather", "parameters": {"city": "Zü',
+            '{"name": "get_weather", "parameters": {"city": "Zü',
+            [],
+        ),
     ],
     "pythonic": [
-        ('[get_weather(city="Zürich", note=\'東京 ☀️ "quoted" {braces} [x]\'), get_time()]', None,
-         [("get_weather", W), ("get_time", T)]),
-        ("<|python_start|>[get_weather(city='Zürich', days=3, units=None, flags=[True, 1.5])]<|python_end|>",
-         None, [("get_weather", {"city": "Zürich", "days": 3, "units": None, "flags": [True, 1.5]})]),
+        (
+            '[get_weather(city="Zürich", note=\'東京 ☀️ "quoted" {braces} [x]\'), get_time()]',
+            None,
+            [("get_weather", W), ("get_time", T)],
+        ),
+        (
+            "<|python_start|>[get_weather(city='Zürich', days=3, units=None, flags=[True, 1.5])]<|python_end|>",
+            None,
+            [("get_weather", {"city": "Zürich", "days": 3, "units": None, "flags": [True, 1.5]})],
+        ),
         ("[1, 2, 3] is a list", "[1, 2, 3] is a list", []),
         ("[get_weather(city=__import__('os'))]", "[get_weather(city=__import__('os'))]", []),  # never evaluated
         ('[get_weather(city="Zü', '[get_weather(city="Zü', []),
@@ -166,16 +214,19 @@ def test_unknown_parser_is_refused():
         get_tool_parser("no-such-parser")
 
 
-@pytest.mark.parametrize("snippet,parser", [
-    ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "qwen3_coder"),  # Qwen3-Coder
-    ('{{- "<tool_call>\\n{\\"name\\": \\"" }}{{ tool_call.name }}', "hermes"),  # Qwen2.5 / Qwen3 / Hermes
-    ("{{- '[TOOL_CALLS][' }}{% for tool in tool_calls %}", "mistral"),
-    ("{{- '<|python_start|>' }}{%- if tool_call.function is defined %}", "pythonic"),  # Llama 4
-    ("[func_name1(params_name1=params_value1, params_name2=params_value2...)]", "pythonic"),
-    ("{{- '<|python_tag|>' + tool_call.name + '.call(' }}", "llama3_json"),  # Llama 3.1
-    ("{{ messages[0]['content'] }}", "hermes"),  # no tools: the convention the gateway teaches
-    (None, "hermes"),
-])
+@pytest.mark.parametrize(
+    "snippet,parser",
+    [
+        ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "qwen3_coder"),  # Qwen3-Coder
+        ('{{- "<tool_call>\\n{\\"name\\": \\"" }}{{ tool_call.name }}', "hermes"),  # Qwen2.5 / Qwen3 / Hermes
+        ("{{- '[TOOL_CALLS][' }}{% for tool in tool_calls %}", "mistral"),
+        ("{{- '<|python_start|>' }}{%- if tool_call.function is defined %}", "pythonic"),  # Llama 4
+        ("[func_name1(params_name1=params_value1, params_name2=params_value2...)]", "pythonic"),
+        ("{{- '<|python_tag|>' + tool_call.name + '.call(' }}", "llama3_json"),  # Llama 3.1
+        ("{{ messages[0]['content'] }}", "hermes"),  # no tools: the convention the gateway teaches
+        (None, "hermes"),
+    ],
+)
 def test_auto_picks_the_parser_the_template_writes_calls_for(snippet, parser):
     from kvserve.engine.chat_templates import tool_parser_for_template
 

@@ -1,6 +1,7 @@
 """Tool calling's text side (kvserve/deployments/gateway/tools.py): the grammar for ``required`` / a named
 function, and the Hermes rendering for chat templates that know no tools (with SmolLM2's real
 template). The parsers per model family: tests/deployments/test_tool_parsers.py."""
+
 import json
 
 import jsonschema
@@ -9,16 +10,26 @@ import pytest
 from kvserve.deployments.gateway.tools import parse_forced, tool_grammar
 from kvserve.engine.chat_templates import prepare_messages, template_knows_tools
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}
+
 
 def test_required_and_named_grammars():
     spec = tool_grammar([WEATHER, TIME], "required", parallel=False)["json"]
     good = [{"name": "get_weather", "parameters": {"city": "Rome"}}]
     jsonschema.validate(good, spec)
-    for bad in ([], [{"name": "nope", "parameters": {}}], [{"name": "get_weather", "parameters": {}}],
-                good + [{"name": "get_time", "parameters": {}}]):  # two calls, parallel off
+    for bad in (
+        [],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "get_weather", "parameters": {}}],
+        good + [{"name": "get_time", "parameters": {}}],
+    ):  # two calls, parallel off
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, spec)
     calls = parse_forced(json.dumps(good), "required")
@@ -35,10 +46,17 @@ def test_history_rendered_for_a_template_without_tools(smollm2_path):
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     assert not template_knows_tools(tok.chat_template)
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": {"city": "Paris"}}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "21 C, sunny"}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C, sunny"},
+    ]
     out, tools = prepare_messages(messages, [WEATHER], tok.chat_template)
     assert tools is None
     text = tok.apply_chat_template(out, tokenize=False, add_generation_prompt=True)

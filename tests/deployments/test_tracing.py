@@ -4,6 +4,7 @@ over HTTP (a plain HTTP server) and over gRPC (a ``TraceService`` server); a req
 gateway to a real engine gives one trace under the client's ``traceparent``: the gateway's
 request span, its pipeline steps, and the replica's ``llm_request`` with its phases, across the
 pickled hop of tests/local_app.py."""
+
 from __future__ import annotations
 
 import os
@@ -72,8 +73,15 @@ def _attrs(span) -> dict:
     out = {}
     for a in span.attributes:
         v = a.value
-        out[a.key] = (v.string_value if v.HasField("string_value") else v.int_value if v.HasField("int_value")
-                      else v.double_value if v.HasField("double_value") else v.bool_value)
+        out[a.key] = (
+            v.string_value
+            if v.HasField("string_value")
+            else v.int_value
+            if v.HasField("int_value")
+            else v.double_value
+            if v.HasField("double_value")
+            else v.bool_value
+        )
     return out
 
 
@@ -119,13 +127,21 @@ def test_protocol_and_ratio_checks(monkeypatch):
 def test_off_by_default_loads_no_exporter():
     """(Ray itself imports the OpenTelemetry SDK; what tracing adds, the OTLP exporters and a
     span processor's thread, stays out unless an endpoint is configured.)"""
-    code = ("import sys; from kvserve.deployments.gateway.core import Gateway; from kvserve.deployments.replica.llm_server import "
-            "LLMServer; from kvserve.deployments.contract.config import TracingArgs; from kvserve.telemetry.tracing import tracing; "
-            "assert TracingArgs().otlp_traces_endpoint is None and tracing(None) is None; "
-            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.exporter.otlp')))")
+    code = (
+        "import sys; from kvserve.deployments.gateway.core import Gateway; from kvserve.deployments.replica.llm_server import "
+        "LLMServer; from kvserve.deployments.contract.config import TracingArgs; from kvserve.telemetry.tracing import tracing; "
+        "assert TracingArgs().otlp_traces_endpoint is None and tracing(None) is None; "
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.exporter.otlp')))"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
 
@@ -134,25 +150,55 @@ def test_a_request_is_one_trace_from_the_client_to_the_engine(tiny_llama_path, h
     from local_app import LocalApp
 
     got, endpoint = http_receiver
-    app = LocalApp({"/": {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_model_len": 256,
-                          "torch_num_threads": 1, "otlp_traces_endpoint": endpoint,
-                          "otlp_traces_protocol": "http/protobuf"}}).start()
+    app = LocalApp(
+        {
+            "/": {
+                "model": str(tiny_llama_path),
+                "served_model_name": "tiny",
+                "max_model_len": 256,
+                "torch_num_threads": 1,
+                "otlp_traces_endpoint": endpoint,
+                "otlp_traces_protocol": "http/protobuf",
+            }
+        }
+    ).start()
     try:
-        r = httpx.post(f"{app.namespace().base_url}/chat/completions", timeout=120,
-                       headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "x-request-id": "trace-test-1"},
-                       json={"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
-                             "max_tokens": 5, "ignore_eos": True})
+        r = httpx.post(
+            f"{app.namespace().base_url}/chat/completions",
+            timeout=120,
+            headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "x-request-id": "trace-test-1"},
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": 5,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         # an untraced request starts a trace of its own (a new root)
-        assert httpx.post(f"{app.namespace().base_url}/completions", timeout=120,
-                          json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert (
+            httpx.post(
+                f"{app.namespace().base_url}/completions",
+                timeout=120,
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+            ).status_code
+            == 200
+        )
     finally:
         app.stop()
     assert tracing(endpoint, "http/protobuf").flush(20)
     spans = {s.name: s for s in got.of_trace(TRACE_ID)}
-    assert set(spans) == {"POST /v1/chat/completions", "cache_lookup", "key_admission", "routing", "llm_request",
-                          "queue", "prefill", "decode"}, sorted(spans)
+    assert set(spans) == {
+        "POST /v1/chat/completions",
+        "cache_lookup",
+        "key_admission",
+        "routing",
+        "llm_request",
+        "queue",
+        "prefill",
+        "decode",
+    }, sorted(spans)
     root = spans["POST /v1/chat/completions"]
     assert root.parent_span_id.hex() == PARENT_ID and root.kind == root.SPAN_KIND_SERVER
     for step in ("cache_lookup", "key_admission", "routing"):
@@ -161,12 +207,17 @@ def test_a_request_is_one_trace_from_the_client_to_the_engine(tiny_llama_path, h
     assert llm.parent_span_id == spans["routing"].span_id  # across the replica hop
     for phase in ("queue", "prefill", "decode"):
         assert spans[phase].parent_span_id == llm.span_id
-    assert spans["queue"].end_time_unix_nano <= spans["prefill"].end_time_unix_nano <= spans["decode"].end_time_unix_nano
+    assert (
+        spans["queue"].end_time_unix_nano <= spans["prefill"].end_time_unix_nano <= spans["decode"].end_time_unix_nano
+    )
     a = _attrs(llm)
     assert a["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
     assert a["gen_ai.usage.completion_tokens"] == usage["completion_tokens"] == 5
     assert a["gen_ai.response.model"] == "tiny" and a["gen_ai.request.max_tokens"] == 5
-    assert a["gen_ai.latency.time_to_first_token"] >= 0 and a["gen_ai.latency.e2e"] >= a["gen_ai.latency.time_to_first_token"]
+    assert (
+        a["gen_ai.latency.time_to_first_token"] >= 0
+        and a["gen_ai.latency.e2e"] >= a["gen_ai.latency.time_to_first_token"]
+    )
     ra = _attrs(root)
     assert ra["gen_ai.usage.completion_tokens"] == 5 and ra["kvserve.outcome"] == "ok"
     assert ra["kvserve.request_id"] == "trace-test-1"

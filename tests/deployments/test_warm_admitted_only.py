@@ -3,6 +3,7 @@ it (request_log.py, warm.py, the gateway's warm header): a request its key's lim
 or the gate refused is not in the request log, and a replay of an admitted one is admitted under
 its key's own limits, not the admin key's (none). In-process: the real gateway app over a fake
 replica, the real request log and warm's replay through httpx's ASGI transport."""
+
 import asyncio
 
 import httpx
@@ -16,8 +17,13 @@ TENANT = "sk-warm-tenant"
 
 
 def test_warm_replays_only_admitted_requests_under_their_own_keys_limits(tmp_path):
-    gw = make_gateway(FakeReplica(), api_keys=[f"{TENANT} name=tenant rpm=1"], admin_api_keys=[ADMIN],
-                      request_log_dir=str(tmp_path), request_log_prompts="store")
+    gw = make_gateway(
+        FakeReplica(),
+        api_keys=[f"{TENANT} name=tenant rpm=1"],
+        admin_api_keys=[ADMIN],
+        request_log_dir=str(tmp_path),
+        request_log_prompts="store",
+    )
     app = build_api(gw)
     transport = httpx.ASGITransport(app=app)
     body = {"model": "fake", "prompt": "hi", "max_tokens": 2, "temperature": 0.0}
@@ -27,8 +33,9 @@ def test_warm_replays_only_admitted_requests_under_their_own_keys_limits(tmp_pat
             tenant = {"authorization": f"Bearer {TENANT}"}
             first = await c.post("/v1/completions", json=body, headers=tenant)
             refused = await c.post("/v1/completions", json={**body, "prompt": "refused"}, headers=tenant)
-            wrong = await c.post("/v1/completions", json={**body, "prompt": "no key"},
-                                 headers={"authorization": "Bearer sk-wrong"})
+            wrong = await c.post(
+                "/v1/completions", json={**body, "prompt": "no key"}, headers={"authorization": "Bearer sk-wrong"}
+            )
         return first, refused, wrong
 
     first, refused, wrong = asyncio.run(main())

@@ -3,6 +3,7 @@ test's own, find its replica actors, stream long completions into :class:`Stream
 process mid-stream or scale an app down mid-stream, and check that each client saw a complete
 answer or a clean OpenAI error with nothing internal in it.
 """
+
 import asyncio
 import json
 import os
@@ -25,15 +26,36 @@ HEALTH_ANSWER_LIMIT_S = 10.0
 #: A tiny replica's share of the session's 8 logical CPUs (beside the fixture's apps). Its streams
 #: send 8 tokens a chunk: these tests are about drains, kills and recovery, not chunking, and a
 #: chunk per token made the serving path most of their CPU time.
-TINY = {"max_num_seqs": 8, "max_model_len": 2048, "torch_num_threads": 1, "replica_cpus": 0.25,
-        "worker_cpus": 0.25, "ingress_cpus": 0.1, "stream_interval": 8}
+TINY = {
+    "max_num_seqs": 8,
+    "max_model_len": 2048,
+    "torch_num_threads": 1,
+    "replica_cpus": 0.25,
+    "worker_cpus": 0.25,
+    "ingress_cpus": 0.1,
+    "stream_interval": 8,
+}
 #: Tokens of each long stream: seconds of decoding for 6-8 concurrent streams of the tiny model
 #: (prompt + tokens within TINY's max_model_len).
 LONG_TOKENS = 1900
 
 #: Text that must never reach a client: Ray's and Python's internals.
-INTERNALS = ("Traceback", 'File "', "Actor", "actor", "ray::", "ray.exceptions", "RayTaskError", "Worker",
-             "worker_id", "/tmp/", "/work/", "/root/", "127.0.0.1", "pid")
+INTERNALS = (
+    "Traceback",
+    'File "',
+    "Actor",
+    "actor",
+    "ray::",
+    "ray.exceptions",
+    "RayTaskError",
+    "Worker",
+    "worker_id",
+    "/tmp/",
+    "/work/",
+    "/root/",
+    "127.0.0.1",
+    "pid",
+)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -75,8 +97,15 @@ def _replica_actors(app_name: str) -> list[dict]:
     for a in state.actor_table(None).values():
         cls = a.get("ActorClassName") or ""
         if cls.startswith(f"ServeReplica:{app_name}:"):
-            out.append({"deployment": cls.rsplit(":", 1)[1], "replica": (a.get("Name") or "").rsplit("#", 1)[-1],
-                        "actor_id": a["ActorID"], "state": a["State"], "pid": a.get("Pid")})
+            out.append(
+                {
+                    "deployment": cls.rsplit(":", 1)[1],
+                    "replica": (a.get("Name") or "").rsplit("#", 1)[-1],
+                    "actor_id": a["ActorID"],
+                    "state": a["State"],
+                    "pid": a.get("Pid"),
+                }
+            )
     return out
 
 
@@ -157,8 +186,14 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, res: StreamRe
 def _long_body(n: int = LONG_TOKENS) -> dict:
     """A long greedy stream, never answered from the gateway's response cache (the tests that
     share an app send the same prompt: a cached answer would end at once)."""
-    return {"prompt": "Count: one, two, three,", "max_tokens": n, "ignore_eos": True, "temperature": 0,
-            "stream_options": {"include_usage": True}, "cache": False}
+    return {
+        "prompt": "Count: one, two, three,",
+        "max_tokens": n,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+        "cache": False,
+    }
 
 
 def _assert_completed(res: StreamResult, n: int = LONG_TOKENS) -> None:
@@ -187,8 +222,7 @@ def _assert_failed_cleanly(res: StreamResult, t_kill: float, *pids: int) -> str:
     return err["code"]
 
 
-async def _wait_recovered(client: httpx.AsyncClient, base: str, t_kill: float, limit_s: float,
-                          *pids: int) -> dict:
+async def _wait_recovered(client: httpx.AsyncClient, base: str, t_kill: float, limit_s: float, *pids: int) -> dict:
     """Poll ``/ready`` and a 1-token completion until both answer 200; seconds since the kill
     for each. Every other answer on the way must be a clean OpenAI error (503, 429)."""
     out: dict = {"ready_s": None, "completion_s": None, "answers": []}
@@ -212,8 +246,9 @@ async def _wait_recovered(client: httpx.AsyncClient, base: str, t_kill: float, l
     async def completion():
         while out["completion_s"] is None and time.monotonic() < deadline:
             try:
-                r = await client.post(f"{base}/v1/completions", timeout=30,
-                                      json={"prompt": "hello", "max_tokens": 1, "temperature": 0})
+                r = await client.post(
+                    f"{base}/v1/completions", timeout=30, json={"prompt": "hello", "max_tokens": 1, "temperature": 0}
+                )
             except httpx.TimeoutException:
                 out["answers"].append((round(time.monotonic() - t_kill, 1), "completion", "timeout"))
                 continue
@@ -243,8 +278,9 @@ async def _watch_health(client: httpx.AsyncClient, base: str, t_kill: float, *pi
         if r.status_code == 503:
             out["down_s"] = time.monotonic() - t_kill
             break
-        assert time.monotonic() - t_kill < HEALTH_DOWN_LIMIT_S, \
+        assert time.monotonic() - t_kill < HEALTH_DOWN_LIMIT_S, (
             f"health still {r.status_code} {HEALTH_DOWN_LIMIT_S:.0f} s after the engine died"
+        )
         await asyncio.sleep(0.2)
     assert _assert_openai_error(r.json(), *pids)["code"] == "unhealthy", r.text
     r = await client.post(f"{base}/v1/completions", json=body, timeout=60)
@@ -264,8 +300,15 @@ async def _watch_health(client: httpx.AsyncClient, base: str, t_kill: float, *pi
         await asyncio.sleep(1)
 
 
-async def _kill_mid_stream(base: str, pid: int, limit_s: float, n_streams: int = 6, *, watch_health: bool = False,
-                           other_pids: tuple[int, ...] = ()) -> tuple[list[StreamResult], dict, float, float]:
+async def _kill_mid_stream(
+    base: str,
+    pid: int,
+    limit_s: float,
+    n_streams: int = 6,
+    *,
+    watch_health: bool = False,
+    other_pids: tuple[int, ...] = (),
+) -> tuple[list[StreamResult], dict, float, float]:
     """Start ``n_streams`` long streams, SIGKILL ``pid`` once each is mid-way, wait for every
     client to see its end and for the service to recover (with ``watch_health``, also
     :func:`_watch_health` from the kill on, its result in the recovery's ``health``). Returns the
@@ -275,8 +318,9 @@ async def _kill_mid_stream(base: str, pid: int, limit_s: float, n_streams: int =
         results = [StreamResult() for _ in range(n_streams)]
         tasks = [asyncio.create_task(_stream(client, f"{base}/v1/completions", _long_body(), r)) for r in results]
         await asyncio.wait_for(asyncio.gather(*(r.first_token.wait() for r in results)), 120)
-        assert all(r.status == 200 and not r.done for r in results), \
-            [(r.status, r.body, r.events[-1:]) for r in results]  # every stream is mid-way
+        assert all(r.status == 200 and not r.done for r in results), [
+            (r.status, r.body, r.events[-1:]) for r in results
+        ]  # every stream is mid-way
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
         health = asyncio.create_task(_watch_health(client, base, t_kill, pid, *other_pids)) if watch_health else None
@@ -331,8 +375,9 @@ def _scale_down_mid_stream(base: str, name: str, route: str, args: dict, pin: st
                 await asyncio.wait_for(r.first_token.wait(), 120)
             assert all(r.status == 200 and not r.done for r in longs), [(r.status, r.body) for r in longs]
             # the scale-down (serve.run returns once the app is running at its new size)
-            redeploy = asyncio.create_task(asyncio.to_thread(_deploy, {**args, "num_replicas": 1}, name, route,
-                                                             pin=pin))
+            redeploy = asyncio.create_task(
+                asyncio.to_thread(_deploy, {**args, "num_replicas": 1}, name, route, pin=pin)
+            )
             t0 = time.monotonic()
             # stopping has begun when a replica is STOPPING, or already gone (a short drain can
             # end between two polls: serve.status() takes up to seconds on a loaded box)
@@ -344,18 +389,30 @@ def _scale_down_mid_stream(base: str, name: str, route: str, args: dict, pin: st
             in_flight = sum(not r.done for r in longs)
             # new requests while a replica drains: a stream, completions and /ready
             new_stream = StreamResult()
-            new_task = asyncio.create_task(_stream(client, f"{base}/v1/completions", _long_body(16), new_stream,
-                                                   started_after=1))
+            new_task = asyncio.create_task(
+                _stream(client, f"{base}/v1/completions", _long_body(16), new_stream, started_after=1)
+            )
             t_new = time.monotonic()
-            answers = await asyncio.gather(*(client.post(f"{base}/v1/completions", json={
-                "prompt": f"hi {i}", "max_tokens": 8, "temperature": 0}) for i in range(3)),
-                client.get(f"{base}/ready"))
+            answers = await asyncio.gather(
+                *(
+                    client.post(f"{base}/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 8, "temperature": 0})
+                    for i in range(3)
+                ),
+                client.get(f"{base}/ready"),
+            )
             new_s = time.monotonic() - t_new
             still_stopping = "STOPPING" in await asyncio.to_thread(llm_states)
             await asyncio.wait_for(asyncio.gather(*tasks, new_task), 240)
             await asyncio.wait_for(redeploy, 240)
-            return {"longs": longs, "t_stopping": t_stopping, "in_flight": in_flight, "new_stream": new_stream,
-                    "answers": answers, "new_s": new_s, "still_stopping": still_stopping}
+            return {
+                "longs": longs,
+                "t_stopping": t_stopping,
+                "in_flight": in_flight,
+                "new_stream": new_stream,
+                "answers": answers,
+                "new_s": new_s,
+                "still_stopping": still_stopping,
+            }
 
     out = asyncio.run(run())
     after = {a["replica"]: a for a in _replica_actors(name) if a["state"] == "ALIVE"}

@@ -1,4 +1,5 @@
 """Helpers of the live KV tests (test_kv_router_live.py, test_kv_cluster_live.py)."""
+
 import time
 
 

@@ -3,6 +3,7 @@ one model in each of the two exports, waiting until they settled or rose by what
 Ray's export makes of a histogram's sum, and every query of the Grafana dashboard run against
 the server.
 """
+
 import itertools
 import os
 import subprocess
@@ -119,9 +120,18 @@ def _baseline(prom: Prom, model: str) -> dict[tuple[str, str], float]:
     import ray
 
     m = f'model_name="{model}"'
-    _wait(lambda: ((v := prom.value(f"kvserve:num_requests_running{{{m}}}")
-                    + prom.value(f"kvserve:num_requests_waiting{{{m}}}")) == 0, v),
-          120, f"{model} still has requests in flight")
+    _wait(
+        lambda: (
+            (
+                v := prom.value(f"kvserve:num_requests_running{{{m}}}")
+                + prom.value(f"kvserve:num_requests_waiting{{{m}}}")
+            )
+            == 0,
+            v,
+        ),
+        120,
+        f"{model} still has requests in flight",
+    )
     exprs = _all_exprs(model)
     keys = [k for _, k in exprs if k not in APPROXIMATED_BY_RAY]
     stable_for = 2 * max(ray._config.metrics_report_interval_ms() / 1000, RAY_SCRAPE_S) + 3
@@ -149,13 +159,18 @@ def _deltas(prom: Prom, base: dict, model: str) -> dict[tuple[str, str], float]:
 def _expect(prom: Prom, base: dict, model: str, expected: dict[str, float], timeout: float = 60):
     """Poll until every expected increase holds in both exports (a value, or ``{job: value}``
     where the exports differ); fail naming each mismatch."""
+
     def want(job, v):
         return v[job] if isinstance(v, dict) else v
 
     def cond():
         d = _deltas(prom, base, model)
-        bad = {f"{job}:{k}": (d[(job, k)], want(job, v)) for job in EXPORTS for k, v in expected.items()
-               if d[(job, k)] != want(job, v)}
+        bad = {
+            f"{job}:{k}": (d[(job, k)], want(job, v))
+            for job in EXPORTS
+            for k, v in expected.items()
+            if d[(job, k)] != want(job, v)
+        }
         return not bad, (d, bad)
 
     deadline = time.time() + timeout
@@ -164,10 +179,15 @@ def _expect(prom: Prom, base: dict, model: str, expected: dict[str, float], time
         if done:
             return d
         if time.time() > deadline:
-            scrapes = {f'{q}{{job="{r["metric"]["job"]}"}}': r["value"][1]
-                       for q in ("up", "scrape_duration_seconds") for r in prom.query(q)}
-            pytest.fail(f"metric increases != what was sent after {timeout:.0f} s, (got, expected): {bad}; "
-                        f"all increases: { {f'{j}:{k}': v for (j, k), v in d.items()} }; last scrapes: {scrapes}")
+            scrapes = {
+                f'{q}{{job="{r["metric"]["job"]}"}}': r["value"][1]
+                for q in ("up", "scrape_duration_seconds")
+                for r in prom.query(q)
+            }
+            pytest.fail(
+                f"metric increases != what was sent after {timeout:.0f} s, (got, expected): {bad}; "
+                f"all increases: { {f'{j}:{k}': v for (j, k), v in d.items()} }; last scrapes: {scrapes}"
+            )
         time.sleep(1.0)
 
 
@@ -179,11 +199,23 @@ def _ray_hist_sum(values, buckets) -> float:
     mids = [buckets[0] / 2] + [(a + b) / 2 for a, b in itertools.pairwise(buckets)] + [buckets[-1] * 2]
     return sum(mids[next((i for i, b in enumerate(buckets) if v <= b), len(buckets))] for v in values)
 
+
 DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "helm", "kvserve", "dashboards", "kvserve.json")
 # panels that must show the tiny model's traffic just sent, in both exports
-MUST_HAVE_DATA = ("Time to first token", "Inter-token latency", "End-to-end request latency", "Queue / prefill",
-                  "Token throughput", "Finished requests", "Running and waiting", "KV-cache usage",
-                  "Prefix-cache hit rate", "Rejected requests", "Replicas", "Request length")
+MUST_HAVE_DATA = (
+    "Time to first token",
+    "Inter-token latency",
+    "End-to-end request latency",
+    "Queue / prefill",
+    "Token throughput",
+    "Finished requests",
+    "Running and waiting",
+    "KV-cache usage",
+    "Prefix-cache hit rate",
+    "Rejected requests",
+    "Replicas",
+    "Request length",
+)
 
 
 def _check_dashboard(prom: Prom):
@@ -199,8 +231,13 @@ def _check_dashboard(prom: Prom):
         for p in dash["panels"]:
             for t in p["targets"]:
                 expr = t["expr"]
-                for var, value in (("prefix", prefix), ("model_name", TINY), ("__rate_interval", "1m"),
-                                   ("__interval", "15s"), ("__range", "1h")):
+                for var, value in (
+                    ("prefix", prefix),
+                    ("model_name", TINY),
+                    ("__rate_interval", "1m"),
+                    ("__interval", "15s"),
+                    ("__range", "1h"),
+                ):
                     expr = expr.replace("${" + var + "}", value)
                     expr = re.sub(r"\$" + re.escape(var) + r"(?![A-Za-z0-9_])", value, expr)
                 res = prom.query(expr)  # raises on a PromQL error (HTTP 400)
@@ -208,5 +245,7 @@ def _check_dashboard(prom: Prom):
                 if p["title"].startswith(MUST_HAVE_DATA) and t["refId"] == "A":
                     assert res, f"no data: {where}"
                 if p["title"] == "Replicas" and t["refId"] == "A":
-                    assert [(r["metric"]["model_name"], float(r["value"][1])) for r in res] == [(TINY, 1.0)], \
-                        (where, res)
+                    assert [(r["metric"]["model_name"], float(r["value"][1])) for r in res] == [(TINY, 1.0)], (
+                        where,
+                        res,
+                    )

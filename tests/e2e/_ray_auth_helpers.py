@@ -2,6 +2,7 @@
 run a task or get a Serve handle, raw gRPC calls to the GCS and to Serve replicas, each with no,
 a wrong or the right token), their environment, and where this machine's processes listen.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ import pytest
 
 from kvserve.cluster.ray_auth import LOOPBACK_VAR
 
-ATTACKER = r'''
+ATTACKER = r"""
 import os, sys, time
 from pathlib import Path
 import ray
@@ -38,9 +39,9 @@ try:
 except BaseException as e:
     print("REFUSED", type(e).__name__, str(e)[:500].replace("\n", " | "), flush=True)
     sys.exit(3)
-'''
+"""
 
-RAW_GRPC = r'''
+RAW_GRPC = r"""
 import sys, grpc
 from ray.core.generated import gcs_service_pb2 as gcs, gcs_service_pb2_grpc as gcs_grpc
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
@@ -61,7 +62,7 @@ for label, md in (("none", []), ("wrong", [("authorization", "Bearer " + "0" * 6
                 print(label, name, addr, "OK", flush=True)
             except grpc.RpcError as e:
                 print(label, name, addr, e.code().name, (e.details() or "")[:120].replace("\n", " "), flush=True)
-'''
+"""
 
 
 def _attacker_env(home: Path, **extra) -> dict:
@@ -76,8 +77,15 @@ def _attacker_env(home: Path, **extra) -> dict:
 
 
 def _spawn(code: str, args: list[str], env: dict, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _collect(procs: dict[str, subprocess.Popen], timeout: float = 240) -> dict[str, tuple[int, str]]:

@@ -8,6 +8,7 @@ serves the tiny model with an API key and tensor_parallel_size 2 (worker actors 
 replica's placement group). ``tokenizers``: SmolLM2's tokenizers as the engine and the
 prefix router load them (test_router.py, test_router_live.py).
 """
+
 import atexit
 import os
 import shutil
@@ -52,8 +53,9 @@ def ray_session():
         # names another (ray.cluster_utils.Cluster writes that file for its own clusters)
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
         started = True
-    yield SimpleNamespace(address=ray.get_runtime_context().gcs_address, auth=RAY_AUTH,
-                          token_path=os.environ["RAY_AUTH_TOKEN_PATH"])
+    yield SimpleNamespace(
+        address=ray.get_runtime_context().gcs_address, auth=RAY_AUTH, token_path=os.environ["RAY_AUTH_TOKEN_PATH"]
+    )
     if started:
         try:
             from ray import serve
@@ -81,21 +83,50 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
     # Deployments autoscale with kvserve's policy by default (1..8 replicas); max_replicas 1
     # keeps one replica per model here (the policy still runs) so the tests know where requests
     # land; test_autoscaling_integration.py lets it scale.
-    main = build_app({"models": [
-        # float32 on every CPU: test_serve_http compares with the offline engine in float32
-        {"model": None, "dtype": "float32", "max_num_seqs": 32, "max_model_len": 1024, "max_replicas": 1},
-        {"model": str(tiny_llama_path), "served_model_name": "tiny", "max_num_seqs": 8, "max_model_len": 256,
-         "torch_num_threads": 1, "replica_cpus": 0.5, "max_replicas": 1,
-         "enable_lora": True, "max_lora_rank": 16, "lora_modules": {"tiny-lora": str(tiny_lora)}},
-    ], "ingress_cpus": 0.25, "semantic_cache": "opt-in", "admin_api_keys": [ADMIN_KEY],
-        "embedding_model": "bundled", "embedding_cpus": 0.1})  # /v1/embeddings: all-MiniLM-L6-v2 beside the LLMs
+    main = build_app(
+        {
+            "models": [
+                # float32 on every CPU: test_serve_http compares with the offline engine in float32
+                {"model": None, "dtype": "float32", "max_num_seqs": 32, "max_model_len": 1024, "max_replicas": 1},
+                {
+                    "model": str(tiny_llama_path),
+                    "served_model_name": "tiny",
+                    "max_num_seqs": 8,
+                    "max_model_len": 256,
+                    "torch_num_threads": 1,
+                    "replica_cpus": 0.5,
+                    "max_replicas": 1,
+                    "enable_lora": True,
+                    "max_lora_rank": 16,
+                    "lora_modules": {"tiny-lora": str(tiny_lora)},
+                },
+            ],
+            "ingress_cpus": 0.25,
+            "semantic_cache": "opt-in",
+            "admin_api_keys": [ADMIN_KEY],
+            "embedding_model": "bundled",
+            "embedding_cpus": 0.1,
+        }
+    )  # /v1/embeddings: all-MiniLM-L6-v2 beside the LLMs
     # logical CPUs in all: 1.75 here, 1.75 for the auth app, leaving room on 8 for the TP test
-    auth = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
-                      "max_num_seqs": 8, "max_model_len": 256, "torch_num_threads": 1, "api_keys": [API_KEY],
-                      "kv_cache_dtype": "fp8", "quantization": "int8",  # both through serving, per TP rank
-                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},  # with TP
-                      "replica_cpus": 0.5, "worker_cpus": 0.5, "ingress_cpus": 0.25,
-                      "num_replicas": 1})
+    auth = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny-tp2",
+            "tensor_parallel_size": 2,
+            "max_num_seqs": 8,
+            "max_model_len": 256,
+            "torch_num_threads": 1,
+            "api_keys": [API_KEY],
+            "kv_cache_dtype": "fp8",
+            "quantization": "int8",  # both through serving, per TP rank
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},  # with TP
+            "replica_cpus": 0.5,
+            "worker_cpus": 0.5,
+            "ingress_cpus": 0.25,
+            "num_replicas": 1,
+        }
+    )
     serve.run(auth, name="kvserve-auth", route_prefix="/auth", blocking=False)
     serve.run(main, name="kvserve", route_prefix="/")
     # the auth app deploys alongside; wait for it too
@@ -113,7 +144,9 @@ def serve_app(ray_session, smollm2_path, tiny_llama_path):
         api_key=API_KEY,
         admin_key=ADMIN_KEY,
         llm=serve.get_deployment_handle("LLMServer", "kvserve"),
-        tiny_path=tiny_llama_path, tiny_lora_path=tiny_lora, encoder="sentence-transformers/all-MiniLM-L6-v2",
+        tiny_path=tiny_llama_path,
+        tiny_lora_path=tiny_lora,
+        encoder="sentence-transformers/all-MiniLM-L6-v2",
         deploy_s=time.time() - t0,
     )
     yield ns

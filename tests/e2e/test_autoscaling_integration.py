@@ -5,6 +5,7 @@ Thorough profile only (``make test-thorough``): the fast one has the same policy
 real Serve deployment up under a burst (refused requests counted as demand, the "up" decision
 logged) and back down ("down" logged) in ``tests/cluster/test_autoscaling_nodes.py``, where each
 scale-up also adds a Ray node."""
+
 import asyncio
 import time
 
@@ -29,14 +30,29 @@ def test_burst_scales_up_then_down(ray_session, serve_app, tiny_llama_path):
 
     from kvserve.deployments.app import build_app
 
-    app = build_app({
-        "model": str(tiny_llama_path), "served_model_name": "tiny-as", "max_num_seqs": 2, "max_model_len": 512,
-        "torch_num_threads": 1, "replica_cpus": 0.25, "ingress_cpus": 0.1,
-        "autoscaling": {"min_replicas": 1, "max_replicas": 3, "target_queue_per_replica": 1,
-                        "upscale_smoothing_s": 1, "upscale_cooldown_s": 1, "downscale_smoothing_s": 2,
-                        "downscale_cooldown_s": 4, "serve_downscale_delay_s": 1,
-                        "serve_look_back_period_s": 2, "serve_metrics_interval_s": 0.5},
-    })
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny-as",
+            "max_num_seqs": 2,
+            "max_model_len": 512,
+            "torch_num_threads": 1,
+            "replica_cpus": 0.25,
+            "ingress_cpus": 0.1,
+            "autoscaling": {
+                "min_replicas": 1,
+                "max_replicas": 3,
+                "target_queue_per_replica": 1,
+                "upscale_smoothing_s": 1,
+                "upscale_cooldown_s": 1,
+                "downscale_smoothing_s": 2,
+                "downscale_cooldown_s": 4,
+                "serve_downscale_delay_s": 1,
+                "serve_look_back_period_s": 2,
+                "serve_metrics_interval_s": 0.5,
+            },
+        }
+    )
     serve.run(app, name=APP, route_prefix="/as")
     url = f"{serve_app.root}/as/v1/completions"
     timeline: list[tuple[float, int]] = []
@@ -45,6 +61,7 @@ def test_burst_scales_up_then_down(ray_session, serve_app, tiny_llama_path):
 
     async def burst():
         async with httpx.AsyncClient(timeout=300) as client:
+
             async def one(i):
                 # the replica's queue is bounded (2 running + 1 queued): the rest of a wave is refused
                 # at once, which the policy counts as waiting demand; a refused client retries

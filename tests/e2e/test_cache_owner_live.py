@@ -4,6 +4,7 @@ with two API keys and one without keys. Key B's identical request after key A's 
 miss (A's answer is A's own), and B's next one hits B's own; without keys, an identical greedy
 request sent the moment the first answer returned is an exact hit (the entry is written before
 the response ends), its saved tokens counted in ``kvserve:cache_saved_tokens_total``."""
+
 import re
 import time
 import uuid
@@ -23,11 +24,18 @@ def owner_apps(ray_session, serve_app, tiny_llama_path, redis_server):
 
     from kvserve.deployments.app import build_app
 
-    common = {"model": str(tiny_llama_path), "served_model_name": MODEL, "num_replicas": 1, "max_model_len": 256,
-              "torch_num_threads": 1, "replica_cpus": 0.2, "ingress_cpus": 0.1, "cache_backend": "redis",
-              "redis_url": redis_server}
-    serve.run(build_app({**common, "api_keys": [KEY_A, KEY_B]}), name=KEYED, route_prefix="/owners",
-              blocking=False)
+    common = {
+        "model": str(tiny_llama_path),
+        "served_model_name": MODEL,
+        "num_replicas": 1,
+        "max_model_len": 256,
+        "torch_num_threads": 1,
+        "replica_cpus": 0.2,
+        "ingress_cpus": 0.1,
+        "cache_backend": "redis",
+        "redis_url": redis_server,
+    }
+    serve.run(build_app({**common, "api_keys": [KEY_A, KEY_B]}), name=KEYED, route_prefix="/owners", blocking=False)
     serve.run(build_app(common), name=OPEN, route_prefix="/owners-open")
     deadline = time.time() + 300
     while serve.status().applications[KEYED].status != "RUNNING":
@@ -45,14 +53,18 @@ def _post(c: httpx.Client, url: str, body: dict, key: str | None = None) -> http
 
 
 def _body(text: str) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": f"{text} {uuid.uuid4().hex[:8]}"}],
-            "max_tokens": 6, "temperature": 0}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"{text} {uuid.uuid4().hex[:8]}"}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
 
 
 def _saved(text: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        m = re.match(r'^kvserve:cache_saved_tokens_total\{(.*)\} (\S+)$', line)
+        m = re.match(r"^kvserve:cache_saved_tokens_total\{(.*)\} (\S+)$", line)
         if m and f'model_name="{MODEL}"' in m.group(1) and 'level="exact"' in m.group(1):
             total += float(m.group(2))
     return total
@@ -62,8 +74,7 @@ def test_key_b_never_gets_key_a_answer_and_an_identical_request_right_after_hits
     keyed, open_, open_root = owner_apps
     with httpx.Client(timeout=120) as c:
         body = _body("Name a colour.")
-        statuses = [_post(c, keyed, body, key).headers.get("x-kvserve-cache")
-                    for key in (KEY_A, KEY_A, KEY_B, KEY_B)]
+        statuses = [_post(c, keyed, body, key).headers.get("x-kvserve-cache") for key in (KEY_A, KEY_A, KEY_B, KEY_B)]
         assert statuses == ["miss", "exact", "miss", "exact"]
 
         before = _saved(c.get(f"{open_root}/metrics").text)

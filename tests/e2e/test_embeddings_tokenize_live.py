@@ -4,6 +4,7 @@ sentence-transformers on the same weights; ``/tokenize`` and ``/detokenize`` for
 the encoder, counted as chat charges. (The encoder batches with ``serve.batch``, which runs only
 in a Serve replica; SmolLM2's embeddings and the Responses API are in process:
 tests/deployments/test_responses_embeddings_clients.py.)"""
+
 import httpx
 import numpy as np
 import openai
@@ -51,7 +52,7 @@ def test_tokenize_counts_what_chat_sends_and_detokenize_round_trips(serve_app, s
         t = h.post("/tokenize", json={"model": serve_app.model, "messages": messages}).json()
         p = h.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
         d = h.post("/detokenize", json={"model": serve_app.model, "tokens": p["tokens"]}).json()
-        bad = h.post("/detokenize", json={"tokens": [10 ** 9]})
+        bad = h.post("/detokenize", json={"tokens": [10**9]})
         enc = h.post("/tokenize", json={"model": serve_app.encoder, "prompt": "Hello world"}).json()
     expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert t["tokens"] == tok.encode(expected, add_special_tokens=False) and t["max_model_len"] == 1024

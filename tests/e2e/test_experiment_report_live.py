@@ -6,6 +6,7 @@ In tests/e2e, not tests/deployments, though no Ray starts here: these tests meas
 effect, so they run in the pytest-xdist worker that runs at full priority (tests/conftest.py),
 not in the niced one, where the engines, the gateway and the clients of this process got so
 little CPU that the clients kept few requests in flight and the effect drowned in stalls."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,26 +29,51 @@ def ab_app(tiny_llama_path):
     ``same`` (two identical variants), each drawing every request anew."""
     from local_app import LocalApp
 
-    base = {"model": str(tiny_llama_path), "max_model_len": 256, "torch_num_threads": 1,
-            "max_waiting_requests": 64, "enable_prefix_caching": False}
-    app = LocalApp({"/": {
-        "models": [{**base, "served_model_name": "tiny-batch"}, {**base, "served_model_name": "tiny-same",
-                                                                 "max_num_seqs": 8}],
-        "response_cache": False, "admin_api_keys": [ADMIN],
-        "experiments": [
-            {"name": "batch", "model": "tiny-batch", "sticky": "request",
-             "variants": [{"name": "seqs1", "settings": {"max_num_seqs": 1}},
-                          {"name": "seqs16", "settings": {"max_num_seqs": 16}}]},
-            {"name": "same", "model": "tiny-same", "sticky": "request", "variants": [{"name": "A"}, {"name": "B"}]},
-        ]}}).start()
+    base = {
+        "model": str(tiny_llama_path),
+        "max_model_len": 256,
+        "torch_num_threads": 1,
+        "max_waiting_requests": 64,
+        "enable_prefix_caching": False,
+    }
+    app = LocalApp(
+        {
+            "/": {
+                "models": [
+                    {**base, "served_model_name": "tiny-batch"},
+                    {**base, "served_model_name": "tiny-same", "max_num_seqs": 8},
+                ],
+                "response_cache": False,
+                "admin_api_keys": [ADMIN],
+                "experiments": [
+                    {
+                        "name": "batch",
+                        "model": "tiny-batch",
+                        "sticky": "request",
+                        "variants": [
+                            {"name": "seqs1", "settings": {"max_num_seqs": 1}},
+                            {"name": "seqs16", "settings": {"max_num_seqs": 16}},
+                        ],
+                    },
+                    {
+                        "name": "same",
+                        "model": "tiny-same",
+                        "sticky": "request",
+                        "variants": [{"name": "A"}, {"name": "B"}],
+                    },
+                ],
+            }
+        }
+    ).start()
     try:
         yield app.namespace()
     finally:
         app.stop()
 
 
-def _load(base_url: str, model: str, clients: int, per_client: int, seed: int,
-          max_tokens: int = 12) -> list[httpx.Response]:
+def _load(
+    base_url: str, model: str, clients: int, per_client: int, seed: int, max_tokens: int = 12
+) -> list[httpx.Response]:
     """``clients`` concurrent clients, each sending ``per_client`` chat requests one after the
     other (fresh random prompts, ``max_tokens`` output tokens each); returns the responses."""
     words = "alpha beta gamma delta river stone cloud lamp paper orbit violet maple".split()
@@ -57,9 +83,16 @@ def _load(base_url: str, model: str, clients: int, per_client: int, seed: int,
         out = []
         for i in range(per_client):
             prompt = " ".join(rng.choice(words) for _ in range(12)) + f" {seed}-{c}-{i}"
-            r = await http.post(f"{base_url}/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True})
+            r = await http.post(
+                f"{base_url}/chat/completions",
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            )
             out.append(r)
         return out
 
@@ -71,8 +104,12 @@ def _load(base_url: str, model: str, clients: int, per_client: int, seed: int,
 
 
 def _report(root: str, name: str, since: float | None = None) -> dict:
-    r = httpx.get(f"{root}/v1/experiments/{name}", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30,
-                  params={} if since is None else {"since": since})
+    r = httpx.get(
+        f"{root}/v1/experiments/{name}",
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=30,
+        params={} if since is None else {"since": since},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -86,8 +123,7 @@ def test_live_report_finds_the_batch_size_effect(ab_app):
     responses = _load(ab_app.base_url, "tiny-batch", clients=8, per_client=16, seed=1, max_tokens=48)
     assert all(r.status_code == 200 for r in responses), {r.status_code for r in responses}
     variants = [r.headers["x-kvserve-variant"] for r in responses]
-    assert set(variants) == {"seqs1", "seqs16"} and all(r.headers["x-kvserve-experiment"] == "batch"
-                                                        for r in responses)
+    assert set(variants) == {"seqs1", "seqs16"} and all(r.headers["x-kvserve-experiment"] == "batch" for r in responses)
     data = _report(ab_app.root, "batch")
     assert sum(len(v) for v in data["samples"].values()) == len(responses)
     rep = analyse(data, confidence=0.999)  # the level at which identical variants never differ (below)
@@ -129,5 +165,6 @@ def test_live_weights_change_without_restart_and_need_the_admin_key(ab_app):
     assert {r.headers["x-kvserve-variant"] for r in responses} == {"B"}
     r = httpx.get(f"{ab_app.root}/v1/experiments", headers={"Authorization": f"Bearer {ADMIN}"})
     assert {e["name"]: e["weights"] for e in r.json()["data"]}["same"] == {"A": 0.0, "B": 1.0}
-    assert httpx.get(f"{ab_app.root}/v1/experiments/nope",
-                     headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+    assert (
+        httpx.get(f"{ab_app.root}/v1/experiments/nope", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+    )

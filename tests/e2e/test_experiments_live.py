@@ -4,6 +4,7 @@ through the admin endpoint, no restart), the ``variant`` label on the replicas' 
 gateway's metrics, and ``cost_per_replica_hour`` priced into the replicas' cost metrics and the
 response cache's savings. (The report's statistics: tests/deployments/test_experiments.py; its
 detection of a real effect: tests/e2e/test_experiment_report_live.py.)"""
+
 import re
 import time
 
@@ -23,13 +24,30 @@ def ab_app(ray_session, serve_app, tiny_llama_path):
 
     from kvserve.deployments.app import build_app
 
-    app = build_app({
-        "model": str(tiny_llama_path), "served_model_name": MODEL, "num_replicas": 1, "max_model_len": 256,
-        "torch_num_threads": 1, "replica_cpus": 0.2, "cost_per_replica_hour": COST, "ingress_cpus": 0.1,
-        "admin_api_keys": [ADMIN],
-        "experiments": [{"name": "seqs", "model": MODEL, "sticky": "session",
-                         "variants": [{"name": "A", "settings": {"max_num_seqs": 2}},
-                                      {"name": "B", "settings": {"max_num_seqs": 4}}]}]})
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": MODEL,
+            "num_replicas": 1,
+            "max_model_len": 256,
+            "torch_num_threads": 1,
+            "replica_cpus": 0.2,
+            "cost_per_replica_hour": COST,
+            "ingress_cpus": 0.1,
+            "admin_api_keys": [ADMIN],
+            "experiments": [
+                {
+                    "name": "seqs",
+                    "model": MODEL,
+                    "sticky": "session",
+                    "variants": [
+                        {"name": "A", "settings": {"max_num_seqs": 2}},
+                        {"name": "B", "settings": {"max_num_seqs": 4}},
+                    ],
+                }
+            ],
+        }
+    )
     serve.run(app, name=APP, route_prefix="/ab")
     yield f"{serve_app.root}/ab"
     serve.delete(APP)
@@ -37,8 +55,11 @@ def ab_app(ray_session, serve_app, tiny_llama_path):
 
 def _chat(c: httpx.Client, root: str, session: str | None, content: str, **kw) -> httpx.Response:
     headers = {"x-session-id": session} if session else {}
-    r = c.post(f"{root}/v1/chat/completions", headers=headers, json={
-        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 6, **kw})
+    r = c.post(
+        f"{root}/v1/chat/completions",
+        headers=headers,
+        json={"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 6, **kw},
+    )
     assert r.status_code == 200, r.text
     return r
 

@@ -13,13 +13,22 @@ resized and reconfigured by each in turn), the tensor-parallel kill deploys its 
   :data:`RECOVERY_LIMIT_S` (:data:`TP_RECOVERY_LIMIT_S`) of the kill (printed;
   ``benchmarks/recovery.py`` measures it with SmolLM2).
 """
+
 import asyncio
 from types import SimpleNamespace
 
 from helpers import HTTP
 import pytest
-from _faults_helpers import (_alive_llm_replicas, _app_args, _assert_completed, _assert_failed_cleanly, _deploy,
-                             _finished_by_replica, _kill_mid_stream, _scale_down_mid_stream)
+from _faults_helpers import (
+    _alive_llm_replicas,
+    _app_args,
+    _assert_completed,
+    _assert_failed_cleanly,
+    _deploy,
+    _finished_by_replica,
+    _kill_mid_stream,
+    _scale_down_mid_stream,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -63,13 +72,16 @@ def test_scale_down_drains_in_flight_streams(tiny_app):
     name, route, served, base = tiny_app.name, tiny_app.route, tiny_app.served, tiny_app.base
     args = tiny_app.deploy(num_replicas=2, graceful_shutdown_timeout_s=120)
     out = _scale_down_mid_stream(base, name, route, args, "faults-v1")
-    assert out["in_flight"] == len(out["longs"]), \
+    assert out["in_flight"] == len(out["longs"]), (
         f"only {out['in_flight']} of {len(out['longs'])} streams were running when the replica began stopping"
+    )
     for r in out["longs"]:
         _assert_completed(r)
         assert r.t_end > out["t_stopping"]
-    print(f"\nscale-down: new requests during the drain answered in {out['new_s']:.2f} s "
-          f"(the replica still draining then: {out['still_stopping']})")
+    print(
+        f"\nscale-down: new requests during the drain answered in {out['new_s']:.2f} s "
+        f"(the replica still draining then: {out['still_stopping']})"
+    )
     # the stopped replica finished (did not abort) the streams it held
     finished = _finished_by_replica(base, served)
     reasons = finished.get(out["stopped"], {})
@@ -95,8 +107,10 @@ def test_drain_deadline_ends_streams_with_an_error_event(tiny_app):
         else:
             _assert_completed(r)
             completed.append(r)
-    print(f"\ndrain deadline: {len(cut)} streams cut with {[r.errors[0]['error']['code'] for r in cut]}, "
-          f"{len(completed)} completed")
+    print(
+        f"\ndrain deadline: {len(cut)} streams cut with {[r.errors[0]['error']['code'] for r in cut]}, "
+        f"{len(completed)} completed"
+    )
     assert cut, "no stream was cut: the stopped replica finished its streams before its deadline"
 
 
@@ -114,9 +128,11 @@ def test_killed_replica_mid_stream(tiny_app):
     results, rec, t_kill, clients_end_s = asyncio.run(_kill_mid_stream(base, victim["pid"], RECOVERY_LIMIT_S))
     codes = [_assert_failed_cleanly(r, t_kill, victim["pid"]) for r in results]
     assert set(codes) <= {"model_unavailable", "engine_dead"}, codes  # typed, retryable
-    print(f"\nreplica kill: clients answered within {clients_end_s:.2f} s ({codes}); "
-          f"/ready 200 after {rec['ready_s']} s, completion after {rec['completion_s']} s; "
-          f"answers on the way: {rec['answers']}")
+    print(
+        f"\nreplica kill: clients answered within {clients_end_s:.2f} s ({codes}); "
+        f"/ready 200 after {rec['ready_s']} s, completion after {rec['completion_s']} s; "
+        f"answers on the way: {rec['answers']}"
+    )
     assert rec["ready_s"] is not None and rec["completion_s"] is not None, rec
     assert max(rec["ready_s"], rec["completion_s"]) < RECOVERY_LIMIT_S, rec
     (new,) = _alive_llm_replicas(name)
@@ -137,17 +153,22 @@ def test_killed_tp_worker_mid_stream(serve_app, tiny_llama_path):
     _deploy(_app_args(tiny_llama_path, "tiny-tpkill", num_replicas=1, tensor_parallel_size=2), name, route)
     try:
         assert HTTP.get(f"{base}/health", timeout=30).status_code == 200
-        assert HTTP.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        assert (
+            HTTP.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        )
         info = serve.get_deployment_handle("LLMServer", name).server_info.remote().result()
         rank1 = next(r for r in info.workers["ranks"] if r["rank"] == 1)
         (replica,) = _alive_llm_replicas(name)
-        results, rec, t_kill, clients_end_s = asyncio.run(_kill_mid_stream(
-            base, rank1["pid"], TP_RECOVERY_LIMIT_S, watch_health=True, other_pids=(replica["pid"],)))
+        results, rec, t_kill, clients_end_s = asyncio.run(
+            _kill_mid_stream(base, rank1["pid"], TP_RECOVERY_LIMIT_S, watch_health=True, other_pids=(replica["pid"],))
+        )
         codes = [_assert_failed_cleanly(r, t_kill, rank1["pid"], replica["pid"]) for r in results]
         assert set(codes) <= {"model_unavailable", "engine_dead"}, codes  # typed, retryable (not a bare 500)
-        print(f"\nTP worker kill: clients answered within {clients_end_s:.2f} s ({codes}); "
-              f"/ready 200 after {rec['ready_s']} s, completion after {rec['completion_s']} s; "
-              f"/health {rec['health']}; answers on the way: {rec['answers']}")
+        print(
+            f"\nTP worker kill: clients answered within {clients_end_s:.2f} s ({codes}); "
+            f"/ready 200 after {rec['ready_s']} s, completion after {rec['completion_s']} s; "
+            f"/health {rec['health']}; answers on the way: {rec['answers']}"
+        )
         assert rec["ready_s"] is not None and rec["completion_s"] is not None, rec
         assert max(rec["ready_s"], rec["completion_s"]) < TP_RECOVERY_LIMIT_S, rec
         (new,) = _alive_llm_replicas(name)

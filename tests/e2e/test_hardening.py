@@ -2,6 +2,7 @@
 limits, non-ASCII keys, poison sampling values that must fail alone, error bodies without
 internals. (A killed tensor-parallel worker making its replica unhealthy at once is
 ``tests/e2e/test_faults.py::test_killed_tp_worker_mid_stream``, which kills one anyway.)"""
+
 import asyncio
 import json
 import socket
@@ -16,7 +17,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _raw_post(port: int, path: str, headers: dict[str, str], body: bytes = b"", wait_s: float = 10.0) -> tuple[int, dict]:
+def _raw_post(
+    port: int, path: str, headers: dict[str, str], body: bytes = b"", wait_s: float = 10.0
+) -> tuple[int, dict]:
     """Send request headers (and maybe part of a body) on a raw socket; return the status and
     JSON body the server answers with, without ever sending the rest of the body."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
@@ -43,17 +46,20 @@ def test_auth_is_checked_before_the_body_is_read(serve_app):
     """A client without a key announces a 100 MB body and sends none of it: the answer is
     an immediate 401, so the server never waited for (or parsed) the body."""
     t0 = time.time()
-    status, body = _raw_post(serve_app.port, "/auth/v1/completions",
-                             {"Content-Type": "application/json", "Content-Length": str(100 << 20)})
+    status, body = _raw_post(
+        serve_app.port, "/auth/v1/completions", {"Content-Type": "application/json", "Content-Length": str(100 << 20)}
+    )
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     assert time.time() - t0 < 10
 
 
 def test_body_size_limit(serve_app):
     # announced too large: 413 at once, body never read
-    status, body = _raw_post(serve_app.port, "/v1/completions",
-                             {"Content-Type": "application/json", "Content-Length": str(100 << 20)})
+    status, body = _raw_post(
+        serve_app.port, "/v1/completions", {"Content-Type": "application/json", "Content-Length": str(100 << 20)}
+    )
     assert status == 413 and body["error"]["code"] == "request_too_large"
+
     # no length (chunked): reading stops at the limit
     def chunks():
         yield b'{"prompt": "'
@@ -61,29 +67,39 @@ def test_body_size_limit(serve_app):
             yield b"a" * 65536  # 5 MiB in all, over the 4 MiB default
         yield b'", "max_tokens": 1}'
 
-    r = HTTP.post(f"{serve_app.base_url}/completions", content=chunks(), timeout=60,
-                   headers={"Content-Type": "application/json"})
+    r = HTTP.post(
+        f"{serve_app.base_url}/completions", content=chunks(), timeout=60, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
     # the same server still answers a normal request
-    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=60,
-                   json={"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0})
+    r = HTTP.post(
+        f"{serve_app.base_url}/completions",
+        timeout=60,
+        json={"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0},
+    )
     assert r.status_code == 200
 
 
 def test_too_many_prompts(serve_app):
-    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=60,
-                   json={"model": "tiny", "prompt": ["hi"] * 65, "max_tokens": 1})
+    r = HTTP.post(
+        f"{serve_app.base_url}/completions", timeout=60, json={"model": "tiny", "prompt": ["hi"] * 65, "max_tokens": 1}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
-    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=60,
-                   json={"model": "tiny", "prompt": ["hi"] * 8, "max_tokens": 1})
+    r = HTTP.post(
+        f"{serve_app.base_url}/completions", timeout=60, json={"model": "tiny", "prompt": ["hi"] * 8, "max_tokens": 1}
+    )
     assert r.status_code == 200 and len(r.json()["choices"]) == 8
 
 
 @pytest.mark.parametrize("value", ["Bearer ключ", "Bearer \u00ff\u00fe", "Bäärer x", "Bearer"])
 def test_non_ascii_or_malformed_authorization_is_401(serve_app, value):
-    r = HTTP.post(f"{serve_app.auth_base_url}/completions", json={"prompt": "hi", "max_tokens": 1},
-                   headers={"Authorization": value.encode("utf-8")}, timeout=30)
+    r = HTTP.post(
+        f"{serve_app.auth_base_url}/completions",
+        json={"prompt": "hi", "max_tokens": 1},
+        headers={"Authorization": value.encode("utf-8")},
+        timeout=30,
+    )
     assert r.status_code == 401, r.text
     assert r.json()["error"]["code"] == "invalid_api_key"
 
@@ -98,8 +114,12 @@ def test_models_list_shows_served_names_only(serve_app, smollm2_path):
 
 
 POISON = [
-    {"seed": 2 ** 64}, {"seed": -2 ** 63 - 1}, {"top_k": 2 ** 64}, {"top_p": 1e-300, "temperature": 1.0},
-    {"stop_token_ids": [10 ** 7], "min_tokens": 2}, {"temperature": float("inf")},
+    {"seed": 2**64},
+    {"seed": -(2**63) - 1},
+    {"top_k": 2**64},
+    {"top_p": 1e-300, "temperature": 1.0},
+    {"stop_token_ids": [10**7], "min_tokens": 2},
+    {"temperature": float("inf")},
 ]
 
 
@@ -109,8 +129,9 @@ def test_poison_requests_fail_alone(serve_app):
     url = f"{serve_app.base_url}/completions"
 
     async def innocent(client, i):
-        r = await client.post(url, json={"prompt": f"Count to ten: {i},", "max_tokens": 24, "ignore_eos": True,
-                                         "temperature": 0})
+        r = await client.post(
+            url, json={"prompt": f"Count to ten: {i},", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+        )
         return r.status_code, r.json()
 
     async def poison(client, extra):
@@ -141,8 +162,11 @@ def test_poison_requests_fail_alone(serve_app):
 
 def test_chat_logprobs_non_streaming(serve_app):
     """(Was a 500: a helper defined below the ingress class did not exist in the running app.)"""
-    r = HTTP.post(f"{serve_app.base_url}/chat/completions", timeout=120,
-                   json={"messages": PARIS, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    r = HTTP.post(
+        f"{serve_app.base_url}/chat/completions",
+        timeout=120,
+        json={"messages": PARIS, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    )
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == r.json()["usage"]["completion_tokens"]

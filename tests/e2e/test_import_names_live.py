@@ -3,6 +3,7 @@ driver's working directory, the repository root, where a top-level ``kernels/`` 
 shadow Hugging Face's ``kernels`` and failed every model load in ``LLMServer``. Here a
 deployment's replica imports both, loads a model through transformers (hub kernels at its
 default) and through kvserve, and reports where each name came from."""
+
 from __future__ import annotations
 
 import os

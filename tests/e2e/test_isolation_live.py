@@ -11,6 +11,7 @@ completes with the text it has without the fault; a request that failed before i
 gets a 500 with OpenAI's error body, one that failed mid-stream an error event then ``[DONE]``;
 and the replica stays ready and serves again.
 """
+
 import asyncio
 import json
 
@@ -20,8 +21,13 @@ from _faults_helpers import StreamResult, _wait_ready, _app_args, _assert_comple
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MARKERS = {"propose": "Zebraprop", "draft_length": "Zebrapolicy", "grammar_fill": "Zebrafill",
-           "grammar_accept": "Zebraaccept", "detokenize": "Zebradetok"}
+MARKERS = {
+    "propose": "Zebraprop",
+    "draft_length": "Zebrapolicy",
+    "grammar_fill": "Zebrafill",
+    "grammar_accept": "Zebraaccept",
+    "detokenize": "Zebradetok",
+}
 #: Good calls before a hook raises: the detokenizer fails mid-stream (after its 12th step),
 #: the others at the request's first step (before its first token).
 AFTER = {"detokenize": 12}
@@ -56,6 +62,7 @@ def _faulty_server():
                         return False
                     seen.add(word)
                     return True
+
                 return pred
 
             for hook, word in markers.items():
@@ -72,15 +79,21 @@ def _deploy_faulty(args: dict, name: str, route: str) -> None:
 
     app = build_app(args)
     models = app._bound_deployment.init_args[0]  # OpenAIIngress(models={name: LLMServer app}, ...)
-    (served, child), = models.items()
+    ((served, child),) = models.items()
     dep = child._bound_deployment
     models[served] = dep.options(func_or_class=_faulty_server()).bind(*dep.init_args, **dep.init_kwargs)
     serve.run(app, name=name, route_prefix=route, blocking=False)
 
 
 def _body(prompt: str, grammar: bool) -> dict:
-    body = {"model": "tiny-iso", "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny-iso",
+        "prompt": prompt,
+        "max_tokens": TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     if grammar:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
     return body
@@ -112,10 +125,16 @@ def test_a_fault_in_one_request_leaves_the_replica_and_its_other_streams_whole(s
     from ray import serve
 
     name, route = "kvserve-iso", "/iso"
-    args = _app_args(tiny_llama_path, "tiny-iso", num_replicas=1, max_num_seqs=16, max_queued_requests=32,
-                     stream_interval=0,  # a chunk per token: the detokenizer's fault must come mid-stream
-                     engine_core_process=False,  # the faults are armed in the replica's process (_faulty_server)
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    args = _app_args(
+        tiny_llama_path,
+        "tiny-iso",
+        num_replicas=1,
+        max_num_seqs=16,
+        max_queued_requests=32,
+        stream_interval=0,  # a chunk per token: the detokenizer's fault must come mid-stream
+        engine_core_process=False,  # the faults are armed in the replica's process (_faulty_server)
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+    )
     base = f"{serve_app.root}{route}"
     _deploy_faulty(args, name, route)
     try:
@@ -127,12 +146,14 @@ def test_a_fault_in_one_request_leaves_the_replica_and_its_other_streams_whole(s
         async def run_all(bodies: dict) -> dict:
             async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as client:
                 res = {k: StreamResult() for k in bodies}
-                await asyncio.gather(*(_stream(client, f"{base}/v1/completions", _body(*bodies[k]), res[k])
-                                       for k in bodies))
+                await asyncio.gather(
+                    *(_stream(client, f"{base}/v1/completions", _body(*bodies[k]), res[k]) for k in bodies)
+                )
                 return res
 
-        got = asyncio.run(run_all({**{f"ok{i}": b for i, b in enumerate(ordinary)},
-                                   **{f"bad-{h}": b for h, b in poisoned.items()}}))
+        got = asyncio.run(
+            run_all({**{f"ok{i}": b for i, b in enumerate(ordinary)}, **{f"bad-{h}": b for h, b in poisoned.items()}})
+        )
         for i, (_, grammar) in enumerate(ordinary):
             r = got[f"ok{i}"]
             if grammar:  # a complete JSON object may end before max_tokens

@@ -4,6 +4,7 @@ events of medium ``cluster`` in the routers' index, and the router's score, whic
 replica of the layout count the cluster's blocks as loadable. The tier over real Ray objects and
 two replicas: test_kv_cluster_live.py.
 """
+
 from kvserve.deployments.contract.kv_cluster_directory import ClusterDirectory, cluster_holder, kv_layout
 from kvserve.deployments.contract.kv_event_hub import KVEventHubCore, ReplicaLoad
 from kvserve.deployments.contract.kv_index import KVBlockIndex, request_hashes
@@ -23,7 +24,7 @@ def test_the_directory_keeps_the_budget_least_recently_used_first():
     d = ClusterDirectory()
     added, events = d.put("a", L1, 1200, blocks(HASHES[:8]))
     assert added == HASHES[:8] and d.nbytes == 800
-    (holder, batch), = events.items()
+    ((holder, batch),) = events.items()
     assert holder == cluster_holder(L1)
     assert [(type(e), e.medium) for e in batch.events] == [(BlockStored, MEDIUM_CLUSTER)] * 8
     assert [e[0] for e in d.lookup(L1, HASHES[:4])] == HASHES[:4]  # used: now the most recent

@@ -8,6 +8,7 @@ it from there instead of computing it. Outputs must equal an engine that compute
 Then the owner of the blocks is killed: the survivor serves every request (computing what it
 cannot load).
 """
+
 import asyncio
 import random
 import time
@@ -16,8 +17,15 @@ import pytest
 from _kv_helpers import wait_for_hub
 
 APP = "kvserve-kv-cluster"
-SHAPE = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=2048,
-             num_hidden_layers=4, tie_word_embeddings=True)
+SHAPE = dict(
+    hidden_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    tie_word_embeddings=True,
+)
 SP = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
@@ -34,10 +42,23 @@ def cluster_app(ray_session, serve_app, cluster_model):
 
     from kvserve.deployments.app import build_app
 
-    app = build_app({"model": str(cluster_model), "served_model_name": "kv-cluster", "num_replicas": 2,
-                     "dtype": "float32", "max_num_seqs": 4, "max_model_len": 512, "num_kv_blocks": 64,
-                     "kv_offloading_size": 0.05, "kv_cluster_tier_size": 0.25, "prefix_aware_routing": False,
-                     "torch_num_threads": 1, "replica_cpus": 0.25, "ingress_cpus": 0.1})
+    app = build_app(
+        {
+            "model": str(cluster_model),
+            "served_model_name": "kv-cluster",
+            "num_replicas": 2,
+            "dtype": "float32",
+            "max_num_seqs": 4,
+            "max_model_len": 512,
+            "num_kv_blocks": 64,
+            "kv_offloading_size": 0.05,
+            "kv_cluster_tier_size": 0.25,
+            "prefix_aware_routing": False,
+            "torch_num_threads": 1,
+            "replica_cpus": 0.25,
+            "ingress_cpus": 0.1,
+        }
+    )
     serve.run(app, name=APP, route_prefix="/kvcluster")
     hub = wait_for_hub(APP, 2)
     yield serve.get_deployment_handle("LLMServer", APP), hub
@@ -61,8 +82,11 @@ def _cluster_metric(root: str, name: str) -> float:
     from helpers import HTTP
 
     text = HTTP.get(f"{root}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"kvserve:{name}") and 'model_name="kv-cluster"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(f"kvserve:{name}") and 'model_name="kv-cluster"' in line
+    )
 
 
 @pytest.mark.slow
@@ -126,8 +150,11 @@ def test_the_owner_killed_leaves_the_other_serving(cluster_app, cluster_model):
     from ray._private.state import state
 
     handle, hub = cluster_app
-    actors = [a for a in state.actor_table(None).values()
-              if (a.get("ActorClassName") or "") == f"ServeReplica:{APP}:LLMServer" and a["State"] == "ALIVE"]
+    actors = [
+        a
+        for a in state.actor_table(None).values()
+        if (a.get("ActorClassName") or "") == f"ServeReplica:{APP}:LLMServer" and a["State"] == "ALIVE"
+    ]
     prompts = [_prefix(20 + i) + [700, i] for i in range(4)]
     follow = [_prefix(20 + i) + [701, i] for i in range(4)]
     ref = _reference(cluster_model, follow)

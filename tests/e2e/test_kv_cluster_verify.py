@@ -8,6 +8,7 @@ Real engines (the tiny model, a host tier each), the real connector and the real
 (``KVEventHubCore``); the hub's Ray calls and Ray's object store are stood in by awaitables (the
 transport is not what is tested). The tier over Ray and Serve: test_kv_cluster_live.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -88,8 +89,9 @@ def test_a_block_that_fails_its_digest_is_recomputed_and_counted(tiny_llama_path
     async def body():
         b = AsyncLLMEngine.from_config(EngineConfig(**kw, kv_offloading_size=0.01, prefix_caching_hash_seed=SEED))
         metrics = ClusterTierMetrics("tiny", "b")
-        conn = ClusterKVConnector(b, "b", "app", LAYOUT, 1 << 30, BS, max_import_blocks=8, metrics=metrics,
-                                  hub=LocalHub(core), hash_root=root)
+        conn = ClusterKVConnector(
+            b, "b", "app", LAYOUT, 1 << 30, BS, max_import_blocks=8, metrics=metrics, hub=LocalHub(core), hash_root=root
+        )
         conn.s_per_token = 10.0  # a generous bound on the load's wait: the check, not the clock, decides
         b.kv_connector = conn
         before = _fallbacks(metrics, "digest_mismatch")

@@ -4,6 +4,7 @@ what the engine really reuses, the hub (``kv_event_hub.py``), a replica's publis
 (``kvserve/deployments/routing/kv_router.py``) on fake replicas. Through a real Serve app:
 test_kv_router_live.py.
 """
+
 import asyncio
 import random
 
@@ -22,8 +23,18 @@ def _engine(path, **kw):
     from kvserve.engine.config import EngineConfig
     from kvserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-                                  kv_offloading_size=0.01, enable_kv_cache_events=True, **kw))
+    return LLMEngine(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=16,
+            block_size=BS,
+            kv_offloading_size=0.01,
+            enable_kv_cache_events=True,
+            **kw,
+        )
+    )
 
 
 def _run(engine, prompt, rid):
@@ -47,7 +58,7 @@ def test_the_index_predicts_what_the_engine_reuses(tiny_llama_path):
     rng = random.Random(0)
     for n in range(40):
         base = PROMPTS[rng.randrange(len(PROMPTS))]
-        prompt = base[:rng.choice([9, 17, 26])] + [rng.randrange(100, 200)]
+        prompt = base[: rng.choice([9, 17, 26])] + [rng.randrange(100, 200)]
         for batch in engine.take_kv_events()[1]:
             index.apply("r", batch)
         want = index.match(request_hashes(prompt, BS, 64, kv.root), ["r"])["r"]
@@ -75,9 +86,15 @@ def test_the_hub_applies_in_order_asks_for_snapshots_and_serves_routers():
     # a router from the start gets the whole index; then the changes
     first = hub.pull(None, 0)
     assert first.dump == {"a": [(1, MEDIUM_POOL), (2, MEDIUM_POOL)]}
-    assert hub.publish("a", 3, [KVEventBatch(0.0, [BlockRemoved([1]), BlockStored([1], None, [], BS, None,
-                                                                                  MEDIUM_HOST)])],
-                       ReplicaLoad()) == "ok"
+    assert (
+        hub.publish(
+            "a",
+            3,
+            [KVEventBatch(0.0, [BlockRemoved([1]), BlockStored([1], None, [], BS, None, MEDIUM_HOST)])],
+            ReplicaLoad(),
+        )
+        == "ok"
+    )
     nxt = hub.pull(first.hub_id, first.cursor)
     assert nxt.dump is None and [k for _, k, _ in nxt.changes] == ["batch"]
     local = KVBlockIndex.load(first.dump)
@@ -108,6 +125,7 @@ class _Remote:
             @staticmethod
             async def remote(*a, **k):
                 return fn(*a, **k)
+
         return M
 
 
@@ -161,8 +179,11 @@ def test_replica_costs_weigh_the_cached_prefix_against_load():
 def _kv_router(**kw) -> KVAwareRouter:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    r = KVAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="app"),
-                      handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    r = KVAwareRouter(
+        deployment_id=DeploymentID(name="LLMServer", app_name="app"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+    )
     r.initialize_state(app_name=None, **kw)  # no hub: the test feeds it
     return r
 
@@ -199,9 +220,16 @@ def test_the_router_routes_on_the_index_and_falls_back_when_cold():
             settle(router)
         assert router.num_kv_routed == 3
         # b's deeper prefix is in its host tier (a holds 4 in its pool): still b, the load is cheap
-        hub.publish("b", 2, [KVEventBatch(0.0, [BlockRemoved(hashes[2:8]),
-                                                BlockStored(hashes[2:8], hashes[1], [], 16, None, MEDIUM_HOST)])],
-                    ReplicaLoad())
+        hub.publish(
+            "b",
+            2,
+            [
+                KVEventBatch(
+                    0.0, [BlockRemoved(hashes[2:8]), BlockStored(hashes[2:8], hashes[1], [], 16, None, MEDIUM_HOST)]
+                )
+            ],
+            ReplicaLoad(),
+        )
         hub.publish("a", 1, [KVEventBatch(0.0, [BlockStored(hashes[:4], None, [], 16)])], ReplicaLoad())
         router.apply(hub.pull(router._hub_id, router._cursor))
         settle(router)

@@ -7,6 +7,7 @@ its prefix cached, in the pool or loaded back from the tier, and each prefix liv
 only. (The prefix router cannot do this: a replica reports only its last pool's worth of
 prefixes, 24 blocks here, so the handle's router would send the older prefixes anywhere.)
 """
+
 import asyncio
 import random
 import time
@@ -31,9 +32,21 @@ def kv_app(ray_session, serve_app, tiny_llama_path):
 
     from kvserve.deployments.app import build_app
 
-    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-kv", "num_replicas": 2,
-                     "max_num_seqs": 4, "max_model_len": 384, "num_kv_blocks": 24, "kv_offloading_size": 0.01,
-                     "kv_aware_routing": True, "torch_num_threads": 1, "replica_cpus": 0.25, "ingress_cpus": 0.1})
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny-kv",
+            "num_replicas": 2,
+            "max_num_seqs": 4,
+            "max_model_len": 384,
+            "num_kv_blocks": 24,
+            "kv_offloading_size": 0.01,
+            "kv_aware_routing": True,
+            "torch_num_threads": 1,
+            "replica_cpus": 0.25,
+            "ingress_cpus": 0.1,
+        }
+    )
     serve.run(app, name=APP, route_prefix="/kvrouter")
     hub = wait_for_hub(APP, 2, tries=300)
     yield serve.get_deployment_handle("LLMServer", APP), hub, f"{serve_app.root}/kvrouter/v1"
@@ -68,8 +81,11 @@ def test_follow_ups_go_where_the_kv_is(kv_app):
         time.sleep(0.5)
 
     for i in range(6):  # first requests: over HTTP, placed by the ingress's router
-        r = httpx.post(f"{base}/completions", json={"model": "tiny-kv", "prompt": _prefix(i) + [50, 60 + i],
-                                                    "max_tokens": 2, "temperature": 0}, timeout=120)
+        r = httpx.post(
+            f"{base}/completions",
+            json={"model": "tiny-kv", "prompt": _prefix(i) + [50, 60 + i], "max_tokens": 2, "temperature": 0},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         cached[i].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         wait_for(request_hashes(_prefix(i), 16, 64, app_hash_root(APP))[-1])
@@ -101,8 +117,11 @@ def test_a_killed_replica_leaves_the_other_serving_and_leaves_the_index(kv_app):
     from kvserve.deployments.contract.kv_event_hub import REPLICA_TTL_S
 
     handle, hub, _ = kv_app
-    actors = {a["Name"]: a for a in state.actor_table(None).values()
-              if (a.get("ActorClassName") or "") == f"ServeReplica:{APP}:LLMServer" and a["State"] == "ALIVE"}
+    actors = {
+        a["Name"]: a
+        for a in state.actor_table(None).values()
+        if (a.get("ActorClassName") or "") == f"ServeReplica:{APP}:LLMServer" and a["State"] == "ALIVE"
+    }
     loads = ray.get(hub.pull.remote(None, 0)).loads
     victim_name = next(iter(actors))
     victim_id = next(r for r in loads if victim_name.endswith(r))
@@ -136,8 +155,7 @@ def test_a_killed_replica_leaves_the_other_serving_and_leaves_the_index(kv_app):
     deadline = time.monotonic() + REPLICA_TTL_S + 30
     while time.monotonic() < deadline:
         try:
-            reply = ray.get(ray.get_actor(hub_name(APP), namespace=REGISTRY_NAMESPACE).pull.remote(None, 0),
-                            timeout=30)
+            reply = ray.get(ray.get_actor(hub_name(APP), namespace=REGISTRY_NAMESPACE).pull.remote(None, 0), timeout=30)
         except Exception:  # the old hub died with its owner; the new one is not made yet
             time.sleep(0.5)
             continue

@@ -6,6 +6,7 @@ one is full), with the same greedy tokens as the offline engine with the same ad
 to HF + PEFT by ``tests/engine/test_lora.py``); an unloaded name is a 404 everywhere, and a name
 loaded again from other files serves the new weights. Bad loads are refused with the reason;
 adapters are read only under the app's allowed root (``lora_allowed_roots``)."""
+
 import asyncio
 import os
 import re
@@ -35,13 +36,30 @@ def lora_app(serve_app, tiny_llama_path, tmp_path_factory):
     name, _, alpha, targets, rslora = ADAPTERS[0]
     paths["too-big"] = make_adapter(tiny_llama_path, root / "too-big", 32, alpha, targets, rslora, seed=20)
     # a good adapter outside the allowed root: never loaded
-    paths["outside"] = make_adapter(tiny_llama_path, tmp_path_factory.mktemp("not_allowed") / "escaped", 8, alpha,
-                                    targets, rslora, seed=21)
+    paths["outside"] = make_adapter(
+        tiny_llama_path, tmp_path_factory.mktemp("not_allowed") / "escaped", 8, alpha, targets, rslora, seed=21
+    )
     # float32 here and in offline(): served text is compared with the offline engine's token for token
-    app = build_app({"model": str(tiny_llama_path), "dtype": "float32", "served_model_name": "tiny-dyn", "num_replicas": 2,
-                     "max_num_seqs": 2, "max_ongoing_requests": 2, "max_queued_requests": 16, "max_model_len": 256, "torch_num_threads": 1,
-                     "replica_cpus": 0.25, "ingress_cpus": 0.25, "enable_lora": True, "max_lora_rank": 16,
-                     "max_loras": 2, "admin_api_keys": [ADMIN], "lora_allowed_roots": [str(root)]})
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "dtype": "float32",
+            "served_model_name": "tiny-dyn",
+            "num_replicas": 2,
+            "max_num_seqs": 2,
+            "max_ongoing_requests": 2,
+            "max_queued_requests": 16,
+            "max_model_len": 256,
+            "torch_num_threads": 1,
+            "replica_cpus": 0.25,
+            "ingress_cpus": 0.25,
+            "enable_lora": True,
+            "max_lora_rank": 16,
+            "max_loras": 2,
+            "admin_api_keys": [ADMIN],
+            "lora_allowed_roots": [str(root)],
+        }
+    )
     serve.run(app, name="kvserve-lora", route_prefix="/lora")
     yield {"base": f"{serve_app.root}/lora", "paths": paths}
     serve.delete("kvserve-lora")
@@ -56,7 +74,9 @@ def offline(tiny_llama_path, adapters):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the served replicas: the same summation order
-    llm = LLM(model=str(tiny_llama_path), dtype="float32", max_model_len=256, enable_lora=True, max_lora_rank=16, max_loras=2)
+    llm = LLM(
+        model=str(tiny_llama_path), dtype="float32", max_model_len=256, enable_lora=True, max_lora_rank=16, max_loras=2
+    )
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     reqs = [None if p is None else LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     out = [o.outputs[0].text for o in llm.generate([PROMPT] * len(reqs), sp, lora_request=reqs, use_tqdm=False)]
@@ -98,9 +118,14 @@ def test_load_serve_on_both_replicas_unload_and_reload(lora_app, tiny_llama_path
     assert cards["cust-a"].model_extra["parent"] == "tiny-dyn"
 
     def complete(c, model, fresh=False):  # fresh: past the response cache (Cache-Control: no-store)
-        return c.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
-                                    extra_body={"ignore_eos": True},
-                                    extra_headers={"Cache-Control": "no-store"} if fresh else None)
+        return c.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            extra_headers={"Cache-Control": "no-store"} if fresh else None,
+        )
 
     first = complete(client, "cust-a")
     assert first.model == "cust-a" and first.choices[0].text == want_a
@@ -115,10 +140,14 @@ def test_load_serve_on_both_replicas_unload_and_reload(lora_app, tiny_llama_path
     outs = asyncio.run(burst())
     assert [o.choices[0].text for o in outs] == [want_a] * 8
     metrics = HTTP.get(f"{base}/metrics", timeout=30).text
-    replicas = {dict(re.findall(r'(\w+)="([^"]*)"', labels))["replica"] for labels in re.findall(
-        r'kvserve:lora_requests_info\{([^}]*)\}', metrics) if 'model_name="tiny-dyn"' in labels
-        and 'running_lora_adapters="cust-a"' in labels}
-    assert len(replicas) == 2, [ln for ln in metrics.splitlines() if "lora_requests_info{" in ln or "request_success" in ln]
+    replicas = {
+        dict(re.findall(r'(\w+)="([^"]*)"', labels))["replica"]
+        for labels in re.findall(r"kvserve:lora_requests_info\{([^}]*)\}", metrics)
+        if 'model_name="tiny-dyn"' in labels and 'running_lora_adapters="cust-a"' in labels
+    }
+    assert len(replicas) == 2, [
+        ln for ln in metrics.splitlines() if "lora_requests_info{" in ln or "request_success" in ln
+    ]
 
     # unloaded: a 404 in OpenAI's shape, gone from /v1/models; a second unload is a 404 too
     r = HTTP.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "cust-a"}, headers=admin, timeout=30)

@@ -2,6 +2,7 @@
 log, and a client that goes away mid-stream through Serve's proxy (the abort crosses Ray's hop and
 nothing logs a failure). The API itself, with a real model and real clients (the openai SDK,
 langchain-openai), is tests/deployments/test_openai_clients.py, in process."""
+
 import time
 from pathlib import Path
 
@@ -44,8 +45,12 @@ def test_unknown_fields_warn_once_per_field(serve_app):
 def test_client_disconnect_logs_no_traceback(serve_app):
     """A client that goes away mid-stream is an INFO line: the abort worked, nothing failed."""
     before = _replica_logs()
-    with HTTP.stream("POST", f"{serve_app.base_url}/chat/completions", timeout=120, json={
-            "messages": PARIS, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+    with HTTP.stream(
+        "POST",
+        f"{serve_app.base_url}/chat/completions",
+        timeout=120,
+        json={"messages": PARIS, "max_tokens": 400, "ignore_eos": True, "stream": True},
+    ) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
                 break
@@ -53,6 +58,6 @@ def test_client_disconnect_logs_no_traceback(serve_app):
     while time.time() < deadline and serve_app.llm.get_stats.remote().result()["num_running_requests"]:
         time.sleep(0.2)
     time.sleep(1.0)
-    new = "".join(text[len(before.get(path, "")):] for path, text in _replica_logs().items())
+    new = "".join(text[len(before.get(path, "")) :] for path, text in _replica_logs().items())
     assert "disconnected" in new, new[-2000:]
     assert "Traceback" not in new and " ERROR " not in new, new[-3000:]

@@ -2,6 +2,7 @@
 the API key, failed-auth throttling, bounded admission (429 + Retry-After, 400 for what can
 never fit, nothing lost), per-key rate limits shared through a real Redis, per-key priority
 reaching the scheduler, and keys never written to Ray's logs."""
+
 import asyncio
 import glob
 import json
@@ -15,8 +16,11 @@ from helpers import DONE, HTTP, aiter_sse
 
 pytestmark = pytest.mark.slow
 
-OPS_KEYS = ["sk-ops-interactive name=interactive priority=0", "sk-ops-batch name=batch priority=10",
-            "sk-ops-limited name=limited rpm=3"]
+OPS_KEYS = [
+    "sk-ops-interactive name=interactive priority=0",
+    "sk-ops-batch name=batch priority=10",
+    "sk-ops-limited name=limited rpm=3",
+]
 
 
 def _metric(text: str, name: str, **labels) -> float:
@@ -41,10 +45,22 @@ def ops_app(serve_app, tiny_llama_path, redis_server):
 
     from kvserve.deployments.app import build_app
 
-    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-ops", "max_num_seqs": 2,
-                     "max_queued_requests": 40, "max_model_len": 256, "torch_num_threads": 1, "num_replicas": 1,
-                     "replica_cpus": 0.25, "ingress_cpus": 0.1, "api_keys": OPS_KEYS, "redis_url": redis_server,
-                     "metrics_per_key": True})
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny-ops",
+            "max_num_seqs": 2,
+            "max_queued_requests": 40,
+            "max_model_len": 256,
+            "torch_num_threads": 1,
+            "num_replicas": 1,
+            "replica_cpus": 0.25,
+            "ingress_cpus": 0.1,
+            "api_keys": OPS_KEYS,
+            "redis_url": redis_server,
+            "metrics_per_key": True,
+        }
+    )
     serve.run(app, name="kvserve-ops", route_prefix="/ops")
     yield f"{serve_app.root}/ops"
     serve.delete("kvserve-ops")
@@ -85,8 +101,16 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
     """One streaming request: its status, Retry-After, error body, events and whether it ended
     with [DONE], plus the time of its first content event (seconds since the call)."""
     t0 = time.monotonic()
-    out = {"status": None, "retry_after": None, "error": None, "text": "", "done": False, "finish": None,
-           "ttft": None, "first_at": None}
+    out = {
+        "status": None,
+        "retry_after": None,
+        "error": None,
+        "text": "",
+        "done": False,
+        "finish": None,
+        "ttft": None,
+        "first_at": None,
+    }
     async with client.stream("POST", url, json={**body, "stream": True}, headers=headers or {}) as r:
         out["status"], out["retry_after"] = r.status_code, r.headers.get("retry-after")
         if r.status_code != 200:
@@ -117,8 +141,9 @@ def test_burst_gets_429s_at_once_and_loses_nothing(serve_app):
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(_stream(client, f"{serve_app.base_url}/completions", body)
-                                          for _ in range(60)))
+            return await asyncio.gather(
+                *(_stream(client, f"{serve_app.base_url}/completions", body) for _ in range(60))
+            )
 
     results = asyncio.run(main())
     ok = [r for r in results if r["status"] == 200]
@@ -131,8 +156,9 @@ def test_burst_gets_429s_at_once_and_loses_nothing(serve_app):
         assert r["error"]["code"] == "queue_full" and r["error"]["type"] == "rate_limit_error"
         assert 1 <= int(r["retry_after"]) <= 60
     after = HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
-    refused_counted = (_metric(after, "kvserve:requests_rejected_total", model_name="tiny", reason="queue_full")
-                       - _metric(before, "kvserve:requests_rejected_total", model_name="tiny", reason="queue_full"))
+    refused_counted = _metric(
+        after, "kvserve:requests_rejected_total", model_name="tiny", reason="queue_full"
+    ) - _metric(before, "kvserve:requests_rejected_total", model_name="tiny", reason="queue_full")
     assert refused_counted == len(refused)
     from ray import serve
 
@@ -178,11 +204,14 @@ def test_interactive_key_overtakes_a_batch_flood(ops_app):
 
     async def main():
         async with httpx.AsyncClient(timeout=300) as client:
-            batch = [asyncio.create_task(_stream(client, url, body, {"Authorization": "Bearer sk-ops-batch"}))
-                     for _ in range(30)]
+            batch = [
+                asyncio.create_task(_stream(client, url, body, {"Authorization": "Bearer sk-ops-batch"}))
+                for _ in range(30)
+            ]
             await asyncio.sleep(1.0)
-            inter = await _stream(client, url, {**body, "max_tokens": 8},
-                                  {"Authorization": "Bearer sk-ops-interactive"})
+            inter = await _stream(
+                client, url, {**body, "max_tokens": 8}, {"Authorization": "Bearer sk-ops-interactive"}
+            )
             return inter, await asyncio.gather(*batch)
 
     inter, batch = asyncio.run(main())

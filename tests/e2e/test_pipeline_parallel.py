@@ -5,6 +5,7 @@ token with PP=2 and PP=2 x TP=2, on a tiny random-weight Llama (untied LM head) 
 tied embeddings (the last stage loads the embedding as its LM head: a tiny one with SmolLM2's
 layout, SmolLM2 itself in the thorough profile), through chunked prefill, preemption and
 prefix-cache hits; every KV block goes back to the pool."""
+
 import pytest
 
 from tests.engine.test_correctness import hf_greedy
@@ -22,12 +23,14 @@ def pp_llm(path, pp: int, tp: int = 1, **kw):
     groups = []
 
     def factory(config, model_path):
-        groups.append(RayWorkerGroup(config, model_path, num_cpus=1, torch_num_threads=1, timeout_s=120,
-                                     collective_timeout_s=120))
+        groups.append(
+            RayWorkerGroup(config, model_path, num_cpus=1, torch_num_threads=1, timeout_s=120, collective_timeout_s=120)
+        )
         return groups[-1]
 
-    llm = LLM(str(path), dtype="float32", pipeline_parallel_size=pp, tensor_parallel_size=tp,
-              executor_factory=factory, **kw)
+    llm = LLM(
+        str(path), dtype="float32", pipeline_parallel_size=pp, tensor_parallel_size=tp, executor_factory=factory, **kw
+    )
     return llm, groups[0]
 
 
@@ -46,11 +49,15 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(rng.randint(4, 60))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("pp,tp,kw", [
-    (2, 1, {}),
-    (2, 1, {"max_num_batched_tokens": 24, "num_kv_blocks": 24, "block_size": 4}),  # chunks, preemption
-    (2, 2, {"max_num_batched_tokens": 24}),
-], ids=["pp2", "pp2-chunked-preempted", "pp2xtp2"])
+@pytest.mark.parametrize(
+    "pp,tp,kw",
+    [
+        (2, 1, {}),
+        (2, 1, {"max_num_batched_tokens": 24, "num_kv_blocks": 24, "block_size": 4}),  # chunks, preemption
+        (2, 2, {"max_num_batched_tokens": 24}),
+    ],
+    ids=["pp2", "pp2-chunked-preempted", "pp2xtp2"],
+)
 def test_pipeline_equals_hf_on_the_tiny_llama(ray_session, tiny4, pp, tp, kw):
     import ray
 
@@ -85,8 +92,13 @@ def tiny_tied(tmp_path_factory):
     uneven over TP=2), 4 layers."""
     from tests.tiny_models import SMOLLM2_HEADS, make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_tied"), tie_word_embeddings=True, num_hidden_layers=4,
-                           **SMOLLM2_HEADS, initializer_range=0.2)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_tied"),
+        tie_word_embeddings=True,
+        num_hidden_layers=4,
+        **SMOLLM2_HEADS,
+        initializer_range=0.2,
+    )
 
 
 @pytest.mark.parametrize("model", ["tiny-tied", pytest.param("smollm2", marks=pytest.mark.thorough)])
@@ -101,8 +113,9 @@ def test_pipeline_equals_hf_with_tied_embeddings(ray_session, request, model):
     try:
         texts = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
         prompts = [llm.tokenizer.encode(t) for t in texts]
-        out = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
-                           use_tqdm=False)
+        out = llm.generate(
+            prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False
+        )
     finally:
         llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in out] == hf_greedy(path, prompts, NEW_TOKENS)

@@ -12,6 +12,7 @@ rejections of a burst against the 429s the client saw, and a wrong API key. Then
 the Grafana dashboard (``helm/kvserve/dashboards/kvserve.json``) runs against this Prometheus
 with both exports.
 """
+
 import concurrent.futures
 import shutil
 import subprocess
@@ -19,8 +20,17 @@ import time
 
 import httpx
 import pytest
-from _prometheus_helpers import (EXPORTS, RAY_SCRAPE_S, TINY, Prom, _baseline, _check_dashboard, _expect,
-                                 _ray_hist_sum, _wait)
+from _prometheus_helpers import (
+    EXPORTS,
+    RAY_SCRAPE_S,
+    TINY,
+    Prom,
+    _baseline,
+    _check_dashboard,
+    _expect,
+    _ray_hist_sum,
+    _wait,
+)
 from helpers import HTTP, free_port
 
 # constants only: importing kvserve.telemetry.metrics switches nothing on
@@ -32,8 +42,10 @@ N = 5  # completions of the exact-count phase
 MAX_TOKENS = 8
 CHAT = [{"role": "user", "content": "Count the planets of the solar system, one by one."}]
 # a shared prefix longer than a few KV blocks (16 tokens), so the later prompts hit the prefix cache
-PREFIX = ("You are a careful assistant. Answer in one short sentence, using plain words, and never repeat "
-          "the question back to the user. The topic of this request is the weather on a quiet day, ")
+PREFIX = (
+    "You are a careful assistant. Answer in one short sentence, using plain words, and never repeat "
+    "the question back to the user. The topic of this request is the weather on a quiet day, "
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +57,9 @@ def prometheus(serve_app, tmp_path_factory):
     exe = shutil.which("prometheus")
     if exe is None:
         pytest.skip("prometheus not installed (apt-get install prometheus)")
-    ray_targets = [f"127.0.0.1:{n['MetricsExportPort']}" for n in ray.nodes()
-                   if n.get("Alive") and n.get("MetricsExportPort")]
+    ray_targets = [
+        f"127.0.0.1:{n['MetricsExportPort']}" for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")
+    ]
     assert ray_targets, ray.nodes()
     d = tmp_path_factory.mktemp("prometheus")
     port = free_port()
@@ -68,13 +81,23 @@ def prometheus(serve_app, tmp_path_factory):
         f"    scrape_timeout: {RAY_SCRAPE_S}s\n"
         "    metrics_path: /metrics\n"
         "    static_configs:\n"
-        f"      - targets: [{', '.join(repr(t) for t in ray_targets)}]\n")
+        f"      - targets: [{', '.join(repr(t) for t in ray_targets)}]\n"
+    )
     (d / "data").mkdir()
     log_path = str(d / "prometheus.log")
     log = open(log_path, "wb")
-    proc = subprocess.Popen([exe, f"--config.file={cfg}", f"--web.listen-address=127.0.0.1:{port}",
-                             f"--storage.tsdb.path={d / 'data'}", "--log.level=warn"],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            f"--config.file={cfg}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            f"--storage.tsdb.path={d / 'data'}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     prom = Prom(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         deadline = time.time() + 60
@@ -102,10 +125,12 @@ def prometheus(serve_app, tmp_path_factory):
 
 def test_prometheus_scrapes_both_exports(serve_app, prometheus):
     prom = prometheus
+
     # both targets up (a scrape succeeded) and the kvserve series of the app are there
     def targets_up():
         up = {r["metric"]["job"]: float(r["value"][1]) for r in prom.query("up")}
         return up.get("kvserve") == 1 and up.get("ray") == 1, up
+
     _wait(targets_up, 60, "scrape targets not up")
     for job in ("kvserve", "ray"):
         res = prom.query(f'up{{job="{job}"}}')
@@ -118,16 +143,24 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
     usages = []
     with httpx.Client(timeout=120) as c:
         for i in range(N):
-            r = c.post(f"{serve_app.base_url}/completions",
-                       json={"model": TINY, "prompt": PREFIX + f"request number {i}.", "max_tokens": MAX_TOKENS,
-                             "temperature": 0, "ignore_eos": True})
+            r = c.post(
+                f"{serve_app.base_url}/completions",
+                json={
+                    "model": TINY,
+                    "prompt": PREFIX + f"request number {i}.",
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["choices"][0]["finish_reason"] == "length", body
             usages.append(body["usage"])
-        r = c.post(f"{serve_app.base_url}/chat/completions",
-                   json={"model": TINY, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                         "ignore_eos": True})
+        r = c.post(
+            f"{serve_app.base_url}/chat/completions",
+            json={"model": TINY, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["finish_reason"] == "length", body
@@ -137,20 +170,32 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
     prompt_tokens = sum(u["prompt_tokens"] for u in usages)
     gen_tokens = n_req * MAX_TOKENS
     expected = {
-        "success_length": n_req, "success_all": n_req,
-        "prompt_tokens": prompt_tokens, "generation_tokens": gen_tokens,
-        "ttft_count": n_req, "e2e_count": n_req, "queue_count": n_req, "prefill_count": n_req,
+        "success_length": n_req,
+        "success_all": n_req,
+        "prompt_tokens": prompt_tokens,
+        "generation_tokens": gen_tokens,
+        "ttft_count": n_req,
+        "e2e_count": n_req,
+        "queue_count": n_req,
+        "prefill_count": n_req,
         "decode_count": n_req,
         "itl_count": n_req * (MAX_TOKENS - 1),  # one per token after the first
         "req_prompt_count": n_req,
-        "req_prompt_sum": {"kvserve": prompt_tokens,
-                           "ray": _ray_hist_sum([u["prompt_tokens"] for u in usages], TOKEN_BUCKETS)},
+        "req_prompt_sum": {
+            "kvserve": prompt_tokens,
+            "ray": _ray_hist_sum([u["prompt_tokens"] for u in usages], TOKEN_BUCKETS),
+        },
         "req_gen_count": n_req,
         "req_gen_sum": {"kvserve": gen_tokens, "ray": _ray_hist_sum([MAX_TOKENS] * n_req, TOKEN_BUCKETS)},
-        "req_gen_le5": 0, "req_gen_le10": n_req, "req_gen_le100": n_req,
+        "req_gen_le5": 0,
+        "req_gen_le10": n_req,
+        "req_gen_le100": n_req,
         "pc_queries": prompt_tokens,  # each prompt looked up once (no preemption here)
-        "preemptions": 0, "rejected_queue_full": 0,
-        "key_requests": n_req, "key_prompt": prompt_tokens, "key_gen": gen_tokens,
+        "preemptions": 0,
+        "rejected_queue_full": 0,
+        "key_requests": n_req,
+        "key_prompt": prompt_tokens,
+        "key_gen": gen_tokens,
     }
     d = _expect(prom, base, TINY, expected)
     # the later prompts share PREFIX (several 16-token blocks) with the first: prefix-cache hits
@@ -158,10 +203,14 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
         assert 0 < d[(job, "pc_hits")] <= d[(job, "pc_queries")], d
     # nothing left running or waiting (gauges: Ray's export carries the last value it saw until
     # its next report, a few seconds later)
-    gauges = {f"{job} {g}": f'{p}{g}{{model_name="{TINY}"}}' for job, p in EXPORTS.items()
-              for g in ("num_requests_running", "num_requests_waiting")}
-    _wait(lambda: (not any(prom.values(gauges).values()), prom.values(gauges)), 30,
-          "running / waiting gauges back to 0")
+    gauges = {
+        f"{job} {g}": f'{p}{g}{{model_name="{TINY}"}}'
+        for job, p in EXPORTS.items()
+        for g in ("num_requests_running", "num_requests_waiting")
+    }
+    _wait(
+        lambda: (not any(prom.values(gauges).values()), prom.values(gauges)), 30, "running / waiting gauges back to 0"
+    )
 
     # ---- phase 2: a burst over the replica's admission bound -> 429 queue_full, counted --------
     base = _baseline(prom, TINY)
@@ -174,9 +223,16 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
 
     def one(i):
         with httpx.Client(timeout=180) as c:
-            r = c.post(f"{serve_app.base_url}/completions",
-                       json={"model": TINY, "prompt": f"burst {i}", "max_tokens": burst_tokens, "temperature": 0,
-                             "ignore_eos": True})
+            r = c.post(
+                f"{serve_app.base_url}/completions",
+                json={
+                    "model": TINY,
+                    "prompt": f"burst {i}",
+                    "max_tokens": burst_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             return r.status_code, r.json()
 
     with concurrent.futures.ThreadPoolExecutor(burst) as ex:
@@ -188,51 +244,88 @@ def test_prometheus_scrapes_both_exports(serve_app, prometheus):
     codes_429 = sorted(b["error"]["code"] for b in rejected)
     assert set(codes_429) == {"queue_full"}, rejected
     if not rejected:
-        pytest.fail(f"a burst of {burst} requests on a replica that admits max_num_seqs + max_queued_requests "
-                    f"= 9 got no 429: {codes}")
+        pytest.fail(
+            f"a burst of {burst} requests on a replica that admits max_num_seqs + max_queued_requests "
+            f"= 9 got no 429: {codes}"
+        )
     ok_prompt = sum(b["usage"]["prompt_tokens"] for b in ok)
     assert all(b["usage"]["completion_tokens"] == burst_tokens for b in ok)
     n_ok = len(ok)
     print(f"burst of {burst}: {n_ok} x 200, 429 codes {codes_429}")
-    _expect(prom, base, TINY, {
-        "rejected_queue_full": len(rejected),
-        "success_length": n_ok, "success_all": n_ok,
-        "prompt_tokens": ok_prompt, "generation_tokens": n_ok * burst_tokens,
-        "ttft_count": n_ok, "e2e_count": n_ok, "req_gen_count": n_ok, "req_gen_le10": 0, "req_gen_le100": n_ok,
-        "req_gen_sum": {"kvserve": n_ok * burst_tokens, "ray": _ray_hist_sum([burst_tokens] * n_ok, TOKEN_BUCKETS)},
-        # every request of the burst passed the gateway's key admission; tokens only for those served
-        "key_requests": burst, "key_prompt": ok_prompt, "key_gen": n_ok * burst_tokens,
-    })
+    _expect(
+        prom,
+        base,
+        TINY,
+        {
+            "rejected_queue_full": len(rejected),
+            "success_length": n_ok,
+            "success_all": n_ok,
+            "prompt_tokens": ok_prompt,
+            "generation_tokens": n_ok * burst_tokens,
+            "ttft_count": n_ok,
+            "e2e_count": n_ok,
+            "req_gen_count": n_ok,
+            "req_gen_le10": 0,
+            "req_gen_le100": n_ok,
+            "req_gen_sum": {"kvserve": n_ok * burst_tokens, "ray": _ray_hist_sum([burst_tokens] * n_ok, TOKEN_BUCKETS)},
+            # every request of the burst passed the gateway's key admission; tokens only for those served
+            "key_requests": burst,
+            "key_prompt": ok_prompt,
+            "key_gen": n_ok * burst_tokens,
+        },
+    )
 
     # ---- the Grafana dashboard's queries, run against this Prometheus with each export ----------
     # rate() needs two samples in its window: the burst may have created the queue_full series
     # (when no earlier test of the session had a request of this model refused), and Ray's job
     # is scraped every RAY_SCRAPE_S
     def samples():
-        n = {p: [float(r["value"][1]) for r in prom.query(
-            f'count_over_time({p}requests_rejected_total{{model_name="{TINY}",reason="queue_full"}}[1m])')]
-            for p in EXPORTS.values()}
+        n = {
+            p: [
+                float(r["value"][1])
+                for r in prom.query(
+                    f'count_over_time({p}requests_rejected_total{{model_name="{TINY}",reason="queue_full"}}[1m])'
+                )
+            ]
+            for p in EXPORTS.values()
+        }
         return all(v and max(v) >= 2 for v in n.values()), n
+
     _wait(samples, 60, "two samples of a queue_full rejections series in each export")
     _check_dashboard(prom)
 
     # ---- phase 3: the app with an API key: per-key tokens, a wrong key counted ----------------
     tp2 = "tiny-tp2"
     base = _baseline(prom, tp2)
-    r = HTTP.post(f"{serve_app.auth_base_url}/completions", timeout=120,
-                   headers={"Authorization": f"Bearer {serve_app.api_key}"},
-                   json={"model": tp2, "prompt": "one request with a key", "max_tokens": 4, "temperature": 0,
-                         "ignore_eos": True})
+    r = HTTP.post(
+        f"{serve_app.auth_base_url}/completions",
+        timeout=120,
+        headers={"Authorization": f"Bearer {serve_app.api_key}"},
+        json={"model": tp2, "prompt": "one request with a key", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert usage["completion_tokens"] == 4, usage
-    bad = HTTP.post(f"{serve_app.auth_base_url}/completions", timeout=60,
-                     headers={"Authorization": "Bearer sk-not-the-key"},
-                     json={"model": tp2, "prompt": "x", "max_tokens": 1})
+    bad = HTTP.post(
+        f"{serve_app.auth_base_url}/completions",
+        timeout=60,
+        headers={"Authorization": "Bearer sk-not-the-key"},
+        json={"model": tp2, "prompt": "x", "max_tokens": 1},
+    )
     # 401, or 429 when earlier tests of the session used up this address's failed attempts
     assert bad.status_code in (401, 429), bad.text
-    _expect(prom, base, tp2, {
-        "success_length": 1, "prompt_tokens": usage["prompt_tokens"], "generation_tokens": 4,
-        "key_requests": 1, "key_prompt": usage["prompt_tokens"], "key_gen": 4,
-        "rejected_unauthorized": int(bad.status_code == 401), "rejected_auth_throttled": int(bad.status_code == 429),
-    })
+    _expect(
+        prom,
+        base,
+        tp2,
+        {
+            "success_length": 1,
+            "prompt_tokens": usage["prompt_tokens"],
+            "generation_tokens": 4,
+            "key_requests": 1,
+            "key_prompt": usage["prompt_tokens"],
+            "key_gen": 4,
+            "rejected_unauthorized": int(bad.status_code == 401),
+            "rejected_auth_throttled": int(bad.status_code == 429),
+        },
+    )

@@ -7,6 +7,7 @@ without the token, tries to join the cluster and run a task, and calls the GCS a
 replica over raw gRPC; the same process with the token succeeds. One test runs `kvserve serve`
 itself and checks the token file it writes and where its ports listen.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,17 @@ import time
 from pathlib import Path
 
 import pytest
-from _ray_auth_helpers import (ATTACKER, RAW_GRPC, _attacker_env, _collect, _is_loopback, _listeners, _ray_pids,
-                               _spawn, _this_machines_address)
+from _ray_auth_helpers import (
+    ATTACKER,
+    RAW_GRPC,
+    _attacker_env,
+    _collect,
+    _is_loopback,
+    _listeners,
+    _ray_pids,
+    _spawn,
+    _this_machines_address,
+)
 from cli_process import start_kvserve
 from helpers import DONE, HTTP, free_port, iter_sse
 
@@ -62,8 +72,14 @@ def test_local_auth_makes_rays_own_token_file_private(tmp_path):
     umask: 0644 in a 0755 directory. kvserve keeps the token and makes it owner-only."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env["HOME"] = str(tmp_path)
-    p = subprocess.run([str(RAY_CLI), "get-auth-token", "--generate"], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
+    p = subprocess.run(
+        [str(RAY_CLI), "get-auth-token", "--generate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     tok = tmp_path / ".ray" / "auth_token"
     ray_mode, ray_dir_mode = _mode(tok), _mode(tok.parent)
@@ -128,11 +144,12 @@ def test_cli_join_without_token_fails_fast_with_a_clear_message(tmp_path):
     """`kvserve serve --address` with no token here: a clear error before Ray is even imported."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", LOOPBACK_VAR))}
     env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT))
-    code = ("import sys; from kvserve.deployments.cli import main\n"
-            "try:\n    main(['serve', '--address', '10.255.255.1:6379'])\n"
-            "finally:\n    assert 'ray' not in sys.modules, 'imported ray before checking the token'\n")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=tmp_path)
+    code = (
+        "import sys; from kvserve.deployments.cli import main\n"
+        "try:\n    main(['serve', '--address', '10.255.255.1:6379'])\n"
+        "finally:\n    assert 'ray' not in sys.modules, 'imported ray before checking the token'\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 1, (p.stdout, p.stderr[-3000:])
     assert "no token was found" in p.stderr and "ray get-auth-token" in p.stderr, p.stderr[-3000:]
 
@@ -157,14 +174,21 @@ def test_attacker_without_the_token_cannot_join_or_run_code(ray_session, tmp_pat
         home = tmp_path / f"home{i}"
         home.mkdir()
         markers[name] = tmp_path / f"pwned{i}"
-        procs[name] = _spawn(ATTACKER, [ray_session.address, str(markers[name])], _attacker_env(home, **extra),
-                             tmp_path)
+        procs[name] = _spawn(
+            ATTACKER, [ray_session.address, str(markers[name])], _attacker_env(home, **extra), tmp_path
+        )
     procs["raw gRPC"] = _spawn(RAW_GRPC, [ray_session.address, token], _attacker_env(tmp_path / "home0"), tmp_path)
     # `kvserve serve --address` holding a wrong token: a clear message, not a hang
     kv_env = _attacker_env(tmp_path / "home1", RAY_AUTH_TOKEN="f" * 64, PYTHONPATH=str(ROOT))
     procs["kvserve join"] = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.deployments.cli", "serve", "--address", ray_session.address], env=kv_env,
-        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        [sys.executable, "-m", "kvserve.deployments.cli", "serve", "--address", ray_session.address],
+        env=kv_env,
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     res = _collect(procs)
 
     for name in ("no token, RAY_AUTH_MODE unset", "wrong token"):
@@ -216,8 +240,12 @@ def test_token_holder_gets_a_serve_handle_and_replica_grpc_needs_the_token(ray_s
     home.mkdir()
     procs = {
         "raw gRPC": _spawn(RAW_GRPC, [ray_session.address, token, *replica_ports], _attacker_env(home), tmp_path),
-        "the token": _spawn(ATTACKER, [ray_session.address, str(tmp_path / "m"), "serve"],
-                            _attacker_env(home, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token), tmp_path),
+        "the token": _spawn(
+            ATTACKER,
+            [ray_session.address, str(tmp_path / "m"), "serve"],
+            _attacker_env(home, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+            tmp_path,
+        ),
     }
     res = _collect(procs)
     rc, out = res["the token"]
@@ -269,9 +297,27 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
     home = tmp_path / "home"
     home.mkdir()
     port = free_port()
-    p, out = start_kvserve(home, ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "--num-replicas",
-                                  "1", "--port", str(port), "--num-cpus", "4", "--max-num-seqs", "4",
-                                  "--max-model-len", "2048", "--torch-num-threads", "1"])
+    p, out = start_kvserve(
+        home,
+        [
+            "--model",
+            str(tiny_llama_path),
+            "--served-model-name",
+            "tiny",
+            "--num-replicas",
+            "1",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "4",
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "2048",
+            "--torch-num-threads",
+            "1",
+        ],
+    )
     lines: list[str] = [out]
     try:
         m = re.search(r"GCS (127\.0\.0\.1:\d+), control-plane ports on 127\.0\.0\.1 only", out)
@@ -298,8 +344,11 @@ def test_kvserve_serve_starts_ray_with_token_auth_on_loopback(tiny_llama_path, t
         attacker = _spawn(RAW_GRPC, [gcs, token], _attacker_env(tmp_path), tmp_path)
         rc, text = _collect({"raw gRPC": attacker})["raw gRPC"]
         assert rc == 0, text[-3000:]
-        status = {tuple(ln.split(" ")[:2]): ln.split(" ")[3] for ln in text.splitlines()
-                  if ln.split(" ", 1)[0] in ("none", "wrong", "right")}
+        status = {
+            tuple(ln.split(" ")[:2]): ln.split(" ")[3]
+            for ln in text.splitlines()
+            if ln.split(" ", 1)[0] in ("none", "wrong", "right")
+        }
         assert status[("none", "gcs.GetAllNodeInfo")] == "UNAUTHENTICATED", text
         assert status[("right", "gcs.GetAllNodeInfo")] == "OK", text
 

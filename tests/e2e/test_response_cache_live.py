@@ -4,6 +4,7 @@ cache, streamed and not, with the answer and usage of the first; opt-outs; sampl
 are never cached; ``DELETE /v1/cache`` needs the admin key; a paraphrase hits the semantic
 level when the request asks for it. Prompts carry a random tag so no other test's entries
 interfere."""
+
 import time
 import uuid
 
@@ -30,13 +31,21 @@ def _status(r: httpx.Response) -> str | None:
 
 def _counts(usage: dict) -> tuple:
     """Usage's numbers (a streamed usage leaves out the null fields a whole body carries)."""
-    return (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"],
-            (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+    return (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        usage["total_tokens"],
+        (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+    )
 
 
 def test_repeated_greedy_chat_is_an_exact_hit_streamed_and_not(serve_app):
-    body = {"model": TINY, "messages": [{"role": "user", "content": f"Name three colours. {_tag()}"}],
-            "max_tokens": 12, "temperature": 0}
+    body = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": f"Name three colours. {_tag()}"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     first = _post(serve_app, "/chat/completions", body)
     assert first.status_code == 200, first.text
     assert _status(first) == "miss"
@@ -56,15 +65,24 @@ def test_repeated_greedy_chat_is_an_exact_hit_streamed_and_not(serve_app):
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert text == a["choices"][0]["message"]["content"]
     assert len([e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]) > 1  # token by token
-    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]] \
-        == [a["choices"][0]["finish_reason"]]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]] == [
+        a["choices"][0]["finish_reason"]
+    ]
     assert events[-1]["choices"] == [] and _counts(events[-1]["usage"]) == _counts(a["usage"])
     assert len({e["id"] for e in events}) == 1 and events[0]["id"] != a["id"]
 
 
 def test_a_streamed_miss_is_replayed_chunk_for_chunk(serve_app):
-    body = {"model": TINY, "prompt": f"Once upon a time {_tag()}", "max_tokens": 10, "temperature": 0.9, "seed": 4,
-            "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": TINY,
+        "prompt": f"Once upon a time {_tag()}",
+        "max_tokens": 10,
+        "temperature": 0.9,
+        "seed": 4,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     def run():
         with HTTP.stream("POST", f"{serve_app.base_url}/completions", json=body, timeout=120) as r:
@@ -75,14 +93,17 @@ def test_a_streamed_miss_is_replayed_chunk_for_chunk(serve_app):
     assert (s1, s2) == ("miss", "exact")  # seeded, n = 2: choice i samples with seed + i, reproducible
 
     def shape(events):
-        return [[(c["index"], c["text"], c["finish_reason"]) for c in e["choices"]] for e in events], events[-1]["usage"]
+        return [[(c["index"], c["text"], c["finish_reason"]) for c in e["choices"]] for e in events], events[-1][
+            "usage"
+        ]
 
     assert shape(cached) == shape(fresh)
     whole = _post(serve_app, "/completions", {**body, "stream": False, "stream_options": None})
     assert _status(whole) == "exact"
     for i in (0, 1):
-        assert whole.json()["choices"][i]["text"] == "".join(c["text"] for e in fresh for c in e["choices"]
-                                                              if c["index"] == i)
+        assert whole.json()["choices"][i]["text"] == "".join(
+            c["text"] for e in fresh for c in e["choices"] if c["index"] == i
+        )
 
 
 def test_opt_outs_and_sampled_requests_bypass_the_cache(serve_app):
@@ -104,12 +125,17 @@ def test_opt_outs_and_sampled_requests_bypass_the_cache(serve_app):
 def test_cached_answers_count_as_requests_without_tokens(serve_app):
     """A hit is one request of its API key (here the anonymous one) and no tokens: nothing was
     generated. Read from the app's /metrics."""
+
     def sample(name: str, kind: str | None = None) -> float:
         text = HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name + "{") and 'api_key="anonymous"' in line and f'model_name="{TINY}"' in line \
-                    and (kind is None or f'kind="{kind}"' in line):
+            if (
+                line.startswith(name + "{")
+                and 'api_key="anonymous"' in line
+                and f'model_name="{TINY}"' in line
+                and (kind is None or f'kind="{kind}"' in line)
+            ):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
@@ -128,8 +154,10 @@ def test_cached_answers_count_as_requests_without_tokens(serve_app):
     time.sleep(0.5)
     assert sample("kvserve:api_key_requests_total") == requests + 1
     assert sample("kvserve:api_key_tokens_total") == tokens
-    assert 'kvserve:response_cache_hits_total{level="exact",model_name="tiny",variant=""}' in \
-        HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
+    assert (
+        'kvserve:response_cache_hits_total{level="exact",model_name="tiny",variant=""}'
+        in HTTP.get(f"{serve_app.root}/metrics", timeout=30).text
+    )
 
 
 def test_delete_cache_needs_the_admin_key(serve_app):
@@ -156,8 +184,9 @@ def test_delete_cache_needs_the_admin_key(serve_app):
     assert r.status_code == 200 and r.json()["exact"] >= 2
     assert _status(_post(serve_app, "/completions", smol)) == "miss"
     # the API-key app has no admin key: its API key may not clear anything
-    r = HTTP.delete(f"{serve_app.auth_base_url}/cache", headers={"Authorization": f"Bearer {serve_app.api_key}"},
-                     timeout=30)
+    r = HTTP.delete(
+        f"{serve_app.auth_base_url}/cache", headers={"Authorization": f"Bearer {serve_app.api_key}"}, timeout=30
+    )
     assert r.status_code == 403 and "no admin key is configured" in r.json()["error"]["message"]
 
 
@@ -170,8 +199,12 @@ def test_semantic_hit_for_a_paraphrase_when_asked(serve_app):
     def ask(question: str, semantic: bool):
         extra = {"cache": {"semantic": True}} if semantic else None
         raw = client.chat.completions.with_raw_response.create(
-            model=TINY, messages=[system, {"role": "user", "content": question}], max_tokens=8, temperature=0,
-            extra_body=extra)
+            model=TINY,
+            messages=[system, {"role": "user", "content": question}],
+            max_tokens=8,
+            temperature=0,
+            extra_body=extra,
+        )
         return raw.headers.get("x-kvserve-cache"), raw.parse()
 
     s1, first = ask("How many days are there in a leap year?", True)

@@ -6,6 +6,7 @@ the choice logic on hand-built depths and queue lengths, and the router object i
 replicas (replica-reported hashes, its own history, the load margin, two routers that agree).
 The same routing through a real Serve app: test_router_live.py.
 """
+
 import asyncio
 import random
 import uuid
@@ -17,12 +18,14 @@ from kvserve.deployments.contract.prefix import PROBE_MESSAGES, PROBE_TEXT, toke
 from kvserve.deployments.contract.prefix import block_hashes as _block_hashes
 
 
-def block_hashes(ids, block_size, max_blocks, root=0):
-    """The contract's hashes from root 0: the root these tests' fake replicas report."""
-    return _block_hashes(ids, block_size, max_blocks, root)
 from kvserve.deployments.replica.prefix_report import RecentPrefixes
 from kvserve.deployments.routing.prefix_router import PrefixAwareRouter, router_config
 from kvserve.deployments.routing.prefix_scoring import least_cached, longest_match, match_depths, preferred_replicas
+
+
+def block_hashes(ids, block_size, max_blocks, root=0):
+    """The contract's hashes from root 0: the root these tests' fake replicas report."""
+    return _block_hashes(ids, block_size, max_blocks, root)
 
 
 # ---- hashes: the engine's own --------------------------------------------------------------
@@ -41,8 +44,23 @@ def test_block_hashes_are_the_engines():
 
 
 def _random_text(rng: random.Random, n: int) -> str:
-    pieces = ["the", " policy", "Über", " naïve", "数据", "def f(x):\n    return x", "  ", "\n\n", "\t", "----",
-              "!!!", " https://a.b/c?d=e", " 12345", "<|im_end|>", " "]
+    pieces = [
+        "the",
+        " policy",
+        "Über",
+        " naïve",
+        "数据",
+        "def f(x):\n    return x",
+        "  ",
+        "\n\n",
+        "\t",
+        "----",
+        "!!!",
+        " https://a.b/c?d=e",
+        " 12345",
+        "<|im_end|>",
+        " ",
+    ]
     out = []
     while sum(map(len, out)) < n:
         out.append(rng.choice(pieces))
@@ -73,7 +91,7 @@ def test_router_hashes_are_a_prefix_of_the_engines(tokenizers):
                 ids = chat_template_ids(eng, m2, True, t2)
                 got = hasher.of_messages(msgs, t)
             want = block_hashes(ids, 16, 64)
-            assert got == want[:len(got)], (kind, len(text))
+            assert got == want[: len(got)], (kind, len(text))
             assert got or len(text) < 512, (kind, len(text))
             coverage.append(len(got) / max(1, min(len(want), 64)))
     assert sum(coverage) / len(coverage) > 0.6  # the leading power-of-two characters, less the cut's margin
@@ -123,8 +141,10 @@ def test_a_shared_system_prompt_is_tokenized_once(tokenizers):
         assert again == first
     assert counting.calls == 1  # every later request hit the leading-text cache
     # the same hashes as a hasher with no cache history computes (the cache holds no stale entry)
-    assert PrefixHasher(tok, 16).of_messages([{"role": "system", "content": system},
-                                              {"role": "user", "content": "q 7"}]) == first
+    assert (
+        PrefixHasher(tok, 16).of_messages([{"role": "system", "content": system}, {"role": "user", "content": "q 7"}])
+        == first
+    )
     # a different system prompt misses the cache and is tokenized
     hasher.of_messages([{"role": "system", "content": system.upper()}, {"role": "user", "content": "hi"}])
     assert counting.calls == 2
@@ -199,8 +219,11 @@ class FakeReplica:
 def _router(**kwargs) -> PrefixAwareRouter:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    r = PrefixAwareRouter(deployment_id=DeploymentID(name="LLMServer", app_name="app"),
-                          handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    r = PrefixAwareRouter(
+        deployment_id=DeploymentID(name="LLMServer", app_name="app"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+    )
     r.initialize_state(**kwargs)
     return r
 
@@ -215,8 +238,9 @@ def _pending(prompt, method: str = "stream"):
 
     rid = uuid.uuid4().hex
     args = [GenerateRequest(prompt=prompt)] if method == "stream" else [prompt, {"max_tokens": 4}]
-    return PendingRequest(args=args, kwargs={},
-                          metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method))
+    return PendingRequest(
+        args=args, kwargs={}, metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method)
+    )
 
 
 def _names(ranks) -> list[list[str]]:
@@ -303,9 +327,13 @@ def test_router_keys_by_adapter_and_prefers_replicas_holding_it():
 
     def pending(prompt, adapter=None, multiplexed=""):
         rid = uuid.uuid4().hex
-        return PendingRequest(args=[GenerateRequest(prompt=prompt, lora_name=adapter)], kwargs={},
-                              metadata=RequestMetadata(request_id=rid, internal_request_id=rid, call_method="stream",
-                                                       multiplexed_model_id=multiplexed))
+        return PendingRequest(
+            args=[GenerateRequest(prompt=prompt, lora_name=adapter)],
+            kwargs={},
+            metadata=RequestMetadata(
+                request_id=rid, internal_request_id=rid, call_method="stream", multiplexed_model_id=multiplexed
+            ),
+        )
 
     async def run():
         prompt = list(range(1000, 1200))
@@ -314,7 +342,7 @@ def test_router_keys_by_adapter_and_prefers_replicas_holding_it():
         assert not set(for_adapter(hashes, "x")) & set(hashes) and for_adapter(hashes, "x") != for_adapter(hashes, "y")
         recent = RecentPrefixes(16, limit=100)
         recent.add(prompt, "x")
-        assert recent.report() == for_adapter(hashes, "x")[:len(recent.report())]
+        assert recent.report() == for_adapter(hashes, "x")[: len(recent.report())]
         base = FakeReplica("a", stats={"prefix_hashes": hashes})  # served the prompt on the base model
         lora_x = FakeReplica("b", stats={"prefix_hashes": for_adapter(hashes, "x")})  # ... under adapter x
         c = FakeReplica("c")
@@ -338,6 +366,7 @@ def test_router_keys_by_adapter_and_prefers_replicas_holding_it():
 def test_router_checks_the_tokenizer_probe(smollm2_path):
     """Text prompts get affinity when the router's tokenizer gives the replicas' ids (probe),
     and none (power of two) when it does not."""
+
     async def run(probe):
         text = "You are a careful assistant. " * 40
         router = _router(tokenizer=str(smollm2_path))
@@ -368,17 +397,20 @@ def test_router_config_and_app_options(tiny_llama_path):
 
     cfg = RequestRouterConfig(**router_config(16, 8))
     assert cfg.get_request_router_class() is PrefixAwareRouter or cfg.get_request_router_class().__name__ == (
-        "PrefixAwareRouter")
-    on = llm_deployment_options(AppArgs(model=str(tiny_llama_path), block_size=32, prefix_routing_margin=3)
-                                .model_list()[0], "x")["request_router_config"]
+        "PrefixAwareRouter"
+    )
+    on = llm_deployment_options(
+        AppArgs(model=str(tiny_llama_path), block_size=32, prefix_routing_margin=3).model_list()[0], "x"
+    )["request_router_config"]
     assert on["request_router_kwargs"] == {"block_size": 32, "imbalance_margin": 3, "tokenizer": str(tiny_llama_path)}
     assert on["request_routing_stats_period_s"] == 1.0
     for off in (AppArgs(prefix_aware_routing=False), AppArgs(enable_prefix_caching=False)):
         assert "request_router_config" not in llm_deployment_options(off.model_list()[0], "x")
     from kvserve.deployments.cli import app_args_from_cli, build_parser
 
-    a = app_args_from_cli(build_parser().parse_args(["serve", "--no-prefix-aware-routing",
-                                                     "--prefix-routing-margin", "2"]))
+    a = app_args_from_cli(
+        build_parser().parse_args(["serve", "--no-prefix-aware-routing", "--prefix-routing-margin", "2"])
+    )
     assert a == {"prefix_aware_routing": False, "prefix_routing_margin": 2}
 
 

@@ -5,6 +5,7 @@ follows prefixes it never saw that the ingress routed (replica-reported hashes),
 spills over to the other replica once the preferred one is busier by the margin, and one HTTP
 request with several prompts routes each prompt by its own prefix.
 """
+
 import asyncio
 import random
 import time
@@ -28,9 +29,19 @@ def router_app(ray_session, serve_app, tiny_llama_path):
 
     from kvserve.deployments.app import build_app
 
-    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-router", "num_replicas": 2,
-                     "max_num_seqs": 8, "max_model_len": 1024, "torch_num_threads": 1, "replica_cpus": 0.25,
-                     "ingress_cpus": 0.1, "prefix_routing_margin": 2})
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny-router",
+            "num_replicas": 2,
+            "max_num_seqs": 8,
+            "max_model_len": 1024,
+            "torch_num_threads": 1,
+            "replica_cpus": 0.25,
+            "ingress_cpus": 0.1,
+            "prefix_routing_margin": 2,
+        }
+    )
     serve.run(app, name=APP, route_prefix="/router")
     time.sleep(2.5)  # the replicas' first routing-stats report reaches the routers
     yield f"{serve_app.root}/router/v1", serve.get_deployment_handle("LLMServer", APP)
@@ -75,8 +86,9 @@ def test_shared_prefixes_land_on_one_replica(router_app, tokenizers):
     async def run():
         for j in range(4):
             for i in range(6):
-                out = await handle.complete.remote(_prefix(i) + f" Question {j}: what is {i * j}?",
-                                                   {"max_tokens": 2, "temperature": 0})
+                out = await handle.complete.remote(
+                    _prefix(i) + f" Question {j}: what is {i * j}?", {"max_tokens": 2, "temperature": 0}
+                )
                 cached[i].append(out.num_cached_tokens)
 
     asyncio.run(run())
@@ -100,15 +112,18 @@ def test_a_driver_handle_follows_what_the_ingress_routed(router_app):
     prompts = [_prefix(100 + i) for i in range(6)]
     with httpx.Client(timeout=120) as client:
         for p in prompts:
-            r = client.post(f"{base}/completions", json={"model": "tiny-router", "prompt": p + " First.",
-                                                          "max_tokens": 2})
+            r = client.post(
+                f"{base}/completions", json={"model": "tiny-router", "prompt": p + " First.", "max_tokens": 2}
+            )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     time.sleep(3.0)  # request_routing_stats_period_s is 1 s; the controller broadcasts the reports
 
     async def run():
-        return [(await handle.complete.remote(p + " Second question?", {"max_tokens": 2})).num_cached_tokens
-                for p in prompts]
+        return [
+            (await handle.complete.remote(p + " Second question?", {"max_tokens": 2})).num_cached_tokens
+            for p in prompts
+        ]
 
     assert all(n >= 10 * 16 for n in asyncio.run(run()))
 
@@ -127,7 +142,8 @@ def test_a_hot_prefix_spills_over(router_app, tokenizers):
     async def one(j: int, max_tokens: int) -> int:
         n = 0
         async for chunk in handle.options(stream=True).generate.remote(
-                hot + f" Variant {j}.", {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}):
+            hot + f" Variant {j}.", {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        ):
             assert chunk.error is None
             n += len(chunk.token_ids)
         return n
@@ -165,8 +181,7 @@ def test_one_http_request_with_several_prompts(router_app):
 
     asyncio.run(seed())
     time.sleep(2.5)  # the replicas report the new prefixes
-    body = {"model": "tiny-router", "prompt": [p + " Now?" for p in prompts], "n": 2, "max_tokens": 3,
-            "temperature": 0}
+    body = {"model": "tiny-router", "prompt": [p + " Now?" for p in prompts], "n": 2, "max_tokens": 3, "temperature": 0}
     with httpx.Client(timeout=120) as client:
         r = client.post(f"{base}/completions", json=body)
         assert r.status_code == 200, r.text

@@ -33,6 +33,7 @@ lets hypothesis minimise a failing request (each step is a real request). For a 
     KVSERVE_FUZZ_EXAMPLES=500 KVSERVE_FUZZ_COVERAGE=1 KVSERVE_FUZZ_TIMEOUT_S=120 \\
         .venv/bin/python -m pytest -q tests/e2e/test_schemathesis.py
 """
+
 import json
 import os
 import time
@@ -63,13 +64,15 @@ SEEN: Counter = Counter()
 
 @pytest.fixture(scope="module")
 def api_schema(serve_app):
-    config = schemathesis.Config.from_dict({
-        # no shrinking by default: every shrink step is a real request (KVSERVE_FUZZ_SHRINK=1 to
-        # minimise a failure); no example database: runs with one seed are the same run
-        "generation": {"max-examples": EXAMPLES, "mode": "all", "no-shrink": not SHRINK, "database": "none"},
-        "phases": {"coverage": {"enabled": COVERAGE}, "stateful": {"enabled": False}},
-        "seed": int(os.environ.get("KVSERVE_FUZZ_SEED", "0")),
-    })
+    config = schemathesis.Config.from_dict(
+        {
+            # no shrinking by default: every shrink step is a real request (KVSERVE_FUZZ_SHRINK=1 to
+            # minimise a failure); no example database: runs with one seed are the same run
+            "generation": {"max-examples": EXAMPLES, "mode": "all", "no-shrink": not SHRINK, "database": "none"},
+            "phases": {"coverage": {"enabled": COVERAGE}, "stateful": {"enabled": False}},
+            "seed": int(os.environ.get("KVSERVE_FUZZ_SEED", "0")),
+        }
+    )
     return schemathesis.openapi.from_url(f"{serve_app.root}/openapi.json", config=config, timeout=30)
 
 
@@ -136,8 +139,10 @@ def _repair(body: dict, path: str) -> None:
     if int_(body.get("best_of")):
         body["best_of"] = (body.get("n") if int_(body.get("n")) else 1) + abs(body["best_of"]) % 2
     if isinstance(body.get("logit_bias"), dict):
-        body["logit_bias"] = {str(abs(zlib.crc32(str(k).encode("utf-8", "surrogatepass"))) % VOCAB): v
-                              for k, v in body["logit_bias"].items()}
+        body["logit_bias"] = {
+            str(abs(zlib.crc32(str(k).encode("utf-8", "surrogatepass"))) % VOCAB): v
+            for k, v in body["logit_bias"].items()
+        }
     if not body.get("stream"):
         body.pop("stream_options", None)
     if isinstance(body.get("stop"), list):
@@ -147,8 +152,11 @@ def _repair(body: dict, path: str) -> None:
     if isinstance(body.get("stop_token_ids"), list):
         body["stop_token_ids"] = [abs(x) % VOCAB for x in body["stop_token_ids"] if int_(x)]
     if int_(body.get("min_tokens")):
-        caps = [int(body[k]) for k in ("max_tokens", "max_completion_tokens")
-                if int_(body.get(k)) or (isinstance(body.get(k), float) and body[k].is_integer())]
+        caps = [
+            int(body[k])
+            for k in ("max_tokens", "max_completion_tokens")
+            if int_(body.get(k)) or (isinstance(body.get(k), float) and body[k].is_integer())
+        ]
         body["min_tokens"] = max(0, min(body["min_tokens"], *caps, MAX_GEN_TOKENS))
     if "prompt" in body:
         p = body["prompt"]
@@ -172,14 +180,27 @@ def _repair(body: dict, path: str) -> None:
         elif not isinstance(v, str) or not v:
             v = "hello"
         body["input"] = v[:200] if isinstance(v, str) else v
-        for key in ("tools", "background", "truncation", "reasoning", "conversation", "prompt", "top_logprobs",
-                    "max_tool_calls", "previous_response_id", "dimensions"):
+        for key in (
+            "tools",
+            "background",
+            "truncation",
+            "reasoning",
+            "conversation",
+            "prompt",
+            "top_logprobs",
+            "max_tool_calls",
+            "previous_response_id",
+            "dimensions",
+        ):
             body.pop(key, None)
     if isinstance(body.get("messages"), list):
         for m in body["messages"]:
             if isinstance(m, dict) and isinstance(m.get("content"), list):
-                m["content"] = [{"type": "text", "text": str(part.get("text") or "hi")}
-                                for part in m["content"] if isinstance(part, dict)] or "hi"
+                m["content"] = [
+                    {"type": "text", "text": str(part.get("text") or "hi")}
+                    for part in m["content"]
+                    if isinstance(part, dict)
+                ] or "hi"
 
 
 def openai_error_body(ctx, response, case):
@@ -191,7 +212,8 @@ def openai_error_body(ctx, response, case):
             raise AssertionError(f"{response.status_code} body is not JSON: {response.content[:200]!r}") from None
         err = body.get("error") if isinstance(body, dict) else None
         assert isinstance(err, dict) and isinstance(err.get("message"), str), (
-            f"{response.status_code} body is not OpenAI's error shape: {response.content[:300]!r}")
+            f"{response.status_code} body is not OpenAI's error shape: {response.content[:300]!r}"
+        )
 
 
 def sse_well_formed(ctx, response, case):
@@ -243,8 +265,14 @@ def test_fuzz_reached_the_engines():
     embedding and tokenize endpoints answered 200 to some of them (runs after test_openapi_fuzz)."""
     if not SEEN:
         pytest.skip("test_openapi_fuzz did not run")
-    print("\nresponses per operation and status: "
-          + ", ".join(f"{op} {st}: {n}" for (op, st), n in sorted(SEEN.items())))
-    for op in ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/embeddings",
-               "POST /tokenize"):
+    print(
+        "\nresponses per operation and status: " + ", ".join(f"{op} {st}: {n}" for (op, st), n in sorted(SEEN.items()))
+    )
+    for op in (
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "POST /v1/responses",
+        "POST /v1/embeddings",
+        "POST /tokenize",
+    ):
         assert SEEN[(op, 200)] > 0, f"no 200 from {op}: {dict(SEEN)}"

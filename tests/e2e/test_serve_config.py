@@ -1,5 +1,6 @@
 """Serving pieces that need no running Ray: the Serve config file, the app builder and its
 pydantic args, the CLI, the OpenAI protocol models, the step metrics, import rules."""
+
 import ast
 import json
 import subprocess
@@ -96,8 +97,9 @@ def test_app_args_and_deployment_options():
     assert (ac.min_replicas, ac.max_replicas) == (1, 8)
     assert ac.policy.policy_kwargs["min_replicas"] == 1 and ac.policy.policy_kwargs["max_replicas"] == 8
 
-    auto = llm_deployment_options(AppArgs(min_replicas=2, max_replicas=3, autoscaling={"target_utilization": 0.5})
-                                  .model_list()[0], "x")
+    auto = llm_deployment_options(
+        AppArgs(min_replicas=2, max_replicas=3, autoscaling={"target_utilization": 0.5}).model_list()[0], "x"
+    )
     ac = AutoscalingConfig(**auto["autoscaling_config"])
     assert (ac.min_replicas, ac.max_replicas) == (2, 3)
     assert ac.policy.policy_kwargs["target_utilization"] == 0.5
@@ -110,13 +112,39 @@ def test_cli_flags_to_app_args(tmp_path):
     from kvserve.deployments.cli import app_args_from_cli, build_parser
 
     p = build_parser()
-    a = app_args_from_cli(p.parse_args(["serve", "--model", "/m", "--tensor-parallel-size", "2", "--num-replicas",
-                                        "3", "--max-num-seqs", "16", "--port", "9000"]))
+    a = app_args_from_cli(
+        p.parse_args(
+            [
+                "serve",
+                "--model",
+                "/m",
+                "--tensor-parallel-size",
+                "2",
+                "--num-replicas",
+                "3",
+                "--max-num-seqs",
+                "16",
+                "--port",
+                "9000",
+            ]
+        )
+    )
     assert a == {"model": "/m", "tensor_parallel_size": 2, "num_replicas": 3, "max_num_seqs": 16}
     a = app_args_from_cli(p.parse_args(["serve", "--min-replicas", "1", "--max-replicas", "4"]))
     assert a["min_replicas"] == 1 and a["max_replicas"] == 4 and "num_replicas" not in a
-    a = app_args_from_cli(p.parse_args(["serve", "--config", str(ROOT / "kvserve" / "deployments" / "serve_config.yaml"),
-                                        "--max-num-seqs", "8", "--api-key", "k"]))
+    a = app_args_from_cli(
+        p.parse_args(
+            [
+                "serve",
+                "--config",
+                str(ROOT / "kvserve" / "deployments" / "serve_config.yaml"),
+                "--max-num-seqs",
+                "8",
+                "--api-key",
+                "k",
+            ]
+        )
+    )
     assert a["max_num_seqs"] == 8 and a["tensor_parallel_size"] == 1 and a["api_keys"] == ["k"]
     plain = tmp_path / "args.yaml"
     plain.write_text("model: /x\nmax_replicas: 2\n")
@@ -132,9 +160,11 @@ def test_cli_flags_to_app_args(tmp_path):
 
 
 def test_cli_generate_runs_engine_without_ray(tiny_llama_path):
-    code = ("import sys, json; from kvserve.deployments.cli import main; "
-            f"main(['generate', '--prompt', 'hello', '--model', {str(tiny_llama_path)!r}, '--max-tokens', '5', "
-            "'--json']); assert 'ray' not in sys.modules, 'kvserve generate imported ray'")
+    code = (
+        "import sys, json; from kvserve.deployments.cli import main; "
+        f"main(['generate', '--prompt', 'hello', '--model', {str(tiny_llama_path)!r}, '--max-tokens', '5', "
+        "'--json']); assert 'ray' not in sys.modules, 'kvserve generate imported ray'"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -145,10 +175,18 @@ def test_protocol_models():
     from kvserve.deployments.contract.openai_requests import ChatCompletionRequest, CompletionRequest
     from kvserve.deployments.contract.types import finish_reason
 
-    r = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5,
-        "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "top_k": 5, "user": "u",
-        "some_future_field": 1})
+    r = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "top_k": 5,
+            "user": "u",
+            "some_future_field": 1,
+        }
+    )
     assert r.effective_max_tokens == 7 and r.num_logprobs == 3
     assert r.messages[0].to_template() == {"role": "user", "content": "ab"}
     params = r.to_sampling_params(r.effective_max_tokens, r.num_logprobs)  # the engine's own type
@@ -156,24 +194,34 @@ def test_protocol_models():
 
     assert isinstance(params, SamplingParams)
     assert params.max_tokens == 7 and params.top_k == 5 and params.logprobs == 3 and params.temperature == 1.0
-    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "n": 0},
-                {"messages": [{"role": "user", "content": "x"}], "n": 129},
-                {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
-                {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}},
-                {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a", "guided_choice": ["a"]},
-                {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-                {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-                {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}):
+    for bad in (
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "x"}], "n": 0},
+        {"messages": [{"role": "user", "content": "x"}], "n": 129},
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+        {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}},
+        {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a", "guided_choice": ["a"]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
+    ):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(bad)
     msg = [{"role": "user", "content": "x"}]
-    specs = {"json_object": {"response_format": {"type": "json_object"}},
-             "guided_regex": {"guided_regex": "a+"},
-             "flexible": {"structured_outputs": {"json": {"type": "object"}, "whitespace_flexible": True}}}
-    got = {k: ChatCompletionRequest(messages=msg, **v).to_sampling_params(4, None).structured_outputs
-           for k, v in specs.items()}
-    assert got == {"json_object": {"json_object": True}, "guided_regex": {"regex": "a+"},
-                   "flexible": {"json": {"type": "object"}, "whitespace_flexible": True}}
+    specs = {
+        "json_object": {"response_format": {"type": "json_object"}},
+        "guided_regex": {"guided_regex": "a+"},
+        "flexible": {"structured_outputs": {"json": {"type": "object"}, "whitespace_flexible": True}},
+    }
+    got = {
+        k: ChatCompletionRequest(messages=msg, **v).to_sampling_params(4, None).structured_outputs
+        for k, v in specs.items()
+    }
+    assert got == {
+        "json_object": {"json_object": True},
+        "guided_regex": {"regex": "a+"},
+        "flexible": {"json": {"type": "object"}, "whitespace_flexible": True},
+    }
     for v in got.values():
         SamplingParams(**{"structured_outputs": v})  # the engine takes each as it is
     assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
@@ -229,10 +277,14 @@ def test_step_stats_mean_prompt_of_the_requests_served():
     s.created = t - 40
     # a 300-token prompt in two chunks (first token in the second step), then two 100-token ones
     s.record(IterationStats(t, t + 0.1, 256, 0, 0, 1, num_waiting=0))
-    s.record(IterationStats(t + 0.1, t + 0.2, 44, 0, 1, 1, num_waiting=0, num_prompt_tokens=300,
-                            time_to_first_tokens=[0.2]))
-    s.record(IterationStats(t + 0.2, t + 0.3, 200, 1, 3, 3, num_waiting=0, num_prompt_tokens=200,
-                            time_to_first_tokens=[0.1, 0.1]))
+    s.record(
+        IterationStats(t + 0.1, t + 0.2, 44, 0, 1, 1, num_waiting=0, num_prompt_tokens=300, time_to_first_tokens=[0.2])
+    )
+    s.record(
+        IterationStats(
+            t + 0.2, t + 0.3, 200, 1, 3, 3, num_waiting=0, num_prompt_tokens=200, time_to_first_tokens=[0.1, 0.1]
+        )
+    )
     import time as _time
 
     real = _time.monotonic
@@ -247,9 +299,11 @@ def test_step_stats_mean_prompt_of_the_requests_served():
 
 def _imports(pkg: str) -> set[str]:
     """Top-level names ``kvserve/<pkg>/`` imports; a project package by its name under kvserve."""
+
     def top(name: str) -> str:
         parts = name.split(".")
         return parts[1] if parts[0] == "kvserve" and len(parts) > 1 else parts[0]
+
     mods = set()
     for f in (ROOT / "kvserve" / pkg).rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
@@ -278,8 +332,10 @@ def test_fit_single_node_caps_only_the_default_bound():
     assert fit_single_node(AppArgs(min_replicas=2), num_gpus=0).model_list()[0].max_replicas == 2
     floor = fit_single_node(AppArgs(autoscaling={"min_replicas": 3}), num_gpus=0).model_list()[0]
     assert floor.autoscaling_knobs()["max_replicas"] == 3
-    both = fit_single_node(AppArgs(models=[{"model": "a", "device": "cuda"}, {"model": "b", "max_replicas": 5}],
-                                   api_keys=["k"]), num_gpus=3)
+    both = fit_single_node(
+        AppArgs(models=[{"model": "a", "device": "cuda"}, {"model": "b", "max_replicas": 5}], api_keys=["k"]),
+        num_gpus=3,
+    )
     assert [m.autoscaling_knobs()["max_replicas"] for m in both.model_list()] == [3, 5]
     assert both.gateway.api_keys == ["k"]
 
@@ -299,7 +355,10 @@ def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatc
     assert AppArgs.model_validate({}).gateway.api_keys is None
     f = tmp_path / "keys"
     f.write_text("# team keys\nsk-file-secret-1\n\nsk-file-secret-2\n")
-    assert AppArgs.model_validate({"api_keys_file": str(f)}).gateway.api_keys == ["sk-file-secret-1", "sk-file-secret-2"]
+    assert AppArgs.model_validate({"api_keys_file": str(f)}).gateway.api_keys == [
+        "sk-file-secret-1",
+        "sk-file-secret-2",
+    ]
     with pytest.raises(ValidationError, match="api_keys_file"):
         AppArgs.model_validate({"api_keys_file": str(tmp_path / "missing")})
     line = _curl_line("http://127.0.0.1:8000/v1", "m", "sk-file-secret-1")
@@ -312,8 +371,10 @@ def test_api_keys_from_env_or_file_and_masked_in_the_banner(tmp_path, monkeypatc
 
     assert key_matches(b"Bearer sk-a") and key_matches(b"bearer  sk-a ")
     assert key_matches("Bearer sk-\u00e9".encode())
-    assert not any(key_matches(h) for h in (b"", b"Bearer", b"Basic sk-a", b"Bearer sk-", b"sk-a",
-                                                   "Bearer \u043a".encode(), b"Bearer \xff\xfe"))
+    assert not any(
+        key_matches(h)
+        for h in (b"", b"Bearer", b"Basic sk-a", b"Bearer sk-", b"sk-a", "Bearer \u043a".encode(), b"Bearer \xff\xfe")
+    )
 
 
 def test_engine_settings_have_one_source():
@@ -336,23 +397,38 @@ def test_engine_settings_have_one_source():
     dests = {a.dest for a in serve._actions}
     assert set(names) <= dests, set(names) - dests
     # a flag reaches the engine config unchanged
-    args = serve.parse_args(["--max-num-seqs", "7", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
-                             "--gpu-memory-utilization", "0.5"])
+    args = serve.parse_args(
+        [
+            "--max-num-seqs",
+            "7",
+            "--no-enable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+            "--gpu-memory-utilization",
+            "0.5",
+        ]
+    )
     from kvserve.deployments.cli import app_args_from_cli
 
     m = ModelArgs.model_validate({k: v for k, v in app_args_from_cli(args).items()})
     cfg = EngineConfig(**m.engine_args())
     assert (cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.scheduling_policy, cfg.gpu_memory_utilization) == (
-        7, False, "priority", 0.5)
+        7,
+        False,
+        "priority",
+        0.5,
+    )
     with pytest.raises(ValidationError, match="block_size"):  # the engine's own checks run at validation
         ModelArgs.model_validate({"block_size": 0})
 
 
 def test_front_ends_load_no_torch():
     """The HTTP process (gateway), the args and the CLI parser import neither torch nor the model code."""
-    code = ("import sys; import kvserve.deployments.gateway.deployment, kvserve.deployments.args, kvserve.engine.config, kvserve.engine, kvserve.cluster; "
-            "from kvserve.deployments.cli import build_parser; build_parser(); "
-            "bad = [m for m in ('torch', 'transformers', 'kvserve.engine.model_runner') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys; import kvserve.deployments.gateway.deployment, kvserve.deployments.args, kvserve.engine.config, kvserve.engine, kvserve.cluster; "
+        "from kvserve.deployments.cli import build_parser; build_parser(); "
+        "bad = [m for m in ('torch', 'transformers', 'kvserve.engine.model_runner') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

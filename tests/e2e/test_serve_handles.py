@@ -1,5 +1,6 @@
 """Python handles (in-process and from a separate Ray driver), and the docs' examples run as
 written (only the port differs)."""
+
 import os
 import re
 import subprocess
@@ -20,7 +21,8 @@ def test_handle_stream_in_process(serve_app):
 
     async def run():
         gen = serve_app.llm.options(stream=True).generate.remote(
-            "The capital of France is", {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
+            "The capital of France is", {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        )
         return [item async for item in gen]
 
     from kvserve.deployments.contract.types import GenerationChunk
@@ -30,8 +32,9 @@ def test_handle_stream_in_process(serve_app):
     assert len(items) == 6 and items[-1].finished and items[-1].finish_reason == "length"
     assert items[0].num_prompt_tokens > 0 and all(len(i.token_ids) == 1 for i in items)
     assert not any(i.finished for i in items[:-1]) and all(i.error is None for i in items)
-    full = serve_app.llm.complete.remote("The capital of France is", {"max_tokens": 6, "temperature": 0,
-                                                                      "ignore_eos": True}).result()
+    full = serve_app.llm.complete.remote(
+        "The capital of France is", {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    ).result()
     assert full.text == "".join(i.text for i in items) and full.num_output_tokens == 6 and full.finished
 
     from kvserve.deployments.contract.types import GenerateRequest
@@ -41,8 +44,10 @@ def test_handle_stream_in_process(serve_app):
 
     async def errors():  # what the gateway sees for input that cannot run: a typed error chunk, no exception
         out = []
-        for req in (GenerateRequest.of("word " * 2000, {"max_tokens": 1}),
-                    GenerateRequest.of([10 ** 9], {"max_tokens": 1})):
+        for req in (
+            GenerateRequest.of("word " * 2000, {"max_tokens": 1}),
+            GenerateRequest.of([10**9], {"max_tokens": 1}),
+        ):
             gen = serve_app.llm.options(stream=True).stream.remote(req)
             out.append([c async for c in gen])
         return out
@@ -55,8 +60,7 @@ def test_handle_stream_in_process(serve_app):
     app = serve.get_app_handle("kvserve")
 
     async def run_app():
-        gen = app.options(stream=True).generate.remote("hello", {"max_tokens": 3, "ignore_eos": True},
-                                                       model="tiny")
+        gen = app.options(stream=True).generate.remote("hello", {"max_tokens": 3, "ignore_eos": True}, model="tiny")
         return [item async for item in gen]
 
     assert len(asyncio.run(run_app())) == 3

@@ -1,5 +1,6 @@
 """The kvserve Serve app over real HTTP: httpx and the official openai SDK, streaming,
 bad input, batching of concurrent streams, client disconnects."""
+
 import asyncio
 import time
 from typing import Literal
@@ -28,12 +29,16 @@ class CompletionChunk(CompletionResponse):
 
     choices: list[StreamedCompletionChoice]
 
+
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_chat_paris_httpx(serve_app):
-    r = HTTP.post(f"{serve_app.base_url}/chat/completions", timeout=120,
-                   json={"model": serve_app.model, "messages": PARIS, "max_tokens": 32, "temperature": 0})
+    r = HTTP.post(
+        f"{serve_app.base_url}/chat/completions",
+        timeout=120,
+        json={"model": serve_app.model, "messages": PARIS, "max_tokens": 32, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     body = ChatCompletionResponse.model_validate(r.json())
     assert "Paris" in body.choices[0].message.content
@@ -43,9 +48,18 @@ def test_chat_paris_httpx(serve_app):
 
 
 def test_chat_stream_httpx(serve_app):
-    with HTTP.stream("POST", f"{serve_app.base_url}/chat/completions", timeout=120,
-                      json={"messages": PARIS, "max_tokens": 32, "temperature": 0, "stream": True,
-                            "stream_options": {"include_usage": True}}) as r:
+    with HTTP.stream(
+        "POST",
+        f"{serve_app.base_url}/chat/completions",
+        timeout=120,
+        json={
+            "messages": PARIS,
+            "max_tokens": 32,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -61,9 +75,11 @@ def test_chat_stream_httpx(serve_app):
 
 
 def test_completions_httpx_logprobs_stop(serve_app):
-    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=120,
-                   json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 2,
-                         "echo": True})
+    r = HTTP.post(
+        f"{serve_app.base_url}/completions",
+        timeout=120,
+        json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 2, "echo": True},
+    )
     assert r.status_code == 200, r.text
     raw = r.json()["choices"][0]["logprobs"]
     # echo: the prompt's tokens come first, the first with null logprobs (OpenAI's shape, which
@@ -76,12 +92,15 @@ def test_completions_httpx_logprobs_stop(serve_app):
     assert ch.text.startswith("The capital of France is")
     lp = ch.logprobs
     assert len(lp.tokens) + 1 == body.usage.prompt_tokens + body.usage.completion_tokens == len(lp.token_logprobs) + 1
-    assert "".join(lp.tokens[:body.usage.prompt_tokens - 1]) == " capital of France is"
+    assert "".join(lp.tokens[: body.usage.prompt_tokens - 1]) == " capital of France is"
     assert all(x <= 0 for x in lp.token_logprobs)
     assert all(len(t) <= 2 for t in lp.top_logprobs)
     # stop strings end the text before the stop string
-    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=120,
-                   json={"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": [" 7"]})
+    r = HTTP.post(
+        f"{serve_app.base_url}/completions",
+        timeout=120,
+        json={"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": [" 7"]},
+    )
     assert r.status_code == 200
     assert r.json()["choices"][0]["finish_reason"] == "stop" and " 7" not in r.json()["choices"][0]["text"]
 
@@ -97,8 +116,14 @@ def test_openai_sdk(serve_app):
     assert "Paris" in chat.choices[0].message.content
     assert chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 0
 
-    stream = client.chat.completions.create(model=serve_app.model, messages=PARIS, max_tokens=32, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=serve_app.model,
+        messages=PARIS,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, usage = [], None
     for chunk in stream:
         if chunk.choices:
@@ -107,12 +132,19 @@ def test_openai_sdk(serve_app):
             usage = chunk.usage
     assert "Paris" in "".join(parts) and usage.completion_tokens == chat.usage.completion_tokens
 
-    comp = client.completions.create(model=serve_app.model, prompt="The capital of France is", max_tokens=8,
-                                     temperature=0)
+    comp = client.completions.create(
+        model=serve_app.model, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert comp.choices[0].text and comp.usage.completion_tokens > 0
 
-    stream = client.completions.create(model=serve_app.model, prompt="The capital of France is", max_tokens=8,
-                                       temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=serve_app.model,
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, usage = [], None
     for chunk in stream:
         if chunk.choices:
@@ -122,21 +154,39 @@ def test_openai_sdk(serve_app):
     assert "".join(parts) == comp.choices[0].text and usage.completion_tokens == comp.usage.completion_tokens
 
     # seeded sampling is reproducible; vLLM-style extras go through extra_body
-    kw = dict(model=serve_app.model, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7,
-              extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
+    kw = dict(
+        model=serve_app.model,
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=1.0,
+        seed=7,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
 def test_batched_prompts_and_second_model(serve_app):
-    r = HTTP.post(f"{serve_app.base_url}/completions", timeout=120,
-                   json={"model": "tiny", "prompt": ["a b c", "hello"], "max_tokens": 5, "ignore_eos": True,
-                         "temperature": 0})
+    r = HTTP.post(
+        f"{serve_app.base_url}/completions",
+        timeout=120,
+        json={"model": "tiny", "prompt": ["a b c", "hello"], "max_tokens": 5, "ignore_eos": True, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["completion_tokens"] == 10
-    with HTTP.stream("POST", f"{serve_app.base_url}/completions", timeout=120,
-                      json={"model": "tiny", "prompt": ["a b c", "hello"], "max_tokens": 5, "ignore_eos": True,
-                            "temperature": 0, "stream": True}) as r:
+    with HTTP.stream(
+        "POST",
+        f"{serve_app.base_url}/completions",
+        timeout=120,
+        json={
+            "model": "tiny",
+            "prompt": ["a b c", "hello"],
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        },
+    ) as r:
         events = sse_events(r)
     chunks = [CompletionChunk.model_validate(e) for e in events]
     for i in (0, 1):
@@ -157,8 +207,11 @@ BAD = [
     ("top_logprobs without logprobs", {"messages": PARIS, "top_logprobs": 3}, 400),
     ("unknown model", {"model": "no-such-model", "messages": PARIS}, 404),
     ("prompt over the context", {"messages": [{"role": "user", "content": "hello " * 1500}]}, 400),
-    ("stream with prompt over the context", {"messages": [{"role": "user", "content": "hello " * 1500}],
-                                             "stream": True}, 400),
+    (
+        "stream with prompt over the context",
+        {"messages": [{"role": "user", "content": "hello " * 1500}], "stream": True},
+        400,
+    ),
 ]
 
 
@@ -188,16 +241,21 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_at_the_gateway(serve_app, tin
     per = max_token_bytes(load_tokenizer(tiny_llama_path))
     bound = 256 * per  # the "tiny" model's max_model_len is 256
     words = "the quick brown fox jumps over the lazy dog "
-    for body, param in (({"prompt": (words * (bound // 40))[: bound + 1], "max_tokens": 4}, "prompt"),
-                        ({"messages": [{"role": "user", "content": "é" * (bound // 2 + 1)}]}, "messages")):
+    for body, param in (
+        ({"prompt": (words * (bound // 40))[: bound + 1], "max_tokens": 4}, "prompt"),
+        ({"messages": [{"role": "user", "content": "é" * (bound // 2 + 1)}]}, "messages"),
+    ):
         path = "completions" if "prompt" in body else "chat/completions"
         r = HTTP.post(f"{serve_app.base_url}/{path}", json={"model": "tiny", **body}, timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and err["param"] == param
         assert f"more than any prompt that fits this model's context can hold ({bound} bytes" in err["message"]
-    r = HTTP.post(f"{serve_app.base_url}/completions", json={
-        "model": "tiny", "prompt": (words * (bound // 40))[: bound - 100], "max_tokens": 4}, timeout=60)
+    r = HTTP.post(
+        f"{serve_app.base_url}/completions",
+        json={"model": "tiny", "prompt": (words * (bound // 40))[: bound - 100], "max_tokens": 4},
+        timeout=60,
+    )
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
     assert "characters alone are" in err["message"]  # the replica's prefix count, not the gateway's bytes
@@ -205,10 +263,16 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_at_the_gateway(serve_app, tin
 
 def test_bad_completion_input_and_routes(serve_app):
     base = serve_app.base_url
-    cases = [({"prompt": []}, 400), ({"prompt": "x", "max_tokens": 0}, 400), ({}, 400),
-             ({"prompt": "x", "frequency_penalty": 9}, 400), ({"prompt": [[]]}, 400),
-             ({"prompt": "x", "best_of": 3, "n": 4}, 400), ({"prompt": [10**9]}, 400),
-             ({"prompt": "x", "top_k": -7}, 400)]
+    cases = [
+        ({"prompt": []}, 400),
+        ({"prompt": "x", "max_tokens": 0}, 400),
+        ({}, 400),
+        ({"prompt": "x", "frequency_penalty": 9}, 400),
+        ({"prompt": [[]]}, 400),
+        ({"prompt": "x", "best_of": 3, "n": 4}, 400),
+        ({"prompt": [10**9]}, 400),
+        ({"prompt": "x", "top_k": -7}, 400),
+    ]
     for body, status in cases:
         r = HTTP.post(f"{base}/completions", json=body, timeout=60)
         assert r.status_code == status, (body, r.text)
@@ -225,8 +289,9 @@ def test_bad_completion_input_and_routes(serve_app):
 
 async def _stream_chat(client: httpx.AsyncClient, url: str, messages, max_tokens: int) -> tuple[str, int]:
     parts, n = [], 0
-    async with client.stream("POST", url, json={"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                                                "stream": True}) as r:
+    async with client.stream(
+        "POST", url, json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    ) as r:
         assert r.status_code == 200, (await r.aread()).decode()
         async for ev in aiter_sse(r):
             if ev != DONE and ev["choices"]:
@@ -239,8 +304,12 @@ def test_32_concurrent_streams_match_offline_and_batch(serve_app, smollm2_path):
     from kvserve.engine import LLM, SamplingParams
 
     topics = ["France", "Japan", "Italy", "Spain", "Egypt", "Canada", "Brazil", "India"]
-    asks = ["What is the capital of {}?", "Name a famous dish from {}.", "What language is spoken in {}?",
-            "Describe {} in one sentence."]
+    asks = [
+        "What is the capital of {}?",
+        "Name a famous dish from {}.",
+        "What language is spoken in {}?",
+        "Describe {} in one sentence.",
+    ]
     convs = [[{"role": "user", "content": a.format(t)}] for a in asks for t in topics]
     assert len(convs) == 32
     max_tokens = 12
@@ -248,8 +317,9 @@ def test_32_concurrent_streams_match_offline_and_batch(serve_app, smollm2_path):
 
     async def run_all():
         async with httpx.AsyncClient(timeout=300) as client:
-            return await asyncio.gather(*(_stream_chat(client, f"{serve_app.base_url}/chat/completions", c,
-                                                       max_tokens) for c in convs))
+            return await asyncio.gather(
+                *(_stream_chat(client, f"{serve_app.base_url}/chat/completions", c, max_tokens) for c in convs)
+            )
 
     t0 = time.time()
     results = asyncio.run(run_all())
@@ -288,8 +358,9 @@ def test_streams_share_one_channel_message_per_step(serve_app):
 
     async def stream(client, prompt):
         parts, finish = [], None
-        async with client.stream("POST", f"{serve_app.base_url}/completions",
-                                 json={"prompt": prompt, "stream": True, **params}) as resp:
+        async with client.stream(
+            "POST", f"{serve_app.base_url}/completions", json={"prompt": prompt, "stream": True, **params}
+        ) as resp:
             assert resp.status_code == 200, (await resp.aread()).decode()
             async for ev in aiter_sse(resp):
                 if ev != DONE and ev["choices"]:
@@ -314,9 +385,17 @@ def test_streams_share_one_channel_message_per_step(serve_app):
 def test_disconnect_mid_stream_frees_blocks(serve_app):
     llm = serve_app.llm
     assert llm.get_stats.remote().result()["kv_cache_usage"] == 0.0
-    with HTTP.stream("POST", f"{serve_app.base_url}/completions", timeout=120,
-                      json={"prompt": "Tell me a very long story about a dragon.", "max_tokens": 600,
-                            "ignore_eos": True, "stream": True}) as r:
+    with HTTP.stream(
+        "POST",
+        f"{serve_app.base_url}/completions",
+        timeout=120,
+        json={
+            "prompt": "Tell me a very long story about a dragon.",
+            "max_tokens": 600,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
         got = 0
         for _ in iter_sse(r):
             got += 1
@@ -366,6 +445,7 @@ def test_api_key_and_tensor_parallel_app(serve_app):
                 text += ev["choices"][0]["text"]
     assert text == r.json()["choices"][0]["text"]
     from ray import serve as _serve
+
     stats = _serve.get_deployment_handle("LLMServer", "kvserve-auth").get_stats.remote().result(timeout_s=30)
     assert {"spec_decode_num_drafts", "spec_decode_acceptance_rate"} <= set(stats)  # the engine speculates
     assert HTTP.get(f"{serve_app.base_url}/models", timeout=30).json()["data"][0]["kv_cache_dtype"] == "auto"

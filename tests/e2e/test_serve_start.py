@@ -1,6 +1,7 @@
 """``kvserve serve`` fails loudly when a model cannot start (issue 62): ``/ready`` answers 503
 while no replica of the model is up, and the command exits non-zero with the replica's own
 error, not Serve's internals, once Serve gives up on the replica."""
+
 from __future__ import annotations
 
 import os
@@ -31,16 +32,21 @@ SERVE_MESSAGE = (
     "           ^^^^^^^^^^^^^^^^^^^\n"
     '  File "/work/kvserve/engine/core_client.py", line 87, in _wait_ready\n'
     "    raise _remote_error(name, bad_input, message)\n"
-    "RuntimeError: Error while deserializing header: invalid header length\n")
+    "RuntimeError: Error while deserializing header: invalid header length\n"
+)
 
 
 def test_replica_error_is_the_exception_not_the_frames():
     assert replica_error(SERVE_MESSAGE) == "RuntimeError: Error while deserializing header: invalid header length"
-    chained = SERVE_MESSAGE + ("\nDuring handling of the above exception, another exception occurred:\n\n"
-                               "Traceback (most recent call last):\n  File \"/x.py\", line 1, in f\n    g()\n"
-                               "ValueError: the model folder has no config.json\n  hint: pass --model\n")
+    chained = SERVE_MESSAGE + (
+        "\nDuring handling of the above exception, another exception occurred:\n\n"
+        'Traceback (most recent call last):\n  File "/x.py", line 1, in f\n    g()\n'
+        "ValueError: the model folder has no config.json\n  hint: pass --model\n"
+    )
     assert replica_error(chained) == "ValueError: the model folder has no config.json\n  hint: pass --model"
-    assert replica_error("Replica is unhealthy\nsecond line\nthird\nfourth") == "Replica is unhealthy\nsecond line\nthird"
+    assert (
+        replica_error("Replica is unhealthy\nsecond line\nthird\nfourth") == "Replica is unhealthy\nsecond line\nthird"
+    )
     assert replica_error("") == "(no error message)"
 
 
@@ -61,11 +67,32 @@ def test_serve_exits_with_the_replicas_error(broken_model, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     # two constructor tries per replica (Serve's default is 3): the same failure, sooner, with
     # time between for /ready to be asked
-    env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT), KVSERVE_CACHE=str(cache_dir()),
-               RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT="2")
-    p = subprocess.Popen([sys.executable, "-m", "kvserve.deployments.cli", "serve", "--model", str(broken_model),
-                          "--port", str(port), "--num-cpus", "4"], env=env, cwd=ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    env.update(
+        HOME=str(tmp_path),
+        PYTHONPATH=str(ROOT),
+        KVSERVE_CACHE=str(cache_dir()),
+        RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT="2",
+    )
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.deployments.cli",
+            "serve",
+            "--model",
+            str(broken_model),
+            "--port",
+            str(port),
+            "--num-cpus",
+            "4",
+        ],
+        env=env,
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     ready, models = [], []
     try:
         deadline = time.monotonic() + 400

@@ -9,12 +9,22 @@ compile runs in its own pool under ``compile_timeout_s`` (the request alone gets
 limit, or its answer on a machine that compiles it in time), every probe is answered, every
 stream completes and the replica is the same actor before and after.
 """
+
 import asyncio
 import json
 
 import httpx
 import pytest
-from _faults_helpers import StreamResult, _wait_ready, _alive_llm_replicas, _app_args, _assert_completed, _deploy, _long_body, _stream
+from _faults_helpers import (
+    StreamResult,
+    _wait_ready,
+    _alive_llm_replicas,
+    _app_args,
+    _assert_completed,
+    _deploy,
+    _long_body,
+    _stream,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,8 +37,9 @@ def test_a_slow_grammar_and_health_probes_leave_the_replica_and_its_streams_whol
     from ray import serve
 
     name, route, served = "kvserve-stall", "/stall", "tiny-stall"
-    args = _app_args(tiny_llama_path, served, num_replicas=1,
-                     structured_outputs_config={"compile_timeout_s": COMPILE_TIMEOUT_S})
+    args = _app_args(
+        tiny_llama_path, served, num_replicas=1, structured_outputs_config={"compile_timeout_s": COMPILE_TIMEOUT_S}
+    )
     base = f"{serve_app.root}{route}"
     _deploy(args, name, route)
     try:
@@ -39,13 +50,25 @@ def test_a_slow_grammar_and_health_probes_leave_the_replica_and_its_streams_whol
             async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as client:
                 url = f"{base}/v1/completions"
                 long = [StreamResult() for _ in range(3)]
-                tasks = [asyncio.create_task(_stream(client, url, {**_long_body(), "model": served,
-                                                                   "prompt": f"Count {i}: one, two,"}, r))
-                         for i, r in enumerate(long)]
+                tasks = [
+                    asyncio.create_task(
+                        _stream(client, url, {**_long_body(), "model": served, "prompt": f"Count {i}: one, two,"}, r)
+                    )
+                    for i, r in enumerate(long)
+                ]
                 await asyncio.wait_for(asyncio.gather(*(r.first_token.wait() for r in long)), 120)
-                big = asyncio.create_task(client.post(url, json={
-                    "model": served, "prompt": "Pick:", "max_tokens": 8, "cache": False,
-                    "structured_outputs": {"regex": SLOW_REGEX}}))
+                big = asyncio.create_task(
+                    client.post(
+                        url,
+                        json={
+                            "model": served,
+                            "prompt": "Pick:",
+                            "max_tokens": 8,
+                            "cache": False,
+                            "structured_outputs": {"regex": SLOW_REGEX},
+                        },
+                    )
+                )
                 probes, in_flight = [], None
                 while not big.done():
                     probes.append((await client.get(f"{base}/health")).status_code)

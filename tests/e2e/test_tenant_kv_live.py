@@ -7,6 +7,7 @@ Before: tenant B's first request with tenant A's long prompt reported A's prefix
 requests carry its own salt in the first KV block's hash; keys of one ``prefix_cache_group``
 share. One server start.
 """
+
 from __future__ import annotations
 
 import random
@@ -27,9 +28,19 @@ def tenant_app(ray_session, tiny_llama_path):
     from kvserve.deployments.app import build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})  # (a running Serve keeps its port)
-    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-tenant", "num_replicas": 1,
-                     "max_num_seqs": 4, "max_model_len": 512, "torch_num_threads": 1, "replica_cpus": 0.25,
-                     "ingress_cpus": 0.1, "api_keys": ENTRIES})
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny-tenant",
+            "num_replicas": 1,
+            "max_num_seqs": 4,
+            "max_model_len": 512,
+            "torch_num_threads": 1,
+            "replica_cpus": 0.25,
+            "ingress_cpus": 0.1,
+            "api_keys": ENTRIES,
+        }
+    )
     serve.run(app, name=APP, route_prefix="/tenant")
     from ray.serve.context import _get_global_client
 
@@ -52,8 +63,9 @@ def test_one_tenants_prefixes_are_invisible_to_another(tenant_app):
     system = _prompt(0)
 
     def cached(who: str, tail: int, **extra) -> int:
-        r = clients[who].completions.create(model="tiny-tenant", prompt=system + [50, tail], max_tokens=1,
-                                            temperature=0, extra_body=extra or None)
+        r = clients[who].completions.create(
+            model="tiny-tenant", prompt=system + [50, tail], max_tokens=1, temperature=0, extra_body=extra or None
+        )
         details = r.usage.prompt_tokens_details
         return (details.cached_tokens or 0) if details is not None else 0
 

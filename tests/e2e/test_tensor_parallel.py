@@ -4,6 +4,7 @@ SmolLM2's head layout in the fast profile, SmolLM2 itself in the thorough one; t
 a STRICT_PACK placement group that is released. The offline ``LLM(model, tensor_parallel_size=2)``
 picks its Ray executor itself (vLLM's ``distributed_executor_backend``), in the session's Ray or,
 with none connected, a local one it starts and stops."""
+
 import os
 import subprocess
 import sys
@@ -104,8 +105,10 @@ def test_tp2_lora_matches_tp1(ray_session, tmp_path):
     from tests.tiny_models import make_tiny_model
 
     base = make_tiny_model(tmp_path / "tiny", num_hidden_layers=2)
-    reqs = [None] + [LoRARequest(name, i + 1, str(make_adapter(base, tmp_path / name, r, a, t, rs, seed=i)))
-                     for i, (name, r, a, t, rs) in enumerate(ADAPTERS[:2])]
+    reqs = [None] + [
+        LoRARequest(name, i + 1, str(make_adapter(base, tmp_path / name, r, a, t, rs, seed=i)))
+        for i, (name, r, a, t, rs) in enumerate(ADAPTERS[:2])
+    ]
     prompts = [p for p in PROMPTS for _ in reqs]
     loras = [r for _ in PROMPTS for r in reqs]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -123,7 +126,7 @@ def test_tp2_lora_matches_tp1(ray_session, tmp_path):
     finally:
         tp2.engine.shutdown()
     assert out == ref
-    assert len({tuple(t) for t in ref[:len(reqs)]}) == len(reqs)  # the adapters change the output
+    assert len({tuple(t) for t in ref[: len(reqs)]}) == len(reqs)  # the adapters change the output
 
 
 @pytest.mark.parametrize("tp_model", MODELS, indirect=True)
@@ -189,10 +192,20 @@ def test_ray_backend_starts_a_local_ray_when_none_is_connected(tiny_llama_path, 
     ``RAY_ADDRESS`` names another (here one that does not answer): Ray refused a CPU count for
     an address to join, so the engine failed with ValueError where a ``ray start`` had run."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
-    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), RAY_AUTH_MODE="token",
-               RAY_AUTH_TOKEN_PATH=str(tmp_path / "auth_token"), RAY_ADDRESS=f"127.0.0.1:{free_port()}")
-    r = subprocess.run([sys.executable, "-c", _LOCAL_RAY, str(tiny_llama_path)], env=env, capture_output=True,
-                       text=True, timeout=540, cwd=tmp_path)
+    env.update(
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(tmp_path / "auth_token"),
+        RAY_ADDRESS=f"127.0.0.1:{free_port()}",
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _LOCAL_RAY, str(tiny_llama_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0 and "SAME TOKENS" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
     assert (tmp_path / "auth_token").stat().st_mode & 0o077 == 0  # the token file is the owner's only
 
@@ -216,11 +229,18 @@ def test_tp2_ray_ranks_export_and_import_kv_blocks(ray_session, tmp_path):
         return request_hashes(tokens, BS, 64, root_hash("tp-kv-tests"))
 
     path = make_tiny_model(tmp_path / "tiny", **SMOLLM2_HEADS)
-    kw = dict(device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS, kv_offloading_size=0.01,
-              prefix_caching_hash_seed="tp-kv-tests")
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=BS,
+        kv_offloading_size=0.01,
+        prefix_caching_hash_seed="tp-kv-tests",
+    )
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ref = LLM(model=str(path), **{**kw, "kv_offloading_size": None}, enable_prefix_caching=False).generate(
-        TIER_PROMPTS[:2], params, use_tqdm=False)
+        TIER_PROMPTS[:2], params, use_tqdm=False
+    )
 
     def factory(config, model_path):
         return RayWorkerGroup(config, model_path, num_cpus=0.5, torch_num_threads=1, timeout_s=120)

@@ -21,10 +21,21 @@ def throttle_app(serve_app, tiny_llama_path):
 
     from kvserve.deployments.app import build_app
 
-    app = build_app({"model": str(tiny_llama_path), "served_model_name": "tiny-throttle", "max_num_seqs": 2,
-                     "max_model_len": 128, "torch_num_threads": 1, "replica_cpus": 0.25, "ingress_cpus": 0.25,
-                     "num_replicas": 1, "api_keys": KEYS, "auth_failures_per_minute": 20,
-                     "forwarded_allow_ips": [PROXY]})
+    app = build_app(
+        {
+            "model": str(tiny_llama_path),
+            "served_model_name": "tiny-throttle",
+            "max_num_seqs": 2,
+            "max_model_len": 128,
+            "torch_num_threads": 1,
+            "replica_cpus": 0.25,
+            "ingress_cpus": 0.25,
+            "num_replicas": 1,
+            "api_keys": KEYS,
+            "auth_failures_per_minute": 20,
+            "forwarded_allow_ips": [PROXY],
+        }
+    )
     serve.run(app, name="kvserve-throttle", route_prefix="/throttle")
     yield f"{serve_app.root}/throttle/v1/models"
     serve.delete("kvserve-throttle")
@@ -32,8 +43,12 @@ def throttle_app(serve_app, tiny_llama_path):
 
 def _codes(url: str, peer: str, keys: list[str], xff: str | None = None) -> list[int]:
     with httpx.Client(transport=httpx.HTTPTransport(local_address=peer), timeout=60) as c:
-        return [c.get(url, headers={"Authorization": f"Bearer {k}",
-                                    **({"X-Forwarded-For": xff} if xff else {})}).status_code for k in keys]
+        return [
+            c.get(
+                url, headers={"Authorization": f"Bearer {k}", **({"X-Forwarded-For": xff} if xff else {})}
+            ).status_code
+            for k in keys
+        ]
 
 
 def test_a_shared_address_throttles_wrong_keys_only(throttle_app):
@@ -48,7 +63,8 @@ def test_forwarded_for_counts_only_from_the_trusted_proxy(throttle_app):
     spoof = [_codes(throttle_app, "127.0.0.4", [f"sk-wrong-{i}"], f"192.0.2.{i}")[0] for i in range(21)]
     assert spoof == [401] * 20 + [429]
     # behind the trusted proxy: the client it names is throttled, the proxy's next client is not
-    assert _codes(throttle_app, PROXY, [f"sk-wrong-{i}" for i in range(21)], "6.6.6.6, 198.51.100.7") == \
-        [401] * 20 + [429]
+    assert _codes(throttle_app, PROXY, [f"sk-wrong-{i}" for i in range(21)], "6.6.6.6, 198.51.100.7") == [401] * 20 + [
+        429
+    ]
     assert _codes(throttle_app, PROXY, ["sk-wrong-x"], "198.51.100.8") == [401]
     assert _codes(throttle_app, PROXY, ["sk-throttle-tenant-a"], "198.51.100.7") == [200]

@@ -1,6 +1,7 @@
 """What the tiny-model generation tests share (``test_generation_features.py``,
 ``test_penalties_and_eos.py``): greedy parameters, one request's output, the empty-engine check,
 a repeat check and a 40-token prompt whose first two blocks a later request can reuse."""
+
 from __future__ import annotations
 
 from kvserve.engine import SamplingParams

@@ -3,6 +3,7 @@ policies (:class:`NoisyClock`), hypothesis strategies for prompts, sampling para
 configurations (:func:`configs`), :func:`reaching` (parameters that reach a hook), and
 :class:`EngineMachine`, whose rules add, abort, poison and step requests and whose teardown checks
 every output against the reference engine."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,19 @@ import time
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from _robustness_helpers import (ARMED, DTYPE, MAX_MODEL_LEN, NUM_ADAPTERS, STRUCTURED, TOTALS, Reference,
-                                 assert_idle, check_against_reference, count_fired,
-                                 one_chunk_schedule)
+from _robustness_helpers import (
+    ARMED,
+    DTYPE,
+    MAX_MODEL_LEN,
+    NUM_ADAPTERS,
+    STRUCTURED,
+    TOTALS,
+    Reference,
+    assert_idle,
+    check_against_reference,
+    count_fired,
+    one_chunk_schedule,
+)
 from kvserve.engine import EngineConfig, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.pooling import PoolingParams
@@ -24,8 +35,14 @@ from faults import DRAFTING_HOOKS, FAILING_HOOKS, LOGGER_HOOKS, Faults
 #: Hooks armed on one request (the others are engine-wide: :data:`faults.LOGGER_HOOKS`).
 REQUEST_HOOKS = FAILING_HOOKS + DRAFTING_HOOKS
 
-TEXTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3, 4, 5, 6,", "def f(x):\n    return",
-         "la la la la la la la", "Hello! How are you today?"]
+TEXTS = [
+    "The quick brown fox",
+    "Once upon a time there was",
+    "1, 2, 3, 4, 5, 6,",
+    "def f(x):\n    return",
+    "la la la la la la la",
+    "Hello! How are you today?",
+]
 
 
 class NoisyClock:
@@ -58,8 +75,11 @@ token_ids = st.integers(3, 3000)
 prompts = st.one_of(
     st.lists(token_ids, min_size=1, max_size=40),
     st.builds(lambda unit, reps: (unit * reps)[:48], st.lists(token_ids, min_size=1, max_size=5), st.integers(2, 12)),
-    st.builds(lambda i, tail: [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177][:4 * (i + 1)]
-              + tail, st.integers(0, 3), st.lists(token_ids, max_size=6)),
+    st.builds(
+        lambda i, tail: [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177][: 4 * (i + 1)] + tail,
+        st.integers(0, 3),
+        st.lists(token_ids, max_size=6),
+    ),
     st.sampled_from(TEXTS),
 )
 #: An adapter index (None: the base model); used only by LoRA configurations.
@@ -81,7 +101,8 @@ def sampling_params(draw) -> SamplingParams:
         max_tokens=max_tokens,
         min_tokens=min(draw(st.sampled_from([0, 0, 2])), 64 if max_tokens is None else max_tokens),
         stop=draw(st.one_of(st.none(), st.lists(st.sampled_from(["a", "the", " ", "\n", "ing", "la la"]), max_size=2)))
-        if detokenize else None,
+        if detokenize
+        else None,
         stop_token_ids=draw(st.one_of(st.none(), st.lists(token_ids, max_size=2))),
         ignore_eos=draw(st.booleans()),
         logprobs=draw(st.one_of(st.none(), st.integers(0, 3))),
@@ -103,11 +124,13 @@ def reaching(hook: str, p: SamplingParams, after: int, most: int | None = None) 
     max_tokens = max(p.max_tokens or 0, after + 4)
     if most is not None:
         max_tokens = min(max_tokens, max(most, after + 4))
-    kw = dict(ignore_eos=True, stop=None, stop_token_ids=None, max_tokens=max_tokens,
-              min_tokens=min(p.min_tokens, max_tokens))
+    kw = dict(
+        ignore_eos=True, stop=None, stop_token_ids=None, max_tokens=max_tokens, min_tokens=min(p.min_tokens, max_tokens)
+    )
     if hook.startswith("grammar"):
-        kw["structured_outputs"] = STRUCTURED[0] if p.structured_outputs in (None, STRUCTURED[1]) \
-            else p.structured_outputs  # the three-way choice may end after one token
+        kw["structured_outputs"] = (
+            STRUCTURED[0] if p.structured_outputs in (None, STRUCTURED[1]) else p.structured_outputs
+        )  # the three-way choice may end after one token
     elif hook in DRAFTING_HOOKS:
         kw["structured_outputs"] = None
     elif hook == "logprobs":
@@ -155,9 +178,18 @@ def configs(draw, parallel: bool = False) -> dict:
             cfg["kv_cache_dtype"] = "auto"
     lora = pp == 1 and draw(st.sampled_from([False, False, True]))
     spec = st.builds(
-        lambda k, adaptive, lo, hi: {"method": "ngram", "num_speculative_tokens": k, "adaptive": adaptive,
-                                     "prompt_lookup_min": min(lo, hi), "prompt_lookup_max": max(lo, hi)},
-        st.integers(1, 5), st.booleans(), st.integers(1, 3), st.integers(1, 4))
+        lambda k, adaptive, lo, hi: {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "adaptive": adaptive,
+            "prompt_lookup_min": min(lo, hi),
+            "prompt_lookup_max": max(lo, hi),
+        },
+        st.integers(1, 5),
+        st.booleans(),
+        st.integers(1, 3),
+        st.integers(1, 4),
+    )
     if lora or pp > 1:
         cfg["speculative_config"] = None
     else:
@@ -168,10 +200,10 @@ def configs(draw, parallel: bool = False) -> dict:
     cfg["focus"], cfg["sentinels"] = focus, []
     for hook in focus:
         prompt, params, after = draw(prompts), draw(sampling_params()), draw(_focus_after(hook))
-        cfg["sentinels"].append((prompt[:16], reaching(hook, params, after, most=8), draw(adapters) if lora else None,
-                                 after))
+        cfg["sentinels"].append(
+            (prompt[:16], reaching(hook, params, after, most=8), draw(adapters) if lora else None, after)
+        )
     return cfg
-
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -192,8 +224,12 @@ class EngineMachine(RuleBasedStateMachine):
         spare, broken = cfg.pop("spare_blocks"), cfg.pop("broken_loggers")
         focus, sentinels = cfg.pop("focus"), cfg.pop("sentinels")
         per_seq = -(-MAX_MODEL_LEN // cfg["block_size"])
-        self.engine = LLMEngine(EngineConfig(model=self.model_path, dtype=DTYPE, max_model_len=MAX_MODEL_LEN,
-                                             num_kv_blocks=per_seq + spare, **cfg), self.executor_factory)
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=self.model_path, dtype=DTYPE, max_model_len=MAX_MODEL_LEN, num_kv_blocks=per_seq + spare, **cfg
+            ),
+            self.executor_factory,
+        )
         self.engine.clock = NoisyClock(clock_seed)
         self.steps: dict[str, list[tuple[int, int]]] = {}  # request id -> its slices (start, tokens)
         schedule = self.engine.scheduler.schedule
@@ -234,8 +270,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.n += 1
         lora = self.lora_requests[adapter] if adapter is not None and self.cfg.get("enable_lora") else None
         try:
-            req = self.engine.add_request(rid, prompt, params, priority=priority, lora_request=lora,
-                                          pooling_params=PoolingParams(pooling) if pooling else None)
+            req = self.engine.add_request(
+                rid,
+                prompt,
+                params,
+                priority=priority,
+                lora_request=lora,
+                pooling_params=PoolingParams(pooling) if pooling else None,
+            )
         except ValueError:  # e.g. a prompt of max_model_len tokens
             TOTALS["requests refused (ValueError)"] += 1
             return None
@@ -248,10 +290,20 @@ class EngineMachine(RuleBasedStateMachine):
             ARMED[fault[0]] += 1
         return rid
 
-    @rule(new=st.lists(st.tuples(prompts, sampling_params(), st.integers(-2, 2), adapters, poolings,
-                                  st.one_of(st.none(), st.none(), st.tuples(st.sampled_from(REQUEST_HOOKS),
-                                                                            st.integers(0, 6)))),
-                        min_size=1, max_size=4))
+    @rule(
+        new=st.lists(
+            st.tuples(
+                prompts,
+                sampling_params(),
+                st.integers(-2, 2),
+                adapters,
+                poolings,
+                st.one_of(st.none(), st.none(), st.tuples(st.sampled_from(REQUEST_HOOKS), st.integers(0, 6))),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
     def add(self, new):
         """Add 1-4 requests (some embedding requests, some under an adapter); some with a fault
         armed in one of their hooks (raising after 0-6 good calls)."""
@@ -353,13 +405,24 @@ class EngineMachine(RuleBasedStateMachine):
             if p.temperature == 0.0 and c.finish_reason in ("length", "stop"):
                 compare.append((rid, out, None))
         t0 = time.monotonic()
-        refs = self.reference.run(Reference.setup_of(self.cfg), [(out.prompt_token_ids, self.all_requests[rid].params,
-                                           self.all_requests[rid].lora_request, pooling)
-                                          for rid, out, pooling in compare])
+        refs = self.reference.run(
+            Reference.setup_of(self.cfg),
+            [
+                (out.prompt_token_ids, self.all_requests[rid].params, self.all_requests[rid].lora_request, pooling)
+                for rid, out, pooling in compare
+            ],
+        )
         TOTALS["reference seconds"] += round(time.monotonic() - t0, 1)
         for (rid, out, pooling), ref in zip(compare, refs):
             req = self.all_requests[rid]
-            check_against_reference(rid, self.cfg, out, pooling, ref, f"; prompt {out.prompt_token_ids}, adapter "
-                                    f"{getattr(req.lora_request, 'lora_name', None)}, {req.params}, steps "
-                                    f"{self.steps.get(rid)}",
-                                    same_schedule=one_chunk_schedule(self.steps.get(rid), len(out.prompt_token_ids)))
+            check_against_reference(
+                rid,
+                self.cfg,
+                out,
+                pooling,
+                ref,
+                f"; prompt {out.prompt_token_ids}, adapter "
+                f"{getattr(req.lora_request, 'lora_name', None)}, {req.params}, steps "
+                f"{self.steps.get(rid)}",
+                same_schedule=one_chunk_schedule(self.steps.get(rid), len(out.prompt_token_ids)),
+            )

@@ -1,6 +1,7 @@
 """What the engine hardening tests share (``test_bad_requests.py``, ``test_engine_failures.py``,
 ``test_mixed_step_budget.py``, ``test_tokenization_off_loop.py``): prompts, a tiny-model engine
 factory, running requests to their end, the idle-engine check and a fresh async engine per test."""
+
 from __future__ import annotations
 
 from kvserve.engine import EngineConfig
@@ -8,13 +9,22 @@ from kvserve.engine.llm_engine import LLMEngine
 from tiny_models import run_async_engine
 
 TIMEOUT = 60
-PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning was", "1, 2, 3,",
-           "Hello there, how are", "A B C D E", "import torch\nimport", "The capital of France"]
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time",
+    "In the beginning was",
+    "1, 2, 3,",
+    "Hello there, how are",
+    "A B C D E",
+    "import torch\nimport",
+    "The capital of France",
+]
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    cfg = dict(model=str(path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64,
-               max_model_len=512)
+    cfg = dict(
+        model=str(path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=512
+    )
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 

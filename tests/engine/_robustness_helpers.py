@@ -2,6 +2,7 @@
 ``test_engine_fuzz.py``): the bounds of a comparison with the reference engine, the tiny model's
 length and the float32 dtype, the reference engines (:class:`Reference`), the idle-engine check
 and the run's counters (:data:`TOTALS`, :data:`ARMED`, :data:`FIRED`)."""
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,9 @@ def count_fired(faults: Faults) -> None:
         FIRED[hook] += 1
 
 
-def greedy_verdict(got: list[int], ref: list[int], ref_logprobs: list[dict[int, float]],
-                   tie: float | None = TIE["auto"]) -> str:
+def greedy_verdict(
+    got: list[int], ref: list[int], ref_logprobs: list[dict[int, float]], tie: float | None = TIE["auto"]
+) -> str:
     """Compare a greedy request's tokens with the reference's: ``"equal"`` (``got`` is a
     prefix of ``ref``), ``"tie"`` (they part where ``got``'s token is among the reference's
     top-5 there and its log-probability is within ``tie`` of the reference's best, :data:`TIE`),
@@ -96,8 +98,9 @@ def cosine(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b)) / (na * nb) if na and nb else 0.0
 
 
-def check_against_reference(rid: str, cfg: dict, out, pooling: str | None, ref, detail: str = "",
-                            same_schedule: bool = False) -> None:
+def check_against_reference(
+    rid: str, cfg: dict, out, pooling: str | None, ref, detail: str = "", same_schedule: bool = False
+) -> None:
     """One fuzzed request's output ``out`` against the reference's ``ref`` (its pooled vector
     when ``pooling`` is set, else its greedy ``(token_ids, logprobs)``), under the bounds of
     ``cfg``'s KV dtype (:data:`POOL_COS`, :data:`TIE`; a float8 request whose steps were the
@@ -123,11 +126,19 @@ def check_against_reference(rid: str, cfg: dict, out, pooling: str | None, ref, 
 def reference_params(p: SamplingParams) -> SamplingParams:
     """What the reference runs for a greedy request: the same tokens-shaping fields, top-5
     logprobs (:func:`greedy_verdict`), no stop strings (those only cut the output), no detokenization."""
-    return SamplingParams(temperature=0.0, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
-                          stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=5,
-                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                          repetition_penalty=p.repetition_penalty, structured_outputs=p.structured_outputs,
-                          detokenize=False)
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=5,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        structured_outputs=p.structured_outputs,
+        detokenize=False,
+    )
 
 
 class Reference:
@@ -141,11 +152,21 @@ class Reference:
     def _engine(self, setup: tuple) -> LLMEngine:
         if setup not in self.engines:
             quantization, kv_cache_dtype, lora = setup
-            self.engines[setup] = LLMEngine(EngineConfig(
-                model=self.model, dtype=DTYPE, block_size=16, max_num_seqs=32, max_num_batched_tokens=1024,
-                num_kv_blocks=160, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
-                quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                **({"enable_lora": True, "max_loras": NUM_ADAPTERS, "max_lora_rank": 16} if lora else {})))
+            self.engines[setup] = LLMEngine(
+                EngineConfig(
+                    model=self.model,
+                    dtype=DTYPE,
+                    block_size=16,
+                    max_num_seqs=32,
+                    max_num_batched_tokens=1024,
+                    num_kv_blocks=160,
+                    max_model_len=MAX_MODEL_LEN,
+                    enable_prefix_caching=False,
+                    quantization=quantization,
+                    kv_cache_dtype=kv_cache_dtype,
+                    **({"enable_lora": True, "max_loras": NUM_ADAPTERS, "max_lora_rank": 16} if lora else {}),
+                )
+            )
         return self.engines[setup]
 
     @staticmethod
@@ -160,9 +181,18 @@ class Reference:
         if pooling is not None:
             return (tuple(prompt_ids), adapter, "pooling", pooling)
         r = reference_params(p)
-        return (tuple(prompt_ids), adapter, r.max_tokens, r.min_tokens, tuple(r.stop_token_ids), r.ignore_eos,
-                r.presence_penalty, r.frequency_penalty, r.repetition_penalty,
-                json.dumps(r.structured_outputs, sort_keys=True))
+        return (
+            tuple(prompt_ids),
+            adapter,
+            r.max_tokens,
+            r.min_tokens,
+            tuple(r.stop_token_ids),
+            r.ignore_eos,
+            r.presence_penalty,
+            r.frequency_penalty,
+            r.repetition_penalty,
+            json.dumps(r.structured_outputs, sort_keys=True),
+        )
 
     def run(self, setup: tuple, wanted: list[tuple]) -> list:
         """For each ``(prompt_ids, params, lora_request, pooling_type)`` of ``wanted``: the
@@ -174,8 +204,13 @@ class Reference:
             k = setup + self.key(ids, p, lora, pooling)
             if k not in self.cache and k not in todo:
                 rid = f"ref{len(self.cache) + len(todo)}"
-                todo[k] = eng.add_request(rid, list(ids), None if pooling else reference_params(p), lora_request=lora,
-                                          pooling_params=PoolingParams(pooling) if pooling else None)
+                todo[k] = eng.add_request(
+                    rid,
+                    list(ids),
+                    None if pooling else reference_params(p),
+                    lora_request=lora,
+                    pooling_params=PoolingParams(pooling) if pooling else None,
+                )
         ids_of = {req.request_id: k for k, req in todo.items()}
         while eng.has_unfinished_requests():
             for out in eng.step():
@@ -183,7 +218,8 @@ class Reference:
                     assert out.error is None, out.error
                     c = out.outputs[0]
                     self.cache[ids_of[out.request_id]] = (
-                        out.pooled if out.pooled is not None else (list(c.token_ids), list(c.logprobs)))
+                        out.pooled if out.pooled is not None else (list(c.token_ids), list(c.logprobs))
+                    )
         return [self.cache[setup + self.key(ids, p, lora, pooling)] for ids, p, lora, pooling in wanted]
 
     def close(self):

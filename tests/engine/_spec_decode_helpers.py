@@ -1,6 +1,7 @@
 """What the speculative decoding tests share (``test_spec_decode_equals_hf.py``,
 ``test_spec_decode_outputs.py``): the n-gram configuration, prompts whose continuations copy from
 the prompt, a deterministic step-cost clock and greedy outputs of a speculating engine."""
+
 from __future__ import annotations
 
 from kvserve.engine import LLM, SamplingParams

@@ -3,6 +3,7 @@
 Each test runs its own event loop (``asyncio.run``) around a fresh AsyncLLMEngine on the tiny
 Llama; every wait is bounded so that a hang fails the test instead of blocking the run.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,9 @@ TIMEOUT = 60
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    cfg = dict(model=str(path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64,
-               max_model_len=512)
+    cfg = dict(
+        model=str(path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=512
+    )
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 
@@ -46,8 +48,11 @@ async def wait_until_idle(eng: AsyncLLMEngine, timeout=10.0):
     end = loop.time() + timeout
     while loop.time() < end:
         s = eng.get_stats()
-        if (not eng.engine.scheduler.requests and s["num_pending_requests"] == 0
-                and s["free_kv_blocks"] == s["num_kv_blocks"]):
+        if (
+            not eng.engine.scheduler.requests
+            and s["num_pending_requests"] == 0
+            and s["free_kv_blocks"] == s["num_kv_blocks"]
+        ):
             eng.engine.scheduler.kv.pool.check()
             return
         await asyncio.sleep(0.01)
@@ -71,8 +76,10 @@ def test_stream_matches_offline(tiny_llama_path, reference):
 
     async def body(eng):
         results = []
-        for params, want in ((SamplingParams(temperature=0, max_tokens=12), plain[0]),
-                             (SamplingParams(temperature=0, max_tokens=12, stop=stop), stopped)):
+        for params, want in (
+            (SamplingParams(temperature=0, max_tokens=12), plain[0]),
+            (SamplingParams(temperature=0, max_tokens=12, stop=stop), stopped),
+        ):
             outs = [out async for out in eng.generate(PROMPTS[0], params)]
             results.append((outs, want))
         await wait_until_idle(eng)
@@ -96,9 +103,14 @@ def test_concurrent_requests_are_batched(tiny_llama_path, reference):
 
     async def body(eng):
         async def consume(i):
-            outs = [o async for o in eng.generate(PROMPTS[i], SamplingParams(temperature=0, max_tokens=12),
-                                                  request_id=f"c{i}")]
+            outs = [
+                o
+                async for o in eng.generate(
+                    PROMPTS[i], SamplingParams(temperature=0, max_tokens=12), request_id=f"c{i}"
+                )
+            ]
             return outs[-1]
+
         finals = await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
         await wait_until_idle(eng)
         return finals, eng.get_stats()
@@ -114,8 +126,9 @@ def test_concurrent_requests_are_batched(tiny_llama_path, reference):
 def test_break_out_of_stream_aborts(tiny_llama_path):
     async def body(eng):
         got, req = 0, None
-        async for out in eng.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                                      request_id="brk"):
+        async for out in eng.generate(
+            PROMPTS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), request_id="brk"
+        ):
             req = req or eng.engine.scheduler.requests["brk"]
             got += 1
             if got == 3:
@@ -139,13 +152,15 @@ def test_cancelled_consumer_task_aborts(tiny_llama_path):
         holder = {}
 
         async def consume():
-            async for _ in eng.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                                        request_id="cancel-me"):
+            async for _ in eng.generate(
+                PROMPTS[3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), request_id="cancel-me"
+            ):
                 holder.setdefault("req", eng.engine.scheduler.requests.get("cancel-me"))
                 started.set()
 
         other = asyncio.create_task(
-            collect(eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))))
+            collect(eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
+        )
         task = asyncio.create_task(consume())
         await started.wait()
         task.cancel()
@@ -169,8 +184,9 @@ def test_abort_by_request_id(tiny_llama_path):
         outs = []
 
         async def consume():
-            async for o in eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                                        request_id="victim"):
+            async for o in eng.generate(
+                PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), request_id="victim"
+            ):
                 outs.append(o)
 
         task = asyncio.create_task(consume())
@@ -200,7 +216,8 @@ def test_bad_request_fails_alone(tiny_llama_path, reference):
 
     async def body(eng):
         good = asyncio.create_task(
-            collect(eng.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12), request_id="good")))
+            collect(eng.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12), request_id="good"))
+        )
         await asyncio.sleep(0)
         with pytest.raises(ValueError, match="max_model_len"):
             async for _ in eng.generate(list(range(100, 100 + 600)), SamplingParams(max_tokens=4)):
@@ -251,7 +268,11 @@ def test_stat_loggers_see_every_model_step(tiny_llama_path):
     eng.shutdown()
     # 40 prompt tokens in chunks of 32 + 8 (the second samples), then 2 decode steps
     assert [(m.num_prefill_tokens, m.num_decode_tokens, m.num_sampled) for m in seen] == [
-        (32, 0, 0), (8, 0, 1), (0, 1, 1), (0, 1, 1)]
+        (32, 0, 0),
+        (8, 0, 1),
+        (0, 1, 1),
+        (0, 1, 1),
+    ]
     assert all(m.end >= m.start and m.num_running == 1 and m.num_waiting == 0 for m in seen)
 
 
@@ -265,8 +286,9 @@ def test_vllm_prompt_forms(tiny_llama_path):
     ids = llm.engine.tokenize("The capital of France is")
     try:
         plain = llm.generate(["The capital of France is", ids], greedy, use_tqdm=False)
-        forms = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}], greedy,
-                             use_tqdm=False)
+        forms = llm.generate(
+            [{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}], greedy, use_tqdm=False
+        )
         single = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in forms] == [o.outputs[0].token_ids for o in plain]
         assert single[0].outputs[0].token_ids == plain[1].outputs[0].token_ids

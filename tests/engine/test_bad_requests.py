@@ -11,6 +11,7 @@ b. Isolation: a request that fails inside a step fails alone (engine and async e
 c. The default mixed-step prefill budget is measured from the engine's step times (the budget
    itself: ``test_mixed_step_budget.py``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,22 +52,25 @@ def engine(tiny_llama_path):
 def test_probe_values_are_rejected_or_served(engine):
     """The hardening probe's values: seeds outside torch's range and out-of-vocabulary stop
     ids are rejected naming the field; a huge top_k and a top_p that rounds to 0 run."""
-    for kw in (dict(seed=2**64), dict(seed=-2**63 - 1)):
+    for kw in (dict(seed=2**64), dict(seed=-(2**63) - 1)):
         with pytest.raises(ValueError, match="^seed "):
             SamplingParams(**kw)
     for ids in ([10**7], [VOCAB], [5, 2**64]):
         with pytest.raises(ValueError, match="^stop_token_ids "):
             engine.make_request("x", [1, 2, 3], SamplingParams(stop_token_ids=ids, min_tokens=2))
     greedy = run_all(engine, [engine.make_request("g", PROMPTS[0], SamplingParams(temperature=0, max_tokens=6))])
-    outs = run_all(engine, [
-        engine.make_request("tk", PROMPTS[0], SamplingParams(top_k=2**64, seed=5, max_tokens=6)),
-        engine.make_request("tk-off", PROMPTS[0], SamplingParams(top_k=-1, seed=5, max_tokens=6)),
-        engine.make_request("tp", PROMPTS[0], SamplingParams(top_p=1e-300, max_tokens=6)),
-        engine.make_request("tp2", PROMPTS[0], SamplingParams(top_p=5e-324, top_k=3, min_p=1.0, max_tokens=6)),
-        engine.make_request("s-lo", PROMPTS[0], SamplingParams(seed=-2**63, max_tokens=6)),
-        engine.make_request("s-neg", PROMPTS[0], SamplingParams(seed=-1, max_tokens=6)),
-        engine.make_request("s-hi", PROMPTS[0], SamplingParams(seed=2**64 - 1, max_tokens=6)),
-    ])
+    outs = run_all(
+        engine,
+        [
+            engine.make_request("tk", PROMPTS[0], SamplingParams(top_k=2**64, seed=5, max_tokens=6)),
+            engine.make_request("tk-off", PROMPTS[0], SamplingParams(top_k=-1, seed=5, max_tokens=6)),
+            engine.make_request("tp", PROMPTS[0], SamplingParams(top_p=1e-300, max_tokens=6)),
+            engine.make_request("tp2", PROMPTS[0], SamplingParams(top_p=5e-324, top_k=3, min_p=1.0, max_tokens=6)),
+            engine.make_request("s-lo", PROMPTS[0], SamplingParams(seed=-(2**63), max_tokens=6)),
+            engine.make_request("s-neg", PROMPTS[0], SamplingParams(seed=-1, max_tokens=6)),
+            engine.make_request("s-hi", PROMPTS[0], SamplingParams(seed=2**64 - 1, max_tokens=6)),
+        ],
+    )
     assert all(o.error is None and len(o.outputs[0].token_ids) == 6 for o in outs.values())
     ids = {k: o.outputs[0].token_ids for k, o in outs.items()}
     assert ids["tk"] == ids["tk-off"]  # top_k above the vocabulary = no top-k
@@ -89,13 +93,25 @@ def test_make_request_checks_against_the_model(engine):
 
 # the whole SamplingParams space: values in range (boundaries, subnormals, huge ints where
 # allowed) and wild ones of every type (out of range, NaN/inf, bool, float-for-int, None, str)
-_HUGE = [2**64, 2**64 - 1, 2**63, 2**63 - 1, -2**63, -2**63 - 1, -2**64, 10**7, VOCAB, VOCAB - 1, 2**200]
+_HUGE = [2**64, 2**64 - 1, 2**63, 2**63 - 1, -(2**63), -(2**63) - 1, -(2**64), 10**7, VOCAB, VOCAB - 1, 2**200]
 _TINY = [5e-324, 1e-300, 1e-45, 1e-38, 1e-5, 1.00001e-5, 1 - 1e-12]
-INTS = st.one_of(st.integers(-3, 40), st.integers(-2**70, 2**70), st.sampled_from(_HUGE), st.booleans(),
-                 st.floats(allow_nan=True, allow_infinity=True), st.none(), st.text(max_size=2))
-FLOATS = st.one_of(st.floats(-2.5, 11), st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
-                   st.sampled_from([-0.0, math.nan, math.inf, -math.inf] + _TINY), st.integers(-2**70, 2**70),
-                   st.booleans(), st.none())
+INTS = st.one_of(
+    st.integers(-3, 40),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from(_HUGE),
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.text(max_size=2),
+)
+FLOATS = st.one_of(
+    st.floats(-2.5, 11),
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    st.sampled_from([-0.0, math.nan, math.inf, -math.inf] + _TINY),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.none(),
+)
 TOKEN_IDS = st.one_of(st.integers(-2, 2**66), st.sampled_from(_HUGE), st.booleans(), st.floats(0, 10))
 
 
@@ -106,38 +122,62 @@ def unit(lo_open=False):
 
 VALID = {
     "temperature": st.one_of(st.floats(0, 2), st.sampled_from([0, 1, 2] + _TINY)),
-    "top_p": unit(lo_open=True), "min_p": unit(),
+    "top_p": unit(lo_open=True),
+    "min_p": unit(),
     "top_k": st.one_of(st.sampled_from([-1, 0, 1, 2, VOCAB - 1, VOCAB, 2**63, 2**64, 2**200]), st.integers(1, 2**70)),
     "max_tokens": st.one_of(st.none(), st.integers(0, 4), st.sampled_from([2**63, 2**64, 2**200])),
     "min_tokens": st.one_of(st.integers(0, 4), st.sampled_from([2**64, 2**200])),
-    "stop": st.one_of(st.none(), st.text(min_size=1, max_size=3),
-                      st.lists(st.text(min_size=1, max_size=3), max_size=2)),
-    "stop_token_ids": st.lists(st.one_of(st.integers(0, VOCAB - 1), st.sampled_from([0, 2, 7, VOCAB - 1])),
-                               max_size=4),
+    "stop": st.one_of(
+        st.none(), st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=2)
+    ),
+    "stop_token_ids": st.lists(st.one_of(st.integers(0, VOCAB - 1), st.sampled_from([0, 2, 7, VOCAB - 1])), max_size=4),
     "ignore_eos": st.booleans(),
-    "seed": st.one_of(st.none(), st.integers(-2**63, 2**64 - 1), st.sampled_from([-2**63, -1, 0, 2**63, 2**64 - 1])),
+    "seed": st.one_of(
+        st.none(), st.integers(-(2**63), 2**64 - 1), st.sampled_from([-(2**63), -1, 0, 2**63, 2**64 - 1])
+    ),
     "presence_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2, 2, 5e-324])),
     "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2, 2, -5e-324])),
     "repetition_penalty": st.one_of(st.floats(0, 10, exclude_min=True), st.sampled_from([10] + _TINY)),
     "logprobs": st.one_of(st.none(), st.integers(0, 20)),
     "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20)),
-    "logit_bias": st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.one_of(
-        st.floats(-100, 100), st.sampled_from([-100, 100, 0, 5e-324])), max_size=4)),
-    "skip_special_tokens": st.booleans(), "include_stop_str_in_output": st.booleans(), "detokenize": st.booleans(),
+    "logit_bias": st.one_of(
+        st.none(),
+        st.dictionaries(
+            st.integers(0, VOCAB - 1),
+            st.one_of(st.floats(-100, 100), st.sampled_from([-100, 100, 0, 5e-324])),
+            max_size=4,
+        ),
+    ),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "detokenize": st.booleans(),
 }
 WILD = {
-    "n": INTS, "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS, "min_p": FLOATS, "max_tokens": INTS,
-    "min_tokens": INTS, "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2), INTS),
+    "n": INTS,
+    "temperature": FLOATS,
+    "top_p": FLOATS,
+    "top_k": INTS,
+    "min_p": FLOATS,
+    "max_tokens": INTS,
+    "min_tokens": INTS,
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2), INTS),
     "stop_token_ids": st.one_of(st.lists(TOKEN_IDS, min_size=1, max_size=4), INTS),
-    "ignore_eos": INTS, "seed": st.one_of(st.integers(-2**64 - 2, 2**64 + 2), INTS),
-    "presence_penalty": FLOATS, "frequency_penalty": FLOATS, "repetition_penalty": FLOATS, "logprobs": INTS,
-    "prompt_logprobs": INTS, "logit_bias": st.one_of(st.dictionaries(TOKEN_IDS, FLOATS, max_size=3), INTS),
-    "skip_special_tokens": INTS, "detokenize": INTS,
+    "ignore_eos": INTS,
+    "seed": st.one_of(st.integers(-(2**64) - 2, 2**64 + 2), INTS),
+    "presence_penalty": FLOATS,
+    "frequency_penalty": FLOATS,
+    "repetition_penalty": FLOATS,
+    "logprobs": INTS,
+    "prompt_logprobs": INTS,
+    "logit_bias": st.one_of(st.dictionaries(TOKEN_IDS, FLOATS, max_size=3), INTS),
+    "skip_special_tokens": INTS,
+    "detokenize": INTS,
 }
 VALID_KW = st.fixed_dictionaries({}, optional=VALID)
 ONE_WILD = st.sampled_from(sorted(WILD)).flatmap(lambda name: st.tuples(st.just(name), WILD[name]))
-SAMPLING_KW = st.one_of(VALID_KW, st.builds(lambda d, nv: {**d, nv[0]: nv[1]}, VALID_KW, ONE_WILD),
-                        st.fixed_dictionaries({}, optional=WILD))
+SAMPLING_KW = st.one_of(
+    VALID_KW, st.builds(lambda d, nv: {**d, nv[0]: nv[1]}, VALID_KW, ONE_WILD), st.fixed_dictionaries({}, optional=WILD)
+)
 
 
 def test_every_sampling_value_is_rejected_or_served(engine):
@@ -147,8 +187,13 @@ def test_every_sampling_value_is_rejected_or_served(engine):
     counts = {"rejected": 0, "served": 0}
     prompt = [1, 2, 3, 2, 1, 7, 7, 7]  # repeats, so penalties have something to act on
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not FUZZ_RANDOM,
-              database=None)
+    @settings(
+        max_examples=300,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=not FUZZ_RANDOM,
+        database=None,
+    )
     @given(SAMPLING_KW)
     def check(kw):
         try:
@@ -182,8 +227,12 @@ def test_every_sampling_value_is_rejected_or_served(engine):
 
 def _batch_params():
     """Greedy and seeded requests (re-runs of a step must not change what seeds draw)."""
-    return [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) if i % 3 else
-            SamplingParams(temperature=1.0, seed=100 + i, max_tokens=10, ignore_eos=True) for i in range(8)]
+    return [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        if i % 3
+        else SamplingParams(temperature=1.0, seed=100 + i, max_tokens=10, ignore_eos=True)
+        for i in range(8)
+    ]
 
 
 def test_poisoned_requests_fail_alone_in_a_batch_of_eight(engine):
@@ -224,8 +273,10 @@ def test_poisoned_requests_fail_alone_in_a_batch_of_eight(engine):
 def test_unattributable_failure_raises_step_failed_error(engine):
     """Every request fails alone too: nothing is updated, StepFailedError names the step's
     requests; the caller fails them and the engine serves on once the executor works."""
-    want = run_all(engine, [engine.make_request(f"w{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=5))
-                            for i in range(3)])
+    want = run_all(
+        engine,
+        [engine.make_request(f"w{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=5)) for i in range(3)],
+    )
     reqs = [engine.make_request(f"u{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=5)) for i in range(3)]
     for r in reqs:
         engine.enqueue(r)
@@ -237,15 +288,19 @@ def test_unattributable_failure_raises_step_failed_error(engine):
         engine.executor.runner = runner
     assert sorted(info.value.request_ids) == ["u0", "u1", "u2"]
     assert isinstance(info.value.__cause__, AttributeError)
-    assert all(r.status is RequestStatus.RUNNING and r.num_computed_tokens == 0 and not r.output_token_ids
-               for r in reqs)
+    assert all(
+        r.status is RequestStatus.RUNNING and r.num_computed_tokens == 0 and not r.output_token_ids for r in reqs
+    )
     for r in reqs:
         assert engine.fail_request(r.request_id, str(info.value)).outputs[0].finish_reason == "error"
     assert_idle(engine)
-    got = run_all(engine, [engine.make_request(f"v{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=5))
-                           for i in range(3)])
-    assert [got[f"v{i}"].outputs[0].token_ids for i in range(3)] == [want[f"w{i}"].outputs[0].token_ids
-                                                                        for i in range(3)]
+    got = run_all(
+        engine,
+        [engine.make_request(f"v{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=5)) for i in range(3)],
+    )
+    assert [got[f"v{i}"].outputs[0].token_ids for i in range(3)] == [
+        want[f"w{i}"].outputs[0].token_ids for i in range(3)
+    ]
     assert_idle(engine)
 
 
@@ -264,8 +319,7 @@ def test_async_poisoned_stream_fails_alone(tiny_llama_path, engine):
                     smuggle(poison, min_tokens=100)  # the next step's sampler fails for this request only
             return n
 
-        tasks = [asyncio.create_task(collect(eng.generate(PROMPTS[i], greedy, request_id=f"s{i}")))
-                 for i in range(5)]
+        tasks = [asyncio.create_task(collect(eng.generate(PROMPTS[i], greedy, request_id=f"s{i}"))) for i in range(5)]
         with pytest.raises(RuntimeError, match="IndexError"):
             await poisoned()
         outs = await asyncio.gather(*tasks)

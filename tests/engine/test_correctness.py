@@ -8,6 +8,7 @@ pool so small that requests are preempted and recomputed. Each runs on the defau
 (torch attention backend, ATen ops, ``F.linear``: ``KVSERVE_CPU_LINEAR=aten``,
 ``KVSERVE_CPU_FUSED_OPS=0``).
 """
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -61,9 +62,15 @@ def hf_greedy(path, prompt_ids: list[list[int]], new_tokens: int) -> list[list[i
         with torch.inference_mode():
             for key in missing:
                 x = torch.tensor([list(key[1])])
-                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
-                _HF_GREEDY[key] = y[0, x.shape[1]:].tolist()
+                y = model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+                _HF_GREEDY[key] = y[0, x.shape[1] :].tolist()
     return [list(_HF_GREEDY[k]) for k in keys]
 
 
@@ -93,6 +100,7 @@ def cpu_path(request, monkeypatch):
     """Runs the test on one CPU path; yields the ``attention_backend`` to pass to ``LLM``."""
     import kvserve.engine.layers.linear as linear
     from kvserve.kernels import cpu_backend
+
     backend, matmul = request.param
     monkeypatch.setattr(linear, "CPU_LINEAR", matmul)
     monkeypatch.setattr(cpu_backend, "FUSED_OPS", backend == "cpu")
@@ -140,8 +148,9 @@ class TestSmolLM2:
 
     def test_prefix_caching_off_chunked_prefill(self, case, cpu_path):
         path, ids, ref, new_tokens = case
-        got, stats = engine_greedy(path, ids, new_tokens, enable_prefix_caching=False, max_num_batched_tokens=24,
-                                   attention_backend=cpu_path)
+        got, stats = engine_greedy(
+            path, ids, new_tokens, enable_prefix_caching=False, max_num_batched_tokens=24, attention_backend=cpu_path
+        )
         assert stats["prefix_cache_hit_rate"] == 0
         assert stats["num_steps"] > new_tokens + sum(len(i) for i in ids) // 24 - 1  # prompts were chunked
         assert_same(ref, got)
@@ -150,27 +159,45 @@ class TestSmolLM2:
         path, ids, ref, new_tokens = case
         # 12 requests of up to ~100 tokens each need ~80 blocks of 8 (the fast profile's 6 of up
         # to ~70, ~40): 24 blocks force preemption.
-        got, stats = engine_greedy(path, ids, new_tokens, num_kv_blocks=24, block_size=8,
-                                   attention_backend=cpu_path)
+        got, stats = engine_greedy(path, ids, new_tokens, num_kv_blocks=24, block_size=8, attention_backend=cpu_path)
         assert stats["num_preemptions"] > 0
         assert_same(ref, got)
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    ("llama", {}),
-    ("llama", {"tie_word_embeddings": True, "num_attention_heads": 8, "num_key_value_heads": 1,
-               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
-    ("qwen3", {}),
-    ("qwen2", {}),
-])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {}),
+        (
+            "llama",
+            {
+                "tie_word_embeddings": True,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 1,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
+        ),
+        ("qwen3", {}),
+        ("qwen2", {}),
+    ],
+)
 def test_tiny_models_equal_hf(tmp_path, arch, overrides, cpu_path):
     # A larger init than HF's 0.02 makes logits peaked, so argmax is not decided by float noise.
     path = make_tiny_model(tmp_path / arch, arch=arch, initializer_range=0.2, num_hidden_layers=3, **overrides)
     tok = load_tokenizer(path)
     ids = [tok.encode(p) for p in PROMPTS[:6]] + [list(range(100, 180))]  # one prompt spans 5+ blocks
     ref = hf_greedy(path, ids, 24)
-    for kw in ({}, {"max_num_batched_tokens": 7, "enable_prefix_caching": False}, {"num_kv_blocks": 40, "block_size": 4}):
+    for kw in (
+        {},
+        {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+        {"num_kv_blocks": 40, "block_size": 4},
+    ):
         got, stats = engine_greedy(path, ids, 24, attention_backend=cpu_path, **kw)
         assert_same(ref, got)
         if "num_kv_blocks" in kw:

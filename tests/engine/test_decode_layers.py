@@ -4,6 +4,7 @@ every logprob equal, while batches shrink through the loop's row limit and on ev
 takes (qkv bias, Qwen3's q/k norm, tied and untied heads). Settings it does not take (int8, LoRA,
 the torch attention path, a float8 cache) run op by op. Equality with HF transformers is the correctness
 suite's (``test_correctness.py`` runs this path on its ``cpu-onednn`` case)."""
+
 import pytest
 import torch
 
@@ -71,8 +72,11 @@ def test_bfloat16_takes_the_loop(tiny_llama_path, calls, monkeypatch):
     assert fused == per_op
 
 
-@pytest.mark.parametrize("kw", [{"quantization": "int8"}, {"enable_lora": True}, {"attention_backend": "torch"},
-                                {"kv_cache_dtype": "fp8"}], ids=["int8", "lora", "torch-attention", "fp8-kv"])
+@pytest.mark.parametrize(
+    "kw",
+    [{"quantization": "int8"}, {"enable_lora": True}, {"attention_backend": "torch"}, {"kv_cache_dtype": "fp8"}],
+    ids=["int8", "lora", "torch-attention", "fp8-kv"],
+)
 def test_settings_it_does_not_take_run_op_by_op(tiny_llama_path, calls, kw):
     llm = LLM(model=str(tiny_llama_path), **{"dtype": "float32", "enable_prefix_caching": False, **kw})
     _run(llm, 3)
@@ -87,16 +91,33 @@ def test_the_op_refuses_a_slot_outside_the_cache(tiny_llama_path, calls):
     a = model.layers[0].self_attn
     nb, bs = a.k_cache.shape[:2]
     h = torch.randn(1, model.cfg.hidden_size)
-    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
-                             seq_lens=torch.tensor([1], dtype=torch.int32),
-                             block_tables=torch.zeros(1, 1, dtype=torch.int32),
-                             slot_mapping=torch.tensor([nb * bs], dtype=torch.long),
-                             query_lens_cpu=[1], seq_lens_cpu=[1], max_seqlen_q=1, max_seqlen_k=1)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        slot_mapping=torch.tensor([nb * bs], dtype=torch.long),
+        query_lens_cpu=[1],
+        seq_lens_cpu=[1],
+        max_seqlen_q=1,
+        max_seqlen_k=1,
+    )
     with torch.inference_mode():
         weights = model._decode_layer_weights(h)
     assert weights is not None
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_backend.decode_layers(h, None, torch.zeros(1, dtype=torch.long), weights,
-                                  [lay.self_attn.k_cache for lay in model.layers],
-                                  [lay.self_attn.v_cache for lay in model.layers], meta, a.rotary.cos, a.rotary.sin,
-                                  a.num_heads, a.num_kv_heads, a.head_dim, 1e-5, a.scale)
+        cpu_backend.decode_layers(
+            h,
+            None,
+            torch.zeros(1, dtype=torch.long),
+            weights,
+            [lay.self_attn.k_cache for lay in model.layers],
+            [lay.self_attn.v_cache for lay in model.layers],
+            meta,
+            a.rotary.cos,
+            a.rotary.sin,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            1e-5,
+            a.scale,
+        )

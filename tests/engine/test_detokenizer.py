@@ -1,6 +1,7 @@
 """The incremental detokenizer (``kvserve/engine/detokenizer.py``) on SmolLM2's tokenizer: multi-byte
 characters split over tokens never stream a replacement character, stop strings and special
 tokens, and a property test that the deltas add up to the decoded text."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings

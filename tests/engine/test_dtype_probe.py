@@ -3,6 +3,7 @@ runs the model's matmuls faster here (kvserve/engine/dtype_probe.py): the faster
 verdict is cached per CPU and model shape, every rank of an engine runs the one its driver
 chose, and the reason is logged. The probe's timings are faked where a verdict is asserted (which
 dtype is faster is the CPU's business); the real measurement runs once, small, on this CPU."""
+
 import json
 import logging
 import math
@@ -13,7 +14,6 @@ import torch
 import kvserve.engine.config as config
 from kvserve.engine import LLM, SamplingParams, dtype_probe
 from kvserve.engine.config import EngineConfig
-
 
 
 class _Shape:
@@ -74,7 +74,9 @@ def test_auto_follows_the_probe_where_bf16_is_native(cache, monkeypatch):
     assert dtype_probe.auto_dtype(cfg, None)[0] == torch.bfloat16  # no model shape: the flags' rule
     monkeypatch.setenv("KVSERVE_DTYPE_PROBE", "0")
     assert dtype_probe.auto_dtype(cfg, _Shape()) == (
-        torch.bfloat16, "bfloat16: this CPU has native bf16 dot products (avx512_bf16)")
+        torch.bfloat16,
+        "bfloat16: this CPU has native bf16 dot products (avx512_bf16)",
+    )
     monkeypatch.delenv("KVSERVE_DTYPE_PROBE")
 
     def broken(*a, **k):

@@ -5,6 +5,7 @@ messages, and a core that dies taking only its own requests with it.
 
 One core serves the module (its event loop runs in a thread of its own); every wait is bounded.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,15 @@ TIMEOUT = 60
 
 
 def config(path, **kw) -> EngineConfig:
-    cfg = dict(model=str(path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64,
-               max_model_len=512, dtype="float32")
+    cfg = dict(
+        model=str(path),
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        num_kv_blocks=64,
+        max_model_len=512,
+        dtype="float32",
+    )
     cfg.update(kw)
     return EngineConfig(**cfg)
 
@@ -58,8 +66,13 @@ async def wait_until_idle(eng, timeout=10.0):
     end = loop.time() + timeout
     while loop.time() < end:
         s = eng.get_stats()
-        if (s["num_running_requests"] == 0 and s["num_waiting_requests"] == 0 and s["num_pending_requests"] == 0
-                and s["free_kv_blocks"] == s["num_kv_blocks"] and not eng._in_core):
+        if (
+            s["num_running_requests"] == 0
+            and s["num_waiting_requests"] == 0
+            and s["num_pending_requests"] == 0
+            and s["free_kv_blocks"] == s["num_kv_blocks"]
+            and not eng._in_core
+        ):
             return s
         await asyncio.sleep(0.01)
     raise AssertionError(f"engine not idle: {eng.get_stats()}, in core: {list(eng._in_core)}")
@@ -80,6 +93,7 @@ def core(tiny_llama_path):
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path):
     """The in-process AsyncLLMEngine's outputs: each prompt greedy, and prompt 0 with a stop string."""
+
     async def body():
         eng = AsyncLLMEngine(LLMEngine(config(tiny_llama_path)))
         try:
@@ -89,13 +103,23 @@ def reference(tiny_llama_path):
             return plain, stop, stopped
         finally:
             await eng.shutdown()
+
     return asyncio.run(body())
 
 
 def _stream(outs):
     """What a client sees of a stream: per output, the deltas, the cumulative tokens, finish reason."""
-    return [(o.outputs[0].delta_text, o.outputs[0].delta_token_ids, o.outputs[0].token_ids, o.finished,
-             o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs]
+    return [
+        (
+            o.outputs[0].delta_text,
+            o.outputs[0].delta_token_ids,
+            o.outputs[0].token_ids,
+            o.finished,
+            o.outputs[0].finish_reason,
+            o.outputs[0].stop_reason,
+        )
+        for o in outs
+    ]
 
 
 def test_streams_equal_the_in_process_engine(core, reference):
@@ -106,8 +130,9 @@ def test_streams_equal_the_in_process_engine(core, reference):
         assert Path(f"/proc/{eng.core.proc.pid}/comm").read_text().strip() == "kvserve-core"
 
     async def body():
-        concurrent = await asyncio.gather(*(collect(eng.generate(p, SamplingParams(temperature=0, max_tokens=12)))
-                                            for p in PROMPTS))
+        concurrent = await asyncio.gather(
+            *(collect(eng.generate(p, SamplingParams(temperature=0, max_tokens=12))) for p in PROMPTS)
+        )
         with_stop = await collect(eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, stop=stop)))
         return concurrent, with_stop, await wait_until_idle(eng)
 
@@ -126,8 +151,9 @@ def test_aborts_free_the_cores_blocks(core):
 
     async def body():
         got = 0
-        async for _ in eng.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                                    request_id="brk"):
+        async for _ in eng.generate(
+            PROMPTS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), request_id="brk"
+        ):
             got += 1
             if got == 3:
                 busy = eng.get_stats()
@@ -137,8 +163,9 @@ def test_aborts_free_the_cores_blocks(core):
         outs = []
 
         async def consume():
-            async for o in eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                                        request_id="victim"):
+            async for o in eng.generate(
+                PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), request_id="victim"
+            ):
                 outs.append(o)
 
         task = asyncio.create_task(consume())
@@ -169,8 +196,9 @@ def test_bad_requests_raise_as_in_process(core, reference):
     plain = reference[0]
 
     async def body():
-        good = asyncio.create_task(collect(eng.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12),
-                                                        request_id="good")))
+        good = asyncio.create_task(
+            collect(eng.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12), request_id="good"))
+        )
         await asyncio.sleep(0)
         with pytest.raises(ValueError, match="max_model_len"):  # the front's validation
             await collect(eng.generate(list(range(100, 700)), SamplingParams(max_tokens=4)))
@@ -180,6 +208,7 @@ def test_bad_requests_raise_as_in_process(core, reference):
             await collect(eng.generate("x", SamplingParams(max_tokens=4, structured_outputs={"regex": "(unclosed"})))
         with pytest.raises(ValueError):  # the core does not load the adapter
             from kvserve.engine.lora import LoRARequest
+
             await collect(eng.generate("x", SamplingParams(max_tokens=4), lora_request=LoRARequest("a", 1, "/nope")))
         outs = await good
         await wait_until_idle(eng)
@@ -196,8 +225,9 @@ def test_stat_loggers_get_the_cores_steps(core):
         eng.add_stat_logger(steps.append, finished.append)
         try:
             before = eng.get_stats()["num_steps"]
-            await collect(eng.generate(list(range(1000, 1040)), SamplingParams(max_tokens=3, ignore_eos=True),
-                                       request_id="stats"))
+            await collect(
+                eng.generate(list(range(1000, 1040)), SamplingParams(max_tokens=3, ignore_eos=True), request_id="stats")
+            )
             return before, (await wait_until_idle(eng))["num_steps"]
         finally:
             eng.engine.stat_loggers.remove(steps.append)

@@ -3,6 +3,7 @@ generators as they were and ``LLM.generate`` nothing behind; a dead executor is 
 (EngineDeadError for every stream, new requests refused at once), a healthy executor's failure
 fails that step's requests only; a CUDA engine left no GPU memory for a KV cache is refused.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,10 @@ def test_sampler_restores_generators_when_it_raises():
     logits[1] = float("nan")
     gens = [torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)]
     before = [g.get_state().clone() for g in gens]
-    rows = [SamplingRow(SamplingParams(seed=11), gens[0], [], [], []),
-            SamplingRow(SamplingParams(seed=12), gens[1], [], [], [])]
+    rows = [
+        SamplingRow(SamplingParams(seed=11), gens[0], [], [], []),
+        SamplingRow(SamplingParams(seed=12), gens[1], [], [], []),
+    ]
     with pytest.raises(RuntimeError):
         Sampler()(logits, rows)
     assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, before))
@@ -64,8 +67,9 @@ def test_dead_executor_kills_the_engine(tiny_llama_path):
         async def stream(i):
             n = 0
             try:
-                async for _ in eng.generate(PROMPTS[i], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
-                                            request_id=f"d{i}"):
+                async for _ in eng.generate(
+                    PROMPTS[i], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), request_id=f"d{i}"
+                ):
                     n += 1
                     seen[i] = n
                     if len(seen) == 3:
@@ -131,6 +135,7 @@ def test_mark_dead_and_loop_death_are_engine_death(tiny_llama_path):
 def test_healthy_executor_failure_fails_the_step_only(tiny_llama_path):
     """Every request fails alone in one step, but the executor is healthy: those requests
     fail, the engine stays up and serves the next request."""
+
     async def body(eng):
         execute = eng.engine.executor.execute_model
         state = {"broken": False}
@@ -141,8 +146,9 @@ def test_healthy_executor_failure_fails_the_step_only(tiny_llama_path):
             return execute(sched)
 
         eng.engine.executor.execute_model = maybe_broken
-        streams = [eng.generate(PROMPTS[i], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-                   for i in range(2)]
+        streams = [
+            eng.generate(PROMPTS[i], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)) for i in range(2)
+        ]
         for s in streams:
             await s.__anext__()
         state["broken"] = True

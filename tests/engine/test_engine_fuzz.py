@@ -50,6 +50,7 @@ The totals (with each hook's armed and fired counts) are printed (``-s``) and wr
 ``$KVSERVE_FUZZ_REPORT`` when set, with their provenance (``benchmarks.common.Results``: commit,
 machine, command, load average before and after).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,8 +66,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
 
 from _fuzz_machine import EngineMachine, adapters, configs, prompts, reaching, sampling_params
-from _robustness_helpers import (ARMED, DTYPE, FIRED, MAX_MODEL_LEN, NUM_ADAPTERS, TOTALS, Reference, assert_idle,
-                                 check_against_reference, count_fired, one_chunk_schedule)
+from _robustness_helpers import (
+    ARMED,
+    DTYPE,
+    FIRED,
+    MAX_MODEL_LEN,
+    NUM_ADAPTERS,
+    TOTALS,
+    Reference,
+    assert_idle,
+    check_against_reference,
+    count_fired,
+    one_chunk_schedule,
+)
 from kvserve.engine import EngineConfig, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.pooling import PoolingParams
@@ -98,8 +110,10 @@ def lora_requests(tiny_llama_path, tmp_path_factory):
     from tests.engine.test_lora import ADAPTERS, make_adapter
 
     root = tmp_path_factory.mktemp("fuzz_adapters")
-    out = [LoRARequest(name, i + 1, str(make_adapter(tiny_llama_path, root / name, r, a, t, rs, seed=i)))
-           for i, (name, r, a, t, rs) in enumerate(ADAPTERS)]
+    out = [
+        LoRARequest(name, i + 1, str(make_adapter(tiny_llama_path, root / name, r, a, t, rs, seed=i)))
+        for i, (name, r, a, t, rs) in enumerate(ADAPTERS)
+    ]
     assert len(out) == NUM_ADAPTERS
     return out
 
@@ -110,11 +124,19 @@ def _report(suffix: str, prov, extra: dict | None = None) -> dict:
     provenance (``prov``: a ``benchmarks.common.Results``, whose ``stamp`` adds the commit, the
     machine, the command and the load average before and after) to ``$KVSERVE_FUZZ_REPORT`` when
     that is set (``suffix``: appended to the file's stem, for the async and parallel tests)."""
-    report = {"budget": {"examples": EXAMPLES, "steps": STEPS, "async_examples": ASYNC_EXAMPLES,
-                         "parallel_examples": PARALLEL_EXAMPLES, "randomized": FUZZ_RANDOM},
-              "totals": dict(sorted(TOTALS.items())),
-              "faults armed": {h: ARMED[h] for h in HOOKS}, "faults fired": {h: FIRED[h] for h in HOOKS},
-              **(extra or {})}
+    report = {
+        "budget": {
+            "examples": EXAMPLES,
+            "steps": STEPS,
+            "async_examples": ASYNC_EXAMPLES,
+            "parallel_examples": PARALLEL_EXAMPLES,
+            "randomized": FUZZ_RANDOM,
+        },
+        "totals": dict(sorted(TOTALS.items())),
+        "faults armed": {h: ARMED[h] for h in HOOKS},
+        "faults fired": {h: FIRED[h] for h in HOOKS},
+        **(extra or {}),
+    }
     print(f"\nengine fuzz{suffix}:", json.dumps(report, indent=1))
     if os.environ.get("KVSERVE_FUZZ_REPORT"):
         path = Path(os.environ["KVSERVE_FUZZ_REPORT"])
@@ -145,10 +167,18 @@ def _run_fuzzer(machine, examples: int, model_path, reference, lora_requests, su
     prov = _provenance()
     for c in (TOTALS, ARMED, FIRED):
         c.clear()
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=STEPS, deadline=None, derandomize=not FUZZ_RANDOM,
-        database=None, phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK else ()),
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=STEPS,
+            deadline=None,
+            derandomize=not FUZZ_RANDOM,
+            database=None,
+            phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK else ()),
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     _report(suffix, prov)
 
 
@@ -156,8 +186,9 @@ def _check_coverage() -> None:
     """Fail when a fault kind never fired in the run: the fuzzer would have checked nothing
     about it."""
     never = [h for h in HOOKS if FIRED[h] == 0]
-    assert not never, (f"fault kinds that never fired in {TOTALS['configurations']} configurations: {never} "
-                       f"(armed: {dict(ARMED)})")
+    assert not never, (
+        f"fault kinds that never fired in {TOTALS['configurations']} configurations: {never} (armed: {dict(ARMED)})"
+    )
 
 
 def test_one_chunk_schedule_is_the_references():
@@ -191,17 +222,24 @@ _fault = st.tuples(st.sampled_from(FAILING_HOOKS), st.integers(0, 2))
 
 def _client(kind, fault=st.one_of(st.none(), _fault)):
     """One client: ``(prompt, params, kind, adapter, pooling, fault, delay)``."""
-    return st.tuples(prompts, sampling_params(), kind, adapters, st.sampled_from(["last", "mean"]), fault,
-                     st.integers(0, 3))
+    return st.tuples(
+        prompts, sampling_params(), kind, adapters, st.sampled_from(["last", "mean"]), fault, st.integers(0, 3)
+    )
 
 
 #: An example's clients in a drawn order: up to four of any kind, and one of each kind the run
 #: must cover (a cancel, an abort, an embedding and a read with a fault), so that a run of a few
 #: examples covers them whatever the draws (with three, CI once drew no cancel at all).
-streams = st.builds(lambda drawn, covering: drawn + list(covering),
-                    st.lists(_client(st.sampled_from(KINDS)), max_size=4),
-                    st.tuples(_client(st.just("cancel")), _client(st.just("abort")), _client(st.just("embed")),
-                              _client(st.just("read"), _fault))).flatmap(st.permutations)
+streams = st.builds(
+    lambda drawn, covering: drawn + list(covering),
+    st.lists(_client(st.sampled_from(KINDS)), max_size=4),
+    st.tuples(
+        _client(st.just("cancel")),
+        _client(st.just("abort")),
+        _client(st.just("embed")),
+        _client(st.just("read"), _fault),
+    ),
+).flatmap(st.permutations)
 
 
 def _outlasting(p: SamplingParams, max_tokens: int) -> SamplingParams:
@@ -274,8 +312,10 @@ def _check_async_example(cfg: dict, wanted: list, results: list, faults: Faults,
         if params.temperature == 0.0:
             compare.append((rid, last, None))
     by_id = {w[0]: w for w in wanted}
-    refs = reference.run(Reference.setup_of(cfg), [(out.prompt_token_ids, by_id[rid][2], by_id[rid][4], pooling)
-                                                   for rid, out, pooling in compare])
+    refs = reference.run(
+        Reference.setup_of(cfg),
+        [(out.prompt_token_ids, by_id[rid][2], by_id[rid][4], pooling) for rid, out, pooling in compare],
+    )
     for (rid, out, pooling), ref in zip(compare, refs):
         check_against_reference(rid, cfg, out, pooling, ref)
 
@@ -288,14 +328,26 @@ def test_fuzz_async_engine(tiny_llama_path, reference, lora_requests):
     for c in (TOTALS, ARMED, FIRED):
         c.clear()
 
-    @settings(max_examples=ASYNC_EXAMPLES, deadline=None, derandomize=not FUZZ_RANDOM, database=None,
-              phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK else ()),
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=ASYNC_EXAMPLES,
+        deadline=None,
+        derandomize=not FUZZ_RANDOM,
+        database=None,
+        phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK else ()),
+        suppress_health_check=list(HealthCheck),
+    )
     @given(cfg=configs(), drawn=streams)
     def run(cfg, drawn):
         cfg = {k: v for k, v in cfg.items() if k not in ("focus", "sentinels", "broken_loggers", "spare_blocks")}
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype=DTYPE, max_model_len=MAX_MODEL_LEN,
-                                        num_kv_blocks=-(-MAX_MODEL_LEN // cfg["block_size"]) + 8, **cfg))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_path),
+                dtype=DTYPE,
+                max_model_len=MAX_MODEL_LEN,
+                num_kv_blocks=-(-MAX_MODEL_LEN // cfg["block_size"]) + 8,
+                **cfg,
+            )
+        )
         faults = Faults(engine)
         wanted = []
         for i, (prompt, params, kind, adapter, pooling, fault, delay) in enumerate(drawn):
@@ -315,9 +367,12 @@ def test_fuzz_async_engine(tiny_llama_path, reference, lora_requests):
             TOTALS["LoRA requests"] += lora is not None
 
         async def drive(eng):
-            results = await asyncio.gather(*(_stream(eng, rid, prompt, params, kind, lora, pooling, delay)
-                                             for (rid, prompt, params, kind, lora, pooling, _), (*_, delay)
-                                             in zip(wanted, drawn)))
+            results = await asyncio.gather(
+                *(
+                    _stream(eng, rid, prompt, params, kind, lora, pooling, delay)
+                    for (rid, prompt, params, kind, lora, pooling, _), (*_, delay) in zip(wanted, drawn)
+                )
+            )
             await _until_idle(eng)
             assert_idle(eng.engine)
             return results
@@ -329,8 +384,14 @@ def test_fuzz_async_engine(tiny_llama_path, reference, lora_requests):
 
     run()
     _report("_async", prov)
-    for what in ("streams cancelled mid-stream", "streams aborted mid-stream", "streams failed by their fault",
-                 "embeddings equal (cosine)", "greedy equal", "LoRA requests"):
+    for what in (
+        "streams cancelled mid-stream",
+        "streams aborted mid-stream",
+        "streams failed by their fault",
+        "embeddings equal (cosine)",
+        "greedy equal",
+        "LoRA requests",
+    ):
         assert TOTALS[what] > 0, f"no {what} in {TOTALS['configurations']} async examples: {dict(TOTALS)}"
 
 
@@ -340,8 +401,10 @@ def ray_for_parallel(tmp_path_factory):
     """A local Ray (8 logical CPUs, token auth with a token of this run only), or the one this
     session already runs; skips unless ``KVSERVE_FUZZ_PARALLEL=1``."""
     if not PARALLEL:
-        pytest.skip("tensor/pipeline-parallel fuzzing is opt-in (KVSERVE_FUZZ_PARALLEL=1): it starts Ray actors "
-                    "and takes minutes")
+        pytest.skip(
+            "tensor/pipeline-parallel fuzzing is opt-in (KVSERVE_FUZZ_PARALLEL=1): it starts Ray actors "
+            "and takes minutes"
+        )
     if "RAY_AUTH_TOKEN_PATH" not in os.environ:
         os.environ.pop("RAY_AUTH_TOKEN", None)
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(tmp_path_factory.mktemp("ray_auth") / "auth_token")
@@ -369,8 +432,9 @@ class ParallelEngineMachine(EngineMachine):
     def executor_factory(config, model_path):
         from kvserve.cluster.worker_group import RayWorkerGroup
 
-        return RayWorkerGroup(config, model_path, num_cpus=1, torch_num_threads=1, timeout_s=120,
-                              collective_timeout_s=120)
+        return RayWorkerGroup(
+            config, model_path, num_cpus=1, torch_num_threads=1, timeout_s=120, collective_timeout_s=120
+        )
 
 
 def test_fuzz_engine_parallel(ray_for_parallel, tiny_llama_path, reference, lora_requests):

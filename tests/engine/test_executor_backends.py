@@ -2,6 +2,7 @@
 Ray only when the ``"ray"`` backend is chosen; ``"mp"`` runs the ranks as local processes (no Ray)
 and gives the same greedy tokens as one process. The Ray backend's end-to-end test (which needs a
 Ray instance) is ``tests/e2e/test_tensor_parallel.py``."""
+
 import os
 import subprocess
 import sys
@@ -29,8 +30,10 @@ def test_backend_is_resolved_as_vllm_does(monkeypatch):
     assert resolve_executor_backend(EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray")) == "ray"
     monkeypatch.undo()
     assert Executor.get_class(EngineConfig()) is UniProcExecutor
-    assert Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend="mp")).__name__ \
+    assert (
+        Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend="mp")).__name__
         == "MultiprocExecutor"
+    )
     assert set(EXECUTOR_BACKENDS) == {"uni", "mp", "ray"}
     with pytest.raises(ValueError, match="distributed_executor_backend must be 'ray', 'mp', 'uni' or None"):
         EngineConfig(distributed_executor_backend="thread")
@@ -40,12 +43,14 @@ def test_backend_is_resolved_as_vllm_does(monkeypatch):
 
 def test_the_engine_imports_ray_only_for_the_ray_backend(tiny_llama_path):
     """A one-rank engine and the backend choice itself load no Ray (kvserve/engine/ runs without it)."""
-    code = ("import sys\nfrom kvserve.engine import LLM, EngineConfig\nfrom kvserve.engine.executor import Executor\n"
-            f"llm = LLM({str(tiny_llama_path)!r}, dtype='float32', num_kv_blocks=8, max_model_len=32)\n"
-            "Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend='mp'))\n"
-            "assert 'ray' not in sys.modules and 'kvserve.cluster' not in sys.modules, sorted(sys.modules)\n"
-            "Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend='ray'))\n"
-            "assert 'ray' in sys.modules\n")
+    code = (
+        "import sys\nfrom kvserve.engine import LLM, EngineConfig\nfrom kvserve.engine.executor import Executor\n"
+        f"llm = LLM({str(tiny_llama_path)!r}, dtype='float32', num_kv_blocks=8, max_model_len=32)\n"
+        "Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend='mp'))\n"
+        "assert 'ray' not in sys.modules and 'kvserve.cluster' not in sys.modules, sorted(sys.modules)\n"
+        "Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend='ray'))\n"
+        "assert 'ray' in sys.modules\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -68,8 +73,13 @@ def test_mp_backend_matches_one_process(tiny_llama_path, reference, tp, pp):
     (not waited for forever), and shutdown ends the others."""
     from kvserve.engine.mp_executor import MultiprocExecutor, WorkerError
 
-    llm = LLM(str(tiny_llama_path), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              distributed_executor_backend="mp", **KW)
+    llm = LLM(
+        str(tiny_llama_path),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="mp",
+        **KW,
+    )
     ex = llm.engine.executor
     procs = list(ex._procs)
     try:

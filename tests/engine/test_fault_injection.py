@@ -9,6 +9,7 @@ turns drafting off for the one request that fails alone, and a timer that return
 or enormous step times changes no output. The fuzzer that arms these faults at random, over
 random configurations and request streams, is ``test_engine_fuzz.py``.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,18 @@ def _batch(engine: LLMEngine, tag: str, hook: str):
     grammar hooks (such requests do not draft)."""
     grammar = hook.startswith("grammar")
     prompts = ["la la la la la la la la", "1 2 3 1 2 3 1 2 3 1 2 3", "a b a b a b a b a b", "the cat the cat the cat"]
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1,
-                             stop=["@@@@"], structured_outputs=STRUCTURED[2] if grammar else None)
-              for _ in prompts]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            ignore_eos=True,
+            logprobs=2,
+            prompt_logprobs=1,
+            stop=["@@@@"],
+            structured_outputs=STRUCTURED[2] if grammar else None,
+        )
+        for _ in prompts
+    ]
     return [engine.make_request(f"{tag}{i}", p, params[i]) for i, p in enumerate(prompts)]
 
 
@@ -50,10 +60,18 @@ def _run(engine, reqs):
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama_path):
-    eng = LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype=DTYPE, block_size=8, max_num_seqs=8,
-                                 max_num_batched_tokens=128, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN,
-                                 speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                     "adaptive": False}))
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_path),
+            dtype=DTYPE,
+            block_size=8,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            num_kv_blocks=64,
+            max_model_len=MAX_MODEL_LEN,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+        )
+    )
     yield eng
     eng.shutdown()
 
@@ -100,10 +118,22 @@ def test_a_failing_draft_model_turns_drafting_off_for_that_request(tiny_llama_pa
     """The draft-model proposer runs a batch; when it raises, each request is retried alone
     and only the one that fails alone loses its drafts (a draft model of the same weights
     drafts what the target picks, so outputs must equal the reference's)."""
-    eng = LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype=DTYPE, block_size=8, max_num_seqs=8,
-                                 num_kv_blocks=64, max_model_len=MAX_MODEL_LEN,
-                                 speculative_config={"method": "draft_model", "model": str(tiny_llama_path),
-                                                     "num_speculative_tokens": 2, "adaptive": False}))
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_path),
+            dtype=DTYPE,
+            block_size=8,
+            max_num_seqs=8,
+            num_kv_blocks=64,
+            max_model_len=MAX_MODEL_LEN,
+            speculative_config={
+                "method": "draft_model",
+                "model": str(tiny_llama_path),
+                "num_speculative_tokens": 2,
+                "adaptive": False,
+            },
+        )
+    )
     try:
         want = _run(eng, _batch(eng, "ref", "propose"))
         faults = Faults(eng)

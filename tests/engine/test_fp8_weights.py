@@ -1,14 +1,26 @@
 """float8 e4m3 weights (``quantization="fp8"``, W8A8 through ``torch._scaled_mm``): the layer's
 numerics against a float64 reference of the same quantized operands (on CPU, where torch has the
 op, and on CUDA), the engine on a GPU, and the refusal elsewhere."""
+
 import pytest
 import torch
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.layers.quantization import FP8, FP8_MAX, fp8_linear, quantize_fp8
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an Ada/Hopper GPU")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                reason="needs an Ada/Hopper GPU",
+            ),
+        ],
+    ),
+]
 
 
 def test_quantize_fp8_rows():
@@ -18,8 +30,8 @@ def test_quantize_fp8_rows():
     assert q.dtype == FP8 and s.shape == (32,)
     deq = q.float() * s[:, None]
     assert torch.allclose(q.float().abs().amax(1), torch.full((32,), FP8_MAX))  # each row's max maps to 448
-    rel = ((deq - w).abs() / w.abs().clamp_min(2 ** -6 * s[:, None])).max()
-    assert rel <= 2 ** -4 + 1e-6  # e4m3's half-ulp
+    rel = ((deq - w).abs() / w.abs().clamp_min(2**-6 * s[:, None])).max()
+    assert rel <= 2**-4 + 1e-6  # e4m3's half-ulp
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -49,13 +61,16 @@ def test_fp8_weights_are_refused_off_a_capable_gpu(tiny_llama_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs an Ada/Hopper GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an Ada/Hopper GPU"
+)
 def test_engine_with_fp8_weights_on_cuda(tmp_path):
     import sys
     from pathlib import Path
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from gpu import build_random_model  # SmolLM2's shape, random weights, synthetic tokenizer (no package needed)
+
     path = build_random_model("smollm2-135m", tmp_path, "cuda", "bfloat16")
     ids = [[1, 2, 3, 4, 5], list(range(300, 340)), [7] * 9]
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)

@@ -13,6 +13,7 @@ call (flattened varlen batch, paged KV cache).
 * The real Gemma 3 270M (bundled, ``@pytest.mark.slow``) covers the converted folder, a few short
   prompts and the chat template; its window (512) is longer than these prompts.
 """
+
 import json
 import os
 import subprocess
@@ -47,16 +48,25 @@ def hf_greedy(path, prompts: list[list[int]], new_tokens: int, logprobs: bool = 
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                               eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            out.append(y.sequences[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            out.append(y.sequences[0, len(ids) :].tolist())
             lps.append(torch.cat(y.logits).float().log_softmax(-1))
     return (out, lps) if logprobs else out
 
 
 def engine_greedy(llm: LLM, prompts, new_tokens: int = NEW_TOKENS, **params):
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, **params),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, **params), use_tqdm=False
+    )
     return [o.outputs[0].token_ids for o in outs], outs
 
 
@@ -79,8 +89,13 @@ def tiny(tmp_path_factory):
     """Tiny Gemma 3 (sliding window 16, layers local/global/local), its prompts and HF's
     greedy continuations. Two prompts (60 and 45 tokens) are longer than the window, so their
     local layers must drop the oldest keys in prefill and in every decode step."""
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), arch="gemma3", initializer_range=0.1,
-                           num_hidden_layers=3, sliding_window=WINDOW)
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("tiny_gemma3"),
+        arch="gemma3",
+        initializer_range=0.1,
+        num_hidden_layers=3,
+        sliding_window=WINDOW,
+    )
     tok = load_tokenizer(path)
     prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "List three colors:")]
     prompts += [list(range(100, 160)), list(range(3000, 3090, 2))]
@@ -94,8 +109,13 @@ def test_tiny_config_is_gemma3_with_local_and_global_layers(tiny):
     assert cfg.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     assert max(map(len, prompts)) + NEW_TOKENS > 4 * WINDOW
     # the window matters: full attention in every layer continues the long prompts differently
-    full = make_tiny_model(path.parent / "full", arch="gemma3", initializer_range=0.1, num_hidden_layers=3,
-                           layer_types=["full_attention"] * 3)
+    full = make_tiny_model(
+        path.parent / "full",
+        arch="gemma3",
+        initializer_range=0.1,
+        num_hidden_layers=3,
+        layer_types=["full_attention"] * 3,
+    )
     assert hf_greedy(full, prompts[3:], NEW_TOKENS) != ref[3:]
     model = LLM(model=str(path), dtype="float32").engine.executor.runner.model
     assert [layer.self_attn.window for layer in model.layers] == [WINDOW, None, WINDOW]
@@ -153,8 +173,15 @@ def test_tiny_final_logit_softcapping_matches_hf_logprobs(tmp_path, tiny):
     tanh is monotonic): the returned logprobs must be those of the capped logits. The config's
     ``attn_logit_softcapping`` is ignored as by HF's Gemma 3, so outputs still match HF."""
     _, prompts, _ = tiny
-    path = make_tiny_model(tmp_path / "capped", arch="gemma3", initializer_range=0.1, num_hidden_layers=3,
-                           sliding_window=WINDOW, final_logit_softcapping=2.0, attn_logit_softcapping=0.5)
+    path = make_tiny_model(
+        tmp_path / "capped",
+        arch="gemma3",
+        initializer_range=0.1,
+        num_hidden_layers=3,
+        sliding_window=WINDOW,
+        final_logit_softcapping=2.0,
+        attn_logit_softcapping=0.5,
+    )
     ref, ref_lp = hf_greedy(path, prompts[3:], 8, logprobs=True)
     llm = LLM(model=str(path), dtype="float32")
     got, outs = engine_greedy(llm, prompts[3:], 8, logprobs=3)
@@ -188,10 +215,21 @@ def test_tiny_triton_backend_equals_hf(tiny):
     prefill (32-token budget) and windowed split-K decode."""
     path, prompts, ref = tiny
     n = 12
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _TRITON_CHILD, str(path), json.dumps(prompts), str(n)],
-                          check=False, capture_output=True, text=True, cwd=str(ROOT), env=env, timeout=280)
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        OMP_NUM_THREADS="2",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRITON_CHILD, str(path), json.dumps(prompts), str(n)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        env=env,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not res["leak"]
@@ -230,10 +268,17 @@ def test_gemma_270m_converted_folder(gemma_path):
 @pytest.mark.slow
 def test_gemma_270m_equals_hf_with_chat_template(gemma_path):
     tok = load_tokenizer(gemma_path)
-    chat = chat_template_ids(tok, [{"role": "system", "content": "Answer briefly."},
-                                   {"role": "user", "content": "What is the capital of France?"}])
-    assert tok.decode(chat) == ("<bos><start_of_turn>user\nAnswer briefly.\n\nWhat is the capital of France?"
-                                "<end_of_turn>\n<start_of_turn>model\n")
+    chat = chat_template_ids(
+        tok,
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+    )
+    assert tok.decode(chat) == (
+        "<bos><start_of_turn>user\nAnswer briefly.\n\nWhat is the capital of France?"
+        "<end_of_turn>\n<start_of_turn>model\n"
+    )
     with pytest.raises(ValueError, match="alternate"):
         chat_template_ids(tok, [{"role": "assistant", "content": "Hi"}])
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):"), chat]

@@ -7,6 +7,7 @@ behind, seeds across batch mates, preemption and block size, priority order, log
 transformers, a negative frequency penalty and prefix-cache hits. Penalties and EOS on a model
 that echoes its input: ``test_penalties_and_eos.py``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,8 +25,15 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama_path):
-    llm = LLM(model=str(tiny_llama_path), dtype="float32", block_size=16, max_num_seqs=8,  # vs HF float32
-              max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(
+        model=str(tiny_llama_path),
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=8,  # vs HF float32
+        max_num_batched_tokens=256,
+        num_kv_blocks=64,
+        max_model_len=256,
+    )
     yield llm
     llm.engine.shutdown()
 
@@ -79,7 +87,7 @@ def test_stop_string_included_in_output(tiny_llm, reference):
     outs = stream(tiny_llm, PROMPT, greedy(max_tokens=24, stop=stop, include_stop_str_in_output=True))
     final = outs[-1].outputs[0]
     assert final.finish_reason == "stop" and final.stop_reason == stop
-    assert final.text == text[:start + len(stop)]
+    assert final.text == text[: start + len(stop)]
     assert final.token_ids == ids[:n_tok]
     assert "".join(o.outputs[0].delta_text for o in outs) == final.text
 
@@ -96,7 +104,7 @@ def test_stop_string_on_the_last_allowed_token_is_a_stop(tiny_llm, reference):
 
 def test_earliest_of_several_stop_strings_wins(tiny_llm, reference):
     ids, text, stop, start, n_tok = reference
-    later = text[start + len(stop):start + len(stop) + 3]
+    later = text[start + len(stop) : start + len(stop) + 3]
     assert later and text.find(later) >= start + len(stop)
     final = gen1(tiny_llm, PROMPT, greedy(max_tokens=24, stop=[later, stop, "\x00never"]))
     assert final.stop_reason == stop and final.text == text[:start]
@@ -107,11 +115,11 @@ def test_stop_token_ids(tiny_llm, reference):
     k = next(i for i in range(3, 20) if ids[i] not in ids[:i])
     final = gen1(tiny_llm, PROMPT, greedy(max_tokens=24, stop_token_ids=[ids[k], 48000]))
     assert final.finish_reason == "stop" and final.stop_reason == ids[k]
-    assert final.token_ids == ids[:k + 1]
+    assert final.token_ids == ids[: k + 1]
     # min_tokens defers the stop token
     final = gen1(tiny_llm, PROMPT, greedy(max_tokens=24, stop_token_ids=[ids[k]], min_tokens=k + 2))
     assert final.token_ids[:k] == ids[:k] and len(final.token_ids) >= k + 2
-    assert ids[k] not in final.token_ids[:k + 2]
+    assert ids[k] not in final.token_ids[: k + 2]
     if final.finish_reason == "stop":
         assert final.token_ids[-1] == ids[k]
 
@@ -164,8 +172,14 @@ def test_seed_reproducible_across_batch_mates(tiny_llm):
     alone = gen1(tiny_llm, PROMPT, sp).token_ids
     mates = tiny_llm.generate(
         ["other prompt one", PROMPT, "another, longer prompt that takes more tokens to prefill", PROMPT],
-        [SamplingParams(temperature=1.0, max_tokens=20), sp, greedy(max_tokens=5),
-         SamplingParams(temperature=1.0, seed=99, max_tokens=12)], use_tqdm=False)
+        [
+            SamplingParams(temperature=1.0, max_tokens=20),
+            sp,
+            greedy(max_tokens=5),
+            SamplingParams(temperature=1.0, seed=99, max_tokens=12),
+        ],
+        use_tqdm=False,
+    )
     assert mates[1].outputs[0].token_ids == alone
     assert mates[3].outputs[0].token_ids != alone  # another seed, another sample
     assert gen1(tiny_llm, PROMPT, sp).token_ids == alone
@@ -181,12 +195,21 @@ def test_preemption_and_block_size_do_not_change_outputs(tiny_llama_path, tiny_l
     """An 8-block pool of 4-token blocks forces preemption by recompute and chunked prefill;
     greedy and seeded outputs must equal those of the roomy engine."""
     prompts = [PROMPT, "Once upon a time in a land", "1, 2, 3, 4, 5, 6,"]
-    params = [greedy(max_tokens=10), SamplingParams(temperature=1.0, seed=7, max_tokens=10),
-              SamplingParams(temperature=0.8, top_k=50, seed=8, max_tokens=10)]
+    params = [
+        greedy(max_tokens=10),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=10),
+        SamplingParams(temperature=0.8, top_k=50, seed=8, max_tokens=10),
+    ]
     want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
     assert all(len(w) == 10 for w in want)
-    small = LLM(model=str(tiny_llama_path), dtype="float32", block_size=4, num_kv_blocks=8, max_num_seqs=4,
-                max_num_batched_tokens=8)  # tiny_llm's dtype: equal token for token
+    small = LLM(
+        model=str(tiny_llama_path),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+    )  # tiny_llm's dtype: equal token for token
     try:
         assert small.engine.max_model_len == 32
         got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
@@ -201,8 +224,9 @@ def test_preemption_and_block_size_do_not_change_outputs(tiny_llama_path, tiny_l
 def test_priority_scheduling_order(tiny_llama_path):
     llm = LLM(model=str(tiny_llama_path), max_num_seqs=1, num_kv_blocks=32, scheduling_policy="priority")
     try:
-        outs = llm.generate(["p zero", "p one", "p two", "p three"], greedy(max_tokens=2), use_tqdm=False,
-                            priority=[2, 0, 1, 0])
+        outs = llm.generate(
+            ["p zero", "p one", "p two", "p three"], greedy(max_tokens=2), use_tqdm=False, priority=[2, 0, 1, 0]
+        )
         order = sorted(range(4), key=lambda i: outs[i].metrics.first_scheduled_time)
         assert order == [1, 3, 2, 0]
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
@@ -220,13 +244,15 @@ def test_logprobs_match_reference_model(tiny_llm, tiny_llama_path, tokenizer):
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_path), dtype=torch.float32).eval()
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
     # greedy, and sampled with temperature and a penalty: logprobs are the model's raw ones
-    for k, sp in ((5, greedy(max_tokens=6, logprobs=5)),
-                  (3, SamplingParams(temperature=0.7, seed=5, frequency_penalty=1.5, max_tokens=6, logprobs=3))):
+    for k, sp in (
+        (5, greedy(max_tokens=6, logprobs=5)),
+        (3, SamplingParams(temperature=0.7, seed=5, frequency_penalty=1.5, max_tokens=6, logprobs=3)),
+    ):
         final = gen1(tiny_llm, PROMPT, sp)
         assert final.logprobs is not None and len(final.logprobs) == 6
         with torch.no_grad():
             logits = hf(torch.tensor([prompt_ids + final.token_ids])).logits[0].float()
-        ref = logits.log_softmax(-1)[len(prompt_ids) - 1:-1]  # positions that predicted each output
+        ref = logits.log_softmax(-1)[len(prompt_ids) - 1 : -1]  # positions that predicted each output
         for pos, (tok, lp) in enumerate(zip(final.token_ids, final.logprobs)):
             assert tok in lp and k <= len(lp) <= k + 1
             assert all(v <= 0.0 for v in lp.values())
@@ -254,8 +280,7 @@ def test_negative_frequency_penalty_encourages_repeats(tiny_llm, reference):
 def test_min_tokens_survives_prefix_cache_hits(tiny_llm):
     ref = gen1(tiny_llm, PREFIX, greedy(max_tokens=4)).token_ids
     assert ref[1] != ref[0]
-    out = tiny_llm.generate([PREFIX], greedy(max_tokens=8, stop_token_ids=[ref[1]], min_tokens=1),
-                            use_tqdm=False)[0]
+    out = tiny_llm.generate([PREFIX], greedy(max_tokens=8, stop_token_ids=[ref[1]], min_tokens=1), use_tqdm=False)[0]
     assert out.num_cached_tokens == 32
     assert out.outputs[0].token_ids == ref[:2] and out.outputs[0].finish_reason == "stop"
 
@@ -264,8 +289,9 @@ def test_prefix_cache_hit_gives_same_greedy_output(tiny_llm):
     prompt = list(range(3000, 3050))
     first = tiny_llm.generate([prompt], greedy(max_tokens=12), use_tqdm=False)[0]
     # a batch mixing a hit on the same prompt, a partial hit and a miss
-    outs = tiny_llm.generate([prompt, prompt[:20] + [5, 6, 7], prompt[:33] + [9] * 20],
-                             greedy(max_tokens=12), use_tqdm=False)
+    outs = tiny_llm.generate(
+        [prompt, prompt[:20] + [5, 6, 7], prompt[:33] + [9] * 20], greedy(max_tokens=12), use_tqdm=False
+    )
     assert first.num_cached_tokens == 0 and outs[0].num_cached_tokens == 48
     assert outs[0].outputs[0].token_ids == first.outputs[0].token_ids
     assert outs[1].num_cached_tokens == 16 and outs[2].num_cached_tokens == 32

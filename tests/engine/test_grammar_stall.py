@@ -9,6 +9,7 @@ grammars (a 4 KB regex that takes xgrammar seconds: byte bounds alone cannot bou
 the core in a real process. The one test hook (``XgrammarBackend.before_compile``) holds a
 compile on an event so that "while a compile runs" is an event, not a guess about time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,20 +36,31 @@ WAIT = 60  # bound of every wait (a hang fails the test instead of hanging it)
 
 
 def config(path, **kw) -> EngineConfig:
-    cfg = dict(model=str(path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64,
-               max_model_len=512, dtype="float32")
+    cfg = dict(
+        model=str(path),
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        num_kv_blocks=64,
+        max_model_len=512,
+        dtype="float32",
+    )
     cfg.update(kw)
     return EngineConfig(**cfg)
 
 
 # ---- limits and the pool ------------------------------------------------------------------
 def test_specs_over_a_size_limit_are_refused_naming_the_limit():
-    lim = GrammarLimits(max_choices=3, max_choice_bytes=10, max_regex_bytes=8, max_grammar_bytes=20,
-                        max_json_schema_bytes=30)
-    cases = [({"choice": ["a", "b", "c", "d"]}, "max_choices"), ({"choice": ["aaaaaa", "bbbbbb"]}, "max_choice_bytes"),
-             ({"regex": "[a-z]{1,99}x"}, "max_regex_bytes"), ({"grammar": 'root ::= "' + "x" * 20 + '"'},
-                                                                "max_grammar_bytes"),
-             ({"json": {"type": "object", "properties": {"name": {"type": "string"}}}}, "max_json_schema_bytes")]
+    lim = GrammarLimits(
+        max_choices=3, max_choice_bytes=10, max_regex_bytes=8, max_grammar_bytes=20, max_json_schema_bytes=30
+    )
+    cases = [
+        ({"choice": ["a", "b", "c", "d"]}, "max_choices"),
+        ({"choice": ["aaaaaa", "bbbbbb"]}, "max_choice_bytes"),
+        ({"regex": "[a-z]{1,99}x"}, "max_regex_bytes"),
+        ({"grammar": 'root ::= "' + "x" * 20 + '"'}, "max_grammar_bytes"),
+        ({"json": {"type": "object", "properties": {"name": {"type": "string"}}}}, "max_json_schema_bytes"),
+    ]
     for spec, key in cases:
         with pytest.raises(ValueError, match=key):
             check_limits(spec, lim)
@@ -112,8 +124,9 @@ def core_in_thread(tiny_llama_path):
 
 
 def _req(eng, rid, spec=None, max_tokens=8):
-    return eng.input_processor.process_inputs(rid, [1, 2, 3, 4], SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, structured_outputs=spec))
+    return eng.input_processor.process_inputs(
+        rid, [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=spec)
+    )
 
 
 def _recv_until(front, pred):
@@ -158,8 +171,7 @@ def test_core_serves_health_and_other_requests_while_a_compile_runs_and_an_abort
 def test_core_fails_a_compile_past_its_deadline_alone(tiny_llama_path):
     """Held past ``compile_timeout_s``: that request alone is refused (a ValueError naming the
     limit), the step loop and the next requests go on though its thread still runs."""
-    eng = LLMEngine(config(tiny_llama_path, structured_outputs_config={"compile_timeout_s": 2.0,
-                                                                        "compile_workers": 1}))
+    eng = LLMEngine(config(tiny_llama_path, structured_outputs_config={"compile_timeout_s": 2.0, "compile_workers": 1}))
     # the next request's grammar compiled once before (xgrammar's cache, and the tokenizer's
     # automaton built): its compile below takes milliseconds, far inside the deadline however
     # loaded the machine is (the held one alone reaches it)
@@ -189,8 +201,14 @@ def test_core_fails_a_compile_past_its_deadline_alone(tiny_llama_path):
 @pytest.fixture(scope="module")
 def mp_core(tiny_llama_path):
     lt = LoopThread()
-    eng = lt.run(asyncio.to_thread(MPAsyncLLMEngine.from_config, config(
-        tiny_llama_path, structured_outputs_config={"compile_timeout_s": 1.0}), None, 2))
+    eng = lt.run(
+        asyncio.to_thread(
+            MPAsyncLLMEngine.from_config,
+            config(tiny_llama_path, structured_outputs_config={"compile_timeout_s": 1.0}),
+            None,
+            2,
+        )
+    )
     try:
         yield lt, eng
     finally:
@@ -204,18 +222,26 @@ def test_a_real_slow_grammar_stalls_nothing_and_fails_alone_at_its_deadline(mp_c
 
     async def main():
         loop = asyncio.get_running_loop()
-        slow = loop.create_task(collect(eng.generate("x", SamplingParams(
-            max_tokens=8, structured_outputs={"regex": SLOW_REGEX}), "slow")))
-        plain = [loop.create_task(collect(eng.generate(p, SamplingParams(max_tokens=24, temperature=0.0), f"p{i}")))
-                 for i, p in enumerate(["The quick brown fox", "Once upon a time"])]
+        slow = loop.create_task(
+            collect(eng.generate("x", SamplingParams(max_tokens=8, structured_outputs={"regex": SLOW_REGEX}), "slow"))
+        )
+        plain = [
+            loop.create_task(collect(eng.generate(p, SamplingParams(max_tokens=24, temperature=0.0), f"p{i}")))
+            for i, p in enumerate(["The quick brown fox", "Once upon a time"])
+        ]
         await eng.check_health_async(timeout_s=5.0)  # answered beside the compile (it took the input thread before)
         outs = await asyncio.gather(*plain)
         with pytest.raises(ValueError, match="compile_timeout_s") as err:
             await slow
         assert "1 s" in str(err.value)
         # the compile's thread still runs (xgrammar cannot be stopped); other grammars compile beside it
-        [*_, last] = await collect(eng.generate("y", SamplingParams(
-            max_tokens=4, temperature=0.0, structured_outputs={"choice": ["yes", "no"]}), "small"))
+        [*_, last] = await collect(
+            eng.generate(
+                "y",
+                SamplingParams(max_tokens=4, temperature=0.0, structured_outputs={"choice": ["yes", "no"]}),
+                "small",
+            )
+        )
         await eng.check_health_async(timeout_s=5.0)
         await wait_until_idle(eng)
         return outs, last
@@ -229,8 +255,10 @@ def test_a_real_slow_grammar_stalls_nothing_and_fails_alone_at_its_deadline(mp_c
 async def _until_stopped(pid: int) -> None:
     """Until every thread of process ``pid`` is stopped (a signal is delivered asynchronously)."""
     for _ in range(10_000):
-        states = {open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
-                  for t in os.listdir(f"/proc/{pid}/task")}
+        states = {
+            open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+            for t in os.listdir(f"/proc/{pid}/task")
+        }
         if states <= {"T", "t"}:
             return
         await asyncio.sleep(0.001)

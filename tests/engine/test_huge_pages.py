@@ -2,6 +2,7 @@
 streams are copied into 2 MiB-aligned memory marked ``madvise(MADV_HUGEPAGE)`` (the ``hg`` flag of
 its mapping in ``/proc/self/smaps``), with values, ties and Parameter objects unchanged, and the
 engine's output is bit for bit the same as with the weights where the loader left them."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,8 +62,14 @@ def in_arena(t: torch.Tensor, ranges) -> bool:
 @pytest.fixture(scope="module")
 def tied_model(tmp_path_factory):
     """A tiny Llama whose matmul weights are at least huge_pages.MIN_BYTES in float32, LM head tied."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_tied"), arch="llama", hidden_size=256,
-                           intermediate_size=512, head_dim=64, tie_word_embeddings=True)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_tied"),
+        arch="llama",
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
 
 
 def test_model_weights_move_with_values_and_ties_kept(tied_model, monkeypatch, arenas):
@@ -94,10 +101,13 @@ def test_generation_is_bit_for_bit_the_same(tied_model, monkeypatch):
         for flag in ("0", "1"):
             monkeypatch.setenv("KVSERVE_CPU_HUGE_PAGES", flag)
             llm = LLM(model=str(tied_model), dtype=dtype, enable_prefix_caching=False)
-            res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1),
-                               use_tqdm=False)
-            outs[flag] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs,
-                                                                              o.outputs[0].token_ids)]) for o in res]
+            res = llm.generate(
+                prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1), use_tqdm=False
+            )
+            outs[flag] = [
+                (o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in res
+            ]
             del llm
         assert outs["0"] == outs["1"], dtype
 

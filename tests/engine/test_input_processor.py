@@ -4,23 +4,42 @@ place; the engine, the async front and the old engine-level names all go through
 References: the tokenizer's own ``apply_chat_template`` / ``encode`` (transformers), and
 :func:`kvserve.engine.chat_templates.prepare_messages` for the tool rewriting of a template without tools.
 """
+
 import asyncio
 
 import pytest
 
 from kvserve.engine.chat_templates import prepare_messages
-from kvserve.engine.input_processor import (InputProcessor, PromptTooLongError, chat_template_ids, encode_prompt,
-                                    parse_prompt, render_chat_template)
+from kvserve.engine.input_processor import (
+    InputProcessor,
+    PromptTooLongError,
+    chat_template_ids,
+    encode_prompt,
+    parse_prompt,
+    render_chat_template,
+)
 from kvserve.engine.model_loader import load_tokenizer
 from kvserve.engine.sampling_params import SamplingParams
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string"}}, "required": ["city"]}}}
-MESSAGES = [{"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-                "name": "get_weather", "arguments": {"city": "Paris"}}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "21 C, sunny"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+MESSAGES = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "21 C, sunny"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +48,9 @@ def tok(tiny_llama_path):
 
 
 def processor(tok, max_model_len=32, enable_lora=False):
-    return InputProcessor(tok, vocab_size=len(tok), eos_token_ids={tok.eos_token_id}, max_model_len=max_model_len,
-                          enable_lora=enable_lora)
+    return InputProcessor(
+        tok, vocab_size=len(tok), eos_token_ids={tok.eos_token_id}, max_model_len=max_model_len, enable_lora=enable_lora
+    )
 
 
 def test_prompt_forms(tok):
@@ -38,9 +58,13 @@ def test_prompt_forms(tok):
     assert parse_prompt([3, 4]) == (None, [3, 4]) and parse_prompt((3, 4)) == (None, [3, 4])
     assert parse_prompt({"prompt": "hi"}) == ("hi", None)
     assert parse_prompt({"prompt_token_ids": [5]}) == (None, [5])
-    for bad, match in (({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"), ({"text": "a"}, "unknown key"),
-                       ({"prompt": 3}, "must be a string"), ({"prompt_token_ids": "12"}, "list of integers"),
-                       (3.5, "a prompt is")):
+    for bad, match in (
+        ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
+        ({"text": "a"}, "unknown key"),
+        ({"prompt": 3}, "must be a string"),
+        ({"prompt_token_ids": "12"}, "list of integers"),
+        (3.5, "a prompt is"),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_prompt(bad)
     assert encode_prompt(tok, "The sky") == tok.encode("The sky", add_special_tokens=True)
@@ -54,10 +78,18 @@ def test_chat_template_equals_the_tokenizers(tok):
     assert render_chat_template(tok, msgs) == text
     assert chat_template_ids(tok, msgs) == tok.encode(text, add_special_tokens=False)
     assert chat_template_ids(tok, msgs, add_special_tokens=True) == tok.encode(text, add_special_tokens=True)
-    open_text = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "It is"}], tokenize=False,
-                                        add_generation_prompt=False, continue_final_message=True)
-    assert chat_template_ids(tok, msgs + [{"role": "assistant", "content": "It is"}], add_generation_prompt=False,
-                             continue_final_message=True) == tok.encode(open_text, add_special_tokens=False)
+    open_text = tok.apply_chat_template(
+        msgs + [{"role": "assistant", "content": "It is"}],
+        tokenize=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    assert chat_template_ids(
+        tok,
+        msgs + [{"role": "assistant", "content": "It is"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    ) == tok.encode(open_text, add_special_tokens=False)
     with pytest.raises(ValueError, match="cannot both be true"):
         chat_template_ids(tok, msgs, continue_final_message=True)
     with pytest.raises(ValueError, match="could not apply the chat template"):
@@ -90,12 +122,16 @@ def test_process_inputs_validates_against_the_model(tok):
 
     emb = p.process_inputs("e", list(range(8)), pooling_params=PoolingParams())  # a pooling prompt may fill it
     assert emb.params.max_tokens == 0 and emb.pooling is not None
-    cases = [(dict(prompt=[]), "prompt is empty"), (dict(prompt=[len(tok)]), "prompt token ids"),
-             (dict(prompt=[True]), "prompt token ids"), (dict(prompt="x", priority=1.5), "priority"),
-             (dict(prompt="x", params=SamplingParams(stop_token_ids=[len(tok)])), "^stop_token_ids"),
-             (dict(prompt="x", params=SamplingParams(logit_bias={len(tok): 1.0})), "^logit_bias"),
-             (dict(prompt="x", params="greedy"), "params must be"),
-             (dict(prompt="x", lora_request=object()), "enable_lora=True")]
+    cases = [
+        (dict(prompt=[]), "prompt is empty"),
+        (dict(prompt=[len(tok)]), "prompt token ids"),
+        (dict(prompt=[True]), "prompt token ids"),
+        (dict(prompt="x", priority=1.5), "priority"),
+        (dict(prompt="x", params=SamplingParams(stop_token_ids=[len(tok)])), "^stop_token_ids"),
+        (dict(prompt="x", params=SamplingParams(logit_bias={len(tok): 1.0})), "^logit_bias"),
+        (dict(prompt="x", params="greedy"), "params must be"),
+        (dict(prompt="x", lora_request=object()), "enable_lora=True"),
+    ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
             p.process_inputs("r", **kw)
@@ -104,8 +140,12 @@ def test_process_inputs_validates_against_the_model(tok):
         small.process_inputs("r", [1], SamplingParams(logprobs=17))
     with pytest.raises(ValueError, match="^stop_token_ids with min_tokens forbid every token"):
         small.process_inputs("r", [1], SamplingParams(min_tokens=1, stop_token_ids=[t for t in range(16) if t != 2]))
-    assert small.process_inputs("r", [1], SamplingParams(min_tokens=1, ignore_eos=True,
-                                                         stop_token_ids=list(range(1, 16)))).params.min_tokens == 1
+    assert (
+        small.process_inputs(
+            "r", [1], SamplingParams(min_tokens=1, ignore_eos=True, stop_token_ids=list(range(1, 16)))
+        ).params.min_tokens
+        == 1
+    )
     assert processor(tok, enable_lora=True).process_inputs("r", "x", lora_request="lora").lora_request == "lora"
 
 
@@ -129,8 +169,9 @@ def test_engine_and_async_front_share_it(tiny_llama_path):
 
     for name in ("parse_prompt", "encode_prompt", "chat_template_ids", "PromptTooLongError"):
         assert getattr(llm_engine, name) is getattr(input_processor, name)
-    eng = llm_engine.LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=16,
-                                            max_model_len=128))
+    eng = llm_engine.LLMEngine(
+        EngineConfig(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=16, max_model_len=128)
+    )
     try:
         tok = eng.tokenizer
         assert eng.input_processor.max_model_len == eng.max_model_len == 128

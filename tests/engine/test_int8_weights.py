@@ -1,5 +1,6 @@
 """Weight-only int8 (``quantization="int8"``): the kernels against a float64 reference, and the
 engine against HF transformers running the same int8-rounded weights."""
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,6 +15,7 @@ from tiny_models import make_tiny_model
 @pytest.fixture(scope="module")
 def kernels():
     from kvserve.kernels import cpu_backend
+
     if not cpu_backend.load_kernel():
         pytest.skip(f"CPU kernels cannot be built here: {cpu_backend.kernel_error()}")
     return cpu_backend
@@ -41,6 +43,7 @@ def _hf_with_int8_weights(path):
     """HF transformers (float32) whose linear layers and LM head hold int8-rounded weights: the
     reference the int8 engine must equal."""
     from kvserve.kernels.cpu_backend import quantize_int8
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, m in model.named_modules():
@@ -56,8 +59,9 @@ def _hf_with_int8_weights(path):
 def test_tiny_model_int8_equals_hf_with_int8_weights(tmp_path, kernels):
     """Greedy output equals HF float32 with the same int8-rounded weights (batch of 4: the GEMV
     path in decode, the dequantize path in prefill), also chunked and under preemption."""
-    path = make_tiny_model(tmp_path / "llama", arch="llama", initializer_range=0.2, num_hidden_layers=3,
-                           tie_word_embeddings=True)
+    path = make_tiny_model(
+        tmp_path / "llama", arch="llama", initializer_range=0.2, num_hidden_layers=3, tie_word_embeddings=True
+    )
     tok = load_tokenizer(path)
     ids = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "List three colors:")]
     ids.append(list(range(100, 180)))
@@ -66,11 +70,20 @@ def test_tiny_model_int8_equals_hf_with_int8_weights(tmp_path, kernels):
     with torch.inference_mode():
         for x in ids:
             t = torch.tensor([x])
-            y = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=24, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-            ref.append(y[0, len(x):].tolist())
-    for kw in ({}, {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
-               {"num_kv_blocks": 40, "block_size": 4}):
+            y = hf.generate(
+                t,
+                attention_mask=torch.ones_like(t),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            ref.append(y[0, len(x) :].tolist())
+    for kw in (
+        {},
+        {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+        {"num_kv_blocks": 40, "block_size": 4},
+    ):
         llm = LLM(model=str(path), quantization="int8", **kw)
         outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref, kw
@@ -89,10 +102,14 @@ def test_int8_replaces_the_float_weights(tiny_llama_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [{"quantization": "int8"}, {"kv_cache_dtype": "fp8"},
-                                {"quantization": "int8", "kv_cache_dtype": "fp8"}])
+@pytest.mark.parametrize(
+    "kw", [{"quantization": "int8"}, {"kv_cache_dtype": "fp8"}, {"quantization": "int8", "kv_cache_dtype": "fp8"}]
+)
 def test_smollm2_quantized_answers_paris(smollm2_path, kw):
     llm = LLM(model=str(smollm2_path), **kw)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=16, temperature=0),
+        use_tqdm=False,
+    )
     assert "Paris" in out[0].outputs[0].text

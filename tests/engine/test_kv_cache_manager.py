@@ -5,6 +5,7 @@ free order, ref counts, the hash map); targeted tests check ``KVCacheManager``'s
 (shared blocks, the hit cap, LRU eviction, chained hashes) and that a failed allocation changes
 nothing. The scheduler on top of them: ``test_scheduler.py``, ``test_scheduler_properties.py``.
 """
+
 from __future__ import annotations
 
 from collections import Counter

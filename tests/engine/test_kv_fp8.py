@@ -4,6 +4,7 @@ bfloat16. The kernels' float8 paths against the float64 reference are in
 ``tests/kernels/test_fp8_kv_attention.py`` (``test_fp8_kv_cache``,
 ``test_fp8_chunk_attends_to_its_own_exact_kv``, ``test_fp8_store_rounds_to_e4m3``) and, for Triton,
 ``tests/kernels/test_triton_attention.py``."""
+
 import json
 import math
 import os
@@ -49,11 +50,11 @@ def hf_replay_fp8(path, schedules, scales, exact_chunks: bool) -> list[list[int]
 
     from transformers import DynamicCache
     from transformers.models.llama import modeling_llama
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rounding = [True]
     for layer, (_, vs) in zip(model.model.layers, scales):
-        layer.self_attn.v_proj.register_forward_hook(
-            lambda m, i, o, vs=vs: fp8_round(o, vs) if rounding[0] else o)
+        layer.self_attn.v_proj.register_forward_hook(lambda m, i, o, vs=vs: fp8_round(o, vs) if rounding[0] else o)
     order = itertools.cycle(range(len(scales)))  # RoPE is applied layer by layer, in order
     rope = modeling_llama.apply_rotary_pos_emb
 
@@ -74,8 +75,13 @@ def hf_replay_fp8(path, schedules, scales, exact_chunks: bool) -> list[list[int]
                     assert cache.get_seq_length() == start, "the reference has no prefix-cache hit of another request"
                     rounding[0] = not exact_chunks or len(ids) == 1
                     pos = torch.arange(start, start + len(ids))
-                    logits = model(input_ids=torch.tensor([ids]), position_ids=pos[None], cache_position=pos,
-                                   cache=cache, use_cache=True).logits
+                    logits = model(
+                        input_ids=torch.tensor([ids]),
+                        position_ids=pos[None],
+                        cache_position=pos,
+                        cache=cache,
+                        use_cache=True,
+                    ).logits
                     if not rounding[0]:  # the cache keeps this step's K/V rounded for later steps
                         for layer, (ks, vs) in zip(cache.layers, scales):
                             layer.keys[:, :, start:] = fp8_round(layer.keys[:, :, start:], ks)
@@ -105,8 +111,7 @@ def record_schedule(llm: LLM) -> dict[str, list]:
     return steps
 
 
-FP8_RUNS = ({}, {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
-            {"num_kv_blocks": 40, "block_size": 4})
+FP8_RUNS = ({}, {"max_num_batched_tokens": 7, "enable_prefix_caching": False}, {"num_kv_blocks": 40, "block_size": 4})
 
 
 def fp8_engine_runs(path, ids: list[list[int]], backend: str) -> list[dict]:
@@ -119,12 +124,15 @@ def fp8_engine_runs(path, ids: list[list[int]], backend: str) -> list[dict]:
         steps = record_schedule(llm)
         outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
         stats = llm.get_stats()
-        res.append(dict(tokens=[o.outputs[0].token_ids for o in outs],
-                        schedule=[steps[o.request_id] for o in outs],
-                        scales=[(m.self_attn.k_scale, m.self_attn.v_scale)
-                                for m in llm.engine.executor.runner.model.layers],
-                        all_blocks_free=stats["free_kv_blocks"] == stats["num_kv_blocks"],
-                        preemptions=stats["num_preemptions"]))
+        res.append(
+            dict(
+                tokens=[o.outputs[0].token_ids for o in outs],
+                schedule=[steps[o.request_id] for o in outs],
+                scales=[(m.self_attn.k_scale, m.self_attn.v_scale) for m in llm.engine.executor.runner.model.layers],
+                all_blocks_free=stats["free_kv_blocks"] == stats["num_kv_blocks"],
+                preemptions=stats["num_preemptions"],
+            )
+        )
     return res
 
 
@@ -150,10 +158,21 @@ def test_tiny_model_fp8_equals_hf_with_fp8_rounding(tmp_path, backend):
     ids = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "List three colors:")]
     ids.append(list(range(100, 180)))
     if backend == "triton":
-        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2",
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-c", _TRITON_CHILD, str(path), json.dumps(ids)],
-                              capture_output=True, text=True, cwd=str(ROOT), env=env, timeout=280, check=False)
+        env = dict(
+            os.environ,
+            TRITON_INTERPRET="1",
+            OMP_NUM_THREADS="2",
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", _TRITON_CHILD, str(path), json.dumps(ids)],
+            capture_output=True,
+            text=True,
+            cwd=str(ROOT),
+            env=env,
+            timeout=280,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs = json.loads(proc.stdout.strip().splitlines()[-1])
     else:
@@ -174,8 +193,9 @@ def test_fp8_cache_holds_more_tokens_and_calibrates(tiny_llama_path, dtype):
     the 1.0 default), model-dtype caches keep 1.0."""
     ratio = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     base = ModelRunner(EngineConfig(device="cpu", dtype=dtype, kv_cache_memory_bytes=8 << 20), tiny_llama_path)
-    fp8 = ModelRunner(EngineConfig(device="cpu", dtype=dtype, kv_cache_memory_bytes=8 << 20, kv_cache_dtype="fp8"),
-                      tiny_llama_path)
+    fp8 = ModelRunner(
+        EngineConfig(device="cpu", dtype=dtype, kv_cache_memory_bytes=8 << 20, kv_cache_dtype="fp8"), tiny_llama_path
+    )
     assert fp8.bytes_per_block * ratio == base.bytes_per_block
     assert fp8.determine_num_blocks() == ratio * base.determine_num_blocks()
     fp8.init_kv_cache(8)
@@ -191,11 +211,15 @@ def test_backends_without_fp8_are_refused(tiny_llama_path, monkeypatch):
     assert TritonBackend.supports_fp8_kv and not FlashAttnBackend.supports_fp8_kv
     assert "no float8 KV cache path" in FlashAttnBackend.fp8_kv_unsupported_reason(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert "compute capability >= 8.9, this GPU has 8.0" in TritonBackend.fp8_kv_unsupported_reason(torch.device("cuda"))
+    assert "compute capability >= 8.9, this GPU has 8.0" in TritonBackend.fp8_kv_unsupported_reason(
+        torch.device("cuda")
+    )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert TritonBackend.fp8_kv_unsupported_reason(torch.device("cuda")) is None
     monkeypatch.setattr(TorchBackend, "supports_fp8_kv", False)
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported here: the torch attention backend has no"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='fp8' is not supported here: the torch attention backend has no"
+    ):
         ModelRunner(EngineConfig(device="cpu", attention_backend="torch", kv_cache_dtype="fp8"), tiny_llama_path)
 
 
@@ -214,9 +238,20 @@ def test_lora_adapter_kv_is_not_clamped_by_base_model_scales(tiny_llama_path, tm
     prompt = [1577, 500, 577, 1180, 299, 1064, 2048]
 
     def embedding(**kw) -> torch.Tensor:
-        eng = LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", attention_backend="torch",
-                                     enable_prefix_caching=False, enable_lora=True, max_lora_rank=16,
-                                     max_model_len=64, block_size=4, max_num_batched_tokens=4, **kw))
+        eng = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_path),
+                dtype="float32",
+                attention_backend="torch",
+                enable_prefix_caching=False,
+                enable_lora=True,
+                max_lora_rank=16,
+                max_model_len=64,
+                block_size=4,
+                max_num_batched_tokens=4,
+                **kw,
+            )
+        )
         eng.add_request("e", prompt, None, lora_request=lora, pooling_params=PoolingParams("mean"))
         pooled = None
         while eng.has_unfinished_requests():

@@ -6,6 +6,7 @@ loads a prompt's blocks computed by another engine must answer the same greedy t
 the same bytes in its pool as the engine that computed them, and must have loaded them (the
 imported hit counter), or the test could pass with the import doing nothing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,21 +15,40 @@ import pytest
 import torch
 
 from kvserve.engine import LLM, SamplingParams
-from test_kv_offload import (BS, PROMPTS, ROOT, _shared_hash_seed, assert_no_leak, chain, lora_setup,  # noqa: F401
-                             run_rounds, tier_engine)
+from test_kv_offload import (
+    BS,
+    PROMPTS,
+    ROOT,
+    _shared_hash_seed,  # noqa: F401  (the fixture)
+    assert_no_leak,
+    chain,
+    lora_setup,  # noqa: F401
+    run_rounds,
+    tier_engine,
+)
 
 ONE = SamplingParams(max_tokens=1, temperature=0)
 
 
 def reference(path, **kw):
-    return run_rounds(LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-                          enable_prefix_caching=False, **kw), PROMPTS[:2], rounds=1)[0]
+    return run_rounds(
+        LLM(
+            model=str(path),
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=16,
+            block_size=BS,
+            enable_prefix_caching=False,
+            **kw,
+        ),
+        PROMPTS[:2],
+        rounds=1,
+    )[0]
 
 
 def pool_bytes(llm, hashes):
     kv, runner = llm.engine.scheduler.kv, llm.engine.executor.runner
-    return [[(k[kv.pool.lookup(h)].clone(), v[kv.pool.lookup(h)].clone()) for k, v in runner.kv_caches]
-            for h in hashes]
+    return [[(k[kv.pool.lookup(h)].clone(), v[kv.pool.lookup(h)].clone()) for k, v in runner.kv_caches] for h in hashes]
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
@@ -118,13 +138,20 @@ def test_the_core_process_front_exports_and_imports(tiny_llama_path):
     from kvserve.engine.core_client import MPAsyncLLMEngine
 
     ref = reference(tiny_llama_path)
-    cfg = EngineConfig(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-                       kv_offloading_size=0.01)
+    cfg = EngineConfig(
+        model=str(tiny_llama_path),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=BS,
+        kv_offloading_size=0.01,
+    )
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
     async def body():
-        a, b = await asyncio.gather(asyncio.to_thread(MPAsyncLLMEngine.from_config, cfg),
-                                    asyncio.to_thread(MPAsyncLLMEngine.from_config, cfg))
+        a, b = await asyncio.gather(
+            asyncio.to_thread(MPAsyncLLMEngine.from_config, cfg), asyncio.to_thread(MPAsyncLLMEngine.from_config, cfg)
+        )
         try:
             async for _ in a.generate(PROMPTS[0], ONE, request_id="a"):
                 pass

@@ -8,6 +8,7 @@ token computed), a block loaded back must hold the bytes it held when it was evi
 tier must have been used (hits counted), or the test could pass with the tier doing nothing.
 Variants: float8 KV, LoRA-keyed blocks, preemption, tensor parallelism, the ``mmap`` backend.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,10 +16,22 @@ import torch
 
 from _kv_cache_helpers import make_req
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.kv_cache_manager import (HASH_SEED_ENV, KVCacheManager, chain_hashes, hash_block, lora_root_hash,
-                                             root_hash)
-from kvserve.engine.kv_events import (MEDIUM_HOST, MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored,
-                              KVEventRecorder)
+from kvserve.engine.kv_cache_manager import (
+    HASH_SEED_ENV,
+    KVCacheManager,
+    chain_hashes,
+    hash_block,
+    lora_root_hash,
+    root_hash,
+)
+from kvserve.engine.kv_events import (
+    MEDIUM_HOST,
+    MEDIUM_POOL,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventRecorder,
+)
 from kvserve.engine.kv_offload import HostKVTier, KVTransfer
 
 BS = 4
@@ -139,8 +152,10 @@ def test_events_name_blocks_as_the_engine_and_the_router_hash_them():
     kv.cache_blocks(a)
     batch = events.take(1.0)
     h = chain(toks)
-    assert batch.ts == 1.0 and batch.events == [BlockStored([h[0]], None, toks[:4], BS, None, MEDIUM_POOL),
-                                                BlockStored([h[1]], h[0], toks[4:8], BS, None, MEDIUM_POOL)]
+    assert batch.ts == 1.0 and batch.events == [
+        BlockStored([h[0]], None, toks[:4], BS, None, MEDIUM_POOL),
+        BlockStored([h[1]], h[0], toks[4:8], BS, None, MEDIUM_POOL),
+    ]
     kv.free(a)
     kv.reset_prefix_cache()
     assert events.take(2.0).events == [AllBlocksCleared()]
@@ -190,8 +205,15 @@ def run_rounds(llm, prompts, rounds=2, together=False, lora=None, new_tokens=NEW
 
 
 def tier_engine(path, **kw):
-    return LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-               kv_offloading_size=kw.pop("size", 0.01), **kw)
+    return LLM(
+        model=str(path),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=BS,
+        kv_offloading_size=kw.pop("size", 0.01),
+        **kw,
+    )
 
 
 def assert_no_leak(llm):
@@ -202,8 +224,17 @@ def assert_no_leak(llm):
 
 @pytest.mark.parametrize("backend", ["native", "mmap"])
 def test_outputs_with_the_tier_equal_computing_everything(tiny_llama_path, backend, tmp_path):
-    ref = run_rounds(LLM(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16,
-                         block_size=BS, enable_prefix_caching=False), PROMPTS)
+    ref = run_rounds(
+        LLM(
+            model=str(tiny_llama_path),
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=16,
+            block_size=BS,
+            enable_prefix_caching=False,
+        ),
+        PROMPTS,
+    )
     llm = tier_engine(tiny_llama_path, kv_offloading_backend=backend, kv_offloading_path=str(tmp_path))
     assert run_rounds(llm, PROMPTS) == ref
     stats = llm.engine.get_stats()
@@ -219,8 +250,9 @@ def test_a_block_loaded_back_holds_the_bytes_it_was_evicted_with(tiny_llama_path
     sp = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([PROMPTS[0]], sp, use_tqdm=False)
     hashes = chain(PROMPTS[0])
-    saved = {h: [(k[kv.pool.lookup(h)].clone(), v[kv.pool.lookup(h)].clone()) for k, v in runner.kv_caches]
-             for h in hashes}
+    saved = {
+        h: [(k[kv.pool.lookup(h)].clone(), v[kv.pool.lookup(h)].clone()) for k, v in runner.kv_caches] for h in hashes
+    }
     llm.generate(PROMPTS[1:4], sp, use_tqdm=False)  # evicts prompt 0's blocks
     assert all(kv.pool.lookup(h) is None and h in kv.host_tier for h in hashes)
     llm.generate([PROMPTS[0]], sp, use_tqdm=False)
@@ -234,8 +266,18 @@ def test_a_block_loaded_back_holds_the_bytes_it_was_evicted_with(tiny_llama_path
 
 def test_float8_kv_blocks_come_back_equal(tiny_llama_path):
     kw = dict(kv_cache_dtype="fp8", attention_backend="torch")
-    ref = run_rounds(LLM(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-                         enable_prefix_caching=False, **kw), PROMPTS)
+    ref = run_rounds(
+        LLM(
+            model=str(tiny_llama_path),
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=16,
+            block_size=BS,
+            enable_prefix_caching=False,
+            **kw,
+        ),
+        PROMPTS,
+    )
     llm = tier_engine(tiny_llama_path, **kw)
     assert run_rounds(llm, PROMPTS) == ref
     assert llm.engine.get_stats()["kv_offload_hit_tokens"] > 0
@@ -246,8 +288,19 @@ def test_preempted_requests_and_the_tier(tiny_llama_path):
     """All prompts at once in a pool that holds two prompts but not their outputs (26 + 16
     tokens: 11 blocks each): requests are preempted and recomputed, their blocks evicted to the
     tier and loaded back."""
-    ref = run_rounds(LLM(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16,
-                         block_size=BS, enable_prefix_caching=False), PROMPTS, together=True, new_tokens=16)
+    ref = run_rounds(
+        LLM(
+            model=str(tiny_llama_path),
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=16,
+            block_size=BS,
+            enable_prefix_caching=False,
+        ),
+        PROMPTS,
+        together=True,
+        new_tokens=16,
+    )
     llm = tier_engine(tiny_llama_path)
     assert run_rounds(llm, PROMPTS, together=True, new_tokens=16) == ref
     assert llm.engine.get_stats()["num_preemptions"] > 0 and llm.engine.get_stats()["kv_offload_hit_tokens"] > 0
@@ -266,8 +319,15 @@ def lora_setup(tmp_path_factory, tag: str):
     name, r, a, t, rs = ADAPTERS[0]
     adapter = LoRARequest(name, 1, str(make_adapter(base, tmp_path_factory.mktemp(f"{tag}_adapter"), r, a, t, rs, 0)))
     kw = dict(enable_lora=True, max_lora_rank=16)
-    plain = LLM(model=str(base), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-                enable_prefix_caching=False, **kw)
+    plain = LLM(
+        model=str(base),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=BS,
+        enable_prefix_caching=False,
+        **kw,
+    )
     return base, adapter, kw, plain
 
 
@@ -286,8 +346,12 @@ def test_tensor_parallel_ranks_each_keep_their_share(tmp_path_factory):
     from tiny_models import SMOLLM2_HEADS, make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("tier_tp"), **SMOLLM2_HEADS)
-    ref = run_rounds(LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-                         enable_prefix_caching=False), PROMPTS)
+    ref = run_rounds(
+        LLM(
+            model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS, enable_prefix_caching=False
+        ),
+        PROMPTS,
+    )
     llm = tier_engine(path, tensor_parallel_size=2, distributed_executor_backend="mp")
     try:
         assert run_rounds(llm, PROMPTS) == ref
@@ -343,12 +407,22 @@ def test_both_fronts_deliver_every_batch_and_a_snapshot_that_agrees(tiny_llama_p
     from kvserve.engine.core_client import MPAsyncLLMEngine
     from kvserve.engine.llm_engine import LLMEngine
 
-    cfg = EngineConfig(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BS,
-                       kv_offloading_size=0.01, enable_kv_cache_events=True)
+    cfg = EngineConfig(
+        model=str(tiny_llama_path),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=BS,
+        kv_offloading_size=0.01,
+        enable_kv_cache_events=True,
+    )
 
     async def body():
-        eng = (AsyncLLMEngine(LLMEngine(cfg)) if front == "in_process"
-               else await asyncio.to_thread(MPAsyncLLMEngine.from_config, cfg))
+        eng = (
+            AsyncLLMEngine(LLMEngine(cfg))
+            if front == "in_process"
+            else await asyncio.to_thread(MPAsyncLLMEngine.from_config, cfg)
+        )
         batches: dict[int, object] = {}
 
         def take():
@@ -396,11 +470,22 @@ def test_both_fronts_deliver_every_batch_and_a_snapshot_that_agrees(tiny_llama_p
 def test_speculative_decoding_with_the_tier(tiny_llama_path, method):
     """Drafts are verified against blocks loaded back from the tier as against computed ones (the
     draft model keeps its own pool, without a tier)."""
-    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-            if method == "ngram" else
-            {"method": "draft_model", "model": str(tiny_llama_path), "num_speculative_tokens": 3})
-    ref = run_rounds(LLM(model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=16,
-                         block_size=BS, enable_prefix_caching=False), PROMPTS)
+    spec = (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        if method == "ngram"
+        else {"method": "draft_model", "model": str(tiny_llama_path), "num_speculative_tokens": 3}
+    )
+    ref = run_rounds(
+        LLM(
+            model=str(tiny_llama_path),
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=16,
+            block_size=BS,
+            enable_prefix_caching=False,
+        ),
+        PROMPTS,
+    )
     llm = tier_engine(tiny_llama_path, speculative_config=spec)
     assert run_rounds(llm, PROMPTS) == ref
     stats = llm.engine.get_stats()

@@ -1,6 +1,7 @@
 """The mmap KV tier (kv_offload.py's HostKVStore, backend ``mmap``) on a disk that cannot hold it:
 a clear ENOSPC error when it is made, naming the folder and the sizes, never a sparse file that
 SIGBUSes the engine at its first write of an unbacked page. One that fits is written and read."""
+
 import errno
 import os
 

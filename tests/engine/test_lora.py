@@ -8,6 +8,7 @@ requests of the base model and of the three adapters, with the same prompt under
 adapters (their KV blocks must never be shared through the prefix cache); variants force
 chunked prefill, preemption and slot eviction (more adapters than ``max_loras``).
 """
+
 import json
 
 import pytest
@@ -22,12 +23,17 @@ from tiny_models import make_tiny_model
 peft = pytest.importorskip("peft")
 
 NEW_TOKENS = 16
-PROMPTS = [[1, 17, 300, 42, 9, 77, 1000, 5], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
-           [400, 401, 402, 403]]
+PROMPTS = [
+    [1, 17, 300, 42, 9, 77, 1000, 5],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    [400, 401, 402, 403],
+]
 #: (name, rank, alpha, target modules, rsLoRA)
-ADAPTERS = [("all-r8", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
-            ("qv-r4", 4, 8, ["q_proj", "v_proj"], True),
-            ("mlp-r16", 16, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"], False)]
+ADAPTERS = [
+    ("all-r8", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    ("qv-r4", 4, 8, ["q_proj", "v_proj"], True),
+    ("mlp-r16", 16, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +46,9 @@ def make_adapter(base, out, rank, alpha, targets, rslora, seed):
     delta is of the order of the weights)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                          init_lora_weights=False, lora_dropout=0.0)
+    cfg = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0
+    )
     pm = peft.get_peft_model(model, cfg)
     pm.save_pretrained(out)
     st = out / "adapter_model.safetensors"
@@ -53,8 +60,9 @@ def make_adapter(base, out, rank, alpha, targets, rslora, seed):
 @pytest.fixture(scope="module")
 def adapters(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    return {name: make_adapter(tiny, root / name, r, a, t, rs, seed=i)
-            for i, (name, r, a, t, rs) in enumerate(ADAPTERS)}
+    return {
+        name: make_adapter(tiny, root / name, r, a, t, rs, seed=i) for i, (name, r, a, t, rs) in enumerate(ADAPTERS)
+    }
 
 
 def hf_greedy(base, adapter, prompts, device="cpu"):
@@ -66,9 +74,15 @@ def hf_greedy(base, adapter, prompts, device="cpu"):
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids], device=device)
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out.append(y[0, len(ids) :].tolist())
     return out
 
 
@@ -94,9 +108,12 @@ SKEW = [(p, "all-r8") for p in range(len(PROMPTS))] * 4 + [(0, "qv-r4"), (1, "ml
 def _generate_and_check(llm, rows, loras, reference) -> dict:
     """Greedy ``NEW_TOKENS`` for each ``(prompt index, adapter name)`` row under its ``loras``
     request: each equals ``reference[name][prompt]``, and no KV block leaks; returns the stats."""
-    outs = llm.generate([PROMPTS[p] for p, _ in rows],
-                        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
-                        lora_request=loras, use_tqdm=False)
+    outs = llm.generate(
+        [PROMPTS[p] for p, _ in rows],
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+        lora_request=loras,
+        use_tqdm=False,
+    )
     for (p, name), o in zip(rows, outs):
         assert o.outputs[0].token_ids == reference[name][p], (name, p)
     stats = llm.get_stats()
@@ -112,17 +129,22 @@ def _mixed_batch(adapters):
     return rows, [reqs[n] if n else None for _, n in rows]
 
 
-@pytest.mark.parametrize("kw", [
-    {},
-    {"max_num_batched_tokens": 8, "max_num_seqs": 4},     # chunked prefill, several steps per prompt
-    {"num_kv_blocks": 12, "block_size": 4},               # preemption and recompute (one request fits)
-    {"max_loras": 1},                                     # one slot: adapters wait and take turns
-], ids=["mixed", "chunked", "preempt", "one-slot"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill, several steps per prompt
+        {"num_kv_blocks": 12, "block_size": 4},  # preemption and recompute (one request fits)
+        {"max_loras": 1},  # one slot: adapters wait and take turns
+    ],
+    ids=["mixed", "chunked", "preempt", "one-slot"],
+)
 def test_mixed_batch_equals_hf_with_peft(tiny, adapters, reference, kw):
     rows, loras = _mixed_batch(adapters)
     preempt = "num_kv_blocks" in kw
-    llm = LLM(model=str(tiny), dtype="float32", enable_lora=True, max_loras=kw.pop("max_loras", 3),
-              max_lora_rank=16, **kw)
+    llm = LLM(
+        model=str(tiny), dtype="float32", enable_lora=True, max_loras=kw.pop("max_loras", 3), max_lora_rank=16, **kw
+    )
     stats = _generate_and_check(llm, rows, loras, reference)
     if preempt:
         assert stats["num_preemptions"] > 0  # the variant did preempt
@@ -160,14 +182,24 @@ def test_adapters_never_share_prefix_cache_blocks(tiny, adapters, reference):
     """The same prompt first under one adapter, then (in a later call, its blocks cached)
     under another and the base model: each answer is its own adapter's."""
     reqs = _requests(adapters)
-    llm = LLM(model=str(tiny), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
-              enable_prefix_caching=True, block_size=4)
+    llm = LLM(
+        model=str(tiny),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        enable_prefix_caching=True,
+        block_size=4,
+    )
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     first = llm.generate([PROMPTS[1]], sp, lora_request=reqs["all-r8"], use_tqdm=False)
     assert first[0].outputs[0].token_ids == reference["all-r8"][1]
     later = llm.generate([PROMPTS[1]] * 3, sp, lora_request=[reqs["qv-r4"], None, reqs["all-r8"]], use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in later] == [reference["qv-r4"][1], reference[None][1],
-                                                        reference["all-r8"][1]]
+    assert [o.outputs[0].token_ids for o in later] == [
+        reference["qv-r4"][1],
+        reference[None][1],
+        reference["all-r8"][1],
+    ]
     assert later[2].num_cached_tokens > 0  # the same adapter does reuse its own blocks
 
 
@@ -186,14 +218,19 @@ def test_bad_adapters_fail_their_own_request_with_the_reason(tiny, adapters, tmp
     other.mkdir()
     cfg = json.loads((adapters["qv-r4"] / "adapter_config.json").read_text())
     (other / "adapter_config.json").write_text(json.dumps(cfg))
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 128),
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4)},
-              other / "adapter_model.safetensors")
+    save_file(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 128),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
+        },
+        other / "adapter_model.safetensors",
+    )
     with pytest.raises(ValueError, match="another base model"):
         llm.engine.add_lora(LoRARequest("other", 5, str(other)))
     # the engine is unharmed: a good adapter and the base model still run
-    ok = llm.generate([PROMPTS[0]] * 2, sp, lora_request=[LoRARequest("qv", 6, str(adapters["qv-r4"])), None],
-                      use_tqdm=False)
+    ok = llm.generate(
+        [PROMPTS[0]] * 2, sp, lora_request=[LoRARequest("qv", 6, str(adapters["qv-r4"])), None], use_tqdm=False
+    )
     assert all(len(o.outputs[0].token_ids) == 4 for o in ok)
 
 
@@ -202,8 +239,9 @@ def test_lora_config_is_checked(tiny):
         LLM(model=str(tiny), dtype="float32", enable_lora=True, max_loras=0)
     llm = LLM(model=str(tiny), dtype="float32")  # LoRA off: a request naming an adapter is refused
     with pytest.raises(ValueError, match="enable_lora"):
-        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), lora_request=LoRARequest("x", 1, "/nonexistent"),
-                     use_tqdm=False)
+        llm.generate(
+            [PROMPTS[0]], SamplingParams(max_tokens=2), lora_request=LoRARequest("x", 1, "/nonexistent"), use_tqdm=False
+        )
 
 
 def test_async_engine_streams_an_adapters_tokens(tiny, adapters, reference):
@@ -212,8 +250,9 @@ def test_async_engine_streams_an_adapters_tokens(tiny, adapters, reference):
     from kvserve.engine import AsyncLLMEngine, EngineConfig
 
     async def main():
-        eng = AsyncLLMEngine.from_config(EngineConfig(model=str(tiny), dtype="float32", enable_lora=True,
-                                                      max_loras=2, max_lora_rank=16))
+        eng = AsyncLLMEngine.from_config(
+            EngineConfig(model=str(tiny), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+        )
         try:
             sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
@@ -243,7 +282,16 @@ def test_cuda_adapters_equal_hf_with_peft(tiny, adapters, kw):
     ref = {name: hf_greedy(tiny, path, PROMPTS, device="cuda") for name, path in [(None, None), *adapters.items()]}
     rows, loras = _mixed_batch(adapters)
     reqs = _requests(adapters)
-    llm = LLM(model=str(tiny), device="cuda", dtype="float32", attention_backend="torch", enable_lora=True,
-              max_loras=3, max_lora_rank=16, kv_cache_memory_bytes=1 << 28, **kw)
+    llm = LLM(
+        model=str(tiny),
+        device="cuda",
+        dtype="float32",
+        attention_backend="torch",
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=16,
+        kv_cache_memory_bytes=1 << 28,
+        **kw,
+    )
     assert isinstance(llm.engine.executor.runner.lora, LoRASlots) and not llm.engine.executor.runner.lora.kernel
     _generate_and_check(llm, rows + SKEW, loras + [reqs[n] if n else None for _, n in SKEW], ref)

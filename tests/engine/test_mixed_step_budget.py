@@ -2,6 +2,7 @@
 (``kvserve/engine/mixed_step_budget.py``): the budget's arithmetic, and a long prompt that arrives while
 two streams decode on the tiny Llama is chunked at the cap with the uncapped engine's outputs. The
 engine's default budget is checked in ``test_bad_requests.py`` (it uses that file's engine)."""
+
 from __future__ import annotations
 
 import math

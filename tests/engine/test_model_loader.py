@@ -52,9 +52,7 @@ def test_default_model_tokenizer_has_chat_template(smollm2_path):
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
     ids = tok.encode(QUESTION, add_special_tokens=False)
     assert tok.decode(ids) == QUESTION
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
-    )
+    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False)
     assert text.endswith(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
     assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
@@ -67,9 +65,7 @@ def test_default_model_knows_paris(smollm2_path):
 
     tok = load_tokenizer(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
-    )
+    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False)
     ids = tok(text + "The capital of France is", add_special_tokens=False, return_tensors="pt").input_ids
     with torch.no_grad():
         logits = model(ids).logits[0, -1]
@@ -80,6 +76,7 @@ def test_default_model_knows_paris(smollm2_path):
 def test_second_resolve_does_not_reconvert(smollm2_path, capfd, monkeypatch):
     """A converted model is found in the cache: resolving it again neither looks for the package's
     GGUF nor converts (both would fail here), and the folder and weights are the same files."""
+
     def must_not_run(*a, **kw):
         raise AssertionError("the second resolve reached the conversion path")
 
@@ -103,8 +100,14 @@ def test_concurrent_first_conversion_converts_once(tmp_path):
     env = dict(os.environ, KVSERVE_CACHE=str(tmp_path), OMP_NUM_THREADS="1")
     code = "from kvserve.engine.model_loader import resolve_model; print(resolve_model())"
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
@@ -173,7 +176,10 @@ def test_tiny_model_loads_and_gives_finite_logits(fixture, request):
     path = request.getfixturevalue(fixture)
     cfg = load_config(path)
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (
-        64, 4, 2, 49152,
+        64,
+        4,
+        2,
+        49152,
     )
     tok = load_tokenizer(path)
     assert tok.chat_template
@@ -193,11 +199,23 @@ def test_tiny_model_loads_and_gives_finite_logits(fixture, request):
 
 
 def test_tiny_model_is_seeded_and_supports_overrides(tmp_path, tiny_llama_path):
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
     same = make_tiny_model(tmp_path / "same", arch="llama", seed=0)
-    tied = make_tiny_model(tmp_path / "tied", arch="llama", seed=1, num_hidden_layers=3,
-                           tie_word_embeddings=True, rope_scaling=rope, rope_theta=500000.0)
+    tied = make_tiny_model(
+        tmp_path / "tied",
+        arch="llama",
+        seed=1,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+        rope_scaling=rope,
+        rope_theta=500000.0,
+    )
     a, b = dict(iter_safetensors(tiny_llama_path)), dict(iter_safetensors(same))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

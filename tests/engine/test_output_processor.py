@@ -2,6 +2,7 @@
 (``Scheduler.finish_stopped``: drops the step's tokens after the stop, finishes the request and
 frees its blocks). A real tokenizer and scheduler, tokens appended through the scheduler's own
 update (several per step, as with speculative decoding)."""
+
 import pytest
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
@@ -45,7 +46,7 @@ def step(sched, req, tokens):
 
 def test_stop_string_mid_step_is_returned_then_the_scheduler_acts(tok):
     words = tok.encode(" alpha beta gamma delta", add_special_tokens=False)
-    stop_at = next(i for i in range(len(words)) if "beta" in tok.decode(words[:i + 1]))
+    stop_at = next(i for i in range(len(words)) if "beta" in tok.decode(words[: i + 1]))
     sched, out, req, finished = running(tok, SamplingParams(max_tokens=20, stop=["beta"], logprobs=1))
     tokens_before = list(req.all_token_ids)
     updated = step(sched, req, words)
@@ -58,14 +59,14 @@ def test_stop_string_mid_step_is_returned_then_the_scheduler_acts(tok):
     stop = found.stops[0]
     sched.finish_stopped(stop.request, stop.stop, stop.num_dropped_tokens)
     assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == "beta"
-    assert req.all_token_ids == tokens_before + words[:stop_at + 1] and req.new_token_ids == words[:stop_at + 1]
+    assert req.all_token_ids == tokens_before + words[: stop_at + 1] and req.new_token_ids == words[: stop_at + 1]
     assert len(req.logprobs) == req.num_output_tokens
     assert "r" not in sched.requests and sched.kv.pool.num_free_blocks == NUM_BLOCKS
     outputs, failed = out.make_outputs(updated)
     assert failed == [] and finished == [req]
     c = outputs[0].outputs[0]
     assert outputs[0].finished and (c.finish_reason, c.stop_reason) == ("stop", "beta")
-    assert c.token_ids == req.output_token_ids and c.delta_token_ids == words[:stop_at + 1]
+    assert c.token_ids == req.output_token_ids and c.delta_token_ids == words[: stop_at + 1]
     assert c.text == tok.decode(req.output_token_ids).split("beta")[0] and out.detokenizers == {}
 
 
@@ -73,14 +74,17 @@ def test_a_stop_string_before_the_length_limit_makes_it_a_stop(tok):
     """The step's last allowed token finished the request by length (freed in the update); a stop
     string earlier in the step turns it into a stop and drops the tokens after it."""
     words = tok.encode(" alpha beta gamma delta", add_special_tokens=False)
-    stop_at = next(i for i in range(len(words)) if "beta" in tok.decode(words[:i + 1]))
+    stop_at = next(i for i in range(len(words)) if "beta" in tok.decode(words[: i + 1]))
     sched, out, req, _ = running(tok, SamplingParams(max_tokens=1 + len(words), stop=["beta"]))
     step(sched, req, words)
     assert req.status is RequestStatus.FINISHED_LENGTH and sched.kv.pool.num_free_blocks == NUM_BLOCKS
     (stop,) = out.detokenize([req]).stops
     sched.finish_stopped(stop.request, stop.stop, stop.num_dropped_tokens)
     assert (req.status, req.stop_reason, req.new_token_ids) == (
-        RequestStatus.FINISHED_STOPPED, "beta", words[:stop_at + 1])
+        RequestStatus.FINISHED_STOPPED,
+        "beta",
+        words[: stop_at + 1],
+    )
 
 
 def test_finish_stopped_keeps_failed_requests_and_checks_its_count(tok):

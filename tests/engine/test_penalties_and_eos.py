@@ -3,6 +3,7 @@ fixture), which makes repetition (and so penalties) and EOS easy to provoke: EOS
 ignored or before ``min_tokens``; frequency, presence and repetition penalties; logprobs stay the
 model's raw ones under penalties; penalties see the whole history after a prefix-cache hit.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -20,8 +21,9 @@ ECHO_TOKEN = 346
 @pytest.fixture(scope="module")
 def echo_llm(tmp_path_factory):
     """Tied-embedding tiny Llama whose EOS is " you": greedy on ECHO_PROMPT emits EOS first."""
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny_echo"), arch="llama", tie_word_embeddings=True,
-                           eos_token_id=ECHO_TOKEN)
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("tiny_echo"), arch="llama", tie_word_embeddings=True, eos_token_id=ECHO_TOKEN
+    )
     llm = LLM(model=str(path), block_size=16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64)
     assert ECHO_TOKEN in llm.engine.eos_token_ids
     yield llm
@@ -73,9 +75,11 @@ def test_penalties_survive_prefix_cache_hits(echo_llm):
     """A prefix-cache hit starts the request past position 0; the sampler must still see the
     whole history (regression: after a hit, penalties saw a shifted token list)."""
     echo_llm.generate([PREFIX], greedy(max_tokens=1), use_tqdm=False)  # fill the prefix cache
-    for sp in (greedy(max_tokens=8, frequency_penalty=2.0, ignore_eos=True),
-               greedy(max_tokens=8, presence_penalty=2.0, ignore_eos=True),
-               greedy(max_tokens=8, repetition_penalty=10.0, ignore_eos=True)):
+    for sp in (
+        greedy(max_tokens=8, frequency_penalty=2.0, ignore_eos=True),
+        greedy(max_tokens=8, presence_penalty=2.0, ignore_eos=True),
+        greedy(max_tokens=8, repetition_penalty=10.0, ignore_eos=True),
+    ):
         out = echo_llm.generate([PREFIX], sp, use_tqdm=False)[0]
         assert out.num_cached_tokens == 32
         assert not _has_repeat(out.outputs[0].token_ids), sp

@@ -1,6 +1,7 @@
 """Embeddings from a decoder (kvserve/engine/pooling.py) against HF transformers on the same weights:
 the final hidden states pooled (last token, mean), through chunked prefill, prefix-cache hits,
 preemption and batches shared with generating requests, every block back in the pool."""
+
 import random
 
 import pytest
@@ -65,8 +66,14 @@ def test_embedding_requests_share_steps_with_generation_and_the_prefix_cache(tin
     expected = [o.outputs[0].token_ids for o in alone.generate(gen_prompts, params, use_tqdm=False)]
     hf = AutoModel.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
 
-    llm = LLM(str(tiny_llama_path), dtype="float32", num_kv_blocks=14, block_size=16, max_num_seqs=6,
-              max_num_batched_tokens=48)
+    llm = LLM(
+        str(tiny_llama_path),
+        dtype="float32",
+        num_kv_blocks=14,
+        block_size=16,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+    )
     eng = llm.engine
     for i, p in enumerate(gen_prompts):
         eng.add_request(f"g{i}", p, params)
@@ -109,8 +116,15 @@ def test_cuda_pooled_hidden_states_equal_hf(tiny_llama_path, dtype, min_cos):
     and generation in the same engine keeps running."""
     prompts = _prompts(10)
     backend = "torch" if dtype == "float32" else None
-    llm = LLM(str(tiny_llama_path), device="cuda", dtype=dtype, attention_backend=backend,
-              max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory_bytes=1 << 28)  # other tests' engines may live
+    llm = LLM(
+        str(tiny_llama_path),
+        device="cuda",
+        dtype=dtype,
+        attention_backend=backend,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=1 << 28,
+    )  # other tests' engines may live
     eng = llm.engine
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts[:3]):

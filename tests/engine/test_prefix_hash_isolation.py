@@ -10,6 +10,7 @@
 * The router's and the cluster tier's hashes (``contract/prefix.py``, ``kv_index.py``) equal the
   engine's for salted and adapter requests.
 """
+
 from __future__ import annotations
 
 import random
@@ -19,8 +20,15 @@ import pytest
 from _kv_cache_helpers import make_req
 from kvserve.deployments.contract.kv_index import request_hashes
 from kvserve.deployments.contract.prefix import block_hashes
-from kvserve.engine.kv_cache_manager import (HASH_SEED_ENV, KVCacheManager, block_extra, chain_hashes, hash_block,
-                                             request_root, root_hash)
+from kvserve.engine.kv_cache_manager import (
+    HASH_SEED_ENV,
+    KVCacheManager,
+    block_extra,
+    chain_hashes,
+    hash_block,
+    request_root,
+    root_hash,
+)
 from kvserve.engine.lora import LoRARequest
 
 BS = 8
@@ -50,7 +58,7 @@ def test_a_base_prompt_of_the_adapters_tag_does_not_reach_the_adapters_blocks():
     # and the other way round: the adapter's cached blocks are not the base model's
     cache(kv, adapter)
     again = make_req("base2", list(b"lora:sql") + tail)
-    assert kv.get_computed_blocks(again) == base.block_table[:len(kv.get_computed_blocks(again))]
+    assert kv.get_computed_blocks(again) == base.block_table[: len(kv.get_computed_blocks(again))]
     assert not set(kv.get_computed_blocks(again)) & set(adapter.block_table)
 
 
@@ -58,9 +66,19 @@ def test_different_salts_and_tokens_never_share_a_hash():
     root = root_hash("s")
     # inputs that naive concatenations would confuse: a salt that looks like token bytes, a
     # token moved into the salt, an empty salt and none, a longer salt of the same prefix
-    cases = [(None, [1, 2]), ("", [1, 2]), ("a", [1, 2]), ("ab", [1, 2]), ("a", [98, 1, 2]),
-             ("\x00\x00\x00\x01", [2]), (None, [1]), (None, [1, 2, 0]), ("a\x00", [1, 2]),
-             ("s", [0, 0, 0, 1]), ("s\x00\x00\x00\x01", [])]
+    cases = [
+        (None, [1, 2]),
+        ("", [1, 2]),
+        ("a", [1, 2]),
+        ("ab", [1, 2]),
+        ("a", [98, 1, 2]),
+        ("\x00\x00\x00\x01", [2]),
+        (None, [1]),
+        (None, [1, 2, 0]),
+        ("a\x00", [1, 2]),
+        ("s", [0, 0, 0, 1]),
+        ("s\x00\x00\x00\x01", []),
+    ]
     rng = random.Random(0)
     for _ in range(2000):
         salt = rng.choice([None, "".join(rng.choice("ab\x00") for _ in range(rng.randint(1, 4)))])

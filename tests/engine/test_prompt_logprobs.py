@@ -5,6 +5,7 @@ must equal its ``log_softmax`` at every position (the actual token and the top-k
 prompt runs in one step, in chunks (a prompt longer than ``max_num_batched_tokens``), after a
 prefix of it is in the prefix cache, or after preemption by recompute.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,11 +20,13 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 
 SHORT = "The capital of France is"
-LONG = ("Water boils at one hundred degrees Celsius at sea level, but at the top of a high mountain the air "
-        "pressure is lower, so it boils at a lower temperature. That is why cooking pasta in the Alps takes "
-        "longer than in Naples. Mountaineers carry pressure cookers for the same reason, and bakers adjust "
-        "their recipes when they move to Denver. The physics is simple: a liquid boils when its vapour "
-        "pressure equals the pressure of the air around it, and vapour pressure rises with temperature.")
+LONG = (
+    "Water boils at one hundred degrees Celsius at sea level, but at the top of a high mountain the air "
+    "pressure is lower, so it boils at a lower temperature. That is why cooking pasta in the Alps takes "
+    "longer than in Naples. Mountaineers carry pressure cookers for the same reason, and bakers adjust "
+    "their recipes when they move to Denver. The physics is simple: a liquid boils when its vapour "
+    "pressure equals the pressure of the air around it, and vapour pressure rises with temperature."
+)
 BUDGET = 64  # max_num_batched_tokens: LONG (~100 tokens) is prefilled in chunks
 
 
@@ -33,8 +36,14 @@ def greedy(**kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    llm = LLM(model=str(smollm2_path), dtype="float32", block_size=16, max_num_seqs=8, max_num_batched_tokens=BUDGET,
-              num_kv_blocks=40)
+    llm = LLM(
+        model=str(smollm2_path),
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=BUDGET,
+        num_kv_blocks=40,
+    )
     yield llm
     llm.engine.shutdown()
 
@@ -175,8 +184,9 @@ def test_max_tokens_zero_prompt_only(llm, hf):
 
 
 def test_max_tokens_zero_async_engine(tiny_llama_path):
-    eng = LLMEngine(EngineConfig(model=str(tiny_llama_path), block_size=16, num_kv_blocks=32,
-                                 max_num_batched_tokens=16))
+    eng = LLMEngine(
+        EngineConfig(model=str(tiny_llama_path), block_size=16, num_kv_blocks=32, max_num_batched_tokens=16)
+    )
 
     async def go(aeng):
         outs = [o async for o in aeng.generate(list(range(5, 45)), SamplingParams(max_tokens=0, prompt_logprobs=1))]
@@ -200,8 +210,23 @@ def test_max_tokens_zero_validation():
 # --------------------------------------------------------------------------- logit_bias
 
 
-@pytest.mark.parametrize("value", [{-1: 1.0}, {1: 100.5}, {1: -101}, {1: math.nan}, {1: math.inf}, {True: 1.0},
-                                   {1.0: 1.0}, {"1": 1.0}, {1: "x"}, {1: True}, [1, 2], "x"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        {-1: 1.0},
+        {1: 100.5},
+        {1: -101},
+        {1: math.nan},
+        {1: math.inf},
+        {True: 1.0},
+        {1.0: 1.0},
+        {"1": 1.0},
+        {1: "x"},
+        {1: True},
+        [1, 2],
+        "x",
+    ],
+)
 def test_logit_bias_validation(value):
     with pytest.raises(ValueError, match="^logit_bias "):
         SamplingParams(logit_bias=value)
@@ -226,14 +251,16 @@ def test_logit_bias_greedy(llm, hf):
     base = llm.generate([ids], greedy(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     forced_tok = 1234
     assert forced_tok not in base.token_ids
-    forced = llm.generate([ids], greedy(max_tokens=3, ignore_eos=True, logprobs=0, logit_bias={forced_tok: 100}),
-                          use_tqdm=False)[0].outputs[0]
+    forced = llm.generate(
+        [ids], greedy(max_tokens=3, ignore_eos=True, logprobs=0, logit_bias={forced_tok: 100}), use_tqdm=False
+    )[0].outputs[0]
     assert forced.token_ids == [forced_tok] * 3
     # logprobs stay the model's raw distribution, not the biased one
     assert forced.logprobs[0][forced_tok] == pytest.approx(ref_logprobs(hf, ids)[-1, forced_tok].item(), abs=1e-4)
     assert forced.logprobs[0][forced_tok] < -5
-    banned = llm.generate([ids], greedy(max_tokens=1, logit_bias={base.token_ids[0]: -100}),
-                          use_tqdm=False)[0].outputs[0]
+    banned = llm.generate([ids], greedy(max_tokens=1, logit_bias={base.token_ids[0]: -100}), use_tqdm=False)[0].outputs[
+        0
+    ]
     assert banned.token_ids[0] != base.token_ids[0]
     assert_idle(llm)
 
@@ -245,8 +272,12 @@ def test_logit_bias_rows_do_not_leak(llm):
     base = llm.generate(prompts, plain, use_tqdm=False)
     # the biased rows ban what the unbiased rows pick: a bias applied to the wrong row shows
     ban = {t: -100.0 for o in base for t in o.outputs[0].token_ids}
-    params = [plain, greedy(max_tokens=4, ignore_eos=True, logit_bias=ban), plain,
-              SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, logit_bias=ban)]
+    params = [
+        plain,
+        greedy(max_tokens=4, ignore_eos=True, logit_bias=ban),
+        plain,
+        SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, logit_bias=ban),
+    ]
     mixed = llm.generate(prompts, params, use_tqdm=False)
     for i in (0, 2):
         assert mixed[i].outputs[0].token_ids == base[i].outputs[0].token_ids

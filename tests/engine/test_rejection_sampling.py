@@ -1,6 +1,7 @@
 """Verification of drafts in speculative decoding: the rejection sampler draws from the target's
 distribution (chi-square, on the sampler and on a tiny model's next-token distribution against HF
 transformers'), and greedy verification accepts only the argmax."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ from tiny_models import make_tiny_model
 
 def chi2_sf(stat: float, dof: int) -> float:
     """Chi-square survival function (p-value): the regularised upper incomplete gamma."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -76,8 +78,17 @@ def test_tiny_model_sampled_distribution_matches_hf(tmp_path):
     path = make_tiny_model(tmp_path / "t", arch="llama", initializer_range=1.0, num_hidden_layers=2)
     prompt = [101, 2045, 7, 99, 3003]  # (weights this large give peaked next-token distributions)
     n = 3000
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=4096, speculative_config={
-        "method": "draft_model", "model": str(path), "num_speculative_tokens": 1, "adaptive": False})
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=4096,
+        speculative_config={
+            "method": "draft_model",
+            "model": str(path),
+            "num_speculative_tokens": 1,
+            "adaptive": False,
+        },
+    )
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True), use_tqdm=False)
     stats = llm.get_stats()
     assert stats["free_kv_blocks"] == stats["num_kv_blocks"]

@@ -1,6 +1,7 @@
 """The sampler's draw (``kvserve.engine.layers.sampler.draw``, inverse-CDF sampling): its frequencies
 follow the given probabilities, zero-probability tokens never come out, a seeded generator
 repeats its draws, and NaN or all-zero rows raise as ``torch.multinomial`` does."""
+
 import pytest
 import torch
 

@@ -2,6 +2,7 @@
 latest request, chunked prefill with decodes first, the mixed-step prefill cap and the long-prefill
 threshold, ``max_num_seqs``, priority admission and stop conditions. Random programs:
 ``test_scheduler_properties.py``."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,9 +27,11 @@ def _step(s: Scheduler, token=5):
 def test_preemption_picks_lowest_priority_then_latest(policy, victim):
     # three 4-token prompts fill 3 of 4 blocks; next step each decode needs a second block
     s = _sched(num_blocks=4, bs=4, policy=policy)
-    reqs = {"A": make_req("A", [1, 2, 3, 4], max_tokens=3, priority=1, arrival=1.0),
-            "B": make_req("B", [5, 6, 7, 8], max_tokens=3, priority=1, arrival=2.0),
-            "C": make_req("C", [9, 10, 11, 12], max_tokens=3, priority=0, arrival=3.0)}
+    reqs = {
+        "A": make_req("A", [1, 2, 3, 4], max_tokens=3, priority=1, arrival=1.0),
+        "B": make_req("B", [5, 6, 7, 8], max_tokens=3, priority=1, arrival=2.0),
+        "C": make_req("C", [9, 10, 11, 12], max_tokens=3, priority=0, arrival=3.0),
+    }
     for r in reqs.values():
         s.add_request(r)
     out = _step(s)
@@ -70,9 +73,11 @@ def test_chunked_prefill_and_decode_first():
         assert out.num_batched_tokens <= 8
         got.append([(sr.request_id, sr.start, len(sr.token_ids), sr.sample) for sr in out.requests])
     # the decode of a goes first each step; b's prompt is chunked into the rest of the budget
-    assert got == [[("a", 3, 1, True), ("b", 0, 7, False)],
-                   [("a", 4, 1, True), ("b", 7, 7, False)],
-                   [("a", 5, 1, True), ("b", 14, 6, True)]]
+    assert got == [
+        [("a", 3, 1, True), ("b", 0, 7, False)],
+        [("a", 4, 1, True), ("b", 7, 7, False)],
+        [("a", 5, 1, True), ("b", 14, 6, True)],
+    ]
 
 
 @pytest.mark.parametrize("cap", [None, 0, 5])
@@ -171,8 +176,10 @@ def test_better_priority_preempts_a_full_batch_of_worse_ones(policy):
     free and finishes all its tokens. An equal-priority arrival preempts nobody, nor does any
     arrival under fcfs (it waits for a slot)."""
     s = _sched(num_blocks=64, bs=4, max_seqs=2, policy=policy)
-    low = {rid: make_req(rid, [1, 2, 3, 4, 5], max_tokens=12, ignore_eos=True, priority=5, arrival=t)
-           for rid, t in (("low0", 1.0), ("low1", 2.0))}
+    low = {
+        rid: make_req(rid, [1, 2, 3, 4, 5], max_tokens=12, ignore_eos=True, priority=5, arrival=t)
+        for rid, t in (("low0", 1.0), ("low1", 2.0))
+    }
     for r in low.values():
         s.add_request(r)
     for _ in range(4):

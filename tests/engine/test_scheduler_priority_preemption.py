@@ -2,6 +2,7 @@
 priority that arrives while ``max_num_seqs`` requests of worse priority run enters the very next
 step, and the request it preempted (by recompute) still ends with the tokens it gives alone.
 The scheduler's rule itself, without a model: ``test_scheduler.py``."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,16 @@ LOW, HIGH = 5, 0  # priorities: lower runs first
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_path):
-    engine = LLM(model=str(tiny_llama_path), dtype="float32", block_size=BLOCK, num_kv_blocks=96, max_num_seqs=2,
-                 max_model_len=128, scheduling_policy="priority", enable_prefix_caching=True)
+    engine = LLM(
+        model=str(tiny_llama_path),
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=96,
+        max_num_seqs=2,
+        max_model_len=128,
+        scheduling_policy="priority",
+        enable_prefix_caching=True,
+    )
     try:
         yield engine
     finally:
@@ -26,9 +35,11 @@ def llm(tiny_llama_path):
 
 def test_a_better_request_preempts_a_full_batch_and_the_victim_keeps_its_tokens(llm):
     tok = llm.tokenizer
-    prompts = {"low0": tok.encode("The history of the river valley begins"),
-               "low1": tok.encode("A recipe for bread needs flour, water and"),
-               "high": tok.encode("Quick answer:")}
+    prompts = {
+        "low0": tok.encode("The history of the river valley begins"),
+        "low1": tok.encode("A recipe for bread needs flour, water and"),
+        "high": tok.encode("Quick answer:"),
+    }
     lengths = {"low0": 32, "low1": 32, "high": 6}
     alone = {}  # each request run alone: the reference
     for rid, ids in prompts.items():

@@ -5,6 +5,7 @@ cache: every slot remembers which token prefix produced it, so a request that re
 (bad prefix hit, stale cache entry, a block shared while being written) is caught, as are leaked
 or double-freed blocks, wrong ref counts, budget overruns, mixed-step caps exceeded and stalls.
 """
+
 from __future__ import annotations
 
 import random
@@ -31,9 +32,16 @@ def chain_hashes(tokens, bs):
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / step / abort programs against Scheduler + KVCacheManager."""
 
-    @initialize(bs=st.sampled_from([1, 2, 4]), num_blocks=st.integers(2, 12), max_seqs=st.integers(1, 4),
-                budget=st.integers(1, 24), policy=st.sampled_from(["fcfs", "priority"]),
-                caching=st.booleans(), seed=st.integers(0, 2**16), mixed=st.sampled_from([None, 0, 1, 3, 8]))
+    @initialize(
+        bs=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(2, 12),
+        max_seqs=st.integers(1, 4),
+        budget=st.integers(1, 24),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        caching=st.booleans(),
+        seed=st.integers(0, 2**16),
+        mixed=st.sampled_from([None, 0, 1, 3, 8]),
+    )
     def init(self, bs, num_blocks, max_seqs, budget, policy, caching, seed, mixed):
         self.bs, self.max_seqs, self.budget, self.mixed = bs, max_seqs, budget, mixed
         self.kv = KVCacheManager(num_blocks, bs, caching, hash_seed=SEED)
@@ -56,11 +64,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         fam = data.draw(st.integers(-1, len(self.prefixes) - 1), label="prefix")
         shared = data.draw(st.integers(0, n), label="shared") if fam >= 0 else 0
         tail_rng = random.Random(data.draw(st.integers(0, 2**16), label="tail_seed"))
-        prompt = (self.prefixes[fam][:shared] if fam >= 0 else []) + [
-            tail_rng.randint(1, 3) for _ in range(n - shared)]
-        req = make_req(f"r{len(self.ids)}", prompt, max_tokens=data.draw(st.integers(1, self.cap)),
-                       priority=data.draw(st.integers(0, 2)), arrival=self.clock, max_model_len=self.cap,
-                       ignore_eos=data.draw(st.booleans()))
+        prompt = (self.prefixes[fam][:shared] if fam >= 0 else []) + [tail_rng.randint(1, 3) for _ in range(n - shared)]
+        req = make_req(
+            f"r{len(self.ids)}",
+            prompt,
+            max_tokens=data.draw(st.integers(1, self.cap)),
+            priority=data.draw(st.integers(0, 2)),
+            arrival=self.clock,
+            max_model_len=self.cap,
+            ignore_eos=data.draw(st.booleans()),
+        )
         self.clock += 1.0
         self.sched.add_request(req)
         self.ids.append(req.request_id)
@@ -97,11 +110,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         bs = self.bs
 
         assert out.num_batched_tokens <= self.budget
-        decodes = sum(sr.request_id in running_before and len(sr.token_ids) == 1
-                      and self.sched.requests[sr.request_id].num_tokens - sr.start == 1 for sr in out.requests)
+        decodes = sum(
+            sr.request_id in running_before
+            and len(sr.token_ids) == 1
+            and self.sched.requests[sr.request_id].num_tokens - sr.start == 1
+            for sr in out.requests
+        )
         if decodes and self.mixed:  # a step with decodes: short prefills whole, one long one chunked at the cap
-            chunks = [sr for sr in out.requests if not (sr.request_id in running_before and len(sr.token_ids) == 1
-                      and self.sched.requests[sr.request_id].num_tokens - sr.start == 1)]
+            chunks = [
+                sr
+                for sr in out.requests
+                if not (
+                    sr.request_id in running_before
+                    and len(sr.token_ids) == 1
+                    and self.sched.requests[sr.request_id].num_tokens - sr.start == 1
+                )
+            ]
             assert all(len(sr.token_ids) <= self.mixed for sr in chunks), "mixed-step chunk over the cap"
             long_ones = [sr for sr in chunks if self.sched.requests[sr.request_id].num_tokens > self.mixed]
             assert len(long_ones) <= 1, "two long prefills in one mixed step"
@@ -111,17 +135,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
         if had_work:
             assert out.requests, "stall: unfinished requests but nothing scheduled"
-        preempted = {rid for rid in running_before
-                     if rid in self.sched.requests and self.sched.requests[rid].status is RequestStatus.PREEMPTED}
+        preempted = {
+            rid
+            for rid in running_before
+            if rid in self.sched.requests and self.sched.requests[rid].status is RequestStatus.PREEMPTED
+        }
         assert out.num_preempted == len(preempted)
         self.preempted_seen += len(preempted)
-        admitted = [self.sched.requests[sr.request_id] for sr in out.requests
-                    if sr.new and sr.request_id in waiting_before]
+        admitted = [
+            self.sched.requests[sr.request_id] for sr in out.requests if sr.new and sr.request_id in waiting_before
+        ]
         if preempted and admitted:  # only a preemption for priority lets waiting requests in
             assert self.sched.policy == "priority", "waiting requests admitted in a step that had to preempt"
             worst = min(self.reqs[rid].priority for rid in preempted)
-            assert all(r.priority < worst for r in admitted), \
+            assert all(r.priority < worst for r in admitted), (
                 "a preemption for priority let in a request no better than the one it preempted"
+            )
         if self.sched.policy == "priority" and waiting_before and len(running_before) == self.max_seqs:
             best = min(self.reqs[rid].priority for rid in waiting_before)
             worst = max(self.reqs[rid].priority for rid in running_before)
@@ -133,14 +162,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             n = len(sr.token_ids)
             assert req.status is RequestStatus.RUNNING and n >= 1
             assert sr.start == req.num_computed_tokens
-            assert sr.token_ids == req.all_token_ids[sr.start:sr.start + n]
+            assert sr.token_ids == req.all_token_ids[sr.start : sr.start + n]
             assert sr.sample == (sr.start + n == req.num_tokens)
             assert sr.block_table == req.block_table
             assert len(sr.block_table) == -(-(sr.start + n) // bs), "block table not sized to the tokens"
             assert (sr.new is not None) == (sr.request_id not in running_before)
             if sr.new is not None:
                 assert sr.new.prompt_token_ids == req.prompt_token_ids
-                assert sr.new.computed_token_ids == req.all_token_ids[:sr.start]
+                assert sr.new.computed_token_ids == req.all_token_ids[: sr.start]
                 assert sr.start % bs == 0  # only whole cached blocks are skipped
             for p in range(sr.start, sr.start + n):  # blocks written this step are private and uncached
                 b = sr.block_table[p // bs]
@@ -151,23 +180,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         for sr in out.requests:
             req = self.sched.requests[sr.request_id]
             for p in range(sr.start, sr.start + len(sr.token_ids)):
-                self.slots[sr.block_table[p // bs] * bs + p % bs] = tuple(req.all_token_ids[:p + 1])
+                self.slots[sr.block_table[p // bs] * bs + p % bs] = tuple(req.all_token_ids[: p + 1])
         for sr in out.requests:
             req = self.sched.requests[sr.request_id]
             for p in range(sr.start + len(sr.token_ids)):
                 slot = sr.block_table[p // bs] * bs + p % bs
-                assert self.slots.get(slot) == tuple(req.all_token_ids[:p + 1]), \
+                assert self.slots.get(slot) == tuple(req.all_token_ids[: p + 1]), (
                     f"{sr.request_id} reads wrong K/V at position {p}"
+                )
 
-        sampled = {sr.request_id: (EOS if self.rng.random() < 0.1 else self.rng.randint(1, 3))
-                   for sr in out.requests if sr.sample}
+        sampled = {
+            sr.request_id: (EOS if self.rng.random() < 0.1 else self.rng.randint(1, 3))
+            for sr in out.requests
+            if sr.sample
+        }
         if abort_mid and out.requests:
             self.sched.abort(self.rng.choice(ids))
-        before = {sr.request_id: self.sched.requests[sr.request_id].num_tokens
-                  for sr in out.requests if sr.request_id in self.sched.requests}
+        before = {
+            sr.request_id: self.sched.requests[sr.request_id].num_tokens
+            for sr in out.requests
+            if sr.request_id in self.sched.requests
+        }
         updated = self.sched.update_from_output(out, sampled)
-        assert {r.request_id for r in updated} == {sr.request_id for sr in out.requests
-                                                   if sr.sample and sr.request_id in before}
+        assert {r.request_id for r in updated} == {
+            sr.request_id for sr in out.requests if sr.sample and sr.request_id in before
+        }
         for r in updated:
             assert r.num_tokens == before[r.request_id] + 1 and r.all_token_ids[-1] == sampled[r.request_id]
 
@@ -193,8 +230,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for h, b in self.pool.cached.items():
             prefix = self.slots.get(b * self.bs + self.bs - 1)
             assert prefix is not None and len(prefix) % self.bs == 0
-            assert all(self.slots.get(b * self.bs + i) == prefix[:len(prefix) - self.bs + i + 1]
-                       for i in range(self.bs))
+            assert all(
+                self.slots.get(b * self.bs + i) == prefix[: len(prefix) - self.bs + i + 1] for i in range(self.bs)
+            )
             assert chain_hashes(list(prefix), self.bs)[-1] == h, f"cached block {b} holds other tokens"
         assert 0.0 <= self.kv.hit_rate() <= 1.0
 
@@ -221,5 +259,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestScheduler = SchedulerMachine.TestCase
-TestScheduler.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestScheduler.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)

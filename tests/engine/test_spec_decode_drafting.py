@@ -2,6 +2,7 @@
 refused configurations, the adaptive draft-length policy (backs off, probes again, is defined for
 any step times) and the scheduler's handling of drafts (rejected drafts' blocks return to the pool
 and never enter the prefix cache; drafts never push past ``max_tokens`` or the token budget)."""
+
 from __future__ import annotations
 
 import math
@@ -17,6 +18,7 @@ from kvserve.engine.spec_decode import DraftLengthPolicy, NgramProposer, Specula
 
 # ---------------------------------------------------------------- proposer, config, policy
 
+
 def test_ngram_proposer_takes_the_latest_longest_match():
     p = NgramProposer(min_n=2, max_n=3)
     #            0  1  2  3  4  5  6  7  8  9
@@ -29,15 +31,18 @@ def test_ngram_proposer_takes_the_latest_longest_match():
     assert NgramProposer(1, 1).propose([3, 1, 3], 2) == [1, 3]
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
-    ({"method": "ngram"}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key"),
-    ("ngram", "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key"),
+        ("ngram", "must be a dict"),
+    ],
+)
 def test_bad_speculative_config_is_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(bad)
@@ -120,6 +125,7 @@ def test_draft_length_policy_ignores_an_incredible_fit():
 
 
 # ---------------------------------------------------------------- scheduler rollback
+
 
 def test_rejected_drafts_return_their_blocks_and_never_enter_the_prefix_cache():
     kv = KVCacheManager(num_blocks=8, block_size=4)

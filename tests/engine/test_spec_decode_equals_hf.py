@@ -3,6 +3,7 @@ SmolLM2 with n-gram drafts (adaptive or not; batched, with prefix-cache hits, ch
 preemption) and drafting for itself, and tiny models with a different random draft model (every
 rollback path). SmolLM2's HF references are the session cache of ``test_correctness.py``
 (``hf_greedy``): both files run in one pytest-xdist worker (``SHARED_GROUPS``, tests/conftest.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,7 @@ class TestSmolLM2:
     @pytest.fixture(scope="class")
     def case(self, smollm2_path):
         from kvserve.engine.model_loader import load_tokenizer
+
         tok = load_tokenizer(smollm2_path)
         ids = smollm2_prompt_ids(smollm2_path) + [tok.encode(p) for p in COPY_PROMPTS]  # the profile's size
         return smollm2_path, ids, hf_greedy(smollm2_path, ids, self.NEW)
@@ -42,8 +44,9 @@ class TestSmolLM2:
     def test_ngram_chunked_and_preempted_equals_hf(self, case):
         path, ids, ref = case
         # too few blocks for the profile's prompts at once (9 of them in the fast profile, 15 in the thorough)
-        got, stats, _ = spec_greedy(path, ids, self.NEW, dict(NGRAM, adaptive=False), num_kv_blocks=sized(16, 40),
-                                    max_num_batched_tokens=64)
+        got, stats, _ = spec_greedy(
+            path, ids, self.NEW, dict(NGRAM, adaptive=False), num_kv_blocks=sized(16, 40), max_num_batched_tokens=64
+        )
         assert_same(ref, got)
         assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
 
@@ -51,8 +54,12 @@ class TestSmolLM2:
         """SmolLM2 drafting for itself: every draft is accepted (the bonus-token path), and the
         output still equals HF's."""
         path, ids, ref = case
-        got, stats, llm = spec_greedy(path, ids[:6], self.NEW, {
-            "method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "adaptive": False})
+        got, stats, llm = spec_greedy(
+            path,
+            ids[:6],
+            self.NEW,
+            {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "adaptive": False},
+        )
         assert_same(ref[:6], got)
         assert stats["spec_decode_acceptance_rate"] == 1.0
         assert stats["spec_decode_mean_acceptance_length"] > 3.5

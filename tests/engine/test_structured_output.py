@@ -3,6 +3,7 @@ choice and EBNF grammar requests on the real SmolLM2, batched with unconstrained
 the tiny random-weight Llama (whose free text is gibberish, so any valid output is the grammar's
 doing) through chunked prefill, prefix caching, preemption, min_tokens / ignore_eos and streaming.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,13 @@ from tiny_models import run_async_engine
 
 from kvserve.engine import LLM, EngineConfig, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.structured_output import (StructuredOutputs, _apply_torch, apply_token_bitmask, bitmask_rows,
-                                      choice_grammar)
+from kvserve.engine.structured_output import (
+    StructuredOutputs,
+    _apply_torch,
+    apply_token_bitmask,
+    bitmask_rows,
+    choice_grammar,
+)
 
 import xgrammar as xgr  # noqa: E402  (a dependency: a missing install must fail here, not skip)
 
@@ -66,8 +72,15 @@ def assert_idle(engine: LLMEngine) -> None:
 def llm(smollm2_path):
     # float32: grammar requests and free ones share batches, and free outputs are compared token for
     # token with those of a batch without grammars (bfloat16 may round a near tie either way)
-    llm = LLM(model=str(smollm2_path), dtype="float32", block_size=16, max_num_seqs=16,
-              max_num_batched_tokens=1024, num_kv_blocks=256, max_model_len=1024)
+    llm = LLM(
+        model=str(smollm2_path),
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=1024,
+        num_kv_blocks=256,
+        max_model_len=1024,
+    )
     yield llm
     llm.engine.shutdown()
 
@@ -75,8 +88,9 @@ def llm(smollm2_path):
 @pytest.fixture(scope="module")
 def free_reference(llm):
     """Greedy outputs of the unconstrained prompts, run without any grammar request."""
-    outs = llm.generate([chat(llm, q) for q in FREE_QUESTIONS], SamplingParams(temperature=0, max_tokens=24),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [chat(llm, q) for q in FREE_QUESTIONS], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+    )
     assert llm.engine.structured_outputs._compiler is None  # no grammar request: xgrammar untouched
     return [o.outputs[0].token_ids for o in outs]
 
@@ -109,13 +123,13 @@ def test_json_schema_batched_with_unconstrained(llm, free_reference):
     finally:
         del llm.engine.executor.execute_model
     assert (13, 10) in seen  # grammar and free requests shared steps
-    for o in outs[:len(JSON_QUESTIONS)]:
+    for o in outs[: len(JSON_QUESTIONS)]:
         c = o.outputs[0]
         assert c.finish_reason == "stop", c
         jsonschema.validate(json.loads(c.text), SCHEMA)
     # unconstrained requests are untouched by the grammar rows beside them
-    assert [o.outputs[0].token_ids for o in outs[len(JSON_QUESTIONS):]] == free_reference
-    free_texts = [o.outputs[0].text for o in outs[len(JSON_QUESTIONS):]]
+    assert [o.outputs[0].token_ids for o in outs[len(JSON_QUESTIONS) :]] == free_reference
+    free_texts = [o.outputs[0].text for o in outs[len(JSON_QUESTIONS) :]]
     assert not any(t.lstrip().startswith("{") for t in free_texts)
     # a seeded grammar request draws the same alone as in the batch
     alone = llm.generate([prompts[1]], json_params(1), use_tqdm=False)[0]
@@ -127,9 +141,13 @@ def test_other_kinds(llm):
     moon = chat(llm, "When did the first person walk on the moon?")
     ebnf = 'root ::= "Answer: " ("yes" | "no") " because " [a-z ]+ "."'
     year = json.dumps({"type": "object", "properties": {"year": {"type": "integer"}}, "required": ["year"]})
-    cases = [(moon, {"regex": DATE}), (moon, {"choice": ["yes", "no", "maybe so"]}),
-             (chat(llm, "Return a JSON object with your name and age."), {"json_object": True}),
-             (moon, {"grammar": ebnf}), (moon, {"json": year})]
+    cases = [
+        (moon, {"regex": DATE}),
+        (moon, {"choice": ["yes", "no", "maybe so"]}),
+        (chat(llm, "Return a JSON object with your name and age."), {"json_object": True}),
+        (moon, {"grammar": ebnf}),
+        (moon, {"json": year}),
+    ]
     params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=s) for _, s in cases]
     params.append(SamplingParams(temperature=1.0, seed=7, max_tokens=8, structured_outputs=cases[1][1]))
     outs = [o.outputs[0] for o in llm.generate([p for p, _ in cases] + [moon], params, use_tqdm=False)]
@@ -143,9 +161,11 @@ def test_other_kinds(llm):
 
 
 def test_max_tokens_cuts_json(llm):
-    out = llm.generate([chat(llm, JSON_QUESTIONS[0])],
-                       SamplingParams(temperature=0, max_tokens=5, structured_outputs={"json": SCHEMA}),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [chat(llm, JSON_QUESTIONS[0])],
+        SamplingParams(temperature=0, max_tokens=5, structured_outputs={"json": SCHEMA}),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
     assert out.text.startswith('{"name": "')
     with pytest.raises(ValueError):
@@ -153,20 +173,23 @@ def test_max_tokens_cuts_json(llm):
     assert_idle(llm.engine)
 
 
-@pytest.mark.parametrize("spec, words", [
-    ({"json": {"type": "objec"}}, "json is invalid"),
-    ({"json": "{not json"}, "not valid JSON"),
-    ({"json": "[1, 2]"}, "JSON schema object"),
-    ({"regex": "(ab"}, "regex is invalid"),
-    ({"grammar": "root ::= foo"}, "grammar is invalid"),
-    ({"choice": []}, "choice"),
-    ({"choice": ["a", ""]}, "choice"),
-    ({"json_object": False}, "json_object"),
-    ({"regex": "a", "choice": ["a"]}, "exactly one"),
-    ({"regexp": "a"}, "unknown key"),
-    ({"regex": "a", "whitespace_flexible": True}, "whitespace_flexible"),
-    ("not a dict", "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"json": {"type": "objec"}}, "json is invalid"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": "[1, 2]"}, "JSON schema object"),
+        ({"regex": "(ab"}, "regex is invalid"),
+        ({"grammar": "root ::= foo"}, "grammar is invalid"),
+        ({"choice": []}, "choice"),
+        ({"choice": ["a", ""]}, "choice"),
+        ({"json_object": False}, "json_object"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"regexp": "a"}, "unknown key"),
+        ({"regex": "a", "whitespace_flexible": True}, "whitespace_flexible"),
+        ("not a dict", "must be a dict"),
+    ],
+)
 def test_invalid_specs_raise(llm, spec, words):
     with pytest.raises(ValueError, match="^structured_outputs") as e:
         llm.engine.add_request(f"bad-{next(_ids)}", "hi", SamplingParams(structured_outputs=spec))
@@ -188,13 +211,23 @@ def test_repeated_schema_is_not_recompiled(llm):
 
 # ---- tiny random-weight model: cheap engine paths ---------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_path):
     def make(**kw):
-        cfg = dict(model=str(tiny_llama_path), dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   num_kv_blocks=256, max_model_len=256, enable_prefix_caching=True)
+        cfg = dict(
+            model=str(tiny_llama_path),
+            dtype="float32",
+            block_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            num_kv_blocks=256,
+            max_model_len=256,
+            enable_prefix_caching=True,
+        )
         cfg.update(kw)
         return LLM(**cfg)
+
     return make
 
 
@@ -205,8 +238,10 @@ def test_chunked_prefill_prefix_cache_and_preemption(tiny):
     specs = [{"regex": DATE}, {"choice": ["alpha", "beta", "gamma delta"]}, {"regex": r"[a-z]{30}"}] * 2
     # ~100-token prompts (chunked: 64-token budget); three share a prefix (prefix-cache hits)
     prompts = [LONG * 2 + str(i) if i < 3 else str(i) + LONG * 2 for i in range(len(specs))]
-    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, structured_outputs=s)
-              for i, s in enumerate(specs)]
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, structured_outputs=s)
+        for i, s in enumerate(specs)
+    ]
     roomy = tiny()
     ref = [o.outputs[0] for o in roomy.generate(prompts, params, use_tqdm=False)]
     assert_idle(roomy.engine)
@@ -237,16 +272,22 @@ def test_grammar_starts_after_the_reasoning_end(tiny):
     llm = tiny()
     free = llm.generate([LONG], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     end = free.token_ids[2:4]
-    start = next(i + 2 for i in range(len(free.token_ids)) if free.token_ids[i:i + 2] == end)
-    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": DATE},
-                            reasoning_end_token_ids=end)
+    start = next(i + 2 for i in range(len(free.token_ids)) if free.token_ids[i : i + 2] == end)
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs={"regex": DATE}, reasoning_end_token_ids=end
+    )
     out = llm.generate([LONG], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids[:start] == free.token_ids[:start]  # the reasoning: the free text, untouched
     answer = llm.engine.tokenizer.decode(out.token_ids[start:], skip_special_tokens=True)
     assert re.fullmatch(DATE, answer) and out.finish_reason == "stop", (out, answer)
     never = next(t for t in range(100, 300) if t not in free.token_ids)
-    out = llm.generate([LONG], SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": DATE},
-                                              reasoning_end_token_ids=[never]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [LONG],
+        SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs={"regex": DATE}, reasoning_end_token_ids=[never]
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == free.token_ids and out.finish_reason == "length"
     assert_idle(llm.engine)
     with pytest.raises(ValueError, match="reasoning_end_token_ids"):
@@ -256,10 +297,13 @@ def test_grammar_starts_after_the_reasoning_end(tiny):
 
 def test_grammar_completion_finishes_despite_ignore_eos_and_min_tokens(tiny):
     llm = tiny()
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, structured_outputs={"regex": DATE}),
-              SamplingParams(temperature=0, max_tokens=40, min_tokens=30, structured_outputs={"regex": DATE}),
-              SamplingParams(temperature=0, max_tokens=40, min_tokens=30, ignore_eos=True,
-                             structured_outputs={"choice": ["ok"]})]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, structured_outputs={"regex": DATE}),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=30, structured_outputs={"regex": DATE}),
+        SamplingParams(
+            temperature=0, max_tokens=40, min_tokens=30, ignore_eos=True, structured_outputs={"choice": ["ok"]}
+        ),
+    ]
     outs = [o.outputs[0] for o in llm.generate(["Today is"] * 3, params, use_tqdm=False)]
     for c in outs:
         assert c.finish_reason == "stop" and len(c.token_ids) < 30, c
@@ -305,8 +349,10 @@ def test_out_of_process_executor_gets_a_picklable_tensor(tiny):
         return run(sched)
 
     engine.executor.execute_model = spy
-    params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": DATE}),
-              SamplingParams(temperature=0, max_tokens=8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": DATE}),
+        SamplingParams(temperature=0, max_tokens=8),
+    ]
     outs = [o.outputs[0] for o in llm.generate(["Today is"] * 2, params, use_tqdm=False)]
     assert sent and all(b.shape[0] == 1 for b in sent)
     assert re.fullmatch(DATE, outs[0].text) and len(outs[1].token_ids) == 8
@@ -315,8 +361,16 @@ def test_out_of_process_executor_gets_a_picklable_tensor(tiny):
 
 
 def test_streaming_async_engine(tiny_llama_path):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), block_size=16, max_num_seqs=8,
-                                    max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=256))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_path),
+            block_size=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            num_kv_blocks=64,
+            max_model_len=256,
+        )
+    )
 
     async def go(eng):
         async def one(spec, seed):
@@ -326,8 +380,10 @@ def test_streaming_async_engine(tiny_llama_path):
                 deltas.append(out.outputs[0].delta_text)
                 final = out
             return "".join(deltas), final.outputs[0]
-        return await asyncio.gather(one({"regex": DATE}, 1), one({"choice": ["north", "south"]}, 2),
-                                    one({"regex": r"(ab|cd){3}"}, 3))
+
+        return await asyncio.gather(
+            one({"regex": DATE}, 1), one({"choice": ["north", "south"]}, 2), one({"regex": r"(ab|cd){3}"}, 3)
+        )
 
     results = run_async_engine(go, engine, 60)
     for (streamed, c), pattern in zip(results, [DATE, "north|south", r"(ab|cd){3}"]):
@@ -337,10 +393,13 @@ def test_streaming_async_engine(tiny_llama_path):
 
 # ---- units ----------------------------------------------------------------------------------
 
+
 def test_apply_token_bitmask_matches_xgrammar():
     g = torch.Generator().manual_seed(0)
     vocab = 1000  # not a multiple of 32
-    bitmask = torch.randint(-(1 << 31), 1 << 31, (3, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask = torch.randint(-(1 << 31), 1 << 31, (3, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(
+        torch.int32
+    )
     logits = torch.randn(5, vocab, generator=g)
     want = logits.clone()
     full = torch.full((5, bitmask.shape[1]), -1, dtype=torch.int32)

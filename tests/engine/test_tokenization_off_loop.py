@@ -2,6 +2,7 @@
 keeps ticking and another stream keeps getting tokens (tiny Llama). Shown by events, not by
 timing: the tokenizing call itself waits, in its thread, until the loop has ticked and the other
 stream has had tokens; on the loop's own thread that wait could never end."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,6 @@ def test_tokenization_does_not_stall_the_event_loop(tiny_llama_path):
     text = "The quick brown fox jumps over the lazy dog. " * 30000  # ~1.35 MB, ~300k tokens
 
     async def body(eng):
-        loop = asyncio.get_running_loop()
         loop_thread = threading.get_ident()
         inside = threading.Event()  # the huge prompt's tokenizing call has started
         progressed = threading.Event()  # the loop ticked and the stream got tokens meanwhile
@@ -47,9 +47,13 @@ def test_tokenization_does_not_stall_the_event_loop(tiny_llama_path):
         eng._make_request = make_request
 
         async def streamer():
-            async for _ in eng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True,
-                                                                   detokenize=False), request_id="bg"):
+            async for _ in eng.generate(
+                PROMPTS[0],
+                SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True, detokenize=False),
+                request_id="bg",
+            ):
                 note("tokens")
+
         bg = asyncio.create_task(streamer())
         while eng.engine.scheduler.requests.get("bg") is None:
             await asyncio.sleep(0.01)

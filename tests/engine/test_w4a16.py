@@ -8,6 +8,7 @@ by vLLM's ``check_logprobs_close`` rule (equal tokens until a difference, which 
 each side's token among the other's top 5), as bf16 is. The kernels are checked against float64 on
 random weights, on this CPU's path (AVX-512 or AVX2) and under the Triton interpreter.
 """
+
 import json
 import math
 import os
@@ -20,8 +21,15 @@ import pytest
 import torch
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.layers.w4a16 import (W4Weight, build_w4, pack_w4, resolve_quantization, unpack_w4, w4a16_config,
-                                 w4a16_reference)
+from kvserve.engine.layers.w4a16 import (
+    W4Weight,
+    build_w4,
+    pack_w4,
+    resolve_quantization,
+    unpack_w4,
+    w4a16_config,
+    w4a16_reference,
+)
 from kvserve.kernels import cpu_backend
 from test_bf16 import TEXT, first_divergence_is_a_near_tie
 
@@ -34,6 +42,7 @@ TOP_K = quant_checkpoints.TOP_K
 
 # ---- kernels on random weights -------------------------------------------------------------------
 
+
 def random_w4(n: int, k: int, gs: int, seed: int = 0) -> tuple[W4Weight, torch.Tensor]:
     """A random 4-bit weight and its float64 dense value ``[n, k]``."""
     g = torch.Generator().manual_seed(seed)
@@ -44,8 +53,9 @@ def random_w4(n: int, k: int, gs: int, seed: int = 0) -> tuple[W4Weight, torch.T
     return build_w4(codes, scales, zeros, None), dense.reshape(n, k)
 
 
-def assert_within_f32_rounding(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor,
-                               bias: torch.Tensor | None = None) -> None:
+def assert_within_f32_rounding(
+    y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
     """``y`` (a float32 result) equals ``x @ dense.t() + bias`` (float64 ``[M, K]``, ``[N, K]``,
     ``[N]``) up to float32 rounding: the standard bound for a dot product of ``K`` terms in any
     order, ``|error| <= (K + 4) u (|x| @ |dense|^T + |bias|)`` with ``u = 2^-24`` (Higham,
@@ -57,10 +67,11 @@ def assert_within_f32_rounding(y: torch.Tensor, x: torch.Tensor, dense: torch.Te
     ref = x @ dense.t() + (0 if bias is None else bias)
     scale = x.abs() @ dense.abs().t() + (0 if bias is None else bias.abs())
     err = (y.double() - ref).abs()
-    bound = (k + 4) * 2.0 ** -24 * scale
+    bound = (k + 4) * 2.0**-24 * scale
     worst = int((err - bound).argmax())
-    assert bool((err <= bound).all()), (f"error {err.flatten()[worst]:.3g} over the float32 bound "
-                                        f"{bound.flatten()[worst]:.3g} at flat index {worst}")
+    assert bool((err <= bound).all()), (
+        f"error {err.flatten()[worst]:.3g} over the float32 bound {bound.flatten()[worst]:.3g} at flat index {worst}"
+    )
 
 
 def test_packing_round_trips():
@@ -135,29 +146,58 @@ for m, gs in ((1, 64), (5, 32), (19, 128)):
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
-                       cwd=Path(__file__).resolve().parents[2])
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 # ---- configs ---------------------------------------------------------------------------------------
 
+
 def _hf(qc: dict | None):
     return SimpleNamespace(quantization_config=qc)
 
 
-@pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8 bits"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "LM head"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "multiple of 32"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "GEMM layout"),
-    ({"quant_method": "bitsandbytes"}, "not supported"),
-    ({"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
-      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"},
-                              "input_activations": {"num_bits": 8}}}}, "activations"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}}, "format"),
-])
+@pytest.mark.parametrize(
+    "qc, message",
+    [
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8 bits"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "LM head"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "multiple of 32"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "GEMM layout"),
+        ({"quant_method": "bitsandbytes"}, "not supported"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "ignore": ["lm_head"],
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "strategy": "channel"},
+                        "input_activations": {"num_bits": 8},
+                    }
+                },
+            },
+            "activations",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "ignore": ["lm_head"],
+                "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}},
+            },
+            "format",
+        ),
+    ],
+)
 def test_unsupported_checkpoints_are_refused_by_name(qc, message):
     with pytest.raises(ValueError, match=message):
         w4a16_config(_hf(qc))
@@ -177,9 +217,24 @@ def test_quantization_is_detected_and_conflicts_refused():
 
 # ---- real checkpoints against HF -------------------------------------------------------------------
 
-CHECKPOINTS = ["gptq-g64", "gptq-g32", "awq-g32", "gptq-channel", "gptq-classic", "gptq-classic-actorder", "awq-classic"]
-METHOD = {"gptq-g64": "compressed-tensors", "gptq-g32": "compressed-tensors", "awq-g32": "compressed-tensors", "gptq-channel": "compressed-tensors",
-          "gptq-classic": "gptq", "gptq-classic-actorder": "gptq", "awq-classic": "awq"}
+CHECKPOINTS = [
+    "gptq-g64",
+    "gptq-g32",
+    "awq-g32",
+    "gptq-channel",
+    "gptq-classic",
+    "gptq-classic-actorder",
+    "awq-classic",
+]
+METHOD = {
+    "gptq-g64": "compressed-tensors",
+    "gptq-g32": "compressed-tensors",
+    "awq-g32": "compressed-tensors",
+    "gptq-channel": "compressed-tensors",
+    "gptq-classic": "gptq",
+    "gptq-classic-actorder": "gptq",
+    "awq-classic": "awq",
+}
 
 
 @pytest.fixture(scope="session")
@@ -196,14 +251,17 @@ def reference(path: Path) -> dict:
 def check_against_reference(llm: LLM, ref: dict) -> int:
     """Greedy tokens of ``llm`` for the reference's prompts, judged by the near-tie rule; returns
     how many tokens were equal before the first difference, over all prompts."""
-    outs = llm.generate([g["prompt_ids"] for g in ref["greedy"]],
-                        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP_K),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [g["prompt_ids"] for g in ref["greedy"]],
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP_K),
+        use_tqdm=False,
+    )
     compared = 0
     for g, o in zip(ref["greedy"], outs):
         ours = o.outputs[0].token_ids
-        ok, n = first_divergence_is_a_near_tie(ours, [set(d) for d in o.outputs[0].logprobs], g["tokens"],
-                                               [set(t) for t in g["top"]])
+        ok, n = first_divergence_is_a_near_tie(
+            ours, [set(d) for d in o.outputs[0].logprobs], g["tokens"], [set(t) for t in g["top"]]
+        )
         assert ok, f"{g['prompt']!r}: at token {n} ours {ours[n]} / HF {g['tokens'][n]} is not a near tie"
         compared += n
     return compared
@@ -245,10 +303,13 @@ def test_perplexity_equals_hf_on_the_same_checkpoint(w4_checkpoints, name):
 def hf_dequantized(path: Path, dtype: torch.dtype, adapter: Path | None = None):
     """HF transformers on a compressed-tensors checkpoint, decompressed by compressed-tensors."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                 quantization_config=CompressedTensorsConfig(run_compressed=False))
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, quantization_config=CompressedTensorsConfig(run_compressed=False)
+    )
     if adapter is not None:
         import peft
+
         model = peft.PeftModel.from_pretrained(model, str(adapter))
     return model.eval()
 
@@ -258,20 +319,33 @@ def hf_greedy(model, prompts: list[list[int]]) -> tuple[list[list[int]], list[li
     for ids in prompts:
         x = torch.tensor([ids])
         with torch.inference_mode():
-            g = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        toks.append(g.sequences[0, len(ids):].tolist())
+            g = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        toks.append(g.sequences[0, len(ids) :].tolist())
         tops.append([set(s[0].float().topk(TOP_K).indices.tolist()) for s in g.scores])
     return toks, tops
 
 
 def check_close(llm: LLM, prompts, ref_tokens, ref_tops, lora=None) -> int:
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                                                logprobs=TOP_K), use_tqdm=False, lora_request=lora)
+    outs = llm.generate(
+        prompts,
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP_K),
+        use_tqdm=False,
+        lora_request=lora,
+    )
     compared = 0
     for o, ref, top in zip(outs, ref_tokens, ref_tops):
-        ok, n = first_divergence_is_a_near_tie(o.outputs[0].token_ids, [set(d) for d in o.outputs[0].logprobs],
-                                               ref, top)
+        ok, n = first_divergence_is_a_near_tie(
+            o.outputs[0].token_ids, [set(d) for d in o.outputs[0].logprobs], ref, top
+        )
         assert ok, f"at token {n}: ours {o.outputs[0].token_ids[n]} / HF {ref[n]} is not a near tie"
         compared += n
     return compared
@@ -297,6 +371,7 @@ def test_bfloat16_activations_close_to_hf_bf16_and_float32(w4_checkpoints):
 def test_lora_on_a_4bit_base_equals_hf_with_peft(w4_checkpoints, smollm2_path, tmp_path):
     from kvserve.engine.lora_adapter import LoRARequest
     from test_lora import make_adapter
+
     path = w4_checkpoints["gptq-g64"]
     adapter = make_adapter(str(smollm2_path), tmp_path / "a", 8, 16, ["q_proj", "v_proj", "down_proj"], False, 0)
     prompts = [g["prompt_ids"] for g in reference(path)["greedy"]][:3]
@@ -304,8 +379,9 @@ def test_lora_on_a_4bit_base_equals_hf_with_peft(w4_checkpoints, smollm2_path, t
     llm = LLM(model=str(path), dtype="float32", device="cpu", num_kv_blocks=256, enable_lora=True, max_lora_rank=8)
     lora = LoRARequest("a", 1, str(adapter))
     assert check_close(llm, prompts, toks, tops, lora=[lora] * len(prompts)) >= len(prompts) * NEW_TOKENS * 3 // 4
-    base = llm.generate(prompts[:1], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
-                        use_tqdm=False)
+    base = llm.generate(
+        prompts[:1], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     assert base[0].outputs[0].token_ids != toks[0]  # the adapter changes the answer: it was applied
 
 
@@ -317,9 +393,20 @@ def test_prefix_caching_chunked_prefill_and_spec_decode_keep_the_tokens(w4_check
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     plain = LLM(model=str(path), dtype="float32", device="cpu", num_kv_blocks=256, enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    fancy = LLM(model=str(path), dtype="float32", device="cpu", num_kv_blocks=256, max_num_batched_tokens=16,
-                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                    "prompt_lookup_min": 1, "adaptive": False})
+    fancy = LLM(
+        model=str(path),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=256,
+        max_num_batched_tokens=16,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+            "adaptive": False,
+        },
+    )
     for _ in range(2):  # the second pass hits the prefix cache
         got = [o.outputs[0].token_ids for o in fancy.generate(prompts, params, use_tqdm=False)]
         assert got == want
@@ -332,8 +419,14 @@ def test_tensor_parallel_ranks_split_the_packed_weights(w4_checkpoints):
     keeps one scale per 32-value block; the outputs stay HF's. (An act-order checkpoint's row-parallel
     layers cannot be split: ``test_act_order_and_split_columns_match_the_dense_weight``.)"""
     path = w4_checkpoints["gptq-g64"]
-    llm = LLM(model=str(path), dtype="float32", device="cpu", num_kv_blocks=256, tensor_parallel_size=2,
-              distributed_executor_backend="mp")
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=256,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
     try:
         ref = reference(path)
         ref = dict(ref, greedy=ref["greedy"][:3])
@@ -346,15 +439,19 @@ def test_a_row_parallel_rank_refuses_an_act_order_split():
     """The layer itself, as a rank of 2 builds it: the refusal names act-order."""
     from kvserve.engine.layers.linear import RowParallelLinear
     from kvserve.engine.layers.w4a16 import W4A16Config
+
     n, k, gs = 8, 128, 32
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     g_idx = torch.randperm(k) // gs
     qweight = (codes.t().reshape(k // 8, 8, n).to(torch.int64) << (4 * torch.arange(8))[None, :, None]).sum(1)
     layer = RowParallelLinear((0, k // 2), n)
     layer.w4_config = W4A16Config("gptq", gs, True, True, zeros_minus_one=True)
-    for name, t in {"qweight": (qweight - ((qweight >> 31) << 32)).to(torch.int32),
-                    "qzeros": torch.full((k // gs, n // 8), 0x77777777, dtype=torch.int32),
-                    "scales": torch.ones(k // gs, n, dtype=torch.float16), "g_idx": g_idx.to(torch.int32)}.items():
+    for name, t in {
+        "qweight": (qweight - ((qweight >> 31) << 32)).to(torch.int32),
+        "qzeros": torch.full((k // gs, n // 8), 0x77777777, dtype=torch.int32),
+        "scales": torch.ones(k // gs, n, dtype=torch.float16),
+        "g_idx": g_idx.to(torch.int32),
+    }.items():
         layer.load(name, t)
     with pytest.raises(ValueError, match="act-order"):
         layer.finish_load()

@@ -4,6 +4,7 @@ CUDA and flash-attn are absent here, so their capabilities are faked: a ``torch.
 object needs no GPU, and whether flash-attn / Triton import is monkeypatched on the backend
 classes (``import_error``). Nothing here builds a GPU backend or imports a kernel module.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,13 +65,15 @@ def test_cuda_flash_attn_with_block_size_256_picks_flash_attn(importable, caplog
     assert cls is FlashAttnBackend and line.startswith("attention backend: flash_attn (")
 
 
-@pytest.mark.parametrize("dtype, block_size, head_dim, why", [
-    (FP32, 256, 64, "not float32"),            # flash-attn has no fp32 kernels
-    (BF16, 256, 512, "head_dim 512 exceeds 256"),
-    (BF16, 128, 64, "block_size 128 is not a multiple of 256"),
-])
-def test_flash_attn_passed_over_for_what_it_does_not_support(importable, caplog, dtype,
-                                                              block_size, head_dim, why):
+@pytest.mark.parametrize(
+    "dtype, block_size, head_dim, why",
+    [
+        (FP32, 256, 64, "not float32"),  # flash-attn has no fp32 kernels
+        (BF16, 256, 512, "head_dim 512 exceeds 256"),
+        (BF16, 128, 64, "block_size 128 is not a multiple of 256"),
+    ],
+)
+def test_flash_attn_passed_over_for_what_it_does_not_support(importable, caplog, dtype, block_size, head_dim, why):
     cls, line = _select(caplog, CUDA, dtype, block_size, head_dim)
     assert cls is TritonBackend and "flash_attn skipped: " in line and why in line, line
 
@@ -87,8 +90,9 @@ def test_flash_attn_not_installed_picks_triton(monkeypatch, caplog):
 def test_old_flash_attn_without_paged_varlen_is_passed_over(monkeypatch, caplog):
     """flash-attn < 2.6: ``flash_attn_varlen_func`` has no ``block_table``."""
     monkeypatch.setattr(TritonBackend, "import_error", classmethod(lambda cls: None))
-    old = types.SimpleNamespace(flash_attn_varlen_func=lambda q, k, v, cu_seqlens_q: q,
-                                flash_attn_with_kvcache=lambda *a, **kw: None)
+    old = types.SimpleNamespace(
+        flash_attn_varlen_func=lambda q, k, v, cu_seqlens_q: q, flash_attn_with_kvcache=lambda *a, **kw: None
+    )
     monkeypatch.setitem(sys.modules, "flash_attn", old)
     monkeypatch.setattr(fab, "_funcs", None)
     cls, line = _select(caplog, CUDA, BF16, 256, 64)
@@ -122,6 +126,7 @@ def test_cpu_backend_without_a_compiler_falls_back_to_torch(monkeypatch, caplog)
     """No C++ compiler: one warning naming why, then the torch path computes the same output."""
     from kvserve.kernels import cpu_backend
     from tests.kernels.attention_cases import _meta, make_problem
+
     monkeypatch.setattr(cpu_backend, "_loaded", None)
     monkeypatch.setattr(cpu_backend, "_load_error", None)
     monkeypatch.setenv("CXX", "no-such-compiler-kvserve")
@@ -142,12 +147,15 @@ def test_requested_flash_attn_with_block_size_16_is_a_value_error(importable):
         select_attention_backend(CUDA, BF16, 16, 64, "flash_attn")
 
 
-@pytest.mark.parametrize("name, device, dtype, match", [
-    ("flash_attn", CPU, BF16, "needs a cuda device, got cpu"),
-    ("flash_attn", CUDA, FP32, "not float32"),
-    ("triton", CPU, FP32, r"needs a cuda device, got cpu \(or TRITON_INTERPRET=1"),
-    ("flash", CUDA, BF16, "must be one of"),
-])
+@pytest.mark.parametrize(
+    "name, device, dtype, match",
+    [
+        ("flash_attn", CPU, BF16, "needs a cuda device, got cpu"),
+        ("flash_attn", CUDA, FP32, "not float32"),
+        ("triton", CPU, FP32, r"needs a cuda device, got cpu \(or TRITON_INTERPRET=1"),
+        ("flash", CUDA, BF16, "must be one of"),
+    ],
+)
 def test_requested_backend_that_cannot_run_is_a_value_error(importable, name, device, dtype, match):
     with pytest.raises(ValueError, match=match):
         select_attention_backend(device, dtype, 256, 64, name)
@@ -186,18 +194,23 @@ def test_every_backend_declares_its_capabilities():
     assert [n for n, cls in BACKENDS.items() if cls.exact_chunk_kv] == ["cpu", "torch"]
 
 
-@pytest.mark.parametrize("backend, device, enforce_eager, graphs", [
-    (TritonBackend, CUDA, False, True),
-    (FlashAttnBackend, CUDA, False, True),   # flash-attn no longer turns graphs off
-    (TorchBackend, CUDA, False, False),      # host-side decode planning: not capturable
-    (TritonBackend, CUDA, True, False),      # enforce_eager
-    (TritonBackend, CPU, False, False),      # no CUDA
-])
+@pytest.mark.parametrize(
+    "backend, device, enforce_eager, graphs",
+    [
+        (TritonBackend, CUDA, False, True),
+        (FlashAttnBackend, CUDA, False, True),  # flash-attn no longer turns graphs off
+        (TorchBackend, CUDA, False, False),  # host-side decode planning: not capturable
+        (TritonBackend, CUDA, True, False),  # enforce_eager
+        (TritonBackend, CPU, False, False),  # no CUDA
+    ],
+)
 def test_cuda_graphs_follow_the_backend_capability(backend, device, enforce_eager, graphs):
     """The model runner's capture condition reads ``supports_cuda_graphs``, not a name."""
     from kvserve.engine.config import EngineConfig
-    runner = types.SimpleNamespace(device=device, backend=backend,
-                                   config=EngineConfig(device=device.type, enforce_eager=enforce_eager))
+
+    runner = types.SimpleNamespace(
+        device=device, backend=backend, config=EngineConfig(device=device.type, enforce_eager=enforce_eager)
+    )
     assert ModelRunner.use_cuda_graphs.fget(runner) is graphs
     fake = type("FakeBackend", (TorchBackend,), {"name": "fake", "supports_cuda_graphs": True})
     runner.backend = fake
@@ -208,6 +221,7 @@ def test_model_runner_selects_once_from_its_config(tiny_llama_path, caplog, monk
     """A real CPU runner: one selection from (device, dtype, block_size, head_dim), logged once;
     an impossible request fails at construction with the reason; no graphs on CPU."""
     from kvserve.engine.config import EngineConfig
+
     captured = []
     monkeypatch.setattr(ModelRunner, "capture_cudagraphs", lambda self: captured.append(self))
     with caplog.at_level(logging.INFO, logger="kvserve.attention"):

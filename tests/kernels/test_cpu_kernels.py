@@ -1,6 +1,7 @@
 """The C++ CPU kernels (``kvserve/kernels/cpu_backend.py``, the ``cpu_kernel`` fixture of conftest.py): paged
 attention against the float64 reference of attention_cases.py (``CPU_CASES``) in float32 and bfloat16,
 the fused element-wise ops against ATen; and ``kvserve.engine.layers.linear`` on a prepacked (oneDNN) weight."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ def test_cpu_kernel(name, dtype, cpu_kernel):
     """The CPU kernel (and, for chunks longer than it takes, the SDPA path) against the float64
     reference over the same float32 or bfloat16 values; bfloat16 output is rounded once."""
     p = make_problem(dict(CPU_CASES[name], dtype=dtype))
-    out = cpu_kernel.paged_attention_cpu(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
-                                         p["window"], p["softcap"])
+    out = cpu_kernel.paged_attention_cpu(
+        p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], p["window"], p["softcap"]
+    )
     assert out.dtype == DTYPES[dtype]
     rec = _compare(out, ref_attention(p), dtype)  # seq_len-0 rows: the kernel writes zeros
     assert rec["ok"], f"{name}: {_describe(rec)}"
@@ -26,14 +28,16 @@ def test_cpu_fused_ops_match_aten(cpu_kernel):
     on strided row views as the model passes them, with row counts on both sides of the
     single-thread / thread-pool split."""
     from kvserve.engine.layers.rotary import RotaryEmbedding
+
     g = torch.Generator().manual_seed(5)
     for rows in (1, 64, 700):
         H = 576
         x = torch.randn(rows, 2 * H, generator=g)[:, :H]  # strided rows
         res = torch.randn(rows, H, generator=g)
         w = torch.randn(H, generator=g)
-        ref = lambda t, off=0.0: ((t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5))
-                                  * (w.double() + off))
+        ref = lambda t, off=0.0: (  # noqa: E731
+            (t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * (w.double() + off)
+        )
         for off in (0.0, 1.0):
             out = cpu_kernel.rms_norm(x, w, 1e-5, off)
             assert (out.double() - ref(x, off)).abs().max() < 1e-5
@@ -49,7 +53,7 @@ def test_cpu_fused_ops_match_aten(cpu_kernel):
         q, k = qkv[:, :576].reshape(rows, 9, 64), qkv[:, 576:768].reshape(rows, 3, 64)
         pos = torch.randint(0, 4096, (rows,), generator=g)
         cos, sin = rope.cos[pos][:, None].double(), rope.sin[pos][:, None].double()
-        rot = lambda t: t * cos + torch.cat((-t[..., 32:], t[..., :32]), -1) * sin
+        rot = lambda t: t * cos + torch.cat((-t[..., 32:], t[..., :32]), -1) * sin  # noqa: E731
         q_ref, k_ref, v_before = rot(q.double()), rot(k.double()), qkv[:, 768:].clone()
         q2, k2 = cpu_kernel.rotary(q, k, pos, rope.cos, rope.sin)
         assert q2.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
@@ -62,20 +66,21 @@ def test_cpu_fused_ops_in_bfloat16(cpu_kernel):
     rounded once to bfloat16 (within one bfloat16 ulp, 2^-8 relative, plus a small absolute
     slack for outputs near zero); the residual add rounds like ATen's bfloat16 add."""
     from kvserve.engine.layers.rotary import RotaryEmbedding
+
     g = torch.Generator().manual_seed(6)
     bf = torch.bfloat16
 
     def close(out, ref):
         assert out.dtype == bf
         err = (out.double() - ref).abs()
-        assert (err <= 2 ** -8 * ref.abs() + 1e-3 * ref.abs().max()).all(), float(err.max())
+        assert (err <= 2**-8 * ref.abs() + 1e-3 * ref.abs().max()).all(), float(err.max())
 
     for rows in (1, 64, 300):
         H = 576
         x = torch.randn(rows, 2 * H, generator=g).to(bf)[:, :H]
         res = torch.randn(rows, H, generator=g).to(bf)
         w = torch.randn(H, generator=g).to(bf)
-        ref = lambda t: (t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()
+        ref = lambda t: (t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()  # noqa: E731
         close(cpu_kernel.rms_norm(x, w, 1e-5), ref(x))
         r0 = res.clone()
         out, r = cpu_kernel.add_rms_norm(x, res, w, 1e-5)
@@ -88,7 +93,7 @@ def test_cpu_fused_ops_in_bfloat16(cpu_kernel):
         k = torch.randn(rows, 3, 64, generator=g).to(bf)
         pos = torch.randint(0, 4096, (rows,), generator=g)
         cos, sin = rope.cos[pos][:, None].double(), rope.sin[pos][:, None].double()
-        rot = lambda t: t * cos + torch.cat((-t[..., 32:], t[..., :32]), -1) * sin
+        rot = lambda t: t * cos + torch.cat((-t[..., 32:], t[..., :32]), -1) * sin  # noqa: E731
         q_ref, k_ref = rot(q.double()), rot(k.double())
         cpu_kernel.rotary(q, k, pos, rope.cos, rope.sin)
         close(q, q_ref)
@@ -109,6 +114,7 @@ def test_linear_with_prepacked_weight_matches_float64(monkeypatch, rows, large_o
     """kvserve.engine.layers.linear.linear on a prepacked weight (oneDNN blocked layout) and on the
     ATen route for large batches: float32 results equal float64 within float32 rounding."""
     import kvserve.engine.layers.linear as L
+
     monkeypatch.setattr(L, "_LARGE_ON_ATEN", large_on_aten)
     monkeypatch.setattr(L, "CPU_LINEAR", "onednn")
     g = torch.Generator().manual_seed(rows)
@@ -162,6 +168,7 @@ def test_linear_takes_the_gemv_for_decode_sized_float32(cpu_kernel, monkeypatch)
 
 def test_prepack_is_skipped_where_it_does_not_apply(monkeypatch):
     import kvserve.engine.layers.linear as L
+
     assert L.prepack_weight(torch.randn(8, 8).half()) is None
     monkeypatch.setattr(L, "CPU_LINEAR", "aten")
     assert L.prepack_weight(torch.randn(8, 8)) is None
@@ -180,14 +187,21 @@ def test_a_complete_build_is_loaded_without_compiling_again(cpu_kernel, tmp_path
 
     build = cpu_backend.build_directory()
     assert (build / cpu_backend.BUILT).is_file(), "the build did not mark its folder complete"
-    code = ("import torch.utils.cpp_extension as c\n"
-            "def boom(*a, **k): raise AssertionError('compiled again')\n"
-            "c.load = boom\n"
-            "from kvserve.kernels import cpu_backend\n"
-            "assert cpu_backend.load_kernel(), cpu_backend.kernel_error()\n"
-            "import torch; print(hasattr(torch.ops.kvserve_cpu, 'paged_attention'))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=Path(cpu_backend.__file__).parents[1])
+    code = (
+        "import torch.utils.cpp_extension as c\n"
+        "def boom(*a, **k): raise AssertionError('compiled again')\n"
+        "c.load = boom\n"
+        "from kvserve.kernels import cpu_backend\n"
+        "assert cpu_backend.load_kernel(), cpu_backend.kernel_error()\n"
+        "import torch; print(hasattr(torch.ops.kvserve_cpu, 'paged_attention'))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(cpu_backend.__file__).parents[1],
+    )
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
     half = tmp_path / "half"
     half.mkdir()

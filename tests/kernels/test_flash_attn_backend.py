@@ -1,5 +1,6 @@
 """The flash-attn backend (``kvserve/kernels/flash_attn_backend.py``) with a fake ``flash_attn`` module: what it
 passes to flash-attn's functions and to the Triton scatter."""
+
 from __future__ import annotations
 
 import sys
@@ -13,32 +14,83 @@ def test_flash_attn_backend_calls(monkeypatch):
     (decode-only batch -> ``flash_attn_with_kvcache``, anything else -> paged varlen)."""
     import types
     from kvserve.kernels import flash_attn_backend as fab
+
     calls = []
 
-    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-               alibi_slopes=None, deterministic=False, return_attn_probs=False,
-               block_table=None):
-        calls.append(("varlen", dict(q=q, k=k, cu_seqlens_q=cu_seqlens_q,
-                                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                     max_seqlen_k=max_seqlen_k, scale=softmax_scale,
-                                     causal=causal, block_table=block_table,
-                                     window_size=window_size, softcap=softcap)))
+    def varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+        block_table=None,
+    ):
+        calls.append(
+            (
+                "varlen",
+                dict(
+                    q=q,
+                    k=k,
+                    cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k,
+                    scale=softmax_scale,
+                    causal=causal,
+                    block_table=block_table,
+                    window_size=window_size,
+                    softcap=softcap,
+                ),
+            )
+        )
         return torch.zeros_like(q)
 
-    def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                     cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
-                     block_table=None, softmax_scale=None, causal=False, **kw):
-        calls.append(("kvcache", dict(q=q, cache_seqlens=cache_seqlens, block_table=block_table,
-                                      scale=softmax_scale, causal=causal,
-                                      window_size=kw.get("window_size"), softcap=kw.get("softcap"))))
+    def with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k=None,
+        v=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_seqlens=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        block_table=None,
+        softmax_scale=None,
+        causal=False,
+        **kw,
+    ):
+        calls.append(
+            (
+                "kvcache",
+                dict(
+                    q=q,
+                    cache_seqlens=cache_seqlens,
+                    block_table=block_table,
+                    scale=softmax_scale,
+                    causal=causal,
+                    window_size=kw.get("window_size"),
+                    softcap=kw.get("softcap"),
+                ),
+            )
+        )
         return torch.zeros_like(q)
 
     def store_kv(*args):
         calls.append(("store", args))
 
-    fake = types.SimpleNamespace(flash_attn_varlen_func=varlen,
-                                 flash_attn_with_kvcache=with_kvcache)
+    fake = types.SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_with_kvcache=with_kvcache)
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     # the Triton scatter, faked: importing the kernel module here would compile-mode it
     monkeypatch.setitem(sys.modules, "kvserve.kernels.triton_attention", types.SimpleNamespace(store_kv=store_kv))

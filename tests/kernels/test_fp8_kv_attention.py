@@ -2,6 +2,7 @@
 reference over the dequantized caches, a chunk attending to its own exact K/V (``exact_chunk_kv``),
 and store_kv's rounding into a float8 cache. The Triton kernels' float8 cases are in
 attention_cases.CASES (test_triton_attention.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,11 +27,13 @@ def test_fp8_kv_cache(name, backend, q_dtype, cpu_kernel):
     """Attention over float8 caches equals the float64 reference over the dequantized caches,
     for float32 and bfloat16 queries."""
     from kvserve.kernels.torch_backend import paged_attention_torch
+
     p, deq = _fp8_problem(FP8_CASES[name])
     p["q"] = deq["q"] = p["q"].to(DTYPES[q_dtype])
     fn = paged_attention_torch if backend == "torch" else cpu_kernel.paged_attention_cpu
-    out = fn(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], p["window"], p["softcap"],
-             p["k_scale"], p["v_scale"])
+    out = fn(
+        p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], p["window"], p["softcap"], p["k_scale"], p["v_scale"]
+    )
     ref = ref_attention(deq)
     if backend == "torch" and 0 in p["seqlens"]:  # the torch path leaves seq_len-0 rows unspecified
         rows = torch.repeat_interleave(torch.tensor([s > 0 for s in p["seqlens"]]), torch.tensor(p["qlens"]))
@@ -62,12 +65,32 @@ def _step_kv(p: dict, orig: dict, deq: dict, dtype: torch.dtype) -> tuple[torch.
     return torch.stack(keys), torch.stack(values), ref
 
 
-FRESH_CASES = dict({k: FP8_CASES[k] for k in ("fp8_dispatch_mixed_g4_d128_fp16", "softcap_window_dispatch_g2_d64_fp32",
-                                                "torch_decode_long_outlier", "cpu_short_chunks",
-                                                "cpu_short_chunks_window_softcap", "rand_mixed_g8_d128_fp16")},
-                   fp8_fresh_chunks_g2_d64_window=dict(
-    kind="dispatch", H=4, Hkv=2, D=64, bs=16, dtype="float32", qlens=[1, 5, 16, 40, 1, 17, 30],
-    seqlens=[90, 30, 16, 160, 17, 17, 200], window=24, seed=64, kv="fp8"))
+FRESH_CASES = dict(
+    {
+        k: FP8_CASES[k]
+        for k in (
+            "fp8_dispatch_mixed_g4_d128_fp16",
+            "softcap_window_dispatch_g2_d64_fp32",
+            "torch_decode_long_outlier",
+            "cpu_short_chunks",
+            "cpu_short_chunks_window_softcap",
+            "rand_mixed_g8_d128_fp16",
+        )
+    },
+    fp8_fresh_chunks_g2_d64_window=dict(
+        kind="dispatch",
+        H=4,
+        Hkv=2,
+        D=64,
+        bs=16,
+        dtype="float32",
+        qlens=[1, 5, 16, 40, 1, 17, 30],
+        seqlens=[90, 30, 16, 160, 17, 17, 200],
+        window=24,
+        seed=64,
+        kv="fp8",
+    ),
+)
 
 
 @pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
@@ -81,6 +104,7 @@ def test_fp8_chunk_attends_to_its_own_exact_kv(name, backend, q_dtype, cpu_kerne
     Without them the same call reads only float8 (``test_fp8_kv_cache``); a model-dtype cache
     ignores them."""
     from kvserve.kernels.torch_backend import paged_attention_torch
+
     spec = FRESH_CASES[name]
     orig = make_problem(dict(spec, dtype="float32"))
     p, deq = _fp8_problem(spec)
@@ -89,8 +113,19 @@ def test_fp8_chunk_attends_to_its_own_exact_kv(name, backend, q_dtype, cpu_kerne
     key, value, ref_problem = _step_kv(p, orig, deq, dt)
     ref_problem["q"] = p["q"]
     fn = paged_attention_torch if backend == "torch" else cpu_kernel.paged_attention_cpu
-    out = fn(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], p["window"], p["softcap"],
-             p["k_scale"], p["v_scale"], key=key, value=value)
+    out = fn(
+        p["q"],
+        p["k_cache"],
+        p["v_cache"],
+        _meta(p),
+        p["scale"],
+        p["window"],
+        p["softcap"],
+        p["k_scale"],
+        p["v_scale"],
+        key=key,
+        value=value,
+    )
     ref = ref_attention(ref_problem)
     rows = torch.repeat_interleave(torch.tensor([s > 0 for s in p["seqlens"]]), torch.tensor(p["qlens"]))
     rec = _compare(out[rows], ref[rows], q_dtype)
@@ -111,6 +146,7 @@ def test_fp8_store_rounds_to_e4m3(cpu_kernel):
     """store_kv into a float8 cache keeps x within e4m3's half-ulp (2^-4 relative) after
     dequantization, clamps at +-448 * scale, and touches only the given slots."""
     from kvserve.kernels.torch_backend import FP8, dequantize, store_kv_torch
+
     g = torch.Generator().manual_seed(9)
     kc = torch.zeros(4, 8, 2, 64, dtype=FP8)
     vc = torch.zeros(4, 8, 2, 64, dtype=FP8)
@@ -122,9 +158,9 @@ def test_fp8_store_rounds_to_e4m3(cpu_kernel):
     k = dequantize(kc.view(torch.uint8).view(32, 2, 64)[slots].view(FP8), 0.05)
     v = dequantize(vc.view(torch.uint8).view(32, 2, 64)[slots].view(FP8), 0.01)
     assert k[0, 0, 0] == 448 * 0.05
-    k_rel = ((k - key).abs() / key.abs().clamp_min(2 ** -6 * 0.05)).flatten()[1:]
-    assert k_rel.max() <= 2 ** -4 + 1e-6
-    assert ((v - val).abs() / val.abs().clamp_min(2 ** -6 * 0.01)).max() <= 2 ** -4 + 1e-6
+    k_rel = ((k - key).abs() / key.abs().clamp_min(2**-6 * 0.05)).flatten()[1:]
+    assert k_rel.max() <= 2**-4 + 1e-6
+    assert ((v - val).abs() / val.abs().clamp_min(2**-6 * 0.01)).max() <= 2**-4 + 1e-6
     untouched = torch.ones(32, dtype=torch.bool)
     untouched[slots] = False
     assert not kc.view(torch.uint8).view(32, -1)[untouched].any()

@@ -6,6 +6,7 @@ can crash it): every part (attention kernels vs SDPA, engine batch-1 decode, eng
 throughput) at tiny sizes in float32. Only CUDA events, the L2 flush and CUDA-graph capture
 are left out. About 20 s on a 2-core host (the engine runs the Triton kernels interpreted).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,11 +36,15 @@ def _positive(row: dict, *keys: str) -> None:
 def _run_smoke(out: Path, *args: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke",
-                           "--out", str(out), *args], capture_output=True, text=True, cwd=str(ROOT),
-                          env=env, timeout=280)
-    assert proc.returncode == 0, \
-        f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        env=env,
+        timeout=280,
+    )
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text())
 
 
@@ -70,9 +75,12 @@ def test_attention_matches_sdpa(smoke, part):
     rows = smoke[part]
     assert {r["ctx"] for r in rows} == {40, 70}
     for r in rows:
-        _positive(r, "ms", "sdpa_ms", *(("gbps", "sdpa_gbps", "frac_of_copy_bw")
-                                         if part == "decode_attention" else
-                                         ("tflops", "sdpa_tflops")))
+        _positive(
+            r,
+            "ms",
+            "sdpa_ms",
+            *(("gbps", "sdpa_gbps", "frac_of_copy_bw") if part == "decode_attention" else ("tflops", "sdpa_tflops")),
+        )
         assert 0 <= r["max_abs_diff_vs_sdpa"] < MAX_ABS_DIFF, r
 
 

@@ -1,6 +1,7 @@
 """The torch backend's paged attention (``kvserve/kernels/torch_backend.py``, ``paged_attention_torch``), in-process,
 against the float64 reference of attention_cases.py (``TORCH_CASES``), its decode-row buckets and its
 argument checks."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,10 @@ def test_decode_buckets_split_at_long_rows():
     assert [len(rows) for rows, _g, _m in plan] == [9] and plan[0][2].shape[-1] == 64
 
 
-@pytest.mark.parametrize("window,softcap", [(0, None), (-3, None), (2.5, None), (True, None),
-                                            (None, 0.0), (None, -1.0), (None, float("inf"))])
+@pytest.mark.parametrize(
+    "window,softcap",
+    [(0, None), (-3, None), (2.5, None), (True, None), (None, 0.0), (None, -1.0), (None, float("inf"))],
+)
 def test_bad_window_or_softcap_raises(window, softcap):
     from kvserve.kernels.torch_backend import paged_attention_torch
 
@@ -36,10 +39,10 @@ def test_bad_window_or_softcap_raises(window, softcap):
 @pytest.mark.parametrize("name", list(TORCH_CASES))
 def test_torch_reference_path(name):
     from kvserve.kernels.torch_backend import paged_attention_torch
+
     spec = TORCH_CASES[name]
     p = make_problem(spec)
-    out = paged_attention_torch(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
-                                p["window"], p["softcap"])
+    out = paged_attention_torch(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], p["window"], p["softcap"])
     if 0 in p["seqlens"]:  # the torch path leaves seq_len-0 padding rows unspecified
         keep = torch.tensor([s > 0 for s in p["seqlens"]])
         rows = torch.repeat_interleave(keep, torch.tensor(p["qlens"]))

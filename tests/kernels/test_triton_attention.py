@@ -6,6 +6,7 @@ attention_cases.py, one test per case of ``CASES``.
 * ``@pytest.mark.gpu`` tests compile the kernels for real on CUDA (fp16 and bf16; fp32 on its own)
   and are skipped without CUDA.
 """
+
 from __future__ import annotations
 
 import pytest

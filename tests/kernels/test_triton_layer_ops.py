@@ -9,6 +9,7 @@ rotary embedding, SiLU-and-mul) against the ATen ops of ``kvserve.engine.layers`
 * ``@pytest.mark.gpu``: the same kernels compiled for the card, bfloat16 too, and a tiny model's forward on CUDA
   through both paths.
 """
+
 from __future__ import annotations
 
 import os
@@ -158,10 +159,12 @@ print("engines ok")
 
 
 def _interpreted(code: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", KVSERVE_CPU_FUSED_OPS="0",
-               KVSERVE_CPU_DECODE_LAYERS="0")
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", KVSERVE_CPU_FUSED_OPS="0", KVSERVE_CPU_DECODE_LAYERS="0"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def test_kernels_under_the_interpreter():
@@ -184,8 +187,14 @@ _GPU = torch.cuda.is_available()
 def test_kernels_on_cuda():
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", KERNEL_CHECKS.replace("DEVICE", "'cuda'")], capture_output=True,
-                       text=True, timeout=600, env=env, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECKS.replace("DEVICE", "'cuda'")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
     assert r.returncode == 0 and "kernels ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
@@ -201,12 +210,29 @@ def test_model_forward_on_cuda_equals_aten(tmp_path, dtype, monkeypatch):
     from kvserve.engine.config import EngineConfig
     from kvserve.engine.model_runner import ModelRunner
     from kvserve.kernels import gpu_ops
+
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=256,
-                                 tie_word_embeddings=False)).save_pretrained(tmp_path)
-    cfg = EngineConfig(model=str(tmp_path), device="cuda", dtype=str(dtype).split(".")[-1],
-                       attention_backend="triton", enforce_eager=True, num_kv_blocks=16)
+    Qwen3ForCausalLM(
+        Qwen3Config(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=512,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(tmp_path)
+    cfg = EngineConfig(
+        model=str(tmp_path),
+        device="cuda",
+        dtype=str(dtype).split(".")[-1],
+        attention_backend="triton",
+        enforce_eager=True,
+        num_kv_blocks=16,
+    )
     runner = ModelRunner(cfg, tmp_path)
     ids = torch.arange(5, 45, device="cuda")
     calls = []

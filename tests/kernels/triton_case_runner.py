@@ -7,6 +7,7 @@ runner: ``python tests/kernels/triton_case_runner.py --device cpu CASE...`` prin
 torch/triton import once) and, if the child dies, records the case it was in as crashed and starts a
 fresh child for the rest (test_triton_attention.py calls it once per module, and once per GPU test).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ from attention_cases import CASES, DTYPES, ROOT, _compare, _meta, make_problem, 
 def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     """Run one Triton case (interpreter on CPU, compiled on CUDA); returns a result dict."""
     from kvserve.kernels import triton_attention as ta
+
     spec = CASES[name]
     if spec["kind"] == "heuristic":
         return _run_heuristic()
@@ -37,16 +39,33 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
         ws.update(k_scale=p["k_scale"], v_scale=p["v_scale"])
     out = torch.full_like(p["q"], float("nan"))
     if spec["kind"] == "prefill":
-        ta.varlen_prefill_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"],
-                                    p["seq_lens"], p["cu_seqlens_q"], max(p["qlens"]),
-                                    p["scale"], out=out, **ws)
+        ta.varlen_prefill_attention(
+            p["q"],
+            p["k_cache"],
+            p["v_cache"],
+            p["block_tables"],
+            p["seq_lens"],
+            p["cu_seqlens_q"],
+            max(p["qlens"]),
+            p["scale"],
+            out=out,
+            **ws,
+        )
     elif spec["kind"] == "decode":
-        ta.paged_decode_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"],
-                                  p["seq_lens"], p["scale"], max(p["seqlens"]), out=out,
-                                  num_splits=spec["splits"], **ws)
+        ta.paged_decode_attention(
+            p["q"],
+            p["k_cache"],
+            p["v_cache"],
+            p["block_tables"],
+            p["seq_lens"],
+            p["scale"],
+            max(p["seqlens"]),
+            out=out,
+            num_splits=spec["splits"],
+            **ws,
+        )
     else:
-        out = ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"],
-                                 out=out, **ws)
+        out = ta.paged_attention(p["q"], p["k_cache"], p["v_cache"], _meta(p), p["scale"], out=out, **ws)
     return _compare(out, ref_attention(ref_problem), dtype)
 
 
@@ -54,6 +73,7 @@ def _run_heuristic() -> dict:
     """Split-K choice (pure Python, but importing the module decorates the kernels, which
     fixes interpreter-or-not for the process: hence also in the child)."""
     from kvserve.kernels.triton_attention import choose_num_splits
+
     checks = [
         choose_num_splits(64, 8, 8192, 132) == 1,  # big batch fills the GPU: no split
         choose_num_splits(1, 8, 8192, 132) == 32,  # batch 1, long context: capped at 32
@@ -68,6 +88,7 @@ def _run_heuristic() -> dict:
 
 def _run_store(spec: dict, device: str, dtype: str) -> dict:
     from kvserve.kernels import triton_attention as ta
+
     gen = torch.Generator().manual_seed(spec["seed"])
     Hkv, D, bs, T = spec["Hkv"], spec["D"], spec["bs"], spec["T"]
     num_blocks = (T + bs - 1) // bs + 2
@@ -77,7 +98,7 @@ def _run_store(spec: dict, device: str, dtype: str) -> dict:
     slots[torch.rand(T, generator=gen) < 0.2] = -1
     # Views with a padded token stride (as when K/V are slices of a fused qkv projection).
     kv = torch.randn(T, 2, Hkv, D, generator=gen)
-    scales = dict(k_scale=2.0 ** -4, v_scale=0.01) if fp8 else {}
+    scales = dict(k_scale=2.0**-4, v_scale=0.01) if fp8 else {}
     if fp8:  # values across e4m3's whole range (subnormals, some past 448 * scale) and, in K,
         # every exact tie between neighbouring e4m3 values (round to nearest even)
         kv *= torch.logspace(-5, 1.5, T * 2 * Hkv * D)[torch.randperm(T * 2 * Hkv * D, generator=gen)].view(kv.shape)
@@ -95,16 +116,14 @@ def _run_store(spec: dict, device: str, dtype: str) -> dict:
     exp_k, exp_v = k_buf.clone(), v_buf.clone()
     keep = slots >= 0
     if fp8:  # torch's own float8 rounding (nearest even) of the clamped, scaled values
-        key_q, value_q = ((x / s).clamp(-448, 448)
-                          for x, s in ((key, scales["k_scale"]), (value, scales["v_scale"])))
+        key_q, value_q = ((x / s).clamp(-448, 448) for x, s in ((key, scales["k_scale"]), (value, scales["v_scale"])))
     else:
         key_q, value_q = key, value
     raw = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # no float8 indexing in ATen
     raw(exp_k)[1:-1].reshape(-1, Hkv, D)[slots[keep]] = raw(key_q[keep].to(dt))
     raw(exp_v)[1:-1].reshape(-1, Hkv, D)[slots[keep]] = raw(value_q[keep].to(dt))
     k_buf, v_buf = k_buf.to(device), v_buf.to(device)
-    ta.store_kv(key.to(device), value.to(device), k_buf[1:-1], v_buf[1:-1], slots.to(device),
-                **scales)
+    ta.store_kv(key.to(device), value.to(device), k_buf[1:-1], v_buf[1:-1], slots.to(device), **scales)
 
     def same(a, b):
         a = a.cpu()
@@ -113,13 +132,15 @@ def _run_store(spec: dict, device: str, dtype: str) -> dict:
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
     ok = same(k_buf, exp_k) and same(v_buf, exp_v)
-    return dict(ok=ok, max_abs_err=0.0 if ok else float("nan"), rel_err=0.0, bound=0.0,
-                nonfinite=0, written=int(keep.sum()))
+    return dict(
+        ok=ok, max_abs_err=0.0 if ok else float("nan"), rel_err=0.0, bound=0.0, nonfinite=0, written=int(keep.sum())
+    )
 
 
 # ------------------------------------------------------------------------------------------
 # Subprocess driver
 # ------------------------------------------------------------------------------------------
+
 
 def _child_env(interpret: bool) -> dict:
     env = dict(os.environ)
@@ -131,8 +152,9 @@ def _child_env(interpret: bool) -> dict:
     return env
 
 
-def run_cases_in_subprocess(names: list[str], device: str, dtype: str | None = None,
-                            timeout: float = 600) -> dict[str, dict]:
+def run_cases_in_subprocess(
+    names: list[str], device: str, dtype: str | None = None, timeout: float = 600
+) -> dict[str, dict]:
     """Run ``names`` in child processes; a crash marks the current case and restarts."""
     results: dict[str, dict] = {}
     todo = list(names)
@@ -142,9 +164,14 @@ def run_cases_in_subprocess(names: list[str], device: str, dtype: str | None = N
         if dtype:
             cmd += ["--dtype", dtype]
         try:
-            proc = subprocess.run(cmd + todo, capture_output=True, text=True, cwd=str(ROOT),
-                                  env=_child_env(device == "cpu"),
-                                  timeout=max(1.0, deadline - time.monotonic()))
+            proc = subprocess.run(
+                cmd + todo,
+                capture_output=True,
+                text=True,
+                cwd=str(ROOT),
+                env=_child_env(device == "cpu"),
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
             stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as exc:
             stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -161,13 +188,11 @@ def run_cases_in_subprocess(names: list[str], device: str, dtype: str | None = N
                 current = None
         todo = [n for n in todo if n not in results]
         if current is not None:  # the child died inside this case
-            results[current] = dict(case=current, ok=False,
-                                    error=f"child crashed (rc={rc}): {stderr[-2000:]}")
+            results[current] = dict(case=current, ok=False, error=f"child crashed (rc={rc}): {stderr[-2000:]}")
             todo.remove(current)
         elif todo:  # died before starting anything: give up on the rest
             for n in todo:
-                results[n] = dict(case=n, ok=False, error=f"child failed (rc={rc}): "
-                                                          f"{stderr[-2000:]}")
+                results[n] = dict(case=n, ok=False, error=f"child failed (rc={rc}): {stderr[-2000:]}")
             break
         if stderr == "timeout":
             for n in todo:
@@ -178,6 +203,7 @@ def run_cases_in_subprocess(names: list[str], device: str, dtype: str | None = N
 
 def _main(argv: list[str]) -> None:
     import argparse
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)

@@ -32,12 +32,24 @@ Identical requests in flight together all miss (no request coalescing). Latency 
 the cost of misses over HTTP: ``benchmarks/cache.py``, results in ``benchmarks/results/cache.json``
 (docs/benchmarks.md).
 """
+
 from kvserve.deployments.cache.entries import complete, decode_entry, encode_entry
-from kvserve.deployments.cache.keys import (NON_OUTPUT_FIELDS, canonical_json, deterministic, exact_key, request_payload,
-                                    semantic_parts)
+from kvserve.deployments.cache.keys import (
+    NON_OUTPUT_FIELDS,
+    canonical_json,
+    deterministic,
+    exact_key,
+    request_payload,
+    semantic_parts,
+)
 from kvserve.deployments.cache.response_cache import CACHE_HEADER, NO_CACHE, Lookup, ResponseCache
-from kvserve.deployments.cache.settings import (DEFAULT_SEMANTIC_THRESHOLD, SEMANTIC_MODES, CacheSettings, RequestOptions,
-                                        request_options)
+from kvserve.deployments.cache.settings import (
+    DEFAULT_SEMANTIC_THRESHOLD,
+    SEMANTIC_MODES,
+    CacheSettings,
+    RequestOptions,
+    request_options,
+)
 from kvserve.deployments.cache.stores import MemoryStore, RedisStore
 
 __all__ = [

@@ -13,6 +13,7 @@ there (their ``seq`` numbers are 0, 1, 2, ... without a gap: a stream that lost 
 way is never stored) and every choice finished with ``stop`` or ``length`` (not an error, a
 timeout or an abort, and not a stream whose client went away).
 """
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,8 @@ def complete(streams: list[list[GenerationChunk]], n: int) -> bool:
         if any(c.seq != i for i, c in enumerate(s)):
             return False
         ends = {c.index: c for c in s if c.finished}
-        if len(ends) != n or any(c.error is not None or c.finish_reason not in ("stop", "length")
-                                 for c in ends.values()):
+        if len(ends) != n or any(
+            c.error is not None or c.finish_reason not in ("stop", "length") for c in ends.values()
+        ):
             return False
     return True

@@ -30,6 +30,7 @@ prompt, earlier turns, tools and sampling fields must be equal for a semantic hi
 The owner is part of both, so one tenant's request never gets another's answer (its text, or
 the fact that someone asked it: the ``x-kvserve-cache`` header), nor one it planted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,14 @@ from kvserve.deployments.contract.openai_requests import ChatCompletionRequest, 
 #: declared field of the request models is part of it.
 NON_OUTPUT_FIELDS = frozenset({"model", "stream", "stream_options", "user", "priority", "cache"})
 #: Fields whose spellings are folded into ``structured`` (one spec, whichever field gave it).
-_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar")
+_STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 #: v2: the owner is part of every key (v1 keys, shared by every key, are never looked up).
 _KEY_VERSION = b"kvserve-response-cache-v2\0"
 #: The owner part of the keys of a deployment that shares its caches across API keys.
@@ -85,8 +92,9 @@ def request_payload(body: ChatCompletionRequest | CompletionRequest) -> dict[str
         d["max_tokens"] = body.effective_max_tokens
         d.pop("max_completion_tokens", None)
         d["tools"] = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        d["tool_choice"] = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) \
-            else body.tool_choice
+        d["tool_choice"] = (
+            body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+        )
     else:
         d["prompt"] = body.prompts()
     return d
@@ -105,16 +113,26 @@ def _digest(owner: str, model: str, revision: str, endpoint: str, payload: Any) 
     return h.hexdigest()
 
 
-def exact_key(model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest,
-              owner: str = ANONYMOUS_OWNER) -> str:
+def exact_key(
+    model: str,
+    revision: str,
+    endpoint: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    owner: str = ANONYMOUS_OWNER,
+) -> str:
     """The exact-cache key (64 hex digits) of ``owner``'s request (an owner id, or
     :data:`SHARED_OWNER`) to ``model`` at ``revision`` on ``endpoint`` (``chat`` or
     ``completion``)."""
     return _digest(owner, model, revision, endpoint, request_payload(body))
 
 
-def semantic_parts(model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest,
-                   owner: str = ANONYMOUS_OWNER) -> tuple[str, str] | None:
+def semantic_parts(
+    model: str,
+    revision: str,
+    endpoint: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    owner: str = ANONYMOUS_OWNER,
+) -> tuple[str, str] | None:
     """``(scope, text)`` for the semantic level: the text to embed (the last message, if it is
     a user message with text, or the single text prompt) and the hash of everything else,
     ``owner`` included (as in :func:`exact_key`). None when the request has no such text (a

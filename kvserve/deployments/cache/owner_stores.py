@@ -1,5 +1,6 @@
 """Per-owner stores in the response cache's backend: :class:`OwnerStores`, for what the gateway
 keeps on behalf of an API key (stored responses, the Batch API's files and batches)."""
+
 from __future__ import annotations
 
 import time
@@ -31,8 +32,15 @@ class OwnerStores:
         max_entries: each owner's entry bound (None: the cache's ``max_entries``).
     """
 
-    def __init__(self, settings: CacheSettings, prefix: str, timeout_s: float = 0.25, *, owners: int = 1,
-                 max_entries: int | None = None):
+    def __init__(
+        self,
+        settings: CacheSettings,
+        prefix: str,
+        timeout_s: float = 0.25,
+        *,
+        owners: int = 1,
+        max_entries: int | None = None,
+    ):
         self.settings, self.prefix, self.timeout_s = settings, prefix, timeout_s
         self.owner_bytes = max(1, settings.max_bytes // max(1, owners))
         self.owner_entries = max_entries if max_entries is not None else settings.max_entries
@@ -52,8 +60,14 @@ class OwnerStores:
         if store is None:
             s = self.settings
             if s.backend == "redis":
-                store = RedisStore(s.redis_url, self.owner_entries, self.owner_bytes, prefix=f"{self.prefix}{owner}:",
-                                   client=self.redis, strict=True)
+                store = RedisStore(
+                    s.redis_url,
+                    self.owner_entries,
+                    self.owner_bytes,
+                    prefix=f"{self.prefix}{owner}:",
+                    client=self.redis,
+                    strict=True,
+                )
             else:
                 store = MemoryStore(self.owner_entries, self.owner_bytes)
             self._stores[owner] = store

@@ -26,6 +26,7 @@ lower one keeps more paraphrases but comes close to letting near misses through,
 misses (a direction swap, "Celsius to Fahrenheit" / "Fahrenheit to Celsius") no threshold
 separates. A wrong answer costs more than a miss, and the semantic level is opt-in for that reason.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -115,16 +116,27 @@ class ResponseCache:
         ValueError: bad settings (see :class:`CacheSettings`).
     """
 
-    def __init__(self, settings: CacheSettings, *, embedder_factory: Callable[[], Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic, metrics: bool = True):
+    def __init__(
+        self,
+        settings: CacheSettings,
+        *,
+        embedder_factory: Callable[[], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: bool = True,
+    ):
         self.settings = settings
         if settings.backend == "redis":
             self.store_backend: MemoryStore | RedisStore = RedisStore(
-                settings.redis_url, settings.max_entries, settings.max_bytes, clock=clock)
+                settings.redis_url, settings.max_entries, settings.max_bytes, clock=clock
+            )
         else:
             self.store_backend = MemoryStore(settings.max_entries, settings.max_bytes, clock=clock)
-        self.counts = {"exact": {"hits": 0, "misses": 0}, "semantic": {"hits": 0, "misses": 0}, "stores": 0,
-                       "warmed": {"exact": 0, "semantic": 0}}
+        self.counts = {
+            "exact": {"hits": 0, "misses": 0},
+            "semantic": {"hits": 0, "misses": 0},
+            "stores": 0,
+            "warmed": {"exact": 0, "semantic": 0},
+        }
         self._tasks: set[asyncio.Task] = set()
         self._metrics = None
         if metrics:
@@ -142,8 +154,9 @@ class ResponseCache:
     @staticmethod
     def _embedder_loaded(f: concurrent.futures.Future) -> None:
         if not f.cancelled() and f.exception() is not None:
-            logger.error("response cache: the semantic level is off, its embedding model failed to load: %s",
-                         f.exception())
+            logger.error(
+                "response cache: the semantic level is off, its embedding model failed to load: %s", f.exception()
+            )
 
     def wants_semantic(self, opts: RequestOptions) -> bool:
         mode = self.settings.semantic
@@ -167,9 +180,19 @@ class ResponseCache:
             except Exception:  # metrics never fail a request
                 pass
 
-    async def lookup(self, model: str, revision: str, endpoint: str, body: ChatCompletionRequest | CompletionRequest,
-                     opts: RequestOptions, *, owner: str = ANONYMOUS_OWNER, semantic_threshold: float | None = None,
-                     variant: str = "", warm: bool = False) -> Lookup:
+    async def lookup(
+        self,
+        model: str,
+        revision: str,
+        endpoint: str,
+        body: ChatCompletionRequest | CompletionRequest,
+        opts: RequestOptions,
+        *,
+        owner: str = ANONYMOUS_OWNER,
+        semantic_threshold: float | None = None,
+        variant: str = "",
+        warm: bool = False,
+    ) -> Lookup:
         """Look the request up (``endpoint``: ``chat`` or ``completion``). Never raises: any
         failure of the cache is a miss (logged). ``owner``: the owner id of the request's API
         key (:func:`kvserve.deployments.gateway.gate.owner_id`): only its own answers are found,
@@ -189,8 +212,9 @@ class ResponseCache:
             logger.warning("response cache lookup failed (%s: %s); answering without it", type(e).__name__, e)
             return Lookup("bypass", model)
 
-    async def _lookup(self, model, revision, endpoint, body, opts, owner, threshold=None, variant="",
-                      warm=False) -> Lookup:
+    async def _lookup(
+        self, model, revision, endpoint, body, opts, owner, threshold=None, variant="", warm=False
+    ) -> Lookup:
         key = exact_key(model, revision, endpoint, body, owner)
         look = Lookup("miss" if opts.read else "bypass", model, key=key, store=opts.write)
         if opts.read:
@@ -210,8 +234,9 @@ class ResponseCache:
         numbers = numbers_of(text)
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        vec, match = await loop.run_in_executor(self._pool, self._embed_and_search, scope, text, numbers, opts.read,
-                                                threshold)
+        vec, match = await loop.run_in_executor(
+            self._pool, self._embed_and_search, scope, text, numbers, opts.read, threshold
+        )
         look.semantic = (scope, vec, numbers)
         if opts.read:
             streams, warmed = None, False
@@ -225,8 +250,9 @@ class ResponseCache:
                 look.status, look.streams, look.store, look.warmed = "semantic", streams, False, warmed
         return look
 
-    def _embed_and_search(self, scope: str, text: str, numbers: tuple[str, ...], search: bool,
-                          threshold: float | None = None):
+    def _embed_and_search(
+        self, scope: str, text: str, numbers: tuple[str, ...], search: bool, threshold: float | None = None
+    ):
         vec = self._embedder.result().embed([text])[0]
         threshold = self.settings.semantic_threshold if threshold is None else threshold
         match = self.index.search(scope, vec, threshold, numbers) if search else None
@@ -276,8 +302,9 @@ class ResponseCache:
     async def _store(self, look: Lookup, streams: list[list[GenerationChunk]]) -> None:
         look.store = False  # one answer, one write
         try:
-            ok = await self.store_backend.put(look.model, look.key, encode_entry(streams, look.warm),
-                                              self.settings.ttl_s)
+            ok = await self.store_backend.put(
+                look.model, look.key, encode_entry(streams, look.warm), self.settings.ttl_s
+            )
             if ok:
                 self.counts["stores"] += 1
                 if look.warm:
@@ -300,13 +327,25 @@ class ResponseCache:
     async def stats(self) -> dict[str, Any]:
         """Counters since this replica started and the current sizes."""
         entries, nbytes = await self.store_backend.size()
-        return {"backend": self.store_backend.name, "ttl_s": self.settings.ttl_s,
-                "exact": {**self.counts["exact"], "entries": entries, "bytes": nbytes,
-                          "max_entries": self.settings.max_entries, "max_bytes": self.settings.max_bytes},
-                "semantic": {**self.counts["semantic"], "mode": self.settings.semantic,
-                             "threshold": self.settings.semantic_threshold,
-                             "entries": len(self.index) if self.index is not None else 0},
-                "stores": self.counts["stores"], "warmed": dict(self.counts["warmed"])}
+        return {
+            "backend": self.store_backend.name,
+            "ttl_s": self.settings.ttl_s,
+            "exact": {
+                **self.counts["exact"],
+                "entries": entries,
+                "bytes": nbytes,
+                "max_entries": self.settings.max_entries,
+                "max_bytes": self.settings.max_bytes,
+            },
+            "semantic": {
+                **self.counts["semantic"],
+                "mode": self.settings.semantic,
+                "threshold": self.settings.semantic_threshold,
+                "entries": len(self.index) if self.index is not None else 0,
+            },
+            "stores": self.counts["stores"],
+            "warmed": dict(self.counts["warmed"]),
+        }
 
     async def close(self) -> None:
         await self.store_backend.close()

@@ -19,6 +19,7 @@ A hit also needs the same numbers in both texts (:func:`numbers_of`): "What is 1
 and "What is 12 times 13?" embed close together, and no threshold that keeps real paraphrases
 separates them.
 """
+
 from __future__ import annotations
 
 import re
@@ -89,8 +90,9 @@ class SemanticIndex:
         ValueError: ``max_entries`` < 1.
     """
 
-    def __init__(self, dim: int = EMBEDDING_DIM, max_entries: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, dim: int = EMBEDDING_DIM, max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ):
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.dim, self.max_entries, self._clock = dim, max_entries, clock
@@ -101,8 +103,9 @@ class SemanticIndex:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def search(self, scope: str, vec: np.ndarray, threshold: float,
-               numbers: tuple[str, ...] = ()) -> tuple[str, float] | None:
+    def search(
+        self, scope: str, vec: np.ndarray, threshold: float, numbers: tuple[str, ...] = ()
+    ) -> tuple[str, float] | None:
         """The key of the live entry of ``scope`` most similar to ``vec`` (float32 ``[dim]``,
         unit length) if its cosine similarity is at least ``threshold`` and its text had the
         same ``numbers``; with the similarity. None otherwise."""
@@ -120,8 +123,9 @@ class SemanticIndex:
             self._lru.move_to_end((scope, key))
             return key, float(sims[i])
 
-    def add(self, scope: str, model: str, key: str, vec: np.ndarray, ttl_s: float,
-            numbers: tuple[str, ...] = ()) -> None:
+    def add(
+        self, scope: str, model: str, key: str, vec: np.ndarray, ttl_s: float, numbers: tuple[str, ...] = ()
+    ) -> None:
         """Add (or replace) the entry ``key`` of ``scope``, live for ``ttl_s`` seconds."""
         with self._lock:
             s = self._scopes.get(scope)

@@ -15,6 +15,7 @@ one anonymous owner without keys), so a request is answered only from its own ke
 and the header tells only of them. ``cache_shared_across_keys: true`` (the operator's choice,
 for keys of one tenant) lets every key hit every key's answers.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,10 +85,18 @@ class CacheSettings:
             ValueError: as the constructor.
         """
         c = args if args is not None else CacheArgs()
-        return cls(enabled=c.response_cache, backend=c.cache_backend, ttl_s=c.cache_ttl_s,
-                   max_entries=c.cache_max_entries, max_bytes=c.cache_max_bytes, semantic=c.semantic_cache,
-                   semantic_threshold=c.semantic_cache_threshold, semantic_max_entries=c.semantic_cache_max_entries,
-                   redis_url=redis_url, shared_across_keys=c.cache_shared_across_keys)
+        return cls(
+            enabled=c.response_cache,
+            backend=c.cache_backend,
+            ttl_s=c.cache_ttl_s,
+            max_entries=c.cache_max_entries,
+            max_bytes=c.cache_max_bytes,
+            semantic=c.semantic_cache,
+            semantic_threshold=c.semantic_cache_threshold,
+            semantic_max_entries=c.semantic_cache_max_entries,
+            redis_url=redis_url,
+            shared_across_keys=c.cache_shared_across_keys,
+        )
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ there a :class:`RedisStore` is ``strict`` and a failed read or write raises
 :class:`StoreUnavailable` (a 503), never "not found", so nothing is deleted or reported stored
 because Redis blinked.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,13 @@ class StoreUnavailable(OpenAIError):
 
     def __init__(self, what: str, err: BaseException | None = None):
         detail = f" ({type(err).__name__})" if err is not None else ""
-        super().__init__(f"the store did not answer {what}{detail}; nothing was changed or lost, retry later", 503,
-                         "server_error", code="store_unavailable", retry_after_s=1.0)
+        super().__init__(
+            f"the store did not answer {what}{detail}; nothing was changed or lost, retry later",
+            503,
+            "server_error",
+            code="store_unavailable",
+            retry_after_s=1.0,
+        )
 
 
 class MemoryStore:
@@ -121,7 +127,9 @@ local function now_ms()
 end
 """
 # KEYS[4]: the entry. ARGV: data, ttl ms, max entries, max bytes. Returns entries evicted.
-_PUT_LUA = _DROP_LUA + """
+_PUT_LUA = (
+    _DROP_LUA
+    + """
 local now, ttl = now_ms(), tonumber(ARGV[2])
 -- members untouched for a whole TTL have expired: forget their sizes
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)) do drop(m) end
@@ -140,24 +148,34 @@ while redis.call('ZCARD', KEYS[1]) > tonumber(ARGV[3]) or total > tonumber(ARGV[
 end
 return evicted
 """
+)
 # KEYS[4]: the entry. Returns its data (and marks it used) or nil.
-_GET_LUA = _DROP_LUA + """
+_GET_LUA = (
+    _DROP_LUA
+    + """
 local v = redis.call('GET', KEYS[4])
 if v then redis.call('ZADD', KEYS[1], 'XX', now_ms(), KEYS[4]) end
 return v
 """
+)
 # KEYS[4]: the entry. Returns 1 if it was there.
-_DEL_LUA = _DROP_LUA + """
+_DEL_LUA = (
+    _DROP_LUA
+    + """
 return drop(KEYS[4])
 """
+)
 # ARGV[1]: prefix of the entry keys to delete. Returns the live entries deleted.
-_CLEAR_LUA = _DROP_LUA + """
+_CLEAR_LUA = (
+    _DROP_LUA
+    + """
 local n, p = 0, ARGV[1]
 for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if string.sub(m, 1, string.len(p)) == p then n = n + drop(m) end
 end
 return n
 """
+)
 
 
 class RedisStore:
@@ -184,9 +202,19 @@ class RedisStore:
 
     name = "redis"
 
-    def __init__(self, url: str, max_entries: int, max_bytes: int, *, timeout_s: float = 0.25,
-                 retry_s: float = 5.0, prefix: str = "kvserve:rc:", clock: Callable[[], float] = time.monotonic,
-                 client=None, strict: bool = False):
+    def __init__(
+        self,
+        url: str,
+        max_entries: int,
+        max_bytes: int,
+        *,
+        timeout_s: float = 0.25,
+        retry_s: float = 5.0,
+        prefix: str = "kvserve:rc:",
+        clock: Callable[[], float] = time.monotonic,
+        client=None,
+        strict: bool = False,
+    ):
         self.strict = strict
         self.url, self.max_entries, self.max_bytes, self.prefix = url, max_entries, max_bytes, prefix
         self.retry_s, self._clock = retry_s, clock
@@ -206,8 +234,9 @@ class RedisStore:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                       retry=Retry(NoBackoff(), 1))
+        return aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1)
+        )
 
     @staticmethod
     def model_tag(model: str) -> str:
@@ -233,8 +262,10 @@ class RedisStore:
         if len(data) > self.max_bytes or not self._usable():
             return False
         try:
-            await self._put(keys=self._meta + [self.entry_key(model, key)],
-                            args=[data, max(1, int(ttl_s * 1000)), self.max_entries, self.max_bytes])
+            await self._put(
+                keys=self._meta + [self.entry_key(model, key)],
+                args=[data, max(1, int(ttl_s * 1000)), self.max_entries, self.max_bytes],
+            )
         except Exception as e:  # noqa: BLE001
             self._failed(e)
             if self.strict:
@@ -294,11 +325,22 @@ class RedisStore:
         if not self._warned:
             self._warned = True
             if self.strict:
-                logger.warning("store %s: Redis at %s failed (%s: %s); its requests get 503 until it answers again",
-                               self.prefix, safe_url(self.url), type(err).__name__, err)
+                logger.warning(
+                    "store %s: Redis at %s failed (%s: %s); its requests get 503 until it answers again",
+                    self.prefix,
+                    safe_url(self.url),
+                    type(err).__name__,
+                    err,
+                )
                 return
-            logger.warning("response cache: Redis at %s failed (%s: %s); every lookup is a miss until it answers "
-                           "again (retried every %.0f s)", safe_url(self.url), type(err).__name__, err, self.retry_s)
+            logger.warning(
+                "response cache: Redis at %s failed (%s: %s); every lookup is a miss until it answers "
+                "again (retried every %.0f s)",
+                safe_url(self.url),
+                type(err).__name__,
+                err,
+                self.retry_s,
+            )
 
     def _ok(self) -> None:
         if self._warned:

@@ -2,6 +2,7 @@
 (vLLM's ``name=path`` form or its JSON form) and its check, and the registry of adapters loaded
 at run time (:class:`AdapterRegistry`, vLLM's ``/v1/load_lora_adapter``) in Ray's GCS key-value
 store."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,11 @@ def parse_lora_module(text: str) -> tuple[str, str]:
             d = json.loads(text)
             name, path = d["name"], d["path"]
         except (ValueError, KeyError, TypeError):
-            raise argparse.ArgumentTypeError(f"expected name=path or {{\"name\": ..., \"path\": ...}}, got {text!r}")
+            raise argparse.ArgumentTypeError(f'expected name=path or {{"name": ..., "path": ...}}, got {text!r}')
     else:
         name, sep, path = text.partition("=")
         if not sep:
-            raise argparse.ArgumentTypeError(f"expected name=path or {{\"name\": ..., \"path\": ...}}, got {text!r}")
+            raise argparse.ArgumentTypeError(f'expected name=path or {{"name": ..., "path": ...}}, got {text!r}')
     if not str(name).strip() or not str(path).strip():
         raise argparse.ArgumentTypeError(f"an adapter needs a name and a path, got {text!r}")
     return str(name).strip(), str(path).strip()
@@ -101,8 +102,9 @@ class AdapterRegistry:
     def put(self, entry: AdapterEntry, replace: bool = False) -> bool:
         """Register ``entry``; False when its name is taken and ``replace`` is False."""
         value = json.dumps(dataclasses.asdict(entry))
-        existed = self._kv._internal_kv_put(self.prefix + entry.name, value, overwrite=replace,
-                                            namespace=REGISTRY_NAMESPACE)
+        existed = self._kv._internal_kv_put(
+            self.prefix + entry.name, value, overwrite=replace, namespace=REGISTRY_NAMESPACE
+        )
         return replace or not existed
 
     def get(self, name: str) -> AdapterEntry | None:
@@ -118,7 +120,7 @@ class AdapterRegistry:
         """Every registered adapter, by name."""
         out = {}
         for key in self._kv._internal_kv_list(self.prefix, namespace=REGISTRY_NAMESPACE):
-            e = self.get(key.decode()[len(self.prefix):])
+            e = self.get(key.decode()[len(self.prefix) :])
             if e is not None:
                 out[e.name] = e
         return out
@@ -132,5 +134,3 @@ def serve_app_name() -> str | None:
         return serve.get_replica_context().app_name
     except Exception:
         return None
-
-

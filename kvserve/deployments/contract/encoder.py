@@ -8,6 +8,7 @@ the mean of the last hidden states over the real tokens and L2-normalises. torch
 sentence-transformers are imported when an encoder is built, never at import of this module
 (the gateway imports it whether or not a cache is on).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -86,8 +87,13 @@ class SentenceEncoder:
     def embed(self, texts: list[str]) -> Any:
         """Unit-length embeddings, a float32 numpy array ``[len(texts), dim]``; a text longer
         than :attr:`max_len` tokens is truncated."""
-        return self.model.encode(texts, batch_size=max(1, len(texts)), convert_to_numpy=True,
-                                 normalize_embeddings=True, show_progress_bar=False)
+        return self.model.encode(
+            texts,
+            batch_size=max(1, len(texts)),
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
 
     def embed_ids(self, ids: list[list[int]]) -> list[list[float]]:
         """Unit-length embeddings of token id lists (each with the model's special tokens, at

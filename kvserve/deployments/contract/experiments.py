@@ -10,6 +10,7 @@ variant (the control), which ``kvserve experiment report`` prints and warns on.
 
 This module imports neither Ray (except the board, lazily) nor torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,10 @@ class VariantArgs(BaseModel):
     @classmethod
     def _name(cls, v: str) -> str:
         if not VARIANT_NAME.match(v):
-            raise ValueError(f"a variant's name is 1-48 letters, digits, '_', '.' or '-' (starting with a letter "
-                             f"or digit), got {v!r}")
+            raise ValueError(
+                f"a variant's name is 1-48 letters, digits, '_', '.' or '-' (starting with a letter "
+                f"or digit), got {v!r}"
+            )
         return v
 
     def model_settings(self) -> dict[str, Any]:
@@ -117,8 +120,9 @@ class ExperimentArgs(BaseModel):
         for v in self.variants:
             fixed = [k for k in v.settings if k in FIXED_MODEL_SETTINGS]
             if fixed:
-                raise ValueError(f"experiment {self.name!r}, variant {v.name!r}: {fixed[0]} cannot differ between "
-                                 "variants")
+                raise ValueError(
+                    f"experiment {self.name!r}, variant {v.name!r}: {fixed[0]} cannot differ between variants"
+                )
         return self
 
     def weights(self) -> dict[str, float]:
@@ -133,8 +137,7 @@ class ExperimentArgs(BaseModel):
         out = {}
         for v in self.variants[1:]:
             keys = sorted(set(control) | set(v.settings))
-            out[v.name] = {k: (control.get(k), v.settings.get(k)) for k in keys
-                           if control.get(k) != v.settings.get(k)}
+            out[v.name] = {k: (control.get(k), v.settings.get(k)) for k in keys if control.get(k) != v.settings.get(k)}
         return out
 
 

@@ -16,6 +16,7 @@ An entry on the board carries the digest of the configuration that published it
 ignores what the old replicas published until the new ones publish, and a replica restarted
 with the same configuration publishes the same facts again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,16 +86,21 @@ class ModelCard:
     @classmethod
     def of(cls, model: ModelArgs) -> "ModelCard":
         """The card of one generating model's configuration."""
-        return cls(name=model.name, max_model_len=model.max_model_len,
-                   tensor_parallel_size=model.tensor_parallel_size,
-                   pipeline_parallel_size=model.pipeline_parallel_size, dtype=model.dtype,
-                   kv_cache_dtype=model.kv_cache_dtype,
-                   quantization=model.quantization,
-                   speculative_config=public_speculative_config(model.speculative_config),
-                   tool_call_parser=model.tool_call_parser,
-                   reasoning_parser=model.reasoning_parser, lora_modules=tuple(model.lora_modules or ()),
-                   digest=_digest(json.dumps({"name": model.name, **model.engine_args()}, sort_keys=True, default=str)),
-                   facts_key=model.deployment_key if model.variant is not None else "")
+        return cls(
+            name=model.name,
+            max_model_len=model.max_model_len,
+            tensor_parallel_size=model.tensor_parallel_size,
+            pipeline_parallel_size=model.pipeline_parallel_size,
+            dtype=model.dtype,
+            kv_cache_dtype=model.kv_cache_dtype,
+            quantization=model.quantization,
+            speculative_config=public_speculative_config(model.speculative_config),
+            tool_call_parser=model.tool_call_parser,
+            reasoning_parser=model.reasoning_parser,
+            lora_modules=tuple(model.lora_modules or ()),
+            digest=_digest(json.dumps({"name": model.name, **model.engine_args()}, sort_keys=True, default=str)),
+            facts_key=model.deployment_key if model.variant is not None else "",
+        )
 
     @classmethod
     def of_encoder(cls, model: str | None, served_name: str) -> "ModelCard":
@@ -168,8 +174,9 @@ class FactsBoard:
 
     def put(self, model: str, facts: LoadedFacts) -> None:
         """Publish ``model``'s facts (replacing what was there)."""
-        self._kv._internal_kv_put(self.prefix + model, json.dumps(dataclasses.asdict(facts)), overwrite=True,
-                                  namespace=REGISTRY_NAMESPACE)
+        self._kv._internal_kv_put(
+            self.prefix + model, json.dumps(dataclasses.asdict(facts)), overwrite=True, namespace=REGISTRY_NAMESPACE
+        )
 
     def get(self, model: str) -> LoadedFacts | None:
         """``model``'s published facts; None when no replica has published any."""

@@ -12,6 +12,7 @@ two models in one application never share blocks. Entries go when the budget nee
 when a replica reports an object lost, and with their owner: an object dies with the process
 that put it, so a replica that is dropped takes its entries along.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -20,15 +21,26 @@ from dataclasses import dataclass
 from kvserve.engine.kv_events import MEDIUM_CLUSTER, BlockRemoved, BlockStored, KVEventBatch
 
 
-def kv_layout(model: str, dtype: str, kv_cache_dtype: str, block_size: int, tp: int, pp: int,
-              revision: str = "", quantization: str | None = None, variant: str = "") -> str:
+def kv_layout(
+    model: str,
+    dtype: str,
+    kv_cache_dtype: str,
+    block_size: int,
+    tp: int,
+    pp: int,
+    revision: str = "",
+    quantization: str | None = None,
+    variant: str = "",
+) -> str:
     """The name of a KV layout: blocks move only between engines of the same one. Besides the
     KV's shape (dtype, KV dtype, block size, parallel layout) it names what the KV's values
     depend on: the weights' ``revision`` (a rolling update's new weights never load the old
     ones' KV), the weights' ``quantization`` and the A/B ``variant``. A LoRA adapter's name and
     version are in its blocks' hashes (their chain's root), so they need no place here."""
-    return (f"{model}|rev:{revision}|q:{quantization or 'none'}|var:{variant}|{dtype}|{kv_cache_dtype}"
-            f"|bs{block_size}|tp{tp}|pp{pp}")
+    return (
+        f"{model}|rev:{revision}|q:{quantization or 'none'}|var:{variant}|{dtype}|{kv_cache_dtype}"
+        f"|bs{block_size}|tp{tp}|pp{pp}"
+    )
 
 
 def cluster_holder(layout: str) -> str:
@@ -71,8 +83,9 @@ class ClusterDirectory:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def put(self, owner: str, layout: str, budget_bytes: int,
-            blocks: list[tuple]) -> tuple[list[int], dict[str, KVEventBatch]]:
+    def put(
+        self, owner: str, layout: str, budget_bytes: int, blocks: list[tuple]
+    ) -> tuple[list[int], dict[str, KVEventBatch]]:
         """Add ``blocks`` (``(hash, meta, nbytes, [ref], digest)``) put by ``owner``; blocks held already
         are kept as they are (and marked used). Returns the hashes added and the events for the
         index: ``{holder: batch}`` (:func:`cluster_holder`; evictions may concern other layouts)."""
@@ -91,7 +104,8 @@ class ClusterDirectory:
             added.append(h)
             parent, tokens, bs, lora_id = meta
             self._batch(events, layout).events.append(
-                BlockStored([h], parent, list(tokens), bs, lora_id, MEDIUM_CLUSTER))
+                BlockStored([h], parent, list(tokens), bs, lora_id, MEDIUM_CLUSTER)
+            )
         while self.nbytes > self.budget_bytes and self.entries:
             (lay, h), e = self.entries.popitem(last=False)
             self.nbytes -= e.nbytes
@@ -112,8 +126,9 @@ class ClusterDirectory:
             out.append((h, e.meta, e.ref, e.digest))
         return out
 
-    def drop(self, layout: str | None, hashes: list[int] | None = None,
-             owner: str | None = None) -> dict[str, KVEventBatch]:
+    def drop(
+        self, layout: str | None, hashes: list[int] | None = None, owner: str | None = None
+    ) -> dict[str, KVEventBatch]:
         """Remove ``hashes`` of ``layout`` (objects found lost), or every block of ``owner`` (gone).
         Returns the events for the index."""
         if owner is not None:
@@ -140,5 +155,11 @@ class ClusterDirectory:
             batch.events.append(BlockRemoved([h], MEDIUM_CLUSTER))
 
     def stats(self) -> dict[str, int]:
-        return {"blocks": len(self.entries), "bytes": self.nbytes, "budget_bytes": self.budget_bytes,
-                "put": self.num_put, "evicted": self.num_evicted, "dropped": self.num_dropped}
+        return {
+            "blocks": len(self.entries),
+            "bytes": self.nbytes,
+            "budget_bytes": self.budget_bytes,
+            "put": self.num_put,
+            "evicted": self.num_evicted,
+            "dropped": self.num_dropped,
+        }

@@ -23,6 +23,7 @@ If the hub dies (its actor is owned by the replica that created it), the next pu
 gets a new one: replicas resync, routers reload. Until then routers route on what they have. The
 cluster tier's directory goes with it (its objects are freed once nothing refers to them).
 """
+
 from __future__ import annotations
 
 import time
@@ -98,8 +99,14 @@ class KVEventHubCore:
         self.version += 1
         self.log.append((self.version, replica, kind, payload))
 
-    def publish(self, replica: str, seq: int, batches: list[KVEventBatch], load: ReplicaLoad,
-                snapshot: tuple[int, KVEventBatch] | None = None) -> str:
+    def publish(
+        self,
+        replica: str,
+        seq: int,
+        batches: list[KVEventBatch],
+        load: ReplicaLoad,
+        snapshot: tuple[int, KVEventBatch] | None = None,
+    ) -> str:
         """A replica's batches numbered ``seq - len(batches) + 1 .. seq`` (each step's events; the
         numbering is the engine's), its load, and optionally a snapshot ``(its seq, batch)`` to
         start from. Batches at or below what the hub applied are skipped.

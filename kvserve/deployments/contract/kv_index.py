@@ -14,15 +14,24 @@ load from. The idea is llm-d's KV-cache indexer
 Pure Python, no Ray: the router (``kvserve/deployments/routing/kv_router.py``) and the event hub
 (``kvserve/deployments/contract/kv_event_hub.py``) both keep one.
 """
+
 from __future__ import annotations
 
 from kvserve.engine.kv_cache_manager import chain_hashes
-from kvserve.engine.kv_events import (MEDIUM_CLUSTER, MEDIUM_HOST, MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored,
-                              KVEventBatch)
+from kvserve.engine.kv_events import (
+    MEDIUM_CLUSTER,
+    MEDIUM_HOST,
+    MEDIUM_POOL,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 
 
-def request_hashes(token_ids: list[int], block_size: int, max_blocks: int, root: int,
-                   cache_salt: str | None = None) -> list[int]:
+def request_hashes(
+    token_ids: list[int], block_size: int, max_blocks: int, root: int, cache_salt: str | None = None
+) -> list[int]:
     """The chained hashes of the first full blocks of a prompt (at most ``max_blocks``, and
     never its last token's block: the engine always computes one token), exactly as the engine
     names them (:func:`~kvserve.engine.kv_cache_manager.chain_hashes`): from ``root`` (the
@@ -85,8 +94,13 @@ class KVBlockIndex:
                 if not holders:
                     del self.where[h]
 
-    def match(self, hashes: list[int], replicas: list[str], pending: dict[int, str] | None = None,
-              cluster: dict[str, str] | None = None) -> dict[str, tuple[int, int, int]]:
+    def match(
+        self,
+        hashes: list[int],
+        replicas: list[str],
+        pending: dict[int, str] | None = None,
+        cluster: dict[str, str] | None = None,
+    ) -> dict[str, tuple[int, int, int]]:
         """For each of ``replicas``: ``(pool blocks, host blocks, cluster blocks)`` it would reuse
         of a request whose chained hashes are ``hashes``: the leading run in its pool, then the
         run that continues in its host tier, then the run that continues in the cluster tier

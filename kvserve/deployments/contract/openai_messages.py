@@ -1,5 +1,6 @@
 """Chat messages and tools as the OpenAI API sends them (pydantic): :class:`ChatMessage` with its
 content parts and tool calls, :class:`ToolDef` and :class:`NamedToolChoice`."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,10 @@ def lone_surrogate_error(value: Any, where: str = "body") -> str | None:
         if isinstance(v, str):
             m = _SURROGATE.search(v)
             if m is not None:
-                return (f"{path} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
-                        "which is not valid Unicode; a JSON \\uD800-\\uDFFF escape must be half of a surrogate pair")
+                return (
+                    f"{path} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
+                    "which is not valid Unicode; a JSON \\uD800-\\uDFFF escape must be half of a surrogate pair"
+                )
         elif isinstance(v, dict):
             for k, item in reversed(list(v.items())):
                 if isinstance(k, str) and _SURROGATE.search(k):
@@ -116,9 +119,14 @@ class ChatMessage(BaseModel):
         if self.name:
             d["name"] = self.name
         if self.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments_dict(c.function.arguments)}}
-                for c in self.tool_calls]
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments_dict(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id:
             d["tool_call_id"] = self.tool_call_id
         return d
@@ -134,5 +142,3 @@ def _arguments_dict(arguments: str | dict) -> dict:
     except ValueError:
         return {"value": arguments}
     return v if isinstance(v, dict) else {"value": v}
-
-

@@ -20,6 +20,7 @@ response caches (``kvserve/deployments/cache/``).
 This module imports neither Ray nor the engine: it is shared by the ingress, the LLM server
 and clients.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -27,12 +28,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.deployments.contract.openai_errors import OpenAIError
-from kvserve.deployments.contract.openai_messages import (ChatMessage, NamedToolChoice, ToolDef,
-                                                         reject_lone_surrogates)
+from kvserve.deployments.contract.openai_messages import ChatMessage, NamedToolChoice, ToolDef, reject_lone_surrogates
 from kvserve.deployments.contract.types import MAX_N
 from kvserve.engine.grammar_spec import check_limits
-from kvserve.engine.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                              SamplingParams)
+from kvserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 
 # ---- shared request fields --------------------------------------------------------------------
@@ -142,14 +141,17 @@ class _SamplingFields(BaseModel):
             return v
         items = [v] if isinstance(v, str) else v
         if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (MAX_STOP_STRINGS), "
-                             f"got {len(items)}")
+            raise ValueError(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed (MAX_STOP_STRINGS), got {len(items)}"
+            )
         if any(not s for s in items):
             raise ValueError("stop strings must be non-empty")
         longest = max(len(s) for s in items) if items else 0
         if longest > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long "
-                             f"(MAX_STOP_STRING_CHARS), got one of {longest}")
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long "
+                f"(MAX_STOP_STRING_CHARS), got one of {longest}"
+            )
         return v
 
     @field_validator("logit_bias")
@@ -160,8 +162,7 @@ class _SamplingFields(BaseModel):
         if not v:
             return v
         if len(v) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed (MAX_LOGIT_BIAS), "
-                             f"got {len(v)}")
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed (MAX_LOGIT_BIAS), got {len(v)}")
         for k, b in v.items():
             if not (k.isascii() and k.isdigit() and len(k) <= 10):
                 raise ValueError(f"logit_bias keys are token ids (decimal strings), got {k[:20]!r}")
@@ -198,16 +199,19 @@ class _SamplingFields(BaseModel):
             flexible = so.pop("whitespace_flexible", None)
             unknown = set(so) - set(STRUCTURED_KINDS)
             if unknown:
-                raise ValueError(f"structured_outputs: unknown key(s) {sorted(unknown)}; "
-                                 f"use one of {', '.join(STRUCTURED_KINDS)}")
+                raise ValueError(
+                    f"structured_outputs: unknown key(s) {sorted(unknown)}; use one of {', '.join(STRUCTURED_KINDS)}"
+                )
             specs.extend({k: v} for k, v in so.items())
         for field, kind in _GUIDED.items():
             v = getattr(self, field)
             if v is not None:
                 specs.append({kind: v})
         if len(specs) > 1:
-            raise ValueError("give one structured output constraint (response_format, structured_outputs or "
-                             f"guided_*), got {len(specs)}")
+            raise ValueError(
+                "give one structured output constraint (response_format, structured_outputs or "
+                f"guided_*), got {len(specs)}"
+            )
         if specs and "choice" in specs[0]:
             ch = specs[0]["choice"]
             if not isinstance(ch, list) or not ch or any(not isinstance(c, str) or not c for c in ch):
@@ -263,8 +267,9 @@ class _SamplingFields(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and (self.stream_options.include_usage
-                                             or self.stream_options.continuous_usage_stats))
+        return bool(
+            self.stream_options and (self.stream_options.include_usage or self.stream_options.continuous_usage_stats)
+        )
 
     @property
     def continuous_usage(self) -> bool:
@@ -284,22 +289,6 @@ def unknown_fields(body: BaseModel) -> list[str]:
     if isinstance(options, BaseModel):
         names.extend(f"stream_options.{k}" for k in (options.model_extra or {}))
     return sorted(set(names))
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -330,13 +319,16 @@ class ChatCompletionRequest(_SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools]
             if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools "
-                                 f"({', '.join(names)})")
+                raise ValueError(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools ({', '.join(names)})"
+                )
         if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
             raise ValueError("tools: function names must be unique")
         if self.forces_tool_call and self.structured_spec() is not None:
-            raise ValueError("tool_choice required / a named function cannot be combined with response_format "
-                             "or another structured output constraint")
+            raise ValueError(
+                "tool_choice required / a named function cannot be combined with response_format "
+                "or another structured output constraint"
+            )
         return self
 
     @property
@@ -360,9 +352,22 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 #: Chat template variables the server sets itself: ``chat_template_kwargs`` may not name them.
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
-                                         "continue_final_message", "tokenize", "return_dict", "chat_template",
-                                         "tokenizer", "bos_token", "eos_token"})
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "chat_template",
+        "tokenizer",
+        "bos_token",
+        "eos_token",
+    }
+)
 
 
 # ---- completions ----------------------------------------------------------------------
@@ -405,5 +410,3 @@ class CompletionRequest(_SamplingFields):
         if p and isinstance(p[0], int):
             return [list(p)]
         return list(p)
-
-

@@ -23,6 +23,7 @@ The hashes are SHA-256 from a root that the replicas of an application share (a 
 kept in Ray's GCS, :func:`shared_hash_seed`), so equal prefixes (and salts) give equal hashes on
 every replica and router, and no one outside can predict them.
 """
+
 from __future__ import annotations
 
 from kvserve.deployments.contract.adapters import serve_app_name
@@ -34,12 +35,12 @@ MAX_PREFIX_TOKENS = 1024
 REPORTED_HASHES = 2048
 #: Fixed inputs whose token ids the replica and the router compare (see :func:`tokenizer_probe`).
 PROBE_TEXT = "kvserve routing probe: Hello, world! 12345 <b>ünïcödé</b>\n\tend."
-PROBE_MESSAGES = [{"role": "system", "content": "You are a probe."},
-                  {"role": "user", "content": "Hello, world! 12345"}]
+PROBE_MESSAGES = [{"role": "system", "content": "You are a probe."}, {"role": "user", "content": "Hello, world! 12345"}]
 
 
-def block_hashes(token_ids: list[int], block_size: int, max_blocks: int, root: int,
-                 cache_salt: str | None = None) -> list[int]:
+def block_hashes(
+    token_ids: list[int], block_size: int, max_blocks: int, root: int, cache_salt: str | None = None
+) -> list[int]:
     """Chained hashes of the first ``min(len(token_ids) // block_size, max_blocks)`` full
     blocks, as the engine computes ``Request.block_hashes``
     (:func:`kvserve.engine.kv_cache_manager.chain_hashes` from ``root``: the engine's root, or a
@@ -68,8 +69,6 @@ def tokenizer_probe(encode_text, encode_chat) -> list[int | None]:
         except Exception:
             out.append(None)
     return out
-
-
 
 
 #: Namespace and key prefix of the applications' hash seeds in Ray's GCS key-value store.

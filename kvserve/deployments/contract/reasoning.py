@@ -11,11 +11,14 @@ The two ``<think>`` families differ in one thing, as in vLLM:
   prompt left a ``<think>`` open (Qwen3-Thinking-2507's template); otherwise (thinking off,
   ``enable_thinking: false`` closes an empty block in the prompt) it is all content.
 """
+
 from __future__ import annotations
 
 #: reasoning parser name -> (start marker, end marker).
-REASONING_PARSERS: dict[str, tuple[str, str]] = {"deepseek_r1": ("<think>", "</think>"),
-                                                 "qwen3": ("<think>", "</think>")}
+REASONING_PARSERS: dict[str, tuple[str, str]] = {
+    "deepseek_r1": ("<think>", "</think>"),
+    "qwen3": ("<think>", "</think>"),
+}
 
 
 def prompt_reasoning(prompt_tail: str, parser: str) -> str:

@@ -1,5 +1,6 @@
 """Redis URLs as logs may show them: :func:`safe_url` (no password), for the caches and limits
 that share a Redis."""
+
 from __future__ import annotations
 
 from urllib.parse import urlsplit

@@ -1,6 +1,7 @@
 """How requests pick a model, as configuration: ``model: "auto"`` rules (:class:`RouteRule`,
 :class:`ModelRouting`), the upstream fallback (:class:`UpstreamArgs`) and the gateway's routing
 section (:class:`RoutingArgs`)."""
+
 import os
 from typing import Optional
 
@@ -60,7 +61,7 @@ class ModelRouting(BaseModel):
 
     def check(self, served: list[str]) -> None:
         """Raises:
-            ValueError: a rule or the default names a model the app does not serve, or ``auto``.
+        ValueError: a rule or the default names a model the app does not serve, or ``auto``.
         """
         for i, r in enumerate(self.rules):
             if r.model not in served:
@@ -111,18 +112,20 @@ class RoutingArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_routing: Optional[ModelRouting] = Field(
-        None, description="rules of `model: \"auto\"` (first match wins; kvserve/deployments/routing/model_routing.py): "
-                          "{rules: [{model, name, max_prompt_tokens, max_tokens, keywords, exclude_keywords}], "
-                          "default}; unset: no `auto` model")
+        None,
+        description='rules of `model: "auto"` (first match wins; kvserve/deployments/routing/model_routing.py): '
+        "{rules: [{model, name, max_prompt_tokens, max_tokens, keywords, exclude_keywords}], "
+        "default}; unset: no `auto` model",
+    )
     upstream: Optional[UpstreamArgs] = Field(
-        None, description="OpenAI-compatible fallback for requests the local models cannot take (all replicas "
-                          "at capacity or failing): {base_url, api_key (default $KVSERVE_UPSTREAM_API_KEY), "
-                          "models: {local: upstream name}, timeout_s}")
+        None,
+        description="OpenAI-compatible fallback for requests the local models cannot take (all replicas "
+        "at capacity or failing): {base_url, api_key (default $KVSERVE_UPSTREAM_API_KEY), "
+        "models: {local: upstream name}, timeout_s}",
+    )
 
     @model_validator(mode="after")
     def _upstream_key_from_env(self):
         if self.upstream is not None and not self.upstream.api_key:
             self.upstream.api_key = os.environ.get("KVSERVE_UPSTREAM_API_KEY", "").strip() or None
         return self
-
-

@@ -1,6 +1,7 @@
 """Consuming the replica's chunk streams, on either side of the Ray hop: :func:`merge_streams` (n
 streams as one, tagged with their index) and :func:`next_before` (the next item, or a timeout at
 a deadline)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -48,5 +49,3 @@ async def next_before(stream, deadline: float | None):
         return await anext(stream)
     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
         return await anext(stream)
-
-

@@ -9,6 +9,7 @@ gateway, the replica and Python-handle callers all import them. A chunk's JSON f
 (:meth:`GenerationChunk.to_dict` / :meth:`GenerationChunk.from_dict`) is the one encoding the
 response cache stores too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,14 +42,14 @@ BATCH_HEADER = "x-kvserve-batch"
 
 ERROR_STATUS = {
     "context_length_exceeded": 400,  # the prompt (plus one output token) does not fit max_model_len
-    "invalid_value": 400,            # a value the engine cannot honour (the message names the field)
-    "queue_full": 429,               # the replica is at capacity: retry after retry_after_s
-    "too_large": 400,                # can never be admitted (more than a replica holds at once)
-    "timeout": 504,                  # ran past the server's request_timeout_s (aborted, blocks freed)
-    "engine_dead": 503,              # the replica's engine stopped; Serve replaces the replica
-    "internal": 500,                 # a failure of the server itself (details in its log)
-    "model_not_found": 404,          # a LoRA adapter the replica does not serve
-    "warming_deferred": 429,         # a cache-warming request refused or stopped: live requests came first
+    "invalid_value": 400,  # a value the engine cannot honour (the message names the field)
+    "queue_full": 429,  # the replica is at capacity: retry after retry_after_s
+    "too_large": 400,  # can never be admitted (more than a replica holds at once)
+    "timeout": 504,  # ran past the server's request_timeout_s (aborted, blocks freed)
+    "engine_dead": 503,  # the replica's engine stopped; Serve replaces the replica
+    "internal": 500,  # a failure of the server itself (details in its log)
+    "model_not_found": 404,  # a LoRA adapter the replica does not serve
+    "warming_deferred": 429,  # a cache-warming request refused or stopped: live requests came first
 }
 
 
@@ -161,8 +162,7 @@ class GenerationChunk:
         encoded: only finished, successful answers are stored; neither are ``replica`` and
         ``via_channel``). The one encoding of a chunk outside Ray's pickling: the response
         cache stores it."""
-        return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in _NOT_STORED and v != _CHUNK_DEFAULTS[k]}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_STORED and v != _CHUNK_DEFAULTS[k]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerationChunk":
@@ -189,8 +189,10 @@ def _logprob(d: dict | None) -> TokenLogprob | None:
 
 #: Fields of a chunk that :meth:`GenerationChunk.to_dict` leaves out (how it travelled, not what it says).
 _NOT_STORED = frozenset({"error", "replica", "via_channel"})
-_CHUNK_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                   for f in dataclasses.fields(GenerationChunk)}
+_CHUNK_DEFAULTS = {
+    f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+    for f in dataclasses.fields(GenerationChunk)
+}
 
 
 # ---- gateway -> replica --------------------------------------------------------------------
@@ -258,8 +260,12 @@ class GenerateRequest:
     batch: bool = False
 
     @classmethod
-    def of(cls, prompt: str | list[int] | dict | None = None,
-           sampling_params: "SamplingParams | dict | None" = None, **kwargs: Any) -> "GenerateRequest":
+    def of(
+        cls,
+        prompt: str | list[int] | dict | None = None,
+        sampling_params: "SamplingParams | dict | None" = None,
+        **kwargs: Any,
+    ) -> "GenerateRequest":
         """A request from the Python-handle arguments (``sampling_params`` as a dict of
         :class:`engine.SamplingParams` fields plus ``n``, or the object itself).
 

@@ -16,6 +16,7 @@ take them) and free it within :data:`~kvserve.deployments.contract.adapters.REGI
 gateway that served the load or unload sees it at once, other gateway replicas within the same
 time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -115,19 +116,25 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
         return denied
     roots = list(gw.args.lora_allowed_roots or [])
     if not roots:
-        raise OpenAIError("loading LoRA adapters at run time is disabled on this server: start it with "
-                          "--lora-allowed-root DIR (lora_allowed_roots) to allow adapters under DIR", 403,
-                          "permission_error", code="runtime_lora_disabled")
+        raise OpenAIError(
+            "loading LoRA adapters at run time is disabled on this server: start it with "
+            "--lora-allowed-root DIR (lora_allowed_roots) to allow adapters under DIR",
+            403,
+            "permission_error",
+            code="runtime_lora_disabled",
+        )
     lora = gw.lora
     if lora.registry is None:
-        raise _bad("adapters can be loaded at run time only in a Ray Serve application", status=503,
-                   code="lora_unavailable")
+        raise _bad(
+            "adapters can be loaded at run time only in a Ray Serve application", status=503, code="lora_unavailable"
+        )
     name = body.lora_name
     if name in gw.models or name in gw.catalog.adapters or name == AUTO_MODEL:
         raise _bad(f"'{name}' is the name of a served model or configured adapter", "lora_name")
     if body.model is None and len(gw.models) > 1:
-        raise _bad(f"this server serves several models: name the adapter's base with 'model' "
-                   f"({', '.join(gw.models)})", "model")
+        raise _bad(
+            f"this server serves several models: name the adapter's base with 'model' ({', '.join(gw.models)})", "model"
+        )
     base, _ = gw.model_handle(body.model)
     old = await lora.lookup(name)
     if old is not None and not body.load_inplace:
@@ -138,8 +145,12 @@ async def load_adapter(gw, body: LoadLoRAAdapterRequest, request: Request):
         err = as_client_error(e)
         if err is None:
             logger.error("request %s: checking adapter %s failed", request_id_of(request), name, exc_info=e)
-            err = OpenAIError(f"no replica of '{base}' could check the adapter (request id "
-                              f"{request_id_of(request)})", 503, "server_error", code="model_unavailable")
+            err = OpenAIError(
+                f"no replica of '{base}' could check the adapter (request id {request_id_of(request)})",
+                503,
+                "server_error",
+                code="model_unavailable",
+            )
         raise err from None
     if reason is not None:
         raise _bad(f"adapter '{name}' cannot be loaded: {reason}", "lora_path", code="invalid_adapter")

@@ -1,5 +1,6 @@
 """The admin key's check (:func:`admin_denied`) and the response cache's administration (``GET`` /
 ``DELETE /v1/cache``); the LoRA adapter endpoints are in :mod:`kvserve.deployments.gateway.adapters`."""
+
 from __future__ import annotations
 
 import logging
@@ -30,23 +31,36 @@ def admin_denied(gw, request: Request, what: str = "the response cache") -> JSON
     API key that is not an admin key, or no admin key configured) or 429 (too many wrong keys
     from this address, the gate's throttle)."""
     if not gw.admin_keys:
-        return error_response(403, f"administration of {what} is off: no admin key is configured (admin_api_keys "
-                                   "or $KVSERVE_ADMIN_API_KEYS)", "permission_error", code="admin_disabled")
+        return error_response(
+            403,
+            f"administration of {what} is off: no admin key is configured (admin_api_keys or $KVSERVE_ADMIN_API_KEYS)",
+            "permission_error",
+            code="admin_disabled",
+        )
     client = request.client.host if request.client else "unknown"
     throttle = gw.gate.throttle
     wait = throttle.retry_after(client)
     if wait is not None:
-        return error_response(429, "too many failed authentication attempts from this address, retry later",
-                              "rate_limit_error", code="auth_throttled",
-                              headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+        return error_response(
+            429,
+            "too many failed authentication attempts from this address, retry later",
+            "rate_limit_error",
+            code="auth_throttled",
+            headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+        )
     if is_admin(gw, request):
         return None
     if request_policy(request.scope) is not None:  # a valid API key, not an admin one
-        return error_response(403, f"this API key may not administer {what}", "permission_error",
-                              code="permission_denied")
+        return error_response(
+            403, f"this API key may not administer {what}", "permission_error", code="permission_denied"
+        )
     throttle.record_failure(client)
-    return error_response(401, "an admin key is needed (send 'Authorization: Bearer <admin key>')",
-                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return error_response(
+        401,
+        "an admin key is needed (send 'Authorization: Bearer <admin key>')",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 async def clear_cache(gw, request: Request, model: str | None = None):
@@ -63,8 +77,9 @@ async def clear_cache(gw, request: Request, model: str | None = None):
         except Exception as e:
             rid = request_id_of(request)
             logger.error("request %s: clearing the response cache failed", rid, exc_info=e)
-            raise OpenAIError(f"the response cache's backend failed (request id {rid})", 503, "server_error",
-                              code="cache_unavailable") from None
+            raise OpenAIError(
+                f"the response cache's backend failed (request id {rid})", 503, "server_error", code="cache_unavailable"
+            ) from None
     return {"object": "cache.cleared", "model": model, "enabled": gw.cache is not None, **counts}
 
 

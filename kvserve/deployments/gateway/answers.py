@@ -5,6 +5,7 @@
 used and a complete answer stored in the response cache. The store is awaited before the
 response ends (the whole body returned, ``data: [DONE]`` sent), so an identical request sent
 after it always finds the entry."""
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,9 @@ class Answers:
             self.finish(call, wholes, store=complete)
         return wholes
 
-    async def sse(self, call: Call, events: AsyncIterator[bytes], done: bool = True,
-                  error=stream_error) -> AsyncIterator[bytes]:
+    async def sse(
+        self, call: Call, events: AsyncIterator[bytes], done: bool = True, error=stream_error
+    ) -> AsyncIterator[bytes]:
         """A streaming response's body: the endpoint's SSE ``events`` (rendered from
         :meth:`chunks`), then ``data: [DONE]``. A failure midway becomes an SSE error event
         (request id, no internals); a client that disconnects cancels the streams, which aborts

@@ -19,6 +19,7 @@ placement for an admin key only),
 Batch API (``POST`` and ``GET /v1/batches``, ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``). Each lives in its own module of
 this package; every request is counted and timed by route (:mod:`~kvserve.deployments.gateway.http_metrics`).
 """
+
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
 from fastapi import Depends, FastAPI, Request, Response
 
@@ -98,8 +99,13 @@ def build_api(gw: Gateway, app_status=None) -> FastAPI:
         return await files.upload_stream(gw.files, owner, request)  # the form is parsed as it arrives
 
     @app.get("/v1/files")
-    async def list_files(purpose: str | None = None, limit: int = 10000, after: str | None = None,
-                         order: str = "desc", owner: str = Depends(files_owner)):
+    async def list_files(
+        purpose: str | None = None,
+        limit: int = 10000,
+        after: str | None = None,
+        order: str = "desc",
+        owner: str = Depends(files_owner),
+    ):
         return await gw.files.list(owner, purpose, limit, after, order)
 
     @app.get("/v1/files/{file_id}")

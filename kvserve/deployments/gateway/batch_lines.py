@@ -2,6 +2,7 @@
 checks an input file (OpenAI's batch JSONL), :class:`BatchLineRunner` runs its requests. Used by
 the Batch API (:mod:`kvserve.deployments.gateway.batches`) and by ``kvserve run-batch`` (offline, as
 vLLM's ``run-batch``)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,6 +36,7 @@ def mark_batch(app):
     the lowest priority, as batch work on the replica (``GenerateRequest.batch``), never
     upstream, and out of the request log. A client's request through
     the HTTP server never carries the mark (a header such as ``x-kvserve-batch`` does nothing)."""
+
     async def marked(scope, receive, send):
         if scope.get("type") == "http":
             scope = {**scope, BATCH_SCOPE_KEY: True}
@@ -66,8 +68,17 @@ def parse_batch(data: bytes, endpoint: str | None = None) -> list[dict[str, Any]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise _invalid([{"object": "error", "code": "invalid_file", "message": "the file is not UTF-8 text",
-                         "line": None, "param": None}]) from None
+        raise _invalid(
+            [
+                {
+                    "object": "error",
+                    "code": "invalid_file",
+                    "message": "the file is not UTF-8 text",
+                    "line": None,
+                    "param": None,
+                }
+            ]
+        ) from None
     for n, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
@@ -107,15 +118,20 @@ def parse_batch(data: bytes, endpoint: str | None = None) -> list[dict[str, Any]
 
 
 def _invalid(errors: list[dict]) -> OpenAIError:
-    e = OpenAIError(f"the input file is not a valid batch: {errors[0]['message']}"
-                    + (f" (line {errors[0]['line']})" if errors[0]["line"] else "")
-                    + (f", and {len(errors) - 1} more" if len(errors) > 1 else ""), 400, code="invalid_batch_file")
+    e = OpenAIError(
+        f"the input file is not a valid batch: {errors[0]['message']}"
+        + (f" (line {errors[0]['line']})" if errors[0]["line"] else "")
+        + (f", and {len(errors) - 1} more" if len(errors) > 1 else ""),
+        400,
+        code="invalid_batch_file",
+    )
     e.errors = errors[:20]
     return e
 
 
-def result_line(custom_id: str, status: int | None, body: Any, request_id: str | None,
-                error: dict | None = None) -> dict[str, Any]:
+def result_line(
+    custom_id: str, status: int | None, body: Any, request_id: str | None, error: dict | None = None
+) -> dict[str, Any]:
     """One line of a batch's output or error file (OpenAI's shape)."""
     response = None if status is None else {"status_code": status, "request_id": request_id or "", "body": body}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
@@ -142,8 +158,9 @@ class BatchLineRunner:
         self.app, self.headers, self.concurrency, self.deadline = app, dict(headers), concurrency, deadline
         self.stop_reason: str | None = None  # set to stop: "batch_cancelled" or "batch_expired"
 
-    async def run(self, requests: list[dict[str, Any]],
-                  done: Callable[[int, dict[str, Any], bool], Awaitable[None] | None]) -> None:
+    async def run(
+        self, requests: list[dict[str, Any]], done: Callable[[int, dict[str, Any], bool], Awaitable[None] | None]
+    ) -> None:
         """Run ``requests`` (:func:`parse_batch`'s); ``done(index, line, ok)`` gets each one's
         output line (``ok``: a 2xx answer) as it ends. Requests not started when the runner
         stops (:attr:`stop_reason`, or the deadline) end with that error code."""
@@ -152,6 +169,7 @@ class BatchLineRunner:
             queue.put_nowait((i, r))
         transport = httpx.ASGITransport(app=mark_batch(self.app))
         async with httpx.AsyncClient(transport=transport, base_url="http://kvserve-batch", timeout=None) as http:
+
             async def worker():
                 while not queue.empty():
                     i, r = queue.get_nowait()
@@ -173,15 +191,28 @@ class BatchLineRunner:
         while True:
             reason = self._stopped()
             if reason is not None:
-                return result_line(r["custom_id"], None, None, None, {
-                    "code": reason, "message": "the batch was cancelled" if reason == "batch_cancelled" else
-                    "the batch's completion window ended before this request ran"}), False
+                return result_line(
+                    r["custom_id"],
+                    None,
+                    None,
+                    None,
+                    {
+                        "code": reason,
+                        "message": "the batch was cancelled"
+                        if reason == "batch_cancelled"
+                        else "the batch's completion window ended before this request ran",
+                    },
+                ), False
             try:
-                resp = await http.post(r["url"], json=r["body"],
-                                       headers={**self.headers, "x-request-id": request_id})
+                resp = await http.post(r["url"], json=r["body"], headers={**self.headers, "x-request-id": request_id})
             except Exception as e:  # the app itself failed (it answers errors as responses otherwise)
-                return result_line(r["custom_id"], None, None, request_id, {
-                    "code": "server_error", "message": f"the request failed: {type(e).__name__}"}), False
+                return result_line(
+                    r["custom_id"],
+                    None,
+                    None,
+                    request_id,
+                    {"code": "server_error", "message": f"the request failed: {type(e).__name__}"},
+                ), False
             try:
                 body = resp.json()
             except ValueError:

@@ -29,6 +29,7 @@ key whose owner id the batch records (a key removed from the configuration fails
 With the memory backend a batch lives in its replica only: one whose replica went away (no
 progress for :data:`STALE_S`) reads as ``failed``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -90,14 +91,20 @@ def window_seconds(window: str) -> int:
     m = re.fullmatch(r"(\d+)([hm])", str(window))
     seconds = int(m.group(1)) * (3600 if m.group(2) == "h" else 60) if m else 0
     if not 0 < seconds <= MAX_WINDOW_S:
-        raise OpenAIError(f"completion_window must be up to 24h (e.g. '24h'), got {window!r}", 400,
-                          param="completion_window", code="invalid_value")
+        raise OpenAIError(
+            f"completion_window must be up to 24h (e.g. '24h'), got {window!r}",
+            400,
+            param="completion_window",
+            code="invalid_value",
+        )
     return seconds
 
 
 def _error_list(code: str, message: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"object": "error", "code": code, "message": message, "line": None,
-                                        "param": None}]}
+    return {
+        "object": "list",
+        "data": [{"object": "error", "code": code, "message": message, "line": None, "param": None}],
+    }
 
 
 class Batches:
@@ -117,8 +124,16 @@ class Batches:
     PREFIX = "kvserve:batches:"
     MODEL = "batch"
 
-    def __init__(self, settings: CacheSettings, files: FileStore, concurrency: int, *, owners: int = 1,
-                 max_active: int = DEFAULT_MAX_ACTIVE_BATCHES_PER_KEY, keys=()):
+    def __init__(
+        self,
+        settings: CacheSettings,
+        files: FileStore,
+        concurrency: int,
+        *,
+        owners: int = 1,
+        max_active: int = DEFAULT_MAX_ACTIVE_BATCHES_PER_KEY,
+        keys=(),
+    ):
         self.owners = OwnerStores(settings, self.PREFIX, owners=owners)
         self.files, self.concurrency, self.max_active = files, concurrency, max_active
         self.redis_backend = settings.backend == "redis"
@@ -151,36 +166,76 @@ class Batches:
         self.sweep_soon()
         endpoint = body.get("endpoint")
         if endpoint not in BATCH_ENDPOINTS:
-            raise OpenAIError(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}", 400,
-                              param="endpoint", code="invalid_value")
+            raise OpenAIError(
+                f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}",
+                400,
+                param="endpoint",
+                code="invalid_value",
+            )
         window = window_seconds(body.get("completion_window", "24h"))
         metadata = body.get("metadata")
-        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or any(
-                not isinstance(v, str) or len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
-            raise OpenAIError("metadata: at most 16 string pairs (keys up to 64, values up to 512 characters)", 400,
-                              param="metadata", code="invalid_value")
+        if metadata is not None and (
+            not isinstance(metadata, dict)
+            or len(metadata) > 16
+            or any(not isinstance(v, str) or len(k) > 64 or len(v) > 512 for k, v in metadata.items())
+        ):
+            raise OpenAIError(
+                "metadata: at most 16 string pairs (keys up to 64, values up to 512 characters)",
+                400,
+                param="metadata",
+                code="invalid_value",
+            )
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise OpenAIError("input_file_id is required", 400, param="input_file_id", code="invalid_value")
         meta = await self.files.meta(owner, file_id)
         if meta["purpose"] != "batch":
-            raise OpenAIError(f"file {file_id} has purpose {meta['purpose']!r}, not 'batch'", 400,
-                              param="input_file_id", code="invalid_value")
+            raise OpenAIError(
+                f"file {file_id} has purpose {meta['purpose']!r}, not 'batch'",
+                400,
+                param="input_file_id",
+                code="invalid_value",
+            )
         active = await self._active_of(owner)
         if len(active) >= self.max_active:
-            raise OpenAIError(f"this key has {len(active)} batches active; the limit is {self.max_active} "
-                              "(max_active_batches_per_key): wait for one to end", 429, "rate_limit_error",
-                              code="too_many_active_batches", retry_after_s=PROGRESS_S)
+            raise OpenAIError(
+                f"this key has {len(active)} batches active; the limit is {self.max_active} "
+                "(max_active_batches_per_key): wait for one to end",
+                429,
+                "rate_limit_error",
+                code="too_many_active_batches",
+                retry_after_s=PROGRESS_S,
+            )
         now = int(time.time())
-        batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
-                 "input_file_id": file_id, "completion_window": body.get("completion_window", "24h"),
-                 "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
-                 "in_progress_at": None, "expires_at": now + window, "finalizing_at": None, "completed_at": None,
-                 "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
-                 "model": None, "usage": None, "kvserve_progress_at": time.time(), "kvserve_next": 0,
-                 "kvserve_out": None, "kvserve_err": None,
-                 "kvserve_usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}}
+        batch = {
+            "id": f"batch_{uuid.uuid4().hex}",
+            "object": "batch",
+            "endpoint": endpoint,
+            "errors": None,
+            "input_file_id": file_id,
+            "completion_window": body.get("completion_window", "24h"),
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + window,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": metadata,
+            "model": None,
+            "usage": None,
+            "kvserve_progress_at": time.time(),
+            "kvserve_next": 0,
+            "kvserve_out": None,
+            "kvserve_err": None,
+            "kvserve_usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
+        }
         if not await self._claim(batch["id"]):  # a fresh id: only fails when the store does
             raise StoreUnavailable("a batch lease")
         await self._save(owner, batch)
@@ -214,8 +269,9 @@ class Batches:
         if batch["status"] in ("cancelling", "cancelled"):
             return self._public(batch)
         if batch["status"] not in ACTIVE:
-            raise OpenAIError(f"batch {batch_id} is {batch['status']}: it cannot be cancelled", 409,
-                              code="batch_not_cancellable")
+            raise OpenAIError(
+                f"batch {batch_id} is {batch['status']}: it cannot be cancelled", 409, code="batch_not_cancellable"
+            )
         batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
         runner = self.running.get(batch_id)
         if runner is not None:
@@ -232,7 +288,7 @@ class Batches:
         self.sweep_soon()
         ids = await self.owners.index(owner, "batches")
         if after is not None:
-            ids = ids[ids.index(after) + 1:] if after in ids else []
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
         page = []
         for batch_id in ids:
             if len(page) > max(1, min(limit, 100)):
@@ -243,9 +299,14 @@ class Batches:
                 raise
             except OpenAIError:  # expired or evicted (the store answered "none"): it leaves the index
                 await self.owners.index_remove(owner, "batches", batch_id)
-        more, page = len(page) > max(1, min(limit, 100)), page[:max(1, min(limit, 100))]
-        return {"object": "list", "data": page, "has_more": more,
-                "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
+        more, page = len(page) > max(1, min(limit, 100)), page[: max(1, min(limit, 100))]
+        return {
+            "object": "list",
+            "data": page,
+            "has_more": more,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+        }
 
     # ---- the run --------------------------------------------------------------------------
     async def _run(self, owner: str, batch: dict[str, Any], runner: BatchLineRunner) -> None:
@@ -254,8 +315,11 @@ class Batches:
             await self._execute(owner, batch, runner)
         except Exception as e:  # never a silent death: the batch says it failed
             logger.exception("batch %s failed", batch["id"])
-            batch.update(status="failed", failed_at=int(time.time()),
-                         errors=_error_list("server_error", f"the batch failed: {type(e).__name__}: {e}"))
+            batch.update(
+                status="failed",
+                failed_at=int(time.time()),
+                errors=_error_list("server_error", f"the batch failed: {type(e).__name__}: {e}"),
+            )
             try:
                 await self._retrying(lambda: self._finish(owner, batch), f"batch {batch['id']}: the failed status")
             except Exception:  # noqa: BLE001 -- logged; another replica may take it when its lease runs out
@@ -276,14 +340,25 @@ class Batches:
         except StoreUnavailable:
             raise
         except OpenAIError as e:
-            batch.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": getattr(
-                e, "errors", [{"object": "error", "code": e.code, "message": e.message, "line": None, "param": None}])})
+            batch.update(
+                status="failed",
+                failed_at=int(time.time()),
+                errors={
+                    "object": "list",
+                    "data": getattr(
+                        e,
+                        "errors",
+                        [{"object": "error", "code": e.code, "message": e.message, "line": None, "param": None}],
+                    ),
+                },
+            )
             await self._retrying(lambda: self._finish(owner, batch), f"batch {batch['id']}: the failed status")
             return
         models = {r["body"].get("model") for r in requests}
         if batch["status"] == "validating":
-            batch.update(status="in_progress", in_progress_at=int(time.time()),
-                         model=models.pop() if len(models) == 1 else None)
+            batch.update(
+                status="in_progress", in_progress_at=int(time.time()), model=models.pop() if len(models) == 1 else None
+            )
         batch["request_counts"]["total"] = len(requests)
         if batch["status"] == "cancelling" and runner.stop_reason is None:
             runner.stop_reason = "batch_cancelled"
@@ -352,8 +427,7 @@ class Batches:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 5.0)
 
-    async def _progress(self, owner: str, batch: dict[str, Any], runner: BatchLineRunner,
-                        out: "_Output") -> None:
+    async def _progress(self, owner: str, batch: dict[str, Any], runner: BatchLineRunner, out: "_Output") -> None:
         """Write the results so far and the counts (the heartbeat), and take a cancel another
         ingress replica wrote. A store failure skips this heartbeat (the next one retries)."""
         if runner.stop_reason == "lease_lost":
@@ -408,8 +482,11 @@ class Batches:
 
     async def _renew(self, batch_id: str) -> bool:
         if self.redis_backend:
-            return bool(await self.owners.redis.eval(_RENEW_LUA, 1, self._lease_key(batch_id), self.holder,
-                                                     int(self.lease_s * 1000)))
+            return bool(
+                await self.owners.redis.eval(
+                    _RENEW_LUA, 1, self._lease_key(batch_id), self.holder, int(self.lease_s * 1000)
+                )
+            )
         holder, _ = self._leases_mem.get(batch_id, ("", 0.0))
         if holder != self.holder:
             return False
@@ -447,8 +524,10 @@ class Batches:
                 raw = await self.owners.redis.hgetall(self.PREFIX + "active")
             except Exception as e:  # noqa: BLE001
                 raise StoreUnavailable("the active batches", e) from None
-            return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-                    for k, v in raw.items()}
+            return {
+                (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in raw.items()
+            }
         return dict(self._active_mem)
 
     async def _active_of(self, owner: str) -> list[str]:
@@ -515,8 +594,13 @@ class Batches:
                 continue
             credentials = self.credentials_of(owner)
             if credentials is None:
-                batch.update(status="failed", failed_at=int(time.time()), errors=_error_list(
-                    "batch_key_removed", "the API key that created this batch is no longer configured"))
+                batch.update(
+                    status="failed",
+                    failed_at=int(time.time()),
+                    errors=_error_list(
+                        "batch_key_removed", "the API key that created this batch is no longer configured"
+                    ),
+                )
                 await self._finish(owner, batch)
                 await self._release(batch_id)
                 continue
@@ -543,10 +627,17 @@ class Batches:
         if record is None or record.get("owner") != owner:
             raise _not_found(batch_id)
         batch = record["batch"]
-        if not self.redis_backend and batch["status"] in ACTIVE and batch_id not in self.running and (
-                time.time() - batch.get("kvserve_progress_at", 0) > STALE_S):
-            batch.update(status="failed", failed_at=int(time.time()), errors=_error_list(
-                "batch_lost", "the ingress replica running this batch went away; create it again"))
+        if (
+            not self.redis_backend
+            and batch["status"] in ACTIVE
+            and batch_id not in self.running
+            and (time.time() - batch.get("kvserve_progress_at", 0) > STALE_S)
+        ):
+            batch.update(
+                status="failed",
+                failed_at=int(time.time()),
+                errors=_error_list("batch_lost", "the ingress replica running this batch went away; create it again"),
+            )
         return batch
 
     @staticmethod
@@ -578,8 +669,9 @@ class _Output:
         if w is None:
             name = f"{self.batch['id']}_{'output' if kind == 'out' else 'error'}.jsonl"
             metas = await self.batches.files._metas(self.owner)
-            w = self.writers[kind] = FileWriter(self.batches.files, self.owner, name, "batch_output",
-                                                sum(f["bytes"] for f in metas))
+            w = self.writers[kind] = FileWriter(
+                self.batches.files, self.owner, name, "batch_output", sum(f["bytes"] for f in metas)
+            )
         return w
 
     async def add(self, i: int, line: dict[str, Any], ok: bool) -> None:
@@ -608,24 +700,35 @@ class _Output:
                 self._sync()
                 return
             files = self.batches.files
-            line = result_line(line["custom_id"], None, None, (line.get("response") or {}).get("request_id"), {
-                "code": "batch_output_too_large",
-                "message": f"the answer ({len(data)} bytes) did not fit the output file (max_file_bytes "
-                           f"{files.max_file_bytes}; this key's files: {files.max_owner_bytes})"})
+            line = result_line(
+                line["custom_id"],
+                None,
+                None,
+                (line.get("response") or {}).get("request_id"),
+                {
+                    "code": "batch_output_too_large",
+                    "message": f"the answer ({len(data)} bytes) did not fit the output file (max_file_bytes "
+                    f"{files.max_file_bytes}; this key's files: {files.max_owner_bytes})",
+                },
+            )
             data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
         w = await self._writer("err")
         if len(data) <= w.room():
             await w.write(data)  # (raises before counting: a retry counts once)
         else:
-            logger.warning("batch %s: the error file is full; the error of %s is not kept", self.batch["id"],
-                           line.get("custom_id"))
+            logger.warning(
+                "batch %s: the error file is full; the error of %s is not kept", self.batch["id"], line.get("custom_id")
+            )
         counts["failed"] += 1
         self._sync()
 
     def _sync(self) -> None:
         u = self.batch["kvserve_usage"]
-        self.batch["usage"] = {**u, "input_tokens_details": {"cached_tokens": 0},
-                               "output_tokens_details": {"reasoning_tokens": 0}}
+        self.batch["usage"] = {
+            **u,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }
         for kind in ("out", "err"):
             w = self.writers[kind]
             self.batch[f"kvserve_{kind}"] = None if w is None else w.state
@@ -645,5 +748,7 @@ class _Output:
                 await w.close()
                 self.batch[field] = w.id
         self.batch["usage"] = self.batch.get("usage") or {
-            **self.batch["kvserve_usage"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            **self.batch["kvserve_usage"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }

@@ -3,6 +3,7 @@ builds (:class:`GenerateSpec` for chat, completions and Responses; :class:`Unary
 one-answer replica methods: embeddings, tokenize) and the :class:`Call`, one request on its
 way through (model, ids, the key's admission, the cache's verdict, the replica streams).
 Data only: the pipeline is :class:`~kvserve.deployments.gateway.core.Gateway`."""
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,15 @@ def estimate_prompt_tokens(prompt) -> int:
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return len(prompt)
     if isinstance(prompt, list):  # chat messages
-        return sum(4 + estimate_prompt_tokens(json.dumps(m.get("content"), ensure_ascii=False)
-                                              if not isinstance(m.get("content"), str) else m["content"])
-                   for m in prompt)
+        return sum(
+            4
+            + estimate_prompt_tokens(
+                json.dumps(m.get("content"), ensure_ascii=False)
+                if not isinstance(m.get("content"), str)
+                else m["content"]
+            )
+            for m in prompt
+        )
     return len(str(prompt).encode()) // 4 + 1
 
 
@@ -83,11 +90,13 @@ class GenerateSpec:
                     continue
                 c = m.get("content")
                 parts = [c] if isinstance(c, str) else [p.get("text") for p in c or [] if isinstance(p, dict)]
-                best = max(best, sum(len(t.strip().encode("utf-8", "surrogatepass")) for t in parts
-                                     if isinstance(t, str)))
+                best = max(
+                    best, sum(len(t.strip().encode("utf-8", "surrogatepass")) for t in parts if isinstance(t, str))
+                )
             return best, "messages"
-        return max((len(p.encode("utf-8", "surrogatepass")) for p in self.prompts or [] if isinstance(p, str)),
-                   default=0), "prompt"
+        return max(
+            (len(p.encode("utf-8", "surrogatepass")) for p in self.prompts or [] if isinstance(p, str)), default=0
+        ), "prompt"
 
     def prompt_tokens(self) -> int:
         """The prompts' estimated tokens (:func:`estimate_prompt_tokens`)."""

@@ -13,6 +13,7 @@ knows of it, given at build time and never asked of a replica.
 
 The ``GET /v1/models`` cards (vLLM's fields) are made here: :meth:`ModelCatalog.card`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,15 +52,22 @@ class ModelCatalog:
             a model, an unknown ``tool_call_parser``.
     """
 
-    def __init__(self, models: list[ModelCard], encoders: list[ModelCard] | None = None,
-                 board: FactsBoard | None = None, lora: AdapterDirectory | None = None):
+    def __init__(
+        self,
+        models: list[ModelCard],
+        encoders: list[ModelCard] | None = None,
+        board: FactsBoard | None = None,
+        lora: AdapterDirectory | None = None,
+    ):
         if not models:
             raise ValueError("the gateway needs at least one model")
         self.models = {c.name: c for c in models}
         self.encoders = {c.name: c for c in encoders or []}
         if len(self.models) != len(models) or set(self.models) & set(self.encoders):
-            raise ValueError(f"served model names must be unique, got {[c.name for c in models]} and embedding "
-                             f"models {sorted(self.encoders)}")
+            raise ValueError(
+                f"served model names must be unique, got {[c.name for c in models]} and embedding "
+                f"models {sorted(self.encoders)}"
+            )
         self.default_model = models[0].name
         self.adapters = {a: c.name for c in models for a in c.lora_modules}  # configured: {name: base model}
         for a in self.adapters:
@@ -105,8 +113,9 @@ class ModelCatalog:
         if facts is not None and card is not None and card.digest and facts.digest != card.digest:
             facts = None  # published by replicas of another configuration
         if old is not None and facts is not None and facts.revision != old.revision:
-            logger.info("model %s: weights revision is now %s (older cached answers are not served)", name,
-                        facts.revision)
+            logger.info(
+                "model %s: weights revision is now %s (older cached answers are not served)", name, facts.revision
+            )
         self._facts[name] = (time.monotonic(), facts)
         return facts
 
@@ -190,8 +199,17 @@ class ModelCatalog:
         replicas published it, else as configured) and ``speculative_config`` (None, or its ``method`` and
         ``num_speculative_tokens``), ``tensor_parallel_size`` and ``pipeline_parallel_size``."""
         c = self.models.get(name) or self.encoders[name]
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "kvserve", "root": name,
-                "max_model_len": await self.max_model_len(name), "dtype": await self.dtype(name),
-                "kv_cache_dtype": c.kv_cache_dtype,
-                "quantization": await self.quantization(name), "speculative_config": c.speculative_config,
-                "tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": c.pipeline_parallel_size}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvserve",
+            "root": name,
+            "max_model_len": await self.max_model_len(name),
+            "dtype": await self.dtype(name),
+            "kv_cache_dtype": c.kv_cache_dtype,
+            "quantization": await self.quantization(name),
+            "speculative_config": c.speculative_config,
+            "tensor_parallel_size": c.tensor_parallel_size,
+            "pipeline_parallel_size": c.pipeline_parallel_size,
+        }

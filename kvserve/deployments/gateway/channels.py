@@ -10,6 +10,7 @@ queues. A request's chunks go to exactly one place: the channel when its first c
 ``via_channel``, else its own stream (so correctness never rests on which replica a channel call
 reached).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,12 @@ class ChannelHub:
                 hello = await gen.__anext__()
             if hello.get("replica") != replica_id:  # Serve's own router sent it elsewhere: used there until it ends
                 self._untargeted[k] = time.monotonic()
-                logger.info("channel to %s replica %s reached replica %s (no targeting router)",
-                            model, replica_id, hello.get("replica"))
+                logger.info(
+                    "channel to %s replica %s reached replica %s (no targeting router)",
+                    model,
+                    replica_id,
+                    hello.get("replica"),
+                )
             async for batch in gen:
                 for key, chunks in batch.items():
                     q = self._queues.get(key)

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: OpenAI's chat completions (streamed or whole), with tool
 calls (``tool_choice`` auto by the model family's parser, ``required`` and named forced by a
 grammar) and structured outputs."""
+
 from __future__ import annotations
 
 import uuid
@@ -31,8 +32,15 @@ from kvserve.deployments.gateway.tools import ToolCallStream, extract_calls, par
 
 def chat_logprobs(entries: list[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
     """OpenAI's chat ``logprobs.content`` entries."""
-    return [ChatCompletionTokenLogprob(token=e.token, logprob=e.logprob, bytes=e.bytes, top_logprobs=[
-        OpenAITopLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes) for t in e.top_logprobs]) for e in entries]
+    return [
+        ChatCompletionTokenLogprob(
+            token=e.token,
+            logprob=e.logprob,
+            bytes=e.bytes,
+            top_logprobs=[OpenAITopLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes) for t in e.top_logprobs],
+        )
+        for e in entries
+    ]
 
 
 class ChatChoiceRenderer:
@@ -82,9 +90,19 @@ class ChatChoiceRenderer:
         extra = {}
         if self.reasoning is not None:  # vLLM's field; a reply that is all reasoning has no content
             extra, text = {"reasoning_content": reasoning}, text or None
-        msg = ChatCompletionMessage(role="assistant", content=text, **extra, tool_calls=[
-            ChatCompletionMessageFunctionToolCall(id=c.id, type="function", function=Function(
-                name=c.name, arguments=c.arguments)) for c in calls] if calls else None)
+        msg = ChatCompletionMessage(
+            role="assistant",
+            content=text,
+            **extra,
+            tool_calls=[
+                ChatCompletionMessageFunctionToolCall(
+                    id=c.id, type="function", function=Function(name=c.name, arguments=c.arguments)
+                )
+                for c in calls
+            ]
+            if calls
+            else None,
+        )
         return msg, self._finish(whole.finish_reason)
 
     def deltas(self, chunk: GenerationChunk) -> tuple[list[ChoiceDelta], str | None]:
@@ -114,8 +132,14 @@ class ChatChoiceRenderer:
             out = []
             if self.call_id is None and (text or chunk.finished):
                 self.call_id, self.called = f"call_{uuid.uuid4().hex[:24]}", True
-                out.append(ChoiceDeltaToolCall(index=0, id=self.call_id, type="function",
-                                               function=ChoiceDeltaToolCallFunction(name=name, arguments=text)))
+                out.append(
+                    ChoiceDeltaToolCall(
+                        index=0,
+                        id=self.call_id,
+                        type="function",
+                        function=ChoiceDeltaToolCallFunction(name=name, arguments=text),
+                    )
+                )
             elif text:
                 out.append(ChoiceDeltaToolCall(index=0, function=ChoiceDeltaToolCallFunction(arguments=text)))
             deltas = head + ([ChoiceDelta(tool_calls=out)] if out else [])
@@ -123,9 +147,19 @@ class ChatChoiceRenderer:
         deltas = head + ([ChoiceDelta(content=content)] if content else [])
         if calls:
             self.called = True
-            deltas.append(ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(
-                index=self.calls_sent + k, id=c.id, type="function",
-                function=ChoiceDeltaToolCallFunction(name=c.name, arguments=c.arguments)) for k, c in enumerate(calls)]))
+            deltas.append(
+                ChoiceDelta(
+                    tool_calls=[
+                        ChoiceDeltaToolCall(
+                            index=self.calls_sent + k,
+                            id=c.id,
+                            type="function",
+                            function=ChoiceDeltaToolCallFunction(name=c.name, arguments=c.arguments),
+                        )
+                        for k, c in enumerate(calls)
+                    ]
+                )
+            )
             self.calls_sent += len(calls)
         return self._role(deltas), self._finish(chunk.finish_reason) if chunk.finished else None
 
@@ -140,8 +174,9 @@ class ChatChoiceRenderer:
         return deltas
 
 
-def chat_spec(body: ChatCompletionRequest, request: Request, id_prefix: str = "chatcmpl",
-              fallback: bool = True) -> tuple[GenerateSpec, str]:
+def chat_spec(
+    body: ChatCompletionRequest, request: Request, id_prefix: str = "chatcmpl", fallback: bool = True
+) -> tuple[GenerateSpec, str]:
     """The pipeline's spec of a chat request, and its choices' rendering mode (``text``,
     ``auto``, ``required``, ``named``): the messages, the tools (a grammar forces ``required``
     and named calls), the sampling parameters. ``POST /v1/responses`` builds its requests here
@@ -156,12 +191,24 @@ def chat_spec(body: ChatCompletionRequest, request: Request, id_prefix: str = "c
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and mode != "text" else None
     grammar = None
     if tools:
-        grammar = tool_grammar(tools, body.tool_choice.model_dump() if mode == "named" else mode,
-                               body.parallel_tool_calls)
-    params = body.to_sampling_params(max_tokens, body.num_logprobs,
-                                     **({"structured_outputs": grammar} if grammar is not None else {}))
-    return GenerateSpec(request, body, "chat", id_prefix, params, n=body.n, messages=messages, tools=tools,
-                        chat_template_kwargs=body.chat_template_kwargs, fallback=fallback), mode
+        grammar = tool_grammar(
+            tools, body.tool_choice.model_dump() if mode == "named" else mode, body.parallel_tool_calls
+        )
+    params = body.to_sampling_params(
+        max_tokens, body.num_logprobs, **({"structured_outputs": grammar} if grammar is not None else {})
+    )
+    return GenerateSpec(
+        request,
+        body,
+        "chat",
+        id_prefix,
+        params,
+        n=body.n,
+        messages=messages,
+        tools=tools,
+        chat_template_kwargs=body.chat_template_kwargs,
+        fallback=fallback,
+    ), mode
 
 
 async def renderers(gw: Gateway, call: Call, body: ChatCompletionRequest, mode: str) -> list[ChatChoiceRenderer]:
@@ -170,8 +217,15 @@ async def renderers(gw: Gateway, call: Call, body: ChatCompletionRequest, mode: 
     name = await gw.catalog.tool_call_parser(call.model) if mode == "auto" else None
     reasoning = gw.catalog.reasoning_parser(call.model)
     state = call.streams[0].first.prompt_reasoning if call.streams else ""
-    return [ChatChoiceRenderer(mode, get_tool_parser(name) if name else None, body.tool_choice,
-                               ReasoningStream(reasoning, state) if reasoning else None) for _ in range(body.n)]
+    return [
+        ChatChoiceRenderer(
+            mode,
+            get_tool_parser(name) if name else None,
+            body.tool_choice,
+            ReasoningStream(reasoning, state) if reasoning else None,
+        )
+        for _ in range(body.n)
+    ]
 
 
 async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Request, response: Response):
@@ -182,22 +236,37 @@ async def chat_completions(gw: Gateway, body: ChatCompletionRequest, request: Re
         return call
     choice_renderers = await renderers(gw, call, body, mode)
     if body.stream:
-        return StreamingResponse(gw.answers.sse(call, _events(gw, call, body, choice_renderers)),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
+        return StreamingResponse(
+            gw.answers.sse(call, _events(gw, call, body, choice_renderers)),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **call.headers},
+        )
     wholes = [w for _, w in sorted((await gw.answers.whole(call)).items())]
     response.headers.update(call.headers)
     choices = []
     for i, (whole, renderer) in enumerate(zip(wholes, choice_renderers)):
         msg, fr = renderer.message(whole)
-        choices.append(ChatChoice(
-            index=i, message=msg, finish_reason=fr,
-            logprobs=ChatChoiceLogprobs(content=chat_logprobs(whole.logprobs or [])) if body.logprobs else None))
-    return ChatCompletion(id=call.response_id, object="chat.completion", created=call.created, model=call.served,
-                          choices=choices, usage=usage_of({(0, w.index): w for w in wholes}))
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=msg,
+                finish_reason=fr,
+                logprobs=ChatChoiceLogprobs(content=chat_logprobs(whole.logprobs or [])) if body.logprobs else None,
+            )
+        )
+    return ChatCompletion(
+        id=call.response_id,
+        object="chat.completion",
+        created=call.created,
+        model=call.served,
+        choices=choices,
+        usage=usage_of({(0, w.index): w for w in wholes}),
+    )
 
 
-async def _events(gw: Gateway, call: Call, body: ChatCompletionRequest,
-                  renderers: list[ChatChoiceRenderer]) -> AsyncIterator[bytes]:
+async def _events(
+    gw: Gateway, call: Call, body: ChatCompletionRequest, renderers: list[ChatChoiceRenderer]
+) -> AsyncIterator[bytes]:
     """The chat chunks' SSE events (OpenAI's ``chat.completion.chunk``)."""
     head = dict(id=call.response_id, object="chat.completion.chunk", created=call.created, model=call.served)
     include_usage, continuous = body.include_usage, body.continuous_usage
@@ -209,8 +278,12 @@ async def _events(gw: Gateway, call: Call, body: ChatCompletionRequest,
         deltas = deltas or [ChoiceDelta()]
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
-            choice = ChunkChoice(index=chunk.index, delta=delta, finish_reason=fr if last else None,
-                                 logprobs=ChunkChoiceLogprobs(content=chat_logprobs(lp)) if lp and not k else None)
+            choice = ChunkChoice(
+                index=chunk.index,
+                delta=delta,
+                finish_reason=fr if last else None,
+                logprobs=ChunkChoiceLogprobs(content=chat_logprobs(lp)) if lp and not k else None,
+            )
             out = ChatCompletionChunk(**head, choices=[choice])
             if include_usage:  # OpenAI sends "usage": null on every chunk but the last
                 out.usage = usage_of(call.lasts) if continuous else None

@@ -1,5 +1,6 @@
 """``POST /v1/completions``: OpenAI's legacy completions (streamed or whole): a batch of
 prompts, ``n`` and ``best_of`` choices per prompt, ``echo`` with prompt logprobs."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -33,9 +34,12 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[Logpr
 
 def _join(a: Logprobs, b: Logprobs) -> Logprobs:
     """``a``'s tokens followed by ``b``'s."""
-    return Logprobs.model_construct(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
-                                    top_logprobs=a.top_logprobs + b.top_logprobs,
-                                    text_offset=a.text_offset + b.text_offset)
+    return Logprobs.model_construct(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
 
 
 async def completions(gw: Gateway, body: CompletionRequest, request: Request, response: Response):
@@ -44,20 +48,26 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
     prompts = body.prompts()
     limit = gw.args.max_prompts_per_request
     if len(prompts) > limit:
-        raise OpenAIError(f"{len(prompts)} prompts in one request; the limit is {limit}", 400, param="prompt",
-                          code="too_many_prompts")
+        raise OpenAIError(
+            f"{len(prompts)} prompts in one request; the limit is {limit}", 400, param="prompt", code="too_many_prompts"
+        )
     n_gen = body.best_of or body.n  # sequences generated per prompt; the best n are returned
     ranking = n_gen > body.n
     extra = {"prompt_logprobs": body.logprobs} if body.echo and body.logprobs is not None else {}
-    params = body.to_sampling_params(body.max_tokens, body.logprobs if body.logprobs is not None or not ranking
-                                     else 0, **extra)
-    call = await gw.run(GenerateSpec(request, body, "completion", "cmpl", params, n=n_gen, prompts=prompts,
-                                     echo=body.echo))
+    params = body.to_sampling_params(
+        body.max_tokens, body.logprobs if body.logprobs is not None or not ranking else 0, **extra
+    )
+    call = await gw.run(
+        GenerateSpec(request, body, "completion", "cmpl", params, n=n_gen, prompts=prompts, echo=body.echo)
+    )
     if not isinstance(call, Call):  # every replica refused: the upstream's answer
         return call
     if body.stream:
-        return StreamingResponse(gw.answers.sse(call, _events(gw, call, body)), media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **call.headers})
+        return StreamingResponse(
+            gw.answers.sse(call, _events(gw, call, body)),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **call.headers},
+        )
     wholes = await gw.answers.whole(call)
     response.headers.update(call.headers)
     choices = []
@@ -65,7 +75,7 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
         group = [wholes[(p, i)] for i in range(n_gen)]
         prompt_lp = group[0].prompt_logprobs
         if ranking:  # best_of: the n sequences of highest cumulative log-probability
-            group = sorted(group, key=lambda w: -sum(e.logprob for e in w.logprobs or []))[:body.n]
+            group = sorted(group, key=lambda w: -sum(e.logprob for e in w.logprobs or []))[: body.n]
         for w in group:
             echo = (w.prompt_text or "") if body.echo else ""
             lp = None
@@ -73,10 +83,19 @@ async def completions(gw: Gateway, body: CompletionRequest, request: Request, re
                 lp, offset = completion_logprobs(prompt_lp or [], 0) if body.echo else (None, 0)
                 gen, _ = completion_logprobs(w.logprobs or [], offset if body.echo else len(echo))
                 lp = gen if lp is None else _join(lp, gen)
-            choices.append(CompletionChoice(index=len(choices), text=echo + w.text, logprobs=lp,
-                                            finish_reason=finish_reason(w.finish_reason)))
-    return Completion(id=call.response_id, object="text_completion", created=call.created, model=call.served,
-                      choices=choices, usage=usage_of(wholes))
+            choices.append(
+                CompletionChoice(
+                    index=len(choices), text=echo + w.text, logprobs=lp, finish_reason=finish_reason(w.finish_reason)
+                )
+            )
+    return Completion(
+        id=call.response_id,
+        object="text_completion",
+        created=call.created,
+        model=call.served,
+        choices=choices,
+        usage=usage_of(wholes),
+    )
 
 
 async def _events(gw: Gateway, call: Call, body: CompletionRequest) -> AsyncIterator[bytes]:
@@ -109,8 +128,7 @@ async def _events(gw: Gateway, call: Call, body: CompletionRequest) -> AsyncIter
             return None
         # OpenAI streams finish_reason null until the last chunk, which the SDK's type does
         # not admit (the SDK builds stream chunks unvalidated, as here)
-        choice = CompletionChoice.model_construct(index=p * n + chunk.index, text=text, logprobs=lp,
-                                                  finish_reason=fr)
+        choice = CompletionChoice.model_construct(index=p * n + chunk.index, text=text, logprobs=lp, finish_reason=fr)
         out = Completion(**head, choices=[choice])
         if include_usage:
             out.usage = usage_of(call.lasts) if continuous else None

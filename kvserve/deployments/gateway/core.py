@@ -28,6 +28,7 @@ into engine requests, admission to its queue, logprob token strings, the prompt 
 the engine's ``SamplingParams``) one way, :class:`~kvserve.deployments.contract.types.GenerationChunk`
 records back, an error being a typed chunk the gateway renders as it is.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -104,19 +105,30 @@ class Gateway:
             served, a bad setting (key entries, routing rules naming unknown models).
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], cards: list[ModelCard] | None = None, *,
-                 gateway: GatewayArgs | None = None, limits: LimitArgs | None = None, cache: CacheArgs | None = None,
-                 routing: RoutingArgs | None = None, encoders: dict[str, DeploymentHandle] | None = None,
-                 facts: FactsBoard | None = None, variants: dict[str, dict[str, DeploymentHandle]] | None = None,
-                 experiments: list[ExperimentArgs] | None = None, weights: WeightBoard | None | str = "app",
-                 tracing: TracingArgs | None = None):
+    def __init__(
+        self,
+        models: dict[str, DeploymentHandle],
+        cards: list[ModelCard] | None = None,
+        *,
+        gateway: GatewayArgs | None = None,
+        limits: LimitArgs | None = None,
+        cache: CacheArgs | None = None,
+        routing: RoutingArgs | None = None,
+        encoders: dict[str, DeploymentHandle] | None = None,
+        facts: FactsBoard | None = None,
+        variants: dict[str, dict[str, DeploymentHandle]] | None = None,
+        experiments: list[ExperimentArgs] | None = None,
+        weights: WeightBoard | None | str = "app",
+        tracing: TracingArgs | None = None,
+    ):
         g, lim, r = gateway or GatewayArgs(), limits or LimitArgs(), routing or RoutingArgs()
         self.args = g
         self.handles = ModelHandles(models, encoders, variants)
         self.experiments = Experiments(experiments or [], weights)
         t = tracing or TracingArgs()
-        self.tracing = GatewayTracing(otlp_tracing(t.otlp_traces_endpoint, t.otlp_traces_protocol,
-                                                   t.otlp_traces_sample_ratio))
+        self.tracing = GatewayTracing(
+            otlp_tracing(t.otlp_traces_endpoint, t.otlp_traces_protocol, t.otlp_traces_sample_ratio)
+        )
         for e in experiments or []:
             missing = {v.name for v in e.variants} - set((variants or {}).get(e.model, {}))
             if missing:
@@ -127,19 +139,39 @@ class Gateway:
         if api_keys:  # an admin key must get past the gate to reach the admin endpoints
             known = {k.split()[0] for k in api_keys if k.split()}
             api_keys = list(api_keys) + [p.key for p in self.admin_keys if p.key not in known]
-        self.gate = GateSettings.of(api_keys, g.max_request_body_bytes, g.auth_failures_per_minute, g.allowed_origins,
-                                    g.max_file_bytes, g.forwarded_allow_ips)
+        self.gate = GateSettings.of(
+            api_keys,
+            g.max_request_body_bytes,
+            g.auth_failures_per_minute,
+            g.allowed_origins,
+            g.max_file_bytes,
+            g.forwarded_allow_ips,
+        )
         settings = CacheSettings.of(cache, lim.redis_url)
         self.cache = ResponseCache(settings) if settings.enabled else None
         owners = max(1, len(self.gate.policies))  # each key's stores: an equal share of cache_max_bytes
         self.responses = ResponseStore(settings, owners)  # stored Responses API responses, in the cache's backend
-        self.files = FileStore(settings, g.max_file_bytes, owners=owners,
-                               max_files=g.max_files_per_key)  # the Batch API's files, there too
-        self.batches = Batches(settings, self.files, g.batch_concurrency, owners=owners,
-                               max_active=g.max_active_batches_per_key, keys=self.gate.policies)
+        self.files = FileStore(
+            settings, g.max_file_bytes, owners=owners, max_files=g.max_files_per_key
+        )  # the Batch API's files, there too
+        self.batches = Batches(
+            settings,
+            self.files,
+            g.batch_concurrency,
+            owners=owners,
+            max_active=g.max_active_batches_per_key,
+            keys=self.gate.policies,
+        )
         # per-key limits: shared through Redis when given, else each gateway replica enforces its share
-        self.keys = KeyLimits(RateLimiter(lim.rate_limit_rpm, lim.rate_limit_tpm, redis_url=lim.redis_url,
-                                          divide_by=max(1, g.ingress_num_replicas)), g.metrics_per_key)
+        self.keys = KeyLimits(
+            RateLimiter(
+                lim.rate_limit_rpm,
+                lim.rate_limit_tpm,
+                redis_url=lim.redis_url,
+                divide_by=max(1, g.ingress_num_replicas),
+            ),
+            g.metrics_per_key,
+        )
         self.routing = r.model_routing
         if self.routing is not None:
             self.routing.check(list(self.catalog.models))
@@ -148,8 +180,11 @@ class Gateway:
         self.replicas = ReplicaCalls(rejected(), self.channels)
         self.answers = Answers(self.cache, on_finish=self._finished)
         c = cache or CacheArgs()
-        self.request_log = (RequestLog(c.request_log_dir, c.request_log_prompts, c.request_log_max_bytes,
-                                       c.request_log_backups) if c.request_log_dir else None)
+        self.request_log = (
+            RequestLog(c.request_log_dir, c.request_log_prompts, c.request_log_max_bytes, c.request_log_backups)
+            if c.request_log_dir
+            else None
+        )
         self.savings = CacheSavings()
         self.routes, self.fallbacks = model_routes(), upstream_fallbacks()
         self.shedder = LoadShedder()
@@ -220,9 +255,14 @@ class Gateway:
         n, param = spec.prompt_bytes()
         if n > limit:
             what = "prompt" if param == "prompt" else "longest user message"
-            raise OpenAIError(f"the {what} has {n} bytes of text, more than any prompt that fits this model's "
-                              f"context can hold ({limit} bytes, max_model_len times the most bytes one token "
-                              f"covers); shorten it", 400, param=param, code="context_length_exceeded")
+            raise OpenAIError(
+                f"the {what} has {n} bytes of text, more than any prompt that fits this model's "
+                f"context can hold ({limit} bytes, max_model_len times the most bytes one token "
+                f"covers); shorten it",
+                400,
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def _run(self, call: Call, spec: GenerateSpec):
         await self._check_prompt_bytes(call, spec)
@@ -234,8 +274,9 @@ class Gateway:
         hit = call.look.hit
         # a cached answer counts as a request of the key, with no tokens: nothing is generated
         with self.tracing.step(call, "key_admission", **{"kvserve.api_key": key_name(call.request.scope)}):
-            call.use = await self._admit(call, 0 if hit else spec.prompt_tokens(),
-                                         0 if hit else spec.reserve_tokens(), spec.body.priority)
+            call.use = await self._admit(
+                call, 0 if hit else spec.prompt_tokens(), 0 if hit else spec.reserve_tokens(), spec.body.priority
+            )
         if call.warm or call.batch:
             call.use.priority = max(call.use.priority, WARM_PRIORITY)
         elif hit and call.look.warmed:
@@ -244,8 +285,9 @@ class Gateway:
             if hit:
                 call.streams = [ChunkStream.replay(c, call.n) for c in call.look.streams]
             else:
-                with self.tracing.step(call, "routing", **{"kvserve.deployment": call.target,
-                                                           "kvserve.variant": call.variant or None}) as span:
+                with self.tracing.step(
+                    call, "routing", **{"kvserve.deployment": call.target, "kvserve.variant": call.variant or None}
+                ) as span:
                     context = self.tracing.context(span)
                     for r in requests:
                         r.trace_context = context
@@ -258,11 +300,17 @@ class Gateway:
             Answers.settle_soon(call.use, [])
             # batch work waits for local capacity (its runner retries a 429): a replica's batch
             # share being full is routine, not a reason to pay the upstream
-            if spec.fallback and not call.batch and self.upstream is not None and isinstance(e, OpenAIError) and \
-                    Upstream.applies(e.status_code, e.code):
+            if (
+                spec.fallback
+                and not call.batch
+                and self.upstream is not None
+                and isinstance(e, OpenAIError)
+                and Upstream.applies(e.status_code, e.code)
+            ):
                 with self.tracing.step(call, "fallback", **{"kvserve.local_error": e.code or str(e.status_code)}):
-                    return await self._fallback(call, "/chat/completions" if spec.endpoint == "chat"
-                                                else "/completions", e)
+                    return await self._fallback(
+                        call, "/chat/completions" if spec.endpoint == "chat" else "/completions", e
+                    )
             raise
         if hit:
             Answers.settle_soon(call.use, [])  # settled at 0 now (the first settle wins; later ones are no-ops)
@@ -288,8 +336,12 @@ class Gateway:
         if name and self.gate.policies:  # replayed under the limits of the key that sent it first
             policy = next((p for p in self.gate.policies if p.name == name), None)
             if policy is None:
-                raise OpenAIError(f"{WARM_KEY_HEADER}: no API key is named {name!r}", 400, param=WARM_KEY_HEADER,
-                                  code="unknown_api_key")
+                raise OpenAIError(
+                    f"{WARM_KEY_HEADER}: no API key is named {name!r}",
+                    400,
+                    param=WARM_KEY_HEADER,
+                    code="unknown_api_key",
+                )
             call.request.scope.setdefault("state", {})["kvserve_api_key"] = policy
         return True
 
@@ -298,8 +350,9 @@ class Gateway:
         try:
             body = spec.body.model_dump(mode="json", exclude_unset=True)
             body["model"] = call.served
-            self.request_log.record(call.served, spec.endpoint, body, deterministic(spec.body),
-                                    key=key_name(call.request.scope))
+            self.request_log.record(
+                call.served, spec.endpoint, body, deterministic(spec.body), key=key_name(call.request.scope)
+            )
         except Exception as e:  # noqa: BLE001
             logger.warning("request %s: the request log failed (%s)", call.http_id, e)
 
@@ -331,9 +384,21 @@ class Gateway:
         tpot = (now - call.first_at) / (out - 1) if call.first_at is not None and out > 1 else None
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
         replica = next((s.first.replica for s in call.streams if s.first.replica), None)
-        self.experiments.record(call.assignment, Sample(
-            time.time(), "ok" if complete else "error", ttft, tpot, now - call.started, usage.prompt_tokens, out,
-            cached or 0, call.look.status if hit else None, None if hit else replica))
+        self.experiments.record(
+            call.assignment,
+            Sample(
+                time.time(),
+                "ok" if complete else "error",
+                ttft,
+                tpot,
+                now - call.started,
+                usage.prompt_tokens,
+                out,
+                cached or 0,
+                call.look.status if hit else None,
+                None if hit else replica,
+            ),
+        )
 
     async def _count_savings(self, call: Call, level: str, output_tokens: int) -> None:
         try:
@@ -354,8 +419,9 @@ class Gateway:
         """
         if spec.body is not None:
             self.warn_unknown(spec.body)
-        call = await self._call(spec.request, spec.model, spec.id_prefix, {}, stream=False,
-                                user=getattr(spec.body, "user", None))
+        call = await self._call(
+            spec.request, spec.model, spec.id_prefix, {}, stream=False, user=getattr(spec.body, "user", None)
+        )
         self.tracing.begin(call, spec.method)
         try:
             call.use = await self._admit(call, spec.prompt_tokens, 0, spec.priority)
@@ -390,8 +456,13 @@ class Gateway:
         return name, self.handles.streaming[name]
 
     def _not_found(self, name: str) -> OpenAIError:
-        return OpenAIError(f"the model '{name}' does not exist; available: {', '.join(self.catalog.known())}", 404,
-                           "invalid_request_error", param="model", code="model_not_found")
+        return OpenAIError(
+            f"the model '{name}' does not exist; available: {', '.join(self.catalog.known())}",
+            404,
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
 
     async def _pick(self, spec: GenerateSpec) -> Call:
         """The :class:`Call` of a generating request: ``model: "auto"`` resolved by the routing
@@ -399,18 +470,32 @@ class Gateway:
         headers = {}
         name = spec.body.model
         if name == AUTO_MODEL and self.routing is not None:
-            tokens = (estimate_prompt_tokens(spec.messages) if spec.messages is not None
-                      else max((estimate_prompt_tokens(p) for p in spec.prompts or [""]), default=0))
-            name, rule = self.routing.choose(tokens, spec.params.max_tokens, user_text(spec.messages, spec.prompts),
-                                             self.catalog.default_model)
+            tokens = (
+                estimate_prompt_tokens(spec.messages)
+                if spec.messages is not None
+                else max((estimate_prompt_tokens(p) for p in spec.prompts or [""]), default=0)
+            )
+            name, rule = self.routing.choose(
+                tokens, spec.params.max_tokens, user_text(spec.messages, spec.prompts), self.catalog.default_model
+            )
             self.routes.inc({"model_name": name, "route": rule})
             headers["x-kvserve-route"] = f"auto:{rule}"
-        call = await self._call(spec.request, name, spec.id_prefix, headers, stream=True, user=getattr(spec.body, "user", None))
+        call = await self._call(
+            spec.request, name, spec.id_prefix, headers, stream=True, user=getattr(spec.body, "user", None)
+        )
         call.n = spec.n
         return call
 
-    async def _call(self, request: Request, name: str | None, id_prefix: str, headers: dict[str, str], *,
-                    stream: bool, user: str | None = None) -> Call:
+    async def _call(
+        self,
+        request: Request,
+        name: str | None,
+        id_prefix: str,
+        headers: dict[str, str],
+        *,
+        stream: bool,
+        user: str | None = None,
+    ) -> Call:
         """The :class:`Call` of served name ``name`` (None: the default model): an embedding
         model's goes to its encoder (``stream`` False), a LoRA adapter's to its base model,
         with Serve's multiplexed model id for one loaded at run time; a model an A/B test
@@ -430,11 +515,20 @@ class Gateway:
         target = assignment.target if assignment is not None else model
         if assignment is not None:
             headers = {**headers, **assignment.headers()}
-        return Call(request, request_id_of(request), random_id(id_prefix), model,
-                    self.handles.of(target, stream, entry), headers, int(time.time()),
-                    adapter=name if base is not None else None,
-                    adapter_version=entry.version if entry is not None else None,
-                    assignment=assignment, target=target, started=started)
+        return Call(
+            request,
+            request_id_of(request),
+            random_id(id_prefix),
+            model,
+            self.handles.of(target, stream, entry),
+            headers,
+            int(time.time()),
+            adapter=name if base is not None else None,
+            adapter_version=entry.version if entry is not None else None,
+            assignment=assignment,
+            target=target,
+            started=started,
+        )
 
     @staticmethod
     def _requests(call: Call, spec: GenerateSpec) -> list[GenerateRequest]:
@@ -447,13 +541,30 @@ class Gateway:
         if policy is not None:  # one tenant's cached prefixes are invisible to another
             salt = policy.cache_salt(salt)
         if spec.messages is not None:
-            return [GenerateRequest(messages=spec.messages, tools=spec.tools, sampling_params=spec.params, n=spec.n,
-                                    request_id=call.response_id, chat_template_kwargs=spec.chat_template_kwargs,
-                                    cache_salt=salt)]
+            return [
+                GenerateRequest(
+                    messages=spec.messages,
+                    tools=spec.tools,
+                    sampling_params=spec.params,
+                    n=spec.n,
+                    request_id=call.response_id,
+                    chat_template_kwargs=spec.chat_template_kwargs,
+                    cache_salt=salt,
+                )
+            ]
         prompts = spec.prompts or []
-        return [GenerateRequest(prompt=p, sampling_params=spec.params, n=spec.n, request_id=f"{call.response_id}-{i}",
-                                echo=spec.echo, num_prompts=len(prompts), cache_salt=salt)
-                for i, p in enumerate(prompts)]
+        return [
+            GenerateRequest(
+                prompt=p,
+                sampling_params=spec.params,
+                n=spec.n,
+                request_id=f"{call.response_id}-{i}",
+                echo=spec.echo,
+                num_prompts=len(prompts),
+                cache_salt=salt,
+            )
+            for i, p in enumerate(prompts)
+        ]
 
     async def _lookup(self, call: Call, spec: GenerateSpec) -> Lookup:
         """The response cache's verdict before any replica sees the request: a hit with the
@@ -466,11 +577,17 @@ class Gateway:
         a = call.assignment
         if a is not None:  # each variant its own entries: a variant's hit rate is its own
             revision += f"+variant:{a.experiment}/{a.variant}"
-        return await self.cache.lookup(call.served, revision, spec.endpoint, spec.body,
-                                       request_options(spec.body, call.request.headers),
-                                       owner=owner_id(call.request.scope),  # each key its own answers
-                                       semantic_threshold=a.semantic_threshold if a is not None else None,
-                                       variant=call.variant, warm=call.warm)
+        return await self.cache.lookup(
+            call.served,
+            revision,
+            spec.endpoint,
+            spec.body,
+            request_options(spec.body, call.request.headers),
+            owner=owner_id(call.request.scope),  # each key its own answers
+            semantic_threshold=a.semantic_threshold if a is not None else None,
+            variant=call.variant,
+            warm=call.warm,
+        )
 
     async def _admit(self, call: Call, prompt_tokens: int, max_tokens: int | None, priority: int) -> KeyUse:
         """Per-API-key admission of ``call`` (:meth:`KeyLimits.admit`): ``prompt_tokens``
@@ -487,8 +604,16 @@ class Gateway:
             if self.keys.reserves(policy):
                 context = await self.catalog.max_model_len(call.model)
                 max_tokens = 0 if context is None else context - prompt_tokens
-        return await self.keys.admit(policy, key_name(call.request.scope), call.model, call.served, prompt_tokens,
-                                     max_tokens, priority, variant=call.variant)
+        return await self.keys.admit(
+            policy,
+            key_name(call.request.scope),
+            call.model,
+            call.served,
+            prompt_tokens,
+            max_tokens,
+            priority,
+            variant=call.variant,
+        )
 
     async def _open(self, call: Call, requests: list[GenerateRequest]) -> None:
         """``call.streams``: the replicas' streams of ``requests``, each up to its first chunk
@@ -500,9 +625,10 @@ class Gateway:
             raise shed
         for r in requests:  # warming gives way to live requests; batch work runs beside them, preempted
             r.priority, r.lora_name, r.sheddable, r.batch = call.use.priority, call.adapter, call.warm, call.batch
-        results = await asyncio.gather(*(self.replicas.open(call, r, None if background else self.shedder)
-                                         for r in requests),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.replicas.open(call, r, None if background else self.shedder) for r in requests),
+            return_exceptions=True,
+        )
         call.streams = [r for r in results if isinstance(r, ChunkStream)]
         for r in results:
             if isinstance(r, BaseException):
@@ -512,10 +638,12 @@ class Gateway:
         """The upstream's answer to this request (``path`` under its base URL), which every
         local replica refused with ``err``; ``err`` itself when the upstream cannot be reached
         (the client then sees the local verdict and its Retry-After)."""
-        self.fallbacks.inc({"model_name": call.model, "reason": err.code or str(err.status_code),
-                            "variant": call.variant})
-        logger.info("request %s: %s refused it (%s); sending it upstream", call.http_id, call.model,
-                    err.code or err.status_code)
+        self.fallbacks.inc(
+            {"model_name": call.model, "reason": err.code or str(err.status_code), "variant": call.variant}
+        )
+        logger.info(
+            "request %s: %s refused it (%s); sending it upstream", call.http_id, call.model, err.code or err.status_code
+        )
         try:
             return await self.upstream.forward(path, await call.request.json(), call.served, call.http_id)
         except UpstreamError as e:
@@ -527,8 +655,10 @@ class Gateway:
         new = [f for f in unknown_fields(body) if f not in self._warned_fields]
         if new:
             self._warned_fields.update(new)
-            logger.warning("ignoring unknown request field(s) %s (accepted, no effect; logged once per field)",
-                           ", ".join(repr(f[:64]) for f in new[:20]))
+            logger.warning(
+                "ignoring unknown request field(s) %s (accepted, no effect; logged once per field)",
+                ", ".join(repr(f[:64]) for f in new[:20]),
+            )
 
 
 def _catalog(handles: ModelHandles, cards: list[ModelCard], board: FactsBoard | None) -> ModelCatalog:
@@ -546,5 +676,8 @@ def _catalog(handles: ModelHandles, cards: list[ModelCard], board: FactsBoard | 
             raise ValueError(f"model card {c.name!r}: no deployment serves it")
     if not handles.models:
         raise ValueError("the gateway needs at least one model")
-    return ModelCatalog([by_name.get(n) or ModelCard(n) for n in handles.models],
-                        [by_name.get(n) or ModelCard(n, task="embed") for n in handles.encoders], board)
+    return ModelCatalog(
+        [by_name.get(n) or ModelCard(n) for n in handles.models],
+        [by_name.get(n) or ModelCard(n, task="embed") for n in handles.encoders],
+        board,
+    )

@@ -3,6 +3,7 @@
 their cards, the configuration's sections), then its HTTP app (:func:`~kvserve.deployments.gateway.api.build_api`, through Serve's late-bound
 ``__serve_build_asgi_app__``); the Python-handle methods (``generate``, ``drain``,
 ``cache_stats``) sit next to it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,16 +39,35 @@ class OpenAIIngress:
         ValueError: no model or a bad setting.
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], cards: list[ModelCard] | None = None, *,
-                 gateway: GatewayArgs | None = None, limits: LimitArgs | None = None, cache: CacheArgs | None = None,
-                 routing: RoutingArgs | None = None, encoders: dict[str, DeploymentHandle] | None = None,
-                 variants: dict[str, dict[str, DeploymentHandle]] | None = None,
-                 experiments: list[ExperimentArgs] | None = None, tracing: TracingArgs | None = None):
+    def __init__(
+        self,
+        models: dict[str, DeploymentHandle],
+        cards: list[ModelCard] | None = None,
+        *,
+        gateway: GatewayArgs | None = None,
+        limits: LimitArgs | None = None,
+        cache: CacheArgs | None = None,
+        routing: RoutingArgs | None = None,
+        encoders: dict[str, DeploymentHandle] | None = None,
+        variants: dict[str, dict[str, DeploymentHandle]] | None = None,
+        experiments: list[ExperimentArgs] | None = None,
+        tracing: TracingArgs | None = None,
+    ):
         from kvserve.cluster import reset_niceness
 
         reset_niceness()  # Ray starts workers at niceness 15: latency-critical here
-        self.gateway = Gateway(models, cards, gateway=gateway, limits=limits, cache=cache, routing=routing,
-                               encoders=encoders, variants=variants, experiments=experiments, tracing=tracing)
+        self.gateway = Gateway(
+            models,
+            cards,
+            gateway=gateway,
+            limits=limits,
+            cache=cache,
+            routing=routing,
+            encoders=encoders,
+            variants=variants,
+            experiments=experiments,
+            tracing=tracing,
+        )
 
     def __serve_build_asgi_app__(self):
         return build_api(self.gateway, app_status=self._app_status)
@@ -67,9 +87,17 @@ class OpenAIIngress:
         self.gateway.draining = True
         return serve.get_replica_context().replica_id.unique_id
 
-    async def generate(self, prompt: str | list[int] | None = None, sampling_params: dict | None = None, *,
-                       model: str | None = None, messages: list[dict] | None = None,
-                       tools: list[dict] | None = None, request_id: str | None = None, priority: int = 0):
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        sampling_params: dict | None = None,
+        *,
+        model: str | None = None,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ):
         """Stream ``LLMServer.generate`` items of ``model`` (default: the first model); for
         ``serve.get_app_handle(...).options(stream=True).generate.remote(...)``
         (``sampling_params`` may hold ``n``, ``structured_outputs``, ``logit_bias``, ...).
@@ -81,8 +109,9 @@ class OpenAIIngress:
             _, handle = self.gateway.model_handle(model)
         except OpenAIError as e:
             raise ValueError(e.message) from None
-        gen = handle.generate.remote(prompt, sampling_params, messages=messages, tools=tools, request_id=request_id,
-                                     priority=priority)
+        gen = handle.generate.remote(
+            prompt, sampling_params, messages=messages, tools=tools, request_id=request_id, priority=priority
+        )
         try:
             async for item in gen:
                 yield item

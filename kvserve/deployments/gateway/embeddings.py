@@ -2,6 +2,7 @@
 (:class:`~kvserve.deployments.replica.embedding_server.EmbeddingServer`) or from a served decoder model's
 pooled hidden states (:mod:`kvserve.engine.pooling`); through the same key, per-key limits (the
 inputs' tokens count) and error shape as chat."""
+
 from __future__ import annotations
 
 import base64
@@ -73,13 +74,29 @@ async def embeddings(gw: Gateway, body: EmbeddingRequest, request: Request) -> d
     """``POST /v1/embeddings``: OpenAI's ``CreateEmbeddingResponse`` (a plain dict: a base64
     embedding is a string where the SDK's type says a list of floats)."""
     inputs = body.inputs()
-    call, out = await gw.run_unary(UnarySpec(
-        request, body.model, "embd", "embed", (inputs, body.dimensions), body=body,
-        prompt_tokens=sum(estimate_prompt_tokens(x) for x in inputs), priority=body.priority, call_context=True,
-        tokens_used=lambda out: out.prompt_tokens))
+    call, out = await gw.run_unary(
+        UnarySpec(
+            request,
+            body.model,
+            "embd",
+            "embed",
+            (inputs, body.dimensions),
+            body=body,
+            prompt_tokens=sum(estimate_prompt_tokens(x) for x in inputs),
+            priority=body.priority,
+            call_context=True,
+            tokens_used=lambda out: out.prompt_tokens,
+        )
+    )
     if len(out.data) != len(inputs):  # a replica bug: never answer with vectors out of order
         raise OpenAIError(f"internal server error (request id {call.http_id})", 500, "server_error")
-    data = [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
-            for i, v in enumerate(out.data)]
-    return {"object": "list", "data": data, "model": call.served,
-            "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens}}
+    data = [
+        {"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
+        for i, v in enumerate(out.data)
+    ]
+    return {
+        "object": "list",
+        "data": data,
+        "model": call.served,
+        "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens},
+    }

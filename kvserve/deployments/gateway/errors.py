@@ -4,6 +4,7 @@ prompts longer than the context, 401/403 for keys, 404 for an unknown model, 413
 over the limit, 429 when a queue or a key's budget is full (with ``Retry-After``), 503 when a
 model's replicas are down, 500 only for failures of the server itself (its message gives the
 request id; the details go to the log)."""
+
 from __future__ import annotations
 
 import logging
@@ -36,14 +37,21 @@ def internal(request_id: str, what: str = "internal server error") -> OpenAIErro
     return OpenAIError(f"{what} (request id {request_id})", 500, "server_error")
 
 
-def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | int | None = None, headers: dict | None = None,
-                   request: Request | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | int | None = None,
+    headers: dict | None = None,
+    request: Request | None = None,
+) -> JSONResponse:
     """An OpenAI error body as a response; Anthropic's body for a request of the Messages API
     (``request`` given, its path under ``/v1/messages``)."""
     if request is not None and anthropic_path(request.scope):
-        return JSONResponse(anthropic_error_body(status, message, request_id_of(request)), status_code=status,
-                            headers=headers)
+        return JSONResponse(
+            anthropic_error_body(status, message, request_id_of(request)), status_code=status, headers=headers
+        )
     return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
@@ -57,11 +65,13 @@ def as_client_error(exc: BaseException) -> OpenAIError | None:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, BackPressureError):  # every replica is full and so is this caller's handle queue
-        return OpenAIError("the model's queue is full, retry later", 429, "rate_limit_error", code="queue_full",
-                           retry_after_s=1.0)
+        return OpenAIError(
+            "the model's queue is full, retry later", 429, "rate_limit_error", code="queue_full", retry_after_s=1.0
+        )
     if isinstance(exc, (DeploymentUnavailableError, ActorDiedError, ActorUnavailableError)):
-        return OpenAIError("the model server is not available, retry later", 503, "server_error",
-                           code="model_unavailable")
+        return OpenAIError(
+            "the model server is not available, retry later", 503, "server_error", code="model_unavailable"
+        )
     return None
 
 
@@ -100,15 +110,15 @@ def add_error_handlers(app: FastAPI) -> None:
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
             msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
             parts.append(f"{where}: {msg}")
-        return error_response(400, "; ".join(parts), param=".".join(loc) or None, code="invalid_value",
-                              request=request)
+        return error_response(400, "; ".join(parts), param=".".join(loc) or None, code="invalid_value", request=request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if exc.status_code == 413 else None
-        return error_response(exc.status_code, str(exc.detail), type_, code=code,
-                              headers=getattr(exc, "headers", None), request=request)
+        return error_response(
+            exc.status_code, str(exc.detail), type_, code=code, headers=getattr(exc, "headers", None), request=request
+        )
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):

@@ -3,6 +3,7 @@ configuration, live weights and the differences between its variants), ``GET
 /v1/experiments/{name}`` (the same for one, with its variants' request samples, ``?since=`` Unix
 seconds) and ``POST /v1/experiments/{name}/weights`` (new live weights, for every gateway
 replica, without a restart). The assignment and the samples: :mod:`kvserve.deployments.gateway.experiments`."""
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,13 @@ class SetWeightsRequest(BaseModel):
 
 def _not_found(gw, name: str) -> OpenAIError:
     known = ", ".join(sorted(gw.experiments.by_name)) or "none"
-    return OpenAIError(f"no experiment named {name!r} (configured: {known})", 404, "invalid_request_error",
-                       param="name", code="experiment_not_found")
+    return OpenAIError(
+        f"no experiment named {name!r} (configured: {known})",
+        404,
+        "invalid_request_error",
+        param="name",
+        code="experiment_not_found",
+    )
 
 
 async def list_experiments(gw, request: Request):
@@ -70,6 +76,7 @@ async def set_weights(gw, request: Request, name: str, body: SetWeightsRequest):
     except Exception as e:
         rid = request_id_of(request)
         logger.error("request %s: storing experiment %s's weights failed", rid, name, exc_info=e)
-        raise OpenAIError(f"the weights could not be stored (request id {rid})", 503, "server_error",
-                          code="weights_unavailable") from None
+        raise OpenAIError(
+            f"the weights could not be stored (request id {rid})", 503, "server_error", code="weights_unavailable"
+        ) from None
     return {"object": "experiment.weights", "name": name, "weights": weights}

@@ -20,6 +20,7 @@
   (:mod:`kvserve.deployments.operator.experiment_report`). They are this gateway replica's: with several
   ingress replicas the report reads the one its request reaches.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -95,8 +96,9 @@ class Experiments:
         max_samples: finished requests kept per variant.
     """
 
-    def __init__(self, experiments: list[ExperimentArgs], board: WeightBoard | None | str = "app",
-                 max_samples: int = MAX_SAMPLES):
+    def __init__(
+        self, experiments: list[ExperimentArgs], board: WeightBoard | None | str = "app", max_samples: int = MAX_SAMPLES
+    ):
         self.by_name = {e.name: e for e in experiments}
         self.by_model = {e.model: e for e in experiments}
         self.weights = {e.name: e.weights() for e in experiments}
@@ -134,8 +136,12 @@ class Experiments:
     def sticky_key(e: ExperimentArgs, headers, user: str | None, key: str | None) -> str | None:
         """What a request of ``e`` is assigned by (see :class:`ExperimentArgs`'s ``sticky``);
         None: nothing, a random draw."""
-        order = {"session": ("session", "user", "api_key"), "user": ("user", "api_key"),
-                 "api_key": ("api_key",), "request": ()}[e.sticky]
+        order = {
+            "session": ("session", "user", "api_key"),
+            "user": ("user", "api_key"),
+            "api_key": ("api_key",),
+            "request": (),
+        }[e.sticky]
         for kind in order:
             if kind == "session":
                 value = headers.get(e.session_header) if headers is not None else None
@@ -198,14 +204,20 @@ class Experiments:
             KeyError: no such experiment.
         """
         e = self.by_name[name]
-        out = {"object": "experiment", "name": e.name, "model": e.model, "sticky": e.sticky,
-               "weights": self.weights[name],
-               "configured_weights": e.weights(),
-               "variants": [{"name": v.name, "settings": v.settings} for v in e.variants],
-               "differences": {k: {s: list(p) for s, p in d.items()} for k, d in e.differences().items()},
-               "gateway_started": self.started,
-               "samples": {v: [asdict(s) for s in q if since is None or s.t >= since]
-                           for v, q in self.samples[name].items()}}
+        out = {
+            "object": "experiment",
+            "name": e.name,
+            "model": e.model,
+            "sticky": e.sticky,
+            "weights": self.weights[name],
+            "configured_weights": e.weights(),
+            "variants": [{"name": v.name, "settings": v.settings} for v in e.variants],
+            "differences": {k: {s: list(p) for s, p in d.items()} for k, d in e.differences().items()},
+            "gateway_started": self.started,
+            "samples": {
+                v: [asdict(s) for s in q if since is None or s.t >= since] for v, q in self.samples[name].items()
+            },
+        }
         return out
 
 
@@ -230,4 +242,4 @@ def _unit_hash(experiment: str, key: str) -> float:
     """A uniform number in [0, 1) from ``experiment`` and ``key`` (SHA-256: independent of the
     process, so every gateway replica assigns a key alike)."""
     h = hashlib.sha256(f"{experiment}\0{key}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2.0 ** 64
+    return int.from_bytes(h[:8], "big") / 2.0**64

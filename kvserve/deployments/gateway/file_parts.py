@@ -2,6 +2,7 @@
 :meth:`kvserve.deployments.gateway.files.FileStore.open`, or taken up again after a restart with
 :meth:`FileWriter.resume`). Parts are entries ``d:<id>:<n>`` of at most :data:`PART_BYTES`; the
 file object ``m:<id>`` is written last."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,17 @@ class FileWriter:
     survives this process (a batch's output: :attr:`state` records the parts so far).
     """
 
-    def __init__(self, files, owner: str, filename: str, purpose: str, used: int,
-                 file_id: str | None = None, parts: int = 0, size: int = 0):
+    def __init__(
+        self,
+        files,
+        owner: str,
+        filename: str,
+        purpose: str,
+        used: int,
+        file_id: str | None = None,
+        parts: int = 0,
+        size: int = 0,
+    ):
         self.files, self.owner, self.filename, self.purpose, self.used = files, owner, filename, purpose, used
         self.id = file_id or f"file-{uuid.uuid4().hex}"
         self.parts, self.size = parts, size  # parts whole in the store; bytes in them
@@ -62,8 +72,9 @@ class FileWriter:
     def room(self) -> int:
         """Bytes this file may still take (its own bound and its key's, whichever is less)."""
         others = self.files._writing.get(self.owner, 0) - self._reserved
-        return max(0, min(self.files.max_file_bytes - self.bytes,
-                          self.files.max_owner_bytes - self.used - others - self.bytes))
+        return max(
+            0, min(self.files.max_file_bytes - self.bytes, self.files.max_owner_bytes - self.used - others - self.bytes)
+        )
 
     async def write(self, data: bytes) -> None:
         """Append ``data`` (full parts go to the store at once).
@@ -75,14 +86,22 @@ class FileWriter:
         """
         total = self.bytes + len(data)
         if total > self.files.max_file_bytes:
-            raise OpenAIError(f"the file is over {self.files.max_file_bytes} bytes (at least {total}); the limit is "
-                              f"{self.files.max_file_bytes} (max_file_bytes)", 413, param="file",
-                              code="file_too_large")
+            raise OpenAIError(
+                f"the file is over {self.files.max_file_bytes} bytes (at least {total}); the limit is "
+                f"{self.files.max_file_bytes} (max_file_bytes)",
+                413,
+                param="file",
+                code="file_too_large",
+            )
         if len(data) > self.room():
             others = self.files._writing.get(self.owner, 0) - self._reserved
-            raise OpenAIError(f"this key's files would take {self.used + others + total} bytes; the limit is "
-                              f"{self.files.max_owner_bytes} (its share of cache_max_bytes; delete files first)",
-                              413, param="file", code="quota_exceeded")
+            raise OpenAIError(
+                f"this key's files would take {self.used + others + total} bytes; the limit is "
+                f"{self.files.max_owner_bytes} (its share of cache_max_bytes; delete files first)",
+                413,
+                param="file",
+                code="quota_exceeded",
+            )
         buf, parts, size = self._open + data, self.parts, self.size
         while len(buf) >= PART_BYTES:  # a failure here changes nothing: a retry rewrites the same parts
             await self._put(parts, bytes(buf[:PART_BYTES]))
@@ -98,8 +117,14 @@ class FileWriter:
     @property
     def state(self) -> dict[str, Any]:
         """What a later writer needs to go on with this file after :meth:`flush` (see :meth:`resume`)."""
-        return {"id": self.id, "filename": self.filename, "purpose": self.purpose, "parts": self.parts,
-                "size": self.size, "open": len(self._open)}
+        return {
+            "id": self.id,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "parts": self.parts,
+            "size": self.size,
+            "open": len(self._open),
+        }
 
     @classmethod
     async def resume(cls, files, owner: str, state: dict[str, Any]) -> "FileWriter":
@@ -114,15 +139,15 @@ class FileWriter:
         if state.get("open"):
             data = await files.owners.store_of(owner).get(files.DATA, f"d:{w.id}:{w.parts}")
             if data is not None:
-                w._open += data[:state["open"]]
+                w._open += data[: state["open"]]
                 w._reserve(len(w._open))
         return w
 
     async def _put(self, n: int, data: bytes) -> None:
-        if not await self.files.owners.store_of(self.owner).put(self.files.DATA, f"d:{self.id}:{n}", data,
-                                                                FILE_TTL_S):
-            raise OpenAIError("the file store did not take the file; retry later", 503, "server_error",
-                              code="file_store_unavailable")
+        if not await self.files.owners.store_of(self.owner).put(self.files.DATA, f"d:{self.id}:{n}", data, FILE_TTL_S):
+            raise OpenAIError(
+                "the file store did not take the file; retry later", 503, "server_error", code="file_store_unavailable"
+            )
 
     async def close(self) -> dict[str, Any]:
         """Write the last part and the file object, list the file: OpenAI's file object.
@@ -135,13 +160,23 @@ class FileWriter:
             await self._put(self.parts, part)
             self.parts, self.size, self._open = self.parts + 1, self.size + len(part), bytearray()
         now = int(time.time())
-        meta = {"id": self.id, "object": "file", "bytes": self.size, "created_at": now, "filename": self.filename,
-                "purpose": self.purpose, "status": "processed", "status_details": None,
-                "expires_at": now + int(FILE_TTL_S), "kvserve_parts": self.parts}
+        meta = {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.size,
+            "created_at": now,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+            "expires_at": now + int(FILE_TTL_S),
+            "kvserve_parts": self.parts,
+        }
         store = self.files.owners.store_of(self.owner)
         if not await store.put(self.files.META, "m:" + self.id, json.dumps(meta).encode(), FILE_TTL_S):
-            raise OpenAIError("the file store did not take the file; retry later", 503, "server_error",
-                              code="file_store_unavailable")
+            raise OpenAIError(
+                "the file store did not take the file; retry later", 503, "server_error", code="file_store_unavailable"
+            )
         await self.files.owners.index_add(self.owner, "files", self.id)
         self._release()
         return public(meta)

@@ -9,11 +9,10 @@ with a 413 the moment it crosses ``max_file_bytes`` or the key's bytes, never re
 memory first; a batch's output grows line by line. The file object (``m:<id>``, in the key's
 index) is written last: a file is listed once it is whole.
 """
+
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any
 
 from kvserve.deployments.cache.owner_stores import OwnerStores
@@ -22,8 +21,16 @@ from kvserve.deployments.contract.openai_errors import OpenAIError
 from kvserve.deployments.gateway.file_parts import FILE_TTL_S, PART_BYTES, FileWriter, public
 from kvserve.deployments.gateway.gate import key_name, request_policy
 
-__all__ = ["FILE_TTL_S", "PART_BYTES", "FileStore", "FileWriter", "admit", "content_response", "public",
-           "upload_stream"]
+__all__ = [
+    "FILE_TTL_S",
+    "PART_BYTES",
+    "FileStore",
+    "FileWriter",
+    "admit",
+    "content_response",
+    "public",
+    "upload_stream",
+]
 
 #: Files one API key may keep (uploads and batch outputs); more: 400 ``quota_exceeded``.
 DEFAULT_MAX_FILES_PER_KEY = 1000
@@ -57,8 +64,14 @@ class FileStore:
     PREFIX = "kvserve:files:"
     META, DATA = "file-meta", "file-data"  # the stores' model tags; keys are "m:<id>" and "d:<id>:<n>"
 
-    def __init__(self, settings: CacheSettings, max_file_bytes: int, *, owners: int = 1,
-                 max_files: int = DEFAULT_MAX_FILES_PER_KEY):
+    def __init__(
+        self,
+        settings: CacheSettings,
+        max_file_bytes: int,
+        *,
+        owners: int = 1,
+        max_files: int = DEFAULT_MAX_FILES_PER_KEY,
+    ):
         # our own quotas bound the files; the store's entry bound must never evict a part
         self.owners = OwnerStores(settings, self.PREFIX, timeout_s=2.0, owners=owners, max_entries=1 << 30)
         self.max_file_bytes, self.max_owner_bytes, self.max_files = max_file_bytes, self.owners.owner_bytes, max_files
@@ -73,8 +86,13 @@ class FileStore:
         """
         metas = await self._metas(owner)
         if len(metas) >= self.max_files:
-            raise OpenAIError(f"this key keeps {len(metas)} files; the limit is {self.max_files} "
-                              "(max_files_per_key; delete files first)", 400, param="file", code="quota_exceeded")
+            raise OpenAIError(
+                f"this key keeps {len(metas)} files; the limit is {self.max_files} "
+                "(max_files_per_key; delete files first)",
+                400,
+                param="file",
+                code="quota_exceeded",
+            )
         return FileWriter(self, owner, filename, purpose, sum(f["bytes"] for f in metas))
 
     async def create(self, owner: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
@@ -150,8 +168,9 @@ class FileStore:
         await self.owners.index_remove(owner, "files", file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    async def list(self, owner: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
-                   order: str = "desc") -> dict[str, Any]:
+    async def list(
+        self, owner: str, purpose: str | None = None, limit: int = 10000, after: str | None = None, order: str = "desc"
+    ) -> dict[str, Any]:
         """OpenAI's list of ``owner``'s files (newest first unless ``order`` is ``asc``).
 
         Raises:
@@ -162,10 +181,15 @@ class FileStore:
             files.reverse()
         if after is not None:
             ids = [f["id"] for f in files]
-            files = files[ids.index(after) + 1:] if after in ids else []
-        page = files[:max(1, min(limit, 10000))]
-        return {"object": "list", "data": page, "has_more": len(files) > len(page),
-                "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
+            files = files[ids.index(after) + 1 :] if after in ids else []
+        page = files[: max(1, min(limit, 10000))]
+        return {
+            "object": "list",
+            "data": page,
+            "has_more": len(files) > len(page),
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+        }
 
     async def _metas(self, owner: str) -> list[dict[str, Any]]:
         """``owner``'s files, newest first (expired or evicted ones leave the index here: only
@@ -182,8 +206,12 @@ class FileStore:
 
 def _check_purpose(purpose: str | None) -> None:
     if purpose not in UPLOAD_PURPOSES:
-        raise OpenAIError(f"purpose must be one of {', '.join(UPLOAD_PURPOSES)} (the Batch API's input), got "
-                          f"{purpose!r}", 400, param="purpose", code="invalid_value")
+        raise OpenAIError(
+            f"purpose must be one of {', '.join(UPLOAD_PURPOSES)} (the Batch API's input), got {purpose!r}",
+            400,
+            param="purpose",
+            code="invalid_value",
+        )
 
 
 async def upload_stream(store: FileStore, owner: str, request) -> dict[str, Any]:
@@ -199,8 +227,12 @@ async def upload_stream(store: FileStore, owner: str, request) -> dict[str, Any]
 
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or not params.get(b"boundary"):
-        raise OpenAIError("POST /v1/files takes multipart/form-data with the fields file and purpose", 400,
-                          param="file", code="invalid_request")
+        raise OpenAIError(
+            "POST /v1/files takes multipart/form-data with the fields file and purpose",
+            400,
+            param="file",
+            code="invalid_request",
+        )
     events: list[tuple[str, Any]] = []  # what the parser saw, handled after each chunk
     part: dict[str, Any] = {}
 
@@ -230,17 +262,29 @@ async def upload_stream(store: FileStore, owner: str, request) -> dict[str, Any]
         else:
             part["value"] += data[start:end]
             if len(part["value"]) > MAX_FIELD_BYTES:
-                raise OpenAIError(f"the form field {part.get('name')!r} is over {MAX_FIELD_BYTES} bytes", 400,
-                                  param=part.get("name"), code="invalid_request")
+                raise OpenAIError(
+                    f"the form field {part.get('name')!r} is over {MAX_FIELD_BYTES} bytes",
+                    400,
+                    param=part.get("name"),
+                    code="invalid_request",
+                )
 
     def on_part_end():
         if part.get("name") != "file":
             events.append(("field", (part.get("name"), part["value"].decode("utf-8", "replace"))))
 
-    parser = MultipartParser(params[b"boundary"], {
-        "on_part_begin": on_part_begin, "on_header_field": on_header_field, "on_header_value": on_header_value,
-        "on_header_end": on_header_end, "on_headers_finished": on_headers_finished, "on_part_data": on_part_data,
-        "on_part_end": on_part_end})
+    parser = MultipartParser(
+        params[b"boundary"],
+        {
+            "on_part_begin": on_part_begin,
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        },
+    )
     writer: FileWriter | None = None
     fields: dict[str, str] = {}
     try:
@@ -250,8 +294,9 @@ async def upload_stream(store: FileStore, owner: str, request) -> dict[str, Any]
             except OpenAIError:
                 raise
             except Exception as e:  # python-multipart's MultipartParseError and the like
-                raise OpenAIError(f"the multipart body does not parse: {e}", 400, param="file",
-                                  code="invalid_request") from None
+                raise OpenAIError(
+                    f"the multipart body does not parse: {e}", 400, param="file", code="invalid_request"
+                ) from None
             for kind, value in events:
                 if kind == "field":
                     fields[value[0]] = value[1]
@@ -270,8 +315,9 @@ async def upload_stream(store: FileStore, owner: str, request) -> dict[str, Any]
         if writer is None:
             raise OpenAIError("the form has no field 'file'", 400, param="file", code="missing_required_parameter")
         if "purpose" not in fields:
-            raise OpenAIError("the form has no field 'purpose'", 400, param="purpose",
-                              code="missing_required_parameter")
+            raise OpenAIError(
+                "the form has no field 'purpose'", 400, param="purpose", code="missing_required_parameter"
+            )
         _check_purpose(fields["purpose"])
         writer.purpose = fields["purpose"]
         return await writer.close()
@@ -282,10 +328,23 @@ async def upload_stream(store: FileStore, owner: str, request) -> dict[str, Any]
 
 
 #: ``POST /v1/files``'s body in the OpenAPI schema (the route reads the stream itself).
-UPLOAD_OPENAPI = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
-    "type": "object", "required": ["file", "purpose"],
-    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}},
-}}}}}
+UPLOAD_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": ["batch"]},
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 async def admit(keys, scope) -> None:

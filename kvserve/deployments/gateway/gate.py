@@ -24,6 +24,7 @@ without a key and every answer, a 401 included, carries the ``Access-Control-*``
 as middleware options, given by :func:`kvserve.deployments.gateway.api.build_api` when it builds a
 replica's app (no module state).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.deployments.contract.config import DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_MAX_BODY_BYTES
 from kvserve.deployments.contract.openai_errors import anthropic_error_body, error_body
-from kvserve.deployments.limits import (AuthFailureThrottle, KeyPolicy, TrustedProxies, client_address, find_policy,
-                                        policies_from_keys)
+from kvserve.deployments.limits import (
+    AuthFailureThrottle,
+    KeyPolicy,
+    TrustedProxies,
+    client_address,
+    find_policy,
+    policies_from_keys,
+)
 from kvserve.telemetry.metrics import rejected
 
 
@@ -66,10 +73,15 @@ class GateSettings:
     trusted_proxies: TrustedProxies = field(default_factory=TrustedProxies)
 
     @classmethod
-    def of(cls, api_keys: list[str] | list[KeyPolicy] | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-           auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE,
-           allowed_origins: list[str] | None = None, max_file_bytes: int | None = None,
-           forwarded_allow_ips: list[str] | None = None) -> "GateSettings":
+    def of(
+        cls,
+        api_keys: list[str] | list[KeyPolicy] | None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        auth_failures_per_minute: int = DEFAULT_AUTH_FAILURES_PER_MINUTE,
+        allowed_origins: list[str] | None = None,
+        max_file_bytes: int | None = None,
+        forwarded_allow_ips: list[str] | None = None,
+    ) -> "GateSettings":
         """The gate of a replica. ``api_keys``: key entries (``"<key> [name=..] [rpm=..]
         [tpm=..] [priority=..]"``, see :mod:`kvserve.deployments.limits`) or :class:`KeyPolicy`
         objects. ``allowed_origins``: CORS origins (``[]``: no CORS headers; None, the default:
@@ -90,10 +102,14 @@ class GateSettings:
         keys = list(api_keys or [])
         if allowed_origins is None:
             allowed_origins = ["*"] if keys else []
-        return cls(policies=keys if all(isinstance(k, KeyPolicy) for k in keys) else policies_from_keys(keys),
-                   max_body_bytes=max_body_bytes, max_file_bytes=max(max_body_bytes, max_file_bytes or 0),
-                   throttle=AuthFailureThrottle(max_failures=auth_failures_per_minute, window_s=60.0),
-                   allowed_origins=list(allowed_origins), trusted_proxies=TrustedProxies(forwarded_allow_ips or ()))
+        return cls(
+            policies=keys if all(isinstance(k, KeyPolicy) for k in keys) else policies_from_keys(keys),
+            max_body_bytes=max_body_bytes,
+            max_file_bytes=max(max_body_bytes, max_file_bytes or 0),
+            throttle=AuthFailureThrottle(max_failures=auth_failures_per_minute, window_s=60.0),
+            allowed_origins=list(allowed_origins),
+            trusted_proxies=TrustedProxies(forwarded_allow_ips or ()),
+        )
 
 
 def install(app, settings: GateSettings) -> None:
@@ -103,8 +119,14 @@ def install(app, settings: GateSettings) -> None:
     and every answer, 401s too, carries CORS headers. No origins: no CORS middleware."""
     app.add_middleware(RequestGate, settings=settings)
     if settings.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-ID", "Retry-After"],
+            max_age=600,
+        )
 
 
 def bearer_token(header: bytes) -> bytes | None:
@@ -136,14 +158,17 @@ def credentials(scope: Scope) -> dict[str, str]:
     """The request's own API-key headers (``Authorization``, ``x-api-key``) as it sent them,
     for work it starts that runs later as the same key (a batch job: held in memory only)."""
     headers = dict(scope.get("headers") or [])
-    return {name: headers[name.encode()].decode("latin-1") for name in ("authorization", "x-api-key")
-            if name.encode() in headers}
+    return {
+        name: headers[name.encode()].decode("latin-1")
+        for name in ("authorization", "x-api-key")
+        if name.encode() in headers
+    }
 
 
 def route_path(scope: Scope) -> str:
     """The request's path below the app's root path (Serve's route prefix)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def mask_key(key: str) -> str:
@@ -163,10 +188,14 @@ def anthropic_path(scope: Scope) -> bool:
     return route_path(scope).startswith(ANTHROPIC_PREFIX)
 
 
-async def _send_error(send: Send, status: int, message: str, code: str, headers: dict | None = None,
-                      scope: Scope | None = None) -> None:
-    payload = (anthropic_error_body(status, message) if scope is not None and anthropic_path(scope)
-               else error_body(message, "invalid_request_error", None, code))
+async def _send_error(
+    send: Send, status: int, message: str, code: str, headers: dict | None = None, scope: Scope | None = None
+) -> None:
+    payload = (
+        anthropic_error_body(status, message)
+        if scope is not None and anthropic_path(scope)
+        else error_body(message, "invalid_request_error", None, code)
+    )
     body = json.dumps(payload).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -187,9 +216,11 @@ class RequestGate:
         s = self.settings
         headers = dict(scope.get("headers") or [])
         if s.policies and route_path(scope) not in OPEN_PATHS:  # deny by default
-            client = client_address((scope.get("client") or ("unknown", 0))[0],
-                                    [v for k, v in scope.get("headers") or () if k == b"x-forwarded-for"],
-                                    s.trusted_proxies)
+            client = client_address(
+                (scope.get("client") or ("unknown", 0))[0],
+                [v for k, v in scope.get("headers") or () if k == b"x-forwarded-for"],
+                s.trusted_proxies,
+            )
             # the key first: a valid one is never throttled by what others sharing its address sent
             # (OpenAI's Authorization: Bearer, or Anthropic's x-api-key)
             token = bearer_token(headers.get(b"authorization", b"")) or headers.get(b"x-api-key", b"").strip() or None
@@ -200,14 +231,24 @@ class RequestGate:
                 wait = s.throttle.retry_after(client)
                 if wait is not None:  # this client sent too many wrong keys
                     _count_rejected("auth_throttled")
-                    return await _send_error(send, 429, "too many failed authentication attempts from this address, "
-                                                        "retry later", "auth_throttled",
-                                             {"Retry-After": str(max(1, math.ceil(wait)))}, scope)
+                    return await _send_error(
+                        send,
+                        429,
+                        "too many failed authentication attempts from this address, retry later",
+                        "auth_throttled",
+                        {"Retry-After": str(max(1, math.ceil(wait)))},
+                        scope,
+                    )
                 s.throttle.record_failure(client)
                 _count_rejected("unauthorized")
-                return await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>' "
-                                                    "or 'x-api-key: <key>')",
-                                         "invalid_api_key", {"WWW-Authenticate": "Bearer"}, scope)
+                return await _send_error(
+                    send,
+                    401,
+                    "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                    "invalid_api_key",
+                    {"WWW-Authenticate": "Bearer"},
+                    scope,
+                )
             scope.setdefault("state", {})["kvserve_api_key"] = policy
         limit = s.max_body_bytes
         if scope.get("method") == "POST" and route_path(scope) == FILES_PATH:  # + the multipart envelope
@@ -219,8 +260,13 @@ class RequestGate:
             except ValueError:
                 return await _send_error(send, 400, "invalid Content-Length header", "invalid_request", scope=scope)
             if n > limit:
-                return await _send_error(send, 413, f"request body is {n} bytes; the limit is {limit} bytes",
-                                         "request_too_large", scope=scope)
+                return await _send_error(
+                    send,
+                    413,
+                    f"request body is {n} bytes; the limit is {limit} bytes",
+                    "request_too_large",
+                    scope=scope,
+                )
         seen = 0
 
         async def limited_receive() -> Message:
@@ -240,5 +286,6 @@ class RequestGate:
             # Ray's TaskCancelledError. That is a disconnect, not a server error: no traceback.
             if type(e).__name__ != "TaskCancelledError":
                 raise
-            logging.getLogger("ray.serve").info("client disconnected while the request was being read: %s %s",
-                                                scope.get("method"), scope.get("path"))
+            logging.getLogger("ray.serve").info(
+                "client disconnected while the request was being read: %s %s", scope.get("method"), scope.get("path")
+            )

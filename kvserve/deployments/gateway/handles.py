@@ -1,6 +1,7 @@
 """The deployment handles a gateway replica calls: each generating model's (``LLMServer``), streaming
 and not, each embedding model's (``EmbeddingServer``), and a model's handle bound to a run-time
 LoRA adapter (Serve's model multiplexing: the call goes to a replica that holds the adapter)."""
+
 from __future__ import annotations
 
 from ray.serve.handle import DeploymentHandle
@@ -22,8 +23,12 @@ class ModelHandles:
             call's ``target``.
     """
 
-    def __init__(self, models: dict[str, DeploymentHandle], encoders: dict[str, DeploymentHandle] | None = None,
-                 variants: dict[str, dict[str, DeploymentHandle]] | None = None):
+    def __init__(
+        self,
+        models: dict[str, DeploymentHandle],
+        encoders: dict[str, DeploymentHandle] | None = None,
+        variants: dict[str, dict[str, DeploymentHandle]] | None = None,
+    ):
         self.models = dict(models)
         self.encoders = dict(encoders or {})
         #: deployment key (a model's name, or model@variant) -> handle

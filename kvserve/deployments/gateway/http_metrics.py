@@ -1,6 +1,7 @@
 """Per-endpoint request counts and latencies of the gateway (``kvserve:http_requests_total``,
 ``kvserve:http_request_duration_seconds``; :func:`kvserve.telemetry.metrics.http_requests`), as a
 pure ASGI middleware so that a streamed response is timed to its last byte."""
+
 from __future__ import annotations
 
 import time

@@ -13,6 +13,7 @@ errors as ``{"type": "error", "error": {"type", "message"}}``, and the stream's 
 (``thinking_delta``, ``text_delta`` or ``input_json_delta``) ..., ``content_block_stop``, then ``message_delta``
 (stop reason, output tokens) and ``message_stop``; a failure midway is an ``error`` event. The
 request translation: :mod:`kvserve.deployments.gateway.messages_input`."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,12 @@ def _error_event(request_id: str, exc: BaseException) -> bytes:
 def _usage(lasts: dict) -> dict[str, int]:
     u = usage_of(lasts)
     cached = (u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0) or 0
-    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": u.prompt_tokens,
+        "output_tokens": u.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _stop(last: GenerationChunk, tool_use: bool, stops: list[str] | None) -> tuple[str, str | None]:
@@ -77,31 +82,59 @@ async def create_message(gw: Gateway, body: MessagesRequest, request: Request, r
     renderer = (await renderers(gw, call, chat, mode))[0]
     msg_id = "msg_" + call.response_id.split("-", 1)[1]
     if body.stream:
-        return StreamingResponse(gw.answers.sse(call, _events(gw, call, body, renderer, msg_id), done=False,
-                                                error=_error_event),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
+        return StreamingResponse(
+            gw.answers.sse(call, _events(gw, call, body, renderer, msg_id), done=False, error=_error_event),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **call.headers},
+        )
     whole = (await gw.answers.whole(call))[(0, 0)]
     msg, _ = renderer.message(whole)
     thinking = getattr(msg, "reasoning_content", None)
     content: list[dict[str, Any]] = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
     content += [{"type": "text", "text": msg.content}] if msg.content else []
-    content += [{"type": "tool_use", "id": c.id, "name": c.function.name, "input": _input_of(c.function.arguments)}
-                for c in msg.tool_calls or []]
+    content += [
+        {"type": "tool_use", "id": c.id, "name": c.function.name, "input": _input_of(c.function.arguments)}
+        for c in msg.tool_calls or []
+    ]
     stop_reason, stop_sequence = _stop(whole, bool(msg.tool_calls), body.stop_sequences)
     response.headers.update(call.headers)
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": call.served, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage({(0, 0): whole})}
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": call.served,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage({(0, 0): whole}),
+    }
 
 
-async def _events(gw: Gateway, call: Call, body: MessagesRequest, renderer: ChatChoiceRenderer,
-                  msg_id: str) -> AsyncIterator[bytes]:
+async def _events(
+    gw: Gateway, call: Call, body: MessagesRequest, renderer: ChatChoiceRenderer, msg_id: str
+) -> AsyncIterator[bytes]:
     """The stream's events (see the module docstring)."""
     first = call.lasts[(0, 0)]
-    yield _event("message_start", {"message": {
-        "id": msg_id, "type": "message", "role": "assistant", "model": call.served, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": first.num_prompt_tokens, "output_tokens": 0,
-                  "cache_read_input_tokens": first.num_cached_tokens, "cache_creation_input_tokens": 0}}})
+    yield _event(
+        "message_start",
+        {
+            "message": {
+                "id": msg_id,
+                "type": "message",
+                "role": "assistant",
+                "model": call.served,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": first.num_prompt_tokens,
+                    "output_tokens": 0,
+                    "cache_read_input_tokens": first.num_cached_tokens,
+                    "cache_creation_input_tokens": 0,
+                },
+            }
+        },
+    )
     yield _event("ping", {})
     index, open_kind, tool_use = -1, None, False
     async for _, chunk in gw.answers.chunks(call):
@@ -113,34 +146,51 @@ async def _events(gw: Gateway, call: Call, body: MessagesRequest, renderer: Chat
                     if open_kind is not None:
                         yield _event("content_block_stop", {"index": index})
                     index, open_kind = index + 1, "thinking"
-                    yield _event("content_block_start", {"index": index, "content_block": {
-                        "type": "thinking", "thinking": "", "signature": ""}})
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta",
-                                                                               "thinking": thinking}})
+                    yield _event(
+                        "content_block_start",
+                        {"index": index, "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
+                    )
+                yield _event(
+                    "content_block_delta", {"index": index, "delta": {"type": "thinking_delta", "thinking": thinking}}
+                )
             if d.content:
                 if open_kind != "text":
                     if open_kind is not None:
                         yield _event("content_block_stop", {"index": index})
                     index, open_kind = index + 1, "text"
                     yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": d.content}})
+                yield _event(
+                    "content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": d.content}}
+                )
             for tc in d.tool_calls or []:
                 if tc.id is not None:  # a new call: a block of its own
                     if open_kind is not None:
                         yield _event("content_block_stop", {"index": index})
                     index, open_kind, tool_use = index + 1, "tool_use", True
-                    yield _event("content_block_start", {"index": index, "content_block": {
-                        "type": "tool_use", "id": tc.id, "name": tc.function.name, "input": {}}})
+                    yield _event(
+                        "content_block_start",
+                        {
+                            "index": index,
+                            "content_block": {"type": "tool_use", "id": tc.id, "name": tc.function.name, "input": {}},
+                        },
+                    )
                 args = tc.function.arguments if tc.function is not None else None
                 if args:
-                    yield _event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": args}})
+                    yield _event(
+                        "content_block_delta",
+                        {"index": index, "delta": {"type": "input_json_delta", "partial_json": args}},
+                    )
     if open_kind is not None:
         yield _event("content_block_stop", {"index": index})
     last = call.lasts[(0, 0)]
     stop_reason, stop_sequence = _stop(last, tool_use, body.stop_sequences)
-    yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                   "usage": {"output_tokens": usage_of(call.lasts).completion_tokens}})
+    yield _event(
+        "message_delta",
+        {
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": {"output_tokens": usage_of(call.lasts).completion_tokens},
+        },
+    )
     yield _event("message_stop", {})
 
 
@@ -149,8 +199,21 @@ async def count_tokens(gw: Gateway, body: CountTokensRequest, request: Request) 
     model's chat template (and its tools) applied, as the replica would run it."""
     gw.warn_unknown(body)
     body.check_thinking()
-    _, out = await gw.run_unary(UnarySpec(
-        request, body.model, "msg", "tokenize", (None, body.chat_messages()), body=body,
-        kwargs=dict(tools=body.chat_tools(), add_special_tokens=False, add_generation_prompt=True,
-                    continue_final_message=False, return_token_strs=False)))
+    _, out = await gw.run_unary(
+        UnarySpec(
+            request,
+            body.model,
+            "msg",
+            "tokenize",
+            (None, body.chat_messages()),
+            body=body,
+            kwargs=dict(
+                tools=body.chat_tools(),
+                add_special_tokens=False,
+                add_generation_prompt=True,
+                continue_final_message=False,
+                return_token_strs=False,
+            ),
+        )
+    )
     return {"input_tokens": out.count}

@@ -12,6 +12,7 @@ Supported: ``system`` (text or text blocks), ``messages`` whose content is text 
 not enforced; a model served with a reasoning parser answers with a ``thinking`` block).
 Refused with a 400 naming the field: images and documents, server tools (``web_search`` ...).
 kvserve's ``priority`` and ``seed`` pass through."""
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,11 @@ class CountTokensRequest(BaseModel):
         out = []
         for i, t in enumerate(self.tools):
             if t.get("type") not in (None, "custom") or not t.get("name"):
-                raise _bad(f"tools.{i}: only custom tools (name, description, input_schema) are supported, got "
-                           f"type {t.get('type')!r}", f"tools.{i}")
+                raise _bad(
+                    f"tools.{i}: only custom tools (name, description, input_schema) are supported, got "
+                    f"type {t.get('type')!r}",
+                    f"tools.{i}",
+                )
             fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
             if t.get("description"):
                 fn["description"] = t["description"]
@@ -118,8 +122,13 @@ class MessagesRequest(CountTokensRequest):
             OpenAIError: 400 for what the chat request does not take (the message names the field).
         """
         template_kwargs = self.check_thinking()
-        chat: dict[str, Any] = {"model": self.model, "messages": self.chat_messages(), "max_tokens": self.max_tokens,
-                                "stream": self.stream, "priority": self.priority}
+        chat: dict[str, Any] = {
+            "model": self.model,
+            "messages": self.chat_messages(),
+            "max_tokens": self.max_tokens,
+            "stream": self.stream,
+            "priority": self.priority,
+        }
         if template_kwargs:
             chat["chat_template_kwargs"] = template_kwargs
         for k in ("temperature", "top_p", "seed"):
@@ -132,10 +141,13 @@ class MessagesRequest(CountTokensRequest):
         fmt = (self.output_config or {}).get("format")
         if fmt is not None:  # Anthropic's structured outputs: the grammar path of response_format
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-                raise _bad("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                           "output_config.format")
-            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
-                                                                              "strict": True}}
+                raise _bad(
+                    'output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config.format"
+                )
+            chat["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True},
+            }
         user = (self.metadata or {}).get("user_id")
         if user:
             chat["user"] = str(user)
@@ -172,8 +184,11 @@ def _text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
     parts = []
     for i, b in enumerate(content):
         if not isinstance(b, dict) or b.get("type") != "text":
-            raise _bad(f"{where}.{i}: only text blocks are supported here, got "
-                       f"{b.get('type') if isinstance(b, dict) else type(b).__name__!r}", f"{where}.{i}")
+            raise _bad(
+                f"{where}.{i}: only text blocks are supported here, got "
+                f"{b.get('type') if isinstance(b, dict) else type(b).__name__!r}",
+                f"{where}.{i}",
+            )
         parts.append(str(b.get("text", "")))
     return "".join(parts)
 
@@ -192,8 +207,13 @@ def _turn(m: AnthropicMessage, where: str) -> list[dict[str, Any]]:
         elif kind == "tool_use" and m.role == "assistant":
             if not b.get("id") or not b.get("name"):
                 raise _bad(f"{where}.{i}: a tool_use block needs an id and a name", f"{where}.{i}")
-            calls.append({"id": b["id"], "type": "function", "function": {
-                "name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+            calls.append(
+                {
+                    "id": b["id"],
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)},
+                }
+            )
         elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
             continue  # an earlier turn's reasoning: not sent back to the model (as the templates drop it)
         elif kind == "tool_result" and m.role == "user":
@@ -204,8 +224,11 @@ def _turn(m: AnthropicMessage, where: str) -> list[dict[str, Any]]:
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
         else:
-            raise _bad(f"{where}.{i}: content blocks of type {kind!r} are not supported in a {m.role} turn "
-                       "(text, tool_use in assistant turns, tool_result in user turns)", f"{where}.{i}")
+            raise _bad(
+                f"{where}.{i}: content blocks of type {kind!r} are not supported in a {m.role} turn "
+                "(text, tool_use in assistant turns, tool_result in user turns)",
+                f"{where}.{i}",
+            )
     out = list(results)
     if m.role == "assistant":
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}

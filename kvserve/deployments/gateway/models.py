@@ -2,6 +2,7 @@
 :class:`~kvserve.deployments.gateway.catalog.ModelCatalog` (given at build time, completed by what
 replicas publish when they load; no replica is called), with the replicas' placement for an
 admin key."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,9 +34,13 @@ async def replica_placement() -> dict[tuple[str, str], list[dict]]:
         if not ray.is_initialized():  # a gateway outside Ray (tests): asking would start a Ray instance
             raise RuntimeError("Ray is not running here")
         details = await asyncio.to_thread(lambda: _get_global_client().get_serve_details())
-        out = {(app, dep): [{k: r.get(k) for k in ("replica_id", "node_id", "node_ip", "state")}
-                            for r in d.get("replicas", [])]
-               for app, a in details.get("applications", {}).items() for dep, d in a.get("deployments", {}).items()}
+        out = {
+            (app, dep): [
+                {k: r.get(k) for k in ("replica_id", "node_id", "node_ip", "state")} for r in d.get("replicas", [])
+            ]
+            for app, a in details.get("applications", {}).items()
+            for dep, d in a.get("deployments", {}).items()
+        }
     except Exception as e:  # the cards go without placement
         logger.info("reading the replicas' placement failed (%s)", type(e).__name__)
         out = {}

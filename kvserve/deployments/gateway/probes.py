@@ -1,4 +1,5 @@
 """``GET /health``, ``GET /ready`` and ``GET /metrics`` (open without an API key)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ async def health(gw) -> dict | Response:
     engine, a dead tensor-parallel worker or a replica still loading is a 503 at once). A probe
     the replica does not answer in time is a 503 ``not responding`` for that probe alone: it
     never marks the engine dead nor touches a request (``LLMServer.health``)."""
+
     async def probe(name: str) -> str | None:
         try:
             await asyncio.wait_for(gw.handles.all()[name].health.remote(), gw.probe_timeout_s)
@@ -34,8 +36,13 @@ async def health(gw) -> dict | Response:
             return "not responding"
         except Exception as e:  # the details (Ray's actor ids, addresses) go to the log only
             logger.warning("health probe of model %s failed", name, exc_info=e)
-            return ("engine stopped, being replaced" if _engine_dead(e) else
-                    "not responding" if _timed_out(e) else "not available")
+            return (
+                "engine stopped, being replaced"
+                if _engine_dead(e)
+                else "not responding"
+                if _timed_out(e)
+                else "not available"
+            )
 
     problems = dict(zip(gw.handles.all(), await asyncio.gather(*(probe(n) for n in gw.handles.all()))))
     bad = {n: p for n, p in problems.items() if p is not None}
@@ -58,8 +65,13 @@ class Readiness:
     async def __call__(self) -> dict | Response:
         gw = self.gw
         if gw.draining:
-            return error_response(503, "not ready: draining (the server is shutting down)", "server_error",
-                                  code="draining", headers={"Retry-After": "5"})
+            return error_response(
+                503,
+                "not ready: draining (the server is shutting down)",
+                "server_error",
+                code="draining",
+                headers={"Retry-After": "5"},
+            )
 
         async def probe(name: str) -> str | None:
             try:
@@ -86,8 +98,9 @@ class Readiness:
         bad = {n: p for n, p in problems.items() if p is not None}
         if bad:
             msg = "; ".join(f"{n}: {p}" for n, p in bad.items())
-            return error_response(503, f"not ready: {msg}", "server_error", code="not_ready",
-                                  headers={"Retry-After": "5"})
+            return error_response(
+                503, f"not ready: {msg}", "server_error", code="not_ready", headers={"Retry-After": "5"}
+            )
         return {"status": "ready", "models": list(gw.handles.all())}
 
 

@@ -3,6 +3,7 @@ output into its reasoning and its content, for chat's ``reasoning_content``, the
 API's ``reasoning`` item and the Messages API's ``thinking`` block. The families' rules are in
 :mod:`kvserve.deployments.contract.reasoning`; ``max_tokens`` and stop strings count the whole output,
 reasoning included, as in vLLM."""
+
 from __future__ import annotations
 
 from kvserve.deployments.contract.reasoning import REASONING_PARSERS, reasons_first
@@ -50,7 +51,7 @@ class ReasoningStream:
             if self.state in ("opening", "undecided"):
                 head = self.text.lstrip()
                 if head.startswith(self.start):
-                    self.text, self.state = head[len(self.start):], "reasoning"
+                    self.text, self.state = head[len(self.start) :], "reasoning"
                     continue
                 if not final and self.start.startswith(head):
                     break  # nothing yet, or maybe the start marker
@@ -65,7 +66,7 @@ class ReasoningStream:
                 at = self.text.find(self.end)
                 if at >= 0:
                     reasoning += self.text[:at]
-                    self.text, self.state = self.text[at + len(self.end):], "after"
+                    self.text, self.state = self.text[at + len(self.end) :], "after"
                     continue
                 cut = len(self.text) if final else partial_marker_at(self.text, self.end)
                 reasoning, self.text = reasoning + self.text[:cut], self.text[cut:]

@@ -14,6 +14,7 @@ has dropped the dead replica by then). Whatever refuses the call comes back as a
 the replica's typed verdict as it is (a full queue, a request too large, a prompt over the
 context), Serve's refusals (``queue_full`` 429, ``model_unavailable`` 503) counted, anything else
 a 500 naming only the request id."""
+
 from __future__ import annotations
 
 import asyncio

@@ -20,6 +20,7 @@ name of its API key (its ``name=``, never the key; ``anonymous`` without keys)}`
 default ``hash``, the log says which requests recur and how often, never what they said, and
 cannot be replayed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,13 @@ PROMPT_MODES = ("hash", "store")
 def fingerprint(model: str, endpoint: str, body: dict) -> str:
     """A stable hash of a request (model, endpoint and body without :data:`VOLATILE_FIELDS`):
     equal for requests the response cache could answer alike."""
-    payload = json.dumps([model, endpoint, {k: v for k, v in body.items() if k not in VOLATILE_FIELDS}],
-                         sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    payload = json.dumps(
+        [model, endpoint, {k: v for k, v in body.items() if k not in VOLATILE_FIELDS}],
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        default=str,
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
@@ -87,8 +93,14 @@ class RequestLog:
         OSError: the directory cannot be made or written.
     """
 
-    def __init__(self, directory: str, prompts: str = "hash", max_bytes: int = 64 << 20, backups: int = 4,
-                 name: str | None = None):
+    def __init__(
+        self,
+        directory: str,
+        prompts: str = "hash",
+        max_bytes: int = 64 << 20,
+        backups: int = 4,
+        name: str | None = None,
+    ):
         if prompts not in PROMPT_MODES:
             raise ValueError(f"request_log_prompts must be one of {PROMPT_MODES}, got {prompts!r}")
         if max_bytes < 1 or backups < 0:
@@ -111,10 +123,16 @@ class RequestLog:
         """Log one admitted request (``body``: as the client sent it, a dict; ``key``: its API
         key's name, under whose limits warming replays it)."""
         system = system_prompt(body)
-        line = {"t": round(time.time(), 3), "model": model, "endpoint": endpoint,
-                "fingerprint": fingerprint(model, endpoint, body), "cacheable": bool(cacheable),
-                "system_fingerprint": None if system is None else hashlib.sha256(system.encode()).hexdigest()[:32],
-                "admitted": True, "key": key}
+        line = {
+            "t": round(time.time(), 3),
+            "model": model,
+            "endpoint": endpoint,
+            "fingerprint": fingerprint(model, endpoint, body),
+            "cacheable": bool(cacheable),
+            "system_fingerprint": None if system is None else hashlib.sha256(system.encode()).hexdigest()[:32],
+            "admitted": True,
+            "key": key,
+        }
         if self.prompts == "store":
             line["body"] = {k: v for k, v in body.items() if k not in VOLATILE_FIELDS}
             line["system"] = system

@@ -16,6 +16,7 @@ for ``GET`` and for a later request's ``previous_response_id``; ``instructions``
 over (as OpenAI's). A response that asked to be stored and was not (the store failed, or it is
 larger than the key's share of the store) says so: its ``store`` is ``false``, and a whole
 answer carries the header :data:`STORE_HEADER` ``failed``."""
+
 from __future__ import annotations
 
 import itertools
@@ -46,26 +47,48 @@ def _item_id(prefix: str) -> str:
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "status": status,
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 class ResponseBuilder:
     """One response object: the request's echoed settings, then its output, status and usage;
     :meth:`final` also stores it (``store``) with the conversation it ends."""
 
-    def __init__(self, call: Call, body: ResponsesRequest, store: ResponseStore | None,
-                 conversation: list[dict[str, Any]], owner: str):
+    def __init__(
+        self,
+        call: Call,
+        body: ResponsesRequest,
+        store: ResponseStore | None,
+        conversation: list[dict[str, Any]],
+        owner: str,
+    ):
         self.call, self.body, self.store, self.conversation, self.owner = call, body, store, conversation, owner
         self.id = "resp_" + call.response_id.split("-", 1)[1]
         self.created = time.time()
@@ -74,26 +97,46 @@ class ResponseBuilder:
     def response(self, status: str, output: list[dict[str, Any]], lasts: dict | None = None) -> dict[str, Any]:
         """The response object (``status`` ``in_progress``, ``completed`` or ``incomplete``)."""
         b = self.body
-        fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {
-            "type": "text"}
-        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-               "model": self.call.served, "output": output, "instructions": b.instructions,
-               "max_output_tokens": b.max_output_tokens, "temperature": b.temperature, "top_p": b.top_p,
-               "tools": b.tools or [], "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
-               "parallel_tool_calls": b.parallel_tool_calls, "text": {"format": fmt},
-               "previous_response_id": b.previous_response_id, "store": b.store, "metadata": b.metadata or {},
-               "user": b.user, "truncation": "disabled", "background": False, "error": None,
-               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-               "usage": None}
+        fmt = (
+            b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {"type": "text"}
+        )
+        out = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.call.served,
+            "output": output,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
+            "tools": b.tools or [],
+            "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
+            "parallel_tool_calls": b.parallel_tool_calls,
+            "text": {"format": fmt},
+            "previous_response_id": b.previous_response_id,
+            "store": b.store,
+            "metadata": b.metadata or {},
+            "user": b.user,
+            "truncation": "disabled",
+            "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "usage": None,
+        }
         if status != "in_progress":
             out["completed_at"] = time.time() if status == "completed" else None
         if lasts is not None:
             u = usage_of(lasts)
             cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
-            out["usage"] = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-                            "total_tokens": u.total_tokens,
-                            "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
-                            "output_tokens_details": {"reasoning_tokens": 0}}
+            out["usage"] = {
+                "input_tokens": u.prompt_tokens,
+                "output_tokens": u.completion_tokens,
+                "total_tokens": u.total_tokens,
+                "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
         return out
 
     async def final(self, output: list[dict[str, Any]], last: GenerationChunk) -> dict[str, Any]:
@@ -101,8 +144,9 @@ class ResponseBuilder:
         the generation's final chunk), stored when the request asked."""
         status = "incomplete" if finish_reason(last.finish_reason) == "length" else "completed"
         resp = self.response(status, output, {(0, 0): last})
-        if self.store is not None and not await self.store.put(resp, self.conversation + conversation_of(output),
-                                                               self.owner):
+        if self.store is not None and not await self.store.put(
+            resp, self.conversation + conversation_of(output), self.owner
+        ):
             self.store_failed = True
             resp["store"] = False  # not kept: a later GET or previous_response_id would not find it
         return resp
@@ -111,8 +155,11 @@ class ResponseBuilder:
 def conversation_of(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat messages a later turn sends back."""
     text = "".join(c["text"] for it in output if it["type"] == "message" for c in it["content"])
-    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in output if it["type"] == "function_call"]
+    calls = [
+        {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+        for it in output
+        if it["type"] == "function_call"
+    ]
     msg: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         msg["tool_calls"] = calls
@@ -133,23 +180,29 @@ async def create_response(gw: Gateway, store: ResponseStore, body: ResponsesRequ
     renderer = (await renderers(gw, call, chat, mode))[0]
     builder = ResponseBuilder(call, body, store if body.store else None, conversation, owner)
     if body.stream:
-        return StreamingResponse(gw.answers.sse(call, _events(gw, call, builder, renderer), done=False),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **call.headers})
+        return StreamingResponse(
+            gw.answers.sse(call, _events(gw, call, builder, renderer), done=False),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **call.headers},
+        )
     whole = (await gw.answers.whole(call))[(0, 0)]
     msg, _ = renderer.message(whole)
     reasoning = getattr(msg, "reasoning_content", None)
     output = [_reasoning_item(_item_id("rs"), reasoning, "completed")] if reasoning else []
     output += [_message_item(_item_id("msg"), msg.content, "completed")] if msg.content else []
-    output += [_call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed")
-               for c in msg.tool_calls or []]
+    output += [
+        _call_item(_item_id("fc"), c.id, c.function.name, c.function.arguments, "completed")
+        for c in msg.tool_calls or []
+    ]
     resp = await builder.final(output, whole)
     if builder.store_failed:
         return JSONResponse(resp, headers={STORE_HEADER: "failed"})
     return resp
 
 
-async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,
-                  renderer: ChatChoiceRenderer) -> AsyncIterator[bytes]:
+async def _events(
+    gw: Gateway, call: Call, builder: ResponseBuilder, renderer: ChatChoiceRenderer
+) -> AsyncIterator[bytes]:
     """The stream's typed events (see the module docstring)."""
     seq = itertools.count()
     output: list[dict[str, Any]] = []  # finished items
@@ -167,18 +220,40 @@ async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,
         item["status"] = "completed"
         output.append(item)
         if item["type"] == "reasoning":
-            return [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                       text=item["content"][0]["text"]),
-                    ev("response.output_item.done", output_index=idx, item=item)]
+            return [
+                ev(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=item["content"][0]["text"],
+                ),
+                ev("response.output_item.done", output_index=idx, item=item),
+            ]
         if item["type"] == "message":
             part = item["content"][0]
-            return [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                       text=part["text"], logprobs=[]),
-                    ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
-                    ev("response.output_item.done", output_index=idx, item=item)]
-        return [ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                   name=item["name"], arguments=item["arguments"]),
-                ev("response.output_item.done", output_index=idx, item=item)]
+            return [
+                ev(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                ),
+                ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
+                ev("response.output_item.done", output_index=idx, item=item),
+            ]
+        return [
+            ev(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=idx,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            ev("response.output_item.done", output_index=idx, item=item),
+        ]
 
     yield ev("response.created", response=builder.response("in_progress", []))
     yield ev("response.in_progress", response=builder.response("in_progress", []))
@@ -193,19 +268,35 @@ async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,
                     open_item = _reasoning_item(_item_id("rs"), "", "in_progress")
                     yield ev("response.output_item.added", output_index=len(output), item={**open_item, "content": []})
                 open_item["content"][0]["text"] += reasoning
-                yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=len(output),
-                         content_index=0, delta=reasoning)
+                yield ev(
+                    "response.reasoning_text.delta",
+                    item_id=open_item["id"],
+                    output_index=len(output),
+                    content_index=0,
+                    delta=reasoning,
+                )
             if d.content:
                 if open_item is None or open_item["type"] != "message":
                     for e in close():
                         yield e
                     open_item = _message_item(_item_id("msg"), "", "in_progress")
                     yield ev("response.output_item.added", output_index=len(output), item={**open_item, "content": []})
-                    yield ev("response.content_part.added", item_id=open_item["id"], output_index=len(output),
-                             content_index=0, part=open_item["content"][0])
+                    yield ev(
+                        "response.content_part.added",
+                        item_id=open_item["id"],
+                        output_index=len(output),
+                        content_index=0,
+                        part=open_item["content"][0],
+                    )
                 open_item["content"][0]["text"] += d.content
-                yield ev("response.output_text.delta", item_id=open_item["id"], output_index=len(output),
-                         content_index=0, delta=d.content, logprobs=[])
+                yield ev(
+                    "response.output_text.delta",
+                    item_id=open_item["id"],
+                    output_index=len(output),
+                    content_index=0,
+                    delta=d.content,
+                    logprobs=[],
+                )
             for tc in d.tool_calls or []:
                 if tc.id is not None:  # a new call
                     for e in close():
@@ -215,8 +306,12 @@ async def _events(gw: Gateway, call: Call, builder: ResponseBuilder,
                 args = tc.function.arguments if tc.function is not None else None
                 if args:
                     open_item["arguments"] += args
-                    yield ev("response.function_call_arguments.delta", item_id=open_item["id"],
-                             output_index=len(output), delta=args)
+                    yield ev(
+                        "response.function_call_arguments.delta",
+                        item_id=open_item["id"],
+                        output_index=len(output),
+                        delta=args,
+                    )
     for e in close():
         yield e
     resp = await builder.final(output, call.lasts[(0, 0)])

@@ -12,6 +12,7 @@ efforts and ``summary`` are not honoured). Anything that would change the answer
 ``background``, ``truncation: auto``, images and files, ``conversation``,
 prompt templates, ``top_logprobs``) is a 400 naming the field.
 """
+
 from __future__ import annotations
 
 import json
@@ -102,8 +103,10 @@ class ResponsesRequest(BaseModel):
             raise ValueError("input must not be empty")
         for i, t in enumerate(self.tools or []):
             if t.get("type") != "function":
-                raise ValueError(f"tools[{i}].type: only function tools are supported, got {t.get('type')!r} "
-                                 "(hosted tools such as web_search or file_search are not)")
+                raise ValueError(
+                    f"tools[{i}].type: only function tools are supported, got {t.get('type')!r} "
+                    "(hosted tools such as web_search or file_search are not)"
+                )
         return self
 
     # ---- to the chat pipeline ---------------------------------------------------------------
@@ -121,21 +124,32 @@ class ResponsesRequest(BaseModel):
             if kind == "message" or ("role" in item and "type" not in item):
                 out.append({"role": item.get("role"), "content": _text(item.get("content"), f"input[{i}].content")})
             elif kind == "function_call":
-                call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                call = {
+                    "id": item.get("call_id"),
+                    "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+                }
                 if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                     out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
                 output = item.get("output")
-                out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                            "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else _text(output, f"input[{i}].output"),
+                    }
+                )
             elif kind == "reasoning":
                 continue  # no reasoning model here: an earlier turn's reasoning summary adds nothing
             else:
-                raise _bad(f"input[{i}].type: items of type {kind!r} are not supported (message, function_call, "
-                           "function_call_output)", f"input[{i}].type")
+                raise _bad(
+                    f"input[{i}].type: items of type {kind!r} are not supported (message, function_call, "
+                    "function_call_output)",
+                    f"input[{i}].type",
+                )
         return out
 
     def to_chat(self, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -146,8 +160,13 @@ class ResponsesRequest(BaseModel):
             OpenAIError: 400 for what the chat request does not accept (the message names the field).
         """
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + conversation
-        chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
-                                "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}
+        chat: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "stream": self.stream,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "priority": self.priority,
+        }
         for k in ("temperature", "top_p", "seed", "user"):
             if getattr(self, k) is not None:
                 chat[k] = getattr(self, k)
@@ -156,12 +175,20 @@ class ResponsesRequest(BaseModel):
         if (self.reasoning or {}).get("effort") in ("none", "minimal"):
             chat["chat_template_kwargs"] = {"enable_thinking": False}
         if self.tools:
-            chat["tools"] = [{"type": "function", "function": {k: t[k] for k in (
-                "name", "description", "parameters", "strict") if t.get(k) is not None}} for t in self.tools]
+            chat["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None
+                    },
+                }
+                for t in self.tools
+            ]
         if isinstance(self.tool_choice, dict):
             if self.tool_choice.get("type") != "function":
-                raise _bad(f"tool_choice: type {self.tool_choice.get('type')!r} is not supported (function)",
-                           "tool_choice")
+                raise _bad(
+                    f"tool_choice: type {self.tool_choice.get('type')!r} is not supported (function)", "tool_choice"
+                )
             chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.get("name")}}
         elif self.tool_choice is not None:
             chat["tool_choice"] = self.tool_choice
@@ -169,9 +196,15 @@ class ResponsesRequest(BaseModel):
         if fmt is not None and fmt.type == "json_object":
             chat["response_format"] = {"type": "json_object"}
         elif fmt is not None and fmt.type == "json_schema":
-            chat["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict,
-                "description": fmt.description}}
+            chat["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": fmt.name or "response",
+                    "schema": fmt.schema_,
+                    "strict": fmt.strict,
+                    "description": fmt.description,
+                },
+            }
         try:
             return ChatCompletionRequest.model_validate(chat)
         except ValidationError as e:
@@ -228,8 +261,9 @@ class ResponseStore:
         """Keep ``response`` (its ``id``) with the conversation ``messages`` it ends, in
         ``owner``'s store (its least recently used go past the owner's bounds); False when it
         was not kept (larger than the owner's bytes, or the backend failed)."""
-        data = json.dumps({"response": response, "messages": messages, "owner": owner},
-                          separators=(",", ":"), ensure_ascii=False).encode()
+        data = json.dumps(
+            {"response": response, "messages": messages, "owner": owner}, separators=(",", ":"), ensure_ascii=False
+        ).encode()
         try:
             return await self.store_of(owner).put(self.MODEL, response["id"], data, RESPONSE_TTL_S)
         except OpenAIError:  # StoreUnavailable: the caller says so in the response
@@ -245,8 +279,9 @@ class ResponseStore:
         data = await self.store_of(owner).get(self.MODEL, response_id)
         record = json.loads(data) if data else None
         if record is None or record.get("owner") != owner:
-            raise OpenAIError(f"no response with id '{response_id}' was found", 404, param=param,
-                              code="response_not_found")
+            raise OpenAIError(
+                f"no response with id '{response_id}' was found", 404, param=param, code="response_not_found"
+            )
         return record
 
     async def delete(self, response_id: str, owner: str) -> None:

@@ -20,6 +20,7 @@ back (measured by ``benchmarks/sse_flood.py``). Admission stays the replica's: t
 the trip when the answer is already known. The same idea as a circuit breaker's half-open probe
 (Nygard, *Release It!*, ch. 5).
 """
+
 from __future__ import annotations
 
 import time
@@ -70,8 +71,13 @@ class LoadShedder:
             mark.until = now + self.hold_s
             return None
         self.shed[model] = self.shed.get(model, 0) + needed
-        return OpenAIError(f"the model '{model}' is at capacity, retry later", 429, "rate_limit_error",
-                           code="queue_full", retry_after_s=mark.retry_after_s)
+        return OpenAIError(
+            f"the model '{model}' is at capacity, retry later",
+            429,
+            "rate_limit_error",
+            code="queue_full",
+            retry_after_s=mark.retry_after_s,
+        )
 
     def opened(self, model: str) -> int:
         """A stream to ``model`` is sent to its handle; returns the requests refused here since

@@ -1,6 +1,7 @@
 """A request's stream of :class:`~kvserve.deployments.contract.types.GenerationChunk` from a replica,
 and the Server-Sent Events the gateway writes (OpenAI's chunk format, ``data: [DONE]`` last;
 nothing buffered or delayed on the way)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,11 @@ def background(coro, context=None) -> None:
 def sse(obj: BaseModel | dict) -> bytes:
     """One Server-Sent Event; an OpenAI model is written with the fields we set (no nulls
     for fields kvserve never fills, such as tool calls)."""
-    body = obj.model_dump_json(exclude_unset=True) if isinstance(obj, BaseModel) else json.dumps(
-        obj, separators=(",", ":"), ensure_ascii=False)
+    body = (
+        obj.model_dump_json(exclude_unset=True)
+        if isinstance(obj, BaseModel)
+        else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    )
     return b"data: " + body.encode() + b"\n\n"
 
 
@@ -44,8 +48,13 @@ def stream_incomplete() -> OpenAIError:
     """The error of an answer whose stream lost chunks or ended before its last one (a channel
     or replica gone mid-stream): the client gets it (an SSE error event once the stream has
     started) instead of an answer with a hole, and nothing is cached."""
-    return OpenAIError("the model server's stream of this answer was cut off before it ended (part of it is "
-                       "missing); retry the request", 503, "server_error", code="stream_incomplete")
+    return OpenAIError(
+        "the model server's stream of this answer was cut off before it ended (part of it is "
+        "missing); retry the request",
+        503,
+        "server_error",
+        code="stream_incomplete",
+    )
 
 
 class ChunkStream:
@@ -169,6 +178,7 @@ class ChunkStream:
     @classmethod
     def replay(cls, chunks: list[GenerationChunk], n: int) -> "ChunkStream":
         """A stream of a cached answer's chunks (the response cache's hit)."""
+
         async def rest():
             for c in chunks[1:]:
                 yield c
@@ -196,5 +206,9 @@ def usage_of(lasts: dict[tuple[int, int], GenerationChunk]) -> CompletionUsage:
             prompts[p] = (c.num_prompt_tokens, c.num_cached_tokens)
         out += c.num_output_tokens
     n_prompt, n_cached = sum(n for n, _ in prompts.values()), sum(k for _, k in prompts.values())
-    return CompletionUsage(prompt_tokens=n_prompt, completion_tokens=out, total_tokens=n_prompt + out,
-                           prompt_tokens_details=PromptTokensDetails(cached_tokens=n_cached))
+    return CompletionUsage(
+        prompt_tokens=n_prompt,
+        completion_tokens=out,
+        total_tokens=n_prompt + out,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=n_cached),
+    )

@@ -1,6 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's): count a prompt's or a conversation's
 tokens against ``max_model_len`` before sending it, with the model's own tokenizer and chat
 template (the replica's; see :mod:`kvserve.deployments.replica.pooling`)."""
+
 from __future__ import annotations
 
 from fastapi import Request
@@ -66,12 +67,26 @@ async def tokenize(gw: Gateway, body: TokenizeRequest, request: Request) -> Toke
     """``POST /tokenize``: counts as a request of the key, with no tokens."""
     messages = [m.to_template() for m in body.messages] if body.messages is not None else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    _, out = await gw.run_unary(UnarySpec(
-        request, body.model, "tok", "tokenize", (body.prompt, messages), body=body, kwargs=dict(
-            tools=tools, add_special_tokens=body.add_special_tokens, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, return_token_strs=body.return_token_strs)))
-    return TokenizeResponse(count=out.count, max_model_len=out.max_model_len, tokens=out.tokens,
-                            token_strs=out.token_strs)
+    _, out = await gw.run_unary(
+        UnarySpec(
+            request,
+            body.model,
+            "tok",
+            "tokenize",
+            (body.prompt, messages),
+            body=body,
+            kwargs=dict(
+                tools=tools,
+                add_special_tokens=body.add_special_tokens,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                return_token_strs=body.return_token_strs,
+            ),
+        )
+    )
+    return TokenizeResponse(
+        count=out.count, max_model_len=out.max_model_len, tokens=out.tokens, token_strs=out.token_strs
+    )
 
 
 async def detokenize(gw: Gateway, body: DetokenizeRequest, request: Request) -> DetokenizeResponse:

@@ -19,6 +19,7 @@ Hermes convention written into the messages instead, by the replica
 list in the system message, past calls as ``<tool_call>`` blocks, results as
 ``<tool_response>`` blocks, so the history is never silently dropped.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,20 @@ def tool_grammar(tools: list[dict], choice: str | dict, parallel: bool) -> dict 
         return {"json": _parameters(tool)}
     if choice != "required":
         return None
-    item = {"anyOf": [{"type": "object", "properties": {
-        "name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": _parameters(t)},
-        "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
+    item = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": _parameters(t),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+    }
     schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
@@ -118,7 +130,7 @@ class ToolCallStream:
                 body = piece.rstrip()
                 if body:  # send what was held, and this piece up to its trailing whitespace
                     out.append(self.held + body)
-                    self.held = piece[len(body):]
+                    self.held = piece[len(body) :]
                 else:
                     self.held += piece
         return "".join(out), calls

@@ -5,6 +5,7 @@ to their first chunk: the deployment, the A/B test variant, the replica that ans
 ``fallback`` (the upstream). The ``routing`` span's context goes to the replica inside the
 request, so the replica's ``llm_request`` span is its child. All no-ops when tracing is off
 (``tracing`` None)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -28,14 +29,23 @@ class GatewayTracing:
         route = getattr(scope.get("route"), "path", None) or scope.get("path", "")
         start = time.time() - (time.monotonic() - call.started)
         a = call.assignment
-        call.span = self.t.start_span(f"{scope.get('method', 'POST')} {route}", self.t.extract(call.request.headers),
-                                      kind="server", start_time_s=start, attributes={
-                                          "http.request.method": scope.get("method"), "http.route": route,
-                                          "kvserve.endpoint": endpoint, "kvserve.request_id": call.http_id,
-                                          A.GEN_AI_REQUEST_ID: call.response_id, A.GEN_AI_RESPONSE_MODEL: call.served,
-                                          "kvserve.experiment": a.experiment if a else None,
-                                          "kvserve.variant": a.variant if a else None,
-                                          A.GEN_AI_LORA_NAME: call.adapter})
+        call.span = self.t.start_span(
+            f"{scope.get('method', 'POST')} {route}",
+            self.t.extract(call.request.headers),
+            kind="server",
+            start_time_s=start,
+            attributes={
+                "http.request.method": scope.get("method"),
+                "http.route": route,
+                "kvserve.endpoint": endpoint,
+                "kvserve.request_id": call.http_id,
+                A.GEN_AI_REQUEST_ID: call.response_id,
+                A.GEN_AI_RESPONSE_MODEL: call.served,
+                "kvserve.experiment": a.experiment if a else None,
+                "kvserve.variant": a.variant if a else None,
+                A.GEN_AI_LORA_NAME: call.adapter,
+            },
+        )
 
     @contextlib.contextmanager
     def step(self, call, name: str, **attributes):

@@ -30,9 +30,16 @@ How the gateway uses it, per request::
     try: ... generate ...
     finally: await limiter.settle(grant, prompt_tokens + completion_tokens)
 """
+
 from kvserve.deployments.limits.auth_throttle import AuthFailureThrottle, TrustedProxies, client_address
-from kvserve.deployments.limits.policies import (KeyPolicy, find_policy, key_name, load_key_file, parse_key_lines,
-                                         policies_from_keys)
+from kvserve.deployments.limits.policies import (
+    KeyPolicy,
+    find_policy,
+    key_name,
+    load_key_file,
+    parse_key_lines,
+    policies_from_keys,
+)
 from kvserve.deployments.limits.rate_limiter import Grant, NeverFits, RateLimited, RateLimiter
 
 __all__ = [

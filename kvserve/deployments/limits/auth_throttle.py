@@ -15,6 +15,7 @@ trusted proxies (``forwarded_allow_ips``: addresses or CIDRs), the rightmost add
 and nginx's ``real_ip_recursive``): a client can prepend whatever it likes to that header, but
 not what the proxies it passed through appended.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -65,7 +66,7 @@ def _host_of(hop: str) -> str:
     """The address of one ``X-Forwarded-For`` entry (``1.2.3.4``, ``1.2.3.4:5``, ``[::1]:5``, ``::1``)."""
     hop = hop.strip()
     if hop.startswith("["):
-        return hop[1:hop.find("]")] if "]" in hop else hop
+        return hop[1 : hop.find("]")] if "]" in hop else hop
     if hop.count(":") == 1:
         return hop.split(":", 1)[0]
     return hop
@@ -106,11 +107,17 @@ class AuthFailureThrottle:
         ValueError: ``max_failures`` < 1, ``window_s`` <= 0 or ``max_clients`` < 1.
     """
 
-    def __init__(self, max_failures: int = 20, window_s: float = 60.0, max_clients: int = 10000,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_failures: int = 20,
+        window_s: float = 60.0,
+        max_clients: int = 10000,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if max_failures < 1 or not window_s > 0 or max_clients < 1:
-            raise ValueError(f"need max_failures >= 1, window_s > 0, max_clients >= 1; got "
-                             f"{max_failures}, {window_s}, {max_clients}")
+            raise ValueError(
+                f"need max_failures >= 1, window_s > 0, max_clients >= 1; got {max_failures}, {window_s}, {max_clients}"
+            )
         self.max_failures = max_failures
         self.window_s = window_s
         self.max_clients = max_clients

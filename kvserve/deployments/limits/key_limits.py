@@ -6,6 +6,7 @@ The buckets are :class:`~kvserve.deployments.limits.rate_limiter.RateLimiter`'s;
 ``kvserve:api_key_requests_total`` and ``kvserve:api_key_tokens_total`` (:mod:`kvserve.telemetry.metrics`).
 Refusals come out as OpenAI errors (:class:`~kvserve.deployments.contract.openai_errors.OpenAIError`).
 """
+
 from __future__ import annotations
 
 from kvserve.deployments.contract.openai_errors import OpenAIError
@@ -38,8 +39,18 @@ class KeyLimits:
         must know how many the request may use)."""
         return policy is not None and self.limiter.enabled_for(policy)
 
-    async def admit(self, policy: KeyPolicy | None, key: str, model: str, served: str, prompt_tokens: int,
-                    max_tokens: int, priority: int, *, variant: str = "") -> "KeyUse":
+    async def admit(
+        self,
+        policy: KeyPolicy | None,
+        key: str,
+        model: str,
+        served: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        priority: int,
+        *,
+        variant: str = "",
+    ) -> "KeyUse":
         """Admit one request of ``key`` (``policy``: its limits, None for an open gateway) to
         ``served`` (``model``: the base model, for the refusal counter): ``prompt_tokens``
         estimated + ``max_tokens`` reserved (:meth:`KeyUse.settle` returns what was not used)
@@ -57,16 +68,19 @@ class KeyLimits:
                 grant = await self.limiter.acquire(policy, prompt_tokens + max(0, max_tokens))
             except RateLimited as e:
                 self._rejected.inc({"model_name": model, "reason": "rate_limited", "variant": variant})
-                raise OpenAIError(str(e), 429, "rate_limit_error", code="rate_limit_exceeded",
-                                  retry_after_s=e.retry_after_s) from None
+                raise OpenAIError(
+                    str(e), 429, "rate_limit_error", code="rate_limit_exceeded", retry_after_s=e.retry_after_s
+                ) from None
             except NeverFits as e:
                 if e.limit == "requests":
-                    raise OpenAIError("this API key may not send requests", 403, "permission_error",
-                                      code="permission_denied") from None
+                    raise OpenAIError(
+                        "this API key may not send requests", 403, "permission_error", code="permission_denied"
+                    ) from None
                 raise OpenAIError(str(e), 400, param="max_tokens", code="too_large") from None
         self._requests.inc({"api_key": self.label(key), "model_name": served, "variant": variant})
-        return KeyUse(self, key, served, grant, max(priority, policy.priority if policy is not None else priority),
-                      variant)
+        return KeyUse(
+            self, key, served, grant, max(priority, policy.priority if policy is not None else priority), variant
+        )
 
     async def settle(self, use: "KeyUse", prompt_tokens: int, generation_tokens: int) -> None:
         """Count what ``use`` used and give the rest of its reservation back (see :meth:`KeyUse.settle`)."""
@@ -81,8 +95,7 @@ class KeyUse:
     """One admitted request's use of its API key: the limiter's grant, the key's name, the
     served model and the priority the request runs at. Made by :meth:`KeyLimits.admit`."""
 
-    def __init__(self, limits: KeyLimits, key: str, model: str, grant: Grant | None, priority: int,
-                 variant: str = ""):
+    def __init__(self, limits: KeyLimits, key: str, model: str, grant: Grant | None, priority: int, variant: str = ""):
         self._limits, self.key, self.model, self.grant, self.priority = limits, key, model, grant, priority
         self.variant = variant
         self.done = False

@@ -18,6 +18,7 @@ share the engine's cached prompt prefixes (and see each other's hits in ``cached
 by default each key's prefixes are its own (:meth:`KeyPolicy.cache_salt`). Errors name the
 line, never the key.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -111,8 +112,10 @@ def _parse_entries(entries: Iterable[tuple[int, str]], where: str) -> list[KeyPo
             # Never echo the word: a key with a space in it would end up here.
             attr, eq, value = w.partition("=")
             if not eq or attr not in _ATTRS:
-                raise ValueError(f"{at}: unknown attribute after the key (expected name=, rpm=, tpm=, priority=, "
-                                 "prefix_cache_group=)")
+                raise ValueError(
+                    f"{at}: unknown attribute after the key (expected name=, rpm=, tpm=, priority=, "
+                    "prefix_cache_group=)"
+                )
             if attr in values:
                 raise ValueError(f"{at}: {attr}= given twice")
             values[attr] = value

@@ -10,6 +10,7 @@ shared by all ingress replicas through Redis (Lua scripts on Redis's clock), wit
 buckets as the fallback while Redis is down. Importing this module needs no Redis; the limiter
 talks to Redis only when it is given a ``redis_url``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,10 @@ class RateLimited(Exception):
         self.limit_per_minute = limit_per_minute
         self.retry_after_s = retry_after_s
         self.key_name = key_name
-        super().__init__(f"rate limit reached: this API key may use {limit_per_minute:g} {limit} per minute; "
-                         f"retry after {self.retry_after_header} s")
+        super().__init__(
+            f"rate limit reached: this API key may use {limit_per_minute:g} {limit} per minute; "
+            f"retry after {self.retry_after_header} s"
+        )
 
     @property
     def retry_after_header(self) -> str:
@@ -64,8 +67,10 @@ class NeverFits(ValueError):
         self.limit_per_minute = limit_per_minute
         self.cost = cost
         if limit == "tokens":
-            msg = (f"request needs {cost} tokens (prompt + max_tokens) but this API key may use only "
-                   f"{limit_per_minute:g} tokens per minute; lower max_tokens or shorten the prompt")
+            msg = (
+                f"request needs {cost} tokens (prompt + max_tokens) but this API key may use only "
+                f"{limit_per_minute:g} tokens per minute; lower max_tokens or shorten the prompt"
+            )
         else:
             msg = "this API key may make no requests (its limit is 0 requests per minute)"
         super().__init__(msg)
@@ -217,9 +222,18 @@ class RateLimiter:
         ValueError: a negative or NaN default, or ``divide_by`` < 1.
     """
 
-    def __init__(self, default_rpm: float | None = None, default_tpm: float | None = None, *,
-                 redis_url: str | None = None, divide_by: int = 1, clock: Callable[[], float] = time.monotonic,
-                 key_prefix: str = "kvserve:rl:", redis_timeout_s: float = 0.5, redis_retry_s: float = 5.0):
+    def __init__(
+        self,
+        default_rpm: float | None = None,
+        default_tpm: float | None = None,
+        *,
+        redis_url: str | None = None,
+        divide_by: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        key_prefix: str = "kvserve:rl:",
+        redis_timeout_s: float = 0.5,
+        redis_retry_s: float = 5.0,
+    ):
         for label, v in (("default_rpm", default_rpm), ("default_tpm", default_tpm)):
             if v is not None and not v >= 0:
                 raise ValueError(f"{label} must be >= 0 or None, got {v!r}")
@@ -244,8 +258,11 @@ class RateLimiter:
             # One quick retry (a pooled connection gone stale), no backoff: a request must not
             # wait seconds for a Redis that is down; the local fallback answers instead.
             self._redis = aioredis.Redis.from_url(
-                redis_url, socket_timeout=redis_timeout_s, socket_connect_timeout=redis_timeout_s,
-                retry=Retry(NoBackoff(), 1))
+                redis_url,
+                socket_timeout=redis_timeout_s,
+                socket_connect_timeout=redis_timeout_s,
+                retry=Retry(NoBackoff(), 1),
+            )
             self._acquire_script = self._redis.register_script(_ACQUIRE_LUA)
             self._settle_script = self._redis.register_script(_SETTLE_LUA)
 
@@ -253,8 +270,10 @@ class RateLimiter:
 
     def limits(self, policy: KeyPolicy) -> tuple[float | None, float | None]:
         """(requests, tokens) per minute that apply to ``policy``; None: unlimited."""
-        return (_limit(policy.requests_per_minute, self.default_rpm),
-                _limit(policy.tokens_per_minute, self.default_tpm))
+        return (
+            _limit(policy.requests_per_minute, self.default_rpm),
+            _limit(policy.tokens_per_minute, self.default_tpm),
+        )
 
     def enabled_for(self, policy: KeyPolicy) -> bool:
         """Whether any limit applies to this key (else acquire/settle are no-ops)."""
@@ -289,7 +308,8 @@ class RateLimiter:
         if self._redis_usable():
             try:
                 allowed, wait_ms, which = await self._acquire_script(
-                    keys=self._redis_keys(policy.name), args=[_arg(rpm), _arg(tpm), cost_tokens])
+                    keys=self._redis_keys(policy.name), args=[_arg(rpm), _arg(tpm), cost_tokens]
+                )
             except Exception as e:  # noqa: BLE001 -- any Redis trouble: fall back, never fail the request
                 self._redis_failed(e)
             else:
@@ -377,9 +397,14 @@ class RateLimiter:
         self._redis_down_until = self._clock() + self._redis_retry_s
         if not self._redis_warned:
             self._redis_warned = True
-            logger.warning("rate limiter: Redis at %s failed (%s: %s); limits fall back to this replica's "
-                           "1/%d share until it answers again", safe_url(self._redis_url or ""),
-                           type(err).__name__, err, self.divide_by)
+            logger.warning(
+                "rate limiter: Redis at %s failed (%s: %s); limits fall back to this replica's "
+                "1/%d share until it answers again",
+                safe_url(self._redis_url or ""),
+                type(err).__name__,
+                err,
+                self.divide_by,
+            )
 
     def _redis_ok(self) -> None:
         if self._redis_warned:

@@ -39,6 +39,7 @@ A warning is printed when the variants differ in more than one setting (the desi
 test one variable at a time), naming the settings. Pure numpy: no Ray, no HTTP (the CLI
 fetches; :func:`fetch`).
 """
+
 from __future__ import annotations
 
 import math
@@ -88,16 +89,23 @@ class _Columns:
     def of(cls, samples: list[dict]) -> "_Columns":
         code = {"ok": 0, "error": 1, "refused": 2}
         status = np.array([code.get(s["status"], 1) for s in samples], dtype=np.int8)
-        f = lambda k: np.array([np.nan if s.get(k) is None else float(s[k]) for s in samples], dtype=np.float64)
+        f = lambda k: np.array([np.nan if s.get(k) is None else float(s[k]) for s in samples], dtype=np.float64)  # noqa: E731
         hit = np.array([1.0 if s.get("cache") else 0.0 for s in samples])
         replica_work = 1.0 - hit
         end = np.array([float(s["t"]) for s in samples], dtype=np.float64)
         start = end - np.array([float(s.get("e2e_s") or 0.0) for s in samples], dtype=np.float64)
-        return cls(status, f("ttft_s"), f("tpot_s"),
-                   np.array([s.get("output_tokens") or 0 for s in samples], dtype=np.float64) * replica_work,
-                   np.array([s.get("prompt_tokens") or 0 for s in samples], dtype=np.float64) * replica_work,
-                   np.array([s.get("cached_tokens") or 0 for s in samples], dtype=np.float64) * replica_work,
-                   hit, start, end, len({s["replica"] for s in samples if s.get("replica")}))
+        return cls(
+            status,
+            f("ttft_s"),
+            f("tpot_s"),
+            np.array([s.get("output_tokens") or 0 for s in samples], dtype=np.float64) * replica_work,
+            np.array([s.get("prompt_tokens") or 0 for s in samples], dtype=np.float64) * replica_work,
+            np.array([s.get("cached_tokens") or 0 for s in samples], dtype=np.float64) * replica_work,
+            hit,
+            start,
+            end,
+            len({s["replica"] for s in samples if s.get("replica")}),
+        )
 
     def blocks(self) -> np.ndarray:
         """The requests' indices in order of arrival cut into blocks of equal size, ``[K, m]``:
@@ -111,7 +119,7 @@ class _Columns:
         m = max(MIN_BLOCK_SIZE, int(math.ceil(in_flight)))
         k = n // m
         order = np.argsort(self.start, kind="stable")
-        return order[n - k * m:].reshape(k, m)
+        return order[n - k * m :].reshape(k, m)
 
     def throughput_blocks(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(output tokens, busy seconds)`` per block of ``blocks`` from the replicas' requests
@@ -188,8 +196,9 @@ def _stats(c: _Columns, idx: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def analyse(experiment: dict, *, confidence: float = 0.95, min_effect: float = 0.05, n_boot: int = 2000,
-            seed: int = 0) -> dict:
+def analyse(
+    experiment: dict, *, confidence: float = 0.95, min_effect: float = 0.05, n_boot: int = 2000, seed: int = 0
+) -> dict:
     """The report of ``experiment`` (``GET /v1/experiments/{name}``'s body).
 
     Args:
@@ -238,16 +247,22 @@ def analyse(experiment: dict, *, confidence: float = 0.95, min_effect: float = 0
     variants = {}
     for v in names:
         k, m = shapes.get(v, (0, 0))
-        row: dict = {"requests": len(cols[v].status), "replicas": cols[v].replicas, "blocks": int(k),
-                     "block_size": int(m)}
+        row: dict = {
+            "requests": len(cols[v].status),
+            "replicas": cols[v].replicas,
+            "blocks": int(k),
+            "block_size": int(m),
+        }
         for key, _label, _kind, _lower in MEASURES:
             if v not in points or not math.isfinite(points[v][key]):
                 row[key] = None
                 continue
             b = boots[v][key] if v in boots else np.zeros(0)
             b = b[np.isfinite(b)]
-            row[key] = {"value": points[v][key],
-                        "ci": [float(np.percentile(b, 100 - level)), float(np.percentile(b, level))] if len(b) else None}
+            row[key] = {
+                "value": points[v][key],
+                "ci": [float(np.percentile(b, 100 - level)), float(np.percentile(b, level))] if len(b) else None,
+            }
         variants[v] = row
     control = names[0]
     comparisons, summary = [], []
@@ -285,14 +300,28 @@ def analyse(experiment: dict, *, confidence: float = 0.95, min_effect: float = 0
             scale = 100.0
             if significant:
                 any_sig = True
-                verdict = (f"{v} {'better' if better else 'worse'} than {control} on {label} by "
-                           f"{abs(est) * scale:.1f} {unit} ± {half * scale:.1f} {unit}")
+                verdict = (
+                    f"{v} {'better' if better else 'worse'} than {control} on {label} by "
+                    f"{abs(est) * scale:.1f} {unit} ± {half * scale:.1f} {unit}"
+                )
             else:
-                verdict = f"{label}: no significant difference ({est * scale:+.1f} {unit}, interval " \
-                          f"{lo * scale:+.1f} to {hi * scale:+.1f} {unit})"
-            comparisons.append({"variant": v, "measure": key, "label": label, "estimate": est, "ci": [lo, hi],
-                                "unit": unit, "significant": significant,
-                                "better": better if significant else None, "verdict": verdict})
+                verdict = (
+                    f"{label}: no significant difference ({est * scale:+.1f} {unit}, interval "
+                    f"{lo * scale:+.1f} to {hi * scale:+.1f} {unit})"
+                )
+            comparisons.append(
+                {
+                    "variant": v,
+                    "measure": key,
+                    "label": label,
+                    "estimate": est,
+                    "ci": [lo, hi],
+                    "unit": unit,
+                    "significant": significant,
+                    "better": better if significant else None,
+                    "verdict": verdict,
+                }
+            )
             if significant:
                 summary.append(verdict)
         if not any_sig:
@@ -300,8 +329,10 @@ def analyse(experiment: dict, *, confidence: float = 0.95, min_effect: float = 0
     warnings = []
     for v, diff in (experiment.get("differences") or {}).items():
         if len(diff) > 1:
-            warnings.append(f"{v} differs from {control} in {len(diff)} settings ({', '.join(sorted(diff))}): a "
-                            "difference cannot be put down to one of them")
+            warnings.append(
+                f"{v} differs from {control} in {len(diff)} settings ({', '.join(sorted(diff))}): a "
+                "difference cannot be put down to one of them"
+            )
         if not diff:
             warnings.append(f"{v} has the same settings as {control}")
     for v in names:
@@ -309,13 +340,24 @@ def analyse(experiment: dict, *, confidence: float = 0.95, min_effect: float = 0
             warnings.append(f"{v} has {len(cols[v].status)} requests: too few for a verdict to mean much")
         k, m = shapes.get(v, (0, 0))
         if len(cols[v].status) and k < MIN_BLOCKS:
-            warnings.append(f"{v}: {len(cols[v].status)} requests make {k} blocks of {m} overlapping ones, fewer "
-                            f"than {MIN_BLOCKS}: no intervals or verdicts; run longer")
-    return {"experiment": experiment.get("name"), "model": experiment.get("model"),
-            "weights": experiment.get("weights"), "differences": experiment.get("differences"),
-            "confidence": confidence, "min_effect": min_effect, "n_boot": n_boot,
-            "interval_level": 1 - alpha, "warnings": warnings, "variants": variants,
-            "comparisons": comparisons, "summary": summary}
+            warnings.append(
+                f"{v}: {len(cols[v].status)} requests make {k} blocks of {m} overlapping ones, fewer "
+                f"than {MIN_BLOCKS}: no intervals or verdicts; run longer"
+            )
+    return {
+        "experiment": experiment.get("name"),
+        "model": experiment.get("model"),
+        "weights": experiment.get("weights"),
+        "differences": experiment.get("differences"),
+        "confidence": confidence,
+        "min_effect": min_effect,
+        "n_boot": n_boot,
+        "interval_level": 1 - alpha,
+        "warnings": warnings,
+        "variants": variants,
+        "comparisons": comparisons,
+        "summary": summary,
+    }
 
 
 def render(report: dict) -> str:
@@ -341,8 +383,11 @@ def render(report: dict) -> str:
                 txt += f" [{fmt.format(ci[0] * scale)}, {fmt.format(ci[1] * scale)}]"
             cells.append(f"{txt:>30}")
         lines.append(f"{label:<26}" + "".join(cells))
-    lines += ["", f"verdicts ({report['confidence']:.0%} family-wise, differences under "
-                  f"{report['min_effect']:.0%} not reported):"]
+    lines += [
+        "",
+        f"verdicts ({report['confidence']:.0%} family-wise, differences under "
+        f"{report['min_effect']:.0%} not reported):",
+    ]
     lines += [f"  {s}" for s in report["summary"]]
     return "\n".join(lines)
 
@@ -353,8 +398,14 @@ def fetch(url: str, name: str, admin_key: str | None, since: float | None = None
     Raises:
         RuntimeError: the gateway answered with an error (its message).
     """
-    return _call("GET", url, f"/v1/experiments/{name}", admin_key, timeout_s,
-                 params={"since": since} if since is not None else None)
+    return _call(
+        "GET",
+        url,
+        f"/v1/experiments/{name}",
+        admin_key,
+        timeout_s,
+        params={"since": since} if since is not None else None,
+    )
 
 
 def list_experiments(url: str, admin_key: str | None, timeout_s: float = 30.0) -> list[dict]:
@@ -366,8 +417,7 @@ def list_experiments(url: str, admin_key: str | None, timeout_s: float = 30.0) -
     return _call("GET", url, "/v1/experiments", admin_key, timeout_s)["data"]
 
 
-def set_weights(url: str, name: str, weights: dict[str, float], admin_key: str | None,
-                timeout_s: float = 30.0) -> dict:
+def set_weights(url: str, name: str, weights: dict[str, float], admin_key: str | None, timeout_s: float = 30.0) -> dict:
     """``POST {url}/v1/experiments/{name}/weights``.
 
     Raises:

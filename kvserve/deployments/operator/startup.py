@@ -39,7 +39,7 @@ def replica_error(message: str, max_lines: int = ERROR_LINES) -> str:
     frames = [i for i, ln in enumerate(lines) if ln.lstrip().startswith('File "')]
     if frames:
         # after the last frame: its indented source lines ("    x = f()", "    ^^^^"), then the exception
-        rest = lines[frames[-1] + 1:]
+        rest = lines[frames[-1] + 1 :]
         while rest and (not rest[0].strip() or rest[0].startswith(" ")):
             rest = rest[1:]
         kept = [ln for ln in rest if ln.strip()]
@@ -77,8 +77,7 @@ def _describe(name: str, app_status: Any, why: str) -> str:
     return f"application {name!r} {why}:\n  " + "\n  ".join(p.replace("\n", "\n    ") for p in parts)
 
 
-def deploy_and_wait(app: Any, name: str, route_prefix: Optional[str], timeout_s: float,
-                    poll_s: float = 1.0) -> None:
+def deploy_and_wait(app: Any, name: str, route_prefix: Optional[str], timeout_s: float, poll_s: float = 1.0) -> None:
     """Deploy ``app`` (a bound Serve application) as ``name`` and return once it runs.
 
     Args:
@@ -110,7 +109,8 @@ def deploy_and_wait(app: Any, name: str, route_prefix: Optional[str], timeout_s:
         if app_status is not None and _status(app_status) == "DEPLOY_FAILED":
             raise StartupFailed(_describe(name, app_status, "failed to start"))
         if deadline is not None and time.monotonic() > deadline:
-            raise StartupFailed(_describe(name, app_status, f"was not running after {timeout_s:g} s "
-                                                            "(--deploy-timeout-s)"))
+            raise StartupFailed(
+                _describe(name, app_status, f"was not running after {timeout_s:g} s (--deploy-timeout-s)")
+            )
     if "error" in result:
         raise StartupFailed(_describe(name, _app_status(name), "failed to start")) from result["error"]

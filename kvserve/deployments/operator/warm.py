@@ -25,6 +25,7 @@ request log (:mod:`kvserve.deployments.gateway.request_log`, ``request_log_promp
 ``--schedule`` (the autoscaling schedule's syntax) runs it in the schedule's low-traffic
 windows (:func:`kvserve.autoscaling.schedule.low_traffic_now`), once per window, until stopped.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,6 +60,7 @@ def read_log(directory: str, since: float | None = None) -> list[dict]:
     Raises:
         FileNotFoundError: ``directory`` holds no request log.
     """
+
     def age(path: str) -> tuple[int, str]:  # rotated files first, oldest (highest suffix) first
         tail = path.rsplit(".jsonl", 1)[1].lstrip(".")
         return (-int(tail) if tail.isdigit() else 0, path)
@@ -79,8 +81,9 @@ def read_log(directory: str, since: float | None = None) -> list[dict]:
     return out
 
 
-def plan(lines: list[dict], top: int = 100, min_count: int = 2, top_system: int = 10,
-         models: set[str] | None = None) -> WarmPlan:
+def plan(
+    lines: list[dict], top: int = 100, min_count: int = 2, top_system: int = 10, models: set[str] | None = None
+) -> WarmPlan:
     """The warming plan of request log ``lines`` (see the module docstring); ``models``: only
     these served models (None: all)."""
     lines = [d for d in lines if d.get("admitted") is True and (models is None or d.get("model") in models)]
@@ -105,8 +108,16 @@ def plan(lines: list[dict], top: int = 100, min_count: int = 2, top_system: int 
     return p
 
 
-async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concurrency: int = 1,
-                 retries: int = 5, timeout_s: float = 300.0, transport=None) -> dict:
+async def replay(
+    p: WarmPlan,
+    url: str,
+    admin_key: str,
+    rate: float = 2.0,
+    concurrency: int = 1,
+    retries: int = 5,
+    timeout_s: float = 300.0,
+    transport=None,
+) -> dict:
     """Send plan ``p`` to the gateway at ``url`` (see the module docstring); ``transport``: an
     ``httpx`` transport to send through (None: the network).
 
@@ -118,12 +129,25 @@ async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concu
     import httpx
 
     keys = list(p.keys) + [None] * (len(p.requests) - len(p.keys))
-    jobs = [("/v1/chat/completions" if ep == "chat" else "/v1/completions", body, False, key)
-            for (ep, body), key in zip(p.requests, keys)]
-    jobs += [("/v1/chat/completions", {"model": model, "messages": [{"role": "system", "content": text},
-                                                                     {"role": "user", "content": "."}],
-                                       "max_tokens": 1, "temperature": 0.0, "cache": False}, True, None)
-             for model, text in p.prefixes]
+    jobs = [
+        ("/v1/chat/completions" if ep == "chat" else "/v1/completions", body, False, key)
+        for (ep, body), key in zip(p.requests, keys)
+    ]
+    jobs += [
+        (
+            "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": [{"role": "system", "content": text}, {"role": "user", "content": "."}],
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "cache": False,
+            },
+            True,
+            None,
+        )
+        for model, text in p.prefixes
+    ]
     counts = Counter()
     gap = 1.0 / rate if rate > 0 else 0.0
     lock = asyncio.Lock()
@@ -149,8 +173,13 @@ async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concu
                 counts["failed"] += 1
                 return
             if r.status_code == 200:
-                counts["prefixes" if prefix else "already" if r.headers.get("x-kvserve-cache") in (
-                    "exact", "semantic") else "warmed"] += 1
+                counts[
+                    "prefixes"
+                    if prefix
+                    else "already"
+                    if r.headers.get("x-kvserve-cache") in ("exact", "semantic")
+                    else "warmed"
+                ] += 1
                 return
             code = _code(r)
             if r.status_code == 429 and attempt < retries:  # live traffic (or the key's limit) first: later
@@ -170,7 +199,8 @@ async def replay(p: WarmPlan, url: str, admin_key: str, rate: float = 2.0, concu
     async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:
         await asyncio.gather(*(worker(http) for _ in range(max(1, concurrency))))
     return {k: counts.get(k, 0) for k in ("sent", "warmed", "already", "prefixes", "deferred", "failed")} | {
-        "seconds": round(time.monotonic() - t0, 3)}
+        "seconds": round(time.monotonic() - t0, 3)
+    }
 
 
 def _code(r) -> str | None:

@@ -2,6 +2,7 @@
 request fits a replica now (429 ``queue_full``) or ever (400 ``too_large``), and the share batch
 work gets; its default bounds are :func:`~kvserve.deployments.contract.config.default_admission_bounds`
 and :func:`~kvserve.deployments.contract.config.default_batch_requests` (with the configuration)."""
+
 from __future__ import annotations
 
 import time
@@ -48,16 +49,26 @@ class Admission:
         ValueError: a bound under 1.
     """
 
-    def __init__(self, max_num_seqs: int, max_waiting_requests: int, max_prompt_tokens: int,
-                 max_batch_requests: int | None = None):
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_waiting_requests: int,
+        max_prompt_tokens: int,
+        max_batch_requests: int | None = None,
+    ):
         if max_batch_requests is None:
             max_batch_requests = default_batch_requests(max_num_seqs)
         if min(max_num_seqs, max_waiting_requests, max_prompt_tokens, max_batch_requests) < 1:
-            raise ValueError(f"admission bounds must be positive, got max_num_seqs={max_num_seqs}, "
-                             f"max_waiting_requests={max_waiting_requests}, max_prompt_tokens={max_prompt_tokens}, "
-                             f"max_batch_requests={max_batch_requests}")
-        self.max_num_seqs, self.max_requests, self.max_prompt_tokens = (max_num_seqs, max_waiting_requests,
-                                                                        max_prompt_tokens)
+            raise ValueError(
+                f"admission bounds must be positive, got max_num_seqs={max_num_seqs}, "
+                f"max_waiting_requests={max_waiting_requests}, max_prompt_tokens={max_prompt_tokens}, "
+                f"max_batch_requests={max_batch_requests}"
+            )
+        self.max_num_seqs, self.max_requests, self.max_prompt_tokens = (
+            max_num_seqs,
+            max_waiting_requests,
+            max_prompt_tokens,
+        )
         self.max_batch_requests = min(max_batch_requests, max_num_seqs)
         self.in_flight = 0  # every request in flight (live and batch)
         self.queued_requests = 0
@@ -82,21 +93,31 @@ class Admission:
         """
         need = choices * prompts
         if batch and need > self.max_batch_requests:
-            return GenerationError("too_large", f"{need} requests at once ({prompts} prompts x {choices} choices) in "
-                                                f"a batch job's request; a replica of this model runs at most "
-                                                f"{self.max_batch_requests} batch requests at once "
-                                                "(max_batch_requests): send fewer prompts or choices per request",
-                                   param="prompt" if prompts > 1 else None)
+            return GenerationError(
+                "too_large",
+                f"{need} requests at once ({prompts} prompts x {choices} choices) in "
+                f"a batch job's request; a replica of this model runs at most "
+                f"{self.max_batch_requests} batch requests at once "
+                "(max_batch_requests): send fewer prompts or choices per request",
+                param="prompt" if prompts > 1 else None,
+            )
         if need <= 1 or need <= self.max_in_flight:
             return None
         if prompts > 1:
-            return GenerationError("too_large", f"{prompts} prompts x {choices} choices in one request; a replica of "
-                                                f"this model takes at most {self.max_in_flight} requests at once "
-                                                "(max_num_seqs + max_waiting_requests), so this request can never be "
-                                                "admitted: send fewer prompts or choices per request", param="prompt")
-        return GenerationError("too_large", f"n={choices} choices need {choices} requests at once; a replica of this "
-                                            f"model takes at most {self.max_in_flight} (max_num_seqs + "
-                                            "max_waiting_requests)")
+            return GenerationError(
+                "too_large",
+                f"{prompts} prompts x {choices} choices in one request; a replica of "
+                f"this model takes at most {self.max_in_flight} requests at once "
+                "(max_num_seqs + max_waiting_requests), so this request can never be "
+                "admitted: send fewer prompts or choices per request",
+                param="prompt",
+            )
+        return GenerationError(
+            "too_large",
+            f"n={choices} choices need {choices} requests at once; a replica of this "
+            f"model takes at most {self.max_in_flight} (max_num_seqs + "
+            "max_waiting_requests)",
+        )
 
     def admit(self, num_prompt_tokens: int, batch: bool = False) -> GenerationError | None:
         """Take a slot for a prompt of ``num_prompt_tokens`` tokens, or say why not: a
@@ -104,29 +125,45 @@ class Admission:
         ``retry_after_s``). ``batch``: a batch-API request, admitted within its share (see the
         class docstring)."""
         if num_prompt_tokens > self.max_prompt_tokens:
-            return GenerationError("too_large", f"the prompt is {num_prompt_tokens} tokens; a replica queues at most "
-                                                f"{self.max_prompt_tokens} prompt tokens (max_queued_prompt_tokens)")
+            return GenerationError(
+                "too_large",
+                f"the prompt is {num_prompt_tokens} tokens; a replica queues at most "
+                f"{self.max_prompt_tokens} prompt tokens (max_queued_prompt_tokens)",
+            )
         if batch:
             if self.batch_in_flight >= self.max_batch_requests or self.in_flight >= self.max_num_seqs:
-                return GenerationError("queue_full", f"batch work has its share of the model ({self.batch_in_flight} "
-                                                     f"batch requests of max_batch_requests {self.max_batch_requests}, "
-                                                     f"{self.in_flight} requests of max_num_seqs {self.max_num_seqs} "
-                                                     "in flight), retry later", self.retry_after())
+                return GenerationError(
+                    "queue_full",
+                    f"batch work has its share of the model ({self.batch_in_flight} "
+                    f"batch requests of max_batch_requests {self.max_batch_requests}, "
+                    f"{self.in_flight} requests of max_num_seqs {self.max_num_seqs} "
+                    "in flight), retry later",
+                    self.retry_after(),
+                )
             if self.queued_requests and self.queued_tokens + num_prompt_tokens > self.max_prompt_tokens:
-                return GenerationError("queue_full", f"the model's queue is full ({self.queued_tokens} prompt tokens "
-                                                     "waiting), retry later", self.retry_after())
+                return GenerationError(
+                    "queue_full",
+                    f"the model's queue is full ({self.queued_tokens} prompt tokens waiting), retry later",
+                    self.retry_after(),
+                )
         else:
             live_in_flight = self.in_flight - self.batch_in_flight
             live_queued = self.queued_requests - self.batch_queued_requests
             live_tokens = self.queued_tokens - self.batch_queued_tokens
             if live_in_flight >= self.max_in_flight:
                 self.refused.append(time.monotonic())
-                return GenerationError("queue_full", f"the model is at capacity ({live_in_flight} requests running or "
-                                                     "queued), retry later", self.retry_after())
+                return GenerationError(
+                    "queue_full",
+                    f"the model is at capacity ({live_in_flight} requests running or queued), retry later",
+                    self.retry_after(),
+                )
             if live_queued and live_tokens + num_prompt_tokens > self.max_prompt_tokens:
                 self.refused.append(time.monotonic())
-                return GenerationError("queue_full", f"the model's queue is full ({live_tokens} prompt tokens "
-                                                     "waiting), retry later", self.retry_after())
+                return GenerationError(
+                    "queue_full",
+                    f"the model's queue is full ({live_tokens} prompt tokens waiting), retry later",
+                    self.retry_after(),
+                )
         self.in_flight += 1
         self.queued_requests += 1
         self.queued_tokens += num_prompt_tokens

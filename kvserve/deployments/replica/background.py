@@ -1,6 +1,7 @@
 """One background task of an ``LLMServer`` replica on its event loop (the KV event publisher, the
 cluster tier's saves): started where the replica's loop runs (Serve's health check, the routing
 stats poll), idempotently, and stopped on shutdown."""
+
 from __future__ import annotations
 
 import asyncio

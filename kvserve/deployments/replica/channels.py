@@ -22,6 +22,7 @@ the rest; and a request's own stream ends only once the channel has taken its la
 batch the channel took but never delivered (the gateway's end went away under it) is the only
 loss left, and the gateway sees it as a gap in ``seq`` (:mod:`kvserve.deployments.gateway.streams`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -123,11 +124,15 @@ class GatewayChannels:
     def stats(self) -> dict[str, int]:
         """``gateway_channels`` open now; ``channel_messages`` sent and ``channel_chunks`` they
         carried since start (chunks per message: how many requests' tokens one message batched)."""
-        return {"gateway_channels": len(self._boxes), "channel_messages": self.num_messages,
-                "channel_chunks": self.num_chunks}
+        return {
+            "gateway_channels": len(self._boxes),
+            "channel_messages": self.num_messages,
+            "channel_chunks": self.num_chunks,
+        }
 
-    async def serve(self, gateway_id: str, replica_id: str | None = None
-                    ) -> AsyncIterator[dict[str, list[GenerationChunk]] | dict[str, str]]:
+    async def serve(
+        self, gateway_id: str, replica_id: str | None = None
+    ) -> AsyncIterator[dict[str, list[GenerationChunk]] | dict[str, str]]:
         """The channel of ``gateway_id``: a hello first, ``{"replica": replica_id}`` (the gateway
         then knows it is open, and where), then the batches. A second channel of the same gateway takes the outbox over
         (with what it holds); the first ends."""
@@ -149,8 +154,9 @@ class GatewayChannels:
                     del self._boxes[gateway_id]
                 box.close()  # its requests take what it holds back to their own streams
 
-    async def route(self, chunks: AsyncIterator[GenerationChunk], channel: tuple[str, str] | None,
-                    replica_id: str) -> AsyncIterator[GenerationChunk]:
+    async def route(
+        self, chunks: AsyncIterator[GenerationChunk], channel: tuple[str, str] | None, replica_id: str
+    ) -> AsyncIterator[GenerationChunk]:
         """A request's chunks as its own stream yields them, each numbered (``seq``, from 0):
         all of them when its gateway has no channel open here; else the first (``via_channel``
         set), with the rest going to the channel under the request's key, and the own stream

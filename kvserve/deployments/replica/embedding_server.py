@@ -9,6 +9,7 @@ any sentence-transformers folder works (``embedding_model`` in the Serve config,
 and texts share the path, and an input longer than the model's ``max_seq_length`` is a 400
 (as vLLM; nothing is silently cut).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,9 @@ from kvserve.deployments.replica.pooling import detokenize, dimensions_error, sh
 logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment(name="EmbeddingServer", max_ongoing_requests=64, health_check_period_s=5,
-                  graceful_shutdown_timeout_s=30)
+@serve.deployment(
+    name="EmbeddingServer", max_ongoing_requests=64, health_check_period_s=5, graceful_shutdown_timeout_s=30
+)
 class EmbeddingServer:
     """One sentence-transformers model per replica.
 
@@ -41,8 +43,13 @@ class EmbeddingServer:
         RuntimeError, OSError: the model cannot be loaded.
     """
 
-    def __init__(self, model: str | None = None, served_model_name: str | None = None,
-                 torch_num_threads: int = 1, max_batch_size: int = 256):
+    def __init__(
+        self,
+        model: str | None = None,
+        served_model_name: str | None = None,
+        torch_num_threads: int = 1,
+        max_batch_size: int = 256,
+    ):
         self.encoder = SentenceEncoder(model, num_threads=torch_num_threads)
         self.path, self.dim, self.max_len = self.encoder.path, self.encoder.dim, self.encoder.max_len
         self.tokenizer, self.hf_config = self.encoder.tokenizer, self.encoder.hf_config
@@ -50,19 +57,33 @@ class EmbeddingServer:
         self._embed_batch.set_max_batch_size(max_batch_size)
         board = FactsBoard.of_this_app()  # what the gateway learns of this encoder (its cards' max_model_len)
         if board is not None:
-            board.put(self.name, LoadedFacts(self.max_len, model_revision(self.path),
-                                             ModelCard.of_encoder(model, self.name).digest))
-        logger.info("EmbeddingServer %s ready (%d dimensions, inputs up to %d tokens)", self.name, self.dim,
-                    self.max_len)
+            board.put(
+                self.name,
+                LoadedFacts(self.max_len, model_revision(self.path), ModelCard.of_encoder(model, self.name).digest),
+            )
+        logger.info(
+            "EmbeddingServer %s ready (%d dimensions, inputs up to %d tokens)", self.name, self.dim, self.max_len
+        )
 
     def server_info(self) -> ServerInfo:
         """This encoder's facts (``task="embed"``), for Python-handle callers and operators; the
         gateway reads what the constructor published on the application's facts board."""
-        return ServerInfo(name=self.name, max_model_len=self.max_len, revision=model_revision(self.path),
-                          task="embed", embedding_dim=self.dim)
+        return ServerInfo(
+            name=self.name,
+            max_model_len=self.max_len,
+            revision=model_revision(self.path),
+            task="embed",
+            embedding_dim=self.dim,
+        )
 
-    async def embed(self, inputs: list[str | list[int]], dimensions: int | None = None, lora_name: str | None = None,
-                    priority: int = 0, request_id: str | None = None) -> EmbedResult:
+    async def embed(
+        self,
+        inputs: list[str | list[int]],
+        dimensions: int | None = None,
+        lora_name: str | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> EmbedResult:
         """Unit-length embeddings of ``inputs`` (texts or token id lists of this model's
         tokenizer), as sentence-transformers' ``encode`` gives them; ``dimensions`` only as
         :func:`~kvserve.deployments.replica.pooling.dimensions_error` allows. ``lora_name`` must be None.
@@ -91,8 +112,9 @@ class EmbeddingServer:
             if any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"input: token ids must be in [0, {vocab}) for {self.name}")
             if len(ids) > self.max_len:
-                raise ValueError(f"an input is {len(ids)} tokens; this model takes at most {self.max_len} "
-                                 "(its max_seq_length)")
+                raise ValueError(
+                    f"an input is {len(ids)} tokens; this model takes at most {self.max_len} (its max_seq_length)"
+                )
             out.append(ids)
         return out
 

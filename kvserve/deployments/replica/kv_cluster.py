@@ -33,6 +33,7 @@ One :class:`ClusterKVConnector` per ``LLMServer`` replica (``--kv-cluster-tier-s
 
 Needs the host tier (``kv_offloading_size``), prefix caching and KV events.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -89,9 +90,20 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
 
     task_name = "kvserve-kv-cluster-save"
 
-    def __init__(self, engine, replica_id: str, app: str, layout: str, budget_bytes: int, block_size: int,
-                 max_import_blocks: int, metrics=None, hub=None, interval_s: float = SAVE_INTERVAL_S,
-                 hash_root: int = 0):
+    def __init__(
+        self,
+        engine,
+        replica_id: str,
+        app: str,
+        layout: str,
+        budget_bytes: int,
+        block_size: int,
+        max_import_blocks: int,
+        metrics=None,
+        hub=None,
+        interval_s: float = SAVE_INTERVAL_S,
+        hash_root: int = 0,
+    ):
         self.engine, self.replica_id, self.app, self.layout = engine, replica_id, app, layout
         self.budget_bytes, self.block_size, self.max_import_blocks = budget_bytes, block_size, max_import_blocks
         self.hub, self.interval_s, self.metrics = hub, interval_s, metrics
@@ -194,24 +206,33 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
             except Exception as e:
                 self.hub = None
                 if not self._failing:
-                    logger.warning("KV cluster tier of replica %s: saving failed (%s: %s); retrying",
-                                   self.replica_id, type(e).__name__, e)
+                    logger.warning(
+                        "KV cluster tier of replica %s: saving failed (%s: %s); retrying",
+                        self.replica_id,
+                        type(e).__name__,
+                        e,
+                    )
                     self._failing = True
 
     # ---- loads --------------------------------------------------------------------------
     async def before_add(self, request) -> None:
         """Load the blocks of ``request``'s prefix that the cluster holds and this replica does
         not, within the time computing them would take (module docstring). Never raises."""
-        hashes = request_hashes(request.prompt_token_ids, self.block_size, MAX_PREFIX_TOKENS // self.block_size,
-                                request_root(self.hash_root, request.lora_request), request.cache_salt)
+        hashes = request_hashes(
+            request.prompt_token_ids,
+            self.block_size,
+            MAX_PREFIX_TOKENS // self.block_size,
+            request_root(self.hash_root, request.lora_request),
+            request.cache_salt,
+        )
         pool, host, _ = self.local.match(hashes, [_SELF])[_SELF]
-        missing = hashes[pool + host:][:self.max_import_blocks]
+        missing = hashes[pool + host :][: self.max_import_blocks]
         if not missing:
             return
         budget_s = len(missing) * self.block_size * self.s_per_token
         t0 = time.perf_counter()
         found, nbytes, fallback = 0, 0, None
-        tokens = request.prompt_token_ids[(pool + host) * self.block_size:]
+        tokens = request.prompt_token_ids[(pool + host) * self.block_size :]
         try:
             found, nbytes = await asyncio.wait_for(self._load(missing, tokens), budget_s)
         except TimeoutError:
@@ -224,8 +245,12 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
                 fallback = "lost"
             else:
                 self.hub = None
-                logger.warning("KV cluster tier of replica %s: a load failed (%s: %s); computing instead",
-                               self.replica_id, type(e).__name__, e)
+                logger.warning(
+                    "KV cluster tier of replica %s: a load failed (%s: %s); computing instead",
+                    self.replica_id,
+                    type(e).__name__,
+                    e,
+                )
         waited = time.perf_counter() - t0
         self.load_seconds += waited
         self.num_loaded_blocks += found
@@ -257,9 +282,12 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
             self.num_digest_mismatches += len(copies) - good
             if self.metrics is not None:
                 self.metrics.fallback("digest_mismatch", 0.0)
-            logger.warning("KV cluster tier of replica %s: %d fetched block(s) failed their digest check; "
-                           "computing them instead", self.replica_id, len(copies) - good)
-            await self._drop_lost([c.block_hash for c in copies[good:good + 1]])
+            logger.warning(
+                "KV cluster tier of replica %s: %d fetched block(s) failed their digest check; computing them instead",
+                self.replica_id,
+                len(copies) - good,
+            )
+            await self._drop_lost([c.block_hash for c in copies[good : good + 1]])
             copies = copies[:good]
         if not copies:
             return 0, fetched
@@ -271,7 +299,7 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
         whose recorded tokens are the request's own (``meta``'s token ids)."""
         bs = self.block_size
         for i, c in enumerate(copies):
-            if not c.verified() or list(c.meta[1]) != list(tokens[i * bs:(i + 1) * bs]):
+            if not c.verified() or list(c.meta[1]) != list(tokens[i * bs : (i + 1) * bs]):
                 return i
         return len(copies)
 
@@ -284,13 +312,18 @@ class ClusterKVConnector(KVConnector, BackgroundLoop):
 
     def stats(self) -> dict[str, float]:
         """The replica's cluster-tier counters (``kv_cluster_*``)."""
-        return {"kv_cluster_saved_blocks": self.num_saved_blocks, "kv_cluster_loaded_blocks": self.num_loaded_blocks,
-                "kv_cluster_hit_tokens": self.num_loaded_blocks * self.block_size,
-                "kv_cluster_saved_bytes": self.saved_bytes,
-                "kv_cluster_loaded_bytes": self.loaded_bytes, "kv_cluster_load_seconds": self.load_seconds,
-                "kv_cluster_load_timeouts": self.num_timeouts, "kv_cluster_lost_loads": self.num_lost,
-                "kv_cluster_digest_mismatches": self.num_digest_mismatches,
-                "kv_cluster_s_per_token": self.s_per_token}
+        return {
+            "kv_cluster_saved_blocks": self.num_saved_blocks,
+            "kv_cluster_loaded_blocks": self.num_loaded_blocks,
+            "kv_cluster_hit_tokens": self.num_loaded_blocks * self.block_size,
+            "kv_cluster_saved_bytes": self.saved_bytes,
+            "kv_cluster_loaded_bytes": self.loaded_bytes,
+            "kv_cluster_load_seconds": self.load_seconds,
+            "kv_cluster_load_timeouts": self.num_timeouts,
+            "kv_cluster_lost_loads": self.num_lost,
+            "kv_cluster_digest_mismatches": self.num_digest_mismatches,
+            "kv_cluster_s_per_token": self.s_per_token,
+        }
 
 
 def _lost_object(e: BaseException) -> bool:

@@ -7,6 +7,7 @@ Ray call. Quiet replicas still publish their load every ``heartbeat_s``. A hub t
 A failed publish is logged once per outage and retried with the next batches (a new hub is
 looked up, or created, after a failure); the engine never waits for it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,17 @@ class KVEventPublisher(BackgroundLoop):
 
     task_name = "kvserve-kv-publisher"
 
-    def __init__(self, engine, replica_id: str, app: str, hub=None, interval_s: float = PUBLISH_INTERVAL_S,
-                 heartbeat_s: float = HEARTBEAT_S, listener=None, layout: str = ""):
+    def __init__(
+        self,
+        engine,
+        replica_id: str,
+        app: str,
+        hub=None,
+        interval_s: float = PUBLISH_INTERVAL_S,
+        heartbeat_s: float = HEARTBEAT_S,
+        listener=None,
+        layout: str = "",
+    ):
         self.engine, self.replica_id, self.app = engine, replica_id, app
         self.hub, self.listener, self.layout = hub, listener, layout
         self.interval_s, self.heartbeat_s = interval_s, heartbeat_s
@@ -52,9 +62,11 @@ class KVEventPublisher(BackgroundLoop):
 
     def _load(self) -> ReplicaLoad:
         s = self.engine.get_stats()
-        return ReplicaLoad(int(s.get("num_waiting_uncached_tokens", s.get("num_waiting_prefill_tokens", 0))),
-                           int(s.get("num_running_requests", 0) + s.get("num_waiting_requests", 0)
-                               + s.get("num_pending_requests", 0)), layout=self.layout)
+        return ReplicaLoad(
+            int(s.get("num_waiting_uncached_tokens", s.get("num_waiting_prefill_tokens", 0))),
+            int(s.get("num_running_requests", 0) + s.get("num_waiting_requests", 0) + s.get("num_pending_requests", 0)),
+            layout=self.layout,
+        )
 
     def _take(self) -> None:
         """Add the engine's new batches to those waiting (numbered ``_seq - len + 1 .. _seq``);
@@ -118,6 +130,10 @@ class KVEventPublisher(BackgroundLoop):
                 self.hub = None  # look it up (or create it) again next time
                 self._need_snapshot = True
                 if not self._failing:
-                    logger.warning("KV events of replica %s: publishing failed (%s: %s); retrying",
-                                   self.replica_id, type(e).__name__, e)
+                    logger.warning(
+                        "KV events of replica %s: publishing failed (%s: %s); retrying",
+                        self.replica_id,
+                        type(e).__name__,
+                        e,
+                    )
                     self._failing = True

@@ -12,6 +12,7 @@ With ``tensor_parallel_size > 1`` the replica starts a :class:`kvserve.cluster.w
 it to the engine as its executor; the scheduler, detokenizer and sampling bookkeeping stay
 in the replica.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,13 @@ from kvserve.deployments.contract.kv_cluster_directory import kv_layout
 from kvserve.deployments.contract.openai_errors import random_id
 from kvserve.deployments.contract.prefix import REPORTED_HASHES, replica_hash_seed, tokenizer_probe
 from kvserve.deployments.contract.reasoning import REASONING_PARSERS, prompt_reasoning, reasons_first
-from kvserve.deployments.contract.types import GenerateRequest, GenerationChunk, GenerationError, ServerInfo, model_revision
+from kvserve.deployments.contract.types import (
+    GenerateRequest,
+    GenerationChunk,
+    GenerationError,
+    ServerInfo,
+    model_revision,
+)
 from kvserve.deployments.replica.admission import Admission, OverloadedError
 from kvserve.deployments.replica.channels import GatewayChannels
 from kvserve.deployments.replica.kv_cluster import ClusterKVConnector
@@ -88,8 +95,13 @@ def _replica_id() -> str:
         return f"pid-{os.getpid()}"
 
 
-@serve.deployment(name="LLMServer", max_ongoing_requests=256, health_check_period_s=2,
-                  health_check_timeout_s=60, graceful_shutdown_timeout_s=60)
+@serve.deployment(
+    name="LLMServer",
+    max_ongoing_requests=256,
+    health_check_period_s=2,
+    health_check_timeout_s=60,
+    graceful_shutdown_timeout_s=60,
+)
 class LLMServer(PoolingEndpoints):
     """One model, one :class:`engine.AsyncLLMEngine` per replica (as Ray Serve LLM's
     ``LLMServer(llm_config)``).
@@ -141,8 +153,11 @@ class LLMServer(PoolingEndpoints):
         if tp > 1:
             from kvserve.cluster.worker_group import RayWorkerGroup
 
-            wopts = {"num_cpus": m.worker_cpus, "collective_timeout_s": m.collective_timeout_s,
-                     "torch_num_threads": m.torch_num_threads or default_torch_threads(tp)}
+            wopts = {
+                "num_cpus": m.worker_cpus,
+                "collective_timeout_s": m.collective_timeout_s,
+                "torch_num_threads": m.torch_num_threads or default_torch_threads(tp),
+            }
 
             def inner_factory(cfg, path):
                 return RayWorkerGroup(cfg, path, **wopts)
@@ -159,13 +174,23 @@ class LLMServer(PoolingEndpoints):
         self.model_name = m.name
         self.deployment_key = m.deployment_key  # name@variant for a variant of an A/B test
         self.card = ModelCard.of(m)
-        self.adapters = ReplicaAdapters(self.engine.engine, m.lora_modules, self.model_name,  # a bad one fails here
-                                        config.enable_lora, config.max_cpu_loras or config.max_loras)
+        self.adapters = ReplicaAdapters(
+            self.engine.engine,
+            m.lora_modules,
+            self.model_name,  # a bad one fails here
+            config.enable_lora,
+            config.max_cpu_loras or config.max_loras,
+        )
 
-        d_req, d_tok = default_admission_bounds(config.max_num_seqs, config.max_num_batched_tokens,
-                                                self.engine.max_model_len)
-        self.admission = Admission(config.max_num_seqs, m.max_waiting_requests or d_req,
-                                   m.max_queued_prompt_tokens or d_tok, m.batch_requests_bound())
+        d_req, d_tok = default_admission_bounds(
+            config.max_num_seqs, config.max_num_batched_tokens, self.engine.max_model_len
+        )
+        self.admission = Admission(
+            config.max_num_seqs,
+            m.max_waiting_requests or d_req,
+            m.max_queued_prompt_tokens or d_tok,
+            m.batch_requests_bound(),
+        )
         self.request_timeout_s = m.request_timeout_s
         self.stream_interval, self.pooling_type = m.stream_interval, m.pooling_type
         self.reasoning_parser = m.reasoning_parser
@@ -178,9 +203,14 @@ class LLMServer(PoolingEndpoints):
             from kvserve.engine.chat_templates import tool_parser_for_template
 
             self.tool_call_parser = tool_parser_for_template(getattr(self.engine.tokenizer, "chat_template", None))
-        self.metrics = PrometheusStatLogger(self.model_name, _replica_id(), variant=m.variant or "",
-                                            cost_per_hour=m.cost_per_replica_hour, speculative=config.speculative_config is not None,
-                                     lora=config.max_loras if config.enable_lora else None)
+        self.metrics = PrometheusStatLogger(
+            self.model_name,
+            _replica_id(),
+            variant=m.variant or "",
+            cost_per_hour=m.cost_per_replica_hour,
+            speculative=config.speculative_config is not None,
+            lora=config.max_loras if config.enable_lora else None,
+        )
 
         def on_step(m):
             self.stats.record(m)
@@ -195,10 +225,16 @@ class LLMServer(PoolingEndpoints):
         self.replica_id = _replica_id()
         self.channels = GatewayChannels()  # one stream per gateway replica (kvserve/deployments/replica/channels.py)
         t = tracing or TracingArgs()
-        self.runner = RequestRunner(self.engine, self.admission, self.recent, self.model_name, m.request_timeout_s,
-                                    m.stream_interval, m.variant or "",
-                                    otlp_tracing(t.otlp_traces_endpoint, t.otlp_traces_protocol,
-                                                 t.otlp_traces_sample_ratio))
+        self.runner = RequestRunner(
+            self.engine,
+            self.admission,
+            self.recent,
+            self.model_name,
+            m.request_timeout_s,
+            m.stream_interval,
+            m.variant or "",
+            otlp_tracing(t.otlp_traces_endpoint, t.otlp_traces_protocol, t.otlp_traces_sample_ratio),
+        )
         self.max_model_len = self.engine.max_model_len
         self.revision = model_revision(self.engine.model_path)
         self.facts = FactsBoard.of_this_app()
@@ -206,36 +242,74 @@ class LLMServer(PoolingEndpoints):
         #: publishes the engine's KV cache events to the application's hub (KV-aware routing), None: off
         self.kv_publisher = self.kv_cluster = None
         app = serve_app_name()
-        if m.kv_cluster_tier_size and app is not None:  # the cluster KV tier (kvserve/deployments/replica/kv_cluster.py)
+        if (
+            m.kv_cluster_tier_size and app is not None
+        ):  # the cluster KV tier (kvserve/deployments/replica/kv_cluster.py)
             self.kv_cluster = self._cluster_tier(m, config, app)
             self.engine.kv_connector = self.kv_cluster
         if config.enable_kv_cache_events and app is not None:
-            self.kv_publisher = KVEventPublisher(self.engine, self.replica_id, app, listener=self.kv_cluster,
-                                                 layout=self.kv_cluster.layout if self.kv_cluster else "")
-        logger.info("LLMServer %s ready in %.1fs (tp=%d, pp=%d, max_model_len=%d)", self.model_name,
-                    time.time() - t0, config.tensor_parallel_size, config.pipeline_parallel_size, self.max_model_len)
+            self.kv_publisher = KVEventPublisher(
+                self.engine,
+                self.replica_id,
+                app,
+                listener=self.kv_cluster,
+                layout=self.kv_cluster.layout if self.kv_cluster else "",
+            )
+        logger.info(
+            "LLMServer %s ready in %.1fs (tp=%d, pp=%d, max_model_len=%d)",
+            self.model_name,
+            time.time() - t0,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            self.max_model_len,
+        )
 
     def _cluster_tier(self, m: ModelArgs, config, app: str) -> ClusterKVConnector:
         """This replica's side of the cluster KV tier, for blocks of this engine's layout."""
         eng = self.engine.engine
         cfg = eng.config
-        layout = kv_layout(m.name, str(cfg.dtype), cfg.kv_cache_dtype, cfg.block_size, cfg.tensor_parallel_size,
-                           cfg.pipeline_parallel_size, revision=self.revision, quantization=cfg.quantization,
-                           variant=m.variant or "")
+        layout = kv_layout(
+            m.name,
+            str(cfg.dtype),
+            cfg.kv_cache_dtype,
+            cfg.block_size,
+            cfg.tensor_parallel_size,
+            cfg.pipeline_parallel_size,
+            revision=self.revision,
+            quantization=cfg.quantization,
+            variant=m.variant or "",
+        )
         slots = int(self.engine.get_stats().get("kv_offload_capacity_blocks", 0))
-        return ClusterKVConnector(self.engine, self.replica_id, app, layout, int(m.kv_cluster_tier_size * (1 << 30)),
-                                  config.block_size, max_import_blocks=max(1, slots // 2), hash_root=self.hash_root,
-                                  metrics=ClusterTierMetrics(self.model_name, self.replica_id, m.variant or ""))
+        return ClusterKVConnector(
+            self.engine,
+            self.replica_id,
+            app,
+            layout,
+            int(m.kv_cluster_tier_size * (1 << 30)),
+            config.block_size,
+            max_import_blocks=max(1, slots // 2),
+            hash_root=self.hash_root,
+            metrics=ClusterTierMetrics(self.model_name, self.replica_id, m.variant or ""),
+        )
 
     def _publish(self) -> None:
         """Put this replica's :class:`LoadedFacts` on the application's board (a no-op outside Serve)."""
         if self.facts is not None:
             config = self.engine.engine.config
             cost = self.metrics.cost.per_million() if self.metrics.cost is not None else None
-            self.facts.put(self.deployment_key, LoadedFacts(self.max_model_len, self.revision, self.card.digest,
-                                                            config.dtype, config.quantization, cost,
-                                                            self.tool_call_parser,
-                                                            self.engine.input_processor.max_token_bytes))
+            self.facts.put(
+                self.deployment_key,
+                LoadedFacts(
+                    self.max_model_len,
+                    self.revision,
+                    self.card.digest,
+                    config.dtype,
+                    config.quantization,
+                    cost,
+                    self.tool_call_parser,
+                    self.engine.input_processor.max_token_bytes,
+                ),
+            )
             self._published_cost = cost
 
     async def _republish_if_cost_moved(self) -> None:
@@ -306,8 +380,9 @@ class LLMServer(PoolingEndpoints):
                 return
             lora = await self.adapters.resolve(request.lora_name)
             if request.messages is not None:
-                ids = await self.engine.apply_chat_template(request.messages, request.tools,
-                                                            request.chat_template_kwargs)
+                ids = await self.engine.apply_chat_template(
+                    request.messages, request.tools, request.chat_template_kwargs
+                )
             else:
                 ids = await self.engine.encode(request.prompt)
             self.engine.input_processor.check_context_length(len(ids), params.max_tokens)
@@ -315,8 +390,13 @@ class LLMServer(PoolingEndpoints):
             yield engine_dead()
             return
         except (ValueError, TypeError) as e:
-            code = ("context_length_exceeded" if isinstance(e, PromptTooLongError) else
-                    "model_not_found" if isinstance(e, UnknownAdapterError) else "invalid_value")
+            code = (
+                "context_length_exceeded"
+                if isinstance(e, PromptTooLongError)
+                else "model_not_found"
+                if isinstance(e, UnknownAdapterError)
+                else "invalid_value"
+            )
             yield GenerationChunk.failed(GenerationError(code, str(e)))
             return
         salt = request.cache_salt or prompt_cache_salt(request.prompt)
@@ -330,13 +410,32 @@ class LLMServer(PoolingEndpoints):
         if request.echo:
             prompt_text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(ids)
         if n == 1:
-            chunks = self.runner.run(ids, params, request_id, request.priority, prompt_text=prompt_text, lora=lora,
-                                     trace=request.trace_context, sheddable=request.sheddable, cache_salt=salt,
-                                     batch=request.batch)
+            chunks = self.runner.run(
+                ids,
+                params,
+                request_id,
+                request.priority,
+                prompt_text=prompt_text,
+                lora=lora,
+                trace=request.trace_context,
+                sheddable=request.sheddable,
+                cache_salt=salt,
+                batch=request.batch,
+            )
         else:
-            chunks = self.runner.fan_out(ids, params, request_id, request.priority, n, prompt_text, lora,
-                                         trace=request.trace_context, sheddable=request.sheddable, cache_salt=salt,
-                                         batch=request.batch)
+            chunks = self.runner.fan_out(
+                ids,
+                params,
+                request_id,
+                request.priority,
+                n,
+                prompt_text,
+                lora,
+                trace=request.trace_context,
+                sheddable=request.sheddable,
+                cache_salt=salt,
+                batch=request.batch,
+            )
         first = True
         async for chunk in self.channels.route(chunks, request.channel, self.replica_id):
             if first:
@@ -352,10 +451,18 @@ class LLMServer(PoolingEndpoints):
         async for batch in self.channels.serve(gateway_id, self.replica_id):
             yield batch
 
-    async def generate(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
-                       messages: list[dict] | None = None, tools: list[dict] | None = None,
-                       request_id: str | None = None, priority: int = 0, echo: bool = False,
-                       lora_name: str | None = None) -> AsyncIterator[GenerationChunk]:
+    async def generate(
+        self,
+        prompt: str | list[int] | dict | None = None,
+        sampling_params: dict | None = None,
+        *,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        echo: bool = False,
+        lora_name: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
         """:meth:`stream` for Python-handle callers
         (``handle.options(stream=True).generate.remote(prompt, {"max_tokens": 16})``), with a
         request that cannot run raised instead of returned as an error chunk. The arguments
@@ -370,17 +477,31 @@ class LLMServer(PoolingEndpoints):
             TimeoutError: the request ran past the server's ``request_timeout_s``.
             RuntimeError: the request failed inside the engine after it started.
         """
-        request = GenerateRequest.of(prompt, sampling_params, messages=messages, tools=tools, lora_name=lora_name,
-                                     request_id=request_id or "", priority=priority, echo=echo)
+        request = GenerateRequest.of(
+            prompt,
+            sampling_params,
+            messages=messages,
+            tools=tools,
+            lora_name=lora_name,
+            request_id=request_id or "",
+            priority=priority,
+            echo=echo,
+        )
         async for chunk in self.stream(request):
             if chunk.error is not None:
                 raise _exception(chunk.error)
             yield chunk
 
-    async def complete(self, prompt: str | list[int] | dict | None = None, sampling_params: dict | None = None, *,
-                       messages: list[dict] | None = None, request_id: str | None = None,
-                       tools: list[dict] | None = None,
-                       priority: int = 0) -> GenerationChunk | list[GenerationChunk]:
+    async def complete(
+        self,
+        prompt: str | list[int] | dict | None = None,
+        sampling_params: dict | None = None,
+        *,
+        messages: list[dict] | None = None,
+        request_id: str | None = None,
+        tools: list[dict] | None = None,
+        priority: int = 0,
+    ) -> GenerationChunk | list[GenerationChunk]:
         """Non-streaming :meth:`generate`: one finished chunk with the whole ``text``,
         ``token_ids`` (and ``logprobs`` if asked for); with ``n > 1`` in ``sampling_params``,
         a list of them by choice index.
@@ -390,8 +511,9 @@ class LLMServer(PoolingEndpoints):
         """
         n = (sampling_params or {}).get("n", 1)
         wholes = [GenerationChunk(index=i) for i in range(n if isinstance(n, int) and n > 1 else 1)]
-        async for chunk in self.generate(prompt, sampling_params, messages=messages, tools=tools,
-                                         request_id=request_id, priority=priority):
+        async for chunk in self.generate(
+            prompt, sampling_params, messages=messages, tools=tools, request_id=request_id, priority=priority
+        ):
             wholes[chunk.index].extend(chunk)
         return wholes if len(wholes) > 1 else wholes[0]
 
@@ -407,19 +529,29 @@ class LLMServer(PoolingEndpoints):
         :class:`~kvserve.deployments.contract.types.ServerInfo`; the gateway reads the board instead)."""
         cfg = self.engine.config
         return ServerInfo(
-            name=self.model_name, max_model_len=self.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
+            name=self.model_name,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             pipeline_parallel_size=cfg.pipeline_parallel_size,
-            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            quantization=cfg.quantization,
             speculative_config=self.card.speculative_config,
             lora_modules=list(self.adapters.static),
-            max_waiting_requests=self.admission.max_requests, max_in_flight_requests=self.admission.max_in_flight,
-            max_queued_prompt_tokens=self.admission.max_prompt_tokens, tool_call_parser=self.tool_call_parser,
+            max_waiting_requests=self.admission.max_requests,
+            max_in_flight_requests=self.admission.max_in_flight,
+            max_queued_prompt_tokens=self.admission.max_prompt_tokens,
+            tool_call_parser=self.tool_call_parser,
             revision=model_revision(self.engine.model_path),  # the response cache's invalidation
-            workers=(self.engine.executor.placement_group_info()
-                     if hasattr(self.engine.executor, "placement_group_info") else None))
+            workers=(
+                self.engine.executor.placement_group_info()
+                if hasattr(self.engine.executor, "placement_group_info")
+                else None
+            ),
+        )
 
-    async def check_lora_adapter(self, name: str, path: str, allowed_roots: list[str] | None = None
-                                 ) -> tuple[str | None, str | None]:
+    async def check_lora_adapter(
+        self, name: str, path: str, allowed_roots: list[str] | None = None
+    ) -> tuple[str | None, str | None]:
         """``(real path, None)`` when PEFT folder ``path`` may be adapter ``name`` here (under
         one of ``allowed_roots`` as this node resolves it, readable, fitting the model),
         ``(None, why not)`` otherwise (``/v1/load_lora_adapter``; :func:`kvserve.deployments.replica.lora.check_adapter`)."""
@@ -467,9 +599,13 @@ class LLMServer(PoolingEndpoints):
         and its KV pool's block count), the block size, the model folder, the tokenizer probe and the
         roots of its hash chains (``prefix_hash_roots``: the base model's and each configured adapter's)."""
         self._start_kv_tasks()
-        return {"prefix_hashes": self.prefixes.report(), "block_size": self.prefixes.block_size,
-                "model_path": str(self.engine.model_path), "tokenizer_probe": self._tokenizer_probe,
-                "prefix_hash_roots": self.adapters.hash_roots(self.hash_root)}
+        return {
+            "prefix_hashes": self.prefixes.report(),
+            "block_size": self.prefixes.block_size,
+            "model_path": str(self.engine.model_path),
+            "tokenizer_probe": self._tokenizer_probe,
+            "prefix_hash_roots": self.adapters.hash_roots(self.hash_root),
+        }
 
     async def health(self, timeout_s: float = 2.0) -> dict[str, str]:
         """Liveness now, for the ingress's ``/health`` (cheap; never cached): the engine's
@@ -490,9 +626,13 @@ class LLMServer(PoolingEndpoints):
         """
         await self.engine.check_health_async(timeout_s)
         s = self.engine.get_stats()  # the queue gauges also move while no step runs
-        self.metrics.record_scheduler_stats(SchedulerStats(
-            int(s["num_running_requests"]), int(s["num_waiting_requests"] + s.get("num_pending_requests", 0)),
-            float(s["kv_cache_usage"])))
+        self.metrics.record_scheduler_stats(
+            SchedulerStats(
+                int(s["num_running_requests"]),
+                int(s["num_waiting_requests"] + s.get("num_pending_requests", 0)),
+                float(s["kv_cache_usage"]),
+            )
+        )
         return {"status": "ok"}
 
     async def ready(self, recent_s: float = 10.0, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -511,8 +651,11 @@ class LLMServer(PoolingEndpoints):
             return {"status": "ok", "probe": False}
         t0 = time.monotonic()
         async with asyncio.timeout(timeout_s):
-            probe = GenerateRequest(prompt="ready?", sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
-                                    request_id=f"ready-{os.urandom(6).hex()}")
+            probe = GenerateRequest(
+                prompt="ready?",
+                sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                request_id=f"ready-{os.urandom(6).hex()}",
+            )
             async for chunk in self.stream(probe):
                 if chunk.error is not None and chunk.error.code != "queue_full":
                     raise RuntimeError(f"readiness probe failed: {chunk.error.code}")

@@ -4,6 +4,7 @@ its JSON form), its check in the Serve config, the registry of adapters loaded a
 (:class:`ReplicaAdapters`). The endpoints and ``/v1/models`` cards are in
 :mod:`kvserve.deployments.gateway.adapters`; the engine side (batched multi-adapter layers, slots) is
 :mod:`kvserve.engine.lora`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +15,6 @@ import os
 from kvserve.deployments.contract.adapters import REGISTRY_REFRESH_S, AdapterEntry, AdapterRegistry, serve_app_name
 
 logger = logging.getLogger("ray.serve")
-
-
-
-
 
 
 class UnknownAdapterError(ValueError):
@@ -67,13 +64,6 @@ def load_adapters(llm_engine, modules: dict[str, str] | None) -> dict:
 # ---- adapters loaded at run time ---------------------------------------------------------
 
 
-
-
-
-
-
-
-
 def _multiplexed_id() -> str:
     """The Serve multiplexed model id of the request being served ("" for none)."""
     try:
@@ -111,8 +101,9 @@ class ReplicaAdapters:
         ValueError: (constructor) a configured adapter does not load or fit the model.
     """
 
-    def __init__(self, llm_engine, modules: dict[str, str] | None, model_name: str, enable_lora: bool,
-                 max_cpu_loras: int):
+    def __init__(
+        self, llm_engine, modules: dict[str, str] | None, model_name: str, enable_lora: bool, max_cpu_loras: int
+    ):
         self.engine, self.model_name = llm_engine, model_name
         self.static = load_adapters(llm_engine, modules)
         self._ids = itertools.count(len(self.static) + 1)
@@ -195,8 +186,10 @@ class ReplicaAdapters:
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 #: The one answer for a path that is missing, outside the allowed roots, or unreadable: it
 #: never tells which (a client must not probe the server's files with it).
-UNREADABLE_ADAPTER = ("lora_path is not a readable adapter folder under an allowed root (--lora-allowed-root): "
-                      "a PEFT folder with adapter_config.json and adapter_model.safetensors")
+UNREADABLE_ADAPTER = (
+    "lora_path is not a readable adapter folder under an allowed root (--lora-allowed-root): "
+    "a PEFT folder with adapter_config.json and adapter_model.safetensors"
+)
 
 
 class AdapterPathError(ValueError):
@@ -226,9 +219,13 @@ def resolve_adapter_path(path: str, roots: list[str] | tuple[str, ...]) -> str:
         real_roots = [os.path.realpath(r) for r in roots if r]
         folder = os.path.realpath(path)
         files = [os.path.realpath(os.path.join(folder, name)) for name in ADAPTER_FILES]
-        ok = (any(_under(folder, r) for r in real_roots) and os.path.isdir(folder)
-              and all(any(_under(f, r) for r in real_roots) and os.path.isfile(f) and os.access(f, os.R_OK)
-                      for f in files))
+        ok = (
+            any(_under(folder, r) for r in real_roots)
+            and os.path.isdir(folder)
+            and all(
+                any(_under(f, r) for r in real_roots) and os.path.isfile(f) and os.access(f, os.R_OK) for f in files
+            )
+        )
     except (OSError, ValueError):  # a NUL byte, a path too long
         ok = False
     if not ok:
@@ -236,8 +233,9 @@ def resolve_adapter_path(path: str, roots: list[str] | tuple[str, ...]) -> str:
     return folder
 
 
-def check_adapter(llm_engine, name: str, path: str, allowed_roots: list[str] | tuple[str, ...] = ()
-                  ) -> tuple[str | None, str | None]:
+def check_adapter(
+    llm_engine, name: str, path: str, allowed_roots: list[str] | tuple[str, ...] = ()
+) -> tuple[str | None, str | None]:
     """Whether the PEFT folder ``path`` may serve as run-time adapter ``name`` of
     ``llm_engine``'s model: ``(its real path, None)`` when it may, ``(None, why not)`` when
     not: outside ``allowed_roots`` or unreadable (:data:`UNREADABLE_ADAPTER`, whichever it

@@ -10,6 +10,7 @@
   trained for shorter embeddings (Matryoshka representation learning, Kusupati et al. 2022:
   ``is_matryoshka`` or ``matryoshka_dimensions`` in its ``config.json``, as vLLM reads them).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,13 +27,17 @@ def dimensions_error(dimensions: int | None, dim: int, hf_config) -> GenerationE
     if dimensions is None or dimensions == dim:
         return None
     allowed = getattr(hf_config, "matryoshka_dimensions", None)
-    ok = 1 <= dimensions <= dim and (allowed is None and getattr(hf_config, "is_matryoshka", False)
-                                     or allowed is not None and dimensions in allowed)
+    ok = 1 <= dimensions <= dim and (
+        allowed is None and getattr(hf_config, "is_matryoshka", False) or allowed is not None and dimensions in allowed
+    )
     if ok:
         return None
-    return GenerationError("invalid_value", f"dimensions: this model gives {dim}-dimensional embeddings and was not "
-                                            f"trained for shorter ones (no matryoshka_dimensions); omit dimensions "
-                                            f"or send {dim}")
+    return GenerationError(
+        "invalid_value",
+        f"dimensions: this model gives {dim}-dimensional embeddings and was not "
+        f"trained for shorter ones (no matryoshka_dimensions); omit dimensions "
+        f"or send {dim}",
+    )
 
 
 def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[float]]:
@@ -47,10 +52,18 @@ def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[flo
     return out
 
 
-def tokenize(tokenizer, max_model_len: int, *, prompt: str | None = None, messages: list[dict] | None = None,
-             tools: list[dict] | None = None, add_special_tokens: bool | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             return_token_strs: bool = False) -> TokenizeResult:
+def tokenize(
+    tokenizer,
+    max_model_len: int,
+    *,
+    prompt: str | None = None,
+    messages: list[dict] | None = None,
+    tools: list[dict] | None = None,
+    add_special_tokens: bool | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    return_token_strs: bool = False,
+) -> TokenizeResult:
     """vLLM's ``/tokenize``: the token ids of ``prompt`` (special tokens added unless
     ``add_special_tokens=False``) or of chat ``messages`` under the model's chat template (with
     the assistant generation prompt, or ``continue_final_message`` leaving the last assistant
@@ -64,8 +77,9 @@ def tokenize(tokenizer, max_model_len: int, *, prompt: str | None = None, messag
     if (prompt is None) == (messages is None):
         raise ValueError("give either prompt or messages")
     if messages is not None:
-        ids = chat_template_ids(tokenizer, messages, add_generation_prompt, tools, continue_final_message,
-                                bool(add_special_tokens))
+        ids = chat_template_ids(
+            tokenizer, messages, add_generation_prompt, tools, continue_final_message, bool(add_special_tokens)
+        )
     else:
         ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
     strs = tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None
@@ -98,8 +112,14 @@ class PoolingEndpoints:
     """``LLMServer``'s embedding and tokenizer methods (a mixin: it uses the replica's
     ``engine``, ``admission``, ``adapters``, ``max_model_len`` and ``pooling``)."""
 
-    async def embed(self, inputs: list[str | list[int]], dimensions: int | None = None,
-                    lora_name: str | None = None, priority: int = 0, request_id: str | None = None) -> EmbedResult:
+    async def embed(
+        self,
+        inputs: list[str | list[int]],
+        dimensions: int | None = None,
+        lora_name: str | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> EmbedResult:
         """Embeddings of ``inputs`` (texts, or token id lists), one engine request each
         (``<request_id>-<i>``), at most ``max_num_seqs`` of them at once, each through the
         replica's admission; ``lora_name``: an adapter of this model.
@@ -127,8 +147,10 @@ class PoolingEndpoints:
         # a call's inputs take at most max_num_seqs of the replica's slots at once: a long list
         # waits for its own earlier inputs instead of overflowing the queue into a 429
         window = asyncio.Semaphore(max(1, self.admission.max_num_seqs))
-        tasks = [asyncio.ensure_future(self._embed_one(x, f"{request_id}-{i}", priority, lora, window))
-                 for i, x in enumerate(ids)]
+        tasks = [
+            asyncio.ensure_future(self._embed_one(x, f"{request_id}-{i}", priority, lora, window))
+            for i, x in enumerate(ids)
+        ]
         try:
             vectors = await asyncio.gather(*tasks)
         except EngineDeadError:
@@ -145,15 +167,17 @@ class PoolingEndpoints:
             await asyncio.gather(*tasks, return_exceptions=True)
         return EmbedResult(data=shorten(vectors, dimensions), prompt_tokens=sum(map(len, ids)))
 
-    async def _embed_one(self, ids: list[int], request_id: str, priority: int, lora,
-                         window: asyncio.Semaphore) -> list[float]:
+    async def _embed_one(
+        self, ids: list[int], request_id: str, priority: int, lora, window: asyncio.Semaphore
+    ) -> list[float]:
         from kvserve.engine.pooling import PoolingParams
 
         if len(ids) > self.max_model_len:  # before admission: a clear 400 rather than "too_large"
             from kvserve.engine.input_processor import PromptTooLongError
 
-            raise PromptTooLongError(f"an input is {len(ids)} tokens; this model's context is {self.max_model_len} "
-                                     "tokens (max_model_len)")
+            raise PromptTooLongError(
+                f"an input is {len(ids)} tokens; this model's context is {self.max_model_len} tokens (max_model_len)"
+            )
         async with window:
             refused = self.admission.admit(len(ids))
             if refused is not None:
@@ -167,15 +191,19 @@ class PoolingEndpoints:
             finally:
                 self.admission.end(len(ids), started)
 
-    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       tools: list[dict] | None = None, **kw) -> TokenizeResult:
+    async def tokenize(
+        self, prompt: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None, **kw
+    ) -> TokenizeResult:
         """``/tokenize`` with this model's tokenizer and chat template (:func:`tokenize`, whose
         keyword arguments ``kw`` are); tools and tool calls written as for generation."""
         from kvserve.engine.chat_templates import prepare_messages
 
         def run():
-            msgs, tls = (messages, tools) if messages is None else prepare_messages(
-                messages, tools, self.engine.tokenizer.chat_template)
+            msgs, tls = (
+                (messages, tools)
+                if messages is None
+                else prepare_messages(messages, tools, self.engine.tokenizer.chat_template)
+            )
             return tokenize(self.engine.tokenizer, self.max_model_len, prompt=prompt, messages=msgs, tools=tls, **kw)
 
         return await tokenizer_call(run)

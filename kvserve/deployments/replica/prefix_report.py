@@ -1,6 +1,7 @@
 """What an ``LLMServer`` replica reports to the prefix-aware router: the chained block hashes of
 the prompts it admitted recently (:class:`RecentPrefixes`); the hashing both sides share is
 :mod:`kvserve.deployments.contract.prefix`."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -22,8 +23,9 @@ class RecentPrefixes:
         ValueError: a bound below 1.
     """
 
-    def __init__(self, block_size: int, limit: int = REPORTED_HASHES, max_tokens: int = MAX_PREFIX_TOKENS,
-                 root: int = 0):
+    def __init__(
+        self, block_size: int, limit: int = REPORTED_HASHES, max_tokens: int = MAX_PREFIX_TOKENS, root: int = 0
+    ):
         if min(block_size, limit, max_tokens) < 1:
             raise ValueError(f"block_size, limit and max_tokens must be >= 1, got {block_size}, {limit}, {max_tokens}")
         self.block_size, self.limit, self.max_blocks = block_size, limit, max(1, max_tokens // block_size)
@@ -32,8 +34,7 @@ class RecentPrefixes:
 
     def add(self, token_ids: list[int], adapter: str | None = None, cache_salt: str | None = None) -> None:
         """Record a prompt's leading block hashes (of LoRA ``adapter``'s, with ``cache_salt``)."""
-        for h in for_adapter(block_hashes(token_ids, self.block_size, self.max_blocks, self.root, cache_salt),
-                             adapter):
+        for h in for_adapter(block_hashes(token_ids, self.block_size, self.max_blocks, self.root, cache_salt), adapter):
             self._lru[h] = None
             self._lru.move_to_end(h)
         while len(self._lru) > self.limit:
@@ -41,5 +42,3 @@ class RecentPrefixes:
 
     def report(self) -> list[int]:
         return list(self._lru)
-
-

@@ -1,4 +1,5 @@
 """The timings of a replica's recently finished requests (:class:`RecentRequests`), for its stats."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,10 +17,15 @@ class RecentRequests:
         """Record a finished ``engine.RequestOutput``."""
         m = out.metrics
         self.by_id[out.request_id] = {
-            "arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
-            "first_token_time": m.first_token_time, "finished_time": m.finished_time,
-            "engine_ttft_s": m.ttft, "num_prompt_tokens": len(out.prompt_token_ids),
-            "num_output_tokens": len(out.outputs[0].token_ids), "num_cached_tokens": m.num_cached_tokens}
+            "arrival_time": m.arrival_time,
+            "first_scheduled_time": m.first_scheduled_time,
+            "first_token_time": m.first_token_time,
+            "finished_time": m.finished_time,
+            "engine_ttft_s": m.ttft,
+            "num_prompt_tokens": len(out.prompt_token_ids),
+            "num_output_tokens": len(out.outputs[0].token_ids),
+            "num_cached_tokens": m.num_cached_tokens,
+        }
         while len(self.by_id) > self.limit:
             self.by_id.popitem(last=False)
 
@@ -28,5 +34,3 @@ class RecentRequests:
         if request_ids is None:
             return dict(self.by_id)
         return {r: self.by_id[r] for r in request_ids if r in self.by_id}
-
-

@@ -3,6 +3,7 @@
 timings of recently finished requests (:class:`RecentRequests`); and the merge of several
 chunk streams as they come (:func:`merge_streams`: a replica's ``n`` choices, the gateway's
 prompts of one completions request)."""
+
 from __future__ import annotations
 
 from kvserve.deployments.contract.types import GenerationChunk, TokenLogprob, TopLogprob
@@ -20,8 +21,13 @@ def logprob_entry(tokenizer, token_id: int, d: dict[int, float] | None, k: int) 
     if d is None:
         return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=None)
     top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
-    return TokenLogprob(token_id=token_id, token=s, bytes=b, logprob=d.get(token_id, float("-inf")),
-                        top_logprobs=[TopLogprob(t, *_token_str(tokenizer, t), lp) for t, lp in top])
+    return TokenLogprob(
+        token_id=token_id,
+        token=s,
+        bytes=b,
+        logprob=d.get(token_id, float("-inf")),
+        top_logprobs=[TopLogprob(t, *_token_str(tokenizer, t), lp) for t, lp in top],
+    )
 
 
 #: ``stream_interval=0`` (auto): a replica sends about this many stream messages per engine step.
@@ -71,25 +77,28 @@ class ChunkBuilder:
         """The chunk of one ``engine.RequestOutput`` (delta mode)."""
         c, p = out.outputs[0], self.params
         chunk = GenerationChunk(
-            text=c.delta_text, token_ids=list(c.delta_token_ids), finished=out.finished,  # a copy: add() extends it
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason if out.finished else None,
-            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(c.token_ids),
-            num_cached_tokens=out.num_cached_tokens, index=self.index)
+            text=c.delta_text,
+            token_ids=list(c.delta_token_ids),
+            finished=out.finished,  # a copy: add() extends it
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason if out.finished else None,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_output_tokens=len(c.token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            index=self.index,
+        )
         if self.first:
             chunk.prompt_text, self.first = self.prompt_text, False
         if p.logprobs is not None:
-            entries = (c.logprobs or [])[self.num_logprobs:self.num_logprobs + len(c.delta_token_ids)]
+            entries = (c.logprobs or [])[self.num_logprobs : self.num_logprobs + len(c.delta_token_ids)]
             self.num_logprobs += len(entries)
-            chunk.logprobs = [logprob_entry(self.tokenizer, tid, d, p.logprobs)
-                              for tid, d in zip(c.delta_token_ids, entries)]
+            chunk.logprobs = [
+                logprob_entry(self.tokenizer, tid, d, p.logprobs) for tid, d in zip(c.delta_token_ids, entries)
+            ]
         if self.prompt_logprobs_due and out.prompt_logprobs is not None:
             self.prompt_logprobs_due = False  # sent once
-            chunk.prompt_logprobs = [logprob_entry(self.tokenizer, tid, d, p.prompt_logprobs)
-                                     for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
+            chunk.prompt_logprobs = [
+                logprob_entry(self.tokenizer, tid, d, p.prompt_logprobs)
+                for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs)
+            ]
         return chunk
-
-
-
-
-
-

@@ -9,6 +9,7 @@ requests: admitted within a bounded share, :class:`~kvserve.deployments.replica.
 and never stopped for live traffic; at the lowest priority, the engine's priority scheduling
 preempts a running one by recompute when a live request waits for its slot in a full batch, or
 a running request needs KV blocks, and it resumes with its generated tokens kept)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,15 @@ from kvserve.telemetry.metrics import rejected
 
 def engine_dead(index: int = 0, during: bool = False) -> GenerationChunk:
     """The last chunk of a request whose engine stopped (before it started, or ``during`` it)."""
-    return GenerationChunk.failed(GenerationError("engine_dead", "the model server's engine " + (
-        "stopped during this request" if during else "has stopped") + " and is being restarted; retry later"), index)
+    return GenerationChunk.failed(
+        GenerationError(
+            "engine_dead",
+            "the model server's engine "
+            + ("stopped during this request" if during else "has stopped")
+            + " and is being restarted; retry later",
+        ),
+        index,
+    )
 
 
 class RequestRunner:
@@ -47,8 +55,17 @@ class RequestRunner:
         tracing: this process's :class:`~kvserve.telemetry.tracing.Tracing` (None: no spans).
     """
 
-    def __init__(self, engine, admission: Admission, recent: RecentRequests, model_name: str,
-                 request_timeout_s: float | None, stream_interval_setting: int, variant: str = "", tracing=None):
+    def __init__(
+        self,
+        engine,
+        admission: Admission,
+        recent: RecentRequests,
+        model_name: str,
+        request_timeout_s: float | None,
+        stream_interval_setting: int,
+        variant: str = "",
+        tracing=None,
+    ):
         self.engine, self.admission, self.recent, self.model_name = engine, admission, recent, model_name
         self.request_timeout_s, self.stream_interval = request_timeout_s, stream_interval_setting
         self.variant, self.tracing = variant, tracing
@@ -70,15 +87,29 @@ class RequestRunner:
 
     @staticmethod
     def _deferred(index: int = 0) -> GenerationChunk:
-        return GenerationChunk.failed(GenerationError(
-            "warming_deferred", "cache warming gives way to live requests on this replica; retry when it is "
-                                "idle",
-            retry_after_s=1.0), index)
+        return GenerationChunk.failed(
+            GenerationError(
+                "warming_deferred",
+                "cache warming gives way to live requests on this replica; retry when it is idle",
+                retry_after_s=1.0,
+            ),
+            index,
+        )
 
-    async def fan_out(self, ids: list[int], params, request_id: str, priority: int, n: int,
-                       prompt_text: str | None, lora=None, trace: dict | None = None,
-                       sheddable: bool = False, cache_salt: str | None = None,
-                       batch: bool = False) -> AsyncIterator[GenerationChunk]:
+    async def fan_out(
+        self,
+        ids: list[int],
+        params,
+        request_id: str,
+        priority: int,
+        n: int,
+        prompt_text: str | None,
+        lora=None,
+        trace: dict | None = None,
+        sheddable: bool = False,
+        cache_salt: str | None = None,
+        batch: bool = False,
+    ) -> AsyncIterator[GenerationChunk]:
         """``n`` engine requests of one prompt, their chunks interleaved (see :meth:`LLMServer.stream`).
         A choice that fails fails the request: its error chunk ends the stream and the other
         choices are aborted. Prompt logprobs are computed by choice 0 only (the same for all).
@@ -92,10 +123,21 @@ class RequestRunner:
             if i:  # a given seed becomes seed + i, wrapped into the seed range
                 seed = None if seed is None else seed + i - (SEED_MAX - SEED_MIN + 1) * (seed + i > SEED_MAX)
                 p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
-            return self.run(ids, p, f"{request_id}-{i}", priority, index=i,
-                             wait_for=prefilled if i else None, on_first=prefilled if not i else None,
-                             prompt_text=prompt_text, lora=lora, trace=trace, sheddable=sheddable,
-                             cache_salt=cache_salt, batch=batch)
+            return self.run(
+                ids,
+                p,
+                f"{request_id}-{i}",
+                priority,
+                index=i,
+                wait_for=prefilled if i else None,
+                on_first=prefilled if not i else None,
+                prompt_text=prompt_text,
+                lora=lora,
+                trace=trace,
+                sheddable=sheddable,
+                cache_salt=cache_salt,
+                batch=batch,
+            )
 
         choices = merge_streams([child(i) for i in range(n)])
         try:
@@ -107,11 +149,22 @@ class RequestRunner:
             prefilled.set()
             await choices.aclose()  # cancels the other choices at once (aborted in the engine)
 
-    async def run(self, ids: list[int], params, request_id: str, priority: int, index: int = 0,
-                   wait_for: asyncio.Event | None = None, on_first: asyncio.Event | None = None,
-                   prompt_text: str | None = None, lora=None, trace: dict | None = None,
-                   sheddable: bool = False, cache_salt: str | None = None,
-                   batch: bool = False) -> AsyncIterator[GenerationChunk]:
+    async def run(
+        self,
+        ids: list[int],
+        params,
+        request_id: str,
+        priority: int,
+        index: int = 0,
+        wait_for: asyncio.Event | None = None,
+        on_first: asyncio.Event | None = None,
+        prompt_text: str | None = None,
+        lora=None,
+        trace: dict | None = None,
+        sheddable: bool = False,
+        cache_salt: str | None = None,
+        batch: bool = False,
+    ) -> AsyncIterator[GenerationChunk]:
         """One engine request of :meth:`LLMServer.stream`: admission, the engine's stream as chunks
         tagged ``index``, the request timeout. ``cache_salt``: vLLM's, into the engine's prompt.
         ``wait_for``: an event to await after admission, before the request enters the engine;
@@ -147,8 +200,9 @@ class RequestRunner:
                 refused = self.admission.admit(n_prompt, batch=batch)
                 if refused is not None:
                     if refused.code == "queue_full" and not batch:  # batch work's share is full: not a rejection
-                        self.rejected.inc({"model_name": self.model_name, "reason": "queue_full",
-                                           "variant": self.variant})
+                        self.rejected.inc(
+                            {"model_name": self.model_name, "reason": "queue_full", "variant": self.variant}
+                        )
                     yield GenerationChunk.failed(refused, index)
                     return
                 admitted = True
@@ -191,9 +245,18 @@ class RequestRunner:
                 if out.finished:
                     self.recent.add(out)
                     if trace is not None and self.tracing is not None:
-                        record_request(self.tracing, trace, out, self.model_name, params,
-                                       getattr(lora, "lora_name", None), self.variant)
-                if (chunk := chunks.add(out, stream_interval(self.stream_interval, self.admission.in_flight))) is not None:
+                        record_request(
+                            self.tracing,
+                            trace,
+                            out,
+                            self.model_name,
+                            params,
+                            getattr(lora, "lora_name", None),
+                            self.variant,
+                        )
+                if (
+                    chunk := chunks.add(out, stream_interval(self.stream_interval, self.admission.in_flight))
+                ) is not None:
                     yield chunk
                 if out.finished:
                     return

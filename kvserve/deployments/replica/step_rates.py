@@ -1,4 +1,5 @@
 """A replica's step rates and capacities, the numbers the autoscaler reads: :class:`StepRateTracker`."""
+
 from __future__ import annotations
 
 import threading
@@ -54,7 +55,13 @@ class StepRateTracker:
 
     def record(self, m) -> None:
         """Add one step (a ``IterationStats``; called in the engine's step thread)."""
-        t0, t1, n_prefill, n_decode, n_sampled = m.start, m.end, m.num_prefill_tokens, m.num_decode_tokens, m.num_sampled
+        t0, t1, n_prefill, n_decode, n_sampled = (
+            m.start,
+            m.end,
+            m.num_prefill_tokens,
+            m.num_decode_tokens,
+            m.num_sampled,
+        )
         batch, waiting = m.num_running, m.num_waiting
         exec_s = t1 - t0
         back_to_back = self.last_end and (t0 - self.last_end) < max(0.005, 0.25 * exec_s)
@@ -64,9 +71,19 @@ class StepRateTracker:
         full_prefill = n_prefill > 0 and (n_prefill >= self.max_num_batched_tokens // 2 or waiting > 0)
         with self.lock:
             self.busy_s += max(cycle, 1e-6)
-            self.steps.append((t1, max(cycle, 1e-6), n_prefill, n_decode, n_sampled, full_decode, full_prefill,
-                               int(getattr(m, "num_prompt_tokens", 0) or 0),
-                               len(getattr(m, "time_to_first_tokens", None) or ())))
+            self.steps.append(
+                (
+                    t1,
+                    max(cycle, 1e-6),
+                    n_prefill,
+                    n_decode,
+                    n_sampled,
+                    full_decode,
+                    full_prefill,
+                    int(getattr(m, "num_prompt_tokens", 0) or 0),
+                    len(getattr(m, "time_to_first_tokens", None) or ()),
+                )
+            )
             horizon = t1 - max(RATE_WINDOW_S, CAPACITY_WINDOW_S)
             while self.steps and self.steps[0][0] < horizon:
                 self.steps.popleft()
@@ -90,5 +107,3 @@ class StepRateTracker:
         firsts = sum(s[8] for s in steps if s[0] >= cap_from)
         served = sum(s[7] for s in steps if s[0] >= cap_from) / firsts if firsts else 0.0
         return StepRates(gen, pre, self.decode_capacity, self.prefill_capacity, served)
-
-

@@ -34,6 +34,7 @@ Everything else is :class:`~kvserve.deployments.routing.prefix_router.PrefixAwar
 tokenizer and hashing, the LoRA multiplexing, the channels, the fallback to the prefix router
 when the index is cold (no candidate replica has published) or the hub cannot be reached.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,14 +78,23 @@ KV_MAX_PREFIX_TOKENS = 4096
 FIRST_PULL_WAIT_S = 2.0
 
 
-def replica_costs(match: dict[str, tuple[int, int, int]], num_blocks: int, block_size: int,
-                  load: dict[str, float], host_cost: float = HOST_COST,
-                  cluster_cost: float = CLUSTER_COST) -> dict[str, float]:
+def replica_costs(
+    match: dict[str, tuple[int, int, int]],
+    num_blocks: int,
+    block_size: int,
+    load: dict[str, float],
+    host_cost: float = HOST_COST,
+    cluster_cost: float = CLUSTER_COST,
+) -> dict[str, float]:
     """``cost_r`` of the module docstring for each replica of ``match`` (replica -> (pool
     blocks, host blocks, cluster blocks)), given each one's load in tokens (``load``)."""
-    return {r: block_size * (num_blocks - pool - host - far) + host_cost * block_size * host
-            + cluster_cost * block_size * far + load.get(r, 0.0)
-            for r, (pool, host, far) in match.items()}
+    return {
+        r: block_size * (num_blocks - pool - host - far)
+        + host_cost * block_size * host
+        + cluster_cost * block_size * far
+        + load.get(r, 0.0)
+        for r, (pool, host, far) in match.items()
+    }
 
 
 class KVAwareRouter(PrefixAwareRouter):
@@ -96,15 +106,25 @@ class KVAwareRouter(PrefixAwareRouter):
     application), ``pull_interval_s``, ``running_request_tokens``, ``host_cost``, ``cluster_cost``.
     """
 
-    def initialize_state(self, app_name: str | None = None, pull_interval_s: float = PULL_INTERVAL_S,
-                         running_request_tokens: float = RUNNING_REQUEST_TOKENS, host_cost: float = HOST_COST,
-                         cluster_cost: float = CLUSTER_COST, **prefix_kwargs) -> None:
+    def initialize_state(
+        self,
+        app_name: str | None = None,
+        pull_interval_s: float = PULL_INTERVAL_S,
+        running_request_tokens: float = RUNNING_REQUEST_TOKENS,
+        host_cost: float = HOST_COST,
+        cluster_cost: float = CLUSTER_COST,
+        **prefix_kwargs,
+    ) -> None:
         prefix_kwargs.setdefault("max_prefix_tokens", KV_MAX_PREFIX_TOKENS)
         super().initialize_state(**prefix_kwargs)
         # the application of the deployment this router routes to (also in a driver's handle)
         self.kv_app = app_name or getattr(getattr(self, "_deployment_id", None), "app_name", None) or serve_app_name()
         self.pull_interval_s, self.running_request_tokens, self.host_cost, self.cluster_cost = (
-            pull_interval_s, running_request_tokens, host_cost, cluster_cost)
+            pull_interval_s,
+            running_request_tokens,
+            host_cost,
+            cluster_cost,
+        )
         self.kv_index = KVBlockIndex()
         self.loads: dict = {}  # replica id -> ReplicaLoad (the hub's)
         self._hub = None
@@ -139,8 +159,12 @@ class KVAwareRouter(PrefixAwareRouter):
                 self._first_pull.set()
                 self._hub = None
                 if not failing:
-                    logger.warning("KV-aware router: reading the KV event hub failed (%s: %s); routing on what it "
-                                   "had, then by prefix", type(e).__name__, e)
+                    logger.warning(
+                        "KV-aware router: reading the KV event hub failed (%s: %s); routing on what it "
+                        "had, then by prefix",
+                        type(e).__name__,
+                        e,
+                    )
                     failing = True
             await asyncio.sleep(self.pull_interval_s)
 
@@ -171,8 +195,9 @@ class KVAwareRouter(PrefixAwareRouter):
         return load.waiting_tokens + self.running_request_tokens * load.running_requests + own
 
     # ---- routing ------------------------------------------------------------------------
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         """The cheapest replica by the KV index (module docstring), then two random others;
         :class:`PrefixAwareRouter`'s choice for the rest (channels, other methods, adapters
         loaded at run time, a cold index)."""
@@ -184,8 +209,13 @@ class KVAwareRouter(PrefixAwareRouter):
                 pass
         pr = pending_request
         ids = [r.replica_id.unique_id for r in candidate_replicas]
-        if (pr is None or len(candidate_replicas) < 2 or pr.metadata.multiplexed_model_id
-                or pr.metadata.call_method not in ROUTED_METHODS or not any(r in self.loads for r in ids)):
+        if (
+            pr is None
+            or len(candidate_replicas) < 2
+            or pr.metadata.multiplexed_model_id
+            or pr.metadata.call_method not in ROUTED_METHODS
+            or not any(r in self.loads for r in ids)
+        ):
             return await super().choose_replicas(candidate_replicas, pending_request)
         hashes = await self._kv_hashes(pr)
         if not hashes:
@@ -211,7 +241,8 @@ class KVAwareRouter(PrefixAwareRouter):
         # what the request adds to best's load until its next publish: the tokens it computes,
         # and one more running request
         self._sent.setdefault(best, []).append(
-            (time.time(), self.block_size * (len(hashes) - pool - host - far) + self.running_request_tokens))
+            (time.time(), self.block_size * (len(hashes) - pool - host - far) + self.running_request_tokens)
+        )
         now = time.monotonic()
         for h in hashes:
             self._pending_at[h] = now

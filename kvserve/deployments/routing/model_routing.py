@@ -16,6 +16,7 @@ The rules and the upstream's settings are configuration (:class:`ModelRouting`,
 :class:`UpstreamArgs`, in :mod:`kvserve.deployments.contract.routing_config`); this
 module applies them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,14 +27,23 @@ from kvserve.deployments.contract.routing_config import AUTO_MODEL, ModelRouting
 
 logger = logging.getLogger("ray.serve")
 
-__all__ = ["AUTO_MODEL", "FALLBACK_CODES", "ModelRouting", "RouteRule", "Upstream", "UpstreamArgs", "UpstreamError",
-           "user_text"]
+__all__ = [
+    "AUTO_MODEL",
+    "FALLBACK_CODES",
+    "ModelRouting",
+    "RouteRule",
+    "Upstream",
+    "UpstreamArgs",
+    "UpstreamError",
+    "user_text",
+]
 
 #: Error codes of the local path that send a request upstream (see :meth:`Upstream.applies`).
 FALLBACK_CODES = frozenset({"queue_full", "model_unavailable", "timeout"})
 #: Response headers of the upstream never passed on (hop-by-hop, or recomputed by our server).
-_DROP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
-                           "server", "date"})
+_DROP_HEADERS = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "server", "date"}
+)
 
 
 def user_text(messages: list[dict] | None = None, prompt: Any = None) -> str:

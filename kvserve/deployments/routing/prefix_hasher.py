@@ -16,6 +16,7 @@ whose characters end within :data:`_CUT_MARGIN_CHARS` of the cut are dropped (a 
 across the cut could change them). The cost, uncached and cached, is measured by
 ``benchmarks/routing.py``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,14 @@ class PrefixHasher:
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[bool, str, int, str | None], list[int]] = OrderedDict()
 
-    def of_request(self, prompt: Any, messages: list[dict] | None = None,
-                   tools: list[dict] | None = None, root: int = 0, cache_salt: str | None = None) -> list[int]:
+    def of_request(
+        self,
+        prompt: Any,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        root: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[int]:
         """Hashes of a request's prompt (text, token ids or vLLM's dict) or chat ``messages``
         (with ``tools``), chained from ``root`` (the engine's root, or a LoRA adapter's as the
         engine chains its prompts), ``cache_salt`` in the first block; ``[]`` when there is
@@ -71,8 +78,9 @@ class PrefixHasher:
             logger.debug("prefix router: no hashes for a request (%s)", e)
         return []
 
-    def of_messages(self, messages: list[dict], tools: list[dict] | None = None, root: int = 0,
-                    cache_salt: str | None = None) -> list[int]:
+    def of_messages(
+        self, messages: list[dict], tools: list[dict] | None = None, root: int = 0, cache_salt: str | None = None
+    ) -> list[int]:
         """Hashes of a conversation rendered as the engine renders it (``prepare_messages``,
         the chat template with the generation prompt, ids without added special tokens)."""
         if self.tokenizer is None:
@@ -86,8 +94,13 @@ class PrefixHasher:
         if self.tokenizer is None:
             return []
         if len(text) < self.levels[0]:
-            return block_hashes(self.tokenizer.encode(text, add_special_tokens=add_special_tokens),
-                                self.block_size, self.max_blocks, root, cache_salt)
+            return block_hashes(
+                self.tokenizer.encode(text, add_special_tokens=add_special_tokens),
+                self.block_size,
+                self.max_blocks,
+                root,
+                cache_salt,
+            )
         cut = max(lv for lv in self.levels if lv <= len(text))
         key = (add_special_tokens, text[:cut], root, cache_salt)
         hashes = self._cache.get(key)

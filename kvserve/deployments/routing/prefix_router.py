@@ -35,6 +35,7 @@ character-level prefix tree of prompt text in one detached actor, queried with a
 ``.messages`` attributes of Ray LLM's request objects (ours: :func:`request_parts`). This router keeps its state local, learns from the replicas themselves, and
 hashes what the engine caches.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,6 +83,8 @@ def request_salt(pr: PendingRequest) -> str | None:
     if isinstance(first, dict) and isinstance(first.get("cache_salt"), str):
         return first["cache_salt"]
     return None
+
+
 #: Seconds a routing decision waits for the router's tokenizer to finish loading (the first
 #: text request of a router only); past it, the request is routed without affinity.
 TOKENIZER_WAIT_S = 10.0
@@ -91,14 +94,6 @@ RESERVATION_S = 2.0
 #: Seconds a new prefix this router placed on a replica counts in that replica's footprint
 #: (until its report, every ``request_routing_stats_period_s``, includes it).
 PLACED_S = 3.0
-
-
-
-
-
-
-
-
 
 
 class PrefixAwareRouter(MultiplexMixin, RequestRouter):
@@ -120,15 +115,23 @@ class PrefixAwareRouter(MultiplexMixin, RequestRouter):
     of the calls and leaves the others pending forever.
     """
 
-    def initialize_state(self, block_size: int = 16, imbalance_margin: int = 8, min_gain_tokens: int = 64,
-                         max_prefix_tokens: int = MAX_PREFIX_TOKENS, tokenizer: str | None = None,
-                         history_size: int = 16384) -> None:
+    def initialize_state(
+        self,
+        block_size: int = 16,
+        imbalance_margin: int = 8,
+        min_gain_tokens: int = 64,
+        max_prefix_tokens: int = MAX_PREFIX_TOKENS,
+        tokenizer: str | None = None,
+        history_size: int = 16384,
+    ) -> None:
         """Raises:
-            ValueError: a size below 1 or a negative margin / gain.
+        ValueError: a size below 1 or a negative margin / gain.
         """
         if min(block_size, max_prefix_tokens, history_size) < 1 or min(imbalance_margin, min_gain_tokens) < 0:
-            raise ValueError("prefix router: block_size, max_prefix_tokens and history_size must be >= 1, "
-                             "imbalance_margin and min_gain_tokens >= 0")
+            raise ValueError(
+                "prefix router: block_size, max_prefix_tokens and history_size must be >= 1, "
+                "imbalance_margin and min_gain_tokens >= 0"
+            )
         self.block_size, self.imbalance_margin = block_size, imbalance_margin
         self.min_gain_blocks = -(-min_gain_tokens // block_size)
         self.max_prefix_tokens, self.history_size = max_prefix_tokens, history_size
@@ -189,8 +192,12 @@ class PrefixAwareRouter(MultiplexMixin, RequestRouter):
                     tok = AutoTokenizer.from_pretrained(path)
                 fut.set_result(tok)
             except BaseException as e:
-                logger.warning("prefix router: cannot load the tokenizer of %s (%s); text prompts are routed "
-                               "without prefix affinity", path, e)
+                logger.warning(
+                    "prefix router: cannot load the tokenizer of %s (%s); text prompts are routed "
+                    "without prefix affinity",
+                    path,
+                    e,
+                )
                 fut.set_exception(e)
 
         threading.Thread(target=load, name="kvserve-router-tokenizer", daemon=True).start()
@@ -211,8 +218,10 @@ class PrefixAwareRouter(MultiplexMixin, RequestRouter):
         if self._probe_ok is None and self._replica_probe is not None:
             self._probe_ok = list(self.hasher.probe()) == list(self._replica_probe)
             if not self._probe_ok:
-                logger.warning("prefix router: this router's tokenizer gives other token ids than the replicas' "
-                               "engine; text prompts are routed without prefix affinity")
+                logger.warning(
+                    "prefix router: this router's tokenizer gives other token ids than the replicas' "
+                    "engine; text prompts are routed without prefix affinity"
+                )
         return self._probe_ok is not False
 
     # ---- routing ------------------------------------------------------------------------
@@ -258,8 +267,9 @@ class PrefixAwareRouter(MultiplexMixin, RequestRouter):
                 out[rid] += 1
         return out
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         """Ranks of replicas for one request (Serve sends it to the first replica, in rank
         order, that accepts it): one chosen replica, then two random others.
 
@@ -387,8 +397,13 @@ def _serialize_router_cls_under_a_lock() -> None:
 _serialize_router_cls_under_a_lock()
 
 
-def router_config(block_size: int, imbalance_margin: int, tokenizer: str | None = None,
-                  stats_period_s: float = 1.0, kv_events: bool = False) -> dict[str, Any]:
+def router_config(
+    block_size: int,
+    imbalance_margin: int,
+    tokenizer: str | None = None,
+    stats_period_s: float = 1.0,
+    kv_events: bool = False,
+) -> dict[str, Any]:
     """The ``request_router_config`` of an ``LLMServer`` deployment routed by
     :class:`PrefixAwareRouter` (replicas report their prefixes every ``stats_period_s`` s), or,
     with ``kv_events``, by :class:`~kvserve.deployments.routing.kv_router.KVAwareRouter` on the KV
@@ -399,5 +414,8 @@ def router_config(block_size: int, imbalance_margin: int, tokenizer: str | None 
     cls = "kvserve.deployments.routing.prefix_router:PrefixAwareRouter"
     if kv_events:
         cls = "kvserve.deployments.routing.kv_router:KVAwareRouter"
-    return {"request_router_class": cls, "request_router_kwargs": kwargs,
-            "request_routing_stats_period_s": stats_period_s}
+    return {
+        "request_router_class": cls,
+        "request_router_kwargs": kwargs,
+        "request_routing_stats_period_s": stats_period_s,
+    }

@@ -1,4 +1,5 @@
 """Vocabulary-parallel token embedding and LM head (Megatron-LM sec. 3)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size), requires_grad=False)
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
-        self.weight.data.copy_(tensor[self.start:self.end])
+        self.weight.data.copy_(tensor[self.start : self.end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` int64 ``[num_tokens]`` -> ``[num_tokens, hidden]``."""
@@ -55,12 +56,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         if method != "int8":
             return
         from kvserve.kernels import cpu_backend
+
         self.qweight, self.wscale = cpu_backend.quantize_int8(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
         if self.qweight is not None:
             from kvserve.kernels.cpu_backend import int8_linear
+
             logits = int8_linear(hidden.float(), self.qweight, self.wscale)
         else:
             logits = linear(hidden, self.weight, None, self.packed).float()

@@ -1,4 +1,5 @@
 """RMSNorm (Zhang & Sennrich 2019), computed in float32 like Hugging Face's LlamaRMSNorm."""
+
 from __future__ import annotations
 
 import torch

@@ -41,6 +41,7 @@ checkpoints (GPTQ, AWQ, compressed-tensors) in ``kvserve.engine.layers.w4a16``: 
 ``w4_config`` (:func:`kvserve.engine.layers.w4a16.prepare_w4a16`) takes the checkpoint's packed tensors in
 ``load`` and builds its 4-bit weight in ``finish_load``.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,14 @@ from torch import nn
 from kvserve.engine.config import cpu_native_bf16
 from kvserve.engine.distributed import all_reduce
 from kvserve.engine.layers.quantization import quantize_layer, quantized_linear
-from kvserve.engine.layers.w4a16 import (W4_TENSORS, W4A16Config, W4Weight, build_w4, decode_checkpoint_tensors,
-                                 w4a16_linear)
+from kvserve.engine.layers.w4a16 import (
+    W4_TENSORS,
+    W4A16Config,
+    W4Weight,
+    build_w4,
+    decode_checkpoint_tensors,
+    w4a16_linear,
+)
 
 #: ``"onednn"`` (default where torch has oneDNN) or ``"aten"``: how CPU float32 matmuls run.
 CPU_LINEAR = os.environ.get("KVSERVE_CPU_LINEAR") or ("onednn" if torch.backends.mkldnn.is_available() else "aten")
@@ -86,6 +93,7 @@ def _f32_gemv_op():
     global _f32_gemv
     if _f32_gemv is None:
         from kvserve.kernels import cpu_backend
+
         ok = cpu_backend.load_kernel() and hasattr(torch.ops.kvserve_cpu, "f32_gemv")
         _f32_gemv = cpu_backend.f32_linear if ok else False
     return _f32_gemv or None
@@ -102,6 +110,7 @@ def _bf16_gemv_op() -> tuple:
     global _bf16_gemv
     if _bf16_gemv is None:
         from kvserve.kernels import cpu_backend
+
         rows = cpu_backend.bf16_gemv_rows()
         _bf16_gemv = (cpu_backend.bf16_weight_linear, rows) if rows else (None, 0)
     return _bf16_gemv
@@ -113,20 +122,27 @@ def _bf16_weights_in_float32_math() -> bool:
     global _bf16_storage_only
     if _bf16_storage_only is None:
         from kvserve.kernels import cpu_backend
+
         _bf16_storage_only = not cpu_native_bf16()[0] and cpu_backend.load_kernel()
     return _bf16_storage_only
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ weight.T + bias``: ``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` ``[out]``
     -> ``[..., out]`` in ``x.dtype``. ``packed``: the same weight in oneDNN's layout
     (:func:`prepack_weight`), used for the shapes where it is fastest; CPU float32 without
     one runs oneDNN on the plain weight, CPU bfloat16 without native bf16 the float32-math
     kernel, everything else ``F.linear`` (module docstring)."""
     if x.device.type == "cpu" and not torch.is_grad_enabled() and CPU_LINEAR == "onednn":
-        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= F32_GEMV_ROWS * x.shape[-1]
-                and weight.is_contiguous() and (gemv := _f32_gemv_op()) is not None):
+        if (
+            x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and x.numel() <= F32_GEMV_ROWS * x.shape[-1]
+            and weight.is_contiguous()
+            and (gemv := _f32_gemv_op()) is not None
+        ):
             return gemv(x, weight, bias)
         if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
             gemv, rows = _bf16_gemv_op()
@@ -137,9 +153,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         if not large and x.dtype == torch.float32 and weight.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        if (packed is None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-                and _bf16_weights_in_float32_math()):
+        if (
+            packed is None
+            and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16
+            and _bf16_weights_in_float32_math()
+        ):
             from kvserve.kernels.cpu_backend import bf16_weight_linear
+
             return bf16_weight_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -151,8 +172,16 @@ def decode_gemv_weight(mod: nn.Module, dtype: torch.dtype) -> torch.Tensor | Non
     the same result (``kvserve.kernels.cpu_backend.decode_layers``); None for any other path (quantized or
     4-bit weights, a LoRA, oneDNN, ATen, another device)."""
     w = getattr(mod, "weight", None)
-    if (w is None or mod.qweight is not None or mod.w4 is not None or mod.lora is not None
-            or CPU_LINEAR != "onednn" or w.device.type != "cpu" or w.dtype != dtype or not w.is_contiguous()):
+    if (
+        w is None
+        or mod.qweight is not None
+        or mod.w4 is not None
+        or mod.lora is not None
+        or CPU_LINEAR != "onednn"
+        or w.device.type != "cpu"
+        or w.dtype != dtype
+        or not w.is_contiguous()
+    ):
         return None
     if dtype == torch.float32:
         return w if _f32_gemv_op() is not None else None
@@ -167,8 +196,7 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     another dtype, ``KVSERVE_CPU_LINEAR=aten``, or oneDNN refuses the dtype on this CPU
     (bfloat16 without native bf16 instructions; logged once per dtype). The copy holds as many
     bytes as the weight."""
-    if (weight.device.type != "cpu" or CPU_LINEAR != "onednn"
-            or weight.dtype not in (torch.float32, torch.bfloat16)):
+    if weight.device.type != "cpu" or CPU_LINEAR != "onednn" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS)
@@ -176,9 +204,12 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         if weight.dtype not in _prepack_refusal_logged:
             _prepack_refusal_logged.add(weight.dtype)
             import logging
+
             logging.getLogger("kvserve.engine").info(
                 "CPU %s weights are not prepacked (%s): matmuls run ATen's F.linear",
-                str(weight.dtype).removeprefix("torch."), str(e).splitlines()[0][:160])
+                str(weight.dtype).removeprefix("torch."),
+                str(e).splitlines()[0][:160],
+            )
         return None
 
 
@@ -221,12 +252,13 @@ class ColumnParallelLinear(nn.Module):
             return
         s, e = self.out_ranges[part]
         off = sum(self.sizes[:part])
-        getattr(self, name).data[off:off + e - s].copy_(tensor[s:e])
+        getattr(self, name).data[off : off + e - s].copy_(tensor[s:e])
 
     def _keep_w4(self, name: str, tensor: torch.Tensor, part: int) -> None:
         if self.w4_config is None:
-            raise ValueError(f"4-bit tensor {name!r} for a layer the checkpoint's quantization_config does not "
-                             "name as quantized")
+            raise ValueError(
+                f"4-bit tensor {name!r} for a layer the checkpoint's quantization_config does not name as quantized"
+            )
         self._w4_tensors.setdefault(part, {})[name] = tensor
 
     def finish_load(self) -> None:
@@ -248,8 +280,9 @@ class ColumnParallelLinear(nn.Module):
             if c.shape[1] != self.weight.shape[1]:
                 raise ValueError(f"4-bit weight of {c.shape[1]} input columns for a layer of {self.weight.shape[1]}")
             if part and ((g is None) != (g_idx is None) or (g is not None and not torch.equal(g, g_idx))):
-                raise ValueError("the fused parts of an act-order layer (q/k/v or gate/up) order their input columns "
-                                 "differently")
+                raise ValueError(
+                    "the fused parts of an act-order layer (q/k/v or gate/up) order their input columns differently"
+                )
             g_idx = g
             codes.append(c[s:e])
             scales.append(sc[s:e])
@@ -325,7 +358,7 @@ class RowParallelLinear(nn.Module):
         if name in W4_TENSORS:
             self._keep_w4(name, tensor, part)
             return
-        self.weight.data.copy_(tensor[:, self.in_range[0]:self.in_range[1]])
+        self.weight.data.copy_(tensor[:, self.in_range[0] : self.in_range[1]])
 
     def finish_load(self) -> None:
         """Build this rank's 4-bit weight (its input columns; ``kvserve.engine.layers.w4a16.build_w4``)

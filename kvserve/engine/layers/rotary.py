@@ -2,6 +2,7 @@
 layout, with Llama 3 frequency scaling (``rope_scaling.rope_type == "llama3"``) and linear
 position interpolation (``"linear"``: positions divided by ``factor``, Chen et al. 2023; Gemma 3's
 global layers from 4B up)."""
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,14 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Returns the rotated ``(q, k)``; on CPU they are rotated in place by one C++ pass
         (``kvserve.kernels.cpu_backend.rotary``), on CUDA by one Triton kernel (``kvserve.kernels.gpu_ops``)."""
-        if (q.dim() == 3 and cpu_backend.use_fused_ops(q) and q.stride(-1) == 1 and k.stride(-1) == 1
-                and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]):
+        if (
+            q.dim() == 3
+            and cpu_backend.use_fused_ops(q)
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and q.stride(1) == q.shape[2]
+            and k.stride(1) == k.shape[2]
+        ):
             return cpu_backend.rotary(q, k, positions, self.cos, self.sin)
         if q.dim() == 3 and gpu_ops.use_fused_ops(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             return gpu_ops.ops().rotary(q, k, positions, self.cos, self.sin)

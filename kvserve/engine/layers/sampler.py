@@ -1,4 +1,5 @@
 """Batched token sampling: penalties, greedy and random rows in one call."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,9 @@ class SamplingRow:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def logit_bias_tensors(bias: dict[int, float] | None, device: torch.device | str = "cpu"
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def logit_bias_tensors(
+    bias: dict[int, float] | None, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """OpenAI's ``logit_bias`` ``{token_id: bias}`` as ``(ids, values)``: int64 ``[k]`` and
     float32 ``[k]`` on ``device`` (None for no bias), what :func:`apply_logit_bias` adds each step
     without touching the dict again."""
@@ -53,8 +55,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if p.needs_penalties:
             out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
-                                    dtype=torch.long, device=logits.device)
+                seen = torch.tensor(
+                    sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long, device=logits.device
+                )
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.frequency_penalty or p.presence_penalty) and len(out):
@@ -86,10 +89,14 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         return
     dev = logits.device
     all_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
-    row_idx = torch.repeat_interleave(torch.tensor(rows_at, device=dev),
-                                      torch.tensor([len(t) for t in ids], device=dev))
-    logits.index_put_((row_idx, all_ids.to(dev)), (vals[0] if len(vals) == 1 else torch.cat(vals)).to(
-        device=dev, dtype=logits.dtype), accumulate=True)
+    row_idx = torch.repeat_interleave(
+        torch.tensor(rows_at, device=dev), torch.tensor([len(t) for t in ids], device=dev)
+    )
+    logits.index_put_(
+        (row_idx, all_ids.to(dev)),
+        (vals[0] if len(vals) == 1 else torch.cat(vals)).to(device=dev, dtype=logits.dtype),
+        accumulate=True,
+    )
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -216,7 +223,7 @@ class Sampler:
                 picks = draw(probs[unseeded])
                 tokens[[rand[j] for j in unseeded]] = picks
             for j in seeded:
-                tokens[rand[j]] = draw(probs[j:j + 1], rows[rand[j]].generator)[0]
+                tokens[rand[j]] = draw(probs[j : j + 1], rows[rand[j]].generator)[0]
         token_list = tokens.tolist()
         logprobs = [None] * n
         if raw_logprobs is not None:
@@ -231,8 +238,14 @@ class Sampler:
         return token_list, logprobs, accepted
 
     @staticmethod
-    def _verify_drafts(probs: torch.Tensor, row_ids: list[int], prob_rows: list[int], rows: list[SamplingRow],
-                       tokens: torch.Tensor, accepted: list) -> None:
+    def _verify_drafts(
+        probs: torch.Tensor,
+        row_ids: list[int],
+        prob_rows: list[int],
+        rows: list[SamplingRow],
+        tokens: torch.Tensor,
+        accepted: list,
+    ) -> None:
         """Rejection sampling of one-hot drafts, in place on ``tokens`` / ``accepted``:
         ``row_ids[j]`` (a logits row) verifies its draft under ``probs[prob_rows[j]]``. The
         uniform draw and, on rejection, the residual draw use the row's generator when seeded."""
@@ -256,7 +269,7 @@ class Sampler:
         for j in rejected:
             g = rows[row_ids[j]].generator
             if g is not None:
-                picks[j] = draw(residual[j:j + 1], g)[0]
+                picks[j] = draw(residual[j : j + 1], g)[0]
         tokens[row_ids] = picks
         for j, i in enumerate(row_ids):
             accepted[i] = ok_list[j]

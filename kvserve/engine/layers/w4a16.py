@@ -32,6 +32,7 @@ boundaries (SmolLM2's 576 inputs over 2 ranks with groups of 64), the scales are
 row-parallel layers cannot be split (their groups are scattered over the input columns) and are
 refused with tensor_parallel_size > 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,10 +45,11 @@ BLOCK = 32
 #: ``EngineConfig.quantization`` names of the 4-bit checkpoint formats (vLLM's).
 W4_METHODS = ("awq", "gptq", "compressed-tensors")
 #: Checkpoint tensor names a 4-bit linear layer receives, per format.
-W4_PARAMS = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
-                                    "weight_g_idx"),
-             "gptq": ("qweight", "qzeros", "scales", "g_idx"),
-             "awq": ("qweight", "qzeros", "scales")}
+W4_PARAMS = {
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"),
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+}
 #: Every format's names: what a linear layer keeps for :func:`decode_checkpoint_tensors`.
 W4_TENSORS = frozenset(name for names in W4_PARAMS.values() for name in names)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -99,14 +101,18 @@ def resolve_quantization(requested: str | None, hf_config) -> str | None:
     stored = checkpoint_quantization(hf_config)
     if stored is None:
         if requested in W4_METHODS:
-            raise ValueError(f"quantization={requested!r} needs a {requested} checkpoint, and this model has no "
-                             "quantization_config: kvserve reads 4-bit checkpoints, it does not make them "
-                             "(llmcompressor does; benchmarks/quant_checkpoints.py shows how)")
+            raise ValueError(
+                f"quantization={requested!r} needs a {requested} checkpoint, and this model has no "
+                "quantization_config: kvserve reads 4-bit checkpoints, it does not make them "
+                "(llmcompressor does; benchmarks/quant_checkpoints.py shows how)"
+            )
         return requested
     w4a16_config(hf_config)  # raises for what is not supported
     if requested is not None and requested != stored:
-        raise ValueError(f"quantization={requested!r} does not match the checkpoint's quantization_config "
-                         f"({stored!r}); leave it unset to use the checkpoint's")
+        raise ValueError(
+            f"quantization={requested!r} does not match the checkpoint's quantization_config "
+            f"({stored!r}); leave it unset to use the checkpoint's"
+        )
     return stored
 
 
@@ -134,28 +140,43 @@ def w4a16_config(hf_config) -> W4A16Config:
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
         if len(groups) != 1:
-            raise ValueError(f"compressed-tensors checkpoint with {len(groups)} config groups: one group "
-                             "(the same scheme for every linear layer) is supported")
+            raise ValueError(
+                f"compressed-tensors checkpoint with {len(groups)} config groups: one group "
+                "(the same scheme for every linear layer) is supported"
+            )
         (group,) = groups.values()
         w, acts = group.get("weights") or {}, group.get("input_activations")
         fmt = group.get("format") or qc.get("format")
         if acts:
-            raise ValueError("compressed-tensors checkpoint quantizes activations too "
-                             f"({acts.get('num_bits')}-bit); kvserve runs weight-only W4A16")
+            raise ValueError(
+                "compressed-tensors checkpoint quantizes activations too "
+                f"({acts.get('num_bits')}-bit); kvserve runs weight-only W4A16"
+            )
         if fmt != "pack-quantized":
-            raise ValueError(f"compressed-tensors format {fmt!r} is not supported: kvserve loads pack-quantized "
-                             "(llmcompressor's W4A16 GPTQ/AWQ output)")
+            raise ValueError(
+                f"compressed-tensors format {fmt!r} is not supported: kvserve loads pack-quantized "
+                "(llmcompressor's W4A16 GPTQ/AWQ output)"
+            )
         if w.get("num_bits") != 4 or w.get("type", "int") != "int":
-            raise ValueError(f"compressed-tensors weights of {w.get('num_bits')} bits ({w.get('type')}): "
-                             "kvserve loads 4-bit integer weights")
+            raise ValueError(
+                f"compressed-tensors weights of {w.get('num_bits')} bits ({w.get('type')}): "
+                "kvserve loads 4-bit integer weights"
+            )
         strategy = w.get("strategy")
         if strategy not in ("group", "channel"):
             raise ValueError(f"compressed-tensors strategy {strategy!r}: group and channel are supported")
         if "lm_head" not in (qc.get("ignore") or []) and "Linear" in (group.get("targets") or []):
             raise ValueError("a 4-bit LM head is not supported: quantize with ignore=['lm_head']")
         gs = w.get("group_size") if strategy == "group" else None
-        return _checked(W4A16Config("compressed-tensors", gs, bool(w.get("symmetric", True)),
-                                    w.get("actorder") == "group", ignore=tuple(qc.get("ignore") or ())))
+        return _checked(
+            W4A16Config(
+                "compressed-tensors",
+                gs,
+                bool(w.get("symmetric", True)),
+                w.get("actorder") == "group",
+                ignore=tuple(qc.get("ignore") or ()),
+            )
+        )
     if method == "gptq":
         if qc.get("bits") != 4:
             raise ValueError(f"GPTQ checkpoint of {qc.get('bits')} bits: kvserve loads 4-bit GPTQ")
@@ -165,20 +186,37 @@ def w4a16_config(hf_config) -> W4A16Config:
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r}: gptq and gptq_v2 are supported")
         gs = qc.get("group_size", 128)
-        return _checked(W4A16Config("gptq", None if gs in (-1, None) else gs, bool(qc.get("sym", True)),
-                                    bool(qc.get("desc_act", False)), zeros_minus_one=fmt == "gptq"))
+        return _checked(
+            W4A16Config(
+                "gptq",
+                None if gs in (-1, None) else gs,
+                bool(qc.get("sym", True)),
+                bool(qc.get("desc_act", False)),
+                zeros_minus_one=fmt == "gptq",
+            )
+        )
     if method == "awq":
         if qc.get("bits", qc.get("w_bit")) != 4:
             raise ValueError(f"AWQ checkpoint of {qc.get('bits', qc.get('w_bit'))} bits: kvserve loads 4-bit AWQ")
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
-            raise ValueError(f"AWQ version {version!r}: the GEMM layout is supported (GEMV, Marlin and exllama "
-                             "layouts are not)")
+            raise ValueError(
+                f"AWQ version {version!r}: the GEMM layout is supported (GEMV, Marlin and exllama layouts are not)"
+            )
         gs = qc.get("group_size", qc.get("q_group_size", 128))
-        return _checked(W4A16Config("awq", None if gs in (-1, None) else gs, not qc.get("zero_point", True), False,
-                                    ignore=tuple(qc.get("modules_to_not_convert") or ())))
-    raise ValueError(f"quantization method {method!r} in the checkpoint is not supported: kvserve loads "
-                     f"{', '.join(W4_METHODS)} (4-bit weights) and quantizes float checkpoints with int8 / fp8")
+        return _checked(
+            W4A16Config(
+                "awq",
+                None if gs in (-1, None) else gs,
+                not qc.get("zero_point", True),
+                False,
+                ignore=tuple(qc.get("modules_to_not_convert") or ()),
+            )
+        )
+    raise ValueError(
+        f"quantization method {method!r} in the checkpoint is not supported: kvserve loads "
+        f"{', '.join(W4_METHODS)} (4-bit weights) and quantizes float checkpoints with int8 / fp8"
+    )
 
 
 def _checked(cfg: W4A16Config) -> W4A16Config:
@@ -213,12 +251,16 @@ class W4Weight:
 
     def nbytes(self) -> int:
         """Bytes held (weights, scales, zero points, permutation)."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.szeros, self.perm)
-                   if t is not None)
+        return sum(
+            t.numel() * t.element_size() for t in (self.qweight, self.scales, self.szeros, self.perm) if t is not None
+        )
 
     def to(self, device: torch.device) -> "W4Weight":
-        return W4Weight(*(t.to(device) if t is not None else None for t in (self.qweight, self.scales, self.szeros)),
-                        self.group_size, None if self.perm is None else self.perm.to(device))
+        return W4Weight(
+            *(t.to(device) if t is not None else None for t in (self.qweight, self.scales, self.szeros)),
+            self.group_size,
+            None if self.perm is None else self.perm.to(device),
+        )
 
 
 def pack_w4(codes: torch.Tensor) -> torch.Tensor:
@@ -251,6 +293,7 @@ def w4a16_reference(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = No
 
 # ---- reading the checkpoint formats -------------------------------------------------------------
 
+
 def _unpack_int32(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """int32 ``[..., m]`` -> uint8 ``[..., 8 m]``: value ``8 j + order[i]`` from nibble ``i`` of word ``j``."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
@@ -259,8 +302,9 @@ def _unpack_int32(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))
     return nib[..., inv].reshape(*packed.shape[:-1], packed.shape[-1] * 8)
 
 
-def decode_checkpoint_tensors(cfg: W4A16Config, t: dict[str, torch.Tensor]
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def decode_checkpoint_tensors(
+    cfg: W4A16Config, t: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One linear layer's full checkpoint tensors -> ``(codes uint8 [N, K] 0..15, scales float32
     [N, G], zeros float32 [N, G], g_idx int64 [K] or None)`` with ``w = (codes - zeros) * scales``
     (``N``, ``K`` read from the tensors; ``g_idx`` None unless the columns are act-ordered).
@@ -268,21 +312,28 @@ def decode_checkpoint_tensors(cfg: W4A16Config, t: dict[str, torch.Tensor]
     Raises:
         ValueError: a tensor is missing or the shapes do not fit together.
     """
-    need = {"compressed-tensors": ("weight_packed", "weight_scale"),
-            "gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales")}[cfg.method]
+    need = {
+        "compressed-tensors": ("weight_packed", "weight_scale"),
+        "gptq": ("qweight", "qzeros", "scales"),
+        "awq": ("qweight", "qzeros", "scales"),
+    }[cfg.method]
     missing = [p for p in need if p not in t]
     if missing:
         raise ValueError(f"4-bit layer without {', '.join(missing)} in the checkpoint")
     if cfg.method == "compressed-tensors":
         packed = t["weight_packed"]
-        n, k = ([int(v) for v in t["weight_shape"].tolist()] if "weight_shape" in t
-                else (packed.shape[0], packed.shape[1] * 8))
+        n, k = (
+            [int(v) for v in t["weight_shape"].tolist()]
+            if "weight_shape" in t
+            else (packed.shape[0], packed.shape[1] * 8)
+        )
         codes = _unpack_int32(t["weight_packed"])[:, :k]
         scales = t["weight_scale"].float().reshape(n, -1)
         if "weight_zero_point" in t:
             zp = t["weight_zero_point"]
-            zeros = _unpack_int32(zp.t().contiguous())[:, :n].t().float() if zp.dtype == torch.int32 \
-                else zp.float() + 8  # an unpacked (int8) zero point is signed
+            zeros = (
+                _unpack_int32(zp.t().contiguous())[:, :n].t().float() if zp.dtype == torch.int32 else zp.float() + 8
+            )  # an unpacked (int8) zero point is signed
         else:
             zeros = torch.full_like(scales, 8.0)
         g_idx = t.get("weight_g_idx")
@@ -301,8 +352,9 @@ def decode_checkpoint_tensors(cfg: W4A16Config, t: dict[str, torch.Tensor]
     if codes.shape != (n, k):
         raise ValueError(f"4-bit weight of shape {tuple(codes.shape)} != ({n}, {k})")
     if scales.shape[0] != n or zeros.shape != scales.shape or k % scales.shape[1]:
-        raise ValueError(f"4-bit scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not fit a "
-                         f"[{n}, {k}] weight")
+        raise ValueError(
+            f"4-bit scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not fit a [{n}, {k}] weight"
+        )
     gs = k // scales.shape[1]
     if g_idx is not None:
         g_idx = g_idx.to(torch.int64)
@@ -311,8 +363,13 @@ def decode_checkpoint_tensors(cfg: W4A16Config, t: dict[str, torch.Tensor]
     return codes.to(torch.uint8), scales, zeros, g_idx
 
 
-def build_w4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor | None,
-             cols: tuple[int, int] | None = None) -> W4Weight:
+def build_w4(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    cols: tuple[int, int] | None = None,
+) -> W4Weight:
     """The kernels' :class:`W4Weight` from decoded ``codes`` ``[N, K]``, ``scales`` / ``zeros``
     ``[N, G]`` and an act-order ``g_idx`` ``[K]``, keeping input columns ``cols = [start, end)``
     (a row-parallel rank's share; None: all).
@@ -326,9 +383,11 @@ def build_w4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_i
     perm = None
     if g_idx is not None:
         if cols is not None and cols != (0, k):
-            raise ValueError("an act-order (desc_act / actorder=group) checkpoint's row-parallel layers cannot be "
-                             "split over tensor-parallel ranks: use tensor_parallel_size 1 or a static-order "
-                             "checkpoint")
+            raise ValueError(
+                "an act-order (desc_act / actorder=group) checkpoint's row-parallel layers cannot be "
+                "split over tensor-parallel ranks: use tensor_parallel_size 1 or a static-order "
+                "checkpoint"
+            )
         perm = torch.argsort(g_idx, stable=True)
         if not torch.equal(g_idx[perm], torch.arange(k) // gs):
             raise ValueError("act-order g_idx whose groups are not all group_size columns")
@@ -340,7 +399,7 @@ def build_w4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_i
         if s % gs or e % gs:  # the share cuts groups: one scale per 32-value block
             scales, zeros = (t.repeat_interleave(gs // BLOCK, dim=1) for t in (scales, zeros))
             gs = BLOCK
-        codes, scales, zeros = codes[:, s:e], scales[:, s // gs:e // gs], zeros[:, s // gs:e // gs]
+        codes, scales, zeros = codes[:, s:e], scales[:, s // gs : e // gs], zeros[:, s // gs : e // gs]
         k = e - s
     if k % BLOCK or gs % BLOCK:
         raise ValueError(f"a 4-bit layer of {k} input columns in groups of {gs}: both must be multiples of {BLOCK}")
@@ -357,10 +416,12 @@ def w4a16_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None)
         x = x.index_select(-1, w.perm)
     if x.device.type == "cpu":
         from kvserve.kernels import cpu_backend
+
         if cpu_backend.kernels_ready():  # no lock once loaded: this runs per layer per step
             return cpu_backend.w4a16_linear(x, w.qweight, w.scales, w.szeros, w.group_size, bias)
     elif x.device.type == "cuda":
         from kvserve.kernels import triton_w4a16
+
         if triton_w4a16.available():
             return triton_w4a16.w4a16_matmul(x, w.qweight, w.scales, w.szeros, w.group_size, bias)
     return w4a16_reference(x, dataclasses.replace(w, perm=None), bias)  # x is gathered already

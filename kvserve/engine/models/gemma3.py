@@ -30,6 +30,7 @@ also those that have slid out of the local layers' window (they are not freed ea
 local layer's memory is that of a global one; in exchange prefix caching and preemption work
 unchanged (a cached block is valid for every layer).
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,9 @@ def layer_types(cfg) -> list[str]:
     types = getattr(cfg, "layer_types", None)
     if types is None:
         pattern = getattr(cfg, "sliding_window_pattern", None) or getattr(cfg, "_sliding_window_pattern", 6)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(cfg.num_hidden_layers)]
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg.num_hidden_layers)
+        ]
     if len(types) != cfg.num_hidden_layers or set(types) - set(_LAYER_TYPES):
         raise ValueError(f"layer_types must list {_LAYER_TYPES} once per layer, got {types!r}")
     return list(types)
@@ -66,8 +68,11 @@ def _rotary(cfg, layer_type: str, head_dim: int) -> RotaryEmbedding:
     params = (getattr(cfg, "rope_parameters", None) or {}).get(layer_type)
     if params is None:  # a config object from before rope_parameters
         local = layer_type == "sliding_attention"
-        params = {"rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)} if local else \
-            {"rope_theta": getattr(cfg, "rope_theta", 1e6), **(getattr(cfg, "rope_scaling", None) or {})}
+        params = (
+            {"rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)}
+            if local
+            else {"rope_theta": getattr(cfg, "rope_theta", 1e6), **(getattr(cfg, "rope_scaling", None) or {})}
+        )
     scaling = params if params.get("rope_type", "default") != "default" else None
     return RotaryEmbedding(head_dim, cfg.max_position_embeddings, params["rope_theta"], scaling)
 
@@ -94,7 +99,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
         self.rotary = rotary
-        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.scale = cfg.query_pre_attn_scalar**-0.5
         self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
         self.softcap = None  # attn_logit_softcapping: ignored, as HF's Gemma 3 (module docstring)
         self.backend = backend
@@ -110,9 +115,19 @@ class Gemma3Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale,
-                                 window=self.window, softcap=self.softcap, k_scale=self.k_scale, v_scale=self.v_scale,
-                                 key=k, value=v)
+        o = self.backend.forward(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+            window=self.window,
+            softcap=self.softcap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            key=k,
+            value=v,
+        )
         return self.o_proj(o.reshape(-1, q_size))
 
 
@@ -175,15 +190,19 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         arch = (getattr(cfg, "architectures", None) or ["Gemma3ForCausalLM"])[0]
         if pp_size() > 1:
-            raise ValueError("pipeline_parallel_size > 1 runs Llama-family models; Gemma 3 runs with tensor "
-                             "parallelism only")
+            raise ValueError(
+                "pipeline_parallel_size > 1 runs Llama-family models; Gemma 3 runs with tensor parallelism only"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported by the Gemma 3 model "
-                             f"(text-only {SUPPORTED_ARCHITECTURES}; a multimodal "
-                             "Gemma3ForConditionalGeneration checkpoint is not)")
+            raise ValueError(
+                f"architecture {arch!r} is not supported by the Gemma 3 model "
+                f"(text-only {SUPPORTED_ARCHITECTURES}; a multimodal "
+                "Gemma3ForConditionalGeneration checkpoint is not)"
+            )
         if getattr(cfg, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported: "
-                             "kvserve generates causally")
+            raise ValueError(
+                "use_bidirectional_attention (Gemma embedding models) is not supported: kvserve generates causally"
+            )
         if getattr(cfg, "attention_bias", False):
             raise ValueError("attention_bias is not supported for Gemma 3")
         self.cfg = cfg
@@ -198,7 +217,7 @@ class Gemma3ForCausalLM(nn.Module):
         if self.tied:  # every released Gemma 3
             self.lm_head.weight = self.embed_tokens.weight
         # sqrt(hidden_size) rounded to the embedding dtype first, as HF's scaled embedding
-        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=self.embed_tokens.weight.dtype))
+        self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=self.embed_tokens.weight.dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids``/``positions`` int64 ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""

@@ -11,6 +11,7 @@ decode step of up to 8 requests runs all of this stage's layers in one C++ call
 (``kvserve.kernels.cpu_backend.decode_layers``: the same kernels in the same order, so the same bits) where
 the layers' weights and caches allow (:meth:`LlamaForCausalLM._decode_layer_weights`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,20 +46,24 @@ class Attention(nn.Module):
         hd = self.head_dim
         q_range = (kv0 * group * hd, kv1 * group * hd)
         self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [q_range, (kv0 * hd, kv1 * hd), (kv0 * hd, kv1 * hd)],
-            bias=getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2")
+            cfg.hidden_size,
+            [q_range, (kv0 * hd, kv1 * hd), (kv0 * hd, kv1 * hd)],
+            bias=getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2",
+        )
         self.o_proj = RowParallelLinear(q_range, cfg.hidden_size)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         rope_scaling = getattr(cfg, "rope_scaling", None)
-        rope_theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        rope_theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
+            "rope_theta", 10000.0
+        )
         if rope_scaling is None and isinstance(getattr(cfg, "rope_parameters", None), dict):
             rp = cfg.rope_parameters
             rope_scaling = rp if rp.get("rope_type", "default") != "default" else None
         self.rotary = RotaryEmbedding(hd, cfg.max_position_embeddings, rope_theta, rope_scaling)
-        self.scale = hd ** -0.5
+        self.scale = hd**-0.5
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0  # float8 KV cache scales (set by the model runner)
@@ -73,8 +78,9 @@ class Attention(nn.Module):
             q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
         q, k = self.rotary(positions, q, k)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale,
-                                 k_scale=self.k_scale, v_scale=self.v_scale, key=k, value=v)
+        o = self.backend.forward(
+            q, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale, key=k, value=v
+        )
         return self.o_proj(o.reshape(-1, q_size))
 
     @staticmethod
@@ -162,8 +168,13 @@ class LlamaForCausalLM(nn.Module):
             if self.tied and self.first_stage:
                 self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         """``input_ids``/``positions`` int64 ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``
         after the final norm (the last stage), else this stage's ``(hidden, residual)`` for the
         next one. A later stage starts from ``intermediate``, the previous stage's pair (zeros
@@ -173,15 +184,32 @@ class LlamaForCausalLM(nn.Module):
         elif intermediate is not None:
             h, residual = intermediate
         else:
-            h = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, device=input_ids.device,
-                            dtype=self.layers[0].input_layernorm.weight.dtype)
+            h = torch.zeros(
+                input_ids.shape[0],
+                self.cfg.hidden_size,
+                device=input_ids.device,
+                dtype=self.layers[0].input_layernorm.weight.dtype,
+            )
             residual = torch.zeros_like(h)
         plan = self._decode_plan(h) if meta.decode_only else None
         if plan is not None:  # one C++ call for all layers, the same kernels and bits
             a = self.layers[0].self_attn
             h, residual = cpu_backend.decode_layers(
-                h, residual, positions, plan[0], plan[1], plan[2], meta, a.rotary.cos, a.rotary.sin, a.num_heads,
-                a.num_kv_heads, a.head_dim, self.layers[0].input_layernorm.eps, a.scale)
+                h,
+                residual,
+                positions,
+                plan[0],
+                plan[1],
+                plan[2],
+                meta,
+                a.rotary.cos,
+                a.rotary.sin,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                self.layers[0].input_layernorm.eps,
+                a.scale,
+            )
         else:
             for layer in self.layers:
                 h, residual = layer(positions, h, residual, meta)
@@ -199,13 +227,26 @@ class LlamaForCausalLM(nn.Module):
         if not self.layers or not cpu_backend.use_decode_layers(h):
             return None
         first, last = self.layers[0], self.layers[-1]
-        key = (h.dtype, id(first.self_attn.qkv_proj.weight), id(last.mlp.down_proj.weight),
-               id(first.self_attn.k_cache), id(last.self_attn.v_cache), first.self_attn.qkv_proj.lora is None)
+        key = (
+            h.dtype,
+            id(first.self_attn.qkv_proj.weight),
+            id(last.mlp.down_proj.weight),
+            id(first.self_attn.k_cache),
+            id(last.self_attn.v_cache),
+            first.self_attn.qkv_proj.lora is None,
+        )
         cached = getattr(self, "_decode_plan_cache", None)
         if cached is None or cached[0] != key:
             weights = self._decode_layer_weights(h)
-            plan = None if weights is None else (weights, [lay.self_attn.k_cache for lay in self.layers],
-                                                 [lay.self_attn.v_cache for lay in self.layers])
+            plan = (
+                None
+                if weights is None
+                else (
+                    weights,
+                    [lay.self_attn.k_cache for lay in self.layers],
+                    [lay.self_attn.v_cache for lay in self.layers],
+                )
+            )
             cached = self._decode_plan_cache = (key, plan)
         return cached[1]
 
@@ -227,15 +268,26 @@ class LlamaForCausalLM(nn.Module):
             if a.k_cache.dtype != h.dtype or a.v_cache.dtype != h.dtype:
                 return None
             ws = [decode_gemv_weight(m, h.dtype) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                     *((a.q_norm.weight, a.k_norm.weight) if a.qk_norm else ()))
+            norms = (
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                *((a.q_norm.weight, a.k_norm.weight) if a.qk_norm else ()),
+            )
             if any(w is None for w in ws) or any(n.dtype != h.dtype for n in norms):
                 return None
             bias = a.qkv_proj.bias
             if bias is not None and (bias.dtype != h.dtype or not bias.is_contiguous()):
                 return None
-            out += [norms[0], ws[0], no_bias if bias is None else bias, ws[1], norms[1], ws[2], ws[3],
-                    *(norms[2:] if a.qk_norm else (no_bias, no_bias))]
+            out += [
+                norms[0],
+                ws[0],
+                no_bias if bias is None else bias,
+                ws[1],
+                norms[1],
+                ws[2],
+                ws[3],
+                *(norms[2:] if a.qk_norm else (no_bias, no_bias)),
+            ]
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -249,6 +301,5 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: a tensor name the model does not know, or weights left unloaded.
         """
-        weights = stage_weights(weights, self.start_layer, self.end_layer, self.first_stage, self.last_stage,
-                                self.tied)
+        weights = stage_weights(weights, self.start_layer, self.end_layer, self.first_stage, self.last_stage, self.tied)
         load_hf_weights(self, weights, self.tied and self.first_stage and self.last_stage)

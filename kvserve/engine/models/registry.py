@@ -1,4 +1,5 @@
 """Which model class runs a checkpoint: picked from ``config.architectures`` (Hugging Face's name)."""
+
 from __future__ import annotations
 
 from kvserve.engine.models import gemma3, llama

@@ -5,6 +5,7 @@ tensor to this tensor-parallel rank's shard themselves (``kvserve/engine/layers`
 onto the module tree after dropping the ``model.`` prefix; q/k/v and gate/up projections are fused
 into ``qkv_proj`` and ``gate_up_proj`` (``part`` says which slice).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -15,8 +16,13 @@ from torch import nn
 from kvserve.engine.layers.w4a16 import W4_TENSORS
 
 #: Hugging Face projection name -> (fused module name, part index).
-FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied: bool) -> None:
@@ -54,7 +60,9 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     expected = sum(
         (3 if n.endswith("qkv_proj") else 2 if n.endswith("gate_up_proj") else 1)
         * (2 if getattr(m, "bias", None) is not None else 1)
-        for n, m in modules.items() if hasattr(m, "load"))
+        for n, m in modules.items()
+        if hasattr(m, "load")
+    )
     if tied:
         expected -= 1
     if len(loaded) != expected:
@@ -64,15 +72,16 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             m.finish_load()  # 4-bit layers build their weight from the tensors they kept
 
 
-def stage_weights(weights: Iterable[tuple[str, torch.Tensor]], start: int, end: int, first: bool, last: bool,
-                  tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def stage_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], start: int, end: int, first: bool, last: bool, tied: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The ``(name, tensor)`` pairs a pipeline stage holding layers ``[start, end)`` loads, its
     layers renumbered from 0: the embedding on the first stage, the final norm and LM head on the
     last (a tied LM head on a last stage that is not the first loads the embedding's tensor)."""
     for name, tensor in weights:
         short = name.removeprefix("model.")
         if short.startswith("layers."):
-            index, _, rest = short[len("layers."):].partition(".")
+            index, _, rest = short[len("layers.") :].partition(".")
             if start <= int(index) < end:
                 yield f"layers.{int(index) - start}.{rest}", tensor
         elif short.startswith("embed_tokens."):

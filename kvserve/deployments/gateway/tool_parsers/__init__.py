@@ -1,5 +1,6 @@
 """Tool-call parsers per model family, by vLLM's ``--tool-call-parser`` names: :data:`TOOL_PARSERS`
 and :func:`get_tool_parser`; one module per family, the interface in :mod:`~kvserve.deployments.gateway.tool_parsers.base`."""
+
 from __future__ import annotations
 
 from kvserve.deployments.gateway.tool_parsers.base import ToolParser
@@ -12,9 +13,12 @@ from kvserve.deployments.gateway.tool_parsers.qwen3_coder import Qwen3CoderToolP
 #: ``tool_call_parser`` name -> parser (vLLM's names; ``qwen3_xml`` is vLLM's other parser of
 #: Qwen3-Coder's format).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    **{p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-                           Qwen3CoderToolParser)},
-    "qwen3_xml": Qwen3CoderToolParser}
+    **{
+        p.name: p
+        for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser)
+    },
+    "qwen3_xml": Qwen3CoderToolParser,
+}
 
 
 def get_tool_parser(name: str) -> ToolParser:

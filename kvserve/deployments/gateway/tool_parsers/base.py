@@ -2,6 +2,7 @@
 (``tool_choice: auto``) into content and :class:`ParsedToolCall` records, one decided piece at
 a time, so that a stream and a whole response are cut the same way
 (:class:`kvserve.deployments.gateway.tools.ToolCallStream` drives it for both)."""
+
 from __future__ import annotations
 
 import json

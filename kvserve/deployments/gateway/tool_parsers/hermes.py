@@ -1,4 +1,5 @@
 """Hermes-style tool calls (vLLM's ``hermes`` parser): :class:`HermesToolParser`."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Llama 3 JSON tool calls (vLLM's ``llama3_json`` parser): :class:`Llama3JsonToolParser`."""
+
 from __future__ import annotations
 
 import json

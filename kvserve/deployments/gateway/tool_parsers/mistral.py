@@ -1,11 +1,18 @@
 """Mistral tool calls (vLLM's ``mistral`` parser): :class:`MistralToolParser`."""
+
 from __future__ import annotations
 
 import json
 import re
 
-from kvserve.deployments.gateway.tool_parsers.base import ParsedToolCall, Scan, ToolParser, bracket_end, json_calls, \
-    partial_marker_at
+from kvserve.deployments.gateway.tool_parsers.base import (
+    ParsedToolCall,
+    Scan,
+    ToolParser,
+    bracket_end,
+    json_calls,
+    partial_marker_at,
+)
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 

@@ -1,4 +1,5 @@
 """Python-list tool calls (vLLM's ``pythonic`` parser): :class:`PythonicToolParser`."""
+
 from __future__ import annotations
 
 import ast

@@ -1,4 +1,5 @@
 """Qwen3-Coder XML tool calls (vLLM's ``qwen3_coder`` and ``qwen3_xml`` parsers): :class:`Qwen3CoderToolParser`."""
+
 from __future__ import annotations
 
 import json
@@ -29,4 +30,3 @@ class Qwen3CoderToolParser(TaggedToolParser):
             except ValueError:
                 args[key] = raw
         return ParsedToolCall(m.group(1), json.dumps(args, ensure_ascii=False))
-

@@ -1,5 +1,6 @@
 """Calls written between an opening and a closing tag, anywhere in the text (the shape of
 ``hermes`` and ``qwen3_coder``): :class:`TaggedToolParser`."""
+
 from __future__ import annotations
 
 from kvserve.deployments.gateway.tool_parsers.base import ParsedToolCall, Scan, ToolParser, partial_marker_at
@@ -28,5 +29,5 @@ class TaggedToolParser(ToolParser):
         if close < 0 and not final:
             return [], 0
         stop = len(text) if close < 0 else close + len(self.end)
-        call = self.parse_body(text[len(self.start):close if close >= 0 else len(text)])
+        call = self.parse_body(text[len(self.start) : close if close >= 0 else len(text)])
         return [call if call is not None else text[:stop]], stop
