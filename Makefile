@@ -111,6 +111,9 @@ UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --generate-hashes --python-ver
 lock: $(TEST_STAMP)
 	$(UV_COMPILE) --upgrade --extra test -o requirements/test.lock
 	$(UV_COMPILE) --extra serve -c requirements/test.lock -o requirements/serve.lock
+	@# uv builds kvserve's metadata in the checkout; a kvserve.egg-info left there would shadow the
+	@# installed one (its entry points: the executor backends) for every python started here
+	rm -rf kvserve.egg-info
 
 # The suite against the newest allowed versions of everything (not the lock), in a venv of its
 # own: an upstream release that breaks kvserve is seen here before a user sees it.

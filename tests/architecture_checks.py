@@ -13,6 +13,7 @@ which asks what the replica process loads, does follow them.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class Import:
     name: str  # absolute dotted name as written (relative imports resolved)
     target: Optional[str]  # most specific project module it names; None for third party / stdlib
     function: Optional[str] = None  # the innermost function whose body holds it; None at module level
+    by_string: bool = False  # named by string (IMPORT_PATH), for importlib at run time
 
     def where(self) -> str:
         return f"{self.file}:{self.lineno}"
@@ -117,15 +119,45 @@ def _walk(node: ast.AST, function: Optional[str]):
         yield from _walk(child, inner)
 
 
+#: An import made by string: ``"kvserve.<module>:<attribute>"`` (Serve's and the executor registry's
+#: import paths, resolved by ``importlib`` at run time) or ``importlib.import_module("kvserve.<module>")``.
+IMPORT_PATH = re.compile(r"^kvserve(\.[A-Za-z_]\w*)+:[A-Za-z_]\w*$")
+
+
+def _string_import(node: ast.AST) -> Optional[str]:
+    """The dotted module a string names as an import (see :data:`IMPORT_PATH`), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and IMPORT_PATH.match(node.value):
+        return node.value.split(":")[0]
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, (ast.Attribute, ast.Name))
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "import_module"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+        and node.args[0].value.startswith(ROOT_PACKAGE + ".")
+    ):
+        return node.args[0].value
+    return None
+
+
 def module_imports(root: Path, packages: Sequence[str] = PACKAGES) -> List[Import]:
     """Every import statement of every project module (module level, in functions, under
-    ``if TYPE_CHECKING:``), one :class:`Import` per imported name."""
+    ``if TYPE_CHECKING:``), one :class:`Import` per imported name, and every import made by
+    string (:data:`IMPORT_PATH`, ``by_string``): a dependency however it is written, so the floors
+    and the rooms see it; the cycle and lazy-import checks, which are about what Python runs when
+    a module is imported, do not (a string is resolved by whoever calls ``importlib``, later)."""
     modules = project_modules(root, packages)
     found: List[Import] = []
     for module, path in modules.items():
         rel = path.relative_to(root).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
         for node, function in _walk(tree, None):
+            by_string = _string_import(node)
+            if by_string is not None and by_string != ROOT_PACKAGE + "." + module:  # naming itself is no import
+                name = _unrooted(by_string)
+                found.append(Import(module, rel, node.lineno, name, _project_target(name, modules), function, True))
+                continue
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for name in _imported_names(node, module, path.name == "__init__.py", modules):
@@ -219,7 +251,7 @@ def _shortest_cycle(graph: Mapping[str, Mapping[str, Import]], start: str, withi
 
 def import_cycles(imports: Iterable[Import]) -> List[str]:
     """One message per group of mutually importing modules, with one cycle spelled out."""
-    graph = _graph(imports)
+    graph = _graph(i for i in imports if not i.by_string)
     violations = []
     for component in _strongly_connected(graph):
         if len(component) < 2:
@@ -304,7 +336,7 @@ def lazy_import_violations(imports: Iterable[Import]) -> List[str]:
     most specific entry decides). A package's ``__getattr__`` (PEP 562 lazy names) is exempt."""
     violations = []
     for imp in imports:
-        if imp.function is None or imp.target is None:
+        if imp.function is None or imp.target is None or imp.by_string:
             continue
         if imp.function == "__getattr__" and imp.file.endswith("__init__.py"):
             continue

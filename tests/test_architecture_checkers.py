@@ -229,3 +229,33 @@ def test_checker_finds_imports_without_the_root(tmp_path):
         "tests/test_x.py:2",
         "tests/test_x.py:4",
     ]
+
+
+def test_checker_sees_imports_made_by_string(tmp_path):
+    # the engine naming a cluster module for importlib is an engine -> cluster dependency (the floors
+    # see it); two modules naming each other for Serve's importlib are no import cycle
+    root = _tree(
+        tmp_path,
+        {
+            "kvserve/engine/registry.py": (
+                'import importlib\nBACKENDS = {"ray": "kvserve.cluster.group:Group"}\n'
+                'def load():\n    return importlib.import_module("kvserve.deployments.app")\n'
+            ),
+            "kvserve/cluster/group.py": "class Group: ...\n",
+            "kvserve/deployments/app.py": "",
+            "kvserve/autoscaling/a.py": 'from kvserve.autoscaling.b import B\nPATH = "kvserve.autoscaling.a:A"\n',
+            "kvserve/autoscaling/b.py": 'class B: ...\nPOLICY = "kvserve.autoscaling.a:A"\n',
+        },
+    )
+    imports = module_imports(root)
+    by_string = {(i.src, i.target) for i in imports if i.by_string}
+    assert by_string == {
+        ("engine.registry", "cluster.group"),
+        ("engine.registry", "deployments.app"),
+        ("autoscaling.b", "autoscaling.a"),
+    }  # a module naming itself is no import
+    floors = floor_violations(imports)
+    assert any("engine.registry" in v and "cluster.group" in v for v in floors), floors
+    assert any("engine.registry" in v and "deployments.app" in v for v in floors), floors
+    assert import_cycles(imports) == []
+    assert lazy_import_violations(imports) == []

@@ -14,6 +14,7 @@ replica's placement group).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -23,13 +24,23 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.sched_output import SchedulerOutput
 
-#: ``distributed_executor_backend`` -> ``"module:attribute"`` of its executor class, a callable
-#: ``(config, model_path) -> Executor`` (imported only when the backend is chosen).
+#: The engine's own backends: ``distributed_executor_backend`` -> ``"module:attribute"`` of its
+#: executor class, a callable ``(config, model_path) -> Executor`` (imported only when chosen).
 EXECUTOR_BACKENDS: dict[str, str] = {
     "uni": "kvserve.engine.executor:UniProcExecutor",
     "mp": "kvserve.engine.mp_executor:MultiprocExecutor",
-    "ray": "kvserve.cluster.worker_group:RayWorkerGroup",
 }
+#: The entry-point group of the backends installed beside the engine (a distribution's
+#: ``[project.entry-points."kvserve.executor_backends"]``): kvserve's ``ray`` backend is one,
+#: registered from ``kvserve/cluster/`` (Ray actors), a floor above the engine, which never names it.
+EXECUTOR_ENTRY_POINTS = "kvserve.executor_backends"
+
+
+def executor_backends() -> dict[str, str]:
+    """Every backend by name: the engine's own (:data:`EXECUTOR_BACKENDS`, which win) and the
+    installed plugins' (:data:`EXECUTOR_ENTRY_POINTS`), each ``"module:attribute"``."""
+    plugins = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=EXECUTOR_ENTRY_POINTS)}
+    return {**plugins, **EXECUTOR_BACKENDS}
 
 
 def resolve_executor_backend(config: EngineConfig) -> str:
@@ -75,11 +86,17 @@ class Executor(ABC):
                 the message says to install it or pick ``"mp"``).
         """
         name = resolve_executor_backend(config)
-        if name not in EXECUTOR_BACKENDS:
-            raise ValueError(
-                f"distributed_executor_backend must be one of {sorted(EXECUTOR_BACKENDS)} or None, got {name!r}"
+        backends = executor_backends()
+        if name not in backends:
+            hint = (
+                " (kvserve registers 'ray' when it is installed: pip install -e . in a checkout)"
+                if name == "ray"
+                else ""
             )
-        module, attr = EXECUTOR_BACKENDS[name].split(":")
+            raise ValueError(
+                f"distributed_executor_backend must be one of {sorted(backends)} or None, got {name!r}{hint}"
+            )
+        module, attr = backends[name].split(":")
         try:
             return getattr(importlib.import_module(module), attr)
         except ImportError as e:

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from kvserve.engine import LLM, EngineConfig, SamplingParams
-from kvserve.engine.executor import EXECUTOR_BACKENDS, Executor, UniProcExecutor, resolve_executor_backend
+from kvserve.engine.executor import (
+    EXECUTOR_BACKENDS,
+    Executor,
+    UniProcExecutor,
+    executor_backends,
+    resolve_executor_backend,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 2, 3, 4, 5], list(range(200, 230)), [7] * 9]
@@ -34,7 +40,11 @@ def test_backend_is_resolved_as_vllm_does(monkeypatch):
         Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend="mp")).__name__
         == "MultiprocExecutor"
     )
-    assert set(EXECUTOR_BACKENDS) == {"uni", "mp", "ray"}
+    assert set(EXECUTOR_BACKENDS) == {"uni", "mp"}  # the engine's own; Ray's is the cluster's plugin
+    assert executor_backends()["ray"] == "kvserve.cluster.worker_group:RayWorkerGroup"
+    assert Executor.get_class(EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray")).__name__ == (
+        "RayWorkerGroup"
+    )
     with pytest.raises(ValueError, match="distributed_executor_backend must be 'ray', 'mp', 'uni' or None"):
         EngineConfig(distributed_executor_backend="thread")
     with pytest.raises(ValueError, match="'uni' runs one rank"):
