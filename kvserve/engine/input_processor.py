@@ -344,7 +344,7 @@ class InputProcessor:
         ``PREFIX_CHARS_PER_TOKEN * max_model_len`` characters (cut before a space that follows
         a non-space) are tokenized first, and a text whose prefix alone has more than
         ``max_model_len`` tokens is refused: a prompt at the byte bound costs the tokenizer a
-        prefix, not the whole text (issue 63: such prompts, sent back to back, took a core
+        prefix, not the whole text (tokenized whole, such prompts sent back to back take a core
         from the engine's other streams).
 
         Sound only where :func:`max_token_bytes` is (byte-level BPE with a GPT-2-style split,

@@ -1,4 +1,4 @@
-"""The gateway's end of the replicas' channels (issue 41, item 2; the replica's end and the protocol:
+"""The gateway's end of the replicas' channels (the replica's end and the protocol:
 :mod:`kvserve.deployments.replica.channels`): one stream per (model, replica) that brings every chunk after
 the first of this gateway replica's requests there, batched per engine step, instead of one Serve
 message per chunk and request.

@@ -243,7 +243,7 @@ class Gateway:
     async def _check_prompt_bytes(self, call: Call, spec: GenerateSpec) -> None:
         """A prompt whose text alone has more bytes than any prompt that fits the model's context
         (its replicas' published bound, :meth:`Catalog.max_prompt_bytes`) is refused here,
-        before a replica tokenizes it (issue 63: such prompts took a replica's core from its
+        before a replica tokenizes it (tokenizing such prompts takes a replica's core from its
         other streams). Nothing is refused before a replica has published the bound.
 
         Raises:

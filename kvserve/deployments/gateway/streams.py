@@ -68,7 +68,7 @@ class ChunkStream:
     ``queue``, into which the request's own stream is pumped too (it carries an error, or the
     rest when the channel ended); ``on_close`` runs once at the end.
 
-    No hole is ever passed on (issue 63): the replica numbers every chunk of a request
+    No hole is ever passed on: the replica numbers every chunk of a request
     (``GenerationChunk.seq``), chunks that came on the two streams are put back in that order,
     and a stream that ends with a chunk missing, or before every choice finished, raises
     :func:`stream_incomplete` (``ordered=False``: a cached answer's replay, not numbered by a

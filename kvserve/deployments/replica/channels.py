@@ -1,5 +1,5 @@
 """One stream per gateway replica that carries all of its requests' chunks, batched per engine step
-(issue 41, item 2: vLLM sends one message per step from its engine core to its front; Serve would
+(as vLLM sends one message per step from its engine core to its front; Serve would
 otherwise carry every token of every request as a message of its own).
 
 How a request uses it: the gateway opens ``LLMServer.channel(gateway_id, replica_id)`` on each
@@ -14,7 +14,7 @@ no channel here streams on its own, as before.
 A channel ends when no request has used it for :data:`CHANNEL_IDLE_S` seconds (so a replica that is
 draining is not held by it) or when the gateway goes away; the gateway opens it again on demand.
 
-No chunk is dropped here (issue 63): every chunk a request sends carries its place in the stream
+No chunk is dropped here: every chunk a request sends carries its place in the stream
 (``GenerationChunk.seq``); the outbox is bounded (:data:`CHANNEL_MAX_PENDING_CHUNKS`: a request
 waits for room, so the engine's stream slows to the channel's pace instead of losing chunks);
 chunks still in the outbox when its channel ends go back to their request's own stream, ahead of
