@@ -201,103 +201,68 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work (see the module docstring): first, under the priority policy,
         preempt running requests for strictly better waiting ones (:meth:`_preempt_for_priority`);
-        then running requests (preempting for KV blocks when the pool runs dry); then waiting
-        requests, unless this step had to preempt for KV blocks. ``num_preempted`` of the output
-        counts both kinds of preemption."""
+        then running requests (:meth:`_schedule_running`, preempting for KV blocks when the pool
+        runs dry); then waiting requests (:meth:`_schedule_waiting`), unless this step had to
+        preempt for KV blocks. ``num_preempted`` of the output counts both kinds of preemption."""
         if self.mixed_budget is not None:
             self.mixed_prefill_tokens = self.mixed_budget.tokens
         queries0, hits0, host0 = self.kv.prefix_queries, self.kv.prefix_hits, self.kv.host_hits
-        budget = self.max_num_batched_tokens
-        out: list[ScheduledRequest] = []
-        scheduled: set[str] = set()
+        step = _Step(self.max_num_batched_tokens, self.mixed_prefill_tokens, self.long_prefill_threshold)
         evicted = {r.request_id for r in self._preempt_for_priority()}  # room for better waiting requests
-        preempted = 0  # preempted for KV blocks: no waiting request is admitted in this step
-        num_decodes = 0
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step, evicted)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            step.out,
+            finished,
+            step.preempted + len(evicted),
+            self.kv.prefix_queries - queries0,
+            self.kv.prefix_hits - hits0,
+            kv_transfer=self.kv.take_transfer(),
+            host_cache_hits=self.kv.host_hits - host0,
+        )
 
-        long_chunk_taken = False
-
-        def prefill_chunk(req: Request, left: int) -> int:
-            """Tokens of ``req``'s prefill (``left`` tokens to go) in this step: all that fit
-            the budget, except in a step with decodes, where a long request (more tokens in all
-            than the cap and the threshold: its tail is long too, at the deepest context) gets
-            at most the cap, and only one long request runs (0: not in this step)."""
-            nonlocal long_chunk_taken
-            cap = self.mixed_prefill_tokens
-            if not num_decodes or not cap or req.num_tokens <= max(cap, self.long_prefill_threshold):
-                return min(left, budget)
-            if long_chunk_taken:
-                return 0
-            long_chunk_taken = True
-            return min(left, cap, budget)
-
-        def emit(req: Request, n: int, new: bool, drafts: list[int] = ()) -> None:
-            start = req.num_computed_tokens
-            out.append(
-                ScheduledRequest(
-                    req.request_id,
-                    req.all_token_ids[start : start + n] + list(drafts),
-                    start,
-                    list(req.block_table),
-                    sample=start + n == req.num_tokens and req.max_output_tokens > 0,  # max_tokens=0: prompt only
-                    new=NewRequestData(
-                        req.request_id,
-                        req.prompt_token_ids,
-                        req.params,
-                        req.all_token_ids[:start],
-                        req.lora_request,
-                        req.pooling,
-                    )
-                    if new
-                    else None,
-                    spec_token_ids=list(drafts),
-                )
-            )
-            scheduled.add(req.request_id)
-
-        def drafts_of(req: Request) -> list[int]:
-            """The request's drafts that fit: the step budget (one row is its own token) and
-            its output limit (the step emits up to ``k + 1`` tokens, never past max_tokens)."""
-            k = min(len(req.spec_token_ids), budget - 1, req.max_output_tokens - req.num_output_tokens - 1)
-            return req.spec_token_ids[: max(k, 0)]
-
-        # 1. Running requests: decodes first, then unfinished prefills, each in priority order.
+    def _schedule_running(self, step: "_Step") -> None:
+        """Running requests, decodes first, then unfinished prefills, each in priority order.
+        A decode takes its drafts when they fit (drafts never preempt anyone); a request whose
+        tokens find no KV blocks preempts the worst request not scheduled yet (itself last)."""
         for req in sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._key(r))):
-            if budget <= 0:
+            if step.budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted below, as a victim
             left = req.num_tokens - req.num_computed_tokens
-            n = min(left, budget) if left == 1 else prefill_chunk(req, left)
+            n = min(left, step.budget) if left == 1 else step.prefill_chunk(req, left)
             if n <= 0:
                 continue  # a second long prefill waits for a later step
-            drafts = drafts_of(req) if left == 1 else []
-            if drafts and self.kv.allocate_slots(req, n + len(drafts)):  # drafts never preempt anyone
-                emit(req, n, new=False, drafts=drafts)
-                budget -= n + len(drafts)
-                num_decodes += 1
+            drafts = step.drafts_of(req) if left == 1 else []
+            if drafts and self.kv.allocate_slots(req, n + len(drafts)):
+                step.emit(req, n, new=False, drafts=drafts)
                 continue
             while not self.kv.allocate_slots(req, n):
-                victim = max((r for r in self.running if r.request_id not in scheduled), key=self._key)
+                victim = max((r for r in self.running if r.request_id not in step.scheduled), key=self._key)
                 self._preempt(victim)
-                preempted += 1
+                step.preempted += 1
                 if victim is req:
                     break
             else:
-                emit(req, n, new=False)
-                budget -= n
-                num_decodes += left == 1
+                step.emit(req, n, new=False)
 
-        # 2. Waiting requests, unless this step had to preempt for KV blocks. A request whose
-        # LoRA adapter would be one too many for the step's slots (max_loras) waits; later ones
-        # may go. A request preempted for priority above does not come back in the same step
-        # (everything queued before it is better; nothing after it is).
+    def _schedule_waiting(self, step: "_Step", evicted: set[str]) -> None:
+        """Waiting requests, in queue order, while the budget and ``max_num_seqs`` allow, each
+        with its prefix-cache hits (device pool, then host tier). A request whose LoRA adapter
+        would be one too many for the step's slots (``max_loras``) waits and later ones may go;
+        the first that does not fit ends the loop. A request preempted for priority in this step
+        (``evicted``) does not come back in it (everything queued before it is better; nothing
+        after it is)."""
         loras = (
             set()
             if not self.max_loras
             else {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         )
         skip = 0
-        while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while len(self.waiting) > skip and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[skip]
             if req.request_id in evicted:
                 break
@@ -310,7 +275,7 @@ class Scheduler:
             every = req.prompt_logprobs is not None or (req.pooling is not None and req.pooling.needs_every_position)
             hits = [] if every else self.kv.get_computed_blocks(req)
             loads = [] if every else self.kv.get_offloaded_blocks(req, len(hits))  # the host tier's
-            n = prefill_chunk(req, req.num_tokens - (len(hits) + len(loads)) * self.kv.block_size)
+            n = step.prefill_chunk(req, req.num_tokens - (len(hits) + len(loads)) * self.kv.block_size)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits, loads):
                 break
             self.waiting.pop(skip)
@@ -320,19 +285,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.time()
-            emit(req, n, new=True)
-            budget -= n
-
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            out,
-            finished,
-            preempted + len(evicted),
-            self.kv.prefix_queries - queries0,
-            self.kv.prefix_hits - hits0,
-            kv_transfer=self.kv.take_transfer(),
-            host_cache_hits=self.kv.host_hits - host0,
-        )
+            step.emit(req, n, new=True)
 
     def update_from_output(
         self,
@@ -452,3 +405,74 @@ class Scheduler:
             # a lookup per waiting block, so not in every engine's per-step stats
             out["num_waiting_uncached_tokens"] = sum(self._uncached(r) for r in self.waiting) + mid_prefill
         return out
+
+
+class _Step:
+    """One :meth:`Scheduler.schedule` call's budget and what it scheduled so far.
+
+    Attributes:
+        budget: tokens left of ``max_num_batched_tokens``.
+        cap, long_threshold: the mixed-step prefill cap (None or 0: none) and the length above
+            which a request is long (tokens; see :class:`Scheduler`).
+        out: the step's :class:`ScheduledRequest` list, in order; ``scheduled`` their ids.
+        num_decodes: decodes scheduled (a step with any caps long prefills).
+        long_chunk_taken: a long prefill already has this step's chunk.
+        preempted: requests preempted for KV blocks (then no waiting request is admitted).
+    """
+
+    def __init__(self, budget: int, cap: int | None, long_threshold: int):
+        self.budget, self.cap, self.long_threshold = budget, cap, long_threshold
+        self.out: list[ScheduledRequest] = []
+        self.scheduled: set[str] = set()
+        self.num_decodes = 0
+        self.long_chunk_taken = False
+        self.preempted = 0
+
+    def prefill_chunk(self, req: Request, left: int) -> int:
+        """Tokens of ``req``'s prefill (``left`` tokens to go) in this step: all that fit the
+        budget, except in a step with decodes, where a long request (more tokens in all than the
+        cap and the threshold: its tail is long too, at the deepest context) gets at most the
+        cap, and only one long request runs (0: not in this step)."""
+        cap = self.cap
+        if not self.num_decodes or not cap or req.num_tokens <= max(cap, self.long_threshold):
+            return min(left, self.budget)
+        if self.long_chunk_taken:
+            return 0
+        self.long_chunk_taken = True
+        return min(left, cap, self.budget)
+
+    def drafts_of(self, req: Request) -> list[int]:
+        """The request's drafts that fit: the step budget (one row is its own token) and its
+        output limit (the step emits up to ``k + 1`` tokens, never past max_tokens)."""
+        k = min(len(req.spec_token_ids), self.budget - 1, req.max_output_tokens - req.num_output_tokens - 1)
+        return req.spec_token_ids[: max(k, 0)]
+
+    def emit(self, req: Request, n: int, new: bool, drafts: list[int] = ()) -> None:
+        """Schedule ``n`` of ``req``'s tokens from ``num_computed_tokens`` (and ``drafts`` after
+        them), with its whole :class:`NewRequestData` when ``new``; spends the budget and counts
+        a decode (one token to compute, drafts or not)."""
+        start = req.num_computed_tokens
+        self.out.append(
+            ScheduledRequest(
+                req.request_id,
+                req.all_token_ids[start : start + n] + list(drafts),
+                start,
+                list(req.block_table),
+                sample=start + n == req.num_tokens and req.max_output_tokens > 0,  # max_tokens=0: prompt only
+                new=NewRequestData(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.params,
+                    req.all_token_ids[:start],
+                    req.lora_request,
+                    req.pooling,
+                )
+                if new
+                else None,
+                spec_token_ids=list(drafts),
+            )
+        )
+        self.scheduled.add(req.request_id)
+        self.budget -= n + len(drafts)
+        if not new and req.num_tokens - start == 1:  # one token to compute (drafts or not): a decode
+            self.num_decodes += 1
