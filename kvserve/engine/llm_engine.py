@@ -72,52 +72,18 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, executor_factory: Callable[[EngineConfig, str], Executor] | None = None):
-        self.config = config
         self.model_path = str(resolve_model(config.model))
         self.tokenizer = load_tokenizer(self.model_path)
         self.hf_config = load_config(self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.hf_config)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        quantization = resolve_quantization(config.quantization, self.hf_config)  # a 4-bit checkpoint's own
-        if quantization != config.quantization:
-            config = self.config = dataclasses.replace(config, quantization=quantization)
-        if config.dtype == "auto":  # decided once here, so every rank of the executor runs the same dtype
-            dtype, why = dtype_probe.auto_dtype(config, self.hf_config)
-            logger.info("dtype auto -> %s", why)
-            config = self.config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
-        if config.pipeline_parallel_size > self.hf_config.num_hidden_layers:
-            raise ValueError(
-                f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds num_hidden_layers "
-                f"{self.hf_config.num_hidden_layers} (each stage needs a layer)"
-            )
+        self.config = config = self._resolve_config(config)
         factory = executor_factory or Executor.get_class(config)
         self.executor = factory(config, self.model_path)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.init_kv_cache(num_blocks)
-        capacity = num_blocks * config.block_size
-        model_max = self.hf_config.max_position_embeddings
-        if config.max_model_len is not None:
-            if config.max_model_len > model_max:
-                raise ValueError(
-                    f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {model_max}"
-                )
-            if config.max_model_len > capacity:
-                raise ValueError(
-                    f"max_model_len {config.max_model_len} exceeds the KV cache capacity "
-                    f"{capacity} tokens ({num_blocks} blocks); give it more memory"
-                )
-            self.max_model_len = config.max_model_len
-        else:
-            self.max_model_len = min(model_max, capacity)
-            if capacity < model_max:
-                logger.warning(
-                    "max_model_len is %d tokens, the KV cache's capacity (%d blocks), below the model's "
-                    "%d: give the cache more memory for longer contexts",
-                    capacity,
-                    num_blocks,
-                    model_max,
-                )
+        self.max_model_len = self._max_model_len(num_blocks)
         #: Prompt parsing, chat templates and request validation (:class:`InputProcessor`).
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -138,31 +104,7 @@ class LLMEngine:
         self.kv_block_bytes = kv_offload.bytes_per_block(
             self.hf_config, config.block_size, 1 if config.kv_cache_dtype == "fp8" else config.torch_dtype.itemsize
         )
-        slots = kv_offload.num_slots(config.kv_offloading_size, self.kv_block_bytes)
-        tier = HostKVTier(slots, self.kv_events) if slots else None
-        if config.kv_offloading_size and not slots:
-            logger.warning(
-                "kv_offloading_size %s GiB holds no block of this model: no host tier", config.kv_offloading_size
-            )
-        kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            self.kv_events,
-            tier,
-            hash_seed=config.prefix_caching_hash_seed,
-        )
-        budget = MixedStepBudget.for_config(config)
-        self.scheduler = Scheduler(
-            kv,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.scheduling_policy,
-            mixed_prefill_tokens=config.mixed_step_prefill_tokens,
-            long_prefill_threshold=self.max_model_len // 25,
-            mixed_budget=budget,
-            max_loras=config.max_loras if config.enable_lora else 0,
-        )
+        self.scheduler = self._build_scheduler(num_blocks)
         #: Counters and stat loggers.
         self.stats = EngineStats()
         #: Callables given the :class:`IterationStats` of every step that ran the model (the list
@@ -186,22 +128,110 @@ class LLMEngine:
         #: metrics); tests replace it with a noisy fake clock.
         self.clock: Callable[[], float] = time.monotonic
         #: Speculative decoding's engine side, None without ``speculative_config``.
-        self.speculator: Speculator | None = None
-        spec = SpeculativeConfig.from_dict(config.speculative_config)
-        if spec is not None:
-            if spec.method == "ngram":
-                proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-            else:
-                proposer = DraftModelProposer(spec, config, self.hf_config.vocab_size, num_blocks)
-            self.speculator = Speculator(spec, proposer, self.hf_config.vocab_size)
+        self.speculator = self._build_speculator(num_blocks)
+        if self.speculator is not None:
             self.scheduler.on_finish = self.speculator.release
         logger.info(
             "engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d",
             self.model_path,
             num_blocks,
-            capacity,
+            num_blocks * config.block_size,
             self.max_model_len,
         )
+
+    # ---- building the engine (each once, from __init__) ------------------------------------
+    def _resolve_config(self, config: EngineConfig) -> EngineConfig:
+        """``config`` with what the checkpoint decides filled in, once here so that every rank of the
+        executor runs the same: a 4-bit checkpoint's own quantization, and ``dtype="auto"``'s choice.
+
+        Raises:
+            ValueError: more pipeline stages than the model has layers.
+        """
+        quantization = resolve_quantization(config.quantization, self.hf_config)  # a 4-bit checkpoint's own
+        if quantization != config.quantization:
+            config = dataclasses.replace(config, quantization=quantization)
+        if config.dtype == "auto":
+            dtype, why = dtype_probe.auto_dtype(config, self.hf_config)
+            logger.info("dtype auto -> %s", why)
+            config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+        if config.pipeline_parallel_size > self.hf_config.num_hidden_layers:
+            raise ValueError(
+                f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds num_hidden_layers "
+                f"{self.hf_config.num_hidden_layers} (each stage needs a layer)"
+            )
+        return config
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        """The context (tokens) the engine serves: ``config.max_model_len``, or the smaller of the
+        model's ``max_position_embeddings`` and the KV pool of ``num_blocks`` blocks.
+
+        Raises:
+            ValueError: ``max_model_len`` over either.
+        """
+        config = self.config
+        capacity = num_blocks * config.block_size
+        model_max = self.hf_config.max_position_embeddings
+        if config.max_model_len is None:
+            if capacity < model_max:
+                logger.warning(
+                    "max_model_len is %d tokens, the KV cache's capacity (%d blocks), below the model's "
+                    "%d: give the cache more memory for longer contexts",
+                    capacity,
+                    num_blocks,
+                    model_max,
+                )
+            return min(model_max, capacity)
+        if config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {model_max}"
+            )
+        if config.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the KV cache capacity "
+                f"{capacity} tokens ({num_blocks} blocks); give it more memory"
+            )
+        return config.max_model_len
+
+    def _build_scheduler(self, num_blocks: int) -> Scheduler:
+        """The scheduler over a :class:`KVCacheManager` of ``num_blocks`` blocks, with the host tier
+        ``kv_offloading_size`` holds (none when it holds no block) and the mixed-step budget."""
+        config = self.config
+        slots = kv_offload.num_slots(config.kv_offloading_size, self.kv_block_bytes)
+        tier = HostKVTier(slots, self.kv_events) if slots else None
+        if config.kv_offloading_size and not slots:
+            logger.warning(
+                "kv_offloading_size %s GiB holds no block of this model: no host tier", config.kv_offloading_size
+            )
+        kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.kv_events,
+            tier,
+            hash_seed=config.prefix_caching_hash_seed,
+        )
+        return Scheduler(
+            kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
+            mixed_prefill_tokens=config.mixed_step_prefill_tokens,
+            long_prefill_threshold=self.max_model_len // 25,
+            mixed_budget=MixedStepBudget.for_config(config),
+            max_loras=config.max_loras if config.enable_lora else 0,
+        )
+
+    def _build_speculator(self, num_blocks: int) -> Speculator | None:
+        """Speculative decoding's engine side (``speculative_config``: n-gram lookup or a draft
+        model with a KV pool of ``num_blocks`` blocks), None without it."""
+        spec = SpeculativeConfig.from_dict(self.config.speculative_config)
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            proposer = DraftModelProposer(spec, self.config, self.hf_config.vocab_size, num_blocks)
+        return Speculator(spec, proposer, self.hf_config.vocab_size)
 
     @property
     def mixed_budget(self) -> MixedStepBudget | None:
