@@ -114,3 +114,23 @@ def test_the_rules_themselves():
     # the checks read the real tree
     assert {i.src.split(".")[0] for i in repo_imports()} == set(PACKAGES)
     assert (ROOT / STEP_FILE).exists() and (ROOT / "kvserve" / "deployments" / "replica" / "llm_server.py").exists()
+
+
+def test_the_replica_reaches_the_engine_through_its_front_only():
+    """``kvserve/deployments/`` holds the engine's front (``AsyncLLMEngine``, or its multiprocess
+    client) and never reaches through it to the engine behind (``<front>.engine``: an
+    ``LLMEngine`` in this process, a proxy of the core process in the other): what the replica
+    needs of the engine is a method or property of the front, the same for both."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "kvserve" / "deployments").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "engine"
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "engine"
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"the replica reaches through the engine's front at {found}"

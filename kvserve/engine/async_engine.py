@@ -158,9 +158,27 @@ class AsyncLLMEngine:
         return self.engine.config
 
     @property
+    def hf_config(self):
+        """The model's Hugging Face config (``transformers.PretrainedConfig``: hidden size, vocabulary...)."""
+        return self.engine.hf_config
+
+    @property
     def max_model_len(self) -> int:
         """Longest prompt + output, tokens."""
         return self.engine.max_model_len
+
+    def add_lora(self, lora_request) -> None:
+        """Load a LoRA adapter (a :class:`kvserve.engine.lora.LoRARequest`) into the engine
+        (blocking: call it off the event loop).
+
+        Raises:
+            ValueError: LoRA is off, or the adapter does not load or fit the model.
+        """
+        self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload adapter ``lora_int_id`` (blocking); False if it was not loaded."""
+        return self.engine.remove_lora(lora_int_id)
 
     @property
     def model_path(self) -> str:

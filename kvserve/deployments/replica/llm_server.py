@@ -175,7 +175,7 @@ class LLMServer(PoolingEndpoints):
         self.deployment_key = m.deployment_key  # name@variant for a variant of an A/B test
         self.card = ModelCard.of(m)
         self.adapters = ReplicaAdapters(
-            self.engine.engine,
+            self.engine,
             m.lora_modules,
             self.model_name,  # a bad one fails here
             config.enable_lora,
@@ -266,8 +266,7 @@ class LLMServer(PoolingEndpoints):
 
     def _cluster_tier(self, m: ModelArgs, config, app: str) -> ClusterKVConnector:
         """This replica's side of the cluster KV tier, for blocks of this engine's layout."""
-        eng = self.engine.engine
-        cfg = eng.config
+        cfg = self.engine.config
         layout = kv_layout(
             m.name,
             str(cfg.dtype),
@@ -295,7 +294,7 @@ class LLMServer(PoolingEndpoints):
     def _publish(self) -> None:
         """Put this replica's :class:`LoadedFacts` on the application's board (a no-op outside Serve)."""
         if self.facts is not None:
-            config = self.engine.engine.config
+            config = self.engine.config
             cost = self.metrics.cost.per_million() if self.metrics.cost is not None else None
             self.facts.put(
                 self.deployment_key,
@@ -555,7 +554,7 @@ class LLMServer(PoolingEndpoints):
         """``(real path, None)`` when PEFT folder ``path`` may be adapter ``name`` here (under
         one of ``allowed_roots`` as this node resolves it, readable, fitting the model),
         ``(None, why not)`` otherwise (``/v1/load_lora_adapter``; :func:`kvserve.deployments.replica.lora.check_adapter`)."""
-        return await asyncio.to_thread(check_adapter, self.engine.engine, name, path, tuple(allowed_roots or ()))
+        return await asyncio.to_thread(check_adapter, self.engine, name, path, tuple(allowed_roots or ()))
 
     def get_stats(self) -> dict[str, float]:
         """The engine's gauges and counters (``kv_cache_usage``, ``num_running_requests``,

@@ -41,8 +41,8 @@ def adapter_files_version(path: str) -> str:
     return "files-" + h.hexdigest()[:32]
 
 
-def load_adapters(llm_engine, modules: dict[str, str] | None) -> dict:
-    """Load a replica's configured adapters into its engine (``engine.LLMEngine``) at start-up,
+def load_adapters(engine, modules: dict[str, str] | None) -> dict:
+    """Load a replica's configured adapters into its engine (the replica's front, an ``AsyncLLMEngine``) at start-up,
     so a bad one fails the replica's start with the reason. Returns ``{name:
     kvserve.engine.lora.LoRARequest}`` (ids 1, 2, ... in the given order, the engine's own, never seen by
     clients; paths made absolute).
@@ -57,7 +57,7 @@ def load_adapters(llm_engine, modules: dict[str, str] | None) -> dict:
         path = os.path.abspath(os.path.expanduser(path))
         table[name] = LoRARequest(name, i + 1, path, lora_version=adapter_files_version(path))
     for r in table.values():
-        llm_engine.add_lora(r)
+        engine.add_lora(r)
     return table
 
 
@@ -101,11 +101,9 @@ class ReplicaAdapters:
         ValueError: (constructor) a configured adapter does not load or fit the model.
     """
 
-    def __init__(
-        self, llm_engine, modules: dict[str, str] | None, model_name: str, enable_lora: bool, max_cpu_loras: int
-    ):
-        self.engine, self.model_name = llm_engine, model_name
-        self.static = load_adapters(llm_engine, modules)
+    def __init__(self, engine, modules: dict[str, str] | None, model_name: str, enable_lora: bool, max_cpu_loras: int):
+        self.engine, self.model_name = engine, model_name
+        self.static = load_adapters(engine, modules)
         self._ids = itertools.count(len(self.static) + 1)
         app = serve_app_name() if enable_lora else None
         self.registry = AdapterRegistry(app) if app is not None else None
@@ -234,16 +232,16 @@ def resolve_adapter_path(path: str, roots: list[str] | tuple[str, ...]) -> str:
 
 
 def check_adapter(
-    llm_engine, name: str, path: str, allowed_roots: list[str] | tuple[str, ...] = ()
+    engine, name: str, path: str, allowed_roots: list[str] | tuple[str, ...] = ()
 ) -> tuple[str | None, str | None]:
     """Whether the PEFT folder ``path`` may serve as run-time adapter ``name`` of
-    ``llm_engine``'s model: ``(its real path, None)`` when it may, ``(None, why not)`` when
+    ``engine``'s model: ``(its real path, None)`` when it may, ``(None, why not)`` when
     not: outside ``allowed_roots`` or unreadable (:data:`UNREADABLE_ADAPTER`, whichever it
     is; no roots: nothing may be read), or its rank, modules, shapes, files (the reason names
     the path as the client sent it, never the resolved one). Reads the files; loads nothing."""
     from kvserve.engine.lora import LoRARequest, LoRAWeights
 
-    cfg = llm_engine.config
+    cfg = engine.config
     if not cfg.enable_lora:
         return None, "this model serves no LoRA adapters: start it with --enable-lora"
     try:
@@ -251,7 +249,7 @@ def check_adapter(
     except AdapterPathError as e:
         return None, str(e)
     try:
-        LoRAWeights.load(LoRARequest(name, 1 << 30, real), llm_engine.hf_config, cfg.max_lora_rank)
+        LoRAWeights.load(LoRARequest(name, 1 << 30, real), engine.hf_config, cfg.max_lora_rank)
     except ValueError as e:
         return None, str(e).replace(real, path)
     return real, None

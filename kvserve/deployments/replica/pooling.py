@@ -132,7 +132,7 @@ class PoolingEndpoints:
         from kvserve.engine.async_engine import EngineDeadError
         from kvserve.engine.input_processor import PromptTooLongError
 
-        cfg = self.engine.engine.hf_config
+        cfg = self.engine.hf_config
         dim = int(cfg.hidden_size)
         if (err := dimensions_error(dimensions, dim, cfg)) is not None:
             return EmbedResult(error=err)
