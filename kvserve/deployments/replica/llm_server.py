@@ -55,6 +55,7 @@ from kvserve.deployments.replica.request_runner import RequestRunner, engine_dea
 from kvserve.deployments.replica.step_rates import RATE_WINDOW_S, StepRateTracker
 from kvserve.engine.input_processor import prompt_cache_salt
 from kvserve.engine.kv_cache_manager import engine_root_hash
+from kvserve.engine.protocol import EngineClient
 from kvserve.engine.stats import SchedulerStats
 from kvserve.telemetry.metrics import ClusterTierMetrics, PrometheusStatLogger
 from kvserve.telemetry.tracing import tracing as otlp_tracing
@@ -165,6 +166,8 @@ class LLMServer(PoolingEndpoints):
             inner_factory = UniProcExecutor
 
         t0 = time.time()
+        #: the engine's front, and all this replica uses of the engine (kvserve/engine/protocol.py)
+        self.engine: EngineClient
         if tp == 1 and m.engine_core_process:
             from kvserve.engine.core_client import MPAsyncLLMEngine
 
