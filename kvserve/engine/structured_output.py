@@ -21,8 +21,10 @@ flows like this::
                               StructuredOutputs.advance(updated)        RequestGrammar.accept: advance the
                                                                         matchers; finish when complete
 
-With an in-process executor the bitmask travels as a ``Future`` and is filled while the model's
-forward runs (the sampler waits for it); a distributed executor gets the filled tensor.
+With an in-process executor and at least :data:`ASYNC_FILL_MIN_ROWS` grammar rows the bitmask
+travels as a ``Future`` and is filled while the model's forward runs (the sampler waits for it);
+fewer rows are filled in the step's thread before the forward, and a distributed executor gets
+the filled tensor.
 
 A request whose matcher raises (in the fill or the advance), or whose grammar rejects its token,
 fails alone: these methods return it with the exception and the engine finishes it with an error.
@@ -48,6 +50,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.engine.grammar_bitmask import (
+    ASYNC_FILL_MIN_ROWS,
     FILL_THREADS,
     _apply_torch,
     apply_token_bitmask,
@@ -70,6 +73,7 @@ from kvserve.engine.xgrammar_backend import CACHE_LIMIT_BYTES, RequestGrammar, X
 __all__ = [
     "CACHE_LIMIT_BYTES",
     "DEFAULT_LIMITS",
+    "ASYNC_FILL_MIN_ROWS",
     "FILL_THREADS",
     "GrammarLimits",
     "KINDS",
@@ -113,9 +117,12 @@ class StructuredOutputs(XgrammarBackend):
     def bitmask(self, grammars: list[RequestGrammar], errors: dict | None = None):
         """int32 ``[len(grammars), ceil(vocab_size / 32)]``: each grammar's allowed next tokens,
         special tokens other than stop tokens cleared; see :func:`fill_bitmask` (``errors``)."""
-        if self._batch_matcher is None:
-            self._batch_matcher = new_batch_matcher()
-        return fill_bitmask(grammars, self.vocab_size, self._and_mask, errors, self._batch_matcher)
+        batch = None
+        if len(grammars) >= ASYNC_FILL_MIN_ROWS:  # one native call over the rows, in parallel
+            if self._batch_matcher is None:
+                self._batch_matcher = new_batch_matcher()
+            batch = self._batch_matcher
+        return fill_bitmask(grammars, self.vocab_size, self._and_mask, errors, batch)
 
     def bitmask_async(self, grammars: list[RequestGrammar], errors: dict):
         """:meth:`bitmask` in this object's worker thread, so that the engine can run the
@@ -148,9 +155,10 @@ class StructuredOutputs(XgrammarBackend):
     def fill_bitmask(self, sched, in_process: bool):
         """Set ``sched.grammar_req_ids`` and ``sched.grammar_bitmask`` (int32 ``[k, ceil(vocab /
         32)]``) of a ``SchedulerOutput`` for the ``k`` requests of the step that sample and have a
-        grammar that constrains now (not while the output reasons). With an in-process executor (``in_process``) the bitmask is a ``Future``, filled
-        in this object's worker thread while the model's forward runs (the sampler waits for it);
-        else it is filled here. The step's finished requests (``sched.finished_req_ids``) are
+        grammar that constrains now (not while the output reasons). With an in-process executor
+        (``in_process``) and at least :data:`ASYNC_FILL_MIN_ROWS` rows the bitmask is a ``Future``,
+        filled in this object's worker thread while the model's forward runs (the sampler waits
+        for it); else it is filled here. The step's finished requests (``sched.finished_req_ids``) are
         forgotten first.
 
         Returns:
@@ -170,7 +178,7 @@ class StructuredOutputs(XgrammarBackend):
         errors: dict[int, Exception] = {}
         grammars = [r.grammar for r in reqs]
         sched.grammar_req_ids = [r.request_id for r in reqs]
-        if in_process:
+        if in_process and len(grammars) >= ASYNC_FILL_MIN_ROWS:
             sched.grammar_bitmask = self.bitmask_async(grammars, errors)
         else:
             sched.grammar_bitmask = self.bitmask(grammars, errors)

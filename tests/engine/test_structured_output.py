@@ -21,6 +21,7 @@ from tiny_models import run_async_engine
 from kvserve.engine import LLM, EngineConfig, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.structured_output import (
+    ASYNC_FILL_MIN_ROWS,
     StructuredOutputs,
     _apply_torch,
     apply_token_bitmask,
@@ -102,14 +103,18 @@ def json_params(i: int, **kw) -> SamplingParams:
 
 
 def test_json_schema_batched_with_unconstrained(llm, free_reference):
-    seen = []
+    seen, async_rows = [], set()
     run = llm.engine.executor.execute_model
 
     def spy(sched):  # what the runner is sent: bitmask rows only for sampling grammar requests
         if sched.grammar_bitmask is not None:
             sampling = {sr.request_id for sr in sched.requests if sr.sample}
             assert set(sched.grammar_req_ids) <= sampling
-            bm = sched.grammar_bitmask.result()  # in-process executor: a Future, filled while the model runs
+            bm = sched.grammar_bitmask
+            # in-process executor: a Future filled while the model runs from ASYNC_FILL_MIN_ROWS rows, else filled
+            assert hasattr(bm, "result") == (len(sched.grammar_req_ids) >= ASYNC_FILL_MIN_ROWS)
+            bm = bm.result() if hasattr(bm, "result") else bm
+            async_rows.add(hasattr(sched.grammar_bitmask, "result"))
             assert bm.shape == (len(sched.grammar_req_ids), (49152 + 31) // 32) and bm.dtype == torch.int32
         seen.append((len(sched.requests), len(sched.grammar_req_ids)))
         return run(sched)
@@ -123,6 +128,7 @@ def test_json_schema_batched_with_unconstrained(llm, free_reference):
     finally:
         del llm.engine.executor.execute_model
     assert (13, 10) in seen  # grammar and free requests shared steps
+    assert async_rows == {True, False}  # both fills ran: in a thread beside the model (10 rows), in the step (1)
     for o in outs[: len(JSON_QUESTIONS)]:
         c = o.outputs[0]
         assert c.finish_reason == "stop", c
@@ -405,7 +411,7 @@ def test_apply_token_bitmask_matches_xgrammar():
     full = torch.full((5, bitmask.shape[1]), -1, dtype=torch.int32)
     full[[4, 0, 2]] = bitmask
     xgr.apply_token_bitmask_inplace(want, full, indices=[4, 0, 2])
-    for apply in (apply_token_bitmask, _apply_torch):  # xgrammar's kernel, and the torch fallback
+    for apply in (apply_token_bitmask, _apply_torch):  # the CPU path, and the torch fallback, against xgrammar's kernel
         got = logits.clone()
         apply(got, bitmask, [4, 0, 2])
         assert torch.equal(got, want)
@@ -413,6 +419,13 @@ def test_apply_token_bitmask_matches_xgrammar():
     got = logits[:3].clone()  # all rows, in order
     apply_token_bitmask(got, bitmask, [0, 1, 2])
     assert torch.equal(got.isinf(), _unpacked(bitmask, vocab).logical_not())
+    for dtype in (torch.bfloat16, torch.float16):  # the logits' dtype as the runner has them
+        got = logits[:3].to(dtype)
+        apply_token_bitmask(got, bitmask, [2, 0, 1])
+        assert torch.equal(got.isinf(), _unpacked(bitmask, vocab)[[1, 2, 0]].logical_not())
+    wide = torch.randn(2, vocab + 40, generator=g)  # logits wider than the bitmask: the tail is disallowed
+    apply_token_bitmask(wide, bitmask[:1], [1])
+    assert torch.isinf(wide[1, bitmask.shape[1] * 32 :]).all() and not torch.isinf(wide[0]).any()
 
 
 def _unpacked(bitmask, vocab):
