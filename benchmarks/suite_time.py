@@ -12,7 +12,8 @@ hash), whether the working tree had uncommitted changes to tracked files then (t
 the clone, so not measured), the wall time of the whole command, each pytest session's time and
 counts from its last line (``N passed, M skipped ... in S s``; the first is ``make test``'s), the
 set-up outside pytest (the difference) and pytest's slowest tests (``--durations`` in the
-Makefile). A run that fails is recorded with its exit status and the tail of its output. The
+Makefile). A run that fails is recorded with its exit status, pytest's ``FAILED`` / ``ERROR`` summary
+lines and the tail of its output. The
 clone is removed afterwards (``--keep`` keeps it).
 
 **One commit, a clean tree.** A figure is only "met" when every run measured the same commit and
@@ -138,6 +139,9 @@ def one_run(keep: bool, timeout_s: float, commit: str) -> dict:
             "setup_s": setup,
             "make_test_s": make_test,
             **parsed,
+            # pytest's "short test summary info" lines of the failures (the tail is often a
+            # shutdown's log noise after them)
+            "failures": [ln for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))][:50],
             "tail": None if rc == 0 else out[-3000:],
         }
     finally:
