@@ -176,7 +176,7 @@ def figures(r: dict) -> Figures:
     # issue 63's target: the victim's TPOT unchanged within spread, i.e. beside a max-size neighbour
     # its median is no higher than the highest round median beside its control: the plain neighbour
     # of the same lifecycle (CONTROL; the grammar one's is ``short``: as long, resubmitted as often)
-    controls = r.get("controls") or {"stop": "plain", "logit_bias": "plain", "grammar": "plain", "big_prompt": "plain"}
+    controls = r["controls"]
     for name, control in controls.items():
         s, c = by.get(name), by.get(control, {})
         ref, ref_max = c.get("tpot_ms_median"), c.get("tpot_ms_max")

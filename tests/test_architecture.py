@@ -116,46 +116,29 @@ def test_the_rules_themselves():
     assert (ROOT / STEP_FILE).exists() and (ROOT / "kvserve" / "deployments" / "replica" / "llm_server.py").exists()
 
 
-def test_the_replica_reaches_the_engine_through_its_front_only():
-    """``kvserve/deployments/`` holds the engine's front (``AsyncLLMEngine``, or its multiprocess
-    client) and never reaches through it to the engine behind (``<front>.engine``: an
-    ``LLMEngine`` in this process, a proxy of the core process in the other): what the replica
-    needs of the engine is a method or property of the front, the same for both."""
-    import ast
-
-    found = []
-    for path in sorted((ROOT / "kvserve" / "deployments").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr == "engine"
-                and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "engine"
-            ):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not found, f"the replica reaches through the engine's front at {found}"
-
-
 def test_the_replica_uses_only_the_engine_client_protocol():
-    """Every ``self.engine.<name>`` (or ``self._engine``) the replica's classes read is a member of
-    :class:`kvserve.engine.protocol.EngineClient`, the interface both engine fronts satisfy; the
-    protocol itself is checked against both fronts in tests/engine/test_engine_client.py."""
+    """``kvserve/deployments/`` holds the engine's front and never reaches through it
+    (``<anything>.engine.engine``: an ``LLMEngine`` in this process, a proxy of the core process in
+    the other), and every ``self.engine.<name>`` (or ``self._engine``) it reads is a member of
+    :class:`kvserve.engine.protocol.EngineClient`, the interface both fronts satisfy (checked
+    against both in tests/engine/test_engine_client.py)."""
     import ast
 
     from kvserve.engine.protocol import EngineClient
 
     members = {n for n in dir(EngineClient) if not n.startswith("_")} | set(EngineClient.__annotations__)
-    used = {}
+    used, through = {}, []
     for path in sorted((ROOT / "kvserve" / "deployments").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Attribute)
-                and node.value.attr in ("engine", "_engine")
-                and isinstance(node.value.value, ast.Name)
-                and node.value.value.id == "self"
-            ):
-                used.setdefault(node.attr, f"{path.relative_to(ROOT)}:{node.lineno}")
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)):
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if node.attr == "engine" and node.value.attr == "engine":
+                through.append(where)
+            if node.value.attr in ("engine", "_engine") and isinstance(node.value.value, ast.Name):
+                if node.value.value.id == "self":
+                    used.setdefault(node.attr, where)
+    assert not through, f"the replica reaches through the engine's front at {through}"
     outside = {name: where for name, where in used.items() if name not in members}
     assert not outside, f"the replica uses engine members outside EngineClient: {outside}"
     assert {"generate", "abort", "get_stats", "config"} <= set(used)  # the check reads what it should

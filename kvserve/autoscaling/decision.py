@@ -262,8 +262,7 @@ def _hysteresis(
             return up, demand["reason"]
         return tick.target, REASON_UPSCALE_COOLDOWN
     if down < tick.target:
-        waiting = demand["waiting_requests"] + demand["handle_queued_requests"] + demand.get("refused_requests", 0.0)
-        if waiting > cfg.target_queue_per_replica * max(down, 1):
+        if demand["waiting_total"] > cfg.target_queue_per_replica * max(down, 1):
             return tick.target, REASON_QUEUE_GUARD
         if tick.now - tick.last_event >= cfg.downscale_cooldown_s:
             return down, demand["reason"]

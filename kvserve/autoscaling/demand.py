@@ -80,7 +80,7 @@ class FleetLoad:
     handle_queued_requests: float  # at Serve handles, not given to a replica yet
     refused_requests: float  # turned away as full over the replicas' rate window
     replica_waiting_prefill_tokens: float  # in the engines
-    waiting_prefill_tokens: float  # engines + handle queue x mean waiting prompt
+    waiting_prefill_tokens: float  # engines + (handle queue + refused) x avg_prompt_tokens
     running_requests: float
     generation_tokens_per_s: float
     prefill_tokens_per_s: float
@@ -250,6 +250,7 @@ def replica_demand(
         "waiting_requests": f.waiting_requests,
         "handle_queued_requests": f.handle_queued_requests,
         "refused_requests": f.refused_requests,
+        "waiting_total": f.waiting_total,  # engines + handle queues + refused
         "waiting_prefill_tokens": f.waiting_prefill_tokens,
         "running_requests": f.running_requests,
         "generation_tokens_per_s": f.generation_tokens_per_s,

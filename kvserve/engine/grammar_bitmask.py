@@ -104,13 +104,11 @@ def bitmask_rows(bitmask, grammar_req_ids: list[str], sample_req_ids: list[str])
 
 
 def apply_token_bitmask(logits, bitmask, rows: list[int]) -> None:
-    """Set the logits of disallowed tokens to -inf, in place: on CPU the rows one by one in
-    torch (:func:`_apply_cpu`: the bits unpacked by vectorized shifts, then ``masked_fill_`` of
-    each row where it lies; ~4x faster here than xgrammar's scalar CPU loop over a
-    49k-token vocabulary, which also needs a full-batch bitmask for a partial one); elsewhere
-    xgrammar's ``apply_token_bitmask_inplace`` (its CUDA / Triton kernel), or the same in torch
-    where the runner's process has no xgrammar (:func:`_apply_torch`;
-    ``benchmarks/structured_output.py`` times the apply step).
+    """Set the logits of disallowed tokens to -inf, in place: on CPU, and on any device whose
+    process has no xgrammar, in torch row by row (:func:`_apply_torch`; on CPU ~4x faster than
+    xgrammar's scalar loop over a 49k-token vocabulary, which also needs a full-batch bitmask for
+    a partial one); elsewhere xgrammar's ``apply_token_bitmask_inplace`` (its CUDA / Triton
+    kernel). ``benchmarks/structured_output.py`` times the apply step.
 
     Args:
         logits: float ``[n, vocab]`` (any device).
@@ -120,7 +118,7 @@ def apply_token_bitmask(logits, bitmask, rows: list[int]) -> None:
     import torch
 
     if logits.device.type == "cpu":
-        return _apply_cpu(logits, bitmask, rows)
+        return _apply_torch(logits, bitmask, rows)
     n = logits.shape[0]
     partial = len(rows) != n or rows != list(range(n))
     xgr = _xgrammar()
@@ -150,36 +148,18 @@ def _xgrammar():
 _XGR = False  # not tried yet
 
 
-_SHIFTS = None  # int32 [32]: 0..31, made once
-
-
-def _apply_cpu(logits, bitmask, rows: list[int]) -> None:
-    """:func:`apply_token_bitmask` on CPU logits: each row masked in place (a token past
-    ``32 * words`` is disallowed, as in :func:`_apply_torch`)."""
+def _apply_torch(logits, bitmask, rows: list[int]) -> None:
+    """:func:`apply_token_bitmask` in torch (the CPU path, and any device without xgrammar): the
+    bits unpacked by shifts (int32 ``[k, 32 * words]``), then each row of ``logits`` masked in
+    place (a token past ``32 * words`` is disallowed)."""
     import torch
 
-    global _SHIFTS
-    if _SHIFTS is None:
-        _SHIFTS = torch.arange(32, dtype=torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)
     vocab = logits.shape[1]
-    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(bitmask.shape[0], -1)  # int32 [k, 32 * words]
     width = min(vocab, bits.shape[1])
     for j, r in enumerate(rows):
         row = logits[r]
         row[:width].masked_fill_(bits[j, :width] == 0, float("-inf"))
         if width < vocab:
             row[width:] = float("-inf")
-
-
-def _apply_torch(logits, bitmask, rows: list[int]) -> None:
-    """:func:`apply_token_bitmask` in torch: unpack the bits (``[k, words, 32]``), -inf where 0;
-    a token past ``32 * words`` is disallowed."""
-    import torch
-
-    k, vocab = len(rows), logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(k, -1)
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed[:, :vocab], float("-inf"))

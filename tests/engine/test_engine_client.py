@@ -29,7 +29,7 @@ def _check(front) -> None:
     assert not missing, missing
     for name in MEMBERS:  # what the protocol calls awaitable is awaitable on the front
         attr = getattr(type(front), name, None)
-        if name in ("generate",):
+        if name == "generate":
             assert inspect.isasyncgenfunction(attr), name
         elif name in (
             "embed",

@@ -411,7 +411,7 @@ def test_apply_token_bitmask_matches_xgrammar():
     full = torch.full((5, bitmask.shape[1]), -1, dtype=torch.int32)
     full[[4, 0, 2]] = bitmask
     xgr.apply_token_bitmask_inplace(want, full, indices=[4, 0, 2])
-    for apply in (apply_token_bitmask, _apply_torch):  # the CPU path, and the torch fallback, against xgrammar's kernel
+    for apply in (apply_token_bitmask, _apply_torch):  # the dispatcher and the torch path, against xgrammar's kernel
         got = logits.clone()
         apply(got, bitmask, [4, 0, 2])
         assert torch.equal(got, want)

@@ -80,8 +80,8 @@ class StepRateTracker:
                     n_sampled,
                     full_decode,
                     full_prefill,
-                    int(getattr(m, "num_prompt_tokens", 0) or 0),
-                    len(getattr(m, "time_to_first_tokens", None) or ()),
+                    m.num_prompt_tokens,
+                    len(m.time_to_first_tokens),
                 )
             )
             horizon = t1 - max(RATE_WINDOW_S, CAPACITY_WINDOW_S)
